@@ -1,0 +1,43 @@
+"""gpulock: a distributed GPU-memory semaphore kept in Redis.
+
+Every process (and host) that shares a GPU takes a **lease** on bytes of a shared **pool**
+before its CUDA work; leases expire unless their holder's heartbeat renews them, waiters queue
+in FIFO order, and every lease carries a fencing token. See README.md and docs/.
+"""
+
+from ._async import AsyncLease, AsyncPool
+from ._protocol import LeaseInfo, PoolStatus, WaiterInfo
+from ._sync import Lease, Pool
+from .errors import (
+    AcquireTimeout,
+    BackendUnavailable,
+    CapacityExceeded,
+    GpuLockError,
+    InvalidArgument,
+    LeaseLost,
+    PoolNotFound,
+    QueueFull,
+)
+from .units import format_size, parse_size
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AcquireTimeout",
+    "AsyncLease",
+    "AsyncPool",
+    "BackendUnavailable",
+    "CapacityExceeded",
+    "GpuLockError",
+    "InvalidArgument",
+    "Lease",
+    "LeaseInfo",
+    "LeaseLost",
+    "Pool",
+    "PoolNotFound",
+    "PoolStatus",
+    "QueueFull",
+    "WaiterInfo",
+    "format_size",
+    "parse_size",
+]

@@ -1,0 +1,336 @@
+"""The asyncio shell: :class:`AsyncPool` and :class:`AsyncLease`. All protocol logic lives in
+``_protocol.py`` and the background work in ``_runtime.py``; this file adds only the I/O."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
+
+from ._protocol import (
+    DEFAULT_MAX_WAITERS,
+    DEFAULT_POLL_INTERVAL_S,
+    DEFAULT_TTL_S,
+    DEFAULT_WAITER_TTL_S,
+    RETRYABLE,
+    AcquireRequest,
+    Grant,
+    LeaseBase,
+    LeaseState,
+    PoolStatus,
+    decode_acquire,
+    decode_status,
+    default_clock,
+    pool_keys,
+    ttl_ms,
+    translate,
+    validate_pool_name,
+    validity_deadline,
+)
+from ._runtime import Runtime, Waiter
+from ._scripts import scripts
+from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost
+from .units import parse_size
+
+DEFAULT_BACKEND_TIMEOUT_S = 5.0
+_CLIENT_DEFAULTS = {"socket_timeout": 5.0, "socket_connect_timeout": 2.0, "health_check_interval": 10}
+
+
+class AsyncLease(LeaseBase):
+    """A lease held by this process (asyncio). Use as ``async with``; see :class:`LeaseBase`
+    for the attributes. The pool's heartbeat renews it at ttl/3 until released."""
+
+    __slots__ = ()
+
+    async def release(self) -> None:
+        """Give the bytes back. Idempotent: later calls do nothing.
+
+        Raises:
+            LeaseLost: the server no longer had this lease (it expired or was reaped, so
+                someone else may have used the bytes meanwhile). Nothing of others is freed.
+            BackendUnavailable: Redis could not be reached within the retry bound; the lease
+                will expire on the server after its ttl.
+        """
+        s = self._state
+        if s.released:
+            return
+        was_lost = s.lost_reason
+        s.released = True
+        self._pool._runtime.untrack(s.lease_id)
+        ok = await self._pool._release(s)
+        if not ok and was_lost is None:
+            raise LeaseLost(s.lease_id, "the server no longer had it when it was released "
+                                        "(it expired: a pause, or Redis unreachable past its ttl)")
+        if was_lost is not None:
+            raise LeaseLost(s.lease_id, was_lost)
+
+    async def __aenter__(self) -> "AsyncLease":
+        return self
+
+    async def __aexit__(self, et, ev, tb) -> None:
+        try:
+            await asyncio.shield(self.release())
+        except LeaseLost:
+            if et is None:
+                raise
+        except asyncio.CancelledError:
+            raise
+
+
+class _AcquireCM:
+    def __init__(self, pool: "AsyncPool", args: tuple, kw: dict):
+        self._pool, self._args, self._kw = pool, args, kw
+        self._lease: AsyncLease | None = None
+
+    async def __aenter__(self) -> AsyncLease:
+        self._lease = await self._pool.acquire(*self._args, **self._kw)
+        return self._lease
+
+    async def __aexit__(self, et, ev, tb) -> None:
+        await self._lease.__aexit__(et, ev, tb)
+
+    def __await__(self):
+        return self._pool.acquire(*self._args, **self._kw).__await__()
+
+
+class AsyncPool:
+    """One GPU-memory budget in Redis, used from asyncio code.
+
+    ``AsyncPool(redis, "gpu0", capacity="24GiB")`` or ``AsyncPool.from_url(url, "gpu0")``.
+
+    Args:
+        redis: a ``redis.asyncio.Redis`` client (decode_responses may be on or off).
+        name: the pool name, 1-64 of ``[A-Za-z0-9._-]``.
+        capacity: bytes (or "24GiB"). When given, the pool is created with it if it does not
+            exist yet (and again after Redis lost it); an existing capacity is not changed
+            (use :meth:`configure` for that).
+        default_ttl: lease ttl in seconds when ``acquire`` gets none (30 s).
+        waiter_ttl: seconds a queued request survives without a refresh (5 s).
+        poll_interval: seconds between waiter refreshes, which double as the backstop poll.
+        backend_timeout: seconds of retrying idempotent calls before BackendUnavailable.
+        clock: a monotonic clock (seconds); tests inject one.
+    """
+
+    def __init__(self, redis: aioredis.Redis, name: str, *, capacity: int | str | None = None,
+                 default_ttl: float = DEFAULT_TTL_S, waiter_ttl: float = DEFAULT_WAITER_TTL_S,
+                 poll_interval: float = DEFAULT_POLL_INTERVAL_S, max_waiters: int = DEFAULT_MAX_WAITERS,
+                 backend_timeout: float = DEFAULT_BACKEND_TIMEOUT_S,
+                 clock: Callable[[], float] = default_clock, _owns_client: bool = False):
+        self.name = validate_pool_name(name)
+        self.redis = redis
+        self.capacity = None if capacity is None else parse_size(capacity, name="capacity")
+        self.default_ttl = default_ttl
+        self.waiter_ttl = waiter_ttl
+        self.max_waiters = max_waiters
+        self.backend_timeout = backend_timeout
+        self.clock = clock
+        self._keys = pool_keys(self.name)
+        self._runtime = Runtime(redis, self.name, self._keys, clock, poll_interval)
+        self._owns_client = _owns_client
+
+    @classmethod
+    def from_url(cls, url: str, name: str, **kw: Any) -> "AsyncPool":
+        """Connect to ``redis://``, ``rediss://`` or ``unix://`` URL (no I/O until first use).
+        Socket timeouts default to 5 s (reads) and 2 s (connect) so a hung Redis surfaces as
+        BackendUnavailable instead of a hang."""
+        client = aioredis.from_url(url, **_CLIENT_DEFAULTS)
+        return cls(client, name, _owns_client=True, **kw)
+
+    # ---- I/O ------------------------------------------------------------------------------
+    async def _eval_once(self, name: str, args: list) -> Any:
+        sc = scripts()[name]
+        try:
+            return await self.redis.evalsha(sc.sha, len(self._keys), *self._keys, *args)
+        except NoScriptError:
+            await self.redis.script_load(sc.source)
+            return await self.redis.evalsha(sc.sha, len(self._keys), *self._keys, *args)
+
+    async def _eval(self, name: str, args: list, *, retry: bool = True) -> Any:
+        """EVALSHA with NOSCRIPT reload; retries connection errors (for idempotent scripts
+        only: every gpulock script is idempotent by ticket or lease id) with jittered backoff
+        for at most ``backend_timeout`` seconds, then raises BackendUnavailable."""
+        try:
+            if not retry:
+                return await self._eval_once(name, args)
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(RETRYABLE), stop=stop_after_delay(self.backend_timeout),
+                wait=wait_random_exponential(multiplier=0.05, max=1.0), reraise=True,
+            ):
+                with attempt:
+                    return await self._eval_once(name, args)
+        except Exception as e:
+            raise translate(e, self.name) from e
+
+    async def configure(self, capacity: int | str | None = None, *, max_waiters: int | None = None,
+                        create_only: bool = False) -> dict[str, int]:
+        """Create the pool or set its capacity (bytes or "8GiB") and queue bound.
+        Returns ``{"created", "capacity", "epoch", "used", "max_waiters"}``.
+
+        Raises: InvalidArgument (bad capacity), BackendUnavailable."""
+        cap = parse_size(capacity if capacity is not None else self.capacity, name="capacity")
+        mw = self.max_waiters if max_waiters is None else max_waiters
+        r = await self._eval("configure", [str(cap), str(mw), "create" if create_only else "set"])
+        if not create_only:
+            self.capacity = cap
+        return dict(zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r)))
+
+    async def status(self, *, limit: int = 1000) -> PoolStatus:
+        """A snapshot: capacity, used, leases and waiters (at most ``limit`` of each listed).
+
+        Raises: PoolNotFound, BackendUnavailable."""
+        from .errors import PoolNotFound
+
+        st = decode_status(self.name, await self._eval("status", [str(limit)]))
+        if st is None:
+            raise PoolNotFound(self.name)
+        return st
+
+    async def reap(self) -> int:
+        """Reap expired leases and dead waiters now; returns how many leases were reaped."""
+        r = await self._eval("reap", [])
+        return int(r[0])
+
+    def lease(self, amount: int | str, **kw: Any) -> _AcquireCM:
+        """``async with pool.lease("2GiB", timeout=10) as lease:`` — acquire, and release on
+        exit. Takes the arguments of :meth:`acquire`."""
+        return _AcquireCM(self, (amount,), kw)
+
+    async def acquire(self, amount: int | str, *, ttl: float | None = None, timeout: float | None = None,
+                      holder: dict[str, Any] | None = None, request_id: str | None = None,
+                      on_queued: Callable[[int], Any] | None = None) -> AsyncLease:
+        """Take ``amount`` bytes from the pool, waiting in FIFO order.
+
+        Args:
+            amount: bytes (int) or a size string ("4GiB").
+            ttl: lease time to live in seconds (default ``default_ttl``); the heartbeat renews
+                it every ttl/3 while the lease is held.
+            timeout: seconds to wait; ``None`` waits forever, ``0`` tries once without queueing
+                (and without jumping the queue).
+            holder: metadata shown in status (host and pid are added).
+            request_id: idempotency key (1-128 of ``[A-Za-z0-9._:-]``): a retry with the same id
+                joins its earlier place in the queue or gets its earlier grant.
+            on_queued: ``callback(position)`` when queued and whenever the position changes.
+
+        Returns: an :class:`AsyncLease` (also an async context manager).
+
+        Raises:
+            InvalidArgument, CapacityExceeded (at once), PoolNotFound, QueueFull,
+            AcquireTimeout (nothing is held afterwards), BackendUnavailable.
+            On cancellation (``CancelledError``) the request leaves the queue and any grant
+            that raced in is released before the error propagates (DESIGN invariant 2).
+        """
+        req = AcquireRequest.build(self.name, amount, ttl=ttl, timeout=timeout, holder=holder,
+                                   request_id=request_id, waiter_ttl=self.waiter_ttl, default_ttl=self.default_ttl)
+        start = self.clock()
+        rt = self._runtime
+        wait = req.timeout_s != 0
+        if wait:
+            await rt.ensure_subscribed()
+        argv = req.argv("wait" if wait else "try")
+        # True while the server may hold a place or a grant for this ticket that we would
+        # otherwise leave behind: from sending the acquire until we return a lease.
+        needs_cancel = True
+        try:
+            try:
+                res, sent = await self._acquire_call(req, argv)
+            except GpuLockError as e:
+                if not isinstance(e, BackendUnavailable):
+                    needs_cancel = False  # the script refused before writing anything
+                raise
+            if isinstance(res, Grant):
+                needs_cancel = False
+                return self._make_lease(res, req, validity_deadline(sent, res.now_ms, res.expires_ms))
+            if not res.queued:
+                needs_cancel = False
+                raise AcquireTimeout(
+                    f"pool {self.name!r}: {req.amount} bytes not available now (timeout=0; "
+                    f"{res.queue_length} waiting, {res.used}/{res.capacity} bytes used)",
+                    queue_length=res.queue_length,
+                    retry_after=res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None)
+            fut = asyncio.get_running_loop().create_future()
+            rt.add_waiter(Waiter(req.ticket, fut, argv, ttl_ms(req.waiter_ttl_s), res.position, on_queued))
+            rt.set_reap_timer(self.clock(), res.retry_after_ms)
+            if on_queued:
+                on_queued(res.position)
+            remaining = None if req.timeout_s is None else max(0.0, req.timeout_s - (self.clock() - start))
+            try:
+                grant = await asyncio.wait_for(fut, remaining)
+            except asyncio.TimeoutError:
+                w = rt.waiters.get(req.ticket)
+                pos = w.position if w else res.position
+                raise AcquireTimeout(
+                    f"pool {self.name!r}: no grant of {req.amount} bytes within {req.timeout_s}s "
+                    f"(position {pos} of {res.queue_length}+)", position=pos, queue_length=res.queue_length,
+                    retry_after=res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None,
+                    waited=self.clock() - start) from None
+            except Exception as e:
+                raise translate(e, self.name) from e
+            lease = self._make_lease(grant, req, rt.deadline_for(grant))
+            needs_cancel = False
+            return lease
+        finally:
+            rt.remove_waiter(req.ticket)
+            if needs_cancel:
+                # Leave the queue and release a grant that raced in (or whose reply we never
+                # read), even if we are being cancelled again meanwhile.
+                task = rt.spawn(self._cancel(req.ticket))
+                try:
+                    await asyncio.shield(task)
+                except BaseException:
+                    pass
+
+    async def _acquire_call(self, req: AcquireRequest, argv: list[str]):
+        sent = self.clock()
+        try:
+            r = await self._eval("acquire", argv)
+        except Exception as e:
+            from .errors import PoolNotFound
+
+            if isinstance(e, PoolNotFound) and self.capacity is not None:
+                await self.configure(self.capacity, create_only=True)
+                sent = self.clock()
+                r = await self._eval("acquire", argv)
+            else:
+                raise
+        res = decode_acquire(req.ticket, r)
+        self._runtime.observe(sent, res.now_ms)
+        return res, sent
+
+    async def _cancel(self, ticket: str) -> None:
+        try:
+            await self._eval("cancel", [ticket])
+        except Exception:
+            pass  # unreachable Redis: the waiter expires after waiter_ttl, a grant after ttl
+
+    def _make_lease(self, grant: Grant, req: AcquireRequest, valid_until: float) -> AsyncLease:
+        state = LeaseState(self.name, grant, req.ttl_s, valid_until, self.clock)
+        self._runtime.track(state)
+        return AsyncLease(state, self)
+
+    async def _release(self, s: LeaseState) -> bool:
+        args = [s.lease_id, str(s.token)]
+        try:
+            r = await self._eval_once("release", args)
+        except RETRYABLE:
+            # The first try may have run: a retry that finds no lease cannot tell "released
+            # by us just now" from "lost", so it counts as released.
+            r = await self._eval("release", args)
+            return True
+        except Exception as e:
+            raise translate(e, self.name) from e
+        return int(r[0]) == 1
+
+    async def aclose(self) -> None:
+        """Stop the heartbeat and listener (held leases are not released: they expire)."""
+        await self._runtime.close()
+        if self._owns_client:
+            await self.redis.aclose()
+
+    async def __aenter__(self) -> "AsyncPool":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

@@ -1,0 +1,462 @@
+"""The I/O-free core shared by the sync and async shells: key names, argument validation and
+encoding, reply decoding, error translation, and the lease's local validity clock.
+
+Nothing here touches the network; ``_sync.py`` and ``_async.py`` add only the I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import redis.exceptions as rex
+
+from .errors import (
+    BackendUnavailable,
+    CapacityExceeded,
+    GpuLockError,
+    InvalidArgument,
+    LeaseLost,
+    PoolNotFound,
+    QueueFull,
+)
+from .units import MAX_BYTES, parse_seconds, parse_size
+
+log = logging.getLogger("gpulock")
+
+KEY_PREFIX = "gpulock"
+_POOL_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_TICKET_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+MAX_META_BYTES = 512
+
+# Lease and waiter timing (seconds). Sources: etcd and Redisson renew at ttl/3, which survives
+# two lost heartbeats before expiry.
+DEFAULT_TTL_S = 30.0
+MIN_TTL_S, MAX_TTL_S = 0.1, 86400.0
+DEFAULT_WAITER_TTL_S = 5.0
+# Waiters refresh their expiry (and re-poll as a backstop for a lost pub/sub message) this often.
+DEFAULT_POLL_INTERVAL_S = 1.0
+DEFAULT_MAX_WAITERS = 10_000
+
+# Chubby's rule (Burrows 2006, §2.8): the client's view of a lease must end before the
+# server's. We count from when the successful call was *sent* (so its flight time is on our
+# side), shrink the span by an assumed bound on clock-rate difference between this host and
+# the Redis host, and take a fixed safety margin for scheduling delays.
+CLOCK_DRIFT = 0.01  # 1%: far above NTP-disciplined oscillators (tens of ppm)
+SAFETY_MARGIN_S = 0.05
+
+
+def validate_pool_name(name: object) -> str:
+    """Pool names: 1-64 characters of ``[A-Za-z0-9._-]``. No braces (they would break the
+    hash tag), colons (the key separator) or spaces."""
+    if not isinstance(name, str) or not _POOL_RE.match(name):
+        raise InvalidArgument(
+            f"pool name must be 1-64 characters of [A-Za-z0-9._-], got {name!r}"
+        )
+    return name
+
+
+def validate_request_id(rid: object) -> str:
+    if not isinstance(rid, str) or not _TICKET_RE.match(rid):
+        raise InvalidArgument(
+            f"request_id must be 1-128 characters of [A-Za-z0-9._:-], got {rid!r}"
+        )
+    return rid
+
+
+def pool_keys(pool: str) -> list[str]:
+    """The eight keys of a pool, in the order every script expects (see ``lua/lib.lua``).
+    All share the hash tag ``{pool}``, so a pool lives in one Redis Cluster slot."""
+    base = f"{KEY_PREFIX}:{{{pool}}}:"
+    return [base + s for s in ("cfg", "leases", "holders", "queue", "waiters", "wexp", "tickets", "events")]
+
+
+def new_id() -> str:
+    """A 128-bit random id as 32 hex digits (lease ids and default tickets)."""
+    return secrets.token_hex(16)
+
+
+_HOST = socket.gethostname()
+
+
+def encode_meta(holder: dict[str, Any] | None) -> str:
+    """Holder metadata as compact JSON (at most 512 bytes). Host and pid are added unless
+    given, so ``gpulock status`` can say who holds what."""
+    meta = {"host": _HOST, "pid": os.getpid()}
+    if holder:
+        if not isinstance(holder, dict):
+            raise InvalidArgument(f"holder must be a dict of metadata, got {holder!r}")
+        meta.update(holder)
+    try:
+        s = json.dumps(meta, separators=(",", ":"), default=str, ensure_ascii=True)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"holder metadata is not JSON-serialisable: {e}") from None
+    if len(s) > MAX_META_BYTES:
+        raise InvalidArgument(f"holder metadata is {len(s)} bytes as JSON; at most {MAX_META_BYTES}")
+    return s
+
+
+def decode_meta(s: str | bytes) -> dict[str, Any]:
+    if isinstance(s, bytes):
+        s = s.decode("utf-8", "replace")
+    try:
+        v = json.loads(s) if s else {}
+        return v if isinstance(v, dict) else {"value": v}
+    except ValueError:
+        return {"raw": s}
+
+
+def ttl_ms(ttl_s: float) -> int:
+    return max(int(MIN_TTL_S * 1000), int(round(ttl_s * 1000)))
+
+
+@dataclass(frozen=True)
+class AcquireRequest:
+    """A validated acquire: everything the script needs, plus the caller's timeout."""
+
+    pool: str
+    amount: int
+    ttl_s: float
+    timeout_s: float | None
+    ticket: str
+    lease_id: str
+    meta: str
+    waiter_ttl_s: float
+
+    @classmethod
+    def build(
+        cls,
+        pool: str,
+        amount: int | float | str,
+        *,
+        ttl: float | None,
+        timeout: float | None,
+        holder: dict[str, Any] | None,
+        request_id: str | None,
+        waiter_ttl: float,
+        default_ttl: float,
+    ) -> "AcquireRequest":
+        amt = parse_size(amount)
+        ttl_s = parse_seconds(default_ttl if ttl is None else ttl, name="ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+        timeout_s = parse_seconds(timeout, name="timeout", minimum=0.0, maximum=1e9, allow_none=True)
+        ticket = new_id() if request_id is None else validate_request_id(request_id)
+        return cls(pool, amt, ttl_s, timeout_s, ticket, new_id(), encode_meta(holder), waiter_ttl)
+
+    def argv(self, mode: str) -> list[str]:
+        return [self.ticket, self.lease_id, str(self.amount), str(ttl_ms(self.ttl_s)),
+                str(ttl_ms(self.waiter_ttl_s)), mode, self.meta]
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A lease granted by the server. Times are server milliseconds."""
+
+    ticket: str
+    lease_id: str
+    token: int
+    expires_ms: int
+    amount: int
+    now_ms: int
+    epoch: int = 0
+    capacity: int = 0
+
+
+@dataclass(frozen=True)
+class NotGranted:
+    """An acquire that did not grant: queued (``queued`` true) or, for ``try``, refused."""
+
+    queued: bool
+    position: int
+    retry_after_ms: int  # to the nearest lease expiry; -1 when no lease exists
+    queue_length: int
+    now_ms: int
+    epoch: int
+    capacity: int
+    used: int
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def decode_acquire(ticket: str, r: list) -> Grant | NotGranted:
+    if int(r[0]) == 1:
+        return Grant(ticket, _s(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7]))
+    return NotGranted(int(r[0]) == 0, int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7]))
+
+
+def decode_events(data: str | bytes) -> list[Grant]:
+    """Parse a hand-off message from the pool's channel (format in ``lua/lib.lua``)."""
+    text = _s(data)
+    lines = text.split("\n")
+    head = lines[0].split(" ")
+    if head[0] != "g":
+        return []
+    now = int(head[1])
+    out = []
+    for line in lines[1:]:
+        p = line.split(" ")
+        if len(p) == 5:
+            out.append(Grant(p[0], p[1], int(p[2]), int(p[3]), int(p[4]), now))
+    return out
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    lease_id: str
+    amount: int
+    token: int
+    expires_in: float  # seconds, on the server clock
+    held_for: float  # seconds since the grant
+    ttl: float
+    request_id: str
+    holder: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class WaiterInfo:
+    position: int
+    request_id: str
+    amount: int
+    waited: float  # seconds in the queue
+    expires_in: float  # seconds until dropped if not refreshed
+    holder: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    """A snapshot of a pool, read from Redis by one script (so self-consistent).
+    Amounts are bytes; times are seconds."""
+
+    pool: str
+    capacity: int
+    used: int
+    epoch: int
+    fence: int
+    max_waiters: int
+    lease_count: int
+    waiter_count: int
+    grants: int
+    reaped_leases: int
+    reaped_waiters: int
+    leases: list[LeaseInfo] = field(default_factory=list)
+    waiters: list[WaiterInfo] = field(default_factory=list)
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - self.used)
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def decode_status(pool: str, r: list) -> PoolStatus | None:
+    if int(r[0]) == 0:
+        return None
+    now = int(r[1])
+    leases = [
+        LeaseInfo(_s(x[0]), int(x[1]), int(x[2]), (int(x[3]) - now) / 1000, (now - int(x[4])) / 1000,
+                  int(x[5]) / 1000, _s(x[6]), decode_meta(x[7]))
+        for x in r[12]
+    ]
+    waiters = [
+        WaiterInfo(i + 1, _s(x[0]), int(x[1]), (now - int(x[2])) / 1000, (int(x[3]) - now) / 1000, decode_meta(x[4]))
+        for i, x in enumerate(r[13])
+    ]
+    return PoolStatus(pool, *(int(v) for v in r[2:12]), leases=leases, waiters=waiters)
+
+
+def translate(exc: BaseException, pool: str) -> BaseException:
+    """Map a redis-py error to gpulock's tree (the caller raises it ``from exc``)."""
+    if isinstance(exc, GpuLockError):
+        return exc
+    if isinstance(exc, rex.ResponseError):
+        msg = str(exc)
+        code, _, rest = msg.partition(" ")
+        if code == "GPULOCK_BADARG":
+            return InvalidArgument(rest)
+        if code == "GPULOCK_CONFLICT":
+            return InvalidArgument(rest)
+        if code == "GPULOCK_NOPOOL":
+            return PoolNotFound(pool)
+        if code == "GPULOCK_CAPACITY":
+            a, c = rest.split()
+            return CapacityExceeded(int(a), int(c))
+        if code == "GPULOCK_QUEUEFULL":
+            q, m = rest.split()
+            return QueueFull(pool, int(q), int(m))
+        return BackendUnavailable(f"Redis refused a gpulock script on pool {pool!r}: {msg}")
+    if isinstance(exc, (rex.ConnectionError, rex.TimeoutError, OSError)):
+        return BackendUnavailable(f"Redis unavailable for pool {pool!r}: {exc}")
+    if isinstance(exc, rex.RedisError):
+        return BackendUnavailable(f"Redis error on pool {pool!r}: {exc}")
+    return exc
+
+
+# Errors worth retrying for idempotent operations: the request may or may not have run.
+RETRYABLE = (rex.ConnectionError, rex.TimeoutError, ConnectionError, OSError)
+
+
+class LeaseState:
+    """A lease's identity and its local validity clock, shared by both shells and the
+    heartbeat. Thread-safe: the heartbeat may run in another thread than the holder.
+
+    ``valid_until`` is on the local monotonic clock (seconds). It is computed from the last
+    successful grant or renewal as ``sent + (expires_ms - server_now_ms)/1000 * (1 - CLOCK_DRIFT)
+    - SAFETY_MARGIN_S`` where ``sent`` is the local time the call was sent, so it always ends
+    before the server's expiry (DESIGN invariant 5).
+    """
+
+    __slots__ = ("pool", "lease_id", "ticket", "amount", "token", "ttl_s", "expires_ms", "valid_until",
+                 "epoch", "lost_reason", "released", "next_renew", "_callbacks", "_lock", "_clock",
+                 "__weakref__")
+
+    def __init__(self, pool: str, grant: Grant, ttl_s: float, valid_until: float, clock: Callable[[], float]):
+        self.pool = pool
+        self.lease_id = grant.lease_id
+        self.ticket = grant.ticket
+        self.amount = grant.amount
+        self.token = grant.token
+        self.ttl_s = ttl_s
+        self.expires_ms = grant.expires_ms
+        self.valid_until = valid_until
+        self.epoch = grant.epoch
+        self.lost_reason: str | None = None
+        self.released = False
+        self._clock = clock
+        self.next_renew = clock() + ttl_s / 3
+        self._callbacks: list[Callable[[Any], Any]] = []
+        self._lock = threading.Lock()
+
+    def renewed(self, sent: float, now_ms: int, expires_ms: int) -> None:
+        self.expires_ms = expires_ms
+        self.valid_until = validity_deadline(sent, now_ms, expires_ms)
+        self.next_renew = sent + self.ttl_s / 3
+
+    def check(self) -> None:
+        """Raise LeaseLost if lost or past the local deadline (marking it lost)."""
+        if self.lost_reason is None and not self.released and self._clock() >= self.valid_until:
+            self.mark_lost("no successful renewal before the local validity deadline "
+                           "(Redis unreachable, or this process was paused)")
+        if self.lost_reason is not None:
+            raise LeaseLost(self.lease_id, self.lost_reason)
+        if self.released:
+            raise LeaseLost(self.lease_id, "it was released")
+
+    def add_callback(self, cb: Callable[[Any], Any], owner: Any) -> None:
+        with self._lock:
+            fire = self.lost_reason is not None
+            if not fire:
+                self._callbacks.append(lambda: cb(owner))
+        if fire:
+            _safe_call(lambda: cb(owner))
+
+    def mark_lost(self, reason: str) -> bool:
+        """Mark lost once; fire callbacks. Returns True if this call marked it."""
+        with self._lock:
+            if self.lost_reason is not None or self.released:
+                return False
+            self.lost_reason = reason
+            cbs, self._callbacks = self._callbacks, []
+        log.warning("gpulock: lease %s… on pool %s (token %d, %d bytes) lost: %s",
+                    self.lease_id[:8], self.pool, self.token, self.amount, reason)
+        for cb in cbs:
+            _safe_call(cb)
+        return True
+
+
+def _safe_call(fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except Exception:  # a user callback must not kill the heartbeat
+        log.exception("gpulock: on_lost callback raised")
+
+
+def validity_deadline(sent: float, now_ms: int, expires_ms: int) -> float:
+    remaining = max(0.0, (expires_ms - now_ms) / 1000.0)
+    return sent + remaining * (1.0 - CLOCK_DRIFT) - SAFETY_MARGIN_S
+
+
+class LeaseBase:
+    """What sync and async leases share: identity, fencing token, validity, callbacks.
+
+    Attributes: ``id`` (32 hex digits), ``pool``, ``amount`` (bytes), ``token`` (fencing token,
+    strictly increasing per pool; pass it to storage you write so stale holders can be
+    refused), ``ttl`` (seconds), ``request_id``.
+    """
+
+    __slots__ = ("_state", "_pool")
+
+    def __init__(self, state: LeaseState, pool: Any):
+        self._state = state
+        self._pool = pool
+
+    id = property(lambda self: self._state.lease_id)
+    amount = property(lambda self: self._state.amount)
+    token = property(lambda self: self._state.token)
+    ttl = property(lambda self: self._state.ttl_s)
+    request_id = property(lambda self: self._state.ticket)
+    pool = property(lambda self: self._state.pool)
+
+    @property
+    def expires_at(self) -> float:
+        """Server-clock expiry of the last grant/renewal, as a Unix timestamp (seconds)."""
+        return self._state.expires_ms / 1000.0
+
+    @property
+    def valid_until(self) -> float:
+        """Local ``time.monotonic()`` instant after which this lease counts as lost."""
+        return self._state.valid_until
+
+    @property
+    def lost(self) -> bool:
+        s = self._state
+        return s.lost_reason is not None or (not s.released and s._clock() >= s.valid_until)
+
+    @property
+    def released(self) -> bool:
+        return self._state.released
+
+    def ensure_valid(self) -> None:
+        """Raise :class:`LeaseLost` unless this lease is surely still held. Call it right
+        before each GPU call made under the lease. Cost: a clock read, no I/O.
+
+        Raises:
+            LeaseLost: the local validity deadline passed (Chubby's rule: it passes before
+                the server's expiry), the heartbeat learned the lease is gone, or it was
+                released.
+        """
+        self._state.check()
+
+    def on_lost(self, callback: Callable[[Any], Any]) -> None:
+        """Call ``callback(lease)`` once when the lease is found lost (by the heartbeat, the
+        deadline timer, or ``ensure_valid``). Runs at once if it is already lost. Runs in the
+        heartbeat's thread or event loop: keep it short and non-blocking."""
+        self._state.add_callback(callback, self)
+
+    def __repr__(self) -> str:
+        s = self._state
+        st = "released" if s.released else ("lost" if s.lost_reason else "held")
+        return f"<{type(self).__name__} {s.lease_id[:8]}… pool={s.pool} amount={s.amount} token={s.token} {st}>"
+
+
+def default_clock() -> float:
+    return time.monotonic()
+
+
+def check_amount_vs_capacity(amount: int, capacity: int | None) -> None:
+    if capacity is not None and amount > capacity:
+        raise CapacityExceeded(amount, capacity)
+
+

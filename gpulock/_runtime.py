@@ -1,0 +1,317 @@
+"""The per-pool background runtime: one per pool object, living in one event loop.
+
+It runs two tasks:
+
+* the **listener**: one pub/sub subscription to the pool's ``events`` channel. Release,
+  cancel, reap and configure grant the FIFO prefix that fits *on the server* and publish the
+  grants; the listener completes exactly those waiters' futures. Nobody else is woken and no
+  extra round trip is needed (server-side hand-off).
+* the **ticker**: one batched ``renew`` call per interval renews every lease this pool object
+  holds (at ttl/3) and refreshes every waiter's expiry (each ``poll_interval``); the same reply
+  returns grants whose message was missed (the backstop). It also fires the reap timer at the
+  nearest lease expiry the server reported, so a crashed holder's bytes move on at once, and it
+  marks leases lost when their local validity deadline passes.
+
+Creating a lease starts no thread and no task; the tasks start with the first lease or waiter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ._protocol import (
+    DEFAULT_POLL_INTERVAL_S,
+    RETRYABLE,
+    Grant,
+    LeaseState,
+    decode_events,
+    ttl_ms,
+    validity_deadline,
+)
+from ._scripts import scripts
+
+log = logging.getLogger("gpulock")
+
+
+@dataclass
+class Waiter:
+    ticket: str
+    future: asyncio.Future
+    argv: list[str]  # the acquire ARGV, to re-enqueue idempotently if the queue forgot us
+    waiter_ttl_ms: int
+    position: int
+    on_position: Callable[[int], Any] | None = None
+
+
+class Runtime:
+    def __init__(self, redis, pool: str, keys: list[str], clock: Callable[[], float],
+                 poll_interval: float = DEFAULT_POLL_INTERVAL_S):
+        self.redis = redis  # a redis.asyncio client
+        self.pool = pool
+        self.keys = keys
+        self.clock = clock
+        self.poll_interval = poll_interval
+        self.leases: dict[str, LeaseState] = {}
+        self.waiters: dict[str, Waiter] = {}
+        self.anchor: tuple[float, int] | None = None  # (local time sent, server now ms)
+        self.reap_at: float | None = None
+        self.next_poll = 0.0
+        self._wake: asyncio.Event | None = None
+        self._ticker: asyncio.Task | None = None
+        self._listener: asyncio.Task | None = None
+        self._subscribed: asyncio.Event | None = None
+        self._background: set[asyncio.Task] = set()
+        self._closed = False
+
+    # ---- clock -------------------------------------------------------------------------
+    def observe(self, sent: float, now_ms: int) -> None:
+        """Record a (local send time, server time) pair from a completed call."""
+        self.anchor = (sent, now_ms)
+
+    def deadline_for(self, grant: Grant) -> float:
+        sent, server_now = self.anchor if self.anchor else (self.clock(), grant.now_ms)
+        return validity_deadline(sent, server_now, grant.expires_ms)
+
+    def set_reap_timer(self, received: float, next_expiry_in_ms: int) -> None:
+        """Schedule a reap at the nearest lease expiry (local time, biased late by using the
+        receive time) while this process has waiters."""
+        if next_expiry_in_ms < 0:
+            return
+        at = received + next_expiry_in_ms / 1000.0 + 0.0005
+        if self.reap_at is None or at < self.reap_at or self.reap_at <= self.clock():
+            self.reap_at = at
+            self._poke()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def _ensure_ticker(self) -> None:
+        if self._ticker is None or self._ticker.done():
+            if self._wake is None:
+                self._wake = asyncio.Event()
+            self._ticker = asyncio.get_running_loop().create_task(self._tick_loop(), name=f"gpulock-ticker-{self.pool}")
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def ensure_subscribed(self) -> None:
+        """Subscribe (once) and wait until Redis confirmed it, so that no grant published
+        after our next enqueue can be missed."""
+        if self._subscribed is None:
+            self._subscribed = asyncio.Event()
+        if self._listener is None or self._listener.done():
+            self._listener = asyncio.get_running_loop().create_task(self._listen(), name=f"gpulock-listener-{self.pool}")
+        if not self._subscribed.is_set():
+            try:
+                await asyncio.wait_for(self._subscribed.wait(), 5.0)
+            except asyncio.TimeoutError:
+                log.warning("gpulock: pub/sub subscription to pool %s not confirmed in 5 s; "
+                            "waiters fall back to polling", self.pool)
+
+    def track(self, state: LeaseState) -> None:
+        self.leases[state.lease_id] = state
+        self._ensure_ticker()
+        self._poke()
+
+    def untrack(self, lease_id: str) -> None:
+        self.leases.pop(lease_id, None)
+
+    def add_waiter(self, w: Waiter) -> None:
+        self.waiters[w.ticket] = w
+        self.next_poll = self.clock() + self.poll_interval
+        self._ensure_ticker()
+        self._poke()
+
+    def remove_waiter(self, ticket: str) -> None:
+        self.waiters.pop(ticket, None)
+        if not self.waiters:
+            self.reap_at = None
+
+    def spawn(self, coro) -> asyncio.Task:
+        """Run a coroutine that must finish even if its caller is cancelled."""
+        t = asyncio.get_running_loop().create_task(coro)
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
+        return t
+
+    async def close(self) -> None:
+        self._closed = True
+        for t in (self._ticker, self._listener):
+            if t is not None:
+                t.cancel()
+        for t in (self._ticker, self._listener):
+            if t is not None:
+                try:
+                    await t
+                except (asyncio.CancelledError, Exception):
+                    pass
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    # ---- grants --------------------------------------------------------------------------
+    def _deliver(self, grant: Grant) -> None:
+        w = self.waiters.get(grant.ticket)
+        if w is not None and not w.future.done():
+            w.future.set_result(grant)
+
+    async def _listen(self) -> None:
+        channel = self.keys[7]
+        backoff = 0.05
+        while not self._closed:
+            ps = self.redis.pubsub(ignore_subscribe_messages=False)
+            try:
+                await ps.subscribe(channel)
+                while not self._closed:
+                    msg = await ps.get_message(timeout=1.0)
+                    if msg is None:
+                        continue
+                    if msg["type"] == "subscribe":
+                        self._subscribed.set()
+                        backoff = 0.05
+                    elif msg["type"] == "message":
+                        for g in decode_events(msg["data"]):
+                            self._deliver(g)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # connection trouble: the ticker's polling covers us
+                self._subscribed.clear()
+                log.info("gpulock: pub/sub for pool %s interrupted (%s); retrying in %.2fs", self.pool, e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+            finally:
+                try:
+                    await ps.aclose()
+                except Exception:
+                    pass
+
+    # ---- ticker ----------------------------------------------------------------------------
+    def _next_wake(self, now: float) -> float:
+        t = now + 60.0
+        for s in self.leases.values():
+            t = min(t, s.next_renew, s.valid_until)
+        if self.waiters:
+            t = min(t, self.next_poll)
+            if self.reap_at is not None:
+                t = min(t, self.reap_at)
+        return t
+
+    async def _tick_loop(self) -> None:
+        backoff = 0.05
+        while not self._closed:
+            now = self.clock()
+            delay = self._next_wake(now) - now
+            if delay > 0:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), delay)
+                except asyncio.TimeoutError:
+                    pass
+            if not self.leases and not self.waiters:
+                if self._closed:
+                    return
+                continue
+            now = self.clock()
+            for s in list(self.leases.values()):
+                if now >= s.valid_until:
+                    if s.mark_lost("no successful renewal before the local validity deadline "
+                                   "(Redis unreachable or too slow)") or s.lost_reason:
+                        self.leases.pop(s.lease_id, None)
+            try:
+                if self.waiters and self.reap_at is not None and now >= self.reap_at:
+                    self.reap_at = None
+                    await self._reap()
+                due = any(s.next_renew <= now for s in self.leases.values())
+                if due or (self.waiters and now >= self.next_poll):
+                    await self._heartbeat()
+                backoff = 0.05
+            except asyncio.CancelledError:
+                raise
+            except RETRYABLE as e:
+                log.warning("gpulock: heartbeat for pool %s failed (%s); retrying in %.2fs", self.pool, e, backoff)
+                retry = self.clock() + backoff
+                for s in self.leases.values():
+                    s.next_renew = min(max(s.next_renew, retry), s.valid_until)
+                self.next_poll = max(self.next_poll, retry)
+                backoff = min(backoff * 2, 1.0)
+            except Exception:
+                log.exception("gpulock: heartbeat for pool %s failed", self.pool)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+
+    async def _eval(self, name: str, args: list) -> Any:
+        from redis.exceptions import NoScriptError
+
+        sc = scripts()[name]
+        try:
+            return await self.redis.evalsha(sc.sha, len(self.keys), *self.keys, *args)
+        except NoScriptError:
+            await self.redis.script_load(sc.source)
+            return await self.redis.evalsha(sc.sha, len(self.keys), *self.keys, *args)
+
+    async def _reap(self) -> None:
+        r = await self._eval("reap", [])
+        received = self.clock()
+        if self.waiters:
+            self.set_reap_timer(received, int(r[3]))
+
+    async def _heartbeat(self) -> None:
+        leases = [s for s in self.leases.values() if not s.released and s.lost_reason is None]
+        waiters = list(self.waiters.values())
+        args: list[Any] = [len(leases)]
+        for s in leases:
+            args += [s.lease_id, s.token, ttl_ms(s.ttl_s)]
+        args.append(len(waiters))
+        for w in waiters:
+            args += [w.ticket, w.waiter_ttl_ms]
+        sent = self.clock()
+        self.next_poll = sent + self.poll_interval
+        r = await self._eval("renew", args)
+        now_ms, epoch = int(r[0]), int(r[1])
+        self.observe(sent, now_ms)
+        for s, exp in zip(leases, r[2]):
+            exp = int(exp)
+            if s.released:
+                continue
+            if exp > 0:
+                s.renewed(sent, now_ms, exp)
+            else:
+                reason = ("the pool's configuration is gone (Redis restarted without its data?)"
+                          if epoch == 0 else "the server no longer has it (expired and reaped)")
+                s.mark_lost(reason)
+                self.leases.pop(s.lease_id, None)
+        for w, res in zip(waiters, r[3]):
+            kind = res[0].decode() if isinstance(res[0], bytes) else res[0]
+            if kind == "g":
+                lid = res[1].decode() if isinstance(res[1], bytes) else res[1]
+                self._deliver(Grant(w.ticket, lid, int(res[2]), int(res[3]), int(res[4]), now_ms, epoch))
+            elif kind == "q":
+                pos = int(res[1])
+                if pos != w.position:
+                    w.position = pos
+                    if w.on_position:
+                        try:
+                            w.on_position(pos)
+                        except Exception:
+                            log.exception("gpulock: on_queued callback raised")
+            elif w.ticket in self.waiters and not w.future.done():
+                # The queue forgot us (we missed refreshes for waiter_ttl, e.g. a pause):
+                # enqueue again with the same ticket (idempotent); we lose our old place.
+                self.spawn(self._requeue(w))
+
+    async def _requeue(self, w: Waiter) -> None:
+        from ._protocol import decode_acquire
+
+        try:
+            sent = self.clock()
+            r = await self._eval("acquire", w.argv)
+            res = decode_acquire(w.ticket, r)
+            self.observe(sent, res.now_ms)
+            if isinstance(res, Grant):
+                self._deliver(res)
+            else:
+                w.position = res.position
+        except Exception as e:
+            if not w.future.done():
+                w.future.set_exception(e)

@@ -1,0 +1,355 @@
+"""The blocking shell: :class:`Pool` and :class:`Lease`.
+
+Acquire, release, status and configure go straight to Redis on the caller's thread through a
+synchronous redis-py client (one round trip each, no thread hop). What must happen in the
+background — the heartbeat, waking waiters on a hand-off, the reap timer — is the same
+:class:`~gpulock._runtime.Runtime` the asyncio shell uses, run on one daemon thread per pool
+object with its own event loop (started on first use, not at creation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Any, Callable
+
+import redis
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
+
+from ._async import _CLIENT_DEFAULTS, DEFAULT_BACKEND_TIMEOUT_S
+from ._protocol import (
+    DEFAULT_MAX_WAITERS,
+    DEFAULT_POLL_INTERVAL_S,
+    DEFAULT_TTL_S,
+    DEFAULT_WAITER_TTL_S,
+    RETRYABLE,
+    AcquireRequest,
+    Grant,
+    LeaseBase,
+    LeaseState,
+    PoolStatus,
+    decode_acquire,
+    decode_status,
+    default_clock,
+    pool_keys,
+    translate,
+    ttl_ms,
+    validate_pool_name,
+    validity_deadline,
+)
+from ._runtime import Runtime, Waiter
+from ._scripts import scripts
+from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost, PoolNotFound
+from .units import parse_size
+
+
+class _LoopThread:
+    """An event loop on a daemon thread; coroutines are submitted from other threads."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.thread.start()
+        self._ready.wait()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._ready.set)
+        self.loop.run_forever()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro, timeout: float | None = None):
+        return self.submit(coro).result(timeout)
+
+    def soon(self, fn, *args) -> None:
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+
+
+def _async_twin(client: redis.Redis) -> aioredis.Redis:
+    """An asyncio client with the same connection settings as a sync one."""
+    kw = dict(client.connection_pool.connection_kwargs)
+    cls = client.connection_pool.connection_class
+    if issubclass(cls, redis.SSLConnection):
+        kw["connection_class"] = aioredis.SSLConnection
+    elif issubclass(cls, redis.UnixDomainSocketConnection):
+        kw["connection_class"] = aioredis.UnixDomainSocketConnection
+    for k in ("retry", "redis_connect_func", "cache", "cache_config", "credential_provider", "event_dispatcher"):
+        kw.pop(k, None)
+    return aioredis.Redis(connection_pool=aioredis.ConnectionPool(**kw))
+
+
+class Lease(LeaseBase):
+    """A lease held by this process (blocking API). Use as ``with``; see :class:`LeaseBase`
+    for the attributes. The pool's heartbeat thread renews it at ttl/3 until released."""
+
+    __slots__ = ()
+
+    def release(self) -> None:
+        """Give the bytes back. Idempotent: later calls do nothing.
+
+        Raises:
+            LeaseLost: the server no longer had this lease (it expired or was reaped, so
+                someone else may have used the bytes meanwhile). Nothing of others is freed.
+            BackendUnavailable: Redis unreachable within the retry bound; the lease will
+                expire on the server after its ttl.
+        """
+        s = self._state
+        if s.released:
+            return
+        was_lost = s.lost_reason
+        s.released = True
+        self._pool._untrack(s.lease_id)
+        ok = self._pool._release(s)
+        if not ok and was_lost is None:
+            raise LeaseLost(s.lease_id, "the server no longer had it when it was released "
+                                        "(it expired: a pause, or Redis unreachable past its ttl)")
+        if was_lost is not None:
+            raise LeaseLost(s.lease_id, was_lost)
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, et, ev, tb) -> None:
+        try:
+            self.release()
+        except LeaseLost:
+            if et is None:
+                raise
+
+
+class _AcquireCM:
+    def __init__(self, pool: "Pool", args: tuple, kw: dict):
+        self._pool, self._args, self._kw = pool, args, kw
+        self._lease: Lease | None = None
+
+    def __enter__(self) -> Lease:
+        self._lease = self._pool.acquire(*self._args, **self._kw)
+        return self._lease
+
+    def __exit__(self, et, ev, tb) -> None:
+        self._lease.__exit__(et, ev, tb)
+
+
+class Pool:
+    """One GPU-memory budget in Redis, used from blocking code (threads, scripts, CLI).
+
+    Same arguments and semantics as :class:`~gpulock.AsyncPool`, with a ``redis.Redis``
+    client. Create it after ``fork()`` (its background thread does not survive a fork).
+    """
+
+    def __init__(self, redis_client: redis.Redis, name: str, *, capacity: int | str | None = None,
+                 default_ttl: float = DEFAULT_TTL_S, waiter_ttl: float = DEFAULT_WAITER_TTL_S,
+                 poll_interval: float = DEFAULT_POLL_INTERVAL_S, max_waiters: int = DEFAULT_MAX_WAITERS,
+                 backend_timeout: float = DEFAULT_BACKEND_TIMEOUT_S,
+                 clock: Callable[[], float] = default_clock, _url: str | None = None, _owns_client: bool = False):
+        self.name = validate_pool_name(name)
+        self.redis = redis_client
+        self.capacity = None if capacity is None else parse_size(capacity, name="capacity")
+        self.default_ttl = default_ttl
+        self.waiter_ttl = waiter_ttl
+        self.max_waiters = max_waiters
+        self.backend_timeout = backend_timeout
+        self.poll_interval = poll_interval
+        self.clock = clock
+        self._keys = pool_keys(self.name)
+        self._url = _url
+        self._owns_client = _owns_client
+        self._lock = threading.Lock()
+        self._portal: _LoopThread | None = None
+        self._runtime: Runtime | None = None
+
+    @classmethod
+    def from_url(cls, url: str, name: str, **kw: Any) -> "Pool":
+        """Connect to a ``redis://``, ``rediss://`` or ``unix://`` URL (no I/O until first use)."""
+        return cls(redis.Redis.from_url(url, **_CLIENT_DEFAULTS), name, _url=url, _owns_client=True, **kw)
+
+    # ---- background runtime --------------------------------------------------------------
+    def _rt(self) -> tuple[_LoopThread, Runtime]:
+        with self._lock:
+            if self._portal is None:
+                self._portal = _LoopThread(f"gpulock-{self.name}")
+                client = (aioredis.from_url(self._url, **_CLIENT_DEFAULTS) if self._url
+                          else _async_twin(self.redis))
+                self._runtime = Runtime(client, self.name, self._keys, self.clock, self.poll_interval)
+            return self._portal, self._runtime
+
+    def _untrack(self, lease_id: str) -> None:
+        if self._portal is not None:
+            self._portal.soon(self._runtime.untrack, lease_id)
+
+    # ---- I/O ------------------------------------------------------------------------------
+    def _eval_once(self, name: str, args: list) -> Any:
+        sc = scripts()[name]
+        try:
+            return self.redis.evalsha(sc.sha, len(self._keys), *self._keys, *args)
+        except NoScriptError:
+            self.redis.script_load(sc.source)
+            return self.redis.evalsha(sc.sha, len(self._keys), *self._keys, *args)
+
+    def _eval(self, name: str, args: list) -> Any:
+        """EVALSHA with NOSCRIPT reload and bounded, jittered retries of connection errors."""
+        try:
+            for attempt in Retrying(
+                retry=retry_if_exception_type(RETRYABLE), stop=stop_after_delay(self.backend_timeout),
+                wait=wait_random_exponential(multiplier=0.05, max=1.0), reraise=True,
+            ):
+                with attempt:
+                    return self._eval_once(name, args)
+        except Exception as e:
+            raise translate(e, self.name) from e
+
+    def configure(self, capacity: int | str | None = None, *, max_waiters: int | None = None,
+                  create_only: bool = False) -> dict[str, int]:
+        """Create the pool or set its capacity (bytes or "8GiB") and queue bound."""
+        cap = parse_size(capacity if capacity is not None else self.capacity, name="capacity")
+        mw = self.max_waiters if max_waiters is None else max_waiters
+        r = self._eval("configure", [str(cap), str(mw), "create" if create_only else "set"])
+        if not create_only:
+            self.capacity = cap
+        return dict(zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r)))
+
+    def status(self, *, limit: int = 1000) -> PoolStatus:
+        """A snapshot: capacity, used, leases and waiters. Raises PoolNotFound."""
+        st = decode_status(self.name, self._eval("status", [str(limit)]))
+        if st is None:
+            raise PoolNotFound(self.name)
+        return st
+
+    def reap(self) -> int:
+        """Reap expired leases and dead waiters now; returns how many leases were reaped."""
+        return int(self._eval("reap", [])[0])
+
+    def lease(self, amount: int | str, **kw: Any) -> _AcquireCM:
+        """``with pool.lease("2GiB", timeout=10) as lease:`` — acquire, release on exit."""
+        return _AcquireCM(self, (amount,), kw)
+
+    def acquire(self, amount: int | str, *, ttl: float | None = None, timeout: float | None = None,
+                holder: dict[str, Any] | None = None, request_id: str | None = None,
+                on_queued: Callable[[int], Any] | None = None) -> Lease:
+        """Take ``amount`` bytes, waiting in FIFO order. Same arguments, return and errors as
+        :meth:`gpulock.AsyncPool.acquire`. ``on_queued`` runs on the pool's background thread
+        (except its first call). On ``KeyboardInterrupt`` or any other exception during the
+        wait, the request leaves the queue and a grant that raced in is released."""
+        req = AcquireRequest.build(self.name, amount, ttl=ttl, timeout=timeout, holder=holder,
+                                   request_id=request_id, waiter_ttl=self.waiter_ttl, default_ttl=self.default_ttl)
+        start = self.clock()
+        wait = req.timeout_s != 0
+        portal, rt = self._rt()
+        if wait and (rt._subscribed is None or not rt._subscribed.is_set()):
+            portal.call(rt.ensure_subscribed())
+        argv = req.argv("wait" if wait else "try")
+        needs_cancel = True
+        cf: concurrent.futures.Future | None = None
+        try:
+            try:
+                res, sent = self._acquire_call(req, argv, rt)
+            except GpuLockError as e:
+                if not isinstance(e, BackendUnavailable):
+                    needs_cancel = False
+                raise
+            if isinstance(res, Grant):
+                needs_cancel = False
+                return self._make_lease(res, req, validity_deadline(sent, res.now_ms, res.expires_ms))
+            if not res.queued:
+                needs_cancel = False
+                raise AcquireTimeout(
+                    f"pool {self.name!r}: {req.amount} bytes not available now (timeout=0; "
+                    f"{res.queue_length} waiting, {res.used}/{res.capacity} bytes used)",
+                    queue_length=res.queue_length,
+                    retry_after=res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None)
+            if on_queued:
+                on_queued(res.position)
+            cf = portal.submit(self._wait_grant(rt, req, argv, res, on_queued))
+            remaining = None if req.timeout_s is None else max(0.0, req.timeout_s - (self.clock() - start))
+            try:
+                grant = cf.result(remaining)
+            except concurrent.futures.TimeoutError:
+                raise AcquireTimeout(
+                    f"pool {self.name!r}: no grant of {req.amount} bytes within {req.timeout_s}s "
+                    f"(position {res.position} of {res.queue_length}+ when queued)",
+                    position=res.position, queue_length=res.queue_length,
+                    retry_after=res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None,
+                    waited=self.clock() - start) from None
+            except Exception as e:
+                raise translate(e, self.name) from e
+            lease = self._make_lease(grant, req, rt.deadline_for(grant))
+            needs_cancel = False
+            return lease
+        finally:
+            if cf is not None and not cf.done():
+                cf.cancel()
+            if needs_cancel:
+                try:
+                    self._eval("cancel", [req.ticket])
+                except GpuLockError:
+                    pass  # unreachable: the waiter expires after waiter_ttl, a grant after ttl
+
+    async def _wait_grant(self, rt: Runtime, req: AcquireRequest, argv: list[str], res, on_queued) -> Grant:
+        fut = asyncio.get_running_loop().create_future()
+        rt.add_waiter(Waiter(req.ticket, fut, argv, ttl_ms(req.waiter_ttl_s), res.position, on_queued))
+        rt.set_reap_timer(self.clock(), res.retry_after_ms)
+        try:
+            return await fut
+        finally:
+            rt.remove_waiter(req.ticket)
+
+    def _acquire_call(self, req: AcquireRequest, argv: list[str], rt: Runtime):
+        sent = self.clock()
+        try:
+            r = self._eval("acquire", argv)
+        except PoolNotFound:
+            if self.capacity is None:
+                raise
+            self.configure(self.capacity, create_only=True)
+            sent = self.clock()
+            r = self._eval("acquire", argv)
+        res = decode_acquire(req.ticket, r)
+        rt.observe(sent, res.now_ms)
+        return res, sent
+
+    def _make_lease(self, grant: Grant, req: AcquireRequest, valid_until: float) -> Lease:
+        state = LeaseState(self.name, grant, req.ttl_s, valid_until, self.clock)
+        portal, rt = self._rt()
+        portal.soon(rt.track, state)
+        return Lease(state, self)
+
+    def _release(self, s: LeaseState) -> bool:
+        args = [s.lease_id, str(s.token)]
+        try:
+            r = self._eval_once("release", args)
+        except RETRYABLE:
+            self._eval("release", args)  # see AsyncPool._release: a retry counts as released
+            return True
+        except Exception as e:
+            raise translate(e, self.name) from e
+        return int(r[0]) == 1
+
+    def close(self) -> None:
+        """Stop the background thread (held leases are not released: they expire)."""
+        with self._lock:
+            portal, rt, self._portal, self._runtime = self._portal, self._runtime, None, None
+        if portal is not None:
+            try:
+                portal.call(rt.close(), timeout=5)
+                portal.call(rt.redis.aclose(), timeout=5)
+            except Exception:
+                pass
+            portal.stop()
+        if self._owns_client:
+            self.redis.close()
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

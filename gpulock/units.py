@@ -1,0 +1,109 @@
+"""Sizes and durations at the edges of the API.
+
+Amounts are integers of bytes everywhere inside gpulock. At the edges (CLI flags, HTTP
+bodies, config) people write sizes: ``parse_size("4GiB") == 4 * 2**30``. Binary units
+(KiB, MiB, GiB, TiB) are powers of 1024; decimal units (kB, MB, GB, TB) are powers of 1000, as
+in IEC 80000-13; a bare number is bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from .errors import InvalidArgument
+
+__all__ = ["parse_size", "format_size", "parse_seconds"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000, "kb": 1000, "mb": 1000**2, "m": 1000**2, "gb": 1000**3, "g": 1000**3,
+    "tb": 1000**4, "t": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+MAX_BYTES = 2**53 - 1  # largest integer the Lua scripts hold exactly (a double's mantissa)
+
+
+def parse_size(value: int | float | str, *, name: str = "amount") -> int:
+    """Return ``value`` as a positive integer number of bytes.
+
+    Accepts an int (bytes), an integral float, or a string such as ``"4GiB"``, ``"512 MiB"``,
+    ``"1.5GB"`` or ``"1048576"``. Units are case-insensitive.
+
+    Raises:
+        InvalidArgument: for bools, NaN, infinities, zero or negative sizes, fractions of a
+            byte, unknown units, and sizes above 2**53-1 bytes. The message names the value.
+    """
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be a size in bytes, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float):
+        if not math.isfinite(value) or value != int(value):
+            raise InvalidArgument(f"{name} must be a whole number of bytes, got {value!r}")
+        n = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _UNITS:
+            raise InvalidArgument(
+                f"{name} must be a size such as 4GiB, 512MiB or 1048576 (bytes), got {value!r}"
+            )
+        number = float(m.group(1)) if "." in m.group(1) else int(m.group(1))
+        n_exact = number * _UNITS[unit]
+        if n_exact != int(n_exact):
+            raise InvalidArgument(f"{name} must be a whole number of bytes, got {value!r}")
+        n = int(n_exact)
+    else:
+        raise InvalidArgument(f"{name} must be a size in bytes, got {value!r}")
+    if n <= 0:
+        raise InvalidArgument(f"{name} must be positive, got {value!r}")
+    if n > MAX_BYTES:
+        raise InvalidArgument(f"{name} must be at most {MAX_BYTES} bytes, got {value!r}")
+    return n
+
+
+def format_size(n: int) -> str:
+    """``format_size(3 * 2**30) == "3.0GiB"``; bytes below 1 KiB print as ``"512B"``."""
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n}B"
+
+
+def parse_seconds(
+    value: int | float | str | None,
+    *,
+    name: str,
+    minimum: float = 0.0,
+    maximum: float = 86400.0,
+    allow_none: bool = False,
+    allow_zero: bool = False,
+) -> float | None:
+    """Validate a duration in seconds (float). ``None`` passes only with ``allow_none``;
+    zero only with ``allow_zero``; otherwise the value must lie in [minimum, maximum].
+
+    Raises:
+        InvalidArgument: naming the value, for NaN, infinities, bools, non-numbers, and
+            values out of range.
+    """
+    if value is None:
+        if allow_none:
+            return None
+        raise InvalidArgument(f"{name} must be a number of seconds, got None")
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be a number of seconds, got {value!r}")
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"{name} must be a number of seconds, got {value!r}") from None
+    if not math.isfinite(f):
+        raise InvalidArgument(f"{name} must be a finite number of seconds, got {value!r}")
+    if f == 0 and allow_zero:
+        return 0.0
+    if f < minimum or f > maximum:
+        raise InvalidArgument(f"{name} must be between {minimum} and {maximum} seconds, got {value!r}")
+    return f

@@ -1,0 +1,93 @@
+-- acquire.lua: grant a lease now, or queue the request (FIFO) and report its position.
+-- KEYS: the eight pool keys described in lib.lua (cfg, leases, holders, queue, waiters, wexp,
+--       tickets, events).
+-- ARGV:
+--   1 ticket          request id: the idempotency key (1-128 chars of [A-Za-z0-9._:-]). The
+--                     same ticket never holds two places in the queue nor two grants.
+--   2 lease_id        32 hex digits, chosen at random by the client; used if this ticket
+--                     is granted (now or later by a hand-off).
+--   3 amount          bytes, integer, 1 .. capacity
+--   4 ttl_ms          lease time to live, milliseconds, 100 .. 86400000
+--   5 waiter_ttl_ms   how long a queued ticket survives without a refresh, milliseconds
+--   6 mode            'wait' (queue if it cannot be granted now) or 'try' (never queue)
+--   7 meta            holder metadata (opaque string, <= 512 bytes)
+-- Reply:
+--   granted:     {1, lease_id, token, expires_ms, amount, now_ms, epoch, capacity, used}
+--   queued:      {0, position, retry_after_ms, queue_len, now_ms, epoch, capacity, used}
+--   not queued:  {2, 0, retry_after_ms, queue_len, now_ms, epoch, capacity, used}   (mode 'try')
+--   retry_after_ms is the time to the nearest lease expiry (-1 when none): a lower bound on
+--   when the queue can move if nobody releases.
+-- Errors (nothing is written when one is returned):
+--   GPULOCK_BADARG <why>                 an argument is malformed or out of range
+--   GPULOCK_NOPOOL                       the pool has no configuration (never configured, or
+--                                        Redis lost its data)
+--   GPULOCK_CAPACITY <amount> <capacity> the amount can never fit the pool
+--   GPULOCK_QUEUEFULL <queue_len> <max>  the queue is at max_waiters
+--   GPULOCK_CONFLICT <why>               the ticket is in use with another amount, or the
+--                                        lease id is in use by another ticket
+
+local ticket, e = id_arg(ARGV[1], 'ticket'); if e then return e end
+local lid; lid, e = lease_id_arg(ARGV[2]); if e then return e end
+local amount; amount, e = int_arg(ARGV[3], 'amount', 1, MAX_AMOUNT); if e then return e end
+local ttl; ttl, e = int_arg(ARGV[4], 'ttl_ms', MIN_TTL_MS, MAX_TTL_MS); if e then return e end
+local wttl; wttl, e = int_arg(ARGV[5], 'waiter_ttl_ms', MIN_TTL_MS, MAX_TTL_MS); if e then return e end
+local mode = ARGV[6]
+if mode ~= 'wait' and mode ~= 'try' then return bad("mode must be 'wait' or 'try', got " .. show(mode)) end
+local meta; meta, e = meta_arg(ARGV[7]); if e then return e end
+
+if redis.call('EXISTS', K_CFG) == 0 then return redis.error_reply('GPULOCK_NOPOOL') end
+local cap = cfg_num('capacity')
+if amount > cap then
+  return redis.error_reply('GPULOCK_CAPACITY ' .. fmt(amount) .. ' ' .. fmt(cap))
+end
+local held = redis.call('HGET', K_TICKETS, ticket)
+if held then
+  local rec = redis.call('HGET', K_HOLDERS, held)
+  if rec and parse_holder(rec) ~= amount then
+    return redis.error_reply('GPULOCK_CONFLICT request id ' .. ticket .. ' holds a lease of another amount')
+  end
+end
+local w = redis.call('HGET', K_WAITERS, ticket)
+if w and parse_waiter(w) ~= amount then
+  return redis.error_reply('GPULOCK_CONFLICT request id ' .. ticket .. ' is queued for another amount')
+end
+if not held and not w and redis.call('HEXISTS', K_HOLDERS, lid) == 1 then
+  return redis.error_reply('GPULOCK_CONFLICT lease id is already in use')
+end
+
+-- Validation done; writes start here.
+local now = now_ms()
+reap(now)
+publish(now, grant_head(now))
+
+held = redis.call('HGET', K_TICKETS, ticket)
+if held and redis.call('HEXISTS', K_HOLDERS, held) == 1 then
+  return grant_reply(now, held)
+end
+
+local function not_granted(code, pos)
+  return {code, pos, next_expiry_in(now), redis.call('ZCARD', K_QUEUE), now,
+          cfg_num('epoch'), cap, cfg_num('used')}
+end
+
+if redis.call('ZSCORE', K_QUEUE, ticket) then
+  redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
+  return not_granted(0, redis.call('ZRANK', K_QUEUE, ticket) + 1)
+end
+
+local qlen = redis.call('ZCARD', K_QUEUE)
+if qlen == 0 and cfg_num('used') + amount <= cap then
+  make_lease(now, ticket, lid, amount, ttl, meta)
+  return grant_reply(now, lid)
+end
+if mode == 'try' then return not_granted(2, 0) end
+
+local maxw = cfg_num('max_waiters')
+if qlen >= maxw then
+  return redis.error_reply('GPULOCK_QUEUEFULL ' .. fmt(qlen) .. ' ' .. fmt(maxw))
+end
+local seq = redis.call('HINCRBY', K_CFG, 'qseq', 1)
+redis.call('ZADD', K_QUEUE, fmt(seq), ticket)
+redis.call('HSET', K_WAITERS, ticket, fmt(amount) .. '|' .. fmt(ttl) .. '|' .. fmt(now) .. '|' .. lid .. '|' .. meta)
+redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
+return not_granted(0, qlen + 1)

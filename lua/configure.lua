@@ -1,0 +1,39 @@
+-- configure.lua: create a pool, or change its capacity and queue bound.
+-- Creating a pool seeds its fencing counter and its epoch from the server clock in
+-- microseconds, so tokens keep increasing when Redis restarts empty and the pool is made
+-- again (as long as the Redis host's clock does not step back), and clients can tell the new
+-- pool from the old one by its epoch.
+-- KEYS: the eight pool keys described in lib.lua.
+-- ARGV:
+--   1 capacity      bytes, integer, 1 .. 2^53-1
+--   2 max_waiters   queue bound, 1 .. 1000000
+--   3 mode          'set' (create or update) or 'create' (create only; an existing pool is
+--                   left as it is and reported)
+-- Reply: {created (1/0), capacity, epoch, used, max_waiters}
+--   Lowering capacity below `used` is allowed: leases keep their bytes, nothing new is granted
+--   until used falls below the new capacity. Raising it grants waiters that now fit.
+-- Errors (nothing written): GPULOCK_BADARG <why>
+
+local cap, e = int_arg(ARGV[1], 'capacity', 1, MAX_AMOUNT); if e then return e end
+local maxw; maxw, e = int_arg(ARGV[2], 'max_waiters', 1, 1000000); if e then return e end
+local mode = ARGV[3]
+if mode ~= 'set' and mode ~= 'create' then return bad("mode must be 'set' or 'create', got " .. show(mode)) end
+
+local now = now_ms()
+local created = 0
+if redis.call('EXISTS', K_CFG) == 0 then
+  -- Leases without a configuration can only come from a hand-deleted cfg key: count them
+  -- rather than forget them.
+  local used = 0
+  for _, rec in ipairs(redis.call('HVALS', K_HOLDERS)) do used = used + parse_holder(rec) end
+  local us = now_us()
+  redis.call('HSET', K_CFG, 'capacity', fmt(cap), 'max_waiters', fmt(maxw), 'used', fmt(used),
+             'fence', fmt(us), 'epoch', fmt(us), 'qseq', '0', 'created_ms', fmt(now),
+             'grants', '0', 'reaped_leases', '0', 'reaped_waiters', '0')
+  created = 1
+elseif mode == 'set' then
+  redis.call('HSET', K_CFG, 'capacity', fmt(cap), 'max_waiters', fmt(maxw))
+end
+reap(now)
+publish(now, grant_head(now))
+return {created, cfg_num('capacity'), cfg_num('epoch'), cfg_num('used'), cfg_num('max_waiters')}

@@ -1,0 +1,195 @@
+-- lib.lua: helpers shared by every gpulock script. Not a script of its own: the loader
+-- (gpulock/_scripts.py) prepends this file to each operation's file before SCRIPT LOAD, so
+-- every script sees the same KEYS layout and helpers.
+--
+-- KEYS (the same eight, in this order, for every script; one hash tag per pool):
+--   1 gpulock:{pool}:cfg      hash  capacity, used, fence, epoch, qseq, max_waiters, created_ms,
+--                                   grants, reaped_leases, reaped_waiters
+--   2 gpulock:{pool}:leases   zset  lease id -> server expiry (ms)
+--   3 gpulock:{pool}:holders  hash  lease id -> "amount|token|acquired_ms|ttl_ms|ticket|meta"
+--   4 gpulock:{pool}:queue    zset  ticket -> arrival sequence number (FIFO order)
+--   5 gpulock:{pool}:waiters  hash  ticket -> "amount|ttl_ms|enqueued_ms|lease_id|meta"
+--   6 gpulock:{pool}:wexp     zset  ticket -> waiter expiry (ms)
+--   7 gpulock:{pool}:tickets  hash  ticket -> lease id of the grant made to that ticket
+--   8 gpulock:{pool}:events   pub/sub channel; grants are published as
+--                             "g <now_ms>\n<ticket> <lease_id> <token> <expires_ms> <amount>\n..."
+-- Units: amounts in bytes (integers), times in milliseconds of the Redis server clock.
+-- Numbers are always formatted with fmt() before they reach redis.call: Lua would print a
+-- double such as a fencing token as "1.7e+15" and lose digits.
+
+if redis.replicate_commands then redis.replicate_commands() end
+
+local K_CFG, K_LEASES, K_HOLDERS, K_QUEUE, K_WAITERS, K_WEXP, K_TICKETS, K_EVENTS =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+
+local MAX_AMOUNT = 9007199254740991      -- 2^53 - 1: the largest integer a Lua double holds exactly
+local MIN_TTL_MS, MAX_TTL_MS = 100, 86400000
+local MAX_META = 512
+
+local function fmt(n) return string.format('%d', n) end
+
+local function bad(msg) return redis.error_reply('GPULOCK_BADARG ' .. msg) end
+
+local function show(v)
+  if v == nil then return '<missing>' end
+  v = tostring(v)
+  if #v > 64 then v = string.sub(v, 1, 64) .. '...' end
+  return "'" .. v .. "'"
+end
+
+-- Parse a decimal integer argument; returns the number, or nil and an error reply.
+local function int_arg(v, name, lo, hi)
+  if type(v) ~= 'string' or not string.match(v, '^%d+$') or #v > 16 then
+    return nil, bad(name .. ' must be a decimal integer, got ' .. show(v))
+  end
+  local n = tonumber(v)
+  if n < lo or n > hi then
+    return nil, bad(name .. ' must be in [' .. fmt(lo) .. ', ' .. fmt(hi) .. '], got ' .. v)
+  end
+  return n
+end
+
+local function id_arg(v, name)
+  if type(v) ~= 'string' or #v < 1 or #v > 128 or not string.match(v, '^[%w%-_.:]+$') then
+    return nil, bad(name .. ' must be 1-128 characters of [A-Za-z0-9._:-], got ' .. show(v))
+  end
+  return v
+end
+
+local function lease_id_arg(v)
+  if type(v) ~= 'string' or not string.match(v, '^%x+$') or #v ~= 32 then
+    return nil, bad('lease id must be 32 hex digits, got ' .. show(v))
+  end
+  return v
+end
+
+local function meta_arg(v)
+  if type(v) ~= 'string' or #v > MAX_META then
+    return nil, bad('holder metadata must be at most ' .. MAX_META .. ' bytes')
+  end
+  return v
+end
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- holder record: amount|token|acquired_ms|ttl_ms|ticket|meta
+local function parse_holder(rec)
+  local a, tok, acq, ttl, ticket, meta = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)|([^|]*)|(.*)$')
+  return tonumber(a), tok, acq, ttl, ticket, meta
+end
+
+-- waiter record: amount|ttl_ms|enqueued_ms|lease_id|meta
+local function parse_waiter(rec)
+  local a, ttl, enq, lid, meta = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(.*)$')
+  return tonumber(a), tonumber(ttl), enq, lid, meta
+end
+
+local function cfg_num(field)
+  return tonumber(redis.call('HGET', K_CFG, field) or '0')
+end
+
+local function drop_waiter(ticket)
+  redis.call('ZREM', K_QUEUE, ticket)
+  redis.call('HDEL', K_WAITERS, ticket)
+  redis.call('ZREM', K_WEXP, ticket)
+end
+
+-- Remove one lease (by id) and return its bytes to the pool. Returns true if it existed.
+local function drop_lease(lid)
+  local rec = redis.call('HGET', K_HOLDERS, lid)
+  redis.call('ZREM', K_LEASES, lid)
+  if not rec then return false end
+  local amount, _, _, _, ticket = parse_holder(rec)
+  redis.call('HDEL', K_HOLDERS, lid)
+  if ticket and ticket ~= '' then redis.call('HDEL', K_TICKETS, ticket) end
+  redis.call('HINCRBY', K_CFG, 'used', fmt(-amount))
+  return true
+end
+
+-- Reap leases whose server expiry has passed and waiters that stopped refreshing.
+local function reap(now)
+  local nl, nw = 0, 0
+  local dead = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', fmt(now))
+  for _, lid in ipairs(dead) do
+    drop_lease(lid)
+    nl = nl + 1
+  end
+  local gone = redis.call('ZRANGEBYSCORE', K_WEXP, '-inf', fmt(now))
+  for _, t in ipairs(gone) do
+    drop_waiter(t)
+    nw = nw + 1
+  end
+  if nl > 0 then redis.call('HINCRBY', K_CFG, 'reaped_leases', nl) end
+  if nw > 0 then redis.call('HINCRBY', K_CFG, 'reaped_waiters', nw) end
+  return nl, nw
+end
+
+-- Make a lease. Returns token, expiry.
+local function make_lease(now, ticket, lid, amount, ttl, meta)
+  local token = redis.call('HINCRBY', K_CFG, 'fence', 1)
+  local exp = now + ttl
+  redis.call('ZADD', K_LEASES, fmt(exp), lid)
+  redis.call('HSET', K_HOLDERS, lid,
+    fmt(amount) .. '|' .. fmt(token) .. '|' .. fmt(now) .. '|' .. fmt(ttl) .. '|' .. ticket .. '|' .. meta)
+  redis.call('HSET', K_TICKETS, ticket, lid)
+  redis.call('HINCRBY', K_CFG, 'used', fmt(amount))
+  redis.call('HINCRBY', K_CFG, 'grants', 1)
+  return token, exp
+end
+
+-- Server-side hand-off: grant the longest FIFO prefix of the queue that fits, strictly in
+-- order (a head that does not fit blocks those behind it, so none starves). Returns the list
+-- of grant lines for publish().
+local function grant_head(now)
+  local cap = cfg_num('capacity')
+  local used = cfg_num('used')
+  local lines = {}
+  while true do
+    local head = redis.call('ZRANGE', K_QUEUE, 0, 0)
+    if #head == 0 then break end
+    local t = head[1]
+    local w = redis.call('HGET', K_WAITERS, t)
+    if not w then
+      drop_waiter(t)
+    else
+      local amount, ttl, _, lid, meta = parse_waiter(w)
+      if used + amount > cap then break end
+      drop_waiter(t)
+      local token, exp = make_lease(now, t, lid, amount, ttl, meta)
+      used = used + amount
+      lines[#lines + 1] = t .. ' ' .. lid .. ' ' .. fmt(token) .. ' ' .. fmt(exp) .. ' ' .. fmt(amount)
+    end
+  end
+  return lines
+end
+
+local function publish(now, lines)
+  if #lines > 0 then
+    redis.call('PUBLISH', K_EVENTS, 'g ' .. fmt(now) .. '\n' .. table.concat(lines, '\n'))
+  end
+end
+
+-- Milliseconds until the nearest lease expiry (-1 when there is no lease).
+local function next_expiry_in(now)
+  local first = redis.call('ZRANGE', K_LEASES, 0, 0, 'WITHSCORES')
+  if #first == 0 then return -1 end
+  local d = tonumber(first[2]) - now
+  if d < 0 then d = 0 end
+  return d
+end
+
+local function grant_reply(now, lid)
+  local rec = redis.call('HGET', K_HOLDERS, lid)
+  local amount, token = parse_holder(rec)
+  local exp = redis.call('ZSCORE', K_LEASES, lid)
+  return {1, lid, tonumber(token), tonumber(exp), amount, now,
+          cfg_num('epoch'), cfg_num('capacity'), cfg_num('used')}
+end

@@ -1,0 +1,76 @@
+-- renew.lua: one process's heartbeat, batched: extend its leases and refresh its waiters in
+-- one round trip (the cost does not grow with the number of leases a process holds). Renewal
+-- never re-acquires: a lease that has expired or is unknown is reported lost and not recreated.
+-- The waiter part doubles as the backstop re-poll: a ticket granted by a hand-off whose
+-- pub/sub message was missed gets its grant here.
+-- KEYS: the eight pool keys described in lib.lua.
+-- ARGV:
+--   1 n_leases         count of lease triples that follow
+--   then n_leases x    lease_id, token, ttl_ms   (new expiry = now + ttl_ms)
+--   then n_tickets     count of ticket pairs that follow
+--   then n_tickets x   ticket, waiter_ttl_ms     (new waiter expiry = now + waiter_ttl_ms)
+-- Reply: {now_ms, epoch (0: pool not configured), lease_results, ticket_results}
+--   lease_results:  one per lease, in order: new expires_ms, or 0 when lost
+--   ticket_results: one per ticket, in order:
+--     {'q', position}                                 still queued (expiry refreshed)
+--     {'g', lease_id, token, expires_ms, amount}      granted
+--     {'x'}                                           unknown (expired from the queue, cancelled)
+-- Errors (nothing written): GPULOCK_BADARG <why>
+
+local n, e = int_arg(ARGV[1], 'n_leases', 0, 100000); if e then return e end
+local leases = {}
+local i = 2
+for k = 1, n do
+  local lid; lid, e = lease_id_arg(ARGV[i]); if e then return e end
+  local tok; tok, e = int_arg(ARGV[i + 1], 'token', 0, MAX_AMOUNT); if e then return e end
+  local ttl; ttl, e = int_arg(ARGV[i + 2], 'ttl_ms', MIN_TTL_MS, MAX_TTL_MS); if e then return e end
+  leases[k] = {lid, tok, ttl}
+  i = i + 3
+end
+local m; m, e = int_arg(ARGV[i], 'n_tickets', 0, 100000); if e then return e end
+i = i + 1
+local tickets = {}
+for k = 1, m do
+  local t; t, e = id_arg(ARGV[i], 'ticket'); if e then return e end
+  local wttl; wttl, e = int_arg(ARGV[i + 1], 'waiter_ttl_ms', MIN_TTL_MS, MAX_TTL_MS); if e then return e end
+  tickets[k] = {t, wttl}
+  i = i + 2
+end
+
+local now = now_ms()
+local lres, tres = {}, {}
+if redis.call('EXISTS', K_CFG) == 0 then
+  for k = 1, n do lres[k] = 0 end
+  for k = 1, m do tres[k] = {'x'} end
+  return {now, 0, lres, tres}
+end
+reap(now)
+publish(now, grant_head(now))
+
+for k, l in ipairs(leases) do
+  lres[k] = 0
+  local rec = redis.call('HGET', K_HOLDERS, l[1])
+  if rec then
+    local _, tok = parse_holder(rec)
+    if tonumber(tok) == l[2] then
+      redis.call('ZADD', K_LEASES, 'XX', fmt(now + l[3]), l[1])
+      lres[k] = now + l[3]
+    end
+  end
+end
+for k, tw in ipairs(tickets) do
+  local t = tw[1]
+  if redis.call('ZSCORE', K_QUEUE, t) then
+    redis.call('ZADD', K_WEXP, fmt(now + tw[2]), t)
+    tres[k] = {'q', redis.call('ZRANK', K_QUEUE, t) + 1}
+  else
+    local lid = redis.call('HGET', K_TICKETS, t)
+    if lid and redis.call('HEXISTS', K_HOLDERS, lid) == 1 then
+      local g = grant_reply(now, lid)
+      tres[k] = {'g', lid, g[3], g[4], g[5]}
+    else
+      tres[k] = {'x'}
+    end
+  end
+end
+return {now, cfg_num('epoch'), lres, tres}

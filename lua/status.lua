@@ -1,0 +1,46 @@
+-- status.lua: a consistent snapshot of one pool (after reaping, so `used` counts only live
+-- leases and the queue only live waiters).
+-- KEYS: the eight pool keys described in lib.lua.
+-- ARGV:
+--   1 limit   the most leases and the most waiters to list (0 .. 100000); counts are exact
+-- Reply:
+--   {0, now_ms} when the pool has no configuration, else
+--   {1, now_ms, capacity, used, epoch, fence, max_waiters, n_leases, n_waiters,
+--    grants, reaped_leases, reaped_waiters,
+--    leases  = {{lease_id, amount, token, expires_ms, acquired_ms, ttl_ms, ticket, meta}, ...}
+--              (soonest expiry first),
+--    waiters = {{ticket, amount, enqueued_ms, waiter_expires_ms, meta}, ...}  (queue order)}
+-- Errors (nothing written): GPULOCK_BADARG <why>
+
+local limit, e = int_arg(ARGV[1], 'limit', 0, 100000); if e then return e end
+local now = now_ms()
+if redis.call('EXISTS', K_CFG) == 0 then return {0, now} end
+reap(now)
+publish(now, grant_head(now))
+
+local leases = {}
+if limit > 0 then
+  local ids = redis.call('ZRANGE', K_LEASES, 0, limit - 1, 'WITHSCORES')
+  for j = 1, #ids, 2 do
+    local rec = redis.call('HGET', K_HOLDERS, ids[j])
+    if rec then
+      local amount, tok, acq, ttl, ticket, meta = parse_holder(rec)
+      leases[#leases + 1] = {ids[j], amount, tonumber(tok), tonumber(ids[j + 1]), tonumber(acq),
+                             tonumber(ttl), ticket, meta}
+    end
+  end
+end
+local waiters = {}
+if limit > 0 then
+  local ts = redis.call('ZRANGE', K_QUEUE, 0, limit - 1)
+  for _, t in ipairs(ts) do
+    local rec = redis.call('HGET', K_WAITERS, t)
+    if rec then
+      local amount, _, enq, _, meta = parse_waiter(rec)
+      waiters[#waiters + 1] = {t, amount, tonumber(enq), tonumber(redis.call('ZSCORE', K_WEXP, t) or '0'), meta}
+    end
+  end
+end
+return {1, now, cfg_num('capacity'), cfg_num('used'), cfg_num('epoch'), cfg_num('fence'),
+        cfg_num('max_waiters'), redis.call('ZCARD', K_LEASES), redis.call('ZCARD', K_QUEUE),
+        cfg_num('grants'), cfg_num('reaped_leases'), cfg_num('reaped_waiters'), leases, waiters}
