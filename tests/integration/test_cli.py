@@ -1,0 +1,355 @@
+"""The ``gpulock`` command line, run as a real process against a real Redis on a free port.
+
+Every invocation gets ``GPULOCK_REDIS_URL`` set to the test's server, so nothing here can reach
+a Redis on 6379.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from gpulock import AcquireTimeout, Pool
+from gpulock.cli import EXIT_CAPACITY, EXIT_NO_POOL, EXIT_TEMPFAIL, EXIT_UNAVAILABLE
+from gpulock.embedded import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+GiB = 2**30
+
+
+def gpulock_argv() -> list[str]:
+    """The installed console script next to this interpreter, else the module's main()."""
+    script = Path(sys.executable).with_name("gpulock")
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from gpulock.cli import main; sys.exit(main())"]
+
+
+def cli(url: str, *args: str, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GPULOCK_REDIS_URL": url}
+    env.pop("COLUMNS", None)
+    return subprocess.run([*gpulock_argv(), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def start(url: str, *args: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "GPULOCK_REDIS_URL": url}
+    return subprocess.Popen([*gpulock_argv(), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def snapshot(url: str) -> dict:
+    """Every key and its DUMP, to show that a refused command changed nothing."""
+    c = redis.Redis.from_url(url)
+    try:
+        return {k: c.dump(k) for k in sorted(c.keys("*"))}
+    finally:
+        c.close()
+
+
+def status_json(url: str, name: str) -> dict:
+    r = cli(url, "status", name, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def wait_for(pred, timeout: float = 10.0, every: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+@pytest.fixture
+def url(redis_proc1):
+    return redis_proc1.url
+
+
+# ---- pool set / status -----------------------------------------------------------------------
+def test_pool_set_and_status_round_trip(redis_proc):
+    url = redis_proc.url
+    r = cli(url, "pool", "set", "gpu0", "--capacity", "8GiB")
+    assert r.returncode == 0, r.stderr
+    assert "created" in r.stdout and "8.0GiB" in r.stdout and str(8 * GiB) in r.stdout
+    st = status_json(url, "gpu0")
+    assert (st["pool"], st["capacity"], st["used"], st["free"]) == ("gpu0", 8 * GiB, 0, 8 * GiB)
+    assert st["max_waiters"] == 10000 and st["leases"] == [] and st["waiters"] == []
+
+    r = cli(url, "pool", "set", "gpu0", "--capacity", "4GiB", "--max-waiters", "7", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"pool": "gpu0", "created": 0, "capacity": 4 * GiB,
+                                    "epoch": st["epoch"], "used": 0, "max_waiters": 7}
+    # Without --max-waiters the current bound is kept.
+    r = cli(url, "pool", "set", "gpu0", "--capacity", "6GiB")
+    assert r.returncode == 0 and "updated" in r.stdout, r
+    st = status_json(url, "gpu0")
+    assert (st["capacity"], st["max_waiters"]) == (6 * GiB, 7)
+
+    # A lease and a waiter show up with holder metadata, in the table and in JSON.
+    assert cli(url, "pool", "set", "gpu1", "--capacity", "1GiB").returncode == 0
+    with Pool.from_url(url, "gpu0") as pool:
+        lease = pool.acquire("5GiB", ttl=30, holder={"purpose": "train-llama"})
+        waiter_err: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                pool.acquire("2GiB", timeout=8, holder={"purpose": "eval-job"}).release()
+            except AcquireTimeout as e:
+                waiter_err.append(e)
+
+        th = threading.Thread(target=wait)
+        th.start()
+        try:
+            st = wait_for(lambda: (s := status_json(url, "gpu0"))["waiters"] and s)
+            assert (st["used"], st["free"], st["lease_count"], st["waiter_count"]) == (5 * GiB, GiB, 1, 1)
+            (li,) = st["leases"]
+            assert li["lease_id"] == lease.id and li["token"] == lease.token and li["amount"] == 5 * GiB
+            assert li["holder"]["purpose"] == "train-llama" and li["holder"]["pid"] == os.getpid()
+            assert 25 < li["expires_in"] <= 30 and li["ttl"] == 30.0
+            (w,) = st["waiters"]
+            assert (w["position"], w["amount"], w["holder"]["purpose"]) == (1, 2 * GiB, "eval-job")
+            assert 0 <= w["waited"] < 8
+
+            r = cli(url, "status", "gpu0")
+            assert r.returncode == 0, r.stderr
+            out = r.stdout
+            assert "capacity 6.0GiB, used 5.0GiB" in out and "free 1.0GiB" in out
+            assert lease.id[:8] in out and str(lease.token) in out and "train-llama" in out
+            assert str(os.getpid()) in out and "expires in" in out
+            assert "position" in out and "eval-job" in out and "2.0GiB" in out
+
+            r = cli(url, "status", "--json")  # all pools
+            assert r.returncode == 0, r.stderr
+            assert [p["pool"] for p in json.loads(r.stdout)] == ["gpu0", "gpu1"]
+            r = cli(url, "status")
+            assert "pool gpu0" in r.stdout and "pool gpu1" in r.stdout
+        finally:
+            lease.release()
+            th.join()
+    assert not waiter_err  # granted after the release
+    assert status_json(url, "gpu0")["used"] == 0
+
+
+def test_status_of_missing_pool_and_empty_redis(url):
+    r = cli(url, "status")
+    assert r.returncode == 0 and "no pools" in r.stdout
+    r = cli(url, "status", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout) == []
+    r = cli(url, "status", "nope")
+    assert r.returncode == EXIT_NO_POOL
+    assert r.stdout == "" and "'nope' is not configured" in r.stderr
+
+
+@pytest.mark.parametrize("bad", ["8XB", "0", "-1GiB", "nan", "1.5B", "abc", "", "1e9", "9007199254740992"])
+def test_bad_sizes_are_refused_and_change_nothing(url, bad):
+    assert cli(url, "pool", "set", "gpu0", "--capacity", "2GiB").returncode == 0
+    before = snapshot(url)
+    r = cli(url, "pool", "set", "gpu0", "--capacity", bad)
+    assert r.returncode == 2
+    assert repr(bad) in r.stderr and "--capacity" in r.stderr, r.stderr
+    r = cli(url, "run", "--pool", "gpu0", "--amount", bad, "--", "true")
+    assert r.returncode == 2
+    assert repr(bad) in r.stderr and "--amount" in r.stderr, r.stderr
+    assert snapshot(url) == before
+
+
+@pytest.mark.parametrize("args", [
+    ["pool", "set", "a{b}", "--capacity", "1GiB"],
+    ["pool", "set", "a:b", "--capacity", "1GiB"],
+    ["pool", "set", "gpu0", "--capacity", "1GiB", "--max-waiters", "0"],
+    ["run", "--pool", "a b", "--amount", "1GiB", "--", "true"],
+    ["run", "--pool", "gpu0", "--amount", "1GiB", "--ttl", "0", "--", "true"],
+    ["run", "--pool", "gpu0", "--amount", "1GiB", "--ttl", "nan", "--", "true"],
+    ["run", "--pool", "gpu0", "--amount", "1GiB", "--timeout", "-1", "--", "true"],
+    ["run", "--pool", "gpu0", "--amount", "1GiB"],
+])
+def test_bad_arguments_exit_2_and_change_nothing(url, args):
+    assert cli(url, "pool", "set", "gpu0", "--capacity", "2GiB").returncode == 0
+    before = snapshot(url)
+    r = cli(url, *args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stdout == "" or "Usage" in r.stdout
+    assert snapshot(url) == before
+
+
+# ---- run ---------------------------------------------------------------------------------------
+PRINT_ENV = textwrap.dedent("""
+    import json, os, sys
+    print(json.dumps({k: os.environ.get(k) for k in
+                      ("GPULOCK_LEASE_ID", "GPULOCK_FENCING_TOKEN", "GPULOCK_POOL", "GPULOCK_AMOUNT")}))
+    sys.stdout.flush()
+    sys.exit(int(sys.argv[1]))
+""")
+
+
+def test_run_passes_env_returns_status_and_keeps_stdout_clean(url):
+    assert cli(url, "pool", "set", "gpu0", "--capacity", "8GiB").returncode == 0
+    fence_before = status_json(url, "gpu0")["fence"]
+    r = cli(url, "run", "--pool", "gpu0", "--amount", "3GiB", "--", sys.executable, "-c", PRINT_ENV, "7")
+    assert r.returncode == 7, r.stderr
+    env = json.loads(r.stdout)  # stdout is exactly CMD's one line
+    assert r.stdout.count("\n") == 1
+    assert env["GPULOCK_POOL"] == "gpu0" and env["GPULOCK_AMOUNT"] == str(3 * GiB)
+    assert len(env["GPULOCK_LEASE_ID"]) == 32 and int(env["GPULOCK_LEASE_ID"], 16) >= 0
+    assert int(env["GPULOCK_FENCING_TOKEN"]) == fence_before + 1
+    st = status_json(url, "gpu0")
+    assert st["used"] == 0 and st["leases"] == [] and st["grants"] == 1
+
+    r = cli(url, "run", "--pool", "gpu0", "--amount", "1GiB", "--", sys.executable, "-c", PRINT_ENV, "0")
+    assert r.returncode == 0
+    assert int(json.loads(r.stdout)["GPULOCK_FENCING_TOKEN"]) == fence_before + 2
+
+
+def test_run_waits_in_queue_messages_on_stderr_only(url):
+    assert cli(url, "pool", "set", "gpu0", "--capacity", "4GiB").returncode == 0
+    with Pool.from_url(url, "gpu0") as pool:
+        lease = pool.acquire("3GiB", ttl=30)
+        p = start(url, "run", "--pool", "gpu0", "--amount", "2GiB", "--purpose", "queued-job", "--",
+                  sys.executable, "-c", "print('hello from cmd')")
+        try:
+            st = wait_for(lambda: (s := status_json(url, "gpu0"))["waiters"] and s)
+            assert st["waiters"][0]["holder"]["purpose"] == "queued-job"
+            time.sleep(0.2)
+        finally:
+            lease.release()
+        out, err = p.communicate(timeout=20)
+    assert p.returncode == 0, err
+    assert out == "hello from cmd\n"
+    assert "position 1" in err and "granted" in err
+    assert all(line.startswith("gpulock: ") for line in err.splitlines()), err
+    assert status_json(url, "gpu0")["used"] == 0
+
+
+def test_run_reports_signal_death_as_128_plus_n(url):
+    assert cli(url, "pool", "set", "gpu0", "--capacity", "1GiB").returncode == 0
+    r = cli(url, "run", "-p", "gpu0", "-a", "1MiB", "--", sys.executable, "-c",
+            "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    assert r.returncode == 128 + signal.SIGKILL
+    assert status_json(url, "gpu0")["used"] == 0
+
+
+def test_run_timeout_exits_75_and_leaves_nothing(url, tmp_path):
+    assert cli(url, "pool", "set", "gpu0", "--capacity", "4GiB").returncode == 0
+    marker = tmp_path / "ran"
+    with Pool.from_url(url, "gpu0") as pool:
+        lease = pool.acquire("4GiB", ttl=30)
+        try:
+            t0 = time.monotonic()
+            r = cli(url, "run", "--pool", "gpu0", "--amount", "1GiB", "--timeout", "0.5", "--",
+                    "touch", str(marker))
+            took = time.monotonic() - t0
+            assert r.returncode == EXIT_TEMPFAIL == 75
+            assert "no lease of 1.0GiB on pool 'gpu0' within 0.5s" in r.stderr
+            assert r.stdout == "" and not marker.exists() and took < 10
+            # --timeout 0: try once.
+            r = cli(url, "run", "--pool", "gpu0", "--amount", "1GiB", "--timeout", "0", "--", "touch", str(marker))
+            assert r.returncode == 75 and not marker.exists()
+            st = status_json(url, "gpu0")
+            assert (st["used"], st["waiter_count"], st["lease_count"]) == (4 * GiB, 0, 1)
+        finally:
+            lease.release()
+
+
+def test_run_error_exit_codes(url, tmp_path):
+    assert cli(url, "pool", "set", "gpu0", "--capacity", "1GiB").returncode == 0
+    marker = tmp_path / "ran"
+    r = cli(url, "run", "-p", "gpu0", "-a", "2GiB", "--", "touch", str(marker))
+    assert r.returncode == EXIT_CAPACITY
+    assert "exceeds the pool's capacity" in r.stderr and len(r.stderr.splitlines()) == 1
+    r = cli(url, "run", "-p", "nope", "-a", "1MiB", "--", "touch", str(marker))
+    assert r.returncode == EXIT_NO_POOL and "'nope' is not configured" in r.stderr
+    r = cli(url, "run", "-p", "gpu0", "-a", "1MiB", "--", "no-such-command-xyz")
+    assert r.returncode == 127 and "command not found" in r.stderr
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    r = cli(dead, "run", "-p", "gpu0", "-a", "1MiB", "--", "touch", str(marker))
+    assert r.returncode == EXIT_UNAVAILABLE and "unavailable" in r.stderr
+    r = cli(dead, "status")
+    assert r.returncode == EXIT_UNAVAILABLE
+    assert not marker.exists()
+    assert status_json(url, "gpu0")["used"] == 0
+
+
+TRAP_TERM = textwrap.dedent("""
+    import os, signal, sys, time
+    marker = sys.argv[1]
+    def on_term(signum, frame):
+        with open(marker, "a") as f:
+            f.write(f"TERM {os.getpid()}\\n")
+        sys.exit(42)
+    signal.signal(signal.SIGTERM, on_term)
+    with open(marker + ".ready", "w") as f:
+        f.write(str(os.getpid()))
+    while True:
+        time.sleep(0.05)
+""")
+
+
+def test_run_forwards_sigterm_to_cmd(url, tmp_path):
+    assert cli(url, "pool", "set", "gpu0", "--capacity", "1GiB").returncode == 0
+    marker = tmp_path / "m"
+    p = start(url, "run", "-p", "gpu0", "-a", "1MiB", "--", sys.executable, "-c", TRAP_TERM, str(marker))
+    wait_for(lambda: Path(str(marker) + ".ready").exists())
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=10)
+    assert p.returncode == 42, err  # CMD's own status after handling the forwarded TERM
+    assert marker.read_text().startswith("TERM")
+    assert status_json(url, "gpu0")["used"] == 0
+
+
+def test_run_interrupted_while_waiting_leaves_the_queue(url, tmp_path):
+    assert cli(url, "pool", "set", "gpu0", "--capacity", "1GiB").returncode == 0
+    marker = tmp_path / "ran"
+    with Pool.from_url(url, "gpu0") as pool:
+        lease = pool.acquire("1GiB", ttl=30)
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                p = start(url, "run", "-p", "gpu0", "-a", "1MiB", "--", "touch", str(marker))
+                wait_for(lambda: status_json(url, "gpu0")["waiter_count"] == 1)
+                p.send_signal(sig)
+                out, err = p.communicate(timeout=10)
+                assert p.returncode == 128 + sig, err
+                assert "nothing is held" in err
+                assert status_json(url, "gpu0")["waiter_count"] == 0
+        finally:
+            lease.release()
+    assert not marker.exists()
+    assert status_json(url, "gpu0")["used"] == 0
+
+
+def test_extras_hook_registers_and_tolerates_absence(monkeypatch):
+    """``gpulock_service.cli.register(app)`` is called when present; without it the CLI works."""
+    import types
+
+    import gpulock.cli as cli_mod
+
+    seen = []
+    fake = types.ModuleType("gpulock_service.cli")
+    fake.register = lambda app: seen.append(app)
+    monkeypatch.setitem(sys.modules, "gpulock_service.cli", fake)
+    cli_mod._register_extras()
+    assert seen == [cli_mod.app]
+    monkeypatch.setitem(sys.modules, "gpulock_service.cli", None)  # import now raises ImportError
+    cli_mod._register_extras()
+    assert seen == [cli_mod.app]
+
+
+def test_run_long_unicode_command_line_fits_holder_metadata(url):
+    assert cli(url, "pool", "set", "gpu0", "--capacity", "1GiB").returncode == 0
+    long_arg = "é" * 2000
+    r = cli(url, "run", "-p", "gpu0", "-a", "1MiB", "--", sys.executable, "-c",
+            "import json, subprocess, sys; print('ok')", long_arg)
+    assert r.returncode == 0 and r.stdout == "ok\n", r.stderr
