@@ -20,6 +20,7 @@ from ._protocol import (
     Grant,
     LeaseBase,
     LeaseState,
+    NotGranted,
     PoolStatus,
     decode_acquire,
     decode_status,
@@ -233,6 +234,7 @@ class AsyncPool:
         # True while the server may hold a place or a grant for this ticket that we would
         # otherwise leave behind: from sending the acquire until we return a lease.
         needs_cancel = True
+        joined: Waiter | None = None
         try:
             try:
                 res, sent = await self._acquire_call(req, argv)
@@ -250,30 +252,37 @@ class AsyncPool:
                     f"{res.queue_length} waiting, {res.used}/{res.capacity} bytes used)",
                     queue_length=res.queue_length,
                     retry_after=res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None)
-            fut = asyncio.get_running_loop().create_future()
-            rt.add_waiter(Waiter(req.ticket, fut, argv, ttl_ms(req.waiter_ttl_s), res.position, on_queued))
+            joined = rt.join_waiter(Waiter(req.ticket, asyncio.get_running_loop().create_future(), argv,
+                                           ttl_ms(req.waiter_ttl_s), res.position, on_queued))
+            fut = joined.future
             rt.set_reap_timer(self.clock(), res.retry_after_ms)
             if on_queued:
                 on_queued(res.position)
             remaining = None if req.timeout_s is None else max(0.0, req.timeout_s - (self.clock() - start))
-            try:
-                grant = await asyncio.wait_for(fut, remaining)
-            except asyncio.TimeoutError:
+            # asyncio.wait, not wait_for: before Python 3.12, wait_for returns the result when
+            # the task is cancelled in the loop iteration the grant lands in, swallowing the
+            # cancellation (the caller would run its GPU work in a cancelled request). wait
+            # raises CancelledError then, and the finally below releases the grant.
+            done, _ = await asyncio.wait((fut,), timeout=remaining)
+            if not done:
                 w = rt.waiters.get(req.ticket)
                 pos = w.position if w else res.position
                 raise AcquireTimeout(
                     f"pool {self.name!r}: no grant of {req.amount} bytes within {req.timeout_s}s "
                     f"(position {pos} of {res.queue_length}+)", position=pos, queue_length=res.queue_length,
                     retry_after=res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None,
-                    waited=self.clock() - start) from None
+                    waited=self.clock() - start)
+            try:
+                grant = fut.result()
             except Exception as e:
                 raise translate(e, self.name) from e
             lease = self._make_lease(grant, req, rt.deadline_for(grant))
             needs_cancel = False
             return lease
         finally:
-            rt.remove_waiter(req.ticket)
-            if needs_cancel:
+            if joined is not None:
+                rt.leave_waiter(joined)
+            if needs_cancel and not rt.ticket_in_use(req.ticket):
                 # Leave the queue and release a grant that raced in (or whose reply we never
                 # read), even if we are being cancelled again meanwhile.
                 task = rt.spawn(self._cancel(req.ticket))
@@ -306,8 +315,9 @@ class AsyncPool:
             pass  # unreachable Redis: the waiter expires after waiter_ttl, a grant after ttl
 
     def _make_lease(self, grant: Grant, req: AcquireRequest, valid_until: float) -> AsyncLease:
-        state = LeaseState(self.name, grant, req.ttl_s, valid_until, self.clock)
-        self._runtime.track(state)
+        state, new = self._runtime.state_for(grant, req.ttl_s, valid_until)
+        if new:
+            self._runtime.track(state)
         return AsyncLease(state, self)
 
     async def _release(self, s: LeaseState) -> bool:
@@ -322,6 +332,117 @@ class AsyncPool:
         except Exception as e:
             raise translate(e, self.name) from e
         return int(r[0]) == 1
+
+    # ---- remote holders (for proxies such as the HTTP broker) ----------------------------
+    # A proxy acquires for clients on other hosts, which renew and release through it. So a
+    # grant returned here is *not* heartbeated by this process (the remote client renews it,
+    # or it expires after its ttl), and a queued request keeps its place across the client's
+    # retries: this pool's runtime refreshes it and catches its grant (one pub/sub connection
+    # for all of them; no task, thread or connection per request) until `wait_remote` hands
+    # the grant over or `cancel_remote` withdraws it. The caller must do one of the two.
+
+    async def enqueue_remote(self, amount: int | str, *, request_id: str, ttl: float | None = None,
+                             holder: dict[str, Any] | None = None, queue: bool = True) -> Grant | NotGranted:
+        """Send one acquire for ``request_id`` on behalf of a remote holder.
+
+        Idempotent by ``request_id``: sending it again refreshes the place and returns the
+        current position, or the grant made to it meanwhile (with the server's current time
+        as ``now_ms``, so ``expires_ms - now_ms`` is the time left).
+
+        Args: as :meth:`acquire`; ``queue=False`` never queues (``timeout=0`` there).
+
+        Returns: a :class:`Grant` (server-clock milliseconds), or a :class:`NotGranted` with
+            ``position``, ``queue_length`` and ``retry_after_ms`` (to the nearest lease expiry,
+            -1 when none); when ``queued`` the place is kept here until `wait_remote` returns
+            its grant or `cancel_remote` is called.
+
+        Raises: InvalidArgument, CapacityExceeded, PoolNotFound, QueueFull, BackendUnavailable.
+        """
+        req = AcquireRequest.build(self.name, amount, ttl=ttl, timeout=None, holder=holder,
+                                   request_id=request_id, waiter_ttl=self.waiter_ttl, default_ttl=self.default_ttl)
+        rt = self._runtime
+        if queue:
+            await rt.ensure_subscribed()
+        argv = req.argv("wait" if queue else "try")
+        res, _ = await self._acquire_call(req, argv)
+        w = rt.waiters.get(req.ticket)
+        if isinstance(res, Grant):
+            if w is not None:  # granted meanwhile: hand it to concurrent wait_remote calls too
+                rt.remove_waiter(req.ticket)
+                if not w.future.done():
+                    w.future.set_result(res)
+        elif res.queued:
+            if w is None or w.future.done():
+                fut = asyncio.get_running_loop().create_future()
+                rt.add_waiter(Waiter(req.ticket, fut, argv, ttl_ms(req.waiter_ttl_s), res.position))
+            else:
+                w.position = res.position
+            rt.set_reap_timer(self.clock(), res.retry_after_ms)
+        return res
+
+    async def wait_remote(self, request_id: str, timeout: float) -> Grant | None:
+        """Wait up to ``timeout`` seconds for the grant of a request queued by
+        :meth:`enqueue_remote`. Returns the grant (and stops tracking the request here), or
+        None when the timeout passes or the request is not queued here; the place is kept.
+
+        Raises: BackendUnavailable (re-queueing a request the server had dropped failed)."""
+        rt = self._runtime
+        w = rt.waiters.get(request_id)
+        if w is None:
+            return None
+        done, _ = await asyncio.wait((w.future,), timeout=timeout)
+        if not done:
+            return None
+        if rt.waiters.get(request_id) is w:
+            rt.remove_waiter(request_id)
+        try:
+            return w.future.result()
+        except Exception as e:
+            raise translate(e, self.name) from e
+
+    async def cancel_remote(self, request_id: str) -> int:
+        """Withdraw a request: leave the queue, or release the grant made to it. Idempotent.
+        Returns 0 (nothing to do), 1 (left the queue) or 2 (its grant was released).
+
+        Raises: InvalidArgument, BackendUnavailable."""
+        from ._protocol import validate_request_id
+
+        self._runtime.remove_waiter(request_id)
+        r = await self._eval("cancel", [validate_request_id(request_id)])
+        return int(r[0])
+
+    async def renew_remote(self, lease_id: str, token: int, ttl: float) -> tuple[int, int]:
+        """Extend a remote holder's lease to ``ttl`` seconds from now (server clock). Never
+        re-acquires. Returns ``(expires_ms, server_now_ms)``.
+
+        Raises: LeaseLost (expired, released, unknown, or another token), InvalidArgument,
+        BackendUnavailable."""
+        from ._protocol import MAX_TTL_S, MIN_TTL_S
+        from .units import parse_seconds
+
+        ttl_s = parse_seconds(ttl, name="ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+        r = await self._eval("renew", ["1", lease_id, str(int(token)), str(ttl_ms(ttl_s)), "0"])
+        expires_ms = int(r[2][0])
+        if expires_ms <= 0:
+            raise LeaseLost(lease_id, "the pool's configuration is gone (Redis restarted without its data?)"
+                            if int(r[1]) == 0 else "the server no longer has it (it expired, or was released)")
+        return expires_ms, int(r[0])
+
+    async def release_remote(self, lease_id: str, token: int) -> tuple[bool, int]:
+        """Release a remote holder's lease. Returns ``(released, server_now_ms)``; False: the
+        server no longer had it (lost), and nothing of others was freed. A retry after a
+        connection error counts as released, as in :meth:`AsyncLease.release`.
+
+        Raises: InvalidArgument, BackendUnavailable."""
+        args = [lease_id, str(int(token))]
+        try:
+            r = await self._eval_once("release", args)
+        except RETRYABLE:
+            r = await self._eval("release", args)
+            return True, int(r[1])
+        except Exception as e:
+            raise translate(e, self.name) from e
+        return int(r[0]) == 1, int(r[1])
 
     async def aclose(self) -> None:
         """Stop the heartbeat and listener (held leases are not released: they expire)."""

@@ -34,8 +34,8 @@ from .units import MAX_BYTES, parse_seconds, parse_size
 log = logging.getLogger("gpulock")
 
 KEY_PREFIX = "gpulock"
-_POOL_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_TICKET_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_POOL_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_TICKET_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_META_BYTES = 512
 
 # Lease and waiter timing (seconds). Sources: etcd and Redisson renew at ttl/3, which survives
@@ -58,7 +58,7 @@ SAFETY_MARGIN_S = 0.05
 def validate_pool_name(name: object) -> str:
     """Pool names: 1-64 characters of ``[A-Za-z0-9._-]``. No braces (they would break the
     hash tag), colons (the key separator) or spaces."""
-    if not isinstance(name, str) or not _POOL_RE.match(name):
+    if not isinstance(name, str) or not _POOL_RE.fullmatch(name):
         raise InvalidArgument(
             f"pool name must be 1-64 characters of [A-Za-z0-9._-], got {name!r}"
         )
@@ -66,7 +66,7 @@ def validate_pool_name(name: object) -> str:
 
 
 def validate_request_id(rid: object) -> str:
-    if not isinstance(rid, str) or not _TICKET_RE.match(rid):
+    if not isinstance(rid, str) or not _TICKET_RE.fullmatch(rid):
         raise InvalidArgument(
             f"request_id must be 1-128 characters of [A-Za-z0-9._:-], got {rid!r}"
         )

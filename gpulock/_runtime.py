@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -44,6 +47,7 @@ class Waiter:
     waiter_ttl_ms: int
     position: int
     on_position: Callable[[int], Any] | None = None
+    users: int = 1  # local acquires sharing this ticket (one request id used concurrently)
 
 
 class Runtime:
@@ -65,6 +69,9 @@ class Runtime:
         self._subscribed: asyncio.Event | None = None
         self._background: set[asyncio.Task] = set()
         self._closed = False
+        self._states: weakref.WeakValueDictionary[str, LeaseState] = weakref.WeakValueDictionary()
+        self._states_lock = threading.Lock()  # the sync shell makes leases on caller threads
+        self._unclaimed: OrderedDict[str, Grant] = OrderedDict()  # grants that beat their waiter
 
     # ---- clock -------------------------------------------------------------------------
     def observe(self, sent: float, now_ms: int) -> None:
@@ -113,13 +120,31 @@ class Runtime:
     def track(self, state: LeaseState) -> None:
         self.leases[state.lease_id] = state
         self._ensure_ticker()
+        self._arm_deadline(state)
         self._poke()
+
+    def _arm_deadline(self, s: LeaseState) -> None:
+        """Mark the lease lost (firing on_lost) at its local validity deadline, on a timer of
+        its own: the ticker may sit in a renew call to a hung Redis until the socket timeout,
+        which can be longer than the ttl (DESIGN invariant 5: lost before the server says so)."""
+        if s.released or s.lost_reason is not None or self.leases.get(s.lease_id) is not s:
+            return
+        delay = s.valid_until - self.clock()
+        if delay > 0:
+            asyncio.get_running_loop().call_later(delay, self._arm_deadline, s)
+            return
+        s.mark_lost("no successful renewal before the local validity deadline "
+                    "(Redis unreachable or too slow, or this process was paused)")
+        self.leases.pop(s.lease_id, None)
 
     def untrack(self, lease_id: str) -> None:
         self.leases.pop(lease_id, None)
 
     def add_waiter(self, w: Waiter) -> None:
         self.waiters[w.ticket] = w
+        g = self._unclaimed.pop(w.ticket, None)
+        if g is not None and g.lease_id == w.argv[1] and not w.future.done():
+            w.future.set_result(g)  # only a grant made with this request's own lease id
         self.next_poll = self.clock() + self.poll_interval
         self._ensure_ticker()
         self._poke()
@@ -128,6 +153,39 @@ class Runtime:
         self.waiters.pop(ticket, None)
         if not self.waiters:
             self.reap_at = None
+
+    def join_waiter(self, w: Waiter) -> Waiter:
+        """Register ``w``, or join the waiter this process already has for the same ticket
+        (one request id used by two acquires at once: one place, one grant, seen by both)."""
+        cur = self.waiters.get(w.ticket)
+        if cur is not None and not cur.future.done():
+            cur.users += 1
+            return cur
+        self.add_waiter(w)
+        return w
+
+    def leave_waiter(self, w: Waiter) -> None:
+        w.users -= 1
+        if w.users <= 0 and self.waiters.get(w.ticket) is w:
+            self.remove_waiter(w.ticket)
+
+    def ticket_in_use(self, ticket: str) -> bool:
+        """Whether another local acquire still waits on ``ticket`` or a live local lease came
+        from it: then a give-up must not withdraw the request on the server."""
+        return ticket in self.waiters or any(
+            s.ticket == ticket and not s.released and s.lost_reason is None for s in list(self.leases.values()))
+
+    def state_for(self, grant: Grant, ttl_s: float, valid_until: float) -> tuple[LeaseState, bool]:
+        """The local state of a granted lease: the existing one when this process already
+        holds that lease (the same request id acquired again returns the same grant), so that
+        both lease objects share one validity clock and one release. Returns (state, new)."""
+        with self._states_lock:
+            s = self._states.get(grant.lease_id)
+            if s is not None and s.token == grant.token and not s.released and s.lost_reason is None:
+                return s, False
+            s = LeaseState(self.pool, grant, ttl_s, valid_until, self.clock)
+            self._states[grant.lease_id] = s
+            return s, True
 
     def spawn(self, coro) -> asyncio.Task:
         """Run a coroutine that must finish even if its caller is cancelled."""
@@ -153,8 +211,16 @@ class Runtime:
     # ---- grants --------------------------------------------------------------------------
     def _deliver(self, grant: Grant) -> None:
         w = self.waiters.get(grant.ticket)
-        if w is not None and not w.future.done():
-            w.future.set_result(grant)
+        if w is not None:
+            if not w.future.done():
+                w.future.set_result(grant)
+            return
+        # No waiter yet: the grant may have overtaken the reply that queued the ticket (the
+        # pub/sub connection was read first, or the sync shell has not registered its waiter
+        # yet). Keep it briefly so add_waiter can claim it instead of waiting for a poll.
+        self._unclaimed[grant.ticket] = grant
+        while len(self._unclaimed) > 1024:
+            self._unclaimed.popitem(last=False)
 
     async def _listen(self) -> None:
         channel = self.keys[7]
@@ -308,6 +374,11 @@ class Runtime:
             r = await self._eval("acquire", w.argv)
             res = decode_acquire(w.ticket, r)
             self.observe(sent, res.now_ms)
+            if self.waiters.get(w.ticket) is not w and not self.ticket_in_use(w.ticket):
+                # Given up while this re-enqueue was in flight (its cancel may have run
+                # first): withdraw again, or the place (and later a grant) would be orphaned.
+                await self._eval("cancel", [w.ticket])
+                return
             if isinstance(res, Grant):
                 self._deliver(res)
             else:

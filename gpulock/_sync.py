@@ -250,6 +250,7 @@ class Pool:
         argv = req.argv("wait" if wait else "try")
         needs_cancel = True
         cf: concurrent.futures.Future | None = None
+        joined: Waiter | None = None
         try:
             try:
                 res, sent = self._acquire_call(req, argv, rt)
@@ -269,7 +270,9 @@ class Pool:
                     retry_after=res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None)
             if on_queued:
                 on_queued(res.position)
-            cf = portal.submit(self._wait_grant(rt, req, argv, res, on_queued))
+            joined = portal.call(self._join(rt, Waiter(req.ticket, None, argv, ttl_ms(req.waiter_ttl_s),
+                                                       res.position, on_queued), res.retry_after_ms))
+            cf = portal.submit(self._wait_grant(joined.future))
             remaining = None if req.timeout_s is None else max(0.0, req.timeout_s - (self.clock() - start))
             try:
                 grant = cf.result(remaining)
@@ -288,20 +291,37 @@ class Pool:
         finally:
             if cf is not None and not cf.done():
                 cf.cancel()
-            if needs_cancel:
+            in_use = False
+            if joined is not None:
+                if needs_cancel:
+                    in_use = portal.call(self._leave(rt, joined))
+                else:
+                    portal.soon(rt.leave_waiter, joined)
+            if needs_cancel and not in_use:
                 try:
                     self._eval("cancel", [req.ticket])
                 except GpuLockError:
                     pass  # unreachable: the waiter expires after waiter_ttl, a grant after ttl
 
-    async def _wait_grant(self, rt: Runtime, req: AcquireRequest, argv: list[str], res, on_queued) -> Grant:
-        fut = asyncio.get_running_loop().create_future()
-        rt.add_waiter(Waiter(req.ticket, fut, argv, ttl_ms(req.waiter_ttl_s), res.position, on_queued))
-        rt.set_reap_timer(self.clock(), res.retry_after_ms)
-        try:
-            return await fut
-        finally:
-            rt.remove_waiter(req.ticket)
+    async def _join(self, rt: Runtime, w: Waiter, retry_after_ms: int) -> Waiter:
+        w.future = asyncio.get_running_loop().create_future()
+        joined = rt.join_waiter(w)
+        rt.set_reap_timer(self.clock(), retry_after_ms)
+        return joined
+
+    @staticmethod
+    async def _wait_grant(fut: asyncio.Future) -> Grant:
+        # wait, not ``await fut``: cancelling this task must not cancel a future that another
+        # acquire with the same request id shares.
+        await asyncio.wait((fut,))
+        return fut.result()
+
+    @staticmethod
+    async def _leave(rt: Runtime, w: Waiter) -> bool:
+        """Leave the waiter; True when the ticket is still in use locally (then the request
+        must not be withdrawn on the server)."""
+        rt.leave_waiter(w)
+        return rt.ticket_in_use(w.ticket)
 
     def _acquire_call(self, req: AcquireRequest, argv: list[str], rt: Runtime):
         sent = self.clock()
@@ -318,9 +338,10 @@ class Pool:
         return res, sent
 
     def _make_lease(self, grant: Grant, req: AcquireRequest, valid_until: float) -> Lease:
-        state = LeaseState(self.name, grant, req.ttl_s, valid_until, self.clock)
         portal, rt = self._rt()
-        portal.soon(rt.track, state)
+        state, new = rt.state_for(grant, req.ttl_s, valid_until)
+        if new:
+            portal.soon(rt.track, state)
         return Lease(state, self)
 
     def _release(self, s: LeaseState) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 
 from .errors import InvalidArgument
 
@@ -52,9 +53,10 @@ def parse_size(value: int | float | str, *, name: str = "amount") -> int:
             raise InvalidArgument(
                 f"{name} must be a size such as 4GiB, 512MiB or 1048576 (bytes), got {value!r}"
             )
-        number = float(m.group(1)) if "." in m.group(1) else int(m.group(1))
-        n_exact = number * _UNITS[unit]
-        if n_exact != int(n_exact):
+        # Exact decimal arithmetic: a float would reject "4.1GB" (4.1 * 1e9 is not integral
+        # in binary) and overflow to infinity on very long digit strings.
+        n_exact = Fraction(m.group(1)) * _UNITS[unit]
+        if n_exact.denominator != 1:
             raise InvalidArgument(f"{name} must be a whole number of bytes, got {value!r}")
         n = int(n_exact)
     else:

@@ -11,7 +11,9 @@
 --                   left as it is and reported)
 -- Reply: {created (1/0), capacity, epoch, used, max_waiters}
 --   Lowering capacity below `used` is allowed: leases keep their bytes, nothing new is granted
---   until used falls below the new capacity. Raising it grants waiters that now fit.
+--   until used falls below the new capacity. Raising it grants waiters that now fit. Queued
+--   requests larger than the new capacity leave the queue (they could never be granted and
+--   would block those behind them); their clients get GPULOCK_CAPACITY when they ask again.
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
 local cap, e = int_arg(ARGV[1], 'capacity', 1, MAX_AMOUNT); if e then return e end

@@ -161,11 +161,19 @@ local function grant_head(now)
       drop_waiter(t)
     else
       local amount, ttl, _, lid, meta = parse_waiter(w)
-      if used + amount > cap then break end
-      drop_waiter(t)
-      local token, exp = make_lease(now, t, lid, amount, ttl, meta)
-      used = used + amount
-      lines[#lines + 1] = t .. ' ' .. lid .. ' ' .. fmt(token) .. ' ' .. fmt(exp) .. ' ' .. fmt(amount)
+      if amount > cap then
+        -- The capacity was lowered below this request: it can never be granted, and as head
+        -- it would block everyone behind it. Drop it; its client finds it gone at its next
+        -- poll, asks again and gets GPULOCK_CAPACITY.
+        drop_waiter(t)
+      elseif used + amount > cap then
+        break
+      else
+        drop_waiter(t)
+        local token, exp = make_lease(now, t, lid, amount, ttl, meta)
+        used = used + amount
+        lines[#lines + 1] = t .. ' ' .. lid .. ' ' .. fmt(token) .. ' ' .. fmt(exp) .. ' ' .. fmt(amount)
+      end
     end
   end
   return lines

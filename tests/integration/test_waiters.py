@@ -1,0 +1,92 @@
+"""Waiter expiry and re-polling: live waiters keep their place, dead ones leave the queue,
+a waiter the queue forgot enqueues again, a grant whose message is missed is still found."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from gpulock._protocol import pool_keys
+from helpers import assert_empty, async_wait_until, raw, raw_acquire
+
+
+async def test_live_waiter_survives_many_waiter_ttls(make_apool, rclient, pool_name):
+    pool = make_apool(capacity=1, waiter_ttl=0.3, poll_interval=0.1)
+    holder = await pool.acquire(1)
+    task = asyncio.create_task(pool.acquire(1))
+    await asyncio.sleep(1.2)  # four waiter ttls
+    st = await pool.status()
+    assert st.waiter_count == 1 and st.reaped_waiters == 0
+    await holder.release()
+    lease = await asyncio.wait_for(task, 1)
+    await lease.release()
+    assert_empty(rclient, pool_name)
+
+
+async def test_dead_waiter_leaves_the_queue(make_apool, rclient, pool_name):
+    pool = make_apool(capacity=1)
+    holder = await pool.acquire(1, ttl=30)
+    # A waiter whose process died: queued with a 0.3 s waiter ttl and never refreshed.
+    raw_acquire(rclient, pool_name, 1, ticket="dead", waiter_ttl_ms=300)
+    task = asyncio.create_task(pool.acquire(1))
+    await async_wait_until(lambda: rclient.zcard(pool_keys(pool_name)[3]) == 2)
+    await asyncio.sleep(0.4)
+    t0 = time.monotonic()
+    await holder.release()  # the dead head is reaped, the live waiter granted at once
+    lease = await asyncio.wait_for(task, 1)
+    assert time.monotonic() - t0 < 0.3
+    assert (await pool.status()).reaped_waiters == 1
+    await lease.release()
+    assert_empty(rclient, pool_name)
+
+
+async def test_forgotten_waiter_enqueues_again(make_apool, rclient, pool_name):
+    pool = make_apool(capacity=1, poll_interval=0.1)
+    holder = await pool.acquire(1)
+    task = asyncio.create_task(pool.acquire(1, request_id="forgotten"))
+    await async_wait_until(lambda: rclient.zcard(pool_keys(pool_name)[3]) == 1)
+    raw(rclient, pool_name, "cancel", "forgotten")  # the server forgets it (as after a pause)
+    assert rclient.zcard(pool_keys(pool_name)[3]) == 0
+    await async_wait_until(lambda: rclient.zcard(pool_keys(pool_name)[3]) == 1, timeout=2)
+    await holder.release()
+    lease = await asyncio.wait_for(task, 2)
+    await lease.release()
+    assert_empty(rclient, pool_name)
+
+
+async def test_missed_grant_message_found_by_poll(make_apool, rclient, pool_name, monkeypatch):
+    """Every grant message is lost: waiters still get their grants from the backstop poll,
+    within about one poll interval."""
+    import gpulock._runtime as rt_mod
+
+    monkeypatch.setattr(rt_mod, "decode_events", lambda data: [])
+    pool = make_apool(capacity=1, poll_interval=0.2)
+    holder = await pool.acquire(1)
+    task = asyncio.create_task(pool.acquire(1))
+    await async_wait_until(lambda: rclient.zcard(pool_keys(pool_name)[3]) == 1)
+    t0 = time.monotonic()
+    await holder.release()
+    lease = await asyncio.wait_for(task, 1.5)
+    assert time.monotonic() - t0 < 0.5
+    await lease.release()
+    assert_empty(rclient, pool_name)
+
+
+async def test_sync_waiter_gets_handoff_fast(make_pool, rclient, pool_name):
+    """The sync shell registers its waiter on another thread after the acquire reply; a
+    grant published in between must not wait for a poll."""
+    pool = make_pool(capacity=1)
+    other = make_pool(capacity=1)
+    worst = 0.0
+    for _ in range(20):
+        holder = other.acquire(1)
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(None, lambda: pool.acquire(1, timeout=5))
+        await async_wait_until(lambda: rclient.zcard(pool_keys(pool_name)[3]) == 1)
+        t0 = time.monotonic()
+        await loop.run_in_executor(None, holder.release)
+        lease = await fut
+        worst = max(worst, time.monotonic() - t0)
+        await loop.run_in_executor(None, lease.release)
+    assert worst < 0.3, worst
+    assert_empty(rclient, pool_name)

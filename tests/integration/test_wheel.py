@@ -1,0 +1,67 @@
+"""`pip install` of the built wheel (not the editable checkout) gives a working gpulock: the
+Lua scripts ship inside the wheel, and an acquire/release runs from a fresh venv."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+OPS = ("lib", "acquire", "release", "renew", "cancel", "reap", "status", "configure")
+
+
+def _run(cmd, **kw):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, **kw)
+    assert r.returncode == 0, f"{cmd} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+@pytest.mark.timeout(240)
+def test_wheel_installs_and_works(tmp_path, redis_proc1):
+    dist = tmp_path / "dist"
+    _run([sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(ROOT)], timeout=180)
+    (wheel,) = dist.glob("gpulock-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for op in OPS:
+        assert f"gpulock/lua/{op}.lua" in names, sorted(names)
+    assert not any(n.startswith("tests/") for n in names)
+
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)], timeout=120)  # no system site packages
+    py = venv / "bin" / "python"
+    _run([str(py), "-m", "pip", "install", "-q", str(wheel), "redis", "tenacity", "typer", "rich"], timeout=180)
+
+    script = textwrap.dedent(f"""
+        import asyncio, pathlib, sys
+        import gpulock
+        from gpulock import Pool, AsyncPool
+        from gpulock._scripts import _lua_dir
+        assert "site-packages" in gpulock.__file__, gpulock.__file__
+        assert "site-packages" in str(_lua_dir()), _lua_dir()
+        pool = Pool.from_url({redis_proc1.url!r}, "wheel", capacity="2GiB")
+        with pool.lease("1GiB", ttl=5) as lease:
+            assert pool.status().used == 1 << 30
+            first = lease.token
+        assert pool.status().used == 0
+        pool.close()
+
+        async def main():
+            async with AsyncPool.from_url({redis_proc1.url!r}, "wheel", capacity="2GiB") as ap:
+                async with ap.lease("2GiB", timeout=1) as l2:
+                    assert l2.token > first
+                assert (await ap.status()).used == 0
+        asyncio.run(main())
+        print("OK", gpulock.__version__)
+    """)
+    r = _run([str(py), "-c", script], cwd=str(tmp_path), timeout=60)
+    assert "OK" in r.stdout
+    # The console script is installed and starts.
+    _run([str(venv / "bin" / "gpulock"), "--help"], cwd=str(tmp_path), timeout=60)

@@ -1,0 +1,317 @@
+"""The I/O-free core: validation, encoding, reply decoding, error translation and the lease's
+local validity clock (with an injected fake clock). No Redis."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import redis.exceptions as rex
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpulock import _protocol as P
+from gpulock.errors import (
+    AcquireTimeout,
+    BackendUnavailable,
+    CapacityExceeded,
+    GpuLockError,
+    InvalidArgument,
+    LeaseLost,
+    PoolNotFound,
+    QueueFull,
+)
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+# ---- names and ids ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["gpu0", "GPU-1", "a", "x" * 64, "GPU-8f0c2a1e.b_3"])
+def test_pool_name_ok(name):
+    assert P.validate_pool_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["", "a{b", "a}b", "{gpu0}", "a:b", "a b", " gpu0", "gpu0\n", "x" * 65,
+                                  "gpü", None, 3, b"gpu0", "a*b", "a/b"])
+def test_pool_name_rejected(name):
+    with pytest.raises(InvalidArgument) as ei:
+        P.validate_pool_name(name)
+    assert repr(name) in str(ei.value)
+
+
+@pytest.mark.parametrize("rid", ["r1", "job:42", "a.b-c_d", "x" * 128])
+def test_request_id_ok(rid):
+    assert P.validate_request_id(rid) == rid
+
+
+@pytest.mark.parametrize("rid", ["", "a b", "a\tb", "x" * 129, "a{b}", "ü", 5, None, "a|b", "a\nb"])
+def test_request_id_rejected(rid):
+    with pytest.raises(InvalidArgument) as ei:
+        P.validate_request_id(rid)
+    assert repr(rid) in str(ei.value)
+
+
+def test_pool_keys_share_one_hash_tag():
+    keys = P.pool_keys("gpu0")
+    assert len(keys) == 8
+    assert all(k.startswith("gpulock:{gpu0}:") for k in keys)
+    assert [k.rsplit(":", 1)[1] for k in keys] == ["cfg", "leases", "holders", "queue", "waiters", "wexp",
+                                                  "tickets", "events"]
+
+
+def test_new_id_is_128_bit_hex():
+    ids = {P.new_id() for _ in range(1000)}
+    assert len(ids) == 1000
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+
+
+# ---- metadata -----------------------------------------------------------------------------
+
+def test_meta_roundtrip_adds_host_and_pid():
+    s = P.encode_meta({"purpose": "embed", "n": 3})
+    d = P.decode_meta(s)
+    assert d["purpose"] == "embed" and d["n"] == 3 and "host" in d and "pid" in d
+    assert P.decode_meta(s.encode()) == d
+    assert P.decode_meta("") == {}
+    assert P.decode_meta("not json") == {"raw": "not json"}
+    assert P.decode_meta("[1]") == {"value": [1]}
+
+
+def test_meta_too_large_or_wrong_type():
+    with pytest.raises(InvalidArgument, match="512"):
+        P.encode_meta({"blob": "x" * 600})
+    with pytest.raises(InvalidArgument, match="dict"):
+        P.encode_meta(["not", "a", "dict"])  # type: ignore[arg-type]
+
+
+# ---- AcquireRequest ---------------------------------------------------------------------
+
+def _build(amount="1GiB", **kw):
+    args = dict(ttl=None, timeout=None, holder=None, request_id=None, waiter_ttl=5.0, default_ttl=30.0)
+    args.update(kw)
+    return P.AcquireRequest.build("gpu0", amount, **args)
+
+
+def test_acquire_request_argv():
+    r = _build("2GiB", ttl=0.6, timeout=0, request_id="req-1", holder={"purpose": "t"})
+    argv = r.argv("try")
+    assert argv[0] == "req-1"
+    assert len(argv[1]) == 32
+    assert argv[2:6] == [str(2 << 30), "600", "5000", "try"]
+    assert json.loads(argv[6])["purpose"] == "t"
+    assert r.timeout_s == 0.0
+    assert _build(ttl=None).ttl_s == 30.0
+    assert _build(timeout=None).timeout_s is None
+
+
+@pytest.mark.parametrize("kw,word", [
+    (dict(amount=0), "amount"), (dict(amount=-1), "amount"), (dict(amount=float("nan")), "amount"),
+    (dict(amount="abc"), "amount"), (dict(amount=True), "amount"), (dict(amount="4XB"), "amount"),
+    (dict(ttl=0), "ttl"), (dict(ttl=-1), "ttl"), (dict(ttl=float("nan")), "ttl"), (dict(ttl=86401), "ttl"),
+    (dict(ttl=0.01), "ttl"), (dict(timeout=-1), "timeout"), (dict(timeout=float("nan")), "timeout"),
+    (dict(request_id="a b"), "request_id"), (dict(request_id=""), "request_id"),
+    (dict(holder={"x": "y" * 1000}), "metadata"),
+])
+def test_acquire_request_rejects(kw, word):
+    amount = kw.pop("amount", "1GiB")
+    with pytest.raises(InvalidArgument, match=word):
+        _build(amount, **kw)
+
+
+# ---- reply decoding ----------------------------------------------------------------------
+
+def test_decode_acquire_granted_and_queued():
+    g = P.decode_acquire("t1", [1, b"ab" * 16, 17, 5000, 1024, 4000, 99, 4096, 1024])
+    assert isinstance(g, P.Grant)
+    assert (g.ticket, g.lease_id, g.token, g.expires_ms, g.amount, g.now_ms, g.epoch, g.capacity) == \
+        ("t1", "ab" * 16, 17, 5000, 1024, 4000, 99, 4096)
+    q = P.decode_acquire("t1", [0, 3, 250, 5, 4000, 99, 4096, 4096])
+    assert isinstance(q, P.NotGranted) and q.queued and q.position == 3 and q.retry_after_ms == 250
+    assert q.queue_length == 5 and q.used == 4096
+    n = P.decode_acquire("t1", [2, 0, -1, 0, 4000, 99, 4096, 4096])
+    assert not n.queued and n.position == 0 and n.retry_after_ms == -1
+
+
+def test_decode_events():
+    msg = b"g 1000\nt1 " + b"a" * 32 + b" 7 2000 512\nt2 " + b"b" * 32 + b" 8 2500 256"
+    gs = P.decode_events(msg)
+    assert [(g.ticket, g.lease_id, g.token, g.expires_ms, g.amount, g.now_ms) for g in gs] == [
+        ("t1", "a" * 32, 7, 2000, 512, 1000), ("t2", "b" * 32, 8, 2500, 256, 1000)]
+    assert P.decode_events("x 1000\nwhatever") == []
+    assert P.decode_events("g 5\nmalformed line") == []
+
+
+def test_decode_status():
+    now = 10_000
+    r = [1, now, 4096, 1536, 77, 12, 100, 1, 1, 3, 0, 0,
+         [[b"c" * 32, 1536, 12, now + 2500, now - 1000, 3000, b"t1", b'{"host":"h","pid":1,"purpose":"x"}']],
+         [[b"t2", 4096, now - 750, now + 4000, b'{"host":"h","pid":2}']]]
+    st_ = P.decode_status("gpu0", r)
+    assert (st_.capacity, st_.used, st_.epoch, st_.fence, st_.max_waiters) == (4096, 1536, 77, 12, 100)
+    assert (st_.lease_count, st_.waiter_count, st_.grants) == (1, 1, 3)
+    assert st_.free == 2560
+    (l,) = st_.leases
+    assert (l.lease_id, l.amount, l.token, l.request_id) == ("c" * 32, 1536, 12, "t1")
+    assert math.isclose(l.expires_in, 2.5) and math.isclose(l.held_for, 1.0) and math.isclose(l.ttl, 3.0)
+    assert l.holder["purpose"] == "x"
+    (w,) = st_.waiters
+    assert (w.position, w.request_id, w.amount) == (1, "t2", 4096)
+    assert math.isclose(w.waited, 0.75) and math.isclose(w.expires_in, 4.0)
+    assert st_.to_dict()["leases"][0]["amount"] == 1536
+    assert P.decode_status("gpu0", [0, now]) is None
+
+
+# ---- error translation ------------------------------------------------------------------
+
+@pytest.mark.parametrize("msg,cls", [
+    ("GPULOCK_BADARG amount must be a decimal integer, got 'x'", InvalidArgument),
+    ("GPULOCK_CONFLICT request id r holds a lease of another amount", InvalidArgument),
+    ("GPULOCK_NOPOOL", PoolNotFound),
+    ("GPULOCK_CAPACITY 10 5", CapacityExceeded),
+    ("GPULOCK_QUEUEFULL 3 3", QueueFull),
+    ("ERR something else", BackendUnavailable),
+])
+def test_translate_response_errors(msg, cls):
+    e = P.translate(rex.ResponseError(msg), "gpu0")
+    assert isinstance(e, cls) and isinstance(e, GpuLockError)
+    if cls is CapacityExceeded:
+        assert (e.amount, e.capacity) == (10, 5)
+    if cls is QueueFull:
+        assert (e.queue_length, e.max_waiters) == (3, 3)
+    if cls is InvalidArgument and "BADARG" in msg:
+        assert "'x'" in str(e)
+
+
+def test_translate_connection_errors_and_passthrough():
+    assert isinstance(P.translate(rex.ConnectionError("down"), "p"), BackendUnavailable)
+    assert isinstance(P.translate(rex.TimeoutError("slow"), "p"), BackendUnavailable)
+    assert isinstance(P.translate(OSError("x"), "p"), BackendUnavailable)
+    lost = LeaseLost("a" * 32, "why")
+    assert P.translate(lost, "p") is lost
+    other = KeyError("k")
+    assert P.translate(other, "p") is other
+
+
+def test_exception_tree():
+    assert issubclass(InvalidArgument, ValueError)
+    assert issubclass(AcquireTimeout, TimeoutError)
+    for cls in (InvalidArgument, PoolNotFound, CapacityExceeded, AcquireTimeout, QueueFull, LeaseLost,
+                BackendUnavailable):
+        assert issubclass(cls, GpuLockError)
+
+
+# ---- local validity clock -----------------------------------------------------------------
+
+def _grant(now_ms=50_000, ttl_ms=3000, token=5):
+    return P.Grant("t", "d" * 32, token, now_ms + ttl_ms, 100, now_ms, 1, 1000)
+
+
+def test_validity_deadline_is_before_server_expiry():
+    # Sent at local 10.0, server said now=50s, expiry 53s: the local deadline must end
+    # strictly before 10.0 + 3.0 (we cannot know how long the request took to arrive).
+    d = P.validity_deadline(10.0, 50_000, 53_000)
+    assert d < 13.0
+    assert math.isclose(d, 10.0 + 3.0 * (1 - P.CLOCK_DRIFT) - P.SAFETY_MARGIN_S)
+    assert P.validity_deadline(10.0, 60_000, 53_000) < 10.0  # already expired on the server
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.floats(min_value=0, max_value=1e6), st.integers(min_value=0, max_value=2**40),
+       st.integers(min_value=0, max_value=86_400_000))
+def test_validity_deadline_never_after_server_expiry(sent, now_ms, remaining_ms):
+    assert P.validity_deadline(sent, now_ms, now_ms + remaining_ms) < sent + remaining_ms / 1000.0
+
+
+def test_lease_state_expires_on_local_deadline_and_fires_once():
+    clock = FakeClock(100.0)
+    g = _grant()
+    s = P.LeaseState("gpu0", g, 3.0, P.validity_deadline(clock(), g.now_ms, g.expires_ms), clock)
+    assert s.next_renew == pytest.approx(101.0)
+    fired = []
+    s.add_callback(lambda lease: fired.append(lease), owner="L")
+    s.check()  # valid
+    clock.advance(2.8)  # past 3 * 0.99 - 0.05 = 2.92? not yet
+    s.check()
+    clock.advance(0.2)  # 3.0 > 2.92
+    with pytest.raises(LeaseLost):
+        s.check()
+    with pytest.raises(LeaseLost):
+        s.check()
+    assert fired == ["L"]
+    assert s.mark_lost("again") is False
+    late = []
+    s.add_callback(lambda lease: late.append(lease), owner="L2")  # already lost: runs at once
+    assert late == ["L2"] and fired == ["L"]
+
+
+def test_lease_state_renewal_moves_deadline():
+    clock = FakeClock(0.0)
+    g = _grant(now_ms=1_000, ttl_ms=600)
+    s = P.LeaseState("gpu0", g, 0.6, P.validity_deadline(0.0, 1_000, 1_600), clock)
+    for i in range(1, 20):  # renew every 0.2 s for 3.8 s: stays valid
+        clock.advance(0.2)
+        sent = clock()
+        s.renewed(sent, 1_000 + int(sent * 1000), 1_000 + int(sent * 1000) + 600)
+        assert s.expires_ms == 1_600 + int(sent * 1000)
+        assert s.next_renew == pytest.approx(sent + 0.2)
+        s.check()
+    clock.advance(0.6)
+    with pytest.raises(LeaseLost):
+        s.check()
+
+
+def test_lease_state_released_is_not_lost_but_check_raises():
+    clock = FakeClock()
+    g = _grant()
+    s = P.LeaseState("gpu0", g, 3.0, clock() + 2.0, clock)
+    fired = []
+    s.add_callback(lambda _: fired.append(1), owner=None)
+    s.released = True
+    clock.advance(10)
+    with pytest.raises(LeaseLost, match="released"):
+        s.check()
+    assert s.mark_lost("late") is False
+    assert fired == []
+
+
+def test_lease_state_callback_exception_does_not_propagate():
+    clock = FakeClock()
+    s = P.LeaseState("gpu0", _grant(), 3.0, clock() + 1.0, clock)
+    calls = []
+
+    def bad(_):
+        raise RuntimeError("boom")
+
+    s.add_callback(bad, owner=None)
+    s.add_callback(lambda _: calls.append(1), owner=None)
+    assert s.mark_lost("test") is True
+    assert calls == [1]
+
+
+def test_lease_base_properties():
+    clock = FakeClock(5.0)
+    g = _grant(token=42)
+    s = P.LeaseState("gpu0", g, 3.0, 7.0, clock)
+    lease = P.LeaseBase(s, pool=None)
+    assert (lease.id, lease.amount, lease.token, lease.ttl, lease.request_id, lease.pool) == \
+        ("d" * 32, 100, 42, 3.0, "t", "gpu0")
+    assert lease.expires_at == g.expires_ms / 1000
+    assert lease.valid_until == 7.0
+    assert not lease.lost and not lease.released
+    lease.ensure_valid()
+    clock.advance(2.0)
+    assert lease.lost
+    with pytest.raises(LeaseLost):
+        lease.ensure_valid()
+    assert "lost" in repr(lease)

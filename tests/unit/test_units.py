@@ -1,0 +1,91 @@
+"""units.parse_size / parse_seconds / format_size: no Redis."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpulock.errors import InvalidArgument
+from gpulock.units import MAX_BYTES, format_size, parse_seconds, parse_size
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("8GiB", 8 << 30), ("512MiB", 512 << 20), ("1KiB", 1024), ("2TiB", 2 << 40),
+    ("1048576", 1 << 20), ("1.5GB", 1_500_000_000), ("4.1GB", 4_100_000_000), ("1.1MB", 1_100_000),
+    (" 4 gib ", 4 << 30), ("3kb", 3000), ("1b", 1), ("0.5KiB", 512), ("7", 7),
+    (1, 1), (4096, 4096), (1024.0, 1024), (MAX_BYTES, MAX_BYTES),
+])
+def test_parse_size_accepts(text, expected):
+    assert parse_size(text) == expected
+    assert type(parse_size(text)) is int
+
+
+@pytest.mark.parametrize("bad", [
+    0, -1, -4096, "0", "-1", "0GiB", "abc", "4XB", "GiB", "", " ", "1e3", "1,5GB", "0.5", "1.3B",
+    "nan", "inf", float("nan"), float("inf"), float("-inf"), 1.5, True, False, None, [1], {}, b"1",
+    MAX_BYTES + 1, str(MAX_BYTES + 1), "9" * 400, "9" * 400 + ".0", "1" + "0" * 30 + "GiB",
+    "\u0663",  # ARABIC-INDIC DIGIT THREE: not an ASCII digit
+])
+def test_parse_size_rejects_and_names_value(bad):
+    with pytest.raises(InvalidArgument) as ei:
+        parse_size(bad)
+    assert repr(bad)[:40] in str(ei.value)
+    assert "amount" in str(ei.value)
+
+
+def test_parse_size_names_the_parameter():
+    with pytest.raises(InvalidArgument, match="capacity"):
+        parse_size("lots", name="capacity")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(
+    st.text(max_size=30),
+    st.from_regex(r"\A\s*[0-9]{1,25}(\.[0-9]{1,25})?\s*[A-Za-z]{0,4}\s*\Z"),
+    st.integers(), st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.none(),
+))
+def test_parse_size_fuzz_never_crashes(value):
+    """Any input either parses to an int in [1, 2**53-1] or raises InvalidArgument (never
+    another exception type, never a non-int, never a silently rounded fraction)."""
+    try:
+        n = parse_size(value)
+    except InvalidArgument:
+        return
+    assert type(n) is int and 1 <= n <= MAX_BYTES
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(min_value=1, max_value=MAX_BYTES))
+def test_parse_size_int_roundtrip(n):
+    assert parse_size(n) == n
+    assert parse_size(str(n)) == n
+
+
+@pytest.mark.parametrize("value,expected", [(0.1, 0.1), (1, 1.0), ("2.5", 2.5), (86400, 86400.0)])
+def test_parse_seconds_accepts(value, expected):
+    assert parse_seconds(value, name="ttl", minimum=0.1, maximum=86400) == expected
+
+
+@pytest.mark.parametrize("bad", [0, -1, 0.05, 86401, 1e300, float("nan"), float("inf"), "abc", True, None, "", [1]])
+def test_parse_seconds_rejects_and_names_value(bad):
+    with pytest.raises(InvalidArgument) as ei:
+        parse_seconds(bad, name="ttl", minimum=0.1, maximum=86400)
+    assert "ttl" in str(ei.value) and repr(bad) in str(ei.value)
+
+
+def test_parse_seconds_none_and_zero():
+    assert parse_seconds(None, name="timeout", allow_none=True) is None
+    assert parse_seconds(0, name="timeout", minimum=0.0) == 0.0
+    assert parse_seconds(0, name="x", minimum=1.0, allow_zero=True) == 0.0
+    with pytest.raises(InvalidArgument):
+        parse_seconds(0, name="x", minimum=1.0)
+
+
+def test_format_size():
+    assert format_size(3 << 30) == "3.0GiB"
+    assert format_size(512) == "512B"
+    assert format_size(1536) == "1.5KiB"
+    assert math.isclose(parse_size(format_size(8 << 30)), 8 << 30)
