@@ -86,11 +86,18 @@ def new_id() -> str:
 
 
 _HOST = socket.gethostname()
+_DEFAULT_META: dict[int, str] = {}
 
 
 def encode_meta(holder: dict[str, Any] | None) -> str:
     """Holder metadata as compact JSON (at most 512 bytes). Host and pid are added unless
     given, so ``gpulock status`` can say who holds what."""
+    if not holder:
+        pid = os.getpid()  # cached per process (the pid changes across fork)
+        cached = _DEFAULT_META.get(pid)
+        if cached is None:
+            cached = _DEFAULT_META[pid] = json.dumps({"host": _HOST, "pid": pid}, separators=(",", ":"))
+        return cached
     meta = {"host": _HOST, "pid": os.getpid()}
     if holder:
         if not isinstance(holder, dict):
@@ -151,9 +158,10 @@ class AcquireRequest:
         ticket = new_id() if request_id is None else validate_request_id(request_id)
         return cls(pool, amt, ttl_s, timeout_s, ticket, new_id(), encode_meta(holder), waiter_ttl)
 
-    def argv(self, mode: str) -> list[str]:
+    def argv(self, mode: str, channel: str) -> list[str]:
+        """ARGV of ``acquire.lua``; ``channel`` is the caller runtime's pub/sub channel id."""
         return [self.ticket, self.lease_id, str(self.amount), str(ttl_ms(self.ttl_s)),
-                str(ttl_ms(self.waiter_ttl_s)), mode, self.meta]
+                str(ttl_ms(self.waiter_ttl_s)), mode, self.meta, channel]
 
 
 @dataclass(frozen=True)
@@ -296,6 +304,20 @@ def translate(exc: BaseException, pool: str) -> BaseException:
         if code == "GPULOCK_QUEUEFULL":
             q, m = rest.split()
             return QueueFull(pool, int(q), int(m))
+        if code == "GPULOCK_KEYTYPE":
+            key, found, expected = (rest.split() + ["?", "?", "?"])[:3]
+            return BackendUnavailable(
+                f"pool {pool!r} is damaged: Redis key {key} is a {found}, not a {expected} (something "
+                f"other than gpulock wrote under its prefix); nothing was changed. Delete that key, "
+                f"or the pool's keys, to repair it")
+        if isinstance(exc, rex.OutOfMemoryError) or "maxmemory" in msg:
+            return BackendUnavailable(
+                f"Redis is out of memory (maxmemory reached with a no-eviction policy); pool {pool!r} "
+                f"was not changed: {msg}")
+        if isinstance(exc, rex.NoPermissionError):
+            return BackendUnavailable(
+                f"Redis refused a gpulock script on pool {pool!r} for lack of permission (ACL; see "
+                f"docs/RELIABILITY.md for the ACL gpulock needs): {msg}")
         return BackendUnavailable(f"Redis refused a gpulock script on pool {pool!r}: {msg}")
     if isinstance(exc, (rex.ConnectionError, rex.TimeoutError, OSError)):
         return BackendUnavailable(f"Redis unavailable for pool {pool!r}: {exc}")

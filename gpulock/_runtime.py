@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import threading
 import weakref
 from collections import OrderedDict
@@ -52,7 +53,7 @@ class Waiter:
 
 class Runtime:
     def __init__(self, redis, pool: str, keys: list[str], clock: Callable[[], float],
-                 poll_interval: float = DEFAULT_POLL_INTERVAL_S):
+                 poll_interval: float = DEFAULT_POLL_INTERVAL_S, loop: asyncio.AbstractEventLoop | None = None):
         self.redis = redis  # a redis.asyncio client
         self.pool = pool
         self.keys = keys
@@ -64,11 +65,18 @@ class Runtime:
         self.reap_at: float | None = None
         self.next_poll = 0.0
         self._wake: asyncio.Event | None = None
+        self._loop = loop  # the loop the tasks run in (known up front for the sync shell)
         self._ticker: asyncio.Task | None = None
+        self._ticker_at = 0.0  # when the ticker plans to wake next (local clock)
+        self._watchdog: asyncio.Task | None = None
+        self._dog_wake: asyncio.Event | None = None
+        self._dog_at = 0.0  # when the watchdog plans to wake next; inf while it has no lease
         self._listener: asyncio.Task | None = None
         self._subscribed: asyncio.Event | None = None
         self._background: set[asyncio.Task] = set()
         self._closed = False
+        # This process's pub/sub channel for hand-offs: "<events key>:<channel_id>".
+        self.channel_id = secrets.token_hex(8)
         self._states: weakref.WeakValueDictionary[str, LeaseState] = weakref.WeakValueDictionary()
         self._states_lock = threading.Lock()  # the sync shell makes leases on caller threads
         self._unclaimed: OrderedDict[str, Grant] = OrderedDict()  # grants that beat their waiter
@@ -95,9 +103,12 @@ class Runtime:
     # ---- lifecycle -----------------------------------------------------------------------
     def _ensure_ticker(self) -> None:
         if self._ticker is None or self._ticker.done():
+            self._loop = asyncio.get_running_loop()
             if self._wake is None:
                 self._wake = asyncio.Event()
-            self._ticker = asyncio.get_running_loop().create_task(self._tick_loop(), name=f"gpulock-ticker-{self.pool}")
+                self._dog_wake = asyncio.Event()
+            self._ticker = self._loop.create_task(self._tick_loop(), name=f"gpulock-ticker-{self.pool}")
+            self._watchdog = self._loop.create_task(self._watch_deadlines(), name=f"gpulock-watchdog-{self.pool}")
 
     def _poke(self) -> None:
         if self._wake is not None:
@@ -118,24 +129,53 @@ class Runtime:
                             "waiters fall back to polling", self.pool)
 
     def track(self, state: LeaseState) -> None:
+        """Start heartbeating a lease. Safe from any thread (the sync shell calls it on the
+        caller's thread): a dict insert, plus a wake-up of the loop only when the ticker or the
+        watchdog must run sooner than planned (a first lease, or a shorter ttl)."""
         self.leases[state.lease_id] = state
-        self._ensure_ticker()
-        self._arm_deadline(state)
-        self._poke()
+        if (self._ticker is None or state.next_renew < self._ticker_at
+                or state.valid_until < self._dog_at):
+            self._in_loop(self._start_and_poke)
 
-    def _arm_deadline(self, s: LeaseState) -> None:
-        """Mark the lease lost (firing on_lost) at its local validity deadline, on a timer of
-        its own: the ticker may sit in a renew call to a hung Redis until the socket timeout,
-        which can be longer than the ttl (DESIGN invariant 5: lost before the server says so)."""
-        if s.released or s.lost_reason is not None or self.leases.get(s.lease_id) is not s:
-            return
-        delay = s.valid_until - self.clock()
-        if delay > 0:
-            asyncio.get_running_loop().call_later(delay, self._arm_deadline, s)
-            return
-        s.mark_lost("no successful renewal before the local validity deadline "
-                    "(Redis unreachable or too slow, or this process was paused)")
-        self.leases.pop(s.lease_id, None)
+    def _start_and_poke(self) -> None:
+        self._ensure_ticker()
+        self._poke()
+        self._dog_wake.set()
+
+    def _in_loop(self, fn: Callable[[], Any]) -> None:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not None and (self._loop is None or running is self._loop):
+            fn()
+        else:
+            self._loop.call_soon_threadsafe(fn)
+
+    async def _watch_deadlines(self) -> None:
+        """Mark leases lost (firing on_lost) at their local validity deadlines. A task of its
+        own, because the ticker may sit in a renew call to a hung Redis until the socket
+        timeout, which can be longer than the ttl (DESIGN invariant 5: a holder knows it lost
+        the lease before the server expires it). One task for all leases: renewals only move
+        deadlines later, so it wakes at most once per renewal period."""
+        while not self._closed:
+            now = self.clock()
+            soonest = float("inf")
+            for s in list(self.leases.values()):
+                if s.released or s.lost_reason is not None:
+                    continue
+                if now >= s.valid_until:
+                    s.mark_lost("no successful renewal before the local validity deadline "
+                                "(Redis unreachable or too slow, or this process was paused)")
+                    self.leases.pop(s.lease_id, None)
+                else:
+                    soonest = min(soonest, s.valid_until)
+            self._dog_at = soonest
+            self._dog_wake.clear()
+            try:
+                await asyncio.wait_for(self._dog_wake.wait(), None if soonest == float("inf") else soonest - now)
+            except asyncio.TimeoutError:
+                pass
 
     def untrack(self, lease_id: str) -> None:
         self.leases.pop(lease_id, None)
@@ -196,10 +236,10 @@ class Runtime:
 
     async def close(self) -> None:
         self._closed = True
-        for t in (self._ticker, self._listener):
+        for t in (self._ticker, self._listener, self._watchdog):
             if t is not None:
                 t.cancel()
-        for t in (self._ticker, self._listener):
+        for t in (self._ticker, self._listener, self._watchdog):
             if t is not None:
                 try:
                     await t
@@ -223,7 +263,7 @@ class Runtime:
             self._unclaimed.popitem(last=False)
 
     async def _listen(self) -> None:
-        channel = self.keys[7]
+        channel = f"{self.keys[7]}:{self.channel_id}"
         backoff = 0.05
         while not self._closed:
             ps = self.redis.pubsub(ignore_subscribe_messages=False)
@@ -267,7 +307,8 @@ class Runtime:
         backoff = 0.05
         while not self._closed:
             now = self.clock()
-            delay = self._next_wake(now) - now
+            self._ticker_at = self._next_wake(now)
+            delay = self._ticker_at - now
             if delay > 0:
                 self._wake.clear()
                 try:

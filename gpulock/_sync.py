@@ -180,12 +180,13 @@ class Pool:
                 self._portal = _LoopThread(f"gpulock-{self.name}")
                 client = (aioredis.from_url(self._url, **_CLIENT_DEFAULTS) if self._url
                           else _async_twin(self.redis))
-                self._runtime = Runtime(client, self.name, self._keys, self.clock, self.poll_interval)
+                self._runtime = Runtime(client, self.name, self._keys, self.clock, self.poll_interval,
+                                        loop=self._portal.loop)
             return self._portal, self._runtime
 
     def _untrack(self, lease_id: str) -> None:
-        if self._portal is not None:
-            self._portal.soon(self._runtime.untrack, lease_id)
+        if self._runtime is not None:
+            self._runtime.untrack(lease_id)  # a dict pop: safe from any thread
 
     # ---- I/O ------------------------------------------------------------------------------
     def _eval_once(self, name: str, args: list) -> Any:
@@ -199,6 +200,11 @@ class Pool:
     def _eval(self, name: str, args: list) -> Any:
         """EVALSHA with NOSCRIPT reload and bounded, jittered retries of connection errors."""
         try:
+            try:
+                return self._eval_once(name, args)
+            except RETRYABLE:
+                pass
+            # The retrier is built only after a failure: it costs ~10% of an uncontended call.
             for attempt in Retrying(
                 retry=retry_if_exception_type(RETRYABLE), stop=stop_after_delay(self.backend_timeout),
                 wait=wait_random_exponential(multiplier=0.05, max=1.0), reraise=True,
@@ -247,7 +253,7 @@ class Pool:
         portal, rt = self._rt()
         if wait and (rt._subscribed is None or not rt._subscribed.is_set()):
             portal.call(rt.ensure_subscribed())
-        argv = req.argv("wait" if wait else "try")
+        argv = req.argv("wait" if wait else "try", rt.channel_id)
         needs_cancel = True
         cf: concurrent.futures.Future | None = None
         joined: Waiter | None = None
@@ -341,7 +347,7 @@ class Pool:
         portal, rt = self._rt()
         state, new = rt.state_for(grant, req.ttl_s, valid_until)
         if new:
-            portal.soon(rt.track, state)
+            rt.track(state)
         return Lease(state, self)
 
     def _release(self, s: LeaseState) -> bool:

@@ -11,6 +11,8 @@
 --   5 waiter_ttl_ms   how long a queued ticket survives without a refresh, milliseconds
 --   6 mode            'wait' (queue if it cannot be granted now) or 'try' (never queue)
 --   7 meta            holder metadata (opaque string, <= 512 bytes)
+--   8 channel         the caller process's channel id (1-32 of [A-Za-z0-9]): a later hand-off
+--                     grant to this ticket is published on "<events key>:<channel>"
 -- Reply:
 --   granted:     {1, lease_id, token, expires_ms, amount, now_ms, epoch, capacity, used}
 --   queued:      {0, position, retry_after_ms, queue_len, now_ms, epoch, capacity, used}
@@ -34,9 +36,11 @@ local wttl; wttl, e = int_arg(ARGV[5], 'waiter_ttl_ms', MIN_TTL_MS, MAX_TTL_MS);
 local mode = ARGV[6]
 if mode ~= 'wait' and mode ~= 'try' then return bad("mode must be 'wait' or 'try', got " .. show(mode)) end
 local meta; meta, e = meta_arg(ARGV[7]); if e then return e end
+local chan; chan, e = channel_arg(ARGV[8]); if e then return e end
 
-if redis.call('EXISTS', K_CFG) == 0 then return redis.error_reply('GPULOCK_NOPOOL') end
-local cap = cfg_num('capacity')
+local cfg = redis.call('HMGET', K_CFG, 'capacity', 'epoch', 'max_waiters')
+if not cfg[1] then return redis.error_reply('GPULOCK_NOPOOL') end
+local cap, epoch, maxw = tonumber(cfg[1]), tonumber(cfg[2]), tonumber(cfg[3])
 if amount > cap then
   return redis.error_reply('GPULOCK_CAPACITY ' .. fmt(amount) .. ' ' .. fmt(cap))
 end
@@ -57,8 +61,10 @@ end
 
 -- Validation done; writes start here.
 local now = now_ms()
-reap(now)
-publish(now, grant_head(now))
+local nl, nw = reap(now)
+-- Every script that frees bytes hands them on before it returns, so the queue can only
+-- have become grantable here if this reap freed something.
+if nl + nw > 0 then publish(now, grant_head(now)) end
 
 held = redis.call('HGET', K_TICKETS, ticket)
 if held and redis.call('HEXISTS', K_HOLDERS, held) == 1 then
@@ -67,7 +73,7 @@ end
 
 local function not_granted(code, pos)
   return {code, pos, next_expiry_in(now), redis.call('ZCARD', K_QUEUE), now,
-          cfg_num('epoch'), cap, cfg_num('used')}
+          epoch, cap, cfg_num('used')}
 end
 
 if redis.call('ZSCORE', K_QUEUE, ticket) then
@@ -76,18 +82,18 @@ if redis.call('ZSCORE', K_QUEUE, ticket) then
 end
 
 local qlen = redis.call('ZCARD', K_QUEUE)
-if qlen == 0 and cfg_num('used') + amount <= cap then
-  make_lease(now, ticket, lid, amount, ttl, meta)
-  return grant_reply(now, lid)
+local used = cfg_num('used')
+if qlen == 0 and used + amount <= cap then
+  local token, exp = make_lease(now, ticket, lid, amount, ttl, meta)
+  return {1, lid, token, exp, amount, now, epoch, cap, used + amount}
 end
 if mode == 'try' then return not_granted(2, 0) end
 
-local maxw = cfg_num('max_waiters')
 if qlen >= maxw then
   return redis.error_reply('GPULOCK_QUEUEFULL ' .. fmt(qlen) .. ' ' .. fmt(maxw))
 end
 local seq = redis.call('HINCRBY', K_CFG, 'qseq', 1)
 redis.call('ZADD', K_QUEUE, fmt(seq), ticket)
-redis.call('HSET', K_WAITERS, ticket, fmt(amount) .. '|' .. fmt(ttl) .. '|' .. fmt(now) .. '|' .. lid .. '|' .. meta)
+redis.call('HSET', K_WAITERS, ticket, fmt(amount) .. '|' .. fmt(ttl) .. '|' .. fmt(now) .. '|' .. lid .. '|' .. chan .. '|' .. meta)
 redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
 return not_granted(0, qlen + 1)

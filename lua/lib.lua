@@ -8,10 +8,13 @@
 --   2 gpulock:{pool}:leases   zset  lease id -> server expiry (ms)
 --   3 gpulock:{pool}:holders  hash  lease id -> "amount|token|acquired_ms|ttl_ms|ticket|meta"
 --   4 gpulock:{pool}:queue    zset  ticket -> arrival sequence number (FIFO order)
---   5 gpulock:{pool}:waiters  hash  ticket -> "amount|ttl_ms|enqueued_ms|lease_id|meta"
+--   5 gpulock:{pool}:waiters  hash  ticket -> "amount|ttl_ms|enqueued_ms|lease_id|channel|meta"
 --   6 gpulock:{pool}:wexp     zset  ticket -> waiter expiry (ms)
 --   7 gpulock:{pool}:tickets  hash  ticket -> lease id of the grant made to that ticket
---   8 gpulock:{pool}:events   pub/sub channel; grants are published as
+--   8 gpulock:{pool}:events   prefix of the pub/sub channels: a grant made to a queued ticket is
+--                             published on "<events>:<channel>", the channel id its process gave
+--                             to acquire (one channel per waiting process, so a hand-off wakes
+--                             only the process that waits for it), as
 --                             "g <now_ms>\n<ticket> <lease_id> <token> <expires_ms> <amount>\n..."
 -- Units: amounts in bytes (integers), times in milliseconds of the Redis server clock.
 -- Numbers are always formatted with fmt() before they reach redis.call: Lua would print a
@@ -86,10 +89,17 @@ local function parse_holder(rec)
   return tonumber(a), tok, acq, ttl, ticket, meta
 end
 
--- waiter record: amount|ttl_ms|enqueued_ms|lease_id|meta
+-- waiter record: amount|ttl_ms|enqueued_ms|lease_id|channel|meta
 local function parse_waiter(rec)
-  local a, ttl, enq, lid, meta = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(.*)$')
-  return tonumber(a), tonumber(ttl), enq, lid, meta
+  local a, ttl, enq, lid, chan, meta = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(.*)$')
+  return tonumber(a), tonumber(ttl), enq, lid, chan, meta
+end
+
+local function channel_arg(v)
+  if type(v) ~= 'string' or not string.match(v, '^%w+$') or #v > 32 then
+    return nil, bad('channel id must be 1-32 characters of [A-Za-z0-9], got ' .. show(v))
+  end
+  return v
 end
 
 local function cfg_num(field)
@@ -146,21 +156,22 @@ local function make_lease(now, ticket, lid, amount, ttl, meta)
 end
 
 -- Server-side hand-off: grant the longest FIFO prefix of the queue that fits, strictly in
--- order (a head that does not fit blocks those behind it, so none starves). Returns the list
--- of grant lines for publish().
+-- order (a head that does not fit blocks those behind it, so none starves). Returns the
+-- grant lines grouped by the waiters' channels, and their count, for publish().
 local function grant_head(now)
+  local lines, n = {}, 0
+  local head = redis.call('ZRANGE', K_QUEUE, 0, 0)
+  if #head == 0 then return lines, n end
   local cap = cfg_num('capacity')
   local used = cfg_num('used')
-  local lines = {}
   while true do
-    local head = redis.call('ZRANGE', K_QUEUE, 0, 0)
     if #head == 0 then break end
     local t = head[1]
     local w = redis.call('HGET', K_WAITERS, t)
     if not w then
       drop_waiter(t)
     else
-      local amount, ttl, _, lid, meta = parse_waiter(w)
+      local amount, ttl, _, lid, chan, meta = parse_waiter(w)
       if amount > cap then
         -- The capacity was lowered below this request: it can never be granted, and as head
         -- it would block everyone behind it. Drop it; its client finds it gone at its next
@@ -172,16 +183,22 @@ local function grant_head(now)
         drop_waiter(t)
         local token, exp = make_lease(now, t, lid, amount, ttl, meta)
         used = used + amount
-        lines[#lines + 1] = t .. ' ' .. lid .. ' ' .. fmt(token) .. ' ' .. fmt(exp) .. ' ' .. fmt(amount)
+        local group = lines[chan]
+        if not group then group = {}; lines[chan] = group end
+        group[#group + 1] = t .. ' ' .. lid .. ' ' .. fmt(token) .. ' ' .. fmt(exp) .. ' ' .. fmt(amount)
+        n = n + 1
       end
     end
+    head = redis.call('ZRANGE', K_QUEUE, 0, 0)
   end
-  return lines
+  return lines, n
 end
 
-local function publish(now, lines)
-  if #lines > 0 then
-    redis.call('PUBLISH', K_EVENTS, 'g ' .. fmt(now) .. '\n' .. table.concat(lines, '\n'))
+local function publish(now, lines, n)
+  if n > 0 then
+    for chan, group in pairs(lines) do
+      redis.call('PUBLISH', K_EVENTS .. ':' .. chan, 'g ' .. fmt(now) .. '\n' .. table.concat(group, '\n'))
+    end
   end
 end
 
@@ -200,4 +217,18 @@ local function grant_reply(now, lid)
   local exp = redis.call('ZSCORE', K_LEASES, lid)
   return {1, lid, tonumber(token), tonumber(exp), amount, now,
           cfg_num('epoch'), cfg_num('capacity'), cfg_num('used')}
+end
+
+-- Key types, checked before each script does anything else. A key of another type under the
+-- pool's prefix (written by something else) would make a script fail at its first use of
+-- that key, perhaps after other writes, and Redis does not roll a script back. So every
+-- script checks all seven keys first and fails with nothing written (seven TYPE calls,
+-- about 0.5 us of server time; measured in docs/RELIABILITY.md).
+--   GPULOCK_KEYTYPE <key> <found type> <expected type>
+local KEY_TYPES = {'hash', 'zset', 'hash', 'zset', 'hash', 'zset', 'hash'}
+for i = 1, 7 do
+  local t = redis.call('TYPE', KEYS[i])['ok']
+  if t ~= 'none' and t ~= KEY_TYPES[i] then
+    return redis.error_reply('GPULOCK_KEYTYPE ' .. KEYS[i] .. ' ' .. t .. ' ' .. KEY_TYPES[i])
+  end
 end

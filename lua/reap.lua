@@ -9,6 +9,6 @@
 local now = now_ms()
 if redis.call('EXISTS', K_CFG) == 0 then return {0, 0, 0, -1, now} end
 local nl, nw = reap(now)
-local lines = grant_head(now)
-publish(now, lines)
-return {nl, nw, #lines, next_expiry_in(now), now}
+local lines, n = grant_head(now)
+publish(now, lines, n)
+return {nl, nw, n, next_expiry_in(now), now}

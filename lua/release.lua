@@ -24,6 +24,6 @@ if rec then
     ok = 1
   end
 end
-local lines = grant_head(now)
-publish(now, lines)
-return {ok, now, cfg_num('used'), #lines}
+local lines, n = grant_head(now)
+publish(now, lines, n)
+return {ok, now, cfg_num('used'), n}

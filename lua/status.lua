@@ -36,7 +36,7 @@ if limit > 0 then
   for _, t in ipairs(ts) do
     local rec = redis.call('HGET', K_WAITERS, t)
     if rec then
-      local amount, _, enq, _, meta = parse_waiter(rec)
+      local amount, _, enq, _, _, meta = parse_waiter(rec)
       waiters[#waiters + 1] = {t, amount, tonumber(enq), tonumber(redis.call('ZSCORE', K_WEXP, t) or '0'), meta}
     end
   end

@@ -113,7 +113,7 @@ def _expect_badarg(rclient, pool_name, op, *argv, word=None):
 def test_lua_acquire_bad_argv(rclient, pool_name):
     _setup(rclient, pool_name)
     L = new_id()
-    ok = ["t-new", L, str(GiB), "5000", "5000", "wait", "{}"]
+    ok = ["t-new", L, str(GiB), "5000", "5000", "wait", "{}", "test"]
 
     def with_(i, v):
         a = list(ok)
@@ -129,6 +129,7 @@ def test_lua_acquire_bad_argv(rclient, pool_name):
         (4, "0"), (4, "x"),
         (5, "maybe"), (5, ""),
         (6, "x" * 513),
+        (7, ""), (7, "a:b"), (7, "x" * 33),
     ]
     for i, v in cases:
         _expect_badarg(rclient, pool_name, "acquire", *with_(i, v), word=v[:20] if i not in (6,) else "512")
@@ -164,16 +165,16 @@ def test_lua_other_scripts_bad_argv(rclient, pool_name):
 def test_lua_conflicts_change_nothing(rclient, pool_name):
     lid, token = _setup(rclient, pool_name)
     before = snapshot(rclient)
-    for argv in (["holder", new_id(), str(GiB), "5000", "5000", "wait", "{}"],  # another amount
-                 ["w1", new_id(), str(GiB), "5000", "5000", "wait", "{}"],      # queued, other amount
-                 ["fresh", lid, str(GiB), "5000", "5000", "wait", "{}"]):       # lease id in use
+    for argv in (["holder", new_id(), str(GiB), "5000", "5000", "wait", "{}", "test"],  # another amount
+                 ["w1", new_id(), str(GiB), "5000", "5000", "wait", "{}", "test"],      # queued, other amount
+                 ["fresh", lid, str(GiB), "5000", "5000", "wait", "{}", "test"]):       # lease id in use
         with pytest.raises(redis.ResponseError, match="GPULOCK_CONFLICT"):
             raw(rclient, pool_name, "acquire", *argv)
         assert snapshot(rclient) == before
     with pytest.raises(redis.ResponseError, match="GPULOCK_CAPACITY"):
-        raw(rclient, pool_name, "acquire", "big", new_id(), str(CAP + 1), "5000", "5000", "wait", "{}")
+        raw(rclient, pool_name, "acquire", "big", new_id(), str(CAP + 1), "5000", "5000", "wait", "{}", "test")
     with pytest.raises(redis.ResponseError, match="GPULOCK_NOPOOL"):
-        raw(rclient, "other", "acquire", "t", new_id(), "1", "5000", "5000", "wait", "{}")
+        raw(rclient, "other", "acquire", "t", new_id(), "1", "5000", "5000", "wait", "{}", "test")
     assert snapshot(rclient) == before
 
 
@@ -194,7 +195,7 @@ def test_lua_acquire_fuzz(rclient, pool_name, amount, ttl, mode, ticket):
         _setup(rclient, pool_name)
     before = snapshot(rclient)
     try:
-        r = raw(rclient, pool_name, "acquire", ticket, new_id(), amount, ttl, "5000", mode, "{}")
+        r = raw(rclient, pool_name, "acquire", ticket, new_id(), amount, ttl, "5000", mode, "{}", "test")
     except redis.ResponseError as e:
         assert str(e).split()[0] in ("GPULOCK_BADARG", "GPULOCK_CAPACITY", "GPULOCK_CONFLICT"), str(e)
         assert snapshot(rclient) == before

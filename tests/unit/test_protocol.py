@@ -105,7 +105,7 @@ def _build(amount="1GiB", **kw):
 
 def test_acquire_request_argv():
     r = _build("2GiB", ttl=0.6, timeout=0, request_id="req-1", holder={"purpose": "t"})
-    argv = r.argv("try")
+    argv = r.argv("try", "chan1")
     assert argv[0] == "req-1"
     assert len(argv[1]) == 32
     assert argv[2:6] == [str(2 << 30), "600", "5000", "try"]
