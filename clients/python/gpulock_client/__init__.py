@@ -1,0 +1,38 @@
+"""gpulock-client: lease GPU memory from a gpulock pool through its HTTP lease API.
+
+``Pool``/``AsyncPool`` and ``Lease``/``AsyncLease`` have the surface of gpulock's own classes
+(acquire, lease, ensure_valid, on_lost, token, release); the errors mirror gpulock's tree.
+Depends on httpx only.
+"""
+
+from ._async import AsyncLease, AsyncPool
+from ._sync import Lease, Pool
+from .errors import (
+    AcquireTimeout,
+    AuthError,
+    BackendUnavailable,
+    CapacityExceeded,
+    GpuLockError,
+    InvalidArgument,
+    LeaseLost,
+    PoolNotFound,
+    QueueFull,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AcquireTimeout",
+    "AsyncLease",
+    "AsyncPool",
+    "AuthError",
+    "BackendUnavailable",
+    "CapacityExceeded",
+    "GpuLockError",
+    "InvalidArgument",
+    "Lease",
+    "LeaseLost",
+    "Pool",
+    "PoolNotFound",
+    "QueueFull",
+]

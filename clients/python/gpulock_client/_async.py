@@ -1,0 +1,225 @@
+"""The asyncio client: :class:`AsyncPool` and :class:`AsyncLease`. Logic lives in
+``_core.py``; this file carries out its steps with ``httpx.AsyncClient`` and
+``asyncio.sleep``. One heartbeat task per pool object, started with its first lease."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable, Dict, Optional, Union
+
+import httpx
+
+from . import _core as core
+from ._sync import _headers, _timeout
+from .errors import BackendUnavailable, LeaseLost
+
+
+class AsyncLease(core.LeaseBase):
+    """A lease held through the broker (asyncio). Use as ``async with``; see
+    :class:`~gpulock_client._core.LeaseBase`. The pool's heartbeat task renews it at ttl/3."""
+
+    async def renew(self, ttl: Optional[float] = None) -> None:
+        """Renew now, optionally with a new ``ttl`` (seconds). Raises LeaseLost,
+        BackendUnavailable."""
+        s = self._state
+        s.check()
+        ok = await self._pool._run(core.renew_steps(self._pool._cfg, s, core.CONNECT_TIMEOUT_S, ttl))
+        if ok is None:
+            raise BackendUnavailable(f"pool {s.pool!r}: renewal of lease {s.lease_id[:8]}… did not get through")
+        s.check()
+
+    async def release(self) -> None:
+        """Give the bytes back. Idempotent. Raises LeaseLost (it had been lost),
+        BackendUnavailable (not confirmed within 5 s; it expires after its ttl)."""
+        s = self._state
+        if s.released:
+            return
+        was_lost = s.lost_reason or ("no successful renewal before the local validity deadline"
+                                     if s.expired_locally() else None)
+        s.released = True
+        self._pool._leases.pop(s.lease_id, None)
+        await self._pool._run(core.release_steps(self._pool._cfg, s, was_lost))
+
+    async def __aenter__(self) -> "AsyncLease":
+        return self
+
+    async def __aexit__(self, et, ev, tb) -> None:
+        try:
+            await asyncio.shield(self.release())
+        except LeaseLost:
+            if et is None:
+                raise
+
+
+class _LeaseCM:
+    def __init__(self, pool: "AsyncPool", amount: Union[int, str], kw: Dict[str, Any]):
+        self._pool, self._amount, self._kw = pool, amount, kw
+        self._lease: Optional[AsyncLease] = None
+
+    async def __aenter__(self) -> AsyncLease:
+        self._lease = await self._pool.acquire(self._amount, **self._kw)
+        return self._lease
+
+    async def __aexit__(self, et, ev, tb) -> None:
+        assert self._lease is not None
+        await self._lease.__aexit__(et, ev, tb)
+
+
+class AsyncPool:
+    """One gpulock pool, reached through a broker (asyncio). Same arguments as
+    :class:`gpulock_client.Pool`."""
+
+    def __init__(self, url: Optional[str] = None, name: str = "gpu0", *, token: Optional[str] = None,
+                 default_ttl: float = core.DEFAULT_TTL_S, max_wait: float = core.DEFAULT_MAX_WAIT_S,
+                 backend_timeout: float = core.DEFAULT_BACKEND_TIMEOUT_S,
+                 transport: Optional[httpx.AsyncBaseTransport] = None, clock: core.Clock = time.monotonic):
+        self.url = core.env_url(url)
+        self.name = name
+        self._cfg = core.PoolConfig(name, default_ttl, max_wait, backend_timeout, clock)
+        kw: Dict[str, Any] = {"base_url": self.url, "headers": _headers(core.env_token(token))}
+        if transport is not None:
+            kw["transport"] = transport
+        self._http = httpx.AsyncClient(**kw)
+        self._leases: Dict[str, core.LeaseState] = {}
+        self._task: Optional[asyncio.Task] = None
+        self._wake: Optional[asyncio.Event] = None
+        self._timers: Dict[str, asyncio.TimerHandle] = {}
+
+    @classmethod
+    def from_url(cls, url: str, name: str, **kw: Any) -> "AsyncPool":
+        return cls(url, name, **kw)
+
+    async def _run(self, gen: core.Steps) -> Any:
+        out: Any = None
+        try:
+            while True:
+                step = gen.send(out)
+                if isinstance(step, core.Sleep):
+                    await asyncio.sleep(step.seconds)
+                    out = None
+                    continue
+                sent = self._cfg.clock()
+                try:
+                    r = await self._http.request(step.method, step.path, json=step.json,
+                                                 timeout=_timeout(step.timeout))
+                    try:
+                        body = r.json()
+                    except ValueError:
+                        body = None
+                    out = core.Reply(r.status_code, {k.lower(): v for k, v in r.headers.items()}, body, sent)
+                except httpx.TransportError as e:
+                    out = e
+        except StopIteration as stop:
+            return stop.value
+
+    async def acquire(self, amount: Union[int, str], *, ttl: Optional[float] = None,
+                      timeout: Optional[float] = None, holder: Optional[Dict[str, Any]] = None,
+                      request_id: Optional[str] = None, on_queued: Optional[Callable[[int], Any]] = None) -> AsyncLease:
+        """Same arguments, return and errors as :meth:`gpulock_client.Pool.acquire`. On
+        cancellation the place is withdrawn (and a grant that raced in released)."""
+        rid = request_id or core.new_request_id()
+        gen = core.acquire_steps(self._cfg, amount, ttl=ttl, timeout=timeout, holder=holder, request_id=rid,
+                                 on_queued=on_queued)
+        try:
+            body, sent = await self._run(gen)
+        except asyncio.CancelledError:
+            t = asyncio.ensure_future(self._run(core._cancel_steps(self._cfg, rid)))
+            try:
+                await asyncio.shield(t)
+            except BaseException:
+                pass
+            raise
+        s = core.LeaseState(self.name, body, sent, self._cfg.clock)
+        self._track(s)
+        return AsyncLease(s, self)
+
+    def lease(self, amount: Union[int, str], **kw: Any) -> _LeaseCM:
+        """``async with pool.lease("2GiB", timeout=10) as lease:``"""
+        return _LeaseCM(self, amount, kw)
+
+    async def _get(self, method: str, path: str, json: Any = None) -> Any:
+        from ._sync import _one
+
+        r = await self._run(_one(core.Http(method, path, json, timeout=10.0)))
+        if isinstance(r, Exception):
+            raise BackendUnavailable(f"broker unreachable: {r!r}")
+        if r.status >= 300:
+            raise core.error_for(r, self.name)
+        return r.body
+
+    async def status(self) -> Dict[str, Any]:
+        """The pool's status (bytes, seconds). Raises PoolNotFound, AuthError, BackendUnavailable."""
+        return await self._get("GET", self._cfg.base)
+
+    async def configure(self, capacity: Union[int, str], *, max_waiters: Optional[int] = None) -> Dict[str, Any]:
+        """Create the pool or set its capacity (admin token)."""
+        body: Dict[str, Any] = {"capacity": capacity}
+        if max_waiters is not None:
+            body["max_waiters"] = max_waiters
+        return await self._get("PUT", self._cfg.base, body)
+
+    # ---- heartbeat -------------------------------------------------------------------------
+    def _track(self, s: core.LeaseState) -> None:
+        self._leases[s.lease_id] = s
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._heartbeat(), name=f"gpulock-client-{self.name}")
+        self._arm_deadline(s)
+        self._wake.set()
+
+    def _arm_deadline(self, s: core.LeaseState) -> None:
+        """Fire on_lost at the validity deadline even while the heartbeat awaits a reply."""
+        h = self._timers.pop(s.lease_id, None)
+        if h is not None:
+            h.cancel()
+        if not s.active or self._leases.get(s.lease_id) is not s:
+            return
+        delay = s.valid_until - self._cfg.clock()
+        if delay > 0:
+            self._timers[s.lease_id] = asyncio.get_running_loop().call_later(delay, self._arm_deadline, s)
+        else:
+            s.mark_lost("no successful renewal before the local validity deadline (broker unreachable or too slow)")
+
+    async def _heartbeat(self) -> None:
+        clock = self._cfg.clock
+        assert self._wake is not None
+        while True:
+            leases = list(self._leases.values())
+            for s in leases:
+                if not s.active:
+                    self._leases.pop(s.lease_id, None)
+            leases = [s for s in leases if s.active]
+            if not leases:
+                return
+            due, wake = core.heartbeat_plan(leases, clock())
+            for s in due:
+                ok = await self._run(core.renew_steps(self._cfg, s, core.request_budget(leases, clock())))
+                if ok is None:
+                    core.retry_later(s, clock(), self._cfg.rng)
+                elif ok:
+                    self._arm_deadline(s)
+            if due:
+                continue
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(0.0, wake - clock()))
+            except asyncio.TimeoutError:
+                pass
+
+    async def aclose(self) -> None:
+        """Stop the heartbeat and close connections (held leases expire after their ttl)."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncPool":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()

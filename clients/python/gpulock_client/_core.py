@@ -1,0 +1,435 @@
+"""The I/O-free part of the client, shared by the sync and async shells: request bodies,
+reply decoding, error mapping, retry delays, the lease's validity clock and heartbeat schedule.
+
+The acquire, renew and release procedures are generators that *yield* what to do — an
+:class:`Http` call or a :class:`Sleep` — and receive the outcome (a :class:`Reply`, or the
+transport exception); ``_sync.py`` and ``_async.py`` only carry the steps out. So the retry
+logic exists once, and tests drive it with a fake clock and canned replies.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Generator, List, Optional, Union
+from urllib.parse import quote
+
+from .errors import (
+    AcquireTimeout,
+    AuthError,
+    BackendUnavailable,
+    CapacityExceeded,
+    GpuLockError,
+    InvalidArgument,
+    LeaseLost,
+    PoolNotFound,
+    QueueFull,
+)
+
+DEFAULT_TTL_S = 30.0
+DEFAULT_MAX_WAIT_S = 20.0  # longest long-poll per request; the broker caps it too
+DEFAULT_BACKEND_TIMEOUT_S = 30.0  # how long an unreachable broker/Redis is retried
+CONNECT_TIMEOUT_S = 5.0
+READ_SLACK_S = 10.0  # added to `wait` for the read timeout of a long poll
+# Chubby's rule, as in gpulock: the client's view of a lease ends before the server's.
+CLOCK_DRIFT = 0.01
+SAFETY_MARGIN_S = 0.05
+JITTER = (1.0, 1.3)  # Retry-After is multiplied by a uniform factor in this range
+RELEASE_TIMEOUT_S = 5.0
+
+Clock = Callable[[], float]
+
+
+def env_url(url: Optional[str]) -> str:
+    u = url or os.environ.get("GPULOCK_BROKER_URL")
+    if not u:
+        raise InvalidArgument("no broker URL: pass url= or set GPULOCK_BROKER_URL")
+    return u.rstrip("/")
+
+
+def env_token(token: Optional[str]) -> Optional[str]:
+    return token if token is not None else os.environ.get("GPULOCK_TOKEN")
+
+
+def new_request_id() -> str:
+    return secrets.token_hex(16)
+
+
+_HOST = socket.gethostname()
+
+
+def holder_meta(holder: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    meta: Dict[str, Any] = {"host": _HOST[:64], "pid": os.getpid()}
+    if holder:
+        meta.update(holder)
+    return meta
+
+
+# ---- steps ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Http:
+    method: str
+    path: str
+    json: Any = None
+    timeout: float = 10.0  # read timeout, seconds
+
+
+@dataclass(frozen=True)
+class Sleep:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    headers: Dict[str, str]  # lower-case names
+    body: Any
+    sent: float  # local monotonic time the request was sent
+
+    def detail(self) -> Dict[str, Any]:
+        d = self.body.get("detail") if isinstance(self.body, dict) else None
+        return d if isinstance(d, dict) else {}
+
+    def message(self) -> str:
+        d = self.body.get("detail") if isinstance(self.body, dict) else None
+        if isinstance(d, dict):
+            return str(d.get("message", d))
+        if isinstance(d, list):  # FastAPI validation errors: name the field
+            return "; ".join(f"{'.'.join(str(x) for x in e.get('loc', []))}: {e.get('msg')}" for e in d
+                             if isinstance(e, dict))
+        return f"HTTP {self.status}"
+
+    def retry_after(self) -> Optional[float]:
+        v = self.headers.get("retry-after")
+        try:
+            return max(0.0, float(v)) if v is not None else None
+        except ValueError:
+            return None
+
+
+Outcome = Union[Reply, Exception]
+Steps = Generator[Union[Http, Sleep], Outcome, Any]
+
+
+def error_for(r: Reply, pool: str) -> GpuLockError:
+    """The exception for a non-success reply."""
+    d, msg = r.detail(), r.message()
+    code = d.get("error")
+    if r.status in (401, 403):
+        e: GpuLockError = AuthError(msg)
+    elif r.status == 413:
+        e = CapacityExceeded(msg, int(d.get("amount") or 0), int(d.get("capacity") or 0))
+    elif r.status == 422:
+        e = InvalidArgument(msg)
+    elif r.status == 404 and code == "pool_not_found":
+        e = PoolNotFound(msg)
+    elif r.status == 410 or (r.status == 404 and code == "not_found"):
+        e = LeaseLost(str(d.get("lease_id") or "?"), msg)
+    elif code == "queue_full":
+        e = QueueFull(msg, int(d.get("queue_length") or 0))
+    elif r.status in (502, 503, 504):
+        e = BackendUnavailable(f"pool {pool!r}: {msg}")
+    else:
+        e = GpuLockError(f"pool {pool!r}: unexpected HTTP {r.status}: {msg}")
+    e.status = r.status
+    return e
+
+
+def validity_deadline(sent: float, expires_in: float) -> float:
+    return sent + max(0.0, expires_in) * (1.0 - CLOCK_DRIFT) - SAFETY_MARGIN_S
+
+
+def jittered(seconds: float, rng: random.Random) -> float:
+    return seconds * rng.uniform(*JITTER)
+
+
+def backoff(attempt: int, rng: random.Random, cap: float = 2.0) -> float:
+    """Full-jitter exponential backoff for transport errors: 0..min(cap, 0.1*2^attempt)."""
+    return rng.uniform(0.0, min(cap, 0.1 * (2 ** attempt)))
+
+
+# ---- lease state ---------------------------------------------------------------------------
+class LeaseState:
+    """Identity and local validity clock of one lease; thread-safe (the heartbeat runs in
+    another thread or task than the holder)."""
+
+    def __init__(self, pool: str, body: Dict[str, Any], sent: float, clock: Clock):
+        self.pool = pool
+        self.lease_id: str = body["lease_id"]
+        self.amount: int = int(body["amount"])
+        self.token: int = int(body["token"])
+        self.ttl_s: float = float(body["ttl"])
+        self.request_id: str = body["request_id"]
+        self.expires_at: float = float(body["expires_at"])
+        self.acquired_at: float = float(body["acquired_at"])
+        self.clock = clock
+        self.valid_until = validity_deadline(sent, float(body["expires_in"]))
+        self.next_renew = sent + min(self.ttl_s, float(body["expires_in"])) / 3
+        self.lost_reason: Optional[str] = None
+        self.released = False
+        self.renew_failures = 0
+        self._callbacks: List[Callable[[], Any]] = []
+        self._lock = threading.Lock()
+
+    def renewed(self, sent: float, body: Dict[str, Any]) -> None:
+        exp_in = float(body["expires_in"])
+        self.expires_at = float(body["expires_at"])
+        self.ttl_s = float(body.get("ttl", self.ttl_s))
+        self.valid_until = validity_deadline(sent, exp_in)
+        self.next_renew = sent + min(self.ttl_s, exp_in) / 3
+        self.renew_failures = 0
+
+    @property
+    def active(self) -> bool:
+        return self.lost_reason is None and not self.released
+
+    def expired_locally(self) -> bool:
+        return self.active and self.clock() >= self.valid_until
+
+    def check(self) -> None:
+        if self.expired_locally():
+            self.mark_lost("no successful renewal before the local validity deadline "
+                           "(broker unreachable, or this process was paused)")
+        if self.lost_reason is not None:
+            raise LeaseLost(self.lease_id, self.lost_reason)
+        if self.released:
+            raise LeaseLost(self.lease_id, "it was released")
+
+    def add_callback(self, cb: Callable[[], Any]) -> None:
+        with self._lock:
+            fire = self.lost_reason is not None
+            if not fire:
+                self._callbacks.append(cb)
+        if fire:
+            _safe(cb)
+
+    def mark_lost(self, reason: str) -> bool:
+        with self._lock:
+            if not self.active:
+                return False
+            self.lost_reason = reason
+            cbs, self._callbacks = self._callbacks, []
+        for cb in cbs:
+            _safe(cb)
+        return True
+
+
+def _safe(cb: Callable[[], Any]) -> None:
+    try:
+        cb()
+    except Exception:  # a user callback must not kill the heartbeat
+        import logging
+
+        logging.getLogger("gpulock_client").exception("on_lost callback raised")
+
+
+class LeaseBase:
+    """What sync and async leases share. Attributes: ``id`` (32 hex digits), ``pool``,
+    ``amount`` (bytes), ``token`` (fencing token, strictly increasing per pool), ``ttl``
+    (seconds), ``request_id``, ``acquired_at`` and ``expires_at`` (Unix seconds, server clock;
+    the expiry as last known),
+    ``valid_until`` (local ``time.monotonic()`` instant after which it counts as lost)."""
+
+    def __init__(self, state: LeaseState, pool: Any):
+        self._state = state
+        self._pool = pool
+
+    id = property(lambda self: self._state.lease_id)
+    pool = property(lambda self: self._state.pool)
+    amount = property(lambda self: self._state.amount)
+    token = property(lambda self: self._state.token)
+    ttl = property(lambda self: self._state.ttl_s)
+    request_id = property(lambda self: self._state.request_id)
+    expires_at = property(lambda self: self._state.expires_at)
+    acquired_at = property(lambda self: self._state.acquired_at)
+    valid_until = property(lambda self: self._state.valid_until)
+
+    @property
+    def lost(self) -> bool:
+        s = self._state
+        return s.lost_reason is not None or s.expired_locally()
+
+    @property
+    def released(self) -> bool:
+        return self._state.released
+
+    def ensure_valid(self) -> None:
+        """Raise :class:`LeaseLost` unless the lease is surely still held. Call it before each
+        GPU call under the lease. Cost: a clock read, no I/O.
+
+        Raises:
+            LeaseLost: the local validity deadline passed (it passes before the server's
+                expiry), the broker said the lease is gone, or it was released.
+        """
+        self._state.check()
+
+    def on_lost(self, callback: Callable[[Any], Any]) -> None:
+        """Call ``callback(lease)`` once when the lease is found lost (by the heartbeat, its
+        deadline, or ``ensure_valid``); at once if it is lost already. Runs on the heartbeat
+        thread (sync) or in the event loop (async): keep it short."""
+        self._state.add_callback(lambda: callback(self))
+
+    def __repr__(self) -> str:
+        s = self._state
+        st = "released" if s.released else ("lost" if s.lost_reason else "held")
+        return f"<{type(self).__name__} {s.lease_id[:8]}… pool={s.pool} amount={s.amount} token={s.token} {st}>"
+
+
+# ---- procedures ----------------------------------------------------------------------------
+@dataclass
+class PoolConfig:
+    name: str
+    default_ttl: float = DEFAULT_TTL_S
+    max_wait: float = DEFAULT_MAX_WAIT_S
+    backend_timeout: float = DEFAULT_BACKEND_TIMEOUT_S
+    clock: Clock = time.monotonic
+    rng: random.Random = field(default_factory=random.Random)
+
+    @property
+    def base(self) -> str:
+        return f"/v1/pools/{quote(self.name, safe='')}"
+
+
+def acquire_steps(cfg: PoolConfig, amount: Union[int, str], *, ttl: Optional[float], timeout: Optional[float],
+                  holder: Optional[Dict[str, Any]], request_id: Optional[str],
+                  on_queued: Optional[Callable[[int], Any]]) -> Steps:
+    """Acquire with long polls and retries; returns ``(reply body, sent)`` of the 201.
+
+    One request id for every attempt (the broker keeps the place for it); ``Retry-After`` is
+    honoured with jitter; transport errors and 503 backend_unavailable are retried for
+    ``backend_timeout`` seconds (or until the timeout); on giving up the place is withdrawn."""
+    clock, rng = cfg.clock, cfg.rng
+    start = clock()
+    deadline = None if timeout is None else start + max(0.0, timeout)
+    try_once = timeout is not None and timeout <= 0
+    rid = request_id or new_request_id()
+    body: Dict[str, Any] = {"amount": amount, "ttl": cfg.default_ttl if ttl is None else ttl,
+                            "holder": holder_meta(holder), "request_id": rid}
+    position, queue_length, last_ra = 0, 0, None
+    down_since: Optional[float] = None
+    attempt = 0
+    queued = False
+    last_err: Optional[GpuLockError] = None
+    while True:
+        now = clock()
+        remaining = math.inf if deadline is None else deadline - now
+        final = try_once or remaining <= 0
+        wait = 0.0 if final else min(cfg.max_wait, remaining)
+        out = yield Http("POST", cfg.base + "/leases", {**body, "wait": round(wait, 3), "queue": not try_once},
+                         timeout=wait + READ_SLACK_S)
+        attempt += 1
+        if isinstance(out, Reply) and out.status == 201:
+            return out.body, out.sent
+        if isinstance(out, Reply) and out.status == 503 and out.detail().get("error") in ("queued", "busy"):
+            d = out.detail()
+            down_since, last_err = None, None
+            queued = d.get("error") == "queued"
+            queue_length = int(d.get("queue_length") or 0)
+            last_ra = out.retry_after()
+            pos = int(d.get("position") or 0)
+            if queued and pos != position:
+                position = pos
+                if on_queued is not None:
+                    on_queued(pos)
+            delay = jittered(last_ra if last_ra is not None else 1.0, rng)
+        elif isinstance(out, Exception) or out.status in (502, 503, 504):
+            last_err = (BackendUnavailable(f"pool {cfg.name!r}: broker unreachable: {out!r}")
+                        if isinstance(out, Exception) else error_for(out, cfg.name))
+            down_since = now if down_since is None else down_since
+            if deadline is None and clock() - down_since >= cfg.backend_timeout:
+                final = True
+            ra = out.retry_after() if isinstance(out, Reply) else None
+            delay = jittered(ra, rng) if ra is not None else backoff(attempt, rng)
+        else:
+            err = error_for(out, cfg.name)
+            if queued:  # e.g. a pool reset while we waited: do not leave a place behind
+                yield from _cancel_steps(cfg, rid)
+            raise err
+        if final:
+            if queued or last_err is not None:
+                yield from _cancel_steps(cfg, rid)
+            if last_err is not None:
+                raise last_err
+            raise AcquireTimeout(
+                f"pool {cfg.name!r}: no grant of {amount} within {timeout}s "
+                f"(position {position} of {queue_length})" if queued else
+                f"pool {cfg.name!r}: {amount} not available now ({queue_length} queued)",
+                position=position, queue_length=queue_length, retry_after=last_ra, waited=clock() - start)
+        yield Sleep(delay if deadline is None else max(0.0, min(delay, deadline - clock())))
+
+
+def _cancel_steps(cfg: PoolConfig, rid: str) -> Steps:
+    """Withdraw the request (leave the queue, release a grant that raced in); best effort:
+    if it fails, the broker withdraws it after its hold window."""
+    yield Http("DELETE", f"{cfg.base}/requests/{rid}", timeout=2.0)
+
+
+def renew_steps(cfg: PoolConfig, s: LeaseState, request_timeout: float, ttl: Optional[float] = None) -> Steps:
+    """One renewal. Returns True (renewed), or None (failed for now: retry later). Marks the
+    lease lost (and returns False) when the broker says it is gone."""
+    out = yield Http("PUT", f"{cfg.base}/leases/{s.lease_id}", {"ttl": ttl or s.ttl_s}, timeout=request_timeout)
+    if isinstance(out, Reply) and out.status == 200:
+        if s.active:
+            s.renewed(out.sent, out.body)
+        return True
+    if isinstance(out, Reply) and out.status in (404, 410):
+        s.mark_lost(f"the broker says it is gone: {out.message()}")
+        return False
+    if isinstance(out, Reply) and out.status in (401, 403, 422):
+        s.mark_lost(f"the broker refused the renewal: HTTP {out.status}: {out.message()}")
+        return False
+    s.renew_failures += 1
+    return None
+
+
+def release_steps(cfg: PoolConfig, s: LeaseState, was_lost: Optional[str]) -> Steps:
+    """DELETE with retries for up to RELEASE_TIMEOUT_S. Raises LeaseLost when the lease was
+    lost (by the broker's answer, or locally before), BackendUnavailable when unreachable."""
+    clock, start, attempt = cfg.clock, cfg.clock(), 0
+    while True:
+        out = yield Http("DELETE", f"{cfg.base}/leases/{s.lease_id}", timeout=RELEASE_TIMEOUT_S)
+        attempt += 1
+        if isinstance(out, Reply) and out.status == 200:
+            break
+        if isinstance(out, Reply) and out.status in (404, 410):
+            if was_lost is None:
+                raise LeaseLost(s.lease_id, f"the broker no longer had it at release: {out.message()}")
+            break
+        if isinstance(out, Reply) and out.status not in (502, 503, 504):
+            raise error_for(out, cfg.name)
+        if clock() - start >= RELEASE_TIMEOUT_S:
+            raise BackendUnavailable(f"pool {cfg.name!r}: could not release lease {s.lease_id[:8]}… "
+                                     f"({out!r}); it expires after its ttl")
+        ra = out.retry_after() if isinstance(out, Reply) else None
+        yield Sleep(jittered(ra, cfg.rng) if ra is not None else backoff(attempt, cfg.rng))
+    if was_lost is not None:
+        raise LeaseLost(s.lease_id, was_lost)
+
+
+def heartbeat_plan(leases: List[LeaseState], now: float) -> tuple:
+    """Which leases to renew now, and until when the heartbeat may sleep or block in one
+    request (the earliest validity deadline, so ``on_lost`` fires on time)."""
+    due = [s for s in leases if s.active and s.next_renew <= now]
+    wake = now + 60.0
+    for s in leases:
+        if s.active:
+            wake = min(wake, s.next_renew, s.valid_until)
+    return due, wake
+
+
+def request_budget(leases: List[LeaseState], now: float, cap: float = 10.0) -> float:
+    """Read timeout for one renewal: it must return before any lease's validity deadline, so
+    the heartbeat is free to mark that lease lost (and fire on_lost) on time."""
+    deadlines = [s.valid_until for s in leases if s.active]
+    return max(0.05, min([cap, *(d - now for d in deadlines)]))
+
+
+def retry_later(s: LeaseState, now: float, rng: random.Random) -> None:
+    """After a failed renewal: try again soon, but never after the deadline."""
+    s.next_renew = min(now + 0.1 + backoff(s.renew_failures, rng, cap=1.0), max(now, s.valid_until - 0.01))

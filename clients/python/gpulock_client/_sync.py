@@ -1,0 +1,265 @@
+"""The blocking client: :class:`Pool` and :class:`Lease`. Logic lives in ``_core.py``; this
+file carries out its steps with ``httpx.Client`` and ``time.sleep``. One daemon heartbeat
+thread per pool object, started with its first lease."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Dict, Optional, Union
+
+import httpx
+
+from . import _core as core
+from .errors import BackendUnavailable, LeaseLost
+
+
+def _headers(token: Optional[str]) -> Dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _timeout(read: float) -> httpx.Timeout:
+    return httpx.Timeout(connect=min(core.CONNECT_TIMEOUT_S, read), read=read, write=read, pool=read)
+
+
+class Lease(core.LeaseBase):
+    """A lease held through the broker (blocking API). Use as ``with``; see
+    :class:`~gpulock_client._core.LeaseBase` for the attributes. The pool's heartbeat thread
+    renews it every ttl/3 until it is released."""
+
+    def renew(self, ttl: Optional[float] = None) -> None:
+        """Renew now (the heartbeat does this on its own), optionally with a new ``ttl`` in
+        seconds. Raises LeaseLost (the broker says it is gone), BackendUnavailable."""
+        s = self._state
+        s.check()
+        ok = self._pool._run(core.renew_steps(self._pool._cfg, s, core.CONNECT_TIMEOUT_S, ttl))
+        if ok is None:
+            raise BackendUnavailable(f"pool {s.pool!r}: renewal of lease {s.lease_id[:8]}… did not get through")
+        s.check()
+
+    def release(self) -> None:
+        """Give the bytes back. Idempotent: later calls do nothing.
+
+        Raises:
+            LeaseLost: the lease had been lost (the broker answered 410, or the local deadline
+                passed before): someone else may have used the bytes meanwhile.
+            BackendUnavailable: the broker did not confirm within 5 s; the lease expires
+                after its ttl.
+        """
+        s = self._state
+        if s.released:
+            return
+        was_lost = s.lost_reason or ("no successful renewal before the local validity deadline"
+                                     if s.expired_locally() else None)
+        s.released = True
+        self._pool._forget(s)
+        self._pool._run(core.release_steps(self._pool._cfg, s, was_lost))
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, et, ev, tb) -> None:
+        try:
+            self.release()
+        except LeaseLost:
+            if et is None:
+                raise
+
+
+class _LeaseCM:
+    def __init__(self, pool: "Pool", amount: Union[int, str], kw: Dict[str, Any]):
+        self._pool, self._amount, self._kw = pool, amount, kw
+        self._lease: Optional[Lease] = None
+
+    def __enter__(self) -> Lease:
+        self._lease = self._pool.acquire(self._amount, **self._kw)
+        return self._lease
+
+    def __exit__(self, et, ev, tb) -> None:
+        assert self._lease is not None
+        self._lease.__exit__(et, ev, tb)
+
+
+class Pool:
+    """One gpulock pool, reached through a broker (blocking API).
+
+    Args:
+        url: the broker's base URL (default ``$GPULOCK_BROKER_URL``), e.g. ``http://host:8000``.
+        name: the pool name.
+        token: bearer token (default ``$GPULOCK_TOKEN``).
+        default_ttl: lease ttl in seconds when ``acquire`` gets none (30).
+        max_wait: the longest one long poll may last, seconds (20; the broker caps it too).
+        backend_timeout: seconds an unreachable broker (or Redis behind it) is retried when
+            ``acquire`` has no timeout, before BackendUnavailable (30).
+        transport: an httpx transport (tests).
+    """
+
+    def __init__(self, url: Optional[str] = None, name: str = "gpu0", *, token: Optional[str] = None,
+                 default_ttl: float = core.DEFAULT_TTL_S, max_wait: float = core.DEFAULT_MAX_WAIT_S,
+                 backend_timeout: float = core.DEFAULT_BACKEND_TIMEOUT_S,
+                 transport: Optional[httpx.BaseTransport] = None, clock: core.Clock = time.monotonic):
+        self.url = core.env_url(url)
+        self.name = name
+        self._cfg = core.PoolConfig(name, default_ttl, max_wait, backend_timeout, clock)
+        kw: Dict[str, Any] = {"base_url": self.url, "headers": _headers(core.env_token(token))}
+        if transport is not None:
+            kw["transport"] = transport
+        self._http = httpx.Client(**kw)
+        self._hb_http = httpx.Client(**kw)  # the heartbeat's own connection
+        self._leases: Dict[str, core.LeaseState] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, name: str, **kw: Any) -> "Pool":
+        return cls(url, name, **kw)
+
+    # ---- carrying out core steps -----------------------------------------------------------
+    def _run(self, gen: core.Steps, http: Optional[httpx.Client] = None) -> Any:
+        http = http or self._http
+        out: Any = None
+        try:
+            while True:
+                step = gen.send(out)
+                if isinstance(step, core.Sleep):
+                    time.sleep(step.seconds)
+                    out = None
+                    continue
+                sent = self._cfg.clock()
+                try:
+                    r = http.request(step.method, step.path, json=step.json, timeout=_timeout(step.timeout))
+                    try:
+                        body = r.json()
+                    except ValueError:
+                        body = None
+                    out = core.Reply(r.status_code, {k.lower(): v for k, v in r.headers.items()}, body, sent)
+                except httpx.TransportError as e:
+                    out = e
+        except StopIteration as stop:
+            return stop.value
+
+    # ---- API -------------------------------------------------------------------------------
+    def acquire(self, amount: Union[int, str], *, ttl: Optional[float] = None, timeout: Optional[float] = None,
+                holder: Optional[Dict[str, Any]] = None, request_id: Optional[str] = None,
+                on_queued: Optional[Callable[[int], Any]] = None) -> Lease:
+        """Take ``amount`` bytes (an int, or "4GiB") from the pool, waiting in FIFO order.
+
+        Args:
+            ttl: lease time to live in seconds (default ``default_ttl``); renewed every ttl/3.
+            timeout: total seconds to wait (``None``: forever; ``0``: try once, never queue).
+            holder: metadata shown in pool status (host and pid are added).
+            request_id: idempotency key (1-96 of ``[A-Za-z0-9._:-]``), reused on every retry.
+            on_queued: ``callback(position)`` when queued and when the position changes.
+
+        Raises: InvalidArgument, AuthError, PoolNotFound, CapacityExceeded (at once);
+        AcquireTimeout (the place was withdrawn); QueueFull or BackendUnavailable when the
+        queue stayed full or the broker (or its Redis) unreachable until the timeout, or for
+        ``backend_timeout`` seconds when there is none (retried meanwhile, honouring
+        Retry-After). On KeyboardInterrupt the place is withdrawn (and a grant that raced in
+        released) before it propagates.
+        """
+        rid = request_id or core.new_request_id()
+        gen = core.acquire_steps(self._cfg, amount, ttl=ttl, timeout=timeout, holder=holder, request_id=rid,
+                                 on_queued=on_queued)
+        try:
+            body, sent = self._run(gen)
+        except BaseException as e:
+            if not isinstance(e, Exception):  # interrupted: withdraw the place, best effort
+                try:
+                    self._run(core._cancel_steps(self._cfg, rid))
+                except Exception:
+                    pass
+            raise
+        s = core.LeaseState(self.name, body, sent, self._cfg.clock)
+        self._track(s)
+        return Lease(s, self)
+
+    def lease(self, amount: Union[int, str], **kw: Any) -> _LeaseCM:
+        """``with pool.lease("2GiB", timeout=10) as lease:`` — acquire, release on exit.
+        Takes the arguments of :meth:`acquire`."""
+        return _LeaseCM(self, amount, kw)
+
+    def _get(self, method: str, path: str, json: Any = None) -> Any:
+        r = self._run(_one(core.Http(method, path, json, timeout=10.0)))
+        if isinstance(r, Exception):
+            raise BackendUnavailable(f"broker unreachable: {r!r}")
+        if r.status >= 300:
+            raise core.error_for(r, self.name)
+        return r.body
+
+    def status(self) -> Dict[str, Any]:
+        """The pool's status (capacity, used, free, leases, waiters; bytes and seconds).
+        Raises PoolNotFound, AuthError, BackendUnavailable."""
+        return self._get("GET", self._cfg.base)
+
+    def configure(self, capacity: Union[int, str], *, max_waiters: Optional[int] = None) -> Dict[str, Any]:
+        """Create the pool or set its capacity (admin token). Raises AuthError, InvalidArgument."""
+        body: Dict[str, Any] = {"capacity": capacity}
+        if max_waiters is not None:
+            body["max_waiters"] = max_waiters
+        return self._get("PUT", self._cfg.base, body)
+
+    # ---- heartbeat -------------------------------------------------------------------------
+    def _track(self, s: core.LeaseState) -> None:
+        with self._lock:
+            self._leases[s.lease_id] = s
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._heartbeat, name=f"gpulock-client-{self.name}",
+                                                daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def _forget(self, s: core.LeaseState) -> None:
+        with self._lock:
+            self._leases.pop(s.lease_id, None)
+
+    def _heartbeat(self) -> None:
+        clock = self._cfg.clock
+        while not self._closed:
+            with self._lock:
+                leases = list(self._leases.values())
+            now = clock()
+            for s in leases:
+                if s.expired_locally():
+                    s.mark_lost("no successful renewal before the local validity deadline "
+                                "(broker unreachable or too slow)")
+            due, wake = core.heartbeat_plan(leases, now)
+            for s in due:
+                budget = core.request_budget(leases, clock())
+                ok = self._run(core.renew_steps(self._cfg, s, budget), self._hb_http)
+                if ok is None:
+                    core.retry_later(s, clock(), self._cfg.rng)
+                _, wake = core.heartbeat_plan(leases, clock())
+            with self._lock:
+                for s in leases:
+                    if not s.active:
+                        self._leases.pop(s.lease_id, None)
+                if not self._leases:
+                    self._thread = None
+                    return
+            self._wake.wait(max(0.0, wake - clock()))
+            self._wake.clear()
+
+    def close(self) -> None:
+        """Stop the heartbeat and close connections (held leases are not released: they
+        expire after their ttl)."""
+        self._closed = True
+        self._wake.set()
+        t = self._thread
+        if t is not None:
+            t.join(timeout=5)
+        self._http.close()
+        self._hb_http.close()
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _one(step: core.Http) -> core.Steps:
+    out = yield step
+    return out

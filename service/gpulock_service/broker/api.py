@@ -1,0 +1,275 @@
+"""The FastAPI router of the HTTP lease API, ``/v1``. Mount it in any FastAPI app::
+
+    from gpulock_service.broker import router, Broker, load_tokens
+    app.include_router(router)
+    # in the app's lifespan:
+    broker = Broker(redis_url, load_tokens())
+    await broker.start(); app.state.gpulock_broker = broker
+    ...
+    await broker.aclose()
+
+Status codes: 201 granted; 200 renewed/released/status; 503 queued past ``wait`` (with
+``Retry-After`` and ``X-Queue-Position``; the place is kept for a retry with the same
+``request_id``), queue full, or Redis unavailable; 413 amount above capacity; 422 bad input (the
+field is named in ``detail[].loc``); 401 no or unknown bearer token; 403 pool not allowed for the
+token (or not admin); 404 pool not configured, or a lease of another token; 410 the lease is
+lost. Error bodies are ``{"detail": {"error": CODE, "message": TEXT, ...}}`` (422:
+FastAPI's ``{"detail": [{"loc": [...], "msg": ...}]}``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import Any, NoReturn, Optional
+
+from fastapi import APIRouter, Body, Depends, HTTPException, Path, Request, Response
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from gpulock.errors import BackendUnavailable, CapacityExceeded, InvalidArgument, PoolNotFound, QueueFull
+
+from .auth import Principal
+from .core import Broker, Granted, LeaseGone, NotYours
+from .models import (
+    LEASE_ID_PATTERN,
+    POOL_PATTERN,
+    REQUEST_ID_PATTERN,
+    ErrorResponse,
+    LeaseGrant,
+    LeaseReleased,
+    LeaseRenewed,
+    LeaseRequest,
+    PoolConfigRequest,
+    PoolConfigured,
+    PoolList,
+    PoolOut,
+    RenewRequest,
+    RequestCancelled,
+)
+
+log = logging.getLogger("gpulock.broker")
+
+class _NotFinite(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> float:
+    raise _NotFinite(name)
+
+
+def _finite(text: str) -> float:
+    f = float(text)
+    if not math.isfinite(f):
+        raise _NotFinite(text)
+    return f
+
+
+class FiniteJSONRoute(APIRoute):
+    """Refuses bodies with NaN, Infinity or overflowing numbers (Python's JSON parser accepts
+    them) with a 422, before FastAPI's validation, whose error reply would echo the value back
+    and fail to render it (a 500)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            body = await request.body()  # cached: the handler reads it again
+            if body:
+                try:
+                    json.loads(body, parse_constant=_no_constant, parse_float=_finite)
+                except _NotFinite as e:
+                    return JSONResponse({"detail": [{"loc": ["body"], "type": "value_error",
+                                                     "msg": f"{e} is not a finite number"}]}, status_code=422)
+                except ValueError:
+                    pass  # not JSON: FastAPI answers that
+            return await handler(request)
+
+        return route
+
+
+router = APIRouter(prefix="/v1", tags=["leases"], route_class=FiniteJSONRoute)
+_bearer = HTTPBearer(auto_error=False, description="A broker token (see the tokens file).")
+
+PoolName = Path(..., pattern=POOL_PATTERN, description="Pool name: 1-64 of [A-Za-z0-9._-].")
+LeaseId = Path(..., pattern=LEASE_ID_PATTERN, description="32 hex digits, from the 201.")
+RequestId = Path(..., pattern=REQUEST_ID_PATTERN, description="The request_id of the POST.")
+
+
+def _err(code: int, error: str, message: str, headers: dict[str, str] | None = None, **extra: Any) -> NoReturn:
+    raise HTTPException(code, detail={"error": error, "message": message, **extra}, headers=headers)
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    out: dict[int | str, dict[str, Any]] = {c: {"model": ErrorResponse} for c in (401, 403, 503, *codes)}
+    out[400] = {"description": "The body is not valid JSON"}
+    return out
+
+
+async def get_broker(request: Request) -> Broker:
+    b = getattr(request.app.state, "gpulock_broker", None)
+    if b is None:
+        _err(503, "backend_unavailable", "the lease broker is not started", {"Retry-After": "1"})
+    return b
+
+
+async def principal(request: Request, cred: Optional[HTTPAuthorizationCredentials] = Depends(_bearer),
+                    broker: Broker = Depends(get_broker)) -> Principal:
+    who = broker.tokens.lookup(cred.credentials) if cred is not None and cred.credentials else None
+    if who is None:
+        _err(401, "unauthorized", "a valid bearer token is required (Authorization: Bearer TOKEN)",
+             {"WWW-Authenticate": "Bearer"})
+    return who
+
+
+def _allowed(who: Principal, pool: str) -> None:
+    if not who.may_use(pool):
+        _err(403, "forbidden", f"this token may not use pool {pool!r}")
+
+
+def _map(e: Exception, pool: str) -> NoReturn:
+    """Translate gpulock's errors (and the broker's) to HTTP."""
+    if isinstance(e, CapacityExceeded):
+        _err(413, "capacity_exceeded", str(e), amount=e.amount, capacity=e.capacity)
+    if isinstance(e, PoolNotFound):
+        _err(404, "pool_not_found", f"pool {pool!r} is not configured (an admin sets it: PUT /v1/pools/{pool})")
+    if isinstance(e, QueueFull):
+        _err(503, "queue_full", str(e), {"Retry-After": "1"}, queue_length=e.queue_length, retry_after=1)
+    if isinstance(e, InvalidArgument):
+        raise HTTPException(422, detail=[{"loc": ["body"], "msg": str(e), "type": "value_error"}])
+    if isinstance(e, BackendUnavailable):
+        log.warning("gpulock broker: pool %s: %s", pool, e)
+        _err(503, "backend_unavailable", f"Redis is unavailable: {e}", {"Retry-After": "1"}, retry_after=1)
+    if isinstance(e, LeaseGone):
+        _err(410, "lease_lost", str(e), lease_id=e.lease_id)
+    if isinstance(e, NotYours):
+        _err(404, "not_found", "no such lease for this token", lease_id=str(e.args[0]) if e.args else None)
+    raise e
+
+
+@router.post("/pools/{pool}/leases", status_code=201, response_model=LeaseGrant,
+             responses=_errors(404, 410, 413), summary="Acquire a lease (or wait in the queue)")
+async def acquire_lease(response: Response, body: LeaseRequest, pool: str = PoolName,
+                        who: Principal = Depends(principal), broker: Broker = Depends(get_broker)) -> LeaseGrant:
+    """Take ``amount`` bytes of ``pool``. Granted: 201. Still queued after ``wait`` seconds:
+    503 with ``Retry-After`` (seconds) and ``X-Queue-Position``; retry with the same
+    ``request_id`` to keep the place (it is kept ``hold_place_for`` seconds) and to get the same
+    grant if it was made meanwhile."""
+    _allowed(who, pool)
+    try:
+        r = await broker.acquire(who, pool, body.amount, ttl=body.ttl, wait=body.wait, queue=body.queue,
+                                 holder=body.holder, request_id=body.request_id)
+    except Exception as e:
+        _map(e, pool)
+    if isinstance(r, Granted):
+        g = r.grant
+        return LeaseGrant(lease_id=g.lease_id, pool=pool, amount=g.amount, token=g.token, ttl=r.ttl_s,
+                          expires_in=max(0, g.expires_ms - g.now_ms) / 1000, expires_at=g.expires_ms / 1000,
+                          acquired_at=r.acquired_ms / 1000, request_id=r.request_id)
+    headers = {"Retry-After": str(r.retry_after_s)}
+    if r.queued:
+        headers["X-Queue-Position"] = str(r.position)
+        _err(503, "queued", f"queued at position {r.position} of {r.queue_length}; retry with the same "
+                            f"request_id within {r.hold_s:g}s to keep the place", headers,
+             request_id=r.request_id, position=r.position, queue_length=r.queue_length,
+             retry_after=r.retry_after_s, hold_place_for=r.hold_s)
+    _err(503, "busy", f"not available now ({r.queue_length} queued) and queue=false", headers,
+         request_id=r.request_id, queue_length=r.queue_length, retry_after=r.retry_after_s)
+
+
+@router.put("/pools/{pool}/leases/{lease_id}", response_model=LeaseRenewed, responses=_errors(404, 410),
+            summary="Renew (heartbeat) a lease")
+async def renew_lease(body: Optional[RenewRequest] = Body(None), pool: str = PoolName, lease_id: str = LeaseId,
+                      who: Principal = Depends(principal), broker: Broker = Depends(get_broker)) -> LeaseRenewed:
+    """Extend the lease to ``ttl`` seconds from now (server clock). Idempotent. Never
+    re-acquires: 410 when the lease was lost (its holder must stop using the memory)."""
+    _allowed(who, pool)
+    try:
+        rec, exp, now = await broker.renew(who, pool, lease_id, body.ttl if body else None)
+    except Exception as e:
+        _map(e, pool)
+    return LeaseRenewed(lease_id=lease_id, pool=pool, token=rec.token, ttl=rec.ttl_s,
+                        expires_in=max(0, exp - now) / 1000, expires_at=exp / 1000)
+
+
+@router.delete("/pools/{pool}/leases/{lease_id}", response_model=LeaseReleased, responses=_errors(404, 410),
+               summary="Release a lease")
+async def release_lease(pool: str = PoolName, lease_id: str = LeaseId, who: Principal = Depends(principal),
+                        broker: Broker = Depends(get_broker)) -> LeaseReleased:
+    """Give the bytes back (the queue's head is granted at once). Idempotent: a repeat answers
+    200 again. 410 when the lease was lost before (nothing of other holders is freed)."""
+    _allowed(who, pool)
+    try:
+        now = await broker.release(who, pool, lease_id)
+    except Exception as e:
+        _map(e, pool)
+    return LeaseReleased(lease_id=lease_id, pool=pool, released_at=None if now is None else now / 1000)
+
+
+@router.delete("/pools/{pool}/requests/{request_id}", response_model=RequestCancelled, responses=_errors(),
+               summary="Withdraw a queued request")
+async def cancel_request(pool: str = PoolName, request_id: str = RequestId, who: Principal = Depends(principal),
+                         broker: Broker = Depends(get_broker)) -> RequestCancelled:
+    """Leave the queue, or release the grant made to this request (when its 201 never
+    reached the client). Idempotent."""
+    _allowed(who, pool)
+    try:
+        what = await broker.cancel(who, pool, request_id)
+    except Exception as e:
+        _map(e, pool)
+    return RequestCancelled(request_id=request_id, pool=pool,
+                            outcome=("none", "left_queue", "released_grant")[what])
+
+
+def _pool_out(st) -> PoolOut:
+    d = st.to_dict()
+    d["free"] = st.free
+    return PoolOut.model_validate(d)
+
+
+@router.get("/pools", response_model=PoolList, responses=_errors(), summary="List the pools this token may use")
+async def list_pools(who: Principal = Depends(principal), broker: Broker = Depends(get_broker)) -> PoolList:
+    try:
+        names = [n for n in await broker.pool_names() if who.may_use(n)]
+        out = []
+        for n in names:
+            try:
+                out.append(_pool_out(await broker.status(n, limit=0)))
+            except PoolNotFound:
+                pass
+    except Exception as e:
+        _map(e, "*")
+    return PoolList(pools=out)
+
+
+@router.get("/pools/{pool}", response_model=PoolOut, responses=_errors(404), summary="Pool status")
+async def pool_status(pool: str = PoolName, who: Principal = Depends(principal),
+                      broker: Broker = Depends(get_broker)) -> PoolOut:
+    """Capacity, used bytes, leases (soonest expiry first) and waiters (queue order)."""
+    _allowed(who, pool)
+    try:
+        return _pool_out(await broker.status(pool))
+    except Exception as e:
+        _map(e, pool)
+
+
+@router.put("/pools/{pool}", response_model=PoolConfigured, responses=_errors(),
+            summary="Create or resize a pool (admin)")
+async def configure_pool(body: PoolConfigRequest, pool: str = PoolName, who: Principal = Depends(principal),
+                         broker: Broker = Depends(get_broker)) -> PoolConfigured:
+    """Set the capacity (bytes or "24GiB") and optionally the queue bound. Admin tokens only.
+    Lowering the capacity below what is in use keeps the leases; nothing new is granted until
+    use falls below it."""
+    _allowed(who, pool)
+    if not who.admin:
+        _err(403, "forbidden", "only an admin token may configure pools")
+    try:
+        r = await broker.configure(pool, body.capacity, body.max_waiters)
+    except Exception as e:
+        _map(e, pool)
+    log.info("gpulock broker: %s set pool %s capacity=%d", who.name, pool, r["capacity"])
+    return PoolConfigured(pool=pool, created=bool(r["created"]), capacity=r["capacity"], epoch=r["epoch"],
+                          used=r["used"], max_waiters=r["max_waiters"])
+

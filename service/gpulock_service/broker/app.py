@@ -1,0 +1,95 @@
+"""``gpulock broker``: the HTTP lease API alone, without a model.
+
+Until the lead wires it into ``gpulock``'s CLI, run it as ``python -m gpulock_service.broker``
+(same options).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterable, Optional
+
+from .auth import Principal, TokenConfigError, load_tokens
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+
+
+def create_broker_app(redis_url: str = DEFAULT_REDIS_URL, tokens: Optional[Iterable[Principal]] = None, *,
+                      tokens_file: Optional[str] = None, **broker_kw: Any):
+    """A FastAPI app serving the lease API at ``/v1`` (OpenAPI at ``/openapi.json``, docs at
+    ``/docs``) and ``GET /health``.
+
+    Args:
+        redis_url: where the pools live.
+        tokens: principals; default: :func:`load_tokens` (``tokens_file``, then the env).
+        **broker_kw: passed to :class:`Broker` (max_wait, backend_timeout, park_max, ...).
+
+    Raises: TokenConfigError when no token is configured.
+    """
+    from fastapi import FastAPI
+
+    from .api import router
+    from .core import Broker
+
+    principals = list(tokens) if tokens is not None else load_tokens(tokens_file)
+    broker = Broker(redis_url, principals, **broker_kw)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await broker.start()
+        app.state.gpulock_broker = broker
+        try:
+            yield
+        finally:
+            await broker.aclose()
+
+    app = FastAPI(title="gpulock lease broker", version="1",
+                  description="HTTP leases on gpulock GPU-memory pools. Amounts are bytes (or sizes such as "
+                              "\"4GiB\"), durations seconds, instants Unix seconds on the Redis server clock.",
+                  lifespan=lifespan)
+    app.include_router(router)
+
+    @app.get("/health", tags=["health"], summary="Liveness (no Redis call)")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app
+
+
+def run_broker(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, redis_url: str = DEFAULT_REDIS_URL,
+               tokens_file: Optional[str] = None, max_wait: float = 20.0, log_level: str = "info") -> None:
+    """Serve the broker with uvicorn until interrupted."""
+    import uvicorn
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_broker_app(redis_url, tokens_file=tokens_file, max_wait=max_wait)
+    # access_log: uvicorn logs method, path and status only; never headers (no tokens).
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug")
+
+
+def register_broker(typer_app) -> None:
+    """Add ``broker`` to a Typer app (``gpulock broker``)."""
+    import typer
+
+    @typer_app.command("broker")
+    def broker(
+        host: str = typer.Option(DEFAULT_HOST, "--host", help="Address to listen on."),
+        port: int = typer.Option(DEFAULT_PORT, "--port", help="TCP port."),
+        redis_url: str = typer.Option(DEFAULT_REDIS_URL, "--redis-url", envvar="GPULOCK_REDIS_URL",
+                                      help="Redis holding the pools."),
+        tokens_file: Optional[str] = typer.Option(
+            None, "--tokens-file", envvar="GPULOCK_BROKER_TOKENS_FILE",
+            help='JSON: {"tokens": [{"name", "token" or "sha256", "pools": [...], "admin"}]}; '
+                 "or the same JSON in GPULOCK_BROKER_TOKENS."),
+        max_wait: float = typer.Option(20.0, "--max-wait", min=0.0, max=600.0,
+                                       help="Longest a queued POST is held, seconds."),
+        log_level: str = typer.Option("info", "--log-level"),
+    ) -> None:
+        """Serve the HTTP lease API (/v1) for hosts that do not talk to Redis."""
+        try:
+            run_broker(host, port, redis_url, tokens_file, max_wait, log_level)
+        except TokenConfigError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None

@@ -1,0 +1,187 @@
+"""Request and response bodies of the HTTP lease API (``/v1``). Units: amounts in bytes,
+durations in seconds, instants as Unix seconds on the Redis server's clock."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing_extensions import Annotated
+
+from gpulock.errors import InvalidArgument
+from gpulock.units import parse_size
+
+POOL_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,96}$"
+LEASE_ID_PATTERN = r"^[0-9a-f]{32}$"
+MAX_HOLDER_JSON = 256
+MIN_TTL_S, MAX_TTL_S = 1.0, 86400.0
+
+Scalar = Union[str, int, float, bool, None]
+MAX_BYTES = 2**53 - 1
+# Sizes as gpulock.units.parse_size reads them: a number and an optional unit (B, k/kB/KiB,
+# M/MB/MiB, G/GB/GiB, T/TB/TiB; any case).
+SIZE_PATTERN = r"^\s*[0-9]+(\.[0-9]+)?\s*([bB]|[kKmMgGtT]([iI][bB]|[bB])?)?\s*$"
+Size = Union[Annotated[int, Field(ge=1, le=MAX_BYTES)], Annotated[str, Field(pattern=SIZE_PATTERN, max_length=40)]]
+
+
+def _size(v: Any, name: str) -> int:
+    try:
+        return parse_size(v, name=name)
+    except InvalidArgument as e:
+        raise ValueError(str(e)) from None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # no "1" for 1, no 0 for false
+
+
+class LeaseRequest(_Body):
+    amount: Size = Field(
+        ..., description='Bytes to hold: an integer, or a size such as "4GiB", "512MiB", "1.5GB".',
+        examples=["4GiB", 1048576])
+    ttl: float = Field(30.0, ge=MIN_TTL_S, le=MAX_TTL_S, allow_inf_nan=False,
+                       description="Lease time to live in seconds; renew (PUT) every ttl/3.")
+    wait: float = Field(0.0, ge=0.0, le=3600.0, allow_inf_nan=False,
+                        description="Seconds the server may hold this request while it is queued "
+                                    "(capped by the broker's --max-wait). 0: answer at once.")
+    queue: bool = Field(True, description="False: never queue; 503 at once when it does not fit now.")
+    holder: Optional[dict[str, Scalar]] = Field(
+        None, description=f"Metadata shown in pool status (host, pid, purpose...), at most "
+                          f"{MAX_HOLDER_JSON} bytes as JSON.")
+    request_id: Optional[str] = Field(
+        None, pattern=REQUEST_ID_PATTERN,
+        description="Idempotency key, chosen by the client: a retry with the same id keeps its place "
+                    "in the queue and gets the same grant. Scoped to the bearer token.")
+
+    @field_validator("amount", mode="before")
+    @classmethod
+    def _amount(cls, v: Any) -> int:
+        return _size(v, "amount")
+
+    @field_validator("holder")
+    @classmethod
+    def _holder(cls, v: Optional[dict]) -> Optional[dict]:
+        if v is not None:
+            n = len(json.dumps(v, separators=(",", ":"), ensure_ascii=True))
+            if n > MAX_HOLDER_JSON:
+                raise ValueError(f"holder is {n} bytes as JSON; at most {MAX_HOLDER_JSON}")
+        return v
+
+
+class RenewRequest(_Body):
+    ttl: Optional[float] = Field(None, ge=MIN_TTL_S, le=MAX_TTL_S, allow_inf_nan=False,
+                                 description="New time to live in seconds from now (default: the lease's ttl).")
+
+
+class PoolConfigRequest(_Body):
+    capacity: Size = Field(..., description='Bytes, or a size such as "24GiB".')
+    max_waiters: Optional[int] = Field(None, ge=1, le=1_000_000, description="Queue bound.")
+
+    @field_validator("capacity", mode="before")
+    @classmethod
+    def _capacity(cls, v: Any) -> int:
+        return _size(v, "capacity")
+
+
+class LeaseGrant(BaseModel):
+    lease_id: str = Field(..., description="32 hex digits; the path of PUT/DELETE.")
+    pool: str
+    amount: int = Field(..., description="bytes")
+    token: int = Field(..., description="Fencing token: strictly increasing per pool.")
+    ttl: float = Field(..., description="seconds")
+    expires_in: float = Field(..., description="Seconds left on the server clock when this reply was made. "
+                                               "Count them from when you *sent* the request (Chubby's rule).")
+    expires_at: float = Field(..., description="Unix seconds, Redis server clock.")
+    acquired_at: float = Field(..., description="Unix seconds, Redis server clock.")
+    request_id: str
+
+
+class LeaseRenewed(BaseModel):
+    lease_id: str
+    pool: str
+    token: int
+    ttl: float
+    expires_in: float = Field(..., description="seconds left, server clock, at the reply")
+    expires_at: float
+
+
+class LeaseReleased(BaseModel):
+    lease_id: str
+    pool: str
+    released: bool = True
+    released_at: Optional[float] = Field(None, description="Unix seconds, server clock (None on a repeat).")
+
+
+class RequestCancelled(BaseModel):
+    request_id: str
+    pool: str
+    outcome: Literal["none", "left_queue", "released_grant"]
+
+
+class LeaseInfoOut(BaseModel):
+    lease_id: str
+    amount: int
+    token: int
+    expires_in: float
+    held_for: float
+    ttl: float
+    holder: dict[str, Any]
+
+
+class WaiterInfoOut(BaseModel):
+    position: int
+    amount: int
+    waited: float
+    holder: dict[str, Any]
+
+
+class PoolOut(BaseModel):
+    pool: str
+    capacity: int
+    used: int
+    free: int
+    epoch: int
+    fence: int
+    max_waiters: int
+    lease_count: int
+    waiter_count: int
+    grants: int
+    reaped_leases: int
+    reaped_waiters: int
+    leases: list[LeaseInfoOut] = []
+    waiters: list[WaiterInfoOut] = []
+
+
+class PoolList(BaseModel):
+    pools: list[PoolOut]
+
+
+class PoolConfigured(BaseModel):
+    pool: str
+    created: bool
+    capacity: int
+    epoch: int
+    used: int
+    max_waiters: int
+
+
+class ErrorDetail(BaseModel):
+    error: str = Field(..., description="unauthorized, forbidden, queued, busy, queue_full, "
+                                        "backend_unavailable, capacity_exceeded, pool_not_found, "
+                                        "lease_lost, not_found, invalid")
+    message: str
+    request_id: Optional[str] = None
+    position: Optional[int] = Field(None, description="1-based place in the queue")
+    queue_length: Optional[int] = None
+    retry_after: Optional[float] = Field(None, description="seconds; the Retry-After header, rounded up")
+    hold_place_for: Optional[float] = Field(None, description="seconds the place is kept for a retry "
+                                                              "with the same request_id")
+    lease_id: Optional[str] = None
+    amount: Optional[int] = None
+    capacity: Optional[int] = None
+
+
+class ErrorResponse(BaseModel):
+    detail: ErrorDetail

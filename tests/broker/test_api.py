@@ -1,0 +1,330 @@
+"""The HTTP lease API against a real Redis and a real uvicorn server."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import redis
+
+from ._support import ADMIN_TOKEN, LIMITED_TOKEN, OTHER_TOKEN, USER_TOKEN, BrokerServer, client
+
+GiB = 2**30
+pytestmark = pytest.mark.timeout(60)
+
+
+def post(c, pool="gpu-a", **body):
+    body.setdefault("ttl", 10)
+    return c.post(f"/v1/pools/{pool}/leases", json=body)
+
+
+def status(c, pool="gpu-a"):
+    r = c.get(f"/v1/pools/{pool}")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# ---- auth ------------------------------------------------------------------------------------
+def test_401_without_or_with_a_wrong_token(broker_srv, gpu):
+    for token in (None, "not-a-token-at-all-0000000", ""):
+        with client(broker_srv.url, token) as c:
+            r = post(c, amount=1)
+            assert r.status_code == 401, r.text
+            assert r.headers["www-authenticate"] == "Bearer"
+            assert r.json()["detail"]["error"] == "unauthorized"
+    with client(broker_srv.url, None, ) as c:
+        assert c.get("/v1/pools", headers={"Authorization": "Basic dXNlcjpwYXNz"}).status_code == 401
+
+
+def test_403_outside_the_token_pools_and_for_non_admin_configure(broker_srv, admin, gpu):
+    assert admin.put("/v1/pools/gpu-b", json={"capacity": GiB}).status_code == 200
+    with client(broker_srv.url, LIMITED_TOKEN) as c:
+        assert post(c, amount=1).status_code == 201
+        r = post(c, pool="gpu-b", amount=1)
+        assert r.status_code == 403 and "gpu-b" in r.json()["detail"]["message"]
+        assert c.get("/v1/pools/gpu-b").status_code == 403
+        assert [p["pool"] for p in c.get("/v1/pools").json()["pools"]] == ["gpu-a"]
+        assert c.put("/v1/pools/gpu-a", json={"capacity": GiB}).status_code == 403
+    assert status(admin, "gpu-a")["capacity"] == 10 * GiB
+
+
+def test_tokens_never_logged_nor_stored(broker_srv, gpu, user, caplog, redis_srv):
+    caplog.set_level(logging.DEBUG)
+    lid = post(user, amount="1GiB", holder={"purpose": "t"}).json()["lease_id"]
+    with client(broker_srv.url, "wrong-token-abcdefghijklmnop") as c:
+        post(c, amount=1)
+    user.put(f"/v1/pools/gpu-a/leases/{lid}", json={})
+    user.delete(f"/v1/pools/gpu-a/leases/{lid}")
+    text = caplog.text
+    dump = b"".join(str(redis.Redis.from_url(redis_srv.url).hgetall(k)).encode()
+                    for k in redis.Redis.from_url(redis_srv.url).keys("*") if k.endswith((b":cfg", b":holders")))
+    for secret in (USER_TOKEN, "wrong-token-abcdefghijklmnop"):
+        assert secret not in text and secret.encode() not in dump
+
+
+# ---- acquire ---------------------------------------------------------------------------------
+def test_grant_fields_and_amount_forms(user, gpu):
+    t = time.time()
+    r = post(user, amount="4GiB", ttl=7, holder={"purpose": "x"}, request_id="job-1")
+    assert r.status_code == 201, r.text
+    g = r.json()
+    assert g["amount"] == 4 * GiB and g["ttl"] == 7 and g["request_id"] == "job-1" and g["pool"] == "gpu-a"
+    assert len(g["lease_id"]) == 32 and g["token"] > 0
+    assert 6.9 <= g["expires_in"] <= 7 and abs(g["acquired_at"] - t) < 2 and g["expires_at"] - g["acquired_at"] == 7
+    r2 = post(user, amount=GiB)
+    assert r2.status_code == 201 and r2.json()["amount"] == GiB and r2.json()["token"] > g["token"]
+    st = status(user)
+    assert st["used"] == 5 * GiB and st["lease_count"] == 2
+    assert {x["holder"].get("purpose") for x in st["leases"]} == {"x", None}
+    assert all(x["holder"]["via"] == "broker" and x["holder"]["principal"] == "user" for x in st["leases"])
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"amount": "4XiB"}, "amount"), ({"amount": 0}, "amount"), ({"amount": -1}, "amount"),
+    ({"amount": 1.5}, "amount"), ({"amount": True}, "amount"), ({"amount": 2**60}, "amount"),
+    ({}, "amount"), ({"amount": 1, "ttl": 0.5}, "ttl"), ({"amount": 1, "ttl": "x"}, "ttl"),
+    ({"amount": 1, "wait": -1}, "wait"), ({"amount": 1, "request_id": "a b"}, "request_id"),
+    ({"amount": 1, "request_id": "x" * 97}, "request_id"), ({"amount": 1, "holder": {"a": "x" * 300}}, "holder"),
+    ({"amount": 1, "holder": {"a": [1]}}, "holder"), ({"amount": 1, "bogus": 1}, "bogus"),
+])
+def test_422_names_the_field_and_changes_nothing(user, gpu, body, field):
+    r = user.post("/v1/pools/gpu-a/leases", json=body)
+    assert r.status_code == 422, r.text
+    assert any(field in [str(x) for x in e["loc"]] for e in r.json()["detail"]), r.json()
+    st = status(user)
+    assert st["used"] == 0 and st["waiter_count"] == 0 and st["grants"] == 0
+
+
+def test_bad_path_values_are_422(user, gpu):
+    assert user.post("/v1/pools/bad{name}/leases", json={"amount": 1}).status_code == 422
+    assert user.put("/v1/pools/gpu-a/leases/nothex", json={}).status_code == 422
+    assert user.delete("/v1/pools/gpu-a/requests/a%20b").status_code == 422
+
+
+def test_413_404_and_queue_full(user, admin, gpu):
+    r = post(user, amount="11GiB")
+    assert r.status_code == 413 and r.json()["detail"]["capacity"] == 10 * GiB
+    r = post(user, pool="nope", amount=1)
+    assert r.status_code == 404 and r.json()["detail"]["error"] == "pool_not_found"
+    assert admin.put("/v1/pools/small", json={"capacity": 2, "max_waiters": 1}).status_code == 200
+    assert post(user, pool="small", amount=2).status_code == 201
+    assert post(user, pool="small", amount=1).status_code == 503  # queued
+    r = post(user, pool="small", amount=1)
+    assert r.status_code == 503 and r.json()["detail"]["error"] == "queue_full" and "retry-after" in r.headers
+
+
+def test_queued_503_keeps_the_place_across_retries(user, other, gpu):
+    """c08: every 503 has Retry-After from the queue's state and X-Queue-Position; a retry
+    with the same request id keeps its place instead of queueing twice."""
+    holder = post(user, amount="10GiB", ttl=4).json()
+    t0 = time.time()
+    r1 = post(user, amount="6GiB", request_id="a", wait=0.3)
+    r2 = post(other, amount="6GiB", request_id="a")  # same id, other token: its own request
+    assert (r1.status_code, r2.status_code) == (503, 503)
+    assert r1.headers["x-queue-position"] == "1" and r2.headers["x-queue-position"] == "2"
+    d = r1.json()["detail"]
+    assert d["error"] == "queued" and d["position"] == 1 and d["request_id"] == "a"
+    # Retry-After: to the nearest lease expiry (4 s), whole seconds, at most hold/2.
+    ra = int(r1.headers["retry-after"])
+    assert 1 <= ra <= 4 and ra <= d["hold_place_for"] / 2
+    assert ra >= int(holder["expires_at"] - time.time()) - 1 or ra == 2
+    for _ in range(3):
+        r = post(user, amount="6GiB", request_id="a")
+        assert r.status_code == 503 and r.headers["x-queue-position"] == "1"
+    assert status(user)["waiter_count"] == 2
+    assert time.time() - t0 < 2
+
+
+def test_grant_made_while_parked_is_kept_for_the_retry(user, gpu):
+    h = post(user, amount="10GiB").json()
+    assert post(user, amount="6GiB", request_id="w").status_code == 503
+    t_rel = time.time()
+    assert user.delete(f"/v1/pools/gpu-a/leases/{h['lease_id']}").status_code == 200
+    st = status(user)
+    assert st["used"] == 6 * GiB and st["waiter_count"] == 0  # handed over on release
+    time.sleep(0.5)
+    r = post(user, amount="6GiB", request_id="w")
+    assert r.status_code == 201
+    g = r.json()
+    assert abs(g["acquired_at"] - t_rel) < 0.3  # granted at the release, not at the retry
+    assert g["expires_in"] < g["ttl"] - 0.3  # counted from the grant
+    assert post(user, amount="6GiB", request_id="w").json()["lease_id"] == g["lease_id"]  # idempotent
+
+
+def test_long_poll_is_granted_on_release(broker_srv, user, gpu):
+    h = post(user, amount="10GiB").json()
+    out = {}
+
+    def waiter():
+        with client(broker_srv.url) as c:
+            out["r"] = post(c, amount="6GiB", wait=5)
+            out["t"] = time.monotonic()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.5)
+    t_rel = time.monotonic()
+    user.delete(f"/v1/pools/gpu-a/leases/{h['lease_id']}")
+    t.join(10)
+    assert out["r"].status_code == 201
+    assert out["t"] - t_rel < 0.5
+
+
+def test_abandoned_place_and_uncollected_grant_are_withdrawn(redis_srv):
+    b = BrokerServer(redis_srv.url, park_max=2.0).start()
+    try:
+        with client(b.url, ADMIN_TOKEN) as admin, client(b.url) as user:
+            assert admin.put("/v1/pools/gpu-a", json={"capacity": "10GiB"}).status_code == 200
+            _abandoned(user)
+    finally:
+        b.stop()
+
+
+def _abandoned(user):
+    h = post(user, amount="10GiB", ttl=10).json()
+    r = post(user, amount="6GiB", ttl=1, request_id="gone")
+    assert r.status_code == 503 and r.json()["detail"]["hold_place_for"] == 2
+    assert post(user, amount="1GiB", ttl=1, request_id="gone2").status_code == 503
+    assert status(user)["waiter_count"] == 2
+    user.delete(f"/v1/pools/gpu-a/leases/{h['lease_id']}")  # both granted while parked
+    assert status(user)["used"] == 7 * GiB
+    time.sleep(1.2)  # longer than their ttl: the broker keeps the uncollected grants alive
+    assert status(user)["used"] == 7 * GiB
+    deadline = time.monotonic() + 5
+    while status(user)["used"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    st = status(user)
+    assert st["used"] == 0 and st["waiter_count"] == 0
+    assert post(user, amount="6GiB", request_id="gone").status_code == 201  # a fresh request now
+
+
+def test_cancel_request(user, gpu):
+    h = post(user, amount="10GiB").json()
+    assert post(user, amount="6GiB", request_id="c").status_code == 503
+    r = user.delete("/v1/pools/gpu-a/requests/c")
+    assert r.status_code == 200 and r.json()["outcome"] == "left_queue"
+    assert status(user)["waiter_count"] == 0
+    assert user.delete("/v1/pools/gpu-a/requests/c").json()["outcome"] == "none"
+    user.delete(f"/v1/pools/gpu-a/leases/{h['lease_id']}")
+    g = post(user, amount="6GiB", request_id="d").json()  # granted; then its client gives up
+    assert user.delete("/v1/pools/gpu-a/requests/d").json()["outcome"] == "released_grant"
+    assert status(user)["used"] == 0
+    assert user.put(f"/v1/pools/gpu-a/leases/{g['lease_id']}", json={}).status_code == 410
+
+
+def test_queue_false_never_queues(user, gpu):
+    post(user, amount="10GiB")
+    r = post(user, amount=1, queue=False)
+    assert r.status_code == 503 and r.json()["detail"]["error"] == "busy" and "retry-after" in r.headers
+    assert status(user)["waiter_count"] == 0
+
+
+# ---- renew / release / ownership -------------------------------------------------------------
+def test_renew_release_idempotent_and_410_when_lost(user, gpu):
+    g = post(user, amount="4GiB", ttl=1).json()
+    r = user.put(f"/v1/pools/gpu-a/leases/{g['lease_id']}", json={"ttl": 2})
+    assert r.status_code == 200 and r.json()["ttl"] == 2 and 1.9 <= r.json()["expires_in"] <= 2
+    assert user.put(f"/v1/pools/gpu-a/leases/{g['lease_id']}").status_code == 200  # no body: same ttl
+    time.sleep(2.2)  # expired on the server
+    other = post(user, amount="8GiB").json()
+    for _ in range(2):
+        r = user.put(f"/v1/pools/gpu-a/leases/{g['lease_id']}", json={})
+        assert r.status_code == 410 and r.json()["detail"]["error"] == "lease_lost"
+        r = user.delete(f"/v1/pools/gpu-a/leases/{g['lease_id']}")
+        assert r.status_code == 410 and "nothing" in r.json()["detail"]["message"]
+    st = status(user)
+    assert st["used"] == 8 * GiB and [x["lease_id"] for x in st["leases"]] == [other["lease_id"]]
+    r1 = user.delete(f"/v1/pools/gpu-a/leases/{other['lease_id']}")
+    r2 = user.delete(f"/v1/pools/gpu-a/leases/{other['lease_id']}")
+    assert (r1.status_code, r2.status_code) == (200, 200)
+    assert r1.json()["released_at"] and r2.json()["released_at"] is None  # the repeat
+
+
+def test_another_token_cannot_renew_or_release(user, other, gpu):
+    g = post(user, amount="4GiB", request_id="mine").json()
+    assert other.put(f"/v1/pools/gpu-a/leases/{g['lease_id']}", json={}).status_code == 404
+    assert other.delete(f"/v1/pools/gpu-a/leases/{g['lease_id']}").status_code == 404
+    assert other.delete("/v1/pools/gpu-a/requests/mine").json()["outcome"] == "none"
+    r = post(other, amount="4GiB", request_id="mine")  # same request id: a different request
+    assert r.status_code == 201 and r.json()["lease_id"] != g["lease_id"]
+    assert status(user)["used"] == 8 * GiB
+    assert user.delete(f"/v1/pools/gpu-a/leases/{g['lease_id']}").status_code == 200
+
+
+def test_a_restarted_broker_still_knows_owners(redis_srv, broker_srv, user, gpu):
+    g = post(user, amount="4GiB").json()
+    broker_srv.stop()
+    b2 = BrokerServer(redis_srv.url).start()
+    try:
+        with client(b2.url, OTHER_TOKEN) as o:
+            assert o.delete(f"/v1/pools/gpu-a/leases/{g['lease_id']}").status_code == 404
+        with client(b2.url, USER_TOKEN) as u:
+            assert u.put(f"/v1/pools/gpu-a/leases/{g['lease_id']}", json={}).status_code == 200
+            assert u.delete(f"/v1/pools/gpu-a/leases/{g['lease_id']}").status_code == 200
+            assert status(u)["used"] == 0
+    finally:
+        b2.stop()
+
+
+# ---- pools -----------------------------------------------------------------------------------
+def test_pool_admin(admin, user):
+    r = admin.put("/v1/pools/gpu-z", json={"capacity": "8GiB", "max_waiters": 5})
+    assert r.status_code == 200 and r.json()["created"] and r.json()["capacity"] == 8 * GiB
+    r = admin.put("/v1/pools/gpu-z", json={"capacity": "16GiB"})
+    assert r.json()["created"] is False and r.json()["max_waiters"] == 5 and r.json()["capacity"] == 16 * GiB
+    assert admin.put("/v1/pools/gpu-z", json={"capacity": "0"}).status_code == 422
+    assert user.get("/v1/pools/unknown").status_code == 404
+    assert "gpu-z" in [p["pool"] for p in user.get("/v1/pools").json()["pools"]]
+
+
+def test_waiting_holds_no_thread_and_no_redis_connection(redis_srv):
+    """100 requests queued and long-polling through a broker allowed 8 Redis connections: the
+    broker's threads and Redis connections do not grow with them (all waiters share the pool's
+    one pub/sub connection)."""
+
+
+    broker_srv = BrokerServer(redis_srv.url, redis_max_connections=8).start()
+    try:
+        _many_waiters(broker_srv, redis_srv)
+    finally:
+        broker_srv.stop()
+
+
+def _threads() -> int:
+    """Threads other than the event loops' bounded default executors (which resolve host
+    names for new connections, here and in the broker)."""
+    return sum(1 for t in threading.enumerate() if not t.name.startswith(("asyncio_", "ThreadPoolExecutor")))
+
+
+def _many_waiters(broker_srv, redis_srv):
+    import asyncio
+
+    import httpx
+
+    with client(broker_srv.url, ADMIN_TOKEN) as admin:
+        admin.put("/v1/pools/gpu-a", json={"capacity": "10GiB"})
+    user = client(broker_srv.url)
+    post(user, amount="10GiB", ttl=30)
+    rc = redis.Redis.from_url(redis_srv.url)
+    base_conns = rc.info("clients")["connected_clients"]
+    base_threads = _threads()
+
+    async def many():
+        async with httpx.AsyncClient(base_url=broker_srv.url, timeout=30,
+                                     headers={"Authorization": f"Bearer {USER_TOKEN}"},
+                                     limits=httpx.Limits(max_connections=200)) as c:
+            tasks = [asyncio.create_task(c.post("/v1/pools/gpu-a/leases", json={"amount": 1, "wait": 3, "ttl": 5}))
+                     for _ in range(100)]
+            await asyncio.sleep(1.5)
+            mid = (rc.info("clients")["connected_clients"], _threads(),
+                   status(user)["waiter_count"])
+            rs = await asyncio.gather(*tasks)
+            return mid, rs
+
+    (conns, threads, waiting), rs = asyncio.run(many())
+    assert waiting == 100
+    assert all(r.status_code == 503 for r in rs)
+    assert conns <= 8 + 1, (base_conns, conns)  # + this test's own connection
+    assert threads <= base_threads + 2, (base_threads, threads)

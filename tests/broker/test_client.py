@@ -1,0 +1,183 @@
+"""gpulock-client (sync and async) against a real broker and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+from gpulock_client import (
+    AcquireTimeout,
+    AsyncPool,
+    AuthError,
+    BackendUnavailable,
+    CapacityExceeded,
+    LeaseLost,
+    Pool,
+    PoolNotFound,
+)
+
+from ._support import USER_TOKEN
+
+GiB = 2**30
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def pool(broker_srv, gpu):
+    p = Pool(broker_srv.url, gpu, token=USER_TOKEN)
+    yield p
+    p.close()
+
+
+def test_context_manager_heartbeat_and_release(pool):
+    with pool.lease("4GiB", ttl=1.5, holder={"purpose": "test"}) as lease:
+        assert lease.amount == 4 * GiB and lease.token > 0 and not lease.lost
+        t_end = time.monotonic() + 4  # well past the ttl: the heartbeat renews
+        while time.monotonic() < t_end:
+            lease.ensure_valid()
+            time.sleep(0.05)
+        st = pool.status()
+        assert [x["lease_id"] for x in st["leases"]] == [lease.id]
+        assert st["leases"][0]["holder"]["purpose"] == "test"
+    assert lease.released and pool.status()["used"] == 0
+    with pytest.raises(LeaseLost):
+        lease.ensure_valid()
+    lease.release()  # idempotent
+
+
+def test_errors(broker_srv, pool):
+    with pytest.raises(CapacityExceeded) as e:
+        pool.acquire("11GiB")
+    assert e.value.capacity == 10 * GiB
+    with pytest.raises(PoolNotFound):
+        Pool(broker_srv.url, "nope", token=USER_TOKEN).acquire(1)
+    with pytest.raises(AuthError):
+        Pool(broker_srv.url, "gpu-a", token="bad-token-xxxxxxxxxxxxxxxx").acquire(1)
+
+
+def test_acquire_timeout_withdraws_the_place(pool):
+    held = pool.acquire("10GiB", ttl=10)
+    positions = []
+    t0 = time.monotonic()
+    with pytest.raises(AcquireTimeout) as e:
+        pool.acquire("1GiB", timeout=1.5, on_queued=positions.append)
+    assert 1.4 < time.monotonic() - t0 < 3
+    assert e.value.position == 1 and positions == [1]
+    assert pool.status()["waiter_count"] == 0
+    held.release()
+
+
+def test_queued_acquire_is_granted_on_release(broker_srv, pool):
+    held = pool.acquire("10GiB")
+    out = {}
+
+    def other():
+        with Pool(broker_srv.url, "gpu-a", token=USER_TOKEN, max_wait=2) as p2:
+            lease = p2.acquire("6GiB", timeout=20)  # several long polls, one request id
+            out["t"] = time.monotonic()
+            lease.release()
+
+    t = threading.Thread(target=other)
+    t.start()
+    time.sleep(3)
+    t_rel = time.monotonic()
+    held.release()
+    t.join(10)
+    assert out["t"] - t_rel < 0.5
+
+
+def test_lost_before_the_server_expiry_when_the_broker_goes(redis_srv, gpu, broker_srv):
+    """Stop the broker (Redis stays): the client cannot renew; ensure_valid raises and
+    on_lost fires before the server expires the lease."""
+    p = Pool(broker_srv.url, "gpu-a", token=USER_TOKEN)
+    lease = p.acquire("4GiB", ttl=2)
+    fired = []
+    lease.on_lost(lambda _lease: fired.append(time.time()))
+    broker_srv.stop()
+    while True:
+        try:
+            lease.ensure_valid()
+        except LeaseLost:
+            t_lost = time.time()
+            break
+        time.sleep(0.005)
+    assert t_lost < lease.expires_at
+    deadline = time.monotonic() + 1
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fired and fired[0] < lease.expires_at
+    with pytest.raises((LeaseLost, BackendUnavailable)):
+        lease.release()
+    p.close()
+
+
+def test_async_pool(broker_srv, gpu):
+    async def main():
+        async with AsyncPool(broker_srv.url, "gpu-a", token=USER_TOKEN, max_wait=1) as p:
+            async with p.lease("6GiB", ttl=1.5) as a:
+                waiter = asyncio.create_task(p.acquire("6GiB", timeout=10))
+                await asyncio.sleep(3)  # a is renewed meanwhile; the waiter long-polls
+                a.ensure_valid()
+                assert not waiter.done()
+            b = await waiter
+            assert b.token > a.token
+            c = asyncio.create_task(p.acquire("6GiB", timeout=10))
+            await asyncio.sleep(0.5)
+            c.cancel()  # leaves the queue
+            with pytest.raises(asyncio.CancelledError):
+                await c
+            st = await p.status()
+            assert st["waiter_count"] == 0 and st["used"] == 6 * GiB
+            await b.release()
+            assert (await p.status())["used"] == 0
+
+    asyncio.run(main())
+
+
+def test_retry_storm_is_paced(broker_srv, admin):
+    """c08: capacity for 2, 50 clients polling (no long poll): every 503 carries Retry-After
+    and the clients honour it with jitter, so the broker sees a few requests per client, not a
+    storm, and each client keeps one place in the queue."""
+    assert admin.put("/v1/pools/storm", json={"capacity": 2}).status_code == 200
+    posts = {"n": 0}
+    max_waiting = {"n": 0}
+
+    async def count(request):
+        if request.method == "POST":
+            posts["n"] += 1
+
+    async def main():
+        async with httpx.AsyncClient(base_url=broker_srv.url, headers={"Authorization": f"Bearer {USER_TOKEN}"}) as c:
+            async def watch():
+                while True:
+                    st = (await c.get("/v1/pools/storm")).json()
+                    max_waiting["n"] = max(max_waiting["n"], st["waiter_count"])
+                    await asyncio.sleep(0.1)
+
+            w = asyncio.create_task(watch())
+            pool = AsyncPool(broker_srv.url, "storm", token=USER_TOKEN, max_wait=0)
+            pool._http.event_hooks["request"].append(count)
+
+            async def one():
+                try:
+                    lease = await pool.acquire(1, ttl=2, timeout=2.5)
+                except AcquireTimeout:
+                    return 0
+                await asyncio.sleep(0.3)
+                await lease.release()
+                return 1
+
+            granted = sum(await asyncio.gather(*(one() for _ in range(50))))
+            w.cancel()
+            await pool.aclose()
+            return granted
+
+    granted = asyncio.run(main())
+    assert granted >= 2
+    assert max_waiting["n"] <= 48  # never two places for one client
+    # Retry-After >= 1 s and a 2.5 s timeout: at most ~4 POSTs per client (first, two
+    # retries, the last try at the deadline), against hundreds for immediate retries.
+    assert posts["n"] <= 50 * 4, posts
