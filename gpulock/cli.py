@@ -187,6 +187,11 @@ def _main(
         DEFAULT_REDIS_URL, "--redis-url", envvar="GPULOCK_REDIS_URL", show_default=True,
         help="Redis holding the pools (redis://, rediss:// or unix://).",
     ),
+    broker_url: Optional[str] = typer.Option(
+        None, "--broker-url", envvar="GPULOCK_BROKER_URL",
+        help="gpulock run only: lease through this HTTP broker instead of Redis (bearer token "
+             "from GPULOCK_TOKEN; needs the gpulock-client package).",
+    ),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                  help="Print the version and exit."),
 ) -> None:
@@ -202,7 +207,7 @@ def _main(
       75  gpulock run: no lease within --timeout, or the pool's queue is full
       1   any other error
     """
-    ctx.obj = {"redis_url": redis_url}
+    ctx.obj = {"redis_url": redis_url, "broker_url": broker_url}
 
 
 # ---- pool set --------------------------------------------------------------------------------
@@ -473,16 +478,99 @@ def run(
         _fail(EXIT_NOT_FOUND, f"command not found: {exe!r}")
     meta = {"purpose": _clip(purpose if purpose is not None else shlex.join(cmd))}
 
-    _client(url).close()  # fail fast (exit 69) if Redis is down now
-    try:
-        p = Pool.from_url(url, pool, default_ttl=ttl)
-    except ValueError as e:
-        _fail(EXIT_USAGE, f"bad Redis URL {_safe_url(url)!r}: {e}")
+    broker = (ctx.obj or {}).get("broker_url")
+    if broker:
+        try:
+            import gpulock_client
+        except ImportError:
+            _fail(EXIT_USAGE, "--broker-url needs the gpulock-client package (pip install gpulock-client)")
+        url = broker
+        p = _BrokerPool(gpulock_client.Pool(broker, pool, token=os.environ.get("GPULOCK_TOKEN"), default_ttl=ttl))
+    else:
+        _client(url).close()  # fail fast (exit 69) if Redis is down now
+        try:
+            p = Pool.from_url(url, pool, default_ttl=ttl)
+        except ValueError as e:
+            _fail(EXIT_USAGE, f"bad Redis URL {_safe_url(url)!r}: {e}")
     try:
         code = _run_under_lease(p, url, pool, amount, ttl, timeout, grace, cmd, meta, quiet)
     finally:
         p.close()
     raise typer.Exit(code)
+
+
+def _core_error(e: Exception) -> Exception:
+    """A gpulock_client error as the core's exception of the same name (same attributes), so
+    `gpulock run` treats leases through a broker and through Redis alike."""
+    from . import errors as E
+
+    g = lambda k, d=0: getattr(e, k, d)  # noqa: E731
+    name = type(e).__name__
+    if name == "LeaseLost":
+        return E.LeaseLost(g("lease_id", ""), g("reason", str(e)))
+    if name == "AcquireTimeout":
+        return E.AcquireTimeout(str(e), position=g("position"), queue_length=g("queue_length"),
+                                retry_after=g("retry_after", None))
+    if name == "CapacityExceeded":
+        return E.CapacityExceeded(g("amount"), g("capacity"))
+    if name == "QueueFull":
+        return E.AcquireTimeout(str(e), queue_length=g("queue_length"))
+    if name == "InvalidArgument":
+        return E.InvalidArgument(str(e))
+    if name == "BackendUnavailable":
+        return E.BackendUnavailable(str(e))
+    if name == "PoolNotFound":
+        return E.PoolNotFound(str(getattr(e, "pool", "?")))
+    return E.GpuLockError(str(e))
+
+
+class _BrokerLease:
+    """A gpulock_client lease behind the core's exceptions (see _core_error)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.id, self.token = inner.id, inner.token
+
+    @property
+    def valid_until(self) -> float:
+        return self._inner.valid_until
+
+    def on_lost(self, cb) -> None:
+        self._inner.on_lost(lambda _lease: cb(self))
+
+    def ensure_valid(self) -> None:
+        import gpulock_client
+
+        try:
+            self._inner.ensure_valid()
+        except gpulock_client.GpuLockError as e:
+            raise _core_error(e) from e
+
+    def release(self) -> None:
+        import gpulock_client
+
+        try:
+            self._inner.release()
+        except gpulock_client.GpuLockError as e:
+            raise _core_error(e) from e
+
+
+class _BrokerPool:
+    """gpulock_client.Pool with the core Pool's acquire/close and exceptions."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def acquire(self, amount, **kw):
+        import gpulock_client
+
+        try:
+            return _BrokerLease(self._inner.acquire(amount, **kw))
+        except gpulock_client.GpuLockError as e:
+            raise _core_error(e) from e
+
+    def close(self) -> None:
+        self._inner.close()
 
 
 def _run_under_lease(p, url: str, pool: str, amount: int, ttl: float, timeout: Optional[float],
@@ -669,8 +757,15 @@ def _register_extras() -> None:
     try:
         from gpulock_service.cli import register
     except ImportError:
-        return
-    register(app)
+        pass
+    else:
+        register(app)
+    try:
+        from gpulock_service.broker.app import register_broker
+    except ImportError:
+        pass
+    else:
+        register_broker(app)
 
 
 _register_extras()

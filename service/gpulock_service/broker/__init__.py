@@ -9,10 +9,22 @@ outside the service and other languages lease GPU memory from gpulock pools over
 The Python client is the separate ``gpulock-client`` distribution (``clients/python``).
 """
 
-from .api import router
 from .app import create_broker_app, register_broker, run_broker
 from .auth import Principal, TokenConfigError, load_tokens, parse_tokens
-from .core import Broker
+
+
+def __getattr__(name: str):
+    # FastAPI and redis load only when the router or the engine is asked for, so that
+    # `gpulock --help` and `gpulock run` stay quick and work without the service extras.
+    if name == "router":
+        from .api import router
+
+        return router
+    if name == "Broker":
+        from .core import Broker
+
+        return Broker
+    raise AttributeError(name)
 
 __all__ = ["Broker", "Principal", "TokenConfigError", "create_broker_app", "load_tokens", "parse_tokens",
            "register_broker", "router", "run_broker"]
