@@ -1,0 +1,254 @@
+"""The embeddings service: ``create_app(settings)`` builds the FastAPI app; the module attribute
+``app`` builds one from the environment on first access (for ``gunicorn
+gpulock_service.app:app`` and ``uvicorn gpulock_service.app:app``).
+
+Neither importing this module nor building the app does any I/O, imports torch or touches CUDA:
+under ``gunicorn --preload`` the master imports it and then forks (case c06). Everything that
+connects or loads happens in the lifespan, i.e. in each worker after the fork:
+
+1. connect to Redis, create the pool if a capacity is configured (create-only unless
+   ``GPULOCK_CONFIGURE=set``), start the background reaper;
+2. take the worker's **resident lease** (configured bytes; on CUDA the weights' size plus the
+   CUDA context, topped up to ``memory_reserved`` after loading) — until it is granted the
+   worker is not ready and ``/ready`` names the shortfall (case c07);
+3. load the model once, in a thread, then report ready.
+
+The worker waits ``GPULOCK_STARTUP_TIMEOUT`` seconds for 2-3 before it starts serving; if they
+are not done by then it serves anyway (``/health`` answers, requests get 503 not-ready) and
+keeps trying in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import os
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+from fastapi import FastAPI, HTTPException, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, PrivateAttr
+
+from gpulock.fastapi import GpuLimiter
+from gpulock.units import format_size, parse_size
+
+from .models import build_model, count_tokens
+from .settings import Settings
+
+log = logging.getLogger("gpulock.service")
+
+ROUTE = "embeddings"
+
+
+class EmbeddingRequest(BaseModel):
+    """``POST /v1/embeddings``, as in the OpenAI API: one string or a list of strings."""
+
+    input: str | list[str]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    _tokens: int = PrivateAttr(0)  # counted once, by the estimator, on the event loop
+
+
+def _texts(body: EmbeddingRequest) -> list[str]:
+    return [body.input] if isinstance(body.input, str) else list(body.input)
+
+
+class _WorkerHeader:
+    """Pure ASGI middleware: ``X-Worker-PID`` on every response (which worker answered)."""
+
+    def __init__(self, app):
+        self.app = app
+        self.value = str(os.getpid()).encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        pid = str(os.getpid()).encode()
+
+        async def send_with(msg):
+            if msg["type"] == "http.response.start":
+                msg.setdefault("headers", [])
+                msg["headers"] = list(msg["headers"]) + [(b"x-worker-pid", pid)]
+            await send(msg)
+
+        return await self.app(scope, receive, send_with)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the service (no I/O here; see the module docstring for what the lifespan does)."""
+    settings = settings or Settings()
+    model = build_model(settings)
+    served = settings.model_name or getattr(model, "name", settings.model)
+    limiter = GpuLimiter(
+        settings.redis_url, settings.pool, capacity=settings.capacity, configure=settings.configure,
+        acquire_timeout=settings.acquire_timeout, inference_timeout=settings.inference_timeout,
+        ttl=settings.ttl, executor_threads=settings.executor_threads, park_timeout=settings.park_timeout,
+        result_ttl=settings.result_ttl, max_waiters=settings.max_waiters, reaper_interval=settings.reaper_interval,
+        history_file=settings.history_file, enabled=not settings.disabled, exit_on_fatal=settings.exit_on_fatal)
+    info: dict[str, Any] = {"device": None, "resident_bytes": 0, "resident_source": None}
+
+    def resolve_device() -> str:
+        if settings.model == "sleep" and settings.device == "auto":
+            return "cpu"
+        from gpulock.cuda import resolve_device as rd
+
+        return rd(settings.device)
+
+    async def bring_up() -> None:
+        limiter.set_condition("model", False, "starting")
+        try:
+            device = await asyncio.to_thread(resolve_device)
+            info["device"] = device
+            on_cuda = device.startswith("cuda")
+            configured = settings.resident_bytes()
+            if configured is not None:
+                resident, source = configured, "GPULOCK_RESIDENT"
+            elif on_cuda:
+                hint = getattr(model, "resident_hint", lambda: 0)() or 0
+                resident = int(hint) + parse_size(settings.cuda_context) if settings.cuda_context != "0" else int(hint)
+                source = "weights size + GPULOCK_CUDA_CONTEXT (topped up to the measured reservation after load)"
+            else:
+                resident, source = parse_size(settings.cpu_resident), "GPULOCK_CPU_RESIDENT (CPU device)"
+            info["resident_source"] = source
+            if resident > 0:
+                limiter.set_condition("model", False, f"waiting for the resident lease ({format_size(resident)})")
+                await limiter.acquire_resident(resident, purpose=served)
+                info["resident_bytes"] = resident
+            limiter.set_condition("model", False, f"loading {served} on {device}")
+
+            def load() -> None:
+                if settings.torch_threads and not on_cuda and settings.model != "sleep":
+                    import torch
+
+                    torch.set_num_threads(settings.torch_threads)
+                model.load(device)
+
+            await asyncio.to_thread(load)
+            if on_cuda and configured is None:
+                from gpulock.cuda import resident_bytes
+
+                ctx = 0 if settings.cuda_context == "0" else parse_size(settings.cuda_context)
+                measured = await asyncio.to_thread(resident_bytes, device, context_bytes=ctx)
+                if measured and measured > resident:
+                    log.info("gpulock: measured resident %s > leased %s; topping up", format_size(measured),
+                             format_size(resident))
+                    await limiter.acquire_resident(measured - resident, purpose=served + "-topup")
+                    info["resident_bytes"] = measured
+            if on_cuda and settings.calibrate and hasattr(model, "calibration_run"):
+                await _calibrate(device)
+            limiter.set_condition("model", True, "")
+            log.info("gpulock: worker %d ready: %s on %s, resident lease %s (%s)", os.getpid(), served, device,
+                     format_size(info["resident_bytes"]) if info["resident_bytes"] else "none", source)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("gpulock: worker start failed")
+            limiter.set_condition("model", False, f"start failed: {type(e).__name__}: {e}")
+
+    async def _calibrate(device: str) -> None:
+        lock = f"gpulock:{{{settings.pool}}}:calibrating"
+        if not await limiter.redis.set(lock, str(os.getpid()), nx=True, ex=600):
+            return
+        try:
+            b_max = max(1, settings.max_batch)
+            shapes = [(b, s) for b in sorted({1, 8, 32, min(128, b_max), b_max}) for s in (16, 64, settings.max_tokens)]
+            out = await limiter.calibrate(ROUTE, model.calibration_run, shapes, device, model.estimate_bytes)
+            log.info("gpulock: calibrated %d shapes into %s", len(out), limiter.estimates_key)
+        finally:
+            await limiter.redis.delete(lock)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await limiter.start()
+        task = limiter.spawn(bring_up(), name="gpulock-bring-up")
+        if settings.startup_timeout > 0:
+            done, _ = await asyncio.wait({task}, timeout=settings.startup_timeout)
+            if not done:
+                _, checks = limiter.readiness()
+                why = "; ".join(f"{k}: {v.get('message')}" for k, v in checks.items() if not v["ok"])
+                log.warning("gpulock: worker %d serving while not ready after %.0fs: %s", os.getpid(),
+                            settings.startup_timeout, why)
+        try:
+            yield
+        finally:
+            await limiter.stop()
+
+    app = FastAPI(title="gpulock embeddings service", lifespan=lifespan,
+                  description="OpenAI-compatible embeddings; every request leases GPU memory from a gpulock pool.")
+    app.state.limiter = limiter
+    app.state.settings = settings
+    app.state.model = model
+    app.add_middleware(_WorkerHeader)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        """Liveness: answers as long as the event loop runs; never waits on Redis or the queue."""
+        return {"status": "ok", "pid": os.getpid()}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: Redis reachable, model loaded, resident lease held and valid."""
+        ok, checks = limiter.readiness()
+        body = {"ready": ok, "pid": os.getpid(), "pool": settings.pool, "model": served,
+                "device": info["device"], "resident_bytes": info["resident_bytes"], "checks": checks}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return await limiter.metrics_response()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": served, "object": "model", "owned_by": "gpulock"}]}
+
+    def estimate(body: EmbeddingRequest) -> int:
+        texts = _texts(body)
+        if not texts:
+            raise HTTPException(422, "input must hold at least one string")
+        if len(texts) > settings.max_batch:
+            raise HTTPException(413, f"input holds {len(texts)} strings; this service takes at most "
+                                     f"{settings.max_batch} per request (GPULOCK_MAX_BATCH)")
+        if body.dimensions is not None and body.dimensions != model.dimensions:
+            raise HTTPException(400, f"{served} returns {model.dimensions} dimensions, not {body.dimensions}")
+        counts = count_tokens(model, texts)
+        body._tokens = sum(counts)
+        return limiter.estimate(ROUTE, len(texts), max(counts), model.estimate_bytes)
+
+    @app.post("/v1/embeddings")
+    @limiter.endpoint(ROUTE, estimate=estimate)
+    def embeddings(body: EmbeddingRequest) -> Response:
+        """Runs in gpulock's executor thread, under the request's lease."""
+        texts = _texts(body)
+        vectors = model.embed(texts)
+        n_tokens = body._tokens
+        if body.encoding_format == "base64":
+            import numpy as np
+
+            data = [{"object": "embedding", "index": i,
+                     "embedding": base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode()}
+                    for i, v in enumerate(vectors)]
+        else:
+            data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+        payload = {"object": "list", "data": data, "model": served,
+                   "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
+        return Response(json.dumps(payload, separators=(",", ":")).encode(), media_type="application/json")
+
+    return app
+
+
+_app: FastAPI | None = None
+
+
+def __getattr__(name: str) -> Any:
+    # ``gpulock_service.app:app``: built on first access from GPULOCK_* variables (PEP 562).
+    global _app
+    if name == "app":
+        if _app is None:
+            _app = create_app()
+        return _app
+    raise AttributeError(name)

@@ -1,0 +1,78 @@
+"""The service's settings: environment variables ``GPULOCK_<NAME>`` (or a ``.env`` file), or a
+:class:`Settings` object passed to ``create_app``. docs/SERVICE.md has the table."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gpulock.units import parse_size
+
+# Without a GPU the pool still needs a capacity: 2 GiB leaves room for 4 workers' resident
+# leases (4 x 128 MiB) and about a dozen MiniLM requests of 64 sentences at once.
+CPU_DEFAULT_CAPACITY = "2GiB"
+# What one worker keeps resident on a CPU "device": the all-MiniLM-L6-v2 weights are 87 MiB
+# (90,868,376 bytes of safetensors); with the tokenizer and PyTorch's buffers, 128 MiB.
+CPU_DEFAULT_RESIDENT = "128MiB"
+# The CUDA context (kernels, cuBLAS/cuDNN workspaces) that torch.cuda.memory_reserved does not
+# see: typically 300-600 MiB on recent GPUs with lazy module loading. Measure yours with
+# nvidia-smi (process memory) minus torch.cuda.memory_reserved().
+DEFAULT_CUDA_CONTEXT = "512MiB"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GPULOCK_", env_file=".env", extra="ignore",
+                                      protected_namespaces=())
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding the pool")
+    pool: str = Field("gpu0", description="pool name (one per GPU)")
+    capacity: str | None = Field(None, description="pool capacity; the pool is created with it if missing")
+    configure: Literal["create", "set"] = Field("create", description="'set' overwrites an existing capacity")
+    max_waiters: int | None = Field(None, description="queue bound of the pool (when this service creates it)")
+
+    model: str = Field("minilm", description="'minilm', 'sleep' (test model) or 'package.module:factory'")
+    model_name: str | None = Field(None, description="name reported in responses (default: the model's)")
+    device: str = Field("auto", description="'auto' (CUDA if available), 'cpu', 'cuda:0', ...")
+    resident: str | None = Field(None, description="bytes per worker for its resident lease; "
+                                                   "'0' for none; unset: measured on CUDA, cpu_resident on CPU")
+    cpu_resident: str = Field(CPU_DEFAULT_RESIDENT, description="resident lease per worker on a CPU device")
+    cuda_context: str = Field(DEFAULT_CUDA_CONTEXT, description="CUDA context added to the measured resident bytes")
+    calibrate: bool = Field(False, description="on CUDA: measure per-shape peaks at start and share them in Redis")
+
+    ttl: float = Field(30.0, gt=0, description="lease ttl, seconds (heartbeat at ttl/3)")
+    acquire_timeout: float = Field(10.0, gt=0, description="seconds to wait for a grant before 503")
+    inference_timeout: float = Field(30.0, gt=0, description="seconds of inference before 504")
+    startup_timeout: float = Field(20.0, ge=0, description="seconds the worker start waits for lease + model")
+    park_timeout: float = Field(30.0, ge=0, description="seconds a 503'd request with X-Request-ID keeps its place")
+    result_ttl: float = Field(60.0, gt=0, description="seconds a result is kept for retries (X-Request-ID)")
+    reaper_interval: float = Field(1.0, gt=0, description="seconds between background status reads/reaps")
+
+    max_batch: int = Field(256, ge=1, description="most inputs per request (else 413)")
+    max_tokens: int = Field(256, ge=8, description="tokens per input after truncation")
+    executor_threads: int = Field(2, ge=1, description="threads running inference per worker")
+    torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads per worker (CPU)")
+
+    sleep_seconds: float = Field(1.0, ge=0, description="sleep model: seconds per request")
+    sleep_bytes: str = Field("256MiB", description="sleep model: bytes per input")
+
+    disabled: bool = Field(False, description="run without leases (to measure the lease's overhead)")
+    exit_on_fatal: bool = Field(True, description="exit the worker after a sticky CUDA error")
+    history_file: str | None = Field(None, description="tests: prefix of per-worker grant/release logs")
+
+    @field_validator("capacity", "resident", "sleep_bytes", "cpu_resident", "cuda_context")
+    @classmethod
+    def _size(cls, v: str | None, info):
+        if v is None or v == "":
+            return None if info.field_name in ("capacity", "resident") else v
+        if info.field_name in ("resident", "cuda_context") and str(v).strip() in ("0", "none"):
+            return "0"
+        parse_size(v, name=info.field_name)
+        return v
+
+    def resident_bytes(self) -> int | None:
+        """Configured resident bytes: None when unset (measure/default), 0 for none."""
+        if self.resident is None:
+            return None
+        return 0 if self.resident == "0" else parse_size(self.resident, name="resident")

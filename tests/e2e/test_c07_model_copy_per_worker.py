@@ -1,0 +1,113 @@
+"""c07 — every worker loads its own copy of the model.
+
+Capacity 10 GiB, a model of 3 GiB resident per worker, 4 gunicorn workers: each worker holds a
+resident lease while it lives; the 4th cannot get 3 GiB more, so it loads no model, answers
+requests with 503 not-ready, and /ready names the shortfall (rather than a CUDA OOM); when a
+worker dies (kill -9), its resident lease comes back within the ttl and the waiting worker gets
+it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from e2e_helpers import GiB, alive, lease_intervals, max_overlap
+
+TTL = 3.0
+ENV = {
+    "GPULOCK_MODEL": "sleep", "GPULOCK_SLEEP_BYTES": "256MiB", "GPULOCK_SLEEP_SECONDS": "0.05",
+    "GPULOCK_RESIDENT": "3GiB", "GPULOCK_TTL": str(TTL), "GPULOCK_STARTUP_TIMEOUT": "2",
+    "GPULOCK_ACQUIRE_TIMEOUT": "5",
+}
+
+
+@pytest.fixture(scope="module")
+def svc(make_service):
+    s = make_service("c07", workers=4, env=ENV, capacity=10 * GiB)
+    s.wait_ready(3, timeout=90)
+    return s
+
+
+def _residents(st):
+    return [lz for lz in st.leases if str(lz.holder.get("purpose", "")).startswith("resident")]
+
+
+def _wait(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _not_ready_pid(svc, timeout: float = 30):
+    """Ask /ready on new connections until the one worker that is not ready answers."""
+    deadline = time.monotonic() + timeout
+    ready = set()
+    while time.monotonic() < deadline:
+        r = httpx.get(svc.url + "/ready", timeout=5)
+        if r.status_code == 503:
+            return r.json(), ready
+        ready.add(r.json()["pid"])
+    raise AssertionError("no worker reported not ready")
+
+
+@pytest.mark.timeout(120)
+def test_c07_model_copy_per_worker(svc):
+    st = _wait(lambda: (lambda s: s if len(_residents(s)) == 3 else None)(svc.status()), 30, "3 resident leases")
+    assert st.used == 9 * GiB and all(lz.amount == 3 * GiB for lz in _residents(st))
+    holders = {lz.holder["pid"] for lz in _residents(st)}
+    # The 4th worker waits without queueing (a resident request that cannot fit must not block
+    # the requests of the 3 ready workers) and says why it is not ready.
+    assert st.waiter_count == 0
+    body, _ = _not_ready_pid(svc)
+    waiting_pid = body["pid"]
+    assert waiting_pid not in holders and len(svc.worker_pids()) == 4
+    msg = body["checks"]["resident_lease"]["message"]
+    assert "3.0GiB" in msg and "shortfall 2.0GiB" in msg and "1.0GiB free of 10.0GiB" in msg, msg
+    refused = None
+    for _ in range(200):
+        r = httpx.post(svc.url + "/v1/embeddings", json={"input": ["x"]}, timeout=10)
+        if int(r.headers["x-worker-pid"]) == waiting_pid:
+            refused = r
+            break
+        assert r.status_code == 200, r.text  # the ready workers serve meanwhile
+    assert refused is not None and refused.status_code == 503 and "not ready" in refused.json()["detail"]
+    assert "retry-after" in refused.headers
+
+    # A worker dies: its resident lease comes back within the ttl, and a waiting worker takes it
+    # (the one that waited, or gunicorn's replacement if it asks first: both only try).
+    victim = sorted(holders)[0]
+    os.kill(victim, signal.SIGKILL)
+    t_kill = time.time()
+    dies_at = svc.expiries_of(victim, t_kill)
+    assert max(dies_at.values()) <= t_kill + TTL
+
+    def taken_over(s):
+        pids = {lz.holder["pid"] for lz in _residents(s)}
+        return s if len(pids) == 3 and victim not in pids else None
+
+    st2 = _wait(lambda: taken_over(svc.status()), TTL + 4, "a waiting worker to get the dead worker's bytes")
+    got_at = time.time()
+    assert got_at - t_kill <= TTL + 3, got_at - t_kill
+    assert st2.reaped_leases >= 1 and st2.used == 9 * GiB
+    assert not alive(victim)
+    # gunicorn started a replacement; one of the two waiting workers is now the one not ready.
+    _wait(lambda: len(svc.worker_pids()) == 4 and victim not in svc.worker_pids(), 30, "a replacement worker")
+    body2, _ = _not_ready_pid(svc)
+    new_holders = {lz.holder["pid"] for lz in _residents(st2)}
+    assert body2["pid"] not in new_holders and body2["pid"] != victim
+    assert waiting_pid in new_holders or body2["pid"] == waiting_pid
+    svc.wait_ready(3, timeout=30)
+    st3 = svc.status()
+    assert st3.used == 9 * GiB and len(_residents(st3)) == 3
+    events = svc.history()
+    peak, _ = max_overlap(lease_intervals(events, routes={"resident"}, killed={victim: dies_at}))
+    assert peak <= 10 * GiB
+    peak_all, _ = max_overlap(lease_intervals(events, killed={victim: dies_at}))
+    assert peak_all <= 10 * GiB

@@ -1,0 +1,43 @@
+"""Redis restarts without its data (the usual deployment: no persistence) under a running
+2-worker service: the workers notice their resident leases are gone, re-create the pool
+(create-only, from GPULOCK_CAPACITY), take their resident leases again and serve on."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from e2e_helpers import MiB, Service
+
+from gpulock.embedded import RedisProcess, find_server_binary
+
+
+@pytest.mark.timeout(120)
+def test_service_survives_redis_restart_without_data(tmp_path):
+    with RedisProcess(find_server_binary("any")) as redis:
+        svc = Service("restart", tmp_path, redis.url, {
+            "GPULOCK_MODEL": "sleep", "GPULOCK_SLEEP_SECONDS": "0.05", "GPULOCK_RESIDENT": "128MiB",
+            "GPULOCK_TTL": "3", "GPULOCK_CONFIGURE": "create"}, workers=2, capacity=1024 * MiB)
+        try:
+            svc.start()
+            svc.wait_ready(2, timeout=60)
+            assert httpx.post(svc.url + "/v1/embeddings", json={"input": ["x"]}, timeout=10).status_code == 200
+            epoch = svc.status().epoch
+            redis.restart()  # a new, empty server on the same port
+            deadline = time.monotonic() + 30
+            st = None
+            while time.monotonic() < deadline:
+                try:
+                    st = svc.status()
+                    if st.lease_count == 2 and st.used == 256 * MiB and st.epoch != epoch:
+                        break
+                except Exception:
+                    pass
+                time.sleep(0.2)
+            assert st is not None and st.capacity == 1024 * MiB and st.used == 256 * MiB, st
+            svc.wait_ready(2, timeout=30)
+            r = httpx.post(svc.url + "/v1/embeddings", json={"input": ["after the restart"]}, timeout=10)
+            assert r.status_code == 200
+        finally:
+            svc.stop()

@@ -1,0 +1,445 @@
+"""gpulock.fastapi in-process, against a real Redis: the pieces the e2e tests exercise through
+gunicorn, here one at a time and with exact assertions (error mapping, Retry-After, request
+ids, cancellation, c05, OOM traceback release, estimates, metrics), plus the import-time
+promises (no torch, no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import math
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import weakref
+
+import httpx
+import pytest
+from fastapi import Depends, FastAPI
+
+from gpulock import AsyncPool
+from gpulock.cuda import (
+    DeviceMemory,
+    drop_traceback,
+    empty_cache,
+    is_cuda_error,
+    is_fatal_cuda_error,
+    is_oom,
+)
+from gpulock.fastapi import (
+    BertEstimator,
+    GpuCall,
+    GpuLimiter,
+    current_lease,
+    metrics,
+    next_bucket,
+    request_ticket,
+)
+
+GiB = 2**30
+pytestmark = pytest.mark.timeout(60)
+
+
+# ---- pure pieces ---------------------------------------------------------------------------------
+
+def test_request_ticket_is_valid_and_stable_for_any_header_value():
+    pat = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+    for v in ["abc", "x" * 5000, "with spaces / slashes {braces}", "ünïcødé ✓", "", "\x00\n"]:
+        t = request_ticket("embeddings", v)
+        assert pat.match(t) and t == request_ticket("embeddings", v)
+    assert request_ticket("a", "same") != request_ticket("b", "same")
+    assert request_ticket("a", "one") != request_ticket("a", "two")
+
+
+def test_bert_estimator_formula():
+    est = BertEstimator()  # all-MiniLM-L6-v2
+    b, s = 32, 128
+    elems = b * s * (6 * 384 + 2 * 1536) + 2 * b * 12 * s * s
+    assert est.peak(b, s) == 4 * elems
+    assert est(b, s) == math.ceil(2.0 * 4 * elems)
+    assert est(1, 1) == 2 * 2**20  # the floor
+    assert est(64, 32) > est(32, 32) > est(32, 16)
+    assert [next_bucket(n) for n in (0, 1, 2, 3, 5, 64, 65)] == [1, 1, 2, 4, 8, 64, 128]
+    assert next_bucket(3, minimum=8) == 8
+
+
+def test_cuda_error_classification_and_traceback_release():
+    import torch
+
+    oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert is_oom(oom) and is_cuda_error(oom) and not is_fatal_cuda_error(oom)
+    assert is_oom(RuntimeError("CUDA error: out of memory"))
+    assert is_oom(RuntimeError("cuBLAS error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
+    for msg in ("CUDA error: device-side assert triggered", "CUDA error: an illegal memory access was encountered",
+                "CUDA error: misaligned address", "CUDA error: unspecified launch failure"):
+        assert is_fatal_cuda_error(RuntimeError(msg)) and not is_oom(RuntimeError(msg))
+    assert is_fatal_cuda_error(torch.AcceleratorError("CUDA error: an illegal instruction was encountered"))
+    assert not is_cuda_error(ValueError("CUDA out of memory"))  # not a RuntimeError: a user's error
+    assert not is_cuda_error(RuntimeError("shape mismatch"))
+    assert empty_cache() is False  # no CUDA context here: does nothing, raises nothing
+
+    class Big:
+        pass
+
+    def fails():
+        pinned = Big()
+        ref.append(weakref.ref(pinned))
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    ref: list = []
+    try:
+        fails()
+    except Exception as e:
+        err = e
+    gc.collect()
+    assert ref[0]() is not None, "the traceback pins the frame's locals"
+    drop_traceback(err)
+    gc.collect()
+    assert ref[0]() is None
+
+
+def test_import_does_no_io_and_no_torch():
+    code = textwrap.dedent("""
+        import socket, sys
+        def refuse(*a, **k):
+            raise AssertionError("a socket was opened at import time")
+        socket.socket.connect = refuse
+        socket.create_connection = refuse
+        import gpulock_service.app as m
+        app = m.app                      # what gunicorn --preload does in the master
+        import gpulock.fastapi, gpulock.cuda
+        import typer
+        from gpulock_service.cli import register
+        t = typer.Typer(); register(t)
+        names = sorted(c.name for c in t.registered_commands)
+        heavy = [x for x in ("torch", "sentence_transformers", "transformers", "gunicorn") if x in sys.modules]
+        print(names, heavy)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={"GPULOCK_REDIS_URL": "redis://10.255.255.1:1/0", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "['loadtest', 'serve'] []", r.stdout
+
+
+def test_decide_capacity(monkeypatch):
+    from gpulock_service.serve import decide_capacity
+
+    import gpulock.cuda
+
+    assert decide_capacity("3GiB", 0.9, "auto") == (3 * GiB, "--capacity / GPULOCK_CAPACITY", True)
+    cap, src, explicit = decide_capacity(None, 0.9, "cpu")
+    assert cap == 2 * GiB and "CPU default" in src and not explicit
+    monkeypatch.setattr(gpulock.cuda, "device_memory", lambda idx=0, **k: DeviceMemory(80 * GiB, 79 * GiB, "nvml", "H100"))
+    cap, src, explicit = decide_capacity(None, 0.9, "auto")
+    assert cap == int(80 * GiB * 0.9) and "H100" in src and "nvml" in src and not explicit
+    monkeypatch.setattr(gpulock.cuda, "device_memory", lambda idx=0, **k: None)
+    assert decide_capacity(None, 0.9, "auto")[0] == 2 * GiB
+
+
+def test_settings_from_environment(monkeypatch):
+    from gpulock_service.settings import Settings
+
+    monkeypatch.setenv("GPULOCK_CAPACITY", "6GiB")
+    monkeypatch.setenv("GPULOCK_RESIDENT", "0")
+    monkeypatch.setenv("GPULOCK_ACQUIRE_TIMEOUT", "2.5")
+    s = Settings()
+    assert s.capacity == "6GiB" and s.resident_bytes() == 0 and s.acquire_timeout == 2.5
+    monkeypatch.setenv("GPULOCK_CAPACITY", "lots")
+    with pytest.raises(Exception, match="capacity"):
+        Settings()
+
+
+# ---- a user's app ----------------------------------------------------------------------------------
+
+def _app(url: str, pool: str, **kw) -> tuple[FastAPI, GpuLimiter, dict]:
+    kw.setdefault("capacity", 4 * GiB)
+    kw.setdefault("configure", "set")
+    gpu = GpuLimiter(url, pool, **kw)
+    app = FastAPI(lifespan=gpu.lifespan)
+    seen: dict = {"inside": 0, "max_inside": 0, "tokens": []}
+    lock = threading.Lock()
+
+    def work(seconds: float, fail: str = "") -> dict:
+        lease = current_lease()
+        assert lease is not None and not lease.lost
+        seen["tokens"].append(lease.token)
+        with lock:
+            seen["inside"] += 1
+            seen["max_inside"] = max(seen["max_inside"], seen["inside"])
+        try:
+            if fail == "oom":
+                import torch
+
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+            if fail == "assert":
+                raise RuntimeError("CUDA error: device-side assert triggered")
+            time.sleep(seconds)
+            return {"ok": True, "seconds": seconds}
+        finally:
+            with lock:
+                seen["inside"] -= 1
+
+    @app.post("/run")
+    async def run(body: dict, call: GpuCall = Depends(gpu.guard("run", estimate=lambda seconds, fail="": GiB))):
+        if "gib" in body:
+            return await call(work, body.get("seconds", 0.0), body.get("fail", ""), amount=body["gib"] * GiB)
+        return await call(work, body.get("seconds", 0.0), body.get("fail", ""))
+
+    @app.post("/sync")
+    @gpu.endpoint("sync", estimate=lambda body: body.get("gib", 1) * GiB)
+    def sync_route(body: dict) -> dict:
+        return work(body.get("seconds", 0.0), body.get("fail", ""))
+
+    @app.get("/health")
+    async def health():
+        return {"ok": True}
+
+    return app, gpu, seen
+
+
+class _Running:
+    def __init__(self, app: FastAPI):
+        self.app = app
+
+    async def __aenter__(self) -> httpx.AsyncClient:
+        self._cm = self.app.router.lifespan_context(self.app)
+        await self._cm.__aenter__()
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://t", timeout=30)
+        return self.client
+
+    async def __aexit__(self, *exc):
+        await self.client.aclose()
+        await self._cm.__aexit__(*exc)
+
+
+async def _used(url: str, pool: str, *, settle_at: int | None = None) -> int:
+    """The pool's used bytes; with ``settle_at``, wait up to 2 s for that value (the release
+    is sent right after the response, so it can land a moment after the client got it)."""
+    p = AsyncPool.from_url(url, pool)
+    try:
+        deadline = time.monotonic() + 2
+        while True:
+            used = (await p.status()).used
+            if settle_at is None or used == settle_at or time.monotonic() > deadline:
+                return used
+            await asyncio.sleep(0.01)
+    finally:
+        await p.aclose()
+
+
+async def test_guarded_call_runs_under_a_lease_and_releases(redis_proc1):
+    app, gpu, seen = _app(redis_proc1.url, "it1")
+    async with _Running(app) as c:
+        r = await c.post("/sync", json={"seconds": 0.05})
+        assert r.status_code == 200 and r.json() == {"ok": True, "seconds": 0.05}
+        assert "gpulock-wait" in r.headers["server-timing"]
+        r = await c.post("/run", json={"seconds": 0.05})
+        assert r.status_code == 200
+        assert await _used(redis_proc1.url, "it1", settle_at=0) == 0
+        assert len(seen["tokens"]) == 2 and seen["tokens"][1] > seen["tokens"][0]
+
+
+async def test_capacity_never_exceeded_and_health_free(redis_proc1):
+    app, gpu, seen = _app(redis_proc1.url, "it2", executor_threads=8, acquire_timeout=20)
+    async with _Running(app) as c:
+        async def probe():
+            worst = 0.0
+            for _ in range(15):
+                t0 = time.monotonic()
+                assert (await c.get("/health")).status_code == 200
+                worst = max(worst, time.monotonic() - t0)
+                await asyncio.sleep(0.03)
+            return worst
+
+        rs = await asyncio.gather(*(c.post("/sync", json={"seconds": 0.1, "gib": 2}) for _ in range(10)), probe())
+        assert [r.status_code for r in rs[:-1]] == [200] * 10
+        assert seen["max_inside"] == 2  # 4 GiB / 2 GiB, although 8 threads were free
+        assert rs[-1] < 0.1
+
+
+async def test_errors_map_to_http(redis_proc1):
+    app, gpu, seen = _app(redis_proc1.url, "it3", acquire_timeout=0.5, inference_timeout=0.3, exit_on_fatal=False,
+                          park_timeout=0)
+    m = metrics()
+    async with _Running(app) as c:
+        r = await c.post("/sync", json={"gib": 5})
+        assert r.status_code == 413
+        assert "5.0GiB" in r.json()["detail"] and "4.0GiB" in r.json()["detail"]
+
+        # queue timeout: one request holds the whole pool, the next waits 0.5 s then gets 503
+        hold = asyncio.create_task(c.post("/sync", json={"seconds": 1.0, "gib": 4}))
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        r = await c.post("/sync", json={"gib": 4})
+        assert r.status_code == 503 and 0.4 < time.monotonic() - t0 < 1.5
+        assert int(r.headers["retry-after"]) >= 1 and r.headers["x-queue-position"] == "1"
+        assert (await hold).status_code == 504  # 1 s of work, 0.3 s inference timeout
+        # c05: the 504 did not free the lease; it goes when the thread returns
+        assert await _used(redis_proc1.url, "it3") == 4 * GiB
+        for _ in range(50):
+            if await _used(redis_proc1.url, "it3") == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert await _used(redis_proc1.url, "it3") == 0
+
+        before = m.oom.labels("sync")._value.get()
+        r = await c.post("/sync", json={"fail": "oom"})
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+        assert m.oom.labels("sync")._value.get() == before + 1
+
+        r = await c.post("/sync", json={"fail": "assert"})
+        assert r.status_code == 500 and "device-side assert" in r.json()["detail"]
+        assert gpu.fatal_error and not gpu.readiness()[0]
+        r = await c.post("/sync", json={})
+        assert r.status_code == 503 and "not ready" in r.json()["detail"]
+        assert await _used(redis_proc1.url, "it3", settle_at=0) == 0
+
+
+async def test_cancelled_requests_leak_nothing(redis_proc1):
+    app, gpu, seen = _app(redis_proc1.url, "it4", acquire_timeout=10, park_timeout=0)
+    async with _Running(app) as c:
+        hold = asyncio.create_task(c.post("/sync", json={"seconds": 0.6, "gib": 4}))
+        await asyncio.sleep(0.1)
+        waiters = [asyncio.create_task(c.post("/sync", json={"gib": 1})) for _ in range(20)]
+        await asyncio.sleep(0.2)
+        for w in waiters:  # clients going away while queued
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        await asyncio.sleep(0.1)
+        p = AsyncPool.from_url(redis_proc1.url, "it4")
+        try:
+            st = await p.status()
+            assert st.waiter_count == 0 and st.used == 4 * GiB
+            assert (await hold).status_code == 200
+            assert await _used(redis_proc1.url, "it4", settle_at=0) == 0
+        finally:
+            await p.aclose()
+        r = await c.post("/sync", json={"gib": 4})
+        assert r.status_code == 200
+
+
+async def test_request_id_makes_retries_idempotent(redis_proc1):
+    app, gpu, seen = _app(redis_proc1.url, "it5")
+    async with _Running(app) as c:
+        h = {"X-Request-ID": "my request / 1"}
+        a, b = await asyncio.gather(c.post("/sync", json={"seconds": 0.3}, headers=h),
+                                    c.post("/sync", json={"seconds": 0.3}, headers=h))
+        assert a.status_code == b.status_code == 200 and a.json() == b.json()
+        assert len(seen["tokens"]) == 1, "two requests with one id ran once"
+        assert a.headers["x-request-id"] == "my request / 1"
+        again = await c.post("/sync", json={"seconds": 0.3}, headers=h)
+        assert again.status_code == 200 and again.headers["x-idempotent-replay"] == "true"
+        assert len(seen["tokens"]) == 1
+        other = await c.post("/sync", json={"seconds": 0.2}, headers=h)
+        assert other.status_code == 409
+
+
+async def test_503_with_request_id_keeps_the_place(redis_proc1):
+    app, gpu, seen = _app(redis_proc1.url, "it6", acquire_timeout=0.3, park_timeout=10)
+    async with _Running(app) as c:
+        hold = asyncio.create_task(c.post("/sync", json={"seconds": 0.8, "gib": 4}))
+        await asyncio.sleep(0.1)
+        h = {"X-Request-ID": "parked"}
+        r = await c.post("/sync", json={"seconds": 0.0, "gib": 4}, headers=h)
+        assert r.status_code == 503 and r.headers["x-queue-position"] == "1"
+        assert "keeps its place" in r.json()["detail"]
+        late = await c.post("/sync", json={"seconds": 0.0, "gib": 4})  # behind the parked one
+        assert late.status_code == 503 and late.headers["x-queue-position"] == "2"
+        assert (await hold).status_code == 200
+        await asyncio.sleep(0.3)  # the parked request ran when its turn came
+        r = await c.post("/sync", json={"seconds": 0.0, "gib": 4}, headers=h)
+        assert r.status_code == 200 and r.headers["x-idempotent-replay"] == "true"
+
+
+async def test_retry_after_follows_the_grant_rate(redis_proc1):
+    gpu = GpuLimiter(redis_proc1.url, "it7", ttl=30, max_retry_after=60)
+    assert gpu.retry_after(3) == 30  # no history: a renewal period (ttl/3) per place
+    assert gpu.retry_after(3, server_hint=4.2) == 5
+    gpu._grant_rate = 4.0
+    assert [gpu.retry_after(p) for p in (1, 4, 5, 40, 1000)] == [1, 1, 2, 10, 60]
+    gpu._local_rate = 1.0  # this worker drains its own thread queue at 1/s
+    assert gpu.retry_after(4, local=3) == 4  # 4/4 + 3/1
+    gpu._grant_rate = 0.0
+    gpu._hold_ewma = 2.0
+    from gpulock import PoolStatus
+
+    gpu.status = PoolStatus("it7", 10, 4, 0, 0, 10, 4, 0, 0, 0, 0)
+    assert gpu.grant_rate() == 2.0  # Little's law: 4 leases / 2 s
+    assert gpu.retry_after(6) == 3
+
+
+async def test_calibrated_estimates_are_shared(redis_proc1):
+    app, gpu, seen = _app(redis_proc1.url, "it8")
+    formula = BertEstimator()
+    async with _Running(app):
+        assert gpu.estimate("embeddings", 20, 30, formula) == formula(20, 30)
+        assert gpu.estimates_key == "gpulock:{it8}:estimates"
+        await gpu.redis.hset(gpu.estimates_key, "embeddings|b32|s32", 12345678)
+        await gpu.refresh_estimates()
+        assert gpu.estimate("embeddings", 20, 30, formula) == 12345678  # bucket (32, 32)
+        assert gpu.estimate("embeddings", 40, 30, formula) == formula(40, 30)
+        with pytest.raises(RuntimeError, match="CUDA"):
+            await gpu.calibrate("embeddings", lambda b, s: None, [(1, 8)], "cpu", formula)
+
+
+async def test_metrics_read_the_pool_from_redis(redis_proc1):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    app, gpu, seen = _app(redis_proc1.url, "it9")
+
+    @app.get("/metrics")
+    async def m():
+        return await gpu.metrics_response()
+
+    async with _Running(app) as c:
+        hold = asyncio.create_task(c.post("/sync", json={"seconds": 0.5, "gib": 3}))
+        await asyncio.sleep(0.2)
+        text = (await c.get("/metrics")).text
+        vals = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.labels.get("pool") == "it9"}
+        assert vals["gpulock_pool_capacity_bytes"] == 4 * GiB
+        assert vals["gpulock_pool_used_bytes"] == 3 * GiB
+        assert vals["gpulock_pool_leases"] == 1 and vals["gpulock_pool_up"] == 1
+        assert (await hold).status_code == 200
+        assert "gpulock_requests_total" in text and "gpulock_acquire_wait_seconds_bucket" in text
+
+
+async def test_not_ready_until_conditions_hold(redis_proc1):
+    app, gpu, seen = _app(redis_proc1.url, "it10")
+    async with _Running(app) as c:
+        gpu.set_condition("model", False, "loading")
+        r = await c.post("/sync", json={})
+        assert r.status_code == 503 and "loading" in r.json()["detail"] and r.headers["retry-after"] == "1"
+        ready, checks = gpu.readiness()
+        assert not ready and checks["model"] == {"ok": False, "message": "loading"}
+        gpu.set_condition("model", True)
+        assert gpu.readiness()[0]
+        assert (await c.post("/sync", json={})).status_code == 200
+
+
+async def test_resident_lease_waits_without_blocking_requests(redis_proc1):
+    app, gpu, seen = _app(redis_proc1.url, "it11", capacity=10 * GiB)
+    other = AsyncPool.from_url(redis_proc1.url, "it11")
+    async with _Running(app) as c:
+        residents = [await other.acquire(3 * GiB, holder={"purpose": "resident:model"}) for _ in range(3)]
+        task = asyncio.create_task(gpu.acquire_resident(3 * GiB))
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        ready, checks = gpu.readiness()
+        assert not ready and "shortfall 2.0GiB" in checks["resident_lease"]["message"]
+        st = await other.status()
+        assert st.waiter_count == 0, "a resident request that cannot fit must not sit in the queue"
+        gpu.set_condition("model", True)
+        gpu.resident_wanted = 0  # let requests through for this check
+        r = await c.post("/sync", json={"gib": 1})
+        assert r.status_code == 200
+        gpu.resident_wanted = 3 * GiB
+        await residents[0].release()
+        lease = await asyncio.wait_for(task, 5)
+        assert lease.amount == 3 * GiB and gpu.readiness()[0]
+        for lz in residents[1:]:
+            await lz.release()
+    await other.aclose()
