@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any, NoReturn, Optional
 
+import click
 import typer
 
 from . import __version__
@@ -208,6 +209,9 @@ def _main(
       1   any other error
     """
     ctx.obj = {"redis_url": redis_url, "broker_url": broker_url}
+    if ctx.get_parameter_source("redis_url") == click.core.ParameterSource.COMMANDLINE:
+        # `gpulock --redis-url URL serve|broker ...`: the subcommands read GPULOCK_REDIS_URL.
+        os.environ["GPULOCK_REDIS_URL"] = redis_url
 
 
 # ---- pool set --------------------------------------------------------------------------------

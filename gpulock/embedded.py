@@ -54,6 +54,17 @@ def find_server_binary(prefer: str = "any") -> str:
     )
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux for SIGTERM when the parent dies."""
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux/glibc: the parent's own cleanup stops the server
+
+
 class RedisProcess:
     """One ``redis-server``/``valkey-server`` child process on ``host:port``, with no
     persistence (``--save "" --appendonly no``), as deployments of gpulock usually run.
@@ -63,11 +74,14 @@ class RedisProcess:
     """
 
     def __init__(self, binary: str | None = None, port: int | None = None, host: str = "127.0.0.1",
-                 extra_args: list[str] | None = None):
+                 extra_args: list[str] | None = None, die_with_parent: bool = False):
         self.binary = binary or find_server_binary()
         self.host = host
         self.port = port or free_port(host)
         self.extra_args = list(extra_args or [])
+        # Linux: the server gets SIGTERM when the thread that started it dies, even by kill -9
+        # (PR_SET_PDEATHSIG), so an embedded server never outlives `gpulock serve`.
+        self.die_with_parent = die_with_parent
         self.dir = tempfile.mkdtemp(prefix="gpulock-redis-")
         self.proc: subprocess.Popen | None = None
 
@@ -86,7 +100,8 @@ class RedisProcess:
                 "--protected-mode", "no", "--loglevel", "warning",
                 "--logfile", os.path.join(self.dir, "server.log"), *self.extra_args]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+                                     stderr=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_die_with_parent if self.die_with_parent else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -79,7 +79,7 @@ def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host
                 binary = find_server_binary("embedded")
             except FileNotFoundError:
                 binary = find_server_binary("any")
-            redis_proc = RedisProcess(binary, host="127.0.0.1").start()
+            redis_proc = RedisProcess(binary, host="127.0.0.1", die_with_parent=True).start()
             redis_url = redis_proc.url
             _say(f"Redis: embedded {os.path.basename(binary)} at {redis_url} (loopback only, no persistence; "
                  f"stopped with the service). Give --redis-url to share a pool between hosts.")
