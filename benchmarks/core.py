@@ -144,10 +144,11 @@ def split_commandstats(stats: dict[str, dict], inner: set[str] | None = None
 
 # ---- 1 + 2: ceiling and uncontended pairs -------------------------------------------------------
 
-def _acquire_argv(pool: str, ttl: float = 30.0, waiter_ttl: float = 5.0, mode: str = "wait") -> list[str]:
+def _acquire_argv(pool: str, ttl: float = 30.0, waiter_ttl: float = 5.0, mode: str = "wait",
+                  channel: str = "bench") -> list[str]:
     req = AcquireRequest.build(pool, 1, ttl=ttl, timeout=None, holder=None, request_id=None,
                                waiter_ttl=waiter_ttl, default_ttl=ttl)
-    return req.argv(mode)
+    return req.argv(mode, channel)  # channel: where a later hand-off grant would be published
 
 
 def _load_dummy_scripts(c: redis.Redis) -> tuple[str, str, str]:

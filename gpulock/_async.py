@@ -11,9 +11,12 @@ from redis.exceptions import NoScriptError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
 from ._protocol import (
+    DEFAULT_MAX_TTL_S,
     DEFAULT_MAX_WAITERS,
     DEFAULT_POLL_INTERVAL_S,
     DEFAULT_TTL_S,
+    MAX_TTL_S,
+    MIN_TTL_S,
     DEFAULT_WAITER_TTL_S,
     RETRYABLE,
     AcquireRequest,
@@ -34,7 +37,7 @@ from ._protocol import (
 from ._runtime import Runtime, Waiter
 from ._scripts import scripts
 from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost
-from .units import parse_size
+from .units import parse_seconds, parse_size
 
 DEFAULT_BACKEND_TIMEOUT_S = 5.0
 _CLIENT_DEFAULTS = {"socket_timeout": 5.0, "socket_connect_timeout": 2.0, "health_check_interval": 10}
@@ -112,6 +115,16 @@ class AsyncPool:
         waiter_ttl: seconds a queued request survives without a refresh (5 s).
         poll_interval: seconds between waiter refreshes, which double as the backstop poll.
         backend_timeout: seconds of retrying idempotent calls before BackendUnavailable.
+        max_ttl: the longest ttl a lease may have in a pool this object creates (seconds;
+            default the larger of 60 s and ``default_ttl``). It is also the length of the grace
+            period after Redis lost the pool: nothing new is granted for one max_ttl while
+            holders put their leases back (see docs/RELIABILITY.md).
+        sync_replicas: with Redis replicas, return a grant (and count a renewal) only once this
+            many replicas acknowledged it (``WAIT``), so that a failover to a replica cannot
+            give the same bytes to someone else. 0 (the default): off. Costs one round trip
+            plus the replication delay per grant (see docs/RELIABILITY.md).
+        sync_timeout: seconds ``WAIT`` waits for the replicas; a grant not acknowledged by
+            then is given back and the acquire raises BackendUnavailable.
         clock: a monotonic clock (seconds); tests inject one.
     """
 
@@ -119,6 +132,8 @@ class AsyncPool:
                  default_ttl: float = DEFAULT_TTL_S, waiter_ttl: float = DEFAULT_WAITER_TTL_S,
                  poll_interval: float = DEFAULT_POLL_INTERVAL_S, max_waiters: int = DEFAULT_MAX_WAITERS,
                  backend_timeout: float = DEFAULT_BACKEND_TIMEOUT_S,
+                 max_ttl: float | None = None,
+                 sync_replicas: int = 0, sync_timeout: float = 1.0,
                  clock: Callable[[], float] = default_clock, _owns_client: bool = False):
         self.name = validate_pool_name(name)
         self.redis = redis
@@ -127,9 +142,23 @@ class AsyncPool:
         self.waiter_ttl = waiter_ttl
         self.max_waiters = max_waiters
         self.backend_timeout = backend_timeout
+        dttl = parse_seconds(default_ttl, name="default_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+        self.max_ttl = parse_seconds(max(DEFAULT_MAX_TTL_S, dttl) if max_ttl is None else max_ttl,
+                                     name="max_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+        if dttl > self.max_ttl:
+            from .errors import InvalidArgument
+
+            raise InvalidArgument(f"default_ttl {default_ttl!r} is longer than max_ttl {self.max_ttl!r}")
+        if not isinstance(sync_replicas, int) or isinstance(sync_replicas, bool) or not 0 <= sync_replicas <= 16:
+            from .errors import InvalidArgument
+
+            raise InvalidArgument(f"sync_replicas must be an integer in [0, 16], got {sync_replicas!r}")
+        self.sync_replicas = sync_replicas
+        self.sync_timeout = parse_seconds(sync_timeout, name="sync_timeout", minimum=0.001, maximum=60.0)
         self.clock = clock
         self._keys = pool_keys(self.name)
         self._runtime = Runtime(redis, self.name, self._keys, clock, poll_interval)
+        self._settings_to_runtime()
         self._owns_client = _owns_client
 
     @classmethod
@@ -170,17 +199,33 @@ class AsyncPool:
             raise translate(e, self.name) from e
 
     async def configure(self, capacity: int | str | None = None, *, max_waiters: int | None = None,
-                        create_only: bool = False) -> dict[str, int]:
-        """Create the pool or set its capacity (bytes or "8GiB") and queue bound.
-        Returns ``{"created", "capacity", "epoch", "used", "max_waiters"}``.
+                        max_ttl: float | None = None, create_only: bool = False,
+                        _grace: bool = False) -> dict[str, int]:
+        """Create the pool or set its capacity (bytes or "8GiB"), queue bound and max_ttl
+        (seconds; the longest ttl a lease may have, and the length of a grace period).
+        Returns ``{"created", "capacity", "epoch", "used", "max_waiters"}`` (``status()`` shows
+        ``max_ttl`` and ``grace_left``).
 
         Raises: InvalidArgument (bad capacity), BackendUnavailable."""
         cap = parse_size(capacity if capacity is not None else self.capacity, name="capacity")
         mw = self.max_waiters if max_waiters is None else max_waiters
-        r = await self._eval("configure", [str(cap), str(mw), "create" if create_only else "set"])
+        mt = self.max_ttl if max_ttl is None else parse_seconds(max_ttl, name="max_ttl", minimum=MIN_TTL_S,
+                                                               maximum=MAX_TTL_S)
+        r = await self._eval("configure", [str(cap), str(mw), "create" if create_only else "set",
+                                           str(ttl_ms(mt)), "1" if _grace else "0"])
         if not create_only:
             self.capacity = cap
-        return dict(zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r)))
+            self.max_ttl = mt
+            self._settings_to_runtime()
+        out = dict(zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r)))
+        self._runtime.seen(out["epoch"], out["capacity"])
+        return out
+
+    def _settings_to_runtime(self) -> None:
+        """What the heartbeat needs to create the pool again after Redis lost it."""
+        rt = self._runtime
+        rt.capacity, rt.max_waiters, rt.max_ttl_ms = self.capacity, self.max_waiters, ttl_ms(self.max_ttl)
+        rt.sync_replicas, rt.sync_timeout_ms = self.sync_replicas, max(1, int(self.sync_timeout * 1000))
 
     async def status(self, *, limit: int = 1000) -> PoolStatus:
         """A snapshot: capacity, used, leases and waiters (at most ``limit`` of each listed).
@@ -191,6 +236,7 @@ class AsyncPool:
         st = decode_status(self.name, await self._eval("status", [str(limit)]))
         if st is None:
             raise PoolNotFound(self.name)
+        self._runtime.seen(st.epoch, st.capacity)
         return st
 
     async def reap(self) -> int:
@@ -248,7 +294,10 @@ class AsyncPool:
                 raise
             if isinstance(res, Grant):
                 needs_cancel = False
-                return self._make_lease(res, req, validity_deadline(sent, res.now_ms, res.expires_ms))
+                lease = self._make_lease(res, req, validity_deadline(sent, res.now_ms, res.expires_ms))
+                if self.sync_replicas:
+                    await self._sync_grant(lease)
+                return lease
             if not res.queued:
                 needs_cancel = False
                 raise AcquireTimeout(
@@ -282,6 +331,8 @@ class AsyncPool:
                 raise translate(e, self.name) from e
             lease = self._make_lease(grant, req, rt.deadline_for(grant))
             needs_cancel = False
+            if self.sync_replicas:
+                await self._sync_grant(lease)
             return lease
         finally:
             if joined is not None:
@@ -295,6 +346,33 @@ class AsyncPool:
                 except BaseException:
                     pass
 
+    async def _sync_grant(self, lease: AsyncLease) -> None:
+        """``sync_replicas``: return a grant only once that many replicas have it, so that a
+        failover to one of them cannot hand the same bytes to someone else (the lost tail of
+        asynchronous replication). A renewal, an INCR and ``WAIT`` on one connection; the
+        lease's validity then counts from that renewal. If the replicas do not acknowledge in
+        ``sync_timeout``, the grant is given back and BackendUnavailable raised."""
+        s = lease._state
+        sent = self.clock()
+        r, acked, err = None, -1, None
+        try:
+            r, acked = await self._runtime.renew_synced([1, s.lease_id, s.token, ttl_ms(s.ttl_s), 0])
+        except BaseException as e:  # noqa: BLE001 - also on cancellation: give the grant back
+            err = e
+        if err is None and int(r[2][0]) > 0 and acked >= self.sync_replicas:
+            s.renewed(sent, int(r[0]), int(r[2][0]))
+            return
+        try:
+            await asyncio.shield(self._runtime.spawn(lease.release()))
+        except BaseException:  # noqa: BLE001 - lost or unreachable: it expires after its ttl
+            pass
+        if isinstance(err, asyncio.CancelledError):
+            raise err
+        raise BackendUnavailable(
+            f"pool {self.name!r}: the grant was not acknowledged by {self.sync_replicas} replica(s) within "
+            f"{self.sync_timeout}s (acknowledged by {max(acked, 0)}{'; ' + str(err) if err else ''}); it was "
+            f"given back, since a failover could lose it") from err
+
     async def _acquire_call(self, req: AcquireRequest, argv: list[str]):
         sent = self.clock()
         try:
@@ -303,13 +381,15 @@ class AsyncPool:
             from .errors import PoolNotFound
 
             if isinstance(e, PoolNotFound) and self.capacity is not None:
-                await self.configure(self.capacity, create_only=True)
+                # A pool object that saw the pool before knows Redis lost it: grace period.
+                await self.configure(self.capacity, create_only=True, _grace=bool(self._runtime.known_epoch))
                 sent = self.clock()
                 r = await self._eval("acquire", argv)
             else:
                 raise
         res = decode_acquire(req.ticket, r)
         self._runtime.observe(sent, res.now_ms)
+        self._runtime.seen(res.epoch, res.capacity)
         return res, sent
 
     async def _cancel(self, ticket: str) -> None:
@@ -319,7 +399,7 @@ class AsyncPool:
             pass  # unreachable Redis: the waiter expires after waiter_ttl, a grant after ttl
 
     def _make_lease(self, grant: Grant, req: AcquireRequest, valid_until: float) -> AsyncLease:
-        state, new = self._runtime.state_for(grant, req.ttl_s, valid_until)
+        state, new = self._runtime.state_for(grant, req.ttl_s, valid_until, req.meta)
         if new:
             self._runtime.track(state)
         return AsyncLease(state, self)
@@ -389,7 +469,11 @@ class AsyncPool:
         :meth:`enqueue_remote`. Returns the grant (and stops tracking the request here), or
         None when the timeout passes or the request is not queued here; the place is kept.
 
-        Raises: BackendUnavailable (re-queueing a request the server had dropped failed)."""
+        Raises: InvalidArgument, BackendUnavailable (re-queueing a request the server had
+        dropped failed)."""
+        from ._protocol import validate_request_id
+
+        request_id = validate_request_id(request_id)
         rt = self._runtime
         w = rt.waiters.get(request_id)
         if w is None:
@@ -411,8 +495,9 @@ class AsyncPool:
         Raises: InvalidArgument, BackendUnavailable."""
         from ._protocol import validate_request_id
 
+        request_id = validate_request_id(request_id)
         self._runtime.remove_waiter(request_id)
-        r = await self._eval("cancel", [validate_request_id(request_id)])
+        r = await self._eval("cancel", [request_id])
         return int(r[0])
 
     async def renew_remote(self, lease_id: str, token: int, ttl: float) -> tuple[int, int]:
@@ -425,7 +510,9 @@ class AsyncPool:
         from .units import parse_seconds
 
         ttl_s = parse_seconds(ttl, name="ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
-        r = await self._eval("renew", ["1", lease_id, str(int(token)), str(ttl_ms(ttl_s)), "0"])
+        from ._protocol import validate_token
+
+        r = await self._eval("renew", ["1", lease_id, str(validate_token(token)), str(ttl_ms(ttl_s)), "0"])
         expires_ms = int(r[2][0])
         if expires_ms <= 0:
             raise LeaseLost(lease_id, "the pool's configuration is gone (Redis restarted without its data?)"
@@ -438,7 +525,9 @@ class AsyncPool:
         connection error counts as released, as in :meth:`AsyncLease.release`.
 
         Raises: InvalidArgument, BackendUnavailable."""
-        args = [lease_id, str(int(token))]
+        from ._protocol import validate_token
+
+        args = [lease_id, str(validate_token(token))]
         try:
             r = await self._eval_once("release", args)
         except RETRYABLE:

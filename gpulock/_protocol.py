@@ -46,6 +46,10 @@ DEFAULT_WAITER_TTL_S = 5.0
 # Waiters refresh their expiry (and re-poll as a backstop for a lost pub/sub message) this often.
 DEFAULT_POLL_INTERVAL_S = 1.0
 DEFAULT_MAX_WAITERS = 10_000
+# The longest ttl a lease may have in a pool this library creates (``max_ttl``), unless the
+# pool object is given another: also the length of the grace period after Redis lost a pool
+# (DESIGN §5), during which nothing new is granted. Twice the default ttl.
+DEFAULT_MAX_TTL_S = 60.0
 
 # Chubby's rule (Burrows 2006, §2.8): the client's view of a lease must end before the
 # server's. We count from when the successful call was *sent* (so its flight time is on our
@@ -71,6 +75,16 @@ def validate_request_id(rid: object) -> str:
             f"request_id must be 1-128 characters of [A-Za-z0-9._:-], got {rid!r}"
         )
     return rid
+
+
+def validate_token(token: object) -> int:
+    """A fencing token from outside (a remote holder's): a non-negative integer, or its
+    decimal digits."""
+    if isinstance(token, str) and token.isascii() and token.isdigit() and len(token) <= 16:
+        token = int(token)
+    if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token <= 2**53 - 1:
+        raise InvalidArgument(f"token must be a non-negative integer, got {token!r:.80}")
+    return token
 
 
 def pool_keys(pool: str) -> list[str]:
@@ -258,6 +272,9 @@ class PoolStatus:
     reaped_waiters: int
     leases: list[LeaseInfo] = field(default_factory=list)
     waiters: list[WaiterInfo] = field(default_factory=list)
+    grace_left: float = 0.0  # seconds of grace period left (no new grants until then)
+    max_ttl: float = 0.0  # seconds: the longest ttl a lease may have (0: unbounded)
+    reasserted: int = 0  # leases put back by their holders after Redis lost the pool
 
     @property
     def free(self) -> int:
@@ -282,7 +299,9 @@ def decode_status(pool: str, r: list) -> PoolStatus | None:
         WaiterInfo(i + 1, _s(x[0]), int(x[1]), (now - int(x[2])) / 1000, (int(x[3]) - now) / 1000, decode_meta(x[4]))
         for i, x in enumerate(r[13])
     ]
-    return PoolStatus(pool, *(int(v) for v in r[2:12]), leases=leases, waiters=waiters)
+    extra = [int(v) for v in r[14:17]] + [0, 0, 0]
+    return PoolStatus(pool, *(int(v) for v in r[2:12]), leases=leases, waiters=waiters,
+                      grace_left=extra[0] / 1000, max_ttl=extra[1] / 1000, reasserted=extra[2])
 
 
 def translate(exc: BaseException, pool: str) -> BaseException:
@@ -326,6 +345,16 @@ def translate(exc: BaseException, pool: str) -> BaseException:
     return exc
 
 
+# Why reassert.lua refused to put a lease back (its negative result codes).
+REASSERT_REFUSED = {
+    -1: "Redis lost the pool more than one max_ttl ago; the lease cannot be put back",
+    -2: "Redis lost the pool, and the lease does not fit next to the leases put back or granted since",
+    -3: "Redis lost the pool, and the lease's token is not older than the pool made again",
+    -4: "Redis lost the pool, and the lease's ttl is longer than the new pool's max_ttl",
+    -5: "Redis lost the pool, and its lease id or request id is taken by another lease",
+}
+
+
 # Errors worth retrying for idempotent operations: the request may or may not have run.
 RETRYABLE = (rex.ConnectionError, rex.TimeoutError, ConnectionError, OSError)
 
@@ -342,7 +371,7 @@ class LeaseState:
 
     __slots__ = ("pool", "lease_id", "ticket", "amount", "token", "ttl_s", "expires_ms", "valid_until",
                  "epoch", "lost_reason", "released", "next_renew", "_callbacks", "_lock", "_clock",
-                 "__weakref__")
+                 "meta", "__weakref__")
 
     def __init__(self, pool: str, grant: Grant, ttl_s: float, valid_until: float, clock: Callable[[], float]):
         self.pool = pool
@@ -354,6 +383,7 @@ class LeaseState:
         self.expires_ms = grant.expires_ms
         self.valid_until = valid_until
         self.epoch = grant.epoch
+        self.meta = ""  # holder metadata as sent to acquire (kept to re-assert the lease)
         self.lost_reason: str | None = None
         self.released = False
         self._clock = clock

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ._protocol import (
+    DEFAULT_MAX_WAITERS,
     DEFAULT_POLL_INTERVAL_S,
+    REASSERT_REFUSED,
     RETRYABLE,
     Grant,
     LeaseState,
@@ -80,6 +82,21 @@ class Runtime:
         self._states: weakref.WeakValueDictionary[str, LeaseState] = weakref.WeakValueDictionary()
         self._states_lock = threading.Lock()  # the sync shell makes leases on caller threads
         self._unclaimed: OrderedDict[str, Grant] = OrderedDict()  # grants that beat their waiter
+        # What this pool object knows of its pool, to create it again and put its leases back
+        # when Redis lost it (the grace period of DESIGN §5). The pool object sets the first
+        # three; the others come from replies.
+        self.capacity: int | None = None  # the pool object's capacity= (None: not given)
+        self.max_waiters = DEFAULT_MAX_WAITERS
+        self.max_ttl_ms = 0
+        self.capacity_seen = 0  # the pool's capacity as last seen in a reply
+        self.known_epoch = 0  # the pool's epoch as last seen in a reply (0: never seen)
+        self._jeopardy = False  # a renewal failed and none has succeeded since
+        # sync_replicas (the pool object's option): a renewal counts for the lease's validity
+        # only once that many replicas acknowledged it (WAIT), so a failover to one of them
+        # cannot lose what the holder relies on. 0: off.
+        self.sync_replicas = 0
+        self.sync_timeout_ms = 1000
+        self.sync_key = keys[0].rsplit(":", 1)[0] + ":sync"  # a counter INCRed before each WAIT
 
     # ---- clock -------------------------------------------------------------------------
     def observe(self, sent: float, now_ms: int) -> None:
@@ -89,6 +106,13 @@ class Runtime:
     def deadline_for(self, grant: Grant) -> float:
         sent, server_now = self.anchor if self.anchor else (self.clock(), grant.now_ms)
         return validity_deadline(sent, server_now, grant.expires_ms)
+
+    def seen(self, epoch: int, capacity: int = 0) -> None:
+        """Record the pool's epoch and capacity from a reply."""
+        if epoch:
+            self.known_epoch = epoch
+        if capacity:
+            self.capacity_seen = capacity
 
     def set_reap_timer(self, received: float, next_expiry_in_ms: int) -> None:
         """Schedule a reap at the nearest lease expiry (local time, biased late by using the
@@ -215,7 +239,7 @@ class Runtime:
         return ticket in self.waiters or any(
             s.ticket == ticket and not s.released and s.lost_reason is None for s in list(self.leases.values()))
 
-    def state_for(self, grant: Grant, ttl_s: float, valid_until: float) -> tuple[LeaseState, bool]:
+    def state_for(self, grant: Grant, ttl_s: float, valid_until: float, meta: str = "") -> tuple[LeaseState, bool]:
         """The local state of a granted lease: the existing one when this process already
         holds that lease (the same request id acquired again returns the same grant), so that
         both lease objects share one validity clock and one release. Returns (state, new)."""
@@ -224,6 +248,9 @@ class Runtime:
             if s is not None and s.token == grant.token and not s.released and s.lost_reason is None:
                 return s, False
             s = LeaseState(self.pool, grant, ttl_s, valid_until, self.clock)
+            s.meta = meta
+            if not s.epoch:
+                s.epoch = self.known_epoch
             self._states[grant.lease_id] = s
             return s, True
 
@@ -337,15 +364,29 @@ class Runtime:
                 raise
             except RETRYABLE as e:
                 log.warning("gpulock: heartbeat for pool %s failed (%s); retrying in %.2fs", self.pool, e, backoff)
+                self._enter_jeopardy(e)
                 retry = self.clock() + backoff
                 for s in self.leases.values():
                     s.next_renew = min(max(s.next_renew, retry), s.valid_until)
                 self.next_poll = max(self.next_poll, retry)
                 backoff = min(backoff * 2, 1.0)
-            except Exception:
+            except Exception as e:
                 log.exception("gpulock: heartbeat for pool %s failed", self.pool)
+                self._enter_jeopardy(e)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
+
+    def _enter_jeopardy(self, err: BaseException) -> None:
+        """A renewal failed: the leases are in jeopardy (Chubby's term). Each is lost at its
+        own local deadline unless a renewal gets through first; say so once."""
+        live = [s for s in self.leases.values() if not s.released and s.lost_reason is None]
+        if self._jeopardy or not live:
+            return
+        self._jeopardy = True
+        first = min(s.valid_until for s in live) - self.clock()
+        log.warning("gpulock: pool %s: %d lease(s) in jeopardy: renewal failed (%s); each is lost at "
+                    "its local deadline (the first in %.2fs) unless a renewal gets through before",
+                    self.pool, len(live), err, max(0.0, first))
 
     async def _eval(self, name: str, args: list) -> Any:
         from redis.exceptions import NoScriptError
@@ -356,6 +397,32 @@ class Runtime:
         except NoScriptError:
             await self.redis.script_load(sc.source)
             return await self.redis.evalsha(sc.sha, len(self.keys), *self.keys, *args)
+
+    async def renew_synced(self, args: list) -> tuple[Any, int]:
+        """Run ``renew`` and then, on the same connection, an INCR of the pool's sync counter
+        and ``WAIT sync_replicas sync_timeout_ms``: returns (renew reply, replicas that
+        acknowledged everything this connection wrote, the renewal included). The INCR is
+        there because WAIT waits for the connection's last write that was replicated, and a
+        renewal that changes no expiry (same millisecond) replicates nothing; the INCR is
+        later in the replication stream than the grant and the renewal, so its
+        acknowledgement covers both."""
+        from redis.exceptions import NoScriptError
+
+        sc = scripts()["renew"]
+        for attempt in range(2):
+            async with self.redis.pipeline(transaction=False) as p:
+                p.evalsha(sc.sha, len(self.keys), *self.keys, *args)
+                p.incr(self.sync_key)
+                p.execute_command("WAIT", self.sync_replicas, self.sync_timeout_ms)
+                res = await p.execute(raise_on_error=False)
+            if isinstance(res[0], NoScriptError) and attempt == 0:
+                await self.redis.script_load(sc.source)
+                continue
+            for x in res:
+                if isinstance(x, Exception):
+                    raise x
+            return res[0], int(res[2])
+        raise AssertionError("unreachable")
 
     async def _reap(self) -> None:
         r = await self._eval("reap", [])
@@ -374,20 +441,41 @@ class Runtime:
             args += [w.ticket, w.waiter_ttl_ms]
         sent = self.clock()
         self.next_poll = sent + self.poll_interval
-        r = await self._eval("renew", args)
+        acked = None
+        if self.sync_replicas and leases:
+            r, acked = await self.renew_synced(args)
+        else:
+            r = await self._eval("renew", args)
         now_ms, epoch = int(r[0]), int(r[1])
         self.observe(sent, now_ms)
+        # The pool is gone (epoch 0) or was made again (another epoch): Redis lost its data.
+        pool_lost = epoch == 0 or (self.known_epoch != 0 and epoch != self.known_epoch)
+        orphans = []
         for s, exp in zip(leases, r[2]):
             exp = int(exp)
             if s.released:
                 continue
             if exp > 0:
-                s.renewed(sent, now_ms, exp)
+                if acked is None or acked >= self.sync_replicas:
+                    s.renewed(sent, now_ms, exp)
+                # else: not on enough replicas yet; the validity stays where the last
+                # acknowledged renewal put it (the ticker tries again at once; WAIT paces it).
+            elif pool_lost:
+                orphans.append(s)
             else:
-                reason = ("the pool's configuration is gone (Redis restarted without its data?)"
-                          if epoch == 0 else "the server no longer has it (expired and reaped)")
-                s.mark_lost(reason)
+                s.mark_lost("the server no longer has it (expired and reaped)")
                 self.leases.pop(s.lease_id, None)
+        if acked is not None and acked < self.sync_replicas:
+            self._enter_jeopardy(RuntimeError(f"renewal acknowledged by {acked} of {self.sync_replicas} "
+                                              f"replica(s) within {self.sync_timeout_ms} ms"))
+        elif self._jeopardy:
+            self._jeopardy = False
+            log.warning("gpulock: pool %s: renewals get through again; the leases still held are out "
+                        "of jeopardy", self.pool)
+        if pool_lost and (orphans or waiters):
+            epoch = await self._recover(orphans, epoch)
+        elif epoch:
+            self.known_epoch = epoch
         for w, res in zip(waiters, r[3]):
             kind = res[0].decode() if isinstance(res[0], bytes) else res[0]
             if kind == "g":
@@ -407,13 +495,70 @@ class Runtime:
                 # enqueue again with the same ticket (idempotent); we lose our old place.
                 self.spawn(self._requeue(w))
 
+    async def _recover(self, orphans: list[LeaseState], epoch: int) -> int:
+        """Redis lost the pool (a restart without its data, or the keys were deleted) while
+        this process holds ``orphans`` or waits. Create the pool again if it is gone — with a
+        grace period, since we know it existed — then put our leases back with their old ids,
+        amounts and tokens (``reassert.lua``). A lease that cannot be put back is lost.
+        Returns the pool's new epoch (0 when it could not be created)."""
+        if epoch == 0:
+            cap = self.capacity or self.capacity_seen
+            if not cap:
+                for s in orphans:
+                    s.mark_lost("the pool's configuration is gone (Redis restarted without its data?) "
+                                "and this pool object does not know its capacity to create it again")
+                    self.leases.pop(s.lease_id, None)
+                return 0
+            r = await self._eval("configure", [str(cap), str(self.max_waiters), "create",
+                                               str(self.max_ttl_ms), "1"])
+            epoch = int(r[2])
+            if int(r[0]):
+                log.warning("gpulock: pool %s was gone from Redis (restarted without its data?): created it "
+                            "again (capacity %d bytes) with a grace period of %.1fs for holders to put "
+                            "their leases back; nothing new is granted until it ends",
+                            self.pool, int(r[1]), int(r[6]) / 1000 if len(r) > 6 else 0.0)
+        self.known_epoch = epoch
+        live = [s for s in orphans if not s.released and s.lost_reason is None]
+        if not live:
+            return epoch
+        args: list[Any] = [len(live)]
+        for s in live:
+            args += [s.lease_id, s.token, s.amount, ttl_ms(s.ttl_s), s.ticket, s.meta]
+        sent = self.clock()
+        r = await self._eval("reassert", args)
+        now_ms = int(r[0])
+        self.observe(sent, now_ms)
+        for s, res in zip(live, r[3]):
+            res = int(res)
+            if s.released or s.lost_reason is not None:
+                continue
+            if res > 0:
+                s.renewed(sent, now_ms, res)
+                s.epoch = epoch
+                log.warning("gpulock: lease %s… on pool %s (token %d, %d bytes) put back after Redis lost "
+                            "the pool", s.lease_id[:8], self.pool, s.token, s.amount)
+            else:
+                s.mark_lost(REASSERT_REFUSED.get(res, f"Redis lost the pool and refused to take the lease back ({res})"))
+                self.leases.pop(s.lease_id, None)
+        return epoch
+
     async def _requeue(self, w: Waiter) -> None:
         from ._protocol import decode_acquire
 
+        from redis.exceptions import ResponseError
+
         try:
             sent = self.clock()
-            r = await self._eval("acquire", w.argv)
+            try:
+                r = await self._eval("acquire", w.argv)
+            except ResponseError as e:
+                if not str(e).startswith("GPULOCK_NOPOOL") or not (self.capacity or self.capacity_seen):
+                    raise
+                await self._recover([], 0)  # the pool is gone: make it again (with a grace period)
+                sent = self.clock()
+                r = await self._eval("acquire", w.argv)
             res = decode_acquire(w.ticket, r)
+            self.seen(res.epoch, res.capacity)
             self.observe(sent, res.now_ms)
             if self.waiters.get(w.ticket) is not w and not self.ticket_in_use(w.ticket):
                 # Given up while this re-enqueue was in flight (its cancel may have run

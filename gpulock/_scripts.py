@@ -11,7 +11,7 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
-OPERATIONS = ("acquire", "release", "renew", "cancel", "reap", "status", "configure")
+OPERATIONS = ("acquire", "release", "renew", "cancel", "reap", "status", "configure", "reassert")
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,12 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_r
 
 from ._async import _CLIENT_DEFAULTS, DEFAULT_BACKEND_TIMEOUT_S
 from ._protocol import (
+    DEFAULT_MAX_TTL_S,
     DEFAULT_MAX_WAITERS,
     DEFAULT_POLL_INTERVAL_S,
     DEFAULT_TTL_S,
+    MAX_TTL_S,
+    MIN_TTL_S,
     DEFAULT_WAITER_TTL_S,
     RETRYABLE,
     AcquireRequest,
@@ -43,7 +46,7 @@ from ._protocol import (
 from ._runtime import Runtime, Waiter
 from ._scripts import scripts
 from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost, PoolNotFound
-from .units import parse_size
+from .units import parse_seconds, parse_size
 
 
 class _LoopThread:
@@ -85,7 +88,28 @@ def _async_twin(client: redis.Redis) -> aioredis.Redis:
         kw["connection_class"] = aioredis.UnixDomainSocketConnection
     for k in ("retry", "redis_connect_func", "cache", "cache_config", "credential_provider", "event_dispatcher"):
         kw.pop(k, None)
+    # Settings only the sync connection classes know (the OCSP options of SSLConnection, for
+    # one) would make every connection of the twin fail with a TypeError: drop them.
+    accepted = _init_params(kw.get("connection_class", aioredis.Connection))
+    kw = {k: v for k, v in kw.items() if k == "connection_class" or k in accepted}
     return aioredis.Redis(connection_pool=aioredis.ConnectionPool(**kw))
+
+
+def _init_params(cls: type) -> set[str]:
+    """The keyword arguments the ``__init__`` methods along ``cls``'s MRO declare."""
+    import inspect
+
+    names: set[str] = set()
+    for c in cls.__mro__:
+        init = c.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            params = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return names
 
 
 class Lease(LeaseBase):
@@ -151,6 +175,8 @@ class Pool:
                  default_ttl: float = DEFAULT_TTL_S, waiter_ttl: float = DEFAULT_WAITER_TTL_S,
                  poll_interval: float = DEFAULT_POLL_INTERVAL_S, max_waiters: int = DEFAULT_MAX_WAITERS,
                  backend_timeout: float = DEFAULT_BACKEND_TIMEOUT_S,
+                 max_ttl: float | None = None,
+                 sync_replicas: int = 0, sync_timeout: float = 1.0,
                  clock: Callable[[], float] = default_clock, _url: str | None = None, _owns_client: bool = False):
         self.name = validate_pool_name(name)
         self.redis = redis_client
@@ -159,6 +185,19 @@ class Pool:
         self.waiter_ttl = waiter_ttl
         self.max_waiters = max_waiters
         self.backend_timeout = backend_timeout
+        dttl = parse_seconds(default_ttl, name="default_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+        self.max_ttl = parse_seconds(max(DEFAULT_MAX_TTL_S, dttl) if max_ttl is None else max_ttl,
+                                     name="max_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+        if dttl > self.max_ttl:
+            from .errors import InvalidArgument
+
+            raise InvalidArgument(f"default_ttl {default_ttl!r} is longer than max_ttl {self.max_ttl!r}")
+        if not isinstance(sync_replicas, int) or isinstance(sync_replicas, bool) or not 0 <= sync_replicas <= 16:
+            from .errors import InvalidArgument
+
+            raise InvalidArgument(f"sync_replicas must be an integer in [0, 16], got {sync_replicas!r}")
+        self.sync_replicas = sync_replicas
+        self.sync_timeout = parse_seconds(sync_timeout, name="sync_timeout", minimum=0.001, maximum=60.0)
         self.poll_interval = poll_interval
         self.clock = clock
         self._keys = pool_keys(self.name)
@@ -182,6 +221,7 @@ class Pool:
                           else _async_twin(self.redis))
                 self._runtime = Runtime(client, self.name, self._keys, self.clock, self.poll_interval,
                                         loop=self._portal.loop)
+                self._settings_to_runtime()
             return self._portal, self._runtime
 
     def _untrack(self, lease_id: str) -> None:
@@ -215,20 +255,38 @@ class Pool:
             raise translate(e, self.name) from e
 
     def configure(self, capacity: int | str | None = None, *, max_waiters: int | None = None,
-                  create_only: bool = False) -> dict[str, int]:
-        """Create the pool or set its capacity (bytes or "8GiB") and queue bound."""
+                  max_ttl: float | None = None, create_only: bool = False, _grace: bool = False) -> dict[str, int]:
+        """Create the pool or set its capacity (bytes or "8GiB"), queue bound and max_ttl; see
+        :meth:`gpulock.AsyncPool.configure`."""
         cap = parse_size(capacity if capacity is not None else self.capacity, name="capacity")
         mw = self.max_waiters if max_waiters is None else max_waiters
-        r = self._eval("configure", [str(cap), str(mw), "create" if create_only else "set"])
+        mt = self.max_ttl if max_ttl is None else parse_seconds(max_ttl, name="max_ttl", minimum=MIN_TTL_S,
+                                                               maximum=MAX_TTL_S)
+        r = self._eval("configure", [str(cap), str(mw), "create" if create_only else "set",
+                                     str(ttl_ms(mt)), "1" if _grace else "0"])
         if not create_only:
             self.capacity = cap
-        return dict(zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r)))
+            self.max_ttl = mt
+            self._settings_to_runtime()
+        out = dict(zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r)))
+        if self._runtime is not None:
+            self._runtime.seen(out["epoch"], out["capacity"])
+        return out
+
+    def _settings_to_runtime(self) -> None:
+        """What the heartbeat needs to create the pool again after Redis lost it."""
+        rt = self._runtime
+        if rt is not None:
+            rt.capacity, rt.max_waiters, rt.max_ttl_ms = self.capacity, self.max_waiters, ttl_ms(self.max_ttl)
+            rt.sync_replicas, rt.sync_timeout_ms = self.sync_replicas, max(1, int(self.sync_timeout * 1000))
 
     def status(self, *, limit: int = 1000) -> PoolStatus:
         """A snapshot: capacity, used, leases and waiters. Raises PoolNotFound."""
         st = decode_status(self.name, self._eval("status", [str(limit)]))
         if st is None:
             raise PoolNotFound(self.name)
+        if self._runtime is not None:
+            self._runtime.seen(st.epoch, st.capacity)
         return st
 
     def reap(self) -> int:
@@ -266,7 +324,10 @@ class Pool:
                 raise
             if isinstance(res, Grant):
                 needs_cancel = False
-                return self._make_lease(res, req, validity_deadline(sent, res.now_ms, res.expires_ms))
+                lease = self._make_lease(res, req, validity_deadline(sent, res.now_ms, res.expires_ms))
+                if self.sync_replicas:
+                    self._sync_grant(lease)
+                return lease
             if not res.queued:
                 needs_cancel = False
                 raise AcquireTimeout(
@@ -293,6 +354,8 @@ class Pool:
                 raise translate(e, self.name) from e
             lease = self._make_lease(grant, req, rt.deadline_for(grant))
             needs_cancel = False
+            if self.sync_replicas:
+                self._sync_grant(lease)
             return lease
         finally:
             if cf is not None and not cf.done():
@@ -329,6 +392,45 @@ class Pool:
         rt.leave_waiter(w)
         return rt.ticket_in_use(w.ticket)
 
+    def _sync_grant(self, lease: Lease) -> None:
+        """``sync_replicas``: see :meth:`gpulock.AsyncPool._sync_grant` (a renewal, an INCR
+        and ``WAIT`` on one connection; on failure the grant is given back)."""
+        s = lease._state
+        sc = scripts()["renew"]
+        sync_key = self._keys[0].rsplit(":", 1)[0] + ":sync"
+        sent = self.clock()
+        r, acked, err = None, -1, None
+        try:
+            for attempt in range(2):
+                with self.redis.pipeline(transaction=False) as p:
+                    p.evalsha(sc.sha, len(self._keys), *self._keys, 1, s.lease_id, s.token, ttl_ms(s.ttl_s), 0)
+                    p.incr(sync_key)
+                    p.execute_command("WAIT", self.sync_replicas, max(1, int(self.sync_timeout * 1000)))
+                    res = p.execute(raise_on_error=False)
+                if isinstance(res[0], NoScriptError) and attempt == 0:
+                    self.redis.script_load(sc.source)
+                    continue
+                for x in res:
+                    if isinstance(x, Exception):
+                        raise x
+                r, acked = res[0], int(res[2])
+                break
+        except BaseException as e:  # noqa: BLE001 - also on KeyboardInterrupt: give the grant back
+            err = e
+        if err is None and r is not None and int(r[2][0]) > 0 and acked >= self.sync_replicas:
+            s.renewed(sent, int(r[0]), int(r[2][0]))
+            return
+        try:
+            lease.release()
+        except BaseException:  # noqa: BLE001 - lost or unreachable: it expires after its ttl
+            pass
+        if err is not None and not isinstance(err, Exception):
+            raise err
+        raise BackendUnavailable(
+            f"pool {self.name!r}: the grant was not acknowledged by {self.sync_replicas} replica(s) within "
+            f"{self.sync_timeout}s (acknowledged by {max(acked, 0)}{'; ' + str(err) if err else ''}); it was "
+            f"given back, since a failover could lose it") from err
+
     def _acquire_call(self, req: AcquireRequest, argv: list[str], rt: Runtime):
         sent = self.clock()
         try:
@@ -336,16 +438,18 @@ class Pool:
         except PoolNotFound:
             if self.capacity is None:
                 raise
-            self.configure(self.capacity, create_only=True)
+            # A pool object that saw the pool before knows Redis lost it: grace period.
+            self.configure(self.capacity, create_only=True, _grace=bool(rt.known_epoch))
             sent = self.clock()
             r = self._eval("acquire", argv)
         res = decode_acquire(req.ticket, r)
         rt.observe(sent, res.now_ms)
+        rt.seen(res.epoch, res.capacity)
         return res, sent
 
     def _make_lease(self, grant: Grant, req: AcquireRequest, valid_until: float) -> Lease:
         portal, rt = self._rt()
-        state, new = rt.state_for(grant, req.ttl_s, valid_until)
+        state, new = rt.state_for(grant, req.ttl_s, valid_until, req.meta)
         if new:
             rt.track(state)
         return Lease(state, self)

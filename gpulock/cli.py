@@ -19,7 +19,6 @@ import threading
 import time
 from typing import Any, NoReturn, Optional
 
-import click
 import typer
 
 from . import __version__
@@ -209,7 +208,8 @@ def _main(
       1   any other error
     """
     ctx.obj = {"redis_url": redis_url, "broker_url": broker_url}
-    if ctx.get_parameter_source("redis_url") == click.core.ParameterSource.COMMANDLINE:
+    src = ctx.get_parameter_source("redis_url")
+    if getattr(src, "name", None) == "COMMANDLINE":
         # `gpulock --redis-url URL serve|broker ...`: the subcommands read GPULOCK_REDIS_URL.
         os.environ["GPULOCK_REDIS_URL"] = redis_url
 
@@ -224,9 +224,13 @@ def pool_set(
     max_waiters: Optional[int] = typer.Option(
         None, "--max-waiters", min=1, max=1_000_000,
         help="Most requests that may queue (default: keep the current value; 10000 for a new pool)."),
+    max_ttl: Optional[float] = typer.Option(
+        None, "--max-ttl", callback=_seconds_param("--max-ttl", minimum=0.1, maximum=86400),
+        help="Longest lease ttl the pool accepts, seconds; also the grace period after Redis "
+             "restarts without data (default: keep the current value; 60 for a new pool)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Create pool NAME, or change its capacity (and queue bound).
+    """Create pool NAME, or change its capacity (and queue bound, max ttl).
 
     Lowering the capacity below what is in use is allowed: leases keep their bytes and nothing
     new is granted until enough is released. Raising it grants waiters that now fit.
@@ -237,13 +241,16 @@ def pool_set(
     client = _client(url)
     try:
         pool = Pool(client, name)
-        mw = max_waiters
-        if mw is None:
+        mw, mt = max_waiters, max_ttl
+        if mw is None or mt is None:
             try:
-                mw = pool.status(limit=0).max_waiters
+                st = pool.status(limit=0)
+                mw = st.max_waiters if mw is None else mw
+                if mt is None and getattr(st, "max_ttl", 0):
+                    mt = st.max_ttl
             except PoolNotFound:
-                mw = None
-        r = pool.configure(capacity, max_waiters=mw)
+                pass
+        r = pool.configure(capacity, max_waiters=mw, max_ttl=mt)
     except GpuLockError as e:
         _error_exit(e, url)
     finally:

@@ -17,10 +17,12 @@
 --   granted:     {1, lease_id, token, expires_ms, amount, now_ms, epoch, capacity, used}
 --   queued:      {0, position, retry_after_ms, queue_len, now_ms, epoch, capacity, used}
 --   not queued:  {2, 0, retry_after_ms, queue_len, now_ms, epoch, capacity, used}   (mode 'try')
---   retry_after_ms is the time to the nearest lease expiry (-1 when none): a lower bound on
---   when the queue can move if nobody releases.
+--   retry_after_ms is the time to the nearest lease expiry or to the end of a grace period
+--   (-1 when neither): a lower bound on when the queue can move if nobody releases.
+--   In a grace period (see configure.lua, reassert.lua) nothing is granted: requests queue.
 -- Errors (nothing is written when one is returned):
---   GPULOCK_BADARG <why>                 an argument is malformed or out of range
+--   GPULOCK_BADARG <why>                 an argument is malformed or out of range, or the ttl
+--                                        is longer than the pool's max_ttl_ms
 --   GPULOCK_NOPOOL                       the pool has no configuration (never configured, or
 --                                        Redis lost its data)
 --   GPULOCK_CAPACITY <amount> <capacity> the amount can never fit the pool
@@ -38,11 +40,15 @@ if mode ~= 'wait' and mode ~= 'try' then return bad("mode must be 'wait' or 'try
 local meta; meta, e = meta_arg(ARGV[7]); if e then return e end
 local chan; chan, e = channel_arg(ARGV[8]); if e then return e end
 
-local cfg = redis.call('HMGET', K_CFG, 'capacity', 'epoch', 'max_waiters')
+local cfg = redis.call('HMGET', K_CFG, 'capacity', 'epoch', 'max_waiters', 'max_ttl_ms', 'grace_until')
 if not cfg[1] then return redis.error_reply('GPULOCK_NOPOOL') end
 local cap, epoch, maxw = tonumber(cfg[1]), tonumber(cfg[2]), tonumber(cfg[3])
 if amount > cap then
   return redis.error_reply('GPULOCK_CAPACITY ' .. fmt(amount) .. ' ' .. fmt(cap))
+end
+local max_ttl = tonumber(cfg[4] or '0')
+if max_ttl > 0 and ttl > max_ttl then
+  return bad('ttl_ms ' .. fmt(ttl) .. " exceeds the pool's max_ttl_ms " .. fmt(max_ttl))
 end
 local held = redis.call('HGET', K_TICKETS, ticket)
 if held then
@@ -83,7 +89,7 @@ end
 
 local qlen = redis.call('ZCARD', K_QUEUE)
 local used = cfg_num('used')
-if qlen == 0 and used + amount <= cap then
+if qlen == 0 and used + amount <= cap and tonumber(cfg[5] or '0') <= now then
   local token, exp = make_lease(now, ticket, lid, amount, ttl, meta)
   return {1, lid, token, exp, amount, now, epoch, cap, used + amount}
 end

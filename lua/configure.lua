@@ -9,7 +9,16 @@
 --   2 max_waiters   queue bound, 1 .. 1000000
 --   3 mode          'set' (create or update) or 'create' (create only; an existing pool is
 --                   left as it is and reported)
--- Reply: {created (1/0), capacity, epoch, used, max_waiters}
+--   4 max_ttl_ms    optional: the longest ttl a lease of this pool may have (100 .. 86400000;
+--                   0 or absent: no bound but the protocol's). Also the length of a grace
+--                   period. 'set' changes it only when given.
+--   5 grace         optional: '1' when the caller knows the pool existed and Redis lost it
+--                   (it held leases, or saw the pool's epoch, and finds the pool gone). A pool
+--                   created so opens a grace period of one max_ttl_ms (86400000 when unset):
+--                   until it ends nothing new is granted (requests queue), and holders of
+--                   leases from before the loss re-assert them (reassert.lua). Ignored when
+--                   the pool exists.
+-- Reply: {created (1/0), capacity, epoch, used, max_waiters, max_ttl_ms, grace_left_ms}
 --   Lowering capacity below `used` is allowed: leases keep their bytes, nothing new is granted
 --   until used falls below the new capacity. Raising it grants waiters that now fit. Queued
 --   requests larger than the new capacity leave the queue (they could never be granted and
@@ -20,6 +29,12 @@ local cap, e = int_arg(ARGV[1], 'capacity', 1, MAX_AMOUNT); if e then return e e
 local maxw; maxw, e = int_arg(ARGV[2], 'max_waiters', 1, 1000000); if e then return e end
 local mode = ARGV[3]
 if mode ~= 'set' and mode ~= 'create' then return bad("mode must be 'set' or 'create', got " .. show(mode)) end
+local max_ttl = nil
+if ARGV[4] ~= nil and ARGV[4] ~= '' and ARGV[4] ~= '0' then
+  max_ttl, e = int_arg(ARGV[4], 'max_ttl_ms', MIN_TTL_MS, MAX_TTL_MS); if e then return e end
+end
+local grace = ARGV[5]
+if grace ~= nil and grace ~= '0' and grace ~= '1' then return bad("grace must be '0' or '1', got " .. show(grace)) end
 
 local now = now_ms()
 local created = 0
@@ -29,13 +44,18 @@ if redis.call('EXISTS', K_CFG) == 0 then
   local used = 0
   for _, rec in ipairs(redis.call('HVALS', K_HOLDERS)) do used = used + parse_holder(rec) end
   local us = now_us()
+  local grace_until = 0
+  if grace == '1' then grace_until = now + (max_ttl or MAX_TTL_MS) end
   redis.call('HSET', K_CFG, 'capacity', fmt(cap), 'max_waiters', fmt(maxw), 'used', fmt(used),
              'fence', fmt(us), 'epoch', fmt(us), 'qseq', '0', 'created_ms', fmt(now),
-             'grants', '0', 'reaped_leases', '0', 'reaped_waiters', '0')
+             'grants', '0', 'reaped_leases', '0', 'reaped_waiters', '0',
+             'max_ttl_ms', fmt(max_ttl or 0), 'grace_until', fmt(grace_until))
   created = 1
 elseif mode == 'set' then
   redis.call('HSET', K_CFG, 'capacity', fmt(cap), 'max_waiters', fmt(maxw))
+  if max_ttl then redis.call('HSET', K_CFG, 'max_ttl_ms', fmt(max_ttl)) end
 end
 reap(now)
 publish(now, grant_head(now))
-return {created, cfg_num('capacity'), cfg_num('epoch'), cfg_num('used'), cfg_num('max_waiters')}
+return {created, cfg_num('capacity'), cfg_num('epoch'), cfg_num('used'), cfg_num('max_waiters'),
+        cfg_num('max_ttl_ms'), grace_left(now)}

@@ -106,6 +106,16 @@ local function cfg_num(field)
   return tonumber(redis.call('HGET', K_CFG, field) or '0')
 end
 
+-- Grace period (DESIGN §5): after a pool is created again because Redis lost its data, no
+-- new grant is made until `grace_until` (server ms), one maximum ttl after the re-creation,
+-- so that holders of leases granted before the loss can re-assert them (reassert.lua) and
+-- those that cannot have given their leases up on their own clocks. Returns the ms left.
+local function grace_left(now)
+  local g = tonumber(redis.call('HGET', K_CFG, 'grace_until') or '0')
+  if g > now then return g - now end
+  return 0
+end
+
 local function drop_waiter(ticket)
   redis.call('ZREM', K_QUEUE, ticket)
   redis.call('HDEL', K_WAITERS, ticket)
@@ -162,6 +172,7 @@ local function grant_head(now)
   local lines, n = {}, 0
   local head = redis.call('ZRANGE', K_QUEUE, 0, 0)
   if #head == 0 then return lines, n end
+  if grace_left(now) > 0 then return lines, n end  -- no new grant in the grace period
   local cap = cfg_num('capacity')
   local used = cfg_num('used')
   while true do
@@ -202,12 +213,17 @@ local function publish(now, lines, n)
   end
 end
 
--- Milliseconds until the nearest lease expiry (-1 when there is no lease).
+-- Milliseconds until the queue can next move without a release: the nearest lease expiry,
+-- or the end of a grace period if sooner (-1 when neither).
 local function next_expiry_in(now)
   local first = redis.call('ZRANGE', K_LEASES, 0, 0, 'WITHSCORES')
-  if #first == 0 then return -1 end
-  local d = tonumber(first[2]) - now
-  if d < 0 then d = 0 end
+  local d = -1
+  if #first > 0 then
+    d = tonumber(first[2]) - now
+    if d < 0 then d = 0 end
+  end
+  local g = grace_left(now)
+  if g > 0 and (d < 0 or g < d) then d = g end
   return d
 end
 

@@ -9,7 +9,8 @@
 --    grants, reaped_leases, reaped_waiters,
 --    leases  = {{lease_id, amount, token, expires_ms, acquired_ms, ttl_ms, ticket, meta}, ...}
 --              (soonest expiry first),
---    waiters = {{ticket, amount, enqueued_ms, waiter_expires_ms, meta}, ...}  (queue order)}
+--    waiters = {{ticket, amount, enqueued_ms, waiter_expires_ms, meta}, ...}  (queue order),
+--    grace_left_ms (0: no grace period), max_ttl_ms (0: unbounded), reasserted}
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
 local limit, e = int_arg(ARGV[1], 'limit', 0, 100000); if e then return e end
@@ -43,4 +44,5 @@ if limit > 0 then
 end
 return {1, now, cfg_num('capacity'), cfg_num('used'), cfg_num('epoch'), cfg_num('fence'),
         cfg_num('max_waiters'), redis.call('ZCARD', K_LEASES), redis.call('ZCARD', K_QUEUE),
-        cfg_num('grants'), cfg_num('reaped_leases'), cfg_num('reaped_waiters'), leases, waiters}
+        cfg_num('grants'), cfg_num('reaped_leases'), cfg_num('reaped_waiters'), leases, waiters,
+        grace_left(now), cfg_num('max_ttl_ms'), cfg_num('reasserted')}

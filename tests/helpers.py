@@ -55,7 +55,7 @@ def raw_configure(client: redis.Redis, pool: str, capacity: int, max_waiters: in
 
 
 def raw_acquire(client: redis.Redis, pool: str, amount: int, *, ticket: str | None = None,
-                lease_id: str | None = None, ttl_ms: int = 600_000, waiter_ttl_ms: int = 600_000,
+                lease_id: str | None = None, ttl_ms: int = 60_000, waiter_ttl_ms: int = 600_000,
                 mode: str = "wait", meta: str = "{}", channel: str = "test") -> list:
     return raw(client, pool, "acquire", ticket or new_id(), lease_id or new_id(), amount, ttl_ms,
                waiter_ttl_ms, mode, meta, channel)

@@ -73,6 +73,25 @@ def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host
     redis_proc = None
     metrics_dir = None
     proc: subprocess.Popen | None = None
+    device = os.environ.get("GPULOCK_DEVICE", "auto")
+    try:  # bad sizes are usage errors, found before anything starts
+        cap, source, explicit = decide_capacity(capacity, utilization, device)
+        on_cpu = device == "cpu" or source.startswith("CPU default")
+        if explicit and not on_cpu and device.lower() == "auto":
+            from gpulock.cuda import device_memory
+
+            on_cpu = device_memory(0) is None
+        resident_s = os.environ.get("GPULOCK_RESIDENT") or (
+            os.environ.get("GPULOCK_CPU_RESIDENT", "128MiB") if on_cpu else None)
+        resident = parse_size(resident_s, name="resident lease") if resident_s not in (None, "", "0") else 0
+    except GpuLockError as e:
+        _say(f"error: {e}")
+        return 2
+    if resident and resident * workers >= cap:
+        _say(f"error: capacity {format_size(cap)} ({cap} bytes) leaves no room for requests: {workers} workers "
+             f"x a resident lease of {format_size(resident)} = {format_size(resident * workers)}; give a larger "
+             f"--capacity, fewer --workers, or a smaller GPULOCK_RESIDENT")
+        return 2
     try:
         if not redis_url:
             try:
@@ -86,8 +105,6 @@ def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host
         else:
             _say(f"Redis: {_redact(redis_url)}")
 
-        device = os.environ.get("GPULOCK_DEVICE", "auto")
-        cap, source, explicit = decide_capacity(capacity, utilization, device)
         p = Pool.from_url(redis_url, pool)
         try:
             r = p.configure(cap, create_only=not explicit)
@@ -102,7 +119,7 @@ def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host
         else:
             _say(f"capacity: {format_size(cap)} ({cap} bytes), from {source}"
                  + (" [pool created]" if r["created"] else " [pool updated]" if explicit else ""))
-        on_cpu = device == "cpu" or source.startswith("CPU default")
+        _say(f"CLI: export GPULOCK_REDIS_URL={_redact(redis_url)}  # then: gpulock status {pool}")
 
         env = dict(os.environ)
         env.update(GPULOCK_REDIS_URL=redis_url, GPULOCK_POOL=pool, GPULOCK_CAPACITY=str(r["capacity"]),
