@@ -11,7 +11,6 @@ from redis.exceptions import NoScriptError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
 from ._protocol import (
-    DEFAULT_MAX_TTL_S,
     DEFAULT_MAX_WAITERS,
     DEFAULT_POLL_INTERVAL_S,
     DEFAULT_TTL_S,
@@ -29,9 +28,9 @@ from ._protocol import (
     decode_status,
     default_clock,
     pool_keys,
+    pool_settings,
     ttl_ms,
     translate,
-    validate_pool_name,
     validity_deadline,
 )
 from ._runtime import Runtime, Waiter
@@ -135,26 +134,12 @@ class AsyncPool:
                  max_ttl: float | None = None,
                  sync_replicas: int = 0, sync_timeout: float = 1.0,
                  clock: Callable[[], float] = default_clock, _owns_client: bool = False):
-        self.name = validate_pool_name(name)
+        for k, v in pool_settings(name, capacity=capacity, default_ttl=default_ttl, waiter_ttl=waiter_ttl,
+                                  poll_interval=poll_interval, max_waiters=max_waiters,
+                                  backend_timeout=backend_timeout, max_ttl=max_ttl,
+                                  sync_replicas=sync_replicas, sync_timeout=sync_timeout).items():
+            setattr(self, k, v)
         self.redis = redis
-        self.capacity = None if capacity is None else parse_size(capacity, name="capacity")
-        self.default_ttl = default_ttl
-        self.waiter_ttl = waiter_ttl
-        self.max_waiters = max_waiters
-        self.backend_timeout = backend_timeout
-        dttl = parse_seconds(default_ttl, name="default_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
-        self.max_ttl = parse_seconds(max(DEFAULT_MAX_TTL_S, dttl) if max_ttl is None else max_ttl,
-                                     name="max_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
-        if dttl > self.max_ttl:
-            from .errors import InvalidArgument
-
-            raise InvalidArgument(f"default_ttl {default_ttl!r} is longer than max_ttl {self.max_ttl!r}")
-        if not isinstance(sync_replicas, int) or isinstance(sync_replicas, bool) or not 0 <= sync_replicas <= 16:
-            from .errors import InvalidArgument
-
-            raise InvalidArgument(f"sync_replicas must be an integer in [0, 16], got {sync_replicas!r}")
-        self.sync_replicas = sync_replicas
-        self.sync_timeout = parse_seconds(sync_timeout, name="sync_timeout", minimum=0.001, maximum=60.0)
         self.clock = clock
         self._keys = pool_keys(self.name)
         self._runtime = Runtime(redis, self.name, self._keys, clock, poll_interval)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import secrets
@@ -29,7 +28,7 @@ from .errors import (
     PoolNotFound,
     QueueFull,
 )
-from .units import MAX_BYTES, parse_seconds, parse_size
+from .units import parse_seconds, parse_size
 
 log = logging.getLogger("gpulock")
 
@@ -85,6 +84,32 @@ def validate_token(token: object) -> int:
     if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token <= 2**53 - 1:
         raise InvalidArgument(f"token must be a non-negative integer, got {token!r:.80}")
     return token
+
+
+def pool_settings(name: str, *, capacity, default_ttl: float, waiter_ttl: float, poll_interval: float,
+                  max_waiters: int, backend_timeout: float, max_ttl: float | None, sync_replicas: int,
+                  sync_timeout: float) -> dict[str, Any]:
+    """Validate a pool object's settings, for both shells (see ``AsyncPool`` for their meaning
+    and units). Returns the attribute values; raises InvalidArgument naming a bad one."""
+    dttl = parse_seconds(default_ttl, name="default_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+    mttl = parse_seconds(max(DEFAULT_MAX_TTL_S, dttl) if max_ttl is None else max_ttl,
+                         name="max_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+    if dttl > mttl:
+        raise InvalidArgument(f"default_ttl {default_ttl!r} is longer than max_ttl {mttl!r}")
+    if not isinstance(sync_replicas, int) or isinstance(sync_replicas, bool) or not 0 <= sync_replicas <= 16:
+        raise InvalidArgument(f"sync_replicas must be an integer in [0, 16], got {sync_replicas!r}")
+    return {
+        "name": validate_pool_name(name),
+        "capacity": None if capacity is None else parse_size(capacity, name="capacity"),
+        "default_ttl": default_ttl,
+        "waiter_ttl": waiter_ttl,
+        "poll_interval": poll_interval,
+        "max_waiters": max_waiters,
+        "backend_timeout": backend_timeout,
+        "max_ttl": mttl,
+        "sync_replicas": sync_replicas,
+        "sync_timeout": parse_seconds(sync_timeout, name="sync_timeout", minimum=0.001, maximum=60.0),
+    }
 
 
 def pool_keys(pool: str) -> list[str]:
