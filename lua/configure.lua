@@ -1,4 +1,5 @@
 -- configure.lua: create a pool, or change its capacity and queue bound.
+-- (KEYS and ARGV: see the header below; KEYS are the eight pool keys of lib.lua.)
 -- Creating a pool seeds its fencing counter and its epoch from the server clock in
 -- microseconds, so tokens keep increasing when Redis restarts empty and the pool is made
 -- again (as long as the Redis host's clock does not step back), and clients can tell the new

@@ -1,4 +1,5 @@
 -- renew.lua: one process's heartbeat, batched: extend its leases and refresh its waiters in
+-- (KEYS and ARGV: see the header below; KEYS are the eight pool keys of lib.lua.)
 -- one round trip (the cost does not grow with the number of leases a process holds). Renewal
 -- never re-acquires: a lease that has expired or is unknown is reported lost and not recreated.
 -- The waiter part doubles as the backstop re-poll: a ticket granted by a hand-off whose
