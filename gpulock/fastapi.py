@@ -46,14 +46,21 @@ constant::
     retry_after = ceil(position / grant_rate + local_position / local_grant_rate)
 
 where ``position`` is the request's place in the pool's FIFO queue and ``grant_rate`` the
-pool's grants per second, an exponentially weighted moving average (time constant 10 s) of the
-pool's ``grants`` counter sampled from Redis every ``reaper_interval``. A request that timed out
-still waiting for one of its worker's threads is not in the pool's queue yet: its ``position``
-is the pool's queue length (read at that moment) and ``local_position`` its place among the
-worker's waiters, drained at ``local_grant_rate`` (the same average over this worker's own
-grants). Before any grant was seen, ``grant_rate`` falls back to ``leases / mean_hold`` (Little's
-law: leases held at once over this worker's moving-average hold time), then to the server's
-``retry_after`` (time to the nearest lease expiry), then to ``ttl / 3`` per place.
+pool's grants per second while it is busy: an exponentially weighted moving average (time
+constant 10 s) of the pool's ``grants`` counter, sampled from Redis every ``reaper_interval``,
+that counts only the intervals that began with waiters queued (an idle pool grants nothing
+because nobody asks, not because it is slow: averaging idle time in would tell the first
+clients of a burst to wait many times too long) and starts at its first busy sample. A request
+that timed out still waiting for one of its worker's threads is not in the pool's queue yet:
+its ``position`` is the pool's queue length (read at that moment) and ``local_position`` its
+place among the worker's waiters, drained at ``local_grant_rate`` (the same busy-time average
+over this worker's own grants). Before any busy interval was seen, ``grant_rate`` falls back to
+``leases / mean_hold`` (Little's law: leases held at once over this worker's moving-average
+hold time), and with no measurement at all to one second per place (or the server's hint,
+the time to the nearest lease expiry, when shorter): a retry that comes too early costs one
+cheap lookup, one that comes too late costs latency. A 503 that keeps its place (parked, see
+above) never says more than ``park_timeout / 2``, so the retry arrives while the place is
+still kept, also after the client's jitter.
 ``X-Queue-Position`` is ``position + local_position``.
 
 Metrics (``/metrics``, Prometheus text; multiprocess mode when ``PROMETHEUS_MULTIPROC_DIR`` is
@@ -325,6 +332,46 @@ class _StaticCollector:
 # Thread slots: a FIFO semaphore that knows each waiter's place
 
 
+_UNMEASURED_SECONDS_PER_PLACE = 1.0  # Retry-After per queue place before any rate was measured
+
+
+class BusyRate:
+    """Events per second while a queue is busy: an exponentially weighted moving average
+    (time constant ``tau`` seconds) of a monotonic counter, fed one sample per status read.
+
+    Only intervals that began busy (waiters queued at their first sample) count: the rate a waiter
+    cares about is how fast the queue drains when there is a queue, and an idle interval
+    (no grants because nobody asked) would otherwise drag the average toward zero and make the
+    first Retry-After of a burst many times too long; so would the interval in which a burst
+    begins, since it is mostly idle. The first busy interval sets the rate
+    outright instead of being blended with a made-up prior; before any, the interval in which
+    a burst began does, when it saw grants (an underestimate, but better than no rate). A counter that went backwards (a
+    Redis restart) restarts the sampling. ``rate`` is None until a busy interval was seen.
+    """
+
+    def __init__(self, tau: float = 10.0):
+        self.tau = float(tau)
+        self.rate: float | None = None
+        self._last: tuple[float, int, bool] | None = None  # (time, counter, busy)
+
+    def sample(self, now: float, count: int, *, busy: bool) -> None:
+        last, self._last = self._last, (now, count, busy)
+        if last is None:
+            return
+        t0, c0, busy0 = last
+        dt = now - t0
+        if dt <= 0 or count < c0:
+            return
+        inst = (count - c0) / dt
+        if self.rate is None:
+            # The interval in which the first burst began is mostly idle, but with grants in it
+            # it is a usable first guess (an underestimate), far better than none at all.
+            if busy0 or (busy and inst > 0):
+                self.rate = inst
+        elif busy0:
+            self.rate += (1.0 - math.exp(-dt / self.tau)) * (inst - self.rate)
+
+
 class _Slots:
     def __init__(self, n: int):
         self.free = n
@@ -468,11 +515,9 @@ class GpuLimiter:
         self.resident_wanted = 0
         self._resident_waiting: int = 0
         self._resident_mode = ""
-        self._grant_rate: float | None = None
-        self._grant_sample: tuple[float, int] | None = None
+        self._pool_rate = BusyRate()  # the pool's grants/s while waiters are queued
         self._local_grants = 0  # grants to this worker's requests (for its own drain rate)
-        self._local_rate: float | None = None
-        self._local_sample: tuple[float, int] | None = None
+        self._local_rate = BusyRate()  # ... this worker's grants/s while its threads are all taken
         self._hold_ewma: float | None = None
         self._slots = _Slots(self.executor_threads)
         self._jobs: dict[str, _Job] = {}
@@ -782,22 +827,8 @@ class GpuLimiter:
             return
         self.redis_error = None
         self.status, self.status_at = st, now
-        if self._grant_sample is not None:
-            t0, g0 = self._grant_sample
-            dt = now - t0
-            if dt > 0 and st.grants >= g0:
-                inst = (st.grants - g0) / dt
-                alpha = 1.0 - math.exp(-dt / 10.0)
-                self._grant_rate = inst if self._grant_rate is None else self._grant_rate + alpha * (inst - self._grant_rate)
-        self._grant_sample = (now, st.grants)
-        if self._local_sample is not None:
-            t0, g0 = self._local_sample
-            dt = now - t0
-            if dt > 0:
-                inst = (self._local_grants - g0) / dt
-                alpha = 1.0 - math.exp(-dt / 10.0)
-                self._local_rate = inst if self._local_rate is None else self._local_rate + alpha * (inst - self._local_rate)
-        self._local_sample = (now, self._local_grants)
+        self._pool_rate.sample(now, st.grants, busy=st.waiter_count > 0)
+        self._local_rate.sample(now, self._local_grants, busy=bool(self._slots.waiters))
         tickets = [t for t, j in self._jobs.items() if j.phase != "done"]
         if tickets:
             with contextlib.suppress(Exception):
@@ -815,39 +846,47 @@ class GpuLimiter:
 
     # ---- Retry-After ------------------------------------------------------------------------
     def grant_rate(self) -> float | None:
-        """Grants per second of the pool (moving average), or the Little's-law fallback."""
-        if self._grant_rate is not None and self._grant_rate > 0.01:
-            return self._grant_rate
+        """Grants per second of the pool while busy (see :class:`BusyRate`), or the
+        Little's-law fallback ``leases / mean_hold``; None when nothing was measured yet."""
+        rate = self._pool_rate.rate
+        if rate is not None and rate > 0.01:
+            return rate
         st = self.status
         if self._hold_ewma and st is not None and st.lease_count > 0:
             return max(1, st.lease_count - len(self.resident_leases)) / self._hold_ewma
         return None
 
-    def retry_after(self, position: int, server_hint: float | None = None, *, local: int = 0) -> int:
+    def retry_after(self, position: int, server_hint: float | None = None, *, local: int = 0,
+                    parked: bool = False) -> int:
         """Seconds a client should wait before retrying a request at ``position`` (1-based)
         in the pool's queue: ``ceil(position / grant_rate)``, clamped to [1, max_retry_after].
         A request still waiting for one of this worker's threads adds ``local /
-        local_grant_rate`` (its place among this worker's waiters over this worker's own grants
-        per second, also a 10 s moving average). Without a rate yet: the server's hint (time to
-        the nearest lease expiry), else ``position * ttl / 3`` (a renewal period per place)."""
+        local_grant_rate`` (its place among this worker's waiters over this worker's own busy
+        grant rate). Without a rate yet: one second per place, or ``server_hint`` (the core's
+        time to the nearest lease expiry) when shorter. ``parked``: the request keeps its place
+        for ``park_timeout`` seconds, so the answer is at most ``park_timeout / 2``."""
         p = max(0, int(position))
         rate = self.grant_rate()
         if rate:
             secs = p / rate
             if local:
-                lrate = self._local_rate if self._local_rate and self._local_rate > 0.01 else rate
-                secs += local / lrate
-        elif server_hint is not None and server_hint > 0:
-            secs = server_hint
+                lrate = self._local_rate.rate
+                secs += local / (lrate if lrate and lrate > 0.01 else rate)
         else:
-            secs = max(1, p + local) * self.ttl / 3
-        return int(min(self.max_retry_after, max(1.0, math.ceil(secs))))
+            secs = float(max(1, p + local)) * _UNMEASURED_SECONDS_PER_PLACE
+            if server_hint is not None and server_hint > 0:
+                secs = min(secs, server_hint)
+        cap = self.max_retry_after
+        if parked and self.park_timeout > 0:
+            cap = min(cap, self.park_timeout / 2)
+        return int(max(1.0, min(cap, math.ceil(secs))))
 
     def _retry_after_for(self, job: _Job, position: int) -> int:
+        parked = job.ticket is not None and self.park_timeout > 0
         if job.phase == "slot":
             local = max(1, self._slots.position(job.slot_future))
-            return self.retry_after(max(0, position - local), job.server_retry_after, local=local)
-        return self.retry_after(position, job.server_retry_after)
+            return self.retry_after(max(0, position - local), job.server_retry_after, local=local, parked=parked)
+        return self.retry_after(position, job.server_retry_after, parked=parked)
 
     def _job_position(self, job: _Job, queued: int | None = None) -> int:
         """The job's place: in the pool's queue when it is there, else (still waiting for a
@@ -1122,7 +1161,7 @@ class GpuLimiter:
             if now >= acq_deadline and phase in ("slot", "queued"):
                 metrics().timeouts.labels(route).inc()
                 p = position or ((self.status.waiter_count if self.status else 0) + 1)
-                headers = {"Retry-After": str(self.retry_after(p))}
+                headers = {"Retry-After": str(self.retry_after(p, parked=self.park_timeout > 0))}
                 if position:
                     headers["X-Queue-Position"] = str(position)
                 raise GpuLockHTTPException(

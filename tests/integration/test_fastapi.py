@@ -355,14 +355,17 @@ async def test_503_with_request_id_keeps_the_place(redis_proc1):
 
 
 async def test_retry_after_follows_the_grant_rate(redis_proc1):
-    gpu = GpuLimiter(redis_proc1.url, "it7", ttl=30, max_retry_after=60)
-    assert gpu.retry_after(3) == 30  # no history: a renewal period (ttl/3) per place
-    assert gpu.retry_after(3, server_hint=4.2) == 5
-    gpu._grant_rate = 4.0
+    gpu = GpuLimiter(redis_proc1.url, "it7", ttl=30, max_retry_after=60, park_timeout=30)
+    assert gpu.retry_after(3) == 3  # nothing measured: one second per place
+    assert gpu.retry_after(3, server_hint=2.2) == 3  # ... or the server's hint when shorter
+    assert gpu.retry_after(3, server_hint=1.2) == 2
+    gpu._pool_rate.rate = 4.0
     assert [gpu.retry_after(p) for p in (1, 4, 5, 40, 1000)] == [1, 1, 2, 10, 60]
-    gpu._local_rate = 1.0  # this worker drains its own thread queue at 1/s
+    # A parked request keeps its place for park_timeout: never tell it to come back later.
+    assert [gpu.retry_after(p, parked=True) for p in (5, 40, 1000)] == [2, 10, 15]
+    gpu._local_rate.rate = 1.0  # this worker drains its own thread queue at 1/s
     assert gpu.retry_after(4, local=3) == 4  # 4/4 + 3/1
-    gpu._grant_rate = 0.0
+    gpu._pool_rate.rate = 0.0
     gpu._hold_ewma = 2.0
     from gpulock import PoolStatus
 
