@@ -28,7 +28,8 @@ What one request goes through (``GpuLimiter.call``)::
   waits for a thread.
 * Errors map to HTTP (see :class:`GpuLockHTTPException`): no grant within ``acquire_timeout``
   or a full queue → 503 with ``Retry-After`` and ``X-Queue-Position``; amount > capacity → 413
-  naming both numbers; the work ran past ``inference_timeout`` → 504 (the lease stays held until
+  naming both numbers, and so is an amount larger than the room the workers' resident leases
+  leave (at once, not after a wait at the head of the queue); the work ran past ``inference_timeout`` → 504 (the lease stays held until
   the thread returns); CUDA OOM → traceback dropped, ``empty_cache()``, counted, 503 with
   ``Retry-After``; another CUDA error (device-side assert, illegal address) → 500, the worker
   marks itself not ready and exits (SIGTERM to itself) so gunicorn starts a fresh one.
@@ -515,6 +516,7 @@ class GpuLimiter:
         self.resident_wanted = 0
         self._resident_waiting: int = 0
         self._resident_mode = ""
+        self._resident_bytes: int | None = None  # all workers' resident leases, last read
         self._pool_rate = BusyRate()  # the pool's grants/s while waiters are queued
         self._local_grants = 0  # grants to this worker's requests (for its own drain rate)
         self._local_rate = BusyRate()  # ... this worker's grants/s while its threads are all taken
@@ -713,7 +715,31 @@ class GpuLimiter:
         st = await self.pool.status(limit=100_000)
         self.status, self.status_at = st, time.monotonic()  # fresh: readiness quotes it
         held = sum(lz.amount for lz in st.leases if str(lz.holder.get("purpose", "")).startswith("resident"))
+        self._resident_bytes = held
         return st.capacity, held
+
+    async def _check_room(self, amount: int) -> None:
+        """413 at once for a request that fits the capacity but not the room the workers'
+        resident leases (their models) leave: FIFO would otherwise keep it at the head of the
+        queue for its whole timeout, stalling every request behind it, and then answer an
+        unwinnable 503. The cached resident total (refreshed every ``10 × reaper_interval``) only
+        picks the suspects; the refusal is decided on a fresh read."""
+        st = self.status
+        if st is None or self._resident_bytes is None or not self._resident_bytes:
+            return
+        if amount > st.capacity or amount <= st.capacity - self._resident_bytes:
+            return  # > capacity: the core raises CapacityExceeded (413) itself
+        try:
+            capacity, held = await self._resident_room()
+        except GpuLockError:
+            return  # the acquire reports the backend's state
+        room = capacity - held
+        if room < amount <= capacity:
+            raise GpuLockHTTPException(
+                413, f"this request needs {format_size(amount)} ({amount} bytes) of GPU memory but pool "
+                     f"{self.pool_name!r} leaves {format_size(max(0, room))} ({max(0, room)} bytes) for requests: a "
+                     f"capacity of {format_size(capacity)} ({capacity} bytes) minus {format_size(held)} held by the "
+                     f"workers' resident leases (their models); send a smaller batch", "capacity")
 
     async def _acquire_resident_once(self, amount: int, purpose: str, ttl: float | None) -> AsyncLease:
         """Take a resident lease without ever blocking the pool's request traffic.
@@ -837,6 +863,8 @@ class GpuLimiter:
                     pipe.pexpire(self._key(f"req:{t}"), _CLAIM_TTL_MS)
                 await pipe.execute()
         if full:
+            with contextlib.suppress(Exception):
+                await self._resident_room()
             with contextlib.suppress(Exception):
                 await self.refresh_estimates()
             d = _multiproc_dir()
@@ -1046,12 +1074,14 @@ class GpuLimiter:
             arrival = time.monotonic()
             if not self.enabled:
                 result = await self._call_unguarded(fn, route, arrival)
-            elif request_id:
-                result = await self._call_idempotent(fn, route, amount, request_id, arrival,
-                                                     fingerprint_of() if fingerprint_of else "", response)
             else:
-                job = self._start_job(fn, route, amount, None, "", arrival, park=0.0)
-                result = await self._await_job(job, arrival, response)
+                await self._check_room(amount)
+                if request_id:
+                    result = await self._call_idempotent(fn, route, amount, request_id, arrival,
+                                                         fingerprint_of() if fingerprint_of else "", response)
+                else:
+                    job = self._start_job(fn, route, amount, None, "", arrival, park=0.0)
+                    result = await self._await_job(job, arrival, response)
         except GpuLockHTTPException as e:
             m.requests.labels(route, str(e.status_code)).inc()
             if request_id:
