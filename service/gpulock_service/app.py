@@ -79,6 +79,47 @@ class _WorkerHeader:
         return await self.app(scope, receive, send_with)
 
 
+class _BodyLimit:
+    """Pure ASGI middleware: 413 for a request body over ``limit`` bytes, before anything
+    parses it. The body is parsed as JSON on the worker's event loop, which also runs the
+    lease heartbeats: an unbounded body (a 50 MB string) would stall them and cost the
+    worker its leases, and every other request on the worker with them. Content-Length is
+    checked first; a body without one (chunked) is counted as it arrives, and the read that
+    crosses the limit raises a 413 ``HTTPException`` (FastAPI passes it through its body
+    parsing as it is)."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = int(limit)
+
+    def message(self, seen: str) -> str:
+        return (f"request body of {seen} is over this service's limit of {format_size(self.limit)} "
+                f"({self.limit} bytes; GPULOCK_MAX_REQUEST_BYTES); send fewer or shorter inputs")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length":
+                n = int(v) if v.isdigit() else 0
+                if n > self.limit:
+                    return await JSONResponse({"detail": self.message(f"{n} bytes")}, status_code=413)(
+                        scope, receive, send)
+                break
+        received = 0
+
+        async def counted_receive():
+            nonlocal received
+            msg = await receive()
+            if msg["type"] == "http.request":
+                received += len(msg.get("body", b""))
+                if received > self.limit:
+                    raise HTTPException(413, self.message(f"more than {self.limit} bytes"))
+            return msg
+
+        return await self.app(scope, counted_receive, send)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the service (no I/O here; see the module docstring for what the lifespan does)."""
     settings = settings or Settings()
@@ -183,6 +224,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.limiter = limiter
     app.state.settings = settings
     app.state.model = model
+    app.add_middleware(_BodyLimit, limit=parse_size(settings.max_request_bytes, name="max_request_bytes"))
     app.add_middleware(_WorkerHeader)
 
     @app.get("/health")

@@ -51,6 +51,7 @@ class Settings(BaseSettings):
 
     max_batch: int = Field(256, ge=1, description="most inputs per request (else 413)")
     max_tokens: int = Field(256, ge=8, description="tokens per input after truncation")
+    max_request_bytes: str = Field("16MiB", description="largest request body (else 413 before it is parsed)")
     executor_threads: int = Field(2, ge=1, description="threads running inference per worker")
     torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads per worker (CPU)")
 
@@ -61,7 +62,7 @@ class Settings(BaseSettings):
     exit_on_fatal: bool = Field(True, description="exit the worker after a sticky CUDA error")
     history_file: str | None = Field(None, description="tests: prefix of per-worker grant/release logs")
 
-    @field_validator("capacity", "resident", "sleep_bytes", "cpu_resident", "cuda_context")
+    @field_validator("capacity", "resident", "sleep_bytes", "cpu_resident", "cuda_context", "max_request_bytes")
     @classmethod
     def _size(cls, v: str | None, info):
         if v is None or v == "":

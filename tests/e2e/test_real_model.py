@@ -83,6 +83,38 @@ def test_embeddings_openai_shape(svc):
 
 
 @pytest.mark.timeout(90)
+def test_oversized_bodies_are_refused_before_parsing_and_long_texts_are_cheap(svc):
+    """The body is parsed on the worker's event loop, which also runs the lease heartbeats:
+    a body over GPULOCK_MAX_REQUEST_BYTES (16 MiB) is a 413 before anyone parses it (by
+    Content-Length, or counted as a chunked body arrives), and a long text under the limit is
+    counted as max_tokens without tokenizing its megabytes. The worker stays ready: no lease
+    was lost to a stalled loop."""
+    with httpx.Client(base_url=svc.url, timeout=60) as c:
+        big = {"input": ["word " * (4 * 2**20)]}  # 20 MiB in one string
+        r = c.post("/v1/embeddings", json=big)
+        assert r.status_code == 413 and "GPULOCK_MAX_REQUEST_BYTES" in r.json()["detail"], r.text
+        assert "16.0MiB" in r.json()["detail"]
+
+        def chunks():
+            yield b'{"input": ["'
+            for _ in range(20):
+                yield b"word " * 2**18  # 1.25 MiB per chunk, no Content-Length
+            yield b'"]}'
+
+        r = c.post("/v1/embeddings", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "more than" in r.json()["detail"], r.text
+
+        long = "the quick brown fox jumps over the lazy dog " * 100_000  # 4.4 MB, one text
+        t0 = time.monotonic()
+        r = _post(c, {"input": [long, "short text"]})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == 256 + len("short text".split()) + 2
+        assert time.monotonic() - t0 < 30
+        for _ in range(4):
+            assert c.get("/ready").status_code == 200
+
+
+@pytest.mark.timeout(90)
 def test_c06_preload_fork(svc, e2e_redis):
     master = svc.proc.pid
     workers = svc.worker_pids()
