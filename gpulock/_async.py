@@ -7,7 +7,7 @@ import asyncio
 from typing import Any, Callable
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
+from redis.exceptions import AuthenticationError, NoScriptError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
 from ._protocol import (
@@ -158,10 +158,15 @@ class AsyncPool:
     async def _eval_once(self, name: str, args: list) -> Any:
         sc = scripts()[name]
         try:
-            return await self.redis.evalsha(sc.sha, len(self._keys), *self._keys, *args)
-        except NoScriptError:
-            await self.redis.script_load(sc.source)
-            return await self.redis.evalsha(sc.sha, len(self._keys), *self._keys, *args)
+            try:
+                return await self.redis.evalsha(sc.sha, len(self._keys), *self._keys, *args)
+            except NoScriptError:
+                await self.redis.script_load(sc.source)
+                return await self.redis.evalsha(sc.sha, len(self._keys), *self._keys, *args)
+        except AuthenticationError as e:
+            # redis-py makes it a ConnectionError; retrying bad credentials only delays the
+            # message (by backend_timeout), so it leaves the retry loops here.
+            raise translate(e, self.name) from e
 
     async def _eval(self, name: str, args: list, *, retry: bool = True) -> Any:
         """EVALSHA with NOSCRIPT reload; retries connection errors (for idempotent scripts

@@ -363,6 +363,10 @@ def translate(exc: BaseException, pool: str) -> BaseException:
                 f"Redis refused a gpulock script on pool {pool!r} for lack of permission (ACL; see "
                 f"docs/RELIABILITY.md for the ACL gpulock needs): {msg}")
         return BackendUnavailable(f"Redis refused a gpulock script on pool {pool!r}: {msg}")
+    if isinstance(exc, rex.AuthenticationError):
+        return BackendUnavailable(
+            f"Redis refused gpulock's credentials for pool {pool!r} ({exc}); check the password or the "
+            f"ACL user in the Redis URL (GPULOCK_REDIS_URL / --redis-url)")
     if isinstance(exc, (rex.ConnectionError, rex.TimeoutError, OSError)):
         return BackendUnavailable(f"Redis unavailable for pool {pool!r}: {exc}")
     if isinstance(exc, rex.RedisError):

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import redis
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
+from redis.exceptions import AuthenticationError, NoScriptError
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
 from ._async import _CLIENT_DEFAULTS, DEFAULT_BACKEND_TIMEOUT_S
@@ -216,10 +216,15 @@ class Pool:
     def _eval_once(self, name: str, args: list) -> Any:
         sc = scripts()[name]
         try:
-            return self.redis.evalsha(sc.sha, len(self._keys), *self._keys, *args)
-        except NoScriptError:
-            self.redis.script_load(sc.source)
-            return self.redis.evalsha(sc.sha, len(self._keys), *self._keys, *args)
+            try:
+                return self.redis.evalsha(sc.sha, len(self._keys), *self._keys, *args)
+            except NoScriptError:
+                self.redis.script_load(sc.source)
+                return self.redis.evalsha(sc.sha, len(self._keys), *self._keys, *args)
+        except AuthenticationError as e:
+            # redis-py makes it a ConnectionError; retrying bad credentials only delays the
+            # message (by backend_timeout), so it leaves the retry loops here.
+            raise translate(e, self.name) from e
 
     def _eval(self, name: str, args: list) -> Any:
         """EVALSHA with NOSCRIPT reload and bounded, jittered retries of connection errors."""
