@@ -15,6 +15,7 @@ from .errors import (
     GpuLockError,
     InvalidArgument,
     LeaseLost,
+    PoolClosed,
     PoolNotFound,
     QueueFull,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "LeaseInfo",
     "LeaseLost",
     "Pool",
+    "PoolClosed",
     "PoolNotFound",
     "PoolStatus",
     "QueueFull",

@@ -35,7 +35,7 @@ from ._protocol import (
 )
 from ._runtime import Runtime, Waiter
 from ._scripts import scripts
-from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost
+from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost, PoolClosed
 from .units import parse_seconds, parse_size
 
 DEFAULT_BACKEND_TIMEOUT_S = 5.0
@@ -259,7 +259,8 @@ class AsyncPool:
 
         Raises:
             InvalidArgument, CapacityExceeded (at once), PoolNotFound, QueueFull,
-            AcquireTimeout (nothing is held afterwards), BackendUnavailable.
+            AcquireTimeout (nothing is held afterwards), BackendUnavailable, PoolClosed (the
+            pool object was closed before or during the wait; the request left the queue).
             On cancellation (``CancelledError``) the request leaves the queue and any grant
             that raced in is released before the error propagates (DESIGN invariant 2).
         """
@@ -267,6 +268,8 @@ class AsyncPool:
                                    request_id=request_id, waiter_ttl=self.waiter_ttl, default_ttl=self.default_ttl)
         start = self.clock()
         rt = self._runtime
+        if rt._closed:
+            raise PoolClosed(self.name)  # no heartbeat or listener would serve the lease
         wait = req.timeout_s != 0
         if wait:
             await rt.ensure_subscribed()

@@ -38,6 +38,7 @@ from ._protocol import (
     validity_deadline,
 )
 from ._scripts import scripts
+from .errors import PoolClosed
 
 log = logging.getLogger("gpulock")
 
@@ -262,7 +263,12 @@ class Runtime:
         return t
 
     async def close(self) -> None:
+        """Stop the background tasks; every acquire still waiting ends with PoolClosed (its
+        shell then withdraws the request from the queue)."""
         self._closed = True
+        for w in list(self.waiters.values()):
+            if w.future is not None and not w.future.done():
+                w.future.set_exception(PoolClosed(self.pool))
         for t in (self._ticker, self._listener, self._watchdog):
             if t is not None:
                 t.cancel()

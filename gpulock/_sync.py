@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import weakref
 from typing import Any, Callable
 
 import redis
@@ -44,16 +45,23 @@ from ._protocol import (
 )
 from ._runtime import Runtime, Waiter
 from ._scripts import scripts
-from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost, PoolNotFound
+from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost, PoolClosed, PoolNotFound
 from .units import parse_seconds, parse_size
 
 
 class _LoopThread:
-    """An event loop on a daemon thread; coroutines are submitted from other threads."""
+    """An event loop on a daemon thread; coroutines are submitted from other threads.
 
-    def __init__(self, name: str):
+    After :meth:`stop` nothing waits on it forever: a submission raises ``closed()``, and the
+    futures of submissions the stopped loop never ran are cancelled."""
+
+    def __init__(self, name: str, closed: Callable[[], BaseException] = lambda: RuntimeError("loop stopped")):
         self.loop = asyncio.new_event_loop()
+        self.closed = closed
         self._ready = threading.Event()
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._pending: weakref.WeakSet[concurrent.futures.Future] = weakref.WeakSet()
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
         self.thread.start()
         self._ready.wait()
@@ -64,17 +72,30 @@ class _LoopThread:
         self.loop.run_forever()
 
     def submit(self, coro) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        with self._lock:
+            if self._stopped:
+                coro.close()
+                raise self.closed()
+            f = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            self._pending.add(f)
+            return f
 
     def call(self, coro, timeout: float | None = None):
         return self.submit(coro).result(timeout)
 
     def soon(self, fn, *args) -> None:
-        self.loop.call_soon_threadsafe(fn, *args)
+        with self._lock:
+            if not self._stopped:
+                self.loop.call_soon_threadsafe(fn, *args)
 
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
+        with self._lock:
+            self._stopped = True
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout=5)
+        for f in list(self._pending):
+            f.cancel()  # a caller blocked on it gets CancelledError instead of waiting forever
 
 
 def _async_twin(client: redis.Redis) -> aioredis.Redis:
@@ -200,7 +221,7 @@ class Pool:
     def _rt(self) -> tuple[_LoopThread, Runtime]:
         with self._lock:
             if self._portal is None:
-                self._portal = _LoopThread(f"gpulock-{self.name}")
+                self._portal = _LoopThread(f"gpulock-{self.name}", closed=lambda: PoolClosed(self.name))
                 client = (aioredis.from_url(self._url, **_CLIENT_DEFAULTS) if self._url
                           else _async_twin(self.redis))
                 self._runtime = Runtime(client, self.name, self._keys, self.clock, self.poll_interval,
@@ -332,6 +353,8 @@ class Pool:
             remaining = None if req.timeout_s is None else max(0.0, req.timeout_s - (self.clock() - start))
             try:
                 grant = cf.result(remaining)
+            except concurrent.futures.CancelledError:
+                raise PoolClosed(self.name) from None  # close() stopped the loop thread under us
             except concurrent.futures.TimeoutError:
                 raise AcquireTimeout(
                     f"pool {self.name!r}: no grant of {req.amount} bytes within {req.timeout_s}s "
@@ -352,7 +375,10 @@ class Pool:
             in_use = False
             if joined is not None:
                 if needs_cancel:
-                    in_use = portal.call(self._leave(rt, joined))
+                    try:
+                        in_use = portal.call(self._leave(rt, joined))
+                    except (PoolClosed, concurrent.futures.CancelledError):
+                        pass  # closed meanwhile: nobody else waits on this ticket here
                 else:
                     portal.soon(rt.leave_waiter, joined)
             if needs_cancel and not in_use:

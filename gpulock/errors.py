@@ -24,6 +24,7 @@ __all__ = [
     "QueueFull",
     "LeaseLost",
     "BackendUnavailable",
+    "PoolClosed",
 ]
 
 
@@ -113,3 +114,12 @@ class LeaseLost(GpuLockError):
 class BackendUnavailable(GpuLockError):
     """Redis could not be reached, or did not answer within the bound, after the retries that
     are safe for the operation. The original redis-py error is the ``__cause__``."""
+
+
+class PoolClosed(GpuLockError, RuntimeError):
+    """The pool object was closed (``close()``/``aclose()``) while this call waited, or before
+    it: the wait ends at once, its request leaves the queue, and nothing is held."""
+
+    def __init__(self, pool: str):
+        super().__init__(f"pool object for {pool!r} was closed; the request left the queue")
+        self.pool = pool
