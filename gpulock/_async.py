@@ -29,6 +29,7 @@ from ._protocol import (
     default_clock,
     pool_keys,
     pool_settings,
+    retry_bound,
     ttl_ms,
     translate,
     validity_deadline,
@@ -168,10 +169,11 @@ class AsyncPool:
             # message (by backend_timeout), so it leaves the retry loops here.
             raise translate(e, self.name) from e
 
-    async def _eval(self, name: str, args: list, *, retry: bool = True) -> Any:
+    async def _eval(self, name: str, args: list, *, retry: bool = True, bound: float | None = None) -> Any:
         """EVALSHA with NOSCRIPT reload; retries connection errors (for idempotent scripts
         only: every gpulock script is idempotent by ticket or lease id) with jittered backoff
-        for at most ``backend_timeout`` seconds, then raises BackendUnavailable."""
+        for at most ``bound`` (default ``backend_timeout``) seconds, then raises
+        BackendUnavailable."""
         try:
             try:
                 return await self._eval_once(name, args)
@@ -180,7 +182,8 @@ class AsyncPool:
                     raise
             # The retrier is built only after a failure: it costs ~10% of an uncontended call.
             async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(RETRYABLE), stop=stop_after_delay(self.backend_timeout),
+                retry=retry_if_exception_type(RETRYABLE),
+                stop=stop_after_delay(self.backend_timeout if bound is None else bound),
                 wait=wait_random_exponential(multiplier=0.05, max=1.0), reraise=True,
             ):
                 with attempt:
@@ -277,6 +280,7 @@ class AsyncPool:
         # True while the server may hold a place or a grant for this ticket that we would
         # otherwise leave behind: from sending the acquire until we return a lease.
         needs_cancel = True
+        unreachable = False  # Redis did not answer the acquire: its cancel goes to the background
         joined: Waiter | None = None
         try:
             try:
@@ -284,6 +288,7 @@ class AsyncPool:
             except GpuLockError as e:
                 if not isinstance(e, BackendUnavailable):
                     needs_cancel = False  # the script refused before writing anything
+                unreachable = isinstance(e, BackendUnavailable)
                 raise
             if isinstance(res, Grant):
                 needs_cancel = False
@@ -334,10 +339,11 @@ class AsyncPool:
                 # Leave the queue and release a grant that raced in (or whose reply we never
                 # read), even if we are being cancelled again meanwhile.
                 task = rt.spawn(self._cancel(req.ticket))
-                try:
-                    await asyncio.shield(task)
-                except BaseException:
-                    pass
+                if not unreachable:  # else do not make the caller wait for a second bound:
+                    try:             # what the acquire may have left expires on its own anyway
+                        await asyncio.shield(task)
+                    except BaseException:
+                        pass
 
     async def _sync_grant(self, lease: AsyncLease) -> None:
         """``sync_replicas``: return a grant only once that many replicas have it, so that a
@@ -369,7 +375,7 @@ class AsyncPool:
     async def _acquire_call(self, req: AcquireRequest, argv: list[str]):
         sent = self.clock()
         try:
-            r = await self._eval("acquire", argv)
+            r = await self._eval("acquire", argv, bound=retry_bound(self.backend_timeout, req.timeout_s))
         except Exception as e:
             from .errors import PoolNotFound
 

@@ -384,6 +384,15 @@ REASSERT_REFUSED = {
 }
 
 
+def retry_bound(backend_timeout: float, timeout: float | None) -> float:
+    """Seconds an acquire retries connection errors: ``backend_timeout``, shortened to the
+    caller's own ``timeout`` (at least 1 s, so a try-once acquire still rides out a dropped
+    connection): a caller that would wait 0.5 s for a grant should not wait 5 s for Redis."""
+    if timeout is None:
+        return backend_timeout
+    return min(backend_timeout, max(1.0, timeout))
+
+
 # Errors worth retrying for idempotent operations: the request may or may not have run.
 RETRYABLE = (rex.ConnectionError, rex.TimeoutError, ConnectionError, OSError)
 

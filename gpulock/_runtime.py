@@ -279,7 +279,14 @@ class Runtime:
                 except (asyncio.CancelledError, Exception):
                     pass
         if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+            # Withdrawals and releases in flight get a moment to finish; against a Redis that
+            # does not answer they are dropped (what they were for expires on its own).
+            pending = set(self._background)
+            _, left = await asyncio.wait(pending, timeout=2.0)
+            for t in left:
+                t.cancel()
+            if left:
+                await asyncio.gather(*left, return_exceptions=True)
 
     # ---- grants --------------------------------------------------------------------------
     def _deliver(self, grant: Grant) -> None:
@@ -393,6 +400,19 @@ class Runtime:
         log.warning("gpulock: pool %s: %d lease(s) in jeopardy: renewal failed (%s); each is lost at "
                     "its local deadline (the first in %.2fs) unless a renewal gets through before",
                     self.pool, len(live), err, max(0.0, first))
+
+    async def cancel_quietly(self, ticket: str) -> None:
+        """Withdraw a request (leave the queue, give back a grant that raced in), retrying a
+        dropped connection a few times; if Redis stays away the waiter expires after its
+        waiter_ttl and a grant after its ttl."""
+        for delay in (0.0, 0.2, 0.5, 1.0, 2.0):
+            await asyncio.sleep(delay)
+            try:
+                await self._eval("cancel", [ticket])
+                return
+            except Exception:  # noqa: BLE001 - best effort; expiry is the backstop
+                if self._closed:
+                    return
 
     async def _eval(self, name: str, args: list) -> Any:
         from redis.exceptions import NoScriptError

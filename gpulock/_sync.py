@@ -39,6 +39,7 @@ from ._protocol import (
     default_clock,
     pool_keys,
     pool_settings,
+    retry_bound,
     translate,
     ttl_ms,
     validity_deadline,
@@ -247,8 +248,9 @@ class Pool:
             # message (by backend_timeout), so it leaves the retry loops here.
             raise translate(e, self.name) from e
 
-    def _eval(self, name: str, args: list) -> Any:
-        """EVALSHA with NOSCRIPT reload and bounded, jittered retries of connection errors."""
+    def _eval(self, name: str, args: list, *, bound: float | None = None) -> Any:
+        """EVALSHA with NOSCRIPT reload and jittered retries of connection errors for at most
+        ``bound`` (default ``backend_timeout``) seconds."""
         try:
             try:
                 return self._eval_once(name, args)
@@ -256,7 +258,8 @@ class Pool:
                 pass
             # The retrier is built only after a failure: it costs ~10% of an uncontended call.
             for attempt in Retrying(
-                retry=retry_if_exception_type(RETRYABLE), stop=stop_after_delay(self.backend_timeout),
+                retry=retry_if_exception_type(RETRYABLE),
+                stop=stop_after_delay(self.backend_timeout if bound is None else bound),
                 wait=wait_random_exponential(multiplier=0.05, max=1.0), reraise=True,
             ):
                 with attempt:
@@ -323,6 +326,7 @@ class Pool:
             portal.call(rt.ensure_subscribed())
         argv = req.argv("wait" if wait else "try", rt.channel_id)
         needs_cancel = True
+        unreachable = False  # Redis did not answer the acquire: its cancel goes to the background
         cf: concurrent.futures.Future | None = None
         joined: Waiter | None = None
         try:
@@ -331,6 +335,7 @@ class Pool:
             except GpuLockError as e:
                 if not isinstance(e, BackendUnavailable):
                     needs_cancel = False
+                unreachable = isinstance(e, BackendUnavailable)
                 raise
             if isinstance(res, Grant):
                 needs_cancel = False
@@ -381,7 +386,11 @@ class Pool:
                         pass  # closed meanwhile: nobody else waits on this ticket here
                 else:
                     portal.soon(rt.leave_waiter, joined)
-            if needs_cancel and not in_use:
+            if needs_cancel and not in_use and unreachable:
+                # Redis did not answer: withdraw from the loop thread, without making the
+                # caller wait a second bound (what the acquire left expires on its own anyway).
+                portal.soon(lambda: rt.spawn(rt.cancel_quietly(req.ticket)))
+            elif needs_cancel and not in_use:
                 try:
                     self._eval("cancel", [req.ticket])
                 except GpuLockError:
@@ -449,7 +458,7 @@ class Pool:
     def _acquire_call(self, req: AcquireRequest, argv: list[str], rt: Runtime):
         sent = self.clock()
         try:
-            r = self._eval("acquire", argv)
+            r = self._eval("acquire", argv, bound=retry_bound(self.backend_timeout, req.timeout_s))
         except PoolNotFound:
             if self.capacity is None:
                 raise

@@ -51,6 +51,25 @@ def _wait_quiet(svc, timeout: float = 60):
     raise AssertionError(f"service did not settle: {svc.status()}")
 
 
+def _stable_scrape(svc, timeout: float = 60):
+    """A scrape with the pool quiet and unchanged from just before it to just after it.
+    Workers still recycle after the load (gunicorn's --max-requests counts the test's own
+    /metrics and /ready requests too), and a new worker's resident lease can be granted while
+    the old one's is being released: comparing a scrape with a status read a moment later
+    would then compare two different pools."""
+    deadline = time.monotonic() + timeout
+    while True:
+        before = svc.status()
+        m = svc.metrics()
+        after = svc.status()
+        same = ((before.used, before.lease_count, before.waiter_count, before.grants)
+                == (after.used, after.lease_count, after.waiter_count, after.grants))
+        if same and after.used == 4 * RESIDENT and after.lease_count == 4:
+            return m, after
+        assert time.monotonic() < deadline, f"pool never quiet for one scrape: {after}"
+        time.sleep(0.2)
+
+
 @pytest.mark.timeout(150)
 def test_c09_multiprocess_metrics(svc):
     n = 60
@@ -98,7 +117,7 @@ def test_c09_multiprocess_metrics(svc):
         prev = ok
 
     _wait_quiet(svc)
-    m, st = svc.metrics(), svc.status()
+    m, st = _stable_scrape(svc)
     assert _pool(svc, m, "gpulock_pool_capacity_bytes") == st.capacity
     assert _pool(svc, m, "gpulock_pool_used_bytes") == st.used == 4 * RESIDENT
     assert _pool(svc, m, "gpulock_pool_leases") == st.lease_count == 4

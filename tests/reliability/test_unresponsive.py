@@ -36,11 +36,11 @@ WAITER_TTL = 1.0
 
 def _abound(first_call: bool) -> float:
     """An acquire against a hung Redis: the acquire call (a first try, ended by the socket
-    timeout, then retries for BT, the last one also ended by its socket timeout: <= 2 ST + BT),
-    then the cancel of the request that may have reached Redis (the same again); a pool
-    object's first waiting acquire also waits up to 5 s for its pub/sub subscription. 1 s of
-    slack for a loaded machine."""
-    return (5.0 if first_call else 0.0) + 2 * (2 * ST + BT) + 1.0
+    timeout, then retries for BT, the last one also ended by its socket timeout: <= 2 ST + BT).
+    The cancel of the request that may have reached Redis runs in the background, not on the
+    caller's time (it used to add the same bound again). A pool object's first waiting acquire
+    also waits up to 5 s for its pub/sub subscription. 1 s of slack for a loaded machine."""
+    return (5.0 if first_call else 0.0) + (2 * ST + BT) + 1.0
 
 
 def _converged(c: redis.Redis, pool: str, live: dict[str, int]) -> bool:

@@ -315,3 +315,13 @@ def test_lease_base_properties():
     with pytest.raises(LeaseLost):
         lease.ensure_valid()
     assert "lost" in repr(lease)
+
+
+def test_retry_bound_follows_the_callers_timeout():
+    from gpulock._protocol import retry_bound
+
+    assert retry_bound(5.0, None) == 5.0  # waits forever: the backend bound
+    assert retry_bound(5.0, 30.0) == 5.0
+    assert retry_bound(5.0, 2.5) == 2.5  # a caller that waits 2.5 s is not kept 5 s by retries
+    assert retry_bound(5.0, 0.0) == 1.0  # try-once still rides out one dropped connection
+    assert retry_bound(0.5, 0.0) == 0.5
