@@ -857,11 +857,13 @@ class GpuLimiter:
         self._local_rate.sample(now, self._local_grants, busy=bool(self._slots.waiters))
         tickets = [t for t, j in self._jobs.items() if j.phase != "done"]
         if tickets:
-            with contextlib.suppress(Exception):
+            try:
                 pipe = self.redis.pipeline(transaction=False)
                 for t in tickets:
                     pipe.pexpire(self._key(f"req:{t}"), _CLAIM_TTL_MS)
                 await pipe.execute()
+            except Exception as e:  # noqa: BLE001 - the claims expire in 10 s; say why they were not kept
+                log.warning("gpulock: could not refresh %d request claim(s): %s", len(tickets), e)
         if full:
             with contextlib.suppress(Exception):
                 await self._resident_room()
@@ -1334,8 +1336,12 @@ class GpuLimiter:
             if job.ticket is not None:
                 if self._jobs.get(job.ticket) is job:
                     del self._jobs[job.ticket]
-                with contextlib.suppress(BaseException):
+                try:
                     await asyncio.shield(self.redis.eval(_UNLOCK, 1, self._key(f"req:{job.ticket}"), f"{self._owner}|"))
+                except Exception as e:  # noqa: BLE001 - the claim expires in 10 s; until then retries follow it
+                    log.warning("gpulock: could not drop the claim of request %s: %s", job.ticket, e)
+                except BaseException:  # cancelled: the claim expires on its own
+                    pass
 
     def _in_thread(self, lease: AsyncLease, fn: Callable[[], Any], job: _Job) -> Any:
         tok = _current_lease.set(lease)

@@ -477,3 +477,100 @@ async def test_request_larger_than_the_room_residents_leave_is_413_at_once(redis
         for lz in models:
             await lz.release()
     await other.aclose()
+
+
+def _documented_acls() -> tuple[str, str]:
+    """The library's ACL line and the service's extra rules, as docs/RELIABILITY.md gives them."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "RELIABILITY.md").read_text()
+    core = re.search(r"^ACL SETUSER gpulock (.+)$", doc, re.M)
+    extra = re.search(r"^SERVICE-ACL (.+)$", doc, re.M)
+    assert core and extra, "docs/RELIABILITY.md lost its ACL lines"
+    return core.group(1).strip(), extra.group(1).strip()
+
+
+async def _run_under_acl(url: str, admin_url: str, pool: str) -> list[str]:
+    """Configure the pool as admin, then drive the service as the limited user; returns the
+    problems seen (responses that were not 200, log records of failed Redis calls)."""
+    import logging
+
+    import redis as sync_redis
+
+    admin = AsyncPool.from_url(admin_url, pool)
+    await admin.configure(4 * GiB)
+    await admin.aclose()
+    problems: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING or "NOPERM" in record.getMessage():
+                problems.append(record.getMessage())
+
+    h = Catch()
+    logging.getLogger("gpulock").addHandler(h)
+    try:
+        app, gpu, _ = _app(url, pool, capacity=None, acquire_timeout=5)
+        async with _Running(app) as c:
+            async def post(what: str, headers: dict | None = None, replay: bool = False, seconds: float = 0.0) -> None:
+                try:
+                    r = await c.post("/sync", json={"gib": 1, "seconds": seconds}, headers=headers or {})
+                except Exception as e:  # noqa: BLE001 - the app raised: a refused command
+                    problems.append(f"{what}: {type(e).__name__}: {e}")
+                    return
+                if r.status_code != 200 or (replay and r.headers.get("x-idempotent-replay") != "true"):
+                    problems.append(f"{what}: {r.status_code} {r.text}")
+
+            if not gpu.readiness()[0]:
+                problems.append(f"not ready: {gpu.readiness()[1]}")
+            await post("plain request")
+            await post("idempotent request", {"X-Request-ID": "acl-1"})
+            await asyncio.sleep(0.3)  # the job's own clean-up (release, claim) after the answer
+            await post("replay", {"X-Request-ID": "acl-1"}, replay=True)
+
+
+            async def tick_during_a_request() -> None:
+                await asyncio.sleep(0.2)
+                try:
+                    await gpu._tick(full=True)  # refreshes the running request's claim
+                    await gpu.redis.hgetall(gpu.estimates_key)
+                except Exception as e:  # noqa: BLE001 - a refused command is what we look for
+                    problems.append(f"tick: {e}")
+
+            await asyncio.gather(post("slow idempotent request", {"X-Request-ID": "acl-2"}, seconds=0.5),
+                                 tick_during_a_request())
+            await asyncio.sleep(0.3)
+            admin = sync_redis.Redis.from_url(admin_url)
+            left = [k.decode() for k in admin.scan_iter(f"gpulock:{{{pool}}}:req:*")]
+            admin.close()
+            if left:
+                problems.append(f"request claims not dropped: {left}")
+            if gpu.redis_error:
+                problems.append(f"redis error: {gpu.redis_error}")
+    finally:
+        logging.getLogger("gpulock").removeHandler(h)
+    return problems
+
+
+async def test_service_runs_under_the_documented_acl(redis_proc1):
+    import redis as sync_redis
+
+    core, extra = _documented_acls()
+    admin = sync_redis.Redis.from_url(redis_proc1.url)
+    host, port = redis_proc1.host, redis_proc1.port
+    try:
+        admin.execute_command("ACL", "SETUSER", "svc", "reset", *core.split(), *extra.split())
+        url = f"redis://svc:PASSWORD@{host}:{port}/0"
+        problems = await _run_under_acl(url, redis_proc1.url, "it-acl")
+        assert not problems, problems
+        # Each extra rule is needed: without it something above fails.
+        needless = []
+        for rule in extra.split():
+            admin.execute_command("ACL", "SETUSER", "svc", "reset", *core.split(),
+                                  *[r for r in extra.split() if r != rule])
+            if not await _run_under_acl(url, redis_proc1.url, f"it-acl-{rule.strip('+').replace('|', '-')}"):
+                needless.append(rule)
+        assert not needless, f"documented but not needed: {needless}"
+    finally:
+        admin.execute_command("ACL", "DELUSER", "svc")
+        admin.close()
