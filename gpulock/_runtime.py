@@ -319,9 +319,6 @@ class Runtime:
                     elif msg["type"] == "message":
                         for g in decode_events(msg["data"]):
                             self._deliver(g)
-                        # Let the woken acquires run before this task sets up its next read
-                        # (that set-up is what the grantee would otherwise wait for).
-                        await asyncio.sleep(0)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # connection trouble: the ticker's polling covers us
