@@ -84,6 +84,15 @@ class _LoopThread:
     def call(self, coro, timeout: float | None = None):
         return self.submit(coro).result(timeout)
 
+    def watch(self, f: concurrent.futures.Future) -> concurrent.futures.Future:
+        """Cancel ``f`` in :meth:`stop` if it is not done by then (a future the loop thread
+        is to complete); returns it."""
+        with self._lock:
+            if self._stopped:
+                raise self.closed()
+            self._pending.add(f)
+            return f
+
     def soon(self, fn, *args) -> None:
         with self._lock:
             if not self._stopped:
@@ -97,6 +106,20 @@ class _LoopThread:
             self.thread.join(timeout=5)
         for f in list(self._pending):
             f.cancel()  # a caller blocked on it gets CancelledError instead of waiting forever
+
+
+def _relay(f: asyncio.Future, cf: concurrent.futures.Future, pool: str) -> None:
+    """Copy an asyncio future's outcome to a thread's future (on the loop thread); a thread
+    that gave up (timeout, interrupt) has cancelled ``cf`` already, and nothing is copied."""
+    try:
+        if f.cancelled():
+            cf.set_exception(PoolClosed(pool))
+        elif f.exception() is not None:
+            cf.set_exception(f.exception())
+        else:
+            cf.set_result(f.result())
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 def _async_twin(client: redis.Redis) -> aioredis.Redis:
@@ -212,6 +235,8 @@ class Pool:
         self._lock = threading.Lock()
         self._portal: _LoopThread | None = None
         self._runtime: Runtime | None = None
+        self._active = 0  # acquires in progress (close() lets them withdraw first)
+        self._active_cv = threading.Condition(threading.Lock())
 
     @classmethod
     def from_url(cls, url: str, name: str, **kw: Any) -> "Pool":
@@ -317,6 +342,19 @@ class Pool:
         :meth:`gpulock.AsyncPool.acquire`. ``on_queued`` runs on the pool's background thread
         (except its first call). On ``KeyboardInterrupt`` or any other exception during the
         wait, the request leaves the queue and a grant that raced in is released."""
+        with self._active_cv:
+            self._active += 1
+        try:
+            return self._acquire(amount, ttl=ttl, timeout=timeout, holder=holder, request_id=request_id,
+                                 on_queued=on_queued)
+        finally:
+            with self._active_cv:
+                self._active -= 1
+                self._active_cv.notify_all()
+
+    def _acquire(self, amount: int | str, *, ttl: float | None, timeout: float | None,
+                 holder: dict[str, Any] | None, request_id: str | None,
+                 on_queued: Callable[[int], Any] | None) -> Lease:
         req = AcquireRequest.build(self.name, amount, ttl=ttl, timeout=timeout, holder=holder,
                                    request_id=request_id, waiter_ttl=self.waiter_ttl, default_ttl=self.default_ttl)
         start = self.clock()
@@ -352,9 +390,11 @@ class Pool:
                     retry_after=res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None)
             if on_queued:
                 on_queued(res.position)
+            # The grant is relayed straight from the waiter future's done-callback on the loop
+            # thread to this thread's future: no task has to run in between (a hand-off step).
+            cf = portal.watch(concurrent.futures.Future())
             joined = portal.call(self._join(rt, Waiter(req.ticket, None, argv, ttl_ms(req.waiter_ttl_s),
-                                                       res.position, on_queued), res.retry_after_ms))
-            cf = portal.submit(self._wait_grant(joined.future))
+                                                       res.position, on_queued), res.retry_after_ms, cf))
             remaining = None if req.timeout_s is None else max(0.0, req.timeout_s - (self.clock() - start))
             try:
                 grant = cf.result(remaining)
@@ -393,21 +433,17 @@ class Pool:
             elif needs_cancel and not in_use:
                 try:
                     self._eval("cancel", [req.ticket])
-                except GpuLockError:
+                except Exception:  # noqa: BLE001 - never mask the error being raised
                     pass  # unreachable: the waiter expires after waiter_ttl, a grant after ttl
 
-    async def _join(self, rt: Runtime, w: Waiter, retry_after_ms: int) -> Waiter:
+    async def _join(self, rt: Runtime, w: Waiter, retry_after_ms: int, cf: concurrent.futures.Future) -> Waiter:
         w.future = asyncio.get_running_loop().create_future()
         joined = rt.join_waiter(w)
         rt.set_reap_timer(self.clock(), retry_after_ms)
+        # A callback, never ``await``: another acquire with the same request id may share the
+        # waiter future, and giving up here must not cancel it.
+        joined.future.add_done_callback(lambda f: _relay(f, cf, self.name))
         return joined
-
-    @staticmethod
-    async def _wait_grant(fut: asyncio.Future) -> Grant:
-        # wait, not ``await fut``: cancelling this task must not cancel a future that another
-        # acquire with the same request id shares.
-        await asyncio.wait((fut,))
-        return fut.result()
 
     @staticmethod
     async def _leave(rt: Runtime, w: Waiter) -> bool:
@@ -490,12 +526,19 @@ class Pool:
         return int(r[0]) == 1
 
     def close(self) -> None:
-        """Stop the background thread (held leases are not released: they expire)."""
+        """Stop the background thread (held leases are not released: they expire). Acquires
+        waiting in other threads end with PoolClosed; close() gives them up to 2 s to withdraw
+        their requests before it closes the connections."""
         with self._lock:
             portal, rt, self._portal, self._runtime = self._portal, self._runtime, None, None
         if portal is not None:
             try:
                 portal.call(rt.close(), timeout=5)
+            except Exception:
+                pass
+            with self._active_cv:
+                self._active_cv.wait_for(lambda: self._active == 0, timeout=2.0)
+            try:
                 portal.call(rt.redis.aclose(), timeout=5)
             except Exception:
                 pass
