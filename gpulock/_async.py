@@ -34,6 +34,7 @@ from ._protocol import (
     translate,
     validity_deadline,
 )
+from ._connect import async_client
 from ._runtime import Runtime, Waiter
 from ._scripts import scripts
 from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost, PoolClosed
@@ -149,10 +150,11 @@ class AsyncPool:
 
     @classmethod
     def from_url(cls, url: str, name: str, **kw: Any) -> "AsyncPool":
-        """Connect to ``redis://``, ``rediss://`` or ``unix://`` URL (no I/O until first use).
+        """Connect to a ``redis://``, ``rediss://``, ``unix://`` or ``redis+sentinel://`` URL
+        (no I/O until first use; Sentinel URLs: :mod:`gpulock._connect`).
         Socket timeouts default to 5 s (reads) and 2 s (connect) so a hung Redis surfaces as
         BackendUnavailable instead of a hang."""
-        client = aioredis.from_url(url, **_CLIENT_DEFAULTS)
+        client = async_client(url, **_CLIENT_DEFAULTS)
         return cls(client, name, _owns_client=True, **kw)
 
     # ---- I/O ------------------------------------------------------------------------------

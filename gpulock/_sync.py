@@ -44,6 +44,7 @@ from ._protocol import (
     ttl_ms,
     validity_deadline,
 )
+from ._connect import async_client, sync_client
 from ._runtime import Runtime, Waiter
 from ._scripts import scripts
 from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost, PoolClosed, PoolNotFound
@@ -240,15 +241,16 @@ class Pool:
 
     @classmethod
     def from_url(cls, url: str, name: str, **kw: Any) -> "Pool":
-        """Connect to a ``redis://``, ``rediss://`` or ``unix://`` URL (no I/O until first use)."""
-        return cls(redis.Redis.from_url(url, **_CLIENT_DEFAULTS), name, _url=url, _owns_client=True, **kw)
+        """Connect to a ``redis://``, ``rediss://``, ``unix://`` or ``redis+sentinel://`` URL
+        (no I/O until first use; Sentinel URLs: :mod:`gpulock._connect`)."""
+        return cls(sync_client(url, **_CLIENT_DEFAULTS), name, _url=url, _owns_client=True, **kw)
 
     # ---- background runtime --------------------------------------------------------------
     def _rt(self) -> tuple[_LoopThread, Runtime]:
         with self._lock:
             if self._portal is None:
                 self._portal = _LoopThread(f"gpulock-{self.name}", closed=lambda: PoolClosed(self.name))
-                client = (aioredis.from_url(self._url, **_CLIENT_DEFAULTS) if self._url
+                client = (async_client(self._url, **_CLIENT_DEFAULTS) if self._url
                           else _async_twin(self.redis))
                 self._runtime = Runtime(client, self.name, self._keys, self.clock, self.poll_interval,
                                         loop=self._portal.loop)

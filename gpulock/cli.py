@@ -150,9 +150,10 @@ def _client(url: str):
     import redis
 
     from ._async import _CLIENT_DEFAULTS
+    from ._connect import sync_client
 
     try:
-        c = redis.Redis.from_url(url, **_CLIENT_DEFAULTS)
+        c = sync_client(url, **_CLIENT_DEFAULTS)
     except ValueError as e:  # a malformed URL
         _fail(EXIT_USAGE, f"bad Redis URL {_safe_url(url)!r}: {e}")
     try:
@@ -185,7 +186,7 @@ def _main(
     ctx: typer.Context,
     redis_url: str = typer.Option(
         DEFAULT_REDIS_URL, "--redis-url", envvar="GPULOCK_REDIS_URL", show_default=True,
-        help="Redis holding the pools (redis://, rediss:// or unix://).",
+        help="Redis holding the pools (redis://, rediss://, unix:// or redis+sentinel://HOST:PORT,.../SERVICE).",
     ),
     broker_url: Optional[str] = typer.Option(
         None, "--broker-url", envvar="GPULOCK_BROKER_URL",

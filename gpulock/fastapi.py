@@ -454,7 +454,7 @@ class GpuLimiter:
     after fork.
 
     Args:
-        redis_url: ``redis://``/``rediss://``/``unix://`` URL of the Redis holding the pool.
+        redis_url: ``redis://``/``rediss://``/``unix://``/``redis+sentinel://`` URL of the Redis holding the pool.
         pool: pool name (one GPU).
         capacity: bytes or a size ("20GiB"); when given the pool is created with it if it does
             not exist (``configure="create"``, the default) or set to it (``configure="set"``).
@@ -549,11 +549,11 @@ class GpuLimiter:
         readiness says so and the reaper keeps trying."""
         if self._started:
             return
-        import redis.asyncio as aioredis
+        from ._connect import async_client
 
         self._owner = f"{socket.gethostname()}:{os.getpid()}"
-        self.redis = aioredis.from_url(self.redis_url, socket_timeout=5.0, socket_connect_timeout=2.0,
-                                       health_check_interval=10, client_name=f"gpulock-service-{os.getpid()}")
+        self.redis = async_client(self.redis_url, socket_timeout=5.0, socket_connect_timeout=2.0,
+                                  health_check_interval=10, client_name=f"gpulock-service-{os.getpid()}")
         kw: dict[str, Any] = {"capacity": self.capacity, "default_ttl": self.ttl}
         if self.max_waiters is not None:
             kw["max_waiters"] = self.max_waiters
