@@ -160,7 +160,10 @@ def _client(url: str):
         c.ping()
     except redis.RedisError as e:
         c.close()
-        _fail(EXIT_UNAVAILABLE, f"Redis at {_safe_url(url)} is unavailable: {e}")
+        detail = str(e)
+        if type(e).__name__ == "MasterNotFoundError":  # redis-py appends the whole client's repr
+            detail = detail.split(" : ", 1)[0] + " (no sentinel answered, or none knows that service)"
+        _fail(EXIT_UNAVAILABLE, f"Redis at {_safe_url(url)} is unavailable: {detail}")
     return c
 
 
