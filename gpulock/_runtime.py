@@ -26,6 +26,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from redis.exceptions import AuthenticationError, NoPermissionError
+
 from ._protocol import (
     DEFAULT_MAX_WAITERS,
     DEFAULT_POLL_INTERVAL_S,
@@ -34,6 +36,7 @@ from ._protocol import (
     Grant,
     LeaseState,
     decode_events,
+    translate,
     ttl_ms,
     validity_deadline,
 )
@@ -144,14 +147,24 @@ class Runtime:
         after our next enqueue can be missed."""
         if self._subscribed is None:
             self._subscribed = asyncio.Event()
+            self._sub_news = asyncio.Event()  # set at each subscription and each failure
+            self._sub_error: BaseException | None = None
         if self._listener is None or self._listener.done():
             self._listener = asyncio.get_running_loop().create_task(self._listen(), name=f"gpulock-listener-{self.pool}")
         if not self._subscribed.is_set():
+            if self._sub_error is not None:
+                self._sub_news.clear()  # an old failure: wait for the listener's next attempt
             try:
-                await asyncio.wait_for(self._subscribed.wait(), 5.0)
+                await asyncio.wait_for(self._sub_news.wait(), 5.0)
             except asyncio.TimeoutError:
                 log.warning("gpulock: pub/sub subscription to pool %s not confirmed in 5 s; "
                             "waiters fall back to polling", self.pool)
+            err = self._sub_error
+            if err is not None and not self._subscribed.is_set():
+                if isinstance(err, (AuthenticationError, NoPermissionError)):
+                    raise translate(err, self.pool) from err  # retrying cannot help
+                # Redis unreachable: go on; the acquire call reports it within its own bound
+                # (instead of after this wait), and waiters would fall back to polling.
 
     def track(self, state: LeaseState) -> None:
         """Start heartbeating a lease. Safe from any thread (the sync shell calls it on the
@@ -315,6 +328,8 @@ class Runtime:
                         continue
                     if msg["type"] == "subscribe":
                         self._subscribed.set()
+                        self._sub_error = None
+                        self._sub_news.set()
                         backoff = 0.05
                     elif msg["type"] == "message":
                         for g in decode_events(msg["data"]):
@@ -323,6 +338,8 @@ class Runtime:
                 raise
             except Exception as e:  # connection trouble: the ticker's polling covers us
                 self._subscribed.clear()
+                self._sub_error = e  # for ensure_subscribed: stop waiting, and why
+                self._sub_news.set()
                 log.info("gpulock: pub/sub for pool %s interrupted (%s); retrying in %.2fs", self.pool, e, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)

@@ -1428,9 +1428,15 @@ class GpuLimiter:
                 job.task.cancel()  # leaves the queue now (the core cancels the ticket)
             keep = (" It keeps its place for up to %.0fs: retry after Retry-After with the same %s."
                     % (self.park_timeout, self.request_id_header)) if parked else ""
+            if job.phase == "slot":  # never reached the pool's queue: this worker's threads were busy
+                what = (f"no free inference thread in this worker within {self.acquire_timeout}s "
+                        f"(all {self.executor_threads} busy; queue position {position}, counting the "
+                        f"pool's queue and this worker's own)")
+            else:
+                what = (f"no GPU memory for {format_size(job.amount)} within {self.acquire_timeout}s "
+                        f"(queue position {position})")
             raise GpuLockHTTPException(
-                503, f"no GPU memory for {format_size(job.amount)} within {self.acquire_timeout}s "
-                     f"(queue position {position}).{keep}", "queue_timeout",
+                503, f"{what}.{keep}", "queue_timeout",
                 {"Retry-After": str(ra), "X-Queue-Position": str(position)})
         assert job.outcome is not None
         if not job.outcome.done():

@@ -35,6 +35,7 @@ from pydantic import BaseModel, PrivateAttr
 from gpulock.fastapi import GpuLimiter
 from gpulock.units import format_size, parse_size
 
+from ._http import install_error_handlers
 from .models import build_model, count_tokens
 from .settings import Settings
 
@@ -221,6 +222,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="gpulock embeddings service", lifespan=lifespan,
                   description="OpenAI-compatible embeddings; every request leases GPU memory from a gpulock pool.")
+    install_error_handlers(app)
     app.state.limiter = limiter
     app.state.settings = settings
     app.state.model = model
@@ -255,8 +257,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if len(texts) > settings.max_batch:
             raise HTTPException(413, f"input holds {len(texts)} strings; this service takes at most "
                                      f"{settings.max_batch} per request (GPULOCK_MAX_BATCH)")
+        if body.model is not None and body.model not in (served, f"sentence-transformers/{served}"):
+            raise HTTPException(404, f"model {body.model!r} is not served here; this service serves "
+                                     f"{served!r} (GET /v1/models); leave 'model' out or send that name")
         if body.dimensions is not None and body.dimensions != model.dimensions:
             raise HTTPException(400, f"{served} returns {model.dimensions} dimensions, not {body.dimensions}")
+        for i, t in enumerate(texts):
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") from a JSON escape
+                raise HTTPException(422, f"input[{i}] is not valid Unicode text ({e.reason} at "
+                                         f"character {e.start})") from None
         counts = count_tokens(model, texts)
         body._tokens = sum(counts)
         return limiter.estimate(ROUTE, len(texts), max(counts), model.estimate_bytes)

@@ -96,6 +96,13 @@ class MiniLM:
         self.tokenizer()  # a separate instance for counting: a fast tokenizer's padding and
         # truncation settings are shared state, and encode() runs in other threads meanwhile
 
+    def clip_chars(self) -> int:
+        """Characters of a text that can matter: ``max_tokens × 32``. The model keeps only the
+        first ``max_tokens`` word pieces, and a word piece averages about 4 characters of
+        English, so the rest of a longer text is cut off anyway; cutting it before the
+        tokenizer sees it keeps a 14 MB input from taking seconds and gigabytes."""
+        return self.max_tokens * 32
+
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Word pieces per text after truncation to ``max_tokens``. This runs on the event
         loop (in the estimator), so a text longer than ``max_tokens × 32`` characters counts as
@@ -103,7 +110,7 @@ class MiniLM:
         averages about 4 characters per piece; only a text of very long words has fewer, and
         then the estimate errs on the safe side). Tokenizing 256 texts of 32 KiB took 2.6 s
         here, all of it blocking the worker's heartbeats."""
-        clip = self.max_tokens * 32
+        clip = self.clip_chars()
         short = [t for t in texts if len(t) <= clip]
         counted = iter(())
         if short:
@@ -115,6 +122,8 @@ class MiniLM:
         import torch
 
         assert self._model is not None, "model not loaded"
+        clip = self.clip_chars()
+        texts = [t[:clip] for t in texts]  # sentence-transformers tokenizes a text whole, then truncates
         with torch.inference_mode():
             v = self._model.encode(list(texts), batch_size=len(texts), convert_to_numpy=True,
                                    normalize_embeddings=True, show_progress_bar=False)
@@ -152,6 +161,13 @@ class SleepModel:
 
     def load(self, device: str) -> None:
         self.device = device
+
+    def clip_chars(self) -> int:
+        """Characters of a text that can matter: ``max_tokens × 32``. The model keeps only the
+        first ``max_tokens`` word pieces, and a word piece averages about 4 characters of
+        English, so the rest of a longer text is cut off anyway; cutting it before the
+        tokenizer sees it keeps a 14 MB input from taking seconds and gigabytes."""
+        return self.max_tokens * 32
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         return [max(1, len(t.split())) for t in texts]
