@@ -393,7 +393,8 @@ class Pool:
             if on_queued:
                 on_queued(res.position)
             # The grant is relayed straight from the waiter future's done-callback on the loop
-            # thread to this thread's future: no task has to run in between (a hand-off step).
+            # thread to this thread's future (no task in between; the hand-off p50 measured the
+            # same, 0.175 vs 0.176 ms, but there is one object fewer to cancel and to leak).
             cf = portal.watch(concurrent.futures.Future())
             joined = portal.call(self._join(rt, Waiter(req.ticket, None, argv, ttl_ms(req.waiter_ttl_s),
                                                        res.position, on_queued), res.retry_after_ms, cf))
