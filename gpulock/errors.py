@@ -7,7 +7,8 @@
     ├── AcquireTimeout (also TimeoutError)  the wait for a grant ran out (or timeout=0 and busy)
     ├── QueueFull                           the pool's queue is at its bound
     ├── LeaseLost                           the lease expired, was reaped or never existed
-    └── BackendUnavailable                  Redis could not be reached or did not answer
+    ├── BackendUnavailable                  Redis could not be reached, did not answer, or refused the credentials
+    └── PoolClosed (also RuntimeError)      the pool object was closed during (or before) the call
 
 Errors from redis-py are wrapped (``raise BackendUnavailable(...) from exc``), so callers need
 catch only these.
