@@ -82,9 +82,22 @@ async def _poll_metrics(client, peaks: PoolPeaks, stop: asyncio.Event) -> None:
             pass
 
 
-async def _one(client, texts: list[str], retries: int, request_ids: bool, rng: random.Random) -> Outcome:
+async def _served_model(client) -> str | None:
+    """The first model ``GET /v1/models`` lists (the service refuses other names with 404), or
+    None to leave ``model`` out of the requests."""
+    try:
+        r = await client.get("/v1/models")
+        return str(r.json()["data"][0]["id"]) if r.status_code == 200 else None
+    except Exception:  # noqa: BLE001 - an endpoint without /v1/models: send no model
+        return None
+
+
+async def _one(client, texts: list[str], retries: int, request_ids: bool, rng: random.Random,
+               model: str | None = None) -> Outcome:
     headers = {"X-Request-ID": f"loadtest-{uuid.uuid4().hex}"} if request_ids else {}
-    body = {"input": texts, "model": "all-MiniLM-L6-v2"}
+    body: dict = {"input": texts}
+    if model:
+        body["model"] = model
     t0 = time.perf_counter()
     out = Outcome(0, 0.0, 0)
     for attempt in range(retries + 1):
@@ -120,6 +133,7 @@ async def loadtest(url: str, *, concurrency: int, requests: int, batch: int, ret
     outcomes: list[Outcome] = []
     peaks = PoolPeaks()
     async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout, limits=limits) as client:
+        model = await _served_model(client)
         stop = asyncio.Event()
         poller = asyncio.create_task(_poll_metrics(client, peaks, stop))
         await asyncio.sleep(0.3)  # one baseline sample before the load
@@ -143,7 +157,7 @@ async def loadtest(url: str, *, concurrency: int, requests: int, batch: int, ret
         async def worker() -> None:
             for _ in todo:
                 texts = [rng.choice(pool) for _ in range(batch)]
-                o = await _one(client, texts, retries, request_ids, rng)
+                o = await _one(client, texts, retries, request_ids, rng, model)
                 outcomes.append(o)
                 counts[o.status] = counts.get(o.status, 0) + 1
                 if prog is not None:
