@@ -176,6 +176,7 @@ def cmd_pingpong(a):
             pool = gpulock.AsyncPool.from_url(a.redis, a.pool)
         else:
             pool = sdk_pool(a, "AsyncPool")
+        log(kind="ready", host=a.host)  # imports done: the test starts both together
         while not os.path.exists(a.until):  # start together
             await asyncio.sleep(0.01)
         for _ in range(a.n):

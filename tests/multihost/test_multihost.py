@@ -268,7 +268,12 @@ def test_handoff_latency(lab, tmp_path):
         outs = [tmp_path / f"pp-{mode}-{i}.jsonl" for i in range(2)]
         ps = [agent(lab, h, "pingpong", o, pool=pool, amounts=MiB, api="core" if mode == "direct" else "sdk-async",
                     n=150, hold=0.01, ttl=10, until=go) for h, o in zip(hosts, outs)]
-        time.sleep(1.5)  # both started (imports) before they begin
+        # Both ready (imports done) before either begins: a late starter leaves the other
+        # alone for its first cycles, which are then no hand-offs (45 of 50 once, on a loaded CI).
+        deadline = time.monotonic() + 60
+        while not all(events(o, "ready") for o in outs):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in ps), "pingpong agents did not start"
+            time.sleep(0.05)
         go.touch()
         for p in ps:
             assert p.wait(90) == 0
