@@ -433,6 +433,7 @@ class _Job:
     run_s: float | None = None
     server_retry_after: float | None = None
     abandoned: bool = False  # the HTTP side gave up on it (503 without parking, client gone)
+    queue_len_now: int | None = None  # the pool queue's length when its wait ran out
     # Result or error, set as soon as known: the response goes out while the release (one more
     # Redis round trip, after the thread returned) is still on its way.
     outcome: asyncio.Future | None = None
@@ -912,11 +913,23 @@ class GpuLimiter:
         return int(max(1.0, min(cap, math.ceil(secs))))
 
     def _retry_after_for(self, job: _Job, position: int) -> int:
+        """Retry-After for a job whose wait ran out. A parked job keeps its place: the time for
+        its own ``position`` to come up. Any other job leaves the queue, and its retry joins at
+        the back, behind everything queued now (in the pool, and for this worker's threads):
+        the time for that whole queue to drain. (Quoting its old place told a burst of
+        requests that each timed out at the head "retry in 1 s", inviting a retry storm.)"""
         parked = job.ticket is not None and self.park_timeout > 0
-        if job.phase == "slot":
-            local = max(1, self._slots.position(job.slot_future))
-            return self.retry_after(max(0, position - local), job.server_retry_after, local=local, parked=parked)
-        return self.retry_after(position, job.server_retry_after, parked=parked)
+        if parked:
+            if job.phase == "slot":
+                local = max(1, self._slots.position(job.slot_future))
+                return self.retry_after(max(0, position - local), job.server_retry_after, local=local, parked=True)
+            return self.retry_after(position, job.server_retry_after, parked=True)
+        pool_queue = job.queue_len_now
+        if pool_queue is None:
+            pool_queue = self.status.waiter_count if self.status is not None else 0
+        if job.phase != "slot":
+            pool_queue = max(pool_queue, position)
+        return self.retry_after(pool_queue, job.server_retry_after, local=len(self._slots.waiters))
 
     def _job_position(self, job: _Job, queued: int | None = None) -> int:
         """The job's place: in the pool's queue when it is there, else (still waiting for a
@@ -928,12 +941,15 @@ class GpuLimiter:
         return queued + max(1, self._slots.position(job.slot_future))
 
     async def _position_now(self, job: _Job) -> int:
-        if job.phase == "queued" and job.position:
-            return job.position
+        """The job's place now; also notes the pool queue's length now on the job (for the
+        Retry-After of a request that leaves the queue)."""
         try:  # one ZCARD: the queue's length now, not at the last reaper tick
             queued = int(await asyncio.wait_for(self.redis.zcard(pool_keys(self.pool_name)[3]), 0.5))
         except Exception:
             queued = None
+        job.queue_len_now = queued
+        if job.phase == "queued" and job.position:
+            return job.position
         return self._job_position(job, queued)
 
     # ---- history (tests) ----------------------------------------------------------------------

@@ -11,23 +11,30 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 
-def _finite(x: Any) -> Any:
-    """The value with every non-finite float (NaN, ±Infinity) replaced by its name."""
+def _renderable(x: Any) -> Any:
+    """The value with what JSON in UTF-8 cannot carry made printable: non-finite floats (NaN,
+    ±Infinity) become their names, lone surrogates (``"\\ud800"``) their escapes."""
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
+    if isinstance(x, str):
+        try:
+            x.encode("utf-8")
+            return x
+        except UnicodeEncodeError:
+            return x.encode("utf-8", "backslashreplace").decode("utf-8")
     if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
+        return {_renderable(k): _renderable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
+        return [_renderable(v) for v in x]
     return x
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    # FastAPI's own handler echoes the bad input; Python's JSON parser accepts NaN and
-    # Infinity, which JSON (and so the error response) cannot carry: that was a 500.
-    return JSONResponse({"detail": _finite(jsonable_encoder(exc.errors()))}, status_code=422)
+    # FastAPI's own handler echoes the bad input; Python's JSON parser accepts NaN, Infinity
+    # and lone surrogates, which the error response cannot carry: each was a 500.
+    return JSONResponse({"detail": _renderable(jsonable_encoder(exc.errors()))}, status_code=422)
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """422 for every invalid request, also one that sent NaN or Infinity."""
+    """422 for every invalid request, also one that sent NaN, Infinity or a lone surrogate."""
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, HTTPException, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, PrivateAttr
+from pydantic import BaseModel, PrivateAttr, StrictInt
 
 from gpulock.fastapi import GpuLimiter
 from gpulock.units import format_size, parse_size
@@ -50,7 +50,7 @@ class EmbeddingRequest(BaseModel):
     input: str | list[str]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: StrictInt | None = None
     user: str | None = None
     _tokens: int = PrivateAttr(0)  # counted once, by the estimator, on the event loop
 

@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
             None, "--capacity", envvar="GPULOCK_CAPACITY",
             help="pool capacity (e.g. 20GiB); default: GPU memory x --utilization, or 2GiB without a GPU"),
         host: str = typer.Option("127.0.0.1", "--host", help="address to bind"),
-        port: int = typer.Option(8000, "--port", "-p", help="port to bind"),
+        port: int = typer.Option(8000, "--port", "-p", min=1, max=65535, help="port to bind"),
         pool: str = typer.Option("gpu0", "--pool", envvar="GPULOCK_POOL", help="pool name"),
         preload: bool = typer.Option(False, "--preload/--no-preload", help="import the app in the master before fork"),
         model: str = typer.Option("minilm", "--model", envvar="GPULOCK_MODEL",

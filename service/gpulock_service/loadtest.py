@@ -192,6 +192,7 @@ async def loadtest(url: str, *, concurrency: int, requests: int, batch: int, ret
         "final_5xx_other": sum(1 for o in outcomes if o.status >= 500 and o.status not in (503, 504)),
         "final_other": sum(1 for o in outcomes if o.status not in (200, 413, 503, 504) and o.status < 500),
         "retries": sum(o.attempts - 1 for o in outcomes),
+        "answered": len(answers),  # HTTP answers of any status (0: nothing reached the service)
         "errors": sorted({o.error for o in outcomes if o.error})[:5],
         "pool": peaks,
     }
@@ -203,6 +204,10 @@ def run_loadtest(url: str, **kw) -> int:
 
     s = asyncio.run(loadtest(url, **kw))
     c = Console()
+    if not s["answered"]:
+        # Nothing reached the service: a table of rates and percentiles would be nonsense.
+        c.print(f"[bold red]gpulock loadtest: no request reached {url}[/]: {'; '.join(s['errors'])}")
+        return 1
     t = Table(title=f"gpulock loadtest {url}: {s['requests']} requests x {s['batch']} sentences, "
                     f"concurrency {s['concurrency']}", show_header=False)
     t.add_row("elapsed", f"{s['elapsed_s']:.2f} s")

@@ -134,6 +134,14 @@ def test_bad_input_is_a_4xx_never_a_500(svc):
         r = c.post("/v1/embeddings", json={"input": "hi", "model": "text-embedding-3-small"})
         assert r.status_code == 404 and "all-MiniLM-L6-v2" in r.json()["detail"]
         assert _post(c, {"input": "hi", "model": "all-MiniLM-L6-v2"}).status_code == 200
+        # A lone surrogate in a field that fails validation: the 422 echoes it back, escaped.
+        for body in ('{"input":"hi","encoding_format":"\\ud800"}', '{"input":["ok",5,"\\ud800"]}',
+                     '{"input":{"\\ud800":1}}', '{"input":"hi","user":["\\ud800"]}',
+                     '{"input":"hi","dimensions":"\\ud800"}'):
+            r = raw(body)
+            assert r.status_code == 422, (body, r.status_code, r.text)
+        r = raw('{"input":"hi","dimensions":true}')  # a boolean is not a number of dimensions
+        assert r.status_code == 422, r.text
         assert c.get("/health").status_code == 200
 
 

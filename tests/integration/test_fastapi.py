@@ -574,3 +574,24 @@ async def test_service_runs_under_the_documented_acl(redis_proc1):
     finally:
         admin.execute_command("ACL", "DELUSER", "svc")
         admin.close()
+
+
+async def test_retry_after_of_a_withdrawn_request_counts_the_queue_behind_it(redis_proc1):
+    """Without X-Request-ID a 503 withdraws the request; its retry joins at the back, so
+    Retry-After must cover the whole queue as it is now, not the old place. (A burst whose
+    requests each timed out at the head used to be told "retry in 1 s" one after the other.)"""
+    app, gpu, _ = _app(redis_proc1.url, "it-tail", acquire_timeout=0.6, park_timeout=0, executor_threads=8)
+    async with _Running(app) as c:
+        hold = asyncio.create_task(c.post("/sync", json={"seconds": 2.0, "gib": 4}))
+        await asyncio.sleep(0.2)
+        waiting = []
+        for _ in range(6):  # queued one after the other: the first times out first, 5 behind it
+            waiting.append(asyncio.create_task(c.post("/sync", json={"gib": 4})))
+            await asyncio.sleep(0.02)
+        rs = await asyncio.gather(*waiting)
+        assert [r.status_code for r in rs] == [503] * 6
+        first = rs[0]
+        assert first.headers["x-queue-position"] == "1"
+        # Nothing measured yet (no grant has finished): one second per place of the 6 queued.
+        assert int(first.headers["retry-after"]) >= 6, first.headers
+        assert (await hold).status_code == 200

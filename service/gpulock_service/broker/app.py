@@ -30,6 +30,7 @@ def create_broker_app(redis_url: str = DEFAULT_REDIS_URL, tokens: Optional[Itera
     """
     from fastapi import FastAPI
 
+    from .._http import install_error_handlers
     from .api import router
     from .core import Broker
 
@@ -50,6 +51,7 @@ def create_broker_app(redis_url: str = DEFAULT_REDIS_URL, tokens: Optional[Itera
                               "\"4GiB\"), durations seconds, instants Unix seconds on the Redis server clock.",
                   lifespan=lifespan)
     app.include_router(router)
+    install_error_handlers(app)
 
     @app.get("/health", tags=["health"], summary="Liveness (no Redis call)")
     async def health() -> dict[str, str]:
@@ -76,7 +78,7 @@ def register_broker(typer_app) -> None:
     @typer_app.command("broker")
     def broker(
         host: str = typer.Option(DEFAULT_HOST, "--host", help="Address to listen on."),
-        port: int = typer.Option(DEFAULT_PORT, "--port", help="TCP port."),
+        port: int = typer.Option(DEFAULT_PORT, "--port", min=1, max=65535, help="TCP port."),
         redis_url: str = typer.Option(DEFAULT_REDIS_URL, "--redis-url", envvar="GPULOCK_REDIS_URL",
                                       help="Redis holding the pools."),
         tokens_file: Optional[str] = typer.Option(
