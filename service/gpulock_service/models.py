@@ -162,13 +162,6 @@ class SleepModel:
     def load(self, device: str) -> None:
         self.device = device
 
-    def clip_chars(self) -> int:
-        """Characters of a text that can matter: ``max_tokens × 32``. The model keeps only the
-        first ``max_tokens`` word pieces, and a word piece averages about 4 characters of
-        English, so the rest of a longer text is cut off anyway; cutting it before the
-        tokenizer sees it keeps a 14 MB input from taking seconds and gigabytes."""
-        return self.max_tokens * 32
-
     def count_tokens(self, texts: list[str]) -> list[int]:
         return [max(1, len(t.split())) for t in texts]
 
