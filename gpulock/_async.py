@@ -288,9 +288,8 @@ class AsyncPool:
             try:
                 res, sent = await self._acquire_call(req, argv)
             except GpuLockError as e:
-                if not isinstance(e, BackendUnavailable):
-                    needs_cancel = False  # the script refused before writing anything
                 unreachable = isinstance(e, BackendUnavailable)
+                needs_cancel = unreachable  # any other error: the script refused before writing
                 raise
             if isinstance(res, Grant):
                 needs_cancel = False

@@ -92,6 +92,18 @@ def _redact(url: str) -> str:
     return url.replace(parts.netloc, "***@" + parts.netloc.rpartition("@")[2], 1)
 
 
+def short_error(exc: BaseException) -> str:
+    """A Redis error's message for people: redis-py's ``MasterNotFoundError`` ends with the
+    repr of every sentinel client it asked (hundreds of characters); this keeps its head and
+    says what it means."""
+    from redis.sentinel import MasterNotFoundError
+
+    if isinstance(exc, MasterNotFoundError):
+        return (str(exc).split(" : ", 1)[0] + " (no sentinel answered, or none knows that service's "
+                "primary; check the Sentinel URL's hosts and service name)")
+    return str(exc)
+
+
 def is_sentinel_url(url: str) -> bool:
     return urlsplit(url).scheme in SENTINEL_SCHEMES
 

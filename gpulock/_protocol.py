@@ -363,17 +363,14 @@ def translate(exc: BaseException, pool: str) -> BaseException:
                 f"Redis refused a gpulock script on pool {pool!r} for lack of permission (ACL; see "
                 f"docs/RELIABILITY.md for the ACL gpulock needs): {msg}")
         return BackendUnavailable(f"Redis refused a gpulock script on pool {pool!r}: {msg}")
-    if type(exc).__name__ == "MasterNotFoundError":  # redis.sentinel's; a ConnectionError
-        head = str(exc).split(" : ", 1)[0]
-        return BackendUnavailable(
-            f"Redis unavailable for pool {pool!r}: {head} (no sentinel answered, or none knows that "
-            f"service's primary; check the Sentinel URL's hosts and service name)")
     if isinstance(exc, rex.AuthenticationError):
         return BackendUnavailable(
             f"Redis refused gpulock's credentials for pool {pool!r} ({exc}); check the password or the "
             f"ACL user in the Redis URL (GPULOCK_REDIS_URL / --redis-url)")
     if isinstance(exc, (rex.ConnectionError, rex.TimeoutError, OSError)):
-        return BackendUnavailable(f"Redis unavailable for pool {pool!r}: {exc}")
+        from ._connect import short_error
+
+        return BackendUnavailable(f"Redis unavailable for pool {pool!r}: {short_error(exc)}")
     if isinstance(exc, rex.RedisError):
         return BackendUnavailable(f"Redis error on pool {pool!r}: {exc}")
     return exc

@@ -373,9 +373,8 @@ class Pool:
             try:
                 res, sent = self._acquire_call(req, argv, rt)
             except GpuLockError as e:
-                if not isinstance(e, BackendUnavailable):
-                    needs_cancel = False
                 unreachable = isinstance(e, BackendUnavailable)
+                needs_cancel = unreachable  # any other error: the script refused before writing
                 raise
             if isinstance(res, Grant):
                 needs_cancel = False

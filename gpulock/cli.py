@@ -150,7 +150,7 @@ def _client(url: str):
     import redis
 
     from ._async import _CLIENT_DEFAULTS
-    from ._connect import sync_client
+    from ._connect import short_error, sync_client
 
     try:
         c = sync_client(url, **_CLIENT_DEFAULTS)
@@ -160,10 +160,7 @@ def _client(url: str):
         c.ping()
     except redis.RedisError as e:
         c.close()
-        detail = str(e)
-        if type(e).__name__ == "MasterNotFoundError":  # redis-py appends the whole client's repr
-            detail = detail.split(" : ", 1)[0] + " (no sentinel answered, or none knows that service)"
-        _fail(EXIT_UNAVAILABLE, f"Redis at {_safe_url(url)} is unavailable: {detail}")
+        _fail(EXIT_UNAVAILABLE, f"Redis at {_safe_url(url)} is unavailable: {short_error(e)}")
     return c
 
 

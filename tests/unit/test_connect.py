@@ -39,3 +39,15 @@ def test_clients_are_built_without_io():
     a = async_client("redis+sentinel://127.0.0.1:1/svc", socket_timeout=1.0)
     assert "SentinelConnectionPool" in type(a.connection_pool).__name__
     assert type(sync_client("redis://127.0.0.1:1/0").connection_pool).__name__ == "ConnectionPool"
+
+
+def test_short_error_keeps_the_head_of_a_sentinel_error():
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.sentinel import MasterNotFoundError
+
+    from gpulock._connect import short_error
+
+    e = MasterNotFoundError("No master found for 'svc' : <redis.client.Redis(<...very long repr...>)> - x")
+    assert short_error(e).startswith("No master found for 'svc' (no sentinel answered")
+    assert "repr" not in short_error(e)
+    assert short_error(RedisConnectionError("Connection refused")) == "Connection refused"
