@@ -29,8 +29,8 @@ What one request goes through (``GpuLimiter.call``)::
 * Errors map to HTTP (see :class:`GpuLockHTTPException`): no grant within ``acquire_timeout``
   or a full queue → 503 with ``Retry-After`` and ``X-Queue-Position``; amount > capacity → 413
   naming both numbers, and so is an amount larger than the room the workers' resident leases
-  leave (at once, not after a wait at the head of the queue); the work ran past ``inference_timeout`` → 504 (the lease stays held until
-  the thread returns); CUDA OOM → traceback dropped, ``empty_cache()``, counted, 503 with
+  leave (at once, not after a wait at the head of the queue); the work ran past
+  ``inference_timeout`` → 504 (the lease stays held until the thread returns); CUDA OOM → traceback dropped, ``empty_cache()``, counted, 503 with
   ``Retry-After``; another CUDA error (device-side assert, illegal address) → 500, the worker
   marks itself not ready and exits (SIGTERM to itself) so gunicorn starts a fresh one.
 * ``X-Request-ID`` makes retries idempotent (case c08): the header value is hashed into the
@@ -340,14 +340,14 @@ class BusyRate:
     """Events per second while a queue is busy: an exponentially weighted moving average
     (time constant ``tau`` seconds) of a monotonic counter, fed one sample per status read.
 
-    Only intervals that began busy (waiters queued at their first sample) count: the rate a waiter
-    cares about is how fast the queue drains when there is a queue, and an idle interval
-    (no grants because nobody asked) would otherwise drag the average toward zero and make the
-    first Retry-After of a burst many times too long; so would the interval in which a burst
-    begins, since it is mostly idle. The first busy interval sets the rate
-    outright instead of being blended with a made-up prior; before any, the interval in which
-    a burst began does, when it saw grants (an underestimate, but better than no rate). A counter that went backwards (a
-    Redis restart) restarts the sampling. ``rate`` is None until a busy interval was seen.
+    Only intervals that began busy (waiters queued at their first sample) count: the rate a
+    waiter cares about is how fast the queue drains when there is a queue, and an idle interval
+    (no grants because nobody asked) would drag the average toward zero and make the first
+    Retry-After of a burst many times too long; so would the interval in which a burst begins,
+    since it is mostly idle. The first busy interval sets the rate outright instead of being
+    blended with a made-up prior; before any, the interval in which a burst began does, when
+    it saw grants (an underestimate, but better than no rate). A counter that went backwards
+    (a Redis restart) restarts the sampling. ``rate`` is None until an interval counted.
     """
 
     def __init__(self, tau: float = 10.0):
@@ -365,12 +365,15 @@ class BusyRate:
             return
         inst = (count - c0) / dt
         if self.rate is None:
-            # The interval in which the first burst began is mostly idle, but with grants in it
-            # it is a usable first guess (an underestimate), far better than none at all.
             if busy0 or (busy and inst > 0):
                 self.rate = inst
         elif busy0:
             self.rate += (1.0 - math.exp(-dt / self.tau)) * (inst - self.rate)
+
+
+def _resident_held(st: PoolStatus) -> int:
+    """Bytes held by resident leases (the workers' models) in a status that lists the leases."""
+    return sum(lz.amount for lz in st.leases if str(lz.holder.get("purpose", "")).startswith("resident"))
 
 
 class _Slots:
@@ -433,7 +436,6 @@ class _Job:
     run_s: float | None = None
     server_retry_after: float | None = None
     abandoned: bool = False  # the HTTP side gave up on it (503 without parking, client gone)
-    queue_len_now: int | None = None  # the pool queue's length when its wait ran out
     # Result or error, set as soon as known: the response goes out while the release (one more
     # Redis round trip, after the thread returned) is still on its way.
     outcome: asyncio.Future | None = None
@@ -715,9 +717,8 @@ class GpuLimiter:
         assert self.pool is not None
         st = await self.pool.status(limit=100_000)
         self.status, self.status_at = st, time.monotonic()  # fresh: readiness quotes it
-        held = sum(lz.amount for lz in st.leases if str(lz.holder.get("purpose", "")).startswith("resident"))
-        self._resident_bytes = held
-        return st.capacity, held
+        self._resident_bytes = _resident_held(st)
+        return st.capacity, self._resident_bytes
 
     async def _check_room(self, amount: int) -> None:
         """413 at once for a request that fits the capacity but not the room the workers'
@@ -726,7 +727,7 @@ class GpuLimiter:
         unwinnable 503. The cached resident total (refreshed every ``10 × reaper_interval``) only
         picks the suspects; the refusal is decided on a fresh read."""
         st = self.status
-        if st is None or self._resident_bytes is None or not self._resident_bytes:
+        if st is None or not self._resident_bytes:
             return
         if amount > st.capacity or amount <= st.capacity - self._resident_bytes:
             return  # > capacity: the core raises CapacityExceeded (413) itself
@@ -839,8 +840,8 @@ class GpuLimiter:
         fit: the background reaper), update the grant rate, refresh our claims."""
         assert self.pool is not None
         now = time.monotonic()
-        try:
-            st = await self.pool.status(limit=0)
+        try:  # a full tick lists the leases too, for the resident total
+            st = await self.pool.status(limit=100_000 if full else 0)
         except PoolNotFound as e:
             self.status, self.redis_error = None, str(e)
             if self.capacity is not None:
@@ -854,6 +855,8 @@ class GpuLimiter:
             return
         self.redis_error = None
         self.status, self.status_at = st, now
+        if full:
+            self._resident_bytes = _resident_held(st)
         self._pool_rate.sample(now, st.grants, busy=st.waiter_count > 0)
         self._local_rate.sample(now, self._local_grants, busy=bool(self._slots.waiters))
         tickets = [t for t, j in self._jobs.items() if j.phase != "done"]
@@ -866,8 +869,6 @@ class GpuLimiter:
             except Exception as e:  # noqa: BLE001 - the claims expire in 10 s; say why they were not kept
                 log.warning("gpulock: could not refresh %d request claim(s): %s", len(tickets), e)
         if full:
-            with contextlib.suppress(Exception):
-                await self._resident_room()
             with contextlib.suppress(Exception):
                 await self.refresh_estimates()
             d = _multiproc_dir()
@@ -912,7 +913,7 @@ class GpuLimiter:
             cap = min(cap, self.park_timeout / 2)
         return int(max(1.0, min(cap, math.ceil(secs))))
 
-    def _retry_after_for(self, job: _Job, position: int) -> int:
+    def _retry_after_for(self, job: _Job, position: int, pool_queue: int | None) -> int:
         """Retry-After for a job whose wait ran out. A parked job keeps its place: the time for
         its own ``position`` to come up. Any other job leaves the queue, and its retry joins at
         the back, behind everything queued now (in the pool, and for this worker's threads):
@@ -924,7 +925,6 @@ class GpuLimiter:
                 local = max(1, self._slots.position(job.slot_future))
                 return self.retry_after(max(0, position - local), job.server_retry_after, local=local, parked=True)
             return self.retry_after(position, job.server_retry_after, parked=True)
-        pool_queue = job.queue_len_now
         if pool_queue is None:
             pool_queue = self.status.waiter_count if self.status is not None else 0
         if job.phase != "slot":
@@ -940,17 +940,16 @@ class GpuLimiter:
             queued = self.status.waiter_count if self.status is not None else 0
         return queued + max(1, self._slots.position(job.slot_future))
 
-    async def _position_now(self, job: _Job) -> int:
-        """The job's place now; also notes the pool queue's length now on the job (for the
-        Retry-After of a request that leaves the queue)."""
-        try:  # one ZCARD: the queue's length now, not at the last reaper tick
+    async def _position_now(self, job: _Job) -> tuple[int, int | None]:
+        """``(the job's place now, the pool queue's length now or None)``: one ZCARD, not the
+        last reaper tick's length (the Retry-After of a request that leaves the queue needs it)."""
+        try:
             queued = int(await asyncio.wait_for(self.redis.zcard(pool_keys(self.pool_name)[3]), 0.5))
         except Exception:
             queued = None
-        job.queue_len_now = queued
         if job.phase == "queued" and job.position:
-            return job.position
-        return self._job_position(job, queued)
+            return job.position, queued
+        return self._job_position(job, queued), queued
 
     # ---- history (tests) ----------------------------------------------------------------------
     def _record(self, event: str, lease: AsyncLease | None, **kw: Any) -> None:
@@ -1437,8 +1436,8 @@ class GpuLimiter:
             parked = job.ticket is not None and self.park_timeout > 0
             if not parked:
                 job.abandoned = True  # before any await: a grant arriving now must not run
-            position = await self._position_now(job)
-            ra = self._retry_after_for(job, position)
+            position, queued = await self._position_now(job)
+            ra = self._retry_after_for(job, position, queued)
             m.timeouts.labels(job.route).inc()
             if not parked and job.task is not None:
                 job.task.cancel()  # leaves the queue now (the core cancels the ticket)
