@@ -772,7 +772,7 @@ def bench_fairness(url: str, c: redis.Redis, subject: str, cfg: dict) -> dict[st
         if hi > lo:
             held[pi] += (hi - lo) * size
     open_waits = {}
-    for k, (t_call, size) in pending.items():
+    for k, (t_call, _size) in pending.items():
         w = (t_to - max(t_call, t_from)) * 1000 if t_call < t_to else 0.0
         if t_call < t_from:
             w = (t_to - t_call) * 1000  # started before the window: its whole length so far

@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                         m = re.search(r"gpulock-wait;dur=([0-9.]+)", r.headers.get("server-timing", ""))
                         if m:
                             waits.append(float(m.group(1)) / 1000)
-            ms = lambda x: f"{x * 1000:.3f} ms"
+            def ms(x: float) -> str:
+                return f"{x * 1000:.3f} ms"
+
             print(f"model={a.model} batch={a.batch} requests={a.requests} per service, sequential, alternating")
             for n in ("leased", "disabled"):
                 print(f"  {n:9s} p50 {ms(_pct(lat[n], .5))}  p99 {ms(_pct(lat[n], .99))}")
