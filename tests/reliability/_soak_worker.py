@@ -1,16 +1,24 @@
 """One holder process of the fault soak (test_holder_faults.py); run as a script.
 
-Usage: python _soak_worker.py URL POOL OUT SEED END_AT MAX_AMOUNT FAULT_P SHELL [PLAN]
+Usage: python _soak_worker.py URL POOL OUT SEED END_AT MAX_AMOUNT FAULT_P SHELL [SCHEDULE]
 
 Loops acquire -> hold -> release with random amounts until END_AT (a time.time() instant).
-Before a cycle it may pick a fault (probability FAULT_P, or always PLAN when given) and injects
-it into itself at one step of the protocol:
+Before a cycle it takes the first plan of SCHEDULE (a comma-separated list of the plans below)
+or, once that is done, picks one at random with probability FAULT_P, and injects it into itself
+at one step of the protocol — only once the step's precondition was observed:
 
-  kill/stop_queued     in the on_queued callback (the request is in the queue)
+  kill/stop_queued     in the on_queued callback, once this process read its own ticket in the
+                       pool's queue on the raw keys (a grant may race in between the queued
+                       reply and the callback: then the plan waits for a later cycle)
   kill/stop_inflight   right after the acquire was written to the socket, before its reply is
                        read (the server may have granted it; the holder cannot know)
-  kill/stop_holding    in the middle of the hold
-  kill/stop_release    right after the release was written, before its reply is read
+  kill/stop_holding    in the middle of the hold, right after an ensure_valid() that passed
+  kill/stop_release    right after the release was written, before its reply is read (a lease
+                       already known lost locally sends no release: the plan waits)
+
+A scheduled plan stays first in SCHEDULE until it was injected, so every plan of SCHEDULE is
+injected in this process unless the process is killed first (the test gives a replacement the
+plans nobody injected yet); a random plan whose precondition did not come is dropped.
 
 ``kill`` is SIGKILL to itself; ``stop`` is SIGSTOP to itself (the test SIGCONTs it after a
 random delay, sometimes longer than the ttl). The test also stops and kills workers from
@@ -22,7 +30,7 @@ read on a separate connection):
   U token amount t          t was read *before* an ensure_valid() that passed: an instant at
                             which this process surely held the lease (server clock)
   L token why               the lease was found lost (ensure_valid or release)
-  F plan                    about to inject this fault
+  F plan [ticket]           about to inject this fault (its precondition was observed)
   E type message            an unexpected error (the test fails on any)
   B message                 BackendUnavailable while GPULOCK_SOAK_TOLERATE_BACKEND=1 (the
                             failover test: Redis is away for a moment)
@@ -42,6 +50,7 @@ import time
 import redis
 
 from gpulock import AsyncPool, BackendUnavailable, LeaseLost, Pool
+from gpulock._protocol import new_id, pool_keys
 from gpulock._scripts import scripts
 
 OPTS = {"sync_replicas": int(os.environ.get("GPULOCK_SOAK_SYNC_REPLICAS", "0")),
@@ -61,7 +70,9 @@ TTL, WAITER_TTL, POLL = 1.0, 1.0, 0.25
 
 def main() -> None:
     url, pool_name, out, seed, end_at, max_amount, fault_p, shell = sys.argv[1:9]
-    fixed = sys.argv[9] if len(sys.argv) > 9 else None
+    pending = [p for p in (sys.argv[9] if len(sys.argv) > 9 else "").split(",") if p]
+    assert set(pending) <= set(PLANS), pending
+    queue_key = pool_keys(pool_name)[3]
     rng = random.Random(int(seed))
     end_at, max_amount, fault_p = float(end_at), int(max_amount), float(fault_p)
     clock = redis.Redis.from_url(url)
@@ -81,14 +92,34 @@ def main() -> None:
                     raise
                 time.sleep(0.05)
 
-    def fault(plan: str) -> None:
-        log(f"F {plan}")
+    def fault(plan: str, detail: str = "") -> None:
+        if pending and pending[0] == plan:
+            pending.pop(0)  # before the stop: after SIGCONT this process goes on
+        log(f"F {plan} {detail}".rstrip())
         os.kill(os.getpid(), signal.SIGKILL if plan.startswith("kill") else signal.SIGSTOP)
 
     def pick() -> str | None:
-        if fixed:
-            return fixed
+        if pending:
+            return pending[0]
         return rng.choice(PLANS) if rng.random() < fault_p else None
+
+    def queued_fault(plan: str | None, ticket: str):
+        """The on_queued callback of a cycle with a *_queued plan: inject it (once) when the
+        ticket is really in the queue on the server, read on the raw keys."""
+        if plan not in ("kill_queued", "stop_queued"):
+            return None
+        fired = []
+
+        def cb(_pos: int) -> None:
+            if not fired:
+                fired.append(1)
+                try:
+                    there = clock.zscore(queue_key, ticket) is not None
+                except redis.RedisError:
+                    there = False
+                if there:
+                    fault(plan, ticket)
+        return cb
 
     def hold_time() -> float:
         return rng.choice((0.0, 0.0, rng.uniform(0, 0.003), rng.uniform(0, 0.03), rng.uniform(0.1, 0.3)))
@@ -131,9 +162,9 @@ def main() -> None:
             amount = rng.randint(1, max_amount)
             if plan in ("kill_inflight", "stop_inflight"):
                 armed["acquire"] = plan
-            on_q = (lambda _pos, p=plan: fault(p)) if plan in ("kill_queued", "stop_queued") else None
+            ticket = new_id()
             try:
-                lease = pool.acquire(amount, timeout=30, on_queued=on_q)
+                lease = pool.acquire(amount, timeout=30, request_id=ticket, on_queued=queued_fault(plan, ticket))
             except Exception as e:  # noqa: BLE001 - every unexpected error is logged and fails the test
                 log(error_line(e))
                 armed.clear()
@@ -144,7 +175,8 @@ def main() -> None:
             t_end = time.monotonic() + hold_time()
             if plan in ("kill_holding", "stop_holding"):
                 time.sleep(rng.uniform(0, 0.05))
-                fault(plan)
+                if use(lease):  # surely held right now
+                    fault(plan)
             while ok and time.monotonic() < t_end:
                 time.sleep(min(0.02, max(0.0, t_end - time.monotonic())))
                 ok = use(lease)
@@ -161,12 +193,14 @@ def main() -> None:
             armed.clear()
         pool.close()
     else:
-        asyncio.run(_async_main(url, pool_name, rng, end_at, max_amount, pick, fault, log, use, hold_time, armed))
+        asyncio.run(_async_main(url, pool_name, rng, end_at, max_amount, pick, fault, queued_fault, log, use,
+                                hold_time, armed))
     f.close()
     clock.close()
 
 
-async def _async_main(url, pool_name, rng, end_at, max_amount, pick, fault, log, use, hold_time, armed) -> None:
+async def _async_main(url, pool_name, rng, end_at, max_amount, pick, fault, queued_fault, log, use, hold_time,
+                      armed) -> None:
     pool = AsyncPool.from_url(url, pool_name, capacity=100, default_ttl=TTL, waiter_ttl=WAITER_TTL,
                               poll_interval=POLL, **OPTS)
     orig = pool._eval_once
@@ -192,9 +226,9 @@ async def _async_main(url, pool_name, rng, end_at, max_amount, pick, fault, log,
         amount = rng.randint(1, max_amount)
         if plan in ("kill_inflight", "stop_inflight"):
             armed["acquire"] = plan
-        on_q = (lambda _pos, p=plan: fault(p)) if plan in ("kill_queued", "stop_queued") else None
+        ticket = new_id()
         try:
-            lease = await pool.acquire(amount, timeout=30, on_queued=on_q)
+            lease = await pool.acquire(amount, timeout=30, request_id=ticket, on_queued=queued_fault(plan, ticket))
         except Exception as e:  # noqa: BLE001
             log(error_line(e))
             armed.clear()
@@ -205,7 +239,8 @@ async def _async_main(url, pool_name, rng, end_at, max_amount, pick, fault, log,
         t_end = time.monotonic() + hold_time()
         if plan in ("kill_holding", "stop_holding"):
             await asyncio.sleep(rng.uniform(0, 0.05))
-            fault(plan)
+            if use(lease):
+                fault(plan)
         while ok and time.monotonic() < t_end:
             await asyncio.sleep(min(0.02, max(0.0, t_end - time.monotonic())))
             ok = use(lease)

@@ -15,6 +15,9 @@ worker *used* a lease (a Redis ``TIME`` read before an ``ensure_valid()`` that p
 in that lease; sweeping all of them, the amounts in use at any instant never exceed the
 capacity. At the end, with every worker gone, ``used`` is 0 and the queue is empty on the raw
 keys within ttl + waiter_ttl, no worker saw an unexpected error, and each fault kind was hit.
+Every kind is scheduled (dealt out to the workers, and to replacements while missing), not left
+to chance, and a worker injects a plan only once it observed the step's precondition (its
+ticket in the queue on the raw keys, the lease valid, the request on the wire).
 
 The CI run lasts ``SOAK_S`` (40 s); ``--run-slow`` adds a 5-minute one (``GPULOCK_SOAK_S``
 overrides its length).
@@ -49,6 +52,17 @@ PLANS = ["kill_queued", "stop_queued", "kill_inflight", "stop_inflight", "kill_h
          "kill_release", "stop_release"]
 
 
+def injected(work: Path) -> set[str]:
+    """The fault kinds the workers injected so far (their F lines: written once the step's
+    precondition was observed, right before the signal)."""
+    kinds = set()
+    for f in work.glob("w*.log"):
+        for line in f.read_text().splitlines():
+            if line.startswith("F "):
+                kinds.add(line.split(" ")[1])
+    return kinds
+
+
 def run_soak(url: str, work: Path, duration: float, workers: int, fault_p: float, seed: int) -> dict:
     name = "soak"
     direct = redis.Redis.from_url(url)
@@ -63,18 +77,27 @@ def run_soak(url: str, work: Path, duration: float, workers: int, fault_p: float
     resume_at: dict[int, float] = {}
     gen = 0
 
-    def spawn(slot: int) -> None:
+    def spawn(slot: int, schedule: list[str]) -> None:
         nonlocal gen
         gen += 1
         shell = "sync" if slot % 2 == 0 else "async"
         out = work / f"w{slot}-{gen}.log"
         procs[slot] = subprocess.Popen(
             [sys.executable, str(WORKER), url, name, str(out), str(seed * 1000 + gen), repr(end_at),
-             str(MAX_AMOUNT), str(fault_p), shell], stderr=subprocess.PIPE, text=True)
+             str(MAX_AMOUNT), str(fault_p), shell, ",".join(schedule)], stderr=subprocess.PIPE, text=True)
+
+    # Every fault kind is scheduled, not left to chance: the plans are dealt out to the first
+    # workers (each injects its share in its first cycles, at the first cycle whose
+    # precondition it observes), and a replacement gets every plan nobody injected yet.
+    plans = PLANS[:]
+    rng.shuffle(plans)
+    ext = ["stop", "kill"]  # the faults from outside: each once first, then at random
+    rng.shuffle(ext)
+    stop_long = [True, False]  # the first stop from outside outlasts the ttl, the second not
 
     try:
         for i in range(workers):
-            spawn(i)
+            spawn(i, plans[i::workers])
         next_ext = time.time() + 1.0
         hard_end = end_at + 45.0
         while procs and time.time() < hard_end:
@@ -88,12 +111,15 @@ def run_soak(url: str, work: Path, duration: float, workers: int, fault_p: float
                         raise AssertionError(f"worker exited {rc}: {err[-2000:]}")
                     del procs[slot]
                     if rc != 0 and now < end_at - 2.0:
-                        spawn(slot)
+                        missing = [k for k in PLANS if k not in injected(work)]
+                        rng.shuffle(missing)
+                        spawn(slot, missing)
                     continue
                 st = proc_state(pr.pid)
                 if st == "T":
                     if pr.pid not in resume_at:
-                        d = 0.0 if now >= end_at else rng.choice((rng.uniform(0.05, 0.6), rng.uniform(1.2, 2.5)))
+                        long = stop_long.pop(0) if stop_long else rng.random() < 0.5
+                        d = 0.0 if now >= end_at else rng.uniform(1.2, 2.5) if long else rng.uniform(0.05, 0.6)
                         resume_at[pr.pid] = now + d
                         stop_lengths.append(d)
                     elif now >= resume_at[pr.pid] or now >= end_at:
@@ -104,7 +130,7 @@ def run_soak(url: str, work: Path, duration: float, workers: int, fault_p: float
                 running = [pr for pr in procs.values() if proc_state(pr.pid) not in ("T", "Z", "")]
                 if running:
                     victim = rng.choice(running)
-                    if rng.random() < 0.6:
+                    if (ext.pop(0) if ext else "stop" if rng.random() < 0.6 else "kill") == "stop":
                         os.kill(victim.pid, signal.SIGSTOP)
                         stats["external stop"] += 1
                     else:
@@ -173,6 +199,7 @@ def _check(r: dict, require_all_plans: bool) -> None:
     if require_all_plans:
         missing = [p for p in PLANS if not r["faults"].get(p)]
         assert not missing, f"fault kinds never injected: {missing}"
+    assert r["stats"].get("external stop") and r["stats"].get("external kill"), r["stats"]
     assert r["stops > ttl"] >= 1 and r["reaped leases"] >= 1
 
 
