@@ -11,6 +11,15 @@ current primary and asks again after a failover (redis-py's ``Sentinel.master_fo
 they require it), ``ssl=true`` (TLS to the Redis servers). Ports default to 26379, the
 sentinels' port. Writes after a failover may fail once with a connection error while the
 client learns the new primary; gpulock's retries (``backend_timeout``) cover that.
+
+**Connections.** Every client built here has a *blocking* connection pool of at most
+``max_connections`` connections (default :data:`DEFAULT_MAX_CONNECTIONS`, 16; at least 2,
+since a pool object's hand-off subscription keeps one): a call that finds them all busy waits
+for one (up to the socket timeout, then a connection error that gpulock's retries cover)
+instead of opening another. A waiting acquire holds no connection, so a process with 10,000
+waiters needs no more connections than one with 10. The URL's own ``?max_connections=N``
+(any scheme, Sentinel included) wins over the argument, as in redis-py. Connections to the
+sentinels themselves (discovery only) are not counted.
 """
 
 from __future__ import annotations
@@ -20,9 +29,18 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelConnectionPool
+from redis.sentinel import SentinelConnectionPool
+
+from .errors import InvalidArgument
 
 SENTINEL_SCHEMES = ("redis+sentinel", "sentinel")
 DEFAULT_SENTINEL_PORT = 26379
+#: Connections one client built here opens at most (``max_connections``'s default).
+DEFAULT_MAX_CONNECTIONS = 16
+#: Seconds a call waits for a free connection when none is given by ``socket_timeout``.
+DEFAULT_POOL_WAIT_S = 5.0
+ACCEPTED_SCHEMES = "redis://, rediss://, unix:// or redis+sentinel:// (also sentinel://)"
 
 
 class SentinelURL:
@@ -58,7 +76,7 @@ class SentinelURL:
         except ValueError:
             raise ValueError(f"Sentinel URL: bad database number {path[1]!r}") from None
         q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-        unknown = set(q) - {"sentinel_username", "sentinel_password", "ssl"}
+        unknown = set(q) - {"sentinel_username", "sentinel_password", "ssl", "max_connections"}
         if unknown:
             raise ValueError(f"Sentinel URL: unknown option(s) {sorted(unknown)}")
         self.sentinel_kwargs: dict[str, Any] = {}
@@ -108,23 +126,94 @@ def is_sentinel_url(url: str) -> bool:
     return urlsplit(url).scheme in SENTINEL_SCHEMES
 
 
-def sync_client(url: str, **defaults: Any) -> redis.Redis:
-    """A ``redis.Redis`` for ``url`` (plain or Sentinel). No I/O here."""
-    if not is_sentinel_url(url):
-        return redis.Redis.from_url(url, **defaults)
-    from redis.sentinel import Sentinel
-
-    su = SentinelURL(url)
-    s = Sentinel(su.sentinels, sentinel_kwargs=su.sentinel_connection_kwargs(defaults))
-    return s.master_for(su.service, **su.master_kwargs(defaults))
+def check_max_connections(value: Any) -> int:
+    """``value`` as a connection cap: an int of at least 2 (one for the hand-off subscription,
+    one for calls). Raises InvalidArgument."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise InvalidArgument(f"max_connections must be an integer of at least 2 (one connection is the "
+                              f"hand-off subscription's), not {value!r}")
+    return value
 
 
-def async_client(url: str, **defaults: Any) -> aioredis.Redis:
-    """A ``redis.asyncio.Redis`` for ``url`` (plain or Sentinel). No I/O here."""
-    if not is_sentinel_url(url):
-        return aioredis.from_url(url, **defaults)
-    from redis.asyncio.sentinel import Sentinel
+def _bad_url(url: str, err: BaseException) -> InvalidArgument:
+    return InvalidArgument(f"cannot use Redis URL {_redact(url)!r}: {err}; expected {ACCEPTED_SCHEMES}, "
+                           f"e.g. redis://HOST:6379/0")
 
-    su = SentinelURL(url)
-    s = Sentinel(su.sentinels, sentinel_kwargs=su.sentinel_connection_kwargs(defaults))
-    return s.master_for(su.service, **su.master_kwargs(defaults))
+
+def _url_max_connections(url: str, default: int) -> int:
+    """The URL's ``?max_connections=`` if it has one (it wins, as in redis-py), else ``default``.
+    Raises InvalidArgument (a bad ``default``) or ValueError (a bad value in the URL)."""
+    q = parse_qs(urlsplit(url).query).get("max_connections")
+    if not q:
+        return check_max_connections(default)
+    try:
+        return check_max_connections(int(q[-1]))
+    except (ValueError, InvalidArgument):
+        raise ValueError(f"max_connections must be an integer of at least 2, not {q[-1]!r}") from None
+
+
+def _pool_wait(defaults: dict[str, Any]) -> float:
+    t = defaults.get("socket_timeout")
+    return float(t) if t else DEFAULT_POOL_WAIT_S
+
+
+class BlockingSentinelConnectionPool(SentinelConnectionPool, redis.BlockingConnectionPool):
+    """redis-py's Sentinel pool (asks the sentinels for the primary, drops connections to a
+    former one) with the blocking pool's cap: callers wait for one of ``max_connections``."""
+
+
+class AsyncBlockingSentinelConnectionPool(AsyncSentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """The asyncio twin of :class:`BlockingSentinelConnectionPool`."""
+
+
+def sync_client(url: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, **defaults: Any) -> redis.Redis:
+    """A ``redis.Redis`` for ``url`` (plain or Sentinel) with a blocking pool of at most
+    ``max_connections`` connections (see the module docstring). No I/O here.
+
+    Raises:
+        InvalidArgument: the URL cannot be used (naming it, password hidden, and the accepted
+            schemes), or ``max_connections`` is not an integer ≥ 2.
+    """
+    if not isinstance(url, str):
+        raise _bad_url(repr(url), TypeError(f"a URL is a str, not {type(url).__name__}"))
+    cap = check_max_connections(max_connections)
+    try:
+        cap = _url_max_connections(url, cap)
+        if not is_sentinel_url(url):
+            pool = redis.BlockingConnectionPool.from_url(url, **{**defaults, "max_connections": cap,
+                                                                  "timeout": _pool_wait(defaults)})
+            return redis.Redis.from_pool(pool)
+        from redis.sentinel import Sentinel
+
+        su = SentinelURL(url)
+        s = Sentinel(su.sentinels, sentinel_kwargs=su.sentinel_connection_kwargs(defaults))
+        return s.master_for(su.service, connection_pool_class=BlockingSentinelConnectionPool,
+                            max_connections=cap, timeout=_pool_wait(defaults), **su.master_kwargs(defaults))
+    except ValueError as e:
+        raise _bad_url(url, e) from None
+
+
+def async_client(url: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, **defaults: Any) -> aioredis.Redis:
+    """A ``redis.asyncio.Redis`` for ``url`` (plain or Sentinel) with a blocking pool of at
+    most ``max_connections`` connections (see the module docstring). No I/O here.
+
+    Raises:
+        InvalidArgument: as :func:`sync_client`.
+    """
+    if not isinstance(url, str):
+        raise _bad_url(repr(url), TypeError(f"a URL is a str, not {type(url).__name__}"))
+    cap = check_max_connections(max_connections)
+    try:
+        cap = _url_max_connections(url, cap)
+        if not is_sentinel_url(url):
+            pool = aioredis.BlockingConnectionPool.from_url(url, **{**defaults, "max_connections": cap,
+                                                                     "timeout": _pool_wait(defaults)})
+            return aioredis.Redis.from_pool(pool)
+        from redis.asyncio.sentinel import Sentinel
+
+        su = SentinelURL(url)
+        s = Sentinel(su.sentinels, sentinel_kwargs=su.sentinel_connection_kwargs(defaults))
+        return s.master_for(su.service, connection_pool_class=AsyncBlockingSentinelConnectionPool,
+                            max_connections=cap, timeout=_pool_wait(defaults), **su.master_kwargs(defaults))
+    except ValueError as e:
+        raise _bad_url(url, e) from None

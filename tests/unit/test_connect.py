@@ -38,7 +38,7 @@ def test_clients_are_built_without_io():
     assert "SentinelConnectionPool" in type(c.connection_pool).__name__
     a = async_client("redis+sentinel://127.0.0.1:1/svc", socket_timeout=1.0)
     assert "SentinelConnectionPool" in type(a.connection_pool).__name__
-    assert type(sync_client("redis://127.0.0.1:1/0").connection_pool).__name__ == "ConnectionPool"
+    assert type(sync_client("redis://127.0.0.1:1/0").connection_pool).__name__ == "BlockingConnectionPool"
 
 
 def test_short_error_keeps_the_head_of_a_sentinel_error():

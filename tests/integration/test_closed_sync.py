@@ -1,0 +1,36 @@
+"""The blocking Pool after close(): an acquire raises PoolClosed at once, as AsyncPool's does
+(no new background thread, no lease that nothing would renew), and nothing is written to
+Redis by it."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpulock import Pool, PoolClosed
+from helpers import assert_empty
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.mark.parametrize("timeout", [0, None, 5])
+def test_sync_acquire_after_close_raises_pool_closed(redis_proc, rclient, pool_name, timeout):
+    p = Pool.from_url(redis_proc.url, pool_name, capacity=4)
+    lease = p.acquire(1, ttl=30)
+    lease.release()
+    p.close()
+    with pytest.raises(PoolClosed):
+        p.acquire(1, ttl=30, timeout=timeout)
+    assert p._runtime is None and p._portal is None, "close() must not be undone by a later acquire"
+    p.close()  # idempotent
+    assert_empty(rclient, pool_name)
+
+
+def test_sync_acquire_after_close_of_an_unused_pool(redis_proc, rclient, pool_name):
+    p = Pool.from_url(redis_proc.url, pool_name, capacity=4)
+    p.close()
+    with pytest.raises(PoolClosed):
+        p.acquire(1)
+    with pytest.raises(PoolClosed):
+        with p.lease(1, timeout=0):
+            pass
+    assert_empty(rclient, pool_name)
