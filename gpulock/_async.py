@@ -34,7 +34,7 @@ from ._protocol import (
     translate,
     validity_deadline,
 )
-from ._connect import async_client
+from ._connect import DEFAULT_MAX_CONNECTIONS, async_client
 from ._runtime import Runtime, Waiter
 from ._scripts import scripts
 from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost, PoolClosed
@@ -149,12 +149,22 @@ class AsyncPool:
         self._owns_client = _owns_client
 
     @classmethod
-    def from_url(cls, url: str, name: str, **kw: Any) -> "AsyncPool":
+    def from_url(cls, url: str, name: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 **kw: Any) -> "AsyncPool":
         """Connect to a ``redis://``, ``rediss://``, ``unix://`` or ``redis+sentinel://`` URL
         (no I/O until first use; Sentinel URLs: :mod:`gpulock._connect`).
         Socket timeouts default to 5 s (reads) and 2 s (connect) so a hung Redis surfaces as
-        BackendUnavailable instead of a hang."""
-        client = async_client(url, **_CLIENT_DEFAULTS)
+        BackendUnavailable instead of a hang.
+
+        ``max_connections`` (default 16, at least 2) caps the connections this pool object
+        opens, its hand-off subscription included, however many acquires wait: a waiting
+        acquire holds none, and calls that find every connection busy wait for one (up to the
+        5 s socket timeout, within ``backend_timeout``'s retries). A ``?max_connections=N`` in
+        the URL wins. Other arguments: as the constructor.
+
+        Raises: InvalidArgument (a URL gpulock cannot use, naming it and the accepted schemes;
+        a bad ``max_connections``; any bad argument of the constructor)."""
+        client = async_client(url, max_connections=max_connections, **_CLIENT_DEFAULTS)
         return cls(client, name, _owns_client=True, **kw)
 
     # ---- I/O ------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from ._protocol import (
     ttl_ms,
     validity_deadline,
 )
-from ._connect import async_client, sync_client
+from ._connect import DEFAULT_MAX_CONNECTIONS, async_client, sync_client
 from ._runtime import Runtime, Waiter
 from ._scripts import scripts
 from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost, PoolClosed, PoolNotFound
@@ -123,8 +123,15 @@ def _relay(f: asyncio.Future, cf: concurrent.futures.Future, pool: str) -> None:
         pass
 
 
+def _background_cap(max_connections: int) -> int:
+    """Connections of a Pool's background client (its loop thread: the hand-off subscription,
+    the batched heartbeat, re-queues): at most 4, at least 2, at most the caller side's cap."""
+    return max(2, min(max_connections, 4))
+
+
 def _async_twin(client: redis.Redis) -> aioredis.Redis:
-    """An asyncio client with the same connection settings as a sync one."""
+    """An asyncio client with the same connection settings as a sync one, with a blocking
+    pool of :func:`_background_cap` connections."""
     kw = dict(client.connection_pool.connection_kwargs)
     cls = client.connection_pool.connection_class
     if issubclass(cls, redis.SSLConnection):
@@ -137,7 +144,9 @@ def _async_twin(client: redis.Redis) -> aioredis.Redis:
     # one) would make every connection of the twin fail with a TypeError: drop them.
     accepted = _init_params(kw.get("connection_class", aioredis.Connection))
     kw = {k: v for k, v in kw.items() if k == "connection_class" or k in accepted}
-    return aioredis.Redis(connection_pool=aioredis.ConnectionPool(**kw))
+    cap = _background_cap(getattr(client.connection_pool, "max_connections", 4))
+    wait = kw.get("socket_timeout") or 5.0
+    return aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool(max_connections=cap, timeout=wait, **kw))
 
 
 def _init_params(cls: type) -> set[str]:
@@ -236,21 +245,35 @@ class Pool:
         self._lock = threading.Lock()
         self._portal: _LoopThread | None = None
         self._runtime: Runtime | None = None
+        self._closed = False  # close() was called: acquires raise PoolClosed
         self._active = 0  # acquires in progress (close() lets them withdraw first)
         self._active_cv = threading.Condition(threading.Lock())
 
     @classmethod
-    def from_url(cls, url: str, name: str, **kw: Any) -> "Pool":
+    def from_url(cls, url: str, name: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 **kw: Any) -> "Pool":
         """Connect to a ``redis://``, ``rediss://``, ``unix://`` or ``redis+sentinel://`` URL
-        (no I/O until first use; Sentinel URLs: :mod:`gpulock._connect`)."""
-        return cls(sync_client(url, **_CLIENT_DEFAULTS), name, _url=url, _owns_client=True, **kw)
+        (no I/O until first use; Sentinel URLs: :mod:`gpulock._connect`).
+
+        ``max_connections`` (default 16, at least 2; a ``?max_connections=N`` in the URL wins)
+        caps the connections of the calling threads' client: threads that find them all busy
+        wait for one. The pool's background thread (hand-off subscription, heartbeat) has its
+        own client of at most ``min(max_connections, 4)``, so the pool object opens at most
+        ``max_connections + 4``, however many threads wait.
+
+        Raises: InvalidArgument (as :meth:`gpulock.AsyncPool.from_url`)."""
+        client = sync_client(url, max_connections=max_connections, **_CLIENT_DEFAULTS)
+        return cls(client, name, _url=url, _owns_client=True, **kw)
 
     # ---- background runtime --------------------------------------------------------------
     def _rt(self) -> tuple[_LoopThread, Runtime]:
         with self._lock:
+            if self._closed:
+                raise PoolClosed(self.name)  # no heartbeat or listener would serve a lease
             if self._portal is None:
                 self._portal = _LoopThread(f"gpulock-{self.name}", closed=lambda: PoolClosed(self.name))
-                client = (async_client(self._url, **_CLIENT_DEFAULTS) if self._url
+                cap = _background_cap(getattr(self.redis.connection_pool, "max_connections", 4))
+                client = (async_client(self._url, max_connections=cap, **_CLIENT_DEFAULTS) if self._url
                           else _async_twin(self.redis))
                 self._runtime = Runtime(client, self.name, self._keys, self.clock, self.poll_interval,
                                         loop=self._portal.loop)
@@ -530,8 +553,10 @@ class Pool:
     def close(self) -> None:
         """Stop the background thread (held leases are not released: they expire). Acquires
         waiting in other threads end with PoolClosed; close() gives them up to 2 s to withdraw
-        their requests before it closes the connections."""
+        their requests before it closes the connections. Later acquires raise PoolClosed at
+        once (as :class:`~gpulock.AsyncPool`'s do); releasing a lease still works. Idempotent."""
         with self._lock:
+            self._closed = True
             portal, rt, self._portal, self._runtime = self._portal, self._runtime, None, None
         if portal is not None:
             try:
