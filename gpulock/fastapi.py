@@ -859,12 +859,16 @@ class GpuLimiter:
             self._resident_bytes = _resident_held(st)
         self._pool_rate.sample(now, st.grants, busy=st.waiter_count > 0)
         self._local_rate.sample(now, self._local_grants, busy=bool(self._slots.waiters))
-        tickets = [t for t, j in self._jobs.items() if j.phase != "done"]
-        if tickets:
+        jobs = [(t, j) for t, j in self._jobs.items() if j.phase != "done"]
+        if jobs:
+            tickets = [t for t, _ in jobs]
             try:
                 pipe = self.redis.pipeline(transaction=False)
-                for t in tickets:
-                    pipe.pexpire(self._key(f"req:{t}"), _CLAIM_TTL_MS)
+                for t, j in jobs:  # a thread-slot place moves as the waiters ahead leave: rewrite it
+                    if j.phase == "slot":
+                        pipe.set(self._key(f"req:{t}"), self._claim_value(j), xx=True, px=_CLAIM_TTL_MS)
+                    else:
+                        pipe.pexpire(self._key(f"req:{t}"), _CLAIM_TTL_MS)
                 await pipe.execute()
             except Exception as e:  # noqa: BLE001 - the claims expire in 10 s; say why they were not kept
                 log.warning("gpulock: could not refresh %d request claim(s): %s", len(tickets), e)
@@ -921,15 +925,21 @@ class GpuLimiter:
         requests that each timed out at the head "retry in 1 s", inviting a retry storm.)"""
         parked = job.ticket is not None and self.park_timeout > 0
         if parked:
-            if job.phase == "slot":
-                local = max(1, self._slots.position(job.slot_future))
-                return self.retry_after(max(0, position - local), job.server_retry_after, local=local, parked=True)
-            return self.retry_after(position, job.server_retry_after, parked=True)
+            local = max(1, self._slots.position(job.slot_future)) if job.phase == "slot" else 0
+            return self._retry_after_parked(position, local, job.server_retry_after)
         if pool_queue is None:
             pool_queue = self.status.waiter_count if self.status is not None else 0
         if job.phase != "slot":
             pool_queue = max(pool_queue, position)
         return self.retry_after(pool_queue, job.server_retry_after, local=len(self._slots.waiters))
+
+    def _retry_after_parked(self, position: int, local: int, server_hint: float | None = None) -> int:
+        """Retry-After for a request that keeps its place (X-Request-ID), on whichever worker
+        answers: ``position`` counts the pool's queue and, while the request still waits for
+        one of its owner's threads, its ``local`` place among that worker's waiters."""
+        if local:
+            return self.retry_after(max(0, position - local), server_hint, local=local, parked=True)
+        return self.retry_after(position, server_hint, parked=True)
 
     def _job_position(self, job: _Job, queued: int | None = None) -> int:
         """The job's place: in the pool's queue when it is there, else (still waiting for a
@@ -1194,7 +1204,8 @@ class GpuLimiter:
             pipe.get(res_key)
             pipe.get(claim_key)
             pipe.zrank(queue_key, ticket)
-            raw, claim, rank = await pipe.execute()
+            pipe.zcard(queue_key)
+            raw, claim, rank, queued = await pipe.execute()
             if raw is not None:
                 return self._decode_result(raw, fp, request_id)
             if claim is None:
@@ -1204,11 +1215,22 @@ class GpuLimiter:
             if cfp != fp:
                 raise self._conflict(request_id)
             now = time.monotonic()
-            position = rank + 1 if rank is not None else (int(pos) if pos.isdigit() else 0)
+            # The place as its owner counts it (_job_position): the rank in the pool's queue,
+            # or, while it waits for one of the owner's threads, the pool's queue length now
+            # plus its place among the owner's waiters (published in the claim).
+            local = int(pos) if phase == "slot" and pos.isdigit() else 0
+            if rank is not None:
+                position, local = rank + 1, 0
+            elif local:
+                position = int(queued) + local
+            else:
+                position = int(pos) if phase == "queued" and pos.isdigit() else 0
             if now >= acq_deadline and phase in ("slot", "queued"):
                 metrics().timeouts.labels(route).inc()
-                p = position or ((self.status.waiter_count if self.status else 0) + 1)
-                headers = {"Retry-After": str(self.retry_after(p, parked=self.park_timeout > 0))}
+                p = position or int(queued) + 1
+                ra = (self._retry_after_parked(p, local) if self.park_timeout > 0
+                      else self.retry_after(p))
+                headers = {"Retry-After": str(ra)}
                 if position:
                     headers["X-Queue-Position"] = str(position)
                 raise GpuLockHTTPException(
@@ -1221,13 +1243,24 @@ class GpuLimiter:
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.2)
 
+    def _claim_value(self, job: _Job) -> str:
+        """``owner|fingerprint|phase|place``: what another worker's retry reads to follow the
+        request. The place is the rank in the pool's queue once queued, and while the job
+        waits for one of this worker's threads its place among them (the follower adds the
+        pool's queue length, as :meth:`_job_position` does)."""
+        pos = self._slots.position(job.slot_future) if job.phase == "slot" else job.position
+        return f"{self._owner}|{job.fingerprint}|{job.phase}|{pos}"
+
     async def _set_phase(self, job: _Job, phase: str) -> None:
         job.phase = phase
         if job.ticket is None:
             return
         with contextlib.suppress(Exception):
-            await self.redis.set(self._key(f"req:{job.ticket}"), f"{self._owner}|{job.fingerprint}|{phase}|{job.position}",
-                                 xx=True, px=_CLAIM_TTL_MS)
+            await self.redis.set(self._key(f"req:{job.ticket}"), self._claim_value(job), xx=True, px=_CLAIM_TTL_MS)
+
+    async def _publish_slot_place(self, job: _Job) -> None:
+        if job.phase == "slot" and job.ticket is not None:  # not yet moved on
+            await self._set_phase(job, "slot")
 
     # ---- jobs -------------------------------------------------------------------------------------
     def _start_job(self, fn, route, amount, ticket, fp, arrival, *, park: float) -> _Job:
@@ -1261,6 +1294,8 @@ class GpuLimiter:
         try:
             def waiting(fut: asyncio.Future) -> None:
                 job.slot_future = fut
+                if job.ticket is not None:  # its place among this worker's waiters, for followers
+                    self.spawn(self._publish_slot_place(job), name="gpulock-claim")
 
             remaining = deadline - time.monotonic()
             if remaining <= 0:
