@@ -8,7 +8,6 @@ from typing import Any, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, NoScriptError
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
 from ._protocol import (
     DEFAULT_MAX_WAITERS,
@@ -30,6 +29,7 @@ from ._protocol import (
     pool_keys,
     pool_settings,
     retry_bound,
+    retrying,
     ttl_ms,
     translate,
     validity_deadline,
@@ -193,11 +193,7 @@ class AsyncPool:
                 if not retry:
                     raise
             # The retrier is built only after a failure: it costs ~10% of an uncontended call.
-            async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(RETRYABLE),
-                stop=stop_after_delay(self.backend_timeout if bound is None else bound),
-                wait=wait_random_exponential(multiplier=0.05, max=1.0), reraise=True,
-            ):
+            async for attempt in retrying(self.backend_timeout if bound is None else bound, asynchronous=True):
                 with attempt:
                     return await self._eval_once(name, args)
         except Exception as e:
@@ -216,14 +212,13 @@ class AsyncPool:
         mw = self.max_waiters if max_waiters is None else max_waiters
         mt = self.max_ttl if max_ttl is None else parse_seconds(max_ttl, name="max_ttl", minimum=MIN_TTL_S,
                                                                maximum=MAX_TTL_S)
-        r = await self._eval("configure", [str(cap), str(mw), "create" if create_only else "set",
-                                           str(ttl_ms(mt)), "1" if _grace else "0"])
+        r = await self._eval("configure", self._runtime.configure_argv(cap, mw, ttl_ms(mt), create_only, _grace))
         if not create_only:
             self.capacity = cap
             self.max_ttl = mt
             self._settings_to_runtime()
         out = dict(zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r)))
-        self._runtime.seen(out["epoch"], out["capacity"])
+        self._runtime.seen(out["epoch"], out["capacity"], out["max_waiters"], int(r[5]) if len(r) > 5 else 0)
         return out
 
     def _settings_to_runtime(self) -> None:
@@ -231,6 +226,7 @@ class AsyncPool:
         rt = self._runtime
         rt.capacity, rt.max_waiters, rt.max_ttl_ms = self.capacity, self.max_waiters, ttl_ms(self.max_ttl)
         rt.sync_replicas, rt.sync_timeout_ms = self.sync_replicas, max(1, int(self.sync_timeout * 1000))
+        rt.backend_timeout = self.backend_timeout
 
     async def status(self, *, limit: int = 1000) -> PoolStatus:
         """A snapshot: capacity, used, leases and waiters (at most ``limit`` of each listed).
@@ -240,8 +236,9 @@ class AsyncPool:
 
         st = decode_status(self.name, await self._eval("status", [str(limit)]))
         if st is None:
+            self._runtime.seen(0)  # gone: if this object knew the pool, its runtime recovers now
             raise PoolNotFound(self.name)
-        self._runtime.seen(st.epoch, st.capacity)
+        self._runtime.seen(st.epoch, st.capacity, st.max_waiters, ttl_ms(st.max_ttl) if st.max_ttl else 0)
         return st
 
     async def reap(self) -> int:

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import secrets
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -36,14 +37,65 @@ from ._protocol import (
     Grant,
     LeaseState,
     decode_events,
+    retry_delay,
+    retrying,
     translate,
     ttl_ms,
     validity_deadline,
 )
 from ._scripts import scripts
-from .errors import PoolClosed
+from .errors import BackendUnavailable, PoolClosed
 
 log = logging.getLogger("gpulock")
+
+DEFAULT_BACKEND_TIMEOUT_S = 5.0  # the pool object's backend_timeout, until it sets its own
+
+
+class FailureLog:
+    """The log lines of one background loop's repeated failures, rate-limited: one line at the
+    first failure, one when the loop works again, and while it keeps failing one summary per
+    ``period`` seconds (``still failing: N errors in the last 30s``) instead of a line per try.
+
+    Args:
+        what: what fails, for the messages ("heartbeat for pool gpu0").
+        period: seconds between summaries while failing.
+        clock: monotonic clock in seconds (tests inject a fake one).
+        level: the logging level of the lines.
+    """
+
+    def __init__(self, what: str, *, period: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 level: int = logging.WARNING, logger: logging.Logger = log):
+        self.what, self.period, self.clock, self.level, self.log = what, period, clock, level, logger
+        self.failing = False
+        self.errors = 0  # failures since the first one of this run
+        self._since = 0.0
+        self._window = 0  # failures since the last line
+        self._next_summary = 0.0
+
+    def failed(self, err: BaseException, *, exc_info: bool = False) -> None:
+        """One failed attempt (``exc_info``: add the traceback to the first line)."""
+        now = self.clock()
+        self.errors += 1
+        if not self.failing:
+            self.failing, self._since, self._window = True, now, 0
+            self._next_summary = now + self.period
+            self.log.log(self.level, "gpulock: %s failed (%s); retrying (repeated failures are summed up "
+                         "every %.0fs)", self.what, err, self.period, exc_info=exc_info)
+            return
+        self._window += 1
+        if now >= self._next_summary:
+            self.log.log(self.level, "gpulock: %s still failing: %d errors in the last %.0fs (%d since %.0fs "
+                         "ago; the last: %s)", self.what, self._window, self.period, self.errors,
+                         now - self._since, err)
+            self._window = 0
+            self._next_summary = now + self.period
+
+    def ok(self) -> None:
+        """An attempt succeeded: say so once if the loop was failing."""
+        if self.failing:
+            self.log.log(self.level, "gpulock: %s works again after %d failed attempt(s) in %.1fs",
+                         self.what, self.errors, self.clock() - self._since)
+        self.failing, self.errors = False, 0
 
 
 @dataclass
@@ -55,6 +107,7 @@ class Waiter:
     position: int
     on_position: Callable[[int], Any] | None = None
     users: int = 1  # local acquires sharing this ticket (one request id used concurrently)
+    refreshed: float = 0.0  # local time of the last call that kept (or took again) its place
 
 
 class Runtime:
@@ -92,9 +145,23 @@ class Runtime:
         self.capacity: int | None = None  # the pool object's capacity= (None: not given)
         self.max_waiters = DEFAULT_MAX_WAITERS
         self.max_ttl_ms = 0
-        self.capacity_seen = 0  # the pool's capacity as last seen in a reply
-        self.known_epoch = 0  # the pool's epoch as last seen in a reply (0: never seen)
+        # What the server last showed of the incarnation this object knows (known_epoch): a
+        # pool made again after a loss gets these, not the pool object's own settings.
+        self.capacity_seen = 0
+        self.max_waiters_seen = 0
+        self.max_ttl_seen_ms = 0
+        # The pool's epoch this object knows (0: never seen). Only the first reply and the
+        # recovery after a loss set it (see seen()): a reply with another epoch, or none, makes
+        # the heartbeat run at once (_restart_suspected) and recover.
+        self.known_epoch = 0
+        self._restart_suspected = False
         self._jeopardy = False  # a renewal failed and none has succeeded since
+        self.backend_timeout = DEFAULT_BACKEND_TIMEOUT_S  # the bound of background retries
+        self._retry_at = 0.0  # after a failed tick: not before this (local clock)
+        self._requeue: OrderedDict[str, Waiter] = OrderedDict()  # waiters whose place Redis forgot
+        self._requeuer: asyncio.Task | None = None
+        self._tick_log = FailureLog(f"heartbeat for pool {pool}", clock=clock)
+        self._sub_log = FailureLog(f"pub/sub subscription for pool {pool}", clock=clock, level=logging.INFO)
         # sync_replicas (the pool object's option): a renewal counts for the lease's validity
         # only once that many replicas acknowledged it (WAIT), so a failover to one of them
         # cannot lose what the holder relies on. 0: off.
@@ -111,12 +178,59 @@ class Runtime:
         sent, server_now = self.anchor if self.anchor else (self.clock(), grant.now_ms)
         return validity_deadline(sent, server_now, grant.expires_ms)
 
-    def seen(self, epoch: int, capacity: int = 0) -> None:
-        """Record the pool's epoch and capacity from a reply."""
-        if epoch:
+    def seen(self, epoch: int, capacity: int = 0, max_waiters: int = 0, max_ttl_ms: int = 0) -> None:
+        """Take in what a reply showed of the pool: its epoch (0: the pool is gone) and its
+        capacity (bytes), max_waiters and max_ttl (ms; 0: not in the reply). Safe from any
+        thread.
+
+        The first epoch seen is adopted. After that, a reply with another epoch or none means
+        Redis lost the pool: this does not adopt it but makes the heartbeat run at once, which
+        makes the pool again if it is gone, puts the leases back, queues the waiters again and
+        only then adopts the new epoch. Settings are recorded from replies of the known epoch
+        only, so a pool made again by someone else does not overwrite what the operator set."""
+        if not self.known_epoch and epoch:
             self.known_epoch = epoch
+        if not self.known_epoch:
+            return
+        if epoch != self.known_epoch:
+            self.suspect_restart()
+            return
         if capacity:
             self.capacity_seen = capacity
+        if max_waiters:
+            self.max_waiters_seen = max_waiters
+        if max_ttl_ms:
+            self.max_ttl_seen_ms = max_ttl_ms
+
+    def suspect_restart(self) -> None:
+        """A reply showed the pool gone or made again: run the heartbeat (and so the recovery)
+        now rather than at the next renewal. Safe from any thread."""
+        if self._closed:
+            return
+        self._restart_suspected = True  # seen by the ticker even if the poke below cannot run
+        try:
+            self._in_loop(self._recover_soon)
+        except (RuntimeError, AttributeError):  # no loop yet, or it is closed: nothing to wake
+            pass
+
+    def _recover_soon(self) -> None:
+        self._restart_suspected = True
+        self._ensure_ticker()
+        self._poke()
+
+    def configure_argv(self, capacity: int, max_waiters: int, max_ttl_ms: int, create_only: bool,
+                       grace: bool = False) -> list[str]:
+        """ARGV of ``configure.lua`` for the pool object's ``configure``. A create-only call by
+        a pool object that knew the pool (so Redis lost it) makes it again as the server last
+        showed it — capacity, max_waiters, max_ttl: an operator's ``pool set`` wins over the
+        values given here, which count only for a pool never seen — and with a grace period."""
+        if create_only and self.known_epoch:
+            capacity = self.capacity_seen or capacity
+            max_waiters = self.max_waiters_seen or max_waiters
+            max_ttl_ms = self.max_ttl_seen_ms or max_ttl_ms
+            grace = True
+        return [str(capacity), str(max_waiters), "create" if create_only else "set", str(max_ttl_ms),
+                "1" if grace else "0"]
 
     def set_reap_timer(self, received: float, next_expiry_in_ms: int) -> None:
         """Schedule a reap at the nearest lease expiry (local time, biased late by using the
@@ -220,6 +334,8 @@ class Runtime:
 
     def add_waiter(self, w: Waiter) -> None:
         self.waiters[w.ticket] = w
+        if not w.refreshed:
+            w.refreshed = self.clock()
         g = self._unclaimed.pop(w.ticket, None)
         if g is not None and g.lease_id == w.argv[1] and not w.future.done():
             w.future.set_result(g)  # only a grant made with this request's own lease id
@@ -317,7 +433,7 @@ class Runtime:
 
     async def _listen(self) -> None:
         channel = f"{self.keys[7]}:{self.channel_id}"
-        backoff = 0.05
+        attempt = 0
         while not self._closed:
             ps = self.redis.pubsub(ignore_subscribe_messages=False)
             try:
@@ -330,7 +446,8 @@ class Runtime:
                         self._subscribed.set()
                         self._sub_error = None
                         self._sub_news.set()
-                        backoff = 0.05
+                        attempt = 0
+                        self._sub_log.ok()
                     elif msg["type"] == "message":
                         for g in decode_events(msg["data"]):
                             self._deliver(g)
@@ -340,9 +457,9 @@ class Runtime:
                 self._subscribed.clear()
                 self._sub_error = e  # for ensure_subscribed: stop waiting, and why
                 self._sub_news.set()
-                log.info("gpulock: pub/sub for pool %s interrupted (%s); retrying in %.2fs", self.pool, e, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                self._sub_log.failed(e)
+                attempt += 1
+                await asyncio.sleep(retry_delay(attempt))
             finally:
                 try:
                     await ps.aclose()
@@ -358,10 +475,12 @@ class Runtime:
             t = min(t, self.next_poll)
             if self.reap_at is not None:
                 t = min(t, self.reap_at)
-        return t
+        if self._restart_suspected:
+            t = min(t, now)
+        return max(t, self._retry_at)  # after a failure, not before the retry (deadlines: watchdog)
 
     async def _tick_loop(self) -> None:
-        backoff = 0.05
+        attempt = 0
         while not self._closed:
             now = self.clock()
             self._ticker_at = self._next_wake(now)
@@ -372,7 +491,7 @@ class Runtime:
                     await asyncio.wait_for(self._wake.wait(), delay)
                 except asyncio.TimeoutError:
                     pass
-            if not self.leases and not self.waiters:
+            if not self.leases and not self.waiters and not self._restart_suspected:
                 if self._closed:
                     return
                 continue
@@ -382,29 +501,55 @@ class Runtime:
                     if s.mark_lost("no successful renewal before the local validity deadline "
                                    "(Redis unreachable or too slow)") or s.lost_reason:
                         self.leases.pop(s.lease_id, None)
+            self._fail_stranded_waiters(now)
+            if now < self._retry_at:
+                continue  # woken early (a new lease, a poke) while backing off: not yet
+            suspected = self._restart_suspected
             try:
+                did = False
                 if self.waiters and self.reap_at is not None and now >= self.reap_at:
                     self.reap_at = None
+                    did = True
                     await self._reap()
                 due = any(s.next_renew <= now for s in self.leases.values())
-                if due or (self.waiters and now >= self.next_poll):
+                if due or suspected or (self.waiters and now >= self.next_poll):
+                    self._restart_suspected = False
+                    did = True
                     await self._heartbeat()
-                backoff = 0.05
+                if did:
+                    attempt = 0
+                    self._tick_log.ok()
             except asyncio.CancelledError:
                 raise
-            except RETRYABLE as e:
-                log.warning("gpulock: heartbeat for pool %s failed (%s); retrying in %.2fs", self.pool, e, backoff)
+            except Exception as e:
+                # Every failure is retried on the one schedule (retry_delay); the leases'
+                # local deadlines and the waiters' bound (_fail_stranded_waiters) end it.
+                self._restart_suspected = self._restart_suspected or suspected
+                self._tick_log.failed(e, exc_info=not isinstance(e, RETRYABLE))
                 self._enter_jeopardy(e)
-                retry = self.clock() + backoff
+                attempt += 1
+                retry = self._retry_at = self.clock() + retry_delay(attempt)
                 for s in self.leases.values():
                     s.next_renew = min(max(s.next_renew, retry), s.valid_until)
                 self.next_poll = max(self.next_poll, retry)
-                backoff = min(backoff * 2, 1.0)
-            except Exception as e:
-                log.exception("gpulock: heartbeat for pool %s failed", self.pool)
-                self._enter_jeopardy(e)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
+
+    def waiter_bound(self, w: Waiter) -> float:
+        """Seconds a queued waiter may go without a call that keeps its place before it fails
+        with BackendUnavailable: its waiter_ttl (the server keeps the place that long without a
+        refresh) plus backend_timeout (the retries a new acquire would get to queue again)."""
+        return w.waiter_ttl_ms / 1000.0 + self.backend_timeout
+
+    def _fail_stranded_waiters(self, now: float) -> None:
+        """End the waits of waiters whose place could not be kept or taken again within
+        :meth:`waiter_bound` (Redis unreachable that long): BackendUnavailable."""
+        for w in list(self.waiters.values()):
+            if w.future is None or w.future.done():
+                continue
+            if now - w.refreshed > self.waiter_bound(w):
+                w.future.set_exception(BackendUnavailable(
+                    f"pool {self.pool!r}: Redis unreachable for {now - w.refreshed:.1f}s while this request "
+                    f"was queued: its place could not be kept or taken again (bound: waiter_ttl "
+                    f"{w.waiter_ttl_ms / 1000:g}s + backend_timeout {self.backend_timeout:g}s)"))
 
     def _enter_jeopardy(self, err: BaseException) -> None:
         """A renewal failed: the leases are in jeopardy (Chubby's term). Each is lost at its
@@ -419,27 +564,37 @@ class Runtime:
                     self.pool, len(live), err, max(0.0, first))
 
     async def cancel_quietly(self, ticket: str) -> None:
-        """Withdraw a request (leave the queue, give back a grant that raced in), retrying a
-        dropped connection a few times; if Redis stays away the waiter expires after its
+        """Withdraw a request (leave the queue, give back a grant that raced in), retried on
+        the common policy for backend_timeout; if Redis stays away the waiter expires after its
         waiter_ttl and a grant after its ttl."""
-        for delay in (0.0, 0.2, 0.5, 1.0, 2.0):
-            await asyncio.sleep(delay)
-            try:
-                await self._eval("cancel", [ticket])
-                return
-            except Exception:  # noqa: BLE001 - best effort; expiry is the backstop
-                if self._closed:
-                    return
+        try:
+            await self._eval("cancel", [ticket], bound=self.backend_timeout)
+        except Exception:  # noqa: BLE001 - best effort; expiry is the backstop
+            pass
 
-    async def _eval(self, name: str, args: list) -> Any:
+    async def _eval_once(self, name: str, args: list) -> Any:
         from redis.exceptions import NoScriptError
 
         sc = scripts()[name]
         try:
-            return await self.redis.evalsha(sc.sha, len(self.keys), *self.keys, *args)
-        except NoScriptError:
-            await self.redis.script_load(sc.source)
-            return await self.redis.evalsha(sc.sha, len(self.keys), *self.keys, *args)
+            try:
+                return await self.redis.evalsha(sc.sha, len(self.keys), *self.keys, *args)
+            except NoScriptError:
+                await self.redis.script_load(sc.source)
+                return await self.redis.evalsha(sc.sha, len(self.keys), *self.keys, *args)
+        except AuthenticationError as e:  # a ConnectionError to redis-py; retrying cannot help
+            raise translate(e, self.pool) from e
+
+    async def _eval(self, name: str, args: list, *, bound: float = 0.0) -> Any:
+        """EVALSHA with NOSCRIPT reload. ``bound`` > 0: retry connection errors on the common
+        policy (:func:`gpulock._protocol.retrying`, the foreground's) for that many seconds; 0:
+        one try (the ticker's own calls: the loop retries them on the same schedule)."""
+        if bound <= 0:
+            return await self._eval_once(name, args)
+        async for attempt in retrying(bound, asynchronous=True):
+            with attempt:
+                return await self._eval_once(name, args)
+        raise AssertionError("unreachable")
 
     async def renew_synced(self, args: list) -> tuple[Any, int]:
         """Run ``renew`` and then, on the same connection, an INCR of the pool's sync counter
@@ -519,12 +674,15 @@ class Runtime:
             epoch = await self._recover(orphans, epoch)
         elif epoch:
             self.known_epoch = epoch
+        forgotten = []
         for w, res in zip(waiters, r[3]):
             kind = res[0].decode() if isinstance(res[0], bytes) else res[0]
             if kind == "g":
+                w.refreshed = sent
                 lid = res[1].decode() if isinstance(res[1], bytes) else res[1]
                 self._deliver(Grant(w.ticket, lid, int(res[2]), int(res[3]), int(res[4]), now_ms, epoch))
             elif kind == "q":
+                w.refreshed = sent
                 pos = int(res[1])
                 if pos != w.position:
                     w.position = pos
@@ -533,85 +691,114 @@ class Runtime:
                             w.on_position(pos)
                         except Exception:
                             log.exception("gpulock: on_queued callback raised")
-            elif w.ticket in self.waiters and not w.future.done():
-                # The queue forgot us (we missed refreshes for waiter_ttl, e.g. a pause):
-                # enqueue again with the same ticket (idempotent); we lose our old place.
-                self.spawn(self._requeue(w))
+            elif w.ticket in self.waiters and w.future is not None and not w.future.done():
+                forgotten.append(w)
+        if forgotten:
+            # The queue forgot them (Redis lost the pool, or refreshes were missed for
+            # waiter_ttl, e.g. a pause): enqueue again with the same tickets (idempotent), one
+            # after the other in their old order, so FIFO among them holds.
+            forgotten.sort(key=lambda w: w.position)
+            for w in forgotten:
+                self._requeue.setdefault(w.ticket, w)
+            if self._requeuer is None or self._requeuer.done():
+                self._requeuer = self.spawn(self._requeue_all())
 
     async def _recover(self, orphans: list[LeaseState], epoch: int) -> int:
         """Redis lost the pool (a restart without its data, or the keys were deleted) while
-        this process holds ``orphans`` or waits. Create the pool again if it is gone — with a
-        grace period, since we know it existed — then put our leases back with their old ids,
-        amounts and tokens (``reassert.lua``). A lease that cannot be put back is lost.
-        Returns the pool's new epoch (0 when it could not be created)."""
+        this process holds ``orphans`` or waits. Create the pool again if it is gone — as it was
+        last seen, with a grace period, since we know it existed — then put our leases back
+        with their old ids, amounts and tokens (``reassert.lua``); only then adopt the new
+        epoch. A lease that cannot be put back is lost. The calls retry on the common policy
+        until the first orphan's local deadline (at most backend_timeout); if they fail, the
+        next heartbeat finds the loss again. Returns the pool's new epoch (0: not created)."""
+        live_until = [s.valid_until for s in orphans if not s.released and s.lost_reason is None]
+        bound = max(0.5, min([self.backend_timeout] + [t - self.clock() for t in live_until]))
         if epoch == 0:
-            cap = self.capacity or self.capacity_seen
-            if not cap:
+            if not (self.capacity_seen or self.capacity):
                 for s in orphans:
                     s.mark_lost("the pool's configuration is gone (Redis restarted without its data?) "
                                 "and this pool object does not know its capacity to create it again")
                     self.leases.pop(s.lease_id, None)
                 return 0
-            r = await self._eval("configure", [str(cap), str(self.max_waiters), "create",
-                                               str(self.max_ttl_ms), "1"])
+            argv = self.configure_argv(self.capacity or 0, self.max_waiters, self.max_ttl_ms, True, True)
+            r = await self._eval("configure", argv, bound=bound)
             epoch = int(r[2])
             if int(r[0]):
                 log.warning("gpulock: pool %s was gone from Redis (restarted without its data?): created it "
                             "again (capacity %d bytes) with a grace period of %.1fs for holders to put "
                             "their leases back; nothing new is granted until it ends",
                             self.pool, int(r[1]), int(r[6]) / 1000 if len(r) > 6 else 0.0)
-        self.known_epoch = epoch
         live = [s for s in orphans if not s.released and s.lost_reason is None]
-        if not live:
-            return epoch
-        args: list[Any] = [len(live)]
-        for s in live:
-            args += [s.lease_id, s.token, s.amount, ttl_ms(s.ttl_s), s.ticket, s.meta]
-        sent = self.clock()
-        r = await self._eval("reassert", args)
-        now_ms = int(r[0])
-        self.observe(sent, now_ms)
-        for s, res in zip(live, r[3]):
-            res = int(res)
-            if s.released or s.lost_reason is not None:
-                continue
-            if res > 0:
-                s.renewed(sent, now_ms, res)
-                s.epoch = epoch
-                log.warning("gpulock: lease %s… on pool %s (token %d, %d bytes) put back after Redis lost "
-                            "the pool", s.lease_id[:8], self.pool, s.token, s.amount)
-            else:
-                s.mark_lost(REASSERT_REFUSED.get(res, f"Redis lost the pool and refused to take the lease back ({res})"))
-                self.leases.pop(s.lease_id, None)
+        if live:
+            args: list[Any] = [len(live)]
+            for s in live:
+                args += [s.lease_id, s.token, s.amount, ttl_ms(s.ttl_s), s.ticket, s.meta]
+            sent = self.clock()
+            r = await self._eval("reassert", args, bound=bound)
+            now_ms = int(r[0])
+            self.observe(sent, now_ms)
+            for s, res in zip(live, r[3]):
+                res = int(res)
+                if s.released or s.lost_reason is not None:
+                    continue
+                if res > 0:
+                    s.renewed(sent, now_ms, res)
+                    s.epoch = epoch
+                    log.warning("gpulock: lease %s… on pool %s (token %d, %d bytes) put back after Redis lost "
+                                "the pool", s.lease_id[:8], self.pool, s.token, s.amount)
+                else:
+                    s.mark_lost(REASSERT_REFUSED.get(res, f"Redis lost the pool and refused to take the lease "
+                                                          f"back ({res})"))
+                    self.leases.pop(s.lease_id, None)
+        self.known_epoch = epoch  # recovered: this is the pool now
         return epoch
 
-    async def _requeue(self, w: Waiter) -> None:
-        from ._protocol import decode_acquire
+    async def _requeue_all(self) -> None:
+        """Queue again, one at a time in their old order, the waiters whose place Redis forgot."""
+        while self._requeue and not self._closed:
+            _, w = self._requeue.popitem(last=False)
+            if self.waiters.get(w.ticket) is w and w.future is not None and not w.future.done():
+                await self._requeue_one(w)
 
+    async def _requeue_one(self, w: Waiter) -> None:
+        """Enqueue ``w`` again with its ticket (idempotent), retrying on the common policy
+        within the waiter's bound. The waiter fails only when Redis stays unreachable past
+        :meth:`waiter_bound`, or when the server refuses the request (say the capacity shrank
+        below it); a pool found gone again is left to the heartbeat, which recovers it and
+        queues the waiter again."""
         from redis.exceptions import ResponseError
 
+        from ._protocol import decode_acquire
+
+        left = self.waiter_bound(w) - (self.clock() - w.refreshed)
         try:
             sent = self.clock()
-            try:
-                r = await self._eval("acquire", w.argv)
-            except ResponseError as e:
-                if not str(e).startswith("GPULOCK_NOPOOL") or not (self.capacity or self.capacity_seen):
-                    raise
-                await self._recover([], 0)  # the pool is gone: make it again (with a grace period)
-                sent = self.clock()
-                r = await self._eval("acquire", w.argv)
-            res = decode_acquire(w.ticket, r)
-            self.seen(res.epoch, res.capacity)
-            self.observe(sent, res.now_ms)
-            if self.waiters.get(w.ticket) is not w and not self.ticket_in_use(w.ticket):
-                # Given up while this re-enqueue was in flight (its cancel may have run
-                # first): withdraw again, or the place (and later a grant) would be orphaned.
-                await self._eval("cancel", [w.ticket])
+            r = await self._eval("acquire", w.argv, bound=max(1.0, left))
+        except ResponseError as e:
+            if str(e).startswith("GPULOCK_NOPOOL"):
+                self.suspect_restart()  # the heartbeat makes the pool again and re-queues us
                 return
-            if isinstance(res, Grant):
-                self._deliver(res)
-            else:
-                w.position = res.position
-        except Exception as e:
             if not w.future.done():
                 w.future.set_exception(e)
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # Redis unreachable past the bound (retries exhausted), or refused
+            if not w.future.done() and (not isinstance(e, RETRYABLE)
+                                        or self.clock() - w.refreshed > self.waiter_bound(w)):
+                w.future.set_exception(e)
+            return
+        res = decode_acquire(w.ticket, r)
+        w.refreshed = sent
+        self.observe(sent, res.now_ms)
+        self.seen(res.epoch, res.capacity)
+        if self.waiters.get(w.ticket) is not w and not self.ticket_in_use(w.ticket):
+            # Given up while this re-enqueue was in flight (its cancel may have run first):
+            # withdraw again, or the place (and later a grant) would be orphaned.
+            await self.cancel_quietly(w.ticket)
+            return
+        if isinstance(res, Grant):
+            self._deliver(res)
+        else:
+            w.position = res.position
+            self.set_reap_timer(self.clock(), res.retry_after_ms)

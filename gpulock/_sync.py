@@ -18,7 +18,6 @@ from typing import Any, Callable
 import redis
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, NoScriptError
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_random_exponential
 
 from ._async import _CLIENT_DEFAULTS, DEFAULT_BACKEND_TIMEOUT_S
 from ._protocol import (
@@ -40,6 +39,7 @@ from ._protocol import (
     pool_keys,
     pool_settings,
     retry_bound,
+    retrying,
     translate,
     ttl_ms,
     validity_deadline,
@@ -307,11 +307,7 @@ class Pool:
             except RETRYABLE:
                 pass
             # The retrier is built only after a failure: it costs ~10% of an uncontended call.
-            for attempt in Retrying(
-                retry=retry_if_exception_type(RETRYABLE),
-                stop=stop_after_delay(self.backend_timeout if bound is None else bound),
-                wait=wait_random_exponential(multiplier=0.05, max=1.0), reraise=True,
-            ):
+            for attempt in retrying(self.backend_timeout if bound is None else bound, asynchronous=False):
                 with attempt:
                     return self._eval_once(name, args)
         except Exception as e:
@@ -325,15 +321,17 @@ class Pool:
         mw = self.max_waiters if max_waiters is None else max_waiters
         mt = self.max_ttl if max_ttl is None else parse_seconds(max_ttl, name="max_ttl", minimum=MIN_TTL_S,
                                                                maximum=MAX_TTL_S)
-        r = self._eval("configure", [str(cap), str(mw), "create" if create_only else "set",
-                                     str(ttl_ms(mt)), "1" if _grace else "0"])
+        rt = self._runtime
+        r = self._eval("configure", rt.configure_argv(cap, mw, ttl_ms(mt), create_only, _grace) if rt is not None
+                       else [str(cap), str(mw), "create" if create_only else "set", str(ttl_ms(mt)),
+                             "1" if _grace else "0"])
         if not create_only:
             self.capacity = cap
             self.max_ttl = mt
             self._settings_to_runtime()
         out = dict(zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r)))
-        if self._runtime is not None:
-            self._runtime.seen(out["epoch"], out["capacity"])
+        if rt is not None:
+            rt.seen(out["epoch"], out["capacity"], out["max_waiters"], int(r[5]) if len(r) > 5 else 0)
         return out
 
     def _settings_to_runtime(self) -> None:
@@ -342,14 +340,18 @@ class Pool:
         if rt is not None:
             rt.capacity, rt.max_waiters, rt.max_ttl_ms = self.capacity, self.max_waiters, ttl_ms(self.max_ttl)
             rt.sync_replicas, rt.sync_timeout_ms = self.sync_replicas, max(1, int(self.sync_timeout * 1000))
+            rt.backend_timeout = self.backend_timeout
 
     def status(self, *, limit: int = 1000) -> PoolStatus:
         """A snapshot: capacity, used, leases and waiters. Raises PoolNotFound."""
         st = decode_status(self.name, self._eval("status", [str(limit)]))
+        rt = self._runtime
         if st is None:
+            if rt is not None:
+                rt.seen(0)  # gone: if this object knew the pool, its runtime recovers now
             raise PoolNotFound(self.name)
-        if self._runtime is not None:
-            self._runtime.seen(st.epoch, st.capacity)
+        if rt is not None:
+            rt.seen(st.epoch, st.capacity, st.max_waiters, ttl_ms(st.max_ttl) if st.max_ttl else 0)
         return st
 
     def reap(self) -> int:
