@@ -1,0 +1,89 @@
+"""Pool administration over a blocking Redis client: list the pools a Redis holds and delete
+one. Used by ``gpulock pool list``/``pool delete`` and ``gpulock status``.
+
+Pools are found by their configuration key ``gpulock:{NAME}:cfg`` (one per pool; the other
+keys exist only while the pool has leases or waiters). :func:`pool_name_from_key` is the one
+place that turns such a key back into a name, for sync and async scanners alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ._protocol import _POOL_RE, KEY_PREFIX, pool_keys, translate, validate_pool_name
+
+__all__ = ["POOL_CFG_MATCH", "DeleteResult", "delete_pool", "pool_name_from_key", "pool_names"]
+
+# SCAN pattern matching every pool's configuration key.
+POOL_CFG_MATCH = f"{KEY_PREFIX}:{{*}}:cfg"
+_PREFIX, _SUFFIX = f"{KEY_PREFIX}:{{", "}:cfg"
+
+
+def pool_name_from_key(key: str | bytes) -> str | None:
+    """The pool name in a configuration key (``gpulock:{gpu0}:cfg`` → ``gpu0``), or None for
+    any other key (including names no pool could have)."""
+    k = key.decode(errors="replace") if isinstance(key, bytes) else key
+    if not (k.startswith(_PREFIX) and k.endswith(_SUFFIX)):
+        return None
+    name = k[len(_PREFIX):-len(_SUFFIX)]
+    return name if _POOL_RE.fullmatch(name) else None
+
+
+def pool_names(client: Any) -> list[str]:
+    """Every pool configured in the Redis behind ``client`` (a ``redis.Redis``), sorted.
+    Raises the core's errors (BackendUnavailable, ...)."""
+    try:
+        names = {pool_name_from_key(k) for k in client.scan_iter(match=POOL_CFG_MATCH, count=1000)}
+    except Exception as e:  # noqa: BLE001 - translated to gpulock's tree
+        raise translate(e, "*") from e
+    return sorted(n for n in names if n)
+
+
+# KEYS: the pool's first seven keys (pool_keys() order; the eighth is a channel prefix).
+# ARGV: 1 force ('1': delete even with live leases or waiters)
+# Reply: {state, live_leases, live_waiters}; state 0: no such pool, -1: refused (in use),
+# 1: deleted. Counts only leases and waiters not yet expired on the server clock, so a dead
+# holder's leftovers do not block a delete.
+_DELETE_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0, 0} end
+local leases = redis.call('ZCOUNT', KEYS[2], '(' .. string.format('%d', now), '+inf')
+local waiters = redis.call('ZCOUNT', KEYS[6], '(' .. string.format('%d', now), '+inf')
+if ARGV[1] ~= '1' and (leases > 0 or waiters > 0) then return {-1, leases, waiters} end
+redis.call('DEL', unpack(KEYS))
+return {1, leases, waiters}
+"""
+
+
+@dataclass(frozen=True)
+class DeleteResult:
+    """``state``: ``"deleted"``, ``"missing"`` (no such pool) or ``"in_use"`` (refused: live
+    leases or waiters and no ``force``). ``leases``/``waiters``: the live ones at that moment."""
+
+    state: str
+    leases: int
+    waiters: int
+
+
+def delete_pool(client: Any, name: str, *, force: bool = False) -> DeleteResult:
+    """Delete pool ``name``: its configuration, leases and queue in one atomic script, then
+    the keys that other parts of gpulock keep under the pool's hash tag (stored results,
+    calibrated estimates). Refused while leases or waiters are live unless ``force``.
+
+    A holder still running when a pool is deleted by force sees what it sees after Redis
+    lost its data: it puts its lease back (and so makes the pool again) at its next renewal.
+    Stop the holders first.
+    """
+    validate_pool_name(name)
+    keys = pool_keys(name)[:7]
+    try:
+        state, leases, waiters = (int(x) for x in client.eval(_DELETE_LUA, len(keys), *keys, "1" if force else "0"))
+        if state == 1:
+            rest = list(client.scan_iter(match=f"{KEY_PREFIX}:{{{name}}}:*", count=1000))
+            if rest:
+                client.delete(*rest)
+    except Exception as e:  # noqa: BLE001 - translated to gpulock's tree
+        raise translate(e, name) from e
+    return DeleteResult({1: "deleted", 0: "missing", -1: "in_use"}[state], leases, waiters)

@@ -1,0 +1,161 @@
+"""The CLI's side of an HTTP broker (``--broker-url``): the pool routes of the broker's API
+behind the core's exceptions, and a gpulock_client pool with the surface ``gpulock run`` uses.
+Needs the ``gpulock-client`` package (httpx); imported only when a broker URL is in use."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import errors as E
+from ._cli_common import EXIT_USAGE, AuthFailed, fail
+
+
+def _require_client():
+    try:
+        import gpulock_client
+    except ImportError:
+        fail(EXIT_USAGE, "--broker-url needs the gpulock-client package (pip install gpulock-client)")
+    return gpulock_client
+
+
+def _from_reply(status: int, body: Any, pool: str) -> E.GpuLockError:
+    d = body.get("detail") if isinstance(body, dict) else None
+    detail = d if isinstance(d, dict) else {}
+    if isinstance(d, list):  # FastAPI's 422: name the fields
+        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', []))}: {e.get('msg')}" for e in d
+                        if isinstance(e, dict))
+    else:
+        msg = str(detail.get("message", d if d is not None else f"HTTP {status}"))
+    code = detail.get("error")
+    if status in (401, 403):
+        return AuthFailed(msg)
+    if status == 404 and code == "pool_not_found":
+        return E.PoolNotFound(pool)
+    if status in (400, 422):
+        return E.InvalidArgument(msg)
+    if status in (502, 503, 504):
+        return E.BackendUnavailable(msg)
+    return E.GpuLockError(f"unexpected HTTP {status} from the broker: {msg}")
+
+
+class BrokerAdmin:
+    """Blocking calls to the broker's pool routes (``/v1/pools...``) with the token from
+    ``GPULOCK_TOKEN``; errors are the core's (PoolNotFound, BackendUnavailable, ...) or
+    :class:`AuthFailed`."""
+
+    def __init__(self, url: str, timeout: float = 10.0):
+        _require_client()
+        import httpx
+
+        token = os.environ.get("GPULOCK_TOKEN")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+
+    def call(self, method: str, path: str, pool: str = "*", json: Any = None) -> Any:
+        import httpx
+
+        try:
+            r = self._http.request(method, path, json=json)
+        except httpx.TransportError as e:
+            raise E.BackendUnavailable(f"{type(e).__name__}: {e}") from e
+        try:
+            body = r.json()
+        except ValueError:
+            body = None
+        if r.status_code >= 300:
+            raise _from_reply(r.status_code, body, pool)
+        return body
+
+    def close(self) -> None:
+        self._http.close()
+
+
+def status_from_dict(d: dict) -> Any:
+    """A broker's pool object (``GET /v1/pools/NAME``) as the core's PoolStatus."""
+    from ._protocol import LeaseInfo, PoolStatus, WaiterInfo
+
+    leases = [LeaseInfo(x["lease_id"], x["amount"], x["token"], x["expires_in"], x["held_for"], x["ttl"], "",
+                        x.get("holder") or {}) for x in d.get("leases", [])]
+    waiters = [WaiterInfo(x["position"], "", x["amount"], x["waited"], 0.0, x.get("holder") or {})
+               for x in d.get("waiters", [])]
+    return PoolStatus(d["pool"], d["capacity"], d["used"], d.get("epoch", 0), d.get("fence", 0), d["max_waiters"],
+                      d["lease_count"], d["waiter_count"], d.get("grants", 0), d.get("reaped_leases", 0),
+                      d.get("reaped_waiters", 0), leases=leases, waiters=waiters)
+
+
+def core_error(e: Exception) -> Exception:
+    """A gpulock_client error as the core's exception of the same name (same attributes), so
+    `gpulock run` treats leases through a broker and through Redis alike."""
+    def g(k: str, d: Any = 0) -> Any:
+        return getattr(e, k, d)
+
+    name = type(e).__name__
+    if name == "LeaseLost":
+        return E.LeaseLost(g("lease_id", ""), g("reason", str(e)))
+    if name == "AcquireTimeout":
+        return E.AcquireTimeout(str(e), position=g("position"), queue_length=g("queue_length"),
+                                retry_after=g("retry_after", None))
+    if name == "CapacityExceeded":
+        return E.CapacityExceeded(g("amount"), g("capacity"))
+    if name == "QueueFull":
+        return E.AcquireTimeout(str(e), queue_length=g("queue_length"))
+    if name == "InvalidArgument":
+        return E.InvalidArgument(str(e))
+    if name == "BackendUnavailable":
+        return E.BackendUnavailable(str(e))
+    if name == "PoolNotFound":
+        return E.PoolNotFound(str(getattr(e, "pool", "?")))
+    if name == "AuthError":
+        return AuthFailed(str(e))
+    return E.GpuLockError(str(e))
+
+
+class BrokerLease:
+    """A gpulock_client lease behind the core's exceptions (see core_error)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.id, self.token = inner.id, inner.token
+
+    @property
+    def valid_until(self) -> float:
+        return self._inner.valid_until
+
+    def on_lost(self, cb) -> None:
+        self._inner.on_lost(lambda _lease: cb(self))
+
+    def ensure_valid(self) -> None:
+        import gpulock_client
+
+        try:
+            self._inner.ensure_valid()
+        except gpulock_client.GpuLockError as e:
+            raise core_error(e) from e
+
+    def release(self) -> None:
+        import gpulock_client
+
+        try:
+            self._inner.release()
+        except gpulock_client.GpuLockError as e:
+            raise core_error(e) from e
+
+
+class BrokerPool:
+    """gpulock_client.Pool with the core Pool's acquire/close and exceptions."""
+
+    def __init__(self, url: str, pool: str, default_ttl: float):
+        gpulock_client = _require_client()
+        self._inner = gpulock_client.Pool(url, pool, token=os.environ.get("GPULOCK_TOKEN"), default_ttl=default_ttl)
+
+    def acquire(self, amount, **kw):
+        import gpulock_client
+
+        try:
+            return BrokerLease(self._inner.acquire(amount, **kw))
+        except gpulock_client.GpuLockError as e:
+            raise core_error(e) from e
+
+    def close(self) -> None:
+        self._inner.close()

@@ -1,0 +1,232 @@
+"""What every ``gpulock`` command shares: exit codes, messages, option parsers, and the
+backend a command talks to (a Redis URL, or a broker URL), chosen once and never swapped for a
+default the user did not name."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, NoReturn, Optional
+
+import typer
+
+from .errors import (
+    AcquireTimeout,
+    BackendUnavailable,
+    CapacityExceeded,
+    GpuLockError,
+    InvalidArgument,
+    PoolNotFound,
+    QueueFull,
+)
+from .units import parse_seconds, parse_size
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+# Exit codes of gpulock itself (sysexits.h where one fits). ``gpulock run`` otherwise passes
+# CMD's own exit status through, so a script that must tell them apart reads stderr.
+EXIT_USAGE = 2  # bad option or value (click's code for usage errors); nothing was changed
+EXIT_CAPACITY = 65  # EX_DATAERR: the amount is larger than the whole pool: no wait can end
+EXIT_NO_POOL = 66  # EX_NOINPUT: the pool is not configured in Redis
+EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: Redis (or the broker) unreachable or not answering
+EXIT_LEASE_LOST = 70  # EX_SOFTWARE: the lease was lost while CMD ran; CMD was stopped
+EXIT_TEMPFAIL = 75  # EX_TEMPFAIL: no lease within --timeout, the queue is full, or the pool is in use
+EXIT_NOPERM = 77  # EX_NOPERM: the broker refused the token (bad, missing, or not allowed)
+EXIT_ERROR = 1  # any other gpulock error
+EXIT_NOT_EXECUTABLE = 126
+EXIT_NOT_FOUND = 127
+
+EXIT_CODES_HELP = f"""\b
+Exit codes of gpulock itself (gpulock run otherwise returns CMD's status):
+  {EXIT_USAGE}   bad option or value (nothing was changed)
+  {EXIT_CAPACITY}  amount larger than the pool's capacity (can never be granted)
+  {EXIT_NO_POOL}  pool not configured
+  {EXIT_UNAVAILABLE}  Redis or the broker unreachable
+  {EXIT_LEASE_LOST}  gpulock run: the lease was lost while CMD ran; CMD was stopped
+  {EXIT_TEMPFAIL}  gpulock run: no lease within --timeout, or the pool's queue is full;
+      gpulock pool delete: the pool has leases or waiters (give --force)
+  {EXIT_NOPERM}  the broker refused the token (GPULOCK_TOKEN missing, wrong, or not allowed)
+  {EXIT_ERROR}   any other error"""
+
+
+class AuthFailed(GpuLockError):
+    """The broker refused the bearer token (HTTP 401/403)."""
+
+
+def say(msg: str) -> None:
+    """One line of gpulock's own output, to stderr (stdout belongs to data or to CMD)."""
+    try:
+        print(f"gpulock: {msg}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def fail(code: int, msg: str) -> NoReturn:
+    say(f"error: {msg}")
+    raise typer.Exit(code)
+
+
+def safe_url(url: str) -> str:
+    """The URL with any password masked, for messages."""
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+def size_param(name: str):
+    def cb(value: Optional[str]) -> Optional[int]:
+        if value is None:
+            return None
+        try:
+            return parse_size(value, name=name)
+        except InvalidArgument as e:
+            raise typer.BadParameter(str(e)) from None
+    return cb
+
+
+def seconds_param(name: str, *, minimum: float, maximum: float, allow_zero: bool = False):
+    def cb(value: Optional[float]) -> Optional[float]:
+        if value is None:
+            return None
+        try:
+            return parse_seconds(value, name=name, minimum=minimum, maximum=maximum, allow_zero=allow_zero)
+        except InvalidArgument as e:
+            raise typer.BadParameter(str(e)) from None
+    return cb
+
+
+def pool_name_param(value: Optional[str]) -> Optional[str]:
+    if value is None:
+        return None
+    from ._protocol import validate_pool_name
+
+    try:
+        return validate_pool_name(value)
+    except InvalidArgument as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+def secs(x: float) -> str:
+    if x < 0:
+        return "expired"
+    if x < 60:
+        return f"{x:.1f}s"
+    if x < 3600:
+        return f"{int(x // 60)}m{int(x % 60):02d}s"
+    return f"{int(x // 3600)}h{int(x % 3600 // 60):02d}m"
+
+
+# ---- the backend --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Target:
+    """Where a command goes: ``kind`` is ``"redis"`` or ``"broker"``."""
+
+    kind: str
+    url: str
+
+    @property
+    def is_broker(self) -> bool:
+        return self.kind == "broker"
+
+    def describe(self) -> str:
+        return f"{'broker' if self.is_broker else 'Redis'} at {safe_url(self.url)}"
+
+
+def check_redis_url(url: str) -> str:
+    """Usage error (exit 2) for a URL the core cannot parse (an unknown scheme, a bad port):
+    the core's own parser decides, with no I/O."""
+    from ._connect import sync_client
+
+    try:
+        sync_client(url).close()
+    except ValueError as e:  # InvalidArgument is a ValueError too
+        fail(EXIT_USAGE, f"bad Redis URL {safe_url(url)!r}: {e}")
+    return url
+
+
+def check_broker_url(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    try:
+        p = urlsplit(url)
+        ok = p.scheme in ("http", "https") and bool(p.hostname)
+        p.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError:
+        ok = False
+    if not ok:
+        fail(EXIT_USAGE, f"bad broker URL {safe_url(url)!r}: expected http://HOST:PORT or https://HOST:PORT "
+                         f"(a Redis URL goes in --redis-url)")
+    return url
+
+
+def target(ctx: typer.Context) -> Target:
+    """The backend of this command, validated (exit 2 for a malformed URL)."""
+    obj = ctx.find_root().obj or {}
+    t: Target = obj.get("target") or Target("redis", DEFAULT_REDIS_URL)
+    if t.is_broker:
+        check_broker_url(t.url)
+    else:
+        check_redis_url(t.url)
+    return t
+
+
+def redis_only(t: Target, what: str, hint: str = "") -> None:
+    """Refuse ``what`` through a broker, saying why and what to do instead."""
+    if t.is_broker:
+        fail(EXIT_USAGE, f"{what} is not available through a broker ({safe_url(t.url)}): the broker's API has "
+                         f"no such endpoint; {hint or 'run it with --redis-url on a host that reaches Redis'}")
+
+
+def redis_client(url: str):
+    """A client that has answered one PING. A Redis that is down when a command starts fails
+    the command at once (exit 69) instead of after the library's retry bound (meant for blips
+    in a long-running process)."""
+    import redis
+
+    from ._async import _CLIENT_DEFAULTS
+    from ._connect import short_error, sync_client
+
+    try:
+        c = sync_client(url, **dict[str, Any](_CLIENT_DEFAULTS))
+    except ValueError as e:  # a malformed URL
+        fail(EXIT_USAGE, f"bad Redis URL {safe_url(url)!r}: {e}")
+    try:
+        c.ping()
+    except redis.RedisError as e:
+        c.close()
+        fail(EXIT_UNAVAILABLE, f"Redis at {safe_url(url)} is unavailable: {short_error(e)}")
+    return c
+
+
+_TTL_RE = re.compile(r"ttl_ms (\d+) exceeds the pool's max_ttl_ms (\d+)")
+
+
+def error_exit(e: BaseException, t: Target, pool: str = "") -> NoReturn:
+    """Map a gpulock error to one clear line on stderr and its exit code, in the words of the
+    command line (seconds, option names) and naming the backend it looked at."""
+    where = t.describe()
+    if isinstance(e, PoolNotFound):
+        name = getattr(e, "pool", "") or pool
+        opt = f"--broker-url {safe_url(t.url)}" if t.is_broker else f"--redis-url {safe_url(t.url)}"
+        fail(EXIT_NO_POOL, f"pool {name!r} is not configured in {where} (never set up, or Redis restarted "
+                           f"without its data); create it: gpulock {opt} pool set {name} --capacity SIZE")
+    if isinstance(e, CapacityExceeded):
+        fail(EXIT_CAPACITY, f"{e}; the request can never be granted")
+    if isinstance(e, AuthFailed):
+        hint = "" if os.environ.get("GPULOCK_TOKEN") else " (GPULOCK_TOKEN is not set)"
+        fail(EXIT_NOPERM, f"{where} refused the token{hint}: {e}; set GPULOCK_TOKEN to a token the broker's "
+                          f"tokens file lists for this pool")
+    if isinstance(e, BackendUnavailable):
+        fail(EXIT_UNAVAILABLE, f"{where} is unavailable: {e.__cause__ or e}")
+    if isinstance(e, (AcquireTimeout, QueueFull)):
+        fail(EXIT_TEMPFAIL, str(e))
+    if isinstance(e, InvalidArgument):
+        m = _TTL_RE.search(str(e))
+        if m:
+            ttl, mx = int(m.group(1)) / 1000, int(m.group(2)) / 1000
+            name = pool or "NAME"
+            fail(EXIT_USAGE, f"--ttl {ttl:g} is longer than pool {name!r} allows: its max ttl is {mx:g} s; give "
+                             f"--ttl {mx:g} or less, or raise the bound: gpulock pool set {name} --capacity SIZE "
+                             f"--max-ttl {ttl:g}")
+        fail(EXIT_USAGE, str(e))
+    fail(EXIT_ERROR, str(e))

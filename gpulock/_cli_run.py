@@ -1,0 +1,349 @@
+"""``gpulock run``: run a command while holding a lease (``flock(1)`` for GPU memory),
+through Redis or through an HTTP broker, with one exit-code contract for both."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import sys
+import threading
+import time
+from typing import Any, Optional
+
+import typer
+
+from ._cli_common import (
+    EXIT_CAPACITY,
+    EXIT_LEASE_LOST,
+    EXIT_NO_POOL,
+    EXIT_NOPERM,
+    EXIT_NOT_EXECUTABLE,
+    EXIT_NOT_FOUND,
+    EXIT_TEMPFAIL,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    Target,
+    error_exit,
+    fail,
+    pool_name_param,
+    redis_client,
+    say,
+    seconds_param,
+    size_param,
+    target,
+)
+from .errors import AcquireTimeout, GpuLockError, LeaseLost
+from .units import format_size
+
+DEFAULT_RUN_TTL_S = 30.0
+DEFAULT_GRACE_S = 10.0
+
+# Signals `gpulock run` passes on to CMD's process group while CMD runs.
+FORWARDED_SIGNALS = tuple(
+    getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGWINCH")
+    if hasattr(signal, n)
+)
+
+
+class _Signalled(BaseException):
+    """Raised in the main thread by a signal that arrives while waiting for the lease."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _child_setup(parent_pid: int, prctl: Any) -> None:
+    """In CMD's process between fork and exec: own process group (so signals and a lost lease
+    reach all of CMD's processes), and die with gpulock (Linux PR_SET_PDEATHSIG), so a killed
+    ``gpulock run`` does not leave CMD on the GPU without a heartbeat."""
+    os.setpgid(0, 0)
+    if prctl is not None:
+        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent_pid:  # gpulock died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    """Shorten ``text`` so that it takes at most ``limit`` bytes as JSON (holder metadata is
+    limited to 512 bytes in all; non-ASCII characters take up to 6)."""
+    if len(json.dumps(text)) <= limit:
+        return text
+    while text and len(json.dumps(text + "...")) > limit:
+        text = text[: max(0, min(len(text) - 1, len(text) * limit // len(json.dumps(text))))]
+    return text + "..."
+
+
+def _not_ignored(sigs) -> list[int]:
+    """Signals whose disposition is not SIG_IGN: an ignored one (``nohup``, ``cmd &`` in a
+    script) stays ignored, in gpulock and in CMD, as it would without gpulock."""
+    return [s for s in sigs if signal.getsignal(s) is not signal.SIG_IGN]
+
+
+def _exit_status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+RUN_HELP = f"""Run CMD while holding AMOUNT bytes of pool POOL (flock(1) for GPU memory).
+
+Waits in the pool's FIFO queue (printing the queue position to stderr), then runs CMD with
+GPULOCK_LEASE_ID, GPULOCK_FENCING_TOKEN, GPULOCK_POOL and GPULOCK_AMOUNT in its environment,
+renews the lease every ttl/3 while CMD runs, and releases it when CMD exits. Put `--` before
+CMD.
+
+CMD runs in its own process group; SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2 and
+SIGWINCH sent to gpulock run are forwarded to that group (a signal ignored when gpulock run
+starts, as under nohup, stays ignored in both). If gpulock run itself is killed
+(kill -9), CMD is killed too (Linux: PR_SET_PDEATHSIG), because its lease would expire after
+the ttl with nobody renewing it; CMD's own children are not covered by that.
+
+If the lease is lost while CMD runs (Redis unreachable or this host paused past the ttl, or the
+lease was removed), CMD's process group gets SIGTERM, then SIGKILL after --grace seconds, and
+gpulock run exits {EXIT_LEASE_LOST}. The lease is considered lost shortly *before* the server
+expires it, but a CMD that takes its grace period may overlap with the next holder.
+
+\b
+Exit status:
+  CMD's exit status, or 128+N if CMD was killed by signal N
+  {EXIT_TEMPFAIL}   no lease within --timeout (EX_TEMPFAIL), or the pool's queue is full
+  {EXIT_LEASE_LOST}   the lease was lost while CMD ran; CMD was sent SIGTERM/SIGKILL
+  {EXIT_CAPACITY}   --amount is larger than the pool's capacity
+  {EXIT_NO_POOL}   the pool is not configured (gpulock pool set NAME --capacity SIZE)
+  {EXIT_UNAVAILABLE}   Redis or the broker unreachable
+  {EXIT_NOPERM}   the broker refused the token (GPULOCK_TOKEN missing, wrong, or not
+       allowed this pool)
+  {EXIT_USAGE}    bad option or value (also --ttl over the pool's max ttl)
+  126  CMD is not executable; 127 CMD not found
+  130, 143  interrupted (SIGINT, SIGTERM) while waiting; nothing is held
+"""
+
+
+def run(
+    ctx: typer.Context,
+    cmd: list[str] = typer.Argument(..., metavar="CMD", help="The command (and its arguments) to run under the lease."),
+    pool: str = typer.Option(..., "--pool", "-p", callback=pool_name_param, help="Pool to lease from."),
+    amount: str = typer.Option(..., "--amount", "-a", callback=size_param("amount"),
+                               help="Bytes to hold while CMD runs: 4GiB, 512MiB, or a number of bytes."),
+    ttl: float = typer.Option(DEFAULT_RUN_TTL_S, "--ttl", callback=seconds_param("--ttl", minimum=0.1, maximum=86400),
+                              help="Lease time to live in seconds; renewed every ttl/3. A crashed "
+                                   "holder's bytes return after at most this long. At most the "
+                                   "pool's max ttl (60 unless set with gpulock pool set --max-ttl)."),
+    timeout: Optional[float] = typer.Option(
+        None, "--timeout", callback=seconds_param("--timeout", minimum=0.0, maximum=1e9, allow_zero=True),
+        help=f"Seconds to wait for the lease (default: forever; 0: try once). Exit {EXIT_TEMPFAIL} when it runs out."),
+    grace: float = typer.Option(DEFAULT_GRACE_S, "--grace", callback=seconds_param("--grace", minimum=0.0,
+                                                                                   maximum=86400, allow_zero=True),
+                                help="Seconds between SIGTERM and SIGKILL when the lease is lost."),
+    purpose: Optional[str] = typer.Option(None, "--purpose", help="Shown by gpulock status (default: CMD)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only errors on stderr (no queue position)."),
+) -> None:
+    from ._sync import Pool
+
+    t = target(ctx)
+    if not cmd:
+        fail(EXIT_USAGE, "no command given (gpulock run --pool NAME --amount SIZE -- CMD ARGS...)")
+    exe = cmd[0]
+    if os.sep not in exe and shutil.which(exe) is None:
+        fail(EXIT_NOT_FOUND, f"command not found: {exe!r}")
+    meta = {"purpose": _clip(purpose if purpose is not None else shlex.join(cmd))}
+
+    if t.is_broker:
+        from ._cli_broker import BrokerAdmin, BrokerPool
+
+        b = BrokerAdmin(t.url)  # fail fast (69, 77, 66) if the broker is down or refuses the token
+        try:
+            b.call("GET", f"/v1/pools/{pool}", pool)
+        except GpuLockError as e:
+            error_exit(e, t, pool)
+        finally:
+            b.close()
+        p: Any = BrokerPool(t.url, pool, default_ttl=ttl)
+    else:
+        redis_client(t.url).close()  # fail fast (exit 69) if Redis is down now
+        p = Pool.from_url(t.url, pool, default_ttl=ttl)
+    try:
+        code = _run_under_lease(p, t, pool, int(amount), ttl, timeout, grace, cmd, meta, quiet)
+    finally:
+        p.close()
+    raise typer.Exit(code)
+
+
+def _run_under_lease(p, t: Target, pool: str, amount: int, ttl: float, timeout: Optional[float],
+                     grace: float, cmd: list[str], meta: dict, quiet: bool) -> int:
+    info = (lambda msg: None) if quiet else say
+    queued_at: list[float] = []
+
+    def on_queued(pos: int) -> None:
+        if not queued_at:
+            queued_at.append(time.monotonic())
+        info(f"waiting for {format_size(amount)} on pool {pool!r}: position {pos} in the queue")
+
+    # While waiting: a signal interrupts the wait (Pool.acquire leaves the queue and releases a
+    # grant that raced in), then we exit 128+N. Later signals during that cleanup are noted only.
+    interrupted: list[int] = []
+
+    def wait_handler(signum, frame):
+        if not interrupted:
+            interrupted.append(signum)
+            raise _Signalled(signum)
+
+    old = {s: signal.signal(s, wait_handler) for s in _not_ignored((signal.SIGINT, signal.SIGTERM, signal.SIGHUP))}
+    try:
+        try:
+            lease = p.acquire(amount, ttl=ttl, timeout=timeout, holder=meta, on_queued=on_queued)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+    except _Signalled as e:
+        say(f"interrupted by {signal.Signals(e.signum).name} while waiting for the lease; nothing is held")
+        return 128 + e.signum
+    except AcquireTimeout as e:
+        say(f"error: no lease of {format_size(amount)} on pool {pool!r} within {timeout}s "
+             f"({'queue position ' + str(e.position) if e.position else 'not granted'}); exit {EXIT_TEMPFAIL}")
+        return EXIT_TEMPFAIL
+    except GpuLockError as e:
+        try:
+            error_exit(e, t, pool)
+        except typer.Exit as x:
+            return x.exit_code
+    if interrupted:  # a signal landed after the grant but before we could raise
+        _release(lease, pool)
+        return 128 + interrupted[0]
+    if queued_at:
+        info(f"granted {format_size(amount)} on pool {pool!r} after {time.monotonic() - queued_at[0]:.1f}s")
+    return _supervise(lease, pool, amount, grace, cmd)
+
+
+def _release(lease, pool: str, *, wait: float = 6.0, quiet: bool = False) -> None:
+    """Release, waiting at most ``wait`` seconds (an unreachable Redis would otherwise hold us
+    for the socket timeout plus the retry bound); the lease expires after its ttl anyway."""
+    problem: list[str] = []
+
+    def go() -> None:
+        try:
+            lease.release()
+        except LeaseLost as e:
+            problem.append(f"lease on pool {pool!r} was already gone at release: {e.reason}")
+        except GpuLockError as e:
+            problem.append(f"could not release the lease on pool {pool!r} ({e}); it expires after its ttl")
+
+    t = threading.Thread(target=go, name="gpulock-run-release", daemon=True)
+    t.start()
+    t.join(wait)
+    if t.is_alive():
+        problem.append(f"Redis did not confirm the release within {wait:g}s; the lease on pool {pool!r} "
+                       f"expires after its ttl")
+    if problem and not quiet:
+        say(f"warning: {problem[0]}")
+
+
+def _supervise(lease, pool: str, amount: int, grace: float, cmd: list[str]) -> int:
+    env = dict(os.environ)
+    env.update(GPULOCK_LEASE_ID=lease.id, GPULOCK_FENCING_TOKEN=str(lease.token), GPULOCK_POOL=pool,
+               GPULOCK_AMOUNT=str(amount))
+    wake = threading.Event()
+    lost_info: list[str] = []
+
+    def on_lost(_lease) -> None:
+        wake.set()
+
+    import subprocess
+
+    prctl = _prctl()
+    parent = os.getpid()
+    try:
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: _child_setup(parent, prctl))
+    except FileNotFoundError as e:
+        _release(lease, pool)
+        say(f"error: command not found: {cmd[0]!r} ({e.strerror})")
+        return EXIT_NOT_FOUND
+    except PermissionError as e:
+        _release(lease, pool)
+        say(f"error: cannot execute {cmd[0]!r}: {e.strerror}")
+        return EXIT_NOT_EXECUTABLE
+    except OSError as e:
+        _release(lease, pool)
+        say(f"error: cannot start {cmd[0]!r}: {e}")
+        return EXIT_NOT_EXECUTABLE
+
+    exited = threading.Event()
+
+    def reap_child() -> None:
+        proc.wait()
+        exited.set()
+        wake.set()
+
+    threading.Thread(target=reap_child, name="gpulock-run-wait", daemon=True).start()
+
+    def send(sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # group gone and pid reused by someone else's group: unlikely
+            try:
+                proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+    def forward(signum, frame):
+        if not exited.is_set():
+            send(signum)
+
+    old = {s: signal.signal(s, forward) for s in _not_ignored(FORWARDED_SIGNALS)}
+    lease.on_lost(on_lost)
+    try:
+        while not exited.is_set():
+            # Wake at the lease's local validity deadline too (on_lost should fire then; this
+            # is the belt to its braces), or at once when CMD exits or on_lost fires.
+            delay = lease.valid_until - time.monotonic()
+            wake.wait(min(max(delay, 0.0), 5.0) + 0.001)
+            wake.clear()
+            if exited.is_set():
+                break
+            try:
+                lease.ensure_valid()
+            except LeaseLost as e:
+                lost_info.append(e.reason)
+                break
+        if lost_info:
+            say(f"error: lease {lease.id[:8]}… on pool {pool!r} lost while CMD (pid {proc.pid}) ran: "
+                 f"{lost_info[0]}; sending SIGTERM, SIGKILL in {grace:g}s")
+            send(signal.SIGTERM)
+            if not exited.wait(grace):
+                say(f"CMD (pid {proc.pid}) still running after {grace:g}s; sending SIGKILL")
+                send(signal.SIGKILL)
+                exited.wait()
+            say(f"CMD stopped ({_describe(proc.returncode)}) after the lease was lost; exit {EXIT_LEASE_LOST}")
+            _release(lease, pool, wait=1.0, quiet=True)  # frees the bytes early if Redis still has it
+            return EXIT_LEASE_LOST
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    _release(lease, pool)
+    return _exit_status(proc.returncode)
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+

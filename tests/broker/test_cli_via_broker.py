@@ -1,0 +1,110 @@
+"""Every ``gpulock`` command either honours ``--broker-url`` or refuses it with a usage error;
+none falls back to a Redis the user did not name. Messages name the broker, in the command's
+own units (issue 10 items 4 and 5)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from gpulock.embedded import free_port
+
+from ._support import ADMIN_TOKEN, USER_TOKEN
+
+
+def _gpulock(*args: str, token: str | None = USER_TOKEN, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("GPULOCK_TOKEN", None)
+    env.pop("GPULOCK_BROKER_URL", None)
+    # A Redis URL that nothing answers: a command that ignored --broker-url and fell back to
+    # Redis would fail with 69 here instead of writing to some Redis nobody named.
+    env["GPULOCK_REDIS_URL"] = f"redis://127.0.0.1:{free_port()}/0"
+    if token is not None:
+        env["GPULOCK_TOKEN"] = token
+    return subprocess.run([sys.executable, "-m", "gpulock", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_pool_set_goes_through_the_broker(broker_srv, admin):
+    r = _gpulock("--broker-url", broker_srv.url, "pool", "set", "gpuX", "--capacity", "1GiB", token=ADMIN_TOKEN)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    st = admin.get("/v1/pools/gpuX")
+    assert st.status_code == 200 and st.json()["capacity"] == 2**30, st.text
+    assert "created" in r.stdout
+
+
+def test_pool_set_with_a_user_token_is_refused_as_permission(broker_srv):
+    r = _gpulock("--broker-url", broker_srv.url, "pool", "set", "gpuY", "--capacity", "1GiB")
+    assert r.returncode == 77, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr and "admin" in r.stderr
+
+
+def test_status_and_pool_list_go_through_the_broker(broker_srv, gpu, user):
+    held = user.post(f"/v1/pools/{gpu}/leases", json={"amount": "3GiB", "ttl": 30})
+    assert held.status_code == 201, held.text
+    r = _gpulock("--broker-url", broker_srv.url, "status", gpu, "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["pool"] == gpu and d["capacity"] == 10 * 2**30 and d["used"] == 3 * 2**30, d
+    r = _gpulock("--broker-url", broker_srv.url, "status")
+    assert r.returncode == 0, r.stderr
+    assert f"pool {gpu}" in r.stdout and "3.0GiB" in r.stdout, r.stdout
+    r = _gpulock("--broker-url", broker_srv.url, "pool", "list", "--json")
+    assert r.returncode == 0, r.stderr
+    assert [p["pool"] for p in json.loads(r.stdout)] == [gpu], r.stdout
+    r = _gpulock("--broker-url", broker_srv.url, "pool", "list")
+    assert r.returncode == 0 and r.stdout.split()[0] == gpu, r.stdout
+
+
+def test_pool_delete_through_the_broker_is_refused_clearly(broker_srv, gpu, admin):
+    r = _gpulock("--broker-url", broker_srv.url, "pool", "delete", gpu, token=ADMIN_TOKEN)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "broker" in r.stderr and "--redis-url" in r.stderr and "Traceback" not in r.stderr
+    assert admin.get(f"/v1/pools/{gpu}").status_code == 200  # still there
+
+
+def test_missing_pool_names_the_broker(broker_srv):
+    r = _gpulock("--broker-url", broker_srv.url, "status", "nope")
+    assert r.returncode == 66, (r.returncode, r.stderr)
+    assert broker_srv.url in r.stderr, r.stderr
+
+
+def test_run_through_an_unreachable_broker_says_broker(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    r = _gpulock("--broker-url", url, "run", "--pool", "gpu0", "--amount", "1GiB", "--timeout", "2", "--", "true")
+    assert r.returncode == 69, (r.returncode, r.stderr)
+    assert f"broker at {url} is unavailable" in r.stderr, r.stderr
+    assert "Redis" not in r.stderr, r.stderr
+
+
+def test_run_with_a_bad_or_missing_token_exits_77_listed_in_help(broker_srv, gpu):
+    for token in ("wrong-token-0123456789abcdef", None):
+        r = _gpulock("--broker-url", broker_srv.url, "run", "--pool", gpu, "--amount", "1GiB", "--", "true",
+                     token=token)
+        assert r.returncode == 77, (token, r.returncode, r.stderr)
+        assert "GPULOCK_TOKEN" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    h = _gpulock("run", "--help")
+    assert "77" in h.stdout and "token" in h.stdout, h.stdout
+
+
+def test_run_ttl_over_the_pools_max_is_refused_in_seconds(broker_srv, gpu):
+    r = _gpulock("--broker-url", broker_srv.url, "run", "--pool", gpu, "--amount", "1GiB", "--ttl", "120", "--",
+                 "true")
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "--ttl 120" in r.stderr and "60 s" in r.stderr, r.stderr
+    assert "ttl_ms" not in r.stderr, r.stderr
+
+
+def test_serve_refuses_a_broker_url():
+    r = _gpulock("--broker-url", "http://127.0.0.1:1", "serve", "--model", "sleep", "--port",
+                 str(free_port()))
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "--broker-url" in r.stderr and "Redis:" not in r.stderr
+
+
+def test_a_broker_url_that_is_not_http_is_a_usage_error():
+    r = _gpulock("--broker-url", "redis://127.0.0.1:1/0", "status")
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "http" in r.stderr and "Traceback" not in r.stderr
