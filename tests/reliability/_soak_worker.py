@@ -34,13 +34,26 @@ read on a separate connection):
   E type message            an unexpected error (the test fails on any)
   B message                 BackendUnavailable while GPULOCK_SOAK_TOLERATE_BACKEND=1 (the
                             failover test: Redis is away for a moment)
-SHELL is ``sync`` (Pool) or ``async`` (AsyncPool). GPULOCK_SOAK_SYNC_REPLICAS and
-GPULOCK_SOAK_SYNC_TIMEOUT set the pools' sync_replicas and sync_timeout.
+  S epoch                   the pool object read the pool's status: from here on this process
+                            knows the pool (after a Redis restart it re-creates it with a grace
+                            period instead of as a new pool)
+  Q pending closed          (crowd) the pool object was closed with PENDING acquires waiting, and
+                            CLOSED of them ended with PoolClosed
+SHELL is ``sync`` (Pool), ``async`` (AsyncPool) or ``crowd``: one AsyncPool with
+GPULOCK_SOAK_CROWD (default 300) tasks that each loop acquire (small amounts, no timeout) ->
+short hold -> release, so hundreds or thousands of acquires wait at once in one process; it
+injects no faults into itself, and with GPULOCK_SOAK_LIFE="LO,HI" it closes its pool object at a
+random instant that many seconds after its start, with its acquires waiting (a client that goes
+away while waiting), and exits 0.
+GPULOCK_SOAK_SYNC_REPLICAS and GPULOCK_SOAK_SYNC_TIMEOUT set the pools' sync_replicas and
+sync_timeout; GPULOCK_SOAK_MAX_TTL their max_ttl (the grace period after Redis lost the pool);
+GPULOCK_SOAK_MAX_CONNECTIONS their max_connections, where the pool objects have that setting.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import random
 import signal
@@ -48,14 +61,20 @@ import sys
 import time
 
 import redis
+import redis.asyncio as aioredis
 
-from gpulock import AsyncPool, BackendUnavailable, LeaseLost, Pool
+from gpulock import AsyncPool, BackendUnavailable, LeaseLost, Pool, PoolClosed
 from gpulock._protocol import new_id, pool_keys
 from gpulock._scripts import scripts
 
 OPTS = {"sync_replicas": int(os.environ.get("GPULOCK_SOAK_SYNC_REPLICAS", "0")),
         "sync_timeout": float(os.environ.get("GPULOCK_SOAK_SYNC_TIMEOUT", "1.0"))}
+if os.environ.get("GPULOCK_SOAK_MAX_TTL"):
+    OPTS["max_ttl"] = float(os.environ["GPULOCK_SOAK_MAX_TTL"])
+if os.environ.get("GPULOCK_SOAK_MAX_CONNECTIONS") and "max_connections" in inspect.signature(AsyncPool.from_url).parameters:
+    OPTS["max_connections"] = int(os.environ["GPULOCK_SOAK_MAX_CONNECTIONS"])  # a from_url argument
 TOLERATE = os.environ.get("GPULOCK_SOAK_TOLERATE_BACKEND") == "1"
+CLOCK_NAME = "soak-clock"  # the workers' own TIME connection (one per process)
 
 
 def error_line(e: BaseException) -> str:
@@ -75,7 +94,9 @@ def main() -> None:
     queue_key = pool_keys(pool_name)[3]
     rng = random.Random(int(seed))
     end_at, max_amount, fault_p = float(end_at), int(max_amount), float(fault_p)
-    clock = redis.Redis.from_url(url)
+    # One connection for the TIME reads (the test counts it next to gpulock's).
+    clock = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
+        url, max_connections=1, timeout=10, client_name=CLOCK_NAME))
     f = open(out, "a", buffering=1)
 
     def log(line: str) -> None:
@@ -136,9 +157,12 @@ def main() -> None:
 
     armed: dict[str, str] = {}  # op name -> plan: inject right after that script is sent
 
-    if shell == "sync":
+    if shell == "crowd":
+        asyncio.run(_crowd_main(url, pool_name, rng, end_at, log))
+    elif shell == "sync":
         pool = Pool.from_url(url, pool_name, capacity=100, default_ttl=TTL, waiter_ttl=WAITER_TTL,
                              poll_interval=POLL, **OPTS)
+        log(f"S {pool.status().epoch}")
         orig = pool._eval_once
 
         def eval_once(name, args):
@@ -203,6 +227,7 @@ async def _async_main(url, pool_name, rng, end_at, max_amount, pick, fault, queu
                       armed) -> None:
     pool = AsyncPool.from_url(url, pool_name, capacity=100, default_ttl=TTL, waiter_ttl=WAITER_TTL,
                               poll_interval=POLL, **OPTS)
+    log(f"S {(await pool.status()).epoch}")
     orig = pool._eval_once
 
     async def eval_once(name, args):
@@ -257,6 +282,89 @@ async def _async_main(url, pool_name, rng, end_at, max_amount, pick, fault, queu
         armed.clear()
     await pool.aclose()
 
+
+async def _crowd_main(url, pool_name, rng, end_at, log) -> None:
+    n = int(os.environ.get("GPULOCK_SOAK_CROWD", "300"))
+    life = os.environ.get("GPULOCK_SOAK_LIFE")
+    quit_at = time.time() + rng.uniform(*map(float, life.split(","))) if life else end_at
+    clock = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=1, timeout=10, client_name=CLOCK_NAME))
+    pool = AsyncPool.from_url(url, pool_name, capacity=100, default_ttl=TTL, waiter_ttl=WAITER_TTL,
+                              poll_interval=POLL, **OPTS)
+    log(f"S {(await pool.status()).epoch}")
+    closing = False
+    waiting: set[asyncio.Task] = set()  # the tasks inside acquire
+    closed_errors = 0
+
+    async def now_us() -> int:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                s, us = await clock.time()
+                return int(s) * 1_000_000 + int(us)
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+
+    async def use(lease) -> bool:
+        t = await now_us()
+        try:
+            lease.ensure_valid()
+        except LeaseLost as e:
+            log(f"L {lease.token} {e.reason[:40].replace(' ', '_')}")
+            return False
+        log(f"U {lease.token} {lease.amount} {t}")
+        return True
+
+    async def one(seed: float) -> None:
+        nonlocal closed_errors
+        r = random.Random(seed)
+        me = asyncio.current_task()
+        while not closing:
+            waiting.add(me)
+            try:
+                lease = await pool.acquire(r.randint(1, 4), timeout=None)
+            except PoolClosed:
+                closed_errors += 1
+                return
+            except Exception as e:  # noqa: BLE001 - every unexpected error is logged and fails the test
+                log(error_line(e))
+                continue
+            finally:
+                waiting.discard(me)
+            log(f"G {lease.token} {lease.amount} {lease.id}")
+            if await use(lease):
+                await asyncio.sleep(r.choice((0.0, r.uniform(0, 0.005), r.uniform(0, 0.03))))
+                await use(lease)
+            try:
+                await lease.release()
+            except LeaseLost as e:
+                log(f"L {lease.token} release:{e.reason[:30].replace(' ', '_')}")
+            except PoolClosed:
+                pass  # the pool object was closed during the hold (the quit below): the lease expires
+            except Exception as e:  # noqa: BLE001
+                log(error_line(e))
+
+    tasks = [asyncio.create_task(one(rng.random())) for _ in range(n)]
+    while time.time() < min(end_at, quit_at):
+        await asyncio.sleep(0.05)
+    closing = True
+    if quit_at < end_at:
+        # A client that goes away with its acquires waiting: closing the pool object ends
+        # each of them with PoolClosed, and their places leave the queue.
+        pending = len(waiting)
+        await pool.aclose()
+        await asyncio.wait(tasks, timeout=30)
+        log(f"Q {pending} {closed_errors}")
+    else:
+        for t in list(waiting):  # the end: the waiting acquires are cancelled (they withdraw),
+            t.cancel()           # the holders finish their cycle and release
+        await asyncio.wait(tasks, timeout=30)
+        await pool.aclose()
+    for t in tasks:
+        t.cancel()
+    await clock.aclose()
 
 if __name__ == "__main__":
     main()
