@@ -334,7 +334,9 @@ class AsyncPool:
             try:
                 grant = fut.result()
             except Exception as e:
-                raise translate(e, self.name) from e
+                err = translate(e, self.name)
+                unreachable = isinstance(err, BackendUnavailable)  # withdraw in the background
+                raise err from e
             lease = self._make_lease(grant, req, rt.deadline_for(grant))
             needs_cancel = False
             if self.sync_replicas:

@@ -477,7 +477,10 @@ class Runtime:
                 t = min(t, self.reap_at)
         if self._restart_suspected:
             t = min(t, now)
-        return max(t, self._retry_at)  # after a failure, not before the retry (deadlines: watchdog)
+        t = max(t, self._retry_at)  # after a failure, not before the retry (deadlines: watchdog)
+        for w in self.waiters.values():  # ... but a waiter's bound is checked when it passes
+            t = min(t, w.refreshed + self.waiter_bound(w) + 0.001)
+        return t
 
     async def _tick_loop(self) -> None:
         attempt = 0
@@ -527,11 +530,22 @@ class Runtime:
                 self._restart_suspected = self._restart_suspected or suspected
                 self._tick_log.failed(e, exc_info=not isinstance(e, RETRYABLE))
                 self._enter_jeopardy(e)
+                if isinstance(e, RETRYABLE):
+                    await self._drop_idle_connections()
                 attempt += 1
                 retry = self._retry_at = self.clock() + retry_delay(attempt)
                 for s in self.leases.values():
                     s.next_renew = min(max(s.next_renew, retry), s.valid_until)
                 self.next_poll = max(self.next_poll, retry)
+
+    async def _drop_idle_connections(self) -> None:
+        """After a connection error, close the client's idle pooled connections: if Redis
+        restarted they are all dead, and each would fail one later call ("Connection closed by
+        server"); new ones are opened on demand."""
+        try:
+            await self.redis.connection_pool.disconnect(inuse_connections=False)
+        except Exception:  # noqa: BLE001 - best effort; a dead connection fails once and is dropped
+            pass
 
     def waiter_bound(self, w: Waiter) -> float:
         """Seconds a queued waiter may go without a call that keeps its place before it fails

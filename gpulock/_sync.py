@@ -435,7 +435,9 @@ class Pool:
                     retry_after=res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None,
                     waited=self.clock() - start) from None
             except Exception as e:
-                raise translate(e, self.name) from e
+                err = translate(e, self.name)
+                unreachable = isinstance(err, BackendUnavailable)  # withdraw in the background
+                raise err from e
             lease = self._make_lease(grant, req, rt.deadline_for(grant))
             needs_cancel = False
             if self.sync_replicas:

@@ -233,3 +233,81 @@ def test_waiters_keep_their_places_across_a_restart(redis_proc1, kind):
     finally:
         sh.close()
         direct.close()
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+def test_a_waiter_fails_only_when_redis_stays_away_past_its_bound(redis_proc1, kind, caplog):
+    """waiter_ttl 1 s + backend_timeout 1 s: a waiter's bound is 2 s without a call that keeps
+    its place. Redis away for 1 s and back empty: the waiter is queued again and keeps waiting
+    past the bound. Redis away for good: BackendUnavailable, not before the bound and soon
+    after it. Meanwhile the heartbeat logs its failures once, not once per retry."""
+    import logging
+
+    from gpulock import BackendUnavailable
+
+    caplog.set_level(logging.INFO, logger="gpulock")
+    rp, name = redis_proc1, f"bound-{kind}"
+    direct = redis.Redis.from_url(rp.url)
+    sh = _Shell(kind, rp.url, name, capacity=100, default_ttl=3, max_ttl=3, poll_interval=0.2,
+                waiter_ttl=1, backend_timeout=1)
+    q = pool_keys(name)[3]
+    outcome: list = []
+    queued = threading.Event()
+    try:
+        h = sh("acquire", 100)
+        if kind == "async":
+            async def wait_async() -> None:
+                try:
+                    outcome.append(await sh.pool.acquire(50, timeout=30, on_queued=lambda _p: queued.set()))
+                except BaseException as e:  # noqa: BLE001
+                    outcome.append(e)
+
+            task = sh.loop.create_task(wait_async())
+            while not queued.is_set():
+                sh.pump(0.005)
+        else:
+            def wait_sync() -> None:
+                try:
+                    outcome.append(sh.pool.acquire(50, timeout=30, on_queued=lambda _p: queued.set()))
+                except BaseException as e:  # noqa: BLE001
+                    outcome.append(e)
+
+            th = threading.Thread(target=wait_sync, daemon=True)
+            th.start()
+            assert queued.wait(10)
+
+        # 1. Away for 1 s (half the bound), back empty.
+        rp.kill()
+        t_kill = time.monotonic()
+        while time.monotonic() - t_kill < 1.0:
+            sh.pump(0.02)
+        rp.start()
+
+        def requeued() -> bool:
+            sh.pump()
+            return bool(outcome) or direct.zcard(q) == 1
+
+        wait_for(requeued, timeout=5.0)
+        while time.monotonic() - t_kill < 3.0:  # past the bound counted from the outage's start
+            sh.pump(0.05)
+        assert not outcome, outcome
+        assert direct.zcard(q) == 1 and h.id in _holders(direct, name)
+        beat = [m for m in (r.getMessage() for r in caplog.records) if "heartbeat for pool" in m]
+        assert len(beat) <= 2, beat  # the first failure, and 'works again'
+
+        # 2. Away for good.
+        rp.kill()
+        t_kill = time.monotonic()
+        wait_for(lambda: (sh.pump(), bool(outcome))[1], timeout=6.0)
+        failed_after = time.monotonic() - t_kill
+        (err,) = outcome
+        assert isinstance(err, BackendUnavailable) and "Redis unreachable" in str(err), repr(err)
+        assert 2.0 - 0.2 - 0.05 <= failed_after <= 2.0 + 1.5, failed_after  # last refresh ≤ 0.2 s before
+        print(f"\n{kind}: 1 s outage survived; Redis gone: the waiter failed {failed_after:.2f}s later (bound 2 s)")
+        if kind == "sync":
+            th.join(5)
+        else:
+            sh.loop.run_until_complete(task)
+    finally:
+        sh.close()
+        direct.close()
