@@ -1,40 +1,99 @@
-"""HTTP details shared by the embeddings service and the lease broker."""
+"""HTTP details shared by the embeddings service and the lease broker.
+
+The request-level pieces (error replies, body size and read-time bounds) are
+:func:`gpulock.fastapi.install_http_guards`'s, the same that a user's own GpuLimiter app
+installs. This module adds the connection-level bound the ASGI app cannot see: a uvicorn
+protocol that closes a connection whose request line and headers do not arrive within the read
+timeout (uvicorn has none: a connection that sends nothing, or a header byte a second, was
+held forever), or that sends more header bytes than ``MAX_HEADER_BYTES``.
+"""
 
 from __future__ import annotations
 
-import math
+import os
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.encoders import jsonable_encoder
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from gpulock.fastapi import DEFAULT_READ_TIMEOUT, install_error_handlers, install_http_guards
+
+__all__ = ["install_error_handlers", "install_http_guards", "read_timeout", "server_protocol", "MAX_HEADER_BYTES"]
+
+# Request line and headers together; h11's own bound (uvicorn's h11_max_incomplete_event_size)
+# is 16 KiB, httptools has none.
+MAX_HEADER_BYTES = 64 * 1024
+
+_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+        b"content-length: %d\r\n\r\n%s")
+_431 = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
+        b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
 
 
-def _renderable(x: Any) -> Any:
-    """The value with what JSON in UTF-8 cannot carry made printable: non-finite floats (NaN,
-    ±Infinity) become their names, lone surrogates (``"\\ud800"``) their escapes."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, str):
-        try:
-            x.encode("utf-8")
-            return x
-        except UnicodeEncodeError:
-            return x.encode("utf-8", "backslashreplace").decode("utf-8")
-    if isinstance(x, dict):
-        return {_renderable(k): _renderable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_renderable(v) for v in x]
-    return x
+def read_timeout() -> float:
+    """``GPULOCK_READ_TIMEOUT`` (seconds), else the default (30)."""
+    v = os.environ.get("GPULOCK_READ_TIMEOUT")
+    return float(v) if v not in (None, "") else DEFAULT_READ_TIMEOUT
 
 
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    # FastAPI's own handler echoes the bad input; Python's JSON parser accepts NaN, Infinity
-    # and lone surrogates, which the error response cannot carry: each was a 500.
-    return JSONResponse({"detail": _renderable(jsonable_encoder(exc.errors()))}, status_code=422)
+def _timed(base: type, timeout: float, max_header_bytes: int) -> type:
+    class TimedProtocol(base):  # type: ignore[misc, valid-type]
+        """``base`` with a deadline for each request's head (request line and headers):
+        armed when the connection opens and when the first bytes of a next request arrive,
+        disarmed when a request's headers are complete (its cycle starts)."""
+
+        def connection_made(self, transport: Any) -> None:
+            self._head_timer = None
+            self._head_bytes = 0
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self) -> None:
+            self._head_bytes = 0
+            self._head_timer = self.loop.call_later(timeout, self._head_timed_out)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _refuse(self, template: bytes, text: str) -> None:
+            self._disarm()
+            if not self.transport.is_closing():
+                body = text.encode()
+                self.transport.write(template % (len(body), body))
+                self.transport.close()
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self.cycle is not None and not self.cycle.response_complete:
+                return  # a request is being served (its own bounds apply)
+            self._refuse(_408, f"the request line and headers did not arrive within {timeout:g}s "
+                               f"(GPULOCK_READ_TIMEOUT)\n")
+
+        def data_received(self, data: bytes) -> None:
+            idle = self.cycle is None or self.cycle.response_complete
+            if idle and self._head_timer is None:
+                self._arm()  # the first bytes of a next request on a kept-alive connection
+            before = self.cycle
+            if self._head_timer is not None:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            if self.cycle is not before:
+                self._disarm()  # the headers are complete: the request's body has its own bound
+            elif self._head_timer is not None and self._head_bytes > max_header_bytes:
+                self._refuse(_431, f"request line and headers over {max_header_bytes} bytes\n")
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    TimedProtocol.__name__ = TimedProtocol.__qualname__ = f"Timed{base.__name__}"
+    return TimedProtocol
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """422 for every invalid request, also one that sent NaN, Infinity or a lone surrogate."""
-    app.add_exception_handler(RequestValidationError, _validation_error)
+def server_protocol(timeout: float | None = None, max_header_bytes: int = MAX_HEADER_BYTES) -> type:
+    """uvicorn's HTTP protocol class (httptools when installed, else h11) with the head
+    deadline above; pass it as ``uvicorn.Config(http=...)``."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:  # pragma: no cover - uvicorn without httptools
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base  # type: ignore[assignment]
+    return _timed(base, read_timeout() if timeout is None else float(timeout), max_header_bytes)

@@ -35,7 +35,7 @@ from pydantic import BaseModel, PrivateAttr, StrictInt
 from gpulock.fastapi import GpuLimiter
 from gpulock.units import format_size, parse_size
 
-from ._http import install_error_handlers
+from ._http import install_http_guards
 from .models import build_model, count_tokens
 from .settings import Settings
 
@@ -78,47 +78,6 @@ class _WorkerHeader:
             await send(msg)
 
         return await self.app(scope, receive, send_with)
-
-
-class _BodyLimit:
-    """Pure ASGI middleware: 413 for a request body over ``limit`` bytes, before anything
-    parses it. The body is parsed as JSON on the worker's event loop, which also runs the
-    lease heartbeats: an unbounded body (a 50 MB string) would stall them and cost the
-    worker its leases, and every other request on the worker with them. Content-Length is
-    checked first; a body without one (chunked) is counted as it arrives, and the read that
-    crosses the limit raises a 413 ``HTTPException`` (FastAPI passes it through its body
-    parsing as it is)."""
-
-    def __init__(self, app, limit: int):
-        self.app = app
-        self.limit = int(limit)
-
-    def message(self, seen: str) -> str:
-        return (f"request body of {seen} is over this service's limit of {format_size(self.limit)} "
-                f"({self.limit} bytes; GPULOCK_MAX_REQUEST_BYTES); send fewer or shorter inputs")
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        for k, v in scope.get("headers", ()):
-            if k == b"content-length":
-                n = int(v) if v.isdigit() else 0
-                if n > self.limit:
-                    return await JSONResponse({"detail": self.message(f"{n} bytes")}, status_code=413)(
-                        scope, receive, send)
-                break
-        received = 0
-
-        async def counted_receive():
-            nonlocal received
-            msg = await receive()
-            if msg["type"] == "http.request":
-                received += len(msg.get("body", b""))
-                if received > self.limit:
-                    raise HTTPException(413, self.message(f"more than {self.limit} bytes"))
-            return msg
-
-        return await self.app(scope, counted_receive, send)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -222,11 +181,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="gpulock embeddings service", lifespan=lifespan,
                   description="OpenAI-compatible embeddings; every request leases GPU memory from a gpulock pool.")
-    install_error_handlers(app)
+    # 400 for bytes that are not UTF-8, 422 for invalid input, 413 for a body over
+    # GPULOCK_MAX_REQUEST_BYTES, 408 for one that does not arrive within GPULOCK_READ_TIMEOUT
+    # (the same guards as the broker's and a user's GpuLimiter app's).
+    install_http_guards(app, max_body_bytes=parse_size(settings.max_request_bytes, name="max_request_bytes"),
+                        read_timeout=settings.read_timeout)
     app.state.limiter = limiter
     app.state.settings = settings
     app.state.model = model
-    app.add_middleware(_BodyLimit, limit=parse_size(settings.max_request_bytes, name="max_request_bytes"))
     app.add_middleware(_WorkerHeader)
 
     @app.get("/health")

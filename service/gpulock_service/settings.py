@@ -52,6 +52,8 @@ class Settings(BaseSettings):
     max_batch: int = Field(256, ge=1, description="most inputs per request (else 413)")
     max_tokens: int = Field(256, ge=8, description="tokens per input after truncation")
     max_request_bytes: str = Field("16MiB", description="largest request body (else 413 before it is parsed)")
+    read_timeout: float = Field(30.0, gt=0, description="seconds a request's head, and its body, may take "
+                                                        "to arrive (else 408 and the connection is closed)")
     executor_threads: int = Field(2, ge=1, description="threads running inference per worker")
     torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads per worker (CPU)")
 

@@ -16,21 +16,32 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 
 
+# A lease request is a few hundred bytes; GPULOCK_MAX_REQUEST_BYTES overrides this bound.
+DEFAULT_MAX_REQUEST_BYTES = "1MiB"
+
+
 def create_broker_app(redis_url: str = DEFAULT_REDIS_URL, tokens: Optional[Iterable[Principal]] = None, *,
-                      tokens_file: Optional[str] = None, **broker_kw: Any):
+                      tokens_file: Optional[str] = None, max_request_bytes: int | str | None = None,
+                      read_timeout: float | None = None, **broker_kw: Any):
     """A FastAPI app serving the lease API at ``/v1`` (OpenAPI at ``/openapi.json``, docs at
     ``/docs``) and ``GET /health``.
 
     Args:
         redis_url: where the pools live.
         tokens: principals; default: :func:`load_tokens` (``tokens_file``, then the env).
+        max_request_bytes: the largest body (else 413 before it is read); default
+            ``GPULOCK_MAX_REQUEST_BYTES``, else 1 MiB.
+        read_timeout: seconds a body may take to arrive (else 408); default
+            ``GPULOCK_READ_TIMEOUT``, else 30.
         **broker_kw: passed to :class:`Broker` (max_wait, backend_timeout, park_max, ...).
 
     Raises: TokenConfigError when no token is configured.
     """
+    import os
+
     from fastapi import FastAPI
 
-    from .._http import install_error_handlers
+    from .._http import install_http_guards
     from .api import router
     from .core import Broker
 
@@ -51,7 +62,11 @@ def create_broker_app(redis_url: str = DEFAULT_REDIS_URL, tokens: Optional[Itera
                               "\"4GiB\"), durations seconds, instants Unix seconds on the Redis server clock.",
                   lifespan=lifespan)
     app.include_router(router)
-    install_error_handlers(app)
+    # the same guards as the service's: 400 for bytes that are not UTF-8, 413 over the size
+    # bound, 408 for a body that does not arrive in time
+    install_http_guards(app, max_body_bytes=max_request_bytes if max_request_bytes is not None else
+                        (os.environ.get("GPULOCK_MAX_REQUEST_BYTES") or DEFAULT_MAX_REQUEST_BYTES),
+                        read_timeout=read_timeout)
 
     @app.get("/health", tags=["health"], summary="Liveness (no Redis call)")
     async def health() -> dict[str, str]:
@@ -65,10 +80,15 @@ def run_broker(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, redis_url: st
     """Serve the broker with uvicorn until interrupted."""
     import uvicorn
 
+    from .._http import MAX_HEADER_BYTES, server_protocol
+
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_broker_app(redis_url, tokens_file=tokens_file, max_wait=max_wait)
     # access_log: uvicorn logs method, path and status only; never headers (no tokens).
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug")
+    # http: uvicorn's protocol with a deadline for the request line and headers
+    # (GPULOCK_READ_TIMEOUT); an idle kept-alive connection is closed after 5 s.
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
+                http=server_protocol(), timeout_keep_alive=5, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
 
 
 def register_broker(typer_app) -> None:
