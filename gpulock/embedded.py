@@ -16,13 +16,79 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["RedisProcess", "find_server_binary", "free_port"]
+__all__ = ["RedisProcess", "find_server_binary", "free_port", "port_in_use"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _listeners(port: int) -> set[str]:
+    """Socket inodes listening on TCP ``port`` (any address), from /proc/net/tcp{,6}."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(cols[9])
+    return inodes
+
+
+def _holder(port: int) -> str:
+    """Who listens on ``port``: "pid N (command line)", or a general phrase when /proc does not
+    say (another user's process, or not Linux)."""
+    inodes = _listeners(port)
+    if inodes:
+        for pid in sorted(os.listdir("/proc"), key=lambda p: (len(p), p)):
+            if not pid.isdigit():
+                continue
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            links = set()
+            for fd in fds:
+                try:
+                    links.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                except OSError:
+                    pass  # closed meanwhile
+            if any(f"socket:[{i}]" in links for i in inodes):
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        cmd = " ".join(f.read().replace(b"\0", b" ").decode(errors="replace").split())
+                except OSError:
+                    cmd = "?"
+                return f"pid {pid} ({cmd[:120]})"
+    return "another process (not visible to this user)"
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """None if a server could bind ``host:port`` now (as gunicorn and Redis do, with
+    SO_REUSEADDR), else a sentence saying why: what holds the port, or that the address
+    cannot be bound on this host."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return f"{host!r} does not resolve ({e.strerror})"
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            import errno
+
+            if e.errno == errno.EADDRINUSE:
+                return f"{host}:{port} is in use by {_holder(port)}"
+            return f"cannot bind {host}:{port}: {e.strerror}"
+    return None
 
 
 def embedded_binary() -> str | None:

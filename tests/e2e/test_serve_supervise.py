@@ -1,0 +1,101 @@
+"""``gpulock serve`` looks after what it starts: a busy port is refused before anything starts
+(naming what holds it), serve says when the service is first ready, and an embedded Valkey
+that dies under a running serve is started again on the same port, where the workers put
+their resident leases back (issue 9 item 5, issue 10 items 6 and 9)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import redis
+from e2e_helpers import _LIVE, alive, children, cmdline
+
+from gpulock.embedded import free_port
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOCK_") and k != "PROMETHEUS_MULTIPROC_DIR"}
+    env.update(GPULOCK_SLEEP_SECONDS="0.05", GPULOCK_SLEEP_BYTES="64MiB", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _wait(pred, what: str, timeout: float, log=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"{what} within {timeout}s" + (f"\n{log.read_text()}" if log else ""))
+
+
+@pytest.mark.timeout(60)
+def test_serve_refuses_a_busy_port_before_starting_anything():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "gpulock", "serve", "--model", "sleep", "--port", str(port)],
+                           env=_env(), capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert f"127.0.0.1:{port} is in use" in r.stderr, r.stderr
+    assert f"pid {os.getpid()}" in r.stderr, r.stderr  # says what holds it
+    assert "Redis:" not in r.stderr and "workers" not in r.stderr, r.stderr  # no banner
+
+
+@pytest.mark.timeout(150)
+def test_embedded_valkey_killed_under_serve_is_restarted_and_leases_come_back(tmp_path):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "gpulock", "serve", "--model", "sleep", "-w", "2",
+                                 "--port", str(port), "--log-level", "warning"],
+                                env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    _LIVE.add(proc.pid)
+    valkey: list[int] = []
+    try:
+        url = f"http://127.0.0.1:{port}"
+        # serve itself says when /ready first answers 200
+        _wait(lambda: proc.poll() is None and "gpulock serve: ready:" in log.read_text(), "the ready line", 90, log)
+        assert httpx.get(url + "/ready", timeout=5).status_code == 200
+        text = log.read_text()
+        redis_port = int(re.search(r"redis://127\.0\.0\.1:(\d+)/0", text).group(1))
+        valkey[:] = [p for p in children(proc.pid) if "valkey-server" in cmdline(p)]
+        assert len(valkey) == 1, text
+        rc = redis.Redis(port=redis_port, socket_timeout=2)
+        # the two workers' resident leases (the ready line comes with the first worker)
+        _wait(lambda: rc.zcard("gpulock:{gpu0}:leases") == 2, "both resident leases", 60, log)
+
+        os.kill(valkey[0], signal.SIGKILL)
+        _wait(lambda: "embedded Redis restarted" in log.read_text(), "the restart line", 30, log)
+        assert proc.poll() is None
+        text = log.read_text()
+        assert re.search(rf"embedded Redis \(pid {valkey[0]}\) died \(killed by SIGKILL\)", text), text
+        new = [p for p in children(proc.pid) if "valkey-server" in cmdline(p)]
+        assert len(new) == 1 and new[0] != valkey[0], (new, valkey)
+        valkey.append(new[0])
+        assert rc.ping()  # the same port answers again
+        # The new server started empty: leases in it were put back by the workers.
+        _wait(lambda: rc.zcard("gpulock:{gpu0}:leases") == 2, "both resident leases back", 30, log)
+        _wait(lambda: httpx.get(url + "/ready", timeout=5).status_code == 200, "/ready 200", 30, log)
+        # (new requests queue until the grace period of one max ttl, 60 s, has passed)
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(40) == 0, log.read_text()
+        assert not alive(new[0])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        for pid in valkey:  # its own session: not in the group above
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        _LIVE.discard(proc.pid)
