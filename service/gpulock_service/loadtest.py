@@ -31,6 +31,7 @@ class Outcome:
     attempts: int
     responses: list[tuple[int, str | None, str | None]] = field(default_factory=list)  # (status, Retry-After, X-Queue-Position)
     error: str = ""
+    done_at: float = 0.0  # perf_counter when it ended (answer or error)
 
 
 @dataclass
@@ -117,7 +118,8 @@ async def _one(client, texts: list[str], retries: int, request_ids: bool, rng: r
         except ValueError:
             wait = 1.0
         await asyncio.sleep(wait * rng.uniform(1.0, 1.5))
-    out.latency_s = time.perf_counter() - t0
+    out.done_at = time.perf_counter()
+    out.latency_s = out.done_at - t0
     return out
 
 
@@ -175,12 +177,25 @@ async def loadtest(url: str, *, concurrency: int, requests: int, batch: int, ret
     answers = [resp for o in outcomes for resp in o.responses]
     n503 = [a for a in answers if a[0] == 503]
     lat = [o.latency_s for o in outcomes if o.status == 200]
+    answered = [o for o in outcomes if o.status != 0]
+    failed = [o for o in outcomes if o.status == 0]
+    # Rates are over the requests that got an answer, and over the time until the last answer:
+    # requests that failed to connect (a server that went away) are counted apart.
+    span = (max(o.done_at for o in answered) - t0) if failed and answered else elapsed
+    last = max(outcomes, key=lambda o: o.done_at) if outcomes else None
+    positions = [int(a[2]) for a in n503 if a[2] is not None and a[2].isdigit()]
     return {
         "url": url, "requests": requests, "concurrency": concurrency, "batch": batch, "elapsed_s": elapsed,
         "ok": sum(1 for o in outcomes if o.status == 200),
-        "requests_per_s": len(outcomes) / elapsed if elapsed > 0 else 0.0,
-        "ok_per_s": len(lat) / elapsed if elapsed > 0 else 0.0,
-        "sentences_per_s": len(lat) * batch / elapsed if elapsed > 0 else 0.0,
+        "answered_requests": len(answered),
+        "rate_span_s": span,
+        "connection_errors": len(failed),
+        # the server stopped answering: the run ended on connection errors after answers
+        "server_went_away": bool(failed and answered and last is not None and last.status == 0),
+        "requests_per_s": len(answered) / span if span > 0 else 0.0,
+        "ok_per_s": len(lat) / span if span > 0 else 0.0,
+        "sentences_per_s": len(lat) * batch / span if span > 0 else 0.0,
+        "queue_positions_503": positions,
         "p50_s": _percentile(lat, 0.50), "p95_s": _percentile(lat, 0.95), "p99_s": _percentile(lat, 0.99),
         "mean_s": statistics.fmean(lat) if lat else float("nan"),
         "answers_503": len(n503),
@@ -211,19 +226,24 @@ def run_loadtest(url: str, **kw) -> int:
     t = Table(title=f"gpulock loadtest {url}: {s['requests']} requests x {s['batch']} sentences, "
                     f"concurrency {s['concurrency']}", show_header=False)
     t.add_row("elapsed", f"{s['elapsed_s']:.2f} s")
-    t.add_row("throughput", f"{s['requests_per_s']:.1f} requests/s ({s['ok_per_s']:.1f} ok/s, "
+    over = (f" over the {s['answered_requests']} answered in the first {s['rate_span_s']:.2f} s"
+            if s["connection_errors"] else "")
+    t.add_row("throughput", f"{s['requests_per_s']:.1f} requests/s{over} ({s['ok_per_s']:.1f} ok/s, "
                             f"{s['sentences_per_s']:.0f} sentences/s)")
     t.add_row("latency of 200s", f"p50 {s['p50_s'] * 1000:.0f} ms   p95 {s['p95_s'] * 1000:.0f} ms   "
                                  f"p99 {s['p99_s'] * 1000:.0f} ms")
     t.add_row("200 OK", str(s["ok"]))
     ra = ", ".join(s["retry_after_values"][:8]) or "-"
+    qp = s["queue_positions_503"]
+    qps = (f"X-Queue-Position on {len(qp)}, max {max(qp)}" if qp else "none with X-Queue-Position")
     t.add_row("503 answers", f"{s['answers_503']} ({s['answers_503_with_retry_after']} with Retry-After; "
-                             f"values seen: {ra}); {s['retries']} retries; {s['final_503']} requests ended on 503")
+                             f"values seen: {ra}; {qps}); {s['retries']} retries; {s['final_503']} requests "
+                             f"ended on 503")
     t.add_row("413 / 504 / other 5xx", f"{s['final_413']} / {s['final_504']} / {s['final_5xx_other']}")
     if s["final_other"]:
         t.add_row("other statuses", str(s["final_other"]))
-    if s["errors"]:
-        t.add_row("client errors", "; ".join(s["errors"]))
+    if s["connection_errors"]:
+        t.add_row("connection errors", f"{s['connection_errors']} requests got no answer: " + "; ".join(s["errors"]))
     p: PoolPeaks = s["pool"]
     if p.samples:
         from gpulock.units import format_size
@@ -235,4 +255,13 @@ def run_loadtest(url: str, **kw) -> int:
     else:
         t.add_row("pool peak", "no /metrics samples")
     c.print(t)
+    if s["server_went_away"]:
+        c.print(f"[bold red]gpulock loadtest: the server went away[/]: no answer after {s['answered_requests']} "
+                f"answers ({s['rate_span_s']:.2f} s into the run); the {s['connection_errors']} requests after that "
+                f"got connection errors and are not in the rates above")
+    elif s["connection_errors"]:
+        c.print(f"[bold red]gpulock loadtest: {s['connection_errors']} requests got connection errors[/] "
+                f"(not in the rates above)")
+    if s["connection_errors"]:
+        return 1
     return 0 if s["ok"] or s["answers_503"] else 1
