@@ -29,10 +29,15 @@ def register(app: typer.Typer) -> None:
                                           help="share of the GPU's memory the pool gets when --capacity is not given"),
         max_requests: int = typer.Option(0, "--max-requests", min=0, help="recycle a worker after N requests (0: never)"),
         timeout: int = typer.Option(120, "--timeout", min=1, help="gunicorn worker timeout, seconds"),
-        log_level: str = typer.Option("info", "--log-level", help="gunicorn log level"),
+        log_level: str = typer.Option("info", "--log-level",
+                                      help="gunicorn log level: debug, info, warning, error or critical"),
     ) -> None:
         """Run the embeddings service: gunicorn with uvicorn workers, each leasing GPU memory
-        from the pool before every request."""
+        from the pool before every request.
+
+        Every option is checked before anything starts (exit 2: a bad value, or the port in
+        use). Prints a line when /ready first answers 200. An embedded Redis that dies is
+        started again on its port; one that will not stay up stops the service (exit 69)."""
         from .serve import run_serve
 
         raise typer.Exit(run_serve(workers=workers, redis_url=redis_url, capacity=capacity, host=host, port=port,
