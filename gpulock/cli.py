@@ -86,8 +86,9 @@ def _main(
     broker_url: Optional[str] = typer.Option(
         None, "--broker-url", envvar="GPULOCK_BROKER_URL",
         help="Go through this HTTP broker instead of Redis (status, pool set, pool list, run; bearer "
-             "token from GPULOCK_TOKEN; needs the gpulock-client package). Given on the command line "
-             "it wins over GPULOCK_REDIS_URL; given with --redis-url it is an error.",
+             "token from GPULOCK_TOKEN; needs the gpulock-client package). It wins over "
+             "GPULOCK_REDIS_URL; --redis-url on the command line wins over GPULOCK_BROKER_URL; both "
+             "options on one command line are an error.",
     ),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                  help="Print the version and exit."),

@@ -16,13 +16,36 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["RedisProcess", "find_server_binary", "free_port", "port_in_use"]
+__all__ = ["RedisProcess", "find_server_binary", "free_port", "port_in_use", "server_port"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def server_port(host: str = "127.0.0.1") -> int:
+    """A free port for a server that may have to start again on the same port: chosen below
+    the kernel's ephemeral range, so that no client's outgoing connection (which takes its
+    local port from that range) can sit on it while the server is down. Falls back to
+    :func:`free_port` when no such port is free."""
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        lo = 32768
+    if lo > 10000:
+        for port in random.sample(range(10000, lo), k=min(50, lo - 10000)):
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                    return port
+                except OSError:
+                    continue
+    return free_port(host)
 
 
 def _listeners(port: int) -> set[str]:

@@ -218,7 +218,7 @@ def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host
               preload: bool, model: str, utilization: float, max_requests: int, timeout: int,
               log_level: str) -> int:
     from gpulock import GpuLockError, Pool
-    from gpulock.embedded import RedisProcess, find_server_binary
+    from gpulock.embedded import RedisProcess, find_server_binary, server_port
 
     redis_proc = None
     metrics_dir = None
@@ -252,7 +252,9 @@ def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host
                 binary = find_server_binary("embedded")
             except FileNotFoundError:
                 binary = find_server_binary("any")
-            redis_proc = RedisProcess(binary, host="127.0.0.1", die_with_parent=True).start()
+            # a port outside the ephemeral range: it must stay free for a restart (see below)
+            redis_proc = RedisProcess(binary, port=server_port("127.0.0.1"), host="127.0.0.1",
+                                      die_with_parent=True).start()
             redis_url = redis_proc.url
             _say(f"Redis: embedded {os.path.basename(binary)} at {redis_url} (loopback only, no persistence; "
                  f"stopped with the service). Give --redis-url to share a pool between hosts.")
