@@ -245,6 +245,10 @@ class _Metrics:
         self.oom = Counter("gpulock_cuda_oom", "CUDA out-of-memory errors inside a lease", ["route"])
         self.fatal = Counter("gpulock_cuda_fatal_errors", "Sticky CUDA errors that made the worker exit", ["route"])
         self.inference_timeouts = Counter("gpulock_inference_timeouts", "Requests answered 504", ["route"])
+        self.disconnected = Counter("gpulock_client_disconnected",
+                                    "Guarded requests whose client closed the connection before the answer, by "
+                                    "phase: 'waiting' (left the queue, never granted) or 'running' (the work "
+                                    "finished, its result was dropped)", ["route", "phase"])
         self.replays = Counter("gpulock_idempotent_replays",
                                "Requests answered from a stored result or by joining a running attempt (X-Request-ID)",
                                ["route", "how"])
@@ -440,6 +444,7 @@ class _Job:
     run_s: float | None = None
     server_retry_after: float | None = None
     abandoned: bool = False  # the HTTP side gave up on it (503 without parking, client gone)
+    attached: int = 0  # HTTP requests waiting on it now (a retry with the same X-Request-ID joins)
     # Result or error, set as soon as known: the response goes out while the release (one more
     # Redis round trip, after the thread returned) is still on its way.
     outcome: asyncio.Future | None = None
@@ -1098,6 +1103,7 @@ class GpuLimiter:
             request_id = request.headers.get(self.request_id_header)
         if response is not None and request_id:
             response.headers[self.request_id_header] = request_id
+        gone: asyncio.Task | None = None
         try:
             self.check_accepting()
             amount = parse_size(amount, name="estimate")
@@ -1107,12 +1113,15 @@ class GpuLimiter:
                 result = await self._call_unguarded(fn, route, arrival)
             else:
                 await self._check_room(amount)
+                # Uvicorn does not cancel a handler whose client went away: watch for it, so a
+                # request nobody waits for leaves the queue at once and is never granted.
+                gone = watch_disconnect(request) if request is not None else None
                 if request_id:
                     result = await self._call_idempotent(fn, route, amount, request_id, arrival,
-                                                         fingerprint_of() if fingerprint_of else "", response)
+                                                         fingerprint_of() if fingerprint_of else "", response, gone)
                 else:
                     job = self._start_job(fn, route, amount, None, "", arrival, park=0.0)
-                    result = await self._await_job(job, arrival, response)
+                    result = await self._await_job(job, arrival, response, gone)
         except GpuLockHTTPException as e:
             m.requests.labels(route, str(e.status_code)).inc()
             if request_id:
@@ -1124,6 +1133,9 @@ class GpuLimiter:
         except BaseException:
             m.requests.labels(route, "500").inc()
             raise
+        finally:
+            if gone is not None:
+                gone.cancel()
         m.requests.labels(route, "200").inc()
         if isinstance(result, Response) and response is not None:
             for k, v in response.headers.items():  # FastAPI ignores the sub-response when a Response is returned
@@ -1146,7 +1158,7 @@ class GpuLimiter:
             raise GpuLockHTTPException(504, f"inference ran past {self.inference_timeout}s", "inference_timeout") from None
 
     # ---- idempotent requests (X-Request-ID) -----------------------------------------------------
-    async def _call_idempotent(self, fn, route, amount, request_id, arrival, fp, response) -> Any:
+    async def _call_idempotent(self, fn, route, amount, request_id, arrival, fp, response, gone=None) -> Any:
         ticket = request_ticket(route, request_id)
         m = metrics()
         while True:
@@ -1155,7 +1167,7 @@ class GpuLimiter:
                 if local.fingerprint != fp:
                     raise self._conflict(request_id)
                 m.replays.labels(route, "joined").inc()
-                return await self._await_job(local, arrival, response)
+                return await self._await_job(local, arrival, response, gone)
             stored = await self._get_result(ticket, fp, request_id)
             if stored is not _MISSING:
                 m.replays.labels(route, "stored").inc()
@@ -1171,8 +1183,8 @@ class GpuLimiter:
                     m.replays.labels(route, "stored").inc()
                     return stored
                 job = self._start_job(fn, route, amount, ticket, fp, arrival, park=self.park_timeout)
-                return await self._await_job(job, arrival, response)
-            outcome = await self._follow(ticket, fp, request_id, route, arrival, response)
+                return await self._await_job(job, arrival, response, gone)
+            outcome = await self._follow(ticket, fp, request_id, route, arrival, response, gone)
             if outcome is not _MISSING:
                 m.replays.labels(route, "joined").inc()
                 return outcome
@@ -1197,7 +1209,7 @@ class GpuLimiter:
         return GpuLockHTTPException(409, f"{self.request_id_header} {request_id!r} was already used for a "
                                          f"different request; use a new id for new work", "conflict")
 
-    async def _follow(self, ticket, fp, request_id, route, arrival, response) -> Any:
+    async def _follow(self, ticket, fp, request_id, route, arrival, response, gone=None) -> Any:
         """Another worker owns this request id: wait for its result, reporting its place."""
         acq_deadline = arrival + self.acquire_timeout
         end = acq_deadline + self.inference_timeout
@@ -1244,7 +1256,12 @@ class GpuLimiter:
                 metrics().inference_timeouts.labels(route).inc()
                 raise GpuLockHTTPException(504, f"request {request_id!r} is still running; retry with the same "
                                                 f"{self.request_id_header} to collect its result", "inference_timeout")
-            await asyncio.sleep(delay)
+            if gone is None:
+                await asyncio.sleep(delay)
+            else:
+                await asyncio.wait((gone,), timeout=delay)
+                if _is_gone(gone):  # this retry's client left; the owner's request goes on
+                    raise self._client_gone(route, "waiting" if phase in ("slot", "queued") else "running")
             delay = min(delay * 1.5, 0.2)
 
     def _claim_value(self, job: _Job) -> str:
@@ -1453,15 +1470,38 @@ class GpuLimiter:
             with contextlib.suppress(RuntimeError):
                 asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGTERM)
 
-    async def _await_job(self, job: _Job, arrival: float, response: Response | None) -> Any:
+    async def _await_job(self, job: _Job, arrival: float, response: Response | None,
+                         gone: asyncio.Task | None = None) -> Any:
         """Wait for a job with this request's deadlines: 503 if it has not started running by
         ``arrival + acquire_timeout``, 504 if it has not finished ``inference_timeout`` later.
-        The job goes on after either answer (parked, or until its thread returns)."""
+        The job goes on after either answer (parked, or until its thread returns). ``gone``
+        (see :func:`watch_disconnect`) ends when the client hung up: 499, and a job nobody
+        else waits for leaves the queue at once (it is never granted); running work goes on
+        until its thread returns, its result dropped."""
+        job.attached += 1
+        try:
+            return await self._await_job_attached(job, arrival, response, gone)
+        finally:
+            job.attached -= 1
+
+    def _client_gone(self, route: str, phase: str) -> GpuLockHTTPException:
+        metrics().disconnected.labels(route, phase).inc()
+        what = ("it left the queue and will not run" if phase == "waiting" else
+                "its work goes on until it returns (the lease is held until then); the result is dropped")
+        return GpuLockHTTPException(499, f"the client closed the connection: {what}", "client_disconnected")
+
+    async def _await_job_attached(self, job: _Job, arrival: float, response: Response | None,
+                                  gone: asyncio.Task | None) -> Any:
         m = metrics()
         remaining = arrival + self.acquire_timeout - time.monotonic()
         try:
             if not job.started.is_set():
-                await asyncio.wait_for(asyncio.shield(job.started.wait()), max(0.0, remaining))
+                await _wait_or_gone(job.started.wait(), max(0.0, remaining), gone)
+        except _Gone:
+            if job.attached == 1 and job.phase in ("slot", "queued") and job.task is not None:
+                job.abandoned = True  # before any await: a grant arriving now must not run
+                job.task.cancel()  # leaves the thread-slot wait or the pool's queue now
+            raise self._client_gone(job.route, "waiting" if not job.started.is_set() else "running") from None
         except asyncio.TimeoutError:
             timed_out = not job.started.is_set()  # granted just as the deadline passed: go on
         except asyncio.CancelledError:
@@ -1495,7 +1535,9 @@ class GpuLimiter:
         assert job.outcome is not None
         if not job.outcome.done():
             try:
-                await asyncio.wait_for(asyncio.shield(job.outcome), self.inference_timeout)
+                await _wait_or_gone(asyncio.shield(job.outcome), self.inference_timeout, gone)
+            except _Gone:
+                raise self._client_gone(job.route, "running") from None
             except asyncio.TimeoutError:
                 m.inference_timeouts.labels(job.route).inc()
                 extra = (f" Retry with the same {self.request_id_header} to collect the result."
@@ -1588,6 +1630,62 @@ class GpuLimiter:
 
 
 _MISSING = object()
+
+
+class _Gone(Exception):
+    """The client closed the connection while its request waited (see watch_disconnect)."""
+
+
+def _is_gone(gone: asyncio.Task | None) -> bool:
+    return gone is not None and gone.done() and not gone.cancelled() and gone.exception() is None and gone.result()
+
+
+async def _wait_or_gone(aw: Awaitable[Any], timeout: float, gone: asyncio.Task | None) -> None:
+    """Await ``aw`` for at most ``timeout`` seconds: TimeoutError after it, _Gone as soon as
+    ``gone`` says the client hung up (then ``aw`` is cancelled; pass a shield to keep it)."""
+    fut = asyncio.ensure_future(aw)
+    waits: set[asyncio.Future] = {fut} if gone is None or gone.done() and not _is_gone(gone) else {fut, gone}
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        fut.cancel()
+        raise
+    if fut.done():
+        if not fut.cancelled():
+            fut.exception()  # retrieved; the caller reads the outcome itself
+        return
+    fut.cancel()
+    if _is_gone(gone):
+        raise _Gone()
+    raise asyncio.TimeoutError()
+
+
+def watch_disconnect(request: Request) -> asyncio.Task:
+    """A task that returns True once the request's client has closed the connection (the
+    ASGI ``http.disconnect`` message); cancel it when the answer is ready. The body is read
+    first if nobody has (Starlette keeps it on the request, so the handler still sees it):
+    only what follows the body is consumed."""
+
+    async def watch() -> bool:
+        from starlette.requests import ClientDisconnect
+
+        try:
+            if not hasattr(request, "_body") and not getattr(request, "_stream_consumed", False):
+                await request.body()
+            while True:
+                msg = await request.receive()
+                if msg.get("type") == "http.disconnect":
+                    return True
+        except ClientDisconnect:
+            return True
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the read refused (a bound of RequestLimits): that is not a hang-up
+            return False
+
+    t = asyncio.ensure_future(watch())
+    t.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return t
 
 
 def _settle(fut: asyncio.Future | None, *, result: Any = None, exc: BaseException | None = None) -> None:

@@ -30,9 +30,10 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from gpulock.errors import BackendUnavailable, CapacityExceeded, InvalidArgument, PoolNotFound, QueueFull
+from gpulock.fastapi import watch_disconnect
 
 from .auth import Principal
-from .core import Broker, Granted, LeaseGone, NotYours
+from .core import Broker, ClientGone, Granted, LeaseGone, NotYours
 from .models import (
     LEASE_ID_PATTERN,
     POOL_PATTERN,
@@ -146,23 +147,32 @@ def _map(e: Exception, pool: str) -> NoReturn:
         _err(410, "lease_lost", str(e), lease_id=e.lease_id)
     if isinstance(e, NotYours):
         _err(404, "not_found", "no such lease for this token", lease_id=str(e.args[0]) if e.args else None)
+    if isinstance(e, ClientGone):  # nobody reads this answer; it names the outcome in the access log
+        _err(499, "client_disconnected", "the client closed the connection; the request was withdrawn",
+             request_id=str(e.args[0]) if e.args else None)
     raise e
 
 
 @router.post("/pools/{pool}/leases", status_code=201, response_model=LeaseGrant,
              responses=_errors(404, 410, 413), summary="Acquire a lease (or wait in the queue)")
-async def acquire_lease(response: Response, body: LeaseRequest, pool: str = PoolName,
+async def acquire_lease(request: Request, response: Response, body: LeaseRequest, pool: str = PoolName,
                         who: Principal = Depends(principal), broker: Broker = Depends(get_broker)) -> LeaseGrant:
     """Take ``amount`` bytes of ``pool``. Granted: 201. Still queued after ``wait`` seconds:
     503 with ``Retry-After`` (seconds) and ``X-Queue-Position``; retry with the same
     ``request_id`` to keep the place (it is kept ``hold_place_for`` seconds) and to get the same
     grant if it was made meanwhile."""
     _allowed(who, pool)
+    # a client that hangs up during the long poll leaves the queue at once (uvicorn does not
+    # cancel the handler by itself)
+    gone = watch_disconnect(request) if body.wait > 0 else None
     try:
         r = await broker.acquire(who, pool, body.amount, ttl=body.ttl, wait=body.wait, queue=body.queue,
-                                 holder=body.holder, request_id=body.request_id)
+                                 holder=body.holder, request_id=body.request_id, gone=gone)
     except Exception as e:
         _map(e, pool)
+    finally:
+        if gone is not None:
+            gone.cancel()
     if isinstance(r, Granted):
         g = r.grant
         return LeaseGrant(lease_id=g.lease_id, pool=pool, amount=g.amount, token=g.token, ttl=r.ttl_s,

@@ -58,7 +58,7 @@ log = logging.getLogger("gpulock.broker")
 # A request the broker held at least this long (a long poll) is answered Retry-After: 0.
 LONG_POLL_S = 1.0
 
-__all__ = ["Broker", "Granted", "Queued", "LeaseGone", "NotYours"]
+__all__ = ["Broker", "ClientGone", "Granted", "Queued", "LeaseGone", "NotYours"]
 
 
 class LeaseGone(Exception):
@@ -71,6 +71,11 @@ class LeaseGone(Exception):
 
 class NotYours(Exception):
     """The lease exists but belongs to another token, or was not made through a broker (404)."""
+
+
+class ClientGone(Exception):
+    """The client closed its connection during the long poll: its request was withdrawn (it
+    left the queue, or the grant that raced the hang-up was released)."""
 
 
 @dataclass(frozen=True)
@@ -256,10 +261,14 @@ class Broker:
 
     async def acquire(self, who: Principal, pool: str, amount: int, *, ttl: float, wait: float,
                       queue: bool = True, holder: dict[str, Any] | None = None,
-                      request_id: str | None = None) -> Granted | Queued:
+                      request_id: str | None = None, gone: asyncio.Future | None = None) -> Granted | Queued:
         """Grant now, or within ``wait`` seconds, or report the place (kept for a retry).
+        ``gone``: a future that turns true when the HTTP client hung up (see
+        ``gpulock.fastapi.watch_disconnect``); the long poll then ends at once and the request
+        is withdrawn (unless another retry of it is attached), so it is never granted.
 
-        Raises: CapacityExceeded, PoolNotFound, QueueFull, InvalidArgument, BackendUnavailable."""
+        Raises: CapacityExceeded, PoolNotFound, QueueFull, InvalidArgument, BackendUnavailable,
+        ClientGone."""
         rid = request_id or new_id()
         ticket = self._ticket(who, rid)
         p = self._pool(pool)
@@ -276,7 +285,16 @@ class Broker:
         try:
             res: Grant | NotGranted = await self._guard(enqueue(), entry)
             if isinstance(res, NotGranted) and res.queued and wait > 0:
-                g = await p.wait_remote(ticket, min(wait, self.max_wait))
+                wt = asyncio.ensure_future(p.wait_remote(ticket, min(wait, self.max_wait)))
+                if gone is not None and not (gone.done() and not _true(gone)):
+                    await asyncio.wait((wt, gone), return_when=asyncio.FIRST_COMPLETED)
+                if _true(gone):
+                    wt.cancel()
+                    final = True  # nothing to keep: nobody will come back for this answer
+                    if entry.attached == 1:  # no retry of it is waiting here
+                        await self._guard(p.cancel_remote(ticket), entry)  # leaves, or releases the raced grant
+                    raise ClientGone(rid)
+                g = await wt
                 # No grant: ask again (idempotent) for the fresh position and retry-after.
                 res = g if g is not None else await self._guard(enqueue(), entry)
             if isinstance(res, Grant):
@@ -507,6 +525,10 @@ class Broker:
                 log.info("gpulock broker: released a grant on pool %s that its client did not collect", pool)
         except Exception as e:  # the waiter expires after waiter_ttl, a grant after its ttl
             log.info("gpulock broker: could not withdraw a parked request on pool %s: %s", pool, e)
+
+
+def _true(f: asyncio.Future | None) -> bool:
+    return f is not None and f.done() and not f.cancelled() and f.exception() is None and bool(f.result())
 
 
 def _gone_message(lease_id: str, outcome: str) -> str:
