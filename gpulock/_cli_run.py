@@ -126,8 +126,9 @@ Exit status:
   {EXIT_UNAVAILABLE}   Redis or the broker unreachable
   {EXIT_NOPERM}   the broker refused the token (GPULOCK_TOKEN missing, wrong, or not
        allowed this pool)
-  {EXIT_USAGE}    bad option or value (also --ttl over the pool's max ttl)
+  {EXIT_USAGE}    bad option or value (also --ttl over the pool's max ttl); nothing was changed
   126  CMD is not executable; 127 CMD not found
+  1    any other gpulock error
   130, 143  interrupted (SIGINT, SIGTERM) while waiting; nothing is held
 """
 
