@@ -525,6 +525,7 @@ class Pool:
         try:
             r = self._eval("acquire", argv, bound=retry_bound(self.backend_timeout, req.timeout_s))
         except PoolNotFound:
+            rt.seen(0)  # gone: if this object knew the pool, its runtime recovers now
             if self.capacity is None:
                 raise
             # A pool object that saw the pool before knows Redis lost it: grace period.
