@@ -10,6 +10,7 @@ import time
 import pytest
 
 from gpulock import LeaseLost, Pool
+from helpers import wait_until as wait_for
 
 TTL_S = 1.5
 
@@ -22,14 +23,19 @@ def test_on_lost_fires_at_local_deadline_while_redis_hangs(redis_proc1):
         fired = threading.Event()
         fired_at: list[float] = []
         lease.on_lost(lambda _l: (fired_at.append(time.monotonic()), fired.set()))
-        time.sleep(0.6)  # one renewal done
-        server_expiry_wall = lease.expires_at  # pinned: no renewal can succeed from now on
+        first = lease.expires_at
+        wait_for(lambda: lease.expires_at > first)  # one renewal done (observed, not slept for)
         offset = time.time() - time.monotonic()
         redis_proc1.pause()
         t_pause = time.monotonic()
         try:
             assert fired.wait(TTL_S + 1.0), "on_lost did not fire while Redis hung"
             deadline = lease.valid_until
+            # The server expiry of the last renewal whose reply the holder read (read now, not
+            # before the pause: a reply could still land between that read and the pause). A
+            # renewal the server ran without the holder reading its reply only moves the real
+            # expiry later.
+            server_expiry_wall = lease.expires_at
             with pytest.raises(LeaseLost):
                 lease.ensure_valid()
         finally:

@@ -78,8 +78,11 @@ def test_kill_9_of_gpulock_run_holder(redis_proc1, tmp_path):
                 st = pool.status()
                 assert st.used == 100 and st.leases[0].holder["pid"] == holder.pid
                 dead_id = st.leases[0].lease_id
-                # Let the holder's heartbeat run a little so the expiry is a renewed one.
-                time.sleep(0.3 + 0.4 * rnd)
+                # The expiry in force is a renewed one: wait for 1 + rnd renewals, seen on the
+                # server (not slept for).
+                for _ in range(1 + rnd):
+                    before = float(r.zscore(leases_key, dead_id))
+                    wait_for(lambda b=before: float(r.zscore(leases_key, dead_id)) > b)
 
                 # The waiter: queued behind the holder before the kill.
                 from concurrent.futures import ThreadPoolExecutor
@@ -92,7 +95,11 @@ def test_kill_9_of_gpulock_run_holder(redis_proc1, tmp_path):
                 t_kill = time.monotonic()
                 os.kill(holder.pid, signal.SIGKILL)
                 holder.wait(5)
-                time.sleep(0.05)  # a renewal already on the wire lands now, or never
+                # A renewal the holder had already sent has run on the server now (Redis
+                # handles every readable connection of a loop turn before answering a later
+                # command): two round trips, not a sleep.
+                r.ping()
+                r.ping()
                 dead_expiry = float(r.zscore(leases_key, dead_id))  # server ms, final
 
                 lease = fut.result(timeout=TTL_S + 6)

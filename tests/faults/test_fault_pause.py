@@ -35,6 +35,15 @@ def wait_for(pred, timeout: float = 10.0, every: float = 0.02):
     raise AssertionError(f"condition not met within {timeout}s")
 
 
+def settle(r: redis.Redis) -> None:
+    """Return once Redis has run every command a stopped or killed client had already written
+    (instead of sleeping and hoping): on loopback a send lands in the server's socket buffer at
+    once, and Redis handles every readable connection of an event-loop turn before it answers
+    a command that arrived later, so two round trips on our own connection are enough."""
+    r.ping()
+    r.ping()
+
+
 @pytest.mark.timeout(60)
 def test_sigstop_holder_past_ttl(redis_proc1, tmp_path):
     url, name = redis_proc1.url, "pause"
@@ -49,12 +58,15 @@ def test_sigstop_holder_past_ttl(redis_proc1, tmp_path):
             granted = wait_for(lambda: state.exists() and json.loads(state.read_text())["granted"])
             fut = ex.submit(pool.acquire, 60, ttl=30, timeout=TTL_S + 8)
             wait_for(lambda: pool.status().waiter_count == 1)
-            time.sleep(0.6)  # past one heartbeat (ttl/3): the expiry in force is a renewed one
+            # Past one heartbeat (ttl/3): the expiry in force is a renewed one (seen on the server).
+            leases_key = f"gpulock:{{{name}}}:leases"
+            first = float(r.zscore(leases_key, granted["id"]))
+            wait_for(lambda: float(r.zscore(leases_key, granted["id"])) > first)
 
             os.kill(holder.pid, signal.SIGSTOP)
             t_stop = time.monotonic()
-            time.sleep(0.05)  # a renewal already on the wire lands now, or never
-            server_expiry_ms = float(r.zscore(f"gpulock:{{{name}}}:leases", granted["id"]))
+            settle(r)  # a renewal the holder had already sent has run on the server now
+            server_expiry_ms = float(r.zscore(leases_key, granted["id"]))
 
             nxt = fut.result(timeout=TTL_S + 5)  # granted once the paused holder's lease expired
             next_grant_ms = nxt.expires_at * 1000 - nxt.ttl * 1000

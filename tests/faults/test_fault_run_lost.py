@@ -102,7 +102,8 @@ def test_run_lease_lost_while_redis_paused(redis_proc1, tmp_path):
     # CMD is stopped at the lease's local deadline (at most ~ttl after the pause: the last
     # renewal preceded it), not after the 5 s socket timeout of the hung renew call. The strict
     # "local deadline before the server expiry" check is test_fault_pause's.
-    assert t_term - t_pause < TTL_S + 0.25
+    # (The slack is for a loaded machine's scheduling; the hung call would take 5 s more.)
+    assert t_term - t_pause < TTL_S + 1.0
     assert not pid_alive(int(Path(str(marker) + ".pid").read_text()))
 
 
