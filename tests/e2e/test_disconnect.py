@@ -113,6 +113,7 @@ def _hang_up_while_queued(svc, port: int, tmp_path: Path, go: Path) -> None:
         s.close()
     _until(lambda: svc.status().waiter_count == 0, "the queue to empty", timeout=5)
     took = time.monotonic() - t0
+    print(f"4 hung-up requests left the queue {took * 1000:.0f} ms after their sockets closed")
     assert took < 2.0, f"the hung-up requests stayed queued {took:.2f}s"
 
     # A witness queued after them: FIFO, so had any hung-up request been granted it would run
@@ -176,7 +177,9 @@ def test_a_broker_client_that_hangs_up_during_its_long_poll_leaves_the_queue(bro
         t0 = time.monotonic()
         s.close()
         _until(lambda: waiters() == 0, "the hung-up request to leave the queue", timeout=5)
-        assert time.monotonic() - t0 < 2.0
+        took = time.monotonic() - t0
+        print(f"broker: the hung-up long poll left the queue {took * 1000:.0f} ms after its socket closed")
+        assert took < 2.0
 
         # a witness queued after it gets the bytes the moment the holder releases them
         wit_t, wit = _in_thread(lambda: httpx.post(broker.url + "/v1/pools/disc/leases", headers=auth, timeout=30,

@@ -120,7 +120,8 @@ def _target(request, surface: str) -> tuple[str, str, dict]:
 # ---- bytes that are not UTF-8 --------------------------------------------------------------------
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("content_type", [None, "text/plain", "application/octet-stream", "application/json"])
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/octet-stream", "application/json",
+                                          "application/x-www-form-urlencoded"])  # curl --data-binary's
 @pytest.mark.parametrize("surface", SURFACES)
 def test_a_body_that_is_not_utf8_is_a_400_naming_the_byte(request, surface, content_type):
     url, path, headers = _target(request, surface)
@@ -204,6 +205,7 @@ def test_a_slow_body_is_cut_with_408_within_the_read_timeout(request, surface):
     head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{hdrs}"
             f"Content-Length: 100\r\n\r\n{{\"input\": [").encode()
     took, answer = _slow_client(port, head, b'"x", ' * 40, every=0.3, give_up=6 * READ_TIMEOUT)
+    print(f"{surface}: a body dripping a byte every 0.3 s was cut after {took:.2f}s ({answer[:12]!r})")
     assert took < READ_TIMEOUT + 2.0, took
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert b"GPULOCK_READ_TIMEOUT" in answer
@@ -216,6 +218,7 @@ def test_slow_headers_are_cut_within_the_read_timeout(request, surface):
     port = int(url.rsplit(":", 1)[1])
     head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode()
     took, answer = _slow_client(port, head, b"X-Slow: " + b"a" * 200, every=0.3, give_up=6 * READ_TIMEOUT)
+    print(f"{surface}: headers dripping a byte every 0.3 s were cut after {took:.2f}s ({answer[:12]!r})")
     assert took < READ_TIMEOUT + 2.0, took
     assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer[:200]
 
@@ -231,6 +234,7 @@ def test_idle_connections_do_not_stop_a_request_and_are_closed(request, surface)
         ok = {"service": {"input": ["x"]}, "broker": {"amount": 1}, "user_app": {"texts": ["x"]}}[surface]
         r = httpx.post(url + path, json=ok, headers=headers, timeout=10)
         assert r.status_code in (200, 201), r.text
+        print(f"{surface}: served in {(time.monotonic() - t0) * 1000:.0f} ms with 200 idle connections open")
         assert time.monotonic() - t0 < 2.0
         if surface == "broker":
             assert httpx.delete(f"{url}/v1/pools/lim/leases/{r.json()['lease_id']}", headers=_auth()).status_code == 200
