@@ -92,7 +92,8 @@ async def test_concurrent_same_request_id_one_gives_up(make_apool, rclient, pool
     pool = make_apool(capacity=1)
     holder = await pool.acquire(1)
     patient = asyncio.create_task(pool.acquire(1, request_id="shared", timeout=5))
-    await asyncio.sleep(0.05)
+    # The patient one is queued first (seen on the server, not slept for).
+    await async_wait_until(lambda: rclient.zscore(pool_keys(pool_name)[3], "shared") is not None)
     with pytest.raises(AcquireTimeout):
         await pool.acquire(1, request_id="shared", timeout=0.1)
     # The place in the queue is still there (not withdrawn and re-made at the tail later).
