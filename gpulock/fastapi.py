@@ -40,6 +40,13 @@ What one request goes through (``GpuLimiter.call``)::
   to a request that carries ``X-Request-ID`` does not give up its place: the request stays
   queued up to ``park_timeout`` more seconds and runs when granted, so the retry sent after
   ``Retry-After`` collects the result.
+* A client that closes its connection while its request waits (uvicorn does not cancel the
+  handler) is noticed at once (:func:`watch_disconnect`, the ASGI ``http.disconnect``): the
+  request leaves the thread-slot wait or the pool's queue and is never granted; work already
+  running finishes under its lease and its result is dropped. Both answer 499 (never sent) and
+  are counted in ``gpulock_client_disconnected_total``.
+* :func:`install_http_guards` gives any app the service's HTTP guards: 400 for a body that is
+  not UTF-8, 422 that always renders, 413 over a size bound, 408 for a slow body.
 
 ``Retry-After`` (whole seconds, 1..``max_retry_after``) is computed from the queue, never a
 constant::
@@ -123,6 +130,7 @@ __all__ = [
     "next_bucket",
     "request_ticket",
     "utf8_error",
+    "watch_disconnect",
 ]
 
 log = logging.getLogger("gpulock.fastapi")
