@@ -20,6 +20,7 @@ import redis
 
 from gpulock import AsyncPool, BackendUnavailable, Pool
 from gpulock.embedded import RedisProcess, find_server_binary, free_port
+from helpers import async_wait_until, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,7 +56,11 @@ def exercise(url: str, name: str, *, shell: str = "sync") -> None:
         got: dict = {}
         t = threading.Thread(target=lambda: got.setdefault("b", p.acquire(60, timeout=10)), daemon=True)
         t.start()
-        time.sleep(0.9)  # a queued waiter refreshed, the holder renewed (ttl/3)
+        # A heartbeat after the waiter joined: it renews the holder and refreshes the waiter
+        # in one call (observed, not slept for).
+        wait_until(lambda: p.status().waiter_count == 1)
+        first = a.expires_at
+        wait_until(lambda: a.expires_at > first)
         a.ensure_valid()
         with pytest.raises(Exception):
             p.acquire(60, timeout=0.3)  # queued behind, times out, cancels
@@ -77,7 +82,10 @@ async def _exercise_async(url: str, name: str) -> None:
     try:
         a = await p.acquire(60, ttl=0.6)
         w = asyncio.create_task(p.acquire(60, timeout=10))
-        await asyncio.sleep(0.9)
+        while (await p.status()).waiter_count != 1:
+            await asyncio.sleep(0.01)
+        first = a.expires_at
+        await async_wait_until(lambda: a.expires_at > first)  # renewed, the waiter refreshed
         a.ensure_valid()
         await a.release()
         b = await asyncio.wait_for(w, 10)
