@@ -333,13 +333,17 @@ class Runtime:
         self.leases.pop(lease_id, None)
 
     def add_waiter(self, w: Waiter) -> None:
+        first = not self.waiters
         self.waiters[w.ticket] = w
+        now = self.clock()
         if not w.refreshed:
-            w.refreshed = self.clock()
+            w.refreshed = now
         g = self._unclaimed.pop(w.ticket, None)
         if g is not None and g.lease_id == w.argv[1] and not w.future.done():
             w.future.set_result(g)  # only a grant made with this request's own lease id
-        self.next_poll = self.clock() + self.poll_interval
+        # The first waiter's refresh is due in poll_interval; a later one must not postpone the
+        # refresh already due (waiters queueing faster than poll_interval would starve it).
+        self.next_poll = now + self.poll_interval if first else min(self.next_poll, now + self.poll_interval)
         self._ensure_ticker()
         self._poke()
 
@@ -555,7 +559,10 @@ class Runtime:
 
     def _fail_stranded_waiters(self, now: float) -> None:
         """End the waits of waiters whose place could not be kept or taken again within
-        :meth:`waiter_bound` (Redis unreachable that long): BackendUnavailable."""
+        :meth:`waiter_bound` while Redis is unreachable (the ticker's last try failed):
+        BackendUnavailable. While Redis answers, a waiter is never ended here."""
+        if not self._tick_log.failing:
+            return
         for w in list(self.waiters.values()):
             if w.future is None or w.future.done():
                 continue
