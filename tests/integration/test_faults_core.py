@@ -20,8 +20,10 @@ async def test_script_flush_mid_run(make_apool, make_pool, rclient, pool_name):
     waiters = [asyncio.create_task(pool.acquire("2GiB")) for _ in range(3)]
     await async_wait_until(lambda: rclient.zcard(f"gpulock:{{{pool_name}}}:queue") == 3)
     rclient.script_flush()
-    # Heartbeats (renew at ttl/3) and waiter refreshes keep working through NOSCRIPT.
-    await asyncio.sleep(1.0)
+    # Heartbeats (renew at ttl/3) and waiter refreshes keep working through NOSCRIPT: both
+    # holders renewed after the flush (observed, not slept for).
+    a0, s0 = holder.expires_at, sholder.expires_at
+    await async_wait_until(lambda: holder.expires_at > a0 and sholder.expires_at > s0, timeout=5)
     holder.ensure_valid()
     sholder.ensure_valid()
     rclient.script_flush()
@@ -101,7 +103,9 @@ def test_restart_sync(make_pool, redis_proc, rclient, pool_name):
 
 async def test_heartbeat_keeps_short_lease_alive(make_apool, rclient, pool_name):
     pool = make_apool(capacity=1)
-    lease = await pool.acquire(1, ttl=0.6)
+    # 1.5 s, renewed every 0.5 s: short, with room for a loaded machine's scheduling delays
+    # (at 0.6 s one late heartbeat lost the lease by chance).
+    lease = await pool.acquire(1, ttl=1.5)
     first_expiry = lease.expires_at
     t0 = time.monotonic()
     while time.monotonic() - t0 < 3.0:
@@ -118,7 +122,7 @@ async def test_heartbeat_keeps_short_lease_alive(make_apool, rclient, pool_name)
 
 def test_sync_heartbeat_keeps_short_lease_alive(make_pool, rclient, pool_name):
     pool = make_pool(capacity=1)
-    with pool.lease(1, ttl=0.6) as lease:
+    with pool.lease(1, ttl=1.5) as lease:  # renewed every 0.5 s (see above)
         first = lease.expires_at
         t0 = time.monotonic()
         while time.monotonic() - t0 < 2.0:
@@ -135,7 +139,8 @@ async def test_unreachable_redis_lost_locally_before_server_expiry(make_apool, r
     pool = make_apool(capacity=1)
     ttl = 0.6
     lease = await pool.acquire(1, ttl=ttl)
-    await asyncio.sleep(0.25)  # one renewal done
+    first = lease.expires_at
+    await async_wait_until(lambda: lease.expires_at > first)  # one renewal done
     fired: list[float] = []
     lease.on_lost(lambda l: fired.append(time.monotonic()))
     # Map the local deadline to the server clock just before the pause.
@@ -175,7 +180,8 @@ def test_sync_unreachable_redis_fires_on_lost(make_pool, redis_proc, rclient, po
     lease = pool.acquire(1, ttl=0.6)
     fired: list[float] = []
     lease.on_lost(lambda l: fired.append(time.monotonic()))
-    time.sleep(0.25)
+    first = lease.expires_at
+    wait_until(lambda: lease.expires_at > first)  # one renewal done
     redis_proc.pause()
     try:
         wait_until(lambda: fired, timeout=1.5)
