@@ -230,6 +230,22 @@ async def _used(url: str, pool: str, *, settle_at: int | None = None) -> int:
         await p.aclose()
 
 
+async def _until(url: str, pool: str, pred, timeout: float = 10.0):
+    """Wait until ``pred(status)`` holds for the pool's status read from Redis (instead of
+    sleeping and hoping the other side got there); returns that status."""
+    p = AsyncPool.from_url(url, pool)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            st = await p.status()
+            if pred(st):
+                return st
+            assert time.monotonic() < deadline, f"pool {pool}: condition not met within {timeout}s: {st}"
+            await asyncio.sleep(0.01)
+    finally:
+        await p.aclose()
+
+
 async def test_guarded_call_runs_under_a_lease_and_releases(redis_proc1):
     app, gpu, seen = _app(redis_proc1.url, "it1")
     async with _Running(app) as c:
@@ -308,14 +324,16 @@ async def test_errors_map_to_http(redis_proc1):
 async def test_cancelled_requests_leak_nothing(redis_proc1):
     app, gpu, seen = _app(redis_proc1.url, "it4", acquire_timeout=10, park_timeout=0)
     async with _Running(app) as c:
-        hold = asyncio.create_task(c.post("/sync", json={"seconds": 0.6, "gib": 4}))
-        await asyncio.sleep(0.1)
+        # 3 s of work: still held when the checks below run, however slow this machine is.
+        hold = asyncio.create_task(c.post("/sync", json={"seconds": 3.0, "gib": 4}))
+        await _until(redis_proc1.url, "it4", lambda st: st.used == 4 * GiB)
         waiters = [asyncio.create_task(c.post("/sync", json={"gib": 1})) for _ in range(20)]
-        await asyncio.sleep(0.2)
+        await _until(redis_proc1.url, "it4", lambda st: st.waiter_count >= 1)
+        await asyncio.sleep(0.2)  # more of them queue meanwhile (not needed for the checks)
         for w in waiters:  # clients going away while queued
             w.cancel()
         await asyncio.gather(*waiters, return_exceptions=True)
-        await asyncio.sleep(0.1)
+        await _until(redis_proc1.url, "it4", lambda st: st.waiter_count == 0)  # withdrawn
         p = AsyncPool.from_url(redis_proc1.url, "it4")
         try:
             st = await p.status()
@@ -347,8 +365,10 @@ async def test_request_id_makes_retries_idempotent(redis_proc1):
 async def test_503_with_request_id_keeps_the_place(redis_proc1):
     app, gpu, seen = _app(redis_proc1.url, "it6", acquire_timeout=0.3, park_timeout=10)
     async with _Running(app) as c:
-        hold = asyncio.create_task(c.post("/sync", json={"seconds": 0.8, "gib": 4}))
-        await asyncio.sleep(0.1)
+        # 3 s of work, granted before the others ask (seen in Redis): both 503s below come
+        # while it holds the pool, however slow this machine is.
+        hold = asyncio.create_task(c.post("/sync", json={"seconds": 3.0, "gib": 4}))
+        await _until(redis_proc1.url, "it6", lambda st: st.used == 4 * GiB)
         h = {"X-Request-ID": "parked"}
         r = await c.post("/sync", json={"seconds": 0.0, "gib": 4}, headers=h)
         assert r.status_code == 503 and r.headers["x-queue-position"] == "1"
@@ -356,7 +376,8 @@ async def test_503_with_request_id_keeps_the_place(redis_proc1):
         late = await c.post("/sync", json={"seconds": 0.0, "gib": 4})  # behind the parked one
         assert late.status_code == 503 and late.headers["x-queue-position"] == "2"
         assert (await hold).status_code == 200
-        await asyncio.sleep(0.3)  # the parked request ran when its turn came
+        # the parked request ran when its turn came: granted (the second grant) and released
+        await _until(redis_proc1.url, "it6", lambda st: st.grants >= 2 and st.used == 0 and st.waiter_count == 0)
         r = await c.post("/sync", json={"seconds": 0.0, "gib": 4}, headers=h)
         assert r.status_code == 200 and r.headers["x-idempotent-replay"] == "true"
 
