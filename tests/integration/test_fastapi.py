@@ -426,8 +426,8 @@ async def test_metrics_read_the_pool_from_redis(redis_proc1):
         return await gpu.metrics_response()
 
     async with _Running(app) as c:
-        hold = asyncio.create_task(c.post("/sync", json={"seconds": 0.5, "gib": 3}))
-        await asyncio.sleep(0.2)
+        hold = asyncio.create_task(c.post("/sync", json={"seconds": 3.0, "gib": 3}))  # held while we read
+        await _until(redis_proc1.url, "it9", lambda st: st.used == 3 * GiB)
         text = (await c.get("/metrics")).text
         vals = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
                 if s.labels.get("pool") == "it9"}
@@ -457,7 +457,10 @@ async def test_resident_lease_waits_without_blocking_requests(redis_proc1):
     async with _Running(app) as c:
         residents = [await other.acquire(3 * GiB, holder={"purpose": "resident:model"}) for _ in range(3)]
         task = asyncio.create_task(gpu.acquire_resident(3 * GiB))
-        await asyncio.sleep(0.3)
+        for _ in range(500):  # until the resident request found it does not fit (not a sleep)
+            if "shortfall" in gpu.readiness()[1].get("resident_lease", {}).get("message", ""):
+                break
+            await asyncio.sleep(0.01)
         assert not task.done()
         ready, checks = gpu.readiness()
         assert not ready and "shortfall 2.0GiB" in checks["resident_lease"]["message"]
@@ -608,12 +611,13 @@ async def test_retry_after_of_a_withdrawn_request_counts_the_queue_behind_it(red
     requests each timed out at the head used to be told "retry in 1 s" one after the other.)"""
     app, gpu, _ = _app(redis_proc1.url, "it-tail", acquire_timeout=0.6, park_timeout=0, executor_threads=8)
     async with _Running(app) as c:
-        hold = asyncio.create_task(c.post("/sync", json={"seconds": 2.0, "gib": 4}))
-        await asyncio.sleep(0.2)
+        hold = asyncio.create_task(c.post("/sync", json={"seconds": 4.0, "gib": 4}))
+        await _until(redis_proc1.url, "it-tail", lambda st: st.used == 4 * GiB)
         waiting = []
-        for _ in range(6):  # queued one after the other: the first times out first, 5 behind it
+        for i in range(6):  # queued one after the other (each seen in Redis before the next is sent)
             waiting.append(asyncio.create_task(c.post("/sync", json={"gib": 4})))
-            await asyncio.sleep(0.02)
+            await _until(redis_proc1.url, "it-tail", lambda st, n=i + 1: st.waiter_count >= n or st.reaped_waiters
+                         or any(t.done() for t in waiting))
         rs = await asyncio.gather(*waiting)
         assert [r.status_code for r in rs] == [503] * 6
         first = rs[0]
