@@ -113,7 +113,8 @@ def test_sync_pool_follows_a_sentinel_failover(sentinel):
         # The same object, not told anything: the lease is on the new primary and renewed there.
         st = p.status()
         assert [li.lease_id for li in st.leases] == [held.id] and st.used == 30
-        time.sleep(2.5)  # past a renewal (every ttl/3) on the new primary
+        first = held.expires_at
+        wait_for(lambda: held.expires_at > first)  # a renewal (every ttl/3) on the new primary
         held.ensure_valid()
         more = p.acquire(70, timeout=5)
         assert p.status().used == 100
@@ -131,11 +132,16 @@ def test_async_pool_and_waiter_follow_a_sentinel_failover(sentinel):
         await p.configure(100)
         held = await p.acquire(60)
         waiter = asyncio.create_task(p.acquire(60, timeout=20))  # queued: 120 > 100
-        await asyncio.sleep(0.3)
+        while (await p.status()).waiter_count != 1:  # queued (seen on the server)
+            await asyncio.sleep(0.01)
         assert not waiter.done()
         await asyncio.to_thread(sentinel.in_sync)
         await asyncio.to_thread(sentinel.fail_over)
-        await asyncio.sleep(2.5)  # a renewal (every ttl/3) on the new primary
+        first = held.expires_at
+        for _ in range(1000):  # a renewal (every ttl/3) on the new primary, observed
+            if held.expires_at > first:
+                break
+            await asyncio.sleep(0.01)
         held.ensure_valid()
         await held.release()  # frees the bytes on the new primary: the waiter is granted
         got = await asyncio.wait_for(waiter, 10)
