@@ -34,6 +34,7 @@ from ._protocol import (
     translate,
     validity_deadline,
 )
+from ._batch import Batcher, inflight_for
 from ._connect import DEFAULT_MAX_CONNECTIONS, async_client
 from ._runtime import Runtime, Waiter
 from ._scripts import scripts
@@ -145,6 +146,7 @@ class AsyncPool:
         self.clock = clock
         self._keys = pool_keys(self.name)
         self._runtime = Runtime(redis, self.name, self._keys, clock, poll_interval)
+        self._batch = Batcher(redis, self._keys, inflight_for(redis))  # concurrent calls share round trips
         self._settings_to_runtime()
         self._owns_client = _owns_client
 
@@ -172,10 +174,10 @@ class AsyncPool:
         sc = scripts()[name]
         try:
             try:
-                return await self.redis.evalsha(sc.sha, len(self._keys), *self._keys, *args)
+                return await self._batch.evalsha(sc.sha, args)
             except NoScriptError:
                 await self.redis.script_load(sc.source)
-                return await self.redis.evalsha(sc.sha, len(self._keys), *self._keys, *args)
+                return await self._batch.evalsha(sc.sha, args)
         except AuthenticationError as e:
             # redis-py makes it a ConnectionError; retrying bad credentials only delays the
             # message (by backend_timeout), so it leaves the retry loops here.

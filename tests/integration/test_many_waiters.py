@@ -135,3 +135,52 @@ def test_sync_waiters_share_a_bounded_set_of_connections(redis_proc, rclient, po
     assert opened <= limit, f"{opened} connections opened for {n} waiting threads (limit {limit})"
     assert not pool_errors, f"{len(pool_errors)} connection-pool errors, e.g. {pool_errors[0]!r}"
     assert_empty(rclient, pool_name)
+
+
+async def test_enqueues_of_a_burst_share_round_trips(redis_proc, rclient, pool_name, pool_errors):
+    """Concurrent acquires go out together (pipelines) once every connection slot is busy, and
+    a burst right after SCRIPT FLUSH (every call of a batch gets NOSCRIPT) still ends well."""
+    n = 500
+    pool = AsyncPool.from_url(redis_proc.url, pool_name, capacity=1, max_connections=4)
+    try:
+        holder = await pool.acquire(1, ttl=30)
+        rclient.script_flush()
+        outs = await asyncio.gather(*(pool.acquire(1, timeout=0) for _ in range(n)), return_exceptions=True)
+        assert all(type(o).__name__ == "AcquireTimeout" for o in outs), {type(o).__name__ for o in outs}
+        assert 1 <= pool._batch.batches < n // 10, pool._batch.batches
+        await holder.release()
+    finally:
+        await pool.aclose()
+    assert not pool_errors
+    assert_empty(rclient, pool_name)
+
+
+async def test_cancelled_waiters_of_a_burst_leave_nothing(redis_proc, rclient, pool_name):
+    """Waiters cancelled at every stage (waiting for a batch, in a batch in flight, queued)
+    leave nothing behind in Redis; the holder's lease is the only thing held."""
+    n = 1000
+    pool = AsyncPool.from_url(redis_proc.url, pool_name, capacity=1, max_connections=4)
+    try:
+        holder = await pool.acquire(1, ttl=30)
+        # The hand-off subscription first: the burst below is about the calls to Redis, not
+        # about a cancellation racing the subscription's confirmation.
+        first_queued = asyncio.Event()
+        first = asyncio.create_task(pool.acquire(1, timeout=60, on_queued=lambda p: first_queued.set()))
+        await asyncio.wait_for(first_queued.wait(), 10)
+        tasks = [asyncio.create_task(pool.acquire(1, timeout=3)) for _ in range(n)] + [first]
+        for k in range(0, n + 1, 100):  # cancel in slices, the later ones after the earlier were sent
+            await asyncio.sleep(0)
+            for t in tasks[k:k + 100]:
+                t.cancel()
+        outs = await asyncio.gather(*tasks, return_exceptions=True)
+        # redis-py 8.1 lets a command whose reply is awaited finish in spite of a cancel (the
+        # caller's task then goes on): such an acquire ends with its timeout instead.
+        kinds = {type(o).__name__ for o in outs}
+        assert kinds <= {"CancelledError", "AcquireTimeout"}, kinds
+        assert sum(isinstance(o, asyncio.CancelledError) for o in outs) > n // 2
+        st = await pool.status()
+        assert st.waiter_count == 0 and st.used == 1
+        await holder.release()
+    finally:
+        await pool.aclose()
+    assert_empty(rclient, pool_name)
