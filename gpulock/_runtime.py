@@ -482,8 +482,10 @@ class Runtime:
         if self._restart_suspected:
             t = min(t, now)
         t = max(t, self._retry_at)  # after a failure, not before the retry (deadlines: watchdog)
-        for w in self.waiters.values():  # ... but a waiter's bound is checked when it passes
-            t = min(t, w.refreshed + self.waiter_bound(w) + 0.001)
+        if self._tick_log.failing:  # ... but a waiter's bound is checked when it passes
+            for w in self.waiters.values():
+                if w.future is not None and not w.future.done():
+                    t = min(t, w.refreshed + self.waiter_bound(w) + 0.001)
         return t
 
     async def _tick_loop(self) -> None:
@@ -510,6 +512,7 @@ class Runtime:
                         self.leases.pop(s.lease_id, None)
             self._fail_stranded_waiters(now)
             if now < self._retry_at:
+                await asyncio.sleep(0)  # never spin without yielding
                 continue  # woken early (a new lease, a poke) while backing off: not yet
             suspected = self._restart_suspected
             try:
@@ -526,6 +529,8 @@ class Runtime:
                 if did:
                     attempt = 0
                     self._tick_log.ok()
+                else:
+                    await asyncio.sleep(0)  # nothing was due: never spin without yielding
             except asyncio.CancelledError:
                 raise
             except Exception as e:
