@@ -60,7 +60,7 @@ class Batcher:
 
     def _flush(self) -> None:
         while self.pending and self.inflight < self.max_inflight:
-            batch = []
+            batch: list[tuple[str, list, asyncio.Future]] = []
             while self.pending and len(batch) < self.max_batch:
                 item = self.pending.popleft()
                 if not item[2].done():  # a call cancelled while it waited is not sent
