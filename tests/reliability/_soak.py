@@ -370,8 +370,34 @@ def _disconnect(direct: _Direct, rng: random.Random, running: list, port: int, f
     return None
 
 
+def summary(r: dict) -> str:
+    """The soak's figures in one paragraph, to quote."""
+    st = r["stats"]
+    faults = ", ".join(f"{k} {v}" for k, v in sorted(r["faults"].items()))
+    out = [f"{r['grants']:,} grants ({r['server grants']:,} counted by the server)",
+           f"{sum(r['faults'].values())} faults injected by the workers at a protocol step ({faults})",
+           f"from outside: {st.get('external stop', 0)} stops ({r['stops > ttl']} of {r['stops']} stops longer "
+           f"than the ttl), {st.get('external kill', 0)} kills -9"]
+    if r["restarts"]:
+        quits = r["crowd quits (waiting, PoolClosed)"]
+        out.append(f"{st.get('external kill of the crowd', 0)} kill -9 of the crowd while waiting, "
+                   f"{st.get('disconnect pubsub', 0) + st.get('disconnect', 0)} connections killed by the server "
+                   f"({st.get('disconnect pubsub', 0)} hand-off subscriptions), {r['restarts']} Redis restarts "
+                   f"(kill -9 to PONG {min(r['restart_s']) * 1000:.0f}-{max(r['restart_s']) * 1000:.0f} ms), "
+                   f"{len(quits)} crowd pool objects closed with {', '.join(str(w) for w, _ in quits)} acquires "
+                   f"waiting (each ended PoolClosed: {', '.join(str(c) for _, c in quits)})")
+        out.append(f"at most {r['max waiters']} requests queued; connections per process at most "
+                   + ", ".join(f"{k} {v}" for k, v in sorted(r["max connections"].items()))
+                   + f" ({r['connection samples']} CLIENT LIST samples)")
+    out.append(f"safety checked on {r['use instants checked']:,} use instants of {r['leases used']:,} leases: "
+               f"peak {r['peak']} of {CAPACITY}; {r['lost']} leases found lost by their holders; "
+               f"{r['reaped leases']} leases and {r['reaped waiters']} places reaped; drained {r['drain_s']:.2f} s "
+               f"after the last worker left")
+    return "; ".join(out)
+
+
 def check(r: dict, require_all_plans: bool = True) -> None:
-    print(f"\nsoak: {r}")
+    print(f"\nsoak: {r}\nsoak figures: {summary(r)}")
     assert r["peak"] <= CAPACITY, f"{r['peak']} bytes in use at server time {r['peak_at']} us > capacity {CAPACITY}"
     assert r["peak"] >= CAPACITY // 2, "the pool was never busy: the check had no teeth"
     assert r["grants"] >= 100
