@@ -59,7 +59,9 @@ def test_c01_per_worker_limit(c01_service):
     assert peak_leases == 4, "the pool should be used fully"
     _, peak_cuda = max_overlap(cuda_intervals(events))
     assert peak_cuda <= 4
-    # 32 calls x 2 s / 4 at a time = 16 s (a per-worker limit of 4 would take 4 s)
-    assert 15.5 <= elapsed <= 26, elapsed
+    # 32 calls x 2 s / 4 at a time = 16 s (a per-worker limit of 4 would take 4 s). The upper
+    # bound only catches a hang: that 4 ran at a time is checked above on the history
+    # (peak_leases == 4); a loaded machine's scheduling stretches the wall time.
+    assert 15.5 <= elapsed <= 45, elapsed
     st = svc.status_when(lambda st: st.used == 0)
     assert st.used == 0 and st.waiter_count == 0
