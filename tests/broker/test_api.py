@@ -164,7 +164,10 @@ def test_long_poll_is_granted_on_release(broker_srv, user, gpu):
 
     t = threading.Thread(target=waiter)
     t.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 10
+    while status(user)["waiter_count"] != 1:  # long-polling in the queue (seen), not slept for
+        assert time.monotonic() < deadline, "the long poll never queued"
+        time.sleep(0.01)
     t_rel = time.monotonic()
     user.delete(f"/v1/pools/gpu-a/leases/{h['lease_id']}")
     t.join(10)
