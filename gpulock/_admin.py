@@ -1,9 +1,11 @@
-"""Pool administration over a blocking Redis client: list the pools a Redis holds and delete
-one. Used by ``gpulock pool list``/``pool delete`` and ``gpulock status``.
+"""Pool administration: list the pools a Redis holds and delete one. Used by ``gpulock pool
+list``/``pool delete`` and ``gpulock status`` (blocking client), and by the HTTP broker
+(``DELETE /v1/pools/{pool}``, ``GET /v1/pools``; asyncio client).
 
 Pools are found by their configuration key ``gpulock:{NAME}:cfg`` (one per pool; the other
-keys exist only while the pool has leases or waiters). :func:`pool_name_from_key` is the one
-place that turns such a key back into a name, for sync and async scanners alike.
+keys exist only while the pool has leases or waiters). :data:`POOL_CFG_MATCH` and
+:func:`pool_name_from_key` are the one place that knows that key's shape, for sync and async
+scanners alike. :func:`delete_pool` and :func:`adelete_pool` run the same script.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from ._protocol import _POOL_RE, KEY_PREFIX, pool_keys, translate, validate_pool_name
 
-__all__ = ["POOL_CFG_MATCH", "DeleteResult", "delete_pool", "pool_name_from_key", "pool_names"]
+__all__ = ["POOL_CFG_MATCH", "DeleteResult", "adelete_pool", "delete_pool", "pool_name_from_key", "pool_names"]
 
 # SCAN pattern matching every pool's configuration key.
 POOL_CFG_MATCH = f"{KEY_PREFIX}:{{*}}:cfg"
@@ -67,10 +69,22 @@ class DeleteResult:
     waiters: int
 
 
+def _rest_match(name: str) -> str:
+    """SCAN pattern of every key under the pool's hash tag (stored results, estimates, ...)."""
+    return f"{KEY_PREFIX}:{{{name}}}:*"
+
+
+def _result(reply: Any) -> DeleteResult:
+    state, leases, waiters = (int(x) for x in reply)
+    return DeleteResult({1: "deleted", 0: "missing", -1: "in_use"}[state], leases, waiters)
+
+
 def delete_pool(client: Any, name: str, *, force: bool = False) -> DeleteResult:
     """Delete pool ``name``: its configuration, leases and queue in one atomic script, then
     the keys that other parts of gpulock keep under the pool's hash tag (stored results,
     calibrated estimates). Refused while leases or waiters are live unless ``force``.
+    ``client``: a ``redis.Redis``. Raises the core's errors (InvalidArgument for a bad name,
+    BackendUnavailable, ...).
 
     A holder still running when a pool is deleted by force sees what it sees after Redis
     lost its data: it puts its lease back (and so makes the pool again) at its next renewal.
@@ -79,11 +93,26 @@ def delete_pool(client: Any, name: str, *, force: bool = False) -> DeleteResult:
     validate_pool_name(name)
     keys = pool_keys(name)[:7]
     try:
-        state, leases, waiters = (int(x) for x in client.eval(_DELETE_LUA, len(keys), *keys, "1" if force else "0"))
-        if state == 1:
-            rest = list(client.scan_iter(match=f"{KEY_PREFIX}:{{{name}}}:*", count=1000))
+        r = _result(client.eval(_DELETE_LUA, len(keys), *keys, "1" if force else "0"))
+        if r.state == "deleted":
+            rest = list(client.scan_iter(match=_rest_match(name), count=1000))
             if rest:
                 client.delete(*rest)
     except Exception as e:  # noqa: BLE001 - translated to gpulock's tree
         raise translate(e, name) from e
-    return DeleteResult({1: "deleted", 0: "missing", -1: "in_use"}[state], leases, waiters)
+    return r
+
+
+async def adelete_pool(client: Any, name: str, *, force: bool = False) -> DeleteResult:
+    """:func:`delete_pool` over a ``redis.asyncio.Redis`` client (the same script and keys)."""
+    validate_pool_name(name)
+    keys = pool_keys(name)[:7]
+    try:
+        r = _result(await client.eval(_DELETE_LUA, len(keys), *keys, "1" if force else "0"))
+        if r.state == "deleted":
+            rest = [k async for k in client.scan_iter(match=_rest_match(name), count=1000)]
+            if rest:
+                await client.delete(*rest)
+    except Exception as e:  # noqa: BLE001 - translated to gpulock's tree
+        raise translate(e, name) from e
+    return r

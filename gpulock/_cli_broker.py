@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from . import errors as E
+from ._admin import DeleteResult
 from ._cli_common import EXIT_USAGE, AuthFailed, fail
 
 
@@ -52,20 +53,40 @@ class BrokerAdmin:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
 
-    def call(self, method: str, path: str, pool: str = "*", json: Any = None) -> Any:
+    def _request(self, method: str, path: str, json: Any = None,
+                 params: dict[str, str] | None = None) -> tuple[int, Any]:
         import httpx
 
         try:
-            r = self._http.request(method, path, json=json)
+            r = self._http.request(method, path, json=json, params=params)
         except httpx.TransportError as e:
             raise E.BackendUnavailable(f"{type(e).__name__}: {e}") from e
         try:
             body = r.json()
         except ValueError:
             body = None
-        if r.status_code >= 300:
-            raise _from_reply(r.status_code, body, pool)
+        return r.status_code, body
+
+    def call(self, method: str, path: str, pool: str = "*", json: Any = None,
+             params: dict[str, str] | None = None) -> Any:
+        status, body = self._request(method, path, json, params)
+        if status >= 300:
+            raise _from_reply(status, body, pool)
         return body
+
+    def delete_pool(self, name: str, *, force: bool = False) -> DeleteResult:
+        """``DELETE /v1/pools/NAME``: the same outcomes as gpulock._admin.delete_pool (404 is
+        ``missing``, 409 ``in_use`` with the broker's counts)."""
+        status, body = self._request("DELETE", f"/v1/pools/{name}", params={"force": "true"} if force else None)
+        detail = body.get("detail") if isinstance(body, dict) else None
+        code = detail.get("error") if isinstance(detail, dict) else None
+        if status == 404 and code == "pool_not_found":
+            return DeleteResult("missing", 0, 0)
+        if status == 409 and code == "pool_in_use" and isinstance(detail, dict):
+            return DeleteResult("in_use", int(detail.get("leases") or 0), int(detail.get("waiters") or 0))
+        if status >= 300:
+            raise _from_reply(status, body, name)
+        return DeleteResult("deleted", int(body.get("leases") or 0), int(body.get("waiters") or 0))
 
     def close(self) -> None:
         self._http.close()
@@ -81,7 +102,7 @@ def status_from_dict(d: dict) -> Any:
                for x in d.get("waiters", [])]
     return PoolStatus(d["pool"], d["capacity"], d["used"], d.get("epoch", 0), d.get("fence", 0), d["max_waiters"],
                       d["lease_count"], d["waiter_count"], d.get("grants", 0), d.get("reaped_leases", 0),
-                      d.get("reaped_waiters", 0), leases=leases, waiters=waiters)
+                      d.get("reaped_waiters", 0), leases=leases, waiters=waiters, max_ttl=d.get("max_ttl", 0.0))
 
 
 def core_error(e: Exception) -> Exception:

@@ -170,13 +170,6 @@ def target(ctx: typer.Context) -> Target:
     return t
 
 
-def redis_only(t: Target, what: str, hint: str = "") -> None:
-    """Refuse ``what`` through a broker, saying why and what to do instead."""
-    if t.is_broker:
-        fail(EXIT_USAGE, f"{what} is not available through a broker ({safe_url(t.url)}): the broker's API has "
-                         f"no such endpoint; {hint or 'run it with --redis-url on a host that reaches Redis'}")
-
-
 def redis_client(url: str):
     """A client that has answered one PING. A Redis that is down when a command starts fails
     the command at once (exit 69) instead of after the library's retry bound (meant for blips

@@ -1,6 +1,6 @@
 """``gpulock status`` and ``gpulock pool set|list|delete``: each goes to the backend the user
-named (``--redis-url``, or ``--broker-url`` where the broker's API has the route) and refuses
-with a usage error where it has none."""
+named, ``--redis-url`` or ``--broker-url`` (the broker's ``/v1/pools`` routes; ``pool set`` and
+``pool delete`` need an admin token there)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from ._cli_common import (
     fail,
     pool_name_param,
     redis_client,
-    redis_only,
     safe_url,
     say,
     seconds_param,
@@ -26,6 +25,7 @@ from ._cli_common import (
     size_param,
     target,
 )
+from ._admin import DeleteResult
 from .errors import GpuLockError, PoolNotFound
 from .units import format_size
 
@@ -82,8 +82,7 @@ def pool_set(
     max_ttl: Optional[float] = typer.Option(
         None, "--max-ttl", callback=seconds_param("--max-ttl", minimum=0.1, maximum=86400),
         help="Longest lease ttl the pool accepts, seconds; also the grace period after Redis "
-             "restarts without data (default: keep the current value; 60 for a new pool). Not "
-             "through a broker."),
+             "restarts without data (default: keep the current value; 60 for a new pool)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Create pool NAME, or change its capacity (and queue bound, max ttl).
@@ -95,8 +94,6 @@ def pool_set(
     t = target(ctx)
     try:
         if t.is_broker:
-            if max_ttl is not None:
-                redis_only(t, "--max-ttl", "set it with --redis-url on a host that reaches Redis")
             from ._cli_broker import BrokerAdmin
 
             b = BrokerAdmin(t.url)
@@ -104,6 +101,8 @@ def pool_set(
                 body: dict[str, Any] = {"capacity": capacity}
                 if max_waiters is not None:
                     body["max_waiters"] = max_waiters
+                if max_ttl is not None:
+                    body["max_ttl"] = max_ttl
                 r = b.call("PUT", f"/v1/pools/{name}", name, body)
             finally:
                 b.close()
@@ -183,20 +182,14 @@ def pool_delete(
     Refused (exit 75) while the pool has live leases or waiters, unless --force. A holder
     still running when its pool is deleted by force sees what it would see after a Redis
     restart without data: it puts its lease back, and so makes the pool again, at its next
-    renewal. Stop the holders first. Not available through --broker-url (the broker's API
-    has no delete).
+    renewal. Stop the holders first. Through --broker-url it needs an admin token
+    (GPULOCK_TOKEN).
     """
     t = target(ctx)
-    redis_only(t, "gpulock pool delete")
-    from ._admin import delete_pool
-
-    client = redis_client(t.url)
     try:
-        r = delete_pool(client, name, force=force)
+        r = _delete(t, name, force)
     except GpuLockError as e:
         error_exit(e, t, name)
-    finally:
-        client.close()
     if r.state == "missing":
         error_exit(PoolNotFound(name), t, name)
     if r.state == "in_use":
@@ -204,6 +197,24 @@ def pool_delete(
                             f"request(s) waiting; nothing was deleted (give --force to delete it anyway)")
     extra = f" ({r.leases} lease(s) and {r.waiters} waiter(s) dropped)" if (r.leases or r.waiters) else ""
     print(f"pool {name} deleted{extra}")
+
+
+def _delete(t: Target, name: str, force: bool) -> DeleteResult:
+    if t.is_broker:
+        from ._cli_broker import BrokerAdmin
+
+        b = BrokerAdmin(t.url)
+        try:
+            return b.delete_pool(name, force=force)
+        finally:
+            b.close()
+    from ._admin import delete_pool
+
+    client = redis_client(t.url)
+    try:
+        return delete_pool(client, name, force=force)
+    finally:
+        client.close()
 
 
 # ---- status ------------------------------------------------------------------------------------

@@ -3,9 +3,10 @@ a lease (``flock(1)`` for GPU memory).
 
 Every command reads the Redis URL from ``--redis-url`` or ``GPULOCK_REDIS_URL``, or goes through
 an HTTP broker named by ``--broker-url``/``GPULOCK_BROKER_URL`` where it can (``status``,
-``pool set``, ``pool list``, ``run``) and refuses with a usage error where it cannot; none
-falls back to a backend the user did not name. gpulock's own messages go to stderr; stdout
-carries only data (``status``, ``pool ...``) or, for ``gpulock run``, only CMD's output.
+``pool set``, ``pool list``, ``pool delete``, ``run``) and refuses with a usage error where it
+cannot (``serve``, ``broker``, ``loadtest``); none falls back to a backend the user did not
+name. gpulock's own messages go to stderr; stdout carries only data (``status``, ``pool ...``)
+or, for ``gpulock run``, only CMD's output.
 
 The commands live in ``_cli_pool`` (status, pools) and ``_cli_run`` (run); what they share
 (exit codes, messages, the backend) in ``_cli_common``.
@@ -85,7 +86,7 @@ def _main(
     ),
     broker_url: Optional[str] = typer.Option(
         None, "--broker-url", envvar="GPULOCK_BROKER_URL",
-        help="Go through this HTTP broker instead of Redis (status, pool set, pool list, run; bearer "
+        help="Go through this HTTP broker instead of Redis (status, pool set/list/delete, run; bearer "
              "token from GPULOCK_TOKEN; needs the gpulock-client package). It wins over "
              "GPULOCK_REDIS_URL; --redis-url on the command line wins over GPULOCK_BROKER_URL; both "
              "options on one command line are an error.",

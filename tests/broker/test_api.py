@@ -331,3 +331,109 @@ def _many_waiters(broker_srv, redis_srv):
     assert all(r.status_code == 503 for r in rs)
     assert conns <= 8 + 1, (base_conns, conns)  # + this test's own connection
     assert threads <= base_threads + 2, (base_threads, threads)
+
+
+def test_pool_max_ttl(admin, user):
+    r = admin.put("/v1/pools/gpu-t", json={"capacity": "8GiB", "max_ttl": 3600})
+    assert r.status_code == 200 and r.json()["max_ttl"] == 3600, r.text
+    assert status(user, "gpu-t")["max_ttl"] == 3600
+    assert post(user, pool="gpu-t", amount=1, ttl=600).status_code == 201  # over the default 60 s
+    # Changing the capacity alone keeps the max ttl (and the queue bound) the operator set.
+    r = admin.put("/v1/pools/gpu-t", json={"capacity": "16GiB"})
+    assert r.status_code == 200 and r.json()["max_ttl"] == 3600 and r.json()["capacity"] == 16 * GiB, r.text
+    assert status(user, "gpu-t")["max_ttl"] == 3600
+    r = admin.put("/v1/pools/gpu-t", json={"capacity": "16GiB", "max_ttl": 30})
+    assert r.json()["max_ttl"] == 30 and status(user, "gpu-t")["max_ttl"] == 30
+    r = post(user, pool="gpu-t", amount=1, ttl=600)
+    assert r.status_code == 422 and "max_ttl" in r.text, r.text
+    for bad in (0, -1, 86401, "60", True):
+        r = admin.put("/v1/pools/gpu-t", json={"capacity": "16GiB", "max_ttl": bad})
+        assert r.status_code == 422 and any("max_ttl" in e["loc"] for e in r.json()["detail"]), (bad, r.text)
+    assert status(user, "gpu-t")["max_ttl"] == 30
+    r = admin.put("/v1/pools/gpu-new", json={"capacity": "1GiB"})
+    assert r.status_code == 200 and r.json()["max_ttl"] == 60  # the library's default for a new pool
+
+
+def _until(cond, what: str, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_delete_pool_refused_while_in_use_unless_forced(broker_srv, admin, user, gpu, redis_srv):
+    rc = redis.Redis.from_url(redis_srv.url)
+    with client(broker_srv.url, LIMITED_TOKEN) as c:  # not admin
+        r = c.delete("/v1/pools/gpu-a")
+        assert r.status_code == 403 and "admin" in r.json()["detail"]["message"]
+    assert user.delete("/v1/pools/gpu-a?force=true").status_code == 403
+    assert admin.delete("/v1/pools/nope").status_code == 404
+    assert admin.delete("/v1/pools/nope").json()["detail"]["error"] == "pool_not_found"
+    assert admin.delete("/v1/pools/bad{x}").status_code == 422
+    assert admin.delete("/v1/pools/gpu-a?force=maybe").status_code == 422
+
+    held = post(user, amount="10GiB", ttl=30).json()
+    out = {}
+
+    def waiter():  # a long poll on this broker while the pool is deleted under it
+        with client(broker_srv.url) as c:
+            out["r"] = post(c, amount="6GiB", wait=5, request_id="w1")
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    _until(lambda: status(user)["waiter_count"] == 1, "the waiter queued")
+    r = admin.delete("/v1/pools/gpu-a")
+    assert r.status_code == 409, r.text
+    d = r.json()["detail"]
+    assert d["error"] == "pool_in_use" and (d["leases"], d["waiters"]) == (1, 1), d
+    assert "1 lease(s)" in d["message"] and "1 request(s)" in d["message"] and "force" in d["message"]
+    st = status(user)
+    assert (st["used"], st["lease_count"], st["waiter_count"]) == (10 * GiB, 1, 1)  # nothing changed
+
+    t0 = time.monotonic()
+    r = admin.delete("/v1/pools/gpu-a", params={"force": "true"})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"pool": "gpu-a", "deleted": True, "leases": 1, "waiters": 1}
+    t.join(10)
+    assert out["r"].status_code == 404 and out["r"].json()["detail"]["error"] == "pool_not_found", out["r"].text
+    assert time.monotonic() - t0 < 2  # the long poll ended at the delete, not at its wait
+    # The broker let go of the pool: its runtime, which kept the waiter queued, is closed and
+    # cannot make the pool again.
+    assert "gpu-a" not in broker_srv.broker._pools
+    assert rc.keys("gpulock:{gpu-a}:*") == []
+    assert user.get("/v1/pools/gpu-a").status_code == 404
+    assert "gpu-a" not in [p["pool"] for p in admin.get("/v1/pools").json()["pools"]]
+    # The lease held through the broker is lost (410), freeing nothing.
+    r = user.put(f"/v1/pools/gpu-a/leases/{held['lease_id']}", json={})
+    assert r.status_code == 410, r.text
+    assert rc.keys("gpulock:{gpu-a}:*") == []
+    assert admin.delete("/v1/pools/gpu-a").status_code == 404
+
+    # The pool can be made again, fresh.
+    assert admin.put("/v1/pools/gpu-a", json={"capacity": "1GiB"}).json()["created"] is True
+    assert post(user, amount="1GiB").status_code == 201
+
+
+def test_delete_idle_pool_and_its_other_keys(admin, user, gpu, redis_srv):
+    rc = redis.Redis.from_url(redis_srv.url)
+    assert admin.put("/v1/pools/kept", json={"capacity": "1GiB"}).status_code == 200
+    g = post(user, amount="1GiB").json()
+    assert user.delete(f"/v1/pools/gpu-a/leases/{g['lease_id']}").status_code == 200
+    rc.set("gpulock:{gpu-a}:est:x", "1")  # a key another part of gpulock keeps under the pool's tag
+    r = admin.delete("/v1/pools/gpu-a")
+    assert r.status_code == 200 and r.json()["leases"] == 0 and r.json()["waiters"] == 0, r.text
+    assert rc.keys("gpulock:{gpu-a}:*") == []
+    assert rc.keys("gpulock:{kept}:*")  # the other pool is untouched
+    assert [p["pool"] for p in user.get("/v1/pools").json()["pools"]] == ["kept"]
+
+
+def test_openapi_documents_pool_delete_and_max_ttl(user):
+    spec = user.get("/openapi.json").json()
+    op = spec["paths"]["/v1/pools/{pool}"]["delete"]
+    assert {"200", "401", "403", "404", "409", "422", "503"} <= set(op["responses"]), op["responses"]
+    assert [p["name"] for p in op["parameters"] if p["in"] == "query"] == ["force"]
+    schemas = spec["components"]["schemas"]
+    assert "max_ttl" in schemas["PoolOut"]["properties"] and "max_ttl" in schemas["PoolOut"]["required"]
+    assert "max_ttl" in schemas["PoolConfigRequest"]["properties"]
+    assert "max_ttl" in schemas["PoolConfigured"]["properties"]
+    assert {"leases", "waiters"} <= set(schemas["ErrorDetail"]["properties"])

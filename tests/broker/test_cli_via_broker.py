@@ -58,11 +58,41 @@ def test_status_and_pool_list_go_through_the_broker(broker_srv, gpu, user):
     assert r.returncode == 0 and r.stdout.split()[0] == gpu, r.stdout
 
 
-def test_pool_delete_through_the_broker_is_refused_clearly(broker_srv, gpu, admin):
+def test_pool_set_max_ttl_goes_through_the_broker(broker_srv, admin):
+    r = _gpulock("--broker-url", broker_srv.url, "pool", "set", "gpuT", "--capacity", "1GiB", "--max-ttl", "3600",
+                 "--json", token=ADMIN_TOKEN)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert json.loads(r.stdout)["max_ttl"] == 3600, r.stdout
+    assert admin.get("/v1/pools/gpuT").json()["max_ttl"] == 3600
+    # a capacity change alone keeps it
+    r = _gpulock("--broker-url", broker_srv.url, "pool", "set", "gpuT", "--capacity", "2GiB", token=ADMIN_TOKEN)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    st = admin.get("/v1/pools/gpuT").json()
+    assert (st["capacity"], st["max_ttl"]) == (2 * 2**30, 3600), st
+    r = _gpulock("--broker-url", broker_srv.url, "status", "gpuT", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["max_ttl"] == 3600, (r.stdout, r.stderr)
+    r = _gpulock("--broker-url", broker_srv.url, "run", "--pool", "gpuT", "--amount", "1GiB", "--ttl", "120", "--",
+                 sys.executable, "-c", "pass")
+    assert r.returncode == 0, (r.returncode, r.stderr)  # over the default 60 s, within the pool's 3600
+
+
+def test_pool_delete_goes_through_the_broker(broker_srv, gpu, admin, user):
+    held = user.post(f"/v1/pools/{gpu}/leases", json={"amount": "1GiB", "ttl": 30})
+    assert held.status_code == 201, held.text
+    r = _gpulock("--broker-url", broker_srv.url, "pool", "delete", gpu)  # a user token
+    assert r.returncode == 77, (r.returncode, r.stderr)
+    assert "admin" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = _gpulock("--broker-url", broker_srv.url, "pool", "delete", gpu, token=ADMIN_TOKEN)
-    assert r.returncode == 2, (r.returncode, r.stderr)
-    assert "broker" in r.stderr and "--redis-url" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 75, (r.returncode, r.stderr)
+    assert "1 lease(s) held" in r.stderr and "--force" in r.stderr and broker_srv.url in r.stderr, r.stderr
     assert admin.get(f"/v1/pools/{gpu}").status_code == 200  # still there
+    r = _gpulock("--broker-url", broker_srv.url, "pool", "delete", gpu, "--force", token=ADMIN_TOKEN)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert f"pool {gpu} deleted (1 lease(s) and 0 waiter(s) dropped)" in r.stdout, r.stdout
+    assert admin.get(f"/v1/pools/{gpu}").status_code == 404
+    r = _gpulock("--broker-url", broker_srv.url, "pool", "delete", gpu, token=ADMIN_TOKEN)
+    assert r.returncode == 66, (r.returncode, r.stderr)
+    assert broker_srv.url in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_missing_pool_names_the_broker(broker_srv):

@@ -35,7 +35,7 @@ def snapshot(c):
     r = c.get("/v1/pools")
     assert r.status_code == 200
     return sorted((p["pool"], p["capacity"], p["used"], p["lease_count"], p["waiter_count"], p["grants"],
-                   p["max_waiters"]) for p in r.json()["pools"])
+                   p["max_waiters"], p["max_ttl"]) for p in r.json()["pools"])
 
 
 json_values = st.recursive(
@@ -50,7 +50,8 @@ lease_bodies = st.fixed_dictionaries(
     optional={"ttl": json_values | st.floats(-10, 1e6), "wait": json_values | st.floats(-1, 5),
               "queue": json_values, "holder": json_values, "request_id": st.text(max_size=130) | json_values,
               "extra": json_values})
-config_bodies = st.fixed_dictionaries({"capacity": sizes}, optional={"max_waiters": json_values | st.integers()})
+config_bodies = st.fixed_dictionaries({"capacity": sizes}, optional={"max_waiters": json_values | st.integers(),
+                                                                     "max_ttl": json_values | st.floats(-1, 1e6)})
 pools = st.sampled_from(["gpu-a", "no-such-pool", "a" * 65, "bad{x}", "x"])
 
 
@@ -80,7 +81,7 @@ def test_config_bodies(live, body, pool, token):
         if r.status_code != 200:
             assert snapshot(c) == before, r.text
         elif pool == "gpu-a":
-            c.put("/v1/pools/gpu-a", json={"capacity": "10GiB", "max_waiters": 10000})
+            c.put("/v1/pools/gpu-a", json={"capacity": "10GiB", "max_waiters": 10000, "max_ttl": 60})
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))

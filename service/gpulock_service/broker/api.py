@@ -8,12 +8,12 @@
     ...
     await broker.aclose()
 
-Status codes: 201 granted; 200 renewed/released/status; 503 queued past ``wait`` (with
-``Retry-After`` and ``X-Queue-Position``; the place is kept for a retry with the same
-``request_id``), queue full, or Redis unavailable; 413 amount above capacity; 422 bad input (the
-field is named in ``detail[].loc``); 401 no or unknown bearer token; 403 pool not allowed for the
-token (or not admin); 404 pool not configured, or a lease of another token; 410 the lease is
-lost. Error bodies are ``{"detail": {"error": CODE, "message": TEXT, ...}}`` (422:
+Status codes: 201 granted; 200 renewed/released/status/configured/deleted; 503 queued past
+``wait`` (with ``Retry-After`` and ``X-Queue-Position``; the place is kept for a retry with the
+same ``request_id``), queue full, or Redis unavailable; 413 amount above capacity; 422 bad input
+(the field is named in ``detail[].loc``); 401 no or unknown bearer token; 403 pool not allowed
+for the token (or not admin); 404 pool not configured, or a lease of another token; 409 pool
+delete refused while leases or waiters are live; 410 the lease is lost. Error bodies are ``{"detail": {"error": CODE, "message": TEXT, ...}}`` (422:
 FastAPI's ``{"detail": [{"loc": [...], "msg": ...}]}``).
 """
 
@@ -24,7 +24,7 @@ import logging
 import math
 from typing import Any, NoReturn, Optional
 
-from fastapi import APIRouter, Body, Depends, HTTPException, Path, Request, Response
+from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -45,6 +45,7 @@ from .models import (
     LeaseRequest,
     PoolConfigRequest,
     PoolConfigured,
+    PoolDeleted,
     PoolList,
     PoolOut,
     RenewRequest,
@@ -166,7 +167,7 @@ async def acquire_lease(request: Request, response: Response, body: LeaseRequest
     # cancel the handler by itself)
     gone = watch_disconnect(request) if body.wait > 0 else None
     try:
-        r = await broker.acquire(who, pool, body.amount, ttl=body.ttl, wait=body.wait, queue=body.queue,
+        r = await broker.acquire(who, pool, body.amount_bytes, ttl=body.ttl, wait=body.wait, queue=body.queue,
                                  holder=body.holder, request_id=body.request_id, gone=gone)
     except Exception as e:
         _map(e, pool)
@@ -265,21 +266,50 @@ async def pool_status(pool: str = PoolName, who: Principal = Depends(principal),
         _map(e, pool)
 
 
+def _admin_only(who: Principal, pool: str, what: str) -> None:
+    _allowed(who, pool)
+    if not who.admin:
+        _err(403, "forbidden", f"only an admin token may {what} pools")
+
+
 @router.put("/pools/{pool}", response_model=PoolConfigured, responses=_errors(),
             summary="Create or resize a pool (admin)")
 async def configure_pool(body: PoolConfigRequest, pool: str = PoolName, who: Principal = Depends(principal),
                          broker: Broker = Depends(get_broker)) -> PoolConfigured:
-    """Set the capacity (bytes or "24GiB") and optionally the queue bound. Admin tokens only.
-    Lowering the capacity below what is in use keeps the leases; nothing new is granted until
-    use falls below it."""
-    _allowed(who, pool)
-    if not who.admin:
-        _err(403, "forbidden", "only an admin token may configure pools")
+    """Set the capacity (bytes or "24GiB") and optionally the queue bound and the longest lease
+    ttl (``max_ttl``, seconds; also the grace period after Redis restarts without its data).
+    Admin tokens only. Lowering the capacity below what is in use keeps the leases; nothing new
+    is granted until use falls below it."""
+    _admin_only(who, pool, "configure")
     try:
-        r = await broker.configure(pool, body.capacity, body.max_waiters)
+        r = await broker.configure(pool, body.capacity_bytes, body.max_waiters, body.max_ttl)
     except Exception as e:
         _map(e, pool)
     log.info("gpulock broker: %s set pool %s capacity=%d", who.name, pool, r["capacity"])
     return PoolConfigured(pool=pool, created=bool(r["created"]), capacity=r["capacity"], epoch=r["epoch"],
-                          used=r["used"], max_waiters=r["max_waiters"])
+                          used=r["used"], max_waiters=r["max_waiters"], max_ttl=r["max_ttl"])
 
+
+@router.delete("/pools/{pool}", response_model=PoolDeleted, responses=_errors(404, 409),
+               summary="Delete a pool (admin)")
+async def delete_pool(pool: str = PoolName,
+                      force: bool = Query(False, description="Delete even while leases are held or requests wait."),
+                      who: Principal = Depends(principal), broker: Broker = Depends(get_broker)) -> PoolDeleted:
+    """Delete the pool's configuration, leases and queue. Admin tokens only. 409 while leases
+    are held or requests wait (the counts are in the body), unless ``force=true``; 404 when
+    there is no such pool. Leases that were held answer 410 at their next renewal; requests
+    waiting on this broker answer 404."""
+    _admin_only(who, pool, "delete")
+    try:
+        r = await broker.delete_pool(pool, force=force)
+    except Exception as e:
+        _map(e, pool)
+    if r.state == "missing":
+        _map(PoolNotFound(pool), pool)
+    if r.state == "in_use":
+        _err(409, "pool_in_use", f"pool {pool!r} is in use: {r.leases} lease(s) held, {r.waiters} request(s) "
+                                 f"waiting; nothing was deleted (force=true deletes it anyway)",
+             leases=r.leases, waiters=r.waiters)
+    log.info("gpulock broker: %s deleted pool %s (%d lease(s), %d waiter(s) dropped)", who.name, pool,
+             r.leases, r.waiters)
+    return PoolDeleted(pool=pool, leases=r.leases, waiters=r.waiters)

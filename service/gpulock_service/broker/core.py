@@ -41,6 +41,7 @@ import dataclasses
 import logging
 import math
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable
@@ -48,8 +49,9 @@ from typing import Any, Awaitable, Callable, Iterable
 import redis.asyncio as aioredis
 
 from gpulock import AsyncPool
-from gpulock._protocol import KEY_PREFIX, Grant, NotGranted, new_id, validate_pool_name
-from gpulock.errors import BackendUnavailable, LeaseLost, PoolNotFound
+from gpulock._admin import POOL_CFG_MATCH, DeleteResult, adelete_pool, pool_name_from_key
+from gpulock._protocol import Grant, NotGranted, new_id, validate_pool_name
+from gpulock.errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
 
 from .auth import Principal
 
@@ -170,6 +172,8 @@ class Broker:
         self._tombs: OrderedDict[str, _Tomb] = OrderedDict()
         self._background: set[asyncio.Task] = set()
         self._sweeper: asyncio.Task | None = None
+        self._deleting: dict[str, int] = {}  # pools being deleted by force (count of deletes)
+        self._retired: weakref.WeakSet[AsyncPool] = weakref.WeakSet()  # pool objects closed by a delete
         self.tomb_ttl = 3600.0
         self.max_tombs = 100_000
 
@@ -215,11 +219,17 @@ class Broker:
             await self._redis.aclose()
             self._redis = None
 
+    def _client(self) -> aioredis.Redis:
+        if self._redis is None:
+            raise BackendUnavailable("the lease broker is not started")
+        return self._redis
+
     def _pool(self, name: str) -> AsyncPool:
+        if name in self._deleting:
+            raise PoolNotFound(name)  # being deleted
         p = self._pools.get(name)
         if p is None:
-            assert self._redis is not None, "Broker.start() was not awaited"
-            p = AsyncPool(self._redis, validate_pool_name(name), waiter_ttl=self.waiter_ttl,
+            p = AsyncPool(self._client(), validate_pool_name(name), waiter_ttl=self.waiter_ttl,
                           poll_interval=self.poll_interval, backend_timeout=self.backend_timeout)
             self._pools[name] = p
         return p
@@ -323,6 +333,11 @@ class Broker:
             final = True
             self._spawn(self._drop_pool_if_idle(pool))
             raise
+        except PoolClosed:
+            final = True
+            if p in self._retired:  # the pool was deleted while this request waited
+                raise PoolNotFound(pool) from None
+            raise BackendUnavailable("the lease broker is shutting down") from None
         finally:
             entry.attached -= 1
             if not final:
@@ -468,27 +483,76 @@ class Broker:
         return await self._guard(self._pool(pool).status(limit=limit))
 
     async def pool_names(self) -> list[str]:
-        assert self._redis is not None
-        prefix, suffix = f"{KEY_PREFIX}:{{", "}:cfg"
+        """Every pool configured in Redis, sorted (the key shape is gpulock._admin's)."""
+        redis = self._client()
 
         async def scan() -> list[str]:
-            out = []
-            async for k in self._redis.scan_iter(match=f"{KEY_PREFIX}:{{*}}:cfg", count=1000):
-                k = k.decode() if isinstance(k, bytes) else k
-                if k.startswith(prefix) and k.endswith(suffix):
-                    out.append(k[len(prefix):-len(suffix)])
-            return sorted(set(out))
+            names = {pool_name_from_key(k) async for k in redis.scan_iter(match=POOL_CFG_MATCH, count=1000)}
+            return sorted(n for n in names if n)
 
         return await self._guard(scan())
 
-    async def configure(self, pool: str, capacity: int, max_waiters: int | None) -> dict[str, int]:
+    async def configure(self, pool: str, capacity: int, max_waiters: int | None,
+                        max_ttl: float | None = None) -> dict[str, Any]:
+        """Create or change a pool; ``max_waiters``/``max_ttl`` None keep the pool's current
+        values (the library's defaults for a new pool). Returns the configure reply with
+        ``max_ttl`` (seconds) added."""
         p = self._pool(pool)
-        if max_waiters is None:
+        if max_waiters is None or max_ttl is None:
             try:
-                max_waiters = (await self._guard(p.status(limit=0))).max_waiters
+                st = await self._guard(p.status(limit=0))
+                max_waiters = st.max_waiters if max_waiters is None else max_waiters
+                if max_ttl is None and st.max_ttl:
+                    max_ttl = st.max_ttl
             except PoolNotFound:
                 pass
-        return await self._guard(p.configure(capacity, max_waiters=max_waiters))
+        r: dict[str, Any] = await self._guard(p.configure(capacity, max_waiters=max_waiters, max_ttl=max_ttl))
+        return {**r, "max_ttl": p.max_ttl}
+
+    async def delete_pool(self, pool: str, *, force: bool = False) -> DeleteResult:
+        """Delete a pool in Redis (gpulock._admin's script: refused while leases or waiters are
+        live unless ``force``), then forget what this broker kept for it.
+
+        With ``force``, this broker's own waiters on the pool are withdrawn first (their long
+        polls answer 404, as for any pool that is gone): otherwise the pool's runtime, which
+        keeps them queued, would see the pool gone and make it again. Requests that arrive
+        meanwhile are answered 404. Leases granted through the broker answer 410 at their next
+        renewal.
+
+        Raises: InvalidArgument, BackendUnavailable."""
+        validate_pool_name(pool)
+        redis = self._client()
+        if force:
+            self._deleting[pool] = self._deleting.get(pool, 0) + 1
+        try:
+            if force:
+                await self._retire(pool)
+            r: DeleteResult = await self._guard(adelete_pool(redis, pool, force=force))
+        finally:
+            if force:
+                self._deleting[pool] -= 1
+                if not self._deleting[pool]:
+                    del self._deleting[pool]
+        if r.state == "deleted":
+            for rec in [x for x in self._leases.values() if x.pool == pool]:
+                self._forget(rec, "lost")
+            if force:
+                await self._retire(pool)  # a request that raced the delete
+            else:
+                await self._drop_pool_if_idle(pool)
+        return r
+
+    async def _retire(self, pool: str) -> None:
+        """Close this broker's pool object for ``pool``: its waiters' waits end (PoolClosed,
+        answered 404 in acquire), its parked places and their keepers are dropped."""
+        for key in [k for k in self._parked if k[0] == pool]:
+            e = self._parked.pop(key)
+            if e.keeper is not None:
+                e.keeper.cancel()
+        p = self._pools.pop(pool, None)
+        if p is not None:
+            self._retired.add(p)
+            await p.aclose()
 
     # ---- housekeeping ------------------------------------------------------------------------
     async def _sweep_loop(self) -> None:

@@ -9,6 +9,8 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from typing_extensions import Annotated
 
+from gpulock._protocol import MAX_TTL_S as MAX_POOL_TTL_S
+from gpulock._protocol import MIN_TTL_S as MIN_POOL_TTL_S
 from gpulock.errors import InvalidArgument
 from gpulock.units import parse_size
 
@@ -31,6 +33,14 @@ def _size(v: Any, name: str) -> int:
         return parse_size(v, name=name)
     except InvalidArgument as e:
         raise ValueError(str(e)) from None
+
+
+def _validated_bytes(v: int | str) -> int:
+    """A validated ``Size`` field's value: its ``mode="before"`` validator has already turned a
+    size string into bytes, so only the schema (what clients may send) keeps the ``str``."""
+    if not isinstance(v, int):
+        raise TypeError(f"size field not validated: {v!r}")
+    return v
 
 
 class _Body(BaseModel):
@@ -60,6 +70,10 @@ class LeaseRequest(_Body):
     def _amount(cls, v: Any) -> int:
         return _size(v, "amount")
 
+    @property
+    def amount_bytes(self) -> int:
+        return _validated_bytes(self.amount)
+
     @field_validator("holder")
     @classmethod
     def _holder(cls, v: Optional[dict]) -> Optional[dict]:
@@ -77,12 +91,21 @@ class RenewRequest(_Body):
 
 class PoolConfigRequest(_Body):
     capacity: Size = Field(..., description='Bytes, or a size such as "24GiB".')
-    max_waiters: Optional[int] = Field(None, ge=1, le=1_000_000, description="Queue bound.")
+    max_waiters: Optional[int] = Field(None, ge=1, le=1_000_000,
+                                       description="Queue bound (default: keep the current one; 10000 for a new pool).")
+    max_ttl: Optional[float] = Field(
+        None, ge=MIN_POOL_TTL_S, le=MAX_POOL_TTL_S, allow_inf_nan=False,
+        description="Longest lease ttl the pool accepts, seconds; also the grace period after Redis restarts "
+                    "without its data (default: keep the current one; 60 for a new pool).")
 
     @field_validator("capacity", mode="before")
     @classmethod
     def _capacity(cls, v: Any) -> int:
         return _size(v, "capacity")
+
+    @property
+    def capacity_bytes(self) -> int:
+        return _validated_bytes(self.capacity)
 
 
 class LeaseGrant(BaseModel):
@@ -145,6 +168,7 @@ class PoolOut(BaseModel):
     epoch: int
     fence: int
     max_waiters: int
+    max_ttl: float = Field(..., description="seconds: the longest ttl a lease may have (0: unbounded)")
     lease_count: int
     waiter_count: int
     grants: int
@@ -165,12 +189,20 @@ class PoolConfigured(BaseModel):
     epoch: int
     used: int
     max_waiters: int
+    max_ttl: float = Field(..., description="seconds")
+
+
+class PoolDeleted(BaseModel):
+    pool: str
+    deleted: bool = True
+    leases: int = Field(..., description="live leases dropped with the pool (only with force=true)")
+    waiters: int = Field(..., description="live waiting requests dropped with the pool (only with force=true)")
 
 
 class ErrorDetail(BaseModel):
     error: str = Field(..., description="unauthorized, forbidden, queued, busy, queue_full, "
                                         "backend_unavailable, capacity_exceeded, pool_not_found, "
-                                        "lease_lost, not_found, invalid")
+                                        "pool_in_use, lease_lost, not_found, invalid")
     message: str
     request_id: Optional[str] = None
     position: Optional[int] = Field(None, description="1-based place in the queue")
@@ -181,6 +213,8 @@ class ErrorDetail(BaseModel):
     lease_id: Optional[str] = None
     amount: Optional[int] = None
     capacity: Optional[int] = None
+    leases: Optional[int] = Field(None, description="pool_in_use: the live leases")
+    waiters: Optional[int] = Field(None, description="pool_in_use: the live waiting requests")
 
 
 class ErrorResponse(BaseModel):
