@@ -138,3 +138,16 @@ def test_a_broker_url_that_is_not_http_is_a_usage_error():
     r = _gpulock("--broker-url", "redis://127.0.0.1:1/0", "status")
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert "http" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_broker_default_port_is_not_serves():
+    """The broker (8100) and gpulock serve (8000) can run on one host with their defaults."""
+    from gpulock_service.broker.app import DEFAULT_PORT
+
+    assert DEFAULT_PORT == 8100
+    for args in (("-m", "gpulock", "broker", "--help"), ("-m", "gpulock_service.broker", "--help")):
+        r = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "COLUMNS": "200"})
+        assert r.returncode == 0 and "8100" in r.stdout, (args, r.stdout, r.stderr)
+    r = _gpulock("serve", "--help")
+    assert "8000" in r.stdout, r.stdout

@@ -84,7 +84,7 @@ class Pool:
     """One gpulock pool, reached through a broker (blocking API).
 
     Args:
-        url: the broker's base URL (default ``$GPULOCK_BROKER_URL``), e.g. ``http://host:8000``.
+        url: the broker's base URL (default ``$GPULOCK_BROKER_URL``), e.g. ``http://host:8100``.
         name: the pool name.
         token: bearer token (default ``$GPULOCK_TOKEN``).
         default_ttl: lease ttl in seconds when ``acquire`` gets none (30).

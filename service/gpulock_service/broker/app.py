@@ -13,7 +13,8 @@ from typing import Any, Iterable, Optional
 from .auth import Principal, TokenConfigError, load_tokens
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+# 8100: not `gpulock serve`'s 8000, so the broker and the service can share a host.
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8100
 
 
 # A lease request is a few hundred bytes; GPULOCK_MAX_REQUEST_BYTES overrides this bound.
@@ -98,7 +99,8 @@ def register_broker(typer_app) -> None:
     @typer_app.command("broker")
     def broker(
         host: str = typer.Option(DEFAULT_HOST, "--host", help="Address to listen on."),
-        port: int = typer.Option(DEFAULT_PORT, "--port", min=1, max=65535, help="TCP port."),
+        port: int = typer.Option(DEFAULT_PORT, "--port", min=1, max=65535,
+                                 help="TCP port (gpulock serve's default is 8000)."),
         redis_url: str = typer.Option(DEFAULT_REDIS_URL, "--redis-url", envvar="GPULOCK_REDIS_URL",
                                       help="Redis holding the pools."),
         tokens_file: Optional[str] = typer.Option(
