@@ -291,13 +291,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sync-max", type=int, default=1000, help="largest N also run with the sync Pool (threads)")
     ap.add_argument("--max-connections", type=int, default=None, help="from_url's max_connections (default: its own)")
     ap.add_argument("--window", type=float, default=None, help="seconds of the waiting window (default 3; quick 0.5)")
+    ap.add_argument("--enqueue-timeout", type=float, default=300.0, help="seconds allowed to queue all N (then the run fails)")
     ap.add_argument("--json", default=str(HERE / "results" / "waiters.json"), help="where to write raw numbers")
     ap.add_argument("--redis-server", default=None, help="server binary (default: redis-server on PATH)")
     a = ap.parse_args(argv)
     ns = [int(x) for x in (a.n or ("10,100" if a.quick else "10,100,1000,10000")).split(",")]
     a.window = a.window or (0.5 if a.quick else 3.0)
     a.settle = 0.2 if a.quick else 1.5  # past the first heartbeat after the burst (poll_interval 1 s)
-    a.enqueue_timeout = 300.0
     binary = a.redis_server or find_server_binary("redis")
     count_pool_errors()
     R: dict[str, Any] = {"quick": a.quick, "gpulock": gpulock.__version__, "gpulock_path": gpulock.__file__,
