@@ -84,7 +84,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the service (no I/O here; see the module docstring for what the lifespan does)."""
     settings = settings or Settings()
     model = build_model(settings)
-    served = settings.model_name or getattr(model, "name", settings.model)
+    served: str = settings.model_name or str(getattr(model, "name", settings.model))
     limiter = GpuLimiter(
         settings.redis_url, settings.pool, capacity=settings.capacity, configure=settings.configure,
         acquire_timeout=settings.acquire_timeout, inference_timeout=settings.inference_timeout,
@@ -153,7 +153,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     async def _calibrate(device: str) -> None:
         lock = f"gpulock:{{{settings.pool}}}:calibrating"
-        if not await limiter.redis.set(lock, str(os.getpid()), nx=True, ex=600):
+        if limiter.pool is None:  # not started (the lifespan starts it before bring_up)
+            return
+        redis = limiter.pool.redis  # the limiter's own client
+        if not await redis.set(lock, str(os.getpid()), nx=True, ex=600):
             return
         try:
             b_max = max(1, settings.max_batch)
@@ -161,7 +164,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             out = await limiter.calibrate(ROUTE, model.calibration_run, shapes, device, model.estimate_bytes)
             log.info("gpulock: calibrated %d shapes into %s", len(out), limiter.estimates_key)
         finally:
-            await limiter.redis.delete(lock)
+            await redis.delete(lock)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

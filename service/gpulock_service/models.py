@@ -24,12 +24,15 @@ from __future__ import annotations
 import importlib
 import os
 import time
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
 
 from gpulock.fastapi import BertEstimator
 from gpulock.units import parse_size
 
 from .settings import Settings
+
+if TYPE_CHECKING:  # not at run time: importing this module must not import them
+    from sentence_transformers import SentenceTransformer
 
 
 @runtime_checkable
@@ -62,8 +65,8 @@ class MiniLM:
     def __init__(self, max_tokens: int = 256):
         self.max_tokens = min(int(max_tokens), 256)  # the model was trained on 256 word pieces
         self.estimator = BertEstimator(hidden=384, intermediate=1536, heads=12, layers=6, bytes_per_element=4)
-        self._model = None
-        self._tokenizer = None
+        self._model: SentenceTransformer | None = None
+        self._tokenizer: Any = None  # a transformers tokenizer, loaded on first use
         self.device = "cpu"
 
     @staticmethod
@@ -112,7 +115,7 @@ class MiniLM:
         here, all of it blocking the worker's heartbeats."""
         clip = self.clip_chars()
         short = [t for t in texts if len(t) <= clip]
-        counted = iter(())
+        counted: Iterator[int] = iter(())
         if short:
             enc = self.tokenizer()(short, truncation=True, max_length=self.max_tokens, add_special_tokens=True)
             counted = iter([len(ids) for ids in enc["input_ids"]])

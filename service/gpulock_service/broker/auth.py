@@ -24,7 +24,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 __all__ = ["Principal", "TokenStore", "load_tokens", "TokenConfigError"]
 
@@ -104,12 +104,13 @@ def parse_tokens(doc: Any, where: str) -> list[Principal]:
     return out
 
 
-def load_tokens(path: str | os.PathLike | None = None, env: dict[str, str] | None = None) -> list[Principal]:
+def load_tokens(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> list[Principal]:
     """Read tokens from ``path``, else ``$GPULOCK_BROKER_TOKENS_FILE``, else the JSON in
     ``$GPULOCK_BROKER_TOKENS``.
 
     Raises: TokenConfigError (nothing configured, unreadable file, bad JSON or entries)."""
-    env = os.environ if env is None else env
+    if env is None:
+        env = os.environ
     path = path or env.get("GPULOCK_BROKER_TOKENS_FILE") or None
     if path:
         try:
@@ -124,7 +125,7 @@ def load_tokens(path: str | os.PathLike | None = None, env: dict[str, str] | Non
                                "GPULOCK_BROKER_TOKENS_FILE or GPULOCK_BROKER_TOKENS")
     try:
         doc = json.loads(text)
-    except ValueError as e:
+    except json.JSONDecodeError as e:
         raise TokenConfigError(f"{where}: not valid JSON ({e.msg} at line {e.lineno})") from None
     return parse_tokens(doc, where)
 
