@@ -111,8 +111,9 @@ class AsyncPool:
         redis: a ``redis.asyncio.Redis`` client (decode_responses may be on or off).
         name: the pool name, 1-64 of ``[A-Za-z0-9._-]``.
         capacity: bytes (or "24GiB"). When given, the pool is created with it if it does not
-            exist yet (and again after Redis lost it); an existing capacity is not changed
-            (use :meth:`configure` for that).
+            exist yet; an existing capacity is not changed (use :meth:`configure` for that).
+            After Redis lost a pool this object had seen, it is made again with the capacity,
+            max_waiters and max_ttl last seen on the server (an operator's ``pool set`` wins).
         default_ttl: lease ttl in seconds when ``acquire`` gets none (30 s).
         waiter_ttl: seconds a queued request survives without a refresh (5 s).
         poll_interval: seconds between waiter refreshes, which double as the backstop poll.
@@ -207,7 +208,9 @@ class AsyncPool:
         """Create the pool or set its capacity (bytes or "8GiB"), queue bound and max_ttl
         (seconds; the longest ttl a lease may have, and the length of a grace period).
         Returns ``{"created", "capacity", "epoch", "used", "max_waiters"}`` (``status()`` shows
-        ``max_ttl`` and ``grace_left``).
+        ``max_ttl`` and ``grace_left``). ``create_only`` on a pool object that had seen the pool
+        (so Redis lost it) makes it again as last seen on the server, with a grace period; the
+        values given count only for a pool it never saw.
 
         Raises: InvalidArgument (bad capacity), BackendUnavailable."""
         cap = parse_size(capacity if capacity is not None else self.capacity, name="capacity")
