@@ -181,3 +181,20 @@ def test_retry_storm_is_paced(broker_srv, admin):
     # Retry-After >= 1 s and a 2.5 s timeout: at most ~4 POSTs per client (first, two
     # retries, the last try at the deadline), against hundreds for immediate retries.
     assert posts["n"] <= 50 * 4, posts
+
+
+def test_configure_max_ttl(broker_srv):
+    from ._support import ADMIN_TOKEN
+
+    with Pool(broker_srv.url, "gpu-m", token=ADMIN_TOKEN) as p:
+        r = p.configure("1GiB", max_ttl=600)
+        assert r["created"] and r["max_ttl"] == 600, r
+        assert p.configure("2GiB")["max_ttl"] == 600  # kept
+        assert p.status()["max_ttl"] == 600
+
+    async def main():
+        async with AsyncPool(broker_srv.url, "gpu-m", token=ADMIN_TOKEN) as ap:
+            assert (await ap.configure("2GiB", max_ttl=120))["max_ttl"] == 120
+            return (await ap.status())["max_ttl"]
+
+    assert asyncio.run(main()) == 120

@@ -152,11 +152,15 @@ class AsyncPool:
         """The pool's status (bytes, seconds). Raises PoolNotFound, AuthError, BackendUnavailable."""
         return await self._get("GET", self._cfg.base)
 
-    async def configure(self, capacity: Union[int, str], *, max_waiters: Optional[int] = None) -> Dict[str, Any]:
-        """Create the pool or set its capacity (admin token)."""
+    async def configure(self, capacity: Union[int, str], *, max_waiters: Optional[int] = None,
+                        max_ttl: Optional[float] = None) -> Dict[str, Any]:
+        """Create the pool or set its capacity, queue bound and longest lease ttl (admin token);
+        see :meth:`gpulock_client.Pool.configure`."""
         body: Dict[str, Any] = {"capacity": capacity}
         if max_waiters is not None:
             body["max_waiters"] = max_waiters
+        if max_ttl is not None:
+            body["max_ttl"] = max_ttl
         return await self._get("PUT", self._cfg.base, body)
 
     # ---- heartbeat -------------------------------------------------------------------------

@@ -194,11 +194,16 @@ class Pool:
         Raises PoolNotFound, AuthError, BackendUnavailable."""
         return self._get("GET", self._cfg.base)
 
-    def configure(self, capacity: Union[int, str], *, max_waiters: Optional[int] = None) -> Dict[str, Any]:
-        """Create the pool or set its capacity (admin token). Raises AuthError, InvalidArgument."""
+    def configure(self, capacity: Union[int, str], *, max_waiters: Optional[int] = None,
+                  max_ttl: Optional[float] = None) -> Dict[str, Any]:
+        """Create the pool or set its capacity, and optionally its queue bound and longest lease
+        ttl (seconds); left out, they keep their values (admin token). Raises AuthError,
+        InvalidArgument."""
         body: Dict[str, Any] = {"capacity": capacity}
         if max_waiters is not None:
             body["max_waiters"] = max_waiters
+        if max_ttl is not None:
+            body["max_ttl"] = max_ttl
         return self._get("PUT", self._cfg.base, body)
 
     # ---- heartbeat -------------------------------------------------------------------------
