@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gpulock.fastapi import DEFAULT_READ_TIMEOUT, install_error_handlers, install_http_guards
+from gpulock._http_guards import DEFAULT_READ_TIMEOUT, install_error_handlers, install_http_guards
 
 __all__ = ["install_error_handlers", "install_http_guards", "read_timeout", "server_protocol", "MAX_HEADER_BYTES"]
 

@@ -12,7 +12,7 @@ gpulock_service.app:app`` (``gpulock serve`` uses it). Command-line flags overri
   a connection whose request line and headers do not arrive within ``GPULOCK_READ_TIMEOUT``
   seconds (30) is answered 408 and closed, one with more than 64 KiB of them 431 (uvicorn has
   no such bound: a connection that sent nothing, or a header byte a second, was held forever).
-  The body's own bounds (size, read time) are the app's (``gpulock.fastapi.RequestLimits``).
+  The body's own bounds (size, read time) are the app's (``gpulock._http_guards.RequestLimits``).
 """
 
 import os

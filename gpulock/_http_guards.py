@@ -1,0 +1,177 @@
+"""HTTP hygiene, one path for every surface (the service, the lease broker, your own
+GpuLimiter app): bodies that are not UTF-8 and values JSON cannot carry answer a 4xx, never a
+500; a body is bounded in size and in the time it takes to arrive."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from typing import Any
+
+from fastapi import HTTPException, Request, Response
+
+from .errors import InvalidArgument
+from .units import format_size, parse_size
+
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_READ_TIMEOUT", "RequestLimits", "install_error_handlers",
+           "install_http_guards", "utf8_error"]
+
+DEFAULT_MAX_REQUEST_BYTES = "16MiB"
+DEFAULT_READ_TIMEOUT = 30.0
+
+
+def utf8_error(body: bytes | bytearray) -> str | None:
+    """None when ``body`` is valid UTF-8, else a message naming the first bad byte."""
+    try:
+        bytes(body).decode("utf-8")
+        return None
+    except UnicodeDecodeError as e:
+        return (f"the request body is not valid UTF-8: byte 0x{body[e.start]:02x} at offset {e.start} "
+                f"({e.reason}); send JSON encoded as UTF-8 (Content-Type: application/json)")
+
+
+def _renderable(x: Any) -> Any:
+    """The value with what JSON in UTF-8 cannot carry made printable: non-finite floats (NaN,
+    ±Infinity) become their names, lone surrogates (``"\\ud800"``) and undecodable bytes
+    their escapes."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, (bytes, bytearray)):
+        return bytes(x).decode("utf-8", "backslashreplace")
+    if isinstance(x, str):
+        try:
+            x.encode("utf-8")
+            return x
+        except UnicodeEncodeError:
+            return x.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(x, dict):
+        return {_renderable(k): _renderable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_renderable(v) for v in x]
+    return x
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    from fastapi.encoders import jsonable_encoder
+    from fastapi.responses import JSONResponse
+
+    # FastAPI hands a body it did not parse as JSON (no JSON content type) to validation as
+    # bytes, and its own error reply echoes them back: bytes that are not UTF-8 were a 500, as
+    # were NaN, Infinity and lone surrogates (Python's JSON parser accepts them).
+    body = getattr(exc, "body", None)
+    if isinstance(body, (bytes, bytearray)):
+        msg = utf8_error(body)
+        if msg:
+            return JSONResponse({"detail": msg}, status_code=400)
+    errors: Any = getattr(exc, "errors", list)()
+    return JSONResponse({"detail": _renderable(jsonable_encoder(_renderable(errors)))}, status_code=422)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    from fastapi.exception_handlers import http_exception_handler
+    from fastapi.responses import JSONResponse
+
+    # FastAPI answers a JSON body it could not decode "400 There was an error parsing the
+    # body"; when the bytes are not UTF-8, say so (and where).
+    cause = exc.__cause__
+    if getattr(exc, "status_code", None) == 400 and isinstance(cause, ValueError):
+        body = getattr(request, "_body", None)
+        if not isinstance(body, (bytes, bytearray)):
+            body = getattr(cause, "object", None)
+        msg = utf8_error(body) if isinstance(body, (bytes, bytearray)) else None
+        if msg:
+            return JSONResponse({"detail": msg}, status_code=400)
+    return await http_exception_handler(request, exc)  # type: ignore[arg-type]
+
+
+def install_error_handlers(app: Any) -> None:
+    """The error replies of every gpulock HTTP surface: 400 naming the byte for a body that is
+    not UTF-8 (with any content type), 422 for every invalid request (also one that sent NaN,
+    Infinity or a lone surrogate, which FastAPI's own reply could not render: a 500)."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+
+
+class RequestLimits:
+    """Pure ASGI middleware bounding what one request may cost before anything parses it:
+
+    * **size**: a body over ``max_body_bytes`` (``GPULOCK_MAX_REQUEST_BYTES``, 16 MiB) answers
+      413. Content-Length is checked first; a body without one (chunked) is counted as it
+      arrives. The body is parsed on the worker's event loop, which also runs the lease
+      heartbeats: an unbounded one (a 50 MB string) stalls them.
+    * **time**: the whole body must arrive within ``read_timeout`` seconds
+      (``GPULOCK_READ_TIMEOUT``, 30) of the request's start, else 408 and the connection is
+      closed: a client that declares 100 bytes and sends 14, or drips a byte a second, is cut.
+
+    The refusals are raised as ``HTTPException`` from the read that crosses the bound (FastAPI
+    passes those through its body parsing as they are). The header phase is bounded by the
+    server (see ``gpulock_service.gunicorn_conf``)."""
+
+    def __init__(self, app: Any, max_body_bytes: int | str | None = None, read_timeout: float | None = None):
+        self.app = app
+        self.limit = parse_size(max_body_bytes if max_body_bytes not in (None, "") else
+                                (os.environ.get("GPULOCK_MAX_REQUEST_BYTES") or DEFAULT_MAX_REQUEST_BYTES),
+                                name="max_request_bytes")
+        rt = read_timeout if read_timeout is not None else os.environ.get("GPULOCK_READ_TIMEOUT")
+        self.read_timeout = float(rt) if rt not in (None, "") else DEFAULT_READ_TIMEOUT
+        if not self.read_timeout > 0:
+            raise InvalidArgument(f"read_timeout must be > 0 seconds, got {rt!r}")
+
+    def too_large(self, seen: str) -> str:
+        return (f"request body of {seen} is over this server's limit of {format_size(self.limit)} "
+                f"({self.limit} bytes; GPULOCK_MAX_REQUEST_BYTES); send fewer or shorter inputs")
+
+    def too_slow(self) -> str:
+        return (f"the request body did not arrive within {self.read_timeout:g}s (GPULOCK_READ_TIMEOUT); "
+                f"send the whole body at once")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from fastapi.responses import JSONResponse
+
+        close = {"Connection": "close"}  # the rest of the body is never read: do not reuse the connection
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length":
+                n = int(v) if v.isdigit() else 0
+                if n > self.limit:
+                    return await JSONResponse({"detail": self.too_large(f"{n} bytes")}, status_code=413,
+                                              headers=close)(scope, receive, send)
+                break
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.read_timeout
+        received = 0
+        complete = False
+
+        async def limited_receive():
+            nonlocal received, complete
+            if complete:
+                return await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise HTTPException(408, self.too_slow(), headers=close) from None
+            if msg["type"] == "http.request":
+                received += len(msg.get("body", b""))
+                if received > self.limit:
+                    raise HTTPException(413, self.too_large(f"more than {self.limit} bytes"), headers=close)
+                complete = not msg.get("more_body", False)
+            else:
+                complete = True
+            return msg
+
+        return await self.app(scope, limited_receive, send)
+
+
+def install_http_guards(app: Any, *, max_body_bytes: int | str | None = None,
+                        read_timeout: float | None = None) -> None:
+    """What every gpulock HTTP surface installs, for your own app too: the error handlers
+    (:func:`install_error_handlers`) and the size and read-time bounds (:class:`RequestLimits`;
+    defaults from ``GPULOCK_MAX_REQUEST_BYTES`` and ``GPULOCK_READ_TIMEOUT``). Call it once,
+    right after creating the app."""
+    install_error_handlers(app)
+    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, read_timeout=read_timeout)
