@@ -62,7 +62,7 @@ class SentinelURL:
         for hp in hosts.split(","):
             host, sep, port = hp.strip().rpartition(":") if ":" in hp else (hp.strip(), "", "")
             if not host:
-                raise ValueError(f"Sentinel URL {url!r}: empty host in {hosts!r}")
+                raise ValueError(f"Sentinel URL {_redact(url)!r}: empty host in {hosts.rpartition('@')[2]!r}")
             try:
                 self.sentinels.append((host, int(port) if sep else DEFAULT_SENTINEL_PORT))
             except ValueError:
@@ -136,7 +136,12 @@ def check_max_connections(value: Any) -> int:
 
 
 def _bad_url(url: str, err: BaseException) -> InvalidArgument:
-    return InvalidArgument(f"cannot use Redis URL {_redact(url)!r}: {err}; expected {ACCEPTED_SCHEMES}, "
+    scheme = urlsplit(url).scheme if "://" in url else ""
+    if scheme not in ("redis", "rediss", "unix", *SENTINEL_SCHEMES):
+        what = f"scheme {scheme!r} is not supported" if scheme else "it has no scheme"
+    else:
+        what = str(err)
+    return InvalidArgument(f"Redis URL {_redact(url)!r}: {what}; the forms are {ACCEPTED_SCHEMES}, "
                            f"e.g. redis://HOST:6379/0")
 
 

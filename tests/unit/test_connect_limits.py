@@ -26,10 +26,13 @@ def test_a_bad_url_is_an_invalid_argument_naming_it(make, url):
         assert scheme in msg
 
 
-def test_a_bad_url_does_not_show_its_password():
-    with pytest.raises(InvalidArgument) as ei:
-        sync_client("redis://:hunter2@h:notaport/0")
-    assert "hunter2" not in str(ei.value)
+@pytest.mark.parametrize("url", ["redis://:hunter2@h:notaport/0", "redis+sentinel://:hunter2@h1,/svc",
+                                 "redis+sentinel://u:hunter2@h1"])
+def test_a_bad_url_does_not_show_its_password(url):
+    for make in (sync_client, async_client):
+        with pytest.raises(InvalidArgument) as ei:
+            make(url)
+        assert "hunter2" not in str(ei.value)
 
 
 URLS = ["redis://127.0.0.1:1/0", "rediss://127.0.0.1:1/0", "unix:///tmp/nothing-here.sock",
