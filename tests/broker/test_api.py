@@ -437,3 +437,24 @@ def test_openapi_documents_pool_delete_and_max_ttl(user):
     assert "max_ttl" in schemas["PoolConfigRequest"]["properties"]
     assert "max_ttl" in schemas["PoolConfigured"]["properties"]
     assert {"leases", "waiters"} <= set(schemas["ErrorDetail"]["properties"])
+
+
+def test_requests_during_a_forced_delete_are_told_to_retry(broker_srv, admin, user, gpu, redis_srv):
+    """While a forced delete waits for Redis (paused here), requests for that pool are answered
+    503 with Retry-After at once, not queued on the pool object being closed; afterwards the
+    pool is gone (404)."""
+    rc = redis.Redis.from_url(redis_srv.url)
+    out = {}
+    rc.execute_command("CLIENT", "PAUSE", "1500", "ALL")
+    try:
+        t = threading.Thread(target=lambda: out.setdefault("r", admin.delete("/v1/pools/gpu-a?force=true")))
+        t.start()
+        _until(lambda: "gpu-a" in broker_srv.broker._deleting, "the delete started")
+        r = post(user, amount=1)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert "being deleted" in r.json()["detail"]["message"], r.text
+    finally:
+        rc.execute_command("CLIENT", "UNPAUSE")
+    t.join(10)
+    assert out["r"].status_code == 200, out["r"].text
+    assert post(user, amount=1).status_code == 404

@@ -30,10 +30,10 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from gpulock.errors import BackendUnavailable, CapacityExceeded, InvalidArgument, PoolNotFound, QueueFull
-from gpulock.fastapi import watch_disconnect
+from gpulock._disconnect import watch_disconnect
 
 from .auth import Principal
-from .core import Broker, ClientGone, Granted, LeaseGone, NotYours
+from .core import Broker, ClientGone, Granted, LeaseGone, NotYours, PoolBeingDeleted
 from .models import (
     LEASE_ID_PATTERN,
     POOL_PATTERN,
@@ -141,6 +141,8 @@ def _map(e: Exception, pool: str) -> NoReturn:
         _err(503, "queue_full", str(e), {"Retry-After": "1"}, queue_length=e.queue_length, retry_after=1)
     if isinstance(e, InvalidArgument):
         raise HTTPException(422, detail=[{"loc": ["body"], "msg": str(e), "type": "value_error"}])
+    if isinstance(e, PoolBeingDeleted):
+        _err(503, "backend_unavailable", str(e), {"Retry-After": "1"}, retry_after=1)
     if isinstance(e, BackendUnavailable):
         log.warning("gpulock broker: pool %s: %s", pool, e)
         _err(503, "backend_unavailable", f"Redis is unavailable: {e}", {"Retry-After": "1"}, retry_after=1)

@@ -60,7 +60,7 @@ log = logging.getLogger("gpulock.broker")
 # A request the broker held at least this long (a long poll) is answered Retry-After: 0.
 LONG_POLL_S = 1.0
 
-__all__ = ["Broker", "ClientGone", "Granted", "Queued", "LeaseGone", "NotYours"]
+__all__ = ["Broker", "ClientGone", "Granted", "Queued", "LeaseGone", "NotYours", "PoolBeingDeleted"]
 
 
 class LeaseGone(Exception):
@@ -73,6 +73,10 @@ class LeaseGone(Exception):
 
 class NotYours(Exception):
     """The lease exists but belongs to another token, or was not made through a broker (404)."""
+
+
+class PoolBeingDeleted(BackendUnavailable):
+    """A forced delete of the pool is under way (503, Retry-After: 1; a retry finds it gone)."""
 
 
 class ClientGone(Exception):
@@ -226,7 +230,7 @@ class Broker:
 
     def _pool(self, name: str) -> AsyncPool:
         if name in self._deleting:
-            raise PoolNotFound(name)  # being deleted
+            raise PoolBeingDeleted(f"pool {name!r} is being deleted; retry")
         p = self._pools.get(name)
         if p is None:
             p = AsyncPool(self._client(), validate_pool_name(name), waiter_ttl=self.waiter_ttl,
@@ -274,7 +278,7 @@ class Broker:
                       request_id: str | None = None, gone: asyncio.Future | None = None) -> Granted | Queued:
         """Grant now, or within ``wait`` seconds, or report the place (kept for a retry).
         ``gone``: a future that turns true when the HTTP client hung up (see
-        ``gpulock.fastapi.watch_disconnect``); the long poll then ends at once and the request
+        ``gpulock._disconnect.watch_disconnect``); the long poll then ends at once and the request
         is withdrawn (unless another retry of it is attached), so it is never granted.
 
         Raises: CapacityExceeded, PoolNotFound, QueueFull, InvalidArgument, BackendUnavailable,
@@ -515,9 +519,9 @@ class Broker:
 
         With ``force``, this broker's own waiters on the pool are withdrawn first (their long
         polls answer 404, as for any pool that is gone): otherwise the pool's runtime, which
-        keeps them queued, would see the pool gone and make it again. Requests that arrive
-        meanwhile are answered 404. Leases granted through the broker answer 410 at their next
-        renewal.
+        keeps them queued, would see the pool gone and make it again. Requests for the pool
+        that arrive meanwhile are answered 503 (:class:`PoolBeingDeleted`; a retry then sees
+        the pool gone). Leases granted through the broker answer 410 at their next renewal.
 
         Raises: InvalidArgument, BackendUnavailable."""
         validate_pool_name(pool)
@@ -536,15 +540,14 @@ class Broker:
         if r.state == "deleted":
             for rec in [x for x in self._leases.values() if x.pool == pool]:
                 self._forget(rec, "lost")
-            if force:
-                await self._retire(pool)  # a request that raced the delete
-            else:
-                await self._drop_pool_if_idle(pool)
+            await self._retire(pool)  # with force: a request that raced the delete
         return r
 
     async def _retire(self, pool: str) -> None:
         """Close this broker's pool object for ``pool``: its waiters' waits end (PoolClosed,
-        answered 404 in acquire), its parked places and their keepers are dropped."""
+        answered 404 in acquire), its parked places and their keepers are dropped. A closed
+        runtime neither refreshes nor re-creates anything, so a request that raced this with
+        the old object only finds the pool gone."""
         for key in [k for k in self._parked if k[0] == pool]:
             e = self._parked.pop(key)
             if e.keeper is not None:
