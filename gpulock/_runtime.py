@@ -21,7 +21,6 @@ import asyncio
 import logging
 import secrets
 import threading
-import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -43,59 +42,13 @@ from ._protocol import (
     ttl_ms,
     validity_deadline,
 )
+from ._failure_log import FailureLog
 from ._scripts import scripts
 from .errors import BackendUnavailable, PoolClosed
 
 log = logging.getLogger("gpulock")
 
 DEFAULT_BACKEND_TIMEOUT_S = 5.0  # the pool object's backend_timeout, until it sets its own
-
-
-class FailureLog:
-    """The log lines of one background loop's repeated failures, rate-limited: one line at the
-    first failure, one when the loop works again, and while it keeps failing one summary per
-    ``period`` seconds (``still failing: N errors in the last 30s``) instead of a line per try.
-
-    Args:
-        what: what fails, for the messages ("heartbeat for pool gpu0").
-        period: seconds between summaries while failing.
-        clock: monotonic clock in seconds (tests inject a fake one).
-        level: the logging level of the lines.
-    """
-
-    def __init__(self, what: str, *, period: float = 30.0, clock: Callable[[], float] = time.monotonic,
-                 level: int = logging.WARNING, logger: logging.Logger = log):
-        self.what, self.period, self.clock, self.level, self.log = what, period, clock, level, logger
-        self.failing = False
-        self.errors = 0  # failures since the first one of this run
-        self._since = 0.0
-        self._window = 0  # failures since the last line
-        self._next_summary = 0.0
-
-    def failed(self, err: BaseException, *, exc_info: bool = False) -> None:
-        """One failed attempt (``exc_info``: add the traceback to the first line)."""
-        now = self.clock()
-        self.errors += 1
-        if not self.failing:
-            self.failing, self._since, self._window = True, now, 0
-            self._next_summary = now + self.period
-            self.log.log(self.level, "gpulock: %s failed (%s); retrying (repeated failures are summed up "
-                         "every %.0fs)", self.what, err, self.period, exc_info=exc_info)
-            return
-        self._window += 1
-        if now >= self._next_summary:
-            self.log.log(self.level, "gpulock: %s still failing: %d errors in the last %.0fs (%d since %.0fs "
-                         "ago; the last: %s)", self.what, self._window, self.period, self.errors,
-                         now - self._since, err)
-            self._window = 0
-            self._next_summary = now + self.period
-
-    def ok(self) -> None:
-        """An attempt succeeded: say so once if the loop was failing."""
-        if self.failing:
-            self.log.log(self.level, "gpulock: %s works again after %d failed attempt(s) in %.1fs",
-                         self.what, self.errors, self.clock() - self._since)
-        self.failing, self.errors = False, 0
 
 
 @dataclass

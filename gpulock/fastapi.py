@@ -117,6 +117,7 @@ from .errors import (
     QueueFull,
 )
 from .units import format_size, parse_size
+from ._failure_log import FailureLog
 from ._disconnect import _Gone, _is_gone, _wait_or_gone, watch_disconnect
 from ._http_guards import (
     RequestLimits,
@@ -550,6 +551,9 @@ class GpuLimiter:
         self._hold_ewma: float | None = None
         self._slots = _Slots(self.executor_threads)
         self._jobs: dict[str, _Job] = {}
+        # Repeated failures of the background loops (Redis down) log one line, then a summary.
+        self._tick_log = FailureLog(f"reaper tick for pool {self.pool_name}")
+        self._claims_log = FailureLog(f"request-claim refresh for pool {self.pool_name}")
         self._all_jobs: set[_Job] = set()
         self._tasks: set[asyncio.Task] = set()
         self._ticker: asyncio.Task | None = None
@@ -856,8 +860,10 @@ class GpuLimiter:
                 await self._tick(full=(n % 10 == 0))
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("gpulock: reaper tick failed")
+            except Exception as e:
+                self._tick_log.failed(e, exc_info=True)
+            else:
+                self._tick_log.ok()
 
     async def _tick(self, full: bool = True) -> None:
         """Read the pool's status (which reaps expired leases and wakes the waiters that now
@@ -895,7 +901,9 @@ class GpuLimiter:
                         pipe.pexpire(self._key(f"req:{t}"), _CLAIM_TTL_MS)
                 await pipe.execute()
             except Exception as e:  # noqa: BLE001 - the claims expire in 10 s; say why they were not kept
-                log.warning("gpulock: could not refresh %d request claim(s): %s", len(tickets), e)
+                self._claims_log.failed(RuntimeError(f"{len(tickets)} claim(s) not refreshed: {e}"))
+            else:
+                self._claims_log.ok()
         if full:
             with contextlib.suppress(Exception):
                 await self.refresh_estimates()

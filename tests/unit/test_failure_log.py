@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from gpulock._runtime import FailureLog
+from gpulock._failure_log import FailureLog
 
 
 class FakeClock:
