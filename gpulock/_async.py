@@ -108,7 +108,11 @@ class AsyncPool:
     ``AsyncPool(redis, "gpu0", capacity="24GiB")`` or ``AsyncPool.from_url(url, "gpu0")``.
 
     Args:
-        redis: a ``redis.asyncio.Redis`` client (decode_responses may be on or off).
+        redis: a ``redis.asyncio.Redis`` client (decode_responses may be on or off). The pool
+            object keeps at most ``min(its max_connections, 16) - 2`` of its calls in flight on
+            it; calls made meanwhile wait and go out together as one pipeline. Give it a
+            ``BlockingConnectionPool`` to bound the connections of everything else on it too
+            (``from_url`` does: ``max_connections``).
         name: the pool name, 1-64 of ``[A-Za-z0-9._-]``.
         capacity: bytes (or "24GiB"). When given, the pool is created with it if it does not
             exist yet; an existing capacity is not changed (use :meth:`configure` for that).
