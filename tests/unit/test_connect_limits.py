@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelConnectionPool
+from redis.sentinel import SentinelConnectionPool
 
 from gpulock import AsyncPool, GpuLockError, InvalidArgument, Pool
 from gpulock._connect import DEFAULT_MAX_CONNECTIONS, async_client, sync_client
@@ -52,8 +54,8 @@ def test_clients_from_urls_have_a_bounded_blocking_pool(url):
 def test_sentinel_and_tls_keep_their_connection_classes():
     c = async_client("redis+sentinel://127.0.0.1:1/svc?ssl=true")
     assert "SentinelManagedSSLConnection" in c.connection_pool.connection_class.__name__
-    assert "SentinelConnectionPool" in type(c.connection_pool).__mro__[1].__name__ or \
-        any("SentinelConnectionPool" in k.__name__ for k in type(c.connection_pool).__mro__)
+    assert isinstance(c.connection_pool, AsyncSentinelConnectionPool)  # asks the sentinels for the primary
+    assert isinstance(sync_client("redis+sentinel://127.0.0.1:1/svc").connection_pool, SentinelConnectionPool)
     s = sync_client("rediss://127.0.0.1:1/0")
     assert issubclass(s.connection_pool.connection_class, redis.SSLConnection)
 
