@@ -137,6 +137,10 @@ def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_
     stop_lengths: list[float] = []
     resume_at: dict[int, float] = {}
     gen = 0
+    timeline: list[tuple[float, str]] = []  # (time.time(), what): written to timeline.txt
+    # The crowd's own quit (its pool object closed with its acquires waiting) is scheduled too:
+    # no random stop or kill hits the crowd before one crowd has quit.
+    crowd_quit = False
     crowd_slot = workers if churn and churn.crowd else None
     env = dict(os.environ)
     if churn:
@@ -155,6 +159,7 @@ def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_
         procs[slot] = pr
         logs[pr.pid] = out
         stats[f"started {shell}"] += 1
+        timeline.append((time.time(), f"started {shell} {pr.pid} ({out.name})"))
 
     # Every fault kind is scheduled, not left to chance: the plans are dealt out to the first
     # workers (each injects its share in its first cycles, at the first cycle whose
@@ -199,9 +204,12 @@ def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_
                 if rc is not None:
                     err = pr.stderr.read()
                     stats[f"exit {rc}"] += 1
+                    timeline.append((now, f"{shell_of(pr.pid)} {pr.pid} exited {rc}"))
                     if rc not in (0, -signal.SIGKILL):
                         raise AssertionError(f"worker exited {rc}: {err[-2000:]}")
                     del procs[slot]
+                    if rc == 0 and slot == crowd_slot and now < end_at:
+                        crowd_quit = True
                     if now < end_at - 2.0 and (rc != 0 or slot == crowd_slot):
                         respawn.add(slot)
                     continue
@@ -214,6 +222,7 @@ def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_
                         d = 0.0 if now >= end_at else rng.uniform(1.2, 2.5) if long else rng.uniform(0.05, 0.6)
                         resume_at[pr.pid] = now + d
                         stop_lengths.append(d)
+                        timeline.append((now, f"{shell_of(pr.pid)} {pr.pid} stopped, for {d:.2f}s"))
                     elif now >= resume_at[pr.pid] or now >= end_at:
                         os.kill(pr.pid, signal.SIGCONT)
                         del resume_at[pr.pid]
@@ -241,6 +250,7 @@ def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_
                     rp.restart()
                     restarts.append(time.monotonic() - t0)
                     last_restart = time.time()
+                    timeline.append((last_restart, "Redis restarted"))
                     next_restart = last_restart + rng.uniform(*churn.restart_every)
             if churn and now >= next_sample:  # waiters and connections, as Redis sees them
                 next_sample = now + 0.25
@@ -271,17 +281,21 @@ def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_
                     else:
                         os.kill(victim.pid, signal.SIGKILL)
                         stats["external kill of the crowd"] += 1
+                        timeline.append((now, f"kill -9 of the crowd {victim.pid}"))
                 elif running and kind == "disconnect":
                     done = _disconnect(direct, rng, list(running.values()), rp.port,
                                        first=not stats["disconnect pubsub"])
                     if done:
                         stats[done] += 1
+                        timeline.append((now, done))
                     else:
                         ext.insert(0, kind)
                 elif running:
-                    victim = rng.choice(list(running.values()))
+                    victims = [pr for sl, pr in running.items() if sl != crowd_slot or crowd_quit]
+                    victim = rng.choice(victims or list(running.values()))
                     os.kill(victim.pid, signal.SIGSTOP if kind == "stop" else signal.SIGKILL)
                     stats[f"external {kind}"] += 1
+                    timeline.append((now, f"external {kind} of {shell_of(victim.pid)} {victim.pid}"))
             time.sleep(0.01)
         assert not procs, f"workers still running {hard_end - start:.0f}s after the start"
     finally:
@@ -289,6 +303,8 @@ def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_
             kill_quietly(pr.pid, signal.SIGCONT)
             kill_quietly(pr.pid)
             pr.wait()
+
+    (work / "timeline.txt").write_text("".join(f"{t - start:8.3f} {what}\n" for t, what in timeline))
 
     # Drain: all holders are gone; their leases expire after the ttl, their places after
     # waiter_ttl. The reap script is run directly so the check does not lean on a pool object.
@@ -328,8 +344,17 @@ def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_
             elif p[0] == "Q":
                 quits.append((int(p[1]), int(p[2])))
             elif p[0] == "E":
-                errors.append(line)
-    assert not errors, errors[:5]
+                errors.append((f.name, line))
+    if errors:  # say where and when, next to what the driver did just before
+        shells = {f"w{s}-": ("crowd" if s == crowd_slot else "sync" if s % 2 == 0 else "async") for s in range(workers + 1)}
+        report = []
+        for name, line in errors[:5]:
+            at = float(line.rsplit(" at=", 1)[1]) if " at=" in line else end_at
+            shell = next((v for k, v in shells.items() if name.startswith(k)), "?")
+            before = [f"{t - at:+.2f}s {what}" for t, what in timeline if at - 12 <= t <= at]
+            report.append(f"{shell} {name} at {at - start:.2f}s: {line[:160]}\n    before it: {before[-8:]}")
+        raise AssertionError(f"{len(errors)} unexpected errors (the driver's timeline: {work / 'timeline.txt'}):\n"
+                             + "\n".join(report))
     assert len(set(grants)) == len(grants), "a fencing token was handed out twice"
     intervals = [(min(ts), max(ts) + 1, amounts[t]) for t, ts in uses.items()]
     peak, at = max_concurrent(intervals)

@@ -31,7 +31,7 @@ read on a separate connection):
                             which this process surely held the lease (server clock)
   L token why               the lease was found lost (ensure_valid or release)
   F plan [ticket]           about to inject this fault (its precondition was observed)
-  E type message            an unexpected error (the test fails on any)
+  E type message at=T       an unexpected error (the test fails on any), at time.time() T
   B message                 BackendUnavailable while GPULOCK_SOAK_TOLERATE_BACKEND=1 (the
                             failover test: Redis is away for a moment)
   S epoch                   the pool object read the pool's status: from here on this process
@@ -80,7 +80,7 @@ CLOCK_NAME = "soak-clock"  # the workers' own TIME connection (one per process)
 def error_line(e: BaseException) -> str:
     if TOLERATE and isinstance(e, BackendUnavailable):
         return f"B {str(e)[:200]!r}"
-    return f"E {type(e).__name__} {str(e)[:200]!r}"
+    return f"E {type(e).__name__} {str(e)[:200]!r} at={time.time():.3f}"
 
 PLANS = ["kill_queued", "stop_queued", "kill_inflight", "stop_inflight", "kill_holding", "stop_holding",
          "kill_release", "stop_release"]
