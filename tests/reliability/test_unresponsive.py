@@ -162,7 +162,7 @@ async def test_slow_redis_works_then_holders_go_lost_on_their_clock(redis_proc1)
         for _ in range(40):  # 4 s: two ttls
             lease.ensure_valid()
             await asyncio.sleep(0.1)
-        assert lease.expires_at > first_expiry + 3.0, "not renewed through the slow link"
+        assert lease.expires_at > first_expiry + 2.0, "not renewed through the slow link"  # renewals every 0.67 s
         lost_at: list[float] = []
         lease.on_lost(lambda _l: lost_at.append(time.time()))
         px.delay = 0.8
