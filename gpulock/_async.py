@@ -45,6 +45,14 @@ DEFAULT_BACKEND_TIMEOUT_S = 5.0
 _CLIENT_DEFAULTS = {"socket_timeout": 5.0, "socket_connect_timeout": 2.0, "health_check_interval": 10}
 
 
+def _cancel_requests() -> int:
+    """How many cancellations of the current task are pending (``Task.cancelling()``; 0 on
+    Python 3.10, which lacks it)."""
+    task = asyncio.current_task()
+    fn = getattr(task, "cancelling", None)
+    return fn() if fn is not None else 0
+
+
 class AsyncLease(LeaseBase):
     """A lease held by this process (asyncio). Use as ``async with``; see :class:`LeaseBase`
     for the attributes. The pool's heartbeat renews it at ttl/3 until released."""
@@ -292,6 +300,7 @@ class AsyncPool:
         if rt._closed:
             raise PoolClosed(self.name)  # no heartbeat or listener would serve the lease
         wait = req.timeout_s != 0
+        cancels_before = _cancel_requests()
         if wait:
             await rt.ensure_subscribed()
         argv = req.argv("wait" if wait else "try", rt.channel_id)
@@ -307,6 +316,11 @@ class AsyncPool:
                 unreachable = isinstance(e, BackendUnavailable)
                 needs_cancel = unreachable  # any other error: the script refused before writing
                 raise
+            if _cancel_requests() > cancels_before:
+                # The task was cancelled while the call was in flight, and the client lost the
+                # cancellation (redis-py's asyncio client does, with a socket timeout, when it
+                # lands while a command is sent or read): honour it; the finally withdraws.
+                raise asyncio.CancelledError()
             if isinstance(res, Grant):
                 needs_cancel = False
                 lease = self._make_lease(res, req, validity_deadline(sent, res.now_ms, res.expires_ms))

@@ -284,3 +284,30 @@ async def test_consistency_after_churn(make_apool, rclient, pool_name):
     await asyncio.gather(*(worker() for _ in range(20)))
     consistent(rclient, pool_name)
     assert_empty(rclient, pool_name)
+
+
+async def test_cancel_during_the_acquire_call_is_never_swallowed(make_apool, rclient, pool_name):
+    """redis-py's asyncio client (8.x, any client with a socket timeout) loses a cancellation
+    that lands while a command is being sent or read: the command completes and the task
+    carries on. An acquire cancelled then must still end in CancelledError, and leave nothing
+    behind: here the task is cancelled after 0..8 loop iterations, 270 times, with room for
+    every acquire (a grant is the outcome the lost cancellation would hand out)."""
+    pool = make_apool(capacity=1000)
+    handed_out = []
+    for i in range(270):
+        task = asyncio.create_task(pool.acquire(1, ttl=30))
+        for _ in range(i % 9):
+            await asyncio.sleep(0)
+        accepted = task.cancel()
+        try:
+            lease = await task
+        except asyncio.CancelledError:
+            continue
+        if accepted:
+            handed_out.append(i % 9)
+        await lease.release()
+    assert not handed_out, f"acquires cancelled after these many loop steps returned a lease: {handed_out}"
+    deadline = time.monotonic() + 5
+    while used(rclient, pool_name) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert_empty(rclient, pool_name)
