@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""gpulock core benchmark: one run, one private Redis, one table (issue 2 item 6; DESIGN §7).
+"""gpulock core benchmark: one run, one private Redis, one table (issue 2 item 6).
 
     python benchmarks/core.py                # full run, about 1.5-2 minutes
     python benchmarks/core.py --quick        # smoke run for CI, about 30 s
@@ -21,7 +21,7 @@ against that one server:
    1, amount 1: every grant is one hand-off; every holder releases at once and queues again,
    so the queue stays at N). The next grant's token is the previous one + 1, which pairs each
    grant with the release that caused it. Reported: from ``release()`` returning to the next
-   waiter's ``acquire()`` returning (DESIGN §7's definition; 0 when the grant arrived first),
+   waiter's ``acquire()`` returning (the definition in docs/BENCHMARKS.md; 0 when the grant arrived first),
    and from the moment ``release()`` was called;
 4. client commands per grant in the same chains, from ``INFO commandstats`` over windows
    opened by ``CONFIG RESETSTAT``;
@@ -31,7 +31,7 @@ against that one server:
 
 Calibration rows, same run: the pub/sub floor (a script that only PUBLISHes, heard by a
 redis.asyncio subscriber in another process), the 10-waiter chain with every participant in
-one process, and python-redis-lock (the peer DESIGN §7 quotes) through the same harness.
+one process, and python-redis-lock (the closest peer) through the same harness.
 benchmarks/README.md says how to read each row.
 
 Speed targets live here, never in tests. Exit status is 0 unless the run failed (or, with
@@ -186,7 +186,7 @@ def bench_pairs_sync(url: str, cfg: dict) -> dict[str, Any]:
         c.evalsha(fake_rel, 8, *keys, r[1], str(r[2]))
 
     fns = {"C": ceiling, "pool": pool_pair, "raw_scripts": raw_pair, "io_only": io_pair}
-    try:  # the peer DESIGN §7 quotes (38-40 % of the ceiling), measured the same way
+    try:  # the closest peer (38-40 % of the ceiling), measured the same way
         import redis_lock
 
         peer_lock = redis_lock.Lock(c, "bench-pairs-peer", expire=30)
@@ -411,7 +411,7 @@ def run_chain(url: str, c: redis.Redis, mode: str, n_waiters: int, cfg: dict,
               max_procs: int | None = None) -> dict[str, Any]:
     """A FIFO chain of ``n_waiters`` + 1 participants over up to ``max_procs`` processes.
     mode: "async" (AsyncPool tasks), "sync" (Pool threads) or "redislock" (python-redis-lock,
-    the peer DESIGN §7 quotes, as a calibration of this harness and machine)."""
+    the closest peer, as a calibration of this harness and machine)."""
     name = f"bench-chain-{mode}-{n_waiters}-{max_procs or cfg['max_procs']}"
     keys = pool_keys(name)
     peer = mode == "redislock"

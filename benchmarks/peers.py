@@ -908,7 +908,7 @@ def build_tables(R: dict) -> dict[str, str]:
             else:
                 lag = f"{_f(sh['lag_p50_ms'], '{:.1f}')} / {_f(sh['lag_max_ms'], '{:.1f}')}  ({sh['n']} crashes)"
                 if s.startswith("gpulock") and "core" in sh:
-                    # DESIGN §7's definition: next grant minus the dead lease's expiry, both on
+                    # the definition in docs/BENCHMARKS.md: next grant minus the dead lease's expiry, both on
                     # the server clock (whole ms); the column above is on the waiter's clock.
                     sv = sh["core"]
                     ok = sv["p50_ms"] <= 5 and sv["max_ms"] <= 20

@@ -103,7 +103,7 @@ def plot_handoff(P: dict, path: Path) -> None:
         ax.grid(True, which="both", alpha=0.25)
     axes[0].set_ylabel("ms (log)")
     axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    axes[0].text(0.02, 0.02, "stars: gpulock's targets (DESIGN §7)", transform=axes[0].transAxes, fontsize=7,
+    axes[0].text(0.02, 0.02, "stars: gpulock's targets (docs/BENCHMARKS.md)", transform=axes[0].transAxes, fontsize=7,
                  color="#1f6feb")
     _title(fig, "Hand-off latency (capacity 1, each holder holds "
                 f"{P.get('config', {}).get('chain_hold_ms', '?')} ms)", P)

@@ -10,7 +10,7 @@ peers, and the service under load; tables on stdout, PNG plots and JSON under th
 Parts (``--only``): ``core`` (benchmarks/core.py: its own private Redis, as it always runs),
 ``peers`` (benchmarks/peers.py) and ``service`` (benchmarks/service.py), the last two against one
 private Redis this script starts. Files written to ``--out`` (default ``benchmarks/results``):
-``core.json``, ``peers.json``, ``service.json``, ``summary.json`` (the tables, the DESIGN §7
+``core.json``, ``peers.json``, ``service.json``, ``summary.json`` (the tables, the targets
 verdicts, machine, versions, load averages) and ``uncontended.png``, ``handoff.png``,
 ``commands.png``, ``reclaim.png``, ``fairness.png``, ``service.png``. docs/BENCHMARKS.md says how
 to read them.
@@ -69,7 +69,7 @@ def _ok(x: Any) -> bool:
 
 
 def verdicts(P: dict | None, S: dict | None) -> list[list[str]]:
-    """DESIGN §7's targets and issue 6's comparisons, on this run's numbers."""
+    """gpulock's targets and issue 6's comparisons, on this run's numbers."""
     rows: list[list[str]] = []
     if P:
         for r in P.get("uncontended_rows") or []:
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["plots"] = pngs
     summary["runtime_s"] = time.monotonic() - t0
     summary["loadavg_end"] = list(os.getloadavg())
-    print("=" * 30 + " DESIGN §7 targets and the peers, this run " + "=" * 30)
+    print("=" * 30 + " gpulock's targets and the peers, this run " + "=" * 30)
     if V:
         print(peers.table(["what", "target", "measured", "verdict"], V))
     print()

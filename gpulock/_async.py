@@ -291,7 +291,7 @@ class AsyncPool:
             AcquireTimeout (nothing is held afterwards), BackendUnavailable, PoolClosed (the
             pool object was closed before or during the wait; the request left the queue).
             On cancellation (``CancelledError``) the request leaves the queue and any grant
-            that raced in is released before the error propagates (DESIGN invariant 2).
+            that raced in is released before the error propagates (invariant 2 in docs/SEMANTICS.md).
         """
         req = AcquireRequest.build(self.name, amount, ttl=ttl, timeout=timeout, holder=holder,
                                    request_id=request_id, waiter_ttl=self.waiter_ttl, default_ttl=self.default_ttl)

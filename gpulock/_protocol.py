@@ -48,7 +48,7 @@ DEFAULT_POLL_INTERVAL_S = 1.0
 DEFAULT_MAX_WAITERS = 10_000
 # The longest ttl a lease may have in a pool this library creates (``max_ttl``), unless the
 # pool object is given another: also the length of the grace period after Redis lost a pool
-# (DESIGN §5), during which nothing new is granted. Twice the default ttl.
+# (docs/SEMANTICS.md), during which nothing new is granted. Twice the default ttl.
 DEFAULT_MAX_TTL_S = 60.0
 
 # Chubby's rule (Burrows 2006, §2.8): the client's view of a lease must end before the
@@ -430,7 +430,7 @@ class LeaseState:
     ``valid_until`` is on the local monotonic clock (seconds). It is computed from the last
     successful grant or renewal as ``sent + (expires_ms - server_now_ms)/1000 * (1 - CLOCK_DRIFT)
     - SAFETY_MARGIN_S`` where ``sent`` is the local time the call was sent, so it always ends
-    before the server's expiry (DESIGN invariant 5).
+    before the server's expiry (invariant 5 in docs/SEMANTICS.md).
     """
 
     __slots__ = ("pool", "lease_id", "ticket", "amount", "token", "ttl_s", "expires_ms", "valid_until",

@@ -93,7 +93,7 @@ class Runtime:
         self._states_lock = threading.Lock()  # the sync shell makes leases on caller threads
         self._unclaimed: OrderedDict[str, Grant] = OrderedDict()  # grants that beat their waiter
         # What this pool object knows of its pool, to create it again and put its leases back
-        # when Redis lost it (the grace period of DESIGN §5). The pool object sets the first
+        # when Redis lost it (the grace period in docs/SEMANTICS.md). The pool object sets the first
         # three; the others come from replies.
         self.capacity: int | None = None  # the pool object's capacity= (None: not given)
         self.max_waiters = DEFAULT_MAX_WAITERS
@@ -260,7 +260,7 @@ class Runtime:
     async def _watch_deadlines(self) -> None:
         """Mark leases lost (firing on_lost) at their local validity deadlines. A task of its
         own, because the ticker may sit in a renew call to a hung Redis until the socket
-        timeout, which can be longer than the ttl (DESIGN invariant 5: a holder knows it lost
+        timeout, which can be longer than the ttl (invariant 5 in docs/SEMANTICS.md: a holder knows it lost
         the lease before the server expires it). One task for all leases: renewals only move
         deadlines later, so it wakes at most once per renewal period."""
         while not self._closed:

@@ -5,7 +5,7 @@ measure the peak memory of a piece of work (calibration).
 Nothing here imports torch at module import: each function imports it lazily, and the
 functions that only *classify* an exception never import it at all (an exception raised by
 torch means torch is already in ``sys.modules``). So this module is safe in a gunicorn master
-and under ``--preload`` (DESIGN §5b: no CUDA call before fork).
+and under ``--preload`` (no CUDA call before fork).
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ def is_cuda_error(exc: BaseException) -> bool:
 
 def is_fatal_cuda_error(exc: BaseException) -> bool:
     """True for a CUDA error that is not an OOM: a device-side assert, an illegal memory
-    access and the like poison the context, so the process must exit and be restarted
-    (DESIGN §5b). An unrecognised ``CUDA error: ...`` counts as fatal too: it is safer to
+    access and the like poison the context, so the process must exit and be restarted.
+    An unrecognised ``CUDA error: ...`` counts as fatal too: it is safer to
     restart a worker than to keep serving from a context that may be broken."""
     return is_cuda_error(exc) and not is_oom(exc)
 

@@ -20,7 +20,7 @@ What one request goes through (``GpuLimiter.call``)::
             ── release ── response
 
 * The lease is taken before the function runs, so before any tensor of the request touches
-  the GPU (DESIGN §5b), and released only after the executor thread has returned, even when
+  the GPU, and released only after the executor thread has returned, even when
   the HTTP side already answered 504 (case c05).
 * Waiting happens in the event loop, never in a thread: ``/health`` keeps answering while
   hundreds of requests queue (case c02). The executor has ``executor_threads`` threads and a
@@ -1440,7 +1440,7 @@ class GpuLimiter:
     def _in_thread(self, lease: AsyncLease, fn: Callable[[], Any], job: _Job) -> Any:
         tok = _current_lease.set(lease)
         try:
-            lease.ensure_valid()  # the last check before the CUDA call (DESIGN invariant 5)
+            lease.ensure_valid()  # the last check before the CUDA call (invariant 5 in docs/SEMANTICS.md)
             t0 = time.monotonic()
             self._record("cuda_start", None, lease_id=lease.id, amount=lease.amount, route=job.route)
             try:

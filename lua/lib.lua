@@ -106,7 +106,7 @@ local function cfg_num(field)
   return tonumber(redis.call('HGET', K_CFG, field) or '0')
 end
 
--- Grace period (DESIGN §5): after a pool is created again because Redis lost its data, no
+-- Grace period (docs/SEMANTICS.md): after a pool is created again because Redis lost its data, no
 -- new grant is made until `grace_until` (server ms), one maximum ttl after the re-creation,
 -- so that holders of leases granted before the loss can re-assert them (reassert.lua) and
 -- those that cannot have given their leases up on their own clocks. Returns the ms left.

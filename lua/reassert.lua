@@ -1,7 +1,7 @@
 -- reassert.lua: after Redis lost a pool's data (a restart without persistence) and the pool
 -- (KEYS and ARGV: see the header below; KEYS are the eight pool keys of lib.lua.)
 -- was created again, a holder puts back the leases it still holds, each with its old lease
--- id, amount and fencing token: the grace period of DESIGN §5 (NFS's reclaim after a server
+-- id, amount and fencing token: the grace period in docs/SEMANTICS.md (NFS's reclaim after a server
 -- reboot). Batched: one call for all the leases of one process.
 -- A re-assertion is accepted only when
 --   * its token is older than this incarnation of the pool (token < epoch: the fence of a
