@@ -23,6 +23,7 @@ from ._protocol import (
     LeaseState,
     NotGranted,
     PoolStatus,
+    configure_capacity,
     decode_acquire,
     decode_status,
     default_clock,
@@ -39,7 +40,7 @@ from ._connect import DEFAULT_MAX_CONNECTIONS, async_client
 from ._runtime import Runtime, Waiter
 from ._scripts import scripts
 from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost, PoolClosed
-from .units import parse_seconds, parse_size
+from .units import parse_seconds
 
 DEFAULT_BACKEND_TIMEOUT_S = 5.0
 _CLIENT_DEFAULTS = {"socket_timeout": 5.0, "socket_connect_timeout": 2.0, "health_check_interval": 10}
@@ -104,6 +105,7 @@ class _AcquireCM:
         return self._lease
 
     async def __aexit__(self, et, ev, tb) -> None:
+        assert self._lease is not None  # __aexit__ runs only after __aenter__ returned
         await self._lease.__aexit__(et, ev, tb)
 
     def __await__(self):
@@ -142,6 +144,18 @@ class AsyncPool:
             then is given back and the acquire raises BackendUnavailable.
         clock: a monotonic clock (seconds); tests inject one.
     """
+
+    # The settings, set in __init__ from pool_settings() (validated there; meanings above).
+    name: str
+    capacity: int | None
+    default_ttl: float
+    waiter_ttl: float
+    poll_interval: float
+    max_waiters: int
+    backend_timeout: float
+    max_ttl: float
+    sync_replicas: int
+    sync_timeout: float
 
     def __init__(self, redis: aioredis.Redis, name: str, *, capacity: int | str | None = None,
                  default_ttl: float = DEFAULT_TTL_S, waiter_ttl: float = DEFAULT_WAITER_TTL_S,
@@ -225,7 +239,7 @@ class AsyncPool:
         values given count only for a pool it never saw.
 
         Raises: InvalidArgument (bad capacity), BackendUnavailable."""
-        cap = parse_size(capacity if capacity is not None else self.capacity, name="capacity")
+        cap = configure_capacity(capacity, self.capacity)
         mw = self.max_waiters if max_waiters is None else max_waiters
         mt = self.max_ttl if max_ttl is None else parse_seconds(max_ttl, name="max_ttl", minimum=MIN_TTL_S,
                                                                maximum=MAX_TTL_S)
@@ -391,7 +405,7 @@ class AsyncPool:
             r, acked = await self._runtime.renew_synced([1, s.lease_id, s.token, ttl_ms(s.ttl_s), 0])
         except BaseException as e:  # noqa: BLE001 - also on cancellation: give the grant back
             err = e
-        if err is None and int(r[2][0]) > 0 and acked >= self.sync_replicas:
+        if err is None and r is not None and int(r[2][0]) > 0 and acked >= self.sync_replicas:
             s.renewed(sent, int(r[0]), int(r[2][0]))
             return
         try:

@@ -113,6 +113,15 @@ def pool_settings(name: str, *, capacity, default_ttl: float, waiter_ttl: float,
     }
 
 
+def configure_capacity(capacity: int | str | None, current: int | None) -> int:
+    """The capacity a pool object's ``configure`` sets (bytes): the one given, else the pool
+    object's own. Raises InvalidArgument for a bad one, or when neither is there."""
+    value = capacity if capacity is not None else current
+    if value is None:
+        raise InvalidArgument("capacity must be a size in bytes, got None")
+    return parse_size(value, name="capacity")
+
+
 def pool_keys(pool: str) -> list[str]:
     """The eight keys of a pool, in the order every script expects (see ``lua/lib.lua``).
     All share the hash tag ``{pool}``, so a pool lives in one Redis Cluster slot."""
@@ -325,8 +334,11 @@ def decode_status(pool: str, r: list) -> PoolStatus | None:
         WaiterInfo(i + 1, _s(x[0]), int(x[1]), (now - int(x[2])) / 1000, (int(x[3]) - now) / 1000, decode_meta(x[4]))
         for i, x in enumerate(r[13])
     ]
+    (capacity, used, epoch, fence, max_waiters, lease_count, waiter_count, grants, reaped_leases,
+     reaped_waiters) = (int(v) for v in r[2:12])
     extra = [int(v) for v in r[14:17]] + [0, 0, 0]
-    return PoolStatus(pool, *(int(v) for v in r[2:12]), leases=leases, waiters=waiters,
+    return PoolStatus(pool, capacity, used, epoch, fence, max_waiters, lease_count, waiter_count, grants,
+                      reaped_leases, reaped_waiters, leases=leases, waiters=waiters,
                       grace_left=extra[0] / 1000, max_ttl=extra[1] / 1000, reasserted=extra[2])
 
 
@@ -452,7 +464,7 @@ class LeaseState:
         self.released = False
         self._clock = clock
         self.next_renew = clock() + ttl_s / 3
-        self._callbacks: list[Callable[[Any], Any]] = []
+        self._callbacks: list[Callable[[], Any]] = []  # each already bound to its lease object
         self._lock = threading.Lock()
 
     def renewed(self, sent: float, now_ms: int, expires_ms: int) -> None:

@@ -245,6 +245,7 @@ class Runtime:
     def _start_and_poke(self) -> None:
         self._ensure_ticker()
         self._poke()
+        assert self._dog_wake is not None  # made by _ensure_ticker, with _wake
         self._dog_wake.set()
 
     def _in_loop(self, fn: Callable[[], Any]) -> None:
@@ -254,6 +255,8 @@ class Runtime:
             running = None
         if running is not None and (self._loop is None or running is self._loop):
             fn()
+        elif self._loop is None:  # no loop yet: nothing to run it in
+            raise RuntimeError(f"gpulock: pool {self.pool}: no event loop yet")
         else:
             self._loop.call_soon_threadsafe(fn)
 
@@ -263,6 +266,8 @@ class Runtime:
         timeout, which can be longer than the ttl (invariant 5 in docs/SEMANTICS.md: a holder knows it lost
         the lease before the server expires it). One task for all leases: renewals only move
         deadlines later, so it wakes at most once per renewal period."""
+        dog_wake = self._dog_wake
+        assert dog_wake is not None  # made by _ensure_ticker before it starts this task
         while not self._closed:
             now = self.clock()
             soonest = float("inf")
@@ -276,9 +281,9 @@ class Runtime:
                 else:
                     soonest = min(soonest, s.valid_until)
             self._dog_at = soonest
-            self._dog_wake.clear()
+            dog_wake.clear()
             try:
-                await asyncio.wait_for(self._dog_wake.wait(), None if soonest == float("inf") else soonest - now)
+                await asyncio.wait_for(dog_wake.wait(), None if soonest == float("inf") else soonest - now)
             except asyncio.TimeoutError:
                 pass
 
@@ -390,6 +395,8 @@ class Runtime:
 
     async def _listen(self) -> None:
         channel = f"{self.keys[7]}:{self.channel_id}"
+        subscribed = self._subscribed
+        assert subscribed is not None  # made by ensure_subscribed before it starts this task
         attempt = 0
         while not self._closed:
             ps = self.redis.pubsub(ignore_subscribe_messages=False)
@@ -400,7 +407,7 @@ class Runtime:
                     if msg is None:
                         continue
                     if msg["type"] == "subscribe":
-                        self._subscribed.set()
+                        subscribed.set()
                         self._sub_error = None
                         self._sub_news.set()
                         attempt = 0
@@ -411,7 +418,7 @@ class Runtime:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # connection trouble: the ticker's polling covers us
-                self._subscribed.clear()
+                subscribed.clear()
                 self._sub_error = e  # for ensure_subscribed: stop waiting, and why
                 self._sub_news.set()
                 self._sub_log.failed(e)
@@ -442,15 +449,17 @@ class Runtime:
         return t
 
     async def _tick_loop(self) -> None:
+        wake = self._wake
+        assert wake is not None  # made by _ensure_ticker before it starts this task
         attempt = 0
         while not self._closed:
             now = self.clock()
             self._ticker_at = self._next_wake(now)
             delay = self._ticker_at - now
             if delay > 0:
-                self._wake.clear()
+                wake.clear()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), delay)
+                    await asyncio.wait_for(wake.wait(), delay)
                 except asyncio.TimeoutError:
                     pass
             if not self.leases and not self.waiters and not self._restart_suspected:

@@ -33,6 +33,7 @@ from ._protocol import (
     LeaseBase,
     LeaseState,
     PoolStatus,
+    configure_capacity,
     decode_acquire,
     decode_status,
     default_clock,
@@ -48,7 +49,7 @@ from ._connect import DEFAULT_MAX_CONNECTIONS, async_client, sync_client
 from ._runtime import Runtime, Waiter
 from ._scripts import scripts
 from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost, PoolClosed, PoolNotFound
-from .units import parse_seconds, parse_size
+from .units import parse_seconds
 
 
 class _LoopThread:
@@ -215,6 +216,7 @@ class _AcquireCM:
         return self._lease
 
     def __exit__(self, et, ev, tb) -> None:
+        assert self._lease is not None  # __exit__ runs only after __enter__ returned
         self._lease.__exit__(et, ev, tb)
 
 
@@ -224,6 +226,18 @@ class Pool:
     Same arguments and semantics as :class:`~gpulock.AsyncPool`, with a ``redis.Redis``
     client. Create it after ``fork()`` (its background thread does not survive a fork).
     """
+
+    # The settings, set in __init__ from pool_settings() (validated there; meanings: AsyncPool).
+    name: str
+    capacity: int | None
+    default_ttl: float
+    waiter_ttl: float
+    poll_interval: float
+    max_waiters: int
+    backend_timeout: float
+    max_ttl: float
+    sync_replicas: int
+    sync_timeout: float
 
     def __init__(self, redis_client: redis.Redis, name: str, *, capacity: int | str | None = None,
                  default_ttl: float = DEFAULT_TTL_S, waiter_ttl: float = DEFAULT_WAITER_TTL_S,
@@ -271,13 +285,19 @@ class Pool:
             if self._closed:
                 raise PoolClosed(self.name)  # no heartbeat or listener would serve a lease
             if self._portal is None:
-                self._portal = _LoopThread(f"gpulock-{self.name}", closed=lambda: PoolClosed(self.name))
-                cap = _background_cap(getattr(self.redis.connection_pool, "max_connections", 4))
-                client = (async_client(self._url, max_connections=cap, **_CLIENT_DEFAULTS) if self._url
-                          else _async_twin(self.redis))
-                self._runtime = Runtime(client, self.name, self._keys, self.clock, self.poll_interval,
-                                        loop=self._portal.loop)
+                portal = _LoopThread(f"gpulock-{self.name}", closed=lambda: PoolClosed(self.name))
+                try:
+                    cap = _background_cap(getattr(self.redis.connection_pool, "max_connections", 4))
+                    client = (async_client(self._url, max_connections=cap, **_CLIENT_DEFAULTS) if self._url
+                              else _async_twin(self.redis))
+                    self._runtime = Runtime(client, self.name, self._keys, self.clock, self.poll_interval,
+                                            loop=portal.loop)
+                except BaseException:
+                    portal.stop()  # no runtime: leave no loop thread (a later call starts again)
+                    raise
+                self._portal = portal
                 self._settings_to_runtime()
+            assert self._runtime is not None  # made with the portal, and dropped with it
             return self._portal, self._runtime
 
     def _untrack(self, lease_id: str) -> None:
@@ -317,7 +337,7 @@ class Pool:
                   max_ttl: float | None = None, create_only: bool = False, _grace: bool = False) -> dict[str, int]:
         """Create the pool or set its capacity (bytes or "8GiB"), queue bound and max_ttl; see
         :meth:`gpulock.AsyncPool.configure`."""
-        cap = parse_size(capacity if capacity is not None else self.capacity, name="capacity")
+        cap = configure_capacity(capacity, self.capacity)
         mw = self.max_waiters if max_waiters is None else max_waiters
         mt = self.max_ttl if max_ttl is None else parse_seconds(max_ttl, name="max_ttl", minimum=MIN_TTL_S,
                                                                maximum=MAX_TTL_S)
@@ -420,8 +440,8 @@ class Pool:
             # thread to this thread's future (no task in between; the hand-off p50 measured the
             # same, 0.175 vs 0.176 ms, but there is one object fewer to cancel and to leak).
             cf = portal.watch(concurrent.futures.Future())
-            joined = portal.call(self._join(rt, Waiter(req.ticket, None, argv, ttl_ms(req.waiter_ttl_s),
-                                                       res.position, on_queued), res.retry_after_ms, cf))
+            joined = portal.call(self._join(rt, req.ticket, argv, ttl_ms(req.waiter_ttl_s), res.position,
+                                            on_queued, res.retry_after_ms, cf))
             remaining = None if req.timeout_s is None else max(0.0, req.timeout_s - (self.clock() - start))
             try:
                 grant = cf.result(remaining)
@@ -465,8 +485,12 @@ class Pool:
                 except Exception:  # noqa: BLE001 - never mask the error being raised
                     pass  # unreachable: the waiter expires after waiter_ttl, a grant after ttl
 
-    async def _join(self, rt: Runtime, w: Waiter, retry_after_ms: int, cf: concurrent.futures.Future) -> Waiter:
-        w.future = asyncio.get_running_loop().create_future()
+    async def _join(self, rt: Runtime, ticket: str, argv: list[str], waiter_ttl_ms: int, position: int,
+                    on_queued: Callable[[int], Any] | None, retry_after_ms: int,
+                    cf: concurrent.futures.Future) -> Waiter:
+        """On the loop thread: queue a waiter for ``ticket`` (its future belongs to this loop),
+        or join the one this process has for it, and relay its grant to ``cf``."""
+        w = Waiter(ticket, asyncio.get_running_loop().create_future(), argv, waiter_ttl_ms, position, on_queued)
         joined = rt.join_waiter(w)
         rt.set_reap_timer(self.clock(), retry_after_ms)
         # A callback, never ``await``: another acquire with the same request id may share the
@@ -564,6 +588,7 @@ class Pool:
             self._closed = True
             portal, rt, self._portal, self._runtime = self._portal, self._runtime, None, None
         if portal is not None:
+            assert rt is not None  # made with the portal (see _rt)
             try:
                 portal.call(rt.close(), timeout=5)
             except Exception:

@@ -96,11 +96,12 @@ import signal
 import socket
 import time
 import typing
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis.asyncio as aioredis
 from fastapi import HTTPException, Request, Response
 
 from ._async import AsyncLease, AsyncPool
@@ -533,7 +534,7 @@ class GpuLimiter:
         self.request_id_header = request_id_header
 
         self.pool: AsyncPool | None = None
-        self.redis = None
+        self.redis: aioredis.Redis | None = None  # set by start()
         self.executor: ThreadPoolExecutor | None = None
         self.status: PoolStatus | None = None  # last status read
         self.status_at = 0.0
@@ -559,7 +560,7 @@ class GpuLimiter:
         self._ticker: asyncio.Task | None = None
         self._estimates: dict[str, int] = {}
         self._owner = f"{socket.gethostname()}:{os.getpid()}"
-        self._history = None
+        self._history: typing.TextIO | None = None
         self._started = False
         self._stopping = False
 
@@ -591,7 +592,8 @@ class GpuLimiter:
         self.pool = AsyncPool(self.redis, self.pool_name, **kw)
         self.executor = ThreadPoolExecutor(self.executor_threads, thread_name_prefix="gpulock-work")
         if self.history_file:
-            self._history = await asyncio.to_thread(open, f"{self.history_file}.{os.getpid()}.jsonl", "a", buffering=1)
+            path = f"{self.history_file}.{os.getpid()}.jsonl"
+            self._history = await asyncio.to_thread(lambda: open(path, "a", buffering=1))
         self._started = True
         m = metrics()
         m.workers.set(1)
@@ -652,7 +654,7 @@ class GpuLimiter:
         finally:
             await self.stop()
 
-    def spawn(self, coro: Awaitable[Any], name: str | None = None) -> asyncio.Task:
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task:
         """Run a background coroutine that ``stop()`` cancels."""
         t = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(t)
@@ -893,6 +895,7 @@ class GpuLimiter:
         if jobs:
             tickets = [t for t, _ in jobs]
             try:
+                assert self.redis is not None  # made with the pool, in start()
                 pipe = self.redis.pipeline(transaction=False)
                 for t, j in jobs:  # a thread-slot place moves as the waiters ahead leave: rewrite it
                     if j.phase == "slot":
@@ -986,6 +989,7 @@ class GpuLimiter:
         """``(the job's place now, the pool queue's length now or None)``: one ZCARD, not the
         last reaper tick's length (the Retry-After of a request that leaves the queue needs it)."""
         try:
+            assert self.redis is not None  # set by start()
             queued = int(await asyncio.wait_for(self.redis.zcard(pool_keys(self.pool_name)[3]), 0.5))
         except Exception:
             queued = None
@@ -1009,6 +1013,7 @@ class GpuLimiter:
     # ---- estimates ----------------------------------------------------------------------------
     async def refresh_estimates(self) -> dict[str, int]:
         """Reload the calibrated per-shape estimates from Redis into this worker's cache."""
+        assert self.redis is not None, "GpuLimiter.start() was not called"
         raw = await self.redis.hgetall(self.estimates_key)
         self._estimates = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
         return self._estimates
@@ -1035,7 +1040,7 @@ class GpuLimiter:
 
         if not device.startswith("cuda"):
             raise RuntimeError("calibration measures CUDA peaks; the device is " + device)
-        assert self.pool is not None and self.executor is not None
+        assert self.pool is not None and self.executor is not None and self.redis is not None
         out: dict[str, int] = {}
         for batch, tokens in shapes:
             b, s = next_bucket(batch), next_bucket(tokens, minimum=8)
@@ -1047,7 +1052,9 @@ class GpuLimiter:
                     self.executor, measure_peak, functools.partial(run_shape, b, s), device)
             out[f"{route}|b{b}|s{s}"] = max(1, math.ceil(peak * margin))
         if out:
-            await self.redis.hset(self.estimates_key, mapping=out)
+            # redis-py types the mapping's keys as a union, and a Mapping's key type is invariant,
+            # so it refuses a dict[str, int] that it takes at run time.
+            await self.redis.hset(self.estimates_key, mapping=out)  # type: ignore[arg-type]
             self._estimates.update(out)
         return out
 
@@ -1109,7 +1116,10 @@ class GpuLimiter:
                                        fingerprint_of=lambda: _fingerprint(route, user_kw))
 
             ret = hints.get("return", sig.return_annotation)
-            wrapper.__signature__ = sig.replace(parameters=_order_params(params + extra), return_annotation=ret)
+            # Functions take any attribute, and inspect.signature (so FastAPI) reads this one;
+            # typeshed's functools._Wrapped does not declare it.
+            wrapper.__signature__ = sig.replace(  # type: ignore[attr-defined]
+                parameters=_order_params(params + extra), return_annotation=ret)
             wrapper.__annotations__ = {**{p.name: p.annotation for p in params + extra}, "return": ret}
             return wrapper
 
@@ -1197,6 +1207,7 @@ class GpuLimiter:
                 if response is not None:
                     response.headers["X-Idempotent-Replay"] = "true"
                 return stored
+            assert self.redis is not None  # set by start()
             claimed = await self.redis.set(self._key(f"req:{ticket}"), f"{self._owner}|{fp}|slot|0",
                                            nx=True, px=_CLAIM_TTL_MS)
             if claimed:
@@ -1214,6 +1225,7 @@ class GpuLimiter:
             # The owner finished without a result (an error) or died: take over.
 
     async def _get_result(self, ticket: str, fp: str, request_id: str) -> Any:
+        assert self.redis is not None  # set by start()
         raw = await self.redis.get(self._key(f"res:{ticket}"))
         if raw is None:
             return _MISSING
@@ -1239,6 +1251,7 @@ class GpuLimiter:
         delay = 0.02
         claim_key, res_key, queue_key = self._key(f"req:{ticket}"), self._key(f"res:{ticket}"), pool_keys(self.pool_name)[3]
         while True:
+            assert self.redis is not None  # set by start()
             pipe = self.redis.pipeline(transaction=False)
             pipe.get(res_key)
             pipe.get(claim_key)
@@ -1300,6 +1313,7 @@ class GpuLimiter:
         if job.ticket is None:
             return
         with contextlib.suppress(Exception):
+            assert self.redis is not None  # set by start()
             await self.redis.set(self._key(f"req:{job.ticket}"), self._claim_value(job), xx=True, px=_CLAIM_TTL_MS)
 
     async def _publish_slot_place(self, job: _Job) -> None:
@@ -1431,6 +1445,7 @@ class GpuLimiter:
                 if self._jobs.get(job.ticket) is job:
                     del self._jobs[job.ticket]
                 try:
+                    assert self.redis is not None  # set by start()
                     await asyncio.shield(self.redis.eval(_UNLOCK, 1, self._key(f"req:{job.ticket}"), f"{self._owner}|"))
                 except Exception as e:  # noqa: BLE001 - the claim expires in 10 s; until then retries follow it
                     log.warning("gpulock: could not drop the claim of request %s: %s", job.ticket, e)
@@ -1480,6 +1495,7 @@ class GpuLimiter:
             log.debug("gpulock: result of %s not stored for replay (%s)", job.route, e)
             return
         with contextlib.suppress(Exception):
+            assert self.redis is not None  # set by start()
             await self.redis.set(self._key(f"res:{job.ticket}"), raw, px=max(1, int(self.result_ttl * 1000)))
 
     def _fatal(self, message: str) -> None:

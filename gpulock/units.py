@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from fractions import Fraction
+from typing import Literal, overload
 
 from .errors import InvalidArgument
 
@@ -74,6 +75,30 @@ def format_size(n: int) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f}{unit}"
     return f"{n}B"
+
+
+@overload
+def parse_seconds(
+    value: int | float | str | None,
+    *,
+    name: str,
+    minimum: float = ...,
+    maximum: float = ...,
+    allow_none: Literal[False] = ...,
+    allow_zero: bool = ...,
+) -> float: ...
+
+
+@overload
+def parse_seconds(
+    value: int | float | str | None,
+    *,
+    name: str,
+    minimum: float = ...,
+    maximum: float = ...,
+    allow_none: bool,
+    allow_zero: bool = ...,
+) -> float | None: ...
 
 
 def parse_seconds(
