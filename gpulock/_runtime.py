@@ -665,12 +665,15 @@ class Runtime:
         forgotten = []
         for w, res in zip(waiters, r[3]):
             kind = res[0].decode() if isinstance(res[0], bytes) else res[0]
+            # Redis answered for this waiter: its bound (see waiter_bound) counts from here,
+            # also when the answer is that the queue forgot it and it is queued again below
+            # (a crowd of waiters re-queued one by one after a restart must not fail because
+            # one later heartbeat failed while they had not yet had their turn).
+            w.refreshed = sent
             if kind == "g":
-                w.refreshed = sent
                 lid = res[1].decode() if isinstance(res[1], bytes) else res[1]
                 self._deliver(Grant(w.ticket, lid, int(res[2]), int(res[3]), int(res[4]), now_ms, epoch))
             elif kind == "q":
-                w.refreshed = sent
                 pos = int(res[1])
                 if pos != w.position:
                     w.position = pos
