@@ -59,7 +59,7 @@ def _load(path: Path) -> dict:
 def test_tables(run):
     _, stdout = run
     heads = ["uncontended acquire+release", "hand-off, release returns -> next holder", "client commands",
-             "crash reclaim", "fairness, mixed sizes", "DESIGN §7 targets and the peers"]
+             "crash reclaim", "fairness, mixed sizes", "gpulock's targets and the peers"]
     if HAVE_SERVICE:
         heads.append("service, 4 workers, mixed sizes")
     for head in heads:
