@@ -179,23 +179,9 @@ def sync_client(url: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, **d
         InvalidArgument: the URL cannot be used (naming it, password hidden, and the accepted
             schemes), or ``max_connections`` is not an integer ≥ 2.
     """
-    if not isinstance(url, str):
-        raise _bad_url(repr(url), TypeError(f"a URL is a str, not {type(url).__name__}"))
-    cap = check_max_connections(max_connections)
-    try:
-        cap = _url_max_connections(url, cap)
-        if not is_sentinel_url(url):
-            pool = redis.BlockingConnectionPool.from_url(url, **{**defaults, "max_connections": cap,
-                                                                  "timeout": _pool_wait(defaults)})
-            return redis.Redis.from_pool(pool)
-        from redis.sentinel import Sentinel
+    from redis.sentinel import Sentinel
 
-        su = SentinelURL(url)
-        s = Sentinel(su.sentinels, sentinel_kwargs=su.sentinel_connection_kwargs(defaults))
-        return s.master_for(su.service, connection_pool_class=BlockingSentinelConnectionPool,
-                            max_connections=cap, timeout=_pool_wait(defaults), **su.master_kwargs(defaults))
-    except ValueError as e:
-        raise _bad_url(url, e) from None
+    return _client(url, max_connections, defaults, redis, Sentinel, BlockingSentinelConnectionPool)
 
 
 def async_client(url: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, **defaults: Any) -> aioredis.Redis:
@@ -205,20 +191,26 @@ def async_client(url: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, **
     Raises:
         InvalidArgument: as :func:`sync_client`.
     """
+    from redis.asyncio.sentinel import Sentinel
+
+    return _client(url, max_connections, defaults, aioredis, Sentinel, AsyncBlockingSentinelConnectionPool)
+
+
+def _client(url: str, max_connections: int, defaults: dict[str, Any], mod: Any, sentinel_cls: Any,
+            sentinel_pool_cls: type) -> Any:
+    """The one connect path of both shells: ``mod`` is ``redis`` or ``redis.asyncio``."""
     if not isinstance(url, str):
         raise _bad_url(repr(url), TypeError(f"a URL is a str, not {type(url).__name__}"))
     cap = check_max_connections(max_connections)
     try:
         cap = _url_max_connections(url, cap)
         if not is_sentinel_url(url):
-            pool = aioredis.BlockingConnectionPool.from_url(url, **{**defaults, "max_connections": cap,
-                                                                     "timeout": _pool_wait(defaults)})
-            return aioredis.Redis.from_pool(pool)
-        from redis.asyncio.sentinel import Sentinel
-
+            pool = mod.BlockingConnectionPool.from_url(url, **{**defaults, "max_connections": cap,
+                                                                "timeout": _pool_wait(defaults)})
+            return mod.Redis.from_pool(pool)
         su = SentinelURL(url)
-        s = Sentinel(su.sentinels, sentinel_kwargs=su.sentinel_connection_kwargs(defaults))
-        return s.master_for(su.service, connection_pool_class=AsyncBlockingSentinelConnectionPool,
+        s = sentinel_cls(su.sentinels, sentinel_kwargs=su.sentinel_connection_kwargs(defaults))
+        return s.master_for(su.service, connection_pool_class=sentinel_pool_cls,
                             max_connections=cap, timeout=_pool_wait(defaults), **su.master_kwargs(defaults))
     except ValueError as e:
         raise _bad_url(url, e) from None
