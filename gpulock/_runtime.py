@@ -103,6 +103,7 @@ class Runtime:
         self.capacity_seen = 0
         self.max_waiters_seen = 0
         self.max_ttl_seen_ms = 0
+        self._settings_asked = False  # one background status read for max_ttl/max_waiters
         # The pool's epoch this object knows (0: never seen). Only the first reply and the
         # recovery after a loss set it (see seen()): a reply with another epoch, or none, makes
         # the heartbeat run at once (_restart_suspected) and recover.
@@ -141,8 +142,10 @@ class Runtime:
         makes the pool again if it is gone, puts the leases back, queues the waiters again and
         only then adopts the new epoch. Settings are recorded from replies of the known epoch
         only, so a pool made again by someone else does not overwrite what the operator set."""
+        adopted = False
         if not self.known_epoch and epoch:
             self.known_epoch = epoch
+            adopted = True
         if not self.known_epoch:
             return
         if epoch != self.known_epoch:
@@ -154,6 +157,35 @@ class Runtime:
             self.max_waiters_seen = max_waiters
         if max_ttl_ms:
             self.max_ttl_seen_ms = max_ttl_ms
+        if adopted and not (self.max_ttl_seen_ms and self.max_waiters_seen):
+            self._learn_settings_soon()
+
+    def _learn_settings_soon(self) -> None:
+        """The pool was first seen in a reply without its max_ttl and max_waiters (an
+        acquire's): read them once, in the background, so that a pool made again after a loss
+        has the operator's values and grace period, not this object's defaults. Safe from any
+        thread."""
+        if self._settings_asked or self._closed:
+            return
+        self._settings_asked = True
+        try:
+            self._in_loop(lambda: self.spawn(self._learn_settings()))
+        except (RuntimeError, AttributeError):  # no loop yet: the next adopted epoch asks again
+            self._settings_asked = False
+
+    async def _learn_settings(self) -> None:
+        from ._protocol import decode_status
+
+        try:
+            r = await self._eval("status", ["0"], bound=self.backend_timeout)
+        except Exception as e:  # noqa: BLE001 - best effort: a later status()/configure() also tells
+            self._settings_asked = False
+            log.info("gpulock: pool %s: could not read its max_ttl and max_waiters (%s: %s); a pool made "
+                     "again after a loss would have this object's own", self.pool, type(e).__name__, e)
+            return
+        st = decode_status(self.pool, r)
+        if st is not None:  # recorded only for the known epoch (see seen)
+            self.seen(st.epoch, st.capacity, st.max_waiters, ttl_ms(st.max_ttl) if st.max_ttl else 0)
 
     def suspect_restart(self) -> None:
         """A reply showed the pool gone or made again: run the heartbeat (and so the recovery)

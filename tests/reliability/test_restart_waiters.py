@@ -311,3 +311,50 @@ def test_a_waiter_fails_only_when_redis_stays_away_past_its_bound(redis_proc1, k
     finally:
         sh.close()
         direct.close()
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+def test_an_acquire_only_pool_object_remakes_the_pool_with_the_operators_settings(redis_proc1, kind):
+    """The operator set capacity, max_ttl and max_waiters (``gpulock pool set``); a pool object
+    that only acquires (never ``status()`` nor ``configure()``) holds a lease when Redis
+    restarts empty. The pool it makes again has all three of the operator's values, and a grace
+    period of the operator's max_ttl — not the constructor's max_ttl 60 s and max_waiters 10000
+    (acquire replies carry neither: the pool object reads them once when it first sees the
+    pool)."""
+    rp, name = redis_proc1, f"acquire-only-{kind}"
+    direct = redis.Redis.from_url(rp.url)
+    operator = Pool.from_url(rp.url, name)
+    holder = None
+    try:
+        operator.configure(10, max_ttl=5, max_waiters=7)  # `gpulock pool set --capacity 10 --max-ttl 5 ...`
+        holder = _Shell(kind, rp.url, name, capacity=100, default_ttl=1.5)
+        lease = holder("acquire", 4)
+        rt = holder.pool._runtime
+
+        def learned() -> bool:
+            holder.pump()
+            return rt.max_ttl_seen_ms == 5000 and rt.max_waiters_seen == 7
+
+        wait_for(learned, timeout=5.0)
+        old_epoch = _cfg(direct, name)["epoch"]
+        rp.restart()
+
+        def back() -> bool:
+            holder.pump()
+            return lease.id in _holders(direct, name)
+
+        wait_for(back, timeout=5.0)
+        cfg = _cfg(direct, name)
+        assert cfg["epoch"] != old_epoch, cfg
+        assert (cfg["capacity"], cfg["max_ttl_ms"], cfg["max_waiters"]) == (10, 5000, 7), cfg
+        grace_ms = cfg["grace_until"] - int(direct.time()[0]) * 1000
+        assert 0 < grace_ms <= 5000 + 1000, cfg
+        if kind == "async":
+            holder.loop.run_until_complete(lease.release())
+        else:
+            lease.release()
+    finally:
+        if holder is not None:
+            holder.close()
+        operator.close()
+        direct.close()
