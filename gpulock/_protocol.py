@@ -156,9 +156,55 @@ def encode_meta(holder: dict[str, Any] | None) -> str:
         s = json.dumps(meta, separators=(",", ":"), default=str, ensure_ascii=True)
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"holder metadata is not JSON-serialisable: {e}") from None
+    # ensure_ascii writes a lone surrogate ("\ud800") as its escape, which every reader then
+    # decodes back to a str that cannot be encoded as UTF-8 (the broker's status was a 500 for
+    # as long as the lease lived). Escapes of surrogates only appear for such text or for
+    # characters outside the BMP (json writes lower-case hex), so the exact check runs only then.
+    if "\\ud" in s:
+        bad = meta_unicode_error(meta)
+        if bad:
+            raise InvalidArgument(bad)
     if len(s) > MAX_META_BYTES:
         raise InvalidArgument(f"holder metadata is {len(s)} bytes as JSON; at most {MAX_META_BYTES}")
     return s
+
+
+def meta_unicode_error(holder: dict[str, Any]) -> str | None:
+    """None when every key and value of ``holder`` can be written as JSON in UTF-8, else a
+    message naming the first one that cannot (it holds a lone surrogate such as ``"\\ud800"``,
+    which Python's JSON parser accepts in input). The one check of every surface: the core's
+    :func:`encode_meta` and the broker's request model."""
+    for k, v in holder.items():
+        try:
+            str(k).encode("utf-8")
+        except UnicodeEncodeError:
+            return (f"holder metadata key {k!r} is not valid Unicode (a lone surrogate); "
+                    f"JSON in UTF-8 cannot carry it")
+        try:
+            json.dumps(v, default=str, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return (f"holder metadata {k!r} has a value that is not valid Unicode (a lone surrogate, "
+                    f"such as '\\ud800'); JSON in UTF-8 cannot carry it")
+        except (TypeError, ValueError, RecursionError):
+            pass  # not JSON at all: the caller says so
+    return None
+
+
+def _printable(x: Any, depth: int = 0) -> Any:
+    """Decoded metadata with lone surrogates written as their escapes (bounded depth)."""
+    if isinstance(x, str):
+        try:
+            x.encode("utf-8")
+            return x
+        except UnicodeEncodeError:
+            return x.encode("utf-8", "backslashreplace").decode("utf-8")
+    if depth > 32:
+        return x
+    if isinstance(x, dict):
+        return {_printable(k, depth + 1): _printable(v, depth + 1) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_printable(v, depth + 1) for v in x]
+    return x
 
 
 def decode_meta(s: str | bytes) -> dict[str, Any]:
@@ -166,9 +212,11 @@ def decode_meta(s: str | bytes) -> dict[str, Any]:
         s = s.decode("utf-8", "replace")
     try:
         v = json.loads(s) if s else {}
-        return v if isinstance(v, dict) else {"value": v}
-    except ValueError:
+    except (ValueError, RecursionError):
         return {"raw": s}
+    if "\\ud" in s.lower():  # metadata stored before encode_meta refused lone surrogates
+        v = _printable(v)
+    return v if isinstance(v, dict) else {"value": v}
 
 
 def ttl_ms(ttl_s: float) -> int:

@@ -11,6 +11,7 @@ from typing_extensions import Annotated
 
 from gpulock._protocol import MAX_TTL_S as MAX_POOL_TTL_S
 from gpulock._protocol import MIN_TTL_S as MIN_POOL_TTL_S
+from gpulock._protocol import meta_unicode_error
 from gpulock.errors import InvalidArgument
 from gpulock.units import parse_size
 
@@ -78,6 +79,9 @@ class LeaseRequest(_Body):
     @classmethod
     def _holder(cls, v: Optional[dict]) -> Optional[dict]:
         if v is not None:
+            bad = meta_unicode_error(v)  # the core's check (encode_meta): never stored
+            if bad:
+                raise ValueError(bad)
             n = len(json.dumps(v, separators=(",", ":"), ensure_ascii=True))
             if n > MAX_HOLDER_JSON:
                 raise ValueError(f"holder is {n} bytes as JSON; at most {MAX_HOLDER_JSON}")
