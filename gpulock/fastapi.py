@@ -68,7 +68,10 @@ hold time), and with no measurement at all to one second per place (or the serve
 the time to the nearest lease expiry, when shorter): a retry that comes too early costs one
 cheap lookup, one that comes too late costs latency. A 503 that keeps its place (parked, see
 above) never says more than ``park_timeout / 2``, so the retry arrives while the place is
-still kept, also after the client's jitter.
+still kept, also after the client's jitter. In a grace period after Redis lost the pool
+(nothing is granted before it ends) every Retry-After is at least the time left in it (capped
+at ``max_retry_after``), and a request parked in it keeps its place until the grace ends and
+``park_timeout`` after.
 ``X-Queue-Position`` is ``position + local_position``.
 
 Metrics (``/metrics``, Prometheus text; multiprocess mode when ``PROMETHEUS_MULTIPROC_DIR`` is
@@ -460,6 +463,7 @@ class _Job:
     wait_s: float | None = None
     run_s: float | None = None
     server_retry_after: float | None = None
+    place_until: float = 0.0  # a parked job: when its place in the queue runs out (monotonic)
     abandoned: bool = False  # the HTTP side gave up on it (503 without parking, client gone)
     attached: int = 0  # HTTP requests waiting on it now (a retry with the same X-Request-ID joins)
     # Result or error, set as soon as known: the response goes out while the release (one more
@@ -915,6 +919,21 @@ class GpuLimiter:
                 _sweep_dead_processes(d)
         self._publish_ready()
 
+    def _release_done(self, route: str, rel: asyncio.Future) -> None:
+        """Report how a job's release ended when it did not succeed: a lease lost meanwhile
+        (counted), or a real failure (Redis unreachable: the lease expires after its ttl)."""
+        if rel.cancelled():
+            log.warning("gpulock: release cancelled; the lease expires after its ttl")
+            return
+        e = rel.exception()
+        if e is None:
+            return
+        if isinstance(e, LeaseLost):
+            metrics().lost.labels(route).inc()
+            return
+        log.warning("gpulock: release failed (%s%s); the lease expires after its ttl",
+                    type(e).__name__, f": {e}" if str(e) else "")
+
     # ---- Retry-After ------------------------------------------------------------------------
     def grant_rate(self) -> float | None:
         """Grants per second of the pool while busy (see :class:`BusyRate`), or the
@@ -927,6 +946,14 @@ class GpuLimiter:
             return max(1, st.lease_count - len(self.resident_leases)) / self._hold_ewma
         return None
 
+    def grace_left(self) -> float:
+        """Seconds left in the pool's grace period after Redis lost it (nothing is granted
+        before it ends), from the last status read; 0 outside one."""
+        st = self.status
+        if st is None or st.grace_left <= 0:
+            return 0.0
+        return max(0.0, st.grace_left - (time.monotonic() - self.status_at))
+
     def retry_after(self, position: int, server_hint: float | None = None, *, local: int = 0,
                     parked: bool = False) -> int:
         """Seconds a client should wait before retrying a request at ``position`` (1-based)
@@ -935,7 +962,10 @@ class GpuLimiter:
         local_grant_rate`` (its place among this worker's waiters over this worker's own busy
         grant rate). Without a rate yet: one second per place, or ``server_hint`` (the core's
         time to the nearest lease expiry) when shorter. ``parked``: the request keeps its place
-        for ``park_timeout`` seconds, so the answer is at most ``park_timeout / 2``."""
+        for ``park_timeout`` seconds, so the answer is at most ``park_timeout / 2``. In a grace
+        period after Redis lost the pool (nothing is granted before it ends) the answer is at
+        least the time left in it, also for a parked request (whose place lasts past the
+        grace); always at most ``max_retry_after``."""
         p = max(0, int(position))
         rate = self.grant_rate()
         if rate:
@@ -947,9 +977,11 @@ class GpuLimiter:
             secs = float(max(1, p + local)) * _UNMEASURED_SECONDS_PER_PLACE
             if server_hint is not None and server_hint > 0:
                 secs = min(secs, server_hint)
+        grace = self.grace_left()
+        secs = max(secs, grace)
         cap = self.max_retry_after
         if parked and self.park_timeout > 0:
-            cap = min(cap, self.park_timeout / 2)
+            cap = min(cap, max(self.park_timeout / 2, grace))
         return int(max(1.0, min(cap, math.ceil(secs))))
 
     def _retry_after_for(self, job: _Job, position: int, pool_queue: int | None) -> int:
@@ -1331,7 +1363,14 @@ class GpuLimiter:
         self._all_jobs.add(job)
         # Without parking the job's own deadline is a little later than the HTTP answer's, so
         # the 503 is decided in one place (_await_job) and the job is then cancelled.
-        job.task = asyncio.get_running_loop().create_task(self._run_job(job, fn, self.acquire_timeout + (park or 0.5)),
+        # A parked job in a grace period (nothing is granted before it ends) keeps its place
+        # until the grace ends and park_timeout after, so the retry sent after Retry-After (at
+        # least the grace left) finds it.
+        if park:
+            park += self.grace_left()
+        timeout_s = self.acquire_timeout + (park or 0.5)
+        job.place_until = arrival + timeout_s
+        job.task = asyncio.get_running_loop().create_task(self._run_job(job, fn, timeout_s),
                                                           name=f"gpulock-job-{route}")
         job.task.add_done_callback(_consume)  # its outcome is read from job.outcome
         return job
@@ -1426,12 +1465,16 @@ class GpuLimiter:
         finally:
             if lease is not None:
                 self._record("release", lease, route=job.route)
+                # A task of its own: it goes on when this one is cancelled meanwhile (a 503, a
+                # client gone, a shutdown), which is not a failed release; its outcome is
+                # reported once it is known.
+                rel = asyncio.ensure_future(lease.release())
                 try:
-                    await asyncio.shield(lease.release())
-                except LeaseLost:
-                    m.lost.labels(job.route).inc()
-                except BaseException as e:  # Redis down: the lease expires after its ttl
-                    log.warning("gpulock: release failed (%s); the lease expires after its ttl", e)
+                    await asyncio.shield(rel)
+                except asyncio.CancelledError:
+                    rel.add_done_callback(functools.partial(self._release_done, job.route))
+                except Exception:  # noqa: BLE001 - reported by _release_done
+                    self._release_done(job.route, rel)
                 if job.wait_s is not None:
                     hold = time.monotonic() - granted_at
                     m.hold.labels(job.route).observe(hold)
@@ -1560,7 +1603,7 @@ class GpuLimiter:
             if not parked and job.task is not None:
                 job.task.cancel()  # leaves the queue now (the core cancels the ticket)
             keep = (" It keeps its place for up to %.0fs: retry after Retry-After with the same %s."
-                    % (self.park_timeout, self.request_id_header)) if parked else ""
+                    % (max(0.0, job.place_until - time.monotonic()), self.request_id_header)) if parked else ""
             if job.phase == "slot":  # never reached the pool's queue: this worker's threads were busy
                 what = (f"no free inference thread in this worker within {self.acquire_timeout}s "
                         f"(all {self.executor_threads} busy; queue position {position}, counting the "
