@@ -205,7 +205,10 @@ async def loadtest(url: str, *, concurrency: int, requests: int, batch: int, ret
         "final_413": sum(1 for o in outcomes if o.status == 413),
         "final_504": sum(1 for o in outcomes if o.status == 504),
         "final_5xx_other": sum(1 for o in outcomes if o.status >= 500 and o.status not in (503, 504)),
-        "final_other": sum(1 for o in outcomes if o.status not in (200, 413, 503, 504) and o.status < 500),
+        # answered with another status (0, no answer, is counted in connection_errors only)
+        "final_other": sum(1 for o in outcomes if o.status not in (0, 200, 413, 503, 504) and o.status < 500),
+        "final_other_by_status": {k: sum(1 for o in outcomes if o.status == k) for k in sorted(
+            {o.status for o in outcomes if o.status not in (0, 200, 413, 503, 504) and o.status < 500})},
         "retries": sum(o.attempts - 1 for o in outcomes),
         "answered": len(answers),  # HTTP answers of any status (0: nothing reached the service)
         "errors": sorted({o.error for o in outcomes if o.error})[:5],
@@ -230,8 +233,11 @@ def run_loadtest(url: str, **kw) -> int:
             if s["connection_errors"] else "")
     t.add_row("throughput", f"{s['requests_per_s']:.1f} requests/s{over} ({s['ok_per_s']:.1f} ok/s, "
                             f"{s['sentences_per_s']:.0f} sentences/s)")
-    t.add_row("latency of 200s", f"p50 {s['p50_s'] * 1000:.0f} ms   p95 {s['p95_s'] * 1000:.0f} ms   "
-                                 f"p99 {s['p99_s'] * 1000:.0f} ms")
+    if s["ok"]:
+        t.add_row("latency of 200s", f"p50 {s['p50_s'] * 1000:.0f} ms   p95 {s['p95_s'] * 1000:.0f} ms   "
+                                     f"p99 {s['p99_s'] * 1000:.0f} ms")
+    else:
+        t.add_row("latency of 200s", "- (no 200 answers)")
     t.add_row("200 OK", str(s["ok"]))
     ra = ", ".join(s["retry_after_values"][:8]) or "-"
     qp = s["queue_positions_503"]
@@ -241,7 +247,8 @@ def run_loadtest(url: str, **kw) -> int:
                              f"ended on 503")
     t.add_row("413 / 504 / other 5xx", f"{s['final_413']} / {s['final_504']} / {s['final_5xx_other']}")
     if s["final_other"]:
-        t.add_row("other statuses", str(s["final_other"]))
+        by = ", ".join(f"{k}: {v}" for k, v in s["final_other_by_status"].items())
+        t.add_row("other statuses", f"{s['final_other']} ({by})")
     if s["connection_errors"]:
         t.add_row("connection errors", f"{s['connection_errors']} requests got no answer: " + "; ".join(s["errors"]))
     p: PoolPeaks = s["pool"]
@@ -255,6 +262,9 @@ def run_loadtest(url: str, **kw) -> int:
     else:
         t.add_row("pool peak", "no /metrics samples")
     c.print(t)
+    if not s["ok"] and not s["answers_503"] and s["final_other_by_status"].get(404):
+        c.print(f"[bold red]gpulock loadtest: {url} answered 404 to POST /v1/embeddings[/]: it is not the "
+                f"service (a gpulock broker, or another server?); point loadtest at `gpulock serve`'s URL")
     if s["server_went_away"]:
         c.print(f"[bold red]gpulock loadtest: the server went away[/]: no answer after {s['answered_requests']} "
                 f"answers ({s['rate_span_s']:.2f} s into the run); the {s['connection_errors']} requests after that "

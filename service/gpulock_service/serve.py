@@ -44,8 +44,9 @@ def _redact(url: str) -> str:
 EXIT_USAGE = 2  # a bad option, setting or busy port: nothing was started
 EXIT_UNAVAILABLE = 69  # the embedded Redis could not be kept running: the service was stopped
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-# An embedded Valkey that dies this many times within RESTART_WINDOW_S is not started again.
-MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0
+# The embedded Valkey's MAX_DEATHS-th death within RESTART_WINDOW_S stops the service: deaths
+# 1 .. MAX_DEATHS-1 within the window are restarted in place.
+MAX_DEATHS, RESTART_WINDOW_S = 5, 60.0
 
 
 def check_model(spec: str) -> str | None:
@@ -119,6 +120,15 @@ def _describe_exit(rc: int | None) -> str:
     return f"exit status {rc}"
 
 
+def _load_time_hint(model: str) -> str:
+    """What the banner says of the model's load time."""
+    if model == "minilm":
+        return "MiniLM on a CPU: about 40 s"
+    if model == "sleep":
+        return "the sleep model loads nothing: a few seconds"
+    return "as long as the model's factory takes"
+
+
 def _restart_embedded(redis_proc, restarts: list[float]) -> int:
     """The embedded Valkey died under a running service: start it again on the same port
     (0), or say why not and return EXIT_UNAVAILABLE (the caller stops the service).
@@ -127,7 +137,7 @@ def _restart_embedded(redis_proc, restarts: list[float]) -> int:
     loaded models and the requests in flight: the workers reconnect by themselves, find the
     pool gone and put their leases back (the core's restart rule), so their resident leases
     and running requests keep their bytes. New grants wait out the grace period of one
-    max ttl. Only a server that will not stay up (MAX_RESTARTS within RESTART_WINDOW_S, or
+    max ttl. Only a server that will not stay up (MAX_DEATHS deaths within RESTART_WINDOW_S, or
     its port taken) stops the service.
     """
     from gpulock.embedded import port_in_use
@@ -138,7 +148,7 @@ def _restart_embedded(redis_proc, restarts: list[float]) -> int:
     tail = " ".join(redis_proc.log_tail(300).split()[-12:]) if rc is not None and rc >= 0 else ""
     now = time.monotonic()
     restarts[:] = [t for t in restarts if now - t < RESTART_WINDOW_S]
-    if len(restarts) >= MAX_RESTARTS:
+    if len(restarts) + 1 >= MAX_DEATHS:  # this death and the restarted ones within the window
         _say(f"error: embedded Redis (pid {old}) died ({how}) for the {len(restarts) + 1}th time within "
              f"{RESTART_WINDOW_S:.0f}s; stopping the service (exit {EXIT_UNAVAILABLE}). Last log: {tail or '-'}")
         return EXIT_UNAVAILABLE
@@ -217,7 +227,7 @@ def _pdeathsig() -> None:  # runs in the child before exec: die with this superv
 def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host: str, port: int, pool: str,
               preload: bool, model: str, utilization: float, max_requests: int, timeout: int,
               log_level: str) -> int:
-    from gpulock import GpuLockError, Pool
+    from gpulock import GpuLockError, InvalidArgument, Pool
     from gpulock.embedded import RedisProcess, find_server_binary, server_port
 
     redis_proc = None
@@ -264,9 +274,14 @@ def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host
         p = Pool.from_url(redis_url, pool)
         try:
             r = p.configure(cap, create_only=not explicit)
-        except GpuLockError as e:
-            _say(f"cannot configure pool {pool!r} on {_redact(redis_url)}: {e}")
-            return 2
+        except InvalidArgument as e:  # a bad value (say a capacity the pool refuses)
+            _say(f"error: cannot configure pool {pool!r} on {_redact(redis_url)}: {e}")
+            return EXIT_USAGE
+        except GpuLockError as e:  # unreachable, refused credentials or ACL: as the rest of the CLI
+            _say(f"error: Redis at {_redact(redis_url)} is unreachable or refused gpulock (pool {pool!r} could "
+                 f"not be configured): {e}; start it, fix the URL, or give another --redis-url "
+                 f"(exit {EXIT_UNAVAILABLE})")
+            return EXIT_UNAVAILABLE
         finally:
             p.close()
         if r["capacity"] != cap:
@@ -299,7 +314,7 @@ def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host
         cmd.append("gpulock_service.app:app")
         _say(f"{workers} workers, model {model}, pool {pool!r}, http://{host}:{port} "
              f"(/v1/embeddings /health /ready /metrics); starting: each worker loads the model before /ready "
-             f"answers 200 (MiniLM on a CPU: about 40 s), then serve says 'ready'")
+             f"answers 200 ({_load_time_hint(model)}), then serve says 'ready'")
 
         started = time.monotonic()
         proc = subprocess.Popen(cmd, env=env, preexec_fn=_pdeathsig if sys.platform == "linux" else None)

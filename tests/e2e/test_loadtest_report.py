@@ -73,8 +73,53 @@ def test_loadtest_counts_connection_errors_apart_and_says_the_server_went_away()
     out = r.stdout
     assert r.returncode == 1, (r.returncode, out, r.stderr)
     assert re.search(r"connection errors\s*│\s*30\b", out), out
+    assert "other statuses" not in out, out  # the connection errors are not counted twice
     assert re.search(r"200 OK\s*│\s*8\b", out), out
     assert "went away" in out and f"after {ANSWERED} answers" in out, out
     # the rate is over the answered requests, not over the 40 sent
     assert re.search(r"throughput\s*│\s*[\d.]+ requests/s over the 10 answered", out), out
     assert "X-Queue-Position" in out and "max 9" in out, out
+
+
+class _NotAService(BaseHTTPRequestHandler):
+    """Answers 404 to everything, as the broker (or any other server) does for
+    ``POST /v1/embeddings``."""
+
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, *a):  # quiet
+        pass
+
+    def _404(self):
+        n = int(self.headers.get("Content-Length", "0") or 0)
+        if n:
+            self.rfile.read(n)
+        out = b'{"detail": "Not Found"}'
+        self.send_response(404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    do_GET = do_POST = _404
+
+
+@pytest.mark.timeout(60)
+def test_loadtest_against_something_that_is_not_the_service_says_so_without_nan():
+    srv = HTTPServer(("127.0.0.1", 0), _NotAService)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        env = {**os.environ, "COLUMNS": "200"}
+        r = subprocess.run([sys.executable, "-m", "gpulock_service", "loadtest", url, "-c", "2", "-n", "6", "-b", "1"],
+                           capture_output=True, text=True, timeout=50, env=env)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    out = r.stdout
+    assert r.returncode == 1, (r.returncode, out, r.stderr)
+    assert "nan" not in out, out
+    assert re.search(r"latency of 200s\s*│\s*- \(no 200 answers\)", out), out
+    assert re.search(r"other statuses\s*│\s*6 \(404: 6\)", out), out
+    assert "404" in out and "/v1/embeddings" in out and "gpulock serve" in out, out

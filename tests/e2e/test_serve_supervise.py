@@ -51,6 +51,31 @@ def test_serve_refuses_a_busy_port_before_starting_anything():
     assert "Redis:" not in r.stderr and "workers" not in r.stderr, r.stderr  # no banner
 
 
+@pytest.mark.timeout(60)
+def test_embedded_valkey_that_dies_5_times_within_60s_is_not_started_again(capsys):
+    """The supervisor's rule as docs/SERVICE.md states it: deaths 1-4 within the window are
+    restarted in place, the 5th stops the service with exit 69 (it restarted after the 5th
+    kill -9 and stopped at the 6th). A real server, killed with SIGKILL each time."""
+    from gpulock_service.serve import EXIT_UNAVAILABLE, MAX_DEATHS, RESTART_WINDOW_S, _restart_embedded
+
+    from gpulock.embedded import RedisProcess, find_server_binary
+
+    assert (MAX_DEATHS, RESTART_WINDOW_S) == (5, 60.0)
+    restarts: list[float] = []
+    with RedisProcess(find_server_binary("any")) as rp:
+        codes = []
+        for _ in range(MAX_DEATHS):
+            rp.kill()
+            rp.proc.wait(10)
+            codes.append(_restart_embedded(rp, restarts))
+            if codes[-1]:
+                break
+            assert redis.Redis.from_url(rp.url).ping()
+    assert codes == [0, 0, 0, 0, EXIT_UNAVAILABLE], codes
+    err = capsys.readouterr().err
+    assert "for the 5th time within 60s" in err, err
+
+
 @pytest.mark.timeout(150)
 def test_embedded_valkey_killed_under_serve_is_restarted_and_leases_come_back(tmp_path):
     port = free_port()
@@ -70,6 +95,7 @@ def test_embedded_valkey_killed_under_serve_is_restarted_and_leases_come_back(tm
         redis_port = int(re.search(r"redis://127\.0\.0\.1:(\d+)/0", text).group(1))
         valkey[:] = [p for p in children(proc.pid) if "valkey-server" in cmdline(p)]
         assert len(valkey) == 1, text
+        assert "model sleep" in text and "MiniLM" not in text, text  # the banner is the sleep model's
         rc = redis.Redis(port=redis_port, socket_timeout=2)
         # the two workers' resident leases (the ready line comes with the first worker)
         _wait(lambda: rc.zcard("gpulock:{gpu0}:leases") == 2, "both resident leases", 60, log)

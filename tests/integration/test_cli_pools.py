@@ -139,3 +139,13 @@ def test_serve_validates_every_option_before_starting_anything(args, needle):
     assert needle in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert "Redis:" not in r.stderr and "workers" not in r.stderr, r.stderr  # no banner: nothing started
+
+
+def test_serve_with_an_unreachable_redis_exits_69():
+    """An unreachable --redis-url is EX_UNAVAILABLE (69), as in the rest of the CLI, with a
+    line that says so; 2 is for bad values only. No worker starts."""
+    dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    r = gpulock(None, "serve", "--port", str(free_port()), "--redis-url", dead, "--model", "sleep", timeout=60)
+    assert r.returncode == 69, (r.returncode, r.stderr)
+    assert "unreachable" in r.stderr and dead in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "starting:" not in r.stderr, r.stderr
