@@ -19,6 +19,13 @@ DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8100
 
 # A lease request is a few hundred bytes; GPULOCK_MAX_REQUEST_BYTES overrides this bound.
 DEFAULT_MAX_REQUEST_BYTES = "1MiB"
+TOO_LARGE_HINT = "a lease request is a few hundred bytes of JSON (holder metadata: at most 256)"
+
+
+def error_detail(code: str, message: str) -> dict[str, str]:
+    """The broker's error body (``{"detail": {"error": CODE, "message": TEXT}}``), also for the
+    HTTP guards' 400, 408 and 413."""
+    return {"error": code, "message": message}
 
 
 def create_broker_app(redis_url: str = DEFAULT_REDIS_URL, tokens: Optional[Iterable[Principal]] = None, *,
@@ -63,11 +70,12 @@ def create_broker_app(redis_url: str = DEFAULT_REDIS_URL, tokens: Optional[Itera
                               "\"4GiB\"), durations seconds, instants Unix seconds on the Redis server clock.",
                   lifespan=lifespan)
     app.include_router(router)
-    # the same guards as the service's: 400 for bytes that are not UTF-8, 413 over the size
-    # bound, 408 for a body that does not arrive in time
+    # the same guards as the service's: 400 for bytes that are not UTF-8 or JSON nested too
+    # deeply, 413 over the size bound, 408 for a body that does not arrive in time; their
+    # bodies in the broker's error shape ({"detail": {"error", "message"}})
     install_http_guards(app, max_body_bytes=max_request_bytes if max_request_bytes is not None else
                         (os.environ.get("GPULOCK_MAX_REQUEST_BYTES") or DEFAULT_MAX_REQUEST_BYTES),
-                        read_timeout=read_timeout)
+                        read_timeout=read_timeout, detail=error_detail, too_large_hint=TOO_LARGE_HINT)
 
     @app.get("/health", tags=["health"], summary="Liveness (no Redis call)")
     async def health() -> dict[str, str]:

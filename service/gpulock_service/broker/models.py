@@ -206,7 +206,9 @@ class PoolDeleted(BaseModel):
 class ErrorDetail(BaseModel):
     error: str = Field(..., description="unauthorized, forbidden, queued, busy, queue_full, "
                                         "backend_unavailable, capacity_exceeded, pool_not_found, "
-                                        "pool_in_use, lease_lost, not_found, invalid")
+                                        "pool_in_use, lease_lost, not_found, invalid; from the HTTP "
+                                        "guards: invalid_utf8, invalid_json, nested_too_deeply, "
+                                        "request_too_large, request_timeout")
     message: str
     request_id: Optional[str] = None
     position: Optional[int] = Field(None, description="1-based place in the queue")
