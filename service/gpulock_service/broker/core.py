@@ -50,7 +50,7 @@ import redis.asyncio as aioredis
 
 from gpulock import AsyncPool
 from gpulock._admin import POOL_CFG_MATCH, DeleteResult, adelete_pool, pool_name_from_key
-from gpulock._protocol import Grant, NotGranted, new_id, validate_pool_name
+from gpulock._protocol import Grant, NotGranted, new_id, retrying, translate, validate_pool_name
 from gpulock.errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
 
 from .auth import Principal
@@ -491,7 +491,15 @@ class Broker:
         redis = self._client()
 
         async def scan() -> list[str]:
-            names = {pool_name_from_key(k) async for k in redis.scan_iter(match=POOL_CFG_MATCH, count=1000)}
+            # A read: retried on the core's policy (a connection that Redis dropped, as after
+            # a restart, was a 500 on the first call), then the core's errors (503).
+            try:
+                async for attempt in retrying(self.backend_timeout, asynchronous=True):
+                    with attempt:
+                        names = {pool_name_from_key(k)
+                                 async for k in redis.scan_iter(match=POOL_CFG_MATCH, count=1000)}
+            except Exception as e:  # noqa: BLE001 - translated to gpulock's tree
+                raise translate(e, "*") from e
             return sorted(n for n in names if n)
 
         return await self._guard(scan())
