@@ -59,7 +59,8 @@ def test_sync_pool_150_waiting_threads(broker_srv, admin):
             t.start()
         # The broker's queue fills up to the limit of connections for waits, never beyond.
         wait_until(lambda: _broker_waiters(admin, "crowd-s") >= limit, timeout=30, interval=0.05)
-        first_expiry = keeper.expires_at
+        first_expiry, valid = keeper.expires_at, keeper.valid_until
+        wait_until(lambda: keeper.valid_until > valid, timeout=5, interval=0.02)  # a heartbeat renewal
         for _ in range(3):  # control calls while the waits hold every wait connection
             t0 = time.monotonic()
             keeper.renew()
@@ -116,7 +117,10 @@ def test_async_pool_300_waiting_tasks(broker_srv, admin):
             while (await watch.get("/v1/pools/crowd-a")).json()["waiter_count"] < limit:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.05)
-            first_expiry = keeper.expires_at
+            first_expiry, valid = keeper.expires_at, keeper.valid_until
+            while keeper.valid_until <= valid:  # a heartbeat renewal
+                assert time.monotonic() < deadline + 5
+                await asyncio.sleep(0.02)
             for _ in range(3):  # control calls while the waits hold every wait connection
                 t0 = time.monotonic()
                 await keeper.renew()

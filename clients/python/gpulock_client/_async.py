@@ -1,6 +1,8 @@
 """The asyncio client: :class:`AsyncPool` and :class:`AsyncLease`. Logic lives in
-``_core.py``; this file carries out its steps with ``httpx.AsyncClient`` and
-``asyncio.sleep``. One heartbeat task per pool object, started with its first lease."""
+``_core.py``; this file carries out its steps with ``httpx.AsyncClient``, ``asyncio.sleep``
+and futures. One heartbeat task per pool object, started with its first lease. Three
+connection pools per pool object (see ``_core``): the long-polled waits, the control calls, the
+heartbeat."""
 
 from __future__ import annotations
 
@@ -11,8 +13,27 @@ from typing import Any, Callable, Dict, Optional, Union
 import httpx
 
 from . import _core as core
-from ._sync import _headers, _timeout
+from ._sync import _headers, _limits, _reply, _timeout
 from .errors import BackendUnavailable, LeaseLost
+
+
+class _Waker:
+    """A task waiting at the core's Gate for a wait connection."""
+
+    __slots__ = ("fut",)
+
+    def __init__(self, fut: "asyncio.Future[None]"):
+        self.fut = fut
+
+    def wake(self) -> bool:
+        if self.fut.done():  # it stopped waiting (timed out, cancelled)
+            return False
+        self.fut.set_result(None)
+        return True
+
+    @property
+    def woken(self) -> bool:
+        return self.fut.done() and not self.fut.cancelled()
 
 
 class AsyncLease(core.LeaseBase):
@@ -68,19 +89,25 @@ class _LeaseCM:
 
 class AsyncPool:
     """One gpulock pool, reached through a broker (asyncio). Same arguments as
-    :class:`gpulock_client.Pool`."""
+    :class:`gpulock_client.Pool` (``max_connections``: connections for the long-polled waits,
+    64; later waits wait in this process, in FIFO order, within their own timeout)."""
 
     def __init__(self, url: Optional[str] = None, name: str = "gpu0", *, token: Optional[str] = None,
                  default_ttl: float = core.DEFAULT_TTL_S, max_wait: float = core.DEFAULT_MAX_WAIT_S,
                  backend_timeout: float = core.DEFAULT_BACKEND_TIMEOUT_S,
+                 max_connections: int = core.DEFAULT_MAX_CONNECTIONS,
                  transport: Optional[httpx.AsyncBaseTransport] = None, clock: core.Clock = time.monotonic):
         self.url = core.env_url(url)
         self.name = name
-        self._cfg = core.PoolConfig(name, default_ttl, max_wait, backend_timeout, clock)
+        gate = core.Gate(max_connections)
+        self.max_connections = max_connections
+        self._cfg = core.PoolConfig(name, default_ttl, max_wait, backend_timeout, clock, gate=gate)
         kw: Dict[str, Any] = {"base_url": self.url, "headers": _headers(core.env_token(token))}
         if transport is not None:
             kw["transport"] = transport
-        self._http = httpx.AsyncClient(**kw)
+        self._http = httpx.AsyncClient(limits=_limits(max_connections), **kw)  # the long-polled waits
+        self._ctl_http = httpx.AsyncClient(limits=_limits(core.CONTROL_CONNECTIONS), **kw)
+        self._hb_http = httpx.AsyncClient(limits=_limits(core.HEARTBEAT_CONNECTIONS), **kw)  # the heartbeat's own
         self._leases: Dict[str, core.LeaseState] = {}
         self._task: Optional[asyncio.Task] = None
         self._wake: Optional[asyncio.Event] = None
@@ -90,7 +117,8 @@ class AsyncPool:
     def from_url(cls, url: str, name: str, **kw: Any) -> "AsyncPool":
         return cls(url, name, **kw)
 
-    async def _run(self, gen: core.Steps) -> Any:
+    async def _run(self, gen: core.Steps, control: Optional[httpx.AsyncClient] = None) -> Any:
+        """Carry out the steps; ``control``: the client for CONTROL steps (the heartbeat's)."""
         out: Any = None
         try:
             while True:
@@ -98,20 +126,36 @@ class AsyncPool:
                 if isinstance(step, core.Sleep):
                     await asyncio.sleep(step.seconds)
                     out = None
-                    continue
-                sent = self._cfg.clock()
-                try:
-                    r = await self._http.request(step.method, step.path, json=step.json,
-                                                 timeout=_timeout(step.timeout))
+                elif isinstance(step, core.Enter):
+                    out = await self._enter(step)
+                else:
+                    http = self._http if step.lane == core.WAIT else (control or self._ctl_http)
+                    sent = self._cfg.clock()
                     try:
-                        body = r.json()
-                    except ValueError:
-                        body = None
-                    out = core.Reply(r.status_code, {k.lower(): v for k, v in r.headers.items()}, body, sent)
-                except httpx.TransportError as e:
-                    out = e
+                        out = _reply(await http.request(step.method, step.path, json=step.json,
+                                                        timeout=_timeout(step.timeout)), sent)
+                    except httpx.TransportError as e:
+                        out = e
         except StopIteration as stop:
             return stop.value
+        finally:
+            gen.close()  # a cancelled procedure leaves the gate
+
+    async def _enter(self, step: core.Enter) -> bool:
+        w = _Waker(asyncio.get_running_loop().create_future())
+        if step.gate.enter(w):
+            return True
+        try:
+            await asyncio.wait_for(w.fut, core.seconds_until(step.deadline, self._cfg.clock))
+        except asyncio.TimeoutError:
+            pass
+        except BaseException:  # cancelled: stop waiting; a slot handed meanwhile is passed on
+            step.gate.withdraw(w)
+            if w.woken:
+                step.gate.leave()
+            raise
+        step.gate.withdraw(w)  # after it, it holds a slot exactly if it was woken
+        return w.woken
 
     async def acquire(self, amount: Union[int, str], *, ttl: Optional[float] = None,
                       timeout: Optional[float] = None, holder: Optional[Dict[str, Any]] = None,
@@ -199,7 +243,8 @@ class AsyncPool:
                 return
             due, wake = core.heartbeat_plan(leases, clock())
             for s in due:
-                ok = await self._run(core.renew_steps(self._cfg, s, core.request_budget(leases, clock())))
+                ok = await self._run(core.renew_steps(self._cfg, s, core.request_budget(leases, clock())),
+                                     self._hb_http)
                 if ok is None:
                     core.retry_later(s, clock(), self._cfg.rng)
                 elif ok:
@@ -221,6 +266,8 @@ class AsyncPool:
             except (asyncio.CancelledError, Exception):
                 pass
         await self._http.aclose()
+        await self._ctl_http.aclose()
+        await self._hb_http.aclose()
 
     async def __aenter__(self) -> "AsyncPool":
         return self

@@ -2,9 +2,18 @@
 reply decoding, error mapping, retry delays, the lease's validity clock and heartbeat schedule.
 
 The acquire, renew and release procedures are generators that *yield* what to do — an
-:class:`Http` call or a :class:`Sleep` — and receive the outcome (a :class:`Reply`, or the
-transport exception); ``_sync.py`` and ``_async.py`` only carry the steps out. So the retry
-logic exists once, and tests drive it with a fake clock and canned replies.
+:class:`Http` call, a :class:`Sleep` or an :class:`Enter` — and receive the outcome (a
+:class:`Reply`, or the transport exception; for ``Enter`` True or False); ``_sync.py`` and
+``_async.py`` only carry the steps out. So the retry logic exists once, and tests drive it with
+a fake clock and canned replies.
+
+Connections: each pool object has one connection pool for the long-polled waits (``lane``
+:data:`WAIT`, at most ``max_connections``) and a separate small one for everything else
+(:data:`CONTROL`: renewals by hand, release, withdrawing a place, status, configure), plus one
+connection for the heartbeat; so no control call ever waits behind the waits. The waits go
+through a :class:`Gate` of ``max_connections`` slots, in FIFO order: a waiter beyond the limit
+waits in the process (within its acquire timeout) until an earlier wait of the same pool object
+ends, and only then sends its request, so it reaches the broker's queue only then.
 """
 
 from __future__ import annotations
@@ -16,8 +25,9 @@ import secrets
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Generator, List, Optional, Union
+from typing import Any, Callable, Deque, Dict, Generator, List, Optional, Protocol, Union
 from urllib.parse import quote
 
 from .errors import (
@@ -42,6 +52,13 @@ CLOCK_DRIFT = 0.01
 SAFETY_MARGIN_S = 0.05
 JITTER = (1.0, 1.3)  # Retry-After is multiplied by a uniform factor in this range
 RELEASE_TIMEOUT_S = 5.0
+# Connections per pool object: the long-polled waits (``max_connections``), the control calls,
+# and the heartbeat's own.
+DEFAULT_MAX_CONNECTIONS = 64
+CONTROL_CONNECTIONS = 4
+HEARTBEAT_CONNECTIONS = 1
+WAIT = "wait"  # Http.lane of a long-polled acquire
+CONTROL = "control"  # Http.lane of everything else
 
 Clock = Callable[[], float]
 
@@ -78,6 +95,7 @@ class Http:
     path: str
     json: Any = None
     timeout: float = 10.0  # read timeout, seconds
+    lane: str = CONTROL  # which connection pool carries it: WAIT (long polls) or CONTROL
 
 
 @dataclass(frozen=True)
@@ -113,8 +131,77 @@ class Reply:
             return None
 
 
-Outcome = Union[Reply, Exception]
-Steps = Generator[Union[Http, Sleep], Outcome, Any]
+class Waker(Protocol):
+    def wake(self) -> bool:
+        """Hand this waiter a slot; False if it stopped waiting (the slot goes to the next)."""
+
+
+class Gate:
+    """FIFO of one pool object's long-polled acquires for its ``slots`` wait connections.
+
+    An acquire enters before its first request and leaves when it ends (granted, timed out,
+    failed, interrupted), so it keeps its connection across its long polls and keeps its place
+    in the broker's queue. When all slots are taken, ``enter`` queues the waiter; ``leave``
+    hands the slot to the first waiter still waiting. Thread-safe and I/O-free: the driver
+    blocks on its own waiter (an Event, a Future) and ``withdraw``s it when it stops waiting;
+    after ``withdraw`` the waiter holds a slot exactly if it was woken."""
+
+    def __init__(self, slots: int):
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise InvalidArgument(f"max_connections must be a whole number >= 1, not {slots!r}")
+        self.slots = slots
+        self._free = slots
+        self._queue: Deque[Waker] = deque()
+        self._lock = threading.Lock()
+
+    @property
+    def waiting(self) -> int:
+        """Acquires waiting in this process for a wait connection."""
+        return len(self._queue)
+
+    @property
+    def in_use(self) -> int:
+        return self.slots - self._free
+
+    def enter(self, waiter: Waker) -> bool:
+        """True: a slot is taken at once. False: the waiter is queued (wait for its wake)."""
+        with self._lock:
+            if self._free > 0 and not self._queue:
+                self._free -= 1
+                return True
+            self._queue.append(waiter)
+            return False
+
+    def withdraw(self, waiter: Waker) -> None:
+        with self._lock:
+            try:
+                self._queue.remove(waiter)
+            except ValueError:
+                pass  # woken already (it holds a slot), or never queued
+
+    def leave(self) -> None:
+        with self._lock:
+            while self._queue:
+                if self._queue.popleft().wake():
+                    return
+            self._free += 1
+
+
+@dataclass(frozen=True)
+class Enter:
+    """Wait for a slot of ``gate`` until ``deadline`` (clock time; None: no bound). The outcome
+    is True once it holds one (the procedure leaves the gate when it ends), False when the
+    deadline passed first."""
+    gate: Gate
+    deadline: Optional[float]
+
+
+def seconds_until(deadline: Optional[float], clock: Clock) -> Optional[float]:
+    return None if deadline is None else max(0.0, deadline - clock())
+
+
+Outcome = Union[Reply, Exception, bool]
+Steps = Generator[Union[Http, Sleep, Enter], Outcome, Any]
 
 
 def error_for(r: Reply, pool: str) -> GpuLockError:
@@ -290,6 +377,7 @@ class PoolConfig:
     backend_timeout: float = DEFAULT_BACKEND_TIMEOUT_S
     clock: Clock = time.monotonic
     rng: random.Random = field(default_factory=random.Random)
+    gate: Optional[Gate] = None  # the wait connections' FIFO; None: unbounded (tests of the core)
 
     @property
     def base(self) -> str:
@@ -303,11 +391,40 @@ def acquire_steps(cfg: PoolConfig, amount: Union[int, str], *, ttl: Optional[flo
 
     One request id for every attempt (the broker keeps the place for it); ``Retry-After`` is
     honoured with jitter; transport errors and 503 backend_unavailable are retried for
-    ``backend_timeout`` seconds (or until the timeout); on giving up the place is withdrawn."""
-    clock, rng = cfg.clock, cfg.rng
+    ``backend_timeout`` seconds (or until the timeout); on giving up the place is withdrawn.
+
+    With ``cfg.gate``, a waiting acquire first takes a wait connection's slot (waiting in FIFO
+    order within its timeout: AcquireTimeout with position 0 if none frees in time) and holds it
+    to the end; ``timeout=0`` (one try, no long poll) goes on the control connections."""
+    clock = cfg.clock
     start = clock()
     deadline = None if timeout is None else start + max(0.0, timeout)
     try_once = timeout is not None and timeout <= 0
+    gate = None if try_once else cfg.gate
+    entered = False
+    try:
+        if gate is not None:
+            entered = (yield Enter(gate, deadline)) is True
+            if not entered or (deadline is not None and clock() >= deadline):
+                raise AcquireTimeout(
+                    f"pool {cfg.name!r}: no grant of {amount} within {timeout}s: it waited in this process "
+                    f"for one of its {gate.slots} connections for waits (max_connections), all taken by "
+                    f"earlier waits, and never reached the broker's queue", waited=clock() - start)
+        return (yield from _acquire_polls(cfg, amount, ttl=ttl, timeout=timeout, holder=holder,
+                                          request_id=request_id, on_queued=on_queued, start=start,
+                                          deadline=deadline, try_once=try_once))
+    finally:
+        if entered:
+            assert gate is not None
+            gate.leave()
+
+
+def _acquire_polls(cfg: PoolConfig, amount: Union[int, str], *, ttl: Optional[float], timeout: Optional[float],
+                   holder: Optional[Dict[str, Any]], request_id: Optional[str],
+                   on_queued: Optional[Callable[[int], Any]], start: float, deadline: Optional[float],
+                   try_once: bool) -> Steps:
+    clock, rng = cfg.clock, cfg.rng
+    lane = CONTROL if try_once else WAIT
     rid = request_id or new_request_id()
     body: Dict[str, Any] = {"amount": amount, "ttl": cfg.default_ttl if ttl is None else ttl,
                             "holder": holder_meta(holder), "request_id": rid}
@@ -322,7 +439,8 @@ def acquire_steps(cfg: PoolConfig, amount: Union[int, str], *, ttl: Optional[flo
         final = try_once or remaining <= 0
         wait = 0.0 if final else min(cfg.max_wait, remaining)
         out = yield Http("POST", cfg.base + "/leases", {**body, "wait": round(wait, 3), "queue": not try_once},
-                         timeout=wait + READ_SLACK_S)
+                         timeout=wait + READ_SLACK_S, lane=lane)
+        assert isinstance(out, (Reply, Exception))  # an Http step's outcome
         attempt += 1
         if isinstance(out, Reply) and out.status == 201:
             return out.body, out.sent

@@ -1,6 +1,7 @@
 """The blocking client: :class:`Pool` and :class:`Lease`. Logic lives in ``_core.py``; this
-file carries out its steps with ``httpx.Client`` and ``time.sleep``. One daemon heartbeat
-thread per pool object, started with its first lease."""
+file carries out its steps with ``httpx.Client``, ``time.sleep`` and ``threading.Event``. One
+daemon heartbeat thread per pool object, started with its first lease. Three connection pools
+per pool object (see ``_core``): the long-polled waits, the control calls, the heartbeat."""
 
 from __future__ import annotations
 
@@ -20,6 +21,31 @@ def _headers(token: Optional[str]) -> Dict[str, str]:
 
 def _timeout(read: float) -> httpx.Timeout:
     return httpx.Timeout(connect=min(core.CONNECT_TIMEOUT_S, read), read=read, write=read, pool=read)
+
+
+def _limits(n: int) -> httpx.Limits:
+    return httpx.Limits(max_connections=n, max_keepalive_connections=n)
+
+
+def _reply(r: httpx.Response, sent: float) -> core.Reply:
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    return core.Reply(r.status_code, {k.lower(): v for k, v in r.headers.items()}, body, sent)
+
+
+class _Waker:
+    """A thread waiting at the core's Gate for a wait connection."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def wake(self) -> bool:
+        self.event.set()
+        return True
 
 
 class Lease(core.LeaseBase):
@@ -91,21 +117,30 @@ class Pool:
         max_wait: the longest one long poll may last, seconds (20; the broker caps it too).
         backend_timeout: seconds an unreachable broker (or Redis behind it) is retried when
             ``acquire`` has no timeout, before BackendUnavailable (30).
+        max_connections: connections for the long-polled waits of this pool object (64): at
+            most this many of its ``acquire`` calls are in the broker's queue at once; later
+            ones wait in this process, in FIFO order and within their own timeout, until an
+            earlier one ends. Renewals, release, status and configure have their own
+            connections (4, and 1 for the heartbeat) and never wait behind the waits.
         transport: an httpx transport (tests).
     """
 
     def __init__(self, url: Optional[str] = None, name: str = "gpu0", *, token: Optional[str] = None,
                  default_ttl: float = core.DEFAULT_TTL_S, max_wait: float = core.DEFAULT_MAX_WAIT_S,
                  backend_timeout: float = core.DEFAULT_BACKEND_TIMEOUT_S,
+                 max_connections: int = core.DEFAULT_MAX_CONNECTIONS,
                  transport: Optional[httpx.BaseTransport] = None, clock: core.Clock = time.monotonic):
         self.url = core.env_url(url)
         self.name = name
-        self._cfg = core.PoolConfig(name, default_ttl, max_wait, backend_timeout, clock)
+        gate = core.Gate(max_connections)
+        self.max_connections = max_connections
+        self._cfg = core.PoolConfig(name, default_ttl, max_wait, backend_timeout, clock, gate=gate)
         kw: Dict[str, Any] = {"base_url": self.url, "headers": _headers(core.env_token(token))}
         if transport is not None:
             kw["transport"] = transport
-        self._http = httpx.Client(**kw)
-        self._hb_http = httpx.Client(**kw)  # the heartbeat's own connection
+        self._http = httpx.Client(limits=_limits(max_connections), **kw)  # the long-polled waits
+        self._ctl_http = httpx.Client(limits=_limits(core.CONTROL_CONNECTIONS), **kw)
+        self._hb_http = httpx.Client(limits=_limits(core.HEARTBEAT_CONNECTIONS), **kw)  # the heartbeat's own
         self._leases: Dict[str, core.LeaseState] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -117,8 +152,8 @@ class Pool:
         return cls(url, name, **kw)
 
     # ---- carrying out core steps -----------------------------------------------------------
-    def _run(self, gen: core.Steps, http: Optional[httpx.Client] = None) -> Any:
-        http = http or self._http
+    def _run(self, gen: core.Steps, control: Optional[httpx.Client] = None) -> Any:
+        """Carry out the steps; ``control``: the client for CONTROL steps (the heartbeat's)."""
         out: Any = None
         try:
             while True:
@@ -126,19 +161,34 @@ class Pool:
                 if isinstance(step, core.Sleep):
                     time.sleep(step.seconds)
                     out = None
-                    continue
-                sent = self._cfg.clock()
-                try:
-                    r = http.request(step.method, step.path, json=step.json, timeout=_timeout(step.timeout))
+                elif isinstance(step, core.Enter):
+                    out = self._enter(step)
+                else:
+                    http = self._http if step.lane == core.WAIT else (control or self._ctl_http)
+                    sent = self._cfg.clock()
                     try:
-                        body = r.json()
-                    except ValueError:
-                        body = None
-                    out = core.Reply(r.status_code, {k.lower(): v for k, v in r.headers.items()}, body, sent)
-                except httpx.TransportError as e:
-                    out = e
+                        out = _reply(http.request(step.method, step.path, json=step.json,
+                                                  timeout=_timeout(step.timeout)), sent)
+                    except httpx.TransportError as e:
+                        out = e
         except StopIteration as stop:
             return stop.value
+        finally:
+            gen.close()  # an interrupted procedure leaves the gate
+
+    def _enter(self, step: core.Enter) -> bool:
+        w = _Waker()
+        if step.gate.enter(w):
+            return True
+        try:
+            w.event.wait(core.seconds_until(step.deadline, self._cfg.clock))
+        except BaseException:  # interrupted: stop waiting; a slot handed meanwhile is passed on
+            step.gate.withdraw(w)
+            if w.event.is_set():
+                step.gate.leave()
+            raise
+        step.gate.withdraw(w)  # after it, it holds a slot exactly if it was woken
+        return w.event.is_set()
 
     # ---- API -------------------------------------------------------------------------------
     def acquire(self, amount: Union[int, str], *, ttl: Optional[float] = None, timeout: Optional[float] = None,
@@ -256,6 +306,7 @@ class Pool:
         if t is not None:
             t.join(timeout=5)
         self._http.close()
+        self._ctl_http.close()
         self._hb_http.close()
 
     def __enter__(self) -> "Pool":
