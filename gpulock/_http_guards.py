@@ -75,6 +75,11 @@ def _renderable(x: Any, depth: int = 0) -> Any:
     return x
 
 
+# FastAPI's own 400 for a body its JSON parser raised on (not a JSONDecodeError); an app's own
+# HTTPException(400) keeps its text.
+_FASTAPI_PARSE_ERROR = "There was an error parsing the body"
+
+
 def _error_handlers(detail: Detail) -> tuple[Callable, Callable, Callable]:
     from fastapi.encoders import jsonable_encoder
     from fastapi.exception_handlers import http_exception_handler
@@ -105,18 +110,17 @@ def _error_handlers(detail: Detail) -> tuple[Callable, Callable, Callable]:
         # body" (its parser raised something other than a JSONDecodeError): when the bytes are
         # not UTF-8, say so (and where); when they nest too deeply, say that.
         cause = exc.__cause__
-        if getattr(exc, "status_code", None) == 400 and isinstance(getattr(exc, "detail", None), str):
+        if getattr(exc, "status_code", None) == 400 and isinstance(cause, ValueError):
+            body = getattr(request, "_body", None)
+            if not isinstance(body, (bytes, bytearray)):
+                body = getattr(cause, "object", None)
+            msg = utf8_error(body) if isinstance(body, (bytes, bytearray)) else None
+            if msg:
+                return reply(400, "invalid_utf8", msg)
+        if getattr(exc, "status_code", None) == 400 and getattr(exc, "detail", None) == _FASTAPI_PARSE_ERROR:
             if isinstance(cause, RecursionError):
                 return reply(400, "nested_too_deeply", NESTED_TOO_DEEPLY)
-            if isinstance(cause, ValueError):
-                body = getattr(request, "_body", None)
-                if not isinstance(body, (bytes, bytearray)):
-                    body = getattr(cause, "object", None)
-                msg = utf8_error(body) if isinstance(body, (bytes, bytearray)) else None
-                if msg:
-                    return reply(400, "invalid_utf8", msg)
-            if cause is not None:
-                return reply(400, "invalid_json", f"{exc.detail}: {type(cause).__name__}")  # type: ignore[attr-defined]
+            return reply(400, "invalid_json", _FASTAPI_PARSE_ERROR + (f" ({type(cause).__name__})" if cause else ""))
         return await http_exception_handler(request, exc)  # type: ignore[arg-type]
 
     async def recursion_error(request: Request, exc: Exception) -> Response:
