@@ -303,7 +303,8 @@ class AsyncPool:
         Raises:
             InvalidArgument, CapacityExceeded (at once), PoolNotFound, QueueFull,
             AcquireTimeout (nothing is held afterwards), BackendUnavailable, PoolClosed (the
-            pool object was closed before or during the wait; the request left the queue).
+            pool object was closed before the call, which then never queued, or during the
+            wait, and the request left the queue; its message says which).
             On cancellation (``CancelledError``) the request leaves the queue and any grant
             that raced in is released before the error propagates (invariant 2 in docs/SEMANTICS.md).
         """
@@ -312,7 +313,7 @@ class AsyncPool:
         start = self.clock()
         rt = self._runtime
         if rt._closed:
-            raise PoolClosed(self.name)  # no heartbeat or listener would serve the lease
+            raise PoolClosed(self.name, queued=False)  # no heartbeat or listener would serve the lease
         wait = req.timeout_s != 0
         cancels_before = _cancel_requests()
         if wait:

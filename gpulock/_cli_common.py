@@ -194,9 +194,10 @@ def redis_client(url: str):
 _TTL_RE = re.compile(r"ttl_ms (\d+) exceeds the pool's max_ttl_ms (\d+)")
 
 
-def error_exit(e: BaseException, t: Target, pool: str = "") -> NoReturn:
+def error_exit(e: BaseException, t: Target, pool: str = "", *, admin: bool = False) -> NoReturn:
     """Map a gpulock error to one clear line on stderr and its exit code, in the words of the
-    command line (seconds, option names) and naming the backend it looked at."""
+    command line (seconds, option names) and naming the backend it looked at. ``admin``: the
+    command needs an admin token through a broker (pool set, pool delete)."""
     where = t.describe()
     if isinstance(e, PoolNotFound):
         name = getattr(e, "pool", "") or pool
@@ -207,6 +208,9 @@ def error_exit(e: BaseException, t: Target, pool: str = "") -> NoReturn:
         fail(EXIT_CAPACITY, f"{e}; the request can never be granted")
     if isinstance(e, AuthFailed):
         hint = "" if os.environ.get("GPULOCK_TOKEN") else " (GPULOCK_TOKEN is not set)"
+        if admin:
+            fail(EXIT_NOPERM, f"{where} refused the token{hint}: {e}; this command needs an admin token: set "
+                              f"GPULOCK_TOKEN to one the broker's tokens file marks \"admin\": true")
         fail(EXIT_NOPERM, f"{where} refused the token{hint}: {e}; set GPULOCK_TOKEN to a token the broker's "
                           f"tokens file lists for this pool")
     if isinstance(e, BackendUnavailable):

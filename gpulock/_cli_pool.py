@@ -109,7 +109,7 @@ def pool_set(
         else:
             r = _configure_redis(t.url, name, int(capacity), max_waiters, max_ttl)
     except GpuLockError as e:
-        error_exit(e, t, name)
+        error_exit(e, t, name, admin=True)
     if as_json:
         print(json.dumps({"pool": name, **{k: v for k, v in r.items() if k != "pool"}}))
         return
@@ -189,7 +189,7 @@ def pool_delete(
     try:
         r = _delete(t, name, force)
     except GpuLockError as e:
-        error_exit(e, t, name)
+        error_exit(e, t, name, admin=True)
     if r.state == "missing":
         error_exit(PoolNotFound(name), t, name)
     if r.state == "in_use":

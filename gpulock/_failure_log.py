@@ -14,7 +14,8 @@ log = logging.getLogger("gpulock")
 class FailureLog:
     """The log lines of one background loop's repeated failures, rate-limited: one line at the
     first failure, one when the loop works again, and while it keeps failing one summary per
-    ``period`` seconds (``still failing: N errors in the last 30s``) instead of a line per try.
+    ``period`` seconds (``still failing: N errors in the last 30 s, M since it began T s ago``)
+    instead of a line per try.
 
     Args:
         what: what fails, for the messages ("heartbeat for pool gpu0").
@@ -44,8 +45,8 @@ class FailureLog:
             return
         self._window += 1
         if now >= self._next_summary:
-            self.log.log(self.level, "gpulock: %s still failing: %d errors in the last %.0fs (%d since %.0fs "
-                         "ago; the last: %s)", self.what, self._window, self.period, self.errors,
+            self.log.log(self.level, "gpulock: %s still failing: %d errors in the last %.0f s, %d since it "
+                         "began %.0f s ago; the last: %s", self.what, self._window, self.period, self.errors,
                          now - self._since, err)
             self._window = 0
             self._next_summary = now + self.period

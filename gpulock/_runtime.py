@@ -688,8 +688,13 @@ class Runtime:
                                               f"replica(s) within {self.sync_timeout_ms} ms"))
         elif self._jeopardy:
             self._jeopardy = False
-            log.warning("gpulock: pool %s: renewals get through again; the leases still held are out "
-                        "of jeopardy", self.pool)
+            held = sum(1 for s in leases if not s.released and s.lost_reason is None)
+            if held:
+                log.warning("gpulock: pool %s: renewals get through again; the %d lease(s) still held are "
+                            "out of jeopardy", self.pool, held)
+            else:
+                log.warning("gpulock: pool %s: Redis answers renewals again; no lease was still held (those "
+                            "in jeopardy were lost at their local deadlines)", self.pool)
         if pool_lost and (orphans or waiters):
             epoch = await self._recover(orphans, epoch)
         elif epoch:

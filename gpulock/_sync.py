@@ -280,10 +280,10 @@ class Pool:
         return cls(client, name, _url=url, _owns_client=True, **kw)
 
     # ---- background runtime --------------------------------------------------------------
-    def _rt(self) -> tuple[_LoopThread, Runtime]:
+    def _rt(self, *, queued: bool = False) -> tuple[_LoopThread, Runtime]:
         with self._lock:
             if self._closed:
-                raise PoolClosed(self.name)  # no heartbeat or listener would serve a lease
+                raise PoolClosed(self.name, queued=queued)  # no heartbeat or listener would serve a lease
             if self._portal is None:
                 portal = _LoopThread(f"gpulock-{self.name}", closed=lambda: PoolClosed(self.name))
                 try:
@@ -562,7 +562,7 @@ class Pool:
         return res, sent
 
     def _make_lease(self, grant: Grant, req: AcquireRequest, valid_until: float) -> Lease:
-        portal, rt = self._rt()
+        portal, rt = self._rt(queued=True)  # closed while the request was on its way
         state, new = rt.state_for(grant, req.ttl_s, valid_until, req.meta)
         if new:
             rt.track(state)

@@ -39,6 +39,8 @@ def test_pool_set_with_a_user_token_is_refused_as_permission(broker_srv):
     r = _gpulock("--broker-url", broker_srv.url, "pool", "set", "gpuY", "--capacity", "1GiB")
     assert r.returncode == 77, (r.returncode, r.stderr)
     assert "Traceback" not in r.stderr and "admin" in r.stderr
+    # the advice fits: an admin token, not "a token ... for this pool"
+    assert "needs an admin token" in r.stderr and "for this pool" not in r.stderr, r.stderr
 
 
 def test_status_and_pool_list_go_through_the_broker(broker_srv, gpu, user):
@@ -82,6 +84,7 @@ def test_pool_delete_goes_through_the_broker(broker_srv, gpu, admin, user):
     r = _gpulock("--broker-url", broker_srv.url, "pool", "delete", gpu)  # a user token
     assert r.returncode == 77, (r.returncode, r.stderr)
     assert "admin" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "needs an admin token" in r.stderr and "for this pool" not in r.stderr, r.stderr
     r = _gpulock("--broker-url", broker_srv.url, "pool", "delete", gpu, token=ADMIN_TOKEN)
     assert r.returncode == 75, (r.returncode, r.stderr)
     assert "1 lease(s) held" in r.stderr and "--force" in r.stderr and broker_srv.url in r.stderr, r.stderr

@@ -59,11 +59,11 @@ async def test_async_close_ends_a_waiting_task(redis_proc, rclient, pool_name):
             break
         await asyncio.sleep(0.01)
     await p.aclose()
-    with pytest.raises(PoolClosed):
+    with pytest.raises(PoolClosed, match="closed while this call waited; the request left the queue"):
         await asyncio.wait_for(task, 5)
     st = await other.status()
     assert st.waiter_count == 0 and st.used == 1
-    with pytest.raises(PoolClosed):
+    with pytest.raises(PoolClosed, match="closed before this call; nothing was queued"):
         await p.acquire(1, timeout=0)  # closed: no heartbeat would keep a lease alive
     await holder.release()
     await other.aclose()

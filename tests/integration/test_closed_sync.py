@@ -18,8 +18,9 @@ def test_sync_acquire_after_close_raises_pool_closed(redis_proc, rclient, pool_n
     lease = p.acquire(1, ttl=30)
     lease.release()
     p.close()
-    with pytest.raises(PoolClosed):
+    with pytest.raises(PoolClosed, match="closed before this call; nothing was queued") as ei:
         p.acquire(1, ttl=30, timeout=timeout)
+    assert "left the queue" not in str(ei.value)  # it never queued
     assert p._runtime is None and p._portal is None, "close() must not be undone by a later acquire"
     p.close()  # idempotent
     assert_empty(rclient, pool_name)
@@ -28,7 +29,7 @@ def test_sync_acquire_after_close_raises_pool_closed(redis_proc, rclient, pool_n
 def test_sync_acquire_after_close_of_an_unused_pool(redis_proc, rclient, pool_name):
     p = Pool.from_url(redis_proc.url, pool_name, capacity=4)
     p.close()
-    with pytest.raises(PoolClosed):
+    with pytest.raises(PoolClosed, match="closed before this call; nothing was queued"):
         p.acquire(1)
     with pytest.raises(PoolClosed):
         with p.lease(1, timeout=0):

@@ -240,6 +240,10 @@ async def test_redis_down_for_longer_than_the_ttl(redis_proc1, caplog):
     with pytest.raises(LeaseLost):
         await lease.release()
     await p.aclose()
+    # Back, with no lease still held (the only one was lost): no "out of jeopardy" for leases.
+    msgs = [r.getMessage() for r in caplog.records]
+    assert not any("out of jeopardy" in m for m in msgs), msgs
+    assert any("Redis answers renewals again" in m and "no lease was still held" in m for m in msgs), msgs
     print(f"\nRedis down: jeopardy logged, lost {lost_at[0] - t_down:.2f}s after Redis went away "
           f"(local deadline {deadline - t_down:+.2f}s); after it came back empty the next grant waited {waited:.2f}s "
           f"(grace {G}s)")
