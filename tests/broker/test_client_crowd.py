@@ -199,3 +199,67 @@ def test_a_wait_beyond_the_limit_times_out_locally_as_acquire_timeout(broker_srv
             assert st["used"] == 0 and st["waiter_count"] == 0
 
     asyncio.run(main())
+
+
+def test_cancelled_waits_hand_their_connection_to_the_next(broker_srv, admin):
+    """max_connections=1: cancelling the wait that holds the connection lets the next one (in
+    FIFO order) reach the broker's queue; cancelling one that waits locally leaves nothing."""
+    _make_pool(admin, "crowd-c")
+
+    def waiting_holders() -> list:
+        return [w["holder"].get("who") for w in admin.get("/v1/pools/crowd-c").json()["waiters"]]
+
+    async def until(pred) -> None:
+        deadline = time.monotonic() + 10
+        while not pred():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+
+    async def main() -> None:
+        async with AsyncPool(broker_srv.url, "crowd-c", token=USER_TOKEN, max_connections=1) as pool:
+            gate = pool._cfg.gate
+            holder = await pool.acquire(1000, ttl=30)
+            a = asyncio.create_task(pool.acquire(100, timeout=60, holder={"who": "a"}))
+            await until(lambda: waiting_holders() == ["a"])
+            b = asyncio.create_task(pool.acquire(100, timeout=60, holder={"who": "b"}))
+            c = asyncio.create_task(pool.acquire(100, timeout=60, holder={"who": "c"}))
+            await until(lambda: gate.waiting == 2)
+            c.cancel()  # waiting locally: just leaves the line
+            with pytest.raises(asyncio.CancelledError):
+                await c
+            assert gate.waiting == 1 and waiting_holders() == ["a"]
+            a.cancel()  # holds the connection: withdraws its place, b goes next
+            with pytest.raises(asyncio.CancelledError):
+                await a
+            await until(lambda: waiting_holders() == ["b"])
+            assert gate.in_use == 1 and gate.waiting == 0
+            await holder.release()
+            lease = await b
+            assert gate.in_use == 0
+            await lease.release()
+            st = await pool.status()
+            assert st["used"] == 0 and st["waiter_count"] == 0
+
+    asyncio.run(main())
+
+
+def test_sync_wait_beyond_the_limit_times_out_locally(broker_srv, admin):
+    _make_pool(admin, "crowd-st")
+    with Pool(broker_srv.url, "crowd-st", token=USER_TOKEN, max_connections=1) as pool:
+        holder = pool.acquire(1000, ttl=30)
+        out: dict = {}
+        first = threading.Thread(target=lambda: out.setdefault("a", pool.acquire(100, ttl=30, timeout=60)))
+        first.start()
+        wait_until(lambda: _broker_waiters(admin, "crowd-st") == 1, timeout=10, interval=0.02)
+        t0 = time.monotonic()
+        with pytest.raises(AcquireTimeout) as e:
+            pool.acquire(100, ttl=30, timeout=0.5)
+        assert 0.4 < time.monotonic() - t0 < 0.5 + QUICK and e.value.position == 0
+        assert pool._cfg.gate.waiting == 0 and _broker_waiters(admin, "crowd-st") == 1
+        t0 = time.monotonic()
+        holder.release()
+        assert time.monotonic() - t0 < QUICK
+        first.join(30)
+        out["a"].release()
+        assert pool._cfg.gate.in_use == 0
+        assert pool.status()["used"] == 0
