@@ -19,7 +19,11 @@ from ._support import ADMIN_TOKEN, USER_TOKEN
 pytestmark = pytest.mark.timeout(180)
 
 DEFAULT_LIMIT = 64  # the documented default of max_connections (the long polls of one pool object)
-QUICK = 1.0  # "at once": a control call through a loopback broker takes milliseconds
+# Only a hang fails on time: starvation showed as errors (httpx PoolTimeout after 5 s: the
+# release raised BackendUnavailable, renewals failed, the kept lease was lost), which the
+# tests assert on directly. A control call takes milliseconds on loopback, but 1.6 s once
+# under a loaded CI machine, so no speed is asserted here (speeds live in benchmarks/).
+QUICK = 30.0
 
 
 def _make_pool(admin, name: str) -> None:
