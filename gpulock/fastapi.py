@@ -223,7 +223,8 @@ class BertEstimator:
 class GpuLockHTTPException(HTTPException):
     """An HTTPException raised by the integration; ``reason`` is a short machine-readable
     cause (``queue_timeout``, ``queue_full``, ``capacity``, ``inference_timeout``,
-    ``cuda_oom``, ``cuda_error``, ``lease_lost``, ``backend``, ``not_ready``, ``conflict``)."""
+    ``cuda_oom``, ``cuda_error``, ``lease_lost``, ``backend``, ``not_ready``, ``conflict``,
+    ``invalid_argument``)."""
 
     def __init__(self, status_code: int, detail: str, reason: str, headers: dict[str, str] | None = None):
         super().__init__(status_code=status_code, detail=detail, headers=headers)
@@ -494,7 +495,8 @@ class GpuLimiter:
         acquire_timeout: seconds a request may wait for a thread slot and a grant → else 503.
         inference_timeout: seconds the guarded work may run → else 504 (the lease is released
             only when the thread really returned).
-        ttl: lease time to live in seconds (the heartbeat renews it at ttl/3).
+        ttl: lease time to live in seconds (the heartbeat renews it at ttl/3); bounded by the
+            pool's ``max_ttl`` as last read (:attr:`lease_ttl`, one warning when it clamps).
         executor_threads: threads running guarded work in this worker.
         park_timeout: seconds a request that carries ``X-Request-ID`` stays queued after its
             503, so that its retry joins its place (0 disables).
@@ -524,6 +526,7 @@ class GpuLimiter:
         self.acquire_timeout = float(acquire_timeout)
         self.inference_timeout = float(inference_timeout)
         self.ttl = float(ttl)
+        self._ttl_clamped: tuple[float, float] | None = None
         self.executor_threads = int(executor_threads)
         if self.executor_threads < 1:
             raise InvalidArgument(f"executor_threads must be >= 1, got {executor_threads!r}")
@@ -754,6 +757,26 @@ class GpuLimiter:
         self._resident_bytes = _resident_held(st)
         return st.capacity, self._resident_bytes
 
+    def _clamp_ttl(self, ttl: float) -> float:
+        """``ttl`` bounded by the pool's ``max_ttl`` as last read (the operator's bound wins:
+        ``gpulock pool set --max-ttl``); one warning line each time the clamp changes."""
+        st = self.status
+        mttl = st.max_ttl if st is not None else 0.0
+        if mttl and ttl > mttl:
+            if self._ttl_clamped != (ttl, mttl):
+                self._ttl_clamped = (ttl, mttl)
+                log.warning("gpulock: lease ttl %gs (GPULOCK_TTL / ttl=) exceeds pool %s's max_ttl %gs; "
+                            "using %gs (renewed every %gs)", ttl, self.pool_name, mttl, mttl, mttl / 3)
+            return mttl
+        if self._ttl_clamped is not None and self._ttl_clamped[0] == ttl:
+            self._ttl_clamped = None
+        return ttl
+
+    @property
+    def lease_ttl(self) -> float:
+        """The ttl requests lease with: ``ttl`` bounded by the pool's ``max_ttl``."""
+        return self._clamp_ttl(self.ttl)
+
     async def _check_room(self, amount: int) -> None:
         """413 at once for a request that fits the capacity but not the room the workers'
         resident leases (their models) leave: FIFO would otherwise keep it at the head of the
@@ -790,11 +813,11 @@ class GpuLimiter:
         assert self.pool is not None
         backoff = 0.5
         holder = {"purpose": f"resident:{purpose}"}
-        ttl_s = ttl or self.ttl
         self._resident_mode = ""
         while True:
             try:
                 capacity, others = await self._resident_room()
+                ttl_s = self._clamp_ttl(ttl or self.ttl)  # the pool's max_ttl, as just read, bounds it
                 if capacity - others < amount:
                     self._resident_mode = (f"the other workers' resident leases hold {format_size(others)}, "
                                            f"so {format_size(amount)} cannot fit until one of them ends; "
@@ -1411,9 +1434,21 @@ class GpuLimiter:
                 job.position = pos
 
             remaining = max(0.001, deadline - time.monotonic())
+            ttl_s = self.lease_ttl
             try:
-                lease = await self.pool.acquire(job.amount, ttl=self.ttl, timeout=remaining, request_id=job.ticket,
-                                                holder={"route": job.route}, on_queued=on_queued)
+                try:
+                    lease = await self.pool.acquire(job.amount, ttl=ttl_s, timeout=remaining,
+                                                    request_id=job.ticket, holder={"route": job.route},
+                                                    on_queued=on_queued)
+                except InvalidArgument:
+                    # max_ttl lowered since our last status read: read it now, retry once if it clamps
+                    await self._tick(full=False)
+                    if self.lease_ttl >= ttl_s:
+                        raise
+                    remaining = max(0.001, deadline - time.monotonic())
+                    lease = await self.pool.acquire(job.amount, ttl=self.lease_ttl, timeout=remaining,
+                                                    request_id=job.ticket, holder={"route": job.route},
+                                                    on_queued=on_queued)
             except AcquireTimeout as e:
                 job.server_retry_after = e.retry_after
                 raise
@@ -1675,6 +1710,9 @@ class GpuLimiter:
         if isinstance(exc, (BackendUnavailable, PoolNotFound)):
             raise GpuLockHTTPException(503, f"GPU budget unavailable: {exc}", "backend",
                                        {"Retry-After": str(max(1, int(self.reaper_interval * 2)))}) from None
+        if isinstance(exc, InvalidArgument):  # never a bare 500: say what the pool refused
+            raise GpuLockHTTPException(500, f"pool {self.pool_name!r} refused the lease request: {exc}",
+                                       "invalid_argument") from None
         raise exc
 
     # ---- metrics endpoint --------------------------------------------------------------------
