@@ -198,3 +198,53 @@ def test_configure_max_ttl(broker_srv):
             return (await ap.status())["max_ttl"]
 
     assert asyncio.run(main()) == 120
+
+
+def _wait_queued_past(pool, seconds):
+    """Until the pool's first waiter has waited more than ``seconds`` (observed, not slept)."""
+    t_end = time.monotonic() + 30
+    while time.monotonic() < t_end:
+        w = pool.status().get("waiters") or []
+        if w and w[0]["waited"] > seconds:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the waiter never showed queued past its ttl")
+
+
+def test_grant_after_a_wait_longer_than_the_ttl_is_valid(pool):
+    holder = pool.acquire("10GiB", ttl=10)
+    got: dict = {}
+
+    def wait():
+        try:
+            lease = pool.acquire(1, ttl=2, timeout=30)
+            lease.ensure_valid()  # right after the grant
+            got["lease"] = lease
+        except Exception as e:  # noqa: BLE001 - reported below
+            got["error"] = e
+
+    t = threading.Thread(target=wait)
+    t.start()
+    _wait_queued_past(pool, 4.0)
+    holder.release()
+    t.join(30)
+    assert "error" not in got, got.get("error")
+    lease = got["lease"]
+    lease.release()
+    assert lease.released and pool.status()["used"] == 0
+
+
+def test_async_grant_after_a_wait_longer_than_the_ttl_is_valid(broker_srv, gpu, pool):
+    async def main():
+        async with AsyncPool(broker_srv.url, gpu, token=USER_TOKEN) as ap:
+            holder = await ap.acquire("10GiB", ttl=10)
+            task = asyncio.ensure_future(ap.acquire(1, ttl=2, timeout=30))
+            await asyncio.get_running_loop().run_in_executor(None, _wait_queued_past, pool, 4.0)
+            await holder.release()
+            lease = await task
+            lease.ensure_valid()
+            await lease.release()
+            assert lease.released
+
+    asyncio.run(main())
+    assert pool.status()["used"] == 0

@@ -197,3 +197,19 @@ def test_heartbeat_request_budget_ends_before_any_deadline():
 def test_public_names():
     assert sorted(gpulock_client.__all__) == sorted(
         n for n in dir(gpulock_client) if not n.startswith("_") and n not in ("errors",))
+
+
+def test_validity_counts_from_the_reply_after_a_long_poll():
+    """A grant held ``held_ms`` by the broker: validity from sent + held*(1-drift), not sent."""
+    clock = Clock()
+    body = {**grant_body(expires_in=2.0, ttl=2.0), "held_ms": 4000}
+    s = core.LeaseState("p", body, sent=100.0, clock=clock)
+    assert s.valid_until == pytest.approx(100.0 + 4.0 * 0.99 + 2.0 * 0.99 - 0.05)
+    assert s.next_renew == pytest.approx(100.0 + 4.0 * 0.99 + 2.0 / 3)
+    clock.t = 104.1  # the reply arrives after 4.1 s: still valid
+    s.check()
+    clock.t = s.valid_until
+    with pytest.raises(LeaseLost):
+        s.check()
+    old = core.LeaseState("p", grant_body(expires_in=2.0, ttl=2.0), sent=100.0, clock=Clock())  # old broker
+    assert old.valid_until == pytest.approx(100.0 + 2.0 * 0.99 - 0.05)

@@ -228,8 +228,17 @@ def error_for(r: Reply, pool: str) -> GpuLockError:
     return e
 
 
-def validity_deadline(sent: float, expires_in: float) -> float:
-    return sent + max(0.0, expires_in) * (1.0 - CLOCK_DRIFT) - SAFETY_MARGIN_S
+def reply_made_after(sent: float, held_s: float = 0.0) -> float:
+    """Earliest local instant the reply can have been made: ``sent`` plus the time the broker
+    says it held the request (``held_ms``, its monotonic clock), shrunk by the clock-rate bound.
+    0 (an old broker without the field, or an immediate answer) gives ``sent``."""
+    return sent + max(0.0, held_s) * (1.0 - CLOCK_DRIFT)
+
+
+def validity_deadline(sent: float, expires_in: float, held_s: float = 0.0) -> float:
+    """Chubby's rule: ``expires_in`` (server clock, at the reply) counted from the earliest local
+    instant the reply can have been made, less the drift bound and a safety margin."""
+    return reply_made_after(sent, held_s) + max(0.0, expires_in) * (1.0 - CLOCK_DRIFT) - SAFETY_MARGIN_S
 
 
 def jittered(seconds: float, rng: random.Random) -> float:
@@ -256,8 +265,9 @@ class LeaseState:
         self.expires_at: float = float(body["expires_at"])
         self.acquired_at: float = float(body["acquired_at"])
         self.clock = clock
-        self.valid_until = validity_deadline(sent, float(body["expires_in"]))
-        self.next_renew = sent + min(self.ttl_s, float(body["expires_in"])) / 3
+        held_s = max(0.0, float(body.get("held_ms") or 0)) / 1000  # long-polled: counted from the reply
+        self.valid_until = validity_deadline(sent, float(body["expires_in"]), held_s)
+        self.next_renew = reply_made_after(sent, held_s) + min(self.ttl_s, float(body["expires_in"])) / 3
         self.lost_reason: Optional[str] = None
         self.released = False
         self.renew_failures = 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from typing import Any, NoReturn, Optional
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query, Request, Response
@@ -164,6 +165,7 @@ async def acquire_lease(request: Request, response: Response, body: LeaseRequest
     503 with ``Retry-After`` (seconds) and ``X-Queue-Position``; retry with the same
     ``request_id`` to keep the place (it is kept ``hold_place_for`` seconds) and to get the same
     grant if it was made meanwhile."""
+    t0 = time.monotonic()  # held_ms: how long this request was held here before the grant reply
     _allowed(who, pool)
     # a client that hangs up during the long poll leaves the queue at once (uvicorn does not
     # cancel the handler by itself)
@@ -178,7 +180,8 @@ async def acquire_lease(request: Request, response: Response, body: LeaseRequest
             gone.cancel()
     if isinstance(r, Granted):
         g = r.grant
-        return LeaseGrant(lease_id=g.lease_id, pool=pool, amount=g.amount, token=g.token, ttl=r.ttl_s,
+        held_ms = max(0, int((time.monotonic() - t0) * 1000))  # floor: never more than it was held
+        return LeaseGrant(held_ms=held_ms, lease_id=g.lease_id, pool=pool, amount=g.amount, token=g.token, ttl=r.ttl_s,
                           expires_in=max(0, g.expires_ms - g.now_ms) / 1000, expires_at=g.expires_ms / 1000,
                           acquired_at=r.acquired_ms / 1000, request_id=r.request_id)
     headers = {"Retry-After": str(r.retry_after_s)}

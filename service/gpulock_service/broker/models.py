@@ -119,10 +119,14 @@ class LeaseGrant(BaseModel):
     token: int = Field(..., description="Fencing token: strictly increasing per pool.")
     ttl: float = Field(..., description="seconds")
     expires_in: float = Field(..., description="Seconds left on the server clock when this reply was made. "
-                                               "Count them from when you *sent* the request (Chubby's rule).")
+                                               "Count them from when you *sent* the request plus ``held_ms`` × (1 − 1%) "
+                                               "(Chubby's rule).")
     expires_at: float = Field(..., description="Unix seconds, Redis server clock.")
     acquired_at: float = Field(..., description="Unix seconds, Redis server clock.")
     request_id: str
+    held_ms: int = Field(0, description="Milliseconds the broker held this request (a long poll) before "
+                                        "answering, on its own monotonic clock. Count ``expires_in`` from "
+                                        "``sent + held_ms/1000 * (1 - 1%)`` instead of from ``sent``.")
 
 
 class LeaseRenewed(BaseModel):
