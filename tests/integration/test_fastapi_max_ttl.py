@@ -7,30 +7,18 @@ import asyncio
 import logging
 import time
 
-import httpx
 import pytest
 from fastapi import FastAPI
 
 from gpulock import AsyncPool
 from gpulock.fastapi import GpuLimiter, current_lease
+from helpers import Running
 
 GiB = 2**30
 pytestmark = pytest.mark.timeout(60)
 
 
-class _Running:
-    def __init__(self, app: FastAPI):
-        self.app = app
-
-    async def __aenter__(self) -> httpx.AsyncClient:
-        self._cm = self.app.router.lifespan_context(self.app)
-        await self._cm.__aenter__()
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://t", timeout=30)
-        return self.client
-
-    async def __aexit__(self, *exc):
-        await self.client.aclose()
-        await self._cm.__aexit__(*exc)
+_Running = Running  # the lifespan + in-process client harness (tests/helpers.py)
 
 
 async def _configure(url: str, pool: str, **kw) -> None:
