@@ -16,10 +16,9 @@ import threading
 import time
 import weakref
 
-import httpx
 import pytest
 from fastapi import Depends, FastAPI
-from helpers import async_wait_until
+from helpers import Running, async_wait_until
 
 from gpulock import AsyncPool
 from gpulock.cuda import (
@@ -201,19 +200,7 @@ def _app(url: str, pool: str, **kw) -> tuple[FastAPI, GpuLimiter, dict]:
     return app, gpu, seen
 
 
-class _Running:
-    def __init__(self, app: FastAPI):
-        self.app = app
-
-    async def __aenter__(self) -> httpx.AsyncClient:
-        self._cm = self.app.router.lifespan_context(self.app)
-        await self._cm.__aenter__()
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://t", timeout=30)
-        return self.client
-
-    async def __aexit__(self, *exc):
-        await self.client.aclose()
-        await self._cm.__aexit__(*exc)
+_Running = Running  # the lifespan + in-process client harness (tests/helpers.py)
 
 
 async def _used(url: str, pool: str, *, settle_at: int | None = None) -> int:
@@ -610,9 +597,12 @@ async def test_retry_after_of_a_withdrawn_request_counts_the_queue_behind_it(red
     """Without X-Request-ID a 503 withdraws the request; its retry joins at the back, so
     Retry-After must cover the whole queue as it is now, not the old place. (A burst whose
     requests each timed out at the head used to be told "retry in 1 s" one after the other.)"""
-    app, gpu, _ = _app(redis_proc1.url, "it-tail", acquire_timeout=0.6, park_timeout=0, executor_threads=8)
+    # acquire_timeout 3 s: all six must be queued before the first times out (with 0.6 s a
+    # loaded machine let the first time out while the sixth was still on its way: a chance
+    # failure); the holder outlasts all six timeouts.
+    app, gpu, _ = _app(redis_proc1.url, "it-tail", acquire_timeout=3.0, park_timeout=0, executor_threads=8)
     async with _Running(app) as c:
-        hold = asyncio.create_task(c.post("/sync", json={"seconds": 4.0, "gib": 4}))
+        hold = asyncio.create_task(c.post("/sync", json={"seconds": 7.0, "gib": 4}))
         await _until(redis_proc1.url, "it-tail", lambda st: st.used == 4 * GiB)
         waiting = []
         for i in range(6):  # queued one after the other (each seen in Redis before the next is sent)
