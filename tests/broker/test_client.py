@@ -91,24 +91,34 @@ def test_queued_acquire_is_granted_on_release(broker_srv, pool):
 
 def test_lost_before_the_server_expiry_when_the_broker_goes(redis_srv, gpu, broker_srv):
     """Stop the broker (Redis stays): the client cannot renew; ensure_valid raises and
-    on_lost fires before the server expires the lease."""
+    on_lost fires, and no ensure_valid call that began at or after the server's expiry
+    succeeded. Asserted on the clocks the lease reports, not on how promptly this thread
+    is scheduled (a loaded machine may wake the poll loop late; that is not a lost bound)."""
     p = Pool(broker_srv.url, "gpu-a", token=USER_TOKEN)
     lease = p.acquire("4GiB", ttl=2)
+    # the local validity deadline, on the wall clock, ends before the server expiry
+    valid_until_wall = lease.valid_until - time.monotonic() + time.time()
+    assert valid_until_wall < lease.expires_at
     fired = []
     lease.on_lost(lambda _lease: fired.append(time.time()))
     broker_srv.stop()
-    while True:
+    last_ok_started = None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        started = time.time()
         try:
             lease.ensure_valid()
         except LeaseLost:
-            t_lost = time.time()
             break
+        last_ok_started = started
         time.sleep(0.005)
-    assert t_lost < lease.expires_at
-    deadline = time.monotonic() + 1
+    else:
+        pytest.fail("ensure_valid never raised with the broker gone")
+    assert last_ok_started is not None and last_ok_started < lease.expires_at
+    deadline = time.monotonic() + 10
     while not fired and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert fired and fired[0] < lease.expires_at
+    assert fired, "on_lost did not fire"
     with pytest.raises((LeaseLost, BackendUnavailable)):
         lease.release()
     p.close()
