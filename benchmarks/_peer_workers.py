@@ -65,6 +65,7 @@ class Turn:
 
 # ---- chains --------------------------------------------------------------------------------
 
+
 async def _chain_async(a: dict) -> None:
     """gpulock AsyncPool or asyncio.Semaphore participants, all in this process's loop."""
     subject = a["subject"]
@@ -137,7 +138,13 @@ async def _chain_async(a: dict) -> None:
             continue
         break
     errs = [repr(t.exception()) for t in tasks if t.done() and not t.cancelled() and t.exception()]
-    _emit({"recs": list(recs), "errors": errs[:5], "delivered": {str(k): v for k, v in delivered.items()}})
+    _emit(
+        {
+            "recs": list(recs),
+            "errors": errs[:5],
+            "delivered": {str(k): v for k, v in delivered.items()},
+        }
+    )
     os._exit(0)
 
 
@@ -229,6 +236,7 @@ def _chain_threads(a: dict) -> None:
 
 # ---- fairness under mixed sizes -------------------------------------------------------------
 
+
 async def _fair_gpulock(a: dict) -> None:
     from gpulock import AsyncPool
 
@@ -257,11 +265,19 @@ async def _fair_gpulock(a: dict) -> None:
     await _stdin_lines_async(loop)
     t_end = mono()
     errs = [repr(t.exception()) for t in tasks if t.done() and not t.cancelled() and t.exception()]
-    _emit({"recs": recs, "pending": {str(k): v for k, v in pending.items()}, "t_end": t_end, "errors": errs[:5]})
+    _emit(
+        {
+            "recs": recs,
+            "pending": {str(k): v for k, v in pending.items()},
+            "t_end": t_end,
+            "errors": errs[:5],
+        }
+    )
     os._exit(0)
 
 
 # ---- crash reclaim --------------------------------------------------------------------------
+
 
 def _lock_for(a: dict):
     import redis
@@ -308,10 +324,13 @@ def _waiter(a: dict) -> None:
         def make():
             class _L:
                 def acquire(self, blocking=True):
-                    self.lease = pool.acquire(1, **a.get("opts", {}))  # timeout=None: waits for good
+                    self.lease = pool.acquire(
+                        1, **a.get("opts", {})
+                    )  # timeout=None: waits for good
 
                 def release(self):
                     self.lease.release()
+
             return _L()
     else:
         conn, make = _lock_for(a)
@@ -350,4 +369,6 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "worker":
         worker_main(sys.argv[2], sys.argv[3])
     else:
-        raise SystemExit("usage: _peer_workers.py worker KIND ARGS_JSON (spawned by benchmarks/peers.py)")
+        raise SystemExit(
+            "usage: _peer_workers.py worker KIND ARGS_JSON (spawned by benchmarks/peers.py)"
+        )

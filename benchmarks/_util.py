@@ -28,6 +28,7 @@ mono = time.monotonic  # CLOCK_MONOTONIC on Linux: comparable across processes
 
 # ---- statistics ----------------------------------------------------------------------------
 
+
 def percentile(xs: list[float], q: float) -> float:
     """Linear-interpolated percentile (q in 0..100) of an unsorted list; nan when empty."""
     if not xs:
@@ -47,6 +48,7 @@ def median(xs: list[float]) -> float:
 
 
 # ---- machine ---------------------------------------------------------------------------------
+
 
 def machine_info() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
@@ -88,6 +90,7 @@ def machine_info() -> dict[str, Any]:
 
 
 # ---- rate loops ------------------------------------------------------------------------------
+
 
 def rate_sync(fn: Callable[[], Any], seconds: float, batch: int = 20) -> float:
     """Calls per second of ``fn`` over about ``seconds``."""
@@ -143,6 +146,7 @@ def summarize_interleaved(plan: list[str], rates: list[float]) -> dict[str, Any]
 
 
 # ---- worker processes --------------------------------------------------------------------------
+
 
 def _emit(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, separators=(",", ":")) + "\n")
@@ -284,7 +288,9 @@ def _holder(a: dict) -> None:
     if sys.stdin.readline().strip() != "go":
         os._exit(0)
     lease = pool.acquire(a["amount"], ttl=a["ttl"], timeout=5)
-    _emit({"lease_id": lease.id, "token": lease.token, "expires_ms": round(lease.expires_at * 1000)})
+    _emit(
+        {"lease_id": lease.id, "token": lease.token, "expires_ms": round(lease.expires_at * 1000)}
+    )
     while True:
         time.sleep(3600)
 
@@ -309,7 +315,9 @@ async def _reclaim_waiter(a: dict) -> None:
             if not queued.done():
                 queued.set_result(pos)
 
-        task = loop.create_task(pool.acquire(a["amount"], ttl=a["ttl"], timeout=30, on_queued=on_queued))
+        task = loop.create_task(
+            pool.acquire(a["amount"], ttl=a["ttl"], timeout=30, on_queued=on_queued)
+        )
         await asyncio.wait({task, queued}, return_when=asyncio.FIRST_COMPLETED)
         # Always one "queued" line: position, or null when granted without queueing (the
         # holder's lease was already gone: the harness discards that trial).
@@ -320,8 +328,15 @@ async def _reclaim_waiter(a: dict) -> None:
             _emit({"error": repr(e)})
             continue
         t_local = mono()
-        _emit({"granted": True, "t_local": t_local, "expires_ms": round(lease.expires_at * 1000),
-               "ttl_ms": round(lease.ttl * 1000), "token": lease.token})
+        _emit(
+            {
+                "granted": True,
+                "t_local": t_local,
+                "expires_ms": round(lease.expires_at * 1000),
+                "ttl_ms": round(lease.ttl * 1000),
+                "token": lease.token,
+            }
+        )
         await lease.release()
         _emit({"released": True})
 

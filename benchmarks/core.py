@@ -87,23 +87,51 @@ except ImportError:  # pragma: no cover
     CLIENT_KW = {"socket_timeout": 5.0, "socket_connect_timeout": 2.0, "health_check_interval": 10}
 
 TARGETS = {
-    "pair_ratio": 0.45,         # uncontended pairs/s ÷ single-connection EVALSHA rt/s
-    "handoff_p50_ms": 0.1,      # 10 waiters
+    "pair_ratio": 0.45,  # uncontended pairs/s ÷ single-connection EVALSHA rt/s
+    "handoff_p50_ms": 0.1,  # 10 waiters
     "handoff_p99_ms_10": 0.5,
     "handoff_p99_ms_100": 1.0,
     "cmds_per_grant": 4.0,
-    "cmds_flat": 0.20,          # ±20 % around the 10-waiter value, 10 → 1,000 waiters
+    "cmds_flat": 0.20,  # ±20 % around the 10-waiter value, 10 → 1,000 waiters
     "reclaim_p50_ms": 5.0,
     "reclaim_max_ms": 20.0,
     "bytes_per_item": 1024,
 }
 
-FULL = dict(slice_s=0.25, rounds=7, handoff_n=(10, 100, 1000), sync_handoff_n=(10,), windows=5,
-            window_s=1.0, warm_s=0.5, max_procs=11, reclaim_trials=20, reclaim_ttl=0.5,
-            rb_n50=200_000, rb_n1=30_000, script_pairs=2000, mem_items=10_000, floor_msgs=2000)
-QUICK = dict(slice_s=0.12, rounds=2, handoff_n=(10, 100, 1000), sync_handoff_n=(10,), windows=2,
-             window_s=0.4, warm_s=0.2, max_procs=6, reclaim_trials=5, reclaim_ttl=0.2,
-             rb_n50=30_000, rb_n1=10_000, script_pairs=300, mem_items=10_000, floor_msgs=300)
+FULL = dict(
+    slice_s=0.25,
+    rounds=7,
+    handoff_n=(10, 100, 1000),
+    sync_handoff_n=(10,),
+    windows=5,
+    window_s=1.0,
+    warm_s=0.5,
+    max_procs=11,
+    reclaim_trials=20,
+    reclaim_ttl=0.5,
+    rb_n50=200_000,
+    rb_n1=30_000,
+    script_pairs=2000,
+    mem_items=10_000,
+    floor_msgs=2000,
+)
+QUICK = dict(
+    slice_s=0.12,
+    rounds=2,
+    handoff_n=(10, 100, 1000),
+    sync_handoff_n=(10,),
+    windows=2,
+    window_s=0.4,
+    warm_s=0.2,
+    max_procs=6,
+    reclaim_trials=5,
+    reclaim_ttl=0.2,
+    rb_n50=30_000,
+    rb_n1=10_000,
+    script_pairs=300,
+    mem_items=10_000,
+    floor_msgs=300,
+)
 
 HARNESS_CMDS = {"multi", "exec", "config|resetstat", "info"}
 
@@ -125,13 +153,14 @@ def script_internal_commands() -> set[str]:
 REDISLOCK_INNER = {"get", "del", "lpush", "pexpire", "ttl", "expire", "keys"}
 
 
-def split_commandstats(stats: dict[str, dict], inner: set[str] | None = None
-                       ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+def split_commandstats(
+    stats: dict[str, dict], inner: set[str] | None = None
+) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """(client commands, commands run inside scripts, harness commands) -> calls."""
     inner = script_internal_commands() if inner is None else inner
     client, internal, harness = {}, {}, {}
     for key, v in stats.items():
-        name = key[len("cmdstat_"):] if key.startswith("cmdstat_") else key
+        name = key[len("cmdstat_") :] if key.startswith("cmdstat_") else key
         calls = int(v["calls"])
         if name in HARNESS_CMDS:
             harness[name] = calls
@@ -144,18 +173,34 @@ def split_commandstats(stats: dict[str, dict], inner: set[str] | None = None
 
 # ---- 1 + 2: ceiling and uncontended pairs -------------------------------------------------------
 
-def _acquire_argv(pool: str, ttl: float = 30.0, waiter_ttl: float = 5.0, mode: str = "wait",
-                  channel: str = "bench") -> list[str]:
-    req = AcquireRequest.build(pool, 1, ttl=ttl, timeout=None, holder=None, request_id=None,
-                               waiter_ttl=waiter_ttl, default_ttl=ttl)
+
+def _acquire_argv(
+    pool: str,
+    ttl: float = 30.0,
+    waiter_ttl: float = 5.0,
+    mode: str = "wait",
+    channel: str = "bench",
+) -> list[str]:
+    req = AcquireRequest.build(
+        pool,
+        1,
+        ttl=ttl,
+        timeout=None,
+        holder=None,
+        request_id=None,
+        waiter_ttl=waiter_ttl,
+        default_ttl=ttl,
+    )
     return req.argv(mode, channel)  # channel: where a later hand-off grant would be published
 
 
 def _load_dummy_scripts(c: redis.Redis) -> tuple[str, str, str]:
     trivial = c.script_load("return 1")
     # Same arguments in, same reply shapes out as acquire (granted) and release; no work.
-    fake_acq = c.script_load("return {1, ARGV[2], 1700000000000001, 1700000030000, 1, "
-                             "1700000000000, 1700000000000000, 1099511627776, 1}")
+    fake_acq = c.script_load(
+        "return {1, ARGV[2], 1700000000000001, 1700000030000, 1, "
+        "1700000000000, 1700000000000000, 1099511627776, 1}"
+    )
     fake_rel = c.script_load("return {1, 1700000000000, 0, 0}")
     return trivial, fake_acq, fake_rel
 
@@ -225,6 +270,7 @@ def lua_time_per_op(c: redis.Redis, name: str, n: int) -> dict[str, Any]:
     keys = pool_keys(name + "-lua")
     c.evalsha(sc["configure"].sha, 8, *keys, str(2**40), "100000", "set")
     trivial = c.script_load("return 1")
+
     def work():
         for _ in range(n):
             r = c.evalsha(sc["acquire"].sha, 8, *keys, *_acquire_argv(name + "-lua"))
@@ -285,15 +331,20 @@ def lua_by_script(by: dict[str, list[int]]) -> dict[str, dict[str, float]]:
     names = {s.sha: n for n, s in scripts().items()}
     scripts.cache_clear()  # workers read lua/ when they started: name their SHAs too
     names.update({s.sha: n for n, s in scripts().items()})
-    return {names.get(sha, sha[:8]): {"calls": len(v), "mean_us": sum(v) / len(v), "p50_us": median(v)}
-            for sha, v in by.items() if v}
+    return {
+        names.get(sha, sha[:8]): {"calls": len(v), "mean_us": sum(v) / len(v), "p50_us": median(v)}
+        for sha, v in by.items()
+        if v
+    }
 
 
 async def bench_pairs_async(url: str, cfg: dict) -> dict[str, Any]:
     c = aioredis.from_url(url, **CLIENT_KW)
     trivial = await c.script_load("return 1")
-    fake_acq = await c.script_load("return {1, ARGV[2], 1700000000000001, 1700000030000, 1, "
-                                   "1700000000000, 1700000000000000, 1099511627776, 1}")
+    fake_acq = await c.script_load(
+        "return {1, ARGV[2], 1700000000000001, 1700000030000, 1, "
+        "1700000000000, 1700000000000000, 1099511627776, 1}"
+    )
     fake_rel = await c.script_load("return {1, 1700000000000, 0, 0}")
     sc = scripts()
     for s in sc.values():
@@ -334,21 +385,41 @@ def bench_redis_benchmark(rp: RedisProcess, sha: str, cfg: dict) -> dict[str, An
         return None
     out = {}
     for conns, n in ((1, cfg["rb_n1"]), (50, cfg["rb_n50"])):
-        cmd = [exe, "-h", rp.host, "-p", str(rp.port), "-c", str(conns), "-n", str(n), "-P", "1",
-               "--csv", "evalsha", sha, "0"]
+        cmd = [
+            exe,
+            "-h",
+            rp.host,
+            "-p",
+            str(rp.port),
+            "-c",
+            str(conns),
+            "-n",
+            str(n),
+            "-P",
+            "1",
+            "--csv",
+            "evalsha",
+            sha,
+            "0",
+        ]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         rows = list(csv.DictReader(io.StringIO(p.stdout)))
         if p.returncode != 0 or not rows:
             out[f"c{conns}"] = {"error": (p.stderr or p.stdout)[-300:]}
             continue
         row = rows[-1]
-        out[f"c{conns}"] = {"rps": float(row["rps"]), "p50_ms": float(row["p50_latency_ms"]),
-                            "p99_ms": float(row["p99_latency_ms"]), "requests": n,
-                            "command": " ".join(cmd[:1] + ["-h", rp.host, "-p", "PORT"] + cmd[5:])}
+        out[f"c{conns}"] = {
+            "rps": float(row["rps"]),
+            "p50_ms": float(row["p50_latency_ms"]),
+            "p99_ms": float(row["p99_latency_ms"]),
+            "requests": n,
+            "command": " ".join(cmd[:1] + ["-h", rp.host, "-p", "PORT"] + cmd[5:]),
+        }
     return out
 
 
 # ---- 3 + 4: hand-off chain --------------------------------------------------------------------
+
 
 class Worker:
     """A benchmark worker process (benchmarks/_util.py), line protocol over stdin/stdout.
@@ -361,9 +432,14 @@ class Worker:
 
         self.kind = kind
         self.errf = tempfile.TemporaryFile(mode="w+")
-        self.p = subprocess.Popen([sys.executable, str(HERE / "_util.py"), "worker", kind, json.dumps(args)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errf,
-                                  text=True, bufsize=1)
+        self.p = subprocess.Popen(
+            [sys.executable, str(HERE / "_util.py"), "worker", kind, json.dumps(args)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.errf,
+            text=True,
+            bufsize=1,
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -385,8 +461,10 @@ class Worker:
             line = ""
         if not line:
             self.errf.seek(0)
-            raise RuntimeError(f"worker {self.kind} gave no answer within {timeout:.0f} s "
-                               f"(exit {self.p.poll()}); stderr: {self.errf.read()[-2000:]}{self._stacks()}")
+            raise RuntimeError(
+                f"worker {self.kind} gave no answer within {timeout:.0f} s "
+                f"(exit {self.p.poll()}); stderr: {self.errf.read()[-2000:]}{self._stacks()}"
+            )
         return json.loads(line)
 
     def _stacks(self) -> str:
@@ -395,7 +473,9 @@ class Worker:
         if self.p.poll() is not None or not os.path.exists(spy):
             return ""
         try:
-            d = subprocess.run([spy, "dump", "--pid", str(self.p.pid)], capture_output=True, text=True, timeout=20)
+            d = subprocess.run(
+                [spy, "dump", "--pid", str(self.p.pid)], capture_output=True, text=True, timeout=20
+            )
             return "\nstacks (py-spy dump):\n" + (d.stdout or d.stderr)[-4000:]
         except Exception as e:  # pragma: no cover - diagnostics only
             return f"\n(py-spy dump failed: {e})"
@@ -407,8 +487,9 @@ class Worker:
         self.errf.close()
 
 
-def run_chain(url: str, c: redis.Redis, mode: str, n_waiters: int, cfg: dict,
-              max_procs: int | None = None) -> dict[str, Any]:
+def run_chain(
+    url: str, c: redis.Redis, mode: str, n_waiters: int, cfg: dict, max_procs: int | None = None
+) -> dict[str, Any]:
     """A FIFO chain of ``n_waiters`` + 1 participants over up to ``max_procs`` processes.
     mode: "async" (AsyncPool tasks), "sync" (Pool threads) or "redislock" (python-redis-lock,
     the closest peer, as a calibration of this harness and machine)."""
@@ -422,10 +503,16 @@ def run_chain(url: str, c: redis.Redis, mode: str, n_waiters: int, cfg: dict,
             p.configure(1, max_waiters=max(10_000, 2 * n_waiters))
     participants = n_waiters + 1
     nprocs = min(participants, max_procs or cfg["max_procs"])
-    share = [participants // nprocs + (1 if i < participants % nprocs else 0) for i in range(nprocs)]
-    workers = [Worker(f"chain-{mode}", {"url": url, "pool": name, "n": k, "amount": 1, "ttl": 30.0,
-                                         "client_kw": CLIENT_KW})
-               for k in share]
+    share = [
+        participants // nprocs + (1 if i < participants % nprocs else 0) for i in range(nprocs)
+    ]
+    workers = [
+        Worker(
+            f"chain-{mode}",
+            {"url": url, "pool": name, "n": k, "amount": 1, "ttl": 30.0, "client_kw": CLIENT_KW},
+        )
+        for k in share
+    ]
     try:
         for w in workers:
             w.recv()
@@ -451,8 +538,15 @@ def run_chain(url: str, c: redis.Redis, mode: str, n_waiters: int, cfg: dict,
             stats, g1 = tx.execute()
             t_e = mono()
             grants = int(g1) - g0 if not peer else None
-            windows.append({"t_start": t_s, "t_end": t_e, "grants": grants, "commandstats": stats,
-                            "queue_len_after": None if peer else c.zcard(keys[3])})
+            windows.append(
+                {
+                    "t_start": t_s,
+                    "t_end": t_e,
+                    "grants": grants,
+                    "commandstats": stats,
+                    "queue_len_after": None if peer else c.zcard(keys[3]),
+                }
+            )
         # One more, short window with SLOWLOG on: Lua time per script in this chain (not in
         # the windows above: logging every command slows the server a little).
         t_sl = mono()
@@ -476,7 +570,9 @@ def run_chain(url: str, c: redis.Redis, mode: str, n_waiters: int, cfg: dict,
     return out
 
 
-def analyse_chain(mode: str, n: int, nprocs: int, recs: list, windows: list, errors: list) -> dict[str, Any]:
+def analyse_chain(
+    mode: str, n: int, nprocs: int, recs: list, windows: list, errors: list
+) -> dict[str, Any]:
     peer = mode == "redislock"
     if peer:
         # A mutex has no fencing token: order grants by time. Mutual exclusion makes grant k
@@ -500,41 +596,71 @@ def analyse_chain(mode: str, n: int, nprocs: int, recs: list, windows: list, err
                 neg += 1
             lat_ret.append(max(0.0, d_ret) * 1000)
             lat_full.append((tg - prev[2]) * 1000)
-        client, internal, _ = split_commandstats(w["commandstats"], REDISLOCK_INNER if peer else None)
+        client, internal, _ = split_commandstats(
+            w["commandstats"], REDISLOCK_INNER if peer else None
+        )
         g = max(1, w["grants"])
         ev = w["commandstats"].get("cmdstat_evalsha", {"usec": 0})
-        out_windows.append({
-            "grants": w["grants"], "seconds": w["t_end"] - w["t_start"],
-            "handoffs_per_s": w["grants"] / (w["t_end"] - w["t_start"]),
-            "samples": len(lat_ret), "granted_before_release_returned": neg,
-            "from_release_return_ms": {"p50": percentile(lat_ret, 50), "p99": percentile(lat_ret, 99),
-                                       "max": max(lat_ret, default=math.nan)},
-            "from_release_call_ms": {"p50": percentile(lat_full, 50), "p99": percentile(lat_full, 99),
-                                     "max": max(lat_full, default=math.nan)},
-            "client_cmds": client, "client_cmds_per_grant": sum(client.values()) / g,
-            "script_inner_cmds_per_grant": sum(internal.values()) / g,
-            "lua_us_per_grant": ev["usec"] / g,
-            "queue_len_after": w["queue_len_after"],
-        })
+        out_windows.append(
+            {
+                "grants": w["grants"],
+                "seconds": w["t_end"] - w["t_start"],
+                "handoffs_per_s": w["grants"] / (w["t_end"] - w["t_start"]),
+                "samples": len(lat_ret),
+                "granted_before_release_returned": neg,
+                "from_release_return_ms": {
+                    "p50": percentile(lat_ret, 50),
+                    "p99": percentile(lat_ret, 99),
+                    "max": max(lat_ret, default=math.nan),
+                },
+                "from_release_call_ms": {
+                    "p50": percentile(lat_full, 50),
+                    "p99": percentile(lat_full, 99),
+                    "max": max(lat_full, default=math.nan),
+                },
+                "client_cmds": client,
+                "client_cmds_per_grant": sum(client.values()) / g,
+                "script_inner_cmds_per_grant": sum(internal.values()) / g,
+                "lua_us_per_grant": ev["usec"] / g,
+                "queue_len_after": w["queue_len_after"],
+            }
+        )
         all_ret += lat_ret
         all_full += lat_full
         all_neg += neg
     med = lambda path: median([_get(w, path) for w in out_windows])  # noqa: E731
     return {
-        "mode": mode, "waiters": n, "processes": nprocs, "errors": errors[:5], "windows": out_windows,
-        "p50_ms": med("from_release_return_ms.p50"), "p99_ms": med("from_release_return_ms.p99"),
+        "mode": mode,
+        "waiters": n,
+        "processes": nprocs,
+        "errors": errors[:5],
+        "windows": out_windows,
+        "p50_ms": med("from_release_return_ms.p50"),
+        "p99_ms": med("from_release_return_ms.p99"),
         "max_ms": max(all_ret, default=math.nan),
-        "full_p50_ms": med("from_release_call_ms.p50"), "full_p99_ms": med("from_release_call_ms.p99"),
+        "full_p50_ms": med("from_release_call_ms.p50"),
+        "full_p99_ms": med("from_release_call_ms.p99"),
         "full_max_ms": max(all_full, default=math.nan),
-        "pooled": {"from_release_return_ms": {"p50": percentile(all_ret, 50), "p99": percentile(all_ret, 99)},
-                   "from_release_call_ms": {"p50": percentile(all_full, 50), "p99": percentile(all_full, 99)}},
-        "samples": len(all_ret), "granted_before_release_returned": all_neg,
+        "pooled": {
+            "from_release_return_ms": {
+                "p50": percentile(all_ret, 50),
+                "p99": percentile(all_ret, 99),
+            },
+            "from_release_call_ms": {
+                "p50": percentile(all_full, 50),
+                "p99": percentile(all_full, 99),
+            },
+        },
+        "samples": len(all_ret),
+        "granted_before_release_returned": all_neg,
         "cmds_per_grant": med("client_cmds_per_grant"),
         "inner_cmds_per_grant": med("script_inner_cmds_per_grant"),
         "lua_us_per_grant": med("lua_us_per_grant"),
         "handoffs_per_s": med("handoffs_per_s"),
-        "samples_ms": {"from_release_return": [round(x, 3) for x in all_ret],
-                       "from_release_call": [round(x, 3) for x in all_full]},
+        "samples_ms": {
+            "from_release_return": [round(x, 3) for x in all_ret],
+            "from_release_call": [round(x, 3) for x in all_full],
+        },
     }
 
 
@@ -568,13 +694,17 @@ def bench_pubsub_floor(url: str, c: redis.Redis, cfg: dict) -> dict[str, Any]:
     from_call = [(got[k] - t0) * 1000 for k, (t0, _) in sent.items() if k in got]
     from_ret = [max(0.0, got[k] - tr) * 1000 for k, (_, tr) in sent.items() if k in got]
     call_ms = [(tr - t0) * 1000 for t0, tr in sent.values()]
-    return {"messages": len(sent), "received": len(from_call),
-            "from_call_ms": {"p50": percentile(from_call, 50), "p99": percentile(from_call, 99)},
-            "from_return_ms": {"p50": percentile(from_ret, 50), "p99": percentile(from_ret, 99)},
-            "evalsha_call_ms": {"p50": percentile(call_ms, 50), "p99": percentile(call_ms, 99)}}
+    return {
+        "messages": len(sent),
+        "received": len(from_call),
+        "from_call_ms": {"p50": percentile(from_call, 50), "p99": percentile(from_call, 99)},
+        "from_return_ms": {"p50": percentile(from_ret, 50), "p99": percentile(from_ret, 99)},
+        "evalsha_call_ms": {"p50": percentile(call_ms, 50), "p99": percentile(call_ms, 99)},
+    }
 
 
 # ---- 5: crash reclaim ---------------------------------------------------------------------------
+
 
 def server_clock_offset(c: redis.Redis, samples: int = 15) -> float:
     """Server clock (µs, TIME) minus local CLOCK_MONOTONIC (µs), from the sample with the
@@ -617,20 +747,30 @@ def bench_reclaim(url: str, c: redis.Redis, cfg: dict) -> dict[str, Any]:
                 raise RuntimeError(f"reclaim waiter failed: {g['error']}")
             waiter.recv()  # released
             if exp is None or q.get("queued") is None:
-                trials.append({"skipped": "the holder's lease was gone before the kill or before "
-                                          "the waiter queued (machine too slow?)", **lease})
+                trials.append(
+                    {
+                        "skipped": "the holder's lease was gone before the kill or before "
+                        "the waiter queued (machine too slow?)",
+                        **lease,
+                    }
+                )
                 continue
             exp_ms = int(exp)
             grant_ms = g["expires_ms"] - g["ttl_ms"]
             exp_local = (exp_ms * 1000 - offset) / 1_000_000
-            trials.append({
-                "token_dead": lease["token"], "token_next": g["token"], "queued_position": q.get("queued"),
-                "dead_expiry_ms": exp_ms, "grant_server_ms": grant_ms,
-                "lag_server_ms": grant_ms - exp_ms,
-                "lag_local_ms": (g["t_local"] - exp_local) * 1000,
-                "kill_before_expiry_ms": (exp_local - t_kill) * 1000,
-                "renewed_before_kill": exp_ms != lease["expires_ms"],
-            })
+            trials.append(
+                {
+                    "token_dead": lease["token"],
+                    "token_next": g["token"],
+                    "queued_position": q.get("queued"),
+                    "dead_expiry_ms": exp_ms,
+                    "grant_server_ms": grant_ms,
+                    "lag_server_ms": grant_ms - exp_ms,
+                    "lag_local_ms": (g["t_local"] - exp_local) * 1000,
+                    "kill_before_expiry_ms": (exp_local - t_kill) * 1000,
+                    "renewed_before_kill": exp_ms != lease["expires_ms"],
+                }
+            )
     finally:
         nxt.kill()
         waiter.kill()
@@ -638,12 +778,19 @@ def bench_reclaim(url: str, c: redis.Redis, cfg: dict) -> dict[str, Any]:
     good = [t for t in trials if "lag_server_ms" in t]
     ls = [t["lag_server_ms"] for t in good]
     ll = [t["lag_local_ms"] for t in good]
-    return {"ttl_s": cfg["reclaim_ttl"], "trials": trials, "n": len(good),
-            "p50_ms": percentile(ls, 50), "max_ms": max(ls, default=math.nan),
-            "local_p50_ms": percentile(ll, 50), "local_max_ms": max(ll, default=math.nan)}
+    return {
+        "ttl_s": cfg["reclaim_ttl"],
+        "trials": trials,
+        "n": len(good),
+        "p50_ms": percentile(ls, 50),
+        "max_ms": max(ls, default=math.nan),
+        "local_p50_ms": percentile(ll, 50),
+        "local_max_ms": max(ll, default=math.nan),
+    }
 
 
 # ---- 6: memory -----------------------------------------------------------------------------------
+
 
 def bench_memory(c: redis.Redis, n: int) -> dict[str, Any]:
     sc = loaded_scripts(c)
@@ -657,7 +804,7 @@ def bench_memory(c: redis.Redis, n: int) -> dict[str, Any]:
     def run(keys: list[str], argvs: list[list[str]], expect: int) -> None:
         for i in range(0, len(argvs), 1000):
             pipe = c.pipeline(transaction=False)
-            for a in argvs[i:i + 1000]:
+            for a in argvs[i : i + 1000]:
                 pipe.evalsha(sc["acquire"].sha, 8, *keys, *a)
             for r in pipe.execute():
                 assert int(r[0]) == expect, r
@@ -671,7 +818,9 @@ def bench_memory(c: redis.Redis, n: int) -> dict[str, Any]:
     run(lk, argvs, 1)
     after = used()
     out["lease"] = {k: (after[k] - before[k]) / n for k in before}
-    out["lease_keys"] = {k.rsplit(":", 1)[1]: c.memory_usage(k, samples=0) for k in lk[1:3] + lk[6:7]}
+    out["lease_keys"] = {
+        k.rsplit(":", 1)[1]: c.memory_usage(k, samples=0) for k in lk[1:3] + lk[6:7]
+    }
 
     # Waiters: one lease fills the pool, then n requests queue behind it.
     wk = pool_keys("bench-mem-waiters")
@@ -689,6 +838,7 @@ def bench_memory(c: redis.Redis, n: int) -> dict[str, Any]:
 
 # ---- report -------------------------------------------------------------------------------------
 
+
 def fmt_rate(x: float) -> str:
     return f"{x:,.0f}/s"
 
@@ -702,43 +852,105 @@ def build_rows(R: dict) -> list[tuple[str, str, str, str]]:
     rows: list[tuple[str, str, str, str]] = []
     ps, pa = R.get("pairs_sync"), R.get("pairs_async")
     if ps:
-        rows.append(("ceiling: EVALSHA 'return 1', 1 conn, redis-py sync", fmt_rate(ps["ceiling"]), "", "(ceiling)"))
+        rows.append(
+            (
+                "ceiling: EVALSHA 'return 1', 1 conn, redis-py sync",
+                fmt_rate(ps["ceiling"]),
+                "",
+                "(ceiling)",
+            )
+        )
     if pa:
-        rows.append(("ceiling: EVALSHA 'return 1', 1 conn, redis-py asyncio", fmt_rate(pa["ceiling"]), "", "(ceiling)"))
+        rows.append(
+            (
+                "ceiling: EVALSHA 'return 1', 1 conn, redis-py asyncio",
+                fmt_rate(pa["ceiling"]),
+                "",
+                "(ceiling)",
+            )
+        )
     rb = R.get("redis_benchmark") or {}
     for k, label in (("c1", "1 conn"), ("c50", "50 conns")):
         if "rps" in rb.get(k, {}):
-            rows.append((f"ceiling: redis-benchmark evalsha, {label} (C client)", fmt_rate(rb[k]["rps"]), "", "(info)"))
+            rows.append(
+                (
+                    f"ceiling: redis-benchmark evalsha, {label} (C client)",
+                    fmt_rate(rb[k]["rps"]),
+                    "",
+                    "(info)",
+                )
+            )
     for kind, d, ceil in (("sync Pool", ps, "sync"), ("AsyncPool", pa, "async")):
         if not d:
             continue
         ratio = d["pool"]["ratio"]
-        rows.append((f"uncontended acquire+release, {kind}",
-                     f"{fmt_rate(d['pool']['rate'])} = {ratio:.1%} of {ceil} ceiling",
-                     f">= {T['pair_ratio']:.0%}", f"{verdict(ratio >= T['pair_ratio'])} ({ratio / T['pair_ratio']:.2f}x)"))
-        rows.append((f"  same pair, gpulock scripts on a bare client ({ceil})",
-                     f"{d['raw_scripts']['ratio']:.1%} of ceiling", "", "(where the time goes)"))
-        rows.append((f"  same I/O, scripts that do nothing ({ceil})",
-                     f"{d['io_only']['ratio']:.1%} of ceiling", "", "(where the time goes)"))
+        rows.append(
+            (
+                f"uncontended acquire+release, {kind}",
+                f"{fmt_rate(d['pool']['rate'])} = {ratio:.1%} of {ceil} ceiling",
+                f">= {T['pair_ratio']:.0%}",
+                f"{verdict(ratio >= T['pair_ratio'])} ({ratio / T['pair_ratio']:.2f}x)",
+            )
+        )
+        rows.append(
+            (
+                f"  same pair, gpulock scripts on a bare client ({ceil})",
+                f"{d['raw_scripts']['ratio']:.1%} of ceiling",
+                "",
+                "(where the time goes)",
+            )
+        )
+        rows.append(
+            (
+                f"  same I/O, scripts that do nothing ({ceil})",
+                f"{d['io_only']['ratio']:.1%} of ceiling",
+                "",
+                "(where the time goes)",
+            )
+        )
         if "peer_redislock" in d:
-            rows.append(("  python-redis-lock acquire+release (sync)",
-                         f"{fmt_rate(d['peer_redislock']['rate'])} = {d['peer_redislock']['ratio']:.1%} of ceiling",
-                         "", "(peer, same run)"))
+            rows.append(
+                (
+                    "  python-redis-lock acquire+release (sync)",
+                    f"{fmt_rate(d['peer_redislock']['rate'])} = {d['peer_redislock']['ratio']:.1%} of ceiling",
+                    "",
+                    "(peer, same run)",
+                )
+            )
     if ps:
         lua = ps["lua"]
-        rows.append(("  Lua time per call, uncontended: acquire / release / 'return 1'",
-                     f"{lua['acquire_us']:.1f} / {lua['release_us']:.1f} / {lua['trivial_us']:.1f} us (SLOWLOG)",
-                     "", "(info)"))
+        rows.append(
+            (
+                "  Lua time per call, uncontended: acquire / release / 'return 1'",
+                f"{lua['acquire_us']:.1f} / {lua['release_us']:.1f} / {lua['trivial_us']:.1f} us (SLOWLOG)",
+                "",
+                "(info)",
+            )
+        )
     fl = R.get("pubsub_floor")
     if fl:
-        rows.append(("floor: EVALSHA->PUBLISH->redis.asyncio subscriber, 2 procs",
-                     f"p50 {fl['from_return_ms']['p50']:.3f}  p99 {fl['from_return_ms']['p99']:.3f} ms from return; "
-                     f"p50 {fl['from_call_ms']['p50']:.3f} from call", "", "(floor)"))
-    for key, label in (("handoff_async", "async"), ("handoff_async_1proc", "async"), ("handoff_sync", "sync"),
-                       ("handoff_peer", "python-redis-lock")):
+        rows.append(
+            (
+                "floor: EVALSHA->PUBLISH->redis.asyncio subscriber, 2 procs",
+                f"p50 {fl['from_return_ms']['p50']:.3f}  p99 {fl['from_return_ms']['p99']:.3f} ms from return; "
+                f"p50 {fl['from_call_ms']['p50']:.3f} from call",
+                "",
+                "(floor)",
+            )
+        )
+    for key, label in (
+        ("handoff_async", "async"),
+        ("handoff_async_1proc", "async"),
+        ("handoff_sync", "sync"),
+        ("handoff_peer", "python-redis-lock"),
+    ):
         for n, h in sorted((R.get(key) or {}).items(), key=lambda kv: int(kv[0])):
             n = int(n)
-            p99_t = T["handoff_p99_ms_10"] if n <= 10 else (T["handoff_p99_ms_100"] if n <= 100 else None)
+            p99_t = (
+                T["handoff_p99_ms_10"]
+                if n <= 10
+                else (T["handoff_p99_ms_100"] if n <= 100 else None)
+            )
             p50_t = T["handoff_p50_ms"] if n <= 10 else None
             info = key in ("handoff_peer", "handoff_async_1proc")
             if info:
@@ -751,64 +963,131 @@ def build_rows(R: dict) -> list[tuple[str, str, str, str]]:
             if p99_t is not None:
                 tgt.append(f"p99<={p99_t}")
                 ok &= h["p99_ms"] <= p99_t
-            procs = f"{h['processes']} procs" if h["processes"] > 1 else "1 proc, no other subscribers"
-            rows.append((f"hand-off {n} waiters, {label} ({procs}), release returns -> held",
-                         f"p50 {h['p50_ms']:.3f}  p99 {h['p99_ms']:.3f}  max {h['max_ms']:.2f} ms",
-                         " ".join(tgt) + (" ms" if tgt else ""),
-                         verdict(ok if tgt else None) if not info else
-                         ("(peer, same run)" if key == "handoff_peer" else "(info)")))
-            rows.append(("  same, from release() call -> held",
-                         f"p50 {h['full_p50_ms']:.3f}  p99 {h['full_p99_ms']:.3f}  max {h['full_max_ms']:.2f} ms",
-                         "", f"({h['samples']} hand-offs, {h['handoffs_per_s']:,.0f}/s)"))
+            procs = (
+                f"{h['processes']} procs" if h["processes"] > 1 else "1 proc, no other subscribers"
+            )
+            rows.append(
+                (
+                    f"hand-off {n} waiters, {label} ({procs}), release returns -> held",
+                    f"p50 {h['p50_ms']:.3f}  p99 {h['p99_ms']:.3f}  max {h['max_ms']:.2f} ms",
+                    " ".join(tgt) + (" ms" if tgt else ""),
+                    verdict(ok if tgt else None)
+                    if not info
+                    else ("(peer, same run)" if key == "handoff_peer" else "(info)"),
+                )
+            )
+            rows.append(
+                (
+                    "  same, from release() call -> held",
+                    f"p50 {h['full_p50_ms']:.3f}  p99 {h['full_p99_ms']:.3f}  max {h['full_max_ms']:.2f} ms",
+                    "",
+                    f"({h['samples']} hand-offs, {h['handoffs_per_s']:,.0f}/s)",
+                )
+            )
     ha = R.get("handoff_async") or {}
     if ha:
         lbs = ha[min(ha, key=int)].get("lua_by_script", {})
         if "release" in lbs and "acquire" in lbs:
-            rows.append((f"  Lua time per call in the {min(ha, key=int)}-waiter chain: release+grant / acquire (queue)",
-                         f"{lbs['release']['p50_us']:.0f} / {lbs['acquire']['p50_us']:.0f} us p50 (SLOWLOG)", "", "(info)"))
+            rows.append(
+                (
+                    f"  Lua time per call in the {min(ha, key=int)}-waiter chain: release+grant / acquire (queue)",
+                    f"{lbs['release']['p50_us']:.0f} / {lbs['acquire']['p50_us']:.0f} us p50 (SLOWLOG)",
+                    "",
+                    "(info)",
+                )
+            )
         cpg = {int(n): h["cmds_per_grant"] for n, h in ha.items()}
         ns = sorted(cpg)
         base = cpg[ns[0]]
         spread = max(abs(v / base - 1) for v in cpg.values()) if base else math.inf
         ok = max(cpg.values()) <= T["cmds_per_grant"] and spread <= T["cmds_flat"]
-        rows.append((f"client commands per grant, {' / '.join(map(str, ns))} waiters",
-                     " / ".join(f"{cpg[n]:.2f}" for n in ns) + f"  (spread {spread:+.0%})",
-                     f"<= {T['cmds_per_grant']:.0f}, flat +-{T['cmds_flat']:.0%}", verdict(ok)))
+        rows.append(
+            (
+                f"client commands per grant, {' / '.join(map(str, ns))} waiters",
+                " / ".join(f"{cpg[n]:.2f}" for n in ns) + f"  (spread {spread:+.0%})",
+                f"<= {T['cmds_per_grant']:.0f}, flat +-{T['cmds_flat']:.0%}",
+                verdict(ok),
+            )
+        )
         for n, h in (R.get("handoff_sync") or {}).items():
-            rows.append((f"  client commands per grant, sync, {n} waiters", f"{h['cmds_per_grant']:.2f}", "", "(info)"))
+            rows.append(
+                (
+                    f"  client commands per grant, sync, {n} waiters",
+                    f"{h['cmds_per_grant']:.2f}",
+                    "",
+                    "(info)",
+                )
+            )
         for n, h in (R.get("handoff_peer") or {}).items():
-            rows.append((f"  client commands per grant, python-redis-lock, {n} waiters",
-                         f"{h['cmds_per_grant']:.2f}", "", "(peer, same run)"))
+            rows.append(
+                (
+                    f"  client commands per grant, python-redis-lock, {n} waiters",
+                    f"{h['cmds_per_grant']:.2f}",
+                    "",
+                    "(peer, same run)",
+                )
+            )
         inner = {int(n): h["inner_cmds_per_grant"] for n, h in ha.items()}
-        rows.append(("  commands run inside scripts per grant",
-                     " / ".join(f"{inner[n]:.1f}" for n in ns), "", "(info)"))
+        rows.append(
+            (
+                "  commands run inside scripts per grant",
+                " / ".join(f"{inner[n]:.1f}" for n in ns),
+                "",
+                "(info)",
+            )
+        )
     rc = R.get("reclaim")
     if rc:
         ok = rc["p50_ms"] <= T["reclaim_p50_ms"] and rc["max_ms"] <= T["reclaim_max_ms"]
-        rows.append((f"crash reclaim lag after server expiry ({rc['n']} kills, ttl {rc['ttl_s']} s)",
-                     f"p50 {rc['p50_ms']:.1f}  max {rc['max_ms']:.1f} ms (server clock, 1 ms steps)",
-                     f"p50<={T['reclaim_p50_ms']:.0f} max<={T['reclaim_max_ms']:.0f} ms", verdict(ok)))
-        rows.append(("  same, to the waiter's acquire returning (local clock)",
-                     f"p50 {rc['local_p50_ms']:.2f}  max {rc['local_max_ms']:.2f} ms", "", "(info)"))
+        rows.append(
+            (
+                f"crash reclaim lag after server expiry ({rc['n']} kills, ttl {rc['ttl_s']} s)",
+                f"p50 {rc['p50_ms']:.1f}  max {rc['max_ms']:.1f} ms (server clock, 1 ms steps)",
+                f"p50<={T['reclaim_p50_ms']:.0f} max<={T['reclaim_max_ms']:.0f} ms",
+                verdict(ok),
+            )
+        )
+        rows.append(
+            (
+                "  same, to the waiter's acquire returning (local clock)",
+                f"p50 {rc['local_p50_ms']:.2f}  max {rc['local_max_ms']:.2f} ms",
+                "",
+                "(info)",
+            )
+        )
     m = R.get("memory")
     if m:
         for k in ("lease", "waiter"):
             v = m[k]["used_memory"]
-            rows.append((f"Redis memory per {k} (used_memory / {m['items']:,}, {m['meta_bytes']} B metadata)",
-                         f"{v:,.0f} B", "<= 1 KiB", verdict(v <= T["bytes_per_item"])))
+            rows.append(
+                (
+                    f"Redis memory per {k} (used_memory / {m['items']:,}, {m['meta_bytes']} B metadata)",
+                    f"{v:,.0f} B",
+                    "<= 1 KiB",
+                    verdict(v <= T["bytes_per_item"]),
+                )
+            )
     return rows
 
 
 def print_report(R: dict, rows: list) -> None:
     M = R["machine"]
-    print(f"gpulock {R['gpulock']} core benchmark  ({'quick' if R['quick'] else 'full'} run, "
-          f"{R['runtime_s']:.0f} s)")
-    print(f"machine: {M['cpu']}, {M['cores']} cores; load avg {M['loadavg_start'][0]:.2f} at start, "
-          f"{M['loadavg_end'][0]:.2f} at end")
-    print(f"python {M['python']}, redis-py {M['redis_py']} ({M['redis_py_parser']} parser), "
-          f"server {R['server']['version']} ({R['server']['binary']}), loopback TCP")
+    print(
+        f"gpulock {R['gpulock']} core benchmark  ({'quick' if R['quick'] else 'full'} run, "
+        f"{R['runtime_s']:.0f} s)"
+    )
+    print(
+        f"machine: {M['cpu']}, {M['cores']} cores; load avg {M['loadavg_start'][0]:.2f} at start, "
+        f"{M['loadavg_end'][0]:.2f} at end"
+    )
+    print(
+        f"python {M['python']}, redis-py {M['redis_py']} ({M['redis_py_parser']} parser), "
+        f"server {R['server']['version']} ({R['server']['binary']}), loopback TCP"
+    )
     print()
-    w = [max(len(r[i]) for r in rows + [("metric", "value", "target", "verdict")]) for i in range(4)]
+    w = [
+        max(len(r[i]) for r in rows + [("metric", "value", "target", "verdict")]) for i in range(4)
+    ]
     head = ("metric", "value", "target", "verdict")
     print("  ".join(h.ljust(w[i]) for i, h in enumerate(head)).rstrip())
     print("  ".join("-" * w[i] for i in range(4)))
@@ -823,15 +1102,21 @@ def print_report(R: dict, rows: list) -> None:
             for k, v in win["client_cmds"].items():
                 mix[k] = mix.get(k, 0) + v
         g = sum(win["grants"] for win in big["windows"]) or 1
-        print("Commands per grant count every top-level command clients sent during the window "
-              "(INFO commandstats after CONFIG RESETSTAT), excluding the commands the gpulock "
-              "scripts run inside Redis (" + ", ".join(sorted(script_internal_commands())) + ", "
-              "which commandstats also counts) and the harness's own MULTI/EXEC/CONFIG/INFO. "
-              f"At {big['waiters']} waiters: " + ", ".join(f"{k} {v / g:.3f}" for k, v in sorted(mix.items())) + ".")
-        print("Hand-off: N waiters + 1 holder in a FIFO chain (capacity 1) across separate processes; "
-              "latency from the previous holder's release() return (0 when the grant arrived first) "
-              "to the next waiter's acquire() return, CLOCK_MONOTONIC; p50/p99 are medians over "
-              f"{len(big['windows'])} windows, max over all.")
+        print(
+            "Commands per grant count every top-level command clients sent during the window "
+            "(INFO commandstats after CONFIG RESETSTAT), excluding the commands the gpulock "
+            "scripts run inside Redis (" + ", ".join(sorted(script_internal_commands())) + ", "
+            "which commandstats also counts) and the harness's own MULTI/EXEC/CONFIG/INFO. "
+            f"At {big['waiters']} waiters: "
+            + ", ".join(f"{k} {v / g:.3f}" for k, v in sorted(mix.items()))
+            + "."
+        )
+        print(
+            "Hand-off: N waiters + 1 holder in a FIFO chain (capacity 1) across separate processes; "
+            "latency from the previous holder's release() return (0 when the grant arrived first) "
+            "to the next waiter's acquire() return, CLOCK_MONOTONIC; p50/p99 are medians over "
+            f"{len(big['windows'])} windows, max over all."
+        )
     print(f"raw numbers: {R['json_path']}")
 
 
@@ -847,13 +1132,22 @@ def _clean(x: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="short smoke run (CI): fewer, shorter repeats")
-    ap.add_argument("--json", default=str(HERE / "results" / "core.json"), help="where to write raw numbers")
-    ap.add_argument("--redis-server", default=None, help="server binary (default: redis-server on PATH)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="short smoke run (CI): fewer, shorter repeats"
+    )
+    ap.add_argument(
+        "--json", default=str(HERE / "results" / "core.json"), help="where to write raw numbers"
+    )
+    ap.add_argument(
+        "--redis-server", default=None, help="server binary (default: redis-server on PATH)"
+    )
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
-    ap.add_argument("--only", default="", help="comma list of parts to run: pairs,rb,handoff,reclaim,memory")
+    ap.add_argument(
+        "--only", default="", help="comma list of parts to run: pairs,rb,handoff,reclaim,memory"
+    )
     a = ap.parse_args(argv)
     cfg = QUICK if a.quick else FULL
     only = set(filter(None, a.only.split(","))) or {"pairs", "rb", "handoff", "reclaim", "memory"}
@@ -864,13 +1158,22 @@ def main(argv: list[str] | None = None) -> int:
             binary = find_server_binary("redis")
         except FileNotFoundError:
             binary = find_server_binary("any")
-    R: dict[str, Any] = {"quick": a.quick, "config": cfg, "targets": TARGETS, "gpulock": gpulock.__version__,
-                         "machine": machine_info(), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+    R: dict[str, Any] = {
+        "quick": a.quick,
+        "config": cfg,
+        "targets": TARGETS,
+        "gpulock": gpulock.__version__,
+        "machine": machine_info(),
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+    }
     with RedisProcess(binary) as rp:
         c = redis.Redis.from_url(rp.url, **CLIENT_KW)
         srv = c.info("server")
-        R["server"] = {"version": srv.get("redis_version"), "binary": binary,
-                       "valkey_version": srv.get("valkey_version")}
+        R["server"] = {
+            "version": srv.get("redis_version"),
+            "binary": binary,
+            "valkey_version": srv.get("valkey_version"),
+        }
         for s in scripts().values():
             c.script_load(s.source)
         R["errors"] = {}
@@ -890,25 +1193,56 @@ def main(argv: list[str] | None = None) -> int:
 
         if "pairs" in only:
             part("pairs_sync", "ceiling and uncontended pairs, sync", bench_pairs_sync, rp.url, cfg)
-            part("pairs_async", "ceiling and uncontended pairs, asyncio",
-                 lambda: asyncio.run(bench_pairs_async(rp.url, cfg)))
+            part(
+                "pairs_async",
+                "ceiling and uncontended pairs, asyncio",
+                lambda: asyncio.run(bench_pairs_async(rp.url, cfg)),
+            )
         if "rb" in only:
-            part("redis_benchmark", "redis-benchmark", bench_redis_benchmark, rp, c.script_load("return 1"), cfg)
+            part(
+                "redis_benchmark",
+                "redis-benchmark",
+                bench_redis_benchmark,
+                rp,
+                c.script_load("return 1"),
+                cfg,
+            )
         if "handoff" in only:
-            part("handoff_async", f"hand-off chains, asyncio, {cfg['handoff_n']} waiters",
-                 chains, "async", cfg["handoff_n"])
-            part("handoff_sync", f"hand-off chains, sync, {cfg['sync_handoff_n']} waiters",
-                 chains, "sync", cfg["sync_handoff_n"])
-            part("handoff_async_1proc", "hand-off chain, asyncio, 10 waiters, all in one process",
-                 chains, "async", (10,), max_procs=1)
+            part(
+                "handoff_async",
+                f"hand-off chains, asyncio, {cfg['handoff_n']} waiters",
+                chains,
+                "async",
+                cfg["handoff_n"],
+            )
+            part(
+                "handoff_sync",
+                f"hand-off chains, sync, {cfg['sync_handoff_n']} waiters",
+                chains,
+                "sync",
+                cfg["sync_handoff_n"],
+            )
+            part(
+                "handoff_async_1proc",
+                "hand-off chain, asyncio, 10 waiters, all in one process",
+                chains,
+                "async",
+                (10,),
+                max_procs=1,
+            )
             part("pubsub_floor", "pub/sub floor", bench_pubsub_floor, rp.url, c, cfg)
             try:
                 import redis_lock  # noqa: F401
             except ImportError:
                 log("python-redis-lock not installed: no peer rows (pip install -e '.[bench]')")
             else:
-                part("handoff_peer", "hand-off chain, python-redis-lock (peer calibration), 10 waiters",
-                     chains, "redislock", (10,))
+                part(
+                    "handoff_peer",
+                    "hand-off chain, python-redis-lock (peer calibration), 10 waiters",
+                    chains,
+                    "redislock",
+                    (10,),
+                )
         if "reclaim" in only:
             part("reclaim", "crash reclaim", bench_reclaim, rp.url, c, cfg)
         if "memory" in only:
@@ -920,7 +1254,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = build_rows(R)
     R["table"] = [dict(zip(("metric", "value", "target", "verdict"), r)) for r in rows]
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(_clean(R), separators=(",", ":"), default=str, allow_nan=False) + "\n")
+    Path(a.json).write_text(
+        json.dumps(_clean(R), separators=(",", ":"), default=str, allow_nan=False) + "\n"
+    )
     print_report(R, rows)
     if R["errors"]:
         print(f"FAILED parts (tracebacks on stderr and in the JSON): {', '.join(R['errors'])}")

@@ -75,15 +75,55 @@ PEER_WORKERS = HERE / "_peer_workers.py"
 
 # label, runner, weighted, FIFO, correct across processes
 SUBJECTS: dict[str, dict[str, Any]] = {
-    "gpulock-async": {"label": "gpulock AsyncPool", "runner": "py", "weighted": True, "fifo": True, "xproc": True},
-    "gpulock-sync": {"label": "gpulock Pool (sync)", "runner": "py", "weighted": True, "fifo": True, "xproc": True},
-    "rs-sem": {"label": "redis-semaphore Semaphore", "runner": "node", "weighted": False, "fifo": False, "xproc": True},
-    "rs-multi": {"label": "redis-semaphore MultiSemaphore", "runner": "node", "weighted": True, "fifo": False,
-                 "xproc": True},
-    "redislock": {"label": "python-redis-lock Lock", "runner": "py", "weighted": False, "fifo": False, "xproc": True},
-    "redispy": {"label": "redis-py Lock", "runner": "py", "weighted": False, "fifo": False, "xproc": True},
-    "asyncio-sem": {"label": "asyncio.Semaphore (one process only)", "runner": "py", "weighted": False,
-                    "fifo": True, "xproc": False},
+    "gpulock-async": {
+        "label": "gpulock AsyncPool",
+        "runner": "py",
+        "weighted": True,
+        "fifo": True,
+        "xproc": True,
+    },
+    "gpulock-sync": {
+        "label": "gpulock Pool (sync)",
+        "runner": "py",
+        "weighted": True,
+        "fifo": True,
+        "xproc": True,
+    },
+    "rs-sem": {
+        "label": "redis-semaphore Semaphore",
+        "runner": "node",
+        "weighted": False,
+        "fifo": False,
+        "xproc": True,
+    },
+    "rs-multi": {
+        "label": "redis-semaphore MultiSemaphore",
+        "runner": "node",
+        "weighted": True,
+        "fifo": False,
+        "xproc": True,
+    },
+    "redislock": {
+        "label": "python-redis-lock Lock",
+        "runner": "py",
+        "weighted": False,
+        "fifo": False,
+        "xproc": True,
+    },
+    "redispy": {
+        "label": "redis-py Lock",
+        "runner": "py",
+        "weighted": False,
+        "fifo": False,
+        "xproc": True,
+    },
+    "asyncio-sem": {
+        "label": "asyncio.Semaphore (one process only)",
+        "runner": "py",
+        "weighted": False,
+        "fifo": True,
+        "xproc": False,
+    },
 }
 
 # Settings each peer runs with in the chains: its defaults, except where a default would end the
@@ -103,14 +143,48 @@ DEFAULTS = {
 }
 SHORT_TTL_S = 1.0  # the short setting every one gets for the lag measurement (python-redis-lock takes whole seconds)
 
-FULL = dict(max_procs=11, warm_s=0.4, windows=3, window_s=0.7, stall_settle_s=0.3, stall_window_s=1.2,
-            chain_hold_ms=2, chain_n=(1, 10, 100, 1000), slice_s=0.25, rounds=4, rb_n1=20_000, rb_n50=100_000,
-            reclaim_trials=8, reclaim_parallel=True, fair_s=3.0, fair_warm_s=0.5, fair_hold_ms=5,
-            default_reclaim=True, default_reclaim_limit_s=36.0)
-QUICK = dict(max_procs=4, warm_s=0.15, windows=1, window_s=0.4, stall_settle_s=0.15, stall_window_s=0.25,
-             chain_hold_ms=2, chain_n=(10,), slice_s=0.1, rounds=1, rb_n1=3_000, rb_n50=10_000,
-             reclaim_trials=1, reclaim_parallel=True, fair_s=0.6, fair_warm_s=0.15, fair_hold_ms=5,
-             default_reclaim=False, default_reclaim_limit_s=0.0)
+FULL = dict(
+    max_procs=11,
+    warm_s=0.4,
+    windows=3,
+    window_s=0.7,
+    stall_settle_s=0.3,
+    stall_window_s=1.2,
+    chain_hold_ms=2,
+    chain_n=(1, 10, 100, 1000),
+    slice_s=0.25,
+    rounds=4,
+    rb_n1=20_000,
+    rb_n50=100_000,
+    reclaim_trials=8,
+    reclaim_parallel=True,
+    fair_s=3.0,
+    fair_warm_s=0.5,
+    fair_hold_ms=5,
+    default_reclaim=True,
+    default_reclaim_limit_s=36.0,
+)
+QUICK = dict(
+    max_procs=4,
+    warm_s=0.15,
+    windows=1,
+    window_s=0.4,
+    stall_settle_s=0.15,
+    stall_window_s=0.25,
+    chain_hold_ms=2,
+    chain_n=(10,),
+    slice_s=0.1,
+    rounds=1,
+    rb_n1=3_000,
+    rb_n50=10_000,
+    reclaim_trials=1,
+    reclaim_parallel=True,
+    fair_s=0.6,
+    fair_warm_s=0.15,
+    fair_hold_ms=5,
+    default_reclaim=False,
+    default_reclaim_limit_s=0.0,
+)
 
 FAIR_CAPACITY = 8
 FAIR_SIZES = [1, 1, 1, 1, 2, 2, 2, 4, 4, 4, 8, 8]  # 12 participants asking for 38 units of 8
@@ -125,12 +199,15 @@ def log(msg: str) -> None:
 
 # ---- environment ----------------------------------------------------------------------------------
 
+
 def node_status() -> tuple[bool, str]:
     """(usable, why not) for the Node subjects."""
     node = shutil.which("node")
     if not node:
         return False, "node is not on PATH"
-    if not all((NODE_DIR / "node_modules" / pkg).is_dir() for pkg in ("redis-semaphore", "ioredis")):
+    if not all(
+        (NODE_DIR / "node_modules" / pkg).is_dir() for pkg in ("redis-semaphore", "ioredis")
+    ):
         return False, f"redis-semaphore/ioredis not installed: run `npm ci` in {NODE_DIR}"
     return True, ""
 
@@ -145,7 +222,11 @@ def versions() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             out[dist] = None
     node = shutil.which("node")
-    out["node"] = subprocess.run([node, "--version"], capture_output=True, text=True).stdout.strip() if node else None
+    out["node"] = (
+        subprocess.run([node, "--version"], capture_output=True, text=True).stdout.strip()
+        if node
+        else None
+    )
     for pkg in ("redis-semaphore", "ioredis"):
         pj = NODE_DIR / "node_modules" / pkg / "package.json"
         out[pkg] = json.loads(pj.read_text())["version"] if pj.exists() else None
@@ -167,11 +248,15 @@ def inner_commands(subject: str) -> set[str]:
     if subject == "redislock":
         import redis_lock
 
-        return _lua_calls(" ".join(str(getattr(redis_lock, n)) for n in dir(redis_lock) if n.endswith("_SCRIPT")))
+        return _lua_calls(
+            " ".join(str(getattr(redis_lock, n)) for n in dir(redis_lock) if n.endswith("_SCRIPT"))
+        )
     if subject == "redispy":
         from redis.lock import Lock
 
-        return _lua_calls(" ".join(str(getattr(Lock, n)) for n in dir(Lock) if n.startswith("LUA_")))
+        return _lua_calls(
+            " ".join(str(getattr(Lock, n)) for n in dir(Lock) if n.startswith("LUA_"))
+        )
     if subject in ("rs-sem", "rs-multi"):
         sub = "semaphore" if subject == "rs-sem" else "multiSemaphore"
         lib = NODE_DIR / "node_modules" / "redis-semaphore" / "lib" / sub
@@ -199,6 +284,7 @@ def keys_of(subject: str, name: str) -> list[str]:
 
 # ---- worker processes ------------------------------------------------------------------------------
 
+
 class Proc(core.Worker):
     """core.Worker (line protocol, reader thread, py-spy dump on silence) for any command line:
     a Python worker of _peer_workers.py or a Node worker of node/bench.js."""
@@ -209,11 +295,23 @@ class Proc(core.Worker):
         self.kind = kind
         self.errf = tempfile.TemporaryFile(mode="w+")
         if runner == "node":
-            cmd = [shutil.which("node") or "node", str(NODE_DIR / "bench.js"), kind, json.dumps(args)]
+            cmd = [
+                shutil.which("node") or "node",
+                str(NODE_DIR / "bench.js"),
+                kind,
+                json.dumps(args),
+            ]
         else:
             cmd = [sys.executable, str(PEER_WORKERS), "worker", kind, json.dumps(args)]
-        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errf,
-                                  text=True, bufsize=1, cwd=str(NODE_DIR if runner == "node" else HERE))
+        self.p = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.errf,
+            text=True,
+            bufsize=1,
+            cwd=str(NODE_DIR if runner == "node" else HERE),
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -232,7 +330,10 @@ def _turn_file() -> str:
 
 # ---- uncontended --------------------------------------------------------------------------------------
 
-def bench_uncontended(rp: RedisProcess, c: redis.Redis, cfg: dict, use_node: bool) -> dict[str, Any]:
+
+def bench_uncontended(
+    rp: RedisProcess, c: redis.Redis, cfg: dict, use_node: bool
+) -> dict[str, Any]:
     """Acquire+release pairs per second on one connection, no contention, each kind interleaved
     with the single-connection EVALSHA ceiling of its own client (core.py's method)."""
     import redis_lock
@@ -255,8 +356,12 @@ def bench_uncontended(rp: RedisProcess, c: redis.Redis, cfg: dict, use_node: boo
         rpl.acquire()
         rpl.release()
 
-    fns = {"C": lambda: sc.evalsha(trivial, 0), "gpulock-sync": lambda: pool.acquire(1).release(),
-           "redislock": rl_pair, "redispy": rpl_pair}
+    fns = {
+        "C": lambda: sc.evalsha(trivial, 0),
+        "gpulock-sync": lambda: pool.acquire(1).release(),
+        "redislock": rl_pair,
+        "redispy": rpl_pair,
+    }
     for f in fns.values():
         rate_sync(f, 0.1)
     plan = interleave_plan([k for k in fns if k != "C"], cfg["rounds"])
@@ -278,7 +383,9 @@ def bench_uncontended(rp: RedisProcess, c: redis.Redis, cfg: dict, use_node: boo
         for f in afns.values():
             await rate_async(f, 0.1)
         aplan = interleave_plan(["gpulock-async"], cfg["rounds"])
-        res = summarize_interleaved(aplan, [await rate_async(afns[p], cfg["slice_s"]) for p in aplan])
+        res = summarize_interleaved(
+            aplan, [await rate_async(afns[p], cfg["slice_s"]) for p in aplan]
+        )
         await apool.aclose()
         await ac.aclose()
         sem = asyncio.Semaphore(1)
@@ -292,8 +399,17 @@ def bench_uncontended(rp: RedisProcess, c: redis.Redis, cfg: dict, use_node: boo
 
     out["async"] = asyncio.run(async_part())
     if use_node:
-        w = Proc("rates", {"url": url, "key": "peers-unc-rs", "rounds": cfg["rounds"], "slice_s": cfg["slice_s"],
-                           "opts": RS_CHAIN_OPTS}, runner="node")
+        w = Proc(
+            "rates",
+            {
+                "url": url,
+                "key": "peers-unc-rs",
+                "rounds": cfg["rounds"],
+                "slice_s": cfg["slice_s"],
+                "opts": RS_CHAIN_OPTS,
+            },
+            runner="node",
+        )
         try:
             w.recv()
             w.send("go")
@@ -302,8 +418,12 @@ def bench_uncontended(rp: RedisProcess, c: redis.Redis, cfg: dict, use_node: boo
             w.kill()
         out["node"] = summarize_interleaved(d["plan"], d["rates"])
     out["redis_benchmark"] = core.bench_redis_benchmark(rp, trivial, cfg)
-    c.delete("semaphore:peers-unc-rs:sem", "semaphore:peers-unc-rs:multi", *pool_keys("peers-unc-sync")[:7],
-             *pool_keys("peers-unc-async")[:7])
+    c.delete(
+        "semaphore:peers-unc-rs:sem",
+        "semaphore:peers-unc-rs:multi",
+        *pool_keys("peers-unc-sync")[:7],
+        *pool_keys("peers-unc-async")[:7],
+    )
     return out
 
 
@@ -311,24 +431,48 @@ def uncontended_rows(U: dict) -> list[dict[str, Any]]:
     """One row per subject: pairs/s, ratio to its own client's ceiling, to redis-py's sync one."""
     rows = []
     ceil_sync = U["sync"]["ceiling"]
-    where = {"gpulock-sync": ("sync", "redis-py sync"), "redislock": ("sync", "redis-py sync"),
-             "redispy": ("sync", "redis-py sync"), "gpulock-async": ("async", "redis-py asyncio"),
-             "rs-sem": ("node", "ioredis"), "rs-multi": ("node", "ioredis")}
+    where = {
+        "gpulock-sync": ("sync", "redis-py sync"),
+        "redislock": ("sync", "redis-py sync"),
+        "redispy": ("sync", "redis-py sync"),
+        "gpulock-async": ("async", "redis-py asyncio"),
+        "rs-sem": ("node", "ioredis"),
+        "rs-multi": ("node", "ioredis"),
+    }
     for key in ("gpulock-async", "gpulock-sync", "rs-sem", "rs-multi", "redislock", "redispy"):
         part, client = where[key]
-        d = U.get(part, {}).get(key if part != "node" else {"rs-sem": "sem", "rs-multi": "multi"}[key])
+        d = U.get(part, {}).get(
+            key if part != "node" else {"rs-sem": "sem", "rs-multi": "multi"}[key]
+        )
         if not d:
             continue
-        rows.append({"subject": key, "rate": d["rate"], "ratio": d["ratio"], "client": client,
-                     "ceiling": U[part]["ceiling"], "vs_sync_ceiling": d["rate"] / ceil_sync})
+        rows.append(
+            {
+                "subject": key,
+                "rate": d["rate"],
+                "ratio": d["ratio"],
+                "client": client,
+                "ceiling": U[part]["ceiling"],
+                "vs_sync_ceiling": d["rate"] / ceil_sync,
+            }
+        )
     sem = U.get("async", {}).get("asyncio-sem")
     if sem:
-        rows.append({"subject": "asyncio-sem", "rate": sem["rate"], "ratio": None, "client": "none (in-process)",
-                     "ceiling": None, "vs_sync_ceiling": sem["rate"] / ceil_sync})
+        rows.append(
+            {
+                "subject": "asyncio-sem",
+                "rate": sem["rate"],
+                "ratio": None,
+                "client": "none (in-process)",
+                "ceiling": None,
+                "vs_sync_ceiling": sem["rate"] / ceil_sync,
+            }
+        )
     return rows
 
 
 # ---- chains: hand-off latency, commands per grant, commands per second of waiting --------------------
+
 
 def _open_window(c: redis.Redis) -> float:
     tx = c.pipeline(transaction=True)
@@ -362,10 +506,19 @@ def run_chain(url: str, c: redis.Redis, subject: str, n: int, cfg: dict) -> dict
     workers: list[Proc] = []
     base = 0
     for k in _spread(participants, nprocs):
-        args = {"url": url, "pool": name, "key": name, "n": k, "base": base, "subject": subject, "turn": turn,
-                "hold_ms": cfg["chain_hold_ms"],
-                "kind": "multi" if subject == "rs-multi" else "sem", "opts": RS_CHAIN_OPTS if
-                spec["runner"] == "node" else {}, "client_kw": peer_client_kw(subject)}
+        args = {
+            "url": url,
+            "pool": name,
+            "key": name,
+            "n": k,
+            "base": base,
+            "subject": subject,
+            "turn": turn,
+            "hold_ms": cfg["chain_hold_ms"],
+            "kind": "multi" if subject == "rs-multi" else "sem",
+            "opts": RS_CHAIN_OPTS if spec["runner"] == "node" else {},
+            "client_kw": peer_client_kw(subject),
+        }
         base += k
         workers.append(Proc("chain", args, runner=spec["runner"]))
     windows: list[dict] = []
@@ -437,11 +590,16 @@ def split_handoff(recs: list, windows: list, delivered: dict[int, float]) -> dic
         leg1.append((td - p[4]) * 1000)
         leg2.append((r[2] - td) * 1000)
     q = lambda xs: {"p50": percentile(xs, 50), "p90": percentile(xs, 90), "p99": percentile(xs, 99)}  # noqa: E731
-    return {"n": len(leg1), "release_return_to_delivered_ms": q(leg1), "delivered_to_acquire_return_ms": q(leg2)}
+    return {
+        "n": len(leg1),
+        "release_return_to_delivered_ms": q(leg1),
+        "delivered_to_acquire_return_ms": q(leg2),
+    }
 
 
-def analyse_chain(subject: str, n: int, nprocs: int, recs: list, windows: list, stall: dict | None,
-                  errors: list) -> dict[str, Any]:
+def analyse_chain(
+    subject: str, n: int, nprocs: int, recs: list, windows: list, stall: dict | None, errors: list
+) -> dict[str, Any]:
     """Grants in grant-time order (mutual exclusion orders them: grant k follows the release of
     grant k-1). Hand-off latency: previous holder's release() returning -> this holder's
     acquire() returning (0 when the grant arrived first); also from the release() call."""
@@ -468,12 +626,26 @@ def analyse_chain(subject: str, n: int, nprocs: int, recs: list, windows: list, 
             lat_ret.append(max(0.0, d) * 1000)
             lat_call.append((r[2] - p[3]) * 1000)
         secs = w["t_end"] - w["t_start"]
-        row = {"seconds": secs, "grants": grants, "grants_per_s": grants / secs, "samples": len(lat_ret),
-               "from_release_return_ms": {"p50": percentile(lat_ret, 50), "p99": percentile(lat_ret, 99),
-                                          "max": max(lat_ret, default=math.nan)},
-               "from_release_call_ms": {"p50": percentile(lat_call, 50), "p99": percentile(lat_call, 99)},
-               "wait_ms": {"p50": percentile(waits, 50), "p99": percentile(waits, 99),
-                           "max": max(waits, default=math.nan)}}
+        row = {
+            "seconds": secs,
+            "grants": grants,
+            "grants_per_s": grants / secs,
+            "samples": len(lat_ret),
+            "from_release_return_ms": {
+                "p50": percentile(lat_ret, 50),
+                "p99": percentile(lat_ret, 99),
+                "max": max(lat_ret, default=math.nan),
+            },
+            "from_release_call_ms": {
+                "p50": percentile(lat_call, 50),
+                "p99": percentile(lat_call, 99),
+            },
+            "wait_ms": {
+                "p50": percentile(waits, 50),
+                "p99": percentile(waits, 99),
+                "max": max(waits, default=math.nan),
+            },
+        }
         if w["commandstats"] is not None:
             client, internal, _ = core.split_commandstats(w["commandstats"], inner)
             row["client_cmds"] = client
@@ -485,15 +657,22 @@ def analyse_chain(subject: str, n: int, nprocs: int, recs: list, windows: list, 
         all_wait += waits
     med = lambda f: median([f(w) for w in out_w])  # noqa: E731
     res: dict[str, Any] = {
-        "subject": subject, "waiters": n, "processes": nprocs, "errors": errors[:5], "windows": out_w,
+        "subject": subject,
+        "waiters": n,
+        "processes": nprocs,
+        "errors": errors[:5],
+        "windows": out_w,
         "p50_ms": med(lambda w: w["from_release_return_ms"]["p50"]),
         "p99_ms": med(lambda w: w["from_release_return_ms"]["p99"]),
         "max_ms": max(all_ret, default=math.nan),
         "call_p50_ms": med(lambda w: w["from_release_call_ms"]["p50"]),
         "call_p99_ms": med(lambda w: w["from_release_call_ms"]["p99"]),
-        "wait_p50_ms": percentile(all_wait, 50), "wait_max_ms": max(all_wait, default=math.nan),
-        "grants_per_s": med(lambda w: w["grants_per_s"]), "samples": len(all_ret),
-        "same_holder_twice": same_holder, "granted_before_release_returned": early,
+        "wait_p50_ms": percentile(all_wait, 50),
+        "wait_max_ms": max(all_wait, default=math.nan),
+        "grants_per_s": med(lambda w: w["grants_per_s"]),
+        "samples": len(all_ret),
+        "same_holder_twice": same_holder,
+        "granted_before_release_returned": early,
         "samples_ms": {"from_release_return": [round(x, 3) for x in all_ret]},
     }
     if out_w and "client_cmds_per_grant" in out_w[0]:
@@ -509,14 +688,22 @@ def analyse_chain(subject: str, n: int, nprocs: int, recs: list, windows: list, 
         client, internal, _ = core.split_commandstats(stall["commandstats"], inner)
         secs = stall["t_end"] - stall["t_start"]
         tot = sum(client.values())
-        res["stall"] = {"seconds": secs, "client_cmds": client, "client_cmds_per_s": tot / secs,
-                        "per_waiter_second": tot / secs / n, "inner_cmds_per_s": sum(internal.values()) / secs}
+        res["stall"] = {
+            "seconds": secs,
+            "client_cmds": client,
+            "client_cmds_per_s": tot / secs,
+            "per_waiter_second": tot / secs / n,
+            "inner_cmds_per_s": sum(internal.values()) / secs,
+        }
     return res
 
 
 # ---- crash reclaim -------------------------------------------------------------------------------------
 
-def _expiry_local(c: redis.Redis, subject: str, name: str, ident: str | None, lock_timeout_ms: int) -> float | None:
+
+def _expiry_local(
+    c: redis.Redis, subject: str, name: str, ident: str | None, lock_timeout_ms: int
+) -> float | None:
     """CLOCK_MONOTONIC time at which the dead holder's claim expires on the server."""
     if subject in ("redislock", "redispy"):
         key = f"lock:{name}" if subject == "redislock" else name
@@ -536,8 +723,9 @@ def _expiry_local(c: redis.Redis, subject: str, name: str, ident: str | None, lo
     return (score + lock_timeout_ms) / 1000 - wall_minus_mono
 
 
-def reclaim_peer(url: str, subject: str, trials: int, ttl_s: float | None, limit_s: float,
-                 tag: str = "short") -> dict[str, Any]:
+def reclaim_peer(
+    url: str, subject: str, trials: int, ttl_s: float | None, limit_s: float, tag: str = "short"
+) -> dict[str, Any]:
     """A holder process acquires and is SIGKILLed while a waiter (another process) waits.
     ``ttl_s``: the short expiry for every one (None: each library's defaults). Reports kill ->
     regained and, when the claim expires, expiry -> regained (the waiter's lag)."""
@@ -563,7 +751,13 @@ def reclaim_peer(url: str, subject: str, trials: int, ttl_s: float | None, limit
             opts = {} if ttl_s is None else {"expire": int(ttl_s)}
         else:
             opts = {} if ttl_s is None else {"timeout": ttl_s}
-        args = {"url": url, "pool": name, "subject": subject, "opts": opts, "client_kw": peer_client_kw(subject)}
+        args = {
+            "url": url,
+            "pool": name,
+            "subject": subject,
+            "opts": opts,
+            "client_kw": peer_client_kw(subject),
+        }
     waiter = Proc("waiter", args, runner=spec["runner"])
     nxt = Proc("holder", args, runner=spec["runner"])
     out_trials = []
@@ -571,7 +765,10 @@ def reclaim_peer(url: str, subject: str, trials: int, ttl_s: float | None, limit
     try:
         waiter.recv()
         for i in range(trials):
-            holder, nxt = nxt, (Proc("holder", args, runner=spec["runner"]) if i < trials - 1 else None)
+            holder, nxt = (
+                nxt,
+                (Proc("holder", args, runner=spec["runner"]) if i < trials - 1 else None),
+            )
             holder.recv()
             holder.send("go")
             h = holder.recv()
@@ -589,7 +786,11 @@ def reclaim_peer(url: str, subject: str, trials: int, ttl_s: float | None, limit
             try:
                 g = waiter.recv(timeout=limit_s)
             except RuntimeError as e:
-                t = {"regained": False, "waited_s": mono() - t_kill, "expiry_known": t_exp is not None}
+                t = {
+                    "regained": False,
+                    "waited_s": mono() - t_kill,
+                    "expiry_known": t_exp is not None,
+                }
                 if waiter.p.poll() is not None:  # the waiter died instead of waiting on
                     t["waiter_failed"] = str(e)[-300:]
                 out_trials.append(t)
@@ -597,8 +798,11 @@ def reclaim_peer(url: str, subject: str, trials: int, ttl_s: float | None, limit
             if "error" in g:
                 raise RuntimeError(f"{subject} waiter failed: {g['error']}")
             waiter.recv()  # released
-            t = {"regained": True, "kill_to_regain_ms": (g["granted"] - t_kill) * 1000,
-                 "held_before_kill_ms": (t_kill - h["acquired"]) * 1000}
+            t = {
+                "regained": True,
+                "kill_to_regain_ms": (g["granted"] - t_kill) * 1000,
+                "held_before_kill_ms": (t_kill - h["acquired"]) * 1000,
+            }
             if t_exp is not None:
                 t["expiry_to_regain_ms"] = (g["granted"] - t_exp) * 1000
                 t["kill_to_expiry_ms"] = (t_exp - t_kill) * 1000
@@ -616,10 +820,17 @@ def summarize_reclaim(trials: list[dict], ttl_s: float | None) -> dict[str, Any]
     ok = [t for t in trials if t.get("regained")]
     lags = [t["expiry_to_regain_ms"] for t in ok if "expiry_to_regain_ms" in t]
     k2r = [t["kill_to_regain_ms"] for t in ok]
-    return {"ttl_s": ttl_s, "trials": trials, "n": len(ok), "regained_all": len(ok) == len(trials) and bool(trials),
-            "lag_p50_ms": percentile(lags, 50), "lag_max_ms": max(lags, default=math.nan),
-            "kill_to_regain_p50_ms": percentile(k2r, 50), "kill_to_regain_max_ms": max(k2r, default=math.nan),
-            "not_regained_after_s": None if ok or not trials else trials[-1].get("waited_s")}
+    return {
+        "ttl_s": ttl_s,
+        "trials": trials,
+        "n": len(ok),
+        "regained_all": len(ok) == len(trials) and bool(trials),
+        "lag_p50_ms": percentile(lags, 50),
+        "lag_max_ms": max(lags, default=math.nan),
+        "kill_to_regain_p50_ms": percentile(k2r, 50),
+        "kill_to_regain_max_ms": max(k2r, default=math.nan),
+        "not_regained_after_s": None if ok or not trials else trials[-1].get("waited_s"),
+    }
 
 
 def reclaim_gpulock(url: str, c: redis.Redis, trials: int, ttl_s: float) -> dict[str, Any]:
@@ -630,16 +841,23 @@ def reclaim_gpulock(url: str, c: redis.Redis, trials: int, ttl_s: float) -> dict
     for t in r["trials"]:
         if "lag_local_ms" not in t:
             continue
-        ts.append({"regained": True, "expiry_to_regain_ms": t["lag_local_ms"],
-                   "kill_to_expiry_ms": t["kill_before_expiry_ms"],
-                   "kill_to_regain_ms": t["kill_before_expiry_ms"] + t["lag_local_ms"],
-                   "lag_server_ms": t["lag_server_ms"]})
+        ts.append(
+            {
+                "regained": True,
+                "expiry_to_regain_ms": t["lag_local_ms"],
+                "kill_to_expiry_ms": t["kill_before_expiry_ms"],
+                "kill_to_regain_ms": t["kill_before_expiry_ms"] + t["lag_local_ms"],
+                "lag_server_ms": t["lag_server_ms"],
+            }
+        )
     out = summarize_reclaim(ts, ttl_s)
     out["core"] = {k: r[k] for k in ("p50_ms", "max_ms", "local_p50_ms", "local_max_ms", "n")}
     return out
 
 
-def bench_reclaim(url: str, c: redis.Redis, cfg: dict, subjects: list[str], default_url: str | None) -> dict[str, Any]:
+def bench_reclaim(
+    url: str, c: redis.Redis, cfg: dict, subjects: list[str], default_url: str | None
+) -> dict[str, Any]:
     """Short-expiry trials (gpulock first, alone; then the peers side by side, each on its own
     key: their lags are polling intervals, far above what running together adds) and, when
     ``default_url`` is given, one crash per subject with default settings on a second Redis
@@ -654,6 +872,7 @@ def bench_reclaim(url: str, c: redis.Redis, cfg: dict, subjects: list[str], defa
                 results[key] = fn(*args)
             except Exception:
                 results[key] = {"error": traceback.format_exc()}
+
         t = threading.Thread(target=target, daemon=True)
         t.start()
         bg.append(t)
@@ -667,26 +886,37 @@ def bench_reclaim(url: str, c: redis.Redis, cfg: dict, subjects: list[str], defa
     fg: list[threading.Thread] = []
     if "gpulock-async" in subjects:
         if cfg["reclaim_parallel"]:  # alongside the peers' trials (their processes mostly sleep)
+
             def g_target():
                 try:
-                    results["short:gpulock-async"] = reclaim_gpulock(url, redis.Redis.from_url(url, **CLIENT_KW),
-                                                                     cfg["reclaim_trials"], SHORT_TTL_S)
+                    results["short:gpulock-async"] = reclaim_gpulock(
+                        url,
+                        redis.Redis.from_url(url, **CLIENT_KW),
+                        cfg["reclaim_trials"],
+                        SHORT_TTL_S,
+                    )
                 except Exception:
                     results["short:gpulock-async"] = {"error": traceback.format_exc()}
+
             t = threading.Thread(target=g_target, daemon=True)
             t.start()
             fg.append(t)
         else:  # alone
-            out["short"]["gpulock-async"] = reclaim_gpulock(url, c, cfg["reclaim_trials"], SHORT_TTL_S)
+            out["short"]["gpulock-async"] = reclaim_gpulock(
+                url, c, cfg["reclaim_trials"], SHORT_TTL_S
+            )
     for s in subjects:
         if s.startswith("gpulock") or s == "asyncio-sem":
             continue
 
         def target(s=s):
             try:
-                results["short:" + s] = reclaim_peer(url, s, cfg["reclaim_trials"], SHORT_TTL_S, SHORT_TTL_S + 10)
+                results["short:" + s] = reclaim_peer(
+                    url, s, cfg["reclaim_trials"], SHORT_TTL_S, SHORT_TTL_S + 10
+                )
             except Exception:
                 results["short:" + s] = {"error": traceback.format_exc()}
+
         t = threading.Thread(target=target, daemon=True)
         t.start()
         fg.append(t)
@@ -707,6 +937,7 @@ def finish_reclaim(rc: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---- fairness under mixed sizes --------------------------------------------------------------------------
+
 
 def jain(xs: list[float]) -> float:
     xs = [x for x in xs if not math.isnan(x)]
@@ -733,8 +964,16 @@ def bench_fairness(url: str, c: redis.Redis, subject: str, cfg: dict) -> dict[st
     workers, base = [], 0
     runner = "node" if subject == "rs-multi" else "py"
     for sizes in per:
-        args = {"url": url, "pool": name, "key": name, "limit": FAIR_CAPACITY, "sizes": sizes, "base": base,
-                "hold_ms": cfg["fair_hold_ms"], "opts": RS_CHAIN_OPTS}
+        args = {
+            "url": url,
+            "pool": name,
+            "key": name,
+            "limit": FAIR_CAPACITY,
+            "sizes": sizes,
+            "base": base,
+            "hold_ms": cfg["fair_hold_ms"],
+            "opts": RS_CHAIN_OPTS,
+        }
         base += len(sizes)
         workers.append(Proc("fair", args, runner=runner))
     try:
@@ -785,20 +1024,34 @@ def bench_fairness(url: str, c: redis.Redis, subject: str, cfg: dict) -> dict[st
         ids = [i for i in size_of if size_of[i] == s]
         ws = [x for i in ids for x in waits[i]]
         grants = sum(1 for r in recs if r[0] in ids and t_from <= r[3] <= t_to)
-        by_size[str(s)] = {"participants": len(ids), "grants_per_s": grants / span,
-                           "mean_wait_ms": sum(ws) / len(ws) if ws else math.nan,
-                           "p99_wait_ms": percentile(ws, 99), "max_wait_ms": max(ws, default=math.nan),
-                           "share_of_capacity_time": sum(held[i] for i in ids) / (FAIR_CAPACITY * span),
-                           "open_waits_ms": [round(open_waits[i], 1) for i in ids if i in open_waits]}
+        by_size[str(s)] = {
+            "participants": len(ids),
+            "grants_per_s": grants / span,
+            "mean_wait_ms": sum(ws) / len(ws) if ws else math.nan,
+            "p99_wait_ms": percentile(ws, 99),
+            "max_wait_ms": max(ws, default=math.nan),
+            "share_of_capacity_time": sum(held[i] for i in ids) / (FAIR_CAPACITY * span),
+            "open_waits_ms": [round(open_waits[i], 1) for i in ids if i in open_waits],
+        }
     all_w = [x for v in waits.values() for x in v]
-    return {"subject": subject, "capacity": FAIR_CAPACITY, "sizes": FAIR_SIZES, "hold_ms": cfg["fair_hold_ms"],
-            "seconds": span, "errors": errors[:5], "grants": sum(1 for r in recs if t_from <= r[3] <= t_to),
-            "jain_mean_wait": jain(list(mean_wait.values())), "max_wait_ms": max(all_w, default=math.nan),
-            "mean_wait_by_participant_ms": {str(i): v for i, v in mean_wait.items()},
-            "utilization": sum(held.values()) / (FAIR_CAPACITY * span), "by_size": by_size}
+    return {
+        "subject": subject,
+        "capacity": FAIR_CAPACITY,
+        "sizes": FAIR_SIZES,
+        "hold_ms": cfg["fair_hold_ms"],
+        "seconds": span,
+        "errors": errors[:5],
+        "grants": sum(1 for r in recs if t_from <= r[3] <= t_to),
+        "jain_mean_wait": jain(list(mean_wait.values())),
+        "max_wait_ms": max(all_w, default=math.nan),
+        "mean_wait_by_participant_ms": {str(i): v for i, v in mean_wait.items()},
+        "utilization": sum(held.values()) / (FAIR_CAPACITY * span),
+        "by_size": by_size,
+    }
 
 
 # ---- report --------------------------------------------------------------------------------------------------
+
 
 def _f(x: Any, fmt: str = "{:.3f}", na: str = "-") -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
@@ -808,8 +1061,10 @@ def _f(x: Any, fmt: str = "{:.3f}", na: str = "-") -> str:
 
 def table(head: list[str], rows: list[list[str]]) -> str:
     w = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
-    lines = ["  ".join(str(h).ljust(w[i]) for i, h in enumerate(head)).rstrip(),
-             "  ".join("-" * w[i] for i in range(len(head)))]
+    lines = [
+        "  ".join(str(h).ljust(w[i]) for i, h in enumerate(head)).rstrip(),
+        "  ".join("-" * w[i] for i in range(len(head))),
+    ]
     lines += ["  ".join(str(c).ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows]
     return "\n".join(lines)
 
@@ -823,27 +1078,44 @@ def build_tables(R: dict) -> dict[str, str]:
     U = R.get("uncontended")
     if U:
         rows = []
-        for k, lab in (("sync", "ceiling: EVALSHA 'return 1', 1 conn, redis-py sync"),
-                       ("async", "ceiling: EVALSHA 'return 1', 1 conn, redis-py asyncio"),
-                       ("node", "ceiling: EVALSHA 'return 1', 1 conn, ioredis (Node)")):
+        for k, lab in (
+            ("sync", "ceiling: EVALSHA 'return 1', 1 conn, redis-py sync"),
+            ("async", "ceiling: EVALSHA 'return 1', 1 conn, redis-py asyncio"),
+            ("node", "ceiling: EVALSHA 'return 1', 1 conn, ioredis (Node)"),
+        ):
             if k in U:
                 rows.append([lab, f"{U[k]['ceiling']:,.0f}/s", "100%", "", ""])
         rb = U.get("redis_benchmark") or {}
         for k, lab in (("c1", "1 conn"), ("c50", "50 conns")):
             if "rps" in rb.get(k, {}):
-                rows.append([f"ceiling: redis-benchmark evalsha, {lab} (C client)", f"{rb[k]['rps']:,.0f}/s", "",
-                             "", ""])
+                rows.append(
+                    [
+                        f"ceiling: redis-benchmark evalsha, {lab} (C client)",
+                        f"{rb[k]['rps']:,.0f}/s",
+                        "",
+                        "",
+                        "",
+                    ]
+                )
         for r in R["uncontended_rows"]:
             s = r["subject"]
             tgt = verdict = ""
             if s.startswith("gpulock"):
                 tgt = ">= 45%"
                 verdict = "PASS" if r["ratio"] >= 0.45 else f"MISS ({r['ratio'] / 0.45:.2f}x)"
-            rows.append([label(s), f"{r['rate']:,.0f}/s",
-                         _f(r["ratio"], "{:.1%}", "n/a") + (f" of {r['client']}" if r["ratio"] else ""),
-                         tgt, verdict])
-        T["uncontended"] = table(["uncontended acquire+release", "rate", "of own client's ceiling", "target",
-                                  "verdict"], rows)
+            rows.append(
+                [
+                    label(s),
+                    f"{r['rate']:,.0f}/s",
+                    _f(r["ratio"], "{:.1%}", "n/a") + (f" of {r['client']}" if r["ratio"] else ""),
+                    tgt,
+                    verdict,
+                ]
+            )
+        T["uncontended"] = table(
+            ["uncontended acquire+release", "rate", "of own client's ceiling", "target", "verdict"],
+            rows,
+        )
     H = R.get("chains") or {}
     if H:
         ns = sorted({int(n) for d in H.values() for n in d})
@@ -853,15 +1125,25 @@ def build_tables(R: dict) -> dict[str, str]:
             row = [label(s)]
             for n in lat_n:
                 h = d.get(str(n))
-                row.append("-" if not h else f"{_f(h['p50_ms'])} / {_f(h['p99_ms'])} / {_f(h['max_ms'], '{:.2f}')}")
+                row.append(
+                    "-"
+                    if not h
+                    else f"{_f(h['p50_ms'])} / {_f(h['p99_ms'])} / {_f(h['max_ms'], '{:.2f}')}"
+                )
             h10 = d.get("10")
             row.append(_f(h10["wait_max_ms"], "{:,.1f}") if h10 else "-")
             rows.append(row)
-        rows.append(["target (gpulock)"] + [{1: "", 10: "p50<=0.1 p99<=0.5", 100: "p99<=1.0"}.get(n, "")
-                                            for n in lat_n] + [""])
-        T["handoff"] = table(["hand-off, release returns -> next holder (ms)"] +
-                             [f"{n} waiter{'s' if n > 1 else ''}: p50 / p99 / max" for n in lat_n] +
-                             ["max wait, 10 waiters (ms)"], rows)
+        rows.append(
+            ["target (gpulock)"]
+            + [{1: "", 10: "p50<=0.1 p99<=0.5", 100: "p99<=1.0"}.get(n, "") for n in lat_n]
+            + [""]
+        )
+        T["handoff"] = table(
+            ["hand-off, release returns -> next holder (ms)"]
+            + [f"{n} waiter{'s' if n > 1 else ''}: p50 / p99 / max" for n in lat_n]
+            + ["max wait, 10 waiters (ms)"],
+            rows,
+        )
         cmd_n = [n for n in ns if n >= 10]
         rows = []
         for s, d in H.items():
@@ -877,8 +1159,12 @@ def build_tables(R: dict) -> dict[str, str]:
                 row.append(_f((h or {}).get("stall", {}).get("per_waiter_second"), "{:,.3f}"))
             rows.append(row)
         rows.append(["target (gpulock)", "<= 4, flat +-20%"] + [""] * (2 * len(cmd_n) - 1))
-        T["commands"] = table(["client commands"] + [f"per grant, {n} w" for n in cmd_n] +
-                              [f"per waiter-s, {n} w" for n in cmd_n], rows)
+        T["commands"] = table(
+            ["client commands"]
+            + [f"per grant, {n} w" for n in cmd_n]
+            + [f"per waiter-s, {n} w" for n in cmd_n],
+            rows,
+        )
     RC = R.get("reclaim")
     if RC:
         rows = []
@@ -894,7 +1180,9 @@ def build_tables(R: dict) -> dict[str, str]:
             if d is None:
                 dflt = "not run (--quick)" if not R["config"]["default_reclaim"] else "-"
                 bound = DEFAULTS[s][1]
-                dflt += f"; expect {'never' if bound is None else f'<= {bound:.0f} s after the crash'}"
+                dflt += (
+                    f"; expect {'never' if bound is None else f'<= {bound:.0f} s after the crash'}"
+                )
             elif "error" in d:
                 dflt = "error (see JSON)"
             elif d["n"]:
@@ -912,12 +1200,28 @@ def build_tables(R: dict) -> dict[str, str]:
                     # the server clock (whole ms); the column above is on the waiter's clock.
                     sv = sh["core"]
                     ok = sv["p50_ms"] <= 5 and sv["max_ms"] <= 20
-                    lag += (f"; server clock {_f(sv['p50_ms'], '{:.1f}')} / {_f(sv['max_ms'], '{:.0f}')} "
-                            f"{'PASS' if ok else 'MISS'}")
-            rows.append([label(s) if not s.startswith("gpulock") else "gpulock (Pool, AsyncPool)", setting, dflt, lag])
+                    lag += (
+                        f"; server clock {_f(sv['p50_ms'], '{:.1f}')} / {_f(sv['max_ms'], '{:.0f}')} "
+                        f"{'PASS' if ok else 'MISS'}"
+                    )
+            rows.append(
+                [
+                    label(s) if not s.startswith("gpulock") else "gpulock (Pool, AsyncPool)",
+                    setting,
+                    dflt,
+                    lag,
+                ]
+            )
         rows.append(["target (gpulock)", "", "", "server clock: p50 <= 5, max <= 20"])
-        T["reclaim"] = table(["crash reclaim", "default setting", "regained with the defaults",
-                              f"expiry -> regained, {RC['short_ttl_s']:.0f} s expiry: p50 / max (ms)"], rows)
+        T["reclaim"] = table(
+            [
+                "crash reclaim",
+                "default setting",
+                "regained with the defaults",
+                f"expiry -> regained, {RC['short_ttl_s']:.0f} s expiry: p50 / max (ms)",
+            ],
+            rows,
+        )
     F = R.get("fairness")
     if F:
         rows = []
@@ -926,28 +1230,68 @@ def build_tables(R: dict) -> dict[str, str]:
                 continue
             f = F.get(s)
             if f is None or "error" in (f or {}):
-                why = "n/a (not weighted)" if not SUBJECTS[s]["weighted"] else ("error" if f else "-")
-                rows.append([label(s), "yes" if SUBJECTS[s]["weighted"] else "no",
-                             "yes" if SUBJECTS[s]["fifo"] else "no", why, "", "", ""])
+                why = (
+                    "n/a (not weighted)" if not SUBJECTS[s]["weighted"] else ("error" if f else "-")
+                )
+                rows.append(
+                    [
+                        label(s),
+                        "yes" if SUBJECTS[s]["weighted"] else "no",
+                        "yes" if SUBJECTS[s]["fifo"] else "no",
+                        why,
+                        "",
+                        "",
+                        "",
+                    ]
+                )
                 continue
-            per = " / ".join(_f(f["by_size"][k]["mean_wait_ms"], "{:.0f}") for k in sorted(f["by_size"], key=int))
-            gps = " / ".join(_f(f["by_size"][k]["grants_per_s"], "{:.0f}") for k in sorted(f["by_size"], key=int))
-            rows.append([label(s), "yes", "yes" if SUBJECTS[s]["fifo"] else "no", _f(f["jain_mean_wait"]),
-                         _f(f["max_wait_ms"], "{:,.0f}"), per, gps])
-        T["fairness"] = table(["fairness, mixed sizes", "weighted", "FIFO", "Jain (mean waits)", "max wait (ms)",
-                               "mean wait ms, size 1/2/4/8", "grants/s, size 1/2/4/8"], rows)
+            per = " / ".join(
+                _f(f["by_size"][k]["mean_wait_ms"], "{:.0f}") for k in sorted(f["by_size"], key=int)
+            )
+            gps = " / ".join(
+                _f(f["by_size"][k]["grants_per_s"], "{:.0f}") for k in sorted(f["by_size"], key=int)
+            )
+            rows.append(
+                [
+                    label(s),
+                    "yes",
+                    "yes" if SUBJECTS[s]["fifo"] else "no",
+                    _f(f["jain_mean_wait"]),
+                    _f(f["max_wait_ms"], "{:,.0f}"),
+                    per,
+                    gps,
+                ]
+            )
+        T["fairness"] = table(
+            [
+                "fairness, mixed sizes",
+                "weighted",
+                "FIFO",
+                "Jain (mean waits)",
+                "max wait (ms)",
+                "mean wait ms, size 1/2/4/8",
+                "grants/s, size 1/2/4/8",
+            ],
+            rows,
+        )
     return T
 
 
 def print_tables(R: dict, T: dict[str, str]) -> None:
     M = R["machine"]
     V = R["versions"]
-    print(f"gpulock {V['gpulock']} vs peers  ({'quick' if R['quick'] else 'full'} run, {R['runtime_s']:.0f} s)")
-    print(f"machine: {M['cpu']}, {M['cores']} cores; load avg {M['loadavg_start'][0]:.2f} at start, "
-          f"{M['loadavg_end'][0]:.2f} at end")
-    print(f"server {R['server']['version']} ({R['server']['binary']}), loopback TCP; python {M['python']}, "
-          f"redis-py {V['redis']} ({M['redis_py_parser']}), python-redis-lock {V['python-redis-lock']}, "
-          f"node {V['node']}, redis-semaphore {V['redis-semaphore']}, ioredis {V['ioredis']}")
+    print(
+        f"gpulock {V['gpulock']} vs peers  ({'quick' if R['quick'] else 'full'} run, {R['runtime_s']:.0f} s)"
+    )
+    print(
+        f"machine: {M['cpu']}, {M['cores']} cores; load avg {M['loadavg_start'][0]:.2f} at start, "
+        f"{M['loadavg_end'][0]:.2f} at end"
+    )
+    print(
+        f"server {R['server']['version']} ({R['server']['binary']}), loopback TCP; python {M['python']}, "
+        f"redis-py {V['redis']} ({M['redis_py_parser']}), python-redis-lock {V['python-redis-lock']}, "
+        f"node {V['node']}, redis-semaphore {V['redis-semaphore']}, ioredis {V['ioredis']}"
+    )
     if R.get("node_skipped"):
         print(f"redis-semaphore rows skipped: {R['node_skipped']}")
     for k in ("uncontended", "handoff", "commands", "reclaim", "fairness"):
@@ -962,16 +1306,28 @@ def _clean(x: Any) -> Any:
     return core._clean(x)
 
 
-def run(rp: RedisProcess, cfg: dict, only: set[str], quick: bool, json_path: str,
-        default_server: str | None) -> dict[str, Any]:
+def run(
+    rp: RedisProcess,
+    cfg: dict,
+    only: set[str],
+    quick: bool,
+    json_path: str,
+    default_server: str | None,
+) -> dict[str, Any]:
     """All parts against ``rp``; returns the result dict (also written to ``json_path``)."""
     t0 = time.monotonic()
     use_node, why = node_status()
     subjects = [s for s in SUBJECTS if use_node or SUBJECTS[s]["runner"] != "node"]
-    R: dict[str, Any] = {"quick": quick, "config": cfg, "machine": machine_info(), "versions": versions(),
-                         "subjects": {s: SUBJECTS[s] for s in subjects}, "errors": {},
-                         "node_skipped": None if use_node else why,
-                         "defaults": {s: {"setting": v[0], "free_after_s": v[1]} for s, v in DEFAULTS.items()}}
+    R: dict[str, Any] = {
+        "quick": quick,
+        "config": cfg,
+        "machine": machine_info(),
+        "versions": versions(),
+        "subjects": {s: SUBJECTS[s] for s in subjects},
+        "errors": {},
+        "node_skipped": None if use_node else why,
+        "defaults": {s: {"setting": v[0], "free_after_s": v[1]} for s, v in DEFAULTS.items()},
+    }
     c = redis.Redis.from_url(rp.url, **CLIENT_KW)
     srv = c.info("server")
     R["server"] = {"version": srv.get("redis_version"), "binary": rp.binary}
@@ -991,10 +1347,26 @@ def run(rp: RedisProcess, cfg: dict, only: set[str], quick: bool, json_path: str
         dflt_proc = RedisProcess(default_server).start()
     try:
         if "reclaim" in only:  # first: its default-settings crashes run in the background meanwhile
-            part("reclaim", "crash reclaim (short expiry here; defaults on a second server, in the background)",
-                 bench_reclaim, rp.url, c, cfg, subjects, dflt_proc.url if dflt_proc else None)
+            part(
+                "reclaim",
+                "crash reclaim (short expiry here; defaults on a second server, in the background)",
+                bench_reclaim,
+                rp.url,
+                c,
+                cfg,
+                subjects,
+                dflt_proc.url if dflt_proc else None,
+            )
         if "uncontended" in only:
-            part("uncontended", "uncontended acquire+release", bench_uncontended, rp, c, cfg, use_node)
+            part(
+                "uncontended",
+                "uncontended acquire+release",
+                bench_uncontended,
+                rp,
+                c,
+                cfg,
+                use_node,
+            )
             if "uncontended" in R:
                 R["uncontended_rows"] = uncontended_rows(R["uncontended"])
         if "handoff" in only:
@@ -1036,7 +1408,9 @@ def run(rp: RedisProcess, cfg: dict, only: set[str], quick: bool, json_path: str
     R["json_path"] = json_path
     R["tables"] = build_tables(R)
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-    Path(json_path).write_text(json.dumps(_clean(R), separators=(",", ":"), default=str, allow_nan=False) + "\n")
+    Path(json_path).write_text(
+        json.dumps(_clean(R), separators=(",", ":"), default=str, allow_nan=False) + "\n"
+    )
     return R
 
 
@@ -1047,8 +1421,15 @@ def pick_server(explicit: str | None = None) -> str:
         return explicit
     from gpulock.embedded import find_server_binary
 
-    cands = {p for p in (shutil.which("redis-server"), "/usr/bin/redis-server", "/usr/local/bin/redis-server")
-             if p and os.access(p, os.X_OK)}
+    cands = {
+        p
+        for p in (
+            shutil.which("redis-server"),
+            "/usr/bin/redis-server",
+            "/usr/local/bin/redis-server",
+        )
+        if p and os.access(p, os.X_OK)
+    }
     best, best_v = None, ()
     for p in cands:
         try:

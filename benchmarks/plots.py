@@ -16,12 +16,24 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"gpulock-async": "#1f6feb", "gpulock-sync": "#58a6ff", "rs-sem": "#d29922", "rs-multi": "#bf8700",
-          "redislock": "#8250df", "redispy": "#cf222e", "asyncio-sem": "#6e7781"}
-LABELS = {"gpulock-async": "gpulock AsyncPool", "gpulock-sync": "gpulock Pool (sync)",
-          "rs-sem": "redis-semaphore Semaphore", "rs-multi": "redis-semaphore MultiSemaphore",
-          "redislock": "python-redis-lock", "redispy": "redis-py Lock",
-          "asyncio-sem": "asyncio.Semaphore (1 process only)"}
+COLORS = {
+    "gpulock-async": "#1f6feb",
+    "gpulock-sync": "#58a6ff",
+    "rs-sem": "#d29922",
+    "rs-multi": "#bf8700",
+    "redislock": "#8250df",
+    "redispy": "#cf222e",
+    "asyncio-sem": "#6e7781",
+}
+LABELS = {
+    "gpulock-async": "gpulock AsyncPool",
+    "gpulock-sync": "gpulock Pool (sync)",
+    "rs-sem": "redis-semaphore Semaphore",
+    "rs-multi": "redis-semaphore MultiSemaphore",
+    "redislock": "python-redis-lock",
+    "redispy": "redis-py Lock",
+    "asyncio-sem": "asyncio.Semaphore (1 process only)",
+}
 
 
 def _ok(x: Any) -> bool:
@@ -31,8 +43,15 @@ def _ok(x: Any) -> bool:
 def _title(fig, text: str, R: dict) -> None:
     la = R.get("machine", {}).get("loadavg_start", [math.nan])[0]
     fig.suptitle(text, fontsize=12, fontweight="bold")
-    fig.text(0.99, 0.005, f"{'quick' if R.get('quick') else 'full'} run; load avg {la:.2f} at start",
-             ha="right", va="bottom", fontsize=7, color="#57606a")
+    fig.text(
+        0.99,
+        0.005,
+        f"{'quick' if R.get('quick') else 'full'} run; load avg {la:.2f} at start",
+        ha="right",
+        va="bottom",
+        fontsize=7,
+        color="#57606a",
+    )
 
 
 def plot_uncontended(P: dict, path: Path) -> None:
@@ -56,8 +75,15 @@ def plot_uncontended(P: dict, path: Path) -> None:
     ax.set_xlabel("% of its own client's single-connection EVALSHA rate")
     ax.set_title("pairs/s as a share of the client's ceiling", fontsize=9)
     ax = axes[1]
-    bars = [(f"ceiling: {lab}", U[part]["ceiling"], "#d0d7de") for part, lab in
-            (("sync", "redis-py sync"), ("async", "redis-py asyncio"), ("node", "ioredis")) if part in U]
+    bars = [
+        (f"ceiling: {lab}", U[part]["ceiling"], "#d0d7de")
+        for part, lab in (
+            ("sync", "redis-py sync"),
+            ("async", "redis-py asyncio"),
+            ("node", "ioredis"),
+        )
+        if part in U
+    ]
     bars += [(LABELS[r["subject"]], r["rate"], COLORS[r["subject"]]) for r in rows]
     yy = list(range(len(bars)))
     ax.barh(yy, [b[1] for b in bars], color=[b[2] for b in bars])
@@ -70,8 +96,15 @@ def plot_uncontended(P: dict, path: Path) -> None:
     ax.set_title("absolute: EVALSHA 'return 1' ceilings and acquire+release pairs", fontsize=9)
     sem = next((r for r in P["uncontended_rows"] if r["subject"] == "asyncio-sem"), None)
     if sem:
-        ax.text(0.99, 0.02, f"asyncio.Semaphore, no Redis, one process only: {sem['rate']:,.0f}/s",
-                transform=ax.transAxes, ha="right", fontsize=7, color="#57606a")
+        ax.text(
+            0.99,
+            0.02,
+            f"asyncio.Semaphore, no Redis, one process only: {sem['rate']:,.0f}/s",
+            transform=ax.transAxes,
+            ha="right",
+            fontsize=7,
+            color="#57606a",
+        )
     _title(fig, "Uncontended acquire+release", P)
     fig.tight_layout(rect=(0, 0.02, 1, 0.95))
     fig.savefig(path, dpi=110)
@@ -90,8 +123,15 @@ def plot_handoff(P: dict, path: Path) -> None:
             pts = [(n, max(v, 0.003)) for n, v in zip(ns, ys) if _ok(v)]
             if not pts:
                 continue
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=COLORS[s], label=LABELS[s],
-                    lw=2.2 if s.startswith("gpulock") else 1.3, ls=":" if s == "asyncio-sem" else "-")
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="o",
+                color=COLORS[s],
+                label=LABELS[s],
+                lw=2.2 if s.startswith("gpulock") else 1.3,
+                ls=":" if s == "asyncio-sem" else "-",
+            )
         tgt = {"p50_ms": [(10, 0.1)], "p99_ms": [(10, 0.5), (100, 1.0)]}[key]
         for n, v in tgt:
             ax.plot([n], [v], marker="*", ms=13, color="#1f6feb", mec="k", ls="none")
@@ -103,10 +143,20 @@ def plot_handoff(P: dict, path: Path) -> None:
         ax.grid(True, which="both", alpha=0.25)
     axes[0].set_ylabel("ms (log)")
     axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    axes[0].text(0.02, 0.02, "stars: gpulock's targets (docs/BENCHMARKS.md)", transform=axes[0].transAxes, fontsize=7,
-                 color="#1f6feb")
-    _title(fig, "Hand-off latency (capacity 1, each holder holds "
-                f"{P.get('config', {}).get('chain_hold_ms', '?')} ms)", P)
+    axes[0].text(
+        0.02,
+        0.02,
+        "stars: gpulock's targets (docs/BENCHMARKS.md)",
+        transform=axes[0].transAxes,
+        fontsize=7,
+        color="#1f6feb",
+    )
+    _title(
+        fig,
+        "Hand-off latency (capacity 1, each holder holds "
+        f"{P.get('config', {}).get('chain_hold_ms', '?')} ms)",
+        P,
+    )
     fig.tight_layout(rect=(0, 0.02, 1, 0.94))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -125,16 +175,23 @@ def plot_commands(P: dict, path: Path) -> None:
         a = [p for p in a if _ok(p[1])]
         b = [(n, d[str(n)].get("stall", {}).get("per_waiter_second")) for n in ns]
         b = [(n, max(v, 1e-3)) for n, v in b if _ok(v)]
-        kw = dict(marker="o", color=COLORS[s], label=LABELS[s], lw=2.2 if s.startswith("gpulock") else 1.3)
+        kw = dict(
+            marker="o", color=COLORS[s], label=LABELS[s], lw=2.2 if s.startswith("gpulock") else 1.3
+        )
         if a:
             axes[0].plot([p[0] for p in a], [p[1] for p in a], **kw)
         if b:
             axes[1].plot([p[0] for p in b], [p[1] for p in b], **kw)
     axes[0].axhline(4, color="#1f6feb", ls="--", lw=0.8)
     axes[0].text(10, 4.3, "gpulock target: <= 4, flat", fontsize=7, color="#1f6feb")
-    for ax, t, yl in ((axes[0], "client commands per grant", "commands (log)"),
-                      (axes[1], "client commands per waiter per second, lock held",
-                       "commands/s (log; 0 drawn at 0.001)")):
+    for ax, t, yl in (
+        (axes[0], "client commands per grant", "commands (log)"),
+        (
+            axes[1],
+            "client commands per waiter per second, lock held",
+            "commands/s (log; 0 drawn at 0.001)",
+        ),
+    ):
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xticks([10, 100, 1000], ["10", "100", "1,000"])
@@ -167,7 +224,9 @@ def plot_reclaim(P: dict, path: Path) -> None:
     ax.set_yticks(range(len(subs)), [LABELS[s] for s in subs], fontsize=8)
     ax.set_xscale("log")
     ax.set_xlabel("ms from the dead holder's expiry to the waiter holding (log; bar = p50)")
-    ax.set_title(f"lag after expiry, {RC.get('short_ttl_s', 1):.0f} s expiry for every one", fontsize=9)
+    ax.set_title(
+        f"lag after expiry, {RC.get('short_ttl_s', 1):.0f} s expiry for every one", fontsize=9
+    )
     ax.invert_yaxis()
     ax.grid(True, which="both", axis="x", alpha=0.25)
     ax = axes[1]
@@ -186,17 +245,27 @@ def plot_reclaim(P: dict, path: Path) -> None:
         else:
             vals.append(bound if bound else 40)
             notes.append(f"<= {bound:.0f} s (documented)" if bound else "never (documented)")
-    ax.barh(range(len(names)), vals, color=[COLORS[s] for s in ("gpulock-async", "rs-sem", "rs-multi", "redislock",
-                                                                "redispy")],
-            hatch=[None if "measured" in n else "//" for n in notes])
+    ax.barh(
+        range(len(names)),
+        vals,
+        color=[COLORS[s] for s in ("gpulock-async", "rs-sem", "rs-multi", "redislock", "redispy")],
+        hatch=[None if "measured" in n else "//" for n in notes],
+    )
     for i, n in enumerate(notes):
         ax.text(vals[i], i, "  " + n, va="center", fontsize=8)
     ax.set_yticks(range(len(names)), names, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, max(vals) * 1.8)
     ax.set_xlabel("s from the crash to a waiter holding")
-    ax.text(0.99, 0.02, "hatched: from the docs, not run (--quick)", transform=ax.transAxes, ha="right",
-            fontsize=7, color="#57606a")
+    ax.text(
+        0.99,
+        0.02,
+        "hatched: from the docs, not run (--quick)",
+        transform=ax.transAxes,
+        ha="right",
+        fontsize=7,
+        color="#57606a",
+    )
     ax.set_title("time to regain a crashed holder's permits, defaults", fontsize=9)
     _title(fig, "Crash reclaim", P)
     fig.tight_layout(rect=(0, 0.02, 1, 0.94))
@@ -215,12 +284,21 @@ def plot_fairness(P: dict, path: Path) -> None:
     for j, s in enumerate(subs):
         bs = F[s]["by_size"]
         xs = [i + j * w for i in range(len(sizes))]
-        axes[0].bar(xs, [max(bs[k]["mean_wait_ms"], 0.1) for k in sizes], w, color=COLORS[s],
-                    label=f"{LABELS[s]} (Jain {F[s]['jain_mean_wait']:.2f})")
-        axes[0].scatter(xs, [max(bs[k]["max_wait_ms"], 0.1) for k in sizes], marker="_", s=200, color="k")
+        axes[0].bar(
+            xs,
+            [max(bs[k]["mean_wait_ms"], 0.1) for k in sizes],
+            w,
+            color=COLORS[s],
+            label=f"{LABELS[s]} (Jain {F[s]['jain_mean_wait']:.2f})",
+        )
+        axes[0].scatter(
+            xs, [max(bs[k]["max_wait_ms"], 0.1) for k in sizes], marker="_", s=200, color="k"
+        )
         axes[1].bar(xs, [bs[k]["grants_per_s"] for k in sizes], w, color=COLORS[s], label=LABELS[s])
     for ax in axes:
-        ax.set_xticks([i + w * (len(subs) - 1) / 2 for i in range(len(sizes))], [f"size {k}" for k in sizes])
+        ax.set_xticks(
+            [i + w * (len(subs) - 1) / 2 for i in range(len(sizes))], [f"size {k}" for k in sizes]
+        )
     axes[0].set_yscale("log")
     axes[0].set_ylabel("wait, ms (log; bar mean, tick max)")
     axes[0].set_title("wait by request size", fontsize=9)
@@ -228,8 +306,12 @@ def plot_fairness(P: dict, path: Path) -> None:
     axes[1].set_title("throughput by request size", fontsize=9)
     axes[0].legend(fontsize=7)
     f = F[subs[0]]
-    _title(fig, f"Fairness under mixed sizes: {len(f['sizes'])} participants "
-                f"({'/'.join(map(str, f['sizes']))}) on capacity {f['capacity']}, hold {f['hold_ms']} ms", P)
+    _title(
+        fig,
+        f"Fairness under mixed sizes: {len(f['sizes'])} participants "
+        f"({'/'.join(map(str, f['sizes']))}) on capacity {f['capacity']}, hold {f['hold_ms']} ms",
+        P,
+    )
     fig.tight_layout(rect=(0, 0.02, 1, 0.93))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -243,13 +325,25 @@ def plot_service(S: dict, path: Path) -> None:
     col = {"gpulock": "#1f6feb", "per-worker": "#cf222e", "global": "#6e7781"}
     fig = plt.figure(figsize=(12, 7.5))
     gs = fig.add_gridspec(2, 4, height_ratios=[1, 1.1])
-    labels = [V[k]["label"].split(":")[0] if ":" in V[k]["label"] else V[k]["label"][:3] for k in keys]
-    short = {"gpulock": "(a) gpulock", "per-worker": "(b) per-worker sem", "global": "(c) global lock"}
+    labels = [
+        V[k]["label"].split(":")[0] if ":" in V[k]["label"] else V[k]["label"][:3] for k in keys
+    ]
+    short = {
+        "gpulock": "(a) gpulock",
+        "per-worker": "(b) per-worker sem",
+        "global": "(c) global lock",
+    }
     labels = [short[k] for k in keys]
-    panels = [("requests/s", lambda d: d["requests_per_s"], "{:.0f}"),
-              ("latency p99 (ms)", lambda d: d["latency_ms"]["p99"], "{:.0f}"),
-              ("budget overruns (work starts over budget)", lambda d: d["budget"]["overruns"], "{:,}"),
-              ("budget utilization (time-weighted)", lambda d: d["budget"]["utilization"] * 100, "{:.0f}%")]
+    panels = [
+        ("requests/s", lambda d: d["requests_per_s"], "{:.0f}"),
+        ("latency p99 (ms)", lambda d: d["latency_ms"]["p99"], "{:.0f}"),
+        ("budget overruns (work starts over budget)", lambda d: d["budget"]["overruns"], "{:,}"),
+        (
+            "budget utilization (time-weighted)",
+            lambda d: d["budget"]["utilization"] * 100,
+            "{:.0f}%",
+        ),
+    ]
     for i, (t, f, fmt) in enumerate(panels):
         ax = fig.add_subplot(gs[0, i])
         vals = [f(V[k]) for k in keys]
@@ -266,7 +360,15 @@ def plot_service(S: dict, path: Path) -> None:
     for k in keys:
         tl = V[k].get("timeline") or {}
         if tl.get("t"):
-            ax.step(tl["t"], tl["used_mib"], where="post", color=col[k], lw=1, label=short[k], alpha=0.85)
+            ax.step(
+                tl["t"],
+                tl["used_mib"],
+                where="post",
+                color=col[k],
+                lw=1,
+                label=short[k],
+                alpha=0.85,
+            )
     ax.axhline(cap, color="k", ls="--", lw=1)
     ax.text(0, cap, " budget", va="bottom", fontsize=8)
     ax.set_xlabel("seconds into the measured window")
@@ -274,9 +376,13 @@ def plot_service(S: dict, path: Path) -> None:
     ax.set_title("bytes in use by running requests, 4 workers", fontsize=9)
     ax.legend(fontsize=8, loc="upper right")
     c = S["config"]
-    _title(fig, f"Service: 4 workers, {c['concurrency']} clients, requests of "
-                f"{'/'.join(str(s * S['unit'] // 2**20) for s in S['sizes'])} MiB x {c['hold_s'] * 1000:.0f} ms, "
-                f"budget {cap:.0f} MiB", S)
+    _title(
+        fig,
+        f"Service: 4 workers, {c['concurrency']} clients, requests of "
+        f"{'/'.join(str(s * S['unit'] // 2**20) for s in S['sizes'])} MiB x {c['hold_s'] * 1000:.0f} ms, "
+        f"budget {cap:.0f} MiB",
+        S,
+    )
     fig.tight_layout(rect=(0, 0.02, 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -288,9 +394,13 @@ def make(out_dir: str | Path, peers: dict | None, service: dict | None) -> list[
     made = []
     jobs = []
     if peers:
-        jobs += [(plot_uncontended, peers, "uncontended.png"), (plot_handoff, peers, "handoff.png"),
-                 (plot_commands, peers, "commands.png"), (plot_reclaim, peers, "reclaim.png"),
-                 (plot_fairness, peers, "fairness.png")]
+        jobs += [
+            (plot_uncontended, peers, "uncontended.png"),
+            (plot_handoff, peers, "handoff.png"),
+            (plot_commands, peers, "commands.png"),
+            (plot_reclaim, peers, "reclaim.png"),
+            (plot_fairness, peers, "fairness.png"),
+        ]
     if service:
         jobs.append((plot_service, service, "service.png"))
     for fn, data, name in jobs:

@@ -74,37 +74,73 @@ def verdicts(P: dict | None, S: dict | None) -> list[list[str]]:
     if P:
         for r in P.get("uncontended_rows") or []:
             if r["subject"].startswith("gpulock"):
-                rows.append([f"uncontended, {peers.label(r['subject'])}", ">= 45% of ceiling",
-                             f"{r['ratio']:.1%} of the {r['client']} ceiling",
-                             "PASS" if r["ratio"] >= 0.45 else f"MISS by {0.45 - r['ratio']:.1%} points"])
+                rows.append(
+                    [
+                        f"uncontended, {peers.label(r['subject'])}",
+                        ">= 45% of ceiling",
+                        f"{r['ratio']:.1%} of the {r['client']} ceiling",
+                        "PASS" if r["ratio"] >= 0.45 else f"MISS by {0.45 - r['ratio']:.1%} points",
+                    ]
+                )
         H = P.get("chains") or {}
         for s in ("gpulock-async", "gpulock-sync"):
             h10, h100 = _g(H, s, "10"), _g(H, s, "100")
             if h10:
                 ok = h10["p50_ms"] <= 0.1 and h10["p99_ms"] <= 0.5
-                rows.append([f"hand-off 10 waiters, {peers.label(s)}", "p50 <= 0.1, p99 <= 0.5 ms",
-                             f"p50 {h10['p50_ms']:.3f}, p99 {h10['p99_ms']:.3f} ms", "PASS" if ok else "MISS"])
+                rows.append(
+                    [
+                        f"hand-off 10 waiters, {peers.label(s)}",
+                        "p50 <= 0.1, p99 <= 0.5 ms",
+                        f"p50 {h10['p50_ms']:.3f}, p99 {h10['p99_ms']:.3f} ms",
+                        "PASS" if ok else "MISS",
+                    ]
+                )
             if h100:
-                rows.append([f"hand-off 100 waiters, {peers.label(s)}", "p99 <= 1 ms", f"p99 {h100['p99_ms']:.3f} ms",
-                             "PASS" if h100["p99_ms"] <= 1.0 else "MISS"])
+                rows.append(
+                    [
+                        f"hand-off 100 waiters, {peers.label(s)}",
+                        "p99 <= 1 ms",
+                        f"p99 {h100['p99_ms']:.3f} ms",
+                        "PASS" if h100["p99_ms"] <= 1.0 else "MISS",
+                    ]
+                )
         g = H.get("gpulock-async") or {}
-        cpg = {int(n): h["cmds_per_grant"] for n, h in g.items() if int(n) >= 10 and _ok(h.get("cmds_per_grant"))}
+        cpg = {
+            int(n): h["cmds_per_grant"]
+            for n, h in g.items()
+            if int(n) >= 10 and _ok(h.get("cmds_per_grant"))
+        }
         if cpg:
             base = cpg[min(cpg)]
             spread = max(abs(v / base - 1) for v in cpg.values())
             ok = max(cpg.values()) <= 4 and spread <= 0.2
-            rows.append(["client commands per grant, AsyncPool", "<= 4, flat +-20% from 10 to 1,000",
-                         " / ".join(f"{cpg[n]:.2f}" for n in sorted(cpg)) + f" at {'/'.join(map(str, sorted(cpg)))} "
-                         f"waiters (spread {spread:.0%})", "PASS" if ok else "MISS"])
+            rows.append(
+                [
+                    "client commands per grant, AsyncPool",
+                    "<= 4, flat +-20% from 10 to 1,000",
+                    " / ".join(f"{cpg[n]:.2f}" for n in sorted(cpg))
+                    + f" at {'/'.join(map(str, sorted(cpg)))} "
+                    f"waiters (spread {spread:.0%})",
+                    "PASS" if ok else "MISS",
+                ]
+            )
         sv = _g(P, "reclaim", "short", "gpulock-async", "core")
         if sv:
             ok = sv["p50_ms"] <= 5 and sv["max_ms"] <= 20
-            rows.append(["crash reclaim lag (server clock)", "p50 <= 5, max <= 20 ms",
-                         f"p50 {sv['p50_ms']:.1f}, max {sv['max_ms']:.0f} ms", "PASS" if ok else "MISS"])
+            rows.append(
+                [
+                    "crash reclaim lag (server clock)",
+                    "p50 <= 5, max <= 20 ms",
+                    f"p50 {sv['p50_ms']:.1f}, max {sv['max_ms']:.0f} ms",
+                    "PASS" if ok else "MISS",
+                ]
+            )
         # gpulock ahead of every peer that is correct across processes
-        for metric, key, ns in (("hand-off p50", "p50_ms", ("1", "10", "100")),
-                                ("hand-off p99", "p99_ms", ("1", "10", "100")),
-                                ("commands per grant", "cmds_per_grant", ("10", "100", "1000"))):
+        for metric, key, ns in (
+            ("hand-off p50", "p50_ms", ("1", "10", "100")),
+            ("hand-off p99", "p99_ms", ("1", "10", "100")),
+            ("commands per grant", "cmds_per_grant", ("10", "100", "1000")),
+        ):
             behind = []
             for n in ns:
                 mine = _g(H, "gpulock-async", n, key)
@@ -115,25 +151,52 @@ def verdicts(P: dict | None, S: dict | None) -> list[list[str]]:
                     if _ok(theirs) and theirs < mine:
                         behind.append(f"{peers.label(p)} at {n} ({theirs:.3g} vs {mine:.3g})")
             if any(_ok(_g(H, "gpulock-async", n, key)) for n in ns):
-                rows.append([f"ahead of every peer: {metric}", "gpulock AsyncPool <= each peer", "behind: " +
-                             ("; ".join(behind) if behind else "none"), "PASS" if not behind else "MISS"])
+                rows.append(
+                    [
+                        f"ahead of every peer: {metric}",
+                        "gpulock AsyncPool <= each peer",
+                        "behind: " + ("; ".join(behind) if behind else "none"),
+                        "PASS" if not behind else "MISS",
+                    ]
+                )
         lag = _g(P, "reclaim", "short")
         if lag and _ok(_g(lag, "gpulock-async", "lag_p50_ms")):
             mine = lag["gpulock-async"]["lag_p50_ms"]
-            behind = [f"{peers.label(p)} ({lag[p]['lag_p50_ms']:.1f} vs {mine:.1f} ms)" for p in PEER_RIVALS
-                      if _ok(_g(lag, p, "lag_p50_ms")) and lag[p]["lag_p50_ms"] < mine]
-            rows.append(["ahead of every peer: reclaim lag after expiry (p50, waiter's clock)",
-                         "gpulock <= each peer", "behind: " + ("; ".join(behind) if behind else "none"),
-                         "PASS" if not behind else "MISS"])
+            behind = [
+                f"{peers.label(p)} ({lag[p]['lag_p50_ms']:.1f} vs {mine:.1f} ms)"
+                for p in PEER_RIVALS
+                if _ok(_g(lag, p, "lag_p50_ms")) and lag[p]["lag_p50_ms"] < mine
+            ]
+            rows.append(
+                [
+                    "ahead of every peer: reclaim lag after expiry (p50, waiter's clock)",
+                    "gpulock <= each peer",
+                    "behind: " + ("; ".join(behind) if behind else "none"),
+                    "PASS" if not behind else "MISS",
+                ]
+            )
         d = _g(P, "reclaim", "default")
         if d:
-            vals = {s: v["kill_to_regain_p50_ms"] / 1000 for s, v in d.items() if isinstance(v, dict) and v.get("n")}
+            vals = {
+                s: v["kill_to_regain_p50_ms"] / 1000
+                for s, v in d.items()
+                if isinstance(v, dict) and v.get("n")
+            }
             if "gpulock-async" in vals:
-                faster = [f"{peers.label(s)} ({v:.1f} s)" for s, v in vals.items()
-                          if s != "gpulock-async" and v < vals["gpulock-async"]]
-                rows.append(["regain with default settings", "(no target)",
-                             f"gpulock {vals['gpulock-async']:.1f} s; faster: " + (", ".join(faster) or "none"),
-                             "info"])
+                faster = [
+                    f"{peers.label(s)} ({v:.1f} s)"
+                    for s, v in vals.items()
+                    if s != "gpulock-async" and v < vals["gpulock-async"]
+                ]
+                rows.append(
+                    [
+                        "regain with default settings",
+                        "(no target)",
+                        f"gpulock {vals['gpulock-async']:.1f} s; faster: "
+                        + (", ".join(faster) or "none"),
+                        "info",
+                    ]
+                )
     if S:
         V = S.get("variants") or {}
         for k, must_zero in (("gpulock", True), ("per-worker", False), ("global", True)):
@@ -141,20 +204,47 @@ def verdicts(P: dict | None, S: dict | None) -> list[list[str]]:
                 n = V[k]["budget"]["overruns"]
                 want = "0" if must_zero else "> 0 (the naive fix overruns)"
                 ok = (n == 0) if must_zero else (n > 0)
-                rows.append([f"service budget overruns, {V[k]['label']}", want, f"{n:,}", "PASS" if ok else "MISS"])
+                rows.append(
+                    [
+                        f"service budget overruns, {V[k]['label']}",
+                        want,
+                        f"{n:,}",
+                        "PASS" if ok else "MISS",
+                    ]
+                )
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="smoke run: shorter and fewer repeats")
-    ap.add_argument("--only", default="core,peers,service", help="comma list of parts: core,peers,service")
-    ap.add_argument("--out", default=None, help="output folder (default benchmarks/results, --quick: results/quick)")
-    ap.add_argument("--core-parts", default="", help="passed to core.py --only (default: all of its parts)")
-    ap.add_argument("--redis-server", default=None, help="server binary (default: the newest redis-server found)")
-    ap.add_argument("--wait-load", type=float, default=None, help="wait until the 1-min load average is below this")
-    ap.add_argument("--wait-max", type=float, default=900.0, help="longest wait for --wait-load, seconds")
+    ap.add_argument(
+        "--only", default="core,peers,service", help="comma list of parts: core,peers,service"
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default benchmarks/results, --quick: results/quick)",
+    )
+    ap.add_argument(
+        "--core-parts", default="", help="passed to core.py --only (default: all of its parts)"
+    )
+    ap.add_argument(
+        "--redis-server",
+        default=None,
+        help="server binary (default: the newest redis-server found)",
+    )
+    ap.add_argument(
+        "--wait-load",
+        type=float,
+        default=None,
+        help="wait until the 1-min load average is below this",
+    )
+    ap.add_argument(
+        "--wait-max", type=float, default=900.0, help="longest wait for --wait-load, seconds"
+    )
     a = ap.parse_args(argv)
     only = set(filter(None, a.only.split(",")))
     out = Path(a.out) if a.out else HERE / "results" / ("quick" if a.quick else "")
@@ -164,48 +254,80 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     binary = peers.pick_server(a.redis_server)
     M = machine_info()
-    summary: dict[str, Any] = {"command": " ".join(["python benchmarks/run.py"] + sys.argv[1:]), "quick": a.quick,
-                               "machine": M, "versions": peers.versions(), "server_binary": binary, "parts": {},
-                               "failed": []}
-    print(f"gpulock benchmarks ({'quick' if a.quick else 'full'} run): parts {', '.join(sorted(only))}; "
-          f"output {out}")
-    print(f"machine: {M['cpu']}, {M['cores']} cores, load average {', '.join(f'{x:.2f}' for x in M['loadavg_start'])}")
+    summary: dict[str, Any] = {
+        "command": " ".join(["python benchmarks/run.py"] + sys.argv[1:]),
+        "quick": a.quick,
+        "machine": M,
+        "versions": peers.versions(),
+        "server_binary": binary,
+        "parts": {},
+        "failed": [],
+    }
+    print(
+        f"gpulock benchmarks ({'quick' if a.quick else 'full'} run): parts {', '.join(sorted(only))}; "
+        f"output {out}"
+    )
+    print(
+        f"machine: {M['cpu']}, {M['cores']} cores, load average {', '.join(f'{x:.2f}' for x in M['loadavg_start'])}"
+    )
     print()
     CR = PR = SR = None
     if "core" in only:
         print("=" * 30 + " core (benchmarks/core.py) " + "=" * 30, flush=True)
-        args = ["--json", str(out / "core.json"), "--redis-server", binary] + (["--quick"] if a.quick else [])
+        args = ["--json", str(out / "core.json"), "--redis-server", binary] + (
+            ["--quick"] if a.quick else []
+        )
         if a.core_parts:
             args += ["--only", a.core_parts]
         rc = core.main(args)
         if rc not in (0, 1):
             summary["failed"].append("core")
         CR = json.loads((out / "core.json").read_text())
-        summary["parts"]["core"] = {"json": str(out / "core.json"), "table": CR.get("table"),
-                                    "loadavg": [CR["machine"]["loadavg_start"], CR["machine"].get("loadavg_end")]}
+        summary["parts"]["core"] = {
+            "json": str(out / "core.json"),
+            "table": CR.get("table"),
+            "loadavg": [CR["machine"]["loadavg_start"], CR["machine"].get("loadavg_end")],
+        }
         print()
     if only & {"peers", "service"}:
         with RedisProcess(binary) as rp:
             if "peers" in only:
                 print("=" * 30 + " peers (benchmarks/peers.py) " + "=" * 30, flush=True)
                 cfg = peers.QUICK if a.quick else peers.FULL
-                PR = peers.run(rp, cfg, {"uncontended", "handoff", "reclaim", "fairness"}, a.quick,
-                               str(out / "peers.json"), binary)
+                PR = peers.run(
+                    rp,
+                    cfg,
+                    {"uncontended", "handoff", "reclaim", "fairness"},
+                    a.quick,
+                    str(out / "peers.json"),
+                    binary,
+                )
                 peers.print_tables(PR, PR["tables"])
                 if PR["errors"]:
                     summary["failed"].append("peers")
-                summary["parts"]["peers"] = {"json": str(out / "peers.json"), "tables": PR["tables"],
-                                             "loadavg": [PR["machine"]["loadavg_start"], PR["machine"]["loadavg_end"]]}
+                summary["parts"]["peers"] = {
+                    "json": str(out / "peers.json"),
+                    "tables": PR["tables"],
+                    "loadavg": [PR["machine"]["loadavg_start"], PR["machine"]["loadavg_end"]],
+                }
                 print()
             if "service" in only:
                 print("=" * 30 + " service (benchmarks/service.py) " + "=" * 30, flush=True)
-                SR = service.run(service.QUICK if a.quick else service.FULL, a.quick, str(out / "service.json"),
-                                 redis_url=rp.url)
+                SR = service.run(
+                    service.QUICK if a.quick else service.FULL,
+                    a.quick,
+                    str(out / "service.json"),
+                    redis_url=rp.url,
+                )
                 service.print_report(SR)
                 if SR["errors"]:
                     summary["failed"].append("service")
                 la = [SR["machine"]["loadavg_start"], SR["machine"]["loadavg_end"]]
-                summary["parts"]["service"] = {"json": str(out / "service.json"), "table": SR["table"], "loadavg": la}
+                summary["parts"]["service"] = {
+                    "json": str(out / "service.json"),
+                    "table": SR["table"],
+                    "loadavg": la,
+                }
                 print()
     pngs = plots.make(out, PR, SR)
     V = verdicts(PR, SR)
@@ -221,10 +343,14 @@ def main(argv: list[str] | None = None) -> int:
     if V:
         print(peers.table(["what", "target", "measured", "verdict"], V))
     print()
-    print(f"load average: {M['loadavg_start'][0]:.2f} at start, {summary['loadavg_end'][0]:.2f} at end; "
-          f"{summary['runtime_s']:.0f} s in all")
+    print(
+        f"load average: {M['loadavg_start'][0]:.2f} at start, {summary['loadavg_end'][0]:.2f} at end; "
+        f"{summary['runtime_s']:.0f} s in all"
+    )
     print("plots: " + (", ".join(pngs) if pngs else "none"))
-    (out / "summary.json").write_text(json.dumps(core._clean(summary), indent=1, default=str, allow_nan=False) + "\n")
+    (out / "summary.json").write_text(
+        json.dumps(core._clean(summary), indent=1, default=str, allow_nan=False) + "\n"
+    )
     print(f"summary: {out / 'summary.json'}")
     if summary["failed"]:
         print(f"FAILED parts: {', '.join(summary['failed'])}")

@@ -61,8 +61,22 @@ VARIANTS = {
     "per-worker": "(b) in-process semaphore per worker",
     "global": "(c) global lock (capacity one)",
 }
-FULL = dict(concurrency=16, duration_s=10.0, warm_s=1.0, hold_s=0.04, ready_timeout_s=90.0, start_together=False)
-QUICK = dict(concurrency=16, duration_s=1.0, warm_s=0.2, hold_s=0.04, ready_timeout_s=90.0, start_together=True)
+FULL = dict(
+    concurrency=16,
+    duration_s=10.0,
+    warm_s=1.0,
+    hold_s=0.04,
+    ready_timeout_s=90.0,
+    start_together=False,
+)
+QUICK = dict(
+    concurrency=16,
+    duration_s=1.0,
+    warm_s=0.2,
+    hold_s=0.04,
+    ready_timeout_s=90.0,
+    start_together=True,
+)
 
 
 _T0 = time.monotonic()
@@ -84,27 +98,60 @@ class Service:
         self.hist = str(tmp / "work")
         self.lease_hist = str(tmp / "lease")
         env = dict(os.environ)
-        env.update({
-            "PYTHONPATH": os.pathsep.join([str(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]),
-            "GPULOCK_RESIDENT": "0",  # the budget is for requests only
-            "GPULOCK_EXECUTOR_THREADS": "8", "GPULOCK_ACQUIRE_TIMEOUT": "60", "GPULOCK_INFERENCE_TIMEOUT": "60",
-            "GPULOCK_SLEEP_SECONDS": str(cfg["hold_s"]), "GPULOCK_SLEEP_BYTES": str(UNIT),
-            "GPULOCK_HISTORY_FILE": self.lease_hist, "GPULOCK_DISABLED": "1" if variant == "per-worker" else "0",
-            "BENCH_SVC_VARIANT": variant, "BENCH_SVC_CAPACITY": str(CAPACITY), "BENCH_SVC_HISTORY": self.hist,
-            "PYTHONUNBUFFERED": "1",
-        })
+        env.update(
+            {
+                "PYTHONPATH": os.pathsep.join(
+                    [str(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+                ),
+                "GPULOCK_RESIDENT": "0",  # the budget is for requests only
+                "GPULOCK_EXECUTOR_THREADS": "8",
+                "GPULOCK_ACQUIRE_TIMEOUT": "60",
+                "GPULOCK_INFERENCE_TIMEOUT": "60",
+                "GPULOCK_SLEEP_SECONDS": str(cfg["hold_s"]),
+                "GPULOCK_SLEEP_BYTES": str(UNIT),
+                "GPULOCK_HISTORY_FILE": self.lease_hist,
+                "GPULOCK_DISABLED": "1" if variant == "per-worker" else "0",
+                "BENCH_SVC_VARIANT": variant,
+                "BENCH_SVC_CAPACITY": str(CAPACITY),
+                "BENCH_SVC_HISTORY": self.hist,
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # serve makes a fresh one
-        self.cmd = [sys.executable, "-m", "gpulock", "serve", "--workers", "4", "--redis-url", redis_url,
-                    "--capacity", str(CAPACITY), "--pool", self.pool, "--port", str(self.port),
-                    "--model", "bench_service_model:factory", "--log-level", "warning"]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "gpulock",
+            "serve",
+            "--workers",
+            "4",
+            "--redis-url",
+            redis_url,
+            "--capacity",
+            str(CAPACITY),
+            "--pool",
+            self.pool,
+            "--port",
+            str(self.port),
+            "--model",
+            "bench_service_model:factory",
+            "--log-level",
+            "warning",
+        ]
         self.env = env
         self.log_path = tmp / "serve.log"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "Service":
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         return self
 
     def log_tail(self, n: int = 3000) -> str:
@@ -121,7 +168,9 @@ class Service:
         last = None
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"service {self.variant} exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"service {self.variant} exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
             try:
                 r = httpx.get(self.url + "/metrics", timeout=5)
                 for line in r.text.splitlines():
@@ -132,8 +181,10 @@ class Service:
             except (httpx.HTTPError, OSError, ValueError):
                 pass
             time.sleep(0.25)
-        raise TimeoutError(f"service {self.variant}: {last} of {workers} workers ready after {timeout:.0f}s:\n"
-                           f"{self.log_tail()}")
+        raise TimeoutError(
+            f"service {self.variant}: {last} of {workers} workers ready after {timeout:.0f}s:\n"
+            f"{self.log_tail()}"
+        )
 
     def stop(self) -> None:
         if self.proc is None:
@@ -169,9 +220,14 @@ async def drive(url: str, cfg: dict, seed: int = 6) -> dict[str, Any]:
 
     C = cfg["concurrency"]
     seqs = [size_sequence(seed * 1000 + i, 100_000) for i in range(C)]
-    clients = [httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=1,
-                                                                                   max_keepalive_connections=1))
-               for _ in range(C)]
+    clients = [
+        httpx.AsyncClient(
+            base_url=url,
+            timeout=120,
+            limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+        )
+        for _ in range(C)
+    ]
     conn_pid: list[str] = []
     for cl in clients:  # open the connections 10 ms apart so they land on different workers
         r = await cl.get("/health")
@@ -200,8 +256,12 @@ async def drive(url: str, cfg: dict, seed: int = 6) -> dict[str, Any]:
     await asyncio.gather(*(client(i) for i in range(C)))
     for cl in clients:
         await cl.aclose()
-    return {"t_start": t_start, "t_window": (t_start + cfg["warm_s"], t_stop), "recs": recs,
-            "connection_worker_pids": conn_pid}
+    return {
+        "t_start": t_start,
+        "t_window": (t_start + cfg["warm_s"], t_stop),
+        "recs": recs,
+        "connection_worker_pids": conn_pid,
+    }
 
 
 def read_history(prefix: str) -> list[dict]:
@@ -218,7 +278,9 @@ def read_history(prefix: str) -> list[dict]:
     return out
 
 
-def sweep(intervals: list[tuple[float, float, int]], t0: float, t1: float, capacity: int) -> dict[str, Any]:
+def sweep(
+    intervals: list[tuple[float, float, int]], t0: float, t1: float, capacity: int
+) -> dict[str, Any]:
     """Bytes in use over [t0, t1] from (start, end, bytes) intervals: overruns (starts that put
     the total above ``capacity``), seconds over it, peak, time-weighted utilization."""
     ev = []
@@ -248,11 +310,16 @@ def sweep(intervals: list[tuple[float, float, int]], t0: float, t1: float, capac
         else:
             used -= b
     span = t1 - t0
-    return {"work_starts": starts, "overruns": overruns, "seconds_over_capacity": over_s,
-            "share_of_time_over_capacity": over_s / span if span else math.nan,
-            "peak_bytes": peak, "peak_of_capacity": peak / capacity,
-            "utilization": area / (capacity * span) if span else math.nan,
-            "utilization_within_budget": area_capped / (capacity * span) if span else math.nan}
+    return {
+        "work_starts": starts,
+        "overruns": overruns,
+        "seconds_over_capacity": over_s,
+        "share_of_time_over_capacity": over_s / span if span else math.nan,
+        "peak_bytes": peak,
+        "peak_of_capacity": peak / capacity,
+        "utilization": area / (capacity * span) if span else math.nan,
+        "utilization_within_budget": area_capped / (capacity * span) if span else math.nan,
+    }
 
 
 def lease_peak(events: list[dict], routes=("embeddings",)) -> dict[str, Any]:
@@ -273,7 +340,9 @@ def lease_peak(events: list[dict], routes=("embeddings",)) -> dict[str, Any]:
     return {"leases": len(iv), "peak_bytes": s["peak_bytes"], "overruns": s["overruns"]}
 
 
-def run_variant(variant: str, redis_url: str, cfg: dict, svc: "Service | None" = None) -> dict[str, Any]:
+def run_variant(
+    variant: str, redis_url: str, cfg: dict, svc: "Service | None" = None
+) -> dict[str, Any]:
     """Start the service (unless ``svc`` was started already), load it, stop it, and analyse
     what its workers recorded."""
     if svc is None:
@@ -307,20 +376,36 @@ def analyse_variant(variant: str, svc: "Service", d: dict) -> dict[str, Any]:
     def lat_of(size: int) -> list[float]:
         return [(r[1] - r[0]) * 1000 for r in ok if r[3] == size and r[0] >= t0]
 
-    out = {"variant": variant, "label": VARIANTS[variant], "window_s": t1 - t0,
-           "requests_per_s": len(ok) / (t1 - t0), "bytes_per_s": sum(r[3] * UNIT for r in ok) / (t1 - t0),
-           "latency_ms": {"p50": percentile(lat, 50), "p99": percentile(lat, 99), "max": max(lat, default=math.nan)},
-           "latency_by_size_ms": {str(s): {"p50": percentile(lat_of(s), 50), "p99": percentile(lat_of(s), 99)}
-                                  for s in SIZES},
-           "statuses": statuses, "requests_by_worker": by_pid, "connection_worker_pids": d["connection_worker_pids"],
-           "budget": budget, "history_records": len(work)}
+    out = {
+        "variant": variant,
+        "label": VARIANTS[variant],
+        "window_s": t1 - t0,
+        "requests_per_s": len(ok) / (t1 - t0),
+        "bytes_per_s": sum(r[3] * UNIT for r in ok) / (t1 - t0),
+        "latency_ms": {
+            "p50": percentile(lat, 50),
+            "p99": percentile(lat, 99),
+            "max": max(lat, default=math.nan),
+        },
+        "latency_by_size_ms": {
+            str(s): {"p50": percentile(lat_of(s), 50), "p99": percentile(lat_of(s), 99)}
+            for s in SIZES
+        },
+        "statuses": statuses,
+        "requests_by_worker": by_pid,
+        "connection_worker_pids": d["connection_worker_pids"],
+        "budget": budget,
+        "history_records": len(work),
+    }
     if variant != "per-worker":
         out["lease_history"] = lease_peak(read_history(svc.lease_hist))
     # A timeline of bytes in use (10 ms steps) for the plot.
     step = 0.01
     ts = [t0 + i * step for i in range(int((t1 - t0) / step))]
-    out["timeline"] = {"t": [round(t - t0, 3) for t in ts],
-                       "used_mib": [sum(b for s, e, b in work if s <= t < e) // MiB for t in ts]}
+    out["timeline"] = {
+        "t": [round(t - t0, 3) for t in ts],
+        "used_mib": [sum(b for s, e, b in work if s <= t < e) // MiB for t in ts],
+    }
     return out
 
 
@@ -332,14 +417,36 @@ def build_table(R: dict) -> str:
             rows.append([VARIANTS[v], "error (see JSON)"] + [""] * 6)
             continue
         b = d["budget"]
-        rows.append([d["label"], f"{b['overruns']:,}" + (f" of {b['work_starts']:,}" if b["overruns"] else ""),
-                     f"{b['share_of_time_over_capacity']:.0%}", f"{b['peak_of_capacity']:.0%}",
-                     f"{d['requests_per_s']:.1f}", f"{d['latency_ms']['p50']:.0f} / {d['latency_ms']['p99']:.0f}",
-                     f"{b['utilization']:.0%}" + (f" ({b['utilization_within_budget']:.0%} within)"
-                                                  if b["utilization"] > b["utilization_within_budget"] + 0.005 else ""),
-                     ", ".join(f"{k}:{n}" for k, n in sorted(d["statuses"].items()))])
-    return _table(["service, 4 workers, mixed sizes", "budget overruns", "time over", "peak of budget",
-                   "requests/s", "latency p50 / p99 (ms)", "utilization", "statuses"], rows)
+        rows.append(
+            [
+                d["label"],
+                f"{b['overruns']:,}" + (f" of {b['work_starts']:,}" if b["overruns"] else ""),
+                f"{b['share_of_time_over_capacity']:.0%}",
+                f"{b['peak_of_capacity']:.0%}",
+                f"{d['requests_per_s']:.1f}",
+                f"{d['latency_ms']['p50']:.0f} / {d['latency_ms']['p99']:.0f}",
+                f"{b['utilization']:.0%}"
+                + (
+                    f" ({b['utilization_within_budget']:.0%} within)"
+                    if b["utilization"] > b["utilization_within_budget"] + 0.005
+                    else ""
+                ),
+                ", ".join(f"{k}:{n}" for k, n in sorted(d["statuses"].items())),
+            ]
+        )
+    return _table(
+        [
+            "service, 4 workers, mixed sizes",
+            "budget overruns",
+            "time over",
+            "peak of budget",
+            "requests/s",
+            "latency p50 / p99 (ms)",
+            "utilization",
+            "statuses",
+        ],
+        rows,
+    )
 
 
 def _table(head, rows) -> str:
@@ -348,13 +455,26 @@ def _table(head, rows) -> str:
     return table(head, rows)
 
 
-def run(cfg: dict, quick: bool, json_path: str, server: str | None = None, redis_url: str | None = None) -> dict:
+def run(
+    cfg: dict, quick: bool, json_path: str, server: str | None = None, redis_url: str | None = None
+) -> dict:
     t_all = time.monotonic()
-    R: dict[str, Any] = {"quick": quick, "config": cfg, "machine": machine_info(), "gpulock": gpulock.__version__,
-                         "capacity": CAPACITY, "unit": UNIT, "sizes": SIZES, "variants": {}, "errors": {}}
+    R: dict[str, Any] = {
+        "quick": quick,
+        "config": cfg,
+        "machine": machine_info(),
+        "gpulock": gpulock.__version__,
+        "capacity": CAPACITY,
+        "unit": UNIT,
+        "sizes": SIZES,
+        "variants": {},
+        "errors": {},
+    }
     from importlib import metadata
 
-    R["versions"] = {d: _ver(metadata, d) for d in ("fastapi", "uvicorn", "gunicorn", "uvicorn-worker", "httpx")}
+    R["versions"] = {
+        d: _ver(metadata, d) for d in ("fastapi", "uvicorn", "gunicorn", "uvicorn-worker", "httpx")
+    }
     rp = None
     if redis_url is None:
         from peers import pick_server
@@ -389,7 +509,9 @@ def run(cfg: dict, quick: bool, json_path: str, server: str | None = None, redis
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     from core import _clean
 
-    Path(json_path).write_text(json.dumps(_clean(R), separators=(",", ":"), default=str, allow_nan=False) + "\n")
+    Path(json_path).write_text(
+        json.dumps(_clean(R), separators=(",", ":"), default=str, allow_nan=False) + "\n"
+    )
     return R
 
 
@@ -405,11 +527,16 @@ def print_report(R: dict) -> None:
     c = R["config"]
     kind = "quick" if R["quick"] else "full"
     print(f"gpulock {R['gpulock']} service benchmark  ({kind} run, {R['runtime_s']:.0f} s)")
-    print(f"machine: {M['cpu']}, {M['cores']} cores; load avg {M['loadavg_start'][0]:.2f} at start, "
-          f"{M['loadavg_end'][0]:.2f} at end; " + ", ".join(f"{k} {v}" for k, v in R["versions"].items()))
-    print(f"load: {c['concurrency']} clients back to back for {c['duration_s']:.0f} s, requests of "
-          f"{'/'.join(str(s * UNIT // MiB) for s in SIZES)} MiB (uniform), {c['hold_s'] * 1000:.0f} ms of work each; "
-          f"budget {CAPACITY // MiB} MiB; 4 gunicorn/uvicorn workers")
+    print(
+        f"machine: {M['cpu']}, {M['cores']} cores; load avg {M['loadavg_start'][0]:.2f} at start, "
+        f"{M['loadavg_end'][0]:.2f} at end; "
+        + ", ".join(f"{k} {v}" for k, v in R["versions"].items())
+    )
+    print(
+        f"load: {c['concurrency']} clients back to back for {c['duration_s']:.0f} s, requests of "
+        f"{'/'.join(str(s * UNIT // MiB) for s in SIZES)} MiB (uniform), {c['hold_s'] * 1000:.0f} ms of work each; "
+        f"budget {CAPACITY // MiB} MiB; 4 gunicorn/uvicorn workers"
+    )
     print()
     print(R["table"])
     print()

@@ -106,7 +106,7 @@ class Server:
     def cmdstats(self) -> dict[str, tuple[int, int]]:
         out = {}
         for k, v in self.c.info("commandstats").items():
-            name = k[len("cmdstat_"):]
+            name = k[len("cmdstat_") :]
             if name in HARNESS or name.split("|")[0] in INNER:
                 continue
             out[name] = (int(v["calls"]), int(v["usec"]))
@@ -121,7 +121,11 @@ class Server:
 def _summary(d: dict[str, tuple[int, int]], seconds: float | None = None) -> dict[str, Any]:
     calls = sum(v[0] for v in d.values())
     usec = sum(v[1] for v in d.values())
-    out: dict[str, Any] = {"calls": calls, "usec": usec, "by_command": {k: v[0] for k, v in sorted(d.items())}}
+    out: dict[str, Any] = {
+        "calls": calls,
+        "usec": usec,
+        "by_command": {k: v[0] for k, v in sorted(d.items())},
+    }
     if seconds:
         out["per_s"] = calls / seconds
         out["cpu_share"] = usec / 1e6 / seconds
@@ -130,6 +134,7 @@ def _summary(d: dict[str, tuple[int, int]], seconds: float | None = None) -> dic
 
 # ---- one run ---------------------------------------------------------------------------------
 
+
 def _pool_kw(a: argparse.Namespace, n: int) -> dict[str, Any]:
     kw: dict[str, Any] = {"capacity": 1, "max_waiters": max(n + 10, 100)}
     if a.max_connections is not None:
@@ -137,7 +142,9 @@ def _pool_kw(a: argparse.Namespace, n: int) -> dict[str, Any]:
     return kw
 
 
-async def run_async(url: str, srv: Server, name: str, n: int, a: argparse.Namespace) -> dict[str, Any]:
+async def run_async(
+    url: str, srv: Server, name: str, n: int, a: argparse.Namespace
+) -> dict[str, Any]:
     errs0 = len(POOL_ERRORS)
     opened0 = srv.opened()
     pool = AsyncPool.from_url(url, name, **_pool_kw(a, n))
@@ -164,11 +171,15 @@ async def run_async(url: str, srv: Server, name: str, n: int, a: argparse.Namesp
         t0 = time.perf_counter()
         tasks = [asyncio.create_task(waiter()) for _ in range(n)]
         done = asyncio.ensure_future(all_queued.wait())
-        await asyncio.wait({done, *tasks}, timeout=a.enqueue_timeout, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            {done, *tasks}, timeout=a.enqueue_timeout, return_when=asyncio.FIRST_COMPLETED
+        )
         if not all_queued.is_set():
             bad = [t for t in tasks if t.done()]
-            raise RuntimeError(f"{queued} of {n} queued after {a.enqueue_timeout}s"
-                               + (f"; {len(bad)} acquires failed, e.g. {bad[0].exception()!r}" if bad else ""))
+            raise RuntimeError(
+                f"{queued} of {n} queued after {a.enqueue_timeout}s"
+                + (f"; {len(bad)} acquires failed, e.g. {bad[0].exception()!r}" if bad else "")
+            )
         enqueue_s = time.perf_counter() - t0
         s1 = srv.cmdstats()
         opened_enqueue = srv.opened() - opened0
@@ -190,12 +201,22 @@ async def run_async(url: str, srv: Server, name: str, n: int, a: argparse.Namesp
         await pool.aclose()
         await asyncio.gather(*tasks, return_exceptions=True)
     left = srv.c.zcard(pool_keys(name)[3])
-    return {"shell": "AsyncPool", "waiters": n, "enqueue_s": enqueue_s,
-            "enqueue_cmds": _summary(Server.delta(s0, s1)),
-            "waiting": _summary(Server.delta(w0, w1), window), "window_s": window,
-            "open_while_waiting": open_waiting, "opened_during_enqueue": opened_enqueue,
-            "opened": srv.opened() - opened0, "drain_s": drain_s, "granted": granted, "batched": batches,
-            "pool_errors": len(POOL_ERRORS) - errs0, "left_in_queue": left}
+    return {
+        "shell": "AsyncPool",
+        "waiters": n,
+        "enqueue_s": enqueue_s,
+        "enqueue_cmds": _summary(Server.delta(s0, s1)),
+        "waiting": _summary(Server.delta(w0, w1), window),
+        "window_s": window,
+        "open_while_waiting": open_waiting,
+        "opened_during_enqueue": opened_enqueue,
+        "opened": srv.opened() - opened0,
+        "drain_s": drain_s,
+        "granted": granted,
+        "batched": batches,
+        "pool_errors": len(POOL_ERRORS) - errs0,
+        "left_in_queue": left,
+    }
 
 
 def run_sync(url: str, srv: Server, name: str, n: int, a: argparse.Namespace) -> dict[str, Any]:
@@ -252,27 +273,55 @@ def run_sync(url: str, srv: Server, name: str, n: int, a: argparse.Namespace) ->
     finally:
         pool.close()
     left = srv.c.zcard(pool_keys(name)[3])
-    return {"shell": "Pool (sync)", "waiters": n, "enqueue_s": enqueue_s,
-            "enqueue_cmds": _summary(Server.delta(s0, s1)),
-            "waiting": _summary(Server.delta(w0, w1), window), "window_s": window,
-            "open_while_waiting": open_waiting, "opened_during_enqueue": opened_enqueue,
-            "opened": srv.opened() - opened0, "drain_s": drain_s, "granted": counts["granted"],
-            "pool_errors": len(POOL_ERRORS) - errs0, "left_in_queue": left}
+    return {
+        "shell": "Pool (sync)",
+        "waiters": n,
+        "enqueue_s": enqueue_s,
+        "enqueue_cmds": _summary(Server.delta(s0, s1)),
+        "waiting": _summary(Server.delta(w0, w1), window),
+        "window_s": window,
+        "open_while_waiting": open_waiting,
+        "opened_during_enqueue": opened_enqueue,
+        "opened": srv.opened() - opened0,
+        "drain_s": drain_s,
+        "granted": counts["granted"],
+        "pool_errors": len(POOL_ERRORS) - errs0,
+        "left_in_queue": left,
+    }
 
 
 # ---- report ----------------------------------------------------------------------------------
 
-COLS = ("shell", "waiters", "connections opened", "open while waiting", "pool errors", "enqueue all (s)",
-        "commands per enqueue", "commands/s waiting", "Redis CPU waiting", "drain (s)")
+COLS = (
+    "shell",
+    "waiters",
+    "connections opened",
+    "open while waiting",
+    "pool errors",
+    "enqueue all (s)",
+    "commands per enqueue",
+    "commands/s waiting",
+    "Redis CPU waiting",
+    "drain (s)",
+)
 
 
 def row(r: dict[str, Any]) -> tuple[str, ...]:
     n = r["waiters"]
     if "error" in r:
         return (r["shell"], f"{n:,}", "failed: " + r["error"][:60], "", "", "", "", "", "", "")
-    return (r["shell"], f"{n:,}", str(r["opened"]), str(r["open_while_waiting"]), f"{r['pool_errors']:,}",
-            f"{r['enqueue_s']:.3f}", f"{r['enqueue_cmds']['calls'] / n:.2f}", f"{r['waiting']['per_s']:.2f}",
-            f"{100 * r['waiting']['cpu_share']:.2f} %", f"{r['drain_s']:.2f}")
+    return (
+        r["shell"],
+        f"{n:,}",
+        str(r["opened"]),
+        str(r["open_while_waiting"]),
+        f"{r['pool_errors']:,}",
+        f"{r['enqueue_s']:.3f}",
+        f"{r['enqueue_cmds']['calls'] / n:.2f}",
+        f"{r['waiting']['per_s']:.2f}",
+        f"{100 * r['waiting']['cpu_share']:.2f} %",
+        f"{r['drain_s']:.2f}",
+    )
 
 
 def print_table(rows: list[tuple[str, ...]]) -> None:
@@ -284,25 +333,59 @@ def print_table(rows: list[tuple[str, ...]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smoke run: 10 and 100 waiters, short windows")
-    ap.add_argument("--n", default=None, help="comma list of waiter counts (default 10,100,1000,10000)")
-    ap.add_argument("--sync-max", type=int, default=1000, help="largest N also run with the sync Pool (threads)")
-    ap.add_argument("--max-connections", type=int, default=None, help="from_url's max_connections (default: its own)")
-    ap.add_argument("--window", type=float, default=None, help="seconds of the waiting window (default 3; quick 0.5)")
-    ap.add_argument("--enqueue-timeout", type=float, default=300.0, help="seconds allowed to queue all N (then the run fails)")
-    ap.add_argument("--json", default=str(HERE / "results" / "waiters.json"), help="where to write raw numbers")
-    ap.add_argument("--redis-server", default=None, help="server binary (default: redis-server on PATH)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: 10 and 100 waiters, short windows"
+    )
+    ap.add_argument(
+        "--n", default=None, help="comma list of waiter counts (default 10,100,1000,10000)"
+    )
+    ap.add_argument(
+        "--sync-max", type=int, default=1000, help="largest N also run with the sync Pool (threads)"
+    )
+    ap.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="from_url's max_connections (default: its own)",
+    )
+    ap.add_argument(
+        "--window",
+        type=float,
+        default=None,
+        help="seconds of the waiting window (default 3; quick 0.5)",
+    )
+    ap.add_argument(
+        "--enqueue-timeout",
+        type=float,
+        default=300.0,
+        help="seconds allowed to queue all N (then the run fails)",
+    )
+    ap.add_argument(
+        "--json", default=str(HERE / "results" / "waiters.json"), help="where to write raw numbers"
+    )
+    ap.add_argument(
+        "--redis-server", default=None, help="server binary (default: redis-server on PATH)"
+    )
     a = ap.parse_args(argv)
     ns = [int(x) for x in (a.n or ("10,100" if a.quick else "10,100,1000,10000")).split(",")]
     a.window = a.window or (0.5 if a.quick else 3.0)
-    a.settle = 0.2 if a.quick else 1.5  # past the first heartbeat after the burst (poll_interval 1 s)
+    a.settle = (
+        0.2 if a.quick else 1.5
+    )  # past the first heartbeat after the burst (poll_interval 1 s)
     binary = a.redis_server or find_server_binary("redis")
     count_pool_errors()
-    R: dict[str, Any] = {"quick": a.quick, "gpulock": gpulock.__version__, "gpulock_path": gpulock.__file__,
-                         "machine": machine_info(), "max_connections": a.max_connections,
-                         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "runs": []}
+    R: dict[str, Any] = {
+        "quick": a.quick,
+        "gpulock": gpulock.__version__,
+        "gpulock_path": gpulock.__file__,
+        "machine": machine_info(),
+        "max_connections": a.max_connections,
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "runs": [],
+    }
     t_start = time.monotonic()
     runs = [("AsyncPool", n) for n in ns] + [("Pool (sync)", n) for n in ns if n <= a.sync_max]
     for shell, n in runs:
@@ -321,17 +404,23 @@ def main(argv: list[str] | None = None) -> int:
             srv.c.close()
     R["runtime_s"] = time.monotonic() - t_start
     m = R["machine"]
-    print(f"gpulock {R['gpulock']} many-waiters benchmark ({'quick' if a.quick else 'full'} run, "
-          f"{R['runtime_s']:.0f} s); {m['cpu']}, {m['cores']} cores, load {m['loadavg_start'][0]:.2f}; "
-          f"server {R['server']['version']}; redis-py {m['redis_py']} ({m['redis_py_parser']})")
-    print(f"max_connections: {a.max_connections if a.max_connections is not None else 'from_url default'}; "
-          f"waiting window {a.window:.1f} s")
+    print(
+        f"gpulock {R['gpulock']} many-waiters benchmark ({'quick' if a.quick else 'full'} run, "
+        f"{R['runtime_s']:.0f} s); {m['cpu']}, {m['cores']} cores, load {m['loadavg_start'][0]:.2f}; "
+        f"server {R['server']['version']}; redis-py {m['redis_py']} ({m['redis_py_parser']})"
+    )
+    print(
+        f"max_connections: {a.max_connections if a.max_connections is not None else 'from_url default'}; "
+        f"waiting window {a.window:.1f} s"
+    )
     print()
     print_table([row(r) for r in R["runs"]])
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(R, indent=1))
     print(f"\nraw numbers: {a.json}")
-    bad = [r for r in R["runs"] if "error" in r or r["granted"] != r["waiters"] or r["left_in_queue"]]
+    bad = [
+        r for r in R["runs"] if "error" in r or r["granted"] != r["waiters"] or r["left_in_queue"]
+    ]
     return 1 if bad else 0
 
 

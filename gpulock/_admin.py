@@ -15,7 +15,14 @@ from typing import Any
 
 from ._protocol import _POOL_RE, KEY_PREFIX, pool_keys, translate, validate_pool_name
 
-__all__ = ["POOL_CFG_MATCH", "DeleteResult", "adelete_pool", "delete_pool", "pool_name_from_key", "pool_names"]
+__all__ = [
+    "POOL_CFG_MATCH",
+    "DeleteResult",
+    "adelete_pool",
+    "delete_pool",
+    "pool_name_from_key",
+    "pool_names",
+]
 
 # SCAN pattern matching every pool's configuration key.
 POOL_CFG_MATCH = f"{KEY_PREFIX}:{{*}}:cfg"
@@ -28,7 +35,7 @@ def pool_name_from_key(key: str | bytes) -> str | None:
     k = key.decode(errors="replace") if isinstance(key, bytes) else key
     if not (k.startswith(_PREFIX) and k.endswith(_SUFFIX)):
         return None
-    name = k[len(_PREFIX):-len(_SUFFIX)]
+    name = k[len(_PREFIX) : -len(_SUFFIX)]
     return name if _POOL_RE.fullmatch(name) else None
 
 

@@ -43,7 +43,11 @@ from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost,
 from .units import parse_seconds
 
 DEFAULT_BACKEND_TIMEOUT_S = 5.0
-_CLIENT_DEFAULTS = {"socket_timeout": 5.0, "socket_connect_timeout": 2.0, "health_check_interval": 10}
+_CLIENT_DEFAULTS = {
+    "socket_timeout": 5.0,
+    "socket_connect_timeout": 2.0,
+    "health_check_interval": 10,
+}
 
 
 def _cancel_requests() -> int:
@@ -77,8 +81,11 @@ class AsyncLease(LeaseBase):
         self._pool._runtime.untrack(s.lease_id)
         ok = await self._pool._release(s)
         if not ok and was_lost is None:
-            raise LeaseLost(s.lease_id, "the server no longer had it when it was released "
-                                        "(it expired: a pause, or Redis unreachable past its ttl)")
+            raise LeaseLost(
+                s.lease_id,
+                "the server no longer had it when it was released "
+                "(it expired: a pause, or Redis unreachable past its ttl)",
+            )
         if was_lost is not None:
             raise LeaseLost(s.lease_id, was_lost)
 
@@ -157,29 +164,50 @@ class AsyncPool:
     sync_replicas: int
     sync_timeout: float
 
-    def __init__(self, redis: aioredis.Redis, name: str, *, capacity: int | str | None = None,
-                 default_ttl: float = DEFAULT_TTL_S, waiter_ttl: float = DEFAULT_WAITER_TTL_S,
-                 poll_interval: float = DEFAULT_POLL_INTERVAL_S, max_waiters: int = DEFAULT_MAX_WAITERS,
-                 backend_timeout: float = DEFAULT_BACKEND_TIMEOUT_S,
-                 max_ttl: float | None = None,
-                 sync_replicas: int = 0, sync_timeout: float = 1.0,
-                 clock: Callable[[], float] = default_clock, _owns_client: bool = False):
-        for k, v in pool_settings(name, capacity=capacity, default_ttl=default_ttl, waiter_ttl=waiter_ttl,
-                                  poll_interval=poll_interval, max_waiters=max_waiters,
-                                  backend_timeout=backend_timeout, max_ttl=max_ttl,
-                                  sync_replicas=sync_replicas, sync_timeout=sync_timeout).items():
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        name: str,
+        *,
+        capacity: int | str | None = None,
+        default_ttl: float = DEFAULT_TTL_S,
+        waiter_ttl: float = DEFAULT_WAITER_TTL_S,
+        poll_interval: float = DEFAULT_POLL_INTERVAL_S,
+        max_waiters: int = DEFAULT_MAX_WAITERS,
+        backend_timeout: float = DEFAULT_BACKEND_TIMEOUT_S,
+        max_ttl: float | None = None,
+        sync_replicas: int = 0,
+        sync_timeout: float = 1.0,
+        clock: Callable[[], float] = default_clock,
+        _owns_client: bool = False,
+    ):
+        for k, v in pool_settings(
+            name,
+            capacity=capacity,
+            default_ttl=default_ttl,
+            waiter_ttl=waiter_ttl,
+            poll_interval=poll_interval,
+            max_waiters=max_waiters,
+            backend_timeout=backend_timeout,
+            max_ttl=max_ttl,
+            sync_replicas=sync_replicas,
+            sync_timeout=sync_timeout,
+        ).items():
             setattr(self, k, v)
         self.redis = redis
         self.clock = clock
         self._keys = pool_keys(self.name)
         self._runtime = Runtime(redis, self.name, self._keys, clock, poll_interval)
-        self._batch = Batcher(redis, self._keys, inflight_for(redis))  # concurrent calls share round trips
+        self._batch = Batcher(
+            redis, self._keys, inflight_for(redis)
+        )  # concurrent calls share round trips
         self._settings_to_runtime()
         self._owns_client = _owns_client
 
     @classmethod
-    def from_url(cls, url: str, name: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 **kw: Any) -> "AsyncPool":
+    def from_url(
+        cls, url: str, name: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, **kw: Any
+    ) -> "AsyncPool":
         """Connect to a ``redis://``, ``rediss://``, ``unix://`` or ``redis+sentinel://`` URL
         (no I/O until first use; Sentinel URLs: :mod:`gpulock._connect`).
         Socket timeouts default to 5 s (reads) and 2 s (connect) so a hung Redis surfaces as
@@ -210,7 +238,9 @@ class AsyncPool:
             # message (by backend_timeout), so it leaves the retry loops here.
             raise translate(e, self.name) from e
 
-    async def _eval(self, name: str, args: list, *, retry: bool = True, bound: float | None = None) -> Any:
+    async def _eval(
+        self, name: str, args: list, *, retry: bool = True, bound: float | None = None
+    ) -> Any:
         """EVALSHA with NOSCRIPT reload; retries connection errors (for idempotent scripts
         only: every gpulock script is idempotent by ticket or lease id) with jittered backoff
         for at most ``bound`` (default ``backend_timeout``) seconds, then raises
@@ -222,15 +252,23 @@ class AsyncPool:
                 if not retry:
                     raise
             # The retrier is built only after a failure: it costs ~10% of an uncontended call.
-            async for attempt in retrying(self.backend_timeout if bound is None else bound, asynchronous=True):
+            async for attempt in retrying(
+                self.backend_timeout if bound is None else bound, asynchronous=True
+            ):
                 with attempt:
                     return await self._eval_once(name, args)
         except Exception as e:
             raise translate(e, self.name) from e
 
-    async def configure(self, capacity: int | str | None = None, *, max_waiters: int | None = None,
-                        max_ttl: float | None = None, create_only: bool = False,
-                        _grace: bool = False) -> dict[str, int]:
+    async def configure(
+        self,
+        capacity: int | str | None = None,
+        *,
+        max_waiters: int | None = None,
+        max_ttl: float | None = None,
+        create_only: bool = False,
+        _grace: bool = False,
+    ) -> dict[str, int]:
         """Create the pool or set its capacity (bytes or "8GiB"), queue bound and max_ttl
         (seconds; the longest ttl a lease may have, and the length of a grace period).
         Returns ``{"created", "capacity", "epoch", "used", "max_waiters"}`` (``status()`` shows
@@ -241,22 +279,38 @@ class AsyncPool:
         Raises: InvalidArgument (bad capacity), BackendUnavailable."""
         cap = configure_capacity(capacity, self.capacity)
         mw = self.max_waiters if max_waiters is None else max_waiters
-        mt = self.max_ttl if max_ttl is None else parse_seconds(max_ttl, name="max_ttl", minimum=MIN_TTL_S,
-                                                               maximum=MAX_TTL_S)
-        r = await self._eval("configure", self._runtime.configure_argv(cap, mw, ttl_ms(mt), create_only, _grace))
+        mt = (
+            self.max_ttl
+            if max_ttl is None
+            else parse_seconds(max_ttl, name="max_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+        )
+        r = await self._eval(
+            "configure", self._runtime.configure_argv(cap, mw, ttl_ms(mt), create_only, _grace)
+        )
         if not create_only:
             self.capacity = cap
             self.max_ttl = mt
             self._settings_to_runtime()
-        out = dict(zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r)))
-        self._runtime.seen(out["epoch"], out["capacity"], out["max_waiters"], int(r[5]) if len(r) > 5 else 0)
+        out = dict(
+            zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r))
+        )
+        self._runtime.seen(
+            out["epoch"], out["capacity"], out["max_waiters"], int(r[5]) if len(r) > 5 else 0
+        )
         return out
 
     def _settings_to_runtime(self) -> None:
         """What the heartbeat needs to create the pool again after Redis lost it."""
         rt = self._runtime
-        rt.capacity, rt.max_waiters, rt.max_ttl_ms = self.capacity, self.max_waiters, ttl_ms(self.max_ttl)
-        rt.sync_replicas, rt.sync_timeout_ms = self.sync_replicas, max(1, int(self.sync_timeout * 1000))
+        rt.capacity, rt.max_waiters, rt.max_ttl_ms = (
+            self.capacity,
+            self.max_waiters,
+            ttl_ms(self.max_ttl),
+        )
+        rt.sync_replicas, rt.sync_timeout_ms = (
+            self.sync_replicas,
+            max(1, int(self.sync_timeout * 1000)),
+        )
         rt.backend_timeout = self.backend_timeout
 
     async def status(self, *, limit: int = 1000) -> PoolStatus:
@@ -269,7 +323,9 @@ class AsyncPool:
         if st is None:
             self._runtime.seen(0)  # gone: if this object knew the pool, its runtime recovers now
             raise PoolNotFound(self.name)
-        self._runtime.seen(st.epoch, st.capacity, st.max_waiters, ttl_ms(st.max_ttl) if st.max_ttl else 0)
+        self._runtime.seen(
+            st.epoch, st.capacity, st.max_waiters, ttl_ms(st.max_ttl) if st.max_ttl else 0
+        )
         return st
 
     async def reap(self) -> int:
@@ -282,9 +338,16 @@ class AsyncPool:
         exit. Takes the arguments of :meth:`acquire`."""
         return _AcquireCM(self, (amount,), kw)
 
-    async def acquire(self, amount: int | str, *, ttl: float | None = None, timeout: float | None = None,
-                      holder: dict[str, Any] | None = None, request_id: str | None = None,
-                      on_queued: Callable[[int], Any] | None = None) -> AsyncLease:
+    async def acquire(
+        self,
+        amount: int | str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        holder: dict[str, Any] | None = None,
+        request_id: str | None = None,
+        on_queued: Callable[[int], Any] | None = None,
+    ) -> AsyncLease:
         """Take ``amount`` bytes from the pool, waiting in FIFO order.
 
         Args:
@@ -308,12 +371,22 @@ class AsyncPool:
             On cancellation (``CancelledError``) the request leaves the queue and any grant
             that raced in is released before the error propagates (invariant 2 in docs/SEMANTICS.md).
         """
-        req = AcquireRequest.build(self.name, amount, ttl=ttl, timeout=timeout, holder=holder,
-                                   request_id=request_id, waiter_ttl=self.waiter_ttl, default_ttl=self.default_ttl)
+        req = AcquireRequest.build(
+            self.name,
+            amount,
+            ttl=ttl,
+            timeout=timeout,
+            holder=holder,
+            request_id=request_id,
+            waiter_ttl=self.waiter_ttl,
+            default_ttl=self.default_ttl,
+        )
         start = self.clock()
         rt = self._runtime
         if rt._closed:
-            raise PoolClosed(self.name, queued=False)  # no heartbeat or listener would serve the lease
+            raise PoolClosed(
+                self.name, queued=False
+            )  # no heartbeat or listener would serve the lease
         wait = req.timeout_s != 0
         cancels_before = _cancel_requests()
         if wait:
@@ -338,7 +411,9 @@ class AsyncPool:
                 raise asyncio.CancelledError()
             if isinstance(res, Grant):
                 needs_cancel = False
-                lease = self._make_lease(res, req, validity_deadline(sent, res.now_ms, res.expires_ms))
+                lease = self._make_lease(
+                    res, req, validity_deadline(sent, res.now_ms, res.expires_ms)
+                )
                 if self.sync_replicas:
                     await self._sync_grant(lease)
                 return lease
@@ -348,14 +423,25 @@ class AsyncPool:
                     f"pool {self.name!r}: {req.amount} bytes not available now (timeout=0; "
                     f"{res.queue_length} waiting, {res.used}/{res.capacity} bytes used)",
                     queue_length=res.queue_length,
-                    retry_after=res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None)
-            joined = rt.join_waiter(Waiter(req.ticket, asyncio.get_running_loop().create_future(), argv,
-                                           ttl_ms(req.waiter_ttl_s), res.position, on_queued))
+                    retry_after=res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None,
+                )
+            joined = rt.join_waiter(
+                Waiter(
+                    req.ticket,
+                    asyncio.get_running_loop().create_future(),
+                    argv,
+                    ttl_ms(req.waiter_ttl_s),
+                    res.position,
+                    on_queued,
+                )
+            )
             fut = joined.future
             rt.set_reap_timer(self.clock(), res.retry_after_ms)
             if on_queued:
                 on_queued(res.position)
-            remaining = None if req.timeout_s is None else max(0.0, req.timeout_s - (self.clock() - start))
+            remaining = (
+                None if req.timeout_s is None else max(0.0, req.timeout_s - (self.clock() - start))
+            )
             # asyncio.wait, not wait_for: before Python 3.12, wait_for returns the result when
             # the task is cancelled in the loop iteration the grant lands in, swallowing the
             # cancellation (the caller would run its GPU work in a cancelled request). wait
@@ -366,9 +452,12 @@ class AsyncPool:
                 pos = w.position if w else res.position
                 raise AcquireTimeout(
                     f"pool {self.name!r}: no grant of {req.amount} bytes within {req.timeout_s}s "
-                    f"(position {pos} of {res.queue_length}+)", position=pos, queue_length=res.queue_length,
+                    f"(position {pos} of {res.queue_length}+)",
+                    position=pos,
+                    queue_length=res.queue_length,
                     retry_after=res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None,
-                    waited=self.clock() - start)
+                    waited=self.clock() - start,
+                )
             try:
                 grant = fut.result()
             except Exception as e:
@@ -388,7 +477,7 @@ class AsyncPool:
                 # read), even if we are being cancelled again meanwhile.
                 task = rt.spawn(self._cancel(req.ticket))
                 if not unreachable:  # else do not make the caller wait for a second bound:
-                    try:             # what the acquire may have left expires on its own anyway
+                    try:  # what the acquire may have left expires on its own anyway
                         await asyncio.shield(task)
                     except BaseException:
                         pass
@@ -403,7 +492,9 @@ class AsyncPool:
         sent = self.clock()
         r, acked, err = None, -1, None
         try:
-            r, acked = await self._runtime.renew_synced([1, s.lease_id, s.token, ttl_ms(s.ttl_s), 0])
+            r, acked = await self._runtime.renew_synced(
+                [1, s.lease_id, s.token, ttl_ms(s.ttl_s), 0]
+            )
         except BaseException as e:  # noqa: BLE001 - also on cancellation: give the grant back
             err = e
         if err is None and r is not None and int(r[2][0]) > 0 and acked >= self.sync_replicas:
@@ -418,20 +509,27 @@ class AsyncPool:
         raise BackendUnavailable(
             f"pool {self.name!r}: the grant was not acknowledged by {self.sync_replicas} replica(s) within "
             f"{self.sync_timeout}s (acknowledged by {max(acked, 0)}{'; ' + str(err) if err else ''}); it was "
-            f"given back, since a failover could lose it") from err
+            f"given back, since a failover could lose it"
+        ) from err
 
     async def _acquire_call(self, req: AcquireRequest, argv: list[str]):
         sent = self.clock()
         try:
-            r = await self._eval("acquire", argv, bound=retry_bound(self.backend_timeout, req.timeout_s))
+            r = await self._eval(
+                "acquire", argv, bound=retry_bound(self.backend_timeout, req.timeout_s)
+            )
         except Exception as e:
             from .errors import PoolNotFound
 
             if isinstance(e, PoolNotFound):
-                self._runtime.seen(0)  # gone: if this object knew the pool, its runtime recovers now
+                self._runtime.seen(
+                    0
+                )  # gone: if this object knew the pool, its runtime recovers now
             if isinstance(e, PoolNotFound) and self.capacity is not None:
                 # A pool object that saw the pool before knows Redis lost it: grace period.
-                await self.configure(self.capacity, create_only=True, _grace=bool(self._runtime.known_epoch))
+                await self.configure(
+                    self.capacity, create_only=True, _grace=bool(self._runtime.known_epoch)
+                )
                 sent = self.clock()
                 r = await self._eval("acquire", argv)
             else:
@@ -474,8 +572,15 @@ class AsyncPool:
     # for all of them; no task, thread or connection per request) until `wait_remote` hands
     # the grant over or `cancel_remote` withdraws it. The caller must do one of the two.
 
-    async def enqueue_remote(self, amount: int | str, *, request_id: str, ttl: float | None = None,
-                             holder: dict[str, Any] | None = None, queue: bool = True) -> Grant | NotGranted:
+    async def enqueue_remote(
+        self,
+        amount: int | str,
+        *,
+        request_id: str,
+        ttl: float | None = None,
+        holder: dict[str, Any] | None = None,
+        queue: bool = True,
+    ) -> Grant | NotGranted:
         """Send one acquire for ``request_id`` on behalf of a remote holder.
 
         Idempotent by ``request_id``: sending it again refreshes the place and returns the
@@ -491,8 +596,16 @@ class AsyncPool:
 
         Raises: InvalidArgument, CapacityExceeded, PoolNotFound, QueueFull, BackendUnavailable.
         """
-        req = AcquireRequest.build(self.name, amount, ttl=ttl, timeout=None, holder=holder,
-                                   request_id=request_id, waiter_ttl=self.waiter_ttl, default_ttl=self.default_ttl)
+        req = AcquireRequest.build(
+            self.name,
+            amount,
+            ttl=ttl,
+            timeout=None,
+            holder=holder,
+            request_id=request_id,
+            waiter_ttl=self.waiter_ttl,
+            default_ttl=self.default_ttl,
+        )
         rt = self._runtime
         if queue:
             await rt.ensure_subscribed()
@@ -561,11 +674,17 @@ class AsyncPool:
         ttl_s = parse_seconds(ttl, name="ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
         from ._protocol import validate_token
 
-        r = await self._eval("renew", ["1", lease_id, str(validate_token(token)), str(ttl_ms(ttl_s)), "0"])
+        r = await self._eval(
+            "renew", ["1", lease_id, str(validate_token(token)), str(ttl_ms(ttl_s)), "0"]
+        )
         expires_ms = int(r[2][0])
         if expires_ms <= 0:
-            raise LeaseLost(lease_id, "the pool's configuration is gone (Redis restarted without its data?)"
-                            if int(r[1]) == 0 else "the server no longer has it (it expired, or was released)")
+            raise LeaseLost(
+                lease_id,
+                "the pool's configuration is gone (Redis restarted without its data?)"
+                if int(r[1]) == 0
+                else "the server no longer has it (it expired, or was released)",
+            )
         return expires_ms, int(r[0])
 
     async def release_remote(self, lease_id: str, token: int) -> tuple[bool, int]:

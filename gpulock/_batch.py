@@ -33,7 +33,9 @@ class Batcher:
     ``redis.asyncio`` client), with at most ``max_inflight`` calls or pipelines at a time
     (≥ 1). Lives in one event loop."""
 
-    def __init__(self, redis: Any, keys: list[str], max_inflight: int, max_batch: int = DEFAULT_MAX_BATCH):
+    def __init__(
+        self, redis: Any, keys: list[str], max_inflight: int, max_batch: int = DEFAULT_MAX_BATCH
+    ):
         self.redis = redis
         self.keys = keys
         self.max_inflight = max(1, int(max_inflight))

@@ -16,7 +16,9 @@ def _require_client():
     try:
         import gpulock_client
     except ImportError:
-        fail(EXIT_USAGE, "--broker-url needs the gpulock-client package (pip install gpulock-client)")
+        fail(
+            EXIT_USAGE, "--broker-url needs the gpulock-client package (pip install gpulock-client)"
+        )
     return gpulock_client
 
 
@@ -24,8 +26,11 @@ def _from_reply(status: int, body: Any, pool: str) -> E.GpuLockError:
     d = body.get("detail") if isinstance(body, dict) else None
     detail = d if isinstance(d, dict) else {}
     if isinstance(d, list):  # FastAPI's 422: name the fields
-        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', []))}: {e.get('msg')}" for e in d
-                        if isinstance(e, dict))
+        msg = "; ".join(
+            f"{'.'.join(str(x) for x in e.get('loc', []))}: {e.get('msg')}"
+            for e in d
+            if isinstance(e, dict)
+        )
     else:
         msg = str(detail.get("message", d if d is not None else f"HTTP {status}"))
     code = detail.get("error")
@@ -53,8 +58,9 @@ class BrokerAdmin:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
 
-    def _request(self, method: str, path: str, json: Any = None,
-                 params: dict[str, str] | None = None) -> tuple[int, Any]:
+    def _request(
+        self, method: str, path: str, json: Any = None, params: dict[str, str] | None = None
+    ) -> tuple[int, Any]:
         import httpx
 
         try:
@@ -67,8 +73,14 @@ class BrokerAdmin:
             body = None
         return r.status_code, body
 
-    def call(self, method: str, path: str, pool: str = "*", json: Any = None,
-             params: dict[str, str] | None = None) -> Any:
+    def call(
+        self,
+        method: str,
+        path: str,
+        pool: str = "*",
+        json: Any = None,
+        params: dict[str, str] | None = None,
+    ) -> Any:
         status, body = self._request(method, path, json, params)
         if status >= 300:
             raise _from_reply(status, body, pool)
@@ -77,13 +89,17 @@ class BrokerAdmin:
     def delete_pool(self, name: str, *, force: bool = False) -> DeleteResult:
         """``DELETE /v1/pools/NAME``: the same outcomes as gpulock._admin.delete_pool (404 is
         ``missing``, 409 ``in_use`` with the broker's counts)."""
-        status, body = self._request("DELETE", f"/v1/pools/{name}", params={"force": "true"} if force else None)
+        status, body = self._request(
+            "DELETE", f"/v1/pools/{name}", params={"force": "true"} if force else None
+        )
         detail = body.get("detail") if isinstance(body, dict) else None
         code = detail.get("error") if isinstance(detail, dict) else None
         if status == 404 and code == "pool_not_found":
             return DeleteResult("missing", 0, 0)
         if status == 409 and code == "pool_in_use" and isinstance(detail, dict):
-            return DeleteResult("in_use", int(detail.get("leases") or 0), int(detail.get("waiters") or 0))
+            return DeleteResult(
+                "in_use", int(detail.get("leases") or 0), int(detail.get("waiters") or 0)
+            )
         if status >= 300:
             raise _from_reply(status, body, name)
         return DeleteResult("deleted", int(body.get("leases") or 0), int(body.get("waiters") or 0))
@@ -96,18 +112,45 @@ def status_from_dict(d: dict) -> Any:
     """A broker's pool object (``GET /v1/pools/NAME``) as the core's PoolStatus."""
     from ._protocol import LeaseInfo, PoolStatus, WaiterInfo
 
-    leases = [LeaseInfo(x["lease_id"], x["amount"], x["token"], x["expires_in"], x["held_for"], x["ttl"], "",
-                        x.get("holder") or {}) for x in d.get("leases", [])]
-    waiters = [WaiterInfo(x["position"], "", x["amount"], x["waited"], 0.0, x.get("holder") or {})
-               for x in d.get("waiters", [])]
-    return PoolStatus(d["pool"], d["capacity"], d["used"], d.get("epoch", 0), d.get("fence", 0), d["max_waiters"],
-                      d["lease_count"], d["waiter_count"], d.get("grants", 0), d.get("reaped_leases", 0),
-                      d.get("reaped_waiters", 0), leases=leases, waiters=waiters, max_ttl=d.get("max_ttl", 0.0))
+    leases = [
+        LeaseInfo(
+            x["lease_id"],
+            x["amount"],
+            x["token"],
+            x["expires_in"],
+            x["held_for"],
+            x["ttl"],
+            "",
+            x.get("holder") or {},
+        )
+        for x in d.get("leases", [])
+    ]
+    waiters = [
+        WaiterInfo(x["position"], "", x["amount"], x["waited"], 0.0, x.get("holder") or {})
+        for x in d.get("waiters", [])
+    ]
+    return PoolStatus(
+        d["pool"],
+        d["capacity"],
+        d["used"],
+        d.get("epoch", 0),
+        d.get("fence", 0),
+        d["max_waiters"],
+        d["lease_count"],
+        d["waiter_count"],
+        d.get("grants", 0),
+        d.get("reaped_leases", 0),
+        d.get("reaped_waiters", 0),
+        leases=leases,
+        waiters=waiters,
+        max_ttl=d.get("max_ttl", 0.0),
+    )
 
 
 def core_error(e: Exception) -> Exception:
     """A gpulock_client error as the core's exception of the same name (same attributes), so
     `gpulock run` treats leases through a broker and through Redis alike."""
+
     def g(k: str, d: Any = 0) -> Any:
         return getattr(e, k, d)
 
@@ -115,8 +158,12 @@ def core_error(e: Exception) -> Exception:
     if name == "LeaseLost":
         return E.LeaseLost(g("lease_id", ""), g("reason", str(e)))
     if name == "AcquireTimeout":
-        return E.AcquireTimeout(str(e), position=g("position"), queue_length=g("queue_length"),
-                                retry_after=g("retry_after", None))
+        return E.AcquireTimeout(
+            str(e),
+            position=g("position"),
+            queue_length=g("queue_length"),
+            retry_after=g("retry_after", None),
+        )
     if name == "CapacityExceeded":
         return E.CapacityExceeded(g("amount"), g("capacity"))
     if name == "QueueFull":
@@ -168,7 +215,9 @@ class BrokerPool:
 
     def __init__(self, url: str, pool: str, default_ttl: float):
         gpulock_client = _require_client()
-        self._inner = gpulock_client.Pool(url, pool, token=os.environ.get("GPULOCK_TOKEN"), default_ttl=default_ttl)
+        self._inner = gpulock_client.Pool(
+            url, pool, token=os.environ.get("GPULOCK_TOKEN"), default_ttl=default_ttl
+        )
 
     def acquire(self, amount, **kw):
         import gpulock_client

@@ -32,7 +32,9 @@ EXIT_CAPACITY = 65  # EX_DATAERR: the amount is larger than the whole pool: no w
 EXIT_NO_POOL = 66  # EX_NOINPUT: the pool is not configured in Redis
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: Redis (or the broker) unreachable or not answering
 EXIT_LEASE_LOST = 70  # EX_SOFTWARE: the lease was lost while CMD ran; CMD was stopped
-EXIT_TEMPFAIL = 75  # EX_TEMPFAIL: no lease within --timeout, the queue is full, or the pool is in use
+EXIT_TEMPFAIL = (
+    75  # EX_TEMPFAIL: no lease within --timeout, the queue is full, or the pool is in use
+)
 EXIT_NOPERM = 77  # EX_NOPERM: the broker refused the token (bad, missing, or not allowed)
 EXIT_ERROR = 1  # any other gpulock error
 EXIT_NOT_EXECUTABLE = 126
@@ -81,6 +83,7 @@ def size_param(name: str):
             return parse_size(value, name=name)
         except InvalidArgument as e:
             raise typer.BadParameter(str(e)) from None
+
     return cb
 
 
@@ -89,9 +92,12 @@ def seconds_param(name: str, *, minimum: float, maximum: float, allow_zero: bool
         if value is None:
             return None
         try:
-            return parse_seconds(value, name=name, minimum=minimum, maximum=maximum, allow_zero=allow_zero)
+            return parse_seconds(
+                value, name=name, minimum=minimum, maximum=maximum, allow_zero=allow_zero
+            )
         except InvalidArgument as e:
             raise typer.BadParameter(str(e)) from None
+
     return cb
 
 
@@ -154,8 +160,11 @@ def check_broker_url(url: str) -> str:
     except ValueError:
         ok = False
     if not ok:
-        fail(EXIT_USAGE, f"bad broker URL {safe_url(url)!r}: expected http://HOST:PORT or https://HOST:PORT "
-                         f"(a Redis URL goes in --redis-url)")
+        fail(
+            EXIT_USAGE,
+            f"bad broker URL {safe_url(url)!r}: expected http://HOST:PORT or https://HOST:PORT "
+            f"(a Redis URL goes in --redis-url)",
+        )
     return url
 
 
@@ -202,17 +211,26 @@ def error_exit(e: BaseException, t: Target, pool: str = "", *, admin: bool = Fal
     if isinstance(e, PoolNotFound):
         name = getattr(e, "pool", "") or pool
         opt = f"--broker-url {safe_url(t.url)}" if t.is_broker else f"--redis-url {safe_url(t.url)}"
-        fail(EXIT_NO_POOL, f"pool {name!r} is not configured in {where} (never set up, or Redis restarted "
-                           f"without its data); create it: gpulock {opt} pool set {name} --capacity SIZE")
+        fail(
+            EXIT_NO_POOL,
+            f"pool {name!r} is not configured in {where} (never set up, or Redis restarted "
+            f"without its data); create it: gpulock {opt} pool set {name} --capacity SIZE",
+        )
     if isinstance(e, CapacityExceeded):
         fail(EXIT_CAPACITY, f"{e}; the request can never be granted")
     if isinstance(e, AuthFailed):
         hint = "" if os.environ.get("GPULOCK_TOKEN") else " (GPULOCK_TOKEN is not set)"
         if admin:
-            fail(EXIT_NOPERM, f"{where} refused the token{hint}: {e}; this command needs an admin token: set "
-                              f"GPULOCK_TOKEN to one the broker's tokens file marks \"admin\": true")
-        fail(EXIT_NOPERM, f"{where} refused the token{hint}: {e}; set GPULOCK_TOKEN to a token the broker's "
-                          f"tokens file lists for this pool")
+            fail(
+                EXIT_NOPERM,
+                f"{where} refused the token{hint}: {e}; this command needs an admin token: set "
+                f'GPULOCK_TOKEN to one the broker\'s tokens file marks "admin": true',
+            )
+        fail(
+            EXIT_NOPERM,
+            f"{where} refused the token{hint}: {e}; set GPULOCK_TOKEN to a token the broker's "
+            f"tokens file lists for this pool",
+        )
     if isinstance(e, BackendUnavailable):
         fail(EXIT_UNAVAILABLE, f"{where} is unavailable: {e.__cause__ or e}")
     if isinstance(e, (AcquireTimeout, QueueFull)):
@@ -222,8 +240,11 @@ def error_exit(e: BaseException, t: Target, pool: str = "", *, admin: bool = Fal
         if m:
             ttl, mx = int(m.group(1)) / 1000, int(m.group(2)) / 1000
             name = pool or "NAME"
-            fail(EXIT_USAGE, f"--ttl {ttl:g} is longer than pool {name!r} allows: its max ttl is {mx:g} s; give "
-                             f"--ttl {mx:g} or less, or raise the bound: gpulock pool set {name} --capacity SIZE "
-                             f"--max-ttl {ttl:g}")
+            fail(
+                EXIT_USAGE,
+                f"--ttl {ttl:g} is longer than pool {name!r} allows: its max ttl is {mx:g} s; give "
+                f"--ttl {mx:g} or less, or raise the bound: gpulock pool set {name} --capacity SIZE "
+                f"--max-ttl {ttl:g}",
+            )
         fail(EXIT_USAGE, str(e))
     fail(EXIT_ERROR, str(e))

@@ -29,8 +29,12 @@ from ._admin import DeleteResult
 from .errors import GpuLockError, PoolNotFound
 from .units import format_size
 
-pool_app = typer.Typer(help="Create, list, change and delete pools.", no_args_is_help=True, rich_markup_mode=None,
-                       add_completion=False)
+pool_app = typer.Typer(
+    help="Create, list, change and delete pools.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    add_completion=False,
+)
 
 
 def _status_dict(st) -> dict[str, Any]:
@@ -73,16 +77,30 @@ def _statuses(t: Target, name: Optional[str], limit: int) -> list:
 @pool_app.command("set")
 def pool_set(
     ctx: typer.Context,
-    name: str = typer.Argument(..., metavar="NAME", callback=pool_name_param, help="Pool name: 1-64 of [A-Za-z0-9._-]."),
-    capacity: str = typer.Option(..., "--capacity", "-c", callback=size_param("capacity"),
-                                 help="Bytes the pool lends out: 8GiB, 512MiB, 24GB, or a number of bytes."),
+    name: str = typer.Argument(
+        ..., metavar="NAME", callback=pool_name_param, help="Pool name: 1-64 of [A-Za-z0-9._-]."
+    ),
+    capacity: str = typer.Option(
+        ...,
+        "--capacity",
+        "-c",
+        callback=size_param("capacity"),
+        help="Bytes the pool lends out: 8GiB, 512MiB, 24GB, or a number of bytes.",
+    ),
     max_waiters: Optional[int] = typer.Option(
-        None, "--max-waiters", min=1, max=1_000_000,
-        help="Most requests that may queue (default: keep the current value; 10000 for a new pool)."),
+        None,
+        "--max-waiters",
+        min=1,
+        max=1_000_000,
+        help="Most requests that may queue (default: keep the current value; 10000 for a new pool).",
+    ),
     max_ttl: Optional[float] = typer.Option(
-        None, "--max-ttl", callback=seconds_param("--max-ttl", minimum=0.1, maximum=86400),
+        None,
+        "--max-ttl",
+        callback=seconds_param("--max-ttl", minimum=0.1, maximum=86400),
         help="Longest lease ttl the pool accepts, seconds; also the grace period after Redis "
-             "restarts without data (default: keep the current value; 60 for a new pool)."),
+        "restarts without data (default: keep the current value; 60 for a new pool).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Create pool NAME, or change its capacity (and queue bound, max ttl).
@@ -114,12 +132,15 @@ def pool_set(
         print(json.dumps({"pool": name, **{k: v for k, v in r.items() if k != "pool"}}))
         return
     what = "created" if r["created"] else "updated"
-    print(f"pool {name} {what}: capacity {format_size(r['capacity'])} ({r['capacity']} bytes), "
-          f"max_waiters {r['max_waiters']}, used {format_size(r['used'])} ({r['used']} bytes)")
+    print(
+        f"pool {name} {what}: capacity {format_size(r['capacity'])} ({r['capacity']} bytes), "
+        f"max_waiters {r['max_waiters']}, used {format_size(r['used'])} ({r['used']} bytes)"
+    )
 
 
-def _configure_redis(url: str, name: str, capacity: int, max_waiters: Optional[int],
-                     max_ttl: Optional[float]) -> dict:
+def _configure_redis(
+    url: str, name: str, capacity: int, max_waiters: Optional[int], max_ttl: Optional[float]
+) -> dict:
     from ._sync import Pool
 
     client = redis_client(url)
@@ -143,7 +164,9 @@ def _configure_redis(url: str, name: str, capacity: int, max_waiters: Optional[i
 @pool_app.command("list")
 def pool_list(
     ctx: typer.Context,
-    as_json: bool = typer.Option(False, "--json", help="A JSON list of the pools (bytes, seconds)."),
+    as_json: bool = typer.Option(
+        False, "--json", help="A JSON list of the pools (bytes, seconds)."
+    ),
 ) -> None:
     """List the pools (one line each: name, capacity, use, leases, waiters)."""
     t = target(ctx)
@@ -166,16 +189,22 @@ def pool_list(
     w = max(len(s.pool) for s in statuses)
     for s in statuses:
         pct = (100.0 * s.used / s.capacity) if s.capacity else 0.0
-        print(f"{s.pool:<{w}}  capacity {format_size(s.capacity)}  used {format_size(s.used)} ({pct:.0f}%)  "
-              f"{s.lease_count} lease(s)  {s.waiter_count} waiter(s)")
+        print(
+            f"{s.pool:<{w}}  capacity {format_size(s.capacity)}  used {format_size(s.used)} ({pct:.0f}%)  "
+            f"{s.lease_count} lease(s)  {s.waiter_count} waiter(s)"
+        )
 
 
 # ---- pool delete -----------------------------------------------------------------------------
 @pool_app.command("delete")
 def pool_delete(
     ctx: typer.Context,
-    name: str = typer.Argument(..., metavar="NAME", callback=pool_name_param, help="Pool to delete."),
-    force: bool = typer.Option(False, "--force", help="Delete even while leases are held or requests wait."),
+    name: str = typer.Argument(
+        ..., metavar="NAME", callback=pool_name_param, help="Pool to delete."
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="Delete even while leases are held or requests wait."
+    ),
 ) -> None:
     """Delete pool NAME: its configuration, leases and queue.
 
@@ -193,9 +222,16 @@ def pool_delete(
     if r.state == "missing":
         error_exit(PoolNotFound(name), t, name)
     if r.state == "in_use":
-        fail(EXIT_TEMPFAIL, f"pool {name!r} in {t.describe()} is in use: {r.leases} lease(s) held, {r.waiters} "
-                            f"request(s) waiting; nothing was deleted (give --force to delete it anyway)")
-    extra = f" ({r.leases} lease(s) and {r.waiters} waiter(s) dropped)" if (r.leases or r.waiters) else ""
+        fail(
+            EXIT_TEMPFAIL,
+            f"pool {name!r} in {t.describe()} is in use: {r.leases} lease(s) held, {r.waiters} "
+            f"request(s) waiting; nothing was deleted (give --force to delete it anyway)",
+        )
+    extra = (
+        f" ({r.leases} lease(s) and {r.waiters} waiter(s) dropped)"
+        if (r.leases or r.waiters)
+        else ""
+    )
     print(f"pool {name} deleted{extra}")
 
 
@@ -226,44 +262,81 @@ def _print_status(console, st) -> None:
         f"pool [bold]{st.pool}[/bold]: capacity {format_size(st.capacity)}, used {format_size(st.used)} "
         f"({pct:.0f}%), free {format_size(st.free)}; {st.lease_count} lease(s), "
         f"{st.waiter_count} waiter(s), max_waiters {st.max_waiters}",
-        highlight=False)
+        highlight=False,
+    )
     if st.leases:
         t = Table(title=None, show_edge=False, pad_edge=False, box=None, header_style="bold")
-        cols: tuple[tuple[str, dict[str, Any]], ...] = (("lease", {}), ("amount", {"justify": "right"}), ("token", {"justify": "right"}),
-                        ("host", {}), ("pid", {"justify": "right"}), ("purpose", {"overflow": "fold"}),
-                        ("held", {"justify": "right"}), ("expires in", {"justify": "right"}))
+        cols: tuple[tuple[str, dict[str, Any]], ...] = (
+            ("lease", {}),
+            ("amount", {"justify": "right"}),
+            ("token", {"justify": "right"}),
+            ("host", {}),
+            ("pid", {"justify": "right"}),
+            ("purpose", {"overflow": "fold"}),
+            ("held", {"justify": "right"}),
+            ("expires in", {"justify": "right"}),
+        )
         for col, kw in cols:
             t.add_column(col, no_wrap=col != "purpose", **kw)
         for li in st.leases:
             h = li.holder
-            t.add_row(li.lease_id[:8], format_size(li.amount), str(li.token), str(h.get("host", "?")),
-                      str(h.get("pid", "?")), str(h.get("purpose", "")), secs(li.held_for),
-                      secs(li.expires_in))
+            t.add_row(
+                li.lease_id[:8],
+                format_size(li.amount),
+                str(li.token),
+                str(h.get("host", "?")),
+                str(h.get("pid", "?")),
+                str(h.get("purpose", "")),
+                secs(li.held_for),
+                secs(li.expires_in),
+            )
         console.print(t)
     if st.waiters:
         t = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
-        cols = (("position", {"justify": "right"}), ("amount", {"justify": "right"}), ("host", {}),
-                        ("pid", {"justify": "right"}), ("purpose", {"overflow": "fold"}),
-                        ("waited", {"justify": "right"}), ("request id", {}))
+        cols = (
+            ("position", {"justify": "right"}),
+            ("amount", {"justify": "right"}),
+            ("host", {}),
+            ("pid", {"justify": "right"}),
+            ("purpose", {"overflow": "fold"}),
+            ("waited", {"justify": "right"}),
+            ("request id", {}),
+        )
         for col, kw in cols:
             t.add_column(col, no_wrap=col != "purpose", **kw)
         for w in st.waiters:
             h = w.holder
-            t.add_row(str(w.position), format_size(w.amount), str(h.get("host", "?")), str(h.get("pid", "?")),
-                      str(h.get("purpose", "")), secs(w.waited), w.request_id[:12])
+            t.add_row(
+                str(w.position),
+                format_size(w.amount),
+                str(h.get("host", "?")),
+                str(h.get("pid", "?")),
+                str(h.get("purpose", "")),
+                secs(w.waited),
+                w.request_id[:12],
+            )
         console.print(t)
     if st.lease_count > len(st.leases) or st.waiter_count > len(st.waiters):
-        console.print(f"(listing first {len(st.leases)} leases and {len(st.waiters)} waiters)", highlight=False)
+        console.print(
+            f"(listing first {len(st.leases)} leases and {len(st.waiters)} waiters)",
+            highlight=False,
+        )
 
 
 def status(
     ctx: typer.Context,
-    name: Optional[str] = typer.Argument(None, metavar="[NAME]", callback=pool_name_param,
-                                         help="Pool to show (default: every pool)."),
-    as_json: bool = typer.Option(False, "--json",
-                                 help="JSON for programs: amounts in bytes, times in seconds. One "
-                                      "object for NAME, a list of objects without it."),
-    limit: int = typer.Option(1000, "--limit", min=0, max=100000, help="Most leases and waiters to list per pool."),
+    name: Optional[str] = typer.Argument(
+        None, metavar="[NAME]", callback=pool_name_param, help="Pool to show (default: every pool)."
+    ),
+    as_json: bool = typer.Option(
+        False,
+        "--json",
+        help="JSON for programs: amounts in bytes, times in seconds. One "
+        "object for NAME, a list of objects without it.",
+    ),
+    limit: int = typer.Option(
+        1000, "--limit", min=0, max=100000, help="Most leases and waiters to list per pool."
+    ),
 ) -> None:
     """Show capacity, use, leases and waiters of one pool or of all pools (through Redis, or
     through --broker-url)."""
@@ -276,13 +349,17 @@ def status(
         error_exit(e, t, name or "")
 
     if as_json:
-        out: Any = _status_dict(statuses[0]) if name is not None else [_status_dict(s) for s in statuses]
+        out: Any = (
+            _status_dict(statuses[0]) if name is not None else [_status_dict(s) for s in statuses]
+        )
         print(json.dumps(out, indent=2))
         return
     width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", "200"))
     console = Console(file=sys.stdout, width=width, highlight=False)
     if not statuses:
-        console.print(f"no pools in {safe_url(t.url)} (create one: gpulock pool set NAME --capacity SIZE)")
+        console.print(
+            f"no pools in {safe_url(t.url)} (create one: gpulock pool set NAME --capacity SIZE)"
+        )
         return
     for i, st in enumerate(statuses):
         if i:

@@ -43,7 +43,8 @@ DEFAULT_GRACE_S = 10.0
 
 # Signals `gpulock run` passes on to CMD's process group while CMD runs.
 FORWARDED_SIGNALS = tuple(
-    getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGWINCH")
+    getattr(signal, n)
+    for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGWINCH")
     if hasattr(signal, n)
 )
 
@@ -135,22 +136,45 @@ Exit status:
 
 def run(
     ctx: typer.Context,
-    cmd: list[str] = typer.Argument(..., metavar="CMD", help="The command (and its arguments) to run under the lease."),
-    pool: str = typer.Option(..., "--pool", "-p", callback=pool_name_param, help="Pool to lease from."),
-    amount: str = typer.Option(..., "--amount", "-a", callback=size_param("amount"),
-                               help="Bytes to hold while CMD runs: 4GiB, 512MiB, or a number of bytes."),
-    ttl: float = typer.Option(DEFAULT_RUN_TTL_S, "--ttl", callback=seconds_param("--ttl", minimum=0.1, maximum=86400),
-                              help="Lease time to live in seconds; renewed every ttl/3. A crashed "
-                                   "holder's bytes return after at most this long. At most the "
-                                   "pool's max ttl (60 unless set with gpulock pool set --max-ttl)."),
+    cmd: list[str] = typer.Argument(
+        ..., metavar="CMD", help="The command (and its arguments) to run under the lease."
+    ),
+    pool: str = typer.Option(
+        ..., "--pool", "-p", callback=pool_name_param, help="Pool to lease from."
+    ),
+    amount: str = typer.Option(
+        ...,
+        "--amount",
+        "-a",
+        callback=size_param("amount"),
+        help="Bytes to hold while CMD runs: 4GiB, 512MiB, or a number of bytes.",
+    ),
+    ttl: float = typer.Option(
+        DEFAULT_RUN_TTL_S,
+        "--ttl",
+        callback=seconds_param("--ttl", minimum=0.1, maximum=86400),
+        help="Lease time to live in seconds; renewed every ttl/3. A crashed "
+        "holder's bytes return after at most this long. At most the "
+        "pool's max ttl (60 unless set with gpulock pool set --max-ttl).",
+    ),
     timeout: Optional[float] = typer.Option(
-        None, "--timeout", callback=seconds_param("--timeout", minimum=0.0, maximum=1e9, allow_zero=True),
-        help=f"Seconds to wait for the lease (default: forever; 0: try once). Exit {EXIT_TEMPFAIL} when it runs out."),
-    grace: float = typer.Option(DEFAULT_GRACE_S, "--grace", callback=seconds_param("--grace", minimum=0.0,
-                                                                                   maximum=86400, allow_zero=True),
-                                help="Seconds between SIGTERM and SIGKILL when the lease is lost."),
-    purpose: Optional[str] = typer.Option(None, "--purpose", help="Shown by gpulock status (default: CMD)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only errors on stderr (no queue position)."),
+        None,
+        "--timeout",
+        callback=seconds_param("--timeout", minimum=0.0, maximum=1e9, allow_zero=True),
+        help=f"Seconds to wait for the lease (default: forever; 0: try once). Exit {EXIT_TEMPFAIL} when it runs out.",
+    ),
+    grace: float = typer.Option(
+        DEFAULT_GRACE_S,
+        "--grace",
+        callback=seconds_param("--grace", minimum=0.0, maximum=86400, allow_zero=True),
+        help="Seconds between SIGTERM and SIGKILL when the lease is lost.",
+    ),
+    purpose: Optional[str] = typer.Option(
+        None, "--purpose", help="Shown by gpulock status (default: CMD)."
+    ),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="Only errors on stderr (no queue position)."
+    ),
 ) -> None:
     from ._sync import Pool
 
@@ -183,8 +207,18 @@ def run(
     raise typer.Exit(code)
 
 
-def _run_under_lease(p, t: Target, pool: str, amount: int, ttl: float, timeout: Optional[float],
-                     grace: float, cmd: list[str], meta: dict, quiet: bool) -> int:
+def _run_under_lease(
+    p,
+    t: Target,
+    pool: str,
+    amount: int,
+    ttl: float,
+    timeout: Optional[float],
+    grace: float,
+    cmd: list[str],
+    meta: dict,
+    quiet: bool,
+) -> int:
     info = (lambda msg: None) if quiet else say
     queued_at: list[float] = []
 
@@ -202,7 +236,10 @@ def _run_under_lease(p, t: Target, pool: str, amount: int, ttl: float, timeout: 
             interrupted.append(signum)
             raise _Signalled(signum)
 
-    old = {s: signal.signal(s, wait_handler) for s in _not_ignored((signal.SIGINT, signal.SIGTERM, signal.SIGHUP))}
+    old = {
+        s: signal.signal(s, wait_handler)
+        for s in _not_ignored((signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
+    }
     try:
         try:
             lease = p.acquire(amount, ttl=ttl, timeout=timeout, holder=meta, on_queued=on_queued)
@@ -210,11 +247,15 @@ def _run_under_lease(p, t: Target, pool: str, amount: int, ttl: float, timeout: 
             for s, h in old.items():
                 signal.signal(s, h)
     except _Signalled as e:
-        say(f"interrupted by {signal.Signals(e.signum).name} while waiting for the lease; nothing is held")
+        say(
+            f"interrupted by {signal.Signals(e.signum).name} while waiting for the lease; nothing is held"
+        )
         return 128 + e.signum
     except AcquireTimeout as e:
-        say(f"error: no lease of {format_size(amount)} on pool {pool!r} within {timeout}s "
-             f"({'queue position ' + str(e.position) if e.position else 'not granted'}); exit {EXIT_TEMPFAIL}")
+        say(
+            f"error: no lease of {format_size(amount)} on pool {pool!r} within {timeout}s "
+            f"({'queue position ' + str(e.position) if e.position else 'not granted'}); exit {EXIT_TEMPFAIL}"
+        )
         return EXIT_TEMPFAIL
     except GpuLockError as e:
         try:
@@ -225,7 +266,9 @@ def _run_under_lease(p, t: Target, pool: str, amount: int, ttl: float, timeout: 
         _release(lease, pool)
         return 128 + interrupted[0]
     if queued_at:
-        info(f"granted {format_size(amount)} on pool {pool!r} after {time.monotonic() - queued_at[0]:.1f}s")
+        info(
+            f"granted {format_size(amount)} on pool {pool!r} after {time.monotonic() - queued_at[0]:.1f}s"
+        )
     return _supervise(lease, pool, amount, grace, cmd)
 
 
@@ -240,22 +283,30 @@ def _release(lease, pool: str, *, wait: float = 6.0, quiet: bool = False) -> Non
         except LeaseLost as e:
             problem.append(f"lease on pool {pool!r} was already gone at release: {e.reason}")
         except GpuLockError as e:
-            problem.append(f"could not release the lease on pool {pool!r} ({e}); it expires after its ttl")
+            problem.append(
+                f"could not release the lease on pool {pool!r} ({e}); it expires after its ttl"
+            )
 
     t = threading.Thread(target=go, name="gpulock-run-release", daemon=True)
     t.start()
     t.join(wait)
     if t.is_alive():
-        problem.append(f"Redis did not confirm the release within {wait:g}s; the lease on pool {pool!r} "
-                       f"expires after its ttl")
+        problem.append(
+            f"Redis did not confirm the release within {wait:g}s; the lease on pool {pool!r} "
+            f"expires after its ttl"
+        )
     if problem and not quiet:
         say(f"warning: {problem[0]}")
 
 
 def _supervise(lease, pool: str, amount: int, grace: float, cmd: list[str]) -> int:
     env = dict(os.environ)
-    env.update(GPULOCK_LEASE_ID=lease.id, GPULOCK_FENCING_TOKEN=str(lease.token), GPULOCK_POOL=pool,
-               GPULOCK_AMOUNT=str(amount))
+    env.update(
+        GPULOCK_LEASE_ID=lease.id,
+        GPULOCK_FENCING_TOKEN=str(lease.token),
+        GPULOCK_POOL=pool,
+        GPULOCK_AMOUNT=str(amount),
+    )
     wake = threading.Event()
     lost_info: list[str] = []
 
@@ -322,15 +373,21 @@ def _supervise(lease, pool: str, amount: int, grace: float, cmd: list[str]) -> i
                 lost_info.append(e.reason)
                 break
         if lost_info:
-            say(f"error: lease {lease.id[:8]}… on pool {pool!r} lost while CMD (pid {proc.pid}) ran: "
-                 f"{lost_info[0]}; sending SIGTERM, SIGKILL in {grace:g}s")
+            say(
+                f"error: lease {lease.id[:8]}… on pool {pool!r} lost while CMD (pid {proc.pid}) ran: "
+                f"{lost_info[0]}; sending SIGTERM, SIGKILL in {grace:g}s"
+            )
             send(signal.SIGTERM)
             if not exited.wait(grace):
                 say(f"CMD (pid {proc.pid}) still running after {grace:g}s; sending SIGKILL")
                 send(signal.SIGKILL)
                 exited.wait()
-            say(f"CMD stopped ({_describe(proc.returncode)}) after the lease was lost; exit {EXIT_LEASE_LOST}")
-            _release(lease, pool, wait=1.0, quiet=True)  # frees the bytes early if Redis still has it
+            say(
+                f"CMD stopped ({_describe(proc.returncode)}) after the lease was lost; exit {EXIT_LEASE_LOST}"
+            )
+            _release(
+                lease, pool, wait=1.0, quiet=True
+            )  # frees the bytes early if Redis still has it
             return EXIT_LEASE_LOST
     finally:
         for s, h in old.items():
@@ -346,5 +403,3 @@ def _describe(returncode: int) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exit status {returncode}"
-
-

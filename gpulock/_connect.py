@@ -49,7 +49,9 @@ class SentinelURL:
     def __init__(self, url: str):
         parts = urlsplit(url)
         if parts.scheme not in SENTINEL_SCHEMES:
-            raise ValueError(f"not a Sentinel URL (scheme {parts.scheme!r}): expected redis+sentinel://")
+            raise ValueError(
+                f"not a Sentinel URL (scheme {parts.scheme!r}): expected redis+sentinel://"
+            )
         netloc = parts.netloc
         creds, _, hosts = netloc.rpartition("@")
         self.username: str | None = None
@@ -62,14 +64,18 @@ class SentinelURL:
         for hp in hosts.split(","):
             host, sep, port = hp.strip().rpartition(":") if ":" in hp else (hp.strip(), "", "")
             if not host:
-                raise ValueError(f"Sentinel URL {_redact(url)!r}: empty host in {hosts.rpartition('@')[2]!r}")
+                raise ValueError(
+                    f"Sentinel URL {_redact(url)!r}: empty host in {hosts.rpartition('@')[2]!r}"
+                )
             try:
                 self.sentinels.append((host, int(port) if sep else DEFAULT_SENTINEL_PORT))
             except ValueError:
                 raise ValueError(f"Sentinel URL: bad port {port!r} in {hp!r}") from None
         path = [p for p in parts.path.split("/") if p]
         if not path:
-            raise ValueError(f"Sentinel URL {_redact(url)!r} names no service: add /SERVICE after the hosts")
+            raise ValueError(
+                f"Sentinel URL {_redact(url)!r} names no service: add /SERVICE after the hosts"
+            )
         self.service = unquote(path[0])
         try:
             self.db = int(path[1]) if len(path) > 1 else 0
@@ -99,7 +105,9 @@ class SentinelURL:
 
     def sentinel_connection_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """Socket settings for the connections to the sentinels themselves."""
-        kw = {k: v for k, v in defaults.items() if k in ("socket_timeout", "socket_connect_timeout")}
+        kw = {
+            k: v for k, v in defaults.items() if k in ("socket_timeout", "socket_connect_timeout")
+        }
         return {**kw, **self.sentinel_kwargs}
 
 
@@ -117,8 +125,10 @@ def short_error(exc: BaseException) -> str:
     from redis.sentinel import MasterNotFoundError
 
     if isinstance(exc, MasterNotFoundError):
-        return (str(exc).split(" : ", 1)[0] + " (no sentinel answered, or none knows that service's "
-                "primary; check the Sentinel URL's hosts and service name)")
+        return (
+            str(exc).split(" : ", 1)[0] + " (no sentinel answered, or none knows that service's "
+            "primary; check the Sentinel URL's hosts and service name)"
+        )
     return str(exc)
 
 
@@ -130,8 +140,10 @@ def check_max_connections(value: Any) -> int:
     """``value`` as a connection cap: an int of at least 2 (one for the hand-off subscription,
     one for calls). Raises InvalidArgument."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-        raise InvalidArgument(f"max_connections must be an integer of at least 2 (one connection is the "
-                              f"hand-off subscription's), not {value!r}")
+        raise InvalidArgument(
+            f"max_connections must be an integer of at least 2 (one connection is the "
+            f"hand-off subscription's), not {value!r}"
+        )
     return value
 
 
@@ -141,8 +153,10 @@ def _bad_url(url: str, err: BaseException) -> InvalidArgument:
         what = f"scheme {scheme!r} is not supported" if scheme else "it has no scheme"
     else:
         what = str(err)
-    return InvalidArgument(f"Redis URL {_redact(url)!r}: {what}; the forms are {ACCEPTED_SCHEMES}, "
-                           f"e.g. redis://HOST:6379/0")
+    return InvalidArgument(
+        f"Redis URL {_redact(url)!r}: {what}; the forms are {ACCEPTED_SCHEMES}, "
+        f"e.g. redis://HOST:6379/0"
+    )
 
 
 def _url_max_connections(url: str, default: int) -> int:
@@ -154,7 +168,9 @@ def _url_max_connections(url: str, default: int) -> int:
     try:
         return check_max_connections(int(q[-1]))
     except (ValueError, InvalidArgument):
-        raise ValueError(f"max_connections must be an integer of at least 2, not {q[-1]!r}") from None
+        raise ValueError(
+            f"max_connections must be an integer of at least 2, not {q[-1]!r}"
+        ) from None
 
 
 def _pool_wait(defaults: dict[str, Any]) -> float:
@@ -167,11 +183,15 @@ class BlockingSentinelConnectionPool(SentinelConnectionPool, redis.BlockingConne
     former one) with the blocking pool's cap: callers wait for one of ``max_connections``."""
 
 
-class AsyncBlockingSentinelConnectionPool(AsyncSentinelConnectionPool, aioredis.BlockingConnectionPool):
+class AsyncBlockingSentinelConnectionPool(
+    AsyncSentinelConnectionPool, aioredis.BlockingConnectionPool
+):
     """The asyncio twin of :class:`BlockingSentinelConnectionPool`."""
 
 
-def sync_client(url: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, **defaults: Any) -> redis.Redis:
+def sync_client(
+    url: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, **defaults: Any
+) -> redis.Redis:
     """A ``redis.Redis`` for ``url`` (plain or Sentinel) with a blocking pool of at most
     ``max_connections`` connections (see the module docstring). No I/O here.
 
@@ -184,7 +204,9 @@ def sync_client(url: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, **d
     return _client(url, max_connections, defaults, redis, Sentinel, BlockingSentinelConnectionPool)
 
 
-def async_client(url: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, **defaults: Any) -> aioredis.Redis:
+def async_client(
+    url: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, **defaults: Any
+) -> aioredis.Redis:
     """A ``redis.asyncio.Redis`` for ``url`` (plain or Sentinel) with a blocking pool of at
     most ``max_connections`` connections (see the module docstring). No I/O here.
 
@@ -193,11 +215,19 @@ def async_client(url: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, **
     """
     from redis.asyncio.sentinel import Sentinel
 
-    return _client(url, max_connections, defaults, aioredis, Sentinel, AsyncBlockingSentinelConnectionPool)
+    return _client(
+        url, max_connections, defaults, aioredis, Sentinel, AsyncBlockingSentinelConnectionPool
+    )
 
 
-def _client(url: str, max_connections: int, defaults: dict[str, Any], mod: Any, sentinel_cls: Any,
-            sentinel_pool_cls: type) -> Any:
+def _client(
+    url: str,
+    max_connections: int,
+    defaults: dict[str, Any],
+    mod: Any,
+    sentinel_cls: Any,
+    sentinel_pool_cls: type,
+) -> Any:
     """The one connect path of both shells: ``mod`` is ``redis`` or ``redis.asyncio``."""
     if not isinstance(url, str):
         raise _bad_url(repr(url), TypeError(f"a URL is a str, not {type(url).__name__}"))
@@ -205,12 +235,18 @@ def _client(url: str, max_connections: int, defaults: dict[str, Any], mod: Any, 
     try:
         cap = _url_max_connections(url, cap)
         if not is_sentinel_url(url):
-            pool = mod.BlockingConnectionPool.from_url(url, **{**defaults, "max_connections": cap,
-                                                                "timeout": _pool_wait(defaults)})
+            pool = mod.BlockingConnectionPool.from_url(
+                url, **{**defaults, "max_connections": cap, "timeout": _pool_wait(defaults)}
+            )
             return mod.Redis.from_pool(pool)
         su = SentinelURL(url)
         s = sentinel_cls(su.sentinels, sentinel_kwargs=su.sentinel_connection_kwargs(defaults))
-        return s.master_for(su.service, connection_pool_class=sentinel_pool_cls,
-                            max_connections=cap, timeout=_pool_wait(defaults), **su.master_kwargs(defaults))
+        return s.master_for(
+            su.service,
+            connection_pool_class=sentinel_pool_cls,
+            max_connections=cap,
+            timeout=_pool_wait(defaults),
+            **su.master_kwargs(defaults),
+        )
     except ValueError as e:
         raise _bad_url(url, e) from None

@@ -18,14 +18,22 @@ class _Gone(Exception):
 
 
 def _is_gone(gone: asyncio.Task | None) -> bool:
-    return gone is not None and gone.done() and not gone.cancelled() and gone.exception() is None and gone.result()
+    return (
+        gone is not None
+        and gone.done()
+        and not gone.cancelled()
+        and gone.exception() is None
+        and gone.result()
+    )
 
 
 async def _wait_or_gone(aw: Awaitable[Any], timeout: float, gone: asyncio.Task | None) -> None:
     """Await ``aw`` for at most ``timeout`` seconds: TimeoutError after it, _Gone as soon as
     ``gone`` says the client hung up (then ``aw`` is cancelled; pass a shield to keep it)."""
     fut = asyncio.ensure_future(aw)
-    waits: set[asyncio.Future] = {fut} if gone is None or gone.done() and not _is_gone(gone) else {fut, gone}
+    waits: set[asyncio.Future] = (
+        {fut} if gone is None or gone.done() and not _is_gone(gone) else {fut, gone}
+    )
     try:
         await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:

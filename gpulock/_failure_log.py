@@ -24,9 +24,22 @@ class FailureLog:
         level: the logging level of the lines.
     """
 
-    def __init__(self, what: str, *, period: float = 30.0, clock: Callable[[], float] = time.monotonic,
-                 level: int = logging.WARNING, logger: logging.Logger = log):
-        self.what, self.period, self.clock, self.level, self.log = what, period, clock, level, logger
+    def __init__(
+        self,
+        what: str,
+        *,
+        period: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        level: int = logging.WARNING,
+        logger: logging.Logger = log,
+    ):
+        self.what, self.period, self.clock, self.level, self.log = (
+            what,
+            period,
+            clock,
+            level,
+            logger,
+        )
         self.failing = False
         self.errors = 0  # failures since the first one of this run
         self._since = 0.0
@@ -40,20 +53,39 @@ class FailureLog:
         if not self.failing:
             self.failing, self._since, self._window = True, now, 0
             self._next_summary = now + self.period
-            self.log.log(self.level, "gpulock: %s failed (%s); retrying (repeated failures are summed up "
-                         "every %.0fs)", self.what, err, self.period, exc_info=exc_info)
+            self.log.log(
+                self.level,
+                "gpulock: %s failed (%s); retrying (repeated failures are summed up every %.0fs)",
+                self.what,
+                err,
+                self.period,
+                exc_info=exc_info,
+            )
             return
         self._window += 1
         if now >= self._next_summary:
-            self.log.log(self.level, "gpulock: %s still failing: %d errors in the last %.0f s, %d since it "
-                         "began %.0f s ago; the last: %s", self.what, self._window, self.period, self.errors,
-                         now - self._since, err)
+            self.log.log(
+                self.level,
+                "gpulock: %s still failing: %d errors in the last %.0f s, %d since it "
+                "began %.0f s ago; the last: %s",
+                self.what,
+                self._window,
+                self.period,
+                self.errors,
+                now - self._since,
+                err,
+            )
             self._window = 0
             self._next_summary = now + self.period
 
     def ok(self) -> None:
         """An attempt succeeded: say so once if the loop was failing."""
         if self.failing:
-            self.log.log(self.level, "gpulock: %s works again after %d failed attempt(s) in %.1fs",
-                         self.what, self.errors, self.clock() - self._since)
+            self.log.log(
+                self.level,
+                "gpulock: %s works again after %d failed attempt(s) in %.1fs",
+                self.what,
+                self.errors,
+                self.clock() - self._since,
+            )
         self.failing, self.errors = False, 0

@@ -14,8 +14,17 @@ from fastapi import HTTPException, Request, Response
 from .errors import InvalidArgument
 from .units import format_size, parse_size
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_READ_TIMEOUT", "NESTED_TOO_DEEPLY", "Detail", "RequestLimits",
-           "install_error_handlers", "install_http_guards", "plain_detail", "utf8_error"]
+__all__ = [
+    "DEFAULT_MAX_REQUEST_BYTES",
+    "DEFAULT_READ_TIMEOUT",
+    "NESTED_TOO_DEEPLY",
+    "Detail",
+    "RequestLimits",
+    "install_error_handlers",
+    "install_http_guards",
+    "plain_detail",
+    "utf8_error",
+]
 
 DEFAULT_MAX_REQUEST_BYTES = "16MiB"
 DEFAULT_READ_TIMEOUT = 30.0
@@ -26,8 +35,10 @@ DEFAULT_TOO_LARGE_HINT = "send fewer or shorter inputs"
 # request_timeout.
 Detail = Callable[[str, str], Any]
 
-NESTED_TOO_DEEPLY = ("JSON nested too deeply: the request body nests more levels than this server parses; "
-                     "send JSON nested at most a few hundred levels")
+NESTED_TOO_DEEPLY = (
+    "JSON nested too deeply: the request body nests more levels than this server parses; "
+    "send JSON nested at most a few hundred levels"
+)
 
 # Containers deeper than this are shown as a placeholder in a 422's echo of the input: the
 # reply is built by recursive code (and Python's JSON encoder), which a body nested hundreds
@@ -47,8 +58,10 @@ def utf8_error(body: bytes | bytearray) -> str | None:
         bytes(body).decode("utf-8")
         return None
     except UnicodeDecodeError as e:
-        return (f"the request body is not valid UTF-8: byte 0x{body[e.start]:02x} at offset {e.start} "
-                f"({e.reason}); send JSON encoded as UTF-8 (Content-Type: application/json)")
+        return (
+            f"the request body is not valid UTF-8: byte 0x{body[e.start]:02x} at offset {e.start} "
+            f"({e.reason}); send JSON encoded as UTF-8 (Content-Type: application/json)"
+        )
 
 
 def _renderable(x: Any, depth: int = 0) -> Any:
@@ -117,10 +130,17 @@ def _error_handlers(detail: Detail) -> tuple[Callable, Callable, Callable]:
             msg = utf8_error(body) if isinstance(body, (bytes, bytearray)) else None
             if msg:
                 return reply(400, "invalid_utf8", msg)
-        if getattr(exc, "status_code", None) == 400 and getattr(exc, "detail", None) == _FASTAPI_PARSE_ERROR:
+        if (
+            getattr(exc, "status_code", None) == 400
+            and getattr(exc, "detail", None) == _FASTAPI_PARSE_ERROR
+        ):
             if isinstance(cause, RecursionError):
                 return reply(400, "nested_too_deeply", NESTED_TOO_DEEPLY)
-            return reply(400, "invalid_json", _FASTAPI_PARSE_ERROR + (f" ({type(cause).__name__})" if cause else ""))
+            return reply(
+                400,
+                "invalid_json",
+                _FASTAPI_PARSE_ERROR + (f" ({type(cause).__name__})" if cause else ""),
+            )
         return await http_exception_handler(request, exc)  # type: ignore[arg-type]
 
     async def recursion_error(request: Request, exc: Exception) -> Response:
@@ -169,39 +189,59 @@ class RequestLimits:
     ends the 413's message (what the client should send instead). The header phase is bounded
     by the server (see ``gpulock_service.gunicorn_conf``)."""
 
-    def __init__(self, app: Any, max_body_bytes: int | str | None = None, read_timeout: float | None = None,
-                 *, detail: Detail | None = None, too_large_hint: str | None = None):
+    def __init__(
+        self,
+        app: Any,
+        max_body_bytes: int | str | None = None,
+        read_timeout: float | None = None,
+        *,
+        detail: Detail | None = None,
+        too_large_hint: str | None = None,
+    ):
         self.app = app
         self.detail = detail or plain_detail
         self.hint = DEFAULT_TOO_LARGE_HINT if too_large_hint is None else too_large_hint
-        self.limit = parse_size(max_body_bytes if max_body_bytes not in (None, "") else
-                                (os.environ.get("GPULOCK_MAX_REQUEST_BYTES") or DEFAULT_MAX_REQUEST_BYTES),
-                                name="max_request_bytes")
+        self.limit = parse_size(
+            max_body_bytes
+            if max_body_bytes not in (None, "")
+            else (os.environ.get("GPULOCK_MAX_REQUEST_BYTES") or DEFAULT_MAX_REQUEST_BYTES),
+            name="max_request_bytes",
+        )
         rt = read_timeout if read_timeout is not None else os.environ.get("GPULOCK_READ_TIMEOUT")
         self.read_timeout = float(rt) if rt not in (None, "") else DEFAULT_READ_TIMEOUT
         if not self.read_timeout > 0:
             raise InvalidArgument(f"read_timeout must be > 0 seconds, got {rt!r}")
 
     def too_large(self, seen: str) -> str:
-        return (f"request body of {seen} is over this server's limit of {format_size(self.limit)} "
-                f"({self.limit} bytes; GPULOCK_MAX_REQUEST_BYTES)" + (f"; {self.hint}" if self.hint else ""))
+        return (
+            f"request body of {seen} is over this server's limit of {format_size(self.limit)} "
+            f"({self.limit} bytes; GPULOCK_MAX_REQUEST_BYTES)"
+            + (f"; {self.hint}" if self.hint else "")
+        )
 
     def too_slow(self) -> str:
-        return (f"the request body did not arrive within {self.read_timeout:g}s (GPULOCK_READ_TIMEOUT); "
-                f"send the whole body at once")
+        return (
+            f"the request body did not arrive within {self.read_timeout:g}s (GPULOCK_READ_TIMEOUT); "
+            f"send the whole body at once"
+        )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         from fastapi.responses import JSONResponse
 
-        close = {"Connection": "close"}  # the rest of the body is never read: do not reuse the connection
+        close = {
+            "Connection": "close"
+        }  # the rest of the body is never read: do not reuse the connection
         for k, v in scope.get("headers", ()):
             if k == b"content-length":
                 n = int(v) if v.isdigit() else 0
                 if n > self.limit:
-                    return await JSONResponse({"detail": self.detail("request_too_large", self.too_large(f"{n} bytes"))},
-                                              status_code=413, headers=close)(scope, receive, send)
+                    return await JSONResponse(
+                        {"detail": self.detail("request_too_large", self.too_large(f"{n} bytes"))},
+                        status_code=413,
+                        headers=close,
+                    )(scope, receive, send)
                 break
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.read_timeout
@@ -215,12 +255,19 @@ class RequestLimits:
             try:
                 msg = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
-                raise HTTPException(408, self.detail("request_timeout", self.too_slow()), headers=close) from None
+                raise HTTPException(
+                    408, self.detail("request_timeout", self.too_slow()), headers=close
+                ) from None
             if msg["type"] == "http.request":
                 received += len(msg.get("body", b""))
                 if received > self.limit:
-                    raise HTTPException(413, self.detail("request_too_large", self.too_large(f"more than {self.limit} bytes")),
-                                        headers=close)
+                    raise HTTPException(
+                        413,
+                        self.detail(
+                            "request_too_large", self.too_large(f"more than {self.limit} bytes")
+                        ),
+                        headers=close,
+                    )
                 complete = not msg.get("more_body", False)
             else:
                 complete = True
@@ -229,9 +276,14 @@ class RequestLimits:
         return await self.app(scope, limited_receive, send)
 
 
-def install_http_guards(app: Any, *, max_body_bytes: int | str | None = None,
-                        read_timeout: float | None = None, detail: Detail | None = None,
-                        too_large_hint: str | None = None) -> None:
+def install_http_guards(
+    app: Any,
+    *,
+    max_body_bytes: int | str | None = None,
+    read_timeout: float | None = None,
+    detail: Detail | None = None,
+    too_large_hint: str | None = None,
+) -> None:
     """What every gpulock HTTP surface installs, for your own app too: the error handlers
     (:func:`install_error_handlers`) and the size and read-time bounds (:class:`RequestLimits`;
     defaults from ``GPULOCK_MAX_REQUEST_BYTES`` and ``GPULOCK_READ_TIMEOUT``). Call it once,
@@ -241,5 +293,10 @@ def install_http_guards(app: Any, *, max_body_bytes: int | str | None = None,
     the message); ``too_large_hint``: what the 413 tells the client to send instead (default:
     "send fewer or shorter inputs")."""
     install_error_handlers(app, detail=detail)
-    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, read_timeout=read_timeout,
-                       detail=detail, too_large_hint=too_large_hint)
+    app.add_middleware(
+        RequestLimits,
+        max_body_bytes=max_body_bytes,
+        read_timeout=read_timeout,
+        detail=detail,
+        too_large_hint=too_large_hint,
+    )

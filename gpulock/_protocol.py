@@ -63,9 +63,7 @@ def validate_pool_name(name: object) -> str:
     """Pool names: 1-64 characters of ``[A-Za-z0-9._-]``. No braces (they would break the
     hash tag), colons (the key separator) or spaces."""
     if not isinstance(name, str) or not _POOL_RE.fullmatch(name):
-        raise InvalidArgument(
-            f"pool name must be 1-64 characters of [A-Za-z0-9._-], got {name!r}"
-        )
+        raise InvalidArgument(f"pool name must be 1-64 characters of [A-Za-z0-9._-], got {name!r}")
     return name
 
 
@@ -87,17 +85,35 @@ def validate_token(token: object) -> int:
     return token
 
 
-def pool_settings(name: str, *, capacity, default_ttl: float, waiter_ttl: float, poll_interval: float,
-                  max_waiters: int, backend_timeout: float, max_ttl: float | None, sync_replicas: int,
-                  sync_timeout: float) -> dict[str, Any]:
+def pool_settings(
+    name: str,
+    *,
+    capacity,
+    default_ttl: float,
+    waiter_ttl: float,
+    poll_interval: float,
+    max_waiters: int,
+    backend_timeout: float,
+    max_ttl: float | None,
+    sync_replicas: int,
+    sync_timeout: float,
+) -> dict[str, Any]:
     """Validate a pool object's settings, for both shells (see ``AsyncPool`` for their meaning
     and units). Returns the attribute values; raises InvalidArgument naming a bad one."""
     dttl = parse_seconds(default_ttl, name="default_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
-    mttl = parse_seconds(max(DEFAULT_MAX_TTL_S, dttl) if max_ttl is None else max_ttl,
-                         name="max_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+    mttl = parse_seconds(
+        max(DEFAULT_MAX_TTL_S, dttl) if max_ttl is None else max_ttl,
+        name="max_ttl",
+        minimum=MIN_TTL_S,
+        maximum=MAX_TTL_S,
+    )
     if dttl > mttl:
         raise InvalidArgument(f"default_ttl {default_ttl!r} is longer than max_ttl {mttl!r}")
-    if not isinstance(sync_replicas, int) or isinstance(sync_replicas, bool) or not 0 <= sync_replicas <= 16:
+    if (
+        not isinstance(sync_replicas, int)
+        or isinstance(sync_replicas, bool)
+        or not 0 <= sync_replicas <= 16
+    ):
         raise InvalidArgument(f"sync_replicas must be an integer in [0, 16], got {sync_replicas!r}")
     return {
         "name": validate_pool_name(name),
@@ -109,7 +125,9 @@ def pool_settings(name: str, *, capacity, default_ttl: float, waiter_ttl: float,
         "backend_timeout": backend_timeout,
         "max_ttl": mttl,
         "sync_replicas": sync_replicas,
-        "sync_timeout": parse_seconds(sync_timeout, name="sync_timeout", minimum=0.001, maximum=60.0),
+        "sync_timeout": parse_seconds(
+            sync_timeout, name="sync_timeout", minimum=0.001, maximum=60.0
+        ),
     }
 
 
@@ -126,7 +144,10 @@ def pool_keys(pool: str) -> list[str]:
     """The eight keys of a pool, in the order every script expects (see ``lua/lib.lua``).
     All share the hash tag ``{pool}``, so a pool lives in one Redis Cluster slot."""
     base = f"{KEY_PREFIX}:{{{pool}}}:"
-    return [base + s for s in ("cfg", "leases", "holders", "queue", "waiters", "wexp", "tickets", "events")]
+    return [
+        base + s
+        for s in ("cfg", "leases", "holders", "queue", "waiters", "wexp", "tickets", "events")
+    ]
 
 
 def new_id() -> str:
@@ -145,7 +166,9 @@ def encode_meta(holder: dict[str, Any] | None) -> str:
         pid = os.getpid()  # cached per process (the pid changes across fork)
         cached = _DEFAULT_META.get(pid)
         if cached is None:
-            cached = _DEFAULT_META[pid] = json.dumps({"host": _HOST, "pid": pid}, separators=(",", ":"))
+            cached = _DEFAULT_META[pid] = json.dumps(
+                {"host": _HOST, "pid": pid}, separators=(",", ":")
+            )
         return cached
     meta = {"host": _HOST, "pid": os.getpid()}
     if holder:
@@ -165,7 +188,9 @@ def encode_meta(holder: dict[str, Any] | None) -> str:
         if bad:
             raise InvalidArgument(bad)
     if len(s) > MAX_META_BYTES:
-        raise InvalidArgument(f"holder metadata is {len(s)} bytes as JSON; at most {MAX_META_BYTES}")
+        raise InvalidArgument(
+            f"holder metadata is {len(s)} bytes as JSON; at most {MAX_META_BYTES}"
+        )
     return s
 
 
@@ -178,13 +203,17 @@ def meta_unicode_error(holder: dict[str, Any]) -> str | None:
         try:
             str(k).encode("utf-8")
         except UnicodeEncodeError:
-            return (f"holder metadata key {k!r} is not valid Unicode (a lone surrogate); "
-                    f"JSON in UTF-8 cannot carry it")
+            return (
+                f"holder metadata key {k!r} is not valid Unicode (a lone surrogate); "
+                f"JSON in UTF-8 cannot carry it"
+            )
         try:
             json.dumps(v, default=str, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
-            return (f"holder metadata {k!r} has a value that is not valid Unicode (a lone surrogate, "
-                    f"such as '\\ud800'); JSON in UTF-8 cannot carry it")
+            return (
+                f"holder metadata {k!r} has a value that is not valid Unicode (a lone surrogate, "
+                f"such as '\\ud800'); JSON in UTF-8 cannot carry it"
+            )
         except (TypeError, ValueError, RecursionError):
             pass  # not JSON at all: the caller says so
     return None
@@ -250,15 +279,27 @@ class AcquireRequest:
         default_ttl: float,
     ) -> "AcquireRequest":
         amt = parse_size(amount)
-        ttl_s = parse_seconds(default_ttl if ttl is None else ttl, name="ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
-        timeout_s = parse_seconds(timeout, name="timeout", minimum=0.0, maximum=1e9, allow_none=True)
+        ttl_s = parse_seconds(
+            default_ttl if ttl is None else ttl, name="ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S
+        )
+        timeout_s = parse_seconds(
+            timeout, name="timeout", minimum=0.0, maximum=1e9, allow_none=True
+        )
         ticket = new_id() if request_id is None else validate_request_id(request_id)
         return cls(pool, amt, ttl_s, timeout_s, ticket, new_id(), encode_meta(holder), waiter_ttl)
 
     def argv(self, mode: str, channel: str) -> list[str]:
         """ARGV of ``acquire.lua``; ``channel`` is the caller runtime's pub/sub channel id."""
-        return [self.ticket, self.lease_id, str(self.amount), str(ttl_ms(self.ttl_s)),
-                str(ttl_ms(self.waiter_ttl_s)), mode, self.meta, channel]
+        return [
+            self.ticket,
+            self.lease_id,
+            str(self.amount),
+            str(ttl_ms(self.ttl_s)),
+            str(ttl_ms(self.waiter_ttl_s)),
+            mode,
+            self.meta,
+            channel,
+        ]
 
 
 @dataclass(frozen=True)
@@ -295,8 +336,12 @@ def _s(v: Any) -> str:
 
 def decode_acquire(ticket: str, r: list) -> Grant | NotGranted:
     if int(r[0]) == 1:
-        return Grant(ticket, _s(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7]))
-    return NotGranted(int(r[0]) == 0, int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7]))
+        return Grant(
+            ticket, _s(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7])
+        )
+    return NotGranted(
+        int(r[0]) == 0, int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7])
+    )
 
 
 def decode_events(data: str | bytes) -> list[Grant]:
@@ -374,20 +419,60 @@ def decode_status(pool: str, r: list) -> PoolStatus | None:
         return None
     now = int(r[1])
     leases = [
-        LeaseInfo(_s(x[0]), int(x[1]), int(x[2]), (int(x[3]) - now) / 1000, (now - int(x[4])) / 1000,
-                  int(x[5]) / 1000, _s(x[6]), decode_meta(x[7]))
+        LeaseInfo(
+            _s(x[0]),
+            int(x[1]),
+            int(x[2]),
+            (int(x[3]) - now) / 1000,
+            (now - int(x[4])) / 1000,
+            int(x[5]) / 1000,
+            _s(x[6]),
+            decode_meta(x[7]),
+        )
         for x in r[12]
     ]
     waiters = [
-        WaiterInfo(i + 1, _s(x[0]), int(x[1]), (now - int(x[2])) / 1000, (int(x[3]) - now) / 1000, decode_meta(x[4]))
+        WaiterInfo(
+            i + 1,
+            _s(x[0]),
+            int(x[1]),
+            (now - int(x[2])) / 1000,
+            (int(x[3]) - now) / 1000,
+            decode_meta(x[4]),
+        )
         for i, x in enumerate(r[13])
     ]
-    (capacity, used, epoch, fence, max_waiters, lease_count, waiter_count, grants, reaped_leases,
-     reaped_waiters) = (int(v) for v in r[2:12])
+    (
+        capacity,
+        used,
+        epoch,
+        fence,
+        max_waiters,
+        lease_count,
+        waiter_count,
+        grants,
+        reaped_leases,
+        reaped_waiters,
+    ) = (int(v) for v in r[2:12])
     extra = [int(v) for v in r[14:17]] + [0, 0, 0]
-    return PoolStatus(pool, capacity, used, epoch, fence, max_waiters, lease_count, waiter_count, grants,
-                      reaped_leases, reaped_waiters, leases=leases, waiters=waiters,
-                      grace_left=extra[0] / 1000, max_ttl=extra[1] / 1000, reasserted=extra[2])
+    return PoolStatus(
+        pool,
+        capacity,
+        used,
+        epoch,
+        fence,
+        max_waiters,
+        lease_count,
+        waiter_count,
+        grants,
+        reaped_leases,
+        reaped_waiters,
+        leases=leases,
+        waiters=waiters,
+        grace_left=extra[0] / 1000,
+        max_ttl=extra[1] / 1000,
+        reasserted=extra[2],
+    )
 
 
 def translate(exc: BaseException, pool: str) -> BaseException:
@@ -414,20 +499,24 @@ def translate(exc: BaseException, pool: str) -> BaseException:
             return BackendUnavailable(
                 f"pool {pool!r} is damaged: Redis key {key} is a {found}, not a {expected} (something "
                 f"other than gpulock wrote under its prefix); nothing was changed. Delete that key, "
-                f"or the pool's keys, to repair it")
+                f"or the pool's keys, to repair it"
+            )
         if isinstance(exc, rex.OutOfMemoryError) or "maxmemory" in msg:
             return BackendUnavailable(
                 f"Redis is out of memory (maxmemory reached with a no-eviction policy); pool {pool!r} "
-                f"was not changed: {msg}")
+                f"was not changed: {msg}"
+            )
         if isinstance(exc, rex.NoPermissionError):
             return BackendUnavailable(
                 f"Redis refused a gpulock script on pool {pool!r} for lack of permission (ACL; see "
-                f"docs/RELIABILITY.md for the ACL gpulock needs): {msg}")
+                f"docs/RELIABILITY.md for the ACL gpulock needs): {msg}"
+            )
         return BackendUnavailable(f"Redis refused a gpulock script on pool {pool!r}: {msg}")
     if isinstance(exc, rex.AuthenticationError):
         return BackendUnavailable(
             f"Redis refused gpulock's credentials for pool {pool!r} ({exc}); check the password or the "
-            f"ACL user in the Redis URL (GPULOCK_REDIS_URL / --redis-url)")
+            f"ACL user in the Redis URL (GPULOCK_REDIS_URL / --redis-url)"
+        )
     if isinstance(exc, (rex.ConnectionError, rex.TimeoutError, OSError)):
         from ._connect import short_error
 
@@ -478,8 +567,12 @@ def retrying(bound: float, *, asynchronous: bool) -> Any:
     (``async for`` for the asynchronous one)."""
     from tenacity import AsyncRetrying, Retrying, retry_if_exception_type, stop_after_delay
 
-    kw: dict[str, Any] = dict(retry=retry_if_exception_type(RETRYABLE), stop=stop_after_delay(bound),
-                              wait=lambda rs: retry_delay(rs.attempt_number), reraise=True)
+    kw: dict[str, Any] = dict(
+        retry=retry_if_exception_type(RETRYABLE),
+        stop=stop_after_delay(bound),
+        wait=lambda rs: retry_delay(rs.attempt_number),
+        reraise=True,
+    )
     return AsyncRetrying(**kw) if asynchronous else Retrying(**kw)
 
 
@@ -493,11 +586,29 @@ class LeaseState:
     before the server's expiry (invariant 5 in docs/SEMANTICS.md).
     """
 
-    __slots__ = ("pool", "lease_id", "ticket", "amount", "token", "ttl_s", "expires_ms", "valid_until",
-                 "epoch", "lost_reason", "released", "next_renew", "_callbacks", "_lock", "_clock",
-                 "meta", "__weakref__")
+    __slots__ = (
+        "pool",
+        "lease_id",
+        "ticket",
+        "amount",
+        "token",
+        "ttl_s",
+        "expires_ms",
+        "valid_until",
+        "epoch",
+        "lost_reason",
+        "released",
+        "next_renew",
+        "_callbacks",
+        "_lock",
+        "_clock",
+        "meta",
+        "__weakref__",
+    )
 
-    def __init__(self, pool: str, grant: Grant, ttl_s: float, valid_until: float, clock: Callable[[], float]):
+    def __init__(
+        self, pool: str, grant: Grant, ttl_s: float, valid_until: float, clock: Callable[[], float]
+    ):
         self.pool = pool
         self.lease_id = grant.lease_id
         self.ticket = grant.ticket
@@ -523,8 +634,10 @@ class LeaseState:
     def check(self) -> None:
         """Raise LeaseLost if lost or past the local deadline (marking it lost)."""
         if self.lost_reason is None and not self.released and self._clock() >= self.valid_until:
-            self.mark_lost("no successful renewal before the local validity deadline "
-                           "(Redis unreachable, or this process was paused)")
+            self.mark_lost(
+                "no successful renewal before the local validity deadline "
+                "(Redis unreachable, or this process was paused)"
+            )
         if self.lost_reason is not None:
             raise LeaseLost(self.lease_id, self.lost_reason)
         if self.released:
@@ -545,8 +658,14 @@ class LeaseState:
                 return False
             self.lost_reason = reason
             cbs, self._callbacks = self._callbacks, []
-        log.warning("gpulock: lease %s… on pool %s (token %d, %d bytes) lost: %s",
-                    self.lease_id[:8], self.pool, self.token, self.amount, reason)
+        log.warning(
+            "gpulock: lease %s… on pool %s (token %d, %d bytes) lost: %s",
+            self.lease_id[:8],
+            self.pool,
+            self.token,
+            self.amount,
+            reason,
+        )
         for cb in cbs:
             _safe_call(cb)
         return True
@@ -634,5 +753,3 @@ def default_clock() -> float:
 def check_amount_vs_capacity(amount: int, capacity: int | None) -> None:
     if capacity is not None and amount > capacity:
         raise CapacityExceeded(amount, capacity)
-
-

@@ -64,8 +64,15 @@ class Waiter:
 
 
 class Runtime:
-    def __init__(self, redis, pool: str, keys: list[str], clock: Callable[[], float],
-                 poll_interval: float = DEFAULT_POLL_INTERVAL_S, loop: asyncio.AbstractEventLoop | None = None):
+    def __init__(
+        self,
+        redis,
+        pool: str,
+        keys: list[str],
+        clock: Callable[[], float],
+        poll_interval: float = DEFAULT_POLL_INTERVAL_S,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ):
         self.redis = redis  # a redis.asyncio client
         self.pool = pool
         self.keys = keys
@@ -115,7 +122,9 @@ class Runtime:
         self._requeue: OrderedDict[str, Waiter] = OrderedDict()  # waiters whose place Redis forgot
         self._requeuer: asyncio.Task | None = None
         self._tick_log = FailureLog(f"heartbeat for pool {pool}", clock=clock)
-        self._sub_log = FailureLog(f"pub/sub subscription for pool {pool}", clock=clock, level=logging.INFO)
+        self._sub_log = FailureLog(
+            f"pub/sub subscription for pool {pool}", clock=clock, level=logging.INFO
+        )
         # sync_replicas (the pool object's option): a renewal counts for the lease's validity
         # only once that many replicas acknowledged it (WAIT), so a failover to one of them
         # cannot lose what the holder relies on. 0: off.
@@ -132,7 +141,9 @@ class Runtime:
         sent, server_now = self.anchor if self.anchor else (self.clock(), grant.now_ms)
         return validity_deadline(sent, server_now, grant.expires_ms)
 
-    def seen(self, epoch: int, capacity: int = 0, max_waiters: int = 0, max_ttl_ms: int = 0) -> None:
+    def seen(
+        self, epoch: int, capacity: int = 0, max_waiters: int = 0, max_ttl_ms: int = 0
+    ) -> None:
         """Take in what a reply showed of the pool: its epoch (0: the pool is gone) and its
         capacity (bytes), max_waiters and max_ttl (ms; 0: not in the reply). Safe from any
         thread.
@@ -180,12 +191,19 @@ class Runtime:
             r = await self._eval("status", ["0"], bound=self.backend_timeout)
         except Exception as e:  # noqa: BLE001 - best effort: a later status()/configure() also tells
             self._settings_asked = False
-            log.info("gpulock: pool %s: could not read its max_ttl and max_waiters (%s: %s); a pool made "
-                     "again after a loss would have this object's own", self.pool, type(e).__name__, e)
+            log.info(
+                "gpulock: pool %s: could not read its max_ttl and max_waiters (%s: %s); a pool made "
+                "again after a loss would have this object's own",
+                self.pool,
+                type(e).__name__,
+                e,
+            )
             return
         st = decode_status(self.pool, r)
         if st is not None:  # recorded only for the known epoch (see seen)
-            self.seen(st.epoch, st.capacity, st.max_waiters, ttl_ms(st.max_ttl) if st.max_ttl else 0)
+            self.seen(
+                st.epoch, st.capacity, st.max_waiters, ttl_ms(st.max_ttl) if st.max_ttl else 0
+            )
 
     def suspect_restart(self) -> None:
         """A reply showed the pool gone or made again: run the heartbeat (and so the recovery)
@@ -203,8 +221,14 @@ class Runtime:
         self._ensure_ticker()
         self._poke()
 
-    def configure_argv(self, capacity: int, max_waiters: int, max_ttl_ms: int, create_only: bool,
-                       grace: bool = False) -> list[str]:
+    def configure_argv(
+        self,
+        capacity: int,
+        max_waiters: int,
+        max_ttl_ms: int,
+        create_only: bool,
+        grace: bool = False,
+    ) -> list[str]:
         """ARGV of ``configure.lua`` for the pool object's ``configure``. A create-only call by
         a pool object that knew the pool (so Redis lost it) makes it again as the server last
         showed it — capacity, max_waiters, max_ttl: an operator's ``pool set`` wins over the
@@ -214,8 +238,13 @@ class Runtime:
             max_waiters = self.max_waiters_seen or max_waiters
             max_ttl_ms = self.max_ttl_seen_ms or max_ttl_ms
             grace = True
-        return [str(capacity), str(max_waiters), "create" if create_only else "set", str(max_ttl_ms),
-                "1" if grace else "0"]
+        return [
+            str(capacity),
+            str(max_waiters),
+            "create" if create_only else "set",
+            str(max_ttl_ms),
+            "1" if grace else "0",
+        ]
 
     def set_reap_timer(self, received: float, next_expiry_in_ms: int) -> None:
         """Schedule a reap at the nearest lease expiry (local time, biased late by using the
@@ -234,8 +263,12 @@ class Runtime:
             if self._wake is None:
                 self._wake = asyncio.Event()
                 self._dog_wake = asyncio.Event()
-            self._ticker = self._loop.create_task(self._tick_loop(), name=f"gpulock-ticker-{self.pool}")
-            self._watchdog = self._loop.create_task(self._watch_deadlines(), name=f"gpulock-watchdog-{self.pool}")
+            self._ticker = self._loop.create_task(
+                self._tick_loop(), name=f"gpulock-ticker-{self.pool}"
+            )
+            self._watchdog = self._loop.create_task(
+                self._watch_deadlines(), name=f"gpulock-watchdog-{self.pool}"
+            )
 
     def _poke(self) -> None:
         if self._wake is not None:
@@ -249,15 +282,20 @@ class Runtime:
             self._sub_news = asyncio.Event()  # set at each subscription and each failure
             self._sub_error: BaseException | None = None
         if self._listener is None or self._listener.done():
-            self._listener = asyncio.get_running_loop().create_task(self._listen(), name=f"gpulock-listener-{self.pool}")
+            self._listener = asyncio.get_running_loop().create_task(
+                self._listen(), name=f"gpulock-listener-{self.pool}"
+            )
         if not self._subscribed.is_set():
             if self._sub_error is not None:
                 self._sub_news.clear()  # an old failure: wait for the listener's next attempt
             try:
                 await asyncio.wait_for(self._sub_news.wait(), 5.0)
             except asyncio.TimeoutError:
-                log.warning("gpulock: pub/sub subscription to pool %s not confirmed in 5 s; "
-                            "waiters fall back to polling", self.pool)
+                log.warning(
+                    "gpulock: pub/sub subscription to pool %s not confirmed in 5 s; "
+                    "waiters fall back to polling",
+                    self.pool,
+                )
             err = self._sub_error
             if err is not None and not self._subscribed.is_set():
                 if isinstance(err, (AuthenticationError, NoPermissionError)):
@@ -270,8 +308,11 @@ class Runtime:
         caller's thread): a dict insert, plus a wake-up of the loop only when the ticker or the
         watchdog must run sooner than planned (a first lease, or a shorter ttl)."""
         self.leases[state.lease_id] = state
-        if (self._ticker is None or state.next_renew < self._ticker_at
-                or state.valid_until < self._dog_at):
+        if (
+            self._ticker is None
+            or state.next_renew < self._ticker_at
+            or state.valid_until < self._dog_at
+        ):
             self._in_loop(self._start_and_poke)
 
     def _start_and_poke(self) -> None:
@@ -307,15 +348,19 @@ class Runtime:
                 if s.released or s.lost_reason is not None:
                     continue
                 if now >= s.valid_until:
-                    s.mark_lost("no successful renewal before the local validity deadline "
-                                "(Redis unreachable or too slow, or this process was paused)")
+                    s.mark_lost(
+                        "no successful renewal before the local validity deadline "
+                        "(Redis unreachable or too slow, or this process was paused)"
+                    )
                     self.leases.pop(s.lease_id, None)
                 else:
                     soonest = min(soonest, s.valid_until)
             self._dog_at = soonest
             dog_wake.clear()
             try:
-                await asyncio.wait_for(dog_wake.wait(), None if soonest == float("inf") else soonest - now)
+                await asyncio.wait_for(
+                    dog_wake.wait(), None if soonest == float("inf") else soonest - now
+                )
             except asyncio.TimeoutError:
                 pass
 
@@ -333,7 +378,9 @@ class Runtime:
             w.future.set_result(g)  # only a grant made with this request's own lease id
         # The first waiter's refresh is due in poll_interval; a later one must not postpone the
         # refresh already due (waiters queueing faster than poll_interval would starve it).
-        self.next_poll = now + self.poll_interval if first else min(self.next_poll, now + self.poll_interval)
+        self.next_poll = (
+            now + self.poll_interval if first else min(self.next_poll, now + self.poll_interval)
+        )
         self._ensure_ticker()
         self._poke()
 
@@ -361,15 +408,24 @@ class Runtime:
         """Whether another local acquire still waits on ``ticket`` or a live local lease came
         from it: then a give-up must not withdraw the request on the server."""
         return ticket in self.waiters or any(
-            s.ticket == ticket and not s.released and s.lost_reason is None for s in list(self.leases.values()))
+            s.ticket == ticket and not s.released and s.lost_reason is None
+            for s in list(self.leases.values())
+        )
 
-    def state_for(self, grant: Grant, ttl_s: float, valid_until: float, meta: str = "") -> tuple[LeaseState, bool]:
+    def state_for(
+        self, grant: Grant, ttl_s: float, valid_until: float, meta: str = ""
+    ) -> tuple[LeaseState, bool]:
         """The local state of a granted lease: the existing one when this process already
         holds that lease (the same request id acquired again returns the same grant), so that
         both lease objects share one validity clock and one release. Returns (state, new)."""
         with self._states_lock:
             s = self._states.get(grant.lease_id)
-            if s is not None and s.token == grant.token and not s.released and s.lost_reason is None:
+            if (
+                s is not None
+                and s.token == grant.token
+                and not s.released
+                and s.lost_reason is None
+            ):
                 return s, False
             s = LeaseState(self.pool, grant, ttl_s, valid_until, self.clock)
             s.meta = meta
@@ -501,8 +557,13 @@ class Runtime:
             now = self.clock()
             for s in list(self.leases.values()):
                 if now >= s.valid_until:
-                    if s.mark_lost("no successful renewal before the local validity deadline "
-                                   "(Redis unreachable or too slow)") or s.lost_reason:
+                    if (
+                        s.mark_lost(
+                            "no successful renewal before the local validity deadline "
+                            "(Redis unreachable or too slow)"
+                        )
+                        or s.lost_reason
+                    ):
                         self.leases.pop(s.lease_id, None)
             self._fail_stranded_waiters(now)
             if now < self._retry_at:
@@ -566,10 +627,13 @@ class Runtime:
             if w.future is None or w.future.done():
                 continue
             if now - w.refreshed > self.waiter_bound(w):
-                w.future.set_exception(BackendUnavailable(
-                    f"pool {self.pool!r}: Redis unreachable for {now - w.refreshed:.1f}s while this request "
-                    f"was queued: its place could not be kept or taken again (bound: waiter_ttl "
-                    f"{w.waiter_ttl_ms / 1000:g}s + backend_timeout {self.backend_timeout:g}s)"))
+                w.future.set_exception(
+                    BackendUnavailable(
+                        f"pool {self.pool!r}: Redis unreachable for {now - w.refreshed:.1f}s while this request "
+                        f"was queued: its place could not be kept or taken again (bound: waiter_ttl "
+                        f"{w.waiter_ttl_ms / 1000:g}s + backend_timeout {self.backend_timeout:g}s)"
+                    )
+                )
 
     def _enter_jeopardy(self, err: BaseException) -> None:
         """A renewal failed: the leases are in jeopardy (Chubby's term). Each is lost at its
@@ -579,9 +643,14 @@ class Runtime:
             return
         self._jeopardy = True
         first = min(s.valid_until for s in live) - self.clock()
-        log.warning("gpulock: pool %s: %d lease(s) in jeopardy: renewal failed (%s); each is lost at "
-                    "its local deadline (the first in %.2fs) unless a renewal gets through before",
-                    self.pool, len(live), err, max(0.0, first))
+        log.warning(
+            "gpulock: pool %s: %d lease(s) in jeopardy: renewal failed (%s); each is lost at "
+            "its local deadline (the first in %.2fs) unless a renewal gets through before",
+            self.pool,
+            len(live),
+            err,
+            max(0.0, first),
+        )
 
     async def cancel_quietly(self, ticket: str) -> None:
         """Withdraw a request (leave the queue, give back a grant that raced in), retried on
@@ -684,17 +753,28 @@ class Runtime:
                 s.mark_lost("the server no longer has it (expired and reaped)")
                 self.leases.pop(s.lease_id, None)
         if acked is not None and acked < self.sync_replicas:
-            self._enter_jeopardy(RuntimeError(f"renewal acknowledged by {acked} of {self.sync_replicas} "
-                                              f"replica(s) within {self.sync_timeout_ms} ms"))
+            self._enter_jeopardy(
+                RuntimeError(
+                    f"renewal acknowledged by {acked} of {self.sync_replicas} "
+                    f"replica(s) within {self.sync_timeout_ms} ms"
+                )
+            )
         elif self._jeopardy:
             self._jeopardy = False
             held = sum(1 for s in leases if not s.released and s.lost_reason is None)
             if held:
-                log.warning("gpulock: pool %s: renewals get through again; the %d lease(s) still held are "
-                            "out of jeopardy", self.pool, held)
+                log.warning(
+                    "gpulock: pool %s: renewals get through again; the %d lease(s) still held are "
+                    "out of jeopardy",
+                    self.pool,
+                    held,
+                )
             else:
-                log.warning("gpulock: pool %s: Redis answers renewals again; no lease was still held (those "
-                            "in jeopardy were lost at their local deadlines)", self.pool)
+                log.warning(
+                    "gpulock: pool %s: Redis answers renewals again; no lease was still held (those "
+                    "in jeopardy were lost at their local deadlines)",
+                    self.pool,
+                )
         if pool_lost and (orphans or waiters):
             epoch = await self._recover(orphans, epoch)
         elif epoch:
@@ -709,7 +789,9 @@ class Runtime:
             w.refreshed = sent
             if kind == "g":
                 lid = res[1].decode() if isinstance(res[1], bytes) else res[1]
-                self._deliver(Grant(w.ticket, lid, int(res[2]), int(res[3]), int(res[4]), now_ms, epoch))
+                self._deliver(
+                    Grant(w.ticket, lid, int(res[2]), int(res[3]), int(res[4]), now_ms, epoch)
+                )
             elif kind == "q":
                 pos = int(res[1])
                 if pos != w.position:
@@ -744,18 +826,26 @@ class Runtime:
         if epoch == 0:
             if not (self.capacity_seen or self.capacity):
                 for s in orphans:
-                    s.mark_lost("the pool's configuration is gone (Redis restarted without its data?) "
-                                "and this pool object does not know its capacity to create it again")
+                    s.mark_lost(
+                        "the pool's configuration is gone (Redis restarted without its data?) "
+                        "and this pool object does not know its capacity to create it again"
+                    )
                     self.leases.pop(s.lease_id, None)
                 return 0
-            argv = self.configure_argv(self.capacity or 0, self.max_waiters, self.max_ttl_ms, True, True)
+            argv = self.configure_argv(
+                self.capacity or 0, self.max_waiters, self.max_ttl_ms, True, True
+            )
             r = await self._eval("configure", argv, bound=bound)
             epoch = int(r[2])
             if int(r[0]):
-                log.warning("gpulock: pool %s was gone from Redis (restarted without its data?): created it "
-                            "again (capacity %d bytes) with a grace period of %.1fs for holders to put "
-                            "their leases back; nothing new is granted until it ends",
-                            self.pool, int(r[1]), int(r[6]) / 1000 if len(r) > 6 else 0.0)
+                log.warning(
+                    "gpulock: pool %s was gone from Redis (restarted without its data?): created it "
+                    "again (capacity %d bytes) with a grace period of %.1fs for holders to put "
+                    "their leases back; nothing new is granted until it ends",
+                    self.pool,
+                    int(r[1]),
+                    int(r[6]) / 1000 if len(r) > 6 else 0.0,
+                )
         live = [s for s in orphans if not s.released and s.lost_reason is None]
         if live:
             args: list[Any] = [len(live)]
@@ -772,11 +862,20 @@ class Runtime:
                 if res > 0:
                     s.renewed(sent, now_ms, res)
                     s.epoch = epoch
-                    log.warning("gpulock: lease %s… on pool %s (token %d, %d bytes) put back after Redis lost "
-                                "the pool", s.lease_id[:8], self.pool, s.token, s.amount)
+                    log.warning(
+                        "gpulock: lease %s… on pool %s (token %d, %d bytes) put back after Redis lost "
+                        "the pool",
+                        s.lease_id[:8],
+                        self.pool,
+                        s.token,
+                        s.amount,
+                    )
                 else:
-                    s.mark_lost(REASSERT_REFUSED.get(res, f"Redis lost the pool and refused to take the lease "
-                                                          f"back ({res})"))
+                    s.mark_lost(
+                        REASSERT_REFUSED.get(
+                            res, f"Redis lost the pool and refused to take the lease back ({res})"
+                        )
+                    )
                     self.leases.pop(s.lease_id, None)
         self.known_epoch = epoch  # recovered: this is the pool now
         return epoch
@@ -812,8 +911,9 @@ class Runtime:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # Redis unreachable past the bound (retries exhausted), or refused
-            if not w.future.done() and (not isinstance(e, RETRYABLE)
-                                        or self.clock() - w.refreshed > self.waiter_bound(w)):
+            if not w.future.done() and (
+                not isinstance(e, RETRYABLE) or self.clock() - w.refreshed > self.waiter_bound(w)
+            ):
                 w.future.set_exception(e)
             return
         res = decode_acquire(w.ticket, r)

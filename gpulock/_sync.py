@@ -48,7 +48,14 @@ from ._protocol import (
 from ._connect import DEFAULT_MAX_CONNECTIONS, async_client, sync_client
 from ._runtime import Runtime, Waiter
 from ._scripts import scripts
-from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost, PoolClosed, PoolNotFound
+from .errors import (
+    AcquireTimeout,
+    BackendUnavailable,
+    GpuLockError,
+    LeaseLost,
+    PoolClosed,
+    PoolNotFound,
+)
 from .units import parse_seconds
 
 
@@ -58,7 +65,9 @@ class _LoopThread:
     After :meth:`stop` nothing waits on it forever: a submission raises ``closed()``, and the
     futures of submissions the stopped loop never ran are cancelled."""
 
-    def __init__(self, name: str, closed: Callable[[], BaseException] = lambda: RuntimeError("loop stopped")):
+    def __init__(
+        self, name: str, closed: Callable[[], BaseException] = lambda: RuntimeError("loop stopped")
+    ):
         self.loop = asyncio.new_event_loop()
         self.closed = closed
         self._ready = threading.Event()
@@ -139,7 +148,14 @@ def _async_twin(client: redis.Redis) -> aioredis.Redis:
         kw["connection_class"] = aioredis.SSLConnection
     elif issubclass(cls, redis.UnixDomainSocketConnection):
         kw["connection_class"] = aioredis.UnixDomainSocketConnection
-    for k in ("retry", "redis_connect_func", "cache", "cache_config", "credential_provider", "event_dispatcher"):
+    for k in (
+        "retry",
+        "redis_connect_func",
+        "cache",
+        "cache_config",
+        "credential_provider",
+        "event_dispatcher",
+    ):
         kw.pop(k, None)
     # Settings only the sync connection classes know (the OCSP options of SSLConnection, for
     # one) would make every connection of the twin fail with a TypeError: drop them.
@@ -147,7 +163,9 @@ def _async_twin(client: redis.Redis) -> aioredis.Redis:
     kw = {k: v for k, v in kw.items() if k == "connection_class" or k in accepted}
     cap = _background_cap(getattr(client.connection_pool, "max_connections", 4))
     wait = kw.get("socket_timeout") or 5.0
-    return aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool(max_connections=cap, timeout=wait, **kw))
+    return aioredis.Redis(
+        connection_pool=aioredis.BlockingConnectionPool(max_connections=cap, timeout=wait, **kw)
+    )
 
 
 def _init_params(cls: type) -> set[str]:
@@ -190,8 +208,11 @@ class Lease(LeaseBase):
         self._pool._untrack(s.lease_id)
         ok = self._pool._release(s)
         if not ok and was_lost is None:
-            raise LeaseLost(s.lease_id, "the server no longer had it when it was released "
-                                        "(it expired: a pause, or Redis unreachable past its ttl)")
+            raise LeaseLost(
+                s.lease_id,
+                "the server no longer had it when it was released "
+                "(it expired: a pause, or Redis unreachable past its ttl)",
+            )
         if was_lost is not None:
             raise LeaseLost(s.lease_id, was_lost)
 
@@ -239,17 +260,36 @@ class Pool:
     sync_replicas: int
     sync_timeout: float
 
-    def __init__(self, redis_client: redis.Redis, name: str, *, capacity: int | str | None = None,
-                 default_ttl: float = DEFAULT_TTL_S, waiter_ttl: float = DEFAULT_WAITER_TTL_S,
-                 poll_interval: float = DEFAULT_POLL_INTERVAL_S, max_waiters: int = DEFAULT_MAX_WAITERS,
-                 backend_timeout: float = DEFAULT_BACKEND_TIMEOUT_S,
-                 max_ttl: float | None = None,
-                 sync_replicas: int = 0, sync_timeout: float = 1.0,
-                 clock: Callable[[], float] = default_clock, _url: str | None = None, _owns_client: bool = False):
-        for k, v in pool_settings(name, capacity=capacity, default_ttl=default_ttl, waiter_ttl=waiter_ttl,
-                                  poll_interval=poll_interval, max_waiters=max_waiters,
-                                  backend_timeout=backend_timeout, max_ttl=max_ttl,
-                                  sync_replicas=sync_replicas, sync_timeout=sync_timeout).items():
+    def __init__(
+        self,
+        redis_client: redis.Redis,
+        name: str,
+        *,
+        capacity: int | str | None = None,
+        default_ttl: float = DEFAULT_TTL_S,
+        waiter_ttl: float = DEFAULT_WAITER_TTL_S,
+        poll_interval: float = DEFAULT_POLL_INTERVAL_S,
+        max_waiters: int = DEFAULT_MAX_WAITERS,
+        backend_timeout: float = DEFAULT_BACKEND_TIMEOUT_S,
+        max_ttl: float | None = None,
+        sync_replicas: int = 0,
+        sync_timeout: float = 1.0,
+        clock: Callable[[], float] = default_clock,
+        _url: str | None = None,
+        _owns_client: bool = False,
+    ):
+        for k, v in pool_settings(
+            name,
+            capacity=capacity,
+            default_ttl=default_ttl,
+            waiter_ttl=waiter_ttl,
+            poll_interval=poll_interval,
+            max_waiters=max_waiters,
+            backend_timeout=backend_timeout,
+            max_ttl=max_ttl,
+            sync_replicas=sync_replicas,
+            sync_timeout=sync_timeout,
+        ).items():
             setattr(self, k, v)
         self.redis = redis_client
         self.clock = clock
@@ -264,8 +304,9 @@ class Pool:
         self._active_cv = threading.Condition(threading.Lock())
 
     @classmethod
-    def from_url(cls, url: str, name: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 **kw: Any) -> "Pool":
+    def from_url(
+        cls, url: str, name: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, **kw: Any
+    ) -> "Pool":
         """Connect to a ``redis://``, ``rediss://``, ``unix://`` or ``redis+sentinel://`` URL
         (no I/O until first use; Sentinel URLs: :mod:`gpulock._connect`).
 
@@ -283,15 +324,26 @@ class Pool:
     def _rt(self, *, queued: bool = False) -> tuple[_LoopThread, Runtime]:
         with self._lock:
             if self._closed:
-                raise PoolClosed(self.name, queued=queued)  # no heartbeat or listener would serve a lease
+                raise PoolClosed(
+                    self.name, queued=queued
+                )  # no heartbeat or listener would serve a lease
             if self._portal is None:
                 portal = _LoopThread(f"gpulock-{self.name}", closed=lambda: PoolClosed(self.name))
                 try:
                     cap = _background_cap(getattr(self.redis.connection_pool, "max_connections", 4))
-                    client = (async_client(self._url, max_connections=cap, **_CLIENT_DEFAULTS) if self._url
-                              else _async_twin(self.redis))
-                    self._runtime = Runtime(client, self.name, self._keys, self.clock, self.poll_interval,
-                                            loop=portal.loop)
+                    client = (
+                        async_client(self._url, max_connections=cap, **_CLIENT_DEFAULTS)
+                        if self._url
+                        else _async_twin(self.redis)
+                    )
+                    self._runtime = Runtime(
+                        client,
+                        self.name,
+                        self._keys,
+                        self.clock,
+                        self.poll_interval,
+                        loop=portal.loop,
+                    )
                 except BaseException:
                     portal.stop()  # no runtime: leave no loop thread (a later call starts again)
                     raise
@@ -327,39 +379,71 @@ class Pool:
             except RETRYABLE:
                 pass
             # The retrier is built only after a failure: it costs ~10% of an uncontended call.
-            for attempt in retrying(self.backend_timeout if bound is None else bound, asynchronous=False):
+            for attempt in retrying(
+                self.backend_timeout if bound is None else bound, asynchronous=False
+            ):
                 with attempt:
                     return self._eval_once(name, args)
         except Exception as e:
             raise translate(e, self.name) from e
 
-    def configure(self, capacity: int | str | None = None, *, max_waiters: int | None = None,
-                  max_ttl: float | None = None, create_only: bool = False, _grace: bool = False) -> dict[str, int]:
+    def configure(
+        self,
+        capacity: int | str | None = None,
+        *,
+        max_waiters: int | None = None,
+        max_ttl: float | None = None,
+        create_only: bool = False,
+        _grace: bool = False,
+    ) -> dict[str, int]:
         """Create the pool or set its capacity (bytes or "8GiB"), queue bound and max_ttl; see
         :meth:`gpulock.AsyncPool.configure`."""
         cap = configure_capacity(capacity, self.capacity)
         mw = self.max_waiters if max_waiters is None else max_waiters
-        mt = self.max_ttl if max_ttl is None else parse_seconds(max_ttl, name="max_ttl", minimum=MIN_TTL_S,
-                                                               maximum=MAX_TTL_S)
+        mt = (
+            self.max_ttl
+            if max_ttl is None
+            else parse_seconds(max_ttl, name="max_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+        )
         rt = self._runtime
-        r = self._eval("configure", rt.configure_argv(cap, mw, ttl_ms(mt), create_only, _grace) if rt is not None
-                       else [str(cap), str(mw), "create" if create_only else "set", str(ttl_ms(mt)),
-                             "1" if _grace else "0"])
+        r = self._eval(
+            "configure",
+            rt.configure_argv(cap, mw, ttl_ms(mt), create_only, _grace)
+            if rt is not None
+            else [
+                str(cap),
+                str(mw),
+                "create" if create_only else "set",
+                str(ttl_ms(mt)),
+                "1" if _grace else "0",
+            ],
+        )
         if not create_only:
             self.capacity = cap
             self.max_ttl = mt
             self._settings_to_runtime()
-        out = dict(zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r)))
+        out = dict(
+            zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r))
+        )
         if rt is not None:
-            rt.seen(out["epoch"], out["capacity"], out["max_waiters"], int(r[5]) if len(r) > 5 else 0)
+            rt.seen(
+                out["epoch"], out["capacity"], out["max_waiters"], int(r[5]) if len(r) > 5 else 0
+            )
         return out
 
     def _settings_to_runtime(self) -> None:
         """What the heartbeat needs to create the pool again after Redis lost it."""
         rt = self._runtime
         if rt is not None:
-            rt.capacity, rt.max_waiters, rt.max_ttl_ms = self.capacity, self.max_waiters, ttl_ms(self.max_ttl)
-            rt.sync_replicas, rt.sync_timeout_ms = self.sync_replicas, max(1, int(self.sync_timeout * 1000))
+            rt.capacity, rt.max_waiters, rt.max_ttl_ms = (
+                self.capacity,
+                self.max_waiters,
+                ttl_ms(self.max_ttl),
+            )
+            rt.sync_replicas, rt.sync_timeout_ms = (
+                self.sync_replicas,
+                max(1, int(self.sync_timeout * 1000)),
+            )
             rt.backend_timeout = self.backend_timeout
 
     def status(self, *, limit: int = 1000) -> PoolStatus:
@@ -382,9 +466,16 @@ class Pool:
         """``with pool.lease("2GiB", timeout=10) as lease:`` — acquire, release on exit."""
         return _AcquireCM(self, (amount,), kw)
 
-    def acquire(self, amount: int | str, *, ttl: float | None = None, timeout: float | None = None,
-                holder: dict[str, Any] | None = None, request_id: str | None = None,
-                on_queued: Callable[[int], Any] | None = None) -> Lease:
+    def acquire(
+        self,
+        amount: int | str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        holder: dict[str, Any] | None = None,
+        request_id: str | None = None,
+        on_queued: Callable[[int], Any] | None = None,
+    ) -> Lease:
         """Take ``amount`` bytes, waiting in FIFO order. Same arguments, return and errors as
         :meth:`gpulock.AsyncPool.acquire`. ``on_queued`` runs on the pool's background thread
         (except its first call). On ``KeyboardInterrupt`` or any other exception during the
@@ -392,18 +483,39 @@ class Pool:
         with self._active_cv:
             self._active += 1
         try:
-            return self._acquire(amount, ttl=ttl, timeout=timeout, holder=holder, request_id=request_id,
-                                 on_queued=on_queued)
+            return self._acquire(
+                amount,
+                ttl=ttl,
+                timeout=timeout,
+                holder=holder,
+                request_id=request_id,
+                on_queued=on_queued,
+            )
         finally:
             with self._active_cv:
                 self._active -= 1
                 self._active_cv.notify_all()
 
-    def _acquire(self, amount: int | str, *, ttl: float | None, timeout: float | None,
-                 holder: dict[str, Any] | None, request_id: str | None,
-                 on_queued: Callable[[int], Any] | None) -> Lease:
-        req = AcquireRequest.build(self.name, amount, ttl=ttl, timeout=timeout, holder=holder,
-                                   request_id=request_id, waiter_ttl=self.waiter_ttl, default_ttl=self.default_ttl)
+    def _acquire(
+        self,
+        amount: int | str,
+        *,
+        ttl: float | None,
+        timeout: float | None,
+        holder: dict[str, Any] | None,
+        request_id: str | None,
+        on_queued: Callable[[int], Any] | None,
+    ) -> Lease:
+        req = AcquireRequest.build(
+            self.name,
+            amount,
+            ttl=ttl,
+            timeout=timeout,
+            holder=holder,
+            request_id=request_id,
+            waiter_ttl=self.waiter_ttl,
+            default_ttl=self.default_ttl,
+        )
         start = self.clock()
         wait = req.timeout_s != 0
         portal, rt = self._rt()
@@ -423,7 +535,9 @@ class Pool:
                 raise
             if isinstance(res, Grant):
                 needs_cancel = False
-                lease = self._make_lease(res, req, validity_deadline(sent, res.now_ms, res.expires_ms))
+                lease = self._make_lease(
+                    res, req, validity_deadline(sent, res.now_ms, res.expires_ms)
+                )
                 if self.sync_replicas:
                     self._sync_grant(lease)
                 return lease
@@ -433,16 +547,29 @@ class Pool:
                     f"pool {self.name!r}: {req.amount} bytes not available now (timeout=0; "
                     f"{res.queue_length} waiting, {res.used}/{res.capacity} bytes used)",
                     queue_length=res.queue_length,
-                    retry_after=res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None)
+                    retry_after=res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None,
+                )
             if on_queued:
                 on_queued(res.position)
             # The grant is relayed straight from the waiter future's done-callback on the loop
             # thread to this thread's future (no task in between; the hand-off p50 measured the
             # same, 0.175 vs 0.176 ms, but there is one object fewer to cancel and to leak).
             cf = portal.watch(concurrent.futures.Future())
-            joined = portal.call(self._join(rt, req.ticket, argv, ttl_ms(req.waiter_ttl_s), res.position,
-                                            on_queued, res.retry_after_ms, cf))
-            remaining = None if req.timeout_s is None else max(0.0, req.timeout_s - (self.clock() - start))
+            joined = portal.call(
+                self._join(
+                    rt,
+                    req.ticket,
+                    argv,
+                    ttl_ms(req.waiter_ttl_s),
+                    res.position,
+                    on_queued,
+                    res.retry_after_ms,
+                    cf,
+                )
+            )
+            remaining = (
+                None if req.timeout_s is None else max(0.0, req.timeout_s - (self.clock() - start))
+            )
             try:
                 grant = cf.result(remaining)
             except concurrent.futures.CancelledError:
@@ -451,9 +578,11 @@ class Pool:
                 raise AcquireTimeout(
                     f"pool {self.name!r}: no grant of {req.amount} bytes within {req.timeout_s}s "
                     f"(position {res.position} of {res.queue_length}+ when queued)",
-                    position=res.position, queue_length=res.queue_length,
+                    position=res.position,
+                    queue_length=res.queue_length,
                     retry_after=res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None,
-                    waited=self.clock() - start) from None
+                    waited=self.clock() - start,
+                ) from None
             except Exception as e:
                 err = translate(e, self.name)
                 unreachable = isinstance(err, BackendUnavailable)  # withdraw in the background
@@ -485,12 +614,27 @@ class Pool:
                 except Exception:  # noqa: BLE001 - never mask the error being raised
                     pass  # unreachable: the waiter expires after waiter_ttl, a grant after ttl
 
-    async def _join(self, rt: Runtime, ticket: str, argv: list[str], waiter_ttl_ms: int, position: int,
-                    on_queued: Callable[[int], Any] | None, retry_after_ms: int,
-                    cf: concurrent.futures.Future) -> Waiter:
+    async def _join(
+        self,
+        rt: Runtime,
+        ticket: str,
+        argv: list[str],
+        waiter_ttl_ms: int,
+        position: int,
+        on_queued: Callable[[int], Any] | None,
+        retry_after_ms: int,
+        cf: concurrent.futures.Future,
+    ) -> Waiter:
         """On the loop thread: queue a waiter for ``ticket`` (its future belongs to this loop),
         or join the one this process has for it, and relay its grant to ``cf``."""
-        w = Waiter(ticket, asyncio.get_running_loop().create_future(), argv, waiter_ttl_ms, position, on_queued)
+        w = Waiter(
+            ticket,
+            asyncio.get_running_loop().create_future(),
+            argv,
+            waiter_ttl_ms,
+            position,
+            on_queued,
+        )
         joined = rt.join_waiter(w)
         rt.set_reap_timer(self.clock(), retry_after_ms)
         # A callback, never ``await``: another acquire with the same request id may share the
@@ -516,9 +660,20 @@ class Pool:
         try:
             for attempt in range(2):
                 with self.redis.pipeline(transaction=False) as p:
-                    p.evalsha(sc.sha, len(self._keys), *self._keys, 1, s.lease_id, s.token, ttl_ms(s.ttl_s), 0)
+                    p.evalsha(
+                        sc.sha,
+                        len(self._keys),
+                        *self._keys,
+                        1,
+                        s.lease_id,
+                        s.token,
+                        ttl_ms(s.ttl_s),
+                        0,
+                    )
                     p.incr(sync_key)
-                    p.execute_command("WAIT", self.sync_replicas, max(1, int(self.sync_timeout * 1000)))
+                    p.execute_command(
+                        "WAIT", self.sync_replicas, max(1, int(self.sync_timeout * 1000))
+                    )
                     res = p.execute(raise_on_error=False)
                 if isinstance(res[0], NoScriptError) and attempt == 0:
                     self.redis.script_load(sc.source)
@@ -542,7 +697,8 @@ class Pool:
         raise BackendUnavailable(
             f"pool {self.name!r}: the grant was not acknowledged by {self.sync_replicas} replica(s) within "
             f"{self.sync_timeout}s (acknowledged by {max(acked, 0)}{'; ' + str(err) if err else ''}); it was "
-            f"given back, since a failover could lose it") from err
+            f"given back, since a failover could lose it"
+        ) from err
 
     def _acquire_call(self, req: AcquireRequest, argv: list[str], rt: Runtime):
         sent = self.clock()

@@ -42,8 +42,20 @@ from ._cli_common import (
 from ._cli_pool import pool_app, status
 from ._cli_run import RUN_HELP, run
 
-__all__ = ["app", "main", "EXIT_CAPACITY", "EXIT_ERROR", "EXIT_LEASE_LOST", "EXIT_NO_POOL", "EXIT_NOPERM",
-           "EXIT_NOT_EXECUTABLE", "EXIT_NOT_FOUND", "EXIT_TEMPFAIL", "EXIT_UNAVAILABLE", "EXIT_USAGE"]
+__all__ = [
+    "app",
+    "main",
+    "EXIT_CAPACITY",
+    "EXIT_ERROR",
+    "EXIT_LEASE_LOST",
+    "EXIT_NO_POOL",
+    "EXIT_NOPERM",
+    "EXIT_NOT_EXECUTABLE",
+    "EXIT_NOT_FOUND",
+    "EXIT_TEMPFAIL",
+    "EXIT_UNAVAILABLE",
+    "EXIT_USAGE",
+]
 
 app = typer.Typer(
     name="gpulock",
@@ -56,14 +68,21 @@ app = typer.Typer(
 )
 app.add_typer(pool_app, name="pool")
 app.command("status")(status)
-app.command("run", help=RUN_HELP, context_settings={"allow_interspersed_args": False}, no_args_is_help=True,
-            options_metavar="[OPTIONS] --")(run)
+app.command(
+    "run",
+    help=RUN_HELP,
+    context_settings={"allow_interspersed_args": False},
+    no_args_is_help=True,
+    options_metavar="[OPTIONS] --",
+)(run)
 
 # Commands that never use a broker: they refuse --broker-url given on the command line (one
 # set only in the environment, for the clients of this host, is ignored by them).
-_NOT_THROUGH_BROKER = {"serve": "serve runs the service on Redis (--redis-url, or its embedded Valkey)",
-                       "broker": "broker is the broker; it talks to Redis (--redis-url)",
-                       "loadtest": "loadtest takes the service's URL as its argument"}
+_NOT_THROUGH_BROKER = {
+    "serve": "serve runs the service on Redis (--redis-url, or its embedded Valkey)",
+    "broker": "broker is the broker; it talks to Redis (--redis-url)",
+    "loadtest": "loadtest takes the service's URL as its argument",
+}
 
 
 def _version(value: bool) -> None:
@@ -76,35 +95,49 @@ def _given(ctx: typer.Context, param: str) -> bool:
     return getattr(ctx.get_parameter_source(param), "name", None) == "COMMANDLINE"
 
 
-@app.callback(help="Share GPU memory between processes and hosts through leases kept in Redis.\n\n"
-                   + EXIT_CODES_HELP)
+@app.callback(
+    help="Share GPU memory between processes and hosts through leases kept in Redis.\n\n"
+    + EXIT_CODES_HELP
+)
 def _main(
     ctx: typer.Context,
     redis_url: str = typer.Option(
-        DEFAULT_REDIS_URL, "--redis-url", envvar="GPULOCK_REDIS_URL", show_default=True,
+        DEFAULT_REDIS_URL,
+        "--redis-url",
+        envvar="GPULOCK_REDIS_URL",
+        show_default=True,
         help="Redis holding the pools (redis://, rediss://, unix:// or redis+sentinel://HOST:PORT,.../SERVICE).",
     ),
     broker_url: Optional[str] = typer.Option(
-        None, "--broker-url", envvar="GPULOCK_BROKER_URL",
+        None,
+        "--broker-url",
+        envvar="GPULOCK_BROKER_URL",
         help="Go through this HTTP broker instead of Redis (status, pool set/list/delete, run; bearer "
-             "token from GPULOCK_TOKEN; needs the gpulock-client package). It wins over "
-             "GPULOCK_REDIS_URL; --redis-url on the command line wins over GPULOCK_BROKER_URL; both "
-             "options on one command line are an error.",
+        "token from GPULOCK_TOKEN; needs the gpulock-client package). It wins over "
+        "GPULOCK_REDIS_URL; --redis-url on the command line wins over GPULOCK_BROKER_URL; both "
+        "options on one command line are an error.",
     ),
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                 help="Print the version and exit."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
 ) -> None:
     redis_given, broker_given = _given(ctx, "redis_url"), _given(ctx, "broker_url")
     sub = ctx.invoked_subcommand or ""
     if redis_given and broker_given:
         fail(EXIT_USAGE, "give --redis-url or --broker-url, not both")
     if broker_given and sub in _NOT_THROUGH_BROKER:
-        fail(EXIT_USAGE, f"--broker-url does not apply to gpulock {sub}: {_NOT_THROUGH_BROKER[sub]}")
+        fail(
+            EXIT_USAGE, f"--broker-url does not apply to gpulock {sub}: {_NOT_THROUGH_BROKER[sub]}"
+        )
     if broker_url and not redis_given and sub not in _NOT_THROUGH_BROKER:
         t = Target("broker", broker_url)
     else:
         t = Target("redis", redis_url)
-    ctx.obj = {"target": t, "redis_url": redis_url, "broker_url": broker_url if t.is_broker else None}
+    ctx.obj = {
+        "target": t,
+        "redis_url": redis_url,
+        "broker_url": broker_url if t.is_broker else None,
+    }
     if redis_given:
         if sub == "broker":
             check_redis_url(redis_url)

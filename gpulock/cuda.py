@@ -74,7 +74,9 @@ def is_oom(exc: BaseException) -> bool:
     allocation failure. Never imports torch."""
     t = _torch()
     if t is not None:
-        oom_type = getattr(t, "OutOfMemoryError", None) or getattr(getattr(t, "cuda", None), "OutOfMemoryError", None)
+        oom_type = getattr(t, "OutOfMemoryError", None) or getattr(
+            getattr(t, "cuda", None), "OutOfMemoryError", None
+        )
         if oom_type is not None and isinstance(exc, oom_type):
             return True
     if isinstance(exc, (RuntimeError, MemoryError)) and not isinstance(exc, RecursionError):
@@ -93,8 +95,12 @@ def is_cuda_error(exc: BaseException) -> bool:
         return True
     if isinstance(exc, RuntimeError):
         msg = str(exc).lower()
-        return ("cuda error" in msg or "cublas" in msg or "cudnn" in msg
-                or any(m in msg for m in _FATAL_MARKERS))
+        return (
+            "cuda error" in msg
+            or "cublas" in msg
+            or "cudnn" in msg
+            or any(m in msg for m in _FATAL_MARKERS)
+        )
     return False
 
 
@@ -177,7 +183,9 @@ class DeviceMemory:
     name: str = ""
 
 
-def device_memory(index: int = 0, *, allow_torch_subprocess: bool = True, timeout_s: float = 60.0) -> DeviceMemory | None:
+def device_memory(
+    index: int = 0, *, allow_torch_subprocess: bool = True, timeout_s: float = 60.0
+) -> DeviceMemory | None:
     """Total and free memory of GPU ``index`` **without initialising CUDA in this process**
     (safe before gunicorn forks its workers). Tries, in order: NVML (``pynvml`` /
     ``nvidia-ml-py``), ``nvidia-smi``, and ``torch.cuda.mem_get_info`` in a short-lived
@@ -190,8 +198,12 @@ def device_memory(index: int = 0, *, allow_torch_subprocess: bool = True, timeou
             h = pynvml.nvmlDeviceGetHandleByIndex(index)
             info = pynvml.nvmlDeviceGetMemoryInfo(h)
             name = pynvml.nvmlDeviceGetName(h)
-            return DeviceMemory(int(info.total), int(info.free), "nvml",
-                                name.decode() if isinstance(name, bytes) else str(name))
+            return DeviceMemory(
+                int(info.total),
+                int(info.free),
+                "nvml",
+                name.decode() if isinstance(name, bytes) else str(name),
+            )
         finally:
             pynvml.nvmlShutdown()
     except Exception:
@@ -199,19 +211,40 @@ def device_memory(index: int = 0, *, allow_torch_subprocess: bool = True, timeou
     smi = shutil.which("nvidia-smi")
     if smi:
         try:
-            out = subprocess.run(
-                [smi, f"--id={index}", "--query-gpu=memory.total,memory.free,name", "--format=csv,noheader,nounits"],
-                capture_output=True, text=True, timeout=timeout_s, check=True).stdout.strip().splitlines()
+            out = (
+                subprocess.run(
+                    [
+                        smi,
+                        f"--id={index}",
+                        "--query-gpu=memory.total,memory.free,name",
+                        "--format=csv,noheader,nounits",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout_s,
+                    check=True,
+                )
+                .stdout.strip()
+                .splitlines()
+            )
             total, free, name = (x.strip() for x in out[0].split(",", 2))
-            return DeviceMemory(int(float(total)) * 2**20, int(float(free)) * 2**20, "nvidia-smi", name)
+            return DeviceMemory(
+                int(float(total)) * 2**20, int(float(free)) * 2**20, "nvidia-smi", name
+            )
         except Exception:
             pass
-    if allow_torch_subprocess and (os.path.exists("/dev/nvidiactl") or os.environ.get("CUDA_VISIBLE_DEVICES")):
-        code = ("import torch,sys\n"
-                "if not torch.cuda.is_available(): sys.exit(3)\n"
-                f"f,t=torch.cuda.mem_get_info({index}); print(t, f, torch.cuda.get_device_name({index}))")
+    if allow_torch_subprocess and (
+        os.path.exists("/dev/nvidiactl") or os.environ.get("CUDA_VISIBLE_DEVICES")
+    ):
+        code = (
+            "import torch,sys\n"
+            "if not torch.cuda.is_available(): sys.exit(3)\n"
+            f"f,t=torch.cuda.mem_get_info({index}); print(t, f, torch.cuda.get_device_name({index}))"
+        )
         try:
-            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s)
+            r = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s
+            )
             if r.returncode == 0:
                 total, free, name = r.stdout.strip().split(" ", 2)
                 return DeviceMemory(int(total), int(free), "torch", name)

@@ -85,7 +85,9 @@ def _holder(port: int) -> str:
             if any(f"socket:[{i}]" in links for i in inodes):
                 try:
                     with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        cmd = " ".join(f.read().replace(b"\0", b" ").decode(errors="replace").split())
+                        cmd = " ".join(
+                            f.read().replace(b"\0", b" ").decode(errors="replace").split()
+                        )
                 except OSError:
                     cmd = "?"
                 return f"pid {pid} ({cmd[:120]})"
@@ -162,8 +164,14 @@ class RedisProcess:
     ``restart()`` (a new empty server on the same port) serve fault tests.
     """
 
-    def __init__(self, binary: str | None = None, port: int | None = None, host: str = "127.0.0.1",
-                 extra_args: list[str] | None = None, die_with_parent: bool = False):
+    def __init__(
+        self,
+        binary: str | None = None,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        extra_args: list[str] | None = None,
+        die_with_parent: bool = False,
+    ):
         self.binary = binary or find_server_binary()
         self.host = host
         self.port = port or free_port(host)
@@ -184,18 +192,43 @@ class RedisProcess:
         return self.proc.pid
 
     def start(self, timeout: float = 10.0) -> "RedisProcess":
-        args = [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "",
-                "--appendonly", "no", "--dir", self.dir, "--daemonize", "no",
-                "--protected-mode", "no", "--loglevel", "warning",
-                "--logfile", os.path.join(self.dir, "server.log"), *self.extra_args]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=_die_with_parent if self.die_with_parent else None)
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.dir,
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "no",
+            "--loglevel",
+            "warning",
+            "--logfile",
+            os.path.join(self.dir, "server.log"),
+            *self.extra_args,
+        ]
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.binary} exited at start (code {self.proc.returncode}); "
-                                   f"log: {self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.binary} exited at start (code {self.proc.returncode}); "
+                    f"log: {self.log_tail()}"
+                )
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
@@ -204,7 +237,9 @@ class RedisProcess:
             except OSError:
                 time.sleep(0.02)
         self.stop()
-        raise RuntimeError(f"{self.binary} did not answer on {self.host}:{self.port} within {timeout}s")
+        raise RuntimeError(
+            f"{self.binary} did not answer on {self.host}:{self.port} within {timeout}s"
+        )
 
     def log_tail(self, n: int = 2000) -> str:
         try:

@@ -122,8 +122,10 @@ class PoolClosed(GpuLockError, RuntimeError):
     it: the wait ends at once, its request leaves the queue, and nothing is held."""
 
     def __init__(self, pool: str, *, queued: bool = True):
-        super().__init__(f"pool object for {pool!r} was closed while this call waited; the request left the queue"
-                         if queued else
-                         f"pool object for {pool!r} was closed before this call; nothing was queued or held")
+        super().__init__(
+            f"pool object for {pool!r} was closed while this call waited; the request left the queue"
+            if queued
+            else f"pool object for {pool!r} was closed before this call; nothing was queued or held"
+        )
         self.pool = pool
         self.queued = queued  # False: closed before the call, which never reached the queue

@@ -147,7 +147,9 @@ __all__ = [
 
 log = logging.getLogger("gpulock.fastapi")
 
-_current_lease: contextvars.ContextVar[AsyncLease | None] = contextvars.ContextVar("gpulock_lease", default=None)
+_current_lease: contextvars.ContextVar[AsyncLease | None] = contextvars.ContextVar(
+    "gpulock_lease", default=None
+)
 
 
 def current_lease() -> AsyncLease | None:
@@ -226,7 +228,9 @@ class GpuLockHTTPException(HTTPException):
     ``cuda_oom``, ``cuda_error``, ``lease_lost``, ``backend``, ``not_ready``, ``conflict``,
     ``invalid_argument``)."""
 
-    def __init__(self, status_code: int, detail: str, reason: str, headers: dict[str, str] | None = None):
+    def __init__(
+        self, status_code: int, detail: str, reason: str, headers: dict[str, str] | None = None
+    ):
         super().__init__(status_code=status_code, detail=detail, headers=headers)
         self.reason = reason
 
@@ -243,41 +247,103 @@ class _CudaFatal(Exception):
 # Metrics (one set per process; prometheus-client's multiprocess mode aggregates them)
 
 _BYTES_BUCKETS = tuple(float(2**k) for k in range(20, 38, 2))  # 1 MiB .. 64 GiB
-_WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_WAIT_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+)
 
 
 class _Metrics:
     def __init__(self) -> None:
         from prometheus_client import Counter, Gauge, Histogram
 
-        self.requests = Counter("gpulock_requests", "Guarded requests answered, by route and HTTP status",
-                                ["route", "status"])
-        self.acquire_wait = Histogram("gpulock_acquire_wait_seconds",
-                                      "Seconds from arrival until the lease was granted", ["route"],
-                                      buckets=_WAIT_BUCKETS)
-        self.hold = Histogram("gpulock_hold_seconds", "Seconds a request's lease was held (grant to release)",
-                              ["route"], buckets=_WAIT_BUCKETS)
-        self.run = Histogram("gpulock_inference_seconds", "Seconds the guarded work ran in its thread",
-                             ["route"], buckets=_WAIT_BUCKETS)
-        self.grants = Counter("gpulock_grants", "Leases granted to this service's requests", ["route"])
-        self.timeouts = Counter("gpulock_acquire_timeouts", "Requests answered 503: no grant in time", ["route"])
-        self.queue_full = Counter("gpulock_queue_full", "Requests refused: the pool's queue was full", ["route"])
-        self.lost = Counter("gpulock_leases_lost", "Leases found lost (before or during the guarded work)", ["route"])
-        self.oom = Counter("gpulock_cuda_oom", "CUDA out-of-memory errors inside a lease", ["route"])
-        self.fatal = Counter("gpulock_cuda_fatal_errors", "Sticky CUDA errors that made the worker exit", ["route"])
-        self.inference_timeouts = Counter("gpulock_inference_timeouts", "Requests answered 504", ["route"])
-        self.disconnected = Counter("gpulock_client_disconnected",
-                                    "Guarded requests whose client closed the connection before the answer, by "
-                                    "phase: 'waiting' (left the queue, never granted) or 'running' (the work "
-                                    "finished, its result was dropped)", ["route", "phase"])
-        self.replays = Counter("gpulock_idempotent_replays",
-                               "Requests answered from a stored result or by joining a running attempt (X-Request-ID)",
-                               ["route", "how"])
-        self.estimate = Histogram("gpulock_request_estimate_bytes", "Bytes leased per request (the estimate)",
-                                  ["route"], buckets=_BYTES_BUCKETS)
-        self.resident = Gauge("gpulock_worker_resident_bytes", "Bytes held by live workers' resident leases",
-                              multiprocess_mode="livesum")
-        self.ready = Gauge("gpulock_workers_ready", "Live workers that are ready", multiprocess_mode="livesum")
+        self.requests = Counter(
+            "gpulock_requests",
+            "Guarded requests answered, by route and HTTP status",
+            ["route", "status"],
+        )
+        self.acquire_wait = Histogram(
+            "gpulock_acquire_wait_seconds",
+            "Seconds from arrival until the lease was granted",
+            ["route"],
+            buckets=_WAIT_BUCKETS,
+        )
+        self.hold = Histogram(
+            "gpulock_hold_seconds",
+            "Seconds a request's lease was held (grant to release)",
+            ["route"],
+            buckets=_WAIT_BUCKETS,
+        )
+        self.run = Histogram(
+            "gpulock_inference_seconds",
+            "Seconds the guarded work ran in its thread",
+            ["route"],
+            buckets=_WAIT_BUCKETS,
+        )
+        self.grants = Counter(
+            "gpulock_grants", "Leases granted to this service's requests", ["route"]
+        )
+        self.timeouts = Counter(
+            "gpulock_acquire_timeouts", "Requests answered 503: no grant in time", ["route"]
+        )
+        self.queue_full = Counter(
+            "gpulock_queue_full", "Requests refused: the pool's queue was full", ["route"]
+        )
+        self.lost = Counter(
+            "gpulock_leases_lost",
+            "Leases found lost (before or during the guarded work)",
+            ["route"],
+        )
+        self.oom = Counter(
+            "gpulock_cuda_oom", "CUDA out-of-memory errors inside a lease", ["route"]
+        )
+        self.fatal = Counter(
+            "gpulock_cuda_fatal_errors", "Sticky CUDA errors that made the worker exit", ["route"]
+        )
+        self.inference_timeouts = Counter(
+            "gpulock_inference_timeouts", "Requests answered 504", ["route"]
+        )
+        self.disconnected = Counter(
+            "gpulock_client_disconnected",
+            "Guarded requests whose client closed the connection before the answer, by "
+            "phase: 'waiting' (left the queue, never granted) or 'running' (the work "
+            "finished, its result was dropped)",
+            ["route", "phase"],
+        )
+        self.replays = Counter(
+            "gpulock_idempotent_replays",
+            "Requests answered from a stored result or by joining a running attempt (X-Request-ID)",
+            ["route", "how"],
+        )
+        self.estimate = Histogram(
+            "gpulock_request_estimate_bytes",
+            "Bytes leased per request (the estimate)",
+            ["route"],
+            buckets=_BYTES_BUCKETS,
+        )
+        self.resident = Gauge(
+            "gpulock_worker_resident_bytes",
+            "Bytes held by live workers' resident leases",
+            multiprocess_mode="livesum",
+        )
+        self.ready = Gauge(
+            "gpulock_workers_ready", "Live workers that are ready", multiprocess_mode="livesum"
+        )
         self.workers = Gauge("gpulock_workers", "Live workers", multiprocess_mode="livesum")
 
 
@@ -325,25 +391,52 @@ def _sweep_dead_processes(path: str) -> None:
 def _pool_families(pool: str, st: PoolStatus | None, error: str | None):
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    up = GaugeMetricFamily("gpulock_pool_up", "1 when the pool's status was read from Redis for this scrape",
-                           labels=["pool"])
+    up = GaugeMetricFamily(
+        "gpulock_pool_up",
+        "1 when the pool's status was read from Redis for this scrape",
+        labels=["pool"],
+    )
     up.add_metric([pool], 0.0 if st is None else 1.0)
     yield up
     if st is None:
         return
     for name, doc, v in (
-        ("gpulock_pool_capacity_bytes", "Pool capacity, read from Redis at scrape time", st.capacity),
-        ("gpulock_pool_used_bytes", "Bytes leased in the pool, read from Redis at scrape time", st.used),
-        ("gpulock_pool_leases", "Live leases in the pool, read from Redis at scrape time", st.lease_count),
-        ("gpulock_pool_waiters", "Requests queued in the pool, read from Redis at scrape time", st.waiter_count),
+        (
+            "gpulock_pool_capacity_bytes",
+            "Pool capacity, read from Redis at scrape time",
+            st.capacity,
+        ),
+        (
+            "gpulock_pool_used_bytes",
+            "Bytes leased in the pool, read from Redis at scrape time",
+            st.used,
+        ),
+        (
+            "gpulock_pool_leases",
+            "Live leases in the pool, read from Redis at scrape time",
+            st.lease_count,
+        ),
+        (
+            "gpulock_pool_waiters",
+            "Requests queued in the pool, read from Redis at scrape time",
+            st.waiter_count,
+        ),
     ):
         g = GaugeMetricFamily(name, doc, labels=["pool"])
         g.add_metric([pool], float(v))
         yield g
     for name, doc, v in (
         ("gpulock_pool_grants", "Leases the pool has granted (all clients), from Redis", st.grants),
-        ("gpulock_pool_reaped_leases", "Expired leases the pool has reaped, from Redis", st.reaped_leases),
-        ("gpulock_pool_reaped_waiters", "Dead waiters the pool has dropped, from Redis", st.reaped_waiters),
+        (
+            "gpulock_pool_reaped_leases",
+            "Expired leases the pool has reaped, from Redis",
+            st.reaped_leases,
+        ),
+        (
+            "gpulock_pool_reaped_waiters",
+            "Dead waiters the pool has dropped, from Redis",
+            st.reaped_waiters,
+        ),
     ):
         c = CounterMetricFamily(name, doc, labels=["pool"])
         c.add_metric([pool], float(v))
@@ -402,7 +495,9 @@ class BusyRate:
 
 def _resident_held(st: PoolStatus) -> int:
     """Bytes held by resident leases (the workers' models) in a status that lists the leases."""
-    return sum(lz.amount for lz in st.leases if str(lz.holder.get("purpose", "")).startswith("resident"))
+    return sum(
+        lz.amount for lz in st.leases if str(lz.holder.get("purpose", "")).startswith("resident")
+    )
 
 
 class _Slots:
@@ -511,12 +606,27 @@ class GpuLimiter:
         request_id_header: the idempotency header.
     """
 
-    def __init__(self, redis_url: str, pool: str = "gpu0", *, capacity: int | str | None = None,
-                 configure: str = "create", acquire_timeout: float = 10.0, inference_timeout: float = 30.0,
-                 ttl: float = 30.0, executor_threads: int = 2, park_timeout: float = 30.0,
-                 result_ttl: float = 60.0, max_retry_after: float = 120.0, max_waiters: int | None = None,
-                 reaper_interval: float = 1.0, history_file: str | None = None, enabled: bool = True,
-                 exit_on_fatal: bool = True, request_id_header: str = "X-Request-ID"):
+    def __init__(
+        self,
+        redis_url: str,
+        pool: str = "gpu0",
+        *,
+        capacity: int | str | None = None,
+        configure: str = "create",
+        acquire_timeout: float = 10.0,
+        inference_timeout: float = 30.0,
+        ttl: float = 30.0,
+        executor_threads: int = 2,
+        park_timeout: float = 30.0,
+        result_ttl: float = 60.0,
+        max_retry_after: float = 120.0,
+        max_waiters: int | None = None,
+        reaper_interval: float = 1.0,
+        history_file: str | None = None,
+        enabled: bool = True,
+        exit_on_fatal: bool = True,
+        request_id_header: str = "X-Request-ID",
+    ):
         if configure not in ("create", "set"):
             raise InvalidArgument(f"configure must be 'create' or 'set', got {configure!r}")
         self.redis_url = redis_url
@@ -535,7 +645,9 @@ class GpuLimiter:
         self.max_retry_after = float(max_retry_after)
         self.max_waiters = max_waiters
         self.reaper_interval = float(reaper_interval)
-        self.history_file = history_file if history_file is not None else os.environ.get("GPULOCK_HISTORY_FILE")
+        self.history_file = (
+            history_file if history_file is not None else os.environ.get("GPULOCK_HISTORY_FILE")
+        )
         self.enabled = enabled
         self.exit_on_fatal = exit_on_fatal
         self.request_id_header = request_id_header
@@ -591,8 +703,13 @@ class GpuLimiter:
         from ._connect import async_client
 
         self._owner = f"{socket.gethostname()}:{os.getpid()}"
-        self.redis = async_client(self.redis_url, socket_timeout=5.0, socket_connect_timeout=2.0,
-                                  health_check_interval=10, client_name=f"gpulock-service-{os.getpid()}")
+        self.redis = async_client(
+            self.redis_url,
+            socket_timeout=5.0,
+            socket_connect_timeout=2.0,
+            health_check_interval=10,
+            client_name=f"gpulock-service-{os.getpid()}",
+        )
         kw: dict[str, Any] = {"capacity": self.capacity, "default_ttl": self.ttl}
         if self.max_waiters is not None:
             kw["max_waiters"] = self.max_waiters
@@ -607,11 +724,15 @@ class GpuLimiter:
         m.ready.set(0)
         if self.capacity is not None:
             try:
-                await self.pool.configure(self.capacity, create_only=self.configure_mode == "create")
+                await self.pool.configure(
+                    self.capacity, create_only=self.configure_mode == "create"
+                )
             except GpuLockError as e:
                 log.warning("gpulock: could not configure pool %s yet: %s", self.pool_name, e)
         await self._tick()
-        self._ticker = asyncio.get_running_loop().create_task(self._tick_loop(), name="gpulock-reaper")
+        self._ticker = asyncio.get_running_loop().create_task(
+            self._tick_loop(), name="gpulock-reaper"
+        )
 
     async def stop(self, *, grace_s: float = 10.0) -> None:
         """Cancel queued requests (they leave the queue at once), wait up to ``grace_s`` for
@@ -680,16 +801,24 @@ class GpuLimiter:
         intervals), every condition holds, every resident lease is valid, no fatal CUDA
         error."""
         checks: dict[str, Any] = {}
-        fresh = self.status is not None and (time.monotonic() - self.status_at) < max(3 * self.reaper_interval, 3.0)
-        checks["redis"] = {"ok": bool(fresh and self.redis_error is None),
-                           "message": self.redis_error or ("" if fresh else "no recent status from Redis")}
+        fresh = self.status is not None and (time.monotonic() - self.status_at) < max(
+            3 * self.reaper_interval, 3.0
+        )
+        checks["redis"] = {
+            "ok": bool(fresh and self.redis_error is None),
+            "message": self.redis_error or ("" if fresh else "no recent status from Redis"),
+        }
         for k, (ok, msg) in self.conditions.items():
             checks[k] = {"ok": ok, "message": msg}
         if self.resident_wanted:
             held = sum(lz.amount for lz in self.resident_leases if not lz.lost and not lz.released)
             ok = held >= self.resident_wanted
-            checks["resident_lease"] = {"ok": ok, "held_bytes": held, "wanted_bytes": self.resident_wanted,
-                                        "message": "" if ok else self._resident_message()}
+            checks["resident_lease"] = {
+                "ok": ok,
+                "held_bytes": held,
+                "wanted_bytes": self.resident_wanted,
+                "message": "" if ok else self._resident_message(),
+            }
         if self.fatal_error:
             checks["cuda"] = {"ok": False, "message": self.fatal_error}
         ready = all(c["ok"] for c in checks.values())
@@ -721,9 +850,11 @@ class GpuLimiter:
             return f"waiting for a resident lease of {format_size(need)}; pool status unknown ({self.redis_error})"
         free = max(0, st.capacity - st.used)
         short = max(0, need - free)
-        msg = (f"waiting for a resident lease of {format_size(need)} ({need} bytes) for this worker's model: "
-               f"pool {self.pool_name!r} has {format_size(free)} free of {format_size(st.capacity)} "
-               f"({st.lease_count} leases hold {format_size(st.used)}")
+        msg = (
+            f"waiting for a resident lease of {format_size(need)} ({need} bytes) for this worker's model: "
+            f"pool {self.pool_name!r} has {format_size(free)} free of {format_size(st.capacity)} "
+            f"({st.lease_count} leases hold {format_size(st.used)}"
+        )
         if short:
             msg += f"); shortfall {format_size(short)} ({short} bytes)"
         else:
@@ -733,7 +864,9 @@ class GpuLimiter:
         return msg
 
     # ---- resident leases --------------------------------------------------------------------
-    async def acquire_resident(self, amount: int | str, *, purpose: str = "model", ttl: float | None = None) -> AsyncLease:
+    async def acquire_resident(
+        self, amount: int | str, *, purpose: str = "model", ttl: float | None = None
+    ) -> AsyncLease:
         """Take a long-lived lease for what this worker keeps on the GPU (weights, CUDA
         context). Waits as long as it takes (readiness reports the shortfall meanwhile); the
         lease is released by ``stop()`` and, if the worker dies, reaped after its ttl. If the
@@ -765,8 +898,15 @@ class GpuLimiter:
         if mttl and ttl > mttl:
             if self._ttl_clamped != (ttl, mttl):
                 self._ttl_clamped = (ttl, mttl)
-                log.warning("gpulock: lease ttl %gs (GPULOCK_TTL / ttl=) exceeds pool %s's max_ttl %gs; "
-                            "using %gs (renewed every %gs)", ttl, self.pool_name, mttl, mttl, mttl / 3)
+                log.warning(
+                    "gpulock: lease ttl %gs (GPULOCK_TTL / ttl=) exceeds pool %s's max_ttl %gs; "
+                    "using %gs (renewed every %gs)",
+                    ttl,
+                    self.pool_name,
+                    mttl,
+                    mttl,
+                    mttl / 3,
+                )
             return mttl
         if self._ttl_clamped is not None and self._ttl_clamped[0] == ttl:
             self._ttl_clamped = None
@@ -795,12 +935,17 @@ class GpuLimiter:
         room = capacity - held
         if room < amount <= capacity:
             raise GpuLockHTTPException(
-                413, f"this request needs {format_size(amount)} ({amount} bytes) of GPU memory but pool "
-                     f"{self.pool_name!r} leaves {format_size(max(0, room))} ({max(0, room)} bytes) for requests: a "
-                     f"capacity of {format_size(capacity)} ({capacity} bytes) minus {format_size(held)} held by the "
-                     f"workers' resident leases (their models); send a smaller batch", "capacity")
+                413,
+                f"this request needs {format_size(amount)} ({amount} bytes) of GPU memory but pool "
+                f"{self.pool_name!r} leaves {format_size(max(0, room))} ({max(0, room)} bytes) for requests: a "
+                f"capacity of {format_size(capacity)} ({capacity} bytes) minus {format_size(held)} held by the "
+                f"workers' resident leases (their models); send a smaller batch",
+                "capacity",
+            )
 
-    async def _acquire_resident_once(self, amount: int, purpose: str, ttl: float | None) -> AsyncLease:
+    async def _acquire_resident_once(
+        self, amount: int, purpose: str, ttl: float | None
+    ) -> AsyncLease:
         """Take a resident lease without ever blocking the pool's request traffic.
 
         A FIFO queue would let a resident request that can never fit (the other workers'
@@ -817,11 +962,15 @@ class GpuLimiter:
         while True:
             try:
                 capacity, others = await self._resident_room()
-                ttl_s = self._clamp_ttl(ttl or self.ttl)  # the pool's max_ttl, as just read, bounds it
+                ttl_s = self._clamp_ttl(
+                    ttl or self.ttl
+                )  # the pool's max_ttl, as just read, bounds it
                 if capacity - others < amount:
-                    self._resident_mode = (f"the other workers' resident leases hold {format_size(others)}, "
-                                           f"so {format_size(amount)} cannot fit until one of them ends; "
-                                           f"trying every {self.reaper_interval:g}s without queueing")
+                    self._resident_mode = (
+                        f"the other workers' resident leases hold {format_size(others)}, "
+                        f"so {format_size(amount)} cannot fit until one of them ends; "
+                        f"trying every {self.reaper_interval:g}s without queueing"
+                    )
                     try:
                         lease = await self.pool.acquire(amount, ttl=ttl_s, timeout=0, holder=holder)
                         break
@@ -829,14 +978,18 @@ class GpuLimiter:
                         await asyncio.sleep(self.reaper_interval)
                         continue
                 self._resident_mode = "queued behind the requests ahead of it"
-                acq = asyncio.ensure_future(self.pool.acquire(amount, ttl=ttl_s, timeout=None, holder=holder))
+                acq = asyncio.ensure_future(
+                    self.pool.acquire(amount, ttl=ttl_s, timeout=None, holder=holder)
+                )
                 try:
                     while True:
                         done, _ = await asyncio.wait({acq}, timeout=max(self.reaper_interval, 0.5))
                         if done:
                             break
                         capacity, others = await self._resident_room()
-                        if capacity - others < amount:  # another resident took the room: stop blocking
+                        if (
+                            capacity - others < amount
+                        ):  # another resident took the room: stop blocking
                             acq.cancel()
                             with contextlib.suppress(BaseException):
                                 await acq
@@ -850,7 +1003,9 @@ class GpuLimiter:
             except CapacityExceeded:
                 raise
             except (BackendUnavailable, PoolNotFound) as e:
-                log.warning("gpulock: resident lease of %s not acquired yet: %s", format_size(amount), e)
+                log.warning(
+                    "gpulock: resident lease of %s not acquired yet: %s", format_size(amount), e
+                )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
         self._resident_mode = ""
@@ -860,8 +1015,10 @@ class GpuLimiter:
         self._publish_ready()
 
         def lost(lz: AsyncLease) -> None:
-            log.warning("gpulock: resident lease of %s lost; worker not ready until it is taken again",
-                        format_size(lz.amount))
+            log.warning(
+                "gpulock: resident lease of %s lost; worker not ready until it is taken again",
+                format_size(lz.amount),
+            )
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:
@@ -924,9 +1081,14 @@ class GpuLimiter:
             try:
                 assert self.redis is not None  # made with the pool, in start()
                 pipe = self.redis.pipeline(transaction=False)
-                for t, j in jobs:  # a thread-slot place moves as the waiters ahead leave: rewrite it
+                for (
+                    t,
+                    j,
+                ) in jobs:  # a thread-slot place moves as the waiters ahead leave: rewrite it
                     if j.phase == "slot":
-                        pipe.set(self._key(f"req:{t}"), self._claim_value(j), xx=True, px=_CLAIM_TTL_MS)
+                        pipe.set(
+                            self._key(f"req:{t}"), self._claim_value(j), xx=True, px=_CLAIM_TTL_MS
+                        )
                     else:
                         pipe.pexpire(self._key(f"req:{t}"), _CLAIM_TTL_MS)
                 await pipe.execute()
@@ -954,8 +1116,11 @@ class GpuLimiter:
         if isinstance(e, LeaseLost):
             metrics().lost.labels(route).inc()
             return
-        log.warning("gpulock: release failed (%s%s); the lease expires after its ttl",
-                    type(e).__name__, f": {e}" if str(e) else "")
+        log.warning(
+            "gpulock: release failed (%s%s); the lease expires after its ttl",
+            type(e).__name__,
+            f": {e}" if str(e) else "",
+        )
 
     # ---- Retry-After ------------------------------------------------------------------------
     def grant_rate(self) -> float | None:
@@ -977,8 +1142,14 @@ class GpuLimiter:
             return 0.0
         return max(0.0, st.grace_left - (time.monotonic() - self.status_at))
 
-    def retry_after(self, position: int, server_hint: float | None = None, *, local: int = 0,
-                    parked: bool = False) -> int:
+    def retry_after(
+        self,
+        position: int,
+        server_hint: float | None = None,
+        *,
+        local: int = 0,
+        parked: bool = False,
+    ) -> int:
         """Seconds a client should wait before retrying a request at ``position`` (1-based)
         in the pool's queue: ``ceil(position / grant_rate)``, clamped to [1, max_retry_after].
         A request still waiting for one of this worker's threads adds ``local /
@@ -1023,7 +1194,9 @@ class GpuLimiter:
             pool_queue = max(pool_queue, position)
         return self.retry_after(pool_queue, job.server_retry_after, local=len(self._slots.waiters))
 
-    def _retry_after_parked(self, position: int, local: int, server_hint: float | None = None) -> int:
+    def _retry_after_parked(
+        self, position: int, local: int, server_hint: float | None = None
+    ) -> int:
         """Retry-After for a request that keeps its place (X-Request-ID), on whichever worker
         answers: ``position`` counts the pool's queue and, while the request still waits for
         one of its owner's threads, its ``local`` place among that worker's waiters."""
@@ -1045,7 +1218,9 @@ class GpuLimiter:
         last reaper tick's length (the Retry-After of a request that leaves the queue needs it)."""
         try:
             assert self.redis is not None  # set by start()
-            queued = int(await asyncio.wait_for(self.redis.zcard(pool_keys(self.pool_name)[3]), 0.5))
+            queued = int(
+                await asyncio.wait_for(self.redis.zcard(pool_keys(self.pool_name)[3]), 0.5)
+            )
         except Exception:
             queued = None
         if job.phase == "queued" and job.position:
@@ -1058,8 +1233,12 @@ class GpuLimiter:
             return
         rec = {"e": event, "pid": os.getpid(), "t": time.time(), **kw}
         if lease is not None:
-            rec.update(lease_id=lease.id, amount=lease.amount, token=lease.token,
-                       server_grant_ms=int(round(lease.expires_at * 1000 - lease.ttl * 1000)))
+            rec.update(
+                lease_id=lease.id,
+                amount=lease.amount,
+                token=lease.token,
+                server_grant_ms=int(round(lease.expires_at * 1000 - lease.ttl * 1000)),
+            )
         try:
             self._history.write(json.dumps(rec, separators=(",", ":")) + "\n")
         except Exception:
@@ -1070,10 +1249,14 @@ class GpuLimiter:
         """Reload the calibrated per-shape estimates from Redis into this worker's cache."""
         assert self.redis is not None, "GpuLimiter.start() was not called"
         raw = await self.redis.hgetall(self.estimates_key)
-        self._estimates = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
+        self._estimates = {
+            (k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()
+        }
         return self._estimates
 
-    def estimate(self, route: str, batch: int, tokens: int, formula: Callable[[int, int], int]) -> int:
+    def estimate(
+        self, route: str, batch: int, tokens: int, formula: Callable[[int, int], int]
+    ) -> int:
         """Bytes for a request of ``batch`` × ``tokens`` on ``route``: the calibrated peak of
         its shape bucket (next power of two of each) when one was measured, else
         ``formula(batch, tokens)``."""
@@ -1083,8 +1266,16 @@ class GpuLimiter:
             return max(1, v)
         return int(formula(batch, tokens))
 
-    async def calibrate(self, route: str, run_shape: Callable[[int, int], Any], shapes: list[tuple[int, int]],
-                        device: str, formula: Callable[[int, int], int], *, margin: float = 1.1) -> dict[str, int]:
+    async def calibrate(
+        self,
+        route: str,
+        run_shape: Callable[[int, int], Any],
+        shapes: list[tuple[int, int]],
+        device: str,
+        formula: Callable[[int, int], int],
+        *,
+        margin: float = 1.1,
+    ) -> dict[str, int]:
         """Measure the peak CUDA memory of ``run_shape(batch, tokens)`` for each shape (under a
         lease of the formula's estimate × 2, so nothing runs unleased) with
         ``torch.cuda.max_memory_allocated``, and store ``ceil(peak × margin)`` per shape bucket
@@ -1099,12 +1290,17 @@ class GpuLimiter:
         out: dict[str, int] = {}
         for batch, tokens in shapes:
             b, s = next_bucket(batch), next_bucket(tokens, minimum=8)
-            amount = min(2 * int(formula(b, s)), self.status.capacity if self.status else 2 * int(formula(b, s)))
-            async with self.pool.lease(amount, timeout=self.acquire_timeout * 6,
-                                       holder={"purpose": "calibration"}) as lease:
+            amount = min(
+                2 * int(formula(b, s)),
+                self.status.capacity if self.status else 2 * int(formula(b, s)),
+            )
+            async with self.pool.lease(
+                amount, timeout=self.acquire_timeout * 6, holder={"purpose": "calibration"}
+            ) as lease:
                 lease.ensure_valid()
                 peak = await asyncio.get_running_loop().run_in_executor(
-                    self.executor, measure_peak, functools.partial(run_shape, b, s), device)
+                    self.executor, measure_peak, functools.partial(run_shape, b, s), device
+                )
             out[f"{route}|b{b}|s{s}"] = max(1, math.ceil(peak * margin))
         if out:
             # redis-py types the mapping's keys as a union, and a Mapping's key type is invariant,
@@ -1114,7 +1310,9 @@ class GpuLimiter:
         return out
 
     # ---- the guarded call ---------------------------------------------------------------------
-    def guard(self, route: str, *, estimate: Callable[..., int] | None = None) -> Callable[..., GpuCall]:
+    def guard(
+        self, route: str, *, estimate: Callable[..., int] | None = None
+    ) -> Callable[..., GpuCall]:
         """A FastAPI dependency: ``call: GpuCall = Depends(limiter.guard("embed", estimate=f))``
         then ``result = await call(fn, *args)``: ``f(*args, **kwargs)`` gives the bytes (or
         pass ``amount=`` to ``call``), ``fn(*args, **kwargs)`` runs in the executor under the
@@ -1125,7 +1323,9 @@ class GpuLimiter:
 
         return dependency
 
-    def endpoint(self, route: str, *, estimate: Callable[..., int]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def endpoint(
+        self, route: str, *, estimate: Callable[..., int]
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorate a plain ``def`` route handler: FastAPI sees an ``async def`` with the same
         parameters; the handler's body runs in the bounded executor under a lease of
         ``estimate(**params)`` bytes (``estimate`` receives the handler's parameters by name,
@@ -1133,24 +1333,35 @@ class GpuLimiter:
 
         def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
             if inspect.iscoroutinefunction(fn):
-                raise TypeError("gpulock endpoint() wraps a plain def handler (its body runs in a thread); "
-                                "in an async handler use Depends(limiter.guard(...)) and await call(fn, ...)")
+                raise TypeError(
+                    "gpulock endpoint() wraps a plain def handler (its body runs in a thread); "
+                    "in an async handler use Depends(limiter.guard(...)) and await call(fn, ...)"
+                )
             sig = inspect.signature(fn)
             try:
                 hints = typing.get_type_hints(fn, include_extras=True)
             except Exception:
                 hints = {}
-            params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()]
+            params = [
+                p.replace(annotation=hints.get(p.name, p.annotation))
+                for p in sig.parameters.values()
+            ]
             names = {p.name for p in params}
             req_name = next((p.name for p in params if p.annotation is Request), None)
             resp_name = next((p.name for p in params if p.annotation is Response), None)
             extra = []
             if req_name is None:
                 req_name = "_gpulock_request"
-                extra.append(inspect.Parameter(req_name, inspect.Parameter.KEYWORD_ONLY, annotation=Request))
+                extra.append(
+                    inspect.Parameter(req_name, inspect.Parameter.KEYWORD_ONLY, annotation=Request)
+                )
             if resp_name is None:
                 resp_name = "_gpulock_response"
-                extra.append(inspect.Parameter(resp_name, inspect.Parameter.KEYWORD_ONLY, annotation=Response))
+                extra.append(
+                    inspect.Parameter(
+                        resp_name, inspect.Parameter.KEYWORD_ONLY, annotation=Response
+                    )
+                )
             est_params = inspect.signature(estimate).parameters
             takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in est_params.values())
 
@@ -1164,25 +1375,44 @@ class GpuLimiter:
                 except GpuLockHTTPException as e:
                     metrics().requests.labels(route, str(e.status_code)).inc()
                     raise
-                est_kw = user_kw if takes_all else {k: v for k, v in user_kw.items() if k in est_params}
+                est_kw = (
+                    user_kw if takes_all else {k: v for k, v in user_kw.items() if k in est_params}
+                )
                 amount = estimate(**est_kw)
-                return await self.call(functools.partial(fn, **user_kw), route=route, amount=amount,
-                                       request=request, response=response,
-                                       fingerprint_of=lambda: _fingerprint(route, user_kw))
+                return await self.call(
+                    functools.partial(fn, **user_kw),
+                    route=route,
+                    amount=amount,
+                    request=request,
+                    response=response,
+                    fingerprint_of=lambda: _fingerprint(route, user_kw),
+                )
 
             ret = hints.get("return", sig.return_annotation)
             # Functions take any attribute, and inspect.signature (so FastAPI) reads this one;
             # typeshed's functools._Wrapped does not declare it.
             wrapper.__signature__ = sig.replace(  # type: ignore[attr-defined]
-                parameters=_order_params(params + extra), return_annotation=ret)
-            wrapper.__annotations__ = {**{p.name: p.annotation for p in params + extra}, "return": ret}
+                parameters=_order_params(params + extra), return_annotation=ret
+            )
+            wrapper.__annotations__ = {
+                **{p.name: p.annotation for p in params + extra},
+                "return": ret,
+            }
             return wrapper
 
         return deco
 
-    async def call(self, fn: Callable[[], Any], *, route: str, amount: int | str,
-                   request: Request | None = None, response: Response | None = None,
-                   request_id: str | None = None, fingerprint_of: Callable[[], str] | None = None) -> Any:
+    async def call(
+        self,
+        fn: Callable[[], Any],
+        *,
+        route: str,
+        amount: int | str,
+        request: Request | None = None,
+        response: Response | None = None,
+        request_id: str | None = None,
+        fingerprint_of: Callable[[], str] | None = None,
+    ) -> Any:
         """Run ``fn()`` in the executor under a lease of ``amount`` bytes; see the module
         docstring for the sequence and the errors (raised as :class:`GpuLockHTTPException`).
         ``request_id`` defaults to the request's ``X-Request-ID`` header."""
@@ -1205,8 +1435,16 @@ class GpuLimiter:
                 # request nobody waits for leaves the queue at once and is never granted.
                 gone = watch_disconnect(request) if request is not None else None
                 if request_id:
-                    result = await self._call_idempotent(fn, route, amount, request_id, arrival,
-                                                         fingerprint_of() if fingerprint_of else "", response, gone)
+                    result = await self._call_idempotent(
+                        fn,
+                        route,
+                        amount,
+                        request_id,
+                        arrival,
+                        fingerprint_of() if fingerprint_of else "",
+                        response,
+                        gone,
+                    )
                 else:
                     job = self._start_job(fn, route, amount, None, "", arrival, park=0.0)
                     result = await self._await_job(job, arrival, response, gone)
@@ -1226,7 +1464,12 @@ class GpuLimiter:
                 gone.cancel()
         m.requests.labels(route, "200").inc()
         if isinstance(result, Response) and response is not None:
-            for k, v in response.headers.items():  # FastAPI ignores the sub-response when a Response is returned
+            for (
+                k,
+                v,
+            ) in (
+                response.headers.items()
+            ):  # FastAPI ignores the sub-response when a Response is returned
                 if k.lower() not in ("content-length", "content-type"):
                     result.headers[k] = v
         return result
@@ -1235,7 +1478,9 @@ class GpuLimiter:
         """Raise 503 (not ready) unless this worker takes guarded calls now."""
         ok, why = self._accepting()
         if not ok:
-            raise GpuLockHTTPException(503, f"worker not ready: {why}", "not_ready", {"Retry-After": "1"})
+            raise GpuLockHTTPException(
+                503, f"worker not ready: {why}", "not_ready", {"Retry-After": "1"}
+            )
 
     async def _call_unguarded(self, fn: Callable[[], Any], route: str, arrival: float) -> Any:
         assert self.executor is not None
@@ -1243,10 +1488,14 @@ class GpuLimiter:
         try:
             return await asyncio.wait_for(asyncio.shield(fut), self.inference_timeout)
         except asyncio.TimeoutError:
-            raise GpuLockHTTPException(504, f"inference ran past {self.inference_timeout}s", "inference_timeout") from None
+            raise GpuLockHTTPException(
+                504, f"inference ran past {self.inference_timeout}s", "inference_timeout"
+            ) from None
 
     # ---- idempotent requests (X-Request-ID) -----------------------------------------------------
-    async def _call_idempotent(self, fn, route, amount, request_id, arrival, fp, response, gone=None) -> Any:
+    async def _call_idempotent(
+        self, fn, route, amount, request_id, arrival, fp, response, gone=None
+    ) -> Any:
         ticket = request_ticket(route, request_id)
         m = metrics()
         while True:
@@ -1263,15 +1512,20 @@ class GpuLimiter:
                     response.headers["X-Idempotent-Replay"] = "true"
                 return stored
             assert self.redis is not None  # set by start()
-            claimed = await self.redis.set(self._key(f"req:{ticket}"), f"{self._owner}|{fp}|slot|0",
-                                           nx=True, px=_CLAIM_TTL_MS)
+            claimed = await self.redis.set(
+                self._key(f"req:{ticket}"), f"{self._owner}|{fp}|slot|0", nx=True, px=_CLAIM_TTL_MS
+            )
             if claimed:
-                stored = await self._get_result(ticket, fp, request_id)  # stored just before we claimed?
+                stored = await self._get_result(
+                    ticket, fp, request_id
+                )  # stored just before we claimed?
                 if stored is not _MISSING:
                     await self.redis.eval(_UNLOCK, 1, self._key(f"req:{ticket}"), f"{self._owner}|")
                     m.replays.labels(route, "stored").inc()
                     return stored
-                job = self._start_job(fn, route, amount, ticket, fp, arrival, park=self.park_timeout)
+                job = self._start_job(
+                    fn, route, amount, ticket, fp, arrival, park=self.park_timeout
+                )
                 return await self._await_job(job, arrival, response, gone)
             outcome = await self._follow(ticket, fp, request_id, route, arrival, response, gone)
             if outcome is not _MISSING:
@@ -1292,19 +1546,29 @@ class GpuLimiter:
             raise self._conflict(request_id)
         if "response" in rec:
             r = rec["response"]
-            return Response(base64.b64decode(r["body"]), status_code=r["status"], media_type=r["media_type"])
+            return Response(
+                base64.b64decode(r["body"]), status_code=r["status"], media_type=r["media_type"]
+            )
         return rec["result"]
 
     def _conflict(self, request_id: str) -> GpuLockHTTPException:
-        return GpuLockHTTPException(409, f"{self.request_id_header} {request_id!r} was already used for a "
-                                         f"different request; use a new id for new work", "conflict")
+        return GpuLockHTTPException(
+            409,
+            f"{self.request_id_header} {request_id!r} was already used for a "
+            f"different request; use a new id for new work",
+            "conflict",
+        )
 
     async def _follow(self, ticket, fp, request_id, route, arrival, response, gone=None) -> Any:
         """Another worker owns this request id: wait for its result, reporting its place."""
         acq_deadline = arrival + self.acquire_timeout
         end = acq_deadline + self.inference_timeout
         delay = 0.02
-        claim_key, res_key, queue_key = self._key(f"req:{ticket}"), self._key(f"res:{ticket}"), pool_keys(self.pool_name)[3]
+        claim_key, res_key, queue_key = (
+            self._key(f"req:{ticket}"),
+            self._key(f"res:{ticket}"),
+            pool_keys(self.pool_name)[3],
+        )
         while True:
             assert self.redis is not None  # set by start()
             pipe = self.redis.pipeline(transaction=False)
@@ -1335,24 +1599,37 @@ class GpuLimiter:
             if now >= acq_deadline and phase in ("slot", "queued"):
                 metrics().timeouts.labels(route).inc()
                 p = position or int(queued) + 1
-                ra = (self._retry_after_parked(p, local) if self.park_timeout > 0
-                      else self.retry_after(p))
+                ra = (
+                    self._retry_after_parked(p, local)
+                    if self.park_timeout > 0
+                    else self.retry_after(p)
+                )
                 headers = {"Retry-After": str(ra)}
                 if position:
                     headers["X-Queue-Position"] = str(position)
                 raise GpuLockHTTPException(
-                    503, f"request {request_id!r} is still queued (position {position or 'unknown'}); "
-                         f"it keeps its place: retry with the same {self.request_id_header}", "queue_timeout", headers)
+                    503,
+                    f"request {request_id!r} is still queued (position {position or 'unknown'}); "
+                    f"it keeps its place: retry with the same {self.request_id_header}",
+                    "queue_timeout",
+                    headers,
+                )
             if now >= end:
                 metrics().inference_timeouts.labels(route).inc()
-                raise GpuLockHTTPException(504, f"request {request_id!r} is still running; retry with the same "
-                                                f"{self.request_id_header} to collect its result", "inference_timeout")
+                raise GpuLockHTTPException(
+                    504,
+                    f"request {request_id!r} is still running; retry with the same "
+                    f"{self.request_id_header} to collect its result",
+                    "inference_timeout",
+                )
             if gone is None:
                 await asyncio.sleep(delay)
             else:
                 await asyncio.wait((gone,), timeout=delay)
                 if _is_gone(gone):  # this retry's client left; the owner's request goes on
-                    raise self._client_gone(route, "waiting" if phase in ("slot", "queued") else "running")
+                    raise self._client_gone(
+                        route, "waiting" if phase in ("slot", "queued") else "running"
+                    )
             delay = min(delay * 1.5, 0.2)
 
     def _claim_value(self, job: _Job) -> str:
@@ -1369,7 +1646,9 @@ class GpuLimiter:
             return
         with contextlib.suppress(Exception):
             assert self.redis is not None  # set by start()
-            await self.redis.set(self._key(f"req:{job.ticket}"), self._claim_value(job), xx=True, px=_CLAIM_TTL_MS)
+            await self.redis.set(
+                self._key(f"req:{job.ticket}"), self._claim_value(job), xx=True, px=_CLAIM_TTL_MS
+            )
 
     async def _publish_slot_place(self, job: _Job) -> None:
         if job.phase == "slot" and job.ticket is not None:  # not yet moved on
@@ -1393,8 +1672,9 @@ class GpuLimiter:
             park += self.grace_left()
         timeout_s = self.acquire_timeout + (park or 0.5)
         job.place_until = arrival + timeout_s
-        job.task = asyncio.get_running_loop().create_task(self._run_job(job, fn, timeout_s),
-                                                          name=f"gpulock-job-{route}")
+        job.task = asyncio.get_running_loop().create_task(
+            self._run_job(job, fn, timeout_s), name=f"gpulock-job-{route}"
+        )
         job.task.add_done_callback(_consume)  # its outcome is read from job.outcome
         return job
 
@@ -1412,6 +1692,7 @@ class GpuLimiter:
         lease: AsyncLease | None = None
         granted_at = 0.0
         try:
+
             def waiting(fut: asyncio.Future) -> None:
                 job.slot_future = fut
                 if job.ticket is not None:  # its place among this worker's waiters, for followers
@@ -1423,7 +1704,9 @@ class GpuLimiter:
             try:
                 await asyncio.wait_for(self._slots.acquire(waiting), remaining)
             except asyncio.TimeoutError:
-                raise AcquireTimeout(f"no free thread in this worker within {timeout_s}s", position=0) from None
+                raise AcquireTimeout(
+                    f"no free thread in this worker within {timeout_s}s", position=0
+                ) from None
             have_slot = True
             job.slot_future = None
             if job.abandoned:  # a cancellation that raced the slot hand-off (3.11 wait_for)
@@ -1437,18 +1720,28 @@ class GpuLimiter:
             ttl_s = self.lease_ttl
             try:
                 try:
-                    lease = await self.pool.acquire(job.amount, ttl=ttl_s, timeout=remaining,
-                                                    request_id=job.ticket, holder={"route": job.route},
-                                                    on_queued=on_queued)
+                    lease = await self.pool.acquire(
+                        job.amount,
+                        ttl=ttl_s,
+                        timeout=remaining,
+                        request_id=job.ticket,
+                        holder={"route": job.route},
+                        on_queued=on_queued,
+                    )
                 except InvalidArgument:
                     # max_ttl lowered since our last status read: read it now, retry once if it clamps
                     await self._tick(full=False)
                     if self.lease_ttl >= ttl_s:
                         raise
                     remaining = max(0.001, deadline - time.monotonic())
-                    lease = await self.pool.acquire(job.amount, ttl=self.lease_ttl, timeout=remaining,
-                                                    request_id=job.ticket, holder={"route": job.route},
-                                                    on_queued=on_queued)
+                    lease = await self.pool.acquire(
+                        job.amount,
+                        ttl=self.lease_ttl,
+                        timeout=remaining,
+                        request_id=job.ticket,
+                        holder={"route": job.route},
+                        on_queued=on_queued,
+                    )
             except AcquireTimeout as e:
                 job.server_retry_after = e.retry_after
                 raise
@@ -1513,7 +1806,9 @@ class GpuLimiter:
                 if job.wait_s is not None:
                     hold = time.monotonic() - granted_at
                     m.hold.labels(job.route).observe(hold)
-                    self._hold_ewma = hold if self._hold_ewma is None else 0.8 * self._hold_ewma + 0.2 * hold
+                    self._hold_ewma = (
+                        hold if self._hold_ewma is None else 0.8 * self._hold_ewma + 0.2 * hold
+                    )
             if have_slot:
                 self._slots.release()
             job.phase = "done"
@@ -1524,9 +1819,15 @@ class GpuLimiter:
                     del self._jobs[job.ticket]
                 try:
                     assert self.redis is not None  # set by start()
-                    await asyncio.shield(self.redis.eval(_UNLOCK, 1, self._key(f"req:{job.ticket}"), f"{self._owner}|"))
+                    await asyncio.shield(
+                        self.redis.eval(
+                            _UNLOCK, 1, self._key(f"req:{job.ticket}"), f"{self._owner}|"
+                        )
+                    )
                 except Exception as e:  # noqa: BLE001 - the claim expires in 10 s; until then retries follow it
-                    log.warning("gpulock: could not drop the claim of request %s: %s", job.ticket, e)
+                    log.warning(
+                        "gpulock: could not drop the claim of request %s: %s", job.ticket, e
+                    )
                 except BaseException:  # cancelled: the claim expires on its own
                     pass
 
@@ -1535,7 +1836,9 @@ class GpuLimiter:
         try:
             lease.ensure_valid()  # the last check before the CUDA call (invariant 5 in docs/SEMANTICS.md)
             t0 = time.monotonic()
-            self._record("cuda_start", None, lease_id=lease.id, amount=lease.amount, route=job.route)
+            self._record(
+                "cuda_start", None, lease_id=lease.id, amount=lease.amount, route=job.route
+            )
             try:
                 return fn()
             except BaseException as e:
@@ -1553,7 +1856,9 @@ class GpuLimiter:
             finally:
                 job.run_s = time.monotonic() - t0
                 metrics().run.labels(job.route).observe(job.run_s)
-                self._record("cuda_end", None, lease_id=lease.id, amount=lease.amount, route=job.route)
+                self._record(
+                    "cuda_end", None, lease_id=lease.id, amount=lease.amount, route=job.route
+                )
         finally:
             _current_lease.reset(tok)
 
@@ -1563,9 +1868,14 @@ class GpuLimiter:
 
             if isinstance(result, Response):
                 body = bytes(result.body)
-                rec = {"fp": job.fingerprint, "response": {"status": result.status_code,
-                                                            "media_type": result.media_type,
-                                                            "body": base64.b64encode(body).decode()}}
+                rec = {
+                    "fp": job.fingerprint,
+                    "response": {
+                        "status": result.status_code,
+                        "media_type": result.media_type,
+                        "body": base64.b64encode(body).decode(),
+                    },
+                }
             else:
                 rec = {"fp": job.fingerprint, "result": jsonable_encoder(result)}
             raw = json.dumps(rec, separators=(",", ":"))
@@ -1574,7 +1884,9 @@ class GpuLimiter:
             return
         with contextlib.suppress(Exception):
             assert self.redis is not None  # set by start()
-            await self.redis.set(self._key(f"res:{job.ticket}"), raw, px=max(1, int(self.result_ttl * 1000)))
+            await self.redis.set(
+                self._key(f"res:{job.ticket}"), raw, px=max(1, int(self.result_ttl * 1000))
+            )
 
     def _fatal(self, message: str) -> None:
         """A sticky CUDA error: not ready from now on; exit so the process manager restarts
@@ -1587,8 +1899,9 @@ class GpuLimiter:
             with contextlib.suppress(RuntimeError):
                 asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGTERM)
 
-    async def _await_job(self, job: _Job, arrival: float, response: Response | None,
-                         gone: asyncio.Task | None = None) -> Any:
+    async def _await_job(
+        self, job: _Job, arrival: float, response: Response | None, gone: asyncio.Task | None = None
+    ) -> Any:
         """Wait for a job with this request's deadlines: 503 if it has not started running by
         ``arrival + acquire_timeout``, 504 if it has not finished ``inference_timeout`` later.
         The job goes on after either answer (parked, or until its thread returns). ``gone``
@@ -1603,12 +1916,18 @@ class GpuLimiter:
 
     def _client_gone(self, route: str, phase: str) -> GpuLockHTTPException:
         metrics().disconnected.labels(route, phase).inc()
-        what = ("it left the queue and will not run" if phase == "waiting" else
-                "its work goes on until it returns (the lease is held until then); the result is dropped")
-        return GpuLockHTTPException(499, f"the client closed the connection: {what}", "client_disconnected")
+        what = (
+            "it left the queue and will not run"
+            if phase == "waiting"
+            else "its work goes on until it returns (the lease is held until then); the result is dropped"
+        )
+        return GpuLockHTTPException(
+            499, f"the client closed the connection: {what}", "client_disconnected"
+        )
 
-    async def _await_job_attached(self, job: _Job, arrival: float, response: Response | None,
-                                  gone: asyncio.Task | None) -> Any:
+    async def _await_job_attached(
+        self, job: _Job, arrival: float, response: Response | None, gone: asyncio.Task | None
+    ) -> Any:
         m = metrics()
         remaining = arrival + self.acquire_timeout - time.monotonic()
         try:
@@ -1618,7 +1937,9 @@ class GpuLimiter:
             if job.attached == 1 and job.phase in ("slot", "queued") and job.task is not None:
                 job.abandoned = True  # before any await: a grant arriving now must not run
                 job.task.cancel()  # leaves the thread-slot wait or the pool's queue now
-            raise self._client_gone(job.route, "waiting" if not job.started.is_set() else "running") from None
+            raise self._client_gone(
+                job.route, "waiting" if not job.started.is_set() else "running"
+            ) from None
         except asyncio.TimeoutError:
             timed_out = not job.started.is_set()  # granted just as the deadline passed: go on
         except asyncio.CancelledError:
@@ -1637,18 +1958,33 @@ class GpuLimiter:
             m.timeouts.labels(job.route).inc()
             if not parked and job.task is not None:
                 job.task.cancel()  # leaves the queue now (the core cancels the ticket)
-            keep = (" It keeps its place for up to %.0fs: retry after Retry-After with the same %s."
-                    % (max(0.0, job.place_until - time.monotonic()), self.request_id_header)) if parked else ""
-            if job.phase == "slot":  # never reached the pool's queue: this worker's threads were busy
-                what = (f"no free inference thread in this worker within {self.acquire_timeout}s "
-                        f"(all {self.executor_threads} busy; queue position {position}, counting the "
-                        f"pool's queue and this worker's own)")
+            keep = (
+                (
+                    " It keeps its place for up to %.0fs: retry after Retry-After with the same %s."
+                    % (max(0.0, job.place_until - time.monotonic()), self.request_id_header)
+                )
+                if parked
+                else ""
+            )
+            if (
+                job.phase == "slot"
+            ):  # never reached the pool's queue: this worker's threads were busy
+                what = (
+                    f"no free inference thread in this worker within {self.acquire_timeout}s "
+                    f"(all {self.executor_threads} busy; queue position {position}, counting the "
+                    f"pool's queue and this worker's own)"
+                )
             else:
-                what = (f"no GPU memory for {format_size(job.amount)} within {self.acquire_timeout}s "
-                        f"(queue position {position})")
+                what = (
+                    f"no GPU memory for {format_size(job.amount)} within {self.acquire_timeout}s "
+                    f"(queue position {position})"
+                )
             raise GpuLockHTTPException(
-                503, f"{what}.{keep}", "queue_timeout",
-                {"Retry-After": str(ra), "X-Queue-Position": str(position)})
+                503,
+                f"{what}.{keep}",
+                "queue_timeout",
+                {"Retry-After": str(ra), "X-Queue-Position": str(position)},
+            )
         assert job.outcome is not None
         if not job.outcome.done():
             try:
@@ -1657,62 +1993,99 @@ class GpuLimiter:
                 raise self._client_gone(job.route, "running") from None
             except asyncio.TimeoutError:
                 m.inference_timeouts.labels(job.route).inc()
-                extra = (f" Retry with the same {self.request_id_header} to collect the result."
-                         if job.ticket is not None else "")
+                extra = (
+                    f" Retry with the same {self.request_id_header} to collect the result."
+                    if job.ticket is not None
+                    else ""
+                )
                 raise GpuLockHTTPException(
-                    504, f"inference ran past {self.inference_timeout}s; its GPU lease stays held until the "
-                         f"work really finishes.{extra}", "inference_timeout") from None
+                    504,
+                    f"inference ran past {self.inference_timeout}s; its GPU lease stays held until the "
+                    f"work really finishes.{extra}",
+                    "inference_timeout",
+                ) from None
             except asyncio.CancelledError:
                 raise
             except BaseException:
                 pass  # mapped below
         if response is not None and job.wait_s is not None:
-            response.headers["Server-Timing"] = (f"gpulock-wait;dur={job.wait_s * 1000:.3f}, "
-                                                 f"gpulock-run;dur={(job.run_s or 0) * 1000:.3f}")
+            response.headers["Server-Timing"] = (
+                f"gpulock-wait;dur={job.wait_s * 1000:.3f}, "
+                f"gpulock-run;dur={(job.run_s or 0) * 1000:.3f}"
+            )
         return self._job_result(job)
 
     def _job_result(self, job: _Job) -> Any:
         out = job.outcome
         assert out is not None and out.done()
         if out.cancelled():
-            raise GpuLockHTTPException(503, "the request was cancelled (worker shutting down)", "not_ready",
-                                       {"Retry-After": "1"})
+            raise GpuLockHTTPException(
+                503,
+                "the request was cancelled (worker shutting down)",
+                "not_ready",
+                {"Retry-After": "1"},
+            )
         exc = out.exception()
         if exc is None:
             return out.result()
         m = metrics()
         if isinstance(exc, CapacityExceeded):
             raise GpuLockHTTPException(
-                413, f"this request needs {format_size(exc.amount)} ({exc.amount} bytes) of GPU memory but pool "
-                     f"{self.pool_name!r} has a capacity of {format_size(exc.capacity)} ({exc.capacity} bytes); "
-                     f"send a smaller batch", "capacity") from None
+                413,
+                f"this request needs {format_size(exc.amount)} ({exc.amount} bytes) of GPU memory but pool "
+                f"{self.pool_name!r} has a capacity of {format_size(exc.capacity)} ({exc.capacity} bytes); "
+                f"send a smaller batch",
+                "capacity",
+            ) from None
         if isinstance(exc, QueueFull):
             m.queue_full.labels(job.route).inc()
             ra = self.retry_after(exc.queue_length + 1)
-            raise GpuLockHTTPException(503, f"GPU queue is full ({exc.queue_length} waiting)", "queue_full",
-                                       {"Retry-After": str(ra), "X-Queue-Position": str(exc.queue_length + 1)}) from None
+            raise GpuLockHTTPException(
+                503,
+                f"GPU queue is full ({exc.queue_length} waiting)",
+                "queue_full",
+                {"Retry-After": str(ra), "X-Queue-Position": str(exc.queue_length + 1)},
+            ) from None
         if isinstance(exc, AcquireTimeout):
             m.timeouts.labels(job.route).inc()
             position = exc.position or self._job_position(job)
             ra = self.retry_after(position, exc.retry_after)
-            raise GpuLockHTTPException(503, f"no GPU memory for {format_size(job.amount)} in time "
-                                            f"(queue position {position})", "queue_timeout",
-                                       {"Retry-After": str(ra), "X-Queue-Position": str(position)}) from None
+            raise GpuLockHTTPException(
+                503,
+                f"no GPU memory for {format_size(job.amount)} in time (queue position {position})",
+                "queue_timeout",
+                {"Retry-After": str(ra), "X-Queue-Position": str(position)},
+            ) from None
         if isinstance(exc, LeaseLost):
-            raise GpuLockHTTPException(503, f"the GPU lease was lost before the work ran ({exc.reason}); retry",
-                                       "lease_lost", {"Retry-After": str(self.retry_after(1))}) from None
+            raise GpuLockHTTPException(
+                503,
+                f"the GPU lease was lost before the work ran ({exc.reason}); retry",
+                "lease_lost",
+                {"Retry-After": str(self.retry_after(1))},
+            ) from None
         if isinstance(exc, _CudaOOM):
             ra = self.retry_after(self._job_position(job))
-            raise GpuLockHTTPException(503, "the GPU ran out of memory for this request; retry later", "cuda_oom",
-                                       {"Retry-After": str(ra)}) from None
+            raise GpuLockHTTPException(
+                503,
+                "the GPU ran out of memory for this request; retry later",
+                "cuda_oom",
+                {"Retry-After": str(ra)},
+            ) from None
         if isinstance(exc, _CudaFatal):
-            raise GpuLockHTTPException(500, f"CUDA error; this worker restarts: {exc}", "cuda_error") from None
+            raise GpuLockHTTPException(
+                500, f"CUDA error; this worker restarts: {exc}", "cuda_error"
+            ) from None
         if isinstance(exc, (BackendUnavailable, PoolNotFound)):
-            raise GpuLockHTTPException(503, f"GPU budget unavailable: {exc}", "backend",
-                                       {"Retry-After": str(max(1, int(self.reaper_interval * 2)))}) from None
+            raise GpuLockHTTPException(
+                503,
+                f"GPU budget unavailable: {exc}",
+                "backend",
+                {"Retry-After": str(max(1, int(self.reaper_interval * 2)))},
+            ) from None
         if isinstance(exc, InvalidArgument):  # never a bare 500: say what the pool refused
-            raise GpuLockHTTPException(500, f"pool {self.pool_name!r} refused the lease request: {exc}",
-                                       "invalid_argument") from None
+            raise GpuLockHTTPException(
+                500, f"pool {self.pool_name!r} refused the lease request: {exc}", "invalid_argument"
+            ) from None
         raise exc
 
     # ---- metrics endpoint --------------------------------------------------------------------
@@ -1752,7 +2125,9 @@ class GpuLimiter:
 _MISSING = object()
 
 
-def _settle(fut: asyncio.Future | None, *, result: Any = None, exc: BaseException | None = None) -> None:
+def _settle(
+    fut: asyncio.Future | None, *, result: Any = None, exc: BaseException | None = None
+) -> None:
     if fut is None or fut.done():
         return
     if exc is None:
@@ -1771,16 +2146,22 @@ def _consume(fut: asyncio.Future) -> None:
 def _order_params(params: list[inspect.Parameter]) -> list[inspect.Parameter]:
     """Parameters in an order ``inspect.Signature`` accepts (positional ones first, keyword
     ones after); our handlers are called by keyword only."""
-    return [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
-            inspect.Parameter.POSITIONAL_OR_KEYWORD) else p for p in params
-            if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    return [
+        p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        else p
+        for p in params
+        if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
 
 
 def _fingerprint(route: str, kwargs: dict[str, Any]) -> str:
     try:
         from fastapi.encoders import jsonable_encoder
 
-        text = json.dumps(jsonable_encoder(kwargs), sort_keys=True, separators=(",", ":"), default=repr)
+        text = json.dumps(
+            jsonable_encoder(kwargs), sort_keys=True, separators=(",", ":"), default=repr
+        )
     except Exception:
         text = repr(sorted(kwargs.items()))
     return hashlib.sha256(f"{route}\n{text}".encode()).hexdigest()[:16]
@@ -1790,12 +2171,20 @@ class GpuCall:
     """What ``Depends(limiter.guard(route, estimate=...))`` gives a handler: call it with the
     function and its arguments; the result comes back after the thread returned."""
 
-    def __init__(self, limiter: GpuLimiter, route: str, estimate: Callable[..., int] | None,
-                 request: Request, response: Response):
+    def __init__(
+        self,
+        limiter: GpuLimiter,
+        route: str,
+        estimate: Callable[..., int] | None,
+        request: Request,
+        response: Response,
+    ):
         self.limiter, self.route, self._estimate = limiter, route, estimate
         self.request, self.response = request, response
 
-    async def __call__(self, fn: Callable[..., Any], *args: Any, amount: int | str | None = None, **kwargs: Any) -> Any:
+    async def __call__(
+        self, fn: Callable[..., Any], *args: Any, amount: int | str | None = None, **kwargs: Any
+    ) -> Any:
         if inspect.iscoroutinefunction(fn):
             raise TypeError("GpuCall runs a plain function in a thread; got a coroutine function")
         if amount is None:
@@ -1803,8 +2192,13 @@ class GpuCall:
                 raise TypeError("give amount= or an estimate to guard()")
             amount = self._estimate(*args, **kwargs)
         return await self.limiter.call(
-            functools.partial(fn, *args, **kwargs), route=self.route, amount=amount, request=self.request,
-            response=self.response, fingerprint_of=lambda: _fingerprint(self.route, {"args": args, **kwargs}))
+            functools.partial(fn, *args, **kwargs),
+            route=self.route,
+            amount=amount,
+            request=self.request,
+            response=self.response,
+            fingerprint_of=lambda: _fingerprint(self.route, {"args": args, **kwargs}),
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,9 +20,18 @@ __all__ = ["parse_size", "format_size", "parse_seconds"]
 _UNITS = {
     "": 1,
     "b": 1,
-    "k": 1000, "kb": 1000, "mb": 1000**2, "m": 1000**2, "gb": 1000**3, "g": 1000**3,
-    "tb": 1000**4, "t": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "k": 1000,
+    "kb": 1000,
+    "mb": 1000**2,
+    "m": 1000**2,
+    "gb": 1000**3,
+    "g": 1000**3,
+    "tb": 1000**4,
+    "t": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
@@ -132,5 +141,7 @@ def parse_seconds(
     if f == 0 and allow_zero:
         return 0.0
     if f < minimum or f > maximum:
-        raise InvalidArgument(f"{name} must be between {minimum} and {maximum} seconds, got {value!r}")
+        raise InvalidArgument(
+            f"{name} must be between {minimum} and {maximum} seconds, got {value!r}"
+        )
     return f

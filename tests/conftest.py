@@ -41,7 +41,9 @@ def _server_kinds():
 SERVER_KINDS = _server_kinds()
 
 
-@pytest.fixture(scope="session", params=[k for k, _ in SERVER_KINDS], ids=[k for k, _ in SERVER_KINDS])
+@pytest.fixture(
+    scope="session", params=[k for k, _ in SERVER_KINDS], ids=[k for k, _ in SERVER_KINDS]
+)
 def server_binary(request):
     """Each Redis-compatible server this machine has: the system redis-server (Redis 7 here)
     and the embedded Valkey the README's first command uses."""

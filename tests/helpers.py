@@ -54,11 +54,32 @@ def raw_configure(client: redis.Redis, pool: str, capacity: int, max_waiters: in
     return raw(client, pool, "configure", capacity, max_waiters, "set")
 
 
-def raw_acquire(client: redis.Redis, pool: str, amount: int, *, ticket: str | None = None,
-                lease_id: str | None = None, ttl_ms: int = 60_000, waiter_ttl_ms: int = 600_000,
-                mode: str = "wait", meta: str = "{}", channel: str = "test") -> list:
-    return raw(client, pool, "acquire", ticket or new_id(), lease_id or new_id(), amount, ttl_ms,
-               waiter_ttl_ms, mode, meta, channel)
+def raw_acquire(
+    client: redis.Redis,
+    pool: str,
+    amount: int,
+    *,
+    ticket: str | None = None,
+    lease_id: str | None = None,
+    ttl_ms: int = 60_000,
+    waiter_ttl_ms: int = 600_000,
+    mode: str = "wait",
+    meta: str = "{}",
+    channel: str = "test",
+) -> list:
+    return raw(
+        client,
+        pool,
+        "acquire",
+        ticket or new_id(),
+        lease_id or new_id(),
+        amount,
+        ttl_ms,
+        waiter_ttl_ms,
+        mode,
+        meta,
+        channel,
+    )
 
 
 def cfg(client: redis.Redis, pool: str) -> dict[str, int]:
@@ -107,7 +128,9 @@ def wait_until(pred: Callable[[], Any], timeout: float = 5.0, interval: float = 
         time.sleep(interval)
 
 
-async def async_wait_until(pred: Callable[[], Any], timeout: float = 5.0, interval: float = 0.005) -> Any:
+async def async_wait_until(
+    pred: Callable[[], Any], timeout: float = 5.0, interval: float = 0.005
+) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         v = pred()
@@ -130,7 +153,9 @@ class Running:
 
         self._cm = self.app.router.lifespan_context(self.app)
         await self._cm.__aenter__()
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://t", timeout=30)
+        self.client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.app), base_url="http://t", timeout=30
+        )
         return self.client
 
     async def __aexit__(self, *exc: Any) -> None:

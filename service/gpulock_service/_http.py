@@ -15,16 +15,26 @@ from typing import Any
 
 from gpulock._http_guards import DEFAULT_READ_TIMEOUT, install_error_handlers, install_http_guards
 
-__all__ = ["install_error_handlers", "install_http_guards", "read_timeout", "server_protocol", "MAX_HEADER_BYTES"]
+__all__ = [
+    "install_error_handlers",
+    "install_http_guards",
+    "read_timeout",
+    "server_protocol",
+    "MAX_HEADER_BYTES",
+]
 
 # Request line and headers together; h11's own bound (uvicorn's h11_max_incomplete_event_size)
 # is 16 KiB, httptools has none.
 MAX_HEADER_BYTES = 64 * 1024
 
-_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
-        b"content-length: %d\r\n\r\n%s")
-_431 = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
-        b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
+_408 = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+    b"content-length: %d\r\n\r\n%s"
+)
+_431 = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+)
 
 
 def read_timeout() -> float:
@@ -67,8 +77,11 @@ def _timed(base: type, timeout: float, max_header_bytes: int) -> type:
             self._head_timer = None
             if self.cycle is not None and not self.cycle.response_complete:
                 return  # a request is being served (its own bounds apply)
-            self._refuse(_408, f"the request line and headers did not arrive within {timeout:g}s "
-                               f"(GPULOCK_READ_TIMEOUT)\n")
+            self._refuse(
+                _408,
+                f"the request line and headers did not arrive within {timeout:g}s "
+                f"(GPULOCK_READ_TIMEOUT)\n",
+            )
 
         def data_received(self, data: bytes) -> None:
             idle = self.cycle is None or self.cycle.response_complete

@@ -86,11 +86,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     model = build_model(settings)
     served: str = settings.model_name or str(getattr(model, "name", settings.model))
     limiter = GpuLimiter(
-        settings.redis_url, settings.pool, capacity=settings.capacity, configure=settings.configure,
-        acquire_timeout=settings.acquire_timeout, inference_timeout=settings.inference_timeout,
-        ttl=settings.ttl, executor_threads=settings.executor_threads, park_timeout=settings.park_timeout,
-        result_ttl=settings.result_ttl, max_waiters=settings.max_waiters, reaper_interval=settings.reaper_interval,
-        history_file=settings.history_file, enabled=not settings.disabled, exit_on_fatal=settings.exit_on_fatal)
+        settings.redis_url,
+        settings.pool,
+        capacity=settings.capacity,
+        configure=settings.configure,
+        acquire_timeout=settings.acquire_timeout,
+        inference_timeout=settings.inference_timeout,
+        ttl=settings.ttl,
+        executor_threads=settings.executor_threads,
+        park_timeout=settings.park_timeout,
+        result_ttl=settings.result_ttl,
+        max_waiters=settings.max_waiters,
+        reaper_interval=settings.reaper_interval,
+        history_file=settings.history_file,
+        enabled=not settings.disabled,
+        exit_on_fatal=settings.exit_on_fatal,
+    )
     info: dict[str, Any] = {"device": None, "resident_bytes": 0, "resident_source": None}
 
     def resolve_device() -> str:
@@ -111,13 +122,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 resident, source = configured, "GPULOCK_RESIDENT"
             elif on_cuda:
                 hint = getattr(model, "resident_hint", lambda: 0)() or 0
-                resident = int(hint) + parse_size(settings.cuda_context) if settings.cuda_context != "0" else int(hint)
+                resident = (
+                    int(hint) + parse_size(settings.cuda_context)
+                    if settings.cuda_context != "0"
+                    else int(hint)
+                )
                 source = "weights size + GPULOCK_CUDA_CONTEXT (topped up to the measured reservation after load)"
             else:
-                resident, source = parse_size(settings.cpu_resident), "GPULOCK_CPU_RESIDENT (CPU device)"
+                resident, source = (
+                    parse_size(settings.cpu_resident),
+                    "GPULOCK_CPU_RESIDENT (CPU device)",
+                )
             info["resident_source"] = source
             if resident > 0:
-                limiter.set_condition("model", False, f"waiting for the resident lease ({format_size(resident)})")
+                limiter.set_condition(
+                    "model", False, f"waiting for the resident lease ({format_size(resident)})"
+                )
                 await limiter.acquire_resident(resident, purpose=served)
                 info["resident_bytes"] = resident
             limiter.set_condition("model", False, f"loading {served} on {device}")
@@ -136,15 +156,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 ctx = 0 if settings.cuda_context == "0" else parse_size(settings.cuda_context)
                 measured = await asyncio.to_thread(resident_bytes, device, context_bytes=ctx)
                 if measured and measured > resident:
-                    log.info("gpulock: measured resident %s > leased %s; topping up", format_size(measured),
-                             format_size(resident))
+                    log.info(
+                        "gpulock: measured resident %s > leased %s; topping up",
+                        format_size(measured),
+                        format_size(resident),
+                    )
                     await limiter.acquire_resident(measured - resident, purpose=served + "-topup")
                     info["resident_bytes"] = measured
             if on_cuda and settings.calibrate and hasattr(model, "calibration_run"):
                 await _calibrate(device)
             limiter.set_condition("model", True, "")
-            log.info("gpulock: worker %d ready: %s on %s, resident lease %s (%s)", os.getpid(), served, device,
-                     format_size(info["resident_bytes"]) if info["resident_bytes"] else "none", source)
+            log.info(
+                "gpulock: worker %d ready: %s on %s, resident lease %s (%s)",
+                os.getpid(),
+                served,
+                device,
+                format_size(info["resident_bytes"]) if info["resident_bytes"] else "none",
+                source,
+            )
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -160,8 +189,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return
         try:
             b_max = max(1, settings.max_batch)
-            shapes = [(b, s) for b in sorted({1, 8, 32, min(128, b_max), b_max}) for s in (16, 64, settings.max_tokens)]
-            out = await limiter.calibrate(ROUTE, model.calibration_run, shapes, device, model.estimate_bytes)
+            shapes = [
+                (b, s)
+                for b in sorted({1, 8, 32, min(128, b_max), b_max})
+                for s in (16, 64, settings.max_tokens)
+            ]
+            out = await limiter.calibrate(
+                ROUTE, model.calibration_run, shapes, device, model.estimate_bytes
+            )
             log.info("gpulock: calibrated %d shapes into %s", len(out), limiter.estimates_key)
         finally:
             await redis.delete(lock)
@@ -174,21 +209,33 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             done, _ = await asyncio.wait({task}, timeout=settings.startup_timeout)
             if not done:
                 _, checks = limiter.readiness()
-                why = "; ".join(f"{k}: {v.get('message')}" for k, v in checks.items() if not v["ok"])
-                log.warning("gpulock: worker %d serving while not ready after %.0fs: %s", os.getpid(),
-                            settings.startup_timeout, why)
+                why = "; ".join(
+                    f"{k}: {v.get('message')}" for k, v in checks.items() if not v["ok"]
+                )
+                log.warning(
+                    "gpulock: worker %d serving while not ready after %.0fs: %s",
+                    os.getpid(),
+                    settings.startup_timeout,
+                    why,
+                )
         try:
             yield
         finally:
             await limiter.stop()
 
-    app = FastAPI(title="gpulock embeddings service", lifespan=lifespan,
-                  description="OpenAI-compatible embeddings; every request leases GPU memory from a gpulock pool.")
+    app = FastAPI(
+        title="gpulock embeddings service",
+        lifespan=lifespan,
+        description="OpenAI-compatible embeddings; every request leases GPU memory from a gpulock pool.",
+    )
     # 400 for bytes that are not UTF-8, 422 for invalid input, 413 for a body over
     # GPULOCK_MAX_REQUEST_BYTES, 408 for one that does not arrive within GPULOCK_READ_TIMEOUT
     # (the same guards as the broker's and a user's GpuLimiter app's).
-    install_http_guards(app, max_body_bytes=parse_size(settings.max_request_bytes, name="max_request_bytes"),
-                        read_timeout=settings.read_timeout)
+    install_http_guards(
+        app,
+        max_body_bytes=parse_size(settings.max_request_bytes, name="max_request_bytes"),
+        read_timeout=settings.read_timeout,
+    )
     app.state.limiter = limiter
     app.state.settings = settings
     app.state.model = model
@@ -203,8 +250,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def ready() -> JSONResponse:
         """Readiness: Redis reachable, model loaded, resident lease held and valid."""
         ok, checks = limiter.readiness()
-        body = {"ready": ok, "pid": os.getpid(), "pool": settings.pool, "model": served,
-                "device": info["device"], "resident_bytes": info["resident_bytes"], "checks": checks}
+        body = {
+            "ready": ok,
+            "pid": os.getpid(),
+            "pool": settings.pool,
+            "model": served,
+            "device": info["device"],
+            "resident_bytes": info["resident_bytes"],
+            "checks": checks,
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -213,26 +267,38 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": served, "object": "model", "owned_by": "gpulock"}]}
+        return {
+            "object": "list",
+            "data": [{"id": served, "object": "model", "owned_by": "gpulock"}],
+        }
 
     def estimate(body: EmbeddingRequest) -> int:
         texts = _texts(body)
         if not texts:
             raise HTTPException(422, "input must hold at least one string")
         if len(texts) > settings.max_batch:
-            raise HTTPException(413, f"input holds {len(texts)} strings; this service takes at most "
-                                     f"{settings.max_batch} per request (GPULOCK_MAX_BATCH)")
+            raise HTTPException(
+                413,
+                f"input holds {len(texts)} strings; this service takes at most "
+                f"{settings.max_batch} per request (GPULOCK_MAX_BATCH)",
+            )
         if body.model is not None and body.model not in (served, f"sentence-transformers/{served}"):
-            raise HTTPException(404, f"model {body.model!r} is not served here; this service serves "
-                                     f"{served!r} (GET /v1/models); leave 'model' out or send that name")
+            raise HTTPException(
+                404,
+                f"model {body.model!r} is not served here; this service serves "
+                f"{served!r} (GET /v1/models); leave 'model' out or send that name",
+            )
         if body.dimensions is not None and body.dimensions != model.dimensions:
-            raise HTTPException(400, f"{served} returns {model.dimensions} dimensions, not {body.dimensions}")
+            raise HTTPException(
+                400, f"{served} returns {model.dimensions} dimensions, not {body.dimensions}"
+            )
         for i, t in enumerate(texts):
             try:
                 t.encode("utf-8")
             except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") from a JSON escape
-                raise HTTPException(422, f"input[{i}] is not valid Unicode text ({e.reason} at "
-                                         f"character {e.start})") from None
+                raise HTTPException(
+                    422, f"input[{i}] is not valid Unicode text ({e.reason} at character {e.start})"
+                ) from None
         counts = count_tokens(model, texts)
         body._tokens = sum(counts)
         return limiter.estimate(ROUTE, len(texts), max(counts), model.estimate_bytes)
@@ -247,14 +313,27 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if body.encoding_format == "base64":
             import numpy as np
 
-            data = [{"object": "embedding", "index": i,
-                     "embedding": base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode()}
-                    for i, v in enumerate(vectors)]
+            data = [
+                {
+                    "object": "embedding",
+                    "index": i,
+                    "embedding": base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode(),
+                }
+                for i, v in enumerate(vectors)
+            ]
         else:
-            data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
-        payload = {"object": "list", "data": data, "model": served,
-                   "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
-        return Response(json.dumps(payload, separators=(",", ":")).encode(), media_type="application/json")
+            data = [
+                {"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)
+            ]
+        payload = {
+            "object": "list",
+            "data": data,
+            "model": served,
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+        }
+        return Response(
+            json.dumps(payload, separators=(",", ":")).encode(), media_type="application/json"
+        )
 
     return app
 

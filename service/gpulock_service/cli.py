@@ -14,23 +14,47 @@ def register(app: typer.Typer) -> None:
     def serve(
         workers: int = typer.Option(4, "--workers", "-w", min=1, help="gunicorn worker processes"),
         redis_url: str | None = typer.Option(
-            None, "--redis-url", envvar="GPULOCK_REDIS_URL",
-            help="Redis holding the pool; without it an embedded Valkey starts on loopback"),
+            None,
+            "--redis-url",
+            envvar="GPULOCK_REDIS_URL",
+            help="Redis holding the pool; without it an embedded Valkey starts on loopback",
+        ),
         capacity: str | None = typer.Option(
-            None, "--capacity", envvar="GPULOCK_CAPACITY",
-            help="pool capacity (e.g. 20GiB); default: GPU memory x --utilization, or 2GiB without a GPU"),
+            None,
+            "--capacity",
+            envvar="GPULOCK_CAPACITY",
+            help="pool capacity (e.g. 20GiB); default: GPU memory x --utilization, or 2GiB without a GPU",
+        ),
         host: str = typer.Option("127.0.0.1", "--host", help="address to bind"),
         port: int = typer.Option(8000, "--port", "-p", min=1, max=65535, help="port to bind"),
         pool: str = typer.Option("gpu0", "--pool", envvar="GPULOCK_POOL", help="pool name"),
-        preload: bool = typer.Option(False, "--preload/--no-preload", help="import the app in the master before fork"),
-        model: str = typer.Option("minilm", "--model", envvar="GPULOCK_MODEL",
-                                  help="'minilm', 'sleep' (test model) or 'package.module:factory'"),
-        utilization: float = typer.Option(0.9, "--utilization", min=0.01, max=1.0,
-                                          help="share of the GPU's memory the pool gets when --capacity is not given"),
-        max_requests: int = typer.Option(0, "--max-requests", min=0, help="recycle a worker after N requests (0: never)"),
-        timeout: int = typer.Option(120, "--timeout", min=1, help="gunicorn worker timeout, seconds"),
-        log_level: str = typer.Option("info", "--log-level",
-                                      help="gunicorn log level: debug, info, warning, error or critical"),
+        preload: bool = typer.Option(
+            False, "--preload/--no-preload", help="import the app in the master before fork"
+        ),
+        model: str = typer.Option(
+            "minilm",
+            "--model",
+            envvar="GPULOCK_MODEL",
+            help="'minilm', 'sleep' (test model) or 'package.module:factory'",
+        ),
+        utilization: float = typer.Option(
+            0.9,
+            "--utilization",
+            min=0.01,
+            max=1.0,
+            help="share of the GPU's memory the pool gets when --capacity is not given",
+        ),
+        max_requests: int = typer.Option(
+            0, "--max-requests", min=0, help="recycle a worker after N requests (0: never)"
+        ),
+        timeout: int = typer.Option(
+            120, "--timeout", min=1, help="gunicorn worker timeout, seconds"
+        ),
+        log_level: str = typer.Option(
+            "info",
+            "--log-level",
+            help="gunicorn log level: debug, info, warning, error or critical",
+        ),
     ) -> None:
         """Run the embeddings service: gunicorn with uvicorn workers, each leasing GPU memory
         from the pool before every request.
@@ -40,31 +64,61 @@ def register(app: typer.Typer) -> None:
         started again on its port; one that will not stay up stops the service (exit 69)."""
         from .serve import run_serve
 
-        raise typer.Exit(run_serve(workers=workers, redis_url=redis_url, capacity=capacity, host=host, port=port,
-                                   pool=pool, preload=preload, model=model, utilization=utilization,
-                                   max_requests=max_requests, timeout=timeout, log_level=log_level))
+        raise typer.Exit(
+            run_serve(
+                workers=workers,
+                redis_url=redis_url,
+                capacity=capacity,
+                host=host,
+                port=port,
+                pool=pool,
+                preload=preload,
+                model=model,
+                utilization=utilization,
+                max_requests=max_requests,
+                timeout=timeout,
+                log_level=log_level,
+            )
+        )
 
     @app.command("loadtest")
     def loadtest(
         url: str = typer.Argument("http://127.0.0.1:8000", help="the service's base URL"),
-        concurrency: int = typer.Option(16, "--concurrency", "-c", min=1, help="requests in flight"),
+        concurrency: int = typer.Option(
+            16, "--concurrency", "-c", min=1, help="requests in flight"
+        ),
         requests: int = typer.Option(200, "--requests", "-n", min=1, help="requests to send"),
         batch: int = typer.Option(8, "--batch", "-b", min=1, help="sentences per request"),
-        retries: int = typer.Option(0, "--retries", min=0, help="retries per request after a 503 (honouring Retry-After)"),
+        retries: int = typer.Option(
+            0, "--retries", min=0, help="retries per request after a 503 (honouring Retry-After)"
+        ),
         request_ids: bool | None = typer.Option(
-            None, "--request-ids/--no-request-ids",
+            None,
+            "--request-ids/--no-request-ids",
             help="send X-Request-ID (a retried request keeps its place; the service keeps each result "
-                 "GPULOCK_RESULT_TTL seconds in Redis); default: only with --retries"),
-        timeout: float = typer.Option(120.0, "--timeout", min=0.1, help="client timeout per request, seconds"),
+            "GPULOCK_RESULT_TTL seconds in Redis); default: only with --retries",
+        ),
+        timeout: float = typer.Option(
+            120.0, "--timeout", min=0.1, help="client timeout per request, seconds"
+        ),
         seed: int = typer.Option(0, "--seed", help="random seed for the sentences"),
     ) -> None:
         """Send real sentences to POST /v1/embeddings at a fixed concurrency and print
         requests/s, latency percentiles, 503s (with Retry-After) and the pool's peak use."""
         from .loadtest import run_loadtest
 
-        raise typer.Exit(run_loadtest(url, concurrency=concurrency, requests=requests, batch=batch, retries=retries,
-                                      request_ids=retries > 0 if request_ids is None else request_ids,
-                                      timeout=timeout, seed=seed))
+        raise typer.Exit(
+            run_loadtest(
+                url,
+                concurrency=concurrency,
+                requests=requests,
+                batch=batch,
+                retries=retries,
+                request_ids=retries > 0 if request_ids is None else request_ids,
+                timeout=timeout,
+                seed=seed,
+            )
+        )
 
 
 def main() -> None:

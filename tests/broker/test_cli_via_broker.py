@@ -14,7 +14,9 @@ from gpulock.embedded import free_port
 from ._support import ADMIN_TOKEN, USER_TOKEN
 
 
-def _gpulock(*args: str, token: str | None = USER_TOKEN, timeout: float = 60) -> subprocess.CompletedProcess:
+def _gpulock(
+    *args: str, token: str | None = USER_TOKEN, timeout: float = 60
+) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("GPULOCK_TOKEN", None)
     env.pop("GPULOCK_BROKER_URL", None)
@@ -23,12 +25,26 @@ def _gpulock(*args: str, token: str | None = USER_TOKEN, timeout: float = 60) ->
     env["GPULOCK_REDIS_URL"] = f"redis://127.0.0.1:{free_port()}/0"
     if token is not None:
         env["GPULOCK_TOKEN"] = token
-    return subprocess.run([sys.executable, "-m", "gpulock", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "gpulock", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_pool_set_goes_through_the_broker(broker_srv, admin):
-    r = _gpulock("--broker-url", broker_srv.url, "pool", "set", "gpuX", "--capacity", "1GiB", token=ADMIN_TOKEN)
+    r = _gpulock(
+        "--broker-url",
+        broker_srv.url,
+        "pool",
+        "set",
+        "gpuX",
+        "--capacity",
+        "1GiB",
+        token=ADMIN_TOKEN,
+    )
     assert r.returncode == 0, (r.returncode, r.stderr)
     st = admin.get("/v1/pools/gpuX")
     assert st.status_code == 200 and st.json()["capacity"] == 2**30, st.text
@@ -61,21 +77,57 @@ def test_status_and_pool_list_go_through_the_broker(broker_srv, gpu, user):
 
 
 def test_pool_set_max_ttl_goes_through_the_broker(broker_srv, admin):
-    r = _gpulock("--broker-url", broker_srv.url, "pool", "set", "gpuT", "--capacity", "1GiB", "--max-ttl", "3600",
-                 "--json", token=ADMIN_TOKEN)
+    r = _gpulock(
+        "--broker-url",
+        broker_srv.url,
+        "pool",
+        "set",
+        "gpuT",
+        "--capacity",
+        "1GiB",
+        "--max-ttl",
+        "3600",
+        "--json",
+        token=ADMIN_TOKEN,
+    )
     assert r.returncode == 0, (r.returncode, r.stderr)
     assert json.loads(r.stdout)["max_ttl"] == 3600, r.stdout
     assert admin.get("/v1/pools/gpuT").json()["max_ttl"] == 3600
     # a capacity change alone keeps it
-    r = _gpulock("--broker-url", broker_srv.url, "pool", "set", "gpuT", "--capacity", "2GiB", token=ADMIN_TOKEN)
+    r = _gpulock(
+        "--broker-url",
+        broker_srv.url,
+        "pool",
+        "set",
+        "gpuT",
+        "--capacity",
+        "2GiB",
+        token=ADMIN_TOKEN,
+    )
     assert r.returncode == 0, (r.returncode, r.stderr)
     st = admin.get("/v1/pools/gpuT").json()
     assert (st["capacity"], st["max_ttl"]) == (2 * 2**30, 3600), st
     r = _gpulock("--broker-url", broker_srv.url, "status", "gpuT", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["max_ttl"] == 3600, (r.stdout, r.stderr)
-    r = _gpulock("--broker-url", broker_srv.url, "run", "--pool", "gpuT", "--amount", "1GiB", "--ttl", "120", "--",
-                 sys.executable, "-c", "pass")
-    assert r.returncode == 0, (r.returncode, r.stderr)  # over the default 60 s, within the pool's 3600
+    r = _gpulock(
+        "--broker-url",
+        broker_srv.url,
+        "run",
+        "--pool",
+        "gpuT",
+        "--amount",
+        "1GiB",
+        "--ttl",
+        "120",
+        "--",
+        sys.executable,
+        "-c",
+        "pass",
+    )
+    assert r.returncode == 0, (
+        r.returncode,
+        r.stderr,
+    )  # over the default 60 s, within the pool's 3600
 
 
 def test_pool_delete_goes_through_the_broker(broker_srv, gpu, admin, user):
@@ -87,9 +139,13 @@ def test_pool_delete_goes_through_the_broker(broker_srv, gpu, admin, user):
     assert "needs an admin token" in r.stderr and "for this pool" not in r.stderr, r.stderr
     r = _gpulock("--broker-url", broker_srv.url, "pool", "delete", gpu, token=ADMIN_TOKEN)
     assert r.returncode == 75, (r.returncode, r.stderr)
-    assert "1 lease(s) held" in r.stderr and "--force" in r.stderr and broker_srv.url in r.stderr, r.stderr
+    assert "1 lease(s) held" in r.stderr and "--force" in r.stderr and broker_srv.url in r.stderr, (
+        r.stderr
+    )
     assert admin.get(f"/v1/pools/{gpu}").status_code == 200  # still there
-    r = _gpulock("--broker-url", broker_srv.url, "pool", "delete", gpu, "--force", token=ADMIN_TOKEN)
+    r = _gpulock(
+        "--broker-url", broker_srv.url, "pool", "delete", gpu, "--force", token=ADMIN_TOKEN
+    )
     assert r.returncode == 0, (r.returncode, r.stderr)
     assert f"pool {gpu} deleted (1 lease(s) and 0 waiter(s) dropped)" in r.stdout, r.stdout
     assert admin.get(f"/v1/pools/{gpu}").status_code == 404
@@ -106,7 +162,19 @@ def test_missing_pool_names_the_broker(broker_srv):
 
 def test_run_through_an_unreachable_broker_says_broker(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
-    r = _gpulock("--broker-url", url, "run", "--pool", "gpu0", "--amount", "1GiB", "--timeout", "2", "--", "true")
+    r = _gpulock(
+        "--broker-url",
+        url,
+        "run",
+        "--pool",
+        "gpu0",
+        "--amount",
+        "1GiB",
+        "--timeout",
+        "2",
+        "--",
+        "true",
+    )
     assert r.returncode == 69, (r.returncode, r.stderr)
     assert f"broker at {url} is unavailable" in r.stderr, r.stderr
     assert "Redis" not in r.stderr, r.stderr
@@ -114,8 +182,18 @@ def test_run_through_an_unreachable_broker_says_broker(tmp_path):
 
 def test_run_with_a_bad_or_missing_token_exits_77_listed_in_help(broker_srv, gpu):
     for token in ("wrong-token-0123456789abcdef", None):
-        r = _gpulock("--broker-url", broker_srv.url, "run", "--pool", gpu, "--amount", "1GiB", "--", "true",
-                     token=token)
+        r = _gpulock(
+            "--broker-url",
+            broker_srv.url,
+            "run",
+            "--pool",
+            gpu,
+            "--amount",
+            "1GiB",
+            "--",
+            "true",
+            token=token,
+        )
         assert r.returncode == 77, (token, r.returncode, r.stderr)
         assert "GPULOCK_TOKEN" in r.stderr and "Traceback" not in r.stderr, r.stderr
     h = _gpulock("run", "--help")
@@ -123,16 +201,34 @@ def test_run_with_a_bad_or_missing_token_exits_77_listed_in_help(broker_srv, gpu
 
 
 def test_run_ttl_over_the_pools_max_is_refused_in_seconds(broker_srv, gpu):
-    r = _gpulock("--broker-url", broker_srv.url, "run", "--pool", gpu, "--amount", "1GiB", "--ttl", "120", "--",
-                 "true")
+    r = _gpulock(
+        "--broker-url",
+        broker_srv.url,
+        "run",
+        "--pool",
+        gpu,
+        "--amount",
+        "1GiB",
+        "--ttl",
+        "120",
+        "--",
+        "true",
+    )
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert "--ttl 120" in r.stderr and "60 s" in r.stderr, r.stderr
     assert "ttl_ms" not in r.stderr, r.stderr
 
 
 def test_serve_refuses_a_broker_url():
-    r = _gpulock("--broker-url", "http://127.0.0.1:1", "serve", "--model", "sleep", "--port",
-                 str(free_port()))
+    r = _gpulock(
+        "--broker-url",
+        "http://127.0.0.1:1",
+        "serve",
+        "--model",
+        "sleep",
+        "--port",
+        str(free_port()),
+    )
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert "--broker-url" in r.stderr and "Redis:" not in r.stderr
 
@@ -149,8 +245,13 @@ def test_broker_default_port_is_not_serves():
 
     assert DEFAULT_PORT == 8100
     for args in (("-m", "gpulock", "broker", "--help"), ("-m", "gpulock_service.broker", "--help")):
-        r = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "COLUMNS": "200"})
+        r = subprocess.run(
+            [sys.executable, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "COLUMNS": "200"},
+        )
         assert r.returncode == 0 and "8100" in r.stdout, (args, r.stdout, r.stderr)
     r = _gpulock("serve", "--help")
     assert "8000" in r.stdout, r.stdout

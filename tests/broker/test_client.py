@@ -160,7 +160,10 @@ def test_retry_storm_is_paced(broker_srv, admin):
             posts["n"] += 1
 
     async def main():
-        async with httpx.AsyncClient(base_url=broker_srv.url, headers={"Authorization": f"Bearer {USER_TOKEN}"}) as c:
+        async with httpx.AsyncClient(
+            base_url=broker_srv.url, headers={"Authorization": f"Bearer {USER_TOKEN}"}
+        ) as c:
+
             async def watch():
                 while True:
                     st = (await c.get("/v1/pools/storm")).json()

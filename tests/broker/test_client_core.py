@@ -28,13 +28,26 @@ class Clock:
 
 
 def grant_body(expires_in=30.0, ttl=30.0):
-    return {"lease_id": "a" * 32, "pool": "p", "amount": 5, "token": 7, "ttl": ttl, "expires_in": expires_in,
-            "expires_at": 1e9 + expires_in, "acquired_at": 1e9, "request_id": "r"}
+    return {
+        "lease_id": "a" * 32,
+        "pool": "p",
+        "amount": 5,
+        "token": 7,
+        "ttl": ttl,
+        "expires_in": expires_in,
+        "expires_at": 1e9 + expires_in,
+        "acquired_at": 1e9,
+        "request_id": "r",
+    }
 
 
 def queued(clock, pos=3, ra="2"):
-    return core.Reply(503, {"retry-after": ra, "x-queue-position": str(pos)},
-                      {"detail": {"error": "queued", "message": "m", "position": pos, "queue_length": 9}}, clock())
+    return core.Reply(
+        503,
+        {"retry-after": ra, "x-queue-position": str(pos)},
+        {"detail": {"error": "queued", "message": "m", "position": pos, "queue_length": 9}},
+        clock(),
+    )
 
 
 def drive(gen, clock, replies):
@@ -65,15 +78,32 @@ def cfg(clock, **kw):
 def test_retry_after_is_honoured_with_jitter_and_the_request_id_is_reused():
     clock = Clock()
     got = []
-    gen = core.acquire_steps(cfg(clock, max_wait=5), "4GiB", ttl=None, timeout=None, holder={"k": 1},
-                             request_id=None, on_queued=got.append)
-    res, steps = drive(gen, clock, [lambda s: queued(clock, 3), lambda s: queued(clock, 2, "4"),
-                                    lambda s: core.Reply(201, {}, grant_body(), clock())])
+    gen = core.acquire_steps(
+        cfg(clock, max_wait=5),
+        "4GiB",
+        ttl=None,
+        timeout=None,
+        holder={"k": 1},
+        request_id=None,
+        on_queued=got.append,
+    )
+    res, steps = drive(
+        gen,
+        clock,
+        [
+            lambda s: queued(clock, 3),
+            lambda s: queued(clock, 2, "4"),
+            lambda s: core.Reply(201, {}, grant_body(), clock()),
+        ],
+    )
     assert res[0]["lease_id"] == "a" * 32
     posts = [s for s in steps if isinstance(s, core.Http)]
     sleeps = [s.seconds for s in steps if isinstance(s, core.Sleep)]
     assert len({p.json["request_id"] for p in posts}) == 1
-    assert all(p.json["wait"] == 5 and p.json["holder"]["k"] == 1 and "host" in p.json["holder"] for p in posts)
+    assert all(
+        p.json["wait"] == 5 and p.json["holder"]["k"] == 1 and "host" in p.json["holder"]
+        for p in posts
+    )
     assert 2 <= sleeps[0] <= 2 * 1.3 and 4 <= sleeps[1] <= 4 * 1.3
     assert got == [3, 2]
 
@@ -86,10 +116,24 @@ def test_jitter_spreads_retries():
 
 def test_timeout_caps_the_waits_and_withdraws_the_place():
     clock = Clock()
-    gen = core.acquire_steps(cfg(clock, max_wait=20), 5, ttl=3, timeout=3.0, holder=None, request_id="rid",
-                             on_queued=None)
-    res, steps = drive(gen, clock, [lambda s: queued(clock, 1, "10"), lambda s: queued(clock, 1, "10"),
-                                    lambda s: core.Reply(200, {}, {}, clock())])
+    gen = core.acquire_steps(
+        cfg(clock, max_wait=20),
+        5,
+        ttl=3,
+        timeout=3.0,
+        holder=None,
+        request_id="rid",
+        on_queued=None,
+    )
+    res, steps = drive(
+        gen,
+        clock,
+        [
+            lambda s: queued(clock, 1, "10"),
+            lambda s: queued(clock, 1, "10"),
+            lambda s: core.Reply(200, {}, {}, clock()),
+        ],
+    )
     assert isinstance(res, AcquireTimeout) and res.position == 1 and res.retry_after == 10
     posts = [s for s in steps if isinstance(s, core.Http) and s.method == "POST"]
     assert posts[0].json["wait"] == 3.0 and posts[1].json["wait"] == 0  # last try at the deadline
@@ -100,8 +144,15 @@ def test_timeout_caps_the_waits_and_withdraws_the_place():
 
 def test_timeout_zero_tries_once_without_queueing():
     clock = Clock()
-    gen = core.acquire_steps(cfg(clock), 5, ttl=None, timeout=0, holder=None, request_id="r", on_queued=None)
-    busy = core.Reply(503, {"retry-after": "1"}, {"detail": {"error": "busy", "message": "m", "queue_length": 2}}, 0)
+    gen = core.acquire_steps(
+        cfg(clock), 5, ttl=None, timeout=0, holder=None, request_id="r", on_queued=None
+    )
+    busy = core.Reply(
+        503,
+        {"retry-after": "1"},
+        {"detail": {"error": "busy", "message": "m", "queue_length": 2}},
+        0,
+    )
     res, steps = drive(gen, clock, [lambda s: busy])
     assert isinstance(res, AcquireTimeout) and res.queue_length == 2
     assert len(steps) == 1 and steps[0].json["queue"] is False and steps[0].json["wait"] == 0
@@ -109,8 +160,15 @@ def test_timeout_zero_tries_once_without_queueing():
 
 def test_transport_errors_are_retried_then_backend_unavailable():
     clock = Clock()
-    gen = core.acquire_steps(cfg(clock, backend_timeout=3), 5, ttl=None, timeout=None, holder=None,
-                             request_id="r", on_queued=None)
+    gen = core.acquire_steps(
+        cfg(clock, backend_timeout=3),
+        5,
+        ttl=None,
+        timeout=None,
+        holder=None,
+        request_id="r",
+        on_queued=None,
+    )
     err = httpx.ConnectError("refused")
 
     def fail(step):
@@ -120,17 +178,31 @@ def test_transport_errors_are_retried_then_backend_unavailable():
     res, steps = drive(gen, clock, [fail] * 200)
     assert isinstance(res, BackendUnavailable)
     assert 3 <= clock.t - 100 < 6
-    assert len({s.json["request_id"] for s in steps if isinstance(s, core.Http) and s.method == "POST"}) == 1
+    assert (
+        len(
+            {s.json["request_id"] for s in steps if isinstance(s, core.Http) and s.method == "POST"}
+        )
+        == 1
+    )
 
 
-@pytest.mark.parametrize("status, detail, exc", [
-    (413, {"error": "capacity_exceeded", "message": "m", "amount": 9, "capacity": 4}, CapacityExceeded),
-    (404, {"error": "pool_not_found", "message": "m"}, PoolNotFound),
-    (401, {"error": "unauthorized", "message": "m"}, gpulock_client.AuthError),
-])
+@pytest.mark.parametrize(
+    "status, detail, exc",
+    [
+        (
+            413,
+            {"error": "capacity_exceeded", "message": "m", "amount": 9, "capacity": 4},
+            CapacityExceeded,
+        ),
+        (404, {"error": "pool_not_found", "message": "m"}, PoolNotFound),
+        (401, {"error": "unauthorized", "message": "m"}, gpulock_client.AuthError),
+    ],
+)
 def test_refusals_raise_at_once(status, detail, exc):
     clock = Clock()
-    gen = core.acquire_steps(cfg(clock), 9, ttl=None, timeout=None, holder=None, request_id="r", on_queued=None)
+    gen = core.acquire_steps(
+        cfg(clock), 9, ttl=None, timeout=None, holder=None, request_id="r", on_queued=None
+    )
     res, steps = drive(gen, clock, [lambda s: core.Reply(status, {}, {"detail": detail}, 0)])
     assert isinstance(res, exc) and len(steps) == 1 and res.status == status
     if exc is CapacityExceeded:
@@ -164,7 +236,10 @@ def test_renew_outcomes():
     ok = core.Reply(200, {}, {"expires_in": 30.0, "expires_at": 2e9, "ttl": 30.0}, 150.0)
     assert drive(core.renew_steps(cfg(clock), s, 1.0), clock, [lambda st: ok])[0] is True
     assert s.valid_until == pytest.approx(150 + 30 * 0.99 - 0.05)
-    assert drive(core.renew_steps(cfg(clock), s, 1.0), clock, [lambda st: httpx.ReadTimeout("t")])[0] is None
+    assert (
+        drive(core.renew_steps(cfg(clock), s, 1.0), clock, [lambda st: httpx.ReadTimeout("t")])[0]
+        is None
+    )
     assert s.active
     gone = core.Reply(410, {}, {"detail": {"error": "lease_lost", "message": "gone"}}, 0)
     assert drive(core.renew_steps(cfg(clock), s, 1.0), clock, [lambda st: gone])[0] is False
@@ -180,8 +255,11 @@ def test_release_reports_lost():
     ok = core.Reply(200, {}, {}, 0)
     res, _ = drive(core.release_steps(cfg(clock), s, "was lost"), clock, [lambda st: ok])
     assert isinstance(res, LeaseLost) and res.reason == "was lost"
-    res, steps = drive(core.release_steps(cfg(clock), s, None), clock,
-                       [lambda st: core.Reply(503, {"retry-after": "1"}, {}, 0), lambda st: ok])
+    res, steps = drive(
+        core.release_steps(cfg(clock), s, None),
+        clock,
+        [lambda st: core.Reply(503, {"retry-after": "1"}, {}, 0), lambda st: ok],
+    )
     assert res is None and isinstance(steps[1], core.Sleep)
 
 
@@ -196,7 +274,8 @@ def test_heartbeat_request_budget_ends_before_any_deadline():
 
 def test_public_names():
     assert sorted(gpulock_client.__all__) == sorted(
-        n for n in dir(gpulock_client) if not n.startswith("_") and n not in ("errors",))
+        n for n in dir(gpulock_client) if not n.startswith("_") and n not in ("errors",)
+    )
 
 
 def test_validity_counts_from_the_reply_after_a_long_poll():
@@ -211,5 +290,7 @@ def test_validity_counts_from_the_reply_after_a_long_poll():
     clock.t = s.valid_until
     with pytest.raises(LeaseLost):
         s.check()
-    old = core.LeaseState("p", grant_body(expires_in=2.0, ttl=2.0), sent=100.0, clock=Clock())  # old broker
+    old = core.LeaseState(
+        "p", grant_body(expires_in=2.0, ttl=2.0), sent=100.0, clock=Clock()
+    )  # old broker
     assert old.valid_until == pytest.approx(100.0 + 2.0 * 0.99 - 0.05)

@@ -64,7 +64,9 @@ def test_sync_pool_150_waiting_threads(broker_srv, admin):
         # The broker's queue fills up to the limit of connections for waits, never beyond.
         wait_until(lambda: _broker_waiters(admin, "crowd-s") >= limit, timeout=30, interval=0.05)
         first_expiry, valid = keeper.expires_at, keeper.valid_until
-        wait_until(lambda: keeper.valid_until > valid, timeout=5, interval=0.02)  # a heartbeat renewal
+        wait_until(
+            lambda: keeper.valid_until > valid, timeout=5, interval=0.02
+        )  # a heartbeat renewal
         for _ in range(3):  # control calls while the waits hold every wait connection
             t0 = time.monotonic()
             keeper.renew()
@@ -106,7 +108,9 @@ def test_async_pool_300_waiting_tasks(broker_srv, admin):
 
     async def crowd(pool: AsyncPool, watch: httpx.AsyncClient) -> None:
         limit = getattr(pool, "max_connections", DEFAULT_LIMIT)
-        keeper = await pool.acquire(100, ttl=2)  # held throughout; the heartbeat task renews it every ~0.7 s
+        keeper = await pool.acquire(
+            100, ttl=2
+        )  # held throughout; the heartbeat task renews it every ~0.7 s
         holder = await pool.acquire(900, ttl=30)
         granted: list[int] = []
 
@@ -177,7 +181,9 @@ def test_a_wait_beyond_the_limit_times_out_locally_as_acquire_timeout(broker_srv
     _make_pool(admin, "crowd-t")
 
     async def main() -> None:
-        async with AsyncPool(broker_srv.url, "crowd-t", token=USER_TOKEN, max_connections=2) as pool:
+        async with AsyncPool(
+            broker_srv.url, "crowd-t", token=USER_TOKEN, max_connections=2
+        ) as pool:
             assert pool.max_connections == 2
             holder = await pool.acquire(1000, ttl=30)
             first = [asyncio.create_task(pool.acquire(100, ttl=30, timeout=60)) for _ in range(2)]
@@ -220,7 +226,9 @@ def test_cancelled_waits_hand_their_connection_to_the_next(broker_srv, admin):
             await asyncio.sleep(0.02)
 
     async def main() -> None:
-        async with AsyncPool(broker_srv.url, "crowd-c", token=USER_TOKEN, max_connections=1) as pool:
+        async with AsyncPool(
+            broker_srv.url, "crowd-c", token=USER_TOKEN, max_connections=1
+        ) as pool:
             gate = pool._cfg.gate
             holder = await pool.acquire(1000, ttl=30)
             a = asyncio.create_task(pool.acquire(100, timeout=60, holder={"who": "a"}))
@@ -252,7 +260,9 @@ def test_sync_wait_beyond_the_limit_times_out_locally(broker_srv, admin):
     with Pool(broker_srv.url, "crowd-st", token=USER_TOKEN, max_connections=1) as pool:
         holder = pool.acquire(1000, ttl=30)
         out: dict = {}
-        first = threading.Thread(target=lambda: out.setdefault("a", pool.acquire(100, ttl=30, timeout=60)))
+        first = threading.Thread(
+            target=lambda: out.setdefault("a", pool.acquire(100, ttl=30, timeout=60))
+        )
         first.start()
         wait_until(lambda: _broker_waiters(admin, "crowd-st") == 1, timeout=10, interval=0.02)
         t0 = time.monotonic()

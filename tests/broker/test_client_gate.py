@@ -68,20 +68,31 @@ def _cfg(clock, gate):
     return core.PoolConfig("p", max_wait=5, clock=clock, rng=random.Random(1), gate=gate)
 
 
-GRANT = {"lease_id": "a" * 32, "amount": 5, "token": 7, "ttl": 30.0, "expires_in": 30.0,
-         "expires_at": 1e9, "acquired_at": 1e9, "request_id": "r"}
+GRANT = {
+    "lease_id": "a" * 32,
+    "amount": 5,
+    "token": 7,
+    "ttl": 30.0,
+    "expires_in": 30.0,
+    "expires_at": 1e9,
+    "acquired_at": 1e9,
+    "request_id": "r",
+}
 
 
 def test_acquire_enters_first_holds_the_slot_to_the_end_and_leaves():
     clock, gate = Clock(), core.Gate(1)
-    gen = core.acquire_steps(_cfg(clock, gate), 5, ttl=None, timeout=10, holder=None, request_id="r",
-                             on_queued=None)
+    gen = core.acquire_steps(
+        _cfg(clock, gate), 5, ttl=None, timeout=10, holder=None, request_id="r", on_queued=None
+    )
     step = gen.send(None)
     assert isinstance(step, core.Enter) and step.gate is gate and step.deadline == 110.0
     assert gate.enter(W("driver"))  # what the driver does for the step
     post = gen.send(True)
     assert isinstance(post, core.Http) and post.lane == core.WAIT and post.json["wait"] == 5
-    queued = core.Reply(503, {"retry-after": "0"}, {"detail": {"error": "queued", "position": 1}}, clock())
+    queued = core.Reply(
+        503, {"retry-after": "0"}, {"detail": {"error": "queued", "position": 1}}, clock()
+    )
     assert isinstance(gen.send(queued), core.Sleep)
     assert gate.in_use == 1  # kept across the long polls
     assert gen.send(None).lane == core.WAIT
@@ -93,8 +104,9 @@ def test_acquire_enters_first_holds_the_slot_to_the_end_and_leaves():
 
 def test_no_slot_before_the_timeout_is_acquire_timeout_at_position_0():
     clock, gate = Clock(), core.Gate(1)
-    gen = core.acquire_steps(_cfg(clock, gate), 5, ttl=None, timeout=2, holder=None, request_id="r",
-                             on_queued=None)
+    gen = core.acquire_steps(
+        _cfg(clock, gate), 5, ttl=None, timeout=2, holder=None, request_id="r", on_queued=None
+    )
     assert isinstance(gen.send(None), core.Enter)
     clock.t += 2
     with pytest.raises(AcquireTimeout) as e:
@@ -105,8 +117,9 @@ def test_no_slot_before_the_timeout_is_acquire_timeout_at_position_0():
 
 def test_an_interrupted_acquire_leaves_the_gate_when_closed():
     clock, gate = Clock(), core.Gate(1)
-    gen = core.acquire_steps(_cfg(clock, gate), 5, ttl=None, timeout=None, holder=None, request_id="r",
-                             on_queued=None)
+    gen = core.acquire_steps(
+        _cfg(clock, gate), 5, ttl=None, timeout=None, holder=None, request_id="r", on_queued=None
+    )
     gen.send(None)
     assert gate.enter(W("driver"))
     assert isinstance(gen.send(True), core.Http)
@@ -117,7 +130,8 @@ def test_an_interrupted_acquire_leaves_the_gate_when_closed():
 def test_timeout_zero_skips_the_gate_and_goes_on_the_control_lane():
     clock, gate = Clock(), core.Gate(1)
     assert gate.enter(W("other"))  # every wait connection taken
-    gen = core.acquire_steps(_cfg(clock, gate), 5, ttl=None, timeout=0, holder=None, request_id="r",
-                             on_queued=None)
+    gen = core.acquire_steps(
+        _cfg(clock, gate), 5, ttl=None, timeout=0, holder=None, request_id="r", on_queued=None
+    )
     step = gen.send(None)
     assert isinstance(step, core.Http) and step.lane == core.CONTROL and step.json["queue"] is False

@@ -23,13 +23,17 @@ GiB = 2**30
 JSON = {"content-type": "application/json"}
 
 
-@pytest.mark.parametrize("holder", [b'{"x":"\\ud800"}', b'{"\\ud800":"x"}', b'{"x":"ok\\udfff"}', b'{"\\uDC00":1}'])
+@pytest.mark.parametrize(
+    "holder", [b'{"x":"\\ud800"}', b'{"\\ud800":"x"}', b'{"x":"ok\\udfff"}', b'{"\\uDC00":1}']
+)
 def test_a_lone_surrogate_in_holder_is_422_naming_it_and_never_stored(user, gpu, redis_srv, holder):
     import redis
 
     rc = redis.Redis.from_url(redis_srv.url)
     before = {k: rc.dump(k) for k in rc.keys("gpulock:*")}
-    r = user.post("/v1/pools/gpu-a/leases", content=b'{"amount":1,"holder":' + holder + b"}", headers=JSON)
+    r = user.post(
+        "/v1/pools/gpu-a/leases", content=b'{"amount":1,"holder":' + holder + b"}", headers=JSON
+    )
     assert r.status_code == 422, r.text
     d = r.json()["detail"]
     assert any("holder" in [str(x) for x in e["loc"]] and "Unicode" in e["msg"] for e in d), d
@@ -43,8 +47,12 @@ def test_a_lone_surrogate_in_holder_is_422_naming_it_and_never_stored(user, gpu,
 
 
 def test_valid_non_ascii_holders_are_stored_and_shown(user, gpu):
-    holder = {"emoji": "\U0001F600", "note": "café"}
-    r = user.post("/v1/pools/gpu-a/leases", content=json.dumps({"amount": 1, "holder": holder}).encode(), headers=JSON)
+    holder = {"emoji": "\U0001f600", "note": "café"}
+    r = user.post(
+        "/v1/pools/gpu-a/leases",
+        content=json.dumps({"amount": 1, "holder": holder}).encode(),
+        headers=JSON,
+    )
     assert r.status_code == 201, r.text
     st = user.get("/v1/pools/gpu-a").json()
     assert {k: st["leases"][0]["holder"][k] for k in holder} == holder
@@ -53,7 +61,9 @@ def test_valid_non_ascii_holders_are_stored_and_shown(user, gpu):
 @pytest.fixture
 def durable_redis(default_binary):
     # the pool survives kill -9 (AOF, fsync always), so a route after the restart has something to read
-    with RedisProcess(default_binary, extra_args=["--appendonly", "yes", "--appendfsync", "always"]) as p:
+    with RedisProcess(
+        default_binary, extra_args=["--appendonly", "yes", "--appendfsync", "always"]
+    ) as p:
         yield p
 
 
@@ -62,6 +72,7 @@ def test_no_route_answers_500_after_redis_is_killed_and_restarted(durable_redis)
     srv = BrokerServer(durable_redis.url, max_wait=2.0, backend_timeout=2.0).start()
     try:
         with client(srv.url, ADMIN_TOKEN) as admin, client(srv.url, USER_TOKEN) as user:
+
             def warm() -> None:  # several pooled connections that the restart leaves dead
                 assert admin.put("/v1/pools/r0", json={"capacity": "4GiB"}).status_code == 200
                 for _ in range(3):
@@ -74,14 +85,31 @@ def test_no_route_answers_500_after_redis_is_killed_and_restarted(durable_redis)
                     assert r.json()["detail"]["error"] == "backend_unavailable", r.text
                     assert r.headers.get("retry-after") == "1", r.headers
                 else:
-                    assert r.status_code in ok, (r.request.method, r.request.url, r.status_code, r.text)
+                    assert r.status_code in ok, (
+                        r.request.method,
+                        r.request.url,
+                        r.status_code,
+                        r.text,
+                    )
 
             calls = [
                 ("GET /v1/pools", lambda: admin.get("/v1/pools"), (200,)),
                 ("GET /v1/pools/r0", lambda: admin.get("/v1/pools/r0"), (200,)),
-                ("PUT /v1/pools/r0", lambda: admin.put("/v1/pools/r0", json={"capacity": "4GiB"}), (200,)),
-                ("POST lease", lambda: user.post("/v1/pools/r0/leases", json={"amount": 1, "ttl": 5}), (201,)),
-                ("DELETE /v1/pools/r0", lambda: admin.delete("/v1/pools/r0", params={"force": "true"}), (200,)),
+                (
+                    "PUT /v1/pools/r0",
+                    lambda: admin.put("/v1/pools/r0", json={"capacity": "4GiB"}),
+                    (200,),
+                ),
+                (
+                    "POST lease",
+                    lambda: user.post("/v1/pools/r0/leases", json={"amount": 1, "ttl": 5}),
+                    (201,),
+                ),
+                (
+                    "DELETE /v1/pools/r0",
+                    lambda: admin.delete("/v1/pools/r0", params={"force": "true"}),
+                    (200,),
+                ),
             ]
             for _round in range(2):
                 for name, call, ok in calls:

@@ -23,7 +23,9 @@ def test_from_a_file_and_from_the_environment(tmp_path):
 
 
 def test_bad_json_names_where_and_the_line():
-    with pytest.raises(TokenConfigError, match=r"\$GPULOCK_BROKER_TOKENS: not valid JSON \(.* at line 2\)"):
+    with pytest.raises(
+        TokenConfigError, match=r"\$GPULOCK_BROKER_TOKENS: not valid JSON \(.* at line 2\)"
+    ):
         load_tokens(env={"GPULOCK_BROKER_TOKENS": '{"tokens":\n [,]}'})
 
 

@@ -95,29 +95,70 @@ class Service:
 
     def start(self) -> Service:
         env = dict(os.environ)
-        env.update({
-            "GPULOCK_REDIS_URL": self.redis_url, "GPULOCK_POOL": self.pool, "GPULOCK_CAPACITY": str(self.capacity),
-            "GPULOCK_CONFIGURE": "set", "GPULOCK_HISTORY_FILE": self.history_prefix,
-            "PROMETHEUS_MULTIPROC_DIR": str(self.tmp / "prom"), "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false", "GPULOCK_TORCH_THREADS": "1", "PYTHONUNBUFFERED": "1",
-        })
+        env.update(
+            {
+                "GPULOCK_REDIS_URL": self.redis_url,
+                "GPULOCK_POOL": self.pool,
+                "GPULOCK_CAPACITY": str(self.capacity),
+                "GPULOCK_CONFIGURE": "set",
+                "GPULOCK_HISTORY_FILE": self.history_prefix,
+                "PROMETHEUS_MULTIPROC_DIR": str(self.tmp / "prom"),
+                "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "GPULOCK_TORCH_THREADS": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         env.update({k: str(v) for k, v in self.env.items()})
         if self.server == "gunicorn":
-            cmd = [sys.executable, "-m", "gunicorn", "-c", "python:gpulock_service.gunicorn_conf",
-                   "-w", str(self.workers), "-k", "uvicorn_worker.UvicornWorker", "-b", f"127.0.0.1:{self.port}",
-                   "--log-level", "warning", "--graceful-timeout", "10"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "gunicorn",
+                "-c",
+                "python:gpulock_service.gunicorn_conf",
+                "-w",
+                str(self.workers),
+                "-k",
+                "uvicorn_worker.UvicornWorker",
+                "-b",
+                f"127.0.0.1:{self.port}",
+                "--log-level",
+                "warning",
+                "--graceful-timeout",
+                "10",
+            ]
             if self.preload:
                 cmd.append("--preload")
             if self.max_requests:
                 cmd += ["--max-requests", str(self.max_requests), "--max-requests-jitter", "2"]
             cmd.append("gpulock_service.app:app")
         else:
-            cmd = [sys.executable, "-m", "uvicorn", "gpulock_service.app:app", "--workers", str(self.workers),
-                   "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
-                   "--timeout-graceful-shutdown", "10"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "gpulock_service.app:app",
+                "--workers",
+                str(self.workers),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+                "--timeout-graceful-shutdown",
+                "10",
+            ]
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         _LIVE.add(self.proc.pid)
         return self
 
@@ -155,7 +196,11 @@ class Service:
         assert self.proc is not None
         kids = children(self.proc.pid)
         if self.server == "uvicorn":
-            kids = [k for k in kids if "spawn_main" in cmdline(k) and "resource_tracker" not in cmdline(k)]
+            kids = [
+                k
+                for k in kids
+                if "spawn_main" in cmdline(k) and "resource_tracker" not in cmdline(k)
+            ]
         return kids
 
     # ---- HTTP / Redis ----------------------------------------------------------------------
@@ -206,7 +251,9 @@ class Service:
         last = None
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
             try:
                 m = self.metrics()
                 last = m.get("gpulock_workers_ready")
@@ -215,7 +262,9 @@ class Service:
             except (httpx.HTTPError, OSError):
                 pass
             time.sleep(0.3)
-        raise TimeoutError(f"{self.name}: {last} of {n} workers ready after {timeout}s:\n{self.log_tail()}")
+        raise TimeoutError(
+            f"{self.name}: {last} of {n} workers ready after {timeout}s:\n{self.log_tail()}"
+        )
 
     def history(self) -> list[dict]:
         events = []
@@ -234,8 +283,14 @@ class Service:
 
 # ---- the safety invariant on recorded histories -------------------------------------------------
 
-def lease_intervals(events: list[dict], *, routes: set[str] | None = None, killed: dict[int, dict] | None = None,
-                    end: float | None = None) -> list[tuple[float, float, int, str]]:
+
+def lease_intervals(
+    events: list[dict],
+    *,
+    routes: set[str] | None = None,
+    killed: dict[int, dict] | None = None,
+    end: float | None = None,
+) -> list[tuple[float, float, int, str]]:
     """``(start, end, amount, lease_id)`` per lease: from the worker's grant record (written
     after the grant returned) to its release record (written before release was sent) — an
     inner bound of the server's interval, which still contains every CUDA call. The leases of a
@@ -258,14 +313,18 @@ def lease_intervals(events: list[dict], *, routes: set[str] | None = None, kille
             t1 = releases[lid]["t"]
         elif g["pid"] in killed:
             ends = killed[g["pid"]]
-            t1 = ends.get(lid, ends["killed_at"])  # not in Redis any more: it ended before we looked
+            t1 = ends.get(
+                lid, ends["killed_at"]
+            )  # not in Redis any more: it ended before we looked
         else:
             t1 = end
         out.append((g["t"], t1, int(g["amount"]), lid))
     return out
 
 
-def cuda_intervals(events: list[dict], *, killed: dict[int, float] | None = None) -> list[tuple[float, float, int, str]]:
+def cuda_intervals(
+    events: list[dict], *, killed: dict[int, float] | None = None
+) -> list[tuple[float, float, int, str]]:
     """``(start, end, amount, lease_id)`` of each guarded call's thread (cuda_start to
     cuda_end; a call cut by kill -9 ends at the kill)."""
     killed = killed or {}

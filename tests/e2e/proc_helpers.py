@@ -18,15 +18,23 @@ class Proc:
     def __init__(self, cmd: list[str], env: dict, log_path, port: int):
         self.port, self.url, self.log_path = port, f"http://127.0.0.1:{port}", log_path
         self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, stdout=self._log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         _LIVE.add(self.proc.pid)
 
     def wait_up(self, path: str = "/health", timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}"
+                )
             try:
                 if httpx.get(self.url + path, timeout=2).status_code == 200:
                     return

@@ -15,14 +15,20 @@ import pytest
 from e2e_helpers import GiB, cuda_intervals, lease_intervals, max_overlap
 
 SLEEP_SERVICE = {
-    "GPULOCK_MODEL": "sleep", "GPULOCK_SLEEP_BYTES": "1GiB", "GPULOCK_RESIDENT": "0",
-    "GPULOCK_EXECUTOR_THREADS": "8", "GPULOCK_ACQUIRE_TIMEOUT": "60", "GPULOCK_INFERENCE_TIMEOUT": "30",
+    "GPULOCK_MODEL": "sleep",
+    "GPULOCK_SLEEP_BYTES": "1GiB",
+    "GPULOCK_RESIDENT": "0",
+    "GPULOCK_EXECUTOR_THREADS": "8",
+    "GPULOCK_ACQUIRE_TIMEOUT": "60",
+    "GPULOCK_INFERENCE_TIMEOUT": "30",
 }
 
 
 @pytest.fixture(scope="module", params=["gunicorn", "uvicorn"])
 def c01_service(request, make_service):
-    svc = make_service(f"c01-{request.param}", server=request.param, workers=4, env=SLEEP_SERVICE, capacity=4 * GiB)
+    svc = make_service(
+        f"c01-{request.param}", server=request.param, workers=4, env=SLEEP_SERVICE, capacity=4 * GiB
+    )
     svc.wait_ready(4, timeout=90)
     return svc
 
@@ -31,12 +37,14 @@ async def _fire(url: str, n: int, body: dict) -> list[tuple[int, float, str]]:
     """``n`` requests "at once", each on its own connection; connections open 10 ms apart so
     the kernel hands them to different workers (with no gap one worker that happens to be awake
     can accept them all, and the case would run on one worker)."""
+
     async def one(i: int):
         await asyncio.sleep(0.01 * i)
         async with httpx.AsyncClient(base_url=url, timeout=120) as c:
             t0 = time.monotonic()
             r = await c.post("/v1/embeddings", json=body)
             return r.status_code, time.monotonic() - t0, r.headers.get("x-worker-pid", "")
+
     return await asyncio.gather(*(one(i) for i in range(n)))
 
 

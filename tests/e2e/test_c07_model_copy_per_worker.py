@@ -18,8 +18,12 @@ from e2e_helpers import GiB, alive, lease_intervals, max_overlap
 
 TTL = 3.0
 ENV = {
-    "GPULOCK_MODEL": "sleep", "GPULOCK_SLEEP_BYTES": "256MiB", "GPULOCK_SLEEP_SECONDS": "0.05",
-    "GPULOCK_RESIDENT": "3GiB", "GPULOCK_TTL": str(TTL), "GPULOCK_STARTUP_TIMEOUT": "2",
+    "GPULOCK_MODEL": "sleep",
+    "GPULOCK_SLEEP_BYTES": "256MiB",
+    "GPULOCK_SLEEP_SECONDS": "0.05",
+    "GPULOCK_RESIDENT": "3GiB",
+    "GPULOCK_TTL": str(TTL),
+    "GPULOCK_STARTUP_TIMEOUT": "2",
     "GPULOCK_ACQUIRE_TIMEOUT": "5",
 }
 
@@ -59,7 +63,11 @@ def _not_ready_pid(svc, timeout: float = 30):
 
 @pytest.mark.timeout(120)
 def test_c07_model_copy_per_worker(svc):
-    st = _wait(lambda: (lambda s: s if len(_residents(s)) == 3 else None)(svc.status()), 30, "3 resident leases")
+    st = _wait(
+        lambda: (lambda s: s if len(_residents(s)) == 3 else None)(svc.status()),
+        30,
+        "3 resident leases",
+    )
     assert st.used == 9 * GiB and all(lz.amount == 3 * GiB for lz in _residents(st))
     holders = {lz.holder["pid"] for lz in _residents(st)}
     # The 4th worker waits without queueing (a resident request that cannot fit must not block
@@ -77,7 +85,11 @@ def test_c07_model_copy_per_worker(svc):
             refused = r
             break
         assert r.status_code == 200, r.text  # the ready workers serve meanwhile
-    assert refused is not None and refused.status_code == 503 and "not ready" in refused.json()["detail"]
+    assert (
+        refused is not None
+        and refused.status_code == 503
+        and "not ready" in refused.json()["detail"]
+    )
     assert "retry-after" in refused.headers
 
     # A worker dies: its resident lease comes back within the ttl, and a waiting worker takes it
@@ -92,13 +104,19 @@ def test_c07_model_copy_per_worker(svc):
         pids = {lz.holder["pid"] for lz in _residents(s)}
         return s if len(pids) == 3 and victim not in pids else None
 
-    st2 = _wait(lambda: taken_over(svc.status()), TTL + 4, "a waiting worker to get the dead worker's bytes")
+    st2 = _wait(
+        lambda: taken_over(svc.status()), TTL + 4, "a waiting worker to get the dead worker's bytes"
+    )
     got_at = time.time()
     assert got_at - t_kill <= TTL + 3, got_at - t_kill
     assert st2.reaped_leases >= 1 and st2.used == 9 * GiB
     assert not alive(victim)
     # gunicorn started a replacement; one of the two waiting workers is now the one not ready.
-    _wait(lambda: len(svc.worker_pids()) == 4 and victim not in svc.worker_pids(), 30, "a replacement worker")
+    _wait(
+        lambda: len(svc.worker_pids()) == 4 and victim not in svc.worker_pids(),
+        30,
+        "a replacement worker",
+    )
     body2, _ = _not_ready_pid(svc)
     new_holders = {lz.holder["pid"] for lz in _residents(st2)}
     assert body2["pid"] not in new_holders and body2["pid"] != victim

@@ -18,9 +18,15 @@ import pytest
 from e2e_helpers import GiB, lease_intervals, max_overlap
 
 ENV = {
-    "GPULOCK_MODEL": "sleep", "GPULOCK_SLEEP_BYTES": "1GiB", "GPULOCK_SLEEP_SECONDS": "0.5", "GPULOCK_RESIDENT": "0",
-    "GPULOCK_EXECUTOR_THREADS": "16", "GPULOCK_ACQUIRE_TIMEOUT": "1.5", "GPULOCK_INFERENCE_TIMEOUT": "10",
-    "GPULOCK_PARK_TIMEOUT": "40", "GPULOCK_RESULT_TTL": "60",
+    "GPULOCK_MODEL": "sleep",
+    "GPULOCK_SLEEP_BYTES": "1GiB",
+    "GPULOCK_SLEEP_SECONDS": "0.5",
+    "GPULOCK_RESIDENT": "0",
+    "GPULOCK_EXECUTOR_THREADS": "16",
+    "GPULOCK_ACQUIRE_TIMEOUT": "1.5",
+    "GPULOCK_INFERENCE_TIMEOUT": "10",
+    "GPULOCK_PARK_TIMEOUT": "40",
+    "GPULOCK_RESULT_TTL": "60",
 }
 
 
@@ -35,10 +41,21 @@ async def _client(c: httpx.AsyncClient, i: int, rng: random.Random, log: list) -
     rid = f"storm-{i}-{uuid.uuid4()}"
     status = 0
     for attempt in range(4):
-        r = await c.post("/v1/embeddings", json={"input": [f"client {i}"]}, headers={"X-Request-ID": rid})
+        r = await c.post(
+            "/v1/embeddings", json={"input": [f"client {i}"]}, headers={"X-Request-ID": rid}
+        )
         status = r.status_code
-        log.append((i, attempt, time.monotonic(), r.status_code, r.headers.get("retry-after"),
-                    r.headers.get("x-queue-position"), r.headers.get("x-request-id")))
+        log.append(
+            (
+                i,
+                attempt,
+                time.monotonic(),
+                r.status_code,
+                r.headers.get("retry-after"),
+                r.headers.get("x-queue-position"),
+                r.headers.get("x-request-id"),
+            )
+        )
         if r.status_code != 503:
             break
         await asyncio.sleep(float(r.headers["retry-after"]) * rng.uniform(1.0, 1.5))
@@ -52,7 +69,9 @@ def test_c08_retry_storm(svc):
     g0 = svc.status().grants
 
     async def storm():
-        async with httpx.AsyncClient(base_url=svc.url, timeout=60, limits=httpx.Limits(max_connections=50)) as c:
+        async with httpx.AsyncClient(
+            base_url=svc.url, timeout=60, limits=httpx.Limits(max_connections=50)
+        ) as c:
             return await asyncio.gather(*(_client(c, i, rng, log) for i in range(50)))
 
     finals = asyncio.run(storm())
@@ -68,7 +87,7 @@ def test_c08_retry_storm(svc):
     # Retry-After follows the queue: later places are told to wait longer.
     first = sorted((int(e[5]), int(e[4])) for e in refusals if e[1] == 0)
     assert len({ra for _, ra in first}) >= 3, first
-    lo, hi = first[: len(first) // 3], first[-(len(first) // 3):]
+    lo, hi = first[: len(first) // 3], first[-(len(first) // 3) :]
     assert sum(ra for _, ra in hi) / len(hi) > sum(ra for _, ra in lo) / len(lo)
     # A retry keeps its place: a second 503 for the same client never shows a later position.
     by_client: dict[int, list] = {}
@@ -94,8 +113,10 @@ def test_same_request_id_runs_once_and_conflicting_body_is_refused(svc):
     body = {"input": ["sleep:1.0"]}
 
     async def twice():
-        async with httpx.AsyncClient(base_url=svc.url, timeout=30) as c1, \
-                httpx.AsyncClient(base_url=svc.url, timeout=30) as c2:
+        async with (
+            httpx.AsyncClient(base_url=svc.url, timeout=30) as c1,
+            httpx.AsyncClient(base_url=svc.url, timeout=30) as c2,
+        ):
             a = c1.post("/v1/embeddings", json=body, headers={"X-Request-ID": rid})
             b = c2.post("/v1/embeddings", json=body, headers={"X-Request-ID": rid})
             return await asyncio.gather(a, b)
@@ -105,9 +126,15 @@ def test_same_request_id_runs_once_and_conflicting_body_is_refused(svc):
     assert ra.status_code == rb.status_code == 200
     assert ra.json() == rb.json()
     assert svc.status().grants - g0 == 1, "two requests with one id must run once"
-    again = httpx.post(svc.url + "/v1/embeddings", json=body, headers={"X-Request-ID": rid}, timeout=30)
+    again = httpx.post(
+        svc.url + "/v1/embeddings", json=body, headers={"X-Request-ID": rid}, timeout=30
+    )
     assert again.status_code == 200 and again.headers.get("x-idempotent-replay") == "true"
     assert svc.status().grants - g0 == 1
-    other = httpx.post(svc.url + "/v1/embeddings", json={"input": ["different"]}, headers={"X-Request-ID": rid},
-                       timeout=30)
+    other = httpx.post(
+        svc.url + "/v1/embeddings",
+        json={"input": ["different"]},
+        headers={"X-Request-ID": rid},
+        timeout=30,
+    )
     assert other.status_code == 409

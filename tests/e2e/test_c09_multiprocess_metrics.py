@@ -21,8 +21,12 @@ from e2e_helpers import GiB, MiB, alive, lease_intervals, max_overlap
 
 RESIDENT = 128 * MiB
 ENV = {
-    "GPULOCK_MODEL": "sleep", "GPULOCK_SLEEP_BYTES": "1GiB", "GPULOCK_SLEEP_SECONDS": "0.2",
-    "GPULOCK_RESIDENT": str(RESIDENT), "GPULOCK_EXECUTOR_THREADS": "4", "GPULOCK_ACQUIRE_TIMEOUT": "60",
+    "GPULOCK_MODEL": "sleep",
+    "GPULOCK_SLEEP_BYTES": "1GiB",
+    "GPULOCK_SLEEP_SECONDS": "0.2",
+    "GPULOCK_RESIDENT": str(RESIDENT),
+    "GPULOCK_EXECUTOR_THREADS": "4",
+    "GPULOCK_ACQUIRE_TIMEOUT": "60",
     "GPULOCK_TTL": "5",
 }
 CAPACITY = 2 * GiB + 4 * RESIDENT
@@ -62,8 +66,12 @@ def _stable_scrape(svc, timeout: float = 60):
         before = svc.status()
         m = svc.metrics()
         after = svc.status()
-        same = ((before.used, before.lease_count, before.waiter_count, before.grants)
-                == (after.used, after.lease_count, after.waiter_count, after.grants))
+        same = (before.used, before.lease_count, before.waiter_count, before.grants) == (
+            after.used,
+            after.lease_count,
+            after.waiter_count,
+            after.grants,
+        )
         if same and after.used == 4 * RESIDENT and after.lease_count == 4:
             return m, after
         assert time.monotonic() < deadline, f"pool never quiet for one scrape: {after}"
@@ -97,6 +105,7 @@ def test_c09_multiprocess_metrics(svc):
                 async with sem:
                     r = await c.post("/v1/embeddings", json={"input": [f"req {i}"]})
                     return r.status_code, int(r.headers["x-worker-pid"])
+
             return await asyncio.gather(*(one(i) for i in range(n)))
 
     base = svc.metrics()
@@ -109,7 +118,9 @@ def test_c09_multiprocess_metrics(svc):
     assert len({pid for _, pid in results}) > 4, "workers should have recycled during the load"
 
     assert scrapes
-    assert any(_pool(svc, m, "gpulock_pool_waiters") > 0 for m, _ in scrapes), "the load should queue"
+    assert any(_pool(svc, m, "gpulock_pool_waiters") > 0 for m, _ in scrapes), (
+        "the load should queue"
+    )
     prev = -1.0
     for m, st in scrapes:
         assert _pool(svc, m, "gpulock_pool_capacity_bytes") == st.capacity == CAPACITY
@@ -129,11 +140,24 @@ def test_c09_multiprocess_metrics(svc):
     assert _pool(svc, m, "gpulock_pool_grants_total") == st.grants
     before = base.get("gpulock_requests_total{route=embeddings,status=200}", 0.0)
     assert m["gpulock_requests_total{route=embeddings,status=200}"] - before == n
-    assert m["gpulock_grants_total{route=embeddings}"] - base.get("gpulock_grants_total{route=embeddings}", 0) == n
-    assert m["gpulock_hold_seconds_count{route=embeddings}"] - base.get("gpulock_hold_seconds_count{route=embeddings}", 0) == n
-    assert m["gpulock_acquire_wait_seconds_count{route=embeddings}"] - base.get(
-        "gpulock_acquire_wait_seconds_count{route=embeddings}", 0) == n
-    assert m["gpulock_workers"] == 4 and m["gpulock_workers_ready"] == 4, "stale gauges of dead workers"
+    assert (
+        m["gpulock_grants_total{route=embeddings}"]
+        - base.get("gpulock_grants_total{route=embeddings}", 0)
+        == n
+    )
+    assert (
+        m["gpulock_hold_seconds_count{route=embeddings}"]
+        - base.get("gpulock_hold_seconds_count{route=embeddings}", 0)
+        == n
+    )
+    assert (
+        m["gpulock_acquire_wait_seconds_count{route=embeddings}"]
+        - base.get("gpulock_acquire_wait_seconds_count{route=embeddings}", 0)
+        == n
+    )
+    assert m["gpulock_workers"] == 4 and m["gpulock_workers_ready"] == 4, (
+        "stale gauges of dead workers"
+    )
     assert m["gpulock_worker_resident_bytes"] == 4 * RESIDENT
     peak, _ = max_overlap(lease_intervals(svc.history()))
     assert peak <= CAPACITY

@@ -28,8 +28,12 @@ from gpulock.embedded import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = {
-    "GPULOCK_MODEL": "flag_model:factory", "GPULOCK_SLEEP_BYTES": "512MiB", "GPULOCK_RESIDENT": "0",
-    "GPULOCK_EXECUTOR_THREADS": "8", "GPULOCK_ACQUIRE_TIMEOUT": "60", "GPULOCK_INFERENCE_TIMEOUT": "60",
+    "GPULOCK_MODEL": "flag_model:factory",
+    "GPULOCK_SLEEP_BYTES": "512MiB",
+    "GPULOCK_RESIDENT": "0",
+    "GPULOCK_EXECUTOR_THREADS": "8",
+    "GPULOCK_ACQUIRE_TIMEOUT": "60",
+    "GPULOCK_INFERENCE_TIMEOUT": "60",
     "PYTHONPATH": os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p),
 }
 TOKEN = "disconnect-token-0123456789abcdef"
@@ -37,7 +41,9 @@ TOKEN = "disconnect-token-0123456789abcdef"
 
 @pytest.fixture(scope="module")
 def svc(make_service):
-    s = make_service("disconnect", server="gunicorn", workers=2, env=ENV, capacity=GiB)  # 2 inputs fill it
+    s = make_service(
+        "disconnect", server="gunicorn", workers=2, env=ENV, capacity=GiB
+    )  # 2 inputs fill it
     s.wait_ready(2, timeout=90)
     return s
 
@@ -58,8 +64,11 @@ def _open_post(port: int, path: str, body: dict, headers: dict | None = None) ->
     raw = json.dumps(body).encode()
     hdrs = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{hdrs}"
-              f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    s.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{hdrs}"
+        f"Content-Length: {len(raw)}\r\n\r\n".encode()
+        + raw
+    )
     return s
 
 
@@ -80,12 +89,19 @@ def _status_499(svc) -> float:
 
 
 @pytest.mark.timeout(120)
-def test_clients_that_hang_up_while_queued_leave_the_queue_at_once_and_never_run(svc, tmp_path: Path):
+def test_clients_that_hang_up_while_queued_leave_the_queue_at_once_and_never_run(
+    svc, tmp_path: Path
+):
     port = int(svc.url.rsplit(":", 1)[1])
     go = tmp_path / "go"
     before_499 = _status_499(svc)
-    hold_t, hold = _in_thread(lambda: httpx.post(svc.url + "/v1/embeddings", timeout=90,
-                                                 json={"input": [f"flag:{tmp_path}/holder", f"wait:{go}"]}))
+    hold_t, hold = _in_thread(
+        lambda: httpx.post(
+            svc.url + "/v1/embeddings",
+            timeout=90,
+            json={"input": [f"flag:{tmp_path}/holder", f"wait:{go}"]},
+        )
+    )
     _until(lambda: (tmp_path / "holder").exists(), "the holder running")
     assert svc.status().used == GiB
 
@@ -106,7 +122,9 @@ def _hang_up_while_queued(svc, port: int, tmp_path: Path, go: Path) -> None:
     gone = []
     for i in range(4):  # two plain, two with X-Request-ID (a place that is kept for retries)
         h = {"X-Request-ID": f"gone-{i}"} if i % 2 else {}
-        gone.append(_open_post(port, "/v1/embeddings", {"input": [f"flag:{tmp_path}/gone-{i}", "x"]}, h))
+        gone.append(
+            _open_post(port, "/v1/embeddings", {"input": [f"flag:{tmp_path}/gone-{i}", "x"]}, h)
+        )
         _until(lambda: svc.status().waiter_count == i + 1, f"request {i} queued")
     t0 = time.monotonic()
     for s in gone:
@@ -118,8 +136,13 @@ def _hang_up_while_queued(svc, port: int, tmp_path: Path, go: Path) -> None:
 
     # A witness queued after them: FIFO, so had any hung-up request been granted it would run
     # before the witness. The holder goes on, then the witness runs; the hung-up ones never do.
-    wit_t, wit = _in_thread(lambda: httpx.post(svc.url + "/v1/embeddings", timeout=90,
-                                               json={"input": [f"flag:{tmp_path}/witness", "x"]}))
+    wit_t, wit = _in_thread(
+        lambda: httpx.post(
+            svc.url + "/v1/embeddings",
+            timeout=90,
+            json={"input": [f"flag:{tmp_path}/witness", "x"]},
+        )
+    )
     _until(lambda: svc.status().waiter_count == 1, "the witness queued")
     go.touch()
     wit_t.join(60)
@@ -128,14 +151,23 @@ def _hang_up_while_queued(svc, port: int, tmp_path: Path, go: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_client_that_hangs_up_while_its_work_runs_lets_it_finish_and_drops_the_result(svc, tmp_path: Path):
+def test_a_client_that_hangs_up_while_its_work_runs_lets_it_finish_and_drops_the_result(
+    svc, tmp_path: Path
+):
     port = int(svc.url.rsplit(":", 1)[1])
     before = _disconnects(svc, "running")
-    s = _open_post(port, "/v1/embeddings", {"input": [f"flag:{tmp_path}/started", f"wait:{tmp_path}/go"]})
+    s = _open_post(
+        port, "/v1/embeddings", {"input": [f"flag:{tmp_path}/started", f"wait:{tmp_path}/go"]}
+    )
     try:
         _until(lambda: (tmp_path / "started").exists(), "the work running")
         s.close()
-        _until(lambda: _disconnects(svc, "running") == before + 1, "the hang-up counted", timeout=5, every=0.05)
+        _until(
+            lambda: _disconnects(svc, "running") == before + 1,
+            "the hang-up counted",
+            timeout=5,
+            every=0.05,
+        )
         assert svc.status().used == GiB, "the lease is held while the thread still runs"
     finally:
         (tmp_path / "go").touch()
@@ -145,14 +177,34 @@ def test_a_client_that_hangs_up_while_its_work_runs_lets_it_finish_and_drops_the
 
 # ---- the broker ------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def broker(e2e_redis, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("broker-disc")
     port = free_port()
-    env = {"GPULOCK_BROKER_TOKENS": json.dumps({"tokens": [{"name": "u", "token": TOKEN, "pools": ["*"],
-                                                             "admin": True}]})}
-    p = Proc([sys.executable, "-m", "gpulock_service.broker", "--host", "127.0.0.1", "--port", str(port),
-              "--redis-url", e2e_redis.url, "--log-level", "warning"], env, tmp / "broker.log", port)
+    env = {
+        "GPULOCK_BROKER_TOKENS": json.dumps(
+            {"tokens": [{"name": "u", "token": TOKEN, "pools": ["*"], "admin": True}]}
+        )
+    }
+    p = Proc(
+        [
+            sys.executable,
+            "-m",
+            "gpulock_service.broker",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--redis-url",
+            e2e_redis.url,
+            "--log-level",
+            "warning",
+        ],
+        env,
+        tmp / "broker.log",
+        port,
+    )
     try:
         p.wait_up()
         yield p
@@ -171,19 +223,31 @@ def test_a_broker_client_that_hangs_up_during_its_long_poll_leaves_the_queue(bro
         def waiters() -> int:
             return c.get("/v1/pools/disc").json()["waiter_count"]
 
-        s = _open_post(broker.port, "/v1/pools/disc/leases", {"amount": "1GiB", "wait": 20, "request_id": "gone"},
-                       auth)
+        s = _open_post(
+            broker.port,
+            "/v1/pools/disc/leases",
+            {"amount": "1GiB", "wait": 20, "request_id": "gone"},
+            auth,
+        )
         _until(lambda: waiters() == 1, "the long poll queued")
         t0 = time.monotonic()
         s.close()
         _until(lambda: waiters() == 0, "the hung-up request to leave the queue", timeout=5)
         took = time.monotonic() - t0
-        print(f"broker: the hung-up long poll left the queue {took * 1000:.0f} ms after its socket closed")
+        print(
+            f"broker: the hung-up long poll left the queue {took * 1000:.0f} ms after its socket closed"
+        )
         assert took < 2.0
 
         # a witness queued after it gets the bytes the moment the holder releases them
-        wit_t, wit = _in_thread(lambda: httpx.post(broker.url + "/v1/pools/disc/leases", headers=auth, timeout=30,
-                                                   json={"amount": "1GiB", "wait": 20, "request_id": "witness"}))
+        wit_t, wit = _in_thread(
+            lambda: httpx.post(
+                broker.url + "/v1/pools/disc/leases",
+                headers=auth,
+                timeout=30,
+                json={"amount": "1GiB", "wait": 20, "request_id": "witness"},
+            )
+        )
         _until(lambda: waiters() == 1, "the witness queued")
         assert c.delete(f"/v1/pools/disc/leases/{holder.json()['lease_id']}").status_code == 200
         wit_t.join(30)

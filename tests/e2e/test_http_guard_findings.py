@@ -19,7 +19,15 @@ import socket
 
 import httpx
 import pytest
-from test_http_limits import READ_TIMEOUT, SURFACES, _slow_client, _target, broker, service, user_app  # noqa: F401
+from test_http_limits import (
+    READ_TIMEOUT,
+    SURFACES,
+    _slow_client,
+    _target,
+    broker,  # noqa: F401 - fixture
+    service,  # noqa: F401 - fixture
+    user_app,  # noqa: F401 - fixture
+)
 
 MAX_HEAD = 64 * 1024
 OK = {"service": {"input": ["x"]}, "broker": {"amount": 1}, "user_app": {"texts": ["x"]}}
@@ -49,7 +57,11 @@ def _raw(port: int, data: bytes, timeout: float = 10) -> bytes:
             got += chunk
             head, sep, body = got.partition(b"\r\n\r\n")
             if sep:
-                cl = [int(x.split(b":", 1)[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length:")]
+                cl = [
+                    int(x.split(b":", 1)[1])
+                    for x in head.split(b"\r\n")
+                    if x.lower().startswith(b"content-length:")
+                ]
                 if cl and len(body) >= cl[0]:
                     break
         return got
@@ -74,7 +86,7 @@ def test_a_head_over_64KiB_is_431(request, surface, size):
     with socket.create_connection(("127.0.0.1", _port(url)), timeout=10) as s:
         for i in range(0, size, 8192):
             try:
-                s.sendall(head[i:i + 8192])
+                s.sendall(head[i : i + 8192])
             except (BrokenPipeError, ConnectionResetError):
                 break
         got = b""
@@ -101,8 +113,14 @@ def _nested_bodies(surface: str) -> list[tuple[str, str]]:
     base = {k: v for k, v in OK[surface].items() if k != f}
     pre = json.dumps(base)[:-1] + (", " if base else "")
     return [
-        ("holder-like: 500 nested objects", pre + f'"{f}": ' + '{"a":' * 500 + "1" + "}" * 500 + "}"),
-        ("3,000 nested arrays in an unknown field", ok + ', "zzz": ' + "[" * 3000 + "]" * 3000 + "}"),
+        (
+            "holder-like: 500 nested objects",
+            pre + f'"{f}": ' + '{"a":' * 500 + "1" + "}" * 500 + "}",
+        ),
+        (
+            "3,000 nested arrays in an unknown field",
+            ok + ', "zzz": ' + "[" * 3000 + "]" * 3000 + "}",
+        ),
         ("1,000 nested arrays in the field", pre + f'"{f}": ' + "[" * 1000 + "]" * 1000 + "}"),
         ("600 nested arrays in the field", pre + f'"{f}": ' + "[" * 600 + "]" * 600 + "}"),
         ("100,000 nested arrays", pre + f'"{f}": ' + "[" * 100_000 + "]" * 100_000 + "}"),
@@ -114,24 +132,37 @@ def _nested_bodies(surface: str) -> list[tuple[str, str]]:
 def test_json_nested_too_deeply_is_400_or_422_never_500(request, surface):
     url, path, headers = _target(request, surface)
     for what, body in _nested_bodies(surface):
-        r = httpx.post(url + path, content=body.encode(), timeout=30,
-                       headers={**headers, "Content-Type": "application/json"})
+        r = httpx.post(
+            url + path,
+            content=body.encode(),
+            timeout=30,
+            headers={**headers, "Content-Type": "application/json"},
+        )
         assert r.status_code in (400, 422), (surface, what, r.status_code, r.text[:300])
         if r.status_code == 400:
             assert "JSON nested too deeply" in r.text, (surface, what, r.text[:300])
         else:
-            assert len(r.content) < 64 * 1024, (surface, what, len(r.content))  # the echo is bounded
+            assert len(r.content) < 64 * 1024, (
+                surface,
+                what,
+                len(r.content),
+            )  # the echo is bounded
     r = httpx.post(url + path, json=OK[surface], headers=headers, timeout=10)
     assert r.status_code in (200, 201), r.text  # still serving
     if surface == "broker":
-        assert httpx.delete(f"{url}{path}/{r.json()['lease_id']}", headers=headers).status_code == 200
+        assert (
+            httpx.delete(f"{url}{path}/{r.json()['lease_id']}", headers=headers).status_code == 200
+        )
 
 
 def _shape(surface: str, r_status: int, detail, code: str) -> str:
     """The message of a guard's error body, checking the surface's shape."""
     if surface == "broker":
-        assert isinstance(detail, dict) and detail.get("error") == code and isinstance(detail.get("message"), str), \
-            (r_status, detail)
+        assert (
+            isinstance(detail, dict)
+            and detail.get("error") == code
+            and isinstance(detail.get("message"), str)
+        ), (r_status, detail)
         return detail["message"]
     assert isinstance(detail, str), (surface, r_status, detail)
     return detail
@@ -146,8 +177,12 @@ def test_guard_errors_have_the_surface_error_shape(request, surface):
     assert r.status_code == 400
     assert "UTF-8" in _shape(surface, 400, r.json()["detail"], "invalid_utf8")
 
-    r = httpx.post(url + path, content=(json.dumps(OK[surface])[:-1] + ', "z": ' + "[" * 5000 + "]" * 5000 + "}"),
-                   headers=jh, timeout=10)
+    r = httpx.post(
+        url + path,
+        content=(json.dumps(OK[surface])[:-1] + ', "z": ' + "[" * 5000 + "]" * 5000 + "}"),
+        headers=jh,
+        timeout=10,
+    )
     assert r.status_code == 400
     assert "nested too deeply" in _shape(surface, 400, r.json()["detail"], "nested_too_deeply")
 
@@ -163,8 +198,10 @@ def test_guard_errors_have_the_surface_error_shape(request, surface):
 
     # 408: a body that stops arriving
     hdrs = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{hdrs}"
-            f"Content-Length: 100\r\n\r\n{{\"input\": [").encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{hdrs}"
+        f'Content-Length: 100\r\n\r\n{{"input": ['
+    ).encode()
     _, answer = _slow_client(_port(url), head, b"", every=0.2, give_up=4 * READ_TIMEOUT)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     detail = json.loads(answer.partition(b"\r\n\r\n")[2])["detail"]

@@ -65,8 +65,25 @@ def test_loadtest_counts_connection_errors_apart_and_says_the_server_went_away()
     try:
         url = f"http://127.0.0.1:{srv.server_address[1]}"
         env = {**os.environ, "COLUMNS": "200"}
-        r = subprocess.run([sys.executable, "-m", "gpulock_service", "loadtest", url, "-c", "4", "-n", "40", "-b", "2"],
-                           capture_output=True, text=True, timeout=50, env=env)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gpulock_service",
+                "loadtest",
+                url,
+                "-c",
+                "4",
+                "-n",
+                "40",
+                "-b",
+                "2",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=50,
+            env=env,
+        )
     finally:
         srv.shutdown()
         srv.server_close()
@@ -112,8 +129,25 @@ def test_loadtest_against_something_that_is_not_the_service_says_so_without_nan(
     try:
         url = f"http://127.0.0.1:{srv.server_address[1]}"
         env = {**os.environ, "COLUMNS": "200"}
-        r = subprocess.run([sys.executable, "-m", "gpulock_service", "loadtest", url, "-c", "2", "-n", "6", "-b", "1"],
-                           capture_output=True, text=True, timeout=50, env=env)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gpulock_service",
+                "loadtest",
+                url,
+                "-c",
+                "2",
+                "-n",
+                "6",
+                "-b",
+                "1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=50,
+            env=env,
+        )
     finally:
         srv.shutdown()
         srv.server_close()

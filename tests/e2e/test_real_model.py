@@ -30,9 +30,14 @@ TTL = 5.0
 RESIDENT = 128 * MiB
 CAPACITY = 4 * RESIDENT + 180 * MiB
 ENV = {
-    "GPULOCK_MODEL": "minilm", "GPULOCK_RESIDENT": str(RESIDENT), "GPULOCK_TTL": str(TTL),
-    "GPULOCK_ACQUIRE_TIMEOUT": "3", "GPULOCK_INFERENCE_TIMEOUT": "60", "GPULOCK_EXECUTOR_THREADS": "2",
-    "GPULOCK_STARTUP_TIMEOUT": "5", "GPULOCK_PARK_TIMEOUT": "0",
+    "GPULOCK_MODEL": "minilm",
+    "GPULOCK_RESIDENT": str(RESIDENT),
+    "GPULOCK_TTL": str(TTL),
+    "GPULOCK_ACQUIRE_TIMEOUT": "3",
+    "GPULOCK_INFERENCE_TIMEOUT": "60",
+    "GPULOCK_EXECUTOR_THREADS": "2",
+    "GPULOCK_STARTUP_TIMEOUT": "5",
+    "GPULOCK_PARK_TIMEOUT": "0",
 }
 SEEN: collections.Counter = collections.Counter()  # statuses of /v1/embeddings this module saw
 
@@ -51,12 +56,18 @@ def _post(c: httpx.Client, body: dict, **kw) -> httpx.Response:
 
 
 def _cos(a, b):
-    return sum(x * y for x, y in zip(a, b)) / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+    return sum(x * y for x, y in zip(a, b)) / math.sqrt(
+        sum(x * x for x in a) * sum(y * y for y in b)
+    )
 
 
 @pytest.mark.timeout(60)
 def test_embeddings_openai_shape(svc):
-    texts = ["A cat sits on the mat.", "A kitten is sitting on a rug.", "Quarterly revenue exceeded expectations."]
+    texts = [
+        "A cat sits on the mat.",
+        "A kitten is sitting on a rug.",
+        "Quarterly revenue exceeded expectations.",
+    ]
     with httpx.Client(base_url=svc.url, timeout=30) as c:
         r = _post(c, {"input": texts, "model": "all-MiniLM-L6-v2"})
         assert r.status_code == 200, r.text
@@ -67,7 +78,10 @@ def test_embeddings_openai_shape(svc):
         assert all(len(v) == 384 for v in vecs)
         assert all(abs(math.sqrt(sum(x * x for x in v)) - 1) < 1e-3 for v in vecs)
         assert _cos(vecs[0], vecs[1]) > _cos(vecs[0], vecs[2]) + 0.3
-        assert body["usage"]["prompt_tokens"] > 10 and body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"]
+        assert (
+            body["usage"]["prompt_tokens"] > 10
+            and body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"]
+        )
         assert "gpulock-wait" in r.headers["server-timing"]
         one = _post(c, {"input": texts[0]})
         assert one.status_code == 200 and len(one.json()["data"]) == 1
@@ -113,9 +127,16 @@ def test_oversized_bodies_are_refused_before_parsing_and_long_texts_are_cheap(sv
         took = time.monotonic() - t0
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == 256 + len("short text".split()) + 2
-        prefix = _post(c, {"input": [long[:256 * 32]]})
-        assert max(abs(a - b) for a, b in zip(r.json()["data"][0]["embedding"],
-                                              prefix.json()["data"][0]["embedding"])) < 1e-4
+        prefix = _post(c, {"input": [long[: 256 * 32]]})
+        assert (
+            max(
+                abs(a - b)
+                for a, b in zip(
+                    r.json()["data"][0]["embedding"], prefix.json()["data"][0]["embedding"]
+                )
+            )
+            < 1e-4
+        )
         assert took < 10, f"a 14 MB text took {took:.1f}s"
         for _ in range(4):
             assert c.get("/ready").status_code == 200
@@ -124,10 +145,17 @@ def test_oversized_bodies_are_refused_before_parsing_and_long_texts_are_cheap(sv
 @pytest.mark.timeout(60)
 def test_bad_input_is_a_4xx_never_a_500(svc):
     with httpx.Client(base_url=svc.url, timeout=30) as c:
-        def raw(body: str):
-            return c.post("/v1/embeddings", content=body.encode(), headers={"content-type": "application/json"})
 
-        r = raw('{"input": "hi", "dimensions": NaN}')  # Python's JSON parser takes NaN; JSON cannot echo it
+        def raw(body: str):
+            return c.post(
+                "/v1/embeddings",
+                content=body.encode(),
+                headers={"content-type": "application/json"},
+            )
+
+        r = raw(
+            '{"input": "hi", "dimensions": NaN}'
+        )  # Python's JSON parser takes NaN; JSON cannot echo it
         assert r.status_code == 422 and ("NaN" in r.text or "nan" in r.text), r.text
         r = raw('{"input": ["ok", "\\ud800"]}')  # a JSON escape of a lone surrogate
         assert r.status_code == 422 and "input[1]" in r.json()["detail"], r.text
@@ -135,9 +163,13 @@ def test_bad_input_is_a_4xx_never_a_500(svc):
         assert r.status_code == 404 and "all-MiniLM-L6-v2" in r.json()["detail"]
         assert _post(c, {"input": "hi", "model": "all-MiniLM-L6-v2"}).status_code == 200
         # A lone surrogate in a field that fails validation: the 422 echoes it back, escaped.
-        for body in ('{"input":"hi","encoding_format":"\\ud800"}', '{"input":["ok",5,"\\ud800"]}',
-                     '{"input":{"\\ud800":1}}', '{"input":"hi","user":["\\ud800"]}',
-                     '{"input":"hi","dimensions":"\\ud800"}'):
+        for body in (
+            '{"input":"hi","encoding_format":"\\ud800"}',
+            '{"input":["ok",5,"\\ud800"]}',
+            '{"input":{"\\ud800":1}}',
+            '{"input":"hi","user":["\\ud800"]}',
+            '{"input":"hi","dimensions":"\\ud800"}',
+        ):
             r = raw(body)
             assert r.status_code == 422, (body, r.status_code, r.text)
         r = raw('{"input":"hi","dimensions":true}')  # a boolean is not a number of dimensions
@@ -152,8 +184,9 @@ def test_c06_preload_fork(svc, e2e_redis):
     assert len(workers) == 4
     with open(f"/proc/{master}/maps") as f:
         maps = f.read()
-    assert "libtorch" not in maps and "libcuda" not in maps and "libc10" not in maps, \
+    assert "libtorch" not in maps and "libcuda" not in maps and "libc10" not in maps, (
         "the gunicorn master must not load torch (CUDA before fork breaks the workers)"
+    )
     for w in workers:
         with open(f"/proc/{w}/maps") as f:
             assert "libtorch" in f.read(), "each worker loads torch itself, after the fork"
@@ -179,14 +212,20 @@ def test_c06_preload_fork(svc, e2e_redis):
 
 @pytest.mark.timeout(120)
 def test_overload_answers_503_with_retry_after(svc):
-    sentences = [f"Sentence number {i} about the weather, the markets and the news today." for i in range(64)]
+    sentences = [
+        f"Sentence number {i} about the weather, the markets and the news today." for i in range(64)
+    ]
 
     async def flood():
-        async with httpx.AsyncClient(base_url=svc.url, timeout=60, limits=httpx.Limits(max_connections=64)) as c:
+        async with httpx.AsyncClient(
+            base_url=svc.url, timeout=60, limits=httpx.Limits(max_connections=64)
+        ) as c:
+
             async def one():
                 r = await c.post("/v1/embeddings", json={"input": sentences})
                 SEEN[r.status_code] += 1
                 return r
+
             return await asyncio.gather(*(one() for _ in range(64)))
 
     rs = asyncio.run(flood())
@@ -219,7 +258,10 @@ def test_metrics_agree_with_what_the_test_saw(svc):
     m, st = svc.metrics(), svc.status()
     for status, n in SEEN.items():
         if status in (200, 503):
-            assert m.get(f"gpulock_requests_total{{route=embeddings,status={status}}}", 0) == n, (status, n)
+            assert m.get(f"gpulock_requests_total{{route=embeddings,status={status}}}", 0) == n, (
+                status,
+                n,
+            )
     assert m[f"gpulock_pool_capacity_bytes{{pool={svc.pool}}}"] == st.capacity == CAPACITY
     assert m[f"gpulock_pool_used_bytes{{pool={svc.pool}}}"] == st.used == 4 * RESIDENT
     assert m[f"gpulock_pool_leases{{pool={svc.pool}}}"] == st.lease_count == 4
@@ -234,12 +276,18 @@ def test_kill_9_worker_mid_request(svc):
     svc.wait_ready(4, timeout=60)
     g = svc.status()
     reaped0 = g.reaped_leases
-    long = [f"A longer sentence, number {i}, to keep the worker busy for a moment or two." for i in range(48)]
+    long = [
+        f"A longer sentence, number {i}, to keep the worker busy for a moment or two."
+        for i in range(48)
+    ]
 
     async def run():
         if True:
+
             async def one(i):  # a client that retries 503s after Retry-After, as clients should
-                await asyncio.sleep(0.01 * i)  # own connection, 10 ms apart: spread over the workers
+                await asyncio.sleep(
+                    0.01 * i
+                )  # own connection, 10 ms apart: spread over the workers
                 async with httpx.AsyncClient(base_url=svc.url, timeout=60) as c:
                     for _ in range(20):
                         try:
@@ -254,7 +302,9 @@ def test_kill_9_worker_mid_request(svc):
             tasks = [asyncio.create_task(one(i)) for i in range(8)]
             victim = None
             deadline = time.monotonic() + 30
-            while victim is None and time.monotonic() < deadline:  # a worker inside its CUDA section
+            while (
+                victim is None and time.monotonic() < deadline
+            ):  # a worker inside its CUDA section
                 await asyncio.sleep(0.05)
                 ev = svc.history()
                 ended = {e["lease_id"] for e in ev if e["e"] == "cuda_end"}
@@ -271,7 +321,9 @@ def test_kill_9_worker_mid_request(svc):
     assert max(dies_at.values()) <= t_kill + TTL + 0.1
     lost = [o for o in outcomes if isinstance(o, str)]  # the victim's clients lost their connection
     assert lost, outcomes
-    assert [o for o in outcomes if not isinstance(o, str)] == [200] * (8 - len(lost)), outcomes  # others went on
+    assert [o for o in outcomes if not isinstance(o, str)] == [200] * (8 - len(lost)), (
+        outcomes
+    )  # others went on
     # Its leases (resident + request) are reaped when they expire, at most a ttl after the kill.
     deadline = t_kill + TTL + 3
     while time.time() < deadline:
@@ -279,19 +331,25 @@ def test_kill_9_worker_mid_request(svc):
         if not any(lz.holder.get("pid") == victim for lz in st.leases):
             break
         time.sleep(0.1)
-    assert not any(lz.holder.get("pid") == victim for lz in st.leases), "the dead worker's leases were not reaped"
+    assert not any(lz.holder.get("pid") == victim for lz in st.leases), (
+        "the dead worker's leases were not reaped"
+    )
     assert time.time() - t_kill <= TTL + 3
     assert st.reaped_leases - reaped0 >= 2
     assert not alive(victim)
     # gunicorn starts a replacement; the service goes on.
     deadline = time.monotonic() + 30
-    while (len(svc.worker_pids()) != 4 or victim in svc.worker_pids()) and time.monotonic() < deadline:
+    while (
+        len(svc.worker_pids()) != 4 or victim in svc.worker_pids()
+    ) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert len(svc.worker_pids()) == 4 and victim not in svc.worker_pids()
     codes = []
     deadline = time.monotonic() + 30
     while 200 not in codes and time.monotonic() < deadline:  # new connections: any worker, the
-        r = httpx.post(svc.url + "/v1/embeddings", json={"input": ["still serving"]}, timeout=30)  # new one
+        r = httpx.post(
+            svc.url + "/v1/embeddings", json={"input": ["still serving"]}, timeout=30
+        )  # new one
         codes.append(r.status_code)  # may still be loading its model (503 not ready)
         if r.status_code != 200:
             assert r.status_code == 503 and "retry-after" in r.headers

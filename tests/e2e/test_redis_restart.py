@@ -19,9 +19,20 @@ from gpulock.embedded import RedisProcess, find_server_binary
 @pytest.mark.timeout(120)
 def test_service_survives_redis_restart_without_data(tmp_path):
     with RedisProcess(find_server_binary("any")) as redis:
-        svc = Service("restart", tmp_path, redis.url, {
-            "GPULOCK_MODEL": "sleep", "GPULOCK_SLEEP_SECONDS": "0.05", "GPULOCK_RESIDENT": "128MiB",
-            "GPULOCK_TTL": "3", "GPULOCK_CONFIGURE": "create"}, workers=2, capacity=1024 * MiB)
+        svc = Service(
+            "restart",
+            tmp_path,
+            redis.url,
+            {
+                "GPULOCK_MODEL": "sleep",
+                "GPULOCK_SLEEP_SECONDS": "0.05",
+                "GPULOCK_RESIDENT": "128MiB",
+                "GPULOCK_TTL": "3",
+                "GPULOCK_CONFIGURE": "create",
+            },
+            workers=2,
+            capacity=1024 * MiB,
+        )
         try:
             # The operator made the pool first (`gpulock pool set --capacity 1GiB --max-ttl 5`): a
             # 5 s grace period after a loss; the workers (create-only) see it at their start.
@@ -30,7 +41,12 @@ def test_service_survives_redis_restart_without_data(tmp_path):
             op.close()
             svc.start()
             svc.wait_ready(2, timeout=60)
-            assert httpx.post(svc.url + "/v1/embeddings", json={"input": ["x"]}, timeout=10).status_code == 200
+            assert (
+                httpx.post(
+                    svc.url + "/v1/embeddings", json={"input": ["x"]}, timeout=10
+                ).status_code
+                == 200
+            )
             before = svc.status()
             epoch, tokens = before.epoch, {li.lease_id: li.token for li in before.leases}
             assert before.max_ttl == 5 and len(tokens) == 2
@@ -49,7 +65,9 @@ def test_service_survives_redis_restart_without_data(tmp_path):
             assert {li.lease_id: li.token for li in st.leases} == tokens and st.reasserted == 2, st
             assert st.max_ttl == 5 and 0 < st.grace_left <= 5, st
             svc.wait_ready(2, timeout=30)
-            r = httpx.post(svc.url + "/v1/embeddings", json={"input": ["after the restart"]}, timeout=10)
+            r = httpx.post(
+                svc.url + "/v1/embeddings", json={"input": ["after the restart"]}, timeout=10
+            )
             assert r.status_code == 200
         finally:
             svc.stop()

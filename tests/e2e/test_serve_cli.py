@@ -22,13 +22,35 @@ from gpulock.embedded import free_port
 @pytest.mark.timeout(150)
 def test_gpulock_serve_embedded_redis_and_loadtest(tmp_path):
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOCK_") and k != "PROMETHEUS_MULTIPROC_DIR"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("GPULOCK_") and k != "PROMETHEUS_MULTIPROC_DIR"
+    }
     env.update(GPULOCK_SLEEP_SECONDS="0.05", GPULOCK_SLEEP_BYTES="64MiB", PYTHONUNBUFFERED="1")
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "gpulock_service", "serve", "--model", "sleep", "-w", "2",
-                                 "--port", str(port), "--preload", "--log-level", "warning"],
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gpulock_service",
+                "serve",
+                "--model",
+                "sleep",
+                "-w",
+                "2",
+                "--port",
+                str(port),
+                "--preload",
+                "--log-level",
+                "warning",
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     _LIVE.add(proc.pid)
     valkey: list[int] = []
     try:
@@ -54,10 +76,29 @@ def test_gpulock_serve_embedded_redis_and_loadtest(tmp_path):
         r = httpx.post(url + "/v1/embeddings", json={"input": ["hello", "world"]}, timeout=30)
         assert r.status_code == 200 and len(r.json()["data"]) == 2
 
-        lt = subprocess.run([sys.executable, "-m", "gpulock_service", "loadtest", url, "-c", "8", "-n", "24", "-b", "2"],
-                            capture_output=True, text=True, timeout=90, env=env)
+        lt = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gpulock_service",
+                "loadtest",
+                url,
+                "-c",
+                "8",
+                "-n",
+                "24",
+                "-b",
+                "2",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            env=env,
+        )
         assert lt.returncode == 0, lt.stdout + lt.stderr
-        assert "requests/s" in lt.stdout and "p50" in lt.stdout and "pool peak" in lt.stdout, lt.stdout
+        assert "requests/s" in lt.stdout and "p50" in lt.stdout and "pool peak" in lt.stdout, (
+            lt.stdout
+        )
         assert re.search(r"200 OK\s*│\s*24", lt.stdout), lt.stdout
 
         proc.send_signal(signal.SIGTERM)

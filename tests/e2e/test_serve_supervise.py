@@ -22,7 +22,11 @@ from gpulock.embedded import free_port
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOCK_") and k != "PROMETHEUS_MULTIPROC_DIR"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("GPULOCK_") and k != "PROMETHEUS_MULTIPROC_DIR"
+    }
     env.update(GPULOCK_SLEEP_SECONDS="0.05", GPULOCK_SLEEP_BYTES="64MiB", PYTHONUNBUFFERED="1")
     return env
 
@@ -43,8 +47,13 @@ def test_serve_refuses_a_busy_port_before_starting_anything():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "gpulock", "serve", "--model", "sleep", "--port", str(port)],
-                           env=_env(), capture_output=True, text=True, timeout=30)
+        r = subprocess.run(
+            [sys.executable, "-m", "gpulock", "serve", "--model", "sleep", "--port", str(port)],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert f"127.0.0.1:{port} is in use" in r.stderr, r.stderr
     assert f"pid {os.getpid()}" in r.stderr, r.stderr  # says what holds it
@@ -56,7 +65,12 @@ def test_embedded_valkey_that_dies_5_times_within_60s_is_not_started_again(capsy
     """The supervisor's rule as docs/SERVICE.md states it: deaths 1-4 within the window are
     restarted in place, the 5th stops the service with exit 69 (it restarted after the 5th
     kill -9 and stopped at the 6th). A real server, killed with SIGKILL each time."""
-    from gpulock_service.serve import EXIT_UNAVAILABLE, MAX_DEATHS, RESTART_WINDOW_S, _restart_embedded
+    from gpulock_service.serve import (
+        EXIT_UNAVAILABLE,
+        MAX_DEATHS,
+        RESTART_WINDOW_S,
+        _restart_embedded,
+    )
 
     from gpulock.embedded import RedisProcess, find_server_binary
 
@@ -81,21 +95,45 @@ def test_embedded_valkey_killed_under_serve_is_restarted_and_leases_come_back(tm
     port = free_port()
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "gpulock", "serve", "--model", "sleep", "-w", "2",
-                                 "--port", str(port), "--log-level", "warning"],
-                                env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gpulock",
+                "serve",
+                "--model",
+                "sleep",
+                "-w",
+                "2",
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+            ],
+            env=_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     _LIVE.add(proc.pid)
     valkey: list[int] = []
     try:
         url = f"http://127.0.0.1:{port}"
         # serve itself says when /ready first answers 200
-        _wait(lambda: proc.poll() is None and "gpulock serve: ready:" in log.read_text(), "the ready line", 90, log)
+        _wait(
+            lambda: proc.poll() is None and "gpulock serve: ready:" in log.read_text(),
+            "the ready line",
+            90,
+            log,
+        )
         assert httpx.get(url + "/ready", timeout=5).status_code == 200
         text = log.read_text()
         redis_port = int(re.search(r"redis://127\.0\.0\.1:(\d+)/0", text).group(1))
         valkey[:] = [p for p in children(proc.pid) if "valkey-server" in cmdline(p)]
         assert len(valkey) == 1, text
-        assert "model sleep" in text and "MiniLM" not in text, text  # the banner is the sleep model's
+        assert "model sleep" in text and "MiniLM" not in text, (
+            text
+        )  # the banner is the sleep model's
         rc = redis.Redis(port=redis_port, socket_timeout=2)
         # the two workers' resident leases (the ready line comes with the first worker)
         _wait(lambda: rc.zcard("gpulock:{gpu0}:leases") == 2, "both resident leases", 60, log)
@@ -104,14 +142,18 @@ def test_embedded_valkey_killed_under_serve_is_restarted_and_leases_come_back(tm
         _wait(lambda: "embedded Redis restarted" in log.read_text(), "the restart line", 30, log)
         assert proc.poll() is None
         text = log.read_text()
-        assert re.search(rf"embedded Redis \(pid {valkey[0]}\) died \(killed by SIGKILL\)", text), text
+        assert re.search(rf"embedded Redis \(pid {valkey[0]}\) died \(killed by SIGKILL\)", text), (
+            text
+        )
         new = [p for p in children(proc.pid) if "valkey-server" in cmdline(p)]
         assert len(new) == 1 and new[0] != valkey[0], (new, valkey)
         valkey.append(new[0])
         assert rc.ping()  # the same port answers again
         # The new server started empty: leases in it were put back by the workers.
         _wait(lambda: rc.zcard("gpulock:{gpu0}:leases") == 2, "both resident leases back", 30, log)
-        _wait(lambda: httpx.get(url + "/ready", timeout=5).status_code == 200, "/ready 200", 30, log)
+        _wait(
+            lambda: httpx.get(url + "/ready", timeout=5).status_code == 200, "/ready 200", 30, log
+        )
         # (new requests queue until the grace period of one max ttl, 60 s, has passed)
 
         proc.send_signal(signal.SIGTERM)

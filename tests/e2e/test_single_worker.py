@@ -22,8 +22,12 @@ import pytest
 from e2e_helpers import GiB, cuda_intervals, lease_intervals, max_overlap
 
 ENV = {
-    "GPULOCK_MODEL": "sleep", "GPULOCK_SLEEP_BYTES": "1GiB", "GPULOCK_RESIDENT": "0",
-    "GPULOCK_EXECUTOR_THREADS": "8", "GPULOCK_ACQUIRE_TIMEOUT": "30", "GPULOCK_INFERENCE_TIMEOUT": "1.5",
+    "GPULOCK_MODEL": "sleep",
+    "GPULOCK_SLEEP_BYTES": "1GiB",
+    "GPULOCK_RESIDENT": "0",
+    "GPULOCK_EXECUTOR_THREADS": "8",
+    "GPULOCK_ACQUIRE_TIMEOUT": "30",
+    "GPULOCK_INFERENCE_TIMEOUT": "1.5",
 }
 
 
@@ -49,9 +53,15 @@ def test_c02_sync_endpoint_threadpool(svc):
                 time.sleep(0.05)
 
     async def load():
-        async with httpx.AsyncClient(base_url=svc.url, timeout=60, limits=httpx.Limits(max_connections=40)) as c:
+        async with httpx.AsyncClient(
+            base_url=svc.url, timeout=60, limits=httpx.Limits(max_connections=40)
+        ) as c:
+
             async def one():
-                return (await c.post("/v1/embeddings", json={"input": ["sleep:0.3", "two GiB"]})).status_code
+                return (
+                    await c.post("/v1/embeddings", json={"input": ["sleep:0.3", "two GiB"]})
+                ).status_code
+
             return await asyncio.gather(*(one() for _ in range(40)))
 
     t = threading.Thread(target=probe, daemon=True)
@@ -87,18 +97,24 @@ def test_c05_timeout_while_gpu_busy(svc):
         assert r1.status_code == 504, r1.text
         assert 1.3 <= t_504 <= 3.0, t_504
         st = svc.status()
-        assert st.used == 4 * GiB and st.lease_count == 1, "the lease stays held while the thread runs"
+        assert st.used == 4 * GiB and st.lease_count == 1, (
+            "the lease stays held while the thread runs"
+        )
         t1 = time.monotonic()
         r2 = c.post("/v1/embeddings", json={"input": ["sleep:0.1", "b", "c", "d"]})
         assert r2.status_code == 200, r2.text
         waited = time.monotonic() - t1
     assert waited >= 2.5, f"the second job must wait for the first thread ({waited:.2f}s)"
     events = svc.history()
-    runs = sorted((iv for iv in cuda_intervals(events) if iv[2] == 4 * GiB), key=lambda iv: iv[0])[-2:]
+    runs = sorted((iv for iv in cuda_intervals(events) if iv[2] == 4 * GiB), key=lambda iv: iv[0])[
+        -2:
+    ]
     (a0, a1, _, _), (b0, b1, _, _) = runs
     assert a1 - a0 >= 4.9, "the first job really ran 5 s"
     assert b0 >= a1, "the second job entered the CUDA section before the first thread returned"
-    lz = sorted((iv for iv in lease_intervals(events) if iv[2] == 4 * GiB), key=lambda iv: iv[0])[-2:]
+    lz = sorted((iv for iv in lease_intervals(events) if iv[2] == 4 * GiB), key=lambda iv: iv[0])[
+        -2:
+    ]
     assert lz[0][1] >= a1, "the first lease was released before its thread returned"
     assert svc.status_when(lambda st: st.used == 0).used == 0
 
@@ -123,8 +139,15 @@ def test_cuda_oom_answers_503_with_retry_after(svc):
 
 
 def test_capacity_exceeded_answers_413(svc):
-    r = httpx.post(svc.url + "/v1/embeddings", json={"input": ["a", "b", "c", "d", "e"]}, timeout=30)
+    r = httpx.post(
+        svc.url + "/v1/embeddings", json={"input": ["a", "b", "c", "d", "e"]}, timeout=30
+    )
     assert r.status_code == 413
     detail = r.json()["detail"]
-    assert "5.0GiB" in detail and "4.0GiB" in detail and str(5 * GiB) in detail and str(4 * GiB) in detail
+    assert (
+        "5.0GiB" in detail
+        and "4.0GiB" in detail
+        and str(5 * GiB) in detail
+        and str(4 * GiB) in detail
+    )
     assert svc.status().waiter_count == 0

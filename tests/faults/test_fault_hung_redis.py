@@ -40,9 +40,11 @@ def test_on_lost_fires_at_local_deadline_while_redis_hangs(redis_proc1):
                 lease.ensure_valid()
         finally:
             redis_proc1.resume()
-        print(f"\non_lost fired {fired_at[0] - deadline:+.3f}s from the local deadline, "
-              f"{(fired_at[0] + offset - server_expiry_wall) * 1000:+.1f} ms from the server expiry "
-              f"({fired_at[0] - t_pause:.2f}s after Redis hung)")
+        print(
+            f"\non_lost fired {fired_at[0] - deadline:+.3f}s from the local deadline, "
+            f"{(fired_at[0] + offset - server_expiry_wall) * 1000:+.1f} ms from the server expiry "
+            f"({fired_at[0] - t_pause:.2f}s after Redis hung)"
+        )
         assert fired_at[0] >= deadline
         assert fired_at[0] - deadline < 0.25
         assert fired_at[0] + offset < server_expiry_wall  # lost locally before the server expiry

@@ -69,9 +69,23 @@ def test_kill_9_of_gpulock_run_holder(redis_proc1, tmp_path):
         for rnd in range(ROUNDS):
             pidfile = tmp_path / f"cmd{rnd}.pid"
             holder = subprocess.Popen(
-                [*gpulock_argv(), "run", "--pool", name, "--amount", "100", "--ttl", str(TTL_S), "--",
-                 "sh", "-c", f"echo $$ > {pidfile}; exec sleep 60"],
-                env={**os.environ, "GPULOCK_REDIS_URL": url}, stderr=subprocess.PIPE)
+                [
+                    *gpulock_argv(),
+                    "run",
+                    "--pool",
+                    name,
+                    "--amount",
+                    "100",
+                    "--ttl",
+                    str(TTL_S),
+                    "--",
+                    "sh",
+                    "-c",
+                    f"echo $$ > {pidfile}; exec sleep 60",
+                ],
+                env={**os.environ, "GPULOCK_REDIS_URL": url},
+                stderr=subprocess.PIPE,
+            )
             try:
                 wait_for(lambda: pidfile.exists() and pidfile.read_text().strip())
                 cmd_pid = int(pidfile.read_text())
@@ -127,11 +141,13 @@ def test_kill_9_of_gpulock_run_holder(redis_proc1, tmp_path):
                     except ProcessLookupError:
                         pass
     r.close()
-    print(f"\nkill -9 of gpulock run (ttl {TTL_S}s), {ROUNDS} rounds:"
-          f"\n  reclaim lag (grant - dead lease's server expiry) ms: "
-          f"{[round(x, 1) for x in lags]} (median {statistics.median(lags):.1f})"
-          f"\n  kill -> grant (waiter's monotonic clock) s: {[round(x, 3) for x in kill_to_grant]}"
-          f"\n  kill -> grant (server clock) s: {[round(x, 3) for x in kill_to_grant_server]}")
+    print(
+        f"\nkill -9 of gpulock run (ttl {TTL_S}s), {ROUNDS} rounds:"
+        f"\n  reclaim lag (grant - dead lease's server expiry) ms: "
+        f"{[round(x, 1) for x in lags]} (median {statistics.median(lags):.1f})"
+        f"\n  kill -> grant (waiter's monotonic clock) s: {[round(x, 3) for x in kill_to_grant]}"
+        f"\n  kill -> grant (server clock) s: {[round(x, 3) for x in kill_to_grant_server]}"
+    )
     for lag, k2g, k2g_s in zip(lags, kill_to_grant, kill_to_grant_server):
         assert lag >= 0, "granted before the dead lease expired: the dead lease was not honoured"
         # A timer at the expiry, not a poll (the backstop poll is every 1 s); generous for a

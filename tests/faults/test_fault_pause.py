@@ -51,8 +51,11 @@ def test_sigstop_holder_past_ttl(redis_proc1, tmp_path):
     r = redis.Redis.from_url(url)
     with Pool.from_url(url, name) as pool:
         pool.configure(100)
-        holder = subprocess.Popen([sys.executable, str(HOLDER), url, name, "60", str(TTL_S), str(state),
-                                   str(proceed)], stderr=subprocess.PIPE, text=True)
+        holder = subprocess.Popen(
+            [sys.executable, str(HOLDER), url, name, "60", str(TTL_S), str(state), str(proceed)],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         ex = ThreadPoolExecutor(1)
         try:
             granted = wait_for(lambda: state.exists() and json.loads(state.read_text())["granted"])
@@ -84,10 +87,12 @@ def test_sigstop_holder_past_ttl(redis_proc1, tmp_path):
                 holder.wait()
         out = json.loads(state.read_text())
 
-        print(f"\nholder stopped for {stopped_for:.2f}s (ttl {TTL_S}s); after SIGCONT:"
-              f"\n  ensure_valid: {out['ensure_valid']}\n  release: {out['release']}"
-              f"\n  local validity deadline {(out['valid_until_wall'] * 1000 - server_expiry_ms):+.1f} ms "
-              f"from the server expiry; next grant {next_grant_ms - server_expiry_ms:+.1f} ms from it")
+        print(
+            f"\nholder stopped for {stopped_for:.2f}s (ttl {TTL_S}s); after SIGCONT:"
+            f"\n  ensure_valid: {out['ensure_valid']}\n  release: {out['release']}"
+            f"\n  local validity deadline {(out['valid_until_wall'] * 1000 - server_expiry_ms):+.1f} ms "
+            f"from the server expiry; next grant {next_grant_ms - server_expiry_ms:+.1f} ms from it"
+        )
         assert stopped_for > TTL_S
         assert out["ensure_valid"].startswith("LeaseLost")
         assert out["release"].startswith("LeaseLost")

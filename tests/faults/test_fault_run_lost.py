@@ -67,9 +67,29 @@ def pid_alive(pid: int) -> bool:
 
 def start_run(url: str, name: str, marker: Path, mode: str, grace: float) -> subprocess.Popen:
     return subprocess.Popen(
-        [*gpulock_argv(), "run", "--pool", name, "--amount", "10", "--ttl", str(TTL_S), "--grace", str(grace),
-         "--", sys.executable, "-c", TRAP, str(marker), mode],
-        env={**os.environ, "GPULOCK_REDIS_URL": url}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            *gpulock_argv(),
+            "run",
+            "--pool",
+            name,
+            "--amount",
+            "10",
+            "--ttl",
+            str(TTL_S),
+            "--grace",
+            str(grace),
+            "--",
+            sys.executable,
+            "-c",
+            TRAP,
+            str(marker),
+            mode,
+        ],
+        env={**os.environ, "GPULOCK_REDIS_URL": url},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.timeout(60)
@@ -85,7 +105,9 @@ def test_run_lease_lost_while_redis_paused(redis_proc1, tmp_path):
         redis_proc1.pause()
         t_pause = time.monotonic()
         try:
-            out, err = p.communicate(timeout=TTL_S + 8)  # gpulock run ends while Redis is still paused
+            out, err = p.communicate(
+                timeout=TTL_S + 8
+            )  # gpulock run ends while Redis is still paused
             t_exit = time.monotonic()
         finally:
             redis_proc1.resume()
@@ -94,8 +116,10 @@ def test_run_lease_lost_while_redis_paused(redis_proc1, tmp_path):
             p.kill()
             p.wait()
     t_term = float(marker.read_text().split()[1])
-    print(f"\nRedis paused: CMD got SIGTERM {t_term - t_pause:.2f}s after the pause (ttl {TTL_S}s); "
-          f"gpulock run exited {t_exit - t_pause:.2f}s after it")
+    print(
+        f"\nRedis paused: CMD got SIGTERM {t_term - t_pause:.2f}s after the pause (ttl {TTL_S}s); "
+        f"gpulock run exited {t_exit - t_pause:.2f}s after it"
+    )
     assert p.returncode == EXIT_LEASE_LOST, err
     assert out == ""
     assert "lost while CMD" in err and "sending SIGTERM" in err and f"exit {EXIT_LEASE_LOST}" in err
@@ -132,8 +156,10 @@ def test_run_lease_deleted_cmd_ignoring_term_gets_sigkill(redis_proc1, tmp_path)
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        print(f"\nlease deleted: gpulock run exited {t_exit - t_del:.2f}s later (renew every {TTL_S / 3:.2f}s, "
-              f"grace 0.5s)")
+        print(
+            f"\nlease deleted: gpulock run exited {t_exit - t_del:.2f}s later (renew every {TTL_S / 3:.2f}s, "
+            f"grace 0.5s)"
+        )
         assert p.returncode == EXIT_LEASE_LOST, err
         assert "server no longer has it" in err and "sending SIGKILL" in err
         assert marker.read_text().startswith("TERM")  # TERM came first, was ignored...

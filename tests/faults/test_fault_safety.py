@@ -73,9 +73,23 @@ def test_safety_invariant_on_recorded_history(redis_proc1, tmp_path):
     outs = [tmp_path / f"w{i}.log" for i in range(WORKERS)]
     try:
         for i, out in enumerate(outs):
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), url, name, str(out), str(1000 + i), repr(start_at),
-                 str(DURATION_S), str(MAX_AMOUNT)], stderr=subprocess.PIPE, text=True))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(WORKER),
+                        url,
+                        name,
+                        str(out),
+                        str(1000 + i),
+                        repr(start_at),
+                        str(DURATION_S),
+                        str(MAX_AMOUNT),
+                    ],
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         for p in procs:
             _, err = p.communicate(timeout=DURATION_S + 60)
             assert p.returncode == 0, err
@@ -89,12 +103,23 @@ def test_safety_invariant_on_recorded_history(redis_proc1, tmp_path):
     for i, out in enumerate(outs):
         for line in out.read_text().splitlines():
             t_req, t_grant, t_rel, amount, token, lost = map(int, line.split())
-            rows.append({"w": i, "t_req": t_req, "t_grant": t_grant, "t_rel": t_rel,
-                         "amount": amount, "token": token, "lost": lost})
+            rows.append(
+                {
+                    "w": i,
+                    "t_req": t_req,
+                    "t_grant": t_grant,
+                    "t_rel": t_rel,
+                    "amount": amount,
+                    "token": token,
+                    "lost": lost,
+                }
+            )
     per_worker = [sum(r["w"] == i for r in rows) for i in range(WORKERS)]
     print(f"\nsafety history: {len(rows)} leases, per worker {per_worker}")
     assert len(rows) >= 200 and min(per_worker) >= 5, per_worker
-    assert not [r for r in rows if r["lost"]], "a lease expired while held: the intervals are not valid"
+    assert not [r for r in rows if r["lost"]], (
+        "a lease expired while held: the intervals are not valid"
+    )
 
     peak, at = max_concurrent([(r["t_grant"], r["t_rel"], r["amount"]) for r in rows])
     print(f"peak sum of held amounts: {peak} of capacity {CAPACITY}")

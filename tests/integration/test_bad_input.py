@@ -25,8 +25,26 @@ def _setup(rclient, pool_name):
     return g[1].decode(), int(g[2])
 
 
-BAD_AMOUNTS = [0, -1, -GiB, float("nan"), float("inf"), float("-inf"), "abc", "4XB", "", "-1GiB", "1e9",
-               True, False, None, 1.5, "0.5B", [GiB], 2**53]
+BAD_AMOUNTS = [
+    0,
+    -1,
+    -GiB,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    "abc",
+    "4XB",
+    "",
+    "-1GiB",
+    "1e9",
+    True,
+    False,
+    None,
+    1.5,
+    "0.5B",
+    [GiB],
+    2**53,
+]
 BAD_TTLS = [0, -1, 0.0, float("nan"), float("inf"), 86401, 1e12, "soon", True, 0.01]
 BAD_POOLS = ["a{b", "a}b", "{gpu0}", "gpu:0", "gpu 0", "", "x" * 65, " gpu0", "gpu0\n", None]
 BAD_REQUEST_IDS = ["a b", "", "x" * 129, "a|b", "a\nb", "ü", 7]
@@ -98,6 +116,7 @@ def test_bad_capacity_at_construction(rclient):
 
 # ---- the scripts themselves, with bad ARGV ---------------------------------------------------
 
+
 def _expect_badarg(rclient, pool_name, op, *argv, word=None):
     before = snapshot(rclient)
     with pytest.raises(redis.ResponseError) as ei:
@@ -121,18 +140,42 @@ def test_lua_acquire_bad_argv(rclient, pool_name):
         return a
 
     cases = [
-        (0, "a b"), (0, ""), (0, "x" * 129), (0, "a|b"),
-        (1, "nothex" + "0" * 26), (1, "abc"), (1, "0" * 33), (1, ""),
-        (2, "0"), (2, "-1"), (2, "abc"), (2, "1.5"), (2, "1e9"), (2, "nan"), (2, "inf"), (2, " 1"),
-        (2, "99999999999999999"), (2, "9007199254740992"),
-        (3, "0"), (3, "99"), (3, "86400001"), (3, "-5"), (3, "nan"),
-        (4, "0"), (4, "x"),
-        (5, "maybe"), (5, ""),
+        (0, "a b"),
+        (0, ""),
+        (0, "x" * 129),
+        (0, "a|b"),
+        (1, "nothex" + "0" * 26),
+        (1, "abc"),
+        (1, "0" * 33),
+        (1, ""),
+        (2, "0"),
+        (2, "-1"),
+        (2, "abc"),
+        (2, "1.5"),
+        (2, "1e9"),
+        (2, "nan"),
+        (2, "inf"),
+        (2, " 1"),
+        (2, "99999999999999999"),
+        (2, "9007199254740992"),
+        (3, "0"),
+        (3, "99"),
+        (3, "86400001"),
+        (3, "-5"),
+        (3, "nan"),
+        (4, "0"),
+        (4, "x"),
+        (5, "maybe"),
+        (5, ""),
         (6, "x" * 513),
-        (7, ""), (7, "a:b"), (7, "x" * 33),
+        (7, ""),
+        (7, "a:b"),
+        (7, "x" * 33),
     ]
     for i, v in cases:
-        _expect_badarg(rclient, pool_name, "acquire", *with_(i, v), word=v[:20] if i not in (6,) else "512")
+        _expect_badarg(
+            rclient, pool_name, "acquire", *with_(i, v), word=v[:20] if i not in (6,) else "512"
+        )
     # Missing arguments.
     _expect_badarg(rclient, pool_name, "acquire", "t-new", L)
     _expect_badarg(rclient, pool_name, "acquire")
@@ -154,8 +197,12 @@ def test_lua_other_scripts_bad_argv(rclient, pool_name):
     _expect_badarg(rclient, pool_name, "configure", str(GiB), "10", "replace", word="mode")
     # renew validates every triple before the first write: a bad last one changes nothing,
     # not even the valid leases before it.
-    _expect_badarg(rclient, pool_name, "renew", 2, lid, token, 60000, lid, token, 0, 0, word="ttl_ms")
-    _expect_badarg(rclient, pool_name, "renew", 1, lid, token, 60000, 1, "w1", "abc", word="waiter_ttl_ms")
+    _expect_badarg(
+        rclient, pool_name, "renew", 2, lid, token, 60000, lid, token, 0, 0, word="ttl_ms"
+    )
+    _expect_badarg(
+        rclient, pool_name, "renew", 1, lid, token, 60000, 1, "w1", "abc", word="waiter_ttl_ms"
+    )
     _expect_badarg(rclient, pool_name, "renew", 1, lid, token, 60000, 1, "a b", 5000, word="ticket")
     _expect_badarg(rclient, pool_name, "renew", 3, lid, token, 60000)  # fewer triples than said
     _expect_badarg(rclient, pool_name, "renew", "x", word="n_leases")
@@ -165,14 +212,28 @@ def test_lua_other_scripts_bad_argv(rclient, pool_name):
 def test_lua_conflicts_change_nothing(rclient, pool_name):
     lid, token = _setup(rclient, pool_name)
     before = snapshot(rclient)
-    for argv in (["holder", new_id(), str(GiB), "5000", "5000", "wait", "{}", "test"],  # another amount
-                 ["w1", new_id(), str(GiB), "5000", "5000", "wait", "{}", "test"],      # queued, other amount
-                 ["fresh", lid, str(GiB), "5000", "5000", "wait", "{}", "test"]):       # lease id in use
+    for argv in (
+        ["holder", new_id(), str(GiB), "5000", "5000", "wait", "{}", "test"],  # another amount
+        ["w1", new_id(), str(GiB), "5000", "5000", "wait", "{}", "test"],  # queued, other amount
+        ["fresh", lid, str(GiB), "5000", "5000", "wait", "{}", "test"],
+    ):  # lease id in use
         with pytest.raises(redis.ResponseError, match="GPULOCK_CONFLICT"):
             raw(rclient, pool_name, "acquire", *argv)
         assert snapshot(rclient) == before
     with pytest.raises(redis.ResponseError, match="GPULOCK_CAPACITY"):
-        raw(rclient, pool_name, "acquire", "big", new_id(), str(CAP + 1), "5000", "5000", "wait", "{}", "test")
+        raw(
+            rclient,
+            pool_name,
+            "acquire",
+            "big",
+            new_id(),
+            str(CAP + 1),
+            "5000",
+            "5000",
+            "wait",
+            "{}",
+            "test",
+        )
     with pytest.raises(redis.ResponseError, match="GPULOCK_NOPOOL"):
         raw(rclient, "other", "acquire", "t", new_id(), "1", "5000", "5000", "wait", "{}", "test")
     assert snapshot(rclient) == before
@@ -180,13 +241,15 @@ def test_lua_conflicts_change_nothing(rclient, pool_name):
 
 _ARG = st.one_of(
     st.text(alphabet=st.characters(codec="utf-8"), max_size=20),
-    st.integers(min_value=-10**20, max_value=10**20).map(str),
+    st.integers(min_value=-(10**20), max_value=10**20).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
     st.sampled_from(["", " ", "1 ", "0x10", "1e3", "+1", "01", "wait", "try", new_id()]),
 )
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(amount=_ARG, ttl=_ARG, mode=st.sampled_from(["wait", "try", "x"]), ticket=_ARG)
 def test_lua_acquire_fuzz(rclient, pool_name, amount, ttl, mode, ticket):
     """Random ARGV straight into acquire: either a well-formed reply, or an error with
@@ -195,13 +258,22 @@ def test_lua_acquire_fuzz(rclient, pool_name, amount, ttl, mode, ticket):
         _setup(rclient, pool_name)
     before = snapshot(rclient)
     try:
-        r = raw(rclient, pool_name, "acquire", ticket, new_id(), amount, ttl, "5000", mode, "{}", "test")
+        r = raw(
+            rclient, pool_name, "acquire", ticket, new_id(), amount, ttl, "5000", mode, "{}", "test"
+        )
     except redis.ResponseError as e:
-        assert str(e).split()[0] in ("GPULOCK_BADARG", "GPULOCK_CAPACITY", "GPULOCK_CONFLICT"), str(e)
+        assert str(e).split()[0] in ("GPULOCK_BADARG", "GPULOCK_CAPACITY", "GPULOCK_CONFLICT"), str(
+            e
+        )
         assert snapshot(rclient) == before
         return
     # Accepted: only when every argument was well-formed.
-    assert amount.isdigit() and 1 <= int(amount) <= CAP and ttl.isdigit() and 100 <= int(ttl) <= 86400000
+    assert (
+        amount.isdigit()
+        and 1 <= int(amount) <= CAP
+        and ttl.isdigit()
+        and 100 <= int(ttl) <= 86400000
+    )
     assert int(r[0]) in (0, 1, 2)
     raw(rclient, pool_name, "cancel", ticket)  # withdraw it again
 
@@ -209,9 +281,13 @@ def test_lua_acquire_fuzz(rclient, pool_name, amount, ttl, mode, ticket):
 _POOLS: dict = {}
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(amount=st.one_of(st.text(max_size=12), st.floats(allow_nan=True), st.integers(-5, 0)),
-       ttl=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10**6, 10**6)))
+@settings(
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    amount=st.one_of(st.text(max_size=12), st.floats(allow_nan=True), st.integers(-5, 0)),
+    ttl=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(10**6), 10**6)),
+)
 def test_python_edge_fuzz(make_pool, rclient, pool_name, amount, ttl):
     """Bad amounts/ttls at the Python edge: InvalidArgument (or a grant when both are valid),
     never another exception, and nothing left in Redis."""

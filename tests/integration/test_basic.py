@@ -79,10 +79,15 @@ def test_sync_configure_acquire_release(make_pool, rclient, pool_name):
 
 async def test_status_fields(make_apool, rclient, pool_name):
     pool = make_apool(capacity="8GiB")
-    holder = await pool.acquire("6GiB", ttl=20, holder={"purpose": "weights"}, request_id="req-hold")
+    holder = await pool.acquire(
+        "6GiB", ttl=20, holder={"purpose": "weights"}, request_id="req-hold"
+    )
     queued: list[int] = []
-    waiter = asyncio.create_task(pool.acquire("4GiB", holder={"purpose": "batch"}, request_id="req-wait",
-                                              on_queued=queued.append))
+    waiter = asyncio.create_task(
+        pool.acquire(
+            "4GiB", holder={"purpose": "batch"}, request_id="req-wait", on_queued=queued.append
+        )
+    )
     while not queued:
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.2)
@@ -90,7 +95,12 @@ async def test_status_fields(make_apool, rclient, pool_name):
     assert (st.pool, st.capacity, st.used, st.free) == (pool_name, 8 * GiB, 6 * GiB, 2 * GiB)
     assert st.lease_count == 1 and st.waiter_count == 1
     (l,) = st.leases
-    assert (l.lease_id, l.amount, l.token, l.request_id) == (holder.id, 6 * GiB, holder.token, "req-hold")
+    assert (l.lease_id, l.amount, l.token, l.request_id) == (
+        holder.id,
+        6 * GiB,
+        holder.token,
+        "req-hold",
+    )
     assert 18 < l.expires_in <= 20 and l.ttl == 20
     assert l.holder["purpose"] == "weights" and l.holder["pid"] == os.getpid()
     assert l.holder["host"] == socket.gethostname()

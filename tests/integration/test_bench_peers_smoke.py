@@ -22,12 +22,16 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "run.py"
 NODE_DIR = ROOT / "benchmarks" / "node"
 
-for mod, why in (("matplotlib", "matplotlib (pip install -e '.[bench]')"),
-                 ("redis_lock", "python-redis-lock (pip install -e '.[bench]')")):
+for mod, why in (
+    ("matplotlib", "matplotlib (pip install -e '.[bench]')"),
+    ("redis_lock", "python-redis-lock (pip install -e '.[bench]')"),
+):
     if importlib.util.find_spec(mod) is None:
         pytest.skip(f"the benchmarks need {why}", allow_module_level=True)
 
-HAVE_SERVICE = all(importlib.util.find_spec(m) for m in ("fastapi", "gunicorn", "uvicorn_worker", "httpx"))
+HAVE_SERVICE = all(
+    importlib.util.find_spec(m) for m in ("fastapi", "gunicorn", "uvicorn_worker", "httpx")
+)
 
 
 def node_missing() -> str | None:
@@ -43,7 +47,17 @@ def node_missing() -> str | None:
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     parts = "core,peers,service" if HAVE_SERVICE else "core,peers"
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--only", parts, "--core-parts", "memory", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--quick",
+        "--only",
+        parts,
+        "--core-parts",
+        "memory",
+        "--out",
+        str(out),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert p.returncode == 0, f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
     return out, p.stdout
@@ -58,15 +72,27 @@ def _load(path: Path) -> dict:
 
 def test_tables(run):
     _, stdout = run
-    heads = ["uncontended acquire+release", "hand-off, release returns -> next holder", "client commands",
-             "crash reclaim", "fairness, mixed sizes", "gpulock's targets and the peers"]
+    heads = [
+        "uncontended acquire+release",
+        "hand-off, release returns -> next holder",
+        "client commands",
+        "crash reclaim",
+        "fairness, mixed sizes",
+        "gpulock's targets and the peers",
+    ]
     if HAVE_SERVICE:
         heads.append("service, 4 workers, mixed sizes")
     for head in heads:
         assert head in stdout, f"missing table {head!r}:\n{stdout[-6000:]}"
-    for row in ("gpulock AsyncPool", "gpulock Pool (sync)", "python-redis-lock Lock", "redis-py Lock",
-                "asyncio.Semaphore (one process only)", "ceiling: EVALSHA 'return 1', 1 conn, redis-py sync",
-                "Redis memory per lease"):
+    for row in (
+        "gpulock AsyncPool",
+        "gpulock Pool (sync)",
+        "python-redis-lock Lock",
+        "redis-py Lock",
+        "asyncio.Semaphore (one process only)",
+        "ceiling: EVALSHA 'return 1', 1 conn, redis-py sync",
+        "Redis memory per lease",
+    ):
         assert row in stdout, f"missing row {row!r}"
     if HAVE_SERVICE:
         for row in ("(a) gpulock", "(b) in-process semaphore per worker", "(c) global lock"):

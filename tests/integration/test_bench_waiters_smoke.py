@@ -14,15 +14,24 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_waiters_benchmark_quick(tmp_path):
     out = tmp_path / "waiters.json"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "waiters.py"), "--quick", "--json", str(out)],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "waiters.py"), "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert p.returncode == 0, f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
     head = next(line for line in p.stdout.splitlines() if line.startswith("shell"))
     for col in ("connections opened", "enqueue all (s)", "commands/s waiting"):
         assert col in head
     R = json.loads(out.read_text())
     assert [(r["shell"], r["waiters"]) for r in R["runs"]] == [
-        ("AsyncPool", 10), ("AsyncPool", 100), ("Pool (sync)", 10), ("Pool (sync)", 100)]
+        ("AsyncPool", 10),
+        ("AsyncPool", 100),
+        ("Pool (sync)", 10),
+        ("Pool (sync)", 100),
+    ]
     for r in R["runs"]:
         assert r["granted"] == r["waiters"] and r["left_in_queue"] == 0, r
         assert r["pool_errors"] == 0, r

@@ -39,14 +39,21 @@ def gpulock_argv() -> list[str]:
 def cli(url: str, *args: str, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "GPULOCK_REDIS_URL": url}
     env.pop("COLUMNS", None)
-    return subprocess.run([*gpulock_argv(), *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, **kw)
+    return subprocess.run(
+        [*gpulock_argv(), *args], env=env, capture_output=True, text=True, timeout=timeout, **kw
+    )
 
 
 def start(url: str, *args: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "GPULOCK_REDIS_URL": url}
-    return subprocess.Popen([*gpulock_argv(), *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [*gpulock_argv(), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def snapshot(url: str) -> dict:
@@ -91,8 +98,14 @@ def test_pool_set_and_status_round_trip(redis_proc):
 
     r = cli(url, "pool", "set", "gpu0", "--capacity", "4GiB", "--max-waiters", "7", "--json")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == {"pool": "gpu0", "created": 0, "capacity": 4 * GiB,
-                                    "epoch": st["epoch"], "used": 0, "max_waiters": 7}
+    assert json.loads(r.stdout) == {
+        "pool": "gpu0",
+        "created": 0,
+        "capacity": 4 * GiB,
+        "epoch": st["epoch"],
+        "used": 0,
+        "max_waiters": 7,
+    }
     # Without --max-waiters the current bound is kept.
     r = cli(url, "pool", "set", "gpu0", "--capacity", "6GiB")
     assert r.returncode == 0 and "updated" in r.stdout, r
@@ -115,9 +128,18 @@ def test_pool_set_and_status_round_trip(redis_proc):
         th.start()
         try:
             st = wait_for(lambda: (s := status_json(url, "gpu0"))["waiters"] and s)
-            assert (st["used"], st["free"], st["lease_count"], st["waiter_count"]) == (5 * GiB, GiB, 1, 1)
+            assert (st["used"], st["free"], st["lease_count"], st["waiter_count"]) == (
+                5 * GiB,
+                GiB,
+                1,
+                1,
+            )
             (li,) = st["leases"]
-            assert li["lease_id"] == lease.id and li["token"] == lease.token and li["amount"] == 5 * GiB
+            assert (
+                li["lease_id"] == lease.id
+                and li["token"] == lease.token
+                and li["amount"] == 5 * GiB
+            )
             assert li["holder"]["purpose"] == "train-llama" and li["holder"]["pid"] == os.getpid()
             assert 25 < li["expires_in"] <= 30 and li["ttl"] == 30.0
             (w,) = st["waiters"]
@@ -154,7 +176,9 @@ def test_status_of_missing_pool_and_empty_redis(url):
     assert r.stdout == "" and "'nope' is not configured" in r.stderr
 
 
-@pytest.mark.parametrize("bad", ["8XB", "0", "-1GiB", "nan", "1.5B", "abc", "", "1e9", "9007199254740992"])
+@pytest.mark.parametrize(
+    "bad", ["8XB", "0", "-1GiB", "nan", "1.5B", "abc", "", "1e9", "9007199254740992"]
+)
 def test_bad_sizes_are_refused_and_change_nothing(url, bad):
     assert cli(url, "pool", "set", "gpu0", "--capacity", "2GiB").returncode == 0
     before = snapshot(url)
@@ -167,16 +191,19 @@ def test_bad_sizes_are_refused_and_change_nothing(url, bad):
     assert snapshot(url) == before
 
 
-@pytest.mark.parametrize("args", [
-    ["pool", "set", "a{b}", "--capacity", "1GiB"],
-    ["pool", "set", "a:b", "--capacity", "1GiB"],
-    ["pool", "set", "gpu0", "--capacity", "1GiB", "--max-waiters", "0"],
-    ["run", "--pool", "a b", "--amount", "1GiB", "--", "true"],
-    ["run", "--pool", "gpu0", "--amount", "1GiB", "--ttl", "0", "--", "true"],
-    ["run", "--pool", "gpu0", "--amount", "1GiB", "--ttl", "nan", "--", "true"],
-    ["run", "--pool", "gpu0", "--amount", "1GiB", "--timeout", "-1", "--", "true"],
-    ["run", "--pool", "gpu0", "--amount", "1GiB"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["pool", "set", "a{b}", "--capacity", "1GiB"],
+        ["pool", "set", "a:b", "--capacity", "1GiB"],
+        ["pool", "set", "gpu0", "--capacity", "1GiB", "--max-waiters", "0"],
+        ["run", "--pool", "a b", "--amount", "1GiB", "--", "true"],
+        ["run", "--pool", "gpu0", "--amount", "1GiB", "--ttl", "0", "--", "true"],
+        ["run", "--pool", "gpu0", "--amount", "1GiB", "--ttl", "nan", "--", "true"],
+        ["run", "--pool", "gpu0", "--amount", "1GiB", "--timeout", "-1", "--", "true"],
+        ["run", "--pool", "gpu0", "--amount", "1GiB"],
+    ],
+)
 def test_bad_arguments_exit_2_and_change_nothing(url, args):
     assert cli(url, "pool", "set", "gpu0", "--capacity", "2GiB").returncode == 0
     before = snapshot(url)
@@ -199,7 +226,9 @@ PRINT_ENV = textwrap.dedent("""
 def test_run_passes_env_returns_status_and_keeps_stdout_clean(url):
     assert cli(url, "pool", "set", "gpu0", "--capacity", "8GiB").returncode == 0
     fence_before = status_json(url, "gpu0")["fence"]
-    r = cli(url, "run", "--pool", "gpu0", "--amount", "3GiB", "--", sys.executable, "-c", PRINT_ENV, "7")
+    r = cli(
+        url, "run", "--pool", "gpu0", "--amount", "3GiB", "--", sys.executable, "-c", PRINT_ENV, "7"
+    )
     assert r.returncode == 7, r.stderr
     env = json.loads(r.stdout)  # stdout is exactly CMD's one line
     assert r.stdout.count("\n") == 1
@@ -209,7 +238,9 @@ def test_run_passes_env_returns_status_and_keeps_stdout_clean(url):
     st = status_json(url, "gpu0")
     assert st["used"] == 0 and st["leases"] == [] and st["grants"] == 1
 
-    r = cli(url, "run", "--pool", "gpu0", "--amount", "1GiB", "--", sys.executable, "-c", PRINT_ENV, "0")
+    r = cli(
+        url, "run", "--pool", "gpu0", "--amount", "1GiB", "--", sys.executable, "-c", PRINT_ENV, "0"
+    )
     assert r.returncode == 0
     assert int(json.loads(r.stdout)["GPULOCK_FENCING_TOKEN"]) == fence_before + 2
 
@@ -218,8 +249,20 @@ def test_run_waits_in_queue_messages_on_stderr_only(url):
     assert cli(url, "pool", "set", "gpu0", "--capacity", "4GiB").returncode == 0
     with Pool.from_url(url, "gpu0") as pool:
         lease = pool.acquire("3GiB", ttl=30)
-        p = start(url, "run", "--pool", "gpu0", "--amount", "2GiB", "--purpose", "queued-job", "--",
-                  sys.executable, "-c", "print('hello from cmd')")
+        p = start(
+            url,
+            "run",
+            "--pool",
+            "gpu0",
+            "--amount",
+            "2GiB",
+            "--purpose",
+            "queued-job",
+            "--",
+            sys.executable,
+            "-c",
+            "print('hello from cmd')",
+        )
         try:
             st = wait_for(lambda: (s := status_json(url, "gpu0"))["waiters"] and s)
             assert st["waiters"][0]["holder"]["purpose"] == "queued-job"
@@ -236,8 +279,18 @@ def test_run_waits_in_queue_messages_on_stderr_only(url):
 
 def test_run_reports_signal_death_as_128_plus_n(url):
     assert cli(url, "pool", "set", "gpu0", "--capacity", "1GiB").returncode == 0
-    r = cli(url, "run", "-p", "gpu0", "-a", "1MiB", "--", sys.executable, "-c",
-            "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    r = cli(
+        url,
+        "run",
+        "-p",
+        "gpu0",
+        "-a",
+        "1MiB",
+        "--",
+        sys.executable,
+        "-c",
+        "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+    )
     assert r.returncode == 128 + signal.SIGKILL
     assert status_json(url, "gpu0")["used"] == 0
 
@@ -249,14 +302,37 @@ def test_run_timeout_exits_75_and_leaves_nothing(url, tmp_path):
         lease = pool.acquire("4GiB", ttl=30)
         try:
             t0 = time.monotonic()
-            r = cli(url, "run", "--pool", "gpu0", "--amount", "1GiB", "--timeout", "0.5", "--",
-                    "touch", str(marker))
+            r = cli(
+                url,
+                "run",
+                "--pool",
+                "gpu0",
+                "--amount",
+                "1GiB",
+                "--timeout",
+                "0.5",
+                "--",
+                "touch",
+                str(marker),
+            )
             took = time.monotonic() - t0
             assert r.returncode == EXIT_TEMPFAIL == 75
             assert "no lease of 1.0GiB on pool 'gpu0' within 0.5s" in r.stderr
             assert r.stdout == "" and not marker.exists() and took < 10
             # --timeout 0: try once.
-            r = cli(url, "run", "--pool", "gpu0", "--amount", "1GiB", "--timeout", "0", "--", "touch", str(marker))
+            r = cli(
+                url,
+                "run",
+                "--pool",
+                "gpu0",
+                "--amount",
+                "1GiB",
+                "--timeout",
+                "0",
+                "--",
+                "touch",
+                str(marker),
+            )
             assert r.returncode == 75 and not marker.exists()
             st = status_json(url, "gpu0")
             assert (st["used"], st["waiter_count"], st["lease_count"]) == (4 * GiB, 0, 1)
@@ -301,7 +377,9 @@ TRAP_TERM = textwrap.dedent("""
 def test_run_forwards_sigterm_to_cmd(url, tmp_path):
     assert cli(url, "pool", "set", "gpu0", "--capacity", "1GiB").returncode == 0
     marker = tmp_path / "m"
-    p = start(url, "run", "-p", "gpu0", "-a", "1MiB", "--", sys.executable, "-c", TRAP_TERM, str(marker))
+    p = start(
+        url, "run", "-p", "gpu0", "-a", "1MiB", "--", sys.executable, "-c", TRAP_TERM, str(marker)
+    )
     wait_for(lambda: Path(str(marker) + ".ready").exists())
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=10)
@@ -350,6 +428,17 @@ def test_extras_hook_registers_and_tolerates_absence(monkeypatch):
 def test_run_long_unicode_command_line_fits_holder_metadata(url):
     assert cli(url, "pool", "set", "gpu0", "--capacity", "1GiB").returncode == 0
     long_arg = "é" * 2000
-    r = cli(url, "run", "-p", "gpu0", "-a", "1MiB", "--", sys.executable, "-c",
-            "import json, subprocess, sys; print('ok')", long_arg)
+    r = cli(
+        url,
+        "run",
+        "-p",
+        "gpu0",
+        "-a",
+        "1MiB",
+        "--",
+        sys.executable,
+        "-c",
+        "import json, subprocess, sys; print('ok')",
+        long_arg,
+    )
     assert r.returncode == 0 and r.stdout == "ok\n", r.stderr

@@ -22,8 +22,13 @@ def gpulock(url: str | None, *args: str, timeout: float = 30) -> subprocess.Comp
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOCK_")}
     if url is not None:
         env["GPULOCK_REDIS_URL"] = url
-    return subprocess.run([sys.executable, "-m", "gpulock", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "gpulock", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture
@@ -51,13 +56,19 @@ def test_pool_list(url):
     assert [ln.split()[0] for ln in lines] == ["a-pool", "b-pool"], r.stdout
     assert "1.0GiB" in lines[0] and "2.0GiB" in lines[1], r.stdout
     r = gpulock(url, "pool", "list", "--json")
-    assert [(p["pool"], p["capacity"]) for p in json.loads(r.stdout)] == [("a-pool", 2**30), ("b-pool", 2 * 2**30)]
+    assert [(p["pool"], p["capacity"]) for p in json.loads(r.stdout)] == [
+        ("a-pool", 2**30),
+        ("b-pool", 2 * 2**30),
+    ]
 
 
 def test_pool_delete_refuses_while_leases_are_held_unless_forced(url):
     # A long ttl: the holder's first renewal (ttl/3) comes long after this test; a renewal of
     # a force-deleted pool's lease would put the pool back (Redis-lost-its-data rule).
-    assert gpulock(url, "pool", "set", "gone", "--capacity", "4GiB", "--max-ttl", "3600").returncode == 0
+    assert (
+        gpulock(url, "pool", "set", "gone", "--capacity", "4GiB", "--max-ttl", "3600").returncode
+        == 0
+    )
     assert gpulock(url, "pool", "set", "kept", "--capacity", "4GiB").returncode == 0
     p = Pool.from_url(url, "gone")
     try:
@@ -105,12 +116,15 @@ def test_run_ttl_over_the_pools_max_is_refused_in_seconds(url):
     assert "ttl_ms" not in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("args", [
-    ("status",),
-    ("pool", "list"),
-    ("pool", "set", "p", "--capacity", "1GiB"),
-    ("run", "--pool", "p", "--amount", "1GiB", "--", "true"),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("status",),
+        ("pool", "list"),
+        ("pool", "set", "p", "--capacity", "1GiB"),
+        ("run", "--pool", "p", "--amount", "1GiB", "--", "true"),
+    ],
+)
 def test_an_unknown_url_scheme_is_a_usage_error_everywhere(args):
     r = gpulock(None, "--redis-url", "garbage", *args)
     assert r.returncode == 2, (args, r.returncode, r.stderr)
@@ -125,27 +139,42 @@ def test_both_urls_on_the_command_line_is_a_usage_error(url):
     assert "--redis-url" in r.stderr and "--broker-url" in r.stderr
 
 
-@pytest.mark.parametrize("args, needle", [
-    (("--pool", "bad/name"), "pool name"),
-    (("--redis-url", "garbage"), "garbage"),
-    (("--model", "nosuch"), "nosuch"),
-    (("--model", "no_such_module_xyz:factory"), "no_such_module_xyz"),
-    (("--log-level", "loud"), "loud"),
-    (("--capacity", "lots"), "capacity"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (("--pool", "bad/name"), "pool name"),
+        (("--redis-url", "garbage"), "garbage"),
+        (("--model", "nosuch"), "nosuch"),
+        (("--model", "no_such_module_xyz:factory"), "no_such_module_xyz"),
+        (("--log-level", "loud"), "loud"),
+        (("--capacity", "lots"), "capacity"),
+    ],
+)
 def test_serve_validates_every_option_before_starting_anything(args, needle):
     r = gpulock(None, "serve", "--port", str(free_port()), *args, timeout=60)
     assert r.returncode == 2, (args, r.returncode, r.stderr)
     assert needle in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
-    assert "Redis:" not in r.stderr and "workers" not in r.stderr, r.stderr  # no banner: nothing started
+    assert "Redis:" not in r.stderr and "workers" not in r.stderr, (
+        r.stderr
+    )  # no banner: nothing started
 
 
 def test_serve_with_an_unreachable_redis_exits_69():
     """An unreachable --redis-url is EX_UNAVAILABLE (69), as in the rest of the CLI, with a
     line that says so; 2 is for bad values only. No worker starts."""
     dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-    r = gpulock(None, "serve", "--port", str(free_port()), "--redis-url", dead, "--model", "sleep", timeout=60)
+    r = gpulock(
+        None,
+        "serve",
+        "--port",
+        str(free_port()),
+        "--redis-url",
+        dead,
+        "--model",
+        "sleep",
+        timeout=60,
+    )
     assert r.returncode == 69, (r.returncode, r.stderr)
     assert "unreachable" in r.stderr and dead in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "starting:" not in r.stderr, r.stderr

@@ -44,7 +44,9 @@ def test_sync_close_ends_a_wait_in_another_thread(redis_proc, rclient, pool_name
         assert isinstance(out.get("error"), PoolClosed), out
         assert time.monotonic() - t0 < 5
         st = other.status()
-        assert st.waiter_count == 0 and st.used == 1, "the closed pool's request must leave the queue"
+        assert st.waiter_count == 0 and st.used == 1, (
+            "the closed pool's request must leave the queue"
+        )
         holder.release()
     assert_empty(rclient, pool_name)
 
@@ -59,7 +61,9 @@ async def test_async_close_ends_a_waiting_task(redis_proc, rclient, pool_name):
             break
         await asyncio.sleep(0.01)
     await p.aclose()
-    with pytest.raises(PoolClosed, match="closed while this call waited; the request left the queue"):
+    with pytest.raises(
+        PoolClosed, match="closed while this call waited; the request left the queue"
+    ):
         await asyncio.wait_for(task, 5)
     st = await other.status()
     assert st.waiter_count == 0 and st.used == 1

@@ -45,6 +45,7 @@ pytestmark = pytest.mark.timeout(60)
 
 # ---- pure pieces ---------------------------------------------------------------------------------
 
+
 def test_request_ticket_is_valid_and_stable_for_any_header_value():
     pat = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
     for v in ["abc", "x" * 5000, "with spaces / slashes {braces}", "ünïcødé ✓", "", "\x00\n"]:
@@ -72,11 +73,19 @@ def test_cuda_error_classification_and_traceback_release():
     oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     assert is_oom(oom) and is_cuda_error(oom) and not is_fatal_cuda_error(oom)
     assert is_oom(RuntimeError("CUDA error: out of memory"))
-    assert is_oom(RuntimeError("cuBLAS error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
-    for msg in ("CUDA error: device-side assert triggered", "CUDA error: an illegal memory access was encountered",
-                "CUDA error: misaligned address", "CUDA error: unspecified launch failure"):
+    assert is_oom(
+        RuntimeError("cuBLAS error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")
+    )
+    for msg in (
+        "CUDA error: device-side assert triggered",
+        "CUDA error: an illegal memory access was encountered",
+        "CUDA error: misaligned address",
+        "CUDA error: unspecified launch failure",
+    ):
         assert is_fatal_cuda_error(RuntimeError(msg)) and not is_oom(RuntimeError(msg))
-    assert is_fatal_cuda_error(torch.AcceleratorError("CUDA error: an illegal instruction was encountered"))
+    assert is_fatal_cuda_error(
+        torch.AcceleratorError("CUDA error: an illegal instruction was encountered")
+    )
     assert not is_cuda_error(ValueError("CUDA out of memory"))  # not a RuntimeError: a user's error
     assert not is_cuda_error(RuntimeError("shape mismatch"))
     assert empty_cache() is False  # no CUDA context here: does nothing, raises nothing
@@ -118,8 +127,13 @@ def test_import_does_no_io_and_no_torch():
         heavy = [x for x in ("torch", "sentence_transformers", "transformers", "gunicorn") if x in sys.modules]
         print(names, heavy)
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                       env={"GPULOCK_REDIS_URL": "redis://10.255.255.1:1/0", "PATH": "/usr/bin:/bin"})
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"GPULOCK_REDIS_URL": "redis://10.255.255.1:1/0", "PATH": "/usr/bin:/bin"},
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "['loadtest', 'serve'] []", r.stdout
 
@@ -132,7 +146,11 @@ def test_decide_capacity(monkeypatch):
     assert decide_capacity("3GiB", 0.9, "auto") == (3 * GiB, "--capacity / GPULOCK_CAPACITY", True)
     cap, src, explicit = decide_capacity(None, 0.9, "cpu")
     assert cap == 2 * GiB and "CPU default" in src and not explicit
-    monkeypatch.setattr(gpulock.cuda, "device_memory", lambda idx=0, **k: DeviceMemory(80 * GiB, 79 * GiB, "nvml", "H100"))
+    monkeypatch.setattr(
+        gpulock.cuda,
+        "device_memory",
+        lambda idx=0, **k: DeviceMemory(80 * GiB, 79 * GiB, "nvml", "H100"),
+    )
     cap, src, explicit = decide_capacity(None, 0.9, "auto")
     assert cap == int(80 * GiB * 0.9) and "H100" in src and "nvml" in src and not explicit
     monkeypatch.setattr(gpulock.cuda, "device_memory", lambda idx=0, **k: None)
@@ -153,6 +171,7 @@ def test_settings_from_environment(monkeypatch):
 
 
 # ---- a user's app ----------------------------------------------------------------------------------
+
 
 def _app(url: str, pool: str, **kw) -> tuple[FastAPI, GpuLimiter, dict]:
     kw.setdefault("capacity", 4 * GiB)
@@ -183,9 +202,13 @@ def _app(url: str, pool: str, **kw) -> tuple[FastAPI, GpuLimiter, dict]:
                 seen["inside"] -= 1
 
     @app.post("/run")
-    async def run(body: dict, call: GpuCall = Depends(gpu.guard("run", estimate=lambda seconds, fail="": GiB))):
+    async def run(
+        body: dict, call: GpuCall = Depends(gpu.guard("run", estimate=lambda seconds, fail="": GiB))
+    ):
         if "gib" in body:
-            return await call(work, body.get("seconds", 0.0), body.get("fail", ""), amount=body["gib"] * GiB)
+            return await call(
+                work, body.get("seconds", 0.0), body.get("fail", ""), amount=body["gib"] * GiB
+            )
         return await call(work, body.get("seconds", 0.0), body.get("fail", ""))
 
     @app.post("/sync")
@@ -228,7 +251,9 @@ async def _until(url: str, pool: str, pred, timeout: float = 10.0):
             st = await p.status()
             if pred(st):
                 return st
-            assert time.monotonic() < deadline, f"pool {pool}: condition not met within {timeout}s: {st}"
+            assert time.monotonic() < deadline, (
+                f"pool {pool}: condition not met within {timeout}s: {st}"
+            )
             await asyncio.sleep(0.01)
     finally:
         await p.aclose()
@@ -249,6 +274,7 @@ async def test_guarded_call_runs_under_a_lease_and_releases(redis_proc1):
 async def test_capacity_never_exceeded_and_health_free(redis_proc1):
     app, gpu, seen = _app(redis_proc1.url, "it2", executor_threads=8, acquire_timeout=20)
     async with _Running(app) as c:
+
         async def probe():
             worst = 0.0
             for _ in range(15):
@@ -258,7 +284,9 @@ async def test_capacity_never_exceeded_and_health_free(redis_proc1):
                 await asyncio.sleep(0.03)
             return worst
 
-        rs = await asyncio.gather(*(c.post("/sync", json={"seconds": 0.1, "gib": 2}) for _ in range(10)), probe())
+        rs = await asyncio.gather(
+            *(c.post("/sync", json={"seconds": 0.1, "gib": 2}) for _ in range(10)), probe()
+        )
         assert [r.status_code for r in rs[:-1]] == [200] * 10
         assert seen["max_inside"] == 2  # 4 GiB / 2 GiB, although 8 threads were free
         assert rs[-1] < 0.1
@@ -267,8 +295,14 @@ async def test_capacity_never_exceeded_and_health_free(redis_proc1):
 async def test_errors_map_to_http(redis_proc1):
     import torch  # noqa: F401  here, not first inside the guarded work: that import can outlast 0.3 s
 
-    app, gpu, seen = _app(redis_proc1.url, "it3", acquire_timeout=0.5, inference_timeout=0.3, exit_on_fatal=False,
-                          park_timeout=0)
+    app, gpu, seen = _app(
+        redis_proc1.url,
+        "it3",
+        acquire_timeout=0.5,
+        inference_timeout=0.3,
+        exit_on_fatal=False,
+        park_timeout=0,
+    )
     m = metrics()
     async with _Running(app) as c:
         r = await c.post("/sync", json={"gib": 5})
@@ -338,8 +372,10 @@ async def test_request_id_makes_retries_idempotent(redis_proc1):
     app, gpu, seen = _app(redis_proc1.url, "it5")
     async with _Running(app) as c:
         h = {"X-Request-ID": "my request / 1"}
-        a, b = await asyncio.gather(c.post("/sync", json={"seconds": 0.3}, headers=h),
-                                    c.post("/sync", json={"seconds": 0.3}, headers=h))
+        a, b = await asyncio.gather(
+            c.post("/sync", json={"seconds": 0.3}, headers=h),
+            c.post("/sync", json={"seconds": 0.3}, headers=h),
+        )
         assert a.status_code == b.status_code == 200 and a.json() == b.json()
         assert len(seen["tokens"]) == 1, "two requests with one id ran once"
         assert a.headers["x-request-id"] == "my request / 1"
@@ -365,7 +401,11 @@ async def test_503_with_request_id_keeps_the_place(redis_proc1):
         assert late.status_code == 503 and late.headers["x-queue-position"] == "2"
         assert (await hold).status_code == 200
         # the parked request ran when its turn came: granted (the second grant) and released
-        await _until(redis_proc1.url, "it6", lambda st: st.grants >= 2 and st.used == 0 and st.waiter_count == 0)
+        await _until(
+            redis_proc1.url,
+            "it6",
+            lambda st: st.grants >= 2 and st.used == 0 and st.waiter_count == 0,
+        )
         r = await c.post("/sync", json={"seconds": 0.0, "gib": 4}, headers=h)
         assert r.status_code == 200 and r.headers["x-idempotent-replay"] == "true"
 
@@ -414,11 +454,17 @@ async def test_metrics_read_the_pool_from_redis(redis_proc1):
         return await gpu.metrics_response()
 
     async with _Running(app) as c:
-        hold = asyncio.create_task(c.post("/sync", json={"seconds": 3.0, "gib": 3}))  # held while we read
+        hold = asyncio.create_task(
+            c.post("/sync", json={"seconds": 3.0, "gib": 3})
+        )  # held while we read
         await _until(redis_proc1.url, "it9", lambda st: st.used == 3 * GiB)
         text = (await c.get("/metrics")).text
-        vals = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-                if s.labels.get("pool") == "it9"}
+        vals = {
+            s.name: s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.labels.get("pool") == "it9"
+        }
         assert vals["gpulock_pool_capacity_bytes"] == 4 * GiB
         assert vals["gpulock_pool_used_bytes"] == 3 * GiB
         assert vals["gpulock_pool_leases"] == 1 and vals["gpulock_pool_up"] == 1
@@ -431,7 +477,11 @@ async def test_not_ready_until_conditions_hold(redis_proc1):
     async with _Running(app) as c:
         gpu.set_condition("model", False, "loading")
         r = await c.post("/sync", json={})
-        assert r.status_code == 503 and "loading" in r.json()["detail"] and r.headers["retry-after"] == "1"
+        assert (
+            r.status_code == 503
+            and "loading" in r.json()["detail"]
+            and r.headers["retry-after"] == "1"
+        )
         ready, checks = gpu.readiness()
         assert not ready and checks["model"] == {"ok": False, "message": "loading"}
         gpu.set_condition("model", True)
@@ -443,7 +493,9 @@ async def test_resident_lease_waits_without_blocking_requests(redis_proc1):
     app, gpu, seen = _app(redis_proc1.url, "it11", capacity=10 * GiB)
     other = AsyncPool.from_url(redis_proc1.url, "it11")
     async with _Running(app) as c:
-        residents = [await other.acquire(3 * GiB, holder={"purpose": "resident:model"}) for _ in range(3)]
+        residents = [
+            await other.acquire(3 * GiB, holder={"purpose": "resident:model"}) for _ in range(3)
+        ]
         task = asyncio.create_task(gpu.acquire_resident(3 * GiB))
         for _ in range(500):  # until the resident request found it does not fit (not a sleep)
             if "shortfall" in gpu.readiness()[1].get("resident_lease", {}).get("message", ""):
@@ -474,15 +526,21 @@ async def test_request_larger_than_the_room_residents_leave_is_413_at_once(redis
     app, gpu, _ = _app(redis_proc1.url, "it-room", acquire_timeout=5.0, park_timeout=0)
     other = AsyncPool.from_url(redis_proc1.url, "it-room")
     async with _Running(app) as c:
-        models = [await other.acquire(int(1.5 * GiB), ttl=30, holder={"purpose": "resident:model"})
-                  for _ in range(2)]
+        models = [
+            await other.acquire(int(1.5 * GiB), ttl=30, holder={"purpose": "resident:model"})
+            for _ in range(2)
+        ]
         await gpu._tick(full=True)  # the next full reaper tick would read them
         assert gpu._resident_bytes == 3 * GiB
         t0 = time.monotonic()
-        big, small = await asyncio.gather(c.post("/sync", json={"gib": 2}), c.post("/sync", json={"gib": 1}))
+        big, small = await asyncio.gather(
+            c.post("/sync", json={"gib": 2}), c.post("/sync", json={"gib": 1})
+        )
         assert big.status_code == 413 and time.monotonic() - t0 < 2.0
         detail = big.json()["detail"]
-        assert "2.0GiB" in detail and "1.0GiB" in detail and "4.0GiB" in detail and "3.0GiB" in detail, detail
+        assert (
+            "2.0GiB" in detail and "1.0GiB" in detail and "4.0GiB" in detail and "3.0GiB" in detail
+        ), detail
         assert small.status_code == 200
         # Nothing was queued or granted for the refused request.
         assert await _used(redis_proc1.url, "it-room", settle_at=3 * GiB) == 3 * GiB
@@ -529,13 +587,20 @@ async def _run_under_acl(url: str, admin_url: str, pool: str) -> list[str]:
     try:
         app, gpu, _ = _app(url, pool, capacity=None, acquire_timeout=5)
         async with _Running(app) as c:
-            async def post(what: str, headers: dict | None = None, replay: bool = False, seconds: float = 0.0) -> None:
+
+            async def post(
+                what: str, headers: dict | None = None, replay: bool = False, seconds: float = 0.0
+            ) -> None:
                 try:
-                    r = await c.post("/sync", json={"gib": 1, "seconds": seconds}, headers=headers or {})
+                    r = await c.post(
+                        "/sync", json={"gib": 1, "seconds": seconds}, headers=headers or {}
+                    )
                 except Exception as e:  # noqa: BLE001 - the app raised: a refused command
                     problems.append(f"{what}: {type(e).__name__}: {e}")
                     return
-                if r.status_code != 200 or (replay and r.headers.get("x-idempotent-replay") != "true"):
+                if r.status_code != 200 or (
+                    replay and r.headers.get("x-idempotent-replay") != "true"
+                ):
                     problems.append(f"{what}: {r.status_code} {r.text}")
 
             if not gpu.readiness()[0]:
@@ -545,7 +610,6 @@ async def _run_under_acl(url: str, admin_url: str, pool: str) -> list[str]:
             await asyncio.sleep(0.3)  # the job's own clean-up (release, claim) after the answer
             await post("replay", {"X-Request-ID": "acl-1"}, replay=True)
 
-
             async def tick_during_a_request() -> None:
                 await asyncio.sleep(0.2)
                 try:
@@ -554,8 +618,10 @@ async def _run_under_acl(url: str, admin_url: str, pool: str) -> list[str]:
                 except Exception as e:  # noqa: BLE001 - a refused command is what we look for
                     problems.append(f"tick: {e}")
 
-            await asyncio.gather(post("slow idempotent request", {"X-Request-ID": "acl-2"}, seconds=0.5),
-                                 tick_during_a_request())
+            await asyncio.gather(
+                post("slow idempotent request", {"X-Request-ID": "acl-2"}, seconds=0.5),
+                tick_during_a_request(),
+            )
             await asyncio.sleep(0.3)
             admin = sync_redis.Redis.from_url(admin_url)
             left = [k.decode() for k in admin.scan_iter(f"gpulock:{{{pool}}}:req:*")]
@@ -583,9 +649,17 @@ async def test_service_runs_under_the_documented_acl(redis_proc1):
         # Each extra rule is needed: without it something above fails.
         needless = []
         for rule in extra.split():
-            admin.execute_command("ACL", "SETUSER", "svc", "reset", *core.split(),
-                                  *[r for r in extra.split() if r != rule])
-            if not await _run_under_acl(url, redis_proc1.url, f"it-acl-{rule.strip('+').replace('|', '-')}"):
+            admin.execute_command(
+                "ACL",
+                "SETUSER",
+                "svc",
+                "reset",
+                *core.split(),
+                *[r for r in extra.split() if r != rule],
+            )
+            if not await _run_under_acl(
+                url, redis_proc1.url, f"it-acl-{rule.strip('+').replace('|', '-')}"
+            ):
                 needless.append(rule)
         assert not needless, f"documented but not needed: {needless}"
     finally:
@@ -600,15 +674,24 @@ async def test_retry_after_of_a_withdrawn_request_counts_the_queue_behind_it(red
     # acquire_timeout 3 s: all six must be queued before the first times out (with 0.6 s a
     # loaded machine let the first time out while the sixth was still on its way: a chance
     # failure); the holder outlasts all six timeouts.
-    app, gpu, _ = _app(redis_proc1.url, "it-tail", acquire_timeout=3.0, park_timeout=0, executor_threads=8)
+    app, gpu, _ = _app(
+        redis_proc1.url, "it-tail", acquire_timeout=3.0, park_timeout=0, executor_threads=8
+    )
     async with _Running(app) as c:
         hold = asyncio.create_task(c.post("/sync", json={"seconds": 7.0, "gib": 4}))
         await _until(redis_proc1.url, "it-tail", lambda st: st.used == 4 * GiB)
         waiting = []
-        for i in range(6):  # queued one after the other (each seen in Redis before the next is sent)
+        for i in range(
+            6
+        ):  # queued one after the other (each seen in Redis before the next is sent)
             waiting.append(asyncio.create_task(c.post("/sync", json={"gib": 4})))
-            await _until(redis_proc1.url, "it-tail", lambda st, n=i + 1: st.waiter_count >= n or st.reaped_waiters
-                         or any(t.done() for t in waiting))
+            await _until(
+                redis_proc1.url,
+                "it-tail",
+                lambda st, n=i + 1: (
+                    st.waiter_count >= n or st.reaped_waiters or any(t.done() for t in waiting)
+                ),
+            )
         rs = await asyncio.gather(*waiting)
         assert [r.status_code for r in rs] == [503] * 6
         first = rs[0]
@@ -618,7 +701,9 @@ async def test_retry_after_of_a_withdrawn_request_counts_the_queue_behind_it(red
         assert (await hold).status_code == 200
 
 
-async def test_a_job_cancelled_during_its_release_is_not_a_failed_release(redis_proc1, tmp_path, caplog):
+async def test_a_job_cancelled_during_its_release_is_not_a_failed_release(
+    redis_proc1, tmp_path, caplog
+):
     """The job task is cancelled (overload: a 503, a client gone, a shutdown) while the
     shielded release of its lease is on its way (here: Redis paused). That is not a failed
     release: nothing is logged, and the release completes once Redis answers. (It logged
@@ -629,8 +714,15 @@ async def test_a_job_cancelled_during_its_release_is_not_a_failed_release(redis_
     import os
 
     hist = tmp_path / f"history.{os.getpid()}.jsonl"  # GpuLimiter appends ".<pid>.jsonl"
-    gpu = GpuLimiter(redis_proc1.url, "it-cancel-release", capacity=4 * GiB, configure="set",
-                     history_file=str(tmp_path / "history"), reaper_interval=30, exit_on_fatal=False)
+    gpu = GpuLimiter(
+        redis_proc1.url,
+        "it-cancel-release",
+        capacity=4 * GiB,
+        configure="set",
+        history_file=str(tmp_path / "history"),
+        reaper_interval=30,
+        exit_on_fatal=False,
+    )
     app = FastAPI(lifespan=gpu.lifespan)
     entered, go = threading.Event(), threading.Event()
 
@@ -655,6 +747,8 @@ async def test_a_job_cancelled_during_its_release_is_not_a_failed_release(redis_
         finally:
             redis_proc1.resume()
         assert (await req).status_code == 200
-        assert await _used(redis_proc1.url, "it-cancel-release", settle_at=0) == 0  # the release completed
+        assert (
+            await _used(redis_proc1.url, "it-cancel-release", settle_at=0) == 0
+        )  # the release completed
     failed = [r.getMessage() for r in caplog.records if "release failed" in r.getMessage()]
     assert not failed, failed

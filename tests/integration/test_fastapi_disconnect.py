@@ -32,8 +32,11 @@ def _until(pred, what: str, timeout: float = 10.0):
 def _open_post(port: int, path: str, body: dict) -> socket.socket:
     raw = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    s.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(raw)}\r\n\r\n".encode()
+        + raw
+    )
     return s
 
 
@@ -42,7 +45,9 @@ def test_hung_up_requests_leave_the_thread_slot_wait_at_once(redis_proc1):
 
     app, gpu, seen = _app(redis_proc1.url, "disc-slot", executor_threads=1, acquire_timeout=30)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
     try:
@@ -51,8 +56,11 @@ def test_hung_up_requests_leave_the_thread_slot_wait_at_once(redis_proc1):
         waiting = metrics().disconnected.labels("sync", "waiting")
         before = waiting._value.get()
         hold = {}
-        ht = threading.Thread(target=lambda: hold.setdefault("r", httpx.post(url + "/sync", json={"seconds": 1.5},
-                                                                             timeout=30)))
+        ht = threading.Thread(
+            target=lambda: hold.setdefault(
+                "r", httpx.post(url + "/sync", json={"seconds": 1.5}, timeout=30)
+            )
+        )
         ht.start()
         _until(lambda: gpu._slots.free == 0 and seen["inside"] == 1, "the holder running")
         socks = []

@@ -44,7 +44,9 @@ async def test_retry_on_another_worker_gets_the_real_place_and_retry_after(redis
     b_app, b, _ = _app(redis_proc1.url, pool, **kw)
     async with _Running(a_app) as ca, _Running(b_app) as cb:
         hold = asyncio.create_task(ca.post("/sync", json={"seconds": 6.0, "gib": 4}))
-        await _until(lambda: a._slots.free == threads - 1 and a._local_grants == 1, "the holder running")
+        await _until(
+            lambda: a._slots.free == threads - 1 and a._local_grants == 1, "the holder running"
+        )
 
         def waiting() -> int:  # requests of worker A behind the holder, wherever they wait
             if phase == "slot":
@@ -53,8 +55,11 @@ async def test_retry_on_another_worker_gets_the_real_place_and_retry_after(redis
 
         ahead = []
         for i in range(3):  # parked (X-Request-ID), so they keep their places after their 503s
-            ahead.append(asyncio.create_task(
-                ca.post("/sync", json={"gib": 1}, headers={"X-Request-ID": f"ahead-{i}"})))
+            ahead.append(
+                asyncio.create_task(
+                    ca.post("/sync", json={"gib": 1}, headers={"X-Request-ID": f"ahead-{i}"})
+                )
+            )
             await _until(lambda: waiting() == i + 1, f"request {i} waiting")
         h = {"X-Request-ID": "the-one"}
         first = await ca.post("/sync", json={"gib": 1}, headers=h)
@@ -67,7 +72,10 @@ async def test_retry_on_another_worker_gets_the_real_place_and_retry_after(redis
         assert retry.status_code == 503, retry.text
         assert "position 4" in retry.json()["detail"] and "unknown" not in retry.json()["detail"]
         assert retry.headers["x-queue-position"] == "4", retry.headers
-        assert retry.headers["retry-after"] == first.headers["retry-after"], (first.headers, retry.headers)
+        assert retry.headers["retry-after"] == first.headers["retry-after"], (
+            first.headers,
+            retry.headers,
+        )
         assert retry.headers["x-request-id"] == "the-one"
         assert (await hold).status_code == 200
         for t in ahead:

@@ -72,7 +72,9 @@ async def test_max_ttl_lowered_while_running_clamps_the_lease_ttl(redis_proc1, c
 
 async def test_max_ttl_lowered_before_the_next_status_read_still_serves(redis_proc1):
     await _configure(redis_proc1.url, "mt2", max_ttl=60)
-    app, gpu = _app(redis_proc1.url, "mt2", ttl=6, reaper_interval=600)  # no status read in the test
+    app, gpu = _app(
+        redis_proc1.url, "mt2", ttl=6, reaper_interval=600
+    )  # no status read in the test
     async with _Running(app) as c:
         assert (await c.post("/run")).json()["ttl"] == 6
         await _configure(redis_proc1.url, "mt2", max_ttl=3)
@@ -86,8 +88,14 @@ async def test_service_starts_ready_under_a_max_ttl_below_the_default_ttl(redis_
     from gpulock_service.settings import Settings
 
     await _configure(redis_proc1.url, "mt3", max_ttl=20)
-    settings = Settings(redis_url=redis_proc1.url, pool="mt3", model="sleep", sleep_seconds=0.0,
-                        sleep_bytes="1MiB", reaper_interval=0.05)
+    settings = Settings(
+        redis_url=redis_proc1.url,
+        pool="mt3",
+        model="sleep",
+        sleep_seconds=0.0,
+        sleep_bytes="1MiB",
+        reaper_interval=0.05,
+    )
     assert settings.ttl == 30
     app = create_app(settings)
     async with _Running(app) as c:
@@ -105,12 +113,15 @@ async def test_service_starts_ready_under_a_max_ttl_below_the_default_ttl(redis_
         assert all(lz.ttl == 20 for lz in lim.resident_leases)
 
 
-async def test_invalid_argument_from_acquire_is_a_json_error_not_a_bare_500(redis_proc1, monkeypatch):
+async def test_invalid_argument_from_acquire_is_a_json_error_not_a_bare_500(
+    redis_proc1, monkeypatch
+):
     from gpulock.errors import InvalidArgument
 
     await _configure(redis_proc1.url, "mt4", max_ttl=60)
     app, gpu = _app(redis_proc1.url, "mt4", ttl=6, reaper_interval=600)
     async with _Running(app) as c:
+
         async def refuse(*a, **kw):
             raise InvalidArgument("refused for the test")
 

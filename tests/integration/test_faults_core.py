@@ -50,7 +50,9 @@ async def test_script_flush_mid_run(make_apool, make_pool, rclient, pool_name):
     assert_empty(rclient, pool_name)
 
 
-async def test_restart_empty_lease_put_back_and_tokens_forward(make_apool, redis_proc, rclient, pool_name):
+async def test_restart_empty_lease_put_back_and_tokens_forward(
+    make_apool, redis_proc, rclient, pool_name
+):
     """Redis restarts without its data (DESIGN §5): the holder's next heartbeat finds the pool
     gone, makes it again with a grace period of one max_ttl and puts its lease back (same id
     and token); nothing new is granted before the grace period ends; tokens keep increasing.
@@ -132,7 +134,9 @@ def test_sync_heartbeat_keeps_short_lease_alive(make_pool, rclient, pool_name):
     assert_empty(rclient, pool_name)
 
 
-async def test_unreachable_redis_lost_locally_before_server_expiry(make_apool, redis_proc, rclient, pool_name):
+async def test_unreachable_redis_lost_locally_before_server_expiry(
+    make_apool, redis_proc, rclient, pool_name
+):
     """Redis stops answering (SIGSTOP) for longer than the ttl. ensure_valid() raises by the
     local deadline, which falls before the server's expiry; on_lost fires once, while Redis
     is still paused; afterwards the release reports lost and frees nothing."""
@@ -164,7 +168,10 @@ async def test_unreachable_redis_lost_locally_before_server_expiry(make_apool, r
     # the local deadline came first (by the margin, at least).
     server_expiry_ms = lease._state.expires_ms
     local_equiv_of_server_expiry = t_local + (server_expiry_ms - t_server) / 1000.0
-    assert raised_at < local_equiv_of_server_expiry, (raised_at - t_local, (server_expiry_ms - t_server) / 1000)
+    assert raised_at < local_equiv_of_server_expiry, (
+        raised_at - t_local,
+        (server_expiry_ms - t_server) / 1000,
+    )
     assert fired[0] < local_equiv_of_server_expiry
     # After the resume: the release reports lost and changes nothing.
     await asyncio.sleep(0.1)

@@ -196,7 +196,9 @@ async def test_raising_capacity_grants_waiters(make_apool, rclient, pool_name):
     assert_empty(rclient, pool_name)
 
 
-async def test_lowering_capacity_below_a_waiter_does_not_block_the_queue(make_apool, rclient, pool_name):
+async def test_lowering_capacity_below_a_waiter_does_not_block_the_queue(
+    make_apool, rclient, pool_name
+):
     """A queued request that can never fit after the capacity is lowered must not block the
     ones behind it forever: it fails with CapacityExceeded, the others are granted."""
     pool = make_apool(capacity="8GiB", poll_interval=0.1)

@@ -13,7 +13,13 @@ from gpulock import InvalidArgument
 from gpulock._protocol import decode_meta
 from helpers import GiB, snapshot
 
-BAD_HOLDERS = [{"x": "\ud800"}, {"\ud800": 1}, {"x": "ok\udfff"}, {"x": ["\ud800"]}, {"x": {"y": "\udc00"}}]
+BAD_HOLDERS = [
+    {"x": "\ud800"},
+    {"\ud800": 1},
+    {"x": "ok\udfff"},
+    {"x": ["\ud800"]},
+    {"x": {"y": "\udc00"}},
+]
 
 
 @pytest.mark.parametrize("holder", BAD_HOLDERS, ids=ascii)
@@ -43,7 +49,7 @@ def test_lone_surrogate_in_holder_is_invalid_argument_sync(make_pool, rclient):
 async def test_valid_unicode_holders_still_work(make_apool):
     pool = make_apool(capacity=8 * GiB)
     await pool.configure(8 * GiB)
-    holder = {"emoji": "\U0001F600", "café": "naïve", "cjk": "\u4e2d"}
+    holder = {"emoji": "\U0001f600", "café": "naïve", "cjk": "\u4e2d"}
     async with pool.lease(GiB, holder=holder, timeout=5):
         st = await pool.status()
         got = st.leases[0].holder
@@ -55,4 +61,4 @@ def test_metadata_stored_before_the_check_decodes_printable():
     # written by an older version (or by hand): status renders it, escaped, instead of failing
     d = decode_meta('{"x":"\\ud800","\\uD801":1,"ok":"\\ud83d\\ude00"}')
     json.dumps(d, ensure_ascii=False).encode("utf-8")
-    assert d["x"] == "\\ud800" and d["ok"] == "\U0001F600"
+    assert d["x"] == "\\ud800" and d["ok"] == "\U0001f600"

@@ -41,6 +41,7 @@ def _app(**kw) -> FastAPI:
     async def bug() -> dict:
         def f(n: int) -> int:
             return f(n + 1)
+
         return {"n": f(0)}
 
     return app
@@ -54,7 +55,9 @@ def serve():
 
     def start(app: FastAPI) -> str:
         port = free_port()
-        s = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical", lifespan="off"))
+        s = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical", lifespan="off")
+        )
         t = threading.Thread(target=s.run, daemon=True)
         t.start()
         servers.append((s, t))
@@ -73,7 +76,9 @@ def serve():
 def _slow_body(url: str) -> bytes:
     port = int(url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.sendall(b"POST /items HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 50\r\n\r\n{")
+        s.sendall(
+            b"POST /items HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 50\r\n\r\n{"
+        )
         got = b""
         while chunk := s.recv(65536):
             got += chunk
@@ -86,18 +91,28 @@ DEEP = b'{"items": ' + b"[" * 5000 + b"]" * 5000 + b"}"
 @pytest.mark.timeout(60)
 def test_the_default_shape_is_the_message(serve):
     url = serve(_app())
-    r = httpx.post(url + "/items", content=b'{"items": ["\xff"]}', headers={"content-type": "application/json"})
+    r = httpx.post(
+        url + "/items", content=b'{"items": ["\xff"]}', headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and "UTF-8" in r.json()["detail"]
     r = httpx.post(url + "/items", content=DEEP, headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON nested too deeply" in r.json()["detail"], r.text
-    r = httpx.post(url + "/items", content=b"{" + b" " * 100_000 + b"}", headers={"content-type": "application/json"})
+    r = httpx.post(
+        url + "/items",
+        content=b"{" + b" " * 100_000 + b"}",
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 413 and r.json()["detail"].endswith("send fewer or shorter inputs")
     assert b'"detail":"the request body did not arrive' in _slow_body(url)
 
 
 @pytest.mark.timeout(60)
 def test_a_surface_shape_and_hint(serve):
-    url = serve(_app(detail=lambda code, message: {"code": code, "text": message}, too_large_hint="send less"))
+    url = serve(
+        _app(
+            detail=lambda code, message: {"code": code, "text": message}, too_large_hint="send less"
+        )
+    )
     jh = {"content-type": "application/json"}
     r = httpx.post(url + "/items", content=b'{"items": ["\xff"]}', headers=jh)
     assert r.status_code == 400 and r.json()["detail"]["code"] == "invalid_utf8"
@@ -109,8 +124,14 @@ def test_a_surface_shape_and_hint(serve):
     got = _slow_body(url)
     assert got.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in got, got
     # 422 stays FastAPI's list; an input nested hundreds of levels deep is echoed bounded
-    r = httpx.post(url + "/items", content=b'{"items": ' + b'{"a":' * 400 + b"1" + b"}" * 400 + b"}", headers=jh)
-    assert r.status_code == 422 and isinstance(r.json()["detail"], list) and len(r.content) < 4096, r.text[:300]
+    r = httpx.post(
+        url + "/items",
+        content=b'{"items": ' + b'{"a":' * 400 + b"1" + b"}" * 400 + b"}",
+        headers=jh,
+    )
+    assert (
+        r.status_code == 422 and isinstance(r.json()["detail"], list) and len(r.content) < 4096
+    ), r.text[:300]
 
 
 @pytest.mark.timeout(60)

@@ -69,9 +69,16 @@ async def test_concurrent_same_request_id_one_place_one_grant(make_apool, rclien
     holder = await pool.acquire(1)
     keys = pool_keys(pool_name)
     # Three concurrent attempts with one id: two on one pool object, one on another.
-    tasks = [asyncio.create_task(p.acquire(1, request_id="dup", timeout=5)) for p in (pool, pool, other)]
-    await async_wait_until(lambda: "dup" in pool._runtime.waiters and pool._runtime.waiters["dup"].users == 2
-                           and "dup" in other._runtime.waiters)
+    tasks = [
+        asyncio.create_task(p.acquire(1, request_id="dup", timeout=5)) for p in (pool, pool, other)
+    ]
+    await async_wait_until(
+        lambda: (
+            "dup" in pool._runtime.waiters
+            and pool._runtime.waiters["dup"].users == 2
+            and "dup" in other._runtime.waiters
+        )
+    )
     assert rclient.zcard(keys[3]) == 1  # one place in the queue
     await holder.release()
     leases = await asyncio.wait_for(asyncio.gather(*tasks), 3)

@@ -61,9 +61,12 @@ def _check_fifo(granted: list[tuple[int, int]], n: int) -> None:
     assert positions == list(range(1, n + 1)), "grants out of FIFO order"
 
 
-@pytest.mark.parametrize("n, max_connections", [(1000, None), (3000, 4)], ids=["1000-default", "3000-max4"])
-async def test_async_waiters_share_a_bounded_set_of_connections(redis_proc, rclient, pool_name, pool_errors,
-                                                                 n, max_connections):
+@pytest.mark.parametrize(
+    "n, max_connections", [(1000, None), (3000, 4)], ids=["1000-default", "3000-max4"]
+)
+async def test_async_waiters_share_a_bounded_set_of_connections(
+    redis_proc, rclient, pool_name, pool_errors, n, max_connections
+):
     limit = DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections
     kw = {} if max_connections is None else {"max_connections": max_connections}
     before = _opened(rclient)
@@ -74,7 +77,9 @@ async def test_async_waiters_share_a_bounded_set_of_connections(redis_proc, rcli
         queued: dict[int, int] = {}
 
         async def waiter(i: int) -> None:
-            lease = await pool.acquire(1, ttl=30, timeout=90, on_queued=lambda p: queued.setdefault(i, p))
+            lease = await pool.acquire(
+                1, ttl=30, timeout=90, on_queued=lambda p: queued.setdefault(i, p)
+            )
             granted.append((lease.token, queued[i]))
             await lease.release()
 
@@ -83,7 +88,9 @@ async def test_async_waiters_share_a_bounded_set_of_connections(redis_proc, rcli
         assert len(queued) == n, [t.exception() for t in tasks if t.done()][:3]
         assert sorted(queued.values()) == list(range(1, n + 1))
         waiting = _others(rclient)
-        assert waiting <= limit, f"{waiting} connections open while {n} waiters wait (limit {limit})"
+        assert waiting <= limit, (
+            f"{waiting} connections open while {n} waiters wait (limit {limit})"
+        )
 
         await holder.release()
         await asyncio.wait_for(asyncio.gather(*tasks), 90)
@@ -96,7 +103,9 @@ async def test_async_waiters_share_a_bounded_set_of_connections(redis_proc, rcli
     assert_empty(rclient, pool_name)
 
 
-def test_sync_waiters_share_a_bounded_set_of_connections(redis_proc, rclient, pool_name, pool_errors):
+def test_sync_waiters_share_a_bounded_set_of_connections(
+    redis_proc, rclient, pool_name, pool_errors
+):
     """The blocking Pool: its calling threads' client has at most max_connections, its
     background thread's client (heartbeat, hand-off subscription) at most 4 more."""
     n, max_connections = 300, 4
@@ -111,7 +120,9 @@ def test_sync_waiters_share_a_bounded_set_of_connections(redis_proc, rclient, po
 
         def waiter(i: int) -> None:
             try:
-                lease = pool.acquire(1, ttl=30, timeout=90, on_queued=lambda p: queued.setdefault(i, p))
+                lease = pool.acquire(
+                    1, ttl=30, timeout=90, on_queued=lambda p: queued.setdefault(i, p)
+                )
                 granted.append((lease.token, queued[i]))
                 lease.release()
             except BaseException as e:  # noqa: BLE001 - reported by the assertion below
@@ -123,7 +134,9 @@ def test_sync_waiters_share_a_bounded_set_of_connections(redis_proc, rclient, po
         wait_until(lambda: len(queued) == n or errors, timeout=60)
         assert not errors, errors[:3]
         waiting = _others(rclient)
-        assert waiting <= limit, f"{waiting} connections open while {n} waiters wait (limit {limit})"
+        assert waiting <= limit, (
+            f"{waiting} connections open while {n} waiters wait (limit {limit})"
+        )
         holder.release()
         for t in threads:
             t.join(90)
@@ -145,8 +158,12 @@ async def test_enqueues_of_a_burst_share_round_trips(redis_proc, rclient, pool_n
     try:
         holder = await pool.acquire(1, ttl=30)
         rclient.script_flush()
-        outs = await asyncio.gather(*(pool.acquire(1, timeout=0) for _ in range(n)), return_exceptions=True)
-        assert all(type(o).__name__ == "AcquireTimeout" for o in outs), {type(o).__name__ for o in outs}
+        outs = await asyncio.gather(
+            *(pool.acquire(1, timeout=0) for _ in range(n)), return_exceptions=True
+        )
+        assert all(type(o).__name__ == "AcquireTimeout" for o in outs), {
+            type(o).__name__ for o in outs
+        }
         assert 1 <= pool._batch.batches < n // 10, pool._batch.batches
         await holder.release()
     finally:
@@ -165,12 +182,16 @@ async def test_cancelled_waiters_of_a_burst_leave_nothing(redis_proc, rclient, p
         # The hand-off subscription first: the burst below is about the calls to Redis, not
         # about a cancellation racing the subscription's confirmation.
         first_queued = asyncio.Event()
-        first = asyncio.create_task(pool.acquire(1, timeout=60, on_queued=lambda p: first_queued.set()))
+        first = asyncio.create_task(
+            pool.acquire(1, timeout=60, on_queued=lambda p: first_queued.set())
+        )
         await asyncio.wait_for(first_queued.wait(), 10)
         tasks = [asyncio.create_task(pool.acquire(1, timeout=3)) for _ in range(n)] + [first]
-        for k in range(0, n + 1, 100):  # cancel in slices, the later ones after the earlier were sent
+        for k in range(
+            0, n + 1, 100
+        ):  # cancel in slices, the later ones after the earlier were sent
             await asyncio.sleep(0)
-            for t in tasks[k:k + 100]:
+            for t in tasks[k : k + 100]:
                 t.cancel()
         outs = await asyncio.gather(*tasks, return_exceptions=True)
         # redis-py 8.1 lets a command whose reply is awaited finish in spite of a cancel (the

@@ -306,7 +306,9 @@ async def test_cancel_during_the_acquire_call_is_never_swallowed(make_apool, rcl
         if accepted:
             handed_out.append(i % 9)
         await lease.release()
-    assert not handed_out, f"acquires cancelled after these many loop steps returned a lease: {handed_out}"
+    assert not handed_out, (
+        f"acquires cancelled after these many loop steps returned a lease: {handed_out}"
+    )
     deadline = time.monotonic() + 5
     while used(rclient, pool_name) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)

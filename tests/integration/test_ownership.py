@@ -20,8 +20,13 @@ def test_raw_release_with_wrong_token_or_unknown_id_changes_nothing(rclient, poo
     raw_acquire(rclient, pool_name, 3 * GiB, ticket="b")
     raw_acquire(rclient, pool_name, GiB, ticket="c")  # queued behind them
     before = snapshot(rclient)
-    for forged_id, forged_token in [(lid, token + 1), (lid, token - 1), (lid, 0), (new_id(), token),
-                                    ("0" * 32, 1)]:
+    for forged_id, forged_token in [
+        (lid, token + 1),
+        (lid, token - 1),
+        (lid, 0),
+        (new_id(), token),
+        ("0" * 32, 1),
+    ]:
         r = raw(rclient, pool_name, "release", forged_id, forged_token)
         assert int(r[0]) == 0 and int(r[3]) == 0
         assert snapshot(rclient) == before
@@ -60,7 +65,9 @@ async def test_double_release_is_a_noop(make_apool, rclient, pool_name):
     assert_empty(rclient, pool_name)
 
 
-async def test_release_after_server_expiry_reports_lost_and_frees_nothing(make_apool, rclient, pool_name):
+async def test_release_after_server_expiry_reports_lost_and_frees_nothing(
+    make_apool, rclient, pool_name
+):
     pool = make_apool(capacity=1)
     other = make_apool(capacity=1)
     lease = await pool.acquire(1, ttl=0.3)

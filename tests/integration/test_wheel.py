@@ -17,10 +17,14 @@ OPS = ("lib", "acquire", "release", "renew", "cancel", "reap", "status", "config
 
 
 def _run(cmd, **kw):
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")
+    }
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, **kw)
-    assert r.returncode == 0, f"{cmd} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, (
+        f"{cmd} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    )
     return r
 
 
@@ -37,7 +41,10 @@ def test_wheel_installs_and_works(tmp_path, redis_proc1):
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], timeout=120)  # no system site packages
     py = venv / "bin" / "python"
-    _run([str(py), "-m", "pip", "install", "-q", str(wheel), "redis", "tenacity", "typer", "rich"], timeout=180)
+    _run(
+        [str(py), "-m", "pip", "install", "-q", str(wheel), "redis", "tenacity", "typer", "rich"],
+        timeout=180,
+    )
 
     script = textwrap.dedent(f"""
         import asyncio, pathlib, sys

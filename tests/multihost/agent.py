@@ -36,7 +36,9 @@ def sdk_pool(a, cls_name="Pool"):
     import gpulock_client
 
     cls = getattr(gpulock_client, cls_name)
-    return cls(a.broker, a.pool, token=a.token, backend_timeout=a.backend_timeout, max_wait=a.max_wait)
+    return cls(
+        a.broker, a.pool, token=a.token, backend_timeout=a.backend_timeout, max_wait=a.max_wait
+    )
 
 
 def hold_for(lease, seconds):
@@ -58,8 +60,18 @@ def cmd_share(a):
     amounts = [int(x) for x in a.amounts.split(",")]
 
     def record(lease, t0, t1, outcome):
-        log(kind="hold", host=a.host, api=a.api, lease_id=lease.id, token=lease.token, amount=lease.amount,
-            t0=t0, t1=t1, acquired_at=acq[lease.id], outcome=outcome)
+        log(
+            kind="hold",
+            host=a.host,
+            api=a.api,
+            lease_id=lease.id,
+            token=lease.token,
+            amount=lease.amount,
+            t0=t0,
+            t1=t1,
+            acquired_at=acq[lease.id],
+            outcome=outcome,
+        )
 
     acq = {}
     if a.api == "sdk":
@@ -94,7 +106,9 @@ def cmd_share(a):
         async def worker():
             while time.monotonic() < stop_at:
                 lease = await pool.acquire(rng.choice(amounts), ttl=a.ttl, timeout=30)
-                acq[lease.id] = lease.expires_at - lease.ttl if a.api == "core" else lease.acquired_at
+                acq[lease.id] = (
+                    lease.expires_at - lease.ttl if a.api == "core" else lease.acquired_at
+                )
                 t0 = time.time()
                 end = time.monotonic() + rng.uniform(0, a.hold_max)
                 t1 = time.time()
@@ -121,14 +135,27 @@ def cmd_hold(a):
     lease = pool.acquire(int(a.amounts), ttl=a.ttl, timeout=30)
     lost_cb = []
     lease.on_lost(lambda _l: lost_cb.append(time.time()))
-    log(kind="acquired", host=a.host, lease_id=lease.id, token=lease.token, amount=lease.amount,
-        expires_at=lease.expires_at, acquired_at=lease.acquired_at)
+    log(
+        kind="acquired",
+        host=a.host,
+        lease_id=lease.id,
+        token=lease.token,
+        amount=lease.amount,
+        expires_at=lease.expires_at,
+        acquired_at=lease.acquired_at,
+    )
     while not os.path.exists(a.resume):
         try:
             lease.ensure_valid()
         except Exception as e:
-            log(kind="lost_local", host=a.host, lease_id=lease.id, error=type(e).__name__,
-                last_expires_at=lease.expires_at, on_lost_at=lost_cb[0] if lost_cb else None)
+            log(
+                kind="lost_local",
+                host=a.host,
+                lease_id=lease.id,
+                error=type(e).__name__,
+                last_expires_at=lease.expires_at,
+                on_lost_at=lost_cb[0] if lost_cb else None,
+            )
             while not os.path.exists(a.resume):
                 time.sleep(0.02)
             break
@@ -136,8 +163,12 @@ def cmd_hold(a):
     import httpx
 
     outcomes = {}
-    r = httpx.put(f"{a.broker}/v1/pools/{a.pool}/leases/{lease.id}", json={},
-                  headers={"Authorization": f"Bearer {a.token}"}, timeout=10)  # raw: the status code
+    r = httpx.put(
+        f"{a.broker}/v1/pools/{a.pool}/leases/{lease.id}",
+        json={},
+        headers={"Authorization": f"Bearer {a.token}"},
+        timeout=10,
+    )  # raw: the status code
     outcomes["raw_renew_status"] = r.status_code
     for name in ("renew", "release"):
         try:
@@ -153,8 +184,15 @@ def cmd_wait(a):
     pool = sdk_pool(a)
     t_sent = time.time()
     lease = pool.acquire(int(a.amounts), ttl=a.ttl, timeout=a.timeout)
-    log(kind="granted", host=a.host, lease_id=lease.id, token=lease.token, amount=lease.amount, sent=t_sent,
-        acquired_at=lease.acquired_at)
+    log(
+        kind="granted",
+        host=a.host,
+        lease_id=lease.id,
+        token=lease.token,
+        amount=lease.amount,
+        sent=t_sent,
+        acquired_at=lease.acquired_at,
+    )
     while not os.path.exists(a.until):
         lease.ensure_valid()
         time.sleep(0.01)
@@ -186,8 +224,15 @@ def cmd_pingpong(a):
             await asyncio.sleep(a.hold)
             rel_start = time.time()
             await lease.release()
-            log(kind="pp", host=a.host, sent=sent, granted=granted, rel_start=rel_start, released=time.time(),
-                token=lease.token)
+            log(
+                kind="pp",
+                host=a.host,
+                sent=sent,
+                granted=granted,
+                rel_start=rel_start,
+                released=time.time(),
+                token=lease.token,
+            )
         await pool.aclose()
 
     asyncio.run(amain())
@@ -207,12 +252,22 @@ def cmd_probe(a):
 
     t0 = time.monotonic()
     try:
-        r = httpx.post(f"{a.broker}/v1/pools/{a.pool}/leases", json={"amount": int(a.amounts), "wait": 0, "ttl": a.ttl},
-                       headers={"Authorization": f"Bearer {a.token}"}, timeout=30)
-        status, err = r.status_code, (r.json().get("detail") or {}).get("error") if r.status_code >= 300 else None
+        r = httpx.post(
+            f"{a.broker}/v1/pools/{a.pool}/leases",
+            json={"amount": int(a.amounts), "wait": 0, "ttl": a.ttl},
+            headers={"Authorization": f"Bearer {a.token}"},
+            timeout=30,
+        )
+        status, err = (
+            r.status_code,
+            (r.json().get("detail") or {}).get("error") if r.status_code >= 300 else None,
+        )
         if r.status_code == 201:
-            httpx.delete(f"{a.broker}/v1/pools/{a.pool}/leases/{r.json()['lease_id']}",
-                         headers={"Authorization": f"Bearer {a.token}"}, timeout=30)
+            httpx.delete(
+                f"{a.broker}/v1/pools/{a.pool}/leases/{r.json()['lease_id']}",
+                headers={"Authorization": f"Bearer {a.token}"},
+                timeout=30,
+            )
     except Exception as e:
         status, err = 0, type(e).__name__
     log(kind="raw", host=a.host, status=status, error=err, elapsed=time.monotonic() - t0)
@@ -245,7 +300,13 @@ def main(argv=None):
     a = p.parse_args(argv)
     OUT = open(a.out, "a")
     try:
-        {"share": cmd_share, "hold": cmd_hold, "wait": cmd_wait, "pingpong": cmd_pingpong, "probe": cmd_probe}[a.cmd](a)
+        {
+            "share": cmd_share,
+            "hold": cmd_hold,
+            "wait": cmd_wait,
+            "pingpong": cmd_pingpong,
+            "probe": cmd_probe,
+        }[a.cmd](a)
     except Exception as e:
         log(kind="error", host=a.host, error=f"{type(e).__name__}: {e}")
         raise

@@ -28,7 +28,10 @@ from pathlib import Path
 HOSTS = {
     # host: [(bridge, switch port, device in host, address)]
     "redis": [("brb", "p-redis", "eth0", "10.77.1.1/24")],
-    "broker": [("brb", "p-brk-b", "bk0", "10.77.1.2/24"), ("brf", "p-brk-f", "fr0", "10.77.2.2/24")],
+    "broker": [
+        ("brb", "p-brk-b", "bk0", "10.77.1.2/24"),
+        ("brf", "p-brk-f", "fr0", "10.77.2.2/24"),
+    ],
     "c1": [("brf", "p-c1", "eth0", "10.77.2.11/24")],
     "c2": [("brf", "p-c2", "eth0", "10.77.2.12/24")],
     "c3": [("brb", "p-c3", "eth0", "10.77.1.13/24")],
@@ -80,7 +83,21 @@ class Lab:
                 n = self.ns[host]
                 sh("ip", "-n", n, "link", "set", "lo", "up")
                 for br, port, dev, addr in links:
-                    sh("ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name", dev, "netns", n)
+                    sh(
+                        "ip",
+                        "-n",
+                        sw,
+                        "link",
+                        "add",
+                        port,
+                        "type",
+                        "veth",
+                        "peer",
+                        "name",
+                        dev,
+                        "netns",
+                        n,
+                    )
                     sh("ip", "-n", sw, "link", "set", port, "master", br)
                     sh("ip", "-n", sw, "link", "set", port, "up")
                     sh("ip", "-n", n, "addr", "add", addr, "dev", dev)
@@ -97,19 +114,32 @@ class Lab:
         sh("ip", "-n", self.ns["sw"], "link", "set", port, "up")
 
     # ---- processes -------------------------------------------------------------------------
-    def spawn(self, host: str, argv: list[str], log: str, env: dict | None = None) -> subprocess.Popen:
+    def spawn(
+        self, host: str, argv: list[str], log: str, env: dict | None = None
+    ) -> subprocess.Popen:
         """Start ``argv`` in ``host``'s namespace, in a new session (so it and its children can
         be signalled as a group); stdout+stderr go to ``workdir/log``."""
         out = open(self.workdir / log, "ab")
-        p = subprocess.Popen(["ip", "netns", "exec", self.ns[host], *argv], stdout=out, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, start_new_session=True, env={**os.environ, **(env or {})})
+        p = subprocess.Popen(
+            ["ip", "netns", "exec", self.ns[host], *argv],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
         out.close()
         self.procs.append(p)
         return p
 
     def run(self, host: str, argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
-        return subprocess.run(["ip", "netns", "exec", self.ns[host], *argv], capture_output=True, text=True,
-                              timeout=timeout, stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            ["ip", "netns", "exec", self.ns[host], *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
 
     def stop(self, p: subprocess.Popen, timeout: float = 5) -> None:
         if p.poll() is None:
@@ -144,9 +174,11 @@ class Lab:
             sh("ip", "netns", "del", n, check=False)
 
     def wait_tcp(self, host: str, ip: str, port: int, timeout: float = 15) -> None:
-        code = (f"import socket,time\nd=time.time()+{timeout}\n"
-                f"while True:\n  try:\n    socket.create_connection(('{ip}',{port}),0.5).close();break\n"
-                f"  except OSError:\n    assert time.time()<d, 'no listener';time.sleep(0.05)\n")
+        code = (
+            f"import socket,time\nd=time.time()+{timeout}\n"
+            f"while True:\n  try:\n    socket.create_connection(('{ip}',{port}),0.5).close();break\n"
+            f"  except OSError:\n    assert time.time()<d, 'no listener';time.sleep(0.05)\n"
+        )
         r = self.run(host, ["python3", "-c", code], timeout=timeout + 5)
         if r.returncode != 0:
             raise RuntimeError(f"{ip}:{port} not reachable from {host}: {r.stderr[-500:]}")

@@ -44,17 +44,59 @@ def lab():
             pytest.fail(f"multi-host tests cannot run under CI: {reason}")
         pytest.skip(reason)
     work = Path(tempfile.mkdtemp(prefix="gpulock-multihost-"))
-    (work / "tokens.json").write_text(json.dumps({"tokens": [
-        {"name": "user", "token": TOKEN, "pools": ["*"]},
-        {"name": "admin", "token": ADMIN, "pools": ["*"], "admin": True}]}))
+    (work / "tokens.json").write_text(
+        json.dumps(
+            {
+                "tokens": [
+                    {"name": "user", "token": TOKEN, "pools": ["*"]},
+                    {"name": "admin", "token": ADMIN, "pools": ["*"], "admin": True},
+                ]
+            }
+        )
+    )
     lab = Lab(work).up()
     try:
-        lab.spawn("redis", [find_server_binary(), "--port", str(REDIS_PORT), "--bind", REDIS_IP, "--save", "",
-                            "--appendonly", "no", "--protected-mode", "no", "--dir", str(work)], "redis.log")
+        lab.spawn(
+            "redis",
+            [
+                find_server_binary(),
+                "--port",
+                str(REDIS_PORT),
+                "--bind",
+                REDIS_IP,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+                "--dir",
+                str(work),
+            ],
+            "redis.log",
+        )
         lab.wait_tcp("c3", REDIS_IP, REDIS_PORT)
-        lab.spawn("broker", [sys.executable, "-m", "gpulock_service.broker", "--host", "0.0.0.0", "--port",
-                             str(BROKER_PORT), "--redis-url", REDIS_URL, "--tokens-file", str(work / "tokens.json"),
-                             "--max-wait", "5", "--log-level", "warning"], "broker.log")
+        lab.spawn(
+            "broker",
+            [
+                sys.executable,
+                "-m",
+                "gpulock_service.broker",
+                "--host",
+                "0.0.0.0",
+                "--port",
+                str(BROKER_PORT),
+                "--redis-url",
+                REDIS_URL,
+                "--tokens-file",
+                str(work / "tokens.json"),
+                "--max-wait",
+                "5",
+                "--log-level",
+                "warning",
+            ],
+            "broker.log",
+        )
         lab.wait_tcp("c1", BROKER_FRONT_IP, BROKER_PORT)
         yield lab
     finally:
@@ -72,25 +114,42 @@ def lab():
 
 
 def configure(lab: Lab, pool: str, capacity: int) -> None:
-    code = ("import asyncio, gpulock\n"
-            f"async def m():\n  p = gpulock.AsyncPool.from_url({REDIS_URL!r}, {pool!r})\n"
-            f"  await p.configure({capacity}); await p.aclose()\nasyncio.run(m())")
+    code = (
+        "import asyncio, gpulock\n"
+        f"async def m():\n  p = gpulock.AsyncPool.from_url({REDIS_URL!r}, {pool!r})\n"
+        f"  await p.configure({capacity}); await p.aclose()\nasyncio.run(m())"
+    )
     r = lab.run("c3", [sys.executable, "-c", code])
     assert r.returncode == 0, r.stderr
 
 
 def status(lab: Lab, pool: str) -> dict:
-    code = ("import asyncio, json, gpulock\n"
-            f"async def m():\n  p = gpulock.AsyncPool.from_url({REDIS_URL!r}, {pool!r})\n"
-            "  s = await p.status(); await p.aclose(); print(json.dumps(s.to_dict()))\nasyncio.run(m())")
+    code = (
+        "import asyncio, json, gpulock\n"
+        f"async def m():\n  p = gpulock.AsyncPool.from_url({REDIS_URL!r}, {pool!r})\n"
+        "  s = await p.status(); await p.aclose(); print(json.dumps(s.to_dict()))\nasyncio.run(m())"
+    )
     r = lab.run("c3", [sys.executable, "-c", code])
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
 
 def agent(lab: Lab, host: str, cmd: str, out: Path, **kw):
-    argv = [sys.executable, AGENT, cmd, "--out", str(out), "--host", host, "--broker", BROKER_URL,
-            "--redis", REDIS_URL, "--token", TOKEN]
+    argv = [
+        sys.executable,
+        AGENT,
+        cmd,
+        "--out",
+        str(out),
+        "--host",
+        host,
+        "--broker",
+        BROKER_URL,
+        "--redis",
+        REDIS_URL,
+        "--token",
+        TOKEN,
+    ]
     for k, v in kw.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     return lab.spawn(host, argv, f"{out.stem}.log")
@@ -113,7 +172,9 @@ def check_safety(holds: list[dict], capacity: int) -> int:
     """DESIGN invariant 1 on the recorded history: at every instant, the bytes in use (from
     when acquire returned to the holder's last successful ensure_valid) sum to at most the
     capacity. Returns the peak."""
-    edges = sorted([(h["t0"], 1, h["amount"]) for h in holds] + [(h["t1"], 0, -h["amount"]) for h in holds])
+    edges = sorted(
+        [(h["t0"], 1, h["amount"]) for h in holds] + [(h["t1"], 0, -h["amount"]) for h in holds]
+    )
     used = peak = 0
     for _, _, d in edges:  # at equal times, ends (0) sort before starts (1)
         used += d
@@ -135,18 +196,28 @@ def test_normal_sharing(lab, tmp_path):
     pool, cap = "share", 10 * MiB
     configure(lab, pool, cap)
     outs = {h: tmp_path / f"share-{h}.jsonl" for h in ("c1", "c2", "c3")}
-    common = dict(pool=pool, amounts=f"{MiB},{2 * MiB},{3 * MiB},{6 * MiB}", ttl=5, duration=5, hold_max=0.03,
-                  tasks=3)
-    procs = [agent(lab, "c1", "share", outs["c1"], api="sdk", **common),
-             agent(lab, "c2", "share", outs["c2"], api="sdk-async", **common),
-             agent(lab, "c3", "share", outs["c3"], api="core", **common)]
+    common = dict(
+        pool=pool,
+        amounts=f"{MiB},{2 * MiB},{3 * MiB},{6 * MiB}",
+        ttl=5,
+        duration=5,
+        hold_max=0.03,
+        tasks=3,
+    )
+    procs = [
+        agent(lab, "c1", "share", outs["c1"], api="sdk", **common),
+        agent(lab, "c2", "share", outs["c2"], api="sdk-async", **common),
+        agent(lab, "c3", "share", outs["c3"], api="core", **common),
+    ]
     for p in procs:
         assert p.wait(60) == 0, "an agent failed (see its log)"
     no_errors(*outs.values())
     holds = [e for o in outs.values() for e in events(o, "hold")]
     by_host = {h: sum(1 for e in events(o, "hold")) for h, o in outs.items()}
     assert all(n >= 10 for n in by_host.values()), by_host
-    assert all(h["outcome"] == "released" for h in holds), [h for h in holds if h["outcome"] != "released"][:3]
+    assert all(h["outcome"] == "released" for h in holds), [
+        h for h in holds if h["outcome"] != "released"
+    ][:3]
     peak = check_safety(holds, cap)
     check_tokens(holds)
     st = status(lab, pool)
@@ -196,7 +267,9 @@ def test_cut_client_host(lab, tmp_path):
     RESULTS["cut_client_host"] = {
         "ttl_s": ttl,
         "cut_to_other_granted_s": round(granted["acquired_at"] - t_cut, 3),
-        "server_expiry_to_other_granted_ms": round((granted["acquired_at"] - server_expiry) * 1000, 1),
+        "server_expiry_to_other_granted_ms": round(
+            (granted["acquired_at"] - server_expiry) * 1000, 1
+        ),
         "holder_knew_before_expiry_s": round(server_expiry - lost["t"], 3),
     }
 
@@ -221,7 +294,9 @@ def test_cut_broker_from_redis(lab, tmp_path):
         lab.heal("p-brk-b")
     probe, raw = events(o2, "probe")[0], events(o2, "raw")[0]
     assert probe["outcome"] == "BackendUnavailable" and probe["elapsed"] < 12, probe
-    assert raw["status"] == 503 and raw["error"] == "backend_unavailable" and raw["elapsed"] < 6, raw
+    assert raw["status"] == 503 and raw["error"] == "backend_unavailable" and raw["elapsed"] < 6, (
+        raw
+    )
     lab.wait_tcp("broker", REDIS_IP, REDIS_PORT)
     p3 = agent(lab, "c2", "probe", o3, pool=pool, amounts=MiB, ttl=5, timeout=15)
     assert p3.wait(40) == 0
@@ -231,17 +306,24 @@ def test_cut_broker_from_redis(lab, tmp_path):
     resume.touch()
     late = wait_for(lambda: events(o1, "late"), 20, "c1's renew and release")[0]
     assert not events(o1, "lost_local")
-    assert late["raw_renew_status"] == 200 and late["renew"] == "ok" and late["release"] == "ok", late
+    assert late["raw_renew_status"] == 200 and late["renew"] == "ok" and late["release"] == "ok", (
+        late
+    )
     assert p1.wait(20) == 0
     no_errors(o1, o3)
     # A request the client gave up on during the cut (its withdrawal could not get through)
     # may have been queued or granted once the link came back: the broker withdraws it when
     # its hold window (min(ttl, 30 s) = 5 s here) passes.
-    st = wait_for(lambda: (lambda s: s if s["used"] == 0 else None)(status(lab, pool)), 10, "used == 0")
+    st = wait_for(
+        lambda: (lambda s: s if s["used"] == 0 else None)(status(lab, pool)), 10, "used == 0"
+    )
     assert st["waiter_count"] == 0
-    RESULTS["cut_broker_from_redis"] = {"cut_s": round(cut_for, 2), "sdk_gave_up_after_s": round(probe["elapsed"], 2),
-                                        "raw_503_after_s": round(raw["elapsed"], 2),
-                                        "first_grant_after_heal_s": round(after["elapsed"], 2)}
+    RESULTS["cut_broker_from_redis"] = {
+        "cut_s": round(cut_for, 2),
+        "sdk_gave_up_after_s": round(probe["elapsed"], 2),
+        "raw_503_after_s": round(raw["elapsed"], 2),
+        "first_grant_after_heal_s": round(after["elapsed"], 2),
+    }
 
 
 def _handoffs(paths: list[Path], since: str) -> list[float]:
@@ -249,7 +331,11 @@ def _handoffs(paths: list[Path], since: str) -> list[float]:
     release() was called) to the next holder's acquire() returning, for each grant that was
     queued behind the previous holder (a real hand-off). Hosts share one clock."""
     evs = sorted((e for p in paths for e in events(p, "pp")), key=lambda e: e["granted"])
-    return [(nxt["granted"] - prev[since]) * 1000 for prev, nxt in zip(evs, evs[1:]) if nxt["sent"] < prev["granted"]]
+    return [
+        (nxt["granted"] - prev[since]) * 1000
+        for prev, nxt in zip(evs, evs[1:])
+        if nxt["sent"] < prev["granted"]
+    ]
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -266,13 +352,29 @@ def test_handoff_latency(lab, tmp_path):
         configure(lab, pool, MiB)
         go = tmp_path / f"go-{mode}"
         outs = [tmp_path / f"pp-{mode}-{i}.jsonl" for i in range(2)]
-        ps = [agent(lab, h, "pingpong", o, pool=pool, amounts=MiB, api="core" if mode == "direct" else "sdk-async",
-                    n=150, hold=0.01, ttl=10, until=go) for h, o in zip(hosts, outs)]
+        ps = [
+            agent(
+                lab,
+                h,
+                "pingpong",
+                o,
+                pool=pool,
+                amounts=MiB,
+                api="core" if mode == "direct" else "sdk-async",
+                n=150,
+                hold=0.01,
+                ttl=10,
+                until=go,
+            )
+            for h, o in zip(hosts, outs)
+        ]
         # Both ready (imports done) before either begins: a late starter leaves the other
         # alone for its first cycles, which are then no hand-offs (45 of 50 once, on a loaded CI).
         deadline = time.monotonic() + 60
         while not all(events(o, "ready") for o in outs):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in ps), "pingpong agents did not start"
+            assert time.monotonic() < deadline and all(p.poll() is None for p in ps), (
+                "pingpong agents did not start"
+            )
             time.sleep(0.05)
         go.touch()
         for p in ps:
@@ -280,9 +382,20 @@ def test_handoff_latency(lab, tmp_path):
         no_errors(*outs)
         lat, lat_call = _handoffs(outs, "released"), _handoffs(outs, "rel_start")
         assert len(lat) >= 50, len(lat)
-        res[mode] = {"n": len(lat), "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99),
-                     "mean_ms": round(statistics.mean(lat), 3),
-                     "from_release_call_p50_ms": _pct(lat_call, 0.5), "from_release_call_p99_ms": _pct(lat_call, 0.99)}
-        check_tokens([{"acquired_at": e["granted"], "token": e["token"]} for o in outs for e in events(o, "pp")])
+        res[mode] = {
+            "n": len(lat),
+            "p50_ms": _pct(lat, 0.5),
+            "p99_ms": _pct(lat, 0.99),
+            "mean_ms": round(statistics.mean(lat), 3),
+            "from_release_call_p50_ms": _pct(lat_call, 0.5),
+            "from_release_call_p99_ms": _pct(lat_call, 0.99),
+        }
+        check_tokens(
+            [
+                {"acquired_at": e["granted"], "token": e["token"]}
+                for o in outs
+                for e in events(o, "pp")
+            ]
+        )
     RESULTS["handoff_latency"] = res
     assert res["broker"]["p50_ms"] < 50, res

@@ -36,7 +36,9 @@ class Proxy:
         self._writers: set[asyncio.StreamWriter] = set()
         self._server: asyncio.base_events.Server | None = None
         self._drop_epoch = 0
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="test-proxy")
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, daemon=True, name="test-proxy"
+        )
         self._thread.start()
         self._call(self._start())
 
@@ -50,7 +52,9 @@ class Proxy:
     async def _start(self) -> None:
         self._flowing = asyncio.Event()
         self._flowing.set()
-        self._server = await asyncio.start_server(self._handle, self.host, self.port, reuse_address=True)
+        self._server = await asyncio.start_server(
+            self._handle, self.host, self.port, reuse_address=True
+        )
 
     async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
         try:
@@ -71,7 +75,9 @@ class Proxy:
             cw.close()
             return
         self._writers.update((cw, sw))
-        await asyncio.gather(self._pump(cr, sw, epoch), self._pump(sr, cw, epoch), return_exceptions=True)
+        await asyncio.gather(
+            self._pump(cr, sw, epoch), self._pump(sr, cw, epoch), return_exceptions=True
+        )
         for w in (cw, sw):
             self._writers.discard(w)
             w.close()
@@ -123,12 +129,14 @@ class Proxy:
 
     def cut(self) -> None:
         """Close every open connection (held bytes are dropped)."""
+
         async def go():
             self._drop_epoch += 1
             for w in list(self._writers):
                 w.close()
             self._writers.clear()
             self._flowing.set()
+
         self._call(go())
 
     def freeze(self) -> None:
@@ -157,6 +165,7 @@ class Proxy:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
         try:
             self._call(go())
         finally:

@@ -57,8 +57,16 @@ from ._support import check_consistent, kill_quietly, max_concurrent, proc_state
 WORKER = Path(__file__).with_name("_soak_worker.py")
 CAPACITY, MAX_AMOUNT = 100, 60
 TTL, WAITER_TTL = 1.0, 1.0  # the workers' (see _soak_worker.py)
-PLANS = ["kill_queued", "stop_queued", "kill_inflight", "stop_inflight", "kill_holding", "stop_holding",
-         "kill_release", "stop_release"]
+PLANS = [
+    "kill_queued",
+    "stop_queued",
+    "kill_inflight",
+    "stop_inflight",
+    "kill_holding",
+    "stop_holding",
+    "kill_release",
+    "stop_release",
+]
 CLOCK_NAME = "soak-clock"  # the workers' own TIME connection: one per process, counted
 NAME = "soak"
 
@@ -66,6 +74,7 @@ NAME = "soak"
 @dataclasses.dataclass
 class Churn:
     """What the churn soak adds to the holder-fault soak."""
+
     restart_every: tuple[float, float] = (7.0, 12.0)  # seconds between Redis restarts
     max_ttl: float = 2.0  # the workers' max_ttl: the grace period after a restart
     crowd: int = 300  # acquires waiting at once in the crowd process
@@ -114,14 +123,24 @@ def _knows_pool(log: Path) -> bool:
 def _redis_conns(pid: int, port: int) -> set[str]:
     """'ip:port' of this process's TCP connections to the Redis port (from /proc)."""
     try:
-        return {f"{c.laddr.ip}:{c.laddr.port}" for c in psutil.Process(pid).net_connections(kind="tcp")
-                if c.raddr and c.raddr.port == port}
+        return {
+            f"{c.laddr.ip}:{c.laddr.port}"
+            for c in psutil.Process(pid).net_connections(kind="tcp")
+            if c.raddr and c.raddr.port == port
+        }
     except (psutil.Error, OSError):
         return set()
 
 
-def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_p: float, seed: int,
-             churn: Churn | None = None) -> dict:
+def run_soak(
+    rp: RedisProcess,
+    work: Path,
+    duration: float,
+    workers: int,
+    fault_p: float,
+    seed: int,
+    churn: Churn | None = None,
+) -> dict:
     url = rp.url
     direct = _Direct(url)
     with Pool.from_url(url, NAME) as p:
@@ -144,9 +163,12 @@ def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_
     crowd_slot = workers if churn and churn.crowd else None
     env = dict(os.environ)
     if churn:
-        env.update(GPULOCK_SOAK_MAX_TTL=str(churn.max_ttl), GPULOCK_SOAK_CROWD=str(churn.crowd),
-                   GPULOCK_SOAK_LIFE=f"{churn.crowd_life[0]},{churn.crowd_life[1]}",
-                   GPULOCK_SOAK_MAX_CONNECTIONS=str(churn.max_connections))
+        env.update(
+            GPULOCK_SOAK_MAX_TTL=str(churn.max_ttl),
+            GPULOCK_SOAK_CROWD=str(churn.crowd),
+            GPULOCK_SOAK_LIFE=f"{churn.crowd_life[0]},{churn.crowd_life[1]}",
+            GPULOCK_SOAK_MAX_CONNECTIONS=str(churn.max_connections),
+        )
 
     def spawn(slot: int, schedule: list[str]) -> None:
         nonlocal gen
@@ -154,8 +176,23 @@ def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_
         shell = "crowd" if slot == crowd_slot else "sync" if slot % 2 == 0 else "async"
         out = work / f"w{slot}-{gen}.log"
         pr = subprocess.Popen(
-            [sys.executable, str(WORKER), url, NAME, str(out), str(seed * 1000 + gen), repr(end_at),
-             str(MAX_AMOUNT), str(fault_p), shell, ",".join(schedule)], stderr=subprocess.PIPE, text=True, env=env)
+            [
+                sys.executable,
+                str(WORKER),
+                url,
+                NAME,
+                str(out),
+                str(seed * 1000 + gen),
+                repr(end_at),
+                str(MAX_AMOUNT),
+                str(fault_p),
+                shell,
+                ",".join(schedule),
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         procs[slot] = pr
         logs[pr.pid] = out
         stats[f"started {shell}"] += 1
@@ -166,7 +203,9 @@ def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_
     # precondition it observes), and a replacement gets every plan nobody injected yet.
     plans = PLANS[:]
     rng.shuffle(plans)
-    ext = ["stop", "kill"] + (["disconnect", "kill_crowd"] if churn else [])  # from outside: each once
+    ext = ["stop", "kill"] + (
+        ["disconnect", "kill_crowd"] if churn else []
+    )  # from outside: each once
     rng.shuffle(ext)
     stop_long = [True, False]  # the first stop outlasts the ttl, the second not
     next_restart = start + rng.uniform(*churn.restart_every) if churn else float("inf")
@@ -187,8 +226,11 @@ def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_
         return bool(direct(lambda c: c.exists(k[0])))  # re-created (with its grace period)
 
     def shell_of(pid: int) -> str:
-        return next(("crowd" if s == crowd_slot else "sync" if s % 2 == 0 else "async")
-                    for s, pr in procs.items() if pr.pid == pid)
+        return next(
+            ("crowd" if s == crowd_slot else "sync" if s % 2 == 0 else "async")
+            for s, pr in procs.items()
+            if pr.pid == pid
+        )
 
     try:
         for i in range(workers):
@@ -219,7 +261,13 @@ def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_
                 if st == "T":
                     if pr.pid not in resume_at:
                         long = stop_long.pop(0) if stop_long else rng.random() < 0.5
-                        d = 0.0 if now >= end_at else rng.uniform(1.2, 2.5) if long else rng.uniform(0.05, 0.6)
+                        d = (
+                            0.0
+                            if now >= end_at
+                            else rng.uniform(1.2, 2.5)
+                            if long
+                            else rng.uniform(0.05, 0.6)
+                        )
                         resume_at[pr.pid] = now + d
                         stop_lengths.append(d)
                         timeline.append((now, f"{shell_of(pr.pid)} {pr.pid} stopped, for {d:.2f}s"))
@@ -267,7 +315,9 @@ def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_
                         max_conns[sh] = max(max_conns[sh], n)
             if now >= next_ext and now < end_at - 2.0:  # faults from outside, at any instant
                 next_ext = now + rng.uniform(0.3, 1.0)
-                running = {s: pr for s, pr in procs.items() if proc_state(pr.pid) not in ("T", "Z", "")}
+                running = {
+                    s: pr for s, pr in procs.items() if proc_state(pr.pid) not in ("T", "Z", "")
+                }
                 if ext:
                     kind = ext.pop(0)
                 elif churn and rng.random() < churn.disconnect_p:
@@ -283,8 +333,13 @@ def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_
                         stats["external kill of the crowd"] += 1
                         timeline.append((now, f"kill -9 of the crowd {victim.pid}"))
                 elif running and kind == "disconnect":
-                    done = _disconnect(direct, rng, list(running.values()), rp.port,
-                                       first=not stats["disconnect pubsub"])
+                    done = _disconnect(
+                        direct,
+                        rng,
+                        list(running.values()),
+                        rp.port,
+                        first=not stats["disconnect pubsub"],
+                    )
                     if done:
                         stats[done] += 1
                         timeline.append((now, done))
@@ -295,7 +350,9 @@ def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_
                     victim = rng.choice(victims or list(running.values()))
                     os.kill(victim.pid, signal.SIGSTOP if kind == "stop" else signal.SIGKILL)
                     stats[f"external {kind}"] += 1
-                    timeline.append((now, f"external {kind} of {shell_of(victim.pid)} {victim.pid}"))
+                    timeline.append(
+                        (now, f"external {kind} of {shell_of(victim.pid)} {victim.pid}")
+                    )
             time.sleep(0.01)
         assert not procs, f"workers still running {hard_end - start:.0f}s after the start"
     finally:
@@ -304,7 +361,9 @@ def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_
             kill_quietly(pr.pid)
             pr.wait()
 
-    (work / "timeline.txt").write_text("".join(f"{t - start:8.3f} {what}\n" for t, what in timeline))
+    (work / "timeline.txt").write_text(
+        "".join(f"{t - start:8.3f} {what}\n" for t, what in timeline)
+    )
 
     # Drain: all holders are gone; their leases expire after the ttl, their places after
     # waiter_ttl. The reap script is run directly so the check does not lean on a pool object.
@@ -318,7 +377,10 @@ def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_
         assert time.monotonic() - t0 < TTL + WAITER_TTL + 3.0, f"did not drain: {counts}"
         time.sleep(0.02)
     drain_s = time.monotonic() - t0
-    assert int(direct(lambda c: c.hget(k[0], "used")) or 0) == 0 and direct(lambda c: c.zcard(k[3])) == 0
+    assert (
+        int(direct(lambda c: c.hget(k[0], "used")) or 0) == 0
+        and direct(lambda c: c.zcard(k[3])) == 0
+    )
     cfg = {a.decode(): int(b) for a, b in direct(lambda c: c.hgetall(k[0])).items()}
     direct.c.close()
 
@@ -346,31 +408,52 @@ def run_soak(rp: RedisProcess, work: Path, duration: float, workers: int, fault_
             elif p[0] == "E":
                 errors.append((f.name, line))
     if errors:  # say where and when, next to what the driver did just before
-        shells = {f"w{s}-": ("crowd" if s == crowd_slot else "sync" if s % 2 == 0 else "async") for s in range(workers + 1)}
+        shells = {
+            f"w{s}-": ("crowd" if s == crowd_slot else "sync" if s % 2 == 0 else "async")
+            for s in range(workers + 1)
+        }
         report = []
         for name, line in errors[:5]:
             at = float(line.rsplit(" at=", 1)[1]) if " at=" in line else end_at
             shell = next((v for k, v in shells.items() if name.startswith(k)), "?")
             before = [f"{t - at:+.2f}s {what}" for t, what in timeline if at - 12 <= t <= at]
-            report.append(f"{shell} {name} at {at - start:.2f}s: {line[:160]}\n    before it: {before[-8:]}")
-        raise AssertionError(f"{len(errors)} unexpected errors (the driver's timeline: {work / 'timeline.txt'}):\n"
-                             + "\n".join(report))
+            report.append(
+                f"{shell} {name} at {at - start:.2f}s: {line[:160]}\n    before it: {before[-8:]}"
+            )
+        raise AssertionError(
+            f"{len(errors)} unexpected errors (the driver's timeline: {work / 'timeline.txt'}):\n"
+            + "\n".join(report)
+        )
     assert len(set(grants)) == len(grants), "a fencing token was handed out twice"
     intervals = [(min(ts), max(ts) + 1, amounts[t]) for t, ts in uses.items()]
     peak, at = max_concurrent(intervals)
-    return {"grants": len(grants), "leases used": len(intervals), "use instants checked": sum(map(len, uses.values())),
-            "lost": lost, "peak": peak, "peak_at": at,
-            "faults": dict(faults), "stats": dict(stats), "drain_s": drain_s,
-            "stops": len(stop_lengths), "stops > ttl": sum(d > TTL for d in stop_lengths),
-            "restarts": len(restarts), "restart_s": [round(x, 3) for x in restarts],
-            "max waiters": max_waiters, "max connections": dict(max_conns), "connection samples": samples,
-            "crowd quits (waiting, PoolClosed)": quits,
-            "server grants": cfg.get("grants", 0) + server_counts["grants"],
-            "reaped leases": cfg.get("reaped_leases", 0) + server_counts["reaped_leases"],
-            "reaped waiters": cfg.get("reaped_waiters", 0) + server_counts["reaped_waiters"]}
+    return {
+        "grants": len(grants),
+        "leases used": len(intervals),
+        "use instants checked": sum(map(len, uses.values())),
+        "lost": lost,
+        "peak": peak,
+        "peak_at": at,
+        "faults": dict(faults),
+        "stats": dict(stats),
+        "drain_s": drain_s,
+        "stops": len(stop_lengths),
+        "stops > ttl": sum(d > TTL for d in stop_lengths),
+        "restarts": len(restarts),
+        "restart_s": [round(x, 3) for x in restarts],
+        "max waiters": max_waiters,
+        "max connections": dict(max_conns),
+        "connection samples": samples,
+        "crowd quits (waiting, PoolClosed)": quits,
+        "server grants": cfg.get("grants", 0) + server_counts["grants"],
+        "reaped leases": cfg.get("reaped_leases", 0) + server_counts["reaped_leases"],
+        "reaped waiters": cfg.get("reaped_waiters", 0) + server_counts["reaped_waiters"],
+    }
 
 
-def _disconnect(direct: _Direct, rng: random.Random, running: list, port: int, first: bool) -> str | None:
+def _disconnect(
+    direct: _Direct, rng: random.Random, running: list, port: int, first: bool
+) -> str | None:
     """Kill one connection of a random running worker on the server's side (``CLIENT KILL``):
     the first time its hand-off subscription, later any of its connections."""
     try:
@@ -381,7 +464,11 @@ def _disconnect(direct: _Direct, rng: random.Random, running: list, port: int, f
     for pr in running:
         mine = _redis_conns(pr.pid, port)
         cands = [c for c in clients if c["addr"] in mine]
-        pubsub = [c for c in cands if int(c.get("sub", 0)) or int(c.get("psub", 0)) or int(c.get("ssub", 0))]
+        pubsub = [
+            c
+            for c in cands
+            if int(c.get("sub", 0)) or int(c.get("psub", 0)) or int(c.get("ssub", 0))
+        ]
         if first:
             cands = pubsub
         if not cands:
@@ -399,31 +486,41 @@ def summary(r: dict) -> str:
     """The soak's figures in one paragraph, to quote."""
     st = r["stats"]
     faults = ", ".join(f"{k} {v}" for k, v in sorted(r["faults"].items()))
-    out = [f"{r['grants']:,} grants ({r['server grants']:,} counted by the server)",
-           f"{sum(r['faults'].values())} faults injected by the workers at a protocol step ({faults})",
-           f"from outside: {st.get('external stop', 0)} stops ({r['stops > ttl']} of {r['stops']} stops longer "
-           f"than the ttl), {st.get('external kill', 0)} kills -9"]
+    out = [
+        f"{r['grants']:,} grants ({r['server grants']:,} counted by the server)",
+        f"{sum(r['faults'].values())} faults injected by the workers at a protocol step ({faults})",
+        f"from outside: {st.get('external stop', 0)} stops ({r['stops > ttl']} of {r['stops']} stops longer "
+        f"than the ttl), {st.get('external kill', 0)} kills -9",
+    ]
     if r["restarts"]:
         quits = r["crowd quits (waiting, PoolClosed)"]
-        out.append(f"{st.get('external kill of the crowd', 0)} kill -9 of the crowd while waiting, "
-                   f"{st.get('disconnect pubsub', 0) + st.get('disconnect', 0)} connections killed by the server "
-                   f"({st.get('disconnect pubsub', 0)} hand-off subscriptions), {r['restarts']} Redis restarts "
-                   f"(kill -9 to PONG {min(r['restart_s']) * 1000:.0f}-{max(r['restart_s']) * 1000:.0f} ms), "
-                   f"{len(quits)} crowd pool objects closed with {', '.join(str(w) for w, _ in quits)} acquires "
-                   f"waiting (each ended PoolClosed: {', '.join(str(c) for _, c in quits)})")
-        out.append(f"at most {r['max waiters']} requests queued; connections per process at most "
-                   + ", ".join(f"{k} {v}" for k, v in sorted(r["max connections"].items()))
-                   + f" ({r['connection samples']} CLIENT LIST samples)")
-    out.append(f"safety checked on {r['use instants checked']:,} use instants of {r['leases used']:,} leases: "
-               f"peak {r['peak']} of {CAPACITY}; {r['lost']} leases found lost by their holders; "
-               f"{r['reaped leases']} leases and {r['reaped waiters']} places reaped; drained {r['drain_s']:.2f} s "
-               f"after the last worker left")
+        out.append(
+            f"{st.get('external kill of the crowd', 0)} kill -9 of the crowd while waiting, "
+            f"{st.get('disconnect pubsub', 0) + st.get('disconnect', 0)} connections killed by the server "
+            f"({st.get('disconnect pubsub', 0)} hand-off subscriptions), {r['restarts']} Redis restarts "
+            f"(kill -9 to PONG {min(r['restart_s']) * 1000:.0f}-{max(r['restart_s']) * 1000:.0f} ms), "
+            f"{len(quits)} crowd pool objects closed with {', '.join(str(w) for w, _ in quits)} acquires "
+            f"waiting (each ended PoolClosed: {', '.join(str(c) for _, c in quits)})"
+        )
+        out.append(
+            f"at most {r['max waiters']} requests queued; connections per process at most "
+            + ", ".join(f"{k} {v}" for k, v in sorted(r["max connections"].items()))
+            + f" ({r['connection samples']} CLIENT LIST samples)"
+        )
+    out.append(
+        f"safety checked on {r['use instants checked']:,} use instants of {r['leases used']:,} leases: "
+        f"peak {r['peak']} of {CAPACITY}; {r['lost']} leases found lost by their holders; "
+        f"{r['reaped leases']} leases and {r['reaped waiters']} places reaped; drained {r['drain_s']:.2f} s "
+        f"after the last worker left"
+    )
     return "; ".join(out)
 
 
 def check(r: dict, require_all_plans: bool = True) -> None:
     print(f"\nsoak: {r}\nsoak figures: {summary(r)}")
-    assert r["peak"] <= CAPACITY, f"{r['peak']} bytes in use at server time {r['peak_at']} us > capacity {CAPACITY}"
+    assert r["peak"] <= CAPACITY, (
+        f"{r['peak']} bytes in use at server time {r['peak_at']} us > capacity {CAPACITY}"
+    )
     assert r["peak"] >= CAPACITY // 2, "the pool was never busy: the check had no teeth"
     assert r["grants"] >= 100
     if require_all_plans:

@@ -67,11 +67,16 @@ from gpulock import AsyncPool, BackendUnavailable, LeaseLost, Pool, PoolClosed
 from gpulock._protocol import new_id, pool_keys
 from gpulock._scripts import scripts
 
-OPTS = {"sync_replicas": int(os.environ.get("GPULOCK_SOAK_SYNC_REPLICAS", "0")),
-        "sync_timeout": float(os.environ.get("GPULOCK_SOAK_SYNC_TIMEOUT", "1.0"))}
+OPTS = {
+    "sync_replicas": int(os.environ.get("GPULOCK_SOAK_SYNC_REPLICAS", "0")),
+    "sync_timeout": float(os.environ.get("GPULOCK_SOAK_SYNC_TIMEOUT", "1.0")),
+}
 if os.environ.get("GPULOCK_SOAK_MAX_TTL"):
     OPTS["max_ttl"] = float(os.environ["GPULOCK_SOAK_MAX_TTL"])
-if os.environ.get("GPULOCK_SOAK_MAX_CONNECTIONS") and "max_connections" in inspect.signature(AsyncPool.from_url).parameters:
+if (
+    os.environ.get("GPULOCK_SOAK_MAX_CONNECTIONS")
+    and "max_connections" in inspect.signature(AsyncPool.from_url).parameters
+):
     OPTS["max_connections"] = int(os.environ["GPULOCK_SOAK_MAX_CONNECTIONS"])  # a from_url argument
 TOLERATE = os.environ.get("GPULOCK_SOAK_TOLERATE_BACKEND") == "1"
 CLOCK_NAME = "soak-clock"  # the workers' own TIME connection (one per process)
@@ -82,8 +87,17 @@ def error_line(e: BaseException) -> str:
         return f"B {str(e)[:200]!r}"
     return f"E {type(e).__name__} {str(e)[:200]!r} at={time.time():.3f}"
 
-PLANS = ["kill_queued", "stop_queued", "kill_inflight", "stop_inflight", "kill_holding", "stop_holding",
-         "kill_release", "stop_release"]
+
+PLANS = [
+    "kill_queued",
+    "stop_queued",
+    "kill_inflight",
+    "stop_inflight",
+    "kill_holding",
+    "stop_holding",
+    "kill_release",
+    "stop_release",
+]
 TTL, WAITER_TTL, POLL = 1.0, 1.0, 0.25
 
 
@@ -95,8 +109,11 @@ def main() -> None:
     rng = random.Random(int(seed))
     end_at, max_amount, fault_p = float(end_at), int(max_amount), float(fault_p)
     # One connection for the TIME reads (the test counts it next to gpulock's).
-    clock = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
-        url, max_connections=1, timeout=10, client_name=CLOCK_NAME))
+    clock = redis.Redis(
+        connection_pool=redis.BlockingConnectionPool.from_url(
+            url, max_connections=1, timeout=10, client_name=CLOCK_NAME
+        )
+    )
     f = open(out, "a", buffering=1)
 
     def log(line: str) -> None:
@@ -140,10 +157,13 @@ def main() -> None:
                     there = False
                 if there:
                     fault(plan, ticket)
+
         return cb
 
     def hold_time() -> float:
-        return rng.choice((0.0, 0.0, rng.uniform(0, 0.003), rng.uniform(0, 0.03), rng.uniform(0.1, 0.3)))
+        return rng.choice(
+            (0.0, 0.0, rng.uniform(0, 0.003), rng.uniform(0, 0.03), rng.uniform(0.1, 0.3))
+        )
 
     def use(lease) -> bool:
         t = now_us()
@@ -160,8 +180,15 @@ def main() -> None:
     if shell == "crowd":
         asyncio.run(_crowd_main(url, pool_name, rng, end_at, log))
     elif shell == "sync":
-        pool = Pool.from_url(url, pool_name, capacity=100, default_ttl=TTL, waiter_ttl=WAITER_TTL,
-                             poll_interval=POLL, **OPTS)
+        pool = Pool.from_url(
+            url,
+            pool_name,
+            capacity=100,
+            default_ttl=TTL,
+            waiter_ttl=WAITER_TTL,
+            poll_interval=POLL,
+            **OPTS,
+        )
         log(f"S {pool.status().epoch}")
         orig = pool._eval_once
 
@@ -188,7 +215,9 @@ def main() -> None:
                 armed["acquire"] = plan
             ticket = new_id()
             try:
-                lease = pool.acquire(amount, timeout=30, request_id=ticket, on_queued=queued_fault(plan, ticket))
+                lease = pool.acquire(
+                    amount, timeout=30, request_id=ticket, on_queued=queued_fault(plan, ticket)
+                )
             except Exception as e:  # noqa: BLE001 - every unexpected error is logged and fails the test
                 log(error_line(e))
                 armed.clear()
@@ -217,16 +246,38 @@ def main() -> None:
             armed.clear()
         pool.close()
     else:
-        asyncio.run(_async_main(url, pool_name, rng, end_at, max_amount, pick, fault, queued_fault, log, use,
-                                hold_time, armed))
+        asyncio.run(
+            _async_main(
+                url,
+                pool_name,
+                rng,
+                end_at,
+                max_amount,
+                pick,
+                fault,
+                queued_fault,
+                log,
+                use,
+                hold_time,
+                armed,
+            )
+        )
     f.close()
     clock.close()
 
 
-async def _async_main(url, pool_name, rng, end_at, max_amount, pick, fault, queued_fault, log, use, hold_time,
-                      armed) -> None:
-    pool = AsyncPool.from_url(url, pool_name, capacity=100, default_ttl=TTL, waiter_ttl=WAITER_TTL,
-                              poll_interval=POLL, **OPTS)
+async def _async_main(
+    url, pool_name, rng, end_at, max_amount, pick, fault, queued_fault, log, use, hold_time, armed
+) -> None:
+    pool = AsyncPool.from_url(
+        url,
+        pool_name,
+        capacity=100,
+        default_ttl=TTL,
+        waiter_ttl=WAITER_TTL,
+        poll_interval=POLL,
+        **OPTS,
+    )
     log(f"S {(await pool.status()).epoch}")
     orig = pool._eval_once
 
@@ -253,7 +304,9 @@ async def _async_main(url, pool_name, rng, end_at, max_amount, pick, fault, queu
             armed["acquire"] = plan
         ticket = new_id()
         try:
-            lease = await pool.acquire(amount, timeout=30, request_id=ticket, on_queued=queued_fault(plan, ticket))
+            lease = await pool.acquire(
+                amount, timeout=30, request_id=ticket, on_queued=queued_fault(plan, ticket)
+            )
         except Exception as e:  # noqa: BLE001
             log(error_line(e))
             armed.clear()
@@ -287,10 +340,20 @@ async def _crowd_main(url, pool_name, rng, end_at, log) -> None:
     n = int(os.environ.get("GPULOCK_SOAK_CROWD", "300"))
     life = os.environ.get("GPULOCK_SOAK_LIFE")
     quit_at = time.time() + rng.uniform(*map(float, life.split(","))) if life else end_at
-    clock = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=1, timeout=10, client_name=CLOCK_NAME))
-    pool = AsyncPool.from_url(url, pool_name, capacity=100, default_ttl=TTL, waiter_ttl=WAITER_TTL,
-                              poll_interval=POLL, **OPTS)
+    clock = aioredis.Redis(
+        connection_pool=aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=1, timeout=10, client_name=CLOCK_NAME
+        )
+    )
+    pool = AsyncPool.from_url(
+        url,
+        pool_name,
+        capacity=100,
+        default_ttl=TTL,
+        waiter_ttl=WAITER_TTL,
+        poll_interval=POLL,
+        **OPTS,
+    )
     log(f"S {(await pool.status()).epoch}")
     closing = False
     waiting: set[asyncio.Task] = set()  # the tasks inside acquire
@@ -359,12 +422,13 @@ async def _crowd_main(url, pool_name, rng, end_at, log) -> None:
         log(f"Q {pending} {closed_errors}")
     else:
         for t in list(waiting):  # the end: the waiting acquires are cancelled (they withdraw),
-            t.cancel()           # the holders finish their cycle and release
+            t.cancel()  # the holders finish their cycle and release
         await asyncio.wait(tasks, timeout=30)
         await pool.aclose()
     for t in tasks:
         t.cancel()
     await clock.aclose()
+
 
 if __name__ == "__main__":
     main()

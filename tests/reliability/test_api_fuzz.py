@@ -18,7 +18,15 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gpulock import AcquireTimeout, AsyncPool, CapacityExceeded, GpuLockError, InvalidArgument, Pool, PoolNotFound
+from gpulock import (
+    AcquireTimeout,
+    AsyncPool,
+    CapacityExceeded,
+    GpuLockError,
+    InvalidArgument,
+    Pool,
+    PoolNotFound,
+)
 from gpulock._protocol import new_id
 from gpulock.embedded import RedisProcess
 from helpers import raw, raw_acquire, raw_configure, snapshot
@@ -30,25 +38,93 @@ pytestmark = pytest.mark.timeout(300)
 CAP = 1 << 30
 TEXT = st.text(max_size=70)
 ANY_SCALAR = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
-    TEXT, st.binary(max_size=12), st.lists(st.integers(), max_size=2), st.dictionaries(TEXT, st.integers(), max_size=2))
-NAMES = st.one_of(TEXT, st.from_regex(r"[A-Za-z0-9._-]{1,64}", fullmatch=True),
-                  st.sampled_from(["base", "capped", "capped", "gpu0", "a{b}", "{x}", "a:b", "x" * 65, "", " gpu",
-                                   "gpu\n", "ünï"]))
-AMOUNTS = st.one_of(ANY_SCALAR, st.integers(-5, 2 * CAP), st.sampled_from(
-    ["1", "1GiB", "0.5GiB", "100MB", "1e3", " 5 ", "5B", "-1KiB", "1 KiB", "1.5", "0x10", "9" * 30, "1TiB", "nan"]))
-SECONDS = st.one_of(ANY_SCALAR, st.floats(0, 100), st.integers(50, 90_000),
-                    st.sampled_from(["1", "1.5", "10s", "-1", "inf", "nan", "1e9", 61, 86400]))
-TIMEOUTS = st.one_of(st.sampled_from([0, 0.0, 0.01, -1, float("nan"), float("inf"), "0", "x", True, 1e10, [0]]),
-                     st.floats(-1, 0.02), TEXT)
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    TEXT,
+    st.binary(max_size=12),
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(TEXT, st.integers(), max_size=2),
+)
+NAMES = st.one_of(
+    TEXT,
+    st.from_regex(r"[A-Za-z0-9._-]{1,64}", fullmatch=True),
+    st.sampled_from(
+        [
+            "base",
+            "capped",
+            "capped",
+            "gpu0",
+            "a{b}",
+            "{x}",
+            "a:b",
+            "x" * 65,
+            "",
+            " gpu",
+            "gpu\n",
+            "ünï",
+        ]
+    ),
+)
+AMOUNTS = st.one_of(
+    ANY_SCALAR,
+    st.integers(-5, 2 * CAP),
+    st.sampled_from(
+        [
+            "1",
+            "1GiB",
+            "0.5GiB",
+            "100MB",
+            "1e3",
+            " 5 ",
+            "5B",
+            "-1KiB",
+            "1 KiB",
+            "1.5",
+            "0x10",
+            "9" * 30,
+            "1TiB",
+            "nan",
+        ]
+    ),
+)
+SECONDS = st.one_of(
+    ANY_SCALAR,
+    st.floats(0, 100),
+    st.integers(50, 90_000),
+    st.sampled_from(["1", "1.5", "10s", "-1", "inf", "nan", "1e9", 61, 86400]),
+)
+TIMEOUTS = st.one_of(
+    st.sampled_from([0, 0.0, 0.01, -1, float("nan"), float("inf"), "0", "x", True, 1e10, [0]]),
+    st.floats(-1, 0.02),
+    TEXT,
+)
 METAS = st.one_of(
-    st.none(), TEXT, st.integers(), st.lists(TEXT, max_size=2),
-    st.dictionaries(st.one_of(TEXT, st.integers(), st.none()),
-                    st.recursive(st.one_of(st.none(), st.booleans(), st.floats(allow_nan=True), st.integers(), TEXT,
-                                           st.binary(max_size=8)),
-                                 lambda c: st.lists(c, max_size=3) | st.dictionaries(TEXT, c, max_size=3), max_leaves=8),
-                    max_size=6))
-RIDS = st.one_of(st.none(), TEXT, st.from_regex(r"[A-Za-z0-9._:-]{1,128}", fullmatch=True), ANY_SCALAR)
+    st.none(),
+    TEXT,
+    st.integers(),
+    st.lists(TEXT, max_size=2),
+    st.dictionaries(
+        st.one_of(TEXT, st.integers(), st.none()),
+        st.recursive(
+            st.one_of(
+                st.none(),
+                st.booleans(),
+                st.floats(allow_nan=True),
+                st.integers(),
+                TEXT,
+                st.binary(max_size=8),
+            ),
+            lambda c: st.lists(c, max_size=3) | st.dictionaries(TEXT, c, max_size=3),
+            max_leaves=8,
+        ),
+        max_size=6,
+    ),
+)
+RIDS = st.one_of(
+    st.none(), TEXT, st.from_regex(r"[A-Za-z0-9._:-]{1,128}", fullmatch=True), ANY_SCALAR
+)
 
 EXPECTED = (InvalidArgument, CapacityExceeded, PoolNotFound, AcquireTimeout)
 
@@ -74,10 +150,27 @@ def _outside_prefix(c: redis.Redis) -> list[bytes]:
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
-@given(name=NAMES, capacity=st.one_of(st.none(), AMOUNTS), amount=AMOUNTS, ttl=SECONDS, timeout=TIMEOUTS,
-       holder=METAS, request_id=RIDS)
-@example(name="capped", capacity=None, amount=1, ttl=61, timeout=0, holder=None, request_id=None)  # refused in Lua
-@example(name="base", capacity=None, amount=1, ttl=1, timeout=0.01, holder={"k": [1, None]}, request_id="r-1")
+@given(
+    name=NAMES,
+    capacity=st.one_of(st.none(), AMOUNTS),
+    amount=AMOUNTS,
+    ttl=SECONDS,
+    timeout=TIMEOUTS,
+    holder=METAS,
+    request_id=RIDS,
+)
+@example(
+    name="capped", capacity=None, amount=1, ttl=61, timeout=0, holder=None, request_id=None
+)  # refused in Lua
+@example(
+    name="base",
+    capacity=None,
+    amount=1,
+    ttl=1,
+    timeout=0.01,
+    holder={"k": [1, None]},
+    request_id="r-1",
+)
 def test_acquire_edge(fz, name, capacity, amount, ttl, timeout, holder, request_id):
     rp, c = fz
     before = snapshot(c)
@@ -105,14 +198,26 @@ def test_acquire_edge(fz, name, capacity, amount, ttl, timeout, holder, request_
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
-@given(capacity=AMOUNTS, max_waiters=st.one_of(ANY_SCALAR, st.integers(-2, 2_000_000)), max_ttl=SECONDS,
-       default_ttl=SECONDS, sync_replicas=ANY_SCALAR, create_only=st.booleans())
-def test_configure_and_settings_edge(fz, capacity, max_waiters, max_ttl, default_ttl, sync_replicas, create_only):
+@given(
+    capacity=AMOUNTS,
+    max_waiters=st.one_of(ANY_SCALAR, st.integers(-2, 2_000_000)),
+    max_ttl=SECONDS,
+    default_ttl=SECONDS,
+    sync_replicas=ANY_SCALAR,
+    create_only=st.booleans(),
+)
+def test_configure_and_settings_edge(
+    fz, capacity, max_waiters, max_ttl, default_ttl, sync_replicas, create_only
+):
     rp, c = fz
     before = snapshot(c)
     try:
-        pool = Pool(c, "scratch", default_ttl=default_ttl if default_ttl is not None else 5,
-                    sync_replicas=sync_replicas if sync_replicas is not None else 0)
+        pool = Pool(
+            c,
+            "scratch",
+            default_ttl=default_ttl if default_ttl is not None else 5,
+            sync_replicas=sync_replicas if sync_replicas is not None else 0,
+        )
     except GpuLockError as e:
         assert isinstance(e, InvalidArgument), repr(e)
         assert snapshot(c) == before
@@ -128,8 +233,13 @@ def test_configure_and_settings_edge(fz, capacity, max_waiters, max_ttl, default
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(lease_id=st.one_of(TEXT, st.sampled_from([new_id(), "0" * 32, "g" * 32])), token=ANY_SCALAR,
-       ttl=SECONDS, request_id=RIDS, amount=AMOUNTS)
+@given(
+    lease_id=st.one_of(TEXT, st.sampled_from([new_id(), "0" * 32, "g" * 32])),
+    token=ANY_SCALAR,
+    ttl=SECONDS,
+    request_id=RIDS,
+    amount=AMOUNTS,
+)
 def test_remote_methods_edge(fz, lease_id, token, ttl, request_id, amount):
     """The methods a proxy (the HTTP broker) calls for remote holders take lease ids and
     tokens from outside."""
@@ -140,15 +250,26 @@ def test_remote_methods_edge(fz, lease_id, token, ttl, request_id, amount):
         client = aioredis.Redis.from_url(rp.url)
         p = AsyncPool(client, "base")
         try:
-            for call in (lambda: p.renew_remote(lease_id, token, ttl), lambda: p.release_remote(lease_id, token),
-                         lambda: p.cancel_remote(request_id), lambda: p.wait_remote(request_id, 0.0)):
+            for call in (
+                lambda: p.renew_remote(lease_id, token, ttl),
+                lambda: p.release_remote(lease_id, token),
+                lambda: p.cancel_remote(request_id),
+                lambda: p.wait_remote(request_id, 0.0),
+            ):
                 try:
                     await call()
                 except GpuLockError as e:
-                    assert isinstance(e, (InvalidArgument, *EXPECTED)) or type(e).__name__ == "LeaseLost", repr(e)
+                    assert (
+                        isinstance(e, (InvalidArgument, *EXPECTED))
+                        or type(e).__name__ == "LeaseLost"
+                    ), repr(e)
             try:  # try-mode: never queues, so nothing is left behind either way
-                res = await p.enqueue_remote(amount, request_id=request_id if isinstance(request_id, str) else new_id(),
-                                             ttl=ttl, queue=False)
+                res = await p.enqueue_remote(
+                    amount,
+                    request_id=request_id if isinstance(request_id, str) else new_id(),
+                    ttl=ttl,
+                    queue=False,
+                )
             except GpuLockError as e:
                 assert isinstance(e, EXPECTED), repr(e)
             else:
@@ -162,7 +283,12 @@ def test_remote_methods_edge(fz, lease_id, token, ttl, request_id, amount):
     # The holder, the waiters and the counters are untouched (a refused call wrote nothing,
     # and a try-mode grant was released again).
     after = snapshot(c)
-    for k in ("gpulock:{base}:holders", "gpulock:{base}:queue", "gpulock:{base}:waiters", "gpulock:{base}:wexp"):
+    for k in (
+        "gpulock:{base}:holders",
+        "gpulock:{base}:queue",
+        "gpulock:{base}:waiters",
+        "gpulock:{base}:wexp",
+    ):
         assert after.get(k) == before.get(k), k
     assert not _outside_prefix(c)
 

@@ -35,8 +35,12 @@ def test_waiters_survive_a_killed_subscription(redis_proc1, tmp_path):
     c = redis.Redis.from_url(url)
     end_at = time.time() + 30.0
     env = {**os.environ, "GPULOCK_SOAK_CROWD": "300", "GPULOCK_SOAK_MAX_CONNECTIONS": "8"}
-    pr = subprocess.Popen([sys.executable, str(WORKER), url, name, str(out), "1", repr(end_at), "60", "0", "crowd"],
-                          env=env, stderr=subprocess.PIPE, text=True)
+    pr = subprocess.Popen(
+        [sys.executable, str(WORKER), url, name, str(out), "1", repr(end_at), "60", "0", "crowd"],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
     def subscription():
         mine = _redis_conns(pr.pid, redis_proc1.port)
@@ -56,8 +60,12 @@ def test_waiters_survive_a_killed_subscription(redis_proc1, tmp_path):
             c.client_kill_filter(_id=sub["id"])
             t_kill = time.monotonic()
             wait_for(lambda: (s := subscription()) is not None and s["id"] != sub["id"], timeout=10)
-            wait_for(lambda: time.monotonic() > t_kill + 7.5 or "\nE " in out.read_text(), timeout=10)
-            assert "\nE " not in out.read_text(), [ln for ln in out.read_text().splitlines() if ln[0] == "E"][:2]
+            wait_for(
+                lambda: time.monotonic() > t_kill + 7.5 or "\nE " in out.read_text(), timeout=10
+            )
+            assert "\nE " not in out.read_text(), [
+                ln for ln in out.read_text().splitlines() if ln[0] == "E"
+            ][:2]
         kills = 2
         os.kill(pr.pid, signal.SIGTERM)
         pr.wait(30)

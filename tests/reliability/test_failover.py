@@ -48,14 +48,23 @@ class Cluster:
     def __init__(self, binary: str):
         self.primary = RedisProcess(binary, extra_args=FAST).start()
         self.repl = Proxy(self.primary.port)  # the replica's link to the primary
-        self.replica = RedisProcess(binary, extra_args=[*FAST, "--replicaof", "127.0.0.1", str(self.repl.port)]).start()
-        self.replica2 = RedisProcess(binary, extra_args=[*FAST, "--replicaof", "127.0.0.1", str(self.replica.port)]).start()
+        self.replica = RedisProcess(
+            binary, extra_args=[*FAST, "--replicaof", "127.0.0.1", str(self.repl.port)]
+        ).start()
+        self.replica2 = RedisProcess(
+            binary, extra_args=[*FAST, "--replicaof", "127.0.0.1", str(self.replica.port)]
+        ).start()
         self.front = Proxy(self.primary.port)  # the name clients know
         p = redis.Redis.from_url(self.primary.url)
         wait_for(lambda: p.info("replication").get("connected_slaves") == 1, timeout=10)
         r = redis.Redis.from_url(self.replica.url)
-        wait_for(lambda: r.info("replication").get("connected_slaves") == 1
-                 and r.info("replication").get("master_link_status") == "up", timeout=10)
+        wait_for(
+            lambda: (
+                r.info("replication").get("connected_slaves") == 1
+                and r.info("replication").get("master_link_status") == "up"
+            ),
+            timeout=10,
+        )
         p.close()
         r.close()
 
@@ -123,7 +132,9 @@ def test_lost_tail_with_sync_replicas_is_never_used(cluster):
     the validity its last replicated renewal gave it."""
     # sync_timeout 1 s, not less: on a loaded 2-core machine the replica's acknowledgement of
     # the first (healthy) grant took over 0.3 s once. ttl 6 s: renewed at 2 s, unacknowledged.
-    with Pool.from_url(cluster.url, "tail", capacity=100, default_ttl=6.0, sync_replicas=1, sync_timeout=1.0) as a:
+    with Pool.from_url(
+        cluster.url, "tail", capacity=100, default_ttl=6.0, sync_replicas=1, sync_timeout=1.0
+    ) as a:
         a.configure(100)
         early = a.acquire(30)  # replicated: acknowledged by the replica
         cluster.in_sync()
@@ -143,7 +154,9 @@ def test_lost_tail_with_sync_replicas_is_never_used(cluster):
             second = b.acquire(70, timeout=0)
             second.release()
         early.release()
-    print(f"\nsync_replicas=1 with replication stalled: acquire refused after {refused_s:.2f}s (sync_timeout 1.0s)")
+    print(
+        f"\nsync_replicas=1 with replication stalled: acquire refused after {refused_s:.2f}s (sync_timeout 1.0s)"
+    )
 
 
 def _measure(url: str, sync: int, n: int = 300) -> list[float]:
@@ -164,17 +177,41 @@ def test_failover_under_load_with_sync_replicas(cluster, tmp_path):
     with sync_replicas=1 the recorded history never holds more than the capacity."""
     base = _measure(cluster.url, 0)
     synced = _measure(cluster.url, 1)
-    cost = (statistics.median(synced) - statistics.median(base), statistics.quantiles(synced, n=100)[98])
+    cost = (
+        statistics.median(synced) - statistics.median(base),
+        statistics.quantiles(synced, n=100)[98],
+    )
 
     name, duration, workers = "fo", 12.0, 4
     with Pool.from_url(cluster.url, name) as p:
         p.configure(100)
     end_at = time.time() + duration
-    env = {**os.environ, "GPULOCK_SOAK_SYNC_REPLICAS": "1", "GPULOCK_SOAK_SYNC_TIMEOUT": "0.3",
-           "GPULOCK_SOAK_TOLERATE_BACKEND": "1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), cluster.url, name, str(tmp_path / f"w{i}.log"),
-                               str(100 + i), repr(end_at), "60", "0", "sync" if i % 2 == 0 else "async"],
-                              env=env, stderr=subprocess.PIPE, text=True) for i in range(workers)]
+    env = {
+        **os.environ,
+        "GPULOCK_SOAK_SYNC_REPLICAS": "1",
+        "GPULOCK_SOAK_SYNC_TIMEOUT": "0.3",
+        "GPULOCK_SOAK_TOLERATE_BACKEND": "1",
+    }
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(WORKER),
+                cluster.url,
+                name,
+                str(tmp_path / f"w{i}.log"),
+                str(100 + i),
+                repr(end_at),
+                "60",
+                "0",
+                "sync" if i % 2 == 0 else "async",
+            ],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(workers)
+    ]
     try:
         time.sleep(duration / 2)
         cluster.repl.freeze()  # a tail of writes that the failover will lose
@@ -216,9 +253,13 @@ def test_failover_under_load_with_sync_replicas(cluster, tmp_path):
                 errors.append(line)
     assert not errors, errors[:5]
     peak, at = max_concurrent([(min(ts), max(ts) + 1, amounts[t]) for t, ts in uses.items()])
-    print(f"\nfailover under load (sync_replicas=1): {grants} grants, {backend} acquires refused "
-          f"(BackendUnavailable), {lost} leases lost, clients without a primary for {down_s:.2f}s, "
-          f"peak {peak}/100\n  sync_replicas=1 adds {cost[0]:.3f} ms to an acquire (median; p99 {cost[1]:.3f} ms, "
-          f"median without {statistics.median(base):.3f} ms)")
-    assert peak <= 100, f"{peak} bytes in use at server time {at} us: a double grant across the failover"
+    print(
+        f"\nfailover under load (sync_replicas=1): {grants} grants, {backend} acquires refused "
+        f"(BackendUnavailable), {lost} leases lost, clients without a primary for {down_s:.2f}s, "
+        f"peak {peak}/100\n  sync_replicas=1 adds {cost[0]:.3f} ms to an acquire (median; p99 {cost[1]:.3f} ms, "
+        f"median without {statistics.median(base):.3f} ms)"
+    )
+    assert peak <= 100, (
+        f"{peak} bytes in use at server time {at} us: a double grant across the failover"
+    )
     assert grants >= 50 and peak >= 50

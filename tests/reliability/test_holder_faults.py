@@ -46,6 +46,12 @@ def test_fault_soak_short(redis_proc1, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(int(os.environ.get("GPULOCK_SOAK_S", "300")) + 180)
 def test_fault_soak_long(redis_proc1, tmp_path):
-    r = run_soak(redis_proc1, tmp_path, float(os.environ.get("GPULOCK_SOAK_S", "300")), 8,
-                 fault_p=0.08, seed=int(time.time()))
+    r = run_soak(
+        redis_proc1,
+        tmp_path,
+        float(os.environ.get("GPULOCK_SOAK_S", "300")),
+        8,
+        fault_p=0.08,
+        seed=int(time.time()),
+    )
     check(r)

@@ -91,9 +91,13 @@ def test_restart_empty_holders_put_leases_back(redis_proc1, caplog):
     direct = redis.Redis.from_url(rp.url)
     samp = Sampler(rp.url, name)
     loop = asyncio.new_event_loop()
-    apool = AsyncPool.from_url(rp.url, name, capacity=100, default_ttl=TTL, max_ttl=G, poll_interval=0.2)
+    apool = AsyncPool.from_url(
+        rp.url, name, capacity=100, default_ttl=TTL, max_ttl=G, poll_interval=0.2
+    )
     spool = Pool.from_url(rp.url, name, capacity=100, default_ttl=TTL, max_ttl=G, poll_interval=0.2)
-    fresh = Pool.from_url(rp.url, name, capacity=100, default_ttl=TTL, max_ttl=G)  # never saw the pool
+    fresh = Pool.from_url(
+        rp.url, name, capacity=100, default_ttl=TTL, max_ttl=G
+    )  # never saw the pool
     try:
         h1 = loop.run_until_complete(apool.acquire(40, holder={"who": "h1"}))
         h2 = spool.acquire(30)
@@ -117,8 +121,13 @@ def test_restart_empty_holders_put_leases_back(redis_proc1, caplog):
         back_s = time.monotonic() - t_restart
         st = spool.status()
         assert st.epoch != old_epoch and st.grace_left > 0 and st.reasserted == 2
-        assert {(li.lease_id, li.token, li.amount) for li in st.leases} == {(h1.id, h1.token, 40), (h2.id, h2.token, 30)}
-        assert next(li for li in st.leases if li.lease_id == h1.id).holder.get("who") == "h1"  # metadata kept
+        assert {(li.lease_id, li.token, li.amount) for li in st.leases} == {
+            (h1.id, h1.token, 40),
+            (h2.id, h2.token, 30),
+        }
+        assert (
+            next(li for li in st.leases if li.lease_id == h1.id).holder.get("who") == "h1"
+        )  # metadata kept
         grace_end = int(direct.hget(pool_keys(name)[0], "grace_until"))
         # In the grace period: 30 bytes are free, but nothing new is granted.
         with pytest.raises(AcquireTimeout):
@@ -148,9 +157,11 @@ def test_restart_empty_holders_put_leases_back(redis_proc1, caplog):
         msgs = [r.getMessage() for r in caplog.records]
         assert any("created it again" in m and "grace period" in m for m in msgs), msgs
         assert sum("put back after Redis lost the pool" in m for m in msgs) == 2
-        print(f"\nrestart: both leases back {back_s:.2f}s after the restart (ttl {TTL}s, renew every {TTL / 3:.2f}s); "
-              f"grace {G}s; first new grant {min(late.values()) - grace_end} ms after the grace end; "
-              f"peak {samp.peak}/100")
+        print(
+            f"\nrestart: both leases back {back_s:.2f}s after the restart (ttl {TTL}s, renew every {TTL / 3:.2f}s); "
+            f"grace {G}s; first new grant {min(late.values()) - grace_end} ms after the grace end; "
+            f"peak {samp.peak}/100"
+        )
     finally:
         samp.stop()
         loop.run_until_complete(apool.aclose())
@@ -165,8 +176,12 @@ async def test_redis_back_on_another_port_behind_the_same_url(redis_proc1, defau
     the name is repointed. Holders reconnect and put their leases back."""
     old = redis_proc1
     with Proxy(old.port) as px:
-        p = AsyncPool.from_url(px.url, "moved", capacity=100, default_ttl=TTL, max_ttl=G, poll_interval=0.2)
-        q = AsyncPool.from_url(px.url, "moved", capacity=100, default_ttl=TTL, max_ttl=G, poll_interval=0.2)
+        p = AsyncPool.from_url(
+            px.url, "moved", capacity=100, default_ttl=TTL, max_ttl=G, poll_interval=0.2
+        )
+        q = AsyncPool.from_url(
+            px.url, "moved", capacity=100, default_ttl=TTL, max_ttl=G, poll_interval=0.2
+        )
         a = await p.acquire(60)
         b = await q.acquire(40)
         lost: list = []
@@ -206,8 +221,15 @@ async def test_redis_down_for_longer_than_the_ttl(redis_proc1, caplog):
     pool object that knew the pool makes it again with a grace period."""
     caplog.set_level(logging.WARNING, logger="gpulock")
     rp = redis_proc1
-    p = AsyncPool.from_url(rp.url, "down", capacity=100, default_ttl=TTL, max_ttl=G, poll_interval=0.2,
-                           backend_timeout=0.5)
+    p = AsyncPool.from_url(
+        rp.url,
+        "down",
+        capacity=100,
+        default_ttl=TTL,
+        max_ttl=G,
+        poll_interval=0.2,
+        backend_timeout=0.5,
+    )
     lease = await p.acquire(70)
     lost_at: list[float] = []
     lease.on_lost(lambda _l: lost_at.append(time.monotonic()))
@@ -234,7 +256,9 @@ async def test_redis_down_for_longer_than_the_ttl(redis_proc1, caplog):
     c = await p.acquire(30, timeout=G + 5)  # this pool object knew the pool: grace period first
     waited = time.monotonic() - t_back
     st = await p.status()
-    assert [li.lease_id for li in st.leases] == [c.id] and st.reasserted == 0  # the lost lease stayed lost
+    assert [li.lease_id for li in st.leases] == [
+        c.id
+    ] and st.reasserted == 0  # the lost lease stayed lost
     assert waited >= G - 0.5, f"granted {waited:.2f}s after Redis came back: no grace period"
     await c.release()
     with pytest.raises(LeaseLost):
@@ -243,10 +267,14 @@ async def test_redis_down_for_longer_than_the_ttl(redis_proc1, caplog):
     # Back, with no lease still held (the only one was lost): no "out of jeopardy" for leases.
     msgs = [r.getMessage() for r in caplog.records]
     assert not any("out of jeopardy" in m for m in msgs), msgs
-    assert any("Redis answers renewals again" in m and "no lease was still held" in m for m in msgs), msgs
-    print(f"\nRedis down: jeopardy logged, lost {lost_at[0] - t_down:.2f}s after Redis went away "
-          f"(local deadline {deadline - t_down:+.2f}s); after it came back empty the next grant waited {waited:.2f}s "
-          f"(grace {G}s)")
+    assert any(
+        "Redis answers renewals again" in m and "no lease was still held" in m for m in msgs
+    ), msgs
+    print(
+        f"\nRedis down: jeopardy logged, lost {lost_at[0] - t_down:.2f}s after Redis went away "
+        f"(local deadline {deadline - t_down:+.2f}s); after it came back empty the next grant waited {waited:.2f}s "
+        f"(grace {G}s)"
+    )
 
 
 def test_a_process_that_never_saw_the_pool_recreates_it_first(redis_proc1):
@@ -287,6 +315,7 @@ def test_a_process_that_never_saw_the_pool_recreates_it_first(redis_proc1):
 
 # ---- the rules of reassert.lua, straight on the script ------------------------------------
 
+
 def test_reassert_rules(rclient):
     pool, k = "rules", pool_keys("rules")
     # A pool created by a process that knew it existed: grace period of one max_ttl (1 s).
@@ -313,10 +342,12 @@ def test_reassert_rules(rclient):
             flat += list(rec)
         return [int(x) for x in raw(rclient, pool, "reassert", *flat)[3]]
 
-    res = reassert((L1, epoch - 10, 60, 1000, "t1", "{}"),      # ok
-                   (L2, epoch, 10, 1000, "t2", "{}"),           # token not older: -3
-                   (L3, epoch - 5, 10, 2000, "t3", "{}"),       # ttl > max_ttl: -4
-                   (new_id(), epoch - 4, 50, 1000, "t4", "{}"))  # 60 + 50 > 100: -2
+    res = reassert(
+        (L1, epoch - 10, 60, 1000, "t1", "{}"),  # ok
+        (L2, epoch, 10, 1000, "t2", "{}"),  # token not older: -3
+        (L3, epoch - 5, 10, 2000, "t3", "{}"),  # ttl > max_ttl: -4
+        (new_id(), epoch - 4, 50, 1000, "t4", "{}"),
+    )  # 60 + 50 > 100: -2
     assert res[0] > 0 and res[1:] == [-3, -4, -2]
     assert reassert((L1, epoch - 10, 60, 1000, "t1", "{}"))[0] > 0  # again: idempotent
     assert reassert((L1, epoch - 11, 60, 1000, "t1", "{}")) == [-5]  # same id, other token
@@ -325,8 +356,14 @@ def test_reassert_rules(rclient):
     assert int(rclient.hget(k[0], "fence")) == epoch  # no token was issued
     # Bad arguments: refused before any write.
     before = snapshot(rclient)
-    for argv in ((1, L2, "x", 10, 1000, "t", "{}"), (1, "zz", 1, 10, 1000, "t", "{}"), (2, L2, 1, 10, 1000, "t", "{}"),
-                 (1, L2, 1, 0, 1000, "t", "{}"), (1, L2, 1, 10, 50, "t", "{}"), (1, L2, 1, 10, 1000, "a b", "{}")):
+    for argv in (
+        (1, L2, "x", 10, 1000, "t", "{}"),
+        (1, "zz", 1, 10, 1000, "t", "{}"),
+        (2, L2, 1, 10, 1000, "t", "{}"),
+        (1, L2, 1, 0, 1000, "t", "{}"),
+        (1, L2, 1, 10, 50, "t", "{}"),
+        (1, L2, 1, 10, 1000, "a b", "{}"),
+    ):
         with pytest.raises(redis.ResponseError, match="GPULOCK_BADARG"):
             raw(rclient, pool, "reassert", *argv)
     assert snapshot(rclient) == before
@@ -345,7 +382,9 @@ def test_reassert_opens_the_grace_period_of_a_pool_made_without_one(rclient):
     epoch = int(raw(rclient, pool, "configure", 100, 100, "create", 1000)[2])  # no grace
     assert int(raw(rclient, pool, "status", 10)[14]) == 0
     r = raw(rclient, pool, "reassert", 1, new_id(), epoch - 1, 30, 1000, "", "{}")
-    assert int(r[3][0]) > 0 and 0 < int(r[2]) <= 1000  # accepted, grace opened until created + max_ttl
+    assert (
+        int(r[3][0]) > 0 and 0 < int(r[2]) <= 1000
+    )  # accepted, grace opened until created + max_ttl
     assert int(raw_acquire(rclient, pool, 10, ttl_ms=1000, mode="try")[0]) == 2
     # A pool older than one max_ttl: nothing comes back, no grace period is opened.
     time.sleep(1.05)

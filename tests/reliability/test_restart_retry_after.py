@@ -46,7 +46,9 @@ async def _status(url: str, pool: str):
         await p.aclose()
 
 
-async def test_retry_after_covers_the_grace_period_and_a_parked_request_keeps_its_place(redis_proc1):
+async def test_retry_after_covers_the_grace_period_and_a_parked_request_keeps_its_place(
+    redis_proc1,
+):
     import httpx
 
     rp, name = redis_proc1, "ra-grace"
@@ -55,8 +57,9 @@ async def test_retry_after_covers_the_grace_period_and_a_parked_request_keeps_it
     op.close()
     app, gpu = _app(rp.url, name, ttl=2, acquire_timeout=0.5, park_timeout=2, reaper_interval=0.1)
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
-                                     timeout=30) as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=30
+        ) as c:
             assert (await c.post("/sync", json={})).status_code == 200
             rp.restart()
             deadline = time.monotonic() + 10
@@ -84,9 +87,13 @@ async def test_retry_after_covers_the_grace_period_and_a_parked_request_keeps_it
                 st = await _status(rp.url, name)
                 if st.grace_left == 0 and st.grants >= 1 and st.used == 0 and st.waiter_count == 0:
                     break
-                assert st.grants >= 1 or st.waiter_count == 1 or st.grace_left > 0, \
+                assert st.grants >= 1 or st.waiter_count == 1 or st.grace_left > 0, (
                     f"the parked request left the queue before the grace ended: {st}"
+                )
                 assert time.monotonic() < deadline, st
                 await asyncio.sleep(0.05)
             r = await c.post("/sync", json={}, headers=h)
-            assert r.status_code == 200 and r.headers.get("x-idempotent-replay") == "true", (r.status_code, r.headers)
+            assert r.status_code == 200 and r.headers.get("x-idempotent-replay") == "true", (
+                r.status_code,
+                r.headers,
+            )

@@ -27,7 +27,9 @@ MiB = 1 << 20
 
 
 def _holders(c: redis.Redis, pool: str) -> dict[str, int]:
-    return {k.decode(): int(v.decode().split("|")[1]) for k, v in c.hgetall(pool_keys(pool)[2]).items()}
+    return {
+        k.decode(): int(v.decode().split("|")[1]) for k, v in c.hgetall(pool_keys(pool)[2]).items()
+    }
 
 
 async def test_two_services_put_every_resident_lease_back(redis_proc1):
@@ -36,10 +38,30 @@ async def test_two_services_put_every_resident_lease_back(redis_proc1):
     # Service A: 4 workers with serve's CPU default capacity, create-only. Service B: 2 workers
     # started with --capacity 1GiB, which sets the pool's capacity. ttl 30 s: the heartbeat is
     # due 10 s after each grant, the status read every 0.1 s.
-    a = [GpuLimiter(rp.url, name, capacity="2GiB", configure="create", ttl=30, reaper_interval=0.1,
-                    exit_on_fatal=False) for _ in range(4)]
-    b = [GpuLimiter(rp.url, name, capacity="1GiB", configure="set", ttl=30, reaper_interval=0.1,
-                    exit_on_fatal=False) for _ in range(2)]
+    a = [
+        GpuLimiter(
+            rp.url,
+            name,
+            capacity="2GiB",
+            configure="create",
+            ttl=30,
+            reaper_interval=0.1,
+            exit_on_fatal=False,
+        )
+        for _ in range(4)
+    ]
+    b = [
+        GpuLimiter(
+            rp.url,
+            name,
+            capacity="1GiB",
+            configure="set",
+            ttl=30,
+            reaper_interval=0.1,
+            exit_on_fatal=False,
+        )
+        for _ in range(2)
+    ]
     workers = a + b
     lost: list[str] = []
     try:
@@ -63,7 +85,9 @@ async def test_two_services_put_every_resident_lease_back(redis_proc1):
         assert _holders(direct, name) == before, "not every lease was put back with its token"
         cfg = {k.decode(): v.decode() for k, v in direct.hgetall(pool_keys(name)[0]).items()}
         assert int(cfg["epoch"]) != old_epoch
-        assert int(cfg["capacity"]) == 1 << 30, f"the operator's capacity was lost: {cfg['capacity']}"
+        assert int(cfg["capacity"]) == 1 << 30, (
+            f"the operator's capacity was lost: {cfg['capacity']}"
+        )
         st = await a[0].pool.status()
         assert st.grace_left > 0 and st.reasserted == 6, st
         await asyncio.sleep(0.3)  # a few status reads later: everyone still ready, nothing lost
@@ -71,8 +95,10 @@ async def test_two_services_put_every_resident_lease_back(redis_proc1):
         for w in workers:
             ok, details = w.readiness()
             assert ok, details
-        print(f"\n6 resident leases put back {back_s * 1000:.0f} ms after the restart; capacity "
-              f"{int(cfg['capacity']) >> 20} MiB; grace {st.grace_left:.1f}s left")
+        print(
+            f"\n6 resident leases put back {back_s * 1000:.0f} ms after the restart; capacity "
+            f"{int(cfg['capacity']) >> 20} MiB; grace {st.grace_left:.1f}s left"
+        )
     finally:
         for w in workers:
             await w.stop(grace_s=1)

@@ -34,7 +34,9 @@ pytestmark = pytest.mark.timeout(60)
 
 def _holders(c: redis.Redis, pool: str) -> dict[str, int]:
     """lease id -> fencing token, from the raw holder records."""
-    return {k.decode(): int(v.decode().split("|")[1]) for k, v in c.hgetall(pool_keys(pool)[2]).items()}
+    return {
+        k.decode(): int(v.decode().split("|")[1]) for k, v in c.hgetall(pool_keys(pool)[2]).items()
+    }
 
 
 def _cfg(c: redis.Redis, pool: str) -> dict[str, int]:
@@ -74,7 +76,9 @@ class _Shell:
 
 @pytest.mark.parametrize("kind", ["async", "sync"])
 @pytest.mark.parametrize("after", ["gone", "recreated"])
-def test_status_read_between_restart_and_heartbeat_does_not_hide_the_restart(redis_proc1, kind, after):
+def test_status_read_between_restart_and_heartbeat_does_not_hide_the_restart(
+    redis_proc1, kind, after
+):
     """A holder with a 30 s ttl (next heartbeat 10 s away) reads the pool's status right after
     the restart: the pool is gone (``PoolNotFound``), or a process that never saw it has made
     it again (a new epoch). Either reply must bring the lease back at once — same id and
@@ -124,8 +128,10 @@ def test_status_read_between_restart_and_heartbeat_does_not_hide_the_restart(red
         else:
             lease.release()
         assert check_consistent(direct, name) == {"used": 0, "leases": 0, "queued": 0}
-        print(f"\n{kind}/{after}: lease back {back_s * 1000:.0f} ms after the restart (next heartbeat was "
-              f"~10 s away); capacity {cfg['capacity']}")
+        print(
+            f"\n{kind}/{after}: lease back {back_s * 1000:.0f} ms after the restart (next heartbeat was "
+            f"~10 s away); capacity {cfg['capacity']}"
+        )
     finally:
         holder.close()
         operator.close()
@@ -160,9 +166,12 @@ def test_waiters_keep_their_places_across_a_restart(redis_proc1, kind):
     try:
         h = sh("acquire", 100)
         if kind == "async":
+
             async def waiter(i: int) -> None:
                 try:
-                    lz = await sh.pool.acquire(100, timeout=30, on_queued=lambda _p: queued[i].set())
+                    lz = await sh.pool.acquire(
+                        100, timeout=30, on_queued=lambda _p: queued[i].set()
+                    )
                 except BaseException as e:  # noqa: BLE001 - recorded and asserted on
                     errors.append((i, e))
                     return
@@ -175,6 +184,7 @@ def test_waiters_keep_their_places_across_a_restart(redis_proc1, kind):
                 while not queued[i].is_set():  # queued in this order, one after the other
                     sh.pump(0.005)
         else:
+
             def waiter_t(i: int) -> None:
                 try:
                     lz = sh.pool.acquire(100, timeout=30, on_queued=lambda _p: queued[i].set())
@@ -228,8 +238,10 @@ def test_waiters_keep_their_places_across_a_restart(redis_proc1, kind):
             for t in threads:
                 t.join(5)
         assert check_consistent(direct, name) == {"used": 0, "leases": 0, "queued": 0}
-        print(f"\n{kind}: {N_WAITERS} waiters queued again {requeue_s:.2f}s after the restart, granted in "
-              f"FIFO order from {min(granted_ms) - cfg['grace_until']} ms after the grace end")
+        print(
+            f"\n{kind}: {N_WAITERS} waiters queued again {requeue_s:.2f}s after the restart, granted in "
+            f"FIFO order from {min(granted_ms) - cfg['grace_until']} ms after the grace end"
+        )
     finally:
         sh.close()
         direct.close()
@@ -248,17 +260,29 @@ def test_a_waiter_fails_only_when_redis_stays_away_past_its_bound(redis_proc1, k
     caplog.set_level(logging.INFO, logger="gpulock")
     rp, name = redis_proc1, f"bound-{kind}"
     direct = redis.Redis.from_url(rp.url)
-    sh = _Shell(kind, rp.url, name, capacity=100, default_ttl=3, max_ttl=3, poll_interval=0.2,
-                waiter_ttl=1, backend_timeout=1)
+    sh = _Shell(
+        kind,
+        rp.url,
+        name,
+        capacity=100,
+        default_ttl=3,
+        max_ttl=3,
+        poll_interval=0.2,
+        waiter_ttl=1,
+        backend_timeout=1,
+    )
     q = pool_keys(name)[3]
     outcome: list = []
     queued = threading.Event()
     try:
         h = sh("acquire", 100)
         if kind == "async":
+
             async def wait_async() -> None:
                 try:
-                    outcome.append(await sh.pool.acquire(50, timeout=30, on_queued=lambda _p: queued.set()))
+                    outcome.append(
+                        await sh.pool.acquire(50, timeout=30, on_queued=lambda _p: queued.set())
+                    )
                 except BaseException as e:  # noqa: BLE001
                     outcome.append(e)
 
@@ -266,9 +290,12 @@ def test_a_waiter_fails_only_when_redis_stays_away_past_its_bound(redis_proc1, k
             while not queued.is_set():
                 sh.pump(0.005)
         else:
+
             def wait_sync() -> None:
                 try:
-                    outcome.append(sh.pool.acquire(50, timeout=30, on_queued=lambda _p: queued.set()))
+                    outcome.append(
+                        sh.pool.acquire(50, timeout=30, on_queued=lambda _p: queued.set())
+                    )
                 except BaseException as e:  # noqa: BLE001
                     outcome.append(e)
 
@@ -302,8 +329,12 @@ def test_a_waiter_fails_only_when_redis_stays_away_past_its_bound(redis_proc1, k
         failed_after = time.monotonic() - t_kill
         (err,) = outcome
         assert isinstance(err, BackendUnavailable) and "Redis unreachable" in str(err), repr(err)
-        assert 2.0 - 0.2 - 0.05 <= failed_after <= 2.0 + 1.5, failed_after  # last refresh ≤ 0.2 s before
-        print(f"\n{kind}: 1 s outage survived; Redis gone: the waiter failed {failed_after:.2f}s later (bound 2 s)")
+        assert 2.0 - 0.2 - 0.05 <= failed_after <= 2.0 + 1.5, (
+            failed_after
+        )  # last refresh ≤ 0.2 s before
+        print(
+            f"\n{kind}: 1 s outage survived; Redis gone: the waiter failed {failed_after:.2f}s later (bound 2 s)"
+        )
         if kind == "sync":
             th.join(5)
         else:
@@ -314,7 +345,9 @@ def test_a_waiter_fails_only_when_redis_stays_away_past_its_bound(redis_proc1, k
 
 
 @pytest.mark.parametrize("kind", ["async", "sync"])
-def test_an_acquire_only_pool_object_remakes_the_pool_with_the_operators_settings(redis_proc1, kind):
+def test_an_acquire_only_pool_object_remakes_the_pool_with_the_operators_settings(
+    redis_proc1, kind
+):
     """The operator set capacity, max_ttl and max_waiters (``gpulock pool set``); a pool object
     that only acquires (never ``status()`` nor ``configure()``) holds a lease when Redis
     restarts empty. The pool it makes again has all three of the operator's values, and a grace
@@ -326,7 +359,9 @@ def test_an_acquire_only_pool_object_remakes_the_pool_with_the_operators_setting
     operator = Pool.from_url(rp.url, name)
     holder = None
     try:
-        operator.configure(10, max_ttl=5, max_waiters=7)  # `gpulock pool set --capacity 10 --max-ttl 5 ...`
+        operator.configure(
+            10, max_ttl=5, max_waiters=7
+        )  # `gpulock pool set --capacity 10 --max-ttl 5 ...`
         holder = _Shell(kind, rp.url, name, capacity=100, default_ttl=1.5)
         lease = holder("acquire", 4)
         rt = holder.pool._runtime

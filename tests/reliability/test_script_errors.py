@@ -83,8 +83,13 @@ def test_wrong_type_key_fails_before_any_write(redis_proc, rclient, which):
     # The Python API: a GpuLockError naming the key, nothing written (its cancel fails too).
     before = snapshot(rclient)
     with Pool.from_url(redis_proc.url, pool, capacity=100) as p:
-        for call in (lambda: p.acquire(5, timeout=1), lambda: p.acquire(5, timeout=0), p.status, p.reap,
-                     lambda: p.configure(100)):
+        for call in (
+            lambda: p.acquire(5, timeout=1),
+            lambda: p.acquire(5, timeout=0),
+            p.status,
+            p.reap,
+            lambda: p.configure(100),
+        ):
             with pytest.raises(BackendUnavailable) as ei:
                 call()
             assert key in str(ei.value) and "not a" in str(ei.value), str(ei.value)
@@ -159,7 +164,9 @@ def test_holders_keep_their_leases_while_redis_is_full(redis_proc, rclient):
             while time.monotonic() - t0 < 2.0:  # > 3 ttls
                 lease.ensure_valid()
                 time.sleep(0.05)
-            assert not lost and lease.expires_at > first + 1.0, "renewals failed while Redis was full"
+            assert not lost and lease.expires_at > first + 1.0, (
+                "renewals failed while Redis was full"
+            )
             with pytest.raises(BackendUnavailable, match="maxmemory"):
                 p.acquire(10, timeout=0)
             lease.release()  # a release frees memory: allowed

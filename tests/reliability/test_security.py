@@ -54,7 +54,9 @@ def exercise(url: str, name: str, *, shell: str = "sync") -> None:
         p.configure(100)
         a = p.acquire(60, ttl=0.6)
         got: dict = {}
-        t = threading.Thread(target=lambda: got.setdefault("b", p.acquire(60, timeout=10)), daemon=True)
+        t = threading.Thread(
+            target=lambda: got.setdefault("b", p.acquire(60, timeout=10)), daemon=True
+        )
         t.start()
         # A heartbeat after the waiter joined: it renews the holder and refreshes the waiter
         # in one call (observed, not slept for).
@@ -98,6 +100,7 @@ async def _exercise_async(url: str, name: str) -> None:
 
 # ---- password ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("shell", ["sync", "async"])
 def test_requirepass(redis_proc, shell):
     admin = redis.Redis.from_url(redis_proc.url)
@@ -108,14 +111,18 @@ def test_requirepass(redis_proc, shell):
     # for backend_timeout as if Redis were down (redis-py makes it a ConnectionError).
     # A waiting acquire (timeout=30) first subscribes for its hand-off: that must fail at
     # once too, not after the 5 s the subscription may take.
-    for url, timeout in ((redis_proc.url, 0), (f"redis://:wrong@{host}:{port}/0", 0),
-                         (f"redis://:wrong@{host}:{port}/0", 30)):
+    for url, timeout in (
+        (redis_proc.url, 0),
+        (f"redis://:wrong@{host}:{port}/0", 0),
+        (f"redis://:wrong@{host}:{port}/0", 30),
+    ):
         t0 = time.monotonic()
         if shell == "sync":
             with Pool.from_url(url, "pw", backend_timeout=10) as p:
                 with pytest.raises(BackendUnavailable, match="credentials") as ei:
                     p.acquire(1, timeout=timeout)
         else:
+
             async def attempt():
                 p = AsyncPool.from_url(url, "pw", backend_timeout=10)
                 try:
@@ -135,6 +142,7 @@ def test_requirepass(redis_proc, shell):
 
 
 # ---- ACL -------------------------------------------------------------------------------------
+
 
 def _acl_server(redis_proc, rules: str, user: str = "gpulock") -> str:
     admin = redis.Redis.from_url(redis_proc.url)
@@ -167,9 +175,18 @@ def test_gpulock_works_as_a_minimal_acl_user(redis_proc):
 
     # What the user cannot do.
     c = redis.Redis.from_url(url)
-    for cmd in (["SET", "other", "1"], ["GET", "gpulock:{acl}:cfg"], ["DEL", "gpulock:{acl}:cfg"],
-                ["EVAL", "return 1", "0"], ["KEYS", "*"], ["FLUSHALL"], ["CONFIG", "GET", "*"],
-                ["SCRIPT", "FLUSH"], ["ACL", "WHOAMI"], ["PUBLISH", "other", "x"]):
+    for cmd in (
+        ["SET", "other", "1"],
+        ["GET", "gpulock:{acl}:cfg"],
+        ["DEL", "gpulock:{acl}:cfg"],
+        ["EVAL", "return 1", "0"],
+        ["KEYS", "*"],
+        ["FLUSHALL"],
+        ["CONFIG", "GET", "*"],
+        ["SCRIPT", "FLUSH"],
+        ["ACL", "WHOAMI"],
+        ["PUBLISH", "other", "x"],
+    ):
         with pytest.raises(redis.exceptions.NoPermissionError):
             c.execute_command(*cmd)
     # A script it loads itself still runs with its permissions: keys outside the prefix, and
@@ -211,6 +228,7 @@ def test_each_rule_of_the_acl_is_needed(redis_proc1):
                 p.configure(100)
                 a = p.acquire(60, ttl=0.6)
                 got: dict = {}
+
                 def second() -> None:
                     try:
                         got["b"] = p.acquire(60, timeout=3)
@@ -232,11 +250,14 @@ def test_each_rule_of_the_acl_is_needed(redis_proc1):
         except BaseException:  # noqa: BLE001 - any failure shows the rule is needed
             needed.append(rule)
     admin.close()
-    missing = sorted({r for r in full if r.startswith("+") and r not in ("+ping", "+unsubscribe")} - set(needed))
+    missing = sorted(
+        {r for r in full if r.startswith("+") and r not in ("+ping", "+unsubscribe")} - set(needed)
+    )
     assert not missing, f"gpulock worked without {missing}: the documented line is not minimal"
 
 
 # ---- TLS -------------------------------------------------------------------------------------
+
 
 def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
@@ -246,13 +267,51 @@ def make_certs(d: Path) -> dict[str, Path]:
     """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, all
     self-signed here with the openssl command-line tool (EC P-256: fast to make)."""
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj",
-             "/CN=gpulock test CA", cwd=d)
+    _openssl(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=gpulock test CA",
+        cwd=d,
+    )
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     for who in ("server", "client"):
-        _openssl("req", *ec, "-keyout", f"{who}.key", "-out", f"{who}.csr", "-subj", f"/CN=gpulock {who}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{who}.crt", "-days", "2", "-extfile", "san.ext", cwd=d)
+        _openssl(
+            "req",
+            *ec,
+            "-keyout",
+            f"{who}.key",
+            "-out",
+            f"{who}.csr",
+            "-subj",
+            f"/CN=gpulock {who}",
+            cwd=d,
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{who}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{who}.crt",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+            cwd=d,
+        )
     return {n: d / n for n in ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")}
 
 
@@ -264,10 +323,21 @@ def tls_redis(tmp_path):
     tls_port = free_port()
     binary = find_server_binary("redis")
     try:
-        proc = RedisProcess(binary, extra_args=[
-            "--tls-port", str(tls_port), "--tls-cert-file", str(certs["server.crt"]),
-            "--tls-key-file", str(certs["server.key"]), "--tls-ca-cert-file", str(certs["ca.crt"]),
-            "--tls-auth-clients", "optional"]).start()
+        proc = RedisProcess(
+            binary,
+            extra_args=[
+                "--tls-port",
+                str(tls_port),
+                "--tls-cert-file",
+                str(certs["server.crt"]),
+                "--tls-key-file",
+                str(certs["server.key"]),
+                "--tls-ca-cert-file",
+                str(certs["ca.crt"]),
+                "--tls-auth-clients",
+                "optional",
+            ],
+        ).start()
     except RuntimeError as e:
         if "TLS" in str(e) or "tls" in str(e):
             pytest.skip(f"{binary} was built without TLS: {e}")
@@ -282,20 +352,27 @@ def test_tls(tls_redis, shell):
     url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={certs['ca.crt']}"
     exercise(url, "tls", shell=shell)
     # Mutual TLS: a client certificate signed by the same CA.
-    exercise(url + f"&ssl_certfile={certs['client.crt']}&ssl_keyfile={certs['client.key']}", "mtls", shell=shell)
+    exercise(
+        url + f"&ssl_certfile={certs['client.crt']}&ssl_keyfile={certs['client.key']}",
+        "mtls",
+        shell=shell,
+    )
 
 
 def test_tls_sync_pool_on_a_client_object(tls_redis):
     """A Pool given a redis.Redis (not a URL) builds its background asyncio client from the
     sync client's settings: TLS must carry over."""
     proc, port, certs = tls_redis
-    client = redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=str(certs["ca.crt"]),
-                         socket_timeout=5)
+    client = redis.Redis(
+        host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=str(certs["ca.crt"]), socket_timeout=5
+    )
     p = Pool(client, "tls-obj", capacity=100, poll_interval=0.2)
     try:
         a = p.acquire(60, ttl=0.6)
         got: dict = {}
-        t = threading.Thread(target=lambda: got.setdefault("b", p.acquire(60, timeout=10)), daemon=True)
+        t = threading.Thread(
+            target=lambda: got.setdefault("b", p.acquire(60, timeout=10)), daemon=True
+        )
         t.start()
         time.sleep(0.8)  # renewed over TLS by the background client
         a.ensure_valid()
@@ -310,13 +387,17 @@ def test_tls_sync_pool_on_a_client_object(tls_redis):
 
 def test_tls_refuses_untrusted_or_plain_clients(tls_redis):
     proc, port, certs = tls_redis
-    for url in (f"rediss://127.0.0.1:{port}/0",  # the server's CA is not trusted
-                f"redis://127.0.0.1:{port}/0"):  # plain text to the TLS port
+    for url in (
+        f"rediss://127.0.0.1:{port}/0",  # the server's CA is not trusted
+        f"redis://127.0.0.1:{port}/0",
+    ):  # plain text to the TLS port
         t0 = time.monotonic()
         with Pool.from_url(url, "tls", capacity=100, backend_timeout=1) as p:
             with pytest.raises(BackendUnavailable):
                 p.acquire(1, timeout=0)
-        print(f"\n{url.split(':')[0]} client to the TLS port: BackendUnavailable after {time.monotonic() - t0:.2f}s")
+        print(
+            f"\n{url.split(':')[0]} client to the TLS port: BackendUnavailable after {time.monotonic() - t0:.2f}s"
+        )
     plain = redis.Redis.from_url(proc.url)
     assert list(plain.scan_iter("*")) == []  # nothing was written
     plain.close()

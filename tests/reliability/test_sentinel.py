@@ -31,18 +31,26 @@ FAST = ["--repl-diskless-sync-delay", "0", "--shutdown-timeout", "0"]
 class SentinelSetup:
     def __init__(self, binary: str):
         self.primary = RedisProcess(binary, extra_args=FAST).start()
-        self.replica = RedisProcess(binary, extra_args=[*FAST, "--replicaof", "127.0.0.1",
-                                                        str(self.primary.port)]).start()
+        self.replica = RedisProcess(
+            binary, extra_args=[*FAST, "--replicaof", "127.0.0.1", str(self.primary.port)]
+        ).start()
         self.port = free_port("127.0.0.1")
         self.dir = self.primary.dir
         conf = os.path.join(self.dir, "sentinel.conf")
         with open(conf, "w") as f:
-            f.write(f"port {self.port}\nbind 127.0.0.1\nprotected-mode no\ndaemonize no\n"
-                    f"dir {self.dir}\nlogfile {os.path.join(self.dir, 'sentinel.log')}\n"
-                    f"sentinel monitor gl 127.0.0.1 {self.primary.port} 1\n"
-                    f"sentinel down-after-milliseconds gl 1000\nsentinel failover-timeout gl 5000\n")
-        self.proc = subprocess.Popen([binary, conf, "--sentinel"], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            f.write(
+                f"port {self.port}\nbind 127.0.0.1\nprotected-mode no\ndaemonize no\n"
+                f"dir {self.dir}\nlogfile {os.path.join(self.dir, 'sentinel.log')}\n"
+                f"sentinel monitor gl 127.0.0.1 {self.primary.port} 1\n"
+                f"sentinel down-after-milliseconds gl 1000\nsentinel failover-timeout gl 5000\n"
+            )
+        self.proc = subprocess.Popen(
+            [binary, conf, "--sentinel"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.s = redis.Redis(port=self.port, socket_timeout=2, decode_responses=True)
         wait_for(self._ready, timeout=20, every=0.1)
 

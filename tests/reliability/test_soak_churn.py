@@ -40,7 +40,9 @@ def _check_churn(r: dict, churn: Churn) -> None:
     assert r["restarts"] >= 2, r["restarts"]
     assert s.get("disconnect pubsub") and s.get("external kill of the crowd"), s
     quits = r["crowd quits (waiting, PoolClosed)"]
-    assert quits and max(w for w, _ in quits) >= churn.crowd // 3, quits  # it went away with many waiting
+    assert quits and max(w for w, _ in quits) >= churn.crowd // 3, (
+        quits
+    )  # it went away with many waiting
     assert all(c <= w for w, c in quits), quits
     assert r["max waiters"] >= churn.crowd // 2, r["max waiters"]
     # Connections per process, as Redis sees them: an AsyncPool opens at most max_connections
@@ -67,6 +69,13 @@ def test_soak_churn_short(redis_proc1, tmp_path):
 @pytest.mark.timeout(int(os.environ.get("GPULOCK_SOAK_S", "300")) + 240)
 def test_soak_churn_long(redis_proc1, tmp_path):
     churn = Churn(crowd=2000, crowd_life=(15.0, 40.0))
-    r = run_soak(redis_proc1, tmp_path, float(os.environ.get("GPULOCK_SOAK_S", "300")), 6,
-                 fault_p=0.08, seed=int(time.time()), churn=churn)
+    r = run_soak(
+        redis_proc1,
+        tmp_path,
+        float(os.environ.get("GPULOCK_SOAK_S", "300")),
+        6,
+        fault_p=0.08,
+        seed=int(time.time()),
+        churn=churn,
+    )
     _check_churn(r, churn)

@@ -62,16 +62,26 @@ def test_acquire_against_stopped_redis_is_bounded_and_converges(redis_proc1, she
         held = await keeper.acquire(30, ttl=1.5)
         held.on_lost(lambda _l: lost.append(time.monotonic()))
         cl = aioredis.Redis.from_url(rp.url, socket_timeout=ST, socket_connect_timeout=ST)
-        p = AsyncPool(cl, name, capacity=100, backend_timeout=BT, default_ttl=GHOST_TTL, waiter_ttl=WAITER_TTL)
-        fresh = AsyncPool(aioredis.Redis.from_url(rp.url, socket_timeout=ST, socket_connect_timeout=ST), name,
-                          capacity=100, backend_timeout=BT, default_ttl=GHOST_TTL, waiter_ttl=WAITER_TTL)
+        p = AsyncPool(
+            cl, name, capacity=100, backend_timeout=BT, default_ttl=GHOST_TTL, waiter_ttl=WAITER_TTL
+        )
+        fresh = AsyncPool(
+            aioredis.Redis.from_url(rp.url, socket_timeout=ST, socket_connect_timeout=ST),
+            name,
+            capacity=100,
+            backend_timeout=BT,
+            default_ttl=GHOST_TTL,
+            waiter_ttl=WAITER_TTL,
+        )
         await (await p.acquire(1, timeout=None)).release()  # subscribed, scripts loaded
         rp.pause()
         try:
-            for label, pool, kw, first in (("wait", p, {"timeout": None}, False),
-                                           ("try", p, {"timeout": 0}, False),
-                                           ("timeout=0.5", p, {"timeout": 0.5}, False),
-                                           ("first call", fresh, {"timeout": 30}, True)):
+            for label, pool, kw, first in (
+                ("wait", p, {"timeout": None}, False),
+                ("try", p, {"timeout": 0}, False),
+                ("timeout=0.5", p, {"timeout": 0.5}, False),
+                ("first call", fresh, {"timeout": 30}, True),
+            ):
                 t0 = time.monotonic()
                 with pytest.raises(BackendUnavailable):
                     await pool.acquire(10, **kw)
@@ -86,7 +96,9 @@ def test_acquire_against_stopped_redis_is_bounded_and_converges(redis_proc1, she
         # Convergence: the stale holder's lease and any ghost grant expire; nothing queued.
         while not _converged(direct, name, {}):
             await p.reap()
-            assert time.monotonic() - t_resume < 1.5 + GHOST_TTL + WAITER_TTL + 2.0, "did not converge"
+            assert time.monotonic() - t_resume < 1.5 + GHOST_TTL + WAITER_TTL + 2.0, (
+                "did not converge"
+            )
             await asyncio.sleep(0.05)
         timings["converged after resume"] = time.monotonic() - t_resume
         with pytest.raises(LeaseLost):
@@ -104,12 +116,22 @@ def test_acquire_against_stopped_redis_is_bounded_and_converges(redis_proc1, she
         held = keeper.acquire(30, ttl=1.5)
         lost: list[float] = []
         held.on_lost(lambda _l: lost.append(time.monotonic()))
-        p = Pool(redis.Redis.from_url(rp.url, socket_timeout=ST, socket_connect_timeout=ST), name, capacity=100,
-                 backend_timeout=BT, default_ttl=GHOST_TTL, waiter_ttl=WAITER_TTL)
+        p = Pool(
+            redis.Redis.from_url(rp.url, socket_timeout=ST, socket_connect_timeout=ST),
+            name,
+            capacity=100,
+            backend_timeout=BT,
+            default_ttl=GHOST_TTL,
+            waiter_ttl=WAITER_TTL,
+        )
         p.acquire(1, timeout=None).release()
         rp.pause()
         try:
-            for label, kw in (("wait", {"timeout": None}), ("try", {"timeout": 0}), ("timeout=0.5", {"timeout": 0.5})):
+            for label, kw in (
+                ("wait", {"timeout": None}),
+                ("try", {"timeout": 0}),
+                ("timeout=0.5", {"timeout": 0.5}),
+            ):
                 t0 = time.monotonic()
                 with pytest.raises(BackendUnavailable):
                     p.acquire(10, **kw)
@@ -123,7 +145,9 @@ def test_acquire_against_stopped_redis_is_bounded_and_converges(redis_proc1, she
         t_resume = time.monotonic()
         while not _converged(direct, name, {}):
             p.reap()
-            assert time.monotonic() - t_resume < 1.5 + GHOST_TTL + WAITER_TTL + 2.0, "did not converge"
+            assert time.monotonic() - t_resume < 1.5 + GHOST_TTL + WAITER_TTL + 2.0, (
+                "did not converge"
+            )
             time.sleep(0.05)
         timings["converged after resume"] = time.monotonic() - t_resume
         with pytest.raises(LeaseLost):
@@ -141,8 +165,10 @@ def test_acquire_against_stopped_redis_is_bounded_and_converges(redis_proc1, she
     counts = check_consistent(direct, name)
     assert counts == {"used": 0, "leases": 0, "queued": 0}
     direct.close()
-    print(f"\n{shell}: Redis stopped; BackendUnavailable after (socket timeout {ST}s, backend_timeout {BT}s): "
-          + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
+    print(
+        f"\n{shell}: Redis stopped; BackendUnavailable after (socket timeout {ST}s, backend_timeout {BT}s): "
+        + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items())
+    )
 
 
 async def test_slow_redis_works_then_holders_go_lost_on_their_clock(redis_proc1):
@@ -162,7 +188,9 @@ async def test_slow_redis_works_then_holders_go_lost_on_their_clock(redis_proc1)
         for _ in range(40):  # 4 s: two ttls
             lease.ensure_valid()
             await asyncio.sleep(0.1)
-        assert lease.expires_at > first_expiry + 2.0, "not renewed through the slow link"  # renewals every 0.67 s
+        assert lease.expires_at > first_expiry + 2.0, (
+            "not renewed through the slow link"
+        )  # renewals every 0.67 s
         lost_at: list[float] = []
         lease.on_lost(lambda _l: lost_at.append(time.time()))
         px.delay = 0.8
@@ -179,15 +207,20 @@ async def test_slow_redis_works_then_holders_go_lost_on_their_clock(redis_proc1)
         px.cut()  # drop what is still queued in the slow link
         with pytest.raises(LeaseLost):
             await lease.release()
-        wait_for(lambda: _converged(direct, name, {}) or pool_reap_sync(direct, name), timeout=2 * ttl + 2)
+        wait_for(
+            lambda: _converged(direct, name, {}) or pool_reap_sync(direct, name),
+            timeout=2 * ttl + 2,
+        )
         nxt = await pool.acquire(100, timeout=5)
         await nxt.release()
         await pool.aclose()
     assert check_consistent(direct, name) == {"used": 0, "leases": 0, "queued": 0}
     direct.close()
-    print(f"\nslow Redis: acquire at 2x100 ms latency took {acquire_s * 1000:.0f} ms; at 2x800 ms the holder "
-          f"({ttl:.0f} s ttl) went lost {lost_at[0] - t_slow:.2f}s after the slowdown, "
-          f"{(server_expiry - lost_at[0]) * 1000:.0f} ms before the server expiry")
+    print(
+        f"\nslow Redis: acquire at 2x100 ms latency took {acquire_s * 1000:.0f} ms; at 2x800 ms the holder "
+        f"({ttl:.0f} s ttl) went lost {lost_at[0] - t_slow:.2f}s after the slowdown, "
+        f"{(server_expiry - lost_at[0]) * 1000:.0f} ms before the server expiry"
+    )
 
 
 def pool_reap_sync(c: redis.Redis, pool: str) -> bool:

@@ -19,7 +19,7 @@ def _commands(text: str) -> list[str]:
             cur += " " + line.rstrip("\\").strip()
             if line.rstrip().endswith("\\"):
                 continue
-            out.append(cur[cur.index("curl"):].split("`")[0])
+            out.append(cur[cur.index("curl") :].split("`")[0])
             cur = ""
     return out
 
@@ -35,4 +35,6 @@ def test_curl_examples_with_a_body_send_a_json_content_type():
             if not re.search(r"content-type:\s*application/json", cmd, re.I):
                 bad.append(f"{f.relative_to(ROOT)}: {cmd.strip()[:120]}")
     assert seen, "no curl example with a body found: the scan is broken"
-    assert not bad, "curl examples sending a body without Content-Type: application/json:\n" + "\n".join(bad)
+    assert not bad, (
+        "curl examples sending a body without Content-Type: application/json:\n" + "\n".join(bad)
+    )

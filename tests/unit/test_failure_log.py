@@ -36,8 +36,10 @@ def test_one_line_per_state_change_and_a_summary_per_period(caplog):
     assert len(lines) == 2, lines
     assert "heartbeat for pool gpu0 failed (Connection refused)" in lines[0]
     # 150 after the first, in 30 s; 151 since the outage began
-    assert lines[1] == ("gpulock: heartbeat for pool gpu0 still failing: 150 errors in the last 30 s, 151 since "
-                        "it began 30 s ago; the last: Connection refused"), lines[1]
+    assert lines[1] == (
+        "gpulock: heartbeat for pool gpu0 still failing: 150 errors in the last 30 s, 151 since "
+        "it began 30 s ago; the last: Connection refused"
+    ), lines[1]
 
     fl.ok()
     lines = _lines(caplog)
@@ -55,7 +57,10 @@ def test_one_line_per_state_change_and_a_summary_per_period(caplog):
     clock.t += 0.2
     fl.failed(TimeoutError("again"))
     lines = _lines(caplog)
-    assert len(lines) == 5 and "still failing: 2 errors in the last 30 s, 3 since it began 30 s ago" in lines[4], lines
+    assert (
+        len(lines) == 5
+        and "still failing: 2 errors in the last 30 s, 3 since it began 30 s ago" in lines[4]
+    ), lines
 
 
 def test_level_and_traceback_of_the_first_line(caplog):

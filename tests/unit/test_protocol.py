@@ -37,13 +37,32 @@ class FakeClock:
 
 # ---- names and ids ----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["gpu0", "GPU-1", "a", "x" * 64, "GPU-8f0c2a1e.b_3"])
 def test_pool_name_ok(name):
     assert P.validate_pool_name(name) == name
 
 
-@pytest.mark.parametrize("name", ["", "a{b", "a}b", "{gpu0}", "a:b", "a b", " gpu0", "gpu0\n", "x" * 65,
-                                  "gpü", None, 3, b"gpu0", "a*b", "a/b"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        "a{b",
+        "a}b",
+        "{gpu0}",
+        "a:b",
+        "a b",
+        " gpu0",
+        "gpu0\n",
+        "x" * 65,
+        "gpü",
+        None,
+        3,
+        b"gpu0",
+        "a*b",
+        "a/b",
+    ],
+)
 def test_pool_name_rejected(name):
     with pytest.raises(InvalidArgument) as ei:
         P.validate_pool_name(name)
@@ -66,8 +85,16 @@ def test_pool_keys_share_one_hash_tag():
     keys = P.pool_keys("gpu0")
     assert len(keys) == 8
     assert all(k.startswith("gpulock:{gpu0}:") for k in keys)
-    assert [k.rsplit(":", 1)[1] for k in keys] == ["cfg", "leases", "holders", "queue", "waiters", "wexp",
-                                                  "tickets", "events"]
+    assert [k.rsplit(":", 1)[1] for k in keys] == [
+        "cfg",
+        "leases",
+        "holders",
+        "queue",
+        "waiters",
+        "wexp",
+        "tickets",
+        "events",
+    ]
 
 
 def test_new_id_is_128_bit_hex():
@@ -77,6 +104,7 @@ def test_new_id_is_128_bit_hex():
 
 
 # ---- metadata -----------------------------------------------------------------------------
+
 
 def test_meta_roundtrip_adds_host_and_pid():
     s = P.encode_meta({"purpose": "embed", "n": 3})
@@ -97,8 +125,11 @@ def test_meta_too_large_or_wrong_type():
 
 # ---- AcquireRequest ---------------------------------------------------------------------
 
+
 def _build(amount="1GiB", **kw):
-    args = dict(ttl=None, timeout=None, holder=None, request_id=None, waiter_ttl=5.0, default_ttl=30.0)
+    args = dict(
+        ttl=None, timeout=None, holder=None, request_id=None, waiter_ttl=5.0, default_ttl=30.0
+    )
     args.update(kw)
     return P.AcquireRequest.build("gpu0", amount, **args)
 
@@ -115,14 +146,27 @@ def test_acquire_request_argv():
     assert _build(timeout=None).timeout_s is None
 
 
-@pytest.mark.parametrize("kw,word", [
-    (dict(amount=0), "amount"), (dict(amount=-1), "amount"), (dict(amount=float("nan")), "amount"),
-    (dict(amount="abc"), "amount"), (dict(amount=True), "amount"), (dict(amount="4XB"), "amount"),
-    (dict(ttl=0), "ttl"), (dict(ttl=-1), "ttl"), (dict(ttl=float("nan")), "ttl"), (dict(ttl=86401), "ttl"),
-    (dict(ttl=0.01), "ttl"), (dict(timeout=-1), "timeout"), (dict(timeout=float("nan")), "timeout"),
-    (dict(request_id="a b"), "request_id"), (dict(request_id=""), "request_id"),
-    (dict(holder={"x": "y" * 1000}), "metadata"),
-])
+@pytest.mark.parametrize(
+    "kw,word",
+    [
+        (dict(amount=0), "amount"),
+        (dict(amount=-1), "amount"),
+        (dict(amount=float("nan")), "amount"),
+        (dict(amount="abc"), "amount"),
+        (dict(amount=True), "amount"),
+        (dict(amount="4XB"), "amount"),
+        (dict(ttl=0), "ttl"),
+        (dict(ttl=-1), "ttl"),
+        (dict(ttl=float("nan")), "ttl"),
+        (dict(ttl=86401), "ttl"),
+        (dict(ttl=0.01), "ttl"),
+        (dict(timeout=-1), "timeout"),
+        (dict(timeout=float("nan")), "timeout"),
+        (dict(request_id="a b"), "request_id"),
+        (dict(request_id=""), "request_id"),
+        (dict(holder={"x": "y" * 1000}), "metadata"),
+    ],
+)
 def test_acquire_request_rejects(kw, word):
     amount = kw.pop("amount", "1GiB")
     with pytest.raises(InvalidArgument, match=word):
@@ -131,11 +175,20 @@ def test_acquire_request_rejects(kw, word):
 
 # ---- reply decoding ----------------------------------------------------------------------
 
+
 def test_decode_acquire_granted_and_queued():
     g = P.decode_acquire("t1", [1, b"ab" * 16, 17, 5000, 1024, 4000, 99, 4096, 1024])
     assert isinstance(g, P.Grant)
-    assert (g.ticket, g.lease_id, g.token, g.expires_ms, g.amount, g.now_ms, g.epoch, g.capacity) == \
-        ("t1", "ab" * 16, 17, 5000, 1024, 4000, 99, 4096)
+    assert (
+        g.ticket,
+        g.lease_id,
+        g.token,
+        g.expires_ms,
+        g.amount,
+        g.now_ms,
+        g.epoch,
+        g.capacity,
+    ) == ("t1", "ab" * 16, 17, 5000, 1024, 4000, 99, 4096)
     q = P.decode_acquire("t1", [0, 3, 250, 5, 4000, 99, 4096, 4096])
     assert isinstance(q, P.NotGranted) and q.queued and q.position == 3 and q.retry_after_ms == 250
     assert q.queue_length == 5 and q.used == 4096
@@ -147,23 +200,59 @@ def test_decode_events():
     msg = b"g 1000\nt1 " + b"a" * 32 + b" 7 2000 512\nt2 " + b"b" * 32 + b" 8 2500 256"
     gs = P.decode_events(msg)
     assert [(g.ticket, g.lease_id, g.token, g.expires_ms, g.amount, g.now_ms) for g in gs] == [
-        ("t1", "a" * 32, 7, 2000, 512, 1000), ("t2", "b" * 32, 8, 2500, 256, 1000)]
+        ("t1", "a" * 32, 7, 2000, 512, 1000),
+        ("t2", "b" * 32, 8, 2500, 256, 1000),
+    ]
     assert P.decode_events("x 1000\nwhatever") == []
     assert P.decode_events("g 5\nmalformed line") == []
 
 
 def test_decode_status():
     now = 10_000
-    r = [1, now, 4096, 1536, 77, 12, 100, 1, 1, 3, 0, 0,
-         [[b"c" * 32, 1536, 12, now + 2500, now - 1000, 3000, b"t1", b'{"host":"h","pid":1,"purpose":"x"}']],
-         [[b"t2", 4096, now - 750, now + 4000, b'{"host":"h","pid":2}']]]
+    r = [
+        1,
+        now,
+        4096,
+        1536,
+        77,
+        12,
+        100,
+        1,
+        1,
+        3,
+        0,
+        0,
+        [
+            [
+                b"c" * 32,
+                1536,
+                12,
+                now + 2500,
+                now - 1000,
+                3000,
+                b"t1",
+                b'{"host":"h","pid":1,"purpose":"x"}',
+            ]
+        ],
+        [[b"t2", 4096, now - 750, now + 4000, b'{"host":"h","pid":2}']],
+    ]
     st_ = P.decode_status("gpu0", r)
-    assert (st_.capacity, st_.used, st_.epoch, st_.fence, st_.max_waiters) == (4096, 1536, 77, 12, 100)
+    assert (st_.capacity, st_.used, st_.epoch, st_.fence, st_.max_waiters) == (
+        4096,
+        1536,
+        77,
+        12,
+        100,
+    )
     assert (st_.lease_count, st_.waiter_count, st_.grants) == (1, 1, 3)
     assert st_.free == 2560
     (l,) = st_.leases
     assert (l.lease_id, l.amount, l.token, l.request_id) == ("c" * 32, 1536, 12, "t1")
-    assert math.isclose(l.expires_in, 2.5) and math.isclose(l.held_for, 1.0) and math.isclose(l.ttl, 3.0)
+    assert (
+        math.isclose(l.expires_in, 2.5)
+        and math.isclose(l.held_for, 1.0)
+        and math.isclose(l.ttl, 3.0)
+    )
     assert l.holder["purpose"] == "x"
     (w,) = st_.waiters
     assert (w.position, w.request_id, w.amount) == (1, "t2", 4096)
@@ -174,14 +263,18 @@ def test_decode_status():
 
 # ---- error translation ------------------------------------------------------------------
 
-@pytest.mark.parametrize("msg,cls", [
-    ("GPULOCK_BADARG amount must be a decimal integer, got 'x'", InvalidArgument),
-    ("GPULOCK_CONFLICT request id r holds a lease of another amount", InvalidArgument),
-    ("GPULOCK_NOPOOL", PoolNotFound),
-    ("GPULOCK_CAPACITY 10 5", CapacityExceeded),
-    ("GPULOCK_QUEUEFULL 3 3", QueueFull),
-    ("ERR something else", BackendUnavailable),
-])
+
+@pytest.mark.parametrize(
+    "msg,cls",
+    [
+        ("GPULOCK_BADARG amount must be a decimal integer, got 'x'", InvalidArgument),
+        ("GPULOCK_CONFLICT request id r holds a lease of another amount", InvalidArgument),
+        ("GPULOCK_NOPOOL", PoolNotFound),
+        ("GPULOCK_CAPACITY 10 5", CapacityExceeded),
+        ("GPULOCK_QUEUEFULL 3 3", QueueFull),
+        ("ERR something else", BackendUnavailable),
+    ],
+)
 def test_translate_response_errors(msg, cls):
     e = P.translate(rex.ResponseError(msg), "gpu0")
     assert isinstance(e, cls) and isinstance(e, GpuLockError)
@@ -206,12 +299,20 @@ def test_translate_connection_errors_and_passthrough():
 def test_exception_tree():
     assert issubclass(InvalidArgument, ValueError)
     assert issubclass(AcquireTimeout, TimeoutError)
-    for cls in (InvalidArgument, PoolNotFound, CapacityExceeded, AcquireTimeout, QueueFull, LeaseLost,
-                BackendUnavailable):
+    for cls in (
+        InvalidArgument,
+        PoolNotFound,
+        CapacityExceeded,
+        AcquireTimeout,
+        QueueFull,
+        LeaseLost,
+        BackendUnavailable,
+    ):
         assert issubclass(cls, GpuLockError)
 
 
 # ---- local validity clock -----------------------------------------------------------------
+
 
 def _grant(now_ms=50_000, ttl_ms=3000, token=5):
     return P.Grant("t", "d" * 32, token, now_ms + ttl_ms, 100, now_ms, 1, 1000)
@@ -227,8 +328,11 @@ def test_validity_deadline_is_before_server_expiry():
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.floats(min_value=0, max_value=1e6), st.integers(min_value=0, max_value=2**40),
-       st.integers(min_value=0, max_value=86_400_000))
+@given(
+    st.floats(min_value=0, max_value=1e6),
+    st.integers(min_value=0, max_value=2**40),
+    st.integers(min_value=0, max_value=86_400_000),
+)
 def test_validity_deadline_never_after_server_expiry(sent, now_ms, remaining_ms):
     assert P.validity_deadline(sent, now_ms, now_ms + remaining_ms) < sent + remaining_ms / 1000.0
 
@@ -304,8 +408,14 @@ def test_lease_base_properties():
     g = _grant(token=42)
     s = P.LeaseState("gpu0", g, 3.0, 7.0, clock)
     lease = P.LeaseBase(s, pool=None)
-    assert (lease.id, lease.amount, lease.token, lease.ttl, lease.request_id, lease.pool) == \
-        ("d" * 32, 100, 42, 3.0, "t", "gpu0")
+    assert (lease.id, lease.amount, lease.token, lease.ttl, lease.request_id, lease.pool) == (
+        "d" * 32,
+        100,
+        42,
+        3.0,
+        "t",
+        "gpu0",
+    )
     assert lease.expires_at == g.expires_ms / 1000
     assert lease.valid_until == 7.0
     assert not lease.lost and not lease.released

@@ -12,23 +12,71 @@ from gpulock.errors import InvalidArgument
 from gpulock.units import MAX_BYTES, format_size, parse_seconds, parse_size
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("8GiB", 8 << 30), ("512MiB", 512 << 20), ("1KiB", 1024), ("2TiB", 2 << 40),
-    ("1048576", 1 << 20), ("1.5GB", 1_500_000_000), ("4.1GB", 4_100_000_000), ("1.1MB", 1_100_000),
-    (" 4 gib ", 4 << 30), ("3kb", 3000), ("1b", 1), ("0.5KiB", 512), ("7", 7),
-    (1, 1), (4096, 4096), (1024.0, 1024), (MAX_BYTES, MAX_BYTES),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("8GiB", 8 << 30),
+        ("512MiB", 512 << 20),
+        ("1KiB", 1024),
+        ("2TiB", 2 << 40),
+        ("1048576", 1 << 20),
+        ("1.5GB", 1_500_000_000),
+        ("4.1GB", 4_100_000_000),
+        ("1.1MB", 1_100_000),
+        (" 4 gib ", 4 << 30),
+        ("3kb", 3000),
+        ("1b", 1),
+        ("0.5KiB", 512),
+        ("7", 7),
+        (1, 1),
+        (4096, 4096),
+        (1024.0, 1024),
+        (MAX_BYTES, MAX_BYTES),
+    ],
+)
 def test_parse_size_accepts(text, expected):
     assert parse_size(text) == expected
     assert type(parse_size(text)) is int
 
 
-@pytest.mark.parametrize("bad", [
-    0, -1, -4096, "0", "-1", "0GiB", "abc", "4XB", "GiB", "", " ", "1e3", "1,5GB", "0.5", "1.3B",
-    "nan", "inf", float("nan"), float("inf"), float("-inf"), 1.5, True, False, None, [1], {}, b"1",
-    MAX_BYTES + 1, str(MAX_BYTES + 1), "9" * 400, "9" * 400 + ".0", "1" + "0" * 30 + "GiB",
-    "\u0663",  # ARABIC-INDIC DIGIT THREE: not an ASCII digit
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        0,
+        -1,
+        -4096,
+        "0",
+        "-1",
+        "0GiB",
+        "abc",
+        "4XB",
+        "GiB",
+        "",
+        " ",
+        "1e3",
+        "1,5GB",
+        "0.5",
+        "1.3B",
+        "nan",
+        "inf",
+        float("nan"),
+        float("inf"),
+        float("-inf"),
+        1.5,
+        True,
+        False,
+        None,
+        [1],
+        {},
+        b"1",
+        MAX_BYTES + 1,
+        str(MAX_BYTES + 1),
+        "9" * 400,
+        "9" * 400 + ".0",
+        "1" + "0" * 30 + "GiB",
+        "\u0663",  # ARABIC-INDIC DIGIT THREE: not an ASCII digit
+    ],
+)
 def test_parse_size_rejects_and_names_value(bad):
     with pytest.raises(InvalidArgument) as ei:
         parse_size(bad)
@@ -42,11 +90,16 @@ def test_parse_size_names_the_parameter():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.one_of(
-    st.text(max_size=30),
-    st.from_regex(r"\A\s*[0-9]{1,25}(\.[0-9]{1,25})?\s*[A-Za-z]{0,4}\s*\Z"),
-    st.integers(), st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.none(),
-))
+@given(
+    st.one_of(
+        st.text(max_size=30),
+        st.from_regex(r"\A\s*[0-9]{1,25}(\.[0-9]{1,25})?\s*[A-Za-z]{0,4}\s*\Z"),
+        st.integers(),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.booleans(),
+        st.none(),
+    )
+)
 def test_parse_size_fuzz_never_crashes(value):
     """Any input either parses to an int in [1, 2**53-1] or raises InvalidArgument (never
     another exception type, never a non-int, never a silently rounded fraction)."""
@@ -69,7 +122,9 @@ def test_parse_seconds_accepts(value, expected):
     assert parse_seconds(value, name="ttl", minimum=0.1, maximum=86400) == expected
 
 
-@pytest.mark.parametrize("bad", [0, -1, 0.05, 86401, 1e300, float("nan"), float("inf"), "abc", True, None, "", [1]])
+@pytest.mark.parametrize(
+    "bad", [0, -1, 0.05, 86401, 1e300, float("nan"), float("inf"), "abc", True, None, "", [1]]
+)
 def test_parse_seconds_rejects_and_names_value(bad):
     with pytest.raises(InvalidArgument) as ei:
         parse_seconds(bad, name="ttl", minimum=0.1, maximum=86400)

@@ -45,9 +45,13 @@ class AsyncLease(core.LeaseBase):
         BackendUnavailable."""
         s = self._state
         s.check()
-        ok = await self._pool._run(core.renew_steps(self._pool._cfg, s, core.CONNECT_TIMEOUT_S, ttl))
+        ok = await self._pool._run(
+            core.renew_steps(self._pool._cfg, s, core.CONNECT_TIMEOUT_S, ttl)
+        )
         if ok is None:
-            raise BackendUnavailable(f"pool {s.pool!r}: renewal of lease {s.lease_id[:8]}… did not get through")
+            raise BackendUnavailable(
+                f"pool {s.pool!r}: renewal of lease {s.lease_id[:8]}… did not get through"
+            )
         s.check()
 
     async def release(self) -> None:
@@ -56,8 +60,11 @@ class AsyncLease(core.LeaseBase):
         s = self._state
         if s.released:
             return
-        was_lost = s.lost_reason or ("no successful renewal before the local validity deadline"
-                                     if s.expired_locally() else None)
+        was_lost = s.lost_reason or (
+            "no successful renewal before the local validity deadline"
+            if s.expired_locally()
+            else None
+        )
         s.released = True
         self._pool._leases.pop(s.lease_id, None)
         await self._pool._run(core.release_steps(self._pool._cfg, s, was_lost))
@@ -92,11 +99,19 @@ class AsyncPool:
     :class:`gpulock_client.Pool` (``max_connections``: connections for the long-polled waits,
     64; later waits wait in this process, in FIFO order, within their own timeout)."""
 
-    def __init__(self, url: Optional[str] = None, name: str = "gpu0", *, token: Optional[str] = None,
-                 default_ttl: float = core.DEFAULT_TTL_S, max_wait: float = core.DEFAULT_MAX_WAIT_S,
-                 backend_timeout: float = core.DEFAULT_BACKEND_TIMEOUT_S,
-                 max_connections: int = core.DEFAULT_MAX_CONNECTIONS,
-                 transport: Optional[httpx.AsyncBaseTransport] = None, clock: core.Clock = time.monotonic):
+    def __init__(
+        self,
+        url: Optional[str] = None,
+        name: str = "gpu0",
+        *,
+        token: Optional[str] = None,
+        default_ttl: float = core.DEFAULT_TTL_S,
+        max_wait: float = core.DEFAULT_MAX_WAIT_S,
+        backend_timeout: float = core.DEFAULT_BACKEND_TIMEOUT_S,
+        max_connections: int = core.DEFAULT_MAX_CONNECTIONS,
+        transport: Optional[httpx.AsyncBaseTransport] = None,
+        clock: core.Clock = time.monotonic,
+    ):
         self.url = core.env_url(url)
         self.name = name
         gate = core.Gate(max_connections)
@@ -105,9 +120,13 @@ class AsyncPool:
         kw: Dict[str, Any] = {"base_url": self.url, "headers": _headers(core.env_token(token))}
         if transport is not None:
             kw["transport"] = transport
-        self._http = httpx.AsyncClient(limits=_limits(max_connections), **kw)  # the long-polled waits
+        self._http = httpx.AsyncClient(
+            limits=_limits(max_connections), **kw
+        )  # the long-polled waits
         self._ctl_http = httpx.AsyncClient(limits=_limits(core.CONTROL_CONNECTIONS), **kw)
-        self._hb_http = httpx.AsyncClient(limits=_limits(core.HEARTBEAT_CONNECTIONS), **kw)  # the heartbeat's own
+        self._hb_http = httpx.AsyncClient(
+            limits=_limits(core.HEARTBEAT_CONNECTIONS), **kw
+        )  # the heartbeat's own
         self._leases: Dict[str, core.LeaseState] = {}
         self._task: Optional[asyncio.Task] = None
         self._wake: Optional[asyncio.Event] = None
@@ -132,8 +151,15 @@ class AsyncPool:
                     http = self._http if step.lane == core.WAIT else (control or self._ctl_http)
                     sent = self._cfg.clock()
                     try:
-                        out = _reply(await http.request(step.method, step.path, json=step.json,
-                                                        timeout=_timeout(step.timeout)), sent)
+                        out = _reply(
+                            await http.request(
+                                step.method,
+                                step.path,
+                                json=step.json,
+                                timeout=_timeout(step.timeout),
+                            ),
+                            sent,
+                        )
                     except httpx.TransportError as e:
                         out = e
         except StopIteration as stop:
@@ -157,14 +183,28 @@ class AsyncPool:
         step.gate.withdraw(w)  # after it, it holds a slot exactly if it was woken
         return w.woken
 
-    async def acquire(self, amount: Union[int, str], *, ttl: Optional[float] = None,
-                      timeout: Optional[float] = None, holder: Optional[Dict[str, Any]] = None,
-                      request_id: Optional[str] = None, on_queued: Optional[Callable[[int], Any]] = None) -> AsyncLease:
+    async def acquire(
+        self,
+        amount: Union[int, str],
+        *,
+        ttl: Optional[float] = None,
+        timeout: Optional[float] = None,
+        holder: Optional[Dict[str, Any]] = None,
+        request_id: Optional[str] = None,
+        on_queued: Optional[Callable[[int], Any]] = None,
+    ) -> AsyncLease:
         """Same arguments, return and errors as :meth:`gpulock_client.Pool.acquire`. On
         cancellation the place is withdrawn (and a grant that raced in released)."""
         rid = request_id or core.new_request_id()
-        gen = core.acquire_steps(self._cfg, amount, ttl=ttl, timeout=timeout, holder=holder, request_id=rid,
-                                 on_queued=on_queued)
+        gen = core.acquire_steps(
+            self._cfg,
+            amount,
+            ttl=ttl,
+            timeout=timeout,
+            holder=holder,
+            request_id=rid,
+            on_queued=on_queued,
+        )
         try:
             body, sent = await self._run(gen)
         except asyncio.CancelledError:
@@ -196,8 +236,13 @@ class AsyncPool:
         """The pool's status (bytes, seconds). Raises PoolNotFound, AuthError, BackendUnavailable."""
         return await self._get("GET", self._cfg.base)
 
-    async def configure(self, capacity: Union[int, str], *, max_waiters: Optional[int] = None,
-                        max_ttl: Optional[float] = None) -> Dict[str, Any]:
+    async def configure(
+        self,
+        capacity: Union[int, str],
+        *,
+        max_waiters: Optional[int] = None,
+        max_ttl: Optional[float] = None,
+    ) -> Dict[str, Any]:
         """Create the pool or set its capacity, queue bound and longest lease ttl (admin token);
         see :meth:`gpulock_client.Pool.configure`."""
         body: Dict[str, Any] = {"capacity": capacity}
@@ -213,7 +258,9 @@ class AsyncPool:
         if self._wake is None:
             self._wake = asyncio.Event()
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._heartbeat(), name=f"gpulock-client-{self.name}")
+            self._task = asyncio.get_running_loop().create_task(
+                self._heartbeat(), name=f"gpulock-client-{self.name}"
+            )
         self._arm_deadline(s)
         self._wake.set()
 
@@ -226,9 +273,13 @@ class AsyncPool:
             return
         delay = s.valid_until - self._cfg.clock()
         if delay > 0:
-            self._timers[s.lease_id] = asyncio.get_running_loop().call_later(delay, self._arm_deadline, s)
+            self._timers[s.lease_id] = asyncio.get_running_loop().call_later(
+                delay, self._arm_deadline, s
+            )
         else:
-            s.mark_lost("no successful renewal before the local validity deadline (broker unreachable or too slow)")
+            s.mark_lost(
+                "no successful renewal before the local validity deadline (broker unreachable or too slow)"
+            )
 
     async def _heartbeat(self) -> None:
         clock = self._cfg.clock
@@ -243,8 +294,10 @@ class AsyncPool:
                 return
             due, wake = core.heartbeat_plan(leases, clock())
             for s in due:
-                ok = await self._run(core.renew_steps(self._cfg, s, core.request_budget(leases, clock())),
-                                     self._hb_http)
+                ok = await self._run(
+                    core.renew_steps(self._cfg, s, core.request_budget(leases, clock())),
+                    self._hb_http,
+                )
                 if ok is None:
                     core.retry_later(s, clock(), self._cfg.rng)
                 elif ok:

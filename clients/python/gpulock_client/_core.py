@@ -119,8 +119,11 @@ class Reply:
         if isinstance(d, dict):
             return str(d.get("message", d))
         if isinstance(d, list):  # FastAPI validation errors: name the field
-            return "; ".join(f"{'.'.join(str(x) for x in e.get('loc', []))}: {e.get('msg')}" for e in d
-                             if isinstance(e, dict))
+            return "; ".join(
+                f"{'.'.join(str(x) for x in e.get('loc', []))}: {e.get('msg')}"
+                for e in d
+                if isinstance(e, dict)
+            )
         return f"HTTP {self.status}"
 
     def retry_after(self) -> Optional[float]:
@@ -192,6 +195,7 @@ class Enter:
     """Wait for a slot of ``gate`` until ``deadline`` (clock time; None: no bound). The outcome
     is True once it holds one (the procedure leaves the gate when it ends), False when the
     deadline passed first."""
+
     gate: Gate
     deadline: Optional[float]
 
@@ -238,7 +242,11 @@ def reply_made_after(sent: float, held_s: float = 0.0) -> float:
 def validity_deadline(sent: float, expires_in: float, held_s: float = 0.0) -> float:
     """Chubby's rule: ``expires_in`` (server clock, at the reply) counted from the earliest local
     instant the reply can have been made, less the drift bound and a safety margin."""
-    return reply_made_after(sent, held_s) + max(0.0, expires_in) * (1.0 - CLOCK_DRIFT) - SAFETY_MARGIN_S
+    return (
+        reply_made_after(sent, held_s)
+        + max(0.0, expires_in) * (1.0 - CLOCK_DRIFT)
+        - SAFETY_MARGIN_S
+    )
 
 
 def jittered(seconds: float, rng: random.Random) -> float:
@@ -247,7 +255,7 @@ def jittered(seconds: float, rng: random.Random) -> float:
 
 def backoff(attempt: int, rng: random.Random, cap: float = 2.0) -> float:
     """Full-jitter exponential backoff for transport errors: 0..min(cap, 0.1*2^attempt)."""
-    return rng.uniform(0.0, min(cap, 0.1 * (2 ** attempt)))
+    return rng.uniform(0.0, min(cap, 0.1 * (2**attempt)))
 
 
 # ---- lease state ---------------------------------------------------------------------------
@@ -265,9 +273,13 @@ class LeaseState:
         self.expires_at: float = float(body["expires_at"])
         self.acquired_at: float = float(body["acquired_at"])
         self.clock = clock
-        held_s = max(0.0, float(body.get("held_ms") or 0)) / 1000  # long-polled: counted from the reply
+        held_s = (
+            max(0.0, float(body.get("held_ms") or 0)) / 1000
+        )  # long-polled: counted from the reply
         self.valid_until = validity_deadline(sent, float(body["expires_in"]), held_s)
-        self.next_renew = reply_made_after(sent, held_s) + min(self.ttl_s, float(body["expires_in"])) / 3
+        self.next_renew = (
+            reply_made_after(sent, held_s) + min(self.ttl_s, float(body["expires_in"])) / 3
+        )
         self.lost_reason: Optional[str] = None
         self.released = False
         self.renew_failures = 0
@@ -291,8 +303,10 @@ class LeaseState:
 
     def check(self) -> None:
         if self.expired_locally():
-            self.mark_lost("no successful renewal before the local validity deadline "
-                           "(broker unreachable, or this process was paused)")
+            self.mark_lost(
+                "no successful renewal before the local validity deadline "
+                "(broker unreachable, or this process was paused)"
+            )
         if self.lost_reason is not None:
             raise LeaseLost(self.lease_id, self.lost_reason)
         if self.released:
@@ -394,9 +408,16 @@ class PoolConfig:
         return f"/v1/pools/{quote(self.name, safe='')}"
 
 
-def acquire_steps(cfg: PoolConfig, amount: Union[int, str], *, ttl: Optional[float], timeout: Optional[float],
-                  holder: Optional[Dict[str, Any]], request_id: Optional[str],
-                  on_queued: Optional[Callable[[int], Any]]) -> Steps:
+def acquire_steps(
+    cfg: PoolConfig,
+    amount: Union[int, str],
+    *,
+    ttl: Optional[float],
+    timeout: Optional[float],
+    holder: Optional[Dict[str, Any]],
+    request_id: Optional[str],
+    on_queued: Optional[Callable[[int], Any]],
+) -> Steps:
     """Acquire with long polls and retries; returns ``(reply body, sent)`` of the 201.
 
     One request id for every attempt (the broker keeps the place for it); ``Retry-After`` is
@@ -419,25 +440,51 @@ def acquire_steps(cfg: PoolConfig, amount: Union[int, str], *, ttl: Optional[flo
                 raise AcquireTimeout(
                     f"pool {cfg.name!r}: no grant of {amount} within {timeout}s: it waited in this process "
                     f"for one of its {gate.slots} connections for waits (max_connections), all taken by "
-                    f"earlier waits, and never reached the broker's queue", waited=clock() - start)
-        return (yield from _acquire_polls(cfg, amount, ttl=ttl, timeout=timeout, holder=holder,
-                                          request_id=request_id, on_queued=on_queued, start=start,
-                                          deadline=deadline, try_once=try_once))
+                    f"earlier waits, and never reached the broker's queue",
+                    waited=clock() - start,
+                )
+        return (
+            yield from _acquire_polls(
+                cfg,
+                amount,
+                ttl=ttl,
+                timeout=timeout,
+                holder=holder,
+                request_id=request_id,
+                on_queued=on_queued,
+                start=start,
+                deadline=deadline,
+                try_once=try_once,
+            )
+        )
     finally:
         if entered:
             assert gate is not None
             gate.leave()
 
 
-def _acquire_polls(cfg: PoolConfig, amount: Union[int, str], *, ttl: Optional[float], timeout: Optional[float],
-                   holder: Optional[Dict[str, Any]], request_id: Optional[str],
-                   on_queued: Optional[Callable[[int], Any]], start: float, deadline: Optional[float],
-                   try_once: bool) -> Steps:
+def _acquire_polls(
+    cfg: PoolConfig,
+    amount: Union[int, str],
+    *,
+    ttl: Optional[float],
+    timeout: Optional[float],
+    holder: Optional[Dict[str, Any]],
+    request_id: Optional[str],
+    on_queued: Optional[Callable[[int], Any]],
+    start: float,
+    deadline: Optional[float],
+    try_once: bool,
+) -> Steps:
     clock, rng = cfg.clock, cfg.rng
     lane = CONTROL if try_once else WAIT
     rid = request_id or new_request_id()
-    body: Dict[str, Any] = {"amount": amount, "ttl": cfg.default_ttl if ttl is None else ttl,
-                            "holder": holder_meta(holder), "request_id": rid}
+    body: Dict[str, Any] = {
+        "amount": amount,
+        "ttl": cfg.default_ttl if ttl is None else ttl,
+        "holder": holder_meta(holder),
+        "request_id": rid,
+    }
     position, queue_length, last_ra = 0, 0, None
     down_since: Optional[float] = None
     attempt = 0
@@ -448,13 +495,22 @@ def _acquire_polls(cfg: PoolConfig, amount: Union[int, str], *, ttl: Optional[fl
         remaining = math.inf if deadline is None else deadline - now
         final = try_once or remaining <= 0
         wait = 0.0 if final else min(cfg.max_wait, remaining)
-        out = yield Http("POST", cfg.base + "/leases", {**body, "wait": round(wait, 3), "queue": not try_once},
-                         timeout=wait + READ_SLACK_S, lane=lane)
+        out = yield Http(
+            "POST",
+            cfg.base + "/leases",
+            {**body, "wait": round(wait, 3), "queue": not try_once},
+            timeout=wait + READ_SLACK_S,
+            lane=lane,
+        )
         assert isinstance(out, (Reply, Exception))  # an Http step's outcome
         attempt += 1
         if isinstance(out, Reply) and out.status == 201:
             return out.body, out.sent
-        if isinstance(out, Reply) and out.status == 503 and out.detail().get("error") in ("queued", "busy"):
+        if (
+            isinstance(out, Reply)
+            and out.status == 503
+            and out.detail().get("error") in ("queued", "busy")
+        ):
             d = out.detail()
             down_since, last_err = None, None
             queued = d.get("error") == "queued"
@@ -467,8 +523,11 @@ def _acquire_polls(cfg: PoolConfig, amount: Union[int, str], *, ttl: Optional[fl
                     on_queued(pos)
             delay = jittered(last_ra if last_ra is not None else 1.0, rng)
         elif isinstance(out, Exception) or out.status in (502, 503, 504):
-            last_err = (BackendUnavailable(f"pool {cfg.name!r}: broker unreachable: {out!r}")
-                        if isinstance(out, Exception) else error_for(out, cfg.name))
+            last_err = (
+                BackendUnavailable(f"pool {cfg.name!r}: broker unreachable: {out!r}")
+                if isinstance(out, Exception)
+                else error_for(out, cfg.name)
+            )
             down_since = now if down_since is None else down_since
             if deadline is None and clock() - down_since >= cfg.backend_timeout:
                 final = True
@@ -486,9 +545,14 @@ def _acquire_polls(cfg: PoolConfig, amount: Union[int, str], *, ttl: Optional[fl
                 raise last_err
             raise AcquireTimeout(
                 f"pool {cfg.name!r}: no grant of {amount} within {timeout}s "
-                f"(position {position} of {queue_length})" if queued else
-                f"pool {cfg.name!r}: {amount} not available now ({queue_length} queued)",
-                position=position, queue_length=queue_length, retry_after=last_ra, waited=clock() - start)
+                f"(position {position} of {queue_length})"
+                if queued
+                else f"pool {cfg.name!r}: {amount} not available now ({queue_length} queued)",
+                position=position,
+                queue_length=queue_length,
+                retry_after=last_ra,
+                waited=clock() - start,
+            )
         yield Sleep(delay if deadline is None else max(0.0, min(delay, deadline - clock())))
 
 
@@ -498,10 +562,14 @@ def _cancel_steps(cfg: PoolConfig, rid: str) -> Steps:
     yield Http("DELETE", f"{cfg.base}/requests/{rid}", timeout=2.0)
 
 
-def renew_steps(cfg: PoolConfig, s: LeaseState, request_timeout: float, ttl: Optional[float] = None) -> Steps:
+def renew_steps(
+    cfg: PoolConfig, s: LeaseState, request_timeout: float, ttl: Optional[float] = None
+) -> Steps:
     """One renewal. Returns True (renewed), or None (failed for now: retry later). Marks the
     lease lost (and returns False) when the broker says it is gone."""
-    out = yield Http("PUT", f"{cfg.base}/leases/{s.lease_id}", {"ttl": ttl or s.ttl_s}, timeout=request_timeout)
+    out = yield Http(
+        "PUT", f"{cfg.base}/leases/{s.lease_id}", {"ttl": ttl or s.ttl_s}, timeout=request_timeout
+    )
     if isinstance(out, Reply) and out.status == 200:
         if s.active:
             s.renewed(out.sent, out.body)
@@ -527,13 +595,17 @@ def release_steps(cfg: PoolConfig, s: LeaseState, was_lost: Optional[str]) -> St
             break
         if isinstance(out, Reply) and out.status in (404, 410):
             if was_lost is None:
-                raise LeaseLost(s.lease_id, f"the broker no longer had it at release: {out.message()}")
+                raise LeaseLost(
+                    s.lease_id, f"the broker no longer had it at release: {out.message()}"
+                )
             break
         if isinstance(out, Reply) and out.status not in (502, 503, 504):
             raise error_for(out, cfg.name)
         if clock() - start >= RELEASE_TIMEOUT_S:
-            raise BackendUnavailable(f"pool {cfg.name!r}: could not release lease {s.lease_id[:8]}… "
-                                     f"({out!r}); it expires after its ttl")
+            raise BackendUnavailable(
+                f"pool {cfg.name!r}: could not release lease {s.lease_id[:8]}… "
+                f"({out!r}); it expires after its ttl"
+            )
         ra = out.retry_after() if isinstance(out, Reply) else None
         yield Sleep(jittered(ra, cfg.rng) if ra is not None else backoff(attempt, cfg.rng))
     if was_lost is not None:
@@ -560,4 +632,6 @@ def request_budget(leases: List[LeaseState], now: float, cap: float = 10.0) -> f
 
 def retry_later(s: LeaseState, now: float, rng: random.Random) -> None:
     """After a failed renewal: try again soon, but never after the deadline."""
-    s.next_renew = min(now + 0.1 + backoff(s.renew_failures, rng, cap=1.0), max(now, s.valid_until - 0.01))
+    s.next_renew = min(
+        now + 0.1 + backoff(s.renew_failures, rng, cap=1.0), max(now, s.valid_until - 0.01)
+    )

@@ -20,7 +20,9 @@ def _headers(token: Optional[str]) -> Dict[str, str]:
 
 
 def _timeout(read: float) -> httpx.Timeout:
-    return httpx.Timeout(connect=min(core.CONNECT_TIMEOUT_S, read), read=read, write=read, pool=read)
+    return httpx.Timeout(
+        connect=min(core.CONNECT_TIMEOUT_S, read), read=read, write=read, pool=read
+    )
 
 
 def _limits(n: int) -> httpx.Limits:
@@ -60,7 +62,9 @@ class Lease(core.LeaseBase):
         s.check()
         ok = self._pool._run(core.renew_steps(self._pool._cfg, s, core.CONNECT_TIMEOUT_S, ttl))
         if ok is None:
-            raise BackendUnavailable(f"pool {s.pool!r}: renewal of lease {s.lease_id[:8]}… did not get through")
+            raise BackendUnavailable(
+                f"pool {s.pool!r}: renewal of lease {s.lease_id[:8]}… did not get through"
+            )
         s.check()
 
     def release(self) -> None:
@@ -75,8 +79,11 @@ class Lease(core.LeaseBase):
         s = self._state
         if s.released:
             return
-        was_lost = s.lost_reason or ("no successful renewal before the local validity deadline"
-                                     if s.expired_locally() else None)
+        was_lost = s.lost_reason or (
+            "no successful renewal before the local validity deadline"
+            if s.expired_locally()
+            else None
+        )
         s.released = True
         self._pool._forget(s)
         self._pool._run(core.release_steps(self._pool._cfg, s, was_lost))
@@ -125,11 +132,19 @@ class Pool:
         transport: an httpx transport (tests).
     """
 
-    def __init__(self, url: Optional[str] = None, name: str = "gpu0", *, token: Optional[str] = None,
-                 default_ttl: float = core.DEFAULT_TTL_S, max_wait: float = core.DEFAULT_MAX_WAIT_S,
-                 backend_timeout: float = core.DEFAULT_BACKEND_TIMEOUT_S,
-                 max_connections: int = core.DEFAULT_MAX_CONNECTIONS,
-                 transport: Optional[httpx.BaseTransport] = None, clock: core.Clock = time.monotonic):
+    def __init__(
+        self,
+        url: Optional[str] = None,
+        name: str = "gpu0",
+        *,
+        token: Optional[str] = None,
+        default_ttl: float = core.DEFAULT_TTL_S,
+        max_wait: float = core.DEFAULT_MAX_WAIT_S,
+        backend_timeout: float = core.DEFAULT_BACKEND_TIMEOUT_S,
+        max_connections: int = core.DEFAULT_MAX_CONNECTIONS,
+        transport: Optional[httpx.BaseTransport] = None,
+        clock: core.Clock = time.monotonic,
+    ):
         self.url = core.env_url(url)
         self.name = name
         gate = core.Gate(max_connections)
@@ -140,7 +155,9 @@ class Pool:
             kw["transport"] = transport
         self._http = httpx.Client(limits=_limits(max_connections), **kw)  # the long-polled waits
         self._ctl_http = httpx.Client(limits=_limits(core.CONTROL_CONNECTIONS), **kw)
-        self._hb_http = httpx.Client(limits=_limits(core.HEARTBEAT_CONNECTIONS), **kw)  # the heartbeat's own
+        self._hb_http = httpx.Client(
+            limits=_limits(core.HEARTBEAT_CONNECTIONS), **kw
+        )  # the heartbeat's own
         self._leases: Dict[str, core.LeaseState] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -167,8 +184,15 @@ class Pool:
                     http = self._http if step.lane == core.WAIT else (control or self._ctl_http)
                     sent = self._cfg.clock()
                     try:
-                        out = _reply(http.request(step.method, step.path, json=step.json,
-                                                  timeout=_timeout(step.timeout)), sent)
+                        out = _reply(
+                            http.request(
+                                step.method,
+                                step.path,
+                                json=step.json,
+                                timeout=_timeout(step.timeout),
+                            ),
+                            sent,
+                        )
                     except httpx.TransportError as e:
                         out = e
         except StopIteration as stop:
@@ -191,9 +215,16 @@ class Pool:
         return w.event.is_set()
 
     # ---- API -------------------------------------------------------------------------------
-    def acquire(self, amount: Union[int, str], *, ttl: Optional[float] = None, timeout: Optional[float] = None,
-                holder: Optional[Dict[str, Any]] = None, request_id: Optional[str] = None,
-                on_queued: Optional[Callable[[int], Any]] = None) -> Lease:
+    def acquire(
+        self,
+        amount: Union[int, str],
+        *,
+        ttl: Optional[float] = None,
+        timeout: Optional[float] = None,
+        holder: Optional[Dict[str, Any]] = None,
+        request_id: Optional[str] = None,
+        on_queued: Optional[Callable[[int], Any]] = None,
+    ) -> Lease:
         """Take ``amount`` bytes (an int, or "4GiB") from the pool, waiting in FIFO order.
 
         Args:
@@ -211,8 +242,15 @@ class Pool:
         released) before it propagates.
         """
         rid = request_id or core.new_request_id()
-        gen = core.acquire_steps(self._cfg, amount, ttl=ttl, timeout=timeout, holder=holder, request_id=rid,
-                                 on_queued=on_queued)
+        gen = core.acquire_steps(
+            self._cfg,
+            amount,
+            ttl=ttl,
+            timeout=timeout,
+            holder=holder,
+            request_id=rid,
+            on_queued=on_queued,
+        )
         try:
             body, sent = self._run(gen)
         except BaseException as e:
@@ -244,8 +282,13 @@ class Pool:
         Raises PoolNotFound, AuthError, BackendUnavailable."""
         return self._get("GET", self._cfg.base)
 
-    def configure(self, capacity: Union[int, str], *, max_waiters: Optional[int] = None,
-                  max_ttl: Optional[float] = None) -> Dict[str, Any]:
+    def configure(
+        self,
+        capacity: Union[int, str],
+        *,
+        max_waiters: Optional[int] = None,
+        max_ttl: Optional[float] = None,
+    ) -> Dict[str, Any]:
         """Create the pool or set its capacity, and optionally its queue bound and longest lease
         ttl (seconds); left out, they keep their values (admin token). Raises AuthError,
         InvalidArgument."""
@@ -261,8 +304,9 @@ class Pool:
         with self._lock:
             self._leases[s.lease_id] = s
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._heartbeat, name=f"gpulock-client-{self.name}",
-                                                daemon=True)
+                self._thread = threading.Thread(
+                    target=self._heartbeat, name=f"gpulock-client-{self.name}", daemon=True
+                )
                 self._thread.start()
         self._wake.set()
 
@@ -278,8 +322,10 @@ class Pool:
             now = clock()
             for s in leases:
                 if s.expired_locally():
-                    s.mark_lost("no successful renewal before the local validity deadline "
-                                "(broker unreachable or too slow)")
+                    s.mark_lost(
+                        "no successful renewal before the local validity deadline "
+                        "(broker unreachable or too slow)"
+                    )
             due, wake = core.heartbeat_plan(leases, now)
             for s in due:
                 budget = core.request_budget(leases, clock())

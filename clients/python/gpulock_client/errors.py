@@ -16,8 +16,17 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["GpuLockError", "InvalidArgument", "AuthError", "PoolNotFound", "CapacityExceeded",
-           "AcquireTimeout", "QueueFull", "LeaseLost", "BackendUnavailable"]
+__all__ = [
+    "GpuLockError",
+    "InvalidArgument",
+    "AuthError",
+    "PoolNotFound",
+    "CapacityExceeded",
+    "AcquireTimeout",
+    "QueueFull",
+    "LeaseLost",
+    "BackendUnavailable",
+]
 
 
 class GpuLockError(Exception):
@@ -53,10 +62,22 @@ class AcquireTimeout(GpuLockError, TimeoutError):
     ``position`` (last known, 0 if never queued), ``queue_length``, ``retry_after`` (seconds
     or None), ``waited`` (seconds)."""
 
-    def __init__(self, message: str, *, position: int = 0, queue_length: int = 0,
-                 retry_after: Optional[float] = None, waited: float = 0.0):
+    def __init__(
+        self,
+        message: str,
+        *,
+        position: int = 0,
+        queue_length: int = 0,
+        retry_after: Optional[float] = None,
+        waited: float = 0.0,
+    ):
         super().__init__(message)
-        self.position, self.queue_length, self.retry_after, self.waited = position, queue_length, retry_after, waited
+        self.position, self.queue_length, self.retry_after, self.waited = (
+            position,
+            queue_length,
+            retry_after,
+            waited,
+        )
 
 
 class QueueFull(GpuLockError):

@@ -26,5 +26,15 @@ def __getattr__(name: str):
         return Broker
     raise AttributeError(name)
 
-__all__ = ["Broker", "Principal", "TokenConfigError", "create_broker_app", "load_tokens", "parse_tokens",
-           "register_broker", "router", "run_broker"]
+
+__all__ = [
+    "Broker",
+    "Principal",
+    "TokenConfigError",
+    "create_broker_app",
+    "load_tokens",
+    "parse_tokens",
+    "register_broker",
+    "router",
+    "run_broker",
+]

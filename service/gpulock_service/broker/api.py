@@ -30,7 +30,13 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from gpulock.errors import BackendUnavailable, CapacityExceeded, InvalidArgument, PoolNotFound, QueueFull
+from gpulock.errors import (
+    BackendUnavailable,
+    CapacityExceeded,
+    InvalidArgument,
+    PoolNotFound,
+    QueueFull,
+)
 from gpulock._disconnect import watch_disconnect
 
 from .auth import Principal
@@ -54,6 +60,7 @@ from .models import (
 )
 
 log = logging.getLogger("gpulock.broker")
+
 
 class _NotFinite(ValueError):
     pass
@@ -84,8 +91,18 @@ class FiniteJSONRoute(APIRoute):
                 try:
                     json.loads(body, parse_constant=_no_constant, parse_float=_finite)
                 except _NotFinite as e:
-                    return JSONResponse({"detail": [{"loc": ["body"], "type": "value_error",
-                                                     "msg": f"{e} is not a finite number"}]}, status_code=422)
+                    return JSONResponse(
+                        {
+                            "detail": [
+                                {
+                                    "loc": ["body"],
+                                    "type": "value_error",
+                                    "msg": f"{e} is not a finite number",
+                                }
+                            ]
+                        },
+                        status_code=422,
+                    )
                 except ValueError:
                     pass  # not JSON: FastAPI answers that
             return await handler(request)
@@ -101,12 +118,16 @@ LeaseId = Path(..., pattern=LEASE_ID_PATTERN, description="32 hex digits, from t
 RequestId = Path(..., pattern=REQUEST_ID_PATTERN, description="The request_id of the POST.")
 
 
-def _err(code: int, error: str, message: str, headers: dict[str, str] | None = None, **extra: Any) -> NoReturn:
+def _err(
+    code: int, error: str, message: str, headers: dict[str, str] | None = None, **extra: Any
+) -> NoReturn:
     raise HTTPException(code, detail={"error": error, "message": message, **extra}, headers=headers)
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
-    out: dict[int | str, dict[str, Any]] = {c: {"model": ErrorResponse} for c in (401, 403, 503, *codes)}
+    out: dict[int | str, dict[str, Any]] = {
+        c: {"model": ErrorResponse} for c in (401, 403, 503, *codes)
+    }
     out[400] = {"description": "The body is not valid JSON"}
     return out
 
@@ -118,12 +139,19 @@ async def get_broker(request: Request) -> Broker:
     return b
 
 
-async def principal(request: Request, cred: Optional[HTTPAuthorizationCredentials] = Depends(_bearer),
-                    broker: Broker = Depends(get_broker)) -> Principal:
+async def principal(
+    request: Request,
+    cred: Optional[HTTPAuthorizationCredentials] = Depends(_bearer),
+    broker: Broker = Depends(get_broker),
+) -> Principal:
     who = broker.tokens.lookup(cred.credentials) if cred is not None and cred.credentials else None
     if who is None:
-        _err(401, "unauthorized", "a valid bearer token is required (Authorization: Bearer TOKEN)",
-             {"WWW-Authenticate": "Bearer"})
+        _err(
+            401,
+            "unauthorized",
+            "a valid bearer token is required (Authorization: Bearer TOKEN)",
+            {"WWW-Authenticate": "Bearer"},
+        )
     return who
 
 
@@ -137,30 +165,69 @@ def _map(e: Exception, pool: str) -> NoReturn:
     if isinstance(e, CapacityExceeded):
         _err(413, "capacity_exceeded", str(e), amount=e.amount, capacity=e.capacity)
     if isinstance(e, PoolNotFound):
-        _err(404, "pool_not_found", f"pool {pool!r} is not configured (an admin sets it: PUT /v1/pools/{pool})")
+        _err(
+            404,
+            "pool_not_found",
+            f"pool {pool!r} is not configured (an admin sets it: PUT /v1/pools/{pool})",
+        )
     if isinstance(e, QueueFull):
-        _err(503, "queue_full", str(e), {"Retry-After": "1"}, queue_length=e.queue_length, retry_after=1)
+        _err(
+            503,
+            "queue_full",
+            str(e),
+            {"Retry-After": "1"},
+            queue_length=e.queue_length,
+            retry_after=1,
+        )
     if isinstance(e, InvalidArgument):
         raise HTTPException(422, detail=[{"loc": ["body"], "msg": str(e), "type": "value_error"}])
     if isinstance(e, PoolBeingDeleted):
         _err(503, "backend_unavailable", str(e), {"Retry-After": "1"}, retry_after=1)
     if isinstance(e, BackendUnavailable):
         log.warning("gpulock broker: pool %s: %s", pool, e)
-        _err(503, "backend_unavailable", f"Redis is unavailable: {e}", {"Retry-After": "1"}, retry_after=1)
+        _err(
+            503,
+            "backend_unavailable",
+            f"Redis is unavailable: {e}",
+            {"Retry-After": "1"},
+            retry_after=1,
+        )
     if isinstance(e, LeaseGone):
         _err(410, "lease_lost", str(e), lease_id=e.lease_id)
     if isinstance(e, NotYours):
-        _err(404, "not_found", "no such lease for this token", lease_id=str(e.args[0]) if e.args else None)
-    if isinstance(e, ClientGone):  # nobody reads this answer; it names the outcome in the access log
-        _err(499, "client_disconnected", "the client closed the connection; the request was withdrawn",
-             request_id=str(e.args[0]) if e.args else None)
+        _err(
+            404,
+            "not_found",
+            "no such lease for this token",
+            lease_id=str(e.args[0]) if e.args else None,
+        )
+    if isinstance(
+        e, ClientGone
+    ):  # nobody reads this answer; it names the outcome in the access log
+        _err(
+            499,
+            "client_disconnected",
+            "the client closed the connection; the request was withdrawn",
+            request_id=str(e.args[0]) if e.args else None,
+        )
     raise e
 
 
-@router.post("/pools/{pool}/leases", status_code=201, response_model=LeaseGrant,
-             responses=_errors(404, 410, 413), summary="Acquire a lease (or wait in the queue)")
-async def acquire_lease(request: Request, response: Response, body: LeaseRequest, pool: str = PoolName,
-                        who: Principal = Depends(principal), broker: Broker = Depends(get_broker)) -> LeaseGrant:
+@router.post(
+    "/pools/{pool}/leases",
+    status_code=201,
+    response_model=LeaseGrant,
+    responses=_errors(404, 410, 413),
+    summary="Acquire a lease (or wait in the queue)",
+)
+async def acquire_lease(
+    request: Request,
+    response: Response,
+    body: LeaseRequest,
+    pool: str = PoolName,
+    who: Principal = Depends(principal),
+    broker: Broker = Depends(get_broker),
+) -> LeaseGrant:
     """Take ``amount`` bytes of ``pool``. Granted: 201. Still queued after ``wait`` seconds:
     503 with ``Retry-After`` (seconds) and ``X-Queue-Position``; retry with the same
     ``request_id`` to keep the place (it is kept ``hold_place_for`` seconds) and to get the same
@@ -171,8 +238,17 @@ async def acquire_lease(request: Request, response: Response, body: LeaseRequest
     # cancel the handler by itself)
     gone = watch_disconnect(request) if body.wait > 0 else None
     try:
-        r = await broker.acquire(who, pool, body.amount_bytes, ttl=body.ttl, wait=body.wait, queue=body.queue,
-                                 holder=body.holder, request_id=body.request_id, gone=gone)
+        r = await broker.acquire(
+            who,
+            pool,
+            body.amount_bytes,
+            ttl=body.ttl,
+            wait=body.wait,
+            queue=body.queue,
+            holder=body.holder,
+            request_id=body.request_id,
+            gone=gone,
+        )
     except Exception as e:
         _map(e, pool)
     finally:
@@ -181,24 +257,57 @@ async def acquire_lease(request: Request, response: Response, body: LeaseRequest
     if isinstance(r, Granted):
         g = r.grant
         held_ms = max(0, int((time.monotonic() - t0) * 1000))  # floor: never more than it was held
-        return LeaseGrant(held_ms=held_ms, lease_id=g.lease_id, pool=pool, amount=g.amount, token=g.token, ttl=r.ttl_s,
-                          expires_in=max(0, g.expires_ms - g.now_ms) / 1000, expires_at=g.expires_ms / 1000,
-                          acquired_at=r.acquired_ms / 1000, request_id=r.request_id)
+        return LeaseGrant(
+            held_ms=held_ms,
+            lease_id=g.lease_id,
+            pool=pool,
+            amount=g.amount,
+            token=g.token,
+            ttl=r.ttl_s,
+            expires_in=max(0, g.expires_ms - g.now_ms) / 1000,
+            expires_at=g.expires_ms / 1000,
+            acquired_at=r.acquired_ms / 1000,
+            request_id=r.request_id,
+        )
     headers = {"Retry-After": str(r.retry_after_s)}
     if r.queued:
         headers["X-Queue-Position"] = str(r.position)
-        _err(503, "queued", f"queued at position {r.position} of {r.queue_length}; retry with the same "
-                            f"request_id within {r.hold_s:g}s to keep the place", headers,
-             request_id=r.request_id, position=r.position, queue_length=r.queue_length,
-             retry_after=r.retry_after_s, hold_place_for=r.hold_s)
-    _err(503, "busy", f"not available now ({r.queue_length} queued) and queue=false", headers,
-         request_id=r.request_id, queue_length=r.queue_length, retry_after=r.retry_after_s)
+        _err(
+            503,
+            "queued",
+            f"queued at position {r.position} of {r.queue_length}; retry with the same "
+            f"request_id within {r.hold_s:g}s to keep the place",
+            headers,
+            request_id=r.request_id,
+            position=r.position,
+            queue_length=r.queue_length,
+            retry_after=r.retry_after_s,
+            hold_place_for=r.hold_s,
+        )
+    _err(
+        503,
+        "busy",
+        f"not available now ({r.queue_length} queued) and queue=false",
+        headers,
+        request_id=r.request_id,
+        queue_length=r.queue_length,
+        retry_after=r.retry_after_s,
+    )
 
 
-@router.put("/pools/{pool}/leases/{lease_id}", response_model=LeaseRenewed, responses=_errors(404, 410),
-            summary="Renew (heartbeat) a lease")
-async def renew_lease(body: Optional[RenewRequest] = Body(None), pool: str = PoolName, lease_id: str = LeaseId,
-                      who: Principal = Depends(principal), broker: Broker = Depends(get_broker)) -> LeaseRenewed:
+@router.put(
+    "/pools/{pool}/leases/{lease_id}",
+    response_model=LeaseRenewed,
+    responses=_errors(404, 410),
+    summary="Renew (heartbeat) a lease",
+)
+async def renew_lease(
+    body: Optional[RenewRequest] = Body(None),
+    pool: str = PoolName,
+    lease_id: str = LeaseId,
+    who: Principal = Depends(principal),
+    broker: Broker = Depends(get_broker),
+) -> LeaseRenewed:
     """Extend the lease to ``ttl`` seconds from now (server clock). Idempotent. Never
     re-acquires: 410 when the lease was lost (its holder must stop using the memory)."""
     _allowed(who, pool)
@@ -206,14 +315,28 @@ async def renew_lease(body: Optional[RenewRequest] = Body(None), pool: str = Poo
         rec, exp, now = await broker.renew(who, pool, lease_id, body.ttl if body else None)
     except Exception as e:
         _map(e, pool)
-    return LeaseRenewed(lease_id=lease_id, pool=pool, token=rec.token, ttl=rec.ttl_s,
-                        expires_in=max(0, exp - now) / 1000, expires_at=exp / 1000)
+    return LeaseRenewed(
+        lease_id=lease_id,
+        pool=pool,
+        token=rec.token,
+        ttl=rec.ttl_s,
+        expires_in=max(0, exp - now) / 1000,
+        expires_at=exp / 1000,
+    )
 
 
-@router.delete("/pools/{pool}/leases/{lease_id}", response_model=LeaseReleased, responses=_errors(404, 410),
-               summary="Release a lease")
-async def release_lease(pool: str = PoolName, lease_id: str = LeaseId, who: Principal = Depends(principal),
-                        broker: Broker = Depends(get_broker)) -> LeaseReleased:
+@router.delete(
+    "/pools/{pool}/leases/{lease_id}",
+    response_model=LeaseReleased,
+    responses=_errors(404, 410),
+    summary="Release a lease",
+)
+async def release_lease(
+    pool: str = PoolName,
+    lease_id: str = LeaseId,
+    who: Principal = Depends(principal),
+    broker: Broker = Depends(get_broker),
+) -> LeaseReleased:
     """Give the bytes back (the queue's head is granted at once). Idempotent: a repeat answers
     200 again. 410 when the lease was lost before (nothing of other holders is freed)."""
     _allowed(who, pool)
@@ -221,13 +344,23 @@ async def release_lease(pool: str = PoolName, lease_id: str = LeaseId, who: Prin
         now = await broker.release(who, pool, lease_id)
     except Exception as e:
         _map(e, pool)
-    return LeaseReleased(lease_id=lease_id, pool=pool, released_at=None if now is None else now / 1000)
+    return LeaseReleased(
+        lease_id=lease_id, pool=pool, released_at=None if now is None else now / 1000
+    )
 
 
-@router.delete("/pools/{pool}/requests/{request_id}", response_model=RequestCancelled, responses=_errors(),
-               summary="Withdraw a queued request")
-async def cancel_request(pool: str = PoolName, request_id: str = RequestId, who: Principal = Depends(principal),
-                         broker: Broker = Depends(get_broker)) -> RequestCancelled:
+@router.delete(
+    "/pools/{pool}/requests/{request_id}",
+    response_model=RequestCancelled,
+    responses=_errors(),
+    summary="Withdraw a queued request",
+)
+async def cancel_request(
+    pool: str = PoolName,
+    request_id: str = RequestId,
+    who: Principal = Depends(principal),
+    broker: Broker = Depends(get_broker),
+) -> RequestCancelled:
     """Leave the queue, or release the grant made to this request (when its 201 never
     reached the client). Idempotent."""
     _allowed(who, pool)
@@ -235,8 +368,9 @@ async def cancel_request(pool: str = PoolName, request_id: str = RequestId, who:
         what = await broker.cancel(who, pool, request_id)
     except Exception as e:
         _map(e, pool)
-    return RequestCancelled(request_id=request_id, pool=pool,
-                            outcome=("none", "left_queue", "released_grant")[what])
+    return RequestCancelled(
+        request_id=request_id, pool=pool, outcome=("none", "left_queue", "released_grant")[what]
+    )
 
 
 def _pool_out(st) -> PoolOut:
@@ -245,8 +379,15 @@ def _pool_out(st) -> PoolOut:
     return PoolOut.model_validate(d)
 
 
-@router.get("/pools", response_model=PoolList, responses=_errors(), summary="List the pools this token may use")
-async def list_pools(who: Principal = Depends(principal), broker: Broker = Depends(get_broker)) -> PoolList:
+@router.get(
+    "/pools",
+    response_model=PoolList,
+    responses=_errors(),
+    summary="List the pools this token may use",
+)
+async def list_pools(
+    who: Principal = Depends(principal), broker: Broker = Depends(get_broker)
+) -> PoolList:
     try:
         names = [n for n in await broker.pool_names() if who.may_use(n)]
         out = []
@@ -261,8 +402,9 @@ async def list_pools(who: Principal = Depends(principal), broker: Broker = Depen
 
 
 @router.get("/pools/{pool}", response_model=PoolOut, responses=_errors(404), summary="Pool status")
-async def pool_status(pool: str = PoolName, who: Principal = Depends(principal),
-                      broker: Broker = Depends(get_broker)) -> PoolOut:
+async def pool_status(
+    pool: str = PoolName, who: Principal = Depends(principal), broker: Broker = Depends(get_broker)
+) -> PoolOut:
     """Capacity, used bytes, leases (soonest expiry first) and waiters (queue order)."""
     _allowed(who, pool)
     try:
@@ -277,10 +419,18 @@ def _admin_only(who: Principal, pool: str, what: str) -> None:
         _err(403, "forbidden", f"only an admin token may {what} pools")
 
 
-@router.put("/pools/{pool}", response_model=PoolConfigured, responses=_errors(),
-            summary="Create or resize a pool (admin)")
-async def configure_pool(body: PoolConfigRequest, pool: str = PoolName, who: Principal = Depends(principal),
-                         broker: Broker = Depends(get_broker)) -> PoolConfigured:
+@router.put(
+    "/pools/{pool}",
+    response_model=PoolConfigured,
+    responses=_errors(),
+    summary="Create or resize a pool (admin)",
+)
+async def configure_pool(
+    body: PoolConfigRequest,
+    pool: str = PoolName,
+    who: Principal = Depends(principal),
+    broker: Broker = Depends(get_broker),
+) -> PoolConfigured:
     """Set the capacity (bytes or "24GiB") and optionally the queue bound and the longest lease
     ttl (``max_ttl``, seconds; also the grace period after Redis restarts without its data).
     Admin tokens only. Lowering the capacity below what is in use keeps the leases; nothing new
@@ -291,15 +441,29 @@ async def configure_pool(body: PoolConfigRequest, pool: str = PoolName, who: Pri
     except Exception as e:
         _map(e, pool)
     log.info("gpulock broker: %s set pool %s capacity=%d", who.name, pool, r["capacity"])
-    return PoolConfigured(pool=pool, created=bool(r["created"]), capacity=r["capacity"], epoch=r["epoch"],
-                          used=r["used"], max_waiters=r["max_waiters"], max_ttl=r["max_ttl"])
+    return PoolConfigured(
+        pool=pool,
+        created=bool(r["created"]),
+        capacity=r["capacity"],
+        epoch=r["epoch"],
+        used=r["used"],
+        max_waiters=r["max_waiters"],
+        max_ttl=r["max_ttl"],
+    )
 
 
-@router.delete("/pools/{pool}", response_model=PoolDeleted, responses=_errors(404, 409),
-               summary="Delete a pool (admin)")
-async def delete_pool(pool: str = PoolName,
-                      force: bool = Query(False, description="Delete even while leases are held or requests wait."),
-                      who: Principal = Depends(principal), broker: Broker = Depends(get_broker)) -> PoolDeleted:
+@router.delete(
+    "/pools/{pool}",
+    response_model=PoolDeleted,
+    responses=_errors(404, 409),
+    summary="Delete a pool (admin)",
+)
+async def delete_pool(
+    pool: str = PoolName,
+    force: bool = Query(False, description="Delete even while leases are held or requests wait."),
+    who: Principal = Depends(principal),
+    broker: Broker = Depends(get_broker),
+) -> PoolDeleted:
     """Delete the pool's configuration, leases and queue. Admin tokens only. 409 while leases
     are held or requests wait (the counts are in the body), unless ``force=true``; 404 when
     there is no such pool. Leases that were held answer 410 at their next renewal; requests
@@ -312,9 +476,19 @@ async def delete_pool(pool: str = PoolName,
     if r.state == "missing":
         _map(PoolNotFound(pool), pool)
     if r.state == "in_use":
-        _err(409, "pool_in_use", f"pool {pool!r} is in use: {r.leases} lease(s) held, {r.waiters} request(s) "
-                                 f"waiting; nothing was deleted (force=true deletes it anyway)",
-             leases=r.leases, waiters=r.waiters)
-    log.info("gpulock broker: %s deleted pool %s (%d lease(s), %d waiter(s) dropped)", who.name, pool,
-             r.leases, r.waiters)
+        _err(
+            409,
+            "pool_in_use",
+            f"pool {pool!r} is in use: {r.leases} lease(s) held, {r.waiters} request(s) "
+            f"waiting; nothing was deleted (force=true deletes it anyway)",
+            leases=r.leases,
+            waiters=r.waiters,
+        )
+    log.info(
+        "gpulock broker: %s deleted pool %s (%d lease(s), %d waiter(s) dropped)",
+        who.name,
+        pool,
+        r.leases,
+        r.waiters,
+    )
     return PoolDeleted(pool=pool, leases=r.leases, waiters=r.waiters)

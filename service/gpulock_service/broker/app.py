@@ -28,9 +28,15 @@ def error_detail(code: str, message: str) -> dict[str, str]:
     return {"error": code, "message": message}
 
 
-def create_broker_app(redis_url: str = DEFAULT_REDIS_URL, tokens: Optional[Iterable[Principal]] = None, *,
-                      tokens_file: Optional[str] = None, max_request_bytes: int | str | None = None,
-                      read_timeout: float | None = None, **broker_kw: Any):
+def create_broker_app(
+    redis_url: str = DEFAULT_REDIS_URL,
+    tokens: Optional[Iterable[Principal]] = None,
+    *,
+    tokens_file: Optional[str] = None,
+    max_request_bytes: int | str | None = None,
+    read_timeout: float | None = None,
+    **broker_kw: Any,
+):
     """A FastAPI app serving the lease API at ``/v1`` (OpenAPI at ``/openapi.json``, docs at
     ``/docs``) and ``GET /health``.
 
@@ -65,17 +71,26 @@ def create_broker_app(redis_url: str = DEFAULT_REDIS_URL, tokens: Optional[Itera
         finally:
             await broker.aclose()
 
-    app = FastAPI(title="gpulock lease broker", version="1",
-                  description="HTTP leases on gpulock GPU-memory pools. Amounts are bytes (or sizes such as "
-                              "\"4GiB\"), durations seconds, instants Unix seconds on the Redis server clock.",
-                  lifespan=lifespan)
+    app = FastAPI(
+        title="gpulock lease broker",
+        version="1",
+        description="HTTP leases on gpulock GPU-memory pools. Amounts are bytes (or sizes such as "
+        '"4GiB"), durations seconds, instants Unix seconds on the Redis server clock.',
+        lifespan=lifespan,
+    )
     app.include_router(router)
     # the same guards as the service's: 400 for bytes that are not UTF-8 or JSON nested too
     # deeply, 413 over the size bound, 408 for a body that does not arrive in time; their
     # bodies in the broker's error shape ({"detail": {"error", "message"}})
-    install_http_guards(app, max_body_bytes=max_request_bytes if max_request_bytes is not None else
-                        (os.environ.get("GPULOCK_MAX_REQUEST_BYTES") or DEFAULT_MAX_REQUEST_BYTES),
-                        read_timeout=read_timeout, detail=error_detail, too_large_hint=TOO_LARGE_HINT)
+    install_http_guards(
+        app,
+        max_body_bytes=max_request_bytes
+        if max_request_bytes is not None
+        else (os.environ.get("GPULOCK_MAX_REQUEST_BYTES") or DEFAULT_MAX_REQUEST_BYTES),
+        read_timeout=read_timeout,
+        detail=error_detail,
+        too_large_hint=TOO_LARGE_HINT,
+    )
 
     @app.get("/health", tags=["health"], summary="Liveness (no Redis call)")
     async def health() -> dict[str, str]:
@@ -84,20 +99,36 @@ def create_broker_app(redis_url: str = DEFAULT_REDIS_URL, tokens: Optional[Itera
     return app
 
 
-def run_broker(host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, redis_url: str = DEFAULT_REDIS_URL,
-               tokens_file: Optional[str] = None, max_wait: float = 20.0, log_level: str = "info") -> None:
+def run_broker(
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    redis_url: str = DEFAULT_REDIS_URL,
+    tokens_file: Optional[str] = None,
+    max_wait: float = 20.0,
+    log_level: str = "info",
+) -> None:
     """Serve the broker with uvicorn until interrupted."""
     import uvicorn
 
     from .._http import MAX_HEADER_BYTES, server_protocol
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     app = create_broker_app(redis_url, tokens_file=tokens_file, max_wait=max_wait)
     # access_log: uvicorn logs method, path and status only; never headers (no tokens).
     # http: uvicorn's protocol with a deadline for the request line and headers
     # (GPULOCK_READ_TIMEOUT); an idle kept-alive connection is closed after 5 s.
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
-                http=server_protocol(), timeout_keep_alive=5, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=log_level == "debug",
+        http=server_protocol(),
+        timeout_keep_alive=5,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+    )
 
 
 def register_broker(typer_app) -> None:
@@ -107,16 +138,29 @@ def register_broker(typer_app) -> None:
     @typer_app.command("broker")
     def broker(
         host: str = typer.Option(DEFAULT_HOST, "--host", help="Address to listen on."),
-        port: int = typer.Option(DEFAULT_PORT, "--port", min=1, max=65535,
-                                 help="TCP port (gpulock serve's default is 8000)."),
-        redis_url: str = typer.Option(DEFAULT_REDIS_URL, "--redis-url", envvar="GPULOCK_REDIS_URL",
-                                      help="Redis holding the pools."),
+        port: int = typer.Option(
+            DEFAULT_PORT,
+            "--port",
+            min=1,
+            max=65535,
+            help="TCP port (gpulock serve's default is 8000).",
+        ),
+        redis_url: str = typer.Option(
+            DEFAULT_REDIS_URL,
+            "--redis-url",
+            envvar="GPULOCK_REDIS_URL",
+            help="Redis holding the pools.",
+        ),
         tokens_file: Optional[str] = typer.Option(
-            None, "--tokens-file", envvar="GPULOCK_BROKER_TOKENS_FILE",
+            None,
+            "--tokens-file",
+            envvar="GPULOCK_BROKER_TOKENS_FILE",
             help='JSON: {"tokens": [{"name", "token" or "sha256", "pools": [...], "admin"}]}; '
-                 "or the same JSON in GPULOCK_BROKER_TOKENS."),
-        max_wait: float = typer.Option(20.0, "--max-wait", min=0.0, max=600.0,
-                                       help="Longest a queued POST is held, seconds."),
+            "or the same JSON in GPULOCK_BROKER_TOKENS.",
+        ),
+        max_wait: float = typer.Option(
+            20.0, "--max-wait", min=0.0, max=600.0, help="Longest a queued POST is held, seconds."
+        ),
         log_level: str = typer.Option("info", "--log-level"),
     ) -> None:
         """Serve the HTTP lease API (/v1) for hosts that do not talk to Redis."""

@@ -67,8 +67,10 @@ def _principal(i: int, e: Any, where: str) -> Principal:
     if "token" in e:
         tok = e["token"]
         if not isinstance(tok, str) or len(tok) < MIN_TOKEN_CHARS:
-            raise TokenConfigError(f"{where}: tokens[{i}].token must be a string of at least "
-                                   f"{MIN_TOKEN_CHARS} characters")
+            raise TokenConfigError(
+                f"{where}: tokens[{i}].token must be a string of at least "
+                f"{MIN_TOKEN_CHARS} characters"
+            )
         digest = token_digest(tok)
     else:
         h = e["sha256"]
@@ -80,7 +82,7 @@ def _principal(i: int, e: Any, where: str) -> Principal:
             raise TokenConfigError(f"{where}: tokens[{i}].sha256 must be 64 hex digits")
     pools = e.get("pools", [])
     if not isinstance(pools, list) or not all(isinstance(p, str) and p for p in pools):
-        raise TokenConfigError(f"{where}: tokens[{i}].pools must be a list of pool names (or \"*\")")
+        raise TokenConfigError(f'{where}: tokens[{i}].pools must be a list of pool names (or "*")')
     admin = e.get("admin", False)
     if not isinstance(admin, bool):
         raise TokenConfigError(f"{where}: tokens[{i}].admin must be true or false")
@@ -94,7 +96,7 @@ def parse_tokens(doc: Any, where: str) -> list[Principal]:
     if isinstance(doc, dict):
         doc = doc.get("tokens")
     if not isinstance(doc, list):
-        raise TokenConfigError(f"{where}: expected {{\"tokens\": [...]}}")
+        raise TokenConfigError(f'{where}: expected {{"tokens": [...]}}')
     out = [_principal(i, e, where) for i, e in enumerate(doc)]
     seen: set[bytes] = set()
     for p in out:
@@ -104,7 +106,9 @@ def parse_tokens(doc: Any, where: str) -> list[Principal]:
     return out
 
 
-def load_tokens(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> list[Principal]:
+def load_tokens(
+    path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None
+) -> list[Principal]:
     """Read tokens from ``path``, else ``$GPULOCK_BROKER_TOKENS_FILE``, else the JSON in
     ``$GPULOCK_BROKER_TOKENS``.
 
@@ -121,8 +125,10 @@ def load_tokens(path: str | os.PathLike | None = None, env: Mapping[str, str] | 
     elif env.get("GPULOCK_BROKER_TOKENS"):
         text, where = env["GPULOCK_BROKER_TOKENS"], "$GPULOCK_BROKER_TOKENS"
     else:
-        raise TokenConfigError("no broker tokens configured: give --tokens-file, "
-                               "GPULOCK_BROKER_TOKENS_FILE or GPULOCK_BROKER_TOKENS")
+        raise TokenConfigError(
+            "no broker tokens configured: give --tokens-file, "
+            "GPULOCK_BROKER_TOKENS_FILE or GPULOCK_BROKER_TOKENS"
+        )
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:

@@ -152,10 +152,20 @@ class Broker:
             goes to its pub/sub subscription).
     """
 
-    def __init__(self, redis_url: str, tokens: Iterable[Principal], *, max_wait: float = 20.0,
-                 backend_timeout: float = 3.0, park_max: float = 30.0, retry_after_max: int = 5,
-                 waiter_ttl: float = 5.0, poll_interval: float = 1.0, redis_max_connections: int = 64,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        redis_url: str,
+        tokens: Iterable[Principal],
+        *,
+        max_wait: float = 20.0,
+        backend_timeout: float = 3.0,
+        park_max: float = 30.0,
+        retry_after_max: int = 5,
+        waiter_ttl: float = 5.0,
+        poll_interval: float = 1.0,
+        redis_max_connections: int = 64,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         from .auth import TokenStore
 
         self.redis_url = redis_url
@@ -177,7 +187,9 @@ class Broker:
         self._background: set[asyncio.Task] = set()
         self._sweeper: asyncio.Task | None = None
         self._deleting: dict[str, int] = {}  # pools being deleted by force (count of deletes)
-        self._retired: weakref.WeakSet[AsyncPool] = weakref.WeakSet()  # pool objects closed by a delete
+        self._retired: weakref.WeakSet[AsyncPool] = (
+            weakref.WeakSet()
+        )  # pool objects closed by a delete
         self.tomb_ttl = 3600.0
         self.max_tombs = 100_000
 
@@ -187,12 +199,18 @@ class Broker:
             # A bounded pool: requests beyond it wait for a connection (waiting for a grant
             # holds none). Each pool name's pub/sub subscription takes one of them for good.
             cp = aioredis.BlockingConnectionPool.from_url(
-                self.redis_url, max_connections=self.redis_max_connections, timeout=self.backend_timeout,
+                self.redis_url,
+                max_connections=self.redis_max_connections,
+                timeout=self.backend_timeout,
                 socket_timeout=min(2.0, self.backend_timeout),
-                socket_connect_timeout=min(1.0, self.backend_timeout), health_check_interval=10)
+                socket_connect_timeout=min(1.0, self.backend_timeout),
+                health_check_interval=10,
+            )
             self._redis = aioredis.Redis(connection_pool=cp)
         if self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop(), name="gpulock-broker-sweeper")
+            self._sweeper = asyncio.get_running_loop().create_task(
+                self._sweep_loop(), name="gpulock-broker-sweeper"
+            )
 
     async def aclose(self) -> None:
         """Stop; queued places are withdrawn (best effort), granted leases stay (they expire)."""
@@ -233,8 +251,13 @@ class Broker:
             raise PoolBeingDeleted(f"pool {name!r} is being deleted; retry")
         p = self._pools.get(name)
         if p is None:
-            p = AsyncPool(self._client(), validate_pool_name(name), waiter_ttl=self.waiter_ttl,
-                          poll_interval=self.poll_interval, backend_timeout=self.backend_timeout)
+            p = AsyncPool(
+                self._client(),
+                validate_pool_name(name),
+                waiter_ttl=self.waiter_ttl,
+                poll_interval=self.poll_interval,
+                backend_timeout=self.backend_timeout,
+            )
             self._pools[name] = p
         return p
 
@@ -273,9 +296,19 @@ class Broker:
     def _ticket(self, who: Principal, request_id: str) -> str:
         return f"{who.id}:{request_id}"
 
-    async def acquire(self, who: Principal, pool: str, amount: int, *, ttl: float, wait: float,
-                      queue: bool = True, holder: dict[str, Any] | None = None,
-                      request_id: str | None = None, gone: asyncio.Future | None = None) -> Granted | Queued:
+    async def acquire(
+        self,
+        who: Principal,
+        pool: str,
+        amount: int,
+        *,
+        ttl: float,
+        wait: float,
+        queue: bool = True,
+        holder: dict[str, Any] | None = None,
+        request_id: str | None = None,
+        gone: asyncio.Future | None = None,
+    ) -> Granted | Queued:
         """Grant now, or within ``wait`` seconds, or report the place (kept for a retry).
         ``gone``: a future that turns true when the HTTP client hung up (see
         ``gpulock._disconnect.watch_disconnect``); the long poll then ends at once and the request
@@ -306,7 +339,9 @@ class Broker:
                     wt.cancel()
                     final = True  # nothing to keep: nobody will come back for this answer
                     if entry.attached == 1:  # no retry of it is waiting here
-                        await self._guard(p.cancel_remote(ticket), entry)  # leaves, or releases the raced grant
+                        await self._guard(
+                            p.cancel_remote(ticket), entry
+                        )  # leaves, or releases the raced grant
                     raise ClientGone(rid)
                 g = await wt
                 # No grant: ask again (idempotent) for the fresh position and retry-after.
@@ -351,7 +386,9 @@ class Broker:
             elif not entry.attached and not entry.inflight and self._parked.get(key) is entry:
                 del self._parked[key]
 
-    async def _keep(self, key: tuple[str, str], entry: _Parked, p: AsyncPool, ticket: str, ttl: float) -> None:
+    async def _keep(
+        self, key: tuple[str, str], entry: _Parked, p: AsyncPool, ticket: str, ttl: float
+    ) -> None:
         """While a request is parked, catch a grant that lands for it and keep that lease alive
         (renew at ttl/3) until the client collects it or the hold window ends (then the sweeper
         withdraws it). One coroutine per parked request: no thread, no connection."""
@@ -371,7 +408,11 @@ class Broker:
                     return  # not queued here (refused, or withdrawn)
             while True:
                 await asyncio.sleep(ttl / 3)
-                if self._parked.get(key) is not entry or key in self._handed or self.clock() > entry.until:
+                if (
+                    self._parked.get(key) is not entry
+                    or key in self._handed
+                    or self.clock() > entry.until
+                ):
                     return
                 try:
                     await p.renew_remote(g.lease_id, g.token, ttl)
@@ -382,8 +423,16 @@ class Broker:
         finally:
             entry.keeper = None
 
-    def _granted(self, who: Principal, pool: str, rid: str, ticket: str, ttl: float, g: Grant,
-                 acquired_ms: int) -> Granted:
+    def _granted(
+        self,
+        who: Principal,
+        pool: str,
+        rid: str,
+        ticket: str,
+        ttl: float,
+        g: Grant,
+        acquired_ms: int,
+    ) -> Granted:
         self._parked.pop((pool, ticket), None)
         rec = self._leases.get(g.lease_id)
         if rec is None:
@@ -440,12 +489,22 @@ class Broker:
         owner = info.holder.get("owner")
         if not isinstance(owner, str):
             raise NotYours(lease_id)
-        rec = _LeaseRec(pool, lease_id, owner, info.token, info.ttl, info.request_id, info.amount,
-                        self.clock() + info.expires_in)
+        rec = _LeaseRec(
+            pool,
+            lease_id,
+            owner,
+            info.token,
+            info.ttl,
+            info.request_id,
+            info.amount,
+            self.clock() + info.expires_in,
+        )
         self._leases[lease_id] = rec
         return rec
 
-    async def renew(self, who: Principal, pool: str, lease_id: str, ttl: float | None) -> tuple[_LeaseRec, int, int]:
+    async def renew(
+        self, who: Principal, pool: str, lease_id: str, ttl: float | None
+    ) -> tuple[_LeaseRec, int, int]:
         """Returns (record, expires_ms, server_now_ms). Raises LeaseGone, NotYours,
         BackendUnavailable."""
         rec = await self._find(who, pool, lease_id)
@@ -469,7 +528,9 @@ class Broker:
             if e.outcome == "released":
                 return None
             raise
-        if rec.releasing is None or (rec.releasing.done() and rec.releasing.exception() is not None):
+        if rec.releasing is None or (
+            rec.releasing.done() and rec.releasing.exception() is not None
+        ):
             rec.releasing = self._spawn(self._release(rec))
         ok, now = await self._guard(rec.releasing)
         if not ok:
@@ -496,16 +557,19 @@ class Broker:
             try:
                 async for attempt in retrying(self.backend_timeout, asynchronous=True):
                     with attempt:
-                        names = {pool_name_from_key(k)
-                                 async for k in redis.scan_iter(match=POOL_CFG_MATCH, count=1000)}
+                        names = {
+                            pool_name_from_key(k)
+                            async for k in redis.scan_iter(match=POOL_CFG_MATCH, count=1000)
+                        }
             except Exception as e:  # noqa: BLE001 - translated to gpulock's tree
                 raise translate(e, "*") from e
             return sorted(n for n in names if n)
 
         return await self._guard(scan())
 
-    async def configure(self, pool: str, capacity: int, max_waiters: int | None,
-                        max_ttl: float | None = None) -> dict[str, Any]:
+    async def configure(
+        self, pool: str, capacity: int, max_waiters: int | None, max_ttl: float | None = None
+    ) -> dict[str, Any]:
         """Create or change a pool; ``max_waiters``/``max_ttl`` None keep the pool's current
         values (the library's defaults for a new pool). Returns the configure reply with
         ``max_ttl`` (seconds) added."""
@@ -518,7 +582,9 @@ class Broker:
                     max_ttl = st.max_ttl
             except PoolNotFound:
                 pass
-        r: dict[str, Any] = await self._guard(p.configure(capacity, max_waiters=max_waiters, max_ttl=max_ttl))
+        r: dict[str, Any] = await self._guard(
+            p.configure(capacity, max_waiters=max_waiters, max_ttl=max_ttl)
+        )
         return {**r, "max_ttl": p.max_ttl}
 
     async def delete_pool(self, pool: str, *, force: bool = False) -> DeleteResult:
@@ -585,7 +651,9 @@ class Broker:
             if key in self._handed or pool not in self._pools:
                 continue
             self._spawn(self._withdraw(pool, ticket))
-        for rec in [r for r in self._leases.values() if r.releasing is None and now > r.expires_local + 60]:
+        for rec in [
+            r for r in self._leases.values() if r.releasing is None and now > r.expires_local + 60
+        ]:
             self._forget(rec, "lost")
         while self._tombs:
             lid, t = next(iter(self._tombs.items()))
@@ -597,13 +665,22 @@ class Broker:
         try:
             what = await self._pools[pool].cancel_remote(ticket)
             if what == 2:
-                log.info("gpulock broker: released a grant on pool %s that its client did not collect", pool)
+                log.info(
+                    "gpulock broker: released a grant on pool %s that its client did not collect",
+                    pool,
+                )
         except Exception as e:  # the waiter expires after waiter_ttl, a grant after its ttl
             log.info("gpulock broker: could not withdraw a parked request on pool %s: %s", pool, e)
 
 
 def _true(f: asyncio.Future | None) -> bool:
-    return f is not None and f.done() and not f.cancelled() and f.exception() is None and bool(f.result())
+    return (
+        f is not None
+        and f.done()
+        and not f.cancelled()
+        and f.exception() is None
+        and bool(f.result())
+    )
 
 
 def _gone_message(lease_id: str, outcome: str) -> str:
@@ -611,7 +688,11 @@ def _gone_message(lease_id: str, outcome: str) -> str:
     if outcome == "released":
         return f"lease {short}… was released"
     if outcome == "unknown":
-        return (f"lease {short}… is not held: it expired on the server (no renewal within its ttl), "
-                f"was released, or never existed; nothing was freed")
-    return (f"lease {short}… is lost: it expired on the server (no renewal within its ttl) or the "
-            f"pool was reset; nothing of other holders was freed")
+        return (
+            f"lease {short}… is not held: it expired on the server (no renewal within its ttl), "
+            f"was released, or never existed; nothing was freed"
+        )
+    return (
+        f"lease {short}… is lost: it expired on the server (no renewal within its ttl) or the "
+        f"pool was reset; nothing of other holders was freed"
+    )

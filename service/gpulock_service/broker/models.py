@@ -26,7 +26,10 @@ MAX_BYTES = 2**53 - 1
 # Sizes as gpulock.units.parse_size reads them: a number and an optional unit (B, k/kB/KiB,
 # M/MB/MiB, G/GB/GiB, T/TB/TiB; any case).
 SIZE_PATTERN = r"^\s*[0-9]+(\.[0-9]+)?\s*([bB]|[kKmMgGtT]([iI][bB]|[bB])?)?\s*$"
-Size = Union[Annotated[int, Field(ge=1, le=MAX_BYTES)], Annotated[str, Field(pattern=SIZE_PATTERN, max_length=40)]]
+Size = Union[
+    Annotated[int, Field(ge=1, le=MAX_BYTES)],
+    Annotated[str, Field(pattern=SIZE_PATTERN, max_length=40)],
+]
 
 
 def _size(v: Any, name: str) -> int:
@@ -50,21 +53,39 @@ class _Body(BaseModel):
 
 class LeaseRequest(_Body):
     amount: Size = Field(
-        ..., description='Bytes to hold: an integer, or a size such as "4GiB", "512MiB", "1.5GB".',
-        examples=["4GiB", 1048576])
-    ttl: float = Field(30.0, ge=MIN_TTL_S, le=MAX_TTL_S, allow_inf_nan=False,
-                       description="Lease time to live in seconds; renew (PUT) every ttl/3.")
-    wait: float = Field(0.0, ge=0.0, le=3600.0, allow_inf_nan=False,
-                        description="Seconds the server may hold this request while it is queued "
-                                    "(capped by the broker's --max-wait). 0: answer at once.")
-    queue: bool = Field(True, description="False: never queue; 503 at once when it does not fit now.")
+        ...,
+        description='Bytes to hold: an integer, or a size such as "4GiB", "512MiB", "1.5GB".',
+        examples=["4GiB", 1048576],
+    )
+    ttl: float = Field(
+        30.0,
+        ge=MIN_TTL_S,
+        le=MAX_TTL_S,
+        allow_inf_nan=False,
+        description="Lease time to live in seconds; renew (PUT) every ttl/3.",
+    )
+    wait: float = Field(
+        0.0,
+        ge=0.0,
+        le=3600.0,
+        allow_inf_nan=False,
+        description="Seconds the server may hold this request while it is queued "
+        "(capped by the broker's --max-wait). 0: answer at once.",
+    )
+    queue: bool = Field(
+        True, description="False: never queue; 503 at once when it does not fit now."
+    )
     holder: Optional[dict[str, Scalar]] = Field(
-        None, description=f"Metadata shown in pool status (host, pid, purpose...), at most "
-                          f"{MAX_HOLDER_JSON} bytes as JSON.")
+        None,
+        description=f"Metadata shown in pool status (host, pid, purpose...), at most "
+        f"{MAX_HOLDER_JSON} bytes as JSON.",
+    )
     request_id: Optional[str] = Field(
-        None, pattern=REQUEST_ID_PATTERN,
+        None,
+        pattern=REQUEST_ID_PATTERN,
         description="Idempotency key, chosen by the client: a retry with the same id keeps its place "
-                    "in the queue and gets the same grant. Scoped to the bearer token.")
+        "in the queue and gets the same grant. Scoped to the bearer token.",
+    )
 
     @field_validator("amount", mode="before")
     @classmethod
@@ -89,18 +110,31 @@ class LeaseRequest(_Body):
 
 
 class RenewRequest(_Body):
-    ttl: Optional[float] = Field(None, ge=MIN_TTL_S, le=MAX_TTL_S, allow_inf_nan=False,
-                                 description="New time to live in seconds from now (default: the lease's ttl).")
+    ttl: Optional[float] = Field(
+        None,
+        ge=MIN_TTL_S,
+        le=MAX_TTL_S,
+        allow_inf_nan=False,
+        description="New time to live in seconds from now (default: the lease's ttl).",
+    )
 
 
 class PoolConfigRequest(_Body):
     capacity: Size = Field(..., description='Bytes, or a size such as "24GiB".')
-    max_waiters: Optional[int] = Field(None, ge=1, le=1_000_000,
-                                       description="Queue bound (default: keep the current one; 10000 for a new pool).")
+    max_waiters: Optional[int] = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="Queue bound (default: keep the current one; 10000 for a new pool).",
+    )
     max_ttl: Optional[float] = Field(
-        None, ge=MIN_POOL_TTL_S, le=MAX_POOL_TTL_S, allow_inf_nan=False,
+        None,
+        ge=MIN_POOL_TTL_S,
+        le=MAX_POOL_TTL_S,
+        allow_inf_nan=False,
         description="Longest lease ttl the pool accepts, seconds; also the grace period after Redis restarts "
-                    "without its data (default: keep the current one; 60 for a new pool).")
+        "without its data (default: keep the current one; 60 for a new pool).",
+    )
 
     @field_validator("capacity", mode="before")
     @classmethod
@@ -118,15 +152,21 @@ class LeaseGrant(BaseModel):
     amount: int = Field(..., description="bytes")
     token: int = Field(..., description="Fencing token: strictly increasing per pool.")
     ttl: float = Field(..., description="seconds")
-    expires_in: float = Field(..., description="Seconds left on the server clock when this reply was made. "
-                                               "Count them from when you *sent* the request plus ``held_ms`` × (1 − 1%) "
-                                               "(Chubby's rule).")
+    expires_in: float = Field(
+        ...,
+        description="Seconds left on the server clock when this reply was made. "
+        "Count them from when you *sent* the request plus ``held_ms`` × (1 − 1%) "
+        "(Chubby's rule).",
+    )
     expires_at: float = Field(..., description="Unix seconds, Redis server clock.")
     acquired_at: float = Field(..., description="Unix seconds, Redis server clock.")
     request_id: str
-    held_ms: int = Field(0, description="Milliseconds the broker held this request (a long poll) before "
-                                        "answering, on its own monotonic clock. Count ``expires_in`` from "
-                                        "``sent + held_ms/1000 * (1 - 1%)`` instead of from ``sent``.")
+    held_ms: int = Field(
+        0,
+        description="Milliseconds the broker held this request (a long poll) before "
+        "answering, on its own monotonic clock. Count ``expires_in`` from "
+        "``sent + held_ms/1000 * (1 - 1%)`` instead of from ``sent``.",
+    )
 
 
 class LeaseRenewed(BaseModel):
@@ -142,7 +182,9 @@ class LeaseReleased(BaseModel):
     lease_id: str
     pool: str
     released: bool = True
-    released_at: Optional[float] = Field(None, description="Unix seconds, server clock (None on a repeat).")
+    released_at: Optional[float] = Field(
+        None, description="Unix seconds, server clock (None on a repeat)."
+    )
 
 
 class RequestCancelled(BaseModel):
@@ -176,7 +218,9 @@ class PoolOut(BaseModel):
     epoch: int
     fence: int
     max_waiters: int
-    max_ttl: float = Field(..., description="seconds: the longest ttl a lease may have (0: unbounded)")
+    max_ttl: float = Field(
+        ..., description="seconds: the longest ttl a lease may have (0: unbounded)"
+    )
     lease_count: int
     waiter_count: int
     grants: int
@@ -204,22 +248,30 @@ class PoolDeleted(BaseModel):
     pool: str
     deleted: bool = True
     leases: int = Field(..., description="live leases dropped with the pool (only with force=true)")
-    waiters: int = Field(..., description="live waiting requests dropped with the pool (only with force=true)")
+    waiters: int = Field(
+        ..., description="live waiting requests dropped with the pool (only with force=true)"
+    )
 
 
 class ErrorDetail(BaseModel):
-    error: str = Field(..., description="unauthorized, forbidden, queued, busy, queue_full, "
-                                        "backend_unavailable, capacity_exceeded, pool_not_found, "
-                                        "pool_in_use, lease_lost, not_found, invalid; from the HTTP "
-                                        "guards: invalid_utf8, invalid_json, nested_too_deeply, "
-                                        "request_too_large, request_timeout")
+    error: str = Field(
+        ...,
+        description="unauthorized, forbidden, queued, busy, queue_full, "
+        "backend_unavailable, capacity_exceeded, pool_not_found, "
+        "pool_in_use, lease_lost, not_found, invalid; from the HTTP "
+        "guards: invalid_utf8, invalid_json, nested_too_deeply, "
+        "request_too_large, request_timeout",
+    )
     message: str
     request_id: Optional[str] = None
     position: Optional[int] = Field(None, description="1-based place in the queue")
     queue_length: Optional[int] = None
-    retry_after: Optional[float] = Field(None, description="seconds; the Retry-After header, rounded up")
-    hold_place_for: Optional[float] = Field(None, description="seconds the place is kept for a retry "
-                                                              "with the same request_id")
+    retry_after: Optional[float] = Field(
+        None, description="seconds; the Retry-After header, rounded up"
+    )
+    hold_place_for: Optional[float] = Field(
+        None, description="seconds the place is kept for a retry with the same request_id"
+    )
     lease_id: Optional[str] = None
     amount: Optional[int] = None
     capacity: Optional[int] = None
