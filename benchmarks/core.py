@@ -77,7 +77,8 @@ from _util import (  # noqa: E402
 
 import gpulock  # noqa: E402
 from gpulock import AsyncPool, Pool  # noqa: E402
-from gpulock._protocol import AcquireRequest, pool_keys  # noqa: E402
+from gpulock._protocol import AcquireRequest  # noqa: E402
+from gpulock._keys import pool_keys  # noqa: E402
 from gpulock._scripts import scripts  # noqa: E402
 from gpulock.embedded import RedisProcess, find_server_binary  # noqa: E402
 

@@ -51,7 +51,7 @@ from _util import machine_info  # noqa: E402
 
 import gpulock  # noqa: E402
 from gpulock import AsyncPool, Pool  # noqa: E402
-from gpulock._protocol import pool_keys  # noqa: E402
+from gpulock._keys import pool_keys  # noqa: E402
 from gpulock._scripts import scripts  # noqa: E402
 from gpulock.embedded import RedisProcess, find_server_binary  # noqa: E402
 

@@ -3,9 +3,9 @@ list``/``pool delete`` and ``gpulock status`` (blocking client), and by the HTTP
 (``DELETE /v1/pools/{pool}``, ``GET /v1/pools``; asyncio client).
 
 Pools are found by their configuration key ``gpulock:{NAME}:cfg`` (one per pool; the other
-keys exist only while the pool has leases or waiters). :data:`POOL_CFG_MATCH` and
-:func:`pool_name_from_key` are the one place that knows that key's shape, for sync and async
-scanners alike. :func:`delete_pool` and :func:`adelete_pool` run the same script.
+keys exist only while the pool has leases or waiters). The key shape is
+:mod:`gpulock._keys`' (``POOL_CFG_MATCH``, ``pool_name_from_key``), for sync and async scanners
+alike. :func:`delete_pool` and :func:`adelete_pool` run the same script.
 """
 
 from __future__ import annotations
@@ -13,30 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ._protocol import _POOL_RE, KEY_PREFIX, pool_keys, translate, validate_pool_name
+from ._keys import POOL_CFG_MATCH, pool_key, pool_keys, pool_name_from_key
+from ._protocol import translate, validate_pool_name
 
 __all__ = [
-    "POOL_CFG_MATCH",
     "DeleteResult",
     "adelete_pool",
     "delete_pool",
-    "pool_name_from_key",
     "pool_names",
 ]
-
-# SCAN pattern matching every pool's configuration key.
-POOL_CFG_MATCH = f"{KEY_PREFIX}:{{*}}:cfg"
-_PREFIX, _SUFFIX = f"{KEY_PREFIX}:{{", "}:cfg"
-
-
-def pool_name_from_key(key: str | bytes) -> str | None:
-    """The pool name in a configuration key (``gpulock:{gpu0}:cfg`` → ``gpu0``), or None for
-    any other key (including names no pool could have)."""
-    k = key.decode(errors="replace") if isinstance(key, bytes) else key
-    if not (k.startswith(_PREFIX) and k.endswith(_SUFFIX)):
-        return None
-    name = k[len(_PREFIX) : -len(_SUFFIX)]
-    return name if _POOL_RE.fullmatch(name) else None
 
 
 def pool_names(client: Any) -> list[str]:
@@ -78,7 +63,7 @@ class DeleteResult:
 
 def _rest_match(name: str) -> str:
     """SCAN pattern of every key under the pool's hash tag (stored results, estimates, ...)."""
-    return f"{KEY_PREFIX}:{{{name}}}:*"
+    return pool_key(name, "*")
 
 
 def _result(reply: Any) -> DeleteResult:

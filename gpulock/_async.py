@@ -27,7 +27,6 @@ from ._protocol import (
     decode_acquire,
     decode_status,
     default_clock,
-    pool_keys,
     pool_settings,
     retry_bound,
     retrying,
@@ -37,6 +36,7 @@ from ._protocol import (
 )
 from ._batch import Batcher, inflight_for
 from ._connect import DEFAULT_MAX_CONNECTIONS, async_client
+from ._keys import pool_keys
 from ._runtime import Runtime, Waiter
 from ._scripts import scripts
 from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost, PoolClosed

@@ -1,4 +1,4 @@
-"""The I/O-free core shared by the sync and async shells: key names, argument validation and
+"""The I/O-free core shared by the sync and async shells: argument validation and
 encoding, reply decoding, error translation, and the lease's local validity clock.
 
 Nothing here touches the network; ``_sync.py`` and ``_async.py`` add only the I/O.
@@ -29,12 +29,11 @@ from .errors import (
     PoolNotFound,
     QueueFull,
 )
+from ._keys import POOL_NAME_RE
 from .units import parse_seconds, parse_size
 
 log = logging.getLogger("gpulock")
 
-KEY_PREFIX = "gpulock"
-_POOL_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _TICKET_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_META_BYTES = 512
 
@@ -62,7 +61,7 @@ SAFETY_MARGIN_S = 0.05
 def validate_pool_name(name: object) -> str:
     """Pool names: 1-64 characters of ``[A-Za-z0-9._-]``. No braces (they would break the
     hash tag), colons (the key separator) or spaces."""
-    if not isinstance(name, str) or not _POOL_RE.fullmatch(name):
+    if not isinstance(name, str) or not POOL_NAME_RE.fullmatch(name):
         raise InvalidArgument(f"pool name must be 1-64 characters of [A-Za-z0-9._-], got {name!r}")
     return name
 
@@ -138,16 +137,6 @@ def configure_capacity(capacity: int | str | None, current: int | None) -> int:
     if value is None:
         raise InvalidArgument("capacity must be a size in bytes, got None")
     return parse_size(value, name="capacity")
-
-
-def pool_keys(pool: str) -> list[str]:
-    """The eight keys of a pool, in the order every script expects (see ``lua/lib.lua``).
-    All share the hash tag ``{pool}``, so a pool lives in one Redis Cluster slot."""
-    base = f"{KEY_PREFIX}:{{{pool}}}:"
-    return [
-        base + s
-        for s in ("cfg", "leases", "holders", "queue", "waiters", "wexp", "tickets", "events")
-    ]
 
 
 def new_id() -> str:

@@ -43,6 +43,7 @@ from ._protocol import (
     validity_deadline,
 )
 from ._failure_log import FailureLog
+from ._keys import pool_key
 from ._scripts import scripts
 from .errors import BackendUnavailable, PoolClosed
 
@@ -130,7 +131,7 @@ class Runtime:
         # cannot lose what the holder relies on. 0: off.
         self.sync_replicas = 0
         self.sync_timeout_ms = 1000
-        self.sync_key = keys[0].rsplit(":", 1)[0] + ":sync"  # a counter INCRed before each WAIT
+        self.sync_key = pool_key(pool, "sync")  # a counter INCRed before each WAIT
 
     # ---- clock -------------------------------------------------------------------------
     def observe(self, sent: float, now_ms: int) -> None:

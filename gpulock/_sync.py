@@ -37,7 +37,6 @@ from ._protocol import (
     decode_acquire,
     decode_status,
     default_clock,
-    pool_keys,
     pool_settings,
     retry_bound,
     retrying,
@@ -46,6 +45,7 @@ from ._protocol import (
     validity_deadline,
 )
 from ._connect import DEFAULT_MAX_CONNECTIONS, async_client, sync_client
+from ._keys import pool_key, pool_keys
 from ._runtime import Runtime, Waiter
 from ._scripts import scripts
 from .errors import (
@@ -654,7 +654,7 @@ class Pool:
         and ``WAIT`` on one connection; on failure the grant is given back)."""
         s = lease._state
         sc = scripts()["renew"]
-        sync_key = self._keys[0].rsplit(":", 1)[0] + ":sync"
+        sync_key = pool_key(self.name, "sync")
         sent = self.clock()
         r, acked, err = None, -1, None
         try:

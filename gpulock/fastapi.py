@@ -108,7 +108,8 @@ import redis.asyncio as aioredis
 from fastapi import HTTPException, Request, Response
 
 from ._async import AsyncLease, AsyncPool
-from ._protocol import PoolStatus, pool_keys
+from ._keys import pool_key, pool_keys
+from ._protocol import PoolStatus
 from .cuda import drop_traceback, empty_cache, is_fatal_cuda_error, is_oom
 from .errors import (
     AcquireTimeout,
@@ -685,7 +686,7 @@ class GpuLimiter:
 
     # ---- keys -----------------------------------------------------------------------------
     def _key(self, suffix: str) -> str:
-        return f"gpulock:{{{self.pool_name}}}:{suffix}"
+        return pool_key(self.pool_name, suffix)
 
     @property
     def estimates_key(self) -> str:
@@ -1219,7 +1220,7 @@ class GpuLimiter:
         try:
             assert self.redis is not None  # set by start()
             queued = int(
-                await asyncio.wait_for(self.redis.zcard(pool_keys(self.pool_name)[3]), 0.5)
+                await asyncio.wait_for(self.redis.zcard(pool_keys(self.pool_name).queue), 0.5)
             )
         except Exception:
             queued = None
@@ -1567,7 +1568,7 @@ class GpuLimiter:
         claim_key, res_key, queue_key = (
             self._key(f"req:{ticket}"),
             self._key(f"res:{ticket}"),
-            pool_keys(self.pool_name)[3],
+            pool_keys(self.pool_name).queue,
         )
         while True:
             assert self.redis is not None  # set by start()

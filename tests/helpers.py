@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 import redis
 
-from gpulock._protocol import new_id, pool_keys
+from gpulock._protocol import new_id
+from gpulock._keys import pool_keys
 from gpulock._scripts import scripts
 
 GiB = 1 << 30

@@ -32,6 +32,7 @@ from fastapi import FastAPI, HTTPException, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, PrivateAttr, StrictInt
 
+from gpulock._keys import pool_key
 from gpulock.fastapi import GpuLimiter
 from gpulock.units import format_size, parse_size
 
@@ -181,7 +182,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             limiter.set_condition("model", False, f"start failed: {type(e).__name__}: {e}")
 
     async def _calibrate(device: str) -> None:
-        lock = f"gpulock:{{{settings.pool}}}:calibrating"
+        lock = pool_key(settings.pool, "calibrating")
         if limiter.pool is None:  # not started (the lifespan starts it before bring_up)
             return
         redis = limiter.pool.redis  # the limiter's own client

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from gpulock import AcquireTimeout, InvalidArgument, LeaseLost
-from gpulock._protocol import pool_keys
+from gpulock._keys import pool_keys
 from helpers import assert_empty, async_wait_until, raw_acquire, snapshot, used
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gpulock._protocol import pool_keys
+from gpulock._keys import pool_keys
 from helpers import assert_empty, async_wait_until, raw, raw_acquire
 
 

@@ -48,7 +48,7 @@ import psutil
 import redis
 
 from gpulock import Pool
-from gpulock._protocol import pool_keys
+from gpulock._keys import pool_keys
 from gpulock.embedded import RedisProcess
 from helpers import raw
 

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import redis
 
-from gpulock._protocol import pool_keys
+from gpulock._keys import pool_keys
 
 
 def _s(v: Any) -> Any:

@@ -28,7 +28,8 @@ import pytest
 import redis
 
 from gpulock import AcquireTimeout, AsyncPool, LeaseLost, Pool
-from gpulock._protocol import new_id, pool_keys
+from gpulock._protocol import new_id
+from gpulock._keys import pool_keys
 from gpulock.embedded import RedisProcess
 from helpers import raw, raw_acquire, snapshot
 

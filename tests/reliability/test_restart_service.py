@@ -18,7 +18,7 @@ import time
 import pytest
 import redis
 
-from gpulock._protocol import pool_keys
+from gpulock._keys import pool_keys
 from gpulock.fastapi import GpuLimiter
 
 pytestmark = pytest.mark.timeout(60)

@@ -25,7 +25,7 @@ import pytest
 import redis
 
 from gpulock import AsyncPool, Pool, PoolNotFound
-from gpulock._protocol import pool_keys
+from gpulock._keys import pool_keys
 
 from ._support import check_consistent, wait_for
 

@@ -25,7 +25,8 @@ import pytest
 import redis
 
 from gpulock import AsyncPool, BackendUnavailable, GpuLockError, Pool
-from gpulock._protocol import new_id, pool_keys
+from gpulock._protocol import new_id
+from gpulock._keys import pool_keys
 from helpers import raw, raw_acquire, raw_configure, snapshot
 
 from ._support import check_consistent

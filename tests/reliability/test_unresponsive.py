@@ -21,7 +21,7 @@ import redis
 import redis.asyncio as aioredis
 
 from gpulock import AsyncPool, BackendUnavailable, LeaseLost, Pool
-from gpulock._protocol import pool_keys
+from gpulock._keys import pool_keys
 
 from ._proxy import Proxy
 from ._support import check_consistent, wait_for

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpulock import _protocol as P
+from gpulock._keys import pool_keys
 from gpulock.errors import (
     AcquireTimeout,
     BackendUnavailable,
@@ -82,7 +83,7 @@ def test_request_id_rejected(rid):
 
 
 def test_pool_keys_share_one_hash_tag():
-    keys = P.pool_keys("gpu0")
+    keys = pool_keys("gpu0")
     assert len(keys) == 8
     assert all(k.startswith("gpulock:{gpu0}:") for k in keys)
     assert [k.rsplit(":", 1)[1] for k in keys] == [

@@ -49,7 +49,8 @@ from typing import Any, Awaitable, Callable, Iterable
 import redis.asyncio as aioredis
 
 from gpulock import AsyncPool
-from gpulock._admin import POOL_CFG_MATCH, DeleteResult, adelete_pool, pool_name_from_key
+from gpulock._admin import DeleteResult, adelete_pool
+from gpulock._keys import POOL_CFG_MATCH, pool_name_from_key
 from gpulock._protocol import Grant, NotGranted, new_id, retrying, translate, validate_pool_name
 from gpulock.errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
 
@@ -548,7 +549,7 @@ class Broker:
         return await self._guard(self._pool(pool).status(limit=limit))
 
     async def pool_names(self) -> list[str]:
-        """Every pool configured in Redis, sorted (the key shape is gpulock._admin's)."""
+        """Every pool configured in Redis, sorted (the key shape is gpulock._keys')."""
         redis = self._client()
 
         async def scan() -> list[str]:
