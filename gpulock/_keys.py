@@ -2,7 +2,7 @@
 
 Every key of a pool shares the hash tag ``{NAME}`` (``gpulock:{gpu0}:cfg``), so a pool lives in
 one Redis Cluster slot and its scripts touch keys of one slot only. The scripts take
-:func:`pool_keys` in :class:`PoolKeys` order (``lua/lib.lua`` names them in the same order).
+:func:`pool_keys` in :class:`PoolKeys` order; ``lua/lib.lua`` documents each key's fields.
 Keys the service keeps next to a pool (calibrated estimates, the calibration lock) are built
 with :func:`pool_key`, so they share the slot too.
 """
@@ -30,14 +30,14 @@ POOL_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 class PoolKeys(NamedTuple):
     """A pool's keys, in the order every script takes them as ``KEYS``."""
 
-    cfg: str  # hash: capacity, epoch, max_waiters, max_ttl, grace_until, ...
-    leases: str  # zset: lease id -> server-clock expiry (ms)
-    holders: str  # hash: lease id -> "token|amount|meta"
-    queue: str  # zset: ticket -> arrival sequence (the FIFO order)
-    waiters: str  # hash: ticket -> the waiter's request
+    cfg: str  # hash: capacity, used, fence, epoch, queue sequence, settings, counters
+    leases: str  # zset: lease id -> server expiry (ms)
+    holders: str  # hash: lease id -> holder record (amount, token, times, ticket, meta)
+    queue: str  # zset: ticket -> arrival sequence number (FIFO order)
+    waiters: str  # hash: ticket -> waiter record (amount, ttl, enqueued, channel, meta)
     wexp: str  # zset: ticket -> waiter expiry (ms)
-    tickets: str  # hash: ticket -> lease id of its grant (idempotent retries)
-    events: str  # pub/sub channel prefix for grant hand-offs (not a key)
+    tickets: str  # hash: ticket -> lease id of the grant made to that ticket
+    events: str  # prefix of the pub/sub channels grants are published on (not a key)
 
 
 def pool_key(pool: str, suffix: str) -> str:
