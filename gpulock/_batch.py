@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 #: Most EVALSHAs in one pipeline: big enough that a burst takes few round trips, small enough
@@ -34,18 +35,18 @@ class Batcher:
     (≥ 1). Lives in one event loop."""
 
     def __init__(
-        self, redis: Any, keys: list[str], max_inflight: int, max_batch: int = DEFAULT_MAX_BATCH
+        self, redis: Any, keys: Sequence[str], max_inflight: int, max_batch: int = DEFAULT_MAX_BATCH
     ):
         self.redis = redis
         self.keys = keys
         self.max_inflight = max(1, int(max_inflight))
         self.max_batch = max(1, int(max_batch))
         self.inflight = 0
-        self.pending: deque[tuple[str, list, asyncio.Future]] = deque()
+        self.pending: deque[tuple[str, list[Any], asyncio.Future[Any]]] = deque()
         self.batches = 0  # pipelines sent (for tests and benchmarks)
         self.batched_calls = 0  # calls that went out in a pipeline
 
-    async def evalsha(self, sha: str, args: list) -> Any:
+    async def evalsha(self, sha: str, args: list[Any]) -> Any:
         """The script's reply. Raises what redis-py raises for that call (NoScriptError,
         ResponseError, ConnectionError, TimeoutError, ...)."""
         if self.inflight < self.max_inflight and not self.pending:
@@ -56,13 +57,13 @@ class Batcher:
                 self.inflight -= 1
                 if self.pending:
                     self._flush()
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.pending.append((sha, args, fut))
         return await fut
 
     def _flush(self) -> None:
         while self.pending and self.inflight < self.max_inflight:
-            batch: list[tuple[str, list, asyncio.Future]] = []
+            batch: list[tuple[str, list[Any], asyncio.Future[Any]]] = []
             while self.pending and len(batch) < self.max_batch:
                 item = self.pending.popleft()
                 if not item[2].done():  # a call cancelled while it waited is not sent
@@ -71,7 +72,7 @@ class Batcher:
                 self.inflight += 1
                 asyncio.get_running_loop().create_task(self._send(batch))
 
-    async def _send(self, batch: list[tuple[str, list, asyncio.Future]]) -> None:
+    async def _send(self, batch: list[tuple[str, list[Any], asyncio.Future[Any]]]) -> None:
         try:
             async with self.redis.pipeline(transaction=False) as p:
                 for sha, args, _ in batch:

@@ -17,7 +17,7 @@ class _Gone(Exception):
     """The client closed the connection while its request waited (see watch_disconnect)."""
 
 
-def _is_gone(gone: asyncio.Task | None) -> bool:
+def _is_gone(gone: asyncio.Task[Any] | None) -> bool:
     return (
         gone is not None
         and gone.done()
@@ -27,11 +27,11 @@ def _is_gone(gone: asyncio.Task | None) -> bool:
     )
 
 
-async def _wait_or_gone(aw: Awaitable[Any], timeout: float, gone: asyncio.Task | None) -> None:
+async def _wait_or_gone(aw: Awaitable[Any], timeout: float, gone: asyncio.Task[Any] | None) -> None:
     """Await ``aw`` for at most ``timeout`` seconds: TimeoutError after it, _Gone as soon as
     ``gone`` says the client hung up (then ``aw`` is cancelled; pass a shield to keep it)."""
     fut = asyncio.ensure_future(aw)
-    waits: set[asyncio.Future] = (
+    waits: set[asyncio.Future[Any]] = (
         {fut} if gone is None or gone.done() and not _is_gone(gone) else {fut, gone}
     )
     try:
@@ -49,7 +49,7 @@ async def _wait_or_gone(aw: Awaitable[Any], timeout: float, gone: asyncio.Task |
     raise asyncio.TimeoutError()
 
 
-def watch_disconnect(request: Request) -> asyncio.Task:
+def watch_disconnect(request: Request) -> asyncio.Task[bool]:
     """A task that returns True once the request's client has closed the connection (the
     ASGI ``http.disconnect`` message); cancel it when the answer is ready. The body is read
     first if nobody has (Starlette keeps it on the request, so the handler still sees it):

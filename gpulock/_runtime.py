@@ -23,6 +23,7 @@ import secrets
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -69,7 +70,7 @@ class Runtime:
         self,
         redis,
         pool: str,
-        keys: list[str],
+        keys: Sequence[str],
         clock: Callable[[], float],
         poll_interval: float = DEFAULT_POLL_INTERVAL_S,
         loop: asyncio.AbstractEventLoop | None = None,

@@ -9,6 +9,7 @@ import hashlib
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+from importlib.abc import Traversable
 from pathlib import Path
 
 OPERATIONS = ("acquire", "release", "renew", "cancel", "reap", "status", "configure", "reassert")
@@ -21,7 +22,7 @@ class Script:
     sha: str
 
 
-def _lua_dir():
+def _lua_dir() -> Traversable:
     """The scripts ship inside the wheel as ``gpulock/lua``; a source checkout keeps them in
     the top-level ``lua/`` folder next to the package."""
     packaged = resources.files("gpulock").joinpath("lua")

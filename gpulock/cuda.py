@@ -63,7 +63,7 @@ _FATAL_MARKERS = (
 )
 
 
-def _torch():
+def _torch() -> Any:
     """torch if it is already imported, else None (never imports it)."""
     return sys.modules.get("torch")
 
@@ -191,7 +191,7 @@ def device_memory(
     ``nvidia-ml-py``), ``nvidia-smi``, and ``torch.cuda.mem_get_info`` in a short-lived
     subprocess. Returns None when no GPU is found."""
     try:
-        import pynvml  # type: ignore
+        import pynvml
 
         pynvml.nvmlInit()
         try:

