@@ -13,19 +13,21 @@ import random
 import re
 import secrets
 import socket
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import redis.exceptions as rex
+from gpulock_common.lease import CLOCK_DRIFT as CLOCK_DRIFT
+from gpulock_common.lease import SAFETY_MARGIN_S as SAFETY_MARGIN_S
+from gpulock_common.lease import LeaseView, LocalLeaseState
+from gpulock_common.lease import default_clock as default_clock
+from gpulock_common.lease import validity_deadline as lease_validity_deadline
 
 from .errors import (
     BackendUnavailable,
     CapacityExceeded,
     GpuLockError,
     InvalidArgument,
-    LeaseLost,
     PoolNotFound,
     QueueFull,
 )
@@ -49,13 +51,6 @@ DEFAULT_MAX_WAITERS = 10_000
 # pool object is given another: also the length of the grace period after Redis lost a pool
 # (docs/SEMANTICS.md), during which nothing new is granted. Twice the default ttl.
 DEFAULT_MAX_TTL_S = 60.0
-
-# Chubby's rule (Burrows 2006, §2.8): the client's view of a lease must end before the
-# server's. We count from when the successful call was *sent* (so its flight time is on our
-# side), shrink the span by an assumed bound on clock-rate difference between this host and
-# the Redis host, and take a fixed safety margin for scheduling delays.
-CLOCK_DRIFT = 0.01  # 1%: far above NTP-disciplined oscillators (tens of ppm)
-SAFETY_MARGIN_S = 0.05
 
 
 def validate_pool_name(name: object) -> str:
@@ -565,88 +560,39 @@ def retrying(bound: float, *, asynchronous: bool) -> Any:
     return AsyncRetrying(**kw) if asynchronous else Retrying(**kw)
 
 
-class LeaseState:
-    """A lease's identity and its local validity clock, shared by both shells and the
-    heartbeat. Thread-safe: the heartbeat may run in another thread than the holder.
+class LeaseState(LocalLeaseState):
+    """A lease's local state (:class:`gpulock_common.lease.LocalLeaseState`: identity, the
+    validity deadline, lost/released, the ``on_lost`` callbacks) with what a Redis grant adds,
+    shared by both shells and the heartbeat. Thread-safe: the heartbeat may run in another
+    thread than the holder.
 
-    ``valid_until`` is on the local monotonic clock (seconds). It is computed from the last
-    successful grant or renewal as ``sent + (expires_ms - server_now_ms)/1000 * (1 - CLOCK_DRIFT)
-    - SAFETY_MARGIN_S`` where ``sent`` is the local time the call was sent, so it always ends
-    before the server's expiry (invariant 5 in docs/SEMANTICS.md).
+    Adds: ``ticket`` (the request id), ``expires_ms`` (server-clock expiry, Unix ms),
+    ``epoch`` (the pool's epoch at the grant), ``meta`` (holder metadata as sent to acquire,
+    kept to re-assert the lease), ``next_renew`` (local monotonic seconds). ``valid_until``
+    comes from :func:`validity_deadline` of the last successful grant or renewal, so it always
+    ends before the server's expiry (invariant 5 in docs/SEMANTICS.md).
     """
 
-    __slots__ = (
-        "pool",
-        "lease_id",
-        "ticket",
-        "amount",
-        "token",
-        "ttl_s",
-        "expires_ms",
-        "valid_until",
-        "epoch",
-        "lost_reason",
-        "released",
-        "next_renew",
-        "_callbacks",
-        "_lock",
-        "_clock",
-        "meta",
-        "__weakref__",
-    )
+    __slots__ = ("ticket", "expires_ms", "epoch", "meta", "next_renew")
+    unreachable = "Redis"
+    log = logging.getLogger("gpulock")
 
     def __init__(
         self, pool: str, grant: Grant, ttl_s: float, valid_until: float, clock: Callable[[], float]
     ):
-        self.pool = pool
-        self.lease_id = grant.lease_id
+        super().__init__(pool, grant.lease_id, grant.amount, grant.token, ttl_s, valid_until, clock)
         self.ticket = grant.ticket
-        self.amount = grant.amount
-        self.token = grant.token
-        self.ttl_s = ttl_s
         self.expires_ms = grant.expires_ms
-        self.valid_until = valid_until
         self.epoch = grant.epoch
-        self.meta = ""  # holder metadata as sent to acquire (kept to re-assert the lease)
-        self.lost_reason: str | None = None
-        self.released = False
-        self._clock = clock
+        self.meta = ""
         self.next_renew = clock() + ttl_s / 3
-        self._callbacks: list[Callable[[], Any]] = []  # each already bound to its lease object
-        self._lock = threading.Lock()
 
     def renewed(self, sent: float, now_ms: int, expires_ms: int) -> None:
         self.expires_ms = expires_ms
         self.valid_until = validity_deadline(sent, now_ms, expires_ms)
         self.next_renew = sent + self.ttl_s / 3
 
-    def check(self) -> None:
-        """Raise LeaseLost if lost or past the local deadline (marking it lost)."""
-        if self.lost_reason is None and not self.released and self._clock() >= self.valid_until:
-            self.mark_lost(
-                "no successful renewal before the local validity deadline "
-                "(Redis unreachable, or this process was paused)"
-            )
-        if self.lost_reason is not None:
-            raise LeaseLost(self.lease_id, self.lost_reason)
-        if self.released:
-            raise LeaseLost(self.lease_id, "it was released")
-
-    def add_callback(self, cb: Callable[[Any], Any], owner: Any) -> None:
-        with self._lock:
-            fire = self.lost_reason is not None
-            if not fire:
-                self._callbacks.append(lambda: cb(owner))
-        if fire:
-            _safe_call(lambda: cb(owner))
-
-    def mark_lost(self, reason: str) -> bool:
-        """Mark lost once; fire callbacks. Returns True if this call marked it."""
-        with self._lock:
-            if self.lost_reason is not None or self.released:
-                return False
-            self.lost_reason = reason
-            cbs, self._callbacks = self._callbacks, []
+    def _report_lost(self, reason: str) -> None:
         log.warning(
             "gpulock: lease %s… on pool %s (token %d, %d bytes) lost: %s",
             self.lease_id[:8],
@@ -655,88 +601,28 @@ class LeaseState:
             self.amount,
             reason,
         )
-        for cb in cbs:
-            _safe_call(cb)
-        return True
-
-
-def _safe_call(fn: Callable[[], Any]) -> None:
-    try:
-        fn()
-    except Exception:  # a user callback must not kill the heartbeat
-        log.exception("gpulock: on_lost callback raised")
 
 
 def validity_deadline(sent: float, now_ms: int, expires_ms: int) -> float:
-    remaining = max(0.0, (expires_ms - now_ms) / 1000.0)
-    return sent + remaining * (1.0 - CLOCK_DRIFT) - SAFETY_MARGIN_S
+    """The local validity deadline (monotonic seconds) of a call sent at ``sent`` whose reply
+    gave the Redis server's time ``now_ms`` and the lease's expiry ``expires_ms`` (both Unix ms
+    on the server's clock): :func:`gpulock_common.lease.validity_deadline` of that span."""
+    return lease_validity_deadline(sent, (expires_ms - now_ms) / 1000.0)
 
 
-class LeaseBase:
-    """What sync and async leases share: identity, fencing token, validity, callbacks.
+class LeaseBase(LeaseView):
+    """What sync and async leases share (:class:`gpulock_common.lease.LeaseView`: ``id``,
+    ``pool``, ``amount`` in bytes, ``token``, ``ttl`` in seconds, ``valid_until``, ``lost``,
+    ``released``, ``ensure_valid``, ``on_lost``), plus ``request_id`` and ``expires_at``."""
 
-    Attributes: ``id`` (32 hex digits), ``pool``, ``amount`` (bytes), ``token`` (fencing token,
-    strictly increasing per pool; pass it to storage you write so stale holders can be
-    refused), ``ttl`` (seconds), ``request_id``.
-    """
+    __slots__ = ()
 
-    __slots__ = ("_state", "_pool")
-
-    def __init__(self, state: LeaseState, pool: Any):
-        self._state = state
-        self._pool = pool
-
-    id = property(lambda self: self._state.lease_id)
-    amount = property(lambda self: self._state.amount)
-    token = property(lambda self: self._state.token)
-    ttl = property(lambda self: self._state.ttl_s)
     request_id = property(lambda self: self._state.ticket)
-    pool = property(lambda self: self._state.pool)
 
     @property
     def expires_at(self) -> float:
         """Server-clock expiry of the last grant/renewal, as a Unix timestamp (seconds)."""
         return self._state.expires_ms / 1000.0
-
-    @property
-    def valid_until(self) -> float:
-        """Local ``time.monotonic()`` instant after which this lease counts as lost."""
-        return self._state.valid_until
-
-    @property
-    def lost(self) -> bool:
-        s = self._state
-        return s.lost_reason is not None or (not s.released and s._clock() >= s.valid_until)
-
-    @property
-    def released(self) -> bool:
-        return self._state.released
-
-    def ensure_valid(self) -> None:
-        """Raise :class:`LeaseLost` unless this lease is surely still held. Call it right
-        before each GPU call made under the lease. Cost: a clock read, no I/O.
-
-        Raises:
-            LeaseLost: the local validity deadline passed (Chubby's rule: it passes before
-                the server's expiry), the heartbeat learned the lease is gone, or it was
-                released.
-        """
-        self._state.check()
-
-    def on_lost(self, callback: Callable[[Any], Any]) -> None:
-        """Call ``callback(lease)`` once when the lease is found lost (by the heartbeat, the
-        deadline timer, or ``ensure_valid``). Runs at once if it is already lost. Runs in the
-        heartbeat's thread or event loop: keep it short and non-blocking."""
-        self._state.add_callback(callback, self)
-
-    def __repr__(self) -> str:
-        s = self._state
-        st = "released" if s.released else ("lost" if s.lost_reason else "held")
-        return f"<{type(self).__name__} {s.lease_id[:8]}… pool={s.pool} amount={s.amount} token={s.token} {st}>"
-
-
-def default_clock() -> float:
-    return time.monotonic()
 
 
 def check_amount_vs_capacity(amount: int, capacity: int | None) -> None:

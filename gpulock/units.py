@@ -13,6 +13,8 @@ import re
 from fractions import Fraction
 from typing import Literal, overload
 
+from gpulock_common.units import format_size
+
 from .errors import InvalidArgument
 
 __all__ = ["parse_size", "format_size", "parse_seconds"]
@@ -76,14 +78,6 @@ def parse_size(value: int | float | str, *, name: str = "amount") -> int:
     if n > MAX_BYTES:
         raise InvalidArgument(f"{name} must be at most {MAX_BYTES} bytes, got {value!r}")
     return n
-
-
-def format_size(n: int) -> str:
-    """``format_size(3 * 2**30) == "3.0GiB"``; bytes below 1 KiB print as ``"512B"``."""
-    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.1f}{unit}"
-    return f"{n}B"
 
 
 @overload

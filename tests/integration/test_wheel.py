@@ -1,5 +1,6 @@
-"""`pip install` of the built wheel (not the editable checkout) gives a working gpulock: the
-Lua scripts ship inside the wheel, and an acquire/release runs from a fresh venv."""
+"""`pip install` of the built wheels (not the editable checkout) gives a working gpulock: the
+Lua scripts ship inside the wheel, the gpulock-common wheel it depends on installs beside it,
+and an acquire/release runs from a fresh venv."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+DEPS = ("redis", "tenacity", "typer", "rich")
 OPS = ("lib", "acquire", "release", "renew", "cancel", "reap", "status", "configure")
 
 
@@ -28,30 +30,42 @@ def _run(cmd, **kw):
     return r
 
 
+def _build_wheel(src: Path, dist: Path, pattern: str) -> Path:
+    _run([sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(src)], timeout=180)
+    (wheel,) = dist.glob(pattern)
+    return wheel
+
+
 @pytest.mark.timeout(240)
 def test_wheel_installs_and_works(tmp_path, redis_proc1):
     dist = tmp_path / "dist"
-    _run([sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(ROOT)], timeout=180)
-    (wheel,) = dist.glob("gpulock-*.whl")
+    wheel = _build_wheel(ROOT, dist, "gpulock-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for op in OPS:
         assert f"gpulock/lua/{op}.lua" in names, sorted(names)
     assert not any(n.startswith("tests/") for n in names)
+    # gpulock depends on gpulock-common (clients/common), which is installed from its wheel too.
+    common_wheel = _build_wheel(ROOT / "clients/common", dist, "gpulock_common-*.whl")
+    common_names = set(zipfile.ZipFile(common_wheel).namelist())
+    for mod in ("__init__", "errors", "lease", "units"):
+        assert f"gpulock_common/{mod}.py" in common_names, sorted(common_names)
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], timeout=120)  # no system site packages
     py = venv / "bin" / "python"
     _run(
-        [str(py), "-m", "pip", "install", "-q", str(wheel), "redis", "tenacity", "typer", "rich"],
+        [str(py), "-m", "pip", "install", "-q", str(wheel), str(common_wheel), *DEPS],
         timeout=180,
     )
 
     script = textwrap.dedent(f"""
         import asyncio, pathlib, sys
-        import gpulock
+        import gpulock, gpulock.errors, gpulock_common.errors
         from gpulock import Pool, AsyncPool
         from gpulock._scripts import _lua_dir
         assert "site-packages" in gpulock.__file__, gpulock.__file__
+        assert "site-packages" in gpulock_common.__file__, gpulock_common.__file__
+        assert gpulock.errors.LeaseLost is gpulock_common.errors.LeaseLost
         assert "site-packages" in str(_lua_dir()), _lua_dir()
         pool = Pool.from_url({redis_proc1.url!r}, "wheel", capacity="2GiB")
         with pool.lease("1GiB", ttl=5) as lease:

@@ -1,8 +1,9 @@
 """gpulock-client: lease GPU memory from a gpulock pool through its HTTP lease API.
 
 ``Pool``/``AsyncPool`` and ``Lease``/``AsyncLease`` have the surface of gpulock's own classes
-(acquire, lease, ensure_valid, on_lost, token, release); the errors mirror gpulock's tree.
-Depends on httpx only.
+(acquire, lease, ensure_valid, on_lost, token, release); the errors are gpulock's own classes
+(from gpulock-common, which holds the error tree and the lease validity clock both share).
+Depends on httpx and gpulock-common only.
 """
 
 from ._async import AsyncLease, AsyncPool

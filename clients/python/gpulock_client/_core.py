@@ -18,6 +18,7 @@ ends, and only then sends its request, so it reaches the broker's queue only the
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import random
@@ -29,6 +30,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Generator, List, Optional, Protocol, Union
 from urllib.parse import quote
+
+from gpulock_common.lease import CLOCK_DRIFT as CLOCK_DRIFT
+from gpulock_common.lease import SAFETY_MARGIN_S as SAFETY_MARGIN_S
+from gpulock_common.lease import LeaseView, LocalLeaseState
+from gpulock_common.lease import reply_made_after as reply_made_after
+from gpulock_common.lease import validity_deadline as validity_deadline
 
 from .errors import (
     AcquireTimeout,
@@ -47,9 +54,6 @@ DEFAULT_MAX_WAIT_S = 20.0  # longest long-poll per request; the broker caps it t
 DEFAULT_BACKEND_TIMEOUT_S = 30.0  # how long an unreachable broker/Redis is retried
 CONNECT_TIMEOUT_S = 5.0
 READ_SLACK_S = 10.0  # added to `wait` for the read timeout of a long poll
-# Chubby's rule, as in gpulock: the client's view of a lease ends before the server's.
-CLOCK_DRIFT = 0.01
-SAFETY_MARGIN_S = 0.05
 JITTER = (1.0, 1.3)  # Retry-After is multiplied by a uniform factor in this range
 RELEASE_TIMEOUT_S = 5.0
 # Connections per pool object: the long-polled waits (``max_connections``), the control calls,
@@ -215,38 +219,22 @@ def error_for(r: Reply, pool: str) -> GpuLockError:
     if r.status in (401, 403):
         e: GpuLockError = AuthError(msg)
     elif r.status == 413:
-        e = CapacityExceeded(msg, int(d.get("amount") or 0), int(d.get("capacity") or 0))
+        e = CapacityExceeded(int(d.get("amount") or 0), int(d.get("capacity") or 0), msg)
     elif r.status == 422:
         e = InvalidArgument(msg)
     elif r.status == 404 and code == "pool_not_found":
-        e = PoolNotFound(msg)
+        e = PoolNotFound(pool, msg)
     elif r.status == 410 or (r.status == 404 and code == "not_found"):
         e = LeaseLost(str(d.get("lease_id") or "?"), msg)
     elif code == "queue_full":
-        e = QueueFull(msg, int(d.get("queue_length") or 0))
+        mw = d.get("max_waiters")
+        e = QueueFull(pool, int(d.get("queue_length") or 0), None if mw is None else int(mw), msg)
     elif r.status in (502, 503, 504):
         e = BackendUnavailable(f"pool {pool!r}: {msg}")
     else:
         e = GpuLockError(f"pool {pool!r}: unexpected HTTP {r.status}: {msg}")
     e.status = r.status
     return e
-
-
-def reply_made_after(sent: float, held_s: float = 0.0) -> float:
-    """Earliest local instant the reply can have been made: ``sent`` plus the time the broker
-    says it held the request (``held_ms``, its monotonic clock), shrunk by the clock-rate bound.
-    0 (an old broker without the field, or an immediate answer) gives ``sent``."""
-    return sent + max(0.0, held_s) * (1.0 - CLOCK_DRIFT)
-
-
-def validity_deadline(sent: float, expires_in: float, held_s: float = 0.0) -> float:
-    """Chubby's rule: ``expires_in`` (server clock, at the reply) counted from the earliest local
-    instant the reply can have been made, less the drift bound and a safety margin."""
-    return (
-        reply_made_after(sent, held_s)
-        + max(0.0, expires_in) * (1.0 - CLOCK_DRIFT)
-        - SAFETY_MARGIN_S
-    )
 
 
 def jittered(seconds: float, rng: random.Random) -> float:
@@ -259,32 +247,37 @@ def backoff(attempt: int, rng: random.Random, cap: float = 2.0) -> float:
 
 
 # ---- lease state ---------------------------------------------------------------------------
-class LeaseState:
-    """Identity and local validity clock of one lease; thread-safe (the heartbeat runs in
-    another thread or task than the holder)."""
+class LeaseState(LocalLeaseState):
+    """A lease's local state (:class:`gpulock_common.lease.LocalLeaseState`: identity, the
+    validity deadline, lost/released, the ``on_lost`` callbacks) built from the broker's grant
+    ``body`` (a 201's JSON) for a request sent at ``sent`` (local monotonic seconds).
+    Thread-safe: the heartbeat runs in another thread or task than the holder.
+
+    Adds: ``request_id``, ``acquired_at`` and ``expires_at`` (Unix seconds, server clock; the
+    expiry as last known), ``next_renew`` (local monotonic seconds), ``renew_failures`` (since
+    the last successful renewal). ``valid_until`` counts from the earliest instant the reply can
+    have been made: ``sent`` plus the broker's ``held_ms`` (how long it held a long poll)."""
+
+    unreachable = "broker"
+    log = logging.getLogger("gpulock_client")
 
     def __init__(self, pool: str, body: Dict[str, Any], sent: float, clock: Clock):
-        self.pool = pool
-        self.lease_id: str = body["lease_id"]
-        self.amount: int = int(body["amount"])
-        self.token: int = int(body["token"])
-        self.ttl_s: float = float(body["ttl"])
+        held_s = max(0.0, float(body.get("held_ms") or 0)) / 1000
+        expires_in = float(body["expires_in"])
+        super().__init__(
+            pool,
+            body["lease_id"],
+            int(body["amount"]),
+            int(body["token"]),
+            float(body["ttl"]),
+            validity_deadline(sent, expires_in, held_s),
+            clock,
+        )
         self.request_id: str = body["request_id"]
         self.expires_at: float = float(body["expires_at"])
         self.acquired_at: float = float(body["acquired_at"])
-        self.clock = clock
-        held_s = (
-            max(0.0, float(body.get("held_ms") or 0)) / 1000
-        )  # long-polled: counted from the reply
-        self.valid_until = validity_deadline(sent, float(body["expires_in"]), held_s)
-        self.next_renew = (
-            reply_made_after(sent, held_s) + min(self.ttl_s, float(body["expires_in"])) / 3
-        )
-        self.lost_reason: Optional[str] = None
-        self.released = False
+        self.next_renew = reply_made_after(sent, held_s) + min(self.ttl_s, expires_in) / 3
         self.renew_failures = 0
-        self._callbacks: List[Callable[[], Any]] = []
-        self._lock = threading.Lock()
 
     def renewed(self, sent: float, body: Dict[str, Any]) -> None:
         exp_in = float(body["expires_in"])
@@ -294,102 +287,17 @@ class LeaseState:
         self.next_renew = sent + min(self.ttl_s, exp_in) / 3
         self.renew_failures = 0
 
-    @property
-    def active(self) -> bool:
-        return self.lost_reason is None and not self.released
 
-    def expired_locally(self) -> bool:
-        return self.active and self.clock() >= self.valid_until
+class LeaseBase(LeaseView):
+    """What sync and async leases share (:class:`gpulock_common.lease.LeaseView`: ``id``,
+    ``pool``, ``amount`` in bytes, ``token`` (fencing token, strictly increasing per pool),
+    ``ttl`` in seconds, ``valid_until``, ``lost``, ``released``, ``ensure_valid``,
+    ``on_lost``), plus ``request_id``, ``acquired_at`` and ``expires_at`` (Unix seconds, server
+    clock; the expiry as last known)."""
 
-    def check(self) -> None:
-        if self.expired_locally():
-            self.mark_lost(
-                "no successful renewal before the local validity deadline "
-                "(broker unreachable, or this process was paused)"
-            )
-        if self.lost_reason is not None:
-            raise LeaseLost(self.lease_id, self.lost_reason)
-        if self.released:
-            raise LeaseLost(self.lease_id, "it was released")
-
-    def add_callback(self, cb: Callable[[], Any]) -> None:
-        with self._lock:
-            fire = self.lost_reason is not None
-            if not fire:
-                self._callbacks.append(cb)
-        if fire:
-            _safe(cb)
-
-    def mark_lost(self, reason: str) -> bool:
-        with self._lock:
-            if not self.active:
-                return False
-            self.lost_reason = reason
-            cbs, self._callbacks = self._callbacks, []
-        for cb in cbs:
-            _safe(cb)
-        return True
-
-
-def _safe(cb: Callable[[], Any]) -> None:
-    try:
-        cb()
-    except Exception:  # a user callback must not kill the heartbeat
-        import logging
-
-        logging.getLogger("gpulock_client").exception("on_lost callback raised")
-
-
-class LeaseBase:
-    """What sync and async leases share. Attributes: ``id`` (32 hex digits), ``pool``,
-    ``amount`` (bytes), ``token`` (fencing token, strictly increasing per pool), ``ttl``
-    (seconds), ``request_id``, ``acquired_at`` and ``expires_at`` (Unix seconds, server clock;
-    the expiry as last known),
-    ``valid_until`` (local ``time.monotonic()`` instant after which it counts as lost)."""
-
-    def __init__(self, state: LeaseState, pool: Any):
-        self._state = state
-        self._pool = pool
-
-    id = property(lambda self: self._state.lease_id)
-    pool = property(lambda self: self._state.pool)
-    amount = property(lambda self: self._state.amount)
-    token = property(lambda self: self._state.token)
-    ttl = property(lambda self: self._state.ttl_s)
     request_id = property(lambda self: self._state.request_id)
     expires_at = property(lambda self: self._state.expires_at)
     acquired_at = property(lambda self: self._state.acquired_at)
-    valid_until = property(lambda self: self._state.valid_until)
-
-    @property
-    def lost(self) -> bool:
-        s = self._state
-        return s.lost_reason is not None or s.expired_locally()
-
-    @property
-    def released(self) -> bool:
-        return self._state.released
-
-    def ensure_valid(self) -> None:
-        """Raise :class:`LeaseLost` unless the lease is surely still held. Call it before each
-        GPU call under the lease. Cost: a clock read, no I/O.
-
-        Raises:
-            LeaseLost: the local validity deadline passed (it passes before the server's
-                expiry), the broker said the lease is gone, or it was released.
-        """
-        self._state.check()
-
-    def on_lost(self, callback: Callable[[Any], Any]) -> None:
-        """Call ``callback(lease)`` once when the lease is found lost (by the heartbeat, its
-        deadline, or ``ensure_valid``); at once if it is lost already. Runs on the heartbeat
-        thread (sync) or in the event loop (async): keep it short."""
-        self._state.add_callback(lambda: callback(self))
-
-    def __repr__(self) -> str:
-        s = self._state
-        st = "released" if s.released else ("lost" if s.lost_reason else "held")
-        return f"<{type(self).__name__} {s.lease_id[:8]}… pool={s.pool} amount={s.amount} token={s.token} {st}>"
 
 
 # ---- procedures ----------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Exceptions raised by gpulock-client. They mirror gpulock's own tree (same names and
-attributes), so code written against ``gpulock`` reads the same::
+"""Exceptions raised by gpulock-client: the shared tree of :mod:`gpulock_common.errors`, the
+same classes gpulock raises (``gpulock_client.LeaseLost is gpulock.errors.LeaseLost``). What
+each means here, and the broker's reply it comes from (``status`` is set to its HTTP status)::
 
     GpuLockError
     ├── InvalidArgument (also ValueError)   422: a bad amount, ttl, pool name, request id...
@@ -14,7 +15,17 @@ attributes), so code written against ``gpulock`` reads the same::
 
 from __future__ import annotations
 
-from typing import Optional
+from gpulock_common.errors import (
+    AcquireTimeout,
+    AuthError,
+    BackendUnavailable,
+    CapacityExceeded,
+    GpuLockError,
+    InvalidArgument,
+    LeaseLost,
+    PoolNotFound,
+    QueueFull,
+)
 
 __all__ = [
     "GpuLockError",
@@ -27,76 +38,3 @@ __all__ = [
     "LeaseLost",
     "BackendUnavailable",
 ]
-
-
-class GpuLockError(Exception):
-    """Root of every exception gpulock-client raises. ``status`` is the HTTP status, when
-    one was received."""
-
-    status: Optional[int] = None
-
-
-class InvalidArgument(GpuLockError, ValueError):
-    """The broker refused an argument (422); the message names the field."""
-
-
-class AuthError(GpuLockError):
-    """401: no valid bearer token (set GPULOCK_TOKEN); 403: the token may not use this pool
-    or is not admin."""
-
-
-class PoolNotFound(GpuLockError):
-    """The pool is not configured on the broker's Redis (an admin creates it)."""
-
-
-class CapacityExceeded(GpuLockError):
-    """``amount`` (bytes) is larger than the pool's ``capacity`` (bytes): never grantable."""
-
-    def __init__(self, message: str, amount: int = 0, capacity: int = 0):
-        super().__init__(message)
-        self.amount, self.capacity = amount, capacity
-
-
-class AcquireTimeout(GpuLockError, TimeoutError):
-    """No grant within the timeout; the place in the queue was withdrawn, nothing is held.
-    ``position`` (last known, 0 if never queued), ``queue_length``, ``retry_after`` (seconds
-    or None), ``waited`` (seconds)."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        position: int = 0,
-        queue_length: int = 0,
-        retry_after: Optional[float] = None,
-        waited: float = 0.0,
-    ):
-        super().__init__(message)
-        self.position, self.queue_length, self.retry_after, self.waited = (
-            position,
-            queue_length,
-            retry_after,
-            waited,
-        )
-
-
-class QueueFull(GpuLockError):
-    """The pool's queue is at its bound; try again later."""
-
-    def __init__(self, message: str, queue_length: int = 0):
-        super().__init__(message)
-        self.queue_length = queue_length
-
-
-class LeaseLost(GpuLockError):
-    """The lease is (or may be) no longer held: the broker answered 410, or no renewal
-    succeeded before the local validity deadline. Stop using the memory it covered."""
-
-    def __init__(self, lease_id: str, reason: str):
-        super().__init__(f"lease {lease_id[:8]}… lost: {reason}")
-        self.lease_id, self.reason = lease_id, reason
-
-
-class BackendUnavailable(GpuLockError):
-    """The broker could not be reached, or answered that its Redis is unavailable, for longer
-    than the bound (``backend_timeout``, or the acquire's timeout)."""

@@ -1,0 +1,21 @@
+"""gpulock-common: what the gpulock core and the gpulock-client SDK share.
+
+Two distributions raise gpulock's errors and keep a lease's local validity clock: ``gpulock``
+(the core: Redis, Lua, the FastAPI integration, the broker) and ``gpulock-client`` (the SDK for
+the broker's HTTP lease API, which depends on httpx only). Both depend on this one
+(``gpulock-common>=0.1.0``), which depends on nothing outside the standard library, so the SDK
+pulls in neither redis, torch nor FastAPI, and the two sides hold one copy of:
+
+- :mod:`gpulock_common.errors`: the exception tree (``GpuLockError`` and its subclasses).
+  ``gpulock.errors`` and ``gpulock_client`` re-export these classes, so
+  ``gpulock.errors.LeaseLost is gpulock_client.LeaseLost``.
+- :mod:`gpulock_common.lease`: Chubby's rule for the local validity deadline (the clock-drift
+  bound and safety margin), a lease's local state (active, lost or released; ``check`` raising
+  ``LeaseLost``; ``mark_lost`` firing the ``on_lost`` callbacks once), and the lease object's
+  read-only surface.
+- :mod:`gpulock_common.units`: ``format_size``, the byte formatter the error messages use.
+
+Nothing here does I/O.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,171 @@
+"""The exceptions of gpulock and gpulock-client: one tree, one set of classes. Every error either
+raises derives from :class:`GpuLockError`::
+
+    GpuLockError
+    ├── InvalidArgument (also ValueError)   bad amount, ttl, pool name, request id, ... (HTTP 422)
+    ├── AuthError                           gpulock-client: HTTP 401 (no or unknown token), 403 (pool not allowed)
+    ├── PoolNotFound                        the pool is not configured (HTTP 404 pool_not_found)
+    ├── CapacityExceeded                    amount > capacity: can never be granted (HTTP 413)
+    ├── AcquireTimeout (also TimeoutError)  the wait for a grant ran out (or timeout=0 and busy)
+    ├── QueueFull                           the pool's queue is at its bound (HTTP 503 queue_full)
+    ├── LeaseLost                           the lease expired, was reaped or never existed (HTTP 410),
+    │                                       or no renewal succeeded before the local deadline
+    ├── BackendUnavailable                  Redis (or the broker) could not be reached, did not answer,
+    │                                       or refused the credentials
+    └── PoolClosed (also RuntimeError)      gpulock: the pool object was closed during (or before) the call
+
+The core (``gpulock``) wraps redis-py's errors (``raise BackendUnavailable(...) from exc``) and
+the SDK (``gpulock_client``) maps the broker's HTTP replies to these classes and sets
+``status``, so callers of either need catch only these. ``gpulock.errors`` and
+``gpulock_client`` re-export them: the classes are the same objects on both sides.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .units import format_size
+
+__all__ = [
+    "GpuLockError",
+    "InvalidArgument",
+    "AuthError",
+    "PoolNotFound",
+    "CapacityExceeded",
+    "AcquireTimeout",
+    "QueueFull",
+    "LeaseLost",
+    "BackendUnavailable",
+    "PoolClosed",
+]
+
+
+class GpuLockError(Exception):
+    """Root of every exception gpulock and gpulock-client raise. ``status`` is the HTTP status
+    of the broker's reply that caused it (gpulock-client), or None (no reply, or the core)."""
+
+    status: Optional[int] = None
+
+
+class InvalidArgument(GpuLockError, ValueError):
+    """An argument is malformed or out of range; the message names the bad value.
+    Nothing was changed in Redis."""
+
+
+class AuthError(GpuLockError):
+    """The broker refused the bearer token: 401, none or an unknown one (set GPULOCK_TOKEN);
+    403, the token may not use this pool or is not admin."""
+
+
+class PoolNotFound(GpuLockError):
+    """The pool has no configuration in Redis: it was never configured, or Redis lost its data
+    (a restart without persistence). Configure it with ``pool.configure(capacity)`` or
+    ``gpulock pool set NAME --capacity SIZE``. ``pool`` is its name; ``message`` replaces the
+    default text (the SDK passes the broker's)."""
+
+    def __init__(self, pool: str, message: Optional[str] = None):
+        if message is None:
+            message = (
+                f"pool {pool!r} is not configured in Redis (never set up, or Redis restarted "
+                f"without its data); run: gpulock pool set {pool} --capacity SIZE"
+            )
+        super().__init__(message)
+        self.pool = pool
+
+
+class CapacityExceeded(GpuLockError):
+    """The requested amount is larger than the pool's whole capacity, so no wait could end
+    with a grant. Raised at once. ``amount`` and ``capacity`` are in bytes; ``message``
+    replaces the default text (the SDK passes the broker's)."""
+
+    def __init__(self, amount: int, capacity: int, message: Optional[str] = None):
+        if message is None:
+            message = (
+                f"amount {amount} bytes ({format_size(amount)}) exceeds the pool's capacity "
+                f"{capacity} bytes ({format_size(capacity)})"
+            )
+        super().__init__(message)
+        self.amount = amount
+        self.capacity = capacity
+
+
+class AcquireTimeout(GpuLockError, TimeoutError):
+    """No grant within the timeout. The request has left the queue; nothing is held.
+
+    Attributes: ``position`` (1-based place in the queue when last known, 0 if never queued),
+    ``queue_length``, ``retry_after`` (seconds; the server's estimate of when the queue can
+    next move, or None when unknown), ``waited`` (seconds)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        position: int = 0,
+        queue_length: int = 0,
+        retry_after: Optional[float] = None,
+        waited: float = 0.0,
+    ):
+        super().__init__(message)
+        self.position = position
+        self.queue_length = queue_length
+        self.retry_after = retry_after
+        self.waited = waited
+
+
+class QueueFull(GpuLockError):
+    """The pool's queue holds ``max_waiters`` requests already; try again later.
+
+    Attributes: ``pool``, ``queue_length``, ``max_waiters`` (None when not known: the broker's
+    reply does not carry it). ``message`` replaces the default text (the SDK passes the
+    broker's)."""
+
+    def __init__(
+        self,
+        pool: str,
+        queue_length: int,
+        max_waiters: Optional[int] = None,
+        message: Optional[str] = None,
+    ):
+        if message is None:
+            message = (
+                f"pool {pool!r}: queue is full ({queue_length} waiting, max_waiters={max_waiters})"
+            )
+        super().__init__(message)
+        self.pool = pool
+        self.queue_length = queue_length
+        self.max_waiters = max_waiters
+
+
+class LeaseLost(GpuLockError):
+    """The lease is no longer (or may no longer be) held: its validity deadline passed without
+    a successful renewal, the server expired or reaped it, Redis lost it, or it was never
+    ours. Stop using the GPU memory it covered; never release bytes on its behalf.
+    Attributes: ``lease_id`` (32 hex digits, or "?" when the broker's reply named none),
+    ``reason``."""
+
+    def __init__(self, lease_id: str, reason: str):
+        super().__init__(f"lease {lease_id[:8]}… lost: {reason}")
+        self.lease_id = lease_id
+        self.reason = reason
+
+
+class BackendUnavailable(GpuLockError):
+    """Redis (or, for gpulock-client, the broker or its Redis) could not be reached, or did not
+    answer within the bound, after the retries that are safe for the operation. The core sets
+    the original redis-py error as the ``__cause__``."""
+
+
+class PoolClosed(GpuLockError, RuntimeError):
+    """The pool object was closed (``close()``/``aclose()``) while this call waited, or before
+    it: the wait ends at once, its request leaves the queue, and nothing is held.
+    Attributes: ``pool``, ``queued`` (False: closed before the call, which never reached the
+    queue)."""
+
+    def __init__(self, pool: str, *, queued: bool = True):
+        super().__init__(
+            f"pool object for {pool!r} was closed while this call waited; the request left the queue"
+            if queued
+            else f"pool object for {pool!r} was closed before this call; nothing was queued or held"
+        )
+        self.pool = pool
+        self.queued = queued

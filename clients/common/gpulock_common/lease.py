@@ -1,0 +1,244 @@
+"""A lease's local validity: the rule for its deadline, its local state, and the lease object's
+read-only surface. The core (``gpulock``, renewing over Redis) and the SDK (``gpulock_client``,
+renewing over the broker's HTTP API) each subclass :class:`LocalLeaseState` and
+:class:`LeaseView` with what their grants carry; the deadline, the lost/released states and the
+``on_lost`` callbacks are these.
+
+The rule is Chubby's (Burrows 2006, §2.8): the holder's view of a lease must end before the
+server's. The span the server granted is counted from when the successful request was *sent*
+(so its flight time is on the holder's side), shrunk by an assumed bound on the clock-rate
+difference between the two hosts (:data:`CLOCK_DRIFT`), less a fixed margin for scheduling
+delays (:data:`SAFETY_MARGIN_S`). Invariant 5 in gpulock's docs/SEMANTICS.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, ClassVar, List, Optional
+
+from .errors import LeaseLost
+
+__all__ = [
+    "CLOCK_DRIFT",
+    "SAFETY_MARGIN_S",
+    "reply_made_after",
+    "validity_deadline",
+    "LocalLeaseState",
+    "LeaseView",
+    "default_clock",
+]
+
+#: Assumed bound on the rate difference between the holder's clock and the server's: 1%, far
+#: above NTP-disciplined oscillators (tens of ppm).
+CLOCK_DRIFT = 0.01
+#: Seconds taken off every deadline for scheduling delays on the holder's side.
+SAFETY_MARGIN_S = 0.05
+
+Clock = Callable[[], float]
+
+# Passed for no owner: on_lost callbacks then take no argument (None is a valid owner).
+_NO_OWNER: Any = object()
+
+
+def reply_made_after(sent: float, held_s: float = 0.0) -> float:
+    """The earliest local instant (seconds, the holder's monotonic clock) at which the reply can
+    have been made: ``sent`` plus the time the server says it held the request (``held_s``,
+    seconds on its clock, e.g. a long poll's wait) shrunk by :data:`CLOCK_DRIFT`. A negative
+    ``held_s`` counts as 0."""
+    return sent + max(0.0, held_s) * (1.0 - CLOCK_DRIFT)
+
+
+def validity_deadline(sent: float, span_s: float, held_s: float = 0.0) -> float:
+    """The local validity deadline (seconds, the holder's monotonic clock) of a grant or
+    renewal: the server's remaining span ``span_s`` (seconds on its clock, at its reply; a
+    negative one counts as 0), counted from :func:`reply_made_after` ``(sent, held_s)``,
+    shrunk by :data:`CLOCK_DRIFT`, less :data:`SAFETY_MARGIN_S`. It is always before the
+    server's expiry as the holder's clock sees it, given the drift bound."""
+    return reply_made_after(sent, held_s) + max(0.0, span_s) * (1.0 - CLOCK_DRIFT) - SAFETY_MARGIN_S
+
+
+class LocalLeaseState:
+    """What a holder knows of one lease locally: identity, size, fencing token, the validity
+    deadline, and whether it is active, lost or released. Thread-safe: the heartbeat may run in
+    another thread (or task) than the holder.
+
+    Attributes: ``pool`` (name), ``lease_id`` (32 hex digits), ``amount`` (bytes), ``token``
+    (fencing token), ``ttl_s`` (seconds), ``valid_until`` (the holder's monotonic clock,
+    seconds; see :func:`validity_deadline`), ``lost_reason`` (None while not lost),
+    ``released``. The subclass sets :attr:`unreachable` (what the holder renews through) and
+    :attr:`log` (where a raising callback is logged), and may override :meth:`_report_lost`.
+    """
+
+    __slots__ = (
+        "pool",
+        "lease_id",
+        "amount",
+        "token",
+        "ttl_s",
+        "valid_until",
+        "lost_reason",
+        "released",
+        "_clock",
+        "_callbacks",
+        "_lock",
+        "__weakref__",
+    )
+
+    #: Named in the reason of a lease lost to its local deadline: "(X unreachable, or ...)".
+    unreachable: ClassVar[str] = "the server"
+    log: ClassVar[logging.Logger] = logging.getLogger("gpulock_common")
+
+    def __init__(
+        self,
+        pool: str,
+        lease_id: str,
+        amount: int,
+        token: int,
+        ttl_s: float,
+        valid_until: float,
+        clock: Clock,
+    ):
+        self.pool = pool
+        self.lease_id = lease_id
+        self.amount = amount
+        self.token = token
+        self.ttl_s = ttl_s
+        self.valid_until = valid_until
+        self.lost_reason: Optional[str] = None
+        self.released = False
+        self._clock = clock
+        self._callbacks: List[Callable[[], Any]] = []  # each already bound to its owner
+        self._lock = threading.Lock()
+
+    @property
+    def active(self) -> bool:
+        """Neither lost (as far as known) nor released."""
+        return self.lost_reason is None and not self.released
+
+    def expired_locally(self) -> bool:
+        """Active, and the clock has reached ``valid_until``."""
+        return self.active and self._clock() >= self.valid_until
+
+    @property
+    def lost(self) -> bool:
+        """Marked lost, or active past its deadline (not yet marked)."""
+        return self.lost_reason is not None or self.expired_locally()
+
+    def check(self) -> None:
+        """Return if the lease is surely still held; else raise. Past the deadline it is marked
+        lost first (which fires the callbacks). Cost: a clock read.
+
+        Raises:
+            LeaseLost: lost (its ``reason`` says why), past its deadline, or released.
+        """
+        if self.expired_locally():
+            self.mark_lost(
+                "no successful renewal before the local validity deadline "
+                f"({self.unreachable} unreachable, or this process was paused)"
+            )
+        if self.lost_reason is not None:
+            raise LeaseLost(self.lease_id, self.lost_reason)
+        if self.released:
+            raise LeaseLost(self.lease_id, "it was released")
+
+    def add_callback(self, cb: Callable[..., Any], owner: Any = _NO_OWNER) -> None:
+        """Call ``cb(owner)`` (``cb()`` when no owner is given) once, when the lease is marked
+        lost; at once, in this thread, if it is lost already. Never after a release. An
+        exception from ``cb`` is logged, not raised."""
+        bound: Callable[[], Any] = cb if owner is _NO_OWNER else (lambda: cb(owner))
+        with self._lock:
+            fire = self.lost_reason is not None
+            if not fire:
+                self._callbacks.append(bound)
+        if fire:
+            self._safe_call(bound)
+
+    def mark_lost(self, reason: str) -> bool:
+        """Mark the lease lost with ``reason`` and fire its callbacks, once: True if this call
+        marked it, False if it was lost or released already."""
+        with self._lock:
+            if not self.active:
+                return False
+            self.lost_reason = reason
+            cbs, self._callbacks = self._callbacks, []
+        self._report_lost(reason)
+        for cb in cbs:
+            self._safe_call(cb)
+        return True
+
+    def _report_lost(self, reason: str) -> None:
+        """Called once when the lease is marked lost, before its callbacks (the core logs it)."""
+
+    def _safe_call(self, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except Exception:  # a user callback must not kill the heartbeat
+            self.log.exception("%s: on_lost callback raised", self.log.name)
+
+
+class LeaseView:
+    """The read-only surface of a lease object over its :class:`LocalLeaseState` (the sides'
+    ``Lease``/``AsyncLease`` add release and renewal).
+
+    Attributes: ``id`` (32 hex digits), ``pool``, ``amount`` (bytes), ``token`` (fencing token,
+    strictly increasing per pool; pass it to storage you write so stale holders can be
+    refused), ``ttl`` (seconds), ``valid_until`` (local ``time.monotonic()`` instant after which
+    the lease counts as lost), ``lost``, ``released``.
+    """
+
+    __slots__ = ("_state", "_pool")
+
+    def __init__(self, state: Any, pool: Any):
+        self._state = state
+        self._pool = pool
+
+    id = property(lambda self: self._state.lease_id)
+    pool = property(lambda self: self._state.pool)
+    amount = property(lambda self: self._state.amount)
+    token = property(lambda self: self._state.token)
+    ttl = property(lambda self: self._state.ttl_s)
+
+    @property
+    def valid_until(self) -> float:
+        """Local ``time.monotonic()`` instant after which this lease counts as lost."""
+        return self._state.valid_until
+
+    @property
+    def lost(self) -> bool:
+        return self._state.lost
+
+    @property
+    def released(self) -> bool:
+        return self._state.released
+
+    def ensure_valid(self) -> None:
+        """Raise :class:`LeaseLost` unless this lease is surely still held. Call it right
+        before each GPU call made under the lease. Cost: a clock read, no I/O.
+
+        Raises:
+            LeaseLost: the local validity deadline passed (Chubby's rule: it passes before
+                the server's expiry), the heartbeat learned the lease is gone, or it was
+                released.
+        """
+        self._state.check()
+
+    def on_lost(self, callback: Callable[[Any], Any]) -> None:
+        """Call ``callback(lease)`` once when the lease is found lost (by the heartbeat, the
+        deadline timer, or ``ensure_valid``). Runs at once if it is already lost. Runs in the
+        heartbeat's thread or event loop: keep it short and non-blocking."""
+        self._state.add_callback(callback, self)
+
+    def __repr__(self) -> str:
+        s = self._state
+        st = "released" if s.released else ("lost" if s.lost_reason else "held")
+        return (
+            f"<{type(self).__name__} {s.lease_id[:8]}… pool={s.pool} amount={s.amount} "
+            f"token={s.token} {st}>"
+        )
+
+
+def default_clock() -> float:
+    """The clock ``valid_until`` is on: ``time.monotonic()`` (seconds)."""
+    return time.monotonic()
