@@ -170,7 +170,7 @@ def _register_extras() -> None:
     else:
         register(app)
     try:
-        from gpulock_service.broker.app import register_broker  # type: ignore[import-untyped]
+        from gpulock_broker.app import register_broker  # type: ignore[import-untyped]
     except ImportError:
         pass
     else:

@@ -143,7 +143,7 @@ class Broker:
 
     Args:
         redis_url: the Redis holding the pools.
-        tokens: the principals (see :func:`~gpulock_service.broker.auth.load_tokens`).
+        tokens: the principals (see :func:`~gpulock_broker.auth.load_tokens`).
         max_wait: the longest a POST is held while queued, seconds.
         backend_timeout: the longest a request waits for Redis before answering 503, seconds
             (the call itself finishes in the background, and what it did is kept track of).
