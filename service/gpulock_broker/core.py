@@ -143,7 +143,8 @@ class Broker:
     results and errors to status codes).
 
     Args:
-        redis_url: the Redis holding the pools.
+        redis_url: the Redis holding the pools: any URL of :mod:`gpulock._connect`
+            (redis://, rediss://, unix://, redis+sentinel://).
         tokens: the principals (see :func:`~gpulock_broker.auth.load_tokens`).
         max_wait: the longest a POST is held while queued, seconds.
         backend_timeout: the longest a request waits for Redis before answering 503, seconds
