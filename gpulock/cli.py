@@ -170,9 +170,8 @@ def _extra_entry_points() -> Iterable[EntryPoint]:
 
 def _register_extras() -> None:
     """Add the subcommands of every ``gpulock.cli`` entry point to :data:`app`, in the order
-    of the entry points' names. One whose
-    module cannot be imported (its package or its dependencies missing) is left out: the other
-    commands work without it."""
+    of the entry points' names. One whose module cannot be imported (its package or its
+    dependencies missing) is left out: the other commands work without it."""
     for ep in sorted(_extra_entry_points(), key=lambda ep: ep.name):
         try:
             register = ep.load()
