@@ -5,7 +5,7 @@ Needs the ``gpulock-client`` package (httpx); imported only when a broker URL is
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 from . import errors as E
 from ._admin import DeleteResult
@@ -148,49 +148,47 @@ def status_from_dict(d: dict) -> Any:
 
 
 def core_error(e: Exception) -> Exception:
-    """A gpulock_client error as the core's exception of the same name (same attributes), so
-    `gpulock run` treats leases through a broker and through Redis alike."""
+    """A gpulock_client error as the core's exception of the same meaning (same attributes), so
+    `gpulock run` treats leases through a broker and through Redis alike. gpulock_client's
+    QueueFull becomes AcquireTimeout (not granted now; try again later), its AuthError
+    :class:`AuthFailed`; anything else a plain GpuLockError with the same message."""
+    import gpulock_client as C
 
-    def g(k: str, d: Any = 0) -> Any:
-        return getattr(e, k, d)
-
-    name = type(e).__name__
-    if name == "LeaseLost":
-        return E.LeaseLost(g("lease_id", ""), g("reason", str(e)))
-    if name == "AcquireTimeout":
+    if isinstance(e, C.LeaseLost):
+        return E.LeaseLost(e.lease_id, e.reason)
+    if isinstance(e, C.AcquireTimeout):
         return E.AcquireTimeout(
-            str(e),
-            position=g("position"),
-            queue_length=g("queue_length"),
-            retry_after=g("retry_after", None),
+            str(e), position=e.position, queue_length=e.queue_length, retry_after=e.retry_after
         )
-    if name == "CapacityExceeded":
-        return E.CapacityExceeded(g("amount"), g("capacity"))
-    if name == "QueueFull":
-        return E.AcquireTimeout(str(e), queue_length=g("queue_length"))
-    if name == "InvalidArgument":
+    if isinstance(e, C.CapacityExceeded):
+        return E.CapacityExceeded(e.amount, e.capacity)
+    if isinstance(e, C.QueueFull):
+        return E.AcquireTimeout(str(e), queue_length=e.queue_length)
+    if isinstance(e, C.InvalidArgument):
         return E.InvalidArgument(str(e))
-    if name == "BackendUnavailable":
+    if isinstance(e, C.BackendUnavailable):
         return E.BackendUnavailable(str(e))
-    if name == "PoolNotFound":
+    if isinstance(e, C.PoolNotFound):
         return E.PoolNotFound(str(getattr(e, "pool", "?")))
-    if name == "AuthError":
+    if isinstance(e, C.AuthError):
         return AuthFailed(str(e))
     return E.GpuLockError(str(e))
 
 
 class BrokerLease:
-    """A gpulock_client lease behind the core's exceptions (see core_error)."""
+    """A gpulock_client lease behind the core's exceptions (see core_error); a
+    :class:`~gpulock._cli_common.RunLease`."""
 
-    def __init__(self, inner):
+    def __init__(self, inner: Any):
         self._inner = inner
-        self.id, self.token = inner.id, inner.token
+        self.id: str = inner.id
+        self.token: int = inner.token
 
     @property
     def valid_until(self) -> float:
         return self._inner.valid_until
 
-    def on_lost(self, cb) -> None:
+    def on_lost(self, cb: Callable[[Any], Any]) -> None:
         self._inner.on_lost(lambda _lease: cb(self))
 
     def ensure_valid(self) -> None:
@@ -211,7 +209,8 @@ class BrokerLease:
 
 
 class BrokerPool:
-    """gpulock_client.Pool with the core Pool's acquire/close and exceptions."""
+    """gpulock_client.Pool with the core Pool's acquire/close and exceptions; a
+    :class:`~gpulock._cli_common.RunPool`."""
 
     def __init__(self, url: str, pool: str, default_ttl: float):
         gpulock_client = _require_client()
@@ -219,11 +218,23 @@ class BrokerPool:
             url, pool, token=os.environ.get("GPULOCK_TOKEN"), default_ttl=default_ttl
         )
 
-    def acquire(self, amount, **kw):
+    def acquire(
+        self,
+        amount: int,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        holder: dict[str, Any] | None = None,
+        on_queued: Callable[[int], Any] | None = None,
+    ) -> BrokerLease:
         import gpulock_client
 
         try:
-            return BrokerLease(self._inner.acquire(amount, **kw))
+            return BrokerLease(
+                self._inner.acquire(
+                    amount, ttl=ttl, timeout=timeout, holder=holder, on_queued=on_queued
+                )
+            )
         except gpulock_client.GpuLockError as e:
             raise core_error(e) from e
 

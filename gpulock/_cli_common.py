@@ -8,7 +8,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional, Protocol
 
 import typer
 
@@ -136,6 +136,46 @@ class Target:
 
     def describe(self) -> str:
         return f"{'broker' if self.is_broker else 'Redis'} at {safe_url(self.url)}"
+
+
+class RunLease(Protocol):
+    """The lease ``gpulock run`` holds while CMD runs: the core's :class:`gpulock.Lease`, or a
+    lease through a broker (``_cli_broker.BrokerLease``). Errors are the core's exceptions."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def token(self) -> int: ...
+
+    @property
+    def valid_until(self) -> float:
+        """Local ``time.monotonic()`` instant after which the lease counts as lost."""
+        ...
+
+    def on_lost(self, callback: Callable[[Any], Any]) -> None: ...
+
+    def ensure_valid(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class RunPool(Protocol):
+    """The pool ``gpulock run`` leases from: the core's :class:`gpulock.Pool` (Redis), or
+    ``_cli_broker.BrokerPool`` (a broker, through the gpulock-client SDK). ``amount`` in
+    bytes, ``ttl``/``timeout`` in seconds; errors are the core's exceptions."""
+
+    def acquire(
+        self,
+        amount: int,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        holder: dict[str, Any] | None = None,
+        on_queued: Callable[[int], Any] | None = None,
+    ) -> RunLease: ...
+
+    def close(self) -> None: ...
 
 
 def check_redis_url(url: str) -> str:

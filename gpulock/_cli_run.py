@@ -25,6 +25,8 @@ from ._cli_common import (
     EXIT_TEMPFAIL,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
+    RunLease,
+    RunPool,
     Target,
     error_exit,
     fail,
@@ -196,7 +198,7 @@ def run(
             error_exit(e, t, pool)
         finally:
             b.close()
-        p: Any = BrokerPool(t.url, pool, default_ttl=ttl)
+        p: RunPool = BrokerPool(t.url, pool, default_ttl=ttl)
     else:
         redis_client(t.url).close()  # fail fast (exit 69) if Redis is down now
         p = Pool.from_url(t.url, pool, default_ttl=ttl)
@@ -208,7 +210,7 @@ def run(
 
 
 def _run_under_lease(
-    p,
+    p: RunPool,
     t: Target,
     pool: str,
     amount: int,
@@ -272,7 +274,7 @@ def _run_under_lease(
     return _supervise(lease, pool, amount, grace, cmd)
 
 
-def _release(lease, pool: str, *, wait: float = 6.0, quiet: bool = False) -> None:
+def _release(lease: RunLease, pool: str, *, wait: float = 6.0, quiet: bool = False) -> None:
     """Release, waiting at most ``wait`` seconds (an unreachable Redis would otherwise hold us
     for the socket timeout plus the retry bound); the lease expires after its ttl anyway."""
     problem: list[str] = []
@@ -299,7 +301,7 @@ def _release(lease, pool: str, *, wait: float = 6.0, quiet: bool = False) -> Non
         say(f"warning: {problem[0]}")
 
 
-def _supervise(lease, pool: str, amount: int, grace: float, cmd: list[str]) -> int:
+def _supervise(lease: RunLease, pool: str, amount: int, grace: float, cmd: list[str]) -> int:
     env = dict(os.environ)
     env.update(
         GPULOCK_LEASE_ID=lease.id,

@@ -187,7 +187,7 @@ class RequestLimits:
     passes those through its body parsing as they are), their ``detail`` made by ``detail(code,
     message)`` (the surface's error body, see :func:`install_error_handlers`); ``too_large_hint``
     ends the 413's message (what the client should send instead). The header phase is bounded
-    by the server (see ``gpulock_service.gunicorn_conf``)."""
+    by the server (see :mod:`gpulock._http_server`)."""
 
     def __init__(
         self,

@@ -9,14 +9,16 @@ name. gpulock's own messages go to stderr; stdout carries only data (``status``,
 or, for ``gpulock run``, only CMD's output.
 
 The commands live in ``_cli_pool`` (status, pools) and ``_cli_run`` (run); what they share
-(exit codes, messages, the backend) in ``_cli_common``.
+(exit codes, messages, the backend) in ``_cli_common``. ``serve``, ``loadtest`` and ``broker``
+belong to other packages (the demo service, the lease broker), which declare them as
+``gpulock.cli`` entry points; :func:`main` adds them, importing this module does not.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import typer
 
@@ -41,6 +43,9 @@ from ._cli_common import (
 )
 from ._cli_pool import pool_app, status
 from ._cli_run import RUN_HELP, run
+
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
 
 __all__ = [
     "app",
@@ -147,8 +152,41 @@ def _main(
         check_broker_url(broker_url or "")
 
 
+#: The entry-point group of the subcommands other packages add (``serve`` and ``loadtest`` from
+#: gpulock_service, ``broker`` from gpulock_broker; see pyproject.toml): each entry point names
+#: a function that takes :data:`app` and adds its commands.
+ENTRY_POINT_GROUP = "gpulock.cli"
+
+_extras_registered = False
+
+
+def _extra_entry_points() -> Iterable[EntryPoint]:
+    """The installed ``gpulock.cli`` entry points (from the packages' metadata; none when
+    gpulock is used from a source tree that was never installed)."""
+    from importlib.metadata import entry_points
+
+    return entry_points(group=ENTRY_POINT_GROUP)
+
+
+def _register_extras() -> None:
+    """Add the subcommands of every ``gpulock.cli`` entry point to :data:`app`, in the order
+    of the entry points' names. One whose module cannot be imported (its package or its
+    dependencies missing) is left out: the other commands work without it."""
+    for ep in sorted(_extra_entry_points(), key=lambda ep: ep.name):
+        try:
+            register = ep.load()
+        except ImportError:
+            continue
+        register(app)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    """Console-script entry point."""
+    """Console-script entry point: adds the entry points' subcommands (once per process), then
+    runs :data:`app` on ``argv`` (default: ``sys.argv[1:]``) and returns its exit status."""
+    global _extras_registered
+    if not _extras_registered:
+        _extras_registered = True
+        _register_extras()
     try:
         app(args=argv, prog_name="gpulock", standalone_mode=True)
     except SystemExit as e:
@@ -160,21 +198,3 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(code, file=sys.stderr)
         return 1
     return 0
-
-
-def _register_extras() -> None:
-    try:
-        from gpulock_service.cli import register  # type: ignore[import-untyped]
-    except ImportError:
-        pass
-    else:
-        register(app)
-    try:
-        from gpulock_service.broker.app import register_broker  # type: ignore[import-untyped]
-    except ImportError:
-        pass
-    else:
-        register_broker(app)
-
-
-_register_extras()

@@ -32,11 +32,11 @@ from fastapi import FastAPI, HTTPException, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, PrivateAttr, StrictInt
 
+from gpulock._http_guards import install_http_guards
 from gpulock._keys import pool_key
 from gpulock.fastapi import GpuLimiter
 from gpulock.units import format_size, parse_size
 
-from ._http import install_http_guards
 from .models import build_model, count_tokens
 from .settings import Settings
 

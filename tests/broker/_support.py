@@ -8,7 +8,7 @@ import threading
 import time
 
 import httpx
-from gpulock_service.broker import create_broker_app, parse_tokens
+from gpulock_broker import create_broker_app, parse_tokens
 
 from gpulock.embedded import free_port
 

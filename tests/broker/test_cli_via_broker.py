@@ -241,10 +241,10 @@ def test_a_broker_url_that_is_not_http_is_a_usage_error():
 
 def test_broker_default_port_is_not_serves():
     """The broker (8100) and gpulock serve (8000) can run on one host with their defaults."""
-    from gpulock_service.broker.app import DEFAULT_PORT
+    from gpulock_broker.app import DEFAULT_PORT
 
     assert DEFAULT_PORT == 8100
-    for args in (("-m", "gpulock", "broker", "--help"), ("-m", "gpulock_service.broker", "--help")):
+    for args in (("-m", "gpulock", "broker", "--help"), ("-m", "gpulock_broker", "--help")):
         r = subprocess.run(
             [sys.executable, *args],
             capture_output=True,

@@ -7,7 +7,7 @@ import json
 import types
 
 import pytest
-from gpulock_service.broker.auth import TokenConfigError, load_tokens
+from gpulock_broker.auth import TokenConfigError, load_tokens
 
 DOC = {"tokens": [{"name": "a", "token": "a-token-0123456789abcdef", "pools": ["*"]}]}
 

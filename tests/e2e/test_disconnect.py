@@ -191,7 +191,7 @@ def broker(e2e_redis, tmp_path_factory):
         [
             sys.executable,
             "-m",
-            "gpulock_service.broker",
+            "gpulock_broker",
             "--host",
             "127.0.0.1",
             "--port",

@@ -1,5 +1,5 @@
 """Every HTTP surface — the service (gunicorn, the sleep model), the lease broker (its own
-entry point, ``python -m gpulock_service.broker``) and a user's own GpuLimiter app (gunicorn
+entry point, ``python -m gpulock_broker``) and a user's own GpuLimiter app (gunicorn
 with the service's config) — as real processes on free loopback ports:
 
 * a body that is not UTF-8 answers a 400 naming the byte, whatever the content type (was 500);
@@ -86,7 +86,7 @@ def broker(e2e_redis, tmp_path_factory):
         [
             sys.executable,
             "-m",
-            "gpulock_service.broker",
+            "gpulock_broker",
             "--host",
             "127.0.0.1",
             "--port",

@@ -409,11 +409,15 @@ def test_run_interrupted_while_waiting_leaves_the_queue(url, tmp_path):
 
 
 def test_extras_hook_registers_and_tolerates_absence(monkeypatch):
-    """``gpulock_service.cli.register(app)`` is called when present; without it the CLI works."""
+    """A ``gpulock.cli`` entry point (``gpulock_service.cli:register``) is called with the app
+    when its module imports; without it the CLI works."""
     import types
+    from importlib.metadata import EntryPoint
 
     import gpulock.cli as cli_mod
 
+    ep = EntryPoint("serve", "gpulock_service.cli:register", cli_mod.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(cli_mod, "_extra_entry_points", lambda: [ep])
     seen = []
     fake = types.ModuleType("gpulock_service.cli")
     fake.register = lambda app: seen.append(app)

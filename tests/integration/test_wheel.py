@@ -49,6 +49,10 @@ def test_wheel_installs_and_works(tmp_path, redis_proc1):
     common_names = set(zipfile.ZipFile(common_wheel).namelist())
     for mod in ("__init__", "errors", "lease", "units"):
         assert f"gpulock_common/{mod}.py" in common_names, sorted(common_names)
+    # The lease broker is its own package in the wheel, next to the service (not inside it).
+    for mod in ("__init__", "__main__", "api", "app", "auth", "core", "models"):
+        assert f"gpulock_broker/{mod}.py" in names, sorted(names)
+    assert not any(n.startswith("gpulock_service/broker/") for n in names)
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], timeout=120)  # no system site packages
@@ -84,5 +88,9 @@ def test_wheel_installs_and_works(tmp_path, redis_proc1):
     """)
     r = _run([str(py), "-c", script], cwd=str(tmp_path), timeout=60)
     assert "OK" in r.stdout
-    # The console script is installed and starts.
+    # The console script is installed and starts; serve and broker, the gpulock.cli entry
+    # points of the service and the broker, are its commands.
     _run([str(venv / "bin" / "gpulock"), "--help"], cwd=str(tmp_path), timeout=60)
+    for command in ("serve", "broker"):
+        r = _run([str(venv / "bin" / "gpulock"), command, "--help"], cwd=str(tmp_path), timeout=60)
+        assert f"Usage: gpulock {command}" in r.stdout, r.stdout

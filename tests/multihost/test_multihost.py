@@ -81,7 +81,7 @@ def lab():
             [
                 sys.executable,
                 "-m",
-                "gpulock_service.broker",
+                "gpulock_broker",
                 "--host",
                 "0.0.0.0",
                 "--port",

@@ -161,3 +161,50 @@ def test_async_pool_and_waiter_follow_a_sentinel_failover(sentinel):
     new = redis.Redis(port=sentinel.replica.port)
     assert check_consistent(new, "sent-a") == {"used": 0, "leases": 0, "queued": 0}
     new.close()
+
+
+def test_broker_over_a_sentinel_url_follows_a_failover(sentinel):
+    """The lease broker takes a ``redis+sentinel://`` URL like the library (one connect path,
+    gpulock._connect): pools are configured, leased, renewed and released through it, also
+    after the sentinel promoted the replica; a waiter queued before the failover is granted
+    after it."""
+    from broker._support import ADMIN_TOKEN, TOKENS, USER_TOKEN
+    from gpulock_broker import create_broker_app, parse_tokens
+    from helpers import Running
+
+    app = create_broker_app(sentinel.url, parse_tokens(TOKENS, "test"), max_wait=20.0)
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    user = {"Authorization": f"Bearer {USER_TOKEN}"}
+    leases = "/v1/pools/sent-b/leases"
+
+    async def run() -> None:
+        async with Running(app) as c:
+            r = await c.put("/v1/pools/sent-b", json={"capacity": 100}, headers=admin)
+            assert r.status_code == 200 and r.json()["created"], r.text
+            r = await c.post(leases, json={"amount": 60, "ttl": 30}, headers=user)
+            assert r.status_code == 201, r.text
+            held = r.json()["lease_id"]
+            waiter = asyncio.create_task(
+                c.post(leases, json={"amount": 60, "ttl": 30, "wait": 20}, headers=user)
+            )
+            for _ in range(500):  # queued, seen on the server through the broker
+                if (await c.get("/v1/pools/sent-b", headers=user)).json()["waiter_count"] == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert not waiter.done()
+            await asyncio.to_thread(sentinel.in_sync)
+            await asyncio.to_thread(sentinel.fail_over)
+            r = await c.put(f"{leases}/{held}", json={}, headers=user)  # renewed on the new primary
+            assert r.status_code == 200, r.text
+            assert (await c.delete(f"{leases}/{held}", headers=user)).status_code == 200
+            got = await asyncio.wait_for(waiter, 20)
+            assert got.status_code == 201, got.text
+            st = (await c.get("/v1/pools/sent-b", headers=user)).json()
+            assert st["used"] == 60 and st["lease_count"] == 1
+            r = await c.delete(f"{leases}/{got.json()['lease_id']}", headers=user)
+            assert r.status_code == 200
+
+    asyncio.run(run())
+    new = redis.Redis(port=sentinel.replica.port)
+    assert check_consistent(new, "sent-b") == {"used": 0, "leases": 0, "queued": 0}
+    new.close()

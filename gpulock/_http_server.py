@@ -1,11 +1,12 @@
-"""HTTP details shared by the embeddings service and the lease broker.
+"""The connection-level bound of every gpulock HTTP server (the embeddings service under
+gunicorn, the lease broker under uvicorn) that the ASGI app cannot see: a uvicorn protocol that
+closes a connection whose request line and headers do not arrive within the read timeout
+(uvicorn has none: a connection that sends nothing, or a header byte a second, was held
+forever), or that sends more header bytes than ``MAX_HEADER_BYTES``.
 
-The request-level pieces (error replies, body size and read-time bounds) are
-:func:`gpulock.fastapi.install_http_guards`'s, the same that a user's own GpuLimiter app
-installs. This module adds the connection-level bound the ASGI app cannot see: a uvicorn
-protocol that closes a connection whose request line and headers do not arrive within the read
-timeout (uvicorn has none: a connection that sends nothing, or a header byte a second, was
-held forever), or that sends more header bytes than ``MAX_HEADER_BYTES``.
+The request-level bounds (error replies, body size and read time) are
+:func:`gpulock._http_guards.install_http_guards`'s. uvicorn is imported only by
+:func:`server_protocol`.
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gpulock._http_guards import DEFAULT_READ_TIMEOUT, install_error_handlers, install_http_guards
+from ._http_guards import DEFAULT_READ_TIMEOUT
 
 __all__ = [
-    "install_error_handlers",
-    "install_http_guards",
     "read_timeout",
     "server_protocol",
     "MAX_HEADER_BYTES",

@@ -1,8 +1,6 @@
-"""``gpulock broker``: the HTTP lease API alone, without a model.
-
-Until the lead wires it into ``gpulock``'s CLI, run it as ``python -m gpulock_service.broker``
-(same options).
-"""
+"""``gpulock broker``: the HTTP lease API alone, without a model (also
+``python -m gpulock_broker``, same options). :func:`register_broker` is the ``gpulock.cli``
+entry point that adds the command to ``gpulock``."""
 
 from __future__ import annotations
 
@@ -55,7 +53,8 @@ def create_broker_app(
 
     from fastapi import FastAPI
 
-    from .._http import install_http_guards
+    from gpulock._http_guards import install_http_guards
+
     from .api import router
     from .core import Broker
 
@@ -110,7 +109,7 @@ def run_broker(
     """Serve the broker with uvicorn until interrupted."""
     import uvicorn
 
-    from .._http import MAX_HEADER_BYTES, server_protocol
+    from gpulock._http_server import MAX_HEADER_BYTES, server_protocol
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -1,6 +1,6 @@
 """The FastAPI router of the HTTP lease API, ``/v1``. Mount it in any FastAPI app::
 
-    from gpulock_service.broker import router, Broker, load_tokens
+    from gpulock_broker import router, Broker, load_tokens
     app.include_router(router)
     # in the app's lifespan:
     broker = Broker(redis_url, load_tokens())

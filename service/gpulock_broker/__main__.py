@@ -1,4 +1,4 @@
-"""``python -m gpulock_service.broker``: the same as ``gpulock broker``."""
+"""``python -m gpulock_broker``: the same as ``gpulock broker``."""
 
 import typer
 

@@ -50,6 +50,7 @@ import redis.asyncio as aioredis
 
 from gpulock import AsyncPool
 from gpulock._admin import DeleteResult, adelete_pool
+from gpulock._connect import async_client
 from gpulock._keys import POOL_CFG_MATCH, pool_name_from_key
 from gpulock._protocol import Grant, NotGranted, new_id, retrying, translate, validate_pool_name
 from gpulock.errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
@@ -142,8 +143,9 @@ class Broker:
     results and errors to status codes).
 
     Args:
-        redis_url: the Redis holding the pools.
-        tokens: the principals (see :func:`~gpulock_service.broker.auth.load_tokens`).
+        redis_url: the Redis holding the pools: any URL of :mod:`gpulock._connect`
+            (redis://, rediss://, unix://, redis+sentinel://).
+        tokens: the principals (see :func:`~gpulock_broker.auth.load_tokens`).
         max_wait: the longest a POST is held while queued, seconds.
         backend_timeout: the longest a request waits for Redis before answering 503, seconds
             (the call itself finishes in the background, and what it did is kept track of).
@@ -199,15 +201,15 @@ class Broker:
         if self._redis is None:
             # A bounded pool: requests beyond it wait for a connection (waiting for a grant
             # holds none). Each pool name's pub/sub subscription takes one of them for good.
-            cp = aioredis.BlockingConnectionPool.from_url(
+            # gpulock._connect: the library's one URL parser and connector (redis://,
+            # rediss://, unix://, redis+sentinel://).
+            self._redis = async_client(
                 self.redis_url,
                 max_connections=self.redis_max_connections,
-                timeout=self.backend_timeout,
                 socket_timeout=min(2.0, self.backend_timeout),
                 socket_connect_timeout=min(1.0, self.backend_timeout),
                 health_check_interval=10,
             )
-            self._redis = aioredis.Redis(connection_pool=cp)
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().create_task(
                 self._sweep_loop(), name="gpulock-broker-sweeper"
