@@ -78,6 +78,15 @@ Metrics (``/metrics``, Prometheus text; multiprocess mode when ``PROMETHEUS_MULT
 set, as under gunicorn): pool gauges are read from Redis at scrape time; counters and
 histograms are per process and summed by prometheus-client's multiprocess collector. See
 ``docs/SERVICE.md`` for the list.
+
+The parts, one concept a module: ``_limiter`` (:class:`GpuLimiter`, the facade that composes
+the rest), ``_settings``, ``_backend`` (the pool's clients and last status), ``_reaper`` (the
+background status reads), ``_admission`` (thread slots, the lease wait, the ttl bound),
+``_jobs`` (the job runner, :func:`current_lease`), ``_call`` (a request answered from its
+job), ``_idempotency`` (X-Request-ID claims, stored results, following another worker's
+request), ``_resident`` (resident leases), ``_readiness``, ``_retry_after`` (the service's
+estimator over the policy in :mod:`gpulock.retry_after`), ``_errors`` (HTTP error mapping),
+``_metrics``, ``_calibration``, ``_signature`` (``guard``/``endpoint``), ``_history``.
 """
 
 from __future__ import annotations
