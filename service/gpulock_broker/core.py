@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 import weakref
 from collections import OrderedDict
@@ -54,6 +53,7 @@ from gpulock._connect import async_client
 from gpulock._keys import POOL_CFG_MATCH, pool_name_from_key
 from gpulock._protocol import Grant, NotGranted, new_id, retrying, translate, validate_pool_name
 from gpulock.errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
+from gpulock.retry_after import from_expiry_ms
 
 from .auth import Principal
 
@@ -366,8 +366,7 @@ class Broker:
             if res.queued and self.clock() - start >= LONG_POLL_S:
                 ra = 0  # it long-polled: pacing is done; come back now to go on waiting
             else:
-                ra = 1 if res.retry_after_ms < 0 else math.ceil(res.retry_after_ms / 1000)
-                ra = int(min(max(ra, 1), self.retry_after_max))
+                ra = from_expiry_ms(res.retry_after_ms, self.retry_after_max)
             hold = min(self.park_max, max(self.waiter_ttl, 2.0 * ra + 2.0))
             entry.until = max(entry.until, self.clock() + hold)
             return Queued(rid, res.queued, res.position, res.queue_length, ra, hold)

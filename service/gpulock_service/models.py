@@ -26,7 +26,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
 
-from gpulock.fastapi import BertEstimator
+from .estimators import BertEstimator
 from gpulock.units import parse_size
 
 from .settings import Settings

@@ -30,7 +30,6 @@ from gpulock.cuda import (
     is_oom,
 )
 from gpulock.fastapi import (
-    BertEstimator,
     GpuCall,
     GpuLimiter,
     current_lease,
@@ -38,6 +37,7 @@ from gpulock.fastapi import (
     next_bucket,
     request_ticket,
 )
+from gpulock_service.estimators import BertEstimator
 
 GiB = 2**30
 pytestmark = pytest.mark.timeout(60)
@@ -415,14 +415,14 @@ async def test_retry_after_follows_the_grant_rate(redis_proc1):
     assert gpu.retry_after(3) == 3  # nothing measured: one second per place
     assert gpu.retry_after(3, server_hint=2.2) == 3  # ... or the server's hint when shorter
     assert gpu.retry_after(3, server_hint=1.2) == 2
-    gpu._pool_rate.rate = 4.0
+    gpu._retry.pool_rate.rate = 4.0
     assert [gpu.retry_after(p) for p in (1, 4, 5, 40, 1000)] == [1, 1, 2, 10, 60]
     # A parked request keeps its place for park_timeout: never tell it to come back later.
     assert [gpu.retry_after(p, parked=True) for p in (5, 40, 1000)] == [2, 10, 15]
-    gpu._local_rate.rate = 1.0  # this worker drains its own thread queue at 1/s
+    gpu._retry.local_rate.rate = 1.0  # this worker drains its own thread queue at 1/s
     assert gpu.retry_after(4, local=3) == 4  # 4/4 + 3/1
-    gpu._pool_rate.rate = 0.0
-    gpu._hold_ewma = 2.0
+    gpu._retry.pool_rate.rate = 0.0
+    gpu._retry.hold_ewma = 2.0
     from gpulock import PoolStatus
 
     gpu.status = PoolStatus("it7", 10, 4, 0, 0, 10, 4, 0, 0, 0, 0)
@@ -530,8 +530,8 @@ async def test_request_larger_than_the_room_residents_leave_is_413_at_once(redis
             await other.acquire(int(1.5 * GiB), ttl=30, holder={"purpose": "resident:model"})
             for _ in range(2)
         ]
-        await gpu._tick(full=True)  # the next full reaper tick would read them
-        assert gpu._resident_bytes == 3 * GiB
+        await gpu._reaper.tick(full=True)  # the next full reaper tick would read them
+        assert gpu._resident.pool_bytes == 3 * GiB
         t0 = time.monotonic()
         big, small = await asyncio.gather(
             c.post("/sync", json={"gib": 2}), c.post("/sync", json={"gib": 1})
@@ -547,7 +547,7 @@ async def test_request_larger_than_the_room_residents_leave_is_413_at_once(redis
         # A model went away: the same request now fits, and the stale cached total does not
         # refuse it (the refusal is decided on a fresh read).
         await models.pop().release()
-        assert gpu._resident_bytes == 3 * GiB
+        assert gpu._resident.pool_bytes == 3 * GiB
         assert (await c.post("/sync", json={"gib": 2})).status_code == 200
         for lz in models:
             await lz.release()
@@ -613,7 +613,7 @@ async def _run_under_acl(url: str, admin_url: str, pool: str) -> list[str]:
             async def tick_during_a_request() -> None:
                 await asyncio.sleep(0.2)
                 try:
-                    await gpu._tick(full=True)  # refreshes the running request's claim
+                    await gpu._reaper.tick(full=True)  # refreshes the running request's claim
                     await gpu.redis.hgetall(gpu.estimates_key)
                 except Exception as e:  # noqa: BLE001 - a refused command is what we look for
                     problems.append(f"tick: {e}")
@@ -736,7 +736,7 @@ async def test_a_job_cancelled_during_its_release_is_not_a_failed_release(
     async with _Running(app) as c:
         req = asyncio.create_task(c.post("/sync", json={}))
         await async_wait_until(entered.is_set, timeout=10)
-        (job,) = list(gpu._all_jobs)
+        (job,) = list(gpu._runner.all)
         redis_proc1.pause()
         try:
             go.set()

@@ -45,13 +45,16 @@ async def test_retry_on_another_worker_gets_the_real_place_and_retry_after(redis
     async with _Running(a_app) as ca, _Running(b_app) as cb:
         hold = asyncio.create_task(ca.post("/sync", json={"seconds": 6.0, "gib": 4}))
         await _until(
-            lambda: a._slots.free == threads - 1 and a._local_grants == 1, "the holder running"
+            lambda: a._slots.free == threads - 1 and a._retry.local_grants == 1,
+            "the holder running",
         )
 
         def waiting() -> int:  # requests of worker A behind the holder, wherever they wait
             if phase == "slot":
                 return len(a._slots.waiters)
-            return sum(1 for j in a._jobs.values() if j.phase == "queued" and j.position)
+            return sum(
+                1 for j in a._runner.by_ticket.values() if j.phase == "queued" and j.position
+            )
 
         ahead = []
         for i in range(3):  # parked (X-Request-ID), so they keep their places after their 503s

@@ -1,0 +1,69 @@
+"""This worker's connection to its pool: the clients made by ``start()`` and the pool's status
+as last read from Redis, which the limiter's parts share."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import redis.asyncio as aioredis
+
+from .._async import AsyncPool
+from .._keys import pool_key, pool_keys
+from .._protocol import PoolStatus
+
+
+def process_owner() -> str:
+    """``host:pid`` of this process: the owner written into request claims."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class Backend:
+    """The pool, its Redis client and the executor of one worker (None until ``start()``),
+    and the last status read.
+
+    Attributes:
+        pool_name: the pool.
+        pool, redis, executor: set by ``GpuLimiter.start()``, in the worker process.
+        owner: ``host:pid`` of the worker (set again after fork, by ``start()``).
+        status: the pool's status as last read (None before one, or after the pool was not
+            found); ``status_at`` when it was read (``time.monotonic()``).
+        redis_error: why the last read failed, None when it succeeded.
+    """
+
+    def __init__(self, pool_name: str):
+        self.pool_name = pool_name
+        self.pool: AsyncPool | None = None
+        self.redis: aioredis.Redis | None = None
+        self.executor: ThreadPoolExecutor | None = None
+        self.owner = process_owner()
+        self.status: PoolStatus | None = None
+        self.status_at = 0.0
+        self.redis_error: str | None = "not connected yet"
+
+    def key(self, suffix: str) -> str:
+        """The pool's Redis key ``gpulock:{pool}:<suffix>`` (see ``gpulock._keys``)."""
+        return pool_key(self.pool_name, suffix)
+
+    @property
+    def queue_key(self) -> str:
+        """The key of the pool's FIFO queue (a sorted set of tickets)."""
+        return pool_keys(self.pool_name).queue
+
+    def record(self, st: PoolStatus, now: float | None = None) -> None:
+        """Keep ``st``, read at ``now`` (monotonic seconds, default now)."""
+        self.status, self.status_at = st, time.monotonic() if now is None else now
+
+    def queued(self) -> int:
+        """Requests in the pool's queue at the last read (0 when unknown)."""
+        return self.status.waiter_count if self.status is not None else 0
+
+    def grace_left(self) -> float:
+        """Seconds left in the pool's grace period after Redis lost it (nothing is granted
+        before it ends), from the last status read; 0 outside one."""
+        st = self.status
+        if st is None or st.grace_left <= 0:
+            return 0.0
+        return max(0.0, st.grace_left - (time.monotonic() - self.status_at))

@@ -1,0 +1,289 @@
+"""The guarded call from the HTTP side: a request becomes a job (or joins one, or is answered
+from a stored result), and is answered from it within the request's deadlines.
+
+Deadlines: 503 if the job has not started running by ``arrival + acquire_timeout``, 504 if it
+has not finished ``inference_timeout`` later; the job goes on after either answer (parked, or
+until its thread returns). A client that hangs up gets 499."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import Request, Response
+
+from .._disconnect import _Gone, _wait_or_gone, watch_disconnect
+from ..units import format_size, parse_size
+from ._backend import Backend
+from ._errors import GpuLockHTTPException, HttpErrors
+from ._idempotency import MISSING, RequestStore, request_ticket
+from ._jobs import Job, JobRunner
+from ._metrics import metrics
+from ._retry_after import RetryAfterEstimator
+from ._settings import Settings
+
+
+class GuardedCalls:
+    """Runs guarded calls and maps their outcomes to answers.
+
+    Args:
+        settings: the timeouts, ``park_timeout``, ``enabled`` and the header's name.
+        backend: the executor (for unguarded calls).
+        check_accepting: raises 503 unless this worker takes guarded calls now.
+        check_room: raises 413 for an amount the resident leases leave no room for.
+        runner: starts jobs.
+        store: claims, results and following (X-Request-ID).
+        retry: Retry-After and the job's place.
+        errors: the answers of failed calls.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        backend: Backend,
+        check_accepting: Callable[[], None],
+        check_room: Callable[[int], Awaitable[None]],
+        runner: JobRunner,
+        store: RequestStore,
+        retry: RetryAfterEstimator,
+        errors: HttpErrors,
+    ):
+        self._settings = settings
+        self._backend = backend
+        self._check_accepting = check_accepting
+        self._check_room = check_room
+        self._runner = runner
+        self._store = store
+        self._retry = retry
+        self._errors = errors
+
+    async def call(
+        self,
+        fn: Callable[[], Any],
+        *,
+        route: str,
+        amount: int | str,
+        request: Request | None = None,
+        response: Response | None = None,
+        request_id: str | None = None,
+        fingerprint_of: Callable[[], str] | None = None,
+    ) -> Any:
+        """Run ``fn()`` in the executor under a lease of ``amount`` bytes; see the package
+        docstring for the sequence and the errors (raised as :class:`GpuLockHTTPException`).
+        ``request_id`` defaults to the request's ``X-Request-ID`` header."""
+        m = metrics()
+        header = self._settings.request_id_header
+        if request_id is None and request is not None:
+            request_id = request.headers.get(header)
+        if response is not None and request_id:
+            response.headers[header] = request_id
+        gone: asyncio.Task | None = None
+        try:
+            self._check_accepting()
+            amount = parse_size(amount, name="estimate")
+            m.estimate.labels(route).observe(amount)
+            arrival = time.monotonic()
+            if not self._settings.enabled:
+                result = await self._call_unguarded(fn)
+            else:
+                await self._check_room(amount)
+                # Uvicorn does not cancel a handler whose client went away: watch for it, so a
+                # request nobody waits for leaves the queue at once and is never granted.
+                gone = watch_disconnect(request) if request is not None else None
+                if request_id:
+                    fp = fingerprint_of() if fingerprint_of else ""
+                    result = await self._call_idempotent(
+                        fn, route, amount, request_id, arrival, fp, response, gone
+                    )
+                else:
+                    job = self._runner.start(fn, route, amount, None, "", arrival, park=0.0)
+                    result = await self.await_job(job, arrival, response, gone)
+        except GpuLockHTTPException as e:
+            m.requests.labels(route, str(e.status_code)).inc()
+            if request_id:
+                e.headers = {**(e.headers or {}), header: request_id}
+            raise
+        except asyncio.CancelledError:
+            m.requests.labels(route, "499").inc()
+            raise
+        except BaseException:
+            m.requests.labels(route, "500").inc()
+            raise
+        finally:
+            if gone is not None:
+                gone.cancel()
+        m.requests.labels(route, "200").inc()
+        if isinstance(result, Response) and response is not None:
+            # FastAPI ignores the sub-response when a Response is returned
+            for k, v in response.headers.items():
+                if k.lower() not in ("content-length", "content-type"):
+                    result.headers[k] = v
+        return result
+
+    async def _call_unguarded(self, fn: Callable[[], Any]) -> Any:
+        executor = self._backend.executor
+        assert executor is not None
+        timeout = self._settings.inference_timeout
+        fut = asyncio.get_running_loop().run_in_executor(executor, fn)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            raise GpuLockHTTPException(
+                504, f"inference ran past {timeout}s", "inference_timeout"
+            ) from None
+
+    async def _call_idempotent(
+        self,
+        fn: Callable[[], Any],
+        route: str,
+        amount: int,
+        request_id: str,
+        arrival: float,
+        fp: str,
+        response: Response | None,
+        gone: asyncio.Task | None = None,
+    ) -> Any:
+        ticket = request_ticket(route, request_id)
+        m = metrics()
+        while True:
+            local = self._runner.by_ticket.get(ticket)
+            if local is not None and local.phase != "done":
+                if local.fingerprint != fp:
+                    raise self._errors.conflict(request_id)
+                m.replays.labels(route, "joined").inc()
+                return await self.await_job(local, arrival, response, gone)
+            stored = await self._store.get(ticket, fp, request_id)
+            if stored is not MISSING:
+                m.replays.labels(route, "stored").inc()
+                if response is not None:
+                    response.headers["X-Idempotent-Replay"] = "true"
+                return stored
+            if await self._store.claim(ticket, fp):
+                # stored just before we claimed?
+                stored = await self._store.get(ticket, fp, request_id)
+                if stored is not MISSING:
+                    await self._store.unclaim(ticket)
+                    m.replays.labels(route, "stored").inc()
+                    return stored
+                job = self._runner.start(
+                    fn, route, amount, ticket, fp, arrival, park=self._settings.park_timeout
+                )
+                return await self.await_job(job, arrival, response, gone)
+            outcome = await self._store.follow(ticket, fp, request_id, route, arrival, gone)
+            if outcome is not MISSING:
+                m.replays.labels(route, "joined").inc()
+                return outcome
+            # The owner finished without a result (an error) or died: take over.
+
+    async def await_job(
+        self, job: Job, arrival: float, response: Response | None, gone: asyncio.Task | None = None
+    ) -> Any:
+        """Wait for a job with this request's deadlines: 503 if it has not started running by
+        ``arrival + acquire_timeout``, 504 if it has not finished ``inference_timeout`` later.
+        The job goes on after either answer (parked, or until its thread returns). ``gone``
+        (see :func:`watch_disconnect`) ends when the client hung up: 499, and a job nobody
+        else waits for leaves the queue at once (it is never granted); running work goes on
+        until its thread returns, its result dropped."""
+        job.attached += 1
+        try:
+            return await self._await_attached(job, arrival, response, gone)
+        finally:
+            job.attached -= 1
+
+    async def _await_attached(
+        self, job: Job, arrival: float, response: Response | None, gone: asyncio.Task | None
+    ) -> Any:
+        s = self._settings
+        remaining = arrival + s.acquire_timeout - time.monotonic()
+        try:
+            if not job.started.is_set():
+                await _wait_or_gone(job.started.wait(), max(0.0, remaining), gone)
+        except _Gone:
+            if job.attached == 1 and job.phase in ("slot", "queued") and job.task is not None:
+                job.abandoned = True  # before any await: a grant arriving now must not run
+                job.task.cancel()  # leaves the thread-slot wait or the pool's queue now
+            raise self._errors.client_gone(
+                job.route, "waiting" if not job.started.is_set() else "running"
+            ) from None
+        except asyncio.TimeoutError:
+            timed_out = not job.started.is_set()  # granted just as the deadline passed: go on
+        except asyncio.CancelledError:
+            if job.ticket is None and job.phase in ("slot", "queued") and job.task is not None:
+                job.abandoned = True
+                job.task.cancel()  # the client went away before a grant: leave the queue
+            raise
+        else:
+            timed_out = False
+        if timed_out:
+            raise await self._queue_timeout(job)
+        assert job.outcome is not None
+        if not job.outcome.done():
+            try:
+                await _wait_or_gone(asyncio.shield(job.outcome), s.inference_timeout, gone)
+            except _Gone:
+                raise self._errors.client_gone(job.route, "running") from None
+            except asyncio.TimeoutError:
+                metrics().inference_timeouts.labels(job.route).inc()
+                extra = (
+                    f" Retry with the same {s.request_id_header} to collect the result."
+                    if job.ticket is not None
+                    else ""
+                )
+                raise GpuLockHTTPException(
+                    504,
+                    f"inference ran past {s.inference_timeout}s; its GPU lease stays held until the "
+                    f"work really finishes.{extra}",
+                    "inference_timeout",
+                ) from None
+            except asyncio.CancelledError:
+                raise
+            except BaseException:
+                pass  # mapped below
+        if response is not None and job.wait_s is not None:
+            response.headers["Server-Timing"] = (
+                f"gpulock-wait;dur={job.wait_s * 1000:.3f}, "
+                f"gpulock-run;dur={(job.run_s or 0) * 1000:.3f}"
+            )
+        return self._errors.outcome(
+            job.outcome, job.route, job.amount, lambda: self._retry.job_position(job)
+        )
+
+    async def _queue_timeout(self, job: Job) -> GpuLockHTTPException:
+        """The 503 for a job not granted by its request's deadline; a job that is not parked
+        leaves the queue now."""
+        s = self._settings
+        parked = job.ticket is not None and s.park_timeout > 0
+        if not parked:
+            job.abandoned = True  # before any await: a grant arriving now must not run
+        position, queued = await self._retry.position_now(job)
+        ra = self._retry.for_job(job, position, queued)
+        metrics().timeouts.labels(job.route).inc()
+        if not parked and job.task is not None:
+            job.task.cancel()  # leaves the queue now (the core cancels the ticket)
+        keep = (
+            (
+                " It keeps its place for up to %.0fs: retry after Retry-After with the same %s."
+                % (max(0.0, job.place_until - time.monotonic()), s.request_id_header)
+            )
+            if parked
+            else ""
+        )
+        if job.phase == "slot":  # never reached the pool's queue: this worker's threads were busy
+            what = (
+                f"no free inference thread in this worker within {s.acquire_timeout}s "
+                f"(all {s.executor_threads} busy; queue position {position}, counting the "
+                f"pool's queue and this worker's own)"
+            )
+        else:
+            what = (
+                f"no GPU memory for {format_size(job.amount)} within {s.acquire_timeout}s "
+                f"(queue position {position})"
+            )
+        return GpuLockHTTPException(
+            503,
+            f"{what}.{keep}",
+            "queue_timeout",
+            {"Retry-After": str(ra), "X-Queue-Position": str(position)},
+        )

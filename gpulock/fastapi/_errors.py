@@ -1,0 +1,179 @@
+"""HTTP error mapping: the exception the integration raises, and the answer to each way a
+guarded call can fail (status, ``detail``, ``Retry-After`` and ``X-Queue-Position``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from fastapi import HTTPException
+
+from ..errors import (
+    AcquireTimeout,
+    BackendUnavailable,
+    CapacityExceeded,
+    InvalidArgument,
+    LeaseLost,
+    PoolNotFound,
+    QueueFull,
+)
+from ..units import format_size
+from ._metrics import metrics
+from ._settings import Settings
+
+
+class GpuLockHTTPException(HTTPException):
+    """An HTTPException raised by the integration; ``reason`` is a short machine-readable
+    cause (``queue_timeout``, ``queue_full``, ``capacity``, ``inference_timeout``,
+    ``cuda_oom``, ``cuda_error``, ``lease_lost``, ``backend``, ``not_ready``, ``conflict``,
+    ``invalid_argument``)."""
+
+    def __init__(
+        self, status_code: int, detail: str, reason: str, headers: dict[str, str] | None = None
+    ):
+        super().__init__(status_code=status_code, detail=detail, headers=headers)
+        self.reason = reason
+
+
+class CudaOOM(Exception):
+    """Replaces a CUDA OOM (whose traceback pinned tensors) once it left the thread."""
+
+
+class CudaFatal(Exception):
+    """Replaces a sticky CUDA error once it left the thread."""
+
+
+def not_ready(why: str) -> GpuLockHTTPException:
+    """503 ``not_ready`` with ``Retry-After: 1``: this worker takes no guarded calls now."""
+    return GpuLockHTTPException(503, f"worker not ready: {why}", "not_ready", {"Retry-After": "1"})
+
+
+class HttpErrors:
+    """The answers of one limiter's failed calls.
+
+    Args:
+        settings: the limiter's settings (pool name, idempotency header, reaper interval).
+        retry_after: ``retry_after(position, server_hint=None) -> seconds``, the limiter's
+            Retry-After estimate for a request at ``position`` in the pool's queue.
+    """
+
+    def __init__(self, settings: Settings, retry_after: Callable[..., int]):
+        self._settings = settings
+        self._retry_after = retry_after
+
+    def conflict(self, request_id: str) -> GpuLockHTTPException:
+        """409: the idempotency key was used for a request with other parameters."""
+        return GpuLockHTTPException(
+            409,
+            f"{self._settings.request_id_header} {request_id!r} was already used for a "
+            f"different request; use a new id for new work",
+            "conflict",
+        )
+
+    def client_gone(self, route: str, phase: str) -> GpuLockHTTPException:
+        """499 for a client that closed its connection while its request was at ``phase``
+        (``waiting`` or ``running``); counted in ``gpulock_client_disconnected_total``."""
+        metrics().disconnected.labels(route, phase).inc()
+        what = (
+            "it left the queue and will not run"
+            if phase == "waiting"
+            else "its work goes on until it returns (the lease is held until then); the result is dropped"
+        )
+        return GpuLockHTTPException(
+            499, f"the client closed the connection: {what}", "client_disconnected"
+        )
+
+    def room(self, amount: int, capacity: int, held: int) -> GpuLockHTTPException:
+        """413: ``amount`` bytes fit the capacity but not what the resident leases (``held``
+        bytes) leave."""
+        room = capacity - held
+        return GpuLockHTTPException(
+            413,
+            f"this request needs {format_size(amount)} ({amount} bytes) of GPU memory but pool "
+            f"{self._settings.pool_name!r} leaves {format_size(max(0, room))} ({max(0, room)} bytes) for requests: a "
+            f"capacity of {format_size(capacity)} ({capacity} bytes) minus {format_size(held)} held by the "
+            f"workers' resident leases (their models); send a smaller batch",
+            "capacity",
+        )
+
+    def outcome(
+        self, out: asyncio.Future, route: str, amount: int, position: Callable[[], int]
+    ) -> object:
+        """The result of a finished job's ``out``, or raise its error as HTTP:
+        cancelled → 503 ``not_ready``; :class:`CapacityExceeded` → 413; :class:`QueueFull`
+        and :class:`AcquireTimeout` → 503 with ``Retry-After`` and ``X-Queue-Position``;
+        :class:`LeaseLost` → 503; a CUDA OOM → 503 with ``Retry-After``; a sticky CUDA error
+        → 500; Redis unreachable or the pool gone → 503 with ``Retry-After`` of two reaper
+        intervals; :class:`InvalidArgument` → 500 naming it. Anything else is re-raised.
+        ``position()`` is the job's place in the queue, when the error does not carry it."""
+        assert out.done()
+        if out.cancelled():
+            raise GpuLockHTTPException(
+                503,
+                "the request was cancelled (worker shutting down)",
+                "not_ready",
+                {"Retry-After": "1"},
+            )
+        exc = out.exception()
+        if exc is None:
+            return out.result()
+        m = metrics()
+        pool_name = self._settings.pool_name
+        if isinstance(exc, CapacityExceeded):
+            raise GpuLockHTTPException(
+                413,
+                f"this request needs {format_size(exc.amount)} ({exc.amount} bytes) of GPU memory but pool "
+                f"{pool_name!r} has a capacity of {format_size(exc.capacity)} ({exc.capacity} bytes); "
+                f"send a smaller batch",
+                "capacity",
+            ) from None
+        if isinstance(exc, QueueFull):
+            m.queue_full.labels(route).inc()
+            ra = self._retry_after(exc.queue_length + 1)
+            raise GpuLockHTTPException(
+                503,
+                f"GPU queue is full ({exc.queue_length} waiting)",
+                "queue_full",
+                {"Retry-After": str(ra), "X-Queue-Position": str(exc.queue_length + 1)},
+            ) from None
+        if isinstance(exc, AcquireTimeout):
+            m.timeouts.labels(route).inc()
+            pos = exc.position or position()
+            ra = self._retry_after(pos, exc.retry_after)
+            raise GpuLockHTTPException(
+                503,
+                f"no GPU memory for {format_size(amount)} in time (queue position {pos})",
+                "queue_timeout",
+                {"Retry-After": str(ra), "X-Queue-Position": str(pos)},
+            ) from None
+        if isinstance(exc, LeaseLost):
+            raise GpuLockHTTPException(
+                503,
+                f"the GPU lease was lost before the work ran ({exc.reason}); retry",
+                "lease_lost",
+                {"Retry-After": str(self._retry_after(1))},
+            ) from None
+        if isinstance(exc, CudaOOM):
+            ra = self._retry_after(position())
+            raise GpuLockHTTPException(
+                503,
+                "the GPU ran out of memory for this request; retry later",
+                "cuda_oom",
+                {"Retry-After": str(ra)},
+            ) from None
+        if isinstance(exc, CudaFatal):
+            raise GpuLockHTTPException(
+                500, f"CUDA error; this worker restarts: {exc}", "cuda_error"
+            ) from None
+        if isinstance(exc, (BackendUnavailable, PoolNotFound)):
+            raise GpuLockHTTPException(
+                503,
+                f"GPU budget unavailable: {exc}",
+                "backend",
+                {"Retry-After": str(max(1, int(self._settings.reaper_interval * 2)))},
+            ) from None
+        if isinstance(exc, InvalidArgument):  # never a bare 500: say what the pool refused
+            raise GpuLockHTTPException(
+                500, f"pool {pool_name!r} refused the lease request: {exc}", "invalid_argument"
+            ) from None
+        raise exc

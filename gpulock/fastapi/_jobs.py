@@ -1,0 +1,340 @@
+"""The job runner: one job per guarded call, run as a task of its own so the HTTP side can
+answer 503/504 while the job stays queued (X-Request-ID) or its thread still runs (c05).
+
+A job goes ``slot`` (waiting for one of this worker's threads) → ``queued`` (in the pool's
+queue) → ``running`` (granted; its function runs in the executor) → ``done``. The lease is
+released only after the executor thread returned."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._async import AsyncLease
+from ..cuda import drop_traceback, empty_cache, is_fatal_cuda_error, is_oom
+from ..errors import AcquireTimeout, LeaseLost
+from ._admission import Admission
+from ._backend import Backend
+from ._errors import CudaFatal, CudaOOM
+from ._history import History
+from ._idempotency import RequestStore
+from ._metrics import metrics
+from ._retry_after import RetryAfterEstimator
+from ._settings import Settings
+
+log = logging.getLogger("gpulock.fastapi")
+
+_current_lease: contextvars.ContextVar[AsyncLease | None] = contextvars.ContextVar(
+    "gpulock_lease", default=None
+)
+
+
+def current_lease() -> AsyncLease | None:
+    """The lease the current executor thread runs under (None outside a guarded call). Work
+    that makes several CUDA calls should call ``current_lease().ensure_valid()`` before each."""
+    return _current_lease.get()
+
+
+@dataclass(eq=False)
+class Job:
+    """One guarded call's job (times in ``time.monotonic()`` seconds)."""
+
+    route: str
+    amount: int
+    ticket: str | None
+    fingerprint: str
+    arrival: float
+    phase: str = "slot"  # slot → queued → running → done
+    position: int = 0  # place in the pool's queue while queued (0: unknown)
+    slot_future: asyncio.Future | None = None
+    started: asyncio.Event = field(default_factory=asyncio.Event)  # set when running or done
+    task: asyncio.Task | None = None
+    wait_s: float | None = None
+    run_s: float | None = None
+    server_retry_after: float | None = None
+    place_until: float = 0.0  # a parked job: when its place in the queue runs out (monotonic)
+    abandoned: bool = False  # the HTTP side gave up on it (503 without parking, client gone)
+    attached: int = 0  # HTTP requests waiting on it now (a retry with the same X-Request-ID joins)
+    # Result or error, set as soon as known: the response goes out while the release (one more
+    # Redis round trip, after the thread returned) is still on its way.
+    outcome: asyncio.Future | None = None
+
+
+def _settle(
+    fut: asyncio.Future | None, *, result: Any = None, exc: BaseException | None = None
+) -> None:
+    if fut is None or fut.done():
+        return
+    if exc is None:
+        fut.set_result(result)
+    elif isinstance(exc, asyncio.CancelledError):
+        fut.cancel()
+    else:
+        fut.set_exception(exc)
+
+
+def _consume(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # retrieved: no "exception was never retrieved" log for abandoned jobs
+
+
+class JobRunner:
+    """Starts and runs this worker's jobs.
+
+    Args:
+        settings: ``acquire_timeout``.
+        backend: the executor, and the grace period left.
+        admission: the thread-slot and lease waits.
+        store: publishes a job's phase in its claim and keeps its result (X-Request-ID).
+        retry: told of grants and hold times.
+        history: where grants, releases and CUDA calls are recorded.
+        spawn: runs a background task the limiter's ``stop()`` cancels.
+        on_fatal: called with the message of a sticky CUDA error.
+
+    Attributes:
+        by_ticket: unfinished jobs by ticket (those with an ``X-Request-ID``).
+        all: every unfinished job.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        backend: Backend,
+        admission: Admission,
+        store: RequestStore,
+        retry: RetryAfterEstimator,
+        history: History,
+        spawn: Callable[[Coroutine[Any, Any, Any], str], Any],
+        on_fatal: Callable[[str], None],
+    ):
+        self._settings = settings
+        self._backend = backend
+        self._admission = admission
+        self._store = store
+        self._retry = retry
+        self._history = history
+        self._spawn = spawn
+        self._on_fatal = on_fatal
+        self.by_ticket: dict[str, Job] = {}
+        self.all: set[Job] = set()
+
+    def claimed(self) -> list[Job]:
+        """Unfinished jobs with a ticket, whose claims must be kept alive."""
+        return [j for j in self.by_ticket.values() if j.phase != "done"]
+
+    def cancel_waiting(self) -> list[asyncio.Task]:
+        """Cancel the jobs not yet granted (they leave the queue at once); returns the tasks
+        of all unfinished jobs."""
+        for job in list(self.all):
+            if job.phase in ("slot", "queued") and job.task is not None:
+                job.task.cancel()
+        return [j.task for j in self.all if j.task is not None and not j.task.done()]
+
+    def start(
+        self,
+        fn: Callable[[], Any],
+        route: str,
+        amount: int,
+        ticket: str | None,
+        fp: str,
+        arrival: float,
+        *,
+        park: float,
+    ) -> Job:
+        """Start a job running ``fn()`` under a lease of ``amount`` bytes, that waits up to
+        ``acquire_timeout + park`` seconds from ``arrival`` for its grant (``park`` 0: a
+        little longer than the HTTP answer's deadline)."""
+        job = Job(route, amount, ticket, fp, arrival)
+        job.outcome = asyncio.get_running_loop().create_future()
+        job.outcome.add_done_callback(_consume)
+        job.outcome.add_done_callback(lambda _: job.started.set())
+        if ticket is not None:
+            self.by_ticket[ticket] = job
+        self.all.add(job)
+        # Without parking the job's own deadline is a little later than the HTTP answer's, so
+        # the 503 is decided in one place (the HTTP side) and the job is then cancelled.
+        # A parked job in a grace period (nothing is granted before it ends) keeps its place
+        # until the grace ends and park_timeout after, so the retry sent after Retry-After (at
+        # least the grace left) finds it.
+        if park:
+            park += self._backend.grace_left()
+        timeout_s = self._settings.acquire_timeout + (park or 0.5)
+        job.place_until = arrival + timeout_s
+        job.task = asyncio.get_running_loop().create_task(
+            self._run(job, fn, timeout_s), name=f"gpulock-job-{route}"
+        )
+        job.task.add_done_callback(_consume)  # its outcome is read from job.outcome
+        return job
+
+    async def _run(self, job: Job, fn: Callable[[], Any], timeout_s: float) -> Any:
+        try:
+            return await self._run_inner(job, fn, timeout_s)
+        finally:
+            job.started.set()
+
+    async def _run_inner(self, job: Job, fn: Callable[[], Any], timeout_s: float) -> Any:
+        m = metrics()
+        executor = self._backend.executor
+        assert executor is not None
+        deadline = job.arrival + timeout_s
+        have_slot = False
+        lease: AsyncLease | None = None
+        granted_at = 0.0
+        try:
+
+            def waiting(fut: asyncio.Future) -> None:
+                job.slot_future = fut
+                if job.ticket is not None:  # its place among this worker's waiters, for followers
+                    self._spawn(self._store.publish_slot_place(job), "gpulock-claim")
+
+            await self._admission.slot(deadline, timeout_s, waiting)
+            have_slot = True
+            job.slot_future = None
+            if job.abandoned:  # a cancellation that raced the slot hand-off (3.11 wait_for)
+                raise asyncio.CancelledError()
+            await self._store.set_phase(job, "queued")
+
+            def on_queued(pos: int) -> None:
+                job.position = pos
+
+            try:
+                lease = await self._admission.lease(
+                    job.amount,
+                    deadline,
+                    request_id=job.ticket,
+                    route=job.route,
+                    on_queued=on_queued,
+                )
+            except AcquireTimeout as e:
+                job.server_retry_after = e.retry_after
+                raise
+            granted_at = time.monotonic()
+            self._history.record("grant", lease, route=job.route)
+            if job.abandoned:
+                # The answer (503) went out while the grant was on its way: Python 3.11's
+                # wait_for can return a result that raced a cancellation. Run nothing.
+                raise asyncio.CancelledError()
+            job.wait_s = granted_at - job.arrival
+            m.acquire_wait.labels(job.route).observe(job.wait_s)
+            m.grants.labels(job.route).inc()
+            self._retry.granted()
+            await self._store.set_phase(job, "running")
+            job.started.set()
+            cf = executor.submit(self._in_thread, lease, fn, job)
+            afut = asyncio.wrap_future(cf)
+            cancelled = False
+            while True:  # the lease is released only after the thread returned (c05)
+                try:
+                    result = await asyncio.shield(afut)
+                    break
+                except asyncio.CancelledError:
+                    if afut.done():
+                        raise
+                    cancelled = True  # keep waiting for the thread; re-raise afterwards
+            if cancelled:
+                raise asyncio.CancelledError()
+            if job.ticket is not None:
+                await self._store.store(job, result)
+            _settle(job.outcome, result=result)
+            return result
+        except CudaOOM as e:
+            m.oom.labels(job.route).inc()
+            _settle(job.outcome, exc=e)
+            raise
+        except CudaFatal as e:
+            m.fatal.labels(job.route).inc()
+            self._on_fatal(str(e))
+            _settle(job.outcome, exc=e)
+            raise
+        except LeaseLost as e:
+            m.lost.labels(job.route).inc()
+            _settle(job.outcome, exc=e)
+            raise
+        except BaseException as e:
+            _settle(job.outcome, exc=e)
+            raise
+        finally:
+            if lease is not None:
+                await self._release(job, lease, granted_at)
+            if have_slot:
+                self._admission.slots.release()
+            job.phase = "done"
+            job.started.set()
+            self.all.discard(job)
+            if job.ticket is not None:
+                if self.by_ticket.get(job.ticket) is job:
+                    del self.by_ticket[job.ticket]
+                await self._store.release_claim(job.ticket)
+
+    async def _release(self, job: Job, lease: AsyncLease, granted_at: float) -> None:
+        self._history.record("release", lease, route=job.route)
+        # A task of its own: it goes on when this one is cancelled meanwhile (a 503, a client
+        # gone, a shutdown), which is not a failed release; its outcome is reported once it is
+        # known.
+        rel = asyncio.ensure_future(lease.release())
+        try:
+            await asyncio.shield(rel)
+        except asyncio.CancelledError:
+            rel.add_done_callback(functools.partial(_release_done, job.route))
+        except Exception:  # noqa: BLE001 - reported by _release_done
+            _release_done(job.route, rel)
+        if job.wait_s is not None:
+            hold = time.monotonic() - granted_at
+            metrics().hold.labels(job.route).observe(hold)
+            self._retry.held(hold)
+
+    def _in_thread(self, lease: AsyncLease, fn: Callable[[], Any], job: Job) -> Any:
+        tok = _current_lease.set(lease)
+        try:
+            lease.ensure_valid()  # the last check before the CUDA call (invariant 5 in docs/SEMANTICS.md)
+            t0 = time.monotonic()
+            self._history.record(
+                "cuda_start", None, lease_id=lease.id, amount=lease.amount, route=job.route
+            )
+            try:
+                return fn()
+            except BaseException as e:
+                if is_oom(e):
+                    msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+                    drop_traceback(e)
+                    del e
+                    empty_cache()
+                    raise CudaOOM(msg) from None
+                if is_fatal_cuda_error(e):
+                    msg = str(e).splitlines()[0][:300]
+                    drop_traceback(e)
+                    raise CudaFatal(msg) from None
+                raise
+            finally:
+                job.run_s = time.monotonic() - t0
+                metrics().run.labels(job.route).observe(job.run_s)
+                self._history.record(
+                    "cuda_end", None, lease_id=lease.id, amount=lease.amount, route=job.route
+                )
+        finally:
+            _current_lease.reset(tok)
+
+
+def _release_done(route: str, rel: asyncio.Future) -> None:
+    """Report how a job's release ended when it did not succeed: a lease lost meanwhile
+    (counted), or a real failure (Redis unreachable: the lease expires after its ttl)."""
+    if rel.cancelled():
+        log.warning("gpulock: release cancelled; the lease expires after its ttl")
+        return
+    e = rel.exception()
+    if e is None:
+        return
+    if isinstance(e, LeaseLost):
+        metrics().lost.labels(route).inc()
+        return
+    log.warning(
+        "gpulock: release failed (%s%s); the lease expires after its ttl",
+        type(e).__name__,
+        f": {e}" if str(e) else "",
+    )

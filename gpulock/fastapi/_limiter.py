@@ -1,0 +1,332 @@
+"""``GpuLimiter``: the facade that composes the integration's parts (admission, jobs, the
+idempotency store, resident leases, readiness, Retry-After, errors, metrics, calibration and
+the route shapes) and runs their lifecycle and background reaper."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import Response
+
+from .._async import AsyncPool
+from .._protocol import PoolStatus
+from ..errors import GpuLockError
+from . import _signature
+from ._admission import Admission, Slots, TtlBound
+from ._backend import Backend, process_owner
+from ._calibration import Estimates
+from ._call import GuardedCalls
+from ._errors import HttpErrors
+from ._history import History
+from ._idempotency import RequestStore
+from ._jobs import JobRunner
+from ._metrics import metrics, metrics_response
+from ._readiness import Readiness
+from ._reaper import Reaper
+from ._resident import ResidentLeases
+from ._retry_after import RetryAfterEstimator
+from ._settings import Settings
+from ._signature import GpuCall
+
+log = logging.getLogger("gpulock.fastapi")
+
+
+class _Forward:
+    """An attribute (or method) of the limiter that is one of a part's, by the same name
+    unless ``name`` is given; assignable when the part's is."""
+
+    def __init__(self, part: str, name: str | None = None):
+        self.part, self.name = part, name
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = self.name or name
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return self if obj is None else getattr(getattr(obj, self.part), str(self.name))
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(getattr(obj, self.part), str(self.name), value)
+
+
+class GpuLimiter:
+    """Leases GPU memory from a gpulock pool around the CUDA work of FastAPI routes.
+
+    Create it at import time (it does no I/O then); ``lifespan`` (or ``start()``/``stop()``)
+    connects to Redis, creates the executor and starts the background reaper in each worker,
+    after fork.
+
+    Args:
+        redis_url: ``redis://``/``rediss://``/``unix://``/``redis+sentinel://`` URL of the Redis holding the pool.
+        pool: pool name (one GPU).
+        capacity: bytes or a size ("20GiB"); when given the pool is created with it if it does
+            not exist (``configure="create"``, the default) or set to it (``configure="set"``).
+        acquire_timeout: seconds a request may wait for a thread slot and a grant → else 503.
+        inference_timeout: seconds the guarded work may run → else 504 (the lease is released
+            only when the thread really returned).
+        ttl: lease time to live in seconds (the heartbeat renews it at ttl/3); bounded by the
+            pool's ``max_ttl`` as last read (:attr:`lease_ttl`, one warning when it clamps).
+        executor_threads: threads running guarded work in this worker.
+        park_timeout: seconds a request that carries ``X-Request-ID`` stays queued after its
+            503, so that its retry joins its place (0 disables).
+        result_ttl: seconds a finished result stays in Redis for retries of the same request.
+        max_retry_after: cap of the Retry-After header, seconds.
+        reaper_interval: seconds between the background status reads (reap, wake waiters,
+            queue rate for Retry-After, readiness).
+        history_file: prefix of a per-process JSON-lines file of grant/release events, for
+            tests (default: env ``GPULOCK_HISTORY_FILE``).
+        enabled: False runs the work without leases (for measuring the lease's overhead).
+        exit_on_fatal: after a sticky CUDA error, SIGTERM this process once the 500 is sent.
+        request_id_header: the idempotency header.
+
+    Raises: InvalidArgument for a bad ``configure``, ``executor_threads`` or ``capacity``.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        pool: str = "gpu0",
+        *,
+        capacity: int | str | None = None,
+        configure: str = "create",
+        acquire_timeout: float = 10.0,
+        inference_timeout: float = 30.0,
+        ttl: float = 30.0,
+        executor_threads: int = 2,
+        park_timeout: float = 30.0,
+        result_ttl: float = 60.0,
+        max_retry_after: float = 120.0,
+        max_waiters: int | None = None,
+        reaper_interval: float = 1.0,
+        history_file: str | None = None,
+        enabled: bool = True,
+        exit_on_fatal: bool = True,
+        request_id_header: str = "X-Request-ID",
+    ):
+        s = self.settings = Settings.of(
+            redis_url,
+            pool,
+            capacity=capacity,
+            configure=configure,
+            acquire_timeout=acquire_timeout,
+            inference_timeout=inference_timeout,
+            ttl=ttl,
+            executor_threads=executor_threads,
+            park_timeout=park_timeout,
+            result_ttl=result_ttl,
+            max_retry_after=max_retry_after,
+            max_waiters=max_waiters,
+            reaper_interval=reaper_interval,
+            history_file=history_file,
+            enabled=enabled,
+            exit_on_fatal=exit_on_fatal,
+            request_id_header=request_id_header,
+        )
+        be = self._backend = Backend(s.pool_name)
+        self._slots = Slots(s.executor_threads)
+        self._history = History()
+        self._ttl_bound = TtlBound(be)
+        self._retry = RetryAfterEstimator(s, be, self._slots, lambda: self._resident.count())
+        errors = HttpErrors(s, self._retry.retry_after)
+        self._resident = ResidentLeases(
+            s,
+            be,
+            self._ttl_bound,
+            self._history,
+            errors,
+            self.spawn,
+            changed=lambda: self._ready.publish(),
+            stopping=lambda: self._ready.stopping,
+        )
+        self._ready = Readiness(s, be, self._resident)
+        self._reaper = Reaper(s, be, self._on_read, self._ready.publish)
+        self._store = RequestStore(s, be, self._slots, self._retry, errors)
+        admission = Admission(
+            self._slots, be, lambda: self.lease_ttl, lambda: self._reaper.tick(full=False)
+        )
+        self._runner = JobRunner(
+            s, be, admission, self._store, self._retry, self._history, self.spawn, self._ready.fatal
+        )
+        self._calls = GuardedCalls(
+            s,
+            be,
+            self._ready.check_accepting,
+            self._resident.check_room,
+            self._runner,
+            self._store,
+            self._retry,
+            errors,
+        )
+        self._estimates = Estimates(s, be)
+        self._tasks: set[asyncio.Task] = set()
+
+    # ---- settings and state, kept by the parts ---------------------------------------------------
+    redis_url = _Forward("settings")
+    pool_name = _Forward("settings")
+    capacity = _Forward("settings")
+    configure_mode = _Forward("settings")
+    acquire_timeout = _Forward("settings")
+    inference_timeout = _Forward("settings")
+    ttl = _Forward("settings")
+    executor_threads = _Forward("settings")
+    park_timeout = _Forward("settings")
+    result_ttl = _Forward("settings")
+    max_retry_after = _Forward("settings")
+    max_waiters = _Forward("settings")
+    reaper_interval = _Forward("settings")
+    history_file = _Forward("settings")
+    enabled = _Forward("settings")
+    exit_on_fatal = _Forward("settings")
+    request_id_header = _Forward("settings")
+    pool = _Forward("_backend")
+    redis = _Forward("_backend")
+    executor = _Forward("_backend")
+    status = _Forward("_backend")  # the pool's status as last read
+    status_at = _Forward("_backend")
+    redis_error = _Forward("_backend")
+    grace_left = _Forward("_backend")
+    conditions = _Forward("_ready")
+    fatal_error = _Forward("_ready")
+    set_condition = _Forward("_ready")
+    readiness = _Forward("_ready")
+    check_accepting = _Forward("_ready")
+    resident_leases = _Forward("_resident", "leases")
+    resident_wanted = _Forward("_resident", "wanted")
+    acquire_resident = _Forward("_resident", "acquire")
+    grant_rate = _Forward("_retry")
+    retry_after = _Forward("_retry")
+    refresh_estimates = _Forward("_estimates", "refresh")
+    estimate = _Forward("_estimates")
+    calibrate = _Forward("_estimates")
+    call = _Forward("_calls")
+
+    @property
+    def estimates_key(self) -> str:
+        """``gpulock:{pool}:estimates``: hash of calibrated per-shape peaks, field
+        ``<route>|b<batch bucket>|s<token bucket>`` → bytes."""
+        return self._estimates.key
+
+    @property
+    def lease_ttl(self) -> float:
+        """The ttl requests lease with: ``ttl`` bounded by the pool's ``max_ttl``."""
+        return self._ttl_bound(self.settings.ttl)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Connect (in this process: call it after fork), configure the pool when a capacity
+        was given, start the executor and the background reaper. No error if Redis is down:
+        readiness says so and the reaper keeps trying."""
+        if self._ready.started:
+            return
+        from .._connect import async_client
+
+        s, be = self.settings, self._backend
+        be.owner = process_owner()
+        be.redis = async_client(
+            s.redis_url,
+            socket_timeout=5.0,
+            socket_connect_timeout=2.0,
+            health_check_interval=10,
+            client_name=f"gpulock-service-{os.getpid()}",
+        )
+        kw: dict[str, Any] = {"capacity": s.capacity, "default_ttl": s.ttl}
+        if s.max_waiters is not None:
+            kw["max_waiters"] = s.max_waiters
+        be.pool = AsyncPool(be.redis, s.pool_name, **kw)
+        be.executor = ThreadPoolExecutor(s.executor_threads, thread_name_prefix="gpulock-work")
+        if s.history_file:
+            await self._history.open(s.history_file)
+        self._ready.started = True
+        m = metrics()
+        m.workers.set(1)
+        m.ready.set(0)
+        if s.capacity is not None:
+            try:
+                await be.pool.configure(s.capacity, create_only=s.configure_mode == "create")
+            except GpuLockError as e:
+                log.warning("gpulock: could not configure pool %s yet: %s", s.pool_name, e)
+        await self._reaper.tick()
+        self._reaper.start()
+
+    async def stop(self, *, grace_s: float = 10.0) -> None:
+        """Cancel queued requests (they leave the queue at once), wait up to ``grace_s`` for
+        running work, release the resident leases, close the connection."""
+        if not self._ready.started:
+            return
+        self._ready.stopping = True
+        m = metrics()
+        m.ready.set(0)
+        await self._reaper.stop()
+        pending = self._runner.cancel_waiting()
+        for t in list(self._tasks):
+            t.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=grace_s)
+        await self._resident.release_all()
+        m.workers.set(0)
+        be = self._backend
+        if be.pool is not None:
+            await be.pool.aclose()
+        if be.redis is not None:
+            with contextlib.suppress(Exception):
+                await be.redis.aclose()
+        if be.executor is not None:
+            be.executor.shutdown(wait=False, cancel_futures=True)
+        self._history.close()
+        self._ready.started = False
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Any = None):
+        """``FastAPI(lifespan=limiter.lifespan)``: start in each worker, stop at shutdown."""
+        await self.start()
+        try:
+            yield
+        finally:
+            await self.stop()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task:
+        """Run a background coroutine that ``stop()`` cancels."""
+        t = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    async def _on_read(self, now: float, st: PoolStatus, full: bool) -> None:
+        """What each reaper read feeds: the resident total (``full`` reads list the leases),
+        the grant rates, our requests' claims, and (``full``) the calibrated estimates."""
+        if full:
+            self._resident.note(st)
+        self._retry.sample(now, st)
+        await self._store.refresh(self._runner.claimed())
+        if full:
+            with contextlib.suppress(Exception):
+                await self._estimates.refresh()
+
+    # ---- routes ---------------------------------------------------------------------------------
+    def guard(
+        self, route: str, *, estimate: Callable[..., int] | None = None
+    ) -> Callable[..., GpuCall]:
+        """A FastAPI dependency: ``call: GpuCall = Depends(limiter.guard("embed", estimate=f))``
+        then ``result = await call(fn, *args)``: ``f(*args, **kwargs)`` gives the bytes (or
+        pass ``amount=`` to ``call``), ``fn(*args, **kwargs)`` runs in the executor under the
+        lease."""
+        return _signature.guard(self, route, estimate)
+
+    def endpoint(
+        self, route: str, *, estimate: Callable[..., int]
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Decorate a plain ``def`` route handler: FastAPI sees an ``async def`` with the same
+        parameters; the handler's body runs in the bounded executor under a lease of
+        ``estimate(**params)`` bytes (``estimate`` receives the handler's parameters by name,
+        only those it declares). Put it *below* ``@app.post(...)``."""
+        return _signature.endpoint(self, route, estimate)
+
+    async def metrics_response(self) -> Response:
+        """The ``/metrics`` response: this process's (or, in multiprocess mode, all workers')
+        counters and histograms, plus the pool's gauges read from Redis now."""
+        return await metrics_response(self._backend.pool, self.settings.pool_name)

@@ -1,0 +1,259 @@
+"""Prometheus metrics of the integration: one set of counters and histograms per process
+(prometheus-client's multiprocess mode sums them when ``PROMETHEUS_MULTIPROC_DIR`` is set, as
+under gunicorn), the pool's gauges read from Redis at scrape time, and the ``/metrics``
+response. docs/SERVICE.md lists the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from typing import TYPE_CHECKING
+
+from fastapi import Response
+
+from .._protocol import PoolStatus
+
+if TYPE_CHECKING:
+    from .._async import AsyncPool
+
+_BYTES_BUCKETS = tuple(float(2**k) for k in range(20, 38, 2))  # 1 MiB .. 64 GiB
+_WAIT_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+)
+
+
+class _Metrics:
+    """The per-process metric objects (created once, by :func:`metrics`)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.requests = Counter(
+            "gpulock_requests",
+            "Guarded requests answered, by route and HTTP status",
+            ["route", "status"],
+        )
+        self.acquire_wait = Histogram(
+            "gpulock_acquire_wait_seconds",
+            "Seconds from arrival until the lease was granted",
+            ["route"],
+            buckets=_WAIT_BUCKETS,
+        )
+        self.hold = Histogram(
+            "gpulock_hold_seconds",
+            "Seconds a request's lease was held (grant to release)",
+            ["route"],
+            buckets=_WAIT_BUCKETS,
+        )
+        self.run = Histogram(
+            "gpulock_inference_seconds",
+            "Seconds the guarded work ran in its thread",
+            ["route"],
+            buckets=_WAIT_BUCKETS,
+        )
+        self.grants = Counter(
+            "gpulock_grants", "Leases granted to this service's requests", ["route"]
+        )
+        self.timeouts = Counter(
+            "gpulock_acquire_timeouts", "Requests answered 503: no grant in time", ["route"]
+        )
+        self.queue_full = Counter(
+            "gpulock_queue_full", "Requests refused: the pool's queue was full", ["route"]
+        )
+        self.lost = Counter(
+            "gpulock_leases_lost",
+            "Leases found lost (before or during the guarded work)",
+            ["route"],
+        )
+        self.oom = Counter(
+            "gpulock_cuda_oom", "CUDA out-of-memory errors inside a lease", ["route"]
+        )
+        self.fatal = Counter(
+            "gpulock_cuda_fatal_errors", "Sticky CUDA errors that made the worker exit", ["route"]
+        )
+        self.inference_timeouts = Counter(
+            "gpulock_inference_timeouts", "Requests answered 504", ["route"]
+        )
+        self.disconnected = Counter(
+            "gpulock_client_disconnected",
+            "Guarded requests whose client closed the connection before the answer, by "
+            "phase: 'waiting' (left the queue, never granted) or 'running' (the work "
+            "finished, its result was dropped)",
+            ["route", "phase"],
+        )
+        self.replays = Counter(
+            "gpulock_idempotent_replays",
+            "Requests answered from a stored result or by joining a running attempt (X-Request-ID)",
+            ["route", "how"],
+        )
+        self.estimate = Histogram(
+            "gpulock_request_estimate_bytes",
+            "Bytes leased per request (the estimate)",
+            ["route"],
+            buckets=_BYTES_BUCKETS,
+        )
+        self.resident = Gauge(
+            "gpulock_worker_resident_bytes",
+            "Bytes held by live workers' resident leases",
+            multiprocess_mode="livesum",
+        )
+        self.ready = Gauge(
+            "gpulock_workers_ready", "Live workers that are ready", multiprocess_mode="livesum"
+        )
+        self.workers = Gauge("gpulock_workers", "Live workers", multiprocess_mode="livesum")
+
+
+_metrics: _Metrics | None = None
+
+
+def metrics() -> _Metrics:
+    """This process's metrics (registered on first use)."""
+    global _metrics
+    if _metrics is None:
+        _metrics = _Metrics()
+    return _metrics
+
+
+def multiproc_dir() -> str | None:
+    """The multiprocess directory (``PROMETHEUS_MULTIPROC_DIR``), or None in single-process mode."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+
+
+_LIVE_FILE = re.compile(r"^gauge_live[a-z]*_(\d+)\.db$")
+
+
+def sweep_dead_processes(path: str) -> None:
+    """Remove the live-gauge files of processes that are gone (what gunicorn's ``child_exit``
+    hook does; this covers ``uvicorn --workers N`` and workers killed with -9)."""
+    from prometheus_client import multiprocess
+
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    dead = set()
+    for n in names:
+        m = _LIVE_FILE.match(n)
+        if m:
+            pid = int(m.group(1))
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                dead.add(pid)
+            except PermissionError:
+                pass
+    for pid in dead:
+        multiprocess.mark_process_dead(pid, path)
+
+
+def _pool_families(pool: str, st: PoolStatus | None, error: str | None):
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    up = GaugeMetricFamily(
+        "gpulock_pool_up",
+        "1 when the pool's status was read from Redis for this scrape",
+        labels=["pool"],
+    )
+    up.add_metric([pool], 0.0 if st is None else 1.0)
+    yield up
+    if st is None:
+        return
+    for name, doc, v in (
+        (
+            "gpulock_pool_capacity_bytes",
+            "Pool capacity, read from Redis at scrape time",
+            st.capacity,
+        ),
+        (
+            "gpulock_pool_used_bytes",
+            "Bytes leased in the pool, read from Redis at scrape time",
+            st.used,
+        ),
+        (
+            "gpulock_pool_leases",
+            "Live leases in the pool, read from Redis at scrape time",
+            st.lease_count,
+        ),
+        (
+            "gpulock_pool_waiters",
+            "Requests queued in the pool, read from Redis at scrape time",
+            st.waiter_count,
+        ),
+    ):
+        g = GaugeMetricFamily(name, doc, labels=["pool"])
+        g.add_metric([pool], float(v))
+        yield g
+    for name, doc, v in (
+        ("gpulock_pool_grants", "Leases the pool has granted (all clients), from Redis", st.grants),
+        (
+            "gpulock_pool_reaped_leases",
+            "Expired leases the pool has reaped, from Redis",
+            st.reaped_leases,
+        ),
+        (
+            "gpulock_pool_reaped_waiters",
+            "Dead waiters the pool has dropped, from Redis",
+            st.reaped_waiters,
+        ),
+    ):
+        c = CounterMetricFamily(name, doc, labels=["pool"])
+        c.add_metric([pool], float(v))
+        yield c
+
+
+class _StaticCollector:
+    def __init__(self, families):
+        self._families = list(families)
+
+    def collect(self):
+        return iter(self._families)
+
+
+async def metrics_response(pool: AsyncPool | None, pool_name: str) -> Response:
+    """The ``/metrics`` response: this process's (or, in multiprocess mode, all workers')
+    counters and histograms, plus the pool's gauges read from Redis now (2 s at most)."""
+    from prometheus_client import (
+        CONTENT_TYPE_LATEST,
+        REGISTRY,
+        CollectorRegistry,
+        generate_latest,
+    )
+
+    st, err = None, None
+    if pool is not None:
+        try:
+            st = await asyncio.wait_for(pool.status(limit=0), 2.0)
+        except Exception as e:  # noqa: BLE001 — reported as gpulock_pool_up 0
+            err = str(e)
+    metrics()
+    d = multiproc_dir()
+    if d:
+        from prometheus_client import multiprocess
+
+        sweep_dead_processes(d)
+        reg = CollectorRegistry(auto_describe=False)
+        multiprocess.MultiProcessCollector(reg, d)
+        body = generate_latest(reg)
+    else:
+        body = generate_latest(REGISTRY)
+    extra = CollectorRegistry(auto_describe=False)
+    extra.register(_StaticCollector(_pool_families(pool_name, st, err)))
+    body += generate_latest(extra)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

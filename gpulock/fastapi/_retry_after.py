@@ -1,0 +1,162 @@
+"""The service's Retry-After estimator: the rates it measures (the pool's grants and this
+worker's own, while busy; the mean hold time) and a request's place, fed to the policy in
+:mod:`gpulock.retry_after`.
+
+The policy, in the words of a request: ``ceil(position / grant_rate + local_position /
+local_grant_rate)``, at least the grace period left, at most ``max_retry_after`` (at most
+``park_timeout / 2`` for a request that keeps its place)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .. import retry_after as policy
+from .._protocol import PoolStatus
+from ._admission import Slots
+from ._backend import Backend
+from ._settings import Settings
+
+if TYPE_CHECKING:
+    from ._jobs import Job
+
+
+class RetryAfterEstimator:
+    """Retry-After (whole seconds) for a request at a place in the queue.
+
+    Args:
+        settings: ``max_retry_after`` and ``park_timeout`` are read from it.
+        backend: the pool's last status (queue length, leases, grace period).
+        slots: this worker's thread slots (the local queue).
+        resident_count: how many of the pool's leases are this worker's resident ones.
+
+    Attributes:
+        pool_rate: the pool's grants/s while waiters are queued.
+        local_rate: this worker's grants/s while all its threads are taken.
+        local_grants: grants to this worker's requests (the counter behind ``local_rate``).
+        hold_ewma: moving average of a request's hold time (seconds), None before one.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        backend: Backend,
+        slots: Slots,
+        resident_count: Callable[[], int],
+    ):
+        self._settings = settings
+        self._backend = backend
+        self._slots = slots
+        self._resident_count = resident_count
+        self.pool_rate = policy.BusyRate()
+        self.local_rate = policy.BusyRate()
+        self.local_grants = 0
+        self.hold_ewma: float | None = None
+
+    # ---- measurements ------------------------------------------------------------------------
+    def sample(self, now: float, st: PoolStatus) -> None:
+        """One status read at ``now`` (monotonic seconds): feed both rates."""
+        self.pool_rate.sample(now, st.grants, busy=st.waiter_count > 0)
+        self.local_rate.sample(now, self.local_grants, busy=bool(self._slots.waiters))
+
+    def granted(self) -> None:
+        """A lease was granted to one of this worker's requests."""
+        self.local_grants += 1
+
+    def held(self, hold: float) -> None:
+        """A request's lease was held ``hold`` seconds (weight 0.2 in the moving average)."""
+        self.hold_ewma = hold if self.hold_ewma is None else 0.8 * self.hold_ewma + 0.2 * hold
+
+    # ---- the estimate ------------------------------------------------------------------------
+    def grant_rate(self) -> float | None:
+        """Grants per second of the pool while busy, or the Little's-law fallback
+        ``leases / mean_hold`` (see :func:`gpulock.retry_after.grant_rate`); None when
+        nothing was measured yet."""
+        st = self._backend.status
+        return policy.grant_rate(
+            self.pool_rate.rate,
+            leases=st.lease_count if st is not None else 0,
+            resident=self._resident_count(),
+            mean_hold=self.hold_ewma,
+        )
+
+    def retry_after(
+        self,
+        position: int,
+        server_hint: float | None = None,
+        *,
+        local: int = 0,
+        parked: bool = False,
+    ) -> int:
+        """Seconds a client should wait before retrying a request at ``position`` (1-based)
+        in the pool's queue: ``ceil(position / grant_rate)``, clamped to [1, max_retry_after].
+        A request still waiting for one of this worker's threads adds ``local /
+        local_grant_rate`` (its place among this worker's waiters over this worker's own busy
+        grant rate). Without a rate yet: one second per place, or ``server_hint`` (the core's
+        time to the nearest lease expiry) when shorter. ``parked``: the request keeps its place
+        for ``park_timeout`` seconds, so the answer is at most ``park_timeout / 2``. In a grace
+        period after Redis lost the pool (nothing is granted before it ends) the answer is at
+        least the time left in it, also for a parked request (whose place lasts past the
+        grace); always at most ``max_retry_after``."""
+        secs = policy.queue_seconds(
+            position,
+            self.grant_rate(),
+            local=local,
+            local_rate=self.local_rate.rate,
+            server_hint=server_hint,
+        )
+        return policy.retry_after(
+            secs,
+            cap=self._settings.max_retry_after,
+            grace_left=self._backend.grace_left(),
+            keep_place=self._settings.park_timeout if parked else None,
+        )
+
+    def parked(self, position: int, local: int, server_hint: float | None = None) -> int:
+        """Retry-After for a request that keeps its place (X-Request-ID), on whichever worker
+        answers: ``position`` counts the pool's queue and, while the request still waits for
+        one of its owner's threads, its ``local`` place among that worker's waiters."""
+        if local:
+            return self.retry_after(max(0, position - local), server_hint, local=local, parked=True)
+        return self.retry_after(position, server_hint, parked=True)
+
+    def for_job(self, job: Job, position: int, pool_queue: int | None) -> int:
+        """Retry-After for a job whose wait ran out. A parked job keeps its place: the time for
+        its own ``position`` to come up. Any other job leaves the queue, and its retry joins at
+        the back, behind everything queued now (in the pool, and for this worker's threads):
+        the time for that whole queue to drain. (Quoting its old place told a burst of
+        requests that each timed out at the head "retry in 1 s", inviting a retry storm.)"""
+        if job.ticket is not None and self._settings.park_timeout > 0:
+            local = max(1, self._slots.position(job.slot_future)) if job.phase == "slot" else 0
+            return self.parked(position, local, job.server_retry_after)
+        if pool_queue is None:
+            pool_queue = self._backend.queued()
+        if job.phase != "slot":
+            pool_queue = max(pool_queue, position)
+        return self.retry_after(pool_queue, job.server_retry_after, local=len(self._slots.waiters))
+
+    # ---- a job's place ---------------------------------------------------------------------
+    def job_position(self, job: Job, queued: int | None = None) -> int:
+        """The job's place: in the pool's queue when it is there, else (still waiting for a
+        local thread) the pool's queue length (``queued``, default as last read) plus its
+        place among the local waiters."""
+        if job.phase == "queued" and job.position:
+            return job.position
+        if queued is None:
+            queued = self._backend.queued()
+        return queued + max(1, self._slots.position(job.slot_future))
+
+    async def position_now(self, job: Job) -> tuple[int, int | None]:
+        """``(the job's place now, the pool queue's length now or None)``: one ZCARD, not the
+        last reaper tick's length (the Retry-After of a request that leaves the queue needs it)."""
+        try:
+            assert self._backend.redis is not None  # set by start()
+            queued = int(
+                await asyncio.wait_for(self._backend.redis.zcard(self._backend.queue_key), 0.5)
+            )
+        except Exception:
+            queued = None
+        if job.phase == "queued" and job.position:
+            return job.position, queued
+        return self.job_position(job, queued), queued

@@ -1,0 +1,82 @@
+"""The settings of one :class:`~gpulock.fastapi.GpuLimiter`, shared by its parts (which read
+them when they use them)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InvalidArgument
+from ..units import parse_size
+
+
+@dataclass
+class Settings:
+    """What ``GpuLimiter(...)`` was given; the arguments are documented there. Sizes in
+    bytes, times in seconds."""
+
+    redis_url: str
+    pool_name: str
+    capacity: int | None
+    configure_mode: str
+    acquire_timeout: float
+    inference_timeout: float
+    ttl: float
+    executor_threads: int
+    park_timeout: float
+    result_ttl: float
+    max_retry_after: float
+    max_waiters: int | None
+    reaper_interval: float
+    history_file: str | None
+    enabled: bool
+    exit_on_fatal: bool
+    request_id_header: str
+
+    @classmethod
+    def of(
+        cls,
+        redis_url: str,
+        pool: str,
+        *,
+        capacity: int | str | None,
+        configure: str,
+        executor_threads: int,
+        history_file: str | None,
+        **rest: Any,
+    ) -> Settings:
+        """Settings from ``GpuLimiter``'s arguments: ``pool`` is ``pool_name``, ``configure``
+        ``configure_mode``, a ``capacity`` of None or "" none, a ``history_file`` of None env
+        ``GPULOCK_HISTORY_FILE``; the times become floats.
+
+        Raises: InvalidArgument for a ``configure`` other than "create"/"set", fewer than one
+        executor thread, or a capacity that is not a size."""
+        if configure not in ("create", "set"):
+            raise InvalidArgument(f"configure must be 'create' or 'set', got {configure!r}")
+        if int(executor_threads) < 1:
+            raise InvalidArgument(f"executor_threads must be >= 1, got {executor_threads!r}")
+        for name in _SECONDS:
+            rest[name] = float(rest[name])
+        return cls(
+            redis_url=redis_url,
+            pool_name=pool,
+            capacity=None if capacity in (None, "") else parse_size(capacity, name="capacity"),
+            configure_mode=configure,
+            executor_threads=int(executor_threads),
+            history_file=(
+                history_file if history_file is not None else os.environ.get("GPULOCK_HISTORY_FILE")
+            ),
+            **rest,
+        )
+
+
+_SECONDS = (
+    "acquire_timeout",
+    "inference_timeout",
+    "ttl",
+    "park_timeout",
+    "result_ttl",
+    "max_retry_after",
+    "reaper_interval",
+)

@@ -1,0 +1,140 @@
+"""The ``Retry-After`` policy: how many whole seconds a refused client is told to wait.
+
+I/O-free; the FastAPI integration (:mod:`gpulock.fastapi`) and the lease broker feed it what
+they measured. The rules, in the order they apply:
+
+* **An estimate in seconds.** The integration's is rate based (:func:`queue_seconds`): a
+  request at ``position`` in the pool's FIFO queue waits ``position / grant_rate``, plus
+  ``local / local_rate`` while it still waits for one of its worker's ``local`` threads.
+  ``grant_rate`` is the pool's grants per second while busy (:class:`BusyRate`), or, before
+  any busy interval was seen, Little's law (:func:`grant_rate`). With no rate at all:
+  ``UNMEASURED_SECONDS_PER_PLACE`` per place, or the server's hint (the time to the nearest
+  lease expiry) when shorter. The broker's estimate is the server's hint alone
+  (:func:`from_expiry_ms`).
+* **A grace period.** After Redis lost a pool nothing is granted until its grace period ends,
+  so the answer is at least the time left in it (:func:`retry_after`).
+* **A kept place.** A request that keeps its place for ``keep_place`` seconds is told at most
+  ``keep_place / 2`` (but never less than the grace left), so its retry, also after the
+  client's jitter, arrives while the place is kept.
+* **Whole seconds in [1, cap]** (:func:`clamp`): rounded up, at least 1, at most ``cap``.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = [
+    "UNMEASURED_SECONDS_PER_PLACE",
+    "BusyRate",
+    "clamp",
+    "from_expiry_ms",
+    "grant_rate",
+    "queue_seconds",
+    "retry_after",
+]
+
+UNMEASURED_SECONDS_PER_PLACE = 1.0
+"""Seconds per queue place before any grant rate was measured: a retry that comes too early
+costs one cheap lookup, one that comes too late costs latency."""
+
+_MIN_RATE = 0.01  # grants/s; a measured rate at or below it counts as no rate
+
+
+class BusyRate:
+    """Events per second while a queue is busy: an exponentially weighted moving average
+    (time constant ``tau`` seconds) of a monotonic counter, fed one sample per status read.
+
+    Only intervals that began busy (waiters queued at their first sample) count: the rate a
+    waiter cares about is how fast the queue drains when there is a queue, and an idle interval
+    (no grants because nobody asked) would drag the average toward zero and make the first
+    Retry-After of a burst many times too long; so would the interval in which a burst begins,
+    since it is mostly idle. The first busy interval sets the rate outright instead of being
+    blended with a made-up prior; before any, the interval in which a burst began does, when
+    it saw grants (an underestimate, but better than no rate). A counter that went backwards
+    (a Redis restart) restarts the sampling. ``rate`` is None until an interval counted.
+    """
+
+    def __init__(self, tau: float = 10.0):
+        self.tau = float(tau)
+        self.rate: float | None = None
+        self._last: tuple[float, int, bool] | None = None  # (time, counter, busy)
+
+    def sample(self, now: float, count: int, *, busy: bool) -> None:
+        """One reading: ``now`` (seconds, monotonic), the counter, whether waiters are queued."""
+        last, self._last = self._last, (now, count, busy)
+        if last is None:
+            return
+        t0, c0, busy0 = last
+        dt = now - t0
+        if dt <= 0 or count < c0:
+            return
+        inst = (count - c0) / dt
+        if self.rate is None:
+            if busy0 or (busy and inst > 0):
+                self.rate = inst
+        elif busy0:
+            self.rate += (1.0 - math.exp(-dt / self.tau)) * (inst - self.rate)
+
+
+def grant_rate(
+    busy_rate: float | None, *, leases: int, resident: int, mean_hold: float | None
+) -> float | None:
+    """Grants per second of a pool: ``busy_rate`` (a :class:`BusyRate`'s) when above 0.01/s,
+    else Little's law ``max(1, leases - resident) / mean_hold`` (leases held at once, less the
+    ``resident`` leases that are never given back, over the mean hold time in seconds) when
+    leases are held and a hold time was measured; else None."""
+    if busy_rate is not None and busy_rate > _MIN_RATE:
+        return busy_rate
+    if mean_hold and leases > 0:
+        return max(1, leases - resident) / mean_hold
+    return None
+
+
+def queue_seconds(
+    position: int,
+    rate: float | None,
+    *,
+    local: int = 0,
+    local_rate: float | None = None,
+    server_hint: float | None = None,
+) -> float:
+    """Seconds until a request at ``position`` (1-based) in the pool's queue is granted, when
+    the queue drains at ``rate`` grants/s, plus ``local / local_rate`` for a request still at
+    place ``local`` among its worker's thread waiters (``rate`` when ``local_rate`` is None
+    or at most 0.01/s). Without a ``rate``: ``UNMEASURED_SECONDS_PER_PLACE`` per place
+    (``position + local``, at least one), or ``server_hint`` (seconds) when positive and
+    shorter."""
+    p = max(0, int(position))
+    if rate:
+        secs = p / rate
+        if local:
+            secs += local / (local_rate if local_rate and local_rate > _MIN_RATE else rate)
+        return secs
+    secs = float(max(1, p + local)) * UNMEASURED_SECONDS_PER_PLACE
+    if server_hint is not None and server_hint > 0:
+        secs = min(secs, server_hint)
+    return secs
+
+
+def clamp(seconds: float, cap: float) -> int:
+    """``seconds`` rounded up to whole seconds, at most ``cap``, at least 1."""
+    return int(max(1.0, min(cap, math.ceil(seconds))))
+
+
+def retry_after(
+    seconds: float, *, cap: float, grace_left: float = 0.0, keep_place: float | None = None
+) -> int:
+    """The Retry-After value for an estimate of ``seconds``: at least ``grace_left`` (seconds
+    left in the pool's grace period); for a request that keeps its place ``keep_place``
+    seconds (when positive), at most ``max(keep_place / 2, grace_left)``; then :func:`clamp`
+    to [1, ``cap``]."""
+    secs = max(seconds, grace_left)
+    if keep_place is not None and keep_place > 0:
+        cap = min(cap, max(keep_place / 2, grace_left))
+    return clamp(secs, cap)
+
+
+def from_expiry_ms(retry_after_ms: int, cap: float) -> int:
+    """The broker's Retry-After: the acquire script's ``retry_after_ms`` (milliseconds to the
+    nearest lease expiry, negative when no lease is held), :func:`clamp` ed to [1, ``cap``]."""
+    return clamp(max(0, retry_after_ms) / 1000, cap)
