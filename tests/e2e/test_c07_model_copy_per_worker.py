@@ -14,7 +14,9 @@ import time
 
 import httpx
 import pytest
-from e2e_helpers import GiB, alive, lease_intervals, max_overlap
+from support.history import lease_intervals, max_overlap
+from support.pools import GiB
+from support.procs import alive
 
 TTL = 3.0
 ENV = {

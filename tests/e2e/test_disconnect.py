@@ -21,8 +21,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e_helpers import GiB
-from proc_helpers import Proc
+from support.pools import GiB
+from support.procs import Proc
 
 from gpulock.embedded import free_port
 

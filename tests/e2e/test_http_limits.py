@@ -25,8 +25,8 @@ import time
 
 import httpx
 import pytest
-from e2e_helpers import GiB
-from proc_helpers import Proc
+from support.pools import GiB
+from support.procs import Proc
 
 from gpulock.embedded import free_port
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from gpulock import AcquireTimeout
-from helpers import GiB, assert_empty, consistent, used
+from support.pools import GiB, assert_empty, check_consistent, used
 
 
 async def _assert_next_granted_at_once(pool, amount="1GiB"):
@@ -282,7 +282,7 @@ async def test_consistency_after_churn(make_apool, rclient, pool_name):
                 pass
 
     await asyncio.gather(*(worker() for _ in range(20)))
-    consistent(rclient, pool_name)
+    check_consistent(rclient, pool_name)
     assert_empty(rclient, pool_name)
 
 
