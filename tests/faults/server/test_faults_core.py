@@ -57,7 +57,7 @@ async def test_restart_empty_lease_put_back_and_tokens_forward(
     """Redis restarts without its data (DESIGN §5): the holder's next heartbeat finds the pool
     gone, makes it again with a grace period of one max_ttl and puts its lease back (same id
     and token); nothing new is granted before the grace period ends; tokens keep increasing.
-    Several holders, processes and the other cases: tests/reliability/test_restart_grace.py."""
+    Several holders, processes and the other cases: tests/faults/server/test_restart_grace.py."""
     pool = make_apool(capacity="4GiB", default_ttl=1.0, max_ttl=1.5)
     other = make_apool(capacity="4GiB", default_ttl=1.0, max_ttl=1.5)
     tokens = []
