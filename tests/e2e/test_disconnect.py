@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from support.pools import GiB
-from support.procs import Proc
+from support.procs import Proc, broker_argv
 from support.waiting import wait_until
 
 from gpulock.embedded import free_port
@@ -179,24 +178,7 @@ def broker(e2e_redis, tmp_path_factory):
             {"tokens": [{"name": "u", "token": TOKEN, "pools": ["*"], "admin": True}]}
         )
     }
-    p = Proc(
-        [
-            sys.executable,
-            "-m",
-            "gpulock_service.broker",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--redis-url",
-            e2e_redis.url,
-            "--log-level",
-            "warning",
-        ],
-        env,
-        tmp / "broker.log",
-        port,
-    )
+    p = Proc(broker_argv(port, e2e_redis.url), env, tmp / "broker.log", port)
     try:
         p.wait_up()
         yield p

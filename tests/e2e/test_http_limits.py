@@ -26,7 +26,7 @@ import time
 import httpx
 import pytest
 from support.pools import GiB
-from support.procs import Proc
+from support.procs import Proc, broker_argv
 
 from gpulock.embedded import free_port
 
@@ -82,24 +82,7 @@ def broker(e2e_redis, tmp_path_factory):
         ),
         **LIMIT_ENV,
     }
-    p = Proc(
-        [
-            sys.executable,
-            "-m",
-            "gpulock_service.broker",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--redis-url",
-            e2e_redis.url,
-            "--log-level",
-            "warning",
-        ],
-        env,
-        tmp / "broker.log",
-        port,
-    )
+    p = Proc(broker_argv(port, e2e_redis.url), env, tmp / "broker.log", port)
     try:
         p.wait_up()
         r = httpx.put(

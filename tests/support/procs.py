@@ -36,6 +36,24 @@ def gpulock_argv() -> list[str]:
     return [sys.executable, "-c", "import sys; from gpulock.cli import main; sys.exit(main())"]
 
 
+def broker_argv(port: int, redis_url: str) -> list[str]:
+    """The argv of the HTTP lease broker's own entry point on 127.0.0.1:``port`` against
+    ``redis_url`` (tokens and limits come from the environment)."""
+    return [
+        sys.executable,
+        "-m",
+        "gpulock_service.broker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--redis-url",
+        redis_url,
+        "--log-level",
+        "warning",
+    ]
+
+
 def proc_state(pid: int) -> str:
     """One letter of /proc/PID/stat: R, S, T (stopped), Z (zombie), ...; "" when gone."""
     try:
