@@ -1,5 +1,6 @@
-"""Shared fixtures. Every test that needs Redis talks to a real server process started here
-on a free port (never the shared one on 6379, never a mock)."""
+"""Shared fixtures and the ``--run-slow`` option. Every test that needs Redis talks to a real
+server process started here on a free port (never the shared one on 6379, never a mock); the
+pool factories bind pool objects to the per-test server and close them at teardown."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import os
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
-from gpulock.embedded import RedisProcess, embedded_binary, find_server_binary
+from gpulock import AsyncPool, Pool
+from gpulock.embedded import RedisProcess
+from support.servers import server_kinds
 
 
 def pytest_addoption(parser):
@@ -24,21 +28,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _server_kinds():
-    kinds = []
-    try:
-        kinds.append(("redis", find_server_binary("redis")))
-    except FileNotFoundError:
-        pass
-    emb = embedded_binary()
-    if emb:
-        kinds.append(("embedded", emb))
-    if not kinds:
-        raise RuntimeError("no redis-server binary: .ci/run installs one")
-    return kinds
-
-
-SERVER_KINDS = _server_kinds()
+SERVER_KINDS = server_kinds()
 
 
 @pytest.fixture(
@@ -79,3 +69,35 @@ def rclient(redis_proc):
 @pytest.fixture
 def pool_name():
     return f"t{os.getpid()}"
+
+
+@pytest.fixture
+async def make_apool(redis_proc, pool_name):
+    made = []
+
+    def make(name: str | None = None, **kw) -> AsyncPool:
+        client = aioredis.Redis.from_url(redis_proc.url, socket_timeout=5, socket_connect_timeout=2)
+        p = AsyncPool(client, name or pool_name, **kw)
+        made.append((p, client))
+        return p
+
+    yield make
+    for p, client in made:
+        await p.aclose()
+        await client.aclose()
+
+
+@pytest.fixture
+def make_pool(redis_proc, pool_name):
+    made = []
+
+    def make(name: str | None = None, **kw) -> Pool:
+        client = redis.Redis.from_url(redis_proc.url, socket_timeout=5, socket_connect_timeout=2)
+        p = Pool(client, name or pool_name, **kw)
+        made.append((p, client))
+        return p
+
+    yield make
+    for p, client in made:
+        p.close()
+        client.close()

@@ -176,7 +176,9 @@ def test_retry_storm_is_paced(broker_srv, admin):
 
             async def one():
                 try:
-                    lease = await pool.acquire(1, ttl=2, timeout=2.5)
+                    lease = await pool.acquire(
+                        1, ttl=10, timeout=2.5
+                    )  # a ttl a loaded broker cannot outwait
                 except AcquireTimeout:
                     return 0
                 await asyncio.sleep(0.3)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from gpulock_client import AcquireTimeout, AsyncPool, Pool
 
-from helpers import wait_until
+from support.waiting import wait_until
 from ._support import ADMIN_TOKEN, USER_TOKEN
 
 pytestmark = pytest.mark.timeout(180)

@@ -5,7 +5,7 @@ test fails."""
 from __future__ import annotations
 
 import pytest
-from e2e_helpers import Service
+from support.service import Service
 
 from gpulock.embedded import RedisProcess, find_server_binary
 

@@ -12,7 +12,8 @@ import time
 
 import httpx
 import pytest
-from e2e_helpers import GiB, cuda_intervals, lease_intervals, max_overlap
+from support.history import cuda_intervals, lease_intervals, max_overlap
+from support.pools import GiB
 
 SLEEP_SERVICE = {
     "GPULOCK_MODEL": "sleep",

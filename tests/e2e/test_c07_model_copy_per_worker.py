@@ -14,7 +14,10 @@ import time
 
 import httpx
 import pytest
-from e2e_helpers import GiB, alive, lease_intervals, max_overlap
+from support.history import lease_intervals, max_overlap
+from support.pools import GiB
+from support.procs import alive
+from support.waiting import wait_until
 
 TTL = 3.0
 ENV = {
@@ -39,16 +42,6 @@ def _residents(st):
     return [lz for lz in st.leases if str(lz.holder.get("purpose", "")).startswith("resident")]
 
 
-def _wait(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _not_ready_pid(svc, timeout: float = 30):
     """Ask /ready on new connections until the one worker that is not ready answers."""
     deadline = time.monotonic() + timeout
@@ -63,10 +56,11 @@ def _not_ready_pid(svc, timeout: float = 30):
 
 @pytest.mark.timeout(120)
 def test_c07_model_copy_per_worker(svc):
-    st = _wait(
+    st = wait_until(
         lambda: (lambda s: s if len(_residents(s)) == 3 else None)(svc.status()),
         30,
         "3 resident leases",
+        interval=0.1,
     )
     assert st.used == 9 * GiB and all(lz.amount == 3 * GiB for lz in _residents(st))
     holders = {lz.holder["pid"] for lz in _residents(st)}
@@ -104,18 +98,22 @@ def test_c07_model_copy_per_worker(svc):
         pids = {lz.holder["pid"] for lz in _residents(s)}
         return s if len(pids) == 3 and victim not in pids else None
 
-    st2 = _wait(
-        lambda: taken_over(svc.status()), TTL + 4, "a waiting worker to get the dead worker's bytes"
+    st2 = wait_until(
+        lambda: taken_over(svc.status()),
+        TTL + 4,
+        "a waiting worker to get the dead worker's bytes",
+        interval=0.1,
     )
     got_at = time.time()
     assert got_at - t_kill <= TTL + 3, got_at - t_kill
     assert st2.reaped_leases >= 1 and st2.used == 9 * GiB
     assert not alive(victim)
     # gunicorn started a replacement; one of the two waiting workers is now the one not ready.
-    _wait(
+    wait_until(
         lambda: len(svc.worker_pids()) == 4 and victim not in svc.worker_pids(),
         30,
         "a replacement worker",
+        interval=0.1,
     )
     body2, _ = _not_ready_pid(svc)
     new_holders = {lz.holder["pid"] for lz in _residents(st2)}

@@ -15,7 +15,8 @@ import uuid
 
 import httpx
 import pytest
-from e2e_helpers import GiB, lease_intervals, max_overlap
+from support.history import lease_intervals, max_overlap
+from support.pools import GiB
 
 ENV = {
     "GPULOCK_MODEL": "sleep",

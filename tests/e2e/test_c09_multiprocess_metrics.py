@@ -17,7 +17,9 @@ import time
 
 import httpx
 import pytest
-from e2e_helpers import GiB, MiB, alive, lease_intervals, max_overlap
+from support.history import lease_intervals, max_overlap
+from support.pools import GiB, MiB
+from support.procs import alive
 
 RESIDENT = 128 * MiB
 ENV = {

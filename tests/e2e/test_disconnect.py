@@ -14,15 +14,15 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from e2e_helpers import GiB
-from proc_helpers import Proc
+from support.pools import GiB
+from support.procs import Proc, broker_argv
+from support.waiting import wait_until
 
 from gpulock.embedded import free_port
 
@@ -46,17 +46,6 @@ def svc(make_service):
     )  # 2 inputs fill it
     s.wait_ready(2, timeout=90)
     return s
-
-
-def _until(pred, what: str, timeout: float = 10.0, every: float = 0.01):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(every)
 
 
 def _open_post(port: int, path: str, body: dict, headers: dict | None = None) -> socket.socket:
@@ -102,7 +91,7 @@ def test_clients_that_hang_up_while_queued_leave_the_queue_at_once_and_never_run
             json={"input": [f"flag:{tmp_path}/holder", f"wait:{go}"]},
         )
     )
-    _until(lambda: (tmp_path / "holder").exists(), "the holder running")
+    wait_until(lambda: (tmp_path / "holder").exists(), 10, "the holder running", interval=0.01)
     assert svc.status().used == GiB
 
     try:
@@ -125,11 +114,13 @@ def _hang_up_while_queued(svc, port: int, tmp_path: Path, go: Path) -> None:
         gone.append(
             _open_post(port, "/v1/embeddings", {"input": [f"flag:{tmp_path}/gone-{i}", "x"]}, h)
         )
-        _until(lambda: svc.status().waiter_count == i + 1, f"request {i} queued")
+        wait_until(
+            lambda: svc.status().waiter_count == i + 1, 10, f"request {i} queued", interval=0.01
+        )
     t0 = time.monotonic()
     for s in gone:
         s.close()
-    _until(lambda: svc.status().waiter_count == 0, "the queue to empty", timeout=5)
+    wait_until(lambda: svc.status().waiter_count == 0, 5, "the queue to empty", interval=0.01)
     took = time.monotonic() - t0
     print(f"4 hung-up requests left the queue {took * 1000:.0f} ms after their sockets closed")
     assert took < 2.0, f"the hung-up requests stayed queued {took:.2f}s"
@@ -143,7 +134,7 @@ def _hang_up_while_queued(svc, port: int, tmp_path: Path, go: Path) -> None:
             json={"input": [f"flag:{tmp_path}/witness", "x"]},
         )
     )
-    _until(lambda: svc.status().waiter_count == 1, "the witness queued")
+    wait_until(lambda: svc.status().waiter_count == 1, 10, "the witness queued", interval=0.01)
     go.touch()
     wit_t.join(60)
     assert wit["r"].status_code == 200, wit["r"].text
@@ -160,13 +151,13 @@ def test_a_client_that_hangs_up_while_its_work_runs_lets_it_finish_and_drops_the
         port, "/v1/embeddings", {"input": [f"flag:{tmp_path}/started", f"wait:{tmp_path}/go"]}
     )
     try:
-        _until(lambda: (tmp_path / "started").exists(), "the work running")
+        wait_until(lambda: (tmp_path / "started").exists(), 10, "the work running", interval=0.01)
         s.close()
-        _until(
+        wait_until(
             lambda: _disconnects(svc, "running") == before + 1,
+            5,
             "the hang-up counted",
-            timeout=5,
-            every=0.05,
+            interval=0.05,
         )
         assert svc.status().used == GiB, "the lease is held while the thread still runs"
     finally:
@@ -187,24 +178,7 @@ def broker(e2e_redis, tmp_path_factory):
             {"tokens": [{"name": "u", "token": TOKEN, "pools": ["*"], "admin": True}]}
         )
     }
-    p = Proc(
-        [
-            sys.executable,
-            "-m",
-            "gpulock_broker",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--redis-url",
-            e2e_redis.url,
-            "--log-level",
-            "warning",
-        ],
-        env,
-        tmp / "broker.log",
-        port,
-    )
+    p = Proc(broker_argv(port, e2e_redis.url), env, tmp / "broker.log", port)
     try:
         p.wait_up()
         yield p
@@ -229,10 +203,12 @@ def test_a_broker_client_that_hangs_up_during_its_long_poll_leaves_the_queue(bro
             {"amount": "1GiB", "wait": 20, "request_id": "gone"},
             auth,
         )
-        _until(lambda: waiters() == 1, "the long poll queued")
+        wait_until(lambda: waiters() == 1, 10, "the long poll queued", interval=0.01)
         t0 = time.monotonic()
         s.close()
-        _until(lambda: waiters() == 0, "the hung-up request to leave the queue", timeout=5)
+        wait_until(
+            lambda: waiters() == 0, 5, "the hung-up request to leave the queue", interval=0.01
+        )
         took = time.monotonic() - t0
         print(
             f"broker: the hung-up long poll left the queue {took * 1000:.0f} ms after its socket closed"
@@ -248,7 +224,7 @@ def test_a_broker_client_that_hangs_up_during_its_long_poll_leaves_the_queue(bro
                 json={"amount": "1GiB", "wait": 20, "request_id": "witness"},
             )
         )
-        _until(lambda: waiters() == 1, "the witness queued")
+        wait_until(lambda: waiters() == 1, 10, "the witness queued", interval=0.01)
         assert c.delete(f"/v1/pools/disc/leases/{holder.json()['lease_id']}").status_code == 200
         wit_t.join(30)
         assert wit["r"].status_code == 201, wit["r"].text

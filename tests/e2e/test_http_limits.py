@@ -25,8 +25,8 @@ import time
 
 import httpx
 import pytest
-from e2e_helpers import GiB
-from proc_helpers import Proc
+from support.pools import GiB
+from support.procs import Proc, broker_argv
 
 from gpulock.embedded import free_port
 
@@ -82,24 +82,7 @@ def broker(e2e_redis, tmp_path_factory):
         ),
         **LIMIT_ENV,
     }
-    p = Proc(
-        [
-            sys.executable,
-            "-m",
-            "gpulock_broker",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--redis-url",
-            e2e_redis.url,
-            "--log-level",
-            "warning",
-        ],
-        env,
-        tmp / "broker.log",
-        port,
-    )
+    p = Proc(broker_argv(port, e2e_redis.url), env, tmp / "broker.log", port)
     try:
         p.wait_up()
         r = httpx.put(

@@ -24,7 +24,9 @@ import time
 import httpx
 import pytest
 import redis
-from e2e_helpers import MiB, alive, cuda_intervals, lease_intervals, max_overlap
+from support.history import cuda_intervals, lease_intervals, max_overlap
+from support.pools import MiB
+from support.procs import alive
 
 TTL = 5.0
 RESIDENT = 128 * MiB

@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from e2e_helpers import _LIVE, alive, children, cmdline
+from support.procs import _LIVE, alive, children, cmdline
 
 from gpulock.embedded import free_port
 

@@ -11,12 +11,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 import redis
-from e2e_helpers import _LIVE, alive, children, cmdline
+from support.procs import _LIVE, alive, children, cmdline
+from support.waiting import wait_until
 
 from gpulock.embedded import free_port
 
@@ -32,13 +32,11 @@ def _env() -> dict:
 
 
 def _wait(pred, what: str, timeout: float, log=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.1)
-    raise AssertionError(f"{what} within {timeout}s" + (f"\n{log.read_text()}" if log else ""))
+    """:func:`wait_until`, with the service's log in the failure."""
+    try:
+        return wait_until(pred, timeout, what, interval=0.1)
+    except AssertionError as e:
+        raise AssertionError(f"{e}" + (f"\n{log.read_text()}" if log else "")) from None
 
 
 @pytest.mark.timeout(60)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from gpulock import AsyncPool, CapacityExceeded, InvalidArgument, Pool
 from gpulock._protocol import new_id
-from helpers import GiB, raw, raw_acquire, raw_configure, snapshot
+from support.pools import GiB, raw, raw_acquire, raw_configure, snapshot
 
 CAP = 8 * GiB
 

@@ -9,7 +9,8 @@ import socket
 import pytest
 
 from gpulock import AcquireTimeout, AsyncLease, Lease, LeaseLost, PoolNotFound
-from helpers import GiB, assert_empty, async_wait_until, consistent, server_ms, used
+from support.pools import GiB, assert_empty, check_consistent, server_ms, used
+from support.waiting import async_wait_until
 
 
 async def test_async_configure_acquire_release(make_apool, rclient, pool_name):
@@ -156,4 +157,4 @@ async def test_tokens_strictly_increase(make_apool, make_pool, rclient, pool_nam
     assert handoff[0] > holders[1].token
     assert all(b > a for a, b in zip(handoff, handoff[1:])), handoff
     assert_empty(rclient, pool_name)
-    consistent(rclient, pool_name)
+    check_consistent(rclient, pool_name)

@@ -22,18 +22,11 @@ import redis
 from gpulock import AcquireTimeout, Pool
 from gpulock.cli import EXIT_CAPACITY, EXIT_NO_POOL, EXIT_TEMPFAIL, EXIT_UNAVAILABLE
 from gpulock.embedded import free_port
+from support.pools import GiB
+from support.procs import gpulock_argv
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
-
-GiB = 2**30
-
-
-def gpulock_argv() -> list[str]:
-    """The installed console script next to this interpreter, else the module's main()."""
-    script = Path(sys.executable).with_name("gpulock")
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", "import sys; from gpulock.cli import main; sys.exit(main())"]
 
 
 def cli(url: str, *args: str, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
@@ -69,16 +62,6 @@ def status_json(url: str, name: str) -> dict:
     r = cli(url, "status", name, "--json")
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
-
-
-def wait_for(pred, timeout: float = 10.0, every: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(every)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 @pytest.fixture
@@ -127,7 +110,9 @@ def test_pool_set_and_status_round_trip(redis_proc):
         th = threading.Thread(target=wait)
         th.start()
         try:
-            st = wait_for(lambda: (s := status_json(url, "gpu0"))["waiters"] and s)
+            st = wait_until(
+                lambda: (s := status_json(url, "gpu0"))["waiters"] and s, timeout=10, interval=0.05
+            )
             assert (st["used"], st["free"], st["lease_count"], st["waiter_count"]) == (
                 5 * GiB,
                 GiB,
@@ -264,7 +249,9 @@ def test_run_waits_in_queue_messages_on_stderr_only(url):
             "print('hello from cmd')",
         )
         try:
-            st = wait_for(lambda: (s := status_json(url, "gpu0"))["waiters"] and s)
+            st = wait_until(
+                lambda: (s := status_json(url, "gpu0"))["waiters"] and s, timeout=10, interval=0.05
+            )
             assert st["waiters"][0]["holder"]["purpose"] == "queued-job"
             time.sleep(0.2)
         finally:
@@ -380,7 +367,7 @@ def test_run_forwards_sigterm_to_cmd(url, tmp_path):
     p = start(
         url, "run", "-p", "gpu0", "-a", "1MiB", "--", sys.executable, "-c", TRAP_TERM, str(marker)
     )
-    wait_for(lambda: Path(str(marker) + ".ready").exists())
+    wait_until(lambda: Path(str(marker) + ".ready").exists(), timeout=10, interval=0.05)
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=10)
     assert p.returncode == 42, err  # CMD's own status after handling the forwarded TERM
@@ -396,7 +383,9 @@ def test_run_interrupted_while_waiting_leaves_the_queue(url, tmp_path):
         try:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 p = start(url, "run", "-p", "gpu0", "-a", "1MiB", "--", "touch", str(marker))
-                wait_for(lambda: status_json(url, "gpu0")["waiter_count"] == 1)
+                wait_until(
+                    lambda: status_json(url, "gpu0")["waiter_count"] == 1, timeout=10, interval=0.05
+                )
                 p.send_signal(sig)
                 out, err = p.communicate(timeout=10)
                 assert p.returncode == 128 + sig, err

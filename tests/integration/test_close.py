@@ -12,7 +12,7 @@ import time
 import pytest
 
 from gpulock import AsyncPool, Pool, PoolClosed
-from helpers import assert_empty
+from support.pools import assert_empty
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gpulock import Pool, PoolClosed
-from helpers import assert_empty
+from support.pools import assert_empty
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -18,7 +18,8 @@ import weakref
 
 import pytest
 from fastapi import Depends, FastAPI
-from helpers import Running, async_wait_until
+from support.apps import Running
+from support.waiting import async_wait_until
 
 from gpulock import AsyncPool
 from gpulock.cuda import (
@@ -223,7 +224,7 @@ def _app(url: str, pool: str, **kw) -> tuple[FastAPI, GpuLimiter, dict]:
     return app, gpu, seen
 
 
-_Running = Running  # the lifespan + in-process client harness (tests/helpers.py)
+_Running = Running  # the lifespan + in-process client harness (tests/support/apps.py)
 
 
 async def _used(url: str, pool: str, *, settle_at: int | None = None) -> int:

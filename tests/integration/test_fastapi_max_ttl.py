@@ -12,13 +12,13 @@ from fastapi import FastAPI
 
 from gpulock import AsyncPool
 from gpulock.fastapi import GpuLimiter, current_lease
-from helpers import Running
+from support.apps import Running
 
 GiB = 2**30
 pytestmark = pytest.mark.timeout(60)
 
 
-_Running = Running  # the lifespan + in-process client harness (tests/helpers.py)
+_Running = Running  # the lifespan + in-process client harness (tests/support/apps.py)
 
 
 async def _configure(url: str, pool: str, **kw) -> None:

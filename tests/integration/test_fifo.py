@@ -8,7 +8,8 @@ import time
 import pytest
 
 from gpulock import AcquireTimeout, CapacityExceeded, QueueFull
-from helpers import GiB, assert_empty, async_wait_until, snapshot, used
+from support.pools import GiB, assert_empty, snapshot, used
+from support.waiting import async_wait_until
 
 
 async def _enqueue_in_order(pool, amounts, granted, **kw):

@@ -11,7 +11,7 @@ import pytest
 
 from gpulock import InvalidArgument
 from gpulock._protocol import decode_meta
-from helpers import GiB, snapshot
+from support.pools import GiB, snapshot
 
 BAD_HOLDERS = [
     {"x": "\ud800"},

@@ -8,7 +8,8 @@ import pytest
 
 from gpulock import AcquireTimeout, InvalidArgument, LeaseLost
 from gpulock._keys import pool_keys
-from helpers import assert_empty, async_wait_until, raw_acquire, snapshot, used
+from support.pools import assert_empty, raw_acquire, snapshot, used
+from support.waiting import async_wait_until
 
 
 async def test_sequential_same_request_id_gets_the_same_grant(make_apool, rclient, pool_name):

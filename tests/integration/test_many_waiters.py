@@ -19,7 +19,8 @@ import pytest
 import redis.exceptions as rex
 
 from gpulock import AsyncPool, Pool
-from helpers import assert_empty, async_wait_until, wait_until
+from support.pools import assert_empty
+from support.waiting import async_wait_until, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

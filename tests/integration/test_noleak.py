@@ -11,7 +11,8 @@ import time
 import pytest
 
 from gpulock import AcquireTimeout
-from helpers import GiB, assert_empty, consistent, used
+from support.pools import GiB, assert_empty, check_consistent, used
+from support.waiting import wait_until
 
 
 async def _assert_next_granted_at_once(pool, amount="1GiB"):
@@ -162,10 +163,7 @@ def test_sync_timeouts_racing_grants(make_pool, rclient, pool_name):
 
 
 def wait_for_idle(rclient, pool_name):
-    deadline = time.monotonic() + 2
-    while used(rclient, pool_name) != 0:
-        assert time.monotonic() < deadline, "bytes not returned"
-        time.sleep(0.002)
+    wait_until(lambda: used(rclient, pool_name) == 0, 2, "the bytes returned", interval=0.002)
 
 
 async def test_grant_racing_cancel(make_apool, rclient, pool_name):
@@ -282,7 +280,7 @@ async def test_consistency_after_churn(make_apool, rclient, pool_name):
                 pass
 
     await asyncio.gather(*(worker() for _ in range(20)))
-    consistent(rclient, pool_name)
+    check_consistent(rclient, pool_name)
     assert_empty(rclient, pool_name)
 
 

@@ -11,7 +11,7 @@ import pytest
 from gpulock import LeaseLost
 from gpulock._protocol import new_id
 from gpulock._keys import pool_keys
-from helpers import GiB, assert_empty, raw, raw_acquire, raw_configure, snapshot, used
+from support.pools import GiB, assert_empty, raw, raw_acquire, raw_configure, snapshot, used
 
 
 def test_raw_release_with_wrong_token_or_unknown_id_changes_nothing(rclient, pool_name):

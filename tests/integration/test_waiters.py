@@ -7,7 +7,8 @@ import asyncio
 import time
 
 from gpulock._keys import pool_keys
-from helpers import assert_empty, async_wait_until, raw, raw_acquire
+from support.pools import assert_empty, raw, raw_acquire
+from support.waiting import async_wait_until
 
 
 async def test_live_waiter_survives_many_waiter_ttls(make_apool, rclient, pool_name):

@@ -66,11 +66,18 @@ def _loaded_after(modules: list[str], code: str = "") -> set[str]:
 
 
 def _all_modules() -> list[str]:
+    """Every module of the package, subpackages (gpulock.fastapi) and their modules included."""
     return ["gpulock"] + [
-        f"gpulock.{m.name}"
-        for m in pkgutil.iter_modules([str(PACKAGE_DIR)])
-        if m.name != "__main__"  # runs the CLI
+        m.name
+        for m in pkgutil.walk_packages([str(PACKAGE_DIR)], prefix="gpulock.")
+        if m.name != "gpulock.__main__"  # runs the CLI
     ]
+
+
+def _path(module: str) -> Path:
+    """The source file of a module of the package (a package's is its __init__.py)."""
+    rel = PACKAGE_DIR.joinpath(*module.split(".")[1:])
+    return rel / "__init__.py" if rel.is_dir() else rel.with_suffix(".py")
 
 
 def test_core_imports_no_service_broker_sdk_or_fastapi():
@@ -113,7 +120,7 @@ def _top_level_imports(module: str, path: Path) -> set[str]:
     statements, also inside top-level ``try``/``if`` (not ``if TYPE_CHECKING:``)."""
     is_package = path.name == "__init__.py"
     base = module if is_package else module.rpartition(".")[0]
-    submodules = {m.rpartition(".")[2] for m in _all_modules()}
+    known = set(_all_modules())
     out: set[str] = set()
 
     def resolve(node: ast.ImportFrom) -> str:
@@ -129,9 +136,10 @@ def _top_level_imports(module: str, path: Path) -> set[str]:
                 out.update(a.name for a in st.names)
             elif isinstance(st, ast.ImportFrom):
                 target = resolve(st)
-                out.add(target)
-                if target == "gpulock":  # `from . import errors`: the submodule itself
-                    out.update(f"gpulock.{a.name}" for a in st.names if a.name in submodules)
+                subs = {f"{target}.{a.name}" for a in st.names} & known
+                out.update(subs)  # `from . import errors`: the submodule itself
+                if len(subs) < len(st.names):  # a name of the module or package
+                    out.add(target)
             elif isinstance(st, ast.If):
                 test = ast.unparse(st.test)
                 if "TYPE_CHECKING" not in test:
@@ -145,7 +153,6 @@ def _top_level_imports(module: str, path: Path) -> set[str]:
                 visit(st.finalbody)
 
     visit(ast.parse(path.read_text(), str(path)).body)
-    known = set(_all_modules())
     edges = {m for m in out if m in known and m != module}
     # `from gpulock import X` where X is a name of the package (not a submodule) needs the
     # package's __init__ to have run: an edge to "gpulock" (kept above); a submodule's import of
@@ -156,9 +163,7 @@ def _top_level_imports(module: str, path: Path) -> set[str]:
 def _graph() -> dict[str, set[str]]:
     g: dict[str, set[str]] = {}
     for m in _all_modules():
-        name = m.rpartition(".")[2]
-        path = PACKAGE_DIR / "__init__.py" if m == "gpulock" else PACKAGE_DIR / f"{name}.py"
-        g[m] = _top_level_imports(m, path)
+        g[m] = _top_level_imports(m, _path(m))
     return g
 
 
@@ -203,6 +208,7 @@ def test_the_import_graph_is_read():
     assert "gpulock._cli_common" in g["gpulock.cli"]
     assert "gpulock.errors" in g["gpulock._cli_broker"]  # `from . import errors as E`
     assert "gpulock._async" in g["gpulock"]
+    assert "gpulock.fastapi._limiter" in g["gpulock.fastapi"]  # a subpackage is read too
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

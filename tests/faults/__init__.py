@@ -1,0 +1,1 @@
+"""Fault tests: processes killed, stopped, restarted, disconnected, or cut off the network."""

@@ -1,0 +1,1 @@
+"""Faults of the clients: holder processes killed (-9), stopped (SIGSTOP), disconnected."""

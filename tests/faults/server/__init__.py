@@ -1,0 +1,1 @@
+"""Faults of the Redis server: killed, stopped, restarted empty, failed over, slowed."""

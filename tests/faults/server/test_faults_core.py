@@ -1,0 +1,205 @@
+"""SCRIPT FLUSH mid-run, Redis restarted empty, and the heartbeat (renewal, and a Redis that
+stops answering for longer than the ttl)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gpulock import LeaseLost
+from support.pools import GiB, assert_empty, server_ms, used
+from support.waiting import async_wait_until, wait_until
+
+
+async def test_script_flush_mid_run(make_apool, make_pool, rclient, pool_name):
+    pool = make_apool(capacity="4GiB", poll_interval=0.1)
+    spool = make_pool(capacity="4GiB")
+    holder = await pool.acquire("3GiB", ttl=0.6)
+    sholder = spool.acquire("1GiB", ttl=0.6)
+    waiters = [asyncio.create_task(pool.acquire("2GiB")) for _ in range(3)]
+    await async_wait_until(lambda: rclient.zcard(f"gpulock:{{{pool_name}}}:queue") == 3)
+    rclient.script_flush()
+    # Heartbeats (renew at ttl/3) and waiter refreshes keep working through NOSCRIPT: both
+    # holders renewed after the flush (observed, not slept for).
+    a0, s0 = holder.expires_at, sholder.expires_at
+    await async_wait_until(lambda: holder.expires_at > a0 and sholder.expires_at > s0, timeout=5)
+    holder.ensure_valid()
+    sholder.ensure_valid()
+    rclient.script_flush()
+    await holder.release()
+    rclient.script_flush()
+    sholder.release()
+    await async_wait_until(lambda: sum(w.done() for w in waiters) == 2, timeout=2)  # both fit
+    first = [w.result() for w in waiters if w.done()]
+    (rest,) = [w for w in waiters if not w.done()]
+    rclient.script_flush()
+    assert (await pool.status()).used == 4 * GiB
+    rclient.script_flush()
+    await first[0].release()
+    rclient.script_flush()
+    last = await asyncio.wait_for(rest, 2)
+    rclient.script_flush()
+    await first[1].release()
+    await last.release()
+    rclient.script_flush()
+    assert spool.status().used == 0
+    rclient.script_flush()
+    with spool.lease("1GiB", timeout=0):
+        pass
+    assert_empty(rclient, pool_name)
+
+
+async def test_restart_empty_lease_put_back_and_tokens_forward(
+    make_apool, redis_proc, rclient, pool_name
+):
+    """Redis restarts without its data (DESIGN §5): the holder's next heartbeat finds the pool
+    gone, makes it again with a grace period of one max_ttl and puts its lease back (same id
+    and token); nothing new is granted before the grace period ends; tokens keep increasing.
+    Several holders, processes and the other cases: tests/faults/server/test_restart_grace.py."""
+    pool = make_apool(capacity="4GiB", default_ttl=1.0, max_ttl=1.5)
+    other = make_apool(capacity="4GiB", default_ttl=1.0, max_ttl=1.5)
+    tokens = []
+    for _ in range(5):
+        lease = await pool.acquire("1GiB")
+        tokens.append(lease.token)
+        await lease.release()
+    held = await pool.acquire("1GiB", ttl=0.9)
+    tokens.append(held.token)
+    fired = []
+    held.on_lost(fired.append)
+    epoch = (await other.status()).epoch
+    redis_proc.restart()  # a new, empty server on the same port
+    # The next heartbeat (ttl/3 = 0.3 s) finds the pool gone and puts the lease back.
+    await async_wait_until(lambda: rclient.hlen(f"gpulock:{{{pool_name}}}:holders") == 1, timeout=3)
+    st = await other.status()
+    assert st.capacity == 4 * GiB and st.epoch != epoch and st.reasserted == 1 and st.grace_left > 0
+    assert [(li.lease_id, li.token) for li in st.leases] == [(held.id, held.token)]
+    held.ensure_valid()
+    # Another pool object's acquire is granted only once the grace period is over.
+    fresh = await other.acquire("1GiB", timeout=5)
+    assert (await other.status()).grace_left == 0
+    # Tokens never go backwards across the restart.
+    assert fresh.token > max(tokens)
+    await fresh.release()
+    await held.release()
+    assert_empty(rclient, pool_name)
+    assert fired == []
+
+
+def test_restart_sync(make_pool, redis_proc, rclient, pool_name):
+    pool = make_pool(capacity="4GiB", default_ttl=1.0, max_ttl=1.5)
+    held = pool.acquire("1GiB", ttl=0.6)
+    fired = []
+    held.on_lost(fired.append)
+    redis_proc.restart()
+    wait_until(lambda: rclient.hlen(f"gpulock:{{{pool_name}}}:holders") == 1, timeout=3)
+    held.ensure_valid()
+    fresh = pool.acquire("1GiB", timeout=5)  # after the grace period
+    assert fresh.token > held.token
+    fresh.release()
+    held.release()
+    assert_empty(rclient, pool_name)
+    assert fired == []
+
+
+async def test_heartbeat_keeps_short_lease_alive(make_apool, rclient, pool_name):
+    pool = make_apool(capacity=1)
+    # 1.5 s, renewed every 0.5 s: short, with room for a loaded machine's scheduling delays
+    # (at 0.6 s one late heartbeat lost the lease by chance).
+    lease = await pool.acquire(1, ttl=1.5)
+    first_expiry = lease.expires_at
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 3.0:
+        lease.ensure_valid()
+        st = await pool.status()
+        assert st.used == 1 and st.leases[0].lease_id == lease.id
+        assert st.leases[0].expires_in > 0
+        await asyncio.sleep(0.1)
+    assert lease.expires_at > first_expiry + 2.0  # moved forward with each renewal
+    assert lease.valid_until > time.monotonic()
+    await lease.release()
+    assert_empty(rclient, pool_name)
+
+
+def test_sync_heartbeat_keeps_short_lease_alive(make_pool, rclient, pool_name):
+    pool = make_pool(capacity=1)
+    with pool.lease(1, ttl=1.5) as lease:  # renewed every 0.5 s (see above)
+        first = lease.expires_at
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.0:
+            lease.ensure_valid()
+            time.sleep(0.1)
+        assert lease.expires_at > first + 1.0
+    assert_empty(rclient, pool_name)
+
+
+async def test_unreachable_redis_lost_locally_before_server_expiry(
+    make_apool, redis_proc, rclient, pool_name
+):
+    """Redis stops answering (SIGSTOP) for longer than the ttl. ensure_valid() raises by the
+    local deadline, which falls before the server's expiry; on_lost fires once, while Redis
+    is still paused; afterwards the release reports lost and frees nothing."""
+    pool = make_apool(capacity=1)
+    ttl = 0.6
+    lease = await pool.acquire(1, ttl=ttl)
+    first = lease.expires_at
+    await async_wait_until(lambda: lease.expires_at > first)  # one renewal done
+    fired: list[float] = []
+    lease.on_lost(lambda l: fired.append(time.monotonic()))
+    # Map the local deadline to the server clock just before the pause.
+    t_local, t_server = time.monotonic(), server_ms(rclient)
+    redis_proc.pause()
+    try:
+        # on_lost fires by itself at the local deadline (nobody calls ensure_valid here), even
+        # though the heartbeat sits in a renew call that Redis does not answer.
+        while not fired and time.monotonic() - t_local < 1.5:
+            await asyncio.sleep(0.005)
+        assert len(fired) == 1, "on_lost did not fire while Redis was unreachable"
+        deadline = lease.valid_until
+        assert fired[0] <= deadline + 0.1
+        with pytest.raises(LeaseLost):
+            lease.ensure_valid()
+        raised_at = deadline
+        await asyncio.sleep(max(0.0, t_local + ttl + 0.2 - time.monotonic()))  # paused past the ttl
+    finally:
+        redis_proc.resume()
+    # The server expiry of the last renewal, expressed on the local clock via the anchor:
+    # the local deadline came first (by the margin, at least).
+    server_expiry_ms = lease._state.expires_ms
+    local_equiv_of_server_expiry = t_local + (server_expiry_ms - t_server) / 1000.0
+    assert raised_at < local_equiv_of_server_expiry, (
+        raised_at - t_local,
+        (server_expiry_ms - t_server) / 1000,
+    )
+    assert fired[0] < local_equiv_of_server_expiry
+    # After the resume: the release reports lost and changes nothing.
+    await asyncio.sleep(0.1)
+    with pytest.raises(LeaseLost):
+        await lease.release()
+    assert len(fired) == 1
+    assert used(rclient, pool_name) == 0
+    assert_empty(rclient, pool_name)
+
+
+def test_sync_unreachable_redis_fires_on_lost(make_pool, redis_proc, rclient, pool_name):
+    pool = make_pool(capacity=1)
+    lease = pool.acquire(1, ttl=0.6)
+    fired: list[float] = []
+    lease.on_lost(lambda l: fired.append(time.monotonic()))
+    first = lease.expires_at
+    wait_until(lambda: lease.expires_at > first)  # one renewal done
+    redis_proc.pause()
+    try:
+        wait_until(lambda: fired, timeout=1.5)
+        assert fired[0] <= lease.valid_until + 0.1
+        with pytest.raises(LeaseLost):
+            lease.ensure_valid()
+        time.sleep(0.5)
+    finally:
+        redis_proc.resume()
+    with pytest.raises(LeaseLost):
+        lease.release()
+    assert len(fired) == 1
+    assert_empty(rclient, pool_name)

@@ -1,0 +1,393 @@
+"""Redis restarted without its data, back behind the same URL on another port, or down for a
+while: the grace period of DESIGN §5 (issue 5 item 1).
+
+What is promised (docs/RELIABILITY.md, "Redis loses its data"):
+* a holder finds the loss at its next heartbeat (the pool's epoch is gone or changed); if the
+  pool is gone it creates it again — with the capacity it was given or last saw — and opens a
+  grace period of one ``max_ttl``; then it puts its leases back with their old ids, amounts
+  and fencing tokens (``reassert.lua``), and keeps them: no ``on_lost``;
+* during the grace period nothing new is granted (requests queue; ``timeout=0`` is refused);
+  when it ends the queue moves on, and new tokens are above every token from before;
+* a lease that cannot be put back (it does not fit, or it comes after the grace period) is
+  lost, and its holder is told why;
+* when Redis stays down, holders go to jeopardy (logged) and then lost on their own clocks
+  (logged, ``on_lost``), and do not come back when Redis does.
+
+The checks read the raw keys (holder records with their grant times, the pool's
+``grace_until``) sampled all along, not gpulock's own view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+import pytest
+import redis
+
+from gpulock import AcquireTimeout, AsyncPool, LeaseLost, Pool
+from gpulock._protocol import new_id
+from gpulock._keys import pool_keys
+from gpulock.embedded import RedisProcess
+from support.pools import check_consistent, raw, raw_acquire, snapshot
+from support.proxy import Proxy
+from support.waiting import wait_until
+
+
+pytestmark = pytest.mark.timeout(90)
+
+TTL, G = 1.0, 2.0  # lease ttl and max_ttl (= the grace period) of the pool objects here
+
+
+class Sampler:
+    """Reads a pool's raw keys every few ms on its own connection: the largest sum of held
+    amounts, every (token, grant time) seen, and the pool's grace_until and epoch."""
+
+    def __init__(self, url: str, pool: str):
+        self.c = redis.Redis.from_url(url, socket_timeout=1)
+        self.k = pool_keys(pool)
+        self.peak = 0
+        self.grants: dict[int, int] = {}  # token -> acquired_ms (server clock)
+        self.cfgs: list[dict] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with self.c.pipeline(transaction=True) as p:
+                    p.hgetall(self.k[2]).hmget(self.k[0], "epoch", "grace_until", "capacity")
+                    holders, cfg = p.execute()
+            except redis.RedisError:
+                time.sleep(0.01)
+                continue
+            total = 0
+            for v in holders.values():
+                a, tok, acq = v.decode().split("|")[:3]
+                total += int(a)
+                self.grants.setdefault(int(tok), int(acq))
+            self.peak = max(self.peak, total)
+            if cfg[0] is not None:
+                d = {"epoch": int(cfg[0]), "grace_until": int(cfg[1] or 0), "capacity": int(cfg[2])}
+                if not self.cfgs or self.cfgs[-1] != d:
+                    self.cfgs.append(d)
+            time.sleep(0.005)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join(2)
+        self.c.close()
+
+
+def _grants_after(sampler: Sampler, epoch: int) -> dict[int, int]:
+    return {t: a for t, a in sampler.grants.items() if t > epoch}
+
+
+def test_restart_empty_holders_put_leases_back(redis_proc1, caplog):
+    caplog.set_level(logging.WARNING, logger="gpulock")
+    rp, name = redis_proc1, "grace"
+    direct = redis.Redis.from_url(rp.url)
+    samp = Sampler(rp.url, name)
+    loop = asyncio.new_event_loop()
+    apool = AsyncPool.from_url(
+        rp.url, name, capacity=100, default_ttl=TTL, max_ttl=G, poll_interval=0.2
+    )
+    spool = Pool.from_url(rp.url, name, capacity=100, default_ttl=TTL, max_ttl=G, poll_interval=0.2)
+    fresh = Pool.from_url(
+        rp.url, name, capacity=100, default_ttl=TTL, max_ttl=G
+    )  # never saw the pool
+    try:
+        h1 = loop.run_until_complete(apool.acquire(40, holder={"who": "h1"}))
+        h2 = spool.acquire(30)
+        lost: list = []
+        h1.on_lost(lost.append)
+        h2.on_lost(lost.append)
+        old = {h1.token, h2.token}
+        old_epoch = spool.status().epoch
+        waiter = loop.create_task(apool.acquire(50, timeout=20))  # 120 > 100: queued
+        loop.run_until_complete(asyncio.sleep(0.2))
+        assert not waiter.done()
+
+        t_restart = time.monotonic()
+        rp.restart()
+
+        def both_back() -> bool:
+            loop.run_until_complete(asyncio.sleep(0.02))  # let the async holder's heartbeat run
+            return direct.hlen(pool_keys(name)[2]) >= 2
+
+        wait_until(both_back, timeout=3 * TTL)
+        back_s = time.monotonic() - t_restart
+        st = spool.status()
+        assert st.epoch != old_epoch and st.grace_left > 0 and st.reasserted == 2
+        assert {(li.lease_id, li.token, li.amount) for li in st.leases} == {
+            (h1.id, h1.token, 40),
+            (h2.id, h2.token, 30),
+        }
+        assert (
+            next(li for li in st.leases if li.lease_id == h1.id).holder.get("who") == "h1"
+        )  # metadata kept
+        grace_end = int(direct.hget(pool_keys(name)[0], "grace_until"))
+        # In the grace period: 30 bytes are free, but nothing new is granted.
+        with pytest.raises(AcquireTimeout):
+            fresh.acquire(20, timeout=0)
+        for _ in range(5):
+            h1.ensure_valid()
+            h2.ensure_valid()
+            loop.run_until_complete(asyncio.sleep(0.1))
+        assert not waiter.done()
+
+        # After the grace period: the waiter (queued again) is granted when bytes come free.
+        h2.release()
+        w = loop.run_until_complete(asyncio.wait_for(waiter, G + 5))
+        f = fresh.acquire(10, timeout=G + 5)
+        assert min(w.token, f.token) > max(old), "tokens went backwards across the restart"
+        # The sampler thread polls every 5 ms but may lag on a loaded machine: let it see both.
+        wait_until(lambda: {w.token, f.token} <= set(samp.grants), timeout=5)
+        new_epoch = samp.cfgs[-1]["epoch"]
+        late = _grants_after(samp, new_epoch)
+        assert late and min(late.values()) >= grace_end, (late, grace_end)
+        assert samp.peak <= 100
+        assert not lost, "a holder lost its lease although it was put back"
+        loop.run_until_complete(h1.release())
+        loop.run_until_complete(w.release())
+        f.release()
+        assert check_consistent(direct, name) == {"used": 0, "leases": 0, "queued": 0}
+        msgs = [r.getMessage() for r in caplog.records]
+        assert any("created it again" in m and "grace period" in m for m in msgs), msgs
+        assert sum("put back after Redis lost the pool" in m for m in msgs) == 2
+        print(
+            f"\nrestart: both leases back {back_s:.2f}s after the restart (ttl {TTL}s, renew every {TTL / 3:.2f}s); "
+            f"grace {G}s; first new grant {min(late.values()) - grace_end} ms after the grace end; "
+            f"peak {samp.peak}/100"
+        )
+    finally:
+        samp.stop()
+        loop.run_until_complete(apool.aclose())
+        loop.close()
+        spool.close()
+        fresh.close()
+        direct.close()
+
+
+async def test_redis_back_on_another_port_behind_the_same_url(redis_proc1, default_binary):
+    """The URL names a proxy (as a DNS name would): Redis comes back empty on another port and
+    the name is repointed. Holders reconnect and put their leases back."""
+    old = redis_proc1
+    with Proxy(old.port) as px:
+        p = AsyncPool.from_url(
+            px.url, "moved", capacity=100, default_ttl=TTL, max_ttl=G, poll_interval=0.2
+        )
+        q = AsyncPool.from_url(
+            px.url, "moved", capacity=100, default_ttl=TTL, max_ttl=G, poll_interval=0.2
+        )
+        a = await p.acquire(60)
+        b = await q.acquire(40)
+        lost: list = []
+        a.on_lost(lost.append)
+        b.on_lost(lost.append)
+        with RedisProcess(default_binary) as new:
+            old.kill()
+            px.set_target(new.port)  # the name now points at the new, empty server
+            t0 = time.monotonic()
+            nd = redis.Redis.from_url(new.url)
+            while nd.hlen(pool_keys("moved")[2]) < 2:
+                assert time.monotonic() - t0 < 3 * TTL, "leases not put back on the new server"
+                await asyncio.sleep(0.02)
+            back_s = time.monotonic() - t0
+            for _ in range(10):  # held across several renewals on the new server
+                a.ensure_valid()
+                b.ensure_valid()
+                await asyncio.sleep(0.1)
+            st = await p.status()
+            assert st.used == 100 and {li.token for li in st.leases} == {a.token, b.token}
+            await a.release()
+            c = await q.acquire(60, timeout=G + 5)  # after the grace period
+            assert c.token > max(a.token, b.token)
+            await b.release()
+            await c.release()
+            assert not lost
+            assert check_consistent(nd, "moved") == {"used": 0, "leases": 0, "queued": 0}
+            nd.close()
+        await p.aclose()
+        await q.aclose()
+    print(f"\nnew port behind the same URL: both leases back {back_s:.2f}s after the switch")
+
+
+async def test_redis_down_for_longer_than_the_ttl(redis_proc1, caplog):
+    """Holders go to jeopardy at the first failed renewal and lose their leases at their own
+    local deadline, saying so; when Redis comes back (empty) they do not come back, and the
+    pool object that knew the pool makes it again with a grace period."""
+    caplog.set_level(logging.WARNING, logger="gpulock")
+    rp = redis_proc1
+    p = AsyncPool.from_url(
+        rp.url,
+        "down",
+        capacity=100,
+        default_ttl=TTL,
+        max_ttl=G,
+        poll_interval=0.2,
+        backend_timeout=0.5,
+    )
+    lease = await p.acquire(70)
+    lost_at: list[float] = []
+    lease.on_lost(lambda _l: lost_at.append(time.monotonic()))
+    first = lease.expires_at
+    while lease.expires_at == first:  # one renewal (observed, not slept for)
+        await asyncio.sleep(0.01)
+    rp.kill()
+    t_down = time.monotonic()
+    while not lost_at and time.monotonic() - t_down < TTL + 1:
+        await asyncio.sleep(0.01)
+    # The deadline of the last renewal the holder read (read now: a reply could still land
+    # between a read before the kill and the kill).
+    deadline = lease.valid_until
+    assert lost_at and lost_at[0] >= deadline and lost_at[0] - deadline < 0.2
+    with pytest.raises(LeaseLost):
+        lease.ensure_valid()
+    msgs = [r.getMessage() for r in caplog.records]
+    j = next(i for i, m in enumerate(msgs) if "in jeopardy" in m)
+    lo = next(i for i, m in enumerate(msgs) if "lost:" in m and "local validity deadline" in m)
+    assert j < lo, msgs
+    await asyncio.sleep(0.5)
+    rp.start()  # back, empty, on the same port
+    t_back = time.monotonic()
+    c = await p.acquire(30, timeout=G + 5)  # this pool object knew the pool: grace period first
+    waited = time.monotonic() - t_back
+    st = await p.status()
+    assert [li.lease_id for li in st.leases] == [
+        c.id
+    ] and st.reasserted == 0  # the lost lease stayed lost
+    assert waited >= G - 0.5, f"granted {waited:.2f}s after Redis came back: no grace period"
+    await c.release()
+    with pytest.raises(LeaseLost):
+        await lease.release()
+    await p.aclose()
+    # Back, with no lease still held (the only one was lost): no "out of jeopardy" for leases.
+    msgs = [r.getMessage() for r in caplog.records]
+    assert not any("out of jeopardy" in m for m in msgs), msgs
+    assert any(
+        "Redis answers renewals again" in m and "no lease was still held" in m for m in msgs
+    ), msgs
+    print(
+        f"\nRedis down: jeopardy logged, lost {lost_at[0] - t_down:.2f}s after Redis went away "
+        f"(local deadline {deadline - t_down:+.2f}s); after it came back empty the next grant waited {waited:.2f}s "
+        f"(grace {G}s)"
+    )
+
+
+def test_a_process_that_never_saw_the_pool_recreates_it_first(redis_proc1):
+    """The documented limit: a process that never saw the pool cannot know Redis lost it, so
+    it creates the pool without a grace period and may be granted at once. The first holder
+    that comes back then opens the grace period; a lease that no longer fits is lost, and its
+    holder is told why."""
+    rp, name = redis_proc1, "hole"
+    direct = redis.Redis.from_url(rp.url)
+    a = Pool.from_url(rp.url, name, capacity=100, default_ttl=TTL, max_ttl=G, poll_interval=0.2)
+    b = Pool.from_url(rp.url, name, capacity=100, default_ttl=TTL, max_ttl=G, poll_interval=0.2)
+    ha = a.acquire(50)
+    hb = b.acquire(40)
+    why: list[str] = []
+    ha.on_lost(lambda lz: why.append(lz._state.lost_reason))
+    rp.restart()
+    newcomer = Pool.from_url(rp.url, name, capacity=100, default_ttl=TTL, max_ttl=G)
+    n = newcomer.acquire(55, timeout=0)  # right away, before the holders' next heartbeat
+    wait_until(lambda: why and direct.hlen(pool_keys(name)[2]) == 2, timeout=3 * TTL)
+    st = newcomer.status()
+    # 55 + 50 > 100: a's lease cannot come back (lost, and told why); 55 + 40 fits: b's is back.
+    assert {li.lease_id for li in st.leases} == {n.id, hb.id} and st.used == 95
+    hb.ensure_valid()
+    assert st.grace_left > 0  # opened by the first re-assertion
+    assert "does not fit" in why[0]
+    with pytest.raises(AcquireTimeout):
+        newcomer.acquire(1, timeout=0)
+    for lz in (ha, hb):
+        try:
+            lz.release()
+        except LeaseLost:
+            pass
+    n.release()
+    for x in (a, b, newcomer):
+        x.close()
+    direct.close()
+
+
+# ---- the rules of reassert.lua, straight on the script ------------------------------------
+
+
+def test_reassert_rules(rclient):
+    pool, k = "rules", pool_keys("rules")
+    # A pool created by a process that knew it existed: grace period of one max_ttl (1 s).
+    r = raw(rclient, pool, "configure", 100, 100, "create", 1000, "1")
+    epoch = int(r[2])
+    assert int(r[5]) == 1000 and 900 < int(r[6]) <= 1000
+    st = raw(rclient, pool, "status", 10)
+    assert int(st[14]) > 0
+    # No new grant in the grace period, even with all the room in the world.
+    assert int(raw_acquire(rclient, pool, 10, ttl_ms=1000, mode="try")[0]) == 2
+    q = raw_acquire(rclient, pool, 10, ticket="q", ttl_ms=1000)
+    assert int(q[0]) == 0 and 0 < int(q[2]) <= 1000  # queued; retry_after = the grace end
+    # ttl above max_ttl: refused by acquire before any write.
+    before = snapshot(rclient)
+    with pytest.raises(redis.ResponseError, match="max_ttl_ms"):
+        raw_acquire(rclient, pool, 10, ttl_ms=1001)
+    assert snapshot(rclient) == before
+
+    L1, L2, L3 = new_id(), new_id(), new_id()
+
+    def reassert(*recs):
+        flat = [len(recs)]
+        for rec in recs:
+            flat += list(rec)
+        return [int(x) for x in raw(rclient, pool, "reassert", *flat)[3]]
+
+    res = reassert(
+        (L1, epoch - 10, 60, 1000, "t1", "{}"),  # ok
+        (L2, epoch, 10, 1000, "t2", "{}"),  # token not older: -3
+        (L3, epoch - 5, 10, 2000, "t3", "{}"),  # ttl > max_ttl: -4
+        (new_id(), epoch - 4, 50, 1000, "t4", "{}"),
+    )  # 60 + 50 > 100: -2
+    assert res[0] > 0 and res[1:] == [-3, -4, -2]
+    assert reassert((L1, epoch - 10, 60, 1000, "t1", "{}"))[0] > 0  # again: idempotent
+    assert reassert((L1, epoch - 11, 60, 1000, "t1", "{}")) == [-5]  # same id, other token
+    assert reassert((L3, epoch - 12, 10, 1000, "t1", "{}")) == [-5]  # ticket of another lease
+    assert check_consistent(rclient, pool) == {"used": 60, "leases": 1, "queued": 1}
+    assert int(rclient.hget(k[0], "fence")) == epoch  # no token was issued
+    # Bad arguments: refused before any write.
+    before = snapshot(rclient)
+    for argv in (
+        (1, L2, "x", 10, 1000, "t", "{}"),
+        (1, "zz", 1, 10, 1000, "t", "{}"),
+        (2, L2, 1, 10, 1000, "t", "{}"),
+        (1, L2, 1, 0, 1000, "t", "{}"),
+        (1, L2, 1, 10, 50, "t", "{}"),
+        (1, L2, 1, 10, 1000, "a b", "{}"),
+    ):
+        with pytest.raises(redis.ResponseError, match="GPULOCK_BADARG"):
+            raw(rclient, pool, "reassert", *argv)
+    assert snapshot(rclient) == before
+    with pytest.raises(redis.ResponseError, match="GPULOCK_NOPOOL"):
+        raw(rclient, "nopool", "reassert", 0)
+
+    time.sleep(1.05)  # the grace period ends
+    assert reassert((L2, epoch - 3, 10, 1000, "t2", "{}")) == [-1]  # too late: lost
+    raw(rclient, pool, "reap")
+    g = raw(rclient, pool, "renew", 0, 1, "q", 1000)[3][0]  # the queued request is granted now
+    assert g[0] == b"g" and int(g[2]) > epoch  # a new token, above the epoch
+
+
+def test_reassert_opens_the_grace_period_of_a_pool_made_without_one(rclient):
+    pool = "rules2"
+    epoch = int(raw(rclient, pool, "configure", 100, 100, "create", 1000)[2])  # no grace
+    assert int(raw(rclient, pool, "status", 10)[14]) == 0
+    r = raw(rclient, pool, "reassert", 1, new_id(), epoch - 1, 30, 1000, "", "{}")
+    assert (
+        int(r[3][0]) > 0 and 0 < int(r[2]) <= 1000
+    )  # accepted, grace opened until created + max_ttl
+    assert int(raw_acquire(rclient, pool, 10, ttl_ms=1000, mode="try")[0]) == 2
+    # A pool older than one max_ttl: nothing comes back, no grace period is opened.
+    time.sleep(1.05)
+    r = raw(rclient, pool, "reassert", 1, new_id(), epoch - 2, 30, 1000, "", "{}")
+    assert [int(x) for x in r[3]] == [-1] and int(r[2]) == 0

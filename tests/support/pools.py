@@ -1,0 +1,142 @@
+"""A pool's raw Redis keys, read and checked without the code under test: a type-aware snapshot
+of every gpulock key, direct calls of the Lua scripts (bypassing the Python validation), the
+pool's counters, the emptiness and consistency checks, and the server's clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from gpulock._protocol import new_id
+from gpulock._keys import pool_keys
+from gpulock._scripts import scripts
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def _s(v: Any) -> Any:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def snapshot(client: redis.Redis, pattern: str = "gpulock:*") -> dict[str, tuple]:
+    """Every key matching ``pattern`` with its type, full content and ttl, read type-aware so
+    two snapshots compare equal exactly when the data is the same."""
+    out: dict[str, tuple] = {}
+    for k in sorted(client.scan_iter(match=pattern, count=1000)):
+        key = _s(k)
+        t = _s(client.type(k))
+        if t == "string":
+            v: Any = client.get(k)
+        elif t == "hash":
+            v = sorted(client.hgetall(k).items())
+        elif t == "zset":
+            v = client.zrange(k, 0, -1, withscores=True)
+        elif t == "list":
+            v = client.lrange(k, 0, -1)
+        elif t == "set":
+            v = sorted(client.smembers(k))
+        else:
+            v = client.dump(k)
+        out[key] = (t, v, client.pttl(k))
+    return out
+
+
+def raw(client: redis.Redis, pool: str, op: str, *argv: Any) -> Any:
+    """Run one gpulock script directly (EVAL of the full source), with raw ARGV."""
+    sc = scripts()[op]
+    keys = pool_keys(pool)
+    return client.eval(sc.source, len(keys), *keys, *[str(a) for a in argv])
+
+
+def raw_configure(client: redis.Redis, pool: str, capacity: int, max_waiters: int = 1000) -> list:
+    return raw(client, pool, "configure", capacity, max_waiters, "set")
+
+
+def raw_acquire(
+    client: redis.Redis,
+    pool: str,
+    amount: int,
+    *,
+    ticket: str | None = None,
+    lease_id: str | None = None,
+    ttl_ms: int = 60_000,
+    waiter_ttl_ms: int = 600_000,
+    mode: str = "wait",
+    meta: str = "{}",
+    channel: str = "test",
+) -> list:
+    return raw(
+        client,
+        pool,
+        "acquire",
+        ticket or new_id(),
+        lease_id or new_id(),
+        amount,
+        ttl_ms,
+        waiter_ttl_ms,
+        mode,
+        meta,
+        channel,
+    )
+
+
+def config(client: redis.Redis, pool: str) -> dict[str, int]:
+    """The integer fields of the pool's config hash (capacity, used, epoch, ...)."""
+    raw = client.hgetall(pool_keys(pool)[0])
+    return {_s(k): int(v) for k, v in raw.items() if _s(v).lstrip("-").isdigit()}
+
+
+def used(client: redis.Redis, pool: str) -> int:
+    return config(client, pool).get("used", 0)
+
+
+def holder_tokens(client: redis.Redis, pool: str) -> dict[str, int]:
+    """lease id -> fencing token, from the raw holder records."""
+    return {_s(k): int(_s(v).split("|")[1]) for k, v in client.hgetall(pool_keys(pool)[2]).items()}
+
+
+def server_ms(client: redis.Redis) -> float:
+    """The server's clock (``TIME``) in milliseconds, to the microsecond."""
+    s, us = client.time()
+    return int(s) * 1000 + int(us) / 1000
+
+
+def server_us(client: redis.Redis) -> int:
+    """The server's clock (``TIME``) in microseconds."""
+    s, us = client.time()
+    return int(s) * 1_000_000 + int(us)
+
+
+def assert_empty(client: redis.Redis, pool: str) -> None:
+    """Nothing held and nothing queued, checked on the raw keys (not only the counter)."""
+    k = pool_keys(pool)
+    assert used(client, pool) == 0
+    assert client.zcard(k[1]) == 0, "leases left"
+    assert client.hlen(k[2]) == 0, "holders left"
+    assert client.zcard(k[3]) == 0, "queue not empty"
+    assert client.hlen(k[4]) == 0, "waiter records left"
+    assert client.zcard(k[5]) == 0, "waiter expiries left"
+    assert client.hlen(k[6]) == 0, "ticket grants left"
+
+
+def check_consistent(c: redis.Redis, pool: str) -> dict[str, int]:
+    """Every structure of a pool agrees with the others (read on the raw keys, not through
+    the code under test): ``used`` is the sum of the holder records, every lease has a holder
+    record and the other way round, every queued ticket has a waiter record and an expiry,
+    and every ticket grant points at a live holder. Returns the counts."""
+    k = pool_keys(pool)
+    cfg = {_s(a): _s(b) for a, b in c.hgetall(k[0]).items()}
+    holders = {_s(a): _s(b) for a, b in c.hgetall(k[2]).items()}
+    leases = {_s(m) for m in c.zrange(k[1], 0, -1)}
+    queue = {_s(m) for m in c.zrange(k[3], 0, -1)}
+    waiters = {_s(m) for m in c.hkeys(k[4])}
+    wexp = {_s(m) for m in c.zrange(k[5], 0, -1)}
+    tickets = {_s(a): _s(b) for a, b in c.hgetall(k[6]).items()}
+    total = sum(int(v.split("|", 1)[0]) for v in holders.values())
+    assert int(cfg.get("used", 0)) == total, (cfg.get("used"), total)
+    assert leases == set(holders), (leases, set(holders))
+    assert queue == waiters == wexp, (queue, waiters, wexp)
+    assert set(tickets.values()) <= set(holders), (tickets, set(holders))
+    return {"used": total, "leases": len(holders), "queued": len(queue)}
