@@ -32,110 +32,46 @@ waiting), so a long-polling client is never away while its grant sits unused.
 Leases are renewed and released only by the token that acquired them: the broker records the
 token's identity (a hash prefix, see ``auth.py``) with the lease, in memory and in the holder
 metadata in Redis (``owner``), so a restarted broker can still check it.
+
+:class:`Broker` composes the parts, one module each: :mod:`.outcomes` (results and errors),
+:mod:`.tasks` (background tasks, the bound on a wait for Redis), :mod:`.pools` (the pool
+objects and pool-wide operations), :mod:`.leases` (lease records, renew, release),
+:mod:`.parking` (the parked places, their keepers, cancel) and :mod:`.acquire` (one request).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
-import weakref
-from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Iterable
-
-import redis.asyncio as aioredis
+from typing import Any, Callable, Iterable, Mapping
 
 from gpulock import AsyncPool
-from gpulock._admin import DeleteResult, adelete_pool
-from gpulock._connect import async_client
-from gpulock._keys import POOL_CFG_MATCH, pool_name_from_key
-from gpulock._protocol import Grant, NotGranted, new_id, retrying, translate, validate_pool_name
-from gpulock.errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
-from gpulock.retry_after import from_expiry_ms
+from gpulock._admin import DeleteResult
 
+from .acquire import LONG_POLL_S, Acquirer
 from .auth import Principal
+from .leases import LeaseRecord, Leases
+from .outcomes import ClientGone, Granted, LeaseGone, NotYours, PoolBeingDeleted, Queued
+from .parking import Parking
+from .pools import Pools
+from .tasks import Tasks
 
 log = logging.getLogger("gpulock.broker")
 
-# A request the broker held at least this long (a long poll) is answered Retry-After: 0.
-LONG_POLL_S = 1.0
+#: How often the sweeper withdraws places nobody came back for, seconds.
+SWEEP_INTERVAL_S = 0.25
 
-__all__ = ["Broker", "ClientGone", "Granted", "Queued", "LeaseGone", "NotYours", "PoolBeingDeleted"]
-
-
-class LeaseGone(Exception):
-    """The lease is not held any more (410). ``outcome``: "lost" or "released"."""
-
-    def __init__(self, lease_id: str, outcome: str, message: str):
-        super().__init__(message)
-        self.lease_id, self.outcome = lease_id, outcome
-
-
-class NotYours(Exception):
-    """The lease exists but belongs to another token, or was not made through a broker (404)."""
-
-
-class PoolBeingDeleted(BackendUnavailable):
-    """A forced delete of the pool is under way (503, Retry-After: 1; a retry finds it gone)."""
-
-
-class ClientGone(Exception):
-    """The client closed its connection during the long poll: its request was withdrawn (it
-    left the queue, or the grant that raced the hang-up was released)."""
-
-
-@dataclass(frozen=True)
-class Granted:
-    pool: str
-    request_id: str
-    grant: Grant
-    ttl_s: float
-    acquired_ms: int  # server clock, when the grant was made
-
-
-@dataclass(frozen=True)
-class Queued:
-    """Not granted within ``wait``: ``queued`` (the place is kept ``hold_s``) or not queued
-    (``queue=False``)."""
-
-    request_id: str
-    queued: bool
-    position: int
-    queue_length: int
-    retry_after_s: int
-    hold_s: float
-
-
-@dataclass
-class _Parked:
-    attached: int = 0
-    until: float = 0.0
-    inflight: set = field(default_factory=set)
-    keeper: asyncio.Task | None = None
-    granted_ms: int = 0  # server time of a grant the keeper caught
-
-
-@dataclass
-class _LeaseRec:
-    pool: str
-    lease_id: str
-    owner: str
-    token: int
-    ttl_s: float
-    ticket: str
-    amount: int
-    expires_local: float = 0.0  # local monotonic estimate of the server expiry (for cleanup)
-    releasing: asyncio.Task | None = None
-
-
-@dataclass
-class _Tomb:
-    pool: str
-    owner: str
-    outcome: str  # "released" | "lost"
-    at: float
+__all__ = [
+    "LONG_POLL_S",
+    "Broker",
+    "ClientGone",
+    "Granted",
+    "LeaseGone",
+    "NotYours",
+    "PoolBeingDeleted",
+    "Queued",
+]
 
 
 class Broker:
@@ -181,35 +117,66 @@ class Broker:
         self.poll_interval = poll_interval
         self.redis_max_connections = redis_max_connections
         self.clock = clock
-        self._redis: aioredis.Redis | None = None
-        self._pools: dict[str, AsyncPool] = {}
-        self._parked: dict[tuple[str, str], _Parked] = {}
-        self._handed: dict[tuple[str, str], str] = {}  # (pool, ticket) -> lease id given in a 201
-        self._leases: dict[str, _LeaseRec] = {}
-        self._tombs: OrderedDict[str, _Tomb] = OrderedDict()
-        self._background: set[asyncio.Task] = set()
+        self._tasks = Tasks(backend_timeout)
+        self._poolset = Pools(
+            redis_url,
+            self._tasks,
+            waiter_ttl=waiter_ttl,
+            poll_interval=poll_interval,
+            backend_timeout=backend_timeout,
+            max_connections=redis_max_connections,
+            in_use=lambda name: self._parking.holds(name) or self._leases.holds(name),
+            on_retire=lambda name: self._parking.drop_pool(name),
+            on_deleted=lambda name: self._leases.forget_pool(name),
+        )
+        self._leases = Leases(self._poolset, self._tasks, clock)
+        self._parking = Parking(
+            self._poolset, self._leases, self._tasks, waiter_ttl=waiter_ttl, clock=clock
+        )
+        self._acquirer = Acquirer(
+            self._poolset,
+            self._parking,
+            self._leases,
+            self._tasks,
+            max_wait=max_wait,
+            park_max=park_max,
+            retry_after_max=retry_after_max,
+            waiter_ttl=waiter_ttl,
+            clock=clock,
+        )
         self._sweeper: asyncio.Task | None = None
-        self._deleting: dict[str, int] = {}  # pools being deleted by force (count of deletes)
-        self._retired: weakref.WeakSet[AsyncPool] = (
-            weakref.WeakSet()
-        )  # pool objects closed by a delete
-        self.tomb_ttl = 3600.0
-        self.max_tombs = 100_000
+
+    @property
+    def tomb_ttl(self) -> float:
+        """How long an ended lease is remembered, seconds."""
+        return self._leases.tomb_ttl
+
+    @tomb_ttl.setter
+    def tomb_ttl(self, value: float) -> None:
+        self._leases.tomb_ttl = value
+
+    @property
+    def max_tombs(self) -> int:
+        """The most ended leases remembered."""
+        return self._leases.max_tombs
+
+    @max_tombs.setter
+    def max_tombs(self, value: int) -> None:
+        self._leases.max_tombs = value
+
+    @property
+    def _pools(self) -> Mapping[str, AsyncPool]:
+        """The open pool objects by name (read-only view)."""
+        return self._poolset.objects
+
+    @property
+    def _deleting(self) -> Mapping[str, int]:
+        """The pools a forced delete is under way for (read-only view)."""
+        return self._poolset.deleting
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
-        if self._redis is None:
-            # A bounded pool: requests beyond it wait for a connection (waiting for a grant
-            # holds none). Each pool name's pub/sub subscription takes one of them for good.
-            # gpulock._connect: the library's one URL parser and connector (redis://,
-            # rediss://, unix://, redis+sentinel://).
-            self._redis = async_client(
-                self.redis_url,
-                max_connections=self.redis_max_connections,
-                socket_timeout=min(2.0, self.backend_timeout),
-                socket_connect_timeout=min(1.0, self.backend_timeout),
-                health_check_interval=10,
-            )
+        self._poolset.connect()
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().create_task(
                 self._sweep_loop(), name="gpulock-broker-sweeper"
@@ -224,81 +191,12 @@ class Broker:
             except (asyncio.CancelledError, Exception):
                 pass
             self._sweeper = None
-        for (pool, ticket), e in list(self._parked.items()):
-            if e.keeper is not None:
-                e.keeper.cancel()
-            if (pool, ticket) not in self._handed and pool in self._pools:
-                try:
-                    await asyncio.wait_for(self._pools[pool].cancel_remote(ticket), 1.0)
-                except Exception:
-                    pass
-        self._parked.clear()
-        for p in list(self._pools.values()):
-            await p.aclose()
-        self._pools.clear()
-        for t in list(self._background):  # keepers, and Redis calls that outlived a request
-            t.cancel()
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
-        if self._redis is not None:
-            await self._redis.aclose()
-            self._redis = None
+        await self._parking.aclose()
+        await self._poolset.close_pools()
+        await self._tasks.aclose()  # keepers, and Redis calls that outlived a request
+        await self._poolset.disconnect()
 
-    def _client(self) -> aioredis.Redis:
-        if self._redis is None:
-            raise BackendUnavailable("the lease broker is not started")
-        return self._redis
-
-    def _pool(self, name: str) -> AsyncPool:
-        if name in self._deleting:
-            raise PoolBeingDeleted(f"pool {name!r} is being deleted; retry")
-        p = self._pools.get(name)
-        if p is None:
-            p = AsyncPool(
-                self._client(),
-                validate_pool_name(name),
-                waiter_ttl=self.waiter_ttl,
-                poll_interval=self.poll_interval,
-                backend_timeout=self.backend_timeout,
-            )
-            self._pools[name] = p
-        return p
-
-    async def _drop_pool_if_idle(self, name: str) -> None:
-        """Forget a pool object that turned out not to exist, so requests for made-up pool
-        names do not pile up subscriptions."""
-        p = self._pools.get(name)
-        if p is None or p._runtime.waiters or any(k[0] == name for k in self._parked):
-            return
-        if any(r.pool == name for r in self._leases.values()):
-            return
-        del self._pools[name]
-        await p.aclose()
-
-    def _spawn(self, aw: Awaitable) -> asyncio.Task:
-        t = asyncio.ensure_future(aw)
-        self._background.add(t)
-        t.add_done_callback(self._background.discard)
-        t.add_done_callback(lambda t: t.cancelled() or t.exception())  # consume the error
-        return t
-
-    async def _guard(self, aw: Awaitable, entry: _Parked | None = None) -> Any:
-        """Await a Redis operation for at most ``backend_timeout`` seconds. On timeout raise
-        BackendUnavailable; the operation goes on in the background (it may have queued or
-        granted: its place is parked like any other, and withdrawn if nobody comes back)."""
-        t = aw if isinstance(aw, asyncio.Future) else self._spawn(aw)
-        if entry is not None:
-            entry.inflight.add(t)
-            t.add_done_callback(entry.inflight.discard)
-        done, _ = await asyncio.wait((t,), timeout=self.backend_timeout)
-        if not done:
-            raise BackendUnavailable(f"Redis did not answer within {self.backend_timeout:g}s")
-        return t.result()
-
-    # ---- acquire -----------------------------------------------------------------------------
-    def _ticket(self, who: Principal, request_id: str) -> str:
-        return f"{who.id}:{request_id}"
-
+    # ---- requests ----------------------------------------------------------------------------
     async def acquire(
         self,
         who: Principal,
@@ -319,324 +217,58 @@ class Broker:
 
         Raises: CapacityExceeded, PoolNotFound, QueueFull, InvalidArgument, BackendUnavailable,
         ClientGone."""
-        rid = request_id or new_id()
-        ticket = self._ticket(who, rid)
-        p = self._pool(pool)
-        meta = {**(holder or {}), "owner": who.id, "principal": who.name, "via": "broker"}
-        key = (pool, ticket)
-        entry = self._parked.setdefault(key, _Parked())
-        entry.attached += 1
-        final = False  # granted, or nothing was queued: no place to keep
-
-        def enqueue():
-            return p.enqueue_remote(amount, request_id=ticket, ttl=ttl, holder=meta, queue=queue)
-
-        start = self.clock()
-        try:
-            res: Grant | NotGranted = await self._guard(enqueue(), entry)
-            if isinstance(res, NotGranted) and res.queued and wait > 0:
-                wt = asyncio.ensure_future(p.wait_remote(ticket, min(wait, self.max_wait)))
-                if gone is not None and not (gone.done() and not _true(gone)):
-                    await asyncio.wait((wt, gone), return_when=asyncio.FIRST_COMPLETED)
-                if _true(gone):
-                    wt.cancel()
-                    final = True  # nothing to keep: nobody will come back for this answer
-                    if entry.attached == 1:  # no retry of it is waiting here
-                        await self._guard(
-                            p.cancel_remote(ticket), entry
-                        )  # leaves, or releases the raced grant
-                    raise ClientGone(rid)
-                g = await wt
-                # No grant: ask again (idempotent) for the fresh position and retry-after.
-                res = g if g is not None else await self._guard(enqueue(), entry)
-            if isinstance(res, Grant):
-                final = True
-                acquired_ms = entry.granted_ms or res.expires_ms - round(ttl * 1000)
-                entry.granted_ms = 0
-                if res.expires_ms - res.now_ms < ttl * 500:
-                    # A grant that waited for its client (parked): give the client a full ttl.
-                    try:
-                        exp, now = await self._guard(p.renew_remote(res.lease_id, res.token, ttl))
-                        res = dataclasses.replace(res, expires_ms=exp, now_ms=now)
-                    except (LeaseLost, BackendUnavailable):
-                        pass  # as it is: the client's first renewal tells
-                return self._granted(who, pool, rid, ticket, ttl, res, acquired_ms)
-            if not res.queued:
-                final = True  # queue=False and busy: no place was taken
-            if res.queued and self.clock() - start >= LONG_POLL_S:
-                ra = 0  # it long-polled: pacing is done; come back now to go on waiting
-            else:
-                ra = from_expiry_ms(res.retry_after_ms, self.retry_after_max)
-            hold = min(self.park_max, max(self.waiter_ttl, 2.0 * ra + 2.0))
-            entry.until = max(entry.until, self.clock() + hold)
-            return Queued(rid, res.queued, res.position, res.queue_length, ra, hold)
-        except PoolNotFound:
-            final = True
-            self._spawn(self._drop_pool_if_idle(pool))
-            raise
-        except PoolClosed:
-            final = True
-            if p in self._retired:  # the pool was deleted while this request waited
-                raise PoolNotFound(pool) from None
-            raise BackendUnavailable("the lease broker is shutting down") from None
-        finally:
-            entry.attached -= 1
-            if not final:
-                entry.until = max(entry.until, self.clock() + self.waiter_ttl)
-                if self._parked.setdefault(key, entry) is entry and entry.keeper is None:
-                    entry.keeper = self._spawn(self._keep(key, entry, p, ticket, ttl))
-            elif not entry.attached and not entry.inflight and self._parked.get(key) is entry:
-                del self._parked[key]
-
-    async def _keep(
-        self, key: tuple[str, str], entry: _Parked, p: AsyncPool, ticket: str, ttl: float
-    ) -> None:
-        """While a request is parked, catch a grant that lands for it and keep that lease alive
-        (renew at ttl/3) until the client collects it or the hold window ends (then the sweeper
-        withdraws it). One coroutine per parked request: no thread, no connection."""
-        try:
-            while True:
-                if self._parked.get(key) is not entry or key in self._handed:
-                    return
-                left = entry.until - self.clock()
-                if left <= 0:
-                    return
-                t0 = self.clock()
-                g = await p.wait_remote(ticket, left)
-                if g is not None:
-                    entry.granted_ms = g.now_ms  # the hand-off's server time
-                    break
-                if self.clock() - t0 < left * 0.5:
-                    return  # not queued here (refused, or withdrawn)
-            while True:
-                await asyncio.sleep(ttl / 3)
-                if (
-                    self._parked.get(key) is not entry
-                    or key in self._handed
-                    or self.clock() > entry.until
-                ):
-                    return
-                try:
-                    await p.renew_remote(g.lease_id, g.token, ttl)
-                except LeaseLost:
-                    return
-                except Exception:
-                    continue
-        finally:
-            entry.keeper = None
-
-    def _granted(
-        self,
-        who: Principal,
-        pool: str,
-        rid: str,
-        ticket: str,
-        ttl: float,
-        g: Grant,
-        acquired_ms: int,
-    ) -> Granted:
-        self._parked.pop((pool, ticket), None)
-        rec = self._leases.get(g.lease_id)
-        if rec is None:
-            rec = _LeaseRec(pool, g.lease_id, who.id, g.token, ttl, ticket, g.amount)
-            self._leases[g.lease_id] = rec
-            self._handed[(pool, ticket)] = g.lease_id
-        rec.expires_local = self.clock() + max(0, g.expires_ms - g.now_ms) / 1000
-        return Granted(pool, rid, g, ttl, acquired_ms)
+        return await self._acquirer.acquire(
+            who,
+            pool,
+            amount,
+            ttl=ttl,
+            wait=wait,
+            queue=queue,
+            holder=holder,
+            request_id=request_id,
+            gone=gone,
+        )
 
     async def cancel(self, who: Principal, pool: str, request_id: str) -> int:
         """Withdraw a request: 0 nothing, 1 left the queue, 2 its grant was released."""
-        ticket = self._ticket(who, request_id)
-        self._parked.pop((pool, ticket), None)
-        p = self._pool(pool)
-        what = await self._guard(p.cancel_remote(ticket))
-        lid = self._handed.get((pool, ticket))
-        if lid and lid in self._leases:
-            self._forget(self._leases[lid], "released")
-        return what
-
-    # ---- renew / release ---------------------------------------------------------------------
-    def _forget(self, rec: _LeaseRec, outcome: str) -> None:
-        self._leases.pop(rec.lease_id, None)
-        if self._handed.get((rec.pool, rec.ticket)) == rec.lease_id:
-            del self._handed[(rec.pool, rec.ticket)]
-        self._tombs[rec.lease_id] = _Tomb(rec.pool, rec.owner, outcome, self.clock())
-        self._tombs.move_to_end(rec.lease_id)
-        while len(self._tombs) > self.max_tombs:
-            self._tombs.popitem(last=False)
-
-    async def _find(self, who: Principal, pool: str, lease_id: str) -> _LeaseRec:
-        rec = self._leases.get(lease_id)
-        if rec is None or rec.pool != pool:
-            tomb = self._tombs.get(lease_id)
-            if tomb is not None and tomb.pool == pool:
-                if tomb.owner != who.id:
-                    raise NotYours(lease_id)
-                raise LeaseGone(lease_id, tomb.outcome, _gone_message(lease_id, tomb.outcome))
-            rec = await self._lookup(pool, lease_id)
-        if rec.owner != who.id:
-            raise NotYours(lease_id)
-        return rec
-
-    async def _lookup(self, pool: str, lease_id: str) -> _LeaseRec:
-        """A lease this broker has no record of (it restarted, or another broker granted it):
-        read its owner from the holder metadata in Redis."""
-        try:
-            st = await self._guard(self._pool(pool).status(limit=100_000))
-        except PoolNotFound:
-            st = None
-        info = next((x for x in st.leases if x.lease_id == lease_id), None) if st else None
-        if info is None:
-            raise LeaseGone(lease_id, "lost", _gone_message(lease_id, "unknown"))
-        owner = info.holder.get("owner")
-        if not isinstance(owner, str):
-            raise NotYours(lease_id)
-        rec = _LeaseRec(
-            pool,
-            lease_id,
-            owner,
-            info.token,
-            info.ttl,
-            info.request_id,
-            info.amount,
-            self.clock() + info.expires_in,
-        )
-        self._leases[lease_id] = rec
-        return rec
+        return await self._parking.cancel(who, pool, request_id)
 
     async def renew(
         self, who: Principal, pool: str, lease_id: str, ttl: float | None
-    ) -> tuple[_LeaseRec, int, int]:
+    ) -> tuple[LeaseRecord, int, int]:
         """Returns (record, expires_ms, server_now_ms). Raises LeaseGone, NotYours,
         BackendUnavailable."""
-        rec = await self._find(who, pool, lease_id)
-        ttl_s = rec.ttl_s if ttl is None else ttl
-        try:
-            exp, now = await self._guard(self._pool(pool).renew_remote(lease_id, rec.token, ttl_s))
-        except LeaseLost:
-            if self._leases.get(lease_id) is rec:
-                self._forget(rec, "lost")
-            raise LeaseGone(lease_id, "lost", _gone_message(lease_id, "lost")) from None
-        rec.ttl_s = ttl_s
-        rec.expires_local = self.clock() + max(0, exp - now) / 1000
-        return rec, exp, now
+        return await self._leases.renew(who, pool, lease_id, ttl)
 
     async def release(self, who: Principal, pool: str, lease_id: str) -> int | None:
         """Release; returns the server time (ms) of the release, None when it was released
         before (idempotent). Raises LeaseGone (lost), NotYours, BackendUnavailable."""
-        try:
-            rec = await self._find(who, pool, lease_id)
-        except LeaseGone as e:
-            if e.outcome == "released":
-                return None
-            raise
-        if rec.releasing is None or (
-            rec.releasing.done() and rec.releasing.exception() is not None
-        ):
-            rec.releasing = self._spawn(self._release(rec))
-        ok, now = await self._guard(rec.releasing)
-        if not ok:
-            raise LeaseGone(lease_id, "lost", _gone_message(lease_id, "lost"))
-        return now
-
-    async def _release(self, rec: _LeaseRec) -> tuple[bool, int]:
-        ok, now = await self._pool(rec.pool).release_remote(rec.lease_id, rec.token)
-        if self._leases.get(rec.lease_id) is rec:
-            self._forget(rec, "released" if ok else "lost")
-        return ok, now
+        return await self._leases.release(who, pool, lease_id)
 
     # ---- pools -------------------------------------------------------------------------------
     async def status(self, pool: str, limit: int = 1000):
-        return await self._guard(self._pool(pool).status(limit=limit))
+        """The pool's status (:meth:`gpulock.AsyncPool.status`), at most ``limit`` leases."""
+        return await self._poolset.status(pool, limit)
 
     async def pool_names(self) -> list[str]:
-        """Every pool configured in Redis, sorted (the key shape is gpulock._keys')."""
-        redis = self._client()
-
-        async def scan() -> list[str]:
-            # A read: retried on the core's policy (a connection that Redis dropped, as after
-            # a restart, was a 500 on the first call), then the core's errors (503).
-            try:
-                async for attempt in retrying(self.backend_timeout, asynchronous=True):
-                    with attempt:
-                        names = {
-                            pool_name_from_key(k)
-                            async for k in redis.scan_iter(match=POOL_CFG_MATCH, count=1000)
-                        }
-            except Exception as e:  # noqa: BLE001 - translated to gpulock's tree
-                raise translate(e, "*") from e
-            return sorted(n for n in names if n)
-
-        return await self._guard(scan())
+        """Every pool configured in Redis, sorted."""
+        return await self._poolset.names()
 
     async def configure(
         self, pool: str, capacity: int, max_waiters: int | None, max_ttl: float | None = None
     ) -> dict[str, Any]:
-        """Create or change a pool; ``max_waiters``/``max_ttl`` None keep the pool's current
-        values (the library's defaults for a new pool). Returns the configure reply with
-        ``max_ttl`` (seconds) added."""
-        p = self._pool(pool)
-        if max_waiters is None or max_ttl is None:
-            try:
-                st = await self._guard(p.status(limit=0))
-                max_waiters = st.max_waiters if max_waiters is None else max_waiters
-                if max_ttl is None and st.max_ttl:
-                    max_ttl = st.max_ttl
-            except PoolNotFound:
-                pass
-        r: dict[str, Any] = await self._guard(
-            p.configure(capacity, max_waiters=max_waiters, max_ttl=max_ttl)
-        )
-        return {**r, "max_ttl": p.max_ttl}
+        """Create or change a pool (see :meth:`.pools.Pools.configure`)."""
+        return await self._poolset.configure(pool, capacity, max_waiters, max_ttl)
 
     async def delete_pool(self, pool: str, *, force: bool = False) -> DeleteResult:
-        """Delete a pool in Redis (gpulock._admin's script: refused while leases or waiters are
-        live unless ``force``), then forget what this broker kept for it.
-
-        With ``force``, this broker's own waiters on the pool are withdrawn first (their long
-        polls answer 404, as for any pool that is gone): otherwise the pool's runtime, which
-        keeps them queued, would see the pool gone and make it again. Requests for the pool
-        that arrive meanwhile are answered 503 (:class:`PoolBeingDeleted`; a retry then sees
-        the pool gone). Leases granted through the broker answer 410 at their next renewal.
-
-        Raises: InvalidArgument, BackendUnavailable."""
-        validate_pool_name(pool)
-        redis = self._client()
-        if force:
-            self._deleting[pool] = self._deleting.get(pool, 0) + 1
-        try:
-            if force:
-                await self._retire(pool)
-            r: DeleteResult = await self._guard(adelete_pool(redis, pool, force=force))
-        finally:
-            if force:
-                self._deleting[pool] -= 1
-                if not self._deleting[pool]:
-                    del self._deleting[pool]
-        if r.state == "deleted":
-            for rec in [x for x in self._leases.values() if x.pool == pool]:
-                self._forget(rec, "lost")
-            await self._retire(pool)  # with force: a request that raced the delete
-        return r
-
-    async def _retire(self, pool: str) -> None:
-        """Close this broker's pool object for ``pool``: its waiters' waits end (PoolClosed,
-        answered 404 in acquire), its parked places and their keepers are dropped. A closed
-        runtime neither refreshes nor re-creates anything, so a request that raced this with
-        the old object only finds the pool gone."""
-        for key in [k for k in self._parked if k[0] == pool]:
-            e = self._parked.pop(key)
-            if e.keeper is not None:
-                e.keeper.cancel()
-        p = self._pools.pop(pool, None)
-        if p is not None:
-            self._retired.add(p)
-            await p.aclose()
+        """Delete a pool in Redis and forget what this broker kept for it (see
+        :meth:`.pools.Pools.delete`). Raises: InvalidArgument, BackendUnavailable."""
+        return await self._poolset.delete(pool, force=force)
 
     # ---- housekeeping ------------------------------------------------------------------------
     async def _sweep_loop(self) -> None:
         while True:
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(SWEEP_INTERVAL_S)
             try:
                 self.sweep()
             except Exception:
@@ -645,56 +277,5 @@ class Broker:
     def sweep(self) -> None:
         """Withdraw places nobody came back for; forget records of long-expired leases."""
         now = self.clock()
-        for key, e in list(self._parked.items()):
-            if e.attached or e.inflight or e.until > now:
-                continue
-            del self._parked[key]
-            pool, ticket = key
-            if key in self._handed or pool not in self._pools:
-                continue
-            self._spawn(self._withdraw(pool, ticket))
-        for rec in [
-            r for r in self._leases.values() if r.releasing is None and now > r.expires_local + 60
-        ]:
-            self._forget(rec, "lost")
-        while self._tombs:
-            lid, t = next(iter(self._tombs.items()))
-            if now - t.at < self.tomb_ttl:
-                break
-            self._tombs.popitem(last=False)
-
-    async def _withdraw(self, pool: str, ticket: str) -> None:
-        try:
-            what = await self._pools[pool].cancel_remote(ticket)
-            if what == 2:
-                log.info(
-                    "gpulock broker: released a grant on pool %s that its client did not collect",
-                    pool,
-                )
-        except Exception as e:  # the waiter expires after waiter_ttl, a grant after its ttl
-            log.info("gpulock broker: could not withdraw a parked request on pool %s: %s", pool, e)
-
-
-def _true(f: asyncio.Future | None) -> bool:
-    return (
-        f is not None
-        and f.done()
-        and not f.cancelled()
-        and f.exception() is None
-        and bool(f.result())
-    )
-
-
-def _gone_message(lease_id: str, outcome: str) -> str:
-    short = lease_id[:8]
-    if outcome == "released":
-        return f"lease {short}… was released"
-    if outcome == "unknown":
-        return (
-            f"lease {short}… is not held: it expired on the server (no renewal within its ttl), "
-            f"was released, or never existed; nothing was freed"
-        )
-    return (
-        f"lease {short}… is lost: it expired on the server (no renewal within its ttl) or the "
-        f"pool was reset; nothing of other holders was freed"
-    )
+        self._parking.sweep(now)
+        self._leases.sweep(now)

@@ -1,0 +1,148 @@
+"""One acquire request: grant now, or long-poll up to ``wait`` seconds, or answer with the
+place kept for a retry (see the protocol in :mod:`gpulock_broker.core`)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, Callable
+
+from gpulock._protocol import Grant, NotGranted, new_id
+from gpulock.errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
+from gpulock.retry_after import from_expiry_ms
+
+from .auth import Principal
+from .leases import Leases
+from .outcomes import ClientGone, Granted, Queued
+from .parking import Parking, ticket
+from .pools import Pools
+from .tasks import Tasks
+
+__all__ = ["LONG_POLL_S", "Acquirer"]
+
+#: A request the broker held at least this long (a long poll, seconds) is answered
+#: Retry-After: 0.
+LONG_POLL_S = 1.0
+
+
+class Acquirer:
+    """Runs acquire requests on the broker's parts.
+
+    Args:
+        pools, parking, leases, tasks: the broker's parts.
+        max_wait: the longest a request is held while queued, seconds.
+        park_max: the longest a place is kept after a 503, seconds.
+        retry_after_max: the largest Retry-After sent, seconds.
+        waiter_ttl: the shortest hold of a place, seconds.
+        clock: the local clock, seconds.
+    """
+
+    def __init__(
+        self,
+        pools: Pools,
+        parking: Parking,
+        leases: Leases,
+        tasks: Tasks,
+        *,
+        max_wait: float,
+        park_max: float,
+        retry_after_max: int,
+        waiter_ttl: float,
+        clock: Callable[[], float],
+    ):
+        self._pools, self._parking, self._leases, self._tasks = pools, parking, leases, tasks
+        self.max_wait = max_wait
+        self.park_max = park_max
+        self.retry_after_max = retry_after_max
+        self.waiter_ttl = waiter_ttl
+        self._clock = clock
+
+    async def acquire(
+        self,
+        who: Principal,
+        pool: str,
+        amount: int,
+        *,
+        ttl: float,
+        wait: float,
+        queue: bool = True,
+        holder: dict[str, Any] | None = None,
+        request_id: str | None = None,
+        gone: asyncio.Future | None = None,
+    ) -> Granted | Queued:
+        """See :meth:`gpulock_broker.core.Broker.acquire`."""
+        rid = request_id or new_id()
+        tk = ticket(who, rid)
+        p = self._pools.get(pool)
+        meta = {**(holder or {}), "owner": who.id, "principal": who.name, "via": "broker"}
+        key = (pool, tk)
+        entry = self._parking.attach(key)
+        final = False  # granted, or nothing was queued: no place to keep
+
+        def enqueue():
+            return p.enqueue_remote(amount, request_id=tk, ttl=ttl, holder=meta, queue=queue)
+
+        start = self._clock()
+        try:
+            res: Grant | NotGranted = await self._tasks.guard(enqueue(), entry.inflight)
+            if isinstance(res, NotGranted) and res.queued and wait > 0:
+                wt = asyncio.ensure_future(p.wait_remote(tk, min(wait, self.max_wait)))
+                if gone is not None and not (gone.done() and not _true(gone)):
+                    await asyncio.wait((wt, gone), return_when=asyncio.FIRST_COMPLETED)
+                if _true(gone):
+                    wt.cancel()
+                    final = True  # nothing to keep: nobody will come back for this answer
+                    if entry.attached == 1:  # no retry of it is waiting here
+                        await self._tasks.guard(
+                            p.cancel_remote(tk), entry.inflight
+                        )  # leaves, or releases the raced grant
+                    raise ClientGone(rid)
+                g = await wt
+                # No grant: ask again (idempotent) for the fresh position and retry-after.
+                res = g if g is not None else await self._tasks.guard(enqueue(), entry.inflight)
+            if isinstance(res, Grant):
+                final = True
+                acquired_ms = entry.granted_ms or res.expires_ms - round(ttl * 1000)
+                entry.granted_ms = 0
+                if res.expires_ms - res.now_ms < ttl * 500:
+                    # A grant that waited for its client (parked): give the client a full ttl.
+                    try:
+                        exp, now = await self._tasks.guard(
+                            p.renew_remote(res.lease_id, res.token, ttl)
+                        )
+                        res = dataclasses.replace(res, expires_ms=exp, now_ms=now)
+                    except (LeaseLost, BackendUnavailable):
+                        pass  # as it is: the client's first renewal tells
+                self._parking.discard(key)
+                self._leases.record(who.id, pool, tk, ttl, res)
+                return Granted(pool, rid, res, ttl, acquired_ms)
+            if not res.queued:
+                final = True  # queue=False and busy: no place was taken
+            if res.queued and self._clock() - start >= LONG_POLL_S:
+                ra = 0  # it long-polled: pacing is done; come back now to go on waiting
+            else:
+                ra = from_expiry_ms(res.retry_after_ms, self.retry_after_max)
+            hold = min(self.park_max, max(self.waiter_ttl, 2.0 * ra + 2.0))
+            entry.until = max(entry.until, self._clock() + hold)
+            return Queued(rid, res.queued, res.position, res.queue_length, ra, hold)
+        except PoolNotFound:
+            final = True
+            self._tasks.spawn(self._pools.drop_if_idle(pool))
+            raise
+        except PoolClosed:
+            final = True
+            if self._pools.was_retired(p):  # the pool was deleted while this request waited
+                raise PoolNotFound(pool) from None
+            raise BackendUnavailable("the lease broker is shutting down") from None
+        finally:
+            self._parking.detach(key, entry, final=final, pool=p, ttl=ttl)
+
+
+def _true(f: asyncio.Future | None) -> bool:
+    return (
+        f is not None
+        and f.done()
+        and not f.cancelled()
+        and f.exception() is None
+        and bool(f.result())
+    )

@@ -1,0 +1,72 @@
+"""What a broker request ends in: the results of an acquire (:class:`Granted`, :class:`Queued`)
+and the broker's own errors, which the router in ``api.py`` maps to HTTP status codes (the
+code of each is in its docstring)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpulock._protocol import Grant
+from gpulock.errors import BackendUnavailable
+
+__all__ = ["ClientGone", "Granted", "LeaseGone", "NotYours", "PoolBeingDeleted", "Queued"]
+
+
+class LeaseGone(Exception):
+    """The lease is not held any more (410). ``outcome``: "lost" or "released"."""
+
+    def __init__(self, lease_id: str, outcome: str, message: str):
+        super().__init__(message)
+        self.lease_id, self.outcome = lease_id, outcome
+
+
+class NotYours(Exception):
+    """The lease exists but belongs to another token, or was not made through a broker (404)."""
+
+
+class PoolBeingDeleted(BackendUnavailable):
+    """A forced delete of the pool is under way (503, Retry-After: 1; a retry finds it gone)."""
+
+
+class ClientGone(Exception):
+    """The client closed its connection during the long poll: its request was withdrawn (it
+    left the queue, or the grant that raced the hang-up was released)."""
+
+
+@dataclass(frozen=True)
+class Granted:
+    pool: str
+    request_id: str
+    grant: Grant
+    ttl_s: float
+    acquired_ms: int  # server clock, when the grant was made
+
+
+@dataclass(frozen=True)
+class Queued:
+    """Not granted within ``wait``: ``queued`` (the place is kept ``hold_s``) or not queued
+    (``queue=False``)."""
+
+    request_id: str
+    queued: bool
+    position: int
+    queue_length: int
+    retry_after_s: int
+    hold_s: float
+
+
+def gone_message(lease_id: str, outcome: str) -> str:
+    """The message of a :class:`LeaseGone` for ``lease_id`` (its first 8 characters are
+    shown). ``outcome``: "released", "lost", or "unknown" (no record of the lease anywhere)."""
+    short = lease_id[:8]
+    if outcome == "released":
+        return f"lease {short}… was released"
+    if outcome == "unknown":
+        return (
+            f"lease {short}… is not held: it expired on the server (no renewal within its ttl), "
+            f"was released, or never existed; nothing was freed"
+        )
+    return (
+        f"lease {short}… is lost: it expired on the server (no renewal within its ttl) or the "
+        f"pool was reset; nothing of other holders was freed"
+    )
