@@ -29,7 +29,7 @@ The steps and what a driver returns for them:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol, Sequence
 
 from ._protocol import (
     MAX_TTL_S,
@@ -485,7 +485,7 @@ def sync_grant(pool: PoolView, lease: Any) -> Flow:
 
 
 def queue_synced_renew(
-    p: Any, keys: list[str], args: list, replicas: int, timeout_ms: int, sync_key: str
+    p: Any, keys: Sequence[str], args: list, replicas: int, timeout_ms: int, sync_key: str
 ) -> None:
     """Queue on pipeline ``p`` (``transaction=False``; sync or asyncio) a ``renew`` of ``args``,
     an INCR of the pool's sync counter ``sync_key`` and ``WAIT replicas timeout_ms``. WAIT

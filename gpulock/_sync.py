@@ -1,4 +1,4 @@
-"""The blocking shell: :class:`Pool` and :class:`Lease`.
+"""The blocking shell: :class:`Pool` and :class:`Lease`, a driver of the steps in ``_flow.py``.
 
 Acquire, release, status and configure go straight to Redis on the caller's thread through a
 synchronous redis-py client (one round trip each, no thread hop). What must happen in the
@@ -192,6 +192,10 @@ class Pool:
 
     Same arguments and semantics as :class:`~gpulock.AsyncPool`, with a ``redis.Redis``
     client. Create it after ``fork()`` (its background thread does not survive a fork).
+
+    Raises: InvalidArgument (a bad setting; a client that is not a ``redis.Redis`` of one
+    server or Sentinel, such as ``redis.cluster.RedisCluster``: Redis Cluster is not supported
+    yet).
     """
 
     # The settings, set in __init__ from pool_settings() (validated there; meanings: AsyncPool).
@@ -298,6 +302,11 @@ class Pool:
                 flow.push_settings(self, self._runtime)
             assert self._runtime is not None  # made with the portal, and dropped with it
             return self._portal, self._runtime
+
+    def _untrack(self, lease_id: str) -> None:
+        """Stop heartbeating a lease (tests use it to let one expire)."""
+        if self._runtime is not None:
+            self._runtime.untrack(lease_id)  # a dict pop: safe from any thread
 
     # ---- the driver -------------------------------------------------------------------------
     def _run(
