@@ -28,6 +28,7 @@ from ._protocol import (
     translate,
     ttl_ms,
     validate_request_id,
+    validate_token,
 )
 from ._batch import Batcher, inflight_for
 from ._connect import DEFAULT_MAX_CONNECTIONS, async_client
@@ -519,7 +520,7 @@ class AsyncPool:
         connection error counts as released, as in :meth:`AsyncLease.release`.
 
         Raises: InvalidArgument, BackendUnavailable."""
-        return await self._run(flow.release(self.name, lease_id, token))
+        return await self._run(flow.release(self.name, lease_id, validate_token(token)))
 
     async def aclose(self) -> None:
         """Stop the heartbeat and listener (held leases are not released: they expire)."""

@@ -272,14 +272,14 @@ def renew(lease_id: str, token: int, ttl: float) -> Flow:
 
 
 # ---- release ----------------------------------------------------------------------------------
-def release(pool: str, lease_id: str, token: int | str) -> Flow:
+def release(pool: str, lease_id: str, token: int) -> Flow:
     """``release.lua`` once: returns ``(released, server_now_ms)``. False: the server no
     longer had the lease, and nothing of others was freed. The first try may have run when
     it fails with a connection error: a retry that then finds no lease cannot tell "released
     by us just now" from "lost", so it counts as released.
 
-    Raises: InvalidArgument (a bad token), BackendUnavailable."""
-    args = [lease_id, str(validate_token(token))]
+    Raises: BackendUnavailable."""
+    args = [lease_id, str(token)]
     try:
         r = yield Eval("release", args, bound=0)
     except RETRYABLE:
