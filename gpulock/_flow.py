@@ -189,6 +189,15 @@ def push_settings(pool: PoolView, rt: Runtime | None) -> None:
         )
 
 
+def configure_args(
+    capacity: int, max_waiters: int, max_ttl_ms: int, create_only: bool, grace: bool
+) -> list[str]:
+    """ARGV of ``configure.lua``: capacity (bytes), max_waiters, "create" (only if absent) or
+    "set", max_ttl (ms), and whether a pool it creates starts with a grace period."""
+    mode = "create" if create_only else "set"
+    return [str(capacity), str(max_waiters), mode, str(max_ttl_ms), "1" if grace else "0"]
+
+
 def configure(
     pool: PoolView,
     rt: Runtime | None,
@@ -209,11 +218,11 @@ def configure(
         if max_ttl is None
         else parse_seconds(max_ttl, name="max_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
     )
-    if rt is not None:
-        argv = rt.configure_argv(cap, mw, ttl_ms(mt), create_only, grace)
-    else:  # no runtime yet, so this object has seen no pool
-        argv = [str(cap), str(mw), "create" if create_only else "set", str(ttl_ms(mt))]
-        argv.append("1" if grace else "0")
+    argv = (
+        rt.configure_argv(cap, mw, ttl_ms(mt), create_only, grace)
+        if rt is not None
+        else configure_args(cap, mw, ttl_ms(mt), create_only, grace)  # it saw no pool yet
+    )
     r = yield Eval("configure", argv)
     if not create_only:
         pool.capacity = cap

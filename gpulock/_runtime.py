@@ -43,7 +43,7 @@ from ._protocol import (
     validity_deadline,
 )
 from ._failure_log import FailureLog
-from ._flow import queue_synced_renew, synced_renew_reply
+from ._flow import configure_args, queue_synced_renew, synced_renew_reply
 from ._keys import pool_key
 from ._scripts import scripts
 from .errors import BackendUnavailable, PoolClosed
@@ -268,13 +268,7 @@ class Runtime:
             max_waiters = self.max_waiters_seen or max_waiters
             max_ttl_ms = self.max_ttl_seen_ms or max_ttl_ms
             grace = True
-        return [
-            str(capacity),
-            str(max_waiters),
-            "create" if create_only else "set",
-            str(max_ttl_ms),
-            "1" if grace else "0",
-        ]
+        return configure_args(capacity, max_waiters, max_ttl_ms, create_only, grace)
 
     def set_reap_timer(self, received: float, next_expiry_in_ms: int) -> None:
         """Schedule a reap at the nearest lease expiry (local time, biased late by using the
