@@ -326,21 +326,44 @@ def async_client_like(client: redis.Redis, *, max_connections: int) -> aioredis.
     socket), and a blocking pool of at most ``max_connections`` connections that waits up to
     the socket timeout (else :data:`DEFAULT_POOL_WAIT_S`) for a free one. No I/O here.
 
-    A Sentinel-managed client's connections ask the sentinels for the primary; this client
-    would not (build both from a ``redis+sentinel://`` URL instead: :func:`async_client`)."""
+    A Sentinel-managed client (``Sentinel.master_for``) gets one too: it asks the same
+    sentinels (with the shared settings of their connections) for the same service's primary.
+    """
     pool = client.connection_pool
     cls = pool.connection_class
-    shared = SHARED_CONNECTION_SETTINGS
+    tls = issubclass(cls, redis.SSLConnection)
+    shared = SHARED_CONNECTION_SETTINGS | SHARED_SSL_SETTINGS if tls else SHARED_CONNECTION_SETTINGS
+    kw = {k: v for k, v in pool.connection_kwargs.items() if k in shared}
+    cap = check_max_connections(max_connections)
+    if isinstance(pool, SentinelConnectionPool):
+        from redis.asyncio.sentinel import Sentinel
+
+        manager = pool.sentinel_manager
+        hosts = [
+            (
+                c.connection_pool.connection_kwargs["host"],
+                c.connection_pool.connection_kwargs["port"],
+            )
+            for c in manager.sentinels
+        ]
+        skw = {k: v for k, v in manager.sentinel_kwargs.items() if k in SHARED_CONNECTION_SETTINGS}
+        return Sentinel(hosts, sentinel_kwargs=skw).master_for(
+            pool.service_name,
+            connection_pool_class=AsyncBlockingSentinelConnectionPool,
+            max_connections=cap,
+            timeout=_pool_wait(kw),
+            ssl=tls,
+            **kw,
+        )
     conn: type = aioredis.Connection
-    if issubclass(cls, redis.SSLConnection):
-        shared, conn = shared | SHARED_SSL_SETTINGS, aioredis.SSLConnection
+    if tls:
+        conn = aioredis.SSLConnection
     elif issubclass(cls, redis.UnixDomainSocketConnection):
         conn = aioredis.UnixDomainSocketConnection
-    kw = {k: v for k, v in pool.connection_kwargs.items() if k in shared}
     return aioredis.Redis(
         connection_pool=aioredis.BlockingConnectionPool(
             connection_class=conn,
-            max_connections=check_max_connections(max_connections),
+            max_connections=cap,
             timeout=_pool_wait(kw),
             **kw,
         )
