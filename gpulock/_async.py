@@ -1,5 +1,6 @@
-"""The asyncio shell: :class:`AsyncPool` and :class:`AsyncLease`. All protocol logic lives in
-``_protocol.py`` and the background work in ``_runtime.py``; this file adds only the I/O."""
+"""The asyncio shell: :class:`AsyncPool` and :class:`AsyncLease`. The protocol is written once
+in ``_flow.py`` (and ``_protocol.py``), the background work in ``_runtime.py``; this file is
+their asyncio driver: it carries out the steps of a flow and adds only the I/O."""
 
 from __future__ import annotations
 
@@ -9,38 +10,32 @@ from typing import Any, Callable
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, NoScriptError
 
+from . import _flow as flow
 from ._protocol import (
     DEFAULT_MAX_WAITERS,
     DEFAULT_POLL_INTERVAL_S,
     DEFAULT_TTL_S,
-    MAX_TTL_S,
-    MIN_TTL_S,
     DEFAULT_WAITER_TTL_S,
     RETRYABLE,
     AcquireRequest,
     Grant,
     LeaseBase,
-    LeaseState,
     NotGranted,
     PoolStatus,
-    configure_capacity,
-    decode_acquire,
-    decode_status,
     default_clock,
     pool_settings,
-    retry_bound,
     retrying,
-    ttl_ms,
     translate,
-    validity_deadline,
+    ttl_ms,
+    validate_request_id,
+    validate_token,
 )
 from ._batch import Batcher, inflight_for
 from ._connect import DEFAULT_MAX_CONNECTIONS, async_client
 from ._keys import pool_keys
 from ._runtime import Runtime, Waiter
 from ._scripts import scripts
-from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost, PoolClosed
-from .units import parse_seconds
+from .errors import LeaseLost, PoolClosed
 
 DEFAULT_BACKEND_TIMEOUT_S = 5.0
 _CLIENT_DEFAULTS = {
@@ -73,21 +68,7 @@ class AsyncLease(LeaseBase):
             BackendUnavailable: Redis could not be reached within the retry bound; the lease
                 will expire on the server after its ttl.
         """
-        s = self._state
-        if s.released:
-            return
-        was_lost = s.lost_reason
-        s.released = True
-        self._pool._runtime.untrack(s.lease_id)
-        ok = await self._pool._release(s)
-        if not ok and was_lost is None:
-            raise LeaseLost(
-                s.lease_id,
-                "the server no longer had it when it was released "
-                "(it expired: a pause, or Redis unreachable past its ttl)",
-            )
-        if was_lost is not None:
-            raise LeaseLost(s.lease_id, was_lost)
+        await self._pool._run(flow.release_lease(self._state, self._pool._runtime))
 
     async def __aenter__(self) -> "AsyncLease":
         return self
@@ -201,7 +182,7 @@ class AsyncPool:
         self._batch = Batcher(
             redis, self._keys, inflight_for(redis)
         )  # concurrent calls share round trips
-        self._settings_to_runtime()
+        flow.push_settings(self, self._runtime)
         self._owns_client = _owns_client
 
     @classmethod
@@ -224,7 +205,82 @@ class AsyncPool:
         client = async_client(url, max_connections=max_connections, **_CLIENT_DEFAULTS)
         return cls(client, name, _owns_client=True, **kw)
 
-    # ---- I/O ------------------------------------------------------------------------------
+    # ---- the driver -------------------------------------------------------------------------
+    async def _run(self, steps: flow.Flow, cancels_before: int = 0) -> Any:
+        """Carry out a flow of :mod:`gpulock._flow` (its steps' replies: there) and return its
+        result. ``cancels_before``: the caller task's pending cancellations when it began."""
+        reply: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step = steps.send(reply) if error is None else steps.throw(error)
+            except StopIteration as done:
+                return done.value
+            reply, error = None, None
+            try:
+                reply = await self._step(step, cancels_before)
+            except BaseException as e:  # noqa: BLE001 - the flow decides (and re-raises)
+                error = e
+
+    async def _step(self, step: flow.Step, cancels_before: int) -> Any:
+        rt = self._runtime
+        if isinstance(step, flow.Eval):
+            return await self._eval(step.script, step.args, bound=step.bound)
+        if isinstance(step, flow.Wait):
+            # asyncio.wait, not wait_for: before Python 3.12, wait_for returns the result when
+            # the task is cancelled in the loop iteration the grant lands in, swallowing the
+            # cancellation (the caller would run its GPU work in a cancelled request). wait
+            # raises CancelledError then, and the flow releases the grant.
+            done, _ = await asyncio.wait((step.handle.future,), timeout=step.timeout)
+            if done:
+                return step.handle.future.result()
+            w = rt.waiters.get(step.handle.ticket)
+            return flow.TimedOut(w.position if w else step.handle.position)
+        if isinstance(step, flow.Subscribe):
+            return await rt.ensure_subscribed()
+        if isinstance(step, flow.Checkpoint):
+            if _cancel_requests() > cancels_before:
+                # The task was cancelled while the call was in flight, and the client lost the
+                # cancellation (redis-py's asyncio client does, with a socket timeout, when it
+                # lands while a command is sent or read): honour it; the flow withdraws.
+                raise asyncio.CancelledError()
+            return None
+        if isinstance(step, flow.MakeLease):
+            return AsyncLease(flow.lease_state(rt, step.grant, step.req, step.valid_until), self)
+        if isinstance(step, flow.Join):
+            return rt.queue_waiter(
+                step.ticket,
+                step.argv,
+                step.waiter_ttl_ms,
+                step.position,
+                step.on_queued,
+                step.retry_after_ms,
+            )
+        if isinstance(step, flow.Leave):
+            if step.withdrawing:
+                return rt.leave(step.handle)
+            rt.leave_waiter(step.handle)
+            return False
+        if isinstance(step, flow.Withdraw):
+            # Even if cancelled again meanwhile; when Redis did not answer, the caller does not
+            # wait for a second bound: what the acquire may have left expires on its own.
+            task = rt.spawn(self._cancel(step.ticket))
+            if not step.background:
+                try:
+                    await asyncio.shield(task)
+                except BaseException:  # noqa: BLE001 - never mask the error being raised
+                    pass
+            return None
+        if isinstance(step, flow.SyncedRenew):
+            return await rt.renew_synced(step.args)
+        if isinstance(step, flow.GiveBack):
+            try:
+                await asyncio.shield(rt.spawn(step.lease.release()))
+            except BaseException:  # noqa: BLE001 - lost or unreachable: it expires after its ttl
+                pass
+            return None
+        raise AssertionError(f"unknown step {step!r}")
+
     async def _eval_once(self, name: str, args: list) -> Any:
         sc = scripts()[name]
         try:
@@ -238,19 +294,18 @@ class AsyncPool:
             # message (by backend_timeout), so it leaves the retry loops here.
             raise translate(e, self.name) from e
 
-    async def _eval(
-        self, name: str, args: list, *, retry: bool = True, bound: float | None = None
-    ) -> Any:
+    async def _eval(self, name: str, args: list, *, bound: float | None = None) -> Any:
         """EVALSHA with NOSCRIPT reload; retries connection errors (for idempotent scripts
         only: every gpulock script is idempotent by ticket or lease id) with jittered backoff
         for at most ``bound`` (default ``backend_timeout``) seconds, then raises
-        BackendUnavailable."""
+        BackendUnavailable. ``bound=0``: one try, redis-py's error raised."""
+        if bound == 0:
+            return await self._eval_once(name, args)
         try:
             try:
                 return await self._eval_once(name, args)
             except RETRYABLE:
-                if not retry:
-                    raise
+                pass
             # The retrier is built only after a failure: it costs ~10% of an uncontended call.
             async for attempt in retrying(
                 self.backend_timeout if bound is None else bound, asynchronous=True
@@ -260,6 +315,13 @@ class AsyncPool:
         except Exception as e:
             raise translate(e, self.name) from e
 
+    async def _cancel(self, ticket: str) -> None:
+        try:
+            await self._eval("cancel", [ticket])
+        except Exception:
+            pass  # unreachable Redis: the waiter expires after waiter_ttl, a grant after ttl
+
+    # ---- operations -------------------------------------------------------------------------
     async def configure(
         self,
         capacity: int | str | None = None,
@@ -277,61 +339,27 @@ class AsyncPool:
         values given count only for a pool it never saw.
 
         Raises: InvalidArgument (bad capacity), BackendUnavailable."""
-        cap = configure_capacity(capacity, self.capacity)
-        mw = self.max_waiters if max_waiters is None else max_waiters
-        mt = (
-            self.max_ttl
-            if max_ttl is None
-            else parse_seconds(max_ttl, name="max_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+        return await self._run(
+            flow.configure(
+                self,
+                self._runtime,
+                capacity,
+                max_waiters=max_waiters,
+                max_ttl=max_ttl,
+                create_only=create_only,
+                grace=_grace,
+            )
         )
-        r = await self._eval(
-            "configure", self._runtime.configure_argv(cap, mw, ttl_ms(mt), create_only, _grace)
-        )
-        if not create_only:
-            self.capacity = cap
-            self.max_ttl = mt
-            self._settings_to_runtime()
-        out = dict(
-            zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r))
-        )
-        self._runtime.seen(
-            out["epoch"], out["capacity"], out["max_waiters"], int(r[5]) if len(r) > 5 else 0
-        )
-        return out
-
-    def _settings_to_runtime(self) -> None:
-        """What the heartbeat needs to create the pool again after Redis lost it."""
-        rt = self._runtime
-        rt.capacity, rt.max_waiters, rt.max_ttl_ms = (
-            self.capacity,
-            self.max_waiters,
-            ttl_ms(self.max_ttl),
-        )
-        rt.sync_replicas, rt.sync_timeout_ms = (
-            self.sync_replicas,
-            max(1, int(self.sync_timeout * 1000)),
-        )
-        rt.backend_timeout = self.backend_timeout
 
     async def status(self, *, limit: int = 1000) -> PoolStatus:
         """A snapshot: capacity, used, leases and waiters (at most ``limit`` of each listed).
 
         Raises: PoolNotFound, BackendUnavailable."""
-        from .errors import PoolNotFound
-
-        st = decode_status(self.name, await self._eval("status", [str(limit)]))
-        if st is None:
-            self._runtime.seen(0)  # gone: if this object knew the pool, its runtime recovers now
-            raise PoolNotFound(self.name)
-        self._runtime.seen(
-            st.epoch, st.capacity, st.max_waiters, ttl_ms(st.max_ttl) if st.max_ttl else 0
-        )
-        return st
+        return await self._run(flow.status(self, self._runtime, limit))
 
     async def reap(self) -> int:
         """Reap expired leases and dead waiters now; returns how many leases were reaped."""
-        r = await self._eval("reap", [])
-        return int(r[0])
+        return await self._run(flow.reap())
 
     def lease(self, amount: int | str, **kw: Any) -> _AcquireCM:
         """``async with pool.lease("2GiB", timeout=10) as lease:`` — acquire, and release on
@@ -382,187 +410,10 @@ class AsyncPool:
             default_ttl=self.default_ttl,
         )
         start = self.clock()
-        rt = self._runtime
-        if rt._closed:
-            raise PoolClosed(
-                self.name, queued=False
-            )  # no heartbeat or listener would serve the lease
-        wait = req.timeout_s != 0
-        cancels_before = _cancel_requests()
-        if wait:
-            await rt.ensure_subscribed()
-        argv = req.argv("wait" if wait else "try", rt.channel_id)
-        # True while the server may hold a place or a grant for this ticket that we would
-        # otherwise leave behind: from sending the acquire until we return a lease.
-        needs_cancel = True
-        unreachable = False  # Redis did not answer the acquire: its cancel goes to the background
-        joined: Waiter | None = None
-        try:
-            try:
-                res, sent = await self._acquire_call(req, argv)
-            except GpuLockError as e:
-                unreachable = isinstance(e, BackendUnavailable)
-                needs_cancel = unreachable  # any other error: the script refused before writing
-                raise
-            if _cancel_requests() > cancels_before:
-                # The task was cancelled while the call was in flight, and the client lost the
-                # cancellation (redis-py's asyncio client does, with a socket timeout, when it
-                # lands while a command is sent or read): honour it; the finally withdraws.
-                raise asyncio.CancelledError()
-            if isinstance(res, Grant):
-                needs_cancel = False
-                lease = self._make_lease(
-                    res, req, validity_deadline(sent, res.now_ms, res.expires_ms)
-                )
-                if self.sync_replicas:
-                    await self._sync_grant(lease)
-                return lease
-            if not res.queued:
-                needs_cancel = False
-                raise AcquireTimeout(
-                    f"pool {self.name!r}: {req.amount} bytes not available now (timeout=0; "
-                    f"{res.queue_length} waiting, {res.used}/{res.capacity} bytes used)",
-                    queue_length=res.queue_length,
-                    retry_after=res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None,
-                )
-            joined = rt.join_waiter(
-                Waiter(
-                    req.ticket,
-                    asyncio.get_running_loop().create_future(),
-                    argv,
-                    ttl_ms(req.waiter_ttl_s),
-                    res.position,
-                    on_queued,
-                )
-            )
-            fut = joined.future
-            rt.set_reap_timer(self.clock(), res.retry_after_ms)
-            if on_queued:
-                on_queued(res.position)
-            remaining = (
-                None if req.timeout_s is None else max(0.0, req.timeout_s - (self.clock() - start))
-            )
-            # asyncio.wait, not wait_for: before Python 3.12, wait_for returns the result when
-            # the task is cancelled in the loop iteration the grant lands in, swallowing the
-            # cancellation (the caller would run its GPU work in a cancelled request). wait
-            # raises CancelledError then, and the finally below releases the grant.
-            done, _ = await asyncio.wait((fut,), timeout=remaining)
-            if not done:
-                w = rt.waiters.get(req.ticket)
-                pos = w.position if w else res.position
-                raise AcquireTimeout(
-                    f"pool {self.name!r}: no grant of {req.amount} bytes within {req.timeout_s}s "
-                    f"(position {pos} of {res.queue_length}+)",
-                    position=pos,
-                    queue_length=res.queue_length,
-                    retry_after=res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None,
-                    waited=self.clock() - start,
-                )
-            try:
-                grant = fut.result()
-            except Exception as e:
-                err = translate(e, self.name)
-                unreachable = isinstance(err, BackendUnavailable)  # withdraw in the background
-                raise err from e
-            lease = self._make_lease(grant, req, rt.deadline_for(grant))
-            needs_cancel = False
-            if self.sync_replicas:
-                await self._sync_grant(lease)
-            return lease
-        finally:
-            if joined is not None:
-                rt.leave_waiter(joined)
-            if needs_cancel and not rt.ticket_in_use(req.ticket):
-                # Leave the queue and release a grant that raced in (or whose reply we never
-                # read), even if we are being cancelled again meanwhile.
-                task = rt.spawn(self._cancel(req.ticket))
-                if not unreachable:  # else do not make the caller wait for a second bound:
-                    try:  # what the acquire may have left expires on its own anyway
-                        await asyncio.shield(task)
-                    except BaseException:
-                        pass
-
-    async def _sync_grant(self, lease: AsyncLease) -> None:
-        """``sync_replicas``: return a grant only once that many replicas have it, so that a
-        failover to one of them cannot hand the same bytes to someone else (the lost tail of
-        asynchronous replication). A renewal, an INCR and ``WAIT`` on one connection; the
-        lease's validity then counts from that renewal. If the replicas do not acknowledge in
-        ``sync_timeout``, the grant is given back and BackendUnavailable raised."""
-        s = lease._state
-        sent = self.clock()
-        r, acked, err = None, -1, None
-        try:
-            r, acked = await self._runtime.renew_synced(
-                [1, s.lease_id, s.token, ttl_ms(s.ttl_s), 0]
-            )
-        except BaseException as e:  # noqa: BLE001 - also on cancellation: give the grant back
-            err = e
-        if err is None and r is not None and int(r[2][0]) > 0 and acked >= self.sync_replicas:
-            s.renewed(sent, int(r[0]), int(r[2][0]))
-            return
-        try:
-            await asyncio.shield(self._runtime.spawn(lease.release()))
-        except BaseException:  # noqa: BLE001 - lost or unreachable: it expires after its ttl
-            pass
-        if isinstance(err, asyncio.CancelledError):
-            raise err
-        raise BackendUnavailable(
-            f"pool {self.name!r}: the grant was not acknowledged by {self.sync_replicas} replica(s) within "
-            f"{self.sync_timeout}s (acknowledged by {max(acked, 0)}{'; ' + str(err) if err else ''}); it was "
-            f"given back, since a failover could lose it"
-        ) from err
-
-    async def _acquire_call(self, req: AcquireRequest, argv: list[str]):
-        sent = self.clock()
-        try:
-            r = await self._eval(
-                "acquire", argv, bound=retry_bound(self.backend_timeout, req.timeout_s)
-            )
-        except Exception as e:
-            from .errors import PoolNotFound
-
-            if isinstance(e, PoolNotFound):
-                self._runtime.seen(
-                    0
-                )  # gone: if this object knew the pool, its runtime recovers now
-            if isinstance(e, PoolNotFound) and self.capacity is not None:
-                # A pool object that saw the pool before knows Redis lost it: grace period.
-                await self.configure(
-                    self.capacity, create_only=True, _grace=bool(self._runtime.known_epoch)
-                )
-                sent = self.clock()
-                r = await self._eval("acquire", argv)
-            else:
-                raise
-        res = decode_acquire(req.ticket, r)
-        self._runtime.observe(sent, res.now_ms)
-        self._runtime.seen(res.epoch, res.capacity)
-        return res, sent
-
-    async def _cancel(self, ticket: str) -> None:
-        try:
-            await self._eval("cancel", [ticket])
-        except Exception:
-            pass  # unreachable Redis: the waiter expires after waiter_ttl, a grant after ttl
-
-    def _make_lease(self, grant: Grant, req: AcquireRequest, valid_until: float) -> AsyncLease:
-        state, new = self._runtime.state_for(grant, req.ttl_s, valid_until, req.meta)
-        if new:
-            self._runtime.track(state)
-        return AsyncLease(state, self)
-
-    async def _release(self, s: LeaseState) -> bool:
-        args = [s.lease_id, str(s.token)]
-        try:
-            r = await self._eval_once("release", args)
-        except RETRYABLE:
-            # The first try may have run: a retry that finds no lease cannot tell "released
-            # by us just now" from "lost", so it counts as released.
-            r = await self._eval("release", args)
-            return True
-        except Exception as e:
-            raise translate(e, self.name) from e
-        return int(r[0]) == 1
+        if self._runtime.closed:  # no heartbeat or listener would serve the lease
+            raise PoolClosed(self.name, queued=False)
+        steps = flow.acquire(self, self._runtime, req, start, on_queued)
+        return await self._run(steps, _cancel_requests())
 
     # ---- remote holders (for proxies such as the HTTP broker) ----------------------------
     # A proxy acquires for clients on other hosts, which renew and release through it. So a
@@ -610,7 +461,7 @@ class AsyncPool:
         if queue:
             await rt.ensure_subscribed()
         argv = req.argv("wait" if queue else "try", rt.channel_id)
-        res, _ = await self._acquire_call(req, argv)
+        res, _ = await self._run(flow.acquire_call(self, rt, req, argv))
         w = rt.waiters.get(req.ticket)
         if isinstance(res, Grant):
             if w is not None:  # granted meanwhile: hand it to concurrent wait_remote calls too
@@ -633,8 +484,6 @@ class AsyncPool:
 
         Raises: InvalidArgument, BackendUnavailable (re-queueing a request the server had
         dropped failed)."""
-        from ._protocol import validate_request_id
-
         request_id = validate_request_id(request_id)
         rt = self._runtime
         w = rt.waiters.get(request_id)
@@ -655,12 +504,7 @@ class AsyncPool:
         Returns 0 (nothing to do), 1 (left the queue) or 2 (its grant was released).
 
         Raises: InvalidArgument, BackendUnavailable."""
-        from ._protocol import validate_request_id
-
-        request_id = validate_request_id(request_id)
-        self._runtime.remove_waiter(request_id)
-        r = await self._eval("cancel", [request_id])
-        return int(r[0])
+        return await self._run(flow.cancel(self._runtime, request_id))
 
     async def renew_remote(self, lease_id: str, token: int, ttl: float) -> tuple[int, int]:
         """Extend a remote holder's lease to ``ttl`` seconds from now (server clock). Never
@@ -668,24 +512,7 @@ class AsyncPool:
 
         Raises: LeaseLost (expired, released, unknown, or another token), InvalidArgument,
         BackendUnavailable."""
-        from ._protocol import MAX_TTL_S, MIN_TTL_S
-        from .units import parse_seconds
-
-        ttl_s = parse_seconds(ttl, name="ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
-        from ._protocol import validate_token
-
-        r = await self._eval(
-            "renew", ["1", lease_id, str(validate_token(token)), str(ttl_ms(ttl_s)), "0"]
-        )
-        expires_ms = int(r[2][0])
-        if expires_ms <= 0:
-            raise LeaseLost(
-                lease_id,
-                "the pool's configuration is gone (Redis restarted without its data?)"
-                if int(r[1]) == 0
-                else "the server no longer has it (it expired, or was released)",
-            )
-        return expires_ms, int(r[0])
+        return await self._run(flow.renew(lease_id, token, ttl))
 
     async def release_remote(self, lease_id: str, token: int) -> tuple[bool, int]:
         """Release a remote holder's lease. Returns ``(released, server_now_ms)``; False: the
@@ -693,17 +520,7 @@ class AsyncPool:
         connection error counts as released, as in :meth:`AsyncLease.release`.
 
         Raises: InvalidArgument, BackendUnavailable."""
-        from ._protocol import validate_token
-
-        args = [lease_id, str(validate_token(token))]
-        try:
-            r = await self._eval_once("release", args)
-        except RETRYABLE:
-            r = await self._eval("release", args)
-            return True, int(r[1])
-        except Exception as e:
-            raise translate(e, self.name) from e
-        return int(r[0]) == 1, int(r[1])
+        return await self._run(flow.release(self.name, lease_id, validate_token(token)))
 
     async def aclose(self) -> None:
         """Stop the heartbeat and listener (held leases are not released: they expire)."""

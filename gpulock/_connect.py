@@ -250,3 +250,121 @@ def _client(
         )
     except ValueError as e:
         raise _bad_url(url, e) from None
+
+
+#: The connection settings redis-py's sync connection classes (``redis.Connection``,
+#: ``redis.UnixDomainSocketConnection``) take with the same name and meaning as their asyncio
+#: counterparts: what :func:`async_client_like` carries over. Others stay behind: objects of
+#: the sync client (``retry``, ``credential_provider``, ``event_dispatcher``, ``cache``, the
+#: maintenance-notification handlers, ``redis_connect_func``) and settings the asyncio classes
+#: lack (``command_packer``).
+SHARED_CONNECTION_SETTINGS = frozenset(
+    {
+        "host",
+        "port",
+        "path",
+        "db",
+        "username",
+        "password",
+        "client_name",
+        "lib_name",
+        "lib_version",
+        "driver_info",
+        "encoding",
+        "encoding_errors",
+        "decode_responses",
+        "protocol",
+        "socket_timeout",
+        "socket_connect_timeout",
+        "socket_keepalive",
+        "socket_keepalive_options",
+        "socket_type",
+        "socket_read_size",
+        "health_check_interval",
+        "retry_on_timeout",
+        "retry_on_error",
+    }
+)
+#: The TLS settings ``redis.SSLConnection`` shares with ``redis.asyncio.SSLConnection`` (not
+#: the OCSP options, which only the sync class has).
+SHARED_SSL_SETTINGS = frozenset(
+    {
+        "ssl_keyfile",
+        "ssl_certfile",
+        "ssl_cert_reqs",
+        "ssl_ca_certs",
+        "ssl_ca_data",
+        "ssl_ca_path",
+        "ssl_check_hostname",
+        "ssl_ciphers",
+        "ssl_min_version",
+        "ssl_password",
+        "ssl_include_verify_flags",
+        "ssl_exclude_verify_flags",
+    }
+)
+
+
+def check_supported_client(client: Any) -> None:
+    """Raise InvalidArgument, naming the client's type, when ``client`` is not a client of
+    one server (or Sentinel) with a ``connection_pool``, as ``redis.Redis`` is: a Redis
+    Cluster client is not supported yet."""
+    from redis.cluster import RedisCluster
+
+    if isinstance(client, RedisCluster) or getattr(client, "connection_pool", None) is None:
+        what = f"{type(client).__module__}.{type(client).__qualname__}"
+        raise InvalidArgument(
+            f"gpulock.Pool needs a redis.Redis client (one server, or Sentinel), not a {what}: "
+            f"Redis Cluster is not supported yet"
+        )
+
+
+def async_client_like(client: redis.Redis, *, max_connections: int) -> aioredis.Redis:
+    """An asyncio client with the connection settings of the sync ``client``: the
+    :data:`SHARED_CONNECTION_SETTINGS` (and, for TLS, :data:`SHARED_SSL_SETTINGS`) its pool's
+    connections were made with, the matching asyncio connection class (TCP, TLS or Unix
+    socket), and a blocking pool of at most ``max_connections`` connections that waits up to
+    the socket timeout (else :data:`DEFAULT_POOL_WAIT_S`) for a free one. No I/O here.
+
+    A Sentinel-managed client (``Sentinel.master_for``) gets one too: it asks the same
+    sentinels (with the shared settings of their connections) for the same service's primary.
+    """
+    pool = client.connection_pool
+    cls = pool.connection_class
+    tls = issubclass(cls, redis.SSLConnection)
+    shared = SHARED_CONNECTION_SETTINGS | SHARED_SSL_SETTINGS if tls else SHARED_CONNECTION_SETTINGS
+    kw = {k: v for k, v in pool.connection_kwargs.items() if k in shared}
+    cap = check_max_connections(max_connections)
+    if isinstance(pool, SentinelConnectionPool):
+        from redis.asyncio.sentinel import Sentinel
+
+        manager = pool.sentinel_manager
+        hosts = [
+            (
+                c.connection_pool.connection_kwargs["host"],
+                c.connection_pool.connection_kwargs["port"],
+            )
+            for c in manager.sentinels
+        ]
+        skw = {k: v for k, v in manager.sentinel_kwargs.items() if k in SHARED_CONNECTION_SETTINGS}
+        return Sentinel(hosts, sentinel_kwargs=skw).master_for(
+            pool.service_name,
+            connection_pool_class=AsyncBlockingSentinelConnectionPool,
+            max_connections=cap,
+            timeout=_pool_wait(kw),
+            ssl=tls,
+            **kw,
+        )
+    conn: type = aioredis.Connection
+    if tls:
+        conn = aioredis.SSLConnection
+    elif issubclass(cls, redis.UnixDomainSocketConnection):
+        conn = aioredis.UnixDomainSocketConnection
+    return aioredis.Redis(
+        connection_pool=aioredis.BlockingConnectionPool(
+            connection_class=conn,
+            max_connections=cap,
+            timeout=_pool_wait(kw),
+            **kw,
+        )
+    )

@@ -1,7 +1,8 @@
 """The I/O-free core shared by the sync and async shells: argument validation and
 encoding, reply decoding, error translation, and the lease's local validity clock.
 
-Nothing here touches the network; ``_sync.py`` and ``_async.py`` add only the I/O.
+Nothing here touches the network; ``_flow.py`` builds the operations from these, and
+``_sync.py`` and ``_async.py`` add only the I/O.
 """
 
 from __future__ import annotations

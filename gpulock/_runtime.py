@@ -44,6 +44,7 @@ from ._protocol import (
     validity_deadline,
 )
 from ._failure_log import FailureLog
+from ._flow import configure_args, queue_synced_renew, synced_renew_reply
 from ._keys import pool_key
 from ._scripts import scripts
 from .errors import BackendUnavailable, PoolClosed
@@ -133,6 +134,34 @@ class Runtime:
         self.sync_replicas = 0
         self.sync_timeout_ms = 1000
         self.sync_key = pool_key(pool, "sync")  # a counter INCRed before each WAIT
+
+    # ---- the pool object's side ------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (no heartbeat or listener serves a lease after)."""
+        return self._closed
+
+    @property
+    def subscribed(self) -> bool:
+        """Whether the hand-off subscription is confirmed now (see :meth:`ensure_subscribed`)."""
+        return self._subscribed is not None and self._subscribed.is_set()
+
+    def use_settings(
+        self,
+        *,
+        capacity: int | None,
+        max_waiters: int,
+        max_ttl_ms: int,
+        sync_replicas: int,
+        sync_timeout_ms: int,
+        backend_timeout: float,
+    ) -> None:
+        """Take the pool object's settings: what the heartbeat needs to create the pool again
+        after Redis lost it (capacity in bytes, None: not given; max_waiters; max_ttl in ms),
+        ``sync_replicas`` with its WAIT timeout (ms), and the bound of background retries (s)."""
+        self.capacity, self.max_waiters, self.max_ttl_ms = capacity, max_waiters, max_ttl_ms
+        self.sync_replicas, self.sync_timeout_ms = sync_replicas, sync_timeout_ms
+        self.backend_timeout = backend_timeout
 
     # ---- clock -------------------------------------------------------------------------
     def observe(self, sent: float, now_ms: int) -> None:
@@ -240,13 +269,7 @@ class Runtime:
             max_waiters = self.max_waiters_seen or max_waiters
             max_ttl_ms = self.max_ttl_seen_ms or max_ttl_ms
             grace = True
-        return [
-            str(capacity),
-            str(max_waiters),
-            "create" if create_only else "set",
-            str(max_ttl_ms),
-            "1" if grace else "0",
-        ]
+        return configure_args(capacity, max_waiters, max_ttl_ms, create_only, grace)
 
     def set_reap_timer(self, received: float, next_expiry_in_ms: int) -> None:
         """Schedule a reap at the nearest lease expiry (local time, biased late by using the
@@ -405,6 +428,37 @@ class Runtime:
         w.users -= 1
         if w.users <= 0 and self.waiters.get(w.ticket) is w:
             self.remove_waiter(w.ticket)
+
+    def queue_waiter(
+        self,
+        ticket: str,
+        argv: list[str],
+        waiter_ttl_ms: int,
+        position: int,
+        on_position: Callable[[int], Any] | None,
+        retry_after_ms: int,
+    ) -> Waiter:
+        """In the runtime's loop: queue a waiter for an acquire the server queued (``argv``: its
+        ARGV, to queue it again; its future belongs to this loop), or join the one this process
+        has for ``ticket`` (:meth:`join_waiter`); schedule the reap timer at the nearest lease
+        expiry (``retry_after_ms``, -1: none). Returns the waiter to wait on and to leave."""
+        w = Waiter(
+            ticket,
+            asyncio.get_running_loop().create_future(),
+            argv,
+            waiter_ttl_ms,
+            position,
+            on_position,
+        )
+        joined = self.join_waiter(w)
+        self.set_reap_timer(self.clock(), retry_after_ms)
+        return joined
+
+    def leave(self, w: Waiter) -> bool:
+        """Leave waiter ``w`` (:meth:`leave_waiter`); True when its ticket is still in use
+        locally (:meth:`ticket_in_use`: then the request must not be withdrawn on the server)."""
+        self.leave_waiter(w)
+        return self.ticket_in_use(w.ticket)
 
     def ticket_in_use(self, ticket: str) -> bool:
         """Whether another local acquire still waits on ``ticket`` or a live local lease came
@@ -688,29 +742,19 @@ class Runtime:
         raise AssertionError("unreachable")
 
     async def renew_synced(self, args: list) -> tuple[Any, int]:
-        """Run ``renew`` and then, on the same connection, an INCR of the pool's sync counter
-        and ``WAIT sync_replicas sync_timeout_ms``: returns (renew reply, replicas that
-        acknowledged everything this connection wrote, the renewal included). The INCR is
-        there because WAIT waits for the connection's last write that was replicated, and a
-        renewal that changes no expiry (same millisecond) replicates nothing; the INCR is
-        later in the replication stream than the grant and the renewal, so its
-        acknowledgement covers both."""
-        from redis.exceptions import NoScriptError
-
-        sc = scripts()["renew"]
+        """Run ``renew`` of ``args`` and then, on the same connection, an INCR of the pool's
+        sync counter and ``WAIT sync_replicas sync_timeout_ms``
+        (:func:`gpulock._flow.queue_synced_renew`): returns (renew reply, replicas that
+        acknowledged everything this connection wrote, the renewal included)."""
         for attempt in range(2):
             async with self.redis.pipeline(transaction=False) as p:
-                p.evalsha(sc.sha, len(self.keys), *self.keys, *args)
-                p.incr(self.sync_key)
-                p.execute_command("WAIT", self.sync_replicas, self.sync_timeout_ms)
-                res = await p.execute(raise_on_error=False)
-            if isinstance(res[0], NoScriptError) and attempt == 0:
-                await self.redis.script_load(sc.source)
-                continue
-            for x in res:
-                if isinstance(x, Exception):
-                    raise x
-            return res[0], int(res[2])
+                queue_synced_renew(
+                    p, self.keys, args, self.sync_replicas, self.sync_timeout_ms, self.sync_key
+                )
+                out = synced_renew_reply(await p.execute(raise_on_error=False), attempt == 0)
+            if out is not None:
+                return out
+            await self.redis.script_load(scripts()["renew"].source)
         raise AssertionError("unreachable")
 
     async def _reap(self) -> None:

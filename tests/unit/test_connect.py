@@ -77,3 +77,58 @@ def test_short_error_keeps_the_head_of_a_sentinel_error():
     assert short_error(e).startswith("No master found for 'svc' (no sentinel answered")
     assert "repr" not in short_error(e)
     assert short_error(RedisConnectionError("Connection refused")) == "Connection refused"
+
+
+def test_an_asyncio_client_like_a_sync_one_carries_the_shared_settings_only():
+    import redis
+    import redis.asyncio as aioredis
+    from redis.sentinel import Sentinel
+
+    from gpulock._connect import async_client_like
+
+    tls = redis.Redis(
+        host="h",
+        port=6380,
+        db=3,
+        password="pw",
+        socket_timeout=4.0,
+        ssl=True,
+        ssl_ca_certs="/ca.crt",
+        ssl_validate_ocsp=True,  # the sync class's only: it must not reach the asyncio one
+    )
+    a = async_client_like(tls, max_connections=3)
+    pool = a.connection_pool
+    assert isinstance(pool, aioredis.BlockingConnectionPool) and pool.max_connections == 3
+    assert pool.connection_class is aioredis.SSLConnection
+    kw = pool.connection_kwargs
+    assert (kw["host"], kw["port"], kw["db"], kw["password"], kw["socket_timeout"]) == (
+        "h",
+        6380,
+        3,
+        "pw",
+        4.0,
+    )
+    assert kw["ssl_ca_certs"] == "/ca.crt" and "ssl_validate_ocsp" not in kw
+    assert pool.timeout == 4.0  # waits for a free connection up to the socket timeout
+    unix = async_client_like(redis.Redis(unix_socket_path="/tmp/r.sock"), max_connections=2)
+    assert unix.connection_pool.connection_class is aioredis.UnixDomainSocketConnection
+    assert unix.connection_pool.connection_kwargs["path"] == "/tmp/r.sock"
+    managed = Sentinel([("s1", 26379)], sentinel_kwargs={"password": "sp"}).master_for(
+        "gl", socket_timeout=2.0, password="pw"
+    )
+    am = async_client_like(managed, max_connections=2)
+    assert am.connection_pool.service_name == "gl"
+    assert am.connection_pool.connection_kwargs["password"] == "pw"
+    assert [
+        (c.connection_pool.connection_kwargs["host"], c.connection_pool.connection_kwargs["port"])
+        for c in am.connection_pool.sentinel_manager.sentinels
+    ] == [("s1", 26379)]
+
+
+@pytest.mark.parametrize("client", [object(), None], ids=["no-connection-pool", "none"])
+def test_a_client_without_a_connection_pool_is_refused(client):
+    from gpulock._connect import check_supported_client
+    from gpulock.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="Redis Cluster is not supported yet"):
+        check_supported_client(client)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import threading
 import time
 
 import pytest
@@ -212,3 +213,33 @@ def test_broker_over_a_sentinel_url_follows_a_failover(sentinel):
     new = redis.Redis(port=sentinel.replica.port)
     assert check_consistent(new, "sent-b") == {"used": 0, "leases": 0, "queued": 0}
     new.close()
+
+
+def test_sync_pool_on_a_sentinel_client_object_heartbeats_on_the_primary(sentinel):
+    """A Pool given a Sentinel-managed ``redis.Redis`` (not a URL): its background client (the
+    heartbeat, the hand-off subscription) also asks the sentinel for the primary, so the lease
+    is renewed there and a queued waiter is granted when the holder releases."""
+    from redis.sentinel import Sentinel
+
+    sentinels = Sentinel([("127.0.0.1", sentinel.port)], socket_timeout=2)
+    client = sentinels.master_for("gl", socket_timeout=2)
+    with Pool(client, "sent-o", capacity=100, default_ttl=1.5) as p:
+        held = p.acquire(60)
+        first = held.expires_at
+        wait_until(
+            lambda: held.expires_at > first, timeout=10
+        )  # a renewal (every ttl/3) on the primary
+        held.ensure_valid()
+        got: dict = {}
+        t = threading.Thread(
+            target=lambda: got.setdefault("w", p.acquire(60, timeout=10)), daemon=True
+        )
+        t.start()
+        wait_until(lambda: p.status().waiter_count == 1, timeout=10)
+        held.release()
+        t.join(10)
+        got["w"].release()
+    client.close()
+    primary = redis.Redis(port=sentinel.primary.port)
+    assert check_consistent(primary, "sent-o") == {"used": 0, "leases": 0, "queued": 0}
+    primary.close()

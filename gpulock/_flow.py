@@ -1,0 +1,522 @@
+"""The lease protocol as I/O-free step machines, written once for both shells.
+
+Each operation of a pool object (acquire with its wait and withdrawal, release, configure,
+status, reap, cancel, renew, the ``sync_replicas`` grant check) is a generator here. It yields
+the :class:`Step` it needs next (a script call, a wait for a waiter's grant, ...) and is sent
+that step's result, or has the step's exception thrown in at the ``yield``; it returns the
+operation's result or raises its error. A shell (``_sync.py``, ``_async.py``) is a driver: it
+carries each step out with its own client and concurrency primitives and decides nothing.
+
+The steps and what a driver returns for them:
+
+* :class:`Eval` — the script's reply (EVALSHA with NOSCRIPT reload, connection errors retried
+  on :func:`~gpulock._protocol.retrying` for ``bound`` seconds, errors translated); with
+  ``bound=0`` one try, and redis-py's own error raised.
+* :class:`Subscribe` — None once the pool's hand-off subscription is confirmed (or known to
+  fail: the acquire then reports Redis itself).
+* :class:`Checkpoint` — None; raises a cancellation of the caller that its client lost.
+* :class:`MakeLease` — the shell's lease object for a grant (tracked by the heartbeat).
+* :class:`Join` — a handle of the waiter queued (or joined) for a ticket in the runtime.
+* :class:`Wait` — the waiter's :class:`~gpulock._protocol.Grant`, or :class:`TimedOut`;
+  raises the waiter's failure.
+* :class:`Leave` — True when the ticket is still in use locally after leaving the waiter.
+* :class:`Withdraw` — None: the request was withdrawn (``cancel.lua``), quietly.
+* :class:`SyncedRenew` — ``(renew reply, replicas that acknowledged)``: see
+  :func:`queue_synced_renew`.
+* :class:`GiveBack` — None: the lease was released, quietly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol, Sequence
+
+from ._protocol import (
+    MAX_TTL_S,
+    MIN_TTL_S,
+    RETRYABLE,
+    AcquireRequest,
+    Grant,
+    LeaseState,
+    NotGranted,
+    PoolStatus,
+    configure_capacity,
+    decode_acquire,
+    decode_status,
+    retry_bound,
+    translate,
+    ttl_ms,
+    validate_request_id,
+    validate_token,
+    validity_deadline,
+)
+from ._scripts import scripts
+from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost, PoolNotFound
+from .units import parse_seconds
+
+if TYPE_CHECKING:
+    from ._runtime import Runtime
+
+
+# ---- steps ----------------------------------------------------------------------------------
+class Step:
+    """What a flow asks its driver to do next (the module docstring lists the replies)."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True)
+class Eval(Step):
+    """Run script ``script`` with ``args`` on the pool's keys. ``bound``: seconds of retrying
+    connection errors (None: the pool's ``backend_timeout``; 0: one try, untranslated)."""
+
+    script: str
+    args: list
+    bound: float | None = None
+
+
+@dataclass(frozen=True)
+class Subscribe(Step):
+    """Make sure the runtime's hand-off subscription is confirmed before a queueing acquire
+    is sent, so that no grant published after it can be missed."""
+
+
+@dataclass(frozen=True)
+class Checkpoint(Step):
+    """After the acquire call: raise the caller's cancellation if it landed while the call
+    was in flight and the client lost it (redis-py's asyncio client can)."""
+
+
+@dataclass(frozen=True)
+class MakeLease(Step):
+    """Make the lease object for ``grant`` (its local state: :func:`lease_state`)."""
+
+    grant: Grant
+    req: AcquireRequest
+    valid_until: float  # local monotonic seconds
+
+
+@dataclass(frozen=True)
+class Join(Step):
+    """Queue a waiter for ``ticket`` in the runtime (:meth:`~gpulock._runtime.Runtime.queue_waiter`
+    with these fields, in order), or join the one this process has for it."""
+
+    ticket: str
+    argv: list[str]  # the acquire's ARGV, to queue it again
+    waiter_ttl_ms: int
+    position: int
+    on_queued: Callable[[int], Any] | None
+    retry_after_ms: int  # to the nearest lease expiry (-1: none), for the reap timer
+
+
+@dataclass(frozen=True)
+class Wait(Step):
+    """Wait up to ``timeout`` seconds (None: forever) for the grant of the joined waiter."""
+
+    handle: Any  # what Join returned
+    timeout: float | None
+
+
+@dataclass(frozen=True)
+class TimedOut:
+    """:class:`Wait`'s reply when the timeout passed; ``position``: the waiter's place now
+    (None when the driver does not know it; the place when queued counts then)."""
+
+    position: int | None = None
+
+
+@dataclass(frozen=True)
+class Leave(Step):
+    """Leave the joined waiter. ``withdrawing``: the request is to be withdrawn after this
+    (the driver then answers whether the ticket is still in use locally; else anything)."""
+
+    handle: Any
+    withdrawing: bool
+
+
+@dataclass(frozen=True)
+class Withdraw(Step):
+    """Withdraw ``ticket`` (leave the queue, give back a grant that raced in), never raising.
+    ``background``: Redis did not answer the acquire; do not make the caller wait for it."""
+
+    ticket: str
+    background: bool
+
+
+@dataclass(frozen=True)
+class SyncedRenew(Step):
+    """A ``renew`` of ``args`` followed by the replicas' acknowledgement (WAIT)."""
+
+    args: list
+
+
+@dataclass(frozen=True)
+class GiveBack(Step):
+    """Release ``lease`` (the shell's lease object), never raising."""
+
+    lease: Any
+
+
+Flow = Generator[Step, Any, Any]
+
+
+class PoolView(Protocol):
+    """What the flows read (and ``configure`` sets) of a pool object; meanings and units:
+    :class:`gpulock.AsyncPool`."""
+
+    name: str
+    capacity: int | None
+    max_waiters: int
+    max_ttl: float
+    backend_timeout: float
+    sync_replicas: int
+    sync_timeout: float
+    clock: Callable[[], float]
+
+
+# ---- settings ---------------------------------------------------------------------------------
+def push_settings(pool: PoolView, rt: Runtime | None) -> None:
+    """Give the runtime what its heartbeat needs to create the pool again after Redis lost
+    it, and its sync_replicas and retry bound (nothing when there is no runtime yet)."""
+    if rt is not None:
+        rt.use_settings(
+            capacity=pool.capacity,
+            max_waiters=pool.max_waiters,
+            max_ttl_ms=ttl_ms(pool.max_ttl),
+            sync_replicas=pool.sync_replicas,
+            sync_timeout_ms=max(1, int(pool.sync_timeout * 1000)),
+            backend_timeout=pool.backend_timeout,
+        )
+
+
+def configure_args(
+    capacity: int, max_waiters: int, max_ttl_ms: int, create_only: bool, grace: bool
+) -> list[str]:
+    """ARGV of ``configure.lua``: capacity (bytes), max_waiters, "create" (only if absent) or
+    "set", max_ttl (ms), and whether a pool it creates starts with a grace period."""
+    mode = "create" if create_only else "set"
+    return [str(capacity), str(max_waiters), mode, str(max_ttl_ms), "1" if grace else "0"]
+
+
+def configure(
+    pool: PoolView,
+    rt: Runtime | None,
+    capacity: int | str | None,
+    *,
+    max_waiters: int | None,
+    max_ttl: float | None,
+    create_only: bool,
+    grace: bool,
+) -> Flow:
+    """``configure``: see :meth:`gpulock.AsyncPool.configure`. Returns the reply as
+    ``{"created", "capacity", "epoch", "used", "max_waiters"}``; a set (not ``create_only``)
+    also becomes the pool object's capacity and max_ttl."""
+    cap = configure_capacity(capacity, pool.capacity)
+    mw = pool.max_waiters if max_waiters is None else max_waiters
+    mt = (
+        pool.max_ttl
+        if max_ttl is None
+        else parse_seconds(max_ttl, name="max_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+    )
+    argv = (
+        rt.configure_argv(cap, mw, ttl_ms(mt), create_only, grace)
+        if rt is not None
+        else configure_args(cap, mw, ttl_ms(mt), create_only, grace)  # it saw no pool yet
+    )
+    r = yield Eval("configure", argv)
+    if not create_only:
+        pool.capacity = cap
+        pool.max_ttl = mt
+        push_settings(pool, rt)
+    out = dict(zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r)))
+    if rt is not None:
+        rt.seen(out["epoch"], out["capacity"], out["max_waiters"], int(r[5]) if len(r) > 5 else 0)
+    return out
+
+
+def status(pool: PoolView, rt: Runtime | None, limit: int) -> Flow:
+    """``status``: a :class:`~gpulock._protocol.PoolStatus`. Raises PoolNotFound."""
+    st: PoolStatus | None = decode_status(pool.name, (yield Eval("status", [str(limit)])))
+    if st is None:
+        if rt is not None:
+            rt.seen(0)  # gone: if this object knew the pool, its runtime recovers now
+        raise PoolNotFound(pool.name)
+    if rt is not None:
+        rt.seen(st.epoch, st.capacity, st.max_waiters, ttl_ms(st.max_ttl) if st.max_ttl else 0)
+    return st
+
+
+def reap() -> Flow:
+    """``reap``: how many leases were reaped."""
+    return int((yield Eval("reap", []))[0])
+
+
+def cancel(rt: Runtime | None, request_id: str) -> Flow:
+    """Withdraw a (remote holder's) request: 0 (nothing to do), 1 (left the queue) or 2 (its
+    grant was released). Raises InvalidArgument, BackendUnavailable."""
+    request_id = validate_request_id(request_id)
+    if rt is not None:
+        rt.remove_waiter(request_id)
+    return int((yield Eval("cancel", [request_id]))[0])
+
+
+def renew(lease_id: str, token: int, ttl: float) -> Flow:
+    """Extend a (remote holder's) lease to ``ttl`` seconds from now (server clock); never
+    re-acquires. Returns ``(expires_ms, server_now_ms)``.
+
+    Raises: LeaseLost (expired, released, unknown, or another token), InvalidArgument,
+    BackendUnavailable."""
+    ttl_s = parse_seconds(ttl, name="ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+    args = ["1", lease_id, str(validate_token(token)), str(ttl_ms(ttl_s)), "0"]
+    r = yield Eval("renew", args)
+    expires_ms = int(r[2][0])
+    if expires_ms <= 0:
+        raise LeaseLost(
+            lease_id,
+            "the pool's configuration is gone (Redis restarted without its data?)"
+            if int(r[1]) == 0
+            else "the server no longer has it (it expired, or was released)",
+        )
+    return expires_ms, int(r[0])
+
+
+# ---- release ----------------------------------------------------------------------------------
+def release(pool: str, lease_id: str, token: int) -> Flow:
+    """``release.lua`` once: returns ``(released, server_now_ms)``. False: the server no
+    longer had the lease, and nothing of others was freed. The first try may have run when
+    it fails with a connection error: a retry that then finds no lease cannot tell "released
+    by us just now" from "lost", so it counts as released.
+
+    Raises: BackendUnavailable."""
+    args = [lease_id, str(token)]
+    try:
+        r = yield Eval("release", args, bound=0)
+    except RETRYABLE:
+        r = yield Eval("release", args)
+        return True, int(r[1])
+    except Exception as e:
+        raise translate(e, pool) from e
+    return int(r[0]) == 1, int(r[1])
+
+
+def release_lease(s: LeaseState, rt: Runtime | None) -> Flow:
+    """A held lease's ``release()`` (idempotent: later calls do nothing); ``rt`` stops its
+    heartbeat.
+
+    Raises:
+        LeaseLost: the server no longer had it (it expired or was reaped), or it had been
+            found lost before; nothing of others is freed.
+        BackendUnavailable: Redis unreachable within the retry bound (it expires after its ttl).
+    """
+    if s.released:
+        return None
+    was_lost = s.lost_reason
+    s.released = True
+    if rt is not None:
+        rt.untrack(s.lease_id)  # a dict pop: safe from any thread
+    ok, _ = yield from release(s.pool, s.lease_id, s.token)
+    if not ok and was_lost is None:
+        raise LeaseLost(
+            s.lease_id,
+            "the server no longer had it when it was released "
+            "(it expired: a pause, or Redis unreachable past its ttl)",
+        )
+    if was_lost is not None:
+        raise LeaseLost(s.lease_id, was_lost)
+    return None
+
+
+# ---- acquire ----------------------------------------------------------------------------------
+def lease_state(rt: Runtime, grant: Grant, req: AcquireRequest, valid_until: float) -> LeaseState:
+    """The local state of a granted lease, heartbeated from now on (an existing one when this
+    process already holds that lease: the same request id acquired again)."""
+    state, new = rt.state_for(grant, req.ttl_s, valid_until, req.meta)
+    if new:
+        rt.track(state)
+    return state
+
+
+def acquire_call(pool: PoolView, rt: Runtime, req: AcquireRequest, argv: list[str]) -> Flow:
+    """One ``acquire.lua`` call (retried within :func:`~gpulock._protocol.retry_bound`).
+    A pool found gone is created again first when this object knows a capacity (with a grace
+    period when it had seen the pool: Redis lost it). Returns ``(Grant | NotGranted, sent)``,
+    ``sent`` the local time the successful call was sent."""
+    sent = pool.clock()
+    try:
+        r = yield Eval("acquire", argv, bound=retry_bound(pool.backend_timeout, req.timeout_s))
+    except PoolNotFound:
+        rt.seen(0)  # gone: if this object knew the pool, its runtime recovers now
+        if pool.capacity is None:
+            raise
+        yield from configure(
+            pool,
+            rt,
+            pool.capacity,
+            max_waiters=None,
+            max_ttl=None,
+            create_only=True,
+            grace=bool(rt.known_epoch),
+        )
+        sent = pool.clock()
+        r = yield Eval("acquire", argv)
+    res = decode_acquire(req.ticket, r)
+    rt.observe(sent, res.now_ms)
+    rt.seen(res.epoch, res.capacity)
+    return res, sent
+
+
+def _retry_after(res: NotGranted) -> float | None:
+    return res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None
+
+
+def acquire(
+    pool: PoolView,
+    rt: Runtime,
+    req: AcquireRequest,
+    start: float,
+    on_queued: Callable[[int], Any] | None,
+) -> Flow:
+    """``acquire``: see :meth:`gpulock.AsyncPool.acquire` (arguments in ``req`` and
+    ``on_queued``; ``start``: the local time of the call). Returns the shell's lease object.
+
+    Whatever ends it, nothing is left behind: from sending the acquire until a lease is
+    returned, the server may hold a place or a grant for the ticket, and an error, a timeout
+    or a cancellation withdraws it (unless another local acquire still uses the ticket). A
+    refusal by the script (an error other than BackendUnavailable) wrote nothing, and is not
+    withdrawn; when Redis did not answer, the withdrawal runs in the background."""
+    wait = req.timeout_s != 0
+    if wait:
+        yield Subscribe()
+    argv = req.argv("wait" if wait else "try", rt.channel_id)
+    needs_cancel = True
+    unreachable = False  # Redis did not answer the acquire: its withdrawal goes to the background
+    joined: Any = None
+    try:
+        try:
+            res, sent = yield from acquire_call(pool, rt, req, argv)
+        except GpuLockError as e:
+            unreachable = isinstance(e, BackendUnavailable)
+            needs_cancel = unreachable  # any other error: the script refused before writing
+            raise
+        yield Checkpoint()
+        if isinstance(res, Grant):
+            needs_cancel = False
+            lease = yield MakeLease(res, req, validity_deadline(sent, res.now_ms, res.expires_ms))
+            if pool.sync_replicas:
+                yield from sync_grant(pool, lease)
+            return lease
+        if not res.queued:
+            needs_cancel = False
+            raise AcquireTimeout(
+                f"pool {pool.name!r}: {req.amount} bytes not available now (timeout=0; "
+                f"{res.queue_length} waiting, {res.used}/{res.capacity} bytes used)",
+                queue_length=res.queue_length,
+                retry_after=_retry_after(res),
+            )
+        if on_queued is not None:
+            on_queued(res.position)  # first here, on the caller's side; later ones: the runtime
+        joined = yield Join(
+            req.ticket,
+            argv,
+            ttl_ms(req.waiter_ttl_s),
+            res.position,
+            on_queued,
+            res.retry_after_ms,
+        )
+        remaining = (
+            None if req.timeout_s is None else max(0.0, req.timeout_s - (pool.clock() - start))
+        )
+        try:
+            got = yield Wait(joined, remaining)
+        except Exception as e:
+            err = translate(e, pool.name)
+            unreachable = isinstance(err, BackendUnavailable)  # withdraw in the background
+            if err is e:
+                raise
+            raise err from e
+        if isinstance(got, TimedOut):
+            where = (
+                f"position {res.position} of {res.queue_length}+ when queued"
+                if got.position is None
+                else f"position {got.position} of {res.queue_length}+"
+            )
+            raise AcquireTimeout(
+                f"pool {pool.name!r}: no grant of {req.amount} bytes within {req.timeout_s}s "
+                f"({where})",
+                position=res.position if got.position is None else got.position,
+                queue_length=res.queue_length,
+                retry_after=_retry_after(res),
+                waited=pool.clock() - start,
+            )
+        lease = yield MakeLease(got, req, rt.deadline_for(got))
+        needs_cancel = False
+        if pool.sync_replicas:
+            yield from sync_grant(pool, lease)
+        return lease
+    finally:
+        in_use = False
+        if joined is not None:
+            in_use = yield Leave(joined, needs_cancel)
+        elif needs_cancel:
+            in_use = rt.ticket_in_use(req.ticket)
+        if needs_cancel and not in_use:
+            yield Withdraw(req.ticket, unreachable)
+
+
+# ---- sync_replicas ----------------------------------------------------------------------------
+def sync_grant(pool: PoolView, lease: Any) -> Flow:
+    """``sync_replicas``: return a grant only once that many replicas have it, so that a
+    failover to one of them cannot hand the same bytes to someone else (the lost tail of
+    asynchronous replication). A renewal, an INCR and ``WAIT`` on one connection; the lease's
+    validity then counts from that renewal. If the replicas do not acknowledge in
+    ``sync_timeout``, the grant is given back and BackendUnavailable raised (a cancellation or
+    interrupt meanwhile also gives it back, and propagates)."""
+    s: LeaseState = lease._state
+    sent = pool.clock()
+    r, acked, err = None, -1, None
+    try:
+        r, acked = yield SyncedRenew([1, s.lease_id, s.token, ttl_ms(s.ttl_s), 0])
+    except GeneratorExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - also on cancellation: give the grant back
+        err = e
+    if err is None and r is not None and int(r[2][0]) > 0 and acked >= pool.sync_replicas:
+        s.renewed(sent, int(r[0]), int(r[2][0]))
+        return None
+    yield GiveBack(lease)
+    if err is not None and not isinstance(err, Exception):
+        raise err
+    raise BackendUnavailable(
+        f"pool {pool.name!r}: the grant was not acknowledged by {pool.sync_replicas} replica(s) "
+        f"within {pool.sync_timeout}s (acknowledged by {max(acked, 0)}"
+        f"{'; ' + str(err) if err else ''}); it was given back, since a failover could lose it"
+    ) from err
+
+
+def queue_synced_renew(
+    p: Any, keys: Sequence[str], args: list, replicas: int, timeout_ms: int, sync_key: str
+) -> None:
+    """Queue on pipeline ``p`` (``transaction=False``; sync or asyncio) a ``renew`` of ``args``,
+    an INCR of the pool's sync counter ``sync_key`` and ``WAIT replicas timeout_ms``. WAIT
+    waits for the connection's last write; a renewal that changes no expiry (same millisecond)
+    replicates nothing, and the INCR comes later in the replication stream than the grant and
+    the renewal, so its acknowledgement covers both. Read the replies with
+    :func:`synced_renew_reply`."""
+    p.evalsha(scripts()["renew"].sha, len(keys), *keys, *args)
+    p.incr(sync_key)
+    p.execute_command("WAIT", replicas, timeout_ms)
+
+
+def synced_renew_reply(res: list, first: bool) -> tuple[Any, int] | None:
+    """The replies of :func:`queue_synced_renew`'s pipeline (run with
+    ``raise_on_error=False``) as ``(renew reply, replicas that acknowledged)``; None when the
+    script must be loaded and the pipeline run again (NOSCRIPT on the ``first`` run). Raises
+    the first error among the replies."""
+    from redis.exceptions import NoScriptError
+
+    if first and isinstance(res[0], NoScriptError):
+        return None
+    for x in res:
+        if isinstance(x, Exception):
+            raise x
+    return res[0], int(res[2])

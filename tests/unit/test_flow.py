@@ -1,0 +1,246 @@
+"""The step machines of gpulock/_flow.py, driven by hand: each test answers the steps a flow
+yields (as a driver would, with canned replies or errors) and checks what the flow decides.
+No Redis, no event loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+import redis.exceptions as rex
+
+from gpulock import _flow as flow
+from gpulock._keys import pool_keys
+from gpulock._protocol import AcquireRequest, Grant
+from gpulock._runtime import Runtime
+from gpulock.errors import AcquireTimeout, BackendUnavailable, LeaseLost, PoolNotFound
+
+
+@dataclass
+class FakePool:
+    name: str = "p"
+    capacity: int | None = 100
+    max_waiters: int = 10
+    max_ttl: float = 60.0
+    backend_timeout: float = 5.0
+    sync_replicas: int = 0
+    sync_timeout: float = 1.0
+    clock: Callable[[], float] = field(default=lambda: 0.0)
+
+
+def _runtime(pool: FakePool) -> Runtime:
+    return Runtime(None, pool.name, pool_keys(pool.name), pool.clock)
+
+
+def drive(steps, answer: Callable[[flow.Step], Any]) -> tuple[Any, list[flow.Step]]:
+    """Run a flow to its end; ``answer(step)`` returns the reply or raises. Returns (result,
+    the steps seen)."""
+    seen: list[flow.Step] = []
+    reply: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = steps.send(reply) if error is None else steps.throw(error)
+        except StopIteration as done:
+            return done.value, seen
+        seen.append(step)
+        reply, error = None, None
+        try:
+            reply = answer(step)
+        except BaseException as e:  # noqa: BLE001 - handed to the flow, as a driver does
+            error = e
+
+
+def _req(timeout: float | None) -> AcquireRequest:
+    return AcquireRequest.build(
+        "p",
+        10,
+        ttl=None,
+        timeout=timeout,
+        holder=None,
+        request_id="t1",
+        waiter_ttl=5.0,
+        default_ttl=30.0,
+    )
+
+
+GRANT = [1, "lease", 7, 31_000, 10, 1_000, 3, 100]  # acquire.lua: granted
+QUEUED = [0, 2, 500, 2, 1_000, 3, 100, 90]  # queued at position 2 of 2, next expiry in 0.5 s
+REFUSED = [2, 0, -1, 1, 1_000, 3, 100, 95]  # timeout=0 and it does not fit
+
+
+def test_a_grant_makes_a_lease_and_withdraws_nothing():
+    pool = FakePool()
+    rt = _runtime(pool)
+
+    def answer(step):
+        if isinstance(step, flow.Eval):
+            assert step.script == "acquire" and step.bound == 1.0  # retry_bound(5, 0) is 1 s
+            return GRANT
+        if isinstance(step, flow.MakeLease):
+            return ("lease", step.grant)
+        return None
+
+    lease, seen = drive(flow.acquire(pool, rt, _req(0), 0.0, None), answer)
+    assert lease[1].lease_id == "lease" and lease[1].token == 7
+    assert not any(isinstance(s, (flow.Withdraw, flow.Subscribe)) for s in seen)
+    assert rt.known_epoch == 3
+
+
+def test_not_available_now_says_why_and_withdraws_nothing():
+    pool = FakePool()
+    with pytest.raises(AcquireTimeout) as ei:
+        drive(
+            flow.acquire(pool, _runtime(pool), _req(0), 0.0, None),
+            lambda s: REFUSED if isinstance(s, flow.Eval) else None,
+        )
+    assert str(ei.value) == (
+        "pool 'p': 10 bytes not available now (timeout=0; 1 waiting, 95/100 bytes used)"
+    )
+
+
+def test_a_lost_pool_is_made_again_with_grace_then_the_acquire_retried():
+    pool = FakePool()
+    rt = _runtime(pool)
+    rt.known_epoch = 3  # this object had seen the pool: Redis lost it
+    rt.capacity_seen, rt.max_waiters_seen, rt.max_ttl_seen_ms = 80, 7, 20_000
+    calls: list[tuple[str, list]] = []
+
+    def answer(step):
+        if isinstance(step, flow.Eval):
+            calls.append((step.script, step.args))
+            if step.script == "acquire" and len(calls) == 1:
+                raise PoolNotFound("p")
+            if step.script == "configure":
+                return [1, 80, 4, 0, 7, 20_000, 20_000]
+            return GRANT
+        if isinstance(step, flow.MakeLease):
+            return "lease"
+        return None
+
+    lease, _ = drive(flow.acquire(pool, rt, _req(0), 0.0, None), answer)
+    assert lease == "lease"
+    assert [c[0] for c in calls] == ["acquire", "configure", "acquire"]
+    # made again as last seen on the server, with a grace period
+    assert calls[1][1] == ["80", "7", "create", "20000", "1"]
+
+
+@pytest.mark.parametrize(
+    "error, withdraw",
+    [
+        (PoolNotFound("p"), None),  # the script refused before writing: nothing to withdraw
+        (BackendUnavailable("Redis unavailable"), flow.Withdraw("t1", background=True)),
+    ],
+    ids=["refused", "unreachable"],
+)
+def test_what_a_failed_acquire_call_withdraws(error, withdraw):
+    pool = FakePool(capacity=None)
+    seen: list[flow.Step] = []
+
+    def answer(step):
+        seen.append(step)
+        if isinstance(step, flow.Eval):
+            raise error
+        return None
+
+    with pytest.raises(type(error)):
+        drive(flow.acquire(pool, _runtime(pool), _req(0), 0.0, None), answer)
+    assert [s for s in seen if isinstance(s, flow.Withdraw)] == ([withdraw] if withdraw else [])
+
+
+@pytest.mark.parametrize("known", [3, None], ids=["position-now", "position-when-queued"])
+def test_a_timeout_leaves_the_queue_and_withdraws(known):
+    pool = FakePool()
+    rt = _runtime(pool)
+    queued_at: list[int] = []
+
+    def answer(step):
+        if isinstance(step, flow.Eval):
+            return QUEUED
+        if isinstance(step, flow.Join):
+            return "handle"
+        if isinstance(step, flow.Wait):
+            assert step.handle == "handle" and step.timeout == 2.0
+            return flow.TimedOut(known)
+        if isinstance(step, flow.Leave):
+            assert step.withdrawing
+            return False  # nobody else here uses the ticket
+        return None
+
+    with pytest.raises(AcquireTimeout) as ei:
+        _, seen = drive(flow.acquire(pool, rt, _req(2.0), 0.0, queued_at.append), answer)
+    where = "position 3 of 2+" if known else "position 2 of 2+ when queued"
+    assert str(ei.value) == f"pool 'p': no grant of 10 bytes within 2.0s ({where})"
+    assert queued_at == [2]
+
+
+def test_a_cancellation_during_the_wait_withdraws_unless_the_ticket_is_in_use():
+    class Cancelled(BaseException):
+        pass
+
+    for in_use in (False, True):
+        pool = FakePool()
+        seen: list[flow.Step] = []
+
+        def answer(step):
+            seen.append(step)
+            if isinstance(step, flow.Eval):
+                return QUEUED
+            if isinstance(step, flow.Join):
+                return "handle"
+            if isinstance(step, flow.Wait):
+                raise Cancelled()
+            if isinstance(step, flow.Leave):
+                return in_use
+            return None
+
+        with pytest.raises(Cancelled):
+            drive(flow.acquire(pool, _runtime(pool), _req(None), 0.0, None), answer)
+        withdrew = any(isinstance(s, flow.Withdraw) for s in seen)
+        assert withdrew is not in_use
+        assert isinstance(seen[0], flow.Subscribe)
+
+
+def test_a_release_retried_after_a_connection_error_counts_as_released():
+    def answer(step):
+        assert isinstance(step, flow.Eval) and step.script == "release"
+        if step.bound == 0:
+            raise rex.ConnectionError("reset")
+        return [0, 1_000]  # the retry finds no lease: the first try ran
+
+    (released, now_ms), _ = drive(flow.release("p", "lease", 7), answer)
+    assert released and now_ms == 1_000
+
+
+def test_releasing_a_lease_the_server_lost_raises_lease_lost():
+    pool = FakePool()
+    rt = _runtime(pool)
+    g = Grant("t1", "lease", 7, 31_000, 10, 1_000, 3, 100)
+    state, _ = rt.state_for(g, 30.0, 10.0)
+    with pytest.raises(LeaseLost, match="no longer had it"):
+        drive(flow.release_lease(state, rt), lambda s: [0, 1_000])
+    assert state.released
+    assert drive(flow.release_lease(state, rt), lambda s: pytest.fail("sent again"))[0] is None
+
+
+def test_sync_replicas_gives_back_a_grant_the_replicas_did_not_acknowledge():
+    pool = FakePool(sync_replicas=1)
+    rt = _runtime(pool)
+    g = Grant("t1", "lease", 7, 31_000, 10, 1_000, 3, 100)
+    state, _ = rt.state_for(g, 30.0, 10.0)
+
+    class FakeLease:
+        _state = state
+
+    seen: list[flow.Step] = []
+
+    def answer(step):
+        seen.append(step)
+        if isinstance(step, flow.SyncedRenew):
+            return [1_000, 3, [31_000], []], 0  # renewed, acknowledged by no replica
+        return None
+
+    with pytest.raises(BackendUnavailable, match=r"not acknowledged by 1 replica\(s\) within 1.0s"):
+        drive(flow.sync_grant(pool, FakeLease()), answer)
+    assert isinstance(seen[-1], flow.GiveBack)
