@@ -423,6 +423,12 @@ class AsyncPool:
     # for all of them; no task, thread or connection per request) until `wait_remote` hands
     # the grant over or `cancel_remote` withdraws it. The caller must do one of the two.
 
+    @property
+    def waiting(self) -> int:
+        """How many requests this pool object has queued and waits for now (its own acquires
+        and remote holders' places alike)."""
+        return len(self._runtime.waiters)
+
     async def enqueue_remote(
         self,
         amount: int | str,

@@ -139,7 +139,7 @@ class Pools:
         """Forget a pool object that turned out not to exist, so requests for made-up pool
         names do not pile up subscriptions."""
         p = self._pools.get(name)
-        if p is None or p._runtime.waiters or self._in_use(name):
+        if p is None or p.waiting or self._in_use(name):
             return
         del self._pools[name]
         await p.aclose()
