@@ -21,9 +21,9 @@ What one request goes through (``GpuLimiter.call``)::
 
 * The lease is taken before the function runs, so before any tensor of the request touches
   the GPU, and released only after the executor thread has returned, even when
-  the HTTP side already answered 504 (case c05).
+  the HTTP side already answered 504.
 * Waiting happens in the event loop, never in a thread: ``/health`` keeps answering while
-  hundreds of requests queue (case c02). The executor has ``executor_threads`` threads and a
+  hundreds of requests queue. The executor has ``executor_threads`` threads and a
   request takes its thread slot *before* it leases, so no bytes sit leased while their request
   waits for a thread.
 * Errors map to HTTP (see :class:`GpuLockHTTPException`): no grant within ``acquire_timeout``
@@ -33,7 +33,7 @@ What one request goes through (``GpuLimiter.call``)::
   ``inference_timeout`` → 504 (the lease stays held until the thread returns); CUDA OOM → traceback dropped, ``empty_cache()``, counted, 503 with
   ``Retry-After``; another CUDA error (device-side assert, illegal address) → 500, the worker
   marks itself not ready and exits (SIGTERM to itself) so gunicorn starts a fresh one.
-* ``X-Request-ID`` makes retries idempotent (case c08): the header value is hashed into the
+* ``X-Request-ID`` makes retries idempotent: the header value is hashed into the
   lease request id, one worker owns it at a time (a claim key in Redis), a retry that arrives
   while the first attempt is queued or running joins it (same place in the queue, one
   execution), and a result is kept ``result_ttl`` seconds for retries that come later. A 503

@@ -1,5 +1,5 @@
 """The job runner: one job per guarded call, run as a task of its own so the HTTP side can
-answer 503/504 while the job stays queued (X-Request-ID) or its thread still runs (c05).
+answer 503/504 while the job stays queued (X-Request-ID) or its thread still runs.
 
 A job goes ``slot`` (waiting for one of this worker's threads) → ``queued`` (in the pool's
 queue) → ``running`` (granted; its function runs in the executor) → ``done``. The lease is
@@ -229,7 +229,7 @@ class JobRunner:
             cf = executor.submit(self._in_thread, lease, fn, job)
             afut = asyncio.wrap_future(cf)
             cancelled = False
-            while True:  # the lease is released only after the thread returned (c05)
+            while True:  # the lease is released only after the thread returned
                 try:
                     result = await asyncio.shield(afut)
                     break

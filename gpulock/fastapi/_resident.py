@@ -171,7 +171,7 @@ class ResidentLeases:
         """Take a resident lease without ever blocking the pool's request traffic.
 
         A FIFO queue would let a resident request that can never fit (the other workers'
-        resident leases leave too little room: case c07's 4th worker) sit at the head of the
+        resident leases leave too little room, as for a 4th worker on a GPU that fits three) sit at the head of the
         queue and stall every request behind it. So: while ``capacity - resident bytes of
         others >= amount`` (it fits once the short request leases drain) we wait in the queue
         like anyone else; otherwise we only *try* (``timeout=0``: never queue, never jump the

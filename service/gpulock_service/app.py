@@ -3,14 +3,14 @@
 gpulock_service.app:app`` and ``uvicorn gpulock_service.app:app``).
 
 Neither importing this module nor building the app does any I/O, imports torch or touches CUDA:
-under ``gunicorn --preload`` the master imports it and then forks (case c06). Everything that
+under ``gunicorn --preload`` the master imports it and then forks. Everything that
 connects or loads happens in the lifespan, i.e. in each worker after the fork:
 
 1. connect to Redis, create the pool if a capacity is configured (create-only unless
    ``GPULOCK_CONFIGURE=set``), start the background reaper;
 2. take the worker's **resident lease** (configured bytes; on CUDA the weights' size plus the
    CUDA context, topped up to ``memory_reserved`` after loading) — until it is granted the
-   worker is not ready and ``/ready`` names the shortfall (case c07);
+   worker is not ready and ``/ready`` names the shortfall;
 3. load the model once, in a thread, then report ready.
 
 The worker waits ``GPULOCK_STARTUP_TIMEOUT`` seconds for 2-3 before it starts serving; if they

@@ -7,7 +7,7 @@ exited stops Valkey and removes the metrics directory. It checks every option be
 anything, says when the service is first ready, and starts an embedded Valkey that dies again
 on the same port (see :func:`_restart_embedded`). It never imports torch and never
 initialises CUDA (the GPU's size comes from NVML, ``nvidia-smi`` or a short-lived
-subprocess), and gunicorn's master only imports the app module, which does no I/O (case c06).
+subprocess), and gunicorn's master only imports the app module, which does no I/O.
 """
 
 from __future__ import annotations
