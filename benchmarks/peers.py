@@ -66,7 +66,7 @@ from _util import (  # noqa: E402
 
 import gpulock  # noqa: E402
 from gpulock import AsyncPool, Pool  # noqa: E402
-from gpulock._protocol import DEFAULT_TTL_S  # noqa: E402
+from gpulock._args import DEFAULT_TTL_S  # noqa: E402
 from gpulock._keys import pool_keys  # noqa: E402
 from gpulock.embedded import RedisProcess  # noqa: E402
 

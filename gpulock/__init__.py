@@ -6,7 +6,7 @@ in FIFO order, and every lease carries a fencing token. See README.md and docs/.
 """
 
 from ._async import AsyncLease, AsyncPool
-from ._protocol import LeaseInfo, PoolStatus, WaiterInfo
+from ._replies import LeaseInfo, PoolStatus, WaiterInfo
 from ._sync import Lease, Pool
 from .errors import (
     AcquireTimeout,

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._keys import POOL_CFG_MATCH, pool_key, pool_keys, pool_name_from_key
-from ._protocol import translate, validate_pool_name
+from ._args import validate_pool_name
+from ._translate import translate
 
 __all__ = [
     "DeleteResult",

@@ -1,6 +1,7 @@
 """The asyncio shell: :class:`AsyncPool` and :class:`AsyncLease`. The protocol is written once
-in ``_flow.py`` (and ``_protocol.py``), the background work in ``_runtime.py``; this file is
-their asyncio driver: it carries out the steps of a flow and adds only the I/O."""
+in ``_flow.py`` (over the core's I/O-free modules: ``_args.py``, ``_replies.py``,
+``_protocol.py`` and the others), the background work in ``_runtime.py``; this file is their
+asyncio driver: it carries out the steps of a flow and adds only the I/O."""
 
 from __future__ import annotations
 
@@ -11,25 +12,21 @@ import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, NoScriptError
 
 from . import _flow as flow
-from ._protocol import (
+from ._args import (
     DEFAULT_MAX_WAITERS,
     DEFAULT_POLL_INTERVAL_S,
     DEFAULT_TTL_S,
     DEFAULT_WAITER_TTL_S,
-    RETRYABLE,
-    AcquireRequest,
-    Grant,
-    LeaseBase,
-    NotGranted,
-    PoolStatus,
-    default_clock,
     pool_settings,
-    retrying,
-    translate,
     ttl_ms,
     validate_request_id,
     validate_token,
 )
+from ._lease import LeaseBase, default_clock
+from ._protocol import AcquireRequest
+from ._replies import Grant, NotGranted, PoolStatus
+from ._retry import RETRYABLE, retrying
+from ._translate import translate
 from ._batch import Batcher, inflight_for
 from ._connect import DEFAULT_MAX_CONNECTIONS, async_client
 from ._keys import pool_keys

@@ -110,7 +110,7 @@ class BrokerAdmin:
 
 def status_from_dict(d: dict) -> Any:
     """A broker's pool object (``GET /v1/pools/NAME``) as the core's PoolStatus."""
-    from ._protocol import LeaseInfo, PoolStatus, WaiterInfo
+    from ._replies import LeaseInfo, PoolStatus, WaiterInfo
 
     leases = [
         LeaseInfo(

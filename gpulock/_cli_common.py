@@ -104,7 +104,7 @@ def seconds_param(name: str, *, minimum: float, maximum: float, allow_zero: bool
 def pool_name_param(value: Optional[str]) -> Optional[str]:
     if value is None:
         return None
-    from ._protocol import validate_pool_name
+    from ._args import validate_pool_name
 
     try:
         return validate_pool_name(value)

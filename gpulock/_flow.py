@@ -10,14 +10,14 @@ carries each step out with its own client and concurrency primitives and decides
 The steps and what a driver returns for them:
 
 * :class:`Eval` — the script's reply (EVALSHA with NOSCRIPT reload, connection errors retried
-  on :func:`~gpulock._protocol.retrying` for ``bound`` seconds, errors translated); with
+  on :func:`~gpulock._retry.retrying` for ``bound`` seconds, errors translated); with
   ``bound=0`` one try, and redis-py's own error raised.
 * :class:`Subscribe` — None once the pool's hand-off subscription is confirmed (or known to
   fail: the acquire then reports Redis itself).
 * :class:`Checkpoint` — None; raises a cancellation of the caller that its client lost.
 * :class:`MakeLease` — the shell's lease object for a grant (tracked by the heartbeat).
 * :class:`Join` — a handle of the waiter queued (or joined) for a ticket in the runtime.
-* :class:`Wait` — the waiter's :class:`~gpulock._protocol.Grant`, or :class:`TimedOut`;
+* :class:`Wait` — the waiter's :class:`~gpulock._replies.Grant`, or :class:`TimedOut`;
   raises the waiter's failure.
 * :class:`Leave` — True when the ticket is still in use locally after leaving the waiter.
 * :class:`Withdraw` — None: the request was withdrawn (``cancel.lua``), quietly.
@@ -31,25 +31,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol, Sequence
 
-from ._protocol import (
+from ._args import (
     MAX_TTL_S,
     MIN_TTL_S,
-    RETRYABLE,
-    AcquireRequest,
-    Grant,
-    LeaseState,
-    NotGranted,
-    PoolStatus,
     configure_capacity,
-    decode_acquire,
-    decode_status,
-    retry_bound,
-    translate,
     ttl_ms,
     validate_request_id,
     validate_token,
-    validity_deadline,
 )
+from ._lease import LeaseState, validity_deadline
+from ._protocol import AcquireRequest
+from ._replies import Grant, NotGranted, PoolStatus, decode_acquire, decode_status
+from ._retry import RETRYABLE, retry_bound
+from ._translate import translate
 from ._scripts import scripts
 from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost, PoolNotFound
 from .units import parse_seconds
@@ -235,7 +229,7 @@ def configure(
 
 
 def status(pool: PoolView, rt: Runtime | None, limit: int) -> Flow:
-    """``status``: a :class:`~gpulock._protocol.PoolStatus`. Raises PoolNotFound."""
+    """``status``: a :class:`~gpulock._replies.PoolStatus`. Raises PoolNotFound."""
     st: PoolStatus | None = decode_status(pool.name, (yield Eval("status", [str(limit)])))
     if st is None:
         if rt is not None:
@@ -337,7 +331,7 @@ def lease_state(rt: Runtime, grant: Grant, req: AcquireRequest, valid_until: flo
 
 
 def acquire_call(pool: PoolView, rt: Runtime, req: AcquireRequest, argv: list[str]) -> Flow:
-    """One ``acquire.lua`` call (retried within :func:`~gpulock._protocol.retry_bound`).
+    """One ``acquire.lua`` call (retried within :func:`~gpulock._retry.retry_bound`).
     A pool found gone is created again first when this object knows a capacity (with a grace
     period when it had seen the pool: Redis lost it). Returns ``(Grant | NotGranted, sent)``,
     ``sent`` the local time the successful call was sent."""

@@ -21,20 +21,18 @@ from redis.exceptions import AuthenticationError, NoScriptError
 
 from . import _flow as flow
 from ._async import _CLIENT_DEFAULTS, DEFAULT_BACKEND_TIMEOUT_S
-from ._protocol import (
+from ._args import (
     DEFAULT_MAX_WAITERS,
     DEFAULT_POLL_INTERVAL_S,
     DEFAULT_TTL_S,
     DEFAULT_WAITER_TTL_S,
-    RETRYABLE,
-    AcquireRequest,
-    LeaseBase,
-    PoolStatus,
-    default_clock,
     pool_settings,
-    retrying,
-    translate,
 )
+from ._lease import LeaseBase, default_clock
+from ._protocol import AcquireRequest
+from ._replies import PoolStatus
+from ._retry import RETRYABLE, retrying
+from ._translate import translate
 from ._connect import (
     DEFAULT_MAX_CONNECTIONS,
     async_client,

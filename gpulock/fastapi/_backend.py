@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 from .._async import AsyncPool
 from .._keys import pool_key, pool_keys
-from .._protocol import PoolStatus
+from .._replies import PoolStatus
 
 
 def process_owner() -> str:

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import Response
 
 from .._async import AsyncPool
-from .._protocol import PoolStatus
+from .._replies import PoolStatus
 from ..errors import GpuLockError
 from . import _signature
 from ._admission import Admission, Slots, TtlBound

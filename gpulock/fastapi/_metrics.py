@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Response
 
-from .._protocol import PoolStatus
+from .._replies import PoolStatus
 
 if TYPE_CHECKING:
     from .._async import AsyncPool

@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from .._failure_log import FailureLog
-from .._protocol import PoolStatus
+from .._replies import PoolStatus
 from ..errors import GpuLockError, PoolNotFound
 from ._backend import Backend
 from ._metrics import multiproc_dir, sweep_dead_processes

@@ -11,7 +11,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from .._async import AsyncLease
-from .._protocol import PoolStatus
+from .._replies import PoolStatus
 from ..errors import AcquireTimeout, BackendUnavailable, CapacityExceeded, GpuLockError
 from ..errors import PoolNotFound
 from ..units import format_size, parse_size

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .. import retry_after as policy
-from .._protocol import PoolStatus
+from .._replies import PoolStatus
 from ._admission import Slots
 from ._backend import Backend
 from ._settings import Settings

@@ -7,7 +7,8 @@ import asyncio
 import dataclasses
 from typing import Any, Callable
 
-from gpulock._protocol import Grant, NotGranted, new_id
+from gpulock._args import new_id
+from gpulock._replies import Grant, NotGranted
 from gpulock.errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
 from gpulock.retry_after import from_expiry_ms
 

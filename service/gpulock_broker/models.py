@@ -9,9 +9,9 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from typing_extensions import Annotated
 
-from gpulock._protocol import MAX_TTL_S as MAX_POOL_TTL_S
-from gpulock._protocol import MIN_TTL_S as MIN_POOL_TTL_S
-from gpulock._protocol import meta_unicode_error
+from gpulock._args import MAX_TTL_S as MAX_POOL_TTL_S
+from gpulock._args import MIN_TTL_S as MIN_POOL_TTL_S
+from gpulock._args import meta_unicode_error
 from gpulock.errors import InvalidArgument
 from gpulock.units import parse_size
 

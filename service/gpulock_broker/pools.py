@@ -14,7 +14,9 @@ from gpulock import AsyncPool
 from gpulock._admin import DeleteResult, adelete_pool
 from gpulock._connect import async_client
 from gpulock._keys import POOL_CFG_MATCH, pool_name_from_key
-from gpulock._protocol import retrying, translate, validate_pool_name
+from gpulock._args import validate_pool_name
+from gpulock._retry import retrying
+from gpulock._translate import translate
 from gpulock.errors import BackendUnavailable, PoolNotFound
 
 from .outcomes import PoolBeingDeleted

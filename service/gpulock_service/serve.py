@@ -87,7 +87,7 @@ def check_options(
 
     from gpulock import InvalidArgument
     from gpulock._connect import sync_client
-    from gpulock._protocol import validate_pool_name
+    from gpulock._args import validate_pool_name
     from gpulock.embedded import port_in_use
 
     try:

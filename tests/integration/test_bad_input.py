@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpulock import AsyncPool, CapacityExceeded, InvalidArgument, Pool
-from gpulock._protocol import new_id
+from gpulock._args import new_id
 from gpulock.embedded import RedisProcess, free_port
 from support.pools import GiB, raw, raw_acquire, raw_configure, snapshot
 

@@ -25,7 +25,7 @@ import pytest
 import redis
 
 from gpulock import AsyncPool, BackendUnavailable, GpuLockError, Pool
-from gpulock._protocol import new_id
+from gpulock._args import new_id
 from gpulock._keys import pool_keys
 from support.pools import check_consistent, raw, raw_acquire, raw_configure, snapshot
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from gpulock._protocol import new_id
+from gpulock._args import new_id
 from gpulock._keys import pool_keys
 from gpulock._scripts import scripts
 

@@ -14,7 +14,7 @@ import gpulock_client.errors
 import gpulock_common.errors
 import gpulock_common.lease
 import pytest
-from gpulock import _protocol as P
+from gpulock import _lease
 from gpulock_client import _core as C
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,17 +57,17 @@ def test_one_validity_rule():
     assert (
         C.validity_deadline is rule and C.reply_made_after is gpulock_common.lease.reply_made_after
     )
-    assert P.CLOCK_DRIFT == C.CLOCK_DRIFT == gpulock_common.lease.CLOCK_DRIFT
-    assert P.SAFETY_MARGIN_S == C.SAFETY_MARGIN_S == gpulock_common.lease.SAFETY_MARGIN_S
+    assert _lease.CLOCK_DRIFT == C.CLOCK_DRIFT == gpulock_common.lease.CLOCK_DRIFT
+    assert _lease.SAFETY_MARGIN_S == C.SAFETY_MARGIN_S == gpulock_common.lease.SAFETY_MARGIN_S
     # The core's (sent, server now ms, server expiry ms) is the rule over that span.
-    assert math.isclose(P.validity_deadline(10.0, 50_000, 53_000), rule(10.0, 3.0))
-    assert P.validity_deadline(10.0, 60_000, 53_000) == rule(10.0, 0.0)
+    assert math.isclose(_lease.validity_deadline(10.0, 50_000, 53_000), rule(10.0, 3.0))
+    assert _lease.validity_deadline(10.0, 60_000, 53_000) == rule(10.0, 0.0)
     # The SDK's long-polled grant: counted from sent + held, both shrunk by the drift bound.
     d = rule(100.0, 2.0, 4.0)
     assert math.isclose(d, 100.0 + 6.0 * (1 - C.CLOCK_DRIFT) - C.SAFETY_MARGIN_S)
-    for state in (P.LeaseState, C.LeaseState):
+    for state in (_lease.LeaseState, C.LeaseState):
         assert issubclass(state, gpulock_common.lease.LocalLeaseState)
-    for view in (P.LeaseBase, C.LeaseBase):
+    for view in (_lease.LeaseBase, C.LeaseBase):
         assert issubclass(view, gpulock_common.lease.LeaseView)
 
 

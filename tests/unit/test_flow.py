@@ -12,7 +12,8 @@ import redis.exceptions as rex
 
 from gpulock import _flow as flow
 from gpulock._keys import pool_keys
-from gpulock._protocol import AcquireRequest, Grant
+from gpulock._protocol import AcquireRequest
+from gpulock._replies import Grant
 from gpulock._runtime import Runtime
 from gpulock.errors import AcquireTimeout, BackendUnavailable, LeaseLost, PoolNotFound
 

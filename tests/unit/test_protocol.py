@@ -11,6 +11,7 @@ import redis.exceptions as rex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpulock import _args, _lease, _replies, _translate
 from gpulock import _protocol as P
 from gpulock._keys import pool_keys
 from gpulock.errors import (
@@ -41,7 +42,7 @@ class FakeClock:
 
 @pytest.mark.parametrize("name", ["gpu0", "GPU-1", "a", "x" * 64, "GPU-8f0c2a1e.b_3"])
 def test_pool_name_ok(name):
-    assert P.validate_pool_name(name) == name
+    assert _args.validate_pool_name(name) == name
 
 
 @pytest.mark.parametrize(
@@ -66,19 +67,19 @@ def test_pool_name_ok(name):
 )
 def test_pool_name_rejected(name):
     with pytest.raises(InvalidArgument) as ei:
-        P.validate_pool_name(name)
+        _args.validate_pool_name(name)
     assert repr(name) in str(ei.value)
 
 
 @pytest.mark.parametrize("rid", ["r1", "job:42", "a.b-c_d", "x" * 128])
 def test_request_id_ok(rid):
-    assert P.validate_request_id(rid) == rid
+    assert _args.validate_request_id(rid) == rid
 
 
 @pytest.mark.parametrize("rid", ["", "a b", "a\tb", "x" * 129, "a{b}", "ü", 5, None, "a|b", "a\nb"])
 def test_request_id_rejected(rid):
     with pytest.raises(InvalidArgument) as ei:
-        P.validate_request_id(rid)
+        _args.validate_request_id(rid)
     assert repr(rid) in str(ei.value)
 
 
@@ -99,7 +100,7 @@ def test_pool_keys_share_one_hash_tag():
 
 
 def test_new_id_is_128_bit_hex():
-    ids = {P.new_id() for _ in range(1000)}
+    ids = {_args.new_id() for _ in range(1000)}
     assert len(ids) == 1000
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
 
@@ -108,20 +109,20 @@ def test_new_id_is_128_bit_hex():
 
 
 def test_meta_roundtrip_adds_host_and_pid():
-    s = P.encode_meta({"purpose": "embed", "n": 3})
-    d = P.decode_meta(s)
+    s = _args.encode_meta({"purpose": "embed", "n": 3})
+    d = _args.decode_meta(s)
     assert d["purpose"] == "embed" and d["n"] == 3 and "host" in d and "pid" in d
-    assert P.decode_meta(s.encode()) == d
-    assert P.decode_meta("") == {}
-    assert P.decode_meta("not json") == {"raw": "not json"}
-    assert P.decode_meta("[1]") == {"value": [1]}
+    assert _args.decode_meta(s.encode()) == d
+    assert _args.decode_meta("") == {}
+    assert _args.decode_meta("not json") == {"raw": "not json"}
+    assert _args.decode_meta("[1]") == {"value": [1]}
 
 
 def test_meta_too_large_or_wrong_type():
     with pytest.raises(InvalidArgument, match="512"):
-        P.encode_meta({"blob": "x" * 600})
+        _args.encode_meta({"blob": "x" * 600})
     with pytest.raises(InvalidArgument, match="dict"):
-        P.encode_meta(["not", "a", "dict"])  # type: ignore[arg-type]
+        _args.encode_meta(["not", "a", "dict"])  # type: ignore[arg-type]
 
 
 # ---- AcquireRequest ---------------------------------------------------------------------
@@ -178,8 +179,8 @@ def test_acquire_request_rejects(kw, word):
 
 
 def test_decode_acquire_granted_and_queued():
-    g = P.decode_acquire("t1", [1, b"ab" * 16, 17, 5000, 1024, 4000, 99, 4096, 1024])
-    assert isinstance(g, P.Grant)
+    g = _replies.decode_acquire("t1", [1, b"ab" * 16, 17, 5000, 1024, 4000, 99, 4096, 1024])
+    assert isinstance(g, _replies.Grant)
     assert (
         g.ticket,
         g.lease_id,
@@ -190,22 +191,27 @@ def test_decode_acquire_granted_and_queued():
         g.epoch,
         g.capacity,
     ) == ("t1", "ab" * 16, 17, 5000, 1024, 4000, 99, 4096)
-    q = P.decode_acquire("t1", [0, 3, 250, 5, 4000, 99, 4096, 4096])
-    assert isinstance(q, P.NotGranted) and q.queued and q.position == 3 and q.retry_after_ms == 250
+    q = _replies.decode_acquire("t1", [0, 3, 250, 5, 4000, 99, 4096, 4096])
+    assert (
+        isinstance(q, _replies.NotGranted)
+        and q.queued
+        and q.position == 3
+        and q.retry_after_ms == 250
+    )
     assert q.queue_length == 5 and q.used == 4096
-    n = P.decode_acquire("t1", [2, 0, -1, 0, 4000, 99, 4096, 4096])
+    n = _replies.decode_acquire("t1", [2, 0, -1, 0, 4000, 99, 4096, 4096])
     assert not n.queued and n.position == 0 and n.retry_after_ms == -1
 
 
 def test_decode_events():
     msg = b"g 1000\nt1 " + b"a" * 32 + b" 7 2000 512\nt2 " + b"b" * 32 + b" 8 2500 256"
-    gs = P.decode_events(msg)
+    gs = _replies.decode_events(msg)
     assert [(g.ticket, g.lease_id, g.token, g.expires_ms, g.amount, g.now_ms) for g in gs] == [
         ("t1", "a" * 32, 7, 2000, 512, 1000),
         ("t2", "b" * 32, 8, 2500, 256, 1000),
     ]
-    assert P.decode_events("x 1000\nwhatever") == []
-    assert P.decode_events("g 5\nmalformed line") == []
+    assert _replies.decode_events("x 1000\nwhatever") == []
+    assert _replies.decode_events("g 5\nmalformed line") == []
 
 
 def test_decode_status():
@@ -237,7 +243,7 @@ def test_decode_status():
         ],
         [[b"t2", 4096, now - 750, now + 4000, b'{"host":"h","pid":2}']],
     ]
-    st_ = P.decode_status("gpu0", r)
+    st_ = _replies.decode_status("gpu0", r)
     assert (st_.capacity, st_.used, st_.epoch, st_.fence, st_.max_waiters) == (
         4096,
         1536,
@@ -259,7 +265,7 @@ def test_decode_status():
     assert (w.position, w.request_id, w.amount) == (1, "t2", 4096)
     assert math.isclose(w.waited, 0.75) and math.isclose(w.expires_in, 4.0)
     assert st_.to_dict()["leases"][0]["amount"] == 1536
-    assert P.decode_status("gpu0", [0, now]) is None
+    assert _replies.decode_status("gpu0", [0, now]) is None
 
 
 # ---- error translation ------------------------------------------------------------------
@@ -277,7 +283,7 @@ def test_decode_status():
     ],
 )
 def test_translate_response_errors(msg, cls):
-    e = P.translate(rex.ResponseError(msg), "gpu0")
+    e = _translate.translate(rex.ResponseError(msg), "gpu0")
     assert isinstance(e, cls) and isinstance(e, GpuLockError)
     if cls is CapacityExceeded:
         assert (e.amount, e.capacity) == (10, 5)
@@ -288,13 +294,13 @@ def test_translate_response_errors(msg, cls):
 
 
 def test_translate_connection_errors_and_passthrough():
-    assert isinstance(P.translate(rex.ConnectionError("down"), "p"), BackendUnavailable)
-    assert isinstance(P.translate(rex.TimeoutError("slow"), "p"), BackendUnavailable)
-    assert isinstance(P.translate(OSError("x"), "p"), BackendUnavailable)
+    assert isinstance(_translate.translate(rex.ConnectionError("down"), "p"), BackendUnavailable)
+    assert isinstance(_translate.translate(rex.TimeoutError("slow"), "p"), BackendUnavailable)
+    assert isinstance(_translate.translate(OSError("x"), "p"), BackendUnavailable)
     lost = LeaseLost("a" * 32, "why")
-    assert P.translate(lost, "p") is lost
+    assert _translate.translate(lost, "p") is lost
     other = KeyError("k")
-    assert P.translate(other, "p") is other
+    assert _translate.translate(other, "p") is other
 
 
 def test_exception_tree():
@@ -316,16 +322,16 @@ def test_exception_tree():
 
 
 def _grant(now_ms=50_000, ttl_ms=3000, token=5):
-    return P.Grant("t", "d" * 32, token, now_ms + ttl_ms, 100, now_ms, 1, 1000)
+    return _replies.Grant("t", "d" * 32, token, now_ms + ttl_ms, 100, now_ms, 1, 1000)
 
 
 def test_validity_deadline_is_before_server_expiry():
     # Sent at local 10.0, server said now=50s, expiry 53s: the local deadline must end
     # strictly before 10.0 + 3.0 (we cannot know how long the request took to arrive).
-    d = P.validity_deadline(10.0, 50_000, 53_000)
+    d = _lease.validity_deadline(10.0, 50_000, 53_000)
     assert d < 13.0
-    assert math.isclose(d, 10.0 + 3.0 * (1 - P.CLOCK_DRIFT) - P.SAFETY_MARGIN_S)
-    assert P.validity_deadline(10.0, 60_000, 53_000) < 10.0  # already expired on the server
+    assert math.isclose(d, 10.0 + 3.0 * (1 - _lease.CLOCK_DRIFT) - _lease.SAFETY_MARGIN_S)
+    assert _lease.validity_deadline(10.0, 60_000, 53_000) < 10.0  # already expired on the server
 
 
 @settings(max_examples=100, deadline=None)
@@ -335,13 +341,17 @@ def test_validity_deadline_is_before_server_expiry():
     st.integers(min_value=0, max_value=86_400_000),
 )
 def test_validity_deadline_never_after_server_expiry(sent, now_ms, remaining_ms):
-    assert P.validity_deadline(sent, now_ms, now_ms + remaining_ms) < sent + remaining_ms / 1000.0
+    assert (
+        _lease.validity_deadline(sent, now_ms, now_ms + remaining_ms) < sent + remaining_ms / 1000.0
+    )
 
 
 def test_lease_state_expires_on_local_deadline_and_fires_once():
     clock = FakeClock(100.0)
     g = _grant()
-    s = P.LeaseState("gpu0", g, 3.0, P.validity_deadline(clock(), g.now_ms, g.expires_ms), clock)
+    s = _lease.LeaseState(
+        "gpu0", g, 3.0, _lease.validity_deadline(clock(), g.now_ms, g.expires_ms), clock
+    )
     assert s.next_renew == pytest.approx(101.0)
     fired = []
     s.add_callback(lambda lease: fired.append(lease), owner="L")
@@ -363,7 +373,7 @@ def test_lease_state_expires_on_local_deadline_and_fires_once():
 def test_lease_state_renewal_moves_deadline():
     clock = FakeClock(0.0)
     g = _grant(now_ms=1_000, ttl_ms=600)
-    s = P.LeaseState("gpu0", g, 0.6, P.validity_deadline(0.0, 1_000, 1_600), clock)
+    s = _lease.LeaseState("gpu0", g, 0.6, _lease.validity_deadline(0.0, 1_000, 1_600), clock)
     for i in range(1, 20):  # renew every 0.2 s for 3.8 s: stays valid
         clock.advance(0.2)
         sent = clock()
@@ -379,7 +389,7 @@ def test_lease_state_renewal_moves_deadline():
 def test_lease_state_released_is_not_lost_but_check_raises():
     clock = FakeClock()
     g = _grant()
-    s = P.LeaseState("gpu0", g, 3.0, clock() + 2.0, clock)
+    s = _lease.LeaseState("gpu0", g, 3.0, clock() + 2.0, clock)
     fired = []
     s.add_callback(lambda _: fired.append(1), owner=None)
     s.released = True
@@ -392,7 +402,7 @@ def test_lease_state_released_is_not_lost_but_check_raises():
 
 def test_lease_state_callback_exception_does_not_propagate():
     clock = FakeClock()
-    s = P.LeaseState("gpu0", _grant(), 3.0, clock() + 1.0, clock)
+    s = _lease.LeaseState("gpu0", _grant(), 3.0, clock() + 1.0, clock)
     calls = []
 
     def bad(_):
@@ -407,8 +417,8 @@ def test_lease_state_callback_exception_does_not_propagate():
 def test_lease_base_properties():
     clock = FakeClock(5.0)
     g = _grant(token=42)
-    s = P.LeaseState("gpu0", g, 3.0, 7.0, clock)
-    lease = P.LeaseBase(s, pool=None)
+    s = _lease.LeaseState("gpu0", g, 3.0, 7.0, clock)
+    lease = _lease.LeaseBase(s, pool=None)
     assert (lease.id, lease.amount, lease.token, lease.ttl, lease.request_id, lease.pool) == (
         "d" * 32,
         100,
@@ -429,7 +439,7 @@ def test_lease_base_properties():
 
 
 def test_retry_bound_follows_the_callers_timeout():
-    from gpulock._protocol import retry_bound
+    from gpulock._retry import retry_bound
 
     assert retry_bound(5.0, None) == 5.0  # waits forever: the backend bound
     assert retry_bound(5.0, 30.0) == 5.0

@@ -64,7 +64,7 @@ import redis
 import redis.asyncio as aioredis
 
 from gpulock import AsyncPool, BackendUnavailable, LeaseLost, Pool, PoolClosed
-from gpulock._protocol import new_id
+from gpulock._args import new_id
 from gpulock._keys import pool_keys
 from gpulock._scripts import scripts
 

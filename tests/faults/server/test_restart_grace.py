@@ -28,7 +28,7 @@ import pytest
 import redis
 
 from gpulock import AcquireTimeout, AsyncPool, LeaseLost, Pool
-from gpulock._protocol import new_id
+from gpulock._args import new_id
 from gpulock._keys import pool_keys
 from gpulock.embedded import RedisProcess
 from support.pools import check_consistent, raw, raw_acquire, snapshot

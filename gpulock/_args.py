@@ -1,0 +1,224 @@
+"""Argument validation and encoding of the core: pool names, request ids, fencing tokens, a pool
+object's settings, capacities, random ids, holder metadata (JSON, at most 512 bytes) and ttls
+in milliseconds, with the default lease and waiter timings. No I/O.
+
+Raises :class:`~gpulock.errors.InvalidArgument` for a bad value (and
+:class:`~gpulock.errors.CapacityExceeded` for an amount over a known capacity).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import socket
+from typing import Any
+
+from .errors import CapacityExceeded, InvalidArgument
+from ._keys import POOL_NAME_RE
+from .units import parse_seconds, parse_size
+
+_TICKET_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_META_BYTES = 512
+
+# Lease and waiter timing (seconds). Sources: etcd and Redisson renew at ttl/3, which survives
+# two lost heartbeats before expiry.
+DEFAULT_TTL_S = 30.0
+MIN_TTL_S, MAX_TTL_S = 0.1, 86400.0
+DEFAULT_WAITER_TTL_S = 5.0
+# Waiters refresh their expiry (and re-poll as a backstop for a lost pub/sub message) this often.
+DEFAULT_POLL_INTERVAL_S = 1.0
+DEFAULT_MAX_WAITERS = 10_000
+# The longest ttl a lease may have in a pool this library creates (``max_ttl``), unless the
+# pool object is given another: also the length of the grace period after Redis lost a pool
+# (docs/SEMANTICS.md), during which nothing new is granted. Twice the default ttl.
+DEFAULT_MAX_TTL_S = 60.0
+
+
+def validate_pool_name(name: object) -> str:
+    """Pool names: 1-64 characters of ``[A-Za-z0-9._-]``. No braces (they would break the
+    hash tag), colons (the key separator) or spaces."""
+    if not isinstance(name, str) or not POOL_NAME_RE.fullmatch(name):
+        raise InvalidArgument(f"pool name must be 1-64 characters of [A-Za-z0-9._-], got {name!r}")
+    return name
+
+
+def validate_request_id(rid: object) -> str:
+    if not isinstance(rid, str) or not _TICKET_RE.fullmatch(rid):
+        raise InvalidArgument(
+            f"request_id must be 1-128 characters of [A-Za-z0-9._:-], got {rid!r}"
+        )
+    return rid
+
+
+def validate_token(token: object) -> int:
+    """A fencing token from outside (a remote holder's): a non-negative integer, or its
+    decimal digits."""
+    if isinstance(token, str) and token.isascii() and token.isdigit() and len(token) <= 16:
+        token = int(token)
+    if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token <= 2**53 - 1:
+        raise InvalidArgument(f"token must be a non-negative integer, got {token!r:.80}")
+    return token
+
+
+def pool_settings(
+    name: str,
+    *,
+    capacity,
+    default_ttl: float,
+    waiter_ttl: float,
+    poll_interval: float,
+    max_waiters: int,
+    backend_timeout: float,
+    max_ttl: float | None,
+    sync_replicas: int,
+    sync_timeout: float,
+) -> dict[str, Any]:
+    """Validate a pool object's settings, for both shells (see ``AsyncPool`` for their meaning
+    and units). Returns the attribute values; raises InvalidArgument naming a bad one."""
+    dttl = parse_seconds(default_ttl, name="default_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+    mttl = parse_seconds(
+        max(DEFAULT_MAX_TTL_S, dttl) if max_ttl is None else max_ttl,
+        name="max_ttl",
+        minimum=MIN_TTL_S,
+        maximum=MAX_TTL_S,
+    )
+    if dttl > mttl:
+        raise InvalidArgument(f"default_ttl {default_ttl!r} is longer than max_ttl {mttl!r}")
+    if (
+        not isinstance(sync_replicas, int)
+        or isinstance(sync_replicas, bool)
+        or not 0 <= sync_replicas <= 16
+    ):
+        raise InvalidArgument(f"sync_replicas must be an integer in [0, 16], got {sync_replicas!r}")
+    return {
+        "name": validate_pool_name(name),
+        "capacity": None if capacity is None else parse_size(capacity, name="capacity"),
+        "default_ttl": default_ttl,
+        "waiter_ttl": waiter_ttl,
+        "poll_interval": poll_interval,
+        "max_waiters": max_waiters,
+        "backend_timeout": backend_timeout,
+        "max_ttl": mttl,
+        "sync_replicas": sync_replicas,
+        "sync_timeout": parse_seconds(
+            sync_timeout, name="sync_timeout", minimum=0.001, maximum=60.0
+        ),
+    }
+
+
+def configure_capacity(capacity: int | str | None, current: int | None) -> int:
+    """The capacity a pool object's ``configure`` sets (bytes): the one given, else the pool
+    object's own. Raises InvalidArgument for a bad one, or when neither is there."""
+    value = capacity if capacity is not None else current
+    if value is None:
+        raise InvalidArgument("capacity must be a size in bytes, got None")
+    return parse_size(value, name="capacity")
+
+
+def new_id() -> str:
+    """A 128-bit random id as 32 hex digits (lease ids and default tickets)."""
+    return secrets.token_hex(16)
+
+
+_HOST = socket.gethostname()
+_DEFAULT_META: dict[int, str] = {}
+
+
+def encode_meta(holder: dict[str, Any] | None) -> str:
+    """Holder metadata as compact JSON (at most 512 bytes). Host and pid are added unless
+    given, so ``gpulock status`` can say who holds what."""
+    if not holder:
+        pid = os.getpid()  # cached per process (the pid changes across fork)
+        cached = _DEFAULT_META.get(pid)
+        if cached is None:
+            cached = _DEFAULT_META[pid] = json.dumps(
+                {"host": _HOST, "pid": pid}, separators=(",", ":")
+            )
+        return cached
+    meta = {"host": _HOST, "pid": os.getpid()}
+    if holder:
+        if not isinstance(holder, dict):
+            raise InvalidArgument(f"holder must be a dict of metadata, got {holder!r}")
+        meta.update(holder)
+    try:
+        s = json.dumps(meta, separators=(",", ":"), default=str, ensure_ascii=True)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"holder metadata is not JSON-serialisable: {e}") from None
+    # ensure_ascii writes a lone surrogate ("\ud800") as its escape, which every reader then
+    # decodes back to a str that cannot be encoded as UTF-8 (the broker's status was a 500 for
+    # as long as the lease lived). Escapes of surrogates only appear for such text or for
+    # characters outside the BMP (json writes lower-case hex), so the exact check runs only then.
+    if "\\ud" in s:
+        bad = meta_unicode_error(meta)
+        if bad:
+            raise InvalidArgument(bad)
+    if len(s) > MAX_META_BYTES:
+        raise InvalidArgument(
+            f"holder metadata is {len(s)} bytes as JSON; at most {MAX_META_BYTES}"
+        )
+    return s
+
+
+def meta_unicode_error(holder: dict[str, Any]) -> str | None:
+    """None when every key and value of ``holder`` can be written as JSON in UTF-8, else a
+    message naming the first one that cannot (it holds a lone surrogate such as ``"\\ud800"``,
+    which Python's JSON parser accepts in input). The one check of every surface: the core's
+    :func:`encode_meta` and the broker's request model."""
+    for k, v in holder.items():
+        try:
+            str(k).encode("utf-8")
+        except UnicodeEncodeError:
+            return (
+                f"holder metadata key {k!r} is not valid Unicode (a lone surrogate); "
+                f"JSON in UTF-8 cannot carry it"
+            )
+        try:
+            json.dumps(v, default=str, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return (
+                f"holder metadata {k!r} has a value that is not valid Unicode (a lone surrogate, "
+                f"such as '\\ud800'); JSON in UTF-8 cannot carry it"
+            )
+        except (TypeError, ValueError, RecursionError):
+            pass  # not JSON at all: the caller says so
+    return None
+
+
+def _printable(x: Any, depth: int = 0) -> Any:
+    """Decoded metadata with lone surrogates written as their escapes (bounded depth)."""
+    if isinstance(x, str):
+        try:
+            x.encode("utf-8")
+            return x
+        except UnicodeEncodeError:
+            return x.encode("utf-8", "backslashreplace").decode("utf-8")
+    if depth > 32:
+        return x
+    if isinstance(x, dict):
+        return {_printable(k, depth + 1): _printable(v, depth + 1) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_printable(v, depth + 1) for v in x]
+    return x
+
+
+def decode_meta(s: str | bytes) -> dict[str, Any]:
+    if isinstance(s, bytes):
+        s = s.decode("utf-8", "replace")
+    try:
+        v = json.loads(s) if s else {}
+    except (ValueError, RecursionError):
+        return {"raw": s}
+    if "\\ud" in s.lower():  # metadata stored before encode_meta refused lone surrogates
+        v = _printable(v)
+    return v if isinstance(v, dict) else {"value": v}
+
+
+def ttl_ms(ttl_s: float) -> int:
+    return max(int(MIN_TTL_S * 1000), int(round(ttl_s * 1000)))
+
+
+def check_amount_vs_capacity(amount: int, capacity: int | None) -> None:
+    if capacity is not None and amount > capacity:
+        raise CapacityExceeded(amount, capacity)

@@ -1,0 +1,196 @@
+"""Reply decoding of the core: what ``acquire.lua``, the pool channel's hand-off messages,
+``status.lua`` and ``reassert.lua`` answer, as :class:`Grant`, :class:`NotGranted`,
+:class:`PoolStatus` (with :class:`LeaseInfo` and :class:`WaiterInfo`) and
+:data:`REASSERT_REFUSED`. No I/O; reply layouts are documented in ``lua/lib.lua`` and the
+scripts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._args import decode_meta
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A lease granted by the server. Times are server milliseconds."""
+
+    ticket: str
+    lease_id: str
+    token: int
+    expires_ms: int
+    amount: int
+    now_ms: int
+    epoch: int = 0
+    capacity: int = 0
+
+
+@dataclass(frozen=True)
+class NotGranted:
+    """An acquire that did not grant: queued (``queued`` true) or, for ``try``, refused."""
+
+    queued: bool
+    position: int
+    retry_after_ms: int  # to the nearest lease expiry; -1 when no lease exists
+    queue_length: int
+    now_ms: int
+    epoch: int
+    capacity: int
+    used: int
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def decode_acquire(ticket: str, r: list) -> Grant | NotGranted:
+    if int(r[0]) == 1:
+        return Grant(
+            ticket, _s(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7])
+        )
+    return NotGranted(
+        int(r[0]) == 0, int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7])
+    )
+
+
+def decode_events(data: str | bytes) -> list[Grant]:
+    """Parse a hand-off message from the pool's channel (format in ``lua/lib.lua``)."""
+    text = _s(data)
+    lines = text.split("\n")
+    head = lines[0].split(" ")
+    if head[0] != "g":
+        return []
+    now = int(head[1])
+    out = []
+    for line in lines[1:]:
+        p = line.split(" ")
+        if len(p) == 5:
+            out.append(Grant(p[0], p[1], int(p[2]), int(p[3]), int(p[4]), now))
+    return out
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    lease_id: str
+    amount: int
+    token: int
+    expires_in: float  # seconds, on the server clock
+    held_for: float  # seconds since the grant
+    ttl: float
+    request_id: str
+    holder: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class WaiterInfo:
+    position: int
+    request_id: str
+    amount: int
+    waited: float  # seconds in the queue
+    expires_in: float  # seconds until dropped if not refreshed
+    holder: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    """A snapshot of a pool, read from Redis by one script (so self-consistent).
+    Amounts are bytes; times are seconds."""
+
+    pool: str
+    capacity: int
+    used: int
+    epoch: int
+    fence: int
+    max_waiters: int
+    lease_count: int
+    waiter_count: int
+    grants: int
+    reaped_leases: int
+    reaped_waiters: int
+    leases: list[LeaseInfo] = field(default_factory=list)
+    waiters: list[WaiterInfo] = field(default_factory=list)
+    grace_left: float = 0.0  # seconds of grace period left (no new grants until then)
+    max_ttl: float = 0.0  # seconds: the longest ttl a lease may have (0: unbounded)
+    reasserted: int = 0  # leases put back by their holders after Redis lost the pool
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - self.used)
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def decode_status(pool: str, r: list) -> PoolStatus | None:
+    if int(r[0]) == 0:
+        return None
+    now = int(r[1])
+    leases = [
+        LeaseInfo(
+            _s(x[0]),
+            int(x[1]),
+            int(x[2]),
+            (int(x[3]) - now) / 1000,
+            (now - int(x[4])) / 1000,
+            int(x[5]) / 1000,
+            _s(x[6]),
+            decode_meta(x[7]),
+        )
+        for x in r[12]
+    ]
+    waiters = [
+        WaiterInfo(
+            i + 1,
+            _s(x[0]),
+            int(x[1]),
+            (now - int(x[2])) / 1000,
+            (int(x[3]) - now) / 1000,
+            decode_meta(x[4]),
+        )
+        for i, x in enumerate(r[13])
+    ]
+    (
+        capacity,
+        used,
+        epoch,
+        fence,
+        max_waiters,
+        lease_count,
+        waiter_count,
+        grants,
+        reaped_leases,
+        reaped_waiters,
+    ) = (int(v) for v in r[2:12])
+    extra = [int(v) for v in r[14:17]] + [0, 0, 0]
+    return PoolStatus(
+        pool,
+        capacity,
+        used,
+        epoch,
+        fence,
+        max_waiters,
+        lease_count,
+        waiter_count,
+        grants,
+        reaped_leases,
+        reaped_waiters,
+        leases=leases,
+        waiters=waiters,
+        grace_left=extra[0] / 1000,
+        max_ttl=extra[1] / 1000,
+        reasserted=extra[2],
+    )
+
+
+# Why reassert.lua refused to put a lease back (its negative result codes).
+REASSERT_REFUSED = {
+    -1: "Redis lost the pool more than one max_ttl ago; the lease cannot be put back",
+    -2: "Redis lost the pool, and the lease does not fit next to the leases put back or granted since",
+    -3: "Redis lost the pool, and the lease's token is not older than the pool made again",
+    -4: "Redis lost the pool, and the lease's ttl is longer than the new pool's max_ttl",
+    -5: "Redis lost the pool, and its lease id or request id is taken by another lease",
+}

@@ -1,0 +1,51 @@
+"""The retry policy of gpulock's idempotent Redis calls: which errors are retried
+(:data:`RETRYABLE`), for how long (:func:`retry_bound`), on which schedule
+(:func:`retry_delay`), and the tenacity loop that applies them (:func:`retrying`).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import redis.exceptions as rex
+
+
+def retry_bound(backend_timeout: float, timeout: float | None) -> float:
+    """Seconds an acquire retries connection errors: ``backend_timeout``, shortened to the
+    caller's own ``timeout`` (at least 1 s, so a try-once acquire still rides out a dropped
+    connection): a caller that would wait 0.5 s for a grant should not wait 5 s for Redis."""
+    if timeout is None:
+        return backend_timeout
+    return min(backend_timeout, max(1.0, timeout))
+
+
+# Errors worth retrying for idempotent operations: the request may or may not have run.
+RETRYABLE = (rex.ConnectionError, rex.TimeoutError, ConnectionError, OSError)
+
+# The retry schedule (seconds): full jitter over 0.05 s doubling per attempt, capped at 1 s.
+RETRY_BASE_S, RETRY_CAP_S = 0.05, 1.0
+
+
+def retry_delay(attempt: int) -> float:
+    """Seconds to wait before retry number ``attempt`` (1: the first retry) of a Redis call
+    that failed with a :data:`RETRYABLE` error: uniform in [0, min(1 s, 0.05 s × 2^(attempt-1))].
+    The one schedule of every retry gpulock makes, foreground calls and background loops alike."""
+    return random.uniform(0.0, min(RETRY_CAP_S, RETRY_BASE_S * 2.0 ** min(max(attempt, 1) - 1, 30)))
+
+
+def retrying(bound: float, *, asynchronous: bool) -> Any:
+    """The one retry policy of gpulock's idempotent Redis calls, for foreground and background
+    calls alike: retry :data:`RETRYABLE` errors on the :func:`retry_delay` schedule for at most
+    ``bound`` seconds, then re-raise the last error. Returns a tenacity ``AsyncRetrying``
+    (``asynchronous``) or ``Retrying``; use it as ``for attempt in retrying(...): with attempt:``
+    (``async for`` for the asynchronous one)."""
+    from tenacity import AsyncRetrying, Retrying, retry_if_exception_type, stop_after_delay
+
+    kw: dict[str, Any] = dict(
+        retry=retry_if_exception_type(RETRYABLE),
+        stop=stop_after_delay(bound),
+        wait=lambda rs: retry_delay(rs.attempt_number),
+        reraise=True,
+    )
+    return AsyncRetrying(**kw) if asynchronous else Retrying(**kw)

@@ -1,0 +1,67 @@
+"""Error translation: a redis-py error (or an ``OSError`` from the connection) as the error of
+gpulock's own tree (:mod:`gpulock.errors`), naming the pool. No I/O.
+"""
+
+from __future__ import annotations
+
+import redis.exceptions as rex
+
+from .errors import (
+    BackendUnavailable,
+    CapacityExceeded,
+    GpuLockError,
+    InvalidArgument,
+    PoolNotFound,
+    QueueFull,
+)
+
+
+def translate(exc: BaseException, pool: str) -> BaseException:
+    """Map a redis-py error to gpulock's tree (the caller raises it ``from exc``)."""
+    if isinstance(exc, GpuLockError):
+        return exc
+    if isinstance(exc, rex.ResponseError):
+        msg = str(exc)
+        code, _, rest = msg.partition(" ")
+        if code == "GPULOCK_BADARG":
+            return InvalidArgument(rest)
+        if code == "GPULOCK_CONFLICT":
+            return InvalidArgument(rest)
+        if code == "GPULOCK_NOPOOL":
+            return PoolNotFound(pool)
+        if code == "GPULOCK_CAPACITY":
+            a, c = rest.split()
+            return CapacityExceeded(int(a), int(c))
+        if code == "GPULOCK_QUEUEFULL":
+            q, m = rest.split()
+            return QueueFull(pool, int(q), int(m))
+        if code == "GPULOCK_KEYTYPE":
+            key, found, expected = (rest.split() + ["?", "?", "?"])[:3]
+            return BackendUnavailable(
+                f"pool {pool!r} is damaged: Redis key {key} is a {found}, not a {expected} (something "
+                f"other than gpulock wrote under its prefix); nothing was changed. Delete that key, "
+                f"or the pool's keys, to repair it"
+            )
+        if isinstance(exc, rex.OutOfMemoryError) or "maxmemory" in msg:
+            return BackendUnavailable(
+                f"Redis is out of memory (maxmemory reached with a no-eviction policy); pool {pool!r} "
+                f"was not changed: {msg}"
+            )
+        if isinstance(exc, rex.NoPermissionError):
+            return BackendUnavailable(
+                f"Redis refused a gpulock script on pool {pool!r} for lack of permission (ACL; see "
+                f"docs/RELIABILITY.md for the ACL gpulock needs): {msg}"
+            )
+        return BackendUnavailable(f"Redis refused a gpulock script on pool {pool!r}: {msg}")
+    if isinstance(exc, rex.AuthenticationError):
+        return BackendUnavailable(
+            f"Redis refused gpulock's credentials for pool {pool!r} ({exc}); check the password or the "
+            f"ACL user in the Redis URL (GPULOCK_REDIS_URL / --redis-url)"
+        )
+    if isinstance(exc, (rex.ConnectionError, rex.TimeoutError, OSError)):
+        from ._connect import short_error
+
+        return BackendUnavailable(f"Redis unavailable for pool {pool!r}: {short_error(exc)}")
+    if isinstance(exc, rex.RedisError):
+        return BackendUnavailable(f"Redis error on pool {pool!r}: {exc}")
+    return exc
