@@ -427,7 +427,8 @@ class AsyncPool:
         if self._runtime.closed:  # no heartbeat or listener would serve the lease
             raise PoolClosed(self.name, queued=False)
         steps = flow.acquire(self, self._runtime, req, start, on_queued)
-        lease: AsyncLease = await self._run(steps, _cancel_requests())  # its MakeLease's
+        # The lease its MakeLease step made.
+        lease: AsyncLease = await self._run(steps, _cancel_requests())
         return lease
 
     # ---- remote holders (for proxies such as the HTTP broker) ----------------------------

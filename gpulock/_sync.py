@@ -528,7 +528,7 @@ class Pool:
             start = self.clock()
             portal, rt = self._rt()
             lease: Lease = self._run(flow.acquire(self, rt, req, start, on_queued), portal, rt)
-            return lease  # its MakeLease's
+            return lease  # the lease its MakeLease step made
         finally:
             with self._active_cv:
                 self._active -= 1
