@@ -65,7 +65,7 @@ def validate_token(token: object) -> int:
 def pool_settings(
     name: str,
     *,
-    capacity,
+    capacity: int | str | None,
     default_ttl: float,
     waiter_ttl: float,
     poll_interval: float,

@@ -6,7 +6,8 @@ asyncio driver: it carries out the steps of a flow and adds only the I/O."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from types import TracebackType
+from typing import Any, Callable, Generator, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, NoScriptError
@@ -33,6 +34,8 @@ from ._keys import pool_keys
 from ._runtime import Runtime, Waiter
 from ._scripts import scripts
 from .errors import LeaseLost, PoolClosed
+
+_T = TypeVar("_T")
 
 DEFAULT_BACKEND_TIMEOUT_S = 5.0
 _CLIENT_DEFAULTS = {
@@ -70,7 +73,12 @@ class AsyncLease(LeaseBase):
     async def __aenter__(self) -> "AsyncLease":
         return self
 
-    async def __aexit__(self, et, ev, tb) -> None:
+    async def __aexit__(
+        self,
+        et: type[BaseException] | None,
+        ev: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         try:
             await asyncio.shield(self.release())
         except LeaseLost:
@@ -81,7 +89,7 @@ class AsyncLease(LeaseBase):
 
 
 class _AcquireCM:
-    def __init__(self, pool: "AsyncPool", args: tuple, kw: dict):
+    def __init__(self, pool: "AsyncPool", args: tuple[Any, ...], kw: dict[str, Any]):
         self._pool, self._args, self._kw = pool, args, kw
         self._lease: AsyncLease | None = None
 
@@ -89,11 +97,16 @@ class _AcquireCM:
         self._lease = await self._pool.acquire(*self._args, **self._kw)
         return self._lease
 
-    async def __aexit__(self, et, ev, tb) -> None:
+    async def __aexit__(
+        self,
+        et: type[BaseException] | None,
+        ev: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         assert self._lease is not None  # __aexit__ runs only after __aenter__ returned
         await self._lease.__aexit__(et, ev, tb)
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, AsyncLease]:
         return self._pool.acquire(*self._args, **self._kw).__await__()
 
 
@@ -203,7 +216,7 @@ class AsyncPool:
         return cls(client, name, _owns_client=True, **kw)
 
     # ---- the driver -------------------------------------------------------------------------
-    async def _run(self, steps: flow.Flow, cancels_before: int = 0) -> Any:
+    async def _run(self, steps: flow.Flow[_T], cancels_before: int = 0) -> _T:
         """Carry out a flow of :mod:`gpulock._flow` (its steps' replies: there) and return its
         result. ``cancels_before``: the caller task's pending cancellations when it began."""
         reply: Any = None
@@ -212,7 +225,8 @@ class AsyncPool:
             try:
                 step = steps.send(reply) if error is None else steps.throw(error)
             except StopIteration as done:
-                return done.value
+                result: _T = done.value
+                return result
             reply, error = None, None
             try:
                 reply = await self._step(step, cancels_before)
@@ -278,7 +292,7 @@ class AsyncPool:
             return None
         raise AssertionError(f"unknown step {step!r}")
 
-    async def _eval_once(self, name: str, args: list) -> Any:
+    async def _eval_once(self, name: str, args: list[str]) -> Any:
         sc = scripts()[name]
         try:
             try:
@@ -291,7 +305,7 @@ class AsyncPool:
             # message (by backend_timeout), so it leaves the retry loops here.
             raise translate(e, self.name) from e
 
-    async def _eval(self, name: str, args: list, *, bound: float | None = None) -> Any:
+    async def _eval(self, name: str, args: list[str], *, bound: float | None = None) -> Any:
         """EVALSHA with NOSCRIPT reload; retries connection errors (for idempotent scripts
         only: every gpulock script is idempotent by ticket or lease id) with jittered backoff
         for at most ``bound`` (default ``backend_timeout``) seconds, then raises
@@ -410,7 +424,9 @@ class AsyncPool:
         if self._runtime.closed:  # no heartbeat or listener would serve the lease
             raise PoolClosed(self.name, queued=False)
         steps = flow.acquire(self, self._runtime, req, start, on_queued)
-        return await self._run(steps, _cancel_requests())
+        # The lease its MakeLease step made.
+        lease: AsyncLease = await self._run(steps, _cancel_requests())
+        return lease
 
     # ---- remote holders (for proxies such as the HTTP broker) ----------------------------
     # A proxy acquires for clients on other hosts, which renew and release through it. So a
@@ -498,7 +514,8 @@ class AsyncPool:
         if rt.waiters.get(request_id) is w:
             rt.remove_waiter(request_id)
         try:
-            return w.future.result()
+            grant: Grant = w.future.result()  # a waiter's future carries its Grant
+            return grant
         except Exception as e:
             raise translate(e, self.name) from e
 
@@ -534,5 +551,5 @@ class AsyncPool:
     async def __aenter__(self) -> "AsyncPool":
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()

@@ -5,6 +5,7 @@ Needs the ``gpulock-client`` package (httpx); imported only when a broker URL is
 from __future__ import annotations
 
 import os
+from types import ModuleType
 from typing import Any, Callable
 
 from . import errors as E
@@ -12,7 +13,7 @@ from ._admin import DeleteResult
 from ._cli_common import EXIT_USAGE, AuthFailed, fail
 
 
-def _require_client():
+def _require_client() -> ModuleType:
     try:
         import gpulock_client
     except ImportError:
@@ -108,7 +109,7 @@ class BrokerAdmin:
         self._http.close()
 
 
-def status_from_dict(d: dict) -> Any:
+def status_from_dict(d: dict[str, Any]) -> Any:
     """A broker's pool object (``GET /v1/pools/NAME``) as the core's PoolStatus."""
     from ._replies import LeaseInfo, PoolStatus, WaiterInfo
 
@@ -186,7 +187,8 @@ class BrokerLease:
 
     @property
     def valid_until(self) -> float:
-        return self._inner.valid_until
+        valid_until: float = self._inner.valid_until  # a gpulock_client lease's
+        return valid_until
 
     def on_lost(self, cb: Callable[[Any], Any]) -> None:
         self._inner.on_lost(lambda _lease: cb(self))

@@ -8,7 +8,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, NoReturn, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Protocol
 
 import typer
 
@@ -22,6 +22,9 @@ from .errors import (
     QueueFull,
 )
 from .units import parse_seconds, parse_size
+
+if TYPE_CHECKING:
+    import redis
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -75,7 +78,7 @@ def safe_url(url: str) -> str:
     return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
-def size_param(name: str):
+def size_param(name: str) -> Callable[[Optional[str]], Optional[int]]:
     def cb(value: Optional[str]) -> Optional[int]:
         if value is None:
             return None
@@ -87,7 +90,9 @@ def size_param(name: str):
     return cb
 
 
-def seconds_param(name: str, *, minimum: float, maximum: float, allow_zero: bool = False):
+def seconds_param(
+    name: str, *, minimum: float, maximum: float, allow_zero: bool = False
+) -> Callable[[Optional[float]], Optional[float]]:
     def cb(value: Optional[float]) -> Optional[float]:
         if value is None:
             return None
@@ -219,7 +224,7 @@ def target(ctx: typer.Context) -> Target:
     return t
 
 
-def redis_client(url: str):
+def redis_client(url: str) -> redis.Redis:
     """A client that has answered one PING. A Redis that is down when a command starts fails
     the command at once (exit 69) instead of after the library's retry bound (meant for blips
     in a long-running process)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
@@ -29,6 +29,11 @@ from ._admin import DeleteResult
 from .errors import GpuLockError, PoolNotFound
 from .units import format_size
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from . import PoolStatus
+
 pool_app = typer.Typer(
     help="Create, list, change and delete pools.",
     no_args_is_help=True,
@@ -37,13 +42,13 @@ pool_app = typer.Typer(
 )
 
 
-def _status_dict(st) -> dict[str, Any]:
+def _status_dict(st: PoolStatus) -> dict[str, Any]:
     d = st.to_dict()
     d["free"] = st.free
     return d
 
 
-def _statuses(t: Target, name: Optional[str], limit: int) -> list:
+def _statuses(t: Target, name: Optional[str], limit: int) -> list[PoolStatus]:
     """The status of pool ``name``, or of every pool (sorted by name), from the backend."""
     if t.is_broker:
         from ._cli_broker import BrokerAdmin, status_from_dict
@@ -140,7 +145,7 @@ def pool_set(
 
 def _configure_redis(
     url: str, name: str, capacity: int, max_waiters: Optional[int], max_ttl: Optional[float]
-) -> dict:
+) -> dict[str, int]:
     from ._sync import Pool
 
     client = redis_client(url)
@@ -254,7 +259,7 @@ def _delete(t: Target, name: str, force: bool) -> DeleteResult:
 
 
 # ---- status ------------------------------------------------------------------------------------
-def _print_status(console, st) -> None:
+def _print_status(console: Console, st: PoolStatus) -> None:
     from rich.table import Table
 
     pct = (100.0 * st.used / st.capacity) if st.capacity else 0.0

@@ -11,7 +11,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Optional
+from types import FrameType
+from typing import Any, Iterable, Optional
 
 import typer
 
@@ -91,7 +92,7 @@ def _clip(text: str, limit: int = 300) -> str:
     return text + "..."
 
 
-def _not_ignored(sigs) -> list[int]:
+def _not_ignored(sigs: Iterable[int]) -> list[int]:
     """Signals whose disposition is not SIG_IGN: an ignored one (``nohup``, ``cmd &`` in a
     script) stays ignored, in gpulock and in CMD, as it would without gpulock."""
     return [s for s in sigs if signal.getsignal(s) is not signal.SIG_IGN]
@@ -218,7 +219,7 @@ def _run_under_lease(
     timeout: Optional[float],
     grace: float,
     cmd: list[str],
-    meta: dict,
+    meta: dict[str, Any],
     quiet: bool,
 ) -> int:
     info = (lambda msg: None) if quiet else say
@@ -233,7 +234,7 @@ def _run_under_lease(
     # grant that raced in), then we exit 128+N. Later signals during that cleanup are noted only.
     interrupted: list[int] = []
 
-    def wait_handler(signum, frame):
+    def wait_handler(signum: int, frame: FrameType | None) -> None:
         if not interrupted:
             interrupted.append(signum)
             raise _Signalled(signum)
@@ -312,7 +313,7 @@ def _supervise(lease: RunLease, pool: str, amount: int, grace: float, cmd: list[
     wake = threading.Event()
     lost_info: list[str] = []
 
-    def on_lost(_lease) -> None:
+    def on_lost(_lease: object) -> None:
         wake.set()
 
     import subprocess
@@ -354,7 +355,7 @@ def _supervise(lease: RunLease, pool: str, amount: int, grace: float, cmd: list[
             except ProcessLookupError:
                 pass
 
-    def forward(signum, frame):
+    def forward(signum: int, frame: FrameType | None) -> None:
         if not exited.is_set():
             send(signum)
 

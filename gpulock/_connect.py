@@ -201,7 +201,10 @@ def sync_client(
     """
     from redis.sentinel import Sentinel
 
-    return _client(url, max_connections, defaults, redis, Sentinel, BlockingSentinelConnectionPool)
+    client: redis.Redis = _client(
+        url, max_connections, defaults, redis, Sentinel, BlockingSentinelConnectionPool
+    )
+    return client
 
 
 def async_client(
@@ -215,9 +218,10 @@ def async_client(
     """
     from redis.asyncio.sentinel import Sentinel
 
-    return _client(
+    client: aioredis.Redis = _client(
         url, max_connections, defaults, aioredis, Sentinel, AsyncBlockingSentinelConnectionPool
     )
+    return client
 
 
 def _client(
@@ -347,7 +351,9 @@ def async_client_like(client: redis.Redis, *, max_connections: int) -> aioredis.
             for c in manager.sentinels
         ]
         skw = {k: v for k, v in manager.sentinel_kwargs.items() if k in SHARED_CONNECTION_SETTINGS}
-        return Sentinel(hosts, sentinel_kwargs=skw).master_for(
+        # redis-py's Sentinel is unannotated; master_for returns its redis_class, a Redis.
+        sentinel = Sentinel(hosts, sentinel_kwargs=skw)  # type: ignore[no-untyped-call]
+        primary: aioredis.Redis = sentinel.master_for(
             pool.service_name,
             connection_pool_class=AsyncBlockingSentinelConnectionPool,
             max_connections=cap,
@@ -355,6 +361,7 @@ def async_client_like(client: redis.Redis, *, max_connections: int) -> aioredis.
             ssl=tls,
             **kw,
         )
+        return primary
     conn: type = aioredis.Connection
     if tls:
         conn = aioredis.SSLConnection

@@ -29,7 +29,7 @@ The steps and what a driver returns for them:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol, Sequence, TypeVar
 
 from ._args import (
     MAX_TTL_S,
@@ -65,7 +65,7 @@ class Eval(Step):
     connection errors (None: the pool's ``backend_timeout``; 0: one try, untranslated)."""
 
     script: str
-    args: list
+    args: list[str]
     bound: float | None = None
 
 
@@ -141,7 +141,7 @@ class Withdraw(Step):
 class SyncedRenew(Step):
     """A ``renew`` of ``args`` followed by the replicas' acknowledgement (WAIT)."""
 
-    args: list
+    args: list[str | int]
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,10 @@ class GiveBack(Step):
     lease: Any
 
 
-Flow = Generator[Step, Any, Any]
+_T = TypeVar("_T")
+#: A flow: yields steps, is sent their replies (untyped: each step's reply is documented
+#: there), and returns a ``_T``.
+Flow = Generator[Step, Any, _T]
 
 
 class PoolView(Protocol):
@@ -201,7 +204,7 @@ def configure(
     max_ttl: float | None,
     create_only: bool,
     grace: bool,
-) -> Flow:
+) -> Flow[dict[str, int]]:
     """``configure``: see :meth:`gpulock.AsyncPool.configure`. Returns the reply as
     ``{"created", "capacity", "epoch", "used", "max_waiters"}``; a set (not ``create_only``)
     also becomes the pool object's capacity and max_ttl."""
@@ -228,7 +231,7 @@ def configure(
     return out
 
 
-def status(pool: PoolView, rt: Runtime | None, limit: int) -> Flow:
+def status(pool: PoolView, rt: Runtime | None, limit: int) -> Flow[PoolStatus]:
     """``status``: a :class:`~gpulock._replies.PoolStatus`. Raises PoolNotFound."""
     st: PoolStatus | None = decode_status(pool.name, (yield Eval("status", [str(limit)])))
     if st is None:
@@ -240,12 +243,12 @@ def status(pool: PoolView, rt: Runtime | None, limit: int) -> Flow:
     return st
 
 
-def reap() -> Flow:
+def reap() -> Flow[int]:
     """``reap``: how many leases were reaped."""
     return int((yield Eval("reap", []))[0])
 
 
-def cancel(rt: Runtime | None, request_id: str) -> Flow:
+def cancel(rt: Runtime | None, request_id: str) -> Flow[int]:
     """Withdraw a (remote holder's) request: 0 (nothing to do), 1 (left the queue) or 2 (its
     grant was released). Raises InvalidArgument, BackendUnavailable."""
     request_id = validate_request_id(request_id)
@@ -254,7 +257,7 @@ def cancel(rt: Runtime | None, request_id: str) -> Flow:
     return int((yield Eval("cancel", [request_id]))[0])
 
 
-def renew(lease_id: str, token: int, ttl: float) -> Flow:
+def renew(lease_id: str, token: int, ttl: float) -> Flow[tuple[int, int]]:
     """Extend a (remote holder's) lease to ``ttl`` seconds from now (server clock); never
     re-acquires. Returns ``(expires_ms, server_now_ms)``.
 
@@ -275,7 +278,7 @@ def renew(lease_id: str, token: int, ttl: float) -> Flow:
 
 
 # ---- release ----------------------------------------------------------------------------------
-def release(pool: str, lease_id: str, token: int) -> Flow:
+def release(pool: str, lease_id: str, token: int) -> Flow[tuple[bool, int]]:
     """``release.lua`` once: returns ``(released, server_now_ms)``. False: the server no
     longer had the lease, and nothing of others was freed. The first try may have run when
     it fails with a connection error: a retry that then finds no lease cannot tell "released
@@ -293,7 +296,7 @@ def release(pool: str, lease_id: str, token: int) -> Flow:
     return int(r[0]) == 1, int(r[1])
 
 
-def release_lease(s: LeaseState, rt: Runtime | None) -> Flow:
+def release_lease(s: LeaseState, rt: Runtime | None) -> Flow[None]:
     """A held lease's ``release()`` (idempotent: later calls do nothing); ``rt`` stops its
     heartbeat.
 
@@ -330,7 +333,9 @@ def lease_state(rt: Runtime, grant: Grant, req: AcquireRequest, valid_until: flo
     return state
 
 
-def acquire_call(pool: PoolView, rt: Runtime, req: AcquireRequest, argv: list[str]) -> Flow:
+def acquire_call(
+    pool: PoolView, rt: Runtime, req: AcquireRequest, argv: list[str]
+) -> Flow[tuple[Grant | NotGranted, float]]:
     """One ``acquire.lua`` call (retried within :func:`~gpulock._retry.retry_bound`).
     A pool found gone is created again first when this object knows a capacity (with a grace
     period when it had seen the pool: Redis lost it). Returns ``(Grant | NotGranted, sent)``,
@@ -369,7 +374,7 @@ def acquire(
     req: AcquireRequest,
     start: float,
     on_queued: Callable[[int], Any] | None,
-) -> Flow:
+) -> Flow[Any]:
     """``acquire``: see :meth:`gpulock.AsyncPool.acquire` (arguments in ``req`` and
     ``on_queued``; ``start``: the local time of the call). Returns the shell's lease object.
 
@@ -458,7 +463,7 @@ def acquire(
 
 
 # ---- sync_replicas ----------------------------------------------------------------------------
-def sync_grant(pool: PoolView, lease: Any) -> Flow:
+def sync_grant(pool: PoolView, lease: Any) -> Flow[None]:
     """``sync_replicas``: return a grant only once that many replicas have it, so that a
     failover to one of them cannot hand the same bytes to someone else (the lost tail of
     asynchronous replication). A renewal, an INCR and ``WAIT`` on one connection; the lease's
@@ -488,7 +493,12 @@ def sync_grant(pool: PoolView, lease: Any) -> Flow:
 
 
 def queue_synced_renew(
-    p: Any, keys: Sequence[str], args: list, replicas: int, timeout_ms: int, sync_key: str
+    p: Any,
+    keys: Sequence[str],
+    args: list[str | int],
+    replicas: int,
+    timeout_ms: int,
+    sync_key: str,
 ) -> None:
     """Queue on pipeline ``p`` (``transaction=False``; sync or asyncio) a ``renew`` of ``args``,
     an INCR of the pool's sync counter ``sync_key`` and ``WAIT replicas timeout_ms``. WAIT
@@ -501,7 +511,7 @@ def queue_synced_renew(
     p.execute_command("WAIT", replicas, timeout_ms)
 
 
-def synced_renew_reply(res: list, first: bool) -> tuple[Any, int] | None:
+def synced_renew_reply(res: list[Any], first: bool) -> tuple[Any, int] | None:
     """The replies of :func:`queue_synced_renew`'s pipeline (run with
     ``raise_on_error=False``) as ``(renew reply, replicas that acknowledged)``; None when the
     script must be loaded and the pipeline run again (NOSCRIPT on the ``first`` run). Raises

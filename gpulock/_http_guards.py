@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from fastapi import HTTPException, Request, Response
 
 from .errors import InvalidArgument
 from .units import format_size, parse_size
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = [
     "DEFAULT_MAX_REQUEST_BYTES",
@@ -93,7 +96,11 @@ def _renderable(x: Any, depth: int = 0) -> Any:
 _FASTAPI_PARSE_ERROR = "There was an error parsing the body"
 
 
-def _error_handlers(detail: Detail) -> tuple[Callable, Callable, Callable]:
+#: An exception handler of a FastAPI app.
+_Handler = Callable[[Request, Exception], Awaitable[Response]]
+
+
+def _error_handlers(detail: Detail) -> tuple[_Handler, _Handler, _Handler]:
     from fastapi.encoders import jsonable_encoder
     from fastapi.exception_handlers import http_exception_handler
     from fastapi.responses import JSONResponse
@@ -191,7 +198,7 @@ class RequestLimits:
 
     def __init__(
         self,
-        app: Any,
+        app: ASGIApp,
         max_body_bytes: int | str | None = None,
         read_timeout: float | None = None,
         *,
@@ -225,7 +232,7 @@ class RequestLimits:
             f"send the whole body at once"
         )
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         from fastapi.responses import JSONResponse
@@ -248,7 +255,7 @@ class RequestLimits:
         received = 0
         complete = False
 
-        async def limited_receive():
+        async def limited_receive() -> Message:
             nonlocal received, complete
             if complete:
                 return await receive()

@@ -43,7 +43,7 @@ def read_timeout() -> float:
 
 
 def _timed(base: type, timeout: float, max_header_bytes: int) -> type:
-    class TimedProtocol(base):  # type: ignore[misc, valid-type]
+    class TimedProtocol(base):  # type: ignore[misc]  # base: a class known only at run time
         """``base`` with a deadline for each request's head (request line and headers):
         armed when the connection opens and when the first bytes of a next request arrive,
         disarmed when a request's headers are complete (its cycle starts)."""

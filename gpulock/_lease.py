@@ -83,4 +83,5 @@ class LeaseBase(LeaseView):
     @property
     def expires_at(self) -> float:
         """Server-clock expiry of the last grant/renewal, as a Unix timestamp (seconds)."""
-        return self._state.expires_ms / 1000.0
+        state: LeaseState = self._state
+        return state.expires_ms / 1000.0

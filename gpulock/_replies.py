@@ -45,7 +45,7 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def decode_acquire(ticket: str, r: list) -> Grant | NotGranted:
+def decode_acquire(ticket: str, r: list[Any]) -> Grant | NotGranted:
     if int(r[0]) == 1:
         return Grant(
             ticket, _s(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7])
@@ -125,7 +125,7 @@ class PoolStatus:
         return asdict(self)
 
 
-def decode_status(pool: str, r: list) -> PoolStatus | None:
+def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
     if int(r[0]) == 0:
         return None
     now = int(r[1])

@@ -14,7 +14,8 @@ import concurrent.futures
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from types import TracebackType
+from typing import Any, Callable, Coroutine, TypeVar
 
 import redis
 from redis.exceptions import AuthenticationError, NoScriptError
@@ -45,6 +46,8 @@ from ._runtime import Runtime, Waiter
 from ._scripts import scripts
 from .errors import LeaseLost, PoolClosed
 
+_T = TypeVar("_T")
+
 
 class _LoopThread:
     """An event loop on a daemon thread; coroutines are submitted from other threads.
@@ -60,7 +63,7 @@ class _LoopThread:
         self._ready = threading.Event()
         self._lock = threading.Lock()
         self._stopped = False
-        self._pending: weakref.WeakSet[concurrent.futures.Future] = weakref.WeakSet()
+        self._pending: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
         self.thread.start()
         self._ready.wait()
@@ -70,7 +73,7 @@ class _LoopThread:
         self.loop.call_soon(self._ready.set)
         self.loop.run_forever()
 
-    def submit(self, coro) -> concurrent.futures.Future:
+    def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
         with self._lock:
             if self._stopped:
                 coro.close()
@@ -79,7 +82,7 @@ class _LoopThread:
             self._pending.add(f)
             return f
 
-    def call(self, coro, timeout: float | None = None):
+    def call(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
         return self.submit(coro).result(timeout)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -90,7 +93,7 @@ class _LoopThread:
 
         return self.call(on_loop())
 
-    def watch(self, f: concurrent.futures.Future) -> concurrent.futures.Future:
+    def watch(self, f: concurrent.futures.Future[_T]) -> concurrent.futures.Future[_T]:
         """Cancel ``f`` in :meth:`stop` if it is not done by then (a future the loop thread
         is to complete); returns it."""
         with self._lock:
@@ -99,7 +102,7 @@ class _LoopThread:
             self._pending.add(f)
             return f
 
-    def soon(self, fn, *args) -> None:
+    def soon(self, fn: Callable[..., object], *args: Any) -> None:
         with self._lock:
             if not self._stopped:
                 self.loop.call_soon_threadsafe(fn, *args)
@@ -114,7 +117,7 @@ class _LoopThread:
             f.cancel()  # a caller blocked on it gets CancelledError instead of waiting forever
 
 
-def _relay(f: asyncio.Future, cf: concurrent.futures.Future, pool: str) -> None:
+def _relay(f: asyncio.Future[Any], cf: concurrent.futures.Future[Any], pool: str) -> None:
     """Copy an asyncio future's outcome to a thread's future (on the loop thread); a thread
     that gave up (timeout, interrupt) has cancelled ``cf`` already, and nothing is copied."""
     try:
@@ -140,7 +143,7 @@ class _Joined:
     thread's future its grant is relayed to."""
 
     waiter: Waiter
-    relay: concurrent.futures.Future
+    relay: concurrent.futures.Future[Any]  # the waiter's Grant
 
 
 class Lease(LeaseBase):
@@ -163,7 +166,12 @@ class Lease(LeaseBase):
     def __enter__(self) -> "Lease":
         return self
 
-    def __exit__(self, et, ev, tb) -> None:
+    def __exit__(
+        self,
+        et: type[BaseException] | None,
+        ev: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         try:
             self.release()
         except LeaseLost:
@@ -172,7 +180,7 @@ class Lease(LeaseBase):
 
 
 class _AcquireCM:
-    def __init__(self, pool: "Pool", args: tuple, kw: dict):
+    def __init__(self, pool: "Pool", args: tuple[Any, ...], kw: dict[str, Any]):
         self._pool, self._args, self._kw = pool, args, kw
         self._lease: Lease | None = None
 
@@ -180,7 +188,12 @@ class _AcquireCM:
         self._lease = self._pool.acquire(*self._args, **self._kw)
         return self._lease
 
-    def __exit__(self, et, ev, tb) -> None:
+    def __exit__(
+        self,
+        et: type[BaseException] | None,
+        ev: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         assert self._lease is not None  # __exit__ runs only after __enter__ returned
         self._lease.__exit__(et, ev, tb)
 
@@ -308,8 +321,8 @@ class Pool:
 
     # ---- the driver -------------------------------------------------------------------------
     def _run(
-        self, steps: flow.Flow, portal: _LoopThread | None = None, rt: Runtime | None = None
-    ) -> Any:
+        self, steps: flow.Flow[_T], portal: _LoopThread | None = None, rt: Runtime | None = None
+    ) -> _T:
         """Carry out a flow of :mod:`gpulock._flow` (its steps' replies: there) on the caller's
         thread, and return its result. An acquire's flow runs with the loop thread and runtime
         it began with (``portal``, ``rt``), also while close() drops them."""
@@ -319,7 +332,8 @@ class Pool:
             try:
                 step = steps.send(reply) if error is None else steps.throw(error)
             except StopIteration as done:
-                return done.value
+                result: _T = done.value
+                return result
             reply, error = None, None
             try:
                 reply = self._step(step, portal, rt)
@@ -350,7 +364,7 @@ class Pool:
         if isinstance(step, flow.Join):
             # The grant is relayed straight from the waiter future's done-callback on the loop
             # thread to this thread's future (no task in between: one object fewer to cancel).
-            relay = portal.watch(concurrent.futures.Future())
+            relay: concurrent.futures.Future[Any] = portal.watch(concurrent.futures.Future())
             return _Joined(portal.run(self._join, rt, step, relay), relay)
         if isinstance(step, flow.Wait):
             try:
@@ -381,7 +395,7 @@ class Pool:
             return None
         raise AssertionError(f"unknown step {step!r}")
 
-    def _join(self, rt: Runtime, step: flow.Join, relay: concurrent.futures.Future) -> Waiter:
+    def _join(self, rt: Runtime, step: flow.Join, relay: concurrent.futures.Future[Any]) -> Waiter:
         """On the loop thread: queue or join the waiter of ``step``, and relay its grant to
         ``relay`` (a thread's future)."""
         joined = rt.queue_waiter(
@@ -397,7 +411,7 @@ class Pool:
         joined.future.add_done_callback(lambda f: _relay(f, relay, self.name))
         return joined
 
-    def _eval_once(self, name: str, args: list) -> Any:
+    def _eval_once(self, name: str, args: list[str]) -> Any:
         sc = scripts()[name]
         try:
             try:
@@ -410,7 +424,7 @@ class Pool:
             # message (by backend_timeout), so it leaves the retry loops here.
             raise translate(e, self.name) from e
 
-    def _eval(self, name: str, args: list, *, bound: float | None = None) -> Any:
+    def _eval(self, name: str, args: list[str], *, bound: float | None = None) -> Any:
         """EVALSHA with NOSCRIPT reload and jittered retries of connection errors for at most
         ``bound`` (default ``backend_timeout``) seconds. ``bound=0``: one try, redis-py's
         error raised."""
@@ -430,7 +444,7 @@ class Pool:
         except Exception as e:
             raise translate(e, self.name) from e
 
-    def _renew_synced(self, args: list) -> tuple[Any, int]:
+    def _renew_synced(self, args: list[str | int]) -> tuple[Any, int]:
         """:class:`gpulock._flow.SyncedRenew` on the caller's client (one pipeline, one
         connection; see :func:`gpulock._flow.queue_synced_renew`)."""
         timeout_ms = max(1, int(self.sync_timeout * 1000))
@@ -511,7 +525,8 @@ class Pool:
             )
             start = self.clock()
             portal, rt = self._rt()
-            return self._run(flow.acquire(self, rt, req, start, on_queued), portal, rt)
+            lease: Lease = self._run(flow.acquire(self, rt, req, start, on_queued), portal, rt)
+            return lease  # the lease its MakeLease step made
         finally:
             with self._active_cv:
                 self._active -= 1
@@ -544,5 +559,5 @@ class Pool:
     def __enter__(self) -> "Pool":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -31,9 +31,9 @@ class Slots:
 
     def __init__(self, n: int):
         self.free = n
-        self.waiters: collections.deque[asyncio.Future] = collections.deque()
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
-    def position(self, fut: asyncio.Future | None) -> int:
+    def position(self, fut: asyncio.Future[None] | None) -> int:
         """The 1-based place of the waiter ``fut``; 0 for None or one no longer waiting."""
         if fut is None:
             return 0
@@ -42,7 +42,7 @@ class Slots:
         except ValueError:
             return 0
 
-    async def acquire(self, on_wait: Callable[[asyncio.Future], None]) -> None:
+    async def acquire(self, on_wait: Callable[[asyncio.Future[None]], None]) -> None:
         """Take a slot; when none is free, queue and call ``on_wait(future)`` first (the
         future identifies the waiter to :meth:`position`). A cancelled waiter leaves the line,
         and passes on a slot that was handed to it meanwhile."""
@@ -125,7 +125,7 @@ class Admission:
         self._refresh = refresh
 
     async def slot(
-        self, deadline: float, timeout_s: float, on_wait: Callable[[asyncio.Future], None]
+        self, deadline: float, timeout_s: float, on_wait: Callable[[asyncio.Future[None]], None]
     ) -> None:
         """Take a thread slot by ``deadline`` (monotonic seconds); ``on_wait`` as in
         :meth:`Slots.acquire`.

@@ -79,7 +79,7 @@ class GuardedCalls:
             request_id = request.headers.get(header)
         if response is not None and request_id:
             response.headers[header] = request_id
-        gone: asyncio.Task | None = None
+        gone: asyncio.Task[bool] | None = None
         try:
             self._check_accepting()
             amount = parse_size(amount, name="estimate")
@@ -143,7 +143,7 @@ class GuardedCalls:
         arrival: float,
         fp: str,
         response: Response | None,
-        gone: asyncio.Task | None = None,
+        gone: asyncio.Task[bool] | None = None,
     ) -> Any:
         ticket = request_ticket(route, request_id)
         m = metrics()
@@ -178,7 +178,11 @@ class GuardedCalls:
             # The owner finished without a result (an error) or died: take over.
 
     async def await_job(
-        self, job: Job, arrival: float, response: Response | None, gone: asyncio.Task | None = None
+        self,
+        job: Job,
+        arrival: float,
+        response: Response | None,
+        gone: asyncio.Task[bool] | None = None,
     ) -> Any:
         """Wait for a job with this request's deadlines: 503 if it has not started running by
         ``arrival + acquire_timeout``, 504 if it has not finished ``inference_timeout`` later.
@@ -193,7 +197,7 @@ class GuardedCalls:
             job.attached -= 1
 
     async def _await_attached(
-        self, job: Job, arrival: float, response: Response | None, gone: asyncio.Task | None
+        self, job: Job, arrival: float, response: Response | None, gone: asyncio.Task[bool] | None
     ) -> Any:
         s = self._settings
         remaining = arrival + s.acquire_timeout - time.monotonic()

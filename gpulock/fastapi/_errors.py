@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 from fastapi import HTTPException
 
@@ -97,7 +98,7 @@ class HttpErrors:
         )
 
     def outcome(
-        self, out: asyncio.Future, route: str, amount: int, position: Callable[[], int]
+        self, out: asyncio.Future[Any], route: str, amount: int, position: Callable[[], int]
     ) -> object:
         """The result of a finished job's ``out``, or raise its error as HTTP:
         cancelled → 503 ``not_ready``; :class:`CapacityExceeded` → 413; :class:`QueueFull`

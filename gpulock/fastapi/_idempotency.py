@@ -30,6 +30,8 @@ from ._retry_after import RetryAfterEstimator
 from ._settings import Settings
 
 if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
     from ._jobs import Job
 
 log = logging.getLogger("gpulock.fastapi")
@@ -81,7 +83,7 @@ class RequestStore:
         self._refresh_log = FailureLog(f"request-claim refresh for pool {backend.pool_name}")
 
     @property
-    def _redis(self):
+    def _redis(self) -> aioredis.Redis:
         assert self._backend.redis is not None  # set by start()
         return self._backend.redis
 
@@ -217,7 +219,7 @@ class RequestStore:
         request_id: str,
         route: str,
         arrival: float,
-        gone: asyncio.Task | None = None,
+        gone: asyncio.Task[bool] | None = None,
     ) -> Any:
         """Another worker owns this request id: wait for its result, reporting its place.
         Returns the result, or :data:`MISSING` when the owner's claim ended without one.

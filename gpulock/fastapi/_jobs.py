@@ -52,9 +52,9 @@ class Job:
     arrival: float
     phase: str = "slot"  # slot → queued → running → done
     position: int = 0  # place in the pool's queue while queued (0: unknown)
-    slot_future: asyncio.Future | None = None
+    slot_future: asyncio.Future[None] | None = None
     started: asyncio.Event = field(default_factory=asyncio.Event)  # set when running or done
-    task: asyncio.Task | None = None
+    task: asyncio.Task[Any] | None = None
     wait_s: float | None = None
     run_s: float | None = None
     server_retry_after: float | None = None
@@ -63,11 +63,11 @@ class Job:
     attached: int = 0  # HTTP requests waiting on it now (a retry with the same X-Request-ID joins)
     # Result or error, set as soon as known: the response goes out while the release (one more
     # Redis round trip, after the thread returned) is still on its way.
-    outcome: asyncio.Future | None = None
+    outcome: asyncio.Future[Any] | None = None
 
 
 def _settle(
-    fut: asyncio.Future | None, *, result: Any = None, exc: BaseException | None = None
+    fut: asyncio.Future[Any] | None, *, result: Any = None, exc: BaseException | None = None
 ) -> None:
     if fut is None or fut.done():
         return
@@ -79,7 +79,7 @@ def _settle(
         fut.set_exception(exc)
 
 
-def _consume(fut: asyncio.Future) -> None:
+def _consume(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()  # retrieved: no "exception was never retrieved" log for abandoned jobs
 
@@ -128,7 +128,7 @@ class JobRunner:
         """Unfinished jobs with a ticket, whose claims must be kept alive."""
         return [j for j in self.by_ticket.values() if j.phase != "done"]
 
-    def cancel_waiting(self) -> list[asyncio.Task]:
+    def cancel_waiting(self) -> list[asyncio.Task[Any]]:
         """Cancel the jobs not yet granted (they leave the queue at once); returns the tasks
         of all unfinished jobs."""
         for job in list(self.all):
@@ -188,7 +188,7 @@ class JobRunner:
         granted_at = 0.0
         try:
 
-            def waiting(fut: asyncio.Future) -> None:
+            def waiting(fut: asyncio.Future[None]) -> None:
                 job.slot_future = fut
                 if job.ticket is not None:  # its place among this worker's waiters, for followers
                     self._spawn(self._store.publish_slot_place(job), "gpulock-claim")
@@ -321,7 +321,7 @@ class JobRunner:
             _current_lease.reset(tok)
 
 
-def _release_done(route: str, rel: asyncio.Future) -> None:
+def _release_done(route: str, rel: asyncio.Future[None]) -> None:
     """Report how a job's release ended when it did not succeed: a lease lost meanwhile
     (counted), or a real failure (Redis unreachable: the lease expires after its ttl)."""
     if rel.cancelled():

@@ -10,7 +10,7 @@ import logging
 import os
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, AsyncIterator
 
 from fastapi import Response
 
@@ -163,7 +163,7 @@ class GpuLimiter:
             errors,
         )
         self._estimates = Estimates(s, be)
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     # ---- settings and state, kept by the parts ---------------------------------------------------
     redis_url = _Forward("settings")
@@ -281,7 +281,7 @@ class GpuLimiter:
         self._ready.started = False
 
     @contextlib.asynccontextmanager
-    async def lifespan(self, app: Any = None):
+    async def lifespan(self, app: Any = None) -> AsyncIterator[None]:
         """``FastAPI(lifespan=limiter.lifespan)``: start in each worker, stop at shutdown."""
         await self.start()
         try:
@@ -289,7 +289,7 @@ class GpuLimiter:
         finally:
             await self.stop()
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task:
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:
         """Run a background coroutine that ``stop()`` cancels."""
         t = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(t)

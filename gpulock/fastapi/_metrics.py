@@ -8,13 +8,15 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from fastapi import Response
 
 from .._replies import PoolStatus
 
 if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
     from .._async import AsyncPool
 
 _BYTES_BUCKETS = tuple(float(2**k) for k in range(20, 38, 2))  # 1 MiB .. 64 GiB
@@ -160,10 +162,11 @@ def sweep_dead_processes(path: str) -> None:
             except PermissionError:
                 pass
     for pid in dead:
-        multiprocess.mark_process_dead(pid, path)
+        # prometheus_client's multiprocess module is unannotated.
+        multiprocess.mark_process_dead(pid, path)  # type: ignore[no-untyped-call]
 
 
-def _pool_families(pool: str, st: PoolStatus | None, error: str | None):
+def _pool_families(pool: str, st: PoolStatus | None, error: str | None) -> Iterator[Metric]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     up = GaugeMetricFamily(
@@ -219,10 +222,10 @@ def _pool_families(pool: str, st: PoolStatus | None, error: str | None):
 
 
 class _StaticCollector:
-    def __init__(self, families):
+    def __init__(self, families: Iterable[Metric]):
         self._families = list(families)
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         return iter(self._families)
 
 
@@ -249,7 +252,7 @@ async def metrics_response(pool: AsyncPool | None, pool_name: str) -> Response:
 
         sweep_dead_processes(d)
         reg = CollectorRegistry(auto_describe=False)
-        multiprocess.MultiProcessCollector(reg, d)
+        multiprocess.MultiProcessCollector(reg, d)  # type: ignore[no-untyped-call]  # unannotated
         body = generate_latest(reg)
     else:
         body = generate_latest(REGISTRY)

@@ -42,7 +42,7 @@ class Reaper:
         self._publish = publish
         # Repeated failures (Redis down) log one line, then a summary.
         self._log = FailureLog(f"reaper tick for pool {backend.pool_name}")
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         """Start the loop (in the running event loop)."""

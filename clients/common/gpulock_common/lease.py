@@ -203,15 +203,18 @@ class LeaseView:
     @property
     def valid_until(self) -> float:
         """Local ``time.monotonic()`` instant after which this lease counts as lost."""
-        return self._state.valid_until
+        state: LocalLeaseState = self._state  # a subclass's state (Any above)
+        return state.valid_until
 
     @property
     def lost(self) -> bool:
-        return self._state.lost
+        state: LocalLeaseState = self._state  # a subclass's state (Any above)
+        return state.lost
 
     @property
     def released(self) -> bool:
-        return self._state.released
+        state: LocalLeaseState = self._state  # a subclass's state (Any above)
+        return state.released
 
     def ensure_valid(self) -> None:
         """Raise :class:`LeaseLost` unless this lease is surely still held. Call it right
