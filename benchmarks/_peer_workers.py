@@ -78,16 +78,16 @@ async def _chain_async(a: dict) -> None:
 
         pool = AsyncPool.from_url(a["url"], a["pool"])
         # Where a hand-off's time goes: note when the pool's listener hands each grant to its
-        # waiter (gpulock's Runtime._deliver), to split "release returns -> acquire returns"
-        # into the pub/sub leg and gpulock's own continuation. A dict insert per grant.
-        rt = pool._runtime
-        inner_deliver = rt._deliver
+        # waiter (gpulock's WaiterRegistry.deliver), to split "release returns -> acquire
+        # returns" into the pub/sub leg and gpulock's own continuation. A dict insert per grant.
+        rt = pool._runtime.registry
+        inner_deliver = rt.deliver
 
         def deliver(grant, _inner=inner_deliver):
             delivered[grant.token] = mono()
             return _inner(grant)
 
-        rt._deliver = deliver
+        rt.deliver = deliver
 
         async def take():
             lease = await pool.acquire(1, ttl=a.get("ttl", 30.0))

@@ -60,7 +60,7 @@ async def test_forgotten_waiter_enqueues_again(make_apool, rclient, pool_name):
 async def test_missed_grant_message_found_by_poll(make_apool, rclient, pool_name, monkeypatch):
     """Every grant message is lost: waiters still get their grants from the backstop poll,
     within about one poll interval."""
-    import gpulock._runtime as rt_mod
+    import gpulock._listener as rt_mod
 
     monkeypatch.setattr(rt_mod, "decode_events", lambda data: [])
     pool = make_apool(capacity=1, poll_interval=0.2)

@@ -1,0 +1,163 @@
+"""The waiters of one pool object: the acquires the server queued, and grant delivery to them.
+
+A :class:`Waiter` is one queued request (one ticket) with the future its acquire waits on;
+:class:`WaiterRegistry` holds them by ticket, completes their futures with the grants the
+listener and the heartbeat find, takes in what a heartbeat's reply says of each (granted, its
+position, forgotten) and ends the waits it can no longer keep while Redis is unreachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ._calls import Settings
+from ._protocol import Grant, LeaseState
+from .errors import BackendUnavailable, PoolClosed
+
+log = logging.getLogger("gpulock")
+
+
+@dataclass
+class Waiter:
+    ticket: str
+    future: asyncio.Future[Any]
+    argv: list[str]  # the acquire ARGV, to re-enqueue idempotently if the queue forgot us
+    waiter_ttl_ms: int
+    position: int
+    on_position: Callable[[int], Any] | None = None
+    users: int = 1  # local acquires sharing this ticket (one request id used concurrently)
+    refreshed: float = 0.0  # local time of the last call that kept (or took again) its place
+
+
+class WaiterRegistry:
+    """The waiters of pool ``pool`` by ticket (:attr:`waiters`); ``leases``: the leases the
+    pool object holds (:meth:`ticket_in_use`); ``settings``: its backend_timeout."""
+
+    def __init__(
+        self,
+        pool: str,
+        clock: Callable[[], float],
+        settings: Settings,
+        leases: Mapping[str, LeaseState],
+    ):
+        self.pool = pool
+        self.clock = clock
+        self.settings = settings
+        self.leases = leases
+        self.waiters: dict[str, Waiter] = {}
+        self._unclaimed: OrderedDict[str, Grant] = OrderedDict()  # grants that beat their waiter
+
+    def add(self, w: Waiter, now: float) -> bool:
+        """Register ``w`` (its place kept as of ``now`` unless it says when) and hand it a
+        grant that arrived before it. Returns whether it is the only waiter."""
+        first = not self.waiters
+        self.waiters[w.ticket] = w
+        if not w.refreshed:
+            w.refreshed = now
+        g = self._unclaimed.pop(w.ticket, None)
+        if g is not None and g.lease_id == w.argv[1] and not w.future.done():
+            w.future.set_result(g)  # only a grant made with this request's own lease id
+        return first
+
+    def remove(self, ticket: str) -> bool:
+        """Forget the waiter of ``ticket``; returns whether no waiter is left."""
+        self.waiters.pop(ticket, None)
+        return not self.waiters
+
+    def ticket_in_use(self, ticket: str) -> bool:
+        """Whether another local acquire still waits on ``ticket`` or a live local lease came
+        from it: then a give-up must not withdraw the request on the server."""
+        return ticket in self.waiters or any(
+            s.ticket == ticket and not s.released and s.lost_reason is None
+            for s in list(self.leases.values())
+        )
+
+    def deliver(self, grant: Grant) -> None:
+        """Complete the future of the waiter ``grant`` is for, or keep the grant for it."""
+        w = self.waiters.get(grant.ticket)
+        if w is not None:
+            if not w.future.done():
+                w.future.set_result(grant)
+            return
+        # No waiter yet: the grant may have overtaken the reply that queued the ticket (the
+        # pub/sub connection was read first, or the sync shell has not registered its waiter
+        # yet). Keep it briefly so add can claim it instead of waiting for a poll.
+        self._unclaimed[grant.ticket] = grant
+        while len(self._unclaimed) > 1024:
+            self._unclaimed.popitem(last=False)
+
+    def waiter_bound(self, w: Waiter) -> float:
+        """Seconds a queued waiter may go without a call that keeps its place before it fails
+        with BackendUnavailable: its waiter_ttl (the server keeps the place that long without a
+        refresh) plus backend_timeout (the retries a new acquire would get to queue again)."""
+        return w.waiter_ttl_ms / 1000.0 + self.settings.backend_timeout
+
+    def soonest_bound(self) -> float:
+        """The local time just after the first waiter still waiting passes its
+        :meth:`waiter_bound` (inf: none waits)."""
+        t = float("inf")
+        for w in self.waiters.values():
+            if w.future is not None and not w.future.done():
+                t = min(t, w.refreshed + self.waiter_bound(w) + 0.001)
+        return t
+
+    def fail_stranded(self, now: float) -> None:
+        """End the waits of waiters whose place could not be kept or taken again within
+        :meth:`waiter_bound` while Redis is unreachable (the heartbeat's last try failed; it
+        calls this only then): BackendUnavailable."""
+        backend_timeout = self.settings.backend_timeout
+        for w in list(self.waiters.values()):
+            if w.future is None or w.future.done():
+                continue
+            if now - w.refreshed > self.waiter_bound(w):
+                w.future.set_exception(
+                    BackendUnavailable(
+                        f"pool {self.pool!r}: Redis unreachable for {now - w.refreshed:.1f}s while this request "
+                        f"was queued: its place could not be kept or taken again (bound: waiter_ttl "
+                        f"{w.waiter_ttl_ms / 1000:g}s + backend_timeout {backend_timeout:g}s)"
+                    )
+                )
+
+    def fail_all_closed(self) -> None:
+        """End every wait with PoolClosed (the pool object closed)."""
+        for w in list(self.waiters.values()):
+            if w.future is not None and not w.future.done():
+                w.future.set_exception(PoolClosed(self.pool))
+
+    def take_answers(
+        self, waiters: list[Waiter], answers: list[Any], sent: float, now_ms: int, epoch: int
+    ) -> list[Waiter]:
+        """Take in a heartbeat's answer for each of ``waiters`` (sent at local time ``sent``;
+        server time ``now_ms``, the pool's ``epoch``): a grant is delivered, a new position
+        reported. Returns those the queue forgot and that still wait, in their old order."""
+        forgotten = []
+        for w, res in zip(waiters, answers):
+            kind = res[0].decode() if isinstance(res[0], bytes) else res[0]
+            # Redis answered for this waiter: its bound (see waiter_bound) counts from here,
+            # also when the answer is that the queue forgot it and it is queued again
+            # (a crowd of waiters re-queued one by one after a restart must not fail because
+            # one later heartbeat failed while they had not yet had their turn).
+            w.refreshed = sent
+            if kind == "g":
+                lid = res[1].decode() if isinstance(res[1], bytes) else res[1]
+                self.deliver(
+                    Grant(w.ticket, lid, int(res[2]), int(res[3]), int(res[4]), now_ms, epoch)
+                )
+            elif kind == "q":
+                pos = int(res[1])
+                if pos != w.position:
+                    w.position = pos
+                    if w.on_position:
+                        try:
+                            w.on_position(pos)
+                        except Exception:
+                            log.exception("gpulock: on_queued callback raised")
+            elif w.ticket in self.waiters and w.future is not None and not w.future.done():
+                forgotten.append(w)
+        forgotten.sort(key=lambda w: w.position)
+        return forgotten
