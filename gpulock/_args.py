@@ -62,6 +62,27 @@ def validate_token(token: object) -> int:
     return token
 
 
+class PoolOptions:
+    """The validated settings both shells carry as attributes (meanings and units:
+    :class:`gpulock.AsyncPool`), set by :meth:`_set_options` from :func:`pool_settings`."""
+
+    name: str
+    capacity: int | None
+    default_ttl: float
+    waiter_ttl: float
+    poll_interval: float
+    max_waiters: int
+    backend_timeout: float
+    max_ttl: float
+    sync_replicas: int
+    sync_timeout: float
+
+    def _set_options(self, name: str, **settings: Any) -> None:
+        """Validate (:func:`pool_settings`, which raises InvalidArgument) and set them."""
+        for k, v in pool_settings(name, **settings).items():
+            setattr(self, k, v)
+
+
 def pool_settings(
     name: str,
     *,

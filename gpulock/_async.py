@@ -13,14 +13,13 @@ import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, NoScriptError
 
 from . import _flow as flow
+from . import _remote
 from ._args import (
     DEFAULT_MAX_WAITERS,
     DEFAULT_POLL_INTERVAL_S,
     DEFAULT_TTL_S,
     DEFAULT_WAITER_TTL_S,
-    pool_settings,
-    ttl_ms,
-    validate_request_id,
+    PoolOptions,
     validate_token,
 )
 from ._lease import LeaseBase, default_clock
@@ -31,7 +30,7 @@ from ._translate import translate
 from ._batch import Batcher, inflight_for
 from ._connect import DEFAULT_MAX_CONNECTIONS, async_client
 from ._keys import pool_keys
-from ._runtime import Runtime, Waiter
+from ._runtime import Runtime
 from ._scripts import scripts
 from .errors import LeaseLost, PoolClosed
 
@@ -110,7 +109,7 @@ class _AcquireCM:
         return self._pool.acquire(*self._args, **self._kw).__await__()
 
 
-class AsyncPool:
+class AsyncPool(PoolOptions):
     """One GPU-memory budget in Redis, used from asyncio code.
 
     ``AsyncPool(redis, "gpu0", capacity="24GiB")`` or ``AsyncPool.from_url(url, "gpu0")``.
@@ -143,18 +142,6 @@ class AsyncPool:
         clock: a monotonic clock (seconds); tests inject one.
     """
 
-    # The settings, set in __init__ from pool_settings() (validated there; meanings above).
-    name: str
-    capacity: int | None
-    default_ttl: float
-    waiter_ttl: float
-    poll_interval: float
-    max_waiters: int
-    backend_timeout: float
-    max_ttl: float
-    sync_replicas: int
-    sync_timeout: float
-
     def __init__(
         self,
         redis: aioredis.Redis,
@@ -172,7 +159,7 @@ class AsyncPool:
         clock: Callable[[], float] = default_clock,
         _owns_client: bool = False,
     ):
-        for k, v in pool_settings(
+        self._set_options(
             name,
             capacity=capacity,
             default_ttl=default_ttl,
@@ -183,8 +170,7 @@ class AsyncPool:
             max_ttl=max_ttl,
             sync_replicas=sync_replicas,
             sync_timeout=sync_timeout,
-        ).items():
-            setattr(self, k, v)
+        )
         self.redis = redis
         self.clock = clock
         self._keys = pool_keys(self.name)
@@ -428,14 +414,7 @@ class AsyncPool:
         lease: AsyncLease = await self._run(steps, _cancel_requests())
         return lease
 
-    # ---- remote holders (for proxies such as the HTTP broker) ----------------------------
-    # A proxy acquires for clients on other hosts, which renew and release through it. So a
-    # grant returned here is *not* heartbeated by this process (the remote client renews it,
-    # or it expires after its ttl), and a queued request keeps its place across the client's
-    # retries: this pool's runtime refreshes it and catches its grant (one pub/sub connection
-    # for all of them; no task, thread or connection per request) until `wait_remote` hands
-    # the grant over or `cancel_remote` withdraws it. The caller must do one of the two.
-
+    # ---- remote holders (for proxies such as the HTTP broker: see gpulock._remote) ----------
     @property
     def waiting(self) -> int:
         """How many requests this pool object has queued and waits for now (its own acquires
@@ -481,19 +460,7 @@ class AsyncPool:
             await rt.ensure_subscribed()
         argv = req.argv("wait" if queue else "try", rt.channel_id)
         res, _ = await self._run(flow.acquire_call(self, rt, req, argv))
-        w = rt.waiters.get(req.ticket)
-        if isinstance(res, Grant):
-            if w is not None:  # granted meanwhile: hand it to concurrent wait_remote calls too
-                rt.remove_waiter(req.ticket)
-                if not w.future.done():
-                    w.future.set_result(res)
-        elif res.queued:
-            if w is None or w.future.done():
-                fut = asyncio.get_running_loop().create_future()
-                rt.add_waiter(Waiter(req.ticket, fut, argv, ttl_ms(req.waiter_ttl_s), res.position))
-            else:
-                w.position = res.position
-            rt.set_reap_timer(self.clock(), res.retry_after_ms)
+        _remote.keep_place(rt, req, argv, res, self.clock())
         return res
 
     async def wait_remote(self, request_id: str, timeout: float) -> Grant | None:
@@ -503,21 +470,7 @@ class AsyncPool:
 
         Raises: InvalidArgument, BackendUnavailable (re-queueing a request the server had
         dropped failed)."""
-        request_id = validate_request_id(request_id)
-        rt = self._runtime
-        w = rt.waiters.get(request_id)
-        if w is None:
-            return None
-        done, _ = await asyncio.wait((w.future,), timeout=timeout)
-        if not done:
-            return None
-        if rt.waiters.get(request_id) is w:
-            rt.remove_waiter(request_id)
-        try:
-            grant: Grant = w.future.result()  # a waiter's future carries its Grant
-            return grant
-        except Exception as e:
-            raise translate(e, self.name) from e
+        return await _remote.wait_grant(self._runtime, self.name, request_id, timeout)
 
     async def cancel_remote(self, request_id: str) -> int:
         """Withdraw a request: leave the queue, or release the grant made to it. Idempotent.

@@ -27,7 +27,7 @@ from ._args import (
     DEFAULT_POLL_INTERVAL_S,
     DEFAULT_TTL_S,
     DEFAULT_WAITER_TTL_S,
-    pool_settings,
+    PoolOptions,
 )
 from ._lease import LeaseBase, default_clock
 from ._protocol import AcquireRequest
@@ -198,7 +198,7 @@ class _AcquireCM:
         self._lease.__exit__(et, ev, tb)
 
 
-class Pool:
+class Pool(PoolOptions):
     """One GPU-memory budget in Redis, used from blocking code (threads, scripts, CLI).
 
     Same arguments and semantics as :class:`~gpulock.AsyncPool`, with a ``redis.Redis``
@@ -208,18 +208,6 @@ class Pool:
     server or Sentinel, such as ``redis.cluster.RedisCluster``: Redis Cluster is not supported
     yet).
     """
-
-    # The settings, set in __init__ from pool_settings() (validated there; meanings: AsyncPool).
-    name: str
-    capacity: int | None
-    default_ttl: float
-    waiter_ttl: float
-    poll_interval: float
-    max_waiters: int
-    backend_timeout: float
-    max_ttl: float
-    sync_replicas: int
-    sync_timeout: float
 
     def __init__(
         self,
@@ -239,7 +227,7 @@ class Pool:
         _url: str | None = None,
         _owns_client: bool = False,
     ):
-        for k, v in pool_settings(
+        self._set_options(
             name,
             capacity=capacity,
             default_ttl=default_ttl,
@@ -250,8 +238,7 @@ class Pool:
             max_ttl=max_ttl,
             sync_replicas=sync_replicas,
             sync_timeout=sync_timeout,
-        ).items():
-            setattr(self, k, v)
+        )
         check_supported_client(redis_client)
         self.redis = redis_client
         self.clock = clock
