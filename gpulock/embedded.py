@@ -230,16 +230,40 @@ class RedisProcess:
                     f"log: {self.log_tail()}"
                 )
             try:
-                with socket.create_connection((self.host, self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return self
+                if self._answers_as(self.proc.pid):
+                    return self
             except OSError:
-                time.sleep(0.02)
+                pass
+            time.sleep(0.02)
         self.stop()
         raise RuntimeError(
             f"{self.binary} did not answer on {self.host}:{self.port} within {timeout}s"
         )
+
+    def _answers_as(self, pid: int) -> bool:
+        """Whether the server on our port answers and is process ``pid``: another server that
+        got the port first (a free-port race) answers PING too, and must not be taken for
+        ours. Raises OSError while nothing listens."""
+        with socket.create_connection((self.host, self.port), timeout=0.2) as s:
+            s.sendall(b"INFO server\r\n")
+            reply = b""
+            while b"process_id:" not in reply or not reply.endswith(b"\r\n"):
+                chunk = s.recv(65536)
+                if not chunk:
+                    return False
+                reply += chunk
+                if reply.startswith(b"-") and reply.endswith(b"\r\n"):
+                    # An error (a server started with a password): it cannot say who it
+                    # is; ours is the one still running a moment later (a second server on
+                    # a taken port exits at once).
+                    time.sleep(0.05)
+                    return self.proc is not None and self.proc.poll() is None
+                if len(reply) > 1 << 20:
+                    return False
+        for line in reply.split(b"\r\n"):
+            if line.startswith(b"process_id:"):
+                return line.split(b":", 1)[1].strip() == str(pid).encode()
+        return False
 
     def log_tail(self, n: int = 2000) -> str:
         try:
