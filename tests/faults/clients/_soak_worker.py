@@ -202,9 +202,13 @@ def main() -> None:
             try:
                 conn.send_command("EVALSHA", sc.sha, len(pool._keys), *pool._keys, *args)
                 fault(plan)  # the request is on the wire; its reply is not read yet
-                return conn.read_response()
+                try:
+                    return conn.read_response()
+                except redis.exceptions.NoScriptError:
+                    pass  # Redis restarted since the scripts were loaded: go the normal way
             finally:
                 pool.redis.connection_pool.release(conn)
+            return orig(name, args)  # (the fault was injected; this path reloads the script)
 
         pool._eval_once = eval_once
         cycle = 0
@@ -291,9 +295,13 @@ async def _async_main(
         try:
             await conn.send_command("EVALSHA", sc.sha, len(pool._keys), *pool._keys, *args)
             fault(plan)
-            return await conn.read_response()
+            try:
+                return await conn.read_response()
+            except redis.exceptions.NoScriptError:
+                pass  # Redis restarted since the scripts were loaded: go the normal way
         finally:
             await pool.redis.connection_pool.release(conn)
+        return await orig(name, args)
 
     pool._eval_once = eval_once
     cycle = 0
