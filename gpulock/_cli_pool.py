@@ -141,6 +141,13 @@ def pool_set(
         f"pool {name} {what}: capacity {format_size(r['capacity'])} ({r['capacity']} bytes), "
         f"max_waiters {r['max_waiters']}, used {format_size(r['used'])} ({r['used']} bytes)"
     )
+    if r["used"] > r["capacity"]:
+        print(
+            f"gpulock: note: {format_size(r['used'] - r['capacity'])} more than the new capacity "
+            "is leased now; those leases keep their bytes, and nothing new is granted until "
+            "releases bring use under the capacity",
+            file=sys.stderr,
+        )
 
 
 def _configure_redis(

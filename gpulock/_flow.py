@@ -45,7 +45,14 @@ from ._replies import Grant, NotGranted, PoolStatus, decode_acquire, decode_stat
 from ._retry import RETRYABLE, retry_bound
 from ._translate import translate
 from ._scripts import scripts
-from .errors import AcquireTimeout, BackendUnavailable, GpuLockError, LeaseLost, PoolNotFound
+from .errors import (
+    AcquireTimeout,
+    BackendUnavailable,
+    GpuLockError,
+    InvalidArgument,
+    LeaseLost,
+    PoolNotFound,
+)
 from .units import parse_seconds
 
 if TYPE_CHECKING:
@@ -383,6 +390,10 @@ def acquire(
     or a cancellation withdraws it (unless another local acquire still uses the ticket). A
     refusal by the script (an error other than BackendUnavailable) wrote nothing, and is not
     withdrawn; when Redis did not answer, the withdrawal runs in the background."""
+    if on_queued is not None and not callable(on_queued):
+        # Checked before anything is sent: it is called only once the request queues, so
+        # a bad one would otherwise fail (a TypeError) only under contention.
+        raise InvalidArgument(f"on_queued must be callable or None, got {on_queued!r:.80}")
     wait = req.timeout_s != 0
     if wait:
         yield Subscribe()

@@ -4,11 +4,14 @@ The Lua scripts are also called directly with bad ARGV (bypassing the Python che
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 import redis
+
 from hypothesis import HealthCheck, given, settings
+
 from hypothesis import strategies as st
 
 from gpulock import AsyncPool, CapacityExceeded, InvalidArgument, Pool
@@ -333,3 +336,23 @@ def test_python_edge_fuzz(make_pool, rclient, pool_name, amount, ttl):
         return
     lease.release()
     assert snapshot(rclient, f"gpulock:{{{pool_name}}}:leases") == {}
+
+
+@pytest.mark.parametrize("contended", [False, True], ids=["free", "full"])
+async def test_a_non_callable_on_queued_is_refused_at_once(
+    make_pool, make_apool, rclient, pool_name, contended
+):
+    """``on_queued`` runs only once a request queues: a bad one must be refused before
+    anything is sent, the same whether the pool is free or full (it was a bare TypeError
+    under contention, and accepted on a free pool), and it changes nothing."""
+    p = make_pool(capacity=10)
+    held = p.acquire(10) if contended else None
+    before = snapshot(rclient)
+    with pytest.raises(InvalidArgument, match="on_queued"):
+        await asyncio.to_thread(p.acquire, 1, timeout=1, on_queued=5)
+    ap = make_apool(capacity=10)
+    with pytest.raises(InvalidArgument, match="on_queued"):
+        await ap.acquire(1, timeout=1, on_queued="x")
+    assert snapshot(rclient) == before
+    if held is not None:
+        held.release()

@@ -435,3 +435,17 @@ def test_run_long_unicode_command_line_fits_holder_metadata(url):
         long_arg,
     )
     assert r.returncode == 0 and r.stdout == "ok\n", r.stderr
+
+
+def test_pool_set_below_what_is_leased_says_so(url):
+    """Lowering the capacity below what is leased revokes nothing (the leases keep their
+    bytes; nothing new is granted until use is under it): `pool set` still succeeds, and says
+    so, so the operator is not left believing the pool is within its new capacity."""
+    assert cli(url, "pool", "set", "shrink", "--capacity", "1GiB").returncode == 0
+    with Pool.from_url(url, "shrink") as pool, pool.lease("1GiB", ttl=30):
+        r = cli(url, "pool", "set", "shrink", "--capacity", "512MiB")
+        assert r.returncode == 0, r.stderr
+        assert "512.0MiB" in r.stdout and "nothing new is granted" in r.stderr, r
+        assert pool.status().used == 1 << 30  # nothing revoked
+    r = cli(url, "pool", "set", "shrink", "--capacity", "2GiB")
+    assert r.returncode == 0 and "nothing new is granted" not in r.stderr, r
