@@ -38,8 +38,9 @@ What one request goes through (``GpuLimiter.call``)::
   while the first attempt is queued or running joins it (same place in the queue, one
   execution), and a result is kept ``result_ttl`` seconds for retries that come later. A 503
   to a request that carries ``X-Request-ID`` does not give up its place: the request stays
-  queued up to ``park_timeout`` more seconds and runs when granted, so the retry sent after
-  ``Retry-After`` collects the result.
+  queued and runs when granted, each 503 (on any worker) keeping the place
+  ``max(park_timeout, 2 * Retry-After + 2)`` seconds more (``gpulock._places``, the rule the
+  broker shares), so the retry sent after ``Retry-After`` collects the result.
 * A client that closes its connection while its request waits (uvicorn does not cancel the
   handler) is noticed at once (:func:`watch_disconnect`, the ASGI ``http.disconnect``): the
   request leaves the thread-slot wait or the pool's queue and is never granted; work already

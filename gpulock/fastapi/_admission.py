@@ -125,15 +125,18 @@ class Admission:
         self._refresh = refresh
 
     async def slot(
-        self, deadline: float, timeout_s: float, on_wait: Callable[[asyncio.Future[None]], None]
+        self,
+        deadline: float | None,
+        timeout_s: float | None,
+        on_wait: Callable[[asyncio.Future[None]], None],
     ) -> None:
-        """Take a thread slot by ``deadline`` (monotonic seconds); ``on_wait`` as in
-        :meth:`Slots.acquire`.
+        """Take a thread slot by ``deadline`` (monotonic seconds; None: no deadline, the
+        caller cancels); ``on_wait`` as in :meth:`Slots.acquire`.
 
         Raises: AcquireTimeout (position 0) when none was free in time (``timeout_s`` is
         the wait the message names)."""
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
             raise AcquireTimeout("no thread slot in time", position=0)
         try:
             await asyncio.wait_for(self.slots.acquire(on_wait), remaining)
@@ -145,14 +148,14 @@ class Admission:
     async def lease(
         self,
         amount: int,
-        deadline: float,
+        deadline: float | None,
         *,
         request_id: str | None,
         route: str,
         on_queued: Callable[[int], None],
     ) -> AsyncLease:
-        """Lease ``amount`` bytes from the pool's queue by ``deadline`` (monotonic seconds),
-        as ``request_id`` (None: a fresh one), reporting each place in the queue to
+        """Lease ``amount`` bytes from the pool's queue by ``deadline`` (monotonic seconds;
+        None: no deadline, the caller cancels), as ``request_id`` (None: a fresh one), reporting each place in the queue to
         ``on_queued``. When the pool refuses the ttl (its ``max_ttl`` was lowered since the
         last status read) the status is read again and, if the ttl is now clamped lower, the
         lease asked for once more.
@@ -161,7 +164,7 @@ class Admission:
         CapacityExceeded, ...)."""
         pool = self._backend.pool
         assert pool is not None  # set by start()
-        remaining = max(0.001, deadline - time.monotonic())
+        remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
         ttl_s = self._lease_ttl()
         try:
             return await pool.acquire(
@@ -177,7 +180,7 @@ class Admission:
             await self._refresh()
             if self._lease_ttl() >= ttl_s:
                 raise
-            remaining = max(0.001, deadline - time.monotonic())
+            remaining = None if deadline is None else max(0.001, deadline - time.monotonic())
             return await pool.acquire(
                 amount,
                 ttl=self._lease_ttl(),

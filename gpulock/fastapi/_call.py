@@ -149,6 +149,10 @@ class GuardedCalls:
         m = metrics()
         while True:
             local = self._runner.by_ticket.get(ticket)
+            if local is not None and local.abandoned and local.task is not None:
+                # its place just ran out (withdrawn as this retry came): let it end, start anew
+                await asyncio.wait((local.task,))
+                continue
             if local is not None and local.phase != "done":
                 if local.fingerprint != fp:
                     raise self._errors.conflict(request_id)
@@ -190,11 +194,21 @@ class GuardedCalls:
         (see :func:`watch_disconnect`) ends when the client hung up: 499, and a job nobody
         else waits for leaves the queue at once (it is never granted); running work goes on
         until its thread returns, its result dropped."""
-        job.attached += 1
+        places = self._runner.places
+        if job.parked:
+            assert job.ticket is not None
+            places.attach(job.ticket, lambda: job.place)
+        else:
+            job.place.attached += 1
         try:
             return await self._await_attached(job, arrival, response, gone)
         finally:
-            job.attached -= 1
+            if job.parked:
+                assert job.ticket is not None
+                still_queued = not job.abandoned and job.phase in ("slot", "queued")
+                places.detach(job.ticket, job.place, keep=still_queued)
+            else:
+                job.place.attached -= 1
 
     async def _await_attached(
         self, job: Job, arrival: float, response: Response | None, gone: asyncio.Task[bool] | None
@@ -205,7 +219,7 @@ class GuardedCalls:
             if not job.started.is_set():
                 await _wait_or_gone(job.started.wait(), max(0.0, remaining), gone)
         except _Gone:
-            if job.attached == 1 and job.phase in ("slot", "queued") and job.task is not None:
+            if job.place.attached == 1 and job.phase in ("slot", "queued") and job.task is not None:
                 job.abandoned = True  # before any await: a grant arriving now must not run
                 job.task.cancel()  # leaves the thread-slot wait or the pool's queue now
             raise self._errors.client_gone(
@@ -258,22 +272,23 @@ class GuardedCalls:
         """The 503 for a job not granted by its request's deadline; a job that is not parked
         leaves the queue now."""
         s = self._settings
-        parked = job.ticket is not None and s.park_timeout > 0
+        parked = job.parked
         if not parked:
             job.abandoned = True  # before any await: a grant arriving now must not run
         position, queued = await self._retry.position_now(job)
         ra = self._retry.for_job(job, position, queued)
         metrics().timeouts.labels(job.route).inc()
+        keep = ""
         if not parked and job.task is not None:
             job.task.cancel()  # leaves the queue now (the core cancels the ticket)
-        keep = (
-            (
-                " It keeps its place for up to %.0fs: retry after Retry-After with the same %s."
-                % (max(0.0, job.place_until - time.monotonic()), s.request_id_header)
+        elif parked and job.ticket is not None:
+            places = self._runner.places
+            hold = places.hold_for(ra, extra=self._backend.grace_left())
+            places.keep(job.ticket, job.place, until=time.monotonic() + hold)
+            keep = (
+                f" It keeps its place for {hold:.0f}s more (and again after each retry): "
+                f"retry after Retry-After with the same {s.request_id_header}."
             )
-            if parked
-            else ""
-        )
         if job.phase == "slot":  # never reached the pool's queue: this worker's threads were busy
             what = (
                 f"no free inference thread in this worker within {s.acquire_timeout}s "

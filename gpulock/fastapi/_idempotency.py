@@ -5,7 +5,9 @@ retries that come later.
 Keys (see ``gpulock._keys``): ``gpulock:{pool}:req:<ticket>`` is the claim,
 ``owner|fingerprint|phase|place`` with a 10 s ttl its owner refreshes;
 ``gpulock:{pool}:res:<ticket>`` the result, JSON ``{"fp", "result"}`` or ``{"fp",
-"response": {"status", "media_type", "body" (base64)}}``, kept ``result_ttl`` seconds."""
+"response": {"status", "media_type", "body" (base64)}}``, kept ``result_ttl`` seconds;
+``gpulock:{pool}:hold:<ticket>`` a follower's 503 on another worker: the owner keeps the
+request's place while it lives (its PX is the hold that 503 promised, ``gpulock._places``)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Response
 
 from .._failure_log import FailureLog
+from .._places import hold_for
 from .._disconnect import _is_gone
 from ._admission import Slots
 from ._backend import Backend
@@ -161,6 +164,22 @@ class RequestStore:
         else:
             self._refresh_log.ok()
 
+    # ---- holds (a follower's 503 keeps the owner's place) -------------------------------------
+    async def hold(self, ticket: str, seconds: float) -> None:
+        """Ask the owner of ``ticket`` to keep its place ``seconds`` more (errors ignored:
+        the owner's own hold still runs)."""
+        with contextlib.suppress(Exception):
+            await self._redis.set(
+                self._backend.key(f"hold:{ticket}"), "1", px=max(1, int(seconds * 1000))
+            )
+
+    async def held_for(self, ticket: str) -> float:
+        """Seconds a follower asked the place of ``ticket`` to be kept from now (0: none).
+
+        Raises: what the Redis client raises."""
+        ms = await self._redis.pttl(self._backend.key(f"hold:{ticket}"))
+        return max(0, int(ms)) / 1000.0
+
     # ---- results ----------------------------------------------------------------------------
     async def get(self, ticket: str, fp: str, request_id: str) -> Any:
         """The stored result of ``ticket``, or :data:`MISSING`.
@@ -265,11 +284,12 @@ class RequestStore:
             if now >= acq_deadline and phase in ("slot", "queued"):
                 metrics().timeouts.labels(route).inc()
                 p = position or int(queued) + 1
-                ra = (
-                    self._retry.parked(p, local)
-                    if s.park_timeout > 0
-                    else self._retry.retry_after(p)
-                )
+                if s.park_timeout > 0:
+                    ra = self._retry.parked(p, local)
+                    extra = self._backend.grace_left()
+                    await self.hold(ticket, hold_for(ra, hold=s.park_timeout, extra=extra))
+                else:
+                    ra = self._retry.retry_after(p)
                 headers = {"Retry-After": str(ra)}
                 if position:
                     headers["X-Queue-Position"] = str(position)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._async import AsyncLease
+from .._places import KeptPlace, KeptPlaces
 from ..cuda import drop_traceback, empty_cache, is_fatal_cuda_error, is_oom
 from ..errors import AcquireTimeout, LeaseLost
 from ._admission import Admission
@@ -58,9 +59,11 @@ class Job:
     wait_s: float | None = None
     run_s: float | None = None
     server_retry_after: float | None = None
-    place_until: float = 0.0  # a parked job: when its place in the queue runs out (monotonic)
+    parked: bool = False  # it keeps its place across 503s (X-Request-ID and park_timeout > 0)
+    # HTTP requests waiting on it now (a retry with the same X-Request-ID joins), and for a
+    # parked job until when its place is kept (monotonic; see gpulock._places)
+    place: KeptPlace = field(default_factory=KeptPlace)
     abandoned: bool = False  # the HTTP side gave up on it (503 without parking, client gone)
-    attached: int = 0  # HTTP requests waiting on it now (a retry with the same X-Request-ID joins)
     # Result or error, set as soon as known: the response goes out while the release (one more
     # Redis round trip, after the thread returned) is still on its way.
     outcome: asyncio.Future[Any] | None = None
@@ -100,6 +103,8 @@ class JobRunner:
     Attributes:
         by_ticket: unfinished jobs by ticket (those with an ``X-Request-ID``).
         all: every unfinished job.
+        places: the places of parked jobs not yet granted, by ticket; one whose hold runs out
+            with no request attached leaves the queue (the job is cancelled).
     """
 
     def __init__(
@@ -123,6 +128,9 @@ class JobRunner:
         self._on_fatal = on_fatal
         self.by_ticket: dict[str, Job] = {}
         self.all: set[Job] = set()
+        self.places: KeptPlaces[str, KeptPlace] = KeptPlaces(
+            max(settings.park_timeout, 0.001), self._place_expired
+        )
 
     def claimed(self) -> list[Job]:
         """Unfinished jobs with a ticket, whose claims must be kept alive."""
@@ -131,6 +139,7 @@ class JobRunner:
     def cancel_waiting(self) -> list[asyncio.Task[Any]]:
         """Cancel the jobs not yet granted (they leave the queue at once); returns the tasks
         of all unfinished jobs."""
+        self.places.clear()
         for job in list(self.all):
             if job.phase in ("slot", "queued") and job.task is not None:
                 job.task.cancel()
@@ -147,10 +156,11 @@ class JobRunner:
         *,
         park: float,
     ) -> Job:
-        """Start a job running ``fn()`` under a lease of ``amount`` bytes, that waits up to
-        ``acquire_timeout + park`` seconds from ``arrival`` for its grant (``park`` 0: a
-        little longer than the HTTP answer's deadline)."""
-        job = Job(route, amount, ticket, fp, arrival)
+        """Start a job running ``fn()`` under a lease of ``amount`` bytes. ``park`` > 0 (with
+        a ``ticket``): it keeps its place in :attr:`places`, first until ``acquire_timeout +
+        park`` seconds from ``arrival`` (plus the restart grace left), then as long as its
+        retries keep it; else it waits a little longer than the HTTP answer's deadline."""
+        job = Job(route, amount, ticket, fp, arrival, parked=bool(park) and ticket is not None)
         job.outcome = asyncio.get_running_loop().create_future()
         job.outcome.add_done_callback(_consume)
         job.outcome.add_done_callback(lambda _: job.started.set())
@@ -159,30 +169,53 @@ class JobRunner:
         self.all.add(job)
         # Without parking the job's own deadline is a little later than the HTTP answer's, so
         # the 503 is decided in one place (the HTTP side) and the job is then cancelled.
-        # A parked job in a grace period (nothing is granted before it ends) keeps its place
-        # until the grace ends and park_timeout after, so the retry sent after Retry-After (at
-        # least the grace left) finds it.
-        if park:
-            park += self._backend.grace_left()
-        timeout_s = self._settings.acquire_timeout + (park or 0.5)
-        job.place_until = arrival + timeout_s
+        # A parked job has no deadline of its own: its place's hold does (KeptPlaces), which
+        # each 503 extends; in a grace period (nothing is granted before it ends) the hold
+        # lasts until the grace ends and park_timeout after.
+        timeout_s: float | None = self._settings.acquire_timeout + 0.5
+        if job.parked:
+            assert ticket is not None
+            timeout_s = None
+            first = self._settings.acquire_timeout + park + self._backend.grace_left()
+            self.places.keep(ticket, job.place, until=arrival + first)
         job.task = asyncio.get_running_loop().create_task(
             self._run(job, fn, timeout_s), name=f"gpulock-job-{route}"
         )
         job.task.add_done_callback(_consume)  # its outcome is read from job.outcome
         return job
 
-    async def _run(self, job: Job, fn: Callable[[], Any], timeout_s: float) -> Any:
+    def _place_expired(self, ticket: str, place: KeptPlace) -> None:
+        """A parked job's hold ran out with no request attached: unless a retry on another
+        worker asked for more time (:meth:`RequestStore.held_for`), it leaves the queue."""
+        job = self.by_ticket.get(ticket)
+        if job is not None and job.place is place and job.phase in ("slot", "queued"):
+            self._spawn(self._withdraw(job, ticket), "gpulock-place")
+
+    async def _withdraw(self, job: Job, ticket: str) -> None:
+        try:
+            more = await self._store.held_for(ticket)
+        except Exception:  # noqa: BLE001 - Redis unreachable: nothing is granted now anyway
+            more = 0.0
+        if job.phase not in ("slot", "queued") or self.by_ticket.get(ticket) is not job:
+            return
+        if more > 0 or job.place.busy():  # a retry (here or elsewhere) keeps it
+            self.places.keep(ticket, job.place, until=time.monotonic() + max(more, 0.001))
+            return
+        job.abandoned = True  # before any await: a grant arriving now must not run
+        if job.task is not None:
+            job.task.cancel()  # leaves the thread-slot wait or the pool's queue now
+
+    async def _run(self, job: Job, fn: Callable[[], Any], timeout_s: float | None) -> Any:
         try:
             return await self._run_inner(job, fn, timeout_s)
         finally:
             job.started.set()
 
-    async def _run_inner(self, job: Job, fn: Callable[[], Any], timeout_s: float) -> Any:
+    async def _run_inner(self, job: Job, fn: Callable[[], Any], timeout_s: float | None) -> Any:
         m = metrics()
         executor = self._backend.executor
         assert executor is not None
-        deadline = job.arrival + timeout_s
+        deadline = None if timeout_s is None else job.arrival + timeout_s
         have_slot = False
         lease: AsyncLease | None = None
         granted_at = 0.0
@@ -215,6 +248,8 @@ class JobRunner:
                 job.server_retry_after = e.retry_after
                 raise
             granted_at = time.monotonic()
+            if job.ticket is not None:
+                self.places.discard(job.ticket, job.place)  # granted: no place to keep
             self._history.record("grant", lease, route=job.route)
             if job.abandoned:
                 # The answer (503) went out while the grant was on its way: Python 3.11's
@@ -268,6 +303,7 @@ class JobRunner:
             job.started.set()
             self.all.discard(job)
             if job.ticket is not None:
+                self.places.discard(job.ticket, job.place)
                 if self.by_ticket.get(job.ticket) is job:
                     del self.by_ticket[job.ticket]
                 await self._store.release_claim(job.ticket)

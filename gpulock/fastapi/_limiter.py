@@ -72,8 +72,9 @@ class GpuLimiter:
         ttl: lease time to live in seconds (the heartbeat renews it at ttl/3); bounded by the
             pool's ``max_ttl`` as last read (:attr:`lease_ttl`, one warning when it clamps).
         executor_threads: threads running guarded work in this worker.
-        park_timeout: seconds a request that carries ``X-Request-ID`` stays queued after its
-            503, so that its retry joins its place (0 disables).
+        park_timeout: the fewest seconds a request that carries ``X-Request-ID`` stays queued
+            after each 503 (at least twice its Retry-After plus 2 s), so that its retry joins
+            its place (0 disables).
         result_ttl: seconds a finished result stays in Redis for retries of the same request.
         max_retry_after: cap of the Retry-After header, seconds.
         reaper_interval: seconds between the background status reads (reap, wake waiters,

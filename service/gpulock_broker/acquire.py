@@ -32,9 +32,7 @@ class Acquirer:
     Args:
         pools, parking, leases, tasks: the broker's parts.
         max_wait: the longest a request is held while queued, seconds.
-        park_max: the longest a place is kept after a 503, seconds.
         retry_after_max: the largest Retry-After sent, seconds.
-        waiter_ttl: the shortest hold of a place, seconds.
         clock: the local clock, seconds.
     """
 
@@ -46,16 +44,12 @@ class Acquirer:
         tasks: Tasks,
         *,
         max_wait: float,
-        park_max: float,
         retry_after_max: int,
-        waiter_ttl: float,
         clock: Callable[[], float],
     ):
         self._pools, self._parking, self._leases, self._tasks = pools, parking, leases, tasks
         self.max_wait = max_wait
-        self.park_max = park_max
         self.retry_after_max = retry_after_max
-        self.waiter_ttl = waiter_ttl
         self._clock = clock
 
     async def acquire(
@@ -123,8 +117,8 @@ class Acquirer:
                 ra = 0  # it long-polled: pacing is done; come back now to go on waiting
             else:
                 ra = from_expiry_ms(res.retry_after_ms, self.retry_after_max)
-            hold = min(self.park_max, max(self.waiter_ttl, 2.0 * ra + 2.0))
-            entry.until = max(entry.until, self._clock() + hold)
+            hold = self._parking.places.hold_for(ra)
+            self._parking.keep(key, entry, hold)
             return Queued(rid, res.queued, res.position, res.queue_length, ra, hold)
         except PoolNotFound:
             final = True

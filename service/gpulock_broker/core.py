@@ -21,8 +21,9 @@ the request is withdrawn (``cancel``: it leaves the queue, or its grant is relea
 
 ``Retry-After`` (whole seconds) paces clients that do not long-poll:
 ``clamp(time to the nearest lease expiry, 1, retry_after_max)``, from the queue's real state;
-``hold = min(park_max, max(waiter_ttl, 2 * Retry-After + 2))``, so a client honouring it (with
-up to +30% jitter) keeps its place. While parked, one coroutine per request catches a grant
+``hold = min(park_max, max(waiter_ttl, 2 * Retry-After + 2))`` (the rule the FastAPI service
+shares, ``gpulock._places``), so a client honouring it (with up to +30% jitter) keeps its
+place, and keeps it for as long as it keeps coming back. While parked, one coroutine per request catches a grant
 that lands and renews it (ttl/3) until the client collects it or the window ends; a grant
 collected with less than half its ttl left is renewed once more, so the client starts with a
 full ttl. A request the broker held for at least ``LONG_POLL_S`` was paced by that wait
@@ -59,7 +60,7 @@ from .tasks import Tasks
 
 log = logging.getLogger("gpulock.broker")
 
-#: How often the sweeper withdraws places nobody came back for, seconds.
+#: How often the sweeper forgets the records of long-expired leases, seconds.
 SWEEP_INTERVAL_S = 0.25
 
 __all__ = [
@@ -131,7 +132,12 @@ class Broker:
         )
         self._leases = Leases(self._poolset, self._tasks, clock)
         self._parking = Parking(
-            self._poolset, self._leases, self._tasks, waiter_ttl=waiter_ttl, clock=clock
+            self._poolset,
+            self._leases,
+            self._tasks,
+            waiter_ttl=waiter_ttl,
+            park_max=park_max,
+            clock=clock,
         )
         self._acquirer = Acquirer(
             self._poolset,
@@ -139,9 +145,7 @@ class Broker:
             self._leases,
             self._tasks,
             max_wait=max_wait,
-            park_max=park_max,
             retry_after_max=retry_after_max,
-            waiter_ttl=waiter_ttl,
             clock=clock,
         )
         self._sweeper: asyncio.Task | None = None
@@ -275,7 +279,6 @@ class Broker:
                 log.exception("gpulock broker: sweep failed")
 
     def sweep(self) -> None:
-        """Withdraw places nobody came back for; forget records of long-expired leases."""
-        now = self.clock()
-        self._parking.sweep(now)
-        self._leases.sweep(now)
+        """Forget records of long-expired leases (places nobody came back for are withdrawn by
+        their own timers, :class:`gpulock._places.KeptPlaces`)."""
+        self._leases.sweep(self.clock())

@@ -1,11 +1,12 @@
 """The places kept for requests between their HTTP retries ("parked" places).
 
 A place is keyed by ``(pool, ticket)``; the ticket is the request id scoped to the token
-(:func:`ticket`). While an HTTP request for it is attached, or a Redis call for it is in
-flight, or its hold window (``until``) has not passed, it is kept; one coroutine per parked
-request (the *keeper*) catches a grant that lands for it and renews that lease. A place nobody
-came back for is withdrawn by :meth:`Parking.sweep` (it leaves the queue, or its grant is
-released)."""
+(:func:`ticket`). How long it is kept is the rule every surface shares
+(:class:`gpulock._places.KeptPlaces`): while an HTTP request for it is attached or a Redis
+call for it is in flight, and for its hold after each answer that left it queued. One
+coroutine per parked request (the *keeper*) catches a grant that lands for it and renews
+that lease. A place nobody came back for is withdrawn (it leaves the queue, or its grant is
+released) when its hold runs out."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from gpulock import AsyncPool
+from gpulock._places import KeptPlace, KeptPlaces
 from gpulock.errors import LeaseLost
 
 from .auth import Principal
@@ -26,19 +28,22 @@ __all__ = ["Parked", "Parking", "ticket"]
 
 log = logging.getLogger("gpulock.broker")
 
+Key = tuple[str, str]
+
 
 def ticket(who: Principal, request_id: str) -> str:
     """The request id as the pool knows it: scoped to the token's identity."""
     return f"{who.id}:{request_id}"
 
 
-@dataclass
-class Parked:
-    attached: int = 0  # HTTP requests for it in progress
-    until: float = 0.0  # local clock: the end of its hold window
+@dataclass(eq=False)
+class Parked(KeptPlace):
     inflight: set = field(default_factory=set)  # Redis calls for it not finished
     keeper: asyncio.Task | None = None
     granted_ms: int = 0  # server time of a grant the keeper caught
+
+    def busy(self) -> bool:
+        return self.attached > 0 or bool(self.inflight)
 
 
 class Parking:
@@ -49,6 +54,7 @@ class Parking:
         leases: the lease records (a place whose grant was handed out is not withdrawn).
         tasks: where keepers and withdrawals run.
         waiter_ttl: the shortest a place is kept after a request for it ends, seconds.
+        park_max: the longest a place is kept after one answer, seconds.
         clock: the local clock, seconds.
     """
 
@@ -59,26 +65,34 @@ class Parking:
         tasks: Tasks,
         *,
         waiter_ttl: float,
+        park_max: float,
         clock: Callable[[], float],
     ):
         self._pools, self._leases, self._tasks = pools, leases, tasks
-        self.waiter_ttl = waiter_ttl
         self._clock = clock
-        self._parked: dict[tuple[str, str], Parked] = {}
+        self.places: KeptPlaces[Key, Parked] = KeptPlaces(
+            waiter_ttl, self._expired, cap=park_max, clock=clock
+        )
+
+    @property
+    def waiter_ttl(self) -> float:
+        return self.places.hold
 
     def holds(self, pool: str) -> bool:
         """Whether a place on ``pool`` is kept."""
-        return any(k[0] == pool for k in self._parked)
+        return any(k[0] == pool for k in self.places)
 
-    def attach(self, key: tuple[str, str]) -> Parked:
+    def attach(self, key: Key) -> Parked:
         """The place for ``key`` (made if none), with one more HTTP request attached."""
-        entry = self._parked.setdefault(key, Parked())
-        entry.attached += 1
-        return entry
+        return self.places.attach(key, Parked)
+
+    def keep(self, key: Key, entry: Parked, hold: float) -> None:
+        """Keep ``entry`` at least ``hold`` seconds from now."""
+        self.places.keep(key, entry, until=self._clock() + hold)
 
     def detach(
         self,
-        key: tuple[str, str],
+        key: Key,
         entry: Parked,
         *,
         final: bool,
@@ -88,34 +102,28 @@ class Parking:
         """End an HTTP request attached to ``entry``. ``final`` (granted, or nothing was
         queued): the place is dropped once nothing else uses it; else it is kept at least
         ``waiter_ttl`` seconds more, with a keeper on ``pool`` for a grant of ``ttl`` seconds."""
-        entry.attached -= 1
-        if not final:
-            entry.until = max(entry.until, self._clock() + self.waiter_ttl)
-            if self._parked.setdefault(key, entry) is entry and entry.keeper is None:
-                entry.keeper = self._tasks.spawn(self._keep(key, entry, pool, key[1], ttl))
-        elif not entry.attached and not entry.inflight and self._parked.get(key) is entry:
-            del self._parked[key]
+        self.places.detach(key, entry, keep=not final)
+        if not final and self.places.get(key) is entry and entry.keeper is None:
+            entry.keeper = self._tasks.spawn(self._keep(key, entry, pool, key[1], ttl))
 
-    def discard(self, key: tuple[str, str]) -> None:
+    def discard(self, key: Key) -> None:
         """Forget the place for ``key`` (its keeper ends at its next check)."""
-        self._parked.pop(key, None)
+        self.places.discard(key)
 
     def drop_pool(self, pool: str) -> None:
         """Forget every place on ``pool`` and cancel their keepers (the pool is retired)."""
-        for key in [k for k in self._parked if k[0] == pool]:
-            e = self._parked.pop(key)
-            if e.keeper is not None:
+        for key in [k for k in self.places if k[0] == pool]:
+            e = self.places.discard(key)
+            if e is not None and e.keeper is not None:
                 e.keeper.cancel()
 
-    async def _keep(
-        self, key: tuple[str, str], entry: Parked, p: AsyncPool, ticket: str, ttl: float
-    ) -> None:
+    async def _keep(self, key: Key, entry: Parked, p: AsyncPool, ticket: str, ttl: float) -> None:
         """While a request is parked, catch a grant that lands for it and keep that lease alive
-        (renew at ttl/3) until the client collects it or the hold window ends (then the sweeper
+        (renew at ttl/3) until the client collects it or the hold window ends (then it is
         withdraws it). One coroutine per parked request: no thread, no connection."""
         try:
             while True:
-                if self._parked.get(key) is not entry or self._leases.handed(*key):
+                if self.places.get(key) is not entry or self._leases.handed(*key):
                     return
                 left = entry.until - self._clock()
                 if left <= 0:
@@ -130,7 +138,7 @@ class Parking:
             while True:
                 await asyncio.sleep(ttl / 3)
                 if (
-                    self._parked.get(key) is not entry
+                    self.places.get(key) is not entry
                     or self._leases.handed(*key)
                     or self._clock() > entry.until
                 ):
@@ -147,23 +155,20 @@ class Parking:
     async def cancel(self, who: Principal, pool: str, request_id: str) -> int:
         """Withdraw a request: 0 nothing, 1 left the queue, 2 its grant was released."""
         t = ticket(who, request_id)
-        self._parked.pop((pool, t), None)
+        self.places.discard((pool, t))
         p = self._pools.get(pool)
         what = await self._tasks.guard(p.cancel_remote(t))
         self._leases.forget_handed(pool, t, "released")
         return what
 
-    def sweep(self, now: float) -> None:
-        """Withdraw the places whose hold window ended before ``now`` (local clock) with
-        nothing attached or in flight."""
-        for key, e in list(self._parked.items()):
-            if e.attached or e.inflight or e.until > now:
-                continue
-            del self._parked[key]
-            pool, t = key
-            if self._leases.handed(pool, t) or pool not in self._pools.objects:
-                continue
-            self._tasks.spawn(self._withdraw(pool, t))
+    def _expired(self, key: Key, entry: Parked) -> None:
+        """A place nobody came back for: withdraw it (unless its grant was handed out)."""
+        if entry.keeper is not None:
+            entry.keeper.cancel()
+        pool, t = key
+        if self._leases.handed(pool, t) or pool not in self._pools.objects:
+            return
+        self._tasks.spawn(self._withdraw(pool, t))
 
     async def _withdraw(self, pool: str, ticket: str) -> None:
         try:
@@ -179,7 +184,7 @@ class Parking:
     async def aclose(self) -> None:
         """Cancel the keepers and withdraw the places not handed out (best effort, 1 s
         each); forget them all."""
-        for (pool, t), e in list(self._parked.items()):
+        for (pool, t), e in self.places.clear():
             if e.keeper is not None:
                 e.keeper.cancel()
             p = self._pools.objects.get(pool)
@@ -188,4 +193,3 @@ class Parking:
                     await asyncio.wait_for(p.cancel_remote(t), 1.0)
                 except Exception:
                     pass
-        self._parked.clear()

@@ -411,6 +411,38 @@ async def test_503_with_request_id_keeps_the_place(redis_proc1):
         assert r.status_code == 200 and r.headers["x-idempotent-replay"] == "true"
 
 
+async def test_a_parked_request_keeps_its_place_for_as_long_as_it_retries(redis_proc1):
+    """Each 503 extends the place (gpulock._places): a client that keeps coming back keeps
+    its rank however long the queue takes, well past ``acquire_timeout + park_timeout``
+    from its first arrival (when the place used to run out and the retry queued again at the
+    back, behind a later request)."""
+    app, gpu, seen = _app(redis_proc1.url, "it6b", acquire_timeout=0.3, park_timeout=1.0)
+    async with _Running(app) as c:
+        holder = AsyncPool.from_url(redis_proc1.url, "it6b")
+        lease = await holder.acquire(4 * GiB, ttl=30)  # the pool is full until released below
+        try:
+            h = {"X-Request-ID": "keeps-coming-back"}
+            first = time.monotonic()
+            r = await c.post("/sync", json={"gib": 4}, headers=h)
+            assert r.status_code == 503 and r.headers["x-queue-position"] == "1"
+            later = await c.post("/sync", json={"gib": 4}, headers={"X-Request-ID": "later"})
+            assert later.status_code == 503 and later.headers["x-queue-position"] == "2"
+            retries = 0
+            while time.monotonic() - first < 3 * (0.3 + 1.0):
+                r = await c.post("/sync", json={"gib": 4}, headers=h)
+                assert r.status_code == 503, r.text
+                assert r.headers["x-queue-position"] == "1", (retries, r.headers)
+                retries += 1
+        finally:
+            await lease.release()
+            await holder.aclose()
+        # its turn came: it ran (the first grant after the holder's), and a retry collects it
+        await _until(redis_proc1.url, "it6b", lambda st: st.grants >= 2 and st.used == 0)
+        r = await c.post("/sync", json={"gib": 4}, headers=h)
+        assert r.status_code == 200 and r.headers["x-idempotent-replay"] == "true"
+        assert retries >= 3
+
+
 async def test_retry_after_follows_the_grant_rate(redis_proc1):
     gpu = GpuLimiter(redis_proc1.url, "it7", ttl=30, max_retry_after=60, park_timeout=30)
     assert gpu.retry_after(3) == 3  # nothing measured: one second per place

@@ -83,3 +83,39 @@ async def test_retry_on_another_worker_gets_the_real_place_and_retry_after(redis
         assert (await hold).status_code == 200
         for t in ahead:
             assert (await t).status_code == 503
+
+
+async def test_retries_on_another_worker_keep_the_owners_place(redis_proc1):
+    """The owner's place is extended by 503s a follower gives on another worker (the
+    follower writes the hold it promised; the owner reads it before withdrawing): a client
+    whose retries all land elsewhere keeps its rank past the owner's own hold."""
+    pool = "follow-hold"
+    kw = dict(acquire_timeout=0.3, park_timeout=1.0, reaper_interval=30)
+    a_app, a, _ = _app(redis_proc1.url, pool, **kw)
+    b_app, b, _ = _app(redis_proc1.url, pool, **kw)
+    async with _Running(a_app) as ca, _Running(b_app) as cb:
+        holder = AsyncPool.from_url(redis_proc1.url, pool)
+        lease = await holder.acquire(4 * 2**30, ttl=60)  # the pool is full until released below
+        try:
+            h = {"X-Request-ID": "retried-elsewhere"}
+            r = await ca.post("/sync", json={"gib": 4}, headers=h)
+            assert r.status_code == 503 and r.headers["x-queue-position"] == "1", r.headers
+            job = a._runner.by_ticket[next(iter(a._runner.by_ticket))]
+            own_hold_ends = job.place.until  # what A alone would keep it for
+            later = await ca.post("/sync", json={"gib": 4}, headers={"X-Request-ID": "later"})
+            assert later.status_code == 503 and later.headers["x-queue-position"] == "2"
+            retries = 0
+            while time.monotonic() < own_hold_ends + 1.0:
+                r = await cb.post("/sync", json={"gib": 4}, headers=h)  # always worker B
+                assert r.status_code == 503, r.text
+                assert r.headers["x-queue-position"] == "1", (retries, r.headers)
+                retries += 1
+            assert job.phase == "queued" and not job.abandoned
+            assert a._runner.places.get(job.ticket) is job.place
+        finally:
+            await lease.release()
+            await holder.aclose()
+        # granted on A when its turn came; B's retry collects the stored result
+        await _until(lambda: job.phase == "done", "the owner's job to run")
+        r = await cb.post("/sync", json={"gib": 4}, headers=h)
+        assert r.status_code == 200, r.text
