@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import AuthenticationError
+from redis.exceptions import AuthenticationError, MovedError
 
+from ._cluster import primary_client
 from ._flow import queue_synced_renew, synced_renew_reply
 from ._keys import pool_key
 from ._protocol import DEFAULT_MAX_WAITERS, retrying, translate
@@ -89,22 +90,33 @@ class Calls:
         (:func:`gpulock._flow.queue_synced_renew`): returns (renew reply, replicas that
         acknowledged everything this connection wrote, the renewal included)."""
         st = self.settings
-        for attempt in range(2):
-            async with self.redis.pipeline(transaction=False) as p:
-                queue_synced_renew(
-                    p, self.keys, args, st.sync_replicas, st.sync_timeout_ms, self.sync_key
-                )
-                out = synced_renew_reply(await p.execute(raise_on_error=False), attempt == 0)
+        for attempt in range(3):
+            # On a cluster: the pool's primary itself (WAIT covers one connection's writes)
+            r = primary_client(self.redis, self.sync_key)
+            try:
+                async with r.pipeline(transaction=False) as p:
+                    queue_synced_renew(
+                        p, self.keys, args, st.sync_replicas, st.sync_timeout_ms, self.sync_key
+                    )
+                    out = synced_renew_reply(await p.execute(raise_on_error=False), attempt == 0)
+            except MovedError:
+                if attempt == 2 or r is self.redis:
+                    raise
+                await self.redis.nodes_manager.initialize()  # the slot moved (a failover)
+                continue
             if out is not None:
                 return out
-            await self.redis.script_load(scripts()["renew"].source)
+            await r.script_load(scripts()["renew"].source)
         raise AssertionError("unreachable")
 
     async def drop_idle_connections(self) -> None:
         """After a connection error, close the client's idle pooled connections: if Redis
         restarted they are all dead, and each would fail one later call ("Connection closed by
         server"); new ones are opened on demand."""
+        pool = getattr(self.redis, "connection_pool", None)  # a cluster client has one per node
+        if pool is None:
+            return
         try:
-            await self.redis.connection_pool.disconnect(inuse_connections=False)
+            await pool.disconnect(inuse_connections=False)
         except Exception:  # noqa: BLE001 - best effort; a dead connection fails once and is dropped
             pass

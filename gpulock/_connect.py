@@ -1,5 +1,6 @@
 """Redis clients from URLs: plain ``redis://``/``rediss://``/``unix://`` (redis-py's own
-``from_url``), and Redis Sentinel.
+``from_url``), Redis Sentinel, and Redis Cluster (``redis+cluster://``, or a plain URL of any
+cluster node: :mod:`gpulock._cluster`).
 
 A Sentinel URL names the sentinels and the monitored service; the client asks them for the
 current primary and asks again after a failover (redis-py's ``Sentinel.master_for``)::
@@ -40,7 +41,10 @@ DEFAULT_SENTINEL_PORT = 26379
 DEFAULT_MAX_CONNECTIONS = 16
 #: Seconds a call waits for a free connection when none is given by ``socket_timeout``.
 DEFAULT_POOL_WAIT_S = 5.0
-ACCEPTED_SCHEMES = "redis://, rediss://, unix:// or redis+sentinel:// (also sentinel://)"
+ACCEPTED_SCHEMES = (
+    "redis://, rediss://, unix://, redis+sentinel:// (also sentinel://) or "
+    "redis+cluster:// (also rediss+cluster://)"
+)
 
 
 class SentinelURL:
@@ -148,8 +152,10 @@ def check_max_connections(value: Any) -> int:
 
 
 def _bad_url(url: str, err: BaseException) -> InvalidArgument:
+    from ._cluster import CLUSTER_SCHEMES
+
     scheme = urlsplit(url).scheme if "://" in url else ""
-    if scheme not in ("redis", "rediss", "unix", *SENTINEL_SCHEMES):
+    if scheme not in ("redis", "rediss", "unix", *SENTINEL_SCHEMES, *CLUSTER_SCHEMES):
         what = f"scheme {scheme!r} is not supported" if scheme else "it has no scheme"
     else:
         what = str(err)
@@ -193,7 +199,10 @@ def sync_client(
     url: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, **defaults: Any
 ) -> redis.Redis:
     """A ``redis.Redis`` for ``url`` (plain or Sentinel) with a blocking pool of at most
-    ``max_connections`` connections (see the module docstring). No I/O here.
+    ``max_connections`` connections (see the module docstring), or a
+    ``redis.cluster.RedisCluster`` (same command API; typed as ``redis.Redis`` here) for a
+    cluster URL or a plain URL of a cluster node (``max_connections`` per node). No I/O here,
+    but for one ``INFO cluster`` the first time a plain ``redis://`` URL is used.
 
     Raises:
         InvalidArgument: the URL cannot be used (naming it, password hidden, and the accepted
@@ -211,7 +220,9 @@ def async_client(
     url: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, **defaults: Any
 ) -> aioredis.Redis:
     """A ``redis.asyncio.Redis`` for ``url`` (plain or Sentinel) with a blocking pool of at
-    most ``max_connections`` connections (see the module docstring). No I/O here.
+    most ``max_connections`` connections (see the module docstring), or a
+    ``redis.asyncio.cluster.RedisCluster`` as :func:`sync_client` says. No I/O here, but for the
+    one ``INFO cluster`` of :func:`sync_client`.
 
     Raises:
         InvalidArgument: as :func:`sync_client`.
@@ -238,6 +249,11 @@ def _client(
     cap = check_max_connections(max_connections)
     try:
         cap = _url_max_connections(url, cap)
+        if _is_cluster(url, defaults):
+            from . import _cluster
+
+            build = _cluster.async_cluster if mod is aioredis else _cluster.sync_cluster
+            return build(url, cap, defaults)
         if not is_sentinel_url(url):
             pool = mod.BlockingConnectionPool.from_url(
                 url, **{**defaults, "max_connections": cap, "timeout": _pool_wait(defaults)}
@@ -309,17 +325,25 @@ SHARED_SSL_SETTINGS = frozenset(
 )
 
 
+def _is_cluster(url: str, defaults: dict[str, Any]) -> bool:
+    from ._cluster import is_cluster_node, is_cluster_url
+
+    if is_cluster_url(url):
+        return True
+    return urlsplit(url).scheme in ("redis", "rediss") and is_cluster_node(url, defaults)
+
+
 def check_supported_client(client: Any) -> None:
-    """Raise InvalidArgument, naming the client's type, when ``client`` is not a client of
-    one server (or Sentinel) with a ``connection_pool``, as ``redis.Redis`` is: a Redis
-    Cluster client is not supported yet."""
+    """Raise InvalidArgument, naming the client's type, when ``client`` is neither a client
+    of one server (or Sentinel) with a ``connection_pool``, as ``redis.Redis`` is, nor a
+    ``redis.cluster.RedisCluster``."""
     from redis.cluster import RedisCluster
 
-    if isinstance(client, RedisCluster) or getattr(client, "connection_pool", None) is None:
+    if not isinstance(client, RedisCluster) and getattr(client, "connection_pool", None) is None:
         what = f"{type(client).__module__}.{type(client).__qualname__}"
         raise InvalidArgument(
-            f"gpulock.Pool needs a redis.Redis client (one server, or Sentinel), not a {what}: "
-            f"Redis Cluster is not supported yet"
+            f"gpulock.Pool needs a redis.Redis client (one server, or Sentinel) or a "
+            f"redis.cluster.RedisCluster, not a {what}"
         )
 
 
@@ -331,8 +355,19 @@ def async_client_like(client: redis.Redis, *, max_connections: int) -> aioredis.
     the socket timeout (else :data:`DEFAULT_POOL_WAIT_S`) for a free one. No I/O here.
 
     A Sentinel-managed client (``Sentinel.master_for``) gets one too: it asks the same
-    sentinels (with the shared settings of their connections) for the same service's primary.
+    sentinels (with the shared settings of their connections) for the same service's primary;
+    and a ``RedisCluster`` an asyncio ``RedisCluster`` seeded with the nodes it knows.
     """
+    from redis.cluster import RedisCluster
+
+    if isinstance(client, RedisCluster):
+        from ._cluster import async_cluster_like
+
+        shared_all = SHARED_CONNECTION_SETTINGS | SHARED_SSL_SETTINGS
+        cluster: aioredis.Redis = async_cluster_like(  # same command API as redis.asyncio.Redis
+            client, shared_all, check_max_connections(max_connections), DEFAULT_POOL_WAIT_S
+        )
+        return cluster
     pool = client.connection_pool
     cls = pool.connection_class
     tls = issubclass(cls, redis.SSLConnection)

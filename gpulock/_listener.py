@@ -5,6 +5,12 @@ publish the grants on this process's channel (``<events key>:<channel_id>``); on
 them and hands exactly those waiters their grants (:meth:`WaiterRegistry.deliver`). Nobody
 else is woken and no extra round trip is needed (server-side hand-off). While the
 subscription is down the heartbeat's polling finds the grants instead.
+
+The scripts publish with ``SPUBLISH`` where the server has sharded pub/sub (Redis ≥ 7, Valkey
+≥ 7.2) and with ``PUBLISH`` on Redis 6.2 (``lua/lib.lua``); the listener follows the same
+rule, decided once per subscription connection: it sends ``SSUBSCRIBE`` first, and on a
+server that does not know it, ``SUBSCRIBE``. On a cluster the sharded subscription is made
+on the pool's own shard (redis-py's ``ClusterPubSub`` follows the slot when it moves).
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ import asyncio
 import logging
 from typing import Any, Callable
 
-from redis.exceptions import AuthenticationError, NoPermissionError
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+
+from ._cluster import is_cluster_client
 
 from ._failure_log import FailureLog
 from ._protocol import decode_events, retry_delay, translate
@@ -47,6 +55,8 @@ class Listener:
         self._log = FailureLog(
             f"pub/sub subscription for pool {pool}", clock=clock, level=logging.INFO
         )
+        #: Whether the subscription is sharded (SSUBSCRIBE); None until the server answered.
+        self.sharded: bool | None = None
 
     @property
     def subscribed(self) -> bool:
@@ -90,30 +100,51 @@ class Listener:
         self._task.cancel()
         return [self._task]
 
+    async def _subscribe(self, ps: Any) -> bool:
+        """Subscribe ``ps`` to the channel, sharded if the server has it; returns whether it
+        is sharded. Raises what the server or the connection raises."""
+        if self.sharded is not False:
+            await ps.ssubscribe(self.channel)  # refused on 6.2: see _listen
+            return True
+        await ps.subscribe(self.channel)
+        return False
+
     async def _listen(self) -> None:
         subscribed, news = self._subscribed, self._news
         assert subscribed is not None and news is not None  # made by ensure_subscribed
         attempt = 0
+        cluster = is_cluster_client(self.redis)
         while not self._is_closed():
             ps = self.redis.pubsub(ignore_subscribe_messages=False)
             try:
-                await ps.subscribe(self.channel)
+                sharded = await self._subscribe(ps)
+                read = ps.get_sharded_message if sharded and cluster else ps.get_message
                 while not self._is_closed():
-                    msg = await ps.get_message(timeout=1.0)
+                    msg = await read(timeout=1.0)
                     if msg is None:
                         continue
-                    if msg["type"] == "subscribe":
+                    kind = msg["type"]
+                    kind = kind.decode() if isinstance(kind, bytes) else kind
+                    if kind in ("subscribe", "ssubscribe"):
+                        self.sharded = kind == "ssubscribe"
                         subscribed.set()
                         self._error = None
                         news.set()
                         attempt = 0
                         self._log.ok()
-                    elif msg["type"] == "message":
+                    elif kind in ("message", "smessage"):
                         for g in decode_events(msg["data"]):
                             self._registry.deliver(g)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # connection trouble: the heartbeat's polling covers us
+                if (
+                    isinstance(e, ResponseError)
+                    and self.sharded is not False
+                    and "unknown command" in str(e).lower()
+                ):
+                    self.sharded = False  # Redis 6.2, no SSUBSCRIBE: its scripts PUBLISH
+                    continue
                 subscribed.clear()
                 self._error = e  # for ensure_subscribed: stop waiting, and why
                 news.set()

@@ -21,7 +21,15 @@ def retry_bound(backend_timeout: float, timeout: float | None) -> float:
 
 
 # Errors worth retrying for idempotent operations: the request may or may not have run.
-RETRYABLE = (rex.ConnectionError, rex.TimeoutError, ConnectionError, OSError)
+RETRYABLE = (
+    rex.ConnectionError,
+    rex.TimeoutError,
+    ConnectionError,
+    OSError,
+    rex.ClusterDownError,  # a cluster shard without a master: a failover in progress
+    rex.TryAgainError,  # a slot being migrated
+    rex.RedisClusterException,  # no seed node of a cluster reachable (redis-py's wording)
+)
 
 # The retry schedule (seconds): full jitter over 0.05 s doubling per attempt, capped at 1 s.
 RETRY_BASE_S, RETRY_CAP_S = 0.05, 1.0

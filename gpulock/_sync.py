@@ -18,9 +18,10 @@ from types import TracebackType
 from typing import Any, Callable, Coroutine, TypeVar
 
 import redis
-from redis.exceptions import AuthenticationError, NoScriptError
+from redis.exceptions import AuthenticationError, MovedError, NoScriptError
 
 from . import _flow as flow
+from ._cluster import primary_client
 from ._async import _CLIENT_DEFAULTS, DEFAULT_BACKEND_TIMEOUT_S
 from ._args import (
     DEFAULT_MAX_WAITERS,
@@ -279,7 +280,8 @@ class Pool(PoolOptions):
             if self._portal is None:
                 portal = _LoopThread(f"gpulock-{self.name}", closed=lambda: PoolClosed(self.name))
                 try:
-                    cap = _background_cap(getattr(self.redis.connection_pool, "max_connections", 4))
+                    pool = getattr(self.redis, "connection_pool", None)  # None: a cluster client
+                    cap = _background_cap(getattr(pool, "max_connections", 4))
                     client = (
                         async_client(self._url, max_connections=cap, **_CLIENT_DEFAULTS)
                         if self._url
@@ -435,16 +437,24 @@ class Pool(PoolOptions):
         """:class:`gpulock._flow.SyncedRenew` on the caller's client (one pipeline, one
         connection; see :func:`gpulock._flow.queue_synced_renew`)."""
         timeout_ms = max(1, int(self.sync_timeout * 1000))
-        for attempt in range(2):
-            with self.redis.pipeline(transaction=False) as p:
-                sync_key = pool_key(self.name, "sync")
-                flow.queue_synced_renew(
-                    p, self._keys, args, self.sync_replicas, timeout_ms, sync_key
-                )
-                out = flow.synced_renew_reply(p.execute(raise_on_error=False), attempt == 0)
+        sync_key = pool_key(self.name, "sync")
+        for attempt in range(3):
+            # On a cluster: the pool's primary itself (WAIT covers one connection's writes)
+            r = primary_client(self.redis, sync_key)
+            try:
+                with r.pipeline(transaction=False) as p:
+                    flow.queue_synced_renew(
+                        p, self._keys, args, self.sync_replicas, timeout_ms, sync_key
+                    )
+                    out = flow.synced_renew_reply(p.execute(raise_on_error=False), attempt == 0)
+            except MovedError:
+                if attempt == 2 or r is self.redis:
+                    raise
+                self.redis.nodes_manager.initialize()  # type: ignore[attr-defined]  # cluster
+                continue
             if out is not None:
                 return out
-            self.redis.script_load(scripts()["renew"].source)
+            r.script_load(scripts()["renew"].source)
         raise AssertionError("unreachable")
 
     # ---- operations -------------------------------------------------------------------------

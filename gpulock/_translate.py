@@ -20,6 +20,18 @@ def translate(exc: BaseException, pool: str) -> BaseException:
     """Map a redis-py error to gpulock's tree (the caller raises it ``from exc``)."""
     if isinstance(exc, GpuLockError):
         return exc
+    if isinstance(exc, (rex.MovedError, rex.AskError)):
+        # Only a client of one server sees these: its server is a cluster node that does not
+        # serve this pool's slot (the probe at connect could not tell, e.g. it was down then).
+        return InvalidArgument(
+            f"the Redis server is a Redis Cluster node, and pool {pool!r}'s slot is served by "
+            f"another node ({exc}); connect with a cluster URL, redis+cluster://HOST:PORT[,...], "
+            f"or a redis.cluster.RedisCluster client"
+        )
+    if isinstance(
+        exc, (rex.ClusterDownError, rex.TryAgainError, rex.ClusterError, rex.RedisClusterException)
+    ):
+        return BackendUnavailable(f"Redis Cluster unavailable for pool {pool!r}: {exc}")
     if isinstance(exc, rex.ResponseError):
         msg = str(exc)
         code, _, rest = msg.partition(" ")

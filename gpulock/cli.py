@@ -111,7 +111,7 @@ def _main(
         "--redis-url",
         envvar="GPULOCK_REDIS_URL",
         show_default=True,
-        help="Redis holding the pools (redis://, rediss://, unix:// or redis+sentinel://HOST:PORT,.../SERVICE).",
+        help="Redis holding the pools (redis://, rediss://, unix://, redis+sentinel://HOST:PORT,.../SERVICE or redis+cluster://HOST:PORT,...).",
     ),
     broker_url: Optional[str] = typer.Option(
         None,

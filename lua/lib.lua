@@ -205,10 +205,17 @@ local function grant_head(now)
   return lines, n
 end
 
+-- Sharded pub/sub where the server has it (Redis >= 7, Valkey >= 7.2: REDIS_VERSION_NUM is
+-- set from 7.0 on): on a cluster SPUBLISH stays on the pool's shard (the channel carries the
+-- pool's hash tag) where PUBLISH is broadcast to every node. The subscriber picks SSUBSCRIBE
+-- by the same rule (gpulock/_listener.py).
+local PUBLISH_CMD = 'PUBLISH'
+if redis.REDIS_VERSION_NUM and redis.REDIS_VERSION_NUM >= 0x070000 then PUBLISH_CMD = 'SPUBLISH' end
+
 local function publish(now, lines, n)
   if n > 0 then
     for chan, group in pairs(lines) do
-      redis.call('PUBLISH', K_EVENTS .. ':' .. chan, 'g ' .. fmt(now) .. '\n' .. table.concat(group, '\n'))
+      redis.call(PUBLISH_CMD, K_EVENTS .. ':' .. chan, 'g ' .. fmt(now) .. '\n' .. table.concat(group, '\n'))
     end
   end
 end

@@ -48,6 +48,8 @@ away while waiting), and exits 0.
 GPULOCK_SOAK_SYNC_REPLICAS and GPULOCK_SOAK_SYNC_TIMEOUT set the pools' sync_replicas and
 sync_timeout; GPULOCK_SOAK_MAX_TTL their max_ttl (the grace period after Redis lost the pool);
 GPULOCK_SOAK_MAX_CONNECTIONS their max_connections, where the pool objects have that setting.
+GPULOCK_SOAK_CLOCK_URL: the server the TIME reads go to (default URL; a cluster test gives one
+node's plain URL: every node of a loopback cluster reads the same clock).
 """
 
 from __future__ import annotations
@@ -112,7 +114,10 @@ def main() -> None:
     # One connection for the TIME reads (the test counts it next to gpulock's).
     clock = redis.Redis(
         connection_pool=redis.BlockingConnectionPool.from_url(
-            url, max_connections=1, timeout=10, client_name=CLOCK_NAME
+            os.environ.get("GPULOCK_SOAK_CLOCK_URL", url),
+            max_connections=1,
+            timeout=10,
+            client_name=CLOCK_NAME,
         )
     )
     f = open(out, "a", buffering=1)
@@ -351,7 +356,10 @@ async def _crowd_main(url, pool_name, rng, end_at, log) -> None:
     quit_at = time.time() + rng.uniform(*map(float, life.split(","))) if life else end_at
     clock = aioredis.Redis(
         connection_pool=aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=1, timeout=10, client_name=CLOCK_NAME
+            os.environ.get("GPULOCK_SOAK_CLOCK_URL", url),
+            max_connections=1,
+            timeout=10,
+            client_name=CLOCK_NAME,
         )
     )
     pool = AsyncPool.from_url(

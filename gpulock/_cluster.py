@@ -1,0 +1,191 @@
+"""Redis Cluster (and Valkey cluster): its URL form, telling a cluster node from a lone server,
+and the clients redis-py's cluster support gives for both.
+
+Every key of a pool carries the pool's hash tag (``gpulock:{pool}:...``), so a pool lives on
+one shard (one master and its replicas) and a fleet of pools spreads over the shards; no
+script or call crosses slots. The forms::
+
+    redis+cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...][/0][?max_connections=N]
+    rediss+cluster://...   (TLS)
+
+name one or more seed nodes (any nodes of the cluster; redis-py discovers the rest and follows
+MOVED/ASK and failovers). A plain ``redis://HOST:PORT`` (or ``rediss://``) of any cluster node
+works too: :func:`is_cluster_node` asks the node once (``INFO cluster``) when the client is
+built. ``max_connections`` caps the connections per node.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.cluster import ClusterNode, RedisCluster
+
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+DEFAULT_CLUSTER_PORT = 6379
+#: Seconds the one-time probe of a plain URL waits to connect and for its answer.
+PROBE_TIMEOUT_S = 1.0
+
+_known: dict[
+    str, bool
+] = {}  # URL -> is a cluster node (answers only; an unreachable URL is not kept)
+_known_lock = threading.Lock()
+
+
+def is_cluster_url(url: str) -> bool:
+    return urlsplit(url).scheme in CLUSTER_SCHEMES
+
+
+def is_cluster_client(client: Any) -> bool:
+    """Whether ``client`` is a redis-py cluster client (sync or asyncio)."""
+    return isinstance(client, (RedisCluster, AsyncRedisCluster))
+
+
+class ClusterURL:
+    """A parsed ``redis+cluster://`` URL (see the module docstring). Raises ValueError naming
+    the bad part."""
+
+    def __init__(self, url: str):
+        parts = urlsplit(url)
+        if parts.scheme not in CLUSTER_SCHEMES:
+            raise ValueError(f"not a cluster URL (scheme {parts.scheme!r})")
+        self.ssl = parts.scheme == "rediss+cluster"
+        creds, _, hosts = parts.netloc.rpartition("@")
+        self.username: str | None = None
+        self.password: str | None = None
+        if creds:
+            user, sep, pw = creds.partition(":")
+            self.username = unquote(user) or None
+            self.password = unquote(pw) if sep else None
+        self.nodes: list[tuple[str, int]] = []
+        for hp in hosts.split(","):
+            hp = hp.strip()
+            host, sep, port = hp.rpartition(":") if ":" in hp else (hp, "", "")
+            if not host:
+                raise ValueError(f"empty host in {hosts!r}")
+            try:
+                self.nodes.append((host, int(port) if sep else DEFAULT_CLUSTER_PORT))
+            except ValueError:
+                raise ValueError(f"bad port {port!r} in {hp!r}") from None
+        path = [p for p in parts.path.split("/") if p]
+        if path and path != ["0"]:
+            raise ValueError(f"a cluster has only database 0, not /{'/'.join(path)}")
+        q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        unknown = set(q) - {"max_connections"}
+        if unknown:
+            raise ValueError(f"unknown option(s) {sorted(unknown)}")
+
+    def client_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        kw = dict(defaults)
+        if self.username:
+            kw["username"] = self.username
+        if self.password is not None:
+            kw["password"] = self.password
+        if self.ssl:
+            kw["ssl"] = True
+        return kw
+
+
+def is_cluster_node(url: str, defaults: dict[str, Any]) -> bool:
+    """Whether the server of a plain ``redis://``/``rediss://`` URL is a cluster node
+    (``INFO cluster`` says ``cluster_enabled:1``): one round trip the first time a URL is
+    used in this process, remembered once answered. A server that cannot be asked now
+    (down, refusing the credentials) counts as a lone server; should it turn out to be a
+    cluster node, its MOVED replies say so (:func:`gpulock._translate.translate`)."""
+    with _known_lock:
+        if url in _known:
+            return _known[url]
+    t = min(PROBE_TIMEOUT_S, float(defaults.get("socket_connect_timeout") or PROBE_TIMEOUT_S))
+    try:
+        c = redis.Redis.from_url(url, socket_connect_timeout=t, socket_timeout=t)
+        try:
+            enabled = str(c.info("cluster").get("cluster_enabled", 0)) == "1"
+        finally:
+            c.close()
+    except (redis.RedisError, OSError, ValueError):
+        return False
+    with _known_lock:
+        _known[url] = enabled
+    return enabled
+
+
+def _node_kwargs(defaults: dict[str, Any], cap: int) -> dict[str, Any]:
+    kw = {k: v for k, v in defaults.items() if k != "timeout"}
+    kw["max_connections"] = cap
+    return kw
+
+
+def sync_cluster(url: str, cap: int, defaults: dict[str, Any]) -> RedisCluster:
+    """A ``redis.cluster.RedisCluster`` for a cluster URL or a plain URL of a cluster node,
+    at most ``cap`` connections per node. No I/O here (redis-py connects at first use).
+    Raises ValueError (a bad URL)."""
+    kw = _node_kwargs(defaults, cap)
+    if is_cluster_url(url):
+        cu = ClusterURL(url)
+        node: Any = ClusterNode  # redis-py's sync cluster module is unannotated
+        nodes = [node(h, p) for h, p in cu.nodes]
+        return RedisCluster(startup_nodes=nodes, **cu.client_kwargs(kw))
+    return RedisCluster.from_url(url, **kw)
+
+
+def async_cluster(url: str, cap: int, defaults: dict[str, Any]) -> AsyncRedisCluster:
+    """The asyncio twin of :func:`sync_cluster`."""
+    kw = _node_kwargs(defaults, cap)
+    if is_cluster_url(url):
+        cu = ClusterURL(url)
+        nodes = [AsyncClusterNode(h, p) for h, p in cu.nodes]
+        return AsyncRedisCluster(startup_nodes=nodes, **cu.client_kwargs(kw))
+    return AsyncRedisCluster.from_url(url, **kw)
+
+
+def async_cluster_like(
+    client: Any, shared: frozenset[str], cap: int, pool_wait: float
+) -> AsyncRedisCluster:
+    """An asyncio cluster client that reaches the nodes the sync ``client`` knows, with the
+    connection settings in ``shared`` that its nodes' connections were made with."""
+    ckw = client.nodes_manager.connection_kwargs
+    kw = {k: v for k, v in ckw.items() if k in shared and k not in ("host", "port")}
+    nodes = [AsyncClusterNode(n.host, n.port) for n in client.get_nodes()] or [
+        AsyncClusterNode(n.host, n.port) for n in client.nodes_manager.startup_nodes.values()
+    ]
+    if ckw.get("connection_class") is not None and issubclass(
+        ckw["connection_class"], redis.SSLConnection
+    ):
+        kw["ssl"] = True
+    return AsyncRedisCluster(startup_nodes=nodes, max_connections=cap, **kw)
+
+
+def primary_client(client: Any, key: str) -> Any:
+    """A client of one server, the primary that serves ``key``'s slot now, for what must run
+    on one connection of that server (a renewal and the ``WAIT`` that covers it). Sync
+    ``RedisCluster``: that node's own ``redis.Redis``; asyncio: a ``redis.asyncio.Redis`` on the
+    node, made once per node and kept on the cluster client. Not a cluster client: itself."""
+    if isinstance(client, RedisCluster):
+        sc: Any = client  # redis-py's sync cluster module is unannotated
+        node = sc.get_node_from_key(key)
+        if node is None or node.redis_connection is None:
+            sc.nodes_manager.initialize()
+            node = sc.get_node_from_key(key)
+        return node.redis_connection
+    if isinstance(client, AsyncRedisCluster):
+        node = client.get_node_from_key(key)
+        if node is None:
+            raise redis.exceptions.ClusterDownError(f"no node serves the slot of {key}")
+        cache: dict[str, aioredis.Redis] = client.__dict__.setdefault("_gpulock_primaries", {})
+        r = cache.get(node.name)
+        if r is None:
+            ckw = dict(node.connection_kwargs)
+            cls = node.connection_class
+            kw = {k: v for k, v in ckw.items() if k not in ("host", "port")}
+            r = cache[node.name] = aioredis.Redis(
+                connection_pool=aioredis.ConnectionPool(
+                    connection_class=cls, host=node.host, port=node.port, max_connections=4, **kw
+                )
+            )
+        return r
+    return client

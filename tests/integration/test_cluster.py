@@ -1,0 +1,184 @@
+"""gpulock on a real Redis Cluster and a real Valkey cluster (3 masters, 3 replicas, on loopback,
+started here): the URL forms, pools spread over the masters, sharded hand-offs, sync_replicas
+through the pool's own primary, listing across masters, and errors that name their cause.
+
+The fault tests (kill -9 of a pool's master, the safety history over several processes) are in
+tests/faults/server/test_cluster_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import redis
+from redis.cluster import RedisCluster
+from support.cluster import Cluster, start_cluster
+
+from gpulock import AsyncPool, InvalidArgument, Pool
+from gpulock._admin import pool_names
+from gpulock._connect import async_client, sync_client
+from gpulock._keys import pool_key
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def cluster(server_binary):
+    c = start_cluster(server_binary)
+    yield c
+    c.stop()
+
+
+def spread(c: Cluster, prefix: str) -> list[str]:
+    """Pool names, one served by each master (in master order)."""
+    out: dict[int, str] = {}
+    for i in range(1000):
+        name = f"{prefix}{i}"
+        port = c.master_of(pool_key(name, "cfg")).port
+        out.setdefault(port, name)
+        if len(out) == len(c.masters):
+            break
+    return [out[m.port] for m in c.masters]
+
+
+def test_every_url_form_reaches_every_master(cluster):
+    names = spread(cluster, "url")
+    urls = [cluster.url, cluster.node_url(0), cluster.node_url(2)]
+    for url in urls:
+        assert isinstance(sync_client(url), RedisCluster), url
+        for name in names:  # a plain URL of one node serves pools on the other masters too
+            with Pool.from_url(url, name) as p:
+                p.configure(100)
+                lease = p.acquire(60, ttl=5)
+                assert p.status().used == 60
+                lease.release()
+    for name in names:
+        with Pool.from_url(cluster.url, name) as p:
+            assert p.status().grants == len(urls)
+
+
+async def test_async_pools_on_every_master_hand_off_over_sharded_pubsub(cluster):
+    """A waiter is woken by its grant, published with SPUBLISH on its pool's shard and read
+    by the listener's SSUBSCRIBE; poll_interval is 60 s, so only the hand-off can deliver it
+    within the test's bound."""
+    for name in spread(cluster, "ho"):
+        p = AsyncPool.from_url(cluster.url, name, poll_interval=60)
+        try:
+            await p.configure(100)
+            held = await p.acquire(80, ttl=30)
+            w = asyncio.create_task(p.acquire(80, ttl=30, timeout=30))
+            while not (await p.status()).waiter_count:
+                await asyncio.sleep(0.01)
+            assert p._runtime is not None and p._runtime.listener.sharded is True
+            await held.release()
+            lease = await asyncio.wait_for(w, 10)
+            assert lease.token > held.token
+            await lease.release()
+        finally:
+            await p.aclose()
+
+
+def test_sync_pool_on_a_cluster_client_hands_off(cluster):
+    name = spread(cluster, "sy")[1]
+    rc = RedisCluster(host=cluster.masters[0].host, port=cluster.masters[0].port)
+    with Pool(rc, name, poll_interval=60) as p:
+        p.configure(100)
+        held = p.acquire(80, ttl=30)
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(p.acquire(80, ttl=30, timeout=30)))
+        t.start()
+        while not p.status().waiter_count:
+            pass
+        held.release()
+        t.join(10)
+        assert got and got[0].token > held.token
+        got[0].release()
+    rc.close()
+
+
+@pytest.mark.parametrize("shell", ["sync", "async"])
+async def test_sync_replicas_waits_on_the_pools_own_primary(cluster, shell):
+    """A grant with sync_replicas is confirmed by a renewal and WAIT on one connection; WAIT
+    counts the replicas of that connection's server, so it must run on the pool's primary
+    (redis-py's cluster pipeline refuses a keyless WAIT)."""
+    for name in spread(cluster, f"sr{shell}"):
+        if shell == "sync":
+            with Pool.from_url(cluster.url, name, sync_replicas=1, sync_timeout=2.0) as p:
+                p.configure(100)
+                lease = p.acquire(10, ttl=5)
+                assert not lease.lost
+                lease.release()
+        else:
+            ap = AsyncPool.from_url(cluster.url, name, sync_replicas=1, sync_timeout=2.0)
+            try:
+                await ap.configure(100)
+                alease = await ap.acquire(10, ttl=5)
+                await alease.release()
+            finally:
+                await ap.aclose()
+        # the pool's replica has the confirming renewal (the sync counter moved with it)
+        master = cluster.master_of(pool_key(name, "cfg"))
+        replica = cluster.replicas[cluster.masters.index(master)][0]
+        r = redis.Redis(host=replica.host, port=replica.port, single_connection_client=True)
+        r.execute_command("READONLY")  # a replica answers reads of its slots only so
+        assert int(r.get(pool_key(name, "sync")) or 0) >= 1
+        r.close()
+
+
+def test_listing_and_cli_status_cover_every_master(cluster):
+    names = spread(cluster, "ls")
+    for name in names:
+        with Pool.from_url(cluster.url, name) as p:
+            p.configure(100)
+    assert set(names) <= set(pool_names(sync_client(cluster.node_url(1))))
+    env = {**os.environ, "GPULOCK_REDIS_URL": cluster.node_url(1)}
+    r = subprocess.run(
+        [sys.executable, "-m", "gpulock", "status", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    listed = {s["pool"] for s in json.loads(r.stdout)}
+    assert set(names) <= listed, (names, listed)
+
+
+def test_a_lone_server_client_of_a_cluster_node_names_the_fix(cluster):
+    """A client of one server (the probe could not tell, or the user built it) gets MOVED
+    for a pool on another master: that is an InvalidArgument saying to use a cluster URL,
+    never "Redis unavailable"."""
+    name = spread(cluster, "mv")[1]
+    lone = redis.Redis(host=cluster.masters[0].host, port=cluster.masters[0].port)
+    with Pool(lone, name) as p:
+        with pytest.raises(InvalidArgument, match=r"redis\+cluster://"):
+            p.configure(100)
+    lone.close()
+
+
+@pytest.mark.parametrize(
+    "url, bad",
+    [
+        ("redis+cluster://127.0.0.1:notaport", "notaport"),
+        ("redis+cluster://127.0.0.1:7000/3", "database 0"),
+        ("redis+cluster://127.0.0.1:7000?colour=red", "colour"),
+        ("redis+cluster://:7000", "empty host"),
+    ],
+)
+def test_bad_cluster_urls_name_the_bad_part(url, bad):
+    for build in (sync_client, async_client):
+        with pytest.raises(InvalidArgument, match=bad):
+            build(url)
+
+
+def test_cluster_url_seeds_and_tls_scheme_parse():
+    from gpulock._cluster import ClusterURL
+
+    cu = ClusterURL("rediss+cluster://u:p%40ss@h1:7000,h2:7001,h3/0?max_connections=8")
+    assert cu.nodes == [("h1", 7000), ("h2", 7001), ("h3", 6379)] and cu.ssl
+    assert (cu.username, cu.password) == ("u", "p@ss")
