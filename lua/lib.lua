@@ -209,13 +209,13 @@ end
 -- set from 7.0 on): on a cluster SPUBLISH stays on the pool's shard (the channel carries the
 -- pool's hash tag) where PUBLISH is broadcast to every node. The subscriber picks SSUBSCRIBE
 -- by the same rule (gpulock/_listener.py).
-local PUBLISH_CMD = 'PUBLISH'
-if redis.REDIS_VERSION_NUM and redis.REDIS_VERSION_NUM >= 0x070000 then PUBLISH_CMD = 'SPUBLISH' end
+local SHARDED = redis.REDIS_VERSION_NUM ~= nil and redis.REDIS_VERSION_NUM >= 0x070000
 
 local function publish(now, lines, n)
   if n > 0 then
     for chan, group in pairs(lines) do
-      redis.call(PUBLISH_CMD, K_EVENTS .. ':' .. chan, 'g ' .. fmt(now) .. '\n' .. table.concat(group, '\n'))
+      local ch, msg = K_EVENTS .. ':' .. chan, 'g ' .. fmt(now) .. '\n' .. table.concat(group, '\n')
+      if SHARDED then redis.call('SPUBLISH', ch, msg) else redis.call('PUBLISH', ch, msg) end
     end
   end
 end

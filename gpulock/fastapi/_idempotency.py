@@ -7,7 +7,7 @@ Keys (see ``gpulock._keys``): ``gpulock:{pool}:req:<ticket>`` is the claim,
 ``gpulock:{pool}:res:<ticket>`` the result, JSON ``{"fp", "result"}`` or ``{"fp",
 "response": {"status", "media_type", "body" (base64)}}``, kept ``result_ttl`` seconds;
 ``gpulock:{pool}:hold:<ticket>`` a follower's 503 on another worker: the owner keeps the
-request's place while it lives (its PX is the hold that 503 promised, ``gpulock._places``)."""
+request's place while it exists (its PX is the hold that 503 promised, ``gpulock._places``)."""
 
 from __future__ import annotations
 
@@ -173,12 +173,12 @@ class RequestStore:
                 self._backend.key(f"hold:{ticket}"), "1", px=max(1, int(seconds * 1000))
             )
 
-    async def held_for(self, ticket: str) -> float:
-        """Seconds a follower asked the place of ``ticket`` to be kept from now (0: none).
+    async def held(self, ticket: str) -> bool:
+        """Whether a follower's hold on the place of ``ticket`` lives now (EXISTS: a command
+        the core's ACL already has).
 
         Raises: what the Redis client raises."""
-        ms = await self._redis.pttl(self._backend.key(f"hold:{ticket}"))
-        return max(0, int(ms)) / 1000.0
+        return bool(await self._redis.exists(self._backend.key(f"hold:{ticket}")))
 
     # ---- results ----------------------------------------------------------------------------
     async def get(self, ticket: str, fp: str, request_id: str) -> Any:

@@ -31,6 +31,9 @@ from ._settings import Settings
 
 log = logging.getLogger("gpulock.fastapi")
 
+#: How often a place kept only by another worker's hold is looked at again, seconds.
+HELD_RECHECK_S = 1.0
+
 _current_lease: contextvars.ContextVar[AsyncLease | None] = contextvars.ContextVar(
     "gpulock_lease", default=None
 )
@@ -186,20 +189,21 @@ class JobRunner:
 
     def _place_expired(self, ticket: str, place: KeptPlace) -> None:
         """A parked job's hold ran out with no request attached: unless a retry on another
-        worker asked for more time (:meth:`RequestStore.held_for`), it leaves the queue."""
+        worker asked for more time (:meth:`RequestStore.held`; looked at again every
+        :data:`HELD_RECHECK_S` while it lasts), it leaves the queue."""
         job = self.by_ticket.get(ticket)
         if job is not None and job.place is place and job.phase in ("slot", "queued"):
             self._spawn(self._withdraw(job, ticket), "gpulock-place")
 
     async def _withdraw(self, job: Job, ticket: str) -> None:
         try:
-            more = await self._store.held_for(ticket)
+            held = await self._store.held(ticket)
         except Exception:  # noqa: BLE001 - Redis unreachable: nothing is granted now anyway
-            more = 0.0
+            held = False
         if job.phase not in ("slot", "queued") or self.by_ticket.get(ticket) is not job:
             return
-        if more > 0 or job.place.busy():  # a retry (here or elsewhere) keeps it
-            self.places.keep(ticket, job.place, until=time.monotonic() + max(more, 0.001))
+        if held or job.place.busy():  # a retry (here or elsewhere) keeps it
+            self.places.keep(ticket, job.place, until=time.monotonic() + HELD_RECHECK_S)
             return
         job.abandoned = True  # before any await: a grant arriving now must not run
         if job.task is not None:

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import redis
@@ -93,7 +94,7 @@ def test_sync_pool_on_a_cluster_client_hands_off(cluster):
         t = threading.Thread(target=lambda: got.append(p.acquire(80, ttl=30, timeout=30)))
         t.start()
         while not p.status().waiter_count:
-            pass
+            time.sleep(0.01)
         held.release()
         t.join(10)
         assert got and got[0].token > held.token
@@ -182,3 +183,26 @@ def test_cluster_url_seeds_and_tls_scheme_parse():
     cu = ClusterURL("rediss+cluster://u:p%40ss@h1:7000,h2:7001,h3/0?max_connections=8")
     assert cu.nodes == [("h1", 7000), ("h2", 7001), ("h3", 6379)] and cu.ssl
     assert (cu.username, cu.password) == ("u", "p@ss")
+
+
+async def test_gpulimiter_on_a_cluster_guards_and_replays(cluster):
+    """The FastAPI integration on a cluster URL: a guarded call, an X-Request-ID replay (the
+    claim and result keys share the pool's slot), the reaper's status reads."""
+    from support.apps import Running
+
+    from .test_fastapi import _app
+
+    name = spread(cluster, "svc")[2]
+    app, gpu, seen = _app(cluster.url, name)
+    async with Running(app) as c:
+        r = await c.post("/sync", json={"gib": 1})
+        assert r.status_code == 200, r.text
+        h = {"X-Request-ID": "on-a-cluster"}
+        first = await c.post("/sync", json={"gib": 1}, headers=h)
+        while gpu._runner.by_ticket:  # released and unclaimed (a retry now would join it)
+            await asyncio.sleep(0.01)
+        again = await c.post("/sync", json={"gib": 1}, headers=h)
+        assert first.status_code == again.status_code == 200
+        assert again.headers["x-idempotent-replay"] == "true"
+        await gpu._reaper.tick()
+        assert gpu.status is not None and gpu.status.grants == 2

@@ -156,7 +156,15 @@ def test_documented_acl_covers_exactly_the_scripts_commands():
     commands run inside scripts) and no other data command."""
     rules = documented_acl().split()
     allowed = {r[1:] for r in rules if r.startswith("+")}
-    client_side = {"evalsha", "script|load", "subscribe", "unsubscribe", "ping"}
+    client_side = {
+        "evalsha",
+        "script|load",
+        "subscribe",
+        "unsubscribe",
+        "ssubscribe",
+        "sunsubscribe",
+        "ping",
+    }
     assert client_side <= allowed
     assert allowed - client_side == lua_commands(), (allowed - client_side) ^ lua_commands()
     assert "~gpulock:*" in rules and "&gpulock:*" in rules and "-@all" in rules

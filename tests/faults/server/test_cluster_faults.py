@@ -1,0 +1,181 @@
+"""kill -9 of a pool's master on a real Redis Cluster / Valkey cluster (3 masters, 3 replicas,
+started here): the cluster promotes the master's replica (cluster-node-timeout 1 s), and
+
+* with ``sync_replicas=1`` (and two replicas per master, so that one is left to acknowledge
+  after the promotion) a lease held across the failover is kept (every grant and renewal
+  the holder relied on reached the replica first), its heartbeat renews it on the new master,
+  a waiter queued before the kill is granted after it, and fencing tokens keep increasing;
+* several processes acquiring on pools spread over the masters through such a failover never
+  hold more than a pool's capacity (recorded history, swept on the server clock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support.cluster import Cluster, start_cluster
+from support.history import max_concurrent
+
+from gpulock import AsyncPool
+from gpulock._keys import pool_key
+
+pytestmark = pytest.mark.timeout(180)
+
+WORKER = Path(__file__).parents[1] / "clients" / "_soak_worker.py"
+
+
+@pytest.fixture
+def cluster(server_binary):
+    # Two replicas per master: after a promotion the shard still has one to acknowledge
+    # sync_replicas=1 (with one, every renewal after the failover would go unacknowledged).
+    c = start_cluster(server_binary, replicas=2)
+    yield c
+    c.stop()
+
+
+def _on(c: Cluster, master: int, prefix: str) -> str:
+    """A pool name whose slot master ``master`` serves."""
+    for i in range(1000):
+        name = f"{prefix}{i}"
+        if c.master_of(pool_key(name, "cfg")) is c.masters[master]:
+            return name
+    raise AssertionError("no name found")
+
+
+def _promoted(c: Cluster, key: str, old) -> bool:
+    try:
+        return c.master_of(key) is not old
+    except RuntimeError:
+        return False
+
+
+async def _wait_for(pred, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_master_kill_keeps_synced_leases_and_wakes_waiters(cluster):
+    name = _on(cluster, 1, "kill")
+    key = pool_key(name, "cfg")
+    master = cluster.masters[1]
+    p = AsyncPool.from_url(cluster.url, name, sync_replicas=1, sync_timeout=2.0)
+    try:
+        await p.configure(100)
+        held = await p.acquire(60, ttl=12)  # outlasts the failover on a loaded machine
+        waiter = asyncio.create_task(p.acquire(60, ttl=12, timeout=60))
+        while not (await p.status()).waiter_count:
+            await asyncio.sleep(0.01)
+        master.kill()
+        t0 = time.monotonic()
+        await _wait_for(lambda: _promoted(cluster, key, master), "the replica's promotion")
+        promoted_s = time.monotonic() - t0
+        # The new master knows the lease and the waiter (replicated before they were used).
+        st = await p.status()
+        assert [li.lease_id for li in st.leases] == [held.id] and st.waiter_count == 1, st
+        # The heartbeat renews the lease on the new master: its validity moves on.
+        before = held.valid_until
+        await _wait_for(lambda: held.valid_until > before, "a renewal on the new master")
+        assert not held.lost
+        held.ensure_valid()
+        await held.release()
+        lease = await asyncio.wait_for(waiter, 30)  # woken on the new master
+        assert lease.token > held.token
+        st = await p.status()
+        assert st.used == 60 and st.lease_count == 1
+        await lease.release()
+        print(f"\ncluster failover: replica promoted {promoted_s:.2f}s after kill -9")
+    finally:
+        await p.aclose()
+
+
+def test_processes_through_a_master_kill_never_overbook(cluster, tmp_path):
+    """Pools on two masters, two processes each (sync and async pools), sync_replicas=1;
+    one master is killed half-way. Each pool's recorded holds never exceed its capacity."""
+    names = [_on(cluster, 0, "hist"), _on(cluster, 2, "hist")]
+    from gpulock import Pool
+
+    for n in names:
+        with Pool.from_url(cluster.url, n) as p:
+            p.configure(100)
+    duration = 10.0
+    end_at = time.time() + duration
+    env = {
+        **os.environ,
+        "GPULOCK_SOAK_SYNC_REPLICAS": "1",
+        "GPULOCK_SOAK_SYNC_TIMEOUT": "1.0",
+        "GPULOCK_SOAK_TOLERATE_BACKEND": "1",
+        # the TIME reads: a master that stays up (loopback nodes share one clock)
+        "GPULOCK_SOAK_CLOCK_URL": cluster.node_url(1),
+    }
+    procs = []
+    for j, n in enumerate(names):
+        for i in range(2):
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(WORKER),
+                        cluster.url,
+                        n,
+                        str(tmp_path / f"{n}-w{i}.log"),
+                        str(10 * j + i),
+                        repr(end_at),
+                        "60",
+                        "0",
+                        "sync" if i == 0 else "async",
+                    ],
+                    env=env,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+    try:
+        # half-way, once every process has had grants
+        deadline = time.monotonic() + duration
+
+        def granted(f: Path) -> bool:
+            return f.exists() and any(ln.startswith("G ") for ln in f.read_text().splitlines())
+
+        while time.time() < end_at - duration / 2 or not all(
+            granted(tmp_path / f"{n}-w{i}.log") for n in names for i in range(2)
+        ):
+            assert time.monotonic() < deadline + 30, "the workers made no grants"
+            assert all(pr.poll() is None for pr in procs), "a worker ended early"
+            time.sleep(0.05)
+        cluster.masters[0].kill()
+        for pr in procs:
+            _, err = pr.communicate(timeout=duration + 90)
+            assert pr.returncode == 0, err[-3000:]
+    finally:
+        for pr in procs:
+            if pr.poll() is None:
+                pr.kill()
+                pr.wait()
+    for n in names:
+        uses: dict[int, list[int]] = collections.defaultdict(list)
+        amounts: dict[int, int] = {}
+        errors, grants = [], 0
+        for f in tmp_path.glob(f"{n}-w*.log"):
+            for line in f.read_text().splitlines():
+                p = line.split(" ", 3)
+                if p[0] == "U":
+                    uses[int(p[1])].append(int(p[3]))
+                    amounts[int(p[1])] = int(p[2])
+                elif p[0] == "G":
+                    grants += 1
+                elif p[0] == "E":
+                    errors.append(line)
+        assert not errors, errors[:5]
+        peak, at = max_concurrent([(min(ts), max(ts) + 1, amounts[t]) for t, ts in uses.items()])
+        print(f"\npool {n}: {grants} grants, peak {peak}/100")
+        assert peak <= 100, f"pool {n}: {peak} bytes in use at server time {at} us"
+        assert grants >= 20
