@@ -62,7 +62,7 @@ class GpuLimiter:
     after fork.
 
     Args:
-        redis_url: ``redis://``/``rediss://``/``unix://``/``redis+sentinel://`` URL of the Redis holding the pool.
+        redis_url: ``redis://``/``rediss://``/``unix://``/``redis+sentinel://``/``redis+cluster://`` URL of the Redis holding the pool.
         pool: pool name (one GPU).
         capacity: bytes or a size ("20GiB"); when given the pool is created with it if it does
             not exist (``configure="create"``, the default) or set to it (``configure="set"``).
