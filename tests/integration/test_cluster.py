@@ -206,3 +206,76 @@ async def test_gpulimiter_on_a_cluster_guards_and_replays(cluster):
         assert again.headers["x-idempotent-replay"] == "true"
         await gpu._reaper.tick()
         assert gpu.status is not None and gpu.status.grants == 2
+
+
+def _pubsub_conns(node_clients) -> list[dict]:
+    """The clients on these servers that hold subscriptions (classic or sharded)."""
+    out = []
+    for c in node_clients:
+        for cl in c.client_list():
+            if int(cl.get("sub", 0)) + int(cl.get("ssub", 0)) + int(cl.get("psub", 0)):
+                out.append(cl)
+    return out
+
+
+async def _until_closed(node_clients, timeout: float = 10.0) -> None:
+    """Until the servers list no subscribed client (a closed socket is seen a moment later)."""
+    deadline = time.monotonic() + timeout
+    while conns := _pubsub_conns(node_clients):
+        assert time.monotonic() < deadline, conns
+        await asyncio.sleep(0.02)
+
+
+async def test_one_subscription_connection_per_shard_for_all_pool_objects(cluster):
+    """30 pool objects on one cluster client (as the broker keeps them), each with a waiter:
+    one hand-off subscription connection per master, not one per pool; all hand-offs still
+    arrive; closing the pool objects closes the connections."""
+    from gpulock._connect import async_client
+
+    client = async_client(cluster.url)
+    nodes = [cluster.client(m) for m in cluster.masters]
+    pools = [AsyncPool(client, f"share{i}", poll_interval=60) for i in range(30)]
+    try:
+        held, waits = [], []
+        for p in pools:
+            await p.configure(1)
+            held.append(await p.acquire(1, ttl=30))
+            waits.append(asyncio.create_task(p.acquire(1, ttl=30, timeout=30)))
+        while sum([(await p.status()).waiter_count for p in pools]) < len(pools):
+            await asyncio.sleep(0.01)
+        conns = _pubsub_conns(nodes)
+        masters_used = {cluster.master_of(pool_key(p.name, "cfg")).port for p in pools}
+        assert len(conns) == len(masters_used) == 3, conns
+        assert sum(int(c.get("ssub", 0)) for c in conns) == 30
+        for h in held:
+            await h.release()
+        for w in waits:
+            await (await asyncio.wait_for(w, 10)).release()
+    finally:
+        for p in pools:
+            await p.aclose()
+    await _until_closed(nodes)
+    await client.aclose()
+
+
+async def test_one_subscription_connection_for_all_pool_objects_on_one_server(redis_proc):
+    from gpulock._connect import async_client
+
+    client = async_client(redis_proc.url)
+    pools = [AsyncPool(client, f"one{i}", poll_interval=60) for i in range(20)]
+    try:
+        for p in pools:
+            await p.configure(1)
+            h = await p.acquire(1, ttl=30)
+            w = asyncio.create_task(p.acquire(1, ttl=30, timeout=30))
+            while not (await p.status()).waiter_count:
+                await asyncio.sleep(0.01)
+            await h.release()
+            await (await asyncio.wait_for(w, 10)).release()
+        conns = _pubsub_conns([redis.Redis.from_url(redis_proc.url)])
+        assert len(conns) == 1 and int(conns[0].get("ssub", 0)) == 20, conns
+    finally:
+        for p in pools:
+            await p.aclose()
+    await _until_closed([redis.Redis.from_url(redis_proc.url)])
+    await client.aclose()
