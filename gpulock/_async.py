@@ -185,8 +185,10 @@ class AsyncPool(PoolOptions):
     def from_url(
         cls, url: str, name: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, **kw: Any
     ) -> "AsyncPool":
-        """Connect to a ``redis://``, ``rediss://``, ``unix://`` or ``redis+sentinel://`` URL
-        (no I/O until first use; Sentinel URLs: :mod:`gpulock._connect`).
+        """Connect to a ``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://`` or
+        ``redis+cluster://`` URL (no I/O until first use, but for the one ``INFO cluster`` a
+        plain URL's first use in the process costs; Sentinel URLs: :mod:`gpulock._connect`,
+        cluster URLs: :mod:`gpulock._cluster`).
         Socket timeouts default to 5 s (reads) and 2 s (connect) so a hung Redis surfaces as
         BackendUnavailable instead of a hang.
 

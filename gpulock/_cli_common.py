@@ -186,10 +186,10 @@ class RunPool(Protocol):
 def check_redis_url(url: str) -> str:
     """Usage error (exit 2) for a URL the core cannot parse (an unknown scheme, a bad port):
     the core's own parser decides, with no I/O."""
-    from ._connect import sync_client
+    from ._connect import check_url
 
     try:
-        sync_client(url).close()
+        check_url(url)
     except ValueError as e:  # InvalidArgument is a ValueError too
         fail(EXIT_USAGE, f"bad Redis URL {safe_url(url)!r}: {e}")
     return url
@@ -233,10 +233,14 @@ def redis_client(url: str) -> redis.Redis:
     from ._async import _CLIENT_DEFAULTS
     from ._connect import short_error, sync_client
 
+    from .errors import BackendUnavailable
+
     try:
         c = sync_client(url, **dict[str, Any](_CLIENT_DEFAULTS))
     except ValueError as e:  # a malformed URL
         fail(EXIT_USAGE, f"bad Redis URL {safe_url(url)!r}: {e}")
+    except BackendUnavailable as e:  # a cluster none of whose seeds answered
+        fail(EXIT_UNAVAILABLE, str(e))
     try:
         c.ping()
     except redis.RedisError as e:

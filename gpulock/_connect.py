@@ -33,7 +33,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelConnectionPool
 from redis.sentinel import SentinelConnectionPool
 
-from .errors import InvalidArgument
+from .errors import BackendUnavailable, InvalidArgument
 
 SENTINEL_SCHEMES = ("redis+sentinel", "sentinel")
 DEFAULT_SENTINEL_PORT = 26379
@@ -253,7 +253,13 @@ def _client(
             from . import _cluster
 
             build = _cluster.async_cluster if mod is aioredis else _cluster.sync_cluster
-            return build(url, cap, defaults)
+            try:
+                return build(url, cap, defaults)
+            except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as e:
+                # redis-py's sync cluster client reads the slot map when it is made
+                raise BackendUnavailable(
+                    f"Redis Cluster at {_redact(url)} is unavailable: {short_error(e)}"
+                ) from e
         if not is_sentinel_url(url):
             pool = mod.BlockingConnectionPool.from_url(
                 url, **{**defaults, "max_connections": cap, "timeout": _pool_wait(defaults)}
@@ -323,6 +329,27 @@ SHARED_SSL_SETTINGS = frozenset(
         "ssl_exclude_verify_flags",
     }
 )
+
+
+def check_url(url: str) -> str:
+    """``url`` if it is a URL of a form :func:`sync_client` takes, with no I/O (no cluster
+    probe, no connection). Raises InvalidArgument naming the bad part."""
+    from ._cluster import ClusterURL, is_cluster_url
+
+    if not isinstance(url, str):
+        raise _bad_url(repr(url), TypeError(f"a URL is a str, not {type(url).__name__}"))
+    try:
+        _url_max_connections(url, DEFAULT_MAX_CONNECTIONS)
+        if is_cluster_url(url):
+            ClusterURL(url)
+        elif is_sentinel_url(url):
+            SentinelURL(url)
+        else:
+            parse: Any = redis.connection.parse_url  # unannotated in redis-py
+            parse(url)
+    except ValueError as e:
+        raise _bad_url(url, e) from None
+    return url
 
 
 def _is_cluster(url: str, defaults: dict[str, Any]) -> bool:

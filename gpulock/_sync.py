@@ -205,9 +205,8 @@ class Pool(PoolOptions):
     Same arguments and semantics as :class:`~gpulock.AsyncPool`, with a ``redis.Redis``
     client. Create it after ``fork()`` (its background thread does not survive a fork).
 
-    Raises: InvalidArgument (a bad setting; a client that is not a ``redis.Redis`` of one
-    server or Sentinel, such as ``redis.cluster.RedisCluster``: Redis Cluster is not supported
-    yet).
+    Raises: InvalidArgument (a bad setting; a client that is neither a ``redis.Redis`` of one
+    server or Sentinel nor a ``redis.cluster.RedisCluster``).
     """
 
     def __init__(
@@ -266,7 +265,9 @@ class Pool(PoolOptions):
         own client of at most ``min(max_connections, 4)``, so the pool object opens at most
         ``max_connections + 4``, however many threads wait.
 
-        Raises: InvalidArgument (as :meth:`gpulock.AsyncPool.from_url`)."""
+        Raises: InvalidArgument (as :meth:`gpulock.AsyncPool.from_url`); BackendUnavailable
+        for a cluster none of whose seed nodes answers (redis-py's sync cluster client reads
+        the slot map when it is made)."""
         client = sync_client(url, max_connections=max_connections, **_CLIENT_DEFAULTS)
         return cls(client, name, _url=url, _owns_client=True, **kw)
 

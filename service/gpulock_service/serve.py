@@ -86,7 +86,7 @@ def check_options(
     from pydantic import ValidationError
 
     from gpulock import InvalidArgument
-    from gpulock._connect import sync_client
+    from gpulock._connect import check_url
     from gpulock._args import validate_pool_name
     from gpulock.embedded import port_in_use
 
@@ -96,7 +96,7 @@ def check_options(
         return f"--pool: {e}"
     if redis_url:
         try:
-            sync_client(redis_url).close()
+            check_url(redis_url)
         except ValueError as e:  # InvalidArgument too
             return f"bad Redis URL {_redact(redis_url)!r}: {e}"
     problem = check_model(model)

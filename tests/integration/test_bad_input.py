@@ -5,7 +5,6 @@ The Lua scripts are also called directly with bad ARGV (bypassing the Python che
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import redis
@@ -16,7 +15,6 @@ from hypothesis import strategies as st
 
 from gpulock import AsyncPool, CapacityExceeded, InvalidArgument, Pool
 from gpulock._args import new_id
-from gpulock.embedded import RedisProcess, free_port
 from support.pools import GiB, raw, raw_acquire, raw_configure, snapshot
 
 CAP = 8 * GiB
@@ -118,30 +116,6 @@ def test_bad_pool_names(redis_proc, rclient, pool_name, name):
 def test_bad_capacity_at_construction(rclient):
     with pytest.raises(InvalidArgument, match="capacity"):
         Pool(rclient, "gpu0", capacity="lots")
-
-
-def test_a_redis_cluster_client_is_refused_at_construction(default_binary):
-    """Redis Cluster is not supported yet: Pool says so when it is made, naming the client's
-    type, instead of failing (and staying half-started) at its first acquire."""
-    from redis.cluster import RedisCluster
-
-    bus = ["--cluster-port", str(free_port("127.0.0.1"))]  # the default, port + 10000, may not fit
-    with RedisProcess(default_binary, extra_args=["--cluster-enabled", "yes", *bus]) as server:
-        direct = redis.Redis(host=server.host, port=server.port)
-        direct.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-        deadline = time.monotonic() + 10
-        while b"cluster_state:ok" not in direct.execute_command("CLUSTER", "INFO"):
-            assert time.monotonic() < deadline, "the one-node cluster did not come up"
-            time.sleep(0.05)
-        cluster = RedisCluster(host=server.host, port=server.port)
-        try:
-            with pytest.raises(InvalidArgument) as ei:
-                Pool(cluster, "gpu0", capacity=CAP)
-            msg = str(ei.value)
-            assert "redis.cluster.RedisCluster" in msg and "Cluster is not supported yet" in msg
-        finally:
-            cluster.close()
-            direct.close()
 
 
 # ---- the scripts themselves, with bad ARGV ---------------------------------------------------

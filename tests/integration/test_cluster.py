@@ -279,3 +279,25 @@ async def test_one_subscription_connection_for_all_pool_objects_on_one_server(re
             await p.aclose()
     await _until_closed([redis.Redis.from_url(redis_proc.url)])
     await client.aclose()
+
+
+def test_an_unreachable_cluster_is_exit_69_with_its_cause():
+    """No seed answers: the CLI says which cluster is unavailable and why (exit 69), with no
+    traceback; the library raises BackendUnavailable when the sync client is made (redis-py
+    reads the slot map then) and InvalidArgument only for a malformed URL."""
+    from gpulock import BackendUnavailable
+    from gpulock._connect import check_url
+    from gpulock.embedded import free_port
+
+    url = f"redis+cluster://127.0.0.1:{free_port('127.0.0.1')}"
+    assert check_url(url) == url  # the form is fine; nothing is asked
+    with pytest.raises(BackendUnavailable, match="Redis Cluster at .* is unavailable"):
+        sync_client(url)
+    r = subprocess.run(
+        [sys.executable, "-m", "gpulock", "--redis-url", url, "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 69, (r.returncode, r.stderr)
+    assert "is unavailable" in r.stderr and "Traceback" not in r.stderr

@@ -130,5 +130,5 @@ def test_a_client_without_a_connection_pool_is_refused(client):
     from gpulock._connect import check_supported_client
     from gpulock.errors import InvalidArgument
 
-    with pytest.raises(InvalidArgument, match="Redis Cluster is not supported yet"):
+    with pytest.raises(InvalidArgument, match=r"or a redis\.cluster\.RedisCluster, not a"):
         check_supported_client(client)
