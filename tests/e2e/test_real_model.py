@@ -326,17 +326,15 @@ def test_kill_9_worker_mid_request(svc):
     assert [o for o in outcomes if not isinstance(o, str)] == [200] * (8 - len(lost)), (
         outcomes
     )  # others went on
-    # Its leases (resident + request) are reaped when they expire, at most a ttl after the kill.
-    deadline = t_kill + TTL + 3
-    while time.time() < deadline:
-        st = svc.status()
-        if not any(lz.holder.get("pid") == victim for lz in st.leases):
-            break
+    # Its leases (resident + request) expire at most a ttl after the kill (server clock:
+    # dies_at, above) and are reaped then. Polled from now: the requests above may have
+    # taken longer than that on a loaded machine (a wall-clock bound here was a chance failure).
+    deadline = time.monotonic() + TTL + 30
+    st = svc.status()
+    while any(lz.holder.get("pid") == victim for lz in st.leases):
+        assert time.monotonic() < deadline, "the dead worker's leases were not reaped"
         time.sleep(0.1)
-    assert not any(lz.holder.get("pid") == victim for lz in st.leases), (
-        "the dead worker's leases were not reaped"
-    )
-    assert time.time() - t_kill <= TTL + 3
+        st = svc.status()
     assert st.reaped_leases - reaped0 >= 2
     assert not alive(victim)
     # gunicorn starts a replacement; the service goes on.
