@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import threading
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import ClusterNode, RedisCluster
+
+from ._urls import credentials_and_hosts
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 DEFAULT_CLUSTER_PORT = 6379
@@ -55,23 +57,9 @@ class ClusterURL:
         if parts.scheme not in CLUSTER_SCHEMES:
             raise ValueError(f"not a cluster URL (scheme {parts.scheme!r})")
         self.ssl = parts.scheme == "rediss+cluster"
-        creds, _, hosts = parts.netloc.rpartition("@")
-        self.username: str | None = None
-        self.password: str | None = None
-        if creds:
-            user, sep, pw = creds.partition(":")
-            self.username = unquote(user) or None
-            self.password = unquote(pw) if sep else None
-        self.nodes: list[tuple[str, int]] = []
-        for hp in hosts.split(","):
-            hp = hp.strip()
-            host, sep, port = hp.rpartition(":") if ":" in hp else (hp, "", "")
-            if not host:
-                raise ValueError(f"empty host in {hosts!r}")
-            try:
-                self.nodes.append((host, int(port) if sep else DEFAULT_CLUSTER_PORT))
-            except ValueError:
-                raise ValueError(f"bad port {port!r} in {hp!r}") from None
+        self.username, self.password, self.nodes = credentials_and_hosts(
+            parts.netloc, DEFAULT_CLUSTER_PORT
+        )
         path = [p for p in parts.path.split("/") if p]
         if path and path != ["0"]:
             raise ValueError(f"a cluster has only database 0, not /{'/'.join(path)}")

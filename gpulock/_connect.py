@@ -33,6 +33,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelConnectionPool
 from redis.sentinel import SentinelConnectionPool
 
+from ._urls import credentials_and_hosts
 from .errors import BackendUnavailable, InvalidArgument
 
 SENTINEL_SCHEMES = ("redis+sentinel", "sentinel")
@@ -56,25 +57,12 @@ class SentinelURL:
             raise ValueError(
                 f"not a Sentinel URL (scheme {parts.scheme!r}): expected redis+sentinel://"
             )
-        netloc = parts.netloc
-        creds, _, hosts = netloc.rpartition("@")
-        self.username: str | None = None
-        self.password: str | None = None
-        if creds:
-            user, sep, pw = creds.partition(":")
-            self.username = unquote(user) or None
-            self.password = unquote(pw) if sep else None
-        self.sentinels: list[tuple[str, int]] = []
-        for hp in hosts.split(","):
-            host, sep, port = hp.strip().rpartition(":") if ":" in hp else (hp.strip(), "", "")
-            if not host:
-                raise ValueError(
-                    f"Sentinel URL {_redact(url)!r}: empty host in {hosts.rpartition('@')[2]!r}"
-                )
-            try:
-                self.sentinels.append((host, int(port) if sep else DEFAULT_SENTINEL_PORT))
-            except ValueError:
-                raise ValueError(f"Sentinel URL: bad port {port!r} in {hp!r}") from None
+        try:
+            self.username, self.password, self.sentinels = credentials_and_hosts(
+                parts.netloc, DEFAULT_SENTINEL_PORT
+            )
+        except ValueError as e:
+            raise ValueError(f"Sentinel URL {_redact(url)!r}: {e}") from None
         path = [p for p in parts.path.split("/") if p]
         if not path:
             raise ValueError(

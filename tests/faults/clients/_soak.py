@@ -50,6 +50,7 @@ import redis
 from gpulock import Pool
 from gpulock._keys import pool_keys
 from gpulock.embedded import RedisProcess
+from support.soaklog import read_logs
 from support.history import max_concurrent
 from support.pools import check_consistent, raw
 from support.procs import kill_quietly, proc_state
@@ -386,28 +387,9 @@ def run_soak(
     direct.c.close()
 
     # The recorded history.
-    uses: dict[int, list[int]] = collections.defaultdict(list)
-    amounts: dict[int, int] = {}
-    grants, lost, errors = [], 0, []
-    faults: collections.Counter = collections.Counter()
-    quits = []
-    for f in work.glob("w*.log"):
-        for line in f.read_text().splitlines():
-            p = line.split(" ", 3)
-            if p[0] == "G":
-                grants.append(int(p[1]))
-                amounts[int(p[1])] = int(p[2])
-            elif p[0] == "U":
-                uses[int(p[1])].append(int(p[3]))
-                amounts[int(p[1])] = int(p[2])
-            elif p[0] == "L":
-                lost += 1
-            elif p[0] == "F":
-                faults[p[1]] += 1
-            elif p[0] == "Q":
-                quits.append((int(p[1]), int(p[2])))
-            elif p[0] == "E":
-                errors.append((f.name, line))
+    h = read_logs(work.glob("w*.log"))
+    uses, amounts, grants, lost = h.uses, h.amounts, h.grants, h.lost
+    faults, quits, errors = h.faults, h.quits, h.errors
     if errors:  # say where and when, next to what the driver did just before
         shells = {
             f"w{s}-": ("crowd" if s == crowd_slot else "sync" if s % 2 == 0 else "async")

@@ -12,7 +12,6 @@ started here): the cluster promotes the master's replica (cluster-node-timeout 1
 from __future__ import annotations
 
 import asyncio
-import collections
 import os
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 from support.cluster import Cluster, start_cluster
 from support.history import max_concurrent
+from support.soaklog import read_logs
 
 from gpulock import AsyncPool
 from gpulock._keys import pool_key
@@ -78,9 +78,14 @@ async def test_master_kill_keeps_synced_leases_and_wakes_waiters(cluster):
         t0 = time.monotonic()
         await _wait_for(lambda: _promoted(cluster, key, master), "the replica's promotion")
         promoted_s = time.monotonic() - t0
-        # The new master knows the lease and the waiter (replicated before they were used).
+        # The new master knows the lease (acknowledged by a replica before it was used).
         st = await p.status()
-        assert [li.lease_id for li in st.leases] == [held.id] and st.waiter_count == 1, st
+        assert [li.lease_id for li in st.leases] == [held.id], st
+        # The waiter's queue record is not synced (nothing relies on it): if the failover lost
+        # it, the pool object's periodic refresh queues it again.
+        while not (await p.status()).waiter_count:
+            assert time.monotonic() - t0 < 60, "the waiter was never queued on the new master"
+            await asyncio.sleep(0.05)
         # The heartbeat renews the lease on the new master: its validity moves on.
         before = held.valid_until
         await _wait_for(lambda: held.valid_until > before, "a renewal on the new master")
@@ -161,21 +166,10 @@ def test_processes_through_a_master_kill_never_overbook(cluster, tmp_path):
                 pr.kill()
                 pr.wait()
     for n in names:
-        uses: dict[int, list[int]] = collections.defaultdict(list)
-        amounts: dict[int, int] = {}
-        errors, grants = [], 0
-        for f in tmp_path.glob(f"{n}-w*.log"):
-            for line in f.read_text().splitlines():
-                p = line.split(" ", 3)
-                if p[0] == "U":
-                    uses[int(p[1])].append(int(p[3]))
-                    amounts[int(p[1])] = int(p[2])
-                elif p[0] == "G":
-                    grants += 1
-                elif p[0] == "E":
-                    errors.append(line)
+        h = read_logs(tmp_path.glob(f"{n}-w*.log"))
+        errors, grants = h.errors, len(h.grants)
         assert not errors, errors[:5]
-        peak, at = max_concurrent([(min(ts), max(ts) + 1, amounts[t]) for t, ts in uses.items()])
+        peak, at = max_concurrent(h.intervals())
         print(f"\npool {n}: {grants} grants, peak {peak}/100")
         assert peak <= 100, f"pool {n}: {peak} bytes in use at server time {at} us"
         assert grants >= 20

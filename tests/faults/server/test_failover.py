@@ -17,7 +17,6 @@ repoint the name.
 
 from __future__ import annotations
 
-import collections
 import os
 import statistics
 import subprocess
@@ -31,6 +30,7 @@ import redis
 from gpulock import BackendUnavailable, LeaseLost, Pool
 from gpulock.embedded import RedisProcess
 from support.history import max_concurrent
+from support.soaklog import read_logs
 from support.pools import check_consistent, raw
 from support.proxy import Proxy
 from support.servers import FAST_REPLICATION
@@ -233,25 +233,11 @@ def test_failover_under_load_with_sync_replicas(cluster, tmp_path):
         time.sleep(0.05)
     direct.close()
 
-    uses: dict[int, list[int]] = collections.defaultdict(list)
-    amounts: dict[int, int] = {}
-    backend, errors, lost, grants = 0, [], 0, 0
-    for f in tmp_path.glob("w*.log"):
-        for line in f.read_text().splitlines():
-            p = line.split(" ", 3)
-            if p[0] == "U":
-                uses[int(p[1])].append(int(p[3]))
-                amounts[int(p[1])] = int(p[2])
-            elif p[0] == "G":
-                grants += 1
-            elif p[0] == "B":
-                backend += 1
-            elif p[0] == "L":
-                lost += 1
-            elif p[0] == "E":
-                errors.append(line)
+    h = read_logs(tmp_path.glob("w*.log"))
+    errors = [line for _, line in h.errors]
+    grants, backend, lost = len(h.grants), h.backend, h.lost
     assert not errors, errors[:5]
-    peak, at = max_concurrent([(min(ts), max(ts) + 1, amounts[t]) for t, ts in uses.items()])
+    peak, at = max_concurrent(h.intervals())
     print(
         f"\nfailover under load (sync_replicas=1): {grants} grants, {backend} acquires refused "
         f"(BackendUnavailable), {lost} leases lost, clients without a primary for {down_s:.2f}s, "

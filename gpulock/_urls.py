@@ -1,0 +1,34 @@
+"""The part of a multi-host Redis URL (Sentinel, Cluster) that both forms share: credentials and
+a comma-separated host list. No I/O."""
+
+from __future__ import annotations
+
+from urllib.parse import unquote
+
+__all__ = ["credentials_and_hosts"]
+
+
+def credentials_and_hosts(
+    netloc: str, default_port: int
+) -> tuple[str | None, str | None, list[tuple[str, int]]]:
+    """``USER:PASSWORD@H1:P1,H2[:P2]`` as (username or None, password or None, [(host, port)])
+    (percent-decoded; a host without a port gets ``default_port``). Raises ValueError naming
+    the bad part (an empty host, a port that is not a number)."""
+    creds, _, hosts = netloc.rpartition("@")
+    username: str | None = None
+    password: str | None = None
+    if creds:
+        user, sep, pw = creds.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if sep else None
+    out: list[tuple[str, int]] = []
+    for hp in hosts.split(","):
+        hp = hp.strip()
+        host, sep, port = hp.rpartition(":") if ":" in hp else (hp, "", "")
+        if not host:
+            raise ValueError(f"empty host in {hosts!r}")
+        try:
+            out.append((host, int(port) if sep else default_port))
+        except ValueError:
+            raise ValueError(f"bad port {port!r} in {hp!r}") from None
+    return username, password, out
