@@ -26,7 +26,7 @@ from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import ClusterNode, RedisCluster
 
-from ._urls import credentials_and_hosts
+from ._urls import auth_kwargs, credentials_and_hosts
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 DEFAULT_CLUSTER_PORT = 6379
@@ -69,14 +69,7 @@ class ClusterURL:
             raise ValueError(f"unknown option(s) {sorted(unknown)}")
 
     def client_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
-        kw = dict(defaults)
-        if self.username:
-            kw["username"] = self.username
-        if self.password is not None:
-            kw["password"] = self.password
-        if self.ssl:
-            kw["ssl"] = True
-        return kw
+        return auth_kwargs(defaults, self.username, self.password, self.ssl)
 
 
 def is_cluster_node(url: str, defaults: dict[str, Any]) -> bool:

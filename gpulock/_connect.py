@@ -33,7 +33,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelConnectionPool
 from redis.sentinel import SentinelConnectionPool
 
-from ._urls import credentials_and_hosts
+from ._urls import auth_kwargs, credentials_and_hosts
 from .errors import BackendUnavailable, InvalidArgument
 
 SENTINEL_SCHEMES = ("redis+sentinel", "sentinel")
@@ -85,15 +85,7 @@ class SentinelURL:
         self.ssl = q.get("ssl", "false").lower() in ("1", "true", "yes")
 
     def master_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
-        kw = dict(defaults)
-        kw["db"] = self.db
-        if self.username:
-            kw["username"] = self.username
-        if self.password is not None:
-            kw["password"] = self.password
-        if self.ssl:
-            kw["ssl"] = True
-        return kw
+        return auth_kwargs({**defaults, "db": self.db}, self.username, self.password, self.ssl)
 
     def sentinel_connection_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """Socket settings for the connections to the sentinels themselves."""

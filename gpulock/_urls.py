@@ -3,9 +3,10 @@ a comma-separated host list. No I/O."""
 
 from __future__ import annotations
 
+from typing import Any
 from urllib.parse import unquote
 
-__all__ = ["credentials_and_hosts"]
+__all__ = ["auth_kwargs", "credentials_and_hosts"]
 
 
 def credentials_and_hosts(
@@ -32,3 +33,17 @@ def credentials_and_hosts(
         except ValueError:
             raise ValueError(f"bad port {port!r} in {hp!r}") from None
     return username, password, out
+
+
+def auth_kwargs(
+    defaults: dict[str, Any], username: str | None, password: str | None, ssl: bool
+) -> dict[str, Any]:
+    """``defaults`` plus the URL's credentials and TLS, as redis-py's client arguments."""
+    kw = dict(defaults)
+    if username:
+        kw["username"] = username
+    if password is not None:
+        kw["password"] = password
+    if ssl:
+        kw["ssl"] = True
+    return kw

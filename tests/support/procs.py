@@ -158,3 +158,19 @@ class Proc:
     def stop(self) -> None:
         stop_group(self.proc, 15)
         self._log.close()
+
+
+def finish_all(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Wait for every process (``stderr=PIPE``, text) and assert it exited 0 (its stderr's tail
+    in the message). Raises AssertionError; the caller's ``finally`` calls :func:`kill_all`."""
+    for pr in procs:
+        _, err = pr.communicate(timeout=timeout)
+        assert pr.returncode == 0, (err or "")[-3000:]
+
+
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL and reap the processes still running (a test's cleanup)."""
+    for pr in procs:
+        if pr.poll() is None:
+            pr.kill()
+            pr.wait()

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from support.cluster import Cluster, start_cluster
 from support.history import max_concurrent
+from support.procs import finish_all, kill_all
 from support.soaklog import read_logs
 
 from gpulock import AsyncPool
@@ -157,14 +158,9 @@ def test_processes_through_a_master_kill_never_overbook(cluster, tmp_path):
             assert all(pr.poll() is None for pr in procs), "a worker ended early"
             time.sleep(0.05)
         cluster.masters[0].kill()
-        for pr in procs:
-            _, err = pr.communicate(timeout=duration + 90)
-            assert pr.returncode == 0, err[-3000:]
+        finish_all(procs, timeout=duration + 90)
     finally:
-        for pr in procs:
-            if pr.poll() is None:
-                pr.kill()
-                pr.wait()
+        kill_all(procs)
     for n in names:
         h = read_logs(tmp_path.glob(f"{n}-w*.log"))
         errors, grants = h.errors, len(h.grants)

@@ -30,6 +30,7 @@ import redis
 from gpulock import BackendUnavailable, LeaseLost, Pool
 from gpulock.embedded import RedisProcess
 from support.history import max_concurrent
+from support.procs import finish_all, kill_all
 from support.soaklog import read_logs
 from support.pools import check_consistent, raw
 from support.proxy import Proxy
@@ -216,14 +217,9 @@ def test_failover_under_load_with_sync_replicas(cluster, tmp_path):
         cluster.repl.freeze()  # a tail of writes that the failover will lose
         time.sleep(0.3)
         down_s = cluster.fail_over()
-        for pr in procs:
-            _, err = pr.communicate(timeout=duration + 60)
-            assert pr.returncode == 0, err[-3000:]
+        finish_all(procs, timeout=duration + 60)
     finally:
-        for pr in procs:
-            if pr.poll() is None:
-                pr.kill()
-                pr.wait()
+        kill_all(procs)
 
     direct = redis.Redis.from_url(cluster.replica.url)
     t0 = time.monotonic()
