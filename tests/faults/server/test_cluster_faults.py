@@ -1,6 +1,8 @@
 """kill -9 of a pool's master on a real Redis Cluster / Valkey cluster (3 masters, 3 replicas,
 started here): the cluster promotes the master's replica (cluster-node-timeout 1 s), and
 
+* a call made while the shard has no master is retried until the promotion (within its
+  bound), not failed;
 * with ``sync_replicas=1`` (and two replicas per master, so that one is left to acknowledge
   after the promotion) a lease held across the failover is kept (every grant and renewal
   the holder relied on reached the replica first), its heartbeat renews it on the new master,
@@ -77,6 +79,14 @@ async def test_master_kill_keeps_synced_leases_and_wakes_waiters(cluster):
             await asyncio.sleep(0.01)
         master.kill()
         t0 = time.monotonic()
+        # A call made while the shard has no master (connection refused, then CLUSTERDOWN or
+        # MOVED to the promoted replica) is retried within its bound, not failed.
+        during = AsyncPool.from_url(cluster.url, name, backend_timeout=30)
+        try:
+            st = await during.status()
+        finally:
+            await during.aclose()
+        assert [li.lease_id for li in st.leases] == [held.id]
         await _wait_for(lambda: _promoted(cluster, key, master), "the replica's promotion")
         promoted_s = time.monotonic() - t0
         # The new master knows the lease (acknowledged by a replica before it was used).
