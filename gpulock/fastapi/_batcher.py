@@ -355,25 +355,29 @@ class Batcher(Generic[R]):
         return sum(parse_size(self._estimate(i), name="estimate") for i in items)
 
     async def _drive(self, wake: asyncio.Event) -> None:
+        forming: list[_Entry] = []  # the batch being formed (popped from the waiting line)
         try:
             while True:
                 while self._head() is None:
                     wake.clear()
                     await wake.wait()
-                await self._one_batch(wake)
-        finally:
-            for e in self._pending:
+                forming.clear()
+                reason = await self._form(wake, forming)
+                self._dispatch([e for e in forming if not e.dropped], reason)
+                forming.clear()
+        finally:  # stopped (GpuLimiter.stop): who still waits gets 503 not_ready
+            for e in [*forming, *self._pending]:
                 e.dispatched.cancel()
             self._pending.clear()
 
-    async def _one_batch(self, wake: asyncio.Event) -> None:
-        """Form one batch from the waiting line (the decision is :func:`decide`) and start it."""
-        batch: list[_Entry] = []
+    async def _form(self, wake: asyncio.Event, batch: list[_Entry]) -> str:
+        """Fill ``batch`` from the waiting line until :func:`decide` closes it; the reason."""
         opened = time.monotonic()
         room, fresh = room_now(self._backend.status), False
-        reason = WAIT
         while True:
-            batch = [e for e in batch if not e.dropped]
+            batch[:] = [e for e in batch if not e.dropped]
+            if not batch:
+                opened = time.monotonic()  # all it held left: it opens again with the next
             nxt = self._head()
             try:
                 next_bytes = self._bytes([e.item for e in [*batch, nxt]]) if nxt else None
@@ -397,12 +401,11 @@ class Batcher(Generic[R]):
                 batch.append(self._pending.popleft())
                 continue
             if reason != WAIT:
-                break
+                return reason
             wake.clear()
             timeout = None if not batch else max(0.0, self.policy.max_wait_s - waited)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(wake.wait(), timeout)
-        self._dispatch([e for e in batch if not e.dropped], reason)
 
     def _dispatch(self, entries: list[_Entry], reason: str) -> None:
         if not entries:

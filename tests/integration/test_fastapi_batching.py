@@ -298,3 +298,19 @@ def test_a_client_that_hangs_up_is_dropped_from_its_waiting_batch(redis_proc1):
             s.close()
         server.should_exit = True
         t.join(10)
+
+
+async def test_stop_answers_the_requests_of_a_forming_batch_at_once(redis_proc1):
+    app, gpu, b, seen, gate = _app(redis_proc1.url, "bt7", acquire_timeout=30)
+    async with Running(app) as c:
+        gate.clear()
+        holder = await _hold(c, seen)
+        tasks = await _fire_in_order(c, b, [{"i": 0}, {"i": 1}])  # open: the thread is busy
+        stopping = asyncio.ensure_future(gpu.stop(grace_s=10))
+        rs = [await t for t in tasks]
+        gate.set()
+        await stopping
+        for r in rs:
+            assert r.status_code == 503 and "shutting down" in r.json()["detail"], r.text
+        assert (await holder).status_code == 200
+        assert seen["batches"] == [[-1]]
