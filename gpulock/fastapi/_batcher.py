@@ -2,7 +2,8 @@
 under one lease (the job runner's), through a batch function ``list[request] -> list[result]``.
 
 A batch opens with the first request waiting and closes when it holds ``max_size`` requests,
-when it has been open ``max_wait`` seconds, when the next request would make its estimate
+when it has been open ``max_wait`` seconds (counted while no earlier batch of the route still
+waits for a thread or its lease: behind one, it could not start sooner, so it grows), when the next request would make its estimate
 larger than the room the pool would grant now (capacity - used - the bytes queued ahead,
 from the limiter's last status read and, before closing for room, one status read now), or
 when this worker could run it now (a free executor thread and none of this route's batches
@@ -108,22 +109,26 @@ def decide(
     next_bytes: int | None,
     room: int | None,
     idle: bool,
+    ahead: bool = False,
 ) -> str:
     """What an open batch of ``size`` requests, open ``waited_s`` seconds, does next.
 
     ``next_bytes``: the batch's estimate with the next waiting request added (None: none
     waits); ``room``: :func:`room_now` (None: unknown, no bound); ``idle``: the worker could
-    run the batch now. Answers :data:`JOIN` (take the next request), :data:`WAIT` (for one, or
-    for the time to pass), or the reason to close: :data:`FULL`, :data:`ROOM` (the next
-    request would need more than the room; never for an empty batch: a first request always
-    joins and waits in the pool's queue like any other), :data:`TIMEOUT`, :data:`IDLE`."""
+    run the batch now; ``ahead``: a batch of the route closed before it still waits for a
+    thread or its lease (this one could not start sooner: it stays open, growing, and its wait
+    counts from when none is ahead). Answers :data:`JOIN` (take the next request),
+    :data:`WAIT` (for one, or for the time to pass), or the reason to close: :data:`FULL`,
+    :data:`ROOM` (the next request would need more than the room; never for an empty batch: a
+    first request always joins and waits in the pool's queue like any other),
+    :data:`TIMEOUT`, :data:`IDLE`."""
     if size >= policy.max_size:
         return FULL
     if next_bytes is not None:
         if size > 0 and room is not None and next_bytes > room:
             return ROOM
         return JOIN
-    if size == 0:
+    if size == 0 or ahead:
         return WAIT
     if waited_s >= policy.max_wait_s:
         return TIMEOUT
@@ -339,13 +344,13 @@ class Batcher(Generic[R]):
             self._pending.popleft()
         return self._pending[0] if self._pending else None
 
+    def _ahead(self) -> bool:
+        """A batch of this route waits for a thread or its lease."""
+        return any(b.job.phase in ("slot", "queued") for b in self._inflight)
+
     def _idle(self) -> bool:
         s = self._slots
-        return (
-            s.free > 0
-            and not s.waiters
-            and not any(b.job.phase in ("slot", "queued") for b in self._inflight)
-        )
+        return s.free > 0 and not s.waiters and not self._ahead()
 
     def _bytes(self, items: list[R]) -> int:
         from ..units import parse_size
@@ -376,13 +381,14 @@ class Batcher(Generic[R]):
         room, fresh = room_now(self._backend.status), False
         while True:
             batch[:] = [e for e in batch if not e.dropped]
-            if not batch:
-                opened = time.monotonic()  # all it held left: it opens again with the next
             nxt = self._head()
             try:
                 next_bytes = self._bytes([e.item for e in [*batch, nxt]]) if nxt else None
             except Exception:  # noqa: BLE001 - the user's estimate: close; the batch alone says
                 next_bytes, room = 1, 0
+            ahead = self._ahead()
+            if ahead or not batch:
+                opened = time.monotonic()  # the wait counts while nothing of ours is ahead
             waited = time.monotonic() - opened
             reason = decide(
                 self.policy,
@@ -391,6 +397,7 @@ class Batcher(Generic[R]):
                 next_bytes=next_bytes,
                 room=room,
                 idle=self._idle(),
+                ahead=ahead,
             )
             if reason == ROOM and not fresh and self._backend.pool is not None:
                 fresh = True  # ask the pool before closing for room
@@ -403,7 +410,7 @@ class Batcher(Generic[R]):
             if reason != WAIT:
                 return reason
             wake.clear()
-            timeout = None if not batch else max(0.0, self.policy.max_wait_s - waited)
+            timeout = None if not batch or ahead else max(0.0, self.policy.max_wait_s - waited)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(wake.wait(), timeout)
 
@@ -448,6 +455,10 @@ class Batcher(Generic[R]):
 
         assert job.task is not None
         job.task.add_done_callback(done)
+        # and when it starts running: the batch forming behind it may close now
+        started = asyncio.ensure_future(job.started.wait())
+        started.add_done_callback(lambda _: wake.set() if wake is not None else None)
+        job.task.add_done_callback(lambda _: started.cancel())
         for i, en in enumerate(entries):
             en.batch = b
             en.dispatched.set_result((job, i))

@@ -51,6 +51,13 @@ def test_decide_waits_until_the_wait_is_up_or_the_worker_is_idle():
     assert _d(size=2, waited_s=1.0, next_bytes=1, room=10, idle=True) == JOIN
 
 
+def test_decide_keeps_growing_behind_a_batch_that_waits():
+    assert _d(size=2, waited_s=1.0, ahead=True) == WAIT
+    assert _d(size=2, next_bytes=1, room=10, ahead=True) == JOIN
+    assert _d(size=4, ahead=True) == FULL
+    assert _d(size=2, next_bytes=11, room=10, ahead=True) == ROOM
+
+
 def _st(capacity, used, waiters=(), count=None):
     ws = [WaiterInfo(i + 1, f"w{i}", a, 0.0, 5.0, {}) for i, a in enumerate(waiters)]
     return PoolStatus(
