@@ -188,6 +188,8 @@ class Batcher(Generic[R]):
         estimate_batch: requests → the batch's bytes (default: the sum of their estimates);
             a padded model needs its own (``batch × the longest``).
         policy: sizes, wait, splits.
+        param: the name the item's ``X-Request-ID`` fingerprint is taken under (the name of
+            the parameter an ``endpoint`` handler would take it as gives the same one).
         settings, backend, slots, runner, calls, errors, check_accepting, spawn: the
             limiter's parts.
     """
@@ -200,6 +202,7 @@ class Batcher(Generic[R]):
         estimate_batch: Callable[[list[R]], int] | None,
         policy: BatchPolicy,
         *,
+        param: str = "item",
         settings: Settings,
         backend: Backend,
         slots: Slots,
@@ -214,7 +217,7 @@ class Batcher(Generic[R]):
                 f"max_wait ({policy.max_wait_s}s) must not exceed acquire_timeout "
                 f"({settings.acquire_timeout}s)"
             )
-        self.route, self.policy = route, policy
+        self.route, self.policy, self._param = route, policy, param
         self._fn, self._estimate, self._estimate_batch = fn, estimate, estimate_batch
         self._settings, self._backend, self._slots = settings, backend, slots
         self._runner, self._calls, self._errors, self._spawn = runner, calls, errors, spawn
@@ -255,7 +258,7 @@ class Batcher(Generic[R]):
             request=request,
             response=response,
             request_id=request_id,
-            fingerprint_of=lambda: _fingerprint(self.route, {"item": item}),
+            fingerprint_of=lambda: _fingerprint(self.route, {self._param: item}),
             run=functools.partial(self._join, item),
         )
 

@@ -341,6 +341,7 @@ class GpuLimiter:
         max_wait_ms: float = 5.0,
         max_size: int = 32,
         max_splits: int | None = None,
+        param: str = "item",
     ) -> Batcher[R]:
         """Dynamic batching for a route: ``result = await batcher.submit(item,
         request=request, response=response)`` in an async handler runs ``item`` with other
@@ -350,7 +351,9 @@ class GpuLimiter:
         requests, after ``max_wait_ms``, when the next request would not fit the room the pool
         would grant now, or when a thread is free and nothing else waits. See
         :mod:`gpulock.fastapi._batcher` for the per-request errors, the OOM split (at most
-        ``max_splits`` levels of halving; default down to single requests) and X-Request-ID.
+        ``max_splits`` levels of halving; default down to single requests) and X-Request-ID
+        (``param``: the name the item is fingerprinted under; an ``endpoint`` handler's
+        parameter name gives the same fingerprint as that handler).
 
         Raises: InvalidArgument for a bad size, wait (more than ``acquire_timeout``) or splits."""
         return Batcher(
@@ -359,6 +362,7 @@ class GpuLimiter:
             estimate,
             estimate_batch,
             BatchPolicy(max_size, max_wait_ms / 1000.0, max_splits),
+            param=param,
             settings=self.settings,
             backend=self._backend,
             slots=self._slots,

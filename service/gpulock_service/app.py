@@ -357,6 +357,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             estimate_batch=estimate_batch,
             max_wait_ms=settings.batch_max_wait_ms,
             max_size=settings.batch_max_size,
+            param="body",  # X-Request-ID: the fingerprint of the unbatched handler's `body`
         )
         app.state.batcher = batcher
 

@@ -314,3 +314,39 @@ async def test_stop_answers_the_requests_of_a_forming_batch_at_once(redis_proc1)
             assert r.status_code == 503 and "shutting down" in r.json()["detail"], r.text
         assert (await holder).status_code == 200
         assert seen["batches"] == [[-1]]
+
+
+async def test_a_retry_reaching_a_worker_with_the_other_batch_setting_replays(redis_proc1):
+    """The service fingerprints a request alike batched or not: a retry with the same
+    X-Request-ID on a worker with the other GPULOCK_BATCH gets the stored result, not 409."""
+    from gpulock_service.app import create_app
+    from gpulock_service.settings import Settings
+
+    def svc(batch: bool):
+        return create_app(
+            Settings(
+                redis_url=redis_proc1.url,
+                pool="bt8",
+                capacity="4GiB",
+                configure="set",
+                model="sleep",
+                sleep_seconds=0.0,
+                sleep_bytes="1MiB",
+                resident="0",
+                batch=batch,
+                reaper_interval=0.05,
+            )
+        )
+
+    on, off = svc(True), svc(False)
+    async with Running(on) as c_on, Running(off) as c_off:
+        for app in (on, off):
+            await async_wait_until(lambda: app.state.limiter.readiness()[0], what="ready")
+        body, h = {"input": ["a", "bb"]}, {"X-Request-ID": "cross-setting-1"}
+        first = await c_on.post("/v1/embeddings", json=body, headers=h)
+        again = await c_off.post("/v1/embeddings", json=body, headers=h)
+        assert first.status_code == again.status_code == 200, again.text
+        assert again.headers.get("x-idempotent-replay") == "true"
+        assert again.json() == first.json()
+        other = await c_off.post("/v1/embeddings", json={"input": ["c"]}, headers=h)
+        assert other.status_code == 409
