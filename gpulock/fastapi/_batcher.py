@@ -38,7 +38,7 @@ from fastapi import Request, Response
 from .._disconnect import _Gone, _wait_or_gone
 from .._replies import PoolStatus
 from ..cuda import drop_traceback, empty_cache, is_oom
-from ..errors import InvalidArgument
+from ..errors import AcquireTimeout, InvalidArgument
 from ._admission import Slots
 from ._backend import Backend
 from ._call import GuardedCalls
@@ -283,14 +283,14 @@ class Batcher(Generic[R]):
             raise self._errors.client_gone(self.route, "waiting") from None
         except asyncio.TimeoutError:
             if not entry.dispatched.done():
+                # its batch never closed in time (it grew behind one of the route still
+                # waiting for a thread or its lease): answered as a queue timeout, with the
+                # Retry-After of a place behind the pool's queue and that batch
                 self._leave(entry)
-                metrics().timeouts.labels(self.route).inc()
-                raise GpuLockHTTPException(
-                    503,
-                    f"no batch closed within {self._settings.acquire_timeout}s",
-                    "queue_timeout",
-                    {"Retry-After": "1", "X-Queue-Position": "0"},
-                ) from None
+                place = self._backend.queued() + 1 + (1 if self._ahead() else 0)
+                fut: asyncio.Future[Any] = loop.create_future()
+                fut.set_exception(AcquireTimeout("no batch closed in time", position=place))
+                return self._errors.outcome(fut, self.route, amount, lambda: place)  # raises
         except BaseException:
             self._leave(entry)
             raise
@@ -315,7 +315,7 @@ class Batcher(Generic[R]):
         if isinstance(out, BaseException):
             if isinstance(out, CudaOOM):
                 metrics().oom.labels(self.route).inc()
-            fut: asyncio.Future[Any] = loop.create_future()
+            fut = loop.create_future()
             fut.set_exception(out)
             return self._errors.outcome(fut, self.route, amount, lambda: 0)
         return out

@@ -350,3 +350,27 @@ async def test_a_retry_reaching_a_worker_with_the_other_batch_setting_replays(re
         assert again.json() == first.json()
         other = await c_off.post("/v1/embeddings", json={"input": ["c"]}, headers=h)
         assert other.status_code == 409
+
+
+async def test_requests_behind_a_waiting_batch_time_out_with_their_own_503(redis_proc1):
+    """The second request's batch grows behind the first's (which waits for the thread);
+    when the first's deadline drops it, the second's batch closes and waits in turn: each
+    gets its own 503 with Retry-After at its own deadline, and neither runs."""
+    app, gpu, b, seen, gate = _app(
+        redis_proc1.url, "bt9", max_wait_ms=1, acquire_timeout=1.0, reaper_interval=0.05
+    )
+    async with Running(app) as c:
+        gate.clear()
+        holder = await _hold(c, seen)
+        (first,) = await _fire_in_order(c, b, [{"i": 0}])
+        await async_wait_until(lambda: len(b._inflight) == 2, what="its batch waiting")
+        (second,) = await _fire_in_order(c, b, [{"i": 1}])  # behind it: the batch grows
+        r0, r1 = await first, await second
+        gate.set()
+        await holder
+        for r in (r0, r1):  # (the second's batch may not even have closed by its deadline)
+            detail = r.json()["detail"]
+            assert r.status_code == 503 and ("within 1.0s" in detail or "in time" in detail)
+            assert int(r.headers["retry-after"]) >= 1 and "x-queue-position" in r.headers
+        assert seen["batches"] == [[-1]], "neither ran"
+    assert await _used(redis_proc1.url, "bt9") == 0
