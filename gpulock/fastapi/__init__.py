@@ -87,7 +87,8 @@ background status reads), ``_admission`` (thread slots, the lease wait, the ttl 
 job), ``_idempotency`` (X-Request-ID claims, stored results, following another worker's
 request), ``_resident`` (resident leases), ``_readiness``, ``_retry_after`` (the service's
 estimator over the policy in :mod:`gpulock.retry_after`), ``_errors`` (HTTP error mapping),
-``_metrics``, ``_calibration``, ``_signature`` (``guard``/``endpoint``), ``_history``.
+``_metrics``, ``_calibration``, ``_signature`` (``guard``/``endpoint``), ``_history``,
+``_batcher`` (dynamic batching: :meth:`GpuLimiter.batcher`).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ from __future__ import annotations
 from .._disconnect import watch_disconnect
 from .._http_guards import RequestLimits, install_error_handlers, install_http_guards, utf8_error
 from ..retry_after import BusyRate
+from ._batcher import Batcher, BatchPolicy
 from ._calibration import next_bucket
 from ._errors import GpuLockHTTPException
 from ._idempotency import request_ticket
@@ -104,6 +106,8 @@ from ._metrics import metrics
 from ._signature import GpuCall
 
 __all__ = [
+    "BatchPolicy",
+    "Batcher",
     "BusyRate",
     "GpuCall",
     "GpuLimiter",

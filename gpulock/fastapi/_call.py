@@ -69,10 +69,14 @@ class GuardedCalls:
         response: Response | None = None,
         request_id: str | None = None,
         fingerprint_of: Callable[[], str] | None = None,
+        run: Callable[[int, float, Response | None, asyncio.Task[bool] | None], Awaitable[Any]]
+        | None = None,
     ) -> Any:
         """Run ``fn()`` in the executor under a lease of ``amount`` bytes; see the package
         docstring for the sequence and the errors (raised as :class:`GpuLockHTTPException`).
-        ``request_id`` defaults to the request's ``X-Request-ID`` header."""
+        ``request_id`` defaults to the request's ``X-Request-ID`` header. ``run`` (a
+        batcher's): a guarded request without a request id is answered by ``run(amount,
+        arrival, response, gone)`` instead of a job of its own."""
         m = metrics()
         header = self._settings.request_id_header
         if request_id is None and request is not None:
@@ -97,6 +101,8 @@ class GuardedCalls:
                     result = await self._call_idempotent(
                         fn, route, amount, request_id, arrival, fp, response, gone
                     )
+                elif run is not None:
+                    result = await run(amount, arrival, response, gone)
                 else:
                     job = self._runner.start(fn, route, amount, None, "", arrival, park=0.0)
                     result = await self.await_job(job, arrival, response, gone)
@@ -228,7 +234,12 @@ class GuardedCalls:
         except asyncio.TimeoutError:
             timed_out = not job.started.is_set()  # granted just as the deadline passed: go on
         except asyncio.CancelledError:
-            if job.ticket is None and job.phase in ("slot", "queued") and job.task is not None:
+            if (
+                job.ticket is None
+                and job.place.attached == 1
+                and job.phase in ("slot", "queued")
+                and job.task is not None
+            ):
                 job.abandoned = True
                 job.task.cancel()  # the client went away before a grant: leave the queue
             raise
@@ -273,13 +284,15 @@ class GuardedCalls:
         leaves the queue now."""
         s = self._settings
         parked = job.parked
-        if not parked:
+        # a job other requests still wait on (a batch's) goes on; the batcher drops this one
+        last = job.place.attached <= 1
+        if not parked and last:
             job.abandoned = True  # before any await: a grant arriving now must not run
         position, queued = await self._retry.position_now(job)
         ra = self._retry.for_job(job, position, queued)
         metrics().timeouts.labels(job.route).inc()
         keep = ""
-        if not parked and job.task is not None:
+        if not parked and last and job.task is not None:
             job.task.cancel()  # leaves the queue now (the core cancels the ticket)
         elif parked and job.ticket is not None:
             places = self._runner.places

@@ -10,7 +10,8 @@ import logging
 import os
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator
+from collections.abc import Sequence
+from typing import Any, AsyncIterator, TypeVar
 
 from fastapi import Response
 
@@ -20,6 +21,7 @@ from ..errors import GpuLockError
 from . import _signature
 from ._admission import Admission, Slots, TtlBound
 from ._backend import Backend, process_owner
+from ._batcher import Batcher, BatchPolicy
 from ._calibration import Estimates
 from ._call import GuardedCalls
 from ._errors import HttpErrors
@@ -35,6 +37,8 @@ from ._settings import Settings
 from ._signature import GpuCall
 
 log = logging.getLogger("gpulock.fastapi")
+
+R = TypeVar("R")
 
 
 class _Forward:
@@ -133,7 +137,7 @@ class GpuLimiter:
         self._history = History()
         self._ttl_bound = TtlBound(be)
         self._retry = RetryAfterEstimator(s, be, self._slots, lambda: self._resident.count())
-        errors = HttpErrors(s, self._retry.retry_after)
+        errors = self._errors = HttpErrors(s, self._retry.retry_after)
         self._resident = ResidentLeases(
             s,
             be,
@@ -326,6 +330,48 @@ class GpuLimiter:
         ``estimate(**params)`` bytes (``estimate`` receives the handler's parameters by name,
         only those it declares). Put it *below* ``@app.post(...)``."""
         return _signature.endpoint(self, route, estimate)
+
+    def batcher(
+        self,
+        route: str,
+        fn: Callable[[list[R]], Sequence[Any]],
+        *,
+        estimate: Callable[[R], int | str],
+        estimate_batch: Callable[[list[R]], int] | None = None,
+        max_wait_ms: float = 5.0,
+        max_size: int = 32,
+        max_splits: int | None = None,
+        param: str = "item",
+    ) -> Batcher[R]:
+        """Dynamic batching for a route: ``result = await batcher.submit(item,
+        request=request, response=response)`` in an async handler runs ``item`` with other
+        requests of the route, ``fn(list_of_items)`` (a plain function, in the executor, under
+        one lease of ``estimate_batch(items)`` bytes, default the sum of ``estimate(item)``)
+        returning one result per item, in order. A batch closes when it holds ``max_size``
+        requests, after ``max_wait_ms``, when the next request would not fit the room the pool
+        would grant now, or when a thread is free and nothing else waits. See
+        :mod:`gpulock.fastapi._batcher` for the per-request errors, the OOM split (at most
+        ``max_splits`` levels of halving; default down to single requests) and X-Request-ID
+        (``param``: the name the item is fingerprinted under; an ``endpoint`` handler's
+        parameter name gives the same fingerprint as that handler).
+
+        Raises: InvalidArgument for a bad size, wait (more than ``acquire_timeout``) or splits."""
+        return Batcher(
+            route,
+            fn,
+            estimate,
+            estimate_batch,
+            BatchPolicy(max_size, max_wait_ms / 1000.0, max_splits),
+            param=param,
+            settings=self.settings,
+            backend=self._backend,
+            slots=self._slots,
+            runner=self._runner,
+            calls=self._calls,
+            errors=self._errors,
+            check_accepting=self._ready.check_accepting,
+            spawn=self.spawn,
+        )
 
     async def metrics_response(self) -> Response:
         """The ``/metrics`` response: this process's (or, in multiprocess mode, all workers')

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .._async import AsyncPool
 
 _BYTES_BUCKETS = tuple(float(2**k) for k in range(20, 38, 2))  # 1 MiB .. 64 GiB
+_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _WAIT_BUCKETS = (
     0.0005,
     0.001,
@@ -110,6 +111,36 @@ class _Metrics:
             "Bytes leased per request (the estimate)",
             ["route"],
             buckets=_BYTES_BUCKETS,
+        )
+        self.batches = Counter(
+            "gpulock_batches",
+            "Batches started (dynamic batching), by route and why the batch closed: 'full', "
+            "'timeout' (max wait), 'room' (the next request would not fit the pool's room "
+            "now), 'idle' (a thread was free and nothing else waited)",
+            ["route", "reason"],
+        )
+        self.batch_size = Histogram(
+            "gpulock_batch_size",
+            "Requests per batch (dynamic batching)",
+            ["route"],
+            buckets=_SIZE_BUCKETS,
+        )
+        self.batch_wait = Histogram(
+            "gpulock_batch_wait_seconds",
+            "Seconds a request waited for its batch to close (dynamic batching)",
+            ["route"],
+            buckets=_WAIT_BUCKETS,
+        )
+        self.batch_bytes = Histogram(
+            "gpulock_batch_bytes",
+            "Bytes leased per batch (the batch's estimate; dynamic batching)",
+            ["route"],
+            buckets=_BYTES_BUCKETS,
+        )
+        self.batch_splits = Counter(
+            "gpulock_batch_splits",
+            "Batches split in halves after a CUDA OOM (each half retried under the same lease)",
+            ["route"],
         )
         self.resident = Gauge(
             "gpulock_worker_resident_bytes",

@@ -28,7 +28,7 @@ import os
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
-from fastapi import FastAPI, HTTPException, Response
+from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, PrivateAttr, StrictInt
 
@@ -54,6 +54,7 @@ class EmbeddingRequest(BaseModel):
     dimensions: StrictInt | None = None
     user: str | None = None
     _tokens: int = PrivateAttr(0)  # counted once, by the estimator, on the event loop
+    _longest: int = PrivateAttr(0)  # tokens of its longest input (the estimator's count)
 
 
 def _texts(body: EmbeddingRequest) -> list[str]:
@@ -302,14 +303,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 ) from None
         counts = count_tokens(model, texts)
         body._tokens = sum(counts)
+        body._longest = max(counts)
         return limiter.estimate(ROUTE, len(texts), max(counts), model.estimate_bytes)
 
-    @app.post("/v1/embeddings")
-    @limiter.endpoint(ROUTE, estimate=estimate)
-    def embeddings(body: EmbeddingRequest) -> Response:
-        """Runs in gpulock's executor thread, under the request's lease."""
-        texts = _texts(body)
-        vectors = model.embed(texts)
+    def estimate_batch(bodies: list[EmbeddingRequest]) -> int:
+        """One model call over all the batch's inputs, padded to the longest."""
+        n = sum(len(_texts(b)) for b in bodies)
+        return limiter.estimate(ROUTE, n, max(b._longest for b in bodies), model.estimate_bytes)
+
+    def respond(body: EmbeddingRequest, vectors: list[list[float]]) -> Response:
         n_tokens = body._tokens
         if body.encoding_format == "base64":
             import numpy as np
@@ -335,6 +337,44 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return Response(
             json.dumps(payload, separators=(",", ":")).encode(), media_type="application/json"
         )
+
+    def embed_batch(bodies: list[EmbeddingRequest]) -> list[Response]:
+        """Runs in gpulock's executor thread, under the batch's lease: one model call."""
+        texts = [t for b in bodies for t in _texts(b)]
+        vectors = model.embed(texts)
+        out, k = [], 0
+        for b in bodies:
+            n = len(_texts(b))
+            out.append(respond(b, vectors[k : k + n]))
+            k += n
+        return out
+
+    if settings.batch:
+        batcher = limiter.batcher(
+            ROUTE,
+            embed_batch,
+            estimate=estimate,
+            estimate_batch=estimate_batch,
+            max_wait_ms=settings.batch_max_wait_ms,
+            max_size=settings.batch_max_size,
+            param="body",  # X-Request-ID: the fingerprint of the unbatched handler's `body`
+        )
+        app.state.batcher = batcher
+
+        @app.post("/v1/embeddings")
+        async def embeddings_batched(
+            body: EmbeddingRequest, request: Request, response: Response
+        ) -> Response:
+            """Joins a batch of this worker's concurrent requests (GPULOCK_BATCH)."""
+            return await batcher.submit(body, request=request, response=response)
+
+    else:
+
+        @app.post("/v1/embeddings")
+        @limiter.endpoint(ROUTE, estimate=estimate)
+        def embeddings(body: EmbeddingRequest) -> Response:
+            """Runs in gpulock's executor thread, under the request's lease."""
+            return respond(body, model.embed(_texts(body)))
 
     return app
 

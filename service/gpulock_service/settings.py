@@ -89,6 +89,13 @@ class Settings(BaseSettings):
         "to arrive (else 408 and the connection is closed)",
     )
     executor_threads: int = Field(2, ge=1, description="threads running inference per worker")
+    batch: bool = Field(
+        True, description="dynamic batching: concurrent requests of a worker run as one model call"
+    )
+    batch_max_size: int = Field(32, ge=1, description="most requests in one batch")
+    batch_max_wait_ms: float = Field(
+        5.0, ge=0, description="most milliseconds a batch stays open for more requests"
+    )
     torch_threads: int | None = Field(
         None, ge=1, description="torch.set_num_threads per worker (CPU)"
     )

@@ -64,6 +64,8 @@ class Service:
                 "TOKENIZERS_PARALLELISM": "false",
                 "GPULOCK_TORCH_THREADS": "1",
                 "PYTHONUNBUFFERED": "1",
+                # the e2e cases count one lease per request; a test of batching turns it on
+                "GPULOCK_BATCH": "false",
             }
         )
         env.update({k: str(v) for k, v in self.env.items()})
