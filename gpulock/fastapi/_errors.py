@@ -58,9 +58,17 @@ class HttpErrors:
             Retry-After estimate for a request at ``position`` in the pool's queue.
     """
 
-    def __init__(self, settings: Settings, retry_after: Callable[..., int]):
+    def __init__(
+        self,
+        settings: Settings,
+        retry_after: Callable[..., int],
+        on_event: Callable[[str], None] = lambda event: None,
+    ):
         self._settings = settings
         self._retry_after = retry_after
+        # told "rejected" for each 503 of no grant in time or a full queue, "oom" for each
+        # CUDA OOM: the pool's counters in Redis (gpulock._samples), shown by the dashboard
+        self._on_event = on_event
 
     def conflict(self, request_id: str) -> GpuLockHTTPException:
         """409: the idempotency key was used for a request with other parameters."""
@@ -130,6 +138,7 @@ class HttpErrors:
             ) from None
         if isinstance(exc, QueueFull):
             m.queue_full.labels(route).inc()
+            self._on_event("rejected")
             ra = self._retry_after(exc.queue_length + 1)
             raise GpuLockHTTPException(
                 503,
@@ -139,6 +148,7 @@ class HttpErrors:
             ) from None
         if isinstance(exc, AcquireTimeout):
             m.timeouts.labels(route).inc()
+            self._on_event("rejected")
             pos = exc.position or position()
             ra = self._retry_after(pos, exc.retry_after)
             raise GpuLockHTTPException(
@@ -155,6 +165,7 @@ class HttpErrors:
                 {"Retry-After": str(self._retry_after(1))},
             ) from None
         if isinstance(exc, CudaOOM):
+            self._on_event("oom")
             ra = self._retry_after(position())
             raise GpuLockHTTPException(
                 503,

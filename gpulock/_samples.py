@@ -1,0 +1,209 @@
+"""A pool's recent history, kept in Redis: one sample a second for the last 15 minutes.
+
+Three keys in the pool's slot (:func:`gpulock._keys.pool_key`), removed with the pool:
+
+* ``gpulock:{pool}:samples`` — a list of JSON samples, newest first, capped at
+  :data:`SAMPLE_LIMIT` (900) entries by an ``LTRIM`` in the same script that pushes one. A
+  sample is ``{"t": server ms, "rejected", "oom", "capacity", "used", "resident", "leases",
+  "waiters", "grants"}``: bytes, counts, and cumulative counters.
+* ``gpulock:{pool}:sampler`` — the sampler lease: the id of the one process that writes the
+  samples, set with ``SET NX PX`` (:data:`SAMPLER_LEASE_MS`) and extended by its holder at each
+  sample. Every service worker and broker runs a :class:`Sampler`; only the holder writes, so a
+  pool gets one sample a second however many processes watch it, and another process takes
+  over within the lease's 3 s when the holder dies.
+* ``gpulock:{pool}:counters`` — a hash of cumulative counts that the pool's HTTP surfaces
+  answer and Redis cannot see by itself: ``rejected`` (503s for no grant in time or a full
+  queue) and ``oom`` (CUDA out-of-memory errors inside a lease); :func:`count_event` adds one.
+
+The samples are on the Redis server's clock (``TIME`` in the script), so they line up whoever
+wrote them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Sequence
+
+from ._keys import pool_key
+from ._replies import PoolStatus
+
+__all__ = [
+    "SAMPLE_LIMIT",
+    "SAMPLER_LEASE_MS",
+    "Sample",
+    "Sampler",
+    "count_event",
+    "read_counters",
+    "read_samples",
+    "record_sample",
+    "resident_bytes",
+]
+
+log = logging.getLogger("gpulock.samples")
+
+SAMPLE_LIMIT = 900  # 15 minutes at one a second
+SAMPLER_LEASE_MS = 3000
+COUNTER_FIELDS = ("rejected", "oom")
+
+# KEYS: 1 sampler lease, 2 samples list, 3 counters hash
+# ARGV: 1 this sampler's id, 2 lease ms, 3 the sample's fields as JSON members ("a":1,"b":2),
+#       4 the most samples kept
+# Reply: 1 written (this sampler holds the lease), 0 another sampler holds it.
+_SAMPLE_LUA = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+elseif not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return 0
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local c = redis.call('HMGET', KEYS[3], 'rejected', 'oom')
+local s = string.format('{"t":%d,"rejected":%d,"oom":%d,', now,
+  tonumber(c[1]) or 0, tonumber(c[2]) or 0) .. ARGV[3] .. '}'
+redis.call('LPUSH', KEYS[2], s)
+redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[4]) - 1)
+return 1
+"""
+
+
+def samples_key(pool: str) -> str:
+    return pool_key(pool, "samples")
+
+
+def sampler_key(pool: str) -> str:
+    return pool_key(pool, "sampler")
+
+
+def counters_key(pool: str) -> str:
+    return pool_key(pool, "counters")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One second of a pool: ``t`` Unix ms on the Redis clock; bytes; counts; cumulative
+    ``grants`` (the pool's), ``rejected`` and ``oom`` (the surfaces')."""
+
+    t: int
+    capacity: int
+    used: int
+    resident: int
+    leases: int
+    waiters: int
+    grants: int
+    rejected: int
+    oom: int
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Sample | None:
+        try:
+            d = json.loads(raw)
+            return cls(**{f: int(d.get(f, 0)) for f in cls.__dataclass_fields__})
+        except (ValueError, TypeError, AttributeError):
+            return None
+
+
+def resident_bytes(st: PoolStatus) -> int:
+    """Bytes held by resident leases (workers' models: holder ``purpose`` ``resident:...``)
+    among the leases ``st`` lists."""
+    return sum(
+        lz.amount for lz in st.leases if str(lz.holder.get("purpose", "")).startswith("resident")
+    )
+
+
+async def record_sample(
+    redis: Any, st: PoolStatus, sampler_id: str, *, limit: int = SAMPLE_LIMIT
+) -> bool:
+    """Push a sample of ``st`` if ``sampler_id`` holds (or can take) the pool's sampler lease.
+    ``redis``: a ``redis.asyncio.Redis``. Returns whether it was written. Raises redis-py's
+    errors."""
+    fields = {
+        "capacity": st.capacity,
+        "used": st.used,
+        "resident": resident_bytes(st),
+        "leases": st.lease_count,
+        "waiters": st.waiter_count,
+        "grants": st.grants,
+    }
+    members = json.dumps(fields, separators=(",", ":"))[1:-1]
+    keys = (sampler_key(st.pool), samples_key(st.pool), counters_key(st.pool))
+    r = await redis.eval(_SAMPLE_LUA, 3, *keys, sampler_id, SAMPLER_LEASE_MS, members, limit)
+    return int(r) == 1
+
+
+async def read_samples(redis: Any, pool: str, n: int = SAMPLE_LIMIT) -> list[Sample]:
+    """The pool's newest ``n`` samples, oldest first (malformed entries skipped)."""
+    raw = await redis.lrange(samples_key(pool), 0, max(0, n - 1))
+    out = [s for s in (Sample.from_json(x) for x in raw) if s is not None]
+    out.reverse()
+    return out
+
+
+async def read_counters(redis: Any, pool: str) -> dict[str, int]:
+    """``{"rejected": n, "oom": n}``: the pool's cumulative counts (0 when never counted)."""
+    vals = await redis.hmget(counters_key(pool), *COUNTER_FIELDS)
+    return {f: int(v or 0) for f, v in zip(COUNTER_FIELDS, vals)}
+
+
+async def count_event(redis: Any, pool: str, event: str) -> None:
+    """Add one to the pool's ``event`` counter (``rejected`` or ``oom``). Raises ValueError
+    for another name, redis-py's errors."""
+    if event not in COUNTER_FIELDS:
+        raise ValueError(f"unknown event {event!r}")
+    await redis.hincrby(counters_key(pool), event, 1)
+
+
+class Sampler:
+    """Samples pools once every ``interval`` seconds, for the pools whose sampler lease it wins.
+
+    Args:
+        redis: a ``redis.asyncio.Redis``.
+        pools: the names of the pools to sample (called at each round).
+        status: reads a pool's status (``(name, limit) -> PoolStatus``).
+        interval: seconds between rounds.
+    """
+
+    def __init__(
+        self,
+        redis: Any,
+        pools: Callable[[], Awaitable[Sequence[str]]],
+        status: Callable[[str, int], Awaitable[PoolStatus]],
+        *,
+        interval: float = 1.0,
+    ):
+        self._redis = redis
+        self._pools = pools
+        self._status = status
+        self.interval = interval
+        self.id = f"{os.getpid()}-{secrets.token_hex(4)}"
+
+    async def run_once(self) -> dict[str, bool]:
+        """One round: ``{pool: written}``. A pool whose read fails is left out (logged)."""
+        out: dict[str, bool] = {}
+        for name in await self._pools():
+            try:
+                st = await self._status(name, 1000)
+                out[name] = await record_sample(self._redis, st, self.id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a sampler never stops for one failure
+                log.debug("gpulock: sampling pool %s failed: %s", name, e)
+        return out
+
+    async def run(self) -> None:
+        """Rounds until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            start = loop.time()
+            try:
+                await self.run_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - e.g. Redis down while listing the pools
+                log.debug("gpulock: sampling failed: %s", e)
+            await asyncio.sleep(max(0.05, self.interval - (loop.time() - start)))
