@@ -193,7 +193,7 @@ def top(
         try:
             return render_view(fetch_view(t, name, limit), limit=limit)
         except GpuLockError as e:
-            error_exit(e, t, name or "")
+            error_exit(e, t, name or "", admin=t.is_broker)  # a broker's view: admin tokens only
 
     if iterations == 1:
         console.print(frame())

@@ -61,11 +61,19 @@ def dashboard_router(
         return serve
 
     router.add_api_route(
-        "/dashboard", static("index.html"), methods=["GET"], include_in_schema=False
+        "/dashboard",
+        static("index.html"),
+        methods=["GET"],
+        include_in_schema=False,
+        response_model=None,
     )
     for name in ("dashboard.js", "dashboard.css"):
         router.add_api_route(
-            f"/dashboard/{name}", static(name), methods=["GET"], include_in_schema=False
+            f"/dashboard/{name}",
+            static(name),
+            methods=["GET"],
+            include_in_schema=False,
+            response_model=None,
         )
 
     async def data() -> JSONResponse:
@@ -76,6 +84,8 @@ def dashboard_router(
         data,
         methods=["GET"],
         dependencies=list(dependencies),
+        response_model=None,
+        response_class=JSONResponse,
         summary="The live view of the pools (bytes, seconds; no token identities)",
     )
     return router

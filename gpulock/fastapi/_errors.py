@@ -66,9 +66,16 @@ class HttpErrors:
     ):
         self._settings = settings
         self._retry_after = retry_after
-        # told "rejected" for each 503 of no grant in time or a full queue, "oom" for each
-        # CUDA OOM: the pool's counters in Redis (gpulock._samples), shown by the dashboard
+        # the pool's counters in Redis (gpulock._samples), shown by the dashboard
         self._on_event = on_event
+
+    def count(self, e: GpuLockHTTPException) -> None:
+        """Count an answer in the pool's counters: every 503 as ``rejected``, a CUDA OOM (a
+        503 too) also as ``oom``."""
+        if e.status_code == 503:
+            self._on_event("rejected")
+        if e.reason == "cuda_oom":
+            self._on_event("oom")
 
     def conflict(self, request_id: str) -> GpuLockHTTPException:
         """409: the idempotency key was used for a request with other parameters."""
@@ -138,7 +145,6 @@ class HttpErrors:
             ) from None
         if isinstance(exc, QueueFull):
             m.queue_full.labels(route).inc()
-            self._on_event("rejected")
             ra = self._retry_after(exc.queue_length + 1)
             raise GpuLockHTTPException(
                 503,
@@ -148,7 +154,6 @@ class HttpErrors:
             ) from None
         if isinstance(exc, AcquireTimeout):
             m.timeouts.labels(route).inc()
-            self._on_event("rejected")
             pos = exc.position or position()
             ra = self._retry_after(pos, exc.retry_after)
             raise GpuLockHTTPException(
@@ -165,7 +170,6 @@ class HttpErrors:
                 {"Retry-After": str(self._retry_after(1))},
             ) from None
         if isinstance(exc, CudaOOM):
-            self._on_event("oom")
             ra = self._retry_after(position())
             raise GpuLockHTTPException(
                 503,

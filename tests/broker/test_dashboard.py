@@ -156,3 +156,28 @@ def test_the_page_shows_what_gpulock_status_reports_live(
     finally:
         waiter_pool.close()
         th.join(10)
+
+
+def _top_via_broker(url: str, token: str | None, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("GPULOCK_TOKEN", "GPULOCK_BROKER_URL")}
+    env["COLUMNS"] = "200"
+    if token:
+        env["GPULOCK_TOKEN"] = token
+    return subprocess.run(
+        [sys.executable, "-m", "gpulock", "--broker-url", url, "top", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_top_goes_through_the_brokers_dashboard_with_an_admin_token(broker_srv, gpu, user):
+    r = user.post("/v1/pools/gpu-a/leases", json={"amount": "2GiB", "holder": {"job": "t"}})
+    assert r.status_code == 201, r.text
+    token = r.json()["token"]
+    out = _top_via_broker(broker_srv.url, ADMIN_TOKEN, "gpu-a", "--once")
+    assert out.returncode == 0, out.stderr
+    assert "gpu-a" in out.stdout and str(token) in out.stdout and "job=t" in out.stdout
+    refused = _top_via_broker(broker_srv.url, USER_TOKEN, "--once")
+    assert refused.returncode != 0 and "admin" in refused.stderr
