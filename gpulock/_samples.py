@@ -8,7 +8,7 @@ Three keys in the pool's slot (:func:`gpulock._keys.pool_key`), removed with the
   "waiters", "grants"}``: bytes, counts, and cumulative counters.
 * ``gpulock:{pool}:sampler`` — the sampler lease: the id of the one process that writes the
   samples, set with ``SET NX PX`` (:data:`SAMPLER_LEASE_MS`) and extended by its holder at each
-  sample. Every service worker and broker runs a :class:`Sampler`; only the holder writes, so a
+  sample (a push checks the holder again, in the script that pushes). Every service worker and broker runs a :class:`Sampler`; only the holder writes, so a
   pool gets one sample a second however many processes watch it, and another process takes
   over within the lease's 3 s when the holder dies.
 * ``gpulock:{pool}:counters`` — a hash of cumulative counts that the pool's HTTP surfaces
@@ -37,6 +37,7 @@ __all__ = [
     "SAMPLER_LEASE_MS",
     "Sample",
     "Sampler",
+    "claim_sampler",
     "count_event",
     "read_counters",
     "read_samples",
@@ -50,24 +51,30 @@ SAMPLE_LIMIT = 900  # 15 minutes at one a second
 SAMPLER_LEASE_MS = 3000
 COUNTER_FIELDS = ("rejected", "oom")
 
-# KEYS: 1 sampler lease, 2 samples list, 3 counters hash
-# ARGV: 1 this sampler's id, 2 lease ms, 3 the sample's fields as JSON members ("a":1,"b":2),
-#       4 the most samples kept
-# Reply: 1 written (this sampler holds the lease), 0 another sampler holds it.
-_SAMPLE_LUA = """
-local holder = redis.call('GET', KEYS[1])
-if holder == ARGV[1] then
+# KEYS: 1 sampler lease. ARGV: 1 this sampler's id, 2 lease ms.
+# Reply: 1 this sampler holds the lease (taken with SET NX PX, or extended), 0 another does.
+_CLAIM_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-elseif not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return 0
+  return 1
 end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+"""
+
+# KEYS: 1 sampler lease, 2 samples list, 3 counters hash
+# ARGV: 1 this sampler's id, 2 the sample's fields as JSON members ("a":1,"b":2),
+#       3 the most samples kept
+# Reply: 1 written, 0 not (this sampler no longer holds the lease).
+_PUSH_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local c = redis.call('HMGET', KEYS[3], 'rejected', 'oom')
 local s = string.format('{"t":%d,"rejected":%d,"oom":%d,', now,
-  tonumber(c[1]) or 0, tonumber(c[2]) or 0) .. ARGV[3] .. '}'
+  tonumber(c[1]) or 0, tonumber(c[2]) or 0) .. ARGV[2] .. '}'
 redis.call('LPUSH', KEYS[2], s)
-redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[4]) - 1)
+redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[3]) - 1)
 return 1
 """
 
@@ -116,11 +123,19 @@ def resident_bytes(st: PoolStatus) -> int:
     )
 
 
+async def claim_sampler(redis: Any, pool: str, sampler_id: str) -> bool:
+    """Take or extend the pool's sampler lease (``SET NX PX`` :data:`SAMPLER_LEASE_MS`) for
+    ``sampler_id``; whether it holds it now. ``redis``: a ``redis.asyncio.Redis``. Raises
+    redis-py's errors."""
+    r = await redis.eval(_CLAIM_LUA, 1, sampler_key(pool), sampler_id, SAMPLER_LEASE_MS)
+    return int(r) == 1
+
+
 async def record_sample(
     redis: Any, st: PoolStatus, sampler_id: str, *, limit: int = SAMPLE_LIMIT
 ) -> bool:
-    """Push a sample of ``st`` if ``sampler_id`` holds (or can take) the pool's sampler lease.
-    ``redis``: a ``redis.asyncio.Redis``. Returns whether it was written. Raises redis-py's
+    """Push a sample of ``st`` (keeping the newest ``limit``) if ``sampler_id`` holds the pool's
+    sampler lease (:func:`claim_sampler`). Returns whether it was written. Raises redis-py's
     errors."""
     fields = {
         "capacity": st.capacity,
@@ -132,7 +147,7 @@ async def record_sample(
     }
     members = json.dumps(fields, separators=(",", ":"))[1:-1]
     keys = (sampler_key(st.pool), samples_key(st.pool), counters_key(st.pool))
-    r = await redis.eval(_SAMPLE_LUA, 3, *keys, sampler_id, SAMPLER_LEASE_MS, members, limit)
+    r = await redis.eval(_PUSH_LUA, 3, *keys, sampler_id, members, limit)
     return int(r) == 1
 
 
@@ -159,13 +174,16 @@ async def count_event(redis: Any, pool: str, event: str) -> None:
 
 
 class Sampler:
-    """Samples pools once every ``interval`` seconds, for the pools whose sampler lease it wins.
+    """Samples pools once every ``interval`` seconds, for the pools whose sampler lease it wins
+    (a sampler that does not hold a pool's lease makes one short call for it a round, and
+    reads no status).
 
     Args:
         redis: a ``redis.asyncio.Redis``.
-        pools: the names of the pools to sample (called at each round).
+        pools: the names of the pools to sample, asked again every ``names_every`` rounds.
         status: reads a pool's status (``(name, limit) -> PoolStatus``).
         interval: seconds between rounds.
+        names_every: rounds between calls of ``pools`` (a broker lists the pools by SCAN).
     """
 
     def __init__(
@@ -175,18 +193,28 @@ class Sampler:
         status: Callable[[str, int], Awaitable[PoolStatus]],
         *,
         interval: float = 1.0,
+        names_every: int = 10,
     ):
         self._redis = redis
         self._pools = pools
         self._status = status
         self.interval = interval
+        self.names_every = max(1, names_every)
         self.id = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._names: Sequence[str] = ()
+        self._round = 0
 
     async def run_once(self) -> dict[str, bool]:
         """One round: ``{pool: written}``. A pool whose read fails is left out (logged)."""
+        if self._round % self.names_every == 0:
+            self._names = await self._pools()
+        self._round += 1
         out: dict[str, bool] = {}
-        for name in await self._pools():
+        for name in self._names:
             try:
+                if not await claim_sampler(self._redis, name, self.id):
+                    out[name] = False
+                    continue
                 st = await self._status(name, 1000)
                 out[name] = await record_sample(self._redis, st, self.id)
             except asyncio.CancelledError:

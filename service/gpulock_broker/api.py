@@ -258,13 +258,13 @@ async def acquire_lease(
         )
     except Exception as e:
         if isinstance(e, QueueFull):
-            await broker.count_event(pool, "rejected")
+            broker.count_event(pool, "rejected")
         _map(e, pool)
     finally:
         if gone is not None:
             gone.cancel()
     if not isinstance(r, Granted):
-        await broker.count_event(pool, "rejected")  # the 503 below (queued or busy)
+        broker.count_event(pool, "rejected")  # the 503 below (queued or busy)
     if isinstance(r, Granted):
         g = r.grant
         held_ms = max(0, int((time.monotonic() - t0) * 1000))  # floor: never more than it was held

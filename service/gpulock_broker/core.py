@@ -279,12 +279,12 @@ class Broker:
         names = await self.pool_names()
         return await self._tasks.guard(dashboard_view(self._poolset.client(), names, self.status))
 
-    async def count_event(self, pool: str, event: str) -> None:
-        """Add one to the pool's ``event`` counter (``rejected``: a 503) for the dashboard;
-        a failure only loses the count."""
+    def count_event(self, pool: str, event: str) -> None:
+        """Add one to the pool's ``event`` counter (``rejected``: a 503) for the dashboard, in
+        the background (the answer does not wait for it; a failure only loses the count)."""
         try:
-            await self._tasks.guard(count_event(self._poolset.client(), pool, event))
-        except Exception as e:  # noqa: BLE001 - a count is not worth an error answer
+            self._tasks.spawn(count_event(self._poolset.client(), pool, event))
+        except Exception as e:  # noqa: BLE001 - not connected: a count is not worth an error
             log.debug("gpulock broker: counting %s for %s failed: %s", event, pool, e)
 
     async def configure(

@@ -148,6 +148,20 @@ def test_the_page_shows_what_gpulock_status_reports_live(
                 f"the page to show {st2}",
                 interval=0.1,
             )
+            # a reload draws the same history again: it is Redis's, not the page's
+            seen = pool_dom(page, "gpu-a")
+            before, updates = seen["points"]["used"], seen["updates"]
+            page.call("Page.reload", ignoreCache=True)
+            wait_until(
+                lambda: (
+                    (x := pool_dom(page, "gpu-a"))
+                    and x["updates"] < updates  # the new page's first renders
+                    and x["points"].get("used", 0) >= before
+                ),
+                30,
+                "the history after a reload",
+                interval=0.1,
+            )
             shot = tmp_path / "dashboard.png"
             page.screenshot(shot)
             assert shot.stat().st_size > 10_000

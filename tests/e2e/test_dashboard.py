@@ -143,6 +143,34 @@ def test_the_page_shows_the_pool_live_under_load(svc, tmp_path):
                 g.release()
 
 
+@pytest.mark.timeout(180)
+def test_the_history_outlives_the_worker_that_samples_it(svc):
+    import signal
+
+    import redis
+
+    c = redis.Redis.from_url(svc.redis_url)
+    lease_key, ring = pool_key(svc.pool, "sampler"), pool_key(svc.pool, "samples")
+    try:
+        wait_until(lambda: c.llen(ring) >= 2, 30, "samples")
+        owner = c.get(lease_key).decode()
+        pid = int(owner.split("-")[0])
+        assert pid in svc.worker_pids()
+        oldest, n0 = c.lindex(ring, -1), c.llen(ring)
+        os.kill(pid, signal.SIGKILL)
+        new = wait_until(
+            lambda: (o := c.get(lease_key)) is not None and o.decode() != owner and o.decode(),
+            30,
+            "another worker to take the sampler lease over",
+        )
+        assert int(new.split("-")[0]) != pid
+        wait_until(lambda: c.llen(ring) >= n0 + 2, 30, "sampling to go on")
+        assert c.lindex(ring, -1) == oldest  # nothing of the history was lost (< 900 samples)
+        svc.wait_ready(2, timeout=120)  # gunicorn replaced the killed worker
+    finally:
+        c.close()
+
+
 def test_the_dashboard_can_be_turned_off():
     import asyncio
 

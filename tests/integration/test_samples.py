@@ -16,6 +16,7 @@ from gpulock._samples import (
     SAMPLE_LIMIT,
     SAMPLER_LEASE_MS,
     Sampler,
+    claim_sampler,
     count_event,
     read_samples,
     record_sample,
@@ -72,6 +73,8 @@ async def test_one_sampler_writes_per_pool_and_another_takes_over(ar, make_apool
 async def test_the_ring_is_bounded_newest_first(ar, make_apool):
     pool = make_apool()
     await pool.configure(4 * GiB)
+    assert await claim_sampler(ar, pool.name, "me")
+    assert not await record_sample(ar, await pool.status(), "not-me")  # not the holder
     for i in range(8):
         await count_event(ar, pool.name, "rejected")
         assert await record_sample(ar, await pool.status(), "me", limit=5)
