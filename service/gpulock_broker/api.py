@@ -162,6 +162,15 @@ async def admin_principal(who: Principal = Depends(principal)) -> Principal:
     return who
 
 
+async def dashboard_data(broker: Broker) -> dict[str, Any]:
+    """``GET /dashboard/data``'s body (the route is ``gpulock._dashboard_http``'s): the view of
+    every pool; Redis not answering is the broker's 503 ``backend_unavailable``."""
+    try:
+        return await broker.dashboard()
+    except Exception as e:
+        _map(e, "*")
+
+
 def _allowed(who: Principal, pool: str) -> None:
     if not who.may_use(pool):
         _err(403, "forbidden", f"this token may not use pool {pool!r}")

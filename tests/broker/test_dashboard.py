@@ -195,3 +195,12 @@ def test_top_goes_through_the_brokers_dashboard_with_an_admin_token(broker_srv, 
     assert "gpu-a" in out.stdout and str(token) in out.stdout and "job=t" in out.stdout
     refused = _top_via_broker(broker_srv.url, USER_TOKEN, "--once")
     assert refused.returncode != 0 and "admin" in refused.stderr
+
+
+def test_the_data_is_a_503_while_redis_is_down(broker_srv, redis_srv, gpu, admin):
+    assert admin.get("/dashboard/data").status_code == 200
+    redis_srv.kill()
+    r = admin.get("/dashboard/data")
+    assert r.status_code == 503, r.text
+    assert r.json()["detail"]["error"] == "backend_unavailable"
+    assert r.headers["retry-after"] == "1"
