@@ -73,7 +73,7 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
         hist = p["history"]
         top = max([p["capacity"], *hist["capacity"]]) if hist["capacity"] else p["capacity"]
         line = sparkline(hist["used"], top, 60)
-        head.append(f"used, last {len(hist['used'])} s: {line or '(no samples yet)'}")
+        head.append(f"used, last {len(line)} s: {line or '(no samples yet)'}")
         leases = Table(title=f"leases ({p['lease_count']})", title_justify="left", expand=False)
         for col, right in (
             ("holder", False),
