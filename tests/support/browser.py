@@ -104,6 +104,8 @@ class Browser:
     def __enter__(self) -> Browser:
         profile = self.tmp / "chromium-profile"
         profile.mkdir(parents=True, exist_ok=True)
+        port_file = profile / "DevToolsActivePort"
+        port_file.unlink(missing_ok=True)  # a reused profile's is a dead browser's port
         self._log = open(self.tmp / "chromium.log", "wb")
         self.proc = subprocess.Popen(
             [self.binary, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
@@ -113,7 +115,6 @@ class Browser:
             start_new_session=True,
         )
         _LIVE.add(self.proc.pid)
-        port_file = profile / "DevToolsActivePort"
 
         def port() -> str | None:
             if self.proc.poll() is not None:
