@@ -29,7 +29,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
-from ._keys import pool_key
+from ._keys import pool_key, pool_keys
 from ._replies import PoolStatus
 
 __all__ = [
@@ -51,9 +51,14 @@ SAMPLE_LIMIT = 900  # 15 minutes at one a second
 SAMPLER_LEASE_MS = 3000
 COUNTER_FIELDS = ("rejected", "oom")
 
-# KEYS: 1 sampler lease. ARGV: 1 this sampler's id, 2 lease ms.
-# Reply: 1 this sampler holds the lease (taken with SET NX PX, or extended), 0 another does.
+# A pool that does not exist (never made, or deleted: gpulock._admin removes these keys with
+# it) gets none of these keys: each script checks the pool's configuration key first.
+
+# KEYS: 1 sampler lease, 2 the pool's cfg. ARGV: 1 this sampler's id, 2 lease ms.
+# Reply: 1 this sampler holds the lease (taken with SET NX PX, or extended), 0 another does
+# (or there is no such pool).
 _CLAIM_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return 1
@@ -62,11 +67,12 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
 return 0
 """
 
-# KEYS: 1 sampler lease, 2 samples list, 3 counters hash
+# KEYS: 1 sampler lease, 2 samples list, 3 counters hash, 4 the pool's cfg
 # ARGV: 1 this sampler's id, 2 the sample's fields as JSON members ("a":1,"b":2),
 #       3 the most samples kept
-# Reply: 1 written, 0 not (this sampler no longer holds the lease).
+# Reply: 1 written, 0 not (this sampler no longer holds the lease, or the pool is gone).
 _PUSH_LUA = """
+if redis.call('EXISTS', KEYS[4]) == 0 then return 0 end
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -75,6 +81,13 @@ local s = string.format('{"t":%d,"rejected":%d,"oom":%d,', now,
   tonumber(c[1]) or 0, tonumber(c[2]) or 0) .. ARGV[2] .. '}'
 redis.call('LPUSH', KEYS[2], s)
 redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[3]) - 1)
+return 1
+"""
+
+# KEYS: 1 counters hash, 2 the pool's cfg. ARGV: 1 the counter. Reply: 1 counted, 0 no pool.
+_COUNT_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
 return 1
 """
 
@@ -127,7 +140,8 @@ async def claim_sampler(redis: Any, pool: str, sampler_id: str) -> bool:
     """Take or extend the pool's sampler lease (``SET NX PX`` :data:`SAMPLER_LEASE_MS`) for
     ``sampler_id``; whether it holds it now. ``redis``: a ``redis.asyncio.Redis``. Raises
     redis-py's errors."""
-    r = await redis.eval(_CLAIM_LUA, 1, sampler_key(pool), sampler_id, SAMPLER_LEASE_MS)
+    keys = (sampler_key(pool), pool_keys(pool).cfg)
+    r = await redis.eval(_CLAIM_LUA, 2, *keys, sampler_id, SAMPLER_LEASE_MS)
     return int(r) == 1
 
 
@@ -146,8 +160,9 @@ async def record_sample(
         "grants": st.grants,
     }
     members = json.dumps(fields, separators=(",", ":"))[1:-1]
-    keys = (sampler_key(st.pool), samples_key(st.pool), counters_key(st.pool))
-    r = await redis.eval(_PUSH_LUA, 3, *keys, sampler_id, members, limit)
+    p = st.pool
+    keys = (sampler_key(p), samples_key(p), counters_key(p), pool_keys(p).cfg)
+    r = await redis.eval(_PUSH_LUA, 4, *keys, sampler_id, members, limit)
     return int(r) == 1
 
 
@@ -165,12 +180,14 @@ async def read_counters(redis: Any, pool: str) -> dict[str, int]:
     return {f: int(v or 0) for f, v in zip(COUNTER_FIELDS, vals)}
 
 
-async def count_event(redis: Any, pool: str, event: str) -> None:
-    """Add one to the pool's ``event`` counter (``rejected`` or ``oom``). Raises ValueError
-    for another name, redis-py's errors."""
+async def count_event(redis: Any, pool: str, event: str) -> bool:
+    """Add one to the pool's ``event`` counter (``rejected`` or ``oom``); whether it was
+    counted (not for a pool that does not exist). Raises ValueError for another name,
+    redis-py's errors."""
     if event not in COUNTER_FIELDS:
         raise ValueError(f"unknown event {event!r}")
-    await redis.hincrby(counters_key(pool), event, 1)
+    r = await redis.eval(_COUNT_LUA, 2, counters_key(pool), pool_keys(pool).cfg, event)
+    return int(r) == 1
 
 
 class Sampler:

@@ -116,3 +116,21 @@ async def test_the_view_survives_a_new_sampler_and_hides_token_identities(ar, ma
     assert "0123456789abcdef" not in json.dumps(v)
     assert set(v["errors"]) == {"missing-pool"}
     await lease.release()
+
+
+async def test_a_pool_that_does_not_exist_gets_no_keys(ar, make_apool):
+    from gpulock._admin import adelete_pool
+
+    assert not await claim_sampler(ar, "never-made", "me")
+    assert not await count_event(ar, "never-made", "rejected")
+    assert await ar.keys("gpulock:{never-made}:*") == []
+    # deleted while a sampler held it: its next claim and push make nothing again
+    pool = make_apool()
+    await pool.configure(4 * GiB)
+    st = await pool.status()
+    assert await claim_sampler(ar, pool.name, "me") and await record_sample(ar, st, "me")
+    assert (await adelete_pool(ar, pool.name)).state == "deleted"
+    assert not await claim_sampler(ar, pool.name, "me")
+    assert not await record_sample(ar, st, "me")
+    assert not await count_event(ar, pool.name, "oom")
+    assert await ar.keys(f"gpulock:{{{pool.name}}}:*") == []
