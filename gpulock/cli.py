@@ -8,7 +8,8 @@ cannot (``serve``, ``broker``, ``loadtest``); none falls back to a backend the u
 name. gpulock's own messages go to stderr; stdout carries only data (``status``, ``pool ...``)
 or, for ``gpulock run``, only CMD's output.
 
-The commands live in ``_cli_pool`` (status, pools) and ``_cli_run`` (run); what they share
+The commands live in ``_cli_pool`` (status, pools), ``_cli_top`` (top) and ``_cli_run``
+(run); what they share
 (exit codes, messages, the backend) in ``_cli_common``. ``serve``, ``loadtest`` and ``broker``
 belong to other packages (the demo service, the lease broker), which declare them as
 ``gpulock.cli`` entry points; :func:`main` adds them, importing this module does not.
@@ -43,6 +44,7 @@ from ._cli_common import (
 )
 from ._cli_pool import pool_app, status
 from ._cli_run import RUN_HELP, run
+from ._cli_top import top
 
 if TYPE_CHECKING:
     from importlib.metadata import EntryPoint
@@ -73,6 +75,7 @@ app = typer.Typer(
 )
 app.add_typer(pool_app, name="pool")
 app.command("status")(status)
+app.command("top")(top)
 app.command(
     "run",
     help=RUN_HELP,

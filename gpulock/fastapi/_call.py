@@ -108,6 +108,7 @@ class GuardedCalls:
                     result = await self.await_job(job, arrival, response, gone)
         except GpuLockHTTPException as e:
             m.requests.labels(route, str(e.status_code)).inc()
+            self._errors.count(e)
             if request_id:
                 e.headers = {**(e.headers or {}), header: request_id}
             raise

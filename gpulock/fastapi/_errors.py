@@ -58,9 +58,24 @@ class HttpErrors:
             Retry-After estimate for a request at ``position`` in the pool's queue.
     """
 
-    def __init__(self, settings: Settings, retry_after: Callable[..., int]):
+    def __init__(
+        self,
+        settings: Settings,
+        retry_after: Callable[..., int],
+        on_event: Callable[[str], None] = lambda event: None,
+    ):
         self._settings = settings
         self._retry_after = retry_after
+        # the pool's counters in Redis (gpulock._samples), shown by the dashboard
+        self._on_event = on_event
+
+    def count(self, e: GpuLockHTTPException) -> None:
+        """Count an answer in the pool's counters: every 503 as ``rejected``, a CUDA OOM (a
+        503 too) also as ``oom``."""
+        if e.status_code == 503:
+            self._on_event("rejected")
+        if e.reason == "cuda_oom":
+            self._on_event("oom")
 
     def conflict(self, request_id: str) -> GpuLockHTTPException:
         """409: the idempotency key was used for a request with other parameters."""

@@ -17,6 +17,7 @@ from fastapi import Response
 
 from .._async import AsyncPool
 from .._replies import PoolStatus
+from .._samples import count_event
 from ..errors import GpuLockError
 from . import _signature
 from ._admission import Admission, Slots, TtlBound
@@ -137,7 +138,7 @@ class GpuLimiter:
         self._history = History()
         self._ttl_bound = TtlBound(be)
         self._retry = RetryAfterEstimator(s, be, self._slots, lambda: self._resident.count())
-        errors = self._errors = HttpErrors(s, self._retry.retry_after)
+        errors = self._errors = HttpErrors(s, self._retry.retry_after, self._count_event)
         self._resident = ResidentLeases(
             s,
             be,
@@ -293,6 +294,21 @@ class GpuLimiter:
             yield
         finally:
             await self.stop()
+
+    def _count_event(self, event: str) -> None:
+        """Add one to the pool's ``event`` counter in Redis (in the background; a failure only
+        loses the count)."""
+        redis = self._backend.redis
+        if redis is None:
+            return
+
+        async def count() -> None:
+            try:
+                await count_event(redis, self.settings.pool_name, event)
+            except Exception as e:  # noqa: BLE001 - a count is not worth an error answer
+                log.debug("gpulock: counting %s failed: %s", event, e)
+
+        self.spawn(count(), name="gpulock-count-event")
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:
         """Run a background coroutine that ``stop()`` cancels."""

@@ -155,6 +155,22 @@ async def principal(
     return who
 
 
+async def admin_principal(who: Principal = Depends(principal)) -> Principal:
+    """The caller's principal if it is an admin token (else 401 / 403)."""
+    if not who.admin:
+        _err(403, "forbidden", "only an admin token may see the dashboard")
+    return who
+
+
+async def dashboard_data(broker: Broker) -> dict[str, Any]:
+    """``GET /dashboard/data``'s body (the route is ``gpulock._dashboard_http``'s): the view of
+    every pool; Redis not answering is the broker's 503 ``backend_unavailable``."""
+    try:
+        return await broker.dashboard()
+    except Exception as e:
+        _map(e, "*")
+
+
 def _allowed(who: Principal, pool: str) -> None:
     if not who.may_use(pool):
         _err(403, "forbidden", f"this token may not use pool {pool!r}")
@@ -250,10 +266,14 @@ async def acquire_lease(
             gone=gone,
         )
     except Exception as e:
+        if isinstance(e, QueueFull):
+            broker.count_event(pool, "rejected")
         _map(e, pool)
     finally:
         if gone is not None:
             gone.cancel()
+    if not isinstance(r, Granted):
+        broker.count_event(pool, "rejected")  # the 503 below (queued or busy)
     if isinstance(r, Granted):
         g = r.grant
         held_ms = max(0, int((time.monotonic() - t0) * 1000))  # floor: never more than it was held

@@ -55,7 +55,11 @@ def create_broker_app(
 
     from gpulock._http_guards import install_http_guards
 
-    from .api import router
+    from fastapi import Depends
+
+    from gpulock._dashboard_http import dashboard_router
+
+    from .api import admin_principal, dashboard_data, router
     from .core import Broker
 
     principals = list(tokens) if tokens is not None else load_tokens(tokens_file)
@@ -78,6 +82,10 @@ def create_broker_app(
         lifespan=lifespan,
     )
     app.include_router(router)
+    # the live view, /dashboard: the page is static; its data needs an admin token
+    app.include_router(
+        dashboard_router(lambda: dashboard_data(broker), dependencies=[Depends(admin_principal)])
+    )
     # the same guards as the service's: 400 for bytes that are not UTF-8 or JSON nested too
     # deeply, 413 over the size bound, 408 for a body that does not arrive in time; their
     # bodies in the broker's error shape ({"detail": {"error", "message"}})

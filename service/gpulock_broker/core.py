@@ -43,12 +43,15 @@ objects and pool-wide operations), :mod:`.leases` (lease records, renew, release
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any, Callable, Iterable, Mapping
 
 from gpulock import AsyncPool
 from gpulock._admin import DeleteResult
+from gpulock._dashboard import dashboard_view
+from gpulock._samples import Sampler, count_event
 
 from .acquire import LONG_POLL_S, Acquirer
 from .auth import Principal
@@ -149,6 +152,7 @@ class Broker:
             clock=clock,
         )
         self._sweeper: asyncio.Task | None = None
+        self._sampler: asyncio.Task | None = None
 
     @property
     def tomb_ttl(self) -> float:
@@ -185,9 +189,21 @@ class Broker:
             self._sweeper = asyncio.get_running_loop().create_task(
                 self._sweep_loop(), name="gpulock-broker-sweeper"
             )
+        if self._sampler is None:
+            # the pools' history for the dashboard (gpulock._samples): every broker and service
+            # worker runs one; each pool's sampler lease lets one of them write
+            sampler = Sampler(self._poolset.client(), self.pool_names, self.status)
+            self._sampler = asyncio.get_running_loop().create_task(
+                sampler.run(), name="gpulock-broker-sampler"
+            )
 
     async def aclose(self) -> None:
         """Stop; queued places are withdrawn (best effort), granted leases stay (they expire)."""
+        if self._sampler is not None:
+            self._sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._sampler
+            self._sampler = None
         if self._sweeper is not None:
             self._sweeper.cancel()
             try:
@@ -257,6 +273,19 @@ class Broker:
     async def pool_names(self) -> list[str]:
         """Every pool configured in Redis, sorted."""
         return await self._poolset.names()
+
+    async def dashboard(self) -> dict[str, Any]:
+        """The live view of every pool (:func:`gpulock._dashboard.dashboard_view`)."""
+        names = await self.pool_names()
+        return await self._tasks.guard(dashboard_view(self._poolset.client(), names, self.status))
+
+    def count_event(self, pool: str, event: str) -> None:
+        """Add one to the pool's ``event`` counter (``rejected``: a 503) for the dashboard, in
+        the background (the answer does not wait for it; a failure only loses the count)."""
+        try:
+            self._tasks.spawn(count_event(self._poolset.client(), pool, event))
+        except Exception as e:  # noqa: BLE001 - not connected: a count is not worth an error
+            log.debug("gpulock broker: counting %s for %s failed: %s", event, pool, e)
 
     async def configure(
         self, pool: str, capacity: int, max_waiters: int | None, max_ttl: float | None = None

@@ -32,8 +32,12 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, PrivateAttr, StrictInt
 
+from gpulock._dashboard import dashboard_view
+from gpulock._dashboard_http import dashboard_router
 from gpulock._http_guards import install_http_guards
 from gpulock._keys import pool_key
+from gpulock._samples import Sampler
+from gpulock.errors import BackendUnavailable
 from gpulock.fastapi import GpuLimiter
 from gpulock.units import format_size, parse_size
 
@@ -203,9 +207,26 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await redis.delete(lock)
 
+    async def pool_status(name: str, limit: int):
+        if limiter.pool is None:
+            raise BackendUnavailable("the service is not connected to Redis yet")
+        return await limiter.pool.status(limit=limit)
+
+    async def pool_names() -> list[str]:
+        return [settings.pool]
+
+    async def dashboard_data() -> dict[str, Any]:
+        if limiter.redis is None:
+            return {"pools": [], "errors": {settings.pool: "not connected to Redis yet"}}
+        return await dashboard_view(limiter.redis, [settings.pool], pool_status)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await limiter.start()
+        if settings.dashboard and limiter.redis is not None:
+            # one sampler per worker; the pool's sampler lease lets one of them write
+            sampler = Sampler(limiter.redis, pool_names, pool_status)
+            limiter.spawn(sampler.run(), name="gpulock-sampler")
         task = limiter.spawn(bring_up(), name="gpulock-bring-up")
         if settings.startup_timeout > 0:
             done, _ = await asyncio.wait({task}, timeout=settings.startup_timeout)
@@ -242,6 +263,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.model = model
     app.add_middleware(_WorkerHeader)
+    if settings.dashboard:
+        app.include_router(dashboard_router(dashboard_data))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

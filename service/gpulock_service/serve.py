@@ -403,9 +403,13 @@ def run_serve(
                 str(max(1, max_requests // 4)),
             ]
         cmd.append("gpulock_service.app:app")
+        dashboard = os.environ.get("GPULOCK_DASHBOARD", "true").strip().lower() not in (
+            "0", "false", "no", "off", "f", "n",
+        )  # fmt: skip
+        routes = "/v1/embeddings /health /ready /metrics" + (" /dashboard" if dashboard else "")
         _say(
             f"{workers} workers, model {model}, pool {pool!r}, http://{host}:{port} "
-            f"(/v1/embeddings /health /ready /metrics); starting: each worker loads the model before /ready "
+            f"({routes}); starting: each worker loads the model before /ready "
             f"answers 200 ({_load_time_hint(model)}), then serve says 'ready'"
         )
 

@@ -106,6 +106,11 @@ class Settings(BaseSettings):
     disabled: bool = Field(
         False, description="run without leases (to measure the lease's overhead)"
     )
+    dashboard: bool = Field(
+        True,
+        description="serve /dashboard (the live view of the pool) and sample the pool's "
+        "history into Redis",
+    )
     exit_on_fatal: bool = Field(True, description="exit the worker after a sticky CUDA error")
     history_file: str | None = Field(
         None, description="tests: prefix of per-worker grant/release logs"

@@ -44,6 +44,9 @@ def test_wheel_installs_and_works(tmp_path, redis_proc1):
     for op in OPS:
         assert f"gpulock/lua/{op}.lua" in names, sorted(names)
     assert not any(n.startswith("tests/") for n in names)
+    # the dashboard's page ships in the package (no CDN, no build step)
+    for f in ("index.html", "dashboard.js", "dashboard.css"):
+        assert f"gpulock/_dashboard_static/{f}" in names, sorted(names)
     # gpulock depends on gpulock-common (clients/common), which is installed from its wheel too.
     common_wheel = _build_wheel(ROOT / "clients/common", dist, "gpulock_common-*.whl")
     common_names = set(zipfile.ZipFile(common_wheel).namelist())
@@ -71,6 +74,8 @@ def test_wheel_installs_and_works(tmp_path, redis_proc1):
         assert "site-packages" in gpulock_common.__file__, gpulock_common.__file__
         assert gpulock.errors.LeaseLost is gpulock_common.errors.LeaseLost
         assert "site-packages" in str(_lua_dir()), _lua_dir()
+        from gpulock._dashboard_http import static_text
+        assert "dashboard/data" in static_text("dashboard.js")
         pool = Pool.from_url({redis_proc1.url!r}, "wheel", capacity="2GiB")
         with pool.lease("1GiB", ttl=5) as lease:
             assert pool.status().used == 1 << 30

@@ -1,0 +1,210 @@
+"""``gpulock top``: the dashboard's view in the terminal (rich's Live), for SSH sessions.
+
+The frame is drawn from the JSON of :func:`gpulock._dashboard.dashboard_view`, read from Redis
+(``--redis-url``) or from a broker's ``/dashboard/data`` (``--broker-url``, admin token in
+``GPULOCK_TOKEN``). ``--once`` prints one frame and exits; ``--iterations N`` stops after N.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+import typer
+
+from ._cli_common import (
+    EXIT_USAGE,
+    Target,
+    error_exit,
+    fail,
+    pool_name_param,
+    safe_url,
+    target,
+)
+from .errors import GpuLockError
+from .units import format_size
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
+__all__ = ["fetch_view", "render_view", "sparkline", "top"]
+
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[int], top: int, width: int) -> str:
+    """The newest ``width`` values as block characters scaled to ``top`` (bytes)."""
+    vals = values[-width:]
+    if not vals or top <= 0:
+        return ""
+    return "".join(_BARS[min(len(_BARS) - 1, max(0, v * len(_BARS) // (top + 1)))] for v in vals)
+
+
+def _holder(h: dict[str, str]) -> str:
+    return " ".join(f"{k}={v}" for k, v in h.items())
+
+
+def _secs(s: float) -> str:
+    return f"{s:.1f}s" if s < 60 else f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
+    """One frame: a panel per pool (numbers, a sparkline of used bytes, leases, queue)."""
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    parts: list[Any] = []
+    for p in view["pools"]:
+        rate = "-" if p["grant_rate"] is None else f"{p['grant_rate']:.1f}/s"
+        head = Text()
+        head.append(
+            f"capacity {format_size(p['capacity'])}  used {format_size(p['used'])}  "
+            f"resident {format_size(p['resident'])}  free {format_size(p['free'])}\n"
+        )
+        head.append(
+            f"leases {p['lease_count']}  queued {p['waiter_count']}  grants {rate}  "
+            f"503s {p['rejected']}  OOMs {p['oom']}\n"
+        )
+        hist = p["history"]
+        top = max([p["capacity"], *hist["capacity"]]) if hist["capacity"] else p["capacity"]
+        line = sparkline(hist["used"], top, 60)
+        head.append(f"used, last {len(line)} s: {line or '(no samples yet)'}")
+        leases = Table(title=f"leases ({p['lease_count']})", title_justify="left", expand=False)
+        for col, right in (
+            ("holder", False),
+            ("amount", True),
+            ("token", True),
+            ("expires in", True),
+        ):
+            leases.add_column(col, justify="right" if right else "left")
+        for lz in p["leases"][:limit]:
+            leases.add_row(
+                _holder(lz["holder"]), format_size(lz["amount"]), str(lz["token"]),
+                _secs(lz["expires_in"]),
+            )  # fmt: skip
+        queue = Table(title=f"queue ({p['waiter_count']})", title_justify="left", expand=False)
+        for col, right in (
+            ("position", True),
+            ("amount", True),
+            ("waited", True),
+            ("holder", False),
+        ):
+            queue.add_column(col, justify="right" if right else "left")
+        for w in p["waiters"][:limit]:
+            queue.add_row(
+                str(w["position"]), format_size(w["amount"]), _secs(w["waited"]),
+                _holder(w["holder"]),
+            )  # fmt: skip
+        parts.append(Panel(Group(head, leases, queue), title=p["pool"], title_align="left"))
+    for name, msg in view["errors"].items():
+        parts.append(Panel(Text(msg, style="red"), title=name, title_align="left"))
+    if not parts:
+        parts.append(Text("no pools"))
+    return Group(*parts)
+
+
+async def _redis_view(url: str, name: Optional[str], limit: int) -> dict[str, Any]:
+    from ._async import _CLIENT_DEFAULTS, AsyncPool
+    from ._connect import async_client
+    from ._dashboard import dashboard_view
+    from ._keys import POOL_CFG_MATCH, pool_name_from_key
+    from ._translate import translate
+
+    redis = async_client(url, **dict[str, Any](_CLIENT_DEFAULTS))
+    pools: dict[str, AsyncPool] = {}
+
+    async def status(n: str, lim: int) -> Any:
+        if n not in pools:
+            pools[n] = AsyncPool(redis, n)
+        return await pools[n].status(limit=lim)
+
+    try:
+        if name is not None:
+            names = [name]
+        else:
+            try:
+                found = {pool_name_from_key(k) async for k in redis.scan_iter(match=POOL_CFG_MATCH)}
+            except Exception as e:  # noqa: BLE001 - translated to gpulock's tree
+                raise translate(e, "*") from e
+            names = sorted(n for n in found if n)
+        return await dashboard_view(redis, names, status, limit=limit)
+    finally:
+        for p in pools.values():
+            await p.aclose()
+        await redis.aclose()
+
+
+def fetch_view(t: Target, name: Optional[str], limit: int) -> dict[str, Any]:
+    """The view from the backend ``t`` (one pool, or all). Raises the core's errors."""
+    if t.is_broker:
+        from ._cli_broker import BrokerAdmin
+
+        b = BrokerAdmin(t.url)
+        try:
+            view: dict[str, Any] = b.call("GET", "/dashboard/data")
+        finally:
+            b.close()
+        if name is not None:
+            view = {
+                "pools": [p for p in view["pools"] if p["pool"] == name],
+                "errors": {k: v for k, v in view["errors"].items() if k == name},
+            }
+            if not view["pools"] and not view["errors"]:
+                view["errors"][name] = f"no pool {name!r} at {safe_url(t.url)}"
+        return view
+    return asyncio.run(_redis_view(t.url, name, limit))
+
+
+def top(
+    ctx: typer.Context,
+    name: Optional[str] = typer.Argument(
+        None, metavar="[NAME]", callback=pool_name_param, help="Pool to show (default: every pool)."
+    ),
+    interval: float = typer.Option(
+        1.0, "--interval", min=0.1, max=3600, help="Seconds between frames."
+    ),
+    iterations: int = typer.Option(
+        0, "--iterations", "-n", min=0, help="Stop after this many frames (0: until Ctrl-C)."
+    ),
+    once: bool = typer.Option(False, "--once", help="Print one frame and exit (--iterations 1)."),
+    limit: int = typer.Option(
+        20, "--limit", min=0, max=10000, help="Most leases and waiters listed per pool."
+    ),
+) -> None:
+    """The live view of the pools (capacity, used and resident bytes, leases, queue, grant
+    rate, 503s, OOMs), redrawn every --interval seconds; the dashboard's view for terminals."""
+    from rich.console import Console
+    from rich.live import Live
+
+    t = target(ctx)
+    if once:
+        if iterations not in (0, 1):
+            fail(EXIT_USAGE, "give --once or --iterations, not both")
+        iterations = 1
+    width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", "120"))
+    console = Console(file=sys.stdout, width=width, highlight=False)
+
+    def frame() -> RenderableType:
+        try:
+            return render_view(fetch_view(t, name, limit), limit=limit)
+        except GpuLockError as e:
+            error_exit(e, t, name or "", admin=t.is_broker)  # a broker's view: admin tokens only
+
+    if iterations == 1:
+        console.print(frame())
+        return
+    n = 0
+    try:
+        with Live(frame(), console=console, auto_refresh=False, screen=False) as live:
+            n = 1
+            while not iterations or n < iterations:
+                time.sleep(interval)
+                live.update(frame(), refresh=True)
+                n += 1
+    except KeyboardInterrupt:
+        pass

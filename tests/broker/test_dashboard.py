@@ -1,0 +1,206 @@
+"""The broker's ``/dashboard`` (issue 15): the page and its data need an admin token for the
+data only, name no token identity, and, in headless Chromium under a running load, show the
+numbers ``gpulock status --json`` reports, live."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from gpulock import Pool
+from gpulock.errors import GpuLockError
+from gpulock_broker.auth import parse_tokens
+from support.browser import Browser, dom_view, pool_dom, status_view
+from support.pools import GiB
+from support.waiting import wait_until
+
+from ._support import ADMIN_TOKEN, TOKENS, USER_TOKEN, client
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def status_json(redis_url: str, pool: str) -> dict:
+    r = subprocess.run(
+        [sys.executable, "-m", "gpulock", "--redis-url", redis_url, "status", pool, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_the_page_is_public_its_data_needs_an_admin_token(broker_srv, gpu):
+    with client(broker_srv.url, None) as anon:
+        page = anon.get("/dashboard")
+        assert page.status_code == 200
+        assert "default-src 'none'" in page.headers["content-security-policy"]
+        assert 'src="dashboard/dashboard.js"' in page.text
+        js = anon.get("/dashboard/dashboard.js")
+        assert js.status_code == 200 and "fetch(" in js.text
+        assert js.headers["content-type"].startswith("text/javascript")
+        assert anon.get("/dashboard/dashboard.css").status_code == 200
+        r = anon.get("/dashboard/data")
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    with client(broker_srv.url, USER_TOKEN) as user:
+        r = user.get("/dashboard/data")
+        assert r.status_code == 403, r.text
+    with client(broker_srv.url, ADMIN_TOKEN) as admin:
+        r = admin.get("/dashboard/data")
+        assert r.status_code == 200, r.text
+        assert [p["pool"] for p in r.json()["pools"]] == ["gpu-a"]
+
+
+def test_the_data_names_no_token_identity_and_counts_503s(broker_srv, gpu, user, admin):
+    r = user.post(
+        "/v1/pools/gpu-a/leases",
+        json={"amount": "8GiB", "ttl": 60, "holder": {"job": "train-1"}, "request_id": "rq-1"},
+    )
+    assert r.status_code == 201, r.text
+    busy = user.post(
+        "/v1/pools/gpu-a/leases", json={"amount": "4GiB", "queue": False, "request_id": "rq-2"}
+    )
+    assert busy.status_code == 503, busy.text
+
+    def view():
+        d = admin.get("/dashboard/data").json()["pools"][0]
+        return d if d["rejected"] == 1 else None
+
+    d = wait_until(view, 10, "the 503 counted in the view")
+    (lease,) = d["leases"]
+    assert lease["amount"] == 8 * GiB and lease["holder"]["job"] == "train-1"
+    assert lease["holder"]["principal"] == "user" and "owner" not in lease["holder"]
+    text = admin.get("/dashboard/data").text
+    for p in parse_tokens(TOKENS, "test"):
+        assert p.id not in text  # the token identities the leases carry in Redis
+    assert USER_TOKEN not in text and "rq-1" not in text and "rq-2" not in text
+
+
+def test_the_page_shows_what_gpulock_status_reports_live(
+    broker_srv, redis_srv, gpu, user, tmp_path
+):
+    leases = []
+    for amount, job in (("3GiB", "train-1"), ("4GiB", "train-2")):
+        r = user.post(
+            "/v1/pools/gpu-a/leases", json={"amount": amount, "ttl": 60, "holder": {"job": job}}
+        )
+        assert r.status_code == 201, r.text
+        leases.append(r.json())
+    # a waiter that cannot fit (3 GiB free), queued through the core, until the 4 GiB go
+    waiter_pool = Pool.from_url(redis_srv.url, "gpu-a")
+    got: list = []
+
+    def wait_for_5() -> None:
+        try:
+            got.append(waiter_pool.acquire("5GiB", timeout=120, holder={"job": "eval"}))
+        except GpuLockError as e:
+            got.append(e)
+
+    th = threading.Thread(target=wait_for_5, daemon=True)
+    th.start()
+    try:
+        wait_until(
+            lambda: status_json(redis_srv.url, "gpu-a")["waiter_count"] == 1, 30, "the waiter"
+        )
+        with Browser(tmp_path) as b:
+            page = b.new_page(f"{broker_srv.url}/dashboard#token={ADMIN_TOKEN}")
+            st = status_view(status_json(redis_srv.url, "gpu-a"))
+            assert st["lease_count"] == 2 and st["waiter_count"] == 1
+            d = wait_until(
+                lambda: (x := pool_dom(page, "gpu-a")) and dom_view(x) == st and x,
+                30,
+                f"the page to show {st}",
+                interval=0.1,
+            )
+            assert d["state"] == "ok"
+            assert ADMIN_TOKEN not in page.evaluate("location.href")  # taken off the address bar
+            assert "3.00 GiB" in d["text"] and "job=train-1" in d["text"]
+            for p in parse_tokens(TOKENS, "test"):
+                assert p.id not in d["text"]
+            # a 503 shows up; the chart fills from the pool's samples
+            busy = user.post("/v1/pools/gpu-a/leases", json={"amount": "4GiB", "queue": False})
+            assert busy.status_code == 503
+            wait_until(
+                lambda: (
+                    (x := pool_dom(page, "gpu-a"))
+                    and x["stats"]["rejected"] == 1
+                    and x["points"].get("used", 0) >= 2
+                ),
+                30,
+                "one 503 and two samples on the page",
+                interval=0.1,
+            )
+            # live: the 4 GiB go, the waiter is granted, the page follows
+            r = user.delete(f"/v1/pools/gpu-a/leases/{leases[1]['lease_id']}")
+            assert r.status_code == 200, r.text
+            wait_until(lambda: got, 30, "the waiter's grant")
+            st2 = status_view(status_json(redis_srv.url, "gpu-a"))
+            assert st2["waiter_count"] == 0 and st2["used"] == 8 * GiB
+            wait_until(
+                lambda: (x := pool_dom(page, "gpu-a")) and dom_view(x) == st2,
+                30,
+                f"the page to show {st2}",
+                interval=0.1,
+            )
+            # a reload draws the same history again: it is Redis's, not the page's
+            seen = pool_dom(page, "gpu-a")
+            before, updates = seen["points"]["used"], seen["updates"]
+            page.call("Page.reload", ignoreCache=True)
+            wait_until(
+                lambda: (
+                    (x := pool_dom(page, "gpu-a"))
+                    and x["updates"] < updates  # the new page's first renders
+                    and x["points"].get("used", 0) >= before
+                ),
+                30,
+                "the history after a reload",
+                interval=0.1,
+            )
+            shot = tmp_path / "dashboard.png"
+            page.screenshot(shot)
+            assert shot.stat().st_size > 10_000
+            if os.environ.get("GPULOCK_DASHBOARD_SCREENSHOT"):
+                shutil.copy(shot, os.environ["GPULOCK_DASHBOARD_SCREENSHOT"])
+    finally:
+        waiter_pool.close()
+        th.join(10)
+
+
+def _top_via_broker(url: str, token: str | None, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("GPULOCK_TOKEN", "GPULOCK_BROKER_URL")}
+    env["COLUMNS"] = "200"
+    if token:
+        env["GPULOCK_TOKEN"] = token
+    return subprocess.run(
+        [sys.executable, "-m", "gpulock", "--broker-url", url, "top", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_top_goes_through_the_brokers_dashboard_with_an_admin_token(broker_srv, gpu, user):
+    r = user.post("/v1/pools/gpu-a/leases", json={"amount": "2GiB", "holder": {"job": "t"}})
+    assert r.status_code == 201, r.text
+    token = r.json()["token"]
+    out = _top_via_broker(broker_srv.url, ADMIN_TOKEN, "gpu-a", "--once")
+    assert out.returncode == 0, out.stderr
+    assert "gpu-a" in out.stdout and str(token) in out.stdout and "job=t" in out.stdout
+    refused = _top_via_broker(broker_srv.url, USER_TOKEN, "--once")
+    assert refused.returncode != 0 and "admin" in refused.stderr
+
+
+def test_the_data_is_a_503_while_redis_is_down(broker_srv, redis_srv, gpu, admin):
+    assert admin.get("/dashboard/data").status_code == 200
+    redis_srv.kill()
+    r = admin.get("/dashboard/data")
+    assert r.status_code == 503, r.text
+    assert r.json()["detail"]["error"] == "backend_unavailable"
+    assert r.headers["retry-after"] == "1"

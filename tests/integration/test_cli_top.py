@@ -1,0 +1,82 @@
+"""``gpulock top`` (issue 15): the dashboard's view in the terminal, run as a real process
+against a real Redis the test starts; ``--once`` and ``--iterations`` render and exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+
+import pytest
+
+from gpulock.errors import GpuLockError
+from gpulock.units import format_size
+from support.pools import GiB
+from support.procs import gpulock_argv
+from support.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def cli(url: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GPULOCK_REDIS_URL": url, "COLUMNS": "200"}
+    return subprocess.run(
+        [*gpulock_argv(), *args], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_top_once_shows_the_pool_its_leases_and_its_queue(redis_proc, make_pool, pool_name):
+    pool = make_pool(capacity=4 * GiB)
+    a = pool.acquire(GiB, holder={"job": "train"})
+    b = pool.acquire(2 * GiB, holder={"purpose": "resident:model"})
+    waiter = make_pool()
+    got: list = []
+
+    def wait_for_3() -> None:
+        try:
+            got.append(waiter.acquire(3 * GiB, timeout=60, holder={"job": "eval"}))
+        except GpuLockError as e:
+            got.append(e)
+
+    th = threading.Thread(target=wait_for_3, daemon=True)
+    th.start()
+    try:
+        wait_until(lambda: pool.status().waiter_count == 1, 10, "the waiter")
+        r = cli(redis_proc.url, "top", pool_name, "--once")
+        assert r.returncode == 0, r.stderr
+        out = r.stdout
+        st = json.loads(cli(redis_proc.url, "status", pool_name, "--json").stdout)
+        assert pool_name in out
+        assert f"capacity {format_size(st['capacity'])}" in out
+        assert (
+            f"used {format_size(st['used'])}" in out and f"resident {format_size(2 * GiB)}" in out
+        )
+        assert "leases 2" in out and "queued 1" in out
+        for lz in st["leases"]:
+            assert str(lz["token"]) in out
+        assert "job=train" in out and "job=eval" in out and "queue (1)" in out
+        # several frames, then it exits by itself
+        r = cli(redis_proc.url, "top", pool_name, "--iterations", "2", "--interval", "0.1")
+        assert r.returncode == 0, r.stderr
+        assert pool_name in r.stdout
+        # every pool, and a pool that does not exist
+        r = cli(redis_proc.url, "top", "--once")
+        assert r.returncode == 0 and pool_name in r.stdout
+        r = cli(redis_proc.url, "top", "nosuchpool", "--once")
+        assert r.returncode == 0 and "not configured" in r.stdout
+    finally:
+        waiter.close()
+        th.join(10)
+        a.release()
+        b.release()
+
+
+def test_top_once_and_iterations_together_is_a_usage_error(redis_proc):
+    r = cli(redis_proc.url, "top", "--once", "--iterations", "3")
+    assert r.returncode == 2 and "not both" in r.stderr
+
+
+def test_top_with_no_pools_says_so(redis_proc):
+    r = cli(redis_proc.url, "top", "--once")
+    assert r.returncode == 0 and "no pools" in r.stdout
