@@ -11,8 +11,9 @@ harness alternates A and B, round after round. For each of ``Pool`` (sync) and `
 a slice is ``return 1`` ceiling, pool pairs, ceiling, each ``--slice`` seconds, measured by
 the worker itself; the slice's ratio is its pair rate over the mean of its two ceiling
 neighbours (core.py's method), and the server CPU of the pair part (INFO cpu, read around it
-on the worker's own connection) is divided by the pairs made. Reported: median ratio, median
-pairs/s and total server CPU per pair per side, and the Lua time per call of each side's
+on the worker's own connection) is divided by the pairs made, and so is the worker's own CPU
+time (all its threads; time.process_time). Reported: median ratio, median
+pairs/s, server and client CPU per pair per side, and the Lua time per call of each side's
 acquire and release (INFO commandstats ``usec_per_call``, raw EVALSHA: five alternating runs
 of ``--lua-n``/5 calls each, the median).
 
@@ -106,14 +107,19 @@ async def pair_a():
 def run_slice(kind, secs):
     if kind == "sync":
         n1, t1 = calls(ceil_s, secs)
-        c0 = cpu(); n, t = calls(pair_s, secs); c1 = cpu()
+        c0, p0 = cpu(), time.process_time()
+        n, t = calls(pair_s, secs)
+        c1, p1 = cpu(), time.process_time()
         n2, t2 = calls(ceil_s, secs)
     else:
         n1, t1 = loop.run_until_complete(acalls(ceil_a, secs))
-        c0 = cpu(); n, t = loop.run_until_complete(acalls(pair_a, secs)); c1 = cpu()
+        c0, p0 = cpu(), time.process_time()
+        n, t = loop.run_until_complete(acalls(pair_a, secs))
+        c1, p1 = cpu(), time.process_time()
         n2, t2 = loop.run_until_complete(acalls(ceil_a, secs))
     ceil = (n1 / t1 + n2 / t2) / 2
-    return {"rate": n / t, "ratio": (n / t) / ceil, "cpu_s": c1 - c0, "pairs": n}
+    return {"rate": n / t, "ratio": (n / t) / ceil, "cpu_s": c1 - c0, "client_cpu_s": p1 - p0,
+            "pairs": n}
 
 
 def lua(nn):
@@ -228,11 +234,18 @@ def main(argv: list[str] | None = None) -> int:
             xs = res[s][kind]
             ratio = statistics.median(x["ratio"] for x in xs)
             rate = statistics.median(x["rate"] for x in xs)
-            cpu = 1e6 * sum(x["cpu_s"] for x in xs) / sum(x["pairs"] for x in xs)
-            summary[f"{kind}_{s}"] = {"ratio": ratio, "rate": rate, "cpu_us_per_pair": cpu}
+            pairs = sum(x["pairs"] for x in xs)
+            cpu = 1e6 * sum(x["cpu_s"] for x in xs) / pairs
+            ccpu = 1e6 * sum(x["client_cpu_s"] for x in xs) / pairs
+            summary[f"{kind}_{s}"] = {
+                "ratio": ratio,
+                "rate": rate,
+                "cpu_us_per_pair": cpu,
+                "client_cpu_us_per_pair": ccpu,
+            }
             print(
                 f"{kind:5s} {s}: {ratio:6.1%} of ceiling, {rate:7.0f} pairs/s, "
-                f"server CPU {cpu:6.1f} us/pair"
+                f"server CPU {cpu:6.1f} us/pair, client CPU {ccpu:6.1f} us/pair"
             )
     for s in sides:
         print(
