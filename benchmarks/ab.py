@@ -13,7 +13,8 @@ the worker itself; the slice's ratio is its pair rate over the mean of its two c
 neighbours (core.py's method), and the server CPU of the pair part (INFO cpu, read around it
 on the worker's own connection) is divided by the pairs made, and so is the worker's own CPU
 time (all its threads; time.process_time). Reported: median ratio, median
-pairs/s, server and client CPU per pair per side, and the Lua time per call of each side's
+pairs/s, server and client CPU per pair per side (also for "many": 16 AsyncPool tasks doing
+pairs at once for two sub-slices; no ratio), and the Lua time per call of each side's
 acquire and release (INFO commandstats ``usec_per_call``, raw EVALSHA: five alternating runs
 of ``--lua-n``/5 calls each, the median).
 
@@ -104,7 +105,26 @@ async def pair_a():
     await (await apool.acquire(1)).release()
 
 
+async def many(secs, tasks=16):
+    end = time.perf_counter() + secs
+
+    async def one():
+        n = 0
+        while time.perf_counter() < end:
+            await (await apool.acquire(1)).release()
+            n += 1
+        return n
+
+    return sum(await asyncio.gather(*(one() for _ in range(tasks))))
+
+
 def run_slice(kind, secs):
+    if kind == "many":
+        c0, p0, t0 = cpu(), time.process_time(), time.perf_counter()
+        n = loop.run_until_complete(many(2 * secs))
+        c1, p1, t1 = cpu(), time.process_time(), time.perf_counter()
+        return {"rate": n / (t1 - t0), "ratio": float("nan"), "cpu_s": c1 - c0,
+                "client_cpu_s": p1 - p0, "pairs": n}
     if kind == "sync":
         n1, t1 = calls(ceil_s, secs)
         c0, p0 = cpu(), time.process_time()
@@ -205,10 +225,11 @@ def main(argv: list[str] | None = None) -> int:
             procs[s].stdin.flush()
             return json.loads(procs[s].stdout.readline())
 
-        res: dict = {s: {"sync": [], "async": []} for s in sides}
+        kinds = ("sync", "async", "many")
+        res: dict = {s: {k: [] for k in kinds} for s in sides}
         for r in range(a.rounds):
             order = ("A", "B") if r % 2 == 0 else ("B", "A")
-            for kind in ("sync", "async"):
+            for kind in kinds:
                 for s in order:
                     res[s][kind].append(ask(s, op="slice", kind=kind, secs=a.slice))
         lua_runs: dict = {s: [] for s in sides}
@@ -229,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"A = {a.base}, B = working tree; {a.rounds} rounds of {a.slice} s sub-slices; {version}")
     print(f"load avg {load0[0]:.2f} at start, {load1[0]:.2f} at end")
     summary: dict = {}
-    for kind in ("sync", "async"):
+    for kind in kinds:
         for s in sides:
             xs = res[s][kind]
             ratio = statistics.median(x["ratio"] for x in xs)
