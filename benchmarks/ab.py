@@ -3,6 +3,7 @@
 
     python benchmarks/ab.py --base HEAD~1            # working tree (B) against a commit (A)
     python benchmarks/ab.py --base main --rounds 12 --slice 0.25
+    python benchmarks/ab.py --base 736fbbd --new 503935c     # two commits
 
 Each side runs in its own worker process (side A imports the ``--base`` commit, exported with
 ``git archive`` into a temporary folder; side B the working tree), so both sides' scripts are
@@ -164,7 +165,8 @@ def lua(nn):
 
 for _ in range(3):  # warm up
     run_slice("sync", 0.05); run_slice("async", 0.05)
-print(json.dumps({"ready": side}), flush=True)
+import gpulock
+print(json.dumps({"ready": side, "gpulock": gpulock.__file__}), flush=True)
 for line in sys.stdin:
     cmd = json.loads(line)
     if cmd["op"] == "slice":
@@ -193,6 +195,7 @@ def pypath(root: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="HEAD", help="side A: a git revision (default HEAD)")
+    ap.add_argument("--new", default=None, help="side B: a git revision (default: working tree)")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--slice", type=float, default=0.2, help="seconds per sub-slice")
     ap.add_argument("--lua-n", type=int, default=2000)
@@ -205,8 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     binary = a.redis_server or find_server_binary("redis")
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="gpulock-ab-") as tmp, RedisProcess(binary) as rp:
-        export(a.base, Path(tmp))
-        sides = {"A": Path(tmp), "B": ROOT}
+        sides = {"A": Path(tmp) / "A", "B": ROOT if a.new is None else Path(tmp) / "B"}
+        for s, rev in (("A", a.base), ("B", a.new)):
+            if rev is not None:
+                sides[s].mkdir()
+                export(rev, sides[s])
+        (Path(tmp) / "cwd").mkdir()
         procs = {}
         for s, root in sides.items():
             env = dict(os.environ, PYTHONPATH=pypath(root))
@@ -216,9 +223,11 @@ def main(argv: list[str] | None = None) -> int:
                 stdout=subprocess.PIPE,
                 text=True,
                 env=env,
-                cwd=tmp,
+                cwd=Path(tmp) / "cwd",  # python -c puts the cwd first on sys.path: an empty one
             )
-            assert json.loads(procs[s].stdout.readline())["ready"] == s
+            hello = json.loads(procs[s].stdout.readline())
+            assert hello["ready"] == s, hello
+            assert Path(hello["gpulock"]).resolve().is_relative_to(root.resolve()), (s, hello)
 
         def ask(s: str, **cmd: object) -> dict:
             procs[s].stdin.write(json.dumps(cmd) + "\n")
@@ -247,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
             [binary, "--version"], capture_output=True, text=True
         ).stdout.strip()
     load1 = os.getloadavg()
-    print(f"A = {a.base}, B = working tree; {a.rounds} rounds of {a.slice} s sub-slices; {version}")
+    print(
+        f"A = {a.base}, B = {a.new or 'working tree'}; {a.rounds} rounds of {a.slice} s sub-slices; {version}"
+    )
     print(f"load avg {load0[0]:.2f} at start, {load1[0]:.2f} at end")
     summary: dict = {}
     for kind in kinds:
