@@ -131,14 +131,6 @@ def _relay(f: asyncio.Future[Any], cf: concurrent.futures.Future[Any], pool: str
         pass
 
 
-def _hand(cf: concurrent.futures.Future[Any], grant: Any) -> None:
-    """Give a waiting thread its grant (on the loop thread); nothing if it gave up already."""
-    try:
-        cf.set_result(grant)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
 def _background_cap(max_connections: int) -> int:
     """Connections of a Pool's background client (its loop thread: the hand-off subscription,
     the batched heartbeat, re-queues): at most 4, at least 2, at most the caller side's cap."""
@@ -404,7 +396,6 @@ class Pool(PoolOptions):
         # A callback, never ``await``: another acquire with the same request id may share the
         # waiter future, and giving up here must not cancel it.
         joined.future.add_done_callback(lambda f: _relay(f, relay, self.name))
-        joined.sinks.append(lambda g: _hand(relay, g))  # a grant: at once (see Waiter.sinks)
         return joined
 
     def _eval_once(self, name: str, args: list[str]) -> Any:

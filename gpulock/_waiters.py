@@ -12,7 +12,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ._calls import Settings
@@ -32,17 +32,6 @@ class Waiter:
     on_position: Callable[[int], Any] | None = None
     users: int = 1  # local acquires sharing this ticket (one request id used concurrently)
     refreshed: float = 0.0  # local time of the last call that kept (or took again) its place
-    # Called with a grant the listener delivers, right after the future is completed and in
-    # the same loop iteration (the sync shell hands it to the waiting thread from here rather
-    # than from the future's done-callback, one loop iteration later). Must not raise.
-    sinks: list[Callable[[Grant], None]] = field(default_factory=list)
-
-    def grant(self, g: Grant) -> None:
-        """Complete the future with ``g`` (unless done) and pass it to the sinks."""
-        if not self.future.done():
-            self.future.set_result(g)
-            for sink in self.sinks:
-                sink(g)
 
 
 class WaiterRegistry:
@@ -71,8 +60,8 @@ class WaiterRegistry:
         if not w.refreshed:
             w.refreshed = now
         g = self._unclaimed.pop(w.ticket, None)
-        if g is not None and g.lease_id == w.argv[1]:
-            w.grant(g)  # only a grant made with this request's own lease id
+        if g is not None and g.lease_id == w.argv[1] and not w.future.done():
+            w.future.set_result(g)  # only a grant made with this request's own lease id
         return first
 
     def remove(self, ticket: str) -> bool:
@@ -92,7 +81,8 @@ class WaiterRegistry:
         """Complete the future of the waiter ``grant`` is for, or keep the grant for it."""
         w = self.waiters.get(grant.ticket)
         if w is not None:
-            w.grant(grant)
+            if not w.future.done():
+                w.future.set_result(grant)
             return
         # No waiter yet: the grant may have overtaken the reply that queued the ticket (the
         # pub/sub connection was read first, or the sync shell has not registered its waiter
