@@ -92,8 +92,8 @@ def machine_info() -> dict[str, Any]:
 # ---- rate loops ------------------------------------------------------------------------------
 
 
-def rate_sync(fn: Callable[[], Any], seconds: float, batch: int = 20) -> float:
-    """Calls per second of ``fn`` over about ``seconds``."""
+def calls_sync(fn: Callable[[], Any], seconds: float, batch: int = 20) -> tuple[int, float]:
+    """Call ``fn`` back to back for about ``seconds``: (calls made, seconds taken)."""
     n = 0
     t0 = time.perf_counter()
     end = t0 + seconds
@@ -103,10 +103,10 @@ def rate_sync(fn: Callable[[], Any], seconds: float, batch: int = 20) -> float:
         n += batch
         now = time.perf_counter()
         if now >= end:
-            return n / (now - t0)
+            return n, now - t0
 
 
-async def rate_async(fn: Callable[[], Any], seconds: float, batch: int = 20) -> float:
+async def calls_async(fn: Callable[[], Any], seconds: float, batch: int = 20) -> tuple[int, float]:
     n = 0
     t0 = time.perf_counter()
     end = t0 + seconds
@@ -116,7 +116,18 @@ async def rate_async(fn: Callable[[], Any], seconds: float, batch: int = 20) -> 
         n += batch
         now = time.perf_counter()
         if now >= end:
-            return n / (now - t0)
+            return n, now - t0
+
+
+def rate_sync(fn: Callable[[], Any], seconds: float, batch: int = 20) -> float:
+    """Calls per second of ``fn`` over about ``seconds``."""
+    n, dt = calls_sync(fn, seconds, batch)
+    return n / dt
+
+
+async def rate_async(fn: Callable[[], Any], seconds: float, batch: int = 20) -> float:
+    n, dt = await calls_async(fn, seconds, batch)
+    return n / dt
 
 
 def interleave_plan(subjects: list[str], rounds: int) -> list[str]:

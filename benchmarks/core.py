@@ -65,6 +65,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _util import (  # noqa: E402
+    calls_async,
+    calls_sync,
     interleave_plan,
     machine_info,
     median,
@@ -97,6 +99,8 @@ TARGETS = {
     "reclaim_p50_ms": 5.0,
     "reclaim_max_ms": 20.0,
     "bytes_per_item": 1024,
+    "cpu_pair_us_1": 50.0,  # server CPU per uncontended acquire+release, one connection
+    "cpu_pair_us_many": 30.0,  # the same with many clients at once
 }
 
 FULL = dict(
@@ -206,6 +210,70 @@ def _load_dummy_scripts(c: redis.Redis) -> tuple[str, str, str]:
     return trivial, fake_acq, fake_rel
 
 
+def server_cpu_s(c: redis.Redis) -> float:
+    """The server process's CPU time so far (user + system, seconds; INFO cpu)."""
+    i = c.info("cpu")
+    return float(i["used_cpu_user"]) + float(i["used_cpu_sys"])
+
+
+class CpuSlices:
+    """Server CPU per call of each subject of an interleaved run: INFO cpu (on its own
+    connection) read around every slice, summed per subject, divided by the calls made (one
+    call = one acquire+release pair for the pair subjects, one ``return 1`` for "C"). The
+    two INFO calls per slice are outside the slice's calls but inside its CPU window: about
+    0.1 % of a slice's server CPU."""
+
+    def __init__(self, c: redis.Redis):
+        self.c = c
+        self.acc: dict[str, list[float]] = {}
+        self.last = server_cpu_s(c)
+
+    def measure(self, subject: str, calls: int, seconds: float) -> float:
+        now = server_cpu_s(self.c)
+        a = self.acc.setdefault(subject, [0.0, 0])
+        a[0] += now - self.last
+        a[1] += calls
+        self.last = server_cpu_s(self.c)
+        return calls / seconds
+
+    def summary(self) -> dict[str, float]:
+        """Server CPU µs per call, by subject."""
+        return {k: 1e6 * cpu / n for k, (cpu, n) in self.acc.items() if n}
+
+
+async def pairs_many_async(url: str, pool: AsyncPool, cpu: CpuSlices, cfg: dict) -> dict:
+    """Many clients at once: 16 tasks of one AsyncPool doing acquire(1)+release back to back
+    (redis-py opens one connection per call in flight, up to the pool's cap; calls beyond it
+    go out as pipelines), in ``rounds`` windows of 2 slices. Pairs/s and server CPU per pair."""
+    tasks_n = 16
+    pairs = 0
+    secs = 0.0
+    cpu_s = 0.0
+
+    async def worker(end: float) -> int:
+        n = 0
+        while time.perf_counter() < end:
+            await (await pool.acquire(1)).release()
+            n += 1
+        return n
+
+    for _ in range(cfg["rounds"]):
+        c0 = server_cpu_s(cpu.c)
+        t0 = time.perf_counter()
+        end = t0 + 2 * cfg["slice_s"]
+        done = await asyncio.gather(*(worker(end) for _ in range(tasks_n)))
+        secs += time.perf_counter() - t0
+        cpu_s += server_cpu_s(cpu.c) - c0
+        pairs += sum(done)
+    return {
+        "tasks": tasks_n,
+        "pairs": pairs,
+        "rate": pairs / secs,
+        "cpu_us_per_pair": 1e6 * cpu_s / pairs,
+        "server_cpu_share": cpu_s / secs,
+    }
+
+
 def bench_pairs_sync(url: str, cfg: dict) -> dict[str, Any]:
     c = redis.Redis.from_url(url, **CLIENT_KW)
     trivial, fake_acq, fake_rel = _load_dummy_scripts(c)
@@ -224,12 +292,12 @@ def bench_pairs_sync(url: str, cfg: dict) -> dict[str, Any]:
         pool.acquire(1).release()
 
     def raw_pair():
-        r = c.evalsha(sc["acquire"].sha, 8, *keys, *_acquire_argv(name))
-        c.evalsha(sc["release"].sha, 8, *keys, r[1], r[2])
+        r = c.evalsha(sc["acquire"].sha, len(keys), *keys, *_acquire_argv(name))
+        c.evalsha(sc["release"].sha, len(keys), *keys, r[1], r[2])
 
     def io_pair():
-        r = c.evalsha(fake_acq, 8, *keys, *_acquire_argv(name))
-        c.evalsha(fake_rel, 8, *keys, r[1], str(r[2]))
+        r = c.evalsha(fake_acq, len(keys), *keys, *_acquire_argv(name))
+        c.evalsha(fake_rel, len(keys), *keys, r[1], str(r[2]))
 
     fns = {"C": ceiling, "pool": pool_pair, "raw_scripts": raw_pair, "io_only": io_pair}
     try:  # the closest peer (38-40 % of the ceiling), measured the same way
@@ -247,8 +315,10 @@ def bench_pairs_sync(url: str, cfg: dict) -> dict[str, Any]:
     for f in fns.values():  # warm up: connections, subscription, script cache, imports
         rate_sync(f, 0.1)
     plan = interleave_plan([k for k in fns if k != "C"], cfg["rounds"])
-    rates = [rate_sync(fns[p], cfg["slice_s"]) for p in plan]
+    cpu = CpuSlices(c)
+    rates = [cpu.measure(p, *calls_sync(fns[p], cfg["slice_s"])) for p in plan]
     out = summarize_interleaved(plan, rates)
+    out["server_cpu"] = cpu.summary()
     out["lua"] = lua_time_per_op(c, name, cfg["script_pairs"])
     pool.close()
     c.close()
@@ -269,17 +339,18 @@ def lua_time_per_op(c: redis.Redis, name: str, n: int) -> dict[str, Any]:
     uncontended acquire+release pairs on a fresh pool, plus ``n`` calls of ``return 1``."""
     sc = loaded_scripts(c)
     keys = pool_keys(name + "-lua")
-    c.evalsha(sc["configure"].sha, 8, *keys, str(2**40), "100000", "set")
+    c.evalsha(sc["configure"].sha, len(keys), *keys, str(2**40), "100000", "set")
     trivial = c.script_load("return 1")
 
     def work():
         for _ in range(n):
-            r = c.evalsha(sc["acquire"].sha, 8, *keys, *_acquire_argv(name + "-lua"))
-            c.evalsha(sc["release"].sha, 8, *keys, r[1], r[2])
+            r = c.evalsha(sc["acquire"].sha, len(keys), *keys, *_acquire_argv(name + "-lua"))
+            c.evalsha(sc["release"].sha, len(keys), *keys, r[1], r[2])
             c.evalsha(trivial, 0)
 
     by = evalsha_durations(c, work, 60 * n)
     mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
+    cs = commandstats_us_per_call(c, sc, keys, name + "-lua", n, trivial)
     out: dict[str, Any] = {
         "acquire_us": mean(by.get(sc["acquire"].sha, [])),
         "release_us": mean(by.get(sc["release"].sha, [])),
@@ -287,19 +358,44 @@ def lua_time_per_op(c: redis.Redis, name: str, n: int) -> dict[str, Any]:
         "acquire_p50_us": median(by.get(sc["acquire"].sha, [])),
         "release_p50_us": median(by.get(sc["release"].sha, [])),
         "samples": {k: len(v) for k, v in by.items()},
+        "commandstats": cs,
     }
     # Commands each script runs inside Redis (one uncontended pair).
     c.config_resetstat()
-    r = c.evalsha(sc["acquire"].sha, 8, *keys, *_acquire_argv(name + "-lua"))
+    r = c.evalsha(sc["acquire"].sha, len(keys), *keys, *_acquire_argv(name + "-lua"))
     _, inner_a, _ = split_commandstats(c.info("commandstats"))
     c.config_resetstat()
-    c.evalsha(sc["release"].sha, 8, *keys, r[1], r[2])
+    c.evalsha(sc["release"].sha, len(keys), *keys, r[1], r[2])
     _, inner_r, _ = split_commandstats(c.info("commandstats"))
     out["acquire_inner_calls"] = sum(inner_a.values())
     out["release_inner_calls"] = sum(inner_r.values())
     out["acquire_inner"] = inner_a
     out["release_inner"] = inner_r
     c.delete(*keys[:7])
+    return out
+
+
+def commandstats_us_per_call(
+    c: redis.Redis, sc: dict, keys: Any, name: str, n: int, trivial: str
+) -> dict[str, float]:
+    """Server time per script call from INFO commandstats (``usec_per_call`` of EVALSHA after
+    ``CONFIG RESETSTAT``): ``n`` acquires, then their ``n`` releases, then ``n`` calls of
+    ``return 1``, each counted on its own. Unlike SLOWLOG with a 0 µs threshold (which also
+    logs, and so slows, every command a script runs on Redis 7.0), nothing is logged."""
+    out: dict[str, float] = {}
+    c.config_resetstat()
+    grants = [
+        c.evalsha(sc["acquire"].sha, len(keys), *keys, *_acquire_argv(name)) for _ in range(n)
+    ]
+    out["acquire_us"] = float(c.info("commandstats")["cmdstat_evalsha"]["usec_per_call"])
+    c.config_resetstat()
+    for r in grants:
+        c.evalsha(sc["release"].sha, len(keys), *keys, r[1], r[2])
+    out["release_us"] = float(c.info("commandstats")["cmdstat_evalsha"]["usec_per_call"])
+    c.config_resetstat()
+    for _ in range(n):
+        c.evalsha(trivial, 0)
+    out["trivial_us"] = float(c.info("commandstats")["cmdstat_evalsha"]["usec_per_call"])
     return out
 
 
@@ -362,19 +458,23 @@ async def bench_pairs_async(url: str, cfg: dict) -> dict[str, Any]:
         await (await pool.acquire(1)).release()
 
     async def raw_pair():
-        r = await c.evalsha(sc["acquire"].sha, 8, *keys, *_acquire_argv(name))
-        await c.evalsha(sc["release"].sha, 8, *keys, r[1], r[2])
+        r = await c.evalsha(sc["acquire"].sha, len(keys), *keys, *_acquire_argv(name))
+        await c.evalsha(sc["release"].sha, len(keys), *keys, r[1], r[2])
 
     async def io_pair():
-        r = await c.evalsha(fake_acq, 8, *keys, *_acquire_argv(name))
-        await c.evalsha(fake_rel, 8, *keys, r[1], str(r[2]))
+        r = await c.evalsha(fake_acq, len(keys), *keys, *_acquire_argv(name))
+        await c.evalsha(fake_rel, len(keys), *keys, r[1], str(r[2]))
 
     fns = {"C": ceiling, "pool": pool_pair, "raw_scripts": raw_pair, "io_only": io_pair}
     for f in fns.values():
         await rate_async(f, 0.1)
     plan = interleave_plan(["pool", "raw_scripts", "io_only"], cfg["rounds"])
-    rates = [await rate_async(fns[p], cfg["slice_s"]) for p in plan]
+    cpu = CpuSlices(redis.Redis.from_url(url, **CLIENT_KW))
+    rates = [cpu.measure(p, *(await calls_async(fns[p], cfg["slice_s"]))) for p in plan]
     out = summarize_interleaved(plan, rates)
+    out["server_cpu"] = cpu.summary()
+    out["many"] = await pairs_many_async(url, pool, cpu, cfg)
+    cpu.c.close()
     await pool.aclose()
     await c.aclose()
     return out
@@ -806,7 +906,7 @@ def bench_memory(c: redis.Redis, n: int) -> dict[str, Any]:
         for i in range(0, len(argvs), 1000):
             pipe = c.pipeline(transaction=False)
             for a in argvs[i : i + 1000]:
-                pipe.evalsha(sc["acquire"].sha, 8, *keys, *a)
+                pipe.evalsha(sc["acquire"].sha, len(keys), *keys, *a)
             for r in pipe.execute():
                 assert int(r[0]) == expect, r
 
@@ -918,6 +1018,29 @@ def build_rows(R: dict) -> list[tuple[str, str, str, str]]:
                     "(peer, same run)",
                 )
             )
+    for kind, d in (("sync", ps), ("async", pa)):
+        sc = (d or {}).get("server_cpu")
+        if sc and "pool" in sc:
+            rows.append(
+                (
+                    f"  server CPU per pair, 1 conn ({kind}): pool / bare / no-op scripts / 'return 1'",
+                    f"{sc['pool']:.1f} / {sc.get('raw_scripts', math.nan):.1f} / "
+                    f"{sc.get('io_only', math.nan):.1f} / {sc.get('C', math.nan):.1f} us (INFO cpu)",
+                    f"<= {T['cpu_pair_us_1']:.0f} us",
+                    verdict(sc["pool"] <= T["cpu_pair_us_1"]),
+                )
+            )
+    many = (pa or {}).get("many")
+    if many:
+        rows.append(
+            (
+                f"  server CPU per pair, many clients ({many['tasks']} AsyncPool tasks)",
+                f"{many['cpu_us_per_pair']:.1f} us (INFO cpu); {fmt_rate(many['rate'])} pairs, "
+                f"server {many['server_cpu_share']:.0%} busy",
+                f"<= {T['cpu_pair_us_many']:.0f} us",
+                verdict(many["cpu_us_per_pair"] <= T["cpu_pair_us_many"]),
+            )
+        )
     if ps:
         lua = ps["lua"]
         rows.append(
@@ -928,6 +1051,16 @@ def build_rows(R: dict) -> list[tuple[str, str, str, str]]:
                 "(info)",
             )
         )
+        cs = lua.get("commandstats")
+        if cs:
+            rows.append(
+                (
+                    "  same, INFO commandstats usec_per_call",
+                    f"{cs['acquire_us']:.1f} / {cs['release_us']:.1f} / {cs['trivial_us']:.1f} us",
+                    "",
+                    "(info)",
+                )
+            )
     fl = R.get("pubsub_floor")
     if fl:
         rows.append(

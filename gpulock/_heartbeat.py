@@ -95,11 +95,15 @@ class Heartbeat:
     def lease_added(self, state: LeaseState) -> None:
         """A lease was tracked. Safe from any thread: wakes the loop only when the ticker or
         the watchdog must run sooner than planned (a first lease, or a shorter ttl)."""
-        if (
-            self._ticker is None
-            or state.next_renew < self._ticker_at
-            or state.valid_until < self._dog_at
-        ):
+        wake_ticker = self._ticker is None or state.next_renew < self._ticker_at
+        wake_dog = state.valid_until < self._dog_at
+        if wake_ticker or wake_dog:
+            # The plans the woken tasks keep even if the lease is gone when they run (a
+            # release follows at once), so that the next lease need not wake them again.
+            if wake_ticker:
+                self._ticker_at = state.next_renew
+            if wake_dog:
+                self._dog_at = state.valid_until
             self._tasks.in_loop(self._start_and_poke)
 
     def _start_and_poke(self) -> None:
@@ -174,6 +178,10 @@ class Heartbeat:
                     self._leases.pop(s.lease_id, None)
                 else:
                     soonest = min(soonest, s.valid_until)
+            if soonest == float("inf") and now < self._dog_at:
+                # No lease now: keep the wake-up the last one planned (the next lease's
+                # deadline is later, so adding it need not wake this task: lease_added).
+                soonest = self._dog_at
             self._dog_at = soonest
             dog_wake.clear()
             try:
@@ -221,6 +229,11 @@ class Heartbeat:
     # ---- the ticker ----------------------------------------------------------------------
     def _next_wake(self, now: float) -> float:
         t = now + 60.0
+        if not self._leases and now < self._ticker_at:
+            # No lease now: keep the wake-up the last one planned, so that a lease acquired
+            # before then (its renewal is due later) need not wake the loop (lease_added):
+            # a loop of acquire+release would otherwise wake it on every acquire.
+            t = min(t, self._ticker_at)
         for s in self._leases.values():
             t = min(t, s.next_renew, s.valid_until)
         if self._registry.waiters:

@@ -40,7 +40,11 @@ if mode ~= 'wait' and mode ~= 'try' then return bad("mode must be 'wait' or 'try
 local meta; meta, e = meta_arg(ARGV[7]); if e then return e end
 local chan; chan, e = channel_arg(ARGV[8]); if e then return e end
 
-local cfg = redis.call('HMGET', K_CFG, 'capacity', 'epoch', 'max_waiters', 'max_ttl_ms', 'grace_until')
+-- Reads first: every key this call may use is read (redis.pcall) before the first write, so a
+-- key of the wrong type fails it with nothing written (see "Key types" in lib.lua).
+local cfg = redis.pcall('HMGET', K_CFG, 'capacity', 'epoch', 'max_waiters', 'max_ttl_ms',
+                        'grace_until', 'used', 'fence', 'grants')
+if failed(cfg) then return keytype_error(cfg) end
 if not cfg[1] then return redis.error_reply('GPULOCK_NOPOOL') end
 local cap, epoch, maxw = tonumber(cfg[1]), tonumber(cfg[2]), tonumber(cfg[3])
 if amount > cap then
@@ -50,29 +54,51 @@ local max_ttl = tonumber(cfg[4] or '0')
 if max_ttl > 0 and ttl > max_ttl then
   return bad('ttl_ms ' .. fmt(ttl) .. " exceeds the pool's max_ttl_ms " .. fmt(max_ttl))
 end
-local held = redis.call('HGET', K_TICKETS, ticket)
+local held = redis.pcall('HGET', K_TICKETS, ticket)
+if failed(held) then return keytype_error(held) end
+local r
 if held then
-  local rec = redis.call('HGET', K_HOLDERS, held)
-  if rec and parse_holder(rec) ~= amount then
+  r = redis.pcall('HGET', K_HOLDERS, held)
+  if failed(r) then return keytype_error(r) end
+  if r and parse_holder(r) ~= amount then
     return redis.error_reply('GPULOCK_CONFLICT request id ' .. ticket .. ' holds a lease of another amount')
   end
 end
-local w = redis.call('HGET', K_WAITERS, ticket)
+local w = redis.pcall('HGET', K_WAITERS, ticket)
+if failed(w) then return keytype_error(w) end
 if w and parse_waiter(w) ~= amount then
   return redis.error_reply('GPULOCK_CONFLICT request id ' .. ticket .. ' is queued for another amount')
 end
-if not held and not w and redis.call('HEXISTS', K_HOLDERS, lid) == 1 then
-  return redis.error_reply('GPULOCK_CONFLICT lease id is already in use')
+if not held then
+  r = redis.pcall('HEXISTS', K_HOLDERS, lid)
+  if failed(r) then return keytype_error(r) end
+  if not w and r == 1 then
+    return redis.error_reply('GPULOCK_CONFLICT lease id is already in use')
+  end
+end
+local qlen = redis.pcall('ZCARD', K_QUEUE)
+if failed(qlen) then return keytype_error(qlen) end
+local now = now_ms()
+local nstr = fmt(now)
+local dead = redis.pcall('ZRANGEBYSCORE', K_LEASES, '-inf', nstr)
+if failed(dead) then return keytype_error(dead) end
+local gone = redis.pcall('ZRANGEBYSCORE', K_WEXP, '-inf', nstr)
+if failed(gone) then return keytype_error(gone) end
+
+-- Validation and reads done; writes start here.
+local grace_until = tonumber(cfg[5] or '0')
+local used, fence, grants = tonumber(cfg[6] or '0'), tonumber(cfg[7] or '0'), tonumber(cfg[8] or '0')
+if #dead + #gone > 0 then
+  reap_found(dead, gone)
+  -- Every script that frees bytes hands them on before it returns, so the queue can only
+  -- have become grantable here if this reap freed something.
+  publish(now, grant_head(now))
+  held = redis.call('HGET', K_TICKETS, ticket)
+  qlen = redis.call('ZCARD', K_QUEUE)
+  local c = redis.call('HMGET', K_CFG, 'used', 'fence', 'grants')
+  used, fence, grants = tonumber(c[1] or '0'), tonumber(c[2] or '0'), tonumber(c[3] or '0')
 end
 
--- Validation done; writes start here.
-local now = now_ms()
-local nl, nw = reap(now)
--- Every script that frees bytes hands them on before it returns, so the queue can only
--- have become grantable here if this reap freed something.
-if nl + nw > 0 then publish(now, grant_head(now)) end
-
-held = redis.call('HGET', K_TICKETS, ticket)
 if held and redis.call('HEXISTS', K_HOLDERS, held) == 1 then
   return grant_reply(now, held)
 end
@@ -82,16 +108,21 @@ local function not_granted(code, pos)
           epoch, cap, cfg_num('used')}
 end
 
-if redis.call('ZSCORE', K_QUEUE, ticket) then
+if qlen > 0 and redis.call('ZSCORE', K_QUEUE, ticket) then
   redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
   return not_granted(0, redis.call('ZRANK', K_QUEUE, ticket) + 1)
 end
 
-local qlen = redis.call('ZCARD', K_QUEUE)
-local used = cfg_num('used')
-if qlen == 0 and used + amount <= cap and tonumber(cfg[5] or '0') <= now then
-  local token, exp = make_lease(now, ticket, lid, amount, ttl, meta)
-  return {1, lid, token, exp, amount, now, epoch, cap, used + amount}
+if qlen == 0 and used + amount <= cap and grace_until <= now then
+  -- make_lease, with the counters read above written in one HSET
+  local token, exp = fence + 1, now + ttl
+  used = used + amount
+  redis.call('HSET', K_CFG, 'fence', fmt(token), 'used', fmt(used), 'grants', fmt(grants + 1))
+  redis.call('ZADD', K_LEASES, fmt(exp), lid)
+  redis.call('HSET', K_HOLDERS, lid,
+    fmt(amount) .. '|' .. fmt(token) .. '|' .. nstr .. '|' .. fmt(ttl) .. '|' .. ticket .. '|' .. meta)
+  redis.call('HSET', K_TICKETS, ticket, lid)
+  return {1, lid, token, exp, amount, now, epoch, cap, used}
 end
 if mode == 'try' then return not_granted(2, 0) end
 
@@ -100,6 +131,6 @@ if qlen >= maxw then
 end
 local seq = redis.call('HINCRBY', K_CFG, 'qseq', 1)
 redis.call('ZADD', K_QUEUE, fmt(seq), ticket)
-redis.call('HSET', K_WAITERS, ticket, fmt(amount) .. '|' .. fmt(ttl) .. '|' .. fmt(now) .. '|' .. lid .. '|' .. chan .. '|' .. meta)
+redis.call('HSET', K_WAITERS, ticket, fmt(amount) .. '|' .. fmt(ttl) .. '|' .. nstr .. '|' .. lid .. '|' .. chan .. '|' .. meta)
 redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
 return not_granted(0, qlen + 1)

@@ -9,6 +9,7 @@
 --   {2, now_ms}  the ticket had been granted; that lease was released
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
+local type_err = check_types(); if type_err then return type_err end
 local ticket, e = id_arg(ARGV[1], 'ticket'); if e then return e end
 
 local now = now_ms()

@@ -26,6 +26,7 @@
 --   would block those behind them); their clients get GPULOCK_CAPACITY when they ask again.
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
+local type_err = check_types(); if type_err then return type_err end
 local cap, e = int_arg(ARGV[1], 'capacity', 1, MAX_AMOUNT); if e then return e end
 local maxw; maxw, e = int_arg(ARGV[2], 'max_waiters', 1, 1000000); if e then return e end
 local mode = ARGV[3]

@@ -134,22 +134,27 @@ local function drop_lease(lid)
   return true
 end
 
--- Reap leases whose server expiry has passed and waiters that stopped refreshing.
-local function reap(now)
-  local nl, nw = 0, 0
-  local dead = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', fmt(now))
-  for _, lid in ipairs(dead) do
-    drop_lease(lid)
-    nl = nl + 1
-  end
-  local gone = redis.call('ZRANGEBYSCORE', K_WEXP, '-inf', fmt(now))
-  for _, t in ipairs(gone) do
-    drop_waiter(t)
-    nw = nw + 1
-  end
+-- Reap what reap_lists() found: expired leases and waiters that stopped refreshing.
+local function reap_found(dead, gone)
+  local nl, nw = #dead, #gone
+  for _, lid in ipairs(dead) do drop_lease(lid) end
+  for _, t in ipairs(gone) do drop_waiter(t) end
   if nl > 0 then redis.call('HINCRBY', K_CFG, 'reaped_leases', nl) end
   if nw > 0 then redis.call('HINCRBY', K_CFG, 'reaped_waiters', nw) end
   return nl, nw
+end
+
+-- The leases whose server expiry has passed and the waiters that stopped refreshing (reads
+-- only: a script reads them before its first write, see "Key types" below).
+local function reap_lists(now)
+  local n = fmt(now)
+  return redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', n), redis.call('ZRANGEBYSCORE', K_WEXP, '-inf', n)
+end
+
+-- Reap leases whose server expiry has passed and waiters that stopped refreshing.
+local function reap(now)
+  local dead, gone = reap_lists(now)
+  return reap_found(dead, gone)
 end
 
 -- Make a lease. Returns token, expiry.
@@ -168,13 +173,12 @@ end
 -- Server-side hand-off: grant the longest FIFO prefix of the queue that fits, strictly in
 -- order (a head that does not fit blocks those behind it, so none starves). Returns the
 -- grant lines grouped by the waiters' channels, and their count, for publish().
-local function grant_head(now)
+-- grant_from: the same with what the caller read already: the queue's head (ZRANGE 0 0), the
+-- capacity, bytes used and grace_until; it also returns the bytes used afterwards.
+local function grant_from(now, head, cap, used, grace_until)
   local lines, n = {}, 0
-  local head = redis.call('ZRANGE', K_QUEUE, 0, 0)
-  if #head == 0 then return lines, n end
-  if grace_left(now) > 0 then return lines, n end  -- no new grant in the grace period
-  local cap = cfg_num('capacity')
-  local used = cfg_num('used')
+  if #head == 0 then return lines, n, used end
+  if grace_until > now then return lines, n, used end  -- no new grant in the grace period
   while true do
     if #head == 0 then break end
     local t = head[1]
@@ -202,6 +206,15 @@ local function grant_head(now)
     end
     head = redis.call('ZRANGE', K_QUEUE, 0, 0)
   end
+  return lines, n, used
+end
+
+local function grant_head(now)
+  local head = redis.call('ZRANGE', K_QUEUE, 0, 0)
+  if #head == 0 then return {}, 0 end
+  local c = redis.call('HMGET', K_CFG, 'capacity', 'used', 'grace_until')
+  local lines, n = grant_from(now, head, tonumber(c[1] or '0'), tonumber(c[2] or '0'),
+                              tonumber(c[3] or '0'))
   return lines, n
 end
 
@@ -242,16 +255,31 @@ local function grant_reply(now, lid)
           cfg_num('epoch'), cfg_num('capacity'), cfg_num('used')}
 end
 
--- Key types, checked before each script does anything else. A key of another type under the
--- pool's prefix (written by something else) would make a script fail at its first use of
--- that key, perhaps after other writes, and Redis does not roll a script back. So every
--- script checks all seven keys first and fails with nothing written (seven TYPE calls,
--- about 0.5 us of server time; measured in docs/RELIABILITY.md).
+-- Key types. A key of another type under the pool's prefix (written by something else) would
+-- make a script fail at its first use of that key, perhaps after other writes, and Redis does
+-- not roll a script back. So no script writes before it has used every key it may use:
+-- * acquire and release (the hot path) read each such key before their first write, with
+--   redis.pcall; a read that fails goes to keytype_error(), which finds the key by TYPE
+--   (so TYPE runs only on the error path);
+-- * the other scripts start with check_types(): seven TYPE calls.
+-- Either way a script fails with nothing written:
 --   GPULOCK_KEYTYPE <key> <found type> <expected type>
 local KEY_TYPES = {'hash', 'zset', 'hash', 'zset', 'hash', 'zset', 'hash'}
-for i = 1, 7 do
-  local t = redis.call('TYPE', KEYS[i])['ok']
-  if t ~= 'none' and t ~= KEY_TYPES[i] then
-    return redis.error_reply('GPULOCK_KEYTYPE ' .. KEYS[i] .. ' ' .. t .. ' ' .. KEY_TYPES[i])
+local function check_types()
+  for i = 1, 7 do
+    local t = redis.call('TYPE', KEYS[i])['ok']
+    if t ~= 'none' and t ~= KEY_TYPES[i] then
+      return redis.error_reply('GPULOCK_KEYTYPE ' .. KEYS[i] .. ' ' .. t .. ' ' .. KEY_TYPES[i])
+    end
   end
+  return nil
+end
+
+-- Whether a redis.pcall reply is an error.
+local function failed(r) return type(r) == 'table' and r.err ~= nil end
+
+-- The reply for a read (redis.pcall) that failed before the first write: GPULOCK_KEYTYPE for
+-- the key of the wrong type, or the error itself when no key has one.
+local function keytype_error(r)
+  return check_types() or r
 end

@@ -6,6 +6,7 @@
 -- Reply: {reaped_leases, reaped_waiters, granted, next_expiry_in_ms (-1: no lease), now_ms}
 -- Errors: none (a pool without configuration has nothing to reap)
 
+local type_err = check_types(); if type_err then return type_err end
 local now = now_ms()
 if redis.call('EXISTS', K_CFG) == 0 then return {0, 0, 0, -1, now} end
 local nl, nw = reap(now)

@@ -29,6 +29,7 @@
 --     -5 taken   its lease id or its ticket is there with another lease
 -- Errors (nothing written): GPULOCK_BADARG <why>, GPULOCK_NOPOOL
 
+local type_err = check_types(); if type_err then return type_err end
 local n, e = int_arg(ARGV[1], 'n_leases', 0, 100000); if e then return e end
 local recs = {}
 local i = 2

@@ -12,18 +12,60 @@
 local lid, e = lease_id_arg(ARGV[1]); if e then return e end
 local token; token, e = int_arg(ARGV[2], 'token', 0, MAX_AMOUNT); if e then return e end
 
+-- Reads first: every key this call may use is read (redis.pcall) before the first write, so a
+-- key of the wrong type fails it with nothing written (see "Key types" in lib.lua).
+local cfg = redis.pcall('HMGET', K_CFG, 'capacity', 'used', 'grace_until')
+if failed(cfg) then return keytype_error(cfg) end
 local now = now_ms()
-if redis.call('EXISTS', K_CFG) == 0 then return {0, now, 0, 0} end
-reap(now)
-local ok = 0
-local rec = redis.call('HGET', K_HOLDERS, lid)
+if not cfg[1] then
+  -- No configuration: nothing to release. Still an error if a key has the wrong type.
+  return check_types() or {0, now, 0, 0}
+end
+local rec = redis.pcall('HGET', K_HOLDERS, lid)
+if failed(rec) then return keytype_error(rec) end
+local nstr = fmt(now)
+local dead = redis.pcall('ZRANGEBYSCORE', K_LEASES, '-inf', nstr)
+if failed(dead) then return keytype_error(dead) end
+local gone = redis.pcall('ZRANGEBYSCORE', K_WEXP, '-inf', nstr)
+if failed(gone) then return keytype_error(gone) end
+local head = redis.pcall('ZRANGE', K_QUEUE, 0, 0)
+if failed(head) then return keytype_error(head) end
+local ticket
 if rec then
-  local _, tok = parse_holder(rec)
+  local _
+  _, _, _, _, ticket = parse_holder(rec)
+end
+if (rec or #dead > 0) then  -- a lease is dropped: its ticket leaves the tickets hash
+  local r = redis.pcall('HEXISTS', K_TICKETS, ticket or '')
+  if failed(r) then return keytype_error(r) end
+end
+if (#head > 0 or #gone > 0) then  -- waiters are read or dropped
+  local r = redis.pcall('HEXISTS', K_WAITERS, head[1] or '')
+  if failed(r) then return keytype_error(r) end
+end
+
+-- Validation and reads done; writes start here.
+local cap, used, grace_until = tonumber(cfg[1]), tonumber(cfg[2] or '0'), tonumber(cfg[3] or '0')
+local ok = 0
+if #dead + #gone > 0 then
+  reap_found(dead, gone)
+  rec = redis.call('HGET', K_HOLDERS, lid)
+  used = cfg_num('used')
+  head = redis.call('ZRANGE', K_QUEUE, 0, 0)
+end
+if rec then
+  local amount, tok, _, _, t = parse_holder(rec)
   if tonumber(tok) == token then
-    drop_lease(lid)
+    -- drop_lease, with what was read above
+    redis.call('ZREM', K_LEASES, lid)
+    redis.call('HDEL', K_HOLDERS, lid)
+    if t ~= '' then redis.call('HDEL', K_TICKETS, t) end
+    used = used - amount
+    redis.call('HSET', K_CFG, 'used', fmt(used))
     ok = 1
   end
 end
-local lines, n = grant_head(now)
+local lines, n
+lines, n, used = grant_from(now, head, cap, used, grace_until)
 publish(now, lines, n)
-return {ok, now, cfg_num('used'), n}
+return {ok, now, used, n}

@@ -18,6 +18,7 @@
 --     {'x'}                                           unknown (expired from the queue, cancelled)
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
+local type_err = check_types(); if type_err then return type_err end
 local n, e = int_arg(ARGV[1], 'n_leases', 0, 100000); if e then return e end
 local leases = {}
 local i = 2

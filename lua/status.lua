@@ -13,6 +13,7 @@
 --    grace_left_ms (0: no grace period), max_ttl_ms (0: unbounded), reasserted}
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
+local type_err = check_types(); if type_err then return type_err end
 local limit, e = int_arg(ARGV[1], 'limit', 0, 100000); if e then return e end
 local now = now_ms()
 if redis.call('EXISTS', K_CFG) == 0 then return {0, now} end

@@ -173,3 +173,22 @@ def test_holders_keep_their_leases_while_redis_is_full(redis_proc, rclient):
         finally:
             rclient.config_set("maxmemory", 0)
         assert check_consistent(rclient, pool) == {"used": 0, "leases": 0, "queued": 0}
+
+
+def test_acquire_that_reaps_grants_nothing_in_a_grace_period(rclient):
+    """The hot path reads the pool's counters once and again after a reap; the grace period
+    (no grant until ``grace_until``) must hold on both paths. Found by the restart-grace
+    fault test when the second read dropped ``grace_until``."""
+    pool = "grace-reap"
+    raw_configure(rclient, pool, 100)
+    raw_acquire(rclient, pool, 50, ticket="expiring", ttl_ms=100)
+    time.sleep(0.15)  # the lease's ttl passes: the next acquire reaps it
+    rclient.hset(pool_keys(pool)[0], "grace_until", str(int(rclient.time()[0]) * 1000 + 60_000))
+    r = raw_acquire(rclient, pool, 10, ticket="in-grace")
+    assert int(r[0]) == 0, r  # queued, not granted
+    st = raw(rclient, pool, "status", 10)
+    assert int(st[3]) == 0 and int(st[7]) == 0 and int(st[8]) == 1, st  # nothing used or held
+    rclient.hset(pool_keys(pool)[0], "grace_until", "0")
+    r = raw_acquire(rclient, pool, 10, ticket="after-grace", mode="try")
+    assert int(r[0]) == 2, r  # the queued one is ahead: not granted to a newcomer
+    check_consistent(rclient, pool)
