@@ -44,7 +44,11 @@ def test_waiters_survive_a_killed_subscription(redis_proc1, tmp_path):
 
     def subscription():
         mine = _redis_conns(pr.pid, redis_proc1.port)
-        subs = [x for x in c.client_list() if x["addr"] in mine and int(x.get("sub", 0))]
+        subs = [  # classic (Redis 6.2) or sharded (Redis >= 7, Valkey) subscriptions
+            x
+            for x in c.client_list()
+            if x["addr"] in mine and int(x.get("sub", 0)) + int(x.get("ssub", 0))
+        ]
         return subs[0] if subs else None
 
     def grants() -> int:
