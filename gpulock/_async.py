@@ -28,6 +28,7 @@ from ._replies import Grant, NotGranted, PoolStatus
 from ._retry import RETRYABLE, retrying
 from ._translate import translate
 from ._batch import Batcher, inflight_for
+from ._cluster import ready as cluster_ready
 from ._connect import DEFAULT_MAX_CONNECTIONS, async_client
 from ._keys import pool_keys
 from ._runtime import Runtime
@@ -283,6 +284,7 @@ class AsyncPool(PoolOptions):
     async def _eval_once(self, name: str, args: list[str]) -> Any:
         sc = scripts()[name]
         try:
+            await cluster_ready(self.redis)  # a no-op but once for a cluster client
             try:
                 return await self._batch.evalsha(sc.sha, args)
             except NoScriptError:

@@ -15,6 +15,7 @@ from typing import Any
 from redis.exceptions import AuthenticationError, MovedError
 
 from ._cluster import primary_client
+from ._cluster import ready as cluster_ready
 from ._flow import queue_synced_renew, synced_renew_reply
 from ._keys import pool_key
 from ._protocol import DEFAULT_MAX_WAITERS, retrying, translate
@@ -56,6 +57,7 @@ class Calls:
 
         sc = scripts()[name]
         try:
+            await cluster_ready(self.redis)  # a no-op but once for a cluster client
             try:
                 return await self.redis.evalsha(sc.sha, len(self.keys), *self.keys, *args)
             except NoScriptError:

@@ -170,3 +170,31 @@ def primary_client(client: Any, key: str) -> Any:
             )
         return r
     return client
+
+
+async def ready(client: Any) -> None:
+    """Make sure an asyncio ``RedisCluster`` has read the cluster (no-op otherwise, and once it
+    has). redis-py's own ``initialize()`` reads the slot map and then sends ``COMMAND`` to its
+    default node, the first primary it lists: while that one shard has no live master, every
+    new client would fail, for pools on the healthy shards too. When that call fails, the
+    default node moves to the first primary that answers. Raises what redis-py raises when no
+    primary answers (a connection error, which the callers retry)."""
+    if not isinstance(client, AsyncRedisCluster) or not getattr(client, "_initialize", False):
+        return
+    try:
+        await client.initialize()
+        return
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+        err: BaseException = e
+    nm = client.nodes_manager
+    await nm.initialize()
+    for node in nm.get_nodes_by_server_type("primary"):
+        try:
+            await client.commands_parser.initialize(node)
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            err = e
+            continue
+        nm.default_node = node
+        client._initialize = False  # what redis-py's initialize() sets once it succeeded
+        return
+    raise err

@@ -27,6 +27,7 @@ from typing import Any, Callable
 from redis.exceptions import ResponseError
 
 from ._cluster import is_cluster_client, primary_client
+from ._cluster import ready as cluster_ready
 from ._failure_log import FailureLog
 from ._retry import retry_delay
 
@@ -47,6 +48,7 @@ class Channel:
         self.news = asyncio.Event()
         self.error: BaseException | None = None
         self.shard: _Shard | None = None
+        self.left = False  # the pool object left the hub
 
 
 class _SlotMoved(Exception):
@@ -182,7 +184,7 @@ class Hub:
         if not self.cluster:
             key, client = "", self.redis
         else:
-            await self.redis.initialize()  # the slot map (a no-op once read)
+            await cluster_ready(self.redis)  # the slot map (a no-op once read)
             node = self.redis.get_node_from_key(name)
             key, client = node.name, primary_client(self.redis, name)
         shard = self.shards.get(key)
@@ -191,24 +193,50 @@ class Hub:
         return shard
 
     async def join(self, ch: Channel) -> None:
-        """Subscribe ``ch`` on the connection of its shard (made and started when none)."""
-        shard = await self._shard_for(ch.name)
-        ch.shard = shard
-        shard.channels[ch.name] = ch
-        if shard.task is None or shard.task.done():
-            shard.start()  # it subscribes all its channels when it connects
-        else:
+        """Subscribe ``ch`` on the connection of its shard (made and started when none). When
+        the cluster cannot be read now, ``ch`` gets the error (its waiters poll) and a task
+        tries again on the common retry schedule."""
+        try:
+            shard = await self._shard_for(ch.name)
+        except Exception as e:  # noqa: BLE001 - the cluster is away: retry in the background
+            ch.error = e
+            ch.news.set()
+            self.loop.create_task(self._join_later(ch), name="gpulock-pubsub-join")
+            return
+        self._attach(shard, ch)
+        if shard.task is not None and not shard.task.done() and shard.ps is not None:
             try:
                 await shard.subscribe([ch.name])
             except Exception as e:  # noqa: BLE001 - the reader sees the same failure and retries
                 ch.error = e
                 ch.news.set()
 
+    async def _join_later(self, ch: Channel) -> None:
+        attempt = 0
+        while ch.shard is None and not ch.left:
+            attempt += 1
+            await asyncio.sleep(retry_delay(attempt))
+            try:
+                shard = await self._shard_for(ch.name)
+            except Exception as e:  # noqa: BLE001 - still away
+                ch.error = e
+                continue
+            if not ch.left:
+                self._attach(shard, ch)
+            return
+
+    def _attach(self, shard: _Shard, ch: Channel) -> None:
+        ch.shard = shard
+        shard.channels[ch.name] = ch
+        if shard.task is None or shard.task.done():
+            shard.start()  # it subscribes all its channels when it connects
+
     def leave(self, ch: Channel) -> list[asyncio.Task[Any]]:
         """Unsubscribe ``ch``; a connection left with no channel is closed. Returns the tasks
         to await."""
         shard = ch.shard
         ch.shard = None
+        ch.left = True
         if shard is None or shard.channels.get(ch.name) is not ch:
             return []
         del shard.channels[ch.name]
@@ -232,7 +260,10 @@ class Hub:
         except Exception:  # noqa: BLE001 - the cluster is still away: try again next time
             return
         for name, ch in list(shard.channels.items()):
-            target = await self._shard_for(name)
+            try:
+                target = await self._shard_for(name)
+            except Exception:  # noqa: BLE001 - the cluster is away: this shard retries
+                return
             if target is not shard:
                 del shard.channels[name]
                 await self.join(ch)

@@ -179,3 +179,41 @@ def test_processes_through_a_master_kill_never_overbook(cluster, tmp_path):
         print(f"\npool {n}: {grants} grants, peak {peak}/100")
         assert peak <= 100, f"pool {n}: {peak} bytes in use at server time {at} us"
         assert grants >= 20
+
+
+async def test_a_shard_without_a_master_leaves_the_other_pools_working(server_binary):
+    """A shard whose master died with no replica to promote (its slots fail): new pool objects
+    and processes still lease from pools on the other masters. (redis-py's asyncio cluster
+    client sends COMMAND to the first primary it lists when it starts: with that shard down
+    every new client failed, for every pool.)"""
+    from gpulock import Pool
+
+    c = start_cluster(server_binary, masters=3, replicas=0)
+    try:
+        names = [_on(c, 1, "alive"), _on(c, 2, "alive")]
+        for n in names:
+            with Pool.from_url(c.url, n) as p:
+                p.configure(100)
+        c.masters[0].kill()  # slots 0-5460: the shard redis-py lists first
+        for n in names:
+            ap = AsyncPool.from_url(c.url, n, poll_interval=60, backend_timeout=10)
+            try:
+                held = await ap.acquire(80, ttl=10)
+                waiter = asyncio.create_task(ap.acquire(80, ttl=10, timeout=20))
+                while not (await ap.status()).waiter_count:
+                    await asyncio.sleep(0.02)
+                await held.release()
+                await (await asyncio.wait_for(waiter, 15)).release()
+            finally:
+                await ap.aclose()
+            with Pool.from_url(c.url, n, backend_timeout=10) as sp:
+                sp.acquire(10, ttl=5).release()
+            r = subprocess.run(
+                [sys.executable, "-m", "gpulock", "--redis-url", c.url, "status", n],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert r.returncode == 0, r.stderr
+    finally:
+        c.stop()
