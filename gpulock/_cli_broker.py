@@ -18,7 +18,8 @@ def _require_client() -> ModuleType:
         import gpulock_client
     except ImportError:
         fail(
-            EXIT_USAGE, "--broker-url needs the gpulock-client package (pip install gpulock-client)"
+            EXIT_USAGE,
+            "--broker-url needs the gpulock-client package: from a checkout of gpulock, pip install -e ./clients/common -e ./clients/python",
         )
     return gpulock_client
 

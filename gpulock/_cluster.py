@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
@@ -83,12 +83,14 @@ def is_cluster_node(url: str, defaults: dict[str, Any]) -> bool:
             return _known[url]
     t = min(PROBE_TIMEOUT_S, float(defaults.get("socket_connect_timeout") or PROBE_TIMEOUT_S))
     try:
-        c = redis.Redis.from_url(url, socket_connect_timeout=t, socket_timeout=t)
+        # asked without the URL's database: a cluster node refuses SELECT of any but 0
+        probe = urlunsplit(urlsplit(url)._replace(path=""))
+        c = redis.Redis.from_url(probe, socket_connect_timeout=t, socket_timeout=t)
         try:
             enabled = str(c.info("cluster").get("cluster_enabled", 0)) == "1"
         finally:
             c.close()
-    except (redis.RedisError, OSError, ValueError):
+    except (redis.RedisError, OSError, ValueError, TypeError):
         return False
     with _known_lock:
         _known[url] = enabled
@@ -103,8 +105,9 @@ def _node_kwargs(defaults: dict[str, Any], cap: int) -> dict[str, Any]:
 
 def sync_cluster(url: str, cap: int, defaults: dict[str, Any]) -> RedisCluster:
     """A ``redis.cluster.RedisCluster`` for a cluster URL or a plain URL of a cluster node,
-    at most ``cap`` connections per node. No I/O here (redis-py connects at first use).
-    Raises ValueError (a bad URL)."""
+    at most ``cap`` connections per node. redis-py's sync cluster client reads the slot map
+    when it is made (I/O here, unlike the asyncio one). Raises ValueError (a bad URL), what
+    redis-py raises when no seed answers."""
     kw = _node_kwargs(defaults, cap)
     if is_cluster_url(url):
         cu = ClusterURL(url)

@@ -229,6 +229,8 @@ def _client(
     cap = check_max_connections(max_connections)
     try:
         cap = _url_max_connections(url, cap)
+        if urlsplit(url).scheme in ("redis", "rediss", "unix"):
+            _check_plain(url)
         if _is_cluster(url, defaults):
             from . import _cluster
 
@@ -325,19 +327,38 @@ def check_url(url: str) -> str:
         elif is_sentinel_url(url):
             SentinelURL(url)
         else:
-            parse: Any = redis.connection.parse_url  # unannotated in redis-py
-            parse(url)
+            _check_plain(url)
     except ValueError as e:
         raise _bad_url(url, e) from None
     return url
 
 
+def _check_plain(url: str) -> None:
+    """Raise ValueError for a plain URL redis-py would refuse only when it connects: a port out
+    of range, an option no connection takes (redis-py passes unknown ``?name=`` options to the
+    connection class). Makes a connection object, opens nothing."""
+    urlsplit(url).port  # noqa: B018 - raises ValueError for a port out of range
+    try:
+        redis.ConnectionPool.from_url(url).make_connection()
+    except TypeError as e:
+        raise ValueError(f"unknown option in the URL ({e})") from None
+
+
 def _is_cluster(url: str, defaults: dict[str, Any]) -> bool:
+    """Whether ``url`` is served by a cluster client. Raises ValueError for a plain URL of a
+    cluster node that names a database other than 0."""
     from ._cluster import is_cluster_node, is_cluster_url
 
     if is_cluster_url(url):
         return True
-    return urlsplit(url).scheme in ("redis", "rediss") and is_cluster_node(url, defaults)
+    if urlsplit(url).scheme not in ("redis", "rediss") or not is_cluster_node(url, defaults):
+        return False
+    db = [p for p in urlsplit(url).path.split("/") if p]
+    if db and db != ["0"]:
+        raise ValueError(
+            f"the server is a Redis Cluster node, and a cluster has only database 0, not /{db[0]}"
+        )
+    return True
 
 
 def check_supported_client(client: Any) -> None:

@@ -29,9 +29,12 @@ def credentials_and_hosts(
         if not host:
             raise ValueError(f"empty host in {hosts!r}")
         try:
-            out.append((host, int(port) if sep else default_port))
+            n = int(port) if sep else default_port
         except ValueError:
             raise ValueError(f"bad port {port!r} in {hp!r}") from None
+        if not 0 < n < 65536:
+            raise ValueError(f"port {n} out of range (1-65535) in {hp!r}")
+        out.append((host, n))
     return username, password, out
 
 

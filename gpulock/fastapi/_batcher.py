@@ -287,7 +287,10 @@ class Batcher(Generic[R]):
                 # waiting for a thread or its lease): answered as a queue timeout, with the
                 # Retry-After of a place behind the pool's queue and that batch
                 self._leave(entry)
-                place = self._backend.queued() + 1 + (1 if self._ahead() else 0)
+                # (a batch ahead already in the pool's queue is counted in queued(); one still
+                # waiting for a thread is not)
+                slot = any(b.job.phase == "slot" for b in self._inflight)
+                place = self._backend.queued() + 1 + (1 if slot else 0)
                 fut: asyncio.Future[Any] = loop.create_future()
                 fut.set_exception(AcquireTimeout("no batch closed in time", position=place))
                 return self._errors.outcome(fut, self.route, amount, lambda: place)  # raises

@@ -171,6 +171,14 @@ def register_broker(typer_app) -> None:
         log_level: str = typer.Option("info", "--log-level"),
     ) -> None:
         """Serve the HTTP lease API (/v1) for hosts that do not talk to Redis."""
+        from gpulock import InvalidArgument
+        from gpulock._connect import check_url
+
+        try:
+            check_url(redis_url)  # a malformed URL: exit 2 before anything starts
+        except InvalidArgument as e:
+            typer.echo(f"error: --redis-url: {e}", err=True)
+            raise typer.Exit(2) from None
         try:
             run_broker(host, port, redis_url, tokens_file, max_wait, log_level)
         except TokenConfigError as e:

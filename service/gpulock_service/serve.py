@@ -332,7 +332,15 @@ def run_serve(
         else:
             _say(f"Redis: {_redact(redis_url)}")
 
-        p = Pool.from_url(redis_url, pool)
+        try:
+            p = Pool.from_url(redis_url, pool)  # a cluster client reads the slot map here
+        except GpuLockError as e:
+            _say(
+                f"error: Redis at {_redact(redis_url)} is unreachable (pool {pool!r} could not be "
+                f"configured): {e}; start it, fix the URL, or give another --redis-url "
+                f"(exit {EXIT_UNAVAILABLE})"
+            )
+            return EXIT_UNAVAILABLE
         try:
             r = p.configure(cap, create_only=not explicit)
         except InvalidArgument as e:  # a bad value (say a capacity the pool refuses)

@@ -301,3 +301,80 @@ def test_an_unreachable_cluster_is_exit_69_with_its_cause():
     )
     assert r.returncode == 69, (r.returncode, r.stderr)
     assert "is unavailable" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_plain_urls_refused_before_any_connection_name_the_bad_part(cluster):
+    """A plain URL with an option no connection takes, a port out of range, or a database
+    other than 0 on a cluster node: InvalidArgument naming it (it was a TypeError, an outage
+    message, or "SELECT is not allowed in cluster mode" reported as Redis unavailable)."""
+    from gpulock._connect import check_url
+
+    node = f"redis://{cluster.masters[0].host}:{cluster.masters[0].port}"
+    for url, bad in [
+        (node + "?foo=bar", "unknown option"),
+        ("redis://127.0.0.1:99999", "out of range"),
+        ("redis+cluster://127.0.0.1:99999", "out of range"),
+    ]:
+        with pytest.raises(InvalidArgument, match=bad):
+            check_url(url)
+        with pytest.raises(InvalidArgument, match=bad):
+            Pool.from_url(url, "x")
+    with pytest.raises(InvalidArgument, match="only database 0"):
+        Pool.from_url(node + "/3", "x")
+    r = subprocess.run(
+        [sys.executable, "-m", "gpulock", "--redis-url", node + "?foo=bar", "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "unknown option" in r.stderr, (r.returncode, r.stderr)
+
+
+def test_serve_and_broker_name_a_bad_or_unreachable_cluster_url(tmp_path):
+    """`gpulock broker` checks its URL before starting (exit 2, it was a uvicorn traceback);
+    `gpulock serve` with a cluster none of whose seeds answers exits 69 with one line (it was a
+    traceback)."""
+    from gpulock.embedded import free_port
+
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(
+        '{"tokens": [{"name": "a", "token": "a-token-0123456789abcdef", "pools": ["*"]}]}'
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpulock",
+            "broker",
+            "--redis-url",
+            "redis+clustr://127.0.0.1:1",
+            "--tokens-file",
+            str(tokens),
+            "--port",
+            str(free_port("127.0.0.1")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "scheme 'redis+clustr'" in r.stderr, (r.returncode, r.stderr)
+    url = f"redis+cluster://127.0.0.1:{free_port('127.0.0.1')}"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpulock",
+            "serve",
+            "--redis-url",
+            url,
+            "--model",
+            "sleep",
+            "--port",
+            str(free_port("127.0.0.1")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 69, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr and "unreachable" in r.stderr
