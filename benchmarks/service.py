@@ -104,6 +104,8 @@ class Service:
                     [str(HERE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
                 ),
                 "GPULOCK_RESIDENT": "0",  # the budget is for requests only
+                # one lease per request, as the variants compare (batching: batching.py)
+                "GPULOCK_BATCH": "false",
                 "GPULOCK_EXECUTOR_THREADS": "8",
                 "GPULOCK_ACQUIRE_TIMEOUT": "60",
                 "GPULOCK_INFERENCE_TIMEOUT": "60",
