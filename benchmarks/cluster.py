@@ -43,7 +43,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import machine_info  # noqa: E402
 
 from gpulock import Pool  # noqa: E402
-from gpulock._keys import pool_key  # noqa: E402
 from gpulock._local_cluster import start_cluster  # noqa: E402
 from gpulock.embedded import RedisProcess, find_server_binary  # noqa: E402
 
@@ -108,17 +107,7 @@ def measure(url: str, pools: list[str], servers: list[redis.Redis], procs: int, 
 
 def pools_on(c: Any, masters: int, per_master: int = 2) -> list[str]:
     """Pool names: ``per_master`` on each of the first ``masters`` masters."""
-    want = {m.port: per_master for m in c.masters[:masters]}
-    out = []
-    for i in range(10000):
-        n = f"b{i}"
-        port = c.master_of(pool_key(n, "cfg")).port
-        if want.get(port, 0) > 0:
-            want[port] -= 1
-            out.append(n)
-        if not any(want.values()):
-            return out
-    raise RuntimeError("no names found")
+    return [n for names in c.names_by_master("b", per_master)[:masters] for n in names]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 import redis
 
+from ._keys import pool_key
 from .embedded import RedisProcess
 
 #: Start replication at once, stop without waiting for replicas.
@@ -81,6 +82,20 @@ class Cluster:
             except redis.RedisError:
                 continue
         raise RuntimeError(f"no live node knows the master of {key!r}")
+
+    def names_by_master(self, prefix: str, per_master: int = 1) -> list[list[str]]:
+        """Pool names ``prefix0``, ``prefix1``, ... grouped by the master that serves each
+        (``[i]``: ``per_master`` names on ``masters[i]``), for spreading pools over masters."""
+        out: list[list[str]] = [[] for _ in self.masters]
+        index = {m.port: i for i, m in enumerate(self.masters)}
+        for n in range(100_000):
+            name = f"{prefix}{n}"
+            i = index[self.master_of(pool_key(name, "cfg")).port]
+            if len(out[i]) < per_master:
+                out[i].append(name)
+            if all(len(x) == per_master for x in out):
+                return out
+        raise RuntimeError(f"no names found for prefix {prefix!r}")
 
     def wait_ok(self, timeout: float = 30.0) -> None:
         """Until every live node says ``cluster_state:ok`` and knows every live node."""

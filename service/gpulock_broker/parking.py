@@ -74,10 +74,6 @@ class Parking:
             waiter_ttl, self._expired, cap=park_max, clock=clock
         )
 
-    @property
-    def waiter_ttl(self) -> float:
-        return self.places.hold
-
     def holds(self, pool: str) -> bool:
         """Whether a place on ``pool`` is kept."""
         return any(k[0] == pool for k in self.places)

@@ -37,14 +37,7 @@ def cluster(server_binary):
 
 def spread(c: Cluster, prefix: str) -> list[str]:
     """Pool names, one served by each master (in master order)."""
-    out: dict[int, str] = {}
-    for i in range(1000):
-        name = f"{prefix}{i}"
-        port = c.master_of(pool_key(name, "cfg")).port
-        out.setdefault(port, name)
-        if len(out) == len(c.masters):
-            break
-    return [out[m.port] for m in c.masters]
+    return [names[0] for names in c.names_by_master(prefix)]
 
 
 def test_every_url_form_reaches_every_master(cluster):

@@ -45,11 +45,7 @@ def cluster(server_binary):
 
 def _on(c: Cluster, master: int, prefix: str) -> str:
     """A pool name whose slot master ``master`` serves."""
-    for i in range(1000):
-        name = f"{prefix}{i}"
-        if c.master_of(pool_key(name, "cfg")) is c.masters[master]:
-            return name
-    raise AssertionError("no name found")
+    return c.names_by_master(prefix)[master][0]
 
 
 def _promoted(c: Cluster, key: str, old) -> bool:
