@@ -12,6 +12,8 @@ from typing import Any, Callable, Generator, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, NoScriptError
 
+from gpulock_common.aio import pending_cancels
+
 from . import _flow as flow
 from . import _remote
 from ._args import (
@@ -43,14 +45,6 @@ _CLIENT_DEFAULTS = {
     "socket_connect_timeout": 2.0,
     "health_check_interval": 10,
 }
-
-
-def _cancel_requests() -> int:
-    """How many cancellations of the current task are pending (``Task.cancelling()``; 0 on
-    Python 3.10, which lacks it)."""
-    task = asyncio.current_task()
-    fn = getattr(task, "cancelling", None)
-    return fn() if fn is not None else 0
 
 
 class AsyncLease(LeaseBase):
@@ -239,7 +233,7 @@ class AsyncPool(PoolOptions):
         if isinstance(step, flow.Subscribe):
             return await rt.ensure_subscribed()
         if isinstance(step, flow.Checkpoint):
-            if _cancel_requests() > cancels_before:
+            if pending_cancels() > cancels_before:
                 # The task was cancelled while the call was in flight, and the client lost the
                 # cancellation (redis-py's asyncio client does, with a socket timeout, when it
                 # lands while a command is sent or read): honour it; the flow withdraws.
@@ -415,7 +409,7 @@ class AsyncPool(PoolOptions):
             raise PoolClosed(self.name, queued=False)
         steps = flow.acquire(self, self._runtime, req, start, on_queued)
         # The lease its MakeLease step made.
-        lease: AsyncLease = await self._run(steps, _cancel_requests())
+        lease: AsyncLease = await self._run(steps, pending_cancels())
         return lease
 
     # ---- remote holders (for proxies such as the HTTP broker: see gpulock._remote) ----------

@@ -19,6 +19,8 @@ import asyncio
 import logging
 from typing import Any, Callable
 
+from gpulock_common.aio import wait_for
+
 from ._calls import Calls, Settings
 from ._failure_log import FailureLog
 from ._protocol import RETRYABLE, LeaseState, retry_delay, ttl_ms
@@ -185,9 +187,7 @@ class Heartbeat:
             self._dog_at = soonest
             dog_wake.clear()
             try:
-                await asyncio.wait_for(
-                    dog_wake.wait(), None if soonest == float("inf") else soonest - now
-                )
+                await wait_for(dog_wake.wait(), None if soonest == float("inf") else soonest - now)
             except asyncio.TimeoutError:
                 pass
 
@@ -259,7 +259,7 @@ class Heartbeat:
             if delay > 0:
                 wake.clear()
                 try:
-                    await asyncio.wait_for(wake.wait(), delay)
+                    await wait_for(wake.wait(), delay)
                 except asyncio.TimeoutError:
                     pass
             if not self._leases and not waiters and not self.restart_suspected:

@@ -10,6 +10,7 @@ import os
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from fastapi import HTTPException, Request, Response
+from gpulock_common.aio import wait_for
 
 from .errors import InvalidArgument
 from .units import format_size, parse_size
@@ -260,7 +261,7 @@ class RequestLimits:
             if complete:
                 return await receive()
             try:
-                msg = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+                msg = await wait_for(receive(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 raise HTTPException(
                     408, self.detail("request_timeout", self.too_slow()), headers=close

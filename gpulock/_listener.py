@@ -15,6 +15,7 @@ import asyncio
 import logging
 from typing import Any, Callable
 
+from gpulock_common.aio import wait_for
 from redis.exceptions import AuthenticationError, NoPermissionError
 
 from ._protocol import decode_events, translate
@@ -73,7 +74,7 @@ class Listener:
             if ch.error is not None:
                 ch.news.clear()  # an old failure: wait for the connection's next attempt
             try:
-                await asyncio.wait_for(ch.news.wait(), 5.0)
+                await wait_for(ch.news.wait(), 5.0)
             except asyncio.TimeoutError:
                 log.warning(
                     "gpulock: pub/sub subscription to pool %s not confirmed in 5 s; "

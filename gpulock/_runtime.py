@@ -25,6 +25,8 @@ import weakref
 from collections.abc import Coroutine, Sequence
 from typing import Any, Callable
 
+from gpulock_common.aio import stop_tasks
+
 from ._calls import Calls, Settings
 from ._heartbeat import Heartbeat
 from ._listener import Listener
@@ -325,10 +327,5 @@ class Runtime:
         shell then withdraws the request from the queue)."""
         self._closed = True
         self.registry.fail_all_closed()
-        stopping = self.heartbeat.cancel() + self.listener.cancel()
-        for t in stopping:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        await stop_tasks(self.heartbeat.cancel() + self.listener.cancel())
         await self.tasks.drain(timeout=2.0)

@@ -10,6 +10,8 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, Callable
 
+from gpulock_common.aio import stop_tasks
+
 
 class LoopTasks:
     """The loop of one pool object's background work and its fire-and-forget tasks."""
@@ -52,7 +54,4 @@ class LoopTasks:
             # does not answer they are dropped (what they were for expires on its own).
             pending = set(self._background)
             _, left = await asyncio.wait(pending, timeout=timeout)
-            for t in left:
-                t.cancel()
-            if left:
-                await asyncio.gather(*left, return_exceptions=True)
+            await stop_tasks(left)

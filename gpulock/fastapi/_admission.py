@@ -14,6 +14,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from gpulock_common.aio import wait_for
+
 from .._async import AsyncLease
 from ..errors import AcquireTimeout, InvalidArgument
 from ._backend import Backend
@@ -139,7 +141,7 @@ class Admission:
         if remaining is not None and remaining <= 0:
             raise AcquireTimeout("no thread slot in time", position=0)
         try:
-            await asyncio.wait_for(self.slots.acquire(on_wait), remaining)
+            await wait_for(self.slots.acquire(on_wait), remaining)
         except asyncio.TimeoutError:
             raise AcquireTimeout(
                 f"no free thread in this worker within {timeout_s}s", position=0

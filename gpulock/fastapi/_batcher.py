@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from fastapi import Request, Response
+from gpulock_common.aio import wait_for
 
 from .._disconnect import _Gone, _wait_or_gone
 from .._replies import PoolStatus
@@ -418,7 +419,7 @@ class Batcher(Generic[R]):
             wake.clear()
             timeout = None if not batch or ahead else max(0.0, self.policy.max_wait_s - waited)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake.wait(), timeout)
+                await wait_for(wake.wait(), timeout)
 
     def _dispatch(self, entries: list[_Entry], reason: str) -> None:
         if not entries:

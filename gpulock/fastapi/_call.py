@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request, Response
+from gpulock_common.aio import wait_for
 
 from .._disconnect import _Gone, _wait_or_gone, watch_disconnect
 from ..units import format_size, parse_size
@@ -135,7 +136,7 @@ class GuardedCalls:
         timeout = self._settings.inference_timeout
         fut = asyncio.get_running_loop().run_in_executor(executor, fn)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+            return await wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
             raise GpuLockHTTPException(
                 504, f"inference ran past {timeout}s", "inference_timeout"

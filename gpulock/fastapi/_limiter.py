@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any, AsyncIterator, TypeVar
 
 from fastapi import Response
+from gpulock_common.aio import stop_tasks
 
 from .._async import AsyncPool
 from .._replies import PoolStatus
@@ -269,8 +270,7 @@ class GpuLimiter:
         m.ready.set(0)
         await self._reaper.stop()
         pending = self._runner.cancel_waiting()
-        for t in list(self._tasks):
-            t.cancel()
+        await stop_tasks(list(self._tasks))  # the background ones (sampler, batch drivers...)
         if pending:
             await asyncio.wait(pending, timeout=grace_s)
         await self._resident.release_all()

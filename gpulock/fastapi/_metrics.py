@@ -5,12 +5,12 @@ response. docs/SERVICE.md lists the metrics."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 from fastapi import Response
+from gpulock_common.aio import wait_for
 
 from .._replies import PoolStatus
 
@@ -273,7 +273,7 @@ async def metrics_response(pool: AsyncPool | None, pool_name: str) -> Response:
     st, err = None, None
     if pool is not None:
         try:
-            st = await asyncio.wait_for(pool.status(limit=0), 2.0)
+            st = await wait_for(pool.status(limit=0), 2.0)
         except Exception as e:  # noqa: BLE001 — reported as gpulock_pool_up 0
             err = str(e)
     metrics()

@@ -10,6 +10,8 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
+from gpulock_common.aio import stop_tasks
+
 from .._failure_log import FailureLog
 from .._replies import PoolStatus
 from ..errors import GpuLockError, PoolNotFound
@@ -49,11 +51,10 @@ class Reaper:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="gpulock-reaper")
 
     async def stop(self) -> None:
-        """Cancel the loop and wait for it to end."""
+        """Cancel the loop and wait for it to end (cancelling again if a Redis call lost the
+        cancellation: :func:`gpulock_common.aio.stop_tasks`)."""
         if self._task:
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
+            await stop_tasks([self._task])
 
     async def _loop(self) -> None:
         n = 0

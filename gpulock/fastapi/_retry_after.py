@@ -8,9 +8,10 @@ local_grant_rate)``, at least the grace period left, at most ``max_retry_after``
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from gpulock_common.aio import wait_for
 
 from .. import retry_after as policy
 from .._replies import PoolStatus
@@ -152,9 +153,7 @@ class RetryAfterEstimator:
         last reaper tick's length (the Retry-After of a request that leaves the queue needs it)."""
         try:
             assert self._backend.redis is not None  # set by start()
-            queued = int(
-                await asyncio.wait_for(self._backend.redis.zcard(self._backend.queue_key), 0.5)
-            )
+            queued = int(await wait_for(self._backend.redis.zcard(self._backend.queue_key), 0.5))
         except Exception:
             queued = None
         if job.phase == "queued" and job.position:

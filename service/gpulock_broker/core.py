@@ -43,10 +43,11 @@ objects and pool-wide operations), :mod:`.leases` (lease records, renew, release
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Any, Callable, Iterable, Mapping
+
+from gpulock_common.aio import stop_tasks
 
 from gpulock import AsyncPool
 from gpulock._admin import DeleteResult
@@ -199,18 +200,8 @@ class Broker:
 
     async def aclose(self) -> None:
         """Stop; queued places are withdrawn (best effort), granted leases stay (they expire)."""
-        if self._sampler is not None:
-            self._sampler.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._sampler
-            self._sampler = None
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            try:
-                await self._sweeper
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._sweeper = None
+        await stop_tasks(t for t in (self._sampler, self._sweeper) if t is not None)
+        self._sampler = self._sweeper = None
         await self._parking.aclose()
         await self._poolset.close_pools()
         await self._tasks.aclose()  # keepers, and Redis calls that outlived a request

@@ -15,6 +15,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
+from gpulock_common.aio import wait_for
+
 from gpulock import AsyncPool
 from gpulock._places import KeptPlace, KeptPlaces
 from gpulock.errors import LeaseLost
@@ -186,6 +188,6 @@ class Parking:
             p = self._pools.objects.get(pool)
             if not self._leases.handed(pool, t) and p is not None:
                 try:
-                    await asyncio.wait_for(p.cancel_remote(t), 1.0)
+                    await wait_for(p.cancel_remote(t), 1.0)
                 except Exception:
                     pass

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable
 
+from gpulock_common.aio import stop_tasks
+
 from gpulock.errors import BackendUnavailable
 
 __all__ = ["Tasks"]
@@ -52,7 +54,4 @@ class Tasks:
 
     async def aclose(self) -> None:
         """Cancel every background task and wait for them to end."""
-        for t in list(self._tasks):
-            t.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_tasks(list(self._tasks))

@@ -18,6 +18,8 @@ import uuid
 from dataclasses import dataclass, field
 from importlib import resources
 
+from gpulock_common.aio import wait_for
+
 
 def sentences() -> list[str]:
     text = (
@@ -88,7 +90,7 @@ async def _poll_metrics(client, peaks: PoolPeaks, stop: asyncio.Event) -> None:
         except Exception:
             pass
         try:
-            await asyncio.wait_for(stop.wait(), 0.25)
+            await wait_for(stop.wait(), 0.25)
         except asyncio.TimeoutError:
             pass
 

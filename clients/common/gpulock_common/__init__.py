@@ -14,6 +14,8 @@ pulls in neither redis, torch nor FastAPI, and the two sides hold one copy of:
   ``LeaseLost``; ``mark_lost`` firing the ``on_lost`` callbacks once), and the lease object's
   read-only surface.
 - :mod:`gpulock_common.units`: ``format_size``, the byte formatter the error messages use.
+- :mod:`gpulock_common.aio`: asyncio helpers that never lose a cancellation (``wait_for``,
+  ``stop_tasks``), which both sides' background loops stop with.
 
 Nothing here does I/O.
 """

@@ -11,6 +11,7 @@ import time
 from typing import Any, Callable, Dict, Optional, Union
 
 import httpx
+from gpulock_common.aio import stop_tasks, wait_for
 
 from . import _core as core
 from ._sync import _headers, _limits, _reply, _timeout
@@ -172,7 +173,7 @@ class AsyncPool:
         if step.gate.enter(w):
             return True
         try:
-            await asyncio.wait_for(w.fut, core.seconds_until(step.deadline, self._cfg.clock))
+            await wait_for(w.fut, core.seconds_until(step.deadline, self._cfg.clock))
         except asyncio.TimeoutError:
             pass
         except BaseException:  # cancelled: stop waiting; a slot handed meanwhile is passed on
@@ -306,18 +307,14 @@ class AsyncPool:
                 continue
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), max(0.0, wake - clock()))
+                await wait_for(self._wake.wait(), max(0.0, wake - clock()))
             except asyncio.TimeoutError:
                 pass
 
     async def aclose(self) -> None:
         """Stop the heartbeat and close connections (held leases expire after their ttl)."""
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+            await stop_tasks([self._task])
         await self._http.aclose()
         await self._ctl_http.aclose()
         await self._hb_http.aclose()
