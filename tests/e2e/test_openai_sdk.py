@@ -9,6 +9,8 @@ worker, the sleep model: 1 GiB per input, capacity 2 GiB):
 * the SDK's retry on 503 + Retry-After: the pool's whole capacity is held by another lease, so
   the first attempt is refused (503, ``queue_timeout``); once the test has seen that 503 it
   releases the lease, and the SDK's retry (after Retry-After) is granted;
+* ``PYTORCH_CUDA_ALLOC_CONF``: ``expandable_segments:True`` unless the user set it, as
+  ``/health`` reports;
 * one ``gpulock.access`` line per request in the service's log, with its request id; a
   generated request id does not make the request idempotent (reusing it is no conflict).
 """
@@ -40,7 +42,14 @@ ENV = {
 
 @pytest.fixture(scope="module")
 def svc(make_service):
-    s = make_service("openai", server="uvicorn", workers=1, env=ENV, capacity=2 * GiB)
+    s = make_service(
+        "openai",
+        server="uvicorn",
+        workers=1,
+        env=ENV,
+        capacity=2 * GiB,
+        unset=("PYTORCH_CUDA_ALLOC_CONF",),
+    )
     s.wait_ready(1, timeout=60)
     return s
 
@@ -191,3 +200,22 @@ def test_request_ids_and_access_log(svc):
     assert first["queue_wait_ms"] is not None and first["duration_ms"] >= 0
     refused = rows[bad.headers["x-request-id"]]
     assert refused["status"] == 400 and refused["lease_bytes"] is None
+
+
+@pytest.mark.timeout(60)
+def test_cuda_alloc_conf_default_and_users_own(svc, make_service):
+    h = httpx.get(svc.url + "/health", timeout=10).json()
+    assert h["pytorch_cuda_alloc_conf"] == {
+        "value": "expandable_segments:True",
+        "set_by": "gpulock",
+    }
+    own = make_service(
+        "openai-own-alloc",
+        server="uvicorn",
+        workers=1,
+        env={**ENV, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"},
+        capacity=GiB,
+    )
+    own.wait_ready(1, timeout=60)
+    h = httpx.get(own.url + "/health", timeout=10).json()
+    assert h["pytorch_cuda_alloc_conf"] == {"value": "max_split_size_mb:128", "set_by": "user"}
