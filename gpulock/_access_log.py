@@ -11,8 +11,9 @@ the lease broker): pure ASGI middleware :class:`AccessLog`.
   ``key=value`` text, or one JSON object per line (``log_format="json"``, ``--log-format json``,
   ``GPULOCK_LOG_FORMAT=json``). The line goes through the standard :mod:`logging` module:
   gunicorn's, uvicorn's or your own configuration of ``gpulock.access`` decides where it goes
-  (set its level to WARNING to turn it off). When neither that logger nor the root logger has a
-  handler (gunicorn configures only its own loggers), a stderr handler is added to it.
+  (set its level to WARNING to turn it off). While no handler would receive it (gunicorn and
+  uvicorn configure only their own loggers), the line is written to stderr instead, unless
+  the logger's own level is above INFO; decided per line, so a configuration made later wins.
 
 Handlers add what they know with :func:`note` (``lease_bytes``, ``queue_wait_s``): the record
 of the request being served (a context variable), a no-op outside one.
@@ -64,14 +65,20 @@ def check_log_format(value: str | None) -> str:
     return v
 
 
-def _ensure_handler(logger: logging.Logger) -> None:
-    if logger.handlers or logging.getLogger().handlers:
-        return
-    h = logging.StreamHandler(sys.stderr)
-    h.setFormatter(logging.Formatter("%(message)s"))
-    logger.addHandler(h)
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
+class _Emitter:
+    """Writes a line to ``logger`` at INFO; to stderr while no handler would receive it."""
+
+    def __init__(self, logger: logging.Logger):
+        self.log = logger
+        self.fallback = logging.StreamHandler(sys.stderr)
+        self.fallback.setFormatter(logging.Formatter("%(message)s"))
+
+    def __call__(self, line: str) -> None:
+        if self.log.hasHandlers():
+            self.log.info(line)  # the logging configuration decides
+        elif self.log.level in (logging.NOTSET, logging.DEBUG, logging.INFO):
+            rec = self.log.makeRecord(self.log.name, logging.INFO, __file__, 0, line, (), None)
+            self.fallback.handle(rec)
 
 
 def _line(rec: dict[str, Any], fmt: str) -> str:
@@ -97,8 +104,7 @@ class AccessLog:
     def __init__(self, app: ASGIApp, log_format: str | None = None):
         self.app = app
         self.format = check_log_format(log_format)
-        self.log = logging.getLogger(ACCESS_LOGGER)
-        _ensure_handler(self.log)
+        self.emit = _Emitter(logging.getLogger(ACCESS_LOGGER))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -126,5 +132,4 @@ class AccessLog:
         finally:
             _record.reset(token)
             rec["duration_s"] = time.perf_counter() - start
-            if self.log.isEnabledFor(logging.INFO):
-                self.log.info(_line(rec, self.format))
+            self.emit(_line(rec, self.format))
