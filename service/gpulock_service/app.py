@@ -41,9 +41,11 @@ from gpulock._keys import pool_key
 from gpulock._samples import Sampler
 from gpulock.errors import BackendUnavailable
 from gpulock.fastapi import GpuLimiter
+from gpulock.fastapi._http_metrics import HttpMetrics
 from gpulock.units import format_size, parse_size
 
 from . import alloc_conf
+from .metrics import observe_request
 from .models import build_model, count_tokens
 from .openai_errors import OpenAIError, guard_detail, install_openai_errors
 from .settings import Settings
@@ -284,6 +286,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.model = model
     # errors in OpenAI's shape (400 for an invalid body; 413, 503 + Retry-After kept)
     install_openai_errors(app)
+    app.add_middleware(HttpMetrics)  # outside the rewriting: counts the status sent
     app.add_middleware(_WorkerHeader)
     # outermost: X-Request-ID on every response (errors too) and one gpulock.access line each
     app.add_middleware(AccessLog, log_format=settings.log_format)
@@ -316,8 +319,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return await limiter.metrics_response()
+    async def prometheus_metrics(request: Request) -> Response:
+        """Prometheus text, or OpenMetrics when the scraper's Accept asks for it."""
+        return await limiter.metrics_response(request.headers.get("accept"))
 
     # OpenAI's model objects carry a Unix time; this one is when this worker built the app
     created = int(getattr(model, "created", 0) or time.time())
@@ -407,6 +411,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             counts = count_tokens(model, texts)
         body._tokens = sum(counts)
         body._longest = max(counts)
+        observe_request(len(counts), body._tokens)
         return limiter.estimate(ROUTE, len(counts), max(counts), model.estimate_bytes)
 
     def estimate_batch(bodies: list[EmbeddingRequest]) -> int:

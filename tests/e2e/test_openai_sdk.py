@@ -219,3 +219,52 @@ def test_cuda_alloc_conf_default_and_users_own(svc, make_service):
     own.wait_ready(1, timeout=60)
     h = httpx.get(own.url + "/health", timeout=10).json()
     assert h["pytorch_cuda_alloc_conf"] == {"value": "max_split_size_mb:128", "set_by": "user"}
+
+
+@pytest.mark.timeout(60)
+def test_http_metrics_every_status_tokens_and_openmetrics(svc):
+    def key(method: str, route: str, status: int) -> str:
+        return f"gpulock_http_requests_total{{method={method},route={route},status={status}}}"
+
+    want = {
+        key("POST", "/v1/embeddings", 200): 1,
+        key("POST", "/v1/embeddings", 400): 2,  # validation, and a body that is not JSON
+        key("GET", "/v1/models/{model_id:path}", 404): 1,
+        key("GET", "/no/such/route", 404): 0,  # never a series per path
+        key("GET", "<unmatched>", 404): 1,
+        "gpulock_embedding_input_tokens_sum": 5,
+        "gpulock_embedding_input_tokens_count": 1,
+        "gpulock_embedding_inputs_sum": 2,
+    }
+    before = svc.metrics()
+    with httpx.Client(base_url=svc.url, timeout=30) as h:
+        assert h.post("/v1/embeddings", json={"input": ["a b c", "d e"]}).status_code == 200
+        assert h.post("/v1/embeddings", json={"input": 5}).status_code == 400
+        r = h.post("/v1/embeddings", content=b"{nope", headers={"content-type": "application/json"})
+        assert r.status_code == 400
+        assert h.get("/v1/models/nope").status_code == 404
+        assert h.get("/no/such/route").status_code == 404
+    # each request is counted once its answer is sent: wait until the counts are there
+    deadline = time.monotonic() + 10
+    while True:
+        now = svc.metrics()
+        got = {k: now.get(k, 0) - before.get(k, 0) for k in want}
+        if got == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert got == want
+    assert now["gpulock_http_request_duration_seconds_count{method=POST,route=/v1/embeddings}"] >= 3
+
+    om = httpx.get(
+        svc.url + "/metrics",
+        headers={"Accept": "application/openmetrics-text; version=1.0.0; charset=utf-8"},
+        timeout=10,
+    )
+    assert om.headers["content-type"].startswith("application/openmetrics-text"), om.headers
+    assert om.text.endswith("# EOF\n") and om.text.count("# EOF") == 1
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    names = {f.name for f in text_string_to_metric_families(om.text)}
+    assert {"gpulock_http_requests", "gpulock_embedding_input_tokens", "gpulock_pool_up"} <= names
+    plain = httpx.get(svc.url + "/metrics", timeout=10)
+    assert plain.headers["content-type"].startswith("text/plain"), plain.headers
