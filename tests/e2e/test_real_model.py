@@ -65,6 +65,35 @@ def _cos(a, b):
 
 
 @pytest.mark.timeout(60)
+def test_token_id_input_embeds_as_its_text(svc):
+    from gpulock_service.models import MiniLM
+
+    text = "A cat sits on the mat."
+    ids = MiniLM().tokenizer()(text)["input_ids"]  # [CLS] ... [SEP], as a client would send
+    assert ids[0] == 101 and ids[-1] == 102
+    with httpx.Client(base_url=svc.url, timeout=30) as c:
+        plain = _post(c, {"input": text})
+        nested = _post(c, {"input": [ids, ids[1:-1]]})
+        flat = _post(c, {"input": ids})
+        for r in (plain, nested, flat):
+            assert r.status_code == 200, r.text
+        want = plain.json()["data"][0]["embedding"]
+        assert len(nested.json()["data"]) == 2 and len(flat.json()["data"]) == 1
+        for v in (
+            *(d["embedding"] for d in nested.json()["data"]),
+            flat.json()["data"][0]["embedding"],
+        ):
+            assert _cos(v, want) > 0.999
+        assert nested.json()["usage"]["prompt_tokens"] == 2 * len(ids) - 2  # counted as ids
+        assert flat.json()["usage"]["prompt_tokens"] == len(ids)
+        bad = _post(c, {"input": [[101, 30522, 102]]})  # the vocabulary is 0..30521
+        assert bad.status_code == 400, bad.text
+        err = bad.json()["error"]
+        assert err["param"] == "input" and "input[0][1] = 30522" in err["message"], err
+        assert "0 to 30521" in err["message"]
+
+
+@pytest.mark.timeout(60)
 def test_embeddings_openai_shape(svc):
     texts = [
         "A cat sits on the mat.",
