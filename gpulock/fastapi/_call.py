@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import Request, Response
 from gpulock_common.aio import wait_for
 
+from .. import _access_log as access
 from .._disconnect import _Gone, _wait_or_gone, watch_disconnect
 from ..units import format_size, parse_size
 from ._backend import Backend
@@ -89,6 +90,7 @@ class GuardedCalls:
             self._check_accepting()
             amount = parse_size(amount, name="estimate")
             m.estimate.labels(route).observe(amount)
+            access.note(lease_bytes=amount)
             arrival = time.monotonic()
             if not self._settings.enabled:
                 result = await self._call_unguarded(fn)
@@ -272,6 +274,8 @@ class GuardedCalls:
                 raise
             except BaseException:
                 pass  # mapped below
+        if job.wait_s is not None:
+            access.note(queue_wait_s=job.wait_s)
         if response is not None and job.wait_s is not None:
             response.headers["Server-Timing"] = (
                 f"gpulock-wait;dur={job.wait_s * 1000:.3f}, "

@@ -389,7 +389,8 @@ class GpuLimiter:
             spawn=self.spawn,
         )
 
-    async def metrics_response(self) -> Response:
+    async def metrics_response(self, accept: str | None = None) -> Response:
         """The ``/metrics`` response: this process's (or, in multiprocess mode, all workers')
-        counters and histograms, plus the pool's gauges read from Redis now."""
-        return await metrics_response(self._backend.pool, self.settings.pool_name)
+        counters and histograms, plus the pool's gauges read from Redis now; OpenMetrics text
+        when ``accept`` (the request's Accept header) asks for it, else Prometheus text."""
+        return await metrics_response(self._backend.pool, self.settings.pool_name, accept)

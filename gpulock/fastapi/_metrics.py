@@ -112,6 +112,18 @@ class _Metrics:
             ["route"],
             buckets=_BYTES_BUCKETS,
         )
+        self.http_requests = Counter(
+            "gpulock_http_requests",
+            "HTTP requests answered, every status (refusals before the guard too), by "
+            "method, route (the route's path template; <unmatched> for none) and status",
+            ["method", "route", "status"],
+        )
+        self.http_duration = Histogram(
+            "gpulock_http_request_duration_seconds",
+            "Seconds from a request's arrival until its answer was sent, by method and route",
+            ["method", "route"],
+            buckets=_WAIT_BUCKETS,
+        )
         self.batches = Counter(
             "gpulock_batches",
             "Batches started (dynamic batching), by route and why the batch closed: 'full', "
@@ -260,15 +272,26 @@ class _StaticCollector:
         return iter(self._families)
 
 
-async def metrics_response(pool: AsyncPool | None, pool_name: str) -> Response:
+class _Chain:
+    """A collector yielding the families of ``sources`` in turn."""
+
+    def __init__(self, *sources: object):
+        self._sources = sources
+
+    def collect(self) -> Iterator[Metric]:
+        for src in self._sources:
+            yield from src.collect()  # type: ignore[attr-defined]
+
+
+async def metrics_response(
+    pool: AsyncPool | None, pool_name: str, accept: str | None = None
+) -> Response:
     """The ``/metrics`` response: this process's (or, in multiprocess mode, all workers')
-    counters and histograms, plus the pool's gauges read from Redis now (2 s at most)."""
-    from prometheus_client import (
-        CONTENT_TYPE_LATEST,
-        REGISTRY,
-        CollectorRegistry,
-        generate_latest,
-    )
+    counters and histograms, plus the pool's gauges read from Redis now (2 s at most).
+    ``accept``: the request's Accept header: OpenMetrics text when it asks for
+    ``application/openmetrics-text``, else Prometheus text (0.0.4)."""
+    from prometheus_client import REGISTRY, CollectorRegistry
+    from prometheus_client.exposition import choose_encoder
 
     st, err = None, None
     if pool is not None:
@@ -278,16 +301,14 @@ async def metrics_response(pool: AsyncPool | None, pool_name: str) -> Response:
             err = str(e)
     metrics()
     d = multiproc_dir()
+    source: object = REGISTRY
     if d:
         from prometheus_client import multiprocess
 
         sweep_dead_processes(d)
-        reg = CollectorRegistry(auto_describe=False)
-        multiprocess.MultiProcessCollector(reg, d)  # type: ignore[no-untyped-call]  # unannotated
-        body = generate_latest(reg)
-    else:
-        body = generate_latest(REGISTRY)
-    extra = CollectorRegistry(auto_describe=False)
-    extra.register(_StaticCollector(_pool_families(pool_name, st, err)))
-    body += generate_latest(extra)
-    return Response(body, media_type=CONTENT_TYPE_LATEST)
+        source = CollectorRegistry(auto_describe=False)
+        multiprocess.MultiProcessCollector(source, d)  # type: ignore[no-untyped-call]  # unannotated
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_Chain(source, _StaticCollector(_pool_families(pool_name, st, err))))
+    encode, content_type = choose_encoder(accept or "")
+    return Response(encode(reg), media_type=content_type)

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 from typing import Any, Callable
 
+from gpulock import _access_log as access
 from gpulock._args import new_id
 from gpulock._replies import Grant, NotGranted
 from gpulock.errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
@@ -78,6 +79,7 @@ class Acquirer:
             return p.enqueue_remote(amount, request_id=tk, ttl=ttl, holder=meta, queue=queue)
 
         start = self._clock()
+        access.note(lease_bytes=amount)
         try:
             res: Grant | NotGranted = await self._tasks.guard(enqueue(), entry.inflight)
             if isinstance(res, NotGranted) and res.queued and wait > 0:
@@ -97,6 +99,7 @@ class Acquirer:
                 res = g if g is not None else await self._tasks.guard(enqueue(), entry.inflight)
             if isinstance(res, Grant):
                 final = True
+                access.note(queue_wait_s=self._clock() - start)
                 acquired_ms = entry.granted_ms or res.expires_ms - round(ttl * 1000)
                 entry.granted_ms = 0
                 if res.expires_ms - res.now_ms < ttl * 500:

@@ -33,6 +33,7 @@ def create_broker_app(
     tokens_file: Optional[str] = None,
     max_request_bytes: int | str | None = None,
     read_timeout: float | None = None,
+    log_format: str | None = None,
     **broker_kw: Any,
 ):
     """A FastAPI app serving the lease API at ``/v1`` (OpenAPI at ``/openapi.json``, docs at
@@ -45,6 +46,8 @@ def create_broker_app(
             ``GPULOCK_MAX_REQUEST_BYTES``, else 1 MiB.
         read_timeout: seconds a body may take to arrive (else 408); default
             ``GPULOCK_READ_TIMEOUT``, else 30.
+        log_format: the access log's, ``plain`` or ``json`` (default ``GPULOCK_LOG_FORMAT``,
+            else ``plain``); see :mod:`gpulock._access_log`.
         **broker_kw: passed to :class:`Broker` (max_wait, backend_timeout, park_max, ...).
 
     Raises: TokenConfigError when no token is configured.
@@ -53,6 +56,7 @@ def create_broker_app(
 
     from fastapi import FastAPI
 
+    from gpulock._access_log import AccessLog
     from gpulock._http_guards import install_http_guards
 
     from fastapi import Depends
@@ -98,6 +102,8 @@ def create_broker_app(
         detail=error_detail,
         too_large_hint=TOO_LARGE_HINT,
     )
+    # outermost: X-Request-ID on every response (errors too) and one gpulock.access line each
+    app.add_middleware(AccessLog, log_format=log_format)
 
     @app.get("/health", tags=["health"], summary="Liveness (no Redis call)")
     async def health() -> dict[str, str]:
@@ -113,8 +119,10 @@ def run_broker(
     tokens_file: Optional[str] = None,
     max_wait: float = 20.0,
     log_level: str = "info",
+    log_format: str = "plain",
 ) -> None:
-    """Serve the broker with uvicorn until interrupted."""
+    """Serve the broker with uvicorn until interrupted; one ``gpulock.access`` line per
+    request (``log_format``: ``plain`` or ``json``) instead of uvicorn's access log."""
     import uvicorn
 
     from gpulock._http_server import MAX_HEADER_BYTES, server_protocol
@@ -122,8 +130,10 @@ def run_broker(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_broker_app(redis_url, tokens_file=tokens_file, max_wait=max_wait)
-    # access_log: uvicorn logs method, path and status only; never headers (no tokens).
+    app = create_broker_app(
+        redis_url, tokens_file=tokens_file, max_wait=max_wait, log_format=log_format
+    )
+    # access_log: gpulock.access logs each request (never headers: no tokens); uvicorn's off.
     # http: uvicorn's protocol with a deadline for the request line and headers
     # (GPULOCK_READ_TIMEOUT); an idle kept-alive connection is closed after 5 s.
     uvicorn.run(
@@ -131,7 +141,7 @@ def run_broker(
         host=host,
         port=port,
         log_level=log_level,
-        access_log=log_level == "debug",
+        access_log=False,
         http=server_protocol(),
         timeout_keep_alive=5,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
@@ -169,10 +179,18 @@ def register_broker(typer_app) -> None:
             20.0, "--max-wait", min=0.0, max=600.0, help="Longest a queued POST is held, seconds."
         ),
         log_level: str = typer.Option("info", "--log-level"),
+        log_format: str = typer.Option(
+            "plain",
+            "--log-format",
+            envvar="GPULOCK_LOG_FORMAT",
+            help="access log lines (logger gpulock.access): plain key=value or json",
+        ),
     ) -> None:
         """Serve the HTTP lease API (/v1) for hosts that do not talk to Redis."""
         from gpulock import InvalidArgument
         from gpulock._connect import check_url
+
+        from gpulock._access_log import check_log_format
 
         try:
             check_url(redis_url)  # a malformed URL: exit 2 before anything starts
@@ -180,7 +198,12 @@ def register_broker(typer_app) -> None:
             typer.echo(f"error: --redis-url: {e}", err=True)
             raise typer.Exit(2) from None
         try:
-            run_broker(host, port, redis_url, tokens_file, max_wait, log_level)
+            log_format = check_log_format(log_format)
+        except InvalidArgument as e:
+            typer.echo(f"error: --log-format: {e}", err=True)
+            raise typer.Exit(2) from None
+        try:
+            run_broker(host, port, redis_url, tokens_file, max_wait, log_level, log_format)
         except TokenConfigError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None

@@ -25,13 +25,15 @@ import base64
 import json
 import logging
 import os
+import time
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
-from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, PrivateAttr, StrictInt
 
+from gpulock._access_log import AccessLog
 from gpulock._dashboard import dashboard_view
 from gpulock._dashboard_http import dashboard_router
 from gpulock._http_guards import install_http_guards
@@ -39,9 +41,13 @@ from gpulock._keys import pool_key
 from gpulock._samples import Sampler
 from gpulock.errors import BackendUnavailable
 from gpulock.fastapi import GpuLimiter
+from gpulock.fastapi._http_metrics import HttpMetrics
 from gpulock.units import format_size, parse_size
 
+from . import alloc_conf
+from .metrics import observe_request
 from .models import build_model, count_tokens
+from .openai_errors import OpenAIError, guard_detail, install_openai_errors
 from .settings import Settings
 
 log = logging.getLogger("gpulock.service")
@@ -50,19 +56,33 @@ ROUTE = "embeddings"
 
 
 class EmbeddingRequest(BaseModel):
-    """``POST /v1/embeddings``, as in the OpenAI API: one string or a list of strings."""
+    """``POST /v1/embeddings``, as in the OpenAI API: one string, a list of strings, one list
+    of token ids (``[7592, 2088]``) or a list of them (``[[101, 7592, 2088, 102]]``)."""
 
-    input: str | list[str]
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = None
     user: str | None = None
     _tokens: int = PrivateAttr(0)  # counted once, by the estimator, on the event loop
     _longest: int = PrivateAttr(0)  # tokens of its longest input (the estimator's count)
+    _texts: list[str] | None = PrivateAttr(None)  # token ids decoded, by the estimator
+
+
+def _inputs(body: EmbeddingRequest) -> list[str] | list[list[int]]:
+    """The inputs as a list: texts, or lists of token ids (an empty list: no inputs)."""
+    x = body.input
+    if isinstance(x, str):
+        return [x]
+    if x and isinstance(x[0], int):
+        return [x]  # one list of token ids
+    return cast("list[str] | list[list[int]]", list(x))
 
 
 def _texts(body: EmbeddingRequest) -> list[str]:
-    return [body.input] if isinstance(body.input, str) else list(body.input)
+    if body._texts is not None:
+        return body._texts
+    return [t for t in _inputs(body) if isinstance(t, str)]
 
 
 class _WorkerHeader:
@@ -89,6 +109,7 @@ class _WorkerHeader:
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the service (no I/O here; see the module docstring for what the lifespan does)."""
     settings = settings or Settings()
+    alloc_conf.apply()  # before any worker imports torch
     model = build_model(settings)
     served: str = settings.model_name or str(getattr(model, "name", settings.model))
     limiter = GpuLimiter(
@@ -251,25 +272,36 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
         description="OpenAI-compatible embeddings; every request leases GPU memory from a gpulock pool.",
     )
-    # 400 for bytes that are not UTF-8, 422 for invalid input, 413 for a body over
-    # GPULOCK_MAX_REQUEST_BYTES, 408 for one that does not arrive within GPULOCK_READ_TIMEOUT
-    # (the same guards as the broker's and a user's GpuLimiter app's).
+    # 400 for bytes that are not UTF-8, 422 (answered 400, below) for invalid input, 413 for a
+    # body over GPULOCK_MAX_REQUEST_BYTES, 408 for one that does not arrive within
+    # GPULOCK_READ_TIMEOUT (the same guards as the broker's and a user's GpuLimiter app's).
     install_http_guards(
         app,
         max_body_bytes=parse_size(settings.max_request_bytes, name="max_request_bytes"),
         read_timeout=settings.read_timeout,
+        detail=guard_detail,
     )
     app.state.limiter = limiter
     app.state.settings = settings
     app.state.model = model
+    # errors in OpenAI's shape (400 for an invalid body; 413, 503 + Retry-After kept)
+    install_openai_errors(app)
+    app.add_middleware(HttpMetrics)  # outside the rewriting: counts the status sent
     app.add_middleware(_WorkerHeader)
+    # outermost: X-Request-ID on every response (errors too) and one gpulock.access line each
+    app.add_middleware(AccessLog, log_format=settings.log_format)
     if settings.dashboard:
         app.include_router(dashboard_router(dashboard_data))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        """Liveness: answers as long as the event loop runs; never waits on Redis or the queue."""
-        return {"status": "ok", "pid": os.getpid()}
+        """Liveness: answers as long as the event loop runs; never waits on Redis or the queue.
+        ``pytorch_cuda_alloc_conf``: the allocator setting in effect (see ``alloc_conf``)."""
+        return {
+            "status": "ok",
+            "pid": os.getpid(),
+            "pytorch_cuda_alloc_conf": alloc_conf.state(),
+        }
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
@@ -287,47 +319,100 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return await limiter.metrics_response()
+    async def prometheus_metrics(request: Request) -> Response:
+        """Prometheus text, or OpenMetrics when the scraper's Accept asks for it."""
+        return await limiter.metrics_response(request.headers.get("accept"))
+
+    # OpenAI's model objects carry a Unix time; this one is when this worker built the app
+    created = int(getattr(model, "created", 0) or time.time())
+    names = (served, f"sentence-transformers/{served}")
+
+    def model_object() -> dict[str, Any]:
+        return {"id": served, "object": "model", "created": created, "owned_by": "gpulock"}
+
+    def unknown_model(name: str) -> OpenAIError:
+        return OpenAIError(
+            404,
+            f"model {name!r} is not served here; this service serves {served!r} "
+            f"(GET /v1/models); leave 'model' out or send that name",
+            code="model_not_found",
+            param="model",
+        )
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": served, "object": "model", "owned_by": "gpulock"}],
-        }
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_info(model_id: str) -> dict[str, Any]:
+        """The served model's object; 404 ``model_not_found`` for any other id."""
+        if model_id not in names:
+            raise unknown_model(model_id)
+        return model_object()
+
+    def decode(inputs: list[list[int]]) -> tuple[list[str], list[int]]:
+        """Token-id inputs as ``(texts, tokens per input)``: each cut to GPULOCK_MAX_TOKENS
+        ids (as text is truncated), counted as its ids and decoded by the model's
+        ``decode_tokens``. Raises OpenAIError 400 naming an empty input, an id out of the
+        model's vocabulary, or a model that takes text only."""
+        dec = getattr(model, "decode_tokens", None)
+        if dec is None:
+            raise OpenAIError(400, f"{served} takes text input only, not token ids", param="input")
+        vocab = getattr(model, "vocab_size", None)
+        texts, counts = [], []
+        for i, ids in enumerate(inputs):
+            if not ids:
+                raise OpenAIError(400, f"input[{i}] is an empty list of token ids", param="input")
+            for j, t in enumerate(ids):
+                if t < 0 or (vocab is not None and t >= vocab):
+                    raise OpenAIError(
+                        400,
+                        f"input[{i}][{j}] = {t} is not a token id of {served} "
+                        f"(0 to {'...' if vocab is None else vocab - 1})",
+                        param="input",
+                    )
+            kept = ids[: settings.max_tokens]
+            texts.append(dec(kept))
+            counts.append(len(kept))
+        return texts, counts
 
     def estimate(body: EmbeddingRequest) -> int:
-        texts = _texts(body)
-        if not texts:
-            raise HTTPException(422, "input must hold at least one string")
-        if len(texts) > settings.max_batch:
-            raise HTTPException(
+        inputs = _inputs(body)
+        if not inputs:
+            raise OpenAIError(400, "input must hold at least one string", param="input")
+        if len(inputs) > settings.max_batch:
+            raise OpenAIError(
                 413,
-                f"input holds {len(texts)} strings; this service takes at most "
+                f"input holds {len(inputs)} inputs; this service takes at most "
                 f"{settings.max_batch} per request (GPULOCK_MAX_BATCH)",
+                param="input",
             )
-        if body.model is not None and body.model not in (served, f"sentence-transformers/{served}"):
-            raise HTTPException(
-                404,
-                f"model {body.model!r} is not served here; this service serves "
-                f"{served!r} (GET /v1/models); leave 'model' out or send that name",
-            )
+        if body.model is not None and body.model not in names:
+            raise unknown_model(body.model)
         if body.dimensions is not None and body.dimensions != model.dimensions:
-            raise HTTPException(
-                400, f"{served} returns {model.dimensions} dimensions, not {body.dimensions}"
+            raise OpenAIError(
+                400,
+                f"{served} returns {model.dimensions} dimensions, not {body.dimensions}",
+                param="dimensions",
             )
-        for i, t in enumerate(texts):
-            try:
-                t.encode("utf-8")
-            except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") from a JSON escape
-                raise HTTPException(
-                    422, f"input[{i}] is not valid Unicode text ({e.reason} at character {e.start})"
-                ) from None
-        counts = count_tokens(model, texts)
+        if isinstance(inputs[0], list):
+            body._texts, counts = decode(inputs)
+        else:
+            texts = _texts(body)
+            for i, t in enumerate(texts):
+                try:
+                    t.encode("utf-8")
+                except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") from a JSON escape
+                    raise OpenAIError(
+                        400,
+                        f"input[{i}] is not valid Unicode text ({e.reason} at character {e.start})",
+                        param="input",
+                    ) from None
+            counts = count_tokens(model, texts)
         body._tokens = sum(counts)
         body._longest = max(counts)
-        return limiter.estimate(ROUTE, len(texts), max(counts), model.estimate_bytes)
+        observe_request(len(counts), body._tokens)
+        return limiter.estimate(ROUTE, len(counts), max(counts), model.estimate_bytes)
 
     def estimate_batch(bodies: list[EmbeddingRequest]) -> int:
         """One model call over all the batch's inputs, padded to the longest."""

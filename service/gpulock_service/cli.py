@@ -55,6 +55,12 @@ def register(app: typer.Typer) -> None:
             "--log-level",
             help="gunicorn log level: debug, info, warning, error or critical",
         ),
+        log_format: str = typer.Option(
+            "plain",
+            "--log-format",
+            envvar="GPULOCK_LOG_FORMAT",
+            help="access log, one line per request (logger gpulock.access): plain or json",
+        ),
     ) -> None:
         """Run the embeddings service: gunicorn with uvicorn workers, each leasing GPU memory
         from the pool before every request.
@@ -78,6 +84,7 @@ def register(app: typer.Typer) -> None:
                 max_requests=max_requests,
                 timeout=timeout,
                 log_level=log_level,
+                log_format=log_format,
             )
         )
 

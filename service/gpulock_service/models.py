@@ -10,6 +10,8 @@ A model is any object with these members (:class:`EmbeddingModel`)::
     estimate_bytes(batch, tokens) -> int   GPU bytes one request needs beyond the weights
 
 and optionally ``count_tokens(texts) -> list[int]`` (default: about 4 characters per token),
+``decode_tokens(ids) -> str`` and ``vocab_size`` (to take token-id inputs: without
+``decode_tokens`` they are refused, 400),
 ``resident_hint() -> int`` (bytes to lease before ``load`` on CUDA; default the size of the
 weights) and ``calibration_run(batch, tokens)`` (one forward pass of that shape, for
 ``GPULOCK_CALIBRATE``). ``GPULOCK_MODEL=package.module:factory`` serves your own:
@@ -125,6 +127,16 @@ class MiniLM:
             counted = iter([len(ids) for ids in enc["input_ids"]])
         return [next(counted) if len(t) <= clip else self.max_tokens for t in texts]
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to this - 1 (30522 word pieces)."""
+        return int(self.tokenizer().vocab_size)
+
+    def decode_tokens(self, ids: list[int]) -> str:
+        """Token ids (word pieces, ``[CLS]``/``[SEP]`` included or not) as the text they spell;
+        embedding it tokenizes it again, to the same pieces for ids a text could give."""
+        return str(self.tokenizer().decode(ids, skip_special_tokens=True))
+
     def embed(self, texts: list[str]) -> list[list[float]]:
         import torch
 
@@ -178,6 +190,10 @@ class SleepModel:
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         return [max(1, len(t.split())) for t in texts]
+
+    def decode_tokens(self, ids: list[int]) -> str:
+        """Token ids as text: one word per id (``t7592 t2088``), so each counts as one."""
+        return " ".join(f"t{i}" for i in ids)
 
     def embed(self, texts: list[str]) -> list[list[float]]:
         secs = None

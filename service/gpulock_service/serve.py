@@ -275,6 +275,7 @@ def run_serve(
     max_requests: int,
     timeout: int,
     log_level: str,
+    log_format: str = "plain",
 ) -> int:
     from gpulock import GpuLockError, InvalidArgument, Pool
     from gpulock.embedded import RedisProcess, find_server_binary, server_port
@@ -286,6 +287,8 @@ def run_serve(
     problem = check_options(
         redis_url=redis_url, pool=pool, model=model, log_level=log_level, host=host, port=port
     )
+    if not problem and log_format.strip().lower() not in ("plain", "json"):
+        problem = f"--log-format must be plain or json, got {log_format!r}"
     if problem:
         _say(f"error: {problem}")
         return EXIT_USAGE
@@ -374,6 +377,7 @@ def run_serve(
             GPULOCK_CAPACITY=str(r["capacity"]),
             GPULOCK_CONFIGURE="create",
             GPULOCK_MODEL=model,
+            GPULOCK_LOG_FORMAT=log_format.strip().lower(),
         )
         if on_cpu and "GPULOCK_TORCH_THREADS" not in env:
             env["GPULOCK_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))

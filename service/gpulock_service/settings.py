@@ -112,6 +112,11 @@ class Settings(BaseSettings):
         "history into Redis",
     )
     exit_on_fatal: bool = Field(True, description="exit the worker after a sticky CUDA error")
+    log_format: Literal["plain", "json"] = Field(
+        "plain",
+        description="access log lines (logger gpulock.access, one per request): "
+        "plain key=value or json",
+    )
     history_file: str | None = Field(
         None, description="tests: prefix of per-worker grant/release logs"
     )

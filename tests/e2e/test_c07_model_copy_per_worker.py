@@ -82,7 +82,7 @@ def test_c07_model_copy_per_worker(svc):
     assert (
         refused is not None
         and refused.status_code == 503
-        and "not ready" in refused.json()["detail"]
+        and "not ready" in refused.json()["error"]["message"]
     )
     assert "retry-after" in refused.headers
 

@@ -184,7 +184,7 @@ def test_fatal_cuda_error_restarts_the_worker(svc):
     f0 = svc.metrics().get("gpulock_cuda_fatal_errors_total{route=embeddings}", 0.0)
     r = httpx.post(svc.url + "/v1/embeddings", json={"input": ["cuda-assert"]}, timeout=60)
     assert r.status_code == 500, r.text
-    assert "device-side assert" in r.json()["detail"]
+    assert "device-side assert" in r.json()["error"]["message"]
     pid = int(r.headers["x-worker-pid"])
     deadline = time.monotonic() + 20
     while alive(pid) and time.monotonic() < deadline:

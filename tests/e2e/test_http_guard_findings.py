@@ -7,9 +7,10 @@ config; the fixtures of ``test_http_limits``):
 * JSON nested too deeply answers 400 "JSON nested too deeply" or a 422, never a 500 (the
   broker's was a 500: its own NaN check's parser overflowed, and so did the rendering of the
   422 that echoes the nested input back);
-* the guards' 400, 408 and 413 come in the surface's error shape: ``{"detail": TEXT}`` on the
-  service and a user's app, ``{"detail": {"error", "message"}}`` on the broker (as its other
-  errors), with the surface's own wording (the broker's 413 spoke of "inputs").
+* the guards' 400, 408 and 413 come in the surface's error shape: OpenAI's ``{"error":
+  {"message", "type", "param", "code"}}`` on the service, ``{"detail": TEXT}`` on a user's
+  app, ``{"detail": {"error", "message"}}`` on the broker (as its other errors), with the
+  surface's own wording (the broker's 413 spoke of "inputs").
 """
 
 from __future__ import annotations
@@ -139,7 +140,11 @@ def test_json_nested_too_deeply_is_400_or_422_never_500(request, surface):
             headers={**headers, "Content-Type": "application/json"},
         )
         assert r.status_code in (400, 422), (surface, what, r.status_code, r.text[:300])
-        if r.status_code == 400:
+        if r.status_code == 400 and surface == "service" and r.json()["error"]["code"] is None:
+            # the service answers validation errors 400 (OpenAI's convention), naming the field
+            assert r.json()["error"]["param"] == FIELD[surface], (what, r.text[:300])
+            assert len(r.content) < 64 * 1024, (what, len(r.content))
+        elif r.status_code == 400:
             assert "JSON nested too deeply" in r.text, (surface, what, r.text[:300])
         else:
             assert len(r.content) < 64 * 1024, (
@@ -155,8 +160,15 @@ def test_json_nested_too_deeply_is_400_or_422_never_500(request, surface):
         )
 
 
-def _shape(surface: str, r_status: int, detail, code: str) -> str:
+def _shape(surface: str, r_status: int, body, code: str) -> str:
     """The message of a guard's error body, checking the surface's shape."""
+    if surface == "service":
+        err = body.get("error") if isinstance(body, dict) else None
+        assert isinstance(err, dict) and err.get("code") == code, (r_status, body)
+        assert err["type"] == ("server_error" if r_status >= 500 else "invalid_request_error")
+        assert isinstance(err["message"], str), (r_status, body)
+        return err["message"]
+    detail = body["detail"]
     if surface == "broker":
         assert (
             isinstance(detail, dict)
@@ -175,7 +187,7 @@ def test_guard_errors_have_the_surface_error_shape(request, surface):
     jh = {**headers, "Content-Type": "application/json"}
     r = httpx.post(url + path, content=b'{"x": "caf\xe9"}', headers=jh, timeout=10)
     assert r.status_code == 400
-    assert "UTF-8" in _shape(surface, 400, r.json()["detail"], "invalid_utf8")
+    assert "UTF-8" in _shape(surface, 400, r.json(), "invalid_utf8")
 
     r = httpx.post(
         url + path,
@@ -184,12 +196,12 @@ def test_guard_errors_have_the_surface_error_shape(request, surface):
         timeout=10,
     )
     assert r.status_code == 400
-    assert "nested too deeply" in _shape(surface, 400, r.json()["detail"], "nested_too_deeply")
+    assert "nested too deeply" in _shape(surface, 400, r.json(), "nested_too_deeply")
 
     big = (json.dumps(OK[surface])[:-1] + " " * (2 * 2**20) + "}").encode()
     r = httpx.post(url + path, content=big, headers=jh, timeout=10)
     assert r.status_code == 413
-    msg = _shape(surface, 413, r.json()["detail"], "request_too_large")
+    msg = _shape(surface, 413, r.json(), "request_too_large")
     assert "1048576" in msg and "GPULOCK_MAX_REQUEST_BYTES" in msg
     if surface == "broker":
         assert "inputs" not in msg and "lease request" in msg, msg
@@ -204,5 +216,5 @@ def test_guard_errors_have_the_surface_error_shape(request, surface):
     ).encode()
     _, answer = _slow_client(_port(url), head, b"", every=0.2, give_up=4 * READ_TIMEOUT)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
-    detail = json.loads(answer.partition(b"\r\n\r\n")[2])["detail"]
-    assert "GPULOCK_READ_TIMEOUT" in _shape(surface, 408, detail, "request_timeout")
+    body = json.loads(answer.partition(b"\r\n\r\n")[2])
+    assert "GPULOCK_READ_TIMEOUT" in _shape(surface, 408, body, "request_timeout")

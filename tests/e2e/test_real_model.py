@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import json
 import math
 import os
 import signal
@@ -64,6 +65,35 @@ def _cos(a, b):
 
 
 @pytest.mark.timeout(60)
+def test_token_id_input_embeds_as_its_text(svc):
+    from gpulock_service.models import MiniLM
+
+    text = "A cat sits on the mat."
+    ids = MiniLM().tokenizer()(text)["input_ids"]  # [CLS] ... [SEP], as a client would send
+    assert ids[0] == 101 and ids[-1] == 102
+    with httpx.Client(base_url=svc.url, timeout=30) as c:
+        plain = _post(c, {"input": text})
+        nested = _post(c, {"input": [ids, ids[1:-1]]})
+        flat = _post(c, {"input": ids})
+        for r in (plain, nested, flat):
+            assert r.status_code == 200, r.text
+        want = plain.json()["data"][0]["embedding"]
+        assert len(nested.json()["data"]) == 2 and len(flat.json()["data"]) == 1
+        for v in (
+            *(d["embedding"] for d in nested.json()["data"]),
+            flat.json()["data"][0]["embedding"],
+        ):
+            assert _cos(v, want) > 0.999
+        assert nested.json()["usage"]["prompt_tokens"] == 2 * len(ids) - 2  # counted as ids
+        assert flat.json()["usage"]["prompt_tokens"] == len(ids)
+        bad = _post(c, {"input": [[101, 30522, 102]]})  # the vocabulary is 0..30521
+        assert bad.status_code == 400, bad.text
+        err = bad.json()["error"]
+        assert err["param"] == "input" and "input[0][1] = 30522" in err["message"], err
+        assert "0 to 30521" in err["message"]
+
+
+@pytest.mark.timeout(60)
 def test_embeddings_openai_shape(svc):
     texts = [
         "A cat sits on the mat.",
@@ -93,8 +123,8 @@ def test_embeddings_openai_shape(svc):
         raw = base64.b64decode(b64.json()["data"][2]["embedding"])
         assert max(abs(a - b) for a, b in zip(struct.unpack("<384f", raw), vecs[2])) < 1e-4
         too_many = c.post("/v1/embeddings", json={"input": ["x"] * 300})
-        assert too_many.status_code == 413 and "256" in too_many.json()["detail"]
-        assert c.post("/v1/embeddings", json={"input": []}).status_code == 422
+        assert too_many.status_code == 413 and "256" in too_many.json()["error"]["message"]
+        assert c.post("/v1/embeddings", json={"input": []}).status_code == 400
         assert c.get("/v1/models").json()["data"][0]["id"] == "all-MiniLM-L6-v2"
 
 
@@ -108,8 +138,10 @@ def test_oversized_bodies_are_refused_before_parsing_and_long_texts_are_cheap(sv
     with httpx.Client(base_url=svc.url, timeout=60) as c:
         big = {"input": ["word " * (4 * 2**20)]}  # 20 MiB in one string
         r = c.post("/v1/embeddings", json=big)
-        assert r.status_code == 413 and "GPULOCK_MAX_REQUEST_BYTES" in r.json()["detail"], r.text
-        assert "16.0MiB" in r.json()["detail"]
+        assert (
+            r.status_code == 413 and "GPULOCK_MAX_REQUEST_BYTES" in r.json()["error"]["message"]
+        ), r.text
+        assert "16.0MiB" in r.json()["error"]["message"]
 
         def chunks():
             yield b'{"input": ["'
@@ -118,7 +150,7 @@ def test_oversized_bodies_are_refused_before_parsing_and_long_texts_are_cheap(sv
             yield b'"]}'
 
         r = c.post("/v1/embeddings", content=chunks(), headers={"content-type": "application/json"})
-        assert r.status_code == 413 and "more than" in r.json()["detail"], r.text
+        assert r.status_code == 413 and "more than" in r.json()["error"]["message"], r.text
 
         # 14 MB in one text, under the body limit: the model reads only its first 256 word
         # pieces, and neither the estimate nor the model may tokenize the rest (that took 15 s
@@ -158,13 +190,14 @@ def test_bad_input_is_a_4xx_never_a_500(svc):
         r = raw(
             '{"input": "hi", "dimensions": NaN}'
         )  # Python's JSON parser takes NaN; JSON cannot echo it
-        assert r.status_code == 422 and ("NaN" in r.text or "nan" in r.text), r.text
+        assert r.status_code == 400 and ("NaN" in r.text or "nan" in r.text), r.text
         r = raw('{"input": ["ok", "\\ud800"]}')  # a JSON escape of a lone surrogate
-        assert r.status_code == 422 and "input[1]" in r.json()["detail"], r.text
+        assert r.status_code == 400 and "input[1]" in r.json()["error"]["message"], r.text
         r = c.post("/v1/embeddings", json={"input": "hi", "model": "text-embedding-3-small"})
-        assert r.status_code == 404 and "all-MiniLM-L6-v2" in r.json()["detail"]
+        assert r.status_code == 404 and "all-MiniLM-L6-v2" in r.json()["error"]["message"]
         assert _post(c, {"input": "hi", "model": "all-MiniLM-L6-v2"}).status_code == 200
-        # A lone surrogate in a field that fails validation: the 422 echoes it back, escaped.
+        # A lone surrogate in a field that fails validation: the 400 (OpenAI's status for an
+        # invalid body) echoes it back, escaped.
         for body in (
             '{"input":"hi","encoding_format":"\\ud800"}',
             '{"input":["ok",5,"\\ud800"]}',
@@ -173,9 +206,11 @@ def test_bad_input_is_a_4xx_never_a_500(svc):
             '{"input":"hi","dimensions":"\\ud800"}',
         ):
             r = raw(body)
-            assert r.status_code == 422, (body, r.status_code, r.text)
+            assert r.status_code == 400, (body, r.status_code, r.text)
+            field = json.loads(body.replace("\\ud800", "?"))
+            assert r.json()["error"]["param"] == list(field)[-1], (body, r.text)  # the bad one
         r = raw('{"input":"hi","dimensions":true}')  # a boolean is not a number of dimensions
-        assert r.status_code == 422, r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions", r.text
         assert c.get("/health").status_code == 200
 
 
@@ -237,7 +272,7 @@ def test_overload_answers_503_with_retry_after(svc):
         if r.status_code == 503:
             assert int(r.headers["retry-after"]) >= 1
             assert int(r.headers["x-queue-position"]) >= 1
-            assert "queue position" in r.json()["detail"]
+            assert "queue position" in r.json()["error"]["message"]
     ras = {int(r.headers["retry-after"]) for r in rs if r.status_code == 503}
     positions = {int(r.headers["x-queue-position"]) for r in rs if r.status_code == 503}
     assert len(positions) >= 2

@@ -131,7 +131,7 @@ def test_cuda_oom_answers_503_with_retry_after(svc):
     r = httpx.post(svc.url + "/v1/embeddings", json={"input": ["oom"]}, timeout=30)
     assert r.status_code == 503, r.text
     assert int(r.headers["retry-after"]) >= 1
-    assert "out of memory" in r.json()["detail"]
+    assert "out of memory" in r.json()["error"]["message"]
     assert "Traceback" not in r.text
     assert svc.metrics()["gpulock_cuda_oom_total{route=embeddings}"] == m0 + 1
     assert svc.status_when(lambda st: st.used == 0).used == 0
@@ -144,7 +144,7 @@ def test_capacity_exceeded_answers_413(svc):
         svc.url + "/v1/embeddings", json={"input": ["a", "b", "c", "d", "e"]}, timeout=30
     )
     assert r.status_code == 413
-    detail = r.json()["detail"]
+    detail = r.json()["error"]["message"]
     assert (
         "5.0GiB" in detail
         and "4.0GiB" in detail

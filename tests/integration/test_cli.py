@@ -449,3 +449,12 @@ def test_pool_set_below_what_is_leased_says_so(url):
         assert pool.status().used == 1 << 30  # nothing revoked
     r = cli(url, "pool", "set", "shrink", "--capacity", "2GiB")
     assert r.returncode == 0 and "nothing new is granted" not in r.stderr, r
+
+
+@pytest.mark.parametrize("command", ["serve", "broker"])
+def test_a_bad_log_format_exits_2_naming_it(url, command):
+    before = snapshot(url)
+    r = cli(url, command, "--log-format", "xml", "--port", str(free_port()))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "--log-format" in r.stderr and "'xml'" in r.stderr, r.stderr
+    assert snapshot(url) == before

@@ -36,6 +36,7 @@ class Service:
     preload: bool = False
     max_requests: int = 0
     capacity: int = 4 * GiB
+    unset: tuple[str, ...] = ()  # variables of the test's environment the service runs without
 
     def __post_init__(self) -> None:
         self.port = free_port()
@@ -69,6 +70,8 @@ class Service:
             }
         )
         env.update({k: str(v) for k, v in self.env.items()})
+        for k in self.unset:
+            env.pop(k, None)
         if self.server == "gunicorn":
             cmd = [
                 sys.executable,

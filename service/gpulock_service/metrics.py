@@ -1,0 +1,36 @@
+"""The embeddings service's own Prometheus series, beside gpulock.fastapi's (created on first
+use, in the worker, so prometheus-client's multiprocess mode sums them over workers):
+
+* ``gpulock_embedding_input_tokens``: histogram of tokens per request (all its inputs, after
+  truncation to ``GPULOCK_MAX_TOKENS``; text counted by the model's tokenizer, token ids as
+  their ids): what ``usage.prompt_tokens`` answers; its ``_sum`` is the tokens served;
+* ``gpulock_embedding_inputs``: histogram of inputs per request (the batch a client sends).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_TOKEN_BUCKETS = tuple(float(4**k) for k in range(0, 9))  # 1 .. 65536
+_INPUT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+_made: dict[str, Any] = {}
+
+
+def observe_request(inputs: int, tokens: int) -> None:
+    """Record one request of ``inputs`` inputs and ``tokens`` tokens."""
+    if not _made:
+        from prometheus_client import Histogram
+
+        _made["tokens"] = Histogram(
+            "gpulock_embedding_input_tokens",
+            "Input tokens per embeddings request (after truncation)",
+            buckets=_TOKEN_BUCKETS,
+        )
+        _made["inputs"] = Histogram(
+            "gpulock_embedding_inputs",
+            "Inputs per embeddings request",
+            buckets=_INPUT_BUCKETS,
+        )
+    _made["tokens"].observe(tokens)
+    _made["inputs"].observe(inputs)

@@ -1,0 +1,176 @@
+"""The embeddings service's errors in OpenAI's shape, the one owner of that shape::
+
+    {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}
+
+Status conventions (OpenAI's, so the ``openai`` SDK raises the matching exception and shows the
+message): **400** for every invalid request body (FastAPI's 422 included: OpenAI answers
+400 ``invalid_request_error`` with ``param`` naming the field), 404 for an unknown model
+(``code: "model_not_found"``) or route. gpulock's own answers keep their statuses: **413** for a
+request too large (body bytes, inputs, or GPU memory), **503 with Retry-After** for overload
+(the SDK retries it, honouring Retry-After), 504 for inference past its deadline, 408 for a
+body that did not arrive in time. ``type``: ``invalid_request_error`` for 4xx,
+``server_error`` for 5xx; ``code``: gpulock's reason (``queue_timeout``, ``queue_full``,
+``capacity``, ``not_ready``, ``invalid_json``, ``request_too_large``, ...) where there is one.
+
+:func:`install_openai_errors` puts it on an app: an exception handler for the answers raised
+with a reason (:class:`OpenAIError`, gpulock's ``GpuLockHTTPException``) and pure ASGI
+middleware :class:`OpenAIErrorBodies` that rewrites every other error body of the
+``{"detail": ...}`` shape (the HTTP guards', FastAPI's validation, Starlette's 404/405).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from fastapi import HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+__all__ = [
+    "OpenAIError",
+    "OpenAIErrorBodies",
+    "error_body",
+    "guard_detail",
+    "install_openai_errors",
+]
+
+
+class OpenAIError(HTTPException):
+    """An error answered in OpenAI's shape: ``status``, ``message`` (also ``detail``), and
+    ``code``/``param`` (``None`` for none)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(status_code=status, detail=message, headers=headers)
+        self.code = code
+        self.param = param
+
+
+def error_type(status: int) -> str:
+    """OpenAI's ``type`` for a status: ``server_error`` for 5xx, ``authentication_error`` for
+    401, ``permission_error`` for 403, else ``invalid_request_error``."""
+    if status >= 500:
+        return "server_error"
+    return {401: "authentication_error", 403: "permission_error"}.get(
+        status, "invalid_request_error"
+    )
+
+
+def error_body(
+    status: int, message: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """The error body for ``status`` (see the module docstring)."""
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
+def guard_detail(code: str, message: str) -> dict[str, str]:
+    """The HTTP guards' ``detail`` (``install_http_guards(detail=...)``): their reason kept as
+    ``{"error": code, "message": message}``, which :class:`OpenAIErrorBodies` turns into
+    ``code`` and ``message``."""
+    return {"error": code, "message": message}
+
+
+def _from_detail(detail: Any) -> tuple[str, str | None, str | None]:
+    """``(message, code, param)`` of a ``{"detail": detail}`` body: a message; the HTTP guards'
+    ``{"error": code, "message": text}``; or FastAPI's list of validation errors (``param``: the
+    first one's top-level field, e.g. ``input``)."""
+    if isinstance(detail, dict) and "message" in detail:
+        code = detail.get("error")
+        return str(detail["message"]), code if isinstance(code, str) else None, None
+    if isinstance(detail, list) and detail and all(isinstance(e, dict) for e in detail):
+        parts, param = [], None
+        for e in detail:
+            loc = [str(x) for x in e.get("loc", ())]
+            if loc and loc[0] == "body":
+                loc = loc[1:]
+            where = ".".join(loc) or "body"
+            if param is None:
+                param = loc[0] if loc else None  # the field: "input", not "input.list[str]"
+            got = e.get("input")
+            shown = json.dumps(got, default=str)[:120] if "input" in e and got is not None else ""
+            parts.append(
+                f"{where}: {e.get('msg', 'invalid')}" + (f" (got {shown})" if shown else "")
+            )
+        return "invalid request: " + "; ".join(parts), None, param
+    return (detail if isinstance(detail, str) else json.dumps(detail, default=str)), None, None
+
+
+class OpenAIErrorBodies:
+    """Pure ASGI middleware: an error response (status ≥ 400, JSON) whose body is
+    ``{"detail": ...}`` is answered in OpenAI's shape instead (422 becomes 400); its other
+    headers are kept. Bodies already in that shape, and successes, pass through untouched."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start: Message | None = None
+        chunks: list[bytes] = []
+
+        async def rewrite(msg: Message) -> None:
+            nonlocal start
+            if msg["type"] == "http.response.start":
+                ctype = dict(msg.get("headers", ())).get(b"content-type", b"")
+                if msg["status"] >= 400 and ctype.startswith(b"application/json"):
+                    start = msg  # held until the body is complete
+                    return
+                return await send(msg)
+            if start is None or msg["type"] != "http.response.body":
+                return await send(msg)
+            chunks.append(msg.get("body", b""))
+            if msg.get("more_body", False):
+                return
+            status, body = start["status"], b"".join(chunks)
+            try:
+                parsed = json.loads(body)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict) and set(parsed) == {"detail"}:
+                message, code, param = _from_detail(parsed["detail"])
+                status = 400 if status == 422 else status
+                body = json.dumps(error_body(status, message, code, param)).encode()
+            headers = [(k, v) for k, v in start.get("headers", ()) if k != b"content-length"]
+            headers.append((b"content-length", str(len(body)).encode()))
+            await send({**start, "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, rewrite)
+
+
+def install_openai_errors(app: Any) -> None:
+    """OpenAI's error shape for every error of ``app``; call it after ``install_http_guards``
+    (given ``detail=guard_detail``; it keeps those handlers for the errors without a reason of
+    their own)."""
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    inner = app.exception_handlers.get(StarletteHTTPException)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 500)
+        code = getattr(exc, "code", None) or getattr(exc, "reason", None)
+        if isinstance(exc, OpenAIError) or code is not None:
+            return JSONResponse(
+                error_body(
+                    status, str(getattr(exc, "detail", "")), code, getattr(exc, "param", None)
+                ),
+                status_code=status,
+                headers=getattr(exc, "headers", None),
+            )
+        if inner is not None:
+            return await inner(request, exc)
+        raise exc
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_middleware(OpenAIErrorBodies)
