@@ -8,8 +8,8 @@ the lease broker): pure ASGI middleware :class:`AccessLog`.
 * **Access log**: one line per request on the logger ``gpulock.access`` at INFO: method, path,
   status, duration (ms), request id, queue wait (ms, when the request waited for a lease) and
   lease bytes (when it asked for one); ``-`` for what a request did not have. Plain
-  ``key=value`` text, or one JSON object per line (``log_format="json"``, ``--log-format json``,
-  ``GPULOCK_LOG_FORMAT=json``). The line goes through the standard :mod:`logging` module:
+  ``key=value`` text, or one JSON object per line with a ``time`` field too (UTC, ISO 8601;
+  ``log_format="json"``, ``--log-format json``, ``GPULOCK_LOG_FORMAT=json``). The line goes through the standard :mod:`logging` module:
   gunicorn's, uvicorn's or your own configuration of ``gpulock.access`` decides where it goes
   (set its level to WARNING to turn it off). While no handler would receive it (gunicorn and
   uvicorn configure only their own loggers), the line is written to stderr instead, unless
@@ -22,6 +22,7 @@ of the request being served (a context variable), a no-op outside one.
 from __future__ import annotations
 
 import contextvars
+import datetime
 import json
 import logging
 import os
@@ -65,13 +66,25 @@ def check_log_format(value: str | None) -> str:
     return v
 
 
+class FallbackFormatter(logging.Formatter):
+    """The stderr line while no handler is configured: a JSON line as it is (its ``time`` field
+    dates it), a plain one after ``asctime level logger:`` as gunicorn's own lines are."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        return msg if msg.startswith("{") else super().format(record)
+
+
 class _Emitter:
     """Writes a line to ``logger`` at INFO; to stderr while no handler would receive it."""
 
     def __init__(self, logger: logging.Logger):
         self.log = logger
         self.fallback = logging.StreamHandler(sys.stderr)
-        self.fallback.setFormatter(logging.Formatter("%(message)s"))
+        self.fallback.setFormatter(FallbackFormatter())
 
     def __call__(self, line: str) -> None:
         if self.log.hasHandlers():
@@ -92,7 +105,9 @@ def _line(rec: dict[str, Any], fmt: str) -> str:
         "queue_wait_ms": None if wait is None else round(wait * 1000, 3),
         "lease_bytes": rec.get("lease_bytes"),
     }
-    if fmt == "json":
+    if fmt == "json":  # dated itself: a JSON line is read without the logging prefix
+        when = datetime.datetime.fromtimestamp(rec["started"], datetime.timezone.utc)
+        fields = {"time": when.isoformat(timespec="milliseconds"), **fields}
         return json.dumps(fields, separators=(",", ":"))
     return " ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items())
 
@@ -118,6 +133,7 @@ class AccessLog:
             "request_id": rid.decode("latin-1"),
         }
         token = _record.set(rec)
+        rec["started"] = time.time()
         start = time.perf_counter()
 
         async def send_with_id(msg: Message) -> None:

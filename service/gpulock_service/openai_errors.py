@@ -88,6 +88,12 @@ def _from_detail(detail: Any) -> tuple[str, str | None, str | None]:
         code = detail.get("error")
         return str(detail["message"]), code if isinstance(code, str) else None, None
     if isinstance(detail, list) and detail and all(isinstance(e, dict) for e in detail):
+        bad_json = next((e for e in detail if e.get("type") == "json_invalid"), None)
+        if bad_json is not None:  # FastAPI's: loc ["body", character offset]
+            loc = bad_json.get("loc", ())
+            why = (bad_json.get("ctx") or {}).get("error") or bad_json.get("msg", "")
+            at = f" at character {loc[1]}" if len(loc) > 1 else ""
+            return f"the body is not valid JSON: {why}{at}", "invalid_json", None
         parts, param = [], None
         for e in detail:
             loc = [str(x) for x in e.get("loc", ())]

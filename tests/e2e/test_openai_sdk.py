@@ -108,6 +108,15 @@ def test_sync_client_embeddings_models_and_errors(svc):
         c.embeddings.create(model="text-embedding-3-small", input="x")
     assert wrong_model.value.code == "model_not_found" and wrong_model.value.param == "model"
 
+    # a body that is not JSON: 400 invalid_json, no field named (FastAPI's loc is an offset)
+    for raw in (b"hello", b'{"input": ['):
+        r = httpx.post(
+            f"{svc.url}/v1/embeddings", content=raw, headers={"Content-Type": "application/json"}
+        )
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "invalid_json", r.text
+        assert err["param"] is None and "is not valid JSON" in err["message"], r.text
+
 
 @pytest.mark.timeout(60)
 def test_async_client(svc):
@@ -198,6 +207,7 @@ def test_request_ids_and_access_log(svc):
     assert first["method"] == "POST" and first["path"] == "/v1/embeddings"
     assert first["status"] == 200 and first["lease_bytes"] == GiB
     assert first["queue_wait_ms"] is not None and first["duration_ms"] >= 0
+    assert first["time"].endswith("+00:00") and first["time"][:4].isdigit()  # dated, UTC
     refused = rows[bad.headers["x-request-id"]]
     assert refused["status"] == 400 and refused["lease_bytes"] is None
 
