@@ -8,7 +8,7 @@ Hash ``gpulock:{pool}:backoff`` (in the pool's slot, see :mod:`gpulock._keys`), 
   ``<bucket>`` the estimates hash's field (``route|b<batch>|s<tokens>``);
 * ``ok:<bucket>`` → clean calls of the bucket (HINCRBY; counted only while its scale is > 1).
 
-An OOM reads the fields and the server's TIME, applies the rule and writes the new state
+An OOM reads the fields and the server's TIME (one read script, on the hash's node), applies the rule and writes the new state
 only if the fields still hold what was read (a compare-and-set script; read again and retry
 on a race), so concurrent OOMs in several workers each apply the rule once, in some order.
 A success is one HINCRBY (no race: the scale is a function of the count)."""
@@ -34,6 +34,14 @@ for i = 1, #ARGV, 3 do
 end
 for i = 1, #ARGV, 3 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 2]) end
 return 1
+"""
+
+# KEYS[1] the hash; ARGV: fields (none: all). The server's TIME and the fields in one call,
+# on the node that holds the hash (a cluster refuses TIME in a pipeline).
+_READ = """
+local t = redis.call('TIME')
+if #ARGV == 0 then return {t, redis.call('HGETALL', KEYS[1])} end
+return {t, redis.call('HMGET', KEYS[1], unpack(ARGV))}
 """
 
 _CAS_TRIES = 8
@@ -90,8 +98,8 @@ class OomBackoff:
     def _now_ms(self) -> int:
         return int(time.time() * 1000 + self._offset_ms)
 
-    def _clock(self, server_time: tuple[int, int]) -> int:
-        """Server ms from redis-py's TIME reply ``(seconds, microseconds)``; notes the offset."""
+    def _clock(self, server_time: list[bytes]) -> int:
+        """Server ms from a TIME reply ``[seconds, microseconds]``; notes the offset."""
         now = int(server_time[0]) * 1000 + int(server_time[1]) // 1000
         self._offset_ms = now - time.time() * 1000
         return now
@@ -139,12 +147,9 @@ class OomBackoff:
         redis = self._backend.redis
         if self.rule is None or redis is None:
             return
-        async with redis.pipeline(transaction=False) as p:
-            p.hgetall(self.key)
-            p.time()
-            raw, now = await p.execute()
+        now, flat = await redis.eval(_READ, 1, self.key)
         self._clock(now)
-        fields = {_text(k): _text(v) for k, v in raw.items()}
+        fields = {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat), 2)}
         self.pool_state = decode_pool(fields.get("pool"))
         self.buckets, self.ok = {}, {}
         self._merge(fields)
@@ -168,10 +173,7 @@ class OomBackoff:
             return
         fields = ["pool"] + ([f"b:{bucket}", f"ok:{bucket}"] if bucket else [])
         for _ in range(_CAS_TRIES):
-            async with redis.pipeline(transaction=False) as p:
-                p.hmget(self.key, fields)
-                p.time()
-                vals, now_raw = await p.execute()
+            now_raw, vals = await redis.eval(_READ, 1, self.key, *fields)
             now = self._clock(now_raw)
             raw = [_text(v) for v in vals]
             args = ["pool", raw[0], rule.pool_oom(decode_pool(raw[0]), now).encode()]
