@@ -81,6 +81,9 @@ RESERVE_CONTEXT = 600 * MiB
 #: over-estimate and the calibration the measurement it replaces.
 FAKE_TRUTH = 1.25
 OVERLOAD = 10
+#: Seconds of ``--minutes`` kept for what the plan does not bound: imports, starting Redis,
+#: writing the JSON, ending the workers.
+SLACK_S = 20.0
 
 MODELS = {
     # BERT-large: d 1024, 16 heads, ff 4096, 24 layers, fp16
@@ -275,13 +278,14 @@ async def _serve(dev: Any, model: Any, cfg: dict[str, Any], cmd: dict[str, Any])
     """``cmd["clients"]`` client tasks sending requests of ``cmd["shapes"]`` in turn until
     ``cmd["until"]`` (wall clock), each admitted by this worker's semaphore (``mode`` "sem")
     or by a lease of the shape's estimate from the pool (``mode`` "gpulock")."""
-    from gpulock import AsyncPool
+    from gpulock import AcquireTimeout, AsyncPool
     from gpulock.cuda import is_fatal_cuda_error, is_oom
 
     clients, shapes, until = cmd["clients"], cmd["shapes"], cmd["until"]
     loop = asyncio.get_running_loop()
     ex = ThreadPoolExecutor(clients)
-    st: dict[str, Any] = {"ok": 0, "oom": 0, "poisoned": 0, "errors": 0, "lat": []}
+    st: dict[str, Any] = {"ok": 0, "oom": 0, "poisoned": 0, "errors": 0, "timeouts": 0}
+    st["lat"] = []
     st["max_reserved"] = 0
     sem = asyncio.Semaphore(cmd.get("permits", clients))
     pool = resident = None
@@ -304,11 +308,15 @@ async def _serve(dev: Any, model: Any, cfg: dict[str, Any], cmd: dict[str, Any])
         t0 = time.monotonic()
         try:
             if pool is not None:
-                async with pool.lease(cmd["amounts"][f"{b}x{s}"], timeout=cmd["timeout"]):
+                wait = max(0.001, cmd["give_up"] - time.time())
+                async with pool.lease(cmd["amounts"][f"{b}x{s}"], timeout=wait):
                     await loop.run_in_executor(ex, run, b, s)
             else:
                 async with sem:
                     await loop.run_in_executor(ex, run, b, s)
+        except AcquireTimeout:  # still queued when the section ended: not an error of the pool
+            st["timeouts"] += 1
+            return
         except Exception as e:  # noqa: BLE001 - counted by kind
             if is_oom(e):
                 st["oom"] += 1
@@ -358,7 +366,8 @@ class Workers:
         ]
         for p in self.procs:
             p.start()
-        ready = [self.results.get(timeout=start_timeout) for _ in range(n)]
+        deadline = time.monotonic() + start_timeout
+        ready = [self.results.get(timeout=max(0.1, deadline - time.monotonic())) for _ in range(n)]
         self.weights = ready[0]["weights"]
 
     def run(self, cmd: dict[str, Any], sample: Callable[[], None], timeout: float) -> list[dict]:
@@ -415,20 +424,20 @@ class Sampler:
 
 def _load(ctx: dict[str, Any], mode: str, extra: dict[str, Any]) -> dict[str, Any]:
     """Run one section's load on the workers and sum their stats."""
-    p, dev, w = ctx["plan"], ctx["device"], ctx["workers"]
+    p, dev, w, load_s = ctx["plan"], ctx["device"], ctx["workers"], ctx["load_s"]
     start = time.time() + 0.5
-    until = start + p["load_s"]
+    until = start + load_s
     cmd = {
         "mode": mode,
         "clients": ctx["clients"],
         "shapes": ctx["shapes"],
         "start": start,
         "until": until,
-        "timeout": p["load_s"],
+        "give_up": until + p["drain_s"] / 2,  # a lease wait still queued then gives up
         **extra,
     }
     sampler = Sampler(dev, start, until)
-    res = w.run(cmd, sampler, timeout=p["load_s"] + p["drain_s"])
+    res = w.run(cmd, sampler, timeout=0.5 + load_s + p["drain_s"])
     errs = [r["error"] for r in res if "error" in r]
     if errs:
         raise RuntimeError("; ".join(errs))
@@ -439,12 +448,14 @@ def _load(ctx: dict[str, Any], mode: str, extra: dict[str, Any]) -> dict[str, An
         "oom": sum(r["oom"] for r in res),
         "poisoned": sum(r["poisoned"] for r in res),
         "errors": sum(r["errors"] for r in res),
+        "timeouts": sum(r["timeouts"] for r in res),
         "first_error": next((r["first_error"] for r in res if "first_error" in r), None),
         "peak_used_frac": sampler.peak() / total,
         "mean_used_frac": sampler.time_weighted() / total,
         "sum_worker_peak_reserved_frac": sum(r["max_reserved"] for r in res) / total,
         "p99_s": percentile(lat, 99),
-        "req_per_s": sum(r["ok"] for r in res) / p["load_s"],
+        "req_per_s": sum(r["ok"] for r in res) / load_s,
+        "load_s": round(load_s, 2),
         "samples": len(sampler.samples),
     }
     return out
@@ -566,7 +577,7 @@ def plan(minutes: float, dry: bool, workers: int) -> dict[str, Any]:
     their sum is at most ``minutes``. Raises SystemExit when it does not fit."""
     start_s, cal_s, drain_s = (60.0, 10.0, 10.0) if dry else (120.0, 60.0, 30.0)
     fixed = start_s + cal_s + drain_s * len(LOAD_SHARE)
-    budget = minutes * 60.0
+    budget = minutes * 60.0 - SLACK_S
     load_total = (2.0 * len(LOAD_SHARE)) if dry else budget - fixed
     if not dry and load_total < 20:
         raise SystemExit(f"--minutes {minutes} leaves {load_total:.0f}s of load: give more")
@@ -578,6 +589,16 @@ def plan(minutes: float, dry: bool, workers: int) -> dict[str, Any]:
         "load_s": load_total / len(LOAD_SHARE),
         "bound_s": fixed + load_total,
     }
+
+
+def load_time(p: dict[str, Any], left: list[str], seconds_left: float) -> float:
+    """The next load section's seconds: its planned share, shortened when what ran before
+    took longer than planned, so that the sections ``left`` (this one first) and their drains
+    still end by the deadline (``seconds_left`` from now); at least 1 s."""
+    loads = [s for s in left if s in LOAD_SHARE]
+    room = seconds_left - p["drain_s"] * len(loads) - 0.5 * len(loads)
+    share = LOAD_SHARE[loads[0]] / sum(LOAD_SHARE[s] for s in loads)
+    return max(1.0, min(p["load_s"], room * share))
 
 
 # ---- the table --------------------------------------------------------------------------------
@@ -605,6 +626,7 @@ def table(results: dict[str, Any], dry: bool) -> str:
                 f"{name} {label} | CUDA OOMs | {r['oom']} | {'0' if name == 'b' else '-'}",
                 f"{name} | poisoned contexts | {r['poisoned']} | 0",
                 f"{name} | other errors | {r['errors']} | 0",
+                f"{name} | lease waits given up at the end | {r['timeouts']} | -",
                 f"{name} | requests ok (per s) | {r['ok']} ({r['req_per_s']:.1f}) | -",
                 f"{name} | peak device in use / total | {_pct(r['peak_used_frac'])} | "
                 f"{'>= 85%' if name == 'b' else '-'}",
@@ -654,12 +676,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--workers {workers_n}: give at least 1")
     p = plan(a.minutes, dry, workers_n)
     print(
-        f"gpu_truth plan: {workers_n} workers; start <= {p['start_s']:.0f}s, (c) <= "
+        f"gpu_truth plan: {workers_n} workers; start <= {p['start_s']:.0f}s, (c) planned "
         f"{p['cal_s']:.0f}s, (a) and (b) {p['load_s']:.0f}s of load + {p['drain_s']:.0f}s "
         f"drain each: <= {p['bound_s'] / 60:.1f} min",
         flush=True,
     )
     t_begin = time.monotonic()
+    deadline = t_begin + p["bound_s"]
     kind = "fake" if dry else "cuda"
     spec: dict[str, Any] = {"kind": kind, "model": "dry" if dry else "gpu"}
     if dry:
@@ -686,9 +709,11 @@ def main(argv: list[str] | None = None) -> int:
         ctx["redis"] = redis
         ctx["workers"] = Workers(workers_n, spec, p["start_s"])
         try:
-            for name in [s for s in RUN_ORDER if s in only or s == "c"]:
-                if name in ("a", "b"):  # OVERLOAD× what fits, once (c) gave the estimates
+            order = [s for s in RUN_ORDER if s in only or s == "c"]
+            for i, name in enumerate(order):
+                if name in LOAD_SHARE:  # OVERLOAD× what fits, once (c) gave the estimates
                     ctx["clients"] = math.ceil(OVERLOAD * _fit(ctx) / workers_n)
+                    ctx["load_s"] = load_time(p, order[i:], deadline - time.monotonic())
                 t0 = time.monotonic()
                 try:
                     results[name] = SECTIONS[name](ctx)

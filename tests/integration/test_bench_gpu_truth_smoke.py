@@ -6,6 +6,7 @@ request's true bytes and the pool's capacity is under the device's)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -61,6 +62,28 @@ def test_gpu_truth_dry_run(tmp_path):
     for r in c["rows"]:
         assert r["calibrated"] >= r["measured"] > 0 and r["formula"] > 0
     assert c["target_met"] is True
+
+
+def test_gpu_truth_plan_fits_its_minutes():
+    """The time budget by construction: the plan's bound is within --minutes, and a load
+    section after a slow one is shortened so that what is left still ends by the deadline."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("gpu_truth_plan", SCRIPT)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    for minutes in (6, 8, 20):
+        p = mod.plan(minutes, False, 4)
+        assert p["bound_s"] <= minutes * 60 and p["load_s"] > 0
+        assert mod.load_time(p, ["a", "b"], p["bound_s"]) == p["load_s"]  # on schedule
+        # (c) took 50 s more than planned: both loads shrink, their drains still fit
+        left = p["bound_s"] - p["start_s"] - p["cal_s"] - 50
+        a = mod.load_time(p, ["a", "b"], left)
+        assert a < p["load_s"] and 2 * a + 2 * p["drain_s"] + 1 <= left + 1e-9
+    with pytest.raises(SystemExit, match="--minutes"):
+        mod.plan(4, False, 4)
 
 
 def test_gpu_truth_without_cuda_skips():
