@@ -34,6 +34,11 @@ Sections (each a function in :data:`SECTIONS`, run in :data:`RUN_ORDER`, printed
   holder over its lease is flagged: not here yet; they plug into :data:`SECTIONS` and
   :data:`RUN_ORDER` once the pool reconciles with the device (see docs/BENCHMARKS.md).
 
+The workers run with the service's ``PYTORCH_CUDA_ALLOC_CONF`` (``expandable_segments:True``
+unless set; :mod:`gpulock_service.alloc_conf`) and, like the service, do not empty the
+allocator's cache between requests: whether the cached blocks of several processes stay
+within the pool's reserve is one of the things (b) finds out.
+
 Time: each section's load phase lasts a share of ``--minutes`` (:func:`plan`); worker start
 and drain have their own bounds, so the run ends within ``--minutes`` by construction (the
 plan is printed first, and refused when it does not fit).
@@ -81,6 +86,8 @@ RESERVE_CONTEXT = 600 * MiB
 #: over-estimate and the calibration the measurement it replaces.
 FAKE_TRUTH = 1.25
 OVERLOAD = 10
+#: Client tasks (and threads) per worker at most; the overload reached is reported.
+MAX_CLIENTS = 256
 #: Seconds of ``--minutes`` kept for what the plan does not bound: imports, starting Redis,
 #: writing the JSON, ending the workers.
 SLACK_S = 20.0
@@ -93,7 +100,7 @@ MODELS = {
 #: (batch, tokens) of the request mix: bucket-sized shapes (powers of two) and shapes inside
 #: a bucket, whose estimate is their bucket's.
 SHAPES = {
-    "gpu": [(32, 128), (32, 256), (32, 384), (32, 512), (64, 512)],
+    "gpu": [(64, 256), (64, 384), (64, 512), (128, 384), (128, 512)],
     "dry": [(2, 8), (2, 12), (2, 16), (2, 32), (4, 32)],
 }
 
@@ -279,7 +286,7 @@ async def _serve(dev: Any, model: Any, cfg: dict[str, Any], cmd: dict[str, Any])
     ``cmd["until"]`` (wall clock), each admitted by this worker's semaphore (``mode`` "sem")
     or by a lease of the shape's estimate from the pool (``mode`` "gpulock")."""
     from gpulock import AcquireTimeout, AsyncPool
-    from gpulock.cuda import is_fatal_cuda_error, is_oom
+    from gpulock.cuda import drop_traceback, is_fatal_cuda_error, is_oom
 
     clients, shapes, until = cmd["clients"], cmd["shapes"], cmd["until"]
     loop = asyncio.get_running_loop()
@@ -320,6 +327,7 @@ async def _serve(dev: Any, model: Any, cfg: dict[str, Any], cmd: dict[str, Any])
         except Exception as e:  # noqa: BLE001 - counted by kind
             if is_oom(e):
                 st["oom"] += 1
+                drop_traceback(e)  # its frames pin the forward's tensors
                 dev.after_oom()
                 try:
                     await loop.run_in_executor(ex, dev.probe)
@@ -601,6 +609,28 @@ def load_time(p: dict[str, Any], left: list[str], seconds_left: float) -> float:
     return max(1.0, min(p["load_s"], room * share))
 
 
+def run_section(name: str, ctx: dict[str, Any], left: list[str], deadline: float) -> dict:
+    """Run section ``name`` (``left``: it and those after it) and return its row, with its
+    seconds; an exception becomes the row's ``error``. A load section first gets its clients
+    (OVERLOAD× what fits by (c)'s estimates, at most MAX_CLIENTS a worker) and its time."""
+    t0 = time.monotonic()
+    n = ctx["plan"]["workers"]
+    try:
+        if name in LOAD_SHARE:
+            if "amounts" not in ctx:
+                raise RuntimeError("needs (c)'s estimates, and (c) failed")
+            ctx["clients"] = min(MAX_CLIENTS, math.ceil(OVERLOAD * _fit(ctx) / n))
+            ctx["load_s"] = load_time(ctx["plan"], left, deadline - time.monotonic())
+        row = SECTIONS[name](ctx)
+        if name in LOAD_SHARE:
+            row["clients_per_worker"] = ctx["clients"]
+            row["overload"] = round(ctx["clients"] * n / _fit(ctx), 2)
+    except Exception as e:  # noqa: BLE001 - the table says which section failed
+        row = {"error": f"{type(e).__name__}: {e}"[:300]}
+    row["seconds"] = round(time.monotonic() - t0, 2)
+    return row
+
+
 # ---- the table --------------------------------------------------------------------------------
 
 
@@ -628,6 +658,8 @@ def table(results: dict[str, Any], dry: bool) -> str:
                 f"{name} | other errors | {r['errors']} | 0",
                 f"{name} | lease waits given up at the end | {r['timeouts']} | -",
                 f"{name} | requests ok (per s) | {r['ok']} ({r['req_per_s']:.1f}) | -",
+                f"{name} | clients (overload: clients / what fits) | "
+                f"{r['clients_per_worker']} per worker ({r['overload']:.1f}x) | 10x",
                 f"{name} | peak device in use / total | {_pct(r['peak_used_frac'])} | "
                 f"{'>= 85%' if name == 'b' else '-'}",
                 f"{name} | time-weighted in use / total | {_pct(r['mean_used_frac'])} | -",
@@ -661,6 +693,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated sections (default: all)")
     a = ap.parse_args(argv)
     dry = a.dry_run
+    # the allocator setting the service runs with (before torch initialises CUDA; the worker
+    # processes inherit it)
+    from gpulock_service import alloc_conf
+
+    alloc = alloc_conf.apply()
     if not dry:
         try:
             import torch
@@ -711,16 +748,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             order = [s for s in RUN_ORDER if s in only or s == "c"]
             for i, name in enumerate(order):
-                if name in LOAD_SHARE:  # OVERLOAD× what fits, once (c) gave the estimates
-                    ctx["clients"] = math.ceil(OVERLOAD * _fit(ctx) / workers_n)
-                    ctx["load_s"] = load_time(p, order[i:], deadline - time.monotonic())
-                t0 = time.monotonic()
-                try:
-                    results[name] = SECTIONS[name](ctx)
-                except Exception as e:  # noqa: BLE001 - the table says which section failed
-                    results[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
-                results[name]["seconds"] = round(time.monotonic() - t0, 2)
+                results[name] = run_section(name, ctx, order[i:], deadline)
                 print(f"gpu_truth: section {name} done in {results[name]['seconds']}s", flush=True)
+                if i + 1 < len(order) and (
+                    results[name].get("poisoned") or "error" in results[name]
+                ):
+                    # a poisoned context (or a failed section) must not carry over: fresh workers
+                    ctx["workers"].close()
+                    ctx["workers"] = Workers(workers_n, spec, p["start_s"])
         finally:
             ctx["workers"].close()
     print(table(results, dry))
@@ -730,6 +765,7 @@ def main(argv: list[str] | None = None) -> int:
         "total_bytes": device.total,
         "capacity": ctx["capacity"],
         "workers": workers_n,
+        "pytorch_cuda_alloc_conf": alloc,
         "plan": p,
         "seconds": round(time.monotonic() - t_begin, 2),
         "sections": results,
