@@ -568,7 +568,9 @@ def section_b(ctx: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-#: Section name → function(ctx) → its row. (d) and (e) plug in here (and in RUN_ORDER).
+#: Section name → function(ctx) → its row (a dict; ``target_met`` a bool when it has
+#: targets). (d) and (e) plug in here and in RUN_ORDER; a section that runs load on the
+#: workers (``_load``) also gets a share in LOAD_SHARE, which its time is planned from.
 SECTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "a": section_a,
     "b": section_b,
@@ -673,6 +675,10 @@ def table(results: dict[str, Any], dry: bool) -> str:
                     f"{_pct(row['calibrated_err'])} | "
                     + ("0..+10%" if row["bucket_sized"] else ">= 0 (inside a bucket)")
                 )
+        else:  # a section added later ((d), (e)): its scalar numbers as they are
+            for k, v in r.items():
+                if isinstance(v, (int, float, str)) and k not in ("seconds", "target_met"):
+                    lines.append(f"{name} | {k} | {v} | -")
     for name in sorted(results):
         met = results[name].get("target_met")
         if met is not None:
