@@ -3,9 +3,10 @@
 Every key of a pool shares the hash tag ``{NAME}`` (``gpulock:{gpu0}:cfg``), so a pool lives in
 one Redis Cluster slot and its scripts touch keys of one slot only. The scripts take
 :func:`pool_keys` in :class:`PoolKeys` order; ``lua/lib.lua`` documents each key's fields.
-Keys the service keeps next to a pool (calibrated estimates, the calibration lock; the
-dashboard's history ``samples``, its ``sampler`` lease and the ``counters`` of 503s and OOMs,
-see :mod:`gpulock._samples`) are built with :func:`pool_key`, so they share the slot too.
+Keys the service keeps next to a pool (calibrated estimates, the OOM back-off, the
+calibration lock; the dashboard's history ``samples``, its ``sampler`` lease and the
+``counters`` of 503s and OOMs, see :mod:`gpulock._samples`) are built with :func:`pool_key`,
+so they share the slot too.
 """
 
 from __future__ import annotations

@@ -87,7 +87,8 @@ background status reads), ``_admission`` (thread slots, the lease wait, the ttl 
 job), ``_idempotency`` (X-Request-ID claims, stored results, following another worker's
 request), ``_resident`` (resident leases), ``_readiness``, ``_retry_after`` (the service's
 estimator over the policy in :mod:`gpulock.retry_after`), ``_errors`` (HTTP error mapping),
-``_metrics``, ``_calibration``, ``_signature`` (``guard``/``endpoint``), ``_history``,
+``_metrics``, ``_calibration``, ``_backoff`` (the OOM back-off's shared state, over the
+rule in :mod:`gpulock.oom_backoff`), ``_signature`` (``guard``/``endpoint``), ``_history``,
 ``_batcher`` (dynamic batching: :meth:`GpuLimiter.batcher`).
 """
 

@@ -44,7 +44,7 @@ from ._admission import Slots
 from ._backend import Backend
 from ._call import GuardedCalls
 from ._errors import CudaOOM, GpuLockHTTPException, HttpErrors
-from ._jobs import Job, JobRunner, current_lease
+from ._jobs import Job, JobRunner, current_lease, note_oom
 from ._metrics import metrics
 from ._settings import Settings
 from ._signature import _fingerprint
@@ -529,6 +529,7 @@ def run_with_splits(
         except BaseException as e:
             if not is_oom(e):
                 raise  # the job runner's handling: a sticky CUDA error, or the batch's 500
+            note_oom()  # the batch's estimate was too low: the OOM back-off reacts at its end
             msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
             drop_traceback(e)
             del e

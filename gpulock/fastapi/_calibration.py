@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._backend import Backend
+from ._backoff import note_bucket
 from ._settings import Settings
 
 
@@ -29,11 +30,18 @@ class Estimates:
     Args:
         settings: ``acquire_timeout`` bounds each calibration lease's wait (× 6).
         backend: the pool, its Redis client and executor, and its last status.
+        scale: a bucket's OOM back-off multiplier now (≥ 1; see :mod:`gpulock.oom_backoff`).
     """
 
-    def __init__(self, settings: Settings, backend: Backend):
+    def __init__(
+        self,
+        settings: Settings,
+        backend: Backend,
+        scale: Callable[[str], float] = lambda bucket: 1.0,
+    ):
         self._settings = settings
         self._backend = backend
+        self._scale = scale
         self.cache: dict[str, int] = {}
 
     @property
@@ -55,11 +63,15 @@ class Estimates:
     ) -> int:
         """Bytes for a request of ``batch`` × ``tokens`` on ``route``: the calibrated peak of
         its shape bucket (next power of two of each) when one was measured, else
-        ``formula(batch, tokens)``."""
-        v = self.cache.get(_field(route, batch, tokens))
-        if v is not None:
-            return max(1, v)
-        return int(formula(batch, tokens))
+        ``formula(batch, tokens)``; times the bucket's OOM back-off scale (1 unless an OOM
+        raised it). The bucket is noted for the job this task starts next, whose OOM raises
+        it (:func:`gpulock.fastapi._backoff.note_bucket`)."""
+        field = _field(route, batch, tokens)
+        note_bucket(field)
+        v = self.cache.get(field)
+        base = max(1, v) if v is not None else int(formula(batch, tokens))
+        scale = self._scale(field)
+        return base if scale <= 1.0 else math.ceil(base * scale)
 
     async def calibrate(
         self,

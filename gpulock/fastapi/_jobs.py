@@ -22,6 +22,7 @@ from ..cuda import drop_traceback, empty_cache, is_fatal_cuda_error, is_oom
 from ..errors import AcquireTimeout, LeaseLost
 from ._admission import Admission
 from ._backend import Backend
+from ._backoff import OomBackoff, take_bucket
 from ._errors import CudaFatal, CudaOOM
 from ._history import History
 from ._idempotency import RequestStore
@@ -37,6 +38,20 @@ HELD_RECHECK_S = 1.0
 _current_lease: contextvars.ContextVar[AsyncLease | None] = contextvars.ContextVar(
     "gpulock_lease", default=None
 )
+
+
+_current_job: contextvars.ContextVar[Job | None] = contextvars.ContextVar(
+    "gpulock_job", default=None
+)
+
+
+def note_oom() -> None:
+    """Count a CUDA OOM that the work in this executor thread handled itself (a batch split
+    after one, :func:`gpulock.fastapi._batcher.run_with_splits`): the OOM back-off reacts to
+    it when the job ends as to one that ended the job."""
+    job = _current_job.get()
+    if job is not None:
+        job.ooms += 1
 
 
 def current_lease() -> AsyncLease | None:
@@ -70,6 +85,10 @@ class Job:
     # Result or error, set as soon as known: the response goes out while the release (one more
     # Redis round trip, after the thread returned) is still on its way.
     outcome: asyncio.Future[Any] | None = None
+    # The shape bucket whose estimate the job's amount came from (None: not from
+    # GpuLimiter.estimate), and the OOMs its work handled itself (note_oom).
+    bucket: str | None = None
+    ooms: int = 0
 
 
 def _settle(
@@ -102,6 +121,8 @@ class JobRunner:
         history: where grants, releases and CUDA calls are recorded.
         spawn: runs a background task the limiter's ``stop()`` cancels.
         on_fatal: called with the message of a sticky CUDA error.
+        backoff: the OOM back-off: the lease amount under its factor; told of each job's OOM
+            or clean end.
 
     Attributes:
         by_ticket: unfinished jobs by ticket (those with an ``X-Request-ID``).
@@ -120,6 +141,7 @@ class JobRunner:
         history: History,
         spawn: Callable[[Coroutine[Any, Any, Any], str], Any],
         on_fatal: Callable[[str], None],
+        backoff: OomBackoff | None = None,
     ):
         self._settings = settings
         self._backend = backend
@@ -129,6 +151,7 @@ class JobRunner:
         self._history = history
         self._spawn = spawn
         self._on_fatal = on_fatal
+        self._backoff = backoff
         self.by_ticket: dict[str, Job] = {}
         self.all: set[Job] = set()
         self.places: KeptPlaces[str, KeptPlace] = KeptPlaces(
@@ -164,6 +187,7 @@ class JobRunner:
         park`` seconds from ``arrival`` (plus the restart grace left), then as long as its
         retries keep it; else it waits a little longer than the HTTP answer's deadline."""
         job = Job(route, amount, ticket, fp, arrival, parked=bool(park) and ticket is not None)
+        job.bucket = take_bucket()
         job.outcome = asyncio.get_running_loop().create_future()
         job.outcome.add_done_callback(_consume)
         job.outcome.add_done_callback(lambda _: job.started.set())
@@ -242,7 +266,7 @@ class JobRunner:
 
             try:
                 lease = await self._admission.lease(
-                    job.amount,
+                    job.amount if self._backoff is None else self._backoff.lease_amount(job.amount),
                     deadline,
                     request_id=job.ticket,
                     route=job.route,
@@ -278,12 +302,14 @@ class JobRunner:
                     cancelled = True  # keep waiting for the thread; re-raise afterwards
             if cancelled:
                 raise asyncio.CancelledError()
+            self._backoff_after(job, oom=job.ooms > 0)
             if job.ticket is not None:
                 await self._store.store(job, result)
             _settle(job.outcome, result=result)
             return result
         except CudaOOM as e:
             m.oom.labels(job.route).inc()
+            self._backoff_after(job, oom=True)
             _settle(job.outcome, exc=e)
             raise
         except CudaFatal as e:
@@ -312,6 +338,23 @@ class JobRunner:
                     del self.by_ticket[job.ticket]
                 await self._store.release_claim(job.ticket)
 
+    def _backoff_after(self, job: Job, *, oom: bool) -> None:
+        """Tell the OOM back-off how the job's work ended (in the background: a failure to
+        record it loses one step of the rule, never the answer)."""
+        bo = self._backoff
+        if bo is None or bo.rule is None:
+            return
+        if not oom and (job.bucket is None or bo.scale(job.bucket) <= 1.0):
+            return  # nothing to count: spawn no task
+
+        async def record() -> None:
+            try:
+                await (bo.oom(job.bucket) if oom else bo.success(job.bucket))
+            except Exception as e:  # noqa: BLE001 - see the docstring
+                log.warning("gpulock: OOM back-off not recorded: %s", e)
+
+        self._spawn(record(), "gpulock-backoff")
+
     async def _release(self, job: Job, lease: AsyncLease, granted_at: float) -> None:
         self._history.record("release", lease, route=job.route)
         # A task of its own: it goes on when this one is cancelled meanwhile (a 503, a client
@@ -331,6 +374,7 @@ class JobRunner:
 
     def _in_thread(self, lease: AsyncLease, fn: Callable[[], Any], job: Job) -> Any:
         tok = _current_lease.set(lease)
+        jtok = _current_job.set(job)
         try:
             lease.ensure_valid()  # the last check before the CUDA call (invariant 5 in docs/SEMANTICS.md)
             t0 = time.monotonic()
@@ -358,6 +402,7 @@ class JobRunner:
                     "cuda_end", None, lease_id=lease.id, amount=lease.amount, route=job.route
                 )
         finally:
+            _current_job.reset(jtok)
             _current_lease.reset(tok)
 
 

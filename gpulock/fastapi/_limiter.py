@@ -24,6 +24,8 @@ from . import _signature
 from ._admission import Admission, Slots, TtlBound
 from ._backend import Backend, process_owner
 from ._batcher import Batcher, BatchPolicy
+from ..oom_backoff import BackoffRule
+from ._backoff import OomBackoff
 from ._calibration import Estimates
 from ._call import GuardedCalls
 from ._errors import HttpErrors
@@ -41,6 +43,9 @@ from ._signature import GpuCall
 log = logging.getLogger("gpulock.fastapi")
 
 R = TypeVar("R")
+
+#: The documented back-off rule (docs/SEMANTICS.md, "Back-off on OOM").
+DEFAULT_RULE = BackoffRule()
 
 
 class _Forward:
@@ -90,6 +95,9 @@ class GpuLimiter:
         enabled: False runs the work without leases (for measuring the lease's overhead).
         exit_on_fatal: after a sticky CUDA error, SIGTERM this process once the 500 is sent.
         request_id_header: the idempotency header.
+        oom_backoff: the rule by which a CUDA OOM inside a lease raises its shape bucket's
+            estimate and shrinks the share of the capacity granted (docs/SEMANTICS.md,
+            "Back-off on OOM"); None turns it off.
 
     Raises: InvalidArgument for a bad ``configure``, ``executor_threads`` or ``capacity``.
     """
@@ -114,6 +122,7 @@ class GpuLimiter:
         enabled: bool = True,
         exit_on_fatal: bool = True,
         request_id_header: str = "X-Request-ID",
+        oom_backoff: BackoffRule | None = DEFAULT_RULE,
     ):
         s = self.settings = Settings.of(
             redis_url,
@@ -151,13 +160,22 @@ class GpuLimiter:
             stopping=lambda: self._ready.stopping,
         )
         self._ready = Readiness(s, be, self._resident)
+        self._backoff = OomBackoff(oom_backoff, be, lambda: self._resident.pool_bytes)
         self._reaper = Reaper(s, be, self._on_read, self._ready.publish)
         self._store = RequestStore(s, be, self._slots, self._retry, errors)
         admission = Admission(
             self._slots, be, lambda: self.lease_ttl, lambda: self._reaper.tick(full=False)
         )
         self._runner = JobRunner(
-            s, be, admission, self._store, self._retry, self._history, self.spawn, self._ready.fatal
+            s,
+            be,
+            admission,
+            self._store,
+            self._retry,
+            self._history,
+            self.spawn,
+            self._ready.fatal,
+            self._backoff,
         )
         self._calls = GuardedCalls(
             s,
@@ -169,7 +187,7 @@ class GpuLimiter:
             self._retry,
             errors,
         )
-        self._estimates = Estimates(s, be)
+        self._estimates = Estimates(s, be, self._backoff.scale)
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ---- settings and state, kept by the parts ---------------------------------------------------
@@ -210,6 +228,10 @@ class GpuLimiter:
     refresh_estimates = _Forward("_estimates", "refresh")
     estimate = _Forward("_estimates")
     calibrate = _Forward("_estimates")
+    refresh_backoff = _Forward("_backoff", "refresh")
+    backoff_factor = _Forward("_backoff", "factor")
+    backoff_scale = _Forward("_backoff", "scale")
+    backoff_state = _Forward("_backoff", "state")
     call = _Forward("_calls")
 
     @property
@@ -327,6 +349,8 @@ class GpuLimiter:
         if full:
             with contextlib.suppress(Exception):
                 await self._estimates.refresh()
+            with contextlib.suppress(Exception):
+                await self._backoff.refresh()
 
     # ---- routes ---------------------------------------------------------------------------------
     def guard(
@@ -393,4 +417,6 @@ class GpuLimiter:
         """The ``/metrics`` response: this process's (or, in multiprocess mode, all workers')
         counters and histograms, plus the pool's gauges read from Redis now; OpenMetrics text
         when ``accept`` (the request's Accept header) asks for it, else Prometheus text."""
-        return await metrics_response(self._backend.pool, self.settings.pool_name, accept)
+        return await metrics_response(
+            self._backend.pool, self.settings.pool_name, accept, backoff=self._backoff.state()
+        )

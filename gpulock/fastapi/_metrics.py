@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from fastapi import Response
 from gpulock_common.aio import wait_for
@@ -264,6 +264,30 @@ def _pool_families(pool: str, st: PoolStatus | None, error: str | None) -> Itera
         yield c
 
 
+def _backoff_families(pool: str, backoff: dict[str, Any] | None) -> Iterator[Metric]:
+    """The OOM back-off as this worker last read it (gpulock.fastapi._backoff.OomBackoff.state)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    if not backoff or not backoff.get("enabled"):
+        return
+    f = GaugeMetricFamily(
+        "gpulock_oom_backoff_factor",
+        "Share of the pool's capacity leases may fill after CUDA OOMs (1: no back-off); "
+        "each lease asks for its estimate / factor",
+        labels=["pool"],
+    )
+    f.add_metric([pool], float(backoff["factor"]))
+    yield f
+    g = GaugeMetricFamily(
+        "gpulock_estimate_scale",
+        "OOM back-off multiplier on a shape bucket's estimate (only buckets above 1)",
+        labels=["pool", "bucket"],
+    )
+    for bucket, scale in backoff.get("scales", {}).items():
+        g.add_metric([pool, bucket], float(scale))
+    yield g
+
+
 class _StaticCollector:
     def __init__(self, families: Iterable[Metric]):
         self._families = list(families)
@@ -284,12 +308,17 @@ class _Chain:
 
 
 async def metrics_response(
-    pool: AsyncPool | None, pool_name: str, accept: str | None = None
+    pool: AsyncPool | None,
+    pool_name: str,
+    accept: str | None = None,
+    *,
+    backoff: dict[str, Any] | None = None,
 ) -> Response:
     """The ``/metrics`` response: this process's (or, in multiprocess mode, all workers')
     counters and histograms, plus the pool's gauges read from Redis now (2 s at most).
     ``accept``: the request's Accept header: OpenMetrics text when it asks for
-    ``application/openmetrics-text``, else Prometheus text (0.0.4)."""
+    ``application/openmetrics-text``, else Prometheus text (0.0.4). ``backoff``: the OOM
+    back-off state to show (``OomBackoff.state()``)."""
     from prometheus_client import REGISTRY, CollectorRegistry
     from prometheus_client.exposition import choose_encoder
 
@@ -309,6 +338,7 @@ async def metrics_response(
         source = CollectorRegistry(auto_describe=False)
         multiprocess.MultiProcessCollector(source, d)  # type: ignore[no-untyped-call]  # unannotated
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(_Chain(source, _StaticCollector(_pool_families(pool_name, st, err))))
+    families = [*_pool_families(pool_name, st, err), *_backoff_families(pool_name, backoff)]
+    reg.register(_Chain(source, _StaticCollector(families)))
     encode, content_type = choose_encoder(accept or "")
     return Response(encode(reg), media_type=content_type)

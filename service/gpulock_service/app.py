@@ -296,11 +296,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         """Liveness: answers as long as the event loop runs; never waits on Redis or the queue.
-        ``pytorch_cuda_alloc_conf``: the allocator setting in effect (see ``alloc_conf``)."""
+        ``pytorch_cuda_alloc_conf``: the allocator setting in effect (see ``alloc_conf``);
+        ``oom_backoff``: the OOM back-off as this worker last read it (no read now)."""
         return {
             "status": "ok",
             "pid": os.getpid(),
             "pytorch_cuda_alloc_conf": alloc_conf.state(),
+            "oom_backoff": limiter.backoff_state(),
         }
 
     @app.get("/ready")

@@ -219,6 +219,7 @@ def test_cuda_alloc_conf_default_and_users_own(svc, make_service):
         "value": "expandable_segments:True",
         "set_by": "gpulock",
     }
+    assert h["oom_backoff"] == {"enabled": True, "factor": 1.0, "scales": {}}  # no OOM yet
     own = make_service(
         "openai-own-alloc",
         server="uvicorn",

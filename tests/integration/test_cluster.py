@@ -201,6 +201,32 @@ async def test_gpulimiter_on_a_cluster_guards_and_replays(cluster):
         assert gpu.status is not None and gpu.status.grants == 2
 
 
+async def test_oom_backoff_on_a_cluster(cluster):
+    """The OOM back-off's reads (HGETALL + TIME pipelined) and its compare-and-set script on a
+    cluster URL: an injected OOM raises the bucket and cuts the factor, as a second limiter
+    reads them."""
+    from support.apps import Running
+
+    from gpulock.oom_backoff import BackoffRule
+
+    from .test_fastapi_oom_backoff import BUCKET, _app
+
+    name = spread(cluster, "bo")[1]
+    rule = BackoffRule(capacity_every_s=3600.0)
+    app_a, a, _ = _app(cluster.url, name, rule)
+    app_b, b, _ = _app(cluster.url, name, rule)
+    async with Running(app_a) as ca, Running(app_b):
+        assert (await ca.post("/embed", json={"oom": True})).status_code == 503
+        deadline = time.monotonic() + 10
+        while True:
+            await b.refresh_backoff()
+            if b.backoff_scale(BUCKET) == 1.5:
+                break
+            assert time.monotonic() < deadline, b.backoff_state()
+            await asyncio.sleep(0.01)
+        assert b.backoff_factor() == pytest.approx(0.8)
+
+
 def _pubsub_conns(node_clients) -> list[dict]:
     """The clients on these servers that hold subscriptions (classic or sharded)."""
     out = []
