@@ -13,8 +13,10 @@ Status codes: 201 granted; 200 renewed/released/status/configured/deleted; 503 q
 same ``request_id``), queue full, or Redis unavailable; 413 amount above capacity; 422 bad input
 (the field is named in ``detail[].loc``); 401 no or unknown bearer token; 403 pool not allowed
 for the token (or not admin); 404 pool not configured, or a lease of another token; 409 pool
-delete refused while leases or waiters are live; 410 the lease is lost. Error bodies are ``{"detail": {"error": CODE, "message": TEXT, ...}}`` (422:
-FastAPI's ``{"detail": [{"loc": [...], "msg": ...}]}``).
+delete refused while leases or waiters are live; 410 the lease is lost. Error bodies are
+``{"detail": {"error": CODE, "message": TEXT, ...}}`` (422: FastAPI's
+``{"detail": [{"loc": [...], "msg": ...}]}``). Each route declares them in the OpenAPI schema
+(``responses.py``), with the links from a grant to its lease's operations.
 """
 
 from __future__ import annotations
