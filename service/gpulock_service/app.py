@@ -572,7 +572,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return respond(body, model.embed(_texts(body)))
 
     def bounds() -> dict[str, int | None]:
-        vocab = getattr(model, "vocab_size", None)
+        """The handler's bounds for the schema (built on the first GET /openapi.json)."""
+        try:  # MiniLM's reads its tokenizer (from disk, loaded with the model)
+            vocab = getattr(model, "vocab_size", None)
+        except Exception:  # noqa: BLE001 - a schema without the bound, never a 500
+            log.warning("gpulock: the model's vocab_size could not be read", exc_info=True)
+            vocab = None
         return {
             "max_batch": settings.max_batch,
             "dimensions": getattr(model, "dimensions", None),
