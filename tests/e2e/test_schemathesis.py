@@ -1,5 +1,5 @@
 """schemathesis against the real service (uvicorn, one worker, a model that embeds at once,
-against a real Redis): every check and every phase, no check excluded
+against a real Redis; with dynamic batching and without): every check and every phase, no check excluded
 (tests/schemathesis/service.toml names the statuses that depend on the pool's state); and the
 regressions it found, as plain requests."""
 
@@ -23,9 +23,11 @@ ENV = {
 }
 
 
-@pytest.fixture(scope="module")
-def svc(make_service):
-    s = make_service("fuzz", server="uvicorn", workers=1, env=ENV, capacity=GiB)
+@pytest.fixture(scope="module", params=["batched", "unbatched"])
+def svc(make_service, request):
+    """The service with dynamic batching (its default) and without (one lease per request)."""
+    env = {**ENV, "GPULOCK_BATCH": "true" if request.param == "batched" else "false"}
+    s = make_service(f"fuzz-{request.param}", server="uvicorn", workers=1, env=env, capacity=GiB)
     s.wait_ready(1, timeout=60)
     return s
 
