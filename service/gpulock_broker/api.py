@@ -239,8 +239,9 @@ def _map(e: Exception, pool: str) -> NoReturn:
             "hold_place_for; Retry-After and X-Queue-Position; retry with the same request_id "
             "to keep the place); busy: not available now and queue=false; queue_full; "
             "backend_unavailable",
-            validation="A value the schema refuses (named in detail[].loc), or a ttl above the "
-            "pool's max_ttl (a bound each pool sets, GET /v1/pools/{pool})",
+            validation="A value the schema refuses (named in detail[].loc), a ttl above the "
+            "pool's max_ttl (a bound each pool sets, GET /v1/pools/{pool}), or a request_id "
+            "already used for another amount",
         ),
     },
     summary="Acquire a lease (or wait in the queue)",

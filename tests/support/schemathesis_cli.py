@@ -6,6 +6,7 @@ is generated, not what the server answers) is suppressed."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -43,7 +44,8 @@ def run_schemathesis(
     seed: int = 14,
     timeout: float = 240,
 ) -> Run:
-    """Run ``schemathesis --config-file tests/schemathesis/CONFIG.toml run SCHEMA_URL``; the
+    """Run ``schemathesis --config-file tests/schemathesis/CONFIG.toml run SCHEMA_URL`` (with
+    ``SCHEMATHESIS_HOOKS=tests/schemathesis/CONFIG_hooks.py`` where there is one); the
     output is returned whole (it names each failure with a curl command to reproduce it). It
     runs in a temporary folder: schemathesis writes a cache (``.schemathesis/``) where it runs.
 
@@ -78,6 +80,10 @@ def run_schemathesis(
     ]
     for k, v in (headers or {}).items():
         cmd += ["-H", f"{k}: {v}"]
+    env = dict(os.environ)
+    hooks = CONFIG_DIR / f"{config}_hooks.py"
+    if hooks.exists():  # the surface's own checks, beside schemathesis' (run with them)
+        env["SCHEMATHESIS_HOOKS"] = str(hooks)
     with tempfile.TemporaryDirectory() as cwd:  # where schemathesis writes its cache
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
     return Run(p.returncode, p.stdout + p.stderr)
