@@ -195,6 +195,9 @@ def test_schemathesis(fuzzed):
     assert run.returncode == 0, run.output[-20000:]
     assert run.phases_passed() == ["Examples", "Coverage", "Fuzzing", "Stateful"], run.output
     assert run.generated > 300, run.output
+    # the schema's links (grant -> renew/release/cancel, configure -> acquire, ...) and the
+    # ones schemathesis infers: lease lifecycles were run
+    assert run.links_covered >= 3, run.output
 
 
 # Regressions that schemathesis found (each was a schema-valid request refused, or a header

@@ -29,6 +29,12 @@ class Run:
         m = re.search(r"(\d+) generated", self.output)
         return int(m.group(1)) if m else 0
 
+    @property
+    def links_covered(self) -> int:
+        """OpenAPI links the stateful phase followed (``API Links: N covered``), 0 if none."""
+        m = re.search(r"API Links:\s+(\d+) covered", self.output)
+        return int(m.group(1)) if m else 0
+
     def phases_passed(self) -> list[str]:
         """The phases the summary marks as passed."""
         summary = self.output.rsplit("Test Phases:", 1)[-1]
