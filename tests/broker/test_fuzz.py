@@ -1,8 +1,8 @@
 """Fuzz the HTTP lease API: no 500s, answers that match its OpenAPI schema, and no change of
 state from a rejected request.
 
-* Schemathesis, from the OpenAPI schema (when installed; the same run from a shell is in
-  docs/MULTIHOST.md).
+* Schemathesis, from the OpenAPI schema: every check, every phase (stateful included), a
+  fixed seed (the same run from a shell is in docs/MULTIHOST.md), and the regressions it found;
 * Hypothesis on the request bodies, with a state snapshot around each rejected request.
 """
 
