@@ -38,11 +38,16 @@ def static_text(name: str) -> str:
 
 
 def dashboard_router(
-    view: Callable[[], Awaitable[dict[str, Any]]], *, dependencies: Sequence[Any] = ()
+    view: Callable[[], Awaitable[dict[str, Any]]],
+    *,
+    dependencies: Sequence[Any] = (),
+    responses: dict[int | str, dict[str, Any]] | None = None,
 ) -> Any:
     """A FastAPI ``APIRouter``: ``GET /dashboard`` (the page), ``/dashboard/dashboard.js``,
     ``/dashboard/dashboard.css`` and ``GET /dashboard/data`` (``await view()``, as JSON,
-    behind ``dependencies``: FastAPI ``Depends(...)`` objects)."""
+    behind ``dependencies``: FastAPI ``Depends(...)`` objects). ``responses``: the OpenAPI
+    ``responses=`` of ``/dashboard/data`` beyond its 200 (what ``dependencies`` and ``view``
+    may answer instead)."""
     from fastapi import APIRouter
     from fastapi.responses import JSONResponse, Response
 
@@ -86,6 +91,7 @@ def dashboard_router(
         dependencies=list(dependencies),
         response_model=None,
         response_class=JSONResponse,
+        responses=dict(responses or {}),
         summary="The live view of the pools (bytes, seconds; no token identities)",
     )
     return router

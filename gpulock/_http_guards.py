@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_MAX_REQUEST_BYTES",
     "DEFAULT_READ_TIMEOUT",
     "NESTED_TOO_DEEPLY",
+    "allowed_methods",
     "Detail",
     "RequestLimits",
     "install_error_handlers",
@@ -127,6 +128,12 @@ def _error_handlers(detail: Detail) -> tuple[_Handler, _Handler, _Handler]:
         return JSONResponse({"detail": content}, status_code=422)
 
     async def http_error(request: Request, exc: Exception) -> Response:
+        if getattr(exc, "status_code", None) == 405:
+            # Starlette's Allow names the methods of the first route of the path only
+            # (GET of /v1/pools/{pool}, not its PUT and DELETE): name those of all of them
+            allow = allowed_methods(request)
+            if allow:
+                exc.headers = {**(getattr(exc, "headers", None) or {}), "Allow": allow}  # type: ignore[attr-defined]
         # FastAPI answers a JSON body it could not decode "400 There was an error parsing the
         # body" (its parser raised something other than a JSONDecodeError): when the bytes are
         # not UTF-8, say so (and where); when they nest too deeply, say that.
@@ -161,6 +168,23 @@ def _error_handlers(detail: Detail) -> tuple[_Handler, _Handler, _Handler]:
         raise exc
 
     return validation_error, http_error, recursion_error
+
+
+_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+
+
+def allowed_methods(request: Request) -> str:
+    """The ``Allow`` header of a 405: every method a route of ``request``'s app serves at its
+    path (sorted, comma-separated; HEAD with GET, as Starlette serves it), found by asking each
+    route whether it would take the request with that method; ``""`` when none would."""
+    from starlette.routing import Match
+
+    routes = getattr(request.app, "routes", ())
+    return ", ".join(
+        m
+        for m in _METHODS
+        if any(r.matches({**request.scope, "method": m})[0] is Match.FULL for r in routes)
+    )
 
 
 def install_error_handlers(app: Any, *, detail: Detail | None = None) -> None:

@@ -17,7 +17,14 @@ from gpulock_common.units import format_size
 
 from .errors import InvalidArgument
 
-__all__ = ["parse_size", "format_size", "parse_seconds"]
+__all__ = [
+    "SIZE_TEXT_MAX_LENGTH",
+    "SIZE_TEXT_PATTERN",
+    "format_size",
+    "parse_seconds",
+    "parse_size",
+    "parse_size_text",
+]
 
 _UNITS = {
     "": 1,
@@ -139,3 +146,51 @@ def parse_seconds(
             f"{name} must be between {minimum} and {maximum} seconds, got {value!r}"
         )
     return f
+
+
+def _size_text_pattern() -> str:
+    """The regular expression of :data:`SIZE_TEXT_PATTERN` (built here, once)."""
+    sp = " *"
+    # a binary unit's fraction of up to 3 decimals is whole bytes when 5**digits divides it
+    eighths = "125|250|375|500|625|750|875"
+    binary_fraction = rf"\.(?:0|5|00|25|50|75|000|{eighths})"
+    binary_nonzero = rf"0\.(?:5|25|50|75|{eighths})"
+    decimal_nonzero = r"0\.(?:[1-9][0-9]{0,2}|0[1-9][0-9]?|00[1-9])"
+    # integer digits per unit keep every value below 2**53 - 1 (about 9.007e15 bytes)
+    forms = [rf"[1-9][0-9]{{0,14}}{sp}[bB]?"]
+    for letter, digits in (("kK", 12), ("mM", 9), ("gG", 6), ("tT", 3)):
+        whole = rf"[1-9][0-9]{{0,{digits - 1}}}"
+        forms.append(rf"(?:{whole}(?:\.[0-9]{{1,3}})?|{decimal_nonzero}){sp}[{letter}][bB]?")
+        forms.append(rf"(?:{whole}(?:{binary_fraction})?|{binary_nonzero}){sp}[{letter}][iI][bB]")
+    return rf"^{sp}(?:{'|'.join(forms)}){sp}$"
+
+
+#: The sizes an HTTP body may carry as text (the broker's ``amount`` and ``capacity``): a
+#: number of bytes (``"1048576"``, ``"512B"``) or a number and a unit (any case): ``k``/``kB``
+#: up to ``T``/``TB`` with at most 3 decimals, ``KiB`` up to ``TiB`` with a fraction of up to 3
+#: decimals that is whole bytes (``"0.5GiB"``, ``"1.25MiB"``, ``"8.0GiB"``); spaces around and
+#: between. Never zero, never a fraction of a byte, at most 15 digits of bytes (12 of kB, 9 of
+#: MB, 6 of GB, 3 of TB, and the same for the binary units), so always below 2**53 - 1: every
+#: string it matches :func:`parse_size` accepts, which is what lets an OpenAPI schema carry it
+#: as the exact rule (:func:`parse_size_text` refuses what it does not match).
+SIZE_TEXT_PATTERN = _size_text_pattern()
+SIZE_TEXT_MAX_LENGTH = 40
+_SIZE_TEXT_RE = re.compile(SIZE_TEXT_PATTERN)
+
+
+def parse_size_text(value: int | float | str, *, name: str = "amount") -> int:
+    """:func:`parse_size` for an HTTP body: a string must also match
+    :data:`SIZE_TEXT_PATTERN` (and be at most :data:`SIZE_TEXT_MAX_LENGTH` characters), so that
+    what a schema built from the pattern allows is exactly what is accepted. Numbers are read as
+    :func:`parse_size` reads them.
+
+    Raises: InvalidArgument naming the value."""
+    if isinstance(value, str) and (
+        len(value) > SIZE_TEXT_MAX_LENGTH or not _SIZE_TEXT_RE.fullmatch(value)
+    ):
+        raise InvalidArgument(
+            f"{name} must be a size such as 4GiB, 0.5GiB, 1.5GB, 512MiB or 1048576 (bytes): "
+            f"not zero, no fraction of a byte, at most 3 decimals, below 2**53 bytes; "
+            f"got {value!r}"
+        )
+    return parse_size(value, name=name)

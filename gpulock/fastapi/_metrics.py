@@ -184,29 +184,33 @@ def multiproc_dir() -> str | None:
 _LIVE_FILE = re.compile(r"^gauge_live[a-z]*_(\d+)\.db$")
 
 
-def sweep_dead_processes(path: str) -> None:
+def sweep_dead_processes(path: str) -> set[int]:
     """Remove the live-gauge files of processes that are gone (what gunicorn's ``child_exit``
-    hook does; this covers ``uvicorn --workers N`` and workers killed with -9)."""
+    hook does; this covers ``uvicorn --workers N`` and workers killed with -9). Returns the
+    pids of the live processes that have such files (every started worker: each sets
+    ``gpulock_workers``)."""
     from prometheus_client import multiprocess
 
     try:
         names = os.listdir(path)
     except OSError:
-        return
-    dead = set()
+        return set()
+    dead, live = set(), set()
     for n in names:
         m = _LIVE_FILE.match(n)
         if m:
             pid = int(m.group(1))
             try:
                 os.kill(pid, 0)
+                live.add(pid)
             except ProcessLookupError:
                 dead.add(pid)
             except PermissionError:
-                pass
+                live.add(pid)  # alive, another user's: its /proc may still be readable
     for pid in dead:
         # prometheus_client's multiprocess module is unannotated.
         multiprocess.mark_process_dead(pid, path)  # type: ignore[no-untyped-call]
+    return live
 
 
 def _pool_families(pool: str, st: PoolStatus | None, error: str | None) -> Iterator[Metric]:
@@ -315,7 +319,10 @@ async def metrics_response(
     backoff: dict[str, Any] | None = None,
 ) -> Response:
     """The ``/metrics`` response: this process's (or, in multiprocess mode, all workers')
-    counters and histograms, plus the pool's gauges read from Redis now (2 s at most).
+    counters and histograms, plus the pool's gauges read from Redis now (2 s at most), and
+    ``process_*`` (CPU seconds, resident and virtual memory, open and max fds, start time):
+    this process's, or in multiprocess mode each live worker's, labelled ``pid``
+    (:mod:`._process_metrics`).
     ``accept``: the request's Accept header: OpenMetrics text when it asks for
     ``application/openmetrics-text``, else Prometheus text (0.0.4). ``backoff``: the OOM
     back-off state to show (``OomBackoff.state()``)."""
@@ -330,15 +337,19 @@ async def metrics_response(
             err = str(e)
     metrics()
     d = multiproc_dir()
-    source: object = REGISTRY
+    source: object = REGISTRY  # single process: its own process_* (prometheus-client's)
+    workers: object = _StaticCollector(())
     if d:
         from prometheus_client import multiprocess
 
-        sweep_dead_processes(d)
+        from ._process_metrics import WorkerProcesses
+
+        live = sweep_dead_processes(d)
         source = CollectorRegistry(auto_describe=False)
         multiprocess.MultiProcessCollector(source, d)  # type: ignore[no-untyped-call]  # unannotated
+        workers = WorkerProcesses(live | {os.getpid()})
     reg = CollectorRegistry(auto_describe=False)
     families = [*_pool_families(pool_name, st, err), *_backoff_families(pool_name, backoff)]
-    reg.register(_Chain(source, _StaticCollector(families)))
+    reg.register(_Chain(source, workers, _StaticCollector(families)))
     encode, content_type = choose_encoder(accept or "")
     return Response(encode(reg), media_type=content_type)

@@ -13,8 +13,10 @@ Status codes: 201 granted; 200 renewed/released/status/configured/deleted; 503 q
 same ``request_id``), queue full, or Redis unavailable; 413 amount above capacity; 422 bad input
 (the field is named in ``detail[].loc``); 401 no or unknown bearer token; 403 pool not allowed
 for the token (or not admin); 404 pool not configured, or a lease of another token; 409 pool
-delete refused while leases or waiters are live; 410 the lease is lost. Error bodies are ``{"detail": {"error": CODE, "message": TEXT, ...}}`` (422:
-FastAPI's ``{"detail": [{"loc": [...], "msg": ...}]}``).
+delete refused while leases or waiters are live; 410 the lease is lost. Error bodies are
+``{"detail": {"error": CODE, "message": TEXT, ...}}`` (422: FastAPI's
+``{"detail": [{"loc": [...], "msg": ...}]}``). Each route declares them in the OpenAPI schema
+(``responses.py``), with the links from a grant to its lease's operations.
 """
 
 from __future__ import annotations
@@ -40,12 +42,12 @@ from gpulock.errors import (
 from gpulock._disconnect import watch_disconnect
 
 from .auth import Principal
+from .responses import LINKS, errors
 from .core import Broker, ClientGone, Granted, LeaseGone, NotYours, PoolBeingDeleted
 from .models import (
     LEASE_ID_PATTERN,
     POOL_PATTERN,
     REQUEST_ID_PATTERN,
-    ErrorResponse,
     LeaseGrant,
     LeaseReleased,
     LeaseRenewed,
@@ -122,14 +124,6 @@ def _err(
     code: int, error: str, message: str, headers: dict[str, str] | None = None, **extra: Any
 ) -> NoReturn:
     raise HTTPException(code, detail={"error": error, "message": message, **extra}, headers=headers)
-
-
-def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
-    out: dict[int | str, dict[str, Any]] = {
-        c: {"model": ErrorResponse} for c in (401, 403, 503, *codes)
-    }
-    out[400] = {"description": "The body is not valid JSON"}
-    return out
 
 
 async def get_broker(request: Request) -> Broker:
@@ -233,7 +227,23 @@ def _map(e: Exception, pool: str) -> NoReturn:
     "/pools/{pool}/leases",
     status_code=201,
     response_model=LeaseGrant,
-    responses=_errors(404, 410, 413),
+    operation_id="acquire_lease",
+    responses={
+        201: {"description": "granted", "links": LINKS["granted"]},
+        **errors(
+            s404="pool_not_found: the pool is not configured",
+            s413="capacity_exceeded: amount is above the pool's capacity (it can never be "
+            "granted; amount and capacity in the body); or request_too_large: the body is over "
+            "the size bound",
+            s503="queued: still waiting after `wait` seconds (request_id, position, "
+            "hold_place_for; Retry-After and X-Queue-Position; retry with the same request_id "
+            "to keep the place); busy: not available now and queue=false; queue_full; "
+            "backend_unavailable",
+            validation="A value the schema refuses (named in detail[].loc), a ttl above the "
+            "pool's max_ttl (a bound each pool sets, GET /v1/pools/{pool}), or a request_id "
+            "already used for another amount",
+        ),
+    },
     summary="Acquire a lease (or wait in the queue)",
 )
 async def acquire_lease(
@@ -318,7 +328,17 @@ async def acquire_lease(
 @router.put(
     "/pools/{pool}/leases/{lease_id}",
     response_model=LeaseRenewed,
-    responses=_errors(404, 410),
+    operation_id="renew_lease",
+    responses={
+        200: {"description": "renewed", "links": LINKS["renewed"]},
+        **errors(
+            s404="pool_not_found, or not_found: no lease of this id for this token",
+            s410="lease_lost: the lease expired, was released, or its pool was reset or "
+            "deleted; its holder must stop using the memory",
+            validation="A value the schema refuses (named in detail[].loc), or a ttl above the "
+            "pool's max_ttl",
+        ),
+    },
     summary="Renew (heartbeat) a lease",
 )
 async def renew_lease(
@@ -348,7 +368,12 @@ async def renew_lease(
 @router.delete(
     "/pools/{pool}/leases/{lease_id}",
     response_model=LeaseReleased,
-    responses=_errors(404, 410),
+    operation_id="release_lease",
+    responses=errors(
+        s404="pool_not_found, or not_found: no lease of this id for this token",
+        s410="lease_lost: the lease was lost before (it expired, or its pool was reset or "
+        "deleted); nothing of other holders is freed",
+    ),
     summary="Release a lease",
 )
 async def release_lease(
@@ -372,7 +397,8 @@ async def release_lease(
 @router.delete(
     "/pools/{pool}/requests/{request_id}",
     response_model=RequestCancelled,
-    responses=_errors(),
+    operation_id="cancel_request",
+    responses=errors(),
     summary="Withdraw a queued request",
 )
 async def cancel_request(
@@ -402,7 +428,8 @@ def _pool_out(st) -> PoolOut:
 @router.get(
     "/pools",
     response_model=PoolList,
-    responses=_errors(),
+    operation_id="list_pools",
+    responses=errors(validation=None),
     summary="List the pools this token may use",
 )
 async def list_pools(
@@ -421,7 +448,13 @@ async def list_pools(
     return PoolList(pools=out)
 
 
-@router.get("/pools/{pool}", response_model=PoolOut, responses=_errors(404), summary="Pool status")
+@router.get(
+    "/pools/{pool}",
+    response_model=PoolOut,
+    operation_id="pool_status",
+    responses=errors(s404="pool_not_found: the pool is not configured"),
+    summary="Pool status",
+)
 async def pool_status(
     pool: str = PoolName, who: Principal = Depends(principal), broker: Broker = Depends(get_broker)
 ) -> PoolOut:
@@ -442,7 +475,11 @@ def _admin_only(who: Principal, pool: str, what: str) -> None:
 @router.put(
     "/pools/{pool}",
     response_model=PoolConfigured,
-    responses=_errors(),
+    operation_id="configure_pool",
+    responses={
+        200: {"description": "configured", "links": LINKS["configured"]},
+        **errors(s403="forbidden: the token may not use this pool, or is not an admin token"),
+    },
     summary="Create or resize a pool (admin)",
 )
 async def configure_pool(
@@ -475,7 +512,13 @@ async def configure_pool(
 @router.delete(
     "/pools/{pool}",
     response_model=PoolDeleted,
-    responses=_errors(404, 409),
+    operation_id="delete_pool",
+    responses=errors(
+        s403="forbidden: the token may not use this pool, or is not an admin token",
+        s404="pool_not_found: there is no such pool",
+        s409="pool_in_use: leases are held or requests wait (leases and waiters in the "
+        "body); nothing was deleted (force=true deletes it anyway)",
+    ),
     summary="Delete a pool (admin)",
 )
 async def delete_pool(

@@ -65,6 +65,7 @@ def create_broker_app(
 
     from .api import admin_principal, dashboard_data, router
     from .core import Broker
+    from .responses import errors
 
     principals = list(tokens) if tokens is not None else load_tokens(tokens_file)
     broker = Broker(redis_url, principals, **broker_kw)
@@ -88,7 +89,13 @@ def create_broker_app(
     app.include_router(router)
     # the live view, /dashboard: the page is static; its data needs an admin token
     app.include_router(
-        dashboard_router(lambda: dashboard_data(broker), dependencies=[Depends(admin_principal)])
+        dashboard_router(
+            lambda: dashboard_data(broker),
+            dependencies=[Depends(admin_principal)],
+            responses=errors(
+                s403="forbidden: only an admin token may see the dashboard", validation=None
+            ),
+        )
     )
     # the same guards as the service's: 400 for bytes that are not UTF-8 or JSON nested too
     # deeply, 413 over the size bound, 408 for a body that does not arrive in time; their

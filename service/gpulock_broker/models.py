@@ -12,8 +12,9 @@ from typing_extensions import Annotated
 from gpulock._args import MAX_TTL_S as MAX_POOL_TTL_S
 from gpulock._args import MIN_TTL_S as MIN_POOL_TTL_S
 from gpulock._args import meta_unicode_error
+from gpulock._json_int import INTEGRAL
 from gpulock.errors import InvalidArgument
-from gpulock.units import parse_size
+from gpulock.units import SIZE_TEXT_MAX_LENGTH, SIZE_TEXT_PATTERN, parse_size_text
 
 POOL_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,96}$"
@@ -23,18 +24,17 @@ MIN_TTL_S, MAX_TTL_S = 1.0, 86400.0
 
 Scalar = Union[str, int, float, bool, None]
 MAX_BYTES = 2**53 - 1
-# Sizes as gpulock.units.parse_size reads them: a number and an optional unit (B, k/kB/KiB,
-# M/MB/MiB, G/GB/GiB, T/TB/TiB; any case).
-SIZE_PATTERN = r"^\s*[0-9]+(\.[0-9]+)?\s*([bB]|[kKmMgGtT]([iI][bB]|[bB])?)?\s*$"
+# Sizes as text: gpulock.units.SIZE_TEXT_PATTERN is the exact rule (never zero, no fraction of a
+# byte, below 2**53), so the schema allows what the handler accepts and nothing else.
 Size = Union[
     Annotated[int, Field(ge=1, le=MAX_BYTES)],
-    Annotated[str, Field(pattern=SIZE_PATTERN, max_length=40)],
+    Annotated[str, Field(pattern=SIZE_TEXT_PATTERN, max_length=SIZE_TEXT_MAX_LENGTH)],
 ]
 
 
 def _size(v: Any, name: str) -> int:
     try:
-        return parse_size(v, name=name)
+        return parse_size_text(v, name=name)
     except InvalidArgument as e:
         raise ValueError(str(e)) from None
 
@@ -121,10 +121,8 @@ class RenewRequest(_Body):
 
 class PoolConfigRequest(_Body):
     capacity: Size = Field(..., description='Bytes, or a size such as "24GiB".')
-    max_waiters: Optional[int] = Field(
+    max_waiters: Optional[Annotated[int, Field(ge=1, le=1_000_000), INTEGRAL]] = Field(
         None,
-        ge=1,
-        le=1_000_000,
         description="Queue bound (default: keep the current one; 10000 for a new pool).",
     )
     max_ttl: Optional[float] = Field(

@@ -29,14 +29,15 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any, Literal, cast
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Path, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, PrivateAttr, StrictInt
+from pydantic import BaseModel, PrivateAttr
 
 from gpulock._access_log import AccessLog
 from gpulock._dashboard import dashboard_view
 from gpulock._dashboard_http import dashboard_router
 from gpulock._http_guards import install_http_guards
+from gpulock._json_int import JsonInt
 from gpulock._keys import pool_key
 from gpulock._samples import Sampler
 from gpulock.errors import BackendUnavailable
@@ -48,6 +49,7 @@ from . import alloc_conf
 from .metrics import observe_request
 from .models import build_model, count_tokens
 from .openai_errors import OpenAIError, guard_detail, install_openai_errors
+from .openapi import METRICS_RESPONSES, errors, install_openapi
 from .settings import Settings
 
 log = logging.getLogger("gpulock.service")
@@ -59,10 +61,10 @@ class EmbeddingRequest(BaseModel):
     """``POST /v1/embeddings``, as in the OpenAI API: one string, a list of strings, one list
     of token ids (``[7592, 2088]``) or a list of them (``[[101, 7592, 2088, 102]]``)."""
 
-    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    input: str | list[str] | list[JsonInt] | list[list[JsonInt]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: StrictInt | None = None
+    dimensions: JsonInt | None = None
     user: str | None = None
     _tokens: int = PrivateAttr(0)  # counted once, by the estimator, on the event loop
     _longest: int = PrivateAttr(0)  # tokens of its longest input (the estimator's count)
@@ -104,6 +106,76 @@ class _WorkerHeader:
             await send(msg)
 
         return await self.app(scope, receive, send_with)
+
+
+_EMBEDDING_ERRORS = errors(
+    s400="invalid_request_error: a body the schema refuses (param names the field), or "
+    "token ids the model cannot take",
+    s404="model_not_found: model names another model than the one served",
+    s409="an X-Request-ID reused for a request with another body",
+    s413="capacity: the inputs need more GPU memory than the pool leaves for requests; or "
+    "request_too_large: the body is over GPULOCK_MAX_REQUEST_BYTES",
+    s500="cuda_error: a sticky CUDA error (the worker exits and is replaced)",
+    s503="queue_timeout, queue_full, not_ready, lease_lost, cuda_oom, backend: overloaded or "
+    "not ready; retry after Retry-After",
+    s504="inference_timeout: the model ran past GPULOCK_INFERENCE_TIMEOUT",
+)
+# the 200 of /v1/embeddings (``respond`` builds it)
+_EMBEDDINGS_200: dict[str, Any] = {
+    "type": "object",
+    "required": ["object", "data", "model", "usage"],
+    "properties": {
+        "object": {"const": "list"},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["object", "index", "embedding"],
+                "properties": {
+                    "object": {"const": "embedding"},
+                    "index": {"type": "integer", "minimum": 0},
+                    "embedding": {
+                        "description": "floats, or base64 of little-endian float32",
+                        "anyOf": [
+                            {"type": "array", "items": {"type": "number"}},
+                            {"type": "string"},
+                        ],
+                    },
+                },
+            },
+        },
+        "model": {"type": "string"},
+        "usage": {
+            "type": "object",
+            "required": ["prompt_tokens", "total_tokens"],
+            "properties": {
+                "prompt_tokens": {"type": "integer", "minimum": 0},
+                "total_tokens": {"type": "integer", "minimum": 0},
+            },
+        },
+    },
+}
+_EMBEDDING_RESPONSES = {
+    200: {
+        "description": "the embeddings, in input order",
+        "content": {"application/json": {"schema": _EMBEDDINGS_200}},
+    },
+    **_EMBEDDING_ERRORS,
+}
+# /ready's body (both statuses)
+_READY: dict[str, Any] = {
+    "type": "object",
+    "required": ["ready", "pid", "pool", "model", "checks"],
+    "properties": {
+        "ready": {"type": "boolean"},
+        "pid": {"type": "integer"},
+        "pool": {"type": "string"},
+        "model": {"type": "string"},
+        "device": {"type": ["string", "null"]},
+        "resident_bytes": {"type": "integer"},
+        "checks": {"type": "object"},
+    },
+}
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -291,9 +363,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # outermost: X-Request-ID on every response (errors too) and one gpulock.access line each
     app.add_middleware(AccessLog, log_format=settings.log_format)
     if settings.dashboard:
-        app.include_router(dashboard_router(dashboard_data))
+        app.include_router(dashboard_router(dashboard_data, responses=errors()))
 
-    @app.get("/health")
+    @app.get("/health", responses=errors())
     async def health() -> dict[str, Any]:
         """Liveness: answers as long as the event loop runs; never waits on Redis or the queue.
         ``pytorch_cuda_alloc_conf``: the allocator setting in effect (see ``alloc_conf``);
@@ -305,7 +377,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "oom_backoff": limiter.backoff_state(),
         }
 
-    @app.get("/ready")
+    @app.get(
+        "/ready",
+        responses={
+            200: {"description": "ready", "content": {"application/json": {"schema": _READY}}},
+            **errors(),
+            503: {
+                "description": "not ready: the same body, naming the checks that fail",
+                "content": {"application/json": {"schema": _READY}},
+            },
+        },
+    )
     async def ready() -> JSONResponse:
         """Readiness: Redis reachable, model loaded, resident lease held and valid."""
         ok, checks = limiter.readiness()
@@ -320,7 +402,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={**METRICS_RESPONSES, **errors()})
     async def prometheus_metrics(request: Request) -> Response:
         """Prometheus text, or OpenMetrics when the scraper's Accept asks for it."""
         return await limiter.metrics_response(request.headers.get("accept"))
@@ -341,12 +423,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             param="model",
         )
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=errors())
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [model_object()]}
 
-    @app.get("/v1/models/{model_id:path}")
-    async def model_info(model_id: str) -> dict[str, Any]:
+    @app.get(
+        "/v1/models/{model_id:path}",
+        responses=errors(s404="model_not_found: this service serves another model"),
+    )
+    async def model_info(
+        model_id: str = Path(..., examples=[served], description="the served model's id"),
+    ) -> dict[str, Any]:
         """The served model's object; 404 ``model_not_found`` for any other id."""
         if model_id not in names:
             raise unknown_model(model_id)
@@ -471,7 +558,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         app.state.batcher = batcher
 
-        @app.post("/v1/embeddings")
+        @app.post("/v1/embeddings", responses=_EMBEDDING_RESPONSES)
         async def embeddings_batched(
             body: EmbeddingRequest, request: Request, response: Response
         ) -> Response:
@@ -480,12 +567,27 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     else:
 
-        @app.post("/v1/embeddings")
+        @app.post("/v1/embeddings", responses=_EMBEDDING_RESPONSES)
         @limiter.endpoint(ROUTE, estimate=estimate)
         def embeddings(body: EmbeddingRequest) -> Response:
             """Runs in gpulock's executor thread, under the request's lease."""
             return respond(body, model.embed(_texts(body)))
 
+    def bounds() -> dict[str, int | None]:
+        """The handler's bounds for the schema (built on the first GET /openapi.json)."""
+        try:  # MiniLM's reads its tokenizer (from disk, loaded with the model)
+            vocab = getattr(model, "vocab_size", None)
+        except Exception:  # noqa: BLE001 - a schema without the bound, never a 500
+            log.warning("gpulock: the model's vocab_size could not be read", exc_info=True)
+            vocab = None
+        return {
+            "max_batch": settings.max_batch,
+            "dimensions": getattr(model, "dimensions", None),
+            "vocab_size": vocab if isinstance(vocab, int) else None,
+            "token_ids": int(callable(getattr(model, "decode_tokens", None))),
+        }
+
+    install_openapi(app, bounds)
     return app
 
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import HTTPException, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -32,10 +33,34 @@ if TYPE_CHECKING:
 __all__ = [
     "OpenAIError",
     "OpenAIErrorBodies",
+    "OpenAIErrorResponse",
     "error_body",
     "guard_detail",
     "install_openai_errors",
 ]
+
+
+class OpenAIErrorObject(BaseModel):
+    """The ``error`` of an error body (for the OpenAPI schema; :func:`error_body` builds it)."""
+
+    message: str
+    type: str = Field(
+        ...,
+        description="invalid_request_error (4xx), authentication_error (401), "
+        "permission_error (403), server_error (5xx)",
+    )
+    param: str | None = Field(..., description="the request field at fault, if one is")
+    code: str | None = Field(
+        ...,
+        description="gpulock's reason: queue_timeout, queue_full, capacity, not_ready, "
+        "model_not_found, invalid_json, request_too_large, inference_timeout, ...",
+    )
+
+
+class OpenAIErrorResponse(BaseModel):
+    """Every error body of the service: ``{"error": {message, type, param, code}}``."""
+
+    error: OpenAIErrorObject
 
 
 class OpenAIError(HTTPException):

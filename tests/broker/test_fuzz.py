@@ -1,18 +1,22 @@
 """Fuzz the HTTP lease API: no 500s, answers that match its OpenAPI schema, and no change of
 state from a rejected request.
 
-* Schemathesis, from the OpenAPI schema (when installed; the same run from a shell is in
-  docs/MULTIHOST.md).
+* Schemathesis, from the OpenAPI schema: every check, every phase (stateful included), a
+  fixed seed (the same run from a shell is in docs/MULTIHOST.md), and the regressions it found;
 * Hypothesis on the request bodies, with a state snapshot around each rejected request.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpulock.embedded import RedisProcess
+
+from support.schemathesis_cli import run_schemathesis
 
 from ._support import ADMIN_TOKEN, USER_TOKEN, BrokerServer, client
 
@@ -161,42 +165,114 @@ def test_non_finite_numbers(live, raw):
         assert snapshot(c) == before
 
 
-def test_schemathesis(live):
-    schemathesis = pytest.importorskip("schemathesis")
-    from schemathesis.checks import load_all_checks
-
-    load_all_checks()
-    schema = schemathesis.openapi.from_url(f"{live.url}/openapi.json")
-    excluded = {
-        "positive_data_acceptance",  # 410/413/404 depend on state, not on the schema
-        "allow_header_conformance",
-        "ignored_auth",
-        "use_after_free",
-        "ensure_resource_availability",
-    }
-    failures, calls = [], []
-
-    def fuzz(op):
-        @settings(
-            max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None
-        )
-        @given(case=op.as_strategy())
-        def run(case):
-            calls.append(op.path)
-            case.call_and_validate(
-                headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
-                excluded_checks=[
-                    c for c in schemathesis.checks.CHECKS.get_all() if c.__name__ in excluded
-                ],
-            )
-
+@pytest.fixture
+def fuzzed(default_binary):
+    """A broker of its own (schemathesis configures and deletes pools): pool gpu-a allows the
+    schema's longest ttl, so most schema-valid requests in it are granted."""
+    with RedisProcess(default_binary) as rp:
+        b = BrokerServer(rp.url, max_wait=0.5, backend_timeout=10.0).start()
         try:
-            run()
-        except Exception as e:  # collect, to report every operation at once
-            failures.append(f"{op.method.upper()} {op.path}: {e}")
+            with client(b.url, ADMIN_TOKEN) as a:
+                r = a.put("/v1/pools/gpu-a", json={"capacity": "10GiB", "max_ttl": 86400})
+                assert r.status_code == 200, r.text
+            yield b
+        finally:
+            b.stop()
 
-    for op in schema.get_all_operations():
-        fuzz(op.ok())
-    assert not failures, "\n\n".join(failures[:5])
-    # the six /v1 operations and GET /dashboard/data
-    assert len(set(calls)) == 7 and len(calls) > 100, calls
+
+@pytest.mark.timeout(300)
+def test_schemathesis(fuzzed):
+    """Every check and every phase (stateful included, following the schema's links from a
+    grant to its renewal and release) against the live broker; the only configuration is
+    tests/schemathesis/broker.toml's statuses that depend on a pool's state."""
+    pytest.importorskip("schemathesis")
+    run = run_schemathesis(
+        f"{fuzzed.url}/openapi.json",
+        "broker",
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        max_examples=50,
+    )
+    assert run.returncode == 0, run.output[-20000:]
+    assert run.phases_passed() == ["Examples", "Coverage", "Fuzzing", "Stateful"], run.output
+    assert run.generated > 300, run.output
+    # the schema's links (grant -> renew/release/cancel, configure -> acquire, ...) and the
+    # ones schemathesis infers: lease lifecycles were run
+    assert run.links_covered >= 3, run.output
+
+
+# Regressions that schemathesis found (each was a schema-valid request refused, or a header
+# that did not match the schema)
+
+
+@pytest.mark.parametrize("field,path", [("amount", "leases"), ("capacity", "")])
+def test_zero_size_text_is_outside_the_schema_and_refused(live, field, path):
+    """``"0"`` matched the size pattern and was refused (422): the pattern now refuses it."""
+    import re
+
+    schema = live.app.openapi()["components"]["schemas"]
+    model = "LeaseRequest" if field == "amount" else "PoolConfigRequest"
+    pattern = next(
+        s["pattern"] for s in schema[model]["properties"][field]["anyOf"] if "pattern" in s
+    )
+    for text in ("0", "0.0GiB", "0.5", "1.1KiB"):
+        assert not re.search(pattern, text), text
+    for text in ("4GiB", "0.5GiB", "1.5GB", " 7 kib", "8.0GiB"):
+        assert re.search(pattern, text), text
+    with client(live.url, ADMIN_TOKEN) as c:
+        before = snapshot(c)
+        url = f"/v1/pools/gpu-a/{path}".rstrip("/")
+        r = (c.post if path else c.put)(url, json={field: "0"})
+        assert r.status_code == 422 and field in json.dumps(r.json()), r.text
+        assert snapshot(c) == before
+
+
+def test_max_waiters_as_an_integral_float_is_an_integer(live):
+    """JSON Schema's integer includes 3.0; the strict model refused ``max_waiters: 1.0``."""
+    with client(live.url, ADMIN_TOKEN) as c:
+        r = c.put("/v1/pools/fuzz-int", json={"capacity": "1GiB", "max_waiters": 7.0})
+        assert r.status_code == 200 and r.json()["max_waiters"] == 7, r.text
+        for bad in (7.5, "7", True):
+            r = c.put("/v1/pools/fuzz-int", json={"capacity": "1GiB", "max_waiters": bad})
+            assert r.status_code == 422, (bad, r.text)
+        assert c.delete("/v1/pools/fuzz-int").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path,allow",
+    [
+        ("/v1/pools/gpu-a", "DELETE, GET, PUT"),
+        (f"/v1/pools/gpu-a/leases/{'0' * 32}", "DELETE, PUT"),
+        ("/v1/pools/gpu-a/leases", "POST"),
+    ],
+)
+def test_405_allow_names_every_method_of_the_path(live, path, allow):
+    """Starlette's 405 named the methods of the path's first route only (``Allow: GET``)."""
+    with client(live.url, ADMIN_TOKEN) as c:
+        r = c.request("PATCH", path)
+        assert r.status_code == 405 and r.headers["allow"] == allow, r.headers
+
+
+def test_every_status_schemathesis_may_accept_is_declared(live):
+    """The statuses tests/schemathesis/broker.toml lets a schema-valid request get are each
+    declared (with the error body) on that operation, and every route declares its errors."""
+    import tomllib
+
+    from support.schemathesis_cli import CONFIG_DIR
+
+    spec = live.app.openapi()
+    ops = {op["operationId"]: op for item in spec["paths"].values() for op in item.values()}
+    config = tomllib.loads((CONFIG_DIR / "broker.toml").read_text())
+    default = {"2xx", "3xx", "401", "403", "404", "409", "429", "5xx"}
+    for entry in config["operations"]:
+        op = ops[entry["include-operation-id"]]
+        extra = set(entry["checks"]["positive_data_acceptance"]["expected-statuses"]) - default
+        assert extra and extra <= set(op["responses"]), (entry, sorted(op["responses"]))
+    for op_id, op in ops.items():
+        if op_id.startswith(
+            ("acquire", "renew", "release", "cancel", "pool", "configure", "delete")
+        ):
+            assert {"400", "401", "403", "413", "422", "503"} <= set(op["responses"]), op_id
+            assert op["responses"]["503"]["headers"]["Retry-After"]["required"], op_id
+    granted = ops["acquire_lease"]["responses"]["201"]["links"]
+    assert granted["RenewLease"]["parameters"]["lease_id"] == "$response.body#/lease_id"
+    assert "401" in ops[next(k for k in ops if "dashboard" in k)]["responses"]

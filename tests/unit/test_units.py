@@ -9,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpulock.errors import InvalidArgument
-from gpulock.units import MAX_BYTES, format_size, parse_seconds, parse_size
+from gpulock.units import (
+    MAX_BYTES,
+    SIZE_TEXT_PATTERN,
+    format_size,
+    parse_seconds,
+    parse_size,
+    parse_size_text,
+)
 
 
 @pytest.mark.parametrize(
@@ -144,3 +151,52 @@ def test_format_size():
     assert format_size(512) == "512B"
     assert format_size(1536) == "1.5KiB"
     assert math.isclose(parse_size(format_size(8 << 30)), 8 << 30)
+
+
+@settings(max_examples=2000, deadline=None, derandomize=True)
+@given(st.from_regex(SIZE_TEXT_PATTERN, fullmatch=True).filter(lambda s: len(s) <= 40))
+def test_every_size_text_the_pattern_allows_is_accepted(text):
+    """The HTTP schemas carry SIZE_TEXT_PATTERN: a string it matches is a positive whole number
+    of bytes below 2**53 (the broker once allowed "0" by its pattern and refused it)."""
+    assert 1 <= parse_size_text(text) <= 2**53 - 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0",
+        "0.0GiB",
+        "00",
+        "0kb",
+        "0.5",
+        "1.0",
+        "1.1KiB",
+        "1.0625GiB",
+        "007",
+        "1000TiB",
+        "1e3",
+        "",
+        "4GiB\n",
+        "1.5 GiBs",
+        "9" * 16,
+    ],
+)
+def test_size_text_outside_the_pattern_is_refused(text):
+    with pytest.raises(InvalidArgument, match="size such as"):
+        parse_size_text(text)
+
+
+@pytest.mark.parametrize(
+    "text,n",
+    [
+        ("4GiB", 4 * 2**30),
+        ("0.5GiB", 2**29),
+        ("1.5GB", 1_500_000_000),
+        ("1.125 KiB", 1152),
+        ("8.0GiB", 8 * 2**30),
+        (" 7 kib ", 7168),
+        ("999TiB", 999 * 2**40),
+    ],
+)
+def test_size_text_in_the_pattern(text, n):
+    assert parse_size_text(text) == n
