@@ -92,7 +92,7 @@ _WORKER = textwrap.dedent(
     from gpulock import Pool
     url, pool, flag = sys.argv[1:4]
     p = Pool.from_url(url, pool)
-    lease = p.acquire(400, ttl=1.0, timeout=30)
+    lease = p.acquire(400, ttl=5.0, timeout=30)  # 5 s: no missed renewal on a loaded host
     with open(flag + ".tmp", "w") as f:
         f.write(lease.id)
     os.replace(flag + ".tmp", flag)
@@ -183,7 +183,7 @@ def test_a_dead_sampler_report_expires_and_the_queue_moves(redis_proc, tmp_path)
                 "--interval",
                 "0.2",
                 "--report-ttl",
-                "1.5",
+                "5",
             ],
             env=env,
             stdout=subprocess.PIPE,
@@ -204,10 +204,16 @@ def test_a_dead_sampler_report_expires_and_the_queue_moves(redis_proc, tmp_path)
             t = threading.Thread(target=take)
             t.start()
             wait_until(lambda: p.status().waiter_count == 1, 10, "the 800 to queue")
+            import time
+
+            killed = time.monotonic()
             proc.kill()
             proc.wait()
             t.join(30)
             assert got, "the waiter was not granted after the report expired"
+            print(
+                f"\nsampler killed -> waiter granted: {time.monotonic() - killed:.2f} s (report ttl 5 s)"
+            )
             st = p.status()
             assert (st.external, st.external_left, st.used) == (0, 0.0, 800 * MiB)
             got[0].release()
@@ -223,7 +229,9 @@ async def test_one_sampler_per_pool_among_several(make_apool, tmp_path):
     device(f, 100, {STRANGER: 100})
     p = make_apool()
     await p.configure(1000)
-    ss = [sampler(p, f, claim_ttl=0.3, interval=0.1, report_ttl=5.0) for _ in range(3)]
+    # claim_ttl 3 s: the holder renews it every round here, so a standby can take it only if
+    # the test stalls for 3 s between two rounds
+    ss = [sampler(p, f, claim_ttl=3.0, interval=0.1, report_ttl=5.0) for _ in range(3)]
     rounds = [await s.run_once() for s in ss]
     assert [r.holder for r in rounds] == [True, False, False]
     assert rounds[1].reading is None  # a standby does not read the device
@@ -234,7 +242,7 @@ async def test_one_sampler_per_pool_among_several(make_apool, tmp_path):
     async def taken() -> bool:
         return any([(await s.run_once()).holder for s in ss[1:]])
 
-    await _async_poll(taken, 10, "a standby to take the claim over")
+    await _async_poll(taken, 30, "a standby to take the claim over")
     holders = [s for s in ss[1:] if s.holding]
     assert len(holders) == 1
     assert [(await s.run_once()).holder for s in ss[1:]] == [s is holders[0] for s in ss[1:]]

@@ -156,3 +156,66 @@ def test_overuse_timer():
     assert t.held([2], 4.0) == {2: 2.0}
     with pytest.raises(ValueError):
         OveruseTimer(-1)
+
+
+def test_parse_fraction():
+    from gpulock import InvalidArgument
+    from gpulock.units import parse_fraction
+
+    assert parse_fraction("10%", name="m") == pytest.approx(0.10)
+    assert parse_fraction("0.25", name="m") == 0.25 and parse_fraction(0, name="m") == 0.0
+    for bad in ("-3%", "ten", "", True, "2000%", float("nan")):
+        with pytest.raises(InvalidArgument, match="m must be"):
+            parse_fraction(bad, name="m")
+
+
+def test_enforcer_counts_the_tree_and_says_when_it_cannot_enforce(tmp_path):
+    import os
+
+    from gpulock._enforce import Enforcer
+
+    f = tmp_path / "dev.json"
+    notes: list[str] = []
+    t = [0.0]
+    e = Enforcer(
+        FakeReader(f),
+        0,
+        os.getpid(),
+        100,
+        margin=0.10,
+        slack=0,
+        hold=1.0,
+        on_over=lambda b: None,
+        on_note=notes.append,
+        clock=lambda: t[0],
+    )
+    assert e.check() is None and "cannot read device 0" in notes[0]
+    write_fake_devices(f, [{"index": 0, "total": 1000, "used": 500}])
+    assert e.check() is None and e.check() is None
+    assert len(notes) == 2 and "no per-process use" in notes[1]  # each said once
+    # this process and a pid outside its tree: only the tree counts
+    write_fake_devices(
+        f,
+        [
+            {
+                "index": 0,
+                "total": 1000,
+                "used": 500,
+                "processes": {str(os.getpid()): 111, "4000000": 900},
+            }
+        ],
+    )
+    assert e.check() is None  # over, not yet for the hold
+    t[0] = 1.0
+    b = e.check()
+    assert b is not None and (b.actual, b.leased, b.over_for, b.pids) == (
+        111,
+        100,
+        1.0,
+        (os.getpid(),),
+    )
+    write_fake_devices(
+        f, [{"index": 0, "total": 1000, "used": 500, "processes": {str(os.getpid()): 110}}]
+    )
+    t[0] = 2.0
+    assert e.check() is None  # within the margin: the timer starts again
