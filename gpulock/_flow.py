@@ -436,7 +436,13 @@ def acquire(
             needs_cancel = False
             raise AcquireTimeout(
                 f"pool {pool.name!r}: {req.amount} bytes not available now (timeout=0; "
-                f"{res.queue_length} waiting, {res.used}/{res.capacity} bytes used)",
+                f"{res.queue_length} waiting, {res.used}/{res.capacity} bytes used"
+                + (
+                    f", {res.held_back} held back for device memory in use outside the "
+                    f"pool's leases)"
+                    if res.held_back
+                    else ")"
+                ),
                 queue_length=res.queue_length,
                 retry_after=_retry_after(res),
             )

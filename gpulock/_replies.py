@@ -39,6 +39,7 @@ class NotGranted:
     epoch: int
     capacity: int
     used: int
+    held_back: int = 0  # bytes the device report holds back (capacity - effective capacity)
 
 
 def _s(v: Any) -> str:
@@ -51,7 +52,15 @@ def decode_acquire(ticket: str, r: list[Any]) -> Grant | NotGranted:
             ticket, _s(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7])
         )
     return NotGranted(
-        int(r[0]) == 0, int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7])
+        int(r[0]) == 0,
+        int(r[1]),
+        int(r[2]),
+        int(r[3]),
+        int(r[4]),
+        int(r[5]),
+        int(r[6]),
+        int(r[7]),
+        int(r[8]) if len(r) > 8 else 0,
     )
 
 

@@ -15,8 +15,10 @@
 --                     grant to this ticket is published on "<events key>:<channel>"
 -- Reply:
 --   granted:     {1, lease_id, token, expires_ms, amount, now_ms, epoch, capacity, used}
---   queued:      {0, position, retry_after_ms, queue_len, now_ms, epoch, capacity, used}
---   not queued:  {2, 0, retry_after_ms, queue_len, now_ms, epoch, capacity, used}   (mode 'try')
+--   queued:      {0, position, retry_after_ms, queue_len, now_ms, epoch, capacity, used, held_back}
+--   not queued:  {2, 0, retry_after_ms, queue_len, now_ms, epoch, capacity, used, held_back}
+--                (mode 'try'); held_back: bytes the device report holds back now
+--                (capacity - effective capacity; 0 without a live report)
 --   retry_after_ms is the time to the nearest lease expiry or to the end of a grace period
 --   (-1 when neither): a lower bound on when the queue can move if nobody releases.
 --   In a grace period (see configure.lua, reassert.lua) nothing is granted: requests queue.
@@ -107,8 +109,9 @@ if held and redis.call('HEXISTS', K_HOLDERS, held) == 1 then
 end
 
 local function not_granted(code, pos)
+  local x = redis.call('HMGET', K_CFG, 'external', 'external_until')
   return {code, pos, next_expiry_in(now), redis.call('ZCARD', K_QUEUE), now,
-          epoch, cap, cfg_num('used')}
+          epoch, cap, cfg_num('used'), cap - eff_cap(now, cap, tonumber(x[1] or '0'), tonumber(x[2] or '0'))}
 end
 
 if qlen > 0 and redis.call('ZSCORE', K_QUEUE, ticket) then

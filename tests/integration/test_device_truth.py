@@ -65,7 +65,7 @@ async def test_external_use_holds_bytes_back_until_the_device_frees_them(make_ap
     assert st.external_left > 0
 
     held = await p.acquire(300, ttl=30, timeout=0)  # 300 + 400 <= 1000
-    with pytest.raises(AcquireTimeout):
+    with pytest.raises(AcquireTimeout, match="300/1000 bytes used, 400 held back for device"):
         await p.acquire(400, timeout=0)  # fits the capacity, not capacity - external
     waiter = asyncio.create_task(p.acquire(600, ttl=30, timeout=60))
     await async_wait_until(lambda: p.waiting == 1, what="the 600 to queue")
