@@ -29,7 +29,6 @@ import logging
 import os
 import re
 import secrets
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,7 +98,7 @@ class DeviceSampler:
         reader: the device reader (:func:`~gpulock.devices.open_reader`).
         device: the device index the pool stands for.
         host: this host's name as holders write it in their metadata (default: the hostname
-            gpulock writes, :func:`socket.gethostname`).
+            gpulock writes there, ``socket.gethostname()``).
         interval, report_ttl, claim_ttl, overuse_hold: seconds (the DEFAULT_* above).
         smoother: the hysteresis (default :class:`~gpulock.device_truth.Smoother` with its
             defaults).
@@ -136,7 +135,7 @@ class DeviceSampler:
         self.pool = pool
         self.reader = reader
         self.device = int(device)
-        self.host = host or _HOST or socket.gethostname()
+        self.host = host or _HOST
         self.interval = interval
         self.report_ttl = report_ttl
         self.claim_ttl = claim_ttl
@@ -155,10 +154,14 @@ class DeviceSampler:
         nothing published), gpulock's errors (Redis)."""
         claim_ms = int(self.claim_ttl * 1000)
         r = await self.pool.device_report(self.id, claim_ms)
-        self.holding = bool(r.holder)
+        was_holding, self.holding = self.holding, bool(r.holder)
         if not self.holding:
             self.last = SamplerRound(False)
             return self.last
+        if not was_holding and r.external_until_ms > r.now_ms:
+            # taking over a live report: its value is where the smoothing goes on from (a fall
+            # still has to last), not 0
+            self.smoother.published = r.external
         reading = await asyncio.to_thread(self.reader.read, self.device)
         st = await self.pool.status(limit=100000)
         now = self.clock()

@@ -440,3 +440,23 @@ async def test_bad_reports_through_the_api(make_apool):
     r = await p.device_report("s2", 3000, 0, 5000)
     assert (r.holder, r.written, r.external) == (0, 0, 250)
     assert (await p.status()).external == 250
+
+
+async def test_a_sampler_taking_over_goes_on_from_the_live_report(make_apool, tmp_path):
+    """A standby that takes the claim over starts its smoothing from the report in force: a
+    fall it sees at once still has to last (here two samples) before it is published."""
+    f = tmp_path / "dev.json"
+    p = make_apool()
+    await p.configure(1000)
+    r = await p.device_report("old-sampler", 100, 400, 30000)  # a claim of 100 ms
+    assert r.written == 1
+    device(f, 0, {})
+    s = sampler(p, f)
+
+    async def took_over() -> bool:
+        return (await s.run_once()).holder
+
+    await _async_poll(took_over, 30, "the standby to take the claim over")
+    assert s.last is not None and s.last.external == 400  # the first sample of 0: not yet
+    assert (await s.run_once()).external == 0
+    assert (await p.status()).external == 0
