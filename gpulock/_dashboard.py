@@ -78,8 +78,7 @@ def pool_view(
         "effective_capacity": st.effective_capacity,
         "overusers": [
             {
-                "holder": _holder(o.get("holder") or {}),
-                "lease_ids": [str(x) for x in o.get("lease_ids", [])],
+                "holder": _holder(o.get("holder") or {}),  # no lease ids: see DASHBOARD.md
                 "leased": int(o.get("leased", 0)),
                 "actual": int(o.get("actual", 0)),
                 "excess": int(o.get("excess", 0)),

@@ -132,9 +132,8 @@
 
     (p.overusers || []).forEach(function (o) {
       sec.appendChild(el("p", { "class": "overuser", "data-excess": String(o.excess) },
-        "over its lease: " + holderText(o.holder) + " (lease " +
-        o.lease_ids.map(function (x) { return x.slice(0, 8); }).join(", ") + ") uses " +
-        fmtBytes(o.actual) + " for " + fmtBytes(o.leased) + ", " + fmtBytes(o.excess) + " over"));
+        "over its lease: " + holderText(o.holder) + " uses " + fmtBytes(o.actual) + " for " +
+        fmtBytes(o.leased) + " leased, " + fmtBytes(o.excess) + " over"));
     });
 
     sec.appendChild(el("h3", {}, "Leases (" + p.lease_count + ")"));

@@ -206,9 +206,10 @@ def test_the_data_is_a_503_while_redis_is_down(broker_srv, redis_srv, gpu, admin
     assert r.headers["retry-after"] == "1"
 
 
-def test_the_page_shows_the_device_report(broker_srv, redis_srv, gpu, user, tmp_path):
+def test_the_page_shows_the_device_report(broker_srv, redis_srv, gpu, user, admin, tmp_path):
     """The device sampler's report (published here as a sampler would, ``external.lua``): the
-    page shows the bytes in use outside the pool's leases and the over-user, by lease."""
+    page shows the bytes in use outside the pool's leases and the over-user (its holder and
+    bytes; no lease id and no token identity, as everywhere on the page)."""
     import asyncio
 
     from gpulock import AsyncPool
@@ -246,5 +247,11 @@ def test_the_page_shows_the_device_report(broker_srv, redis_srv, gpu, user, tmp_
             interval=0.1,
         )
         assert d["stats"]["free"] == 7 * GiB  # 10 GiB - 2 GiB outside - 1 GiB leased
-        assert "over its lease" in d["text"] and lid[:8] in d["text"] and "job=greedy" in d["text"]
-        assert "2.00 GiB over" in d["text"] and "hidden" not in d["text"]
+        assert (
+            "over its lease: host=h1 pid=4242 job=greedy uses 3.00 GiB for 1.00 GiB leased"
+            in d["text"]
+        )
+        assert "2.00 GiB over" in d["text"]
+        assert "hidden" not in d["text"] and lid not in d["text"]  # no owner, no lease id
+    data = admin.get("/dashboard/data").text
+    assert lid not in data and "hidden" not in data
