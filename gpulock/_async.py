@@ -26,7 +26,7 @@ from ._args import (
 )
 from ._lease import LeaseBase, default_clock
 from ._protocol import AcquireRequest
-from ._replies import Grant, NotGranted, PoolStatus
+from ._replies import DeviceReply, Grant, NotGranted, PoolStatus
 from ._retry import RETRYABLE, retrying
 from ._translate import translate
 from ._batch import Batcher, inflight_for
@@ -351,6 +351,23 @@ class AsyncPool(PoolOptions):
 
         Raises: PoolNotFound, BackendUnavailable."""
         return await self._run(flow.status(self, self._runtime, limit))
+
+    async def device_report(
+        self,
+        sampler_id: str,
+        claim_ms: int,
+        external: int | None = None,
+        report_ms: int = 0,
+        overuse: str = "",
+    ) -> DeviceReply:
+        """The device sampler's call (:mod:`gpulock.device_sampler`; ``lua/external.lua``):
+        take or extend the pool's sampler claim for ``claim_ms`` ms and, with ``external``
+        (bytes, 0 .. capacity), publish the report for ``report_ms`` ms with the over-users
+        (``overuse``: JSON text). Raises InvalidArgument (naming a bad value; nothing written),
+        PoolNotFound, BackendUnavailable."""
+        return await self._run(
+            flow.device_report(sampler_id, claim_ms, external, report_ms, overuse)
+        )
 
     async def reap(self) -> int:
         """Reap expired leases and dead waiters now; returns how many leases were reaped."""

@@ -35,6 +35,7 @@ EXIT_CAPACITY = 65  # EX_DATAERR: the amount is larger than the whole pool: no w
 EXIT_NO_POOL = 66  # EX_NOINPUT: the pool is not configured in Redis
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: Redis (or the broker) unreachable or not answering
 EXIT_LEASE_LOST = 70  # EX_SOFTWARE: the lease was lost while CMD ran; CMD was stopped
+EXIT_OVERUSE = 71  # gpulock run --enforce: CMD used more device memory than its lease; stopped
 EXIT_TEMPFAIL = (
     75  # EX_TEMPFAIL: no lease within --timeout, the queue is full, or the pool is in use
 )
@@ -50,6 +51,7 @@ Exit codes of gpulock itself (gpulock run otherwise returns CMD's status):
   {EXIT_NO_POOL}  pool not configured
   {EXIT_UNAVAILABLE}  Redis or the broker unreachable
   {EXIT_LEASE_LOST}  gpulock run: the lease was lost while CMD ran; CMD was stopped
+  {EXIT_OVERUSE}  gpulock run --enforce: CMD used more device memory than its lease; CMD was stopped
   {EXIT_TEMPFAIL}  gpulock run: no lease within --timeout, or the pool's queue is full;
       gpulock pool delete: the pool has leases or waiters (give --force)
   {EXIT_NOPERM}  the broker refused the token (GPULOCK_TOKEN missing, wrong, or not allowed)
@@ -78,10 +80,12 @@ def safe_url(url: str) -> str:
     return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
-def size_param(name: str) -> Callable[[Optional[str]], Optional[int]]:
+def size_param(name: str, *, allow_zero: bool = False) -> Callable[[Optional[str]], Optional[int]]:
     def cb(value: Optional[str]) -> Optional[int]:
         if value is None:
             return None
+        if allow_zero and value.strip() == "0":
+            return 0
         try:
             return parse_size(value, name=name)
         except InvalidArgument as e:

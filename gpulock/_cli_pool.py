@@ -45,6 +45,7 @@ pool_app = typer.Typer(
 def _status_dict(st: PoolStatus) -> dict[str, Any]:
     d = st.to_dict()
     d["free"] = st.free
+    d["effective_capacity"] = st.effective_capacity
     return d
 
 
@@ -276,6 +277,21 @@ def _print_status(console: Console, st: PoolStatus) -> None:
         f"{st.waiter_count} waiter(s), max_waiters {st.max_waiters}",
         highlight=False,
     )
+    if st.external_left > 0:
+        console.print(
+            f"device: {format_size(st.external)} in use outside the pool's leases; effective "
+            f"capacity {format_size(st.effective_capacity)} (report counts {secs(st.external_left)} more)",
+            highlight=False,
+        )
+    for o in st.overusers:
+        h = o.get("holder") or {}
+        console.print(
+            f"over-user: host {h.get('host', '?')} pid {o.get('pid', '?')} lease "
+            f"{','.join(str(x)[:8] for x in o.get('lease_ids', []))}: uses "
+            f"{format_size(int(o.get('actual', 0)))} for {format_size(int(o.get('leased', 0)))} "
+            f"leased, {format_size(int(o.get('excess', 0)))} over",
+            highlight=False,
+        )
     if st.leases:
         t = Table(title=None, show_edge=False, pad_edge=False, box=None, header_style="bold")
         cols: tuple[tuple[str, dict[str, Any]], ...] = (

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Iterable, Optional
 
@@ -23,6 +24,7 @@ from ._cli_common import (
     EXIT_NOPERM,
     EXIT_NOT_EXECUTABLE,
     EXIT_NOT_FOUND,
+    EXIT_OVERUSE,
     EXIT_TEMPFAIL,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
@@ -120,11 +122,19 @@ lease was removed), CMD's process group gets SIGTERM, then SIGKILL after --grace
 gpulock run exits {EXIT_LEASE_LOST}. The lease is considered lost shortly *before* the server
 expires it, but a CMD that takes its grace period may overlap with the next holder.
 
+With --enforce, gpulock run reads CMD's device memory (CMD and its descendants, per-process
+use from NVML, or the fake device file of --device-reader fake:PATH) every 0.25 s; when it
+exceeds the lease by --enforce-margin plus --enforce-slack for --enforce-grace seconds without
+a break, CMD's process group gets SIGTERM, then SIGKILL after --grace seconds, and gpulock run
+exits {EXIT_OVERUSE}. A reader without per-process use (torch) enforces nothing (said on stderr).
+
 \b
 Exit status:
   CMD's exit status, or 128+N if CMD was killed by signal N
   {EXIT_TEMPFAIL}   no lease within --timeout (EX_TEMPFAIL), or the pool's queue is full
   {EXIT_LEASE_LOST}   the lease was lost while CMD ran; CMD was sent SIGTERM/SIGKILL
+  {EXIT_OVERUSE}   --enforce: CMD used more device memory than its lease; CMD was sent
+       SIGTERM/SIGKILL
   {EXIT_CAPACITY}   --amount is larger than the pool's capacity
   {EXIT_NO_POOL}   the pool is not configured (gpulock pool set NAME --capacity SIZE)
   {EXIT_UNAVAILABLE}   Redis or the broker unreachable
@@ -170,7 +180,7 @@ def run(
         DEFAULT_GRACE_S,
         "--grace",
         callback=seconds_param("--grace", minimum=0.0, maximum=86400, allow_zero=True),
-        help="Seconds between SIGTERM and SIGKILL when the lease is lost.",
+        help="Seconds between SIGTERM and SIGKILL when the lease is lost (or --enforce stops CMD).",
     ),
     purpose: Optional[str] = typer.Option(
         None, "--purpose", help="Shown by gpulock status (default: CMD)."
@@ -178,8 +188,47 @@ def run(
     quiet: bool = typer.Option(
         False, "--quiet", "-q", help="Only errors on stderr (no queue position)."
     ),
+    enforce: bool = typer.Option(
+        False,
+        "--enforce",
+        help="Stop CMD if its device memory exceeds the lease (see above).",
+    ),
+    enforce_margin: str = typer.Option(
+        "10%", "--enforce-margin", help="--enforce: allowed excess over the lease (10% or 0.1)."
+    ),
+    enforce_slack: str = typer.Option(
+        "512MiB",
+        "--enforce-slack",
+        callback=size_param("--enforce-slack", allow_zero=True),
+        help="--enforce: bytes allowed beyond the margin (the CUDA context, which no lease counts).",
+    ),
+    enforce_grace: float = typer.Option(
+        5.0,
+        "--enforce-grace",
+        callback=seconds_param("--enforce-grace", minimum=0.0, maximum=86400, allow_zero=True),
+        help="--enforce: seconds CMD may stay over before it is stopped.",
+    ),
+    device: int = typer.Option(
+        0, "--device", min=0, max=1023, help="--enforce: the device index the pool stands for."
+    ),
+    device_reader: str = typer.Option(
+        "auto",
+        "--device-reader",
+        help="--enforce: auto, nvml, torch or fake:PATH (auto: $GPULOCK_FAKE_DEVICES, else NVML, "
+        "else torch).",
+    ),
 ) -> None:
     from ._sync import Pool
+
+    enf = None
+    if enforce:
+        enf = _enforce_options(
+            enforce_margin,
+            int(enforce_slack or 0),
+            float(enforce_grace or 0.0),
+            device,
+            device_reader,
+        )
 
     t = target(ctx)
     if not cmd:
@@ -204,7 +253,7 @@ def run(
         redis_client(t.url).close()  # fail fast (exit 69) if Redis is down now
         p = Pool.from_url(t.url, pool, default_ttl=ttl)
     try:
-        code = _run_under_lease(p, t, pool, int(amount), ttl, timeout, grace, cmd, meta, quiet)
+        code = _run_under_lease(p, t, pool, int(amount), ttl, timeout, grace, cmd, meta, quiet, enf)
     finally:
         p.close()
     raise typer.Exit(code)
@@ -221,6 +270,7 @@ def _run_under_lease(
     cmd: list[str],
     meta: dict[str, Any],
     quiet: bool,
+    enf: Optional[_EnforceOptions] = None,
 ) -> int:
     info = (lambda msg: None) if quiet else say
     queued_at: list[float] = []
@@ -272,7 +322,36 @@ def _run_under_lease(
         info(
             f"granted {format_size(amount)} on pool {pool!r} after {time.monotonic() - queued_at[0]:.1f}s"
         )
-    return _supervise(lease, pool, amount, grace, cmd)
+    return _supervise(lease, pool, amount, grace, cmd, enf)
+
+
+@dataclass(frozen=True)
+class _EnforceOptions:
+    reader: Any  # a gpulock.devices.DeviceReader
+    device: int
+    margin: float
+    slack: int
+    hold: float
+
+
+def _enforce_options(
+    margin: str, slack: int, hold: float, device: int, reader_spec: str
+) -> _EnforceOptions:
+    """``--enforce``'s options, checked before anything is acquired (exit 2 naming a bad one)."""
+    from .devices import DeviceError, open_reader
+    from .units import parse_fraction
+
+    try:
+        m = parse_fraction(margin, name="--enforce-margin")
+    except GpuLockError as e:
+        fail(EXIT_USAGE, str(e))
+    try:
+        reader = open_reader(reader_spec)
+    except ValueError as e:
+        fail(EXIT_USAGE, f"--device-reader: {e}")
+    except DeviceError as e:
+        fail(EXIT_USAGE, f"--enforce: {e}")
+    return _EnforceOptions(reader, device, m, slack, hold)
 
 
 def _release(lease: RunLease, pool: str, *, wait: float = 6.0, quiet: bool = False) -> None:
@@ -302,7 +381,14 @@ def _release(lease: RunLease, pool: str, *, wait: float = 6.0, quiet: bool = Fal
         say(f"warning: {problem[0]}")
 
 
-def _supervise(lease: RunLease, pool: str, amount: int, grace: float, cmd: list[str]) -> int:
+def _supervise(
+    lease: RunLease,
+    pool: str,
+    amount: int,
+    grace: float,
+    cmd: list[str],
+    enf: Optional[_EnforceOptions] = None,
+) -> int:
     env = dict(os.environ)
     env.update(
         GPULOCK_LEASE_ID=lease.id,
@@ -361,6 +447,27 @@ def _supervise(lease: RunLease, pool: str, amount: int, grace: float, cmd: list[
 
     old = {s: signal.signal(s, forward) for s in _not_ignored(FORWARDED_SIGNALS)}
     lease.on_lost(on_lost)
+    breach: list[Any] = []
+    enforcer = None
+    if enf is not None:
+        from ._enforce import Enforcer
+
+        def on_over(b: Any) -> None:
+            breach.append(b)
+            wake.set()
+
+        enforcer = Enforcer(
+            enf.reader,
+            enf.device,
+            proc.pid,
+            amount,
+            margin=enf.margin,
+            slack=enf.slack,
+            hold=enf.hold,
+            on_over=on_over,
+            on_note=lambda text: say(f"warning: {text}"),
+        )
+        enforcer.start()
     try:
         while not exited.is_set():
             # Wake at the lease's local validity deadline too (on_lost should fire then; this
@@ -368,7 +475,7 @@ def _supervise(lease: RunLease, pool: str, amount: int, grace: float, cmd: list[
             delay = lease.valid_until - time.monotonic()
             wake.wait(min(max(delay, 0.0), 5.0) + 0.001)
             wake.clear()
-            if exited.is_set():
+            if exited.is_set() or breach:
                 break
             try:
                 lease.ensure_valid()
@@ -392,7 +499,28 @@ def _supervise(lease: RunLease, pool: str, amount: int, grace: float, cmd: list[
                 lease, pool, wait=1.0, quiet=True
             )  # frees the bytes early if Redis still has it
             return EXIT_LEASE_LOST
+        if breach and not exited.is_set():
+            b = breach[0]
+            say(
+                f"error: CMD (pid {proc.pid}) uses {format_size(b.actual)} ({b.actual} bytes) of "
+                f"device memory for a lease of {format_size(b.leased)} ({b.leased} bytes) on pool "
+                f"{pool!r}, {format_size(b.actual - b.leased)} over for {b.over_for:.1f}s "
+                f"(--enforce); sending SIGTERM, SIGKILL in {grace:g}s"
+            )
+            send(signal.SIGTERM)
+            if not exited.wait(grace):
+                say(f"CMD (pid {proc.pid}) still running after {grace:g}s; sending SIGKILL")
+                send(signal.SIGKILL)
+                exited.wait()
+            say(
+                f"CMD stopped ({_describe(proc.returncode)}) for using more device memory than "
+                f"its lease; exit {EXIT_OVERUSE}"
+            )
+            _release(lease, pool)
+            return EXIT_OVERUSE
     finally:
+        if enforcer is not None:
+            enforcer.stop()
         for s, h in old.items():
             signal.signal(s, h)
     _release(lease, pool)

@@ -74,6 +74,17 @@ def pool_view(
         "oom": counters.get("oom", 0),
         "oom_last_minute": _in_last_minute(samples, "oom"),
         "grace_left": st.grace_left,
+        "external": st.external,
+        "effective_capacity": st.effective_capacity,
+        "overusers": [
+            {
+                "holder": _holder(o.get("holder") or {}),  # no lease ids: see DASHBOARD.md
+                "leased": int(o.get("leased", 0)),
+                "actual": int(o.get("actual", 0)),
+                "excess": int(o.get("excess", 0)),
+            }
+            for o in st.overusers
+        ],
         "leases": [
             {
                 "holder": _holder(lz.holder),

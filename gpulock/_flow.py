@@ -41,7 +41,7 @@ from ._args import (
 )
 from ._lease import LeaseState, validity_deadline
 from ._protocol import AcquireRequest
-from ._replies import Grant, NotGranted, PoolStatus, decode_acquire, decode_status
+from ._replies import DeviceReply, Grant, NotGranted, PoolStatus, decode_acquire, decode_status
 from ._retry import RETRYABLE, retry_bound
 from ._translate import translate
 from ._scripts import scripts
@@ -250,6 +250,23 @@ def status(pool: PoolView, rt: Runtime | None, limit: int) -> Flow[PoolStatus]:
     return st
 
 
+def device_report(
+    sampler_id: str,
+    claim_ms: int,
+    external: int | None = None,
+    report_ms: int = 0,
+    overuse: str = "",
+) -> Flow[DeviceReply]:
+    """``external.lua``: claim the pool's device sampler (``external`` None) or claim and
+    report. Raises InvalidArgument (a bad value, named), PoolNotFound, BackendUnavailable."""
+    if external is None:
+        argv = [sampler_id, str(claim_ms), "claim"]
+    else:
+        argv = [sampler_id, str(claim_ms), "report", str(external), str(report_ms), overuse]
+    r = yield Eval("external", argv)
+    return DeviceReply(*(int(x) for x in r))
+
+
 def reap() -> Flow[int]:
     """``reap``: how many leases were reaped."""
     return int((yield Eval("reap", []))[0])
@@ -419,7 +436,13 @@ def acquire(
             needs_cancel = False
             raise AcquireTimeout(
                 f"pool {pool.name!r}: {req.amount} bytes not available now (timeout=0; "
-                f"{res.queue_length} waiting, {res.used}/{res.capacity} bytes used)",
+                f"{res.queue_length} waiting, {res.used}/{res.capacity} bytes used"
+                + (
+                    f", {res.held_back} held back for device memory in use outside the "
+                    f"pool's leases)"
+                    if res.held_back
+                    else ")"
+                ),
                 queue_length=res.queue_length,
                 retry_after=_retry_after(res),
             )

@@ -8,7 +8,7 @@ scripts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._args import decode_meta
 
@@ -39,6 +39,7 @@ class NotGranted:
     epoch: int
     capacity: int
     used: int
+    held_back: int = 0  # bytes the device report holds back (capacity - effective capacity)
 
 
 def _s(v: Any) -> str:
@@ -51,7 +52,15 @@ def decode_acquire(ticket: str, r: list[Any]) -> Grant | NotGranted:
             ticket, _s(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7])
         )
     return NotGranted(
-        int(r[0]) == 0, int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7])
+        int(r[0]) == 0,
+        int(r[1]),
+        int(r[2]),
+        int(r[3]),
+        int(r[4]),
+        int(r[5]),
+        int(r[6]),
+        int(r[7]),
+        int(r[8]) if len(r) > 8 else 0,
     )
 
 
@@ -114,10 +123,21 @@ class PoolStatus:
     grace_left: float = 0.0  # seconds of grace period left (no new grants until then)
     max_ttl: float = 0.0  # seconds: the longest ttl a lease may have (0: unbounded)
     reasserted: int = 0  # leases put back by their holders after Redis lost the pool
+    # The device sampler's live report (docs/SEMANTICS.md, "Device truth"): bytes in use on the
+    # device outside the pool's leases (0 when no report counts), seconds it still counts, and
+    # the over-users it found (list of dicts: holder, lease_id, pid, leased, actual, excess).
+    external: int = 0
+    external_left: float = 0.0
+    overusers: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def effective_capacity(self) -> int:
+        """Bytes the pool may grant in all now: capacity minus the device's external use."""
+        return max(0, self.capacity - self.external)
 
     @property
     def free(self) -> int:
-        return max(0, self.capacity - self.used)
+        return max(0, self.effective_capacity - self.used)
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -165,7 +185,7 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
         reaped_leases,
         reaped_waiters,
     ) = (int(v) for v in r[2:12])
-    extra = [int(v) for v in r[14:17]] + [0, 0, 0]
+    extra = [int(v) for v in r[14:19]] + [0, 0, 0, 0, 0]
     return PoolStatus(
         pool,
         capacity,
@@ -183,7 +203,35 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
         grace_left=extra[0] / 1000,
         max_ttl=extra[1] / 1000,
         reasserted=extra[2],
+        external=extra[3],
+        external_left=extra[4] / 1000,
+        overusers=_overusers(r[19] if len(r) > 19 else ""),
     )
+
+
+def _overusers(raw: Any) -> list[dict[str, Any]]:
+    """The report's over-users (``external.lua`` keeps the sampler's JSON as given)."""
+    import json
+
+    try:
+        v = json.loads(_s(raw)) if raw else []
+    except ValueError:
+        return []
+    return [x for x in v if isinstance(x, dict)] if isinstance(v, list) else []
+
+
+class DeviceReply(NamedTuple):
+    """``external.lua``'s reply: whether the caller holds the pool's device sampler claim,
+    whether its report was written, and the pool after it (server ms, bytes, grants made)."""
+
+    holder: int
+    written: int
+    now_ms: int
+    capacity: int
+    used: int
+    external: int
+    external_until_ms: int
+    granted: int
 
 
 # Why reassert.lua refused to put a lease back (its negative result codes).

@@ -12,7 +12,17 @@ from importlib import resources
 from importlib.abc import Traversable
 from pathlib import Path
 
-OPERATIONS = ("acquire", "release", "renew", "cancel", "reap", "status", "configure", "reassert")
+OPERATIONS = (
+    "acquire",
+    "release",
+    "renew",
+    "cancel",
+    "reap",
+    "status",
+    "configure",
+    "reassert",
+    "external",
+)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from ._cli_common import (
     EXIT_NOPERM,
     EXIT_NOT_EXECUTABLE,
     EXIT_NOT_FOUND,
+    EXIT_OVERUSE,
     EXIT_TEMPFAIL,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
@@ -44,6 +45,7 @@ from ._cli_common import (
 )
 from ._cli_pool import pool_app, status
 from ._cli_run import RUN_HELP, run
+from ._cli_sample import sample
 from ._cli_top import top
 
 if TYPE_CHECKING:
@@ -59,6 +61,7 @@ __all__ = [
     "EXIT_NOPERM",
     "EXIT_NOT_EXECUTABLE",
     "EXIT_NOT_FOUND",
+    "EXIT_OVERUSE",
     "EXIT_TEMPFAIL",
     "EXIT_UNAVAILABLE",
     "EXIT_USAGE",
@@ -76,6 +79,7 @@ app = typer.Typer(
 app.add_typer(pool_app, name="pool")
 app.command("status")(status)
 app.command("top")(top)
+app.command("sample")(sample)
 app.command(
     "run",
     help=RUN_HELP,
@@ -90,6 +94,7 @@ _NOT_THROUGH_BROKER = {
     "serve": "serve runs the service on Redis (--redis-url, or its embedded Valkey)",
     "broker": "broker is the broker; it talks to Redis (--redis-url)",
     "loadtest": "loadtest takes the service's URL as its argument",
+    "sample": "sample publishes device reports to Redis (--redis-url)",
 }
 
 

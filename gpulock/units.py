@@ -21,6 +21,7 @@ __all__ = [
     "SIZE_TEXT_MAX_LENGTH",
     "SIZE_TEXT_PATTERN",
     "format_size",
+    "parse_fraction",
     "parse_seconds",
     "parse_size",
     "parse_size_text",
@@ -194,3 +195,26 @@ def parse_size_text(value: int | float | str, *, name: str = "amount") -> int:
             f"got {value!r}"
         )
     return parse_size(value, name=name)
+_FRACTION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(%?)\s*$")
+
+
+def parse_fraction(value: int | float | str, *, name: str, maximum: float = 10.0) -> float:
+    """A non-negative fraction: ``"10%"`` or ``0.1`` -> 0.1 (a percent sign divides by 100).
+
+    Raises:
+        InvalidArgument: naming the value, for anything else or a value above ``maximum``.
+    """
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be a fraction such as 10% or 0.1, got {value!r}")
+    if isinstance(value, (int, float)):
+        f = float(value)
+    else:
+        m = _FRACTION_RE.match(str(value))
+        if not m:
+            raise InvalidArgument(f"{name} must be a fraction such as 10% or 0.1, got {value!r}")
+        f = float(m.group(1)) / (100.0 if m.group(2) else 1.0)
+    if not math.isfinite(f) or f < 0 or f > maximum:
+        raise InvalidArgument(
+            f"{name} must be between 0 and {maximum:g} (0% and {maximum * 100:g}%), got {value!r}"
+        )
+    return f

@@ -15,11 +15,16 @@
 --                     grant to this ticket is published on "<events key>:<channel>"
 -- Reply:
 --   granted:     {1, lease_id, token, expires_ms, amount, now_ms, epoch, capacity, used}
---   queued:      {0, position, retry_after_ms, queue_len, now_ms, epoch, capacity, used}
---   not queued:  {2, 0, retry_after_ms, queue_len, now_ms, epoch, capacity, used}   (mode 'try')
+--   queued:      {0, position, retry_after_ms, queue_len, now_ms, epoch, capacity, used, held_back}
+--   not queued:  {2, 0, retry_after_ms, queue_len, now_ms, epoch, capacity, used, held_back}
+--                (mode 'try'); held_back: bytes the device report holds back now
+--                (capacity - effective capacity; 0 without a live report)
 --   retry_after_ms is the time to the nearest lease expiry or to the end of a grace period
 --   (-1 when neither): a lower bound on when the queue can move if nobody releases.
 --   In a grace period (see configure.lua, reassert.lua) nothing is granted: requests queue.
+--   While a device report is live (external.lua) a request is granted only if it fits the
+--   effective capacity (capacity - external, lib.lua eff_cap); one that fits the capacity but
+--   not the effective capacity queues.
 -- Errors (nothing is written when one is returned):
 --   GPULOCK_BADARG <why>                 an argument is malformed or out of range, or the ttl
 --                                        is longer than the pool's max_ttl_ms
@@ -43,7 +48,7 @@ local chan; chan, e = channel_arg(ARGV[8]); if e then return e end
 -- Reads first: every key this call may use is read (redis.pcall) before the first write, so a
 -- key of the wrong type fails it with nothing written (see "Key types" in lib.lua).
 local cfg = redis.pcall('HMGET', K_CFG, 'capacity', 'epoch', 'max_waiters', 'max_ttl_ms',
-                        'grace_until', 'used', 'fence', 'grants')
+                        'grace_until', 'used', 'fence', 'grants', 'external', 'external_until')
 if failed(cfg) then return keytype_error(cfg) end
 if not cfg[1] then return redis.error_reply('GPULOCK_NOPOOL') end
 local cap, epoch, maxw = tonumber(cfg[1]), tonumber(cfg[2]), tonumber(cfg[3])
@@ -104,8 +109,9 @@ if held and redis.call('HEXISTS', K_HOLDERS, held) == 1 then
 end
 
 local function not_granted(code, pos)
+  local x = redis.call('HMGET', K_CFG, 'external', 'external_until')
   return {code, pos, next_expiry_in(now), redis.call('ZCARD', K_QUEUE), now,
-          epoch, cap, cfg_num('used')}
+          epoch, cap, cfg_num('used'), cap - eff_cap(now, cap, tonumber(x[1] or '0'), tonumber(x[2] or '0'))}
 end
 
 if qlen > 0 and redis.call('ZSCORE', K_QUEUE, ticket) then
@@ -113,7 +119,8 @@ if qlen > 0 and redis.call('ZSCORE', K_QUEUE, ticket) then
   return not_granted(0, redis.call('ZRANK', K_QUEUE, ticket) + 1)
 end
 
-if qlen == 0 and used + amount <= cap and grace_until <= now then
+if qlen == 0 and used + amount <= eff_cap(now, cap, tonumber(cfg[9] or '0'), tonumber(cfg[10] or '0'))
+   and grace_until <= now then
   -- make_lease, with the counters read above written in one HSET
   local token, exp = fence + 1, now + ttl
   used = used + amount

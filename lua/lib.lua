@@ -4,7 +4,9 @@
 --
 -- KEYS (the same eight, in this order, for every script; one hash tag per pool):
 --   1 gpulock:{pool}:cfg      hash  capacity, used, fence, epoch, qseq, max_waiters, created_ms,
---                                   grants, reaped_leases, reaped_waiters
+--                                   grants, reaped_leases, reaped_waiters; the device sampler's
+--                                   report (external.lua): external, external_until, overuse,
+--                                   dev_sampler, dev_sampler_until
 --   2 gpulock:{pool}:leases   zset  lease id -> server expiry (ms)
 --   3 gpulock:{pool}:holders  hash  lease id -> "amount|token|acquired_ms|ttl_ms|ticket|meta"
 --   4 gpulock:{pool}:queue    zset  ticket -> arrival sequence number (FIFO order)
@@ -170,12 +172,26 @@ local function make_lease(now, ticket, lid, amount, ttl, meta)
   return token, exp
 end
 
+-- Effective capacity (docs/SEMANTICS.md, "Device truth"): while the device sampler's report is
+-- live (external_until, server ms, is in the future) the pool grants at most capacity minus
+-- the bytes the device shows in use outside the pool's leases; an expired report stops
+-- counting, so a dead sampler cannot freeze the pool. Live leases are never revoked.
+local function eff_cap(now, cap, external, external_until)
+  if external > 0 and external_until > now then
+    if external >= cap then return 0 end
+    return cap - external
+  end
+  return cap
+end
+
 -- Server-side hand-off: grant the longest FIFO prefix of the queue that fits, strictly in
 -- order (a head that does not fit blocks those behind it, so none starves). Returns the
 -- grant lines grouped by the waiters' channels, and their count, for publish().
 -- grant_from: the same with what the caller read already: the queue's head (ZRANGE 0 0), the
--- capacity, bytes used and grace_until; it also returns the bytes used afterwards.
-local function grant_from(now, head, cap, used, grace_until)
+-- capacity, bytes used, grace_until and the effective capacity (eff_cap); it also returns the
+-- bytes used afterwards. A request larger than the capacity is dropped; one that fits the
+-- capacity but not the effective capacity waits.
+local function grant_from(now, head, cap, used, grace_until, eff)
   local lines, n = {}, 0
   if #head == 0 then return lines, n, used end
   if grace_until > now then return lines, n, used end  -- no new grant in the grace period
@@ -192,7 +208,7 @@ local function grant_from(now, head, cap, used, grace_until)
         -- it would block everyone behind it. Drop it; its client finds it gone at its next
         -- poll, asks again and gets GPULOCK_CAPACITY.
         drop_waiter(t)
-      elseif used + amount > cap then
+      elseif used + amount > eff then
         break
       else
         drop_waiter(t)
@@ -212,9 +228,10 @@ end
 local function grant_head(now)
   local head = redis.call('ZRANGE', K_QUEUE, 0, 0)
   if #head == 0 then return {}, 0 end
-  local c = redis.call('HMGET', K_CFG, 'capacity', 'used', 'grace_until')
-  local lines, n = grant_from(now, head, tonumber(c[1] or '0'), tonumber(c[2] or '0'),
-                              tonumber(c[3] or '0'))
+  local c = redis.call('HMGET', K_CFG, 'capacity', 'used', 'grace_until', 'external', 'external_until')
+  local cap = tonumber(c[1] or '0')
+  local lines, n = grant_from(now, head, cap, tonumber(c[2] or '0'), tonumber(c[3] or '0'),
+                              eff_cap(now, cap, tonumber(c[4] or '0'), tonumber(c[5] or '0')))
   return lines, n
 end
 
@@ -234,7 +251,8 @@ local function publish(now, lines, n)
 end
 
 -- Milliseconds until the queue can next move without a release: the nearest lease expiry,
--- or the end of a grace period if sooner (-1 when neither).
+-- the end of a grace period, or the expiry of a device report that holds bytes back, whichever
+-- is soonest (-1 when none).
 local function next_expiry_in(now)
   local first = redis.call('ZRANGE', K_LEASES, 0, 0, 'WITHSCORES')
   local d = -1
@@ -244,6 +262,9 @@ local function next_expiry_in(now)
   end
   local g = grace_left(now)
   if g > 0 and (d < 0 or g < d) then d = g end
+  local x = redis.call('HMGET', K_CFG, 'external', 'external_until')
+  local xu = tonumber(x[2] or '0')
+  if tonumber(x[1] or '0') > 0 and xu > now and (d < 0 or xu - now < d) then d = xu - now end
   return d
 end
 

@@ -14,7 +14,7 @@ local token; token, e = int_arg(ARGV[2], 'token', 0, MAX_AMOUNT); if e then retu
 
 -- Reads first: every key this call may use is read (redis.pcall) before the first write, so a
 -- key of the wrong type fails it with nothing written (see "Key types" in lib.lua).
-local cfg = redis.pcall('HMGET', K_CFG, 'capacity', 'used', 'grace_until')
+local cfg = redis.pcall('HMGET', K_CFG, 'capacity', 'used', 'grace_until', 'external', 'external_until')
 if failed(cfg) then return keytype_error(cfg) end
 local now = now_ms()
 if not cfg[1] then
@@ -66,6 +66,7 @@ if rec then
   end
 end
 local lines, n
-lines, n, used = grant_from(now, head, cap, used, grace_until)
+lines, n, used = grant_from(now, head, cap, used, grace_until,
+                            eff_cap(now, cap, tonumber(cfg[4] or '0'), tonumber(cfg[5] or '0')))
 publish(now, lines, n)
 return {ok, now, used, n}

@@ -10,7 +10,9 @@
 --    leases  = {{lease_id, amount, token, expires_ms, acquired_ms, ttl_ms, ticket, meta}, ...}
 --              (soonest expiry first),
 --    waiters = {{ticket, amount, enqueued_ms, waiter_expires_ms, meta}, ...}  (queue order),
---    grace_left_ms (0: no grace period), max_ttl_ms (0: unbounded), reasserted}
+--    grace_left_ms (0: no grace period), max_ttl_ms (0: unbounded), reasserted,
+--    external (bytes of the device report, 0 when none counts), external_left_ms (how long the
+--    report still counts; 0: none), overuse (the report's over-users, JSON text; '' when none)}
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
 local type_err = check_types(); if type_err then return type_err end
@@ -19,6 +21,12 @@ local now = now_ms()
 if redis.call('EXISTS', K_CFG) == 0 then return {0, now} end
 reap(now)
 publish(now, grant_head(now))
+
+local x = redis.call('HMGET', K_CFG, 'external', 'external_until', 'overuse')
+local ext, ext_left, overuse = 0, 0, ''
+if tonumber(x[2] or '0') > now then
+  ext, ext_left, overuse = tonumber(x[1] or '0'), tonumber(x[2]) - now, x[3] or ''
+end
 
 local leases = {}
 if limit > 0 then
@@ -46,4 +54,4 @@ end
 return {1, now, cfg_num('capacity'), cfg_num('used'), cfg_num('epoch'), cfg_num('fence'),
         cfg_num('max_waiters'), redis.call('ZCARD', K_LEASES), redis.call('ZCARD', K_QUEUE),
         cfg_num('grants'), cfg_num('reaped_leases'), cfg_num('reaped_waiters'), leases, waiters,
-        grace_left(now), cfg_num('max_ttl_ms'), cfg_num('reasserted')}
+        grace_left(now), cfg_num('max_ttl_ms'), cfg_num('reasserted'), ext, ext_left, overuse}

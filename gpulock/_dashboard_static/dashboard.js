@@ -115,6 +115,7 @@
     st.appendChild(stat("used", "used", p.used, fmtBytes(p.used)));
     st.appendChild(stat("resident", "resident", p.resident, fmtBytes(p.resident)));
     st.appendChild(stat("free", "free", p.free, fmtBytes(p.free)));
+    st.appendChild(stat("outside leases (device)", "external", p.external, fmtBytes(p.external)));
     st.appendChild(stat("leases", "lease_count", p.lease_count, String(p.lease_count)));
     st.appendChild(stat("queued", "waiter_count", p.waiter_count, String(p.waiter_count)));
     st.appendChild(stat("grants/s", "grant_rate", p.grant_rate,
@@ -128,6 +129,12 @@
     legend.appendChild(el("span", { "class": "resident" }, "— resident"));
     legend.appendChild(el("span", { "class": "capacity" }, "- - capacity"));
     sec.appendChild(chart(p));
+
+    (p.overusers || []).forEach(function (o) {
+      sec.appendChild(el("p", { "class": "overuser", "data-excess": String(o.excess) },
+        "over its lease: " + holderText(o.holder) + " uses " + fmtBytes(o.actual) + " for " +
+        fmtBytes(o.leased) + " leased, " + fmtBytes(o.excess) + " over"));
+    });
 
     sec.appendChild(el("h3", {}, "Leases (" + p.lease_count + ")"));
     var leases = p.leases.map(function (l) {

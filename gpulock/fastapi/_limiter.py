@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
-from typing import Any, AsyncIterator, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar
 
 from fastapi import Response
 from gpulock_common.aio import stop_tasks
@@ -19,7 +19,7 @@ from gpulock_common.aio import stop_tasks
 from .._async import AsyncPool
 from .._replies import PoolStatus
 from .._samples import count_event
-from ..errors import GpuLockError
+from ..errors import GpuLockError, InvalidArgument
 from . import _signature
 from ._admission import Admission, Slots, TtlBound
 from ._backend import Backend, process_owner
@@ -39,6 +39,9 @@ from ._resident import ResidentLeases
 from ._retry_after import RetryAfterEstimator
 from ._settings import Settings
 from ._signature import GpuCall
+
+if TYPE_CHECKING:
+    from ..device_sampler import DeviceSampler
 
 log = logging.getLogger("gpulock.fastapi")
 
@@ -98,6 +101,12 @@ class GpuLimiter:
         oom_backoff: the rule by which a CUDA OOM inside a lease raises its shape bucket's
             estimate and shrinks the share of the capacity granted (docs/SEMANTICS.md,
             "Back-off on OOM"); None turns it off.
+        device: the index of the device the pool stands for; when given, each worker runs a
+            :class:`~gpulock.device_sampler.DeviceSampler` (one of them samples, the others
+            stand by) that reconciles the pool with the device's real memory (docs/SEMANTICS.md,
+            "Device truth"). None (the default): no sampler.
+        device_reader: how to read the device: ``auto``, ``nvml``, ``torch`` or ``fake:PATH``
+            (:func:`gpulock.devices.open_reader`).
 
     Raises: InvalidArgument for a bad ``configure``, ``executor_threads`` or ``capacity``.
     """
@@ -123,7 +132,14 @@ class GpuLimiter:
         exit_on_fatal: bool = True,
         request_id_header: str = "X-Request-ID",
         oom_backoff: BackoffRule | None = DEFAULT_RULE,
+        device: int | None = None,
+        device_reader: str = "auto",
     ):
+        if device is not None and (isinstance(device, bool) or not 0 <= int(device) <= 1023):
+            raise InvalidArgument(f"device must be a device index 0..1023, got {device!r}")
+        self.device = None if device is None else int(device)
+        self.device_reader = device_reader
+        self.device_sampler: DeviceSampler | None = None
         s = self.settings = Settings.of(
             redis_url,
             pool,
@@ -281,6 +297,38 @@ class GpuLimiter:
                 log.warning("gpulock: could not configure pool %s yet: %s", s.pool_name, e)
         await self._reaper.tick()
         self._reaper.start()
+        if self.device is not None:
+            self._start_device_sampler(be.pool)
+
+    def _start_device_sampler(self, pool: AsyncPool) -> None:
+        """Run the device sampler in the background (stopped with the other tasks); a reader
+        that cannot be opened is logged and leaves the pool without device truth."""
+        from ..device_sampler import DeviceSampler
+        from ..devices import DeviceError, open_reader
+
+        try:
+            reader = open_reader(self.device_reader)
+        except (ValueError, DeviceError) as e:
+            log.warning("gpulock: pool %s: no device sampler: %s", self.pool_name, e)
+            return
+        self.device_sampler = DeviceSampler(pool, reader, int(self.device or 0))
+        self.spawn(self.device_sampler.run(), name="gpulock-device-sampler")
+
+    def device_truth(self) -> dict[str, Any]:
+        """The device's truth as last read (never waits on Redis): the pool's external use and
+        effective capacity from the last status read (bytes; ``report_left`` seconds the report
+        still counts), its over-users, and whether this worker samples."""
+        st = self._backend.status
+        ds = self.device_sampler
+        return {
+            "device": self.device,
+            "sampling": bool(ds and ds.holding),
+            "reader": ds.reader.name if ds else None,
+            "external_bytes": st.external if st else 0,
+            "effective_capacity": st.effective_capacity if st else None,
+            "report_left": st.external_left if st else 0.0,
+            "overusers": st.overusers if st else [],
+        }
 
     async def stop(self, *, grace_s: float = 10.0) -> None:
         """Cancel queued requests (they leave the queue at once), wait up to ``grace_s`` for

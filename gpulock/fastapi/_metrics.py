@@ -246,10 +246,34 @@ def _pool_families(pool: str, st: PoolStatus | None, error: str | None) -> Itera
             "Requests queued in the pool, read from Redis at scrape time",
             st.waiter_count,
         ),
+        (
+            "gpulock_device_external_bytes",
+            "Bytes the device sampler's live report shows in use outside the pool's leases "
+            "(0 when no report counts)",
+            st.external,
+        ),
+        (
+            "gpulock_pool_effective_capacity_bytes",
+            "Bytes the pool may grant in all now: capacity minus the device's external use",
+            st.effective_capacity,
+        ),
     ):
         g = GaugeMetricFamily(name, doc, labels=["pool"])
         g.add_metric([pool], float(v))
         yield g
+    over = GaugeMetricFamily(
+        "gpulock_holder_overuse_bytes",
+        "Bytes a holder uses on the device beyond its leases, for each over-user the device "
+        "sampler's live report flags (at most 8)",
+        labels=["pool", "host", "pid", "lease"],
+    )
+    for o in st.overusers:
+        h = o.get("holder") or {}
+        over.add_metric(
+            [pool, str(h.get("host", "")), str(o.get("pid", "")), ",".join(o.get("lease_ids", []))],
+            float(o.get("excess", 0)),
+        )
+    yield over
     for name, doc, v in (
         ("gpulock_pool_grants", "Leases the pool has granted (all clients), from Redis", st.grants),
         (

@@ -200,6 +200,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         history_file=settings.history_file,
         enabled=not settings.disabled,
         exit_on_fatal=settings.exit_on_fatal,
+        device=settings.sample_device,
+        device_reader=settings.device_reader,
     )
     info: dict[str, Any] = {"device": None, "resident_bytes": 0, "resident_source": None}
 
@@ -369,12 +371,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def health() -> dict[str, Any]:
         """Liveness: answers as long as the event loop runs; never waits on Redis or the queue.
         ``pytorch_cuda_alloc_conf``: the allocator setting in effect (see ``alloc_conf``);
-        ``oom_backoff``: the OOM back-off as this worker last read it (no read now)."""
+        ``oom_backoff``: the OOM back-off as this worker last read it (no read now).
+        ``device_truth``: the device's external use and over-users as last read
+        (``GpuLimiter.device_truth``)."""
         return {
             "status": "ok",
             "pid": os.getpid(),
             "pytorch_cuda_alloc_conf": alloc_conf.state(),
             "oom_backoff": limiter.backoff_state(),
+            "device_truth": limiter.device_truth(),
         }
 
     @app.get(

@@ -112,6 +112,16 @@ class Settings(BaseSettings):
         "history into Redis",
     )
     exit_on_fatal: bool = Field(True, description="exit the worker after a sticky CUDA error")
+    sample_device: int | None = Field(
+        None,
+        ge=0,
+        le=1023,
+        description="reconcile the pool with this device's real memory (device sampler: one "
+        "worker samples, the others stand by); unset: no device truth",
+    )
+    device_reader: str = Field(
+        "auto", description="how the device sampler reads the device: auto, nvml, torch, fake:PATH"
+    )
     log_format: Literal["plain", "json"] = Field(
         "plain",
         description="access log lines (logger gpulock.access, one per request): "

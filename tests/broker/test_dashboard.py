@@ -204,3 +204,54 @@ def test_the_data_is_a_503_while_redis_is_down(broker_srv, redis_srv, gpu, admin
     assert r.status_code == 503, r.text
     assert r.json()["detail"]["error"] == "backend_unavailable"
     assert r.headers["retry-after"] == "1"
+
+
+def test_the_page_shows_the_device_report(broker_srv, redis_srv, gpu, user, admin, tmp_path):
+    """The device sampler's report (published here as a sampler would, ``external.lua``): the
+    page shows the bytes in use outside the pool's leases and the over-user (its holder and
+    bytes; no lease id and no token identity, as everywhere on the page)."""
+    import asyncio
+
+    from gpulock import AsyncPool
+
+    r = user.post("/v1/pools/gpu-a/leases", json={"amount": "1GiB", "holder": {"job": "greedy"}})
+    assert r.status_code == 201, r.text
+    lid = r.json()["lease_id"]
+    over = [
+        {
+            "pid": 4242,
+            "holder": {"host": "h1", "pid": 4242, "job": "greedy", "owner": "hidden"},
+            "lease_ids": [lid],
+            "leased": GiB,
+            "actual": 3 * GiB,
+            "excess": 2 * GiB,
+            "over_for": 5.0,
+        }
+    ]
+
+    async def report() -> None:
+        p = AsyncPool.from_url(redis_srv.url, "gpu-a")
+        try:
+            await p.device_report("dash-test", 60_000, 2 * GiB, 60_000, json.dumps(over))
+        finally:
+            await p.aclose()
+
+    asyncio.run(report())
+    assert status_json(redis_srv.url, "gpu-a")["external"] == 2 * GiB
+    with Browser(tmp_path) as b:
+        page = b.new_page(f"{broker_srv.url}/dashboard#token={ADMIN_TOKEN}")
+        d = wait_until(
+            lambda: (x := pool_dom(page, "gpu-a")) and x["stats"].get("external") == 2 * GiB and x,
+            30,
+            "the external use on the page",
+            interval=0.1,
+        )
+        assert d["stats"]["free"] == 7 * GiB  # 10 GiB - 2 GiB outside - 1 GiB leased
+        assert (
+            "over its lease: host=h1 pid=4242 job=greedy uses 3.00 GiB for 1.00 GiB leased"
+            in d["text"]
+        )
+        assert "2.00 GiB over" in d["text"]
+        assert "hidden" not in d["text"] and lid not in d["text"]  # no owner, no lease id
+    data = admin.get("/dashboard/data").text
+    assert lid not in data and "hidden" not in data

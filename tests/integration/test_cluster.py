@@ -397,3 +397,24 @@ def test_serve_and_broker_name_a_bad_or_unreachable_cluster_url(tmp_path):
     )
     assert r.returncode == 69, (r.returncode, r.stderr[-2000:])
     assert "Traceback" not in r.stderr and "unreachable" in r.stderr
+
+
+async def test_device_report_holds_bytes_back_on_every_master(cluster):
+    """external.lua on a real cluster: the report (and the hand-off when it drops) stays in
+    the pool's slot, on each master."""
+    for name in spread(cluster, "dev"):
+        p = AsyncPool.from_url(cluster.url, name, poll_interval=60)
+        try:
+            await p.configure(100)
+            r = await p.device_report("s1", 3000, 40, 30000, "[]")
+            assert (r.holder, r.written, r.external) == (1, 1, 40)
+            assert (await p.status()).effective_capacity == 60
+            w = asyncio.create_task(p.acquire(80, ttl=30, timeout=30))
+            while not (await p.status()).waiter_count:
+                await asyncio.sleep(0.01)
+            r = await p.device_report("s1", 3000, 0, 30000, "")
+            assert r.granted == 1
+            lease = await asyncio.wait_for(w, 10)
+            await lease.release()
+        finally:
+            await p.aclose()

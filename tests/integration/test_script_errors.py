@@ -59,6 +59,7 @@ def _all_ops(h: dict) -> list[tuple[str, list]]:
         ("status", [100]),
         ("configure", [200, 100, "set"]),
         ("configure", [200, 100, "create"]),
+        ("external", ["sampler1", 3000, "report", 10, 5000, "[]"]),
     ]
 
 
