@@ -195,6 +195,8 @@ def parse_size_text(value: int | float | str, *, name: str = "amount") -> int:
             f"got {value!r}"
         )
     return parse_size(value, name=name)
+
+
 _FRACTION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(%?)\s*$")
 
 
