@@ -441,6 +441,14 @@ def _supervise(
             except ProcessLookupError:
                 pass
 
+    def stop_child() -> None:
+        """SIGTERM CMD's process group, then SIGKILL it after ``grace`` s; wait until it exited."""
+        send(signal.SIGTERM)
+        if not exited.wait(grace):
+            say(f"CMD (pid {proc.pid}) still running after {grace:g}s; sending SIGKILL")
+            send(signal.SIGKILL)
+            exited.wait()
+
     def forward(signum: int, frame: FrameType | None) -> None:
         if not exited.is_set():
             send(signum)
@@ -487,11 +495,7 @@ def _supervise(
                 f"error: lease {lease.id[:8]}… on pool {pool!r} lost while CMD (pid {proc.pid}) ran: "
                 f"{lost_info[0]}; sending SIGTERM, SIGKILL in {grace:g}s"
             )
-            send(signal.SIGTERM)
-            if not exited.wait(grace):
-                say(f"CMD (pid {proc.pid}) still running after {grace:g}s; sending SIGKILL")
-                send(signal.SIGKILL)
-                exited.wait()
+            stop_child()
             say(
                 f"CMD stopped ({_describe(proc.returncode)}) after the lease was lost; exit {EXIT_LEASE_LOST}"
             )
@@ -507,11 +511,7 @@ def _supervise(
                 f"{pool!r}, {format_size(b.actual - b.leased)} over for {b.over_for:.1f}s "
                 f"(--enforce); sending SIGTERM, SIGKILL in {grace:g}s"
             )
-            send(signal.SIGTERM)
-            if not exited.wait(grace):
-                say(f"CMD (pid {proc.pid}) still running after {grace:g}s; sending SIGKILL")
-                send(signal.SIGKILL)
-                exited.wait()
+            stop_child()
             say(
                 f"CMD stopped ({_describe(proc.returncode)}) for using more device memory than "
                 f"its lease; exit {EXIT_OVERUSE}"

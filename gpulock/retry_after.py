@@ -27,6 +27,7 @@ __all__ = [
     "UNMEASURED_SECONDS_PER_PLACE",
     "BusyRate",
     "clamp",
+    "openapi_headers",
     "from_expiry_ms",
     "grant_rate",
     "queue_seconds",
@@ -138,3 +139,18 @@ def from_expiry_ms(retry_after_ms: int, cap: float) -> int:
     """The broker's Retry-After: the acquire script's ``retry_after_ms`` (milliseconds to the
     nearest lease expiry, negative when no lease is held), :func:`clamp` ed to [1, ``cap``]."""
     return clamp(max(0, retry_after_ms) / 1000, cap)
+
+
+def openapi_headers(position: str) -> dict[str, dict[str, object]]:
+    """The OpenAPI ``headers`` of a 503 that carries this policy's answer: ``Retry-After``
+    (required; whole seconds, :func:`clamp`) and ``X-Queue-Position`` (optional; the request's
+    1-based place in the pool's queue, described by ``position``: when the answer has one)."""
+    whole = {"type": "string", "pattern": "^[0-9]+$"}
+    return {
+        "Retry-After": {
+            "description": "Seconds to wait before retrying (a whole number, at least 1).",
+            "required": True,
+            "schema": whole,
+        },
+        "X-Queue-Position": {"description": position, "required": False, "schema": dict(whole)},
+    }

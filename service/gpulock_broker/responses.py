@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpulock.retry_after import openapi_headers
+
 from .models import ErrorResponse
 
 __all__ = ["LINKS", "OPERATION_IDS", "errors"]
@@ -31,20 +33,7 @@ OPERATION_IDS = (
     "delete_pool",
 )
 
-_RETRY_AFTER = {
-    "Retry-After": {
-        "description": "Seconds to wait before retrying (a whole number, at least 1).",
-        "required": True,
-        "schema": {"type": "string", "pattern": "^[0-9]+$"},
-    }
-}
-_QUEUE_POSITION = {
-    "X-Queue-Position": {
-        "description": "queued: the request's 1-based place in the queue.",
-        "required": False,
-        "schema": {"type": "string", "pattern": "^[0-9]+$"},
-    }
-}
+_HEADERS_503 = openapi_headers("queued: the request's 1-based place in the queue.")
 
 _COMMON: dict[int, str] = {
     400: "invalid_utf8, invalid_json or nested_too_deeply: the body is not UTF-8 or JSON, or "
@@ -76,7 +65,7 @@ def errors(*, validation: str | None = _VALIDATION, **own: str) -> dict[int | st
     for code in sorted(described):
         entry: dict[str, Any] = {"model": ErrorResponse, "description": described[code]}
         if code == 503:
-            entry["headers"] = {**_RETRY_AFTER, **_QUEUE_POSITION}
+            entry["headers"] = _HEADERS_503
         out[code] = entry
     if validation is not None:
         # FastAPI's HTTPValidationError ({"detail": [{"loc", "msg", "type"}]}), our words

@@ -17,22 +17,15 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from gpulock.retry_after import openapi_headers
+
 from .openai_errors import OpenAIErrorResponse
 
 __all__ = ["METRICS_RESPONSES", "errors", "install_openapi"]
 
-_RETRY_AFTER = {
-    "Retry-After": {
-        "description": "Seconds to wait before retrying (a whole number, at least 1).",
-        "required": True,
-        "schema": {"type": "string", "pattern": "^[0-9]+$"},
-    },
-    "X-Queue-Position": {
-        "description": "queue_timeout, queue_full: the request's place in the pool's queue.",
-        "required": False,
-        "schema": {"type": "string", "pattern": "^[0-9]+$"},
-    },
-}
+_HEADERS_503 = openapi_headers(
+    "queue_timeout, queue_full: the request's place in the pool's queue."
+)
 
 # what every route may answer: the HTTP guards run before any route
 _GUARDS: dict[int, str] = {
@@ -68,7 +61,7 @@ def errors(**own: str) -> dict[int | str, dict[str, Any]]:
     for code in sorted(described):
         entry: dict[str, Any] = {"model": OpenAIErrorResponse, "description": described[code]}
         if code == 503:
-            entry["headers"] = _RETRY_AFTER
+            entry["headers"] = _HEADERS_503
         out[code] = entry
     return out
 
