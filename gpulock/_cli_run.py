@@ -351,6 +351,18 @@ def _enforce_options(
         fail(EXIT_USAGE, f"--device-reader: {e}")
     except DeviceError as e:
         fail(EXIT_USAGE, f"--enforce: {e}")
+    # One read now: a reader that cannot see the device (or sees no process's use) would
+    # enforce nothing, and a command run unwatched under --enforce is a silent failure.
+    try:
+        probe = reader.read(device)
+    except DeviceError as e:
+        fail(EXIT_USAGE, f"--enforce cannot read device {device} ({reader.name} reader): {e}")
+    if probe.processes is None:
+        fail(
+            EXIT_USAGE,
+            f"--enforce needs each process's device use; the {reader.name} reader has none on "
+            f"device {device} (install nvidia-ml-py: pip install 'gpulock[gpu]')",
+        )
     return _EnforceOptions(reader, device, m, slack, hold)
 
 

@@ -47,6 +47,15 @@ def process_tree(pid: int) -> set[int]:
         return set()
 
 
+def process_ancestors(pid: int) -> list[int]:
+    """The pids of ``pid``'s parent, grandparent, ... (nearest first; empty when ``pid`` is gone
+    or not visible, e.g. in another pid namespace)."""
+    try:
+        return [p.pid for p in psutil.Process(pid).parents()]
+    except psutil.Error:
+        return []
+
+
 class Enforcer:
     """The watching thread (module docstring). ``stop()`` ends it; ``on_over(breach)`` and
     ``on_note(text)`` are called from it."""

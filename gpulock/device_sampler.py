@@ -9,7 +9,10 @@ round the holder
 
 1. reads the device (a :class:`~gpulock.devices.DeviceReader`, in a thread) and the pool's
    status (its live leases, with the holders' ``host`` and ``pid``);
-2. computes the external use (:func:`~gpulock.device_truth.external_use`), smooths it
+2. charges each device process that holds no lease to its nearest ancestor that does
+   (:func:`~gpulock.device_truth.fold_into_holders`: ``gpulock run`` holds the lease, its
+   command uses the device), computes the external use
+   (:func:`~gpulock.device_truth.external_use`), smooths it
    (:class:`~gpulock.device_truth.Smoother`) and caps it at the capacity;
 3. finds over-users (:func:`~gpulock.device_truth.find_overuse`, held for ``overuse_hold``
    seconds by :class:`~gpulock.device_truth.OveruseTimer`) and logs each at WARNING, naming
@@ -24,6 +27,7 @@ If the sampler dies (or its device read fails) nothing is published, the report 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -35,6 +39,7 @@ from dataclasses import dataclass, field
 
 from ._args import _HOST
 from ._async import AsyncPool
+from ._enforce import process_ancestors
 from .device_truth import (
     DEFAULT_MARGIN,
     DEFAULT_SLACK,
@@ -43,6 +48,8 @@ from .device_truth import (
     Smoother,
     external_use,
     find_overuse,
+    fold_into_holders,
+    leases_by_pid,
 )
 from .devices import DeviceError, DeviceReader, DeviceReading
 
@@ -164,6 +171,13 @@ class DeviceSampler:
             self.smoother.published = r.external
         reading = await asyncio.to_thread(self.reader.read, self.device)
         st = await self.pool.status(limit=100000)
+        if reading.processes is not None:
+            # a holder's descendants (gpulock run's command) count as the holder
+            holders = leases_by_pid(st.leases, self.host)
+            folded = await asyncio.to_thread(
+                fold_into_holders, reading.processes, holders, process_ancestors
+            )
+            reading = dataclasses.replace(reading, processes=folded)
         now = self.clock()
         raw = external_use(reading, st.leases, self.host)
         ext = min(self.smoother.update(raw, now), st.capacity)

@@ -5,8 +5,10 @@ Given a :class:`~gpulock.devices.DeviceReading` and the pool's live leases
 
 * :func:`external_use` — the bytes the device shows in use outside the pool's leases: with
   per-process use, the sum over processes that hold no live lease on this host plus what each
-  holder uses beyond its leases; without it, ``max(0, used − bytes leased by holders on this
-  host)``. Bytes; what the pool should hold back.
+  holder uses beyond its leases (a holder's descendants count as the holder:
+  :func:`fold_into_holders`), and never less than ``max(0, used − bytes leased by holders on
+  this host)``, which is the answer without per-process use. Bytes; what the pool should hold
+  back.
 * :class:`Smoother` — what to publish of a series of such values: a rise takes effect at once
   (a late rise is an OOM), a fall only once it has lasted :attr:`Smoother.fall_samples` samples
   and :attr:`Smoother.fall_seconds` seconds (a process that frees and reallocates within a
@@ -23,7 +25,7 @@ reads a clock or a device (times are passed in, seconds of a monotonic clock).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
@@ -42,6 +44,7 @@ __all__ = [
     "exceeds",
     "external_use",
     "find_overuse",
+    "fold_into_holders",
     "holder_pid",
     "leases_by_pid",
 ]
@@ -79,14 +82,39 @@ def leases_by_pid(leases: Iterable[LeaseInfo], host: str) -> dict[int, list[Leas
     return out
 
 
+def fold_into_holders(
+    processes: Mapping[int, int],
+    holders: Iterable[int],
+    ancestors: Callable[[int], Iterable[int]],
+) -> dict[int, int]:
+    """``processes`` (pid -> device bytes) with the use of each pid that holds no lease but
+    descends from a holder charged to its nearest holder ancestor (``ancestors(pid)``: its
+    parent, grandparent, ... nearest first). ``gpulock run`` holds the lease in its own process
+    while its command (a child) uses the device: without this the command's memory would count
+    as external (granted twice) and its over-use would go unseen."""
+    hs = set(holders)
+    out: dict[int, int] = {}
+    for pid, used in processes.items():
+        owner = pid
+        if pid not in hs:
+            owner = next((a for a in ancestors(pid) if a in hs), pid)
+        out[owner] = out.get(owner, 0) + used
+    return out
+
+
 def external_use(reading: DeviceReading, leases: Iterable[LeaseInfo], host: str) -> int:
     """Bytes in use on the device outside the pool's live leases (module docstring). A
     process's use counts in full when it holds no live lease (a process that lost its lease
-    while it still holds memory — a hung worker — counts so until the device frees it)."""
+    while it still holds memory — a hung worker — counts so until the device frees it).
+
+    With per-process use the answer is never below ``used − bytes leased on this host``: memory
+    of processes the reader does not list (another container's, which NVML may not show) is
+    outside the leases too."""
     by_pid = leases_by_pid(leases, host)
+    leased = sum(lz.amount for group in by_pid.values() for lz in group)
+    by_total = max(0, reading.used_bytes - leased)
     if reading.processes is None:
-        leased = sum(lz.amount for group in by_pid.values() for lz in group)
-        return max(0, reading.used_bytes - leased)
+        return by_total
     ext = 0
     for pid, used in reading.processes.items():
         group = by_pid.get(pid)
@@ -94,7 +122,7 @@ def external_use(reading: DeviceReading, leases: Iterable[LeaseInfo], host: str)
             ext += used
         else:
             ext += max(0, used - sum(lz.amount for lz in group))
-    return ext
+    return max(ext, by_total)
 
 
 @dataclass

@@ -201,22 +201,32 @@ _FRACTION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(%?)\s*$")
 
 
 def parse_fraction(value: int | float | str, *, name: str, maximum: float = 10.0) -> float:
-    """A non-negative fraction: ``"10%"`` or ``0.1`` -> 0.1 (a percent sign divides by 100).
+    """A non-negative fraction: ``"10%"`` or ``0.1`` -> 0.1 (a percent sign divides by 100). A
+    number without ``%`` is a fraction of 1, so it is at most 1: ``10`` is refused (it would
+    read as 1000%), with a hint; ``"1000%"`` says that on purpose.
 
     Raises:
-        InvalidArgument: naming the value, for anything else or a value above ``maximum``.
+        InvalidArgument: naming the value, for anything else, a bare number above 1, or a
+            value above ``maximum``.
     """
     if isinstance(value, bool):
         raise InvalidArgument(f"{name} must be a fraction such as 10% or 0.1, got {value!r}")
+    percent = False
     if isinstance(value, (int, float)):
         f = float(value)
     else:
         m = _FRACTION_RE.match(str(value))
         if not m:
             raise InvalidArgument(f"{name} must be a fraction such as 10% or 0.1, got {value!r}")
-        f = float(m.group(1)) / (100.0 if m.group(2) else 1.0)
+        percent = bool(m.group(2))
+        f = float(m.group(1)) / (100.0 if percent else 1.0)
     if not math.isfinite(f) or f < 0 or f > maximum:
         raise InvalidArgument(
             f"{name} must be between 0 and {maximum:g} (0% and {maximum * 100:g}%), got {value!r}"
+        )
+    if not percent and f > 1:
+        raise InvalidArgument(
+            f"{name} must be a fraction such as 10% or 0.1 (a number without % is a fraction "
+            f"of 1), got {value!r}: did you mean {value}%?"
         )
     return f

@@ -362,16 +362,77 @@ def _stays(proc: subprocess.Popen, seconds: float) -> bool:
     return False
 
 
+async def test_a_commands_memory_counts_as_its_gpulock_run_holder(redis_proc, make_apool, tmp_path):
+    """``gpulock run`` holds the lease in its own process; its command (a child) is what the
+    device lists. The command's use is charged to the run's lease: not external (not granted
+    twice), and flagged as the run's over-use when it exceeds the lease."""
+    f = tmp_path / "dev.json"
+    device(f, 0, {})
+    p = make_apool()
+    await p.configure(1000 * MiB)
+    env = {**os.environ, "GPULOCK_REDIS_URL": redis_proc.url}
+    proc = subprocess.Popen(
+        [
+            *gpulock_argv(),
+            "run",
+            "--pool",
+            p.name,
+            "--amount",
+            "400MiB",
+            "--",
+            sys.executable,
+            "-c",
+            _GREEDY,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        from support.procs import children
+
+        async def leased() -> bool:
+            return (await p.status()).lease_count == 1
+
+        await _async_poll(leased, 30, "the run's lease")
+        st = await p.status()
+        run_pid, lease_id = st.leases[0].holder["pid"], st.leases[0].lease_id
+        assert run_pid == proc.pid
+        kids = wait_until(lambda: children(run_pid), 30, "CMD to start")
+        device(f, 400 * MiB, {kids[0]: 400 * MiB})  # CMD uses exactly its lease
+        s = sampler(p, f, margin=0.10, slack=0)
+        r = await s.run_once()
+        assert (r.external_raw, r.overusers) == (0, [])
+        assert (await p.status()).free == 600 * MiB
+
+        device(f, 700 * MiB, {kids[0]: 700 * MiB})  # CMD goes 300 MiB over its lease
+        r = await s.run_once()
+        assert [(o.pid, o.lease_ids, o.excess) for o in r.overusers] == [
+            (run_pid, (lease_id,), 300 * MiB)
+        ]
+        assert r.external_raw == 300 * MiB  # only the excess is outside the leases
+    finally:
+        kill_quietly(proc.pid)
+        proc.wait()
+
+
 def test_run_enforce_refuses_bad_options_before_anything_is_held(redis_proc, tmp_path):
     env = {**os.environ, "GPULOCK_REDIS_URL": redis_proc.url}
     c = redis.Redis.from_url(redis_proc.url)
     raw_configure(c, "enfbad", 1000)
+    dev, noproc = tmp_path / "dev.json", tmp_path / "noproc.json"
+    device(dev, 0, {})
+    device(noproc, 0, None)
     before = snapshot(c)
     for extra, needle in (
         (["--enforce-margin", "-3%"], "--enforce-margin"),
         (["--enforce-margin", "lots"], "'lots'"),
         (["--device-reader", "cuda"], "'cuda'"),
         (["--enforce-slack", "-1"], "--enforce-slack"),
+        (["--enforce-margin", "10"], "did you mean 10%"),
+        (["--device-reader", f"fake:{tmp_path}/missing.json"], "--enforce cannot read device 0"),
+        (["--device-reader", f"fake:{noproc}"], "needs each process's device use"),
+        (["--device-reader", f"fake:{dev}", "--device", "3"], "--enforce cannot read device 3"),
     ):
         r = subprocess.run(
             [

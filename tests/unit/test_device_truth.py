@@ -14,6 +14,7 @@ from gpulock.device_truth import (
     exceeds,
     external_use,
     find_overuse,
+    fold_into_holders,
 )
 from gpulock.devices import (
     DeviceError,
@@ -102,6 +103,23 @@ def test_external_use_per_process():
     assert external_use(DeviceReading(0, 1000, 5, {10: 5}), [lease("x", 9, pid=None)], "h1") == 5
 
 
+def test_fold_into_holders_charges_descendants_to_the_nearest_holder():
+    tree = {21: [20, 10, 1], 22: [21, 20, 10, 1], 30: [1], 20: [10, 1]}
+    # 10 and 20 hold leases; 21 and 22 descend from 20 (nearest holder), 30 from none
+    got = fold_into_holders(
+        {10: 5, 20: 1, 21: 2, 22: 3, 30: 7, 99: 4}, {10, 20}, lambda p: tree.get(p, [])
+    )
+    assert got == {10: 5, 20: 6, 30: 7, 99: 4}
+    assert fold_into_holders({}, {10}, lambda p: tree.get(p, [])) == {}
+
+
+def test_external_use_per_process_is_never_below_used_minus_leased():
+    # the reader lists no process (another container's memory), yet the device is 600 used
+    leases = [lease("a", 100, pid=10)]
+    assert external_use(DeviceReading(0, 1000, 600, {}), leases, "h1") == 500
+    assert external_use(DeviceReading(0, 1000, 600, {10: 100}), leases, "h1") == 500
+
+
 def test_external_use_without_per_process():
     leases = [lease("a", 100, pid=10), lease("b", 50, pid=11), lease("d", 999, host="h2")]
     assert external_use(DeviceReading(0, 1000, 400, None), leases, "h1") == 250
@@ -164,9 +182,14 @@ def test_parse_fraction():
 
     assert parse_fraction("10%", name="m") == pytest.approx(0.10)
     assert parse_fraction("0.25", name="m") == 0.25 and parse_fraction(0, name="m") == 0.0
-    for bad in ("-3%", "ten", "", True, "2000%", float("nan")):
+    assert (
+        parse_fraction("150%", name="m") == pytest.approx(1.5) and parse_fraction(1, name="m") == 1
+    )
+    for bad in ("-3%", "ten", "", True, "2000%", float("nan"), "10", 10, "1.5"):
         with pytest.raises(InvalidArgument, match="m must be"):
             parse_fraction(bad, name="m")
+    with pytest.raises(InvalidArgument, match="did you mean 10%"):
+        parse_fraction("10", name="m")
 
 
 def test_enforcer_counts_the_tree_and_says_when_it_cannot_enforce(tmp_path):
