@@ -98,8 +98,14 @@ class FakeReader:
         devs = doc.get("devices") if isinstance(doc, dict) else None
         if not isinstance(devs, list):
             raise DeviceError(f"fake device file {str(self.path)!r} has no 'devices' list")
-        for d in devs:
-            if isinstance(d, dict) and d.get("index", 0) == index:
+        for n, d in enumerate(devs):
+            ix = d.get("index") if isinstance(d, dict) else None
+            if isinstance(ix, bool) or not isinstance(ix, int):
+                raise DeviceError(
+                    f"fake device file {str(self.path)!r}: entry {n} needs an integer 'index', "
+                    f"got {d!r:.80}"
+                )
+            if ix == index:
                 procs = d.get("processes")
                 table: dict[int, int] | None = None
                 if procs is not None:
@@ -113,13 +119,16 @@ class FakeReader:
                             raise DeviceError(
                                 f"fake device {index}: pid {k!r} is not a number"
                             ) from e
+                        if pid < 1:
+                            raise DeviceError(f"fake device {index}: pid {k!r} is not a pid")
                         table[pid] = _nonneg_int(v, f"fake device {index} process {k}")
-                return DeviceReading(
-                    index,
-                    _nonneg_int(d.get("total"), f"fake device {index} 'total'"),
-                    _nonneg_int(d.get("used"), f"fake device {index} 'used'"),
-                    table,
-                )
+                total = _nonneg_int(d.get("total"), f"fake device {index} 'total'")
+                used = _nonneg_int(d.get("used"), f"fake device {index} 'used'")
+                if used > total:
+                    raise DeviceError(
+                        f"fake device {index}: 'used' {used} is more than its 'total' {total}"
+                    )
+                return DeviceReading(index, total, used, table)
         raise DeviceError(f"fake device file {str(self.path)!r} has no device {index}")
 
 

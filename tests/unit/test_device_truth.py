@@ -55,6 +55,10 @@ def test_fake_reader_reads_and_follows_rewrites(tmp_path):
         ({"devices": [{"index": 0, "total": -1, "used": 0}]}, "'total' must be a non-negative"),
         ({"devices": [{"index": 0, "total": 1, "used": 0, "processes": {"x": 1}}]}, "pid 'x'"),
         ({"devices": [{"index": 0, "total": 1, "used": 0, "processes": [1]}]}, "map pid"),
+        ({"devices": [{"total": 1, "used": 0}]}, "entry 0 needs an integer 'index'"),
+        ({"devices": [{"index": "0", "total": 1, "used": 0}]}, "needs an integer 'index'"),
+        ({"devices": [{"index": 0, "total": 1, "used": 5}]}, "'used' 5 is more than"),
+        ({"devices": [{"index": 0, "total": 9, "used": 0, "processes": {"-1": 1}}]}, "not a pid"),
     ],
 )
 def test_fake_reader_names_bad_files(tmp_path, doc, match):
