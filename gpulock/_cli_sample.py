@@ -51,7 +51,8 @@ def sample(
 ) -> None:
     """Reconcile POOL with the device's real memory: publish the memory in use outside the
     pool's leases (the pool then grants at most capacity minus that), and flag holders that use
-    more than they lease. Runs until SIGINT or SIGTERM; one of several samples."""
+    more than they lease. Runs until SIGINT or SIGTERM. Run one per host and device, or more:
+    one of them samples, the others stand by and take over when it dies."""
     from ._async import AsyncPool
     from .devices import DeviceError, open_reader
 
@@ -62,16 +63,21 @@ def sample(
         fail(EXIT_USAGE, f"--device-reader: {e}")
     except DeviceError as e:
         fail(EXIT_USAGE, str(e))
-    logging.basicConfig(level=logging.WARNING, format="gpulock sample: %(message)s")
+    iv, rt = float(interval or DEFAULT_INTERVAL), float(report_ttl or DEFAULT_REPORT_TTL)
+    if rt < 2 * iv:
+        fail(
+            EXIT_USAGE,
+            f"--report-ttl ({rt:g} s) must be at least two --interval ({iv:g} s "
+            f"each): a report must outlive a late round",
+        )
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
 
     async def main() -> None:
         from gpulock_common.aio import stop_tasks
 
         p = AsyncPool.from_url(t.url, pool)
         try:
-            s = DeviceSampler(
-                p, reader, device, interval=float(interval or 1), report_ttl=float(report_ttl or 10)
-            )
+            s = DeviceSampler(p, reader, device, interval=iv, report_ttl=rt)
         except ValueError as e:
             await p.aclose()
             fail(EXIT_USAGE, str(e))

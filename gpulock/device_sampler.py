@@ -155,6 +155,7 @@ class DeviceSampler:
         self.last: SamplerRound | None = None
         self._timer = OveruseTimer(overuse_hold)
         self._logged: dict[tuple[int, tuple[str, ...]], float] = {}
+        self._unreadable: tuple[str, float] | None = None  # the last failure logged, and when
 
     async def run_once(self) -> SamplerRound:
         """One round (module docstring). Raises DeviceError (the device could not be read:
@@ -236,9 +237,17 @@ class DeviceSampler:
             except asyncio.CancelledError:
                 raise
             except DeviceError as e:
-                log.warning(
-                    "gpulock: pool %s: device %d unreadable: %s", self.pool.name, self.device, e
-                )
+                # once per distinct failure, then once a minute while it lasts
+                now, text = self.clock(), str(e)
+                if (
+                    self._unreadable is None
+                    or self._unreadable[0] != text
+                    or (now - self._unreadable[1] >= _LOG_EVERY)
+                ):
+                    self._unreadable = (text, now)
+                    log.warning(
+                        "gpulock: pool %s: device %d unreadable: %s", self.pool.name, self.device, e
+                    )
             except Exception as e:  # noqa: BLE001 - a sampler never stops for one failure
                 log.debug("gpulock: device sampling of pool %s failed: %s", self.pool.name, e)
             await asyncio.sleep(max(0.05, self.interval - (self.clock() - start)))

@@ -39,7 +39,7 @@ STRANGER = 4_000_000  # a pid no test process has (pid_max is at most 4194304)
 
 
 def device(path, used: int, processes: dict[int, int] | None) -> None:
-    doc: dict = {"index": 0, "total": 100_000, "used": used}
+    doc: dict = {"index": 0, "total": 1 << 40, "used": used}
     if processes is not None:
         doc["processes"] = {str(k): v for k, v in processes.items()}
     write_fake_devices(path, [doc])
@@ -521,3 +521,17 @@ async def test_a_sampler_taking_over_goes_on_from_the_live_report(make_apool, tm
     assert s.last is not None and s.last.external == 400  # the first sample of 0: not yet
     assert (await s.run_once()).external == 0
     assert (await p.status()).external == 0
+
+
+def test_sample_refuses_a_report_ttl_shorter_than_two_intervals(redis_proc, tmp_path):
+    env = {**os.environ, "GPULOCK_REDIS_URL": redis_proc.url}
+    argv = [*gpulock_argv(), "sample", "--pool", "p", "--device-reader", f"fake:{tmp_path}/d"]
+    r = subprocess.run(
+        [*argv, "--interval", "3", "--report-ttl", "5"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "--report-ttl (5 s) must be at least two --interval (3 s each)" in r.stderr
