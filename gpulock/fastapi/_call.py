@@ -276,6 +276,8 @@ class GuardedCalls:
                 pass  # mapped below
         if job.wait_s is not None:
             access.note(queue_wait_s=job.wait_s)
+        if job.leased is not None:
+            access.note(lease_bytes=job.leased)  # what was granted, after the OOM back-off
         if response is not None and job.wait_s is not None:
             response.headers["Server-Timing"] = (
                 f"gpulock-wait;dur={job.wait_s * 1000:.3f}, "

@@ -89,6 +89,9 @@ class Job:
     # GpuLimiter.estimate), and the OOMs its work handled itself (note_oom).
     bucket: str | None = None
     ooms: int = 0
+    # Bytes of the lease granted (the estimate, raised by the OOM back-off's factor); None
+    # until granted.
+    leased: int | None = None
 
 
 def _settle(
@@ -284,6 +287,7 @@ class JobRunner:
                 # wait_for can return a result that raced a cancellation. Run nothing.
                 raise asyncio.CancelledError()
             job.wait_s = granted_at - job.arrival
+            job.leased = lease.amount
             m.acquire_wait.labels(job.route).observe(job.wait_s)
             m.grants.labels(job.route).inc()
             self._retry.granted()

@@ -7,6 +7,8 @@ CPU only: the OOM is the message ``gpulock.cuda.is_oom`` classifies, raised by t
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import math
 import threading
 import time
@@ -17,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.apps import Running
 
 from gpulock import AsyncPool
+from gpulock._access_log import ACCESS_LOGGER, AccessLog
 from gpulock.fastapi import GpuLimiter, current_lease
 from gpulock.oom_backoff import BackoffRule
 
@@ -35,6 +38,7 @@ def _app(url: str, pool: str, rule: BackoffRule | None, gate: threading.Event | 
         url, pool, capacity=4 * GiB, configure="set", oom_backoff=rule, executor_threads=4
     )
     app = FastAPI(lifespan=gpu.lifespan)
+    app.add_middleware(AccessLog, log_format="json")
     seen: dict = {"amounts": []}
 
     @app.post("/embed")
@@ -74,7 +78,8 @@ async def _sees(gpu: GpuLimiter, factor: float, scale: float) -> bool:
     ) == pytest.approx(scale)
 
 
-async def test_an_oom_raises_the_bucket_and_shrinks_the_pool_for_every_worker(redis_proc1):
+async def test_an_oom_raises_the_bucket_and_shrinks_the_pool_for_every_worker(redis_proc1, caplog):
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
     rule = BackoffRule(episode_s=60.0, capacity_every_s=3600.0)
     app_a, a, seen_a = _app(redis_proc1.url, "bo1", rule)
     app_b, b, seen_b = _app(redis_proc1.url, "bo1", rule)
@@ -91,6 +96,10 @@ async def test_an_oom_raises_the_bucket_and_shrinks_the_pool_for_every_worker(re
         # B's next request: the estimate × 1.5 (450 MiB), leased / 0.8 (562.5 MiB)
         assert (await cb.post("/embed", json={})).status_code == 200
         assert seen_b["amounts"][-1] == math.ceil(math.ceil(300 * MiB * 1.5) / 0.8)
+        # its access line says the bytes leased, not the estimate before the factor
+        lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == ACCESS_LOGGER]
+        embeds = [x for x in lines if x["path"] == "/embed" and x["status"] == 200]
+        assert embeds[-1]["lease_bytes"] == seen_b["amounts"][-1]
         # a second OOM in the same episode (60 s here) changes nothing
         assert (await cb.post("/embed", json={"oom": True})).status_code == 503
         await _until(lambda: _sees(b, 0.8, 1.5), "worker B unchanged")
