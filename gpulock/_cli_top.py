@@ -66,6 +66,17 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
             f"capacity {format_size(p['capacity'])}  used {format_size(p['used'])}  "
             f"resident {format_size(p['resident'])}  free {format_size(p['free'])}\n"
         )
+        if p.get("external"):  # the device report holds bytes back (docs/SEMANTICS.md)
+            head.append(
+                f"device: {format_size(p['external'])} in use outside the leases, effective "
+                f"capacity {format_size(p['effective_capacity'])}\n"
+            )
+        for o in p.get("overusers", ()):
+            who = " ".join(f"{k}={v}" for k, v in o["holder"].items()) or "?"
+            head.append(
+                f"over-user: {who} uses {format_size(o['actual'])} for a lease of "
+                f"{format_size(o['leased'])} ({format_size(o['excess'])} over)\n"
+            )
         head.append(
             f"leases {p['lease_count']}  queued {p['waiter_count']}  grants {rate}  "
             f"503s {p['rejected']}  OOMs {p['oom']}\n"

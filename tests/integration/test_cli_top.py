@@ -80,3 +80,29 @@ def test_top_once_and_iterations_together_is_a_usage_error(redis_proc):
 def test_top_with_no_pools_says_so(redis_proc):
     r = cli(redis_proc.url, "top", "--once")
     assert r.returncode == 0 and "no pools" in r.stdout
+
+
+def test_top_shows_the_device_report_and_its_over_users(redis_proc, make_pool, pool_name):
+    import asyncio
+
+    from gpulock import AsyncPool
+
+    make_pool().configure(4 * GiB)
+    over = [
+        {"pid": 7, "holder": {"job": "hog"}, "leased": GiB, "actual": 3 * GiB, "excess": 2 * GiB}
+    ]
+
+    async def report() -> None:
+        p = AsyncPool.from_url(redis_proc.url, pool_name)
+        try:
+            await p.device_report("s1", 60_000, GiB, 60_000, json.dumps(over))
+        finally:
+            await p.aclose()
+
+    asyncio.run(report())
+    r = cli(redis_proc.url, "top", pool_name, "--once")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "device: 1.0GiB in use outside the leases, effective capacity 3.0GiB" in out, out
+    assert "over-user: job=hog uses 3.0GiB for a lease of 1.0GiB (2.0GiB over)" in out, out
+    assert "free 3.0GiB" in out
