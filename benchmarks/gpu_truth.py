@@ -716,7 +716,7 @@ def section_d(ctx: dict[str, Any]) -> dict[str, Any]:
     import os
 
     from gpulock import AcquireTimeout, AsyncPool, Pool
-    from gpulock.cuda import is_oom
+    from gpulock.cuda import drop_traceback, is_oom
     from gpulock.device_truth import DEFAULT_THRESHOLD
 
     dev = ctx["device"]
@@ -759,14 +759,14 @@ def section_d(ctx: dict[str, Any]) -> dict[str, Any]:
             x = torch.empty(n, dtype=torch.uint8, device="cuda:0")
             x.fill_(1)
             torch.cuda.synchronize()
-            return x
+            return [x]  # a box: free() empties it, so no reference outlives the free
 
         def free(x: Any, n: int) -> None:
             if fake:
                 procs[me] -= n
                 dev._give(n)
                 return
-            del x
+            x.clear()
             from gpulock.cuda import empty_cache
 
             empty_cache()  # cached blocks beyond the leases would count as external
@@ -791,6 +791,7 @@ def section_d(ctx: dict[str, Any]) -> dict[str, Any]:
                         if not is_oom(e):
                             raise
                         ooms["n"] += 1
+                        drop_traceback(e)  # its frames pin the tensors
                         if not fake:
                             from gpulock.cuda import empty_cache
 
@@ -925,6 +926,12 @@ def section_e(ctx: dict[str, Any]) -> dict[str, Any]:
     dev = ctx["device"]
     fake = dev.name == "fake"
     reader, times, procs = _truth_env(ctx, "e")
+    if reader.name not in ("nvml", "fake"):
+        # torch's reader has no per-process use, and over-use is per process
+        raise RuntimeError(
+            f"(e) needs per-process device use (NVML: pip install nvidia-ml-py), "
+            f"the reader here is {reader.name}"
+        )
     cap = ctx["capacity"]
     lease_n = max(1, cap // 64)
     use = 4 * lease_n
