@@ -10,7 +10,7 @@ download): BERT-large-sized on the GPU (24 layers, d=1024, 16 heads, ff 4096, fp
 the dry run (2 layers, d=64, 4 heads, ff 128, fp32), so memory, not accuracy, is measured.
 ``--workers`` processes each load it and serve a mix of shapes (``SHAPES``) from client tasks.
 
-Sections (each a function in :data:`SECTIONS`, run in :data:`RUN_ORDER`, printed a, b, c):
+Sections (each a function in :data:`SECTIONS`, run in :data:`RUN_ORDER`, printed a to e):
 
 * (c) calibration: per shape, the peak memory of one forward (``max_memory_allocated`` above
   the baseline) against gpulock's estimates of it: the formula (the service's
@@ -30,9 +30,19 @@ Sections (each a function in :data:`SECTIONS`, run in :data:`RUN_ORDER`, printed
   weights held as a resident lease, each request leasing its calibrated estimate. Targets:
   0 OOMs, peak device memory in use / total ≥ 85 %. Also reported: time-weighted mean of in
   use / total, p99 latency (arrival to answer, queueing included), requests/s.
-* (d) reconciliation (another process takes memory mid-run, gpulock grants less) and (e) a
-  holder over its lease is flagged: not here yet; they plug into :data:`SECTIONS` and
-  :data:`RUN_ORDER` once the pool reconciles with the device (see docs/BENCHMARKS.md).
+* (d) reconciliation: a pool with a ``DeviceSampler`` on the device (GPU: ``open_reader
+  ("auto")``; dry run: a ``FakeReader`` file written from the fake device before each read),
+  :data:`D_CLIENTS` clients in this process leasing and allocating capacity / D_CLIENTS each;
+  mid-run another process grabs X = capacity / 4 outside gpulock. Reported: effective capacity
+  and external use before / during / after (each read with the clients paused and the report
+  settled), grab to report (s), peak granted during the grab, OOMs during it, grabber exit to
+  full capacity (s). Targets: 0 OOMs, peak granted ≤ effective during ≤ capacity − X, after =
+  before (on the GPU within the smoother's threshold).
+* (e) an over-user: a process takes a lease of capacity / 64, then uses 4× it on the device.
+  Reported: the pid and lease the pool's status flags (``overusers``), the excess, the time
+  to the flag against the rule's hold. Target: its own pid and lease, excess ≥ 3× the lease.
+
+(d) and (e) have fixed time budgets (:data:`TRUTH_TIMES`); the load sections get the rest.
 
 The workers run with the service's ``PYTORCH_CUDA_ALLOC_CONF`` (``expandable_segments:True``
 unless set; :mod:`gpulock_service.alloc_conf`) and, like the service, do not empty the
@@ -568,16 +578,441 @@ def section_b(ctx: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# ---- (d) reconciliation and (e) over-use: the device sampler against the device -----------
+
+#: (d)'s and (e)'s fixed time budgets (s): (d) ``d_s``, of which ``d_phase_s`` before, during
+#: and after the grab each; (e) ``e_s``. The dry run's are seconds; the GPU's fit 8 minutes.
+TRUTH_TIMES = {
+    "dry": {"d_s": 12.0, "d_phase_s": 0.5, "e_s": 8.0, "hold_s": 0.5, "interval_s": 0.1},
+    "gpu": {"d_s": 50.0, "d_phase_s": 8.0, "e_s": 25.0, "hold_s": 5.0, "interval_s": 1.0},
+}
+#: The dry run's fake grabber: a pid no process has (pid_max is at most 4194304).
+FAKE_GRABBER_PID = 4_000_000
+#: (d)'s clients: this many, each leasing capacity / this; together they ask for it all.
+D_CLIENTS = 8
+
+#: The process that holds memory outside gpulock ((d)) or over its lease ((e)): argv URL POOL
+#: LEASE ALLOC FLAG KIND. It takes a LEASE-byte lease when LEASE > 0, then (KIND "cuda")
+#: allocates ALLOC bytes with torch; writes FLAG (the lease id, or "-") once both are done and
+#: holds everything until FLAG is removed.
+_HOLDER = """
+import os, sys, time
+url, pool, lease_n, alloc_n, flag, kind = sys.argv[1:7]
+lease = None
+if int(lease_n) > 0:
+    from gpulock import Pool
+    lease = Pool.from_url(url, pool).acquire(int(lease_n), ttl=10.0, timeout=30)
+x = None
+if kind == "cuda" and int(alloc_n) > 0:
+    import torch
+    x = torch.empty(int(alloc_n), dtype=torch.uint8, device="cuda:0")
+    x.fill_(1)
+    torch.cuda.synchronize()
+with open(flag + ".tmp", "w") as f:
+    f.write(lease.id if lease is not None else "-")
+os.replace(flag + ".tmp", flag)
+while os.path.exists(flag):
+    time.sleep(0.02)
+"""
+
+
+def _holder_proc(url: str, pool: str, lease_n: int, alloc_n: int, flag: Path, kind: str) -> Any:
+    """Start :data:`_HOLDER` (its argv as named), with this checkout's packages importable."""
+    import os
+    import subprocess
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), str(ROOT / "clients" / "python"), str(ROOT / "clients" / "common")]
+        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, url, pool, str(lease_n), str(alloc_n), str(flag), kind],
+        env=env,
+        cwd=ROOT,
+    )
+
+
+async def _until(cond: Callable[[], Any], deadline: float, what: str) -> None:
+    """Poll the async ``cond`` every 20 ms until true. Raises TimeoutError at ``deadline``
+    (monotonic s), naming ``what``."""
+    while not await cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not by the section's deadline")
+        await asyncio.sleep(0.02)
+
+
+class _Mirror:
+    """The dry run's device reader: before each read it writes the fake device file from the
+    fake device (its ``used``) and the processes listed in :attr:`procs` (pid -> bytes: the
+    workers' weights, this process's allocations, the grabber, the over-user), then reads it
+    with a :class:`~gpulock.devices.FakeReader`."""
+
+    name = "fake"
+
+    def __init__(self, dev: Any, path: Path, procs: dict[int, int]):
+        from gpulock.devices import FakeReader
+
+        self.dev, self.path, self.procs = dev, path, procs
+        self.extra = 0  # bytes the file shows in use beyond the fake device's (the over-user)
+        self.fake = FakeReader(path)
+
+    def read(self, index: int) -> Any:
+        from gpulock.devices import write_fake_devices
+
+        procs = {str(k): v for k, v in dict(self.procs).items() if v > 0}
+        doc = {"index": index, "total": self.dev.total, "used": self.dev.used() + self.extra}
+        write_fake_devices(self.path, [{**doc, "processes": procs}])
+        return self.fake.read(index)
+
+
+def _truth_env(ctx: dict[str, Any], name: str) -> tuple[Any, Any, dict[int, int]]:
+    """(reader, times, procs) for section ``name``: the dry run's :class:`_Mirror` (procs: the
+    workers' pids with their weights) or ``open_reader("auto")`` on the GPU."""
+    import os
+    import tempfile
+
+    dev = ctx["device"]
+    times = TRUTH_TIMES["dry" if dev.name == "fake" else "gpu"]
+    procs: dict[int, int] = {}
+    if dev.name == "fake":
+        for p in ctx["workers"].procs:
+            procs[int(p.pid)] = ctx["workers"].weights
+        procs[os.getpid()] = 0
+        path = Path(tempfile.mkdtemp(prefix=f"gpu_truth_{name}_")) / "devices.json"
+        return _Mirror(dev, path, procs), times, procs
+    from gpulock.devices import open_reader
+
+    return open_reader("auto"), times, procs
+
+
+def _sampler(pool: Any, reader: Any, times: dict[str, float], fake: bool) -> Any:
+    """The section's DeviceSampler: the library's defaults on the GPU; in the dry run the
+    fake device's scale (a 1 KiB threshold, a 0.3 s fall, no slack: its bytes are KiB)."""
+    from gpulock.device_sampler import DeviceSampler
+    from gpulock.device_truth import DEFAULT_SLACK, Smoother
+
+    iv = times["interval_s"]
+    sm = Smoother(threshold=1024, fall_samples=2, fall_seconds=0.3) if fake else Smoother()
+    return DeviceSampler(
+        pool,
+        reader,
+        0,
+        interval=iv,
+        report_ttl=max(10.0, 20 * iv),
+        overuse_hold=times["hold_s"],
+        smoother=sm,
+        slack=0 if fake else DEFAULT_SLACK,
+    )
+
+
+def section_d(ctx: dict[str, Any]) -> dict[str, Any]:
+    """(d) reconciliation: :data:`D_CLIENTS` clients in this process lease
+    capacity / D_CLIENTS each, allocate it on the device, hold it briefly and free it, while a
+    sampler reconciles the pool with the device. The clients pause (hold nothing), another
+    process grabs X = capacity / 4 outside gpulock, and once the report shows it they run
+    again: the pool must grant at most capacity − external (≤ capacity − X), with 0 OOMs.
+    Then they pause, the grabber exits, and the pool must come back to its capacity before."""
+    import os
+
+    from gpulock import AcquireTimeout, AsyncPool, Pool
+    from gpulock.cuda import drop_traceback, is_oom
+    from gpulock.device_truth import DEFAULT_THRESHOLD
+
+    dev = ctx["device"]
+    fake = dev.name == "fake"
+    reader, times, procs = _truth_env(ctx, "d")
+    cap = ctx["capacity"]
+    chunk = cap // D_CLIENTS
+    grab = cap // 4
+    pool_name = "truth-d"
+    with Pool.from_url(ctx["redis"].url, pool_name) as sp:
+        sp.configure(cap)
+    t0 = time.monotonic()
+    deadline = t0 + times["d_s"]
+    phase = times["d_phase_s"]
+    me = os.getpid()
+    row: dict[str, Any] = {"capacity": cap, "grab": grab, "chunk": chunk}
+    tol = 0 if fake else DEFAULT_THRESHOLD  # the smoother ignores changes under its threshold
+
+    async def go() -> None:
+        pool = AsyncPool.from_url(ctx["redis"].url, pool_name)
+        s = _sampler(pool, reader, times, fake)
+        rounds: list[Any] = []
+        st_task = asyncio.create_task(s.run(rounds.append))
+        running = asyncio.Event()
+        stop = False
+        held = {"now": 0, "peak": 0}
+        ooms = {"n": 0}
+        stats = {"granted_during": 0}
+        during = {"on": False}
+        loop = asyncio.get_running_loop()
+        ex = ThreadPoolExecutor(D_CLIENTS)
+
+        def alloc(n: int) -> Any:
+            if fake:
+                dev._take(n)
+                procs[me] = procs.get(me, 0) + n
+                return n
+            import torch
+
+            x = torch.empty(n, dtype=torch.uint8, device="cuda:0")
+            x.fill_(1)
+            torch.cuda.synchronize()
+            return [x]  # a box: free() empties it, so no reference outlives the free
+
+        def free(x: Any, n: int) -> None:
+            if fake:
+                procs[me] -= n
+                dev._give(n)
+                return
+            x.clear()
+            from gpulock.cuda import empty_cache
+
+            empty_cache()  # cached blocks beyond the leases would count as external
+
+        async def client() -> None:
+            while not stop:
+                if not running.is_set():
+                    await asyncio.sleep(0.01)
+                    continue
+                try:
+                    lease = await pool.acquire(chunk, ttl=30, timeout=0.2)
+                except AcquireTimeout:
+                    continue
+                try:
+                    held["now"] += chunk
+                    held["peak"] = max(held["peak"], held["now"])
+                    if during["on"]:
+                        stats["granted_during"] = max(stats["granted_during"], held["now"])
+                    try:
+                        x = await loop.run_in_executor(ex, alloc, chunk)
+                    except Exception as e:  # noqa: BLE001 - counted when an OOM
+                        if not is_oom(e):
+                            raise
+                        ooms["n"] += 1
+                        drop_traceback(e)  # its frames pin the tensors
+                        if not fake:
+                            from gpulock.cuda import empty_cache
+
+                            empty_cache()
+                    else:
+                        await asyncio.sleep(0.02)
+                        await loop.run_in_executor(ex, free, x, chunk)
+                finally:
+                    held["now"] -= chunk
+                    await lease.release()
+
+        async def has_round() -> bool:
+            return s.last is not None and s.last.holder
+
+        async def idle() -> bool:
+            return held["now"] == 0
+
+        async def settled() -> Any:
+            """The pool's status once the clients hold nothing and the sampler has published
+            what the device shows then: a round that began after they stopped (the second
+            from now) whose published external is its reading's (the clients' leases and
+            the device are read one after the other, so while they run a round can see a
+            freed lease's bytes still on the device: a rise, published at once)."""
+            await _until(idle, deadline, "the clients to pause")
+            n0 = len(rounds)
+
+            async def ok() -> bool:
+                r = rounds[-1] if len(rounds) >= n0 + 2 else None
+                return r is not None and r.holder and abs(r.external - r.external_raw) <= tol
+
+            await _until(ok, deadline, "the sampler's report to settle")
+            return await pool.status()
+
+        clients = [asyncio.create_task(client()) for _ in range(D_CLIENTS)]
+        grabber = None
+        flag = Path("/nonexistent")
+        try:
+            await _until(has_round, deadline, "the sampler's first round")
+            running.set()
+            await asyncio.sleep(phase)
+            running.clear()
+            before = await settled()
+            row["peak_granted_before"] = held["peak"]
+            row["effective_before"], row["external_before"] = (
+                before.effective_capacity,
+                before.external,
+            )
+            t_grab = time.monotonic()
+            if fake:
+                dev._take(grab)
+                procs[FAKE_GRABBER_PID] = grab
+            else:
+                import tempfile
+
+                flag = Path(tempfile.mkdtemp(prefix="gpu_truth_d_")) / "grabbed"
+                grabber = _holder_proc(ctx["redis"].url, pool_name, 0, grab, flag, "cuda")
+
+                async def grabbed() -> bool:
+                    if grabber.poll() is not None:
+                        raise RuntimeError(f"the grabber exited with {grabber.returncode}")
+                    return flag.exists()
+
+                await _until(grabbed, deadline, "the grabber's allocation")
+                t_grab = time.monotonic()
+
+            async def reported() -> bool:
+                return (await pool.status()).external >= before.external + grab
+
+            await _until(reported, deadline, "the report of the grab")
+            row["grab_to_report_s"] = round(time.monotonic() - t_grab, 3)
+            during["on"] = True
+            ooms["n"] = 0
+            running.set()
+            await asyncio.sleep(phase)
+            running.clear()
+            st = await settled()
+            row["effective_during"], row["external_during"] = st.effective_capacity, st.external
+            during["on"] = False
+            row["peak_granted_during"] = stats["granted_during"]
+            row["ooms_during"] = ooms["n"]
+            t_free = time.monotonic()
+            if fake:
+                procs.pop(FAKE_GRABBER_PID)
+                dev._give(grab)
+            else:
+                flag.unlink()
+                await asyncio.to_thread(grabber.wait, max(1.0, deadline - time.monotonic()))
+
+            async def back() -> bool:
+                st = await pool.status()
+                return st.effective_capacity >= before.effective_capacity - tol
+
+            await _until(back, deadline, "the pool's capacity to come back")
+            row["free_to_back_s"] = round(time.monotonic() - t_free, 3)
+            after = await settled()
+            row["effective_after"], row["external_after"] = (
+                after.effective_capacity,
+                after.external,
+            )
+        finally:
+            stop = True
+            running.set()
+            await asyncio.gather(*clients, return_exceptions=True)
+            st_task.cancel()
+            await asyncio.gather(st_task, return_exceptions=True)
+            ex.shutdown(wait=True)
+            if grabber is not None and grabber.poll() is None:
+                grabber.kill()
+                grabber.wait()
+            await pool.aclose()
+
+    asyncio.run(go())
+    row["granted_limit_during"] = cap - grab
+    row["target_met"] = (
+        row["ooms_during"] == 0
+        and row["peak_granted_during"] <= row["effective_during"] <= cap - grab
+        and row["effective_after"] >= row["effective_before"] - tol
+    )
+    return row
+
+
+def section_e(ctx: dict[str, Any]) -> dict[str, Any]:
+    """(e) an over-user flagged: a process takes a lease of capacity / 64 through gpulock,
+    then uses 4× that on the device (GPU: a torch allocation, plus its CUDA context; dry run:
+    the fake file lists its pid with 4× its lease). The sampler must flag it in the pool's
+    status (``overusers``: its pid and lease, the excess in bytes) once it has been over for
+    the rule's hold; reported: the time from the allocation to the flag against that hold."""
+    import tempfile
+
+    from gpulock import AsyncPool, Pool
+
+    dev = ctx["device"]
+    fake = dev.name == "fake"
+    reader, times, procs = _truth_env(ctx, "e")
+    if reader.name not in ("nvml", "fake"):
+        # torch's reader has no per-process use, and over-use is per process
+        raise RuntimeError(
+            f"(e) needs per-process device use (NVML: pip install nvidia-ml-py), "
+            f"the reader here is {reader.name}"
+        )
+    cap = ctx["capacity"]
+    lease_n = max(1, cap // 64)
+    use = 4 * lease_n
+    pool_name = "truth-e"
+    with Pool.from_url(ctx["redis"].url, pool_name) as sp:
+        sp.configure(cap)
+    deadline = time.monotonic() + times["e_s"]
+    flag = Path(tempfile.mkdtemp(prefix="gpu_truth_e_")) / "allocated"
+    row: dict[str, Any] = {"leased": lease_n, "uses": use, "hold_s": times["hold_s"]}
+
+    async def go() -> None:
+        pool = AsyncPool.from_url(ctx["redis"].url, pool_name)
+        s = _sampler(pool, reader, times, fake)
+        st_task = asyncio.create_task(s.run())
+        proc = _holder_proc(
+            ctx["redis"].url, pool_name, lease_n, 0 if fake else use, flag, dev.name
+        )
+        try:
+
+            async def allocated() -> bool:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the over-user exited with {proc.returncode}")
+                return flag.exists()
+
+            await _until(allocated, deadline, "the over-user's lease and allocation")
+            lease_id = flag.read_text()
+            if fake:
+                procs[proc.pid] = use
+                reader.extra = use
+            t_over = time.monotonic()
+
+            async def flagged() -> bool:
+                st = await pool.status()
+                return any(o.get("pid") == proc.pid for o in st.overusers)
+
+            await _until(flagged, deadline, "the over-user to be flagged")
+            row["time_to_flag_s"] = round(time.monotonic() - t_over, 3)
+            st = await pool.status()
+            o = next(o for o in st.overusers if o.get("pid") == proc.pid)
+            row["pid"], row["flagged_pid"] = proc.pid, o["pid"]
+            row["lease_id"], row["flagged_lease_ids"] = lease_id, ",".join(o["lease_ids"])
+            row["flagged_leased"], row["flagged_actual"] = o["leased"], o["actual"]
+            row["excess"] = o["excess"]
+        finally:
+            flag.unlink(missing_ok=True)
+            procs.pop(proc.pid, None)
+            if fake:
+                reader.extra = 0
+            try:
+                await asyncio.to_thread(proc.wait, 10)
+            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: end it
+                proc.kill()
+                await asyncio.to_thread(proc.wait)
+            st_task.cancel()
+            await asyncio.gather(st_task, return_exceptions=True)
+            await pool.aclose()
+
+    asyncio.run(go())
+    row["target_met"] = (
+        row["flagged_pid"] == row["pid"]
+        and row["flagged_lease_ids"] == row["lease_id"]
+        and row["excess"] >= use - lease_n
+        # the fake's over-use starts when the clock does; on the GPU it started earlier
+        and (not fake or row["time_to_flag_s"] >= row["hold_s"])
+    )
+    return row
+
+
 #: Section name → function(ctx) → its row (a dict; ``target_met`` a bool when it has
-#: targets). (d) and (e) plug in here and in RUN_ORDER; a section that runs load on the
-#: workers (``_load``) also gets a share in LOAD_SHARE, which its time is planned from.
+#: targets). A section that runs load on the workers (``_load``) also gets a share in
+#: LOAD_SHARE, which its time is planned from; (d) and (e) have fixed budgets (TRUTH_TIMES).
 SECTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "a": section_a,
     "b": section_b,
     "c": section_c,
+    "d": section_d,
+    "e": section_e,
 }
-#: (c) first: (a) and (b) size their load and lease amounts from its estimates.
-RUN_ORDER = ["c", "a", "b"]
+#: (c) first: (a) and (b) size their load and lease amounts from its estimates; (d) and (e)
+#: last, on pools of their own.
+RUN_ORDER = ["c", "a", "b", "d", "e"]
 #: Share of the load time each load section gets.
 LOAD_SHARE = {"a": 0.5, "b": 0.5}
 
@@ -586,7 +1021,8 @@ def plan(minutes: float, dry: bool, workers: int) -> dict[str, Any]:
     """The time budget: worker start, per-section load and drain bounds, and (c)'s bound;
     their sum is at most ``minutes``. Raises SystemExit when it does not fit."""
     start_s, cal_s, drain_s = (60.0, 10.0, 10.0) if dry else (120.0, 60.0, 30.0)
-    fixed = start_s + cal_s + drain_s * len(LOAD_SHARE)
+    times = TRUTH_TIMES["dry" if dry else "gpu"]
+    fixed = start_s + cal_s + drain_s * len(LOAD_SHARE) + times["d_s"] + times["e_s"]
     budget = minutes * 60.0 - SLACK_S
     load_total = (2.0 * len(LOAD_SHARE)) if dry else budget - fixed
     if not dry and load_total < 20:
@@ -597,6 +1033,8 @@ def plan(minutes: float, dry: bool, workers: int) -> dict[str, Any]:
         "cal_s": cal_s,
         "drain_s": drain_s,
         "load_s": load_total / len(LOAD_SHARE),
+        "d_s": times["d_s"],
+        "e_s": times["e_s"],
         "bound_s": fixed + load_total,
     }
 
@@ -606,7 +1044,8 @@ def load_time(p: dict[str, Any], left: list[str], seconds_left: float) -> float:
     took longer than planned, so that the sections ``left`` (this one first) and their drains
     still end by the deadline (``seconds_left`` from now); at least 1 s."""
     loads = [s for s in left if s in LOAD_SHARE]
-    room = seconds_left - p["drain_s"] * len(loads) - 0.5 * len(loads)
+    fixed = sum(p[f"{s}_s"] for s in left if f"{s}_s" in p and s in ("d", "e"))
+    room = seconds_left - fixed - p["drain_s"] * len(loads) - 0.5 * len(loads)
     share = LOAD_SHARE[loads[0]] / sum(LOAD_SHARE[s] for s in loads)
     return max(1.0, min(p["load_s"], room * share))
 
@@ -641,7 +1080,7 @@ def _pct(x: float | None) -> str:
 
 
 def table(results: dict[str, Any], dry: bool) -> str:
-    """The printed table, sections a, b, c (and any others) in name order."""
+    """The printed table, sections a to e (and any others) in name order."""
     lines = [
         ("DRY RUN (fake device, tiny model: not a measurement)" if dry else "GPU truth"),
         "section | metric | value | target",
@@ -675,7 +1114,33 @@ def table(results: dict[str, Any], dry: bool) -> str:
                     f"{_pct(row['calibrated_err'])} | "
                     + ("0..+10%" if row["bucket_sized"] else ">= 0 (inside a bucket)")
                 )
-        else:  # a section added later ((d), (e)): its scalar numbers as they are
+        elif name == "d":
+            sz = format_size
+            lines += [
+                f"d reconciliation | grab outside gpulock (X) | {sz(r['grab'])} | -",
+                f"d | effective capacity before / during / after | "
+                f"{sz(r['effective_before'])} / {sz(r['effective_during'])} / "
+                f"{sz(r['effective_after'])} | during <= capacity - X "
+                f"({sz(r['granted_limit_during'])}); after = before",
+                f"d | external before / during / after | {sz(r['external_before'])} / "
+                f"{sz(r['external_during'])} / {sz(r['external_after'])} | -",
+                f"d | grab to report | {r['grab_to_report_s']:.2f} s | -",
+                f"d | peak granted during the grab | {sz(r['peak_granted_during'])} | "
+                f"<= effective during",
+                f"d | OOMs during the grab | {r['ooms_during']} | 0",
+                f"d | grabber exit to full capacity | {r['free_to_back_s']:.2f} s | -",
+            ]
+        elif name == "e":
+            sz = format_size
+            lines += [
+                f"e over-user | lease / device use | {sz(r['leased'])} / {sz(r['uses'])} | -",
+                f"e | flagged pid (its pid) | {r['flagged_pid']} ({r['pid']}) | same",
+                f"e | flagged lease | {r['flagged_lease_ids']} | {r['lease_id']}",
+                f"e | excess | {sz(r['excess'])} | >= {sz(r['uses'] - r['leased'])}",
+                f"e | time to flag (hold) | {r['time_to_flag_s']:.2f} s ({r['hold_s']:.1f} s) "
+                f"| >= hold",
+            ]
+        else:  # a section added later: its scalar numbers as they are
             for k, v in r.items():
                 if isinstance(v, (int, float, str)) and k not in ("seconds", "target_met"):
                     lines.append(f"{name} | {k} | {v} | -")
@@ -721,7 +1186,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"gpu_truth plan: {workers_n} workers; start <= {p['start_s']:.0f}s, (c) planned "
         f"{p['cal_s']:.0f}s, (a) and (b) {p['load_s']:.0f}s of load + {p['drain_s']:.0f}s "
-        f"drain each: <= {p['bound_s'] / 60:.1f} min",
+        f"drain each, (d) {p['d_s']:.0f}s, (e) {p['e_s']:.0f}s: <= {p['bound_s'] / 60:.1f} min",
         flush=True,
     )
     t_begin = time.monotonic()
