@@ -49,7 +49,13 @@ from . import alloc_conf
 from .metrics import observe_request
 from .models import build_model, count_tokens
 from .openai_errors import OpenAIError, guard_detail, install_openai_errors
-from .openapi import METRICS_RESPONSES, errors, install_openapi
+from .openapi import (
+    EMBEDDING_RESPONSES,
+    METRICS_RESPONSES,
+    READY_SCHEMA,
+    errors,
+    install_openapi,
+)
 from .settings import Settings
 
 log = logging.getLogger("gpulock.service")
@@ -106,76 +112,6 @@ class _WorkerHeader:
             await send(msg)
 
         return await self.app(scope, receive, send_with)
-
-
-_EMBEDDING_ERRORS = errors(
-    s400="invalid_request_error: a body the schema refuses (param names the field), or "
-    "token ids the model cannot take",
-    s404="model_not_found: model names another model than the one served",
-    s409="an X-Request-ID reused for a request with another body",
-    s413="capacity: the inputs need more GPU memory than the pool leaves for requests; or "
-    "request_too_large: the body is over GPULOCK_MAX_REQUEST_BYTES",
-    s500="cuda_error: a sticky CUDA error (the worker exits and is replaced)",
-    s503="queue_timeout, queue_full, not_ready, lease_lost, cuda_oom, backend: overloaded or "
-    "not ready; retry after Retry-After",
-    s504="inference_timeout: the model ran past GPULOCK_INFERENCE_TIMEOUT",
-)
-# the 200 of /v1/embeddings (``respond`` builds it)
-_EMBEDDINGS_200: dict[str, Any] = {
-    "type": "object",
-    "required": ["object", "data", "model", "usage"],
-    "properties": {
-        "object": {"const": "list"},
-        "data": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["object", "index", "embedding"],
-                "properties": {
-                    "object": {"const": "embedding"},
-                    "index": {"type": "integer", "minimum": 0},
-                    "embedding": {
-                        "description": "floats, or base64 of little-endian float32",
-                        "anyOf": [
-                            {"type": "array", "items": {"type": "number"}},
-                            {"type": "string"},
-                        ],
-                    },
-                },
-            },
-        },
-        "model": {"type": "string"},
-        "usage": {
-            "type": "object",
-            "required": ["prompt_tokens", "total_tokens"],
-            "properties": {
-                "prompt_tokens": {"type": "integer", "minimum": 0},
-                "total_tokens": {"type": "integer", "minimum": 0},
-            },
-        },
-    },
-}
-_EMBEDDING_RESPONSES = {
-    200: {
-        "description": "the embeddings, in input order",
-        "content": {"application/json": {"schema": _EMBEDDINGS_200}},
-    },
-    **_EMBEDDING_ERRORS,
-}
-# /ready's body (both statuses)
-_READY: dict[str, Any] = {
-    "type": "object",
-    "required": ["ready", "pid", "pool", "model", "checks"],
-    "properties": {
-        "ready": {"type": "boolean"},
-        "pid": {"type": "integer"},
-        "pool": {"type": "string"},
-        "model": {"type": "string"},
-        "device": {"type": ["string", "null"]},
-        "resident_bytes": {"type": "integer"},
-        "checks": {"type": "object"},
-    },
-}
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -385,11 +321,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get(
         "/ready",
         responses={
-            200: {"description": "ready", "content": {"application/json": {"schema": _READY}}},
+            200: {
+                "description": "ready",
+                "content": {"application/json": {"schema": READY_SCHEMA}},
+            },
             **errors(),
             503: {
                 "description": "not ready: the same body, naming the checks that fail",
-                "content": {"application/json": {"schema": _READY}},
+                "content": {"application/json": {"schema": READY_SCHEMA}},
             },
         },
     )
@@ -563,7 +502,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         app.state.batcher = batcher
 
-        @app.post("/v1/embeddings", responses=_EMBEDDING_RESPONSES)
+        @app.post("/v1/embeddings", responses=EMBEDDING_RESPONSES)
         async def embeddings_batched(
             body: EmbeddingRequest, request: Request, response: Response
         ) -> Response:
@@ -572,7 +511,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     else:
 
-        @app.post("/v1/embeddings", responses=_EMBEDDING_RESPONSES)
+        @app.post("/v1/embeddings", responses=EMBEDDING_RESPONSES)
         @limiter.endpoint(ROUTE, estimate=estimate)
         def embeddings(body: EmbeddingRequest) -> Response:
             """Runs in gpulock's executor thread, under the request's lease."""

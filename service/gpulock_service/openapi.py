@@ -21,7 +21,13 @@ from gpulock.retry_after import openapi_headers
 
 from .openai_errors import OpenAIErrorResponse
 
-__all__ = ["METRICS_RESPONSES", "errors", "install_openapi"]
+__all__ = [
+    "EMBEDDING_RESPONSES",
+    "METRICS_RESPONSES",
+    "READY_SCHEMA",
+    "errors",
+    "install_openapi",
+]
 
 _HEADERS_503 = openapi_headers(
     "queue_timeout, queue_full: the request's place in the pool's queue."
@@ -64,6 +70,77 @@ def errors(**own: str) -> dict[int | str, dict[str, Any]]:
             entry["headers"] = _HEADERS_503
         out[code] = entry
     return out
+
+
+_EMBEDDING_ERRORS = errors(
+    s400="invalid_request_error: a body the schema refuses (param names the field), or "
+    "token ids the model cannot take",
+    s404="model_not_found: model names another model than the one served",
+    s409="an X-Request-ID reused for a request with another body",
+    s413="capacity: the inputs need more GPU memory than the pool leaves for requests; or "
+    "request_too_large: the body is over GPULOCK_MAX_REQUEST_BYTES",
+    s500="cuda_error: a sticky CUDA error (the worker exits and is replaced)",
+    s503="queue_timeout, queue_full, not_ready, lease_lost, cuda_oom, backend: overloaded or "
+    "not ready; retry after Retry-After",
+    s504="inference_timeout: the model ran past GPULOCK_INFERENCE_TIMEOUT",
+)
+# the 200 of /v1/embeddings (``respond`` builds it)
+_EMBEDDINGS_200: dict[str, Any] = {
+    "type": "object",
+    "required": ["object", "data", "model", "usage"],
+    "properties": {
+        "object": {"const": "list"},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["object", "index", "embedding"],
+                "properties": {
+                    "object": {"const": "embedding"},
+                    "index": {"type": "integer", "minimum": 0},
+                    "embedding": {
+                        "description": "floats, or base64 of little-endian float32",
+                        "anyOf": [
+                            {"type": "array", "items": {"type": "number"}},
+                            {"type": "string"},
+                        ],
+                    },
+                },
+            },
+        },
+        "model": {"type": "string"},
+        "usage": {
+            "type": "object",
+            "required": ["prompt_tokens", "total_tokens"],
+            "properties": {
+                "prompt_tokens": {"type": "integer", "minimum": 0},
+                "total_tokens": {"type": "integer", "minimum": 0},
+            },
+        },
+    },
+}
+#: ``POST /v1/embeddings``: its 200 and every error it answers.
+EMBEDDING_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "the embeddings, in input order",
+        "content": {"application/json": {"schema": _EMBEDDINGS_200}},
+    },
+    **_EMBEDDING_ERRORS,
+}
+#: ``/ready``'s body (200 and 503 alike).
+READY_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["ready", "pid", "pool", "model", "checks"],
+    "properties": {
+        "ready": {"type": "boolean"},
+        "pid": {"type": "integer"},
+        "pool": {"type": "string"},
+        "model": {"type": "string"},
+        "device": {"type": ["string", "null"]},
+        "resident_bytes": {"type": "integer"},
+        "checks": {"type": "object"},
+    },
+}
 
 
 def _array_variants(prop: dict[str, Any]) -> list[dict[str, Any]]:
