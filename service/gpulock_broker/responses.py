@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpulock._openapi import error_responses
 from gpulock.retry_after import openapi_headers
 
 from .models import ErrorResponse
@@ -58,15 +59,7 @@ def errors(*, validation: str | None = _VALIDATION, **own: str) -> dict[int | st
 
     ``validation``: what the route's 422 means; None for a route without parameters or body
     (no 422)."""
-    described = dict(_COMMON)
-    for key, why in own.items():
-        described[int(key.lstrip("s"))] = why
-    out: dict[int | str, dict[str, Any]] = {}
-    for code in sorted(described):
-        entry: dict[str, Any] = {"model": ErrorResponse, "description": described[code]}
-        if code == 503:
-            entry["headers"] = _HEADERS_503
-        out[code] = entry
+    out = error_responses(_COMMON, own, ErrorResponse, _HEADERS_503)
     if validation is not None:
         # FastAPI's HTTPValidationError ({"detail": [{"loc", "msg", "type"}]}), our words
         out[422] = {"description": validation}

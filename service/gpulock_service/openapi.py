@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from gpulock._openapi import error_responses
 from gpulock.retry_after import openapi_headers
 
 from .openai_errors import OpenAIErrorResponse
@@ -60,16 +61,7 @@ def errors(**own: str) -> dict[int | str, dict[str, Any]]:
     """``responses=`` for a route: the guards' 400, 408 and 413 plus the route's own, given as
     ``s404="why"`` (a status already there gets the route's description instead). A 503
     declares Retry-After."""
-    described = dict(_GUARDS)
-    for key, why in own.items():
-        described[int(key.lstrip("s"))] = why
-    out: dict[int | str, dict[str, Any]] = {}
-    for code in sorted(described):
-        entry: dict[str, Any] = {"model": OpenAIErrorResponse, "description": described[code]}
-        if code == 503:
-            entry["headers"] = _HEADERS_503
-        out[code] = entry
-    return out
+    return error_responses(_GUARDS, own, OpenAIErrorResponse, _HEADERS_503)
 
 
 _EMBEDDING_ERRORS = errors(
