@@ -46,16 +46,18 @@ local meta; meta, e = meta_arg(ARGV[7]); if e then return e end
 local chan; chan, e = channel_arg(ARGV[8]); if e then return e end
 
 -- Reads first: every key this call may use is read (redis.pcall) before the first write, so a
--- key of the wrong type fails it with nothing written (see "Key types" in lib.lua).
-local cfg = redis.pcall('HMGET', K_CFG, 'capacity', 'epoch', 'max_waiters', 'max_ttl_ms',
-                        'grace_until', 'used', 'fence', 'grants', 'external', 'external_until')
+-- key of the wrong type fails it with nothing written (see "Key types" in lib.lua). The queue's
+-- keys (waiters, wexp) are read only when the queue is not empty or the request may queue: an
+-- empty queue has no waiters (the three queue keys change together, in drop_waiter and below).
+local cfg = redis.pcall('HMGET', K_CFG, 'capacity', 'used', 'fence', 'grants', 'max_ttl_ms',
+                        'grace_until', 'external', 'external_until', 'epoch', 'max_waiters')
 if failed(cfg) then return keytype_error(cfg) end
 if not cfg[1] then return redis.error_reply('GPULOCK_NOPOOL') end
-local cap, epoch, maxw = tonumber(cfg[1]), tonumber(cfg[2]), tonumber(cfg[3])
+local cap = tonumber(cfg[1])
 if amount > cap then
   return redis.error_reply('GPULOCK_CAPACITY ' .. fmt(amount) .. ' ' .. fmt(cap))
 end
-local max_ttl = tonumber(cfg[4] or '0')
+local max_ttl = tonumber(cfg[5] or '0')
 if max_ttl > 0 and ttl > max_ttl then
   return bad('ttl_ms ' .. fmt(ttl) .. " exceeds the pool's max_ttl_ms " .. fmt(max_ttl))
 end
@@ -69,10 +71,15 @@ if held then
     return redis.error_reply('GPULOCK_CONFLICT request id ' .. ticket .. ' holds a lease of another amount')
   end
 end
-local w = redis.pcall('HGET', K_WAITERS, ticket)
-if failed(w) then return keytype_error(w) end
-if w and parse_waiter(w) ~= amount then
-  return redis.error_reply('GPULOCK_CONFLICT request id ' .. ticket .. ' is queued for another amount')
+local qlen = redis.pcall('ZCARD', K_QUEUE)
+if failed(qlen) then return keytype_error(qlen) end
+local w
+if qlen > 0 then
+  w = redis.pcall('HGET', K_WAITERS, ticket)
+  if failed(w) then return keytype_error(w) end
+  if w and parse_waiter(w) ~= amount then
+    return redis.error_reply('GPULOCK_CONFLICT request id ' .. ticket .. ' is queued for another amount')
+  end
 end
 if not held then
   r = redis.pcall('HEXISTS', K_HOLDERS, lid)
@@ -81,18 +88,26 @@ if not held then
     return redis.error_reply('GPULOCK_CONFLICT lease id is already in use')
   end
 end
-local qlen = redis.pcall('ZCARD', K_QUEUE)
-if failed(qlen) then return keytype_error(qlen) end
 local now = now_ms()
 local nstr = fmt(now)
 local dead = redis.pcall('ZRANGEBYSCORE', K_LEASES, '-inf', nstr)
 if failed(dead) then return keytype_error(dead) end
-local gone = redis.pcall('ZRANGEBYSCORE', K_WEXP, '-inf', nstr)
-if failed(gone) then return keytype_error(gone) end
+local used, grace_until = tonumber(cfg[2] or '0'), tonumber(cfg[6] or '0')
+local eff = eff_cap(now, cap, tonumber(cfg[7] or '0'), tonumber(cfg[8] or '0'))
+local gone = {}
+if qlen > 0 then
+  gone = redis.pcall('ZRANGEBYSCORE', K_WEXP, '-inf', nstr)
+  if failed(gone) then return keytype_error(gone) end
+elseif mode == 'wait' and (used + amount > eff or grace_until > now) then
+  -- It may queue (reaping can only make room): the queue's other keys are written then.
+  r = redis.pcall('HEXISTS', K_WAITERS, ticket)
+  if failed(r) then return keytype_error(r) end
+  r = redis.pcall('ZSCORE', K_WEXP, ticket)
+  if failed(r) then return keytype_error(r) end
+end
 
 -- Validation and reads done; writes start here.
-local grace_until = tonumber(cfg[5] or '0')
-local used, fence, grants = tonumber(cfg[6] or '0'), tonumber(cfg[7] or '0'), tonumber(cfg[8] or '0')
+local fence, grants = tonumber(cfg[3] or '0'), tonumber(cfg[4] or '0')
 if #dead + #gone > 0 then
   reap_found(dead, gone)
   -- Every script that frees bytes hands them on before it returns, so the queue can only
@@ -104,14 +119,14 @@ if #dead + #gone > 0 then
   used, fence, grants = tonumber(c[1] or '0'), tonumber(c[2] or '0'), tonumber(c[3] or '0')
 end
 
+local epoch = tonumber(cfg[9])
 if held and redis.call('HEXISTS', K_HOLDERS, held) == 1 then
   return grant_reply(now, held)
 end
 
 local function not_granted(code, pos)
-  local x = redis.call('HMGET', K_CFG, 'external', 'external_until')
   return {code, pos, next_expiry_in(now), redis.call('ZCARD', K_QUEUE), now,
-          epoch, cap, cfg_num('used'), cap - eff_cap(now, cap, tonumber(x[1] or '0'), tonumber(x[2] or '0'))}
+          epoch, cap, cfg_num('used'), cap - eff}
 end
 
 if qlen > 0 and redis.call('ZSCORE', K_QUEUE, ticket) then
@@ -119,8 +134,7 @@ if qlen > 0 and redis.call('ZSCORE', K_QUEUE, ticket) then
   return not_granted(0, redis.call('ZRANK', K_QUEUE, ticket) + 1)
 end
 
-if qlen == 0 and used + amount <= eff_cap(now, cap, tonumber(cfg[9] or '0'), tonumber(cfg[10] or '0'))
-   and grace_until <= now then
+if qlen == 0 and used + amount <= eff and grace_until <= now then
   -- make_lease, with the counters read above written in one HSET
   local token, exp = fence + 1, now + ttl
   used = used + amount
@@ -133,6 +147,7 @@ if qlen == 0 and used + amount <= eff_cap(now, cap, tonumber(cfg[9] or '0'), ton
 end
 if mode == 'try' then return not_granted(2, 0) end
 
+local maxw = tonumber(cfg[10])
 if qlen >= maxw then
   return redis.error_reply('GPULOCK_QUEUEFULL ' .. fmt(qlen) .. ' ' .. fmt(maxw))
 end

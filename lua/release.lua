@@ -13,7 +13,8 @@ local lid, e = lease_id_arg(ARGV[1]); if e then return e end
 local token; token, e = int_arg(ARGV[2], 'token', 0, MAX_AMOUNT); if e then return e end
 
 -- Reads first: every key this call may use is read (redis.pcall) before the first write, so a
--- key of the wrong type fails it with nothing written (see "Key types" in lib.lua).
+-- key of the wrong type fails it with nothing written (see "Key types" in lib.lua); the one
+-- exception is the tickets hash in the common case, whose HDEL is then the first write.
 local cfg = redis.pcall('HMGET', K_CFG, 'capacity', 'used', 'grace_until', 'external', 'external_until')
 if failed(cfg) then return keytype_error(cfg) end
 local now = now_ms()
@@ -26,21 +27,24 @@ if failed(rec) then return keytype_error(rec) end
 local nstr = fmt(now)
 local dead = redis.pcall('ZRANGEBYSCORE', K_LEASES, '-inf', nstr)
 if failed(dead) then return keytype_error(dead) end
-local gone = redis.pcall('ZRANGEBYSCORE', K_WEXP, '-inf', nstr)
-if failed(gone) then return keytype_error(gone) end
 local head = redis.pcall('ZRANGE', K_QUEUE, 0, 0)
 if failed(head) then return keytype_error(head) end
-local ticket
-if rec then
-  local _
-  _, _, _, _, ticket = parse_holder(rec)
-end
-if (rec or #dead > 0) then  -- a lease is dropped: its ticket leaves the tickets hash
-  local r = redis.pcall('HEXISTS', K_TICKETS, ticket or '')
+local gone = {}
+if #head > 0 then  -- waiters are read or dropped (an empty queue has none: see acquire.lua)
+  gone = redis.pcall('ZRANGEBYSCORE', K_WEXP, '-inf', nstr)
+  if failed(gone) then return keytype_error(gone) end
+  local r = redis.pcall('HEXISTS', K_WAITERS, head[1])
   if failed(r) then return keytype_error(r) end
 end
-if (#head > 0 or #gone > 0) then  -- waiters are read or dropped
-  local r = redis.pcall('HEXISTS', K_WAITERS, head[1] or '')
+local mine, amount, ticket = false, 0, ''
+if rec then
+  local tok, _
+  amount, tok, _, _, ticket = parse_holder(rec)
+  mine = tonumber(tok) == token  -- another token: not ours to release
+end
+if #head > 0 or #dead > 0 then
+  -- a hand-off or a reap writes the tickets hash before our own HDEL would
+  local r = redis.pcall('HEXISTS', K_TICKETS, ticket)
   if failed(r) then return keytype_error(r) end
 end
 
@@ -49,21 +53,21 @@ local cap, used, grace_until = tonumber(cfg[1]), tonumber(cfg[2] or '0'), tonumb
 local ok = 0
 if #dead + #gone > 0 then
   reap_found(dead, gone)
-  rec = redis.call('HGET', K_HOLDERS, lid)
+  if mine and redis.call('HEXISTS', K_HOLDERS, lid) == 0 then mine = false end  -- it had expired
   used = cfg_num('used')
   head = redis.call('ZRANGE', K_QUEUE, 0, 0)
 end
-if rec then
-  local amount, tok, _, _, t = parse_holder(rec)
-  if tonumber(tok) == token then
-    -- drop_lease, with what was read above
-    redis.call('ZREM', K_LEASES, lid)
-    redis.call('HDEL', K_HOLDERS, lid)
-    if t ~= '' then redis.call('HDEL', K_TICKETS, t) end
-    used = used - amount
-    redis.call('HSET', K_CFG, 'used', fmt(used))
-    ok = 1
+if mine then
+  -- drop_lease, with what was read above; the tickets HDEL first (see "Reads first")
+  if ticket ~= '' then
+    local r = redis.pcall('HDEL', K_TICKETS, ticket)
+    if failed(r) then return keytype_error(r) end
   end
+  redis.call('ZREM', K_LEASES, lid)
+  redis.call('HDEL', K_HOLDERS, lid)
+  used = used - amount
+  redis.call('HSET', K_CFG, 'used', fmt(used))
+  ok = 1
 end
 local lines, n
 lines, n, used = grant_from(now, head, cap, used, grace_until,
