@@ -10,7 +10,7 @@ from types import TracebackType
 from typing import Any, Callable, Generator, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import AuthenticationError, NoScriptError
+from redis.exceptions import AuthenticationError
 
 from gpulock_common.aio import pending_cancels
 
@@ -34,7 +34,7 @@ from ._cluster import ready as cluster_ready
 from ._connect import DEFAULT_MAX_CONNECTIONS, async_client
 from ._keys import pool_keys
 from ._runtime import Runtime
-from ._scripts import scripts
+from ._script_calls import AsyncScripts
 from .errors import LeaseLost, PoolClosed
 
 _T = TypeVar("_T")
@@ -170,9 +170,9 @@ class AsyncPool(PoolOptions):
         self.clock = clock
         self._keys = pool_keys(self.name)
         self._runtime = Runtime(redis, self.name, self._keys, clock, poll_interval)
-        self._batch = Batcher(
-            redis, self._keys, inflight_for(redis)
-        )  # concurrent calls share round trips
+        # concurrent calls share round trips: the batcher sends each call's first try
+        self._batch = Batcher(inflight_for(redis))
+        self._scripts = AsyncScripts(redis, self._keys, first=self._batch.first)
         flow.push_settings(self, self._runtime)
         self._owns_client = _owns_client
 
@@ -276,14 +276,9 @@ class AsyncPool(PoolOptions):
         raise AssertionError(f"unknown step {step!r}")
 
     async def _eval_once(self, name: str, args: list[str]) -> Any:
-        sc = scripts()[name]
         try:
             await cluster_ready(self.redis)  # a no-op but once for a cluster client
-            try:
-                return await self._batch.evalsha(sc.sha, args)
-            except NoScriptError:
-                await self.redis.script_load(sc.source)
-                return await self._batch.evalsha(sc.sha, args)
+            return await self._scripts.call(name, args)
         except AuthenticationError as e:
             # redis-py makes it a ConnectionError; retrying bad credentials only delays the
             # message (by backend_timeout), so it leaves the retry loops here.

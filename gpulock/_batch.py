@@ -4,7 +4,7 @@ connections, few round trips.
 A call runs at once, on its own connection, while fewer than ``max_inflight`` calls or
 batches are in flight: an uncontended acquire or release costs what it did before (a counter
 and a check). Calls made while all slots are busy queue here, in call order, and go out
-together, as one pipeline (``transaction=False``: independent EVALSHAs, each with its own
+together, as one pipeline (``transaction=False``: independent script calls, each with its own
 reply or error), as soon as a slot frees. So 10,000 waiters that enqueue at once take about
 10,000 / ``max_batch`` round trips on at most ``max_inflight`` connections, and a waiter that
 is waiting holds no connection and sends nothing (its refresh is in the pool's one batched
@@ -22,64 +22,72 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-#: Most EVALSHAs in one pipeline: big enough that a burst takes few round trips, small enough
+if TYPE_CHECKING:
+    from ._script_calls import AsyncScripts
+    from ._scripts import Script
+
+#: Most script calls in one pipeline: big enough that a burst takes few round trips, small enough
 #: that several batches overlap (the client encodes one while Redis runs another).
 DEFAULT_MAX_BATCH = 512
 
 
 class Batcher:
-    """Runs ``EVALSHA sha len(keys) *keys *args`` for one pool object's keys on ``redis`` (a
-    ``redis.asyncio`` client), with at most ``max_inflight`` calls or pipelines at a time
-    (≥ 1). Lives in one event loop."""
+    """Sends the first try of one pool object's script calls, with at most ``max_inflight``
+    calls or pipelines at a time (≥ 1). Lives in one event loop. Used as the ``first`` of
+    the pool's :class:`~gpulock._script_calls.AsyncScripts`, which spells each command and
+    sends a lone call on its lane."""
 
-    def __init__(
-        self, redis: Any, keys: Sequence[str], max_inflight: int, max_batch: int = DEFAULT_MAX_BATCH
-    ):
-        self.redis = redis
-        self.keys = keys
+    def __init__(self, max_inflight: int, max_batch: int = DEFAULT_MAX_BATCH):
         self.max_inflight = max(1, int(max_inflight))
         self.max_batch = max(1, int(max_batch))
         self.inflight = 0
-        self.pending: deque[tuple[str, list[Any], asyncio.Future[Any]]] = deque()
+        self.pending: deque[tuple[AsyncScripts, Script, Sequence[Any], asyncio.Future[Any]]] = (
+            deque()
+        )
         self.batches = 0  # pipelines sent (for tests and benchmarks)
         self.batched_calls = 0  # calls that went out in a pipeline
 
-    async def evalsha(self, sha: str, args: list[Any]) -> Any:
-        """The script's reply. Raises what redis-py raises for that call (NoScriptError,
-        ResponseError, ConnectionError, TimeoutError, ...)."""
+    async def first(self, scripts: AsyncScripts, sc: Script, args: Sequence[Any]) -> Any:
+        """The reply of ``sc`` with ``args``. Raises what redis-py raises for that call
+        (an error reply as ResponseError, ConnectionError, TimeoutError, ...)."""
         if self.inflight < self.max_inflight and not self.pending:
             self.inflight += 1
             try:
-                return await self.redis.evalsha(sha, len(self.keys), *self.keys, *args)
+                return await scripts.send(sc, args)
             finally:
                 self.inflight -= 1
                 if self.pending:
                     self._flush()
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.pending.append((sha, args, fut))
+        self.pending.append((scripts, sc, args, fut))
         return await fut
 
     def _flush(self) -> None:
         while self.pending and self.inflight < self.max_inflight:
-            batch: list[tuple[str, list[Any], asyncio.Future[Any]]] = []
+            batch: list[tuple[AsyncScripts, Script, Sequence[Any], asyncio.Future[Any]]] = []
             while self.pending and len(batch) < self.max_batch:
                 item = self.pending.popleft()
-                if not item[2].done():  # a call cancelled while it waited is not sent
+                if not item[3].done():  # a call cancelled while it waited is not sent
                     batch.append(item)
             if batch:
                 self.inflight += 1
                 asyncio.get_running_loop().create_task(self._send(batch))
 
-    async def _send(self, batch: list[tuple[str, list[Any], asyncio.Future[Any]]]) -> None:
+    async def _send(
+        self, batch: list[tuple[AsyncScripts, Script, Sequence[Any], asyncio.Future[Any]]]
+    ) -> None:
         try:
-            async with self.redis.pipeline(transaction=False) as p:
-                for sha, args, _ in batch:
-                    p.evalsha(sha, len(self.keys), *self.keys, *args)
+            scripts = batch[0][0]
+            if scripts.lane is not None:
+                await scripts.lane.give_back_idle()  # the pipeline takes one from the pool
+            async with scripts.client.pipeline(transaction=False) as p:
+                for _, sc, args, _ in batch:
+                    p.execute_command(*scripts.words(sc, args))
                 replies = await p.execute(raise_on_error=False)
         except BaseException as e:  # noqa: BLE001 - every call of the batch gets the error
-            for _, _, fut in batch:
+            for *_, fut in batch:
                 if not fut.done():
                     fut.set_exception(e)
             if not isinstance(e, Exception):
@@ -87,7 +95,7 @@ class Batcher:
         else:
             self.batches += 1
             self.batched_calls += len(batch)
-            for (_, _, fut), r in zip(batch, replies):
+            for (*_, fut), r in zip(batch, replies):
                 if fut.done():
                     continue
                 if isinstance(r, Exception):

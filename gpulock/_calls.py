@@ -12,13 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import AuthenticationError, MovedError
+from redis.exceptions import AuthenticationError, MovedError, ResponseError
 
 from ._cluster import primary_client
 from ._cluster import ready as cluster_ready
 from ._flow import queue_synced_renew, synced_renew_reply
 from ._keys import pool_key
 from ._protocol import DEFAULT_MAX_WAITERS, retrying, translate
+from ._script_calls import AsyncScripts, load
 from ._scripts import scripts
 
 DEFAULT_BACKEND_TIMEOUT_S = 5.0  # the pool object's backend_timeout, until it sets its own
@@ -51,18 +52,12 @@ class Calls:
         self.keys = keys
         self.settings = settings
         self.sync_key = pool_key(pool, "sync")  # a counter INCRed before each WAIT
+        self.scripts = AsyncScripts(redis, keys)
 
     async def _eval_once(self, name: str, args: list[Any]) -> Any:
-        from redis.exceptions import NoScriptError
-
-        sc = scripts()[name]
         try:
             await cluster_ready(self.redis)  # a no-op but once for a cluster client
-            try:
-                return await self.redis.evalsha(sc.sha, len(self.keys), *self.keys, *args)
-            except NoScriptError:
-                await self.redis.script_load(sc.source)
-                return await self.redis.evalsha(sc.sha, len(self.keys), *self.keys, *args)
+            return await self.scripts.call(name, args)
         except AuthenticationError as e:  # a ConnectionError to redis-py; retrying cannot help
             raise translate(e, self.pool) from e
 
@@ -92,23 +87,39 @@ class Calls:
         (:func:`gpulock._flow.queue_synced_renew`): returns (renew reply, replicas that
         acknowledged everything this connection wrote, the renewal included)."""
         st = self.settings
+        sc = scripts()["renew"]
+        dialect = self.scripts.heads.dialect
         for attempt in range(3):
             # On a cluster: the pool's primary itself (WAIT covers one connection's writes)
             r = primary_client(self.redis, self.sync_key)
             try:
                 async with r.pipeline(transaction=False) as p:
                     queue_synced_renew(
-                        p, self.keys, args, st.sync_replicas, st.sync_timeout_ms, self.sync_key
+                        p,
+                        dialect.words(sc, self.keys, args),
+                        st.sync_replicas,
+                        st.sync_timeout_ms,
+                        self.sync_key,
                     )
-                    out = synced_renew_reply(await p.execute(raise_on_error=False), attempt == 0)
+                    out = synced_renew_reply(
+                        await p.execute(raise_on_error=False), dialect.is_missing
+                    )
             except MovedError:
                 if attempt == 2 or r is self.redis:
                     raise
                 await self.redis.nodes_manager.initialize()  # the slot moved (a failover)
                 continue
-            if out is not None:
+            if not isinstance(out, BaseException):
                 return out
-            await r.script_load(scripts()["renew"].source)
+            if attempt == 2:
+                raise out
+            step = dialect.fix(out, sc)
+            if step is not None:
+                try:
+                    await load(r, step)
+                except ResponseError as e:
+                    if not dialect.load_failed(step, e):
+                        raise
         raise AssertionError("unreachable")
 
     async def drop_idle_connections(self) -> None:
@@ -119,6 +130,7 @@ class Calls:
         if pool is None:
             return
         try:
+            await self.scripts.drop_idle()  # the lane's connections at hand, too
             await pool.disconnect(inuse_connections=False)
         except Exception:  # noqa: BLE001 - best effort; a dead connection fails once and is dropped
             pass

@@ -44,7 +44,6 @@ from ._protocol import AcquireRequest
 from ._replies import DeviceReply, Grant, NotGranted, PoolStatus, decode_acquire, decode_status
 from ._retry import RETRYABLE, retry_bound
 from ._translate import translate
-from ._scripts import scripts
 from .errors import (
     AcquireTimeout,
     BackendUnavailable,
@@ -528,32 +527,31 @@ def sync_grant(pool: PoolView, lease: Any) -> Flow[None]:
 
 def queue_synced_renew(
     p: Any,
-    keys: Sequence[str],
-    args: list[str | int],
+    words: Sequence[Any],
     replicas: int,
     timeout_ms: int,
     sync_key: str,
 ) -> None:
-    """Queue on pipeline ``p`` (``transaction=False``; sync or asyncio) a ``renew`` of ``args``,
-    an INCR of the pool's sync counter ``sync_key`` and ``WAIT replicas timeout_ms``. WAIT
-    waits for the connection's last write; a renewal that changes no expiry (same millisecond)
-    replicates nothing, and the INCR comes later in the replication stream than the grant and
-    the renewal, so its acknowledgement covers both. Read the replies with
-    :func:`synced_renew_reply`."""
-    p.evalsha(scripts()["renew"].sha, len(keys), *keys, *args)
+    """Queue on pipeline ``p`` (``transaction=False``; sync or asyncio) the ``renew`` command
+    ``words`` (the client's dialect spells it), an INCR of the pool's sync counter
+    ``sync_key`` and ``WAIT replicas timeout_ms``. WAIT waits for the connection's last
+    write; a renewal that changes no expiry (same millisecond) replicates nothing, and the
+    INCR comes later in the replication stream than the grant and the renewal, so its
+    acknowledgement covers both. Read the replies with :func:`synced_renew_reply`."""
+    p.execute_command(*words)
     p.incr(sync_key)
     p.execute_command("WAIT", replicas, timeout_ms)
 
 
-def synced_renew_reply(res: list[Any], first: bool) -> tuple[Any, int] | None:
+def synced_renew_reply(
+    res: list[Any], missing: Callable[[BaseException], bool]
+) -> tuple[Any, int] | BaseException:
     """The replies of :func:`queue_synced_renew`'s pipeline (run with
-    ``raise_on_error=False``) as ``(renew reply, replicas that acknowledged)``; None when the
-    script must be loaded and the pipeline run again (NOSCRIPT on the ``first`` run). Raises
-    the first error among the replies."""
-    from redis.exceptions import NoScriptError
-
-    if first and isinstance(res[0], NoScriptError):
-        return None
+    ``raise_on_error=False``) as ``(renew reply, replicas that acknowledged)``; the renewal's
+    error itself when ``missing(error)`` says its code must be loaded and the pipeline run
+    again. Raises the first other error among the replies."""
+    if isinstance(res[0], Exception) and missing(res[0]):
+        return res[0]
     for x in res:
         if isinstance(x, Exception):
             raise x

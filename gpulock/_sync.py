@@ -18,7 +18,7 @@ from types import TracebackType
 from typing import Any, Callable, Coroutine, TypeVar
 
 import redis
-from redis.exceptions import AuthenticationError, MovedError, NoScriptError
+from redis.exceptions import AuthenticationError, MovedError, ResponseError
 
 from . import _flow as flow
 from ._cluster import primary_client
@@ -44,6 +44,7 @@ from ._connect import (
 )
 from ._keys import pool_key, pool_keys
 from ._runtime import Runtime, Waiter
+from ._script_calls import SyncScripts, load
 from ._scripts import scripts
 from .errors import LeaseLost, PoolClosed
 
@@ -243,6 +244,7 @@ class Pool(PoolOptions):
         self.redis = redis_client
         self.clock = clock
         self._keys = pool_keys(self.name)
+        self._scripts = SyncScripts(redis_client, self._keys)
         self._url = _url
         self._owns_client = _owns_client
         self._lock = threading.Lock()
@@ -402,13 +404,8 @@ class Pool(PoolOptions):
         return joined
 
     def _eval_once(self, name: str, args: list[str]) -> Any:
-        sc = scripts()[name]
         try:
-            try:
-                return self.redis.evalsha(sc.sha, len(self._keys), *self._keys, *args)
-            except NoScriptError:
-                self.redis.script_load(sc.source)
-                return self.redis.evalsha(sc.sha, len(self._keys), *self._keys, *args)
+            return self._scripts.call(name, args)
         except AuthenticationError as e:
             # redis-py makes it a ConnectionError; retrying bad credentials only delays the
             # message (by backend_timeout), so it leaves the retry loops here.
@@ -439,23 +436,39 @@ class Pool(PoolOptions):
         connection; see :func:`gpulock._flow.queue_synced_renew`)."""
         timeout_ms = max(1, int(self.sync_timeout * 1000))
         sync_key = pool_key(self.name, "sync")
+        sc = scripts()["renew"]
+        dialect = self._scripts.heads.dialect
         for attempt in range(3):
             # On a cluster: the pool's primary itself (WAIT covers one connection's writes)
             r = primary_client(self.redis, sync_key)
             try:
                 with r.pipeline(transaction=False) as p:
                     flow.queue_synced_renew(
-                        p, self._keys, args, self.sync_replicas, timeout_ms, sync_key
+                        p,
+                        dialect.words(sc, self._keys, args),
+                        self.sync_replicas,
+                        timeout_ms,
+                        sync_key,
                     )
-                    out = flow.synced_renew_reply(p.execute(raise_on_error=False), attempt == 0)
+                    out = flow.synced_renew_reply(
+                        p.execute(raise_on_error=False), dialect.is_missing
+                    )
             except MovedError:
                 if attempt == 2 or r is self.redis:
                     raise
                 self.redis.nodes_manager.initialize()  # type: ignore[attr-defined]  # cluster
                 continue
-            if out is not None:
+            if not isinstance(out, BaseException):
                 return out
-            r.script_load(scripts()["renew"].source)
+            if attempt == 2:
+                raise out
+            step = dialect.fix(out, sc)
+            if step is not None:
+                try:
+                    load(r, step)
+                except ResponseError as e:
+                    if not dialect.load_failed(step, e):
+                        raise
         raise AssertionError("unreachable")
 
     # ---- operations -------------------------------------------------------------------------

@@ -22,10 +22,17 @@
 -- Numbers are always formatted with fmt() before they reach redis.call: Lua would print a
 -- double such as a fencing token as "1.7e+15" and lose digits.
 
-if redis.replicate_commands then redis.replicate_commands() end
-
-local K_CFG, K_LEASES, K_HOLDERS, K_QUEUE, K_WAITERS, K_WEXP, K_TICKETS, K_EVENTS =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+-- The pool's keys, bound by bind() at the start of every call: the loader (gpulock/_scripts.py)
+-- runs each operation either as a script (EVALSHA: this file, "bind(KEYS)", the operation's
+-- file) or as a function of one library loaded once (FCALL, Redis >= 7 and Valkey: this file,
+-- then each operation wrapped as a function of (KEYS, ARGV) that starts with bind(KEYS)).
+local K_CFG, K_LEASES, K_HOLDERS, K_QUEUE, K_WAITERS, K_WEXP, K_TICKETS, K_EVENTS
+local POOL_KEYS
+local function bind(keys)
+  POOL_KEYS = keys
+  K_CFG, K_LEASES, K_HOLDERS, K_QUEUE, K_WAITERS, K_WEXP, K_TICKETS, K_EVENTS =
+    keys[1], keys[2], keys[3], keys[4], keys[5], keys[6], keys[7], keys[8]
+end
 
 local MAX_AMOUNT = 9007199254740991      -- 2^53 - 1: the largest integer a Lua double holds exactly
 local MIN_TTL_MS, MAX_TTL_MS = 100, 86400000
@@ -288,9 +295,9 @@ end
 local KEY_TYPES = {'hash', 'zset', 'hash', 'zset', 'hash', 'zset', 'hash'}
 local function check_types()
   for i = 1, 7 do
-    local t = redis.call('TYPE', KEYS[i])['ok']
+    local t = redis.call('TYPE', POOL_KEYS[i])['ok']
     if t ~= 'none' and t ~= KEY_TYPES[i] then
-      return redis.error_reply('GPULOCK_KEYTYPE ' .. KEYS[i] .. ' ' .. t .. ' ' .. KEY_TYPES[i])
+      return redis.error_reply('GPULOCK_KEYTYPE ' .. POOL_KEYS[i] .. ' ' .. t .. ' ' .. KEY_TYPES[i])
     end
   end
   return nil

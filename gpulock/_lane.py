@@ -1,0 +1,206 @@
+"""The short path of a script call: one command, on one of redis-py's own connections, sent as
+pre-encoded bytes and read back with the connection's own parser.
+
+A redis-py call spends more of an uncontended round trip in the client than in Redis (the
+connection pool's lock and socket health check on every checkout, argument checks, the
+observability hooks): on the reference machine a ``return 1`` script takes ~91 µs through
+``Redis.evalsha`` and ~72 µs on a connection kept at hand (~134 and ~88 µs with
+``redis.asyncio``; docs/BENCHMARKS.md, "Where the time goes"). A lane keeps up to ``keep``
+connections it took from the client's pool at hand between calls, so a call pays none of that,
+and gives every other connection back. It never opens a connection of its own, so the client's
+``max_connections`` still bounds them all.
+
+The rules that make that safe:
+
+* a connection goes back to the lane (or the pool) only with nothing left to read: after a
+  reply or a Redis error reply; after any other exception (a timeout, a dropped connection, a
+  cancellation or KeyboardInterrupt in the middle of a read) it is disconnected first;
+* it keeps redis-py's behaviour around a call: the connection's ``Retry`` (none with the
+  clients gpulock makes) and its health check (a PING after ``health_check_interval`` idle);
+* after a fork the child never touches the parent's connections;
+* :meth:`drop_idle` closes the connections at hand; a connection error does it too (if Redis
+  restarted, they are all dead, and each would fail one later call).
+
+Cluster clients have no single connection pool: they get no lane and call through redis-py.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+__all__ = ["AsyncLane", "SyncLane", "async_lane", "encode", "sync_lane"]
+
+
+def _bulk(w: Any) -> bytes:
+    if isinstance(w, str):
+        b = w.encode()
+    elif isinstance(w, bytes):
+        b = w
+    elif isinstance(w, int):
+        b = str(w).encode()
+    else:
+        raise TypeError(f"a command word is str, bytes or int, not {type(w).__name__}")
+    return b"$%d\r\n%s\r\n" % (len(b), b)
+
+
+def encode(words: Sequence[Any]) -> bytes:
+    """``words`` (str, bytes or int) as one RESP command: an array of bulk strings."""
+    return b"*%d\r\n" % len(words) + b"".join(map(_bulk, words))
+
+
+def _keep(pool: Any) -> int:
+    """How many connections a lane keeps at hand: a quarter of the client's cap (at most 4),
+    so that the pool always has connections left for everyone else on the client (its
+    pub/sub connection, the caller's own commands); none under a cap of 4."""
+    cap = getattr(pool, "max_connections", None) or 16
+    return max(0, min(4, int(cap) // 4))
+
+
+class SyncLane:
+    """The short path on ``pool`` (a ``redis.ConnectionPool``; see the module docstring)."""
+
+    def __init__(self, pool: Any):
+        self.pool = pool
+        self.keep = _keep(pool)
+        self.idle: list[Any] = []
+        self.pid = os.getpid()
+
+    def _take(self) -> Any:
+        if self.pid != os.getpid():  # forked: the connections at hand are the parent's
+            self.idle, self.pid = [], os.getpid()
+        try:
+            return self.idle.pop()  # atomic under the GIL: threads share a lane
+        except IndexError:
+            return self.pool.get_connection()
+
+    def _give(self, conn: Any) -> None:
+        if len(self.idle) < self.keep and self.pid == os.getpid():
+            self.idle.append(conn)
+        else:
+            self.pool.release(conn)
+
+    def execute(self, packed: bytes) -> Any:
+        """Send ``packed`` (:func:`encode`) and return the reply. Raises what redis-py raises
+        for the call (a ``ResponseError`` for an error reply; ``ConnectionError``, ...)."""
+        conn = self._take()
+
+        def roundtrip() -> Any:
+            conn.send_packed_command([packed])
+            return conn.read_response()
+
+        try:
+            reply = conn.retry.call_with_retry(roundtrip, lambda _e: conn.disconnect())
+        except ResponseError:
+            self._give(conn)  # the error reply was read whole
+            raise
+        except BaseException as e:
+            conn.disconnect()  # unknown state: a reply may be left half read
+            self.pool.release(conn)
+            if isinstance(e, RedisConnectionError):
+                self.drop_idle()  # Redis went away or restarted: those are dead too
+            raise
+        self._give(conn)
+        return reply
+
+    def drop_idle(self) -> None:
+        """Close the connections at hand and give them back to the pool."""
+        idle, self.idle = self.idle, []
+        for conn in idle:
+            try:
+                conn.disconnect()
+            finally:
+                self.pool.release(conn)
+
+
+class AsyncLane:
+    """The short path on ``pool`` (a ``redis.asyncio.ConnectionPool``), in one event loop."""
+
+    def __init__(self, pool: Any):
+        self.pool = pool
+        self.keep = _keep(pool)
+        self.idle: list[Any] = []
+        self.pid = os.getpid()
+
+    async def execute(self, packed: bytes) -> Any:
+        """As :meth:`SyncLane.execute`; a cancellation disconnects the connection it used."""
+        if self.pid != os.getpid():
+            self.idle, self.pid = [], os.getpid()
+        conn = self.idle.pop() if self.idle else await self.pool.get_connection()
+
+        async def roundtrip() -> Any:
+            await conn.send_packed_command(packed)
+            return await conn.read_response()
+
+        async def fail(_e: BaseException) -> None:
+            await conn.disconnect()
+
+        try:
+            reply = await conn.retry.call_with_retry(roundtrip, fail)
+        except ResponseError:
+            await self._give(conn)
+            raise
+        except BaseException as e:
+            try:
+                await conn.disconnect(nowait=True)
+            finally:
+                await self.pool.release(conn)
+            if isinstance(e, RedisConnectionError):
+                await self.drop_idle()  # Redis went away or restarted: those are dead too
+            raise
+        await self._give(conn)
+        return reply
+
+    async def _give(self, conn: Any) -> None:
+        if len(self.idle) < self.keep and self.pid == os.getpid():
+            self.idle.append(conn)
+        else:
+            await self.pool.release(conn)
+
+    async def drop_idle(self) -> None:
+        """Close the connections at hand and give them back to the pool."""
+        idle, self.idle = self.idle, []
+        for conn in idle:
+            try:
+                await conn.disconnect(nowait=True)
+            finally:
+                await self.pool.release(conn)
+
+    async def give_back_idle(self) -> None:
+        """Give the connections at hand back to the pool, open (before a pipeline, which
+        takes its connection from the pool)."""
+        idle, self.idle = self.idle, []
+        for conn in idle:
+            await self.pool.release(conn)
+
+
+_SYNC: weakref.WeakKeyDictionary[Any, SyncLane] = weakref.WeakKeyDictionary()
+_ASYNC: weakref.WeakKeyDictionary[Any, AsyncLane] = weakref.WeakKeyDictionary()
+
+
+def sync_lane(client: Any) -> SyncLane | None:
+    """The lane of a ``redis.Redis`` (one per connection pool); None for a cluster client."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:
+        return None
+    lane = _SYNC.get(pool)
+    if lane is None:
+        lane = _SYNC[pool] = SyncLane(pool)
+    return lane
+
+
+def async_lane(client: Any) -> AsyncLane | None:
+    """The lane of a ``redis.asyncio.Redis`` (one per connection pool); None for a cluster
+    client."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:
+        return None
+    lane = _ASYNC.get(pool)
+    if lane is None:
+        lane = _ASYNC[pool] = AsyncLane(pool)
+    return lane
