@@ -418,3 +418,29 @@ async def test_device_report_holds_bytes_back_on_every_master(cluster):
             await lease.release()
         finally:
             await p.aclose()
+
+
+async def test_a_master_that_lost_the_library_gets_it_again(cluster):
+    """The library is loaded on every master; one that loses it (FUNCTION FLUSH there, as a
+    master added later or a replica promoted before the library reached it) answers
+    "Function not found" and gets it loaded again, while the other masters keep theirs."""
+    names = spread(cluster, "fl")
+    pools = [AsyncPool.from_url(cluster.url, n) for n in names]
+    try:
+        for p in pools:
+            await p.configure(100)
+            await (await p.acquire(10)).release()
+        assert pools[0]._scripts.heads.dialect.functions is True
+        victim = redis.Redis(host=cluster.masters[1].host, port=cluster.masters[1].port)
+        victim.function_flush()
+        assert victim.function_list() == []
+        for p in pools:
+            lease = await p.acquire(20)
+            assert (await p.status()).used == 20
+            await lease.release()
+        assert victim.function_list() != []  # loaded there again
+        assert pools[1]._scripts.heads.dialect.functions is True  # still functions
+        victim.close()
+    finally:
+        for p in pools:
+            await p.aclose()

@@ -27,7 +27,7 @@ import redis
 from gpulock import AsyncPool, BackendUnavailable, GpuLockError, Pool
 from gpulock._args import new_id
 from gpulock._keys import pool_keys
-from support.pools import check_consistent, raw, raw_acquire, raw_configure, snapshot
+from support.pools import RAW_FORMS, check_consistent, raw, raw_acquire, raw_configure, snapshot
 
 
 pytestmark = pytest.mark.timeout(60)
@@ -63,9 +63,13 @@ def _all_ops(h: dict) -> list[tuple[str, list]]:
     ]
 
 
+@pytest.mark.parametrize("form", list(RAW_FORMS))
 @pytest.mark.parametrize("which", KEY_NAMES)
-def test_wrong_type_key_fails_before_any_write(redis_proc, rclient, which):
+def test_wrong_type_key_fails_before_any_write(redis_proc, rclient, which, form):
     pool = "wt"
+    run = RAW_FORMS[form]
+    if form == "function":
+        run(rclient, "other", "reap")  # the library loaded before the snapshots
     h = _busy_pool(rclient, pool)
     key = pool_keys(pool)[KEY_NAMES.index(which)]
     rclient.delete(key)
@@ -76,7 +80,7 @@ def test_wrong_type_key_fails_before_any_write(redis_proc, rclient, which):
     for op, argv in _all_ops(h):
         before = snapshot(rclient)
         with pytest.raises(redis.ResponseError) as ei:
-            raw(rclient, pool, op, *argv)
+            run(rclient, pool, op, *argv)
         msg = str(ei.value)
         assert msg.startswith("GPULOCK_KEYTYPE") and key in msg, (op, msg)
         assert snapshot(rclient) == before, f"{op} wrote before failing on the planted {which} key"
@@ -118,8 +122,15 @@ async def test_wrong_type_key_async(redis_proc, rclient):
     check_consistent(rclient, pool)
 
 
-def test_maxmemory_reached_fails_cleanly_or_runs_whole(redis_proc, rclient):
+@pytest.mark.parametrize("form", list(RAW_FORMS))
+def test_maxmemory_reached_fails_cleanly_or_runs_whole(redis_proc, rclient, form):
+    """A script fails at its first write that may grow memory (only before any write); a
+    function without the allow-oom flag is refused whole; those with it (release, renew,
+    cancel, reap, status) run. Either way: whole, or nothing written."""
     pool = "oom"
+    run = RAW_FORMS[form]
+    if form == "function":
+        run(rclient, "other", "reap")  # the library loaded before Redis is full
     h = _busy_pool(rclient, pool)
     rclient.config_set("maxmemory-policy", "noeviction")
     rclient.config_set("maxmemory", 1)  # every write that may grow memory is refused
@@ -128,15 +139,18 @@ def test_maxmemory_reached_fails_cleanly_or_runs_whole(redis_proc, rclient):
         for op, argv in _all_ops(h):
             before = snapshot(rclient)
             try:
-                raw(rclient, pool, op, *argv)
+                run(rclient, pool, op, *argv)
                 outcomes.append((op, "ran"))
             except redis.ResponseError as e:
                 assert "maxmemory" in str(e), (op, str(e))
                 assert snapshot(rclient) == before, f"{op} failed on OOM after writing"
                 outcomes.append((op, "OOM"))
             check_consistent(rclient, pool)  # ran whole, or wrote nothing
-        print(f"\nunder maxmemory: {outcomes}")
+        print(f"\nunder maxmemory ({form}s): {outcomes}")
         assert ("configure", "OOM") in outcomes  # its first write may grow memory: refused
+        if form == "function":
+            ran = {op for op, what in outcomes if what == "ran"}
+            assert {"release", "renew", "cancel", "reap", "status"} <= ran, outcomes
         # Now nothing is left to reap: a new grant is refused before its first write.
         before = snapshot(rclient)
         with Pool.from_url(redis_proc.url, pool, capacity=100) as p:

@@ -10,7 +10,7 @@ import redis
 
 from gpulock._args import new_id
 from gpulock._keys import pool_keys
-from gpulock._scripts import scripts
+from gpulock._scripts import library, scripts
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -48,6 +48,25 @@ def raw(client: redis.Redis, pool: str, op: str, *argv: Any) -> Any:
     sc = scripts()[op]
     keys = pool_keys(pool)
     return client.eval(sc.source, len(keys), *keys, *[str(a) for a in argv])
+
+
+def raw_fcall(client: redis.Redis, pool: str, op: str, *argv: Any) -> Any:
+    """Run one gpulock operation directly as a function of the library (``FCALL``; the
+    library is loaded first if the server lacks it), with raw ARGV."""
+    sc = scripts()[op]
+    keys = pool_keys(pool)
+    args = [str(a) for a in argv]
+    try:
+        return client.fcall(sc.function, len(keys), *keys, *args)
+    except redis.ResponseError as e:
+        if "function not found" not in str(e).lower():
+            raise
+    client.function_load(library().code, replace=True)
+    return client.fcall(sc.function, len(keys), *keys, *args)
+
+
+#: The two forms of every operation (gpulock/_scripts.py): a script, a function.
+RAW_FORMS = {"script": raw, "function": raw_fcall}
 
 
 def raw_configure(client: redis.Redis, pool: str, capacity: int, max_waiters: int = 1000) -> list:

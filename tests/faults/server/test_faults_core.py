@@ -13,39 +13,46 @@ from support.pools import GiB, assert_empty, server_ms, used
 from support.waiting import async_wait_until, wait_until
 
 
+def _flush(c) -> None:
+    c.script_flush()
+    c.function_flush()
+
+
 async def test_script_flush_mid_run(make_apool, make_pool, rclient, pool_name):
+    """SCRIPT FLUSH and FUNCTION FLUSH (the code of both forms gone, as after a restart
+    without data) during a run: every operation loads it again and succeeds."""
     pool = make_apool(capacity="4GiB", poll_interval=0.1)
     spool = make_pool(capacity="4GiB")
     holder = await pool.acquire("3GiB", ttl=0.6)
     sholder = spool.acquire("1GiB", ttl=0.6)
     waiters = [asyncio.create_task(pool.acquire("2GiB")) for _ in range(3)]
     await async_wait_until(lambda: rclient.zcard(f"gpulock:{{{pool_name}}}:queue") == 3)
-    rclient.script_flush()
+    _flush(rclient)
     # Heartbeats (renew at ttl/3) and waiter refreshes keep working through NOSCRIPT: both
     # holders renewed after the flush (observed, not slept for).
     a0, s0 = holder.expires_at, sholder.expires_at
     await async_wait_until(lambda: holder.expires_at > a0 and sholder.expires_at > s0, timeout=5)
     holder.ensure_valid()
     sholder.ensure_valid()
-    rclient.script_flush()
+    _flush(rclient)
     await holder.release()
-    rclient.script_flush()
+    _flush(rclient)
     sholder.release()
     await async_wait_until(lambda: sum(w.done() for w in waiters) == 2, timeout=2)  # both fit
     first = [w.result() for w in waiters if w.done()]
     (rest,) = [w for w in waiters if not w.done()]
-    rclient.script_flush()
+    _flush(rclient)
     assert (await pool.status()).used == 4 * GiB
-    rclient.script_flush()
+    _flush(rclient)
     await first[0].release()
-    rclient.script_flush()
+    _flush(rclient)
     last = await asyncio.wait_for(rest, 2)
-    rclient.script_flush()
+    _flush(rclient)
     await first[1].release()
     await last.release()
-    rclient.script_flush()
+    _flush(rclient)
     assert spool.status().used == 0
-    rclient.script_flush()
+    _flush(rclient)
     with spool.lease("1GiB", timeout=0):
         pass
     assert_empty(rclient, pool_name)
