@@ -1,6 +1,7 @@
--- lib.lua: helpers shared by every gpulock script. Not a script of its own: the loader
--- (gpulock/_scripts.py) prepends this file to each operation's file before SCRIPT LOAD, so
--- every script sees the same KEYS layout and helpers.
+-- lib.lua: helpers shared by every gpulock operation. Not an operation of its own: the loader
+-- (gpulock/_scripts.py) builds each operation from this file and the operation's file, as a
+-- function of the gpulock library and as a script (see bind() below), so every operation sees
+-- the same KEYS layout and helpers.
 --
 -- KEYS (the same eight, in this order, for every script; one hash tag per pool):
 --   1 gpulock:{pool}:cfg      hash  capacity, used, fence, epoch, qseq, max_waiters, created_ms,

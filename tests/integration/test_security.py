@@ -28,11 +28,11 @@ ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "RELIABILITY.md"
 
 
-def documented_acl() -> str:
+def documented_acl(user: str = "gpulock") -> str:
     """The ACL rules gpulock's library needs, as docs/RELIABILITY.md gives them (the line
-    after ``ACL SETUSER gpulock``)."""
-    m = re.search(r"^ACL SETUSER gpulock (.+)$", DOC.read_text(), re.M)
-    assert m, "docs/RELIABILITY.md has no 'ACL SETUSER gpulock ...' line"
+    after ``ACL SETUSER gpulock``: functions; ``ACL SETUSER gpulock-scripts``: scripts)."""
+    m = re.search(rf"^ACL SETUSER {re.escape(user)} (.+)$", DOC.read_text(), re.M)
+    assert m, f"docs/RELIABILITY.md has no 'ACL SETUSER {user} ...' line"
     return m.group(1).strip()
 
 
@@ -157,8 +157,8 @@ def test_documented_acl_covers_exactly_the_scripts_commands():
     rules = documented_acl().split()
     allowed = {r[1:] for r in rules if r.startswith("+")}
     client_side = {
-        "evalsha",
-        "script|load",
+        "fcall",
+        "function|load",
         "subscribe",
         "unsubscribe",
         "ssubscribe",
@@ -169,17 +169,36 @@ def test_documented_acl_covers_exactly_the_scripts_commands():
     assert allowed - client_side == lua_commands(), (allowed - client_side) ^ lua_commands()
     assert "~gpulock:*" in rules and "&gpulock:*" in rules and "-@all" in rules
     assert "resetkeys" in rules and "resetchannels" in rules
+    # The scripts line is the same but for how the operations run.
+    scripts_line = documented_acl("gpulock-scripts").split()
+    swapped = [{"+fcall": "+evalsha", "+function|load": "+script|load"}.get(r, r) for r in rules]
+    assert scripts_line == swapped
+
+
+def test_gpulock_works_under_the_scripts_acl(redis_proc, rclient):
+    """The scripts line (Redis 6.2, or a server shared with other functions): FCALL is refused,
+    gpulock runs its operations as scripts."""
+    url = _acl_server(redis_proc, documented_acl("gpulock-scripts").replace(">PASSWORD", ">gl-pw"))
+    rclient.config_resetstat()
+    exercise(url, "acl-scripts")
+    exercise(url, "acl-scripts-async", shell="async")
+    stats = rclient.info("commandstats")
+    assert int(stats["cmdstat_evalsha"]["calls"]) > 0
+    assert "cmdstat_function|load" not in stats or int(stats["cmdstat_function|load"]["calls"]) == 0
 
 
 def test_gpulock_works_as_a_minimal_acl_user(redis_proc):
     url = _acl_server(redis_proc, documented_acl().replace(">PASSWORD", ">gl-pw"))
     exercise(url, "acl")
     exercise(url, "acl-async", shell="async")
-    # After SCRIPT FLUSH (an admin's, or a restart) the scripts are loaded again: SCRIPT LOAD.
+    # After FUNCTION FLUSH (an admin's, or a restart) the library is loaded again.
     admin = redis.Redis.from_url(redis_proc.url)
-    admin.script_flush()
+    admin.function_flush()
+    admin.config_resetstat()
     with Pool.from_url(url, "acl") as p:
         p.acquire(1, timeout=0).release()
+    stats = admin.info("commandstats")
+    assert int(stats["cmdstat_fcall"]["calls"]) > 0 and "cmdstat_evalsha" not in stats
 
     # What the user cannot do.
     c = redis.Redis.from_url(url)
@@ -192,22 +211,30 @@ def test_gpulock_works_as_a_minimal_acl_user(redis_proc):
         ["FLUSHALL"],
         ["CONFIG", "GET", "*"],
         ["SCRIPT", "FLUSH"],
+        ["SCRIPT", "LOAD", "return 1"],
+        ["FUNCTION", "FLUSH"],
         ["ACL", "WHOAMI"],
         ["PUBLISH", "other", "x"],
     ):
         with pytest.raises(redis.exceptions.NoPermissionError):
             c.execute_command(*cmd)
-    # A script it loads itself still runs with its permissions: keys outside the prefix, and
-    # commands outside the list, are refused inside scripts too.
-    sha = c.script_load("return redis.call('HSET', KEYS[1], 'a', 'b')")
+    # A function it loads itself still runs with its permissions: keys outside the prefix,
+    # and commands outside the list, are refused inside functions too.
+    c.function_load(
+        "#!lua name=probe\n"
+        "redis.register_function('probe_declared', function(k, a) "
+        "return redis.call('HSET', k[1], 'a', 'b') end)\n"
+        "redis.register_function('probe_undeclared', function(k, a) "
+        "return redis.call('HSET', 'other', 'a', 'b') end)\n"
+        "redis.register_function('probe_set', function(k, a) "
+        "return redis.call('SET', k[1], 'x') end)\n"
+    )
     with pytest.raises(redis.exceptions.NoPermissionError):
-        c.evalsha(sha, 1, "other")  # a declared key outside ~gpulock:*
-    sha = c.script_load("return redis.call('HSET', 'other', 'a', 'b')")
+        c.fcall("probe_declared", 1, "other")  # a declared key outside ~gpulock:*
     with pytest.raises(redis.ResponseError, match="(?i)can't access|no permissions"):
-        c.evalsha(sha, 0)  # an undeclared key, inside the script
-    sha = c.script_load("return redis.call('SET', KEYS[1], 'x')")
+        c.fcall("probe_undeclared", 0)  # an undeclared key, inside the function
     with pytest.raises(redis.ResponseError, match="(?i)can't run this command|no permissions"):
-        c.evalsha(sha, 1, "gpulock:x")  # a command outside the list, inside the script
+        c.fcall("probe_set", 1, "gpulock:x")  # a command outside the list, inside it
     ps = c.pubsub()
     with pytest.raises(redis.exceptions.NoPermissionError):
         ps.subscribe("other")
@@ -220,7 +247,7 @@ def test_gpulock_works_as_a_minimal_acl_user(redis_proc):
 
 
 def test_each_rule_of_the_acl_is_needed(redis_proc1):
-    """Removing any one data command (or EVALSHA, SCRIPT LOAD, SUBSCRIBE) from the line breaks
+    """Removing any one data command (or FCALL, FUNCTION LOAD, SUBSCRIBE) from the line breaks
     gpulock: the line is minimal. PING and UNSUBSCRIBE are kept for redis-py's health checks
     and for closing pub/sub connections cleanly; they are not exercised here."""
     redis_proc = redis_proc1
@@ -230,6 +257,7 @@ def test_each_rule_of_the_acl_is_needed(redis_proc1):
     for rule in [r for r in full if r.startswith("+") and r not in ("+ping", "+unsubscribe")]:
         url = _acl_server(redis_proc, " ".join(r for r in full if r != rule))
         admin.script_flush()
+        admin.function_flush()
         name = "min-" + re.sub(r"[^a-z]", "", rule)
         try:
             with Pool.from_url(url, name, backend_timeout=0.2) as p:
