@@ -60,12 +60,14 @@ if TYPE_CHECKING:
 
 # ---- steps ----------------------------------------------------------------------------------
 class Step:
-    """What a flow asks its driver to do next (the module docstring lists the replies)."""
+    """What a flow asks its driver to do next (the module docstring lists the replies).
+    Steps are slotted, not frozen: one is made for each call on the hot path, and a frozen
+    dataclass costs several times as much to make; no one changes a step once made."""
 
     __slots__ = ()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Eval(Step):
     """Run script ``script`` with ``args`` on the pool's keys. ``bound``: seconds of retrying
     connection errors (None: the pool's ``backend_timeout``; 0: one try, untranslated)."""
@@ -75,19 +77,23 @@ class Eval(Step):
     bound: float | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Subscribe(Step):
     """Make sure the runtime's hand-off subscription is confirmed before a queueing acquire
     is sent, so that no grant published after it can be missed."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Checkpoint(Step):
     """After the acquire call: raise the caller's cancellation if it landed while the call
     was in flight and the client lost it (redis-py's asyncio client can)."""
 
 
-@dataclass(frozen=True)
+SUBSCRIBE = Subscribe()
+CHECKPOINT = Checkpoint()
+
+
+@dataclass(slots=True)
 class MakeLease(Step):
     """Make the lease object for ``grant`` (its local state: :func:`lease_state`)."""
 
@@ -96,7 +102,7 @@ class MakeLease(Step):
     valid_until: float  # local monotonic seconds
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Join(Step):
     """Queue a waiter for ``ticket`` in the runtime (:meth:`~gpulock._runtime.Runtime.queue_waiter`
     with these fields, in order), or join the one this process has for it."""
@@ -109,7 +115,7 @@ class Join(Step):
     retry_after_ms: int  # to the nearest lease expiry (-1: none), for the reap timer
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Wait(Step):
     """Wait up to ``timeout`` seconds (None: forever) for the grant of the joined waiter."""
 
@@ -117,7 +123,7 @@ class Wait(Step):
     timeout: float | None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TimedOut:
     """:class:`Wait`'s reply when the timeout passed; ``position``: the waiter's place now
     (None when the driver does not know it; the place when queued counts then)."""
@@ -125,7 +131,7 @@ class TimedOut:
     position: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Leave(Step):
     """Leave the joined waiter. ``withdrawing``: the request is to be withdrawn after this
     (the driver then answers whether the ticket is still in use locally; else anything)."""
@@ -134,7 +140,7 @@ class Leave(Step):
     withdrawing: bool
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Withdraw(Step):
     """Withdraw ``ticket`` (leave the queue, give back a grant that raced in), never raising.
     ``background``: Redis did not answer the acquire; do not make the caller wait for it."""
@@ -143,14 +149,14 @@ class Withdraw(Step):
     background: bool
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SyncedRenew(Step):
     """A ``renew`` of ``args`` followed by the replicas' acknowledgement (WAIT)."""
 
     args: list[str | int]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class GiveBack(Step):
     """Release ``lease`` (the shell's lease object), never raising."""
 
@@ -411,8 +417,8 @@ def acquire(
         # a bad one would otherwise fail (a TypeError) only under contention.
         raise InvalidArgument(f"on_queued must be callable or None, got {on_queued!r:.80}")
     wait = req.timeout_s != 0
-    if wait:
-        yield Subscribe()
+    if wait and not rt.subscribed:
+        yield SUBSCRIBE
     argv = req.argv("wait" if wait else "try", rt.channel_id)
     needs_cancel = True
     unreachable = False  # Redis did not answer the acquire: its withdrawal goes to the background
@@ -424,7 +430,7 @@ def acquire(
             unreachable = isinstance(e, BackendUnavailable)
             needs_cancel = unreachable  # any other error: the script refused before writing
             raise
-        yield Checkpoint()
+        yield CHECKPOINT
         if isinstance(res, Grant):
             needs_cancel = False
             lease = yield MakeLease(res, req, validity_deadline(sent, res.now_ms, res.expires_ms))

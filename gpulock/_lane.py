@@ -26,6 +26,7 @@ Cluster clients have no single connection pool: they get no lane and call throug
 
 from __future__ import annotations
 
+import asyncio
 import os
 import weakref
 from collections.abc import Sequence
@@ -51,7 +52,19 @@ def _bulk(w: Any) -> bytes:
 
 def encode(words: Sequence[Any]) -> bytes:
     """``words`` (str, bytes or int) as one RESP command: an array of bulk strings."""
-    return b"*%d\r\n" % len(words) + b"".join(map(_bulk, words))
+    return b"*%d\r\n" % len(words) + encode_args(words)
+
+
+def encode_args(words: Sequence[Any]) -> bytes:
+    """``words`` as consecutive RESP bulk strings (no array header). All-ASCII text (what
+    gpulock's scripts take: ids, numbers, JSON written with ``ensure_ascii``) is encoded in
+    one step, since its length in characters is its length in bytes."""
+    parts = [f"${len(w)}\r\n{w}\r\n" for w in words if type(w) is str]
+    if len(parts) == len(words):
+        text = "".join(parts)
+        if text.isascii():
+            return text.encode()
+    return b"".join(map(_bulk, words))
 
 
 def _keep(pool: Any) -> int:
@@ -60,6 +73,11 @@ def _keep(pool: Any) -> int:
     pub/sub connection, the caller's own commands); none under a cap of 4."""
     cap = getattr(pool, "max_connections", None) or 16
     return max(0, min(4, int(cap) // 4))
+
+
+def _roundtrip(conn: Any, packed: bytes) -> Any:
+    conn.send_packed_command((packed,))
+    return conn.read_response()
 
 
 class SyncLane:
@@ -89,13 +107,14 @@ class SyncLane:
         """Send ``packed`` (:func:`encode`) and return the reply. Raises what redis-py raises
         for the call (a ``ResponseError`` for an error reply; ``ConnectionError``, ...)."""
         conn = self._take()
-
-        def roundtrip() -> Any:
-            conn.send_packed_command([packed])
-            return conn.read_response()
-
         try:
-            reply = conn.retry.call_with_retry(roundtrip, lambda _e: conn.disconnect())
+            if conn.retry.get_retries():
+                reply = conn.retry.call_with_retry(
+                    lambda: _roundtrip(conn, packed), lambda _e: conn.disconnect()
+                )
+            else:
+                conn.send_packed_command((packed,))
+                reply = conn.read_response()
         except ResponseError:
             self._give(conn)  # the error reply was read whole
             raise
@@ -118,6 +137,27 @@ class SyncLane:
                 self.pool.release(conn)
 
 
+async def _aroundtrip(conn: Any, packed: bytes) -> Any:
+    """``packed`` sent and its reply read on ``conn`` (a ``redis.asyncio`` connection). A
+    connected connection whose health check is not due gets the bytes written straight to its
+    stream: ``send_packed_command`` would wrap even a write the kernel takes at once in
+    ``asyncio.wait_for`` (a task and a loop iteration per call, with ``socket_timeout`` set);
+    a write the kernel did not take whole waits for the stream to drain as it would."""
+    w = getattr(conn, "_writer", None)
+    hc = conn.health_check_interval
+    if (
+        w is None
+        or w.is_closing()
+        or (hc and asyncio.get_running_loop().time() > conn.next_health_check)
+    ):
+        await conn.send_packed_command(packed)  # connects, checks health
+    else:
+        w.write(packed)
+        if w.transport.get_write_buffer_size():
+            await conn.send_packed_command(b"")  # drains, within socket_timeout
+    return await conn.read_response()
+
+
 class AsyncLane:
     """The short path on ``pool`` (a ``redis.asyncio.ConnectionPool``), in one event loop."""
 
@@ -132,16 +172,15 @@ class AsyncLane:
         if self.pid != os.getpid():
             self.idle, self.pid = [], os.getpid()
         conn = self.idle.pop() if self.idle else await self.pool.get_connection()
-
-        async def roundtrip() -> Any:
-            await conn.send_packed_command(packed)
-            return await conn.read_response()
-
-        async def fail(_e: BaseException) -> None:
-            await conn.disconnect()
-
         try:
-            reply = await conn.retry.call_with_retry(roundtrip, fail)
+            if conn.retry.get_retries():
+
+                async def fail(_e: BaseException) -> None:
+                    await conn.disconnect()
+
+                reply = await conn.retry.call_with_retry(lambda: _aroundtrip(conn, packed), fail)
+            else:
+                reply = await _aroundtrip(conn, packed)
         except ResponseError:
             await self._give(conn)
             raise

@@ -16,7 +16,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from ._dialect import Dialect, Load, Send, dialect_of
-from ._lane import _bulk, async_lane, encode, sync_lane
+from ._lane import _bulk, async_lane, encode, encode_args, sync_lane
 from ._scripts import Script, scripts
 
 __all__ = ["AsyncScripts", "SyncScripts", "load"]
@@ -41,7 +41,7 @@ class _Heads:
             w = self.dialect.words(sc, self.keys, ())
             head = self._heads[k] = (len(w), b"".join(map(_bulk, w)))
         n, body = head
-        return b"*%d\r\n%s%s" % (n + len(args), body, b"".join(map(_bulk, args)))
+        return b"*%d\r\n%s%s" % (n + len(args), body, encode_args(args))
 
 
 def load(client: Any, step: Load) -> Any:
