@@ -199,15 +199,39 @@ def _acquire_argv(
     return req.argv(mode, channel)  # channel: where a later hand-off grant would be published
 
 
+_FAKE_ACQ = (
+    "return {1, ARGV[2], 1700000000000001, 1700000030000, 1, "
+    "1700000000000, 1700000000000000, 1099511627776, 1}"
+)
+_FAKE_REL = "return {1, 1700000000000, 0, 0}"
+
+
 def _load_dummy_scripts(c: redis.Redis) -> tuple[str, str, str]:
     trivial = c.script_load("return 1")
     # Same arguments in, same reply shapes out as acquire (granted) and release; no work.
-    fake_acq = c.script_load(
-        "return {1, ARGV[2], 1700000000000001, 1700000030000, 1, "
-        "1700000000000, 1700000000000000, 1099511627776, 1}"
-    )
-    fake_rel = c.script_load("return {1, 1700000000000, 0, 0}")
+    fake_acq = c.script_load(_FAKE_ACQ)
+    fake_rel = c.script_load(_FAKE_REL)
     return trivial, fake_acq, fake_rel
+
+
+def _dummy_operations(c: redis.Redis, uses_functions: bool) -> dict[str, Any]:
+    """Do-nothing stand-ins of acquire and release (same keys and arguments in, same reply
+    shapes out) in the form the pool uses: ``{"acquire": Script, "release": Script}`` with
+    functions ``bench_noop_acquire``/``_release`` loaded when ``uses_functions``."""
+    from gpulock._scripts import Script
+
+    if uses_functions:
+        c.function_load(
+            "#!lua name=bench_noop\n"
+            f"redis.register_function('bench_noop_acquire', function(KEYS, ARGV) {_FAKE_ACQ} end)\n"
+            f"redis.register_function('bench_noop_release', function(KEYS, ARGV) {_FAKE_REL} end)\n",
+            replace=True,
+        )
+    out = {}
+    for op, src in (("acquire", _FAKE_ACQ), ("release", _FAKE_REL)):
+        sha = c.script_load(src)
+        out[op] = Script(op, src, sha, f"bench_noop_{op}")
+    return out
 
 
 def server_cpu_s(c: redis.Redis) -> float:
@@ -275,31 +299,46 @@ async def pairs_many_async(url: str, pool: AsyncPool, cpu: CpuSlices, cfg: dict)
 
 
 def bench_pairs_sync(url: str, cfg: dict) -> dict[str, Any]:
+    from gpulock._lane import encode, sync_lane
+    from gpulock._script_calls import SyncScripts
+
     c = redis.Redis.from_url(url, **CLIENT_KW)
-    trivial, fake_acq, fake_rel = _load_dummy_scripts(c)
-    sc = scripts()
-    for s in sc.values():
-        c.script_load(s.source)
+    trivial, _, _ = _load_dummy_scripts(c)
     name = "bench-pairs-sync"
     keys = pool_keys(name)
     pool = Pool.from_url(url, name, capacity=2**40)
     pool.configure(2**40)
+    # The rungs below the pool call what it calls, as it calls it (its client's dialect:
+    # FCALL of the library, or EVALSHA), on its own client's lane, without its Python.
+    bare = SyncScripts(pool.redis, keys)
+    noop = _dummy_operations(c, bare.heads.dialect.functions)
+    lane = sync_lane(pool.redis)
+    trivial_packed = encode(("EVALSHA", trivial, 0))
 
     def ceiling():
         c.evalsha(trivial, 0)
+
+    def lane_ceiling():
+        lane.execute(trivial_packed)
 
     def pool_pair():
         pool.acquire(1).release()
 
     def raw_pair():
-        r = c.evalsha(sc["acquire"].sha, len(keys), *keys, *_acquire_argv(name))
-        c.evalsha(sc["release"].sha, len(keys), *keys, r[1], r[2])
+        r = bare.call("acquire", _acquire_argv(name))
+        bare.call("release", [r[1], r[2]])
 
     def io_pair():
-        r = c.evalsha(fake_acq, len(keys), *keys, *_acquire_argv(name))
-        c.evalsha(fake_rel, len(keys), *keys, r[1], str(r[2]))
+        r = lane.execute(bare.heads.packed(noop["acquire"], _acquire_argv(name)))
+        lane.execute(bare.heads.packed(noop["release"], [r[1], str(r[2])]))
 
-    fns = {"C": ceiling, "pool": pool_pair, "raw_scripts": raw_pair, "io_only": io_pair}
+    fns = {
+        "C": ceiling,
+        "pool": pool_pair,
+        "raw_scripts": raw_pair,
+        "io_only": io_pair,
+        "lane_C": lane_ceiling,
+    }
     try:  # the closest peer (38-40 % of the ceiling), measured the same way
         import redis_lock
 
@@ -319,6 +358,7 @@ def bench_pairs_sync(url: str, cfg: dict) -> dict[str, Any]:
     rates = [cpu.measure(p, *calls_sync(fns[p], cfg["slice_s"])) for p in plan]
     out = summarize_interleaved(plan, rates)
     out["server_cpu"] = cpu.summary()
+    out["form"] = "function" if bare.heads.dialect.functions else "script"
     out["lua"] = lua_time_per_op(c, name, cfg["script_pairs"])
     pool.close()
     c.close()
@@ -334,38 +374,47 @@ def loaded_scripts(c: redis.Redis) -> dict:
 
 
 def lua_time_per_op(c: redis.Redis, name: str, n: int) -> dict[str, Any]:
-    """Server-side time per script call: the Lua work, without network or client. Taken from
-    SLOWLOG with a 0 µs threshold (every command logged with its duration in µs) over ``n``
-    uncontended acquire+release pairs on a fresh pool, plus ``n`` calls of ``return 1``."""
-    sc = loaded_scripts(c)
+    """Server-side time per acquire and release call: the Lua work, without network or
+    client, in the form a pool on ``c`` uses (a function where the server has them). Taken
+    from SLOWLOG with a 0 µs threshold (every command logged with its duration in µs) over
+    ``n`` uncontended acquire+release pairs on a fresh pool, plus ``n`` calls of ``return 1``;
+    and from INFO commandstats (:func:`commandstats_us_per_call`)."""
+    from gpulock._script_calls import SyncScripts
+
     keys = pool_keys(name + "-lua")
-    c.evalsha(sc["configure"].sha, len(keys), *keys, str(2**40), "100000", "set")
+    ops = SyncScripts(c, keys)
+    ops.call("configure", [str(2**40), "100000", "set"])  # loads the library, or the scripts
+    loaded_scripts(c)
+    sc = scripts()
     trivial = c.script_load("return 1")
+    form = "function" if ops.heads.dialect.functions else "script"
+    ident = {op: (sc[op].function if form == "function" else sc[op].sha) for op in sc}
 
     def work():
         for _ in range(n):
-            r = c.evalsha(sc["acquire"].sha, len(keys), *keys, *_acquire_argv(name + "-lua"))
-            c.evalsha(sc["release"].sha, len(keys), *keys, r[1], r[2])
+            r = ops.call("acquire", _acquire_argv(name + "-lua"))
+            ops.call("release", [r[1], r[2]])
             c.evalsha(trivial, 0)
 
     by = evalsha_durations(c, work, 60 * n)
     mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
-    cs = commandstats_us_per_call(c, sc, keys, name + "-lua", n, trivial)
+    cs = commandstats_us_per_call(c, ops, name + "-lua", n, trivial)
     out: dict[str, Any] = {
-        "acquire_us": mean(by.get(sc["acquire"].sha, [])),
-        "release_us": mean(by.get(sc["release"].sha, [])),
+        "form": form,
+        "acquire_us": mean(by.get(ident["acquire"], [])),
+        "release_us": mean(by.get(ident["release"], [])),
         "trivial_us": mean(by.get(trivial, [])),
-        "acquire_p50_us": median(by.get(sc["acquire"].sha, [])),
-        "release_p50_us": median(by.get(sc["release"].sha, [])),
+        "acquire_p50_us": median(by.get(ident["acquire"], [])),
+        "release_p50_us": median(by.get(ident["release"], [])),
         "samples": {k: len(v) for k, v in by.items()},
         "commandstats": cs,
     }
-    # Commands each script runs inside Redis (one uncontended pair).
+    # Commands each operation runs inside Redis (one uncontended pair).
     c.config_resetstat()
-    r = c.evalsha(sc["acquire"].sha, len(keys), *keys, *_acquire_argv(name + "-lua"))
+    r = ops.call("acquire", _acquire_argv(name + "-lua"))
     _, inner_a, _ = split_commandstats(c.info("commandstats"))
     c.config_resetstat()
-    c.evalsha(sc["release"].sha, len(keys), *keys, r[1], r[2])
+    ops.call("release", [r[1], r[2]])
     _, inner_r, _ = split_commandstats(c.info("commandstats"))
     out["acquire_inner_calls"] = sum(inner_a.values())
     out["release_inner_calls"] = sum(inner_r.values())
@@ -375,34 +424,45 @@ def lua_time_per_op(c: redis.Redis, name: str, n: int) -> dict[str, Any]:
     return out
 
 
+def _us_per_call(c: redis.Redis) -> float:
+    """``usec_per_call`` of the script commands (FCALL and EVALSHA) since CONFIG RESETSTAT."""
+    st = c.info("commandstats")
+    calls = usec = 0
+    for k in ("cmdstat_fcall", "cmdstat_evalsha"):
+        calls += int(st.get(k, {}).get("calls", 0))
+        usec += int(st.get(k, {}).get("usec", 0))
+    return usec / calls if calls else math.nan
+
+
 def commandstats_us_per_call(
-    c: redis.Redis, sc: dict, keys: Any, name: str, n: int, trivial: str
+    c: redis.Redis, ops: Any, name: str, n: int, trivial: str
 ) -> dict[str, float]:
-    """Server time per script call from INFO commandstats (``usec_per_call`` of EVALSHA after
+    """Server time per call from INFO commandstats (``usec_per_call`` of FCALL/EVALSHA after
     ``CONFIG RESETSTAT``): ``n`` acquires, then their ``n`` releases, then ``n`` calls of
-    ``return 1``, each counted on its own. Unlike SLOWLOG with a 0 µs threshold (which also
-    logs, and so slows, every command a script runs on Redis 7.0), nothing is logged."""
+    ``return 1``, each counted on its own (``ops``: the pool's calling path,
+    :class:`gpulock._script_calls.SyncScripts`). Unlike SLOWLOG with a 0 µs threshold
+    (which also logs, and so slows, every command a script runs on Redis 7.0), nothing is
+    logged."""
     out: dict[str, float] = {}
     c.config_resetstat()
-    grants = [
-        c.evalsha(sc["acquire"].sha, len(keys), *keys, *_acquire_argv(name)) for _ in range(n)
-    ]
-    out["acquire_us"] = float(c.info("commandstats")["cmdstat_evalsha"]["usec_per_call"])
+    grants = [ops.call("acquire", _acquire_argv(name)) for _ in range(n)]
+    out["acquire_us"] = _us_per_call(c)
     c.config_resetstat()
     for r in grants:
-        c.evalsha(sc["release"].sha, len(keys), *keys, r[1], r[2])
-    out["release_us"] = float(c.info("commandstats")["cmdstat_evalsha"]["usec_per_call"])
+        ops.call("release", [r[1], r[2]])
+    out["release_us"] = _us_per_call(c)
     c.config_resetstat()
     for _ in range(n):
         c.evalsha(trivial, 0)
-    out["trivial_us"] = float(c.info("commandstats")["cmdstat_evalsha"]["usec_per_call"])
+    out["trivial_us"] = _us_per_call(c)
     return out
 
 
 def evalsha_durations(c: redis.Redis, work, max_len: int) -> dict[str, list[int]]:
     """Run ``work()`` with SLOWLOG logging every command (threshold 0 µs) and return the
-    durations (µs, server side) of top-level EVALSHA calls, by script SHA. Redis 7.0 also logs
-    the commands scripts run, hence the generous ``max_len``."""
+    durations (µs, server side) of top-level EVALSHA and FCALL calls, by script SHA or
+    function name. Redis 7.0 also logs the commands scripts run, hence the generous
+    ``max_len``."""
     old = c.config_get("slowlog-*")
     c.config_set("slowlog-max-len", max_len)
     c.config_set("slowlog-log-slower-than", 0)
@@ -419,15 +479,17 @@ def evalsha_durations(c: redis.Redis, work, max_len: int) -> dict[str, list[int]
         cmd = e["command"]
         cmd = cmd.decode(errors="replace") if isinstance(cmd, bytes) else str(cmd)
         parts = cmd.split(" ")
-        if parts[0].lower() == "evalsha" and len(parts) > 1:
+        if parts[0].lower() in ("evalsha", "fcall") and len(parts) > 1:
             by.setdefault(parts[1], []).append(int(e["duration"]))
     return by
 
 
 def lua_by_script(by: dict[str, list[int]]) -> dict[str, dict[str, float]]:
     names = {s.sha: n for n, s in scripts().items()}
+    names.update({s.function: n for n, s in scripts().items()})
     scripts.cache_clear()  # workers read lua/ when they started: name their SHAs too
     names.update({s.sha: n for n, s in scripts().items()})
+    names.update({s.function: n for n, s in scripts().items()})
     return {
         names.get(sha, sha[:8]): {"calls": len(v), "mean_us": sum(v) / len(v), "p50_us": median(v)}
         for sha, v in by.items()
@@ -436,43 +498,55 @@ def lua_by_script(by: dict[str, list[int]]) -> dict[str, dict[str, float]]:
 
 
 async def bench_pairs_async(url: str, cfg: dict) -> dict[str, Any]:
+    from gpulock._lane import async_lane, encode
+    from gpulock._script_calls import AsyncScripts
+
     c = aioredis.from_url(url, **CLIENT_KW)
     trivial = await c.script_load("return 1")
-    fake_acq = await c.script_load(
-        "return {1, ARGV[2], 1700000000000001, 1700000030000, 1, "
-        "1700000000000, 1700000000000000, 1099511627776, 1}"
-    )
-    fake_rel = await c.script_load("return {1, 1700000000000, 0, 0}")
-    sc = scripts()
-    for s in sc.values():
-        await c.script_load(s.source)
     name = "bench-pairs-async"
     keys = pool_keys(name)
     pool = AsyncPool.from_url(url, name, capacity=2**40)
     await pool.configure(2**40)
+    bare = AsyncScripts(pool.redis, keys)  # the pool's calling path, without its Python
+    sc_sync = redis.Redis.from_url(url, **CLIENT_KW)
+    noop = _dummy_operations(sc_sync, bare.heads.dialect.functions)
+    sc_sync.close()
+    lane = async_lane(pool.redis)
+    assert lane is not None
+    trivial_packed = encode(("EVALSHA", trivial, 0))
 
     async def ceiling():
         await c.evalsha(trivial, 0)
+
+    async def lane_ceiling():
+        await lane.execute(trivial_packed)
 
     async def pool_pair():
         await (await pool.acquire(1)).release()
 
     async def raw_pair():
-        r = await c.evalsha(sc["acquire"].sha, len(keys), *keys, *_acquire_argv(name))
-        await c.evalsha(sc["release"].sha, len(keys), *keys, r[1], r[2])
+        r = await bare.call("acquire", _acquire_argv(name))
+        await bare.call("release", [r[1], r[2]])
 
     async def io_pair():
-        r = await c.evalsha(fake_acq, len(keys), *keys, *_acquire_argv(name))
-        await c.evalsha(fake_rel, len(keys), *keys, r[1], str(r[2]))
+        r = await lane.execute(bare.heads.packed(noop["acquire"], _acquire_argv(name)))
+        await lane.execute(bare.heads.packed(noop["release"], [r[1], str(r[2])]))
 
-    fns = {"C": ceiling, "pool": pool_pair, "raw_scripts": raw_pair, "io_only": io_pair}
+    fns = {
+        "C": ceiling,
+        "pool": pool_pair,
+        "raw_scripts": raw_pair,
+        "io_only": io_pair,
+        "lane_C": lane_ceiling,
+    }
     for f in fns.values():
         await rate_async(f, 0.1)
-    plan = interleave_plan(["pool", "raw_scripts", "io_only"], cfg["rounds"])
+    plan = interleave_plan(["pool", "raw_scripts", "io_only", "lane_C"], cfg["rounds"])
     cpu = CpuSlices(redis.Redis.from_url(url, **CLIENT_KW))
     rates = [cpu.measure(p, *(await calls_async(fns[p], cfg["slice_s"]))) for p in plan]
     out = summarize_interleaved(plan, rates)
     out["server_cpu"] = cpu.summary()
+    out["form"] = "function" if bare.heads.dialect.functions else "script"
     out["many"] = await pairs_many_async(url, pool, cpu, cfg)
     cpu.c.close()
     await pool.aclose()
@@ -993,9 +1067,10 @@ def build_rows(R: dict) -> list[tuple[str, str, str, str]]:
                 f"{verdict(ratio >= T['pair_ratio'])} ({ratio / T['pair_ratio']:.2f}x)",
             )
         )
+        form = d.get("form", "script")
         rows.append(
             (
-                f"  same pair, gpulock scripts on a bare client ({ceil})",
+                f"  same pair, gpulock {form}s on the pool's lane, no pool Python ({ceil})",
                 f"{d['raw_scripts']['ratio']:.1%} of ceiling",
                 "",
                 "(where the time goes)",
@@ -1003,12 +1078,23 @@ def build_rows(R: dict) -> list[tuple[str, str, str, str]]:
         )
         rows.append(
             (
-                f"  same I/O, scripts that do nothing ({ceil})",
+                f"  same I/O, {form}s that do nothing ({ceil})",
                 f"{d['io_only']['ratio']:.1%} of ceiling",
                 "",
                 "(where the time goes)",
             )
         )
+        if "lane_C" in d:
+            lc = d["lane_C"]
+            rows.append(
+                (
+                    f"  'return 1' on the pool's lane ({ceil}); pair as a share of it",
+                    f"{fmt_rate(lc['rate'])} = {lc['ratio']:.0%} of ceiling; pair "
+                    f"{d['pool']['rate'] / lc['rate']:.1%}",
+                    "",
+                    "(info: the client's own floor)",
+                )
+            )
         if "peer_redislock" in d:
             rows.append(
                 (
@@ -1023,7 +1109,7 @@ def build_rows(R: dict) -> list[tuple[str, str, str, str]]:
         if sc and "pool" in sc:
             rows.append(
                 (
-                    f"  server CPU per pair, 1 conn ({kind}): pool / bare / no-op scripts / 'return 1'",
+                    f"  server CPU per pair, 1 conn ({kind}): pool / bare / no-op / 'return 1' (per call)",
                     f"{sc['pool']:.1f} / {sc.get('raw_scripts', math.nan):.1f} / "
                     f"{sc.get('io_only', math.nan):.1f} / {sc.get('C', math.nan):.1f} us (INFO cpu)",
                     f"<= {T['cpu_pair_us_1']:.0f} us",
@@ -1045,7 +1131,7 @@ def build_rows(R: dict) -> list[tuple[str, str, str, str]]:
         lua = ps["lua"]
         rows.append(
             (
-                "  Lua time per call, uncontended: acquire / release / 'return 1'",
+                f"  Lua time per call, uncontended ({lua.get('form', 'script')}s): acquire / release / 'return 1'",
                 f"{lua['acquire_us']:.1f} / {lua['release_us']:.1f} / {lua['trivial_us']:.1f} us (SLOWLOG)",
                 "",
                 "(info)",

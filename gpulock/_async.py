@@ -30,7 +30,6 @@ from ._replies import DeviceReply, Grant, NotGranted, PoolStatus
 from ._retry import RETRYABLE, retrying
 from ._translate import translate
 from ._batch import Batcher, inflight_for
-from ._cluster import ready as cluster_ready
 from ._connect import DEFAULT_MAX_CONNECTIONS, async_client
 from ._keys import pool_keys
 from ._runtime import Runtime
@@ -277,7 +276,6 @@ class AsyncPool(PoolOptions):
 
     async def _eval_once(self, name: str, args: list[str]) -> Any:
         try:
-            await cluster_ready(self.redis)  # a no-op but once for a cluster client
             return await self._scripts.call(name, args)
         except AuthenticationError as e:
             # redis-py makes it a ConnectionError; retrying bad credentials only delays the

@@ -15,7 +15,6 @@ from typing import Any
 from redis.exceptions import AuthenticationError, MovedError, ResponseError
 
 from ._cluster import primary_client
-from ._cluster import ready as cluster_ready
 from ._flow import queue_synced_renew, synced_renew_reply
 from ._keys import pool_key
 from ._protocol import DEFAULT_MAX_WAITERS, retrying, translate
@@ -56,7 +55,6 @@ class Calls:
 
     async def _eval_once(self, name: str, args: list[Any]) -> Any:
         try:
-            await cluster_ready(self.redis)  # a no-op but once for a cluster client
             return await self.scripts.call(name, args)
         except AuthenticationError as e:  # a ConnectionError to redis-py; retrying cannot help
             raise translate(e, self.pool) from e

@@ -15,6 +15,8 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from ._cluster import is_cluster_client
+from ._cluster import ready as cluster_ready
 from ._dialect import Dialect, Load, Send, dialect_of
 from ._lane import _bulk, async_lane, encode, encode_args, sync_lane
 from ._scripts import Script, scripts
@@ -115,6 +117,7 @@ class AsyncScripts:
         self.heads = _Heads(keys, dialect_of(client))
         self.lane = async_lane(client)
         self.first = first
+        self.cluster = is_cluster_client(client)  # once: an isinstance of it is slow
 
     def words(self, sc: Script, args: Sequence[Any]) -> tuple[Any, ...]:
         """The command running ``sc`` with ``args`` (for a pipeline)."""
@@ -127,8 +130,10 @@ class AsyncScripts:
         return await self.client.execute_command(*self.heads.words(sc, args))
 
     async def call(self, name: str, args: Sequence[Any]) -> Any:
-        """As :meth:`SyncScripts.call`."""
+        """As :meth:`SyncScripts.call` (a cluster client reads the cluster first, once)."""
         sc = scripts()[name]
+        if self.cluster:
+            await cluster_ready(self.client)
         try:
             if self.first is not None:
                 return await self.first(self, sc, args)

@@ -119,19 +119,14 @@ if #dead + #gone > 0 then
   used, fence, grants = tonumber(c[1] or '0'), tonumber(c[2] or '0'), tonumber(c[3] or '0')
 end
 
-local epoch = tonumber(cfg[9])
+local epoch = cfg[9]  -- replied as read: no conversion on the hot path
 if held and redis.call('HEXISTS', K_HOLDERS, held) == 1 then
   return grant_reply(now, held)
 end
 
-local function not_granted(code, pos)
-  return {code, pos, next_expiry_in(now), redis.call('ZCARD', K_QUEUE), now,
-          epoch, cap, cfg_num('used'), cap - eff}
-end
-
 if qlen > 0 and redis.call('ZSCORE', K_QUEUE, ticket) then
   redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
-  return not_granted(0, redis.call('ZRANK', K_QUEUE, ticket) + 1)
+  return not_granted(0, redis.call('ZRANK', K_QUEUE, ticket) + 1, now, epoch, cap, eff)
 end
 
 if qlen == 0 and used + amount <= eff and grace_until <= now then
@@ -145,7 +140,7 @@ if qlen == 0 and used + amount <= eff and grace_until <= now then
   redis.call('HSET', K_TICKETS, ticket, lid)
   return {1, lid, token, exp, amount, now, epoch, cap, used}
 end
-if mode == 'try' then return not_granted(2, 0) end
+if mode == 'try' then return not_granted(2, 0, now, epoch, cap, eff) end
 
 local maxw = tonumber(cfg[10])
 if qlen >= maxw then
@@ -155,4 +150,4 @@ local seq = redis.call('HINCRBY', K_CFG, 'qseq', 1)
 redis.call('ZADD', K_QUEUE, fmt(seq), ticket)
 redis.call('HSET', K_WAITERS, ticket, fmt(amount) .. '|' .. fmt(ttl) .. '|' .. nstr .. '|' .. lid .. '|' .. chan .. '|' .. meta)
 redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
-return not_granted(0, qlen + 1)
+return not_granted(0, qlen + 1, now, epoch, cap, eff)

@@ -276,6 +276,13 @@ local function next_expiry_in(now)
   return d
 end
 
+-- acquire's reply when it grants nothing now: {code, position, retry_after_ms, queue_len,
+-- now_ms, epoch, capacity, used, held_back} (see acquire.lua).
+local function not_granted(code, pos, now, epoch, cap, eff)
+  return {code, pos, next_expiry_in(now), redis.call('ZCARD', K_QUEUE), now,
+          epoch, cap, cfg_num('used'), cap - eff}
+end
+
 local function grant_reply(now, lid)
   local rec = redis.call('HGET', K_HOLDERS, lid)
   local amount, token = parse_holder(rec)

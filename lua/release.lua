@@ -38,8 +38,8 @@ if #head > 0 then  -- waiters are read or dropped (an empty queue has none: see 
 end
 local mine, amount, ticket = false, 0, ''
 if rec then
-  local tok, _
-  amount, tok, _, _, ticket = parse_holder(rec)
+  local a, tok, t = string.match(rec, '^(%d+)|(%d+)|%d+|%d+|([^|]*)|')  -- parse_holder's fields
+  amount, ticket = tonumber(a), t
   mine = tonumber(tok) == token  -- another token: not ours to release
 end
 if #head > 0 or #dead > 0 then
@@ -69,8 +69,11 @@ if mine then
   redis.call('HSET', K_CFG, 'used', fmt(used))
   ok = 1
 end
-local lines, n
-lines, n, used = grant_from(now, head, cap, used, grace_until,
-                            eff_cap(now, cap, tonumber(cfg[4] or '0'), tonumber(cfg[5] or '0')))
-publish(now, lines, n)
+local n = 0
+if #head > 0 then
+  local lines
+  lines, n, used = grant_from(now, head, cap, used, grace_until,
+                              eff_cap(now, cap, tonumber(cfg[4] or '0'), tonumber(cfg[5] or '0')))
+  publish(now, lines, n)
+end
 return {ok, now, used, n}
