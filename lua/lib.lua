@@ -167,17 +167,15 @@ local function reap(now)
   return reap_found(dead, gone)
 end
 
--- Make a lease. Returns token, expiry.
-local function make_lease(now, ticket, lid, amount, ttl, meta)
-  local token = redis.call('HINCRBY', K_CFG, 'fence', 1)
+-- Make a lease with fencing token ``token`` (the caller takes it from the pool's fence and
+-- writes the pool's counters: fence, used, grants). Returns its expiry.
+local function make_lease(now, ticket, lid, amount, ttl, meta, token)
   local exp = now + ttl
   redis.call('ZADD', K_LEASES, fmt(exp), lid)
   redis.call('HSET', K_HOLDERS, lid,
     fmt(amount) .. '|' .. fmt(token) .. '|' .. fmt(now) .. '|' .. fmt(ttl) .. '|' .. ticket .. '|' .. meta)
   redis.call('HSET', K_TICKETS, ticket, lid)
-  redis.call('HINCRBY', K_CFG, 'used', fmt(amount))
-  redis.call('HINCRBY', K_CFG, 'grants', 1)
-  return token, exp
+  return exp
 end
 
 -- Effective capacity (docs/SEMANTICS.md, "Device truth"): while the device sampler's report is
@@ -203,6 +201,7 @@ local function grant_from(now, head, cap, used, grace_until, eff)
   local lines, n = {}, 0
   if #head == 0 then return lines, n, used end
   if grace_until > now then return lines, n, used end  -- no new grant in the grace period
+  local fence, grants  -- read at the first grant; the counters are written once, at the end
   while true do
     if #head == 0 then break end
     local t = head[1]
@@ -219,16 +218,24 @@ local function grant_from(now, head, cap, used, grace_until, eff)
       elseif used + amount > eff then
         break
       else
+        if not fence then
+          local c = redis.call('HMGET', K_CFG, 'fence', 'grants')
+          fence, grants = tonumber(c[1] or '0'), tonumber(c[2] or '0')
+        end
         drop_waiter(t)
-        local token, exp = make_lease(now, t, lid, amount, ttl, meta)
+        fence = fence + 1
+        local exp = make_lease(now, t, lid, amount, ttl, meta, fence)
         used = used + amount
+        n = n + 1
         local group = lines[chan]
         if not group then group = {}; lines[chan] = group end
-        group[#group + 1] = t .. ' ' .. lid .. ' ' .. fmt(token) .. ' ' .. fmt(exp) .. ' ' .. fmt(amount)
-        n = n + 1
+        group[#group + 1] = t .. ' ' .. lid .. ' ' .. fmt(fence) .. ' ' .. fmt(exp) .. ' ' .. fmt(amount)
       end
     end
     head = redis.call('ZRANGE', K_QUEUE, 0, 0)
+  end
+  if n > 0 then
+    redis.call('HSET', K_CFG, 'fence', fmt(fence), 'used', fmt(used), 'grants', fmt(grants + n))
   end
   return lines, n, used
 end
