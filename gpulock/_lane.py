@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -218,8 +217,10 @@ class AsyncLane:
             await self.pool.release(conn)
 
 
-_SYNC: weakref.WeakKeyDictionary[Any, SyncLane] = weakref.WeakKeyDictionary()
-_ASYNC: weakref.WeakKeyDictionary[Any, AsyncLane] = weakref.WeakKeyDictionary()
+#: The attribute of a redis-py connection pool that holds its lane (a lane is made on first
+#: use and lives as long as its pool; a weak mapping would keep the pool alive, since the lane
+#: refers to it).
+_ATTR = "_gpulock_lane"
 
 
 def sync_lane(client: Any) -> SyncLane | None:
@@ -227,9 +228,10 @@ def sync_lane(client: Any) -> SyncLane | None:
     pool = getattr(client, "connection_pool", None)
     if pool is None:
         return None
-    lane = _SYNC.get(pool)
-    if lane is None:
-        lane = _SYNC[pool] = SyncLane(pool)
+    lane = getattr(pool, _ATTR, None)
+    if not isinstance(lane, SyncLane):
+        lane = SyncLane(pool)
+        setattr(pool, _ATTR, lane)
     return lane
 
 
@@ -239,7 +241,8 @@ def async_lane(client: Any) -> AsyncLane | None:
     pool = getattr(client, "connection_pool", None)
     if pool is None:
         return None
-    lane = _ASYNC.get(pool)
-    if lane is None:
-        lane = _ASYNC[pool] = AsyncLane(pool)
+    lane = getattr(pool, _ATTR, None)
+    if not isinstance(lane, AsyncLane):
+        lane = AsyncLane(pool)
+        setattr(pool, _ATTR, lane)
     return lane
