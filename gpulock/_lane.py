@@ -136,10 +136,10 @@ class SyncLane:
                 self.pool.release(conn)
 
 
-async def _aroundtrip(conn: Any, packed: bytes) -> Any:
-    """``packed`` sent and its reply read on ``conn`` (a ``redis.asyncio`` connection). A
-    connected connection whose health check is not due gets the bytes written straight to its
-    stream: ``send_packed_command`` would wrap even a write the kernel takes at once in
+async def _asend(conn: Any, packed: bytes) -> None:
+    """``packed`` sent on ``conn`` (a ``redis.asyncio`` connection). A connected connection
+    whose health check is not due gets the bytes written straight to its stream:
+    ``send_packed_command`` would wrap even a write the kernel takes at once in
     ``asyncio.wait_for`` (a task and a loop iteration per call, with ``socket_timeout`` set);
     a write the kernel did not take whole waits for the stream to drain as it would."""
     w = getattr(conn, "_writer", None)
@@ -154,6 +154,11 @@ async def _aroundtrip(conn: Any, packed: bytes) -> Any:
         w.write(packed)
         if w.transport.get_write_buffer_size():
             await conn.send_packed_command(b"")  # drains, within socket_timeout
+
+
+async def _aroundtrip(conn: Any, packed: bytes) -> Any:
+    """``packed`` sent (:func:`_asend`) and its reply read on ``conn``."""
+    await _asend(conn, packed)
     return await conn.read_response()
 
 
@@ -194,6 +199,33 @@ class AsyncLane:
         await self._give(conn)
         return reply
 
+    async def execute_many(self, packed: Sequence[bytes]) -> list[Any]:
+        """Send the commands ``packed`` in one write and read their replies in order: a list
+        with each reply, or the ``ResponseError`` of each error reply. A connection error or
+        a cancellation fails them all (none retried here: each caller retries by its own
+        rules)."""
+        if self.pid != os.getpid():
+            self.idle, self.pid = [], os.getpid()
+        conn = self.idle.pop() if self.idle else await self.pool.get_connection()
+        out: list[Any] = []
+        try:
+            await _asend(conn, b"".join(packed))
+            for _ in packed:
+                try:
+                    out.append(await conn.read_response())
+                except ResponseError as e:
+                    out.append(e)
+        except BaseException as e:
+            try:
+                await conn.disconnect(nowait=True)
+            finally:
+                await self.pool.release(conn)
+            if isinstance(e, RedisConnectionError):
+                await self.drop_idle()
+            raise
+        await self._give(conn)
+        return out
+
     async def _give(self, conn: Any) -> None:
         if len(self.idle) < self.keep and self.pid == os.getpid():
             self.idle.append(conn)
@@ -208,13 +240,6 @@ class AsyncLane:
                 await conn.disconnect(nowait=True)
             finally:
                 await self.pool.release(conn)
-
-    async def give_back_idle(self) -> None:
-        """Give the connections at hand back to the pool, open (before a pipeline, which
-        takes its connection from the pool)."""
-        idle, self.idle = self.idle, []
-        for conn in idle:
-            await self.pool.release(conn)
 
 
 #: The attribute of a redis-py connection pool that holds its lane (a lane is made on first

@@ -123,6 +123,18 @@ class AsyncScripts:
         """The command running ``sc`` with ``args`` (for a pipeline)."""
         return self.heads.words(sc, args)
 
+    async def send_many(self, calls: Sequence[tuple[Script, Sequence[Any]]]) -> list[Any]:
+        """First tries of several calls at once, in one round trip: each reply, or the
+        ``ResponseError`` of each error reply (a pipeline; on the lane when there is one).
+        Raises a connection error or timeout for all of them."""
+        if self.lane is not None:
+            return await self.lane.execute_many([self.heads.packed(sc, a) for sc, a in calls])
+        async with self.client.pipeline(transaction=False) as p:
+            for sc, a in calls:
+                p.execute_command(*self.heads.words(sc, a))
+            replies: list[Any] = await p.execute(raise_on_error=False)
+        return replies
+
     async def send(self, sc: Script, args: Sequence[Any]) -> Any:
         """One try of ``sc`` on its own connection: the reply, or redis-py's error."""
         if self.lane is not None:
