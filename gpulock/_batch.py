@@ -7,8 +7,9 @@ end of the current loop iteration, and goes out with every other call made in it
 pipeline (on the client's lane, :mod:`gpulock._lane`: the commands in one write, the replies
 read in order), while fewer than ``max_inflight`` batches are in flight; beyond that it waits
 for one to come back. So concurrent callers share round trips as soon as they overlap, without
-waiting for one another's replies: with 16 tasks doing acquire+release, ~2x the pairs per
-second and ~2/3 of the server CPU per pair of one connection per call (docs/BENCHMARKS.md).
+waiting for one another's replies, which takes fewer round trips, fewer system calls on both
+sides and less server CPU per call than a connection per call (measured: docs/BENCHMARKS.md,
+"Many clients").
 10,000 waiters that enqueue at once take about 10,000 / ``max_batch`` round trips on at most
 ``max_inflight`` connections, and a waiter that is waiting holds no connection and sends
 nothing (its refresh is in the pool's one batched heartbeat).
