@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import threading
-import weakref
 from collections.abc import Coroutine, Sequence
 from typing import Any, Callable
 
@@ -77,7 +76,6 @@ class Runtime:
         self._closed = False
         # This process's pub/sub channel for hand-offs: "<events key>:<channel_id>".
         self.channel_id = secrets.token_hex(8)
-        self._states: weakref.WeakValueDictionary[str, LeaseState] = weakref.WeakValueDictionary()
         self._states_lock = threading.Lock()  # the sync shell makes leases on caller threads
         self.settings = Settings()
         self.tasks = LoopTasks(pool, loop)
@@ -223,9 +221,12 @@ class Runtime:
     ) -> tuple[LeaseState, bool]:
         """The local state of a granted lease: the existing one when this process already
         holds that lease (the same request id acquired again returns the same grant), so that
-        both lease objects share one validity clock and one release. Returns (state, new)."""
+        both lease objects share one validity clock and one release. Returns (state, new); a
+        new one is among the held leases at once (finding and adding happen under one lock, so
+        two threads given the same grant share one state), and the caller then calls
+        :meth:`track` to start its heartbeat."""
         with self._states_lock:
-            s = self._states.get(grant.lease_id)
+            s = self.leases.get(grant.lease_id)
             if (
                 s is not None
                 and s.token == grant.token
@@ -237,7 +238,7 @@ class Runtime:
             s.meta = meta
             if not s.epoch:
                 s.epoch = self.known_epoch
-            self._states[grant.lease_id] = s
+            self.leases[s.lease_id] = s
             return s, True
 
     # ---- waiters -------------------------------------------------------------------------
