@@ -4,6 +4,7 @@
     python benchmarks/ab.py --base HEAD~1            # working tree (B) against a commit (A)
     python benchmarks/ab.py --base main --rounds 12 --slice 0.25
     python benchmarks/ab.py --base 736fbbd --new 503935c     # two commits
+    python benchmarks/ab.py --base HEAD --b-variant scripts   # one tree, one mechanism off
 
 Each side runs in its own worker process (side A imports the ``--base`` commit, exported with
 ``git archive`` into a temporary folder; side B the working tree), so both sides' scripts are
@@ -18,6 +19,12 @@ pairs/s, server and client CPU per pair per side (also for "many": 16 AsyncPool 
 pairs at once for two sub-slices; no ratio), and the Lua time per call of each side's
 acquire and release (INFO commandstats ``usec_per_call``, raw EVALSHA: five alternating runs
 of ``--lua-n``/5 calls each, the median).
+
+``--a-variant``/``--b-variant`` switch one mechanism off on a side, to measure it alone with
+the same code: ``scripts`` (EVALSHA of the scripts instead of FCALL of the library),
+``redispy`` (script calls through redis-py's ``execute_command`` instead of the lane),
+``nobatch`` (AsyncPool: each call on a connection of its own, no batching of overlapping
+calls).
 
 Benchmark tool only; nothing here is a test.
 """
@@ -50,6 +57,7 @@ except ImportError:
     KW = {}
 
 url, side = sys.argv[1], sys.argv[2]
+variant = set(filter(None, os.environ.get("GPULOCK_AB_VARIANT", "").split(",")))
 c = redis.Redis.from_url(url, **KW)
 trivial = c.script_load("return 1")
 name = "ab-" + side
@@ -59,6 +67,21 @@ loop = asyncio.new_event_loop()
 ac = aioredis.from_url(url, **KW)
 apool = AsyncPool.from_url(url, name + "-a", capacity=2**40)
 loop.run_until_complete(apool.configure(2**40))
+# Variants of one tree (--a-variant/--b-variant), to measure one mechanism on its own:
+# "scripts": EVALSHA instead of the function library; "redispy": script calls through
+# redis-py's execute_command instead of the lane; "nobatch": AsyncPool calls each on a
+# connection of its own until all slots are busy (no batching of overlapping calls).
+if "scripts" in variant:
+    from gpulock._dialect import dialect_of
+    for cl in (pool.redis, apool.redis):
+        dialect_of(cl).functions = False
+if "redispy" in variant:
+    pool._scripts.lane = None
+    apool._scripts.lane = None
+if "nobatch" in variant:
+    async def _direct(scripts, sc, args):
+        return await scripts.send(sc, args)
+    apool._scripts.first = _direct
 
 
 def cpu():
@@ -155,6 +178,7 @@ def lua(nn):
     if own is not None:
         from gpulock._script_calls import SyncScripts
         own = SyncScripts(c, keys)
+        own.heads.dialect.functions = pool._scripts.heads.dialect.functions
         run = lambda op, args: own.call(op, args)  # noqa: E731
         run("reap", [])  # loads the library
     else:
@@ -218,6 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lua-n", type=int, default=2000)
     ap.add_argument("--redis-server", default=None)
     ap.add_argument("--json", default=None, help="write the raw numbers here")
+    ap.add_argument(
+        "--a-variant",
+        default="",
+        help="comma list applied to side A: scripts (EVALSHA, not functions), redispy "
+        "(calls through redis-py, not the lane), nobatch (AsyncPool: no batching)",
+    )
+    ap.add_argument("--b-variant", default="", help="the same for side B")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from gpulock.embedded import RedisProcess, find_server_binary
@@ -233,7 +264,11 @@ def main(argv: list[str] | None = None) -> int:
         (Path(tmp) / "cwd").mkdir()
         procs = {}
         for s, root in sides.items():
-            env = dict(os.environ, PYTHONPATH=pypath(root))
+            env = dict(
+                os.environ,
+                PYTHONPATH=pypath(root),
+                GPULOCK_AB_VARIANT=a.a_variant if s == "A" else a.b_variant,
+            )
             procs[s] = subprocess.Popen(
                 [sys.executable, "-c", WORKER, rp.url, s],
                 stdin=subprocess.PIPE,
@@ -273,8 +308,11 @@ def main(argv: list[str] | None = None) -> int:
             [binary, "--version"], capture_output=True, text=True
         ).stdout.strip()
     load1 = os.getloadavg()
+    va = f" [{a.a_variant}]" if a.a_variant else ""
+    vb = f" [{a.b_variant}]" if a.b_variant else ""
     print(
-        f"A = {a.base}, B = {a.new or 'working tree'}; {a.rounds} rounds of {a.slice} s sub-slices; {version}"
+        f"A = {a.base}{va}, B = {a.new or 'working tree'}{vb}; {a.rounds} rounds of {a.slice} s "
+        f"sub-slices; {version}"
     )
     print(f"load avg {load0[0]:.2f} at start, {load1[0]:.2f} at end")
     summary: dict = {}
