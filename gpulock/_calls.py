@@ -121,14 +121,13 @@ class Calls:
         raise AssertionError("unreachable")
 
     async def drop_idle_connections(self) -> None:
-        """After a connection error, close the client's idle pooled connections: if Redis
-        restarted they are all dead, and each would fail one later call ("Connection closed by
-        server"); new ones are opened on demand."""
-        pool = getattr(self.redis, "connection_pool", None)  # a cluster client has one per node
-        if pool is None:
-            return
+        """After a connection error, close the connections the client's lane keeps at hand:
+        if Redis restarted they are all dead, and each would fail one later call ("Connection
+        closed by server"); new ones are opened on demand. The pool's own idle connections
+        are left to redis-py, which checks each one as it hands it out (its
+        ``disconnect(inuse_connections=False)`` would close them in tasks that run later,
+        when some may already serve a call)."""
         try:
-            await self.scripts.drop_idle()  # the lane's connections at hand, too
-            await pool.disconnect(inuse_connections=False)
+            await self.scripts.drop_idle()
         except Exception:  # noqa: BLE001 - best effort; a dead connection fails once and is dropped
             pass

@@ -156,6 +156,16 @@ async def _asend(conn: Any, packed: bytes) -> None:
             await conn.send_packed_command(b"")  # drains, within socket_timeout
 
 
+def _closed_under(e: BaseException) -> RedisConnectionError | None:
+    """The error to raise when a connection was closed by someone else in the middle of a
+    call, or while it was being opened: redis-py's asyncio connection then fails on its own
+    vanished stream (an AttributeError on ``None``; ``disconnect`` ran in another task, as when
+    the client is closed)."""
+    if isinstance(e, AttributeError) and "'NoneType'" in str(e):
+        return RedisConnectionError(f"the connection was closed under the call ({e})")
+    return None
+
+
 async def _aroundtrip(conn: Any, packed: bytes) -> Any:
     """``packed`` sent (:func:`_asend`) and its reply read on ``conn``."""
     await _asend(conn, packed)
@@ -173,9 +183,7 @@ class AsyncLane:
 
     async def execute(self, packed: bytes) -> Any:
         """As :meth:`SyncLane.execute`; a cancellation disconnects the connection it used."""
-        if self.pid != os.getpid():
-            self.idle, self.pid = [], os.getpid()
-        conn = self.idle.pop() if self.idle else await self.pool.get_connection()
+        conn = await self._take()
         try:
             if conn.retry.get_retries():
 
@@ -189,12 +197,15 @@ class AsyncLane:
             await self._give(conn)
             raise
         except BaseException as e:
+            closed = _closed_under(e)
             try:
                 await conn.disconnect(nowait=True)
             finally:
                 await self.pool.release(conn)
-            if isinstance(e, RedisConnectionError):
+            if isinstance(e, RedisConnectionError) or closed:
                 await self.drop_idle()  # Redis went away or restarted: those are dead too
+            if closed:
+                raise closed from e
             raise
         await self._give(conn)
         return reply
@@ -204,9 +215,7 @@ class AsyncLane:
         with each reply, or the ``ResponseError`` of each error reply. A connection error or
         a cancellation fails them all (none retried here: each caller retries by its own
         rules)."""
-        if self.pid != os.getpid():
-            self.idle, self.pid = [], os.getpid()
-        conn = self.idle.pop() if self.idle else await self.pool.get_connection()
+        conn = await self._take()
         out: list[Any] = []
         try:
             await _asend(conn, b"".join(packed))
@@ -216,15 +225,31 @@ class AsyncLane:
                 except ResponseError as e:
                     out.append(e)
         except BaseException as e:
+            closed = _closed_under(e)
             try:
                 await conn.disconnect(nowait=True)
             finally:
                 await self.pool.release(conn)
-            if isinstance(e, RedisConnectionError):
+            if isinstance(e, RedisConnectionError) or closed:
                 await self.drop_idle()
+            if closed:
+                raise closed from e
             raise
         await self._give(conn)
         return out
+
+    async def _take(self) -> Any:
+        if self.pid != os.getpid():  # forked: the connections at hand are the parent's
+            self.idle, self.pid = [], os.getpid()
+        if self.idle:
+            return self.idle.pop()
+        try:
+            return await self.pool.get_connection()
+        except AttributeError as e:
+            closed = _closed_under(e)
+            if closed is None:
+                raise
+            raise closed from e
 
     async def _give(self, conn: Any) -> None:
         if len(self.idle) < self.keep and self.pid == os.getpid():

@@ -134,3 +134,28 @@ def test_a_forked_child_never_uses_the_parents_connections(redis_proc):
     os.close(r)
     assert lane.idle and lane.idle[0] is parent_conn
     c.close()
+
+
+async def test_a_connection_closed_under_a_call_is_a_connection_error(redis_proc):
+    """Another task closes every connection of the client (as closing the client does) at
+    each point of a call (after 0, 1, 2, ... loop iterations: while it takes a connection,
+    connects, writes, waits for its reply): the call succeeds or fails with a ConnectionError,
+    never with what redis-py's connection trips over when its stream vanishes under it (an
+    AttributeError on None), and the next calls work."""
+    c = async_client(redis_proc.url, max_connections=4)
+    lane = async_lane(c)
+    n = 0
+    for k in range(16):
+        await lane.drop_idle()  # each call connects anew: the connect and write steps too
+        call = asyncio.create_task(lane.execute(encode(("ECHO", f"cut-{k}"))))
+        for _ in range(k):
+            await asyncio.sleep(0)
+        await c.connection_pool.disconnect(inuse_connections=True)
+        try:
+            assert await call == f"cut-{k}".encode()
+        except redis.exceptions.ConnectionError:
+            pass
+        for _ in range(2):
+            n += 1
+            assert await lane.execute(encode(("ECHO", f"call-{n}"))) == f"call-{n}".encode()
+    await c.aclose()
