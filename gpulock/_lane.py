@@ -3,9 +3,8 @@ pre-encoded bytes and read back with the connection's own parser.
 
 A redis-py call spends more of an uncontended round trip in the client than in Redis (the
 connection pool's lock and socket health check on every checkout, argument checks, the
-observability hooks): on the reference machine a ``return 1`` script takes ~91 µs through
-``Redis.evalsha`` and ~72 µs on a connection kept at hand (~134 and ~88 µs with
-``redis.asyncio``; docs/BENCHMARKS.md, "Where the time goes"). A lane keeps up to ``keep``
+observability hooks; with ``redis.asyncio`` also a task per write): measured in
+docs/BENCHMARKS.md, section 9. A lane keeps up to ``keep``
 connections it took from the client's pool at hand between calls, so a call pays none of that,
 and gives every other connection back. It never opens a connection of its own, so the client's
 ``max_connections`` still bounds them all.
@@ -34,7 +33,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-__all__ = ["AsyncLane", "SyncLane", "async_lane", "encode", "sync_lane"]
+__all__ = ["AsyncLane", "SyncLane", "async_lane", "encode", "encode_args", "sync_lane"]
 
 
 def _bulk(w: Any) -> bytes:

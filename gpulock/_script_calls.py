@@ -18,7 +18,7 @@ from redis.exceptions import ResponseError
 from ._cluster import is_cluster_client
 from ._cluster import ready as cluster_ready
 from ._dialect import Dialect, Load, Send, dialect_of
-from ._lane import _bulk, async_lane, encode, encode_args, sync_lane
+from ._lane import async_lane, encode, encode_args, sync_lane
 from ._scripts import Script, scripts
 
 __all__ = ["AsyncScripts", "SyncScripts", "load"]
@@ -41,7 +41,7 @@ class _Heads:
         head = self._heads.get(k)
         if head is None:
             w = self.dialect.words(sc, self.keys, ())
-            head = self._heads[k] = (len(w), b"".join(map(_bulk, w)))
+            head = self._heads[k] = (len(w), encode_args(w))
         n, body = head
         return b"*%d\r\n%s%s" % (n + len(args), body, encode_args(args))
 
