@@ -17,6 +17,7 @@ from ._args import ttl_ms, validate_request_id
 from ._protocol import AcquireRequest
 from ._replies import Grant, NotGranted
 from ._runtime import Runtime, Waiter
+from ._waiters import WaiterFuture
 from ._translate import translate
 
 
@@ -34,7 +35,7 @@ def keep_place(
                 w.future.set_result(res)
     elif res.queued:
         if w is None or w.future.done():
-            fut = asyncio.get_running_loop().create_future()
+            fut = WaiterFuture(loop=asyncio.get_running_loop())
             rt.add_waiter(Waiter(req.ticket, fut, argv, ttl_ms(req.waiter_ttl_s), res.position))
         else:
             w.position = res.position

@@ -32,7 +32,7 @@ from ._listener import Listener
 from ._protocol import DEFAULT_POLL_INTERVAL_S, Grant, LeaseState, validity_deadline
 from ._recovery import Recovery
 from ._tasks import LoopTasks
-from ._waiters import Waiter, WaiterRegistry
+from ._waiters import Waiter, WaiterFuture, WaiterRegistry
 
 __all__ = ["Runtime", "Waiter"]
 
@@ -284,7 +284,7 @@ class Runtime:
         expiry (``retry_after_ms``, -1: none). Returns the waiter to wait on and to leave."""
         w = Waiter(
             ticket,
-            asyncio.get_running_loop().create_future(),
+            WaiterFuture(loop=asyncio.get_running_loop()),
             argv,
             waiter_ttl_ms,
             position,

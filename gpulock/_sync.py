@@ -15,7 +15,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Callable, Coroutine, TypeVar
+from typing import Any, Callable, Coroutine, Protocol, TypeVar
 
 import redis
 from redis.exceptions import AuthenticationError, MovedError, ResponseError
@@ -51,6 +51,13 @@ from .errors import LeaseLost, PoolClosed
 _T = TypeVar("_T")
 
 
+class _Cancellable(Protocol):
+    def cancel(self) -> Any: ...
+
+
+_C = TypeVar("_C", bound=_Cancellable)
+
+
 class _LoopThread:
     """An event loop on a daemon thread; coroutines are submitted from other threads.
 
@@ -65,7 +72,7 @@ class _LoopThread:
         self._ready = threading.Event()
         self._lock = threading.Lock()
         self._stopped = False
-        self._pending: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
+        self._pending: weakref.WeakSet[_Cancellable] = weakref.WeakSet()
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
         self.thread.start()
         self._ready.wait()
@@ -95,9 +102,9 @@ class _LoopThread:
 
         return self.call(on_loop())
 
-    def watch(self, f: concurrent.futures.Future[_T]) -> concurrent.futures.Future[_T]:
-        """Cancel ``f`` in :meth:`stop` if it is not done by then (a future the loop thread
-        is to complete); returns it."""
+    def watch(self, f: _C) -> _C:
+        """Cancel ``f`` in :meth:`stop` (a future or wake the loop thread is to complete; done
+        ones ignore it); returns it."""
         with self._lock:
             if self._stopped:
                 raise self.closed()
@@ -119,18 +126,50 @@ class _LoopThread:
             f.cancel()  # a caller blocked on it gets CancelledError instead of waiting forever
 
 
-def _relay(f: asyncio.Future[Any], cf: concurrent.futures.Future[Any], pool: str) -> None:
-    """Copy an asyncio future's outcome to a thread's future (on the loop thread); a thread
-    that gave up (timeout, interrupt) has cancelled ``cf`` already, and nothing is copied."""
-    try:
-        if f.cancelled():
-            cf.set_exception(PoolClosed(pool))
-        elif f.exception() is not None:
-            cf.set_exception(f.exception())
-        else:
-            cf.set_result(f.result())
-    except concurrent.futures.InvalidStateError:
-        pass
+class _Wake:
+    """A thread's wait for a waiter's future: the call on the loop thread that completes the
+    future (or :meth:`cancel`, from :meth:`_LoopThread.stop`) wakes the thread at once, with
+    no loop iteration and no other object in between. Once the thread stopped waiting, waking
+    it does nothing."""
+
+    __slots__ = ("_lock", "_mutex", "_state", "closed", "__weakref__")
+
+    _WAITING, _WOKEN, _GONE = 0, 1, 2
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()  # released by the wake
+        self._mutex = threading.Lock()  # orders a wake against the thread giving up
+        self._state = self._WAITING
+        self.closed = False  # woken by stop(): the loop thread is gone
+
+    def __call__(self, _fut: object = None) -> None:
+        """Wake the thread (a :class:`~gpulock._waiters.WaiterFuture` watcher)."""
+        self._wake(closed=False)
+
+    def cancel(self) -> None:
+        """Wake the thread because the loop thread stopped (:meth:`_LoopThread.stop`)."""
+        self._wake(closed=True)
+
+    def _wake(self, closed: bool) -> None:
+        with self._mutex:
+            if self._state != self._WAITING:
+                return
+            self._state = self._WOKEN
+            self.closed = closed
+            self._lock.release()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block until woken (True) or until ``timeout`` seconds passed (None: forever; False).
+        After it returned, or raised (KeyboardInterrupt), waking does nothing."""
+        try:
+            if self._lock.acquire(timeout=-1 if timeout is None else timeout):
+                return True
+        finally:
+            with self._mutex:
+                woken = self._state == self._WOKEN
+                self._state = self._GONE
+        return woken  # woken just as the timeout passed
 
 
 def _background_cap(max_connections: int) -> int:
@@ -141,11 +180,11 @@ def _background_cap(max_connections: int) -> int:
 
 @dataclass
 class _Joined:
-    """A sync acquire's place in the runtime: the waiter (the loop thread's) and the
-    thread's future its grant is relayed to."""
+    """A sync acquire's place in the runtime: the waiter (the loop thread's) and the wake of
+    the thread waiting for its future."""
 
     waiter: Waiter
-    relay: concurrent.futures.Future[Any]  # the waiter's Grant
+    wake: _Wake
 
 
 class Lease(LeaseBase):
@@ -354,21 +393,23 @@ class Pool(PoolOptions):
                 portal.call(rt.ensure_subscribed())
             return None
         if isinstance(step, flow.Join):
-            # The grant is relayed straight from the waiter future's done-callback on the loop
-            # thread to this thread's future (no task in between: one object fewer to cancel).
-            relay: concurrent.futures.Future[Any] = portal.watch(concurrent.futures.Future())
-            return _Joined(portal.run(self._join, rt, step, relay), relay)
+            # The call that completes the waiter's future on the loop thread wakes this thread
+            # directly (a watcher, not a done-callback a loop iteration later).
+            wake = portal.watch(_Wake())
+            return _Joined(portal.run(self._join, rt, step, wake), wake)
         if isinstance(step, flow.Wait):
-            try:
-                return step.handle.relay.result(step.timeout)
-            except concurrent.futures.CancelledError:
-                raise PoolClosed(self.name) from None  # close() stopped the loop thread under us
-            except concurrent.futures.TimeoutError:
+            h = step.handle
+            if not h.wake.wait(step.timeout):
                 return flow.TimedOut(None)  # the place now is the loop thread's to know
+            f = h.waiter.future
+            if h.wake.closed or f.cancelled():
+                raise PoolClosed(self.name)  # close() stopped the loop thread under us
+            err = f.exception()
+            if err is not None:
+                raise err
+            return f.result()
         if isinstance(step, flow.Leave):
-            h: _Joined = step.handle
-            if not h.relay.done():
-                h.relay.cancel()
+            h = step.handle
             if not step.withdrawing:
                 portal.soon(rt.leave_waiter, h.waiter)
                 return False
@@ -387,9 +428,9 @@ class Pool(PoolOptions):
             return None
         raise AssertionError(f"unknown step {step!r}")
 
-    def _join(self, rt: Runtime, step: flow.Join, relay: concurrent.futures.Future[Any]) -> Waiter:
-        """On the loop thread: queue or join the waiter of ``step``, and relay its grant to
-        ``relay`` (a thread's future)."""
+    def _join(self, rt: Runtime, step: flow.Join, wake: _Wake) -> Waiter:
+        """On the loop thread: queue or join the waiter of ``step``, and have its future wake
+        ``wake`` (the thread's) when done."""
         joined = rt.queue_waiter(
             step.ticket,
             step.argv,
@@ -398,9 +439,9 @@ class Pool(PoolOptions):
             step.on_queued,
             step.retry_after_ms,
         )
-        # A callback, never ``await``: another acquire with the same request id may share the
+        # A watcher, never ``await``: another acquire with the same request id may share the
         # waiter future, and giving up here must not cancel it.
-        joined.future.add_done_callback(lambda f: _relay(f, relay, self.name))
+        joined.future.watch(wake)
         return joined
 
     def _eval_once(self, name: str, args: list[str]) -> Any:

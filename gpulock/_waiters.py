@@ -22,10 +22,52 @@ from .errors import BackendUnavailable, PoolClosed
 log = logging.getLogger("gpulock")
 
 
+class WaiterFuture(asyncio.Future):  # type: ignore[type-arg]
+    """A waiter's future (of its :class:`~gpulock._protocol.Grant`) that also calls its
+    watchers (:meth:`watch`) synchronously, inside the call that completes or cancels it,
+    rather than a loop iteration later as done-callbacks are: a thread blocked on it (the sync
+    shell's) is woken by the very delivery. An exception set on it counts as retrieved (no
+    "never retrieved" log): whoever still waits gets it, and nobody else is to be told."""
+
+    _watchers: list[Callable[[WaiterFuture], None]] | None = None
+
+    def watch(self, fn: Callable[[WaiterFuture], None]) -> None:
+        """Call ``fn(self)`` when the future is done (now, when it is already)."""
+        if self.done():
+            fn(self)
+        elif self._watchers is None:
+            self._watchers = [fn]
+        else:
+            self._watchers.append(fn)
+
+    def _notify(self) -> None:
+        watchers, self._watchers = self._watchers, None
+        for fn in watchers or ():
+            try:
+                fn(self)
+            except Exception:
+                log.exception("gpulock: a waiter's watcher raised")
+
+    def set_result(self, result: Any) -> None:
+        super().set_result(result)
+        self._notify()
+
+    def set_exception(self, exception: Any) -> None:
+        super().set_exception(exception)
+        self.exception()  # marks it retrieved
+        self._notify()
+
+    def cancel(self, msg: Any = None) -> bool:
+        cancelled = super().cancel(msg)
+        if cancelled:
+            self._notify()
+        return cancelled
+
+
 @dataclass
 class Waiter:
     ticket: str
-    future: asyncio.Future[Any]
+    future: WaiterFuture
     argv: list[str]  # the acquire ARGV, to re-enqueue idempotently if the queue forgot us
     waiter_ttl_ms: int
     position: int
