@@ -16,10 +16,8 @@ import logging
 from typing import Any, Callable
 
 from gpulock_common.aio import wait_for
-from redis.exceptions import AuthenticationError, NoPermissionError
-
-from ._protocol import decode_events, translate
-from ._pubsub import Channel, Hub
+from ._protocol import decode_events
+from ._pubsub import CONFIRM_WAIT_S, Channel, Hub
 from ._waiters import WaiterRegistry
 
 log = logging.getLogger("gpulock")
@@ -70,23 +68,13 @@ class Listener:
             self._ch = Channel(self.channel, self._deliver)
             await self._hub.join(self._ch)
         ch = self._ch
-        if not ch.subscribed.is_set():
-            if ch.error is not None:
-                ch.news.clear()  # an old failure: wait for the connection's next attempt
+        if ch.awaiting_news():
             try:
-                await wait_for(ch.news.wait(), 5.0)
+                await wait_for(ch.news.wait(), CONFIRM_WAIT_S)
+                in_time = True
             except asyncio.TimeoutError:
-                log.warning(
-                    "gpulock: pub/sub subscription to pool %s not confirmed in 5 s; "
-                    "waiters fall back to polling",
-                    self.pool,
-                )
-            err = ch.error
-            if err is not None and not ch.subscribed.is_set():
-                if isinstance(err, (AuthenticationError, NoPermissionError)):
-                    raise translate(err, self.pool) from err  # retrying cannot help
-                # Redis unreachable: go on; the acquire call reports it within its own bound
-                # (instead of after this wait), and waiters would fall back to polling.
+                in_time = False
+            ch.after_news(self.pool, in_time)
 
     def cancel(self) -> list[asyncio.Task[Any]]:
         """Leave the shared connection (closed when no pool object uses it any more);

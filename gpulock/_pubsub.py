@@ -22,33 +22,72 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from typing import Any, Callable
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any, Callable, Union
 
-from redis.exceptions import ResponseError
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
 from ._cluster import is_cluster_client, primary_client
 from ._cluster import ready as cluster_ready
 from ._failure_log import FailureLog
 from ._retry import retry_delay
+from ._translate import translate
 
 __all__ = ["Channel", "Hub"]
 
 log = logging.getLogger("gpulock")
 
 
-class Channel:
-    """One pool object's channel on a hub: ``deliver(data)`` gets each message's payload;
-    ``subscribed`` is set while the server confirms the subscription; ``news`` is set at each
-    confirmation and each failure (``error``: the last one, None once subscribed)."""
+#: Seconds an acquire waits for its subscription's confirmation before it queues (then it goes
+#: on, and its grant may come by the heartbeat's polling).
+CONFIRM_WAIT_S = 5.0
 
-    def __init__(self, name: str, deliver: Callable[[bytes], None]):
+
+class Channel:
+    """One pool object's channel on a subscription connection: ``deliver(data)`` gets each
+    message's payload; ``subscribed`` is set while the server confirms the subscription;
+    ``news`` is set at each confirmation and each failure (``error``: the last one, None once
+    subscribed). ``event``: the class of the two events (``asyncio.Event`` for a connection
+    read in an event loop, ``threading.Event`` for one read by threads)."""
+
+    def __init__(
+        self, name: str, deliver: Callable[[bytes], None], event: Callable[[], Any] = asyncio.Event
+    ):
         self.name = name
         self.deliver = deliver
-        self.subscribed = asyncio.Event()
-        self.news = asyncio.Event()
+        self.subscribed = event()
+        self.news = event()
         self.error: BaseException | None = None
-        self.shard: _Shard | None = None
-        self.left = False  # the pool object left the hub
+        self.shard: _Shard | None = None  # the hub's connection it is on
+        self.left = False  # the pool object left the connection
+
+    def awaiting_news(self) -> bool:
+        """Before a wait for the subscription's confirmation (up to :data:`CONFIRM_WAIT_S`):
+        whether there is anything to wait for; an old failure is forgotten, so the wait is for
+        the connection's next attempt."""
+        if self.subscribed.is_set():
+            return False
+        if self.error is not None:
+            self.news.clear()
+        return True
+
+    def after_news(self, pool: str, in_time: bool) -> None:
+        """After that wait (``in_time``: news came): say so when none came (waiters fall back
+        to polling); raise an error retrying cannot help (AuthenticationError,
+        NoPermissionError: translated). Redis unreachable raises nothing: the acquire call
+        reports it within its own bound, and waiters would fall back to polling."""
+        if not in_time:
+            log.warning(
+                "gpulock: pub/sub subscription to pool %s not confirmed in %g s; "
+                "waiters fall back to polling",
+                pool,
+                CONFIRM_WAIT_S,
+            )
+        err = self.error
+        if err is not None and not self.subscribed.is_set():
+            if isinstance(err, (AuthenticationError, NoPermissionError)):
+                raise translate(err, pool) from err
 
 
 class _SlotMoved(Exception):
@@ -64,18 +103,135 @@ def _name(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
 
-class _Shard:
-    """One subscription connection (to ``client``, a client of one server) and its channels."""
+# ---- the life of one subscription connection, without I/O ------------------------------------
+# Its driver (the asyncio _Shard below, or the sync shell's ThreadSubscription) carries out
+# each step with its own client and sends back the result (a Read: the message or None; the
+# others: None), or throws in the error the step raised (an Exception; anything else, such as
+# a cancellation, ends the driver without resuming the life).
 
-    def __init__(self, hub: Hub, key: str, client: Any):
-        self.hub, self.key, self.client = hub, key, client
+
+@dataclass(frozen=True)
+class Open:
+    """Make a new pub/sub connection object (nothing is sent yet); it is the live one now."""
+
+
+@dataclass(frozen=True)
+class Send:
+    """Subscribe ``names`` on the live connection: ``SSUBSCRIBE`` unless ``sharded`` is False
+    (then ``SUBSCRIBE``)."""
+
+    names: tuple[str, ...]
+    sharded: bool
+
+
+@dataclass(frozen=True)
+class Read:
+    """The next message of the live connection, or None when none came within the driver's
+    wait."""
+
+
+@dataclass(frozen=True)
+class Close:
+    """Close the live connection, quietly; none is live after."""
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Wait ``seconds`` before the next attempt to connect."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Regroup:
+    """After a failure: let the driver move its channels to the servers that serve them now
+    (a cluster's slots may have moved); nothing to do on one server."""
+
+
+SubStep = Union[Open, Send, Read, Close, Pause, Regroup]
+
+
+class Connection:
+    """The state of one subscription connection and its channels (:attr:`channels`, by
+    name), and :meth:`life`, what the connection does, as steps for a driver. ``what`` names
+    it in the log."""
+
+    def __init__(self, what: str):
         self.channels: dict[str, Channel] = {}
         self.sharded: bool | None = None  # None until the server answered
+        self._log = FailureLog(what, level=logging.INFO)
+
+    def life(self) -> Generator[SubStep, Any, None]:
+        """Connect, subscribe every channel, hand each message to its channel, until no
+        channel is left. A failure (a step's error) marks the channels unsubscribed (their
+        waiters fall back to the heartbeat's polling), waits :func:`gpulock._retry.retry_delay`,
+        regroups and connects again; a server without sharded pub/sub (Redis 6.2: "unknown
+        command") makes it use classic ``SUBSCRIBE`` from then on, at once."""
+        attempt = 0
+        while self.channels:
+            try:
+                yield Open()
+                yield Send(tuple(self.channels), self.sharded is not False)
+                while self.channels:
+                    msg = yield Read()
+                    if msg is not None and self.take(msg):
+                        attempt = 0
+            except Exception as e:  # connection trouble: the heartbeat's polling covers us
+                yield Close()
+                if (
+                    isinstance(e, ResponseError)
+                    and self.sharded is not False
+                    and "unknown command" in str(e).lower()
+                ):
+                    self.sharded = False  # Redis 6.2, no SSUBSCRIBE: its scripts PUBLISH
+                    continue
+                self.failed(e)
+                attempt += 1
+                yield Pause(retry_delay(attempt))
+                yield Regroup()
+                continue
+            yield Close()
+
+    def take(self, msg: dict[str, Any]) -> bool:
+        """Take in one message of the connection: a confirmation (returns True), a channel's
+        payload (to its ``deliver``), or the server dropping a channel we still want
+        (raises _SlotMoved); anything else is ignored."""
+        kind = _kind(msg)
+        ch = self.channels.get(_name(msg.get("channel")))
+        if kind in ("subscribe", "ssubscribe"):
+            self.sharded = kind == "ssubscribe"
+            self._log.ok()
+            if ch is not None:
+                ch.error = None
+                ch.subscribed.set()
+                ch.news.set()
+            return True
+        if kind in ("message", "smessage") and ch is not None:
+            ch.deliver(msg["data"])
+        elif kind == "sunsubscribe" and ch is not None:
+            # the server dropped a channel we still want: its slot moved away
+            raise _SlotMoved(f"the slot of {ch.name} moved to another node")
+        return False
+
+    def failed(self, e: BaseException) -> None:
+        """The connection failed with ``e``: its channels are unsubscribed until it is back."""
+        for ch in self.channels.values():
+            ch.subscribed.clear()
+            ch.error = e  # for ensure_subscribed: stop waiting, and why
+            ch.news.set()
+        self._log.failed(e)
+
+
+class _Shard(Connection):
+    """One subscription connection of a hub (to ``client``, a client of one server) and its
+    channels: the asyncio driver of :meth:`Connection.life`."""
+
+    def __init__(self, hub: Hub, key: str, client: Any):
+        super().__init__(f"pub/sub subscription{' on ' + key if key else ''}")
+        self.hub, self.key, self.client = hub, key, client
         self.ps: Any = None  # the live PubSub, once its first subscription was sent
+        self._open: Any = None  # the PubSub the life opened and has not closed
         self.task: asyncio.Task[None] | None = None
-        self._log = FailureLog(
-            f"pub/sub subscription{' on ' + key if key else ''}", level=logging.INFO
-        )
 
     def start(self) -> None:
         if self.task is None or self.task.done():
@@ -108,56 +264,45 @@ class _Shard:
             pass
 
     async def _run(self) -> None:
-        attempt = 0
-        while self.channels:
-            ps = self.client.pubsub(ignore_subscribe_messages=False)
-            try:
-                self.ps = ps
-                await self.subscribe(list(self.channels))
-                while self.channels:
-                    msg = await ps.get_message(timeout=1.0)
-                    if msg is None:
-                        continue
-                    kind = _kind(msg)
-                    ch = self.channels.get(_name(msg.get("channel")))
-                    if kind in ("subscribe", "ssubscribe"):
-                        self.sharded = kind == "ssubscribe"
-                        attempt = 0
-                        self._log.ok()
-                        if ch is not None:
-                            ch.error = None
-                            ch.subscribed.set()
-                            ch.news.set()
-                    elif kind in ("message", "smessage") and ch is not None:
-                        ch.deliver(msg["data"])
-                    elif kind == "sunsubscribe" and ch is not None:
-                        # the server dropped a channel we still want: its slot moved away
-                        raise _SlotMoved(f"the slot of {ch.name} moved to another node")
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # connection trouble: the heartbeat's polling covers us
-                self.ps = None
-                if (
-                    isinstance(e, ResponseError)
-                    and self.sharded is not False
-                    and "unknown command" in str(e).lower()
-                ):
-                    self.sharded = False  # Redis 6.2, no SSUBSCRIBE: its scripts PUBLISH
-                    continue
-                for ch in self.channels.values():
-                    ch.subscribed.clear()
-                    ch.error = e  # for ensure_subscribed: stop waiting, and why
-                    ch.news.set()
-                self._log.failed(e)
-                attempt += 1
-                await asyncio.sleep(retry_delay(attempt))
-                await self.hub.regroup(self)
-            finally:
-                self.ps = None
+        life = self.life()
+        reply: Any = None
+        error: Exception | None = None
+        try:
+            while True:
                 try:
-                    await ps.aclose()
-                except Exception:  # noqa: BLE001 - the connection is being dropped anyway
-                    pass
+                    step = life.send(reply) if error is None else life.throw(error)
+                except StopIteration:
+                    return
+                reply, error = None, None
+                try:
+                    reply = await self._do(step)
+                except Exception as e:  # noqa: BLE001 - the life decides (CancelledError is not one)
+                    error = e
+        finally:
+            await self._close()
+
+    async def _do(self, step: SubStep) -> Any:
+        if isinstance(step, Read):
+            return await self.ps.get_message(timeout=1.0)
+        if isinstance(step, Open):
+            self._open = self.client.pubsub(ignore_subscribe_messages=False)
+            return None
+        if isinstance(step, Send):
+            self.ps = self._open
+            return await self.subscribe(list(step.names))
+        if isinstance(step, Close):
+            return await self._close()
+        if isinstance(step, Pause):
+            return await asyncio.sleep(step.seconds)
+        return await self.hub.regroup(self)
+
+    async def _close(self) -> None:
+        ps, self._open, self.ps = self._open, None, None
+        if ps is not None:
+            try:
+                await ps.aclose()
+            except Exception:  # noqa: BLE001 - the connection is being dropped anyway
+                pass
 
 
 class Hub:
