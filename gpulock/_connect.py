@@ -438,3 +438,30 @@ def async_client_like(client: redis.Redis, *, max_connections: int) -> aioredis.
             **kw,
         )
     )
+
+
+def subscription_client(client: Any, channel: str) -> redis.Redis:
+    """A sync client with one connection of its own, to the server that serves ``channel``
+    (a cluster client: the primary of its slot now; Sentinel: the service's primary), made
+    with every setting ``client``'s connections to that server are made with: the hand-off
+    subscription of a sync Pool, which holds its connection while it lives and so must not
+    take one of ``client``'s. No I/O, but a cluster client that does not know the slot's
+    node reads the slot map."""
+    from ._cluster import primary_client
+
+    base = primary_client(client, channel)  # client itself unless it is a cluster client
+    pool = base.connection_pool
+    kw = dict(pool.connection_kwargs)
+    new: redis.ConnectionPool
+    if isinstance(pool, SentinelConnectionPool):
+        kw.pop("connection_pool", None)  # the old pool's proxy: the new pool sets its own
+        new = SentinelConnectionPool(  # type: ignore[no-untyped-call]  # redis-py: unannotated
+            pool.service_name,
+            pool.sentinel_manager,
+            connection_class=pool.connection_class,
+            max_connections=1,
+            **kw,
+        )
+    else:
+        new = redis.ConnectionPool(connection_class=pool.connection_class, max_connections=1, **kw)
+    return redis.Redis(connection_pool=new)

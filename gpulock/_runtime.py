@@ -74,9 +74,11 @@ class Runtime:
         self.leases: dict[str, LeaseState] = {}
         self.anchor: tuple[float, int] | None = None  # (local time sent, server now ms)
         self._closed = False
-        # This process's pub/sub channel for hand-offs: "<events key>:<channel_id>".
+        # This pool object's pub/sub channel for hand-offs: "<events key>:<channel_id>".
         self.channel_id = secrets.token_hex(8)
+        self.channel = f"{keys[7]}:{self.channel_id}"
         self._states_lock = threading.Lock()  # the sync shell makes leases on caller threads
+        self._users_lock = threading.Lock()  # the sync shell leaves waiters on caller threads
         self.settings = Settings()
         self.tasks = LoopTasks(pool, loop)
         self.calls = Calls(redis, pool, keys, self.settings)
@@ -85,7 +87,7 @@ class Runtime:
         self.listener = Listener(
             redis,
             pool,
-            f"{keys[7]}:{self.channel_id}",
+            self.channel,
             self.registry,
             clock,
             is_closed=self._is_closed,
@@ -205,6 +207,12 @@ class Runtime:
         after our next enqueue can be missed (:meth:`Listener.ensure_subscribed`)."""
         await self.listener.ensure_subscribed()
 
+    def deliver(self, grants: Sequence[Grant]) -> None:
+        """Hand grants read from the pool object's channel to their waiters (in the runtime's
+        loop; the sync shell's reading threads send them here)."""
+        for g in grants:
+            self.registry.deliver(g)
+
     def track(self, state: LeaseState) -> None:
         """Start heartbeating a lease. Safe from any thread (the sync shell calls it on the
         caller's thread): a dict insert, plus a wake-up of the loop only when the ticker or the
@@ -256,15 +264,34 @@ class Runtime:
     def join_waiter(self, w: Waiter) -> Waiter:
         """Register ``w``, or join the waiter this process already has for the same ticket
         (one request id used by two acquires at once: one place, one grant, seen by both)."""
-        cur = self.waiters.get(w.ticket)
-        if cur is not None and not cur.future.done():
-            cur.users += 1
-            return cur
-        self.add_waiter(w)
-        return w
+        with self._users_lock:
+            cur = self.waiters.get(w.ticket)
+            if cur is not None and not cur.future.done():
+                cur.users += 1
+                return cur
+            self.add_waiter(w)
+            return w
 
-    def leave_waiter(self, w: Waiter) -> None:
-        """One acquire sharing ``w`` stops waiting; the last one removes it."""
+    def leave_waiter(self, w: Waiter, grant: Grant | None = None) -> None:
+        """One acquire sharing ``w`` stops waiting; the last one removes it. ``grant``: the
+        grant of ``w`` as that acquire read it itself (the sync shell's reading thread), handed
+        first to the others still sharing ``w``."""
+        with self._users_lock:
+            if grant is not None and w.users > 1:
+                self.registry.deliver(grant)
+            self._leave(w)
+
+    def leave_alone(self, w: Waiter) -> bool:
+        """Leave ``w`` if its acquire is the only one on it (so no grant is to be handed on),
+        from any thread: the sync shell's thread that read its own grant, without a trip
+        through the loop. False (nothing done) when another acquire shares it."""
+        with self._users_lock:
+            if w.users != 1:
+                return False
+            self._leave(w)
+            return True
+
+    def _leave(self, w: Waiter) -> None:
         w.users -= 1
         if w.users <= 0 and self.waiters.get(w.ticket) is w:
             self.remove_waiter(w.ticket)
@@ -294,10 +321,11 @@ class Runtime:
         self.set_reap_timer(self.clock(), retry_after_ms)
         return joined
 
-    def leave(self, w: Waiter) -> bool:
-        """Leave waiter ``w`` (:meth:`leave_waiter`); True when its ticket is still in use
-        locally (:meth:`ticket_in_use`: then the request must not be withdrawn on the server)."""
-        self.leave_waiter(w)
+    def leave(self, w: Waiter, grant: Grant | None = None) -> bool:
+        """Leave waiter ``w`` (:meth:`leave_waiter`, with ``grant``); True when its ticket is
+        still in use locally (:meth:`ticket_in_use`: then the request must not be withdrawn on
+        the server)."""
+        self.leave_waiter(w, grant)
         return self.ticket_in_use(w.ticket)
 
     def ticket_in_use(self, ticket: str) -> bool:

@@ -45,6 +45,7 @@ from ._connect import (
 from ._keys import pool_key, pool_keys
 from ._runtime import Runtime, Waiter
 from ._script_calls import SyncScripts, load
+from ._sync_listener import ThreadSubscription, ThreadWait
 from ._scripts import scripts
 from .errors import LeaseLost, PoolClosed
 
@@ -126,65 +127,31 @@ class _LoopThread:
             f.cancel()  # a caller blocked on it gets CancelledError instead of waiting forever
 
 
-class _Wake:
-    """A thread's wait for a waiter's future: the call on the loop thread that completes the
-    future (or :meth:`cancel`, from :meth:`_LoopThread.stop`) wakes the thread at once, with
-    no loop iteration and no other object in between. Once the thread stopped waiting, waking
-    it does nothing."""
-
-    __slots__ = ("_lock", "_mutex", "_state", "closed", "__weakref__")
-
-    _WAITING, _WOKEN, _GONE = 0, 1, 2
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()  # released by the wake
-        self._mutex = threading.Lock()  # orders a wake against the thread giving up
-        self._state = self._WAITING
-        self.closed = False  # woken by stop(): the loop thread is gone
-
-    def __call__(self, _fut: object = None) -> None:
-        """Wake the thread (a :class:`~gpulock._waiters.WaiterFuture` watcher)."""
-        self._wake(closed=False)
-
-    def cancel(self) -> None:
-        """Wake the thread because the loop thread stopped (:meth:`_LoopThread.stop`)."""
-        self._wake(closed=True)
-
-    def _wake(self, closed: bool) -> None:
-        with self._mutex:
-            if self._state != self._WAITING:
-                return
-            self._state = self._WOKEN
-            self.closed = closed
-            self._lock.release()
-
-    def wait(self, timeout: float | None) -> bool:
-        """Block until woken (True) or until ``timeout`` seconds passed (None: forever; False).
-        After it returned, or raised (KeyboardInterrupt), waking does nothing."""
-        try:
-            if self._lock.acquire(timeout=-1 if timeout is None else timeout):
-                return True
-        finally:
-            with self._mutex:
-                woken = self._state == self._WOKEN
-                self._state = self._GONE
-        return woken  # woken just as the timeout passed
-
-
 def _background_cap(max_connections: int) -> int:
-    """Connections of a Pool's background client (its loop thread: the hand-off subscription,
-    the batched heartbeat, re-queues): at most 4, at least 2, at most the caller side's cap."""
-    return max(2, min(max_connections, 4))
+    """Connections of a Pool's background client (its loop thread: the batched heartbeat,
+    re-queues, withdrawals), next to the hand-off subscription's one: together at most 4, at
+    least 3 (the client has at least 2), at most the caller side's cap plus one."""
+    return max(2, min(max_connections, 4) - 1)
+
+
+@dataclass(frozen=True)
+class _Background:
+    """What a Pool runs besides the callers' calls: the loop thread, the runtime in it, and
+    the hand-off subscription its waiting threads read (made and dropped together)."""
+
+    portal: _LoopThread
+    rt: Runtime
+    sub: ThreadSubscription
 
 
 @dataclass
 class _Joined:
-    """A sync acquire's place in the runtime: the waiter (the loop thread's) and the wake of
-    the thread waiting for its future."""
+    """A sync acquire's place in the runtime: the thread's wait, and the waiter (the loop
+    thread's; None until the loop thread queued or joined it, which it does before anything
+    else this acquire asks of it)."""
 
-    waiter: Waiter
-    wake: _Wake
+    wait: ThreadWait
+    waiter: Waiter | None = None
 
 
 class Lease(LeaseBase):
@@ -287,8 +254,7 @@ class Pool(PoolOptions):
         self._url = _url
         self._owns_client = _owns_client
         self._lock = threading.Lock()
-        self._portal: _LoopThread | None = None
-        self._runtime: Runtime | None = None
+        self._bg: _Background | None = None
         self._closed = False  # close() was called: acquires raise PoolClosed
         self._active = 0  # acquires in progress (close() lets them withdraw first)
         self._active_cv = threading.Condition(threading.Lock())
@@ -313,13 +279,13 @@ class Pool(PoolOptions):
         return cls(client, name, _url=url, _owns_client=True, **kw)
 
     # ---- background runtime --------------------------------------------------------------
-    def _rt(self, *, queued: bool = False) -> tuple[_LoopThread, Runtime]:
+    def _background(self, *, queued: bool = False) -> _Background:
         with self._lock:
             if self._closed:
                 raise PoolClosed(
                     self.name, queued=queued
                 )  # no heartbeat or listener would serve a lease
-            if self._portal is None:
+            if self._bg is None:
                 portal = _LoopThread(f"gpulock-{self.name}", closed=lambda: PoolClosed(self.name))
                 try:
                     pool = getattr(self.redis, "connection_pool", None)  # None: a cluster client
@@ -329,7 +295,7 @@ class Pool(PoolOptions):
                         if self._url
                         else async_client_like(self.redis, max_connections=cap)
                     )
-                    self._runtime = Runtime(
+                    rt = Runtime(
                         client,
                         self.name,
                         self._keys,
@@ -340,10 +306,24 @@ class Pool(PoolOptions):
                 except BaseException:
                     portal.stop()  # no runtime: leave no loop thread (a later call starts again)
                     raise
-                self._portal = portal
-                flow.push_settings(self, self._runtime)
-            assert self._runtime is not None  # made with the portal, and dropped with it
-            return self._portal, self._runtime
+                sub = ThreadSubscription(
+                    self.redis, rt.channel, self.name, lambda gs: portal.soon(rt.deliver, gs)
+                )
+                self._bg = _Background(portal, rt, sub)
+                flow.push_settings(self, rt)
+            return self._bg
+
+    @property
+    def _runtime(self) -> Runtime | None:
+        """The runtime, once the background runs (None before, and after close())."""
+        bg = self._bg
+        return bg.rt if bg is not None else None
+
+    @property
+    def _portal(self) -> _LoopThread | None:
+        """The loop thread, once the background runs (None before, and after close())."""
+        bg = self._bg
+        return bg.portal if bg is not None else None
 
     def _untrack(self, lease_id: str) -> None:
         """Stop heartbeating a lease (tests use it to let one expire)."""
@@ -351,12 +331,10 @@ class Pool(PoolOptions):
             self._runtime.untrack(lease_id)  # a dict pop: safe from any thread
 
     # ---- the driver -------------------------------------------------------------------------
-    def _run(
-        self, steps: flow.Flow[_T], portal: _LoopThread | None = None, rt: Runtime | None = None
-    ) -> _T:
+    def _run(self, steps: flow.Flow[_T], bg: _Background | None = None) -> _T:
         """Carry out a flow of :mod:`gpulock._flow` (its steps' replies: there) on the caller's
-        thread, and return its result. An acquire's flow runs with the loop thread and runtime
-        it began with (``portal``, ``rt``), also while close() drops them."""
+        thread, and return its result. An acquire's flow runs with the background it began
+        with (``bg``), also while close() drops it."""
         reply: Any = None
         error: BaseException | None = None
         while True:
@@ -367,17 +345,17 @@ class Pool(PoolOptions):
                 return result
             reply, error = None, None
             try:
-                reply = self._step(step, portal, rt)
+                reply = self._step(step, bg)
             except BaseException as e:  # noqa: BLE001 - also KeyboardInterrupt: the flow decides
                 error = e
 
-    def _step(self, step: flow.Step, portal: _LoopThread | None, rt: Runtime | None) -> Any:
+    def _step(self, step: flow.Step, bg: _Background | None) -> Any:
         if isinstance(step, flow.Eval):
             return self._eval(step.script, step.args, bound=step.bound)
         if isinstance(step, flow.Checkpoint):
             return None
         if isinstance(step, flow.MakeLease):
-            _, rt = self._rt(queued=True)  # closed while the request was on its way
+            rt = self._background(queued=True).rt  # closed while the request was on its way
             return Lease(flow.lease_state(rt, step.grant, step.req, step.valid_until), self)
         if isinstance(step, flow.SyncedRenew):
             return self._renew_synced(step.args)
@@ -387,23 +365,29 @@ class Pool(PoolOptions):
             except BaseException:  # noqa: BLE001 - lost or unreachable: it expires after its ttl
                 pass
             return None
-        assert portal is not None and rt is not None  # the acquire's (see _run)
+        assert bg is not None  # the acquire's (see _run)
+        portal, rt = bg.portal, bg.rt
         if isinstance(step, flow.Subscribe):
-            if not rt.subscribed:
-                portal.call(rt.ensure_subscribed())
+            bg.sub.ensure_subscribed()
             return None
         if isinstance(step, flow.Join):
-            # The call that completes the waiter's future on the loop thread wakes this thread
-            # directly (a watcher, not a done-callback a loop iteration later).
-            wake = portal.watch(_Wake())
-            return _Joined(portal.run(self._join, rt, step, wake), wake)
+            # Not waited for: the thread goes on to read the subscription (its grant may come
+            # before the loop thread has the waiter: it keeps it; see WaiterRegistry.deliver).
+            h = _Joined(portal.watch(ThreadWait(bg.sub, step.ticket)))
+            portal.soon(self._join, rt, step, h)
+            return h
         if isinstance(step, flow.Wait):
             h = step.handle
-            if not h.wake.wait(step.timeout):
+            if not bg.sub.wait(h.wait, step.timeout):
                 return flow.TimedOut(None)  # the place now is the loop thread's to know
-            f = h.waiter.future
-            if h.wake.closed or f.cancelled():
+            if h.wait.got is not None:
+                return h.wait.got  # read by this thread itself
+            if h.wait.closed:
                 raise PoolClosed(self.name)  # close() stopped the loop thread under us
+            assert h.waiter is not None  # its future woke us: it was joined
+            f = h.waiter.future
+            if f.cancelled():
+                raise PoolClosed(self.name)
             err = f.exception()
             if err is not None:
                 raise err
@@ -411,10 +395,13 @@ class Pool(PoolOptions):
         if isinstance(step, flow.Leave):
             h = step.handle
             if not step.withdrawing:
-                portal.soon(rt.leave_waiter, h.waiter)
+                # Granted: on this thread when no other acquire shares the waiter (no wake-up
+                # of the loop thread, which would take the GIL from this one).
+                if h.waiter is None or not rt.leave_alone(h.waiter):
+                    portal.soon(self._leave, rt, h)
                 return False
             try:
-                return portal.run(rt.leave, h.waiter)
+                return portal.run(self._leave, rt, h)
             except (PoolClosed, concurrent.futures.CancelledError):
                 return False  # closed meanwhile: nobody else waits on this ticket here
         if isinstance(step, flow.Withdraw):
@@ -428,10 +415,11 @@ class Pool(PoolOptions):
             return None
         raise AssertionError(f"unknown step {step!r}")
 
-    def _join(self, rt: Runtime, step: flow.Join, wake: _Wake) -> Waiter:
-        """On the loop thread: queue or join the waiter of ``step``, and have its future wake
-        ``wake`` (the thread's) when done."""
-        joined = rt.queue_waiter(
+    @staticmethod
+    def _join(rt: Runtime, step: flow.Join, h: _Joined) -> None:
+        """On the loop thread: queue or join the waiter of ``step`` (into ``h``), and have its
+        future wake the thread of ``h`` when done."""
+        h.waiter = joined = rt.queue_waiter(
             step.ticket,
             step.argv,
             step.waiter_ttl_ms,
@@ -441,8 +429,14 @@ class Pool(PoolOptions):
         )
         # A watcher, never ``await``: another acquire with the same request id may share the
         # waiter future, and giving up here must not cancel it.
-        joined.future.watch(wake)
-        return joined
+        joined.future.watch(h.wait)
+
+    @staticmethod
+    def _leave(rt: Runtime, h: _Joined) -> bool:
+        """On the loop thread: leave the waiter of ``h`` (handing on the grant its thread read
+        itself); whether its ticket is still in use here (:meth:`Runtime.leave`)."""
+        assert h.waiter is not None  # _join ran first: both go through the loop in order
+        return rt.leave(h.waiter, h.wait.got)
 
     def _eval_once(self, name: str, args: list[str]) -> Any:
         try:
@@ -576,8 +570,8 @@ class Pool(PoolOptions):
                 default_ttl=self.default_ttl,
             )
             start = self.clock()
-            portal, rt = self._rt()
-            lease: Lease = self._run(flow.acquire(self, rt, req, start, on_queued), portal, rt)
+            bg = self._background()
+            lease: Lease = self._run(flow.acquire(self, bg.rt, req, start, on_queued), bg)
             return lease  # the lease its MakeLease step made
         finally:
             with self._active_cv:
@@ -591,15 +585,16 @@ class Pool(PoolOptions):
         once (as :class:`~gpulock.AsyncPool`'s do); releasing a lease still works. Idempotent."""
         with self._lock:
             self._closed = True
-            portal, rt, self._portal, self._runtime = self._portal, self._runtime, None, None
-        if portal is not None:
-            assert rt is not None  # made with the portal (see _rt)
+            bg, self._bg = self._bg, None
+        if bg is not None:
+            portal, rt = bg.portal, bg.rt
             try:
                 portal.call(rt.close(), timeout=5)
             except Exception:
                 pass
             with self._active_cv:
                 self._active_cv.wait_for(lambda: self._active == 0, timeout=2.0)
+            bg.sub.close()
             try:
                 portal.call(rt.redis.aclose(), timeout=5)
             except Exception:
