@@ -72,6 +72,10 @@ class Heartbeat:
         self._watchdog: asyncio.Task[None] | None = None
         self._dog_wake: asyncio.Event | None = None
         self._dog_at = 0.0  # when the watchdog plans to wake next; inf while it has no lease
+        # Counts the leases and waiters added: a task that planned its wake-up while one was
+        # added (on another thread) plans again, so that the adder, which reads the plan to
+        # decide whether to wake it, cannot have read the plan before it was made.
+        self._added = 0
         self._jeopardy = False  # a renewal failed and none has succeeded since
         self._retry_at = 0.0  # after a failed tick: not before this (local clock)
         self._tick_log = FailureLog(f"heartbeat for pool {pool}", clock=clock)
@@ -97,6 +101,7 @@ class Heartbeat:
     def lease_added(self, state: LeaseState) -> None:
         """A lease was tracked. Safe from any thread: wakes the loop only when the ticker or
         the watchdog must run sooner than planned (a first lease, or a shorter ttl)."""
+        self._added += 1
         wake_ticker = self._ticker is None or state.next_renew < self._ticker_at
         wake_dog = state.valid_until < self._dog_at
         if wake_ticker or wake_dog:
@@ -115,12 +120,20 @@ class Heartbeat:
         self._dog_wake.set()
 
     def waiter_added(self, now: float, first: bool) -> None:
-        """A waiter was registered at ``now`` (``first``: the only one): schedule its refresh."""
+        """A waiter was registered at ``now`` (``first``: the only one): schedule its refresh.
+        Safe from any thread: wakes the loop only when the ticker must run sooner than planned
+        (or does not run)."""
         # The first waiter's refresh is due in poll_interval; a later one must not postpone the
         # refresh already due (waiters queueing faster than poll_interval would starve it).
         self.next_poll = (
             now + self.poll_interval if first else min(self.next_poll, now + self.poll_interval)
         )
+        self._added += 1
+        ticker = self._ticker
+        if ticker is None or ticker.done() or self.next_poll < self._ticker_at:
+            self._tasks.in_loop(self._start_ticker)
+
+    def _start_ticker(self) -> None:
         self.ensure_started()
         self.poke()
 
@@ -142,13 +155,17 @@ class Heartbeat:
 
     def set_reap_timer(self, received: float, next_expiry_in_ms: int) -> None:
         """Schedule a reap at the nearest lease expiry (local time, biased late by using the
-        receive time) while this process has waiters."""
+        receive time) while this process has waiters. Safe from any thread: wakes the loop
+        only when the ticker must run sooner than planned."""
         if next_expiry_in_ms < 0:
             return
         at = received + next_expiry_in_ms / 1000.0 + 0.0005
-        if self.reap_at is None or at < self.reap_at or self.reap_at <= self.clock():
+        reap_at = self.reap_at  # read once: another thread may clear it (Runtime.remove_waiter)
+        if reap_at is None or at < reap_at or reap_at <= self.clock():
             self.reap_at = at
-            self.poke()
+            self._added += 1
+            if at < self._ticker_at:
+                self._tasks.in_loop(self.poke)
 
     def cancel(self) -> list[asyncio.Task[Any]]:
         """Cancel the ticker and the watchdog; returns them for the caller to await."""
@@ -168,6 +185,7 @@ class Heartbeat:
         assert dog_wake is not None  # made by ensure_started before it starts this task
         while not self._is_closed():
             now = self.clock()
+            added = self._added
             soonest = float("inf")
             for s in list(self._leases.values()):
                 if s.released or s.lost_reason is not None:
@@ -185,6 +203,8 @@ class Heartbeat:
                 # deadline is later, so adding it need not wake this task: lease_added).
                 soonest = self._dog_at
             self._dog_at = soonest
+            if self._added != added:
+                continue  # a lease came while this plan was made: plan again
             dog_wake.clear()
             try:
                 await wait_for(dog_wake.wait(), None if soonest == float("inf") else soonest - now)
@@ -238,8 +258,9 @@ class Heartbeat:
             t = min(t, s.next_renew, s.valid_until)
         if self._registry.waiters:
             t = min(t, self.next_poll)
-            if self.reap_at is not None:
-                t = min(t, self.reap_at)
+            reap_at = self.reap_at  # read once: another thread may clear it
+            if reap_at is not None:
+                t = min(t, reap_at)
         if self.restart_suspected:
             t = min(t, now)
         t = max(t, self._retry_at)  # after a failure, not before the retry (deadlines: watchdog)
@@ -254,7 +275,10 @@ class Heartbeat:
         attempt = 0
         while not self._is_closed():
             now = self.clock()
+            added = self._added
             self._ticker_at = self._next_wake(now)
+            if self._added != added:
+                continue  # a lease or waiter came while this plan was made: plan again
             delay = self._ticker_at - now
             if delay > 0:
                 wake.clear()
@@ -285,7 +309,8 @@ class Heartbeat:
             suspected = self.restart_suspected
             try:
                 did = False
-                if waiters and self.reap_at is not None and now >= self.reap_at:
+                reap_at = self.reap_at  # read once: another thread may clear it
+                if waiters and reap_at is not None and now >= reap_at:
                     self.reap_at = None
                     did = True
                     await self._reap()

@@ -268,16 +268,13 @@ class Recovery:
             if str(e).startswith("GPULOCK_NOPOOL"):
                 self._suspect_restart()  # the heartbeat makes the pool again and re-queues us
                 return
-            if not w.future.done():
-                w.future.set_exception(e)
+            reg.fail(w, e)
             return
         except asyncio.CancelledError:
             raise
         except Exception as e:  # Redis unreachable past the bound (retries exhausted), or refused
-            if not w.future.done() and (
-                not isinstance(e, RETRYABLE) or self.clock() - w.refreshed > reg.waiter_bound(w)
-            ):
-                w.future.set_exception(e)
+            if not isinstance(e, RETRYABLE) or self.clock() - w.refreshed > reg.waiter_bound(w):
+                reg.fail(w, e)
             return
         res = decode_acquire(w.ticket, r)
         w.refreshed = sent

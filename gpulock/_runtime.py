@@ -3,13 +3,16 @@
 :class:`Runtime` composes the parts and is the interface the drivers (``_async.py``,
 ``_sync.py``, ``_flow.py``) use:
 
-* the **listener** (:mod:`gpulock._listener`): one pub/sub subscription to the pool's
-  ``events`` channel; the grants the server publishes go straight to their waiters.
+* the **listener** (:mod:`gpulock._listener`): the asyncio shell's pub/sub subscription to the
+  pool object's channel (:attr:`Runtime.channel`); the grants the server publishes go straight
+  to their waiters. The sync shell's waiting threads read the same channel themselves
+  (:mod:`gpulock._sync_listener`) and hand what they read to :meth:`Runtime.deliver`.
 * the **heartbeat** (:mod:`gpulock._heartbeat`): the ticker's batched ``renew`` call (leases
   at ttl/3, waiters each ``poll_interval``, grants whose message was missed), the reap timer,
   and the watchdog that fires on_lost at each lease's local validity deadline.
 * the **waiters** (:mod:`gpulock._waiters`): the queued acquires of this pool object and the
-  delivery of grants to them.
+  delivery of grants to them (safe from any thread: the sync shell queues, leaves and
+  delivers on its callers' threads, waking the loop only when the ticker must run sooner).
 * the **recovery** (:mod:`gpulock._recovery`): the epoch this object knows, and after Redis
   lost the pool its creation again as last seen, the leases put back, the waiters re-queued.
 
@@ -33,6 +36,7 @@ from ._protocol import DEFAULT_POLL_INTERVAL_S, Grant, LeaseState, validity_dead
 from ._recovery import Recovery
 from ._tasks import LoopTasks
 from ._waiters import Waiter, WaiterFuture, WaiterRegistry
+from .errors import PoolClosed
 
 __all__ = ["Runtime", "Waiter"]
 
@@ -78,7 +82,6 @@ class Runtime:
         self.channel_id = secrets.token_hex(8)
         self.channel = f"{keys[7]}:{self.channel_id}"
         self._states_lock = threading.Lock()  # the sync shell makes leases on caller threads
-        self._users_lock = threading.Lock()  # the sync shell leaves waiters on caller threads
         self.settings = Settings()
         self.tasks = LoopTasks(pool, loop)
         self.calls = Calls(redis, pool, keys, self.settings)
@@ -208,8 +211,8 @@ class Runtime:
         await self.listener.ensure_subscribed()
 
     def deliver(self, grants: Sequence[Grant]) -> None:
-        """Hand grants read from the pool object's channel to their waiters (in the runtime's
-        loop; the sync shell's reading threads send them here)."""
+        """Hand grants read from the pool object's channel to their waiters. Safe from any
+        thread: the sync shell's reading thread calls it."""
         for g in grants:
             self.registry.deliver(g)
 
@@ -251,20 +254,22 @@ class Runtime:
 
     # ---- waiters -------------------------------------------------------------------------
     def add_waiter(self, w: Waiter) -> None:
-        """Register ``w`` and schedule its refresh (in the runtime's loop)."""
+        """Register ``w`` and schedule its refresh. Safe from any thread."""
         now = self.clock()
         first = self.registry.add(w, now)
         self.heartbeat.waiter_added(now, first)
 
     def remove_waiter(self, ticket: str) -> None:
-        """Forget the waiter of ``ticket``; the last one gone stops the reap timer."""
+        """Forget the waiter of ``ticket``; the last one gone stops the reap timer. Safe from
+        any thread."""
         if self.registry.remove(ticket):
             self.heartbeat.reap_at = None
 
     def join_waiter(self, w: Waiter) -> Waiter:
         """Register ``w``, or join the waiter this process already has for the same ticket
-        (one request id used by two acquires at once: one place, one grant, seen by both)."""
-        with self._users_lock:
+        (one request id used by two acquires at once: one place, one grant, seen by both).
+        Safe from any thread."""
+        with self.registry.lock:
             cur = self.waiters.get(w.ticket)
             if cur is not None and not cur.future.done():
                 cur.users += 1
@@ -275,26 +280,13 @@ class Runtime:
     def leave_waiter(self, w: Waiter, grant: Grant | None = None) -> None:
         """One acquire sharing ``w`` stops waiting; the last one removes it. ``grant``: the
         grant of ``w`` as that acquire read it itself (the sync shell's reading thread), handed
-        first to the others still sharing ``w``."""
-        with self._users_lock:
+        first to the others still sharing ``w``. Safe from any thread."""
+        with self.registry.lock:
             if grant is not None and w.users > 1:
                 self.registry.deliver(grant)
-            self._leave(w)
-
-    def leave_alone(self, w: Waiter) -> bool:
-        """Leave ``w`` if its acquire is the only one on it (so no grant is to be handed on),
-        from any thread: the sync shell's thread that read its own grant, without a trip
-        through the loop. False (nothing done) when another acquire shares it."""
-        with self._users_lock:
-            if w.users != 1:
-                return False
-            self._leave(w)
-            return True
-
-    def _leave(self, w: Waiter) -> None:
-        w.users -= 1
-        if w.users <= 0 and self.waiters.get(w.ticket) is w:
-            self.remove_waiter(w.ticket)
+            w.users -= 1
+            if w.users <= 0 and self.waiters.get(w.ticket) is w:
+                self.remove_waiter(w.ticket)
 
     def queue_waiter(
         self,
@@ -305,19 +297,19 @@ class Runtime:
         on_position: Callable[[int], Any] | None,
         retry_after_ms: int,
     ) -> Waiter:
-        """In the runtime's loop: queue a waiter for an acquire the server queued (``argv``: its
-        ARGV, to queue it again; its future belongs to this loop), or join the one this process
-        has for ``ticket`` (:meth:`join_waiter`); schedule the reap timer at the nearest lease
-        expiry (``retry_after_ms``, -1: none). Returns the waiter to wait on and to leave."""
-        w = Waiter(
-            ticket,
-            WaiterFuture(loop=asyncio.get_running_loop()),
-            argv,
-            waiter_ttl_ms,
-            position,
-            on_position,
-        )
+        """Queue a waiter for an acquire the server queued (``argv``: its ARGV, to queue it
+        again), or join the one this process has for ``ticket`` (:meth:`join_waiter`); schedule
+        the reap timer at the nearest lease expiry (``retry_after_ms``, -1: none). Returns the
+        waiter to wait on and to leave; its future belongs to the runtime's loop. Safe from any
+        thread (the sync shell calls it on the caller's); in a runtime already closed, the
+        wait of a new waiter has ended with PoolClosed."""
+        loop = self.tasks.loop  # the sync shell's: known up front
+        if loop is None:
+            loop = asyncio.get_running_loop()
+        w = Waiter(ticket, WaiterFuture(loop=loop), argv, waiter_ttl_ms, position, on_position)
         joined = self.join_waiter(w)
+        if self._closed:
+            self.registry.fail(joined, PoolClosed(self.pool))
         self.set_reap_timer(self.clock(), retry_after_ms)
         return joined
 

@@ -95,14 +95,6 @@ class _LoopThread:
     def call(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
         return self.submit(coro).result(timeout)
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on the loop thread; its result (blocks until it ran)."""
-
-        async def on_loop() -> Any:
-            return fn(*args)
-
-        return self.call(on_loop())
-
     def watch(self, f: _C) -> _C:
         """Cancel ``f`` in :meth:`stop` (a future or wake the loop thread is to complete; done
         ones ignore it); returns it."""
@@ -146,12 +138,10 @@ class _Background:
 
 @dataclass
 class _Joined:
-    """A sync acquire's place in the runtime: the thread's wait, and the waiter (the loop
-    thread's; None until the loop thread queued or joined it, which it does before anything
-    else this acquire asks of it)."""
+    """A sync acquire's place in the runtime: the waiter, and the thread's wait for it."""
 
+    waiter: Waiter
     wait: ThreadWait
-    waiter: Waiter | None = None
 
 
 class Lease(LeaseBase):
@@ -306,9 +296,7 @@ class Pool(PoolOptions):
                 except BaseException:
                     portal.stop()  # no runtime: leave no loop thread (a later call starts again)
                     raise
-                sub = ThreadSubscription(
-                    self.redis, rt.channel, self.name, lambda gs: portal.soon(rt.deliver, gs)
-                )
+                sub = ThreadSubscription(self.redis, rt.channel, self.name, rt.deliver)
                 self._bg = _Background(portal, rt, sub)
                 flow.push_settings(self, rt)
             return self._bg
@@ -371,39 +359,42 @@ class Pool(PoolOptions):
             bg.sub.ensure_subscribed()
             return None
         if isinstance(step, flow.Join):
-            # Not waited for: the thread goes on to read the subscription (its grant may come
-            # before the loop thread has the waiter: it keeps it; see WaiterRegistry.deliver).
-            h = _Joined(portal.watch(ThreadWait(bg.sub, step.ticket)))
-            portal.soon(self._join, rt, step, h)
-            return h
+            # On this thread, not the loop thread's: waking that one would take the GIL from
+            # this one. The thread then reads the subscription itself while it waits, or is
+            # woken by the call that completes the waiter's future (a watcher).
+            wait = portal.watch(ThreadWait(bg.sub, step.ticket))
+            joined = rt.queue_waiter(
+                step.ticket,
+                step.argv,
+                step.waiter_ttl_ms,
+                step.position,
+                step.on_queued,
+                step.retry_after_ms,
+            )
+            # A watcher, never a wait on the future itself: another acquire with the same
+            # request id may share it, and giving up here must not cancel it.
+            joined.future.watch(wait)
+            return _Joined(joined, wait)
         if isinstance(step, flow.Wait):
-            h = step.handle
+            h: _Joined = step.handle
             if not bg.sub.wait(h.wait, step.timeout):
                 return flow.TimedOut(None)  # the place now is the loop thread's to know
             if h.wait.got is not None:
                 return h.wait.got  # read by this thread itself
-            if h.wait.closed:
-                raise PoolClosed(self.name)  # close() stopped the loop thread under us
-            assert h.waiter is not None  # its future woke us: it was joined
             f = h.waiter.future
-            if f.cancelled():
-                raise PoolClosed(self.name)
+            if h.wait.closed or f.cancelled():
+                raise PoolClosed(self.name)  # close() stopped the loop thread under us
             err = f.exception()
             if err is not None:
                 raise err
             return f.result()
         if isinstance(step, flow.Leave):
             h = step.handle
+            # The grant this thread read itself goes to any other acquire on the same waiter.
             if not step.withdrawing:
-                # Granted: on this thread when no other acquire shares the waiter (no wake-up
-                # of the loop thread, which would take the GIL from this one).
-                if h.waiter is None or not rt.leave_alone(h.waiter):
-                    portal.soon(self._leave, rt, h)
+                rt.leave_waiter(h.waiter, h.wait.got)
                 return False
-            try:
-                return portal.run(self._leave, rt, h)
-            except (PoolClosed, concurrent.futures.CancelledError):
-                return False  # closed meanwhile: nobody else waits on this ticket here
+            return rt.leave(h.waiter, h.wait.got)
         if isinstance(step, flow.Withdraw):
             if step.background:  # from the loop thread: the caller does not wait a second bound
                 portal.soon(lambda: rt.spawn(rt.cancel_quietly(step.ticket)))
@@ -414,29 +405,6 @@ class Pool(PoolOptions):
                 pass  # unreachable: the waiter expires after waiter_ttl, a grant after ttl
             return None
         raise AssertionError(f"unknown step {step!r}")
-
-    @staticmethod
-    def _join(rt: Runtime, step: flow.Join, h: _Joined) -> None:
-        """On the loop thread: queue or join the waiter of ``step`` (into ``h``), and have its
-        future wake the thread of ``h`` when done."""
-        h.waiter = joined = rt.queue_waiter(
-            step.ticket,
-            step.argv,
-            step.waiter_ttl_ms,
-            step.position,
-            step.on_queued,
-            step.retry_after_ms,
-        )
-        # A watcher, never ``await``: another acquire with the same request id may share the
-        # waiter future, and giving up here must not cancel it.
-        joined.future.watch(h.wait)
-
-    @staticmethod
-    def _leave(rt: Runtime, h: _Joined) -> bool:
-        """On the loop thread: leave the waiter of ``h`` (handing on the grant its thread read
-        itself); whether its ticket is still in use here (:meth:`Runtime.leave`)."""
-        assert h.waiter is not None  # _join ran first: both go through the loop in order
-        return rt.leave(h.waiter, h.wait.got)
 
     def _eval_once(self, name: str, args: list[str]) -> Any:
         try:

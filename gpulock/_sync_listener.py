@@ -5,12 +5,12 @@ For a blocking acquire that would put a thread crossing into every hand-off: the
 thread reads the grant, then the waiting thread must be woken and get the GIL. Here the
 threads that wait read the connection themselves, one at a time (the *reader*): a reader that
 reads its own grant returns with it, no other thread involved; the other grants it reads go
-to the runtime's loop (``on_grants``), which completes the waiters' futures and so wakes the
-other waiting threads (the *followers*). A reader that stops waiting hands the reading to a
-follower. While no thread waits nobody reads: what arrives then waits in the socket (a grant
-for a request given up, which its withdrawal gives back anyway), and an acquire that may queue
-first reads a connection idle for :data:`IDLE_CHECK_S`, so that one that died meanwhile is
-found before the acquire's grant would be missed on it.
+to the runtime (``on_grants``, on the reader's thread), whose registry completes those
+waiters' futures, which wakes their threads (the *followers*). A reader that stops waiting
+hands the reading to a follower. While no thread waits nobody reads: what arrives then waits
+in the socket (a grant for a request given up, which its withdrawal gives back anyway), and
+an acquire that may queue first reads a connection idle for :data:`IDLE_CHECK_S`, so that one
+that died meanwhile is found before the acquire's grant would be missed on it.
 
 What the connection does (subscribe, confirmations, failures and retries, Redis 6.2, slot
 moves) is :meth:`gpulock._pubsub.Connection.life`, the same the asyncio hub drives; this module
@@ -86,8 +86,9 @@ class ThreadWait:
 class ThreadSubscription:
     """The hand-off subscription of one sync Pool object: ``channel`` on a connection of its
     own to the server of ``client`` (a sync client, or cluster client) that serves it; the
-    grants read go to ``on_grants`` (a list of :class:`~gpulock._replies.Grant`), and to the
-    reading thread itself when one is its own. ``pool`` names it in messages."""
+    grants read go to the reading thread itself when one is its own, the others to
+    ``on_grants`` (a list of :class:`~gpulock._replies.Grant`; called on the reading thread).
+    ``pool`` names it in messages."""
 
     def __init__(
         self,

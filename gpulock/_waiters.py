@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,7 +28,11 @@ class WaiterFuture(asyncio.Future):  # type: ignore[type-arg]
     watchers (:meth:`watch`) synchronously, inside the call that completes or cancels it,
     rather than a loop iteration later as done-callbacks are: a thread blocked on it (the sync
     shell's) is woken by the very delivery. An exception set on it counts as retrieved (no
-    "never retrieved" log): whoever still waits gets it, and nobody else is to be told."""
+    "never retrieved" log): whoever still waits gets it, and nobody else is to be told.
+
+    Completing it on another thread than its loop's is safe while nothing but watchers waits
+    on it (done-callbacks would be scheduled unsafely): so for the sync shell's waiters, which
+    its threads complete when they read a grant (:mod:`gpulock._sync_listener`)."""
 
     _watchers: list[Callable[[WaiterFuture], None]] | None = None
 
@@ -78,7 +83,11 @@ class Waiter:
 
 class WaiterRegistry:
     """The waiters of pool ``pool`` by ticket (:attr:`waiters`); ``leases``: the leases the
-    pool object holds (:meth:`ticket_in_use`); ``settings``: its backend_timeout."""
+    pool object holds (:meth:`ticket_in_use`); ``settings``: its backend_timeout.
+
+    Registering, removing and completing waiters is safe from any thread (:attr:`lock`): the
+    sync shell registers and leaves its waiters on its callers' threads, while the loop
+    delivers grants and fails waits."""
 
     def __init__(
         self,
@@ -93,23 +102,26 @@ class WaiterRegistry:
         self.leases = leases
         self.waiters: dict[str, Waiter] = {}
         self._unclaimed: OrderedDict[str, Grant] = OrderedDict()  # grants that beat their waiter
+        self.lock = threading.RLock()
 
     def add(self, w: Waiter, now: float) -> bool:
         """Register ``w`` (its place kept as of ``now`` unless it says when) and hand it a
         grant that arrived before it. Returns whether it is the only waiter."""
-        first = not self.waiters
-        self.waiters[w.ticket] = w
-        if not w.refreshed:
-            w.refreshed = now
-        g = self._unclaimed.pop(w.ticket, None)
-        if g is not None and g.lease_id == w.argv[1] and not w.future.done():
-            w.future.set_result(g)  # only a grant made with this request's own lease id
-        return first
+        with self.lock:
+            first = not self.waiters
+            self.waiters[w.ticket] = w
+            if not w.refreshed:
+                w.refreshed = now
+            g = self._unclaimed.pop(w.ticket, None)
+            if g is not None and g.lease_id == w.argv[1] and not w.future.done():
+                w.future.set_result(g)  # only a grant made with this request's own lease id
+            return first
 
     def remove(self, ticket: str) -> bool:
         """Forget the waiter of ``ticket``; returns whether no waiter is left."""
-        self.waiters.pop(ticket, None)
-        return not self.waiters
+        with self.lock:
+            self.waiters.pop(ticket, None)
+            return not self.waiters
 
     def ticket_in_use(self, ticket: str) -> bool:
         """Whether another local acquire still waits on ``ticket`` or a live local lease came
@@ -121,17 +133,24 @@ class WaiterRegistry:
 
     def deliver(self, grant: Grant) -> None:
         """Complete the future of the waiter ``grant`` is for, or keep the grant for it."""
-        w = self.waiters.get(grant.ticket)
-        if w is not None:
+        with self.lock:
+            w = self.waiters.get(grant.ticket)
+            if w is not None:
+                if not w.future.done():
+                    w.future.set_result(grant)
+                return
+            # No waiter yet: the grant may have overtaken the reply that queued the ticket (the
+            # pub/sub connection was read first, or the sync shell has not registered its
+            # waiter yet). Keep it briefly so add can claim it instead of waiting for a poll.
+            self._unclaimed[grant.ticket] = grant
+            while len(self._unclaimed) > 1024:
+                self._unclaimed.popitem(last=False)
+
+    def fail(self, w: Waiter, err: BaseException) -> None:
+        """End the wait of ``w`` with ``err`` unless it is over."""
+        with self.lock:
             if not w.future.done():
-                w.future.set_result(grant)
-            return
-        # No waiter yet: the grant may have overtaken the reply that queued the ticket (the
-        # pub/sub connection was read first, or the sync shell has not registered its waiter
-        # yet). Keep it briefly so add can claim it instead of waiting for a poll.
-        self._unclaimed[grant.ticket] = grant
-        while len(self._unclaimed) > 1024:
-            self._unclaimed.popitem(last=False)
+                w.future.set_exception(err)
 
     def waiter_bound(self, w: Waiter) -> float:
         """Seconds a queued waiter may go without a call that keeps its place before it fails
@@ -157,19 +176,19 @@ class WaiterRegistry:
             if w.future is None or w.future.done():
                 continue
             if now - w.refreshed > self.waiter_bound(w):
-                w.future.set_exception(
+                self.fail(
+                    w,
                     BackendUnavailable(
                         f"pool {self.pool!r}: Redis unreachable for {now - w.refreshed:.1f}s while this request "
                         f"was queued: its place could not be kept or taken again (bound: waiter_ttl "
                         f"{w.waiter_ttl_ms / 1000:g}s + backend_timeout {backend_timeout:g}s)"
-                    )
+                    ),
                 )
 
     def fail_all_closed(self) -> None:
         """End every wait with PoolClosed (the pool object closed)."""
         for w in list(self.waiters.values()):
-            if w.future is not None and not w.future.done():
-                w.future.set_exception(PoolClosed(self.pool))
+            self.fail(w, PoolClosed(self.pool))
 
     def take_answers(
         self, waiters: list[Waiter], answers: list[Any], sent: float, now_ms: int, epoch: int

@@ -79,6 +79,27 @@ def test_the_reading_thread_returns_with_its_own_grant(make_pool, rclient, pool_
     assert_empty(rclient, pool_name)
 
 
+def test_a_waiter_queued_on_the_callers_thread_keeps_its_place(make_pool, rclient, pool_name):
+    """The blocking acquire registers its waiter on its own thread, while the pool object's
+    heartbeat already runs with a plan 10 s ahead (the held lease's renewal): the heartbeat
+    still refreshes the place (the server's waiter expiry moves on, past several waiter ttls),
+    and nothing is reaped."""
+    pool = make_pool(capacity=1, waiter_ttl=0.75, poll_interval=0.1)
+    holder = pool.acquire(1, ttl=30)
+    a = Acquire(pool, 1, ttl=30, request_id="a")
+    wexp = pool_keys(pool_name)[5]
+    first = wait_until(lambda: rclient.zscore(wexp, "a"), what="the place")
+    wait_until(
+        lambda: (rclient.zscore(wexp, "a") or 0) > first + 3 * 750,
+        timeout=20,
+        what="the place kept for three waiter ttls",
+    )
+    assert pool.status().reaped_waiters == 0
+    holder.release()
+    a.result().release()
+    assert_empty(rclient, pool_name)
+
+
 def test_a_grant_read_by_another_waiting_thread_reaches_its_thread(make_pool, rclient, pool_name):
     """One release grants two threads of the process in one message: the reader keeps its
     own grant and hands the other to the runtime, which wakes the other thread."""
