@@ -95,6 +95,7 @@ class Runtime:
             clock,
             is_closed=self._is_closed,
         )
+        self._subscribed: Callable[[], bool] = lambda: self.listener.subscribed
         self.recovery = Recovery(
             pool,
             clock,
@@ -133,8 +134,16 @@ class Runtime:
 
     @property
     def subscribed(self) -> bool:
-        """Whether the hand-off subscription is confirmed now (see :meth:`ensure_subscribed`)."""
-        return self.listener.subscribed
+        """Whether the hand-off subscription is confirmed now, so that an acquire may queue
+        without looking at it first: the listener's (see :meth:`ensure_subscribed`), or what
+        the sync shell said it reads instead (:meth:`read_elsewhere`)."""
+        return self._subscribed()
+
+    def read_elsewhere(self, ready: Callable[[], bool]) -> None:
+        """The pool object's channel is read by someone else (the sync shell's waiting
+        threads: :mod:`gpulock._sync_listener`), not by :attr:`listener`; ``ready()`` says
+        whether that subscription needs no look before an acquire queues."""
+        self._subscribed = ready
 
     def use_settings(
         self,

@@ -297,6 +297,7 @@ class Pool(PoolOptions):
                     portal.stop()  # no runtime: leave no loop thread (a later call starts again)
                     raise
                 sub = ThreadSubscription(self.redis, rt.channel, self.name, rt.deliver)
+                rt.read_elsewhere(lambda: sub.ready)
                 self._bg = _Background(portal, rt, sub)
                 flow.push_settings(self, rt)
             return self._bg

@@ -122,15 +122,23 @@ class ThreadSubscription:
         since, as far as a reader saw)."""
         return bool(self.channel.subscribed.is_set())
 
+    @property
+    def ready(self) -> bool:
+        """Whether an acquire may queue without :meth:`ensure_subscribed`: subscribed, and
+        read by a thread now or within :data:`IDLE_CHECK_S`."""
+        return self.channel.subscribed.is_set() and (
+            self._reader is not None or time.monotonic() - self._read_at < IDLE_CHECK_S
+        )
+
     def ensure_subscribed(self) -> None:
         """Subscribe, and wait up to :data:`gpulock._pubsub.CONFIRM_WAIT_S` until Redis
         confirmed it, so that no grant published after the next enqueue can be missed
         (reading the connection meanwhile if no other thread does; one nobody read for
         :data:`IDLE_CHECK_S` is read first). Raises what
         :meth:`gpulock._pubsub.Channel.after_news` raises."""
+        if self.ready:
+            return
         if self.subscribed:
-            if self._reader is not None or time.monotonic() - self._read_at < IDLE_CHECK_S:
-                return
             self._check()
         ch = self.channel
         if not ch.awaiting_news():
