@@ -1,10 +1,14 @@
 """The blocking shell: :class:`Pool` and :class:`Lease`, a driver of the steps in ``_flow.py``.
 
 Acquire, release, status and configure go straight to Redis on the caller's thread through a
-synchronous redis-py client (one round trip each, no thread hop). What must happen in the
-background — the heartbeat, waking waiters on a hand-off, the reap timer — is the same
-:class:`~gpulock._runtime.Runtime` the asyncio shell uses, run on one daemon thread per pool
-object with its own event loop (started on first use, not at creation).
+synchronous redis-py client (one round trip each, no thread hop). A waiting acquire reads the
+pool object's hand-off subscription on its own thread (:mod:`gpulock._sync_listener`: one
+waiting thread reads at a time and hands other threads their grants), so a hand-off crosses
+no thread. What must happen in the background — the heartbeat, the waiters' refresh, the reap
+timer — is the same :class:`~gpulock._runtime.Runtime` the asyncio shell uses, run on one
+daemon thread per pool object with its own event loop (started on first use, not at
+creation); a waiter is queued and left on the caller's thread, and that thread is woken only
+when the heartbeat must run sooner than it planned.
 """
 
 from __future__ import annotations
@@ -258,8 +262,9 @@ class Pool(PoolOptions):
 
         ``max_connections`` (default 16, at least 2; a ``?max_connections=N`` in the URL wins)
         caps the connections of the calling threads' client: threads that find them all busy
-        wait for one. The pool's background thread (hand-off subscription, heartbeat) has its
-        own client of at most ``min(max_connections, 4)``, so the pool object opens at most
+        wait for one. The hand-off subscription has one connection of its own, and the pool's
+        background thread (heartbeat, re-queues) a client of at most
+        ``max(2, min(max_connections, 4) - 1)``, so the pool object opens at most
         ``max_connections + 4``, however many threads wait.
 
         Raises: InvalidArgument (as :meth:`gpulock.AsyncPool.from_url`); BackendUnavailable
