@@ -76,20 +76,17 @@ async def test_missed_grant_message_found_by_poll(make_apool, rclient, pool_name
 
 
 async def test_sync_waiter_gets_handoff_fast(make_pool, rclient, pool_name):
-    """The sync shell registers its waiter on another thread after the acquire reply; a
-    grant published in between must not wait for a poll."""
-    pool = make_pool(capacity=1)
+    """The sync shell registers its waiter after the acquire reply; a grant published in
+    between must not wait for a poll. The poll is 60 s away and the wait's timeout 20 s, so
+    only the hand-off can deliver each grant (no timing is asserted)."""
+    pool = make_pool(capacity=1, poll_interval=60)
     other = make_pool(capacity=1)
-    worst = 0.0
     for _ in range(20):
         holder = other.acquire(1)
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(None, lambda: pool.acquire(1, timeout=5))
+        fut = loop.run_in_executor(None, lambda: pool.acquire(1, timeout=20))
         await async_wait_until(lambda: rclient.zcard(pool_keys(pool_name)[3]) == 1)
-        t0 = time.monotonic()
         await loop.run_in_executor(None, holder.release)
         lease = await fut
-        worst = max(worst, time.monotonic() - t0)
         await loop.run_in_executor(None, lease.release)
-    assert worst < 0.3, worst
     assert_empty(rclient, pool_name)
