@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,6 +74,20 @@ def _keep(pool: Any) -> int:
     return max(0, min(4, int(cap) // 4))
 
 
+_LANES: weakref.WeakSet[Any] = weakref.WeakSet()  # every lane of this process
+
+
+def _forget_in_child() -> None:
+    """In a forked child: no lane may use the parent's connections (they are the parent's
+    sockets); each starts empty, and takes its own from its pool (redis-py's pools make new
+    connections in a child)."""
+    for lane in list(_LANES):
+        lane.idle = []
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _roundtrip(conn: Any, packed: bytes) -> Any:
     conn.send_packed_command((packed,))
     return conn.read_response()
@@ -85,18 +100,16 @@ class SyncLane:
         self.pool = pool
         self.keep = _keep(pool)
         self.idle: list[Any] = []
-        self.pid = os.getpid()
+        _LANES.add(self)
 
     def _take(self) -> Any:
-        if self.pid != os.getpid():  # forked: the connections at hand are the parent's
-            self.idle, self.pid = [], os.getpid()
         try:
             return self.idle.pop()  # atomic under the GIL: threads share a lane
         except IndexError:
             return self.pool.get_connection()
 
     def _give(self, conn: Any) -> None:
-        if len(self.idle) < self.keep and self.pid == os.getpid():
+        if len(self.idle) < self.keep:
             self.idle.append(conn)
         else:
             self.pool.release(conn)
@@ -178,11 +191,11 @@ class AsyncLane:
         self.pool = pool
         self.keep = _keep(pool)
         self.idle: list[Any] = []
-        self.pid = os.getpid()
+        _LANES.add(self)
 
     async def execute(self, packed: bytes) -> Any:
         """As :meth:`SyncLane.execute`; a cancellation disconnects the connection it used."""
-        conn = await self._take()
+        conn = self.idle.pop() if self.idle else await self._take()
         try:
             if conn.retry.get_retries():
 
@@ -191,7 +204,8 @@ class AsyncLane:
 
                 reply = await conn.retry.call_with_retry(lambda: _aroundtrip(conn, packed), fail)
             else:
-                reply = await _aroundtrip(conn, packed)
+                await _asend(conn, packed)
+                reply = await conn.read_response()
         except ResponseError:
             await self._give(conn)
             raise
@@ -206,7 +220,10 @@ class AsyncLane:
             if closed:
                 raise closed from e
             raise
-        await self._give(conn)
+        if len(self.idle) < self.keep:
+            self.idle.append(conn)
+        else:
+            await self.pool.release(conn)
         return reply
 
     async def execute_many(self, packed: Sequence[bytes]) -> list[Any]:
@@ -238,8 +255,6 @@ class AsyncLane:
         return out
 
     async def _take(self) -> Any:
-        if self.pid != os.getpid():  # forked: the connections at hand are the parent's
-            self.idle, self.pid = [], os.getpid()
         if self.idle:
             return self.idle.pop()
         try:
@@ -251,7 +266,7 @@ class AsyncLane:
             raise closed from e
 
     async def _give(self, conn: Any) -> None:
-        if len(self.idle) < self.keep and self.pid == os.getpid():
+        if len(self.idle) < self.keep:
             self.idle.append(conn)
         else:
             await self.pool.release(conn)

@@ -61,11 +61,12 @@ class SyncScripts:
         self.client = client
         self.heads = _Heads(keys, dialect_of(client))
         self.lane = sync_lane(client)
+        self._scripts = scripts()
 
     def call(self, name: str, args: Sequence[Any]) -> Any:
         """Run operation ``name`` with ``args``: its reply. Raises what redis-py raises for
         the call (an error reply as ``ResponseError``; ``ConnectionError``, ...)."""
-        sc = scripts()[name]
+        sc = self._scripts[name]
         try:
             if self.lane is not None:
                 return self.lane.execute(self.heads.packed(sc, args))
@@ -118,6 +119,7 @@ class AsyncScripts:
         self.lane = async_lane(client)
         self.first = first
         self.cluster = is_cluster_client(client)  # once: an isinstance of it is slow
+        self._scripts = scripts()
 
     def words(self, sc: Script, args: Sequence[Any]) -> tuple[Any, ...]:
         """The command running ``sc`` with ``args`` (for a pipeline)."""
@@ -143,7 +145,7 @@ class AsyncScripts:
 
     async def call(self, name: str, args: Sequence[Any]) -> Any:
         """As :meth:`SyncScripts.call` (a cluster client reads the cluster first, once)."""
-        sc = scripts()[name]
+        sc = self._scripts[name]
         if self.cluster:
             await cluster_ready(self.client)
         try:
