@@ -9,7 +9,7 @@ read in order), while fewer than ``max_inflight`` batches are in flight; beyond 
 for one to come back. So concurrent callers share round trips as soon as they overlap, without
 waiting for one another's replies, which takes fewer round trips, fewer system calls on both
 sides and less server CPU per call than a connection per call (measured: docs/BENCHMARKS.md,
-"Many clients").
+section 9).
 10,000 waiters that enqueue at once take about 10,000 / ``max_batch`` round trips on at most
 ``max_inflight`` connections, and a waiter that is waiting holds no connection and sends
 nothing (its refresh is in the pool's one batched heartbeat).
