@@ -241,14 +241,7 @@ class AsyncPool(PoolOptions):
         if isinstance(step, flow.MakeLease):
             return AsyncLease(flow.lease_state(rt, step.grant, step.req, step.valid_until), self)
         if isinstance(step, flow.Join):
-            return rt.queue_waiter(
-                step.ticket,
-                step.argv,
-                step.waiter_ttl_ms,
-                step.position,
-                step.on_queued,
-                step.retry_after_ms,
-            )
+            return step.queue_in(rt)
         if isinstance(step, flow.Leave):
             if step.withdrawing:
                 return rt.leave(step.handle)

@@ -114,6 +114,17 @@ class Join(Step):
     on_queued: Callable[[int], Any] | None
     retry_after_ms: int  # to the nearest lease expiry (-1: none), for the reap timer
 
+    def queue_in(self, rt: Runtime) -> Any:
+        """The runtime's waiter for this step (``rt.queue_waiter`` with its fields)."""
+        return rt.queue_waiter(
+            self.ticket,
+            self.argv,
+            self.waiter_ttl_ms,
+            self.position,
+            self.on_queued,
+            self.retry_after_ms,
+        )
+
 
 @dataclass(slots=True)
 class Wait(Step):

@@ -369,14 +369,7 @@ class Pool(PoolOptions):
             # this one. The thread then reads the subscription itself while it waits, or is
             # woken by the call that completes the waiter's future (a watcher).
             wait = portal.watch(ThreadWait(bg.sub, step.ticket))
-            joined = rt.queue_waiter(
-                step.ticket,
-                step.argv,
-                step.waiter_ttl_ms,
-                step.position,
-                step.on_queued,
-                step.retry_after_ms,
-            )
+            joined = step.queue_in(rt)
             # A watcher, never a wait on the future itself: another acquire with the same
             # request id may share it, and giving up here must not cancel it.
             joined.future.watch(wait)
