@@ -277,8 +277,11 @@ class ThreadSubscription:
             self._step = None  # closed: no channel left
         except BaseException:
             # Interrupted inside the life (a KeyboardInterrupt while it handled a message):
-            # the next reader starts it again, on a new connection.
+            # the next reader starts it again, on a new connection. Its confirmation is news
+            # still to come: an acquire must wait for it (ensure_subscribed) before it queues,
+            # or a grant published before the new subscription is lost.
             self.channel.subscribed.clear()
+            self.channel.news.clear()
             self._drop()
             self._life = self.conn.life()
             self._step = next(self._life, None)

@@ -196,6 +196,10 @@ def test_an_interrupted_reader_leaves_the_subscription_working(
     holder.release()
     with pytest.raises(KeyboardInterrupt):
         a.result()
+    # The subscription starts again on a new connection: until Redis confirms it, the next
+    # acquire must wait for that confirmation before it queues (a grant published before it
+    # would be lost: with a 60 s poll, b below would wait out its timeout; seen under load).
+    assert not sub(pool).subscribed and not sub(pool).channel.news.is_set()
     wait_until(lambda: other.status().used == 0, what="the interrupted acquire's grant back")
     holder = other.acquire(1, ttl=30)
     b = Acquire(pool, 1, ttl=30, request_id="b")
