@@ -66,24 +66,24 @@ class Dialect:
         return ("EVALSHA", sc.sha, len(keys), *keys, *args)
 
     def fix(self, err: BaseException, sc: Script) -> Load | None:
-        """What to load after ``sc`` failed with ``err``: the script, the library, or nothing
-        but a retry (``None`` after switching to scripts; also ``None`` when ``err`` is not
-        about missing code: see :meth:`is_missing`)."""
+        """What to load after ``sc`` failed with ``err`` (one :meth:`is_missing` says is about
+        missing code): the script, the library, or nothing but a retry (``None``: after
+        switching to scripts, or when another call switched already and this one's ``FCALL``
+        was sent before it)."""
         if isinstance(err, NoScriptError):
             return Load("script", sc.source)
-        if self.functions and isinstance(err, ResponseError) and _missing_function(err):
-            return Load("library", library().code)
-        if self.functions and _unusable(err, "fcall"):
+        if isinstance(err, ResponseError) and _missing_function(err):
+            return Load("library", library().code) if self.functions else None
+        if _unusable(err, "fcall"):
             self.functions = False  # the server cannot run functions: scripts from now on
         return None
 
     def is_missing(self, err: BaseException) -> bool:
         """Whether ``err`` says the code of a call is missing or cannot run as sent (then
-        :meth:`fix` says what to do before trying again)."""
+        :meth:`fix` says what to do before trying again). Also when this client has switched
+        to scripts since the call was sent: calls in flight at that moment retry too."""
         return isinstance(err, NoScriptError) or (
-            self.functions
-            and isinstance(err, ResponseError)
-            and (_missing_function(err) or _unusable(err, "fcall"))
+            isinstance(err, ResponseError) and (_missing_function(err) or _unusable(err, "fcall"))
         )
 
     def load_failed(self, step: Load, err: BaseException) -> bool:

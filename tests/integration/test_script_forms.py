@@ -165,3 +165,52 @@ async def test_async_code_flushed_is_loaded_again(redis_proc, rclient):
         async with p.lease(3):
             pass
     assert_empty(rclient, "afl")
+
+
+@pytest.mark.parametrize("how", ["no-functions", "acl"])
+def test_overlapping_first_calls_all_switch_to_scripts(server_binary, how):
+    """A new client's first calls overlap (tasks of one AsyncPool, threads of one Pool) on a
+    server that cannot run functions: every call that was sent as FCALL before the first
+    refusal switched the client to scripts retries as a script; none fails."""
+    import threading
+
+    args = NO_FUNCTIONS if how == "no-functions" else []
+    with RedisProcess(server_binary, extra_args=args) as srv:
+        url = srv.url
+        if how == "acl":
+            admin = redis.Redis.from_url(srv.url)
+            admin.execute_command(
+                "ACL", "SETUSER", "nofn", "on", ">pw", "~*", "&*", "+@all", "-fcall", "-function"
+            )
+            admin.close()
+            url = srv.url.replace("redis://", "redis://nofn:pw@")
+
+        async def tasks() -> list:
+            async with AsyncPool.from_url(url, "oa", capacity=100) as p:
+
+                async def one() -> None:
+                    async with p.lease(1, timeout=30):
+                        await asyncio.sleep(0)
+
+                return await asyncio.gather(*(one() for _ in range(20)), return_exceptions=True)
+
+        outs = asyncio.run(tasks())
+        assert not [o for o in outs if isinstance(o, BaseException)], outs
+
+        errors: list = []
+        with Pool.from_url(url, "os", capacity=100) as p:
+            go = threading.Barrier(20)
+
+            def one() -> None:
+                go.wait()
+                try:
+                    p.acquire(1, timeout=30).release()
+                except BaseException as e:  # noqa: BLE001 - collected for the assertion
+                    errors.append(e)
+
+            threads = [threading.Thread(target=one) for _ in range(20)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+        assert not errors, errors
