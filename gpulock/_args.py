@@ -9,6 +9,7 @@ Raises :class:`~gpulock.errors.InvalidArgument` for a bad value (and
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -177,8 +178,16 @@ def encode_meta(holder: dict[str, Any] | None) -> str:
             raise InvalidArgument(f"holder must be a dict of metadata, got {holder!r}")
         meta.update(holder)
     try:
-        s = json.dumps(meta, separators=(",", ":"), default=str, ensure_ascii=True)
+        # allow_nan=False: NaN and infinities are not JSON (every reader of the record, `gpulock
+        # status --json` too, would then write what strict parsers refuse; the broker refuses
+        # them in its requests the same way)
+        s = json.dumps(meta, separators=(",", ":"), default=str, ensure_ascii=True, allow_nan=False)
     except (TypeError, ValueError) as e:
+        odd = [k for k, v in meta.items() if isinstance(v, float) and not math.isfinite(v)]
+        if odd:
+            raise InvalidArgument(
+                f"holder metadata {odd[0]!r} is {meta[odd[0]]!r}: JSON has no NaN or infinity"
+            ) from None
         raise InvalidArgument(f"holder metadata is not JSON-serialisable: {e}") from None
     # ensure_ascii writes a lone surrogate ("\ud800") as its escape, which every reader then
     # decodes back to a str that cannot be encoded as UTF-8 (the broker's status was a 500 for

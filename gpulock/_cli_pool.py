@@ -267,6 +267,19 @@ def _delete(t: Target, name: str, force: bool) -> DeleteResult:
 
 
 # ---- status ------------------------------------------------------------------------------------
+# Control characters of holder metadata (set by any client) shown as escapes: raw, an ANSI
+# sequence would reach the terminal and a newline would break the table.
+_CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F]}
+
+
+def _shown(value: Any) -> Any:
+    """Holder metadata as table text (a ``rich.text.Text``): literal (no rich markup),
+    control characters escaped."""
+    from rich.text import Text
+
+    return Text(str(value).translate(_CONTROLS))
+
+
 def _print_status(console: Console, st: PoolStatus) -> None:
     from rich.table import Table
 
@@ -312,9 +325,9 @@ def _print_status(console: Console, st: PoolStatus) -> None:
                 li.lease_id[:8],
                 format_size(li.amount),
                 str(li.token),
-                str(h.get("host", "?")),
-                str(h.get("pid", "?")),
-                str(h.get("purpose", "")),
+                _shown(h.get("host", "?")),
+                _shown(h.get("pid", "?")),
+                _shown(h.get("purpose", "")),
                 secs(li.held_for),
                 secs(li.expires_in),
             )
@@ -337,9 +350,9 @@ def _print_status(console: Console, st: PoolStatus) -> None:
             t.add_row(
                 str(w.position),
                 format_size(w.amount),
-                str(h.get("host", "?")),
-                str(h.get("pid", "?")),
-                str(h.get("purpose", "")),
+                _shown(h.get("host", "?")),
+                _shown(h.get("pid", "?")),
+                _shown(h.get("purpose", "")),
                 secs(w.waited),
                 w.request_id[:12],
             )

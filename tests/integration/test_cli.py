@@ -461,3 +461,17 @@ def test_a_bad_log_format_exits_2_naming_it(url, command):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "--log-format" in r.stderr and "'xml'" in r.stderr, r.stderr
     assert snapshot(url) == before
+
+
+def test_status_shows_holder_metadata_literally(redis_proc):
+    """Holder metadata is set by any client: `gpulock status` shows its control characters as
+    escapes and its brackets as text, so an ANSI sequence cannot reach the terminal and a
+    newline cannot break the table (a fresh user's finding)."""
+    with Pool.from_url(redis_proc.url, "lit", capacity=100) as p:
+        lease = p.acquire(1, holder={"purpose": "\x1b[31mRED\x1b[0m\nfake line\r[bold]x[/bold]"})
+        r = cli(redis_proc.url, "status", "lit")
+        lease.release()
+    assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stdout and "\r" not in r.stdout
+    for piece in ("\\x1b[31mRED", "\\x0afake", "\\x0d[bold]x"):  # (the column may fold)
+        assert piece in r.stdout, r.stdout

@@ -125,6 +125,14 @@ def test_meta_too_large_or_wrong_type():
         _args.encode_meta(["not", "a", "dict"])  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), [float("nan")]])
+def test_meta_with_nan_or_infinity_is_refused(value):
+    """JSON has no NaN or infinity: a holder record with one would make every reader's JSON
+    (``gpulock status --json``) invalid for strict parsers. A fresh user's finding."""
+    with pytest.raises(InvalidArgument, match="NaN|JSON"):
+        _args.encode_meta({"purpose": value})
+
+
 # ---- AcquireRequest ---------------------------------------------------------------------
 
 
