@@ -77,6 +77,7 @@ class Heartbeat:
         # decide whether to wake it, cannot have read the plan before it was made.
         self._added = 0
         self._jeopardy = False  # a renewal failed and none has succeeded since
+        self._in_jeopardy: list[LeaseState] = []  # the leases held when it began
         self._retry_at = 0.0  # after a failed tick: not before this (local clock)
         self._tick_log = FailureLog(f"heartbeat for pool {pool}", clock=clock)
 
@@ -218,6 +219,7 @@ class Heartbeat:
         if self._jeopardy or not live:
             return
         self._jeopardy = True
+        self._in_jeopardy = live
         first = min(s.valid_until for s in live) - self.clock()
         log.warning(
             "gpulock: pool %s: %d lease(s) in jeopardy: renewal failed (%s); each is lost at "
@@ -229,22 +231,25 @@ class Heartbeat:
         )
 
     def _leave_jeopardy(self, leases: list[LeaseState]) -> None:
-        """A renewal of ``leases`` got through after one failed: say so once."""
+        """A renewal of ``leases`` got through after one failed: say so once, with what became
+        of the leases that were in jeopardy (still held, released meanwhile, or lost)."""
         self._jeopardy = False
+        was, self._in_jeopardy = self._in_jeopardy, []
         held = sum(1 for s in leases if not s.released and s.lost_reason is None)
-        if held:
-            log.warning(
-                "gpulock: pool %s: renewals get through again; the %d lease(s) still held are "
-                "out of jeopardy",
-                self.pool,
-                held,
-            )
-        else:
-            log.warning(
-                "gpulock: pool %s: Redis answers renewals again; no lease was still held (those "
-                "in jeopardy were lost at their local deadlines)",
-                self.pool,
-            )
+        lost = sum(1 for s in was if s.lost_reason is not None)
+        released = sum(1 for s in was if s.released and s.lost_reason is None)
+        fates = [
+            f"the {held} lease(s) still held are out of jeopardy"
+            if held
+            else "no lease was still held"
+        ]
+        if released:
+            fates.append(f"{released} were released meanwhile")
+        if lost:
+            fates.append(f"{lost} were lost at their local deadlines")
+        log.warning(
+            "gpulock: pool %s: Redis answers renewals again; %s", self.pool, "; ".join(fates)
+        )
 
     # ---- the ticker ----------------------------------------------------------------------
     def _next_wake(self, now: float) -> float:
