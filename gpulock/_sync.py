@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -51,9 +52,21 @@ from ._runtime import Runtime, Waiter
 from ._script_calls import SyncScripts, load
 from ._sync_listener import ThreadSubscription, ThreadWait
 from ._scripts import scripts
-from .errors import LeaseLost, PoolClosed
+from .errors import InvalidArgument, LeaseLost, PoolClosed
 
 _T = TypeVar("_T")
+
+# Every Pool of this process, to mark those whose background thread a fork() left behind.
+_POOLS: weakref.WeakSet[Pool] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for p in list(_POOLS):
+        if p._bg is not None:  # its heartbeat and hand-offs ran on a thread the child has not
+            p._forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Cancellable(Protocol):
@@ -204,7 +217,8 @@ class Pool(PoolOptions):
     """One GPU-memory budget in Redis, used from blocking code (threads, scripts, CLI).
 
     Same arguments and semantics as :class:`~gpulock.AsyncPool`, with a ``redis.Redis``
-    client. Create it after ``fork()`` (its background thread does not survive a fork).
+    client. Create it after ``fork()``: its background thread does not survive a fork, so in a
+    child a pool object used before the fork refuses acquires (InvalidArgument, saying so).
 
     Raises: InvalidArgument (a bad setting; a client that is neither a ``redis.Redis`` of one
     server or Sentinel nor a ``redis.cluster.RedisCluster``).
@@ -250,6 +264,8 @@ class Pool(PoolOptions):
         self._lock = threading.Lock()
         self._bg: _Background | None = None
         self._closed = False  # close() was called: acquires raise PoolClosed
+        self._forked = False  # used before this process forked: its background is the parent's
+        _POOLS.add(self)
         self._active = 0  # acquires in progress (close() lets them withdraw first)
         self._active_cv = threading.Condition(threading.Lock())
 
@@ -275,6 +291,13 @@ class Pool(PoolOptions):
 
     # ---- background runtime --------------------------------------------------------------
     def _background(self, *, queued: bool = False) -> _Background:
+        if self._forked:
+            raise InvalidArgument(
+                f"pool object {self.name!r} was used before this process was forked: its "
+                "background thread (the heartbeat that renews leases, the hand-offs) runs in "
+                "the parent only, so a lease taken here would never be renewed; make a new "
+                "Pool in this process (after the fork)"
+            )
         with self._lock:
             if self._closed:
                 raise PoolClosed(
@@ -553,6 +576,8 @@ class Pool(PoolOptions):
         with self._lock:
             self._closed = True
             bg, self._bg = self._bg, None
+        if bg is not None and self._forked:
+            bg = None  # the parent's thread: nothing of it runs here to stop or wait for
         if bg is not None:
             portal, rt = bg.portal, bg.rt
             try:
