@@ -17,6 +17,7 @@ from gpulock_common.aio import wait_for
 
 from .. import _access_log as access
 from .._disconnect import _Gone, _wait_or_gone, watch_disconnect
+from ..errors import InvalidArgument
 from ..units import format_size, parse_size
 from ._backend import Backend
 from ._errors import GpuLockHTTPException, HttpErrors
@@ -88,7 +89,12 @@ class GuardedCalls:
         gone: asyncio.Task[bool] | None = None
         try:
             self._check_accepting()
-            amount = parse_size(amount, name="estimate")
+            try:
+                amount = parse_size(amount, name="estimate")
+            except InvalidArgument as e:  # the route's estimator: never a bare 500 (SERVICE.md)
+                raise GpuLockHTTPException(
+                    500, f"route {route!r}: {e}", "invalid_argument"
+                ) from None
             m.estimate.labels(route).observe(amount)
             access.note(lease_bytes=amount)
             arrival = time.monotonic()

@@ -131,3 +131,27 @@ async def test_invalid_argument_from_acquire_is_a_json_error_not_a_bare_500(
         assert r.status_code == 500
         assert r.headers["content-type"].startswith("application/json"), r.text
         assert "refused for the test" in r.json()["detail"] and "mt4" in r.json()["detail"]
+
+
+async def test_an_estimator_returning_a_bad_amount_is_a_json_500_naming_the_route(redis_proc1):
+    """A route's estimator that returns 0 (or a negative or NaN amount) is the route's bug: a
+    500 with a JSON body naming the route and the value, not a bare 'Internal Server Error';
+    nothing is leased."""
+    await _configure(redis_proc1.url, "mt5", max_ttl=60)
+    gpu = GpuLimiter(redis_proc1.url, "mt5", ttl=6, reaper_interval=600)
+    app = FastAPI(lifespan=gpu.lifespan)
+
+    @app.post("/bad/{n}")
+    @gpu.endpoint("bad", estimate=lambda n: float(n))
+    def bad(n: str) -> dict:
+        return {"ran": True}
+
+    async with _Running(app) as c:
+        for n in ("0", "-5", "nan"):
+            r = await c.post(f"/bad/{n}")
+            assert r.status_code == 500, (n, r.text)
+            assert r.headers["content-type"].startswith("application/json"), r.text
+            body = r.json()
+            assert "'bad'" in body["detail"] and "estimate" in body["detail"], body
+        assert gpu.pool is not None
+        assert (await gpu.pool.status()).used == 0
