@@ -53,6 +53,31 @@ def validate_request_id(rid: object) -> str:
     return rid
 
 
+# Priorities (docs/SEMANTICS.md, "Priorities"): the range the scripts accept and the aging
+# rate they apply (lua/lib.lua PRIO_MIN, PRIO_MAX, AGING_US): a queued request's effective
+# priority rises by one level per AGING_S seconds waited.
+PRIORITY_MIN, PRIORITY_MAX = -100, 100
+AGING_S = 1.0
+
+
+def validate_priority(priority: object) -> int:
+    """A request's priority: an integer in [PRIORITY_MIN, PRIORITY_MAX] (higher goes first), or
+    its decimal digits (from a header or a command line). Raises InvalidArgument."""
+    if isinstance(priority, str):
+        s = priority.strip()
+        if s.isascii() and s.lstrip("+-").isdigit() and len(s) <= 8:
+            priority = int(s)
+    if (
+        not isinstance(priority, int)
+        or isinstance(priority, bool)
+        or not PRIORITY_MIN <= priority <= PRIORITY_MAX
+    ):
+        raise InvalidArgument(
+            f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority!r:.80}"
+        )
+    return priority
+
+
 def validate_token(token: object) -> int:
     """A fencing token from outside (a remote holder's): a non-negative integer, or its
     decimal digits."""

@@ -373,19 +373,24 @@ class AsyncPool(PoolOptions):
         holder: dict[str, Any] | None = None,
         request_id: str | None = None,
         on_queued: Callable[[int], Any] | None = None,
+        priority: int = 0,
     ) -> AsyncLease:
-        """Take ``amount`` bytes from the pool, waiting in FIFO order.
+        """Take ``amount`` bytes from the pool, waiting in the pool's queue (by priority, then
+        first come first served: docs/SEMANTICS.md, "Priorities").
 
         Args:
             amount: bytes (int) or a size string ("4GiB").
             ttl: lease time to live in seconds (default ``default_ttl``); the heartbeat renews
                 it every ttl/3 while the lease is held.
             timeout: seconds to wait; ``None`` waits forever, ``0`` tries once without queueing
-                (and without jumping the queue).
+                (granted only if it fits and would be ahead of every waiter).
             holder: metadata shown in status (host and pid are added).
             request_id: idempotency key (1-128 of ``[A-Za-z0-9._:-]``): a retry with the same id
                 joins its earlier place in the queue or gets its earlier grant.
-            on_queued: ``callback(position)`` when queued and whenever the position changes.
+            on_queued: ``callback(position)`` when queued and whenever the position changes
+                (it can grow when a request of higher effective priority arrives).
+            priority: an integer in [-100, 100], higher goes first (default 0); a queued
+                request gains one level per second waited (aging), so none starves.
 
         Returns: an :class:`AsyncLease` (also an async context manager).
 
@@ -406,6 +411,7 @@ class AsyncPool(PoolOptions):
             request_id=request_id,
             waiter_ttl=self.waiter_ttl,
             default_ttl=self.default_ttl,
+            priority=priority,
         )
         start = self.clock()
         if self._runtime.closed:  # no heartbeat or listener would serve the lease
@@ -430,6 +436,7 @@ class AsyncPool(PoolOptions):
         ttl: float | None = None,
         holder: dict[str, Any] | None = None,
         queue: bool = True,
+        priority: int = 0,
     ) -> Grant | NotGranted:
         """Send one acquire for ``request_id`` on behalf of a remote holder.
 
@@ -455,6 +462,7 @@ class AsyncPool(PoolOptions):
             request_id=request_id,
             waiter_ttl=self.waiter_ttl,
             default_ttl=self.default_ttl,
+            priority=priority,
         )
         rt = self._runtime
         if queue:

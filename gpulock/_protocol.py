@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ._args import MAX_TTL_S, MIN_TTL_S, encode_meta, new_id, validate_request_id
+from ._args import MAX_TTL_S, MIN_TTL_S, encode_meta, new_id, validate_priority, validate_request_id
 from .units import parse_seconds, parse_size
 
 # imported from here by _runtime.py; moves with its split
@@ -42,6 +42,7 @@ class AcquireRequest:
     lease_id: str
     meta: str
     waiter_ttl_s: float
+    priority: int = 0
 
     @classmethod
     def build(
@@ -55,6 +56,7 @@ class AcquireRequest:
         request_id: str | None,
         waiter_ttl: float,
         default_ttl: float,
+        priority: int = 0,
     ) -> "AcquireRequest":
         amt = parse_size(amount)
         ttl_s = parse_seconds(
@@ -64,7 +66,10 @@ class AcquireRequest:
             timeout, name="timeout", minimum=0.0, maximum=1e9, allow_none=True
         )
         ticket = new_id() if request_id is None else validate_request_id(request_id)
-        return cls(pool, amt, ttl_s, timeout_s, ticket, new_id(), encode_meta(holder), waiter_ttl)
+        prio = 0 if priority == 0 and type(priority) is int else validate_priority(priority)
+        return cls(
+            pool, amt, ttl_s, timeout_s, ticket, new_id(), encode_meta(holder), waiter_ttl, prio
+        )
 
     def argv(self, mode: str, channel: str) -> list[str]:
         """ARGV of ``acquire.lua``; ``channel`` is the caller runtime's pub/sub channel id."""
@@ -77,4 +82,5 @@ class AcquireRequest:
             mode,
             self.meta,
             channel,
+            str(self.priority),
         ]

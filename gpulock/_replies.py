@@ -100,6 +100,7 @@ class WaiterInfo:
     waited: float  # seconds in the queue
     expires_in: float  # seconds until dropped if not refreshed
     holder: dict[str, Any]
+    priority: int = 0  # as requested; the queue ages it (docs/SEMANTICS.md, "Priorities")
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,7 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
             (now - int(x[2])) / 1000,
             (int(x[3]) - now) / 1000,
             decode_meta(x[4]),
+            int(x[5]) if len(x) > 5 else 0,
         )
         for i, x in enumerate(r[13])
     ]

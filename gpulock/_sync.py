@@ -541,8 +541,9 @@ class Pool(PoolOptions):
         holder: dict[str, Any] | None = None,
         request_id: str | None = None,
         on_queued: Callable[[int], Any] | None = None,
+        priority: int = 0,
     ) -> Lease:
-        """Take ``amount`` bytes, waiting in FIFO order. Same arguments, return and errors as
+        """Take ``amount`` bytes, waiting in the pool's queue. Same arguments, return and errors as
         :meth:`gpulock.AsyncPool.acquire`. ``on_queued`` runs on the pool's background thread
         (except its first call). On ``KeyboardInterrupt`` or any other exception during the
         wait, the request leaves the queue and a grant that raced in is released."""
@@ -558,6 +559,7 @@ class Pool(PoolOptions):
                 request_id=request_id,
                 waiter_ttl=self.waiter_ttl,
                 default_ttl=self.default_ttl,
+                priority=priority,
             )
             start = self.clock()
             bg = self._background()

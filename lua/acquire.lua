@@ -1,4 +1,5 @@
--- acquire.lua: grant a lease now, or queue the request (FIFO) and report its position.
+-- acquire.lua: grant a lease now, or queue the request (by priority, then arrival) and report
+-- its position.
 -- KEYS: the eight pool keys described in lib.lua (cfg, leases, holders, queue, waiters, wexp,
 --       tickets, events).
 -- ARGV:
@@ -13,6 +14,9 @@
 --   7 meta            holder metadata (opaque string, <= 512 bytes)
 --   8 channel         the caller process's channel id (1-32 of [A-Za-z0-9]): a later hand-off
 --                     grant to this ticket is published on "<events key>:<channel>"
+--   9 priority        integer in [-100, 100] (lib.lua PRIO_MIN, PRIO_MAX; '0' when absent),
+--                     higher first; queued requests age (lib.lua queue_score). A request that
+--                     would queue ahead of the queue's head is granted now if it fits.
 -- Reply:
 --   granted:     {1, lease_id, token, expires_ms, amount, now_ms, epoch, capacity, used}
 --   queued:      {0, position, retry_after_ms, queue_len, now_ms, epoch, capacity, used, held_back}
@@ -44,6 +48,8 @@ local mode = ARGV[6]
 if mode ~= 'wait' and mode ~= 'try' then return bad("mode must be 'wait' or 'try', got " .. show(mode)) end
 local meta; meta, e = meta_arg(ARGV[7]); if e then return e end
 local chan; chan, e = channel_arg(ARGV[8]); if e then return e end
+local prio = 0
+if ARGV[9] ~= nil and ARGV[9] ~= '0' then prio, e = prio_arg(ARGV[9]); if e then return e end end
 
 -- Reads first: every key this call may use is read (redis.pcall) before the first write, so a
 -- key of the wrong type fails it with nothing written (see "Key types" in lib.lua). The queue's
@@ -129,7 +135,16 @@ if qlen > 0 and redis.call('ZSCORE', K_QUEUE, ticket) then
   return not_granted(0, redis.call('ZRANK', K_QUEUE, ticket) + 1, now, epoch, cap, eff)
 end
 
-if qlen == 0 and used + amount <= eff and grace_until <= now then
+-- With a queue, the request goes ahead of its head if its score is lower (a higher effective
+-- priority); the head does not fit (every script that frees bytes hands them on), so the
+-- request is granted now only if it fits and would queue ahead of the head.
+local score, vt, ahead
+if qlen > 0 then
+  score, vt = queue_score(now, prio, tonumber(redis.call('HGET', K_CFG, 'qvt') or '0'))
+  local head = redis.call('ZRANGE', K_QUEUE, 0, 0, 'WITHSCORES')
+  ahead = #head == 0 or score < tonumber(head[2])
+end
+if (qlen == 0 or ahead) and used + amount <= eff and grace_until <= now then
   -- make_lease, with the counters read above written in one HSET
   local token, exp = fence + 1, now + ttl
   used = used + amount
@@ -146,8 +161,13 @@ local maxw = tonumber(cfg[10])
 if qlen >= maxw then
   return redis.error_reply('GPULOCK_QUEUEFULL ' .. fmt(qlen) .. ' ' .. fmt(maxw))
 end
-local seq = redis.call('HINCRBY', K_CFG, 'qseq', 1)
-redis.call('ZADD', K_QUEUE, fmt(seq), ticket)
-redis.call('HSET', K_WAITERS, ticket, fmt(amount) .. '|' .. fmt(ttl) .. '|' .. nstr .. '|' .. lid .. '|' .. chan .. '|' .. meta)
+if not score then
+  score, vt = queue_score(now, prio, tonumber(redis.call('HGET', K_CFG, 'qvt') or '0'))
+end
+redis.call('HSET', K_CFG, 'qvt', fmt(vt))
+redis.call('ZADD', K_QUEUE, fmt(score), ticket)
+redis.call('HSET', K_WAITERS, ticket, fmt(amount) .. '|' .. fmt(ttl) .. '|' .. nstr .. '|' .. lid .. '|' .. chan .. '|' .. fmt(prio) .. '|' .. meta)
 redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
-return not_granted(0, qlen + 1, now, epoch, cap, eff)
+local pos = 1
+if qlen > 0 then pos = redis.call('ZRANK', K_QUEUE, ticket) + 1 end
+return not_granted(0, pos, now, epoch, cap, eff)

@@ -49,7 +49,7 @@ if redis.call('EXISTS', K_CFG) == 0 then
   local grace_until = 0
   if grace == '1' then grace_until = now + (max_ttl or MAX_TTL_MS) end
   redis.call('HSET', K_CFG, 'capacity', fmt(cap), 'max_waiters', fmt(maxw), 'used', fmt(used),
-             'fence', fmt(us), 'epoch', fmt(us), 'qseq', '0', 'created_ms', fmt(now),
+             'fence', fmt(us), 'epoch', fmt(us), 'qvt', '0', 'created_ms', fmt(now),
              'grants', '0', 'reaped_leases', '0', 'reaped_waiters', '0',
              'max_ttl_ms', fmt(max_ttl or 0), 'grace_until', fmt(grace_until))
   created = 1

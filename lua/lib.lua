@@ -4,14 +4,16 @@
 -- the same KEYS layout and helpers.
 --
 -- KEYS (the same eight, in this order, for every script; one hash tag per pool):
---   1 gpulock:{pool}:cfg      hash  capacity, used, fence, epoch, qseq, max_waiters, created_ms,
+--   1 gpulock:{pool}:cfg      hash  capacity, used, fence, epoch, qvt, max_waiters, created_ms,
 --                                   grants, reaped_leases, reaped_waiters; the device sampler's
 --                                   report (external.lua): external, external_until, overuse,
 --                                   dev_sampler, dev_sampler_until
 --   2 gpulock:{pool}:leases   zset  lease id -> server expiry (ms)
 --   3 gpulock:{pool}:holders  hash  lease id -> "amount|token|acquired_ms|ttl_ms|ticket|meta"
---   4 gpulock:{pool}:queue    zset  ticket -> arrival sequence number (FIFO order)
---   5 gpulock:{pool}:waiters  hash  ticket -> "amount|ttl_ms|enqueued_ms|lease_id|channel|meta"
+--   4 gpulock:{pool}:queue    zset  ticket -> queue score (lowest first): its arrival time in
+--                                   virtual microseconds minus priority x AGING_US (see
+--                                   queue_score below)
+--   5 gpulock:{pool}:waiters  hash  ticket -> "amount|ttl_ms|enqueued_ms|lease_id|channel|priority|meta"
 --   6 gpulock:{pool}:wexp     zset  ticket -> waiter expiry (ms)
 --   7 gpulock:{pool}:tickets  hash  ticket -> lease id of the grant made to that ticket
 --   8 gpulock:{pool}:events   prefix of the pub/sub channels: a grant made to a queued ticket is
@@ -38,6 +40,9 @@ end
 local MAX_AMOUNT = 9007199254740991      -- 2^53 - 1: the largest integer a Lua double holds exactly
 local MIN_TTL_MS, MAX_TTL_MS = 100, 86400000
 local MAX_META = 512
+-- Priorities (docs/SEMANTICS.md, "Priorities"): an integer in [PRIO_MIN, PRIO_MAX], higher goes
+-- first; a waiter's effective priority rises by one level per AGING_US microseconds waited.
+local PRIO_MIN, PRIO_MAX, AGING_US = -100, 100, 1000000
 
 local function fmt(n) return string.format('%d', n) end
 
@@ -67,6 +72,18 @@ local function id_arg(v, name)
     return nil, bad(name .. ' must be 1-128 characters of [A-Za-z0-9._:-], got ' .. show(v))
   end
   return v
+end
+
+-- A priority: a decimal integer, optionally signed, in [PRIO_MIN, PRIO_MAX].
+local function prio_arg(v)
+  if type(v) ~= 'string' or not string.match(v, '^%-?%d+$') or #v > 8 then
+    return nil, bad('priority must be a decimal integer, got ' .. show(v))
+  end
+  local n = tonumber(v)
+  if n < PRIO_MIN or n > PRIO_MAX then
+    return nil, bad('priority must be in [' .. fmt(PRIO_MIN) .. ', ' .. fmt(PRIO_MAX) .. '], got ' .. v)
+  end
+  return n
 end
 
 local function lease_id_arg(v)
@@ -99,10 +116,30 @@ local function parse_holder(rec)
   return tonumber(a), tok, acq, ttl, ticket, meta
 end
 
--- waiter record: amount|ttl_ms|enqueued_ms|lease_id|channel|meta
+-- waiter record: amount|ttl_ms|enqueued_ms|lease_id|channel|priority|meta. A record without the
+-- priority (written by a version before priorities, during a rolling upgrade) reads as
+-- priority 0: its meta is JSON (an object) or empty, so it cannot be taken for a priority.
 local function parse_waiter(rec)
-  local a, ttl, enq, lid, chan, meta = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(.*)$')
-  return tonumber(a), tonumber(ttl), enq, lid, chan, meta
+  local a, ttl, enq, lid, chan, p, meta =
+    string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(%-?%d+)|(.*)$')
+  if not a then
+    a, ttl, enq, lid, chan, meta = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(.*)$')
+    p = '0'
+  end
+  return tonumber(a), tonumber(ttl), enq, lid, chan, meta, tonumber(p)
+end
+
+-- The queue score of a request queued now with priority `prio` (lowest goes first). The
+-- arrival time is in virtual microseconds: the server clock, but strictly after the last
+-- arrival's (cfg field qvt), so arrivals keep their order within a millisecond and if the
+-- clock steps back. Score = arrival - prio x AGING_US: ordering by it is ordering by effective
+-- priority (prio + time waited / AGING_US, the same for every waiter at any instant), then by
+-- arrival. The score never changes while the request waits, so the queue stays one sorted set.
+-- Returns the score and the arrival (to write to qvt when the request queues).
+local function queue_score(now, prio, qvt)
+  local vt = now * 1000
+  if vt <= qvt then vt = qvt + 1 end
+  return vt - prio * AGING_US, vt
 end
 
 local function channel_arg(v)

@@ -9,7 +9,8 @@
 --    grants, reaped_leases, reaped_waiters,
 --    leases  = {{lease_id, amount, token, expires_ms, acquired_ms, ttl_ms, ticket, meta}, ...}
 --              (soonest expiry first),
---    waiters = {{ticket, amount, enqueued_ms, waiter_expires_ms, meta}, ...}  (queue order),
+--    waiters = {{ticket, amount, enqueued_ms, waiter_expires_ms, meta, priority}, ...}
+--              (queue order),
 --    grace_left_ms (0: no grace period), max_ttl_ms (0: unbounded), reasserted,
 --    external (bytes of the device report, 0 when none counts), external_left_ms (how long the
 --    report still counts; 0: none), overuse (the report's over-users, JSON text; '' when none)}
@@ -46,8 +47,9 @@ if limit > 0 then
   for _, t in ipairs(ts) do
     local rec = redis.call('HGET', K_WAITERS, t)
     if rec then
-      local amount, _, enq, _, _, meta = parse_waiter(rec)
-      waiters[#waiters + 1] = {t, amount, tonumber(enq), tonumber(redis.call('ZSCORE', K_WEXP, t) or '0'), meta}
+      local amount, _, enq, _, _, meta, prio = parse_waiter(rec)
+      waiters[#waiters + 1] = {t, amount, tonumber(enq), tonumber(redis.call('ZSCORE', K_WEXP, t) or '0'), meta,
+                               prio}
     end
   end
 end
