@@ -85,7 +85,9 @@ def raw_acquire(
     mode: str = "wait",
     meta: str = "{}",
     channel: str = "test",
+    priority: int | None = None,
 ) -> list:
+    extra = [] if priority is None else [priority]
     return raw(
         client,
         pool,
@@ -98,6 +100,7 @@ def raw_acquire(
         mode,
         meta,
         channel,
+        *extra,
     )
 
 
