@@ -58,15 +58,14 @@ def validate_request_id(rid: object) -> str:
 # priority rises by one level per AGING_S seconds waited.
 PRIORITY_MIN, PRIORITY_MAX = -100, 100
 AGING_S = 1.0
+_PRIORITY_RE = re.compile(r"[+-]?[0-9]{1,8}")
 
 
 def validate_priority(priority: object) -> int:
     """A request's priority: an integer in [PRIORITY_MIN, PRIORITY_MAX] (higher goes first), or
     its decimal digits (from a header or a command line). Raises InvalidArgument."""
-    if isinstance(priority, str):
-        s = priority.strip()
-        if s.isascii() and s.lstrip("+-").isdigit() and len(s) <= 8:
-            priority = int(s)
+    if isinstance(priority, str) and _PRIORITY_RE.fullmatch(priority.strip()):
+        priority = int(priority)
     if (
         not isinstance(priority, int)
         or isinstance(priority, bool)

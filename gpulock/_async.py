@@ -310,12 +310,17 @@ class AsyncPool(PoolOptions):
         max_waiters: int | None = None,
         max_ttl: float | None = None,
         create_only: bool = False,
+        policy: str | None = None,
+        backfill_window: float | None = None,
         _grace: bool = False,
-    ) -> dict[str, int]:
-        """Create the pool or set its capacity (bytes or "8GiB"), queue bound and max_ttl
-        (seconds; the longest ttl a lease may have, and the length of a grace period).
-        Returns ``{"created", "capacity", "epoch", "used", "max_waiters"}`` (``status()`` shows
-        ``max_ttl`` and ``grace_left``). ``create_only`` on a pool object that had seen the pool
+    ) -> dict[str, Any]:
+        """Create the pool or set its capacity (bytes or "8GiB"), queue bound, max_ttl
+        (seconds; the longest ttl a lease may have, and the length of a grace period) and
+        queue policy: ``policy`` "fifo" (a new pool's) or "backfill", ``backfill_window``
+        (seconds, default 2 s: how long a head that does not fit may be passed by later
+        requests that do; docs/SEMANTICS.md, "Backfill"); None leaves a setting as it is.
+        Returns ``{"created", "capacity", "epoch", "used", "max_waiters", "policy",
+        "backfill_window"}`` (``status()`` shows ``max_ttl`` and ``grace_left``). ``create_only`` on a pool object that had seen the pool
         (so Redis lost it) makes it again as last seen on the server, with a grace period; the
         values given count only for a pool it never saw.
 
@@ -329,6 +334,8 @@ class AsyncPool(PoolOptions):
                 max_ttl=max_ttl,
                 create_only=create_only,
                 grace=_grace,
+                policy=policy,
+                backfill_window=backfill_window,
             )
         )
 

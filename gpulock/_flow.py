@@ -210,12 +210,41 @@ def push_settings(pool: PoolView, rt: Runtime | None) -> None:
 
 
 def configure_args(
-    capacity: int, max_waiters: int, max_ttl_ms: int, create_only: bool, grace: bool
+    capacity: int,
+    max_waiters: int,
+    max_ttl_ms: int,
+    create_only: bool,
+    grace: bool,
+    policy: tuple[str | None, int | None] | None = None,
 ) -> list[str]:
     """ARGV of ``configure.lua``: capacity (bytes), max_waiters, "create" (only if absent) or
-    "set", max_ttl (ms), and whether a pool it creates starts with a grace period."""
+    "set", max_ttl (ms), whether a pool it creates starts with a grace period, and the queue
+    policy ("fifo" or "backfill") and backfill window (ms), each None to leave it as it is."""
     mode = "create" if create_only else "set"
-    return [str(capacity), str(max_waiters), mode, str(max_ttl_ms), "1" if grace else "0"]
+    argv = [str(capacity), str(max_waiters), mode, str(max_ttl_ms), "1" if grace else "0"]
+    if policy is not None:
+        argv += [policy[0] or "", "" if policy[1] is None else str(policy[1])]
+    return argv
+
+
+QUEUE_POLICIES = ("fifo", "backfill")
+
+
+def queue_policy(
+    policy: str | None, backfill_window: float | None
+) -> tuple[str | None, int | None] | None:
+    """Validate ``configure``'s queue policy ("fifo" or "backfill") and backfill window
+    (seconds, 0.001 to 86400); returns (policy, window in ms), either None when not
+    given, or None when neither is. Raises InvalidArgument naming the bad value."""
+    if policy is None and backfill_window is None:
+        return None
+    if policy is not None and policy not in QUEUE_POLICIES:
+        raise InvalidArgument(f"policy must be 'fifo' or 'backfill', got {policy!r:.80}")
+    window = None
+    if backfill_window is not None:
+        w = parse_seconds(backfill_window, name="backfill_window", minimum=0.001, maximum=86400.0)
+        window = max(1, round(w * 1000))
+    return policy, window
 
 
 def configure(
@@ -227,11 +256,15 @@ def configure(
     max_ttl: float | None,
     create_only: bool,
     grace: bool,
-) -> Flow[dict[str, int]]:
+    policy: str | None = None,
+    backfill_window: float | None = None,
+) -> Flow[dict[str, Any]]:
     """``configure``: see :meth:`gpulock.AsyncPool.configure`. Returns the reply as
-    ``{"created", "capacity", "epoch", "used", "max_waiters"}``; a set (not ``create_only``)
-    also becomes the pool object's capacity and max_ttl."""
+    ``{"created", "capacity", "epoch", "used", "max_waiters", "policy", "backfill_window"}``
+    (the window in seconds); a set (not ``create_only``) also becomes the pool object's
+    capacity and max_ttl."""
     cap = configure_capacity(capacity, pool.capacity)
+    qp = queue_policy(policy, backfill_window)
     mw = pool.max_waiters if max_waiters is None else max_waiters
     mt = (
         pool.max_ttl
@@ -239,19 +272,34 @@ def configure(
         else parse_seconds(max_ttl, name="max_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
     )
     argv = (
-        rt.configure_argv(cap, mw, ttl_ms(mt), create_only, grace)
+        rt.configure_argv(cap, mw, ttl_ms(mt), create_only, grace, qp)
         if rt is not None
-        else configure_args(cap, mw, ttl_ms(mt), create_only, grace)  # it saw no pool yet
+        else configure_args(cap, mw, ttl_ms(mt), create_only, grace, qp)  # it saw no pool yet
     )
     r = yield Eval("configure", argv)
     if not create_only:
         pool.capacity = cap
         pool.max_ttl = mt
         push_settings(pool, rt)
-    out = dict(zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r)))
+    out: dict[str, Any] = dict(
+        zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r))
+    )
+    pol = (_text(r[7]), int(r[8])) if len(r) > 8 else None
+    if pol is not None:
+        out["policy"], out["backfill_window"] = pol[0], pol[1] / 1000
     if rt is not None:
-        rt.seen(out["epoch"], out["capacity"], out["max_waiters"], int(r[5]) if len(r) > 5 else 0)
+        rt.seen(
+            out["epoch"],
+            out["capacity"],
+            out["max_waiters"],
+            int(r[5]) if len(r) > 5 else 0,
+            pol,
+        )
     return out
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def status(pool: PoolView, rt: Runtime | None, limit: int) -> Flow[PoolStatus]:
@@ -262,7 +310,13 @@ def status(pool: PoolView, rt: Runtime | None, limit: int) -> Flow[PoolStatus]:
             rt.seen(0)  # gone: if this object knew the pool, its runtime recovers now
         raise PoolNotFound(pool.name)
     if rt is not None:
-        rt.seen(st.epoch, st.capacity, st.max_waiters, ttl_ms(st.max_ttl) if st.max_ttl else 0)
+        rt.seen(
+            st.epoch,
+            st.capacity,
+            st.max_waiters,
+            ttl_ms(st.max_ttl) if st.max_ttl else 0,
+            (st.policy, round(st.backfill_window * 1000)),
+        )
     return st
 
 

@@ -76,16 +76,22 @@ class Recovery:
         self.capacity_seen = 0
         self.max_waiters_seen = 0
         self.max_ttl_seen_ms = 0
+        self.policy_seen: tuple[str, int] | None = None  # (policy, backfill_ms)
         self._settings_asked = False  # one background status read for max_ttl/max_waiters
         self._requeue: OrderedDict[str, Waiter] = OrderedDict()  # waiters whose place Redis forgot
         self._requeuer: asyncio.Task[None] | None = None
 
     def seen(
-        self, epoch: int, capacity: int = 0, max_waiters: int = 0, max_ttl_ms: int = 0
+        self,
+        epoch: int,
+        capacity: int = 0,
+        max_waiters: int = 0,
+        max_ttl_ms: int = 0,
+        policy: tuple[str, int] | None = None,
     ) -> None:
         """Take in what a reply showed of the pool: its epoch (0: the pool is gone) and its
-        capacity (bytes), max_waiters and max_ttl (ms; 0: not in the reply). Safe from any
-        thread.
+        capacity (bytes), max_waiters and max_ttl (ms; 0: not in the reply), and its queue
+        policy and backfill window (ms; None: not in the reply). Safe from any thread.
 
         The first epoch seen is adopted. After that, a reply with another epoch or none means
         Redis lost the pool: this does not adopt it but makes the heartbeat run at once, which
@@ -107,6 +113,8 @@ class Recovery:
             self.max_waiters_seen = max_waiters
         if max_ttl_ms:
             self.max_ttl_seen_ms = max_ttl_ms
+        if policy is not None:
+            self.policy_seen = policy
         if adopted and not (self.max_ttl_seen_ms and self.max_waiters_seen):
             self._learn_settings_soon()
 
@@ -139,7 +147,11 @@ class Recovery:
         st = decode_status(self.pool, r)
         if st is not None:  # recorded only for the known epoch (see seen)
             self.seen(
-                st.epoch, st.capacity, st.max_waiters, ttl_ms(st.max_ttl) if st.max_ttl else 0
+                st.epoch,
+                st.capacity,
+                st.max_waiters,
+                ttl_ms(st.max_ttl) if st.max_ttl else 0,
+                (st.policy, round(st.backfill_window * 1000)),
             )
 
     def configure_argv(
@@ -149,17 +161,21 @@ class Recovery:
         max_ttl_ms: int,
         create_only: bool,
         grace: bool = False,
+        policy: tuple[str | None, int | None] | None = None,
     ) -> list[str]:
-        """ARGV of ``configure.lua`` for the pool object's ``configure``. A create-only call by
+        """ARGV of ``configure.lua`` for the pool object's ``configure`` (``policy``: a queue
+        policy and backfill window in ms, either None: unchanged). A create-only call by
         a pool object that knew the pool (so Redis lost it) makes it again as the server last
-        showed it — capacity, max_waiters, max_ttl: an operator's ``pool set`` wins over the
-        values given here, which count only for a pool never seen — and with a grace period."""
+        showed it — capacity, max_waiters, max_ttl, queue policy: an operator's ``pool set``
+        wins over the values given here, which count only for a pool never seen — and with a
+        grace period."""
         if create_only and self.known_epoch:
             capacity = self.capacity_seen or capacity
             max_waiters = self.max_waiters_seen or max_waiters
             max_ttl_ms = self.max_ttl_seen_ms or max_ttl_ms
             grace = True
-        return configure_args(capacity, max_waiters, max_ttl_ms, create_only, grace)
+            policy = self.policy_seen or policy
+        return configure_args(capacity, max_waiters, max_ttl_ms, create_only, grace, policy)
 
     def _lose(self, s: LeaseState, reason: str) -> None:
         s.mark_lost(reason)

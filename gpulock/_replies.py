@@ -130,6 +130,10 @@ class PoolStatus:
     external: int = 0
     external_left: float = 0.0
     overusers: list[dict[str, Any]] = field(default_factory=list)
+    # The queue policy (docs/SEMANTICS.md, "Backfill"): "fifo" or "backfill", and the backfill
+    # window in seconds (how long a head that does not fit may be passed by requests that do).
+    policy: str = "fifo"
+    backfill_window: float = 2.0
 
     @property
     def effective_capacity(self) -> int:
@@ -208,6 +212,8 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
         external=extra[3],
         external_left=extra[4] / 1000,
         overusers=_overusers(r[19] if len(r) > 19 else ""),
+        policy=_s(r[20]) if len(r) > 20 else "fifo",
+        backfill_window=int(r[21]) / 1000 if len(r) > 21 else 2.0,
     )
 
 

@@ -60,6 +60,7 @@ class Runtime:
     capacity_seen = _of_recovery("capacity_seen")
     max_waiters_seen = _of_recovery("max_waiters_seen")
     max_ttl_seen_ms = _of_recovery("max_ttl_seen_ms")
+    policy_seen = _of_recovery("policy_seen")
 
     def __init__(
         self,
@@ -180,11 +181,16 @@ class Runtime:
         return validity_deadline(sent, server_now, grant.expires_ms)
 
     def seen(
-        self, epoch: int, capacity: int = 0, max_waiters: int = 0, max_ttl_ms: int = 0
+        self,
+        epoch: int,
+        capacity: int = 0,
+        max_waiters: int = 0,
+        max_ttl_ms: int = 0,
+        policy: tuple[str, int] | None = None,
     ) -> None:
         """Take in what a reply showed of the pool (:meth:`gpulock._recovery.Recovery.seen`).
         Safe from any thread."""
-        self.recovery.seen(epoch, capacity, max_waiters, max_ttl_ms)
+        self.recovery.seen(epoch, capacity, max_waiters, max_ttl_ms, policy)
 
     def suspect_restart(self) -> None:
         """Run the heartbeat (and so the recovery) now. Safe from any thread."""
@@ -197,9 +203,13 @@ class Runtime:
         max_ttl_ms: int,
         create_only: bool,
         grace: bool = False,
+        policy: tuple[str | None, int | None] | None = None,
     ) -> list[str]:
-        """ARGV of ``configure.lua`` (:meth:`gpulock._recovery.Recovery.configure_argv`)."""
-        return self.recovery.configure_argv(capacity, max_waiters, max_ttl_ms, create_only, grace)
+        """ARGV of ``configure.lua`` (:meth:`gpulock._recovery.Recovery.configure_argv`);
+        ``policy``: a queue policy and backfill window in ms (either None: unchanged)."""
+        return self.recovery.configure_argv(
+            capacity, max_waiters, max_ttl_ms, create_only, grace, policy
+        )
 
     def set_reap_timer(self, received: float, next_expiry_in_ms: int) -> None:
         """Schedule a reap at the nearest lease expiry (:meth:`Heartbeat.set_reap_timer`)."""

@@ -504,8 +504,10 @@ class Pool(PoolOptions):
         max_waiters: int | None = None,
         max_ttl: float | None = None,
         create_only: bool = False,
+        policy: str | None = None,
+        backfill_window: float | None = None,
         _grace: bool = False,
-    ) -> dict[str, int]:
+    ) -> dict[str, Any]:
         """Create the pool or set its capacity (bytes or "8GiB"), queue bound and max_ttl; see
         :meth:`gpulock.AsyncPool.configure`."""
         return self._run(
@@ -517,6 +519,8 @@ class Pool(PoolOptions):
                 max_ttl=max_ttl,
                 create_only=create_only,
                 grace=_grace,
+                policy=policy,
+                backfill_window=backfill_window,
             )
         )
 

@@ -16,7 +16,9 @@
 --                     grant to this ticket is published on "<events key>:<channel>"
 --   9 priority        integer in [-100, 100] (lib.lua PRIO_MIN, PRIO_MAX; '0' when absent),
 --                     higher first; queued requests age (lib.lua queue_score). A request that
---                     would queue ahead of the queue's head is granted now if it fits.
+--                     would queue ahead of the queue's head is granted now if it fits; so is
+--                     one behind it under the backfill policy while the head's window is open
+--                     (lib.lua backfill_open).
 -- Reply:
 --   granted:     {1, lease_id, token, expires_ms, amount, now_ms, epoch, capacity, used}
 --   queued:      {0, position, retry_after_ms, queue_len, now_ms, epoch, capacity, used, held_back}
@@ -137,14 +139,23 @@ end
 
 -- With a queue, the request goes ahead of its head if its score is lower (a higher effective
 -- priority); the head does not fit (every script that frees bytes hands them on), so the
--- request is granted now only if it fits and would queue ahead of the head.
+-- request is granted now only if it fits and would queue ahead of the head, or, under the
+-- backfill policy, if it fits and the head has waited less than the pool's backfill window.
 local score, vt, ahead
+local fits = used + amount <= eff and grace_until <= now
 if qlen > 0 then
   score, vt = queue_score(now, prio, tonumber(redis.call('HGET', K_CFG, 'qvt') or '0'))
   local head = redis.call('ZRANGE', K_QUEUE, 0, 0, 'WITHSCORES')
   ahead = #head == 0 or score < tonumber(head[2])
+  if fits and not ahead then
+    local hw = redis.call('HGET', K_WAITERS, head[1])
+    if hw then
+      local _, _, head_enq = parse_waiter(hw)
+      ahead = backfill_open(now, head_enq)
+    end
+  end
 end
-if (qlen == 0 or ahead) and used + amount <= eff and grace_until <= now then
+if (qlen == 0 or ahead) and fits then
   -- make_lease, with the counters read above written in one HSET
   local token, exp = fence + 1, now + ttl
   used = used + amount

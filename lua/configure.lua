@@ -1,4 +1,4 @@
--- configure.lua: create a pool, or change its capacity and queue bound.
+-- configure.lua: create a pool, or change its capacity, queue bound and queue policy.
 -- (KEYS and ARGV: see the header below; KEYS are the eight pool keys of lib.lua.)
 -- Creating a pool seeds its fencing counter and its epoch from the server clock in
 -- microseconds, so tokens keep increasing when Redis restarts empty and the pool is made
@@ -19,7 +19,12 @@
 --                   until it ends nothing new is granted (requests queue), and holders of
 --                   leases from before the loss re-assert them (reassert.lua). Ignored when
 --                   the pool exists.
--- Reply: {created (1/0), capacity, epoch, used, max_waiters, max_ttl_ms, grace_left_ms}
+--   6 policy        optional: 'fifo' (the default of a pool created) or 'backfill' (lib.lua
+--                   backfill_open); '' or absent: unchanged.
+--   7 backfill_ms   optional: the backfill window, ms (1 .. 86400000; a pool created has 2000);
+--                   '' or absent: unchanged.
+-- Reply: {created (1/0), capacity, epoch, used, max_waiters, max_ttl_ms, grace_left_ms, policy,
+--         backfill_ms}
 --   Lowering capacity below `used` is allowed: leases keep their bytes, nothing new is granted
 --   until used falls below the new capacity. Raising it grants waiters that now fit. Queued
 --   requests larger than the new capacity leave the queue (they could never be granted and
@@ -37,6 +42,15 @@ if ARGV[4] ~= nil and ARGV[4] ~= '' and ARGV[4] ~= '0' then
 end
 local grace = ARGV[5]
 if grace ~= nil and grace ~= '0' and grace ~= '1' then return bad("grace must be '0' or '1', got " .. show(grace)) end
+local policy = ARGV[6]
+if policy == '' then policy = nil end
+if policy ~= nil and policy ~= 'fifo' and policy ~= 'backfill' then
+  return bad("policy must be 'fifo' or 'backfill', got " .. show(policy))
+end
+local bf_ms = nil
+if ARGV[7] ~= nil and ARGV[7] ~= '' then
+  bf_ms, e = int_arg(ARGV[7], 'backfill_ms', 1, MAX_TTL_MS); if e then return e end
+end
 
 local now = now_ms()
 local created = 0
@@ -51,13 +65,18 @@ if redis.call('EXISTS', K_CFG) == 0 then
   redis.call('HSET', K_CFG, 'capacity', fmt(cap), 'max_waiters', fmt(maxw), 'used', fmt(used),
              'fence', fmt(us), 'epoch', fmt(us), 'qvt', '0', 'created_ms', fmt(now),
              'grants', '0', 'reaped_leases', '0', 'reaped_waiters', '0',
-             'max_ttl_ms', fmt(max_ttl or 0), 'grace_until', fmt(grace_until))
+             'max_ttl_ms', fmt(max_ttl or 0), 'grace_until', fmt(grace_until),
+             'policy', policy or 'fifo', 'backfill_ms', fmt(bf_ms or DEFAULT_BACKFILL_MS))
   created = 1
 elseif mode == 'set' then
   redis.call('HSET', K_CFG, 'capacity', fmt(cap), 'max_waiters', fmt(maxw))
   if max_ttl then redis.call('HSET', K_CFG, 'max_ttl_ms', fmt(max_ttl)) end
+  if policy then redis.call('HSET', K_CFG, 'policy', policy) end
+  if bf_ms then redis.call('HSET', K_CFG, 'backfill_ms', fmt(bf_ms)) end
 end
 reap(now)
 publish(now, grant_head(now))
+local pc = redis.call('HMGET', K_CFG, 'policy', 'backfill_ms')
 return {created, cfg_num('capacity'), cfg_num('epoch'), cfg_num('used'), cfg_num('max_waiters'),
-        cfg_num('max_ttl_ms'), grace_left(now)}
+        cfg_num('max_ttl_ms'), grace_left(now), pc[1] or 'fifo',
+        tonumber(pc[2] or fmt(DEFAULT_BACKFILL_MS))}

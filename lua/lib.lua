@@ -227,9 +227,21 @@ local function eff_cap(now, cap, external, external_until)
   return cap
 end
 
--- Server-side hand-off: grant the longest FIFO prefix of the queue that fits, strictly in
--- order (a head that does not fit blocks those behind it, so none starves). Returns the
--- grant lines grouped by the waiters' channels, and their count, for publish().
+-- Backfill (docs/SEMANTICS.md, "Backfill"): a pool whose cfg field `policy` is 'backfill' lets
+-- a later request that fits pass a head that does not, as long as the head has waited less
+-- than `backfill_ms` since it queued; from then on nothing passes it (the bytes freed are kept
+-- for it). A hand-off looks at most BACKFILL_DEPTH requests behind the head.
+local BACKFILL_DEPTH = 32
+local DEFAULT_BACKFILL_MS = 2000
+local function backfill_open(now, head_enq_ms)
+  local bf = redis.call('HMGET', K_CFG, 'policy', 'backfill_ms')
+  return bf[1] == 'backfill' and now - tonumber(head_enq_ms) < tonumber(bf[2] or DEFAULT_BACKFILL_MS)
+end
+
+-- Server-side hand-off: grant the longest prefix of the queue (in queue order: lib.lua
+-- queue_score) that fits, strictly in order (a head that does not fit blocks those behind it,
+-- so none starves), then, under the backfill policy, later requests that fit (backfill_open).
+-- Returns the grant lines grouped by the waiters' channels, and their count, for publish().
 -- grant_from: the same with what the caller read already: the queue's head (ZRANGE 0 0), the
 -- capacity, bytes used, grace_until and the effective capacity (eff_cap); it also returns the
 -- bytes used afterwards. A request larger than the capacity is dropped; one that fits the
@@ -239,6 +251,22 @@ local function grant_from(now, head, cap, used, grace_until, eff)
   if #head == 0 then return lines, n, used end
   if grace_until > now then return lines, n, used end  -- no new grant in the grace period
   local fence, grants  -- read at the first grant; the counters are written once, at the end
+  -- Grant waiter `t` (record fields parsed) a lease now.
+  local function grant(t, amount, ttl, lid, chan, meta)
+    if not fence then
+      local c = redis.call('HMGET', K_CFG, 'fence', 'grants')
+      fence, grants = tonumber(c[1] or '0'), tonumber(c[2] or '0')
+    end
+    drop_waiter(t)
+    fence = fence + 1
+    local exp = make_lease(now, t, lid, amount, ttl, meta, fence)
+    used = used + amount
+    n = n + 1
+    local group = lines[chan]
+    if not group then group = {}; lines[chan] = group end
+    group[#group + 1] = t .. ' ' .. lid .. ' ' .. fmt(fence) .. ' ' .. fmt(exp) .. ' ' .. fmt(amount)
+  end
+  local blocked_enq  -- the enqueue time of a head that does not fit
   while true do
     if #head == 0 then break end
     local t = head[1]
@@ -246,30 +274,30 @@ local function grant_from(now, head, cap, used, grace_until, eff)
     if not w then
       drop_waiter(t)
     else
-      local amount, ttl, _, lid, chan, meta = parse_waiter(w)
+      local amount, ttl, enq, lid, chan, meta = parse_waiter(w)
       if amount > cap then
         -- The capacity was lowered below this request: it can never be granted, and as head
         -- it would block everyone behind it. Drop it; its client finds it gone at its next
         -- poll, asks again and gets GPULOCK_CAPACITY.
         drop_waiter(t)
       elseif used + amount > eff then
+        blocked_enq = enq
         break
       else
-        if not fence then
-          local c = redis.call('HMGET', K_CFG, 'fence', 'grants')
-          fence, grants = tonumber(c[1] or '0'), tonumber(c[2] or '0')
-        end
-        drop_waiter(t)
-        fence = fence + 1
-        local exp = make_lease(now, t, lid, amount, ttl, meta, fence)
-        used = used + amount
-        n = n + 1
-        local group = lines[chan]
-        if not group then group = {}; lines[chan] = group end
-        group[#group + 1] = t .. ' ' .. lid .. ' ' .. fmt(fence) .. ' ' .. fmt(exp) .. ' ' .. fmt(amount)
+        grant(t, amount, ttl, lid, chan, meta)
       end
     end
     head = redis.call('ZRANGE', K_QUEUE, 0, 0)
+  end
+  if blocked_enq and used < eff and backfill_open(now, blocked_enq) then
+    for _, t in ipairs(redis.call('ZRANGE', K_QUEUE, 1, BACKFILL_DEPTH)) do
+      local w = redis.call('HGET', K_WAITERS, t)
+      if w then
+        local amount, ttl, _, lid, chan, meta = parse_waiter(w)
+        if amount <= cap and used + amount <= eff then grant(t, amount, ttl, lid, chan, meta) end
+      end
+      if used >= eff then break end
+    end
   end
   if n > 0 then
     redis.call('HSET', K_CFG, 'fence', fmt(fence), 'used', fmt(used), 'grants', fmt(grants + n))

@@ -13,7 +13,8 @@
 --              (queue order),
 --    grace_left_ms (0: no grace period), max_ttl_ms (0: unbounded), reasserted,
 --    external (bytes of the device report, 0 when none counts), external_left_ms (how long the
---    report still counts; 0: none), overuse (the report's over-users, JSON text; '' when none)}
+--    report still counts; 0: none), overuse (the report's over-users, JSON text; '' when none),
+--    policy ('fifo' or 'backfill'), backfill_ms}
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
 local type_err = check_types(); if type_err then return type_err end
@@ -56,4 +57,6 @@ end
 return {1, now, cfg_num('capacity'), cfg_num('used'), cfg_num('epoch'), cfg_num('fence'),
         cfg_num('max_waiters'), redis.call('ZCARD', K_LEASES), redis.call('ZCARD', K_QUEUE),
         cfg_num('grants'), cfg_num('reaped_leases'), cfg_num('reaped_waiters'), leases, waiters,
-        grace_left(now), cfg_num('max_ttl_ms'), cfg_num('reasserted'), ext, ext_left, overuse}
+        grace_left(now), cfg_num('max_ttl_ms'), cfg_num('reasserted'), ext, ext_left, overuse,
+        redis.call('HGET', K_CFG, 'policy') or 'fifo',
+        tonumber(redis.call('HGET', K_CFG, 'backfill_ms') or DEFAULT_BACKFILL_MS)}

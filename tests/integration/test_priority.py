@@ -172,7 +172,7 @@ def test_a_bad_priority_is_refused_naming_it_and_nothing_is_written(rclient, poo
     assert snapshot(rclient) == before
 
 
-@pytest.mark.parametrize("bad", [101, -101, 1.5, "x", True, None, "1e3"])
+@pytest.mark.parametrize("bad", [101, -101, 1.5, "x", True, None, "1e3", "--5", "-+5"])
 async def test_a_bad_priority_is_refused_by_the_client(make_apool, bad):
     pool = make_apool(capacity=1)
     with pytest.raises(InvalidArgument, match="priority must be an integer in \\[-100, 100\\]"):
@@ -222,22 +222,27 @@ _op = st.one_of(
 
 
 @pytest.mark.parametrize("form", list(RAW_FORMS))
-def test_scripts_decide_as_the_model_on_random_histories(redis_proc, form):
+@pytest.mark.parametrize(
+    "policy", [("fifo", 2000), ("backfill", 600000), ("backfill", 4)], ids=["fifo", "bf", "bf4ms"]
+)
+def test_scripts_decide_as_the_model_on_random_histories(redis_proc, form, policy):
     """Random mixes of acquires (amounts 1-10 of a capacity of 10, priorities -2..2, wait or
-    try), releases and cancels: after every call the grants, the queue's order and the bytes
-    used equal the model's (tests/support/priority_model.py)."""
+    try), releases and cancels, under FIFO, backfill with a window that stays open and
+    backfill with a 4 ms window (so it closes during the history, at times the model reads
+    from the replies): after every call the grants, the queue's order and the bytes used
+    equal the model's (tests/support/priority_model.py)."""
     c = redis.Redis.from_url(redis_proc.url)
     call = RAW_FORMS[form]
     n = 0
 
-    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.lists(_op, min_size=8, max_size=40))
     def run(ops):
         nonlocal n
         n += 1
         pool = f"pm{n}"
-        raw_configure(c, pool, 10)
-        model = QueueModel(10)
+        raw(c, pool, "configure", 10, 1000, "set", 0, 0, policy[0], policy[1])
+        model = QueueModel(10, policy=policy[0], backfill_ms=policy[1])
         lids: dict[str, str] = {}
         known: list[str] = []
         for op in ops:
@@ -263,12 +268,12 @@ def test_scripts_decide_as_the_model_on_random_histories(redis_proc, form):
                     token = int(_s(c.hget(pool_keys(pool)[2], lid)).split("|")[1])
                     r = call(c, pool, "release", lid, token)
                     assert r[0] == 1
-                    model.release(t)
+                    assert int(r[3]) == len(model.release(t, int(r[1])))
                 else:
                     if t not in model.held and t not in model.queue:
                         continue
-                    call(c, pool, "cancel", t)
-                    model.cancel(t)
+                    r = call(c, pool, "cancel", t)
+                    model.cancel(t, int(r[1]))
             assert _queue(c, pool) == model.order()
             assert _tickets(c, pool) == set(model.held)
             assert check_consistent(c, pool)["used"] == model.used
@@ -278,3 +283,77 @@ def test_scripts_decide_as_the_model_on_random_histories(redis_proc, form):
         run()
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("form", list(RAW_FORMS))
+def test_backfill_passes_a_blocked_head_only_within_its_window(rclient, pool_name, form):
+    """Capacity 10, 6 held; the head wants 8. Under backfill with a 1.5 s window a 1-byte
+    request is granted past it; once the head has waited 1.5 s on the server clock, a 1-byte
+    request queues although it fits, and the head is granted first when the bytes free. Each
+    decision is checked against the model at the times the server reported."""
+    call = RAW_FORMS[form]
+    raw(rclient, pool_name, "configure", 10, 1000, "set", 0, 0, "backfill", 1500)
+    model = QueueModel(10, policy="backfill", backfill_ms=1500)
+
+    def acq(t, amount):
+        r = call(
+            rclient, pool_name, "acquire", t, new_id(), amount, 60000, 600000, "wait", "{}", "t", 0
+        )
+        got = {1: "granted", 0: "queued"}[int(r[0])]
+        assert got == model.acquire(t, amount, 0, int(r[5] if r[0] == 1 else r[4]), "wait")
+        return got, int(r[5] if r[0] == 1 else r[4])
+
+    assert acq("blocker", 6)[0] == "granted"
+    _, t_head = acq("head", 8)
+    got_b, t_b = acq("early", 1)
+    assert got_b == ("granted" if t_b - t_head < 1500 else "queued")
+    wait_until(lambda: server_ms(rclient) >= t_head + 1500, timeout=10)
+    assert acq("late", 1)[0] == "queued"  # fits (3 free or 4), but the window is closed
+    k = pool_keys(pool_name)
+    lid = _s(rclient.hget(k[6], "blocker"))
+    token = int(_s(rclient.hget(k[2], lid)).split("|")[1])
+    r = call(rclient, pool_name, "release", lid, token)
+    assert int(r[3]) == len(model.release("blocker", int(r[1])))
+    assert "head" in _tickets(rclient, pool_name)
+    assert _tickets(rclient, pool_name) == set(model.held)
+    assert _queue(rclient, pool_name) == model.order()
+    check_consistent(rclient, pool_name)
+
+
+async def test_the_queue_policy_is_set_shown_and_validated(make_apool, rclient, pool_name):
+    pool = make_apool(capacity=10)
+    out = await pool.configure(10)
+    assert (out["policy"], out["backfill_window"]) == ("fifo", 2.0)
+    out = await pool.configure(10, policy="backfill", backfill_window=0.5)
+    assert (out["policy"], out["backfill_window"]) == ("backfill", 0.5)
+    st_ = await pool.status()
+    assert (st_.policy, st_.backfill_window) == ("backfill", 0.5)
+    out = await pool.configure(10, max_waiters=50)  # other settings leave the policy alone
+    assert (out["policy"], out["backfill_window"]) == ("backfill", 0.5)
+    before = snapshot(rclient)
+    for kw, msg in (
+        ({"policy": "lifo"}, "policy must be 'fifo' or 'backfill'"),
+        ({"backfill_window": 0}, "backfill_window"),
+        ({"backfill_window": -1}, "backfill_window"),
+        ({"backfill_window": "soon"}, "backfill_window"),
+    ):
+        with pytest.raises(InvalidArgument, match=msg):
+            await pool.configure(10, **kw)
+    assert snapshot(rclient) == before
+
+
+@pytest.mark.parametrize("form", list(RAW_FORMS))
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["lifo", ""], "policy must be 'fifo' or 'backfill'"),
+        (["backfill", "0"], "backfill_ms must be in"),
+        (["backfill", "x"], "backfill_ms must be a decimal integer"),
+    ],
+)
+def test_configure_refuses_a_bad_policy_with_nothing_written(rclient, pool_name, form, args, msg):
+    raw_configure(rclient, pool_name, 10)
+    before = snapshot(rclient)
+    with pytest.raises(redis.ResponseError, match=msg):
+        RAW_FORMS[form](rclient, pool_name, "configure", 10, 1000, "set", 0, 0, *args)
+    assert snapshot(rclient) == before

@@ -127,6 +127,33 @@ def test_a_lost_pool_is_made_again_with_grace_then_the_acquire_retried():
     assert calls[1][1] == ["80", "7", "create", "20000", "1"]
 
 
+def test_a_lost_pool_is_made_again_with_the_queue_policy_last_seen():
+    pool = FakePool()
+    rt = _runtime(pool)
+    rt.known_epoch = 3
+    rt.capacity_seen, rt.max_waiters_seen, rt.max_ttl_seen_ms = 80, 7, 20_000
+    rt.policy_seen = ("backfill", 1500)
+    assert rt.configure_argv(10, 5, 1000, True) == [
+        "80",
+        "7",
+        "create",
+        "20000",
+        "1",
+        "backfill",
+        "1500",
+    ]
+    # a set by this object says what it says
+    assert rt.configure_argv(10, 5, 1000, False, policy=("fifo", None)) == [
+        "10",
+        "5",
+        "set",
+        "1000",
+        "0",
+        "fifo",
+        "",
+    ]
+
+
 @pytest.mark.parametrize(
     "error, withdraw",
     [

@@ -344,22 +344,26 @@ def test_an_acquire_only_pool_object_remakes_the_pool_with_the_operators_setting
     restarts empty. The pool it makes again has all three of the operator's values, and a grace
     period of the operator's max_ttl — not the constructor's max_ttl 60 s and max_waiters 10000
     (acquire replies carry neither: the pool object reads them once when it first sees the
-    pool)."""
+    pool). The queue policy and backfill window come back too."""
     rp, name = redis_proc1, f"acquire-only-{kind}"
     direct = redis.Redis.from_url(rp.url)
     operator = Pool.from_url(rp.url, name)
     holder = None
     try:
         operator.configure(
-            10, max_ttl=5, max_waiters=7
-        )  # `gpulock pool set --capacity 10 --max-ttl 5 ...`
+            10, max_ttl=5, max_waiters=7, policy="backfill", backfill_window=3
+        )  # `gpulock pool set --capacity 10 --max-ttl 5 --policy backfill ...`
         holder = _Shell(kind, rp.url, name, capacity=100, default_ttl=1.5)
         lease = holder("acquire", 4)
         rt = holder.pool._runtime
 
         def learned() -> bool:
             holder.pump()
-            return rt.max_ttl_seen_ms == 5000 and rt.max_waiters_seen == 7
+            return (
+                rt.max_ttl_seen_ms == 5000
+                and rt.max_waiters_seen == 7
+                and rt.policy_seen == ("backfill", 3000)
+            )
 
         wait_until(learned, timeout=5.0)
         old_epoch = config(direct, name)["epoch"]
@@ -373,6 +377,8 @@ def test_an_acquire_only_pool_object_remakes_the_pool_with_the_operators_setting
         cfg = config(direct, name)
         assert cfg["epoch"] != old_epoch, cfg
         assert (cfg["capacity"], cfg["max_ttl_ms"], cfg["max_waiters"]) == (10, 5000, 7), cfg
+        assert cfg["backfill_ms"] == 3000, cfg
+        assert direct.hget(pool_keys(name)[0], "policy") == b"backfill"
         grace_ms = cfg["grace_until"] - int(direct.time()[0]) * 1000
         assert 0 < grace_ms <= 5000 + 1000, cfg
         if kind == "async":
