@@ -34,6 +34,7 @@ from ._cli_common import (
     error_exit,
     fail,
     pool_name_param,
+    priority_param,
     redis_client,
     say,
     seconds_param,
@@ -106,10 +107,10 @@ def _exit_status(returncode: int) -> int:
 
 RUN_HELP = f"""Run CMD while holding AMOUNT bytes of pool POOL (flock(1) for GPU memory).
 
-Waits in the pool's FIFO queue (printing the queue position to stderr), then runs CMD with
-GPULOCK_LEASE_ID, GPULOCK_FENCING_TOKEN, GPULOCK_POOL and GPULOCK_AMOUNT in its environment,
-renews the lease every ttl/3 while CMD runs, and releases it when CMD exits. Put `--` before
-CMD.
+Waits in the pool's queue (by --priority, then first come first served; printing the queue
+position to stderr), then runs CMD with GPULOCK_LEASE_ID, GPULOCK_FENCING_TOKEN, GPULOCK_POOL
+and GPULOCK_AMOUNT in its environment, renews the lease every ttl/3 while CMD runs, and
+releases it when CMD exits. Put `--` before CMD.
 
 CMD runs in its own process group; SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2 and
 SIGWINCH sent to gpulock run are forwarded to that group (a signal ignored when gpulock run
@@ -175,6 +176,14 @@ def run(
         "--timeout",
         callback=seconds_param("--timeout", minimum=0.0, maximum=1e9, allow_zero=True),
         help=f"Seconds to wait for the lease (default: forever; 0: try once). Exit {EXIT_TEMPFAIL} when it runs out.",
+    ),
+    priority: str = typer.Option(
+        "0",
+        "--priority",
+        callback=priority_param,
+        metavar="N",
+        help="An integer in [-100, 100]; higher goes first in the pool's queue. A waiting "
+        "request gains one level per second waited, so none starves.",
     ),
     grace: float = typer.Option(
         DEFAULT_GRACE_S,
@@ -253,7 +262,9 @@ def run(
         redis_client(t.url).close()  # fail fast (exit 69) if Redis is down now
         p = Pool.from_url(t.url, pool, default_ttl=ttl)
     try:
-        code = _run_under_lease(p, t, pool, int(amount), ttl, timeout, grace, cmd, meta, quiet, enf)
+        code = _run_under_lease(
+            p, t, pool, int(amount), ttl, timeout, grace, cmd, meta, quiet, enf, int(priority)
+        )
     finally:
         p.close()
     raise typer.Exit(code)
@@ -271,6 +282,7 @@ def _run_under_lease(
     meta: dict[str, Any],
     quiet: bool,
     enf: Optional[_EnforceOptions] = None,
+    priority: int = 0,
 ) -> int:
     info = (lambda msg: None) if quiet else say
     queued_at: list[float] = []
@@ -295,7 +307,14 @@ def _run_under_lease(
     }
     try:
         try:
-            lease = p.acquire(amount, ttl=ttl, timeout=timeout, holder=meta, on_queued=on_queued)
+            lease = p.acquire(
+                amount,
+                ttl=ttl,
+                timeout=timeout,
+                holder=meta,
+                on_queued=on_queued,
+                priority=priority,
+            )
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -418,22 +437,42 @@ def _supervise(
 
     prctl = _prctl()
     parent = os.getpid()
+    # The forwarding handler goes in before CMD starts: a signal that came between the start
+    # and the handler killed gpulock run by the default action (CMD lived on, orphaned). One
+    # that comes before CMD exists is kept and sent as soon as it does.
+    pending: list[int] = []
+    started: list[subprocess.Popen[bytes]] = []
+    exited = threading.Event()
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        if not started:
+            pending.append(signum)
+        elif not exited.is_set():
+            send(signum)
+
+    old = {s: signal.signal(s, forward) for s in _not_ignored(FORWARDED_SIGNALS)}
+
+    def restore() -> None:
+        for s, h in old.items():
+            signal.signal(s, h)
+
     try:
         proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: _child_setup(parent, prctl))
     except FileNotFoundError as e:
+        restore()
         _release(lease, pool)
         say(f"error: command not found: {cmd[0]!r} ({e.strerror})")
         return EXIT_NOT_FOUND
     except PermissionError as e:
+        restore()
         _release(lease, pool)
         say(f"error: cannot execute {cmd[0]!r}: {e.strerror}")
         return EXIT_NOT_EXECUTABLE
     except OSError as e:
+        restore()
         _release(lease, pool)
         say(f"error: cannot start {cmd[0]!r}: {e}")
         return EXIT_NOT_EXECUTABLE
-
-    exited = threading.Event()
 
     def reap_child() -> None:
         proc.wait()
@@ -453,6 +492,10 @@ def _supervise(
             except ProcessLookupError:
                 pass
 
+    started.append(proc)  # from here the handler sends; what came before is sent now
+    for sig in pending:
+        send(sig)
+
     def stop_child() -> None:
         """SIGTERM CMD's process group, then SIGKILL it after ``grace`` s; wait until it exited."""
         send(signal.SIGTERM)
@@ -461,11 +504,6 @@ def _supervise(
             send(signal.SIGKILL)
             exited.wait()
 
-    def forward(signum: int, frame: FrameType | None) -> None:
-        if not exited.is_set():
-            send(signum)
-
-    old = {s: signal.signal(s, forward) for s in _not_ignored(FORWARDED_SIGNALS)}
     lease.on_lost(on_lost)
     breach: list[Any] = []
     enforcer = None
@@ -533,8 +571,7 @@ def _supervise(
     finally:
         if enforcer is not None:
             enforcer.stop()
-        for s, h in old.items():
-            signal.signal(s, h)
+        restore()
     _release(lease, pool)
     return _exit_status(proc.returncode)
 
