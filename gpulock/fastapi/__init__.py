@@ -15,13 +15,16 @@ Copy-paste shape (the README shows it whole)::
 
 What one request goes through (``GpuLimiter.call``)::
 
-    arrival ── wait for a thread slot (local, FIFO) ── acquire(amount) in the pool's queue
+    arrival ── wait for a thread slot (local) ── acquire(amount) in the pool's queue
             ── granted ── ensure_valid() ── fn() in the executor thread ── thread returned
             ── release ── response
 
 * The lease is taken before the function runs, so before any tensor of the request touches
   the GPU, and released only after the executor thread has returned, even when
   the HTTP side already answered 504.
+* Both waits are ordered by priority (the route's ``priority=``, or a request's
+  ``priority_header`` up to the route's ``max_priority``: :mod:`._priority`), then first come
+  first served; a waiter gains one level per second waited.
 * Waiting happens in the event loop, never in a thread: ``/health`` keeps answering while
   hundreds of requests queue. The executor has ``executor_threads`` threads and a
   request takes its thread slot *before* it leases, so no bytes sit leased while their request
@@ -82,7 +85,8 @@ histograms are per process and summed by prometheus-client's multiprocess collec
 
 The parts, one concept a module: ``_limiter`` (:class:`GpuLimiter`, the facade that composes
 the rest), ``_settings``, ``_backend`` (the pool's clients and last status), ``_reaper`` (the
-background status reads), ``_admission`` (thread slots, the lease wait, the ttl bound),
+background status reads), ``_admission`` (thread slots, the lease wait, the ttl bound), ``_priority`` (a route's
+priority and a request's),
 ``_jobs`` (the job runner, :func:`current_lease`), ``_call`` (a request answered from its
 job), ``_idempotency`` (X-Request-ID claims, stored results, following another worker's
 request), ``_resident`` (resident leases), ``_readiness``, ``_retry_after`` (the service's

@@ -1,6 +1,7 @@
-"""Admission of a guarded call: a place among this worker's executor threads (a FIFO that
-knows each waiter's place), then a lease from the pool's queue, with a ttl the pool's
-``max_ttl`` bounds.
+"""Admission of a guarded call: a place among this worker's executor threads (a line that
+knows each waiter's place, ordered as the pool's queue is: by priority, then first come first
+served, a waiter gaining one level per second waited), then a lease from the pool's queue,
+with a ttl the pool's ``max_ttl`` bounds.
 
 The thread slot is taken *before* the lease, so no bytes sit leased while their request waits
 for a thread."""
@@ -8,6 +9,7 @@ for a thread."""
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import contextlib
 import logging
@@ -16,6 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from gpulock_common.aio import wait_for
 
+from .._args import AGING_S
 from .._async import AsyncLease
 from ..errors import AcquireTimeout, InvalidArgument
 from ._backend import Backend
@@ -24,7 +27,10 @@ log = logging.getLogger("gpulock.fastapi")
 
 
 class Slots:
-    """A FIFO semaphore of ``n`` slots whose waiters know their place.
+    """A semaphore of ``n`` slots whose waiters know their place. The line is ordered as the
+    pool's queue (docs/SEMANTICS.md, "Priorities"): by ``arrival - priority x AGING_S``, so a
+    higher priority goes first, equal ones first come first served, and a waiter's effective
+    priority rises one level per ``AGING_S`` seconds waited (none starves).
 
     Attributes:
         free: slots free now.
@@ -34,6 +40,7 @@ class Slots:
     def __init__(self, n: int):
         self.free = n
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._keys: list[float] = []  # the waiters' sort keys, in the same order
 
     def position(self, fut: asyncio.Future[None] | None) -> int:
         """The 1-based place of the waiter ``fut``; 0 for None or one no longer waiting."""
@@ -44,15 +51,21 @@ class Slots:
         except ValueError:
             return 0
 
-    async def acquire(self, on_wait: Callable[[asyncio.Future[None]], None]) -> None:
-        """Take a slot; when none is free, queue and call ``on_wait(future)`` first (the
-        future identifies the waiter to :meth:`position`). A cancelled waiter leaves the line,
-        and passes on a slot that was handed to it meanwhile."""
+    async def acquire(
+        self, on_wait: Callable[[asyncio.Future[None]], None], priority: int = 0
+    ) -> None:
+        """Take a slot; when none is free, queue by ``priority`` (see the class) and call
+        ``on_wait(future)`` first (the future identifies the waiter to :meth:`position`). A
+        cancelled waiter leaves the line, and passes on a slot that was handed to it
+        meanwhile."""
         if self.free > 0 and not self.waiters:
             self.free -= 1
             return
         fut = asyncio.get_running_loop().create_future()
-        self.waiters.append(fut)
+        key = time.monotonic() - priority * AGING_S
+        i = bisect.bisect_right(self._keys, key)
+        self._keys.insert(i, key)
+        self.waiters.insert(i, fut)
         on_wait(fut)
         try:
             await fut
@@ -61,13 +74,16 @@ class Slots:
                 self.release()  # handed to us just as we were cancelled: pass it on
             else:
                 with contextlib.suppress(ValueError):
-                    self.waiters.remove(fut)
+                    i = self.waiters.index(fut)
+                    del self.waiters[i]
+                    del self._keys[i]
             raise
 
     def release(self) -> None:
         """Give a slot back: to the first waiter still waiting, else to the free count."""
         while self.waiters:
             fut = self.waiters.popleft()
+            self._keys.pop(0)
             if not fut.done():
                 fut.set_result(None)
                 return
@@ -131,9 +147,11 @@ class Admission:
         deadline: float | None,
         timeout_s: float | None,
         on_wait: Callable[[asyncio.Future[None]], None],
+        *,
+        priority: int = 0,
     ) -> None:
         """Take a thread slot by ``deadline`` (monotonic seconds; None: no deadline, the
-        caller cancels); ``on_wait`` as in :meth:`Slots.acquire`.
+        caller cancels); ``on_wait`` and ``priority`` as in :meth:`Slots.acquire`.
 
         Raises: AcquireTimeout (position 0) when none was free in time (``timeout_s`` is
         the wait the message names)."""
@@ -141,7 +159,7 @@ class Admission:
         if remaining is not None and remaining <= 0:
             raise AcquireTimeout("no thread slot in time", position=0)
         try:
-            await wait_for(self.slots.acquire(on_wait), remaining)
+            await wait_for(self.slots.acquire(on_wait, priority), remaining)
         except asyncio.TimeoutError:
             raise AcquireTimeout(
                 f"no free thread in this worker within {timeout_s}s", position=0
@@ -155,12 +173,13 @@ class Admission:
         request_id: str | None,
         route: str,
         on_queued: Callable[[int], None],
+        priority: int = 0,
     ) -> AsyncLease:
         """Lease ``amount`` bytes from the pool's queue by ``deadline`` (monotonic seconds;
-        None: no deadline, the caller cancels), as ``request_id`` (None: a fresh one), reporting each place in the queue to
-        ``on_queued``. When the pool refuses the ttl (its ``max_ttl`` was lowered since the
-        last status read) the status is read again and, if the ttl is now clamped lower, the
-        lease asked for once more.
+        None: no deadline, the caller cancels), as ``request_id`` (None: a fresh one), with
+        ``priority``, reporting each place in the queue to ``on_queued``. When the pool
+        refuses the ttl (its ``max_ttl`` was lowered since the last status read) the status is
+        read again and, if the ttl is now clamped lower, the lease asked for once more.
 
         Raises: what :meth:`AsyncPool.acquire` raises (AcquireTimeout, QueueFull,
         CapacityExceeded, ...)."""
@@ -176,6 +195,7 @@ class Admission:
                 request_id=request_id,
                 holder={"route": route},
                 on_queued=on_queued,
+                priority=priority,
             )
         except InvalidArgument:
             # max_ttl lowered since our last status read: read it now, retry once if it clamps
@@ -190,4 +210,5 @@ class Admission:
                 request_id=request_id,
                 holder={"route": route},
                 on_queued=on_queued,
+                priority=priority,
             )

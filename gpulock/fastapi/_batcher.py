@@ -16,7 +16,9 @@ deadlines count from its own arrival (503 / 504 / 499 as for any guarded call); 
 leaves before its batch runs is dropped from it (the batch is cancelled when all did); a CUDA
 OOM of a batch splits it in halves, retried under the same lease, at most ``max_splits``
 levels deep, and a request that still runs out alone gets its own 503. A request carrying
-``X-Request-ID`` runs alone (its claim, parking and stored result are per request).
+``X-Request-ID`` runs alone (its claim, parking and stored result are per request). A batch
+queues (for a thread, then in the pool) with the highest priority among its requests; the
+route's waiting line itself is first come first served.
 
 The closing decision (:func:`decide`), the room (:func:`room_now`) and the split plan
 (:func:`split_plan`) do no I/O; :class:`Batcher` drives them."""
@@ -46,6 +48,7 @@ from ._call import GuardedCalls
 from ._errors import CudaOOM, GpuLockHTTPException, HttpErrors
 from ._jobs import Job, JobRunner, current_lease, note_oom
 from ._metrics import metrics
+from ._priority import RoutePriority
 from ._settings import Settings
 from ._signature import _fingerprint
 
@@ -164,6 +167,7 @@ class _Entry:
     dispatched: asyncio.Future[tuple[Job, int]]  # its batch's job and its index in it
     dropped: bool = False
     batch: _Batch | None = None
+    priority: int = 0  # its request's (the route's, or its header's)
 
 
 @dataclass(eq=False)
@@ -191,6 +195,8 @@ class Batcher(Generic[R]):
         policy: sizes, wait, splits.
         param: the name the item's ``X-Request-ID`` fingerprint is taken under (the name of
             the parameter an ``endpoint`` handler would take it as gives the same one).
+        priority: the route's priority and the most a request's header may ask; a batch
+            queues with the highest priority among its requests.
         settings, backend, slots, runner, calls, errors, check_accepting, spawn: the
             limiter's parts.
     """
@@ -204,6 +210,7 @@ class Batcher(Generic[R]):
         policy: BatchPolicy,
         *,
         param: str = "item",
+        priority: RoutePriority | None = None,
         settings: Settings,
         backend: Backend,
         slots: Slots,
@@ -219,6 +226,7 @@ class Batcher(Generic[R]):
                 f"({settings.acquire_timeout}s)"
             )
         self.route, self.policy, self._param = route, policy, param
+        self.priority = priority or RoutePriority()
         self._fn, self._estimate, self._estimate_batch = fn, estimate, estimate_batch
         self._settings, self._backend, self._slots = settings, backend, slots
         self._runner, self._calls, self._errors, self._spawn = runner, calls, errors, spawn
@@ -261,6 +269,7 @@ class Batcher(Generic[R]):
             request_id=request_id,
             fingerprint_of=lambda: _fingerprint(self.route, {self._param: item}),
             run=functools.partial(self._join, item),
+            priority=self.priority,
         )
 
     async def _join(
@@ -270,9 +279,12 @@ class Batcher(Generic[R]):
         arrival: float,
         response: Response | None,
         gone: asyncio.Task[bool] | None,
+        priority: int = 0,
     ) -> Any:
         loop = asyncio.get_running_loop()
-        entry = _Entry(item, amount, arrival, time.monotonic(), loop.create_future())
+        entry = _Entry(
+            item, amount, arrival, time.monotonic(), loop.create_future(), priority=priority
+        )
         self._pending.append(entry)
         self.joined += 1
         self._ensure_driver().set()
@@ -447,6 +459,7 @@ class Batcher(Generic[R]):
             "",
             arrival,
             park=0.0,
+            priority=max(en.priority for en in entries),
         )
         b = _Batch(entries, job, open=len(entries))
         # The batch holds an attachment of its own while any request waits on it, so that no

@@ -24,6 +24,7 @@ from ._errors import GpuLockHTTPException, HttpErrors
 from ._idempotency import MISSING, RequestStore, request_ticket
 from ._jobs import Job, JobRunner
 from ._metrics import metrics
+from ._priority import RoutePriority
 from ._retry_after import RetryAfterEstimator
 from ._settings import Settings
 
@@ -72,14 +73,18 @@ class GuardedCalls:
         response: Response | None = None,
         request_id: str | None = None,
         fingerprint_of: Callable[[], str] | None = None,
-        run: Callable[[int, float, Response | None, asyncio.Task[bool] | None], Awaitable[Any]]
+        run: Callable[[int, float, Response | None, asyncio.Task[bool] | None, int], Awaitable[Any]]
         | None = None,
+        priority: int | RoutePriority = 0,
     ) -> Any:
         """Run ``fn()`` in the executor under a lease of ``amount`` bytes; see the package
         docstring for the sequence and the errors (raised as :class:`GpuLockHTTPException`).
-        ``request_id`` defaults to the request's ``X-Request-ID`` header. ``run`` (a
-        batcher's): a guarded request without a request id is answered by ``run(amount,
-        arrival, response, gone)`` instead of a job of its own."""
+        ``request_id`` defaults to the request's ``X-Request-ID`` header. ``priority``: the
+        route's (an int: that priority, no header may raise it); the request's
+        ``priority_header`` may replace it (:mod:`gpulock.fastapi._priority`: 400 for a
+        malformed value). ``run`` (a batcher's): a guarded request without a request id is
+        answered by ``run(amount, arrival, response, gone, priority)`` instead of a job of its
+        own."""
         m = metrics()
         header = self._settings.request_id_header
         if request_id is None and request is not None:
@@ -89,6 +94,15 @@ class GuardedCalls:
         gone: asyncio.Task[bool] | None = None
         try:
             self._check_accepting()
+            rp = (
+                priority
+                if isinstance(priority, RoutePriority)
+                else RoutePriority.of(route, priority)
+            )
+            ph = self._settings.priority_header
+            prio = rp.for_request(
+                ph, request.headers.get(ph) if ph is not None and request is not None else None
+            )
             try:
                 amount = parse_size(amount, name="estimate")
             except InvalidArgument as e:  # the route's estimator: never a bare 500 (SERVICE.md)
@@ -108,12 +122,14 @@ class GuardedCalls:
                 if request_id:
                     fp = fingerprint_of() if fingerprint_of else ""
                     result = await self._call_idempotent(
-                        fn, route, amount, request_id, arrival, fp, response, gone
+                        fn, route, amount, request_id, arrival, fp, response, gone, prio
                     )
                 elif run is not None:
-                    result = await run(amount, arrival, response, gone)
+                    result = await run(amount, arrival, response, gone, prio)
                 else:
-                    job = self._runner.start(fn, route, amount, None, "", arrival, park=0.0)
+                    job = self._runner.start(
+                        fn, route, amount, None, "", arrival, park=0.0, priority=prio
+                    )
                     result = await self.await_job(job, arrival, response, gone)
         except GpuLockHTTPException as e:
             m.requests.labels(route, str(e.status_code)).inc()
@@ -160,6 +176,7 @@ class GuardedCalls:
         fp: str,
         response: Response | None,
         gone: asyncio.Task[bool] | None = None,
+        priority: int = 0,
     ) -> Any:
         ticket = request_ticket(route, request_id)
         m = metrics()
@@ -188,7 +205,14 @@ class GuardedCalls:
                     m.replays.labels(route, "stored").inc()
                     return stored
                 job = self._runner.start(
-                    fn, route, amount, ticket, fp, arrival, park=self._settings.park_timeout
+                    fn,
+                    route,
+                    amount,
+                    ticket,
+                    fp,
+                    arrival,
+                    park=self._settings.park_timeout,
+                    priority=priority,
                 )
                 return await self.await_job(job, arrival, response, gone)
             outcome = await self._store.follow(ticket, fp, request_id, route, arrival, gone)

@@ -92,6 +92,9 @@ class Job:
     # Bytes of the lease granted (the estimate, raised by the OOM back-off's factor); None
     # until granted.
     leased: int | None = None
+    # The priority it queues with (the route's, or its request's header: _priority), for
+    # this worker's thread slots and the pool's queue.
+    priority: int = 0
 
 
 def _settle(
@@ -184,12 +187,22 @@ class JobRunner:
         arrival: float,
         *,
         park: float,
+        priority: int = 0,
     ) -> Job:
         """Start a job running ``fn()`` under a lease of ``amount`` bytes. ``park`` > 0 (with
         a ``ticket``): it keeps its place in :attr:`places`, first until ``acquire_timeout +
         park`` seconds from ``arrival`` (plus the restart grace left), then as long as its
-        retries keep it; else it waits a little longer than the HTTP answer's deadline."""
-        job = Job(route, amount, ticket, fp, arrival, parked=bool(park) and ticket is not None)
+        retries keep it; else it waits a little longer than the HTTP answer's deadline.
+        ``priority``: the job's, in this worker's thread-slot line and the pool's queue."""
+        job = Job(
+            route,
+            amount,
+            ticket,
+            fp,
+            arrival,
+            parked=bool(park) and ticket is not None,
+            priority=priority,
+        )
         job.bucket = take_bucket()
         job.outcome = asyncio.get_running_loop().create_future()
         job.outcome.add_done_callback(_consume)
@@ -257,7 +270,7 @@ class JobRunner:
                 if job.ticket is not None:  # its place among this worker's waiters, for followers
                     self._spawn(self._store.publish_slot_place(job), "gpulock-claim")
 
-            await self._admission.slot(deadline, timeout_s, waiting)
+            await self._admission.slot(deadline, timeout_s, waiting, priority=job.priority)
             have_slot = True
             job.slot_future = None
             if job.abandoned:  # a cancellation that raced the slot hand-off (3.11 wait_for)
@@ -274,6 +287,7 @@ class JobRunner:
                     request_id=job.ticket,
                     route=job.route,
                     on_queued=on_queued,
+                    priority=job.priority,
                 )
             except AcquireTimeout as e:
                 job.server_retry_after = e.retry_after

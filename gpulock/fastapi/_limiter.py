@@ -33,6 +33,7 @@ from ._history import History
 from ._idempotency import RequestStore
 from ._jobs import JobRunner
 from ._metrics import metrics, metrics_response
+from ._priority import RoutePriority
 from ._readiness import Readiness
 from ._reaper import Reaper
 from ._resident import ResidentLeases
@@ -98,6 +99,10 @@ class GpuLimiter:
         enabled: False runs the work without leases (for measuring the lease's overhead).
         exit_on_fatal: after a sticky CUDA error, SIGTERM this process once the 500 is sent.
         request_id_header: the idempotency header.
+        priority_header: a request header (e.g. ``"X-GpuLock-Priority"``) whose integer value
+            replaces the route's priority, clamped to at most the route's ``max_priority``
+            (:mod:`gpulock.fastapi._priority`); a malformed value answers 400. None (the
+            default): headers are ignored, since any client could send one.
         oom_backoff: the rule by which a CUDA OOM inside a lease raises its shape bucket's
             estimate and shrinks the share of the capacity granted (docs/SEMANTICS.md,
             "Back-off on OOM"); None turns it off.
@@ -108,7 +113,8 @@ class GpuLimiter:
         device_reader: how to read the device: ``auto``, ``nvml``, ``torch`` or ``fake:PATH``
             (:func:`gpulock.devices.open_reader`).
 
-    Raises: InvalidArgument for a bad ``configure``, ``executor_threads`` or ``capacity``.
+    Raises: InvalidArgument for a bad ``configure``, ``executor_threads``, ``capacity`` or
+    ``priority_header``.
     """
 
     def __init__(
@@ -131,6 +137,7 @@ class GpuLimiter:
         enabled: bool = True,
         exit_on_fatal: bool = True,
         request_id_header: str = "X-Request-ID",
+        priority_header: str | None = None,
         oom_backoff: BackoffRule | None = DEFAULT_RULE,
         device: int | None = None,
         device_reader: str = "auto",
@@ -158,6 +165,7 @@ class GpuLimiter:
             enabled=enabled,
             exit_on_fatal=exit_on_fatal,
             request_id_header=request_id_header,
+            priority_header=priority_header,
         )
         be = self._backend = Backend(s.pool_name)
         self._slots = Slots(s.executor_threads)
@@ -224,6 +232,7 @@ class GpuLimiter:
     enabled = _Forward("settings")
     exit_on_fatal = _Forward("settings")
     request_id_header = _Forward("settings")
+    priority_header = _Forward("settings")
     pool = _Forward("_backend")
     redis = _Forward("_backend")
     executor = _Forward("_backend")
@@ -402,22 +411,43 @@ class GpuLimiter:
 
     # ---- routes ---------------------------------------------------------------------------------
     def guard(
-        self, route: str, *, estimate: Callable[..., int] | None = None
+        self,
+        route: str,
+        *,
+        estimate: Callable[..., int] | None = None,
+        priority: int = 0,
+        max_priority: int | None = None,
     ) -> Callable[..., GpuCall]:
         """A FastAPI dependency: ``call: GpuCall = Depends(limiter.guard("embed", estimate=f))``
         then ``result = await call(fn, *args)``: ``f(*args, **kwargs)`` gives the bytes (or
         pass ``amount=`` to ``call``), ``fn(*args, **kwargs)`` runs in the executor under the
-        lease."""
-        return _signature.guard(self, route, estimate)
+        lease. ``priority`` (an integer in [-100, 100], higher goes first, default 0) is the
+        one the route's requests queue with; ``max_priority`` (default ``priority``) the most
+        a request may ask in ``priority_header``.
+
+        Raises: InvalidArgument naming the route and the value, for a bad priority."""
+        return _signature.guard(
+            self, route, estimate, RoutePriority.of(route, priority, max_priority)
+        )
 
     def endpoint(
-        self, route: str, *, estimate: Callable[..., int]
+        self,
+        route: str,
+        *,
+        estimate: Callable[..., int],
+        priority: int = 0,
+        max_priority: int | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorate a plain ``def`` route handler: FastAPI sees an ``async def`` with the same
         parameters; the handler's body runs in the bounded executor under a lease of
         ``estimate(**params)`` bytes (``estimate`` receives the handler's parameters by name,
-        only those it declares). Put it *below* ``@app.post(...)``."""
-        return _signature.endpoint(self, route, estimate)
+        only those it declares). Put it *below* ``@app.post(...)``. ``priority`` and
+        ``max_priority`` as for :meth:`guard`.
+
+        Raises: InvalidArgument naming the route and the value, for a bad priority."""
+        return _signature.endpoint(
+            self, route, estimate, RoutePriority.of(route, priority, max_priority)
+        )
 
     def batcher(
         self,
@@ -430,6 +460,8 @@ class GpuLimiter:
         max_size: int = 32,
         max_splits: int | None = None,
         param: str = "item",
+        priority: int = 0,
+        max_priority: int | None = None,
     ) -> Batcher[R]:
         """Dynamic batching for a route: ``result = await batcher.submit(item,
         request=request, response=response)`` in an async handler runs ``item`` with other
@@ -441,9 +473,12 @@ class GpuLimiter:
         :mod:`gpulock.fastapi._batcher` for the per-request errors, the OOM split (at most
         ``max_splits`` levels of halving; default down to single requests) and X-Request-ID
         (``param``: the name the item is fingerprinted under; an ``endpoint`` handler's
-        parameter name gives the same fingerprint as that handler).
+        parameter name gives the same fingerprint as that handler). ``priority`` and
+        ``max_priority`` as for :meth:`guard`; a batch queues with the highest priority among
+        its requests.
 
-        Raises: InvalidArgument for a bad size, wait (more than ``acquire_timeout``) or splits."""
+        Raises: InvalidArgument for a bad size, wait (more than ``acquire_timeout``), splits
+        or priority."""
         return Batcher(
             route,
             fn,
@@ -451,6 +486,7 @@ class GpuLimiter:
             estimate_batch,
             BatchPolicy(max_size, max_wait_ms / 1000.0, max_splits),
             param=param,
+            priority=RoutePriority.of(route, priority, max_priority),
             settings=self.settings,
             backend=self._backend,
             slots=self._slots,

@@ -4,6 +4,7 @@ them when they use them)."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ class Settings:
     enabled: bool
     exit_on_fatal: bool
     request_id_header: str
+    priority_header: str | None = None
 
     @classmethod
     def of(
@@ -51,11 +53,17 @@ class Settings:
         ``GPULOCK_HISTORY_FILE``; the times become floats.
 
         Raises: InvalidArgument for a ``configure`` other than "create"/"set", fewer than one
-        executor thread, or a capacity that is not a size."""
+        executor thread, a capacity that is not a size, or a ``priority_header`` that is not
+        a header name."""
         if configure not in ("create", "set"):
             raise InvalidArgument(f"configure must be 'create' or 'set', got {configure!r}")
         if int(executor_threads) < 1:
             raise InvalidArgument(f"executor_threads must be >= 1, got {executor_threads!r}")
+        ph = rest.get("priority_header")
+        if ph is not None and (not isinstance(ph, str) or not _HEADER_NAME.fullmatch(ph)):
+            raise InvalidArgument(
+                f"priority_header must be None or an HTTP header name, got {ph!r:.80}"
+            )
         for name in _SECONDS:
             rest[name] = float(rest[name])
         return cls(
@@ -70,6 +78,9 @@ class Settings:
             **rest,
         )
 
+
+# RFC 9110's token: the characters of a header's name
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}")
 
 _SECONDS = (
     "acquire_timeout",

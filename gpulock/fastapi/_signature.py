@@ -18,6 +18,7 @@ from fastapi import Request, Response
 
 from ._errors import GpuLockHTTPException
 from ._metrics import metrics
+from ._priority import RoutePriority
 
 
 class _Limiter(Protocol):
@@ -35,6 +36,7 @@ class _Limiter(Protocol):
         response: Response | None = None,
         request_id: str | None = None,
         fingerprint_of: Callable[[], str] | None = None,
+        priority: int | RoutePriority = 0,
     ) -> Any: ...
 
 
@@ -75,9 +77,11 @@ class GpuCall:
         estimate: Callable[..., int] | None,
         request: Request,
         response: Response,
+        priority: RoutePriority | None = None,
     ):
         self.limiter, self.route, self._estimate = limiter, route, estimate
         self.request, self.response = request, response
+        self.priority = priority or RoutePriority()
 
     async def __call__(
         self, fn: Callable[..., Any], *args: Any, amount: int | str | None = None, **kwargs: Any
@@ -95,22 +99,29 @@ class GpuCall:
             request=self.request,
             response=self.response,
             fingerprint_of=lambda: _fingerprint(self.route, {"args": args, **kwargs}),
+            priority=self.priority,
         )
 
 
 def guard(
-    limiter: _Limiter, route: str, estimate: Callable[..., int] | None
+    limiter: _Limiter,
+    route: str,
+    estimate: Callable[..., int] | None,
+    priority: RoutePriority | None = None,
 ) -> Callable[..., GpuCall]:
     """The dependency behind ``GpuLimiter.guard``: gives each request a :class:`GpuCall`."""
 
     def dependency(request: Request, response: Response) -> GpuCall:
-        return GpuCall(limiter, route, estimate, request, response)
+        return GpuCall(limiter, route, estimate, request, response, priority)
 
     return dependency
 
 
 def endpoint(
-    limiter: _Limiter, route: str, estimate: Callable[..., int]
+    limiter: _Limiter,
+    route: str,
+    estimate: Callable[..., int],
+    priority: RoutePriority | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The decorator behind ``GpuLimiter.endpoint``: the handler's parameters, with their
     resolved annotations, made keyword-only, plus a ``Request`` and a ``Response`` parameter
@@ -169,6 +180,7 @@ def endpoint(
                 request=request,
                 response=response,
                 fingerprint_of=lambda: _fingerprint(route, user_kw),
+                priority=priority or RoutePriority(),
             )
 
         ret = hints.get("return", sig.return_annotation)

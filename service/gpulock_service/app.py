@@ -136,6 +136,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         history_file=settings.history_file,
         enabled=not settings.disabled,
         exit_on_fatal=settings.exit_on_fatal,
+        priority_header=settings.priority_header,
         device=settings.sample_device,
         device_reader=settings.device_reader,
     )
@@ -499,6 +500,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             max_wait_ms=settings.batch_max_wait_ms,
             max_size=settings.batch_max_size,
             param="body",  # X-Request-ID: the fingerprint of the unbatched handler's `body`
+            priority=settings.priority,
+            max_priority=settings.max_priority,
         )
         app.state.batcher = batcher
 
@@ -512,7 +515,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     else:
 
         @app.post("/v1/embeddings", responses=EMBEDDING_RESPONSES)
-        @limiter.endpoint(ROUTE, estimate=estimate)
+        @limiter.endpoint(
+            ROUTE,
+            estimate=estimate,
+            priority=settings.priority,
+            max_priority=settings.max_priority,
+        )
         def embeddings(body: EmbeddingRequest) -> Response:
             """Runs in gpulock's executor thread, under the request's lease."""
             return respond(body, model.embed(_texts(body)))

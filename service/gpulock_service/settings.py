@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gpulock.units import parse_size
@@ -100,6 +100,27 @@ class Settings(BaseSettings):
         None, ge=1, description="torch.set_num_threads per worker (CPU)"
     )
 
+    priority: int = Field(
+        0,
+        ge=-100,
+        le=100,
+        description="priority of /v1/embeddings requests in the pool's queue (higher first); "
+        "matters against other services sharing the pool",
+    )
+    priority_header: str | None = Field(
+        None,
+        pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}$",
+        description="request header whose integer value replaces GPULOCK_PRIORITY, at most "
+        "GPULOCK_MAX_PRIORITY (e.g. X-GpuLock-Priority); unset: no header is read",
+    )
+    max_priority: int | None = Field(
+        None,
+        ge=-100,
+        le=100,
+        description="most a request's priority header may ask; unset: GPULOCK_PRIORITY "
+        "(the header can only lower it)",
+    )
+
     sleep_seconds: float = Field(1.0, ge=0, description="sleep model: seconds per request")
     sleep_bytes: str = Field("256MiB", description="sleep model: bytes per input")
 
@@ -130,6 +151,20 @@ class Settings(BaseSettings):
     history_file: str | None = Field(
         None, description="tests: prefix of per-worker grant/release logs"
     )
+
+    @field_validator("priority_header", mode="before")
+    @classmethod
+    def _no_header(cls, v: object) -> object:
+        return None if isinstance(v, str) and v.strip() == "" else v
+
+    @model_validator(mode="after")
+    def _priorities(self) -> Settings:
+        if self.max_priority is not None and self.max_priority < self.priority:
+            raise ValueError(
+                f"GPULOCK_MAX_PRIORITY ({self.max_priority}) must not be below "
+                f"GPULOCK_PRIORITY ({self.priority})"
+            )
+        return self
 
     @field_validator(
         "capacity", "resident", "sleep_bytes", "cpu_resident", "cuda_context", "max_request_bytes"
