@@ -128,7 +128,15 @@ def status_from_dict(d: dict[str, Any]) -> Any:
         for x in d.get("leases", [])
     ]
     waiters = [
-        WaiterInfo(x["position"], "", x["amount"], x["waited"], 0.0, x.get("holder") or {})
+        WaiterInfo(
+            x["position"],
+            "",
+            x["amount"],
+            x["waited"],
+            0.0,
+            x.get("holder") or {},
+            priority=x.get("priority", 0),  # a broker older than priorities sends none
+        )
         for x in d.get("waiters", [])
     ]
     return PoolStatus(
@@ -229,13 +237,19 @@ class BrokerPool:
         timeout: float | None = None,
         holder: dict[str, Any] | None = None,
         on_queued: Callable[[int], Any] | None = None,
+        priority: int = 0,
     ) -> BrokerLease:
         import gpulock_client
 
         try:
             return BrokerLease(
                 self._inner.acquire(
-                    amount, ttl=ttl, timeout=timeout, holder=holder, on_queued=on_queued
+                    amount,
+                    ttl=ttl,
+                    timeout=timeout,
+                    holder=holder,
+                    on_queued=on_queued,
+                    priority=priority,
                 )
             )
         except gpulock_client.GpuLockError as e:

@@ -94,6 +94,19 @@ def size_param(name: str, *, allow_zero: bool = False) -> Callable[[Optional[str
     return cb
 
 
+def priority_param(value: Optional[str]) -> int:
+    """``--priority``: an integer in [-100, 100] (the core's check, so a bad one is exit 2
+    naming it)."""
+    from ._args import validate_priority
+
+    if value is None:
+        return 0
+    try:
+        return validate_priority(value)
+    except InvalidArgument as e:
+        raise typer.BadParameter(str(e)) from None
+
+
 def seconds_param(
     name: str, *, minimum: float, maximum: float, allow_zero: bool = False
 ) -> Callable[[Optional[float]], Optional[float]]:
@@ -172,7 +185,8 @@ class RunLease(Protocol):
 class RunPool(Protocol):
     """The pool ``gpulock run`` leases from: the core's :class:`gpulock.Pool` (Redis), or
     ``_cli_broker.BrokerPool`` (a broker, through the gpulock-client SDK). ``amount`` in
-    bytes, ``ttl``/``timeout`` in seconds; errors are the core's exceptions."""
+    bytes, ``ttl``/``timeout`` in seconds, ``priority`` in [-100, 100] (higher first); errors are
+    the core's exceptions."""
 
     def acquire(
         self,
@@ -182,6 +196,7 @@ class RunPool(Protocol):
         timeout: float | None = None,
         holder: dict[str, Any] | None = None,
         on_queued: Callable[[int], Any] | None = None,
+        priority: int = 0,
     ) -> RunLease: ...
 
     def close(self) -> None: ...

@@ -337,6 +337,7 @@ def _print_status(console: Console, st: PoolStatus) -> None:
         cols = (
             ("position", {"justify": "right"}),
             ("amount", {"justify": "right"}),
+            ("priority", {"justify": "right"}),
             ("host", {}),
             ("pid", {"justify": "right"}),
             ("purpose", {"overflow": "fold"}),
@@ -350,6 +351,7 @@ def _print_status(console: Console, st: PoolStatus) -> None:
             t.add_row(
                 str(w.position),
                 format_size(w.amount),
+                str(w.priority),
                 _shown(h.get("host", "?")),
                 _shown(h.get("pid", "?")),
                 _shown(h.get("purpose", "")),

@@ -65,6 +65,7 @@ class Acquirer:
         holder: dict[str, Any] | None = None,
         request_id: str | None = None,
         gone: asyncio.Future | None = None,
+        priority: int = 0,
     ) -> Granted | Queued:
         """See :meth:`gpulock_broker.core.Broker.acquire`."""
         rid = request_id or new_id()
@@ -76,7 +77,9 @@ class Acquirer:
         final = False  # granted, or nothing was queued: no place to keep
 
         def enqueue():
-            return p.enqueue_remote(amount, request_id=tk, ttl=ttl, holder=meta, queue=queue)
+            return p.enqueue_remote(
+                amount, request_id=tk, ttl=ttl, holder=meta, queue=queue, priority=priority
+            )
 
         start = self._clock()
         access.note(lease_bytes=amount)

@@ -239,9 +239,9 @@ def _map(e: Exception, pool: str) -> NoReturn:
             "hold_place_for; Retry-After and X-Queue-Position; retry with the same request_id "
             "to keep the place); busy: not available now and queue=false; queue_full; "
             "backend_unavailable",
-            validation="A value the schema refuses (named in detail[].loc), a ttl above the "
-            "pool's max_ttl (a bound each pool sets, GET /v1/pools/{pool}), or a request_id "
-            "already used for another amount",
+            validation="A value the schema refuses (named in detail[].loc; a bad priority is "
+            "named with its value), a ttl above the pool's max_ttl (a bound each pool sets, GET "
+            "/v1/pools/{pool}), or a request_id already used for another amount",
         ),
     },
     summary="Acquire a lease (or wait in the queue)",
@@ -254,10 +254,11 @@ async def acquire_lease(
     who: Principal = Depends(principal),
     broker: Broker = Depends(get_broker),
 ) -> LeaseGrant:
-    """Take ``amount`` bytes of ``pool``. Granted: 201. Still queued after ``wait`` seconds:
-    503 with ``Retry-After`` (seconds) and ``X-Queue-Position``; retry with the same
-    ``request_id`` to keep the place (it is kept ``hold_place_for`` seconds) and to get the same
-    grant if it was made meanwhile."""
+    """Take ``amount`` bytes of ``pool``, waiting in its queue by ``priority`` (higher first;
+    a queued request gains one level per second waited), then arrival. Granted: 201. Still
+    queued after ``wait`` seconds: 503 with ``Retry-After`` (seconds) and ``X-Queue-Position``;
+    retry with the same ``request_id`` to keep the place (it is kept ``hold_place_for`` seconds)
+    and to get the same grant if it was made meanwhile."""
     t0 = time.monotonic()  # held_ms: how long this request was held here before the grant reply
     _allowed(who, pool)
     # a client that hangs up during the long poll leaves the queue at once (uvicorn does not
@@ -274,6 +275,7 @@ async def acquire_lease(
             holder=body.holder,
             request_id=body.request_id,
             gone=gone,
+            priority=body.priority,
         )
     except Exception as e:
         if isinstance(e, QueueFull):
@@ -458,7 +460,8 @@ async def list_pools(
 async def pool_status(
     pool: str = PoolName, who: Principal = Depends(principal), broker: Broker = Depends(get_broker)
 ) -> PoolOut:
-    """Capacity, used bytes, leases (soonest expiry first) and waiters (queue order)."""
+    """Capacity, used bytes, leases (soonest expiry first) and waiters (queue order, each with
+    its requested priority)."""
     _allowed(who, pool)
     try:
         return _pool_out(await broker.status(pool))

@@ -220,8 +220,11 @@ class Broker:
         holder: dict[str, Any] | None = None,
         request_id: str | None = None,
         gone: asyncio.Future | None = None,
+        priority: int = 0,
     ) -> Granted | Queued:
         """Grant now, or within ``wait`` seconds, or report the place (kept for a retry).
+        ``priority``: an integer in [-100, 100], higher first in the queue (see
+        :meth:`gpulock.AsyncPool.acquire`); a retry of a queued request keeps its first place.
         ``gone``: a future that turns true when the HTTP client hung up (see
         ``gpulock._disconnect.watch_disconnect``); the long poll then ends at once and the request
         is withdrawn (unless another retry of it is attached), so it is never granted.
@@ -238,6 +241,7 @@ class Broker:
             holder=holder,
             request_id=request_id,
             gone=gone,
+            priority=priority,
         )
 
     async def cancel(self, who: Principal, pool: str, request_id: str) -> int:

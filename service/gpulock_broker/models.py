@@ -11,8 +11,8 @@ from typing_extensions import Annotated
 
 from gpulock._args import MAX_TTL_S as MAX_POOL_TTL_S
 from gpulock._args import MIN_TTL_S as MIN_POOL_TTL_S
-from gpulock._args import meta_unicode_error
-from gpulock._json_int import INTEGRAL
+from gpulock._args import PRIORITY_MAX, PRIORITY_MIN, meta_unicode_error, validate_priority
+from gpulock._json_int import INTEGRAL, integral
 from gpulock.errors import InvalidArgument
 from gpulock.units import SIZE_TEXT_MAX_LENGTH, SIZE_TEXT_PATTERN, parse_size_text
 
@@ -86,11 +86,33 @@ class LeaseRequest(_Body):
         description="Idempotency key, chosen by the client: a retry with the same id keeps its place "
         "in the queue and gets the same grant. Scoped to the bearer token.",
     )
+    priority: Annotated[int, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX), INTEGRAL] = Field(
+        0,
+        description=f"An integer in [{PRIORITY_MIN}, {PRIORITY_MAX}]; higher goes first in the "
+        "queue. A queued request gains one level per second waited (aging), so none starves. "
+        "A retry with the same request_id keeps its first place.",
+        examples=[0, 5],
+    )
 
     @field_validator("amount", mode="before")
     @classmethod
     def _amount(cls, v: Any) -> int:
         return _size(v, "amount")
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _priority(cls, v: Any) -> int:
+        # The core's check, so the 422 names the value (the schema keeps the bounds). It takes
+        # decimal digits too (from a header or a command line); a JSON body says an integer.
+        v = integral(v)
+        if isinstance(v, str):
+            raise ValueError(
+                f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {v!r:.80}"
+            )
+        try:
+            return validate_priority(v)
+        except InvalidArgument as e:
+            raise ValueError(str(e)) from None
 
     @property
     def amount_bytes(self) -> int:
@@ -206,6 +228,11 @@ class WaiterInfoOut(BaseModel):
     amount: int
     waited: float
     holder: dict[str, Any]
+    priority: int = Field(
+        0,
+        description="As requested (the queue ages it: one level per second waited); 0 for "
+        "requests made without one.",
+    )
 
 
 class PoolOut(BaseModel):

@@ -540,3 +540,58 @@ def test_requests_during_a_forced_delete_are_told_to_retry(broker_srv, admin, us
     t.join(10)
     assert out["r"].status_code == 200, out["r"].text
     assert post(user, amount=1).status_code == 404
+
+
+# ---- priorities --------------------------------------------------------------------------------
+def test_priority_goes_first_and_status_lists_it(user, gpu):
+    """A pool at capacity; a priority-0 request queues, then a priority-5 one: status lists the
+    priority-5 one first with its priority, and at the release it is granted, the other still
+    waits."""
+    held = post(user, amount="10GiB", ttl=30)
+    assert held.status_code == 201, held.text
+    r = post(user, amount="6GiB", request_id="low", holder={"purpose": "low"})
+    assert r.status_code == 503 and r.json()["detail"]["position"] == 1, r.text
+    r = post(user, amount="6GiB", request_id="high", priority=5, holder={"purpose": "high"})
+    assert r.status_code == 503 and r.json()["detail"]["position"] == 1, r.text  # ahead of low
+    ws = status(user)["waiters"]
+    assert [(w["position"], w["holder"]["purpose"], w["priority"]) for w in ws] == [
+        (1, "high", 5),
+        (2, "low", 0),
+    ]
+    r = user.delete(f"/v1/pools/gpu-a/leases/{held.json()['lease_id']}")
+    assert r.status_code == 200, r.text
+    _until(lambda: status(user)["lease_count"] == 1, "the hand-off grant")
+    st = status(user)
+    assert [(w["holder"]["purpose"], w["priority"]) for w in st["waiters"]] == [("low", 0)]
+    r = post(user, amount="6GiB", request_id="high", priority=5)  # collects the grant
+    assert r.status_code == 201 and r.json()["request_id"] == "high", r.text
+    r = post(user, amount="6GiB", request_id="low")
+    assert r.status_code == 503 and r.json()["detail"]["error"] == "queued", r.text
+
+
+@pytest.mark.parametrize("bad", [101, -101, 1000000, 1.5, True, False, "5", "high", None, [5]])
+def test_bad_priority_is_422_naming_the_value_and_changes_nothing(user, gpu, bad):
+    held = post(user, amount="10GiB", ttl=30)  # at capacity: a good request would queue
+    assert held.status_code == 201, held.text
+    r = post(user, amount=GiB, priority=bad)
+    assert r.status_code == 422, r.text
+    (e,) = r.json()["detail"]
+    assert e["loc"] == ["body", "priority"], e
+    assert f"got {bad!r}" in e["msg"] and "[-100, 100]" in e["msg"], e
+    st = status(user)
+    assert st["used"] == 10 * GiB and st["waiter_count"] == 0 and st["grants"] == 1
+
+
+def test_priority_accepts_integral_json_numbers(user, gpu):
+    """JSON Schema's integer includes 3.0 (gpulock._json_int), and the bounds are inclusive."""
+    for p in (100, -100, 5.0):
+        r = post(user, amount=GiB, priority=p, ttl=10)
+        assert r.status_code == 201, (p, r.text)
+
+
+def test_openapi_documents_priority(user):
+    schemas = user.get("/openapi.json").json()["components"]["schemas"]
+    p = schemas["LeaseRequest"]["properties"]["priority"]
+    assert (p["type"], p["minimum"], p["maximum"], p["default"]) == ("integer", -100, 100, 0), p
+    assert "priority" not in schemas["LeaseRequest"].get("required", [])
+    assert "priority" in schemas["WaiterInfoOut"]["properties"]

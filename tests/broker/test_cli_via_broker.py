@@ -255,3 +255,25 @@ def test_broker_default_port_is_not_serves():
         assert r.returncode == 0 and "8100" in r.stdout, (args, r.stdout, r.stderr)
     r = _gpulock("serve", "--help")
     assert "8000" in r.stdout, r.stdout
+
+
+def test_status_from_a_broker_carries_each_waiters_priority():
+    """`gpulock --broker-url status` builds the core's WaiterInfo from the broker's JSON: the
+    priority is carried, and a broker older than priorities (no field) reads as 0."""
+    from gpulock._cli_broker import status_from_dict
+
+    pool = {
+        "pool": "p",
+        "capacity": 10,
+        "used": 10,
+        "max_waiters": 5,
+        "lease_count": 0,
+        "waiter_count": 2,
+        "waiters": [
+            {"position": 1, "amount": 3, "waited": 0.5, "holder": {}, "priority": 7},
+            {"position": 2, "amount": 4, "waited": 1.5, "holder": {}},
+        ],
+    }
+    st = status_from_dict(pool)
+    assert [(w.position, w.priority) for w in st.waiters] == [(1, 7), (2, 0)]
+    assert [w["priority"] for w in st.to_dict()["waiters"]] == [7, 0]

@@ -14,10 +14,13 @@ from gpulock_client import (
     AuthError,
     BackendUnavailable,
     CapacityExceeded,
+    InvalidArgument,
     LeaseLost,
     Pool,
     PoolNotFound,
 )
+
+from support.waiting import wait_until
 
 from ._support import USER_TOKEN
 
@@ -263,3 +266,87 @@ def test_async_grant_after_a_wait_longer_than_the_ttl_is_valid(broker_srv, gpu, 
 
     asyncio.run(main())
     assert pool.status()["used"] == 0
+
+
+def _waiting(p, n):
+    """The pool's waiters as (purpose, priority), queue order, once there are ``n``."""
+    ws = p.status()["waiters"]
+    return len(ws) == n and [(w["holder"]["purpose"], w["priority"]) for w in ws]
+
+
+def test_priority_goes_first(broker_srv, pool):
+    """At capacity, a priority-0 acquire queues, then a priority-5 one: the broker lists the
+    priority-5 one first, and grants it first at the release."""
+    held = pool.acquire("10GiB", ttl=30)
+    order: list[str] = []
+    errs: list[BaseException] = []
+
+    def take(purpose: str, prio: int) -> None:
+        try:
+            with Pool(broker_srv.url, "gpu-a", token=USER_TOKEN, max_wait=2) as p2:
+                with p2.lease("6GiB", timeout=30, priority=prio, holder={"purpose": purpose}):
+                    order.append(purpose)
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errs.append(e)
+
+    low = threading.Thread(target=take, args=("low", 0))
+    low.start()
+    wait_until(lambda: _waiting(pool, 1), timeout=20, what="the low request queued")
+    high = threading.Thread(target=take, args=("high", 5))
+    high.start()
+    assert wait_until(lambda: _waiting(pool, 2), timeout=20, what="both queued") == [
+        ("high", 5),
+        ("low", 0),
+    ]
+    held.release()
+    high.join(30)
+    low.join(30)
+    assert not errs and order == ["high", "low"], (errs, order)
+    assert pool.status()["used"] == 0
+
+
+def test_a_bad_priority_is_refused_before_anything_is_sent(pool):
+    for bad in (101, -101, True, 2.5, "5"):
+        with pytest.raises(InvalidArgument, match=r"priority must be an integer in \[-100, 100\]"):
+            pool.acquire(1, priority=bad)  # type: ignore[arg-type]
+    st = pool.status()
+    assert st["used"] == 0 and st["waiter_count"] == 0 and st["grants"] == 0
+
+
+def test_async_priority_goes_first(broker_srv, gpu):
+    async def main():
+        async with AsyncPool(broker_srv.url, gpu, token=USER_TOKEN, max_wait=2) as p:
+
+            async def waiting(n):
+                ws = (await p.status())["waiters"]
+                return len(ws) == n and [(w["holder"]["purpose"], w["priority"]) for w in ws]
+
+            order: list[str] = []
+
+            async def take(purpose: str, prio: int) -> None:
+                async with p.lease("6GiB", timeout=30, priority=prio, holder={"purpose": purpose}):
+                    order.append(purpose)
+
+            held = await p.acquire("10GiB", ttl=30)
+            low = asyncio.create_task(take("low", 0))
+            await _until_async(lambda: waiting(1))
+            high = asyncio.create_task(take("high", 5))
+            assert await _until_async(lambda: waiting(2)) == [("high", 5), ("low", 0)]
+            await held.release()
+            await asyncio.wait_for(asyncio.gather(high, low), 30)
+            assert order == ["high", "low"]
+            with pytest.raises(InvalidArgument, match="got 101"):
+                await p.acquire(1, priority=101)
+
+    asyncio.run(main())
+
+
+async def _until_async(cond, timeout: float = 20.0):
+    """Await ``cond()`` (a coroutine) until it is truthy; return that value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = await cond()
+        if v:
+            return v
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)

@@ -215,6 +215,49 @@ def test_422_names_the_field():
     assert isinstance(e, InvalidArgument) and "body.amount: bad size" in str(e)
 
 
+def test_priority_is_sent_on_every_attempt_and_left_out_at_zero():
+    """Sent with each long poll of one request; 0 is not sent (a broker older than priorities
+    refuses the field: extra fields are a 422 there)."""
+    clock = Clock()
+    for prio, sent in ((5, 5), (-100, -100), (0, None)):
+        gen = core.acquire_steps(
+            cfg(clock),
+            5,
+            ttl=None,
+            timeout=None,
+            holder=None,
+            request_id="r",
+            on_queued=None,
+            priority=prio,
+        )
+        res, steps = drive(
+            gen,
+            clock,
+            [lambda s: queued(clock, 2), lambda s: core.Reply(201, {}, grant_body(), clock())],
+        )
+        posts = [s for s in steps if isinstance(s, core.Http)]
+        assert len(posts) == 2 and all(p.json.get("priority") == sent for p in posts), posts
+        assert all(("priority" in p.json) == (sent is not None) for p in posts)
+
+
+@pytest.mark.parametrize("bad", [101, -101, True, 1.5, "5", None])
+def test_a_bad_priority_raises_before_anything_is_sent(bad):
+    clock = Clock()
+    gen = core.acquire_steps(
+        cfg(clock, gate=core.Gate(1)),
+        5,
+        ttl=None,
+        timeout=None,
+        holder=None,
+        request_id="r",
+        on_queued=None,
+        priority=bad,
+    )
+    res, steps = drive(gen, clock, [])
+    assert isinstance(res, InvalidArgument) and steps == [], (res, steps)
+    assert f"got {bad!r}" in str(res) and "[-100, 100]" in str(res)
+
+
 def test_validity_deadline_counts_from_the_send_time():
     clock = Clock()
     s = core.LeaseState("p", grant_body(expires_in=10.0, ttl=30), sent=90.0, clock=clock)

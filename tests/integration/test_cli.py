@@ -88,6 +88,8 @@ def test_pool_set_and_status_round_trip(redis_proc):
         "epoch": st["epoch"],
         "used": 0,
         "max_waiters": 7,
+        "policy": "fifo",
+        "backfill_window": 2.0,
     }
     # Without --max-waiters the current bound is kept.
     r = cli(url, "pool", "set", "gpu0", "--capacity", "6GiB")
@@ -189,6 +191,8 @@ def test_bad_sizes_are_refused_and_change_nothing(url, bad):
         ["run", "--pool", "gpu0", "--amount", "1GiB", "--ttl", "0", "--", "true"],
         ["run", "--pool", "gpu0", "--amount", "1GiB", "--ttl", "nan", "--", "true"],
         ["run", "--pool", "gpu0", "--amount", "1GiB", "--timeout", "-1", "--", "true"],
+        ["run", "--pool", "gpu0", "--amount", "1GiB", "--priority", "101", "--", "true"],
+        ["run", "--pool", "gpu0", "--amount", "1GiB", "--priority", "high", "--", "true"],
         ["run", "--pool", "gpu0", "--amount", "1GiB"],
     ],
 )
@@ -475,3 +479,80 @@ def test_status_shows_holder_metadata_literally(redis_proc):
     assert "\x1b" not in r.stdout and "\r" not in r.stdout
     for piece in ("\\x1b[31mRED", "\\x0afake", "\\x0d[bold]x"):  # (the column may fold)
         assert piece in r.stdout, r.stdout
+
+
+# ---- priorities --------------------------------------------------------------------------------
+APPEND = "import sys; open(sys.argv[1], 'a').write(sys.argv[2] + '\\n')"
+
+
+def waiter_row(text: str, purpose: str) -> list[str]:
+    """The fields of the waiter table's row for ``purpose`` (position, amount, priority, ...)."""
+    (row,) = [ln.split() for ln in text.splitlines() if f" {purpose} " in f" {ln} "]
+    return row
+
+
+def test_run_priority_goes_first_and_status_shows_it(url, tmp_path):
+    """At capacity, `gpulock run --priority 0` queues, then `--priority 5`: status (JSON and
+    table) lists the priority-5 one first with its priority, and it runs first."""
+    assert cli(url, "pool", "set", "gpu0", "--capacity", "4GiB").returncode == 0
+    out = tmp_path / "order"
+    procs = []
+
+    def run(purpose: str, prio: str) -> subprocess.Popen:
+        p = start(
+            url,
+            "run",
+            "--pool",
+            "gpu0",
+            "--amount",
+            "3GiB",
+            "--priority",
+            prio,
+            "--purpose",
+            purpose,
+            "--",
+            sys.executable,
+            "-c",
+            APPEND,
+            str(out),
+            purpose,
+        )
+        procs.append(p)
+        return p
+
+    def waiting(n: int):
+        ws = status_json(url, "gpu0")["waiters"]
+        return len(ws) == n and [(w["holder"]["purpose"], w["priority"]) for w in ws]
+
+    with Pool.from_url(url, "gpu0") as pool:
+        lease = pool.acquire("4GiB", ttl=30)
+        try:
+            run("low", "0")
+            wait_until(lambda: waiting(1), timeout=30, interval=0.05, what="low queued")
+            run("high", "5")
+            assert wait_until(
+                lambda: waiting(2), timeout=30, interval=0.05, what="both queued"
+            ) == [("high", 5), ("low", 0)]
+            r = cli(url, "status", "gpu0")
+            assert r.returncode == 0, r.stderr
+            assert "priority" in r.stdout, r.stdout
+            assert waiter_row(r.stdout, "high")[:3] == ["1", "3.0GiB", "5"], r.stdout
+            assert waiter_row(r.stdout, "low")[:3] == ["2", "3.0GiB", "0"], r.stdout
+        finally:
+            lease.release()
+            for p in procs:
+                p.communicate(timeout=30)
+    assert [p.returncode for p in procs] == [0, 0], [p.stderr for p in procs]
+    assert out.read_text().split() == ["high", "low"]
+    assert status_json(url, "gpu0")["used"] == 0
+
+
+@pytest.mark.parametrize("bad", ["101", "-101", "high", "1.5", ""])
+def test_run_bad_priority_exits_2_naming_it(url, bad):
+    assert cli(url, "pool", "set", "gpu0", "--capacity", "2GiB").returncode == 0
+    before = snapshot(url)
+    r = cli(url, "run", "--pool", "gpu0", "--amount", "1GiB", "--priority", bad, "--", "true")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    shown = bad if bad.lstrip("-").isdigit() else repr(bad)
+    assert f"got {shown}" in r.stderr and "--priority" in r.stderr, r.stderr
+    assert snapshot(url) == before

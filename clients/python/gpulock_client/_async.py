@@ -193,9 +193,12 @@ class AsyncPool:
         holder: Optional[Dict[str, Any]] = None,
         request_id: Optional[str] = None,
         on_queued: Optional[Callable[[int], Any]] = None,
+        priority: int = 0,
     ) -> AsyncLease:
-        """Same arguments, return and errors as :meth:`gpulock_client.Pool.acquire`. On
-        cancellation the place is withdrawn (and a grant that raced in released)."""
+        """Same arguments, return and errors as :meth:`gpulock_client.Pool.acquire`
+        (``priority``: an integer in [-100, 100], higher goes first, default 0; a queued request
+        gains one level per second waited). On cancellation the place is withdrawn (and a grant
+        that raced in released)."""
         rid = request_id or core.new_request_id()
         gen = core.acquire_steps(
             self._cfg,
@@ -205,6 +208,7 @@ class AsyncPool:
             holder=holder,
             request_id=rid,
             on_queued=on_queued,
+            priority=priority,
         )
         try:
             body, sent = await self._run(gen)
@@ -220,7 +224,8 @@ class AsyncPool:
         return AsyncLease(s, self)
 
     def lease(self, amount: Union[int, str], **kw: Any) -> _LeaseCM:
-        """``async with pool.lease("2GiB", timeout=10) as lease:``"""
+        """``async with pool.lease("2GiB", timeout=10, priority=5) as lease:``; takes the
+        arguments of :meth:`acquire` (``priority`` among them)."""
         return _LeaseCM(self, amount, kw)
 
     async def _get(self, method: str, path: str, json: Any = None) -> Any:

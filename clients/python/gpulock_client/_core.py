@@ -61,6 +61,8 @@ RELEASE_TIMEOUT_S = 5.0
 DEFAULT_MAX_CONNECTIONS = 64
 CONTROL_CONNECTIONS = 4
 HEARTBEAT_CONNECTIONS = 1
+# A request's priority (gpulock's PRIORITY_MIN, PRIORITY_MAX): higher goes first in the queue.
+PRIORITY_MIN, PRIORITY_MAX = -100, 100
 WAIT = "wait"  # Http.lane of a long-polled acquire
 CONTROL = "control"  # Http.lane of everything else
 
@@ -80,6 +82,20 @@ def env_token(token: Optional[str]) -> Optional[str]:
 
 def new_request_id() -> str:
     return secrets.token_hex(16)
+
+
+def check_priority(priority: Any) -> int:
+    """``priority`` if it is an integer in [PRIORITY_MIN, PRIORITY_MAX] (not a bool), else
+    InvalidArgument naming it (before anything is sent)."""
+    if (
+        isinstance(priority, bool)
+        or not isinstance(priority, int)
+        or not PRIORITY_MIN <= priority <= PRIORITY_MAX
+    ):
+        raise InvalidArgument(
+            f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority!r:.80}"
+        )
+    return priority
 
 
 _HOST = socket.gethostname()
@@ -325,6 +341,7 @@ def acquire_steps(
     holder: Optional[Dict[str, Any]],
     request_id: Optional[str],
     on_queued: Optional[Callable[[int], Any]],
+    priority: int = 0,
 ) -> Steps:
     """Acquire with long polls and retries; returns ``(reply body, sent)`` of the 201.
 
@@ -334,7 +351,11 @@ def acquire_steps(
 
     With ``cfg.gate``, a waiting acquire first takes a wait connection's slot (waiting in FIFO
     order within its timeout: AcquireTimeout with position 0 if none frees in time) and holds it
-    to the end; ``timeout=0`` (one try, no long poll) goes on the control connections."""
+    to the end; ``timeout=0`` (one try, no long poll) goes on the control connections.
+
+    ``priority`` is sent only when it is not 0 (a broker older than priorities refuses the
+    field)."""
+    check_priority(priority)
     clock = cfg.clock
     start = clock()
     deadline = None if timeout is None else start + max(0.0, timeout)
@@ -360,6 +381,7 @@ def acquire_steps(
                 holder=holder,
                 request_id=request_id,
                 on_queued=on_queued,
+                priority=priority,
                 start=start,
                 deadline=deadline,
                 try_once=try_once,
@@ -380,6 +402,7 @@ def _acquire_polls(
     holder: Optional[Dict[str, Any]],
     request_id: Optional[str],
     on_queued: Optional[Callable[[int], Any]],
+    priority: int,
     start: float,
     deadline: Optional[float],
     try_once: bool,
@@ -393,6 +416,8 @@ def _acquire_polls(
         "holder": holder_meta(holder),
         "request_id": rid,
     }
+    if priority:
+        body["priority"] = priority
     position, queue_length, last_ra = 0, 0, None
     down_since: Optional[float] = None
     attempt = 0

@@ -224,21 +224,27 @@ class Pool:
         holder: Optional[Dict[str, Any]] = None,
         request_id: Optional[str] = None,
         on_queued: Optional[Callable[[int], Any]] = None,
+        priority: int = 0,
     ) -> Lease:
-        """Take ``amount`` bytes (an int, or "4GiB") from the pool, waiting in FIFO order.
+        """Take ``amount`` bytes (an int, or "4GiB") from the pool, waiting in its queue (by
+        priority, then first come first served).
 
         Args:
             ttl: lease time to live in seconds (default ``default_ttl``); renewed every ttl/3.
             timeout: total seconds to wait (``None``: forever; ``0``: try once, never queue).
             holder: metadata shown in pool status (host and pid are added).
             request_id: idempotency key (1-96 of ``[A-Za-z0-9._:-]``), reused on every retry.
-            on_queued: ``callback(position)`` when queued and when the position changes.
+            on_queued: ``callback(position)`` when queued and when the position changes (it
+                can grow when a request of higher priority arrives).
+            priority: an integer in [-100, 100], higher goes first (default 0); a queued
+                request gains one level per second waited (aging), so none starves. Sent
+                only when not 0 (a broker older than priorities refuses the field with 422).
 
-        Raises: InvalidArgument, AuthError, PoolNotFound, CapacityExceeded (at once);
-        AcquireTimeout (the place was withdrawn); QueueFull or BackendUnavailable when the
-        queue stayed full or the broker (or its Redis) unreachable until the timeout, or for
-        ``backend_timeout`` seconds when there is none (retried meanwhile, honouring
-        Retry-After). On KeyboardInterrupt the place is withdrawn (and a grant that raced in
+        Raises: InvalidArgument (a bad ``priority`` before anything is sent), AuthError,
+        PoolNotFound, CapacityExceeded (at once); AcquireTimeout (the place was withdrawn);
+        QueueFull or BackendUnavailable when the queue stayed full or the broker (or its Redis)
+        unreachable until the timeout, or for ``backend_timeout`` seconds when there is none
+        (retried meanwhile, honouring Retry-After). On KeyboardInterrupt the place is withdrawn (and a grant that raced in
         released) before it propagates.
         """
         rid = request_id or core.new_request_id()
@@ -250,6 +256,7 @@ class Pool:
             holder=holder,
             request_id=rid,
             on_queued=on_queued,
+            priority=priority,
         )
         try:
             body, sent = self._run(gen)
@@ -265,8 +272,8 @@ class Pool:
         return Lease(s, self)
 
     def lease(self, amount: Union[int, str], **kw: Any) -> _LeaseCM:
-        """``with pool.lease("2GiB", timeout=10) as lease:`` — acquire, release on exit.
-        Takes the arguments of :meth:`acquire`."""
+        """``with pool.lease("2GiB", timeout=10, priority=5) as lease:`` — acquire, release on
+        exit. Takes the arguments of :meth:`acquire` (``priority`` among them)."""
         return _LeaseCM(self, amount, kw)
 
     def _get(self, method: str, path: str, json: Any = None) -> Any:
