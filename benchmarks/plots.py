@@ -388,6 +388,62 @@ def plot_service(S: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_scheduling(R: dict, path: Path) -> None:
+    """``benchmarks/scheduling.py``: utilization per workload and policy; p50/p99 wait per
+    class (size, or priority for the priority workload) per policy."""
+    runs = R.get("runs") or []
+    if not runs:
+        return
+    col = {"fifo": "#6e7781", "backfill": "#1f6feb"}
+    workloads = list(dict.fromkeys(r["workload"] for r in runs))
+    fig, axes = plt.subplots(1, 1 + len(workloads), figsize=(4 + 3.6 * len(workloads), 4.2))
+    ax = axes[0]
+    for j, pol in enumerate(("fifo", "backfill")):
+        vals = [
+            next(
+                (r["utilization"] * 100 for r in runs if r["workload"] == w and r["policy"] == pol),
+                0,
+            )
+            for w in workloads
+        ]
+        xs = [i + (j - 0.5) * 0.38 for i in range(len(workloads))]
+        ax.bar(xs, vals, width=0.36, color=col[pol], label=pol)
+        for x, v in zip(xs, vals):
+            ax.text(x, v, f"{v:.0f}%", ha="center", va="bottom", fontsize=7)
+    ax.axhline(100, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(len(workloads)), workloads, fontsize=8)
+    ax.set_title("budget utilization (time-weighted)", fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.margins(y=0.12)
+    for ax, w in zip(axes[1:], workloads):
+        by = "wait_by_priority_ms" if w == "priority" else "wait_by_size_ms"
+        classes = list(dict.fromkeys(k for r in runs if r["workload"] == w for k in r[by]))
+        for j, pol in enumerate(("fifo", "backfill")):
+            r = next((r for r in runs if r["workload"] == w and r["policy"] == pol), None)
+            if r is None:
+                continue
+            xs = [i + (j - 0.5) * 0.38 for i in range(len(classes))]
+            p99 = [r[by].get(k, {}).get("p99", 0) for k in classes]
+            p50 = [r[by].get(k, {}).get("p50", 0) for k in classes]
+            ax.bar(xs, p99, width=0.36, color=col[pol], alpha=0.45)
+            ax.bar(xs, p50, width=0.36, color=col[pol], label=f"{pol} p50 (light: p99)")
+        names = [f"prio {k}" if w == "priority" else f"{k} MiB" for k in classes]
+        ax.set_xticks(range(len(classes)), names, fontsize=7)
+        ax.set_ylabel("wait (ms)", fontsize=8)
+        ax.set_title(f"{w}: wait per class", fontsize=9)
+        ax.legend(fontsize=7)
+    c = R["config"]
+    _title(
+        fig,
+        f"Scheduling: {c['clients']} clients, {c['hold_s'] * 1000:.0f} ms holds, 1 GiB pool, "
+        f"backfill window {c['backfill_window_s']:g} s",
+        R,
+    )
+    fig.tight_layout(rect=(0, 0.02, 1, 0.93))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def make(out_dir: str | Path, peers: dict | None, service: dict | None) -> list[str]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
