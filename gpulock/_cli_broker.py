@@ -154,6 +154,9 @@ def status_from_dict(d: dict[str, Any]) -> Any:
         leases=leases,
         waiters=waiters,
         max_ttl=d.get("max_ttl", 0.0),
+        # a broker older than queue policies sends neither: its pools are FIFO
+        policy=d.get("policy", "fifo"),
+        backfill_window=d.get("backfill_window", 2.0),
     )
 
 

@@ -107,6 +107,20 @@ def priority_param(value: Optional[str]) -> int:
         raise typer.BadParameter(str(e)) from None
 
 
+def policy_param(value: Optional[str]) -> Optional[str]:
+    """``--policy``: a pool's queue policy, "fifo" or "backfill" (the core's check, so a bad
+    one is exit 2 naming it); None keeps the pool's."""
+    if value is None:
+        return None
+    from ._flow import queue_policy
+
+    try:
+        queue_policy(value, None)
+    except InvalidArgument as e:
+        raise typer.BadParameter(str(e)) from None
+    return value
+
+
 def seconds_param(
     name: str, *, minimum: float, maximum: float, allow_zero: bool = False
 ) -> Callable[[Optional[float]], Optional[float]]:
@@ -121,6 +135,19 @@ def seconds_param(
             raise typer.BadParameter(str(e)) from None
 
     return cb
+
+
+def seconds_text_param(name: str, *, minimum: float, maximum: float) -> Callable[[str], float]:
+    """A ``parser=`` for an option of seconds: the text as given, so a bad one, a number or
+    not, is exit 2 naming it (a float option's own message does not name what it got)."""
+
+    def parse(value: str) -> float:
+        try:
+            return parse_seconds(value, name=name, minimum=minimum, maximum=maximum)
+        except InvalidArgument as e:
+            raise typer.BadParameter(str(e)) from None
+
+    return parse
 
 
 def pool_name_param(value: Optional[str]) -> Optional[str]:

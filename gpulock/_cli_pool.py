@@ -16,11 +16,13 @@ from ._cli_common import (
     Target,
     error_exit,
     fail,
+    policy_param,
     pool_name_param,
     redis_client,
     safe_url,
     say,
     seconds_param,
+    seconds_text_param,
     secs,
     size_param,
     target,
@@ -86,12 +88,13 @@ def pool_set(
     name: str = typer.Argument(
         ..., metavar="NAME", callback=pool_name_param, help="Pool name: 1-64 of [A-Za-z0-9._-]."
     ),
-    capacity: str = typer.Option(
-        ...,
+    capacity: Optional[str] = typer.Option(
+        None,
         "--capacity",
         "-c",
         callback=size_param("capacity"),
-        help="Bytes the pool lends out: 8GiB, 512MiB, 24GB, or a number of bytes.",
+        help="Bytes the pool lends out: 8GiB, 512MiB, 24GB, or a number of bytes (default: "
+        "keep the current value; a new pool needs it).",
     ),
     max_waiters: Optional[int] = typer.Option(
         None,
@@ -107,9 +110,29 @@ def pool_set(
         help="Longest lease ttl the pool accepts, seconds; also the grace period after Redis "
         "restarts without data (default: keep the current value; 60 for a new pool).",
     ),
+    policy: Optional[str] = typer.Option(
+        None,
+        "--policy",
+        metavar="fifo|backfill",
+        callback=policy_param,
+        help="Queue policy: fifo (nothing passes the head of the queue) or backfill (while the "
+        "head does not fit, later requests that fit are granted, for at most "
+        "--backfill-window; docs/SEMANTICS.md, 'Backfill'). Default: keep the current one; "
+        "fifo for a new pool.",
+    ),
+    backfill_window: Optional[float] = typer.Option(
+        None,
+        "--backfill-window",
+        metavar="SECONDS",
+        # parsed from the text, so a value that is not a number is named too
+        parser=seconds_text_param("--backfill-window", minimum=0.001, maximum=86400),
+        help="Under backfill, how long a head that does not fit may be passed, seconds "
+        "(default: keep the current value; 2 for a new pool).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Create pool NAME, or change its capacity (and queue bound, max ttl).
+    """Create pool NAME (--capacity needed), or change its capacity, queue bound, max ttl or
+    queue policy (what is not given keeps its value).
 
     Lowering the capacity below what is in use is allowed: leases keep their bytes and nothing
     new is granted until enough is released. Raising it grants waiters that now fit. Through
@@ -122,16 +145,35 @@ def pool_set(
 
             b = BrokerAdmin(t.url)
             try:
-                body: dict[str, Any] = {"capacity": capacity}
+                # The broker's PUT needs a capacity: left out, the pool's (a pool that does
+                # not exist is a 404 here, PoolNotFound: exit 66 saying to give --capacity)
+                cap = (
+                    capacity
+                    if capacity is not None
+                    else b.call("GET", f"/v1/pools/{name}", name)["capacity"]
+                )
+                body: dict[str, Any] = {"capacity": cap}
                 if max_waiters is not None:
                     body["max_waiters"] = max_waiters
                 if max_ttl is not None:
                     body["max_ttl"] = max_ttl
+                if policy is not None:
+                    body["policy"] = policy
+                if backfill_window is not None:
+                    body["backfill_window"] = backfill_window
                 r = b.call("PUT", f"/v1/pools/{name}", name, body)
             finally:
                 b.close()
         else:
-            r = _configure_redis(t.url, name, int(capacity), max_waiters, max_ttl)
+            r = _configure_redis(
+                t.url,
+                name,
+                None if capacity is None else int(capacity),
+                max_waiters,
+                max_ttl,
+                policy,
+                backfill_window,
+            )
     except GpuLockError as e:
         error_exit(e, t, name, admin=True)
     if as_json:
@@ -141,6 +183,7 @@ def pool_set(
     print(
         f"pool {name} {what}: capacity {format_size(r['capacity'])} ({r['capacity']} bytes), "
         f"max_waiters {r['max_waiters']}, used {format_size(r['used'])} ({r['used']} bytes)"
+        + (f", {policy_text(r['policy'], r.get('backfill_window'))}" if "policy" in r else "")
     )
     if r["used"] > r["capacity"]:
         print(
@@ -151,24 +194,46 @@ def pool_set(
         )
 
 
+def policy_text(policy: str, window: Optional[float]) -> str:
+    """``policy fifo``, or ``policy backfill (window 2s)``."""
+    if policy == "backfill" and window is not None:
+        return f"policy backfill (window {window:g}s)"
+    return f"policy {policy}"
+
+
 def _configure_redis(
-    url: str, name: str, capacity: int, max_waiters: Optional[int], max_ttl: Optional[float]
-) -> dict[str, int]:
+    url: str,
+    name: str,
+    capacity: Optional[int],
+    max_waiters: Optional[int],
+    max_ttl: Optional[float],
+    policy: Optional[str] = None,
+    backfill_window: Optional[float] = None,
+) -> dict[str, Any]:
     from ._sync import Pool
 
     client = redis_client(url)
     try:
         pool = Pool(client, name)
-        mw, mt = max_waiters, max_ttl
-        if mw is None or mt is None:
+        cap, mw, mt = capacity, max_waiters, max_ttl
+        if cap is None or mw is None or mt is None:
             try:
                 st = pool.status(limit=0)
+                cap = st.capacity if cap is None else cap
                 mw = st.max_waiters if mw is None else mw
                 if mt is None and st.max_ttl:
                     mt = st.max_ttl
             except PoolNotFound:
-                pass
-        return pool.configure(capacity, max_waiters=mw, max_ttl=mt)
+                if cap is None:  # nothing to keep: a new pool needs --capacity
+                    raise
+        # policy and window: None leaves each as the pool has it (configure.lua keeps them)
+        return pool.configure(
+            cap,
+            max_waiters=mw,
+            max_ttl=mt,
+            policy=policy,
+            backfill_window=backfill_window,
+        )
     finally:
         client.close()
 
@@ -290,6 +355,14 @@ def _print_status(console: Console, st: PoolStatus) -> None:
         f"{st.waiter_count} waiter(s), max_waiters {st.max_waiters}",
         highlight=False,
     )
+    if st.policy != "fifo":  # FIFO, every pool's default, goes unsaid
+        how = (
+            ": while the head of the queue does not fit, later requests that fit are granted, "
+            "for at most the window"
+            if st.policy == "backfill"
+            else ""
+        )
+        console.print(f"queue {policy_text(st.policy, st.backfill_window)}{how}", highlight=False)
     if st.external_left > 0:
         console.print(
             f"device: {format_size(st.external)} in use outside the pool's leases; effective "

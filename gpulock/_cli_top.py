@@ -77,9 +77,12 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
                 f"over-user: {who} uses {format_size(o['actual'])} for a lease of "
                 f"{format_size(o['leased'])} ({format_size(o['excess'])} over)\n"
             )
+        policy = p.get("policy", "fifo")  # a broker older than queue policies sends none
+        if policy == "backfill":
+            policy = f"backfill (window {p.get('backfill_window', 2.0):g}s)"
         head.append(
-            f"leases {p['lease_count']}  queued {p['waiter_count']}  grants {rate}  "
-            f"503s {p['rejected']}  OOMs {p['oom']}\n"
+            f"leases {p['lease_count']}  queued {p['waiter_count']}  policy {policy}  "
+            f"grants {rate}  503s {p['rejected']}  OOMs {p['oom']}\n"
         )
         hist = p["history"]
         top = max([p["capacity"], *hist["capacity"]]) if hist["capacity"] else p["capacity"]
@@ -102,14 +105,15 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
         for col, right in (
             ("position", True),
             ("amount", True),
+            ("priority", True),
             ("waited", True),
             ("holder", False),
         ):
             queue.add_column(col, justify="right" if right else "left")
         for w in p["waiters"][:limit]:
             queue.add_row(
-                str(w["position"]), format_size(w["amount"]), _secs(w["waited"]),
-                _holder(w["holder"]),
+                str(w["position"]), format_size(w["amount"]), str(w.get("priority", 0)),
+                _secs(w["waited"]), _holder(w["holder"]),
             )  # fmt: skip
         parts.append(Panel(Group(head, leases, queue), title=p["pool"], title_align="left"))
     for name, msg in view["errors"].items():

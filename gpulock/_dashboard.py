@@ -74,6 +74,8 @@ def pool_view(
         "oom": counters.get("oom", 0),
         "oom_last_minute": _in_last_minute(samples, "oom"),
         "grace_left": st.grace_left,
+        "policy": st.policy,
+        "backfill_window": st.backfill_window,
         "external": st.external,
         "effective_capacity": st.effective_capacity,
         "overusers": [
@@ -101,6 +103,7 @@ def pool_view(
                 "holder": _holder(w.holder),
                 "amount": w.amount,
                 "waited": round(w.waited, 3),
+                "priority": w.priority,
             }
             for w in st.waiters
         ],
@@ -131,10 +134,11 @@ async def dashboard_view(
         history: most samples per pool (one a second).
 
     A pool view: ``capacity``, ``used``, ``free``, ``resident`` (bytes); ``lease_count``,
-    ``waiter_count``, ``grants``; ``grant_rate`` (grants/s over the last 10 s of samples, None
+    ``waiter_count``, ``grants``; ``policy`` ("fifo" or "backfill") and ``backfill_window``
+    (seconds); ``grant_rate`` (grants/s over the last 10 s of samples, None
     without two); ``rejected`` and ``oom`` (cumulative 503s and OOMs) with ``*_last_minute``;
     ``leases`` (``holder``, ``amount``, ``token``, ``expires_in``, ``held_for``); ``waiters``
-    (``position``, ``holder``, ``amount``, ``waited``); ``history`` (lists ``t``, ``capacity``,
+    (``position``, ``holder``, ``amount``, ``waited``, ``priority``); ``history`` (lists ``t``, ``capacity``,
     ``used``, ``resident``, oldest first). A pool that cannot be read is in ``errors``
     instead. Raises nothing of gpulock's; cancellation passes through.
     """

@@ -149,15 +149,21 @@
       : el("p", { "class": "empty leases" }, "no leases"));
 
     sec.appendChild(el("h3", {}, "Queue (" + p.waiter_count + ")"));
+    var policy = p.policy || "fifo";
+    sec.appendChild(el("p", { "class": "policy", "data-policy": policy }, "policy: " + policy +
+      (policy === "backfill" ? " (window " + p.backfill_window + " s: while the head does not fit, " +
+        "later requests that fit are granted)" : " (nothing passes the head of the queue)")));
     var waiters = p.waiters.map(function (w) {
+      var prio = w.priority || 0;
       var tr = el("tr", { "data-position": String(w.position) });
       tr.appendChild(cell(String(w.position), w.position));
       tr.appendChild(cell(fmtBytes(w.amount), w.amount));
+      tr.appendChild(cell(String(prio), prio));
       tr.appendChild(cell(fmtSeconds(w.waited), w.waited));
       tr.appendChild(cell(holderText(w.holder)));
       return tr;
     });
-    sec.appendChild(waiters.length ? table("waiters", [["position", 1], ["amount", 1], ["waited", 1], ["holder"]], waiters)
+    sec.appendChild(waiters.length ? table("waiters", [["position", 1], ["amount", 1], ["priority", 1], ["waited", 1], ["holder"]], waiters)
       : el("p", { "class": "empty waiters" }, "nobody waiting"));
     return sec;
   }

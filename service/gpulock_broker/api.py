@@ -491,16 +491,30 @@ async def configure_pool(
     who: Principal = Depends(principal),
     broker: Broker = Depends(get_broker),
 ) -> PoolConfigured:
-    """Set the capacity (bytes or "24GiB") and optionally the queue bound and the longest lease
-    ttl (``max_ttl``, seconds; also the grace period after Redis restarts without its data).
-    Admin tokens only. Lowering the capacity below what is in use keeps the leases; nothing new
-    is granted until use falls below it."""
+    """Set the capacity (bytes or "24GiB") and optionally the queue bound, the longest lease
+    ttl (``max_ttl``, seconds; also the grace period after Redis restarts without its data) and
+    the queue policy (``policy`` "fifo" or "backfill", ``backfill_window`` seconds); what is left
+    out keeps its value. Admin tokens only. Lowering the capacity below what is in use keeps
+    the leases; nothing new is granted until use falls below it."""
     _admin_only(who, pool, "configure")
     try:
-        r = await broker.configure(pool, body.capacity_bytes, body.max_waiters, body.max_ttl)
+        r = await broker.configure(
+            pool,
+            body.capacity_bytes,
+            body.max_waiters,
+            body.max_ttl,
+            policy=body.policy,
+            backfill_window=body.backfill_window,
+        )
     except Exception as e:
         _map(e, pool)
-    log.info("gpulock broker: %s set pool %s capacity=%d", who.name, pool, r["capacity"])
+    log.info(
+        "gpulock broker: %s set pool %s capacity=%d policy=%s",
+        who.name,
+        pool,
+        r["capacity"],
+        r["policy"],
+    )
     return PoolConfigured(
         pool=pool,
         created=bool(r["created"]),
@@ -509,6 +523,8 @@ async def configure_pool(
         used=r["used"],
         max_waiters=r["max_waiters"],
         max_ttl=r["max_ttl"],
+        policy=r["policy"],
+        backfill_window=r["backfill_window"],
     )
 
 

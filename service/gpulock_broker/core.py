@@ -283,10 +283,19 @@ class Broker:
             log.debug("gpulock broker: counting %s for %s failed: %s", event, pool, e)
 
     async def configure(
-        self, pool: str, capacity: int, max_waiters: int | None, max_ttl: float | None = None
+        self,
+        pool: str,
+        capacity: int,
+        max_waiters: int | None,
+        max_ttl: float | None = None,
+        *,
+        policy: str | None = None,
+        backfill_window: float | None = None,
     ) -> dict[str, Any]:
         """Create or change a pool (see :meth:`.pools.Pools.configure`)."""
-        return await self._poolset.configure(pool, capacity, max_waiters, max_ttl)
+        return await self._poolset.configure(
+            pool, capacity, max_waiters, max_ttl, policy=policy, backfill_window=backfill_window
+        )
 
     async def delete_pool(self, pool: str, *, force: bool = False) -> DeleteResult:
         """Delete a pool in Redis and forget what this broker kept for it (see

@@ -12,6 +12,7 @@ from typing_extensions import Annotated
 from gpulock._args import MAX_TTL_S as MAX_POOL_TTL_S
 from gpulock._args import MIN_TTL_S as MIN_POOL_TTL_S
 from gpulock._args import PRIORITY_MAX, PRIORITY_MIN, meta_unicode_error, validate_priority
+from gpulock._flow import queue_policy
 from gpulock._json_int import INTEGRAL, integral
 from gpulock.errors import InvalidArgument
 from gpulock.units import SIZE_TEXT_MAX_LENGTH, SIZE_TEXT_PATTERN, parse_size_text
@@ -21,6 +22,7 @@ REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,96}$"
 LEASE_ID_PATTERN = r"^[0-9a-f]{32}$"
 MAX_HOLDER_JSON = 256
 MIN_TTL_S, MAX_TTL_S = 1.0, 86400.0
+MIN_BACKFILL_WINDOW_S, MAX_BACKFILL_WINDOW_S = 0.001, 86400.0  # gpulock._flow.queue_policy's
 
 Scalar = Union[str, int, float, bool, None]
 MAX_BYTES = 2**53 - 1
@@ -156,10 +158,36 @@ class PoolConfigRequest(_Body):
         "without its data (default: keep the current one; 60 for a new pool).",
     )
 
+    policy: Optional[Literal["fifo", "backfill"]] = Field(
+        None,
+        description="Queue policy: fifo (nothing passes the head of the queue) or backfill "
+        "(while the head does not fit, later requests that fit are granted, for at most "
+        "backfill_window). Default: keep the current one; fifo for a new pool.",
+    )
+    backfill_window: Optional[float] = Field(
+        None,
+        ge=MIN_BACKFILL_WINDOW_S,
+        le=MAX_BACKFILL_WINDOW_S,
+        allow_inf_nan=False,
+        description="Seconds a head that does not fit may be passed under backfill (default: "
+        "keep the current value; 2 for a new pool).",
+    )
+
     @field_validator("capacity", mode="before")
     @classmethod
     def _capacity(cls, v: Any) -> int:
         return _size(v, "capacity")
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _policy(cls, v: Any) -> Any:
+        # The core's check, so the 422 names the value (the schema keeps the choices).
+        if v is not None:
+            try:
+                queue_policy(v, None)
+            except InvalidArgument as e:
+                raise ValueError(str(e)) from None
+        return v
 
     @property
     def capacity_bytes(self) -> int:
@@ -253,6 +281,12 @@ class PoolOut(BaseModel):
     reaped_waiters: int
     leases: list[LeaseInfoOut] = []
     waiters: list[WaiterInfoOut] = []
+    policy: str = Field(
+        ..., description='queue policy: "fifo" or "backfill" (docs/SEMANTICS.md, "Backfill")'
+    )
+    backfill_window: float = Field(
+        ..., description="seconds a head that does not fit may be passed under backfill"
+    )
 
 
 class PoolList(BaseModel):
@@ -267,6 +301,8 @@ class PoolConfigured(BaseModel):
     used: int
     max_waiters: int
     max_ttl: float = Field(..., description="seconds")
+    policy: str = Field(..., description='queue policy: "fifo" or "backfill"')
+    backfill_window: float = Field(..., description="seconds (backfill's window)")
 
 
 class PoolDeleted(BaseModel):

@@ -183,11 +183,19 @@ class Pools:
         return await self._tasks.guard(self.get(pool).status(limit=limit))
 
     async def configure(
-        self, pool: str, capacity: int, max_waiters: int | None, max_ttl: float | None = None
+        self,
+        pool: str,
+        capacity: int,
+        max_waiters: int | None,
+        max_ttl: float | None = None,
+        *,
+        policy: str | None = None,
+        backfill_window: float | None = None,
     ) -> dict[str, Any]:
-        """Create or change a pool; ``max_waiters``/``max_ttl`` None keep the pool's current
-        values (the library's defaults for a new pool). Returns the configure reply with
-        ``max_ttl`` (seconds) added."""
+        """Create or change a pool; ``max_waiters``/``max_ttl``/``policy``/``backfill_window``
+        None keep the pool's current values (the library's defaults for a new pool). Returns
+        the configure reply (with ``policy`` and ``backfill_window`` seconds) with ``max_ttl``
+        (seconds) added. Raises InvalidArgument for a bad policy or window."""
         p = self.get(pool)
         if max_waiters is None or max_ttl is None:
             try:
@@ -198,7 +206,13 @@ class Pools:
             except PoolNotFound:
                 pass
         r: dict[str, Any] = await self._tasks.guard(
-            p.configure(capacity, max_waiters=max_waiters, max_ttl=max_ttl)
+            p.configure(
+                capacity,
+                max_waiters=max_waiters,
+                max_ttl=max_ttl,
+                policy=policy,
+                backfill_window=backfill_window,
+            )
         )
         return {**r, "max_ttl": p.max_ttl}
 

@@ -421,6 +421,66 @@ def test_pool_max_ttl(admin, user):
     )  # the library's default for a new pool
 
 
+def test_pool_policy_and_backfill_window(admin, user, redis_srv):
+    """PUT /v1/pools/{pool} takes the queue policy and window (each kept when left out); the
+    reply and the status show them; a bad one is a 422 naming it, nothing written."""
+    r = admin.put(
+        "/v1/pools/gpu-p",
+        json={"capacity": "8GiB", "policy": "backfill", "backfill_window": 0.5},
+    )
+    assert r.status_code == 200, r.text
+    d = r.json()
+    assert (d["created"], d["policy"], d["backfill_window"]) == (True, "backfill", 0.5), d
+    st = status(user, "gpu-p")
+    assert (st["policy"], st["backfill_window"]) == ("backfill", 0.5), st
+    assert [(p["pool"], p["policy"]) for p in user.get("/v1/pools").json()["pools"]] == [
+        ("gpu-p", "backfill")
+    ]
+    # the capacity alone keeps the policy and window; the policy alone keeps the window
+    r = admin.put("/v1/pools/gpu-p", json={"capacity": "4GiB"})
+    assert (r.json()["policy"], r.json()["backfill_window"]) == ("backfill", 0.5), r.text
+    r = admin.put("/v1/pools/gpu-p", json={"capacity": "4GiB", "policy": "fifo", "max_ttl": 120})
+    assert r.status_code == 200, r.text
+    d = r.json()
+    assert (d["created"], d["capacity"], d["policy"], d["backfill_window"], d["max_ttl"]) == (
+        False,
+        4 * GiB,
+        "fifo",
+        0.5,
+        120,
+    ), d
+    r = admin.put("/v1/pools/gpu-p", json={"capacity": "4GiB", "backfill_window": 3})
+    assert (r.json()["policy"], r.json()["backfill_window"]) == ("fifo", 3.0), r.text
+    # a new pool: FIFO with a 2 s window
+    r = admin.put("/v1/pools/gpu-new", json={"capacity": "1GiB"})
+    assert (r.json()["policy"], r.json()["backfill_window"]) == ("fifo", 2.0), r.text
+    rc = redis.Redis.from_url(redis_srv.url)
+    try:
+        before = {k: rc.dump(k) for k in sorted(rc.keys("*"))}
+        for body in (
+            {"policy": "lifo"},
+            {"policy": "FIFO"},
+            {"policy": 1},
+            {"backfill_window": 0},
+            {"backfill_window": 86401},
+            {"backfill_window": "2"},
+            {"backfill_window": True},
+        ):
+            r = admin.put("/v1/pools/gpu-p", json={"capacity": "4GiB", **body})
+            assert r.status_code == 422, (body, r.text)
+            ((field, value),) = body.items()
+            errs = r.json()["detail"]
+            assert any(field in e["loc"] and e["input"] is not None for e in errs), r.text
+            assert [e["input"] for e in errs if field in e["loc"]] == [value], (body, r.text)
+        r = admin.put("/v1/pools/gpu-p", json={"capacity": "4GiB", "policy": "lifo"})
+        assert "policy must be 'fifo' or 'backfill', got 'lifo'" in r.text, r.text
+        assert {k: rc.dump(k) for k in sorted(rc.keys("*"))} == before  # nothing written
+    finally:
+        rc.close()
+    st = status(user, "gpu-p")
+    assert (st["capacity"], st["policy"], st["backfill_window"]) == (4 * GiB, "fifo", 3.0), st
+
+
 def _until(cond, what: str, timeout: float = 10.0):
     deadline = time.monotonic() + timeout
     while not cond():
@@ -516,6 +576,9 @@ def test_openapi_documents_pool_delete_and_max_ttl(user):
     )
     assert "max_ttl" in schemas["PoolConfigRequest"]["properties"]
     assert "max_ttl" in schemas["PoolConfigured"]["properties"]
+    for model in ("PoolOut", "PoolConfigured"):
+        assert {"policy", "backfill_window"} <= set(schemas[model]["required"]), model
+    assert {"policy", "backfill_window"} <= set(schemas["PoolConfigRequest"]["properties"])
     assert {"leases", "waiters"} <= set(schemas["ErrorDetail"]["properties"])
 
 

@@ -130,6 +130,45 @@ def test_pool_set_max_ttl_goes_through_the_broker(broker_srv, admin):
     )  # over the default 60 s, within the pool's 3600
 
 
+def test_pool_set_policy_goes_through_the_broker(broker_srv, admin):
+    """--policy and --backfill-window go in the PUT body; the reply and `status` (text and
+    JSON) show them; what is left out, the capacity too, is kept; a bad value is exit 2
+    before anything is sent."""
+    url = broker_srv.url
+
+    def pool_set(*args: str) -> subprocess.CompletedProcess:
+        return _gpulock("--broker-url", url, "pool", "set", "gpuB", *args, token=ADMIN_TOKEN)
+
+    r = pool_set("--capacity", "1GiB", "--policy", "backfill", "--backfill-window", "0.5")
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert "created" in r.stdout and "policy backfill (window 0.5s)" in r.stdout, r.stdout
+    st = admin.get("/v1/pools/gpuB").json()
+    assert (st["policy"], st["backfill_window"]) == ("backfill", 0.5), st
+    r = _gpulock("--broker-url", url, "status", "gpuB", "--json", token=ADMIN_TOKEN)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert (d["policy"], d["backfill_window"]) == ("backfill", 0.5), d
+    r = _gpulock("--broker-url", url, "status", "gpuB", token=ADMIN_TOKEN)
+    assert r.returncode == 0 and "queue policy backfill (window 0.5s)" in r.stdout, r.stdout
+    r = pool_set("--policy", "fifo", "--json")
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    d = json.loads(r.stdout)
+    assert (d["capacity"], d["policy"], d["backfill_window"]) == (2**30, "fifo", 0.5), d
+    r = pool_set("--capacity", "2GiB")
+    assert r.returncode == 0 and r.stdout.rstrip().endswith(", policy fifo"), r.stdout
+    assert admin.get("/v1/pools/gpuB").json()["policy"] == "fifo"
+    for bad in (("--policy", "lifo"), ("--backfill-window", "0")):
+        r = pool_set("--capacity", "4GiB", *bad)
+        assert r.returncode == 2 and bad[0] in r.stderr and bad[1] in r.stderr, r.stderr
+    assert admin.get("/v1/pools/gpuB").json()["capacity"] == 2 * 2**30  # nothing sent
+    r = _gpulock(
+        "--broker-url", url, "pool", "set", "gpuNone", "--policy", "backfill", token=ADMIN_TOKEN
+    )
+    assert r.returncode == 66, (r.returncode, r.stderr)
+    assert "--capacity SIZE" in r.stderr and url in r.stderr, r.stderr
+    assert admin.get("/v1/pools/gpuNone").status_code == 404
+
+
 def test_pool_delete_goes_through_the_broker(broker_srv, gpu, admin, user):
     held = user.post(f"/v1/pools/{gpu}/leases", json={"amount": "1GiB", "ttl": 30})
     assert held.status_code == 201, held.text
@@ -277,3 +316,7 @@ def test_status_from_a_broker_carries_each_waiters_priority():
     st = status_from_dict(pool)
     assert [(w.position, w.priority) for w in st.waiters] == [(1, 7), (2, 0)]
     assert [w["priority"] for w in st.to_dict()["waiters"]] == [7, 0]
+    # the queue policy: carried, and FIFO (2 s window) from a broker older than policies
+    assert (st.policy, st.backfill_window) == ("fifo", 2.0)
+    st = status_from_dict({**pool, "policy": "backfill", "backfill_window": 0.25})
+    assert (st.policy, st.backfill_window) == ("backfill", 0.25)

@@ -178,3 +178,88 @@ def test_serve_with_an_unreachable_redis_exits_69():
     assert r.returncode == 69, (r.returncode, r.stderr)
     assert "unreachable" in r.stderr and dead in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "starting:" not in r.stderr, r.stderr
+
+
+# ---- pool set --policy / --backfill-window (docs/SEMANTICS.md, "Backfill") -------------------
+def _status(url: str, name: str) -> dict:
+    r = gpulock(url, "status", name, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_pool_set_policy_and_window_and_what_is_kept(url):
+    r = gpulock(
+        url, "pool", "set", "bf", "--capacity", "1GiB", "--policy", "backfill",
+        "--backfill-window", "0.5",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "created" in r.stdout and "policy backfill (window 0.5s)" in r.stdout, r.stdout
+    st = _status(url, "bf")
+    assert (st["policy"], st["backfill_window"]) == ("backfill", 0.5), st
+    r = gpulock(url, "status", "bf")
+    assert r.returncode == 0, r.stderr
+    assert "queue policy backfill (window 0.5s)" in r.stdout, r.stdout
+    # a capacity change alone keeps the policy and the window
+    r = gpulock(url, "pool", "set", "bf", "--capacity", "2GiB", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert (d["capacity"], d["policy"], d["backfill_window"]) == (2 * 2**30, "backfill", 0.5), d
+    # the window alone, then the policy alone, without --capacity: the rest is kept
+    r = gpulock(url, "pool", "set", "bf", "--backfill-window", "3")
+    assert r.returncode == 0, r.stderr
+    assert "updated" in r.stdout and "policy backfill (window 3s)" in r.stdout, r.stdout
+    r = gpulock(url, "pool", "set", "bf", "--policy", "fifo", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert (d["created"], d["capacity"], d["policy"], d["backfill_window"]) == (
+        0,
+        2 * 2**30,
+        "fifo",
+        3.0,
+    ), d
+    st = _status(url, "bf")
+    assert (st["capacity"], st["policy"], st["max_waiters"]) == (2 * 2**30, "fifo", 10000), st
+    r = gpulock(url, "status", "bf")
+    assert r.returncode == 0 and "policy" not in r.stdout, r.stdout  # FIFO goes unsaid
+    r = gpulock(url, "pool", "set", "bf", "--capacity", "1GiB")
+    assert r.returncode == 0 and r.stdout.rstrip().endswith(", policy fifo"), r.stdout
+    # a new pool gets FIFO
+    r = gpulock(url, "pool", "set", "plain", "--capacity", "1GiB", "--json")
+    d = json.loads(r.stdout)
+    assert (d["policy"], d["backfill_window"]) == ("fifo", 2.0), d
+
+
+def test_pool_set_without_capacity_needs_an_existing_pool(url):
+    r = gpulock(url, "pool", "set", "nope", "--policy", "backfill")
+    assert r.returncode == 66, (r.returncode, r.stderr)
+    assert "not configured" in r.stderr and "--capacity SIZE" in r.stderr, r.stderr
+    assert _keys(url, "nope") == []  # nothing made
+
+
+@pytest.mark.parametrize(
+    "args, shown",
+    [
+        (("--policy", "lifo"), "'lifo'"),
+        (("--policy", "FIFO"), "'FIFO'"),
+        (("--policy", ""), "''"),
+        (("--backfill-window", "0"), "0"),
+        (("--backfill-window", "-1"), "-1"),
+        (("--backfill-window", "86401"), "86401"),
+        (("--backfill-window", "nan"), "nan"),
+        (("--backfill-window", "inf"), "inf"),
+        (("--backfill-window", "soon"), "soon"),
+    ],
+)
+def test_pool_set_bad_policy_or_window_exits_2_naming_it(url, args, shown):
+    assert gpulock(url, "pool", "set", "p", "--capacity", "1GiB").returncode == 0
+    c = redis.Redis.from_url(url)
+    try:
+        before = {k: c.dump(k) for k in sorted(c.keys("*"))}
+        for more in ((), ("--capacity", "2GiB")):
+            r = gpulock(url, "pool", "set", "p", *more, *args)
+            assert r.returncode == 2, (args, r.returncode, r.stderr)
+            assert args[0] in r.stderr and shown in r.stderr, r.stderr
+            assert "Traceback" not in r.stderr, r.stderr
+        assert {k: c.dump(k) for k in sorted(c.keys("*"))} == before  # nothing changed
+    finally:
+        c.close()

@@ -106,3 +106,50 @@ def test_top_shows_the_device_report_and_its_over_users(redis_proc, make_pool, p
     assert "device: 1.0GiB in use outside the leases, effective capacity 3.0GiB" in out, out
     assert "over-user: job=hog uses 3.0GiB for a lease of 1.0GiB (2.0GiB over)" in out, out
     assert "free 3.0GiB" in out
+
+
+def test_top_shows_the_pools_policy_and_each_waiters_priority(redis_proc, make_pool, pool_name):
+    """The queue lists each waiter's priority (a column after the amount), and the head says
+    the pool's queue policy (FIFO, or backfill with its window)."""
+    pool = make_pool()
+    pool.configure(4 * GiB, policy="backfill", backfill_window=30)
+    lease = pool.acquire(4 * GiB)
+    waiters = [make_pool(), make_pool()]
+    got: list = []
+
+    def wait(p, amount: int, prio: int, job: str) -> None:
+        try:
+            got.append(p.acquire(amount, timeout=60, priority=prio, holder={"job": job}))
+        except GpuLockError as e:
+            got.append(e)
+
+    threads = [
+        threading.Thread(target=wait, args=(waiters[0], 3 * GiB, 0, "low"), daemon=True),
+        threading.Thread(target=wait, args=(waiters[1], 2 * GiB, 7, "high"), daemon=True),
+    ]
+    try:
+        threads[0].start()
+        wait_until(lambda: pool.status().waiter_count == 1, 10, "the first waiter")
+        threads[1].start()
+        wait_until(lambda: pool.status().waiter_count == 2, 10, "the second waiter")
+        r = cli(redis_proc.url, "top", pool_name, "--once")
+        assert r.returncode == 0, r.stderr
+        out = r.stdout
+        assert "policy backfill (window 30s)" in out, out
+        assert "priority" in out, out
+
+        def row(job: str) -> list[str]:
+            (line,) = [ln for ln in out.splitlines() if f"job={job}" in ln]
+            return [c for c in line.replace("│", " ").split() if c]
+
+        assert row("high")[:3] == ["1", "2.0GiB", "7"], out
+        assert row("low")[:3] == ["2", "3.0GiB", "0"], out
+        pool.configure(4 * GiB, policy="fifo")
+        r = cli(redis_proc.url, "top", pool_name, "--once")
+        assert r.returncode == 0 and "policy fifo" in r.stdout, (r.stdout, r.stderr)
+    finally:
+        for w in waiters:
+            w.close()
+        for th in threads:
+            th.join(10)
+        lease.release()

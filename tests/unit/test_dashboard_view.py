@@ -52,9 +52,18 @@ def test_no_token_identity_no_lease_or_request_id():
         {"holder": {"job": "x"}, "amount": 40, "token": 7, "expires_in": 12.5, "held_for": 3.0}
     ]
     assert v["waiters"] == [
-        {"position": 1, "holder": {"principal": "ops"}, "amount": 70, "waited": 2.5}
+        {"position": 1, "holder": {"principal": "ops"}, "amount": 70, "waited": 2.5, "priority": 0}
     ]
     text = repr(v)
     for secret in ("ab12", "cd34", "req-secret", "req-2", "L1"):
         assert secret not in text
     assert v["resident"] == 0 and v["free"] == 60
+
+
+def test_the_queue_policy_and_each_waiters_priority():
+    v = pool_view(status(), [], {})
+    assert (v["policy"], v["backfill_window"]) == ("fifo", 2.0)
+    waiter = WaiterInfo(1, "req-3", 70, 2.5, 9.0, {}, priority=-7)
+    v = pool_view(status(policy="backfill", backfill_window=0.25, waiters=[waiter]), [], {})
+    assert (v["policy"], v["backfill_window"]) == ("backfill", 0.25)
+    assert [w["priority"] for w in v["waiters"]] == [-7]
