@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import re
 import socket
@@ -62,10 +63,17 @@ _PRIORITY_RE = re.compile(r"[+-]?[0-9]{1,8}")
 
 
 def validate_priority(priority: object) -> int:
-    """A request's priority: an integer in [PRIORITY_MIN, PRIORITY_MAX] (higher goes first), or
-    its decimal digits (from a header or a command line). Raises InvalidArgument."""
+    """A request's priority: an integer in [PRIORITY_MIN, PRIORITY_MAX] (higher goes first; any
+    integer type with ``__index__``, such as numpy's), or its decimal digits with an optional
+    sign (from a header or a command line). Floats and bools are refused. Raises
+    InvalidArgument."""
     if isinstance(priority, str) and _PRIORITY_RE.fullmatch(priority.strip()):
         priority = int(priority)
+    elif not isinstance(priority, (int, bool, str)) and hasattr(priority, "__index__"):
+        try:
+            priority = operator.index(priority)  # numpy's integers, for one
+        except TypeError:
+            pass
     if (
         not isinstance(priority, int)
         or isinstance(priority, bool)

@@ -390,11 +390,13 @@ class AsyncPool(PoolOptions):
             ttl: lease time to live in seconds (default ``default_ttl``); the heartbeat renews
                 it every ttl/3 while the lease is held.
             timeout: seconds to wait; ``None`` waits forever, ``0`` tries once without queueing
-                (granted only if it fits and would be ahead of every waiter).
+                (granted only if it fits and would be ahead of every waiter, or, under the
+                backfill policy, while the head's window is open).
             holder: metadata shown in status (host and pid are added).
             request_id: idempotency key (1-128 of ``[A-Za-z0-9._:-]``): a retry with the same id
                 joins its earlier place in the queue or gets its earlier grant.
-            on_queued: ``callback(position)`` when queued and whenever the position changes
+            on_queued: ``callback(position)`` when queued and at each refresh (every
+                ``poll_interval``) where the position changed
                 (it can grow when a request of higher effective priority arrives).
             priority: an integer in [-100, 100], higher goes first (default 0); a queued
                 request gains one level per second waited (aging), so none starves.

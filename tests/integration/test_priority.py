@@ -179,8 +179,20 @@ async def test_a_bad_priority_is_refused_by_the_client(make_apool, bad):
         await pool.acquire(1, priority=bad)
 
 
+class _Index:
+    """An integer type of another library (numpy's int64 behaves so)."""
+
+    def __init__(self, v: int):
+        self.v = v
+
+    def __index__(self) -> int:
+        return self.v
+
+
 def test_sync_pool_takes_priority_too(make_pool, rclient, pool_name):
-    pool = make_pool(capacity=2)
+    pool = make_pool(capacity=3)
+    lease3 = pool.acquire(1, priority=_Index(7), timeout=0)
+    lease3.release()
     lease = pool.acquire(1, priority=-100)
     lease2 = pool.acquire(1, priority=100, timeout=0)
     assert pool.status().used == 2
