@@ -291,7 +291,11 @@ def run_soak(
                 elif all(pr.pid in knows for pr in procs.values()):
                     # Redis killed -9 and started again, empty, on the same port.
                     try:  # the server's counters, before it forgets them
-                        before = {a.decode(): int(b) for a, b in direct.c.hgetall(k[0]).items()}
+                        before = {
+                            a.decode(): int(b)
+                            for a, b in direct.c.hgetall(k[0]).items()
+                            if b.isdigit()
+                        }
                     except redis.RedisError:
                         before = {}
                     for key in ("grants", "reaped_leases", "reaped_waiters"):
@@ -383,7 +387,7 @@ def run_soak(
         int(direct(lambda c: c.hget(k[0], "used")) or 0) == 0
         and direct(lambda c: c.zcard(k[3])) == 0
     )
-    cfg = {a.decode(): int(b) for a, b in direct(lambda c: c.hgetall(k[0])).items()}
+    cfg = {a.decode(): int(b) for a, b in direct(lambda c: c.hgetall(k[0])).items() if b.isdigit()}
     direct.c.close()
 
     # The recorded history.
