@@ -7,29 +7,12 @@ that step's result, or has the step's exception thrown in at the ``yield``; it r
 operation's result or raises its error. A shell (``_sync.py``, ``_async.py``) is a driver: it
 carries each step out with its own client and concurrency primitives and decides nothing.
 
-The steps and what a driver returns for them:
-
-* :class:`Eval` — the script's reply (EVALSHA with NOSCRIPT reload, connection errors retried
-  on :func:`~gpulock._retry.retrying` for ``bound`` seconds, errors translated); with
-  ``bound=0`` one try, and redis-py's own error raised.
-* :class:`Subscribe` — None once the pool's hand-off subscription is confirmed (or known to
-  fail: the acquire then reports Redis itself).
-* :class:`Checkpoint` — None; raises a cancellation of the caller that its client lost.
-* :class:`MakeLease` — the shell's lease object for a grant (tracked by the heartbeat).
-* :class:`Join` — a handle of the waiter queued (or joined) for a ticket in the runtime.
-* :class:`Wait` — the waiter's :class:`~gpulock._replies.Grant`, or :class:`TimedOut`;
-  raises the waiter's failure.
-* :class:`Leave` — True when the ticket is still in use locally after leaving the waiter.
-* :class:`Withdraw` — None: the request was withdrawn (``cancel.lua``), quietly.
-* :class:`SyncedRenew` — ``(renew reply, replicas that acknowledged)``: see
-  :func:`queue_synced_renew`.
-* :class:`GiveBack` — None: the lease was released, quietly.
+The steps, and what a driver returns for each, are in :mod:`gpulock._steps`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ._args import (
     MAX_TTL_S,
@@ -41,6 +24,25 @@ from ._args import (
 )
 from ._lease import LeaseState, validity_deadline
 from ._protocol import AcquireRequest
+from ._steps import (
+    Step as Step,
+    Eval as Eval,
+    Subscribe as Subscribe,
+    Checkpoint as Checkpoint,
+    MakeLease as MakeLease,
+    Join as Join,
+    Wait as Wait,
+    TimedOut as TimedOut,
+    Leave as Leave,
+    Withdraw as Withdraw,
+    SyncedRenew as SyncedRenew,
+    GiveBack as GiveBack,
+    PoolView as PoolView,
+    SUBSCRIBE as SUBSCRIBE,
+    CHECKPOINT as CHECKPOINT,
+    _T as _T,
+    Flow as Flow,
+)
 from ._replies import DeviceReply, Grant, NotGranted, PoolStatus, decode_acquire, decode_status
 from ._retry import RETRYABLE, retry_bound
 from ._translate import translate
@@ -56,142 +58,6 @@ from .units import parse_seconds
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
-
-
-# ---- steps ----------------------------------------------------------------------------------
-class Step:
-    """What a flow asks its driver to do next (the module docstring lists the replies).
-    Steps are slotted, not frozen: one is made for each call on the hot path, and a frozen
-    dataclass costs several times as much to make; no one changes a step once made."""
-
-    __slots__ = ()
-
-
-@dataclass(slots=True)
-class Eval(Step):
-    """Run script ``script`` with ``args`` on the pool's keys. ``bound``: seconds of retrying
-    connection errors (None: the pool's ``backend_timeout``; 0: one try, untranslated)."""
-
-    script: str
-    args: list[str]
-    bound: float | None = None
-
-
-@dataclass(slots=True)
-class Subscribe(Step):
-    """Make sure the runtime's hand-off subscription is confirmed before a queueing acquire
-    is sent, so that no grant published after it can be missed."""
-
-
-@dataclass(slots=True)
-class Checkpoint(Step):
-    """After the acquire call: raise the caller's cancellation if it landed while the call
-    was in flight and the client lost it (redis-py's asyncio client can)."""
-
-
-SUBSCRIBE = Subscribe()
-CHECKPOINT = Checkpoint()
-
-
-@dataclass(slots=True)
-class MakeLease(Step):
-    """Make the lease object for ``grant`` (its local state: :func:`lease_state`)."""
-
-    grant: Grant
-    req: AcquireRequest
-    valid_until: float  # local monotonic seconds
-
-
-@dataclass(slots=True)
-class Join(Step):
-    """Queue a waiter for ``ticket`` in the runtime (:meth:`~gpulock._runtime.Runtime.queue_waiter`
-    with these fields, in order), or join the one this process has for it."""
-
-    ticket: str
-    argv: list[str]  # the acquire's ARGV, to queue it again
-    waiter_ttl_ms: int
-    position: int
-    on_queued: Callable[[int], Any] | None
-    retry_after_ms: int  # to the nearest lease expiry (-1: none), for the reap timer
-
-    def queue_in(self, rt: Runtime) -> Any:
-        """The runtime's waiter for this step (``rt.queue_waiter`` with its fields)."""
-        return rt.queue_waiter(
-            self.ticket,
-            self.argv,
-            self.waiter_ttl_ms,
-            self.position,
-            self.on_queued,
-            self.retry_after_ms,
-        )
-
-
-@dataclass(slots=True)
-class Wait(Step):
-    """Wait up to ``timeout`` seconds (None: forever) for the grant of the joined waiter."""
-
-    handle: Any  # what Join returned
-    timeout: float | None
-
-
-@dataclass(slots=True)
-class TimedOut:
-    """:class:`Wait`'s reply when the timeout passed; ``position``: the waiter's place now
-    (None when the driver does not know it; the place when queued counts then)."""
-
-    position: int | None = None
-
-
-@dataclass(slots=True)
-class Leave(Step):
-    """Leave the joined waiter. ``withdrawing``: the request is to be withdrawn after this
-    (the driver then answers whether the ticket is still in use locally; else anything)."""
-
-    handle: Any
-    withdrawing: bool
-
-
-@dataclass(slots=True)
-class Withdraw(Step):
-    """Withdraw ``ticket`` (leave the queue, give back a grant that raced in), never raising.
-    ``background``: Redis did not answer the acquire; do not make the caller wait for it."""
-
-    ticket: str
-    background: bool
-
-
-@dataclass(slots=True)
-class SyncedRenew(Step):
-    """A ``renew`` of ``args`` followed by the replicas' acknowledgement (WAIT)."""
-
-    args: list[str | int]
-
-
-@dataclass(slots=True)
-class GiveBack(Step):
-    """Release ``lease`` (the shell's lease object), never raising."""
-
-    lease: Any
-
-
-_T = TypeVar("_T")
-#: A flow: yields steps, is sent their replies (untyped: each step's reply is documented
-#: there), and returns a ``_T``.
-Flow = Generator[Step, Any, _T]
-
-
-class PoolView(Protocol):
-    """What the flows read (and ``configure`` sets) of a pool object; meanings and units:
-    :class:`gpulock.AsyncPool`."""
-
-    name: str
-    capacity: int | None
-    max_waiters: int
-    max_ttl: float
-    backend_timeout: float
-    sync_replicas: int
-    sync_timeout: float
-    clock: Callable[[], float]
 
 
 # ---- settings ---------------------------------------------------------------------------------

@@ -13,14 +13,12 @@ when the heartbeat must run sooner than it planned.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import os
 import threading
 import weakref
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Callable, Coroutine, Protocol, TypeVar
+from typing import Any, Callable, TypeVar
 
 import redis
 from redis.exceptions import AuthenticationError, MovedError, ResponseError
@@ -51,6 +49,7 @@ from ._keys import pool_key, pool_keys
 from ._runtime import Runtime, Waiter
 from ._script_calls import SyncScripts, load
 from ._sync_listener import ThreadSubscription, ThreadWait
+from ._loop_thread import LoopThread as _LoopThread
 from ._scripts import scripts
 from .errors import InvalidArgument, LeaseLost, PoolClosed
 
@@ -67,73 +66,6 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-class _Cancellable(Protocol):
-    def cancel(self) -> Any: ...
-
-
-_C = TypeVar("_C", bound=_Cancellable)
-
-
-class _LoopThread:
-    """An event loop on a daemon thread; coroutines are submitted from other threads.
-
-    After :meth:`stop` nothing waits on it forever: a submission raises ``closed()``, and the
-    futures of submissions the stopped loop never ran are cancelled."""
-
-    def __init__(
-        self, name: str, closed: Callable[[], BaseException] = lambda: RuntimeError("loop stopped")
-    ):
-        self.loop = asyncio.new_event_loop()
-        self.closed = closed
-        self._ready = threading.Event()
-        self._lock = threading.Lock()
-        self._stopped = False
-        self._pending: weakref.WeakSet[_Cancellable] = weakref.WeakSet()
-        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self.thread.start()
-        self._ready.wait()
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.call_soon(self._ready.set)
-        self.loop.run_forever()
-
-    def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
-        with self._lock:
-            if self._stopped:
-                coro.close()
-                raise self.closed()
-            f = asyncio.run_coroutine_threadsafe(coro, self.loop)
-            self._pending.add(f)
-            return f
-
-    def call(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
-        return self.submit(coro).result(timeout)
-
-    def watch(self, f: _C) -> _C:
-        """Cancel ``f`` in :meth:`stop` (a future or wake the loop thread is to complete; done
-        ones ignore it); returns it."""
-        with self._lock:
-            if self._stopped:
-                raise self.closed()
-            self._pending.add(f)
-            return f
-
-    def soon(self, fn: Callable[..., object], *args: Any) -> None:
-        with self._lock:
-            if not self._stopped:
-                self.loop.call_soon_threadsafe(fn, *args)
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopped = True
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        if threading.current_thread() is not self.thread:
-            self.thread.join(timeout=5)
-        for f in list(self._pending):
-            f.cancel()  # a caller blocked on it gets CancelledError instead of waiting forever
 
 
 def _background_cap(max_connections: int) -> int:
