@@ -18,6 +18,7 @@ from .errors import (
     PoolClosed,
     PoolNotFound,
     QueueFull,
+    QuotaExceeded,
 )
 from .units import format_size, parse_size
 
@@ -39,6 +40,7 @@ __all__ = [
     "PoolNotFound",
     "PoolStatus",
     "QueueFull",
+    "QuotaExceeded",
     "WaiterInfo",
     "format_size",
     "parse_size",

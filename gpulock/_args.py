@@ -15,7 +15,7 @@ import os
 import re
 import socket
 import threading
-from typing import Any
+from typing import Any, Mapping
 
 from .errors import CapacityExceeded, InvalidArgument
 from ._keys import POOL_NAME_RE
@@ -83,6 +83,53 @@ def validate_priority(priority: object) -> int:
             f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority!r:.80}"
         )
     return priority
+
+
+# Tenants (docs/SEMANTICS.md, "Tenant quotas"): the name a lease's bytes count under, as
+# lua/lib.lua tenant_arg accepts it.
+_TENANT_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def validate_tenant(tenant: object) -> str:
+    """A request's tenant: 1-64 characters of [A-Za-z0-9._:-], or None / "" for none (returned
+    as ""). Raises InvalidArgument naming the bad value."""
+    if tenant is None or tenant == "":
+        return ""
+    if not isinstance(tenant, str) or not _TENANT_RE.fullmatch(tenant):
+        raise InvalidArgument(
+            f"tenant must be 1-64 characters of [A-Za-z0-9._:-], got {tenant!r:.80}"
+        )
+    return tenant
+
+
+def encode_quotas(quotas: object) -> str:
+    """``configure``'s tenant quotas as ``configure.lua`` takes them: a mapping of tenant to
+    bytes or a size ("4GiB"; 0 or None removes that tenant's quota), as
+    ``"<tenant>=<bytes> ..."``. Raises InvalidArgument naming the bad tenant or size."""
+    if not isinstance(quotas, Mapping):
+        raise InvalidArgument(f"quotas must be a mapping of tenant to size, got {quotas!r:.80}")
+    items = []
+    for tenant, size in quotas.items():
+        t = validate_tenant(tenant)
+        if not t:
+            raise InvalidArgument("quotas: a tenant must be named, got an empty name")
+        if isinstance(size, bool):
+            raise InvalidArgument(f"quota of tenant {t!r} must be a size, got {size!r}")
+        try:
+            b = 0 if size is None or size == 0 or size == "0" else parse_size(size)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"quota of tenant {t!r}: {e}") from None
+        items.append(f"{t}={b}")
+    return " ".join(items)
+
+
+def decode_quotas(spec: str) -> dict[str, int]:
+    """``configure.lua``'s reply of the pool's quotas (``"<tenant>=<bytes> ..."``) as a dict."""
+    out = {}
+    for item in spec.split():
+        t, _, b = item.partition("=")
+        out[t] = int(b)
+    return out
 
 
 def validate_token(token: object) -> int:

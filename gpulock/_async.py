@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from types import TracebackType
-from typing import Any, Callable, Generator, TypeVar
+from typing import Any, Callable, Generator, Mapping, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError
@@ -312,15 +312,19 @@ class AsyncPool(PoolOptions):
         create_only: bool = False,
         policy: str | None = None,
         backfill_window: float | None = None,
+        quotas: Mapping[str, int | str | None] | None = None,
         _grace: bool = False,
     ) -> dict[str, Any]:
         """Create the pool or set its capacity (bytes or "8GiB"), queue bound, max_ttl
         (seconds; the longest ttl a lease may have, and the length of a grace period) and
         queue policy: ``policy`` "fifo" (a new pool's) or "backfill", ``backfill_window``
         (seconds, default 2 s: how long a head that does not fit may be passed by later
-        requests that do; docs/SEMANTICS.md, "Backfill"); None leaves a setting as it is.
+        requests that do; docs/SEMANTICS.md, "Backfill") and tenant quotas: ``quotas``
+        maps a tenant to the bytes (or a size) its leases may hold together, 0 or None
+        removing its quota; tenants not named keep theirs (docs/SEMANTICS.md, "Tenant
+        quotas"). None leaves a setting as it is.
         Returns ``{"created", "capacity", "epoch", "used", "max_waiters", "policy",
-        "backfill_window"}`` (``status()`` shows ``max_ttl`` and ``grace_left``). ``create_only`` on a pool object that had seen the pool
+        "backfill_window", "quotas"}`` (``status()`` shows ``max_ttl`` and ``grace_left``). ``create_only`` on a pool object that had seen the pool
         (so Redis lost it) makes it again as last seen on the server, with a grace period; the
         values given count only for a pool it never saw.
 
@@ -336,6 +340,7 @@ class AsyncPool(PoolOptions):
                 grace=_grace,
                 policy=policy,
                 backfill_window=backfill_window,
+                quotas=quotas,
             )
         )
 
@@ -381,6 +386,7 @@ class AsyncPool(PoolOptions):
         request_id: str | None = None,
         on_queued: Callable[[int], Any] | None = None,
         priority: int = 0,
+        tenant: str | None = None,
     ) -> AsyncLease:
         """Take ``amount`` bytes from the pool, waiting in the pool's queue (by priority, then
         first come first served: docs/SEMANTICS.md, "Priorities").
@@ -400,11 +406,16 @@ class AsyncPool(PoolOptions):
                 (it can grow when a request of higher effective priority arrives).
             priority: an integer in [-100, 100], higher goes first (default 0); a queued
                 request gains one level per second waited (aging), so none starves.
+            tenant: who the lease's bytes count under (1-64 of ``[A-Za-z0-9._:-]``; default
+                none): where the pool has a quota for it (``configure(quotas=...)``), the
+                tenant's leases together never exceed it, and a request waits while they
+                would (docs/SEMANTICS.md, "Tenant quotas").
 
         Returns: an :class:`AsyncLease` (also an async context manager).
 
         Raises:
-            InvalidArgument, CapacityExceeded (at once), PoolNotFound, QueueFull,
+            InvalidArgument, CapacityExceeded (at once; QuotaExceeded, its subclass, when the
+            amount exceeds the tenant's quota), PoolNotFound, QueueFull,
             AcquireTimeout (nothing is held afterwards), BackendUnavailable, PoolClosed (the
             pool object was closed before the call, which then never queued, or during the
             wait, and the request left the queue; its message says which).
@@ -421,6 +432,7 @@ class AsyncPool(PoolOptions):
             waiter_ttl=self.waiter_ttl,
             default_ttl=self.default_ttl,
             priority=priority,
+            tenant=tenant,
         )
         start = self.clock()
         if self._runtime.closed:  # no heartbeat or listener would serve the lease
@@ -446,6 +458,7 @@ class AsyncPool(PoolOptions):
         holder: dict[str, Any] | None = None,
         queue: bool = True,
         priority: int = 0,
+        tenant: str | None = None,
     ) -> Grant | NotGranted:
         """Send one acquire for ``request_id`` on behalf of a remote holder.
 
@@ -472,6 +485,7 @@ class AsyncPool(PoolOptions):
             waiter_ttl=self.waiter_ttl,
             default_ttl=self.default_ttl,
             priority=priority,
+            tenant=tenant,
         )
         rt = self._runtime
         if queue:

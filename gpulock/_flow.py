@@ -12,12 +12,14 @@ The steps, and what a driver returns for each, are in :mod:`gpulock._steps`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ._args import (
     MAX_TTL_S,
     MIN_TTL_S,
     configure_capacity,
+    decode_quotas,
+    encode_quotas,
     ttl_ms,
     validate_request_id,
     validate_token,
@@ -43,7 +45,15 @@ from ._steps import (
     _T as _T,
     Flow as Flow,
 )
-from ._replies import DeviceReply, Grant, NotGranted, PoolStatus, decode_acquire, decode_status
+from ._replies import (
+    DeviceReply,
+    Grant,
+    NotGranted,
+    PoolStatus,
+    QueueConfig,
+    decode_acquire,
+    decode_status,
+)
 from ._retry import RETRYABLE, retry_bound
 from ._translate import translate
 from .errors import (
@@ -81,15 +91,20 @@ def configure_args(
     max_ttl_ms: int,
     create_only: bool,
     grace: bool,
-    policy: tuple[str | None, int | None] | None = None,
+    policy: QueueConfig | None = None,
 ) -> list[str]:
     """ARGV of ``configure.lua``: capacity (bytes), max_waiters, "create" (only if absent) or
     "set", max_ttl (ms), whether a pool it creates starts with a grace period, and the queue
-    policy ("fifo" or "backfill") and backfill window (ms), each None to leave it as it is."""
+    policy ("fifo" or "backfill"), backfill window (ms) and tenant quotas (``_args.encode_quotas``),
+    each None to leave it as it is."""
     mode = "create" if create_only else "set"
     argv = [str(capacity), str(max_waiters), mode, str(max_ttl_ms), "1" if grace else "0"]
     if policy is not None:
-        argv += [policy[0] or "", "" if policy[1] is None else str(policy[1])]
+        argv += [
+            policy[0] or "",
+            "" if policy[1] is None else str(policy[1]),
+            policy[2] or "",
+        ]
     return argv
 
 
@@ -124,13 +139,18 @@ def configure(
     grace: bool,
     policy: str | None = None,
     backfill_window: float | None = None,
+    quotas: Mapping[str, int | str | None] | None = None,
 ) -> Flow[dict[str, Any]]:
     """``configure``: see :meth:`gpulock.AsyncPool.configure`. Returns the reply as
-    ``{"created", "capacity", "epoch", "used", "max_waiters", "policy", "backfill_window"}``
-    (the window in seconds); a set (not ``create_only``) also becomes the pool object's
-    capacity and max_ttl."""
+    ``{"created", "capacity", "epoch", "used", "max_waiters", "policy", "backfill_window",
+    "quotas"}`` (the window in seconds; quotas: tenant -> bytes, every quota the pool has); a
+    set (not ``create_only``) also becomes the pool object's capacity and max_ttl."""
     cap = configure_capacity(capacity, pool.capacity)
-    qp = queue_policy(policy, backfill_window)
+    pq = queue_policy(policy, backfill_window)
+    spec = None if quotas is None else encode_quotas(quotas)
+    qp: QueueConfig | None = None
+    if pq is not None or spec is not None:
+        qp = (pq[0] if pq else None, pq[1] if pq else None, spec)
     mw = pool.max_waiters if max_waiters is None else max_waiters
     mt = (
         pool.max_ttl
@@ -150,9 +170,11 @@ def configure(
     out: dict[str, Any] = dict(
         zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r))
     )
-    pol = (_text(r[7]), int(r[8])) if len(r) > 8 else None
-    if pol is not None:
-        out["policy"], out["backfill_window"] = pol[0], pol[1] / 1000
+    pol: QueueConfig | None = None
+    if len(r) > 8:
+        pol = (_text(r[7]), int(r[8]), _text(r[9]) if len(r) > 9 else "")
+        out["policy"], out["backfill_window"] = pol[0], int(r[8]) / 1000
+        out["quotas"] = decode_quotas(pol[2] or "")
     if rt is not None:
         rt.seen(
             out["epoch"],
@@ -181,7 +203,7 @@ def status(pool: PoolView, rt: Runtime | None, limit: int) -> Flow[PoolStatus]:
             st.capacity,
             st.max_waiters,
             ttl_ms(st.max_ttl) if st.max_ttl else 0,
-            (st.policy, round(st.backfill_window * 1000)),
+            st.queue_config(),
         )
     return st
 
@@ -287,7 +309,7 @@ def release_lease(s: LeaseState, rt: Runtime | None) -> Flow[None]:
 def lease_state(rt: Runtime, grant: Grant, req: AcquireRequest, valid_until: float) -> LeaseState:
     """The local state of a granted lease, heartbeated from now on (an existing one when this
     process already holds that lease: the same request id acquired again)."""
-    state, new = rt.state_for(grant, req.ttl_s, valid_until, req.meta)
+    state, new = rt.state_for(grant, req.ttl_s, valid_until, req.meta, req.tenant)
     if new:
         rt.track(state)
     return state

@@ -29,12 +29,12 @@ class LeaseState(LocalLeaseState):
 
     Adds: ``ticket`` (the request id), ``expires_ms`` (server-clock expiry, Unix ms),
     ``epoch`` (the pool's epoch at the grant), ``meta`` (holder metadata as sent to acquire,
-    kept to re-assert the lease), ``next_renew`` (local monotonic seconds). ``valid_until``
+    kept to re-assert the lease), ``tenant`` (likewise; "" for none), ``next_renew`` (local monotonic seconds). ``valid_until``
     comes from :func:`validity_deadline` of the last successful grant or renewal, so it always
     ends before the server's expiry (invariant 5 in docs/SEMANTICS.md).
     """
 
-    __slots__ = ("ticket", "expires_ms", "epoch", "meta", "next_renew")
+    __slots__ = ("ticket", "expires_ms", "epoch", "meta", "tenant", "next_renew")
     unreachable = "Redis"
     log = logging.getLogger("gpulock")
 
@@ -46,6 +46,7 @@ class LeaseState(LocalLeaseState):
         self.expires_ms = grant.expires_ms
         self.epoch = grant.epoch
         self.meta = ""
+        self.tenant = ""
         self.next_renew = clock() + ttl_s / 3
 
     def renewed(self, sent: float, now_ms: int, expires_ms: int) -> None:

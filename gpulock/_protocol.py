@@ -10,7 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ._args import MAX_TTL_S, MIN_TTL_S, encode_meta, new_id, validate_priority, validate_request_id
+from ._args import (
+    MAX_TTL_S,
+    MIN_TTL_S,
+    encode_meta,
+    new_id,
+    validate_priority,
+    validate_request_id,
+    validate_tenant,
+)
 from .units import parse_seconds, parse_size
 
 # imported from here by _runtime.py; moves with its split
@@ -43,6 +51,7 @@ class AcquireRequest:
     meta: str
     waiter_ttl_s: float
     priority: int = 0
+    tenant: str = ""  # "" for none
 
     @classmethod
     def build(
@@ -57,6 +66,7 @@ class AcquireRequest:
         waiter_ttl: float,
         default_ttl: float,
         priority: int = 0,
+        tenant: str | None = None,
     ) -> "AcquireRequest":
         amt = parse_size(amount)
         ttl_s = parse_seconds(
@@ -68,12 +78,21 @@ class AcquireRequest:
         ticket = new_id() if request_id is None else validate_request_id(request_id)
         prio = 0 if priority == 0 and type(priority) is int else validate_priority(priority)
         return cls(
-            pool, amt, ttl_s, timeout_s, ticket, new_id(), encode_meta(holder), waiter_ttl, prio
+            pool,
+            amt,
+            ttl_s,
+            timeout_s,
+            ticket,
+            new_id(),
+            encode_meta(holder),
+            waiter_ttl,
+            prio,
+            validate_tenant(tenant),
         )
 
     def argv(self, mode: str, channel: str) -> list[str]:
         """ARGV of ``acquire.lua``; ``channel`` is the caller runtime's pub/sub channel id."""
-        return [
+        argv = [
             self.ticket,
             self.lease_id,
             str(self.amount),
@@ -84,3 +103,6 @@ class AcquireRequest:
             channel,
             str(self.priority),
         ]
+        if self.tenant:
+            argv.append(self.tenant)
+        return argv

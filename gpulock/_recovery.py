@@ -19,6 +19,7 @@ from redis.exceptions import ResponseError
 
 from ._calls import Calls, Settings
 from ._flow import configure_args
+from ._replies import QueueConfig
 from ._protocol import (
     REASSERT_REFUSED,
     RETRYABLE,
@@ -76,7 +77,7 @@ class Recovery:
         self.capacity_seen = 0
         self.max_waiters_seen = 0
         self.max_ttl_seen_ms = 0
-        self.policy_seen: tuple[str, int] | None = None  # (policy, backfill_ms)
+        self.policy_seen: QueueConfig | None = None  # (policy, backfill_ms, quotas)
         self._settings_asked = False  # one background status read for max_ttl/max_waiters
         self._requeue: OrderedDict[str, Waiter] = OrderedDict()  # waiters whose place Redis forgot
         self._requeuer: asyncio.Task[None] | None = None
@@ -87,11 +88,11 @@ class Recovery:
         capacity: int = 0,
         max_waiters: int = 0,
         max_ttl_ms: int = 0,
-        policy: tuple[str, int] | None = None,
+        policy: QueueConfig | None = None,
     ) -> None:
         """Take in what a reply showed of the pool: its epoch (0: the pool is gone) and its
         capacity (bytes), max_waiters and max_ttl (ms; 0: not in the reply), and its queue
-        policy and backfill window (ms; None: not in the reply). Safe from any thread.
+        policy, backfill window (ms) and quotas (None: not in the reply). Safe from any thread.
 
         The first epoch seen is adopted. After that, a reply with another epoch or none means
         Redis lost the pool: this does not adopt it but makes the heartbeat run at once, which
@@ -151,7 +152,7 @@ class Recovery:
                 st.capacity,
                 st.max_waiters,
                 ttl_ms(st.max_ttl) if st.max_ttl else 0,
-                (st.policy, round(st.backfill_window * 1000)),
+                st.queue_config(),
             )
 
     def configure_argv(
@@ -161,12 +162,12 @@ class Recovery:
         max_ttl_ms: int,
         create_only: bool,
         grace: bool = False,
-        policy: tuple[str | None, int | None] | None = None,
+        policy: QueueConfig | None = None,
     ) -> list[str]:
         """ARGV of ``configure.lua`` for the pool object's ``configure`` (``policy``: a queue
-        policy and backfill window in ms, either None: unchanged). A create-only call by
+        policy, backfill window in ms and quotas, each None: unchanged). A create-only call by
         a pool object that knew the pool (so Redis lost it) makes it again as the server last
-        showed it — capacity, max_waiters, max_ttl, queue policy: an operator's ``pool set``
+        showed it — capacity, max_waiters, max_ttl, queue policy, quotas: an operator's ``pool set``
         wins over the values given here, which count only for a pool never seen — and with a
         grace period."""
         if create_only and self.known_epoch:
@@ -224,7 +225,7 @@ class Recovery:
         ``bound`` seconds); a lease the server refuses is lost."""
         args: list[Any] = [len(live)]
         for s in live:
-            args += [s.lease_id, s.token, s.amount, ttl_ms(s.ttl_s), s.ticket, s.meta]
+            args += [s.lease_id, s.token, s.amount, ttl_ms(s.ttl_s), s.ticket, s.meta, s.tenant]
         sent = self.clock()
         r = await self._calls.eval("reassert", args, bound=bound)
         now_ms = int(r[0])

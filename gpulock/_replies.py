@@ -80,6 +80,21 @@ def decode_events(data: str | bytes) -> list[Grant]:
     return out
 
 
+# A pool's scheduling settings as configure.lua takes them, and as a client remembers them to
+# make the pool again after a loss: queue policy, backfill window (ms) and tenant quotas
+# ("<tenant>=<bytes> ...", lua/configure.lua), each None when not given.
+QueueConfig = tuple[str | None, int | None, str | None]
+
+
+@dataclass(frozen=True)
+class TenantUse:
+    """What one tenant holds on a pool (docs/SEMANTICS.md, "Tenant quotas"): bytes its live
+    leases hold, and its quota in bytes (0: none)."""
+
+    used: int
+    quota: int = 0
+
+
 @dataclass(frozen=True)
 class LeaseInfo:
     lease_id: str
@@ -90,6 +105,7 @@ class LeaseInfo:
     ttl: float
     request_id: str
     holder: dict[str, Any]
+    tenant: str = ""  # "" for none
 
 
 @dataclass(frozen=True)
@@ -101,6 +117,7 @@ class WaiterInfo:
     expires_in: float  # seconds until dropped if not refreshed
     holder: dict[str, Any]
     priority: int = 0  # as requested; the queue ages it (docs/SEMANTICS.md, "Priorities")
+    tenant: str = ""  # "" for none
 
 
 @dataclass(frozen=True)
@@ -134,6 +151,13 @@ class PoolStatus:
     # window in seconds (how long a head that does not fit may be passed by requests that do).
     policy: str = "fifo"
     backfill_window: float = 2.0
+    # Tenants with a quota or with live leases (docs/SEMANTICS.md, "Tenant quotas"), by name.
+    tenants: dict[str, TenantUse] = field(default_factory=dict)
+
+    def queue_config(self) -> QueueConfig:
+        """The pool's scheduling settings as ``configure.lua`` takes them."""
+        spec = " ".join(f"{t}={u.quota}" for t, u in self.tenants.items() if u.quota)
+        return self.policy, round(self.backfill_window * 1000), spec
 
     @property
     def effective_capacity(self) -> int:
@@ -164,6 +188,7 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
             int(x[5]) / 1000,
             _s(x[6]),
             decode_meta(x[7]),
+            _s(x[8]) if len(x) > 8 else "",
         )
         for x in r[12]
     ]
@@ -176,6 +201,7 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
             (int(x[3]) - now) / 1000,
             decode_meta(x[4]),
             int(x[5]) if len(x) > 5 else 0,
+            _s(x[6]) if len(x) > 6 else "",
         )
         for i, x in enumerate(r[13])
     ]
@@ -214,7 +240,16 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
         overusers=_overusers(r[19] if len(r) > 19 else ""),
         policy=_s(r[20]) if len(r) > 20 else "fifo",
         backfill_window=int(r[21]) / 1000 if len(r) > 21 else 2.0,
+        tenants=_tenants(r[22] if len(r) > 22 else []),
     )
+
+
+def _tenants(flat: list[Any]) -> dict[str, TenantUse]:
+    """``status.lua``'s tenants: {tenant, used, quota, ...} as a dict by tenant."""
+    return {
+        _s(flat[i]): TenantUse(int(flat[i + 1]), int(flat[i + 2]))
+        for i in range(0, len(flat) - 2, 3)
+    }
 
 
 def _overusers(raw: Any) -> list[dict[str, Any]]:

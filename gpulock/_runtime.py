@@ -33,6 +33,7 @@ from ._calls import Calls, Settings
 from ._heartbeat import Heartbeat
 from ._listener import Listener
 from ._protocol import DEFAULT_POLL_INTERVAL_S, Grant, LeaseState, validity_deadline
+from ._replies import QueueConfig
 from ._recovery import Recovery
 from ._tasks import LoopTasks
 from ._waiters import Waiter, WaiterFuture, WaiterRegistry
@@ -186,7 +187,7 @@ class Runtime:
         capacity: int = 0,
         max_waiters: int = 0,
         max_ttl_ms: int = 0,
-        policy: tuple[str, int] | None = None,
+        policy: QueueConfig | None = None,
     ) -> None:
         """Take in what a reply showed of the pool (:meth:`gpulock._recovery.Recovery.seen`).
         Safe from any thread."""
@@ -203,10 +204,10 @@ class Runtime:
         max_ttl_ms: int,
         create_only: bool,
         grace: bool = False,
-        policy: tuple[str | None, int | None] | None = None,
+        policy: QueueConfig | None = None,
     ) -> list[str]:
         """ARGV of ``configure.lua`` (:meth:`gpulock._recovery.Recovery.configure_argv`);
-        ``policy``: a queue policy and backfill window in ms (either None: unchanged)."""
+        ``policy``: a queue policy, backfill window in ms and quotas (each None: unchanged)."""
         return self.recovery.configure_argv(
             capacity, max_waiters, max_ttl_ms, create_only, grace, policy
         )
@@ -247,7 +248,7 @@ class Runtime:
         self.leases.pop(lease_id, None)
 
     def state_for(
-        self, grant: Grant, ttl_s: float, valid_until: float, meta: str = ""
+        self, grant: Grant, ttl_s: float, valid_until: float, meta: str = "", tenant: str = ""
     ) -> tuple[LeaseState, bool]:
         """The local state of a granted lease: the existing one when this process already
         holds that lease (the same request id acquired again returns the same grant), so that
@@ -266,6 +267,7 @@ class Runtime:
                 return s, False
             s = LeaseState(self.pool, grant, ttl_s, valid_until, self.clock)
             s.meta = meta
+            s.tenant = tenant
             if not s.epoch:
                 s.epoch = self.known_epoch
             self.leases[s.lease_id] = s

@@ -18,7 +18,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 import redis
 from redis.exceptions import AuthenticationError, MovedError, ResponseError
@@ -438,6 +438,7 @@ class Pool(PoolOptions):
         create_only: bool = False,
         policy: str | None = None,
         backfill_window: float | None = None,
+        quotas: Mapping[str, int | str | None] | None = None,
         _grace: bool = False,
     ) -> dict[str, Any]:
         """Create the pool or set its capacity (bytes or "8GiB"), queue bound and max_ttl; see
@@ -453,6 +454,7 @@ class Pool(PoolOptions):
                 grace=_grace,
                 policy=policy,
                 backfill_window=backfill_window,
+                quotas=quotas,
             )
         )
 
@@ -478,6 +480,7 @@ class Pool(PoolOptions):
         request_id: str | None = None,
         on_queued: Callable[[int], Any] | None = None,
         priority: int = 0,
+        tenant: str | None = None,
     ) -> Lease:
         """Take ``amount`` bytes, waiting in the pool's queue. Same arguments, return and errors as
         :meth:`gpulock.AsyncPool.acquire`. ``on_queued`` runs on the pool's background thread
@@ -496,6 +499,7 @@ class Pool(PoolOptions):
                 waiter_ttl=self.waiter_ttl,
                 default_ttl=self.default_ttl,
                 priority=priority,
+                tenant=tenant,
             )
             start = self.clock()
             bg = self._background()

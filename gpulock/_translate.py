@@ -9,6 +9,7 @@ import redis.exceptions as rex
 from .errors import (
     BackendUnavailable,
     CapacityExceeded,
+    QuotaExceeded,
     GpuLockError,
     InvalidArgument,
     PoolNotFound,
@@ -44,6 +45,9 @@ def translate(exc: BaseException, pool: str) -> BaseException:
         if code == "GPULOCK_CAPACITY":
             a, c = rest.split()
             return CapacityExceeded(int(a), int(c))
+        if code == "GPULOCK_QUOTA":
+            a, q, t = rest.split()
+            return QuotaExceeded(int(a), int(q), t)
         if code == "GPULOCK_QUEUEFULL":
             q, m = rest.split()
             return QueueFull(pool, int(q), int(m))

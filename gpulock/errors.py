@@ -5,6 +5,7 @@ gpulock-client raises). Every error gpulock raises derives from :class:`GpuLockE
     ├── InvalidArgument (also ValueError)   bad amount, ttl, pool name, request id, ...
     ├── PoolNotFound                        the pool has no configuration in Redis
     ├── CapacityExceeded                    amount > capacity: can never be granted
+    │   └── QuotaExceeded                   amount > the tenant's quota on the pool
     ├── AcquireTimeout (also TimeoutError)  the wait for a grant ran out (or timeout=0 and busy)
     ├── QueueFull                           the pool's queue is at its bound
     ├── LeaseLost                           the lease expired, was reaped or never existed
@@ -27,6 +28,7 @@ from gpulock_common.errors import (
     PoolClosed,
     PoolNotFound,
     QueueFull,
+    QuotaExceeded,
 )
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "InvalidArgument",
     "PoolNotFound",
     "CapacityExceeded",
+    "QuotaExceeded",
     "AcquireTimeout",
     "QueueFull",
     "LeaseLost",

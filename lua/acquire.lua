@@ -19,6 +19,11 @@
 --                     would queue ahead of the queue's head is granted now if it fits; so is
 --                     one behind it under the backfill policy while the head's window is open
 --                     (lib.lua backfill_open).
+--  10 tenant          optional: '' (none, the default) or 1-64 characters of [A-Za-z0-9._:-].
+--                     The lease counts toward the tenant's bytes; where the pool has a quota
+--                     for the tenant (configure.lua), a request is granted only while the
+--                     tenant's leases and it fit the quota, else it waits; waiters whose
+--                     tenant has no room do not block the queue (lib.lua grant_from).
 -- Reply:
 --   granted:     {1, lease_id, token, expires_ms, amount, now_ms, epoch, capacity, used}
 --   queued:      {0, position, retry_after_ms, queue_len, now_ms, epoch, capacity, used, held_back}
@@ -37,8 +42,9 @@
 --   GPULOCK_NOPOOL                       the pool has no configuration (never configured, or
 --                                        Redis lost its data)
 --   GPULOCK_CAPACITY <amount> <capacity> the amount can never fit the pool
+--   GPULOCK_QUOTA <amount> <quota> <tenant> the amount exceeds the tenant's quota
 --   GPULOCK_QUEUEFULL <queue_len> <max>  the queue is at max_waiters
---   GPULOCK_CONFLICT <why>               the ticket is in use with another amount, or the
+--   GPULOCK_CONFLICT <why>               the ticket is in use with another amount or tenant, or the
 --                                        lease id is in use by another ticket
 
 local ticket, e = id_arg(ARGV[1], 'ticket'); if e then return e end
@@ -52,18 +58,25 @@ local meta; meta, e = meta_arg(ARGV[7]); if e then return e end
 local chan; chan, e = channel_arg(ARGV[8]); if e then return e end
 local prio = 0
 if ARGV[9] ~= nil and ARGV[9] ~= '0' then prio, e = prio_arg(ARGV[9]); if e then return e end end
+local tenant; tenant, e = tenant_arg(ARGV[10]); if e then return e end
 
 -- Reads first: every key this call may use is read (redis.pcall) before the first write, so a
 -- key of the wrong type fails it with nothing written (see "Key types" in lib.lua). The queue's
 -- keys (waiters, wexp) are read only when the queue is not empty or the request may queue: an
 -- empty queue has no waiters (the three queue keys change together, in drop_waiter and below).
 local cfg = redis.pcall('HMGET', K_CFG, 'capacity', 'used', 'fence', 'grants', 'max_ttl_ms',
-                        'grace_until', 'external', 'external_until', 'epoch', 'max_waiters')
+                        'grace_until', 'external', 'external_until', 'epoch', 'max_waiters',
+                        'nquotas')
 if failed(cfg) then return keytype_error(cfg) end
 if not cfg[1] then return redis.error_reply('GPULOCK_NOPOOL') end
 local cap = tonumber(cfg[1])
 if amount > cap then
   return redis.error_reply('GPULOCK_CAPACITY ' .. fmt(amount) .. ' ' .. fmt(cap))
+end
+local quotas = cfg[11] ~= false and cfg[11] ~= '0'
+local room = {}  -- lib.lua quota_check's cache
+if quotas and quota_check(room, tenant, amount) == 'never' then
+  return redis.error_reply('GPULOCK_QUOTA ' .. fmt(amount) .. ' ' .. fmt(room[tenant][1]) .. ' ' .. tenant)
 end
 local max_ttl = tonumber(cfg[5] or '0')
 if max_ttl > 0 and ttl > max_ttl then
@@ -75,8 +88,11 @@ local r
 if held then
   r = redis.pcall('HGET', K_HOLDERS, held)
   if failed(r) then return keytype_error(r) end
-  if r and parse_holder(r) ~= amount then
-    return redis.error_reply('GPULOCK_CONFLICT request id ' .. ticket .. ' holds a lease of another amount')
+  if r then
+    local a, _, _, _, _, _, tn = parse_holder(r)
+    if a ~= amount or tn ~= tenant then
+      return redis.error_reply('GPULOCK_CONFLICT request id ' .. ticket .. ' holds a lease of another amount or tenant')
+    end
   end
 end
 local qlen = redis.pcall('ZCARD', K_QUEUE)
@@ -85,8 +101,11 @@ local w
 if qlen > 0 then
   w = redis.pcall('HGET', K_WAITERS, ticket)
   if failed(w) then return keytype_error(w) end
-  if w and parse_waiter(w) ~= amount then
-    return redis.error_reply('GPULOCK_CONFLICT request id ' .. ticket .. ' is queued for another amount')
+  if w then
+    local a, _, _, _, _, _, _, tn = parse_waiter(w)
+    if a ~= amount or tn ~= tenant then
+      return redis.error_reply('GPULOCK_CONFLICT request id ' .. ticket .. ' is queued for another amount or tenant')
+    end
   end
 end
 if not held then
@@ -125,6 +144,7 @@ if #dead + #gone > 0 then
   qlen = redis.call('ZCARD', K_QUEUE)
   local c = redis.call('HMGET', K_CFG, 'used', 'fence', 'grants')
   used, fence, grants = tonumber(c[1] or '0'), tonumber(c[2] or '0'), tonumber(c[3] or '0')
+  room = {}  -- the reap and hand-off changed what tenants hold
 end
 
 local epoch = cfg[9]  -- replied as read: no conversion on the hot path
@@ -141,17 +161,22 @@ end
 -- priority); the head does not fit (every script that frees bytes hands them on), so the
 -- request is granted now only if it fits and would queue ahead of the head, or, under the
 -- backfill policy, if it fits and the head has waited less than the pool's backfill window.
+-- With tenant quotas the queue's head is its first waiter whose tenant has room (queue_front:
+-- the others are passed over), and a request whose tenant has no room does not fit.
 local score, vt, ahead
 local fits = used + amount <= eff and grace_until <= now
+if fits and quotas then fits = quota_check(room, tenant, amount) == 'ok' end
 if qlen > 0 then
   score, vt = queue_score(now, prio, tonumber(redis.call('HGET', K_CFG, 'qvt') or '0'))
-  local head = redis.call('ZRANGE', K_QUEUE, 0, 0, 'WITHSCORES')
-  ahead = #head == 0 or score < tonumber(head[2])
+  local front, front_score, passed = queue_front(quotas, room)
+  ahead = front == nil or score < front_score
+  -- a tenant's own waiters keep their order: none passes an earlier one passed over
+  if fits and passed[tenant] and passed[tenant] < score then fits = false end
   if fits and not ahead then
-    local hw = redis.call('HGET', K_WAITERS, head[1])
-    if hw then
-      local _, _, head_enq = parse_waiter(hw)
-      ahead = backfill_open(now, head_enq)
+    local fw = redis.call('HGET', K_WAITERS, front)
+    if fw then
+      local _, _, front_enq = parse_waiter(fw)
+      ahead = backfill_open(now, front_enq)
     end
   end
 end
@@ -161,9 +186,9 @@ if (qlen == 0 or ahead) and fits then
   used = used + amount
   redis.call('HSET', K_CFG, 'fence', fmt(token), 'used', fmt(used), 'grants', fmt(grants + 1))
   redis.call('ZADD', K_LEASES, fmt(exp), lid)
-  redis.call('HSET', K_HOLDERS, lid,
-    fmt(amount) .. '|' .. fmt(token) .. '|' .. nstr .. '|' .. fmt(ttl) .. '|' .. ticket .. '|' .. meta)
+  redis.call('HSET', K_HOLDERS, lid, holder_record(amount, token, now, ttl, ticket, tenant, meta))
   redis.call('HSET', K_TICKETS, ticket, lid)
+  tenant_add(tenant, amount)
   return {1, lid, token, exp, amount, now, epoch, cap, used}
 end
 if mode == 'try' then return not_granted(2, 0, now, epoch, cap, eff) end
@@ -177,7 +202,8 @@ if not score then
 end
 redis.call('HSET', K_CFG, 'qvt', fmt(vt))
 redis.call('ZADD', K_QUEUE, fmt(score), ticket)
-redis.call('HSET', K_WAITERS, ticket, fmt(amount) .. '|' .. fmt(ttl) .. '|' .. nstr .. '|' .. lid .. '|' .. chan .. '|' .. fmt(prio) .. '|' .. meta)
+redis.call('HSET', K_WAITERS, ticket, fmt(amount) .. '|' .. fmt(ttl) .. '|' .. nstr .. '|' .. lid .. '|' .. chan .. '|'
+  .. fmt(prio) .. '|' .. tenant .. '|' .. meta)
 redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
 local pos = 1
 if qlen > 0 then pos = redis.call('ZRANK', K_QUEUE, ticket) + 1 end

@@ -1,4 +1,5 @@
--- configure.lua: create a pool, or change its capacity, queue bound and queue policy.
+-- configure.lua: create a pool, or change its capacity, queue bound, queue policy and tenant
+-- quotas.
 -- (KEYS and ARGV: see the header below; KEYS are the eight pool keys of lib.lua.)
 -- Creating a pool seeds its fencing counter and its epoch from the server clock in
 -- microseconds, so tokens keep increasing when Redis restarts empty and the pool is made
@@ -23,8 +24,14 @@
 --                   backfill_open); '' or absent: unchanged.
 --   7 backfill_ms   optional: the backfill window, ms (1 .. 86400000; a pool created has 2000);
 --                   '' or absent: unchanged.
+--   8 quotas        optional: tenant quotas to set, "<tenant>=<bytes>" separated by spaces
+--                   (tenant: lib.lua tenant_arg; bytes 0 removes that tenant's quota); the
+--                   tenants not named keep theirs. '' or absent: unchanged.
 -- Reply: {created (1/0), capacity, epoch, used, max_waiters, max_ttl_ms, grace_left_ms, policy,
---         backfill_ms}
+--         backfill_ms, quotas (every quota the pool has, "<tenant>=<bytes> ..." sorted by
+--         tenant; '' when none)}
+--   Lowering a tenant's quota below what it holds is allowed as lowering capacity is; queued
+--   requests of the tenant larger than its new quota leave the queue (GPULOCK_QUOTA).
 --   Lowering capacity below `used` is allowed: leases keep their bytes, nothing new is granted
 --   until used falls below the new capacity. Raising it grants waiters that now fit. Queued
 --   requests larger than the new capacity leave the queue (they could never be granted and
@@ -51,14 +58,29 @@ local bf_ms = nil
 if ARGV[7] ~= nil and ARGV[7] ~= '' then
   bf_ms, e = int_arg(ARGV[7], 'backfill_ms', 1, MAX_TTL_MS); if e then return e end
 end
+local quotas = {}  -- {tenant, bytes} in the order given
+if ARGV[8] ~= nil and ARGV[8] ~= '' then
+  if #ARGV[8] > 65536 then return bad('quotas must be at most 65536 bytes') end
+  for item in string.gmatch(ARGV[8], '%S+') do
+    local t, b = string.match(item, '^([^=]+)=(.*)$')
+    if not t then return bad("quotas must be '<tenant>=<bytes>' items, got " .. show(item)) end
+    t, e = tenant_arg(t); if e then return e end
+    b, e = int_arg(b, 'quota of tenant ' .. t, 0, MAX_AMOUNT); if e then return e end
+    quotas[#quotas + 1] = {t, b}
+  end
+end
 
 local now = now_ms()
 local created = 0
 if redis.call('EXISTS', K_CFG) == 0 then
   -- Leases without a configuration can only come from a hand-deleted cfg key: count them
   -- rather than forget them.
-  local used = 0
-  for _, rec in ipairs(redis.call('HVALS', K_HOLDERS)) do used = used + parse_holder(rec) end
+  local used, tused = 0, {}
+  for _, rec in ipairs(redis.call('HVALS', K_HOLDERS)) do
+    local a, _, _, _, _, _, tenant = parse_holder(rec)
+    used = used + a
+    if tenant ~= '' then tused[tenant] = (tused[tenant] or 0) + a end
+  end
   local us = now_us()
   local grace_until = 0
   if grace == '1' then grace_until = now + (max_ttl or MAX_TTL_MS) end
@@ -66,7 +88,9 @@ if redis.call('EXISTS', K_CFG) == 0 then
              'fence', fmt(us), 'epoch', fmt(us), 'qvt', '0', 'created_ms', fmt(now),
              'grants', '0', 'reaped_leases', '0', 'reaped_waiters', '0',
              'max_ttl_ms', fmt(max_ttl or 0), 'grace_until', fmt(grace_until),
-             'policy', policy or 'fifo', 'backfill_ms', fmt(bf_ms or DEFAULT_BACKFILL_MS))
+             'policy', policy or 'fifo', 'backfill_ms', fmt(bf_ms or DEFAULT_BACKFILL_MS),
+             'nquotas', '0')
+  for t, a in pairs(tused) do redis.call('HSET', K_CFG, 'tused:' .. t, fmt(a)) end
   created = 1
 elseif mode == 'set' then
   redis.call('HSET', K_CFG, 'capacity', fmt(cap), 'max_waiters', fmt(maxw))
@@ -74,9 +98,22 @@ elseif mode == 'set' then
   if policy then redis.call('HSET', K_CFG, 'policy', policy) end
   if bf_ms then redis.call('HSET', K_CFG, 'backfill_ms', fmt(bf_ms)) end
 end
+if created == 1 or mode == 'set' then
+  for _, q in ipairs(quotas) do
+    local field = 'quota:' .. q[1]
+    local had = redis.call('HEXISTS', K_CFG, field) == 1
+    if q[2] > 0 then
+      redis.call('HSET', K_CFG, field, fmt(q[2]))
+      if not had then redis.call('HINCRBY', K_CFG, 'nquotas', 1) end
+    elseif had then
+      redis.call('HDEL', K_CFG, field)
+      redis.call('HINCRBY', K_CFG, 'nquotas', -1)
+    end
+  end
+end
 reap(now)
 publish(now, grant_head(now))
 local pc = redis.call('HMGET', K_CFG, 'policy', 'backfill_ms')
 return {created, cfg_num('capacity'), cfg_num('epoch'), cfg_num('used'), cfg_num('max_waiters'),
         cfg_num('max_ttl_ms'), grace_left(now), pc[1] or 'fifo',
-        tonumber(pc[2] or fmt(DEFAULT_BACKFILL_MS))}
+        tonumber(pc[2] or fmt(DEFAULT_BACKFILL_MS)), quota_spec()}

@@ -7,13 +7,16 @@
 --   1 gpulock:{pool}:cfg      hash  capacity, used, fence, epoch, qvt, max_waiters, created_ms,
 --                                   grants, reaped_leases, reaped_waiters; the device sampler's
 --                                   report (external.lua): external, external_until, overuse,
---                                   dev_sampler, dev_sampler_until
+--                                   dev_sampler, dev_sampler_until; tenant quotas (see
+--                                   "Tenant quotas" below): nquotas, quota:<tenant>,
+--                                   tused:<tenant>
 --   2 gpulock:{pool}:leases   zset  lease id -> server expiry (ms)
---   3 gpulock:{pool}:holders  hash  lease id -> "amount|token|acquired_ms|ttl_ms|ticket|meta"
+--   3 gpulock:{pool}:holders  hash  lease id -> "amount|token|acquired_ms|ttl_ms|ticket|tenant|meta"
 --   4 gpulock:{pool}:queue    zset  ticket -> queue score (lowest first): its arrival time in
 --                                   virtual microseconds minus priority x AGING_US (see
 --                                   queue_score below)
---   5 gpulock:{pool}:waiters  hash  ticket -> "amount|ttl_ms|enqueued_ms|lease_id|channel|priority|meta"
+--   5 gpulock:{pool}:waiters  hash  ticket -> "amount|ttl_ms|enqueued_ms|lease_id|channel|priority|tenant|meta"
+--                                   (tenant: '' for none)
 --   6 gpulock:{pool}:wexp     zset  ticket -> waiter expiry (ms)
 --   7 gpulock:{pool}:tickets  hash  ticket -> lease id of the grant made to that ticket
 --   8 gpulock:{pool}:events   prefix of the pub/sub channels: a grant made to a queued ticket is
@@ -86,6 +89,16 @@ local function prio_arg(v)
   return n
 end
 
+-- A tenant: '' (none) or 1-64 characters of [A-Za-z0-9._:-] (never '|', '{' or '"', so a
+-- record's tenant field cannot be taken for its JSON meta).
+local function tenant_arg(v)
+  if v == nil or v == '' then return '' end
+  if type(v) ~= 'string' or #v > 64 or not string.match(v, '^[%w%-_.:]+$') then
+    return nil, bad('tenant must be 1-64 characters of [A-Za-z0-9._:-], got ' .. show(v))
+  end
+  return v
+end
+
 local function lease_id_arg(v)
   if type(v) ~= 'string' or not string.match(v, '^%x+$') or #v ~= 32 then
     return nil, bad('lease id must be 32 hex digits, got ' .. show(v))
@@ -110,23 +123,36 @@ local function now_us()
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
--- holder record: amount|token|acquired_ms|ttl_ms|ticket|meta
+-- holder record: amount|token|acquired_ms|ttl_ms|ticket|tenant|meta. A record without the
+-- tenant (written by a version before tenants) reads as tenant '': its meta is JSON or empty,
+-- so it cannot be taken for a tenant (tenant_arg).
 local function parse_holder(rec)
-  local a, tok, acq, ttl, ticket, meta = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)|([^|]*)|(.*)$')
-  return tonumber(a), tok, acq, ttl, ticket, meta
+  local a, tok, acq, ttl, ticket, tenant, meta =
+    string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)|([^|]*)|([%w%-_.:]*)|(.*)$')
+  if not a then
+    a, tok, acq, ttl, ticket, meta = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)|([^|]*)|(.*)$')
+    tenant = ''
+  end
+  return tonumber(a), tok, acq, ttl, ticket, meta, tenant
 end
 
--- waiter record: amount|ttl_ms|enqueued_ms|lease_id|channel|priority|meta. A record without the
--- priority (written by a version before priorities, during a rolling upgrade) reads as
--- priority 0: its meta is JSON (an object) or empty, so it cannot be taken for a priority.
+-- waiter record: amount|ttl_ms|enqueued_ms|lease_id|channel|priority|tenant|meta. A record
+-- without the tenant, or without the priority too (written by an earlier version, during a
+-- rolling upgrade), reads as tenant '' and priority 0: its meta is JSON (an object) or empty,
+-- so it cannot be taken for either.
 local function parse_waiter(rec)
-  local a, ttl, enq, lid, chan, p, meta =
-    string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(%-?%d+)|(.*)$')
+  local a, ttl, enq, lid, chan, p, tenant, meta =
+    string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(%-?%d+)|([%w%-_.:]*)|(.*)$')
+  if not a then
+    a, ttl, enq, lid, chan, p, meta =
+      string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(%-?%d+)|(.*)$')
+    tenant = ''
+  end
   if not a then
     a, ttl, enq, lid, chan, meta = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(.*)$')
     p = '0'
   end
-  return tonumber(a), tonumber(ttl), enq, lid, chan, meta, tonumber(p)
+  return tonumber(a), tonumber(ttl), enq, lid, chan, meta, tonumber(p), tenant
 end
 
 -- The queue score of a request queued now with priority `prio` (lowest goes first). The
@@ -163,6 +189,76 @@ local function grace_left(now)
   return 0
 end
 
+-- Tenant quotas (docs/SEMANTICS.md, "Tenant quotas"): cfg field quota:<tenant> caps the bytes
+-- the leases of that tenant may hold together (nquotas counts such fields); tused:<tenant>
+-- counts the bytes its live leases hold (kept for every tenant with leases, deleted at 0).
+-- A waiter whose tenant has no room for it is passed over by hand-offs, and so are the later
+-- waiters of that tenant (a tenant's own waiters keep their order, so a large request is not
+-- starved by its tenant's small ones), looking at most QUOTA_DEPTH waiters deep.
+local QUOTA_DEPTH = 32
+
+-- The quota of `tenant` (0: none) and the bytes its live leases hold.
+local function tenant_use(tenant)
+  local q = redis.call('HMGET', K_CFG, 'quota:' .. tenant, 'tused:' .. tenant)
+  return tonumber(q[1] or '0'), tonumber(q[2] or '0')
+end
+
+-- Add `delta` bytes to what `tenant` holds ('' : no tenant, nothing to count).
+local function tenant_add(tenant, delta)
+  if tenant == nil or tenant == '' then return end
+  if redis.call('HINCRBY', K_CFG, 'tused:' .. tenant, fmt(delta)) <= 0 then
+    redis.call('HDEL', K_CFG, 'tused:' .. tenant)
+  end
+end
+
+-- Whether a request of `amount` bytes by `tenant` may be granted as far as its quota goes:
+-- 'ok', 'wait' (its tenant holds too much now) or 'never' (it exceeds the quota). `room`
+-- caches tenant -> {quota, used} within one call (quota_take keeps it current).
+local function quota_check(room, tenant, amount)
+  if tenant == '' then return 'ok' end
+  local r = room[tenant]
+  if not r then
+    local q, u = tenant_use(tenant)
+    r = {q, u}
+    room[tenant] = r
+  end
+  if r[1] == 0 then return 'ok' end
+  if amount > r[1] then return 'never' end
+  if r[2] + amount > r[1] then return 'wait' end
+  return 'ok'
+end
+
+local function quota_take(room, tenant, amount)
+  local r = room[tenant]
+  if r then r[2] = r[2] + amount end
+end
+
+-- Every tenant's quota and use: {tenant -> {quota (0: none), used}} (from the cfg hash, whose
+-- size grows with the tenants: status and configure only).
+local function tenant_table()
+  local out = {}
+  local all = redis.call('HGETALL', K_CFG)
+  for j = 1, #all, 2 do
+    local kind, t = string.match(all[j], '^(%a+):(.+)$')
+    if kind == 'quota' or kind == 'tused' then
+      local r = out[t]
+      if not r then r = {0, 0}; out[t] = r end
+      if kind == 'quota' then r[1] = tonumber(all[j + 1]) else r[2] = tonumber(all[j + 1]) end
+    end
+  end
+  return out
+end
+
+-- The pool's quotas as configure.lua takes them: "<tenant>=<bytes> ..." sorted by tenant.
+local function quota_spec()
+  local items = {}
+  for t, r in pairs(tenant_table()) do
+    if r[1] > 0 then items[#items + 1] = t .. '=' .. fmt(r[1]) end
+  end
+  table.sort(items)
+  return table.concat(items, ' ')
+end
+
 local function drop_waiter(ticket)
   redis.call('ZREM', K_QUEUE, ticket)
   redis.call('HDEL', K_WAITERS, ticket)
@@ -174,10 +270,11 @@ local function drop_lease(lid)
   local rec = redis.call('HGET', K_HOLDERS, lid)
   redis.call('ZREM', K_LEASES, lid)
   if not rec then return false end
-  local amount, _, _, _, ticket = parse_holder(rec)
+  local amount, _, _, _, ticket, _, tenant = parse_holder(rec)
   redis.call('HDEL', K_HOLDERS, lid)
   if ticket and ticket ~= '' then redis.call('HDEL', K_TICKETS, ticket) end
   redis.call('HINCRBY', K_CFG, 'used', fmt(-amount))
+  tenant_add(tenant, -amount)
   return true
 end
 
@@ -204,14 +301,21 @@ local function reap(now)
   return reap_found(dead, gone)
 end
 
--- Make a lease with fencing token ``token`` (the caller takes it from the pool's fence and
--- writes the pool's counters: fence, used, grants). Returns its expiry.
-local function make_lease(now, ticket, lid, amount, ttl, meta, token)
+-- A holder record (see KEYS above).
+local function holder_record(amount, token, now, ttl, ticket, tenant, meta)
+  return fmt(amount) .. '|' .. fmt(token) .. '|' .. fmt(now) .. '|' .. fmt(ttl) .. '|' .. ticket
+    .. '|' .. tenant .. '|' .. meta
+end
+
+-- Make a lease with fencing token ``token`` and count it to its tenant (the caller takes the
+-- token from the pool's fence and writes the pool's counters: fence, used, grants). Returns
+-- its expiry.
+local function make_lease(now, ticket, lid, amount, ttl, meta, token, tenant)
   local exp = now + ttl
   redis.call('ZADD', K_LEASES, fmt(exp), lid)
-  redis.call('HSET', K_HOLDERS, lid,
-    fmt(amount) .. '|' .. fmt(token) .. '|' .. fmt(now) .. '|' .. fmt(ttl) .. '|' .. ticket .. '|' .. meta)
+  redis.call('HSET', K_HOLDERS, lid, holder_record(amount, token, now, ttl, ticket, tenant, meta))
   redis.call('HSET', K_TICKETS, ticket, lid)
+  tenant_add(tenant, amount)
   return exp
 end
 
@@ -241,25 +345,31 @@ end
 -- Server-side hand-off: grant the longest prefix of the queue (in queue order: lib.lua
 -- queue_score) that fits, strictly in order (a head that does not fit blocks those behind it,
 -- so none starves), then, under the backfill policy, later requests that fit (backfill_open).
+-- With tenant quotas, a waiter whose tenant has no room for it (quota_check 'wait') is passed
+-- over and does not block those behind it: the head is then the first waiter whose tenant has
+-- room, looking at most QUOTA_DEPTH waiters deep (queue_front).
 -- Returns the grant lines grouped by the waiters' channels, and their count, for publish().
 -- grant_from: the same with what the caller read already: the queue's head (ZRANGE 0 0), the
 -- capacity, bytes used, grace_until and the effective capacity (eff_cap); it also returns the
--- bytes used afterwards. A request larger than the capacity is dropped; one that fits the
--- capacity but not the effective capacity waits.
+-- bytes used afterwards. A request larger than the capacity, or than its tenant's quota, is
+-- dropped; one that fits the capacity but not the effective capacity waits.
 local function grant_from(now, head, cap, used, grace_until, eff)
   local lines, n = {}, 0
   if #head == 0 then return lines, n, used end
   if grace_until > now then return lines, n, used end  -- no new grant in the grace period
   local fence, grants  -- read at the first grant; the counters are written once, at the end
+  local room = {}  -- quota_check's cache (a waiter without a tenant costs no read)
+  local passed = {}  -- tenants with a waiter passed over: their later waiters are passed too
   -- Grant waiter `t` (record fields parsed) a lease now.
-  local function grant(t, amount, ttl, lid, chan, meta)
+  local function grant(t, amount, ttl, lid, chan, meta, tenant)
     if not fence then
       local c = redis.call('HMGET', K_CFG, 'fence', 'grants')
       fence, grants = tonumber(c[1] or '0'), tonumber(c[2] or '0')
     end
     drop_waiter(t)
     fence = fence + 1
-    local exp = make_lease(now, t, lid, amount, ttl, meta, fence)
+    local exp = make_lease(now, t, lid, amount, ttl, meta, fence, tenant)
+    quota_take(room, tenant, amount)
     used = used + amount
     n = n + 1
     local group = lines[chan]
@@ -267,6 +377,7 @@ local function grant_from(now, head, cap, used, grace_until, eff)
     group[#group + 1] = t .. ' ' .. lid .. ' ' .. fmt(fence) .. ' ' .. fmt(exp) .. ' ' .. fmt(amount)
   end
   local blocked_enq  -- the enqueue time of a head that does not fit
+  local skipped = 0  -- waiters passed over at the front: their tenants have no room
   while true do
     if #head == 0 then break end
     local t = head[1]
@@ -274,27 +385,36 @@ local function grant_from(now, head, cap, used, grace_until, eff)
     if not w then
       drop_waiter(t)
     else
-      local amount, ttl, enq, lid, chan, meta = parse_waiter(w)
-      if amount > cap then
-        -- The capacity was lowered below this request: it can never be granted, and as head
-        -- it would block everyone behind it. Drop it; its client finds it gone at its next
-        -- poll, asks again and gets GPULOCK_CAPACITY.
+      local amount, ttl, enq, lid, chan, meta, _, tenant = parse_waiter(w)
+      local q = quota_check(room, tenant, amount)
+      if amount > cap or q == 'never' then
+        -- The capacity (or the tenant's quota) was lowered below this request: it can never
+        -- be granted, and as head it would block everyone behind it. Drop it; its client
+        -- finds it gone at its next poll, asks again and gets GPULOCK_CAPACITY (GPULOCK_QUOTA).
         drop_waiter(t)
+      elseif q == 'wait' or passed[tenant] then
+        passed[tenant] = true
+        skipped = skipped + 1
+        if skipped >= QUOTA_DEPTH then break end
       elseif used + amount > eff then
         blocked_enq = enq
         break
       else
-        grant(t, amount, ttl, lid, chan, meta)
+        grant(t, amount, ttl, lid, chan, meta, tenant)
       end
     end
-    head = redis.call('ZRANGE', K_QUEUE, 0, 0)
+    head = redis.call('ZRANGE', K_QUEUE, skipped, skipped)
   end
   if blocked_enq and used < eff and backfill_open(now, blocked_enq) then
-    for _, t in ipairs(redis.call('ZRANGE', K_QUEUE, 1, BACKFILL_DEPTH)) do
+    for _, t in ipairs(redis.call('ZRANGE', K_QUEUE, skipped + 1, skipped + BACKFILL_DEPTH)) do
       local w = redis.call('HGET', K_WAITERS, t)
       if w then
-        local amount, ttl, _, lid, chan, meta = parse_waiter(w)
-        if amount <= cap and used + amount <= eff then grant(t, amount, ttl, lid, chan, meta) end
+        local amount, ttl, _, lid, chan, meta, _, tenant = parse_waiter(w)
+        local q = quota_check(room, tenant, amount)
+        if q == 'wait' then passed[tenant] = true end
+        if amount <= cap and used + amount <= eff and q == 'ok' and not passed[tenant] then
+          grant(t, amount, ttl, lid, chan, meta, tenant)
+        end
       end
       if used >= eff then break end
     end
@@ -303,6 +423,31 @@ local function grant_from(now, head, cap, used, grace_until, eff)
     redis.call('HSET', K_CFG, 'fence', fmt(fence), 'used', fmt(used), 'grants', fmt(grants + n))
   end
   return lines, n, used
+end
+
+-- The queue's front as the next hand-off sees it: the first waiter (in queue order) that is
+-- not passed over (grant_from), and its score, looking at most QUOTA_DEPTH deep (nil when
+-- every waiter looked at is passed over, or the queue is empty); and the tenants passed over
+-- before it, each with the score of its first waiter passed over. Without quotas (`quotas`
+-- false) the front is the head, found without reading its record. `room`: quota_check's cache.
+local function queue_front(quotas, room)
+  local passed = {}
+  if not quotas then
+    local head = redis.call('ZRANGE', K_QUEUE, 0, 0, 'WITHSCORES')
+    if #head == 0 then return nil, nil, passed end
+    return head[1], tonumber(head[2]), passed
+  end
+  local ts = redis.call('ZRANGE', K_QUEUE, 0, QUOTA_DEPTH - 1, 'WITHSCORES')
+  for j = 1, #ts, 2 do
+    local w = redis.call('HGET', K_WAITERS, ts[j])
+    if w then
+      local amount, _, _, _, _, _, _, tenant = parse_waiter(w)
+      local q = quota_check(room, tenant, amount)
+      if q == 'ok' and not passed[tenant] then return ts[j], tonumber(ts[j + 1]), passed end
+      if q ~= 'never' and not passed[tenant] then passed[tenant] = tonumber(ts[j + 1]) end
+    end
+  end
+  return nil, nil, passed
 end
 
 local function grant_head(now)

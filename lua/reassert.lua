@@ -18,7 +18,10 @@
 -- ARGV:
 --   1 n               count of lease records that follow
 --   then n x          lease_id (32 hex), token, amount (bytes), ttl_ms, ticket ('' for none),
---                     meta (<= 512 bytes)
+--                     meta (<= 512 bytes), and tenant ('' for none) when the call has
+--                     1 + 7 x n arguments (an earlier version sends 6 per lease, no tenant).
+--                     A lease put back counts toward its tenant's bytes; its tenant's quota
+--                     does not refuse it (it was granted before the loss), the capacity does.
 -- Reply: {now_ms, epoch, grace_left_ms, results}
 --   results: one per lease, in order: the new expires_ms (> 0, accepted; also when the lease is
 --   already there with the same token), or a refusal:
@@ -33,6 +36,8 @@ local type_err = check_types(); if type_err then return type_err end
 local n, e = int_arg(ARGV[1], 'n_leases', 0, 100000); if e then return e end
 local recs = {}
 local i = 2
+local width = 6
+if #ARGV == 1 + 7 * n then width = 7 end
 for k = 1, n do
   local lid; lid, e = lease_id_arg(ARGV[i]); if e then return e end
   local tok; tok, e = int_arg(ARGV[i + 1], 'token', 0, MAX_AMOUNT); if e then return e end
@@ -41,8 +46,10 @@ for k = 1, n do
   local ticket = ARGV[i + 4]
   if ticket ~= '' then ticket, e = id_arg(ticket, 'ticket'); if e then return e end end
   local meta; meta, e = meta_arg(ARGV[i + 5]); if e then return e end
-  recs[k] = {lid, tok, amount, ttl, ticket, meta}
-  i = i + 6
+  local tenant = ''
+  if width == 7 then tenant, e = tenant_arg(ARGV[i + 6]); if e then return e end end
+  recs[k] = {lid, tok, amount, ttl, ticket, meta, tenant}
+  i = i + width
 end
 
 local cfg = redis.call('HMGET', K_CFG, 'capacity', 'epoch', 'created_ms', 'max_ttl_ms', 'grace_until')
@@ -58,7 +65,7 @@ local used = cfg_num('used')
 local res = {}
 local tried = false
 for k, r in ipairs(recs) do
-  local lid, tok, amount, ttl, ticket, meta = r[1], r[2], r[3], r[4], r[5], r[6]
+  local lid, tok, amount, ttl, ticket, meta, tenant = r[1], r[2], r[3], r[4], r[5], r[6], r[7]
   if tok >= epoch then
     res[k] = -3
   elseif now >= window_end then
@@ -83,10 +90,10 @@ for k, r in ipairs(recs) do
       res[k] = -2
     else
       redis.call('ZADD', K_LEASES, fmt(now + ttl), lid)
-      redis.call('HSET', K_HOLDERS, lid,
-        fmt(amount) .. '|' .. fmt(tok) .. '|' .. fmt(now) .. '|' .. fmt(ttl) .. '|' .. ticket .. '|' .. meta)
+      redis.call('HSET', K_HOLDERS, lid, holder_record(amount, tok, now, ttl, ticket, tenant, meta))
       if ticket ~= '' then redis.call('HSET', K_TICKETS, ticket, lid) end
       redis.call('HINCRBY', K_CFG, 'used', fmt(amount))
+      tenant_add(tenant, amount)
       redis.call('HINCRBY', K_CFG, 'reasserted', 1)
       used = used + amount
       res[k] = now + ttl

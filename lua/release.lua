@@ -36,10 +36,10 @@ if #head > 0 then  -- waiters are read or dropped (an empty queue has none: see 
   local r = redis.pcall('HEXISTS', K_WAITERS, head[1])
   if failed(r) then return keytype_error(r) end
 end
-local mine, amount, ticket = false, 0, ''
+local mine, amount, ticket, tenant = false, 0, '', ''
 if rec then
-  local a, tok, t = string.match(rec, '^(%d+)|(%d+)|%d+|%d+|([^|]*)|')  -- parse_holder's fields
-  amount, ticket = tonumber(a), t
+  local a, tok, _, _, t, _, tn = parse_holder(rec)
+  amount, ticket, tenant = a, t, tn
   mine = tonumber(tok) == token  -- another token: not ours to release
 end
 if #head > 0 or #dead > 0 then
@@ -67,6 +67,7 @@ if mine then
   redis.call('HDEL', K_HOLDERS, lid)
   used = used - amount
   redis.call('HSET', K_CFG, 'used', fmt(used))
+  tenant_add(tenant, -amount)
   ok = 1
 end
 local n = 0

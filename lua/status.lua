@@ -7,14 +7,16 @@
 --   {0, now_ms} when the pool has no configuration, else
 --   {1, now_ms, capacity, used, epoch, fence, max_waiters, n_leases, n_waiters,
 --    grants, reaped_leases, reaped_waiters,
---    leases  = {{lease_id, amount, token, expires_ms, acquired_ms, ttl_ms, ticket, meta}, ...}
---              (soonest expiry first),
---    waiters = {{ticket, amount, enqueued_ms, waiter_expires_ms, meta, priority}, ...}
+--    leases  = {{lease_id, amount, token, expires_ms, acquired_ms, ttl_ms, ticket, meta,
+--                tenant}, ...} (soonest expiry first),
+--    waiters = {{ticket, amount, enqueued_ms, waiter_expires_ms, meta, priority, tenant}, ...}
 --              (queue order),
 --    grace_left_ms (0: no grace period), max_ttl_ms (0: unbounded), reasserted,
 --    external (bytes of the device report, 0 when none counts), external_left_ms (how long the
 --    report still counts; 0: none), overuse (the report's over-users, JSON text; '' when none),
---    policy ('fifo' or 'backfill'), backfill_ms}
+--    policy ('fifo' or 'backfill'), backfill_ms,
+--    tenants = {tenant, used, quota, tenant, used, quota, ...} (every tenant with a quota or
+--              with live leases, sorted by name; quota 0: none)}
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
 local type_err = check_types(); if type_err then return type_err end
@@ -36,9 +38,9 @@ if limit > 0 then
   for j = 1, #ids, 2 do
     local rec = redis.call('HGET', K_HOLDERS, ids[j])
     if rec then
-      local amount, tok, acq, ttl, ticket, meta = parse_holder(rec)
+      local amount, tok, acq, ttl, ticket, meta, tenant = parse_holder(rec)
       leases[#leases + 1] = {ids[j], amount, tonumber(tok), tonumber(ids[j + 1]), tonumber(acq),
-                             tonumber(ttl), ticket, meta}
+                             tonumber(ttl), ticket, meta, tenant}
     end
   end
 end
@@ -48,15 +50,24 @@ if limit > 0 then
   for _, t in ipairs(ts) do
     local rec = redis.call('HGET', K_WAITERS, t)
     if rec then
-      local amount, _, enq, _, _, meta, prio = parse_waiter(rec)
+      local amount, _, enq, _, _, meta, prio, tenant = parse_waiter(rec)
       waiters[#waiters + 1] = {t, amount, tonumber(enq), tonumber(redis.call('ZSCORE', K_WEXP, t) or '0'), meta,
-                               prio}
+                               prio, tenant}
     end
   end
+end
+local tenants, names = {}, {}
+local tt = tenant_table()
+for t in pairs(tt) do names[#names + 1] = t end
+table.sort(names)
+for _, t in ipairs(names) do
+  tenants[#tenants + 1] = t
+  tenants[#tenants + 1] = tt[t][2]
+  tenants[#tenants + 1] = tt[t][1]
 end
 return {1, now, cfg_num('capacity'), cfg_num('used'), cfg_num('epoch'), cfg_num('fence'),
         cfg_num('max_waiters'), redis.call('ZCARD', K_LEASES), redis.call('ZCARD', K_QUEUE),
         cfg_num('grants'), cfg_num('reaped_leases'), cfg_num('reaped_waiters'), leases, waiters,
         grace_left(now), cfg_num('max_ttl_ms'), cfg_num('reasserted'), ext, ext_left, overuse,
         redis.call('HGET', K_CFG, 'policy') or 'fifo',
-        tonumber(redis.call('HGET', K_CFG, 'backfill_ms') or DEFAULT_BACKFILL_MS)}
+        tonumber(redis.call('HGET', K_CFG, 'backfill_ms') or DEFAULT_BACKFILL_MS), tenants}

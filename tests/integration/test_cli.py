@@ -90,6 +90,7 @@ def test_pool_set_and_status_round_trip(redis_proc):
         "max_waiters": 7,
         "policy": "fifo",
         "backfill_window": 2.0,
+        "quotas": {},
     }
     # Without --max-waiters the current bound is kept.
     r = cli(url, "pool", "set", "gpu0", "--capacity", "6GiB")

@@ -224,6 +224,7 @@ _acq = st.tuples(
     st.sampled_from([1, 1, 2, 3, 4, 6, 8, 10]),
     st.integers(-2, 2),
     st.sampled_from(["wait", "wait", "try"]),
+    st.sampled_from(["", "a", "a", "b"]),
 )
 _op = st.one_of(
     _acq,
@@ -231,46 +232,80 @@ _op = st.one_of(
     st.tuples(st.just("rel"), st.integers(0, 50)),
     st.tuples(st.just("cancel"), st.integers(0, 50)),
 )
+# With quotas: also change a tenant's quota mid-history (0 removes it).
+_op_q = st.one_of(
+    _acq,
+    _acq,
+    st.tuples(st.just("rel"), st.integers(0, 50)),
+    st.tuples(st.just("cancel"), st.integers(0, 50)),
+    st.tuples(st.just("quota"), st.sampled_from(["a", "b"]), st.sampled_from([0, 2, 3, 5, 8])),
+)
 
 
 @pytest.mark.parametrize("form", list(RAW_FORMS))
 @pytest.mark.parametrize(
-    "policy", [("fifo", 2000), ("backfill", 600000), ("backfill", 4)], ids=["fifo", "bf", "bf4ms"]
+    "policy",
+    [
+        ("fifo", 2000, ""),
+        ("backfill", 600000, ""),
+        ("backfill", 4, ""),
+        ("fifo", 2000, "a=4 b=6"),
+        ("backfill", 600000, "a=3"),
+    ],
+    ids=["fifo", "bf", "bf4ms", "fifo-quota", "bf-quota"],
 )
 def test_scripts_decide_as_the_model_on_random_histories(redis_proc, form, policy):
     """Random mixes of acquires (amounts 1-10 of a capacity of 10, priorities -2..2, wait or
-    try), releases and cancels, under FIFO, backfill with a window that stays open and
-    backfill with a 4 ms window (so it closes during the history, at times the model reads
-    from the replies): after every call the grants, the queue's order and the bytes used
-    equal the model's (tests/support/priority_model.py)."""
+    try, tenants none, a or b), releases and cancels, under FIFO, backfill with a window that
+    stays open and backfill with a 4 ms window (so it closes during the history, at times the
+    model reads from the replies), and with tenant quotas that the history also changes:
+    after every call the grants, the queue's order, the bytes used and each tenant's bytes
+    equal the model's (tests/support/priority_model.py), and no tenant holds more than its
+    quota unless the quota was lowered under it."""
     c = redis.Redis.from_url(redis_proc.url)
     call = RAW_FORMS[form]
     n = 0
 
     @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(st.lists(_op, min_size=8, max_size=40))
+    @given(st.lists(_op_q if policy[2] else _op, min_size=8, max_size=40))
     def run(ops):
         nonlocal n
         n += 1
         pool = f"pm{n}"
-        raw(c, pool, "configure", 10, 1000, "set", 0, 0, policy[0], policy[1])
+        raw(c, pool, "configure", 10, 1000, "set", 0, 0, policy[0], policy[1], policy[2])
         model = QueueModel(10, policy=policy[0], backfill_ms=policy[1])
+        for item in policy[2].split():
+            model.quotas[item.split("=")[0]] = int(item.split("=")[1])
+        lowered: set[str] = set()  # tenants whose quota went below what they held
         lids: dict[str, str] = {}
         known: list[str] = []
         for op in ops:
             if op[0] == "acq":
-                _, amount, prio, mode = op
+                _, amount, prio, mode, tenant = op
                 t, lid = new_id(), new_id()
                 lids[t] = lid
-                r = call(c, pool, "acquire", t, lid, amount, 60000, 600000, mode, "{}", "m", prio)
+                args = [t, lid, amount, 60000, 600000, mode, "{}", "m", prio, tenant]
+                try:
+                    r = call(c, pool, "acquire", *args)
+                except redis.ResponseError as e:
+                    assert str(e).startswith(f"GPULOCK_QUOTA {amount} "), e
+                    assert model.acquire(t, amount, prio, server_ms(c), mode, tenant) == "quota"
+                    continue
                 now = int(r[5]) if r[0] == 1 else int(r[4])
-                want = model.acquire(t, amount, prio, now, mode)
+                want = model.acquire(t, amount, prio, now, mode, tenant)
                 got = {1: "granted", 0: "queued", 2: "refused"}[int(r[0])]
                 assert got == want, (op, r)
                 if got == "queued":
                     assert int(r[1]) == model.order().index(t) + 1
                 if got != "refused":
                     known.append(t)
+            elif op[0] == "quota":
+                _, tenant, q = op
+                if q and model.tenant_used(tenant) > q:
+                    lowered.add(tenant)
+                raw(c, pool, "configure", 10, 1000, "set", 0, 0, "", "", f"{tenant}={q}")
+                # the window is open for the whole history (600 s) or there is none (FIFO)
+                model.set_quota(tenant, q, int(server_ms(c)))
             elif known:
                 t = known[op[1] % len(known)]
                 if op[0] == "rel":
@@ -289,6 +324,18 @@ def test_scripts_decide_as_the_model_on_random_histories(redis_proc, form, polic
             assert _queue(c, pool) == model.order()
             assert _tickets(c, pool) == set(model.held)
             assert check_consistent(c, pool)["used"] == model.used
+            # read on the raw keys: status.lua hands off too (a backfill window may be open)
+            cfg = c.hmget(pool_keys(pool)[0], "tused:a", "tused:b")
+            for tn, v in zip(("a", "b"), cfg):
+                got_used = int(v or 0)
+                assert got_used == model.tenant_used(tn)
+                q = model.quotas.get(tn, 0)
+                if q and tn not in lowered:
+                    assert got_used <= q, (tn, got_used, q)
+                if not q:
+                    lowered.discard(tn)
+                elif got_used <= q:
+                    lowered.discard(tn)
         c.delete(*pool_keys(pool)[:7])
 
     try:

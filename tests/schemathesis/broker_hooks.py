@@ -17,7 +17,9 @@ import re
 import schemathesis
 
 # the core's messages for those refusals (lua/acquire.lua)
-_STATE = re.compile(r"max_ttl|^request id \S+ (holds a lease of|is queued for) another amount$")
+_STATE = re.compile(
+    r"max_ttl|^request id \S+ (holds a lease of|is queued for) another amount( or tenant)?$"
+)
 # and the one bound of a body no JSON Schema keyword can state: the holder's size as JSON
 # (service/gpulock_broker/models.py, non-ASCII escaped as json.dumps does by default)
 _SIZE = re.compile(r"^Value error, holder is \d+ bytes as JSON; at most \d+$")

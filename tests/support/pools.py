@@ -4,6 +4,8 @@ pool's counters, the emptiness and consistency checks, and the server's clock.""
 
 from __future__ import annotations
 
+import re
+
 from typing import Any
 
 import redis
@@ -161,4 +163,15 @@ def check_consistent(c: redis.Redis, pool: str) -> dict[str, int]:
     assert leases == set(holders), (leases, set(holders))
     assert queue == waiters == wexp, (queue, waiters, wexp)
     assert set(tickets.values()) <= set(holders), (tickets, set(holders))
+    # Tenants (lua/lib.lua "Tenant quotas"): tused:<tenant> is the sum of that tenant's holder
+    # records (absent at 0), and nquotas counts the quota fields.
+    by_tenant: dict[str, int] = {}
+    for v in holders.values():
+        parts = v.split("|")
+        if len(parts) >= 7 and re.fullmatch(r"[A-Za-z0-9._:-]+", parts[5]):
+            by_tenant[parts[5]] = by_tenant.get(parts[5], 0) + int(parts[0])
+    tused = {f[6:]: int(v) for f, v in cfg.items() if f.startswith("tused:")}
+    assert tused == by_tenant, (tused, by_tenant)
+    nq = sum(1 for f in cfg if f.startswith("quota:"))
+    assert int(cfg.get("nquotas", 0)) == nq, (cfg.get("nquotas"), nq)
     return {"used": total, "leases": len(holders), "queued": len(queue)}

@@ -1,7 +1,7 @@
 """A small pure-Python model of the queue policies the scripts implement (docs/SEMANTICS.md,
-"Priorities" and "Backfill"): one pool, bytes, order by queue score, hand-off of the longest
-prefix that fits and, under backfill while the head's window is open, of later requests that
-fit. The scripts' decisions must equal this model's on any history (tests/integration/
+"Priorities", "Backfill" and "Tenant quotas"): one pool, bytes, order by queue score,
+hand-off of the longest prefix that fits (passing over waiters whose tenant is at its quota)
+and, under backfill while the head's window is open, of later requests that fit. The scripts' decisions must equal this model's on any history (tests/integration/
 test_priority.py drives both with the same calls and compares).
 
 Times are the server's milliseconds as the scripts reported them (the model takes ``now_ms``
@@ -15,6 +15,7 @@ from gpulock._args import AGING_S
 
 AGING_US = int(AGING_S * 1_000_000)
 BACKFILL_DEPTH = 32  # lua/lib.lua
+QUOTA_DEPTH = 32  # lua/lib.lua
 
 
 @dataclass
@@ -24,9 +25,11 @@ class QueueModel:
     backfill_ms: int = 2000
     used: int = 0
     qvt: int = 0  # the last arrival, virtual µs
-    # ticket -> (score, amount, enqueued_ms)
-    queue: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    # ticket -> (score, amount, enqueued_ms, tenant)
+    queue: dict[str, tuple[int, int, int, str]] = field(default_factory=dict)
     held: dict[str, int] = field(default_factory=dict)  # ticket -> amount
+    quotas: dict[str, int] = field(default_factory=dict)  # tenant -> bytes
+    tenant_of: dict[str, str] = field(default_factory=dict)  # held ticket -> tenant
 
     def score(self, now_ms: int, priority: int) -> tuple[int, int]:
         vt = max(now_ms * 1000, self.qvt + 1)
@@ -36,52 +39,105 @@ class QueueModel:
         """Queued tickets, head first."""
         return sorted(self.queue, key=lambda t: self.queue[t][0])
 
-    def acquire(self, ticket: str, amount: int, priority: int, now_ms: int, mode: str) -> str:
-        """'granted', 'queued' or 'refused' (mode 'try' that could not be granted)."""
+    def tenant_used(self, tenant: str) -> int:
+        return sum(a for t, a in self.held.items() if self.tenant_of.get(t) == tenant)
+
+    def quota_check(self, tenant: str, amount: int) -> str:
+        """'ok', 'wait' (the tenant holds too much now) or 'never' (over its quota)."""
+        q = self.quotas.get(tenant, 0) if tenant else 0
+        if not q:
+            return "ok"
+        if amount > q:
+            return "never"
+        return "wait" if self.tenant_used(tenant) + amount > q else "ok"
+
+    def front(self) -> tuple[str | None, dict[str, int]]:
+        """The first waiter not passed over (at most QUOTA_DEPTH deep), and the tenants passed
+        over before it with the score of each one's first waiter passed over."""
+        passed: dict[str, int] = {}
+        for t in self.order()[:QUOTA_DEPTH]:
+            score, amount, _, tenant = self.queue[t]
+            q = self.quota_check(tenant, amount)
+            if q == "ok" and tenant not in passed:
+                return t, passed
+            if q != "never" and tenant not in passed:
+                passed[tenant] = score
+        return None, passed
+
+    def _grant(self, t: str, amount: int, tenant: str) -> None:
+        self.used += amount
+        self.held[t] = amount
+        self.tenant_of[t] = tenant
+
+    def acquire(
+        self, ticket: str, amount: int, priority: int, now_ms: int, mode: str, tenant: str = ""
+    ) -> str:
+        """'granted', 'queued', 'refused' (mode 'try' that could not be granted) or 'quota'
+        (the amount exceeds the tenant's quota: an error, nothing changes)."""
         assert amount <= self.capacity
+        if self.quota_check(tenant, amount) == "never":
+            return "quota"
         score, vt = self.score(now_ms, priority)
-        head = self.order()[:1]
-        ahead = not head or score < self.queue[head[0]][0]
-        if head and not ahead:
-            ahead = self.backfill_open(now_ms, self.queue[head[0]][2])
-        if ahead and self.used + amount <= self.capacity:
-            self.used += amount
-            self.held[ticket] = amount
+        fits = self.used + amount <= self.capacity and self.quota_check(tenant, amount) == "ok"
+        f, passed = self.front()
+        ahead = f is None or score < self.queue[f][0]
+        if tenant in passed and passed[tenant] < score:
+            fits = False  # a tenant's own waiters keep their order
+        if fits and f is not None and not ahead:
+            ahead = self.backfill_open(now_ms, self.queue[f][2])
+        if ahead and fits:
+            self._grant(ticket, amount, tenant)
             return "granted"
         if mode == "try":
             return "refused"
         self.qvt = vt
-        self.queue[ticket] = (score, amount, now_ms)
+        self.queue[ticket] = (score, amount, now_ms, tenant)
         return "queued"
 
     def backfill_open(self, now_ms: int, head_enqueued_ms: int) -> bool:
         return self.policy == "backfill" and now_ms - head_enqueued_ms < self.backfill_ms
 
     def hand_off(self, now_ms: int) -> list[str]:
-        """Grant the longest prefix of the queue that fits, then (backfill) later requests
-        that fit while the blocked head's window is open; returns the tickets granted."""
+        """Grant the longest prefix of the queue that fits, passing over waiters whose tenant
+        has no room and the later waiters of that tenant (at most QUOTA_DEPTH of them) and
+        dropping those over their quota, then
+        (backfill) later requests that fit while the blocked head's window is open; returns
+        the tickets granted."""
         out = []
         blocked = None
+        skipped = 0
+        passed: set[str] = set()
         for t in self.order():
-            score, amount, enq = self.queue[t]
+            score, amount, enq, tenant = self.queue[t]
+            q = self.quota_check(tenant, amount)
+            if q == "never":
+                del self.queue[t]
+                continue
+            if q == "wait" or tenant in passed:
+                passed.add(tenant)
+                skipped += 1
+                if skipped >= QUOTA_DEPTH:
+                    break
+                continue
             if self.used + amount > self.capacity:
                 blocked = enq
                 break
             del self.queue[t]
-            self.used += amount
-            self.held[t] = amount
+            self._grant(t, amount, tenant)
             out.append(t)
         if (
             blocked is not None
             and self.used < self.capacity
             and self.backfill_open(now_ms, blocked)
         ):
-            for t in self.order()[1 : 1 + BACKFILL_DEPTH]:
-                amount = self.queue[t][1]
-                if self.used + amount <= self.capacity:
+            for t in self.order()[skipped + 1 : skipped + 1 + BACKFILL_DEPTH]:
+                amount, tenant = self.queue[t][1], self.queue[t][3]
+                q = self.quota_check(tenant, amount)
+                if q == "wait":
+                    passed.add(tenant)
+                if self.used + amount <= self.capacity and q == "ok" and tenant not in passed:
                     del self.queue[t]
-                    self.used += amount
-                    self.held[t] = amount
+                    self._grant(t, amount, tenant)
                     out.append(t)
                 if self.used >= self.capacity:
                     break
@@ -89,6 +145,15 @@ class QueueModel:
 
     def release(self, ticket: str, now_ms: int) -> list[str]:
         self.used -= self.held.pop(ticket)
+        self.tenant_of.pop(ticket, None)
+        return self.hand_off(now_ms)
+
+    def set_quota(self, tenant: str, quota: int, now_ms: int) -> list[str]:
+        """configure's quotas (0 removes), then its hand-off."""
+        if quota:
+            self.quotas[tenant] = quota
+        else:
+            self.quotas.pop(tenant, None)
         return self.hand_off(now_ms)
 
     def cancel(self, ticket: str, now_ms: int) -> list[str]:

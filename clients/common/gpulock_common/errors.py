@@ -6,6 +6,7 @@ raises derives from :class:`GpuLockError`::
     ├── AuthError                           gpulock-client: HTTP 401 (no or unknown token), 403 (pool not allowed)
     ├── PoolNotFound                        the pool is not configured (HTTP 404 pool_not_found)
     ├── CapacityExceeded                    amount > capacity: can never be granted (HTTP 413)
+    │   └── QuotaExceeded                   amount > the tenant's quota (HTTP 413 quota_exceeded)
     ├── AcquireTimeout (also TimeoutError)  the wait for a grant ran out (or timeout=0 and busy)
     ├── QueueFull                           the pool's queue is at its bound (HTTP 503 queue_full)
     ├── LeaseLost                           the lease expired, was reaped or never existed (HTTP 410),
@@ -32,6 +33,7 @@ __all__ = [
     "AuthError",
     "PoolNotFound",
     "CapacityExceeded",
+    "QuotaExceeded",
     "AcquireTimeout",
     "QueueFull",
     "LeaseLost",
@@ -87,6 +89,23 @@ class CapacityExceeded(GpuLockError):
         super().__init__(message)
         self.amount = amount
         self.capacity = capacity
+
+
+class QuotaExceeded(CapacityExceeded):
+    """The requested amount is larger than its tenant's quota on the pool, so no wait could
+    end with a grant (docs/SEMANTICS.md, "Tenant quotas"). Raised at once. ``amount`` and
+    ``quota`` are in bytes (``capacity`` is the quota too, for handlers of the base class);
+    ``tenant`` names the tenant."""
+
+    def __init__(self, amount: int, quota: int, tenant: str, message: Optional[str] = None):
+        if message is None:
+            message = (
+                f"amount {amount} bytes ({format_size(amount)}) exceeds the quota of tenant "
+                f"{tenant!r}, {quota} bytes ({format_size(quota)})"
+            )
+        super().__init__(amount, quota, message)
+        self.quota = quota
+        self.tenant = tenant
 
 
 class AcquireTimeout(GpuLockError, TimeoutError):

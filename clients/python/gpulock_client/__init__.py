@@ -18,6 +18,7 @@ from .errors import (
     LeaseLost,
     PoolNotFound,
     QueueFull,
+    QuotaExceeded,
 )
 
 __version__ = "0.1.0"
@@ -36,4 +37,5 @@ __all__ = [
     "Pool",
     "PoolNotFound",
     "QueueFull",
+    "QuotaExceeded",
 ]
