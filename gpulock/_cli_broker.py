@@ -173,6 +173,8 @@ def core_error(e: Exception) -> Exception:
         return E.AcquireTimeout(
             str(e), position=e.position, queue_length=e.queue_length, retry_after=e.retry_after
         )
+    if isinstance(e, C.QuotaExceeded):
+        return E.QuotaExceeded(e.amount, e.quota, e.tenant)
     if isinstance(e, C.CapacityExceeded):
         return E.CapacityExceeded(e.amount, e.capacity)
     if isinstance(e, C.QueueFull):
@@ -241,8 +243,14 @@ class BrokerPool:
         holder: dict[str, Any] | None = None,
         on_queued: Callable[[int], Any] | None = None,
         priority: int = 0,
+        tenant: str | None = None,
     ) -> BrokerLease:
         import gpulock_client
+
+        if tenant:
+            raise E.InvalidArgument(
+                "a broker counts a lease under its token's tenant; a request cannot name one"
+            )
 
         try:
             return BrokerLease(

@@ -107,6 +107,17 @@ def priority_param(value: Optional[str]) -> int:
         raise typer.BadParameter(str(e)) from None
 
 
+def tenant_param(value: Optional[str]) -> Optional[str]:
+    """``--tenant``: a tenant name, 1-64 of [A-Za-z0-9._:-] (the core's check, so a bad one is
+    exit 2 naming it); None for none."""
+    from ._args import validate_tenant
+
+    try:
+        return validate_tenant(value) or None
+    except InvalidArgument as e:
+        raise typer.BadParameter(str(e)) from None
+
+
 def policy_param(value: Optional[str]) -> Optional[str]:
     """``--policy``: a pool's queue policy, "fifo" or "backfill" (the core's check, so a bad
     one is exit 2 naming it); None keeps the pool's."""
@@ -119,6 +130,28 @@ def policy_param(value: Optional[str]) -> Optional[str]:
     except InvalidArgument as e:
         raise typer.BadParameter(str(e)) from None
     return value
+
+
+def quota_param(values: Optional[list[str]]) -> Optional[dict[str, int]]:
+    """``--quota TENANT=SIZE`` (repeatable): tenant quotas in bytes, 0 for a SIZE of 0 or
+    "none" (removes that tenant's quota). A bad tenant or size is exit 2 naming it; None when
+    the flag is not given (the pool keeps its quotas)."""
+    if not values:
+        return None
+    from ._args import decode_quotas, encode_quotas
+
+    out: dict[str, int | str | None] = {}
+    for v in values:
+        tenant, eq, size = v.partition("=")
+        if not eq or not tenant:
+            raise typer.BadParameter(
+                f"takes TENANT=SIZE (e.g. alice=8GiB), got {v!r:.80}", param_hint="--quota"
+            )
+        out[tenant] = None if size.strip().lower() in ("0", "none") else size
+    try:
+        return decode_quotas(encode_quotas(out))  # the core's check names a bad tenant or size
+    except InvalidArgument as e:
+        raise typer.BadParameter(str(e), param_hint="--quota") from None
 
 
 def seconds_param(
@@ -212,8 +245,9 @@ class RunLease(Protocol):
 class RunPool(Protocol):
     """The pool ``gpulock run`` leases from: the core's :class:`gpulock.Pool` (Redis), or
     ``_cli_broker.BrokerPool`` (a broker, through the gpulock-client SDK). ``amount`` in
-    bytes, ``ttl``/``timeout`` in seconds, ``priority`` in [-100, 100] (higher first); errors are
-    the core's exceptions."""
+    bytes, ``ttl``/``timeout`` in seconds, ``priority`` in [-100, 100] (higher first),
+    ``tenant`` the tenant the lease counts under (None: none; a broker takes it from the
+    token, so its pool refuses one); errors are the core's exceptions."""
 
     def acquire(
         self,
@@ -224,6 +258,7 @@ class RunPool(Protocol):
         holder: dict[str, Any] | None = None,
         on_queued: Callable[[int], Any] | None = None,
         priority: int = 0,
+        tenant: str | None = None,
     ) -> RunLease: ...
 
     def close(self) -> None: ...

@@ -18,6 +18,7 @@ from ._cli_common import (
     fail,
     policy_param,
     pool_name_param,
+    quota_param,
     redis_client,
     safe_url,
     say,
@@ -129,16 +130,25 @@ def pool_set(
         help="Under backfill, how long a head that does not fit may be passed, seconds "
         "(default: keep the current value; 2 for a new pool).",
     ),
+    quota: Optional[list[str]] = typer.Option(
+        None,
+        "--quota",
+        metavar="TENANT=SIZE",
+        help="Cap the bytes one tenant's leases may hold (repeatable; SIZE 0 or none removes "
+        "the cap; docs/SEMANTICS.md, 'Tenant quotas'). Tenants not named keep theirs.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Create pool NAME (--capacity needed), or change its capacity, queue bound, max ttl or
-    queue policy (what is not given keeps its value).
+    """Create pool NAME (--capacity needed), or change its capacity, queue bound, max ttl,
+    queue policy or tenant quotas (what is not given keeps its value).
 
     Lowering the capacity below what is in use is allowed: leases keep their bytes and nothing
     new is granted until enough is released. Raising it grants waiters that now fit. Through
     --broker-url it needs an admin token (GPULOCK_TOKEN).
     """
     t = target(ctx)
+    # parsed here, not in a callback: typer hands a list option's callback result back as a list
+    quotas = quota_param(quota)
     try:
         if t.is_broker:
             from ._cli_broker import BrokerAdmin
@@ -161,6 +171,8 @@ def pool_set(
                     body["policy"] = policy
                 if backfill_window is not None:
                     body["backfill_window"] = backfill_window
+                if quotas is not None:
+                    body["quotas"] = quotas
                 r = b.call("PUT", f"/v1/pools/{name}", name, body)
             finally:
                 b.close()
@@ -173,6 +185,7 @@ def pool_set(
                 max_ttl,
                 policy,
                 backfill_window,
+                quotas,
             )
     except GpuLockError as e:
         error_exit(e, t, name, admin=True)
@@ -184,6 +197,7 @@ def pool_set(
         f"pool {name} {what}: capacity {format_size(r['capacity'])} ({r['capacity']} bytes), "
         f"max_waiters {r['max_waiters']}, used {format_size(r['used'])} ({r['used']} bytes)"
         + (f", {policy_text(r['policy'], r.get('backfill_window'))}" if "policy" in r else "")
+        + (f", quotas {quota_text(r['quotas'])}" if r.get("quotas") else "")
     )
     if r["used"] > r["capacity"]:
         print(
@@ -201,6 +215,11 @@ def policy_text(policy: str, window: Optional[float]) -> str:
     return f"policy {policy}"
 
 
+def quota_text(quotas: dict[str, int]) -> str:
+    """``alice=8GiB bob=4GiB``: tenant quotas as sizes."""
+    return " ".join(f"{t}={format_size(b)}" for t, b in sorted(quotas.items()))
+
+
 def _configure_redis(
     url: str,
     name: str,
@@ -209,6 +228,7 @@ def _configure_redis(
     max_ttl: Optional[float],
     policy: Optional[str] = None,
     backfill_window: Optional[float] = None,
+    quotas: Optional[dict[str, int]] = None,
 ) -> dict[str, Any]:
     from ._sync import Pool
 
@@ -233,6 +253,7 @@ def _configure_redis(
             max_ttl=mt,
             policy=policy,
             backfill_window=backfill_window,
+            quotas=quotas,
         )
     finally:
         client.close()
@@ -363,6 +384,16 @@ def _print_status(console: Console, st: PoolStatus) -> None:
             else ""
         )
         console.print(f"queue {policy_text(st.policy, st.backfill_window)}{how}", highlight=False)
+    if st.tenants:
+        console.print(
+            "tenants: "
+            + ", ".join(
+                f"{t} {format_size(u.used)}"
+                + (f" of quota {format_size(u.quota)}" if u.quota else " (no quota)")
+                for t, u in st.tenants.items()
+            ),
+            highlight=False,
+        )
     if st.external_left > 0:
         console.print(
             f"device: {format_size(st.external)} in use outside the pool's leases; effective "
@@ -378,12 +409,15 @@ def _print_status(console: Console, st: PoolStatus) -> None:
             f"leased, {format_size(int(o.get('excess', 0)))} over",
             highlight=False,
         )
+    lease_tenants = any(li.tenant for li in st.leases)  # a tenant column only when one is set
+    waiter_tenants = any(w.tenant for w in st.waiters)
     if st.leases:
         t = Table(title=None, show_edge=False, pad_edge=False, box=None, header_style="bold")
         cols: tuple[tuple[str, dict[str, Any]], ...] = (
             ("lease", {}),
             ("amount", {"justify": "right"}),
             ("token", {"justify": "right"}),
+            *((("tenant", {}),) if lease_tenants else ()),
             ("host", {}),
             ("pid", {"justify": "right"}),
             ("purpose", {"overflow": "fold"}),
@@ -398,6 +432,7 @@ def _print_status(console: Console, st: PoolStatus) -> None:
                 li.lease_id[:8],
                 format_size(li.amount),
                 str(li.token),
+                *((li.tenant or "-",) if lease_tenants else ()),
                 _shown(h.get("host", "?")),
                 _shown(h.get("pid", "?")),
                 _shown(h.get("purpose", "")),
@@ -411,6 +446,7 @@ def _print_status(console: Console, st: PoolStatus) -> None:
             ("position", {"justify": "right"}),
             ("amount", {"justify": "right"}),
             ("priority", {"justify": "right"}),
+            *((("tenant", {}),) if waiter_tenants else ()),
             ("host", {}),
             ("pid", {"justify": "right"}),
             ("purpose", {"overflow": "fold"}),
@@ -425,6 +461,7 @@ def _print_status(console: Console, st: PoolStatus) -> None:
                 str(w.position),
                 format_size(w.amount),
                 str(w.priority),
+                *((w.tenant or "-",) if waiter_tenants else ()),
                 _shown(h.get("host", "?")),
                 _shown(h.get("pid", "?")),
                 _shown(h.get("purpose", "")),

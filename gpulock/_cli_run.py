@@ -35,6 +35,7 @@ from ._cli_common import (
     fail,
     pool_name_param,
     priority_param,
+    tenant_param,
     redis_client,
     say,
     seconds_param,
@@ -185,6 +186,15 @@ def run(
         help="An integer in [-100, 100]; higher goes first in the pool's queue. A waiting "
         "request gains one level per second waited, so none starves.",
     ),
+    tenant: Optional[str] = typer.Option(
+        None,
+        "--tenant",
+        callback=tenant_param,
+        metavar="NAME",
+        help="The tenant the lease counts under: the pool's quota for it (gpulock pool set "
+        "--quota NAME=SIZE) caps what its leases hold. Through --broker-url the token's "
+        "tenant is used and this is refused.",
+    ),
     grace: float = typer.Option(
         DEFAULT_GRACE_S,
         "--grace",
@@ -240,6 +250,12 @@ def run(
         )
 
     t = target(ctx)
+    if tenant and t.is_broker:
+        fail(
+            EXIT_USAGE,
+            "--tenant: through a broker the lease counts under the token's tenant (its "
+            "'tenant' in the broker's tokens file); leave --tenant out",
+        )
     if not cmd:
         fail(EXIT_USAGE, "no command given (gpulock run --pool NAME --amount SIZE -- CMD ARGS...)")
     exe = cmd[0]
@@ -263,7 +279,19 @@ def run(
         p = Pool.from_url(t.url, pool, default_ttl=ttl)
     try:
         code = _run_under_lease(
-            p, t, pool, int(amount), ttl, timeout, grace, cmd, meta, quiet, enf, int(priority)
+            p,
+            t,
+            pool,
+            int(amount),
+            ttl,
+            timeout,
+            grace,
+            cmd,
+            meta,
+            quiet,
+            enf,
+            int(priority),
+            tenant or None,
         )
     finally:
         p.close()
@@ -283,6 +311,7 @@ def _run_under_lease(
     quiet: bool,
     enf: Optional[_EnforceOptions] = None,
     priority: int = 0,
+    tenant: Optional[str] = None,
 ) -> int:
     info = (lambda msg: None) if quiet else say
     queued_at: list[float] = []
@@ -314,6 +343,7 @@ def _run_under_lease(
                 holder=meta,
                 on_queued=on_queued,
                 priority=priority,
+                tenant=tenant,
             )
         finally:
             for s, h in old.items():
