@@ -78,7 +78,13 @@ class Acquirer:
 
         def enqueue():
             return p.enqueue_remote(
-                amount, request_id=tk, ttl=ttl, holder=meta, queue=queue, priority=priority
+                amount,
+                request_id=tk,
+                ttl=ttl,
+                holder=meta,
+                queue=queue,
+                priority=priority,
+                tenant=who.tenant or None,
             )
 
         start = self._clock()

@@ -38,6 +38,7 @@ from gpulock.errors import (
     InvalidArgument,
     PoolNotFound,
     QueueFull,
+    QuotaExceeded,
 )
 from gpulock._disconnect import watch_disconnect
 
@@ -172,6 +173,8 @@ def _allowed(who: Principal, pool: str) -> None:
 
 def _map(e: Exception, pool: str) -> NoReturn:
     """Translate gpulock's errors (and the broker's) to HTTP."""
+    if isinstance(e, QuotaExceeded):
+        _err(413, "quota_exceeded", str(e), amount=e.amount, quota=e.quota, tenant=e.tenant)
     if isinstance(e, CapacityExceeded):
         _err(413, "capacity_exceeded", str(e), amount=e.amount, capacity=e.capacity)
     if isinstance(e, PoolNotFound):
@@ -233,7 +236,9 @@ def _map(e: Exception, pool: str) -> NoReturn:
         **errors(
             s404="pool_not_found: the pool is not configured",
             s413="capacity_exceeded: amount is above the pool's capacity (it can never be "
-            "granted; amount and capacity in the body); or request_too_large: the body is over "
+            "granted; amount and capacity in the body); quota_exceeded: amount is above the "
+            "quota of the token's tenant (amount, quota and tenant in the body); or "
+            "request_too_large: the body is over "
             "the size bound",
             s503="queued: still waiting after `wait` seconds (request_id, position, "
             "hold_place_for; Retry-After and X-Queue-Position; retry with the same request_id "
@@ -493,8 +498,9 @@ async def configure_pool(
 ) -> PoolConfigured:
     """Set the capacity (bytes or "24GiB") and optionally the queue bound, the longest lease
     ttl (``max_ttl``, seconds; also the grace period after Redis restarts without its data) and
-    the queue policy (``policy`` "fifo" or "backfill", ``backfill_window`` seconds); what is left
-    out keeps its value. Admin tokens only. Lowering the capacity below what is in use keeps
+    the queue policy (``policy`` "fifo" or "backfill", ``backfill_window`` seconds) and tenant
+    quotas (``quotas``: tenant to bytes or a size, 0 removes; tenants left out keep theirs);
+    what is left out keeps its value. Admin tokens only. Lowering the capacity below what is in use keeps
     the leases; nothing new is granted until use falls below it."""
     _admin_only(who, pool, "configure")
     try:
@@ -505,6 +511,7 @@ async def configure_pool(
             body.max_ttl,
             policy=body.policy,
             backfill_window=body.backfill_window,
+            quotas=body.quota_bytes,
         )
     except Exception as e:
         _map(e, pool)
@@ -525,6 +532,7 @@ async def configure_pool(
         max_ttl=r["max_ttl"],
         policy=r["policy"],
         backfill_window=r["backfill_window"],
+        quotas=r["quotas"],
     )
 
 

@@ -9,7 +9,9 @@ Tokens come from a JSON document, read from a file (``--tokens-file`` or
     ]}
 
 ``pools`` lists the pools the token may lease from (``"*"``: all); ``admin`` allows
-``PUT /v1/pools/{pool}`` (capacity). Give ``sha256`` instead of ``token`` to keep the secret
+``PUT /v1/pools/{pool}`` (capacity). ``tenant`` names the tenant the token's leases count
+under for tenant quotas (1-64 of ``[A-Za-z0-9._:-]``, ``""`` for none); left out, it is the
+token's ``name`` when that is a valid tenant name, else none. A client cannot choose it. Give ``sha256`` instead of ``token`` to keep the secret
 out of the file. A token is checked by hashing it and comparing the digest with every entry in
 constant time (``hmac.compare_digest``, no early exit). A token's identity, recorded with its
 leases so that only it can renew or release them, is the first 16 hex digits of its SHA-256:
@@ -25,6 +27,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+
+from gpulock._args import TENANT_RE, validate_tenant
+from gpulock.errors import InvalidArgument
 
 __all__ = ["Principal", "TokenStore", "load_tokens", "TokenConfigError"]
 
@@ -44,12 +49,16 @@ class Principal:
     pools: frozenset[str]
     admin: bool
     digest: bytes
+    tenant: str = ""  # the tenant its leases count under ("" for none)
 
     def may_use(self, pool: str) -> bool:
         return "*" in self.pools or pool in self.pools
 
     def __repr__(self) -> str:  # never print the digest
-        return f"Principal(name={self.name!r}, id={self.id!r}, admin={self.admin})"
+        return (
+            f"Principal(name={self.name!r}, id={self.id!r}, admin={self.admin}, "
+            f"tenant={self.tenant!r})"
+        )
 
 
 def token_digest(token: str) -> bytes:
@@ -59,7 +68,7 @@ def token_digest(token: str) -> bytes:
 def _principal(i: int, e: Any, where: str) -> Principal:
     if not isinstance(e, dict):
         raise TokenConfigError(f"{where}: tokens[{i}] must be an object")
-    unknown = set(e) - {"name", "token", "sha256", "pools", "admin"}
+    unknown = set(e) - {"name", "token", "sha256", "pools", "admin", "tenant"}
     if unknown:
         raise TokenConfigError(f"{where}: tokens[{i}] has unknown keys {sorted(unknown)}")
     if ("token" in e) == ("sha256" in e):
@@ -89,7 +98,14 @@ def _principal(i: int, e: Any, where: str) -> Principal:
     name = e.get("name", f"token{i}")
     if not isinstance(name, str) or not name or len(name) > 64:
         raise TokenConfigError(f"{where}: tokens[{i}].name must be a string of 1-64 characters")
-    return Principal(name, digest.hex()[:16], frozenset(pools), admin, digest)
+    if "tenant" in e:
+        try:
+            tenant = validate_tenant(e["tenant"])
+        except InvalidArgument as x:
+            raise TokenConfigError(f"{where}: tokens[{i}].{x}") from None
+    else:
+        tenant = name if TENANT_RE.fullmatch(name) else ""
+    return Principal(name, digest.hex()[:16], frozenset(pools), admin, digest, tenant)
 
 
 def parse_tokens(doc: Any, where: str) -> list[Principal]:

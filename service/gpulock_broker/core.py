@@ -291,10 +291,17 @@ class Broker:
         *,
         policy: str | None = None,
         backfill_window: float | None = None,
+        quotas: Mapping[str, int] | None = None,
     ) -> dict[str, Any]:
         """Create or change a pool (see :meth:`.pools.Pools.configure`)."""
         return await self._poolset.configure(
-            pool, capacity, max_waiters, max_ttl, policy=policy, backfill_window=backfill_window
+            pool,
+            capacity,
+            max_waiters,
+            max_ttl,
+            policy=policy,
+            backfill_window=backfill_window,
+            quotas=quotas,
         )
 
     async def delete_pool(self, pool: str, *, force: bool = False) -> DeleteResult:

@@ -6,12 +6,19 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 from typing_extensions import Annotated
 
 from gpulock._args import MAX_TTL_S as MAX_POOL_TTL_S
 from gpulock._args import MIN_TTL_S as MIN_POOL_TTL_S
-from gpulock._args import PRIORITY_MAX, PRIORITY_MIN, meta_unicode_error, validate_priority
+from gpulock._args import (
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    decode_quotas,
+    encode_quotas,
+    meta_unicode_error,
+    validate_priority,
+)
 from gpulock._flow import queue_policy
 from gpulock._json_int import INTEGRAL, integral
 from gpulock.errors import InvalidArgument
@@ -173,10 +180,33 @@ class PoolConfigRequest(_Body):
         "keep the current value; 2 for a new pool).",
     )
 
+    quotas: Optional[dict[str, Union[StrictInt, str, None]]] = Field(
+        None,
+        description="Tenant quotas: tenant (1-64 of [A-Za-z0-9._:-], a token's tenant) to the "
+        'bytes its leases may hold, as bytes or a size ("8GiB"); 0 or null removes that '
+        'tenant\'s quota. Tenants left out keep theirs (docs/SEMANTICS.md, "Tenant quotas").',
+    )
+
     @field_validator("capacity", mode="before")
     @classmethod
     def _capacity(cls, v: Any) -> int:
         return _size(v, "capacity")
+
+    @field_validator("quotas")
+    @classmethod
+    def _quotas(cls, v: Any) -> Any:
+        # The core's check, so the 422 names the bad tenant or size.
+        if v is not None:
+            try:
+                encode_quotas(v)
+            except InvalidArgument as e:
+                raise ValueError(str(e)) from None
+        return v
+
+    @property
+    def quota_bytes(self) -> dict[str, int] | None:
+        """``quotas`` in bytes (0: remove), None when not given."""
+        return None if self.quotas is None else decode_quotas(encode_quotas(self.quotas))
 
     @field_validator("policy", mode="before")
     @classmethod
@@ -249,6 +279,7 @@ class LeaseInfoOut(BaseModel):
     held_for: float
     ttl: float
     holder: dict[str, Any]
+    tenant: str = Field("", description="the tenant its bytes count under; empty for none")
 
 
 class WaiterInfoOut(BaseModel):
@@ -261,6 +292,12 @@ class WaiterInfoOut(BaseModel):
         description="As requested (the queue ages it: one level per second waited); 0 for "
         "requests made without one.",
     )
+    tenant: str = Field("", description="the tenant it asks for; empty for none")
+
+
+class TenantUseOut(BaseModel):
+    used: int = Field(..., description="bytes the tenant's live leases hold")
+    quota: int = Field(..., description="bytes its leases may hold; 0 for no quota")
 
 
 class PoolOut(BaseModel):
@@ -287,6 +324,10 @@ class PoolOut(BaseModel):
     backfill_window: float = Field(
         ..., description="seconds a head that does not fit may be passed under backfill"
     )
+    tenants: dict[str, TenantUseOut] = Field(
+        default_factory=dict,
+        description="tenants with a quota or a live lease: use and quota, bytes",
+    )
 
 
 class PoolList(BaseModel):
@@ -303,6 +344,9 @@ class PoolConfigured(BaseModel):
     max_ttl: float = Field(..., description="seconds")
     policy: str = Field(..., description='queue policy: "fifo" or "backfill"')
     backfill_window: float = Field(..., description="seconds (backfill's window)")
+    quotas: dict[str, int] = Field(
+        default_factory=dict, description="every tenant quota of the pool, bytes by tenant"
+    )
 
 
 class PoolDeleted(BaseModel):

@@ -191,11 +191,13 @@ class Pools:
         *,
         policy: str | None = None,
         backfill_window: float | None = None,
+        quotas: Mapping[str, int] | None = None,
     ) -> dict[str, Any]:
         """Create or change a pool; ``max_waiters``/``max_ttl``/``policy``/``backfill_window``
-        None keep the pool's current values (the library's defaults for a new pool). Returns
-        the configure reply (with ``policy`` and ``backfill_window`` seconds) with ``max_ttl``
-        (seconds) added. Raises InvalidArgument for a bad policy or window."""
+        None keep the pool's current values (the library's defaults for a new pool); ``quotas``
+        (tenant to bytes, 0 removes) changes the tenants named. Returns the configure reply
+        (with ``policy``, ``backfill_window`` seconds and ``quotas``) with ``max_ttl`` (seconds)
+        added. Raises InvalidArgument for a bad policy, window or quota."""
         p = self.get(pool)
         if max_waiters is None or max_ttl is None:
             try:
@@ -212,6 +214,7 @@ class Pools:
                 max_ttl=max_ttl,
                 policy=policy,
                 backfill_window=backfill_window,
+                quotas=quotas,
             )
         )
         return {**r, "max_ttl": p.max_ttl}

@@ -47,6 +47,7 @@ from .errors import (
     LeaseLost,
     PoolNotFound,
     QueueFull,
+    QuotaExceeded,
 )
 
 DEFAULT_TTL_S = 30.0
@@ -234,6 +235,9 @@ def error_for(r: Reply, pool: str) -> GpuLockError:
     code = d.get("error")
     if r.status in (401, 403):
         e: GpuLockError = AuthError(msg)
+    elif r.status == 413 and code == "quota_exceeded":
+        q = int(d.get("quota") or 0)
+        e = QuotaExceeded(int(d.get("amount") or 0), q, str(d.get("tenant") or ""), msg)
     elif r.status == 413:
         e = CapacityExceeded(int(d.get("amount") or 0), int(d.get("capacity") or 0), msg)
     elif r.status == 422:
