@@ -87,7 +87,7 @@ def validate_priority(priority: object) -> int:
 
 # Tenants (docs/SEMANTICS.md, "Tenant quotas"): the name a lease's bytes count under, as
 # lua/lib.lua tenant_arg accepts it.
-_TENANT_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+TENANT_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
 def validate_tenant(tenant: object) -> str:
@@ -95,7 +95,7 @@ def validate_tenant(tenant: object) -> str:
     as ""). Raises InvalidArgument naming the bad value."""
     if tenant is None or tenant == "":
         return ""
-    if not isinstance(tenant, str) or not _TENANT_RE.fullmatch(tenant):
+    if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
         raise InvalidArgument(
             f"tenant must be 1-64 characters of [A-Za-z0-9._:-], got {tenant!r:.80}"
         )

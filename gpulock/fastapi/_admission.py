@@ -128,6 +128,7 @@ class Admission:
         backend: the pool to lease from.
         lease_ttl: the ttl to lease with now (seconds; the pool's ``max_ttl`` bounds it).
         refresh: reads the pool's status now (so ``lease_ttl`` sees a lowered ``max_ttl``).
+        tenant: the tenant the leases count under (None: none).
     """
 
     def __init__(
@@ -136,11 +137,14 @@ class Admission:
         backend: Backend,
         lease_ttl: Callable[[], float],
         refresh: Callable[[], Awaitable[None]],
+        *,
+        tenant: str | None = None,
     ):
         self.slots = slots
         self._backend = backend
         self._lease_ttl = lease_ttl
         self._refresh = refresh
+        self._tenant = tenant
 
     async def slot(
         self,
@@ -196,6 +200,7 @@ class Admission:
                 holder={"route": route},
                 on_queued=on_queued,
                 priority=priority,
+                tenant=self._tenant,
             )
         except InvalidArgument:
             # max_ttl lowered since our last status read: read it now, retry once if it clamps
@@ -211,4 +216,5 @@ class Admission:
                 holder={"route": route},
                 on_queued=on_queued,
                 priority=priority,
+                tenant=self._tenant,
             )

@@ -106,6 +106,7 @@ class Estimates:
                 amount,
                 timeout=self._settings.acquire_timeout * 6,
                 holder={"purpose": "calibration"},
+                tenant=self._settings.tenant,
             ) as lease:
                 lease.ensure_valid()
                 peak = await asyncio.get_running_loop().run_in_executor(

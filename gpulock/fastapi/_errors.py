@@ -17,6 +17,7 @@ from ..errors import (
     LeaseLost,
     PoolNotFound,
     QueueFull,
+    QuotaExceeded,
 )
 from ..units import format_size
 from ._metrics import metrics
@@ -116,7 +117,8 @@ class HttpErrors:
         self, out: asyncio.Future[Any], route: str, amount: int, position: Callable[[], int]
     ) -> object:
         """The result of a finished job's ``out``, or raise its error as HTTP:
-        cancelled → 503 ``not_ready``; :class:`CapacityExceeded` → 413; :class:`QueueFull`
+        cancelled → 503 ``not_ready``; :class:`CapacityExceeded` (and its
+        :class:`QuotaExceeded`) → 413; :class:`QueueFull`
         and :class:`AcquireTimeout` → 503 with ``Retry-After`` and ``X-Queue-Position``;
         :class:`LeaseLost` → 503; a CUDA OOM → 503 with ``Retry-After``; a sticky CUDA error
         → 500; Redis unreachable or the pool gone → 503 with ``Retry-After`` of two reaper
@@ -135,6 +137,14 @@ class HttpErrors:
             return out.result()
         m = metrics()
         pool_name = self._settings.pool_name
+        if isinstance(exc, QuotaExceeded):
+            raise GpuLockHTTPException(
+                413,
+                f"this request needs {format_size(exc.amount)} ({exc.amount} bytes) of GPU memory but "
+                f"this service's tenant {exc.tenant!r} has a quota of {format_size(exc.quota)} "
+                f"({exc.quota} bytes) on pool {pool_name!r}; send a smaller batch",
+                "quota",
+            ) from None
         if isinstance(exc, CapacityExceeded):
             raise GpuLockHTTPException(
                 413,

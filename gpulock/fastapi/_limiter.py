@@ -103,6 +103,9 @@ class GpuLimiter:
             replaces the route's priority, clamped to at most the route's ``max_priority``
             (:mod:`gpulock.fastapi._priority`); a malformed value answers 400. None (the
             default): headers are ignored, since any client could send one.
+        tenant: the tenant every lease of this limiter counts under (1-64 of
+            [A-Za-z0-9._:-]): the pool's quota for it, if any, caps what this service holds
+            (docs/SEMANTICS.md, "Tenant quotas"). None (the default): no tenant.
         oom_backoff: the rule by which a CUDA OOM inside a lease raises its shape bucket's
             estimate and shrinks the share of the capacity granted (docs/SEMANTICS.md,
             "Back-off on OOM"); None turns it off.
@@ -113,8 +116,8 @@ class GpuLimiter:
         device_reader: how to read the device: ``auto``, ``nvml``, ``torch`` or ``fake:PATH``
             (:func:`gpulock.devices.open_reader`).
 
-    Raises: InvalidArgument for a bad ``configure``, ``executor_threads``, ``capacity`` or
-    ``priority_header``.
+    Raises: InvalidArgument for a bad ``configure``, ``executor_threads``, ``capacity``,
+    ``priority_header`` or ``tenant``.
     """
 
     def __init__(
@@ -138,6 +141,7 @@ class GpuLimiter:
         exit_on_fatal: bool = True,
         request_id_header: str = "X-Request-ID",
         priority_header: str | None = None,
+        tenant: str | None = None,
         oom_backoff: BackoffRule | None = DEFAULT_RULE,
         device: int | None = None,
         device_reader: str = "auto",
@@ -166,6 +170,7 @@ class GpuLimiter:
             exit_on_fatal=exit_on_fatal,
             request_id_header=request_id_header,
             priority_header=priority_header,
+            tenant=tenant,
         )
         be = self._backend = Backend(s.pool_name)
         self._slots = Slots(s.executor_threads)
@@ -188,7 +193,11 @@ class GpuLimiter:
         self._reaper = Reaper(s, be, self._on_read, self._ready.publish)
         self._store = RequestStore(s, be, self._slots, self._retry, errors)
         admission = Admission(
-            self._slots, be, lambda: self.lease_ttl, lambda: self._reaper.tick(full=False)
+            self._slots,
+            be,
+            lambda: self.lease_ttl,
+            lambda: self._reaper.tick(full=False),
+            tenant=s.tenant,
         )
         self._runner = JobRunner(
             s,

@@ -180,6 +180,7 @@ class ResidentLeases:
         pool = self._backend.pool
         assert pool is not None
         interval = self._settings.reaper_interval
+        tenant = self._settings.tenant
         backoff = 0.5
         holder = {"purpose": f"resident:{purpose}"}
         self._mode = ""
@@ -195,14 +196,16 @@ class ResidentLeases:
                         f"trying every {interval:g}s without queueing"
                     )
                     try:
-                        lease = await pool.acquire(amount, ttl=ttl_s, timeout=0, holder=holder)
+                        lease = await pool.acquire(
+                            amount, ttl=ttl_s, timeout=0, holder=holder, tenant=tenant
+                        )
                         break
                     except AcquireTimeout:
                         await asyncio.sleep(interval)
                         continue
                 self._mode = "queued behind the requests ahead of it"
                 acq = asyncio.ensure_future(
-                    pool.acquire(amount, ttl=ttl_s, timeout=None, holder=holder)
+                    pool.acquire(amount, ttl=ttl_s, timeout=None, holder=holder, tenant=tenant)
                 )
                 try:
                     while True:

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from .._args import validate_tenant
 from ..errors import InvalidArgument
 from ..units import parse_size
 
@@ -35,6 +36,7 @@ class Settings:
     exit_on_fatal: bool
     request_id_header: str
     priority_header: str | None = None
+    tenant: str | None = None
 
     @classmethod
     def of(
@@ -53,8 +55,8 @@ class Settings:
         ``GPULOCK_HISTORY_FILE``; the times become floats.
 
         Raises: InvalidArgument for a ``configure`` other than "create"/"set", fewer than one
-        executor thread, a capacity that is not a size, or a ``priority_header`` that is not
-        a header name."""
+        executor thread, a capacity that is not a size, a ``priority_header`` that is not
+        a header name, or a ``tenant`` that is not a tenant name (1-64 of [A-Za-z0-9._:-])."""
         if configure not in ("create", "set"):
             raise InvalidArgument(f"configure must be 'create' or 'set', got {configure!r}")
         if int(executor_threads) < 1:
@@ -64,6 +66,7 @@ class Settings:
             raise InvalidArgument(
                 f"priority_header must be None or an HTTP header name, got {ph!r:.80}"
             )
+        rest["tenant"] = validate_tenant(rest.get("tenant")) or None
         for name in _SECONDS:
             rest[name] = float(rest[name])
         return cls(

@@ -137,6 +137,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         enabled=not settings.disabled,
         exit_on_fatal=settings.exit_on_fatal,
         priority_header=settings.priority_header,
+        tenant=settings.tenant,
         device=settings.sample_device,
         device_reader=settings.device_reader,
     )

@@ -52,7 +52,7 @@ class OpenAIErrorObject(BaseModel):
     param: str | None = Field(..., description="the request field at fault, if one is")
     code: str | None = Field(
         ...,
-        description="gpulock's reason: queue_timeout, queue_full, capacity, not_ready, "
+        description="gpulock's reason: queue_timeout, queue_full, capacity, quota, not_ready, "
         "model_not_found, invalid_json, request_too_large, inference_timeout, ...",
     )
 

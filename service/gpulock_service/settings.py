@@ -121,6 +121,13 @@ class Settings(BaseSettings):
         "(the header can only lower it)",
     )
 
+    tenant: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9._:-]{1,64}$",
+        description="tenant every lease of this service counts under: the pool's quota for "
+        "it (gpulock pool set --quota TENANT=SIZE) caps what the service holds; unset: none",
+    )
+
     sleep_seconds: float = Field(1.0, ge=0, description="sleep model: seconds per request")
     sleep_bytes: str = Field("256MiB", description="sleep model: bytes per input")
 
@@ -152,7 +159,7 @@ class Settings(BaseSettings):
         None, description="tests: prefix of per-worker grant/release logs"
     )
 
-    @field_validator("priority_header", mode="before")
+    @field_validator("priority_header", "tenant", mode="before")
     @classmethod
     def _no_header(cls, v: object) -> object:
         return None if isinstance(v, str) and v.strip() == "" else v
