@@ -390,7 +390,7 @@ def plot_service(S: dict, path: Path) -> None:
 
 def plot_scheduling(R: dict, path: Path) -> None:
     """``benchmarks/scheduling.py``: utilization per workload and policy; p50/p99 wait per
-    class (size, or priority for the priority workload) per policy."""
+    class (size; priority for the priority workload, tenant for the tenants one) per policy."""
     runs = R.get("runs") or []
     if not runs:
         return
@@ -416,7 +416,9 @@ def plot_scheduling(R: dict, path: Path) -> None:
     ax.legend(fontsize=8, loc="lower right")
     ax.margins(y=0.12)
     for ax, w in zip(axes[1:], workloads):
-        by = "wait_by_priority_ms" if w == "priority" else "wait_by_size_ms"
+        by = {"priority": "wait_by_priority_ms", "tenants": "wait_by_tenant_ms"}.get(
+            w, "wait_by_size_ms"
+        )
         classes = list(dict.fromkeys(k for r in runs if r["workload"] == w for k in r[by]))
         for j, pol in enumerate(("fifo", "backfill")):
             r = next((r for r in runs if r["workload"] == w and r["policy"] == pol), None)
@@ -427,7 +429,8 @@ def plot_scheduling(R: dict, path: Path) -> None:
             p50 = [r[by].get(k, {}).get("p50", 0) for k in classes]
             ax.bar(xs, p99, width=0.36, color=col[pol], alpha=0.45)
             ax.bar(xs, p50, width=0.36, color=col[pol], label=f"{pol} p50 (light: p99)")
-        names = [f"prio {k}" if w == "priority" else f"{k} MiB" for k in classes]
+        label = {"priority": "prio {}", "tenants": "tenant {}"}.get(w, "{} MiB")
+        names = [label.format(k) for k in classes]
         ax.set_xticks(range(len(classes)), names, fontsize=7)
         ax.set_ylabel("wait (ms)", fontsize=8)
         ax.set_title(f"{w}: wait per class", fontsize=9)

@@ -11,12 +11,15 @@ processes would have) acquire, hold for ``hold_s`` and release, back to back, on
 
 * ``uniform``: 64, 128, 256 or 512 MiB, uniform (the mix of ``benchmarks/service.py``);
 * ``mixed``: 90 % of requests 64 MiB, 10 % 8x larger (512 MiB);
-* ``priority``: the uniform mix, a quarter of the requests at priority 5, the rest at 0.
+* ``priority``: the uniform mix, a quarter of the requests at priority 5, the rest at 0;
+* ``tenants``: the uniform mix, half the clients tenant ``a`` with a quota of 512 MiB (half the
+  pool), the other half tenant ``b`` without one (docs/SEMANTICS.md, "Tenant quotas").
 
 Each runs under FIFO and under backfill (2 s window). Reported per run: budget utilization
 (time-weighted bytes leased / capacity, from the clients' grant and release times), grants/s,
-p50/p99/max wait per size class (and per priority class), and the Redis server's CPU per grant
-(``INFO cpu`` over the window / grants made in it).
+p50/p99/max wait per size class (per priority class; per tenant, with tenant ``a``'s peak use
+from the clients' grant and release times, which lie inside the server's), and the Redis
+server's CPU per grant (``INFO cpu`` over the window / grants made in it).
 """
 
 from __future__ import annotations
@@ -59,7 +62,14 @@ def draw_priority(rng: random.Random) -> tuple[int, int]:
     return rng.choice((1, 2, 4, 8)) * 64 * MiB, (5 if rng.random() < 0.25 else 0)
 
 
-WORKLOADS = {"uniform": draw_uniform, "mixed": draw_mixed, "priority": draw_priority}
+WORKLOADS = {
+    "uniform": draw_uniform,
+    "mixed": draw_mixed,
+    "priority": draw_priority,
+    "tenants": draw_uniform,
+}
+# workload -> its pool's tenant quotas; its clients' tenants: the first half a, the rest b
+QUOTAS = {"tenants": {"a": 512 * MiB}}
 POLICIES = ("fifo", "backfill")
 
 
@@ -73,23 +83,30 @@ async def run_one(url: str, workload: str, policy: str, cfg: dict, seed: int) ->
 
     name = f"sched-{workload}-{policy}"
     admin = AsyncPool.from_url(url, name)
+    quotas = QUOTAS.get(workload)
     await admin.configure(
-        CAPACITY, policy=policy, backfill_window=cfg["backfill_window_s"], max_waiters=1000
+        CAPACITY,
+        policy=policy,
+        backfill_window=cfg["backfill_window_s"],
+        max_waiters=1000,
+        quotas=quotas,
     )
     pools = [AsyncPool.from_url(url, name) for _ in range(cfg["clients"])]
     draw = WORKLOADS[workload]
-    recs: list[tuple[float, float, float, int, int]] = []  # asked, granted, released, bytes, prio
+    # asked, granted, released, bytes, priority, tenant
+    recs: list[tuple[float, float, float, int, int, str]] = []
     errors: list[str] = []
     stop_at = time.monotonic() + cfg["warm_s"] + cfg["duration_s"]
 
     async def client(i: int) -> None:
         rng = random.Random(seed * 1000 + i)
         pool = pools[i]
+        tenant = ("a" if i < cfg["clients"] // 2 else "b") if quotas else None
         while time.monotonic() < stop_at:
             amount, prio = draw(rng)
             asked = time.monotonic()
             try:
-                lease = await pool.acquire(amount, timeout=30, priority=prio)
+                lease = await pool.acquire(amount, timeout=30, priority=prio, tenant=tenant)
             except gpulock.GpuLockError as e:
                 errors.append(f"{type(e).__name__}: {e}")
                 continue
@@ -97,7 +114,7 @@ async def run_one(url: str, workload: str, policy: str, cfg: dict, seed: int) ->
             await asyncio.sleep(cfg["hold_s"])
             released = time.monotonic()
             await lease.release()
-            recs.append((asked, granted, released, amount, prio))
+            recs.append((asked, granted, released, amount, prio, tenant or ""))
 
     direct = aioredis.Redis.from_url(url)
     try:
@@ -115,12 +132,12 @@ async def run_one(url: str, workload: str, policy: str, cfg: dict, seed: int) ->
         await admin.aclose()
         await direct.aclose()
 
-    area = sum(max(0.0, min(r, t1) - max(g, t0)) * b for _, g, r, b, _ in recs)
+    area = sum(max(0.0, min(r, t1) - max(g, t0)) * x[3] for x in recs for g, r in [x[1:3]])
     in_window = [x for x in recs if t0 <= x[0] <= t1]
     grants = st1.grants - st0.grants
 
     def waits(sel: list) -> dict[str, float]:
-        w = [(g - a) * 1000 for a, g, _, _, _ in sel]
+        w = [(x[1] - x[0]) * 1000 for x in sel]
         return {
             "n": len(w),
             "p50": percentile(w, 50),
@@ -130,6 +147,7 @@ async def run_one(url: str, workload: str, policy: str, cfg: dict, seed: int) ->
 
     sizes = sorted({x[3] for x in in_window})
     prios = sorted({x[4] for x in in_window})
+    tenants = sorted({x[5] for x in in_window if x[5]})
     return {
         "workload": workload,
         "policy": policy,
@@ -142,9 +160,44 @@ async def run_one(url: str, workload: str, policy: str, cfg: dict, seed: int) ->
             str(s // MiB): waits([x for x in in_window if x[3] == s]) for s in sizes
         },
         "wait_by_priority_ms": {str(p): waits([x for x in in_window if x[4] == p]) for p in prios},
+        "wait_by_tenant_ms": {t: waits([x for x in in_window if x[5] == t]) for t in tenants},
+        "quotas": quotas or {},
+        "peak_by_tenant": {t: _peak([x for x in recs if x[5] == t]) for t in tenants},
         "errors": errors[:5],
         "error_count": len(errors),
     }
+
+
+def _peak(recs: list) -> int:
+    """The most bytes the leases ``recs`` held at once (a sweep of their grant and release
+    times; a release sorts before a grant at the same instant)."""
+    events = sorted([(x[1], 1, x[3]) for x in recs] + [(x[2], 0, -x[3]) for x in recs])
+    cur = peak = 0
+    for _, _, delta in events:
+        cur += delta
+        peak = max(peak, cur)
+    return peak
+
+
+def _classes(r: dict) -> str:
+    """A run's wait classes as table text: per tenant, per priority or per size."""
+    if r["workload"] == "tenants":
+        out = []
+        for t, v in r["wait_by_tenant_ms"].items():
+            q = r["quotas"].get(t)
+            what = (
+                f"quota {q // MiB} MiB, peak {r['peak_by_tenant'][t] // MiB} MiB"
+                if q
+                else "no quota"
+            )
+            out.append(f"tenant {t} ({what}): {v['p50']:.0f}/{v['p99']:.0f}/{v['max']:.0f}")
+        return "; ".join(out)
+    by = r["wait_by_priority_ms"] if r["workload"] == "priority" else r["wait_by_size_ms"]
+    unit = "prio " if r["workload"] == "priority" else ""
+    suffix = "" if r["workload"] == "priority" else " MiB"
+    return "; ".join(
+        f"{unit}{k}{suffix}: {v['p50']:.0f}/{v['p99']:.0f}/{v['max']:.0f}" for k, v in by.items()
+    )
 
 
 def build_table(R: dict) -> str:
@@ -152,19 +205,13 @@ def build_table(R: dict) -> str:
 
     rows = []
     for r in R["runs"]:
-        by = r["wait_by_priority_ms"] if r["workload"] == "priority" else r["wait_by_size_ms"]
-        unit = "prio " if r["workload"] == "priority" else ""
-        suffix = "" if r["workload"] == "priority" else " MiB"
         rows.append(
             [
                 r["workload"],
                 r["policy"],
                 f"{r['utilization']:.0%}",
                 f"{r['grants_per_s']:.0f}",
-                "; ".join(
-                    f"{unit}{k}{suffix}: {v['p50']:.0f}/{v['p99']:.0f}/{v['max']:.0f}"
-                    for k, v in by.items()
-                ),
+                _classes(r),
                 f"{r['server_cpu_us_per_grant']:.0f}",
             ]
         )

@@ -1,6 +1,6 @@
 """Smoke test of ``benchmarks/scheduling.py --quick``: it runs end to end against a server it
 starts itself, prints its table and writes its JSON, every workload under both policies, with
-no acquire failing. No speed assertions (the numbers live in docs/BENCHMARKS.md)."""
+no acquire failing and tenant a's peak use within its quota. No speed assertions (the numbers live in docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_scheduling_benchmark_quick(tmp_path):
         assert col in head
     R = json.loads(out.read_text())
     assert [(r["workload"], r["policy"]) for r in R["runs"]] == [
-        (w, p) for w in ("uniform", "mixed", "priority") for p in ("fifo", "backfill")
+        (w, p) for w in ("uniform", "mixed", "priority", "tenants") for p in ("fifo", "backfill")
     ]
     for r in R["runs"]:
         assert r["error_count"] == 0, r
@@ -35,3 +35,8 @@ def test_scheduling_benchmark_quick(tmp_path):
         assert r["wait_ms"]["n"] > 0, r
     prio = [r for r in R["runs"] if r["workload"] == "priority"]
     assert all(set(r["wait_by_priority_ms"]) == {"0", "5"} for r in prio), prio
+    for r in R["runs"]:
+        if r["workload"] == "tenants":
+            assert set(r["wait_by_tenant_ms"]) == {"a", "b"}, r
+            # from the clients' grant and release times, inside the server's: never above
+            assert 0 < r["peak_by_tenant"]["a"] <= r["quotas"]["a"], r
