@@ -373,8 +373,7 @@ def error_exit(e: BaseException, t: Target, pool: str = "", *, admin: bool = Fal
             fail(
                 EXIT_USAGE,
                 f"--ttl {ttl:g} is longer than pool {name!r} allows: its max ttl is {mx:g} s; give "
-                f"--ttl {mx:g} or less, or raise the bound: gpulock pool set {name} --capacity SIZE "
-                f"--max-ttl {ttl:g}",
+                f"--ttl {mx:g} or less, or raise the bound: gpulock pool set {name} --max-ttl {ttl:g}",
             )
         fail(EXIT_USAGE, str(e))
     fail(EXIT_ERROR, str(e))

@@ -189,6 +189,11 @@ def pool_set(
             )
     except GpuLockError as e:
         error_exit(e, t, name, admin=True)
+    if backfill_window is not None and r.get("policy") == "fifo":
+        say(
+            "note: the backfill window is stored but has no effect under policy fifo; it "
+            "applies once the pool's policy is backfill (--policy backfill)"
+        )
     if as_json:
         print(json.dumps({"pool": name, **{k: v for k, v in r.items() if k != "pool"}}))
         return
@@ -384,6 +389,12 @@ def _print_status(console: Console, st: PoolStatus) -> None:
             else ""
         )
         console.print(f"queue {policy_text(st.policy, st.backfill_window)}{how}", highlight=False)
+    if st.grace_left > 0:
+        console.print(
+            f"grace period: Redis lost the pool's data; no new grants for {secs(st.grace_left)} "
+            "more, while the leases held before are put back (docs/RELIABILITY.md)",
+            highlight=False,
+        )
     if st.tenants:
         console.print(
             "tenants: "

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import typer
 
 from ._cli_common import (
+    EXIT_NO_POOL,
+    EXIT_UNAVAILABLE,
     EXIT_USAGE,
     Target,
     error_exit,
@@ -204,14 +206,24 @@ def top(
     width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", "120"))
     console = Console(file=sys.stdout, width=width, highlight=False)
 
-    def frame() -> RenderableType:
+    def view() -> dict[str, Any]:
         try:
-            return render_view(fetch_view(t, name, limit), limit=limit)
+            return fetch_view(t, name, limit)
         except GpuLockError as e:
             error_exit(e, t, name or "", admin=t.is_broker)  # a broker's view: admin tokens only
 
+    def frame() -> RenderableType:
+        return render_view(view(), limit=limit)
+
     if iterations == 1:
-        console.print(frame())
+        v = view()
+        console.print(render_view(v, limit=limit))
+        if name is not None and not v["pools"]:
+            # one frame of the one pool asked for, which could not be read: the command failed
+            # (66 when the pool does not exist, as for gpulock status; else 69)
+            msg = str(v["errors"].get(name, ""))
+            missing = "not configured" in msg or msg.startswith("no pool")
+            raise typer.Exit(EXIT_NO_POOL if missing else EXIT_UNAVAILABLE)
         return
     n = 0
     try:

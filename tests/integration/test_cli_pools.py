@@ -114,6 +114,12 @@ def test_run_ttl_over_the_pools_max_is_refused_in_seconds(url):
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert "--ttl 120" in r.stderr and "60 s" in r.stderr and "--max-ttl" in r.stderr, r.stderr
     assert "ttl_ms" not in r.stderr, r.stderr
+    # the hint is a command that works as given
+    hint = r.stderr.strip().rsplit("raise the bound: gpulock ", 1)[1].split()
+    assert hint == ["pool", "set", "p", "--max-ttl", "120"], r.stderr
+    assert gpulock(url, *hint).returncode == 0
+    r = gpulock(url, "run", "--pool", "p", "--amount", "1MiB", "--ttl", "120", "--", "true")
+    assert r.returncode == 0, r.stderr
 
 
 @pytest.mark.parametrize(
@@ -219,6 +225,10 @@ def test_pool_set_policy_and_window_and_what_is_kept(url):
     ), d
     st = _status(url, "bf")
     assert (st["capacity"], st["policy"], st["max_waiters"]) == (2 * 2**30, "fifo", 10000), st
+    # a window under FIFO is kept for later, and the command says it does nothing yet
+    r = gpulock(url, "pool", "set", "bf", "--backfill-window", "4")
+    assert r.returncode == 0 and "no effect under policy fifo" in r.stderr, r.stderr
+    assert _status(url, "bf")["backfill_window"] == 4.0
     r = gpulock(url, "status", "bf")
     assert r.returncode == 0 and "policy" not in r.stdout, r.stdout  # FIFO goes unsaid
     r = gpulock(url, "pool", "set", "bf", "--capacity", "1GiB")
@@ -263,3 +273,22 @@ def test_pool_set_bad_policy_or_window_exits_2_naming_it(url, args, shown):
         assert {k: c.dump(k) for k in sorted(c.keys("*"))} == before  # nothing changed
     finally:
         c.close()
+
+
+def test_status_says_when_a_pool_is_in_its_grace_period(url):
+    """A pool made again after Redis lost its data (configure's grace flag, as a pool object's
+    recovery sends it) grants nothing for one max_ttl: gpulock status says so, with the time
+    left."""
+    from support.pools import raw
+
+    c = redis.Redis.from_url(url)
+    try:
+        raw(c, "g", "configure", 2**30, 100, "set", 30_000, "1")
+    finally:
+        c.close()
+    r = gpulock(url, "status", "g")
+    assert r.returncode == 0, r.stderr
+    assert "grace period: Redis lost the pool's data; no new grants for" in r.stdout, r.stdout
+    assert _status(url, "g")["grace_left"] > 20
+    assert gpulock(url, "pool", "set", "plain", "--capacity", "1GiB").returncode == 0
+    assert "grace" not in gpulock(url, "status", "plain").stdout

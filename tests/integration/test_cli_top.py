@@ -63,8 +63,11 @@ def test_top_once_shows_the_pool_its_leases_and_its_queue(redis_proc, make_pool,
         # every pool, and a pool that does not exist
         r = cli(redis_proc.url, "top", "--once")
         assert r.returncode == 0 and pool_name in r.stdout
+        # one frame of a pool that does not exist says so, and fails as gpulock status does
         r = cli(redis_proc.url, "top", "nosuchpool", "--once")
-        assert r.returncode == 0 and "not configured" in r.stdout
+        assert r.returncode == 66 and "not configured" in r.stdout, (r.returncode, r.stdout)
+        r = cli("redis://127.0.0.1:1/0", "top", pool_name, "--once")
+        assert r.returncode == 69, (r.returncode, r.stdout, r.stderr)
     finally:
         waiter.close()
         th.join(10)
