@@ -1,4 +1,4 @@
-"""Bad input changes nothing (DESIGN invariant 6): each bad value raises InvalidArgument (or
+"""Bad input changes nothing (SEMANTICS.md invariant 6): each bad value raises InvalidArgument (or
 CapacityExceeded) naming the value, and every gpulock key is byte-for-byte the same after.
 The Lua scripts are also called directly with bad ARGV (bypassing the Python checks)."""
 

@@ -1,4 +1,4 @@
-"""No leak (DESIGN invariant 2, cases c03 and c04): cancellation and timeouts, while waiting
+"""No leak (SEMANTICS.md invariant 2, cases c03 and c04): cancellation and timeouts, while waiting
 and while holding, give every byte back at once, with no sleep waiting for a ttl."""
 
 from __future__ import annotations

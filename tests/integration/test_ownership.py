@@ -1,4 +1,4 @@
-"""Ownership (DESIGN invariant 4): only the holder renews or releases; an expired, unknown or
+"""Ownership (SEMANTICS.md invariant 4): only the holder renews or releases; an expired, unknown or
 forged lease is reported lost and changes nothing of others."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Redis errors inside the Lua scripts: a key of the wrong type planted under the pool's prefix,
-and maxmemory reached (issue 5 item 4; DESIGN invariant 6: Redis does not roll back a script
+and maxmemory reached (issue 5 item 4; SEMANTICS.md invariant 6: Redis does not roll back a script
 that fails halfway, so a script must fail before its first write or not at all).
 
 * Wrong type: every script checks the type of the pool's seven keys before anything else

@@ -1,4 +1,4 @@
-"""kill -9 of a ``gpulock run`` holder (DESIGN §5 holder crash, invariant 2).
+"""kill -9 of a ``gpulock run`` holder (holder crash, docs/RELIABILITY.md, invariant 2).
 
 The waiter queued behind the dead holder must be granted right after the dead lease's server
 expiry — by a timer set to that expiry, not by a poll — and within ttl + 1 s of the kill.
@@ -120,6 +120,6 @@ def test_kill_9_of_gpulock_run_holder(redis_proc1, tmp_path):
     for lag, k2g, k2g_s in zip(lags, kill_to_grant, kill_to_grant_server):
         assert lag >= 0, "granted before the dead lease expired: the dead lease was not honoured"
         # A timer at the expiry, not a poll (the backstop poll is every 1 s); generous for a
-        # loaded 2-core CI box, DESIGN §7 aims at p50 <= 5 ms.
+        # loaded 2-core CI box, the project aims at p50 <= 5 ms.
         assert lag <= 250, f"reclaim lag {lag:.1f} ms"
         assert k2g <= TTL_S + 1.0 and k2g_s <= TTL_S + 1.0

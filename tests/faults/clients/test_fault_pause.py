@@ -1,4 +1,4 @@
-"""SIGSTOP a holder past its ttl, then SIGCONT it (DESIGN §5 holder pause, invariants 4 and 5).
+"""SIGSTOP a holder past its ttl, then SIGCONT it (holder pause, docs/RELIABILITY.md, invariants 4 and 5).
 
 After resuming, the holder's ``ensure_valid()`` raises LeaseLost, its ``release()`` reports
 LeaseLost, it frees none of the bytes the next holder now has, and its local validity deadline

@@ -1,4 +1,4 @@
-"""DESIGN invariant 1 (safety) on a recorded history: many OS processes compete for a pool
+"""SEMANTICS.md invariant 1 (safety) on a recorded history: many OS processes compete for a pool
 whose capacity is far below their demand; each logs its leases' intervals on the Redis server
 clock; the test sweeps the merged history. gpulock's own ``used`` counter is not consulted.
 """

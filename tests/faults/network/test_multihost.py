@@ -171,7 +171,7 @@ def no_errors(*paths: Path) -> None:
 
 
 def check_safety(holds: list[dict], capacity: int) -> int:
-    """DESIGN invariant 1 on the recorded history: at every instant, the bytes in use (from
+    """SEMANTICS.md invariant 1 on the recorded history: at every instant, the bytes in use (from
     when acquire returned to the holder's last successful ensure_valid) sum to at most the
     capacity. Returns the peak."""
     edges = sorted(

@@ -1,4 +1,4 @@
-"""Failover to a replica (issue 5 item 2; DESIGN §5 "failover with async replication").
+"""Failover to a replica (issue 5 item 2; docs/RELIABILITY.md, "failover with async replication").
 
 A primary, a replica that follows it through a proxy (so the test can hold replication back:
 the "lost tail" of asynchronous replication), and a second replica that follows the first

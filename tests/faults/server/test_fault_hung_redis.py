@@ -1,5 +1,5 @@
 """A hung Redis (SIGSTOP of the server) while a lease is held: ``on_lost`` must fire at the
-lease's local validity deadline — before the server's expiry (DESIGN invariant 5) — even though
+lease's local validity deadline — before the server's expiry (SEMANTICS.md invariant 5) — even though
 the heartbeat's renew call is stuck until its socket timeout (5 s, longer than the ttl)."""
 
 from __future__ import annotations

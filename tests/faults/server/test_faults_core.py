@@ -61,7 +61,7 @@ async def test_script_flush_mid_run(make_apool, make_pool, rclient, pool_name):
 async def test_restart_empty_lease_put_back_and_tokens_forward(
     make_apool, redis_proc, rclient, pool_name
 ):
-    """Redis restarts without its data (DESIGN §5): the holder's next heartbeat finds the pool
+    """Redis restarts without its data (docs/RELIABILITY.md): the holder's next heartbeat finds the pool
     gone, makes it again with a grace period of one max_ttl and puts its lease back (same id
     and token); nothing new is granted before the grace period ends; tokens keep increasing.
     Several holders, processes and the other cases: tests/faults/server/test_restart_grace.py."""

@@ -1,5 +1,5 @@
 """Redis restarted without its data, back behind the same URL on another port, or down for a
-while: the grace period of DESIGN §5 (issue 5 item 1).
+while: the grace period (docs/RELIABILITY.md; issue 5 item 1).
 
 What is promised (docs/RELIABILITY.md, "Redis loses its data"):
 * a holder finds the loss at its next heartbeat (the pool's epoch is gone or changed); if the
@@ -100,8 +100,8 @@ def test_restart_empty_holders_put_leases_back(redis_proc1, caplog):
         rp.url, name, capacity=100, default_ttl=TTL, max_ttl=G
     )  # never saw the pool
     try:
-        h1 = loop.run_until_complete(apool.acquire(40, holder={"who": "h1"}))
-        h2 = spool.acquire(30)
+        h1 = loop.run_until_complete(apool.acquire(40, holder={"who": "h1"}, tenant="t1"))
+        h2 = spool.acquire(30, tenant="t2")
         lost: list = []
         h1.on_lost(lost.append)
         h2.on_lost(lost.append)
@@ -129,6 +129,9 @@ def test_restart_empty_holders_put_leases_back(redis_proc1, caplog):
         assert (
             next(li for li in st.leases if li.lease_id == h1.id).holder.get("who") == "h1"
         )  # metadata kept
+        # tenants kept, and what each holds counted again
+        assert {li.lease_id: li.tenant for li in st.leases} == {h1.id: "t1", h2.id: "t2"}
+        assert {t: u.used for t, u in st.tenants.items()} == {"t1": 40, "t2": 30}
         grace_end = int(direct.hget(pool_keys(name)[0], "grace_until"))
         # In the grace period: 30 bytes are free, but nothing new is granted.
         with pytest.raises(AcquireTimeout):

@@ -1,6 +1,6 @@
 """Redis unresponsive (SIGSTOP of the server) and slow (a proxy that delays every byte).
 
-Promised (issue 5 item 3, DESIGN §5 "Redis unreachable at acquire"):
+Promised (issue 5 item 3, docs/RELIABILITY.md, "Redis unreachable at acquire"):
 * an acquire against a hung Redis raises BackendUnavailable after a bound set by the client's
   socket timeout and ``backend_timeout`` — it does not hang, whatever its own ``timeout``;
 * holders go lost on their own clocks, before the server's expiry (the Chubby rule of
