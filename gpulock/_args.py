@@ -104,7 +104,7 @@ def validate_tenant(tenant: object) -> str:
 
 def encode_quotas(quotas: object) -> str:
     """``configure``'s tenant quotas as ``configure.lua`` takes them: a mapping of tenant to
-    bytes or a size ("4GiB"; 0 or None removes that tenant's quota), as
+    bytes or a size ("4GiB"; 0, "0", None or "none" removes that tenant's quota), as
     ``"<tenant>=<bytes> ..."``. Raises InvalidArgument naming the bad tenant or size."""
     if not isinstance(quotas, Mapping):
         raise InvalidArgument(f"quotas must be a mapping of tenant to size, got {quotas!r:.80}")
@@ -116,11 +116,18 @@ def encode_quotas(quotas: object) -> str:
         if isinstance(size, bool):
             raise InvalidArgument(f"quota of tenant {t!r} must be a size, got {size!r}")
         try:
-            b = 0 if size is None or size == 0 or size == "0" else parse_size(size)
+            b = 0 if _removes(size) else parse_size(size)
         except InvalidArgument as e:
-            raise InvalidArgument(f"quota of tenant {t!r}: {e}") from None
+            raise InvalidArgument(f"quota of tenant {t!r}: {e} (0 or none removes it)") from None
         items.append(f"{t}={b}")
     return " ".join(items)
+
+
+def _removes(size: object) -> bool:
+    """Whether a quota's size means "no quota": 0, None, or the text "0" or "none"."""
+    if size is None or (isinstance(size, int) and size == 0):
+        return True
+    return isinstance(size, str) and size.strip().lower() in ("0", "none")
 
 
 def decode_quotas(spec: str) -> dict[str, int]:

@@ -112,7 +112,7 @@ class BrokerAdmin:
 
 def status_from_dict(d: dict[str, Any]) -> Any:
     """A broker's pool object (``GET /v1/pools/NAME``) as the core's PoolStatus."""
-    from ._replies import LeaseInfo, PoolStatus, WaiterInfo
+    from ._replies import LeaseInfo, PoolStatus, TenantUse, WaiterInfo
 
     leases = [
         LeaseInfo(
@@ -124,6 +124,7 @@ def status_from_dict(d: dict[str, Any]) -> Any:
             x["ttl"],
             "",
             x.get("holder") or {},
+            x.get("tenant", ""),  # a broker older than tenants sends none
         )
         for x in d.get("leases", [])
     ]
@@ -136,6 +137,7 @@ def status_from_dict(d: dict[str, Any]) -> Any:
             0.0,
             x.get("holder") or {},
             priority=x.get("priority", 0),  # a broker older than priorities sends none
+            tenant=x.get("tenant", ""),
         )
         for x in d.get("waiters", [])
     ]
@@ -156,6 +158,10 @@ def status_from_dict(d: dict[str, Any]) -> Any:
         max_ttl=d.get("max_ttl", 0.0),
         # a broker older than queue policies sends neither: its pools are FIFO
         policy=d.get("policy", "fifo"),
+        tenants={
+            t: TenantUse(int(u.get("used", 0)), int(u.get("quota", 0)))
+            for t, u in (d.get("tenants") or {}).items()
+        },
         backfill_window=d.get("backfill_window", 2.0),
     )
 

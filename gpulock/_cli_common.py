@@ -47,7 +47,7 @@ EXIT_NOT_FOUND = 127
 EXIT_CODES_HELP = f"""\b
 Exit codes of gpulock itself (gpulock run otherwise returns CMD's status):
   {EXIT_USAGE}   bad option or value (nothing was changed)
-  {EXIT_CAPACITY}  amount larger than the pool's capacity (can never be granted)
+  {EXIT_CAPACITY}  amount larger than the pool's capacity or its tenant's quota (can never be granted)
   {EXIT_NO_POOL}  pool not configured
   {EXIT_UNAVAILABLE}  Redis or the broker unreachable
   {EXIT_LEASE_LOST}  gpulock run: the lease was lost while CMD ran; CMD was stopped
@@ -109,9 +109,12 @@ def priority_param(value: Optional[str]) -> int:
 
 def tenant_param(value: Optional[str]) -> Optional[str]:
     """``--tenant``: a tenant name, 1-64 of [A-Za-z0-9._:-] (the core's check, so a bad one is
-    exit 2 naming it); None for none."""
+    exit 2 naming it, as is an empty one: an unset variable in ``--tenant "$T"`` must not
+    escape the quota); None when the flag is not given."""
     from ._args import validate_tenant
 
+    if value is not None and value.strip() == "":
+        raise typer.BadParameter("an empty tenant; leave --tenant out for no tenant")
     try:
         return validate_tenant(value) or None
     except InvalidArgument as e:
@@ -147,7 +150,9 @@ def quota_param(values: Optional[list[str]]) -> Optional[dict[str, int]]:
             raise typer.BadParameter(
                 f"takes TENANT=SIZE (e.g. alice=8GiB), got {v!r:.80}", param_hint="--quota"
             )
-        out[tenant] = None if size.strip().lower() in ("0", "none") else size
+        if tenant in out:
+            raise typer.BadParameter(f"tenant {tenant!r} is given twice", param_hint="--quota")
+        out[tenant] = size  # "0" or "none" removes it (encode_quotas)
     try:
         return decode_quotas(encode_quotas(out))  # the core's check names a bad tenant or size
     except InvalidArgument as e:

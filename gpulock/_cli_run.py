@@ -137,7 +137,7 @@ Exit status:
   {EXIT_LEASE_LOST}   the lease was lost while CMD ran; CMD was sent SIGTERM/SIGKILL
   {EXIT_OVERUSE}   --enforce: CMD used more device memory than its lease; CMD was sent
        SIGTERM/SIGKILL
-  {EXIT_CAPACITY}   --amount is larger than the pool's capacity
+  {EXIT_CAPACITY}   --amount is larger than the pool's capacity or the --tenant's quota
   {EXIT_NO_POOL}   the pool is not configured (gpulock pool set NAME --capacity SIZE)
   {EXIT_UNAVAILABLE}   Redis or the broker unreachable
   {EXIT_NOPERM}   the broker refused the token (GPULOCK_TOKEN missing, wrong, or not

@@ -516,11 +516,12 @@ async def configure_pool(
     except Exception as e:
         _map(e, pool)
     log.info(
-        "gpulock broker: %s set pool %s capacity=%d policy=%s",
+        "gpulock broker: %s set pool %s capacity=%d policy=%s quotas=%s",
         who.name,
         pool,
         r["capacity"],
         r["policy"],
+        " ".join(f"{t}={b}" for t, b in sorted(r["quotas"].items())) or "-",
     )
     return PoolConfigured(
         pool=pool,

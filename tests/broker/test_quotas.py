@@ -5,13 +5,16 @@ the quota the request queues while other tenants are granted; ``GET`` shows use 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from gpulock_broker.auth import TokenConfigError, parse_tokens
 from gpulock_client import AcquireTimeout, CapacityExceeded, Pool, QuotaExceeded
 
 from support.pools import snapshot
 
-from ._support import USER_TOKEN
+from ._support import ADMIN_TOKEN, USER_TOKEN
+from .test_cli_via_broker import _gpulock
 
 GiB = 2**30
 pytestmark = pytest.mark.timeout(60)
@@ -44,6 +47,15 @@ def test_quotas_are_set_enforced_per_token_tenant_and_shown(broker_srv, admin, u
     }, st
     assert sorted(li["tenant"] for li in st["leases"]) == ["other", "user"]
     assert [w["tenant"] for w in st["waiters"]] == ["user"]
+    # the CLI through the broker shows the same
+    r = _gpulock("--broker-url", broker_srv.url, "status", gpu, "--json", token=ADMIN_TOKEN)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["tenants"] == st["tenants"], d
+    assert sorted(li["tenant"] for li in d["leases"]) == ["other", "user"], d
+    assert [w["tenant"] for w in d["waiters"]] == ["user"], d
+    r = _gpulock("--broker-url", broker_srv.url, "status", gpu, token=ADMIN_TOKEN)
+    assert "tenants: other 5.0GiB (no quota), user 2.0GiB of quota 2.0GiB" in r.stdout, r.stdout
     lid = held.json()["lease_id"]
     assert user.delete(f"/v1/pools/{gpu}/leases/{lid}").status_code == 200
     r = user.post(f"/v1/pools/{gpu}/leases", json={"amount": 1, "request_id": rid, "wait": 5})
@@ -53,6 +65,13 @@ def test_quotas_are_set_enforced_per_token_tenant_and_shown(broker_srv, admin, u
     assert r.json()["quotas"] == {"user": 2 * GiB}
     r = admin.put(f"/v1/pools/{gpu}", json={"capacity": "10GiB", "quotas": {"user": 0}})
     assert r.json()["quotas"] == {}
+    # gpulock pool set --quota through the broker
+    r = _gpulock(
+        "--broker-url", broker_srv.url, "pool", "set", gpu, "--quota", "other=3GiB", "--json",
+        token=ADMIN_TOKEN,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["quotas"] == {"other": 3 * GiB}
 
 
 @pytest.mark.parametrize(

@@ -110,11 +110,15 @@ def test_run_through_broker_priority_goes_first_and_status_shows_it(
         r = _run(broker_srv.url, "status", gpu)
         assert r.returncode == 0, r.stderr
         rows = {
-            ln.split()[5]: ln.split()[:3]
+            # position amount priority tenant host pid purpose ... (the token's tenant: "user")
+            ln.split()[6]: ln.split()[:4]
             for ln in r.stdout.splitlines()
-            if ln.split()[5:6] in (["high"], ["low"])
+            if ln.split()[6:7] in (["high"], ["low"])
         }
-        assert rows == {"high": ["1", "6.0GiB", "5"], "low": ["2", "6.0GiB", "0"]}, r.stdout
+        assert rows == {
+            "high": ["1", "6.0GiB", "5", "user"],
+            "low": ["2", "6.0GiB", "0", "user"],
+        }, r.stdout
     finally:
         user.delete(f"/v1/pools/{gpu}/leases/{held.json()['lease_id']}")
         for p in procs:

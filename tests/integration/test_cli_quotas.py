@@ -84,6 +84,8 @@ def test_status_shows_tenants_and_run_counts_under_its_tenant(url, tmp_path):
         (("--quota", "a b=4GiB"), "'a b'"),
         (("--quota", "a=lots"), "'lots'"),
         (("--quota", "a=-1"), "'-1'"),
+        (("--quota", "a=0GiB"), "0 or none removes it"),
+        (("--quota", "a=1GiB", "--quota", "a=2GiB"), "'a' is given twice"),
     ],
 )
 def test_pool_set_bad_quota_exits_2_naming_it(url, args, shown):
@@ -100,7 +102,9 @@ def test_pool_set_bad_quota_exits_2_naming_it(url, args, shown):
         c.close()
 
 
-def test_run_bad_tenant_exits_2_naming_it(url):
+@pytest.mark.parametrize("bad, shown", [("a/b", "'a/b'"), ("", "empty tenant"), (" ", "empty")])
+def test_run_bad_tenant_exits_2_naming_it(url, bad, shown):
+    """An empty --tenant too: an unset variable in --tenant "$T" must not escape the quota."""
     assert gpulock(url, "pool", "set", "p", "--capacity", "1GiB").returncode == 0
-    r = gpulock(url, "run", "--pool", "p", "--amount", "1", "--tenant", "a/b", "--", "true")
-    assert r.returncode == 2 and "'a/b'" in r.stderr and "--tenant" in r.stderr, r.stderr
+    r = gpulock(url, "run", "--pool", "p", "--amount", "1", "--tenant", bad, "--", "true")
+    assert r.returncode == 2 and shown in r.stderr and "--tenant" in r.stderr, r.stderr

@@ -92,7 +92,7 @@ async def test_lowering_a_quota_keeps_the_leases_and_removing_it_frees_the_waite
     assert (st.tenants["a"].used, st.tenants["a"].quota) == (8, 4)  # over it, and kept
     waiter = asyncio.ensure_future(pool.acquire(2, tenant="a", timeout=30))
     await async_wait_until(lambda: rclient.zcard(f"gpulock:{{{pool_name}}}:queue") == 1)
-    out = await pool.configure(100, quotas={"a": 0})  # removes a's quota: the waiter fits
+    out = await pool.configure(100, quotas={"a": "none"})  # removes a's quota: the waiter fits
     assert out["quotas"] == {"c": 1024}
     lease = await asyncio.wait_for(waiter, 10)
     check_consistent(rclient, pool_name)
@@ -137,6 +137,7 @@ async def test_a_bad_tenant_is_refused_by_the_client(make_apool, rclient, kw, ms
         ({"": 4}, "a tenant must be named"),
         ({"a": -1}, "quota of tenant 'a'"),
         ({"a": "lots"}, "quota of tenant 'a'"),
+        ({"a": "0GiB"}, "0 or none removes it"),
         ({"a": True}, "quota of tenant 'a' must be a size"),
         (["a"], "quotas must be a mapping"),
     ],
