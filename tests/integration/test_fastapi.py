@@ -19,6 +19,7 @@ import weakref
 import pytest
 from fastapi import Depends, FastAPI
 from support.apps import Running
+from support.pools import status_until
 from support.waiting import async_wait_until
 
 from gpulock import AsyncPool
@@ -242,24 +243,6 @@ async def _used(url: str, pool: str, *, settle_at: int | None = None) -> int:
         await p.aclose()
 
 
-async def _until(url: str, pool: str, pred, timeout: float = 10.0):
-    """Wait until ``pred(status)`` holds for the pool's status read from Redis (instead of
-    sleeping and hoping the other side got there); returns that status."""
-    p = AsyncPool.from_url(url, pool)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            st = await p.status()
-            if pred(st):
-                return st
-            assert time.monotonic() < deadline, (
-                f"pool {pool}: condition not met within {timeout}s: {st}"
-            )
-            await asyncio.sleep(0.01)
-    finally:
-        await p.aclose()
-
-
 async def test_guarded_call_runs_under_a_lease_and_releases(redis_proc1):
     app, gpu, seen = _app(redis_proc1.url, "it1")
     async with _Running(app) as c:
@@ -349,14 +332,14 @@ async def test_cancelled_requests_leak_nothing(redis_proc1):
     async with _Running(app) as c:
         # 3 s of work: still held when the checks below run, however slow this machine is.
         hold = asyncio.create_task(c.post("/sync", json={"seconds": 3.0, "gib": 4}))
-        await _until(redis_proc1.url, "it4", lambda st: st.used == 4 * GiB)
+        await status_until(redis_proc1.url, "it4", lambda st: st.used == 4 * GiB)
         waiters = [asyncio.create_task(c.post("/sync", json={"gib": 1})) for _ in range(20)]
-        await _until(redis_proc1.url, "it4", lambda st: st.waiter_count >= 1)
+        await status_until(redis_proc1.url, "it4", lambda st: st.waiter_count >= 1)
         await asyncio.sleep(0.2)  # more of them queue meanwhile (not needed for the checks)
         for w in waiters:  # clients going away while queued
             w.cancel()
         await asyncio.gather(*waiters, return_exceptions=True)
-        await _until(redis_proc1.url, "it4", lambda st: st.waiter_count == 0)  # withdrawn
+        await status_until(redis_proc1.url, "it4", lambda st: st.waiter_count == 0)  # withdrawn
         p = AsyncPool.from_url(redis_proc1.url, "it4")
         try:
             st = await p.status()
@@ -393,7 +376,7 @@ async def test_503_with_request_id_keeps_the_place(redis_proc1):
         # 3 s of work, granted before the others ask (seen in Redis): both 503s below come
         # while it holds the pool, however slow this machine is.
         hold = asyncio.create_task(c.post("/sync", json={"seconds": 3.0, "gib": 4}))
-        await _until(redis_proc1.url, "it6", lambda st: st.used == 4 * GiB)
+        await status_until(redis_proc1.url, "it6", lambda st: st.used == 4 * GiB)
         h = {"X-Request-ID": "parked"}
         r = await c.post("/sync", json={"seconds": 0.0, "gib": 4}, headers=h)
         assert r.status_code == 503 and r.headers["x-queue-position"] == "1"
@@ -402,7 +385,7 @@ async def test_503_with_request_id_keeps_the_place(redis_proc1):
         assert late.status_code == 503 and late.headers["x-queue-position"] == "2"
         assert (await hold).status_code == 200
         # the parked request ran when its turn came: granted (the second grant) and released
-        await _until(
+        await status_until(
             redis_proc1.url,
             "it6",
             lambda st: st.grants >= 2 and st.used == 0 and st.waiter_count == 0,
@@ -437,7 +420,7 @@ async def test_a_parked_request_keeps_its_place_for_as_long_as_it_retries(redis_
             await lease.release()
             await holder.aclose()
         # its turn came: it ran (the first grant after the holder's), and a retry collects it
-        await _until(redis_proc1.url, "it6b", lambda st: st.grants >= 2 and st.used == 0)
+        await status_until(redis_proc1.url, "it6b", lambda st: st.grants >= 2 and st.used == 0)
         r = await c.post("/sync", json={"gib": 4}, headers=h)
         assert r.status_code == 200 and r.headers["x-idempotent-replay"] == "true"
         assert retries >= 3
@@ -490,7 +473,7 @@ async def test_metrics_read_the_pool_from_redis(redis_proc1):
         hold = asyncio.create_task(
             c.post("/sync", json={"seconds": 3.0, "gib": 3})
         )  # held while we read
-        await _until(redis_proc1.url, "it9", lambda st: st.used == 3 * GiB)
+        await status_until(redis_proc1.url, "it9", lambda st: st.used == 3 * GiB)
         text = (await c.get("/metrics")).text
         vals = {
             s.name: s.value
@@ -712,13 +695,13 @@ async def test_retry_after_of_a_withdrawn_request_counts_the_queue_behind_it(red
     )
     async with _Running(app) as c:
         hold = asyncio.create_task(c.post("/sync", json={"seconds": 7.0, "gib": 4}))
-        await _until(redis_proc1.url, "it-tail", lambda st: st.used == 4 * GiB)
+        await status_until(redis_proc1.url, "it-tail", lambda st: st.used == 4 * GiB)
         waiting = []
         for i in range(
             6
         ):  # queued one after the other (each seen in Redis before the next is sent)
             waiting.append(asyncio.create_task(c.post("/sync", json={"gib": 4})))
-            await _until(
+            await status_until(
                 redis_proc1.url,
                 "it-tail",
                 lambda st, n=i + 1: (

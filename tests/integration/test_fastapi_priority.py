@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from typing import Any
 
 import pytest
 from fastapi import Depends, FastAPI
 from support.apps import Running
+from support.pools import status_until
 from support.waiting import async_wait_until
 
 from gpulock import AsyncPool
@@ -30,21 +30,6 @@ async def _status(url: str, pool: str):
     p = AsyncPool.from_url(url, pool)
     try:
         return await p.status()
-    finally:
-        await p.aclose()
-
-
-async def _until(url: str, pool: str, pred, timeout: float = 10.0):
-    """Poll the pool's status until ``pred(status)`` holds; returns that status."""
-    p = AsyncPool.from_url(url, pool)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            st = await p.status()
-            if pred(st):
-                return st
-            assert time.monotonic() < deadline, f"pool {pool}: not met within {timeout}s: {st}"
-            await asyncio.sleep(0.01)
     finally:
         await p.aclose()
 
@@ -104,11 +89,11 @@ async def test_a_higher_priority_route_is_served_before_a_queued_lower_one(redis
     app, gpu, seen = _app(url, "pr1", executor_threads=4)
     async with Running(app) as c:
         hold = asyncio.create_task(c.post("/hold"))
-        await _until(url, "pr1", lambda st: st.used == 2 * GiB)
+        await status_until(url, "pr1", lambda st: st.used == 2 * GiB)
         low = asyncio.create_task(c.post("/low"))
-        await _until(url, "pr1", lambda st: st.waiter_count == 1)
+        await status_until(url, "pr1", lambda st: st.waiter_count == 1)
         high = asyncio.create_task(c.post("/high"))
-        st = await _until(url, "pr1", lambda st: st.waiter_count == 2)
+        st = await status_until(url, "pr1", lambda st: st.waiter_count == 2)
         # the pool lists the later, higher one first, and each with its route's priority
         assert [(w.holder.get("route"), w.priority) for w in st.waiters] == [
             ("high", 5),
@@ -128,7 +113,7 @@ async def test_a_higher_priority_goes_first_in_the_workers_thread_slot_line(redi
     slots = gpu._slots
     async with Running(app) as c:
         hold = asyncio.create_task(c.post("/hold"))
-        await _until(url, "pr2", lambda st: st.used == 2 * GiB)
+        await status_until(url, "pr2", lambda st: st.used == 2 * GiB)
         low = asyncio.create_task(c.post("/low"))
         await async_wait_until(lambda: len(slots.waiters) == 1, what="/low waiting for a thread")
         high = asyncio.create_task(c.post("/high"))
@@ -155,12 +140,12 @@ async def test_the_priority_header_lowers_always_and_raises_up_to_max_priority(r
     ]
     async with Running(app) as c:
         hold = asyncio.create_task(c.post("/hold"))
-        await _until(url, "pr3", lambda st: st.used == 2 * GiB)
+        await status_until(url, "pr3", lambda st: st.used == 2 * GiB)
         tasks = []
         for i, (path, value, _) in enumerate(asks):
             headers = {} if value is None else {HEADER: value}
             tasks.append(asyncio.create_task(c.post(path, headers=headers)))
-            await _until(url, "pr3", lambda st, n=i + 1: st.waiter_count == n)
+            await status_until(url, "pr3", lambda st, n=i + 1: st.waiter_count == n)
         st = await _status(url, "pr3")
         got = sorted((w.holder.get("route"), w.priority) for w in st.waiters)
         assert got == sorted((path[1:], want) for path, _, want in asks)
@@ -175,10 +160,10 @@ async def test_without_priority_header_the_header_is_ignored(redis_proc1):
     assert gpu.priority_header is None
     async with Running(app) as c:
         hold = asyncio.create_task(c.post("/hold"))
-        await _until(url, "pr4", lambda st: st.used == 2 * GiB)
+        await status_until(url, "pr4", lambda st: st.used == 2 * GiB)
         vip = asyncio.create_task(c.post("/vip", headers={HEADER: "9"}))
         bad = asyncio.create_task(c.post("/low", headers={HEADER: "not a number"}))
-        st = await _until(url, "pr4", lambda st: st.waiter_count == 2)
+        st = await status_until(url, "pr4", lambda st: st.waiter_count == 2)
         assert sorted(w.priority for w in st.waiters) == [0, 0]
         seen["gate"].set()
         rs = await asyncio.gather(hold, vip, bad)
@@ -267,7 +252,7 @@ async def test_the_service_reads_its_priority_header_in_batches_too(redis_proc1)
             req = asyncio.create_task(
                 c.post("/v1/embeddings", json={"input": ["a", "b"]}, headers={HEADER: "50"})
             )
-            st = await _until(url, "pr7", lambda st: st.waiter_count == 1)
+            st = await status_until(url, "pr7", lambda st: st.waiter_count == 1)
             assert st.waiters[0].priority == 5
             await lease.release()
             r = await req

@@ -12,27 +12,13 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from support.apps import Running
+from support.pools import status_until
 
 from gpulock import AsyncPool, InvalidArgument
 from gpulock.fastapi import GpuLimiter
 
 GiB = 2**30
 pytestmark = pytest.mark.timeout(60)
-
-
-async def _until(url: str, pool: str, pred, timeout: float = 10.0):
-    p = AsyncPool.from_url(url, pool)
-    try:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            st = await p.status()
-            if pred(st):
-                return st
-            assert loop.time() < deadline, f"pool {pool}: not met within {timeout}s: {st}"
-            await asyncio.sleep(0.01)
-    finally:
-        await p.aclose()
 
 
 def _app(url: str, pool: str, **kw: Any) -> tuple[FastAPI, threading.Event]:
@@ -65,9 +51,9 @@ async def test_the_limiters_leases_count_under_its_tenant(redis_proc1):
             assert r.status_code == 413, r.text
             assert "quota" in r.text and "svc-a" in r.text, r.text
             first = asyncio.create_task(c.post("/hold"))
-            await _until(url, name, lambda st: st.used == 2 * GiB)
+            await status_until(url, name, lambda st: st.used == 2 * GiB)
             second = asyncio.create_task(c.post("/hold"))
-            st = await _until(url, name, lambda st: st.waiter_count == 1)
+            st = await status_until(url, name, lambda st: st.waiter_count == 1)
             assert st.free == 6 * GiB  # room in the pool, none in the tenant's quota
             assert [w.tenant for w in st.waiters] == ["svc-a"]
             assert [li.tenant for li in st.leases] == ["svc-a"]

@@ -175,3 +175,24 @@ def check_consistent(c: redis.Redis, pool: str) -> dict[str, int]:
     nq = sum(1 for f in cfg if f.startswith("quota:"))
     assert int(cfg.get("nquotas", 0)) == nq, (cfg.get("nquotas"), nq)
     return {"used": total, "leases": len(holders), "queued": len(queue)}
+
+
+async def status_until(url: str, pool: str, pred: Any, timeout: float = 10.0) -> Any:
+    """Read pool ``pool``'s status at ``url`` (through a fresh AsyncPool) until ``pred(status)``
+    holds, and return that status; fails after ``timeout`` seconds naming the last one."""
+    import asyncio
+    import time
+
+    from gpulock import AsyncPool
+
+    p = AsyncPool.from_url(url, pool)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            st = await p.status()
+            if pred(st):
+                return st
+            assert time.monotonic() < deadline, f"pool {pool}: not met within {timeout}s: {st}"
+            await asyncio.sleep(0.01)
+    finally:
+        await p.aclose()
