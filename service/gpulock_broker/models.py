@@ -4,9 +4,10 @@ durations in seconds, instants as Unix seconds on the Redis server's clock."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from typing_extensions import Annotated
 
 from gpulock._args import MAX_TTL_S as MAX_POOL_TTL_S
@@ -39,6 +40,31 @@ Size = Union[
     Annotated[int, Field(ge=1, le=MAX_BYTES)],
     Annotated[str, Field(pattern=SIZE_TEXT_PATTERN, max_length=SIZE_TEXT_MAX_LENGTH)],
 ]
+
+
+# Tenant quotas (PUT /v1/pools/{pool} "quotas"): a tenant name as the scripts take it, to bytes
+# (0 removes the quota), a size as text (the exact rule above), or "0" / "none" / null (removes).
+TENANT_PATTERN = r"^[A-Za-z0-9._:-]{1,64}$"
+QUOTA_REMOVE_PATTERN = r"^ *(?:0|[Nn][Oo][Nn][Ee]) *$"
+QuotaSize = Union[
+    Annotated[int, Field(ge=0, le=MAX_BYTES), INTEGRAL],
+    Annotated[
+        str,
+        Field(
+            pattern=f"(?:{SIZE_TEXT_PATTERN})|(?:{QUOTA_REMOVE_PATTERN})",
+            max_length=SIZE_TEXT_MAX_LENGTH,
+        ),
+    ],
+    None,
+]
+
+
+def _only_tenant_keys(schema: dict[str, Any]) -> None:
+    """The quotas object's schema allows no key but a tenant name (patternProperties alone
+    would let any other key through, which the handler refuses)."""
+    for branch in schema.get("anyOf", []):
+        if branch.get("type") == "object":
+            branch["additionalProperties"] = False
 
 
 def _size(v: Any, name: str) -> int:
@@ -180,11 +206,12 @@ class PoolConfigRequest(_Body):
         "keep the current value; 2 for a new pool).",
     )
 
-    quotas: Optional[dict[str, Union[StrictInt, str, None]]] = Field(
+    quotas: Optional[dict[Annotated[str, Field(pattern=TENANT_PATTERN)], QuotaSize]] = Field(
         None,
         description="Tenant quotas: tenant (1-64 of [A-Za-z0-9._:-], a token's tenant) to the "
         'bytes its leases may hold, as bytes or a size ("8GiB"); 0 or null removes that '
         'tenant\'s quota. Tenants left out keep theirs (docs/SEMANTICS.md, "Tenant quotas").',
+        json_schema_extra=_only_tenant_keys,
     )
 
     @field_validator("capacity", mode="before")
@@ -192,16 +219,34 @@ class PoolConfigRequest(_Body):
     def _capacity(cls, v: Any) -> int:
         return _size(v, "capacity")
 
+    @field_validator("quotas", mode="before")
+    @classmethod
+    def _no_bool_quota(cls, v: Any) -> Any:
+        # JSON true/false is not a size (a lax int would read it as 1/0)
+        if isinstance(v, dict):
+            for t, b in v.items():
+                if isinstance(b, bool):
+                    raise ValueError(f"quota of tenant {t!r} must be a size, got {b!r}")
+        return v
+
     @field_validator("quotas")
     @classmethod
     def _quotas(cls, v: Any) -> Any:
-        # The core's check, so the 422 names the bad tenant or size.
-        if v is not None:
-            try:
-                encode_quotas(v)
-            except InvalidArgument as e:
-                raise ValueError(str(e)) from None
-        return v
+        # In bytes (0: remove): text by the exact rule the schema states (parse_size_text), so
+        # what the schema allows is what is accepted; then the core's check of the whole.
+        if v is None:
+            return v
+        out: dict[str, int] = {}
+        for t, b in v.items():
+            if b is None or (isinstance(b, str) and re.fullmatch(QUOTA_REMOVE_PATTERN, b)):
+                out[t] = 0
+            else:
+                out[t] = _size(b, f"quota of tenant {t!r}") if isinstance(b, str) else b
+        try:
+            encode_quotas(out)
+        except InvalidArgument as e:
+            raise ValueError(str(e)) from None
+        return out
 
     @property
     def quota_bytes(self) -> dict[str, int] | None:

@@ -77,8 +77,10 @@ def test_quotas_are_set_enforced_per_token_tenant_and_shown(broker_srv, admin, u
 @pytest.mark.parametrize(
     "quotas, shown",
     [
-        ({"a b": 1}, "'a b'"),
-        ({"a": "lots"}, "'lots'"),
+        ({"a b": 1}, '"a b"'),
+        ({"a": "lots"}, '"lots"'),
+        ({"a": "0GiB"}, '"0GiB"'),
+        ({"a": "\t0"}, "quotas"),
         ({"a": -1}, "-1"),
         ({"a": 1.5}, "quotas"),
         ({"a": True}, "quotas"),
@@ -128,3 +130,19 @@ def test_a_tokens_tenant_is_its_own_or_its_name():
     bad = {"tokens": [{"name": "x", "token": "e" * 16, "tenant": "a/b"}]}
     with pytest.raises(TokenConfigError, match=r"tokens\[0\]\.tenant must be .*'a/b'"):
         parse_tokens(bad, "t")
+
+
+def test_quotas_take_what_their_schema_allows(admin, gpu):
+    """Integer-valued floats are JSON Schema integers (schemathesis sent 143349.0 and was
+    refused); "none" and " 0 " remove; null removes."""
+    r = admin.put(
+        f"/v1/pools/{gpu}",
+        json={"capacity": "10GiB", "quotas": {"a": 143349.0, "b": "1GiB", "c": 5, "d": None}},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["quotas"] == {"a": 143349, "b": GiB, "c": 5}
+    r = admin.put(
+        f"/v1/pools/{gpu}", json={"capacity": "10GiB", "quotas": {"a": "none", "b": " 0 "}}
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["quotas"] == {"c": 5}
