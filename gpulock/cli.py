@@ -9,7 +9,7 @@ name. gpulock's own messages go to stderr; stdout carries only data (``status``,
 or, for ``gpulock run``, only CMD's output.
 
 The commands live in ``_cli_pool`` (status, pools), ``_cli_top`` (top) and ``_cli_run``
-(run); what they share
+(run, with ``_cli_child``: CMD's process under the lease); what they share
 (exit codes, messages, the backend) in ``_cli_common``. ``serve``, ``loadtest`` and ``broker``
 belong to other packages (the demo service, the lease broker), which declare them as
 ``gpulock.cli`` entry points; :func:`main` adds them, importing this module does not.

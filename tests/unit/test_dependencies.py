@@ -31,6 +31,7 @@ CORE = [
     "gpulock._cli_common",
     "gpulock._cli_pool",
     "gpulock._cli_run",
+    "gpulock._cli_child",
     "gpulock._cli_broker",
     "gpulock._runtime",
     "gpulock._sync",
