@@ -116,14 +116,14 @@ def encode_quotas(quotas: object) -> str:
         if isinstance(size, bool):
             raise InvalidArgument(f"quota of tenant {t!r} must be a size, got {size!r}")
         try:
-            b = 0 if _removes(size) else parse_size(size)
+            b = 0 if removes_quota(size) else parse_size(size)
         except InvalidArgument as e:
             raise InvalidArgument(f"quota of tenant {t!r}: {e} (0 or none removes it)") from None
         items.append(f"{t}={b}")
     return " ".join(items)
 
 
-def _removes(size: object) -> bool:
+def removes_quota(size: object) -> bool:
     """Whether a quota's size means "no quota": 0, None, or the text "0" or "none"."""
     if size is None or (isinstance(size, int) and size == 0):
         return True

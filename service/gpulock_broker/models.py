@@ -4,7 +4,6 @@ durations in seconds, instants as Unix seconds on the Redis server's clock."""
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -18,6 +17,7 @@ from gpulock._args import (
     decode_quotas,
     encode_quotas,
     meta_unicode_error,
+    removes_quota,
     validate_priority,
 )
 from gpulock._flow import queue_policy
@@ -238,7 +238,7 @@ class PoolConfigRequest(_Body):
             return v
         out: dict[str, int] = {}
         for t, b in v.items():
-            if b is None or (isinstance(b, str) and re.fullmatch(QUOTA_REMOVE_PATTERN, b)):
+            if removes_quota(b):  # the core's rule (the schema's pattern already held)
                 out[t] = 0
             else:
                 out[t] = _size(b, f"quota of tenant {t!r}") if isinstance(b, str) else b
