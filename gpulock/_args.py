@@ -351,3 +351,64 @@ def ttl_ms(ttl_s: float) -> int:
 def check_amount_vs_capacity(amount: int, capacity: int | None) -> None:
     if capacity is not None and amount > capacity:
         raise CapacityExceeded(amount, capacity)
+
+
+# Devices (docs/SEMANTICS.md, "Devices and placement"): a pool may hold 1 to MAX_DEVICES
+# devices, each with its own capacity (lua/lib.lua "Devices"); leases are placed on one.
+MAX_DEVICES = 64
+PLACEMENTS = ("bestfit", "spread")
+
+
+def validate_device(device: object) -> int | None:
+    """A request's device: an index in [0, MAX_DEVICES) or None for any (the pool places it).
+    Raises InvalidArgument naming the bad value (the script checks it against the pool)."""
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < MAX_DEVICES:
+        raise InvalidArgument(
+            f"device must be a device index in [0, {MAX_DEVICES - 1}] or None, got {device!r:.80}"
+        )
+    return device
+
+
+def encode_devices(devices: object, capacity: int | str | None) -> tuple[int, str]:
+    """``configure``'s devices as ``configure.lua`` takes them: ``devices`` a count N (N
+    devices of ``capacity`` bytes each) or a sequence of each device's capacity (bytes or
+    sizes; ``capacity``, when given, must be their sum). Returns (the pool's capacity, the
+    sum, in bytes; "<bytes> <bytes> ..."). Raises InvalidArgument naming the bad value."""
+    if isinstance(devices, bool):
+        raise InvalidArgument(f"devices must be a count or a list of capacities, got {devices!r}")
+    if isinstance(devices, int):
+        if not 1 <= devices <= MAX_DEVICES:
+            raise InvalidArgument(f"devices must be 1 to {MAX_DEVICES}, got {devices}")
+        if capacity is None:
+            raise InvalidArgument("devices=N needs capacity: the capacity of each device")
+        caps = [parse_size(capacity)] * devices
+    elif isinstance(devices, (list, tuple)):
+        if not 1 <= len(devices) <= MAX_DEVICES:
+            raise InvalidArgument(
+                f"devices must list 1 to {MAX_DEVICES} capacities, got {len(devices)}"
+            )
+        caps = []
+        for i, c in enumerate(devices):
+            try:
+                caps.append(parse_size(c))
+            except InvalidArgument as e:
+                raise InvalidArgument(f"capacity of device {i}: {e}") from None
+        if capacity is not None and parse_size(capacity) != sum(caps):
+            raise InvalidArgument(
+                f"capacity {capacity!r} is not the sum of the devices' capacities ({sum(caps)} bytes)"
+            )
+    else:
+        raise InvalidArgument(
+            f"devices must be a count or a list of capacities, got {devices!r:.80}"
+        )
+    return sum(caps), " ".join(str(c) for c in caps)
+
+
+def validate_placement(placement: object) -> str | None:
+    """A pool's placement rule: "bestfit" or "spread" (None: unchanged). Raises
+    InvalidArgument naming the bad value."""
+    if placement is None or placement in PLACEMENTS:
+        return placement
+    raise InvalidArgument(f"placement must be 'bestfit' or 'spread', got {placement!r:.80}")

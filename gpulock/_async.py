@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from types import TracebackType
-from typing import Any, Callable, Generator, Mapping, TypeVar
+from typing import Any, Callable, Generator, Mapping, Sequence, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError
@@ -313,6 +313,8 @@ class AsyncPool(PoolOptions):
         policy: str | None = None,
         backfill_window: float | None = None,
         quotas: Mapping[str, int | str | None] | None = None,
+        devices: int | Sequence[int | str] | None = None,
+        placement: str | None = None,
         _grace: bool = False,
     ) -> dict[str, Any]:
         """Create the pool or set its capacity (bytes or "8GiB"), queue bound, max_ttl
@@ -322,9 +324,12 @@ class AsyncPool(PoolOptions):
         requests that do; docs/SEMANTICS.md, "Backfill") and tenant quotas: ``quotas``
         maps a tenant to the bytes (or a size) its leases may hold together, 0 or None
         removing its quota; tenants not named keep theirs (docs/SEMANTICS.md, "Tenant
-        quotas"). None leaves a setting as it is.
+        quotas"). ``devices``: a count N (N devices of ``capacity`` each) or each device's
+        capacity (a list; ``capacity`` then defaults to their sum), and ``placement``
+        "bestfit" (a new pool's) or "spread": how a request without a device is placed
+        (docs/SEMANTICS.md, "Devices and placement"). None leaves a setting as it is.
         Returns ``{"created", "capacity", "epoch", "used", "max_waiters", "policy",
-        "backfill_window", "quotas"}`` (``status()`` shows ``max_ttl`` and ``grace_left``). ``create_only`` on a pool object that had seen the pool
+        "backfill_window", "quotas", "devices", "placement"}`` (``status()`` shows ``max_ttl`` and ``grace_left``). ``create_only`` on a pool object that had seen the pool
         (so Redis lost it) makes it again as last seen on the server, with a grace period; the
         values given count only for a pool it never saw.
 
@@ -341,6 +346,8 @@ class AsyncPool(PoolOptions):
                 policy=policy,
                 backfill_window=backfill_window,
                 quotas=quotas,
+                devices=devices,
+                placement=placement,
             )
         )
 
@@ -387,6 +394,7 @@ class AsyncPool(PoolOptions):
         on_queued: Callable[[int], Any] | None = None,
         priority: int = 0,
         tenant: str | None = None,
+        device: int | None = None,
     ) -> AsyncLease:
         """Take ``amount`` bytes from the pool, waiting in the pool's queue (by priority, then
         first come first served: docs/SEMANTICS.md, "Priorities").
@@ -410,6 +418,8 @@ class AsyncPool(PoolOptions):
                 none): where the pool has a quota for it (``configure(quotas=...)``), the
                 tenant's leases together never exceed it, and a request waits while they
                 would (docs/SEMANTICS.md, "Tenant quotas").
+            device: on a pool of several devices, the index of the device the lease must be
+                on; default None: the pool places it (``lease.device`` says where).
 
         Returns: an :class:`AsyncLease` (also an async context manager).
 
@@ -433,6 +443,7 @@ class AsyncPool(PoolOptions):
             default_ttl=self.default_ttl,
             priority=priority,
             tenant=tenant,
+            device=device,
         )
         start = self.clock()
         if self._runtime.closed:  # no heartbeat or listener would serve the lease
@@ -459,6 +470,7 @@ class AsyncPool(PoolOptions):
         queue: bool = True,
         priority: int = 0,
         tenant: str | None = None,
+        device: int | None = None,
     ) -> Grant | NotGranted:
         """Send one acquire for ``request_id`` on behalf of a remote holder.
 
@@ -486,6 +498,7 @@ class AsyncPool(PoolOptions):
             default_ttl=self.default_ttl,
             priority=priority,
             tenant=tenant,
+            device=device,
         )
         rt = self._runtime
         if queue:

@@ -19,8 +19,10 @@ from ._args import (
     MIN_TTL_S,
     configure_capacity,
     decode_quotas,
+    encode_devices,
     encode_quotas,
     ttl_ms,
+    validate_placement,
     validate_request_id,
     validate_token,
 )
@@ -95,8 +97,8 @@ def configure_args(
 ) -> list[str]:
     """ARGV of ``configure.lua``: capacity (bytes), max_waiters, "create" (only if absent) or
     "set", max_ttl (ms), whether a pool it creates starts with a grace period, and the queue
-    policy ("fifo" or "backfill"), backfill window (ms) and tenant quotas (``_args.encode_quotas``),
-    each None to leave it as it is."""
+    policy ("fifo" or "backfill"), backfill window (ms), tenant quotas (``_args.encode_quotas``),
+    devices (``_args.encode_devices``) and placement, each None to leave it as it is."""
     mode = "create" if create_only else "set"
     argv = [str(capacity), str(max_waiters), mode, str(max_ttl_ms), "1" if grace else "0"]
     if policy is not None:
@@ -104,6 +106,8 @@ def configure_args(
             policy[0] or "",
             "" if policy[1] is None else str(policy[1]),
             policy[2] or "",
+            policy[3] or "",
+            policy[4] or "",
         ]
     return argv
 
@@ -140,17 +144,24 @@ def configure(
     policy: str | None = None,
     backfill_window: float | None = None,
     quotas: Mapping[str, int | str | None] | None = None,
+    devices: int | Sequence[int | str] | None = None,
+    placement: str | None = None,
 ) -> Flow[dict[str, Any]]:
     """``configure``: see :meth:`gpulock.AsyncPool.configure`. Returns the reply as
     ``{"created", "capacity", "epoch", "used", "max_waiters", "policy", "backfill_window",
-    "quotas"}`` (the window in seconds; quotas: tenant -> bytes, every quota the pool has); a
-    set (not ``create_only``) also becomes the pool object's capacity and max_ttl."""
+    "quotas", "devices", "placement"}`` (the window in seconds; quotas: tenant -> bytes, every
+    quota the pool has; devices: each device's capacity in bytes, one for a pool of one
+    device); a set (not ``create_only``) also becomes the pool object's capacity and max_ttl."""
+    devs = None
+    if devices is not None:
+        capacity, devs = encode_devices(devices, capacity)
     cap = configure_capacity(capacity, pool.capacity)
     pq = queue_policy(policy, backfill_window)
     spec = None if quotas is None else encode_quotas(quotas)
+    place = validate_placement(placement)
     qp: QueueConfig | None = None
-    if pq is not None or spec is not None:
-        qp = (pq[0] if pq else None, pq[1] if pq else None, spec)
+    if pq is not None or spec is not None or devs is not None or place is not None:
+        qp = (pq[0] if pq else None, pq[1] if pq else None, spec, devs, place)
     mw = pool.max_waiters if max_waiters is None else max_waiters
     mt = (
         pool.max_ttl
@@ -172,9 +183,17 @@ def configure(
     )
     pol: QueueConfig | None = None
     if len(r) > 8:
-        pol = (_text(r[7]), int(r[8]), _text(r[9]) if len(r) > 9 else "")
+        pol = (
+            _text(r[7]),
+            int(r[8]),
+            _text(r[9]) if len(r) > 9 else "",
+            _text(r[10]) if len(r) > 10 else "",
+            _text(r[11]) if len(r) > 11 else "bestfit",
+        )
         out["policy"], out["backfill_window"] = pol[0], int(r[8]) / 1000
         out["quotas"] = decode_quotas(pol[2] or "")
+        out["devices"] = [int(c) for c in (pol[3] or "").split()] or [out["capacity"]]
+        out["placement"] = pol[4]
     if rt is not None:
         rt.seen(
             out["epoch"],

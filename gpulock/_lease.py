@@ -29,12 +29,13 @@ class LeaseState(LocalLeaseState):
 
     Adds: ``ticket`` (the request id), ``expires_ms`` (server-clock expiry, Unix ms),
     ``epoch`` (the pool's epoch at the grant), ``meta`` (holder metadata as sent to acquire,
-    kept to re-assert the lease), ``tenant`` (likewise; "" for none), ``next_renew`` (local monotonic seconds). ``valid_until``
+    kept to re-assert the lease), ``tenant`` (likewise; "" for none), ``device`` (the
+    device it is on; 0 on a pool of one device), ``next_renew`` (local monotonic seconds). ``valid_until``
     comes from :func:`validity_deadline` of the last successful grant or renewal, so it always
     ends before the server's expiry (invariant 5 in docs/SEMANTICS.md).
     """
 
-    __slots__ = ("ticket", "expires_ms", "epoch", "meta", "tenant", "next_renew")
+    __slots__ = ("ticket", "expires_ms", "epoch", "meta", "tenant", "device", "next_renew")
     unreachable = "Redis"
     log = logging.getLogger("gpulock")
 
@@ -47,6 +48,7 @@ class LeaseState(LocalLeaseState):
         self.epoch = grant.epoch
         self.meta = ""
         self.tenant = ""
+        self.device = grant.device
         self.next_renew = clock() + ttl_s / 3
 
     def renewed(self, sent: float, now_ms: int, expires_ms: int) -> None:
@@ -80,6 +82,9 @@ class LeaseBase(LeaseView):
     __slots__ = ()
 
     request_id = property(lambda self: self._state.ticket)
+    # The device the lease is on (docs/SEMANTICS.md, "Devices and placement"); 0 on a pool of
+    # one device.
+    device = property(lambda self: self._state.device)
 
     @property
     def expires_at(self) -> float:

@@ -15,6 +15,7 @@ from ._args import (
     MIN_TTL_S,
     encode_meta,
     new_id,
+    validate_device,
     validate_priority,
     validate_request_id,
     validate_tenant,
@@ -52,6 +53,7 @@ class AcquireRequest:
     waiter_ttl_s: float
     priority: int = 0
     tenant: str = ""  # "" for none
+    device: int | None = None  # the device it pins (docs/SEMANTICS.md, "Devices"); None: any
 
     @classmethod
     def build(
@@ -67,6 +69,7 @@ class AcquireRequest:
         default_ttl: float,
         priority: int = 0,
         tenant: str | None = None,
+        device: int | None = None,
     ) -> "AcquireRequest":
         amt = parse_size(amount)
         ttl_s = parse_seconds(
@@ -88,6 +91,7 @@ class AcquireRequest:
             waiter_ttl,
             prio,
             validate_tenant(tenant),
+            validate_device(device),
         )
 
     def argv(self, mode: str, channel: str) -> list[str]:
@@ -103,6 +107,8 @@ class AcquireRequest:
             channel,
             str(self.priority),
         ]
-        if self.tenant:
+        if self.tenant or self.device is not None:
             argv.append(self.tenant)
+        if self.device is not None:
+            argv.append(str(self.device))
         return argv

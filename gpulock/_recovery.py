@@ -225,7 +225,16 @@ class Recovery:
         ``bound`` seconds); a lease the server refuses is lost."""
         args: list[Any] = [len(live)]
         for s in live:
-            args += [s.lease_id, s.token, s.amount, ttl_ms(s.ttl_s), s.ticket, s.meta, s.tenant]
+            args += [
+                s.lease_id,
+                s.token,
+                s.amount,
+                ttl_ms(s.ttl_s),
+                s.ticket,
+                s.meta,
+                s.tenant,
+                s.device,
+            ]
         sent = self.clock()
         r = await self._calls.eval("reassert", args, bound=bound)
         now_ms = int(r[0])

@@ -25,6 +25,7 @@ class Grant:
     now_ms: int
     epoch: int = 0
     capacity: int = 0
+    device: int = 0  # the device the lease is on (0 on a pool of one device)
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,15 @@ def _s(v: Any) -> str:
 def decode_acquire(ticket: str, r: list[Any]) -> Grant | NotGranted:
     if int(r[0]) == 1:
         return Grant(
-            ticket, _s(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5]), int(r[6]), int(r[7])
+            ticket,
+            _s(r[1]),
+            int(r[2]),
+            int(r[3]),
+            int(r[4]),
+            int(r[5]),
+            int(r[6]),
+            int(r[7]),
+            int(r[9]) if len(r) > 9 else 0,
         )
     return NotGranted(
         int(r[0]) == 0,
@@ -75,15 +84,17 @@ def decode_events(data: str | bytes) -> list[Grant]:
     out = []
     for line in lines[1:]:
         p = line.split(" ")
-        if len(p) == 5:
-            out.append(Grant(p[0], p[1], int(p[2]), int(p[3]), int(p[4]), now))
+        if len(p) in (5, 6):
+            dev = int(p[5]) if len(p) == 6 else 0
+            out.append(Grant(p[0], p[1], int(p[2]), int(p[3]), int(p[4]), now, device=dev))
     return out
 
 
 # A pool's scheduling settings as configure.lua takes them, and as a client remembers them to
-# make the pool again after a loss: queue policy, backfill window (ms) and tenant quotas
-# ("<tenant>=<bytes> ...", lua/configure.lua), each None when not given.
-QueueConfig = tuple[str | None, int | None, str | None]
+# make the pool again after a loss: queue policy, backfill window (ms), tenant quotas
+# ("<tenant>=<bytes> ...") and devices ("<bytes> ..." per device, lua/configure.lua) and
+# placement, each None when not given.
+QueueConfig = tuple[str | None, int | None, str | None, str | None, str | None]
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,20 @@ class TenantUse:
 
     used: int
     quota: int = 0
+
+
+@dataclass(frozen=True)
+class DeviceUse:
+    """One device of a pool (docs/SEMANTICS.md, "Devices and placement"): its index, capacity
+    and the bytes its live leases hold."""
+
+    index: int
+    capacity: int
+    used: int
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - self.used)
 
 
 @dataclass(frozen=True)
@@ -106,6 +131,7 @@ class LeaseInfo:
     request_id: str
     holder: dict[str, Any]
     tenant: str = ""  # "" for none
+    device: int = 0  # the device it is on (0 on a pool of one device)
 
 
 @dataclass(frozen=True)
@@ -118,6 +144,7 @@ class WaiterInfo:
     holder: dict[str, Any]
     priority: int = 0  # as requested; the queue ages it (docs/SEMANTICS.md, "Priorities")
     tenant: str = ""  # "" for none
+    device: int | None = None  # the device it pins; None: any
 
 
 @dataclass(frozen=True)
@@ -153,11 +180,16 @@ class PoolStatus:
     backfill_window: float = 2.0
     # Tenants with a quota or with live leases (docs/SEMANTICS.md, "Tenant quotas"), by name.
     tenants: dict[str, TenantUse] = field(default_factory=dict)
+    # The pool's devices (docs/SEMANTICS.md, "Devices and placement"), device 0 first: one for
+    # a pool of one device; and how a request without a device is placed.
+    devices: list[DeviceUse] = field(default_factory=list)
+    placement: str = "bestfit"
 
     def queue_config(self) -> QueueConfig:
         """The pool's scheduling settings as ``configure.lua`` takes them."""
         spec = " ".join(f"{t}={u.quota}" for t, u in self.tenants.items() if u.quota)
-        return self.policy, round(self.backfill_window * 1000), spec
+        devs = " ".join(str(d.capacity) for d in self.devices) if len(self.devices) > 1 else ""
+        return self.policy, round(self.backfill_window * 1000), spec, devs, self.placement
 
     @property
     def effective_capacity(self) -> int:
@@ -189,6 +221,7 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
             _s(x[6]),
             decode_meta(x[7]),
             _s(x[8]) if len(x) > 8 else "",
+            int(x[9]) if len(x) > 9 else 0,
         )
         for x in r[12]
     ]
@@ -202,6 +235,7 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
             decode_meta(x[4]),
             int(x[5]) if len(x) > 5 else 0,
             _s(x[6]) if len(x) > 6 else "",
+            int(x[7]) if len(x) > 7 and int(x[7]) >= 0 else None,
         )
         for i, x in enumerate(r[13])
     ]
@@ -241,7 +275,17 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
         policy=_s(r[20]) if len(r) > 20 else "fifo",
         backfill_window=int(r[21]) / 1000 if len(r) > 21 else 2.0,
         tenants=_tenants(r[22] if len(r) > 22 else []),
+        devices=_devices(r[23] if len(r) > 23 else [], capacity, used),
+        placement=_s(r[24]) if len(r) > 24 else "bestfit",
     )
+
+
+def _devices(flat: list[Any], capacity: int, used: int) -> list[DeviceUse]:
+    """``status.lua``'s devices: {capacity, used, ...} per device; a pool of one device
+    (an empty list) is its device 0."""
+    if not flat:
+        return [DeviceUse(0, capacity, used)]
+    return [DeviceUse(i // 2, int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat) - 1, 2)]
 
 
 def _tenants(flat: list[Any]) -> dict[str, TenantUse]:

@@ -18,7 +18,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import redis
 from redis.exceptions import AuthenticationError, MovedError, ResponseError
@@ -439,6 +439,8 @@ class Pool(PoolOptions):
         policy: str | None = None,
         backfill_window: float | None = None,
         quotas: Mapping[str, int | str | None] | None = None,
+        devices: int | Sequence[int | str] | None = None,
+        placement: str | None = None,
         _grace: bool = False,
     ) -> dict[str, Any]:
         """Create the pool or set its capacity (bytes or "8GiB"), queue bound and max_ttl; see
@@ -455,6 +457,8 @@ class Pool(PoolOptions):
                 policy=policy,
                 backfill_window=backfill_window,
                 quotas=quotas,
+                devices=devices,
+                placement=placement,
             )
         )
 
@@ -481,6 +485,7 @@ class Pool(PoolOptions):
         on_queued: Callable[[int], Any] | None = None,
         priority: int = 0,
         tenant: str | None = None,
+        device: int | None = None,
     ) -> Lease:
         """Take ``amount`` bytes, waiting in the pool's queue. Same arguments, return and errors as
         :meth:`gpulock.AsyncPool.acquire`. ``on_queued`` runs on the pool's background thread
@@ -500,6 +505,7 @@ class Pool(PoolOptions):
                 default_ttl=self.default_ttl,
                 priority=priority,
                 tenant=tenant,
+                device=device,
             )
             start = self.clock()
             bg = self._background()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import redis.exceptions as rex
 
+from .units import format_size
 from .errors import (
     BackendUnavailable,
     CapacityExceeded,
@@ -43,7 +44,15 @@ def translate(exc: BaseException, pool: str) -> BaseException:
         if code == "GPULOCK_NOPOOL":
             return PoolNotFound(pool)
         if code == "GPULOCK_CAPACITY":
-            a, c = rest.split()
+            a, c, *dev = rest.split()
+            if dev[:1] == ["device"] and len(dev) == 2:  # a pool of several devices
+                which = "the pool's largest device" if dev[1] == "any" else f"device {dev[1]}"
+                return CapacityExceeded(
+                    int(a),
+                    int(c),
+                    f"amount {a} bytes ({format_size(int(a))}) exceeds the capacity of {which}, "
+                    f"{c} bytes ({format_size(int(c))}): a lease is on one device",
+                )
             return CapacityExceeded(int(a), int(c))
         if code == "GPULOCK_QUOTA":
             a, q, t = rest.split()

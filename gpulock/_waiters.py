@@ -207,7 +207,16 @@ class WaiterRegistry:
             if kind == "g":
                 lid = res[1].decode() if isinstance(res[1], bytes) else res[1]
                 self.deliver(
-                    Grant(w.ticket, lid, int(res[2]), int(res[3]), int(res[4]), now_ms, epoch)
+                    Grant(
+                        w.ticket,
+                        lid,
+                        int(res[2]),
+                        int(res[3]),
+                        int(res[4]),
+                        now_ms,
+                        epoch,
+                        device=int(res[5]) if len(res) > 5 else 0,
+                    )
                 )
             elif kind == "q":
                 pos = int(res[1])

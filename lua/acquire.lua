@@ -24,8 +24,13 @@
 --                     for the tenant (configure.lua), a request is granted only while the
 --                     tenant's leases and it fit the quota, else it waits; waiters whose
 --                     tenant has no room do not block the queue (lib.lua grant_from).
+--  11 device          optional: '' (any device, the default) or the index of the device the
+--                     lease must be on (0 .. devices-1; on a pool of one device only 0). On a
+--                     pool of several devices a request without one is placed by the pool's
+--                     placement rule (lib.lua place).
 -- Reply:
---   granted:     {1, lease_id, token, expires_ms, amount, now_ms, epoch, capacity, used}
+--   granted:     {1, lease_id, token, expires_ms, amount, now_ms, epoch, capacity, used, device}
+--                (device: the lease's device index; 0 on a pool of one device)
 --   queued:      {0, position, retry_after_ms, queue_len, now_ms, epoch, capacity, used, held_back}
 --   not queued:  {2, 0, retry_after_ms, queue_len, now_ms, epoch, capacity, used, held_back}
 --                (mode 'try'); held_back: bytes the device report holds back now
@@ -41,7 +46,9 @@
 --                                        is longer than the pool's max_ttl_ms
 --   GPULOCK_NOPOOL                       the pool has no configuration (never configured, or
 --                                        Redis lost its data)
---   GPULOCK_CAPACITY <amount> <capacity> the amount can never fit the pool
+--   GPULOCK_CAPACITY <amount> <capacity> the amount can never fit the pool; on a pool of several
+--                                        devices "... device <i>" (the capacity of its pinned
+--                                        device i) or "... device any" (of the largest device)
 --   GPULOCK_QUOTA <amount> <quota> <tenant> the amount exceeds the tenant's quota
 --   GPULOCK_QUEUEFULL <queue_len> <max>  the queue is at max_waiters
 --   GPULOCK_CONFLICT <why>               the ticket is in use with another amount or tenant, or the
@@ -59,6 +66,10 @@ local chan; chan, e = channel_arg(ARGV[8]); if e then return e end
 local prio = 0
 if ARGV[9] ~= nil and ARGV[9] ~= '0' then prio, e = prio_arg(ARGV[9]); if e then return e end end
 local tenant; tenant, e = tenant_arg(ARGV[10]); if e then return e end
+local pin = ARGV[11] or ''
+if pin ~= '' and (not string.match(pin, '^%d+$') or #pin > 2) then
+  return bad('device must be a device index (0, 1, ...), got ' .. show(pin))
+end
 
 -- Reads first: every key this call may use is read (redis.pcall) before the first write, so a
 -- key of the wrong type fails it with nothing written (see "Key types" in lib.lua). The queue's
@@ -66,12 +77,24 @@ local tenant; tenant, e = tenant_arg(ARGV[10]); if e then return e end
 -- empty queue has no waiters (the three queue keys change together, in drop_waiter and below).
 local cfg = redis.pcall('HMGET', K_CFG, 'capacity', 'used', 'fence', 'grants', 'max_ttl_ms',
                         'grace_until', 'external', 'external_until', 'epoch', 'max_waiters',
-                        'nquotas')
+                        'nquotas', 'devices', 'placement')
 if failed(cfg) then return keytype_error(cfg) end
 if not cfg[1] then return redis.error_reply('GPULOCK_NOPOOL') end
 local cap = tonumber(cfg[1])
-if amount > cap then
-  return redis.error_reply('GPULOCK_CAPACITY ' .. fmt(amount) .. ' ' .. fmt(cap))
+local d = load_devices(cfg[12], cfg[13])  -- nil: a pool of one device
+if pin ~= '' then
+  local n = d and d.n or 1
+  if tonumber(pin) >= n then
+    return bad('device ' .. pin .. ' is not a device of the pool: it has ' .. fmt(n) .. ' (0 .. ' .. fmt(n - 1) .. ')')
+  end
+  pin = d and fmt(tonumber(pin)) or ''  -- device 0 of a pool of one device is the pool
+end
+local most = cap
+if d then most = device_max(d, pin) end
+if amount > most then
+  local which = ''
+  if d then which = ' device ' .. (pin ~= '' and pin or 'any') end
+  return redis.error_reply('GPULOCK_CAPACITY ' .. fmt(amount) .. ' ' .. fmt(most) .. which)
 end
 local quotas = cfg[11] ~= false and cfg[11] ~= '0'
 local room = {}  -- lib.lua quota_check's cache
@@ -145,6 +168,7 @@ if #dead + #gone > 0 then
   local c = redis.call('HMGET', K_CFG, 'used', 'fence', 'grants')
   used, fence, grants = tonumber(c[1] or '0'), tonumber(c[2] or '0'), tonumber(c[3] or '0')
   room = {}  -- the reap and hand-off changed what tenants hold
+  if d then d = load_devices(cfg[12], cfg[13]) end  -- and what devices hold
 end
 
 local epoch = cfg[9]  -- replied as read: no conversion on the hot path
@@ -166,6 +190,11 @@ end
 local score, vt, ahead
 local fits = used + amount <= eff and grace_until <= now
 if fits and quotas then fits = quota_check(room, tenant, amount) == 'ok' end
+local dev = ''  -- the device it gets (lib.lua place); '' on a pool of one device
+if fits and d then
+  dev = place(d, amount, pin)
+  fits = dev ~= nil
+end
 if qlen > 0 then
   score, vt = queue_score(now, prio, tonumber(redis.call('HGET', K_CFG, 'qvt') or '0'))
   local front, front_score, passed = queue_front(quotas, room)
@@ -186,10 +215,11 @@ if (qlen == 0 or ahead) and fits then
   used = used + amount
   redis.call('HSET', K_CFG, 'fence', fmt(token), 'used', fmt(used), 'grants', fmt(grants + 1))
   redis.call('ZADD', K_LEASES, fmt(exp), lid)
-  redis.call('HSET', K_HOLDERS, lid, holder_record(amount, token, now, ttl, ticket, tenant, meta))
+  redis.call('HSET', K_HOLDERS, lid, holder_record(amount, token, now, ttl, ticket, tenant, meta, dev))
   redis.call('HSET', K_TICKETS, ticket, lid)
   tenant_add(tenant, amount)
-  return {1, lid, token, exp, amount, now, epoch, cap, used}
+  device_add(dev, amount)
+  return {1, lid, token, exp, amount, now, epoch, cap, used, tonumber(dev) or 0}
 end
 if mode == 'try' then return not_granted(2, 0, now, epoch, cap, eff) end
 
@@ -203,7 +233,7 @@ end
 redis.call('HSET', K_CFG, 'qvt', fmt(vt))
 redis.call('ZADD', K_QUEUE, fmt(score), ticket)
 redis.call('HSET', K_WAITERS, ticket, fmt(amount) .. '|' .. fmt(ttl) .. '|' .. nstr .. '|' .. lid .. '|' .. chan .. '|'
-  .. fmt(prio) .. '|' .. tenant .. '|' .. meta)
+  .. fmt(prio) .. '|' .. tenant .. '|' .. pin .. '|' .. meta)
 redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
 local pos = 1
 if qlen > 0 then pos = redis.call('ZRANK', K_QUEUE, ticket) + 1 end

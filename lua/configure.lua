@@ -1,5 +1,5 @@
--- configure.lua: create a pool, or change its capacity, queue bound, queue policy and tenant
--- quotas.
+-- configure.lua: create a pool, or change its capacity, queue bound, queue policy, tenant
+-- quotas and devices.
 -- (KEYS and ARGV: see the header below; KEYS are the eight pool keys of lib.lua.)
 -- Creating a pool seeds its fencing counter and its epoch from the server clock in
 -- microseconds, so tokens keep increasing when Redis restarts empty and the pool is made
@@ -27,15 +27,26 @@
 --   8 quotas        optional: tenant quotas to set, "<tenant>=<bytes>" separated by spaces
 --                   (tenant: lib.lua tenant_arg; bytes 0 removes that tenant's quota); the
 --                   tenants not named keep theirs. '' or absent: unchanged.
+--   9 devices       optional: the capacity of each device, "<bytes> <bytes> ..." (1 ..
+--                   MAX_DEVICES items, device 0 first; lib.lua "Devices"); capacity (ARGV 1)
+--                   must be their sum. One item makes a pool of one device. The count of
+--                   devices changes only while the pool has no lease and no waiter. '' or
+--                   absent: unchanged; then, on a pool of several devices, capacity must be
+--                   the pool's capacity now (its devices say how it is split).
+--  10 placement     optional: 'bestfit' (the default of a pool created) or 'spread' (lib.lua
+--                   place); '' or absent: unchanged.
 -- Reply: {created (1/0), capacity, epoch, used, max_waiters, max_ttl_ms, grace_left_ms, policy,
 --         backfill_ms, quotas (every quota the pool has, "<tenant>=<bytes> ..." sorted by
---         tenant; '' when none)}
+--         tenant; '' when none), devices ("<bytes> ..." per device; '' on a pool of one
+--         device), placement}
 --   Lowering a tenant's quota below what it holds is allowed as lowering capacity is; queued
 --   requests of the tenant larger than its new quota leave the queue (GPULOCK_QUOTA).
 --   Lowering capacity below `used` is allowed: leases keep their bytes, nothing new is granted
 --   until used falls below the new capacity. Raising it grants waiters that now fit. Queued
 --   requests larger than the new capacity leave the queue (they could never be granted and
 --   would block those behind them); their clients get GPULOCK_CAPACITY when they ask again.
+--   Lowering a device's capacity below what its leases hold is allowed likewise; queued
+--   requests pinned to it that it can never fit leave the queue.
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
 local type_err = check_types(); if type_err then return type_err end
@@ -69,17 +80,62 @@ if ARGV[8] ~= nil and ARGV[8] ~= '' then
     quotas[#quotas + 1] = {t, b}
   end
 end
+local devs = nil  -- the devices' capacities in order, when given
+if ARGV[9] ~= nil and ARGV[9] ~= '' then
+  devs = {}
+  local sum = 0
+  for item in string.gmatch(ARGV[9], '%S+') do
+    if #devs >= MAX_DEVICES then return bad('devices must be at most ' .. MAX_DEVICES .. ' capacities') end
+    local b; b, e = int_arg(item, 'capacity of device ' .. #devs, 1, MAX_AMOUNT); if e then return e end
+    devs[#devs + 1] = b
+    sum = sum + b
+  end
+  if #devs == 0 then return bad('devices must list at least one capacity') end
+  if sum ~= cap then
+    return bad('capacity ' .. fmt(cap) .. " must be the sum of the devices' capacities, " .. fmt(sum))
+  end
+end
+local placement = ARGV[10]
+if placement == '' then placement = nil end
+if placement ~= nil and placement ~= 'bestfit' and placement ~= 'spread' then
+  return bad("placement must be 'bestfit' or 'spread', got " .. show(placement))
+end
+local had_n = tonumber(redis.call('HGET', K_CFG, 'devices') or '1')
+if mode == 'set' and redis.call('EXISTS', K_CFG) == 1 then
+  if devs and #devs ~= had_n and redis.call('ZCARD', K_LEASES) + redis.call('ZCARD', K_QUEUE) > 0 then
+    return bad('the pool has ' .. fmt(had_n) .. ' device(s) and leases or waiters: its count of devices '
+      .. 'changes only when it has none')
+  end
+  if not devs and had_n > 1 and cap ~= cfg_num('capacity') then
+    return bad('the pool has ' .. fmt(had_n) .. ' devices: give each one a capacity (devices), '
+      .. 'not capacity ' .. fmt(cap) .. ' alone')
+  end
+end
+
+-- Write the devices' capacities (a pool of one device: remove the fields of several).
+local function set_devices()
+  if not devs then return end
+  local n = #devs
+  for i = n, math.max(had_n, n) - 1 do redis.call('HDEL', K_CFG, 'dcap:' .. i, 'dused:' .. i) end
+  if n < 2 then
+    redis.call('HDEL', K_CFG, 'devices', 'dcap:0', 'dused:0')
+    return
+  end
+  redis.call('HSET', K_CFG, 'devices', fmt(n))
+  for i = 0, n - 1 do redis.call('HSET', K_CFG, 'dcap:' .. i, fmt(devs[i + 1])) end
+end
 
 local now = now_ms()
 local created = 0
 if redis.call('EXISTS', K_CFG) == 0 then
   -- Leases without a configuration can only come from a hand-deleted cfg key: count them
   -- rather than forget them.
-  local used, tused = 0, {}
+  local used, tused, dused = 0, {}, {}
   for _, rec in ipairs(redis.call('HVALS', K_HOLDERS)) do
-    local a, _, _, _, _, _, tenant = parse_holder(rec)
+    local a, _, _, _, _, _, tenant, dev = parse_holder(rec)
     used = used + a
     if tenant ~= '' then tused[tenant] = (tused[tenant] or 0) + a end
+    if dev ~= '' then dused[dev] = (dused[dev] or 0) + a end
   end
   local us = now_us()
   local grace_until = 0
@@ -89,11 +145,21 @@ if redis.call('EXISTS', K_CFG) == 0 then
              'grants', '0', 'reaped_leases', '0', 'reaped_waiters', '0',
              'max_ttl_ms', fmt(max_ttl or 0), 'grace_until', fmt(grace_until),
              'policy', policy or 'fifo', 'backfill_ms', fmt(bf_ms or DEFAULT_BACKFILL_MS),
-             'nquotas', '0')
+             'nquotas', '0', 'placement', placement or 'bestfit')
   for t, a in pairs(tused) do redis.call('HSET', K_CFG, 'tused:' .. t, fmt(a)) end
+  had_n = 1
+  set_devices()
+  if devs and #devs > 1 then
+    for i = 0, #devs - 1 do redis.call('HSET', K_CFG, 'dused:' .. i, fmt(dused[fmt(i)] or 0)) end
+  end
   created = 1
 elseif mode == 'set' then
   redis.call('HSET', K_CFG, 'capacity', fmt(cap), 'max_waiters', fmt(maxw))
+  if placement then redis.call('HSET', K_CFG, 'placement', placement) end
+  set_devices()
+  if devs and #devs > 1 and #devs ~= had_n then
+    for i = 0, #devs - 1 do redis.call('HSET', K_CFG, 'dused:' .. i, '0') end  -- no lease: checked above
+  end
   if max_ttl then redis.call('HSET', K_CFG, 'max_ttl_ms', fmt(max_ttl)) end
   if policy then redis.call('HSET', K_CFG, 'policy', policy) end
   if bf_ms then redis.call('HSET', K_CFG, 'backfill_ms', fmt(bf_ms)) end
@@ -113,7 +179,11 @@ if created == 1 or mode == 'set' then
 end
 reap(now)
 publish(now, grant_head(now))
-local pc = redis.call('HMGET', K_CFG, 'policy', 'backfill_ms')
+local pc = redis.call('HMGET', K_CFG, 'policy', 'backfill_ms', 'devices', 'placement')
+local spec = {}
+local d = load_devices(pc[3], pc[4])
+if d then for i = 0, d.n - 1 do spec[#spec + 1] = fmt(d.cap[i]) end end
 return {created, cfg_num('capacity'), cfg_num('epoch'), cfg_num('used'), cfg_num('max_waiters'),
         cfg_num('max_ttl_ms'), grace_left(now), pc[1] or 'fifo',
-        tonumber(pc[2] or fmt(DEFAULT_BACKFILL_MS)), quota_spec()}
+        tonumber(pc[2] or fmt(DEFAULT_BACKFILL_MS)), quota_spec(), table.concat(spec, ' '),
+        pc[4] or 'bestfit'}

@@ -9,21 +9,25 @@
 --                                   report (external.lua): external, external_until, overuse,
 --                                   dev_sampler, dev_sampler_until; tenant quotas (see
 --                                   "Tenant quotas" below): nquotas, quota:<tenant>,
---                                   tused:<tenant>
+--                                   tused:<tenant>; devices (see "Devices" below): devices,
+--                                   placement, dcap:<i>, dused:<i>
 --   2 gpulock:{pool}:leases   zset  lease id -> server expiry (ms)
---   3 gpulock:{pool}:holders  hash  lease id -> "amount|token|acquired_ms|ttl_ms|ticket|tenant|meta"
+--   3 gpulock:{pool}:holders  hash  lease id -> "amount|token|acquired_ms|ttl_ms|ticket|tenant|device|meta"
+--                                   (device: '' on a pool of one device)
 --   4 gpulock:{pool}:queue    zset  ticket -> queue score (lowest first): its arrival time in
 --                                   virtual microseconds minus priority x AGING_US (see
 --                                   queue_score below)
---   5 gpulock:{pool}:waiters  hash  ticket -> "amount|ttl_ms|enqueued_ms|lease_id|channel|priority|tenant|meta"
---                                   (tenant: '' for none)
+--   5 gpulock:{pool}:waiters  hash  ticket -> "amount|ttl_ms|enqueued_ms|lease_id|channel|priority|tenant|device|meta"
+--                                   (tenant: '' for none; device: the device the request pins,
+--                                   '' for any)
 --   6 gpulock:{pool}:wexp     zset  ticket -> waiter expiry (ms)
 --   7 gpulock:{pool}:tickets  hash  ticket -> lease id of the grant made to that ticket
 --   8 gpulock:{pool}:events   prefix of the pub/sub channels: a grant made to a queued ticket is
 --                             published on "<events>:<channel>", the channel id its process gave
 --                             to acquire (one channel per waiting process, so a hand-off wakes
 --                             only the process that waits for it), as
---                             "g <now_ms>\n<ticket> <lease_id> <token> <expires_ms> <amount>\n..."
+--                             "g <now_ms>\n<ticket> <lease_id> <token> <expires_ms> <amount>[ <device>]\n..."
+--                             (the device only on a pool of several devices)
 -- Units: amounts in bytes (integers), times in milliseconds of the Redis server clock.
 -- Numbers are always formatted with fmt() before they reach redis.call: Lua would print a
 -- double such as a fencing token as "1.7e+15" and lose digits.
@@ -123,26 +127,36 @@ local function now_us()
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
--- holder record: amount|token|acquired_ms|ttl_ms|ticket|tenant|meta. A record without the
--- tenant (written by a version before tenants) reads as tenant '': its meta is JSON or empty,
--- so it cannot be taken for a tenant (tenant_arg).
+-- holder record: amount|token|acquired_ms|ttl_ms|ticket|tenant|device|meta. A record without
+-- the device, or without the tenant too (written by an earlier version), reads as device ''
+-- and tenant '': its meta is JSON (an object) or empty, so it cannot be taken for either.
+-- Returns the device as a string ('' or a decimal index).
 local function parse_holder(rec)
-  local a, tok, acq, ttl, ticket, tenant, meta =
-    string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)|([^|]*)|([%w%-_.:]*)|(.*)$')
+  local a, tok, acq, ttl, ticket, tenant, dev, meta =
+    string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)|([^|]*)|([%w%-_.:]*)|(%d*)|(.*)$')
+  if not a then
+    a, tok, acq, ttl, ticket, tenant, meta =
+      string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)|([^|]*)|([%w%-_.:]*)|(.*)$')
+    dev = ''
+  end
   if not a then
     a, tok, acq, ttl, ticket, meta = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)|([^|]*)|(.*)$')
     tenant = ''
   end
-  return tonumber(a), tok, acq, ttl, ticket, meta, tenant
+  return tonumber(a), tok, acq, ttl, ticket, meta, tenant, dev
 end
 
--- waiter record: amount|ttl_ms|enqueued_ms|lease_id|channel|priority|tenant|meta. A record
--- without the tenant, or without the priority too (written by an earlier version, during a
--- rolling upgrade), reads as tenant '' and priority 0: its meta is JSON (an object) or empty,
--- so it cannot be taken for either.
+-- waiter record: amount|ttl_ms|enqueued_ms|lease_id|channel|priority|tenant|device|meta. A
+-- record without the device, the tenant or the priority (written by an earlier version, during
+-- a rolling upgrade), reads as device '' (any), tenant '' and priority 0: its meta is JSON (an
+-- object) or empty, so it cannot be taken for either. Returns the device as a string.
 local function parse_waiter(rec)
-  local a, ttl, enq, lid, chan, p, tenant, meta =
-    string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(%-?%d+)|([%w%-_.:]*)|(.*)$')
+  local a, ttl, enq, lid, chan, p, tenant, dev, meta =
+    string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(%-?%d+)|([%w%-_.:]*)|(%d*)|(.*)$')
+  if not a then
+    a, ttl, enq, lid, chan, p, tenant, meta =
+      string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(%-?%d+)|([%w%-_.:]*)|(.*)$')
+  end
   if not a then
     a, ttl, enq, lid, chan, p, meta =
       string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(%-?%d+)|(.*)$')
@@ -152,7 +166,7 @@ local function parse_waiter(rec)
     a, ttl, enq, lid, chan, meta = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(.*)$')
     p = '0'
   end
-  return tonumber(a), tonumber(ttl), enq, lid, chan, meta, tonumber(p), tenant
+  return tonumber(a), tonumber(ttl), enq, lid, chan, meta, tonumber(p), tenant, dev or ''
 end
 
 -- The queue score of a request queued now with priority `prio` (lowest goes first). The
@@ -259,6 +273,66 @@ local function quota_spec()
   return table.concat(items, ' ')
 end
 
+-- Devices (docs/SEMANTICS.md, "Devices and placement"): a pool of several devices (2 ..
+-- MAX_DEVICES) has cfg fields devices (their count), dcap:<i> and dused:<i> (capacity and bytes
+-- its leases hold, per device i = 0 .. devices-1; capacity and used are the sums) and
+-- placement. A lease is on one device; a request names one (pins it) or lets the script place
+-- it: 'bestfit' takes the device with the least free bytes that fits the request (keeping
+-- large holes for large requests), 'spread' the one with the most; ties go to the lowest
+-- index. A pool of one device has none of these fields (its leases' device is '', index 0).
+local MAX_DEVICES = 64
+
+-- Add `delta` bytes to what device `dev` holds ('' : a pool of one device, nothing to count).
+local function device_add(dev, delta)
+  if dev == nil or dev == '' then return end
+  redis.call('HINCRBY', K_CFG, 'dused:' .. dev, fmt(delta))
+end
+
+-- A pool's devices as the scripts use them: {n, rule, cap = {[i] = bytes}, used = {[i] = bytes}}
+-- from cfg fields devices (`n`, as read) and placement (`rule`); nil for a pool of one device.
+local function load_devices(n, rule)
+  n = tonumber(n or '0')
+  if n < 2 then return nil end
+  local f = {}
+  for i = 0, n - 1 do
+    f[#f + 1] = 'dcap:' .. i
+    f[#f + 1] = 'dused:' .. i
+  end
+  local v = redis.call('HMGET', K_CFG, unpack(f))
+  local d = {n = n, rule = rule or 'bestfit', cap = {}, used = {}}
+  for i = 0, n - 1 do
+    d.cap[i], d.used[i] = tonumber(v[2 * i + 1] or '0'), tonumber(v[2 * i + 2] or '0')
+  end
+  return d
+end
+
+-- The most bytes one request pinned to `pin` ('' : any device) could ever get on `d`.
+local function device_max(d, pin)
+  if pin ~= '' then return d.cap[tonumber(pin)] or 0 end  -- 0: not a device of the pool
+  local m = 0
+  for i = 0, d.n - 1 do if d.cap[i] > m then m = d.cap[i] end end
+  return m
+end
+
+-- The device a request of `amount` bytes pinned to `pin` ('' : any) gets now on `d` (by its
+-- placement rule), as a number, or nil when none has room. Reads nothing: O(devices).
+local function place(d, amount, pin)
+  if pin ~= '' then
+    local i = tonumber(pin)
+    if d.used[i] + amount <= d.cap[i] then return i end
+    return nil
+  end
+  local best, bfree
+  local spread = d.rule == 'spread'
+  for i = 0, d.n - 1 do
+    local free = d.cap[i] - d.used[i]
+    if free >= amount and (best == nil or (spread and free > bfree) or (not spread and free < bfree)) then
+      best, bfree = i, free
+    end
+  end
+  return best
+end
+
 local function drop_waiter(ticket)
   redis.call('ZREM', K_QUEUE, ticket)
   redis.call('HDEL', K_WAITERS, ticket)
@@ -270,11 +344,12 @@ local function drop_lease(lid)
   local rec = redis.call('HGET', K_HOLDERS, lid)
   redis.call('ZREM', K_LEASES, lid)
   if not rec then return false end
-  local amount, _, _, _, ticket, _, tenant = parse_holder(rec)
+  local amount, _, _, _, ticket, _, tenant, dev = parse_holder(rec)
   redis.call('HDEL', K_HOLDERS, lid)
   if ticket and ticket ~= '' then redis.call('HDEL', K_TICKETS, ticket) end
   redis.call('HINCRBY', K_CFG, 'used', fmt(-amount))
   tenant_add(tenant, -amount)
+  device_add(dev, -amount)
   return true
 end
 
@@ -301,21 +376,22 @@ local function reap(now)
   return reap_found(dead, gone)
 end
 
--- A holder record (see KEYS above).
-local function holder_record(amount, token, now, ttl, ticket, tenant, meta)
+-- A holder record (see KEYS above); dev: '' or a device index (string or number).
+local function holder_record(amount, token, now, ttl, ticket, tenant, meta, dev)
   return fmt(amount) .. '|' .. fmt(token) .. '|' .. fmt(now) .. '|' .. fmt(ttl) .. '|' .. ticket
-    .. '|' .. tenant .. '|' .. meta
+    .. '|' .. tenant .. '|' .. dev .. '|' .. meta
 end
 
--- Make a lease with fencing token ``token`` and count it to its tenant (the caller takes the
--- token from the pool's fence and writes the pool's counters: fence, used, grants). Returns
--- its expiry.
-local function make_lease(now, ticket, lid, amount, ttl, meta, token, tenant)
+-- Make a lease with fencing token ``token`` on device ``dev`` ('' on a pool of one device) and
+-- count it to its tenant and device (the caller takes the token from the pool's fence and
+-- writes the pool's counters: fence, used, grants). Returns its expiry.
+local function make_lease(now, ticket, lid, amount, ttl, meta, token, tenant, dev)
   local exp = now + ttl
   redis.call('ZADD', K_LEASES, fmt(exp), lid)
-  redis.call('HSET', K_HOLDERS, lid, holder_record(amount, token, now, ttl, ticket, tenant, meta))
+  redis.call('HSET', K_HOLDERS, lid, holder_record(amount, token, now, ttl, ticket, tenant, meta, dev))
   redis.call('HSET', K_TICKETS, ticket, lid)
   tenant_add(tenant, amount)
+  device_add(dev, amount)
   return exp
 end
 
@@ -348,33 +424,51 @@ end
 -- With tenant quotas, a waiter whose tenant has no room for it (quota_check 'wait') is passed
 -- over and does not block those behind it: the head is then the first waiter whose tenant has
 -- room, looking at most QUOTA_DEPTH waiters deep (queue_front).
+-- On a pool of several devices a request fits when the pool's bytes fit it and a device has
+-- room for it (place: its pinned device, or one the placement rule picks).
 -- Returns the grant lines grouped by the waiters' channels, and their count, for publish().
 -- grant_from: the same with what the caller read already: the queue's head (ZRANGE 0 0), the
--- capacity, bytes used, grace_until and the effective capacity (eff_cap); it also returns the
--- bytes used afterwards. A request larger than the capacity, or than its tenant's quota, is
--- dropped; one that fits the capacity but not the effective capacity waits.
-local function grant_from(now, head, cap, used, grace_until, eff)
+-- capacity, bytes used, grace_until, the effective capacity (eff_cap) and the devices
+-- (load_devices; nil for one device, kept current here); it also returns the bytes used
+-- afterwards. A request larger than the capacity (of its device, or of the largest), or than
+-- its tenant's quota, is dropped; one that fits the capacity but not the effective capacity,
+-- or no device now, waits.
+local function grant_from(now, head, cap, used, grace_until, eff, d)
   local lines, n = {}, 0
   if #head == 0 then return lines, n, used end
   if grace_until > now then return lines, n, used end  -- no new grant in the grace period
   local fence, grants  -- read at the first grant; the counters are written once, at the end
   local room = {}  -- quota_check's cache (a waiter without a tenant costs no read)
   local passed = {}  -- tenants with a waiter passed over: their later waiters are passed too
-  -- Grant waiter `t` (record fields parsed) a lease now.
-  local function grant(t, amount, ttl, lid, chan, meta, tenant)
+  -- Grant waiter `t` (record fields parsed) a lease now, on device `dev` ('' : one device).
+  local function grant(t, amount, ttl, lid, chan, meta, tenant, dev)
     if not fence then
       local c = redis.call('HMGET', K_CFG, 'fence', 'grants')
       fence, grants = tonumber(c[1] or '0'), tonumber(c[2] or '0')
     end
     drop_waiter(t)
     fence = fence + 1
-    local exp = make_lease(now, t, lid, amount, ttl, meta, fence, tenant)
+    local exp = make_lease(now, t, lid, amount, ttl, meta, fence, tenant, dev)
     quota_take(room, tenant, amount)
     used = used + amount
     n = n + 1
+    local line = t .. ' ' .. lid .. ' ' .. fmt(fence) .. ' ' .. fmt(exp) .. ' ' .. fmt(amount)
+    if dev ~= '' then
+      d.used[dev] = d.used[dev] + amount
+      line = line .. ' ' .. fmt(dev)
+    end
     local group = lines[chan]
     if not group then group = {}; lines[chan] = group end
-    group[#group + 1] = t .. ' ' .. lid .. ' ' .. fmt(fence) .. ' ' .. fmt(exp) .. ' ' .. fmt(amount)
+    group[#group + 1] = line
+  end
+  -- The device waiter `amount`/`pin` gets now ('' on one device), or nil when none has room.
+  local function where(amount, pin)
+    if not d then return '' end
+    return place(d, amount, pin)
+  end
+  local function largest(pin)
+    if not d then return cap end
+    return device_max(d, pin)
   end
   local blocked_enq  -- the enqueue time of a head that does not fit
   local skipped = 0  -- waiters passed over at the front: their tenants have no room
@@ -385,9 +479,10 @@ local function grant_from(now, head, cap, used, grace_until, eff)
     if not w then
       drop_waiter(t)
     else
-      local amount, ttl, enq, lid, chan, meta, _, tenant = parse_waiter(w)
+      local amount, ttl, enq, lid, chan, meta, _, tenant, pin = parse_waiter(w)
       local q = quota_check(room, tenant, amount)
-      if amount > cap or q == 'never' then
+      local dev
+      if amount > largest(pin) or q == 'never' then
         -- The capacity (or the tenant's quota) was lowered below this request: it can never
         -- be granted, and as head it would block everyone behind it. Drop it; its client
         -- finds it gone at its next poll, asks again and gets GPULOCK_CAPACITY (GPULOCK_QUOTA).
@@ -396,11 +491,13 @@ local function grant_from(now, head, cap, used, grace_until, eff)
         passed[tenant] = true
         skipped = skipped + 1
         if skipped >= QUOTA_DEPTH then break end
-      elseif used + amount > eff then
-        blocked_enq = enq
-        break
       else
-        grant(t, amount, ttl, lid, chan, meta, tenant)
+        if used + amount <= eff then dev = where(amount, pin) end
+        if dev == nil then
+          blocked_enq = enq
+          break
+        end
+        grant(t, amount, ttl, lid, chan, meta, tenant, dev)
       end
     end
     head = redis.call('ZRANGE', K_QUEUE, skipped, skipped)
@@ -409,11 +506,12 @@ local function grant_from(now, head, cap, used, grace_until, eff)
     for _, t in ipairs(redis.call('ZRANGE', K_QUEUE, skipped + 1, skipped + BACKFILL_DEPTH)) do
       local w = redis.call('HGET', K_WAITERS, t)
       if w then
-        local amount, ttl, _, lid, chan, meta, _, tenant = parse_waiter(w)
+        local amount, ttl, _, lid, chan, meta, _, tenant, pin = parse_waiter(w)
         local q = quota_check(room, tenant, amount)
         if q == 'wait' then passed[tenant] = true end
-        if amount <= cap and used + amount <= eff and q == 'ok' and not passed[tenant] then
-          grant(t, amount, ttl, lid, chan, meta, tenant)
+        if amount <= largest(pin) and used + amount <= eff and q == 'ok' and not passed[tenant] then
+          local dev = where(amount, pin)
+          if dev ~= nil then grant(t, amount, ttl, lid, chan, meta, tenant, dev) end
         end
       end
       if used >= eff then break end
@@ -453,10 +551,12 @@ end
 local function grant_head(now)
   local head = redis.call('ZRANGE', K_QUEUE, 0, 0)
   if #head == 0 then return {}, 0 end
-  local c = redis.call('HMGET', K_CFG, 'capacity', 'used', 'grace_until', 'external', 'external_until')
+  local c = redis.call('HMGET', K_CFG, 'capacity', 'used', 'grace_until', 'external', 'external_until',
+                       'devices', 'placement')
   local cap = tonumber(c[1] or '0')
   local lines, n = grant_from(now, head, cap, tonumber(c[2] or '0'), tonumber(c[3] or '0'),
-                              eff_cap(now, cap, tonumber(c[4] or '0'), tonumber(c[5] or '0')))
+                              eff_cap(now, cap, tonumber(c[4] or '0'), tonumber(c[5] or '0')),
+                              load_devices(c[6], c[7]))
   return lines, n
 end
 
@@ -502,10 +602,10 @@ end
 
 local function grant_reply(now, lid)
   local rec = redis.call('HGET', K_HOLDERS, lid)
-  local amount, token = parse_holder(rec)
+  local amount, token, _, _, _, _, _, dev = parse_holder(rec)
   local exp = redis.call('ZSCORE', K_LEASES, lid)
   return {1, lid, tonumber(token), tonumber(exp), amount, now,
-          cfg_num('epoch'), cfg_num('capacity'), cfg_num('used')}
+          cfg_num('epoch'), cfg_num('capacity'), cfg_num('used'), tonumber(dev) or 0}
 end
 
 -- Key types. A key of another type under the pool's prefix (written by something else) would

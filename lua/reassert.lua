@@ -18,15 +18,18 @@
 -- ARGV:
 --   1 n               count of lease records that follow
 --   then n x          lease_id (32 hex), token, amount (bytes), ttl_ms, ticket ('' for none),
---                     meta (<= 512 bytes), and tenant ('' for none) when the call has
---                     1 + 7 x n arguments (an earlier version sends 6 per lease, no tenant).
+--                     meta (<= 512 bytes), tenant ('' for none) and device (its index; ''
+--                     or 0 on a pool of one device) when the call has 1 + 8 x n arguments
+--                     (earlier versions send 7 per lease, no device, or 6, no tenant either).
 --                     A lease put back counts toward its tenant's bytes; its tenant's quota
---                     does not refuse it (it was granted before the loss), the capacity does.
+--                     does not refuse it (it was granted before the loss), the capacity of
+--                     the pool and of its device do.
 -- Reply: {now_ms, epoch, grace_left_ms, results}
 --   results: one per lease, in order: the new expires_ms (> 0, accepted; also when the lease is
 --   already there with the same token), or a refusal:
 --     -1 late    more than one max_ttl_ms after the pool's creation
---     -2 full    it does not fit in the capacity next to the leases already there
+--     -2 full    it does not fit in the capacity (or its device's) next to the leases
+--                already there, or its device is not one of the pool's
 --     -3 newer   its token is not older than this incarnation of the pool
 --     -4 ttl     its ttl is longer than the pool's max_ttl_ms
 --     -5 taken   its lease id or its ticket is there with another lease
@@ -38,6 +41,7 @@ local recs = {}
 local i = 2
 local width = 6
 if #ARGV == 1 + 7 * n then width = 7 end
+if #ARGV == 1 + 8 * n then width = 8 end
 for k = 1, n do
   local lid; lid, e = lease_id_arg(ARGV[i]); if e then return e end
   local tok; tok, e = int_arg(ARGV[i + 1], 'token', 0, MAX_AMOUNT); if e then return e end
@@ -47,12 +51,17 @@ for k = 1, n do
   if ticket ~= '' then ticket, e = id_arg(ticket, 'ticket'); if e then return e end end
   local meta; meta, e = meta_arg(ARGV[i + 5]); if e then return e end
   local tenant = ''
-  if width == 7 then tenant, e = tenant_arg(ARGV[i + 6]); if e then return e end end
-  recs[k] = {lid, tok, amount, ttl, ticket, meta, tenant}
+  if width >= 7 then tenant, e = tenant_arg(ARGV[i + 6]); if e then return e end end
+  local dev = ''
+  if width == 8 and ARGV[i + 7] ~= '' then
+    dev, e = int_arg(ARGV[i + 7], 'device', 0, MAX_DEVICES - 1); if e then return e end
+  end
+  recs[k] = {lid, tok, amount, ttl, ticket, meta, tenant, dev}
   i = i + width
 end
 
-local cfg = redis.call('HMGET', K_CFG, 'capacity', 'epoch', 'created_ms', 'max_ttl_ms', 'grace_until')
+local cfg = redis.call('HMGET', K_CFG, 'capacity', 'epoch', 'created_ms', 'max_ttl_ms', 'grace_until',
+                       'devices', 'placement')
 if not cfg[1] then return redis.error_reply('GPULOCK_NOPOOL') end
 local cap, epoch, created = tonumber(cfg[1]), tonumber(cfg[2]), tonumber(cfg[3] or '0')
 local max_ttl = tonumber(cfg[4] or '0')
@@ -62,10 +71,13 @@ local window_end = created + (max_ttl > 0 and max_ttl or MAX_TTL_MS)
 local now = now_ms()
 reap(now)
 local used = cfg_num('used')
+local d = load_devices(cfg[6], cfg[7])
 local res = {}
 local tried = false
 for k, r in ipairs(recs) do
-  local lid, tok, amount, ttl, ticket, meta, tenant = r[1], r[2], r[3], r[4], r[5], r[6], r[7]
+  local lid, tok, amount, ttl, ticket, meta, tenant, dev = r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]
+  if not d then dev = '' end  -- a pool of one device: its leases have no device index
+  local dev_full = d and (dev == '' or dev >= d.n or d.used[dev] + amount > d.cap[dev])
   if tok >= epoch then
     res[k] = -3
   elseif now >= window_end then
@@ -86,14 +98,16 @@ for k, r in ipairs(recs) do
       end
     elseif other and other ~= lid then
       res[k] = -5
-    elseif used + amount > cap then
+    elseif used + amount > cap or dev_full then
       res[k] = -2
     else
       redis.call('ZADD', K_LEASES, fmt(now + ttl), lid)
-      redis.call('HSET', K_HOLDERS, lid, holder_record(amount, tok, now, ttl, ticket, tenant, meta))
+      redis.call('HSET', K_HOLDERS, lid, holder_record(amount, tok, now, ttl, ticket, tenant, meta, dev))
       if ticket ~= '' then redis.call('HSET', K_TICKETS, ticket, lid) end
       redis.call('HINCRBY', K_CFG, 'used', fmt(amount))
       tenant_add(tenant, amount)
+      device_add(dev, amount)
+      if d then d.used[dev] = d.used[dev] + amount end
       redis.call('HINCRBY', K_CFG, 'reasserted', 1)
       used = used + amount
       res[k] = now + ttl

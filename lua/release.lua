@@ -15,7 +15,8 @@ local token; token, e = int_arg(ARGV[2], 'token', 0, MAX_AMOUNT); if e then retu
 -- Reads first: every key this call may use is read (redis.pcall) before the first write, so a
 -- key of the wrong type fails it with nothing written (see "Key types" in lib.lua); the one
 -- exception is the tickets hash in the common case, whose HDEL is then the first write.
-local cfg = redis.pcall('HMGET', K_CFG, 'capacity', 'used', 'grace_until', 'external', 'external_until')
+local cfg = redis.pcall('HMGET', K_CFG, 'capacity', 'used', 'grace_until', 'external', 'external_until',
+                        'devices', 'placement')
 if failed(cfg) then return keytype_error(cfg) end
 local now = now_ms()
 if not cfg[1] then
@@ -36,10 +37,10 @@ if #head > 0 then  -- waiters are read or dropped (an empty queue has none: see 
   local r = redis.pcall('HEXISTS', K_WAITERS, head[1])
   if failed(r) then return keytype_error(r) end
 end
-local mine, amount, ticket, tenant = false, 0, '', ''
+local mine, amount, ticket, tenant, dev = false, 0, '', '', ''
 if rec then
-  local a, tok, _, _, t, _, tn = parse_holder(rec)
-  amount, ticket, tenant = a, t, tn
+  local a, tok, _, _, t, _, tn, dv = parse_holder(rec)
+  amount, ticket, tenant, dev = a, t, tn, dv
   mine = tonumber(tok) == token  -- another token: not ours to release
 end
 if #head > 0 or #dead > 0 then
@@ -68,13 +69,15 @@ if mine then
   used = used - amount
   redis.call('HSET', K_CFG, 'used', fmt(used))
   tenant_add(tenant, -amount)
+  device_add(dev, -amount)
   ok = 1
 end
 local n = 0
 if #head > 0 then
   local lines
   lines, n, used = grant_from(now, head, cap, used, grace_until,
-                              eff_cap(now, cap, tonumber(cfg[4] or '0'), tonumber(cfg[5] or '0')))
+                              eff_cap(now, cap, tonumber(cfg[4] or '0'), tonumber(cfg[5] or '0')),
+                              load_devices(cfg[6], cfg[7]))
   publish(now, lines, n)
 end
 return {ok, now, used, n}

@@ -14,7 +14,7 @@
 --   lease_results:  one per lease, in order: new expires_ms, or 0 when lost
 --   ticket_results: one per ticket, in order:
 --     {'q', position}                                 still queued (expiry refreshed)
---     {'g', lease_id, token, expires_ms, amount}      granted
+--     {'g', lease_id, token, expires_ms, amount, device}  granted (device 0 on a pool of one)
 --     {'x'}                                           unknown (expired from the queue, cancelled)
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
@@ -76,7 +76,7 @@ for k, tw in ipairs(tickets) do
     local lid = redis.call('HGET', K_TICKETS, t)
     if lid and redis.call('HEXISTS', K_HOLDERS, lid) == 1 then
       local g = grant_reply(now, lid)
-      tres[k] = {'g', lid, g[3], g[4], g[5]}
+      tres[k] = {'g', lid, g[3], g[4], g[5], g[10]}
     else
       tres[k] = {'x'}
     end

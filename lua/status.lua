@@ -8,15 +8,17 @@
 --   {1, now_ms, capacity, used, epoch, fence, max_waiters, n_leases, n_waiters,
 --    grants, reaped_leases, reaped_waiters,
 --    leases  = {{lease_id, amount, token, expires_ms, acquired_ms, ttl_ms, ticket, meta,
---                tenant}, ...} (soonest expiry first),
---    waiters = {{ticket, amount, enqueued_ms, waiter_expires_ms, meta, priority, tenant}, ...}
---              (queue order),
+--                tenant, device}, ...} (soonest expiry first; device 0 on a pool of one device),
+--    waiters = {{ticket, amount, enqueued_ms, waiter_expires_ms, meta, priority, tenant,
+--                device}, ...} (queue order; device: the pinned device, -1 for any),
 --    grace_left_ms (0: no grace period), max_ttl_ms (0: unbounded), reasserted,
 --    external (bytes of the device report, 0 when none counts), external_left_ms (how long the
 --    report still counts; 0: none), overuse (the report's over-users, JSON text; '' when none),
 --    policy ('fifo' or 'backfill'), backfill_ms,
 --    tenants = {tenant, used, quota, tenant, used, quota, ...} (every tenant with a quota or
---              with live leases, sorted by name; quota 0: none)}
+--              with live leases, sorted by name; quota 0: none),
+--    devices = {capacity, used, capacity, used, ...} (per device, device 0 first; {} on a pool
+--              of one device), placement ('bestfit' or 'spread')}
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
 local type_err = check_types(); if type_err then return type_err end
@@ -38,9 +40,9 @@ if limit > 0 then
   for j = 1, #ids, 2 do
     local rec = redis.call('HGET', K_HOLDERS, ids[j])
     if rec then
-      local amount, tok, acq, ttl, ticket, meta, tenant = parse_holder(rec)
+      local amount, tok, acq, ttl, ticket, meta, tenant, dev = parse_holder(rec)
       leases[#leases + 1] = {ids[j], amount, tonumber(tok), tonumber(ids[j + 1]), tonumber(acq),
-                             tonumber(ttl), ticket, meta, tenant}
+                             tonumber(ttl), ticket, meta, tenant, tonumber(dev) or 0}
     end
   end
 end
@@ -50,9 +52,9 @@ if limit > 0 then
   for _, t in ipairs(ts) do
     local rec = redis.call('HGET', K_WAITERS, t)
     if rec then
-      local amount, _, enq, _, _, meta, prio, tenant = parse_waiter(rec)
+      local amount, _, enq, _, _, meta, prio, tenant, pin = parse_waiter(rec)
       waiters[#waiters + 1] = {t, amount, tonumber(enq), tonumber(redis.call('ZSCORE', K_WEXP, t) or '0'), meta,
-                               prio, tenant}
+                               prio, tenant, tonumber(pin) or -1}
     end
   end
 end
@@ -65,9 +67,19 @@ for _, t in ipairs(names) do
   tenants[#tenants + 1] = tt[t][2]
   tenants[#tenants + 1] = tt[t][1]
 end
+local devices = {}
+local dv = redis.call('HMGET', K_CFG, 'devices', 'placement')
+local d = load_devices(dv[1], dv[2])
+if d then
+  for i = 0, d.n - 1 do
+    devices[#devices + 1] = d.cap[i]
+    devices[#devices + 1] = d.used[i]
+  end
+end
 return {1, now, cfg_num('capacity'), cfg_num('used'), cfg_num('epoch'), cfg_num('fence'),
         cfg_num('max_waiters'), redis.call('ZCARD', K_LEASES), redis.call('ZCARD', K_QUEUE),
         cfg_num('grants'), cfg_num('reaped_leases'), cfg_num('reaped_waiters'), leases, waiters,
         grace_left(now), cfg_num('max_ttl_ms'), cfg_num('reasserted'), ext, ext_left, overuse,
         redis.call('HGET', K_CFG, 'policy') or 'fifo',
-        tonumber(redis.call('HGET', K_CFG, 'backfill_ms') or DEFAULT_BACKFILL_MS), tenants}
+        tonumber(redis.call('HGET', K_CFG, 'backfill_ms') or DEFAULT_BACKFILL_MS), tenants,
+        devices, dv[2] or 'bestfit'}

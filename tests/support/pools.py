@@ -174,6 +174,21 @@ def check_consistent(c: redis.Redis, pool: str) -> dict[str, int]:
     assert tused == by_tenant, (tused, by_tenant)
     nq = sum(1 for f in cfg if f.startswith("quota:"))
     assert int(cfg.get("nquotas", 0)) == nq, (cfg.get("nquotas"), nq)
+    # Devices (lua/lib.lua "Devices"): on a pool of several, dused:<i> is the sum of the holder
+    # records on device i and never more than dcap:<i>; capacity is the sum of the dcap:<i>.
+    n = int(cfg.get("devices", 0))
+    if n >= 2:
+        by_dev = [0] * n
+        for v in holders.values():
+            parts = v.split("|")
+            assert len(parts) >= 8 and parts[6].isdigit(), v  # every lease is on a device
+            by_dev[int(parts[6])] += int(parts[0])
+        dused = [int(cfg.get(f"dused:{i}", 0)) for i in range(n)]
+        dcap = [int(cfg[f"dcap:{i}"]) for i in range(n)]
+        assert dused == by_dev, (dused, by_dev)
+        assert sum(dcap) == int(cfg["capacity"]), (dcap, cfg["capacity"])
+    else:
+        assert not [f for f in cfg if f.startswith(("dcap:", "dused:"))], cfg
     return {"used": total, "leases": len(holders), "queued": len(queue)}
 
 

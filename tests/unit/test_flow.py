@@ -132,7 +132,7 @@ def test_a_lost_pool_is_made_again_with_the_queue_policy_last_seen():
     rt = _runtime(pool)
     rt.known_epoch = 3
     rt.capacity_seen, rt.max_waiters_seen, rt.max_ttl_seen_ms = 80, 7, 20_000
-    rt.policy_seen = ("backfill", 1500, "team-a=4096")
+    rt.policy_seen = ("backfill", 1500, "team-a=4096", "40 40", "spread")
     assert rt.configure_argv(10, 5, 1000, True) == [
         "80",
         "7",
@@ -142,15 +142,19 @@ def test_a_lost_pool_is_made_again_with_the_queue_policy_last_seen():
         "backfill",
         "1500",
         "team-a=4096",
+        "40 40",
+        "spread",
     ]
     # a set by this object says what it says
-    assert rt.configure_argv(10, 5, 1000, False, policy=("fifo", None, None)) == [
+    assert rt.configure_argv(10, 5, 1000, False, policy=("fifo", None, None, None, None)) == [
         "10",
         "5",
         "set",
         "1000",
         "0",
         "fifo",
+        "",
+        "",
         "",
         "",
     ]

@@ -364,7 +364,7 @@ def test_an_acquire_only_pool_object_remakes_the_pool_with_the_operators_setting
             return (
                 rt.max_ttl_seen_ms == 5000
                 and rt.max_waiters_seen == 7
-                and rt.policy_seen == ("backfill", 3000, "t-a=4")
+                and rt.policy_seen == ("backfill", 3000, "t-a=4", "", "bestfit")
             )
 
         wait_until(learned, timeout=5.0)
