@@ -204,6 +204,7 @@ class BrokerLease:
         self._inner = inner
         self.id: str = inner.id
         self.token: int = inner.token
+        self.device: int = getattr(inner, "device", 0)
 
     @property
     def valid_until(self) -> float:
@@ -250,6 +251,7 @@ class BrokerPool:
         on_queued: Callable[[int], Any] | None = None,
         priority: int = 0,
         tenant: str | None = None,
+        device: int | None = None,
     ) -> BrokerLease:
         import gpulock_client
 
@@ -258,6 +260,7 @@ class BrokerPool:
                 "a broker counts a lease under its token's tenant; a request cannot name one"
             )
 
+        pin = {} if device is None else {"device": device}
         try:
             return BrokerLease(
                 self._inner.acquire(
@@ -267,6 +270,7 @@ class BrokerPool:
                     holder=holder,
                     on_queued=on_queued,
                     priority=priority,
+                    **pin,
                 )
             )
         except gpulock_client.GpuLockError as e:

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any, Iterable, Optional
 
@@ -59,6 +59,14 @@ def not_ignored(sigs: Iterable[int]) -> list[int]:
     """Signals whose disposition is not SIG_IGN: an ignored one (``nohup``, ``cmd &`` in a
     script) stays ignored, in gpulock and in CMD, as it would without gpulock."""
     return [s for s in sigs if signal.getsignal(s) is not signal.SIG_IGN]
+
+
+def visible_gpu(device: int, inherited: Optional[str]) -> str:
+    """The CUDA_VISIBLE_DEVICES entry for a pool's device ``device``: the ``device``-th entry
+    of ``inherited`` (gpulock run's own CUDA_VISIBLE_DEVICES: "2,3", or GPU UUIDs) when it has
+    one, else the device index itself (device D is GPU D)."""
+    entries = [e.strip() for e in (inherited or "").split(",") if e.strip()]
+    return entries[device] if device < len(entries) else str(device)
 
 
 def _exit_status(returncode: int) -> int:
@@ -112,6 +120,7 @@ def supervise(
     grace: float,
     cmd: list[str],
     enf: Optional[EnforceOptions] = None,
+    n_devices: int = 1,
 ) -> int:
     env = dict(os.environ)
     env.update(
@@ -119,7 +128,13 @@ def supervise(
         GPULOCK_FENCING_TOKEN=str(lease.token),
         GPULOCK_POOL=pool,
         GPULOCK_AMOUNT=str(amount),
+        GPULOCK_DEVICE=str(lease.device),
     )
+    if n_devices > 1:
+        gpu = visible_gpu(lease.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+        if enf is not None and enf.device < 0:  # --enforce reads the lease's GPU
+            enf = replace(enf, device=int(gpu) if gpu.isdigit() else lease.device)
     wake = threading.Event()
     lost_info: list[str] = []
 

@@ -159,6 +159,51 @@ def quota_param(values: Optional[list[str]]) -> Optional[dict[str, int]]:
         raise typer.BadParameter(str(e), param_hint="--quota") from None
 
 
+def devices_param(
+    value: Optional[str], capacity: Optional[str], utilization: float = 0.9
+) -> Optional[list[int]]:
+    """``--devices N`` (N devices of ``--capacity`` each), ``--devices SIZE,SIZE,...`` or
+    ``--devices auto`` (each GPU the device reader sees, NVML or ``$GPULOCK_FAKE_DEVICES``,
+    its total memory x ``utilization``): each device's capacity in bytes; None when not
+    given. Exit 2 naming a bad value or a reader that sees no device."""
+    if value is None:
+        return None
+    from ._args import encode_devices
+
+    v = value.strip()
+    if v == "auto":
+        if capacity is not None:
+            raise typer.BadParameter(
+                "--devices auto takes each GPU's memory; leave --capacity out",
+                param_hint="--devices",
+            )
+        from .devices import DeviceError, open_reader, read_all
+
+        try:
+            return [max(1, int(d.total_bytes * utilization)) for d in read_all(open_reader("auto"))]
+        except (DeviceError, ValueError) as e:
+            raise typer.BadParameter(
+                f"auto: cannot read the GPUs: {e}", param_hint="--devices"
+            ) from None
+    spec: int | list[str] = int(v) if v.isdigit() else [x.strip() for x in v.split(",")]
+    if isinstance(spec, list) and capacity is not None:
+        raise typer.BadParameter(
+            "with each device's capacity, leave --capacity out (the pool's is their sum)",
+            param_hint="--devices",
+        )
+    if isinstance(spec, int) and capacity is None:
+        raise typer.BadParameter(
+            f"--devices {v} needs --capacity (each device's capacity), or give each device's "
+            "capacity: --devices 80GiB,80GiB",
+            param_hint="--devices",
+        )
+    try:
+        _, caps = encode_devices(spec, capacity if isinstance(spec, int) else None)
+    except InvalidArgument as e:
+        raise typer.BadParameter(str(e), param_hint="--devices") from None
+    return [int(c) for c in caps.split()]
+
+
 def seconds_param(
     name: str, *, minimum: float, maximum: float, allow_zero: bool = False
 ) -> Callable[[Optional[float]], Optional[float]]:
@@ -199,6 +244,31 @@ def pool_name_param(value: Optional[str]) -> Optional[str]:
         raise typer.BadParameter(str(e)) from None
 
 
+def pool_target_param(value: Optional[str]) -> Optional[str]:
+    """``--pool NAME`` or ``NAME/D`` (device D of a pool of several devices): checked here,
+    split by :func:`split_pool_target`."""
+    if value is None:
+        return None
+    split_pool_target(value)
+    return value
+
+
+def split_pool_target(value: str) -> tuple[str, Optional[int]]:
+    """``NAME`` -> (NAME, None); ``NAME/D`` -> (NAME, D), D a device index. Raises
+    typer.BadParameter naming the bad part."""
+    name, sep, dev = value.partition("/")
+    name = pool_name_param(name) or ""
+    if not sep:
+        return name, None
+    from ._args import MAX_DEVICES
+
+    if not dev.isdigit() or not 0 <= int(dev) < MAX_DEVICES:
+        raise typer.BadParameter(
+            f"NAME/DEVICE: the device must be an index 0..{MAX_DEVICES - 1}, got {dev!r}"
+        )
+    return name, int(dev)
+
+
 def secs(x: float) -> str:
     if x < 0:
         return "expired"
@@ -236,6 +306,11 @@ class RunLease(Protocol):
     def token(self) -> int: ...
 
     @property
+    def device(self) -> int:
+        """The pool's device the lease is on (0 on a pool of one device)."""
+        ...
+
+    @property
     def valid_until(self) -> float:
         """Local ``time.monotonic()`` instant after which the lease counts as lost."""
         ...
@@ -252,7 +327,8 @@ class RunPool(Protocol):
     ``_cli_broker.BrokerPool`` (a broker, through the gpulock-client SDK). ``amount`` in
     bytes, ``ttl``/``timeout`` in seconds, ``priority`` in [-100, 100] (higher first),
     ``tenant`` the tenant the lease counts under (None: none; a broker takes it from the
-    token, so its pool refuses one); errors are the core's exceptions."""
+    token, so its pool refuses one), ``device`` the device it must be on (None: the pool
+    places it); errors are the core's exceptions."""
 
     def acquire(
         self,
@@ -264,6 +340,7 @@ class RunPool(Protocol):
         on_queued: Callable[[int], Any] | None = None,
         priority: int = 0,
         tenant: str | None = None,
+        device: int | None = None,
     ) -> RunLease: ...
 
     def close(self) -> None: ...

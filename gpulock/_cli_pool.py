@@ -18,23 +18,22 @@ from ._cli_common import (
     fail,
     policy_param,
     pool_name_param,
+    devices_param,
     quota_param,
     redis_client,
     safe_url,
     say,
     seconds_param,
     seconds_text_param,
-    secs,
     size_param,
     target,
 )
 from ._admin import DeleteResult
+from ._cli_show import devices_text, policy_text, print_status, quota_text
 from .errors import GpuLockError, PoolNotFound
 from .units import format_size
 
 if TYPE_CHECKING:
-    from rich.console import Console
-
     from . import PoolStatus
 
 pool_app = typer.Typer(
@@ -95,7 +94,8 @@ def pool_set(
         "-c",
         callback=size_param("capacity"),
         help="Bytes the pool lends out: 8GiB, 512MiB, 24GB, or a number of bytes (default: "
-        "keep the current value; a new pool needs it).",
+        "keep the current value; a new pool needs it). On a pool of several devices: each "
+        "device's capacity.",
     ),
     max_waiters: Optional[int] = typer.Option(
         None,
@@ -137,10 +137,36 @@ def pool_set(
         help="Cap the bytes one tenant's leases may hold (repeatable; SIZE 0 or none removes "
         "the cap; docs/SEMANTICS.md, 'Tenant quotas'). Tenants not named keep theirs.",
     ),
+    devices: Optional[str] = typer.Option(
+        None,
+        "--devices",
+        metavar="N|SIZE,SIZE,...|auto",
+        help="The pool's devices (GPUs): a count N (each of --capacity), each device's "
+        "capacity (80GiB,80GiB,40GiB), or auto: each GPU NVML sees (or $GPULOCK_FAKE_DEVICES "
+        "lists), its memory x --utilization; set CUDA_DEVICE_ORDER=PCI_BUS_ID for the jobs "
+        "so CUDA numbers the GPUs as NVML does. A lease is placed on one device "
+        "(docs/SEMANTICS.md, 'Devices and placement'). The count changes only while the "
+        "pool has no lease and no waiter.",
+    ),
+    utilization: float = typer.Option(
+        0.9,
+        "--utilization",
+        min=0.01,
+        max=1.0,
+        help="--devices auto: the share of each GPU's memory its device gets.",
+    ),
+    placement: Optional[str] = typer.Option(
+        None,
+        "--placement",
+        metavar="bestfit|spread",
+        help="How a request without a device is placed: bestfit (the device with the least "
+        "free bytes that fits it: keeps large holes for large requests) or spread (the most "
+        "free). Default: keep the current one; bestfit for a new pool.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Create pool NAME (--capacity needed), or change its capacity, queue bound, max ttl,
-    queue policy or tenant quotas (what is not given keeps its value).
+    queue policy, tenant quotas or devices (what is not given keeps its value).
 
     Lowering the capacity below what is in use is allowed: leases keep their bytes and nothing
     new is granted until enough is released. Raising it grants waiters that now fit. Through
@@ -149,6 +175,11 @@ def pool_set(
     t = target(ctx)
     # parsed here, not in a callback: typer hands a list option's callback result back as a list
     quotas = quota_param(quota)
+    devs = devices_param(devices, capacity, utilization)
+    if placement is not None and placement not in ("bestfit", "spread"):
+        raise typer.BadParameter(
+            f"must be bestfit or spread, got {placement!r:.80}", param_hint="--placement"
+        )
     try:
         if t.is_broker:
             from ._cli_broker import BrokerAdmin
@@ -173,6 +204,16 @@ def pool_set(
                     body["backfill_window"] = backfill_window
                 if quotas is not None:
                     body["quotas"] = quotas
+                if devs is not None:
+                    body["devices"] = devs
+                    body["capacity"] = sum(devs)
+                elif capacity is not None:  # on a pool of several devices: each one's
+                    have = b.call("GET", f"/v1/pools/{name}", name).get("devices") or []
+                    if len(have) > 1:
+                        body["devices"] = [int(capacity)] * len(have)
+                        body["capacity"] = int(capacity) * len(have)
+                if placement is not None:
+                    body["placement"] = placement
                 r = b.call("PUT", f"/v1/pools/{name}", name, body)
             finally:
                 b.close()
@@ -186,6 +227,8 @@ def pool_set(
                 policy,
                 backfill_window,
                 quotas,
+                devs,
+                placement,
             )
     except GpuLockError as e:
         error_exit(e, t, name, admin=True)
@@ -203,6 +246,11 @@ def pool_set(
         f"max_waiters {r['max_waiters']}, used {format_size(r['used'])} ({r['used']} bytes)"
         + (f", {policy_text(r['policy'], r.get('backfill_window'))}" if "policy" in r else "")
         + (f", quotas {quota_text(r['quotas'])}" if r.get("quotas") else "")
+        + (
+            f", devices {devices_text(r['devices'])} (placement {r.get('placement', 'bestfit')})"
+            if len(r.get("devices") or []) > 1
+            else ""
+        )
     )
     if r["used"] > r["capacity"]:
         print(
@@ -211,18 +259,6 @@ def pool_set(
             "releases bring use under the capacity",
             file=sys.stderr,
         )
-
-
-def policy_text(policy: str, window: Optional[float]) -> str:
-    """``policy fifo``, or ``policy backfill (window 2s)``."""
-    if policy == "backfill" and window is not None:
-        return f"policy backfill (window {window:g}s)"
-    return f"policy {policy}"
-
-
-def quota_text(quotas: dict[str, int]) -> str:
-    """``alice=8GiB bob=4GiB``: tenant quotas as sizes."""
-    return " ".join(f"{t}={format_size(b)}" for t, b in sorted(quotas.items()))
 
 
 def _configure_redis(
@@ -234,6 +270,8 @@ def _configure_redis(
     policy: Optional[str] = None,
     backfill_window: Optional[float] = None,
     quotas: Optional[dict[str, int]] = None,
+    devices: Optional[list[int]] = None,
+    placement: Optional[str] = None,
 ) -> dict[str, Any]:
     from ._sync import Pool
 
@@ -241,16 +279,19 @@ def _configure_redis(
     try:
         pool = Pool(client, name)
         cap, mw, mt = capacity, max_waiters, max_ttl
-        if cap is None or mw is None or mt is None:
-            try:
-                st = pool.status(limit=0)
-                cap = st.capacity if cap is None else cap
-                mw = st.max_waiters if mw is None else mw
-                if mt is None and st.max_ttl:
-                    mt = st.max_ttl
-            except PoolNotFound:
-                if cap is None:  # nothing to keep: a new pool needs --capacity
-                    raise
+        try:
+            st = pool.status(limit=0)
+            if devices is None and cap is not None and len(st.devices) > 1:
+                devices = [cap] * len(st.devices)  # --capacity: each device's
+            cap = st.capacity if cap is None else cap
+            mw = st.max_waiters if mw is None else mw
+            if mt is None and st.max_ttl:
+                mt = st.max_ttl
+        except PoolNotFound:
+            if cap is None and devices is None:  # nothing to keep: a new pool needs --capacity
+                raise
+        if devices is not None:
+            cap = None
         # policy and window: None leaves each as the pool has it (configure.lua keeps them)
         return pool.configure(
             cap,
@@ -259,6 +300,8 @@ def _configure_redis(
             policy=policy,
             backfill_window=backfill_window,
             quotas=quotas,
+            devices=devices,
+            placement=placement,
         )
     finally:
         client.close()
@@ -358,135 +401,6 @@ def _delete(t: Target, name: str, force: bool) -> DeleteResult:
 
 
 # ---- status ------------------------------------------------------------------------------------
-# Control characters of holder metadata (set by any client) shown as escapes: raw, an ANSI
-# sequence would reach the terminal and a newline would break the table.
-_CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F]}
-
-
-def _shown(value: Any) -> Any:
-    """Holder metadata as table text (a ``rich.text.Text``): literal (no rich markup),
-    control characters escaped."""
-    from rich.text import Text
-
-    return Text(str(value).translate(_CONTROLS))
-
-
-def _print_status(console: Console, st: PoolStatus) -> None:
-    from rich.table import Table
-
-    pct = (100.0 * st.used / st.capacity) if st.capacity else 0.0
-    console.print(
-        f"pool [bold]{st.pool}[/bold]: capacity {format_size(st.capacity)}, used {format_size(st.used)} "
-        f"({pct:.0f}%), free {format_size(st.free)}; {st.lease_count} lease(s), "
-        f"{st.waiter_count} waiter(s), max_waiters {st.max_waiters}",
-        highlight=False,
-    )
-    if st.policy != "fifo":  # FIFO, every pool's default, goes unsaid
-        how = (
-            ": while the head of the queue does not fit, later requests that fit are granted, "
-            "for at most the window"
-            if st.policy == "backfill"
-            else ""
-        )
-        console.print(f"queue {policy_text(st.policy, st.backfill_window)}{how}", highlight=False)
-    if st.grace_left > 0:
-        console.print(
-            f"grace period: Redis lost the pool's data; no new grants for {secs(st.grace_left)} "
-            "more, while the leases held before are put back (docs/RELIABILITY.md)",
-            highlight=False,
-        )
-    if st.tenants:
-        console.print(
-            "tenants: "
-            + ", ".join(
-                f"{t} {format_size(u.used)}"
-                + (f" of quota {format_size(u.quota)}" if u.quota else " (no quota)")
-                for t, u in st.tenants.items()
-            ),
-            highlight=False,
-        )
-    if st.external_left > 0:
-        console.print(
-            f"device: {format_size(st.external)} in use outside the pool's leases; effective "
-            f"capacity {format_size(st.effective_capacity)} (report counts {secs(st.external_left)} more)",
-            highlight=False,
-        )
-    for o in st.overusers:
-        h = o.get("holder") or {}
-        console.print(
-            f"over-user: host {h.get('host', '?')} pid {o.get('pid', '?')} lease "
-            f"{','.join(str(x)[:8] for x in o.get('lease_ids', []))}: uses "
-            f"{format_size(int(o.get('actual', 0)))} for {format_size(int(o.get('leased', 0)))} "
-            f"leased, {format_size(int(o.get('excess', 0)))} over",
-            highlight=False,
-        )
-    lease_tenants = any(li.tenant for li in st.leases)  # a tenant column only when one is set
-    waiter_tenants = any(w.tenant for w in st.waiters)
-    if st.leases:
-        t = Table(title=None, show_edge=False, pad_edge=False, box=None, header_style="bold")
-        cols: tuple[tuple[str, dict[str, Any]], ...] = (
-            ("lease", {}),
-            ("amount", {"justify": "right"}),
-            ("token", {"justify": "right"}),
-            *((("tenant", {}),) if lease_tenants else ()),
-            ("host", {}),
-            ("pid", {"justify": "right"}),
-            ("purpose", {"overflow": "fold"}),
-            ("held", {"justify": "right"}),
-            ("expires in", {"justify": "right"}),
-        )
-        for col, kw in cols:
-            t.add_column(col, no_wrap=col != "purpose", **kw)
-        for li in st.leases:
-            h = li.holder
-            t.add_row(
-                li.lease_id[:8],
-                format_size(li.amount),
-                str(li.token),
-                *((li.tenant or "-",) if lease_tenants else ()),
-                _shown(h.get("host", "?")),
-                _shown(h.get("pid", "?")),
-                _shown(h.get("purpose", "")),
-                secs(li.held_for),
-                secs(li.expires_in),
-            )
-        console.print(t)
-    if st.waiters:
-        t = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
-        cols = (
-            ("position", {"justify": "right"}),
-            ("amount", {"justify": "right"}),
-            ("priority", {"justify": "right"}),
-            *((("tenant", {}),) if waiter_tenants else ()),
-            ("host", {}),
-            ("pid", {"justify": "right"}),
-            ("purpose", {"overflow": "fold"}),
-            ("waited", {"justify": "right"}),
-            ("request id", {}),
-        )
-        for col, kw in cols:
-            t.add_column(col, no_wrap=col != "purpose", **kw)
-        for w in st.waiters:
-            h = w.holder
-            t.add_row(
-                str(w.position),
-                format_size(w.amount),
-                str(w.priority),
-                *((w.tenant or "-",) if waiter_tenants else ()),
-                _shown(h.get("host", "?")),
-                _shown(h.get("pid", "?")),
-                _shown(h.get("purpose", "")),
-                secs(w.waited),
-                w.request_id[:12],
-            )
-        console.print(t)
-    if st.lease_count > len(st.leases) or st.waiter_count > len(st.waiters):
-        console.print(
-            f"(listing first {len(st.leases)} leases and {len(st.waiters)} waiters)",
-            highlight=False,
-        )
-
-
 def status(
     ctx: typer.Context,
     name: Optional[str] = typer.Argument(
@@ -528,4 +442,4 @@ def status(
     for i, st in enumerate(statuses):
         if i:
             console.print()
-        _print_status(console, st)
+        print_status(console, st)

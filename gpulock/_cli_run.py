@@ -9,6 +9,7 @@ import shlex
 import shutil
 import signal
 import time
+from dataclasses import replace
 from types import FrameType
 from typing import Any, Optional
 
@@ -28,7 +29,8 @@ from ._cli_common import (
     Target,
     error_exit,
     fail,
-    pool_name_param,
+    pool_target_param,
+    split_pool_target,
     priority_param,
     tenant_param,
     redis_client,
@@ -66,9 +68,14 @@ def _clip(text: str, limit: int = 300) -> str:
 RUN_HELP = f"""Run CMD while holding AMOUNT bytes of pool POOL (flock(1) for GPU memory).
 
 Waits in the pool's queue (by --priority, then first come first served; printing the queue
-position to stderr), then runs CMD with GPULOCK_LEASE_ID, GPULOCK_FENCING_TOKEN, GPULOCK_POOL
-and GPULOCK_AMOUNT in its environment, renews the lease every ttl/3 while CMD runs, and
-releases it when CMD exits. Put `--` before CMD.
+position to stderr), then runs CMD with GPULOCK_LEASE_ID, GPULOCK_FENCING_TOKEN, GPULOCK_POOL,
+GPULOCK_AMOUNT and GPULOCK_DEVICE (the pool's device the lease is on) in its environment,
+renews the lease every ttl/3 while CMD runs, and releases it when CMD exits. Put `--` before
+CMD.
+
+On a pool of several devices the lease is placed on one (--pool NAME/D pins device D) and CMD
+also gets CUDA_VISIBLE_DEVICES naming only that GPU: device D is GPU D, or the D-th entry of
+CUDA_VISIBLE_DEVICES when gpulock run's own environment sets it.
 
 CMD runs in its own process group; SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2 and
 SIGWINCH sent to gpulock run are forwarded to that group (a signal ignored when gpulock run
@@ -112,7 +119,12 @@ def run(
         ..., metavar="CMD", help="The command (and its arguments) to run under the lease."
     ),
     pool: str = typer.Option(
-        ..., "--pool", "-p", callback=pool_name_param, help="Pool to lease from."
+        ...,
+        "--pool",
+        "-p",
+        callback=pool_target_param,
+        metavar="NAME[/DEVICE]",
+        help="Pool to lease from; NAME/D pins device D of a pool of several devices.",
     ),
     amount: str = typer.Option(
         ...,
@@ -184,8 +196,13 @@ def run(
         callback=seconds_param("--enforce-grace", minimum=0.0, maximum=86400, allow_zero=True),
         help="--enforce: seconds CMD may stay over before it is stopped.",
     ),
-    device: int = typer.Option(
-        0, "--device", min=0, max=1023, help="--enforce: the device index the pool stands for."
+    device: Optional[int] = typer.Option(
+        None,
+        "--device",
+        min=0,
+        max=1023,
+        help="--enforce: the GPU index to read (default: the GPU of the lease's device; GPU 0 "
+        "on a pool of one device).",
     ),
     device_reader: str = typer.Option(
         "auto",
@@ -202,9 +219,10 @@ def run(
             enforce_margin,
             int(enforce_slack or 0),
             float(enforce_grace or 0.0),
-            device,
+            0 if device is None else device,
             device_reader,
         )
+    pool, pin = split_pool_target(pool)
 
     t = target(ctx)
     if tenant and t.is_broker:
@@ -225,7 +243,7 @@ def run(
 
         b = BrokerAdmin(t.url)  # fail fast (69, 77, 66) if the broker is down or refuses the token
         try:
-            b.call("GET", f"/v1/pools/{pool}", pool)
+            n_devices = len(b.call("GET", f"/v1/pools/{pool}", pool).get("devices") or [0])
         except GpuLockError as e:
             error_exit(e, t, pool)
         finally:
@@ -234,6 +252,13 @@ def run(
     else:
         redis_client(t.url).close()  # fail fast (exit 69) if Redis is down now
         p = Pool.from_url(t.url, pool, default_ttl=ttl)
+        try:
+            n_devices = len(p.status(limit=0).devices)
+        except GpuLockError as e:
+            p.close()
+            error_exit(e, t, pool)
+    if enf is not None and device is None and n_devices > 1:
+        enf = replace(enf, device=-1)  # the lease's GPU, once it is granted
     try:
         code = _run_under_lease(
             p,
@@ -249,6 +274,8 @@ def run(
             enf,
             int(priority),
             tenant or None,
+            pin,
+            n_devices,
         )
     finally:
         p.close()
@@ -269,6 +296,8 @@ def _run_under_lease(
     enf: Optional[EnforceOptions] = None,
     priority: int = 0,
     tenant: Optional[str] = None,
+    pin: Optional[int] = None,
+    n_devices: int = 1,
 ) -> int:
     info = (lambda msg: None) if quiet else say
     queued_at: list[float] = []
@@ -301,6 +330,7 @@ def _run_under_lease(
                 on_queued=on_queued,
                 priority=priority,
                 tenant=tenant,
+                device=pin,
             )
         finally:
             for s, h in old.items():
@@ -328,7 +358,7 @@ def _run_under_lease(
         info(
             f"granted {format_size(amount)} on pool {pool!r} after {time.monotonic() - queued_at[0]:.1f}s"
         )
-    return supervise(lease, pool, amount, grace, cmd, enf)
+    return supervise(lease, pool, amount, grace, cmd, enf, n_devices)
 
 
 def _enforce_options(

@@ -202,6 +202,20 @@ class TorchReader:
         return DeviceReading(index, int(total), int(total) - int(free), None)
 
 
+def read_all(reader: DeviceReader, limit: int = 64) -> list[DeviceReading]:
+    """Every device ``reader`` sees, by index from 0 until the first it cannot read (at most
+    ``limit``): what ``gpulock pool set --devices auto`` makes a pool of. NVML's indices are
+    the PCI bus order, which CUDA's device ordinals follow only with
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``. Raises DeviceError when it cannot read device 0."""
+    out = [reader.read(0)]
+    while len(out) < limit:
+        try:
+            out.append(reader.read(len(out)))
+        except DeviceError:
+            break
+    return out
+
+
 def open_reader(spec: str = "auto") -> DeviceReader:
     """A reader for ``spec``: ``auto``, ``nvml``, ``torch`` or ``fake:PATH`` (module docstring).
 

@@ -91,6 +91,8 @@ def test_pool_set_and_status_round_trip(redis_proc):
         "policy": "fifo",
         "backfill_window": 2.0,
         "quotas": {},
+        "devices": [4 * GiB],
+        "placement": "bestfit",
     }
     # Without --max-waiters the current bound is kept.
     r = cli(url, "pool", "set", "gpu0", "--capacity", "6GiB")
