@@ -77,6 +77,30 @@ async def test_async_pools_on_every_master_hand_off_over_sharded_pubsub(cluster)
             await p.aclose()
 
 
+async def test_pools_of_several_devices_place_and_hand_off_on_every_master(cluster):
+    """A pool of several devices keeps them in its one hash tag: placement, pinning and a
+    hand-off onto the device freed work on each master."""
+    for name in spread(cluster, "dv"):
+        p = AsyncPool.from_url(cluster.url, name, poll_interval=60)
+        try:
+            await p.configure(devices=[50, 100])
+            big = await p.acquire(90, ttl=30)  # only device 1 can hold it
+            small = await p.acquire(40, ttl=30)  # best fit: 10 free on 1 is too few: device 0
+            assert (big.device, small.device) == (1, 0)
+            w = asyncio.create_task(p.acquire(60, ttl=30, timeout=30, device=1))
+            while not (await p.status()).waiter_count:
+                await asyncio.sleep(0.01)
+            await big.release()
+            lease = await asyncio.wait_for(w, 10)
+            assert lease.device == 1
+            st = await p.status()
+            assert [(d.capacity, d.used) for d in st.devices] == [(50, 40), (100, 60)]
+            await lease.release()
+            await small.release()
+        finally:
+            await p.aclose()
+
+
 def test_sync_pool_on_a_cluster_client_hands_off(cluster):
     name = spread(cluster, "sy")[1]
     rc = RedisCluster(host=cluster.masters[0].host, port=cluster.masters[0].port)
