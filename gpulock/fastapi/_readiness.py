@@ -63,6 +63,9 @@ class Readiness:
             "ok": bool(fresh and be.redis_error is None),
             "message": be.redis_error or ("" if fresh else "no recent status from Redis"),
         }
+        devices = self._devices_problem()
+        if devices:
+            checks["devices"] = {"ok": False, "message": devices}
         for k, (ok, msg) in self.conditions.items():
             checks[k] = {"ok": ok, "message": msg}
         wanted = self._resident.wanted
@@ -86,12 +89,29 @@ class Readiness:
             return False, f"worker is exiting after a CUDA error: {self.fatal_error}"
         if self.stopping or not self.started:
             return False, "worker is not started or is shutting down"
+        devices = self._devices_problem()
+        if devices:
+            return False, devices
         for k, (ok, msg) in self.conditions.items():
             if not ok:
                 return False, f"{k}: {msg}" if msg else f"{k} not ready"
         if self._resident.wanted and self._resident.held() < self._resident.wanted:
             return False, self._resident.message()
         return True, ""
+
+    def _devices_problem(self) -> str:
+        """Why this worker's pool does not suit it ("" when it does): the integration runs
+        a model on one GPU and leases without a device, so its pool must have one device
+        (docs/SEMANTICS.md, "Devices and placement"), or its leases would count on GPUs it
+        does not use."""
+        st = self._backend.status
+        if st is None or len(st.devices) < 2:
+            return ""
+        return (
+            f"pool {st.pool!r} has {len(st.devices)} devices, but this service runs its model "
+            "on one GPU and leases from a pool of one device: give it a pool of its own "
+            "(gpulock pool set NAME --capacity SIZE)"
+        )
 
     def check_accepting(self) -> None:
         """Raise 503 (not ready) unless this worker takes guarded calls now."""

@@ -1,7 +1,8 @@
 """``GpuLimiter(tenant=...)`` (the service's ``GPULOCK_TENANT``): every lease of the limiter
 counts under the tenant, so the pool's quota for it caps what the service holds across its
 workers: a request at the quota waits in the pool's queue though the pool has room, one over
-it is a 413 with reason ``quota``; a bad tenant fails when the limiter is made."""
+it is a 413 with reason ``quota``; a bad tenant fails when the limiter is made. And the
+limiter's pool must have one device: on a pool of several it is not ready (503 saying why)."""
 
 from __future__ import annotations
 
@@ -71,3 +72,23 @@ async def test_the_limiters_leases_count_under_its_tenant(redis_proc1):
 def test_a_bad_tenant_fails_when_the_limiter_is_made(bad):
     with pytest.raises(InvalidArgument, match="tenant must be"):
         GpuLimiter("redis://127.0.0.1:1/0", "p", tenant=bad)
+
+
+async def test_a_pool_of_several_devices_is_refused_not_leased_from(redis_proc1):
+    """The integration runs a model on one GPU and leases without a device: on a pool of
+    several devices its leases would count on GPUs it does not use, so the worker is not
+    ready and answers 503 saying why, and nothing is leased."""
+    url, name = redis_proc1.url, "tq2"
+    admin = AsyncPool.from_url(url, name)
+    await admin.configure(devices=[4 * GiB, 4 * GiB])
+    app, gate = _app(url, name)
+    gate.set()
+    try:
+        async with Running(app) as c:
+            r = await c.post("/big")
+            assert r.status_code == 503, r.text
+            assert "has 2 devices" in r.text, r.text
+            st = await admin.status()
+            assert st.grants == 0 and st.used == 0
+    finally:
+        await admin.aclose()
