@@ -112,7 +112,7 @@ class BrokerAdmin:
 
 def status_from_dict(d: dict[str, Any]) -> Any:
     """A broker's pool object (``GET /v1/pools/NAME``) as the core's PoolStatus."""
-    from ._replies import LeaseInfo, PoolStatus, TenantUse, WaiterInfo
+    from ._replies import DeviceUse, LeaseInfo, PoolStatus, TenantUse, WaiterInfo
 
     leases = [
         LeaseInfo(
@@ -125,6 +125,7 @@ def status_from_dict(d: dict[str, Any]) -> Any:
             "",
             x.get("holder") or {},
             x.get("tenant", ""),  # a broker older than tenants sends none
+            x.get("device", 0),  # nor one older than devices
         )
         for x in d.get("leases", [])
     ]
@@ -138,6 +139,7 @@ def status_from_dict(d: dict[str, Any]) -> Any:
             x.get("holder") or {},
             priority=x.get("priority", 0),  # a broker older than priorities sends none
             tenant=x.get("tenant", ""),
+            device=x.get("device"),
         )
         for x in d.get("waiters", [])
     ]
@@ -163,6 +165,12 @@ def status_from_dict(d: dict[str, Any]) -> Any:
             for t, u in (d.get("tenants") or {}).items()
         },
         backfill_window=d.get("backfill_window", 2.0),
+        devices=[
+            DeviceUse(int(x["index"]), int(x["capacity"]), int(x["used"]))
+            for x in d.get("devices") or []
+        ]
+        or [DeviceUse(0, d["capacity"], d["used"])],
+        placement=d.get("placement", "bestfit"),
     )
 
 

@@ -208,7 +208,10 @@ def pool_set(
                     body["devices"] = devs
                     body["capacity"] = sum(devs)
                 elif capacity is not None:  # on a pool of several devices: each one's
-                    have = b.call("GET", f"/v1/pools/{name}", name).get("devices") or []
+                    try:
+                        have = b.call("GET", f"/v1/pools/{name}", name).get("devices") or []
+                    except PoolNotFound:
+                        have = []  # a new pool, of one device
                     if len(have) > 1:
                         body["devices"] = [int(capacity)] * len(have)
                         body["capacity"] = int(capacity) * len(have)

@@ -66,6 +66,7 @@ class Acquirer:
         request_id: str | None = None,
         gone: asyncio.Future | None = None,
         priority: int = 0,
+        device: int | None = None,
     ) -> Granted | Queued:
         """See :meth:`gpulock_broker.core.Broker.acquire`."""
         rid = request_id or new_id()
@@ -85,6 +86,7 @@ class Acquirer:
                 queue=queue,
                 priority=priority,
                 tenant=who.tenant or None,
+                device=device,
             )
 
         start = self._clock()

@@ -21,15 +21,11 @@ delete refused while leases or waiters are live; 410 the lease is lost. Error bo
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import time
 from typing import Any, NoReturn, Optional
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query, Request, Response
-from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from gpulock.errors import (
@@ -44,74 +40,28 @@ from gpulock._disconnect import watch_disconnect
 
 from .auth import Principal
 from .responses import LINKS, errors
+from .routing import FiniteJSONRoute
 from .core import Broker, ClientGone, Granted, LeaseGone, NotYours, PoolBeingDeleted
-from .models import (
-    LEASE_ID_PATTERN,
-    POOL_PATTERN,
-    REQUEST_ID_PATTERN,
+from .answers import (
     LeaseGrant,
     LeaseReleased,
     LeaseRenewed,
-    LeaseRequest,
-    PoolConfigRequest,
     PoolConfigured,
     PoolDeleted,
     PoolList,
     PoolOut,
-    RenewRequest,
     RequestCancelled,
+)
+from .models import (
+    LEASE_ID_PATTERN,
+    POOL_PATTERN,
+    REQUEST_ID_PATTERN,
+    LeaseRequest,
+    PoolConfigRequest,
+    RenewRequest,
 )
 
 log = logging.getLogger("gpulock.broker")
-
-
-class _NotFinite(ValueError):
-    pass
-
-
-def _no_constant(name: str) -> float:
-    raise _NotFinite(name)
-
-
-def _finite(text: str) -> float:
-    f = float(text)
-    if not math.isfinite(f):
-        raise _NotFinite(text)
-    return f
-
-
-class FiniteJSONRoute(APIRoute):
-    """Refuses bodies with NaN, Infinity or overflowing numbers (Python's JSON parser accepts
-    them) with a 422, before FastAPI's validation, whose error reply would echo the value back
-    and fail to render it (a 500)."""
-
-    def get_route_handler(self):
-        handler = super().get_route_handler()
-
-        async def route(request: Request) -> Response:
-            body = await request.body()  # cached: the handler reads it again
-            if body:
-                try:
-                    json.loads(body, parse_constant=_no_constant, parse_float=_finite)
-                except _NotFinite as e:
-                    return JSONResponse(
-                        {
-                            "detail": [
-                                {
-                                    "loc": ["body"],
-                                    "type": "value_error",
-                                    "msg": f"{e} is not a finite number",
-                                }
-                            ]
-                        },
-                        status_code=422,
-                    )
-                except ValueError:
-                    pass  # not JSON: FastAPI answers that
-            return await handler(request)
-
-        return route
-
 
 router = APIRouter(prefix="/v1", tags=["leases"], route_class=FiniteJSONRoute)
 _bearer = HTTPBearer(auto_error=False, description="A broker token (see the tokens file).")
@@ -235,8 +185,10 @@ def _map(e: Exception, pool: str) -> NoReturn:
         201: {"description": "granted", "links": LINKS["granted"]},
         **errors(
             s404="pool_not_found: the pool is not configured",
-            s413="capacity_exceeded: amount is above the pool's capacity (it can never be "
-            "granted; amount and capacity in the body); quota_exceeded: amount is above the "
+            s413="capacity_exceeded: amount is above the pool's capacity, or, on a pool of "
+            "several devices, above the capacity of the device named by device (else of the "
+            "largest device): it can never be granted (amount and capacity in the body); "
+            "quota_exceeded: amount is above the "
             "quota of the token's tenant (amount, quota and tenant in the body); or "
             "request_too_large: the body is over "
             "the size bound",
@@ -246,7 +198,8 @@ def _map(e: Exception, pool: str) -> NoReturn:
             "backend_unavailable",
             validation="A value the schema refuses (named in detail[].loc; a bad priority is "
             "named with its value), a ttl above the pool's max_ttl (a bound each pool sets, GET "
-            "/v1/pools/{pool}), or a request_id already used for another amount",
+            "/v1/pools/{pool}), a device the pool does not have (named), or a request_id "
+            "already used for another amount",
         ),
     },
     summary="Acquire a lease (or wait in the queue)",
@@ -260,7 +213,9 @@ async def acquire_lease(
     broker: Broker = Depends(get_broker),
 ) -> LeaseGrant:
     """Take ``amount`` bytes of ``pool``, waiting in its queue by ``priority`` (higher first;
-    a queued request gains one level per second waited), then arrival. Granted: 201. Still
+    a queued request gains one level per second waited), then arrival; on the device
+    ``device`` when given, else where the pool's placement puts it (the 201 names the
+    device). Granted: 201. Still
     queued after ``wait`` seconds: 503 with ``Retry-After`` (seconds) and ``X-Queue-Position``;
     retry with the same ``request_id`` to keep the place (it is kept ``hold_place_for`` seconds)
     and to get the same grant if it was made meanwhile."""
@@ -281,6 +236,7 @@ async def acquire_lease(
             request_id=body.request_id,
             gone=gone,
             priority=body.priority,
+            device=body.device,
         )
     except Exception as e:
         if isinstance(e, QueueFull):
@@ -305,6 +261,7 @@ async def acquire_lease(
             expires_at=g.expires_ms / 1000,
             acquired_at=r.acquired_ms / 1000,
             request_id=r.request_id,
+            device=g.device,
         )
     headers = {"Retry-After": str(r.retry_after_s)}
     if r.queued:
@@ -369,6 +326,7 @@ async def renew_lease(
         ttl=rec.ttl_s,
         expires_in=max(0, exp - now) / 1000,
         expires_at=exp / 1000,
+        device=rec.device,
     )
 
 
@@ -465,8 +423,9 @@ async def list_pools(
 async def pool_status(
     pool: str = PoolName, who: Principal = Depends(principal), broker: Broker = Depends(get_broker)
 ) -> PoolOut:
-    """Capacity, used bytes, leases (soonest expiry first) and waiters (queue order, each with
-    its requested priority)."""
+    """Capacity, used bytes, devices (capacity and use of each), leases (soonest expiry
+    first, each with its device) and waiters (queue order, each with its requested priority
+    and device)."""
     _allowed(who, pool)
     try:
         return _pool_out(await broker.status(pool))
@@ -488,7 +447,7 @@ def _admin_only(who: Principal, pool: str, what: str) -> None:
         200: {"description": "configured", "links": LINKS["configured"]},
         **errors(s403="forbidden: the token may not use this pool, or is not an admin token"),
     },
-    summary="Create or resize a pool (admin)",
+    summary="Create or resize a pool, or set its devices (admin)",
 )
 async def configure_pool(
     body: PoolConfigRequest,
@@ -496,12 +455,15 @@ async def configure_pool(
     who: Principal = Depends(principal),
     broker: Broker = Depends(get_broker),
 ) -> PoolConfigured:
-    """Set the capacity (bytes or "24GiB") and optionally the queue bound, the longest lease
+    """Set the capacity (bytes or "24GiB") or the devices (``devices``: each one's capacity;
+    ``capacity`` then defaults to their sum and must equal it if given) and optionally the
+    placement (``placement`` "bestfit" or "spread"), the queue bound, the longest lease
     ttl (``max_ttl``, seconds; also the grace period after Redis restarts without its data) and
     the queue policy (``policy`` "fifo" or "backfill", ``backfill_window`` seconds) and tenant
     quotas (``quotas``: tenant to bytes or a size, 0 removes; tenants left out keep theirs);
     what is left out keeps its value. Admin tokens only. Lowering the capacity below what is in use keeps
-    the leases; nothing new is granted until use falls below it."""
+    the leases; nothing new is granted until use falls below it. The count of devices changes
+    only while the pool has no lease and no waiter (else 422, nothing changed)."""
     _admin_only(who, pool, "configure")
     try:
         r = await broker.configure(
@@ -512,16 +474,21 @@ async def configure_pool(
             policy=body.policy,
             backfill_window=body.backfill_window,
             quotas=body.quota_bytes,
+            devices=body.device_bytes,
+            placement=body.placement,
         )
     except Exception as e:
         _map(e, pool)
+    devices = r.get("devices") or [r["capacity"]]
     log.info(
-        "gpulock broker: %s set pool %s capacity=%d policy=%s quotas=%s",
+        "gpulock broker: %s set pool %s capacity=%d policy=%s quotas=%s devices=%s placement=%s",
         who.name,
         pool,
         r["capacity"],
         r["policy"],
         " ".join(f"{t}={b}" for t, b in sorted(r["quotas"].items())) or "-",
+        ",".join(str(c) for c in devices),
+        r.get("placement", "bestfit"),
     )
     return PoolConfigured(
         pool=pool,
@@ -534,6 +501,8 @@ async def configure_pool(
         policy=r["policy"],
         backfill_window=r["backfill_window"],
         quotas=r["quotas"],
+        devices=devices,
+        placement=r.get("placement", "bestfit"),
     )
 
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from gpulock_common.aio import stop_tasks
 
@@ -221,10 +221,12 @@ class Broker:
         request_id: str | None = None,
         gone: asyncio.Future | None = None,
         priority: int = 0,
+        device: int | None = None,
     ) -> Granted | Queued:
         """Grant now, or within ``wait`` seconds, or report the place (kept for a retry).
         ``priority``: an integer in [-100, 100], higher first in the queue (see
         :meth:`gpulock.AsyncPool.acquire`); a retry of a queued request keeps its first place.
+        ``device``: the index of the device the lease must be on (None: the pool places it).
         ``gone``: a future that turns true when the HTTP client hung up (see
         ``gpulock._disconnect.watch_disconnect``); the long poll then ends at once and the request
         is withdrawn (unless another retry of it is attached), so it is never granted.
@@ -242,6 +244,7 @@ class Broker:
             request_id=request_id,
             gone=gone,
             priority=priority,
+            device=device,
         )
 
     async def cancel(self, who: Principal, pool: str, request_id: str) -> int:
@@ -285,13 +288,15 @@ class Broker:
     async def configure(
         self,
         pool: str,
-        capacity: int,
+        capacity: int | None,
         max_waiters: int | None,
         max_ttl: float | None = None,
         *,
         policy: str | None = None,
         backfill_window: float | None = None,
         quotas: Mapping[str, int] | None = None,
+        devices: Sequence[int] | None = None,
+        placement: str | None = None,
     ) -> dict[str, Any]:
         """Create or change a pool (see :meth:`.pools.Pools.configure`)."""
         return await self._poolset.configure(
@@ -302,6 +307,8 @@ class Broker:
             policy=policy,
             backfill_window=backfill_window,
             quotas=quotas,
+            devices=devices,
+            placement=placement,
         )
 
     async def delete_pool(self, pool: str, *, force: bool = False) -> DeleteResult:

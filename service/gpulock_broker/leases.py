@@ -37,6 +37,7 @@ class LeaseRecord:
     ticket: str
     amount: int
     expires_local: float = 0.0  # local monotonic estimate of the server expiry (for cleanup)
+    device: int = 0  # the device the lease is on (0 on a pool of one device)
     releasing: asyncio.Task | None = None
 
 
@@ -83,7 +84,9 @@ class Leases:
         updated from ``g``."""
         rec = self._leases.get(g.lease_id)
         if rec is None:
-            rec = LeaseRecord(pool, g.lease_id, owner, g.token, ttl, ticket, g.amount)
+            rec = LeaseRecord(
+                pool, g.lease_id, owner, g.token, ttl, ticket, g.amount, device=g.device
+            )
             self._leases[g.lease_id] = rec
             self._handed[(pool, ticket)] = g.lease_id
         rec.expires_local = self._clock() + max(0, g.expires_ms - g.now_ms) / 1000
@@ -146,6 +149,7 @@ class Leases:
             info.request_id,
             info.amount,
             self._clock() + info.expires_in,
+            device=info.device,
         )
         self._leases[lease_id] = rec
         return rec

@@ -1,23 +1,27 @@
-"""Request and response bodies of the HTTP lease API (``/v1``). Units: amounts in bytes,
-durations in seconds, instants as Unix seconds on the Redis server's clock."""
+"""Request bodies of the HTTP lease API (``/v1``); the answers' bodies are in
+:mod:`.answers`. Units: amounts in bytes, durations in seconds, instants as Unix seconds on the
+Redis server's clock."""
 
 from __future__ import annotations
 
 import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from typing_extensions import Annotated
 
 from gpulock._args import MAX_TTL_S as MAX_POOL_TTL_S
 from gpulock._args import MIN_TTL_S as MIN_POOL_TTL_S
 from gpulock._args import (
+    MAX_DEVICES,
     PRIORITY_MAX,
     PRIORITY_MIN,
     decode_quotas,
     encode_quotas,
     meta_unicode_error,
     removes_quota,
+    validate_device,
+    validate_placement,
     validate_priority,
 )
 from gpulock._flow import queue_policy
@@ -128,6 +132,14 @@ class LeaseRequest(_Body):
         "A retry with the same request_id keeps its first place.",
         examples=[0, 5],
     )
+    device: Optional[Annotated[int, Field(ge=0, le=MAX_DEVICES - 1), INTEGRAL]] = Field(
+        None,
+        description=f"The index of the device (0 .. {MAX_DEVICES - 1}) the lease must be on, on a "
+        "pool of several devices (GET /v1/pools/{pool} lists them); null or absent: the pool "
+        "places it (its placement). A device the pool does not have is a 422 naming it; an "
+        "amount above that device's capacity is a 413.",
+        examples=[None, 1],
+    )
 
     @field_validator("amount", mode="before")
     @classmethod
@@ -148,6 +160,18 @@ class LeaseRequest(_Body):
             return validate_priority(v)
         except InvalidArgument as e:
             raise ValueError(str(e)) from None
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, v: Any) -> Optional[int]:
+        # The core's check, so the 422 names the value (the schema keeps the bounds); whether
+        # the pool has that device is the pool's to say (a 422 from the script).
+        try:
+            return validate_device(integral(v))
+        except InvalidArgument:
+            raise ValueError(
+                f"device must be a device index in [0, {MAX_DEVICES - 1}] or null, got {v!r:.80}"
+            ) from None
 
     @property
     def amount_bytes(self) -> int:
@@ -176,8 +200,23 @@ class RenewRequest(_Body):
     )
 
 
+def _capacity_or_devices(schema: dict[str, Any]) -> None:
+    """The body gives the pool's capacity, its devices, or both, not null (the handler
+    refuses neither, so the schema states it)."""
+    schema["anyOf"] = [
+        {"required": [k], "properties": {k: {"not": {"type": "null"}}}}
+        for k in ("capacity", "devices")
+    ]
+
+
 class PoolConfigRequest(_Body):
-    capacity: Size = Field(..., description='Bytes, or a size such as "24GiB".')
+    model_config = ConfigDict(json_schema_extra=_capacity_or_devices)
+
+    capacity: Optional[Size] = Field(
+        None,
+        description='Bytes, or a size such as "24GiB". Required unless devices is given; with '
+        "devices, their sum (the default).",
+    )
     max_waiters: Optional[Annotated[int, Field(ge=1, le=1_000_000), INTEGRAL]] = Field(
         None,
         description="Queue bound (default: keep the current one; 10000 for a new pool).",
@@ -214,10 +253,71 @@ class PoolConfigRequest(_Body):
         json_schema_extra=_only_tenant_keys,
     )
 
+    devices: Optional[list[Size]] = Field(
+        None,
+        min_length=1,
+        max_length=MAX_DEVICES,
+        description=f"The pool's devices (GPUs), device 0 first: the capacity of each, as bytes "
+        f'or a size ("80GiB"), 1 to {MAX_DEVICES} of them; a lease is placed on one. capacity, '
+        "when given, must be their sum. The count of devices changes only while the pool has "
+        "no lease and no waiter; on a pool of several devices, a capacity other than the "
+        'current one needs devices (docs/SEMANTICS.md, "Devices and placement"). Default: '
+        "keep them (one device of capacity for a new pool).",
+        examples=[["80GiB", "80GiB"]],
+    )
+    placement: Optional[Literal["bestfit", "spread"]] = Field(
+        None,
+        description="Where a request that names no device goes: bestfit (the device with the "
+        "least free bytes that fits) or spread (the most free); ties go to the lowest index. "
+        "Default: keep the current one; bestfit for a new pool.",
+    )
+
     @field_validator("capacity", mode="before")
     @classmethod
-    def _capacity(cls, v: Any) -> int:
-        return _size(v, "capacity")
+    def _capacity(cls, v: Any) -> Optional[int]:
+        return None if v is None else _size(v, "capacity")
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _devices(cls, v: Any) -> Any:
+        # Each by the rule of capacity (so the 422 names the device and the value); the count
+        # by the core's bound.
+        if v is None:
+            return v
+        if not isinstance(v, list) or not 1 <= len(v) <= MAX_DEVICES:
+            raise ValueError(
+                f"devices must be a list of 1 to {MAX_DEVICES} capacities, got {v!r:.80}"
+            )
+        return [_size(c, f"capacity of device {i}") for i, c in enumerate(v)]
+
+    @field_validator("placement", mode="before")
+    @classmethod
+    def _placement(cls, v: Any) -> Any:
+        # The core's check, so the 422 names the value (the schema keeps the choices).
+        try:
+            return validate_placement(v)
+        except InvalidArgument as e:
+            raise ValueError(str(e)) from None
+
+    @model_validator(mode="after")
+    def _capacity_is_the_sum(self) -> "PoolConfigRequest":
+        if self.devices is None:
+            if self.capacity is None:
+                raise ValueError("capacity is required (or devices: each device's capacity)")
+            return self
+        caps = [_validated_bytes(c) for c in self.devices]
+        total = sum(caps)
+        if self.capacity is not None and self.capacity != total:
+            raise ValueError(
+                f"capacity {self.capacity} is not the sum of the devices' capacities "
+                f"({total} bytes: devices {caps!r:.200})"
+            )
+        if total > MAX_BYTES:
+            raise ValueError(
+                f"the devices' capacities sum to {total} bytes, above the largest capacity, "
+                f"{MAX_BYTES} bytes"
+            )
+        return self
 
     @field_validator("quotas", mode="before")
     @classmethod
@@ -265,169 +365,11 @@ class PoolConfigRequest(_Body):
         return v
 
     @property
-    def capacity_bytes(self) -> int:
-        return _validated_bytes(self.capacity)
+    def capacity_bytes(self) -> int | None:
+        """``capacity`` in bytes; None when not given (then the devices' sum)."""
+        return None if self.capacity is None else _validated_bytes(self.capacity)
 
-
-class LeaseGrant(BaseModel):
-    lease_id: str = Field(..., description="32 hex digits; the path of PUT/DELETE.")
-    pool: str
-    amount: int = Field(..., description="bytes")
-    token: int = Field(..., description="Fencing token: strictly increasing per pool.")
-    ttl: float = Field(..., description="seconds")
-    expires_in: float = Field(
-        ...,
-        description="Seconds left on the server clock when this reply was made. "
-        "Count them from when you *sent* the request plus ``held_ms`` × (1 − 1%) "
-        "(Chubby's rule).",
-    )
-    expires_at: float = Field(..., description="Unix seconds, Redis server clock.")
-    acquired_at: float = Field(..., description="Unix seconds, Redis server clock.")
-    request_id: str
-    held_ms: int = Field(
-        0,
-        description="Milliseconds the broker held this request (a long poll) before "
-        "answering, on its own monotonic clock. Count ``expires_in`` from "
-        "``sent + held_ms/1000 * (1 - 1%)`` instead of from ``sent``.",
-    )
-
-
-class LeaseRenewed(BaseModel):
-    lease_id: str
-    pool: str
-    token: int
-    ttl: float
-    expires_in: float = Field(..., description="seconds left, server clock, at the reply")
-    expires_at: float
-
-
-class LeaseReleased(BaseModel):
-    lease_id: str
-    pool: str
-    released: bool = True
-    released_at: Optional[float] = Field(
-        None, description="Unix seconds, server clock (None on a repeat)."
-    )
-
-
-class RequestCancelled(BaseModel):
-    request_id: str
-    pool: str
-    outcome: Literal["none", "left_queue", "released_grant"]
-
-
-class LeaseInfoOut(BaseModel):
-    lease_id: str
-    amount: int
-    token: int
-    expires_in: float
-    held_for: float
-    ttl: float
-    holder: dict[str, Any]
-    tenant: str = Field("", description="the tenant its bytes count under; empty for none")
-
-
-class WaiterInfoOut(BaseModel):
-    position: int
-    amount: int
-    waited: float
-    holder: dict[str, Any]
-    priority: int = Field(
-        0,
-        description="As requested (the queue ages it: one level per second waited); 0 for "
-        "requests made without one.",
-    )
-    tenant: str = Field("", description="the tenant it asks for; empty for none")
-
-
-class TenantUseOut(BaseModel):
-    used: int = Field(..., description="bytes the tenant's live leases hold")
-    quota: int = Field(..., description="bytes its leases may hold; 0 for no quota")
-
-
-class PoolOut(BaseModel):
-    pool: str
-    capacity: int
-    used: int
-    free: int
-    epoch: int
-    fence: int
-    max_waiters: int
-    max_ttl: float = Field(
-        ..., description="seconds: the longest ttl a lease may have (0: unbounded)"
-    )
-    lease_count: int
-    waiter_count: int
-    grants: int
-    reaped_leases: int
-    reaped_waiters: int
-    leases: list[LeaseInfoOut] = []
-    waiters: list[WaiterInfoOut] = []
-    policy: str = Field(
-        ..., description='queue policy: "fifo" or "backfill" (docs/SEMANTICS.md, "Backfill")'
-    )
-    backfill_window: float = Field(
-        ..., description="seconds a head that does not fit may be passed under backfill"
-    )
-    tenants: dict[str, TenantUseOut] = Field(
-        default_factory=dict,
-        description="tenants with a quota or a live lease: use and quota, bytes",
-    )
-
-
-class PoolList(BaseModel):
-    pools: list[PoolOut]
-
-
-class PoolConfigured(BaseModel):
-    pool: str
-    created: bool
-    capacity: int
-    epoch: int
-    used: int
-    max_waiters: int
-    max_ttl: float = Field(..., description="seconds")
-    policy: str = Field(..., description='queue policy: "fifo" or "backfill"')
-    backfill_window: float = Field(..., description="seconds (backfill's window)")
-    quotas: dict[str, int] = Field(
-        default_factory=dict, description="every tenant quota of the pool, bytes by tenant"
-    )
-
-
-class PoolDeleted(BaseModel):
-    pool: str
-    deleted: bool = True
-    leases: int = Field(..., description="live leases dropped with the pool (only with force=true)")
-    waiters: int = Field(
-        ..., description="live waiting requests dropped with the pool (only with force=true)"
-    )
-
-
-class ErrorDetail(BaseModel):
-    error: str = Field(
-        ...,
-        description="unauthorized, forbidden, queued, busy, queue_full, "
-        "backend_unavailable, capacity_exceeded, pool_not_found, "
-        "pool_in_use, lease_lost, not_found, invalid; from the HTTP "
-        "guards: invalid_utf8, invalid_json, nested_too_deeply, "
-        "request_too_large, request_timeout",
-    )
-    message: str
-    request_id: Optional[str] = None
-    position: Optional[int] = Field(None, description="1-based place in the queue")
-    queue_length: Optional[int] = None
-    retry_after: Optional[float] = Field(
-        None, description="seconds; the Retry-After header, rounded up"
-    )
-    hold_place_for: Optional[float] = Field(
-        None, description="seconds the place is kept for a retry with the same request_id"
-    )
-    lease_id: Optional[str] = None
-    amount: Optional[int] = None
-    capacity: Optional[int] = None
-    leases: Optional[int] = Field(None, description="pool_in_use: the live leases")
-    waiters: Optional[int] = Field(None, description="pool_in_use: the live waiting requests")
-
-
-class ErrorResponse(BaseModel):
-    detail: ErrorDetail
+    @property
+    def device_bytes(self) -> list[int] | None:
+        """``devices``: each device's capacity in bytes; None when not given."""
+        return None if self.devices is None else [_validated_bytes(c) for c in self.devices]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import weakref
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import redis.asyncio as aioredis
 
@@ -185,19 +185,24 @@ class Pools:
     async def configure(
         self,
         pool: str,
-        capacity: int,
+        capacity: int | None,
         max_waiters: int | None,
         max_ttl: float | None = None,
         *,
         policy: str | None = None,
         backfill_window: float | None = None,
         quotas: Mapping[str, int] | None = None,
+        devices: Sequence[int] | None = None,
+        placement: str | None = None,
     ) -> dict[str, Any]:
-        """Create or change a pool; ``max_waiters``/``max_ttl``/``policy``/``backfill_window``
-        None keep the pool's current values (the library's defaults for a new pool); ``quotas``
-        (tenant to bytes, 0 removes) changes the tenants named. Returns the configure reply
-        (with ``policy``, ``backfill_window`` seconds and ``quotas``) with ``max_ttl`` (seconds)
-        added. Raises InvalidArgument for a bad policy, window or quota."""
+        """Create or change a pool; ``max_waiters``/``max_ttl``/``policy``/``backfill_window``/
+        ``devices``/``placement`` None keep the pool's current values (the library's defaults
+        for a new pool); ``quotas`` (tenant to bytes, 0 removes) changes the tenants named;
+        ``devices`` is each device's capacity in bytes (``capacity``, None for their sum, must
+        be their sum). Returns the configure reply (with ``policy``, ``backfill_window``
+        seconds, ``quotas``, ``devices`` and ``placement``) with ``max_ttl`` (seconds) added.
+        Raises InvalidArgument for a bad policy, window, quota or device, or a change of the
+        count of devices while the pool has leases or waiters."""
         p = self.get(pool)
         if max_waiters is None or max_ttl is None:
             try:
@@ -215,6 +220,8 @@ class Pools:
                 policy=policy,
                 backfill_window=backfill_window,
                 quotas=quotas,
+                devices=devices,
+                placement=placement,
             )
         )
         return {**r, "max_ttl": p.max_ttl}

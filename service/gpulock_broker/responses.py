@@ -1,6 +1,6 @@
 """What each route of the lease API (``/v1``) answers, as FastAPI ``responses=`` for its
 OpenAPI schema: every status a route can return, with the body it really has
-(:class:`~gpulock_broker.models.ErrorResponse` for the broker's errors, FastAPI's
+(:class:`~gpulock_broker.answers.ErrorResponse` for the broker's errors, FastAPI's
 ``HTTPValidationError`` for 422) and the headers of a 503; and the OpenAPI links from a grant
 to the operations on its lease (a client, or schemathesis' stateful phase, follows them).
 
@@ -18,7 +18,7 @@ from typing import Any
 from gpulock._openapi import error_responses
 from gpulock.retry_after import openapi_headers
 
-from .models import ErrorResponse
+from .answers import ErrorResponse
 
 __all__ = ["LINKS", "OPERATION_IDS", "errors"]
 

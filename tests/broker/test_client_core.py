@@ -258,6 +258,52 @@ def test_a_bad_priority_raises_before_anything_is_sent(bad):
     assert f"got {bad!r}" in str(res) and "[-100, 100]" in str(res)
 
 
+def test_device_is_sent_on_every_attempt_and_left_out_when_none():
+    """Sent with each long poll of one request; None (any device) is not sent (a broker older
+    than devices refuses the field). The lease's device is the grant's, 0 when it has none."""
+    clock = Clock()
+    for dev in (1, 0, 63, None):
+        gen = core.acquire_steps(
+            cfg(clock),
+            5,
+            ttl=None,
+            timeout=None,
+            holder=None,
+            request_id="r",
+            on_queued=None,
+            device=dev,
+        )
+        body = {**grant_body(), "device": 0 if dev is None else dev}
+        res, steps = drive(
+            gen,
+            clock,
+            [lambda s: queued(clock, 2), lambda s: core.Reply(201, {}, body, clock())],
+        )
+        posts = [s for s in steps if isinstance(s, core.Http)]
+        assert len(posts) == 2 and all(p.json.get("device") == dev for p in posts), posts
+        assert all(("device" in p.json) == (dev is not None) for p in posts)
+        assert core.LeaseState("p", res[0], res[1], clock).device == (dev or 0)
+    assert core.LeaseState("p", grant_body(), 100.0, clock).device == 0  # an older broker
+
+
+@pytest.mark.parametrize("bad", [-1, 64, True, 1.5, "1", [0]])
+def test_a_bad_device_raises_before_anything_is_sent(bad):
+    clock = Clock()
+    gen = core.acquire_steps(
+        cfg(clock, gate=core.Gate(1)),
+        5,
+        ttl=None,
+        timeout=None,
+        holder=None,
+        request_id="r",
+        on_queued=None,
+        device=bad,
+    )
+    res, steps = drive(gen, clock, [])
+    assert isinstance(res, InvalidArgument) and steps == [], (res, steps)
+    assert f"got {bad!r}" in str(res) and "[0, 63]" in str(res)
+
+
 def test_validity_deadline_counts_from_the_send_time():
     clock = Clock()
     s = core.LeaseState("p", grant_body(expires_in=10.0, ttl=30), sent=90.0, clock=clock)

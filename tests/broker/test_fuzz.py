@@ -48,6 +48,8 @@ def snapshot(c):
             p["grants"],
             p["max_waiters"],
             p["max_ttl"],
+            tuple((d["index"], d["capacity"], d["used"]) for d in p["devices"]),
+            p["placement"],
         )
         for p in r.json()["pools"]
     )
@@ -79,6 +81,7 @@ lease_bodies = st.fixed_dictionaries(
         "queue": json_values,
         "holder": json_values,
         "request_id": st.text(max_size=130) | json_values,
+        "device": json_values | st.integers(-2, 66),
         "extra": json_values,
     },
 )
@@ -87,6 +90,8 @@ config_bodies = st.fixed_dictionaries(
     optional={
         "max_waiters": json_values | st.integers(),
         "max_ttl": json_values | st.floats(-1, 1e6),
+        "devices": json_values | st.lists(sizes, max_size=3),
+        "placement": json_values | st.sampled_from(["bestfit", "spread", "random"]),
     },
 )
 pools = st.sampled_from(["gpu-a", "no-such-pool", "a" * 65, "bad{x}", "x"])
@@ -125,9 +130,16 @@ def test_config_bodies(live, body, pool, token):
         if r.status_code != 200:
             assert snapshot(c) == before, r.text
         elif pool == "gpu-a":
-            c.put(
-                "/v1/pools/gpu-a", json={"capacity": "10GiB", "max_waiters": 10000, "max_ttl": 60}
+            r = c.put(
+                "/v1/pools/gpu-a",
+                json={
+                    "devices": ["10GiB"],
+                    "max_waiters": 10000,
+                    "max_ttl": 60,
+                    "placement": "bestfit",
+                },
             )
+            assert r.status_code == 200, r.text
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))

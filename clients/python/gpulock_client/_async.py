@@ -194,11 +194,13 @@ class AsyncPool:
         request_id: Optional[str] = None,
         on_queued: Optional[Callable[[int], Any]] = None,
         priority: int = 0,
+        device: Optional[int] = None,
     ) -> AsyncLease:
         """Same arguments, return and errors as :meth:`gpulock_client.Pool.acquire`
         (``priority``: an integer in [-100, 100], higher goes first, default 0; a queued request
-        gains one level per second waited). On cancellation the place is withdrawn (and a grant
-        that raced in released)."""
+        gains one level per second waited; ``device``: the index of the device the lease must
+        be on, None for any). On cancellation the place is withdrawn (and a grant that raced
+        in released)."""
         rid = request_id or core.new_request_id()
         gen = core.acquire_steps(
             self._cfg,
@@ -209,6 +211,7 @@ class AsyncPool:
             request_id=rid,
             on_queued=on_queued,
             priority=priority,
+            device=device,
         )
         try:
             body, sent = await self._run(gen)
@@ -224,8 +227,8 @@ class AsyncPool:
         return AsyncLease(s, self)
 
     def lease(self, amount: Union[int, str], **kw: Any) -> _LeaseCM:
-        """``async with pool.lease("2GiB", timeout=10, priority=5) as lease:``; takes the
-        arguments of :meth:`acquire` (``priority`` among them)."""
+        """``async with pool.lease("2GiB", timeout=10, priority=5, device=1) as lease:``; takes
+        the arguments of :meth:`acquire` (``priority`` and ``device`` among them)."""
         return _LeaseCM(self, amount, kw)
 
     async def _get(self, method: str, path: str, json: Any = None) -> Any:
@@ -239,7 +242,8 @@ class AsyncPool:
         return r.body
 
     async def status(self) -> Dict[str, Any]:
-        """The pool's status (bytes, seconds). Raises PoolNotFound, AuthError, BackendUnavailable."""
+        """The pool's status (bytes, seconds; its devices too), as :meth:`gpulock_client.Pool.status`.
+        Raises PoolNotFound, AuthError, BackendUnavailable."""
         return await self._get("GET", self._cfg.base)
 
     async def configure(

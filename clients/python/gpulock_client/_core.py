@@ -24,11 +24,9 @@ import os
 import random
 import secrets
 import socket
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Generator, List, Optional, Protocol, Union
+from typing import Any, Callable, Dict, Generator, List, Optional, Union
 from urllib.parse import quote
 
 from gpulock_common.lease import CLOCK_DRIFT as CLOCK_DRIFT
@@ -37,6 +35,12 @@ from gpulock_common.lease import LeaseView, LocalLeaseState
 from gpulock_common.lease import reply_made_after as reply_made_after
 from gpulock_common.lease import validity_deadline as validity_deadline
 
+from ._checks import MAX_DEVICES as MAX_DEVICES
+from ._checks import PRIORITY_MAX as PRIORITY_MAX
+from ._checks import PRIORITY_MIN as PRIORITY_MIN
+from ._checks import check_device, check_priority
+from ._gate import Gate as Gate
+from ._gate import Waker as Waker
 from .errors import (
     AcquireTimeout,
     AuthError,
@@ -62,8 +66,6 @@ RELEASE_TIMEOUT_S = 5.0
 DEFAULT_MAX_CONNECTIONS = 64
 CONTROL_CONNECTIONS = 4
 HEARTBEAT_CONNECTIONS = 1
-# A request's priority (gpulock's PRIORITY_MIN, PRIORITY_MAX): higher goes first in the queue.
-PRIORITY_MIN, PRIORITY_MAX = -100, 100
 WAIT = "wait"  # Http.lane of a long-polled acquire
 CONTROL = "control"  # Http.lane of everything else
 
@@ -83,20 +85,6 @@ def env_token(token: Optional[str]) -> Optional[str]:
 
 def new_request_id() -> str:
     return secrets.token_hex(16)
-
-
-def check_priority(priority: Any) -> int:
-    """``priority`` if it is an integer in [PRIORITY_MIN, PRIORITY_MAX] (not a bool), else
-    InvalidArgument naming it (before anything is sent)."""
-    if (
-        isinstance(priority, bool)
-        or not isinstance(priority, int)
-        or not PRIORITY_MIN <= priority <= PRIORITY_MAX
-    ):
-        raise InvalidArgument(
-            f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority!r:.80}"
-        )
-    return priority
 
 
 _HOST = socket.gethostname()
@@ -153,62 +141,6 @@ class Reply:
             return max(0.0, float(v)) if v is not None else None
         except ValueError:
             return None
-
-
-class Waker(Protocol):
-    def wake(self) -> bool:
-        """Hand this waiter a slot; False if it stopped waiting (the slot goes to the next)."""
-
-
-class Gate:
-    """FIFO of one pool object's long-polled acquires for its ``slots`` wait connections.
-
-    An acquire enters before its first request and leaves when it ends (granted, timed out,
-    failed, interrupted), so it keeps its connection across its long polls and keeps its place
-    in the broker's queue. When all slots are taken, ``enter`` queues the waiter; ``leave``
-    hands the slot to the first waiter still waiting. Thread-safe and I/O-free: the driver
-    blocks on its own waiter (an Event, a Future) and ``withdraw``s it when it stops waiting;
-    after ``withdraw`` the waiter holds a slot exactly if it was woken."""
-
-    def __init__(self, slots: int):
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise InvalidArgument(f"max_connections must be a whole number >= 1, not {slots!r}")
-        self.slots = slots
-        self._free = slots
-        self._queue: Deque[Waker] = deque()
-        self._lock = threading.Lock()
-
-    @property
-    def waiting(self) -> int:
-        """Acquires waiting in this process for a wait connection."""
-        return len(self._queue)
-
-    @property
-    def in_use(self) -> int:
-        return self.slots - self._free
-
-    def enter(self, waiter: Waker) -> bool:
-        """True: a slot is taken at once. False: the waiter is queued (wait for its wake)."""
-        with self._lock:
-            if self._free > 0 and not self._queue:
-                self._free -= 1
-                return True
-            self._queue.append(waiter)
-            return False
-
-    def withdraw(self, waiter: Waker) -> None:
-        with self._lock:
-            try:
-                self._queue.remove(waiter)
-            except ValueError:
-                pass  # woken already (it holds a slot), or never queued
-
-    def leave(self) -> None:
-        with self._lock:
-            while self._queue:
-                if self._queue.popleft().wake():
-                    return
-            self._free += 1
 
 
 @dataclass(frozen=True)
@@ -274,7 +206,8 @@ class LeaseState(LocalLeaseState):
     Thread-safe: the heartbeat runs in another thread or task than the holder.
 
     Adds: ``request_id``, ``acquired_at`` and ``expires_at`` (Unix seconds, server clock; the
-    expiry as last known), ``next_renew`` (local monotonic seconds), ``renew_failures`` (since
+    expiry as last known), ``device`` (the device the lease is on; 0 on a pool of one device,
+    and from a broker older than devices), ``next_renew`` (local monotonic seconds), ``renew_failures`` (since
     the last successful renewal). ``valid_until`` counts from the earliest instant the reply can
     have been made: ``sent`` plus the broker's ``held_ms`` (how long it held a long poll)."""
 
@@ -296,6 +229,7 @@ class LeaseState(LocalLeaseState):
         self.request_id: str = body["request_id"]
         self.expires_at: float = float(body["expires_at"])
         self.acquired_at: float = float(body["acquired_at"])
+        self.device: int = int(body.get("device") or 0)
         self.next_renew = reply_made_after(sent, held_s) + min(self.ttl_s, expires_in) / 3
         self.renew_failures = 0
 
@@ -313,9 +247,11 @@ class LeaseBase(LeaseView):
     ``pool``, ``amount`` in bytes, ``token`` (fencing token, strictly increasing per pool),
     ``ttl`` in seconds, ``valid_until``, ``lost``, ``released``, ``ensure_valid``,
     ``on_lost``), plus ``request_id``, ``acquired_at`` and ``expires_at`` (Unix seconds, server
-    clock; the expiry as last known)."""
+    clock; the expiry as last known) and ``device`` (the index of the device it is on; 0 on a
+    pool of one device)."""
 
     request_id = property(lambda self: self._state.request_id)
+    device = property(lambda self: self._state.device)
     expires_at = property(lambda self: self._state.expires_at)
     acquired_at = property(lambda self: self._state.acquired_at)
 
@@ -346,6 +282,7 @@ def acquire_steps(
     request_id: Optional[str],
     on_queued: Optional[Callable[[int], Any]],
     priority: int = 0,
+    device: Optional[int] = None,
 ) -> Steps:
     """Acquire with long polls and retries; returns ``(reply body, sent)`` of the 201.
 
@@ -357,9 +294,10 @@ def acquire_steps(
     order within its timeout: AcquireTimeout with position 0 if none frees in time) and holds it
     to the end; ``timeout=0`` (one try, no long poll) goes on the control connections.
 
-    ``priority`` is sent only when it is not 0 (a broker older than priorities refuses the
-    field)."""
+    ``priority`` is sent only when it is not 0, ``device`` only when it is not None (a broker
+    older than priorities or devices refuses the field)."""
     check_priority(priority)
+    check_device(device)
     clock = cfg.clock
     start = clock()
     deadline = None if timeout is None else start + max(0.0, timeout)
@@ -386,6 +324,7 @@ def acquire_steps(
                 request_id=request_id,
                 on_queued=on_queued,
                 priority=priority,
+                device=device,
                 start=start,
                 deadline=deadline,
                 try_once=try_once,
@@ -407,6 +346,7 @@ def _acquire_polls(
     request_id: Optional[str],
     on_queued: Optional[Callable[[int], Any]],
     priority: int,
+    device: Optional[int],
     start: float,
     deadline: Optional[float],
     try_once: bool,
@@ -422,6 +362,8 @@ def _acquire_polls(
     }
     if priority:
         body["priority"] = priority
+    if device is not None:
+        body["device"] = device
     position, queue_length, last_ra = 0, 0, None
     down_since: Optional[float] = None
     attempt = 0

@@ -225,6 +225,7 @@ class Pool:
         request_id: Optional[str] = None,
         on_queued: Optional[Callable[[int], Any]] = None,
         priority: int = 0,
+        device: Optional[int] = None,
     ) -> Lease:
         """Take ``amount`` bytes (an int, or "4GiB") from the pool, waiting in its queue (by
         priority, then first come first served).
@@ -239,8 +240,12 @@ class Pool:
             priority: an integer in [-100, 100], higher goes first (default 0); a queued
                 request gains one level per second waited (aging), so none starves. Sent
                 only when not 0 (a broker older than priorities refuses the field with 422).
+            device: on a pool of several devices, the index of the device (0 .. 63) the lease
+                must be on; default None: the pool places it (``lease.device`` says where).
+                Sent only when not None.
 
-        Raises: InvalidArgument (a bad ``priority`` before anything is sent), AuthError,
+        Raises: InvalidArgument (a bad ``priority`` or ``device`` before anything is sent; a
+        device the pool does not have, from the broker), AuthError,
         PoolNotFound, CapacityExceeded (at once); AcquireTimeout (the place was withdrawn);
         QueueFull or BackendUnavailable when the queue stayed full or the broker (or its Redis)
         unreachable until the timeout, or for ``backend_timeout`` seconds when there is none
@@ -257,6 +262,7 @@ class Pool:
             request_id=rid,
             on_queued=on_queued,
             priority=priority,
+            device=device,
         )
         try:
             body, sent = self._run(gen)
@@ -272,8 +278,9 @@ class Pool:
         return Lease(s, self)
 
     def lease(self, amount: Union[int, str], **kw: Any) -> _LeaseCM:
-        """``with pool.lease("2GiB", timeout=10, priority=5) as lease:`` — acquire, release on
-        exit. Takes the arguments of :meth:`acquire` (``priority`` among them)."""
+        """``with pool.lease("2GiB", timeout=10, priority=5, device=1) as lease:`` — acquire,
+        release on exit. Takes the arguments of :meth:`acquire` (``priority`` and ``device``
+        among them)."""
         return _LeaseCM(self, amount, kw)
 
     def _get(self, method: str, path: str, json: Any = None) -> Any:
@@ -285,8 +292,9 @@ class Pool:
         return r.body
 
     def status(self) -> Dict[str, Any]:
-        """The pool's status (capacity, used, free, leases, waiters; bytes and seconds).
-        Raises PoolNotFound, AuthError, BackendUnavailable."""
+        """The pool's status (capacity, used, free, devices, leases, waiters; bytes and
+        seconds), the broker's JSON (GET /v1/pools/{pool}). Raises PoolNotFound, AuthError,
+        BackendUnavailable."""
         return self._get("GET", self._cfg.base)
 
     def configure(

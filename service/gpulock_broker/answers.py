@@ -1,0 +1,204 @@
+"""Answer bodies of the HTTP lease API (``/v1``); the request bodies are in :mod:`.models`.
+Units: amounts in bytes, durations in seconds, instants as Unix seconds on the Redis server's
+clock."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, Field
+
+
+class LeaseGrant(BaseModel):
+    lease_id: str = Field(..., description="32 hex digits; the path of PUT/DELETE.")
+    pool: str
+    amount: int = Field(..., description="bytes")
+    token: int = Field(..., description="Fencing token: strictly increasing per pool.")
+    ttl: float = Field(..., description="seconds")
+    expires_in: float = Field(
+        ...,
+        description="Seconds left on the server clock when this reply was made. "
+        "Count them from when you *sent* the request plus ``held_ms`` × (1 − 1%) "
+        "(Chubby's rule).",
+    )
+    expires_at: float = Field(..., description="Unix seconds, Redis server clock.")
+    acquired_at: float = Field(..., description="Unix seconds, Redis server clock.")
+    request_id: str
+    device: int = Field(
+        0,
+        description="The index of the device the lease is on (0 on a pool of one device).",
+    )
+    held_ms: int = Field(
+        0,
+        description="Milliseconds the broker held this request (a long poll) before "
+        "answering, on its own monotonic clock. Count ``expires_in`` from "
+        "``sent + held_ms/1000 * (1 - 1%)`` instead of from ``sent``.",
+    )
+
+
+class LeaseRenewed(BaseModel):
+    lease_id: str
+    pool: str
+    token: int
+    ttl: float
+    expires_in: float = Field(..., description="seconds left, server clock, at the reply")
+    expires_at: float
+    device: int = Field(
+        0, description="The index of the device the lease is on (0 on a pool of one device)."
+    )
+
+
+class LeaseReleased(BaseModel):
+    lease_id: str
+    pool: str
+    released: bool = True
+    released_at: Optional[float] = Field(
+        None, description="Unix seconds, server clock (None on a repeat)."
+    )
+
+
+class RequestCancelled(BaseModel):
+    request_id: str
+    pool: str
+    outcome: Literal["none", "left_queue", "released_grant"]
+
+
+class LeaseInfoOut(BaseModel):
+    lease_id: str
+    amount: int
+    token: int
+    expires_in: float
+    held_for: float
+    ttl: float
+    holder: dict[str, Any]
+    tenant: str = Field("", description="the tenant its bytes count under; empty for none")
+    device: int = Field(0, description="the device it is on (0 on a pool of one device)")
+
+
+class WaiterInfoOut(BaseModel):
+    position: int
+    amount: int
+    waited: float
+    holder: dict[str, Any]
+    priority: int = Field(
+        0,
+        description="As requested (the queue ages it: one level per second waited); 0 for "
+        "requests made without one.",
+    )
+    tenant: str = Field("", description="the tenant it asks for; empty for none")
+    device: Optional[int] = Field(
+        None, description="the device it asks for; null: any (the pool places it)"
+    )
+
+
+class TenantUseOut(BaseModel):
+    used: int = Field(..., description="bytes the tenant's live leases hold")
+    quota: int = Field(..., description="bytes its leases may hold; 0 for no quota")
+
+
+class DeviceUseOut(BaseModel):
+    index: int = Field(..., description="the device's index, from 0")
+    capacity: int = Field(..., description="bytes")
+    used: int = Field(..., description="bytes its live leases hold")
+
+
+class PoolOut(BaseModel):
+    pool: str
+    capacity: int
+    used: int
+    free: int
+    epoch: int
+    fence: int
+    max_waiters: int
+    max_ttl: float = Field(
+        ..., description="seconds: the longest ttl a lease may have (0: unbounded)"
+    )
+    lease_count: int
+    waiter_count: int
+    grants: int
+    reaped_leases: int
+    reaped_waiters: int
+    leases: list[LeaseInfoOut] = []
+    waiters: list[WaiterInfoOut] = []
+    policy: str = Field(
+        ..., description='queue policy: "fifo" or "backfill" (docs/SEMANTICS.md, "Backfill")'
+    )
+    backfill_window: float = Field(
+        ..., description="seconds a head that does not fit may be passed under backfill"
+    )
+    tenants: dict[str, TenantUseOut] = Field(
+        default_factory=dict,
+        description="tenants with a quota or a live lease: use and quota, bytes",
+    )
+    devices: list[DeviceUseOut] = Field(
+        ...,
+        description="the pool's devices, device 0 first (one for a pool of one device): "
+        "capacity and use, bytes",
+    )
+    placement: str = Field(
+        ...,
+        description='where a request that names no device goes: "bestfit" or "spread" '
+        '(docs/SEMANTICS.md, "Devices and placement")',
+    )
+
+
+class PoolList(BaseModel):
+    pools: list[PoolOut]
+
+
+class PoolConfigured(BaseModel):
+    pool: str
+    created: bool
+    capacity: int
+    epoch: int
+    used: int
+    max_waiters: int
+    max_ttl: float = Field(..., description="seconds")
+    policy: str = Field(..., description='queue policy: "fifo" or "backfill"')
+    backfill_window: float = Field(..., description="seconds (backfill's window)")
+    quotas: dict[str, int] = Field(
+        default_factory=dict, description="every tenant quota of the pool, bytes by tenant"
+    )
+    devices: list[int] = Field(
+        ..., description="each device's capacity, bytes, device 0 first (one item: one device)"
+    )
+    placement: str = Field(..., description='"bestfit" or "spread"')
+
+
+class PoolDeleted(BaseModel):
+    pool: str
+    deleted: bool = True
+    leases: int = Field(..., description="live leases dropped with the pool (only with force=true)")
+    waiters: int = Field(
+        ..., description="live waiting requests dropped with the pool (only with force=true)"
+    )
+
+
+class ErrorDetail(BaseModel):
+    error: str = Field(
+        ...,
+        description="unauthorized, forbidden, queued, busy, queue_full, "
+        "backend_unavailable, capacity_exceeded, pool_not_found, "
+        "pool_in_use, lease_lost, not_found, invalid; from the HTTP "
+        "guards: invalid_utf8, invalid_json, nested_too_deeply, "
+        "request_too_large, request_timeout",
+    )
+    message: str
+    request_id: Optional[str] = None
+    position: Optional[int] = Field(None, description="1-based place in the queue")
+    queue_length: Optional[int] = None
+    retry_after: Optional[float] = Field(
+        None, description="seconds; the Retry-After header, rounded up"
+    )
+    hold_place_for: Optional[float] = Field(
+        None, description="seconds the place is kept for a retry with the same request_id"
+    )
+    lease_id: Optional[str] = None
+    amount: Optional[int] = None
+    capacity: Optional[int] = None
+    leases: Optional[int] = Field(None, description="pool_in_use: the live leases")
+    waiters: Optional[int] = Field(None, description="pool_in_use: the live waiting requests")
+
+
+class ErrorResponse(BaseModel):
+    detail: ErrorDetail
