@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 from .errors import CapacityExceeded, InvalidArgument
 from ._keys import POOL_NAME_RE
-from .units import parse_seconds, parse_size
+from .units import MAX_BYTES, parse_seconds, parse_size
 
 _TICKET_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_META_BYTES = 512
@@ -402,6 +402,11 @@ def encode_devices(devices: object, capacity: int | str | None) -> tuple[int, st
     else:
         raise InvalidArgument(
             f"devices must be a count or a list of capacities, got {devices!r:.80}"
+        )
+    if sum(caps) > MAX_BYTES:
+        raise InvalidArgument(
+            f"the devices' capacities sum to {sum(caps)} bytes, more than a pool may hold "
+            f"({MAX_BYTES})"
         )
     return sum(caps), " ".join(str(c) for c in caps)
 

@@ -51,7 +51,7 @@
 --                                        device i) or "... device any" (of the largest device)
 --   GPULOCK_QUOTA <amount> <quota> <tenant> the amount exceeds the tenant's quota
 --   GPULOCK_QUEUEFULL <queue_len> <max>  the queue is at max_waiters
---   GPULOCK_CONFLICT <why>               the ticket is in use with another amount or tenant, or the
+--   GPULOCK_CONFLICT <why>               the ticket is in use with another amount, tenant or device, or the
 --                                        lease id is in use by another ticket
 
 local ticket, e = id_arg(ARGV[1], 'ticket'); if e then return e end
@@ -112,9 +112,9 @@ if held then
   r = redis.pcall('HGET', K_HOLDERS, held)
   if failed(r) then return keytype_error(r) end
   if r then
-    local a, _, _, _, _, _, tn = parse_holder(r)
-    if a ~= amount or tn ~= tenant then
-      return redis.error_reply('GPULOCK_CONFLICT request id ' .. ticket .. ' holds a lease of another amount or tenant')
+    local a, _, _, _, _, _, tn, dv = parse_holder(r)
+    if a ~= amount or tn ~= tenant or (pin ~= '' and dv ~= pin) then
+      return redis.error_reply('GPULOCK_CONFLICT request id ' .. ticket .. ' holds a lease of another amount, tenant or device')
     end
   end
 end
@@ -125,9 +125,9 @@ if qlen > 0 then
   w = redis.pcall('HGET', K_WAITERS, ticket)
   if failed(w) then return keytype_error(w) end
   if w then
-    local a, _, _, _, _, _, _, tn = parse_waiter(w)
-    if a ~= amount or tn ~= tenant then
-      return redis.error_reply('GPULOCK_CONFLICT request id ' .. ticket .. ' is queued for another amount or tenant')
+    local a, _, _, _, _, _, _, tn, dv = parse_waiter(w)
+    if a ~= amount or tn ~= tenant or (pin ~= '' and dv ~= pin) then
+      return redis.error_reply('GPULOCK_CONFLICT request id ' .. ticket .. ' is queued for another amount, tenant or device')
     end
   end
 end

@@ -349,3 +349,33 @@ async def test_hand_offs_place_waiters_on_the_device_freed(make_apool, rclient, 
     await a.release()
     await c.release()
     assert_empty(rclient, pool_name)
+
+
+async def test_a_request_id_reused_for_another_device_is_a_conflict(make_apool, rclient, pool_name):
+    pool = make_apool()
+    await pool.configure(10, devices=2)
+    rid = new_id()
+    lease = await pool.acquire(4, device=1, request_id=rid)
+    with pytest.raises(InvalidArgument, match="another amount, tenant or device"):
+        await pool.acquire(4, device=0, request_id=rid)
+    again = await pool.acquire(4, request_id=rid)  # no device: its grant, wherever it is
+    assert again.device == 1 and again.id == lease.id
+    blocker = await pool.acquire(10, device=0)
+    queued = asyncio.create_task(pool.acquire(8, device=0, request_id="q1"))
+    await async_wait_until(lambda: rclient.zcard(pool_keys(pool_name)[3]) == 1, 10)
+    # queued for device 0: another pin is a conflict (none is the same request's retry)
+    with pytest.raises(InvalidArgument, match="another amount, tenant or device"):
+        await pool.acquire(8, device=1, request_id="q1", timeout=0)
+    await blocker.release()
+    got = await asyncio.wait_for(queued, 10)
+    assert got.device == 0
+    await got.release()
+    await lease.release()
+    assert_empty(rclient, pool_name)
+
+
+def test_the_devices_may_not_sum_past_what_a_pool_holds():
+    from gpulock._args import encode_devices
+
+    with pytest.raises(InvalidArgument, match="sum to"):
+        encode_devices([2**52, 2**52, 2**52], None)

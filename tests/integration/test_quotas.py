@@ -108,7 +108,7 @@ async def test_a_request_id_reused_with_another_tenant_is_a_conflict(make_apool,
     await pool.configure(100, quotas={"a": 10})
     rid = new_id()
     lease = await pool.acquire(4, tenant="a", request_id=rid)
-    with pytest.raises(InvalidArgument, match="another amount or tenant"):
+    with pytest.raises(InvalidArgument, match="another amount, tenant or device"):
         await pool.acquire(4, tenant="b", request_id=rid)
     await lease.release()
 
