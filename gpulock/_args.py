@@ -17,6 +17,9 @@ import socket
 import threading
 from typing import Any, Mapping
 
+from gpulock_common.checks import MAX_DEVICES as MAX_DEVICES
+from gpulock_common.checks import check_device
+
 from .errors import CapacityExceeded, InvalidArgument
 from ._keys import POOL_NAME_RE
 from .units import MAX_BYTES, parse_seconds, parse_size
@@ -354,21 +357,11 @@ def check_amount_vs_capacity(amount: int, capacity: int | None) -> None:
 
 
 # Devices (docs/SEMANTICS.md, "Devices and placement"): a pool may hold 1 to MAX_DEVICES
-# devices, each with its own capacity (lua/lib.lua "Devices"); leases are placed on one.
-MAX_DEVICES = 64
+# devices, each with its own capacity (lua/lib.lua "Devices"); leases are placed on one. A
+# request's device is an index in [0, MAX_DEVICES) or None for any (validate_device, shared
+# with the SDK: the script checks it against the pool).
 PLACEMENTS = ("bestfit", "spread")
-
-
-def validate_device(device: object) -> int | None:
-    """A request's device: an index in [0, MAX_DEVICES) or None for any (the pool places it).
-    Raises InvalidArgument naming the bad value (the script checks it against the pool)."""
-    if device is None:
-        return None
-    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < MAX_DEVICES:
-        raise InvalidArgument(
-            f"device must be a device index in [0, {MAX_DEVICES - 1}] or None, got {device!r:.80}"
-        )
-    return device
+validate_device = check_device
 
 
 def encode_devices(devices: object, capacity: int | str | None) -> tuple[int, str]:

@@ -1,5 +1,5 @@
-"""The SDK's own checks of acquire's arguments, before anything is sent: the same bounds and
-messages as gpulock's (``gpulock._args``), which the client does not import."""
+"""Checks of a request's arguments that gpulock and its SDK both make, before anything is sent,
+with the same bounds and messages: a priority, a device index."""
 
 from __future__ import annotations
 
