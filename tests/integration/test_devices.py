@@ -14,7 +14,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.pools import RAW_FORMS, _s, assert_empty, check_consistent, raw, server_ms, snapshot
-from support.priority_model import QueueModel
+from support.priority_model import QueueModel, end_one
 from support.waiting import async_wait_until
 
 from gpulock import CapacityExceeded, InvalidArgument
@@ -302,19 +302,7 @@ def test_scripts_place_as_the_model_on_random_histories(redis_proc, form, policy
                     known.append(t)
             elif known:
                 t = known[op[1] % len(known)]
-                if op[0] == "rel":
-                    if t not in model.held:
-                        continue
-                    lid = _s(c.hget(pool_keys(pool)[6], t))
-                    token = int(_s(c.hget(pool_keys(pool)[2], lid)).split("|")[1])
-                    r = call(c, pool, "release", lid, token)
-                    assert r[0] == 1
-                    assert int(r[3]) == len(model.release(t, int(r[1])))
-                else:
-                    if t not in model.held and t not in model.queue:
-                        continue
-                    r = call(c, pool, "cancel", t)
-                    model.cancel(t, int(r[1]))
+                end_one(c, pool, call, model, op[0], t)
             assert [_s(x) for x in c.zrange(pool_keys(pool)[3], 0, -1)] == model.order()
             held = {_s(a): _s(b) for a, b in c.hgetall(pool_keys(pool)[6]).items()}
             assert set(held) == set(model.held)

@@ -22,7 +22,7 @@ from support.pools import (
     server_ms,
     snapshot,
 )
-from support.priority_model import AGING_US, QueueModel
+from support.priority_model import AGING_US, QueueModel, end_one
 from support.waiting import async_wait_until, wait_until
 
 from gpulock import InvalidArgument
@@ -308,19 +308,7 @@ def test_scripts_decide_as_the_model_on_random_histories(redis_proc, form, polic
                 model.set_quota(tenant, q, int(server_ms(c)))
             elif known:
                 t = known[op[1] % len(known)]
-                if op[0] == "rel":
-                    if t not in model.held:
-                        continue
-                    lid = _s(c.hget(pool_keys(pool)[6], t))
-                    token = int(_s(c.hget(pool_keys(pool)[2], lid)).split("|")[1])
-                    r = call(c, pool, "release", lid, token)
-                    assert r[0] == 1
-                    assert int(r[3]) == len(model.release(t, int(r[1])))
-                else:
-                    if t not in model.held and t not in model.queue:
-                        continue
-                    r = call(c, pool, "cancel", t)
-                    model.cancel(t, int(r[1]))
+                end_one(c, pool, call, model, op[0], t)
             assert _queue(c, pool) == model.order()
             assert _tickets(c, pool) == set(model.held)
             assert check_consistent(c, pool)["used"] == model.used

@@ -13,6 +13,7 @@ from each reply, so it needs no clock of its own)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from gpulock._args import AGING_S
 
@@ -201,3 +202,26 @@ class QueueModel:
             del self.queue[ticket]
             return self.hand_off(now_ms)
         return self.release(ticket, now_ms)
+
+
+def end_one(
+    c: Any, pool: str, call: Callable[..., Any], model: QueueModel, kind: str, t: str
+) -> None:
+    """A history's "rel" (release ticket ``t``'s lease, if it holds one) or "cancel" (withdraw
+    it, queued or held) through the scripts (``call``: a script form of support.pools) and
+    the model alike; the hand-offs each makes must be the same."""
+    from gpulock._keys import pool_keys
+
+    from support.pools import _s
+
+    if kind == "rel":
+        if t not in model.held:
+            return
+        lid = _s(c.hget(pool_keys(pool)[6], t))
+        token = int(_s(c.hget(pool_keys(pool)[2], lid)).split("|")[1])
+        r = call(c, pool, "release", lid, token)
+        assert r[0] == 1
+        assert int(r[3]) == len(model.release(t, int(r[1])))
+    elif t in model.held or t in model.queue:
+        r = call(c, pool, "cancel", t)
+        model.cancel(t, int(r[1]))
