@@ -86,6 +86,16 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
             f"leases {p['lease_count']}  queued {p['waiter_count']}  policy {policy}  "
             f"grants {rate}  503s {p['rejected']}  OOMs {p['oom']}\n"
         )
+        devices = p.get("devices") or []  # a broker older than devices sends none
+        if len(devices) > 1:
+            head.append(
+                f"devices ({p.get('placement', 'bestfit')}): "
+                + "  ".join(
+                    f"{d['index']} {format_size(d['used'])}/{format_size(d['capacity'])}"
+                    for d in devices
+                )
+                + "\n"
+            )
         hist = p["history"]
         top = max([p["capacity"], *hist["capacity"]]) if hist["capacity"] else p["capacity"]
         line = sparkline(hist["used"], top, 60)

@@ -76,6 +76,8 @@ def pool_view(
         "grace_left": st.grace_left,
         "policy": st.policy,
         "backfill_window": st.backfill_window,
+        "placement": st.placement,
+        "devices": [{"index": d.index, "capacity": d.capacity, "used": d.used} for d in st.devices],
         "external": st.external,
         "effective_capacity": st.effective_capacity,
         "overusers": [
@@ -94,6 +96,7 @@ def pool_view(
                 "token": lz.token,
                 "expires_in": round(lz.expires_in, 3),
                 "held_for": round(lz.held_for, 3),
+                "device": lz.device,
             }
             for lz in st.leases
         ],

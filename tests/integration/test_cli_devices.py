@@ -88,6 +88,9 @@ def test_pool_set_devices_status_and_placement(url):
             assert r.returncode == 0, r.stderr
             assert "devices (spread): 0 0B of 4.0GiB, 1 1.0GiB of 2.0GiB" in r.stdout, r.stdout
             assert "device" in r.stdout.split("devices (spread)")[1]  # the leases' column
+            r = gpulock(url, "top", "node", "--once")
+            assert r.returncode == 0, r.stderr
+            assert "devices (spread): 0 0B/4.0GiB  1 1.0GiB/2.0GiB" in r.stdout, r.stdout
     finally:
         pool.close()
 
