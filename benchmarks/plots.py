@@ -447,6 +447,66 @@ def plot_scheduling(R: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_placement(R: dict, path: Path) -> None:
+    """``benchmarks/scheduling.py``'s placement rows: utilization of the devices per row and
+    workload; p50/p99 wait per size class per row, one panel per workload."""
+    runs = R.get("placement") or []
+    if not runs:
+        return
+    rows = list(dict.fromkeys(r["row"] for r in runs))
+    palette = ["#1f6feb", "#8250df", "#6e7781", "#2da44e", "#d29922"]
+    col = {row: palette[i % len(palette)] for i, row in enumerate(rows)}
+    width = 0.8 / len(rows)
+    workloads = list(dict.fromkeys(r["workload"] for r in runs))
+    fig, axes = plt.subplots(1, 1 + len(workloads), figsize=(4.5 + 4 * len(workloads), 4.2))
+    ax = axes[0]
+    for j, row in enumerate(rows):
+        vals = [
+            next(
+                (r["utilization"] * 100 for r in runs if r["workload"] == w and r["row"] == row), 0
+            )
+            for w in workloads
+        ]
+        xs = [i + (j - (len(rows) - 1) / 2) * width for i in range(len(workloads))]
+        ax.bar(xs, vals, width=width * 0.95, color=col[row], label=row)
+        for x, v in zip(xs, vals):
+            ax.text(x, v, f"{v:.0f}%", ha="center", va="bottom", fontsize=7)
+    ax.axhline(100, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(len(workloads)), workloads, fontsize=8)
+    ax.set_title(f"utilization of the {R.get('devices', 4)} devices", fontsize=9)
+    ax.set_ylim(0, 135)
+    ax.legend(fontsize=7, loc="upper center", ncol=2)
+    for ax, w in zip(axes[1:], workloads):
+        classes = list(
+            dict.fromkeys(k for r in runs if r["workload"] == w for k in r["wait_by_size_ms"])
+        )
+        for j, row in enumerate(rows):
+            r = next((r for r in runs if r["workload"] == w and r["row"] == row), None)
+            if r is None:
+                continue
+            xs = [i + (j - (len(rows) - 1) / 2) * width for i in range(len(classes))]
+            by = r["wait_by_size_ms"]
+            p99 = [by.get(k, {}).get("p99", 0) for k in classes]
+            p50 = [by.get(k, {}).get("p50", 0) for k in classes]
+            ax.bar(xs, p99, width=width * 0.95, color=col[row], alpha=0.45)
+            ax.bar(xs, p50, width=width * 0.95, color=col[row], label=row)
+        ax.set_xticks(range(len(classes)), [f"{k} MiB" for k in classes], fontsize=7)
+        ax.set_ylabel("wait (ms)", fontsize=8)
+        ax.set_title(f"{w}: wait per size (dark p50, light p99)", fontsize=9)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.35)  # room for the legend above the bars
+        ax.legend(fontsize=7, loc="upper left", ncol=2)
+    c = R["config"]
+    _title(
+        fig,
+        f"Placement: {R.get('devices', 4)} devices x 1 GiB, {c['placement_clients']} clients, "
+        f"{c['hold_s'] * 1000:.0f} ms holds",
+        R,
+    )
+    fig.tight_layout(rect=(0, 0.02, 1, 0.93))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def make(out_dir: str | Path, peers: dict | None, service: dict | None) -> list[str]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

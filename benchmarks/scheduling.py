@@ -2,8 +2,8 @@
 """Scheduling benchmark: what the queue policies buy on mixed-size load (docs/SEMANTICS.md,
 "Priorities" and "Backfill"), measured on the pool directly (no HTTP service in the way).
 
-    python benchmarks/scheduling.py            # full run, about 1.5 minutes
-    python benchmarks/scheduling.py --quick    # smoke run, about 15 s
+    python benchmarks/scheduling.py            # full run, about 2.5 minutes
+    python benchmarks/scheduling.py --quick    # smoke run, about 20 s
 
 16 clients (each its own AsyncPool object, so its own connection and hand-off channel, as 16
 processes would have) acquire, hold for ``hold_s`` and release, back to back, on one pool of
@@ -20,6 +20,20 @@ Each runs under FIFO and under backfill (2 s window). Reported per run: budget u
 p50/p99/max wait per size class (per priority class; per tenant, with tenant ``a``'s peak use
 from the clients' grant and release times, which lie inside the server's), and the Redis
 server's CPU per grant (``INFO cpu`` over the window / grants made in it).
+
+Placement rows (docs/SEMANTICS.md, "Devices and placement"): 4 devices of 1 GiB, 64 clients
+(16 per device, the load per GiB of the rows above), the same hold, the ``mixed`` and
+``uniform`` workloads (``--quick``: ``mixed`` only), FIFO unless named:
+
+* ``bestfit``: one pool of 4 devices, placement bestfit;
+* ``spread``: one pool of 4 devices, placement spread;
+* ``random``: 4 separate pools of 1 GiB, each request to a uniformly random one (FIFO in each):
+  what users of one pool per GPU do today;
+* ``bestfit+backfill``: one pool of 4 devices, bestfit, backfill (2 s window).
+
+Reported as above (utilization of all 4 GiB), with each device's peak use: the most bytes its
+leases held at once, swept from the clients' grant and release times and ``lease.device``
+(inside the server's times, so never above the device's 1 GiB: the run fails if it is).
 """
 
 from __future__ import annotations
@@ -33,7 +47,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -46,8 +60,16 @@ from gpulock.embedded import RedisProcess  # noqa: E402
 
 MiB = 2**20
 CAPACITY = 1024 * MiB
-FULL = dict(clients=16, duration_s=8.0, warm_s=1.0, hold_s=0.04, backfill_window_s=2.0)
-QUICK = dict(clients=16, duration_s=1.0, warm_s=0.3, hold_s=0.04, backfill_window_s=2.0)
+FULL: dict[str, Any] = dict(
+    clients=16,
+    duration_s=8.0,
+    warm_s=1.0,
+    hold_s=0.04,
+    backfill_window_s=2.0,
+    placement_clients=64,
+    placement_workloads=("mixed", "uniform"),
+)
+QUICK: dict[str, Any] = dict(FULL, duration_s=1.0, warm_s=0.3, placement_workloads=("mixed",))
 
 
 def draw_uniform(rng: random.Random) -> tuple[int, int]:
@@ -72,15 +94,120 @@ WORKLOADS = {
 QUOTAS = {"tenants": {"a": 512 * MiB}}
 POLICIES = ("fifo", "backfill")
 
+# Placement rows: DEVICES devices of CAPACITY each. row -> (the pool's placement, its policy,
+# whether the row is DEVICES separate single-device pools, each request to a uniformly random
+# one: what users of one pool per GPU do today)
+DEVICES = 4
+PLACEMENTS: dict[str, tuple[str | None, str, bool]] = {
+    "bestfit": ("bestfit", "fifo", False),
+    "spread": ("spread", "fifo", False),
+    "random": (None, "fifo", True),
+    "bestfit+backfill": ("bestfit", "backfill", False),
+}
+
 
 def _cpu_s(info: dict[str, Any]) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
-async def run_one(url: str, workload: str, policy: str, cfg: dict, seed: int) -> dict[str, Any]:
-    """One workload under one policy on a fresh pool; returns its measurements."""
+# One lease as a client saw it: asked, granted, released, bytes, priority, tenant, device
+Rec = tuple[float, float, float, int, int, str, int]
+# A client's next request: the pool object to ask, the index of that pool's device 0 among the
+# devices of the row (4 single-device pools are devices 0-3 of the random row), bytes, priority,
+# tenant
+Ask = tuple[AsyncPool, int, int, int, "str | None"]
+
+
+async def _drive(
+    url: str,
+    admins: list[AsyncPool],
+    n_clients: int,
+    ask: Callable[[int, random.Random, random.Random], Ask],
+    cfg: dict[str, Any],
+    seed: int,
+) -> tuple[list[Rec], list[str], float, float, int, float]:
+    """Run ``n_clients`` clients back to back (client i asks ``ask(i, rng, device_rng)``)
+    through the warm-up and the window; returns the leases, the errors, the window's ends, the
+    grants the pools ``admins`` made in it and the server's CPU seconds in it."""
     import redis.asyncio as aioredis
 
+    recs: list[Rec] = []
+    errors: list[str] = []
+    stop_at = time.monotonic() + cfg["warm_s"] + cfg["duration_s"]
+
+    async def client(i: int) -> None:
+        # sizes from one stream, devices (the random row) from another: every row of a
+        # workload asks for the same sizes in the same order
+        rng, drng = random.Random(seed * 1000 + i), random.Random(seed * 1000 + i + 10**6)
+        while time.monotonic() < stop_at:
+            pool, base, amount, prio, tenant = ask(i, rng, drng)
+            asked = time.monotonic()
+            try:
+                lease = await pool.acquire(amount, timeout=30, priority=prio, tenant=tenant)
+            except gpulock.GpuLockError as e:
+                errors.append(f"{type(e).__name__}: {e}")
+                continue
+            granted = time.monotonic()
+            await asyncio.sleep(cfg["hold_s"])
+            released = time.monotonic()
+            await lease.release()
+            recs.append((asked, granted, released, amount, prio, tenant or "", base + lease.device))
+
+    async def grants() -> int:
+        return sum([(await a.status(limit=0)).grants for a in admins])
+
+    direct = aioredis.Redis.from_url(url)
+    try:
+        tasks = [asyncio.create_task(client(i)) for i in range(n_clients)]
+        await asyncio.sleep(cfg["warm_s"])
+        t0 = time.monotonic()
+        cpu0, g0 = _cpu_s(await direct.info("cpu")), await grants()
+        await asyncio.sleep(cfg["duration_s"])
+        t1 = time.monotonic()
+        cpu1, g1 = _cpu_s(await direct.info("cpu")), await grants()
+        await asyncio.gather(*tasks)
+    finally:
+        await direct.aclose()
+    return recs, errors, t0, t1, g1 - g0, cpu1 - cpu0
+
+
+def _waits(sel: list[Rec]) -> dict[str, float]:
+    w = [(x[1] - x[0]) * 1000 for x in sel]
+    return {
+        "n": len(w),
+        "p50": percentile(w, 50),
+        "p99": percentile(w, 99),
+        "max": max(w, default=math.nan),
+    }
+
+
+def _common(
+    recs: list[Rec], t0: float, t1: float, grants: int, cpu_s: float, capacity: int
+) -> dict[str, Any]:
+    """The measurements every row has: utilization of ``capacity`` (time-weighted, from the
+    clients' grant and release times, clipped to the window), grants/s, server CPU per grant,
+    and waits (of the requests asked in the window) overall and per size class."""
+    area = sum(max(0.0, min(x[2], t1) - max(x[1], t0)) * x[3] for x in recs)
+    in_window = [x for x in recs if t0 <= x[0] <= t1]
+    return {
+        "window_s": t1 - t0,
+        "utilization": area / (capacity * (t1 - t0)),
+        "grants_per_s": grants / (t1 - t0),
+        "server_cpu_us_per_grant": cpu_s * 1e6 / grants if grants else math.nan,
+        "wait_ms": _waits(in_window),
+        # how long the clients held (40 ms asked): more means the client process lagged
+        "hold_ms_p50": percentile([(x[2] - x[1]) * 1000 for x in in_window], 50),
+        "wait_by_size_ms": {
+            str(s // MiB): _waits([x for x in in_window if x[3] == s])
+            for s in sorted({x[3] for x in in_window})
+        },
+    }
+
+
+async def run_one(
+    url: str, workload: str, policy: str, cfg: dict[str, Any], seed: int
+) -> dict[str, Any]:
+    """One workload under one policy on a fresh pool of one device; returns its measurements."""
     name = f"sched-{workload}-{policy}"
     admin = AsyncPool.from_url(url, name)
     quotas = QUOTAS.get(workload)
@@ -93,74 +220,30 @@ async def run_one(url: str, workload: str, policy: str, cfg: dict, seed: int) ->
     )
     pools = [AsyncPool.from_url(url, name) for _ in range(cfg["clients"])]
     draw = WORKLOADS[workload]
-    # asked, granted, released, bytes, priority, tenant
-    recs: list[tuple[float, float, float, int, int, str]] = []
-    errors: list[str] = []
-    stop_at = time.monotonic() + cfg["warm_s"] + cfg["duration_s"]
 
-    async def client(i: int) -> None:
-        rng = random.Random(seed * 1000 + i)
-        pool = pools[i]
+    def ask(i: int, rng: random.Random, drng: random.Random) -> Ask:
+        amount, prio = draw(rng)
         tenant = ("a" if i < cfg["clients"] // 2 else "b") if quotas else None
-        while time.monotonic() < stop_at:
-            amount, prio = draw(rng)
-            asked = time.monotonic()
-            try:
-                lease = await pool.acquire(amount, timeout=30, priority=prio, tenant=tenant)
-            except gpulock.GpuLockError as e:
-                errors.append(f"{type(e).__name__}: {e}")
-                continue
-            granted = time.monotonic()
-            await asyncio.sleep(cfg["hold_s"])
-            released = time.monotonic()
-            await lease.release()
-            recs.append((asked, granted, released, amount, prio, tenant or ""))
+        return pools[i], 0, amount, prio, tenant
 
-    direct = aioredis.Redis.from_url(url)
     try:
-        tasks = [asyncio.create_task(client(i)) for i in range(cfg["clients"])]
-        await asyncio.sleep(cfg["warm_s"])
-        t0 = time.monotonic()
-        cpu0, st0 = _cpu_s(await direct.info("cpu")), await admin.status(limit=0)
-        await asyncio.sleep(cfg["duration_s"])
-        t1 = time.monotonic()
-        cpu1, st1 = _cpu_s(await direct.info("cpu")), await admin.status(limit=0)
-        await asyncio.gather(*tasks)
+        recs, errors, t0, t1, grants, cpu_s = await _drive(
+            url, [admin], cfg["clients"], ask, cfg, seed
+        )
     finally:
         for p in pools:
             await p.aclose()
         await admin.aclose()
-        await direct.aclose()
 
-    area = sum(max(0.0, min(r, t1) - max(g, t0)) * x[3] for x in recs for g, r in [x[1:3]])
     in_window = [x for x in recs if t0 <= x[0] <= t1]
-    grants = st1.grants - st0.grants
-
-    def waits(sel: list) -> dict[str, float]:
-        w = [(x[1] - x[0]) * 1000 for x in sel]
-        return {
-            "n": len(w),
-            "p50": percentile(w, 50),
-            "p99": percentile(w, 99),
-            "max": max(w, default=math.nan),
-        }
-
-    sizes = sorted({x[3] for x in in_window})
     prios = sorted({x[4] for x in in_window})
     tenants = sorted({x[5] for x in in_window if x[5]})
     return {
         "workload": workload,
         "policy": policy,
-        "window_s": t1 - t0,
-        "utilization": area / (CAPACITY * (t1 - t0)),
-        "grants_per_s": grants / (t1 - t0),
-        "server_cpu_us_per_grant": (cpu1 - cpu0) * 1e6 / grants if grants else math.nan,
-        "wait_ms": waits(in_window),
-        "wait_by_size_ms": {
-            str(s // MiB): waits([x for x in in_window if x[3] == s]) for s in sizes
-        },
-        "wait_by_priority_ms": {str(p): waits([x for x in in_window if x[4] == p]) for p in prios},
-        "wait_by_tenant_ms": {t: waits([x for x in in_window if x[5] == t]) for t in tenants},
+        **_common(recs, t0, t1, grants, cpu_s, CAPACITY),
+        "wait_by_priority_ms": {str(p): _waits([x for x in in_window if x[4] == p]) for p in prios},
+        "wait_by_tenant_ms": {t: _waits([x for x in in_window if x[5] == t]) for t in tenants},
         "quotas": quotas or {},
         "peak_by_tenant": {t: _peak([x for x in recs if x[5] == t]) for t in tenants},
         "errors": errors[:5],
@@ -168,7 +251,66 @@ async def run_one(url: str, workload: str, policy: str, cfg: dict, seed: int) ->
     }
 
 
-def _peak(recs: list) -> int:
+async def run_placement(
+    url: str, workload: str, row: str, cfg: dict[str, Any], seed: int
+) -> dict[str, Any]:
+    """One placement row (``PLACEMENTS``) of ``workload`` on DEVICES devices of CAPACITY each,
+    fresh pools; returns its measurements, with each device's peak use (swept from the clients'
+    grant and release times and ``lease.device``, inside the server's: never above the
+    device's capacity)."""
+    placement, policy, separate = PLACEMENTS[row]
+    n = cfg["placement_clients"]
+    draw = WORKLOADS[workload]
+    base = f"place-{workload}-{row.replace('+', '-')}"
+    names = [f"{base}-{d}" for d in range(DEVICES)] if separate else [base]
+    admins = [AsyncPool.from_url(url, nm) for nm in names]
+    for a in admins:
+        await a.configure(
+            CAPACITY,
+            devices=None if separate else DEVICES,
+            placement=placement,
+            policy=policy,
+            backfill_window=cfg["backfill_window_s"],
+            max_waiters=1000,
+        )
+    # each client: its own connection and, as a user of 4 single-device pools has, one pool
+    # object per pool on it (the random row), or one pool object of the 4-device pool
+    heads = [AsyncPool.from_url(url, names[0]) for _ in range(n)]
+    objs = [[h] + [AsyncPool(h.redis, nm) for nm in names[1:]] for h in heads]
+
+    def ask(i: int, rng: random.Random, drng: random.Random) -> Ask:
+        amount, prio = draw(rng)
+        d = drng.randrange(DEVICES) if separate else 0
+        return objs[i][d], d, amount, prio, None
+
+    try:
+        recs, errors, t0, t1, grants, cpu_s = await _drive(url, admins, n, ask, cfg, seed)
+    finally:
+        for per in objs:
+            for p in reversed(per):  # the head owns the connection: last
+                await p.aclose()
+        for a in admins:
+            await a.aclose()
+
+    in_window = [x for x in recs if t0 <= x[0] <= t1]
+    return {
+        "workload": workload,
+        "row": row,
+        "placement": placement,
+        "policy": policy,
+        "separate_pools": separate,
+        "devices": DEVICES,
+        "device_capacity": CAPACITY,
+        "clients": n,
+        **_common(recs, t0, t1, grants, cpu_s, DEVICES * CAPACITY),
+        "peak_by_device": [_peak([x for x in recs if x[6] == d]) for d in range(DEVICES)],
+        "grants_by_device": [sum(1 for x in in_window if x[6] == d) for d in range(DEVICES)],
+        "errors": errors[:5],
+        "error_count": len(errors),
+    }
+
+
+def _peak(recs: list[Rec]) -> int:
     """The most bytes the leases ``recs`` held at once (a sweep of their grant and release
     times; a release sorts before a grant at the same instant)."""
     events = sorted([(x[1], 1, x[3]) for x in recs] + [(x[2], 0, -x[3]) for x in recs])
@@ -179,7 +321,7 @@ def _peak(recs: list) -> int:
     return peak
 
 
-def _classes(r: dict) -> str:
+def _classes(r: dict[str, Any]) -> str:
     """A run's wait classes as table text: per tenant, per priority or per size."""
     if r["workload"] == "tenants":
         out = []
@@ -200,7 +342,7 @@ def _classes(r: dict) -> str:
     )
 
 
-def build_table(R: dict) -> str:
+def build_table(R: dict[str, Any]) -> str:
     from peers import table
 
     rows = []
@@ -228,7 +370,64 @@ def build_table(R: dict) -> str:
     )
 
 
-def run(cfg: dict, quick: bool, json_path: str, server: str | None = None) -> dict[str, Any]:
+def _sizes(r: dict[str, Any]) -> str:
+    return "; ".join(
+        f"{k} MiB: {v['p50']:.0f}/{v['p99']:.0f}/{v['max']:.0f}"
+        for k, v in r["wait_by_size_ms"].items()
+    )
+
+
+ROW_LABEL = {
+    "bestfit": "bestfit, FIFO",
+    "spread": "spread, FIFO",
+    "random": "random of 4 pools, FIFO each",
+    "bestfit+backfill": "bestfit, backfill",
+}
+
+
+def build_placement_table(R: dict[str, Any]) -> str:
+    from peers import table
+
+    rows = [
+        [
+            r["workload"],
+            ROW_LABEL.get(r["row"], r["row"]),
+            f"{r['utilization']:.0%}",
+            f"{r['grants_per_s']:.0f}",
+            _sizes(r),
+            "/".join(str(p // MiB) for p in r["peak_by_device"]),
+            f"{r['server_cpu_us_per_grant']:.0f}",
+        ]
+        for r in R["placement"]
+    ]
+    return table(
+        [
+            "workload",
+            "placement",
+            "utilization",
+            "grants/s",
+            "wait p50/p99/max (ms) per size",
+            "peak MiB per device",
+            "server CPU µs per grant",
+        ],
+        rows,
+    )
+
+
+def over_capacity(R: dict[str, Any]) -> list[str]:
+    """The placement rows where a device's peak use (from the clients' times) exceeded its
+    capacity: must be none."""
+    return [
+        f"{r['workload']}/{r['row']}: device {d} peaked at {p} > {r['device_capacity']}"
+        for r in R["placement"]
+        for d, p in enumerate(r["peak_by_device"])
+        if p > r["device_capacity"]
+    ]
+
+
+def run(
+    cfg: dict[str, Any], quick: bool, json_path: str, server: str | None = None
+) -> dict[str, Any]:
     from peers import pick_server
 
     t_all = time.monotonic()
@@ -238,16 +437,23 @@ def run(cfg: dict, quick: bool, json_path: str, server: str | None = None) -> di
         "machine": machine_info(),
         "gpulock": gpulock.__version__,
         "capacity": CAPACITY,
+        "devices": DEVICES,
         "runs": [],
+        "placement": [],
     }
     with RedisProcess(pick_server(server)) as rp:
         for w in WORKLOADS:
             for p in POLICIES:
                 print(f"# {w} / {p}", file=sys.stderr, flush=True)
                 R["runs"].append(asyncio.run(run_one(rp.url, w, p, cfg, seed=7)))
+        for w in cfg["placement_workloads"]:
+            for row in PLACEMENTS:
+                print(f"# {w} / {DEVICES} devices, {row}", file=sys.stderr, flush=True)
+                R["placement"].append(asyncio.run(run_placement(rp.url, w, row, cfg, seed=7)))
     R["machine"]["loadavg_end"] = list(os.getloadavg())
     R["runtime_s"] = time.monotonic() - t_all
     R["table"] = build_table(R)
+    R["placement_table"] = build_placement_table(R)
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     from core import _clean
 
@@ -272,10 +478,14 @@ def main(argv: list[str] | None = None) -> int:
     R = run(QUICK if a.quick else FULL, a.quick, a.json, a.redis_server)
     plot = a.plot or (None if a.quick else str(HERE / "results" / "scheduling.png"))
     if plot:
-        from plots import plot_scheduling
+        from plots import plot_placement, plot_scheduling
 
         plot_scheduling(R, Path(plot))
         print(f"plot: {plot}")
+        # the placement rows: next to it, "-placement" added to its name
+        placement_plot = Path(plot).with_name(f"{Path(plot).stem}-placement{Path(plot).suffix}")
+        plot_placement(R, placement_plot)
+        print(f"plot: {placement_plot}")
     M, c = R["machine"], R["config"]
     print(
         f"gpulock {R['gpulock']} scheduling benchmark ({'quick' if R['quick'] else 'full'} run, "
@@ -289,11 +499,27 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(R["table"])
     print()
+    print(
+        f"placement: {DEVICES} devices x {CAPACITY // MiB} MiB, {c['placement_clients']} clients "
+        f"back to back, {c['hold_s'] * 1000:.0f} ms hold; utilization of all {DEVICES} devices; "
+        "peak: the most bytes each device held at once (from the clients' grant and release times)"
+    )
+    print()
+    print(R["placement_table"])
+    print()
     print(f"raw numbers: {R['json_path']}")
     bad = [r for r in R["runs"] if r["error_count"]]
     if bad:
         print(f"FAILED: errors in {[(r['workload'], r['policy']) for r in bad]}")
         return 2
+    bad_rows = [r for r in R["placement"] if r["error_count"]]
+    if bad_rows:
+        print(f"FAILED: errors in {[(r['workload'], r['row']) for r in bad_rows]}")
+        return 2
+    over = over_capacity(R)
+    if over:
+        print(f"FAILED: a device held more than its capacity: {over}")
+        return 3
     return 0
 
 

@@ -1,6 +1,9 @@
 """Smoke test of ``benchmarks/scheduling.py --quick``: it runs end to end against a server it
-starts itself, prints its table and writes its JSON, every workload under both policies, with
-no acquire failing and tenant a's peak use within its quota. No speed assertions (the numbers live in docs/BENCHMARKS.md)."""
+starts itself, prints its tables and writes its JSON, every workload under both policies and
+the placement rows (a 4-device pool best fit, spread and best fit with backfill, and 4 separate
+pools asked at random), with no acquire failing, tenant a's peak use within its quota and each
+device's peak use within its capacity. No speed assertions (the numbers live in
+docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_scheduling_benchmark_quick(tmp_path):
+def test_scheduling_benchmark_quick(tmp_path: Path) -> None:
     out = tmp_path / "scheduling.json"
     p = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "scheduling.py"), "--quick", "--json", str(out)],
@@ -22,9 +25,14 @@ def test_scheduling_benchmark_quick(tmp_path):
         cwd=ROOT,
     )
     assert p.returncode == 0, f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
-    head = next(line for line in p.stdout.splitlines() if line.startswith("workload"))
-    for col in ("utilization", "grants/s", "server CPU"):
-        assert col in head
+    heads = [line for line in p.stdout.splitlines() if line.startswith("workload")]
+    assert len(heads) == 2, p.stdout  # the policy table, then the placement table
+    for head in heads:
+        for col in ("utilization", "grants/s", "server CPU"):
+            assert col in head
+    assert "peak MiB per device" in heads[1]
+    for label in ("bestfit, FIFO", "spread, FIFO", "random of 4 pools", "bestfit, backfill"):
+        assert label in p.stdout
     R = json.loads(out.read_text())
     assert [(r["workload"], r["policy"]) for r in R["runs"]] == [
         (w, p) for w in ("uniform", "mixed", "priority", "tenants") for p in ("fifo", "backfill")
@@ -40,3 +48,17 @@ def test_scheduling_benchmark_quick(tmp_path):
             assert set(r["wait_by_tenant_ms"]) == {"a", "b"}, r
             # from the clients' grant and release times, inside the server's: never above
             assert 0 < r["peak_by_tenant"]["a"] <= r["quotas"]["a"], r
+    rows = R["placement"]
+    assert [(r["workload"], r["row"]) for r in rows] == [
+        ("mixed", x) for x in ("bestfit", "spread", "random", "bestfit+backfill")
+    ]
+    assert R["placement_table"].count("\n") == 1 + len(rows)  # header, rule, one line a row
+    for r in rows:
+        assert r["error_count"] == 0, r
+        assert r["devices"] == 4 and len(r["peak_by_device"]) == 4, r
+        assert 0 < r["utilization"] <= 1.0 + 1e-9, r  # of all 4 devices
+        assert set(r["wait_by_size_ms"]) == {"64", "512"}, r
+        # from the clients' grant and release times and lease.device, inside the server's:
+        # no device ever held more than its capacity
+        assert all(0 < p <= r["device_capacity"] for p in r["peak_by_device"]), r
+        assert all(n > 0 for n in r["grants_by_device"]), r  # every device was used
