@@ -133,6 +133,8 @@ def supervise(
     if n_devices > 1:
         gpu = visible_gpu(lease.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
         env["CUDA_VISIBLE_DEVICES"] = gpu
+        # GPU D is NVML's (and nvidia-smi's) D: CUDA numbers GPUs so only in PCI bus order
+        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         if enf is not None and enf.device < 0:  # --enforce reads the lease's GPU
             enf = replace(enf, device=int(gpu) if gpu.isdigit() else lease.device)
     wake = threading.Event()

@@ -143,8 +143,7 @@ def pool_set(
         metavar="N|SIZE,SIZE,...|auto",
         help="The pool's devices (GPUs): a count N (each of --capacity), each device's "
         "capacity (80GiB,80GiB,40GiB), or auto: each GPU NVML sees (or $GPULOCK_FAKE_DEVICES "
-        "lists), its memory x --utilization; set CUDA_DEVICE_ORDER=PCI_BUS_ID for the jobs "
-        "so CUDA numbers the GPUs as NVML does. A lease is placed on one device "
+        "lists), its memory x --utilization (device D is GPU D as nvidia-smi numbers them). A lease is placed on one device "
         "(docs/SEMANTICS.md, 'Devices and placement'). The count changes only while the "
         "pool has no lease and no waiter.",
     ),

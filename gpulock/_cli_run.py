@@ -74,8 +74,9 @@ renews the lease every ttl/3 while CMD runs, and releases it when CMD exits. Put
 CMD.
 
 On a pool of several devices the lease is placed on one (--pool NAME/D pins device D) and CMD
-also gets CUDA_VISIBLE_DEVICES naming only that GPU: device D is GPU D, or the D-th entry of
-CUDA_VISIBLE_DEVICES when gpulock run's own environment sets it.
+also gets CUDA_VISIBLE_DEVICES naming only that GPU: device D is GPU D (as nvidia-smi numbers
+them: CUDA_DEVICE_ORDER=PCI_BUS_ID unless set), or the D-th entry of CUDA_VISIBLE_DEVICES when
+gpulock run's own environment sets it.
 
 CMD runs in its own process group; SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2 and
 SIGWINCH sent to gpulock run are forwarded to that group (a signal ignored when gpulock run

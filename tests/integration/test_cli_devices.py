@@ -22,7 +22,8 @@ GiB = 2**30
 SHOW_ENV = [
     sys.executable,
     "-c",
-    "import os; print(os.environ.get('GPULOCK_DEVICE'), os.environ.get('CUDA_VISIBLE_DEVICES'))",
+    "import os; e = os.environ.get; "
+    "print(e('GPULOCK_DEVICE'), e('CUDA_VISIBLE_DEVICES'), e('CUDA_DEVICE_ORDER'))",
 ]
 
 
@@ -38,6 +39,7 @@ def run_show(
     with ``visible`` as gpulock run's own CUDA_VISIBLE_DEVICES (None: unset)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOCK_")}
     env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.pop("CUDA_DEVICE_ORDER", None)
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
     env["GPULOCK_REDIS_URL"] = url
@@ -99,16 +101,16 @@ def test_run_puts_its_command_on_the_leased_device(url):
     assert gpulock(url, "pool", "set", "node", "--devices", "3", "-c", "4GiB").returncode == 0
     r = run_show(url, "node/2", "1GiB")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["2", "2"]
+    assert r.stdout.split() == ["2", "2", "PCI_BUS_ID"]
     # placed: best fit takes the fullest device that fits, so device 0 with 3 GiB held
     pool = Pool.from_url(url, "node")
     try:
         with pool.lease(3 * GiB, device=1):
             r = run_show(url, "node", "1GiB")
-            assert r.stdout.split() == ["1", "1"], r.stderr
+            assert r.stdout.split() == ["1", "1", "PCI_BUS_ID"], r.stderr
             # gpulock run's own CUDA_VISIBLE_DEVICES maps device D to its D-th GPU
             r = run_show(url, "node", "1GiB", visible="5,6,7")
-            assert r.stdout.split() == ["1", "6"], r.stderr
+            assert r.stdout.split() == ["1", "6", "PCI_BUS_ID"], r.stderr
     finally:
         pool.close()
 
@@ -117,9 +119,9 @@ def test_run_on_a_pool_of_one_device_leaves_cuda_visible_devices_alone(url):
     assert gpulock(url, "pool", "set", "one", "-c", "4GiB").returncode == 0
     r = run_show(url, "one", "1GiB", visible="3")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["0", "3"]
+    assert r.stdout.split() == ["0", "3", "None"]
     r = run_show(url, "one/0", "1GiB")
-    assert r.stdout.split() == ["0", "None"], r.stderr
+    assert r.stdout.split() == ["0", "None", "None"], r.stderr
 
 
 @pytest.mark.parametrize(
