@@ -118,6 +118,11 @@ class Recovery:
             self.policy_seen = policy
         if adopted and not (self.max_ttl_seen_ms and self.max_waiters_seen):
             self._learn_settings_soon()
+        elif capacity and _devices_sum(self.policy_seen) not in (None, capacity):
+            # Someone changed the devices since they were read (a reply's capacity is no
+            # longer their sum): read them again, so a pool made again has the new ones.
+            self._settings_asked = False
+            self._learn_settings_soon()
 
     def _learn_settings_soon(self) -> None:
         """The pool was first seen in a reply without its max_ttl and max_waiters (an
@@ -176,6 +181,9 @@ class Recovery:
             max_ttl_ms = self.max_ttl_seen_ms or max_ttl_ms
             grace = True
             policy = self.policy_seen or policy
+            # The devices and the capacity may come from different replies: the devices
+            # say how the capacity is split, so the pool is made with their sum.
+            capacity = _devices_sum(policy) or capacity
         return configure_args(capacity, max_waiters, max_ttl_ms, create_only, grace, policy)
 
     def _lose(self, s: LeaseState, reason: str) -> None:
@@ -316,3 +324,11 @@ class Recovery:
         else:
             w.position = res.position
             self._set_reap_timer(self.clock(), res.retry_after_ms)
+
+
+def _devices_sum(policy: QueueConfig | None) -> int | None:
+    """The sum of a pool's devices' capacities as last seen (bytes), None when it was not
+    seen to have several devices."""
+    if policy is None or not policy[3]:
+        return None
+    return sum(int(c) for c in policy[3].split())

@@ -31,7 +31,7 @@ from gpulock import AcquireTimeout, AsyncPool, LeaseLost, Pool
 from gpulock._args import new_id
 from gpulock._keys import pool_keys
 from gpulock.embedded import RedisProcess
-from support.pools import check_consistent, raw, raw_acquire, snapshot
+from support.pools import _s, check_consistent, raw, raw_acquire, snapshot
 from support.proxy import Proxy
 from support.waiting import wait_until
 
@@ -209,6 +209,45 @@ def test_restart_empty_devices_and_each_lease_on_its_device_come_back(redis_proc
         loop.run_until_complete(apool.aclose())
         loop.close()
         spool.close()
+        direct.close()
+
+
+def test_devices_changed_by_another_process_come_back_as_changed(redis_proc1):
+    """The devices a pool object saw were changed since by another process (their capacities
+    while it holds a lease, then their count while the pool is idle): its next reply's
+    capacity is not their sum, so it reads them again, and the pool it makes after Redis
+    lost the data has the devices as changed, its lease on its device (not a pool whose
+    capacity and devices disagree, which configure would refuse again and again)."""
+    rp, name = redis_proc1, "gdev2"
+    direct = redis.Redis.from_url(rp.url)
+    holder = Pool.from_url(rp.url, name, default_ttl=TTL, max_ttl=G, poll_interval=0.2)
+
+    def other(devices: str) -> None:  # another process's `gpulock pool set` (not this runtime)
+        total = sum(int(c) for c in devices.split())
+        raw(direct, name, "configure", total, 10000, "set", 0, 0, "", "", "", devices, "")
+
+    try:
+        holder.configure(devices=[10, 10])
+        first = holder.acquire(5, device=1)
+        rt = holder._runtime
+        assert rt is not None
+        wait_until(lambda: rt.policy_seen and rt.policy_seen[3] == "10 10", timeout=5)
+        other("8 8")  # `gpulock pool set --capacity 8`: each device's
+        first.release()
+        other("20 20 20 20")  # idle: the count may change
+        lease = holder.acquire(15, device=3)  # its reply says capacity 80, not 20
+        wait_until(lambda: rt.policy_seen and rt.policy_seen[3] == "20 20 20 20", timeout=5)
+        rp.restart()
+        wait_until(
+            lambda: lease.id in {_s(x) for x in direct.hkeys(pool_keys(name)[2])}, timeout=3 * TTL
+        )
+        st = holder.status()
+        assert [(d.capacity, d.used) for d in st.devices] == [(20, 0), (20, 0), (20, 0), (20, 15)]
+        assert {li.lease_id: li.device for li in st.leases} == {lease.id: 3}
+        lease.release()
+        assert check_consistent(direct, name) == {"used": 0, "leases": 0, "queued": 0}
+    finally:
+        holder.close()
         direct.close()
 
 
