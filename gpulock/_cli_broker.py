@@ -189,8 +189,8 @@ def core_error(e: Exception) -> Exception:
         )
     if isinstance(e, C.QuotaExceeded):
         return E.QuotaExceeded(e.amount, e.quota, e.tenant)
-    if isinstance(e, C.CapacityExceeded):
-        return E.CapacityExceeded(e.amount, e.capacity)
+    if isinstance(e, C.CapacityExceeded):  # the broker's message: it may name a device
+        return E.CapacityExceeded(e.amount, e.capacity, str(e))
     if isinstance(e, C.QueueFull):
         return E.AcquireTimeout(str(e), queue_length=e.queue_length)
     if isinstance(e, C.InvalidArgument):

@@ -61,11 +61,25 @@ def not_ignored(sigs: Iterable[int]) -> list[int]:
     return [s for s in sigs if signal.getsignal(s) is not signal.SIG_IGN]
 
 
+def visible_entries(inherited: str) -> list[str]:
+    """The GPUs a CUDA_VISIBLE_DEVICES value shows ("2,3", or GPU UUIDs), as CUDA reads it:
+    up to the first entry that names none (empty, or negative such as -1)."""
+    out = []
+    for e in inherited.split(","):
+        e = e.strip()
+        if not e or e.startswith("-"):
+            break
+        out.append(e)
+    return out
+
+
 def visible_gpu(device: int, inherited: Optional[str]) -> str:
-    """The CUDA_VISIBLE_DEVICES entry for a pool's device ``device``: the ``device``-th entry
-    of ``inherited`` (gpulock run's own CUDA_VISIBLE_DEVICES: "2,3", or GPU UUIDs) when it has
-    one, else the device index itself (device D is GPU D)."""
-    entries = [e.strip() for e in (inherited or "").split(",") if e.strip()]
+    """The CUDA_VISIBLE_DEVICES entry for a pool's device ``device``: the ``device``-th GPU
+    ``inherited`` (gpulock run's own CUDA_VISIBLE_DEVICES) shows when it is set (the caller
+    checked it shows that many), else the device index itself (device D is GPU D)."""
+    if inherited is None:
+        return str(device)
+    entries = visible_entries(inherited)
     return entries[device] if device < len(entries) else str(device)
 
 

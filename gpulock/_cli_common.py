@@ -171,7 +171,7 @@ def devices_param(
     from ._args import encode_devices
 
     v = value.strip()
-    if v == "auto":
+    if v.lower() == "auto":
         if capacity is not None:
             raise typer.BadParameter(
                 "--devices auto takes each GPU's memory; leave --capacity out",
@@ -186,11 +186,6 @@ def devices_param(
                 f"auto: cannot read the GPUs: {e}", param_hint="--devices"
             ) from None
     spec: int | list[str] = int(v) if v.isdigit() else [x.strip() for x in v.split(",")]
-    if isinstance(spec, list) and capacity is not None:
-        raise typer.BadParameter(
-            "with each device's capacity, leave --capacity out (the pool's is their sum)",
-            param_hint="--devices",
-        )
     if isinstance(spec, int) and capacity is None:
         raise typer.BadParameter(
             f"--devices {v} needs --capacity (each device's capacity), or give each device's "
@@ -200,7 +195,14 @@ def devices_param(
     try:
         _, caps = encode_devices(spec, capacity if isinstance(spec, int) else None)
     except InvalidArgument as e:
-        raise typer.BadParameter(str(e), param_hint="--devices") from None
+        raise typer.BadParameter(
+            f"{e} (--devices takes a count N, sizes SIZE,SIZE,... or auto)", param_hint="--devices"
+        ) from None
+    if isinstance(spec, list) and capacity is not None:
+        raise typer.BadParameter(
+            "with each device's capacity, leave --capacity out (the pool's is their sum)",
+            param_hint="--devices",
+        )
     return [int(c) for c in caps.split()]
 
 

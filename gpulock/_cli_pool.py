@@ -164,7 +164,7 @@ def pool_set(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Create pool NAME (--capacity needed), or change its capacity, queue bound, max ttl,
+    """Create pool NAME (--capacity or --devices needed), or change its capacity, queue bound, max ttl,
     queue policy, tenant quotas or devices (what is not given keeps its value).
 
     Lowering the capacity below what is in use is allowed: leases keep their bytes and nothing
@@ -185,10 +185,13 @@ def pool_set(
 
             b = BrokerAdmin(t.url)
             try:
-                # The broker's PUT needs a capacity: left out, the pool's (a pool that does
-                # not exist is a 404 here, PoolNotFound: exit 66 saying to give --capacity)
+                # The broker's PUT needs a capacity: the devices' sum, else left out, the
+                # pool's (a pool that does not exist is a 404 here, PoolNotFound: exit 66
+                # saying to give --capacity)
                 cap = (
-                    capacity
+                    sum(devs)
+                    if devs is not None
+                    else capacity
                     if capacity is not None
                     else b.call("GET", f"/v1/pools/{name}", name)["capacity"]
                 )

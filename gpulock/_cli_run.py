@@ -39,7 +39,14 @@ from ._cli_common import (
     size_param,
     target,
 )
-from ._cli_child import EnforceOptions, not_ignored, release_lease, supervise
+from ._cli_child import (
+    EnforceOptions,
+    not_ignored,
+    release_lease,
+    supervise,
+    visible_entries,
+    visible_gpu,
+)
 from .errors import AcquireTimeout, GpuLockError
 from .units import format_size
 
@@ -102,7 +109,8 @@ Exit status:
   {EXIT_LEASE_LOST}   the lease was lost while CMD ran; CMD was sent SIGTERM/SIGKILL
   {EXIT_OVERUSE}   --enforce: CMD used more device memory than its lease; CMD was sent
        SIGTERM/SIGKILL
-  {EXIT_CAPACITY}   --amount is larger than the pool's capacity or the --tenant's quota
+  {EXIT_CAPACITY}   --amount is larger than the pool's capacity (on a pool of several devices:
+       its device's, or the largest device's) or the --tenant's quota
   {EXIT_NO_POOL}   the pool is not configured (gpulock pool set NAME --capacity SIZE)
   {EXIT_UNAVAILABLE}   Redis or the broker unreachable
   {EXIT_NOPERM}   the broker refused the token (GPULOCK_TOKEN missing, wrong, or not
@@ -202,8 +210,9 @@ def run(
         "--device",
         min=0,
         max=1023,
-        help="--enforce: the GPU index to read (default: the GPU of the lease's device; GPU 0 "
-        "on a pool of one device).",
+        help="--enforce: the GPU index to read (default: the GPU of the lease's device: GPU D "
+        "for device D, or the D-th GPU CUDA_VISIBLE_DEVICES shows; device 0 on a pool of one "
+        "device).",
     ),
     device_reader: str = typer.Option(
         "auto",
@@ -214,16 +223,18 @@ def run(
 ) -> None:
     from ._sync import Pool
 
+    pool, pin = split_pool_target(pool)
     enf = None
     if enforce:
+        # the GPU to read: --device, else a pinned device's (a pool of one device: GPU 0)
+        gpu = visible_gpu(pin or 0, os.environ.get("CUDA_VISIBLE_DEVICES"))
         enf = _enforce_options(
             enforce_margin,
             int(enforce_slack or 0),
             float(enforce_grace or 0.0),
-            0 if device is None else device,
+            device if device is not None else int(gpu) if gpu.isdigit() else pin or 0,
             device_reader,
         )
-    pool, pin = split_pool_target(pool)
 
     t = target(ctx)
     if tenant and t.is_broker:
@@ -258,6 +269,8 @@ def run(
         except GpuLockError as e:
             p.close()
             error_exit(e, t, pool)
+    if n_devices > 1 and "CUDA_VISIBLE_DEVICES" in os.environ:
+        _check_visible(p, pool, pin, n_devices, os.environ["CUDA_VISIBLE_DEVICES"])
     if enf is not None and device is None and n_devices > 1:
         enf = replace(enf, device=-1)  # the lease's GPU, once it is granted
     try:
@@ -306,7 +319,8 @@ def _run_under_lease(
     def on_queued(pos: int) -> None:
         if not queued_at:
             queued_at.append(time.monotonic())
-        info(f"waiting for {format_size(amount)} on pool {pool!r}: position {pos} in the queue")
+        on = "" if pin is None else f" device {pin}"
+        info(f"waiting for {format_size(amount)} on pool {pool!r}{on}: position {pos} in the queue")
 
     # While waiting: a signal interrupts the wait (Pool.acquire leaves the queue and releases a
     # grant that raced in), then we exit 128+N. Later signals during that cleanup are noted only.
@@ -360,6 +374,26 @@ def _run_under_lease(
             f"granted {format_size(amount)} on pool {pool!r} after {time.monotonic() - queued_at[0]:.1f}s"
         )
     return supervise(lease, pool, amount, grace, cmd, enf, n_devices)
+
+
+def _check_visible(
+    p: RunPool, pool: str, pin: Optional[int], n_devices: int, inherited: str
+) -> None:
+    """Exit 2 (before anything is acquired) when gpulock run's own CUDA_VISIBLE_DEVICES shows
+    fewer GPUs than the lease may land on: device D is its D-th GPU, and a lease on a device
+    past its end would run CMD on a GPU this environment hides."""
+    shown = len(visible_entries(inherited))
+    need = n_devices if pin is None else pin + 1
+    if shown >= need:
+        return
+    p.close()
+    where = f"device {pin}" if pin is not None else f"any of pool {pool!r}'s {n_devices} devices"
+    fail(
+        EXIT_USAGE,
+        f"CUDA_VISIBLE_DEVICES={inherited!r} shows {shown} GPU(s), and the lease may be on "
+        f"{where} (device D is its D-th GPU): unset CUDA_VISIBLE_DEVICES, list every GPU of "
+        "the pool, or pin a device it shows (--pool NAME/D)",
+    )
 
 
 def _enforce_options(

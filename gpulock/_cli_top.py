@@ -101,17 +101,19 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
         line = sparkline(hist["used"], top, 60)
         head.append(f"used, last {len(line)} s: {line or '(no samples yet)'}")
         leases = Table(title=f"leases ({p['lease_count']})", title_justify="left", expand=False)
+        several = len(devices) > 1  # a device column only then
         for col, right in (
             ("holder", False),
             ("amount", True),
             ("token", True),
+            *((("device", True),) if several else ()),
             ("expires in", True),
         ):
             leases.add_column(col, justify="right" if right else "left")
         for lz in p["leases"][:limit]:
             leases.add_row(
                 _holder(lz["holder"]), format_size(lz["amount"]), str(lz["token"]),
-                _secs(lz["expires_in"]),
+                *((str(lz.get("device", 0)),) if several else ()), _secs(lz["expires_in"]),
             )  # fmt: skip
         queue = Table(title=f"queue ({p['waiter_count']})", title_justify="left", expand=False)
         for col, right in (

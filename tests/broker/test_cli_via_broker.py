@@ -169,6 +169,30 @@ def test_pool_set_policy_goes_through_the_broker(broker_srv, admin):
     assert admin.get("/v1/pools/gpuNone").status_code == 404
 
 
+def test_pool_set_devices_goes_through_the_broker(broker_srv, admin):
+    """--devices (sizes, or a count with --capacity each) creates a pool of several devices
+    through the broker, --capacity alone then sets each device's, and status shows them."""
+    url = broker_srv.url
+
+    def pool_set(name: str, *args: str) -> subprocess.CompletedProcess:
+        return _gpulock("--broker-url", url, "pool", "set", name, *args, token=ADMIN_TOKEN)
+
+    r = pool_set("gpuD1", "--devices", "2GiB,1GiB", "--placement", "spread")
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert "devices 2.0GiB,1.0GiB (placement spread)" in r.stdout, r.stdout
+    r = pool_set("gpuD2", "--devices", "3", "--capacity", "1GiB")
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    r = pool_set("gpuD2", "--capacity", "2GiB", "--json")
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert json.loads(r.stdout)["devices"] == [2 * 2**30] * 3
+    st = admin.get("/v1/pools/gpuD2").json()
+    assert [d["capacity"] for d in st["devices"]] == [2 * 2**30] * 3
+    r = _gpulock("--broker-url", url, "status", "gpuD1", token=ADMIN_TOKEN)
+    assert r.returncode == 0 and "devices (spread): 0 0B of 2.0GiB, 1 0B of 1.0GiB" in r.stdout, (
+        r.stdout
+    )
+
+
 def test_pool_delete_goes_through_the_broker(broker_srv, gpu, admin, user):
     held = user.post(f"/v1/pools/{gpu}/leases", json={"amount": "1GiB", "ttl": 30})
     assert held.status_code == 201, held.text

@@ -93,6 +93,7 @@ def test_pool_set_devices_status_and_placement(url):
             r = gpulock(url, "top", "node", "--once")
             assert r.returncode == 0, r.stderr
             assert "devices (spread): 0 0B/4.0GiB  1 1.0GiB/2.0GiB" in r.stdout, r.stdout
+            assert "device" in r.stdout.split("leases (1)")[1], r.stdout  # the column
     finally:
         pool.close()
 
@@ -182,3 +183,29 @@ def test_pool_set_devices_auto_makes_a_device_of_each_gpu_the_reader_sees(url, t
     )
     assert r.returncode == 2 and "auto: cannot read the GPUs" in r.stderr, r.stderr
     assert gpulock(url, "status", "other").returncode == 66
+
+
+@pytest.mark.parametrize(
+    "visible, target",
+    [("4,5", "node/3"), ("4,5", "node"), ("", "node/0"), ("-1", "node/0"), ("4,-1,5", "node/1")],
+)
+def test_run_refuses_a_device_its_cuda_visible_devices_hides(url, visible, target):
+    """gpulock run's own CUDA_VISIBLE_DEVICES maps device D to its D-th GPU: a lease that may
+    land past its end (a pinned device it does not show, or any device of a pool of more
+    than it shows) is exit 2 before anything is acquired."""
+    assert gpulock(url, "pool", "set", "node", "--devices", "4", "-c", "1GiB").returncode == 0
+    r = run_show(url, target, "1GiB", visible=visible)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "CUDA_VISIBLE_DEVICES" in r.stderr and "GPU(s)" in r.stderr, r.stderr
+    assert _status(url, "node")["grants"] == 0
+
+
+def test_run_through_a_broker_errors_name_the_device(url):
+    """(a unit check of the broker error mapping: the SDK's message, naming the device, is
+    kept)"""
+    import gpulock_client
+
+    from gpulock._cli_broker import core_error
+
+    e = core_error(gpulock_client.CapacityExceeded(5, 4, "exceeds the capacity of device 1"))
+    assert "device 1" in str(e) and (e.amount, e.capacity) == (5, 4)
