@@ -279,7 +279,8 @@ end
 -- placement. A lease is on one device; a request names one (pins it) or lets the script place
 -- it: 'bestfit' takes the device with the least free bytes that fits the request (keeping
 -- large holes for large requests), 'spread' the one with the most; ties go to the lowest
--- index. A pool of one device has none of these fields (its leases' device is '', index 0).
+-- index. A pool of one device has no devices, dcap or dused field (its leases' device is '',
+-- index 0).
 local MAX_DEVICES = 64
 
 -- Add `delta` bytes to what device `dev` holds ('' : a pool of one device, nothing to count).
