@@ -49,7 +49,14 @@ def test_last_minute_counts_and_totals():
 def test_no_token_identity_no_lease_or_request_id():
     v = pool_view(status(), [], {})
     assert v["leases"] == [
-        {"holder": {"job": "x"}, "amount": 40, "token": 7, "expires_in": 12.5, "held_for": 3.0}
+        {
+            "holder": {"job": "x"},
+            "amount": 40,
+            "token": 7,
+            "expires_in": 12.5,
+            "held_for": 3.0,
+            "device": 0,
+        }
     ]
     assert v["waiters"] == [
         {"position": 1, "holder": {"principal": "ops"}, "amount": 70, "waited": 2.5, "priority": 0}
