@@ -514,7 +514,8 @@ class Pool(PoolOptions):
         finally:
             with self._active_cv:
                 self._active -= 1
-                self._active_cv.notify_all()
+                if self._closed:  # only close() waits on it (and it sets _closed first)
+                    self._active_cv.notify_all()
 
     def close(self) -> None:
         """Stop the background thread (held leases are not released: they expire). Acquires
