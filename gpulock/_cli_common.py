@@ -160,18 +160,26 @@ def quota_param(values: Optional[list[str]]) -> Optional[dict[str, int]]:
 
 
 def devices_param(
-    value: Optional[str], capacity: Optional[str], utilization: float = 0.9
+    value: Optional[str], capacity: Optional[str], utilization: Optional[float] = None
 ) -> Optional[list[int]]:
     """``--devices N`` (N devices of ``--capacity`` each), ``--devices SIZE,SIZE,...`` or
     ``--devices auto`` (each GPU the device reader sees, NVML or ``$GPULOCK_FAKE_DEVICES``,
-    its total memory x ``utilization``): each device's capacity in bytes; None when not
-    given. Exit 2 naming a bad value or a reader that sees no device."""
+    its total memory x ``utilization``, default 0.9): each device's capacity in bytes; None
+    when not given. Exit 2 naming a bad value, a reader that sees no device, or a
+    ``utilization`` given without ``auto`` (it would change nothing)."""
+    v = (value or "").strip()
+    if utilization is not None and v.lower() != "auto":
+        raise typer.BadParameter(
+            f"{utilization:g} applies only with --devices auto (each GPU's memory x it); "
+            + ("--devices is not given" if value is None else f"--devices is {v!r:.80}"),
+            param_hint="--utilization",
+        )
     if value is None:
         return None
     from ._args import encode_devices
 
-    v = value.strip()
     if v.lower() == "auto":
+        utilization = 0.9 if utilization is None else utilization
         if capacity is not None:
             raise typer.BadParameter(
                 "--devices auto takes each GPU's memory; leave --capacity out",

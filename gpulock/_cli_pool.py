@@ -147,12 +147,13 @@ def pool_set(
         "(docs/SEMANTICS.md, 'Devices and placement'). The count changes only while the "
         "pool has no lease and no waiter.",
     ),
-    utilization: float = typer.Option(
-        0.9,
+    utilization: Optional[float] = typer.Option(
+        None,
         "--utilization",
         min=0.01,
         max=1.0,
-        help="--devices auto: the share of each GPU's memory its device gets.",
+        help="--devices auto: the share of each GPU's memory its device gets (default 0.9). "
+        "Only with --devices auto.",
     ),
     placement: Optional[str] = typer.Option(
         None,
@@ -209,14 +210,14 @@ def pool_set(
                 if devs is not None:
                     body["devices"] = devs
                     body["capacity"] = sum(devs)
-                elif capacity is not None:  # on a pool of several devices: each one's
+                elif capacity is not None:
                     try:
                         have = b.call("GET", f"/v1/pools/{name}", name).get("devices") or []
                     except PoolNotFound:
                         have = []  # a new pool, of one device
-                    if len(have) > 1:
-                        body["devices"] = [int(capacity)] * len(have)
-                        body["capacity"] = int(capacity) * len(have)
+                    each = _each_device(int(capacity), len(have))
+                    if each is not None:
+                        body["devices"], body["capacity"] = each, sum(each)
                 if placement is not None:
                     body["placement"] = placement
                 r = b.call("PUT", f"/v1/pools/{name}", name, body)
@@ -266,6 +267,12 @@ def pool_set(
         )
 
 
+def _each_device(capacity: int, count: int) -> Optional[list[int]]:
+    """``--capacity`` alone on a pool of ``count`` devices: it is each device's capacity, so
+    the devices it sets (None on a pool of one device, whose capacity it is)."""
+    return [capacity] * count if count > 1 else None
+
+
 def _configure_redis(
     url: str,
     name: str,
@@ -286,8 +293,8 @@ def _configure_redis(
         cap, mw, mt = capacity, max_waiters, max_ttl
         try:
             st = pool.status(limit=0)
-            if devices is None and cap is not None and len(st.devices) > 1:
-                devices = [cap] * len(st.devices)  # --capacity: each device's
+            if devices is None and cap is not None:
+                devices = _each_device(cap, len(st.devices))
             cap = st.capacity if cap is None else cap
             mw = st.max_waiters if mw is None else mw
             if mt is None and st.max_ttl:

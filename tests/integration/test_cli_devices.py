@@ -185,6 +185,17 @@ def test_pool_set_devices_auto_makes_a_device_of_each_gpu_the_reader_sees(url, t
     assert gpulock(url, "status", "other").returncode == 66
 
 
+@pytest.mark.parametrize("devices", [None, "2", "1GiB,1GiB"])
+def test_pool_set_utilization_without_devices_auto_is_refused(url, devices):
+    """--utilization scales only what --devices auto reads: given with anything else it would
+    change nothing, so it is exit 2 naming it, with nothing made or changed."""
+    dev = [] if devices is None else ["--devices", devices]
+    r = gpulock(url, "pool", "set", "node", "-c", "1GiB", *dev, "--utilization", "0.5")
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "--utilization" in r.stderr and "only with --devices auto" in r.stderr, r.stderr
+    assert gpulock(url, "status", "node").returncode == 66  # nothing made
+
+
 @pytest.mark.parametrize(
     "visible, target",
     [("4,5", "node/3"), ("4,5", "node"), ("", "node/0"), ("-1", "node/0"), ("4,-1,5", "node/1")],
