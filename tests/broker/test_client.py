@@ -350,3 +350,41 @@ async def _until_async(cond, timeout: float = 20.0):
             return v
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.02)
+
+
+def test_configure_sets_policy_quotas_devices_and_placement(broker_srv):
+    """The SDK's configure takes every pool setting the broker's PUT does (what is left out
+    keeps its value); a bad one is InvalidArgument naming it, with nothing changed."""
+    from gpulock_client import InvalidArgument
+
+    from ._support import ADMIN_TOKEN
+
+    with Pool(broker_srv.url, "gpu-all", token=ADMIN_TOKEN) as p:
+        r = p.configure(
+            devices=["1GiB", "2GiB"],
+            policy="backfill",
+            backfill_window=5,
+            quotas={"team-a": "1GiB"},
+            placement="spread",
+            max_waiters=50,
+        )
+        assert r["created"] and r["capacity"] == 3 * GiB, r
+        assert r["devices"] == [GiB, 2 * GiB] and r["placement"] == "spread", r
+        assert r["policy"] == "backfill" and r["backfill_window"] == 5, r
+        assert r["quotas"] == {"team-a": GiB} and r["max_waiters"] == 50, r
+        with pytest.raises(InvalidArgument, match="placement"):
+            p.configure(placement="nearest", devices=[GiB, GiB])
+        st = p.status()
+        assert st["placement"] == "spread" and [d["capacity"] for d in st["devices"]] == [
+            GiB,
+            2 * GiB,
+        ]
+        with pytest.raises(InvalidArgument, match="capacity or devices"):
+            p.configure()
+
+    async def main():
+        async with AsyncPool(broker_srv.url, "gpu-all", token=ADMIN_TOKEN) as ap:
+            r = await ap.configure(devices=[GiB, 2 * GiB], policy="fifo", quotas={"team-a": 0})
+            return r["policy"], r.get("quotas") or {}, r["placement"]
+
+    assert asyncio.run(main()) == ("fifo", {}, "spread")

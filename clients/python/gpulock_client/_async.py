@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 import httpx
 from gpulock_common.aio import stop_tasks, wait_for
@@ -248,18 +248,28 @@ class AsyncPool:
 
     async def configure(
         self,
-        capacity: Union[int, str],
+        capacity: Union[int, str, None] = None,
         *,
         max_waiters: Optional[int] = None,
         max_ttl: Optional[float] = None,
+        policy: Optional[str] = None,
+        backfill_window: Optional[float] = None,
+        quotas: Optional[Mapping[str, Union[int, str, None]]] = None,
+        devices: Optional[Sequence[Union[int, str]]] = None,
+        placement: Optional[str] = None,
     ) -> Dict[str, Any]:
-        """Create the pool or set its capacity, queue bound and longest lease ttl (admin token);
-        see :meth:`gpulock_client.Pool.configure`."""
-        body: Dict[str, Any] = {"capacity": capacity}
-        if max_waiters is not None:
-            body["max_waiters"] = max_waiters
-        if max_ttl is not None:
-            body["max_ttl"] = max_ttl
+        """Create the pool or change it (admin token); the arguments, reply and errors of
+        :meth:`gpulock_client.Pool.configure`."""
+        body = core.configure_body(
+            capacity,
+            max_waiters=max_waiters,
+            max_ttl=max_ttl,
+            policy=policy,
+            backfill_window=backfill_window,
+            quotas=quotas,
+            devices=devices,
+            placement=placement,
+        )
         return await self._get("PUT", self._cfg.base, body)
 
     # ---- heartbeat -------------------------------------------------------------------------

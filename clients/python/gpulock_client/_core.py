@@ -26,7 +26,7 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Generator, List, Optional, Union
+from typing import Any, Callable, Dict, Generator, List, Mapping, Optional, Sequence, Union
 from urllib.parse import quote
 
 from gpulock_common.lease import CLOCK_DRIFT as CLOCK_DRIFT
@@ -270,6 +270,35 @@ class PoolConfig:
     @property
     def base(self) -> str:
         return f"/v1/pools/{quote(self.name, safe='')}"
+
+
+def configure_body(
+    capacity: Union[int, str, None],
+    *,
+    max_waiters: Optional[int] = None,
+    max_ttl: Optional[float] = None,
+    policy: Optional[str] = None,
+    backfill_window: Optional[float] = None,
+    quotas: Optional[Mapping[str, Union[int, str, None]]] = None,
+    devices: Optional[Sequence[Union[int, str]]] = None,
+    placement: Optional[str] = None,
+) -> Dict[str, Any]:
+    """The body of ``PUT /v1/pools/{pool}``: what is None is left out, so the pool keeps it
+    (the broker checks every value and answers 422 naming a bad one). Raises InvalidArgument
+    when neither ``capacity`` nor ``devices`` is given (a new pool needs one of them)."""
+    if capacity is None and devices is None:
+        raise InvalidArgument("configure needs capacity or devices (each device's capacity)")
+    fields = {
+        "capacity": capacity,
+        "max_waiters": max_waiters,
+        "max_ttl": max_ttl,
+        "policy": policy,
+        "backfill_window": backfill_window,
+        "quotas": None if quotas is None else dict(quotas),
+        "devices": None if devices is None else list(devices),
+        "placement": placement,
+    }
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def acquire_steps(

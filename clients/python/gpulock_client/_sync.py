@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 import httpx
 
@@ -299,19 +299,34 @@ class Pool:
 
     def configure(
         self,
-        capacity: Union[int, str],
+        capacity: Union[int, str, None] = None,
         *,
         max_waiters: Optional[int] = None,
         max_ttl: Optional[float] = None,
+        policy: Optional[str] = None,
+        backfill_window: Optional[float] = None,
+        quotas: Optional[Mapping[str, Union[int, str, None]]] = None,
+        devices: Optional[Sequence[Union[int, str]]] = None,
+        placement: Optional[str] = None,
     ) -> Dict[str, Any]:
-        """Create the pool or set its capacity, and optionally its queue bound and longest lease
-        ttl (seconds); left out, they keep their values (admin token). Raises AuthError,
-        InvalidArgument."""
-        body: Dict[str, Any] = {"capacity": capacity}
-        if max_waiters is not None:
-            body["max_waiters"] = max_waiters
-        if max_ttl is not None:
-            body["max_ttl"] = max_ttl
+        """Create the pool or change it (admin token); what is left out keeps its value.
+        ``capacity``: bytes or a size ("24GiB"); with ``devices``, their sum (the default).
+        ``max_waiters``: the queue bound. ``max_ttl``: the longest lease ttl, seconds.
+        ``policy``: "fifo" or "backfill", with ``backfill_window`` seconds. ``quotas``: tenant
+        to bytes or a size (0 or None removes that tenant's). ``devices``: each device's
+        capacity, device 0 first (a pool of several GPUs). ``placement``: "bestfit" or
+        "spread". Returns the broker's reply (the pool's settings and use). Raises
+        AuthError, InvalidArgument (naming the bad value; nothing changed), BackendUnavailable."""
+        body = core.configure_body(
+            capacity,
+            max_waiters=max_waiters,
+            max_ttl=max_ttl,
+            policy=policy,
+            backfill_window=backfill_window,
+            quotas=quotas,
+            devices=devices,
+            placement=placement,
+        )
         return self._get("PUT", self._cfg.base, body)
 
     # ---- heartbeat -------------------------------------------------------------------------
