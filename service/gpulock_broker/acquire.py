@@ -10,7 +10,13 @@ from typing import Any, Callable
 from gpulock import _access_log as access
 from gpulock._args import new_id
 from gpulock._replies import Grant, NotGranted
-from gpulock.errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
+from gpulock.errors import (
+    BackendUnavailable,
+    InvalidArgument,
+    LeaseLost,
+    PoolClosed,
+    PoolNotFound,
+)
 from gpulock.retry_after import from_expiry_ms
 
 from .auth import Principal
@@ -137,6 +143,10 @@ class Acquirer:
         except PoolNotFound:
             final = True
             self._tasks.spawn(self._pools.drop_if_idle(pool))
+            raise
+        except InvalidArgument as e:
+            if tk in str(e):  # a reused request id: name it as the client sent it
+                raise InvalidArgument(str(e).replace(tk, rid)) from None
             raise
         except PoolClosed:
             final = True

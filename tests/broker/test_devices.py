@@ -334,3 +334,14 @@ def test_the_async_sdk_pins_a_device_too(broker_srv, two):
                 await p.acquire(1, device=64)
 
     asyncio.run(main())
+
+
+def test_a_request_id_reused_for_another_device_is_422_naming_the_id_as_sent(user, two):
+    """The pool knows a request id scoped to the token; the 422 names it as the client sent
+    it, and the lease it holds is untouched."""
+    r = post(user, two, amount="1GiB", device=0, request_id="job-7")
+    assert r.status_code == 201, r.text
+    r = post(user, two, amount="1GiB", device=1, request_id="job-7")
+    assert r.status_code == 422, r.text
+    assert "request id job-7 holds a lease of another" in r.text and ":job-7" not in r.text, r.text
+    assert [(x["amount"], x["device"]) for x in status(user, two)["leases"]] == [(GiB, 0)]
