@@ -23,7 +23,7 @@ from ._cli_common import (
     say,
 )
 from .errors import GpuLockError, LeaseLost
-from .units import format_size
+from .units import format_size, is_index
 
 # Signals `gpulock run` passes on to CMD's process group while CMD runs.
 FORWARDED_SIGNALS = tuple(
@@ -150,7 +150,7 @@ def supervise(
         # GPU D is NVML's (and nvidia-smi's) D: CUDA numbers GPUs so only in PCI bus order
         env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         if enf is not None and enf.device < 0:  # --enforce reads the lease's GPU
-            enf = replace(enf, device=int(gpu) if gpu.isdigit() else lease.device)
+            enf = replace(enf, device=int(gpu) if is_index(gpu) else lease.device)
     wake = threading.Event()
     lost_info: list[str] = []
 

@@ -21,7 +21,7 @@ from .errors import (
     PoolNotFound,
     QueueFull,
 )
-from .units import parse_seconds, parse_size
+from .units import is_index, parse_seconds, parse_size
 
 if TYPE_CHECKING:
     import redis
@@ -193,7 +193,7 @@ def devices_param(
             raise typer.BadParameter(
                 f"auto: cannot read the GPUs: {e}", param_hint="--devices"
             ) from None
-    spec: int | list[str] = int(v) if v.isdigit() else [x.strip() for x in v.split(",")]
+    spec: int | list[str] = int(v) if is_index(v) else [x.strip() for x in v.split(",")]
     if isinstance(spec, int) and capacity is None:
         raise typer.BadParameter(
             f"--devices {v} needs --capacity (each device's capacity), or give each device's "
@@ -272,7 +272,7 @@ def split_pool_target(value: str) -> tuple[str, Optional[int]]:
         return name, None
     from ._args import MAX_DEVICES
 
-    if not dev.isdigit() or not 0 <= int(dev) < MAX_DEVICES:
+    if not is_index(dev) or not 0 <= int(dev) < MAX_DEVICES:
         raise typer.BadParameter(
             f"NAME/DEVICE: the device must be an index 0..{MAX_DEVICES - 1}, got {dev!r}"
         )

@@ -48,7 +48,7 @@ from ._cli_child import (
     visible_gpu,
 )
 from .errors import AcquireTimeout, GpuLockError
-from .units import format_size
+from .units import format_size, is_index
 
 DEFAULT_RUN_TTL_S = 30.0
 DEFAULT_GRACE_S = 10.0
@@ -232,7 +232,7 @@ def run(
             enforce_margin,
             int(enforce_slack or 0),
             float(enforce_grace or 0.0),
-            device if device is not None else int(gpu) if gpu.isdigit() else pin or 0,
+            device if device is not None else int(gpu) if is_index(gpu) else pin or 0,
             device_reader,
         )
 

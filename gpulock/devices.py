@@ -75,6 +75,10 @@ class DeviceReader(Protocol):
         """The device's memory now. Raises DeviceError."""
         ...
 
+    def count(self) -> int:
+        """How many devices it sees (indices 0 .. count-1). Raises DeviceError."""
+        ...
+
 
 def _nonneg_int(v: Any, what: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -90,7 +94,7 @@ class FakeReader:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
 
-    def read(self, index: int) -> DeviceReading:
+    def _devices(self) -> list[Any]:
         try:
             doc = json.loads(self.path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
@@ -98,6 +102,14 @@ class FakeReader:
         devs = doc.get("devices") if isinstance(doc, dict) else None
         if not isinstance(devs, list):
             raise DeviceError(f"fake device file {str(self.path)!r} has no 'devices' list")
+        return devs
+
+    def count(self) -> int:
+        """The entries of the file (a device file lists devices 0 .. count-1)."""
+        return len(self._devices())
+
+    def read(self, index: int) -> DeviceReading:
+        devs = self._devices()
         for n, d in enumerate(devs):
             ix = d.get("index") if isinstance(d, dict) else None
             if isinstance(ix, bool) or not isinstance(ix, int):
@@ -164,6 +176,13 @@ class NvmlReader:
             self._nvml = pynvml
         return self._nvml
 
+    def count(self) -> int:
+        nv = self._lib()
+        try:
+            return int(nv.nvmlDeviceGetCount())
+        except Exception as e:  # noqa: BLE001 - pynvml.NVMLError
+            raise DeviceError(f"NVML could not count the devices: {e}") from e
+
     def read(self, index: int) -> DeviceReading:
         nv = self._lib()
         try:
@@ -192,6 +211,14 @@ class TorchReader:
 
     name = "torch"
 
+    def count(self) -> int:
+        try:
+            import torch
+
+            return int(torch.cuda.device_count())
+        except Exception as e:  # noqa: BLE001 - ImportError, a broken driver
+            raise DeviceError(f"torch could not count the devices: {e}") from e
+
     def read(self, index: int) -> DeviceReading:
         try:
             import torch
@@ -203,16 +230,24 @@ class TorchReader:
 
 
 def read_all(reader: DeviceReader, limit: int = 64) -> list[DeviceReading]:
-    """Every device ``reader`` sees, by index from 0 until the first it cannot read (at most
-    ``limit``): what ``gpulock pool set --devices auto`` makes a pool of. NVML's indices are
-    the PCI bus order, which CUDA's device ordinals follow only with
-    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``. Raises DeviceError when it cannot read device 0."""
-    out = [reader.read(0)]
-    while len(out) < limit:
-        try:
-            out.append(reader.read(len(out)))
-        except DeviceError:
-            break
+    """Every device ``reader`` sees, devices 0 .. ``reader.count()``-1: what ``gpulock pool
+    set --devices auto`` makes a pool of. NVML's indices are the PCI bus order, which CUDA's
+    device ordinals follow only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
+
+    Raises DeviceError: the reader sees no device or more than ``limit``, or one of them
+    cannot be read or reports no memory (naming it: a pool made of the others would leave a
+    GPU out without a word)."""
+    n = reader.count()
+    if n < 1:
+        raise DeviceError(f"the {reader.name} reader sees no device")
+    if n > limit:
+        raise DeviceError(
+            f"the {reader.name} reader sees {n} devices; a pool holds at most {limit}"
+        )
+    out = [reader.read(i) for i in range(n)]
+    for d in out:
+        if d.total_bytes < 1:
+            raise DeviceError(f"device {d.index} reports {d.total_bytes} bytes of memory")
     return out
 
 

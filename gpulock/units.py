@@ -48,6 +48,12 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 MAX_BYTES = 2**53 - 1  # largest integer the Lua scripts hold exactly (a double's mantissa)
 
 
+def is_index(text: str) -> bool:
+    """Whether ``text`` is a non-negative decimal integer in ASCII digits, as ``int()`` reads
+    it: ``str.isdigit`` alone also passes characters such as "²" that ``int()`` refuses."""
+    return text.isascii() and text.isdigit()
+
+
 def parse_size(value: int | float | str, *, name: str = "amount") -> int:
     """Return ``value`` as a positive integer number of bytes.
 

@@ -185,6 +185,49 @@ def test_pool_set_devices_auto_makes_a_device_of_each_gpu_the_reader_sees(url, t
     assert gpulock(url, "status", "other").returncode == 66
 
 
+@pytest.mark.parametrize(
+    "entries, shown",
+    [
+        # device 1 unreadable (used > total): not a pool of device 0 alone
+        ([(0, 80, 0), (1, 8, 9), (2, 80, 0)], "device 1: 'used'"),
+        ([(0, 80, 0), (2, 80, 0)], "has no device 1"),  # a gap in the indices
+        ([(0, 80, 0), (1, 0, 0)], "device 1 reports 0 bytes"),
+    ],
+)
+def test_pool_set_devices_auto_refuses_a_gpu_it_cannot_read(url, tmp_path, entries, shown):
+    """--devices auto makes a pool of every GPU the reader counts, or of none: a GPU it cannot
+    read (or one with no memory) is exit 2 naming it, with nothing made, rather than a pool
+    that silently leaves it (and every GPU after it) out."""
+    from gpulock.devices import write_fake_devices
+
+    fake = tmp_path / "gpus.json"
+    write_fake_devices(
+        fake, [{"index": i, "total": t * GiB, "used": u * GiB} for i, t, u in entries]
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOCK_")}
+    env.update(GPULOCK_REDIS_URL=url, GPULOCK_FAKE_DEVICES=str(fake))
+    r = subprocess.run(
+        [sys.executable, "-m", "gpulock", "pool", "set", "node", "--devices", "auto"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 2 and shown in r.stderr, (r.returncode, r.stderr)
+    assert gpulock(url, "status", "node").returncode == 66
+
+
+@pytest.mark.parametrize("argv", [["--devices", "\u00b2", "-c", "1GiB"], ["--devices", "2\u00b2"]])
+def test_pool_set_non_ascii_digits_are_exit_2(url, argv):
+    """A character that str.isdigit() passes but int() refuses ("²") is a bad value (exit 2
+    naming it), never a traceback."""
+    r = gpulock(url, "pool", "set", "node", *argv)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+    assert gpulock(url, "status", "node").returncode == 66
+    r = gpulock(url, "run", "--pool", "node/\u00b2", "--amount", "1GiB", "--", "true")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+
+
 @pytest.mark.parametrize("devices", [None, "2", "1GiB,1GiB"])
 def test_pool_set_utilization_without_devices_auto_is_refused(url, devices):
     """--utilization scales only what --devices auto reads: given with anything else it would
