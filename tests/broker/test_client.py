@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 from gpulock_client import (
+    PoolClosed,
     AcquireTimeout,
     AsyncPool,
     AuthError,
@@ -379,12 +380,69 @@ def test_configure_sets_policy_quotas_devices_and_placement(broker_srv):
             GiB,
             2 * GiB,
         ]
-        with pytest.raises(InvalidArgument, match="capacity or devices"):
-            p.configure()
+        # what is left out keeps its value: the policy alone, on a pool of several devices
+        r = p.configure(policy="fifo")
+        assert r["policy"] == "fifo" and r["devices"] == [GiB, 2 * GiB], r
+        assert r["placement"] == "spread" and r["quotas"] == {"team-a": GiB}, r
+        for bad, shown in (
+            ({"devices": "4GiB"}, "devices must be a list"),
+            ({"max_ttl": float("nan")}, "max_ttl must be a finite"),
+            ({"backfill_window": float("inf")}, "backfill_window must be a finite"),
+        ):
+            with pytest.raises(InvalidArgument, match=shown):
+                p.configure(**bad)
+        assert p.status()["policy"] == "fifo"
+    with Pool(broker_srv.url, "gpu-none", token=ADMIN_TOKEN) as p:
+        with pytest.raises(InvalidArgument, match="a new pool needs capacity or devices"):
+            p.configure(policy="backfill")
 
     async def main():
         async with AsyncPool(broker_srv.url, "gpu-all", token=ADMIN_TOKEN) as ap:
+            await ap.configure(policy="backfill")  # the pool's own sizes kept
             r = await ap.configure(devices=[GiB, 2 * GiB], policy="fifo", quotas={"team-a": 0})
             return r["policy"], r.get("quotas") or {}, r["placement"]
 
     assert asyncio.run(main()) == ("fifo", {}, "spread")
+
+
+def test_close_ends_a_waiting_acquire_with_pool_closed(broker_srv, pool):
+    """close() (sync) or aclose() (async) while another thread or task waits in acquire: the
+    waiter raises PoolClosed (a GpuLockError), never httpx's own error, and so does every call
+    made after it; the sync waiter within its current long poll (max_wait), the async one at
+    once."""
+    held = pool.acquire("10GiB", ttl=30)
+    p2 = Pool(broker_srv.url, "gpu-a", token=USER_TOKEN, max_wait=1)
+    got: dict = {}
+    queued = threading.Event()
+
+    def waiter():
+        try:
+            p2.acquire("1GiB", timeout=30, on_queued=lambda _pos: queued.set())
+        except BaseException as e:  # noqa: BLE001 - the test looks at what it was
+            got["error"] = e
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    assert queued.wait(10)
+    p2.close()
+    t.join(10)
+    assert not t.is_alive() and isinstance(got.get("error"), PoolClosed), got
+    with pytest.raises(PoolClosed):
+        p2.acquire(1, timeout=0)
+    with pytest.raises(PoolClosed):
+        p2.status()
+
+    async def main():
+        ap = AsyncPool(broker_srv.url, "gpu-a", token=USER_TOKEN, max_wait=20)
+        q = asyncio.Event()
+        w = asyncio.ensure_future(ap.acquire("1GiB", timeout=60, on_queued=lambda _p: q.set()))
+        await asyncio.wait_for(q.wait(), 10)
+        await ap.aclose()
+        # within one long poll's 20 s it would still be waiting: it ends at once instead
+        with pytest.raises(PoolClosed):
+            await asyncio.wait_for(w, 5)
+        with pytest.raises(PoolClosed):
+            await ap.status()
+
+    asyncio.run(main())
+    held.release()

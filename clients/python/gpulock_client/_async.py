@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Set, Union
 
 import httpx
 from gpulock_common.aio import stop_tasks, wait_for
 
 from . import _core as core
 from ._sync import _headers, _limits, _reply, _timeout
-from .errors import BackendUnavailable, LeaseLost
+from .errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
 
 
 class _Waker:
@@ -132,6 +132,9 @@ class AsyncPool:
         self._task: Optional[asyncio.Task] = None
         self._wake: Optional[asyncio.Event] = None
         self._timers: Dict[str, asyncio.TimerHandle] = {}
+        self._closed = False
+        self._calls: Set[asyncio.Task] = set()  # tasks with an HTTP call of this pool in flight
+        self._cancelled_by_close: Set[asyncio.Task] = set()
 
     @classmethod
     def from_url(cls, url: str, name: str, **kw: Any) -> "AsyncPool":
@@ -149,8 +152,13 @@ class AsyncPool:
                 elif isinstance(step, core.Enter):
                     out = await self._enter(step)
                 else:
+                    if self._closed:
+                        raise PoolClosed(self.name)
                     http = self._http if step.lane == core.WAIT else (control or self._ctl_http)
                     sent = self._cfg.clock()
+                    me = asyncio.current_task()
+                    if me is not None:
+                        self._calls.add(me)
                     try:
                         out = _reply(
                             await http.request(
@@ -162,7 +170,25 @@ class AsyncPool:
                             sent,
                         )
                     except httpx.TransportError as e:
+                        if self._closed:
+                            raise PoolClosed(self.name) from e
                         out = e
+                    except RuntimeError as e:  # httpx: "the client has been closed"
+                        if self._closed:
+                            raise PoolClosed(self.name) from e
+                        raise
+                    except asyncio.CancelledError:
+                        if me is not None and me in self._cancelled_by_close:
+                            # aclose() stopped this call, not the caller: say so
+                            self._cancelled_by_close.discard(me)
+                            uncancel = getattr(me, "uncancel", None)
+                            if uncancel is not None:
+                                uncancel()
+                            raise PoolClosed(self.name) from None
+                        raise
+                    finally:
+                        if me is not None:
+                            self._calls.discard(me)
         except StopIteration as stop:
             return stop.value
         finally:
@@ -260,6 +286,12 @@ class AsyncPool:
     ) -> Dict[str, Any]:
         """Create the pool or change it (admin token); the arguments, reply and errors of
         :meth:`gpulock_client.Pool.configure`."""
+        current = None
+        if capacity is None and devices is None:  # keep the pool's own sizes
+            try:
+                current = await self.status()
+            except PoolNotFound:
+                pass  # a new pool: configure_body says what it needs
         body = core.configure_body(
             capacity,
             max_waiters=max_waiters,
@@ -269,6 +301,7 @@ class AsyncPool:
             quotas=quotas,
             devices=devices,
             placement=placement,
+            current=current,
         )
         return await self._get("PUT", self._cfg.base, body)
 
@@ -331,7 +364,16 @@ class AsyncPool:
                 pass
 
     async def aclose(self) -> None:
-        """Stop the heartbeat and close connections (held leases expire after their ttl)."""
+        """Stop the heartbeat and close connections (held leases expire after their ttl).
+        Calls in flight in other tasks (a waiting acquire's long poll) end at once with
+        PoolClosed, as do later calls; the broker drops a waiting place nobody comes back
+        for."""
+        self._closed = True
+        me = asyncio.current_task()
+        for t in list(self._calls):
+            if t is not me and t is not self._task and not t.done():  # the heartbeat: below
+                self._cancelled_by_close.add(t)
+                t.cancel()
         if self._task is not None:
             await stop_tasks([self._task])
         await self._http.aclose()

@@ -282,12 +282,30 @@ def configure_body(
     quotas: Optional[Mapping[str, Union[int, str, None]]] = None,
     devices: Optional[Sequence[Union[int, str]]] = None,
     placement: Optional[str] = None,
+    current: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """The body of ``PUT /v1/pools/{pool}``: what is None is left out, so the pool keeps it
-    (the broker checks every value and answers 422 naming a bad one). Raises InvalidArgument
-    when neither ``capacity`` nor ``devices`` is given (a new pool needs one of them)."""
+    (the broker checks every value and answers 422 naming a bad one). The PUT needs a
+    capacity or devices: when neither is given they are the pool's own, from ``current``
+    (its status, None for a pool that does not exist).
+
+    Raises InvalidArgument: neither given for a new pool; ``devices`` not a list; a
+    ``max_ttl`` or ``backfill_window`` that is not a finite number."""
+    if isinstance(devices, (str, bytes)):
+        raise InvalidArgument(
+            f"devices must be a list of each device's capacity, e.g. ['80GiB', '80GiB'], got "
+            f"{devices!r:.80} (auto is the CLI's: gpulock pool set NAME --devices auto)"
+        )
+    for name, v in (("max_ttl", max_ttl), ("backfill_window", backfill_window)):
+        if isinstance(v, float) and not math.isfinite(v):
+            raise InvalidArgument(f"{name} must be a finite number of seconds, got {v!r}")
     if capacity is None and devices is None:
-        raise InvalidArgument("configure needs capacity or devices (each device's capacity)")
+        if current is None:
+            raise InvalidArgument("a new pool needs capacity or devices (each device's capacity)")
+        capacity = current["capacity"]  # kept as it is
+        have = current.get("devices") or []
+        if len(have) > 1:
+            devices = [int(d["capacity"]) for d in have]
     fields = {
         "capacity": capacity,
         "max_waiters": max_waiters,

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 import httpx
 
 from . import _core as core
-from .errors import BackendUnavailable, LeaseLost
+from .errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
 
 
 def _headers(token: Optional[str]) -> Dict[str, str]:
@@ -181,6 +181,8 @@ class Pool:
                 elif isinstance(step, core.Enter):
                     out = self._enter(step)
                 else:
+                    if self._closed:
+                        raise PoolClosed(self.name)
                     http = self._http if step.lane == core.WAIT else (control or self._ctl_http)
                     sent = self._cfg.clock()
                     try:
@@ -194,7 +196,13 @@ class Pool:
                             sent,
                         )
                     except httpx.TransportError as e:
+                        if self._closed:
+                            raise PoolClosed(self.name) from e
                         out = e
+                    except RuntimeError as e:  # httpx: "the client has been closed"
+                        if self._closed:
+                            raise PoolClosed(self.name) from e
+                        raise
         except StopIteration as stop:
             return stop.value
         finally:
@@ -310,13 +318,22 @@ class Pool:
         placement: Optional[str] = None,
     ) -> Dict[str, Any]:
         """Create the pool or change it (admin token); what is left out keeps its value.
-        ``capacity``: bytes or a size ("24GiB"); with ``devices``, their sum (the default).
+        ``capacity``: bytes or a size ("24GiB"); with ``devices``, their sum (the default);
+        neither given: the pool's own (read first), so that ``configure(policy="backfill")``
+        changes the policy alone. On a pool of several devices a new ``capacity`` needs
+        ``devices`` (the broker says so); the CLI's ``--capacity`` alone sets each device's.
         ``max_waiters``: the queue bound. ``max_ttl``: the longest lease ttl, seconds.
         ``policy``: "fifo" or "backfill", with ``backfill_window`` seconds. ``quotas``: tenant
         to bytes or a size (0 or None removes that tenant's). ``devices``: each device's
         capacity, device 0 first (a pool of several GPUs). ``placement``: "bestfit" or
         "spread". Returns the broker's reply (the pool's settings and use). Raises
         AuthError, InvalidArgument (naming the bad value; nothing changed), BackendUnavailable."""
+        current = None
+        if capacity is None and devices is None:  # keep the pool's own sizes
+            try:
+                current = self.status()
+            except PoolNotFound:
+                pass  # a new pool: configure_body says what it needs
         body = core.configure_body(
             capacity,
             max_waiters=max_waiters,
@@ -326,6 +343,7 @@ class Pool:
             quotas=quotas,
             devices=devices,
             placement=placement,
+            current=current,
         )
         return self._get("PUT", self._cfg.base, body)
 
@@ -375,7 +393,9 @@ class Pool:
 
     def close(self) -> None:
         """Stop the heartbeat and close connections (held leases are not released: they
-        expire after their ttl)."""
+        expire after their ttl). Later calls raise PoolClosed; an acquire waiting in another
+        thread raises PoolClosed when its current long poll ends (within ``max_wait``), and
+        the broker drops its place when nobody comes back for it."""
         self._closed = True
         self._wake.set()
         t = self._thread

@@ -11,7 +11,8 @@ each means here, and the broker's reply it comes from (``status`` is set to its 
     ├── AcquireTimeout (also TimeoutError)  no grant before the timeout; the place was withdrawn
     ├── QueueFull                           503 queue_full: the pool's queue is at its bound
     ├── LeaseLost                           410, or no successful renewal before the local deadline
-    └── BackendUnavailable                  the broker, or its Redis, did not answer in time
+    ├── BackendUnavailable                  the broker, or its Redis, did not answer in time
+    └── PoolClosed (also RuntimeError)      the pool object was closed during (or before) the call
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from gpulock_common.errors import (
     GpuLockError,
     InvalidArgument,
     LeaseLost,
+    PoolClosed,
     PoolNotFound,
     QueueFull,
     QuotaExceeded,
@@ -40,4 +42,5 @@ __all__ = [
     "QueueFull",
     "LeaseLost",
     "BackendUnavailable",
+    "PoolClosed",
 ]
