@@ -3,6 +3,7 @@
 The frame is drawn from the JSON of :func:`gpulock._dashboard.dashboard_view`, read from Redis
 (``--redis-url``) or from a broker's ``/dashboard/data`` (``--broker-url``, admin token in
 ``GPULOCK_TOKEN``). ``--once`` prints one frame and exits; ``--iterations N`` stops after N.
+When stdout is not a terminal (a pipe, a file) each frame is printed in turn instead.
 """
 
 from __future__ import annotations
@@ -238,6 +239,19 @@ def top(
             raise typer.Exit(EXIT_NO_POOL if missing else EXIT_UNAVAILABLE)
         return
     n = 0
+    if not console.is_terminal:
+        # A pipe or a file (watch's log, `gpulock top | tee`): Live draws only its last frame
+        # there, so each frame is printed in turn, flushed (as top -b does).
+        try:
+            while True:
+                console.print(frame())
+                sys.stdout.flush()
+                n += 1
+                if iterations and n >= iterations:
+                    return
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            return
     try:
         with Live(frame(), console=console, auto_refresh=False, screen=False) as live:
             n = 1
