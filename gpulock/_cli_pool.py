@@ -392,6 +392,12 @@ def pool_delete(
         else ""
     )
     print(f"pool {name} deleted{extra}")
+    if r.leases:
+        say(
+            "note: a holder still running puts its lease back, and so makes the pool again, "
+            "at its next renewal (as after a Redis restart without data): stop the holders "
+            "for the pool to stay deleted"
+        )
 
 
 def _delete(t: Target, name: str, force: bool) -> DeleteResult:
