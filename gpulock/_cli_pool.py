@@ -243,6 +243,11 @@ def pool_set(
             "note: the backfill window is stored but has no effect under policy fifo; it "
             "applies once the pool's policy is backfill (--policy backfill)"
         )
+    if placement is not None and len(r.get("devices") or []) <= 1:
+        say(
+            "note: the placement is stored but has no effect on a pool of one device; it "
+            "applies once the pool has several (--devices)"
+        )
     if as_json:
         print(json.dumps({"pool": name, **{k: v for k, v in r.items() if k != "pool"}}))
         return

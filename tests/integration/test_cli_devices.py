@@ -73,7 +73,9 @@ def test_pool_set_devices_status_and_placement(url):
     ]
     # --capacity alone on a pool of several devices: each device's
     r = gpulock(url, "pool", "set", "node", "--capacity", "4GiB", "--placement", "spread", "--json")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 and "no effect" not in r.stderr, r.stderr
+    one = gpulock(url, "pool", "set", "one", "-c", "1GiB", "--placement", "spread")
+    assert one.returncode == 0 and "no effect on a pool of one device" in one.stderr, one.stderr
     out = json.loads(r.stdout)
     assert (out["capacity"], out["devices"], out["placement"]) == (
         16 * GiB,
