@@ -7,6 +7,7 @@ heartbeat."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Set, Union
 
@@ -121,6 +122,7 @@ class AsyncPool:
         kw: Dict[str, Any] = {"base_url": self.url, "headers": _headers(core.env_token(token))}
         if transport is not None:
             kw["transport"] = transport
+        self._client_kw = kw  # for the withdrawal of a grant that raced aclose()
         self._http = httpx.AsyncClient(
             limits=_limits(max_connections), **kw
         )  # the long-polled waits
@@ -152,8 +154,8 @@ class AsyncPool:
                 elif isinstance(step, core.Enter):
                     out = await self._enter(step)
                 else:
-                    if self._closed:
-                        raise PoolClosed(self.name)
+                    if self._closed and control is None:
+                        raise PoolClosed(self.name, queued=False)
                     http = self._http if step.lane == core.WAIT else (control or self._ctl_http)
                     sent = self._cfg.clock()
                     me = asyncio.current_task()
@@ -239,8 +241,13 @@ class AsyncPool:
             priority=priority,
             device=device,
         )
+        if self._closed:
+            raise PoolClosed(self.name, queued=False)
         try:
             body, sent = await self._run(gen)
+        except PoolClosed:
+            await self._withdraw_after_close(rid)  # aclose() cut the wait short
+            raise PoolClosed(self.name) from None
         except asyncio.CancelledError:
             t = asyncio.ensure_future(self._run(core._cancel_steps(self._cfg, rid)))
             try:
@@ -248,9 +255,24 @@ class AsyncPool:
             except BaseException:
                 pass
             raise
+        if self._closed:  # granted as aclose() ran: nobody would renew it
+            await self._withdraw_after_close(rid)
+            raise PoolClosed(self.name)
         s = core.LeaseState(self.name, body, sent, self._cfg.clock)
         self._track(s)
         return AsyncLease(s, self)
+
+    async def _withdraw_after_close(self, rid: str) -> None:
+        """Take back the place (or the grant that raced in) of an acquire that aclose() ended,
+        on a client of its own (the pool object's are closed), best effort: else the broker
+        withdraws it when nobody comes back for it."""
+        c = httpx.AsyncClient(limits=_limits(1), **self._client_kw)
+        try:
+            with contextlib.suppress(Exception):
+                await self._run(core._cancel_steps(self._cfg, rid), control=c)
+        finally:
+            if "transport" not in self._client_kw:  # a caller's transport stays open
+                await c.aclose()
 
     def lease(self, amount: Union[int, str], **kw: Any) -> _LeaseCM:
         """``async with pool.lease("2GiB", timeout=10, priority=5, device=1) as lease:``; takes
@@ -366,8 +388,8 @@ class AsyncPool:
     async def aclose(self) -> None:
         """Stop the heartbeat and close connections (held leases expire after their ttl).
         Calls in flight in other tasks (a waiting acquire's long poll) end at once with
-        PoolClosed, as do later calls; the broker drops a waiting place nobody comes back
-        for."""
+        PoolClosed, as do later calls; a waiting acquire withdraws its place first (or
+        releases a grant that raced in)."""
         self._closed = True
         me = asyncio.current_task()
         for t in list(self._calls):

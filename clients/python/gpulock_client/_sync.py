@@ -153,6 +153,7 @@ class Pool:
         kw: Dict[str, Any] = {"base_url": self.url, "headers": _headers(core.env_token(token))}
         if transport is not None:
             kw["transport"] = transport
+        self._client_kw = kw  # for the withdrawal of a wait that close() cut short
         self._http = httpx.Client(limits=_limits(max_connections), **kw)  # the long-polled waits
         self._ctl_http = httpx.Client(limits=_limits(core.CONTROL_CONNECTIONS), **kw)
         self._hb_http = httpx.Client(
@@ -181,8 +182,8 @@ class Pool:
                 elif isinstance(step, core.Enter):
                     out = self._enter(step)
                 else:
-                    if self._closed:
-                        raise PoolClosed(self.name)
+                    if self._closed and control is None:
+                        raise PoolClosed(self.name, queued=False)
                     http = self._http if step.lane == core.WAIT else (control or self._ctl_http)
                     sent = self._cfg.clock()
                     try:
@@ -272,8 +273,13 @@ class Pool:
             priority=priority,
             device=device,
         )
+        if self._closed:
+            raise PoolClosed(self.name, queued=False)
         try:
             body, sent = self._run(gen)
+        except PoolClosed:
+            self._withdraw_after_close(rid)  # close() cut the wait short
+            raise PoolClosed(self.name) from None
         except BaseException as e:
             if not isinstance(e, Exception):  # interrupted: withdraw the place, best effort
                 try:
@@ -281,9 +287,25 @@ class Pool:
                 except Exception:
                     pass
             raise
+        if self._closed:  # granted as close() ran: nobody would renew it
+            self._withdraw_after_close(rid)
+            raise PoolClosed(self.name)
         s = core.LeaseState(self.name, body, sent, self._cfg.clock)
         self._track(s)
         return Lease(s, self)
+
+    def _withdraw_after_close(self, rid: str) -> None:
+        """Take back the place (or the grant that raced in) of an acquire that close() ended,
+        on a client of its own (the pool object's are closed), best effort: else the broker
+        withdraws it when nobody comes back for it."""
+        c = httpx.Client(limits=_limits(1), **self._client_kw)
+        try:
+            self._run(core._cancel_steps(self._cfg, rid), control=c)
+        except Exception:  # noqa: BLE001 - best effort, see above
+            pass
+        finally:
+            if "transport" not in self._client_kw:  # a caller's transport stays open
+                c.close()
 
     def lease(self, amount: Union[int, str], **kw: Any) -> _LeaseCM:
         """``with pool.lease("2GiB", timeout=10, priority=5, device=1) as lease:`` — acquire,
@@ -394,8 +416,8 @@ class Pool:
     def close(self) -> None:
         """Stop the heartbeat and close connections (held leases are not released: they
         expire after their ttl). Later calls raise PoolClosed; an acquire waiting in another
-        thread raises PoolClosed when its current long poll ends (within ``max_wait``), and
-        the broker drops its place when nobody comes back for it."""
+        thread raises PoolClosed when its current long poll ends (within ``max_wait``), after
+        it withdrew its place (or released a grant that raced in)."""
         self._closed = True
         self._wake.set()
         t = self._thread
