@@ -422,7 +422,6 @@ def redis_client(url: str) -> redis.Redis:
     return c
 
 
-_TTL_RE = re.compile(r"ttl_ms (\d+) exceeds the pool's max_ttl_ms (\d+)")
 
 
 def error_exit(e: BaseException, t: Target, pool: str = "", *, admin: bool = False) -> NoReturn:
@@ -458,9 +457,11 @@ def error_exit(e: BaseException, t: Target, pool: str = "", *, admin: bool = Fal
     if isinstance(e, (AcquireTimeout, QueueFull)):
         fail(EXIT_TEMPFAIL, str(e))
     if isinstance(e, InvalidArgument):
-        m = _TTL_RE.search(str(e))
+        from ._translate import TTL_OVER_MAX
+
+        m = TTL_OVER_MAX.search(str(e))
         if m:
-            ttl, mx = int(m.group(1)) / 1000, int(m.group(2)) / 1000
+            ttl, mx = float(m.group(1)), float(m.group(2))
             name = pool or "NAME"
             fail(
                 EXIT_USAGE,

@@ -4,6 +4,8 @@ gpulock's own tree (:mod:`gpulock.errors`), naming the pool. No I/O.
 
 from __future__ import annotations
 
+import re
+
 import redis.exceptions as rex
 
 from .units import format_size
@@ -16,6 +18,28 @@ from .errors import (
     PoolNotFound,
     QueueFull,
 )
+
+
+# acquire.lua's refusal of a ttl over the pool's max (milliseconds, the scripts' unit), and
+# the message it becomes here (seconds, the API's unit), which the CLI reads back
+_TTL_OVER_MAX_MS = re.compile(r"ttl_ms (\d+) exceeds the pool's max_ttl_ms (\d+)")
+TTL_OVER_MAX = re.compile(r"ttl ([0-9.]+) s is longer than the pool's max ttl of ([0-9.]+) s")
+
+
+def _seconds(ms: str) -> str:
+    return f"{int(ms) / 1000:.3f}".rstrip("0").rstrip(".")
+
+
+def _bad_argument(rest: str) -> InvalidArgument:
+    m = _TTL_OVER_MAX_MS.fullmatch(rest)
+    if m:
+        ttl, mx = _seconds(m.group(1)), _seconds(m.group(2))
+        return InvalidArgument(
+            f"ttl {ttl} s is longer than the pool's max ttl of {mx} s: give a ttl of {mx} s "
+            "or less, or raise the pool's max ttl (configure(max_ttl=...), gpulock pool set "
+            "NAME --max-ttl)"
+        )
+    return InvalidArgument(rest)
 
 
 def translate(exc: BaseException, pool: str) -> BaseException:
@@ -38,7 +62,7 @@ def translate(exc: BaseException, pool: str) -> BaseException:
         msg = str(exc)
         code, _, rest = msg.partition(" ")
         if code == "GPULOCK_BADARG":
-            return InvalidArgument(rest)
+            return _bad_argument(rest)
         if code == "GPULOCK_CONFLICT":
             return InvalidArgument(rest)
         if code == "GPULOCK_NOPOOL":

@@ -322,11 +322,15 @@ class PoolConfigRequest(_Body):
     @field_validator("quotas", mode="before")
     @classmethod
     def _no_bool_quota(cls, v: Any) -> Any:
-        # JSON true/false is not a size (a lax int would read it as 1/0)
+        # JSON true/false is not a size (a lax int would read it as 1/0); a text that is
+        # neither a size nor a removal is named here (the schema's pattern error would show
+        # the whole size pattern instead of the value)
         if isinstance(v, dict):
             for t, b in v.items():
                 if isinstance(b, bool):
                     raise ValueError(f"quota of tenant {t!r} must be a size, got {b!r}")
+                if isinstance(b, str) and not removes_quota(b):
+                    _size(b, f"quota of tenant {t!r}")
         return v
 
     @field_validator("quotas")

@@ -101,6 +101,15 @@ def test_a_bad_quota_is_422_naming_it_and_changes_nothing(admin, gpu, redis_srv,
         c.close()
 
 
+def test_a_quota_that_is_not_a_size_is_named_in_a_short_message(admin, gpu):
+    """The 422 names the tenant and the value, not the size pattern of the schema."""
+    r = admin.put(f"/v1/pools/{gpu}", json={"capacity": "10GiB", "quotas": {"a": "lots"}})
+    assert r.status_code == 422, r.text
+    msgs = [e["msg"] for e in r.json()["detail"]]
+    assert any("quota of tenant 'a'" in m and "'lots'" in m for m in msgs), msgs
+    assert all("(?:" not in m and len(m) < 300 for m in msgs), msgs
+
+
 def test_the_sdk_raises_quota_exceeded_and_waits_at_the_quota(broker_srv, admin, gpu):
     r = admin.put(f"/v1/pools/{gpu}", json={"capacity": "10GiB", "quotas": {"user": "2GiB"}})
     assert r.status_code == 200, r.text

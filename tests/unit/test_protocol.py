@@ -454,3 +454,15 @@ def test_retry_bound_follows_the_callers_timeout():
     assert retry_bound(5.0, 2.5) == 2.5  # a caller that waits 2.5 s is not kept 5 s by retries
     assert retry_bound(5.0, 0.0) == 1.0  # try-once still rides out one dropped connection
     assert retry_bound(0.5, 0.0) == 0.5
+
+
+def test_a_ttl_over_the_pools_max_is_said_in_seconds():
+    """acquire.lua refuses in milliseconds (its unit); the API's error says seconds, and the
+    CLI's reading of it (TTL_OVER_MAX) finds both numbers."""
+    e = _translate.translate(
+        rex.ResponseError("GPULOCK_BADARG ttl_ms 1500 exceeds the pool's max_ttl_ms 1250"), "p"
+    )
+    assert isinstance(e, InvalidArgument) and "ttl_ms" not in str(e)
+    assert "ttl 1.5 s is longer than the pool's max ttl of 1.25 s" in str(e), str(e)
+    m = _translate.TTL_OVER_MAX.search(str(e))
+    assert m is not None and (float(m.group(1)), float(m.group(2))) == (1.5, 1.25)
