@@ -422,8 +422,6 @@ def redis_client(url: str) -> redis.Redis:
     return c
 
 
-
-
 def error_exit(e: BaseException, t: Target, pool: str = "", *, admin: bool = False) -> NoReturn:
     """Map a gpulock error to one clear line on stderr and its exit code, in the words of the
     command line (seconds, option names) and naming the backend it looked at. ``admin``: the
