@@ -28,6 +28,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, Callable
 
 from gpulock_common.aio import stop_tasks
+from gpulock_common.lease import stop_renewal
 
 from ._calls import Calls, Settings
 from ._heartbeat import Heartbeat
@@ -368,6 +369,7 @@ class Runtime:
         """Stop the background tasks; every acquire still waiting ends with PoolClosed (its
         shell then withdraws the request from the queue)."""
         self._closed = True
+        stop_renewal(list(self.leases.values()), self.pool)
         self.registry.fail_all_closed()
         await stop_tasks(self.heartbeat.cancel() + self.listener.cancel())
         await self.tasks.drain(timeout=2.0)

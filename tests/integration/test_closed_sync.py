@@ -35,3 +35,19 @@ def test_sync_acquire_after_close_of_an_unused_pool(redis_proc, rclient, pool_na
         with p.lease(1, timeout=0):
             pass
     assert_empty(rclient, pool_name)
+
+
+def test_a_lease_left_when_its_pool_closed_says_so_when_found_lost(redis_proc, pool_name):
+    """A held lease stops being renewed when its pool object is closed; past its deadline
+    ensure_valid() names the close as the reason, not an unreachable Redis."""
+    from support.waiting import wait_until
+
+    from gpulock import LeaseLost
+
+    p = Pool.from_url(redis_proc.url, pool_name, capacity=4)
+    lease = p.acquire(1, ttl=1)
+    p.close()
+    wait_until(lambda: lease.lost, 10, "the lease's local deadline", interval=0.05)
+    with pytest.raises(LeaseLost, match="pool object for .* was closed") as ei:
+        lease.ensure_valid()
+    assert "unreachable" not in str(ei.value)

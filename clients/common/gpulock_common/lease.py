@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, ClassVar, List, Optional
+from typing import Iterable, Any, Callable, ClassVar, List, Optional
 
 from .errors import LeaseLost
 
@@ -80,6 +80,7 @@ class LocalLeaseState:
         "valid_until",
         "lost_reason",
         "released",
+        "unrenewed",
         "_clock",
         "_callbacks",
         "_lock",
@@ -108,6 +109,8 @@ class LocalLeaseState:
         self.valid_until = valid_until
         self.lost_reason: Optional[str] = None
         self.released = False
+        #: Why nothing renews it any more, when its pool object was closed (see stop_renewal).
+        self.unrenewed: Optional[str] = None
         self._clock = clock
         self._callbacks: List[Callable[[], Any]] = []  # each already bound to its owner
         self._lock = threading.Lock()
@@ -136,7 +139,11 @@ class LocalLeaseState:
         if self.expired_locally():
             self.mark_lost(
                 "no successful renewal before the local validity deadline "
-                f"({self.unreachable} unreachable, or this process was paused)"
+                + (
+                    f"({self.unrenewed})"
+                    if self.unrenewed
+                    else f"({self.unreachable} unreachable, or this process was paused)"
+                )
             )
         if self.lost_reason is not None:
             raise LeaseLost(self.lease_id, self.lost_reason)
@@ -245,3 +252,12 @@ class LeaseView:
 def default_clock() -> float:
     """The clock ``valid_until`` is on: ``time.monotonic()`` (seconds)."""
     return time.monotonic()
+
+
+def stop_renewal(states: "Iterable[LocalLeaseState]", pool: str) -> None:
+    """Mark the leases of a pool object being closed as renewed by nobody any more, so that a
+    lease past its deadline says why (the object was closed) rather than blame the server."""
+    for s in states:
+        s.unrenewed = (
+            f"its pool object for {pool!r} was closed, so its heartbeat stopped renewing it"
+        )

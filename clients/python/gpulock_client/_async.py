@@ -14,6 +14,8 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Set, Union
 import httpx
 from gpulock_common.aio import stop_tasks, wait_for
 
+from gpulock_common.lease import stop_renewal
+
 from . import _core as core
 from ._sync import _headers, _limits, _reply, _timeout
 from .errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
@@ -391,6 +393,7 @@ class AsyncPool:
         PoolClosed, as do later calls; a waiting acquire withdraws its place first (or
         releases a grant that raced in)."""
         self._closed = True
+        stop_renewal(list(self._leases.values()), self.name)
         me = asyncio.current_task()
         for t in list(self._calls):
             if t is not me and t is not self._task and not t.done():  # the heartbeat: below

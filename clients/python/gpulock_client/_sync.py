@@ -11,6 +11,8 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 import httpx
 
+from gpulock_common.lease import stop_renewal
+
 from . import _core as core
 from .errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
 
@@ -419,6 +421,7 @@ class Pool:
         thread raises PoolClosed when its current long poll ends (within ``max_wait``), after
         it withdrew its place (or released a grant that raced in)."""
         self._closed = True
+        stop_renewal(list(self._leases.values()), self.name)
         self._wake.set()
         t = self._thread
         if t is not None:
