@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from gpulock_common.checks import MAX_DEVICES
+
 __all__ = [
     "FAKE_DEVICES_ENV",
     "DeviceError",
@@ -229,7 +231,7 @@ class TorchReader:
         return DeviceReading(index, int(total), int(total) - int(free), None)
 
 
-def read_all(reader: DeviceReader, limit: int = 64) -> list[DeviceReading]:
+def read_all(reader: DeviceReader, limit: int = MAX_DEVICES) -> list[DeviceReading]:
     """Every device ``reader`` sees, devices 0 .. ``reader.count()``-1: what ``gpulock pool
     set --devices auto`` makes a pool of. NVML's indices are the PCI bus order, which CUDA's
     device ordinals follow only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.

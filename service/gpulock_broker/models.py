@@ -321,7 +321,7 @@ class PoolConfigRequest(_Body):
 
     @field_validator("quotas", mode="before")
     @classmethod
-    def _no_bool_quota(cls, v: Any) -> Any:
+    def _quota_values_named(cls, v: Any) -> Any:
         # JSON true/false is not a size (a lax int would read it as 1/0); a text that is
         # neither a size nor a removal is named here (the schema's pattern error would show
         # the whole size pattern instead of the value)

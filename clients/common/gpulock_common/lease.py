@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Iterable, Any, Callable, ClassVar, List, Optional
+from typing import Any, Callable, ClassVar, Iterable, List, Optional
 
 from .errors import LeaseLost
 
@@ -254,7 +254,7 @@ def default_clock() -> float:
     return time.monotonic()
 
 
-def stop_renewal(states: "Iterable[LocalLeaseState]", pool: str) -> None:
+def stop_renewal(states: Iterable[LocalLeaseState], pool: str) -> None:
     """Mark the leases of a pool object being closed as renewed by nobody any more, so that a
     lease past its deadline says why (the object was closed) rather than blame the server."""
     for s in states:
