@@ -417,9 +417,11 @@ class Pool:
 
     def close(self) -> None:
         """Stop the heartbeat and close connections (held leases are not released: they
-        expire after their ttl). Later calls raise PoolClosed; an acquire waiting in another
-        thread raises PoolClosed when its current long poll ends (within ``max_wait``), after
-        it withdrew its place (or released a grant that raced in)."""
+        expire after their ttl). Later calls raise PoolClosed. An acquire waiting in another
+        thread cannot be cut short: it raises PoolClosed when its current long poll's reply
+        reaches it (at most ``max_wait`` plus a 10 s read slack: 30 s by default), after it
+        withdrew its place; a grant made to it meanwhile holds those bytes until then, and is
+        released. Give waits a ``timeout`` to bound them."""
         self._closed = True
         stop_renewal(list(self._leases.values()), self.name)
         self._wake.set()
