@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from fastapi import HTTPException, Request, Response
 from gpulock_common.aio import wait_for
 
+from ._access_log import HEADER as REQUEST_ID_HEADER
+from ._access_log import request_id_error
 from .errors import InvalidArgument
 from .units import format_size, parse_size
 
@@ -214,6 +216,9 @@ class RequestLimits:
     * **time**: the whole body must arrive within ``read_timeout`` seconds
       (``GPULOCK_READ_TIMEOUT``, 30) of the request's start, else 408 and the connection is
       closed: a client that declares 100 bytes and sends 14, or drips a byte a second, is cut.
+    * **request id**: an ``X-Request-ID`` over
+      :data:`gpulock._access_log.MAX_REQUEST_ID_BYTES` answers 400 ``invalid_request_id``
+      naming the bound (it is an idempotency key: never cut).
 
     The refusals are raised as ``HTTPException`` from the read that crosses the bound (FastAPI
     passes those through its body parsing as they are), their ``detail`` made by ``detail(code,
@@ -274,7 +279,12 @@ class RequestLimits:
                         status_code=413,
                         headers=close,
                     )(scope, receive, send)
-                break
+            elif k == REQUEST_ID_HEADER and (bad := request_id_error(v)) is not None:
+                return await JSONResponse(
+                    {"detail": self.detail("invalid_request_id", bad)},
+                    status_code=400,
+                    headers=close,
+                )(scope, receive, send)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.read_timeout
         received = 0

@@ -43,7 +43,8 @@ What one request goes through (``GpuLimiter.call``)::
   to a request that carries ``X-Request-ID`` does not give up its place: the request stays
   queued and runs when granted, each 503 (on any worker) keeping the place
   ``max(park_timeout, 2 * Retry-After + 2)`` seconds more (``gpulock._places``, the rule the
-  broker shares), so the retry sent after ``Retry-After`` collects the result.
+  broker shares), so the retry sent after ``Retry-After`` collects the result. An id over
+  128 bytes is refused (400 ``invalid_request_id``), never cut.
 * A client that closes its connection while its request waits (uvicorn does not cancel the
   handler) is noticed at once (:func:`watch_disconnect`, the ASGI ``http.disconnect``): the
   request leaves the thread-slot wait or the pool's queue and is never granted; work already

@@ -89,10 +89,16 @@ class GuardedCalls:
         header = self._settings.request_id_header
         if request_id is None and request is not None:
             request_id = request.headers.get(header)
+        # the idempotency key: one past the bound is refused (400), never cut, nor echoed
+        bad = access.request_id_error(request_id, header) if request_id else None
+        if bad is not None:
+            request_id = None
         if response is not None and request_id:
             response.headers[header] = request_id
         gone: asyncio.Task[bool] | None = None
         try:
+            if bad is not None:
+                raise GpuLockHTTPException(400, bad, "invalid_request_id")
             self._check_accepting()
             rp = (
                 priority

@@ -28,7 +28,7 @@ class GpuLockHTTPException(HTTPException):
     """An HTTPException raised by the integration; ``reason`` is a short machine-readable
     cause (``queue_timeout``, ``queue_full``, ``capacity``, ``inference_timeout``,
     ``cuda_oom``, ``cuda_error``, ``lease_lost``, ``backend``, ``not_ready``, ``conflict``,
-    ``invalid_argument``, ``invalid_priority``)."""
+    ``invalid_argument``, ``invalid_priority``, ``invalid_request_id``)."""
 
     def __init__(
         self, status_code: int, detail: str, reason: str, headers: dict[str, str] | None = None

@@ -52,8 +52,9 @@ return 0
 
 def request_ticket(route: str, header_value: str) -> str:
     """The lease request id for an ``X-Request-ID`` header value on a route: any header value
-    (any length, any characters) hashes to ``rq.<32 hex>``, which matches the core's pattern
-    ``[A-Za-z0-9._:-]{1,128}``. Every worker computes the same ticket for the same value."""
+    (any characters; its length was bounded before, ``gpulock._access_log.request_id_error``)
+    hashes to ``rq.<32 hex>``, which matches the core's pattern ``[A-Za-z0-9._:-]{1,128}``.
+    Every worker computes the same ticket for the same value."""
     h = hashlib.sha256(f"{route}\n{header_value}".encode("utf-8", "surrogatepass")).hexdigest()
     return f"rq.{h[:32]}"
 
