@@ -27,17 +27,15 @@ import logging
 import os
 import time
 from contextlib import asynccontextmanager
-from typing import Any, Literal, cast
+from typing import Any
 
 from fastapi import FastAPI, Path, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, PrivateAttr
 
 from gpulock._access_log import AccessLog
 from gpulock._dashboard import dashboard_view
 from gpulock._dashboard_http import dashboard_router
 from gpulock._http_guards import install_http_guards
-from gpulock._json_int import JsonInt
 from gpulock._keys import pool_key
 from gpulock._samples import Sampler
 from gpulock.errors import BackendUnavailable
@@ -47,7 +45,8 @@ from gpulock.units import format_size, parse_size
 
 from . import alloc_conf
 from .metrics import observe_request
-from .models import build_model, count_tokens
+from .inputs import EmbeddingRequest, InputRules, check_shape, count, texts_of
+from .models import build_model
 from .openai_errors import OpenAIError, guard_detail, install_openai_errors
 from .openapi import (
     EMBEDDING_RESPONSES,
@@ -61,36 +60,6 @@ from .settings import Settings
 log = logging.getLogger("gpulock.service")
 
 ROUTE = "embeddings"
-
-
-class EmbeddingRequest(BaseModel):
-    """``POST /v1/embeddings``, as in the OpenAI API: one string, a list of strings, one list
-    of token ids (``[7592, 2088]``) or a list of them (``[[101, 7592, 2088, 102]]``)."""
-
-    input: str | list[str] | list[JsonInt] | list[list[JsonInt]]
-    model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: JsonInt | None = None
-    user: str | None = None
-    _tokens: int = PrivateAttr(0)  # counted once, by the estimator, on the event loop
-    _longest: int = PrivateAttr(0)  # tokens of its longest input (the estimator's count)
-    _texts: list[str] | None = PrivateAttr(None)  # token ids decoded, by the estimator
-
-
-def _inputs(body: EmbeddingRequest) -> list[str] | list[list[int]]:
-    """The inputs as a list: texts, or lists of token ids (an empty list: no inputs)."""
-    x = body.input
-    if isinstance(x, str):
-        return [x]
-    if x and isinstance(x[0], int):
-        return [x]  # one list of token ids
-    return cast("list[str] | list[list[int]]", list(x))
-
-
-def _texts(body: EmbeddingRequest) -> list[str]:
-    if body._texts is not None:
-        return body._texts
-    return [t for t in _inputs(body) if isinstance(t, str)]
 
 
 class _WorkerHeader:
@@ -385,43 +354,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             raise unknown_model(model_id)
         return model_object()
 
-    def decode(inputs: list[list[int]]) -> tuple[list[str], list[int]]:
-        """Token-id inputs as ``(texts, tokens per input)``: each cut to GPULOCK_MAX_TOKENS
-        ids (as text is truncated), counted as its ids and decoded by the model's
-        ``decode_tokens``. Raises OpenAIError 400 naming an empty input, an id out of the
-        model's vocabulary, or a model that takes text only."""
-        dec = getattr(model, "decode_tokens", None)
-        if dec is None:
-            raise OpenAIError(400, f"{served} takes text input only, not token ids", param="input")
-        vocab = getattr(model, "vocab_size", None)
-        texts, counts = [], []
-        for i, ids in enumerate(inputs):
-            if not ids:
-                raise OpenAIError(400, f"input[{i}] is an empty list of token ids", param="input")
-            for j, t in enumerate(ids):
-                if t < 0 or (vocab is not None and t >= vocab):
-                    raise OpenAIError(
-                        400,
-                        f"input[{i}][{j}] = {t} is not a token id of {served} "
-                        f"(0 to {'...' if vocab is None else vocab - 1})",
-                        param="input",
-                    )
-            kept = ids[: settings.max_tokens]
-            texts.append(dec(kept))
-            counts.append(len(kept))
-        return texts, counts
+    rules = InputRules(
+        served=served,
+        max_batch=settings.max_batch,
+        context=int(getattr(model, "max_tokens", settings.max_tokens)),
+        truncate=settings.truncate,
+    )
 
     def estimate(body: EmbeddingRequest) -> int:
-        inputs = _inputs(body)
-        if not inputs:
-            raise OpenAIError(400, "input must hold at least one string", param="input")
-        if len(inputs) > settings.max_batch:
-            raise OpenAIError(
-                413,
-                f"input holds {len(inputs)} inputs; this service takes at most "
-                f"{settings.max_batch} per request (GPULOCK_MAX_BATCH)",
-                param="input",
-            )
+        check_shape(body, rules)
         if body.model is not None and body.model not in names:
             raise unknown_model(body.model)
         if body.dimensions is not None and body.dimensions != model.dimensions:
@@ -430,20 +371,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 f"{served} returns {model.dimensions} dimensions, not {body.dimensions}",
                 param="dimensions",
             )
-        if isinstance(inputs[0], list):
-            body._texts, counts = decode(inputs)
-        else:
-            texts = _texts(body)
-            for i, t in enumerate(texts):
-                try:
-                    t.encode("utf-8")
-                except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") from a JSON escape
-                    raise OpenAIError(
-                        400,
-                        f"input[{i}] is not valid Unicode text ({e.reason} at character {e.start})",
-                        param="input",
-                    ) from None
-            counts = count_tokens(model, texts)
+        counts = count(body, model, rules)  # once: the estimate and the usage use them
         body._tokens = sum(counts)
         body._longest = max(counts)
         observe_request(len(counts), body._tokens)
@@ -451,7 +379,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     def estimate_batch(bodies: list[EmbeddingRequest]) -> int:
         """One model call over all the batch's inputs, padded to the longest."""
-        n = sum(len(_texts(b)) for b in bodies)
+        n = sum(len(texts_of(b)) for b in bodies)
         return limiter.estimate(ROUTE, n, max(b._longest for b in bodies), model.estimate_bytes)
 
     def respond(body: EmbeddingRequest, vectors: list[list[float]]) -> Response:
@@ -483,11 +411,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     def embed_batch(bodies: list[EmbeddingRequest]) -> list[Response]:
         """Runs in gpulock's executor thread, under the batch's lease: one model call."""
-        texts = [t for b in bodies for t in _texts(b)]
+        texts = [t for b in bodies for t in texts_of(b)]
         vectors = model.embed(texts)
         out, k = [], 0
         for b in bodies:
-            n = len(_texts(b))
+            n = len(texts_of(b))
             out.append(respond(b, vectors[k : k + n]))
             k += n
         return out
@@ -524,7 +452,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         def embeddings(body: EmbeddingRequest) -> Response:
             """Runs in gpulock's executor thread, under the request's lease."""
-            return respond(body, model.embed(_texts(body)))
+            return respond(body, model.embed(texts_of(body)))
 
     def bounds() -> dict[str, int | None]:
         """The handler's bounds for the schema (built on the first GET /openapi.json)."""

@@ -9,8 +9,10 @@ A model is any object with these members (:class:`EmbeddingModel`)::
     embed(texts) -> list[list[float]]   runs in the executor thread, under the request's lease
     estimate_bytes(batch, tokens) -> int   GPU bytes one request needs beyond the weights
 
-and optionally ``count_tokens(texts) -> list[int]`` (default: about 4 characters per token),
-``decode_tokens(ids) -> str`` and ``vocab_size`` (to take token-id inputs: without
+and optionally ``count_tokens(texts) -> list[int]`` (default: about 4 characters per token;
+not cut to the model's context: a count over it is an input over the context),
+``max_tokens: int`` (the context: most tokens ``embed`` reads of one text, cutting the rest
+itself; default ``GPULOCK_MAX_TOKENS``), ``decode_tokens(ids) -> str`` and ``vocab_size`` (to take token-id inputs: without
 ``decode_tokens`` they are refused, 400),
 ``resident_hint() -> int`` (bytes to lease before ``load`` on CUDA; default the size of the
 weights) and ``calibration_run(batch, tokens)`` (one forward pass of that shape, for
@@ -25,8 +27,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .estimators import BertEstimator
 from gpulock.units import parse_size
@@ -49,8 +52,20 @@ class EmbeddingModel(Protocol):
     def estimate_bytes(self, batch: int, tokens: int) -> int: ...
 
 
+def _head(text: str, chars: int) -> str:
+    """The first ``chars`` characters of ``text``, cut back to its last whitespace (all of
+    them when there is none)."""
+    head = text[:chars]
+    m = _LAST_SPACE.match(head)
+    return m.group(0) if m else head
+
+
+_LAST_SPACE = re.compile(r"(?s).*\s")
+
+
 def count_tokens(model: Any, texts: list[str]) -> list[int]:
-    """Tokens per text: the model's own count if it has one, else len/4 + 2."""
+    """Tokens per text, not cut to the model's context: the model's own count if it has one,
+    else len/4 + 2."""
     f = getattr(model, "count_tokens", None)
     if f is not None:
         return list(f(texts))
@@ -111,21 +126,24 @@ class MiniLM:
         return self.max_tokens * 32
 
     def count_tokens(self, texts: list[str]) -> list[int]:
-        """Word pieces per text after truncation to ``max_tokens``. This runs on the event
-        loop (in the estimator), so a text longer than ``max_tokens × 32`` characters counts as
-        ``max_tokens`` without being tokenized: it is cut to that many pieces anyway (English
-        averages about 4 characters per piece; only a text of very long words has fewer, and
-        then the estimate errs on the safe side). Tokenizing 256 texts of 32 KiB took 2.6 s
-        here, all of it blocking the worker's heartbeats."""
+        """Word pieces per text, ``[CLS]`` and ``[SEP]`` included, not cut to ``max_tokens``
+        (the service refuses a text over it unless asked to truncate). This runs on the event
+        loop (in the estimator), so a text longer than ``max_tokens × 32`` characters
+        (:meth:`clip_chars`) is counted in its first that many characters, cut back to the last
+        whitespace (the tokenizer splits words there, so that is a lower bound of its count),
+        and counts at least ``max_tokens + 1``: the model reads no more of it than those
+        characters, so it is over the context either way. English averages about 4 characters
+        per piece. Tokenizing 256 texts of 32 KiB took 2.6 s here, all of it blocking the
+        worker's heartbeats."""
+        if not texts:
+            return []
         clip = self.clip_chars()
-        short = [t for t in texts if len(t) <= clip]
-        counted: Iterator[int] = iter(())
-        if short:
-            enc = self.tokenizer()(
-                short, truncation=True, max_length=self.max_tokens, add_special_tokens=True
-            )
-            counted = iter([len(ids) for ids in enc["input_ids"]])
-        return [next(counted) if len(t) <= clip else self.max_tokens for t in texts]
+        heads = [t if len(t) <= clip else _head(t, clip) for t in texts]
+        enc = self.tokenizer()(heads, add_special_tokens=True, truncation=False, verbose=False)
+        return [
+            len(ids) if len(t) <= clip else max(len(ids), self.max_tokens + 1)
+            for t, ids in zip(texts, enc["input_ids"])
+        ]
 
     @property
     def vocab_size(self) -> int:

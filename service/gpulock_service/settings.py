@@ -78,7 +78,17 @@ class Settings(BaseSettings):
     )
 
     max_batch: int = Field(256, ge=1, description="most inputs per request (else 413)")
-    max_tokens: int = Field(256, ge=8, description="tokens per input after truncation")
+    max_tokens: int = Field(
+        256,
+        ge=8,
+        description="most tokens the model reads of one input (at most the model's own: 256 "
+        "for MiniLM); a longer input is a 400 unless truncated",
+    )
+    truncate: bool = Field(
+        False,
+        description="default of a request's 'truncate': true embeds an input over max_tokens "
+        "from its first tokens, false refuses it (400 context_length_exceeded)",
+    )
     max_request_bytes: str = Field(
         "16MiB", description="largest request body (else 413 before it is parsed)"
     )

@@ -12,7 +12,10 @@ worker, the sleep model: 1 GiB per input, capacity 2 GiB):
 * ``PYTORCH_CUDA_ALLOC_CONF``: ``expandable_segments:True`` unless the user set it, as
   ``/health`` reports;
 * one ``gpulock.access`` line per request in the service's log, with its request id; a
-  generated request id does not make the request idempotent (reusing it is no conflict).
+  generated request id does not make the request idempotent (reusing it is no conflict);
+* an input over the model's context is the SDK's ``BadRequestError``
+  (``context_length_exceeded``), embedded from its first tokens with
+  ``extra_body={"truncate": True}``.
 """
 
 from __future__ import annotations
@@ -116,6 +119,23 @@ def test_sync_client_embeddings_models_and_errors(svc):
         err = r.json()["error"]
         assert r.status_code == 400 and err["code"] == "invalid_json", r.text
         assert err["param"] is None and "is not valid JSON" in err["message"], r.text
+
+
+@pytest.mark.timeout(60)
+def test_an_input_over_the_context_is_refused_unless_truncation_is_asked(svc):
+    """A 300-word input (the sleep model counts words; its context is GPULOCK_MAX_TOKENS,
+    256) was embedded cut, counted as 256, without a word: the SDK's BadRequestError now, as
+    OpenAI answers; with ``extra_body={"truncate": True}`` it is embedded from its first 256."""
+    c = _client(svc, max_retries=0)
+    text = " ".join(["word"] * 300)
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.embeddings.create(model="sleep", input=["short", text])
+    e = bad.value
+    assert e.code == "context_length_exceeded" and e.param == "input"
+    assert "input[1]" in e.message and "context of 256 tokens" in e.message
+    assert "300 tokens counted" in e.message
+    r = c.embeddings.create(model="sleep", input=["short", text], extra_body={"truncate": True})
+    assert len(r.data) == 2 and r.usage.prompt_tokens == 1 + 256
 
 
 @pytest.mark.timeout(60)

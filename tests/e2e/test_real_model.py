@@ -133,7 +133,8 @@ def test_oversized_bodies_are_refused_before_parsing_and_long_texts_are_cheap(sv
     """The body is parsed on the worker's event loop, which also runs the lease heartbeats:
     a body over GPULOCK_MAX_REQUEST_BYTES (16 MiB) is a 413 before anyone parses it (by
     Content-Length, or counted as a chunked body arrives), and a long text under the limit is
-    counted as max_tokens without tokenizing its megabytes. The worker stays ready: no lease
+    refused as over the model's context, or with "truncate" counted as max_tokens, without
+    tokenizing its megabytes. The worker stays ready: no lease
     was lost to a stalled loop."""
     with httpx.Client(base_url=svc.url, timeout=60) as c:
         big = {"input": ["word " * (4 * 2**20)]}  # 20 MiB in one string
@@ -155,13 +156,24 @@ def test_oversized_bodies_are_refused_before_parsing_and_long_texts_are_cheap(sv
         # 14 MB in one text, under the body limit: the model reads only its first 256 word
         # pieces, and neither the estimate nor the model may tokenize the rest (that took 15 s
         # and 8 GB of RSS, and got a worker OOM-killed, before texts were cut to 256 x 32 chars).
+        # It is refused (over the context: it was embedded cut, without a word), at once...
         long = "the quick brown fox jumps over the lazy dog " * 320_000
         t0 = time.monotonic()
-        r = _post(c, {"input": [long, "short text"]})
+        r = _post(c, {"input": ["short text", long]})
+        took = time.monotonic() - t0
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and "input[1]" in err["message"], err
+        # counted in its first 8,192 characters (cut back to a space): 1,677 word pieces
+        assert "context of 256 tokens" in err["message"] and "1677 tokens" in err["message"]
+        assert took < 10, f"refusing a 14 MB text took {took:.1f}s"
+        # ... and embedded from its first 256 word pieces when the request asks for that
+        t0 = time.monotonic()
+        r = _post(c, {"input": [long, "short text"], "truncate": True})
         took = time.monotonic() - t0
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == 256 + len("short text".split()) + 2
-        prefix = _post(c, {"input": [long[: 256 * 32]]})
+        prefix = _post(c, {"input": [long[: 256 * 32]], "truncate": True})
         assert (
             max(
                 abs(a - b)
