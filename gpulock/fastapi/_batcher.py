@@ -318,7 +318,7 @@ class Batcher(Generic[R]):
         batch = entry.batch
         assert batch is not None
         try:
-            results = await self._calls.await_job(job, arrival, response, gone)
+            results = await self._calls.await_job(job, arrival, response, gone, own=amount)
         except BaseException:
             if job.phase in ("slot", "queued"):
                 self._leave(entry)

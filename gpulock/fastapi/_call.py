@@ -18,9 +18,9 @@ from gpulock_common.aio import wait_for
 from .. import _access_log as access
 from .._disconnect import _Gone, _wait_or_gone, watch_disconnect
 from ..errors import InvalidArgument
-from ..units import format_size, parse_size
+from ..units import parse_size
 from ._backend import Backend
-from ._errors import GpuLockHTTPException, HttpErrors
+from ._errors import GpuLockHTTPException, HttpErrors, bytes_asked
 from ._idempotency import MISSING, RequestStore, request_ticket
 from ._jobs import Job, JobRunner
 from ._metrics import metrics
@@ -233,9 +233,12 @@ class GuardedCalls:
         arrival: float,
         response: Response | None,
         gone: asyncio.Task[bool] | None = None,
+        own: int | None = None,
     ) -> Any:
         """Wait for a job with this request's deadlines: 503 if it has not started running by
         ``arrival + acquire_timeout``, 504 if it has not finished ``inference_timeout`` later.
+        ``own``: the request's own bytes when the job is its batch's (its 503 names them, and
+        the batch's apart).
         The job goes on after either answer (parked, or until its thread returns). ``gone``
         (see :func:`watch_disconnect`) ends when the client hung up: 499, and a job nobody
         else waits for leaves the queue at once (it is never granted); running work goes on
@@ -247,7 +250,7 @@ class GuardedCalls:
         else:
             job.place.attached += 1
         try:
-            return await self._await_attached(job, arrival, response, gone)
+            return await self._await_attached(job, arrival, response, gone, own)
         finally:
             if job.parked:
                 assert job.ticket is not None
@@ -257,9 +260,15 @@ class GuardedCalls:
                 job.place.attached -= 1
 
     async def _await_attached(
-        self, job: Job, arrival: float, response: Response | None, gone: asyncio.Task[bool] | None
+        self,
+        job: Job,
+        arrival: float,
+        response: Response | None,
+        gone: asyncio.Task[bool] | None,
+        own: int | None,
     ) -> Any:
         s = self._settings
+        amount, batch = (job.amount, None) if own is None else (own, job.amount)
         remaining = arrival + s.acquire_timeout - time.monotonic()
         try:
             if not job.started.is_set():
@@ -286,7 +295,7 @@ class GuardedCalls:
         else:
             timed_out = False
         if timed_out:
-            raise await self._queue_timeout(job)
+            raise await self._queue_timeout(job, bytes_asked(amount, batch))
         assert job.outcome is not None
         if not job.outcome.done():
             try:
@@ -320,12 +329,12 @@ class GuardedCalls:
                 f"gpulock-run;dur={(job.run_s or 0) * 1000:.3f}"
             )
         return self._errors.outcome(
-            job.outcome, job.route, job.amount, lambda: self._retry.job_position(job)
+            job.outcome, job.route, amount, lambda: self._retry.job_position(job), batch
         )
 
-    async def _queue_timeout(self, job: Job) -> GpuLockHTTPException:
-        """The 503 for a job not granted by its request's deadline; a job that is not parked
-        leaves the queue now."""
+    async def _queue_timeout(self, job: Job, asked: str) -> GpuLockHTTPException:
+        """The 503 for a job not granted by its request's deadline (``asked``: the request's
+        bytes, :func:`bytes_asked`); a job that is not parked leaves the queue now."""
         s = self._settings
         parked = job.parked
         # a job other requests still wait on (a batch's) goes on; the batcher drops this one
@@ -354,8 +363,7 @@ class GuardedCalls:
             )
         else:
             what = (
-                f"no GPU memory for {format_size(job.amount)} within {s.acquire_timeout}s "
-                f"(queue position {position})"
+                f"no GPU memory for {asked} within {s.acquire_timeout}s (queue position {position})"
             )
         return GpuLockHTTPException(
             503,

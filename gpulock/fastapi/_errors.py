@@ -45,6 +45,18 @@ class CudaFatal(Exception):
     """Replaces a sticky CUDA error once it left the thread."""
 
 
+def bytes_asked(amount: int, batch: int | None = None) -> str:
+    """A request's bytes as its 503 names them: ``amount`` (its own estimate); with
+    ``batch``, the bytes of the batch it waited in, when they differ, labelled as such:
+    ``"2.0MiB (this request's own; the batch it waited in needs 1.4GiB in all)"``."""
+    if batch is None or batch == amount:
+        return format_size(amount)
+    return (
+        f"{format_size(amount)} (this request's own; the batch it waited in needs "
+        f"{format_size(batch)} in all)"
+    )
+
+
 def not_ready(why: str) -> GpuLockHTTPException:
     """503 ``not_ready`` with ``Retry-After: 1``: this worker takes no guarded calls now."""
     return GpuLockHTTPException(503, f"worker not ready: {why}", "not_ready", {"Retry-After": "1"})
@@ -114,7 +126,12 @@ class HttpErrors:
         )
 
     def outcome(
-        self, out: asyncio.Future[Any], route: str, amount: int, position: Callable[[], int]
+        self,
+        out: asyncio.Future[Any],
+        route: str,
+        amount: int,
+        position: Callable[[], int],
+        batch: int | None = None,
     ) -> object:
         """The result of a finished job's ``out``, or raise its error as HTTP:
         cancelled → 503 ``not_ready``; :class:`CapacityExceeded` (and its
@@ -123,7 +140,9 @@ class HttpErrors:
         :class:`LeaseLost` → 503; a CUDA OOM → 503 with ``Retry-After``; a sticky CUDA error
         → 500; Redis unreachable or the pool gone → 503 with ``Retry-After`` of two reaper
         intervals; :class:`InvalidArgument` → 500 naming it. Anything else is re-raised.
-        ``position()`` is the job's place in the queue, when the error does not carry it."""
+        ``position()`` is the job's place in the queue, when the error does not carry it.
+        ``amount``: the request's own bytes; ``batch``: its batch's, when it ran in one
+        (:func:`bytes_asked`)."""
         assert out.done()
         if out.cancelled():
             raise GpuLockHTTPException(
@@ -168,7 +187,7 @@ class HttpErrors:
             ra = self._retry_after(pos, exc.retry_after)
             raise GpuLockHTTPException(
                 503,
-                f"no GPU memory for {format_size(amount)} in time (queue position {pos})",
+                f"no GPU memory for {bytes_asked(amount, batch)} in time (queue position {pos})",
                 "queue_timeout",
                 {"Retry-After": str(ra), "X-Queue-Position": str(pos)},
             ) from None

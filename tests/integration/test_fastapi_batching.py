@@ -374,3 +374,32 @@ async def test_requests_behind_a_waiting_batch_time_out_with_their_own_503(redis
             assert int(r.headers["retry-after"]) >= 1 and "x-queue-position" in r.headers
         assert seen["batches"] == [[-1]], "neither ran"
     assert await _used(redis_proc1.url, "bt9") == 0
+
+
+async def test_a_batched_requests_503_names_its_own_bytes_and_the_batchs_apart(redis_proc1):
+    """The 503 of a request whose batch was not granted in time named the whole batch's bytes
+    as the request's ("no GPU memory for 5.0GiB" to a request of 2 GiB); it names the
+    request's own now, and the batch's labelled as such."""
+    app, gpu, b, seen, gate = _app(
+        redis_proc1.url, "bt10", max_size=2, max_wait_ms=3000, acquire_timeout=3.0
+    )
+    pool = AsyncPool.from_url(redis_proc1.url, "bt10")
+    async with Running(app) as c:
+        gate.clear()
+        holder = await _hold(c, seen)  # the only thread, and 1 GiB of the 8
+        tasks = await _fire_in_order(c, b, [{"i": 0, "gib": 2}, {"i": 1, "gib": 3}])
+        await async_wait_until(lambda: len(b._inflight) == 2, what="the batch closing (full)")
+        lease = await pool.acquire(7 * GiB, timeout=5)  # the rest: the batch can only queue
+        gate.set()
+        r0, r1 = [await t for t in tasks]
+        assert (await holder).status_code == 200
+        for r, own in ((r0, "2.0GiB"), (r1, "3.0GiB")):
+            assert r.status_code == 503, r.text
+            assert r.json()["detail"].startswith(
+                f"no GPU memory for {own} (this request's own; the batch it waited in needs "
+                f"5.0GiB in all)"
+            ), r.text
+        assert seen["batches"] == [[-1]], "the batch never ran"
+        await lease.release()
+    await pool.aclose()
+    assert await _used(redis_proc1.url, "bt10") == 0
