@@ -3,7 +3,9 @@
 Amounts are integers of bytes everywhere inside gpulock. At the edges (CLI flags, HTTP
 bodies, config) people write sizes: ``parse_size("4GiB") == 4 * 2**30``. Binary units
 (KiB, MiB, GiB, TiB) are powers of 1024; decimal units (kB, MB, GB, TB) are powers of 1000, as
-in IEC 80000-13; a bare number is bytes.
+in IEC 80000-13; a bare number is bytes. What gpulock prints (:func:`format_size`, e.g.
+``"1.4GiB"``) it reads back: a size with a unit may end in a fraction of a byte, which counts as
+a whole byte (``"1.4GiB"`` is 1503238554 bytes). Sizes are at most :data:`MAX_BYTES`.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import re
 from fractions import Fraction
 from typing import Literal, overload
 
-from gpulock_common.units import format_size
+from gpulock_common.units import MAX_BYTES, format_size
 
 from .errors import InvalidArgument
 
 __all__ = [
+    "MAX_BYTES",
     "SIZE_TEXT_MAX_LENGTH",
     "SIZE_TEXT_PATTERN",
     "format_size",
@@ -45,8 +48,6 @@ _UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
-MAX_BYTES = 2**53 - 1  # largest integer the Lua scripts hold exactly (a double's mantissa)
-
 
 def is_index(text: str) -> bool:
     """Whether ``text`` is a non-negative decimal integer in ASCII digits, as ``int()`` reads
@@ -58,11 +59,15 @@ def parse_size(value: int | float | str, *, name: str = "amount") -> int:
     """Return ``value`` as a positive integer number of bytes.
 
     Accepts an int (bytes), an integral float, or a string such as ``"4GiB"``, ``"512 MiB"``,
-    ``"1.5GB"`` or ``"1048576"``. Units are case-insensitive.
+    ``"1.5GB"``, ``"1.4GiB"`` or ``"1048576"``. Units are case-insensitive. A size with a unit
+    of 1 kB or more that ends in a fraction of a byte counts it as a whole byte (rounds up:
+    ``"1.4GiB"``, what :func:`format_size` prints for 1.35 to 1.45 GiB, is 1503238554
+    bytes).
 
     Raises:
-        InvalidArgument: for bools, NaN, infinities, zero or negative sizes, fractions of a
-            byte, unknown units, and sizes above 2**53-1 bytes. The message names the value.
+        InvalidArgument: for bools, NaN, infinities, zero or negative sizes, bytes with a
+            fraction (``"1.5"``, ``"1.5B"``, ``1.5``), unknown units, and sizes above 2**53-1
+            bytes. The message names the value.
     """
     if isinstance(value, bool):
         raise InvalidArgument(f"{name} must be a size in bytes, got {value!r}")
@@ -82,9 +87,9 @@ def parse_size(value: int | float | str, *, name: str = "amount") -> int:
         # Exact decimal arithmetic: a float would reject "4.1GB" (4.1 * 1e9 is not integral
         # in binary) and overflow to infinity on very long digit strings.
         n_exact = Fraction(m.group(1)) * _UNITS[unit]
-        if n_exact.denominator != 1:
+        if n_exact.denominator != 1 and _UNITS[unit] == 1:
             raise InvalidArgument(f"{name} must be a whole number of bytes, got {value!r}")
-        n = int(n_exact)
+        n = math.ceil(n_exact)  # a fraction of a byte (of "1.4GiB") counts as a whole byte
     else:
         raise InvalidArgument(f"{name} must be a size in bytes, got {value!r}")
     if n <= 0:
@@ -158,28 +163,26 @@ def parse_seconds(
 def _size_text_pattern() -> str:
     """The regular expression of :data:`SIZE_TEXT_PATTERN` (built here, once)."""
     sp = " *"
-    # a binary unit's fraction of up to 3 decimals is whole bytes when 5**digits divides it
-    eighths = "125|250|375|500|625|750|875"
-    binary_fraction = rf"\.(?:0|5|00|25|50|75|000|{eighths})"
-    binary_nonzero = rf"0\.(?:5|25|50|75|{eighths})"
-    decimal_nonzero = r"0\.(?:[1-9][0-9]{0,2}|0[1-9][0-9]?|00[1-9])"
+    # a fraction of up to 3 decimals, never all zeros before a zero whole part; with a binary
+    # unit it may end in a fraction of a byte, which counts as a whole byte (parse_size)
+    nonzero = r"0\.(?:[1-9][0-9]{0,2}|0[1-9][0-9]?|00[1-9])"
     # integer digits per unit keep every value below 2**53 - 1 (about 9.007e15 bytes)
     forms = [rf"[1-9][0-9]{{0,14}}{sp}[bB]?"]
     for letter, digits in (("kK", 12), ("mM", 9), ("gG", 6), ("tT", 3)):
         whole = rf"[1-9][0-9]{{0,{digits - 1}}}"
-        forms.append(rf"(?:{whole}(?:\.[0-9]{{1,3}})?|{decimal_nonzero}){sp}[{letter}][bB]?")
-        forms.append(rf"(?:{whole}(?:{binary_fraction})?|{binary_nonzero}){sp}[{letter}][iI][bB]")
+        forms.append(rf"(?:{whole}(?:\.[0-9]{{1,3}})?|{nonzero}){sp}[{letter}](?:[iI]?[bB])?")
     return rf"^{sp}(?:{'|'.join(forms)}){sp}$"
 
 
 #: The sizes an HTTP body may carry as text (the broker's ``amount`` and ``capacity``): a
 #: number of bytes (``"1048576"``, ``"512B"``) or a number and a unit (any case): ``k``/``kB``
-#: up to ``T``/``TB`` with at most 3 decimals, ``KiB`` up to ``TiB`` with a fraction of up to 3
-#: decimals that is whole bytes (``"0.5GiB"``, ``"1.25MiB"``, ``"8.0GiB"``); spaces around and
-#: between. Never zero, never a fraction of a byte, at most 15 digits of bytes (12 of kB, 9 of
-#: MB, 6 of GB, 3 of TB, and the same for the binary units), so always below 2**53 - 1: every
-#: string it matches :func:`parse_size` accepts, which is what lets an OpenAPI schema carry it
-#: as the exact rule (:func:`parse_size_text` refuses what it does not match).
+#: up to ``T``/``TB``, or ``KiB`` up to ``TiB``, with at most 3 decimals (``"0.5GiB"``,
+#: ``"1.4GiB"``: a fraction of a byte counts as a whole one); spaces around and between. Never
+#: zero, at most 15 digits of bytes (12 of kB, 9 of MB, 6 of GB, 3 of TB, and the same for the
+#: binary units), so always below 2**53 - 1: every string it matches :func:`parse_size`
+#: accepts, which is what lets an OpenAPI schema carry it as the exact rule
+#: (:func:`parse_size_text` refuses what it does not match). Every size :func:`format_size`
+#: prints up to ``999.9TiB`` matches it.
 SIZE_TEXT_PATTERN = _size_text_pattern()
 SIZE_TEXT_MAX_LENGTH = 40
 _SIZE_TEXT_RE = re.compile(SIZE_TEXT_PATTERN)
@@ -197,7 +200,7 @@ def parse_size_text(value: int | float | str, *, name: str = "amount") -> int:
     ):
         raise InvalidArgument(
             f"{name} must be a size such as 4GiB, 0.5GiB, 1.5GB, 512MiB or 1048576 (bytes): "
-            f"not zero, no fraction of a byte, at most 3 decimals, below 2**53 bytes; "
+            f"not zero, at most 3 decimals (bytes: none), below 2**53 bytes; "
             f"got {value!r}"
         )
     return parse_size(value, name=name)

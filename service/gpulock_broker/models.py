@@ -27,7 +27,7 @@ from gpulock._args import (
 from gpulock._flow import queue_policy
 from gpulock._json_int import INTEGRAL, integral
 from gpulock.errors import InvalidArgument
-from gpulock.units import SIZE_TEXT_MAX_LENGTH, SIZE_TEXT_PATTERN, parse_size_text
+from gpulock.units import MAX_BYTES, SIZE_TEXT_MAX_LENGTH, SIZE_TEXT_PATTERN, parse_size_text
 
 POOL_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,96}$"
@@ -37,7 +37,6 @@ MIN_TTL_S, MAX_TTL_S = 1.0, 86400.0
 MIN_BACKFILL_WINDOW_S, MAX_BACKFILL_WINDOW_S = 0.001, 86400.0  # gpulock._flow.queue_policy's
 
 Scalar = Union[str, int, float, bool, None]
-MAX_BYTES = 2**53 - 1
 # Sizes as text: gpulock.units.SIZE_TEXT_PATTERN is the exact rule (never zero, no fraction of a
 # byte, below 2**53), so the schema allows what the handler accepts and nothing else.
 Size = Union[

@@ -292,3 +292,17 @@ def test_status_says_when_a_pool_is_in_its_grace_period(url):
     assert _status(url, "g")["grace_left"] > 20
     assert gpulock(url, "pool", "set", "plain", "--capacity", "1GiB").returncode == 0
     assert "grace" not in gpulock(url, "status", "plain").stdout
+
+
+def test_a_size_the_cli_prints_it_accepts(url):
+    """``gpulock pool list`` (and the service's messages) print ``1.4GiB``; ``--capacity
+    1.4GiB`` was refused ("must be a whole number of bytes"): what gpulock prints it reads
+    back, a fraction of a byte counting as a whole one."""
+    r = gpulock(url, "pool", "set", "sizes", "--capacity", "1500000000")
+    assert r.returncode == 0, r.stderr
+    listed = gpulock(url, "pool", "list")
+    assert listed.returncode == 0 and "1.4GiB" in listed.stdout, listed.stdout
+    r = gpulock(url, "pool", "set", "sizes", "--capacity", "1.4GiB")
+    assert r.returncode == 0, r.stderr
+    with Pool.from_url(url, "sizes") as p:
+        assert p.status().capacity == 1_503_238_554  # 1.4 x 2**30 = 1503238553.6, rounded up

@@ -34,6 +34,9 @@ from gpulock.units import (
         ("3kb", 3000),
         ("1b", 1),
         ("0.5KiB", 512),
+        ("1.4GiB", 1_503_238_554),  # 1503238553.6: a fraction of a byte counts as a byte
+        ("1.1kb", 1100),
+        ("0.001KiB", 2),
         ("7", 7),
         (1, 1),
         (4096, 4096),
@@ -109,7 +112,8 @@ def test_parse_size_names_the_parameter():
 )
 def test_parse_size_fuzz_never_crashes(value):
     """Any input either parses to an int in [1, 2**53-1] or raises InvalidArgument (never
-    another exception type, never a non-int, never a silently rounded fraction)."""
+    another exception type, never a non-int; a fraction of a byte only from a size with a
+    unit, rounded up)."""
     try:
         n = parse_size(value)
     except InvalidArgument:
@@ -150,7 +154,40 @@ def test_format_size():
     assert format_size(3 << 30) == "3.0GiB"
     assert format_size(512) == "512B"
     assert format_size(1536) == "1.5KiB"
+    assert format_size(2047) == "2.0KiB" and format_size(1075) == "1.0KiB"
+    assert format_size(MAX_BYTES) == "8191.9TiB"  # not 8192.0TiB: 2**53, over the bound
+    assert format_size(-1536) == "-1.5KiB"
     assert math.isclose(parse_size(format_size(8 << 30)), 8 << 30)
+
+
+_UNIT = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+@settings(max_examples=1000, deadline=None, derandomize=True)
+@given(
+    st.one_of(
+        st.integers(min_value=1, max_value=MAX_BYTES),
+        st.integers(min_value=0, max_value=52).map(lambda k: 2**k),
+        st.integers(min_value=1, max_value=53).map(lambda k: 2**k - 1),
+        st.integers(min_value=1, max_value=8191).map(lambda t: t * 2**40 // 10 * 10 - 1),
+    )
+)
+def test_every_size_printed_is_read_back(n):
+    """What gpulock prints it accepts: the service's "no GPU memory for 1.4GiB" was refused
+    by the CLI ("must be a whole number of bytes"). For every size, the printed text parses
+    (the CLI's parse_size, and below "1000.0TiB" the HTTP bodies' parse_size_text) to a size
+    within half a tenth of the unit (a tenth at the very top), which prints the same text."""
+    text = format_size(n)
+    unit = _UNIT[text.lstrip("0123456789.")]
+    back = parse_size(text)
+    assert 1 <= back <= MAX_BYTES, (n, text, back)
+    if n < 8000 * 2**40:
+        assert 20 * abs(n - back) <= unit + 20, (n, text, back)
+    else:
+        assert 10 * abs(n - back) <= unit, (n, text, back)
+    assert format_size(back) == text
+    if not text.endswith("TiB") or float(text[:-3]) < 1000:
+        assert parse_size_text(text) == back
 
 
 @settings(max_examples=2000, deadline=None, derandomize=True)
@@ -170,7 +207,7 @@ def test_every_size_text_the_pattern_allows_is_accepted(text):
         "0kb",
         "0.5",
         "1.0",
-        "1.1KiB",
+        "1.5B",
         "1.0625GiB",
         "007",
         "1000TiB",
@@ -193,6 +230,8 @@ def test_size_text_outside_the_pattern_is_refused(text):
         ("0.5GiB", 2**29),
         ("1.5GB", 1_500_000_000),
         ("1.125 KiB", 1152),
+        ("1.1KiB", 1127),  # 1126.4: a fraction of a byte counts as a byte
+        ("1.4GiB", 1_503_238_554),
         ("8.0GiB", 8 * 2**30),
         (" 7 kib ", 7168),
         ("999TiB", 999 * 2**40),
