@@ -8,6 +8,8 @@ import os
 from types import ModuleType
 from typing import Any, Callable
 
+from gpulock_common.validation import describe
+
 from . import errors as E
 from ._admin import DeleteResult
 from ._cli_common import EXIT_USAGE, AuthFailed, fail
@@ -27,12 +29,8 @@ def _require_client() -> ModuleType:
 def _from_reply(status: int, body: Any, pool: str) -> E.GpuLockError:
     d = body.get("detail") if isinstance(body, dict) else None
     detail = d if isinstance(d, dict) else {}
-    if isinstance(d, list):  # FastAPI's 422: name the fields
-        msg = "; ".join(
-            f"{'.'.join(str(x) for x in e.get('loc', []))}: {e.get('msg')}"
-            for e in d
-            if isinstance(e, dict)
-        )
+    if isinstance(d, list):  # FastAPI's 422: name the fields, in users' words
+        msg = describe(d)
     else:
         msg = str(detail.get("message", d if d is not None else f"HTTP {status}"))
     code = detail.get("error")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from fastapi import HTTPException, Request, Response
 from gpulock_common.aio import wait_for
+from gpulock_common.validation import plain_errors
 
 from ._access_log import HEADER as REQUEST_ID_HEADER
 from ._access_log import request_id_error
@@ -122,7 +123,9 @@ def _error_handlers(detail: Detail) -> tuple[_Handler, _Handler, _Handler]:
             msg = utf8_error(body)
             if msg:
                 return reply(400, "invalid_utf8", msg)
-        errors: Any = getattr(exc, "errors", list)()
+        # each loc the path through the body the client sent, without pydantic's internals
+        # (a union member's name, "[key]"): what every surface and client says to users
+        errors: Any = plain_errors(getattr(exc, "errors", list)(), getattr(exc, "body", None))
         try:
             content = _renderable(jsonable_encoder(_renderable(errors)))
         except RecursionError:  # pragma: no cover - _renderable bounds the depth
@@ -193,7 +196,9 @@ def install_error_handlers(app: Any, *, detail: Detail | None = None) -> None:
     """The error replies of every gpulock HTTP surface: 400 naming the byte for a body that is
     not UTF-8 (with any content type), 400 for JSON nested too deeply to parse, 422 for every
     invalid request (also one that sent NaN, Infinity, a lone surrogate or input nested
-    hundreds of levels deep, which FastAPI's own reply could not render: a 500).
+    hundreds of levels deep, which FastAPI's own reply could not render: a 500), each error's
+    ``loc`` the path in the body sent, without pydantic's internals
+    (:func:`gpulock_common.validation.plain_errors`).
 
     ``detail(code, message)``: the surface's error body, the value of ``"detail"`` (default
     :func:`plain_detail`: the message; the broker's: ``{"error": code, "message": message}``)."""

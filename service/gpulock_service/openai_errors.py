@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import HTTPException, Request, Response
 from fastapi.responses import JSONResponse
+from gpulock_common.validation import describe, param_of
 from pydantic import BaseModel, Field
 
 if TYPE_CHECKING:
@@ -107,8 +108,8 @@ def guard_detail(code: str, message: str) -> dict[str, str]:
 
 def _from_detail(detail: Any) -> tuple[str, str | None, str | None]:
     """``(message, code, param)`` of a ``{"detail": detail}`` body: a message; the HTTP guards'
-    ``{"error": code, "message": text}``; or FastAPI's list of validation errors (``param``: the
-    first one's top-level field, e.g. ``input``)."""
+    ``{"error": code, "message": text}``; or FastAPI's list of validation errors, said in
+    users' words (``param``: the first one's top-level field, e.g. ``input``)."""
     if isinstance(detail, dict) and "message" in detail:
         code = detail.get("error")
         return str(detail["message"]), code if isinstance(code, str) else None, None
@@ -119,20 +120,8 @@ def _from_detail(detail: Any) -> tuple[str, str | None, str | None]:
             why = (bad_json.get("ctx") or {}).get("error") or bad_json.get("msg", "")
             at = f" at character {loc[1]}" if len(loc) > 1 else ""
             return f"the body is not valid JSON: {why}{at}", "invalid_json", None
-        parts, param = [], None
-        for e in detail:
-            loc = [str(x) for x in e.get("loc", ())]
-            if loc and loc[0] == "body":
-                loc = loc[1:]
-            where = ".".join(loc) or "body"
-            if param is None:
-                param = loc[0] if loc else None  # the field: "input", not "input.list[str]"
-            got = e.get("input")
-            shown = json.dumps(got, default=str)[:120] if "input" in e and got is not None else ""
-            parts.append(
-                f"{where}: {e.get('msg', 'invalid')}" + (f" (got {shown})" if shown else "")
-            )
-        return "invalid request: " + "; ".join(parts), None, param
+        # in users' words (input[0][1], no pydantic internals): gpulock_common.validation
+        return "invalid request: " + describe(detail), None, param_of(detail)
     return (detail if isinstance(detail, str) else json.dumps(detail, default=str)), None, None
 
 

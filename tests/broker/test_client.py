@@ -62,6 +62,25 @@ def test_errors(broker_srv, pool):
         Pool(broker_srv.url, "gpu-a", token="bad-token-xxxxxxxxxxxxxxxx").acquire(1)
 
 
+def test_a_422_is_said_in_users_words(broker_srv, pool, user, gpu):
+    """A holder value that is a list was refused naming pydantic's union members
+    (``holder.job.str: ...; holder.job.int: ...``): the broker's 422 names the path the
+    client sent, ``holder.job``, and the SDK says it in one line."""
+    r = user.post(f"/v1/pools/{gpu}/leases", json={"amount": 1, "holder": {"job": [1]}})
+    assert r.status_code == 422, r.text
+    assert {tuple(e["loc"]) for e in r.json()["detail"]} == {("body", "holder", "job")}, r.text
+    with pytest.raises(InvalidArgument) as e:
+        pool.acquire(1, holder={"job": [1]})  # type: ignore[dict-item]
+    assert str(e.value) == (
+        "holder.job: Input should be a valid string, a valid integer, a valid number or a "
+        "valid boolean (got [1])"
+    ), str(e.value)
+    with pytest.raises(InvalidArgument) as e:
+        pool.acquire(1, ttl=0.1)
+    assert str(e.value).startswith("ttl: "), str(e.value)  # not "body.ttl: Value error, ..."
+    assert "Value error" not in str(e.value)
+
+
 def test_acquire_timeout_withdraws_the_place(pool):
     held = pool.acquire("10GiB", ttl=10)
     positions = []

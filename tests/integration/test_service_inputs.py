@@ -6,7 +6,9 @@ counts words as tokens):
   ``context_length_exceeded`` in OpenAI's shape naming the input and the bound, unless the
   request says ``"truncate": true`` (or the service ``GPULOCK_TRUNCATE=true`` and the request
   nothing): then it is embedded from its first tokens, counted as those;
-* more inputs than ``GPULOCK_MAX_BATCH`` is a 413 naming the setting and its value.
+* more inputs than ``GPULOCK_MAX_BATCH`` is a 413 naming the setting and its value;
+* an invalid body's 400 names the path in the body the client sent (``input[0][1]``), not
+  pydantic's internals (``input.list[list[function-before[integral(), int]]].0.1``).
 """
 
 from __future__ import annotations
@@ -93,3 +95,21 @@ async def test_truncation_as_the_services_default_and_max_batch_is_a_setting(red
         assert "at most 3 per request (GPULOCK_MAX_BATCH)" in msg and "holds 4 inputs" in msg
         r = await c.post("/v1/embeddings", json={"input": ["a"] * 3})
         assert r.status_code == 200, r.text
+
+
+async def test_an_invalid_body_is_said_in_users_words(redis_proc1):
+    app = _app(redis_proc1.url, "words")
+    async with Running(app) as c:
+        await _ready(app)
+        r = await c.post("/v1/embeddings", json={"input": [[1, "two"]]})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["message"] == (
+            'invalid request: input[0][1]: Input should be a valid integer (got "two")'
+        ), err
+        assert err["param"] == "input"
+        r = await c.post("/v1/embeddings", json={"input": ["a", 5]})
+        msg = r.json()["error"]["message"]
+        assert "input[1]: Input should be a valid string or a valid list (got 5)" in msg, msg
+        for internal in ("function-before", "list[", ".str", "Value error"):
+            assert internal not in msg, msg

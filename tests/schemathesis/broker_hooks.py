@@ -28,12 +28,12 @@ _STATE = re.compile(
 _DEVICE = re.compile(r"^device \d+ is not a device of the pool: it has \d+ \(0 \.\. \d+\)$")
 # and the one bound of a body no JSON Schema keyword can state: the holder's size as JSON
 # (service/gpulock_broker/models.py, non-ASCII escaped as json.dumps does by default)
-_SIZE = re.compile(r"^Value error, holder is \d+ bytes as JSON; at most \d+$")
+_SIZE = re.compile(r"^(?:Value error, )?holder is \d+ bytes as JSON; at most \d+$")
 # a pool's devices: the sum (service/gpulock_broker/models.py) and the pool's state
 # (lua/configure.lua)
 _DEVICES = re.compile(
-    r"^Value error, capacity \d+ is not the sum of the devices' capacities|"
-    r"^Value error, the devices' capacities sum to \d+ bytes, above the largest capacity|"
+    r"^(?:Value error, )?capacity \d+ is not the sum of the devices' capacities|"
+    r"^(?:Value error, )?the devices' capacities sum to \d+ bytes, above the largest capacity|"
     r"^the pool has \d+ device\(s\) and leases or waiters: its count of devices changes only|"
     r"^the pool has \d+ devices: give each one a capacity \(devices\), not capacity \d+ alone$"
 )

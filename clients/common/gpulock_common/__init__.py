@@ -13,7 +13,10 @@ pulls in neither redis, torch nor FastAPI, and the two sides hold one copy of:
   bound and safety margin), a lease's local state (active, lost or released; ``check`` raising
   ``LeaseLost``; ``mark_lost`` firing the ``on_lost`` callbacks once), and the lease object's
   read-only surface.
-- :mod:`gpulock_common.units`: ``format_size``, the byte formatter the error messages use.
+- :mod:`gpulock_common.units`: ``format_size``, the byte formatter the error messages use, and
+  ``MAX_BYTES``.
+- :mod:`gpulock_common.validation`: validation errors in users' words (``input[0][1]: ...``,
+  no pydantic internals), for the servers' 400/422 and the SDK's and CLI's messages.
 - :mod:`gpulock_common.aio`: asyncio helpers that never lose a cancellation (``wait_for``,
   ``stop_tasks``), which both sides' background loops stop with.
 

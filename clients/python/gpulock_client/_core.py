@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Generator, List, Mapping, Optional, Sequ
 from urllib.parse import quote
 
 from gpulock_common.lease import CLOCK_DRIFT as CLOCK_DRIFT
+from gpulock_common.validation import describe
 from gpulock_common.lease import SAFETY_MARGIN_S as SAFETY_MARGIN_S
 from gpulock_common.lease import LeaseView, LocalLeaseState
 from gpulock_common.lease import reply_made_after as reply_made_after
@@ -127,12 +128,8 @@ class Reply:
         d = self.body.get("detail") if isinstance(self.body, dict) else None
         if isinstance(d, dict):
             return str(d.get("message", d))
-        if isinstance(d, list):  # FastAPI validation errors: name the field
-            return "; ".join(
-                f"{'.'.join(str(x) for x in e.get('loc', []))}: {e.get('msg')}"
-                for e in d
-                if isinstance(e, dict)
-            )
+        if isinstance(d, list):  # FastAPI validation errors: name the field, in users' words
+            return describe(d)
         return f"HTTP {self.status}"
 
     def retry_after(self) -> Optional[float]:
