@@ -127,6 +127,24 @@ def check_options(
     return None
 
 
+def broker_env_problem(redis_url_on_command_line: bool) -> str | None:
+    """Why serve must not start because ``GPULOCK_BROKER_URL`` is set, or None.
+
+    The CLI's rule: a broker URL in the environment wins over ``GPULOCK_REDIS_URL``, and only
+    ``--redis-url`` on the command line wins over it. serve cannot go through a broker (it
+    needs Redis itself), so, as for ``--broker-url``, it refuses rather than start on a Redis
+    nobody named (its own embedded Valkey: a pool apart from the broker's)."""
+    url = os.environ.get("GPULOCK_BROKER_URL", "").strip()
+    if not url or redis_url_on_command_line:
+        return None
+    return (
+        f"GPULOCK_BROKER_URL is set ({_redact(url)}), but gpulock serve cannot go through a "
+        f"broker: it runs the service on Redis, and would start its own embedded Valkey, a pool "
+        f"apart from the broker's. Give --redis-url on the command line (the broker's Redis, to "
+        f"share its pools), or unset GPULOCK_BROKER_URL"
+    )
+
+
 def _describe_exit(rc: int | None) -> str:
     if rc is not None and rc < 0:
         try:
