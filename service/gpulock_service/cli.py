@@ -72,6 +72,13 @@ def register(app: typer.Typer) -> None:
             envvar="GPULOCK_LOG_FORMAT",
             help="access log, one line per request (logger gpulock.access): plain or json",
         ),
+        data_dir: str | None = typer.Option(
+            None,
+            "--data-dir",
+            envvar="GPULOCK_DATA_DIR",
+            help="the embedded server's data (pools, leases, history), kept across restarts; "
+            "default $XDG_STATE_HOME/gpulock/serve-PORT (~/.local/state/...); 'none': no persistence",
+        ),
     ) -> None:
         """Run the embeddings service: gunicorn with uvicorn workers, each leasing GPU memory
         from the pool before every request.
@@ -100,6 +107,7 @@ def register(app: typer.Typer) -> None:
                 timeout=timeout,
                 log_level=log_level,
                 log_format=log_format,
+                data_dir=data_dir,
             )
         )
 

@@ -63,12 +63,8 @@ def test_embedded_valkey_that_dies_5_times_within_60s_is_not_started_again(capsy
     """The supervisor's rule as docs/SERVICE.md states it: deaths 1-4 within the window are
     restarted in place, the 5th stops the service with exit 69 (it restarted after the 5th
     kill -9 and stopped at the 6th). A real server, killed with SIGKILL each time."""
-    from gpulock_service.serve import (
-        EXIT_UNAVAILABLE,
-        MAX_DEATHS,
-        RESTART_WINDOW_S,
-        _restart_embedded,
-    )
+    from gpulock_service.embedded_server import MAX_DEATHS, RESTART_WINDOW_S, restart_embedded
+    from gpulock_service.serve import EXIT_UNAVAILABLE
 
     from gpulock.embedded import RedisProcess, find_server_binary
 
@@ -79,7 +75,7 @@ def test_embedded_valkey_that_dies_5_times_within_60s_is_not_started_again(capsy
         for _ in range(MAX_DEATHS):
             rp.kill()
             rp.proc.wait(10)
-            codes.append(_restart_embedded(rp, restarts))
+            codes.append(restart_embedded(rp, restarts))
             if codes[-1]:
                 break
             assert redis.Redis.from_url(rp.url).ping()
@@ -107,6 +103,8 @@ def test_embedded_valkey_killed_under_serve_is_restarted_and_leases_come_back(tm
                 str(port),
                 "--log-level",
                 "warning",
+                "--data-dir",
+                "none",  # restarted empty: the workers put their leases back
             ],
             env=_env(),
             stdout=out,
