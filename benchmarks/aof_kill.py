@@ -74,7 +74,9 @@ def main() -> None:
     print(binary)
     for policy in POLICIES:
         lr, lost = kills(binary, policy, a.rounds)
-        print(f"appendfsync {policy:8}: {lr} of {a.rounds} kill -9s lost answered writes ({lost} writes)")
+        print(
+            f"appendfsync {policy:8}: {lr} of {a.rounds} kill -9s lost answered writes ({lost} writes)"
+        )
     for policy in (None, *POLICIES):
         p50, p99 = latency(binary, policy)
         name = "no persistence" if policy is None else f"appendfsync {policy}"

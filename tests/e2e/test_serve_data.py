@@ -108,8 +108,9 @@ def test_serve_keeps_pool_history_and_counters_across_kill_9_of_its_server_and_o
         r = httpx.post(url + "/v1/embeddings", json={"input": ["oom"]}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "cuda_oom", r.text
         _wait(
-            lambda: _state(rc)["counters"] == {"rejected": 1, "oom": 1}
-            and _state(rc)["samples"] >= 3,
+            lambda: (
+                _state(rc)["counters"] == {"rejected": 1, "oom": 1} and _state(rc)["samples"] >= 3
+            ),
             "the 503 counted and three samples",
             30,
             log,
