@@ -155,6 +155,9 @@ def test_both_urls_on_the_command_line_is_a_usage_error(url):
         (("--model", "no_such_module_xyz:factory"), "no_such_module_xyz"),
         (("--log-level", "loud"), "loud"),
         (("--capacity", "lots"), "capacity"),
+        (("--redis-url", "redis://127.0.0.1:1/0", "--data-dir", "x"), "--data-dir"),
+        (("--data-dir", " "), "--data-dir is empty"),
+        (("--data-dir", "/proc/version/x"), "/proc/version/x"),  # not a directory one can make
     ],
 )
 def test_serve_validates_every_option_before_starting_anything(args, needle):
