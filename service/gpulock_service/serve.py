@@ -304,11 +304,22 @@ def run_serve(
                 binary = find_server_binary("embedded")
             except FileNotFoundError:
                 binary = find_server_binary("any")
-            redis_proc = start_embedded(binary, taken)
+            try:
+                redis_proc = start_embedded(binary, taken)
+            except RuntimeError as e:  # e.g. its data cannot be read: it exits at start
+                where = (
+                    f"; its data is in {taken.path}: move it away to start empty, or give "
+                    f"another --data-dir"
+                    if taken is not None
+                    else ""
+                )
+                _say(
+                    f"error: the embedded Redis did not start: {e}{where} (exit {EXIT_UNAVAILABLE})"
+                )
+                return EXIT_UNAVAILABLE
             redis_url = redis_proc.url
             kept = (
-                f"data in {taken.path} (an append-only file, fsynced every second; "
-                f"--data-dir none for none)"
+                f"data in {taken.path} (an append-only file; --data-dir none for none)"
                 if taken is not None
                 else "no persistence"
             )

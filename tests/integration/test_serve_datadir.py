@@ -10,7 +10,10 @@ import sys
 import time
 
 import pytest
+import redis
 from support.procs import kill_quietly
+
+from gpulock.embedded import RedisProcess, find_server_binary, free_port
 
 from gpulock_service.datadir import DataDir, DataDirError, default_data_dir, resolve_data_dir
 
@@ -89,3 +92,23 @@ def test_a_directory_whose_serve_is_gone_is_taken_once_its_server_has_exited(tmp
         assert "the embedded server of a serve that is gone" in str(e.value), e.value
     finally:
         kill_quietly(server)
+
+
+def test_serve_with_data_the_server_cannot_read_exits_69_naming_the_directory(tmp_path):
+    data = tmp_path / "data"
+    with RedisProcess(find_server_binary("embedded"), data_dir=data) as rp:
+        redis.Redis.from_url(rp.url).set("k", "v")
+    (incr,) = (data / "appendonlydir").glob("*.incr.aof")
+    incr.write_bytes(b"*2\r\n$3\r\nSET\r\nnot a command\r\n")  # not a truncated tail: garbage
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOCK_")}
+    r = subprocess.run(
+        [sys.executable, "-m", "gpulock", "serve", "--model", "sleep"]
+        + ["--port", str(free_port()), "--data-dir", str(data)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 69, (r.returncode, r.stderr)
+    assert "the embedded Redis did not start" in r.stderr and f"data is in {data}" in r.stderr
+    assert "Traceback" not in r.stderr and "workers" not in r.stderr, r.stderr
