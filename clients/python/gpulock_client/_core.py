@@ -438,6 +438,7 @@ def _acquire_polls(
         assert isinstance(out, (Reply, Exception))  # an Http step's outcome
         attempt += 1
         if isinstance(out, Reply) and out.status == 201:
+            cfg.grace_until = 0.0  # granted: no grace period (nothing is granted in one)
             return out.body, out.sent
         if (
             isinstance(out, Reply)
