@@ -453,6 +453,12 @@ class AsyncPool(PoolOptions):
         lease: AsyncLease = await self._run(steps, pending_cancels())
         return lease
 
+    def grace_left(self) -> float:
+        """Seconds left in the pool's restart grace period as this pool object last saw it
+        (in a reply to its acquire, status or configure, or in its recovery after Redis lost
+        the pool; no I/O): nothing new is granted until it ends. 0 outside one."""
+        return self._runtime.grace_left()
+
     # ---- remote holders (for proxies such as the HTTP broker: see gpulock._remote) ----------
     @property
     def waiting(self) -> int:

@@ -183,7 +183,11 @@ def core_error(e: Exception) -> Exception:
         return E.LeaseLost(e.lease_id, e.reason)
     if isinstance(e, C.AcquireTimeout):
         return E.AcquireTimeout(
-            str(e), position=e.position, queue_length=e.queue_length, retry_after=e.retry_after
+            str(e),
+            position=e.position,
+            queue_length=e.queue_length,
+            retry_after=e.retry_after,
+            grace_left=e.grace_left,
         )
     if isinstance(e, C.QuotaExceeded):
         return E.QuotaExceeded(e.amount, e.quota, e.tenant)
@@ -281,6 +285,9 @@ class BrokerPool:
             )
         except gpulock_client.GpuLockError as e:
             raise core_error(e) from e
+
+    def grace_left(self) -> float:
+        return float(self._inner.grace_left())
 
     def close(self) -> None:
         self._inner.close()

@@ -338,7 +338,8 @@ class RunPool(Protocol):
     bytes, ``ttl``/``timeout`` in seconds, ``priority`` in [-100, 100] (higher first),
     ``tenant`` the tenant the lease counts under (None: none; a broker takes it from the
     token, so its pool refuses one), ``device`` the device it must be on (None: the pool
-    places it); errors are the core's exceptions."""
+    places it); errors are the core's exceptions. ``grace_left()``: seconds left in the pool's
+    restart grace period as last seen (0: none)."""
 
     def acquire(
         self,
@@ -352,6 +353,8 @@ class RunPool(Protocol):
         tenant: str | None = None,
         device: int | None = None,
     ) -> RunLease: ...
+
+    def grace_left(self) -> float: ...
 
     def close(self) -> None: ...
 

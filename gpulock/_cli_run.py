@@ -14,6 +14,7 @@ from types import FrameType
 from typing import Any, Optional
 
 import typer
+from gpulock_common.grace import grace_note
 
 from ._cli_common import (
     EXIT_CAPACITY,
@@ -320,7 +321,11 @@ def _run_under_lease(
         if not queued_at:
             queued_at.append(time.monotonic())
         on = "" if pin is None else f" device {pin}"
-        info(f"waiting for {format_size(amount)} on pool {pool!r}{on}: position {pos} in the queue")
+        grace = p.grace_left()
+        why = f" ({grace_note(pool, grace)})" if grace > 0 else ""
+        info(
+            f"waiting for {format_size(amount)} on pool {pool!r}{on}: position {pos} in the queue{why}"
+        )
 
     # While waiting: a signal interrupts the wait (Pool.acquire leaves the queue and releases a
     # grant that raced in), then we exit 128+N. Later signals during that cleanup are noted only.
@@ -356,9 +361,11 @@ def _run_under_lease(
         )
         return 128 + e.signum
     except AcquireTimeout as e:
+        why = f": {grace_note(pool, e.grace_left)}" if e.grace_left > 0 else ""
         say(
             f"error: no lease of {format_size(amount)} on pool {pool!r} within {timeout}s "
-            f"({'queue position ' + str(e.position) if e.position else 'not granted'}); exit {EXIT_TEMPFAIL}"
+            f"({'queue position ' + str(e.position) if e.position else 'not granted'}){why}; "
+            f"exit {EXIT_TEMPFAIL}"
         )
         return EXIT_TEMPFAIL
     except GpuLockError as e:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from gpulock_common.grace import grace_note
+
 from ._args import (
     MAX_TTL_S,
     MIN_TTL_S,
@@ -173,7 +175,10 @@ def configure(
         if rt is not None
         else configure_args(cap, mw, ttl_ms(mt), create_only, grace, qp)  # it saw no pool yet
     )
+    sent = pool.clock()
     r = yield Eval("configure", argv)
+    if rt is not None and len(r) > 6:
+        rt.note_grace(sent, int(r[6]))
     if not create_only:
         pool.capacity = cap
         pool.max_ttl = mt
@@ -211,6 +216,7 @@ def _text(v: Any) -> str:
 
 def status(pool: PoolView, rt: Runtime | None, limit: int) -> Flow[PoolStatus]:
     """``status``: a :class:`~gpulock._replies.PoolStatus`. Raises PoolNotFound."""
+    sent = pool.clock()
     st: PoolStatus | None = decode_status(pool.name, (yield Eval("status", [str(limit)])))
     if st is None:
         if rt is not None:
@@ -224,6 +230,7 @@ def status(pool: PoolView, rt: Runtime | None, limit: int) -> Flow[PoolStatus]:
             ttl_ms(st.max_ttl) if st.max_ttl else 0,
             st.queue_config(),
         )
+        rt.note_grace(sent, round(st.grace_left * 1000))
     return st
 
 
@@ -362,6 +369,7 @@ def acquire_call(
     res = decode_acquire(req.ticket, r)
     rt.observe(sent, res.now_ms)
     rt.seen(res.epoch, res.capacity)
+    rt.note_grace(sent, res.grace_left_ms if isinstance(res, NotGranted) else 0)
     return res, sent
 
 
@@ -411,17 +419,23 @@ def acquire(
             return lease
         if not res.queued:
             needs_cancel = False
+            grace = res.grace_left_ms / 1000
             raise AcquireTimeout(
                 f"pool {pool.name!r}: {req.amount} bytes not available now (timeout=0; "
-                f"{res.queue_length} waiting, {res.used}/{res.capacity} bytes used"
                 + (
-                    f", {res.held_back} held back for device memory in use outside the "
-                    f"pool's leases)"
-                    if res.held_back
-                    else ")"
+                    f"{res.queue_length} waiting): {grace_note(pool.name, grace)}"
+                    if grace > 0
+                    else f"{res.queue_length} waiting, {res.used}/{res.capacity} bytes used"
+                    + (
+                        f", {res.held_back} held back for device memory in use outside the "
+                        f"pool's leases)"
+                        if res.held_back
+                        else ")"
+                    )
                 ),
                 queue_length=res.queue_length,
                 retry_after=_retry_after(res),
+                grace_left=grace,
             )
         if on_queued is not None:
             on_queued(res.position)  # first here, on the caller's side; later ones: the runtime
@@ -450,13 +464,17 @@ def acquire(
                 if got.position is None
                 else f"position {got.position} of {res.queue_length}+"
             )
+            grace = rt.grace_left()
             raise AcquireTimeout(
                 f"pool {pool.name!r}: no grant of {req.amount} bytes within {req.timeout_s}s "
-                f"({where})",
+                f"({where})" + (f": {grace_note(pool.name, grace)}" if grace > 0 else ""),
                 position=res.position if got.position is None else got.position,
                 queue_length=res.queue_length,
-                retry_after=_retry_after(res),
+                retry_after=max(grace, _retry_after(res) or 0.0)
+                if grace > 0
+                else _retry_after(res),
                 waited=pool.clock() - start,
+                grace_left=grace,
             )
         lease = yield MakeLease(got, req, rt.deadline_for(got))
         needs_cancel = False

@@ -81,6 +81,19 @@ class Recovery:
         self._settings_asked = False  # one background status read for max_ttl/max_waiters
         self._requeue: OrderedDict[str, Waiter] = OrderedDict()  # waiters whose place Redis forgot
         self._requeuer: asyncio.Task[None] | None = None
+        # When the pool's grace period ends, on the local clock, as the last reply that told
+        # showed it (0: not in one).
+        self._grace_until = 0.0
+
+    def note_grace(self, sent: float, left_ms: int) -> None:
+        """A reply to a call sent at ``sent`` (local clock) showed ``left_ms`` ms left in the
+        pool's grace period (0: none). Safe from any thread."""
+        self._grace_until = sent + left_ms / 1000 if left_ms > 0 else 0.0
+
+    def grace_left(self) -> float:
+        """Seconds left in the pool's grace period as last seen (0: not in one, or never
+        seen). No I/O."""
+        return max(0.0, self._grace_until - self.clock())
 
     def seen(
         self,
@@ -211,8 +224,11 @@ class Recovery:
                     )
                 return 0
             argv = self.configure_argv(st.capacity or 0, st.max_waiters, st.max_ttl_ms, True, True)
+            sent = self.clock()
             r = await self._calls.eval("configure", argv, bound=bound)
             epoch = int(r[2])
+            if len(r) > 6:
+                self.note_grace(sent, int(r[6]))
             if int(r[0]):
                 log.warning(
                     "gpulock: pool %s was gone from Redis (restarted without its data?): created it "
@@ -247,6 +263,7 @@ class Recovery:
         r = await self._calls.eval("reassert", args, bound=bound)
         now_ms = int(r[0])
         self._observe(sent, now_ms)
+        self.note_grace(sent, int(r[2]))
         for s, res in zip(live, r[3]):
             res = int(res)
             if s.released or s.lost_reason is not None:
@@ -323,6 +340,7 @@ class Recovery:
             reg.deliver(res)
         else:
             w.position = res.position
+            self.note_grace(sent, res.grace_left_ms)
             self._set_reap_timer(self.clock(), res.retry_after_ms)
 
 

@@ -34,13 +34,14 @@ class NotGranted:
 
     queued: bool
     position: int
-    retry_after_ms: int  # to the nearest lease expiry; -1 when no lease exists
+    retry_after_ms: int  # to the end of a grace period, else to the nearest lease expiry; -1: none
     queue_length: int
     now_ms: int
     epoch: int
     capacity: int
     used: int
     held_back: int = 0  # bytes the device report holds back (capacity - effective capacity)
+    grace_left_ms: int = 0  # ms left in the pool's grace period (0 outside one)
 
 
 def _s(v: Any) -> str:
@@ -70,6 +71,7 @@ def decode_acquire(ticket: str, r: list[Any]) -> Grant | NotGranted:
         int(r[6]),
         int(r[7]),
         int(r[8]) if len(r) > 8 else 0,
+        int(r[9]) if len(r) > 9 else 0,
     )
 
 

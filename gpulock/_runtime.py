@@ -194,6 +194,15 @@ class Runtime:
         Safe from any thread."""
         self.recovery.seen(epoch, capacity, max_waiters, max_ttl_ms, policy)
 
+    def note_grace(self, sent: float, left_ms: int) -> None:
+        """A reply to a call sent at ``sent`` showed ``left_ms`` ms of grace period left
+        (:meth:`gpulock._recovery.Recovery.note_grace`). Safe from any thread."""
+        self.recovery.note_grace(sent, left_ms)
+
+    def grace_left(self) -> float:
+        """Seconds left in the pool's grace period as last seen; 0 outside one. No I/O."""
+        return self.recovery.grace_left()
+
     def suspect_restart(self) -> None:
         """Run the heartbeat (and so the recovery) now. Safe from any thread."""
         self.heartbeat.suspect_restart()

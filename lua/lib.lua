@@ -576,18 +576,18 @@ local function publish(now, lines, n)
   end
 end
 
--- Milliseconds until the queue can next move without a release: the nearest lease expiry,
--- the end of a grace period, or the expiry of a device report that holds bytes back, whichever
--- is soonest (-1 when none).
+-- Milliseconds until the queue can next move without a release: in a grace period its end
+-- (nothing is granted before it, whatever expires meanwhile); else the nearest lease expiry or
+-- the expiry of a device report that holds bytes back, whichever is soonest (-1 when none).
 local function next_expiry_in(now)
+  local g = grace_left(now)
+  if g > 0 then return g end
   local first = redis.call('ZRANGE', K_LEASES, 0, 0, 'WITHSCORES')
   local d = -1
   if #first > 0 then
     d = tonumber(first[2]) - now
     if d < 0 then d = 0 end
   end
-  local g = grace_left(now)
-  if g > 0 and (d < 0 or g < d) then d = g end
   local x = redis.call('HMGET', K_CFG, 'external', 'external_until')
   local xu = tonumber(x[2] or '0')
   if tonumber(x[1] or '0') > 0 and xu > now and (d < 0 or xu - now < d) then d = xu - now end
@@ -595,10 +595,10 @@ local function next_expiry_in(now)
 end
 
 -- acquire's reply when it grants nothing now: {code, position, retry_after_ms, queue_len,
--- now_ms, epoch, capacity, used, held_back} (see acquire.lua).
+-- now_ms, epoch, capacity, used, held_back, grace_left_ms} (see acquire.lua).
 local function not_granted(code, pos, now, epoch, cap, eff)
   return {code, pos, next_expiry_in(now), redis.call('ZCARD', K_QUEUE), now,
-          epoch, cap, cfg_num('used'), cap - eff}
+          epoch, cap, cfg_num('used'), cap - eff, grace_left(now)}
 end
 
 local function grant_reply(now, lid)

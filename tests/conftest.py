@@ -4,7 +4,11 @@ pool factories bind pool objects to the per-test server and close them at teardo
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
+import uuid
 
 import pytest
 import redis
@@ -29,6 +33,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 SERVER_KINDS = server_kinds()
+
+# `gpulock serve` keeps its embedded server's data under $XDG_STATE_HOME (gpulock_service.datadir):
+# each test gets a directory of its own there, never the user's, and never one an earlier test
+# on the same port left behind.
+_STATE_ROOT = tempfile.mkdtemp(prefix="gpulock-test-state-")
+atexit.register(shutil.rmtree, _STATE_ROOT, True)
+
+
+@pytest.fixture(autouse=True)
+def _own_state_dir(monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", os.path.join(_STATE_ROOT, uuid.uuid4().hex))
 
 
 @pytest.fixture(

@@ -3,12 +3,15 @@ as last read from Redis, which the limiter's parts share."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import redis.asyncio as aioredis
+from gpulock_common.grace import grace_note
 
 from .._async import AsyncPool
 from .._keys import pool_key, pool_keys
@@ -62,8 +65,28 @@ class Backend:
 
     def grace_left(self) -> float:
         """Seconds left in the pool's grace period after Redis lost it (nothing is granted
-        before it ends), from the last status read; 0 outside one."""
+        before it ends): the later end of what the last status read showed and what the pool
+        object last saw (its acquires, its recovery); 0 outside one."""
         st = self.status
-        if st is None or st.grace_left <= 0:
-            return 0.0
-        return max(0.0, st.grace_left - (time.monotonic() - self.status_at))
+        left = 0.0
+        if st is not None and st.grace_left > 0:
+            left = max(0.0, st.grace_left - (time.monotonic() - self.status_at))
+        if self.pool is not None:
+            left = max(left, self.pool.grace_left())
+        return left
+
+    def grace(self) -> dict[str, Any]:
+        """The grace period as ``/ready`` and ``/health`` show it: ``{"active": bool,
+        "left": seconds, "until": ISO 8601 UTC or None, "message": the reason a request
+        waiting in it is given, or ""}``."""
+        left = self.grace_left()
+        if left <= 0:
+            return {"active": False, "left": 0.0, "until": None, "message": ""}
+        now = time.time()
+        until = datetime.datetime.fromtimestamp(now + left, datetime.timezone.utc)
+        return {
+            "active": True,
+            "left": round(left, 3),
+            "until": until.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "message": grace_note(self.pool_name, left, now=now),
+        }

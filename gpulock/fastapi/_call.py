@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi import Request, Response
 from gpulock_common.aio import wait_for
+from gpulock_common.grace import grace_note
 
 from .. import _access_log as access
 from .._disconnect import _Gone, _wait_or_gone, watch_disconnect
@@ -360,6 +361,11 @@ class GuardedCalls:
                 f"no free inference thread in this worker within {s.acquire_timeout}s "
                 f"(all {s.executor_threads} busy; queue position {position}, counting the "
                 f"pool's queue and this worker's own)"
+            )
+        elif self._backend.grace_left() > 0:  # not short of memory: nothing is granted yet
+            what = (
+                f"no GPU memory granted within {s.acquire_timeout}s (queue position "
+                f"{position}): {grace_note(s.pool_name, self._backend.grace_left())}"
             )
         else:
             what = (

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import HTTPException
+from gpulock_common.grace import grace_note
 
 from ..errors import (
     AcquireTimeout,
@@ -187,7 +188,10 @@ class HttpErrors:
             ra = self._retry_after(pos, exc.retry_after)
             raise GpuLockHTTPException(
                 503,
-                f"no GPU memory for {bytes_asked(amount, batch)} in time (queue position {pos})",
+                f"no GPU memory granted in time (queue position {pos}): "
+                f"{grace_note(pool_name, exc.grace_left)}"
+                if exc.grace_left > 0
+                else f"no GPU memory for {bytes_asked(amount, batch)} in time (queue position {pos})",
                 "queue_timeout",
                 {"Retry-After": str(ra), "X-Queue-Position": str(pos)},
             ) from None

@@ -249,6 +249,7 @@ class GpuLimiter:
     status_at = _Forward("_backend")
     redis_error = _Forward("_backend")
     grace_left = _Forward("_backend")
+    grace = _Forward("_backend")
     conditions = _Forward("_ready")
     fatal_error = _Forward("_ready")
     set_condition = _Forward("_ready")

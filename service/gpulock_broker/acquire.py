@@ -17,7 +17,7 @@ from gpulock.errors import (
     PoolClosed,
     PoolNotFound,
 )
-from gpulock.retry_after import from_expiry_ms
+from gpulock.retry_after import from_expiry_ms, retry_after
 
 from .auth import Principal
 from .leases import Leases
@@ -133,13 +133,16 @@ class Acquirer:
                 return Granted(pool, rid, res, ttl, acquired_ms)
             if not res.queued:
                 final = True  # queue=False and busy: no place was taken
-            if res.queued and self._clock() - start >= LONG_POLL_S:
+            grace = res.grace_left_ms / 1000
+            if grace > 0:  # nothing is granted before it ends: no sooner retry helps
+                ra = retry_after(0.0, cap=self.retry_after_max, grace_left=grace)
+            elif res.queued and self._clock() - start >= LONG_POLL_S:
                 ra = 0  # it long-polled: pacing is done; come back now to go on waiting
             else:
                 ra = from_expiry_ms(res.retry_after_ms, self.retry_after_max)
             hold = self._parking.places.hold_for(ra)
             self._parking.keep(key, entry, hold)
-            return Queued(rid, res.queued, res.position, res.queue_length, ra, hold)
+            return Queued(rid, res.queued, res.position, res.queue_length, ra, hold, grace)
         except PoolNotFound:
             final = True
             self._tasks.spawn(self._pools.drop_if_idle(pool))

@@ -193,6 +193,11 @@ class ErrorDetail(BaseModel):
     hold_place_for: Optional[float] = Field(
         None, description="seconds the place is kept for a retry with the same request_id"
     )
+    grace_left: Optional[float] = Field(
+        None,
+        description="queued, busy: seconds left in the pool's restart grace period (Redis lost "
+        "its data; nothing new is granted until it ends), 0 outside one",
+    )
     lease_id: Optional[str] = None
     amount: Optional[int] = None
     capacity: Optional[int] = None

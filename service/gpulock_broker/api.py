@@ -27,6 +27,7 @@ from typing import Any, NoReturn, Optional
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from gpulock_common.grace import grace_note
 
 from gpulock.errors import (
     BackendUnavailable,
@@ -264,12 +265,13 @@ async def acquire_lease(
             device=g.device,
         )
     headers = {"Retry-After": str(r.retry_after_s)}
+    grace = f": {grace_note(pool, r.grace_left_s)}" if r.grace_left_s > 0 else ""
     if r.queued:
         headers["X-Queue-Position"] = str(r.position)
         _err(
             503,
             "queued",
-            f"queued at position {r.position} of {r.queue_length}; retry with the same "
+            f"queued at position {r.position} of {r.queue_length}{grace}; retry with the same "
             f"request_id within {r.hold_s:g}s to keep the place",
             headers,
             request_id=r.request_id,
@@ -277,15 +279,17 @@ async def acquire_lease(
             queue_length=r.queue_length,
             retry_after=r.retry_after_s,
             hold_place_for=r.hold_s,
+            grace_left=r.grace_left_s,
         )
     _err(
         503,
         "busy",
-        f"not available now ({r.queue_length} queued) and queue=false",
+        f"not available now ({r.queue_length} queued) and queue=false{grace}",
         headers,
         request_id=r.request_id,
         queue_length=r.queue_length,
         retry_after=r.retry_after_s,
+        grace_left=r.grace_left_s,
     )
 
 

@@ -53,6 +53,7 @@ class Queued:
     queue_length: int
     retry_after_s: int
     hold_s: float
+    grace_left_s: float = 0.0  # seconds left in the pool's restart grace period (0: none)
 
 
 def gone_message(lease_id: str, outcome: str) -> str:

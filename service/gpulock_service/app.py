@@ -280,13 +280,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ``pytorch_cuda_alloc_conf``: the allocator setting in effect (see ``alloc_conf``);
         ``oom_backoff``: the OOM back-off as this worker last read it (no read now).
         ``device_truth``: the device's external use and over-users as last read
-        (``GpuLimiter.device_truth``)."""
+        (``GpuLimiter.device_truth``); ``grace``: the pool's restart grace period
+        (``GpuLimiter.grace``)."""
         return {
             "status": "ok",
             "pid": os.getpid(),
             "pytorch_cuda_alloc_conf": alloc_conf.state(),
             "oom_backoff": limiter.backoff_state(),
             "device_truth": limiter.device_truth(),
+            "grace": limiter.grace(),
         }
 
     @app.get(
@@ -304,7 +306,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         },
     )
     async def ready() -> JSONResponse:
-        """Readiness: Redis reachable, model loaded, resident lease held and valid."""
+        """Readiness: Redis reachable, model loaded, resident lease held and valid. ``grace``:
+        the pool's restart grace period, shown but not counted (it is the pool's, not this
+        worker's: every worker on the pool is in it alike)."""
         ok, checks = limiter.readiness()
         body = {
             "ready": ok,
@@ -314,6 +318,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "device": info["device"],
             "resident_bytes": info["resident_bytes"],
             "checks": checks,
+            "grace": limiter.grace(),
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 

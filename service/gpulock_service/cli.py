@@ -7,11 +7,22 @@ from __future__ import annotations
 import typer
 
 
+def _on_command_line(ctx: typer.Context, param: str) -> bool:
+    """Whether ``param`` was given on the command line, to this command or to ``gpulock``
+    itself (``gpulock --redis-url URL serve``)."""
+    for c in (ctx, ctx.parent):
+        src = c.get_parameter_source(param) if c is not None else None
+        if getattr(src, "name", None) == "COMMANDLINE":
+            return True
+    return False
+
+
 def register(app: typer.Typer) -> None:
     """Add the ``serve`` and ``loadtest`` commands to ``app``."""
 
     @app.command("serve")
     def serve(
+        ctx: typer.Context,
         workers: int = typer.Option(4, "--workers", "-w", min=1, help="gunicorn worker processes"),
         redis_url: str | None = typer.Option(
             None,
@@ -61,6 +72,13 @@ def register(app: typer.Typer) -> None:
             envvar="GPULOCK_LOG_FORMAT",
             help="access log, one line per request (logger gpulock.access): plain or json",
         ),
+        data_dir: str | None = typer.Option(
+            None,
+            "--data-dir",
+            envvar="GPULOCK_DATA_DIR",
+            help="the embedded server's data (pools, leases, history), kept across restarts; "
+            "default $XDG_STATE_HOME/gpulock/serve-PORT (~/.local/state/...); 'none': no persistence",
+        ),
     ) -> None:
         """Run the embeddings service: gunicorn with uvicorn workers, each leasing GPU memory
         from the pool before every request.
@@ -68,8 +86,12 @@ def register(app: typer.Typer) -> None:
         Every option is checked before anything starts (exit 2: a bad value, or the port in
         use). Prints a line when /ready first answers 200. An embedded Redis that dies is
         started again on its port; one that will not stay up stops the service (exit 69)."""
-        from .serve import run_serve
+        from .serve import EXIT_USAGE, _say, broker_env_problem, run_serve
 
+        problem = broker_env_problem(_on_command_line(ctx, "redis_url"))
+        if problem:
+            _say(f"error: {problem}")
+            raise typer.Exit(EXIT_USAGE)
         raise typer.Exit(
             run_serve(
                 workers=workers,
@@ -85,6 +107,7 @@ def register(app: typer.Typer) -> None:
                 timeout=timeout,
                 log_level=log_level,
                 log_format=log_format,
+                data_dir=data_dir,
             )
         )
 

@@ -131,6 +131,16 @@ READY_SCHEMA: dict[str, Any] = {
         "device": {"type": ["string", "null"]},
         "resident_bytes": {"type": "integer"},
         "checks": {"type": "object"},
+        "grace": {
+            "type": "object",
+            "description": "the pool's restart grace period: nothing new is granted until it ends",
+            "properties": {
+                "active": {"type": "boolean"},
+                "left": {"type": "number"},
+                "until": {"type": ["string", "null"]},
+                "message": {"type": "string"},
+            },
+        },
     },
 }
 

@@ -5,7 +5,7 @@ no Redis URL is given, configures the pool, makes a fresh ``PROMETHEUS_MULTIPROC
 ``python -m gunicorn`` as a child, forwards SIGTERM/SIGINT/SIGHUP to it, and when gunicorn has
 exited stops Valkey and removes the metrics directory. It checks every option before it starts
 anything, says when the service is first ready, and starts an embedded Valkey that dies again
-on the same port (see :func:`_restart_embedded`). It never imports torch and never
+on the same port (:mod:`gpulock_service.embedded_server`). It never imports torch and never
 initialises CUDA (the GPU's size comes from NVML, ``nvidia-smi`` or a short-lived
 subprocess), and gunicorn's master only imports the app module, which does no I/O.
 """
@@ -44,9 +44,6 @@ def _redact(url: str) -> str:
 EXIT_USAGE = 2  # a bad option, setting or busy port: nothing was started
 EXIT_UNAVAILABLE = 69  # the embedded Redis could not be kept running: the service was stopped
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-# The embedded Valkey's MAX_DEATHS-th death within RESTART_WINDOW_S stops the service: deaths
-# 1 .. MAX_DEATHS-1 within the window are restarted in place.
-MAX_DEATHS, RESTART_WINDOW_S = 5, 60.0
 
 
 def check_model(spec: str) -> str | None:
@@ -127,6 +124,24 @@ def check_options(
     return None
 
 
+def broker_env_problem(redis_url_on_command_line: bool) -> str | None:
+    """Why serve must not start because ``GPULOCK_BROKER_URL`` is set, or None.
+
+    The CLI's rule: a broker URL in the environment wins over ``GPULOCK_REDIS_URL``, and only
+    ``--redis-url`` on the command line wins over it. serve cannot go through a broker (it
+    needs Redis itself), so, as for ``--broker-url``, it refuses rather than start on a Redis
+    nobody named (its own embedded Valkey: a pool apart from the broker's)."""
+    url = os.environ.get("GPULOCK_BROKER_URL", "").strip()
+    if not url or redis_url_on_command_line:
+        return None
+    return (
+        f"GPULOCK_BROKER_URL is set ({_redact(url)}), but gpulock serve cannot go through a "
+        f"broker: it runs the service on Redis, and would start its own embedded Valkey, a pool "
+        f"apart from the broker's. Give --redis-url on the command line (the broker's Redis, to "
+        f"share its pools), or unset GPULOCK_BROKER_URL"
+    )
+
+
 def _describe_exit(rc: int | None) -> str:
     if rc is not None and rc < 0:
         try:
@@ -143,56 +158,6 @@ def _load_time_hint(model: str) -> str:
     if model == "sleep":
         return "the sleep model loads nothing: a few seconds"
     return "as long as the model's factory takes"
-
-
-def _restart_embedded(redis_proc, restarts: list[float]) -> int:
-    """The embedded Valkey died under a running service: start it again on the same port
-    (0), or say why not and return EXIT_UNAVAILABLE (the caller stops the service).
-
-    Restarting in place, rather than exiting for a process manager, keeps the workers, their
-    loaded models and the requests in flight: the workers reconnect by themselves, find the
-    pool gone and put their leases back (the core's restart rule), so their resident leases
-    and running requests keep their bytes. New grants wait out the grace period of one
-    max ttl. Only a server that will not stay up (MAX_DEATHS deaths within RESTART_WINDOW_S, or
-    its port taken) stops the service.
-    """
-    from gpulock.embedded import port_in_use
-
-    old, how = redis_proc.pid, _describe_exit(redis_proc.proc.returncode)
-    rc = redis_proc.proc.returncode
-    # Its own exit (not a signal) usually says why in its log's last lines.
-    tail = " ".join(redis_proc.log_tail(300).split()[-12:]) if rc is not None and rc >= 0 else ""
-    now = time.monotonic()
-    restarts[:] = [t for t in restarts if now - t < RESTART_WINDOW_S]
-    if len(restarts) + 1 >= MAX_DEATHS:  # this death and the restarted ones within the window
-        _say(
-            f"error: embedded Redis (pid {old}) died ({how}) for the {len(restarts) + 1}th time within "
-            f"{RESTART_WINDOW_S:.0f}s; stopping the service (exit {EXIT_UNAVAILABLE}). Last log: {tail or '-'}"
-        )
-        return EXIT_UNAVAILABLE
-    restarts.append(now)
-    _say(
-        f"embedded Redis (pid {old}) died ({how}); starting it again on port {redis_proc.port}"
-        + (f". Its log: {tail}" if tail else "")
-    )
-    busy = port_in_use(redis_proc.host, redis_proc.port)
-    if busy:
-        _say(
-            f"error: cannot restart the embedded Redis: {busy}; stopping the service (exit {EXIT_UNAVAILABLE})"
-        )
-        return EXIT_UNAVAILABLE
-    try:
-        redis_proc.start()
-    except RuntimeError as e:
-        _say(
-            f"error: cannot restart the embedded Redis: {e}; stopping the service (exit {EXIT_UNAVAILABLE})"
-        )
-        return EXIT_UNAVAILABLE
-    _say(
-        f"embedded Redis restarted at {redis_proc.url} (pid {redis_proc.pid}), empty: the workers reconnect and "
-        f"put their leases back; new requests wait out the grace period (one max ttl, 60 s by default)"
-    )
-    return 0
 
 
 def _announce_ready(host: str, port: int, started: float, stop: threading.Event) -> None:
@@ -276,11 +241,16 @@ def run_serve(
     timeout: int,
     log_level: str,
     log_format: str = "plain",
+    data_dir: str | None = None,
 ) -> int:
     from gpulock import GpuLockError, InvalidArgument, Pool
-    from gpulock.embedded import RedisProcess, find_server_binary, server_port
+    from gpulock.embedded import find_server_binary
+
+    from .datadir import DataDir, DataDirError, resolve_data_dir
+    from .embedded_server import restart_embedded, start_embedded
 
     redis_proc = None
+    taken: DataDir | None = None
     metrics_dir = None
     proc: subprocess.Popen | None = None
     device = os.environ.get("GPULOCK_DEVICE", "auto")
@@ -289,6 +259,11 @@ def run_serve(
     )
     if not problem and log_format.strip().lower() not in ("plain", "json"):
         problem = f"--log-format must be plain or json, got {log_format!r}"
+    if not problem and redis_url and data_dir is not None:
+        problem = (
+            "--data-dir (GPULOCK_DATA_DIR) is the embedded server's; with --redis-url "
+            "(GPULOCK_REDIS_URL) your Redis keeps its own data: give one of them"
+        )
     if problem:
         _say(f"error: {problem}")
         return EXIT_USAGE
@@ -320,16 +295,36 @@ def run_serve(
     try:
         if not redis_url:
             try:
+                path = resolve_data_dir(data_dir, port)
+                taken = DataDir.take(path) if path is not None else None
+            except DataDirError as e:
+                _say(f"error: {e}")
+                return EXIT_USAGE
+            try:
                 binary = find_server_binary("embedded")
             except FileNotFoundError:
                 binary = find_server_binary("any")
-            # a port outside the ephemeral range: it must stay free for a restart (see below)
-            redis_proc = RedisProcess(
-                binary, port=server_port("127.0.0.1"), host="127.0.0.1", die_with_parent=True
-            ).start()
+            try:
+                redis_proc = start_embedded(binary, taken)
+            except RuntimeError as e:  # e.g. its data cannot be read: it exits at start
+                where = (
+                    f"; its data is in {taken.path}: move it away to start empty, or give "
+                    f"another --data-dir"
+                    if taken is not None
+                    else ""
+                )
+                _say(
+                    f"error: the embedded Redis did not start: {e}{where} (exit {EXIT_UNAVAILABLE})"
+                )
+                return EXIT_UNAVAILABLE
             redis_url = redis_proc.url
+            kept = (
+                f"data in {taken.path} (an append-only file; --data-dir none for none)"
+                if taken is not None
+                else "no persistence"
+            )
             _say(
-                f"Redis: embedded {os.path.basename(binary)} at {redis_url} (loopback only, no persistence; "
+                f"Redis: embedded {os.path.basename(binary)} at {redis_url} (loopback only, {kept}; "
                 f"stopped with the service). Give --redis-url to share a pool between hosts."
             )
         else:
@@ -462,7 +457,7 @@ def run_serve(
                 and redis_proc.proc is not None
                 and redis_proc.proc.poll() is not None
             ):
-                code = _restart_embedded(redis_proc, restarts)
+                code = restart_embedded(redis_proc, restarts)
                 if code:
                     stopping.set()
                     return code
@@ -479,5 +474,7 @@ def run_serve(
         if redis_proc is not None:
             redis_proc.close()
             _say("embedded Redis stopped")
+        if taken is not None:
+            taken.release()
         if metrics_dir:
             shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -63,12 +63,8 @@ def test_embedded_valkey_that_dies_5_times_within_60s_is_not_started_again(capsy
     """The supervisor's rule as docs/SERVICE.md states it: deaths 1-4 within the window are
     restarted in place, the 5th stops the service with exit 69 (it restarted after the 5th
     kill -9 and stopped at the 6th). A real server, killed with SIGKILL each time."""
-    from gpulock_service.serve import (
-        EXIT_UNAVAILABLE,
-        MAX_DEATHS,
-        RESTART_WINDOW_S,
-        _restart_embedded,
-    )
+    from gpulock_service.embedded_server import MAX_DEATHS, RESTART_WINDOW_S, restart_embedded
+    from gpulock_service.serve import EXIT_UNAVAILABLE
 
     from gpulock.embedded import RedisProcess, find_server_binary
 
@@ -79,7 +75,7 @@ def test_embedded_valkey_that_dies_5_times_within_60s_is_not_started_again(capsy
         for _ in range(MAX_DEATHS):
             rp.kill()
             rp.proc.wait(10)
-            codes.append(_restart_embedded(rp, restarts))
+            codes.append(restart_embedded(rp, restarts))
             if codes[-1]:
                 break
             assert redis.Redis.from_url(rp.url).ping()
@@ -92,6 +88,7 @@ def test_embedded_valkey_that_dies_5_times_within_60s_is_not_started_again(capsy
 def test_embedded_valkey_killed_under_serve_is_restarted_and_leases_come_back(tmp_path):
     port = free_port()
     log = tmp_path / "serve.log"
+    env = {**_env(), "GPULOCK_ACQUIRE_TIMEOUT": "1"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [
@@ -107,8 +104,10 @@ def test_embedded_valkey_killed_under_serve_is_restarted_and_leases_come_back(tm
                 str(port),
                 "--log-level",
                 "warning",
+                "--data-dir",
+                "none",  # restarted empty: the workers put their leases back
             ],
-            env=_env(),
+            env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -152,7 +151,25 @@ def test_embedded_valkey_killed_under_serve_is_restarted_and_leases_come_back(tm
         _wait(
             lambda: httpx.get(url + "/ready", timeout=5).status_code == 200, "/ready 200", 30, log
         )
-        # (new requests queue until the grace period of one max ttl, 60 s, has passed)
+        # New requests queue until the grace period of one max ttl (60 s) has passed, and
+        # everything says so: /ready (still 200: the pool's grace, not this worker's fault),
+        # /health, and the 503 of a request whose wait (1 s here) ran out in it, with a
+        # Retry-After that counts to its end.
+        for route in ("/ready", "/health"):
+            g = _wait(
+                lambda: (g := httpx.get(url + route, timeout=5).json()["grace"])["active"] and g,
+                f"{route} showing the grace period",
+                30,
+                log,
+            )
+            assert g["active"] and 50 < g["left"] <= 60 and g["until"].endswith("Z"), (route, g)
+            assert "restart grace period" in g["message"], (route, g)
+        r = httpx.post(url + "/v1/embeddings", json={"input": ["in the grace"]}, timeout=30)
+        left = httpx.get(url + "/ready", timeout=5).json()["grace"]["left"]
+        msg = r.json()["error"]["message"]
+        assert r.status_code == 503 and "restart grace period" in msg, r.text
+        assert "no GPU memory for" not in msg and "Redis lost its data" in msg, msg
+        assert int(r.headers["retry-after"]) >= int(left), (r.headers, left)
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(40) == 0, log.read_text()

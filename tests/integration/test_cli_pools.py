@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -154,6 +155,9 @@ def test_both_urls_on_the_command_line_is_a_usage_error(url):
         (("--model", "no_such_module_xyz:factory"), "no_such_module_xyz"),
         (("--log-level", "loud"), "loud"),
         (("--capacity", "lots"), "capacity"),
+        (("--redis-url", "redis://127.0.0.1:1/0", "--data-dir", "x"), "--data-dir"),
+        (("--data-dir", " "), "--data-dir is empty"),
+        (("--data-dir", "/proc/version/x"), "/proc/version/x"),  # not a directory one can make
     ],
 )
 def test_serve_validates_every_option_before_starting_anything(args, needle):
@@ -184,6 +188,35 @@ def test_serve_with_an_unreachable_redis_exits_69():
     assert r.returncode == 69, (r.returncode, r.stderr)
     assert "unreachable" in r.stderr and dead in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "starting:" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("redis_env", [False, True])
+def test_serve_refuses_a_broker_url_from_the_environment(redis_env):
+    """GPULOCK_BROKER_URL in the environment stops serve as --broker-url does (exit 2, naming
+    it, nothing started), also with a GPULOCK_REDIS_URL beside it (the broker's wins, as for
+    every command); --redis-url on the command line wins over it, as for every command (serve
+    then goes on to its next check: here a busy port)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOCK_")}
+    env["GPULOCK_BROKER_URL"] = "http://127.0.0.1:1"
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    if redis_env:
+        env["GPULOCK_REDIS_URL"] = url
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        cmd = [sys.executable, "-m", "gpulock", "serve", "--port", port, "--model", "sleep"]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, (r.returncode, r.stderr)
+        assert "GPULOCK_BROKER_URL" in r.stderr and "--redis-url" in r.stderr, r.stderr
+        assert "Redis:" not in r.stderr and "workers" not in r.stderr, r.stderr  # nothing started
+        assert "in use" not in r.stderr, r.stderr  # refused before any other check
+        given = (
+            [*cmd, "--redis-url", url] if redis_env else [*cmd[:3], "--redis-url", url, *cmd[3:]]
+        )
+        r = subprocess.run(given, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"{port} is in use" in r.stderr, (given, r.stderr)
+    assert "GPULOCK_BROKER_URL" not in r.stderr, r.stderr
 
 
 # ---- pool set --policy / --backfill-window (docs/SEMANTICS.md, "Backfill") -------------------

@@ -113,7 +113,10 @@ class AcquireTimeout(GpuLockError, TimeoutError):
 
     Attributes: ``position`` (1-based place in the queue when last known, 0 if never queued),
     ``queue_length``, ``retry_after`` (seconds; the server's estimate of when the queue can
-    next move, or None when unknown), ``waited`` (seconds)."""
+    next move, or None when unknown), ``waited`` (seconds), ``grace_left`` (seconds left in the
+    pool's restart grace period when the wait ended, during which nothing new is granted; 0
+    outside one: then the pool was short of memory; the message says which,
+    :func:`gpulock_common.grace.grace_note`)."""
 
     def __init__(
         self,
@@ -123,12 +126,14 @@ class AcquireTimeout(GpuLockError, TimeoutError):
         queue_length: int = 0,
         retry_after: Optional[float] = None,
         waited: float = 0.0,
+        grace_left: float = 0.0,
     ):
         super().__init__(message)
         self.position = position
         self.queue_length = queue_length
         self.retry_after = retry_after
         self.waited = waited
+        self.grace_left = grace_left
 
 
 class QueueFull(GpuLockError):

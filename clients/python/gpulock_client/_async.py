@@ -291,6 +291,12 @@ class AsyncPool:
             raise core.error_for(r, self.name)
         return r.body
 
+    def grace_left(self) -> float:
+        """Seconds left in the pool's restart grace period as this pool object last saw it (in
+        the broker's answer to its last acquire; no I/O): nothing new is granted until it
+        ends. 0 outside one."""
+        return self._cfg.grace_left()
+
     async def status(self) -> Dict[str, Any]:
         """The pool's status (bytes, seconds; its devices too), as :meth:`gpulock_client.Pool.status`.
         Raises PoolNotFound, AuthError, BackendUnavailable."""

@@ -40,6 +40,7 @@ from gpulock_common.checks import MAX_DEVICES as MAX_DEVICES
 from gpulock_common.checks import PRIORITY_MAX as PRIORITY_MAX
 from gpulock_common.checks import PRIORITY_MIN as PRIORITY_MIN
 from gpulock_common.checks import check_device, check_priority
+from gpulock_common.grace import grace_note
 from ._gate import Gate as Gate
 from ._gate import Waker as Waker
 from .errors import (
@@ -263,10 +264,16 @@ class PoolConfig:
     clock: Clock = time.monotonic
     rng: random.Random = field(default_factory=random.Random)
     gate: Optional[Gate] = None  # the wait connections' FIFO; None: unbounded (tests of the core)
+    # when the pool's restart grace period ends (clock), as the broker's last 503 said; 0: none
+    grace_until: float = 0.0
 
     @property
     def base(self) -> str:
         return f"/v1/pools/{quote(self.name, safe='')}"
+
+    def grace_left(self) -> float:
+        """Seconds left in the pool's restart grace period as last seen (0: none)."""
+        return max(0.0, self.grace_until - self.clock())
 
 
 def configure_body(
@@ -428,6 +435,7 @@ def _acquire_polls(
         assert isinstance(out, (Reply, Exception))  # an Http step's outcome
         attempt += 1
         if isinstance(out, Reply) and out.status == 201:
+            cfg.grace_until = 0.0  # granted: no grace period (nothing is granted in one)
             return out.body, out.sent
         if (
             isinstance(out, Reply)
@@ -436,6 +444,8 @@ def _acquire_polls(
         ):
             d = out.detail()
             down_since, last_err = None, None
+            grace = float(d.get("grace_left") or 0.0)  # a broker older than it sends none
+            cfg.grace_until = now + grace if grace > 0 else 0.0
             queued = d.get("error") == "queued"
             queue_length = int(d.get("queue_length") or 0)
             last_ra = out.retry_after()
@@ -466,15 +476,20 @@ def _acquire_polls(
                 yield from _cancel_steps(cfg, rid)
             if last_err is not None:
                 raise last_err
+            grace = cfg.grace_left()
             raise AcquireTimeout(
-                f"pool {cfg.name!r}: no grant of {amount} within {timeout}s "
-                f"(position {position} of {queue_length})"
-                if queued
-                else f"pool {cfg.name!r}: {amount} not available now ({queue_length} queued)",
+                (
+                    f"pool {cfg.name!r}: no grant of {amount} within {timeout}s "
+                    f"(position {position} of {queue_length})"
+                    if queued
+                    else f"pool {cfg.name!r}: {amount} not available now ({queue_length} queued)"
+                )
+                + (f": {grace_note(cfg.name, grace)}" if grace > 0 else ""),
                 position=position,
                 queue_length=queue_length,
                 retry_after=last_ra,
                 waited=clock() - start,
+                grace_left=grace,
             )
         yield Sleep(delay if deadline is None else max(0.0, min(delay, deadline - clock())))
 

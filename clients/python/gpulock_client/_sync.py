@@ -323,6 +323,12 @@ class Pool:
             raise core.error_for(r, self.name)
         return r.body
 
+    def grace_left(self) -> float:
+        """Seconds left in the pool's restart grace period as this pool object last saw it (in
+        the broker's answer to its last acquire; no I/O): nothing new is granted until it
+        ends. 0 outside one."""
+        return self._cfg.grace_left()
+
     def status(self) -> Dict[str, Any]:
         """The pool's status (capacity, used, free, devices, leases, waiters; bytes and
         seconds), the broker's JSON (GET /v1/pools/{pool}). Raises PoolNotFound, AuthError,

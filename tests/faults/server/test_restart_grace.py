@@ -133,9 +133,17 @@ def test_restart_empty_holders_put_leases_back(redis_proc1, caplog):
         assert {li.lease_id: li.tenant for li in st.leases} == {h1.id: "t1", h2.id: "t2"}
         assert {t: u.used for t, u in st.tenants.items()} == {"t1": 40, "t2": 30}
         grace_end = int(direct.hget(pool_keys(name)[0], "grace_until"))
-        # In the grace period: 30 bytes are free, but nothing new is granted.
-        with pytest.raises(AcquireTimeout):
+        # In the grace period: 30 bytes are free, but nothing new is granted, and a refusal
+        # says it is the grace period (not a lack of memory), with a retry_after to its end.
+        with pytest.raises(AcquireTimeout) as refused:
             fresh.acquire(20, timeout=0)
+        e = refused.value
+        assert "restart grace period" in str(e) and "bytes used" not in str(e), str(e)
+        assert 0 < e.grace_left <= G and e.retry_after >= e.grace_left - 0.05, (e.grace_left, e)
+        with pytest.raises(AcquireTimeout) as refused:  # a wait that runs out in it, likewise
+            spool.acquire(20, timeout=0.2)
+        assert "restart grace period" in str(refused.value) and refused.value.grace_left > 0
+        assert 0 < spool.grace_left() <= G and 0 < fresh.grace_left() <= G
         for _ in range(5):
             h1.ensure_valid()
             h2.ensure_valid()
@@ -158,6 +166,7 @@ def test_restart_empty_holders_put_leases_back(redis_proc1, caplog):
         loop.run_until_complete(w.release())
         f.release()
         assert check_consistent(direct, name) == {"used": 0, "leases": 0, "queued": 0}
+        assert spool.status().grace_left == 0 and spool.grace_left() == 0
         msgs = [r.getMessage() for r in caplog.records]
         assert any("created it again" in m and "grace period" in m for m in msgs), msgs
         assert sum("put back after Redis lost the pool" in m for m in msgs) == 2

@@ -71,6 +71,10 @@ async def test_retry_after_covers_the_grace_period_and_a_parked_request_keeps_it
             left = (await _status(rp.url, name)).grace_left
             assert r.status_code == 503, r.text
             assert int(r.headers["retry-after"]) >= math.floor(left) >= 3, (r.headers, left)
+            # it says why: the grace period, not a lack of memory (4 GiB are free)
+            assert "restart grace period" in r.json()["detail"], r.text
+            assert "no GPU memory for" not in r.json()["detail"], r.text
+            assert gpu.grace()["active"] and 0 < gpu.grace()["left"] <= GRACE, gpu.grace()
 
             h = {"X-Request-ID": "parked-through-the-grace"}
             r = await c.post("/sync", json={}, headers=h)

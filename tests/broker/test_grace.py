@@ -1,0 +1,78 @@
+"""A pool in its restart grace period (Redis lost its data; nothing new is granted until one
+max_ttl has passed) is named as such on every surface of a refused or timed-out acquire,
+never as a lack of memory: the broker's 503 (its message, a ``grace_left`` field, a
+Retry-After of the grace, up to the broker's cap), the SDK's AcquireTimeout and its pool
+object, and ``gpulock run``'s waiting and error lines, through the broker and through Redis."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gpulock_client
+import pytest
+import redis
+from support.pools import GiB, raw
+
+from ._support import USER_TOKEN
+
+GRACE_MS = 30_000
+
+
+@pytest.fixture
+def graced(redis_srv):
+    """Pool ``graced`` (10 GiB, nothing held) as the core makes it again after Redis lost it:
+    with a grace period of one max_ttl (30 s)."""
+    c = redis.Redis.from_url(redis_srv.url)
+    r = raw(c, "graced", "configure", 10 * GiB, 100, "create", GRACE_MS, "1")
+    assert int(r[0]) == 1 and 29_000 < int(r[6]) <= GRACE_MS, r
+    c.close()
+    return "graced"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOCK_")}
+    env["GPULOCK_TOKEN"] = USER_TOKEN
+    return subprocess.run(
+        [sys.executable, "-m", "gpulock", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_grace_period_is_named_by_the_broker_the_sdk_and_gpulock_run(
+    redis_srv, broker_srv, user, graced
+):
+    r = user.post(f"/v1/pools/{graced}/leases", json={"amount": "1GiB", "ttl": 5, "wait": 0.3})
+    d = r.json()["detail"]
+    assert r.status_code == 503 and d["error"] == "queued", r.text
+    assert "restart grace period" in d["message"] and "Redis lost its data" in d["message"], d
+    assert 25 < d["grace_left"] <= 30, d
+    assert r.headers["retry-after"] == "5", r.headers  # the grace, up to the broker's cap (5 s)
+    assert user.delete(f"/v1/pools/{graced}/requests/{d['request_id']}").status_code == 200
+    r = user.post(f"/v1/pools/{graced}/leases", json={"amount": "1GiB", "queue": False})
+    d = r.json()["detail"]
+    assert r.status_code == 503 and d["error"] == "busy" and d["grace_left"] > 25, r.text
+    assert "restart grace period" in d["message"], d
+
+    with gpulock_client.Pool(broker_srv.url, graced, token=USER_TOKEN) as p:
+        with pytest.raises(gpulock_client.AcquireTimeout) as e:
+            p.acquire("1GiB", timeout=0.5)
+        assert "restart grace period" in str(e.value) and 25 < e.value.grace_left <= 30, e.value
+        assert 25 < p.grace_left() <= 30
+
+    for target in (["--broker-url", broker_srv.url], ["--redis-url", redis_srv.url]):
+        out = _run(
+            *target, "run", "--pool", graced, "--amount", "1GiB", "--timeout", "0.5", "--", "true"
+        )
+        assert out.returncode == 75, (target, out.returncode, out.stderr)
+        waiting, error = out.stderr.strip().splitlines()[-2:]
+        assert "position 1 in the queue" in waiting and "restart grace period" in waiting, (
+            out.stderr
+        )
+        assert error.startswith("gpulock: error: no lease") and "restart grace period" in error, (
+            out.stderr
+        )
