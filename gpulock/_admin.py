@@ -3,9 +3,9 @@ list``/``pool delete`` and ``gpulock status`` (blocking client), and by the HTTP
 (``DELETE /v1/pools/{pool}``, ``GET /v1/pools``; asyncio client).
 
 Pools are found by their configuration key ``gpulock:{NAME}:cfg`` (one per pool; the other
-keys exist only while the pool has leases or waiters). The key shape is
-:mod:`gpulock._keys`' (``POOL_CFG_MATCH``, ``pool_name_from_key``), for sync and async scanners
-alike. :func:`delete_pool` and :func:`adelete_pool` run the same script.
+keys exist only while the pool has leases or waiters), by :mod:`gpulock._listing` (which also
+names the shards of a cluster that do not answer). :func:`delete_pool` and
+:func:`adelete_pool` run the same script.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ._keys import POOL_CFG_MATCH, pool_key, pool_keys, pool_name_from_key
+from ._keys import pool_key, pool_keys
 from ._args import validate_pool_name
 from ._translate import translate
+from .errors import BackendUnavailable
 
 __all__ = [
     "DeleteResult",
@@ -26,13 +27,21 @@ __all__ = [
 
 
 def pool_names(client: Any) -> list[str]:
-    """Every pool configured in the Redis behind ``client`` (a ``redis.Redis``), sorted.
-    Raises the core's errors (BackendUnavailable, ...)."""
+    """Every pool configured in the Redis behind ``client`` (a ``redis.Redis`` or a cluster
+    client), sorted: :func:`gpulock._listing.list_pools`, all or nothing. Raises the core's
+    errors (BackendUnavailable, also naming the shards of a cluster that did not answer)."""
+    from ._listing import list_pools
+
     try:
-        names = {pool_name_from_key(k) for k in client.scan_iter(match=POOL_CFG_MATCH, count=1000)}
+        listing = list_pools(client)
     except Exception as e:  # noqa: BLE001 - translated to gpulock's tree
         raise translate(e, "*") from e
-    return sorted(n for n in names if n)
+    if listing.partial:
+        raise BackendUnavailable(
+            "shards of the Redis Cluster did not answer: "
+            + "; ".join(u.describe() for u in listing.unreachable)
+        )
+    return listing.names
 
 
 # KEYS: the pool's first seven keys (pool_keys() order; the eighth is a channel prefix).

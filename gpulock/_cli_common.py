@@ -8,7 +8,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Protocol, Sequence
 
 import typer
 
@@ -25,6 +25,8 @@ from .units import is_index, parse_seconds, parse_size
 
 if TYPE_CHECKING:
     import redis
+
+    from ._listing import Unreachable
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -49,7 +51,8 @@ Exit codes of gpulock itself (gpulock run otherwise returns CMD's status):
   {EXIT_USAGE}   bad option or value (nothing was changed)
   {EXIT_CAPACITY}  amount larger than the pool's capacity or its tenant's quota (can never be granted)
   {EXIT_NO_POOL}  pool not configured
-  {EXIT_UNAVAILABLE}  Redis or the broker unreachable
+  {EXIT_UNAVAILABLE}  Redis or the broker unreachable; status, pool list, top without a name: a
+      shard of a Redis Cluster did not answer (the pools of the others are listed)
   {EXIT_LEASE_LOST}  gpulock run: the lease was lost while CMD ran; CMD was stopped
   {EXIT_OVERUSE}  gpulock run --enforce: CMD used more device memory than its lease; CMD was stopped
   {EXIT_TEMPFAIL}  gpulock run: no lease within --timeout, or the pool's queue is full;
@@ -400,10 +403,12 @@ def target(ctx: typer.Context) -> Target:
     return t
 
 
-def redis_client(url: str) -> redis.Redis:
+def redis_client(url: str, *, ping_cluster: bool = True) -> redis.Redis:
     """A client that has answered one PING. A Redis that is down when a command starts fails
     the command at once (exit 69) instead of after the library's retry bound (meant for blips
-    in a long-running process)."""
+    in a long-running process). ``ping_cluster=False``: a cluster client is not pinged (the
+    listings, which name a shard that is down instead of failing): making it read the slot
+    map from a seed already, and redis-py sends PING to one node, which may be the one down."""
     import redis
 
     from ._async import _CLIENT_DEFAULTS
@@ -417,12 +422,27 @@ def redis_client(url: str) -> redis.Redis:
         fail(EXIT_USAGE, f"bad Redis URL {safe_url(url)!r}: {e}")
     except BackendUnavailable as e:  # a cluster none of whose seeds answered
         fail(EXIT_UNAVAILABLE, str(e))
+    from ._cluster import is_cluster_client
+
+    if not ping_cluster and is_cluster_client(c):
+        return c
     try:
         c.ping()
     except redis.RedisError as e:
         c.close()
         fail(EXIT_UNAVAILABLE, f"Redis at {safe_url(url)} is unavailable: {short_error(e)}")
     return c
+
+
+def partial_exit(t: Target, unreachable: Sequence[Unreachable]) -> NoReturn:
+    """A listing printed only the pools of the shards that answered: name the others on stderr
+    and exit 69 (EX_UNAVAILABLE: part of the backend is unavailable; the data printed is
+    what the rest holds)."""
+    fail(
+        EXIT_UNAVAILABLE,
+        f"partial answer from {t.describe()}: {len(unreachable)} shard(s) of the cluster could "
+        "not be read, their pools are not listed: " + "; ".join(u.describe() for u in unreachable),
+    )
 
 
 def error_exit(e: BaseException, t: Target, pool: str = "", *, admin: bool = False) -> NoReturn:

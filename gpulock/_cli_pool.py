@@ -16,6 +16,7 @@ from ._cli_common import (
     Target,
     error_exit,
     fail,
+    partial_exit,
     policy_param,
     pool_name_param,
     devices_param,
@@ -30,11 +31,12 @@ from ._cli_common import (
 )
 from ._admin import DeleteResult
 from ._cli_show import devices_text, policy_text, print_status, quota_text
-from .errors import GpuLockError, PoolNotFound
+from .errors import BackendUnavailable, GpuLockError, PoolNotFound
 from .units import format_size
 
 if TYPE_CHECKING:
     from . import PoolStatus
+    from ._listing import Unreachable
 
 pool_app = typer.Typer(
     help="Create, list, change and delete pools.",
@@ -51,32 +53,74 @@ def _status_dict(st: PoolStatus) -> dict[str, Any]:
     return d
 
 
-def _statuses(t: Target, name: Optional[str], limit: int) -> list[PoolStatus]:
-    """The status of pool ``name``, or of every pool (sorted by name), from the backend."""
+def _status(t: Target, name: str, limit: int) -> PoolStatus:
+    """The status of pool ``name`` from the backend."""
     if t.is_broker:
         from ._cli_broker import BrokerAdmin, status_from_dict
 
         b = BrokerAdmin(t.url)
         try:
-            if name is not None:
-                return [status_from_dict(b.call("GET", f"/v1/pools/{name}", name))]
-            return [status_from_dict(d) for d in b.call("GET", "/v1/pools")["pools"]]
+            st: PoolStatus = status_from_dict(b.call("GET", f"/v1/pools/{name}", name))
+            return st
         finally:
             b.close()
-    from ._admin import pool_names
     from ._sync import Pool
 
     client = redis_client(t.url)
     try:
-        if name is not None:
-            return [Pool(client, name).status(limit=limit)]
+        return Pool(client, name).status(limit=limit)
+    finally:
+        client.close()
+
+
+def _every_status(t: Target, limit: int) -> tuple[list[PoolStatus], list[Unreachable]]:
+    """The status of every pool (sorted by name) the backend could read, and the shards of a
+    Redis Cluster it could not (their pools are left out; docs/CLUSTER.md, "Listing while a
+    shard is down"). Raises the core's errors when nothing could be read."""
+    from ._listing import Unreachable
+
+    if t.is_broker:
+        from ._cli_broker import BrokerAdmin, status_from_dict
+
+        b = BrokerAdmin(t.url)
+        try:
+            r = b.call("GET", "/v1/pools")
+        finally:
+            b.close()
+        # a broker older than partial answers sends no "unreachable"
+        shards = [Unreachable.from_dict(u) for u in r.get("unreachable") or ()]
+        return [status_from_dict(d) for d in r["pools"]], shards
+    from ._cluster import is_cluster_url
+    from ._listing import answering_url, list_pools, list_seeds, steer
+    from ._sync import Pool
+    from ._translate import translate
+
+    if is_cluster_url(t.url):
+        # asked of the seeds first: the client then starts on the seeds that answered
+        # (redis-py's asks them in random order and waits its socket timeout on a hung one)
+        try:
+            listing = list_seeds(t.url)
+        except Exception as e:  # noqa: BLE001 - translated to gpulock's tree
+            raise translate(e, "*") from e
+        client = redis_client(answering_url(t.url, listing), ping_cluster=False)
+        steer(client, listing)
+    else:  # a lone server, or a plain URL of a cluster node
+        client = redis_client(t.url, ping_cluster=False)
+        try:
+            listing = list_pools(client)
+        except Exception as e:  # noqa: BLE001 - translated to gpulock's tree
+            client.close()
+            raise translate(e, "*") from e
+    try:
         out = []
-        for n in pool_names(client):
+        for n in listing.names:
             try:
                 out.append(Pool(client, n).status(limit=limit))
             except PoolNotFound:
                 pass  # deleted between the scan and now
-        return out
+            except BackendUnavailable as e:
+                listing.lost(n, e)  # its shard went away since the listing
+        return out, listing.unreachable
     finally:
         client.close()
 
@@ -332,10 +376,15 @@ def pool_list(
         False, "--json", help="A JSON list of the pools (bytes, seconds)."
     ),
 ) -> None:
-    """List the pools (one line each: name, capacity, use, leases, waiters)."""
+    """List the pools (one line each: name, capacity, use, leases, waiters).
+
+    On a Redis Cluster with a shard down, the pools of the other shards are listed, the shards
+    that did not answer are named on stderr, and the exit status is 69; --json then prints
+    {"pools": [...], "unreachable": [{"node", "slots", "error"}, ...]} instead of the list.
+    """
     t = target(ctx)
     try:
-        statuses = _statuses(t, None, 0)
+        statuses, shards = _every_status(t, 0)
     except GpuLockError as e:
         error_exit(e, t)
     if as_json:
@@ -345,18 +394,28 @@ def pool_list(
             d.pop("leases", None)
             d.pop("waiters", None)
             out.append(d)
-        print(json.dumps(out, indent=2))
-        return
-    if not statuses:
+        print(json.dumps(_listing_json(out, shards), indent=2))
+    elif not statuses and not shards:
         say(f"no pools in {t.describe()} (create one: gpulock pool set NAME --capacity SIZE)")
-        return
-    w = max(len(s.pool) for s in statuses)
-    for s in statuses:
-        pct = (100.0 * s.used / s.capacity) if s.capacity else 0.0
-        print(
-            f"{s.pool:<{w}}  capacity {format_size(s.capacity)}  used {format_size(s.used)} ({pct:.0f}%)  "
-            f"{s.lease_count} lease(s)  {s.waiter_count} waiter(s)"
-        )
+    elif statuses:
+        w = max(len(s.pool) for s in statuses)
+        for s in statuses:
+            pct = (100.0 * s.used / s.capacity) if s.capacity else 0.0
+            print(
+                f"{s.pool:<{w}}  capacity {format_size(s.capacity)}  used {format_size(s.used)} ({pct:.0f}%)  "
+                f"{s.lease_count} lease(s)  {s.waiter_count} waiter(s)"
+            )
+    if shards:
+        sys.stdout.flush()
+        partial_exit(t, shards)
+
+
+def _listing_json(pools: list[dict[str, Any]], shards: list[Unreachable]) -> Any:
+    """A listing's JSON: the list of pools (unchanged for a complete answer), or, when shards
+    of a cluster could not be read, ``{"pools": [...], "unreachable": [...]}``."""
+    if not shards:
+        return pools
+    return {"pools": pools, "unreachable": [u.to_dict() for u in shards]}
 
 
 # ---- pool delete -----------------------------------------------------------------------------
@@ -440,29 +499,40 @@ def status(
     ),
 ) -> None:
     """Show capacity, use, leases and waiters of one pool or of all pools (through Redis, or
-    through --broker-url)."""
+    through --broker-url).
+
+    Without NAME on a Redis Cluster with a shard down: the pools of the other shards, the
+    shards that did not answer named on stderr, exit status 69; --json then prints
+    {"pools": [...], "unreachable": [{"node", "slots", "error"}, ...]} instead of the list.
+    """
     from rich.console import Console
 
     t = target(ctx)
+    shards: list[Unreachable] = []
     try:
-        statuses = _statuses(t, name, limit)
+        if name is not None:
+            statuses = [_status(t, name, limit)]
+        else:
+            statuses, shards = _every_status(t, limit)
     except GpuLockError as e:
         error_exit(e, t, name or "")
 
     if as_json:
-        out: Any = (
-            _status_dict(statuses[0]) if name is not None else [_status_dict(s) for s in statuses]
-        )
-        print(json.dumps(out, indent=2))
-        return
-    width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", "200"))
-    console = Console(file=sys.stdout, width=width, highlight=False)
-    if not statuses:
-        console.print(
-            f"no pools in {safe_url(t.url)} (create one: gpulock pool set NAME --capacity SIZE)"
-        )
-        return
-    for i, st in enumerate(statuses):
-        if i:
-            console.print()
-        print_status(console, st)
+        if name is not None:
+            print(json.dumps(_status_dict(statuses[0]), indent=2))
+            return
+        print(json.dumps(_listing_json([_status_dict(s) for s in statuses], shards), indent=2))
+    else:
+        width = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS", "200"))
+        console = Console(file=sys.stdout, width=width, highlight=False)
+        if not statuses and not shards:
+            console.print(
+                f"no pools in {safe_url(t.url)} (create one: gpulock pool set NAME --capacity SIZE)"
+            )
+        for i, st in enumerate(statuses):
+            if i:
+                console.print()
+            print_status(console, st)
+    if shards:
+        sys.stdout.flush()
+        partial_exit(t, shards)

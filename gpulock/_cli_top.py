@@ -23,6 +23,7 @@ from ._cli_common import (
     Target,
     error_exit,
     fail,
+    partial_exit,
     pool_name_param,
     safe_url,
     target,
@@ -60,6 +61,8 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
     from rich.panel import Panel
     from rich.table import Table
     from rich.text import Text
+
+    from ._listing import Unreachable
 
     parts: list[Any] = []
     for p in view["pools"]:
@@ -133,6 +136,15 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
         parts.append(Panel(Group(head, leases, queue), title=p["pool"], title_align="left"))
     for name, msg in view["errors"].items():
         parts.append(Panel(Text(msg, style="red"), title=name, title_align="left"))
+    for d in view.get("unreachable") or ():  # a broker older than partial answers sends none
+        u = Unreachable.from_dict(d)
+        parts.append(
+            Panel(
+                Text(f"{u.describe()}; the pools of this shard are not shown", style="red"),
+                title=f"shard {u.node or '(no master)'} unreachable",
+                title_align="left",
+            )
+        )
     if not parts:
         parts.append(Text("no pools"))
     return Group(*parts)
@@ -140,11 +152,22 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
 
 async def _redis_view(url: str, name: Optional[str], limit: int) -> dict[str, Any]:
     from ._async import _CLIENT_DEFAULTS, AsyncPool
+    from ._cluster import is_cluster_url
+    from ._cluster import ready as cluster_ready
     from ._connect import async_client
     from ._dashboard import dashboard_view
-    from ._keys import POOL_CFG_MATCH, pool_name_from_key
+    from ._listing import Listing, alist_pools, answering_url, list_seeds, steer
     from ._translate import translate
 
+    listing: Optional[Listing] = None
+    if name is None and is_cluster_url(url):
+        # asked of the seeds first: the client then starts on the seeds that answered (as
+        # gpulock status does)
+        try:
+            listing = await asyncio.to_thread(list_seeds, url)
+        except Exception as e:  # noqa: BLE001 - translated to gpulock's tree
+            raise translate(e, "*") from e
+        url = answering_url(url, listing)
     redis = async_client(url, **dict[str, Any](_CLIENT_DEFAULTS))
     pools: dict[str, AsyncPool] = {}
 
@@ -155,14 +178,19 @@ async def _redis_view(url: str, name: Optional[str], limit: int) -> dict[str, An
 
     try:
         if name is not None:
-            names = [name]
-        else:
-            try:
-                found = {pool_name_from_key(k) async for k in redis.scan_iter(match=POOL_CFG_MATCH)}
-            except Exception as e:  # noqa: BLE001 - translated to gpulock's tree
-                raise translate(e, "*") from e
-            names = sorted(n for n in found if n)
-        return await dashboard_view(redis, names, status, limit=limit)
+            return await dashboard_view(redis, [name], status, limit=limit)
+        try:
+            if listing is None:  # a lone server, or a plain URL of a cluster node
+                listing = await alist_pools(redis)
+            # a cluster client reads the slot map now (not in a pool's bounded read), then
+            # keeps away from the masters that did not answer
+            await cluster_ready(redis)
+            steer(redis, listing)
+        except Exception as e:  # noqa: BLE001 - translated to gpulock's tree
+            raise translate(e, "*") from e
+        return await dashboard_view(
+            redis, listing.names, status, limit=limit, unreachable=listing.unreachable
+        )
     finally:
         for p in pools.values():
             await p.aclose()
@@ -183,6 +211,7 @@ def fetch_view(t: Target, name: Optional[str], limit: int) -> dict[str, Any]:
             view = {
                 "pools": [p for p in view["pools"] if p["pool"] == name],
                 "errors": {k: v for k, v in view["errors"].items() if k == name},
+                "unreachable": [],
             }
             if not view["pools"] and not view["errors"]:
                 view["errors"][name] = f"no pool {name!r} at {safe_url(t.url)}"
@@ -237,6 +266,11 @@ def top(
             msg = str(v["errors"].get(name, ""))
             missing = "not configured" in msg or msg.startswith("no pool")
             raise typer.Exit(EXIT_NO_POOL if missing else EXIT_UNAVAILABLE)
+        if name is None and v.get("unreachable"):
+            from ._listing import Unreachable
+
+            sys.stdout.flush()
+            partial_exit(t, [Unreachable.from_dict(d) for d in v["unreachable"]])
         return
     n = 0
     if not console.is_terminal:

@@ -12,16 +12,21 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable, Sequence
 
+from ._cluster import is_cluster_client
+from ._listing import Listing, Unreachable, alist_pools
 from ._replies import PoolStatus
+from ._retry import RETRYABLE
 from ._samples import Sample, read_counters, read_samples, resident_bytes
-from .errors import GpuLockError
+from .errors import BackendUnavailable, GpuLockError
 
-__all__ = ["HIDDEN_HOLDER_FIELDS", "RATE_WINDOW_S", "dashboard_view", "pool_view"]
+__all__ = ["HIDDEN_HOLDER_FIELDS", "RATE_WINDOW_S", "READ_TIMEOUT_S", "dashboard_view", "pool_view"]
 
 # Holder fields never shown: the broker's token identity (gpulock_broker.auth).
 HIDDEN_HOLDER_FIELDS = frozenset({"owner"})
 RATE_WINDOW_S = 10.0  # grant rate: over the newest samples spanning this many seconds
 MINUTE_MS = 60_000
+#: Seconds the view waits for a pool's numbers (a pool on a shard that hangs: then an error).
+READ_TIMEOUT_S = 5.0
 
 
 def _holder(meta: dict[str, Any]) -> dict[str, str]:
@@ -126,8 +131,11 @@ async def dashboard_view(
     *,
     limit: int = 100,
     history: int = 900,
+    unreachable: Sequence[Unreachable] = (),
+    read_timeout: float = READ_TIMEOUT_S,
 ) -> dict[str, Any]:
-    """The view of ``pools``: ``{"pools": [pool view, ...], "errors": {pool: message}}``.
+    """The view of ``pools``: ``{"pools": [pool view, ...], "errors": {pool: message},
+    "unreachable": [shard, ...]}``.
 
     Args:
         redis: a ``redis.asyncio.Redis`` on the pools' server (history, counters).
@@ -135,6 +143,9 @@ async def dashboard_view(
         status: reads a pool's status (``(name, limit) -> PoolStatus``).
         limit: most leases and waiters listed per pool.
         history: most samples per pool (one a second).
+        unreachable: the shards of a Redis Cluster the listing of ``pools`` could not read
+            (:class:`gpulock._listing.Unreachable`).
+        read_timeout: seconds to wait for a pool's numbers (then it is in ``errors``).
 
     A pool view: ``capacity``, ``used``, ``free``, ``resident`` (bytes); ``lease_count``,
     ``waiter_count``, ``grants``; ``policy`` ("fifo" or "backfill") and ``backfill_window``
@@ -143,25 +154,52 @@ async def dashboard_view(
     ``leases`` (``holder``, ``amount``, ``token``, ``expires_in``, ``held_for``); ``waiters``
     (``position``, ``holder``, ``amount``, ``waited``, ``priority``); ``history`` (lists ``t``, ``capacity``,
     ``used``, ``resident``, oldest first). A pool that cannot be read is in ``errors``
-    instead. Raises nothing of gpulock's; cancellation passes through.
+    instead. A shard: ``{"node": "host:port", "slots": [[lo, hi], ...], "error": "..."}``,
+    those of ``unreachable`` and, on a cluster, the shard of each pool that could not be read
+    because Redis did not answer, once a listing (:func:`gpulock._listing.alist_pools`, at
+    most its bound more) finds that shard's master unreachable. Raises nothing of gpulock's;
+    cancellation passes through.
     """
 
-    async def one(name: str) -> dict[str, Any] | str:
-        try:
-            st, samples, counters = await asyncio.gather(
-                status(name, limit), read_samples(redis, name, history), read_counters(redis, name)
-            )
-        except GpuLockError as e:
-            return str(e)
-        except Exception as e:  # noqa: BLE001 - redis-py's errors from the history reads
-            return f"{type(e).__name__}: {e}"
+    async def read(name: str) -> dict[str, Any]:
+        st, samples, counters = await asyncio.gather(
+            status(name, limit), read_samples(redis, name, history), read_counters(redis, name)
+        )
         return pool_view(st, samples, counters)
+
+    async def one(name: str) -> dict[str, Any] | tuple[str, bool]:
+        """The pool's view, or (why not, whether Redis did not answer)."""
+        try:
+            return await asyncio.wait_for(read(name), read_timeout)
+        except asyncio.TimeoutError:
+            return f"no answer within {read_timeout:g} s", True
+        except BackendUnavailable as e:
+            return str(e), True
+        except GpuLockError as e:
+            return str(e), False
+        except Exception as e:  # noqa: BLE001 - redis-py's errors from the history reads
+            return f"{type(e).__name__}: {e}", isinstance(e, RETRYABLE)
 
     parts = await asyncio.gather(*(one(n) for n in pools))
     out: dict[str, Any] = {"pools": [], "errors": {}}
+    shards = list(unreachable)
+    failed: list[str] = []
     for name, part in zip(pools, parts):
-        if isinstance(part, str):
-            out["errors"][name] = part
+        if isinstance(part, tuple):
+            out["errors"][name], down = part
+            if down:
+                failed.append(name)
         else:
             out["pools"].append(part)
+    if failed and is_cluster_client(redis):
+        # Redis did not answer for these pools: name their shards if a listing (each master
+        # asked on its own connection, bounded) confirms that they do not answer
+        try:
+            listing = await alist_pools(redis)
+        except Exception:  # noqa: BLE001 - no node answers: the errors say enough
+            listing = Listing([])
+        for u in listing.unreachable:
+            if u.node not in {s.node for s in shards} and any(u.holds(n) for n in failed):
+                shards.append(u)
+    out["unreachable"] = [u.to_dict() for u in shards]
     return out

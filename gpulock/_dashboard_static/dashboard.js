@@ -175,9 +175,24 @@
     s.textContent = text;
   }
 
+  function slotsText(slots) {
+    return slots.map(function (r) { return r[0] === r[1] ? String(r[0]) : r[0] + "–" + r[1]; }).join(", ");
+  }
+
+  // A shard of a Redis Cluster that did not answer: its pools are not in the view.
+  function shardSection(u) {
+    var sec = el("section", { "class": "shard unreachable", "data-node": u.node || "" });
+    sec.appendChild(el("h2", {}, "shard " + (u.node || "(no master)") + " unreachable"));
+    sec.appendChild(el("p", { "class": "error" }, "slots " + slotsText(u.slots) + ": " + u.error +
+      ". The pools of this shard are not shown."));
+    return sec;
+  }
+
   function render(view) {
     var main = document.getElementById("pools");
     var next = document.createDocumentFragment();
+    var down = view.unreachable || [];
+    down.forEach(function (u) { next.appendChild(shardSection(u)); });
     view.pools.forEach(function (p) { next.appendChild(poolSection(p)); });
     Object.keys(view.errors).forEach(function (name) {
       var sec = el("section", { "class": "pool", "data-pool": name });
@@ -185,10 +200,12 @@
       sec.appendChild(el("p", { "class": "error" }, view.errors[name]));
       next.appendChild(sec);
     });
-    if (!view.pools.length && !Object.keys(view.errors).length) next.appendChild(el("p", { "class": "empty" }, "no pools"));
+    if (!view.pools.length && !Object.keys(view.errors).length && !down.length) next.appendChild(el("p", { "class": "empty" }, "no pools"));
     main.replaceChildren(next);
     updates++;
-    setStatus("ok", "live · updated " + new Date().toLocaleTimeString());
+    var when = "updated " + new Date().toLocaleTimeString();
+    if (down.length) setStatus("partial", "partial: " + down.length + " shard(s) unreachable · " + when);
+    else setStatus("ok", "live · " + when);
   }
 
   function tick() {

@@ -142,8 +142,36 @@ class PoolOut(BaseModel):
     )
 
 
+class UnreachableShard(BaseModel):
+    """A shard of a Redis Cluster the list could not read (its pools are not listed)."""
+
+    node: Optional[str] = Field(
+        ...,
+        description='its master, "host:port" (null for slots that no master serves)',
+        examples=["10.0.0.7:6379"],
+    )
+    slots: list[list[int]] = Field(
+        ...,
+        description="its slot ranges, each [first, last] (inclusive)",
+        examples=[[[0, 5460]]],
+    )
+    error: str = Field(
+        ...,
+        description="why: the connection error, or that it did not answer within the "
+        "listing's bound (2 s)",
+    )
+
+
 class PoolList(BaseModel):
-    pools: list[PoolOut]
+    pools: list[PoolOut] = Field(
+        ..., description="the pools this token may use, of every shard that answered"
+    )
+    unreachable: list[UnreachableShard] = Field(
+        default_factory=list,
+        description="the shards of a Redis Cluster that did not answer (empty when every "
+        "shard answered, always on a lone Redis); the answer is then partial, still 200 "
+        '(docs/CLUSTER.md, "Listing while a shard is down")',
+    )
 
 
 class PoolConfigured(BaseModel):

@@ -404,17 +404,24 @@ def _pool_out(st) -> PoolOut:
 async def list_pools(
     who: Principal = Depends(principal), broker: Broker = Depends(get_broker)
 ) -> PoolList:
+    """Every pool this token may use. On a Redis Cluster with a shard down the answer is
+    still 200: the pools of the shards that answered, and the others named in
+    ``unreachable`` (their master, slot ranges and why), each master asked for at most 2 s."""
     try:
-        names = [n for n in await broker.pool_names() if who.may_use(n)]
+        listing = await broker.pool_listing()
         out = []
-        for n in names:
+        for n in listing.names:
+            if not who.may_use(n):
+                continue
             try:
                 out.append(_pool_out(await broker.status(n, limit=0)))
             except PoolNotFound:
                 pass
+            except BackendUnavailable as e:
+                listing.lost(n, e)  # its shard went away since the listing
     except Exception as e:
         _map(e, "*")
-    return PoolList(pools=out)
+    return PoolList(pools=out, unreachable=[u.to_dict() for u in listing.unreachable])
 
 
 @router.get(

@@ -52,6 +52,7 @@ from gpulock_common.aio import stop_tasks
 from gpulock import AsyncPool
 from gpulock._admin import DeleteResult
 from gpulock._dashboard import dashboard_view
+from gpulock._listing import Listing
 from gpulock._samples import Sampler, count_event
 
 from .acquire import LONG_POLL_S, Acquirer
@@ -269,13 +270,28 @@ class Broker:
         return await self._poolset.status(pool, limit)
 
     async def pool_names(self) -> list[str]:
-        """Every pool configured in Redis, sorted."""
+        """Every pool configured in Redis that could be read, sorted."""
         return await self._poolset.names()
 
+    async def pool_listing(self) -> Listing:
+        """Every pool configured in Redis, and the shards of a Redis Cluster that could not be
+        read (their pools left out; :meth:`.pools.Pools.listing`)."""
+        return await self._poolset.listing()
+
     async def dashboard(self) -> dict[str, Any]:
-        """The live view of every pool (:func:`gpulock._dashboard.dashboard_view`)."""
-        names = await self.pool_names()
-        return await self._tasks.guard(dashboard_view(self._poolset.client(), names, self.status))
+        """The live view of every pool (:func:`gpulock._dashboard.dashboard_view`), naming the
+        shards of a Redis Cluster that could not be read."""
+        listing = await self.pool_listing()
+        return await self._tasks.guard(
+            dashboard_view(
+                self._poolset.client(),
+                listing.names,
+                self.status,
+                unreachable=listing.unreachable,
+                # a pool that does not answer is an error of its own, not a 503 of the view
+                read_timeout=self.backend_timeout / 2,
+            )
+        )
 
     def count_event(self, pool: str, event: str) -> None:
         """Add one to the pool's ``event`` counter (``rejected``: a 503) for the dashboard, in

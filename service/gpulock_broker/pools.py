@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from gpulock import AsyncPool
 from gpulock._admin import DeleteResult, adelete_pool
 from gpulock._connect import async_client
-from gpulock._keys import POOL_CFG_MATCH, pool_name_from_key
+from gpulock._listing import Listing, alist_pools
 from gpulock._args import validate_pool_name
 from gpulock._retry import retrying
 from gpulock._translate import translate
@@ -158,25 +158,29 @@ class Pools:
             await p.aclose()
 
     # ---- pool-wide operations ----------------------------------------------------------------
-    async def names(self) -> list[str]:
-        """Every pool configured in Redis, sorted (the key shape is gpulock._keys')."""
+    async def listing(self) -> Listing:
+        """Every pool configured in Redis (sorted), and the shards of a Redis Cluster that
+        could not be read (gpulock._listing: each master asked at once, for at most
+        LIST_TIMEOUT_S; their pools are left out)."""
         redis = self.client()
 
-        async def scan() -> list[str]:
+        async def scan() -> Listing:
             # A read: retried on the core's policy (a connection that Redis dropped, as after
-            # a restart, was a 500 on the first call), then the core's errors (503).
+            # a restart, was a 500 on the first call), then the core's errors (503). On a
+            # cluster only a cluster none of whose nodes answers is retried.
             try:
                 async for attempt in retrying(self.backend_timeout, asynchronous=True):
                     with attempt:
-                        names = {
-                            pool_name_from_key(k)
-                            async for k in redis.scan_iter(match=POOL_CFG_MATCH, count=1000)
-                        }
+                        listing = await alist_pools(redis)
             except Exception as e:  # noqa: BLE001 - translated to gpulock's tree
                 raise translate(e, "*") from e
-            return sorted(n for n in names if n)
+            return listing
 
         return await self._tasks.guard(scan())
+
+    async def names(self) -> list[str]:
+        """Every pool configured in Redis that could be read, sorted (see :meth:`listing`)."""
+        return (await self.listing()).names
 
     async def status(self, pool: str, limit: int = 1000):
         """The pool's status (:meth:`gpulock.AsyncPool.status`), at most ``limit`` leases."""
