@@ -188,7 +188,7 @@ def core_error(e: Exception) -> Exception:
             str(e), position=e.position, queue_length=e.queue_length, retry_after=e.retry_after
         )
     if isinstance(e, C.QuotaExceeded):
-        return E.QuotaExceeded(e.amount, e.quota, e.tenant)
+        return E.QuotaExceeded(e.amount, e.quota, e.tenant, resident=e.resident)
     if isinstance(e, C.CapacityExceeded):  # the broker's message: it may name a device
         return E.CapacityExceeded(e.amount, e.capacity, str(e))
     if isinstance(e, C.QueueFull):

@@ -13,7 +13,7 @@ import asyncio
 from typing import Any, Awaitable, Callable, Sequence
 
 from ._replies import PoolStatus
-from ._samples import Sample, read_counters, read_samples, resident_bytes
+from ._samples import Sample, read_counters, read_samples
 from .errors import GpuLockError
 
 __all__ = ["HIDDEN_HOLDER_FIELDS", "RATE_WINDOW_S", "dashboard_view", "pool_view"]
@@ -63,7 +63,7 @@ def pool_view(
         "capacity": st.capacity,
         "used": st.used,
         "free": st.free,
-        "resident": resident_bytes(st),
+        "resident": st.resident,
         "lease_count": st.lease_count,
         "waiter_count": st.waiter_count,
         "max_waiters": st.max_waiters,

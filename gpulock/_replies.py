@@ -30,7 +30,9 @@ class Grant:
 
 @dataclass(frozen=True)
 class NotGranted:
-    """An acquire that did not grant: queued (``queued`` true) or, for ``try``, refused."""
+    """An acquire that did not grant: queued (``queued`` true) or, for ``try``, refused; or,
+    for a resident request, refused because it does not fit next to the resident leases held
+    and queued (``resident`` their bytes; None otherwise)."""
 
     queued: bool
     position: int
@@ -41,6 +43,7 @@ class NotGranted:
     capacity: int
     used: int
     held_back: int = 0  # bytes the device report holds back (capacity - effective capacity)
+    resident: int | None = None  # reply code 3: bytes of the resident leases held and queued
 
 
 def _s(v: Any) -> str:
@@ -70,6 +73,7 @@ def decode_acquire(ticket: str, r: list[Any]) -> Grant | NotGranted:
         int(r[6]),
         int(r[7]),
         int(r[8]) if len(r) > 8 else 0,
+        int(r[9]) if int(r[0]) == 3 and len(r) > 9 else None,
     )
 
 
@@ -184,6 +188,11 @@ class PoolStatus:
     # a pool of one device; and how a request without a device is placed.
     devices: list[DeviceUse] = field(default_factory=list)
     placement: str = "bestfit"
+    # Resident leases (docs/SEMANTICS.md, "Resident leases"): bytes held by them, and bytes of
+    # resident requests queued; a request that is not resident is refused when it is larger
+    # than capacity - resident - resident_queued (RoomExceeded).
+    resident: int = 0
+    resident_queued: int = 0
 
     def queue_config(self) -> QueueConfig:
         """The pool's scheduling settings as ``configure.lua`` takes them."""
@@ -277,6 +286,8 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
         tenants=_tenants(r[22] if len(r) > 22 else []),
         devices=_devices(r[23] if len(r) > 23 else [], capacity, used),
         placement=_s(r[24]) if len(r) > 24 else "bestfit",
+        resident=int(r[25]) if len(r) > 25 else 0,
+        resident_queued=int(r[26]) if len(r) > 26 else 0,
     )
 
 
