@@ -317,16 +317,34 @@ class Batcher(Generic[R]):
         job, index = entry.dispatched.result()
         batch = entry.batch
         assert batch is not None
+        results: Sequence[Any] | None = None
         try:
             results = await self._calls.await_job(job, arrival, response, gone)
-        except BaseException:
-            if job.phase in ("slot", "queued"):
-                self._leave(entry)
-            raise
+        except BaseException as e:
+            refused = isinstance(e, GpuLockHTTPException) and e.status_code == 413
+            if not refused or len(batch.entries) < 2:  # else: the batch's bytes, see below
+                if job.phase in ("slot", "queued"):
+                    self._leave(entry)
+                raise
         finally:
             batch.open -= 1
             if batch.open == 0:
                 job.place.attached -= 1  # the batch's own hold (see _dispatch)
+        if results is None:
+            # The batch closed on a room read before the pool's resident leases took theirs
+            # (413: the batch can never fit next to them); each of its requests may still fit
+            # alone, and runs alone, within its own deadline (one that cannot gets its own 413).
+            alone = self._runner.start(
+                functools.partial(self._run_alone, entry.item),
+                self.route,
+                amount,
+                None,
+                "",
+                arrival,
+                park=0.0,
+                priority=entry.priority,
+            )
+            return await self._calls.await_job(alone, arrival, response, gone)
         out = results[index]
         if isinstance(out, BaseException):
             if isinstance(out, CudaOOM):

@@ -36,7 +36,6 @@ class GuardedCalls:
         settings: the timeouts, ``park_timeout``, ``enabled`` and the header's name.
         backend: the executor (for unguarded calls).
         check_accepting: raises 503 unless this worker takes guarded calls now.
-        check_room: raises 413 for an amount the resident leases leave no room for.
         runner: starts jobs.
         store: claims, results and following (X-Request-ID).
         retry: Retry-After and the job's place.
@@ -48,7 +47,6 @@ class GuardedCalls:
         settings: Settings,
         backend: Backend,
         check_accepting: Callable[[], None],
-        check_room: Callable[[int], Awaitable[None]],
         runner: JobRunner,
         store: RequestStore,
         retry: RetryAfterEstimator,
@@ -57,7 +55,6 @@ class GuardedCalls:
         self._settings = settings
         self._backend = backend
         self._check_accepting = check_accepting
-        self._check_room = check_room
         self._runner = runner
         self._store = store
         self._retry = retry
@@ -115,7 +112,6 @@ class GuardedCalls:
             if not self._settings.enabled:
                 result = await self._call_unguarded(fn)
             else:
-                await self._check_room(amount)
                 # Uvicorn does not cancel a handler whose client went away: watch for it, so a
                 # request nobody waits for leaves the queue at once and is never granted.
                 gone = watch_disconnect(request) if request is not None else None

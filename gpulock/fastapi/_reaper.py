@@ -71,14 +71,14 @@ class Reaper:
                 self._log.ok()
 
     async def tick(self, full: bool = True) -> None:
-        """One read now; ``full`` lists the leases too (for the resident total) and sweeps
-        the multiprocess directory of dead processes' files. A pool not found is created
+        """One read now; ``full`` also sweeps the multiprocess directory of dead processes'
+        files. A pool not found is created
         again when a capacity was given. Redis errors are recorded, not raised."""
         be = self._backend
         assert be.pool is not None
         now = time.monotonic()
-        try:  # a full tick lists the leases too, for the resident total
-            st = await be.pool.status(limit=100_000 if full else 0)
+        try:
+            st = await be.pool.status(limit=0)
         except PoolNotFound as e:
             be.status, be.redis_error = None, str(e)
             capacity = self._settings.capacity
