@@ -60,6 +60,16 @@ class GuardedCalls:
         self._retry = retry
         self._errors = errors
 
+    def admit(self, route: str) -> None:
+        """Raise 503 ``not_ready`` unless this worker takes guarded calls now, counted as every
+        error answer of a guarded call is (:meth:`HttpErrors.count`): for route shapes that
+        refuse before their estimate runs (``endpoint``, the batcher)."""
+        try:
+            self._check_accepting()
+        except GpuLockHTTPException as e:
+            self._errors.count(e, route)
+            raise
+
     async def call(
         self,
         fn: Callable[[], Any],
@@ -128,8 +138,7 @@ class GuardedCalls:
                     )
                     result = await self.await_job(job, arrival, response, gone)
         except GpuLockHTTPException as e:
-            m.requests.labels(route, str(e.status_code)).inc()
-            self._errors.count(e)
+            self._errors.count(e, route)
             if request_id:
                 e.headers = {**(e.headers or {}), header: request_id}
             raise

@@ -71,9 +71,12 @@ class HttpErrors:
         # the pool's counters in Redis (gpulock._samples), shown by the dashboard
         self._on_event = on_event
 
-    def count(self, e: GpuLockHTTPException) -> None:
-        """Count an answer in the pool's counters: every 503 as ``rejected``, a CUDA OOM (a
-        503 too) also as ``oom``."""
+    def count(self, e: GpuLockHTTPException, route: str) -> None:
+        """Count a guarded route's error answer, the one place that does: in
+        ``gpulock_requests_total`` (``route``, status) and in the pool's counters the dashboard
+        shows (every 503 as ``rejected``, a CUDA OOM, a 503 too, also as ``oom``), so that
+        ``/metrics`` and the dashboard count the same answers."""
+        metrics().requests.labels(route, str(e.status_code)).inc()
         if e.status_code == 503:
             self._on_event("rejected")
         if e.reason == "cuda_oom":

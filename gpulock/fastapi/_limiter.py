@@ -265,6 +265,7 @@ class GpuLimiter:
     backoff_scale = _Forward("_backoff", "scale")
     backoff_state = _Forward("_backoff", "state")
     call = _Forward("_calls")
+    admit = _Forward("_calls")
 
     @property
     def estimates_key(self) -> str:
@@ -498,7 +499,6 @@ class GpuLimiter:
             runner=self._runner,
             calls=self._calls,
             errors=self._errors,
-            check_accepting=self._ready.check_accepting,
             spawn=self.spawn,
         )
 
