@@ -175,9 +175,11 @@ elseif mode == 'wait' and (used + amount > eff or grace_until > now) then
 end
 if not res and not held and not w then
   -- a new request that can never be granted next to the resident leases: refused at once
-  r = room_refusal(amount, tenant, pin, cap, tonumber(cfg[14] or '0'), tonumber(cfg[15] or '0'), d,
-                   quotas, room, dead, gone)
-  if r then return r end
+  local rh, rq = tonumber(cfg[14] or '0'), tonumber(cfg[15] or '0')
+  if amount > cap - rh - rq or d or (quotas and tenant ~= '') then
+    r = room_refusal(amount, tenant, pin, cap, rh, rq, d, quotas, room, dead, gone)
+    if r then return r end
+  end
 end
 
 -- Validation and reads done; writes start here.

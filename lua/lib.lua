@@ -452,34 +452,39 @@ end
 -- cache, where acquire's quota check put the tenant's numbers. Counted as they will be
 -- once the expired leases `dead` and the gone waiters `gone` are reaped (their records are
 -- read only when a check fails). Reads only.
+-- What the reap of expired leases `dead` and gone waiters `gone` will free of the resident
+-- leases: {held, queued, dev = {[i] = bytes}, tenant = bytes of `tenant`'s}. Reads only.
+local function resident_freed(dead, gone, tenant)
+  local f = {held = 0, queued = 0, dev = {}, tenant = 0}
+  for _, lid in ipairs(dead) do
+    local rec = redis.call('HGET', K_HOLDERS, lid)
+    if rec then
+      local a, _, _, _, _, _, tn, dv, res = parse_holder(rec)
+      if res then
+        f.held = f.held + a
+        if dv ~= '' then f.dev[tonumber(dv)] = (f.dev[tonumber(dv)] or 0) + a end
+        if tn == tenant then f.tenant = f.tenant + a end
+      end
+    end
+  end
+  for _, t in ipairs(gone) do
+    local rec = redis.call('HGET', K_WAITERS, t)
+    if rec then
+      local a, _, _, _, _, _, _, _, _, res = parse_waiter(rec)
+      if res then f.queued = f.queued + a end
+    end
+  end
+  return f
+end
+
 local function room_refusal(amount, tenant, pin, cap, held, queued, d, quotas, room, dead, gone)
   local reaping = #dead + #gone > 0
-  local f  -- what the reap will free: {held, queued, dev = {[i] = bytes}, tenant = bytes}
-  local function freed()
-    if f then return f end
-    f = {held = 0, queued = 0, dev = {}, tenant = 0}
-    for _, lid in ipairs(dead) do
-      local rec = redis.call('HGET', K_HOLDERS, lid)
-      if rec then
-        local a, _, _, _, _, _, tn, dv, res = parse_holder(rec)
-        if res then
-          f.held = f.held + a
-          if dv ~= '' then f.dev[tonumber(dv)] = (f.dev[tonumber(dv)] or 0) + a end
-          if tn == tenant then f.tenant = f.tenant + a end
-        end
-      end
-    end
-    for _, t in ipairs(gone) do
-      local rec = redis.call('HGET', K_WAITERS, t)
-      if rec then
-        local a, _, _, _, _, _, _, _, _, res = parse_waiter(rec)
-        if res then f.queued = f.queued + a end
-      end
-    end
-    return f
-  end
+  local f  -- resident_freed, read only when a check fails while something is to be reaped
   local rsv = held + queued
-  if amount > cap - rsv and reaping then rsv = rsv - freed().held - freed().queued end
+  if amount > cap - rsv and reaping then
+    f = resident_freed(dead, gone, tenant)
+    rsv = rsv - f.held - f.queued
+  end
   if amount > cap - rsv then
     return redis.error_reply('GPULOCK_ROOM ' .. fmt(amount) .. ' ' .. fmt(cap - rsv) .. ' ' .. fmt(cap)
                              .. ' ' .. fmt(rsv))
@@ -487,9 +492,10 @@ local function room_refusal(amount, tenant, pin, cap, held, queued, d, quotas, r
   if d then
     local best, i = device_room(d, pin)
     if amount > best and reaping then
-      for j, b in pairs(freed().dev) do d.res[j] = d.res[j] - b end
+      f = f or resident_freed(dead, gone, tenant)
+      for j, b in pairs(f.dev) do d.res[j] = d.res[j] - b end
       best, i = device_room(d, pin)
-      for j, b in pairs(freed().dev) do d.res[j] = d.res[j] + b end
+      for j, b in pairs(f.dev) do d.res[j] = d.res[j] + b end
     end
     if amount > best then
       return redis.error_reply('GPULOCK_ROOM ' .. fmt(amount) .. ' ' .. fmt(best) .. ' ' .. fmt(d.cap[i])
@@ -500,7 +506,10 @@ local function room_refusal(amount, tenant, pin, cap, held, queued, d, quotas, r
     local t = room[tenant]
     if not t then t = {tenant_use(tenant)} end
     local q, r = t[1], t[3]
-    if q > 0 and amount > q - r and reaping then r = r - freed().tenant end
+    if q > 0 and amount > q - r and reaping then
+      f = f or resident_freed(dead, gone, tenant)
+      r = r - f.tenant
+    end
     if q > 0 and amount > q - r then
       return redis.error_reply('GPULOCK_QUOTA ' .. fmt(amount) .. ' ' .. fmt(q) .. ' ' .. tenant .. ' ' .. fmt(r))
     end
