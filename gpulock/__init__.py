@@ -19,6 +19,7 @@ from .errors import (
     PoolNotFound,
     QueueFull,
     QuotaExceeded,
+    RoomExceeded,
 )
 from .units import format_size, parse_size
 
@@ -41,6 +42,7 @@ __all__ = [
     "PoolStatus",
     "QueueFull",
     "QuotaExceeded",
+    "RoomExceeded",
     "WaiterInfo",
     "format_size",
     "parse_size",

@@ -364,6 +364,15 @@ PLACEMENTS = ("bestfit", "spread")
 validate_device = check_device
 
 
+def validate_resident(resident: object) -> bool:
+    """``acquire``'s ``resident``: True or False (docs/SEMANTICS.md, "Resident leases").
+    Raises InvalidArgument for anything else (a truthy string would otherwise turn a request
+    into a lease held for its holder's life)."""
+    if resident is True or resident is False:
+        return resident
+    raise InvalidArgument(f"resident must be True or False, got {resident!r:.80}")
+
+
 def encode_devices(devices: object, capacity: int | str | None) -> tuple[int, str]:
     """``configure``'s devices as ``configure.lua`` takes them: ``devices`` a count N (N
     devices of ``capacity`` bytes each) or a sequence of each device's capacity (bytes or

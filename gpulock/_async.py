@@ -395,6 +395,7 @@ class AsyncPool(PoolOptions):
         priority: int = 0,
         tenant: str | None = None,
         device: int | None = None,
+        resident: bool = False,
     ) -> AsyncLease:
         """Take ``amount`` bytes from the pool, waiting in the pool's queue (by priority, then
         first come first served: docs/SEMANTICS.md, "Priorities").
@@ -420,12 +421,19 @@ class AsyncPool(PoolOptions):
                 would (docs/SEMANTICS.md, "Tenant quotas").
             device: on a pool of several devices, the index of the device the lease must be
                 on; default None: the pool places it (``lease.device`` says where).
+            resident: True for a lease held for the holder's whole life (a model's weights):
+                a request that is not resident and can never fit next to the resident leases
+                held and queued is refused at once (RoomExceeded); a resident request that
+                does not fit next to them is not queued, whatever the timeout (AcquireTimeout
+                at once: try again later). docs/SEMANTICS.md, "Resident leases".
 
         Returns: an :class:`AsyncLease` (also an async context manager).
 
         Raises:
             InvalidArgument, CapacityExceeded (at once; QuotaExceeded, its subclass, when the
-            amount exceeds the tenant's quota), PoolNotFound, QueueFull,
+            amount exceeds the tenant's quota or what its resident leases leave of it;
+            RoomExceeded, its subclass, when it exceeds what the pool's resident leases leave),
+            PoolNotFound, QueueFull,
             AcquireTimeout (nothing is held afterwards), BackendUnavailable, PoolClosed (the
             pool object was closed before the call, which then never queued, or during the
             wait, and the request left the queue; its message says which).
@@ -444,6 +452,7 @@ class AsyncPool(PoolOptions):
             priority=priority,
             tenant=tenant,
             device=device,
+            resident=resident,
         )
         start = self.clock()
         if self._runtime.closed:  # no heartbeat or listener would serve the lease

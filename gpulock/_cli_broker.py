@@ -190,7 +190,7 @@ def core_error(e: Exception) -> Exception:
             grace_left=e.grace_left,
         )
     if isinstance(e, C.QuotaExceeded):
-        return E.QuotaExceeded(e.amount, e.quota, e.tenant)
+        return E.QuotaExceeded(e.amount, e.quota, e.tenant, resident=e.resident)
     if isinstance(e, C.CapacityExceeded):  # the broker's message: it may name a device
         return E.CapacityExceeded(e.amount, e.capacity, str(e))
     if isinstance(e, C.QueueFull):

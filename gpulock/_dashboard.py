@@ -16,7 +16,7 @@ from ._cluster import is_cluster_client
 from ._listing import Listing, Unreachable, alist_pools
 from ._replies import PoolStatus
 from ._retry import RETRYABLE
-from ._samples import Sample, read_counters, read_samples, resident_bytes
+from ._samples import Sample, read_counters, read_samples
 from .errors import BackendUnavailable, GpuLockError
 
 __all__ = ["HIDDEN_HOLDER_FIELDS", "RATE_WINDOW_S", "READ_TIMEOUT_S", "dashboard_view", "pool_view"]
@@ -68,7 +68,7 @@ def pool_view(
         "capacity": st.capacity,
         "used": st.used,
         "free": st.free,
-        "resident": resident_bytes(st),
+        "resident": st.resident,
         "lease_count": st.lease_count,
         "waiter_count": st.waiter_count,
         "max_waiters": st.max_waiters,

@@ -68,7 +68,7 @@ from .errors import (
     LeaseLost,
     PoolNotFound,
 )
-from .units import parse_seconds
+from .units import format_size, parse_seconds
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
@@ -335,7 +335,7 @@ def release_lease(s: LeaseState, rt: Runtime | None) -> Flow[None]:
 def lease_state(rt: Runtime, grant: Grant, req: AcquireRequest, valid_until: float) -> LeaseState:
     """The local state of a granted lease, heartbeated from now on (an existing one when this
     process already holds that lease: the same request id acquired again)."""
-    state, new = rt.state_for(grant, req.ttl_s, valid_until, req.meta, req.tenant)
+    state, new = rt.state_for(grant, req.ttl_s, valid_until, req.meta, req.tenant, req.resident)
     if new:
         rt.track(state)
     return state
@@ -417,6 +417,16 @@ def acquire(
             if pool.sync_replicas:
                 yield from sync_grant(pool, lease)
             return lease
+        if res.resident is not None:
+            needs_cancel = False
+            raise AcquireTimeout(
+                f"pool {pool.name!r}: a resident lease of {req.amount} bytes "
+                f"({format_size(req.amount)}) does not fit the capacity, {res.capacity} bytes, "
+                f"next to the resident leases held and queued, {res.resident} bytes: it is not "
+                f"queued (it could stall the queue); try again when one of them has ended",
+                queue_length=res.queue_length,
+                retry_after=_retry_after(res),
+            )
         if not res.queued:
             needs_cancel = False
             grace = res.grace_left_ms / 1000

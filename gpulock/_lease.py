@@ -29,13 +29,23 @@ class LeaseState(LocalLeaseState):
 
     Adds: ``ticket`` (the request id), ``expires_ms`` (server-clock expiry, Unix ms),
     ``epoch`` (the pool's epoch at the grant), ``meta`` (holder metadata as sent to acquire,
-    kept to re-assert the lease), ``tenant`` (likewise; "" for none), ``device`` (the
+    kept to re-assert the lease), ``tenant`` (likewise; "" for none), ``resident`` (likewise:
+    a resident lease, docs/SEMANTICS.md "Resident leases"), ``device`` (the
     device it is on; 0 on a pool of one device), ``next_renew`` (local monotonic seconds). ``valid_until``
     comes from :func:`validity_deadline` of the last successful grant or renewal, so it always
     ends before the server's expiry (invariant 5 in docs/SEMANTICS.md).
     """
 
-    __slots__ = ("ticket", "expires_ms", "epoch", "meta", "tenant", "device", "next_renew")
+    __slots__ = (
+        "ticket",
+        "expires_ms",
+        "epoch",
+        "meta",
+        "tenant",
+        "resident",
+        "device",
+        "next_renew",
+    )
     unreachable = "Redis"
     log = logging.getLogger("gpulock")
 
@@ -48,6 +58,7 @@ class LeaseState(LocalLeaseState):
         self.epoch = grant.epoch
         self.meta = ""
         self.tenant = ""
+        self.resident = False
         self.device = grant.device
         self.next_renew = clock() + ttl_s / 3
 

@@ -18,6 +18,7 @@ from ._args import (
     validate_device,
     validate_priority,
     validate_request_id,
+    validate_resident,
     validate_tenant,
 )
 from .units import parse_seconds, parse_size
@@ -62,6 +63,7 @@ class AcquireRequest(NamedTuple):
     priority: int = 0
     tenant: str = ""  # "" for none
     device: int | None = None  # the device it pins (docs/SEMANTICS.md, "Devices"); None: any
+    resident: bool = False  # held for its holder's life (docs/SEMANTICS.md, "Resident leases")
 
     @classmethod
     def build(
@@ -78,6 +80,7 @@ class AcquireRequest(NamedTuple):
         priority: int = 0,
         tenant: str | None = None,
         device: int | None = None,
+        resident: bool = False,
     ) -> "AcquireRequest":
         amt = parse_size(amount)
         ttl_s = parse_seconds(
@@ -100,6 +103,7 @@ class AcquireRequest(NamedTuple):
             prio,
             validate_tenant(tenant),
             validate_device(device),
+            validate_resident(resident),
         )
 
     def argv(self, mode: str, channel: str) -> list[str]:
@@ -115,8 +119,10 @@ class AcquireRequest(NamedTuple):
             channel,
             str(self.priority),
         ]
-        if self.tenant or self.device is not None:
+        if self.tenant or self.device is not None or self.resident:
             argv.append(self.tenant)
-        if self.device is not None:
-            argv.append(str(self.device))
+        if self.device is not None or self.resident:
+            argv.append("" if self.device is None else str(self.device))
+        if self.resident:
+            argv.append("resident")
         return argv

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from redis.exceptions import ResponseError
 
 from ._calls import Calls, Settings
+from .errors import AcquireTimeout
 from ._flow import configure_args
 from ._replies import QueueConfig
 from ._protocol import (
@@ -258,6 +259,7 @@ class Recovery:
                 s.meta,
                 s.tenant,
                 s.device,
+                "resident" if s.resident else "",
             ]
         sent = self.clock()
         r = await self._calls.eval("reassert", args, bound=bound)
@@ -338,6 +340,16 @@ class Recovery:
             return
         if isinstance(res, Grant):
             reg.deliver(res)
+        elif res.resident is not None:  # a resident request the others leave no room for
+            reg.fail(
+                w,
+                AcquireTimeout(
+                    f"pool {self.pool!r}: this resident request no longer fits the capacity next "
+                    f"to the resident leases held and queued ({res.resident} bytes); it left "
+                    f"the queue",
+                    queue_length=res.queue_length,
+                ),
+            )
         else:
             w.position = res.position
             self.note_grace(sent, res.grace_left_ms)

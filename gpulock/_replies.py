@@ -30,7 +30,9 @@ class Grant:
 
 @dataclass(frozen=True)
 class NotGranted:
-    """An acquire that did not grant: queued (``queued`` true) or, for ``try``, refused."""
+    """An acquire that did not grant: queued (``queued`` true) or, for ``try``, refused; or,
+    for a resident request, refused because it does not fit next to the resident leases held
+    and queued (``resident`` their bytes; None otherwise)."""
 
     queued: bool
     position: int
@@ -42,6 +44,7 @@ class NotGranted:
     used: int
     held_back: int = 0  # bytes the device report holds back (capacity - effective capacity)
     grace_left_ms: int = 0  # ms left in the pool's grace period (0 outside one)
+    resident: int | None = None  # reply code 3: bytes of the resident leases held and queued
 
 
 def _s(v: Any) -> str:
@@ -72,6 +75,7 @@ def decode_acquire(ticket: str, r: list[Any]) -> Grant | NotGranted:
         int(r[7]),
         int(r[8]) if len(r) > 8 else 0,
         int(r[9]) if len(r) > 9 else 0,
+        int(r[10]) if int(r[0]) == 3 and len(r) > 10 else None,
     )
 
 
@@ -186,6 +190,11 @@ class PoolStatus:
     # a pool of one device; and how a request without a device is placed.
     devices: list[DeviceUse] = field(default_factory=list)
     placement: str = "bestfit"
+    # Resident leases (docs/SEMANTICS.md, "Resident leases"): bytes held by them, and bytes of
+    # resident requests queued; a request that is not resident is refused when it is larger
+    # than capacity - resident - resident_queued (RoomExceeded).
+    resident: int = 0
+    resident_queued: int = 0
 
     def queue_config(self) -> QueueConfig:
         """The pool's scheduling settings as ``configure.lua`` takes them."""
@@ -279,6 +288,8 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
         tenants=_tenants(r[22] if len(r) > 22 else []),
         devices=_devices(r[23] if len(r) > 23 else [], capacity, used),
         placement=_s(r[24]) if len(r) > 24 else "bestfit",
+        resident=int(r[25]) if len(r) > 25 else 0,
+        resident_queued=int(r[26]) if len(r) > 26 else 0,
     )
 
 

@@ -258,7 +258,13 @@ class Runtime:
         self.leases.pop(lease_id, None)
 
     def state_for(
-        self, grant: Grant, ttl_s: float, valid_until: float, meta: str = "", tenant: str = ""
+        self,
+        grant: Grant,
+        ttl_s: float,
+        valid_until: float,
+        meta: str = "",
+        tenant: str = "",
+        resident: bool = False,
     ) -> tuple[LeaseState, bool]:
         """The local state of a granted lease: the existing one when this process already
         holds that lease (the same request id acquired again returns the same grant), so that
@@ -278,6 +284,7 @@ class Runtime:
             s = LeaseState(self.pool, grant, ttl_s, valid_until, self.clock)
             s.meta = meta
             s.tenant = tenant
+            s.resident = resident
             if not s.epoch:
                 s.epoch = self.known_epoch
             self.leases[s.lease_id] = s

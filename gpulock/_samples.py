@@ -42,7 +42,6 @@ __all__ = [
     "read_counters",
     "read_samples",
     "record_sample",
-    "resident_bytes",
 ]
 
 log = logging.getLogger("gpulock.samples")
@@ -128,14 +127,6 @@ class Sample:
             return None
 
 
-def resident_bytes(st: PoolStatus) -> int:
-    """Bytes held by resident leases (workers' models: holder ``purpose`` ``resident:...``)
-    among the leases ``st`` lists."""
-    return sum(
-        lz.amount for lz in st.leases if str(lz.holder.get("purpose", "")).startswith("resident")
-    )
-
-
 async def claim_sampler(redis: Any, pool: str, sampler_id: str) -> bool:
     """Take or extend the pool's sampler lease (``SET NX PX`` :data:`SAMPLER_LEASE_MS`) for
     ``sampler_id``; whether it holds it now. ``redis``: a ``redis.asyncio.Redis``. Raises
@@ -154,7 +145,7 @@ async def record_sample(
     fields = {
         "capacity": st.capacity,
         "used": st.used,
-        "resident": resident_bytes(st),
+        "resident": st.resident,
         "leases": st.lease_count,
         "waiters": st.waiter_count,
         "grants": st.grants,
@@ -232,7 +223,7 @@ class Sampler:
                 if not await claim_sampler(self._redis, name, self.id):
                     out[name] = False
                     continue
-                st = await self._status(name, 1000)
+                st = await self._status(name, 0)
                 out[name] = await record_sample(self._redis, st, self.id)
             except asyncio.CancelledError:
                 raise

@@ -493,6 +493,7 @@ class Pool(PoolOptions):
         priority: int = 0,
         tenant: str | None = None,
         device: int | None = None,
+        resident: bool = False,
     ) -> Lease:
         """Take ``amount`` bytes, waiting in the pool's queue. Same arguments, return and errors as
         :meth:`gpulock.AsyncPool.acquire`. ``on_queued`` runs on the pool's background thread
@@ -513,6 +514,7 @@ class Pool(PoolOptions):
                 priority=priority,
                 tenant=tenant,
                 device=device,
+                resident=resident,
             )
             start = self.clock()
             bg = self._background()

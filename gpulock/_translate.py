@@ -13,6 +13,7 @@ from .errors import (
     BackendUnavailable,
     CapacityExceeded,
     QuotaExceeded,
+    RoomExceeded,
     GpuLockError,
     InvalidArgument,
     PoolNotFound,
@@ -79,8 +80,14 @@ def translate(exc: BaseException, pool: str) -> BaseException:
                 )
             return CapacityExceeded(int(a), int(c))
         if code == "GPULOCK_QUOTA":
-            a, q, t = rest.split()
-            return QuotaExceeded(int(a), int(q), t)
+            a, q, t, *held = rest.split()
+            return QuotaExceeded(int(a), int(q), t, resident=int(held[0]) if held else 0)
+        if code == "GPULOCK_ROOM":
+            a, room, c, r, *dev = rest.split()
+            device = None
+            if dev[:1] == ["device"] and len(dev) == 2:  # a pool of several devices
+                device = -1 if dev[1] == "any" else int(dev[1])
+            return RoomExceeded(int(a), int(room), int(c), int(r), device)
         if code == "GPULOCK_QUEUEFULL":
             q, m = rest.split()
             return QueueFull(pool, int(q), int(m))

@@ -5,7 +5,9 @@ gpulock-client raises). Every error gpulock raises derives from :class:`GpuLockE
     ├── InvalidArgument (also ValueError)   bad amount, ttl, pool name, request id, ...
     ├── PoolNotFound                        the pool has no configuration in Redis
     ├── CapacityExceeded                    amount > capacity: can never be granted
-    │   └── QuotaExceeded                   amount > the tenant's quota on the pool
+    │   ├── QuotaExceeded                   amount > the tenant's quota on the pool (or what
+    │   │                                   the tenant's resident leases leave of it)
+    │   └── RoomExceeded                    amount > what the pool's resident leases leave
     ├── AcquireTimeout (also TimeoutError)  the wait for a grant ran out (or timeout=0 and busy)
     ├── QueueFull                           the pool's queue is at its bound
     ├── LeaseLost                           the lease expired, was reaped or never existed
@@ -29,6 +31,7 @@ from gpulock_common.errors import (
     PoolNotFound,
     QueueFull,
     QuotaExceeded,
+    RoomExceeded,
 )
 
 __all__ = [
@@ -37,6 +40,7 @@ __all__ = [
     "PoolNotFound",
     "CapacityExceeded",
     "QuotaExceeded",
+    "RoomExceeded",
     "AcquireTimeout",
     "QueueFull",
     "LeaseLost",

@@ -28,6 +28,12 @@
 --                     lease must be on (0 .. devices-1; on a pool of one device only 0). On a
 --                     pool of several devices a request without one is placed by the pool's
 --                     placement rule (lib.lua place).
+--  12 kind            optional: '' (the default) or 'resident': a lease its holder keeps for its
+--                     whole life (a model's weights; lib.lua "Resident leases"). A resident
+--                     request is granted or queued only when it fits the capacity next to the
+--                     resident leases held and queued, else answered "not resident room"
+--                     (code 3) whatever its mode; a request that is not resident and can never
+--                     fit next to them is refused (GPULOCK_ROOM, GPULOCK_QUOTA).
 -- Reply:
 --   granted:     {1, lease_id, token, expires_ms, amount, now_ms, epoch, capacity, used, device}
 --                (device: the lease's device index; 0 on a pool of one device)
@@ -38,6 +44,9 @@
 --                (mode 'try'); held_back: bytes the device report holds back now
 --                (capacity - effective capacity; 0 without a live report); grace_left_ms: the
 --                time left in the pool's grace period (0 outside one)
+--   no resident room: {3, 0, retry_after_ms, queue_len, now_ms, epoch, capacity, used,
+--                held_back, grace_left_ms, resident} (kind 'resident' only): not granted, not
+--                queued; resident: the bytes of the resident leases held and queued
 --   retry_after_ms is, in a grace period, the time to its end; else the time to the nearest
 --   lease expiry (-1 when none): a lower bound on when the queue can move if nobody releases.
 --   In a grace period (see configure.lua, reassert.lua) nothing is granted: requests queue.
@@ -52,7 +61,12 @@
 --   GPULOCK_CAPACITY <amount> <capacity> the amount can never fit the pool; on a pool of several
 --                                        devices "... device <i>" (the capacity of its pinned
 --                                        device i) or "... device any" (of the largest device)
---   GPULOCK_QUOTA <amount> <quota> <tenant> the amount exceeds the tenant's quota
+--   GPULOCK_QUOTA <amount> <quota> <tenant> [<resident>] the amount exceeds the tenant's quota
+--                                        (or, with <resident>, what the tenant's resident
+--                                        leases leave of it)
+--   GPULOCK_ROOM <amount> <room> <capacity> <resident>[ device <i|any>]  not resident, the
+--                                        amount fits the capacity but not what the resident
+--                                        leases held and queued leave (lib.lua room_refusal)
 --   GPULOCK_QUEUEFULL <queue_len> <max>  the queue is at max_waiters
 --   GPULOCK_CONFLICT <why>               the ticket is in use with another amount, tenant or device, or the
 --                                        lease id is in use by another ticket
@@ -73,6 +87,10 @@ local pin = ARGV[11] or ''
 if pin ~= '' and (not string.match(pin, '^%d+$') or #pin > 2) then
   return bad('device must be a device index (0, 1, ...), got ' .. show(pin))
 end
+local res = ARGV[12] == 'resident'
+if not res and ARGV[12] ~= nil and ARGV[12] ~= '' then
+  return bad("kind must be '' or 'resident', got " .. show(ARGV[12]))
+end
 
 -- Reads first: every key this call may use is read (redis.pcall) before the first write, so a
 -- key of the wrong type fails it with nothing written (see "Key types" in lib.lua). The queue's
@@ -80,7 +98,7 @@ end
 -- empty queue has no waiters (the three queue keys change together, in drop_waiter and below).
 local cfg = redis.pcall('HMGET', K_CFG, 'capacity', 'used', 'fence', 'grants', 'max_ttl_ms',
                         'grace_until', 'external', 'external_until', 'epoch', 'max_waiters',
-                        'nquotas', 'devices', 'placement')
+                        'nquotas', 'devices', 'placement', 'resident', 'rqueued')
 if failed(cfg) then return keytype_error(cfg) end
 if not cfg[1] then return redis.error_reply('GPULOCK_NOPOOL') end
 local cap = tonumber(cfg[1])
@@ -101,7 +119,7 @@ if amount > most then
 end
 local quotas = cfg[11] ~= false and cfg[11] ~= '0'
 local room = {}  -- lib.lua quota_check's cache
-if quotas and quota_check(room, tenant, amount) == 'never' then
+if quotas and quota_check(room, tenant, amount, true) == 'never' then
   return redis.error_reply('GPULOCK_QUOTA ' .. fmt(amount) .. ' ' .. fmt(room[tenant][1]) .. ' ' .. tenant)
 end
 local max_ttl = tonumber(cfg[5] or '0')
@@ -158,6 +176,14 @@ elseif mode == 'wait' and (used + amount > eff or grace_until > now) then
   r = redis.pcall('ZSCORE', K_WEXP, ticket)
   if failed(r) then return keytype_error(r) end
 end
+if not res and not held and not w then
+  -- a new request that can never be granted next to the resident leases: refused at once
+  local rh, rq = tonumber(cfg[14] or '0'), tonumber(cfg[15] or '0')
+  if amount > cap - rh - rq or d or (quotas and tenant ~= '') then
+    r = room_refusal(amount, tenant, pin, cap, rh, rq, d, quotas, room, dead, gone)
+    if r then return r end
+  end
+end
 
 -- Validation and reads done; writes start here.
 local fence, grants = tonumber(cfg[3] or '0'), tonumber(cfg[4] or '0')
@@ -183,6 +209,12 @@ if qlen > 0 and redis.call('ZSCORE', K_QUEUE, ticket) then
   redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
   return not_granted(0, redis.call('ZRANK', K_QUEUE, ticket) + 1, now, epoch, cap, eff)
 end
+if res then
+  -- a resident request waits only where it fits next to the resident leases held and queued
+  local c = redis.call('HMGET', K_CFG, 'resident', 'rqueued')
+  local rsv = tonumber(c[1] or '0') + tonumber(c[2] or '0')
+  if amount > cap - rsv then return not_granted(3, 0, now, epoch, cap, eff, rsv) end
+end
 
 -- With a queue, the request goes ahead of its head if its score is lower (a higher effective
 -- priority); the head does not fit (every script that frees bytes hands them on), so the
@@ -192,7 +224,7 @@ end
 -- the others are passed over), and a request whose tenant has no room does not fit.
 local score, vt, ahead
 local fits = used + amount <= eff and grace_until <= now
-if fits and quotas then fits = quota_check(room, tenant, amount) == 'ok' end
+if fits and quotas then fits = quota_check(room, tenant, amount, res) == 'ok' end
 local dev = ''  -- the device it gets (lib.lua place); '' on a pool of one device
 if fits and d then
   dev = place(d, amount, pin)
@@ -218,10 +250,11 @@ if (qlen == 0 or ahead) and fits then
   used = used + amount
   redis.call('HSET', K_CFG, 'fence', fmt(token), 'used', fmt(used), 'grants', fmt(grants + 1))
   redis.call('ZADD', K_LEASES, fmt(exp), lid)
-  redis.call('HSET', K_HOLDERS, lid, holder_record(amount, token, now, ttl, ticket, tenant, meta, dev))
+  redis.call('HSET', K_HOLDERS, lid, holder_record(amount, token, now, ttl, ticket, tenant, meta, dev, res))
   redis.call('HSET', K_TICKETS, ticket, lid)
   tenant_add(tenant, amount)
   device_add(dev, amount)
+  if res then resident_add(tenant, dev, amount) end
   return {1, lid, token, exp, amount, now, epoch, cap, used, tonumber(dev) or 0}
 end
 if mode == 'try' then return not_granted(2, 0, now, epoch, cap, eff) end
@@ -236,7 +269,8 @@ end
 redis.call('HSET', K_CFG, 'qvt', fmt(vt))
 redis.call('ZADD', K_QUEUE, fmt(score), ticket)
 redis.call('HSET', K_WAITERS, ticket, fmt(amount) .. '|' .. fmt(ttl) .. '|' .. nstr .. '|' .. lid .. '|' .. chan .. '|'
-  .. fmt(prio) .. '|' .. tenant .. '|' .. pin .. '|' .. meta)
+  .. fmt(prio) .. '|' .. tenant .. '|' .. pin .. (res and 'r' or '') .. '|' .. meta)
+if res then count_field('rqueued', amount) end
 redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
 local pos = 1
 if qlen > 0 then pos = redis.call('ZRANK', K_QUEUE, ticket) + 1 end

@@ -116,7 +116,7 @@ end
 local function set_devices()
   if not devs then return end
   local n = #devs
-  for i = n, math.max(had_n, n) - 1 do redis.call('HDEL', K_CFG, 'dcap:' .. i, 'dused:' .. i) end
+  for i = n, math.max(had_n, n) - 1 do redis.call('HDEL', K_CFG, 'dcap:' .. i, 'dused:' .. i, 'dres:' .. i) end
   if n < 2 then
     redis.call('HDEL', K_CFG, 'devices', 'dcap:0', 'dused:0')
     return
@@ -130,12 +130,13 @@ local created = 0
 if redis.call('EXISTS', K_CFG) == 0 then
   -- Leases without a configuration can only come from a hand-deleted cfg key: count them
   -- rather than forget them.
-  local used, tused, dused = 0, {}, {}
+  local used, tused, dused, resident = 0, {}, {}, {}
   for _, rec in ipairs(redis.call('HVALS', K_HOLDERS)) do
-    local a, _, _, _, _, _, tenant, dev = parse_holder(rec)
+    local a, _, _, _, _, _, tenant, dev, res = parse_holder(rec)
     used = used + a
     if tenant ~= '' then tused[tenant] = (tused[tenant] or 0) + a end
     if dev ~= '' then dused[dev] = (dused[dev] or 0) + a end
+    if res then resident[#resident + 1] = {tenant, dev, a} end
   end
   local us = now_us()
   local grace_until = 0
@@ -147,6 +148,7 @@ if redis.call('EXISTS', K_CFG) == 0 then
              'policy', policy or 'fifo', 'backfill_ms', fmt(bf_ms or DEFAULT_BACKFILL_MS),
              'nquotas', '0', 'placement', placement or 'bestfit')
   for t, a in pairs(tused) do redis.call('HSET', K_CFG, 'tused:' .. t, fmt(a)) end
+  for _, r in ipairs(resident) do resident_add(r[1], (devs and #devs > 1) and r[2] or '', r[3]) end
   had_n = 1
   set_devices()
   if devs and #devs > 1 then

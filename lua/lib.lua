@@ -10,16 +10,19 @@
 --                                   dev_sampler, dev_sampler_until; tenant quotas (see
 --                                   "Tenant quotas" below): nquotas, quota:<tenant>,
 --                                   tused:<tenant>; devices (see "Devices" below): devices,
---                                   placement, dcap:<i>, dused:<i>
+--                                   placement, dcap:<i>, dused:<i>; resident leases (see
+--                                   "Resident leases" below): resident, rqueued, dres:<i>,
+--                                   tres:<tenant>
 --   2 gpulock:{pool}:leases   zset  lease id -> server expiry (ms)
 --   3 gpulock:{pool}:holders  hash  lease id -> "amount|token|acquired_ms|ttl_ms|ticket|tenant|device|meta"
---                                   (device: '' on a pool of one device)
+--                                   (device: '' on a pool of one device, followed by 'r' for
+--                                   a resident lease)
 --   4 gpulock:{pool}:queue    zset  ticket -> queue score (lowest first): its arrival time in
 --                                   virtual microseconds minus priority x AGING_US (see
 --                                   queue_score below)
 --   5 gpulock:{pool}:waiters  hash  ticket -> "amount|ttl_ms|enqueued_ms|lease_id|channel|priority|tenant|device|meta"
 --                                   (tenant: '' for none; device: the device the request pins,
---                                   '' for any)
+--                                   '' for any, followed by 'r' for a resident request)
 --   6 gpulock:{pool}:wexp     zset  ticket -> waiter expiry (ms)
 --   7 gpulock:{pool}:tickets  hash  ticket -> lease id of the grant made to that ticket
 --   8 gpulock:{pool}:events   prefix of the pub/sub channels: a grant made to a queued ticket is
@@ -127,13 +130,14 @@ local function now_us()
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
--- holder record: amount|token|acquired_ms|ttl_ms|ticket|tenant|device|meta. A record without
--- the device, or without the tenant too (written by an earlier version), reads as device ''
--- and tenant '': its meta is JSON (an object) or empty, so it cannot be taken for either.
--- Returns the device as a string ('' or a decimal index).
+-- holder record: amount|token|acquired_ms|ttl_ms|ticket|tenant|device|meta, the device
+-- followed by 'r' for a resident lease. A record without the device, or without the tenant too
+-- (written by an earlier version), reads as device '' and tenant '', not resident: its meta is
+-- JSON (an object) or empty, so it cannot be taken for either. Returns the device as a string
+-- ('' or a decimal index), then whether the lease is resident.
 local function parse_holder(rec)
-  local a, tok, acq, ttl, ticket, tenant, dev, meta =
-    string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)|([^|]*)|([%w%-_.:]*)|(%d*)|(.*)$')
+  local a, tok, acq, ttl, ticket, tenant, dev, r, meta =
+    string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)|([^|]*)|([%w%-_.:]*)|(%d*)(r?)|(.*)$')
   if not a then
     a, tok, acq, ttl, ticket, tenant, meta =
       string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)|([^|]*)|([%w%-_.:]*)|(.*)$')
@@ -143,16 +147,17 @@ local function parse_holder(rec)
     a, tok, acq, ttl, ticket, meta = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)|([^|]*)|(.*)$')
     tenant = ''
   end
-  return tonumber(a), tok, acq, ttl, ticket, meta, tenant, dev
+  return tonumber(a), tok, acq, ttl, ticket, meta, tenant, dev, r == 'r'
 end
 
--- waiter record: amount|ttl_ms|enqueued_ms|lease_id|channel|priority|tenant|device|meta. A
--- record without the device, the tenant or the priority (written by an earlier version, during
--- a rolling upgrade), reads as device '' (any), tenant '' and priority 0: its meta is JSON (an
--- object) or empty, so it cannot be taken for either. Returns the device as a string.
+-- waiter record: amount|ttl_ms|enqueued_ms|lease_id|channel|priority|tenant|device|meta, the
+-- device followed by 'r' for a resident request. A record without the device, the tenant or
+-- the priority (written by an earlier version, during a rolling upgrade), reads as device ''
+-- (any), tenant '', priority 0, not resident: its meta is JSON (an object) or empty, so it
+-- cannot be taken for either. Returns the device as a string, then whether it is resident.
 local function parse_waiter(rec)
-  local a, ttl, enq, lid, chan, p, tenant, dev, meta =
-    string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(%-?%d+)|([%w%-_.:]*)|(%d*)|(.*)$')
+  local a, ttl, enq, lid, chan, p, tenant, dev, r, meta =
+    string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(%-?%d+)|([%w%-_.:]*)|(%d*)(r?)|(.*)$')
   if not a then
     a, ttl, enq, lid, chan, p, tenant, meta =
       string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(%-?%d+)|([%w%-_.:]*)|(.*)$')
@@ -166,7 +171,7 @@ local function parse_waiter(rec)
     a, ttl, enq, lid, chan, meta = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(.*)$')
     p = '0'
   end
-  return tonumber(a), tonumber(ttl), enq, lid, chan, meta, tonumber(p), tenant, dev or ''
+  return tonumber(a), tonumber(ttl), enq, lid, chan, meta, tonumber(p), tenant, dev or '', r == 'r'
 end
 
 -- The queue score of a request queued now with priority `prio` (lowest goes first). The
@@ -211,40 +216,50 @@ end
 -- starved by its tenant's small ones), looking at most QUOTA_DEPTH waiters deep.
 local QUOTA_DEPTH = 32
 
--- The quota of `tenant` (0: none) and the bytes its live leases hold.
+-- The quota of `tenant` (0: none), the bytes its live leases hold and the bytes its resident
+-- leases hold (see "Resident leases" below).
 local function tenant_use(tenant)
-  local q = redis.call('HMGET', K_CFG, 'quota:' .. tenant, 'tused:' .. tenant)
-  return tonumber(q[1] or '0'), tonumber(q[2] or '0')
+  local q = redis.call('HMGET', K_CFG, 'quota:' .. tenant, 'tused:' .. tenant, 'tres:' .. tenant)
+  return tonumber(q[1] or '0'), tonumber(q[2] or '0'), tonumber(q[3] or '0')
+end
+
+-- Add `delta` bytes to the cfg counter `field`, removed when it falls to 0.
+local function count_field(field, delta)
+  if redis.call('HINCRBY', K_CFG, field, fmt(delta)) <= 0 then
+    redis.call('HDEL', K_CFG, field)
+  end
 end
 
 -- Add `delta` bytes to what `tenant` holds ('' : no tenant, nothing to count).
 local function tenant_add(tenant, delta)
   if tenant == nil or tenant == '' then return end
-  if redis.call('HINCRBY', K_CFG, 'tused:' .. tenant, fmt(delta)) <= 0 then
-    redis.call('HDEL', K_CFG, 'tused:' .. tenant)
-  end
+  count_field('tused:' .. tenant, delta)
 end
 
 -- Whether a request of `amount` bytes by `tenant` may be granted as far as its quota goes:
--- 'ok', 'wait' (its tenant holds too much now) or 'never' (it exceeds the quota). `room`
--- caches tenant -> {quota, used} within one call (quota_take keeps it current).
-local function quota_check(room, tenant, amount)
+-- 'ok', 'wait' (its tenant holds too much now) or 'never' (it exceeds the quota, or, when it
+-- is not resident (`res` false), what the tenant's resident leases leave of it). `room`
+-- caches tenant -> {quota, used, resident} within one call (quota_take keeps it current).
+local function quota_check(room, tenant, amount, res)
   if tenant == '' then return 'ok' end
   local r = room[tenant]
   if not r then
-    local q, u = tenant_use(tenant)
-    r = {q, u}
+    local q, u, rs = tenant_use(tenant)
+    r = {q, u, rs}
     room[tenant] = r
   end
   if r[1] == 0 then return 'ok' end
-  if amount > r[1] then return 'never' end
+  if amount > r[1] or (not res and amount > r[1] - r[3]) then return 'never' end
   if r[2] + amount > r[1] then return 'wait' end
   return 'ok'
 end
 
-local function quota_take(room, tenant, amount)
+local function quota_take(room, tenant, amount, res)
   local r = room[tenant]
-  if r then r[2] = r[2] + amount end
+  if r then
+    r[2] = r[2] + amount
+    if res then r[3] = r[3] + amount end
+  end
 end
 
 -- Every tenant's quota and use: {tenant -> {quota (0: none), used}} (from the cfg hash, whose
@@ -289,8 +304,9 @@ local function device_add(dev, delta)
   redis.call('HINCRBY', K_CFG, 'dused:' .. dev, fmt(delta))
 end
 
--- A pool's devices as the scripts use them: {n, rule, cap = {[i] = bytes}, used = {[i] = bytes}}
--- from cfg fields devices (`n`, as read) and placement (`rule`); nil for a pool of one device.
+-- A pool's devices as the scripts use them: {n, rule, cap = {[i] = bytes}, used = {[i] = bytes},
+-- res = {[i] = bytes of resident leases}} from cfg fields devices (`n`, as read) and placement
+-- (`rule`); nil for a pool of one device.
 local function load_devices(n, rule)
   n = tonumber(n or '0')
   if n < 2 then return nil end
@@ -298,11 +314,13 @@ local function load_devices(n, rule)
   for i = 0, n - 1 do
     f[#f + 1] = 'dcap:' .. i
     f[#f + 1] = 'dused:' .. i
+    f[#f + 1] = 'dres:' .. i
   end
   local v = redis.call('HMGET', K_CFG, unpack(f))
-  local d = {n = n, rule = rule or 'bestfit', cap = {}, used = {}}
+  local d = {n = n, rule = rule or 'bestfit', cap = {}, used = {}, res = {}}
   for i = 0, n - 1 do
-    d.cap[i], d.used[i] = tonumber(v[2 * i + 1] or '0'), tonumber(v[2 * i + 2] or '0')
+    d.cap[i], d.used[i] = tonumber(v[3 * i + 1] or '0'), tonumber(v[3 * i + 2] or '0')
+    d.res[i] = tonumber(v[3 * i + 3] or '0')
   end
   return d
 end
@@ -334,7 +352,51 @@ local function place(d, amount, pin)
   return best
 end
 
-local function drop_waiter(ticket)
+-- Resident leases (docs/SEMANTICS.md, "Resident leases"): a lease acquired as resident (what
+-- its holder keeps on the device for its whole life: a model's weights) counts in the cfg
+-- fields resident (bytes held by resident leases), dres:<i> (of them, on device i) and
+-- tres:<tenant> (of them, the tenant's); a resident request in the queue counts in rqueued.
+-- * A request that is not resident and larger than what they leave can never be granted while
+--   they are held: acquire refuses it at once (room_refusal: more than capacity - resident -
+--   rqueued, than its device's (or the best device's) capacity - dres, than its tenant's quota
+--   - tres), and a hand-off drops it from the queue (grant_from, against the resident leases
+--   held).
+-- * A resident request is granted or queued only when it fits the capacity next to the
+--   resident leases held and queued (capacity - resident - rqueued); else acquire answers it
+--   "not queued" (code 3), whatever its mode. So the resident requests queued fit together,
+--   and none sits at the head of the queue blocking everyone when it cannot fit.
+-- Add `delta` bytes of resident leases of `tenant` ('' : none) on device `dev` ('' : one).
+local function resident_add(tenant, dev, delta)
+  count_field('resident', delta)
+  if tenant ~= nil and tenant ~= '' then count_field('tres:' .. tenant, delta) end
+  if dev ~= nil and dev ~= '' then count_field('dres:' .. dev, delta) end
+end
+
+-- The most bytes a request that is not resident, pinned to `pin` ('' : any), could ever get
+-- on `d` next to the resident leases held there; and that device's index.
+local function device_room(d, pin)
+  local best, bi = nil, nil
+  for i = 0, d.n - 1 do
+    if pin == '' or i == tonumber(pin) then
+      local r = d.cap[i] - d.res[i]
+      if best == nil or r > best then best, bi = r, i end
+    end
+  end
+  return best or 0, bi
+end
+
+-- Take a waiter out of the queue. `rbytes`: its bytes when it is a resident request (taken
+-- from rqueued), 0 when not; nil: read from its record.
+local function drop_waiter(ticket, rbytes)
+  if rbytes == nil then
+    rbytes = 0
+    local rec = redis.call('HGET', K_WAITERS, ticket)
+    if rec then
+      local a, _, _, _, _, _, _, _, _, res = parse_waiter(rec)
+      if res then rbytes = a end
+    end
+  end
+  if rbytes > 0 then count_field('rqueued', -rbytes) end
   redis.call('ZREM', K_QUEUE, ticket)
   redis.call('HDEL', K_WAITERS, ticket)
   redis.call('ZREM', K_WEXP, ticket)
@@ -345,12 +407,13 @@ local function drop_lease(lid)
   local rec = redis.call('HGET', K_HOLDERS, lid)
   redis.call('ZREM', K_LEASES, lid)
   if not rec then return false end
-  local amount, _, _, _, ticket, _, tenant, dev = parse_holder(rec)
+  local amount, _, _, _, ticket, _, tenant, dev, res = parse_holder(rec)
   redis.call('HDEL', K_HOLDERS, lid)
   if ticket and ticket ~= '' then redis.call('HDEL', K_TICKETS, ticket) end
   redis.call('HINCRBY', K_CFG, 'used', fmt(-amount))
   tenant_add(tenant, -amount)
   device_add(dev, -amount)
+  if res then resident_add(tenant, dev, -amount) end
   return true
 end
 
@@ -377,22 +440,102 @@ local function reap(now)
   return reap_found(dead, gone)
 end
 
--- A holder record (see KEYS above); dev: '' or a device index (string or number).
-local function holder_record(amount, token, now, ttl, ticket, tenant, meta, dev)
-  return fmt(amount) .. '|' .. fmt(token) .. '|' .. fmt(now) .. '|' .. fmt(ttl) .. '|' .. ticket
-    .. '|' .. tenant .. '|' .. dev .. '|' .. meta
+-- acquire's refusal of a request that is not resident and can never be granted next to the
+-- resident leases (see "Resident leases" above), as an error reply, or nil:
+--   GPULOCK_ROOM <amount> <room> <capacity> <resident>   the pool: room = capacity - resident,
+--                                     resident = bytes of the resident leases held and queued
+--   GPULOCK_ROOM ... device <i|any>   a device of a pool of several: its capacity and resident
+--                                     leases (for 'any', of the device with the most room)
+--   GPULOCK_QUOTA <amount> <quota> <tenant> <resident>   the tenant's quota and its resident
+-- `held`, `queued`: cfg resident and rqueued as read; `d`: load_devices (nil: one device);
+-- `pin`: '' or the device index; `quotas`: whether the pool has any; `room`: quota_check's
+-- cache, where acquire's quota check put the tenant's numbers. Counted as they will be
+-- once the expired leases `dead` and the gone waiters `gone` are reaped (their records are
+-- read only when a check fails). Reads only.
+-- What the reap of expired leases `dead` and gone waiters `gone` will free of the resident
+-- leases: {held, queued, dev = {[i] = bytes}, tenant = bytes of `tenant`'s}. Reads only.
+local function resident_freed(dead, gone, tenant)
+  local f = {held = 0, queued = 0, dev = {}, tenant = 0}
+  for _, lid in ipairs(dead) do
+    local rec = redis.call('HGET', K_HOLDERS, lid)
+    if rec then
+      local a, _, _, _, _, _, tn, dv, res = parse_holder(rec)
+      if res then
+        f.held = f.held + a
+        if dv ~= '' then f.dev[tonumber(dv)] = (f.dev[tonumber(dv)] or 0) + a end
+        if tn == tenant then f.tenant = f.tenant + a end
+      end
+    end
+  end
+  for _, t in ipairs(gone) do
+    local rec = redis.call('HGET', K_WAITERS, t)
+    if rec then
+      local a, _, _, _, _, _, _, _, _, res = parse_waiter(rec)
+      if res then f.queued = f.queued + a end
+    end
+  end
+  return f
 end
 
--- Make a lease with fencing token ``token`` on device ``dev`` ('' on a pool of one device) and
--- count it to its tenant and device (the caller takes the token from the pool's fence and
--- writes the pool's counters: fence, used, grants). Returns its expiry.
-local function make_lease(now, ticket, lid, amount, ttl, meta, token, tenant, dev)
+local function room_refusal(amount, tenant, pin, cap, held, queued, d, quotas, room, dead, gone)
+  local reaping = #dead + #gone > 0
+  local f  -- resident_freed, read only when a check fails while something is to be reaped
+  local rsv = held + queued
+  if amount > cap - rsv and reaping then
+    f = resident_freed(dead, gone, tenant)
+    rsv = rsv - f.held - f.queued
+  end
+  if amount > cap - rsv then
+    return redis.error_reply('GPULOCK_ROOM ' .. fmt(amount) .. ' ' .. fmt(cap - rsv) .. ' ' .. fmt(cap)
+                             .. ' ' .. fmt(rsv))
+  end
+  if d then
+    local best, i = device_room(d, pin)
+    if amount > best and reaping then
+      f = f or resident_freed(dead, gone, tenant)
+      for j, b in pairs(f.dev) do d.res[j] = d.res[j] - b end
+      best, i = device_room(d, pin)
+      for j, b in pairs(f.dev) do d.res[j] = d.res[j] + b end
+    end
+    if amount > best then
+      return redis.error_reply('GPULOCK_ROOM ' .. fmt(amount) .. ' ' .. fmt(best) .. ' ' .. fmt(d.cap[i])
+                               .. ' ' .. fmt(d.cap[i] - best) .. ' device ' .. (pin ~= '' and pin or 'any'))
+    end
+  end
+  if quotas and tenant ~= '' then
+    local t = room[tenant]
+    if not t then t = {tenant_use(tenant)} end
+    local q, r = t[1], t[3]
+    if q > 0 and amount > q - r and reaping then
+      f = f or resident_freed(dead, gone, tenant)
+      r = r - f.tenant
+    end
+    if q > 0 and amount > q - r then
+      return redis.error_reply('GPULOCK_QUOTA ' .. fmt(amount) .. ' ' .. fmt(q) .. ' ' .. tenant .. ' ' .. fmt(r))
+    end
+  end
+  return nil
+end
+
+-- A holder record (see KEYS above); dev: '' or a device index (string or number); res: a
+-- resident lease.
+local function holder_record(amount, token, now, ttl, ticket, tenant, meta, dev, res)
+  return fmt(amount) .. '|' .. fmt(token) .. '|' .. fmt(now) .. '|' .. fmt(ttl) .. '|' .. ticket
+    .. '|' .. tenant .. '|' .. dev .. (res and 'r' or '') .. '|' .. meta
+end
+
+-- Make a lease with fencing token ``token`` on device ``dev`` ('' on a pool of one device),
+-- resident when ``res``, and count it to its tenant and device (the caller takes the token
+-- from the pool's fence and writes the pool's counters: fence, used, grants). Returns its
+-- expiry.
+local function make_lease(now, ticket, lid, amount, ttl, meta, token, tenant, dev, res)
   local exp = now + ttl
   redis.call('ZADD', K_LEASES, fmt(exp), lid)
-  redis.call('HSET', K_HOLDERS, lid, holder_record(amount, token, now, ttl, ticket, tenant, meta, dev))
+  redis.call('HSET', K_HOLDERS, lid, holder_record(amount, token, now, ttl, ticket, tenant, meta, dev, res))
   redis.call('HSET', K_TICKETS, ticket, lid)
   tenant_add(tenant, amount)
   device_add(dev, amount)
+  if res then resident_add(tenant, dev, amount) end
   return exp
 end
 
@@ -429,12 +572,13 @@ end
 -- room for it (place: its pinned device, or one the placement rule picks).
 -- Returns the grant lines grouped by the waiters' channels, and their count, for publish().
 -- grant_from: the same with what the caller read already: the queue's head (ZRANGE 0 0), the
--- capacity, bytes used, grace_until, the effective capacity (eff_cap) and the devices
--- (load_devices; nil for one device, kept current here); it also returns the bytes used
--- afterwards. A request larger than the capacity (of its device, or of the largest), or than
--- its tenant's quota, is dropped; one that fits the capacity but not the effective capacity,
--- or no device now, waits.
-local function grant_from(now, head, cap, used, grace_until, eff, d)
+-- capacity, bytes used, grace_until, the effective capacity (eff_cap), the devices
+-- (load_devices; nil for one device, kept current here) and the bytes of the resident leases
+-- held (cfg resident); it also returns the bytes used afterwards. A request that can never be
+-- granted is dropped: larger than the capacity (of its device, or of the largest), than its
+-- tenant's quota, or than what the resident leases held leave of them (see "Resident
+-- leases"); one that fits the capacity but not the effective capacity, or no device now, waits.
+local function grant_from(now, head, cap, used, grace_until, eff, d, rh)
   local lines, n = {}, 0
   if #head == 0 then return lines, n, used end
   if grace_until > now then return lines, n, used end  -- no new grant in the grace period
@@ -442,20 +586,22 @@ local function grant_from(now, head, cap, used, grace_until, eff, d)
   local room = {}  -- quota_check's cache (a waiter without a tenant costs no read)
   local passed = {}  -- tenants with a waiter passed over: their later waiters are passed too
   -- Grant waiter `t` (record fields parsed) a lease now, on device `dev` ('' : one device).
-  local function grant(t, amount, ttl, lid, chan, meta, tenant, dev)
+  local function grant(t, amount, ttl, lid, chan, meta, tenant, dev, res)
     if not fence then
       local c = redis.call('HMGET', K_CFG, 'fence', 'grants')
       fence, grants = tonumber(c[1] or '0'), tonumber(c[2] or '0')
     end
-    drop_waiter(t)
+    drop_waiter(t, res and amount or 0)
     fence = fence + 1
-    local exp = make_lease(now, t, lid, amount, ttl, meta, fence, tenant, dev)
-    quota_take(room, tenant, amount)
+    local exp = make_lease(now, t, lid, amount, ttl, meta, fence, tenant, dev, res)
+    quota_take(room, tenant, amount, res)
     used = used + amount
     n = n + 1
+    if res then rh = rh + amount end
     local line = t .. ' ' .. lid .. ' ' .. fmt(fence) .. ' ' .. fmt(exp) .. ' ' .. fmt(amount)
     if dev ~= '' then
       d.used[dev] = d.used[dev] + amount
+      if res then d.res[dev] = d.res[dev] + amount end
       line = line .. ' ' .. fmt(dev)
     end
     local group = lines[chan]
@@ -466,6 +612,11 @@ local function grant_from(now, head, cap, used, grace_until, eff, d)
   local function where(amount, pin)
     if not d then return '' end
     return place(d, amount, pin)
+  end
+  -- Whether waiter `amount`/`pin`/`res` can never be granted next to the resident leases held.
+  local function crowded(amount, pin, res)
+    if amount > cap - rh then return true end  -- for a resident one: the others' leave too little
+    return not res and d ~= nil and amount > device_room(d, pin)
   end
   local function largest(pin)
     if not d then return cap end
@@ -478,16 +629,17 @@ local function grant_from(now, head, cap, used, grace_until, eff, d)
     local t = head[1]
     local w = redis.call('HGET', K_WAITERS, t)
     if not w then
-      drop_waiter(t)
+      drop_waiter(t, 0)
     else
-      local amount, ttl, enq, lid, chan, meta, _, tenant, pin = parse_waiter(w)
-      local q = quota_check(room, tenant, amount)
+      local amount, ttl, enq, lid, chan, meta, _, tenant, pin, res = parse_waiter(w)
+      local q = quota_check(room, tenant, amount, res)
       local dev
-      if amount > largest(pin) or q == 'never' then
-        -- The capacity (or the tenant's quota) was lowered below this request: it can never
-        -- be granted, and as head it would block everyone behind it. Drop it; its client
-        -- finds it gone at its next poll, asks again and gets GPULOCK_CAPACITY (GPULOCK_QUOTA).
-        drop_waiter(t)
+      if amount > largest(pin) or q == 'never' or crowded(amount, pin, res) then
+        -- The capacity (or the tenant's quota) was lowered below this request, or resident
+        -- leases took the room it needs: it can never be granted, and as head it would block
+        -- everyone behind it. Drop it; its client finds it gone at its next poll, asks again
+        -- and gets GPULOCK_CAPACITY (GPULOCK_QUOTA, GPULOCK_ROOM; a resident one: not queued).
+        drop_waiter(t, res and amount or 0)
       elseif q == 'wait' or passed[tenant] then
         passed[tenant] = true
         skipped = skipped + 1
@@ -498,7 +650,7 @@ local function grant_from(now, head, cap, used, grace_until, eff, d)
           blocked_enq = enq
           break
         end
-        grant(t, amount, ttl, lid, chan, meta, tenant, dev)
+        grant(t, amount, ttl, lid, chan, meta, tenant, dev, res)
       end
     end
     head = redis.call('ZRANGE', K_QUEUE, skipped, skipped)
@@ -507,12 +659,12 @@ local function grant_from(now, head, cap, used, grace_until, eff, d)
     for _, t in ipairs(redis.call('ZRANGE', K_QUEUE, skipped + 1, skipped + BACKFILL_DEPTH)) do
       local w = redis.call('HGET', K_WAITERS, t)
       if w then
-        local amount, ttl, _, lid, chan, meta, _, tenant, pin = parse_waiter(w)
-        local q = quota_check(room, tenant, amount)
+        local amount, ttl, _, lid, chan, meta, _, tenant, pin, res = parse_waiter(w)
+        local q = quota_check(room, tenant, amount, res)
         if q == 'wait' then passed[tenant] = true end
         if amount <= largest(pin) and used + amount <= eff and q == 'ok' and not passed[tenant] then
           local dev = where(amount, pin)
-          if dev ~= nil then grant(t, amount, ttl, lid, chan, meta, tenant, dev) end
+          if dev ~= nil then grant(t, amount, ttl, lid, chan, meta, tenant, dev, res) end
         end
       end
       if used >= eff then break end
@@ -540,8 +692,8 @@ local function queue_front(quotas, room)
   for j = 1, #ts, 2 do
     local w = redis.call('HGET', K_WAITERS, ts[j])
     if w then
-      local amount, _, _, _, _, _, _, tenant = parse_waiter(w)
-      local q = quota_check(room, tenant, amount)
+      local amount, _, _, _, _, _, _, tenant, _, res = parse_waiter(w)
+      local q = quota_check(room, tenant, amount, res)
       if q == 'ok' and not passed[tenant] then return ts[j], tonumber(ts[j + 1]), passed end
       if q ~= 'never' and not passed[tenant] then passed[tenant] = tonumber(ts[j + 1]) end
     end
@@ -553,11 +705,11 @@ local function grant_head(now)
   local head = redis.call('ZRANGE', K_QUEUE, 0, 0)
   if #head == 0 then return {}, 0 end
   local c = redis.call('HMGET', K_CFG, 'capacity', 'used', 'grace_until', 'external', 'external_until',
-                       'devices', 'placement')
+                       'devices', 'placement', 'resident')
   local cap = tonumber(c[1] or '0')
   local lines, n = grant_from(now, head, cap, tonumber(c[2] or '0'), tonumber(c[3] or '0'),
                               eff_cap(now, cap, tonumber(c[4] or '0'), tonumber(c[5] or '0')),
-                              load_devices(c[6], c[7]))
+                              load_devices(c[6], c[7]), tonumber(c[8] or '0'))
   return lines, n
 end
 
@@ -595,10 +747,10 @@ local function next_expiry_in(now)
 end
 
 -- acquire's reply when it grants nothing now: {code, position, retry_after_ms, queue_len,
--- now_ms, epoch, capacity, used, held_back, grace_left_ms} (see acquire.lua).
-local function not_granted(code, pos, now, epoch, cap, eff)
+-- now_ms, epoch, capacity, used, held_back, grace_left_ms[, resident]} (see acquire.lua).
+local function not_granted(code, pos, now, epoch, cap, eff, resident)
   return {code, pos, next_expiry_in(now), redis.call('ZCARD', K_QUEUE), now,
-          epoch, cap, cfg_num('used'), cap - eff, grace_left(now)}
+          epoch, cap, cfg_num('used'), cap - eff, grace_left(now), resident}
 end
 
 local function grant_reply(now, lid)

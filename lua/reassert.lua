@@ -18,8 +18,9 @@
 -- ARGV:
 --   1 n               count of lease records that follow
 --   then n x          lease_id (32 hex), token, amount (bytes), ttl_ms, ticket ('' for none),
---                     meta (<= 512 bytes), tenant ('' for none) and device (its index; ''
---                     or 0 on a pool of one device) when the call has 1 + 8 x n arguments
+--                     meta (<= 512 bytes), tenant ('' for none), device (its index; '' or 0
+--                     on a pool of one device) when the call has 1 + 8 x n arguments, and kind
+--                     ('' or 'resident', lib.lua "Resident leases") when it has 1 + 9 x n
 --                     (earlier versions send 7 per lease, no device, or 6, no tenant either).
 --                     A lease put back counts toward its tenant's bytes; its tenant's quota
 --                     does not refuse it (it was granted before the loss), the capacity of
@@ -42,6 +43,7 @@ local i = 2
 local width = 6
 if #ARGV == 1 + 7 * n then width = 7 end
 if #ARGV == 1 + 8 * n then width = 8 end
+if #ARGV == 1 + 9 * n then width = 9 end
 for k = 1, n do
   local lid; lid, e = lease_id_arg(ARGV[i]); if e then return e end
   local tok; tok, e = int_arg(ARGV[i + 1], 'token', 0, MAX_AMOUNT); if e then return e end
@@ -53,10 +55,14 @@ for k = 1, n do
   local tenant = ''
   if width >= 7 then tenant, e = tenant_arg(ARGV[i + 6]); if e then return e end end
   local dev = ''
-  if width == 8 and ARGV[i + 7] ~= '' then
+  if width >= 8 and ARGV[i + 7] ~= '' then
     dev, e = int_arg(ARGV[i + 7], 'device', 0, MAX_DEVICES - 1); if e then return e end
   end
-  recs[k] = {lid, tok, amount, ttl, ticket, meta, tenant, dev}
+  local resident = width == 9 and ARGV[i + 8] == 'resident'
+  if width == 9 and not resident and ARGV[i + 8] ~= '' then
+    return bad("kind must be '' or 'resident', got " .. show(ARGV[i + 8]))
+  end
+  recs[k] = {lid, tok, amount, ttl, ticket, meta, tenant, dev, resident}
   i = i + width
 end
 
@@ -76,6 +82,7 @@ local res = {}
 local tried = false
 for k, r in ipairs(recs) do
   local lid, tok, amount, ttl, ticket, meta, tenant, dev = r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]
+  local resident = r[9]
   if not d then dev = '' end  -- a pool of one device: its leases have no device index
   local dev_full = d and (dev == '' or dev >= d.n or d.used[dev] + amount > d.cap[dev])
   if tok >= epoch then
@@ -102,11 +109,12 @@ for k, r in ipairs(recs) do
       res[k] = -2
     else
       redis.call('ZADD', K_LEASES, fmt(now + ttl), lid)
-      redis.call('HSET', K_HOLDERS, lid, holder_record(amount, tok, now, ttl, ticket, tenant, meta, dev))
+      redis.call('HSET', K_HOLDERS, lid, holder_record(amount, tok, now, ttl, ticket, tenant, meta, dev, resident))
       if ticket ~= '' then redis.call('HSET', K_TICKETS, ticket, lid) end
       redis.call('HINCRBY', K_CFG, 'used', fmt(amount))
       tenant_add(tenant, amount)
       device_add(dev, amount)
+      if resident then resident_add(tenant, dev, amount) end
       if d then d.used[dev] = d.used[dev] + amount end
       redis.call('HINCRBY', K_CFG, 'reasserted', 1)
       used = used + amount

@@ -16,7 +16,7 @@ local token; token, e = int_arg(ARGV[2], 'token', 0, MAX_AMOUNT); if e then retu
 -- key of the wrong type fails it with nothing written (see "Key types" in lib.lua); the one
 -- exception is the tickets hash in the common case, whose HDEL is then the first write.
 local cfg = redis.pcall('HMGET', K_CFG, 'capacity', 'used', 'grace_until', 'external', 'external_until',
-                        'devices', 'placement')
+                        'devices', 'placement', 'resident')
 if failed(cfg) then return keytype_error(cfg) end
 local now = now_ms()
 if not cfg[1] then
@@ -37,10 +37,10 @@ if #head > 0 then  -- waiters are read or dropped (an empty queue has none: see 
   local r = redis.pcall('HEXISTS', K_WAITERS, head[1])
   if failed(r) then return keytype_error(r) end
 end
-local mine, amount, ticket, tenant, dev = false, 0, '', '', ''
+local mine, amount, ticket, tenant, dev, res = false, 0, '', '', '', false
 if rec then
-  local a, tok, _, _, t, _, tn, dv = parse_holder(rec)
-  amount, ticket, tenant, dev = a, t, tn, dv
+  local a, tok, _, _, t, _, tn, dv, rs = parse_holder(rec)
+  amount, ticket, tenant, dev, res = a, t, tn, dv, rs
   mine = tonumber(tok) == token  -- another token: not ours to release
 end
 if #head > 0 or #dead > 0 then
@@ -51,11 +51,13 @@ end
 
 -- Validation and reads done; writes start here.
 local cap, used, grace_until = tonumber(cfg[1]), tonumber(cfg[2] or '0'), tonumber(cfg[3] or '0')
+local rh = tonumber(cfg[8] or '0')
 local ok = 0
 if #dead + #gone > 0 then
   reap_found(dead, gone)
   if mine and redis.call('HEXISTS', K_HOLDERS, lid) == 0 then mine = false end  -- it had expired
   used = cfg_num('used')
+  rh = cfg_num('resident')
   head = redis.call('ZRANGE', K_QUEUE, 0, 0)
 end
 if mine then
@@ -70,6 +72,10 @@ if mine then
   redis.call('HSET', K_CFG, 'used', fmt(used))
   tenant_add(tenant, -amount)
   device_add(dev, -amount)
+  if res then
+    resident_add(tenant, dev, -amount)
+    rh = rh - amount
+  end
   ok = 1
 end
 local n = 0
@@ -77,7 +83,7 @@ if #head > 0 then
   local lines
   lines, n, used = grant_from(now, head, cap, used, grace_until,
                               eff_cap(now, cap, tonumber(cfg[4] or '0'), tonumber(cfg[5] or '0')),
-                              load_devices(cfg[6], cfg[7]))
+                              load_devices(cfg[6], cfg[7]), rh)
   publish(now, lines, n)
 end
 return {ok, now, used, n}

@@ -18,7 +18,9 @@
 --    tenants = {tenant, used, quota, tenant, used, quota, ...} (every tenant with a quota or
 --              with live leases, sorted by name; quota 0: none),
 --    devices = {capacity, used, capacity, used, ...} (per device, device 0 first; {} on a pool
---              of one device), placement ('bestfit' or 'spread')}
+--              of one device), placement ('bestfit' or 'spread'),
+--    resident (bytes held by resident leases), resident_queued (bytes of resident requests
+--    queued): lib.lua "Resident leases"}
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
 local type_err = check_types(); if type_err then return type_err end
@@ -82,4 +84,4 @@ return {1, now, cfg_num('capacity'), cfg_num('used'), cfg_num('epoch'), cfg_num(
         grace_left(now), cfg_num('max_ttl_ms'), cfg_num('reasserted'), ext, ext_left, overuse,
         redis.call('HGET', K_CFG, 'policy') or 'fifo',
         tonumber(redis.call('HGET', K_CFG, 'backfill_ms') or DEFAULT_BACKFILL_MS), tenants,
-        devices, dv[2] or 'bestfit'}
+        devices, dv[2] or 'bestfit', cfg_num('resident'), cfg_num('rqueued')}

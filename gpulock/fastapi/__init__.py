@@ -32,7 +32,8 @@ What one request goes through (``GpuLimiter.call``)::
 * Errors map to HTTP (see :class:`GpuLockHTTPException`): no grant within ``acquire_timeout``
   or a full queue → 503 with ``Retry-After`` and ``X-Queue-Position``; amount > capacity → 413
   naming both numbers, and so is an amount larger than the room the workers' resident leases
-  leave (at once, not after a wait at the head of the queue); the work ran past
+  leave (at once, decided by the pool's acquire: not after a wait at the head of the queue);
+  the work ran past
   ``inference_timeout`` → 504 (the lease stays held until the thread returns); CUDA OOM → traceback dropped, ``empty_cache()``, counted, 503 with
   ``Retry-After``; another CUDA error (device-side assert, illegal address) → 500, the worker
   marks itself not ready and exits (SIGTERM to itself) so gunicorn starts a fresh one.

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextvars
 import logging
 import time
-from collections.abc import Callable
 
 from ..oom_backoff import BackoffRule, BucketState, PoolState, decode_bucket, decode_pool
 from ._backend import Backend
@@ -76,15 +75,11 @@ class OomBackoff:
     Args:
         rule: the numbers (None: back-off off; nothing is read or written).
         backend: the pool's Redis client and its last status (capacity).
-        reserved: bytes no request can ever lease (the workers' resident leases), or None.
     """
 
-    def __init__(
-        self, rule: BackoffRule | None, backend: Backend, reserved: Callable[[], int | None]
-    ):
+    def __init__(self, rule: BackoffRule | None, backend: Backend):
         self.rule = rule
         self._backend = backend
-        self._reserved = reserved
         self.pool_state = PoolState()
         self.buckets: dict[str, BucketState] = {}
         self.ok: dict[str, int] = {}
@@ -121,13 +116,13 @@ class OomBackoff:
 
     def lease_amount(self, amount: int) -> int:
         """Bytes to lease for work of ``amount`` bytes: inflated by 1/factor, at most the room
-        the pool can ever give a request (capacity minus resident leases) — see
-        :meth:`BackoffRule.lease_amount`."""
+        the pool can ever give a request (capacity minus the resident leases held and queued,
+        as last read) — see :meth:`BackoffRule.lease_amount`."""
         f = self.factor()
         if f >= 1.0:
             return amount
         st = self._backend.status
-        room = None if st is None else st.capacity - (self._reserved() or 0)
+        room = None if st is None else st.capacity - st.resident - st.resident_queued
         return BackoffRule.lease_amount(amount, f, room)
 
     def state(self) -> dict[str, object]:

@@ -197,8 +197,7 @@ class Batcher(Generic[R]):
             the parameter an ``endpoint`` handler would take it as gives the same one).
         priority: the route's priority and the most a request's header may ask; a batch
             queues with the highest priority among its requests.
-        settings, backend, slots, runner, calls, errors, check_accepting, spawn: the
-            limiter's parts.
+        settings, backend, slots, runner, calls, errors, spawn: the limiter's parts.
     """
 
     def __init__(
@@ -217,7 +216,6 @@ class Batcher(Generic[R]):
         runner: JobRunner,
         calls: GuardedCalls,
         errors: HttpErrors,
-        check_accepting: Callable[[], None],
         spawn: Callable[[Coroutine[Any, Any, Any], str], asyncio.Task[Any]],
     ):
         if policy.max_wait_s > settings.acquire_timeout:
@@ -230,7 +228,6 @@ class Batcher(Generic[R]):
         self._fn, self._estimate, self._estimate_batch = fn, estimate, estimate_batch
         self._settings, self._backend, self._slots = settings, backend, slots
         self._runner, self._calls, self._errors, self._spawn = runner, calls, errors, spawn
-        self._check_accepting = check_accepting
         self._pending: deque[_Entry] = deque()
         self._inflight: set[_Batch] = set()
         self._wake: asyncio.Event | None = None
@@ -254,11 +251,7 @@ class Batcher(Generic[R]):
         (before the request joins) and the request's own error from the batch function.
         ``amount`` (default ``estimate(item)``) is the request's bytes; a request with
         ``request_id`` (default: its ``X-Request-ID``) runs alone."""
-        try:
-            self._check_accepting()
-        except GpuLockHTTPException as e:
-            metrics().requests.labels(self.route, str(e.status_code)).inc()
-            raise
+        self._calls.admit(self.route)
         amt = self._estimate(item) if amount is None else amount
         return await self._calls.call(
             functools.partial(self._run_alone, item),
@@ -317,16 +310,34 @@ class Batcher(Generic[R]):
         job, index = entry.dispatched.result()
         batch = entry.batch
         assert batch is not None
+        results: Sequence[Any] | None = None
         try:
             results = await self._calls.await_job(job, arrival, response, gone, own=amount)
-        except BaseException:
-            if job.phase in ("slot", "queued"):
-                self._leave(entry)
-            raise
+        except BaseException as e:
+            refused = isinstance(e, GpuLockHTTPException) and e.status_code == 413
+            if not refused or len(batch.entries) < 2:  # else: the batch's bytes, see below
+                if job.phase in ("slot", "queued"):
+                    self._leave(entry)
+                raise
         finally:
             batch.open -= 1
             if batch.open == 0:
                 job.place.attached -= 1  # the batch's own hold (see _dispatch)
+        if results is None:
+            # The batch closed on a room read before the pool's resident leases took theirs
+            # (413: the batch can never fit next to them); each of its requests may still fit
+            # alone, and runs alone, within its own deadline (one that cannot gets its own 413).
+            alone = self._runner.start(
+                functools.partial(self._run_alone, entry.item),
+                self.route,
+                amount,
+                None,
+                "",
+                arrival,
+                park=0.0,
+                priority=entry.priority,
+            )
+            return await self._calls.await_job(alone, arrival, response, gone)
         out = results[index]
         if isinstance(out, BaseException):
             if isinstance(out, CudaOOM):

@@ -37,7 +37,6 @@ class GuardedCalls:
         settings: the timeouts, ``park_timeout``, ``enabled`` and the header's name.
         backend: the executor (for unguarded calls).
         check_accepting: raises 503 unless this worker takes guarded calls now.
-        check_room: raises 413 for an amount the resident leases leave no room for.
         runner: starts jobs.
         store: claims, results and following (X-Request-ID).
         retry: Retry-After and the job's place.
@@ -49,7 +48,6 @@ class GuardedCalls:
         settings: Settings,
         backend: Backend,
         check_accepting: Callable[[], None],
-        check_room: Callable[[int], Awaitable[None]],
         runner: JobRunner,
         store: RequestStore,
         retry: RetryAfterEstimator,
@@ -58,11 +56,20 @@ class GuardedCalls:
         self._settings = settings
         self._backend = backend
         self._check_accepting = check_accepting
-        self._check_room = check_room
         self._runner = runner
         self._store = store
         self._retry = retry
         self._errors = errors
+
+    def admit(self, route: str) -> None:
+        """Raise 503 ``not_ready`` unless this worker takes guarded calls now, counted as every
+        error answer of a guarded call is (:meth:`HttpErrors.count`): for route shapes that
+        refuse before their estimate runs (``endpoint``, the batcher)."""
+        try:
+            self._check_accepting()
+        except GpuLockHTTPException as e:
+            self._errors.count(e, route)
+            raise
 
     async def call(
         self,
@@ -122,7 +129,6 @@ class GuardedCalls:
             if not self._settings.enabled:
                 result = await self._call_unguarded(fn)
             else:
-                await self._check_room(amount)
                 # Uvicorn does not cancel a handler whose client went away: watch for it, so a
                 # request nobody waits for leaves the queue at once and is never granted.
                 gone = watch_disconnect(request) if request is not None else None
@@ -139,8 +145,7 @@ class GuardedCalls:
                     )
                     result = await self.await_job(job, arrival, response, gone)
         except GpuLockHTTPException as e:
-            m.requests.labels(route, str(e.status_code)).inc()
-            self._errors.count(e)
+            self._errors.count(e, route)
             if request_id:
                 e.headers = {**(e.headers or {}), header: request_id}
             raise

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from fastapi import HTTPException
 from gpulock_common.grace import grace_note
@@ -19,6 +19,7 @@ from ..errors import (
     PoolNotFound,
     QueueFull,
     QuotaExceeded,
+    RoomExceeded,
 )
 from ..units import format_size
 from ._metrics import metrics
@@ -83,9 +84,12 @@ class HttpErrors:
         # the pool's counters in Redis (gpulock._samples), shown by the dashboard
         self._on_event = on_event
 
-    def count(self, e: GpuLockHTTPException) -> None:
-        """Count an answer in the pool's counters: every 503 as ``rejected``, a CUDA OOM (a
-        503 too) also as ``oom``."""
+    def count(self, e: GpuLockHTTPException, route: str) -> None:
+        """Count a guarded route's error answer, the one place that does: in
+        ``gpulock_requests_total`` (``route``, status) and in the pool's counters the dashboard
+        shows (every 503 as ``rejected``, a CUDA OOM, a 503 too, also as ``oom``), so that
+        ``/metrics`` and the dashboard count the same answers."""
+        metrics().requests.labels(route, str(e.status_code)).inc()
         if e.status_code == 503:
             self._on_event("rejected")
         if e.reason == "cuda_oom":
@@ -113,18 +117,43 @@ class HttpErrors:
             499, f"the client closed the connection: {what}", "client_disconnected"
         )
 
-    def room(self, amount: int, capacity: int, held: int) -> GpuLockHTTPException:
-        """413: ``amount`` bytes fit the capacity but not what the resident leases (``held``
-        bytes) leave."""
-        room = capacity - held
-        return GpuLockHTTPException(
-            413,
-            f"this request needs {format_size(amount)} ({amount} bytes) of GPU memory but pool "
-            f"{self._settings.pool_name!r} leaves {format_size(max(0, room))} ({max(0, room)} bytes) for requests: a "
-            f"capacity of {format_size(capacity)} ({capacity} bytes) minus {format_size(held)} held by the "
-            f"workers' resident leases (their models); send a smaller batch",
-            "capacity",
+    def _too_large(self, exc: CapacityExceeded) -> NoReturn:
+        """413 for a request the pool can never grant: more than its capacity, than the room
+        its resident leases leave (:class:`RoomExceeded`), or than the tenant's quota (less
+        its resident leases: :class:`QuotaExceeded`)."""
+        pool_name = self._settings.pool_name
+        need = (
+            f"this request needs {format_size(exc.amount)} ({exc.amount} bytes) of GPU memory but"
         )
+        if isinstance(exc, QuotaExceeded):
+            left = (
+                f", less {format_size(exc.resident)} ({exc.resident} bytes) of its workers' "
+                f"resident leases (their models)"
+                if exc.resident
+                else ""
+            )
+            raise GpuLockHTTPException(
+                413,
+                f"{need} this service's tenant {exc.tenant!r} has a quota of {format_size(exc.quota)} "
+                f"({exc.quota} bytes) on pool {pool_name!r}{left}; send a smaller batch",
+                "quota",
+            ) from None
+        if isinstance(exc, RoomExceeded):
+            room = max(0, exc.room)
+            raise GpuLockHTTPException(
+                413,
+                f"{need} pool {pool_name!r} leaves {format_size(room)} ({room} bytes) for requests: "
+                f"a capacity of {format_size(exc.capacity)} ({exc.capacity} bytes) minus "
+                f"{format_size(exc.resident)} held or being taken by the workers' resident leases "
+                f"(their models); send a smaller batch",
+                "capacity",
+            ) from None
+        raise GpuLockHTTPException(
+            413,
+            f"{need} pool {pool_name!r} has a capacity of {format_size(exc.capacity)} "
+            f"({exc.capacity} bytes); send a smaller batch",
+            "capacity",
+        ) from None
 
     def outcome(
         self,
@@ -136,7 +165,7 @@ class HttpErrors:
     ) -> object:
         """The result of a finished job's ``out``, or raise its error as HTTP:
         cancelled → 503 ``not_ready``; :class:`CapacityExceeded` (and its
-        :class:`QuotaExceeded`) → 413; :class:`QueueFull`
+        :class:`QuotaExceeded` and :class:`RoomExceeded`) → 413; :class:`QueueFull`
         and :class:`AcquireTimeout` → 503 with ``Retry-After`` and ``X-Queue-Position``;
         :class:`LeaseLost` → 503; a CUDA OOM → 503 with ``Retry-After``; a sticky CUDA error
         → 500; Redis unreachable or the pool gone → 503 with ``Retry-After`` of two reaper
@@ -157,22 +186,8 @@ class HttpErrors:
             return out.result()
         m = metrics()
         pool_name = self._settings.pool_name
-        if isinstance(exc, QuotaExceeded):
-            raise GpuLockHTTPException(
-                413,
-                f"this request needs {format_size(exc.amount)} ({exc.amount} bytes) of GPU memory but "
-                f"this service's tenant {exc.tenant!r} has a quota of {format_size(exc.quota)} "
-                f"({exc.quota} bytes) on pool {pool_name!r}; send a smaller batch",
-                "quota",
-            ) from None
         if isinstance(exc, CapacityExceeded):
-            raise GpuLockHTTPException(
-                413,
-                f"this request needs {format_size(exc.amount)} ({exc.amount} bytes) of GPU memory but pool "
-                f"{pool_name!r} has a capacity of {format_size(exc.capacity)} ({exc.capacity} bytes); "
-                f"send a smaller batch",
-                "capacity",
-            ) from None
+            self._too_large(exc)
         if isinstance(exc, QueueFull):
             m.queue_full.labels(route).inc()
             ra = self._retry_after(exc.queue_length + 1)

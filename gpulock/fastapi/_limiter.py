@@ -183,13 +183,12 @@ class GpuLimiter:
             be,
             self._ttl_bound,
             self._history,
-            errors,
             self.spawn,
             changed=lambda: self._ready.publish(),
             stopping=lambda: self._ready.stopping,
         )
         self._ready = Readiness(s, be, self._resident)
-        self._backoff = OomBackoff(oom_backoff, be, lambda: self._resident.pool_bytes)
+        self._backoff = OomBackoff(oom_backoff, be)
         self._reaper = Reaper(s, be, self._on_read, self._ready.publish)
         self._store = RequestStore(s, be, self._slots, self._retry, errors)
         admission = Admission(
@@ -214,7 +213,6 @@ class GpuLimiter:
             s,
             be,
             self._ready.check_accepting,
-            self._resident.check_room,
             self._runner,
             self._store,
             self._retry,
@@ -268,6 +266,7 @@ class GpuLimiter:
     backoff_scale = _Forward("_backoff", "scale")
     backoff_state = _Forward("_backoff", "state")
     call = _Forward("_calls")
+    admit = _Forward("_calls")
 
     @property
     def estimates_key(self) -> str:
@@ -407,10 +406,8 @@ class GpuLimiter:
         return t
 
     async def _on_read(self, now: float, st: PoolStatus, full: bool) -> None:
-        """What each reaper read feeds: the resident total (``full`` reads list the leases),
-        the grant rates, our requests' claims, and (``full``) the calibrated estimates."""
-        if full:
-            self._resident.note(st)
+        """What each reaper read feeds: the grant rates, our requests' claims, and (``full``)
+        the calibrated estimates."""
         self._retry.sample(now, st)
         await self._store.refresh(self._runner.claimed())
         if full:
@@ -503,7 +500,6 @@ class GpuLimiter:
             runner=self._runner,
             calls=self._calls,
             errors=self._errors,
-            check_accepting=self._ready.check_accepting,
             spawn=self.spawn,
         )
 

@@ -184,6 +184,26 @@ def multiproc_dir() -> str | None:
 _LIVE_FILE = re.compile(r"^gauge_live[a-z]*_(\d+)\.db$")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's: its /proc may still be readable
+    return True
+
+
+def live_gauge_pids(path: str) -> set[int]:
+    """The pids with live-gauge files in the multiprocess directory ``path``, alive or not
+    (every started worker has them: each sets ``gpulock_workers``)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return set()
+    return {int(m.group(1)) for m in map(_LIVE_FILE.match, names) if m}
+
+
 def sweep_dead_processes(path: str) -> set[int]:
     """Remove the live-gauge files of processes that are gone (what gunicorn's ``child_exit``
     hook does; this covers ``uvicorn --workers N`` and workers killed with -9). Returns the
@@ -191,26 +211,39 @@ def sweep_dead_processes(path: str) -> set[int]:
     ``gpulock_workers``)."""
     from prometheus_client import multiprocess
 
+    live = set()
+    for pid in live_gauge_pids(path):
+        if _alive(pid):
+            live.add(pid)
+        else:
+            # prometheus_client's multiprocess module is unannotated.
+            multiprocess.mark_process_dead(pid, path)  # type: ignore[no-untyped-call]
+    return live
+
+
+def ready_workers(path: str) -> int:
+    """Live workers that report ready in the multiprocess directory ``path``: the sum of
+    ``gpulock_workers_ready`` over the processes alive, as ``/metrics`` shows it (changes
+    nothing in the directory)."""
+    from prometheus_client.multiprocess import MultiProcessCollector
+
     try:
         names = os.listdir(path)
     except OSError:
-        return set()
-    dead, live = set(), set()
-    for n in names:
-        m = _LIVE_FILE.match(n)
-        if m:
-            pid = int(m.group(1))
-            try:
-                os.kill(pid, 0)
-                live.add(pid)
-            except ProcessLookupError:
-                dead.add(pid)
-            except PermissionError:
-                live.add(pid)  # alive, another user's: its /proc may still be readable
-    for pid in dead:
-        # prometheus_client's multiprocess module is unannotated.
-        multiprocess.mark_process_dead(pid, path)  # type: ignore[no-untyped-call]
-    return live
+        return 0
+    files = [
+        os.path.join(path, n)
+        for n in names
+        if (m := _LIVE_FILE.match(n)) and n.startswith("gauge_livesum_") and _alive(int(m.group(1)))
+    ]
+    try:
+        merged = MultiProcessCollector.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
+    except (OSError, ValueError):  # a file that went away with its worker, or half written
+        return 0
+    for family in merged:
+        if family.name == "gpulock_workers_ready":
+            return int(sum(s.value for s in family.samples))
+    return 0
 
 
 def _pool_families(pool: str, st: PoolStatus | None, error: str | None) -> Iterator[Metric]:

@@ -1,7 +1,7 @@
 """The background reaper: a status read of the pool every ``reaper_interval`` seconds (the read
 reaps expired leases and wakes the waiters that now fit), which the limiter's parts learn
-from; every 10th read is full (it lists the leases) and also sweeps the metrics of dead
-processes."""
+from; every 10th read is full: it also sweeps the metrics of dead processes and refreshes the
+calibrated estimates and the OOM back-off."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class Reaper:
         settings: ``reaper_interval``; ``capacity`` re-creates a pool that is not found.
         backend: the pool; each read is recorded there (or the error).
         on_read: ``await on_read(now, status, full)`` after each successful read (``now`` in
-            ``time.monotonic()`` seconds; ``full`` when the status lists the leases).
+            ``time.monotonic()`` seconds; ``full`` every 10th read).
         publish: called after every read, successful or not (readiness).
     """
 
@@ -71,14 +71,14 @@ class Reaper:
                 self._log.ok()
 
     async def tick(self, full: bool = True) -> None:
-        """One read now; ``full`` lists the leases too (for the resident total) and sweeps
-        the multiprocess directory of dead processes' files. A pool not found is created
+        """One read now; ``full`` also sweeps the multiprocess directory of dead processes'
+        files. A pool not found is created
         again when a capacity was given. Redis errors are recorded, not raised."""
         be = self._backend
         assert be.pool is not None
         now = time.monotonic()
-        try:  # a full tick lists the leases too, for the resident total
-            st = await be.pool.status(limit=100_000 if full else 0)
+        try:
+            st = await be.pool.status(limit=0)
         except PoolNotFound as e:
             be.status, be.redis_error = None, str(e)
             capacity = self._settings.capacity

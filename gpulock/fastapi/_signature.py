@@ -16,15 +16,13 @@ from typing import Any, Protocol
 
 from fastapi import Request, Response
 
-from ._errors import GpuLockHTTPException
-from ._metrics import metrics
 from ._priority import RoutePriority
 
 
 class _Limiter(Protocol):
     """What the route shapes use of a ``GpuLimiter``."""
 
-    def check_accepting(self) -> None: ...
+    def admit(self, route: str) -> None: ...
 
     async def call(
         self,
@@ -166,11 +164,7 @@ def endpoint(
             request: Request = kw[req_name]
             response: Response = kw[resp_name]
             user_kw = {k: v for k, v in kw.items() if k in names}
-            try:
-                limiter.check_accepting()
-            except GpuLockHTTPException as e:
-                metrics().requests.labels(route, str(e.status_code)).inc()
-                raise
+            limiter.admit(route)
             est_kw = user_kw if takes_all else {k: v for k, v in user_kw.items() if k in est_params}
             amount = estimate(**est_kw)
             return await limiter.call(

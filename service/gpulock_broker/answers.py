@@ -206,7 +206,8 @@ class ErrorDetail(BaseModel):
     error: str = Field(
         ...,
         description="unauthorized, forbidden, queued, busy, queue_full, "
-        "backend_unavailable, capacity_exceeded, pool_not_found, "
+        "backend_unavailable, capacity_exceeded, room_exceeded, quota_exceeded, "
+        "pool_not_found, "
         "pool_in_use, lease_lost, not_found, invalid; from the HTTP "
         "guards: invalid_utf8, invalid_json, nested_too_deeply, "
         "request_too_large, request_timeout",
@@ -229,6 +230,14 @@ class ErrorDetail(BaseModel):
     lease_id: Optional[str] = None
     amount: Optional[int] = None
     capacity: Optional[int] = None
+    room: Optional[int] = Field(
+        None, description="room_exceeded: the capacity less the resident leases (bytes)"
+    )
+    resident: Optional[int] = Field(
+        None,
+        description="room_exceeded, quota_exceeded: bytes of the resident leases held and "
+        "queued (of the token's tenant for quota_exceeded)",
+    )
     leases: Optional[int] = Field(None, description="pool_in_use: the live leases")
     waiters: Optional[int] = Field(None, description="pool_in_use: the live waiting requests")
 

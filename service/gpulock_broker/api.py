@@ -36,6 +36,7 @@ from gpulock.errors import (
     PoolNotFound,
     QueueFull,
     QuotaExceeded,
+    RoomExceeded,
 )
 from gpulock._disconnect import watch_disconnect
 
@@ -125,7 +126,26 @@ def _allowed(who: Principal, pool: str) -> None:
 def _map(e: Exception, pool: str) -> NoReturn:
     """Translate gpulock's errors (and the broker's) to HTTP."""
     if isinstance(e, QuotaExceeded):
-        _err(413, "quota_exceeded", str(e), amount=e.amount, quota=e.quota, tenant=e.tenant)
+        _err(
+            413,
+            "quota_exceeded",
+            str(e),
+            amount=e.amount,
+            quota=e.quota,
+            tenant=e.tenant,
+            resident=e.resident,
+        )
+    if isinstance(e, RoomExceeded):
+        _err(
+            413,
+            "room_exceeded",
+            str(e),
+            amount=e.amount,
+            capacity=e.capacity,
+            room=e.room,
+            resident=e.resident,
+            device=e.device,
+        )
     if isinstance(e, CapacityExceeded):
         _err(413, "capacity_exceeded", str(e), amount=e.amount, capacity=e.capacity)
     if isinstance(e, PoolNotFound):
@@ -189,8 +209,11 @@ def _map(e: Exception, pool: str) -> NoReturn:
             s413="capacity_exceeded: amount is above the pool's capacity, or, on a pool of "
             "several devices, above the capacity of the device named by device (else of the "
             "largest device): it can never be granted (amount and capacity in the body); "
-            "quota_exceeded: amount is above the "
-            "quota of the token's tenant (amount, quota and tenant in the body); or "
+            "room_exceeded: amount fits the capacity but not the room the pool's resident "
+            "leases (models held for their holders' life) leave, held or queued (amount, "
+            "room, capacity, resident and device in the body); quota_exceeded: amount is "
+            "above the quota of the token's tenant, or what the tenant's resident leases "
+            "leave of it (amount, quota, tenant and resident in the body); or "
             "request_too_large: the body is over "
             "the size bound",
             s503="queued: still waiting after `wait` seconds (request_id, position, "

@@ -1,10 +1,11 @@
 """``gpulock serve``: decide Redis and capacity, then run gunicorn with uvicorn workers.
 
 This process is a small supervisor, not the gunicorn master: it starts an embedded Valkey when
-no Redis URL is given, configures the pool, makes a fresh ``PROMETHEUS_MULTIPROC_DIR``, runs
+no Redis URL is given, configures the pool, makes a fresh ``PROMETHEUS_MULTIPROC_DIR`` (and
+removes those serve processes killed with SIGKILL left: :mod:`.serve_start`), runs
 ``python -m gunicorn`` as a child, forwards SIGTERM/SIGINT/SIGHUP to it, and when gunicorn has
 exited stops Valkey and removes the metrics directory. It checks every option before it starts
-anything, says when the service is first ready, and starts an embedded Valkey that dies again
+anything, says when every worker is ready, and starts an embedded Valkey that dies again
 on the same port (:mod:`gpulock_service.embedded_server`). It never imports torch and never
 initialises CUDA (the GPU's size comes from NVML, ``nvidia-smi`` or a short-lived
 subprocess), and gunicorn's master only imports the app module, which does no I/O.
@@ -18,7 +19,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Any
@@ -26,6 +26,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from gpulock.units import format_size, parse_size
 
+from .serve_start import announce_ready, make_metrics_dir, remove_stale_metrics_dirs
 from .settings import CPU_DEFAULT_CAPACITY
 
 
@@ -158,23 +159,6 @@ def _load_time_hint(model: str) -> str:
     if model == "sleep":
         return "the sleep model loads nothing: a few seconds"
     return "as long as the model's factory takes"
-
-
-def _announce_ready(host: str, port: int, started: float, stop: threading.Event) -> None:
-    """In a thread: print one line when ``/ready`` first answers 200."""
-    import urllib.error
-    import urllib.request
-
-    h = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
-    url = f"http://{'[' + h + ']' if ':' in h else h}:{port}/ready"
-    while not stop.wait(0.5):
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    _say(f"ready: {url} answers 200, {time.monotonic() - started:.1f}s after start")
-                    return
-        except (OSError, urllib.error.URLError):
-            pass
 
 
 def _export_line(redis_url: str, pool: str) -> str:
@@ -377,7 +361,8 @@ def run_serve(
         if on_cpu and "GPULOCK_TORCH_THREADS" not in env:
             env["GPULOCK_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
         if not env.get("PROMETHEUS_MULTIPROC_DIR"):
-            metrics_dir = tempfile.mkdtemp(prefix="gpulock-metrics-")
+            remove_stale_metrics_dirs(_say)  # left by a serve killed with SIGKILL
+            metrics_dir = make_metrics_dir()
             env["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         if model == "minilm":  # its weights ship in a package: never reach for the Hub
             env.setdefault("HF_HUB_OFFLINE", "1")
@@ -417,7 +402,7 @@ def run_serve(
         _say(
             f"{workers} workers, model {model}, pool {pool!r}, http://{host}:{port} "
             f"({routes}); starting: each worker loads the model before /ready "
-            f"answers 200 ({_load_time_hint(model)}), then serve says 'ready'"
+            f"answers 200 ({_load_time_hint(model)}); serve says 'ready' when every worker is"
         )
 
         started = time.monotonic()
@@ -425,9 +410,17 @@ def run_serve(
             cmd, env=env, preexec_fn=_pdeathsig if sys.platform == "linux" else None
         )
         stopping = threading.Event()
+        h = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
         threading.Thread(
-            target=_announce_ready,
-            args=(host, port, started, stopping),
+            target=announce_ready,
+            args=(
+                f"http://{'[' + h + ']' if ':' in h else h}:{port}/ready",
+                workers,
+                env["PROMETHEUS_MULTIPROC_DIR"],
+                started,
+                stopping,
+                _say,
+            ),
             name="gpulock-serve-ready",
             daemon=True,
         ).start()

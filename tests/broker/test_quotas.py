@@ -155,3 +155,38 @@ def test_quotas_take_what_their_schema_allows(admin, gpu):
     )
     assert r.status_code == 200, r.text
     assert r.json()["quotas"] == {"c": 5}
+
+
+def test_a_request_the_resident_leases_leave_no_room_for_is_413_at_once(
+    broker_srv, redis_srv, admin, user, gpu
+):
+    """A service's models hold 8 of the pool's 10 GiB as resident leases (taken straight on
+    Redis): a remote holder's 3 GiB can never be granted next to them. 413 ``room_exceeded``
+    at once (a long poll of 5 s and a queue are not waited), the SDK's RoomExceeded; 2 GiB is
+    granted."""
+    from gpulock import Pool as CorePool
+    from gpulock_client import RoomExceeded
+
+    assert admin.put(f"/v1/pools/{gpu}", json={"capacity": "10GiB"}).status_code == 200
+    core = CorePool.from_url(redis_srv.url, gpu)
+    models = [core.acquire("4GiB", resident=True) for _ in range(2)]
+    try:
+        r = user.post(f"/v1/pools/{gpu}/leases", json={"amount": "3GiB", "wait": 5})
+        assert r.status_code == 413, r.text
+        d = r.json()["detail"]
+        assert (d["error"], d["amount"], d["room"], d["capacity"], d["resident"]) == (
+            "room_exceeded",
+            3 * GiB,
+            2 * GiB,
+            10 * GiB,
+            8 * GiB,
+        ), d
+        with Pool(broker_srv.url, gpu, token=USER_TOKEN) as sdk:
+            with pytest.raises(RoomExceeded) as e:
+                sdk.acquire("3GiB", timeout=5)
+            assert (e.value.room, e.value.resident) == (2 * GiB, 8 * GiB)
+            sdk.acquire("2GiB", timeout=5).release()
+    finally:
+        for lz in models:
+            lz.release()
+        core.close()

@@ -116,7 +116,7 @@ def test_embedded_valkey_killed_under_serve_is_restarted_and_leases_come_back(tm
     valkey: list[int] = []
     try:
         url = f"http://127.0.0.1:{port}"
-        # serve itself says when /ready first answers 200
+        # serve itself says when every worker is ready
         _wait(
             lambda: proc.poll() is None and "gpulock serve: ready:" in log.read_text(),
             "the ready line",

@@ -29,17 +29,17 @@ def cli(url: str, *args: str) -> subprocess.CompletedProcess:
 def test_top_once_shows_the_pool_its_leases_and_its_queue(redis_proc, make_pool, pool_name):
     pool = make_pool(capacity=4 * GiB)
     a = pool.acquire(GiB, holder={"job": "train"})
-    b = pool.acquire(2 * GiB, holder={"purpose": "resident:model"})
+    b = pool.acquire(2 * GiB, holder={"purpose": "resident:model"}, resident=True)
     waiter = make_pool()
     got: list = []
 
-    def wait_for_3() -> None:
+    def wait_for_2() -> None:  # fits next to the resident 2 GiB once the 1 GiB is back
         try:
-            got.append(waiter.acquire(3 * GiB, timeout=60, holder={"job": "eval"}))
+            got.append(waiter.acquire(2 * GiB, timeout=60, holder={"job": "eval"}))
         except GpuLockError as e:
             got.append(e)
 
-    th = threading.Thread(target=wait_for_3, daemon=True)
+    th = threading.Thread(target=wait_for_2, daemon=True)
     th.start()
     try:
         wait_until(lambda: pool.status().waiter_count == 1, 10, "the waiter")

@@ -102,6 +102,32 @@ async def _fire_in_order(c, b, bodies, **kw) -> list[asyncio.Task]:
     return tasks
 
 
+async def test_a_batch_the_resident_leases_leave_no_room_for_runs_its_requests_alone(
+    redis_proc1,
+):
+    """The batch closed on this worker's last view of the pool, from before other workers'
+    models took their resident leases (as right after a start): its 3 GiB never fit the 2 GiB
+    they leave, though each 1 GiB request does. The pool refuses the batch (413) and its
+    requests run one by one, each served."""
+    app, gpu, b, seen, gate = _app(redis_proc1.url, "bt-room", max_size=3, reaper_interval=60)
+    other = AsyncPool.from_url(redis_proc1.url, "bt-room")
+    async with Running(app) as c:
+        gate.clear()
+        holder = await _hold(c, seen)
+        models = [await other.acquire(3 * GiB, resident=True) for _ in range(2)]
+        tasks = await _fire_in_order(c, b, [{"i": 0}, {"i": 1}, {"i": 2}])
+        await async_wait_until(lambda: len(b._inflight) == 2, what="the batch closing (full)")
+        gate.set()
+        rs = [await t for t in tasks]
+        assert (await holder).status_code == 200
+        assert [r.status_code for r in rs] == [200, 200, 200], [r.text for r in rs]
+        assert [r.json()["i"] for r in rs] == [0, 1, 2]
+        assert sorted(seen["batches"][1:]) == [[0], [1], [2]]
+        for lz in models:
+            await lz.release()
+    await other.aclose()
+
+
 async def test_results_in_order_with_their_own_errors_and_invalid_never_joins(redis_proc1):
     app, gpu, b, seen, gate = _app(redis_proc1.url, "bt1", max_size=5)
     async with Running(app) as c:

@@ -55,7 +55,7 @@ def sampler_for(ar, pool):
 
 async def test_one_sampler_writes_per_pool_and_another_takes_over(ar, make_apool):
     pool = make_apool(capacity=4 * GiB)
-    lease = await pool.acquire(GiB, holder={"purpose": "resident:m"})
+    lease = await pool.acquire(GiB, holder={"purpose": "resident:m"}, resident=True)
     a, b = sampler_for(ar, pool), sampler_for(ar, pool)
     assert await a.run_once() == {pool.name: True}
     assert await b.run_once() == {pool.name: False}  # a holds the sampler lease

@@ -181,14 +181,39 @@ def check_consistent(c: redis.Redis, pool: str) -> dict[str, int]:
         by_dev = [0] * n
         for v in holders.values():
             parts = v.split("|")
-            assert len(parts) >= 8 and parts[6].isdigit(), v  # every lease is on a device
-            by_dev[int(parts[6])] += int(parts[0])
+            # every lease is on a device (the index, then 'r' for a resident lease)
+            assert len(parts) >= 8 and re.fullmatch(r"\d+r?", parts[6]), v
+            by_dev[int(parts[6].rstrip("r"))] += int(parts[0])
         dused = [int(cfg.get(f"dused:{i}", 0)) for i in range(n)]
         dcap = [int(cfg[f"dcap:{i}"]) for i in range(n)]
         assert dused == by_dev, (dused, by_dev)
         assert sum(dcap) == int(cfg["capacity"]), (dcap, cfg["capacity"])
     else:
-        assert not [f for f in cfg if f.startswith(("dcap:", "dused:"))], cfg
+        assert not [f for f in cfg if f.startswith(("dcap:", "dused:", "dres:"))], cfg
+    # Resident leases (lua/lib.lua "Resident leases"): resident, tres:<tenant> and dres:<i> are
+    # the sums of the resident holder records (device field ending in 'r'), rqueued of the
+    # resident waiter records (absent at 0).
+    res_total, res_tenant, res_dev = 0, {}, {}
+    for v in holders.values():
+        parts = v.split("|")
+        if len(parts) >= 8 and re.fullmatch(r"\d*r", parts[6]):
+            a = int(parts[0])
+            res_total += a
+            if parts[5]:
+                res_tenant[parts[5]] = res_tenant.get(parts[5], 0) + a
+            if parts[6] != "r":
+                res_dev[int(parts[6][:-1])] = res_dev.get(int(parts[6][:-1]), 0) + a
+    assert int(cfg.get("resident", 0)) == res_total, (cfg.get("resident"), res_total)
+    tres = {f[5:]: int(v) for f, v in cfg.items() if f.startswith("tres:")}
+    assert tres == res_tenant, (tres, res_tenant)
+    dres = {int(f[5:]): int(v) for f, v in cfg.items() if f.startswith("dres:")}
+    assert dres == res_dev, (dres, res_dev)
+    queued_res = 0
+    for v in c.hvals(k[4]):
+        parts = _s(v).split("|")
+        if len(parts) >= 9 and re.fullmatch(r"\d*r", parts[7]):
+            queued_res += int(parts[0])
+    assert int(cfg.get("rqueued", 0)) == queued_res, (cfg.get("rqueued"), queued_res)
     return {"used": total, "leases": len(holders), "queued": len(queue)}
 
 

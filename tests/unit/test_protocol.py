@@ -23,6 +23,8 @@ from gpulock.errors import (
     LeaseLost,
     PoolNotFound,
     QueueFull,
+    QuotaExceeded,
+    RoomExceeded,
 )
 
 
@@ -154,6 +156,28 @@ def test_acquire_request_argv():
     assert r.timeout_s == 0.0
     assert _build(ttl=None).ttl_s == 30.0
     assert _build(timeout=None).timeout_s is None
+    # a resident request ends with the kind, its tenant and device as given or empty
+    assert _build(resident=True).argv("wait", "c")[9:] == ["", "", "resident"]
+    assert _build(resident=True, device=2, tenant="a").argv("wait", "c")[9:] == [
+        "a",
+        "2",
+        "resident",
+    ]
+    assert len(_build().argv("wait", "c")) == 9
+
+
+def test_translate_room_and_quota_with_resident():
+    e = _translate.translate(rex.ResponseError("GPULOCK_ROOM 45 40 100 60"), "gpu0")
+    assert isinstance(e, RoomExceeded) and isinstance(e, CapacityExceeded)
+    assert (e.amount, e.room, e.capacity, e.resident, e.device) == (45, 40, 100, 60, None)
+    e = _translate.translate(rex.ResponseError("GPULOCK_ROOM 20 10 50 40 device any"), "gpu0")
+    assert isinstance(e, RoomExceeded) and e.device == -1 and "most room" in str(e)
+    e = _translate.translate(rex.ResponseError("GPULOCK_ROOM 15 10 50 40 device 1"), "gpu0")
+    assert isinstance(e, RoomExceeded) and e.device == 1 and "device 1" in str(e)
+    e = _translate.translate(rex.ResponseError("GPULOCK_QUOTA 25 50 a 30"), "gpu0")
+    assert isinstance(e, QuotaExceeded) and (e.quota, e.tenant, e.resident) == (50, "a", 30)
+    e = _translate.translate(rex.ResponseError("GPULOCK_QUOTA 25 20 a"), "gpu0")
+    assert isinstance(e, QuotaExceeded) and e.resident == 0 and "quota of tenant 'a'" in str(e)
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ raises derives from :class:`GpuLockError`::
     ├── AuthError                           gpulock-client: HTTP 401 (no or unknown token), 403 (pool not allowed)
     ├── PoolNotFound                        the pool is not configured (HTTP 404 pool_not_found)
     ├── CapacityExceeded                    amount > capacity: can never be granted (HTTP 413)
-    │   └── QuotaExceeded                   amount > the tenant's quota (HTTP 413 quota_exceeded)
+    │   ├── QuotaExceeded                   amount > the tenant's quota (HTTP 413 quota_exceeded)
+    │   └── RoomExceeded                    amount > what the resident leases leave (HTTP 413)
     ├── AcquireTimeout (also TimeoutError)  the wait for a grant ran out (or timeout=0 and busy)
     ├── QueueFull                           the pool's queue is at its bound (HTTP 503 queue_full)
     ├── LeaseLost                           the lease expired, was reaped or never existed (HTTP 410),
@@ -34,6 +35,7 @@ __all__ = [
     "PoolNotFound",
     "CapacityExceeded",
     "QuotaExceeded",
+    "RoomExceeded",
     "AcquireTimeout",
     "QueueFull",
     "LeaseLost",
@@ -92,20 +94,76 @@ class CapacityExceeded(GpuLockError):
 
 
 class QuotaExceeded(CapacityExceeded):
-    """The requested amount is larger than its tenant's quota on the pool, so no wait could
-    end with a grant (docs/SEMANTICS.md, "Tenant quotas"). Raised at once. ``amount`` and
-    ``quota`` are in bytes (``capacity`` is the quota too, for handlers of the base class);
-    ``tenant`` names the tenant."""
+    """The requested amount is larger than its tenant's quota on the pool, or than what the
+    tenant's resident leases leave of it, so no wait could end with a grant (docs/SEMANTICS.md,
+    "Tenant quotas", "Resident leases"). Raised at once. ``amount``, ``quota`` and
+    ``resident`` (the tenant's resident leases; 0 when the quota alone is too small) are in
+    bytes (``capacity`` is the quota too, for handlers of the base class); ``tenant`` names
+    the tenant."""
 
-    def __init__(self, amount: int, quota: int, tenant: str, message: Optional[str] = None):
+    def __init__(
+        self,
+        amount: int,
+        quota: int,
+        tenant: str,
+        message: Optional[str] = None,
+        resident: int = 0,
+    ):
         if message is None:
             message = (
                 f"amount {amount} bytes ({format_size(amount)}) exceeds the quota of tenant "
                 f"{tenant!r}, {quota} bytes ({format_size(quota)})"
             )
+            if resident:
+                room = max(0, quota - resident)
+                message = (
+                    f"amount {amount} bytes ({format_size(amount)}) exceeds what the resident "
+                    f"leases of tenant {tenant!r} ({resident} bytes, {format_size(resident)}) "
+                    f"leave of its quota of {quota} bytes ({format_size(quota)}): "
+                    f"{room} bytes ({format_size(room)})"
+                )
         super().__init__(amount, quota, message)
         self.quota = quota
         self.tenant = tenant
+        self.resident = resident
+
+
+class RoomExceeded(CapacityExceeded):
+    """The requested amount fits the capacity but not the room the pool's resident leases (what
+    holders keep for their whole life, such as model weights: ``acquire(resident=True)``)
+    leave, held or queued, so no wait could end with a grant while they are held
+    (docs/SEMANTICS.md, "Resident leases"). Raised at once. ``amount``, ``room`` (capacity
+    minus resident), ``capacity`` and ``resident`` are in bytes, of the pool, or of ``device``
+    (its index; -1: the pool's device with the most room) on a pool of several devices (None:
+    the pool)."""
+
+    def __init__(
+        self,
+        amount: int,
+        room: int,
+        capacity: int,
+        resident: int,
+        device: Optional[int] = None,
+        message: Optional[str] = None,
+    ):
+        if message is None:
+            where = (
+                "the pool's capacity"
+                if device is None
+                else "the capacity of the pool's device with the most room"
+                if device < 0
+                else f"the capacity of device {device}"
+            )
+            message = (
+                f"amount {amount} bytes ({format_size(amount)}) exceeds the room the resident "
+                f"leases leave: {max(0, room)} bytes ({format_size(max(0, room))}) of {where}, "
+                f"{capacity} bytes ({format_size(capacity)}), less {resident} bytes "
+                f"({format_size(resident)}) of resident leases"
+            )
+        super().__init__(amount, capacity, message)
+        self.room = room
+        self.resident = resident
+        self.device = device
 
 
 class AcquireTimeout(GpuLockError, TimeoutError):

@@ -20,6 +20,7 @@ from .errors import (
     PoolNotFound,
     QueueFull,
     QuotaExceeded,
+    RoomExceeded,
 )
 
 __version__ = "0.1.0"
@@ -40,4 +41,5 @@ __all__ = [
     "PoolNotFound",
     "QueueFull",
     "QuotaExceeded",
+    "RoomExceeded",
 ]

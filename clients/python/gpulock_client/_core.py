@@ -54,6 +54,7 @@ from .errors import (
     PoolNotFound,
     QueueFull,
     QuotaExceeded,
+    RoomExceeded,
 )
 
 DEFAULT_TTL_S = 30.0
@@ -167,7 +168,18 @@ def error_for(r: Reply, pool: str) -> GpuLockError:
         e: GpuLockError = AuthError(msg)
     elif r.status == 413 and code == "quota_exceeded":
         q = int(d.get("quota") or 0)
-        e = QuotaExceeded(int(d.get("amount") or 0), q, str(d.get("tenant") or ""), msg)
+        t = str(d.get("tenant") or "")
+        e = QuotaExceeded(int(d.get("amount") or 0), q, t, msg, int(d.get("resident") or 0))
+    elif r.status == 413 and code == "room_exceeded":
+        dev = d.get("device")
+        e = RoomExceeded(
+            int(d.get("amount") or 0),
+            int(d.get("room") or 0),
+            int(d.get("capacity") or 0),
+            int(d.get("resident") or 0),
+            None if dev is None else int(dev),
+            msg,
+        )
     elif r.status == 413:
         e = CapacityExceeded(int(d.get("amount") or 0), int(d.get("capacity") or 0), msg)
     elif r.status == 422:

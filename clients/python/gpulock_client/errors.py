@@ -7,7 +7,8 @@ each means here, and the broker's reply it comes from (``status`` is set to its 
     ├── AuthError                           401 (no or unknown token) / 403 (pool not allowed)
     ├── PoolNotFound                        404: the pool is not configured
     ├── CapacityExceeded                    413: amount > capacity, can never be granted
-    │   └── QuotaExceeded                   413 quota_exceeded: amount > the token's tenant's quota
+    │   ├── QuotaExceeded                   413 quota_exceeded: amount > the token's tenant's quota
+    │   └── RoomExceeded                    413 room_exceeded: amount > what the resident leases leave
     ├── AcquireTimeout (also TimeoutError)  no grant before the timeout; the place was withdrawn
     ├── QueueFull                           503 queue_full: the pool's queue is at its bound
     ├── LeaseLost                           410, or no successful renewal before the local deadline
@@ -29,6 +30,7 @@ from gpulock_common.errors import (
     PoolNotFound,
     QueueFull,
     QuotaExceeded,
+    RoomExceeded,
 )
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "PoolNotFound",
     "CapacityExceeded",
     "QuotaExceeded",
+    "RoomExceeded",
     "AcquireTimeout",
     "QueueFull",
     "LeaseLost",

@@ -187,7 +187,7 @@ def test_restart_empty_holders_put_leases_back(redis_proc1, caplog):
 def test_restart_empty_devices_and_each_lease_on_its_device_come_back(redis_proc1):
     """A pool of several devices lost with Redis's data is made again with its devices and
     placement as last seen (by a pool object that configured it and by one that only
-    acquired), and each lease is put back on its own device."""
+    acquired), and each lease is put back on its own device, a resident one as resident."""
     rp, name = redis_proc1, "gdev"
     direct = redis.Redis.from_url(rp.url)
     loop = asyncio.new_event_loop()
@@ -195,7 +195,7 @@ def test_restart_empty_devices_and_each_lease_on_its_device_come_back(redis_proc
     spool = Pool.from_url(rp.url, name, default_ttl=TTL, max_ttl=G, poll_interval=0.2)
     try:
         loop.run_until_complete(apool.configure(devices=[40, 60, 60], placement="spread"))
-        h1 = loop.run_until_complete(apool.acquire(30, device=0))
+        h1 = loop.run_until_complete(apool.acquire(30, device=0, resident=True))
         h2 = spool.acquire(50)  # spread: device 1 (60 free, the lowest index of the most free)
         assert (h1.device, h2.device) == (0, 1)
         wait_until(lambda: spool._runtime is not None and spool._runtime.policy_seen, timeout=5)
@@ -210,6 +210,7 @@ def test_restart_empty_devices_and_each_lease_on_its_device_come_back(redis_proc
         assert [(d.capacity, d.used) for d in st.devices] == [(40, 30), (60, 50), (60, 0)]
         assert st.placement == "spread" and st.reasserted == 2
         assert {li.lease_id: li.device for li in st.leases} == {h1.id: 0, h2.id: 1}
+        assert st.resident == 30  # and on device 0 (check_consistent)
         check_consistent(direct, name)
         loop.run_until_complete(h1.release())
         h2.release()
