@@ -501,36 +501,3 @@ def sync_grant(pool: PoolView, lease: Any) -> Flow[None]:
         f"within {pool.sync_timeout}s (acknowledged by {max(acked, 0)}"
         f"{'; ' + str(err) if err else ''}); it was given back, since a failover could lose it"
     ) from err
-
-
-def queue_synced_renew(
-    p: Any,
-    words: Sequence[Any],
-    replicas: int,
-    timeout_ms: int,
-    sync_key: str,
-) -> None:
-    """Queue on pipeline ``p`` (``transaction=False``; sync or asyncio) the ``renew`` command
-    ``words`` (the client's dialect spells it), an INCR of the pool's sync counter
-    ``sync_key`` and ``WAIT replicas timeout_ms``. WAIT waits for the connection's last
-    write; a renewal that changes no expiry (same millisecond) replicates nothing, and the
-    INCR comes later in the replication stream than the grant and the renewal, so its
-    acknowledgement covers both. Read the replies with :func:`synced_renew_reply`."""
-    p.execute_command(*words)
-    p.incr(sync_key)
-    p.execute_command("WAIT", replicas, timeout_ms)
-
-
-def synced_renew_reply(
-    res: list[Any], missing: Callable[[BaseException], bool]
-) -> tuple[Any, int] | BaseException:
-    """The replies of :func:`queue_synced_renew`'s pipeline (run with
-    ``raise_on_error=False``) as ``(renew reply, replicas that acknowledged)``; the renewal's
-    error itself when ``missing(error)`` says its code must be loaded and the pipeline run
-    again. Raises the first other error among the replies."""
-    if isinstance(res[0], Exception) and missing(res[0]):
-        return res[0]
-    for x in res:
-        if isinstance(x, Exception):
-            raise x
-    return res[0], int(res[2])

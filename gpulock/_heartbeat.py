@@ -134,6 +134,12 @@ class Heartbeat:
         if ticker is None or ticker.done() or self.next_poll < self._ticker_at:
             self._tasks.in_loop(self._start_ticker)
 
+    def poll_now(self) -> None:
+        """Poll the waiters at once (in the loop): see
+        :meth:`gpulock._runtime.Runtime.poll_waiters_now`."""
+        self.next_poll = min(self.next_poll, self.clock())
+        self._start_ticker()
+
     def _start_ticker(self) -> None:
         self.ensure_started()
         self.poke()

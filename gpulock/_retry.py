@@ -28,16 +28,17 @@ RETRYABLE = (
     OSError,
     rex.ClusterDownError,  # a cluster shard without a master: a failover in progress
     rex.TryAgainError,  # a slot being migrated
+    rex.ClusterError,  # redis-py's redirect budget spent ("TTL exhausted"): a slot moving
     rex.RedisClusterException,  # no seed node of a cluster reachable (redis-py's wording)
 )
 
-# The retry schedule (seconds): full jitter over 0.05 s doubling per attempt, capped at 1 s.
-RETRY_BASE_S, RETRY_CAP_S = 0.05, 1.0
+# The retry schedule (seconds): full jitter over 0.05 s doubling per attempt, capped at 0.5 s.
+RETRY_BASE_S, RETRY_CAP_S = 0.05, 0.5
 
 
 def retry_delay(attempt: int) -> float:
     """Seconds to wait before retry number ``attempt`` (1: the first retry) of a Redis call
-    that failed with a :data:`RETRYABLE` error: uniform in [0, min(1 s, 0.05 s × 2^(attempt-1))].
+    that failed with a :data:`RETRYABLE` error: uniform in [0, min(0.5 s, 0.05 s × 2^(attempt-1))].
     The one schedule of every retry gpulock makes, foreground calls and background loops alike."""
     return random.uniform(0.0, min(RETRY_CAP_S, RETRY_BASE_S * 2.0 ** min(max(attempt, 1) - 1, 30)))
 

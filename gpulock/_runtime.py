@@ -97,6 +97,7 @@ class Runtime:
             self.registry,
             clock,
             is_closed=self._is_closed,
+            resubscribed=self.poll_waiters_now,
         )
         self._subscribed: Callable[[], bool] = lambda: self.listener.subscribed
         self.recovery = Recovery(
@@ -129,6 +130,17 @@ class Runtime:
     # ---- the pool object's side ------------------------------------------------------------
     def _is_closed(self) -> bool:
         return self._closed
+
+    def poll_waiters_now(self) -> None:
+        """The hand-off subscription is back after it was lost (a connection failure, a
+        failover, a slot moved): a grant published meanwhile was missed, so the waiters are
+        polled now rather than at the next ``poll_interval``. Safe from any thread."""
+        if self._closed or not self.waiters:
+            return
+        try:
+            self.tasks.in_loop(self.heartbeat.poll_now)
+        except RuntimeError:  # no loop yet, or it is closed: nothing to poll for
+            pass
 
     @property
     def closed(self) -> bool:

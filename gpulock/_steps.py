@@ -16,7 +16,7 @@ The steps and what a driver returns for them:
 * :class:`Leave` — True when the ticket is still in use locally after leaving the waiter.
 * :class:`Withdraw` — None: the request was withdrawn (``cancel.lua``), quietly.
 * :class:`SyncedRenew` — ``(renew reply, replicas that acknowledged)``: see
-  :func:`queue_synced_renew`.
+  :func:`gpulock._script_calls.synced_renew`.
 * :class:`GiveBack` — None: the lease was released, quietly.
 """
 

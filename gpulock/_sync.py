@@ -21,10 +21,9 @@ from types import TracebackType
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import redis
-from redis.exceptions import AuthenticationError, MovedError, ResponseError
+from redis.exceptions import AuthenticationError
 
 from . import _flow as flow
-from ._cluster import primary_client
 from ._async import _CLIENT_DEFAULTS, DEFAULT_BACKEND_TIMEOUT_S
 from ._args import (
     DEFAULT_MAX_WAITERS,
@@ -47,10 +46,9 @@ from ._connect import (
 )
 from ._keys import pool_key, pool_keys
 from ._runtime import Runtime, Waiter
-from ._script_calls import SyncScripts, load
+from ._script_calls import SyncScripts
 from ._sync_listener import ThreadSubscription, ThreadWait
 from ._loop_thread import LoopThread as _LoopThread
-from ._scripts import scripts
 from .errors import InvalidArgument, LeaseLost, PoolClosed
 
 _T = TypeVar("_T")
@@ -256,7 +254,9 @@ class Pool(PoolOptions):
                 except BaseException:
                     portal.stop()  # no runtime: leave no loop thread (a later call starts again)
                     raise
-                sub = ThreadSubscription(self.redis, rt.channel, self.name, rt.deliver)
+                sub = ThreadSubscription(
+                    self.redis, rt.channel, self.name, rt.deliver, rt.poll_waiters_now
+                )
                 rt.read_elsewhere(lambda: sub.ready)
                 self._bg = _Background(portal, rt, sub)
                 flow.push_settings(self, rt)
@@ -389,44 +389,12 @@ class Pool(PoolOptions):
             raise translate(e, self.name) from e
 
     def _renew_synced(self, args: list[str | int]) -> tuple[Any, int]:
-        """:class:`gpulock._flow.SyncedRenew` on the caller's client (one pipeline, one
-        connection; see :func:`gpulock._flow.queue_synced_renew`)."""
+        """:class:`gpulock._flow.SyncedRenew` on the caller's client: ``renew`` and ``WAIT``
+        on one connection to the pool's master (:meth:`SyncScripts.renew_synced`)."""
         timeout_ms = max(1, int(self.sync_timeout * 1000))
-        sync_key = pool_key(self.name, "sync")
-        sc = scripts()["renew"]
-        dialect = self._scripts.heads.dialect
-        for attempt in range(3):
-            # On a cluster: the pool's primary itself (WAIT covers one connection's writes)
-            r = primary_client(self.redis, sync_key)
-            try:
-                with r.pipeline(transaction=False) as p:
-                    flow.queue_synced_renew(
-                        p,
-                        dialect.words(sc, self._keys, args),
-                        self.sync_replicas,
-                        timeout_ms,
-                        sync_key,
-                    )
-                    out = flow.synced_renew_reply(
-                        p.execute(raise_on_error=False), dialect.is_missing
-                    )
-            except MovedError:
-                if attempt == 2 or r is self.redis:
-                    raise
-                self.redis.nodes_manager.initialize()  # type: ignore[attr-defined]  # cluster
-                continue
-            if not isinstance(out, BaseException):
-                return out
-            if attempt == 2:
-                raise out
-            step = dialect.fix(out, sc)
-            if step is not None:
-                try:
-                    load(r, step)
-                except ResponseError as e:
-                    if not dialect.load_failed(step, e):
-                        raise
-        raise AssertionError("unreachable")
+        return self._scripts.renew_synced(
+            args, self.sync_replicas, timeout_ms, pool_key(self.name, "sync")
+        )
 
     # ---- operations -------------------------------------------------------------------------
     def configure(
