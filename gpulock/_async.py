@@ -471,8 +471,10 @@ class AsyncPool(PoolOptions):
         priority: int = 0,
         tenant: str | None = None,
         device: int | None = None,
+        retry_for: float | None = None,
     ) -> Grant | NotGranted:
-        """Send one acquire for ``request_id`` on behalf of a remote holder.
+        """Send one acquire for ``request_id`` on behalf of a remote holder, retried for
+        ``retry_for`` seconds (default ``backend_timeout``) while Redis is unreachable.
 
         Idempotent by ``request_id``: sending it again refreshes the place and returns the
         current position, or the grant made to it meanwhile (with the server's current time
@@ -504,7 +506,8 @@ class AsyncPool(PoolOptions):
         if queue:
             await rt.ensure_subscribed()
         argv = req.argv("wait" if queue else "try", rt.channel_id)
-        res, _ = await self._run(flow.acquire_call(self, rt, req, argv))
+        deadline = None if retry_for is None else self.clock() + retry_for
+        res, _ = await self._run(flow.acquire_call(self, rt, req, argv, deadline=deadline))
         _remote.keep_place(rt, req, argv, res, self.clock())
         return res
 

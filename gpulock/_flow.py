@@ -279,18 +279,21 @@ def renew(lease_id: str, token: int, ttl: float) -> Flow[tuple[int, int]]:
 
 
 # ---- release ----------------------------------------------------------------------------------
-def release(pool: str, lease_id: str, token: int) -> Flow[tuple[bool, int]]:
+def release(
+    pool: str, lease_id: str, token: int, bound: float | None = None
+) -> Flow[tuple[bool, int]]:
     """``release.lua`` once: returns ``(released, server_now_ms)``. False: the server no
     longer had the lease, and nothing of others was freed. The first try may have run when
     it fails with a connection error: a retry that then finds no lease cannot tell "released
-    by us just now" from "lost", so it counts as released.
+    by us just now" from "lost", so it counts as released. Retried for ``bound`` seconds
+    (default backend_timeout).
 
     Raises: BackendUnavailable."""
     args = [lease_id, str(token)]
     try:
         r = yield Eval("release", args, bound=0)
     except RETRYABLE:
-        r = yield Eval("release", args)
+        r = yield Eval("release", args, bound=bound)
         return True, int(r[1])
     except Exception as e:
         raise translate(e, pool) from e
@@ -301,6 +304,9 @@ def release_lease(s: LeaseState, rt: Runtime | None) -> Flow[None]:
     """A held lease's ``release()`` (idempotent: later calls do nothing); ``rt`` stops its
     heartbeat.
 
+    Retried while the lease is still valid (its local deadline; at least 1 s): after that the
+    server frees its bytes at expiry anyway.
+
     Raises:
         LeaseLost: the server no longer had it (it expired or was reaped), or it had been
             found lost before; nothing of others is freed.
@@ -310,9 +316,10 @@ def release_lease(s: LeaseState, rt: Runtime | None) -> Flow[None]:
         return None
     was_lost = s.lost_reason
     s.released = True
+    bound = max(1.0, s.seconds_left())
     if rt is not None:
         rt.untrack(s.lease_id)  # a dict pop: safe from any thread
-    ok, _ = yield from release(s.pool, s.lease_id, s.token)
+    ok, _ = yield from release(s.pool, s.lease_id, s.token, bound)
     if not ok and was_lost is None:
         raise LeaseLost(
             s.lease_id,
@@ -335,15 +342,27 @@ def lease_state(rt: Runtime, grant: Grant, req: AcquireRequest, valid_until: flo
 
 
 def acquire_call(
-    pool: PoolView, rt: Runtime, req: AcquireRequest, argv: list[str]
+    pool: PoolView,
+    rt: Runtime,
+    req: AcquireRequest,
+    argv: list[str],
+    start: float | None = None,
+    deadline: float | None = None,
 ) -> Flow[tuple[Grant | NotGranted, float]]:
-    """One ``acquire.lua`` call (retried within :func:`~gpulock._retry.retry_bound`).
-    A pool found gone is created again first when this object knows a capacity (with a grace
-    period when it had seen the pool: Redis lost it). Returns ``(Grant | NotGranted, sent)``,
-    ``sent`` the local time the successful call was sent."""
+    """One ``acquire.lua`` call, retried until the caller's deadline
+    (:func:`~gpulock._retry.retry_bound`): ``deadline`` (local time) when given, else
+    ``start`` (the local time of the acquire, default now) plus its timeout. A pool found gone
+    is created again first when this object knows a capacity (with a grace period when it
+    had seen the pool: Redis lost it). Returns ``(Grant | NotGranted, sent)``, ``sent`` the
+    local time the successful call was sent."""
     sent = pool.clock()
+    left = None
+    if deadline is not None:
+        left = deadline - sent
+    elif req.timeout_s is not None:
+        left = req.timeout_s - (sent - (sent if start is None else start))
     try:
-        r = yield Eval("acquire", argv, bound=retry_bound(pool.backend_timeout, req.timeout_s))
+        r = yield Eval("acquire", argv, bound=retry_bound(pool.backend_timeout, left))
     except PoolNotFound:
         rt.seen(0)  # gone: if this object knew the pool, its runtime recovers now
         if pool.capacity is None:
@@ -397,7 +416,7 @@ def acquire(
     joined: Any = None
     try:
         try:
-            res, sent = yield from acquire_call(pool, rt, req, argv)
+            res, sent = yield from acquire_call(pool, rt, req, argv, start)
         except GpuLockError as e:
             unreachable = isinstance(e, BackendUnavailable)
             needs_cancel = unreachable  # any other error: the script refused before writing
@@ -432,6 +451,7 @@ def acquire(
             res.position,
             on_queued,
             res.retry_after_ms,
+            None if req.timeout_s is None else start + req.timeout_s,
         )
         remaining = (
             None if req.timeout_s is None else max(0.0, req.timeout_s - (pool.clock() - start))
@@ -445,6 +465,13 @@ def acquire(
                 raise
             raise err from e
         if isinstance(got, TimedOut):
+            down = rt.unreachable()
+            if down is not None:  # the deadline passed while Redis (the shard) was away
+                unreachable = True  # withdraw in the background
+                raise BackendUnavailable(
+                    f"pool {pool.name!r}: no grant of {req.amount} bytes within "
+                    f"{req.timeout_s}s, and Redis unreachable for {down[0]:.1f}s: {down[1]}"
+                )
             where = (
                 f"position {res.position} of {res.queue_length}+ when queued"
                 if got.position is None

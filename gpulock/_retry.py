@@ -11,13 +11,15 @@ from typing import Any
 import redis.exceptions as rex
 
 
-def retry_bound(backend_timeout: float, timeout: float | None) -> float:
-    """Seconds an acquire retries connection errors: ``backend_timeout``, shortened to the
-    caller's own ``timeout`` (at least 1 s, so a try-once acquire still rides out a dropped
-    connection): a caller that would wait 0.5 s for a grant should not wait 5 s for Redis."""
-    if timeout is None:
+def retry_bound(backend_timeout: float, time_left: float | None) -> float:
+    """Seconds a call made for a caller with a deadline retries :data:`RETRYABLE` errors:
+    the ``time_left`` until that deadline (at least 1 s, so a try-once acquire still rides out
+    a dropped connection), so that a failover or a migration shorter than the caller's own
+    timeout is ridden out, and a caller that would wait 0.5 s for a grant does not wait 5 s
+    for Redis; ``backend_timeout`` for a caller without a deadline (``time_left`` None)."""
+    if time_left is None:
         return backend_timeout
-    return min(backend_timeout, max(1.0, timeout))
+    return max(1.0, time_left)
 
 
 # Errors worth retrying for idempotent operations: the request may or may not have run.

@@ -86,6 +86,7 @@ class Join(Step):
     position: int
     on_queued: Callable[[int], Any] | None
     retry_after_ms: int  # to the nearest lease expiry (-1: none), for the reap timer
+    deadline: float | None = None  # local time the acquire gives up (None: never)
 
     def queue_in(self, rt: Runtime) -> Any:
         """The runtime's waiter for this step (``rt.queue_waiter`` with its fields)."""
@@ -96,6 +97,7 @@ class Join(Step):
             self.position,
             self.on_queued,
             self.retry_after_ms,
+            self.deadline,
         )
 
 
