@@ -258,7 +258,11 @@ class AsyncPool(PoolOptions):
                     pass
             return None
         if isinstance(step, flow.SyncedRenew):
-            return await rt.renew_synced(step.args)
+            if step.bound <= 0:
+                return await rt.renew_synced(step.args)
+            async for attempt in retrying(step.bound, asynchronous=True):
+                with attempt:
+                    return await rt.renew_synced(step.args)
         if isinstance(step, flow.GiveBack):
             try:
                 await asyncio.shield(rt.spawn(step.lease.release()))
@@ -535,13 +539,17 @@ class AsyncPool(PoolOptions):
         BackendUnavailable."""
         return await self._run(flow.renew(lease_id, token, ttl))
 
-    async def release_remote(self, lease_id: str, token: int) -> tuple[bool, int]:
-        """Release a remote holder's lease. Returns ``(released, server_now_ms)``; False: the
-        server no longer had it (lost), and nothing of others was freed. A retry after a
-        connection error counts as released, as in :meth:`AsyncLease.release`.
+    async def release_remote(
+        self, lease_id: str, token: int, retry_for: float | None = None
+    ) -> tuple[bool, int]:
+        """Release a remote holder's lease, retried for ``retry_for`` seconds (default
+        ``backend_timeout``; the caller knows how long the lease stays valid). Returns
+        ``(released, server_now_ms)``; False: the server no longer had it (lost), and nothing
+        of others was freed. A retry after a connection error counts as released, as in
+        :meth:`AsyncLease.release`.
 
         Raises: InvalidArgument, BackendUnavailable."""
-        return await self._run(flow.release(self.name, lease_id, validate_token(token)))
+        return await self._run(flow.release(self.name, lease_id, validate_token(token), retry_for))
 
     async def aclose(self) -> None:
         """Stop the heartbeat and listener (held leases are not released: they expire)."""

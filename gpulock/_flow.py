@@ -512,7 +512,12 @@ def sync_grant(pool: PoolView, lease: Any) -> Flow[None]:
     sent = pool.clock()
     r, acked, err = None, -1, None
     try:
-        r, acked = yield SyncedRenew([1, s.lease_id, s.token, ttl_ms(s.ttl_s), 0])
+        # retried while the grant is valid: a failover right after it is ridden out when a
+        # replica had it (its renewal then goes to the promoted one); the validity counts
+        # from the first try's sending, earlier than the one that got through (safe side)
+        r, acked = yield SyncedRenew(
+            [1, s.lease_id, s.token, ttl_ms(s.ttl_s), 0], max(0.0, s.seconds_left())
+        )
     except GeneratorExit:
         raise
     except BaseException as e:  # noqa: BLE001 - also on cancellation: give the grant back

@@ -13,13 +13,14 @@ import redis.exceptions as rex
 
 def retry_bound(backend_timeout: float, time_left: float | None) -> float:
     """Seconds a call made for a caller with a deadline retries :data:`RETRYABLE` errors:
-    the ``time_left`` until that deadline (at least 1 s, so a try-once acquire still rides out
-    a dropped connection), so that a failover or a migration shorter than the caller's own
-    timeout is ridden out, and a caller that would wait 0.5 s for a grant does not wait 5 s
-    for Redis; ``backend_timeout`` for a caller without a deadline (``time_left`` None)."""
+    the ``time_left`` until that deadline, so that a failover or a migration shorter than the
+    caller's own timeout is ridden out, and a caller that would wait 0.5 s for a grant does not
+    wait 5 s for Redis; at least 1 s (or ``backend_timeout`` when shorter), so that a try-once
+    acquire still rides out a dropped connection. ``backend_timeout`` for a caller without a
+    deadline (``time_left`` None)."""
     if time_left is None:
         return backend_timeout
-    return max(1.0, time_left)
+    return max(time_left, min(1.0, backend_timeout))
 
 
 # Errors worth retrying for idempotent operations: the request may or may not have run.

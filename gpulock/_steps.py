@@ -137,9 +137,11 @@ class Withdraw(Step):
 
 @dataclass(slots=True)
 class SyncedRenew(Step):
-    """A ``renew`` of ``args`` followed by the replicas' acknowledgement (WAIT)."""
+    """A ``renew`` of ``args`` followed by the replicas' acknowledgement (WAIT), its
+    connection errors retried for ``bound`` seconds (0: one try)."""
 
     args: list[str | int]
+    bound: float = 0.0
 
 
 @dataclass(slots=True)

@@ -307,7 +307,11 @@ class Pool(PoolOptions):
             rt = self._background(queued=True).rt  # closed while the request was on its way
             return Lease(flow.lease_state(rt, step.grant, step.req, step.valid_until), self)
         if isinstance(step, flow.SyncedRenew):
-            return self._renew_synced(step.args)
+            if step.bound <= 0:
+                return self._renew_synced(step.args)
+            for attempt in retrying(step.bound, asynchronous=False):
+                with attempt:
+                    return self._renew_synced(step.args)
         if isinstance(step, flow.GiveBack):
             try:
                 step.lease.release()
