@@ -19,6 +19,7 @@ One per cluster client (:func:`shards_of`), shared by every pool object on it.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 import weakref
@@ -138,6 +139,7 @@ class SyncShards(_Map):
         #: The hand-off subscriptions' connection pools, by node: closed when it hung and
         #: was replaced (:meth:`_check`), so that their readers subscribe again elsewhere.
         self.subscriptions: dict[str, weakref.WeakSet[Any]] = {}
+        _SYNC_SHARDS.add(self)
 
     @contextmanager
     def watch(self, slot: int, node: str) -> Iterator[None]:
@@ -267,6 +269,20 @@ class SyncShards(_Map):
                 return None
             finally:
                 self.refreshed_at = time.monotonic()
+
+
+_SYNC_SHARDS: weakref.WeakSet[SyncShards] = weakref.WeakSet()
+
+
+def _forget_watchers_in_child() -> None:
+    """In a forked child the watch threads are gone: each client starts its own on its next
+    call there."""
+    for s in list(_SYNC_SHARDS):
+        s._watcher = None
+        s._inflight.clear()
+
+
+os.register_at_fork(after_in_child=_forget_watchers_in_child)
 
 
 def _watch_loop(ref: weakref.ref[SyncShards]) -> None:
