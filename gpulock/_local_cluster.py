@@ -225,10 +225,16 @@ def _field(info: bytes | str, name: str) -> str:
 
 
 def start_cluster(
-    binary: str, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000
+    binary: str,
+    masters: int = 3,
+    replicas: int = 1,
+    node_timeout_ms: int = 1000,
+    full_coverage: bool = False,
 ) -> Cluster:
     """Start and form a cluster; returns it once every node says ``cluster_state:ok`` and
-    every replica has synced. The caller stops it (:meth:`Cluster.stop`)."""
+    every replica has synced. ``full_coverage``: ``cluster-require-full-coverage yes``
+    (Redis's default: every node refuses every key while a slot has no master), else ``no``.
+    The caller stops it (:meth:`Cluster.stop`)."""
     c = Cluster(binary)
     args = [
         "--cluster-enabled",
@@ -236,7 +242,7 @@ def start_cluster(
         "--cluster-node-timeout",
         str(node_timeout_ms),
         "--cluster-require-full-coverage",
-        "no",
+        "yes" if full_coverage else "no",
         *FAST_REPLICATION,
     ]
 
