@@ -8,8 +8,8 @@ script or call crosses slots. The forms::
     redis+cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...][/0][?max_connections=N]
     rediss+cluster://...   (TLS)
 
-name one or more seed nodes (any nodes of the cluster; redis-py discovers the rest and follows
-MOVED/ASK and failovers). A plain ``redis://HOST:PORT`` (or ``rediss://``) of any cluster node
+name one or more seed nodes (any nodes of the cluster; redis-py discovers the rest, and
+gpulock's calls follow MOVED/ASK and failovers slot by slot: :mod:`gpulock._shards`). A plain ``redis://HOST:PORT`` (or ``rediss://``) of any cluster node
 works too: :func:`is_cluster_node` asks the node once (``INFO cluster``) when the client is
 built. ``max_connections`` caps the connections per node.
 """

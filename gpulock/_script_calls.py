@@ -323,7 +323,6 @@ class AsyncScripts:
         self.lane = async_lane(client)
         self.first = first
         self.shards: AsyncShards | None = shards_of(client)  # type: ignore[assignment]
-        self.cluster = self.shards is not None  # once: an isinstance of it is slow
         self.slot = slot_of(keys[0]) if keys else 0
         self._scripts = scripts()
 
