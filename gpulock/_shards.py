@@ -1,5 +1,6 @@
-"""gpulock's calls on a Redis Cluster client, one shard at a time: the sync and asyncio drivers
-of :func:`gpulock._route.route` over the client's own slot map and connections.
+"""gpulock's calls on a Redis Cluster client, one shard at a time: the sync driver of
+:func:`gpulock._route.route` over the client's own slot map and connections (the asyncio one:
+:mod:`gpulock._shards_async`), and what both share.
 
 redis-py's cluster clients route a call by asking the cluster, and share their failure
 handling across all shards: an ``FCALL``'s keys are learnt by sending ``COMMAND GETKEYS`` to
@@ -78,7 +79,7 @@ def shards_of(client: Any) -> SyncShards | AsyncShards | None:
 
 class _Map:
     """What both drivers share, without I/O: the slots gpulock routes on the client, when the
-    map was last refreshed, and who wants to know when one of those slots moves."""
+    map was last refreshed, and the nodes suspected of being down or hung."""
 
     def __init__(self, client: Any):
         self.client = client
@@ -107,15 +108,15 @@ class _Map:
             n for n in order if n in self.suspects
         ]
 
-    def changes(self, reply: Any, asked: Any) -> list[tuple[int, str, int]]:
-        """The tracked slots whose master in a ``CLUSTER SLOTS`` reply (of node ``asked``)
-        is not the map's: ``(slot, host, port)`` each."""
+    def changes(self, reply: Any, asked: str) -> list[tuple[int, str, int]]:
+        """The tracked slots whose master in a ``CLUSTER SLOTS`` reply of node ``asked``
+        (``host:port``) is not the map's: ``(slot, host, port)`` each."""
         out = []
         for s in sorted(self.tracked):
             owner = owner_in(reply, s)
             if owner is None:
                 continue
-            host, port = owner[0] or asked.host, owner[1]
+            host, port = owner[0] or asked.rpartition(":")[0], owner[1]
             if self.node_name(s) != f"{host}:{port}":
                 out.append((s, host, port))
         return out
@@ -193,7 +194,8 @@ class SyncShards(_Map):
 
     def node_client(self, name: str) -> redis.Redis:
         """The client of node ``name`` (redis-py's own, with its connection pool). Raises
-        ShardUnavailable-worthy RedisError when the map does not know the node."""
+        redis.ConnectionError when the map does not know the node, even after re-reading the
+        cluster."""
         node = self.nm.get_node(node_name=name)
         if node is None:
             self.nm.initialize()  # a node the map never saw (an ASK to a new node): rare
@@ -204,6 +206,7 @@ class SyncShards(_Map):
         return r
 
     def lane(self, name: str) -> SyncLane:
+        """The lane of node ``name`` (:meth:`node_client`'s pool); raises as it does."""
         lane = sync_lane(self.node_client(name))
         assert lane is not None  # a node's client has a connection pool
         return lane
@@ -259,11 +262,10 @@ class SyncShards(_Map):
             try:
                 for name in self.candidates(slot, failed):
                     try:
-                        node = self.nm.get_node(node_name=name)
                         reply = self.lane(name).execute(CLUSTER_SLOTS)
                     except (RedisError, OSError):
                         continue
-                    for s, host, port in self.changes(reply, node):
+                    for s, host, port in self.changes(reply, name):
                         self._move(s, host, port)
                     return self.node_name(slot) if owner_in(reply, slot) else None
                 return None

@@ -88,6 +88,8 @@ class AsyncShards(_Map):
             await cluster_ready(self.client)
 
     async def node(self, name: str) -> Any:
+        """redis-py's node object of ``name``. Raises redis.ConnectionError when the map does
+        not know it, even after re-reading the cluster."""
         node = self.nm.get_node(node_name=name)
         if node is None:
             await self.nm.initialize()  # a node the map never saw (an ASK to a new node): rare
@@ -97,6 +99,7 @@ class AsyncShards(_Map):
         return node
 
     async def lane(self, name: str) -> AsyncLane:
+        """The lane over node ``name``'s own connections (one per node object)."""
         node = await self.node(name)
         held = self._lanes.get(name)
         if held is None or held[0] is not node:
@@ -183,11 +186,10 @@ class AsyncShards(_Map):
             try:
                 for name in self.candidates(slot, failed):
                     try:
-                        node = self.nm.get_node(node_name=name)
                         reply = await (await self.lane(name)).execute(CLUSTER_SLOTS)
                     except (RedisError, OSError):
                         continue
-                    for s, host, port in self.changes(reply, node):
+                    for s, host, port in self.changes(reply, name):
                         await self._move(s, host, port)
                     return self.node_name(slot) if owner_in(reply, slot) else None
                 return None
