@@ -58,8 +58,8 @@ class AsyncLease(LeaseBase):
         Raises:
             LeaseLost: the server no longer had this lease (it expired or was reaped, so
                 someone else may have used the bytes meanwhile). Nothing of others is freed.
-            BackendUnavailable: Redis could not be reached within the retry bound; the lease
-                will expire on the server after its ttl.
+            BackendUnavailable: Redis could not be reached while the lease was valid (the
+                release is retried until its local deadline); it expires on the server.
         """
         await self._pool._run(flow.release_lease(self._state, self._pool._runtime))
 
@@ -122,7 +122,9 @@ class AsyncPool(PoolOptions):
         default_ttl: lease ttl in seconds when ``acquire`` gets none (30 s).
         waiter_ttl: seconds a queued request survives without a refresh (5 s).
         poll_interval: seconds between waiter refreshes, which double as the backstop poll.
-        backend_timeout: seconds of retrying idempotent calls before BackendUnavailable.
+        backend_timeout: seconds of retrying idempotent calls before BackendUnavailable, for
+            calls without a deadline of their own (an acquire with a timeout retries until
+            it; a release while its lease is valid).
         max_ttl: the longest ttl a lease may have in a pool this object creates (seconds;
             default the larger of 60 s and ``default_ttl``). It is also the length of the grace
             period after Redis lost the pool: nothing new is granted for one max_ttl while
@@ -430,7 +432,9 @@ class AsyncPool(PoolOptions):
         Raises:
             InvalidArgument, CapacityExceeded (at once; QuotaExceeded, its subclass, when the
             amount exceeds the tenant's quota), PoolNotFound, QueueFull,
-            AcquireTimeout (nothing is held afterwards), BackendUnavailable, PoolClosed (the
+            AcquireTimeout (nothing is held afterwards), BackendUnavailable (Redis, or on a
+            cluster the pool's shard, unreachable until the timeout, or for ``backend_timeout``
+            without one; its message names the shard), PoolClosed (the
             pool object was closed before the call, which then never queued, or during the
             wait, and the request left the queue; its message says which).
             On cancellation (``CancelledError``) the request leaves the queue and any grant

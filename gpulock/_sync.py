@@ -103,8 +103,8 @@ class Lease(LeaseBase):
         Raises:
             LeaseLost: the server no longer had this lease (it expired or was reaped, so
                 someone else may have used the bytes meanwhile). Nothing of others is freed.
-            BackendUnavailable: Redis unreachable within the retry bound; the lease will
-                expire on the server after its ttl.
+            BackendUnavailable: Redis unreachable while the lease was valid (the release is
+                retried until its local deadline); it expires on the server.
         """
         self._pool._run(flow.release_lease(self._state, self._pool._runtime))
 
