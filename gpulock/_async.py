@@ -122,9 +122,8 @@ class AsyncPool(PoolOptions):
         default_ttl: lease ttl in seconds when ``acquire`` gets none (30 s).
         waiter_ttl: seconds a queued request survives without a refresh (5 s).
         poll_interval: seconds between waiter refreshes, which double as the backstop poll.
-        backend_timeout: seconds of retrying idempotent calls before BackendUnavailable, for
-            calls without a deadline of their own (an acquire with a timeout retries until
-            it; a release while its lease is valid).
+        backend_timeout: seconds of retrying a call with no deadline of its own (a timed
+            acquire retries until its timeout, a release while valid) before BackendUnavailable.
         max_ttl: the longest ttl a lease may have in a pool this object creates (seconds;
             default the larger of 60 s and ``default_ttl``). It is also the length of the grace
             period after Redis lost the pool: nothing new is granted for one max_ttl while
@@ -260,11 +259,7 @@ class AsyncPool(PoolOptions):
                     pass
             return None
         if isinstance(step, flow.SyncedRenew):
-            if step.bound <= 0:
-                return await rt.renew_synced(step.args)
-            async for attempt in retrying(step.bound, asynchronous=True):
-                with attempt:
-                    return await rt.renew_synced(step.args)
+            return await rt.renew_synced(step.args, step.bound)
         if isinstance(step, flow.GiveBack):
             try:
                 await asyncio.shield(rt.spawn(step.lease.release()))
@@ -432,9 +427,8 @@ class AsyncPool(PoolOptions):
         Raises:
             InvalidArgument, CapacityExceeded (at once; QuotaExceeded, its subclass, when the
             amount exceeds the tenant's quota), PoolNotFound, QueueFull,
-            AcquireTimeout (nothing is held afterwards), BackendUnavailable (Redis, or on a
-            cluster the pool's shard, unreachable until the timeout, or for ``backend_timeout``
-            without one; its message names the shard), PoolClosed (the
+            AcquireTimeout (nothing is held afterwards), BackendUnavailable (until the timeout;
+            it names a cluster's shard), PoolClosed (the
             pool object was closed before the call, which then never queued, or during the
             wait, and the request left the queue; its message says which).
             On cancellation (``CancelledError``) the request leaves the queue and any grant
@@ -546,11 +540,10 @@ class AsyncPool(PoolOptions):
     async def release_remote(
         self, lease_id: str, token: int, retry_for: float | None = None
     ) -> tuple[bool, int]:
-        """Release a remote holder's lease, retried for ``retry_for`` seconds (default
-        ``backend_timeout``; the caller knows how long the lease stays valid). Returns
-        ``(released, server_now_ms)``; False: the server no longer had it (lost), and nothing
-        of others was freed. A retry after a connection error counts as released, as in
-        :meth:`AsyncLease.release`.
+        """Release a remote holder's lease, retried for ``retry_for`` s (default
+        ``backend_timeout``). Returns ``(released, server_now_ms)``; False: the server no
+        longer had it (lost), and nothing of others was freed. A retry after a connection
+        error counts as released, as in :meth:`AsyncLease.release`.
 
         Raises: InvalidArgument, BackendUnavailable."""
         return await self._run(flow.release(self.name, lease_id, validate_token(token), retry_for))

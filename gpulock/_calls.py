@@ -76,15 +76,23 @@ class Calls:
         except Exception:  # noqa: BLE001 - best effort; expiry is the backstop
             pass
 
-    async def renew_synced(self, args: list[Any]) -> tuple[Any, int]:
+    async def renew_synced(self, args: list[Any], bound: float = 0.0) -> tuple[Any, int]:
         """Run ``renew`` of ``args`` and then, on the same connection to the pool's master, an
         INCR of the pool's sync counter and ``WAIT sync_replicas sync_timeout_ms``
         (:func:`gpulock._script_calls.synced_renew`): returns (renew reply, replicas that
-        acknowledged everything this connection wrote, the renewal included)."""
+        acknowledged everything this connection wrote, the renewal included). ``bound`` > 0:
+        connection errors retried on the common policy for that many seconds; 0: one try."""
         st = self.settings
-        return await self.scripts.renew_synced(
-            args, st.sync_replicas, st.sync_timeout_ms, self.sync_key
-        )
+        if bound <= 0:
+            return await self.scripts.renew_synced(
+                args, st.sync_replicas, st.sync_timeout_ms, self.sync_key
+            )
+        async for attempt in retrying(bound, asynchronous=True):
+            with attempt:
+                return await self.scripts.renew_synced(
+                    args, st.sync_replicas, st.sync_timeout_ms, self.sync_key
+                )
+        raise AssertionError("unreachable")
 
     async def drop_idle_connections(self) -> None:
         """After a connection error, close the connections the client's lane keeps at hand:

@@ -389,10 +389,10 @@ class Runtime:
         """Withdraw a request, best effort (:meth:`gpulock._calls.Calls.cancel_quietly`)."""
         await self.calls.cancel_quietly(ticket)
 
-    async def renew_synced(self, args: list[Any]) -> tuple[Any, int]:
-        """``renew`` then ``WAIT`` on one connection (:meth:`gpulock._calls.Calls.renew_synced`):
-        returns (renew reply, replicas that acknowledged it)."""
-        return await self.calls.renew_synced(args)
+    async def renew_synced(self, args: list[Any], bound: float = 0.0) -> tuple[Any, int]:
+        """``renew`` then ``WAIT`` on one connection (:meth:`gpulock._calls.Calls.renew_synced`,
+        its connection errors retried for ``bound`` s): (renew reply, replicas that acked it)."""
+        return await self.calls.renew_synced(args, bound)
 
     async def close(self) -> None:
         """Stop the background tasks; every acquire still waiting ends with PoolClosed (its
