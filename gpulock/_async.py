@@ -58,8 +58,8 @@ class AsyncLease(LeaseBase):
         Raises:
             LeaseLost: the server no longer had this lease (it expired or was reaped, so
                 someone else may have used the bytes meanwhile). Nothing of others is freed.
-            BackendUnavailable: Redis could not be reached within the retry bound; the lease
-                will expire on the server after its ttl.
+            BackendUnavailable: Redis could not be reached while the lease was valid (the
+                release is retried until its local deadline); it expires on the server.
         """
         await self._pool._run(flow.release_lease(self._state, self._pool._runtime))
 
@@ -122,7 +122,8 @@ class AsyncPool(PoolOptions):
         default_ttl: lease ttl in seconds when ``acquire`` gets none (30 s).
         waiter_ttl: seconds a queued request survives without a refresh (5 s).
         poll_interval: seconds between waiter refreshes, which double as the backstop poll.
-        backend_timeout: seconds of retrying idempotent calls before BackendUnavailable.
+        backend_timeout: seconds of retrying a call with no deadline of its own (a timed
+            acquire retries until its timeout, a release while valid) before BackendUnavailable.
         max_ttl: the longest ttl a lease may have in a pool this object creates (seconds;
             default the larger of 60 s and ``default_ttl``). It is also the length of the grace
             period after Redis lost the pool: nothing new is granted for one max_ttl while
@@ -258,7 +259,7 @@ class AsyncPool(PoolOptions):
                     pass
             return None
         if isinstance(step, flow.SyncedRenew):
-            return await rt.renew_synced(step.args)
+            return await rt.renew_synced(step.args, step.bound)
         if isinstance(step, flow.GiveBack):
             try:
                 await asyncio.shield(rt.spawn(step.lease.release()))
@@ -434,7 +435,8 @@ class AsyncPool(PoolOptions):
             amount exceeds the tenant's quota or what its resident leases leave of it;
             RoomExceeded, its subclass, when it exceeds what the pool's resident leases leave),
             PoolNotFound, QueueFull,
-            AcquireTimeout (nothing is held afterwards), BackendUnavailable, PoolClosed (the
+            AcquireTimeout (nothing is held afterwards), BackendUnavailable (until the timeout;
+            it names a cluster's shard), PoolClosed (the
             pool object was closed before the call, which then never queued, or during the
             wait, and the request left the queue; its message says which).
             On cancellation (``CancelledError``) the request leaves the queue and any grant
@@ -486,8 +488,10 @@ class AsyncPool(PoolOptions):
         priority: int = 0,
         tenant: str | None = None,
         device: int | None = None,
+        retry_for: float | None = None,
     ) -> Grant | NotGranted:
-        """Send one acquire for ``request_id`` on behalf of a remote holder.
+        """Send one acquire for ``request_id`` on behalf of a remote holder, retried for
+        ``retry_for`` seconds (default ``backend_timeout``) while Redis is unreachable.
 
         Idempotent by ``request_id``: sending it again refreshes the place and returns the
         current position, or the grant made to it meanwhile (with the server's current time
@@ -519,7 +523,8 @@ class AsyncPool(PoolOptions):
         if queue:
             await rt.ensure_subscribed()
         argv = req.argv("wait" if queue else "try", rt.channel_id)
-        res, _ = await self._run(flow.acquire_call(self, rt, req, argv))
+        deadline = None if retry_for is None else self.clock() + retry_for
+        res, _ = await self._run(flow.acquire_call(self, rt, req, argv, deadline=deadline))
         _remote.keep_place(rt, req, argv, res, self.clock())
         return res
 
@@ -547,13 +552,16 @@ class AsyncPool(PoolOptions):
         BackendUnavailable."""
         return await self._run(flow.renew(lease_id, token, ttl))
 
-    async def release_remote(self, lease_id: str, token: int) -> tuple[bool, int]:
-        """Release a remote holder's lease. Returns ``(released, server_now_ms)``; False: the
-        server no longer had it (lost), and nothing of others was freed. A retry after a
-        connection error counts as released, as in :meth:`AsyncLease.release`.
+    async def release_remote(
+        self, lease_id: str, token: int, retry_for: float | None = None
+    ) -> tuple[bool, int]:
+        """Release a remote holder's lease, retried for ``retry_for`` s (default
+        ``backend_timeout``). Returns ``(released, server_now_ms)``; False: the server no
+        longer had it (lost), and nothing of others was freed. A retry after a connection
+        error counts as released, as in :meth:`AsyncLease.release`.
 
         Raises: InvalidArgument, BackendUnavailable."""
-        return await self._run(flow.release(self.name, lease_id, validate_token(token)))
+        return await self._run(flow.release(self.name, lease_id, validate_token(token), retry_for))
 
     async def aclose(self) -> None:
         """Stop the heartbeat and listener (held leases are not released: they expire)."""

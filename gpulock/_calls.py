@@ -12,14 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import AuthenticationError, MovedError, ResponseError
+from redis.exceptions import AuthenticationError
 
-from ._cluster import primary_client
-from ._flow import queue_synced_renew, synced_renew_reply
 from ._keys import pool_key
 from ._protocol import DEFAULT_MAX_WAITERS, retrying, translate
-from ._script_calls import AsyncScripts, load
-from ._scripts import scripts
+from ._script_calls import AsyncScripts
 
 DEFAULT_BACKEND_TIMEOUT_S = 5.0  # the pool object's backend_timeout, until it sets its own
 
@@ -79,45 +76,22 @@ class Calls:
         except Exception:  # noqa: BLE001 - best effort; expiry is the backstop
             pass
 
-    async def renew_synced(self, args: list[Any]) -> tuple[Any, int]:
-        """Run ``renew`` of ``args`` and then, on the same connection, an INCR of the pool's
-        sync counter and ``WAIT sync_replicas sync_timeout_ms``
-        (:func:`gpulock._flow.queue_synced_renew`): returns (renew reply, replicas that
-        acknowledged everything this connection wrote, the renewal included)."""
+    async def renew_synced(self, args: list[Any], bound: float = 0.0) -> tuple[Any, int]:
+        """Run ``renew`` of ``args`` and then, on the same connection to the pool's master, an
+        INCR of the pool's sync counter and ``WAIT sync_replicas sync_timeout_ms``
+        (:func:`gpulock._script_calls.synced_renew`): returns (renew reply, replicas that
+        acknowledged everything this connection wrote, the renewal included). ``bound`` > 0:
+        connection errors retried on the common policy for that many seconds; 0: one try."""
         st = self.settings
-        sc = scripts()["renew"]
-        dialect = self.scripts.heads.dialect
-        for attempt in range(3):
-            # On a cluster: the pool's primary itself (WAIT covers one connection's writes)
-            r = primary_client(self.redis, self.sync_key)
-            try:
-                async with r.pipeline(transaction=False) as p:
-                    queue_synced_renew(
-                        p,
-                        dialect.words(sc, self.keys, args),
-                        st.sync_replicas,
-                        st.sync_timeout_ms,
-                        self.sync_key,
-                    )
-                    out = synced_renew_reply(
-                        await p.execute(raise_on_error=False), dialect.is_missing
-                    )
-            except MovedError:
-                if attempt == 2 or r is self.redis:
-                    raise
-                await self.redis.nodes_manager.initialize()  # the slot moved (a failover)
-                continue
-            if not isinstance(out, BaseException):
-                return out
-            if attempt == 2:
-                raise out
-            step = dialect.fix(out, sc)
-            if step is not None:
-                try:
-                    await load(r, step)
-                except ResponseError as e:
-                    if not dialect.load_failed(step, e):
-                        raise
+        if bound <= 0:
+            return await self.scripts.renew_synced(
+                args, st.sync_replicas, st.sync_timeout_ms, self.sync_key
+            )
+        async for attempt in retrying(bound, asynchronous=True):
+            with attempt:
+                return await self.scripts.renew_synced(
+                    args, st.sync_replicas, st.sync_timeout_ms, self.sync_key
+                )
         raise AssertionError("unreachable")
 
     async def drop_idle_connections(self) -> None:

@@ -224,6 +224,7 @@ def run(
 ) -> None:
     from ._sync import Pool
 
+    started = time.monotonic()
     pool, pin = split_pool_target(pool)
     enf = None
     if enforce:
@@ -263,8 +264,17 @@ def run(
             b.close()
         p: RunPool = BrokerPool(t.url, pool, default_ttl=ttl)
     else:
+        from ._calls import DEFAULT_BACKEND_TIMEOUT_S
+
         redis_client(t.url).close()  # fail fast (exit 69) if Redis is down now
-        p = Pool.from_url(t.url, pool, default_ttl=ttl)
+        # --timeout is the time to get the lease: the calls before the acquire ride out a
+        # failover or a migration as long as the acquire itself would
+        p = Pool.from_url(
+            t.url,
+            pool,
+            default_ttl=ttl,
+            backend_timeout=max(DEFAULT_BACKEND_TIMEOUT_S, timeout or 0.0),
+        )
         try:
             n_devices = len(p.status(limit=0).devices)
         except GpuLockError as e:
@@ -291,6 +301,7 @@ def run(
             tenant or None,
             pin,
             n_devices,
+            time.monotonic() - started,
         )
     finally:
         p.close()
@@ -313,7 +324,10 @@ def _run_under_lease(
     tenant: Optional[str] = None,
     pin: Optional[int] = None,
     n_devices: int = 1,
+    spent: float = 0.0,
 ) -> int:
+    """Acquire (within what is left of ``timeout`` after the ``spent`` seconds of the calls
+    before), then run CMD under the lease: the exit code."""
     info = (lambda msg: None) if quiet else say
     queued_at: list[float] = []
 
@@ -345,7 +359,7 @@ def _run_under_lease(
             lease = p.acquire(
                 amount,
                 ttl=ttl,
-                timeout=timeout,
+                timeout=None if timeout is None else max(0.0, timeout - spent),
                 holder=meta,
                 on_queued=on_queued,
                 priority=priority,

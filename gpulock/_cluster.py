@@ -8,8 +8,8 @@ script or call crosses slots. The forms::
     redis+cluster://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...][/0][?max_connections=N]
     rediss+cluster://...   (TLS)
 
-name one or more seed nodes (any nodes of the cluster; redis-py discovers the rest and follows
-MOVED/ASK and failovers). A plain ``redis://HOST:PORT`` (or ``rediss://``) of any cluster node
+name one or more seed nodes (any nodes of the cluster; redis-py discovers the rest, and
+gpulock's calls follow MOVED/ASK and failovers slot by slot: :mod:`gpulock._shards`). A plain ``redis://HOST:PORT`` (or ``rediss://``) of any cluster node
 works too: :func:`is_cluster_node` asks the node once (``INFO cluster``) when the client is
 built. ``max_connections`` caps the connections per node.
 """
@@ -21,7 +21,6 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import redis
-import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import ClusterNode, RedisCluster
@@ -142,37 +141,6 @@ def async_cluster_like(
     ):
         kw["ssl"] = True
     return AsyncRedisCluster(startup_nodes=nodes, max_connections=cap, **kw)
-
-
-def primary_client(client: Any, key: str) -> Any:
-    """A client of one server, the primary that serves ``key``'s slot now, for what must run
-    on one connection of that server (a renewal and the ``WAIT`` that covers it). Sync
-    ``RedisCluster``: that node's own ``redis.Redis``; asyncio: a ``redis.asyncio.Redis`` on the
-    node, made once per node and kept on the cluster client. Not a cluster client: itself."""
-    if isinstance(client, RedisCluster):
-        sc: Any = client  # redis-py's sync cluster module is unannotated
-        node = sc.get_node_from_key(key)
-        if node is None or node.redis_connection is None:
-            sc.nodes_manager.initialize()
-            node = sc.get_node_from_key(key)
-        return node.redis_connection
-    if isinstance(client, AsyncRedisCluster):
-        node = client.get_node_from_key(key)
-        if node is None:
-            raise redis.exceptions.ClusterDownError(f"no node serves the slot of {key}")
-        cache: dict[str, aioredis.Redis] = client.__dict__.setdefault("_gpulock_primaries", {})
-        r = cache.get(node.name)
-        if r is None:
-            ckw = dict(node.connection_kwargs)
-            cls = node.connection_class
-            kw = {k: v for k, v in ckw.items() if k not in ("host", "port")}
-            r = cache[node.name] = aioredis.Redis(
-                connection_pool=aioredis.ConnectionPool(
-                    connection_class=cls, host=node.host, port=node.port, max_connections=4, **kw
-                )
-            )
-        return r
-    return client
 
 
 async def ready(client: Any) -> None:

@@ -442,14 +442,26 @@ def async_client_like(client: redis.Redis, *, max_connections: int) -> aioredis.
 
 def subscription_client(client: Any, channel: str) -> redis.Redis:
     """A sync client with one connection of its own, to the server that serves ``channel``
-    (a cluster client: the primary of its slot now; Sentinel: the service's primary), made
-    with every setting ``client``'s connections to that server are made with: the hand-off
-    subscription of a sync Pool, which holds its connection while it lives and so must not
-    take one of ``client``'s. No I/O, but a cluster client that does not know the slot's
-    node reads the slot map."""
-    from ._cluster import primary_client
+    (a cluster client: the primary the slot map names for its slot; Sentinel: the service's
+    primary), made with every setting ``client``'s connections to that server are made with:
+    the hand-off subscription of a sync Pool, which holds its connection while it lives and so
+    must not take one of ``client``'s. No I/O.
 
-    base = primary_client(client, channel)  # client itself unless it is a cluster client
+    Raises:
+        ShardUnavailable: a cluster whose slot map names no master for the slot.
+    """
+    from ._route import ShardUnavailable
+    from ._shards import SyncShards, shards_of, slot_of
+
+    base: Any = client
+    shards = shards_of(client)
+    node: str | None = None
+    if isinstance(shards, SyncShards):
+        slot = slot_of(channel)
+        node = shards.node_name(slot)
+        if node is None:
+            raise ShardUnavailable(slot, None, "no master serves it (the slot map has none)")
+        base = shards.node_client(node)
     pool = base.connection_pool
     kw = dict(pool.connection_kwargs)
     new: redis.ConnectionPool
@@ -464,4 +476,8 @@ def subscription_client(client: Any, channel: str) -> redis.Redis:
         )
     else:
         new = redis.ConnectionPool(connection_class=pool.connection_class, max_connections=1, **kw)
+    if isinstance(shards, SyncShards) and node is not None:
+        import weakref
+
+        shards.subscriptions.setdefault(node, weakref.WeakSet()).add(new)
     return redis.Redis(connection_pool=new)

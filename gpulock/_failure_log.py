@@ -42,6 +42,7 @@ class FailureLog:
         )
         self.failing = False
         self.errors = 0  # failures since the first one of this run
+        self.last: BaseException | None = None  # the last failure (None once it works)
         self._since = 0.0
         self._window = 0  # failures since the last line
         self._next_summary = 0.0
@@ -50,6 +51,7 @@ class FailureLog:
         """One failed attempt (``exc_info``: add the traceback to the first line)."""
         now = self.clock()
         self.errors += 1
+        self.last = err
         if not self.failing:
             self.failing, self._since, self._window = True, now, 0
             self._next_summary = now + self.period
@@ -78,6 +80,11 @@ class FailureLog:
             self._window = 0
             self._next_summary = now + self.period
 
+    @property
+    def failing_for(self) -> float:
+        """Seconds since the first failure of the current run of failures (0 when none)."""
+        return self.clock() - self._since if self.failing else 0.0
+
     def ok(self) -> None:
         """An attempt succeeded: say so once if the loop was failing."""
         if self.failing:
@@ -88,4 +95,4 @@ class FailureLog:
                 self.errors,
                 self.clock() - self._since,
             )
-        self.failing, self.errors = False, 0
+        self.failing, self.errors, self.last = False, 0, None

@@ -286,18 +286,21 @@ def renew(lease_id: str, token: int, ttl: float) -> Flow[tuple[int, int]]:
 
 
 # ---- release ----------------------------------------------------------------------------------
-def release(pool: str, lease_id: str, token: int) -> Flow[tuple[bool, int]]:
+def release(
+    pool: str, lease_id: str, token: int, bound: float | None = None
+) -> Flow[tuple[bool, int]]:
     """``release.lua`` once: returns ``(released, server_now_ms)``. False: the server no
     longer had the lease, and nothing of others was freed. The first try may have run when
     it fails with a connection error: a retry that then finds no lease cannot tell "released
-    by us just now" from "lost", so it counts as released.
+    by us just now" from "lost", so it counts as released. Retried for ``bound`` seconds
+    (default backend_timeout).
 
     Raises: BackendUnavailable."""
     args = [lease_id, str(token)]
     try:
         r = yield Eval("release", args, bound=0)
     except RETRYABLE:
-        r = yield Eval("release", args)
+        r = yield Eval("release", args, bound=bound)
         return True, int(r[1])
     except Exception as e:
         raise translate(e, pool) from e
@@ -308,6 +311,9 @@ def release_lease(s: LeaseState, rt: Runtime | None) -> Flow[None]:
     """A held lease's ``release()`` (idempotent: later calls do nothing); ``rt`` stops its
     heartbeat.
 
+    Retried while the lease is still valid (its local deadline; at least 1 s): after that the
+    server frees its bytes at expiry anyway.
+
     Raises:
         LeaseLost: the server no longer had it (it expired or was reaped), or it had been
             found lost before; nothing of others is freed.
@@ -317,9 +323,10 @@ def release_lease(s: LeaseState, rt: Runtime | None) -> Flow[None]:
         return None
     was_lost = s.lost_reason
     s.released = True
+    bound = max(1.0, s.seconds_left())
     if rt is not None:
         rt.untrack(s.lease_id)  # a dict pop: safe from any thread
-    ok, _ = yield from release(s.pool, s.lease_id, s.token)
+    ok, _ = yield from release(s.pool, s.lease_id, s.token, bound)
     if not ok and was_lost is None:
         raise LeaseLost(
             s.lease_id,
@@ -342,15 +349,27 @@ def lease_state(rt: Runtime, grant: Grant, req: AcquireRequest, valid_until: flo
 
 
 def acquire_call(
-    pool: PoolView, rt: Runtime, req: AcquireRequest, argv: list[str]
+    pool: PoolView,
+    rt: Runtime,
+    req: AcquireRequest,
+    argv: list[str],
+    start: float | None = None,
+    deadline: float | None = None,
 ) -> Flow[tuple[Grant | NotGranted, float]]:
-    """One ``acquire.lua`` call (retried within :func:`~gpulock._retry.retry_bound`).
-    A pool found gone is created again first when this object knows a capacity (with a grace
-    period when it had seen the pool: Redis lost it). Returns ``(Grant | NotGranted, sent)``,
-    ``sent`` the local time the successful call was sent."""
+    """One ``acquire.lua`` call, retried until the caller's deadline
+    (:func:`~gpulock._retry.retry_bound`): ``deadline`` (local time) when given, else
+    ``start`` (the local time of the acquire, default now) plus its timeout. A pool found gone
+    is created again first when this object knows a capacity (with a grace period when it
+    had seen the pool: Redis lost it). Returns ``(Grant | NotGranted, sent)``, ``sent`` the
+    local time the successful call was sent."""
     sent = pool.clock()
+    left = None
+    if deadline is not None:
+        left = deadline - sent
+    elif req.timeout_s is not None:
+        left = req.timeout_s - (sent - (sent if start is None else start))
     try:
-        r = yield Eval("acquire", argv, bound=retry_bound(pool.backend_timeout, req.timeout_s))
+        r = yield Eval("acquire", argv, bound=retry_bound(pool.backend_timeout, left))
     except PoolNotFound:
         rt.seen(0)  # gone: if this object knew the pool, its runtime recovers now
         if pool.capacity is None:
@@ -405,7 +424,7 @@ def acquire(
     joined: Any = None
     try:
         try:
-            res, sent = yield from acquire_call(pool, rt, req, argv)
+            res, sent = yield from acquire_call(pool, rt, req, argv, start)
         except GpuLockError as e:
             unreachable = isinstance(e, BackendUnavailable)
             needs_cancel = unreachable  # any other error: the script refused before writing
@@ -456,6 +475,7 @@ def acquire(
             res.position,
             on_queued,
             res.retry_after_ms,
+            None if req.timeout_s is None else start + req.timeout_s,
         )
         remaining = (
             None if req.timeout_s is None else max(0.0, req.timeout_s - (pool.clock() - start))
@@ -469,6 +489,13 @@ def acquire(
                 raise
             raise err from e
         if isinstance(got, TimedOut):
+            down = rt.unreachable()
+            if down is not None:  # the deadline passed while Redis (the shard) was away
+                unreachable = True  # withdraw in the background
+                raise BackendUnavailable(
+                    f"pool {pool.name!r}: no grant of {req.amount} bytes within "
+                    f"{req.timeout_s}s, and Redis unreachable for {down[0]:.1f}s: {down[1]}"
+                )
             where = (
                 f"position {res.position} of {res.queue_length}+ when queued"
                 if got.position is None
@@ -513,7 +540,12 @@ def sync_grant(pool: PoolView, lease: Any) -> Flow[None]:
     sent = pool.clock()
     r, acked, err = None, -1, None
     try:
-        r, acked = yield SyncedRenew([1, s.lease_id, s.token, ttl_ms(s.ttl_s), 0])
+        # retried while the grant is valid: a failover right after it is ridden out when a
+        # replica had it (its renewal then goes to the promoted one); the validity counts
+        # from the first try's sending, earlier than the one that got through (safe side)
+        r, acked = yield SyncedRenew(
+            [1, s.lease_id, s.token, ttl_ms(s.ttl_s), 0], max(0.0, s.seconds_left())
+        )
     except GeneratorExit:
         raise
     except BaseException as e:  # noqa: BLE001 - also on cancellation: give the grant back
@@ -529,36 +561,3 @@ def sync_grant(pool: PoolView, lease: Any) -> Flow[None]:
         f"within {pool.sync_timeout}s (acknowledged by {max(acked, 0)}"
         f"{'; ' + str(err) if err else ''}); it was given back, since a failover could lose it"
     ) from err
-
-
-def queue_synced_renew(
-    p: Any,
-    words: Sequence[Any],
-    replicas: int,
-    timeout_ms: int,
-    sync_key: str,
-) -> None:
-    """Queue on pipeline ``p`` (``transaction=False``; sync or asyncio) the ``renew`` command
-    ``words`` (the client's dialect spells it), an INCR of the pool's sync counter
-    ``sync_key`` and ``WAIT replicas timeout_ms``. WAIT waits for the connection's last
-    write; a renewal that changes no expiry (same millisecond) replicates nothing, and the
-    INCR comes later in the replication stream than the grant and the renewal, so its
-    acknowledgement covers both. Read the replies with :func:`synced_renew_reply`."""
-    p.execute_command(*words)
-    p.incr(sync_key)
-    p.execute_command("WAIT", replicas, timeout_ms)
-
-
-def synced_renew_reply(
-    res: list[Any], missing: Callable[[BaseException], bool]
-) -> tuple[Any, int] | BaseException:
-    """The replies of :func:`queue_synced_renew`'s pipeline (run with
-    ``raise_on_error=False``) as ``(renew reply, replicas that acknowledged)``; the renewal's
-    error itself when ``missing(error)`` says its code must be loaded and the pipeline run
-    again. Raises the first other error among the replies."""
-    if isinstance(res[0], Exception) and missing(res[0]):
-        return res[0]
-    for x in res:
-        if isinstance(x, Exception):
-            raise x
-    return res[0], int(res[2])

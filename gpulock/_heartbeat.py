@@ -134,6 +134,20 @@ class Heartbeat:
         if ticker is None or ticker.done() or self.next_poll < self._ticker_at:
             self._tasks.in_loop(self._start_ticker)
 
+    def unreachable(self) -> tuple[float, BaseException] | None:
+        """``(seconds, last error)`` while this pool object's background calls keep failing
+        (Redis, or on a cluster the pool's shard, unreachable), else None."""
+        log = self._tick_log
+        if not log.failing or log.last is None:
+            return None
+        return log.failing_for, log.last
+
+    def poll_now(self) -> None:
+        """Poll the waiters at once (in the loop): see
+        :meth:`gpulock._runtime.Runtime.poll_waiters_now`."""
+        self.next_poll = min(self.next_poll, self.clock())
+        self._start_ticker()
+
     def _start_ticker(self) -> None:
         self.ensure_started()
         self.poke()
@@ -307,7 +321,7 @@ class Heartbeat:
                     ):
                         self._leases.pop(s.lease_id, None)
             if self._tick_log.failing:
-                self._registry.fail_stranded(now)
+                self._registry.fail_stranded(now, self._tick_log.last)
             if now < self._retry_at:
                 await asyncio.sleep(0)  # never spin without yielding
                 continue  # woken early (a new lease, a poke) while backing off: not yet

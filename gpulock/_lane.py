@@ -20,7 +20,8 @@ The rules that make that safe:
 * :meth:`drop_idle` closes the connections at hand; a connection error does it too (if Redis
   restarted, they are all dead, and each would fail one later call).
 
-Cluster clients have no single connection pool: they get no lane and call through redis-py.
+A cluster client has no single connection pool: gpulock's calls on it go on the lane of the
+node that serves their slot (:mod:`gpulock._shards`).
 """
 
 from __future__ import annotations
@@ -137,6 +138,26 @@ class SyncLane:
             raise
         self._give(conn)
         return reply
+
+    def execute_many(self, packed: Sequence[bytes]) -> list[Any]:
+        """As :meth:`AsyncLane.execute_many`."""
+        conn = self._take()
+        out: list[Any] = []
+        try:
+            conn.send_packed_command((b"".join(packed),))
+            for _ in packed:
+                try:
+                    out.append(conn.read_response())
+                except ResponseError as e:
+                    out.append(e)
+        except BaseException as e:
+            conn.disconnect()
+            self.pool.release(conn)
+            if isinstance(e, RedisConnectionError):
+                self.drop_idle()
+            raise
+        self._give(conn)
+        return out
 
     def drop_idle(self) -> None:
         """Close the connections at hand and give them back to the pool."""

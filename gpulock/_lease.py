@@ -62,6 +62,10 @@ class LeaseState(LocalLeaseState):
         self.device = grant.device
         self.next_renew = clock() + ttl_s / 3
 
+    def seconds_left(self) -> float:
+        """Seconds until the local validity deadline (negative once past)."""
+        return self.valid_until - self._clock()
+
     def renewed(self, sent: float, now_ms: int, expires_ms: int) -> None:
         self.expires_ms = expires_ms
         self.valid_until = validity_deadline(sent, now_ms, expires_ms)

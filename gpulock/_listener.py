@@ -26,7 +26,8 @@ log = logging.getLogger("gpulock")
 class Listener:
     """The subscription of pool ``pool`` to ``channel`` on ``redis`` (a redis.asyncio
     client); grants go to ``registry``. ``clock`` and ``is_closed`` are kept for the
-    runtime's interface (the shared connection logs and stops on its own)."""
+    runtime's interface (the shared connection logs and stops on its own).
+    ``resubscribed()``: called when the subscription is back after it was lost."""
 
     def __init__(
         self,
@@ -36,8 +37,10 @@ class Listener:
         registry: WaiterRegistry,
         clock: Callable[[], float],
         is_closed: Callable[[], bool],
+        resubscribed: Callable[[], None] | None = None,
     ):
         self.redis = redis
+        self._resubscribed = resubscribed
         self.pool = pool
         self.channel = channel
         self._registry = registry
@@ -65,7 +68,7 @@ class Listener:
         after our next enqueue can be missed."""
         if self._ch is None:
             self._hub = Hub.of(self.redis)
-            self._ch = Channel(self.channel, self._deliver)
+            self._ch = Channel(self.channel, self._deliver, resubscribed=self._resubscribed)
             await self._hub.join(self._ch)
         ch = self._ch
         if ch.awaiting_news():

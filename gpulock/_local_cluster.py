@@ -50,6 +50,8 @@ class Cluster:
     binary: str
     masters: list[RedisProcess] = field(default_factory=list)
     replicas: list[list[RedisProcess]] = field(default_factory=list)
+    #: Ports of the nodes stopped by :meth:`pause` (SIGSTOP) and not resumed yet.
+    paused: set[int] = field(default_factory=set)
 
     @property
     def nodes(self) -> list[RedisProcess]:
@@ -70,9 +72,7 @@ class Cluster:
 
     def master_of(self, key: str) -> RedisProcess:
         """The node that serves ``key``'s slot now (asked of a live node)."""
-        for n in self.nodes:
-            if n.proc is None or n.proc.poll() is not None:
-                continue
+        for n in self.live_nodes():
             try:
                 slot = self.client(n).execute_command("CLUSTER", "KEYSLOT", key)
                 for start, end, primary, *_ in self.client(n).execute_command("CLUSTER", "SLOTS"):
@@ -97,9 +97,104 @@ class Cluster:
                 return out
         raise RuntimeError(f"no names found for prefix {prefix!r}")
 
+    def keyslot(self, key: str) -> int:
+        """The hash slot of ``key`` (asked of a live node)."""
+        for n in self.live_nodes():
+            try:
+                return int(self.client(n).execute_command("CLUSTER", "KEYSLOT", key))
+            except redis.RedisError:
+                continue
+        raise RuntimeError("no live node answers")
+
+    def live_nodes(self) -> list[RedisProcess]:
+        """The nodes whose process runs and is not paused."""
+        return [
+            n
+            for n in self.nodes
+            if n.proc is not None and n.proc.poll() is None and n.port not in self.paused
+        ]
+
+    def pause(self, node: RedisProcess) -> None:
+        """SIGSTOP ``node``: connections to it succeed, its replies never come."""
+        node.pause()
+        self.paused.add(node.port)
+
+    def resume(self, node: RedisProcess) -> None:
+        """SIGCONT a node stopped by :meth:`pause`."""
+        node.resume()
+        self.paused.discard(node.port)
+
+    def replica_of(self, master: RedisProcess) -> RedisProcess:
+        """A live replica of ``master`` that says its link to it is up."""
+        for n in self.live_nodes():
+            if n is master:
+                continue
+            try:
+                info = self.client(n).info("replication")
+            except redis.RedisError:
+                continue
+            if info.get("role") == "slave" and int(info.get("master_port", 0)) == master.port:
+                return n
+        raise RuntimeError(f"no live replica of {master.host}:{master.port}")
+
+    def is_master(self, node: RedisProcess, timeout: float = 0.5) -> bool:
+        """Whether ``node`` says it is a master now (False when it does not answer)."""
+        try:
+            c: Any = redis.Redis(host=node.host, port=node.port, socket_timeout=timeout)
+            try:
+                role = c.execute_command("ROLE")
+            finally:
+                c.close()
+        except (redis.RedisError, OSError):
+            return False
+        return bytes(role[0]) == b"master"
+
+    def wait_synced(self, node: RedisProcess, timeout: float = 30.0) -> None:
+        """Until ``node`` is a replica whose link to its master is up, and every live node
+        says ``cluster_state:ok`` (after a node rejoined)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                info = self.client(node).info("replication")
+                if info.get("role") == "slave" and info.get("master_link_status") == "up":
+                    break
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{node.host}:{node.port} did not sync as a replica")
+            time.sleep(0.05)
+        self.wait_ok(max(1.0, deadline - time.monotonic()))
+
+    def migrate_slot(self, key: str, to: RedisProcess, step_pause: float = 0.0) -> None:
+        """Move the slot of ``key`` from the master that serves it to master ``to`` as
+        ``redis-cli --cluster reshard`` does: ``SETSLOT IMPORTING``/``MIGRATING``, ``MIGRATE``
+        of its keys one at a time (``step_pause`` seconds after each, so that clients meet
+        the slot half-moved: ``ASK`` and ``TRYAGAIN``), then ``SETSLOT NODE`` on every master."""
+        src = self.master_of(key)
+        if src is to:
+            return
+        slot = self.keyslot(key)
+        s, d = self.client(src), self.client(to)
+        sid, did = (x.execute_command("CLUSTER", "MYID") for x in (s, d))
+        d.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", sid)
+        s.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", did)
+        while True:
+            keys = s.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1)
+            if not keys:
+                break
+            s.execute_command("MIGRATE", to.host, to.port, "", 0, 5000, "KEYS", *keys)
+            if step_pause:
+                time.sleep(step_pause)
+        for n in [to, src] + [m for m in self.live_nodes() if m not in (to, src)]:
+            try:
+                if n is to or n is src or self.is_master(n):
+                    self.client(n).execute_command("CLUSTER", "SETSLOT", slot, "NODE", did)
+            except redis.RedisError:
+                pass
+
     def wait_ok(self, timeout: float = 30.0) -> None:
         """Until every live node says ``cluster_state:ok`` and knows every live node."""
-        live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+        live = self.live_nodes()
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -130,10 +225,16 @@ def _field(info: bytes | str, name: str) -> str:
 
 
 def start_cluster(
-    binary: str, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000
+    binary: str,
+    masters: int = 3,
+    replicas: int = 1,
+    node_timeout_ms: int = 1000,
+    full_coverage: bool = False,
 ) -> Cluster:
     """Start and form a cluster; returns it once every node says ``cluster_state:ok`` and
-    every replica has synced. The caller stops it (:meth:`Cluster.stop`)."""
+    every replica has synced. ``full_coverage``: ``cluster-require-full-coverage yes``
+    (Redis's default: every node refuses every key while a slot has no master), else ``no``.
+    The caller stops it (:meth:`Cluster.stop`)."""
     c = Cluster(binary)
     args = [
         "--cluster-enabled",
@@ -141,7 +242,7 @@ def start_cluster(
         "--cluster-node-timeout",
         str(node_timeout_ms),
         "--cluster-require-full-coverage",
-        "no",
+        "yes" if full_coverage else "no",
         *FAST_REPLICATION,
     ]
 

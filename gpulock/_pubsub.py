@@ -28,8 +28,8 @@ from typing import Any, Callable, Union
 
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
-from ._cluster import is_cluster_client, primary_client
-from ._cluster import ready as cluster_ready
+from ._cluster import is_cluster_client
+from ._route import ShardUnavailable
 from ._failure_log import FailureLog
 from ._retry import retry_delay
 from ._translate import translate
@@ -49,15 +49,25 @@ class Channel:
     message's payload; ``subscribed`` is set while the server confirms the subscription;
     ``news`` is set at each confirmation and each failure (``error``: the last one, None once
     subscribed). ``event``: the class of the two events (``asyncio.Event`` for a connection
-    read in an event loop, ``threading.Event`` for one read by threads)."""
+    read in an event loop, ``threading.Event`` for one read by threads). ``resubscribed()``
+    (optional) is called, on the reading side, when the channel is confirmed again after it
+    was lost (a failure, or its slot moved)."""
 
     def __init__(
-        self, name: str, deliver: Callable[[bytes], None], event: Callable[[], Any] = asyncio.Event
+        self,
+        name: str,
+        deliver: Callable[[bytes], None],
+        event: Callable[[], Any] = asyncio.Event,
+        resubscribed: Callable[[], None] | None = None,
     ):
         self.name = name
         self.deliver = deliver
         self.subscribed = event()
         self.news = event()
+        # Called when the server confirms the channel again after it was lost (a message
+        # published meanwhile was missed: the pool object polls its waiters at once).
+        self.resubscribed = resubscribed
+        self.lost = False
         self.error: BaseException | None = None
         self.shard: _Shard | None = None  # the hub's connection it is on
         self.left = False  # the pool object left the connection
@@ -148,7 +158,17 @@ class Regroup:
     (a cluster's slots may have moved); nothing to do on one server."""
 
 
-SubStep = Union[Open, Send, Read, Close, Pause, Regroup]
+@dataclass(frozen=True)
+class Rehome:
+    """The server dropped channel ``ch`` (its slot moved to another node) while others stay
+    on this connection: the driver subscribes it where its slot is served now. Only a
+    connection of several channels (the hub's) gets it; a lone channel's connection starts
+    again instead."""
+
+    ch: Channel
+
+
+SubStep = Union[Open, Send, Read, Close, Pause, Regroup, Rehome]
 
 
 class Connection:
@@ -174,7 +194,15 @@ class Connection:
                 yield Send(tuple(self.channels), self.sharded is not False)
                 while self.channels:
                     msg = yield Read()
-                    if msg is not None and self.take(msg):
+                    if msg is None:
+                        continue
+                    gone = self.dropped(msg)
+                    if gone is not None and len(self.channels) > 1:
+                        del self.channels[gone.name]
+                        gone.subscribed.clear()
+                        gone.lost = True
+                        yield Rehome(gone)
+                    elif self.take(msg):
                         attempt = 0
             except Exception as e:  # connection trouble: the heartbeat's polling covers us
                 yield Close()
@@ -192,6 +220,13 @@ class Connection:
                 continue
             yield Close()
 
+    def dropped(self, msg: dict[str, Any]) -> Channel | None:
+        """The channel we still want that ``msg`` says the server dropped (its slot moved
+        away), or None."""
+        if _kind(msg) != "sunsubscribe":
+            return None
+        return self.channels.get(_name(msg.get("channel")))
+
     def take(self, msg: dict[str, Any]) -> bool:
         """Take in one message of the connection: a confirmation (returns True), a channel's
         payload (to its ``deliver``), or the server dropping a channel we still want
@@ -205,6 +240,10 @@ class Connection:
                 ch.error = None
                 ch.subscribed.set()
                 ch.news.set()
+                if ch.lost:
+                    ch.lost = False
+                    if ch.resubscribed is not None:
+                        ch.resubscribed()
             return True
         if kind in ("message", "smessage") and ch is not None:
             ch.deliver(msg["data"])
@@ -217,6 +256,7 @@ class Connection:
         """The connection failed with ``e``: its channels are unsubscribed until it is back."""
         for ch in self.channels.values():
             ch.subscribed.clear()
+            ch.lost = True
             ch.error = e  # for ensure_subscribed: stop waiting, and why
             ch.news.set()
         self._log.failed(e)
@@ -294,6 +334,8 @@ class _Shard(Connection):
             return await self._close()
         if isinstance(step, Pause):
             return await asyncio.sleep(step.seconds)
+        if isinstance(step, Rehome):
+            return await self.hub.rehome(self, step.ch)
         return await self.hub.regroup(self)
 
     async def _close(self) -> None:
@@ -329,9 +371,18 @@ class Hub:
         if not self.cluster:
             key, client = "", self.redis
         else:
-            await cluster_ready(self.redis)  # the slot map (a no-op once read)
-            node = self.redis.get_node_from_key(name)
-            key, client = node.name, primary_client(self.redis, name)
+            from ._shards import shards_of, slot_of
+            from ._shards_async import AsyncShards
+
+            shards = shards_of(self.redis)
+            assert isinstance(shards, AsyncShards)
+            await shards.ready()  # the slot map (a no-op once read)
+            slot = slot_of(name)
+            shards.tracked.add(slot)
+            node = shards.node_name(slot)
+            if node is None:
+                raise ShardUnavailable(slot, None, "no master serves it (the slot map has none)")
+            key, client = node, shards.pubsub_client(node)
         shard = self.shards.get(key)
         if shard is None:
             shard = self.shards[key] = _Shard(self, key, client)
@@ -395,13 +446,33 @@ class Hub:
         shard.task.cancel()
         return [shard.task]
 
+    async def rehome(self, shard: _Shard, ch: Channel) -> None:
+        """``ch`` was dropped by ``shard``'s server (its slot moved): learn who serves it now
+        and subscribe it there; the other channels of ``shard`` stay as they are."""
+        ch.shard = None
+        from ._shards import shards_of, slot_of
+        from ._shards_async import AsyncShards
+
+        shards = shards_of(self.redis)
+        if isinstance(shards, AsyncShards):
+            try:
+                await shards.refresh(slot_of(ch.name), shard.key)
+            except Exception:  # noqa: BLE001 - join retries in the background
+                pass
+        await self.join(ch)
+
     async def regroup(self, shard: _Shard) -> None:
         """After ``shard``'s connection failed (cluster): re-read the slot map and move each
         of its channels to the master that serves it now. Standalone: nothing moves."""
-        if not self.cluster:
+        if not self.cluster or not shard.channels:
             return
-        try:
-            await self.redis.nodes_manager.initialize()
+        from ._shards import shards_of, slot_of
+        from ._shards_async import AsyncShards
+
+        shards = shards_of(self.redis)
+        assert isinstance(shards, AsyncShards)
+        try:  # who serves the slots now (asked of a node other than the one that failed)
+            await shards.refresh(slot_of(next(iter(shard.channels))), shard.key)
         except Exception:  # noqa: BLE001 - the cluster is still away: try again next time
             return
         for name, ch in list(shard.channels.items()):

@@ -97,6 +97,7 @@ class Runtime:
             self.registry,
             clock,
             is_closed=self._is_closed,
+            resubscribed=self.poll_waiters_now,
         )
         self._subscribed: Callable[[], bool] = lambda: self.listener.subscribed
         self.recovery = Recovery(
@@ -129,6 +130,22 @@ class Runtime:
     # ---- the pool object's side ------------------------------------------------------------
     def _is_closed(self) -> bool:
         return self._closed
+
+    def unreachable(self) -> tuple[float, BaseException] | None:
+        """``(seconds, last error)`` while the background calls keep failing, else None
+        (:meth:`gpulock._heartbeat.Heartbeat.unreachable`)."""
+        return self.heartbeat.unreachable()
+
+    def poll_waiters_now(self) -> None:
+        """The hand-off subscription is back after it was lost (a connection failure, a
+        failover, a slot moved): a grant published meanwhile was missed, so the waiters are
+        polled now rather than at the next ``poll_interval``. Safe from any thread."""
+        if self._closed or not self.waiters:
+            return
+        try:
+            self.tasks.in_loop(self.heartbeat.poll_now)
+        except RuntimeError:  # no loop yet, or it is closed: nothing to poll for
+            pass
 
     @property
     def closed(self) -> bool:
@@ -311,6 +328,8 @@ class Runtime:
             cur = self.waiters.get(w.ticket)
             if cur is not None and not cur.future.done():
                 cur.users += 1
+                if cur.deadline is not None:  # the latest deadline of those sharing it
+                    cur.deadline = None if w.deadline is None else max(cur.deadline, w.deadline)
                 return cur
             self.add_waiter(w)
             return w
@@ -334,17 +353,27 @@ class Runtime:
         position: int,
         on_position: Callable[[int], Any] | None,
         retry_after_ms: int,
+        deadline: float | None = None,
     ) -> Waiter:
         """Queue a waiter for an acquire the server queued (``argv``: its ARGV, to queue it
         again), or join the one this process has for ``ticket`` (:meth:`join_waiter`); schedule
         the reap timer at the nearest lease expiry (``retry_after_ms``, -1: none). Returns the
         waiter to wait on and to leave; its future belongs to the runtime's loop. Safe from any
         thread (the sync shell calls it on the caller's); in a runtime already closed, the
-        wait of a new waiter has ended with PoolClosed."""
+        wait of a new waiter has ended with PoolClosed. ``deadline``: local time the acquire
+        gives up (None: never), which keeps its place through an outage that long."""
         loop = self.tasks.loop  # the sync shell's: known up front
         if loop is None:
             loop = asyncio.get_running_loop()
-        w = Waiter(ticket, WaiterFuture(loop=loop), argv, waiter_ttl_ms, position, on_position)
+        w = Waiter(
+            ticket,
+            WaiterFuture(loop=loop),
+            argv,
+            waiter_ttl_ms,
+            position,
+            on_position,
+            deadline=deadline,
+        )
         joined = self.join_waiter(w)
         if self._closed:
             self.registry.fail(joined, PoolClosed(self.pool))
@@ -376,10 +405,10 @@ class Runtime:
         """Withdraw a request, best effort (:meth:`gpulock._calls.Calls.cancel_quietly`)."""
         await self.calls.cancel_quietly(ticket)
 
-    async def renew_synced(self, args: list[Any]) -> tuple[Any, int]:
-        """``renew`` then ``WAIT`` on one connection (:meth:`gpulock._calls.Calls.renew_synced`):
-        returns (renew reply, replicas that acknowledged it)."""
-        return await self.calls.renew_synced(args)
+    async def renew_synced(self, args: list[Any], bound: float = 0.0) -> tuple[Any, int]:
+        """``renew`` then ``WAIT`` on one connection (:meth:`gpulock._calls.Calls.renew_synced`,
+        its connection errors retried for ``bound`` s): (renew reply, replicas that acked it)."""
+        return await self.calls.renew_synced(args, bound)
 
     async def close(self) -> None:
         """Stop the background tasks; every acquire still waiting ends with PoolClosed (its

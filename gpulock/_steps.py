@@ -16,7 +16,7 @@ The steps and what a driver returns for them:
 * :class:`Leave` — True when the ticket is still in use locally after leaving the waiter.
 * :class:`Withdraw` — None: the request was withdrawn (``cancel.lua``), quietly.
 * :class:`SyncedRenew` — ``(renew reply, replicas that acknowledged)``: see
-  :func:`queue_synced_renew`.
+  :func:`gpulock._script_calls.synced_renew`.
 * :class:`GiveBack` — None: the lease was released, quietly.
 """
 
@@ -86,6 +86,7 @@ class Join(Step):
     position: int
     on_queued: Callable[[int], Any] | None
     retry_after_ms: int  # to the nearest lease expiry (-1: none), for the reap timer
+    deadline: float | None = None  # local time the acquire gives up (None: never)
 
     def queue_in(self, rt: Runtime) -> Any:
         """The runtime's waiter for this step (``rt.queue_waiter`` with its fields)."""
@@ -96,6 +97,7 @@ class Join(Step):
             self.position,
             self.on_queued,
             self.retry_after_ms,
+            self.deadline,
         )
 
 
@@ -135,9 +137,11 @@ class Withdraw(Step):
 
 @dataclass(slots=True)
 class SyncedRenew(Step):
-    """A ``renew`` of ``args`` followed by the replicas' acknowledgement (WAIT)."""
+    """A ``renew`` of ``args`` followed by the replicas' acknowledgement (WAIT), its
+    connection errors retried for ``bound`` seconds (0: one try)."""
 
     args: list[str | int]
+    bound: float = 0.0
 
 
 @dataclass(slots=True)

@@ -21,10 +21,9 @@ from types import TracebackType
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import redis
-from redis.exceptions import AuthenticationError, MovedError, ResponseError
+from redis.exceptions import AuthenticationError
 
 from . import _flow as flow
-from ._cluster import primary_client
 from ._async import _CLIENT_DEFAULTS, DEFAULT_BACKEND_TIMEOUT_S
 from ._args import (
     DEFAULT_MAX_WAITERS,
@@ -47,10 +46,9 @@ from ._connect import (
 )
 from ._keys import pool_key, pool_keys
 from ._runtime import Runtime, Waiter
-from ._script_calls import SyncScripts, load
+from ._script_calls import SyncScripts
 from ._sync_listener import ThreadSubscription, ThreadWait
 from ._loop_thread import LoopThread as _LoopThread
-from ._scripts import scripts
 from .errors import InvalidArgument, LeaseLost, PoolClosed
 
 _T = TypeVar("_T")
@@ -105,8 +103,8 @@ class Lease(LeaseBase):
         Raises:
             LeaseLost: the server no longer had this lease (it expired or was reaped, so
                 someone else may have used the bytes meanwhile). Nothing of others is freed.
-            BackendUnavailable: Redis unreachable within the retry bound; the lease will
-                expire on the server after its ttl.
+            BackendUnavailable: Redis unreachable while the lease was valid (the release is
+                retried until its local deadline); it expires on the server.
         """
         self._pool._run(flow.release_lease(self._state, self._pool._runtime))
 
@@ -256,7 +254,9 @@ class Pool(PoolOptions):
                 except BaseException:
                     portal.stop()  # no runtime: leave no loop thread (a later call starts again)
                     raise
-                sub = ThreadSubscription(self.redis, rt.channel, self.name, rt.deliver)
+                sub = ThreadSubscription(
+                    self.redis, rt.channel, self.name, rt.deliver, rt.poll_waiters_now
+                )
                 rt.read_elsewhere(lambda: sub.ready)
                 self._bg = _Background(portal, rt, sub)
                 flow.push_settings(self, rt)
@@ -307,7 +307,11 @@ class Pool(PoolOptions):
             rt = self._background(queued=True).rt  # closed while the request was on its way
             return Lease(flow.lease_state(rt, step.grant, step.req, step.valid_until), self)
         if isinstance(step, flow.SyncedRenew):
-            return self._renew_synced(step.args)
+            if step.bound <= 0:
+                return self._renew_synced(step.args)
+            for attempt in retrying(step.bound, asynchronous=False):
+                with attempt:
+                    return self._renew_synced(step.args)
         if isinstance(step, flow.GiveBack):
             try:
                 step.lease.release()
@@ -389,44 +393,12 @@ class Pool(PoolOptions):
             raise translate(e, self.name) from e
 
     def _renew_synced(self, args: list[str | int]) -> tuple[Any, int]:
-        """:class:`gpulock._flow.SyncedRenew` on the caller's client (one pipeline, one
-        connection; see :func:`gpulock._flow.queue_synced_renew`)."""
+        """:class:`gpulock._flow.SyncedRenew` on the caller's client: ``renew`` and ``WAIT``
+        on one connection to the pool's master (:meth:`SyncScripts.renew_synced`)."""
         timeout_ms = max(1, int(self.sync_timeout * 1000))
-        sync_key = pool_key(self.name, "sync")
-        sc = scripts()["renew"]
-        dialect = self._scripts.heads.dialect
-        for attempt in range(3):
-            # On a cluster: the pool's primary itself (WAIT covers one connection's writes)
-            r = primary_client(self.redis, sync_key)
-            try:
-                with r.pipeline(transaction=False) as p:
-                    flow.queue_synced_renew(
-                        p,
-                        dialect.words(sc, self._keys, args),
-                        self.sync_replicas,
-                        timeout_ms,
-                        sync_key,
-                    )
-                    out = flow.synced_renew_reply(
-                        p.execute(raise_on_error=False), dialect.is_missing
-                    )
-            except MovedError:
-                if attempt == 2 or r is self.redis:
-                    raise
-                self.redis.nodes_manager.initialize()  # type: ignore[attr-defined]  # cluster
-                continue
-            if not isinstance(out, BaseException):
-                return out
-            if attempt == 2:
-                raise out
-            step = dialect.fix(out, sc)
-            if step is not None:
-                try:
-                    load(r, step)
-                except ResponseError as e:
-                    if not dialect.load_failed(step, e):
-                        raise
-        raise AssertionError("unreachable")
+        return self._scripts.renew_synced(
+            args, self.sync_replicas, timeout_ms, pool_key(self.name, "sync")
+        )
 
     # ---- operations -------------------------------------------------------------------------
     def configure(

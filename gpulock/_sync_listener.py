@@ -28,7 +28,17 @@ from typing import Any, Callable
 
 from ._cluster import is_cluster_client
 from ._connect import subscription_client
-from ._pubsub import CONFIRM_WAIT_S, Channel, Close, Connection, Open, Pause, Read, Send, SubStep
+from ._pubsub import (
+    CONFIRM_WAIT_S,
+    Channel,
+    Close,
+    Connection,
+    Open,
+    Pause,
+    Read,
+    Send,
+    SubStep,
+)
 from ._replies import Grant, decode_events
 
 #: The longest a reader sits in one read of the connection (s) before it looks at its own wait
@@ -88,7 +98,8 @@ class ThreadSubscription:
     own to the server of ``client`` (a sync client, or cluster client) that serves it; the
     grants read go to the reading thread itself when one is its own, the others to
     ``on_grants`` (a list of :class:`~gpulock._replies.Grant`; called on the reading thread).
-    ``pool`` names it in messages."""
+    ``pool`` names it in messages; ``resubscribed()`` is called (on the reading thread) when
+    the subscription is back after it was lost."""
 
     def __init__(
         self,
@@ -96,11 +107,14 @@ class ThreadSubscription:
         channel: str,
         pool: str,
         on_grants: Callable[[Sequence[Grant]], None],
+        resubscribed: Callable[[], None] | None = None,
     ):
         self.pool = pool
         self._redis = client
         self._on_grants = on_grants
-        self.channel = Channel(channel, self._on_message, event=threading.Event)
+        self.channel = Channel(
+            channel, self._on_message, event=threading.Event, resubscribed=resubscribed
+        )
         self.conn = Connection(f"pub/sub subscription of pool {pool}")
         self.conn.channels[channel] = self.channel
         self._mutex = threading.Lock()  # the reader, the followers, each wait's flags
@@ -111,6 +125,7 @@ class ThreadSubscription:
         self._life: Generator[SubStep, Any, None] = self.conn.life()
         self._step: SubStep | None = next(self._life)
         self._client: Any = None
+        self._node: str | None = None  # host:port of the server of the last connection
         self._open: Any = None  # the PubSub the life opened and has not closed
         self._ps: Any = None  # the live one, once its subscription was sent
         self._resume_at: float | None = None  # the end of a pause in progress
@@ -296,6 +311,8 @@ class ThreadSubscription:
         if isinstance(step, Open):
             self._drop()  # one an interrupted step left
             self._client = subscription_client(self._redis, self.channel.name)
+            ckw = self._client.connection_pool.connection_kwargs
+            self._node = f"{ckw.get('host')}:{ckw.get('port')}"
             self._open = self._client.pubsub(ignore_subscribe_messages=False)
             return None
         if isinstance(step, Send):
@@ -320,8 +337,12 @@ class ThreadSubscription:
             self._resume_at = None
             return None
         if is_cluster_client(self._redis):  # Regroup: the channel's slot may have moved
-            try:
-                self._redis.nodes_manager.initialize()
+            from ._shards import SyncShards, shards_of, slot_of
+
+            shards = shards_of(self._redis)
+            assert isinstance(shards, SyncShards)
+            try:  # asked of a node other than the one the connection was on
+                shards.refresh(slot_of(self.channel.name), self._node)
             except Exception:  # noqa: BLE001 - the cluster is still away: the next Open fails
                 pass
         return None

@@ -79,6 +79,8 @@ class Waiter:
     on_position: Callable[[int], Any] | None = None
     users: int = 1  # local acquires sharing this ticket (one request id used concurrently)
     refreshed: float = 0.0  # local time of the last call that kept (or took again) its place
+    # Local time the acquire(s) waiting on it give up (their timeout); None: no timeout.
+    deadline: float | None = None
 
 
 class WaiterRegistry:
@@ -155,8 +157,13 @@ class WaiterRegistry:
     def waiter_bound(self, w: Waiter) -> float:
         """Seconds a queued waiter may go without a call that keeps its place before it fails
         with BackendUnavailable: its waiter_ttl (the server keeps the place that long without a
-        refresh) plus backend_timeout (the retries a new acquire would get to queue again)."""
-        return w.waiter_ttl_ms / 1000.0 + self.settings.backend_timeout
+        refresh) plus backend_timeout (the retries a new acquire would get to queue again), or
+        until its deadline when that is later (time left means keep trying: a failover
+        shorter than the acquire's timeout is ridden out)."""
+        bound = w.waiter_ttl_ms / 1000.0 + self.settings.backend_timeout
+        if w.deadline is not None:
+            bound = max(bound, w.deadline - w.refreshed)
+        return bound
 
     def soonest_bound(self) -> float:
         """The local time just after the first waiter still waiting passes its
@@ -167,10 +174,10 @@ class WaiterRegistry:
                 t = min(t, w.refreshed + self.waiter_bound(w) + 0.001)
         return t
 
-    def fail_stranded(self, now: float) -> None:
+    def fail_stranded(self, now: float, err: BaseException | None = None) -> None:
         """End the waits of waiters whose place could not be kept or taken again within
-        :meth:`waiter_bound` while Redis is unreachable (the heartbeat's last try failed; it
-        calls this only then): BackendUnavailable."""
+        :meth:`waiter_bound` while Redis is unreachable (the heartbeat's last try failed, with
+        ``err``; it calls this only then): BackendUnavailable."""
         backend_timeout = self.settings.backend_timeout
         for w in list(self.waiters.values()):
             if w.future is None or w.future.done():
@@ -181,7 +188,8 @@ class WaiterRegistry:
                     BackendUnavailable(
                         f"pool {self.pool!r}: Redis unreachable for {now - w.refreshed:.1f}s while this request "
                         f"was queued: its place could not be kept or taken again (bound: waiter_ttl "
-                        f"{w.waiter_ttl_ms / 1000:g}s + backend_timeout {backend_timeout:g}s)"
+                        f"{w.waiter_ttl_ms / 1000:g}s + backend_timeout {backend_timeout:g}s, or "
+                        f"the acquire's timeout){'; the last error: ' + str(err) if err else ''}"
                     ),
                 )
 

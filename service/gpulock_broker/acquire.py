@@ -83,7 +83,12 @@ class Acquirer:
         entry = self._parking.attach(key)
         final = False  # granted, or nothing was queued: no place to keep
 
-        def enqueue():
+        # A long poll's time is the request's: while Redis (the pool's shard) is unreachable,
+        # the enqueue is retried for as long as the request would have been held anyway.
+        poll = min(wait, self.max_wait) if queue else 0.0
+        budget = max(self._tasks.backend_timeout, poll)
+
+        def enqueue(retry_for: float | None = None):
             return p.enqueue_remote(
                 amount,
                 request_id=tk,
@@ -93,14 +98,18 @@ class Acquirer:
                 priority=priority,
                 tenant=who.tenant or None,
                 device=device,
+                retry_for=retry_for,
             )
 
         start = self._clock()
         access.note(lease_bytes=amount)
         try:
-            res: Grant | NotGranted = await self._tasks.guard(enqueue(), entry.inflight)
+            res: Grant | NotGranted = await self._tasks.guard(
+                enqueue(budget), entry.inflight, budget
+            )
             if isinstance(res, NotGranted) and res.queued and wait > 0:
-                wt = asyncio.ensure_future(p.wait_remote(tk, min(wait, self.max_wait)))
+                left = max(0.0, poll - (self._clock() - start))
+                wt = asyncio.ensure_future(p.wait_remote(tk, left))
                 if gone is not None and not (gone.done() and not _true(gone)):
                     await asyncio.wait((wt, gone), return_when=asyncio.FIRST_COMPLETED)
                 if _true(gone):

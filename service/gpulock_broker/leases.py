@@ -192,7 +192,10 @@ class Leases:
         return now
 
     async def _release(self, rec: LeaseRecord) -> tuple[bool, int]:
-        ok, now = await self._pools.get(rec.pool).release_remote(rec.lease_id, rec.token)
+        # retried while the lease may still be valid (then its bytes are freed at expiry):
+        # this task outlives a request answered 503, and the client's retry awaits it
+        left = max(1.0, rec.expires_local - self._clock())
+        ok, now = await self._pools.get(rec.pool).release_remote(rec.lease_id, rec.token, left)
         if self._leases.get(rec.lease_id) is rec:
             self.forget(rec, "released" if ok else "lost")
         return ok, now

@@ -35,10 +35,15 @@ class Tasks:
         t.add_done_callback(lambda t: t.cancelled() or t.exception())  # consume the error
         return t
 
-    async def guard(self, aw: Awaitable, inflight: set[asyncio.Future] | None = None) -> Any:
-        """Await a Redis operation for at most ``backend_timeout`` seconds and return its
-        result. A future is awaited as it is; any other awaitable is spawned first. The task is
-        in ``inflight`` (when given) until it is done.
+    async def guard(
+        self,
+        aw: Awaitable,
+        inflight: set[asyncio.Future] | None = None,
+        bound: float | None = None,
+    ) -> Any:
+        """Await a Redis operation for at most ``bound`` (default ``backend_timeout``) seconds
+        and return its result. A future is awaited as it is; any other awaitable is spawned
+        first. The task is in ``inflight`` (when given) until it is done.
 
         Raises: BackendUnavailable on timeout (the operation goes on in the background: it may
         have queued or granted, and its place is parked like any other, and withdrawn if nobody
@@ -47,9 +52,10 @@ class Tasks:
         if inflight is not None:
             inflight.add(t)
             t.add_done_callback(inflight.discard)
-        done, _ = await asyncio.wait((t,), timeout=self.backend_timeout)
+        limit = self.backend_timeout if bound is None else bound
+        done, _ = await asyncio.wait((t,), timeout=limit)
         if not done:
-            raise BackendUnavailable(f"Redis did not answer within {self.backend_timeout:g}s")
+            raise BackendUnavailable(f"Redis did not answer within {limit:g}s")
         return t.result()
 
     async def aclose(self) -> None:

@@ -474,9 +474,11 @@ def test_retry_bound_follows_the_callers_timeout():
     from gpulock._retry import retry_bound
 
     assert retry_bound(5.0, None) == 5.0  # waits forever: the backend bound
-    assert retry_bound(5.0, 30.0) == 5.0
+    assert retry_bound(5.0, 30.0) == 30.0  # time left means keep trying (a failover)
+    assert retry_bound(0.5, 30.0) == 30.0
     assert retry_bound(5.0, 2.5) == 2.5  # a caller that waits 2.5 s is not kept 5 s by retries
     assert retry_bound(5.0, 0.0) == 1.0  # try-once still rides out one dropped connection
+    assert retry_bound(5.0, -3.0) == 1.0  # (its deadline passed while it was subscribing)
     assert retry_bound(0.5, 0.0) == 0.5
 
 

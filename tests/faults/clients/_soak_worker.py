@@ -49,7 +49,9 @@ GPULOCK_SOAK_SYNC_REPLICAS and GPULOCK_SOAK_SYNC_TIMEOUT set the pools' sync_rep
 sync_timeout; GPULOCK_SOAK_MAX_TTL their max_ttl (the grace period after Redis lost the pool);
 GPULOCK_SOAK_MAX_CONNECTIONS their max_connections, where the pool objects have that setting.
 GPULOCK_SOAK_CLOCK_URL: the server the TIME reads go to (default URL; a cluster test gives one
-node's plain URL: every node of a loopback cluster reads the same clock).
+node's plain URL: every node of a loopback cluster reads the same clock). GPULOCK_SOAK_TTL: the
+leases' ttl (default 1 s; a release is retried while its lease is valid, so a failover test
+gives a ttl longer than the election).
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ PLANS = [
     "kill_release",
     "stop_release",
 ]
-TTL, WAITER_TTL, POLL = 1.0, 1.0, 0.25
+TTL, WAITER_TTL, POLL = float(os.environ.get("GPULOCK_SOAK_TTL", "1.0")), 1.0, 0.25
 
 
 def main() -> None:

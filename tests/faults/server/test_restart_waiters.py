@@ -240,11 +240,12 @@ def test_waiters_keep_their_places_across_a_restart(redis_proc1, kind):
 
 @pytest.mark.parametrize("kind", ["async", "sync"])
 def test_a_waiter_fails_only_when_redis_stays_away_past_its_bound(redis_proc1, kind, caplog):
-    """waiter_ttl 2 s + backend_timeout 1 s: a waiter's bound is 3 s without a call that keeps
-    its place. Redis away for 0.5 s plus its restart and back empty: the waiter is queued
-    again and keeps waiting past the bound. Redis away for good: BackendUnavailable, not
-    before the bound and soon after it. Meanwhile the heartbeat logs its failures once, not
-    once per retry. (The outage is the kill, 0.5 s, and the server's start, which took over a
+    """waiter_ttl 2 s + backend_timeout 1 s: a waiter without a timeout has a bound of 3 s
+    without a call that keeps its place. Redis away for 0.5 s plus its restart and back empty:
+    the waiter is queued again and keeps waiting past the bound. Redis away for good:
+    BackendUnavailable, not before the bound and soon after it. Meanwhile the heartbeat logs
+    its failures once, not once per retry. (A waiter with a timeout keeps waiting until it:
+    test_a_waiter_with_time_left_rides_out_an_outage_longer_than_its_bound.) (The outage is the kill, 0.5 s, and the server's start, which took over a
     second on a loaded CI machine: a bound of 2 s with a 1 s pause failed there once.)"""
     import logging
 
@@ -274,7 +275,7 @@ def test_a_waiter_fails_only_when_redis_stays_away_past_its_bound(redis_proc1, k
             async def wait_async() -> None:
                 try:
                     outcome.append(
-                        await sh.pool.acquire(50, timeout=30, on_queued=lambda _p: queued.set())
+                        await sh.pool.acquire(50, timeout=None, on_queued=lambda _p: queued.set())
                     )
                 except BaseException as e:  # noqa: BLE001
                     outcome.append(e)
@@ -287,7 +288,7 @@ def test_a_waiter_fails_only_when_redis_stays_away_past_its_bound(redis_proc1, k
             def wait_sync() -> None:
                 try:
                     outcome.append(
-                        sh.pool.acquire(50, timeout=30, on_queued=lambda _p: queued.set())
+                        sh.pool.acquire(50, timeout=None, on_queued=lambda _p: queued.set())
                     )
                 except BaseException as e:  # noqa: BLE001
                     outcome.append(e)

@@ -1,0 +1,304 @@
+"""gpulock's calls on a Redis Cluster client, one shard at a time: the sync driver of
+:func:`gpulock._route.route` over the client's own slot map and connections (the asyncio one:
+:mod:`gpulock._shards_async`), and what both share.
+
+redis-py's cluster clients route a call by asking the cluster, and share their failure
+handling across all shards: an ``FCALL``'s keys are learnt by sending ``COMMAND GETKEYS`` to
+one "default" node on every call (so every pool's calls fail or hang while that one master is
+dead or stopped), and a connection error anywhere makes the asyncio client re-read the whole
+cluster before its next call to any shard. gpulock's calls touch one slot each (a pool's keys
+share its hash tag), so :class:`SyncShards` and :class:`AsyncShards` send each straight to the
+node the client's slot map names for the slot, on that node's own connections (the client's
+``max_connections`` per node still bounds them), through a :mod:`gpulock._lane`; a call's
+trouble is handled for its slot alone (:mod:`gpulock._route`): a refresh asks another node
+who serves that slot, corrects the client's map for the slots gpulock uses, and never blocks
+a call to another shard.
+
+One per cluster client (:func:`shards_of`), shared by every pool object on it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import redis
+from redis.crc import key_slot
+from redis.exceptions import MovedError, RedisError
+
+from ._cluster import is_cluster_client
+from ._lane import SyncLane, encode, sync_lane
+from ._route import (
+    HUNG_CHECK_S,
+    LOOKUP,
+    Moved,
+    Refresh,
+    Send,
+    owner_in,
+    refresh_order,
+    route,
+)
+
+if TYPE_CHECKING:
+    from ._shards_async import AsyncShards
+
+__all__ = ["ASKING", "SyncShards", "shards_of", "slot_of"]
+
+ASKING = encode(("ASKING",))
+CLUSTER_SLOTS = encode(("CLUSTER", "SLOTS"))
+_ATTR = "_gpulock_shards"
+
+
+def slot_of(key: str) -> int:
+    """The hash slot of ``key`` (its hash tag's, as every gpulock key of a pool has)."""
+    return int(key_slot(key.encode()))
+
+
+def shards_of(client: Any) -> SyncShards | AsyncShards | None:
+    """The shard driver of a cluster client (made on first use, kept on the client); None for
+    any other client."""
+    if not is_cluster_client(client):
+        return None
+    s = client.__dict__.get(_ATTR)
+    if s is None:
+        if isinstance(client, redis.cluster.RedisCluster):
+            s = SyncShards(client)
+        else:
+            from ._shards_async import AsyncShards
+
+            s = AsyncShards(client)
+        client.__dict__[_ATTR] = s
+    return s  # type: ignore[no-any-return]
+
+
+class _Map:
+    """What both drivers share, without I/O: the slots gpulock routes on the client, when the
+    map was last refreshed, and the nodes suspected of being down or hung."""
+
+    def __init__(self, client: Any):
+        self.client = client
+        self.nm: Any = client.nodes_manager
+        self.tracked: set[int] = set()
+        self.refreshed_at = 0.0  # time.monotonic() of the last refresh's end
+        # Nodes that failed a call or hung since they last answered one: asked last.
+        self.suspects: set[str] = set()
+
+    def node_name(self, slot: int) -> str | None:
+        nodes = self.nm.slots_cache.get(slot)
+        return nodes[0].name if nodes else None
+
+    def candidates(self, slot: int, failed: str | None) -> list[str]:
+        """The nodes a refresh asks, in order (:func:`gpulock._route.refresh_order`), the
+        suspects last."""
+        if failed is not None:
+            self.suspects.add(failed)
+        order = refresh_order(
+            failed,
+            [n.name for n in self.nm.slots_cache.get(slot, ())],
+            [n.name for n in self.nm.get_nodes_by_server_type("primary")],
+            list(self.nm.nodes_cache),
+        )
+        return [n for n in order if n not in self.suspects] + [
+            n for n in order if n in self.suspects
+        ]
+
+    def changes(self, reply: Any, asked: str) -> list[tuple[int, str, int]]:
+        """The tracked slots whose master in a ``CLUSTER SLOTS`` reply of node ``asked``
+        (``host:port``) is not the map's: ``(slot, host, port)`` each."""
+        out = []
+        for s in sorted(self.tracked):
+            owner = owner_in(reply, s)
+            if owner is None:
+                continue
+            host, port = owner[0] or asked.rpartition(":")[0], owner[1]
+            if self.node_name(s) != f"{host}:{port}":
+                out.append((s, host, port))
+        return out
+
+
+def _moved_error(slot: int, host: str, port: int) -> MovedError:
+    return MovedError(f"{slot} {host}:{port}")
+
+
+class SyncShards(_Map):
+    """The driver for a sync ``redis.cluster.RedisCluster`` (thread-safe)."""
+
+    def __init__(self, client: Any):
+        super().__init__(client)
+        self._refresh_lock = threading.Lock()
+        self._inflight: dict[int, tuple[int, str, float]] = {}  # call -> (slot, node, since)
+        self._ids = itertools.count()
+        self._watcher: threading.Thread | None = None
+        self._watcher_lock = threading.Lock()
+        self._checking: set[str] = set()
+        #: The hand-off subscriptions' connection pools, by node: closed when it hung and
+        #: was replaced (:meth:`_check`), so that their readers subscribe again elsewhere.
+        self.subscriptions: dict[str, weakref.WeakSet[Any]] = {}
+        _SYNC_SHARDS.add(self)
+
+    @contextmanager
+    def watch(self, slot: int, node: str) -> Iterator[None]:
+        """Around one call on ``slot`` sent to ``node``: while it waits longer than
+        :data:`~gpulock._route.HUNG_CHECK_S` for its reply, a thread of this object asks
+        other nodes who serves the slot (every as many seconds); once the answer names
+        another master (``node`` hung and was replaced), ``node``'s connections are closed,
+        so that every call blocked on them fails at once and is routed to the new master,
+        instead of waiting for the socket timeout."""
+        k = next(self._ids)
+        self._inflight[k] = (slot, node, time.monotonic())
+        if self._watcher is None:
+            self._start_watcher()
+        try:
+            yield
+        finally:
+            self._inflight.pop(k, None)
+
+    def _start_watcher(self) -> None:
+        with self._watcher_lock:
+            if self._watcher is None:
+                t = threading.Thread(
+                    target=_watch_loop,
+                    args=(weakref.ref(self),),
+                    name="gpulock-cluster-watch",
+                    daemon=True,
+                )
+                self._watcher = t
+                t.start()
+
+    def _check(self, slot: int, node: str) -> None:
+        """``node`` has kept a call waiting: if another master serves ``slot`` now, close
+        the connections to ``node`` (see :meth:`watch`)."""
+        if node in self._checking:
+            return
+        self._checking.add(node)
+        self.suspects.add(node)
+        try:
+            owner = self.refresh(slot, node)
+            if owner is None or owner == node:
+                return
+            n = self.nm.get_node(node_name=node)
+            if n is not None and n.redis_connection is not None:
+                n.redis_connection.connection_pool.disconnect()
+            for pool in list(self.subscriptions.get(node, ())):
+                pool.disconnect()
+        except Exception:  # noqa: BLE001 - best effort: the call's socket timeout remains
+            pass
+        finally:
+            self._checking.discard(node)
+
+    def node_client(self, name: str) -> redis.Redis:
+        """The client of node ``name`` (redis-py's own, with its connection pool). Raises
+        redis.ConnectionError when the map does not know the node, even after re-reading the
+        cluster."""
+        node = self.nm.get_node(node_name=name)
+        if node is None:
+            self.nm.initialize()  # a node the map never saw (an ASK to a new node): rare
+            node = self.nm.get_node(node_name=name)
+            if node is None:
+                raise redis.ConnectionError(f"node {name} is not in the cluster's map")
+        r: redis.Redis = self.client.get_redis_connection(node)
+        return r
+
+    def lane(self, name: str) -> SyncLane:
+        """The lane of node ``name`` (:meth:`node_client`'s pool); raises as it does."""
+        lane = sync_lane(self.node_client(name))
+        assert lane is not None  # a node's client has a connection pool
+        return lane
+
+    def call(
+        self,
+        slot: int,
+        send: Callable[[SyncLane, bool], Any],
+    ) -> Any:
+        """``send(lane, asking)``'s reply, sent to the master of ``slot`` and routed by
+        :func:`gpulock._route.route`. Raises what the route raises."""
+        self.tracked.add(slot)
+        steps = route(slot)
+        reply: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step = steps.send(reply) if error is None else steps.throw(error)
+            except StopIteration as done:
+                return done.value
+            reply, error = None, None
+            try:
+                if step is LOOKUP:
+                    reply = self.node_name(slot)
+                elif isinstance(step, Send):
+                    with self.watch(slot, step.node):
+                        reply = send(self.lane(step.node), step.asking)
+                    self.suspects.discard(step.node)
+                elif isinstance(step, Moved):
+                    self._move(slot, step.host, step.port)
+                else:
+                    assert isinstance(step, Refresh)
+                    reply = self.refresh(slot, step.failed)
+            except Exception as e:  # noqa: BLE001 - the route decides
+                error = e
+
+    def _move(self, slot: int, host: str, port: int) -> None:
+        if self.node_name(slot) == f"{host}:{port}":
+            return
+        self.nm.slots_cache.setdefault(slot, [])
+        self.nm.move_slot(_moved_error(slot, host, port))
+
+    def refresh(self, slot: int, failed: str | None) -> str | None:
+        """Ask the nodes other than ``failed`` (:func:`gpulock._route.refresh_order`), one at
+        a time until one answers, which master serves each tracked slot; correct the map;
+        return the master of ``slot`` now (None: no node answered). One refresh at a time;
+        a caller that waited for another's uses its answer."""
+        self.tracked.add(slot)
+        asked = time.monotonic()
+        with self._refresh_lock:
+            if self.refreshed_at > asked:
+                return self.node_name(slot)
+            try:
+                for name in self.candidates(slot, failed):
+                    try:
+                        reply = self.lane(name).execute(CLUSTER_SLOTS)
+                    except (RedisError, OSError):
+                        continue
+                    for s, host, port in self.changes(reply, name):
+                        self._move(s, host, port)
+                    return self.node_name(slot) if owner_in(reply, slot) else None
+                return None
+            finally:
+                self.refreshed_at = time.monotonic()
+
+
+_SYNC_SHARDS: weakref.WeakSet[SyncShards] = weakref.WeakSet()
+
+
+def _forget_watchers_in_child() -> None:
+    """In a forked child the watch threads are gone: each client starts its own on its next
+    call there."""
+    for s in list(_SYNC_SHARDS):
+        s._watcher = None
+        s._inflight.clear()
+
+
+os.register_at_fork(after_in_child=_forget_watchers_in_child)
+
+
+def _watch_loop(ref: weakref.ref[SyncShards]) -> None:
+    """The watch thread of a :class:`SyncShards` (:meth:`SyncShards.watch`): ends with it."""
+    while True:
+        time.sleep(HUNG_CHECK_S)
+        shards = ref()
+        if shards is None:
+            return
+        now = time.monotonic()
+        late: dict[str, int] = {}
+        for slot, node, since in list(shards._inflight.values()):
+            if now - since >= HUNG_CHECK_S:
+                late.setdefault(node, slot)
+        for node, slot in late.items():
+            shards._check(slot, node)
+        del shards
