@@ -81,40 +81,76 @@ def _result(reply: Any) -> DeleteResult:
     return DeleteResult({1: "deleted", 0: "missing", -1: "in_use"}[state], leases, waiters)
 
 
+def _delete_words(name: str, force: bool) -> tuple[Any, ...]:
+    keys = pool_keys(name)[:7]
+    return ("EVAL", _DELETE_LUA, len(keys), *keys, "1" if force else "0")
+
+
+def _scan_words(name: str, cursor: Any) -> tuple[Any, ...]:
+    return ("SCAN", cursor, "MATCH", _rest_match(name), "COUNT", 1000)
+
+
+def _scanned(reply: Any) -> tuple[Any, list[Any]]:
+    """``(next cursor, keys)`` of a SCAN reply; the cursor is ``b"0"``/``"0"`` at the end."""
+    cursor, keys = reply
+    return cursor, list(keys)
+
+
+def _done(cursor: Any) -> bool:
+    return cursor in (0, b"0", "0")
+
+
 def delete_pool(client: Any, name: str, *, force: bool = False) -> DeleteResult:
     """Delete pool ``name``: its configuration, leases and queue in one atomic script, then
     the keys that other parts of gpulock keep under the pool's hash tag (stored results,
-    calibrated estimates). Refused while leases or waiters are live unless ``force``.
-    ``client``: a ``redis.Redis``. Raises the core's errors (InvalidArgument for a bad name,
-    BackendUnavailable, ...).
+    calibrated estimates, samples), found by SCAN on the pool's own server. Every command
+    goes to the pool's server only (:func:`gpulock._shards.on_key`: on a cluster, the master
+    of the pool's slot; no other master is asked). Refused while leases or waiters are live
+    unless ``force``. ``client``: a ``redis.Redis`` or a sync cluster client. Raises the
+    core's errors (InvalidArgument for a bad name, BackendUnavailable, ...).
 
     A holder still running when a pool is deleted by force sees what it sees after Redis
     lost its data: it puts its lease back (and so makes the pool again) at its next renewal.
     Stop the holders first.
     """
+    from ._shards import checked, on_key
+
     validate_pool_name(name)
-    keys = pool_keys(name)[:7]
+    k = pool_keys(name).cfg
     try:
-        r = _result(client.eval(_DELETE_LUA, len(keys), *keys, "1" if force else "0"))
+        r = _result(checked(on_key(client, k, _delete_words(name, force)))[0])
         if r.state == "deleted":
-            rest = list(client.scan_iter(match=_rest_match(name), count=1000))
-            if rest:
-                client.delete(*rest)
+            cursor: Any = 0
+            while True:
+                cursor, rest = _scanned(checked(on_key(client, k, _scan_words(name, cursor)))[0])
+                if rest:
+                    checked(on_key(client, k, ("DEL", *rest)))
+                if _done(cursor):
+                    break
     except Exception as e:  # noqa: BLE001 - translated to gpulock's tree
         raise translate(e, name) from e
     return r
 
 
 async def adelete_pool(client: Any, name: str, *, force: bool = False) -> DeleteResult:
-    """:func:`delete_pool` over a ``redis.asyncio.Redis`` client (the same script and keys)."""
+    """:func:`delete_pool` over a ``redis.asyncio.Redis`` or asyncio cluster client (the
+    same commands, :func:`gpulock._shards_async.aon_key`)."""
+    from ._shards import checked
+    from ._shards_async import aon_key
+
     validate_pool_name(name)
-    keys = pool_keys(name)[:7]
+    k = pool_keys(name).cfg
     try:
-        r = _result(await client.eval(_DELETE_LUA, len(keys), *keys, "1" if force else "0"))
+        r = _result(checked(await aon_key(client, k, _delete_words(name, force)))[0])
         if r.state == "deleted":
-            rest = [k async for k in client.scan_iter(match=_rest_match(name), count=1000)]
-            if rest:
-                await client.delete(*rest)
+            cursor: Any = 0
+            while True:
+                reply = checked(await aon_key(client, k, _scan_words(name, cursor)))[0]
+                cursor, rest = _scanned(reply)
+                if rest:
+                    checked(await aon_key(client, k, ("DEL", *rest)))
+                if _done(cursor):
+                    break
     except Exception as e:  # noqa: BLE001 - translated to gpulock's tree
         raise translate(e, name) from e
     return r

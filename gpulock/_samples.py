@@ -31,8 +31,11 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from ._keys import pool_key, pool_keys
 from ._replies import PoolStatus
+from ._shards import checked
+from ._shards_async import aon_key
 
 __all__ = [
+    "SAMPLE_BOUND_S",
     "SAMPLE_LIMIT",
     "SAMPLER_LEASE_MS",
     "Sample",
@@ -48,6 +51,9 @@ log = logging.getLogger("gpulock.samples")
 
 SAMPLE_LIMIT = 900  # 15 minutes at one a second
 SAMPLER_LEASE_MS = 3000
+#: Seconds one pool's sample may take (:class:`Sampler`), as long as a listing waits for a
+#: cluster master (:data:`gpulock._listing.LIST_TIMEOUT_S`).
+SAMPLE_BOUND_S = 2.0
 COUNTER_FIELDS = ("rejected", "oom")
 
 # A pool that does not exist (never made, or deleted: gpulock._admin removes these keys with
@@ -91,6 +97,13 @@ return 1
 """
 
 
+async def _eval(redis: Any, script: str, keys: Sequence[str], *args: Any) -> Any:
+    """``EVAL script`` on ``keys`` (all of one pool) with ``args``, on the pool's server alone
+    (:func:`gpulock._shards_async.aon_key`): its reply. Raises redis-py's errors."""
+    words = ("EVAL", script, len(keys), *keys, *args)
+    return checked(await aon_key(redis, keys[0], words))[0]
+
+
 def samples_key(pool: str) -> str:
     return pool_key(pool, "samples")
 
@@ -132,7 +145,7 @@ async def claim_sampler(redis: Any, pool: str, sampler_id: str) -> bool:
     ``sampler_id``; whether it holds it now. ``redis``: a ``redis.asyncio.Redis``. Raises
     redis-py's errors."""
     keys = (sampler_key(pool), pool_keys(pool).cfg)
-    r = await redis.eval(_CLAIM_LUA, 2, *keys, sampler_id, SAMPLER_LEASE_MS)
+    r = await _eval(redis, _CLAIM_LUA, keys, sampler_id, SAMPLER_LEASE_MS)
     return int(r) == 1
 
 
@@ -153,13 +166,15 @@ async def record_sample(
     members = json.dumps(fields, separators=(",", ":"))[1:-1]
     p = st.pool
     keys = (sampler_key(p), samples_key(p), counters_key(p), pool_keys(p).cfg)
-    r = await redis.eval(_PUSH_LUA, 4, *keys, sampler_id, members, limit)
+    r = await _eval(redis, _PUSH_LUA, keys, sampler_id, members, limit)
     return int(r) == 1
 
 
 async def read_samples(redis: Any, pool: str, n: int = SAMPLE_LIMIT) -> list[Sample]:
     """The pool's newest ``n`` samples, oldest first (malformed entries skipped)."""
-    raw = await redis.lrange(samples_key(pool), 0, max(0, n - 1))
+    (raw,) = checked(
+        await aon_key(redis, samples_key(pool), ("LRANGE", samples_key(pool), 0, max(0, n - 1)))
+    )
     out = [s for s in (Sample.from_json(x) for x in raw) if s is not None]
     out.reverse()
     return out
@@ -167,7 +182,9 @@ async def read_samples(redis: Any, pool: str, n: int = SAMPLE_LIMIT) -> list[Sam
 
 async def read_counters(redis: Any, pool: str) -> dict[str, int]:
     """``{"rejected": n, "oom": n}``: the pool's cumulative counts (0 when never counted)."""
-    vals = await redis.hmget(counters_key(pool), *COUNTER_FIELDS)
+    (vals,) = checked(
+        await aon_key(redis, counters_key(pool), ("HMGET", counters_key(pool), *COUNTER_FIELDS))
+    )
     return {f: int(v or 0) for f, v in zip(COUNTER_FIELDS, vals)}
 
 
@@ -177,21 +194,26 @@ async def count_event(redis: Any, pool: str, event: str) -> bool:
     redis-py's errors."""
     if event not in COUNTER_FIELDS:
         raise ValueError(f"unknown event {event!r}")
-    r = await redis.eval(_COUNT_LUA, 2, counters_key(pool), pool_keys(pool).cfg, event)
+    r = await _eval(redis, _COUNT_LUA, (counters_key(pool), pool_keys(pool).cfg), event)
     return int(r) == 1
 
 
 class Sampler:
     """Samples pools once every ``interval`` seconds, for the pools whose sampler lease it wins
     (a sampler that does not hold a pool's lease makes one short call for it a round, and
-    reads no status).
+    reads no status). Each pool is sampled in a task of its own, all at once, each for at most
+    ``bound`` seconds: a pool whose server is slow, dead or hung (a cluster shard) holds up no
+    other pool's samples, and a pool still being sampled when the next round starts is left out
+    of that round.
 
     Args:
-        redis: a ``redis.asyncio.Redis``.
+        redis: a ``redis.asyncio.Redis`` or asyncio cluster client.
         pools: the names of the pools to sample, asked again every ``names_every`` rounds.
         status: reads a pool's status (``(name, limit) -> PoolStatus``).
         interval: seconds between rounds.
         names_every: rounds between calls of ``pools`` (a broker lists the pools by SCAN).
+        bound: seconds one pool's sample may take (:data:`SAMPLE_BOUND_S`): then it is given
+            up (cancelled) for that round.
     """
 
     def __init__(
@@ -202,44 +224,72 @@ class Sampler:
         *,
         interval: float = 1.0,
         names_every: int = 10,
+        bound: float = SAMPLE_BOUND_S,
     ):
         self._redis = redis
         self._pools = pools
         self._status = status
         self.interval = interval
         self.names_every = max(1, names_every)
+        self.bound = bound
         self.id = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._names: Sequence[str] = ()
         self._round = 0
+        self._inflight: dict[str, asyncio.Task[bool | None]] = {}
 
-    async def run_once(self) -> dict[str, bool]:
-        """One round: ``{pool: written}``. A pool whose read fails is left out (logged)."""
+    async def _sample(self, name: str) -> bool:
+        if not await claim_sampler(self._redis, name, self.id):
+            return False
+        st = await self._status(name, 0)
+        return await record_sample(self._redis, st, self.id)
+
+    async def _bounded(self, name: str) -> bool | None:
+        """:meth:`_sample` of ``name`` within :attr:`bound`: whether written; None when it
+        failed or ran out of time (logged)."""
+        try:
+            return await asyncio.wait_for(self._sample(name), self.bound)
+        except asyncio.TimeoutError:
+            log.debug("gpulock: sampling pool %s: no answer within %g s", name, self.bound)
+        except Exception as e:  # noqa: BLE001 - a sampler never stops for one failure
+            log.debug("gpulock: sampling pool %s failed: %s", name, e)
+        finally:
+            self._inflight.pop(name, None)
+        return None
+
+    async def _start_round(self) -> dict[str, asyncio.Task[bool | None]]:
+        """Start this round's samples (the pools not still being sampled): their tasks."""
         if self._round % self.names_every == 0:
             self._names = await self._pools()
         self._round += 1
-        out: dict[str, bool] = {}
+        loop = asyncio.get_running_loop()
+        started = {}
         for name in self._names:
-            try:
-                if not await claim_sampler(self._redis, name, self.id):
-                    out[name] = False
-                    continue
-                st = await self._status(name, 0)
-                out[name] = await record_sample(self._redis, st, self.id)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - a sampler never stops for one failure
-                log.debug("gpulock: sampling pool %s failed: %s", name, e)
-        return out
+            if name not in self._inflight:
+                t = loop.create_task(self._bounded(name), name=f"gpulock-sample-{name}")
+                self._inflight[name] = started[name] = t
+        return started
+
+    async def run_once(self) -> dict[str, bool]:
+        """One round, waited for: ``{pool: written}``. A pool whose sample failed or ran out
+        of :attr:`bound` is left out (logged)."""
+        tasks = await self._start_round()
+        done = await asyncio.gather(*tasks.values())
+        return {n: r for n, r in zip(tasks, done) if r is not None}
 
     async def run(self) -> None:
-        """Rounds until cancelled."""
+        """Rounds until cancelled (a round does not wait for its samples: the next starts
+        ``interval`` after it); the samples under way are cancelled with it."""
         loop = asyncio.get_running_loop()
-        while True:
-            start = loop.time()
-            try:
-                await self.run_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - e.g. Redis down while listing the pools
-                log.debug("gpulock: sampling failed: %s", e)
-            await asyncio.sleep(max(0.05, self.interval - (loop.time() - start)))
+        try:
+            while True:
+                start = loop.time()
+                try:
+                    await self._start_round()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - e.g. Redis down while listing the pools
+                    log.debug("gpulock: sampling failed: %s", e)
+                await asyncio.sleep(max(0.05, self.interval - (loop.time() - start)))
+        finally:
+            for t in list(self._inflight.values()):
+                t.cancel()

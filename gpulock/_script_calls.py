@@ -22,7 +22,7 @@ from ._dialect import Dialect, Load, Send, dialect_of
 from ._lane import AsyncLane, SyncLane, async_lane, encode, encode_args, sync_lane
 from ._route import ShardUnavailable, is_shard_error
 from ._scripts import Script, scripts
-from ._shards import ASKING, SyncShards, shards_of, slot_of
+from ._shards import ASKING, SyncShards, batch_replies, batch_words, shards_of, slot_of
 from ._shards_async import AsyncShards
 
 __all__ = ["AsyncScripts", "SyncScripts", "load"]
@@ -110,27 +110,6 @@ def synced_renew(
                 raise x
         return res[0], int(res[2])
     raise AssertionError("unreachable")
-
-
-def _batch_words(commands: Sequence[Sequence[Any]], asking: bool) -> list[bytes]:
-    """``commands`` encoded, each after ``ASKING`` when ``asking`` (an ASK redirect covers the
-    next command only)."""
-    out: list[bytes] = []
-    for c in commands:
-        if asking:
-            out.append(ASKING)
-        out.append(encode(c))
-    return out
-
-
-def _batch_replies(replies: list[Any], asking: bool) -> list[Any]:
-    """The replies of :func:`_batch_words`'s commands, raising the first error that is the
-    shard's (a redirect, TRYAGAIN, CLUSTERDOWN) for the route to handle."""
-    out = replies[1::2] if asking else replies
-    for r in out:
-        if isinstance(r, Exception) and is_shard_error(r):
-            raise r
-    return out
 
 
 def _one(replies: list[Any]) -> Any:
@@ -271,7 +250,7 @@ class SyncScripts:
         )
         return self._run_synced(
             steps,
-            lambda cmds: _batch_replies(lane.execute_many(_batch_words(cmds, asking)), asking),
+            lambda cmds: batch_replies(lane.execute_many(batch_words(cmds, asking)), asking),
             lambda s: lane.execute(encode(_load_words(s))),
         )
 
@@ -497,7 +476,7 @@ class AsyncScripts:
         )
 
         async def batch(cmds: Sequence[Sequence[Any]]) -> list[Any]:
-            return _batch_replies(await lane.execute_many(_batch_words(cmds, asking)), asking)
+            return batch_replies(await lane.execute_many(batch_words(cmds, asking)), asking)
 
         return await self._run_synced(steps, batch, lambda s: lane.execute(encode(_load_words(s))))
 

@@ -15,6 +15,11 @@ who serves that slot, corrects the client's map for the slots gpulock uses, and 
 a call to another shard.
 
 One per cluster client (:func:`shards_of`), shared by every pool object on it.
+
+:func:`on_key` (asyncio: :func:`gpulock._shards_async.aon_key`) is the one way gpulock sends a
+command that is not a script to a pool's keys (pool delete, samples, the FastAPI layer's
+idempotency store, calibration, back-off): on a cluster through the pool's shard alone, like
+the scripts; on any other client on its lane.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +41,7 @@ from ._cluster import is_cluster_client
 from ._lane import SyncLane, encode, sync_lane
 from ._route import (
     HUNG_CHECK_S,
+    is_shard_error,
     LOOKUP,
     Moved,
     Refresh,
@@ -48,7 +54,16 @@ from ._route import (
 if TYPE_CHECKING:
     from ._shards_async import AsyncShards
 
-__all__ = ["ASKING", "SyncShards", "shards_of", "slot_of"]
+__all__ = [
+    "ASKING",
+    "SyncShards",
+    "batch_replies",
+    "batch_words",
+    "checked",
+    "on_key",
+    "shards_of",
+    "slot_of",
+]
 
 ASKING = encode(("ASKING",))
 CLUSTER_SLOTS = encode(("CLUSTER", "SLOTS"))
@@ -75,6 +90,56 @@ def shards_of(client: Any) -> SyncShards | AsyncShards | None:
             s = AsyncShards(client)
         client.__dict__[_ATTR] = s
     return s  # type: ignore[no-any-return]
+
+
+def batch_words(commands: Sequence[Sequence[Any]], asking: bool) -> list[bytes]:
+    """``commands`` (each a sequence of words: str, bytes, int) encoded, each after ``ASKING``
+    when ``asking`` (an ASK redirect covers the next command only)."""
+    out: list[bytes] = []
+    for c in commands:
+        if asking:
+            out.append(ASKING)
+        out.append(encode(c))
+    return out
+
+
+def batch_replies(replies: list[Any], asking: bool) -> list[Any]:
+    """The replies of :func:`batch_words`'s commands (an error reply as its
+    ``ResponseError``), raising the first error that is the shard's (a redirect, TRYAGAIN,
+    CLUSTERDOWN) for the route to handle."""
+    out = replies[1::2] if asking else replies
+    for r in out:
+        if isinstance(r, Exception) and is_shard_error(r):
+            raise r
+    return out
+
+
+def checked(replies: list[Any]) -> list[Any]:
+    """``replies`` (of :func:`on_key`), raising the first error reply among them."""
+    for r in replies:
+        if isinstance(r, Exception):
+            raise r
+    return replies
+
+
+def on_key(client: Any, key: str, *commands: Sequence[Any]) -> list[Any]:
+    """Send ``commands`` (each a sequence of words; every key they name in ``key``'s slot) in
+    order on one connection to the server of ``key``: on a cluster client, the master that
+    serves its slot, routed by :meth:`SyncShards.call` (a dead or hung master stalls only its
+    own slots' calls); on any other sync client, its lane. One try (a cluster's redirects and
+    failover followed as :mod:`gpulock._route` says); no retry.
+
+    Returns: the raw replies (bytes or str as the client decodes; an error reply as its
+    ``ResponseError``, in its place: :func:`checked` raises it).
+    Raises: a connection error or timeout; on a cluster
+    :class:`~gpulock._route.ShardUnavailable`."""
+    shards = shards_of(client)
+    if shards is not None:
+        assert isinstance(shards, SyncShards), "an asyncio client: use aon_key"
+        return shards.execute(slot_of(key), commands)
+    lane = sync_lane(client)
+    assert lane is not None  # a client of one server has a connection pool
+    return lane.execute_many([encode(c) for c in commands])
 
 
 class _Map:
@@ -242,6 +307,16 @@ class SyncShards(_Map):
                     reply = self.refresh(slot, step.failed)
             except Exception as e:  # noqa: BLE001 - the route decides
                 error = e
+
+    def execute(self, slot: int, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """``commands`` on one connection to the master of ``slot``, routed by :meth:`call`
+        (:func:`on_key`): their replies, an error reply as its ``ResponseError``."""
+        return self.call(  # type: ignore[no-any-return]
+            slot,
+            lambda lane, asking: batch_replies(
+                lane.execute_many(batch_words(commands, asking)), asking
+            ),
+        )
 
     def _move(self, slot: int, host: str, port: int) -> None:
         if self.node_name(slot) == f"{host}:{port}":

@@ -1,11 +1,12 @@
 """The asyncio twin of :class:`gpulock._shards.SyncShards`: gpulock's calls on a
-``redis.asyncio.cluster.RedisCluster``, one shard at a time (see :mod:`gpulock._shards`)."""
+``redis.asyncio.cluster.RedisCluster``, one shard at a time (see :mod:`gpulock._shards`),
+and :func:`aon_key`, the twin of :func:`gpulock._shards.on_key`."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import redis
@@ -15,11 +16,31 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from ._cluster import ready as cluster_ready
-from ._lane import AsyncLane
+from ._lane import AsyncLane, async_lane, encode
 from ._route import HUNG_CHECK_S, LOOKUP, Moved, Refresh, Send, owner_in, route
-from ._shards import CLUSTER_SLOTS, _Map, _moved_error
+from ._shards import (
+    CLUSTER_SLOTS,
+    _Map,
+    _moved_error,
+    batch_replies,
+    batch_words,
+    shards_of,
+    slot_of,
+)
 
-__all__ = ["AsyncShards"]
+__all__ = ["AsyncShards", "aon_key"]
+
+
+async def aon_key(client: Any, key: str, *commands: Sequence[Any]) -> list[Any]:
+    """:func:`gpulock._shards.on_key` on an asyncio client (a cluster's: routed by
+    :meth:`AsyncShards.call`)."""
+    shards = shards_of(client)
+    if shards is not None:
+        assert isinstance(shards, AsyncShards), "a sync client: use on_key"
+        return await shards.execute(slot_of(key), commands)
+    lane = async_lane(client)
+    assert lane is not None  # a client of one server has a connection pool
+    return await lane.execute_many([encode(c) for c in commands])
 
 
 class _NodeConnections:
@@ -166,6 +187,14 @@ class AsyncShards(_Map):
                     reply = await self.refresh(slot, step.failed)
             except Exception as e:  # noqa: BLE001 - the route decides
                 error = e
+
+    async def execute(self, slot: int, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """As :meth:`SyncShards.execute <gpulock._shards.SyncShards.execute>`."""
+
+        async def send(lane: AsyncLane, asking: bool) -> list[Any]:
+            return batch_replies(await lane.execute_many(batch_words(commands, asking)), asking)
+
+        return await self.call(slot, send)  # type: ignore[no-any-return]
 
     async def _move(self, slot: int, host: str, port: int) -> None:
         if self.node_name(slot) == f"{host}:{port}":
