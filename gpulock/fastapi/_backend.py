@@ -15,6 +15,8 @@ from gpulock_common.grace import grace_note
 
 from .._async import AsyncPool
 from .._keys import pool_key, pool_keys
+from .._shards import checked
+from .._shards_async import aon_key
 from .._replies import PoolStatus
 
 
@@ -49,6 +51,21 @@ class Backend:
     def key(self, suffix: str) -> str:
         """The pool's Redis key ``gpulock:{pool}:<suffix>`` (see ``gpulock._keys``)."""
         return pool_key(self.pool_name, suffix)
+
+    async def commands(self, *commands: tuple[Any, ...]) -> list[Any]:
+        """``commands`` (each a tuple of words, every key the pool's) in order on one
+        connection to the pool's server: on a Redis Cluster its shard alone
+        (:func:`gpulock._shards_async.aon_key`), so that another shard's trouble never touches
+        them. Returns the raw replies (bytes; ints; None for a nil).
+
+        Raises: the first error reply; a connection error or timeout (a cluster's
+        ``ShardUnavailable``)."""
+        assert self.redis is not None, "GpuLimiter.start() was not called"
+        return checked(await aon_key(self.redis, self.key("cfg"), *commands))
+
+    async def command(self, *words: Any) -> Any:
+        """The reply of one command of :meth:`commands`."""
+        return (await self.commands(words))[0]
 
     @property
     def queue_key(self) -> str:

@@ -139,10 +139,9 @@ class OomBackoff:
 
     async def refresh(self) -> None:
         """Read the pool's back-off hash (and the server's clock) into this worker's cache."""
-        redis = self._backend.redis
-        if self.rule is None or redis is None:
+        if self.rule is None or self._backend.redis is None:
             return
-        now, flat = await redis.eval(_READ, 1, self.key)
+        now, flat = await self._backend.command("EVAL", _READ, 1, self.key)
         self._clock(now)
         fields = {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat), 2)}
         self.pool_state = decode_pool(fields.get("pool"))
@@ -163,12 +162,12 @@ class OomBackoff:
     async def oom(self, bucket: str | None) -> None:
         """An OOM inside a lease of ``bucket`` (None: of no known bucket): cut the pool's
         factor and raise the bucket's scale, by the rule, in Redis and in this cache."""
-        rule, redis = self.rule, self._backend.redis
-        if rule is None or redis is None:
+        rule = self.rule
+        if rule is None or self._backend.redis is None:
             return
         fields = ["pool"] + ([f"b:{bucket}", f"ok:{bucket}"] if bucket else [])
         for _ in range(_CAS_TRIES):
-            now_raw, vals = await redis.eval(_READ, 1, self.key, *fields)
+            now_raw, vals = await self._backend.command("EVAL", _READ, 1, self.key, *fields)
             now = self._clock(now_raw)
             raw = [_text(v) for v in vals]
             args = ["pool", raw[0], rule.pool_oom(decode_pool(raw[0]), now).encode()]
@@ -176,7 +175,7 @@ class OomBackoff:
                 ok = int(raw[2] or 0)
                 b = rule.bucket_oom(decode_bucket(raw[1]), ok, now)
                 args += [f"b:{bucket}", raw[1], b.encode()]
-            if int(await redis.eval(_CAS, 1, self.key, *args)) == 1:
+            if int(await self._backend.command("EVAL", _CAS, 1, self.key, *args)) == 1:
                 new = dict(zip(fields, raw))
                 new.update({args[i]: args[i + 2] for i in range(0, len(args), 3)})
                 self.pool_state = decode_pool(new["pool"])
@@ -191,7 +190,11 @@ class OomBackoff:
     async def success(self, bucket: str | None) -> None:
         """A clean call of ``bucket``: count it when the bucket's scale is raised (else
         nothing is written)."""
-        redis = self._backend.redis
-        if self.rule is None or redis is None or bucket is None or self.scale(bucket) <= 1.0:
+        if (
+            self.rule is None
+            or self._backend.redis is None
+            or bucket is None
+            or self.scale(bucket) <= 1.0
+        ):
             return
-        self.ok[bucket] = int(await redis.hincrby(self.key, f"ok:{bucket}", 1))
+        self.ok[bucket] = int(await self._backend.command("HINCRBY", self.key, f"ok:{bucket}", 1))

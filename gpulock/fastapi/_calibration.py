@@ -52,10 +52,9 @@ class Estimates:
 
     async def refresh(self) -> dict[str, int]:
         """Reload the calibrated per-shape estimates from Redis into this worker's cache."""
-        redis = self._backend.redis
-        assert redis is not None, "GpuLimiter.start() was not called"
-        raw = await redis.hgetall(self.key)
-        self.cache = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
+        raw = await self._backend.command("HGETALL", self.key)
+        pairs = raw.items() if isinstance(raw, dict) else zip(raw[::2], raw[1::2])  # RESP3/2
+        self.cache = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in pairs}
         return self.cache
 
     def estimate(
@@ -114,8 +113,6 @@ class Estimates:
                 )
             out[f"{route}|b{b}|s{s}"] = max(1, math.ceil(peak * margin))
         if out:
-            # redis-py types the mapping's keys as a union, and a Mapping's key type is invariant,
-            # so it refuses a dict[str, int] that it takes at run time.
-            await be.redis.hset(self.key, mapping=out)  # type: ignore[arg-type]
+            await be.command("HSET", self.key, *(w for kv in out.items() for w in kv))
             self.cache.update(out)
         return out

@@ -7,7 +7,10 @@ Keys (see ``gpulock._keys``): ``gpulock:{pool}:req:<ticket>`` is the claim,
 ``gpulock:{pool}:res:<ticket>`` the result, JSON ``{"fp", "result"}`` or ``{"fp",
 "response": {"status", "media_type", "body" (base64)}}``, kept ``result_ttl`` seconds;
 ``gpulock:{pool}:hold:<ticket>`` a follower's 503 on another worker: the owner keeps the
-request's place while it exists (its PX is the hold that 503 promised, ``gpulock._places``)."""
+request's place while it exists (its PX is the hold that 503 promised, ``gpulock._places``).
+
+Every command goes to the pool's server alone (:meth:`Backend.commands
+<gpulock.fastapi._backend.Backend.commands>`; on a Redis Cluster, the pool's shard)."""
 
 from __future__ import annotations
 
@@ -33,8 +36,6 @@ from ._retry_after import RetryAfterEstimator
 from ._settings import Settings
 
 if TYPE_CHECKING:
-    import redis.asyncio as aioredis
-
     from ._jobs import Job
 
 log = logging.getLogger("gpulock.fastapi")
@@ -86,29 +87,24 @@ class RequestStore:
         # Repeated failures (Redis down) log one line, then a summary.
         self._refresh_log = FailureLog(f"request-claim refresh for pool {backend.pool_name}")
 
-    @property
-    def _redis(self) -> aioredis.Redis:
-        assert self._backend.redis is not None  # set by start()
-        return self._backend.redis
-
     def _claim_key(self, ticket: str) -> str:
         return self._backend.key(f"req:{ticket}")
 
     # ---- claims -----------------------------------------------------------------------------
     async def claim(self, ticket: str, fp: str) -> bool:
         """Become the owner of ``ticket`` (fingerprint ``fp``) unless another worker is."""
+        value = f"{self._backend.owner}|{fp}|slot|0"
         return bool(
-            await self._redis.set(
-                self._claim_key(ticket),
-                f"{self._backend.owner}|{fp}|slot|0",
-                nx=True,
-                px=CLAIM_TTL_MS,
+            await self._backend.command(
+                "SET", self._claim_key(ticket), value, "NX", "PX", CLAIM_TTL_MS
             )
         )
 
     async def unclaim(self, ticket: str) -> None:
         """Drop our claim of ``ticket`` (one that another worker took over stays)."""
-        await self._redis.eval(_UNLOCK, 1, self._claim_key(ticket), f"{self._backend.owner}|")
+        await self._backend.command(
+            "EVAL", _UNLOCK, 1, self._claim_key(ticket), f"{self._backend.owner}|"
+        )
 
     async def release_claim(self, ticket: str) -> None:
         """:meth:`unclaim` for a finished job, shielded; a failure is logged (the claim
@@ -134,8 +130,8 @@ class RequestStore:
         if job.ticket is None:
             return
         with contextlib.suppress(Exception):
-            await self._redis.set(
-                self._claim_key(job.ticket), self.claim_value(job), xx=True, px=CLAIM_TTL_MS
+            await self._backend.command(
+                "SET", self._claim_key(job.ticket), self.claim_value(job), "XX", "PX", CLAIM_TTL_MS
             )
 
     async def publish_slot_place(self, job: Job) -> None:
@@ -150,16 +146,15 @@ class RequestStore:
         if not jobs:
             return
         try:
-            pipe = self._redis.pipeline(transaction=False)
+            cmds: list[tuple[Any, ...]] = []
             for j in jobs:  # a thread-slot place moves as the waiters ahead leave: rewrite it
                 assert j.ticket is not None
+                k = self._claim_key(j.ticket)
                 if j.phase == "slot":
-                    pipe.set(
-                        self._claim_key(j.ticket), self.claim_value(j), xx=True, px=CLAIM_TTL_MS
-                    )
+                    cmds.append(("SET", k, self.claim_value(j), "XX", "PX", CLAIM_TTL_MS))
                 else:
-                    pipe.pexpire(self._claim_key(j.ticket), CLAIM_TTL_MS)
-            await pipe.execute()
+                    cmds.append(("PEXPIRE", k, CLAIM_TTL_MS))
+            await self._backend.commands(*cmds)
         except Exception as e:  # noqa: BLE001 - the claims expire in 10 s; say why they were not kept
             self._refresh_log.failed(RuntimeError(f"{len(jobs)} claim(s) not refreshed: {e}"))
         else:
@@ -170,8 +165,8 @@ class RequestStore:
         """Ask the owner of ``ticket`` to keep its place ``seconds`` more (errors ignored:
         the owner's own hold still runs)."""
         with contextlib.suppress(Exception):
-            await self._redis.set(
-                self._backend.key(f"hold:{ticket}"), "1", px=max(1, int(seconds * 1000))
+            await self._backend.command(
+                "SET", self._backend.key(f"hold:{ticket}"), "1", "PX", max(1, int(seconds * 1000))
             )
 
     async def held(self, ticket: str) -> bool:
@@ -179,14 +174,14 @@ class RequestStore:
         the core's ACL already has).
 
         Raises: what the Redis client raises."""
-        return bool(await self._redis.exists(self._backend.key(f"hold:{ticket}")))
+        return bool(await self._backend.command("EXISTS", self._backend.key(f"hold:{ticket}")))
 
     # ---- results ----------------------------------------------------------------------------
     async def get(self, ticket: str, fp: str, request_id: str) -> Any:
         """The stored result of ``ticket``, or :data:`MISSING`.
 
         Raises: GpuLockHTTPException 409 when it was stored for another fingerprint."""
-        raw = await self._redis.get(self._backend.key(f"res:{ticket}"))
+        raw = await self._backend.command("GET", self._backend.key(f"res:{ticket}"))
         if raw is None:
             return MISSING
         return self._decode(raw, fp, request_id)
@@ -225,10 +220,12 @@ class RequestStore:
             log.debug("gpulock: result of %s not stored for replay (%s)", job.route, e)
             return
         with contextlib.suppress(Exception):
-            await self._redis.set(
+            await self._backend.command(
+                "SET",
                 self._backend.key(f"res:{job.ticket}"),
                 raw,
-                px=max(1, int(self._settings.result_ttl * 1000)),
+                "PX",
+                max(1, int(self._settings.result_ttl * 1000)),
             )
 
     # ---- following another worker's request --------------------------------------------------
@@ -257,12 +254,12 @@ class RequestStore:
             self._backend.queue_key,
         )
         while True:
-            pipe = self._redis.pipeline(transaction=False)
-            pipe.get(res_key)
-            pipe.get(claim_key)
-            pipe.zrank(queue_key, ticket)
-            pipe.zcard(queue_key)
-            raw, claim, rank, queued = await pipe.execute()
+            raw, claim, rank, queued = await self._backend.commands(
+                ("GET", res_key),
+                ("GET", claim_key),
+                ("ZRANK", queue_key, ticket),
+                ("ZCARD", queue_key),
+            )
             if raw is not None:
                 return self._decode(raw, fp, request_id)
             if claim is None:

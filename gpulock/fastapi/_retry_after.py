@@ -152,8 +152,9 @@ class RetryAfterEstimator:
         """``(the job's place now, the pool queue's length now or None)``: one ZCARD, not the
         last reaper tick's length (the Retry-After of a request that leaves the queue needs it)."""
         try:
-            assert self._backend.redis is not None  # set by start()
-            queued = int(await wait_for(self._backend.redis.zcard(self._backend.queue_key), 0.5))
+            queued = int(
+                await wait_for(self._backend.command("ZCARD", self._backend.queue_key), 0.5)
+            )
         except Exception:
             queued = None
         if job.phase == "queued" and job.position:

@@ -38,6 +38,7 @@ from gpulock._dashboard_http import dashboard_router
 from gpulock._http_guards import install_http_guards
 from gpulock._keys import pool_key
 from gpulock._samples import Sampler
+from gpulock._shards_async import aon_key
 from gpulock.errors import BackendUnavailable
 from gpulock.fastapi import GpuLimiter
 from gpulock.fastapi._http_metrics import HttpMetrics
@@ -193,7 +194,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if limiter.pool is None:  # not started (the lifespan starts it before bring_up)
             return
         redis = limiter.pool.redis  # the limiter's own client
-        if not await redis.set(lock, str(os.getpid()), nx=True, ex=600):
+        # on the pool's server alone (on a cluster, its shard: gpulock._shards_async.aon_key)
+        claimed = await aon_key(redis, lock, ("SET", lock, str(os.getpid()), "NX", "EX", 600))
+        if not claimed[0]:
             return
         try:
             b_max = max(1, settings.max_batch)
@@ -207,7 +210,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             )
             log.info("gpulock: calibrated %d shapes into %s", len(out), limiter.estimates_key)
         finally:
-            await redis.delete(lock)
+            await aon_key(redis, lock, ("DEL", lock))
 
     async def pool_status(name: str, limit: int):
         if limiter.pool is None:
