@@ -143,3 +143,33 @@ def test_the_sampler_records_the_other_pools_while_a_shard_hangs(cluster):
             await ar.aclose()
 
     asyncio.run(main())
+
+
+def test_the_idempotency_store_of_a_healthy_pool_answers_while_a_shard_hangs(cluster):
+    from gpulock.fastapi._backend import Backend
+    from gpulock.fastapi._idempotency import MISSING, RequestStore
+
+    name = healthy(cluster, "idem-")[0]
+    stuck = hung_name(cluster)
+
+    async def main() -> None:
+        # a 1 s socket timeout: a command of the hung pool fails within the test's time
+        ar = async_client(cluster.url, **{**_CLIENT_DEFAULTS, "socket_timeout": 1.0})
+        mine, theirs = Backend(name), Backend(stuck)
+        mine.redis = theirs.redis = ar
+        store = RequestStore(None, mine, None, None, None)  # type: ignore[arg-type]
+        try:
+            assert await store.claim("rq.a", "fp")  # the client has read the slot map
+            with hung(cluster):
+                with pytest.raises(Exception):  # noqa: B017 - the hung pool's: a timeout
+                    await RequestStore(None, theirs, None, None, None).held("rq.x")  # type: ignore[arg-type]
+                t0 = time.monotonic()
+                assert await store.claim("rq.b", "fp")
+                assert not await store.held("rq.b")
+                assert await store.get("rq.b", "fp", "b") is MISSING
+                await store.unclaim("rq.b")
+                assert time.monotonic() - t0 < PROMPT_S
+        finally:
+            await ar.aclose()
+
+    asyncio.run(main())
