@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from gpulock_common.grace import grace_note
+from gpulock_common.grace import grace_note, grace_outlasts
 
 from ._args import (
     MAX_TTL_S,
@@ -464,6 +464,21 @@ def acquire(
                 ),
                 queue_length=res.queue_length,
                 retry_after=_retry_after(res),
+                grace_left=grace,
+            )
+        grace = res.grace_left_ms / 1000
+        if req.timeout_s is not None and grace_outlasts(grace, start + req.timeout_s - sent):
+            # nothing is granted before the grace period ends, and the timeout ends first:
+            # leave the queue now (the finally withdraws the place) rather than wait for nothing
+            raise AcquireTimeout(
+                f"pool {pool.name!r}: no grant of {req.amount} bytes within {req.timeout_s}s "
+                f"(position {res.position} of {res.queue_length}): the timeout ends before "
+                f"the grace period does, so the request left the queue at once; "
+                f"{grace_note(pool.name, grace)}",
+                position=res.position,
+                queue_length=res.queue_length,
+                retry_after=grace,
+                waited=pool.clock() - start,
                 grace_left=grace,
             )
         if on_queued is not None:

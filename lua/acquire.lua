@@ -46,14 +46,16 @@
 --                time left in the pool's grace period (0 outside one)
 --   no resident room: {3, 0, retry_after_ms, queue_len, now_ms, epoch, capacity, used,
 --                held_back, grace_left_ms, resident} (kind 'resident' only): not granted, not
---                queued; resident: the bytes of the resident leases held and queued
+--                queued; resident: the bytes of the resident leases held and queued, as
+--                recounted from the records (lib.lua resident_recount)
 --   retry_after_ms is, in a grace period, the time to its end; else the time to the nearest
 --   lease expiry (-1 when none): a lower bound on when the queue can move if nobody releases.
 --   In a grace period (see configure.lua, reassert.lua) nothing is granted: requests queue.
 --   While a device report is live (external.lua) a request is granted only if it fits the
 --   effective capacity (capacity - external, lib.lua eff_cap); one that fits the capacity but
 --   not the effective capacity queues.
--- Errors (nothing is written when one is returned):
+-- Errors (nothing is written when one is returned, but for a repair of the resident counters
+-- before GPULOCK_ROOM or GPULOCK_QUOTA: lib.lua resident_recount):
 --   GPULOCK_BADARG <why>                 an argument is malformed or out of range, or the ttl
 --                                        is longer than the pool's max_ttl_ms
 --   GPULOCK_NOPOOL                       the pool has no configuration (never configured, or
@@ -213,7 +215,11 @@ if res then
   -- a resident request waits only where it fits next to the resident leases held and queued
   local c = redis.call('HMGET', K_CFG, 'resident', 'rqueued')
   local rsv = tonumber(c[1] or '0') + tonumber(c[2] or '0')
-  if amount > cap - rsv then return not_granted(3, 0, now, epoch, cap, eff, rsv) end
+  if amount > cap - rsv then  -- recounted from the records before it answers (lib.lua resident_recount)
+    local x = resident_recount()
+    rsv = x.held + x.queued
+    if amount > cap - rsv then return not_granted(3, 0, now, epoch, cap, eff, rsv) end
+  end
 end
 
 -- With a queue, the request goes ahead of its head if its score is lower (a higher effective

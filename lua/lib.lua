@@ -385,6 +385,70 @@ local function device_room(d, pin)
   return best or 0, bi
 end
 
+-- The resident counters recounted from the records, and repaired where they disagree: a
+-- release or reap by an earlier gpulock version sharing the pool (a rolling upgrade) removes a
+-- resident lease or request without lowering them, so they can only overcount, and a request
+-- would be refused against a room smaller than it is. Every check that is about to refuse or
+-- drop a request because of them calls this first (room_refusal, acquire's resident check,
+-- grant_from), and decides again on what it returns: {held, queued, dev = {[i] = bytes},
+-- tenant = {[t] = bytes}, fixed = whether a counter was written}. Reads every holder and
+-- waiter record and the cfg hash: O(holders + waiters + cfg fields), on refusals only. An
+-- expired lease not reaped yet still counts (its reap lowers the counters by its record).
+local function resident_recount()
+  local x = {held = 0, queued = 0, dev = {}, tenant = {}, fixed = false}
+  local want = {}  -- counter field -> bytes
+  local hs = redis.call('HGETALL', K_HOLDERS)
+  for j = 2, #hs, 2 do
+    local a, _, _, _, _, _, tn, dv, res = parse_holder(hs[j])
+    if res then
+      x.held = x.held + a
+      if dv ~= '' then
+        local i = tonumber(dv)
+        x.dev[i] = (x.dev[i] or 0) + a
+        want['dres:' .. dv] = x.dev[i]
+      end
+      if tn ~= '' then
+        x.tenant[tn] = (x.tenant[tn] or 0) + a
+        want['tres:' .. tn] = x.tenant[tn]
+      end
+    end
+  end
+  if redis.call('ZCARD', K_QUEUE) > 0 then  -- an empty queue has no waiters (acquire.lua)
+    local ws = redis.call('HGETALL', K_WAITERS)
+    for j = 2, #ws, 2 do
+      local a, _, _, _, _, _, _, _, _, res = parse_waiter(ws[j])
+      if res then x.queued = x.queued + a end
+    end
+  end
+  want.resident, want.rqueued = x.held, x.queued
+  local all = redis.call('HGETALL', K_CFG)
+  for j = 1, #all, 2 do
+    local f = all[j]
+    if f == 'resident' or f == 'rqueued' or string.match(f, '^[dt]res:') then
+      local v = want[f] or 0
+      if tonumber(all[j + 1]) ~= v then
+        x.fixed = true
+        if v > 0 then redis.call('HSET', K_CFG, f, fmt(v)) else redis.call('HDEL', K_CFG, f) end
+      end
+      want[f] = nil
+    end
+  end
+  for f, v in pairs(want) do  -- counters missing where records are (undercounted)
+    if v > 0 then
+      x.fixed = true
+      redis.call('HSET', K_CFG, f, fmt(v))
+    end
+  end
+  return x
+end
+
+-- Put a recount's device and tenant totals into `d` (load_devices; nil: one device) and
+-- `room` (quota_check's cache).
+local function resident_apply(x, d, room)
+  if d then for i = 0, d.n - 1 do d.res[i] = x.dev[i] or 0 end end
+  for t, r in pairs(room) do r[3] = x.tenant[t] or 0 end
+end
+
 -- Take a waiter out of the queue. `rbytes`: its bytes when it is a resident request (taken
 -- from rqueued), 0 when not; nil: read from its record.
 local function drop_waiter(ticket, rbytes)
@@ -440,18 +504,6 @@ local function reap(now)
   return reap_found(dead, gone)
 end
 
--- acquire's refusal of a request that is not resident and can never be granted next to the
--- resident leases (see "Resident leases" above), as an error reply, or nil:
---   GPULOCK_ROOM <amount> <room> <capacity> <resident>   the pool: room = capacity - resident,
---                                     resident = bytes of the resident leases held and queued
---   GPULOCK_ROOM ... device <i|any>   a device of a pool of several: its capacity and resident
---                                     leases (for 'any', of the device with the most room)
---   GPULOCK_QUOTA <amount> <quota> <tenant> <resident>   the tenant's quota and its resident
--- `held`, `queued`: cfg resident and rqueued as read; `d`: load_devices (nil: one device);
--- `pin`: '' or the device index; `quotas`: whether the pool has any; `room`: quota_check's
--- cache, where acquire's quota check put the tenant's numbers. Counted as they will be
--- once the expired leases `dead` and the gone waiters `gone` are reaped (their records are
--- read only when a check fails). Reads only.
 -- What the reap of expired leases `dead` and gone waiters `gone` will free of the resident
 -- leases: {held, queued, dev = {[i] = bytes}, tenant = bytes of `tenant`'s}. Reads only.
 local function resident_freed(dead, gone, tenant)
@@ -477,10 +529,11 @@ local function resident_freed(dead, gone, tenant)
   return f
 end
 
-local function room_refusal(amount, tenant, pin, cap, held, queued, d, quotas, room, dead, gone)
+-- room_check: room_refusal's checks against `rsv`, the resident bytes held and queued (reads
+-- only).
+local function room_check(amount, tenant, pin, cap, rsv, d, quotas, room, dead, gone)
   local reaping = #dead + #gone > 0
   local f  -- resident_freed, read only when a check fails while something is to be reaped
-  local rsv = held + queued
   if amount > cap - rsv and reaping then
     f = resident_freed(dead, gone, tenant)
     rsv = rsv - f.held - f.queued
@@ -515,6 +568,29 @@ local function room_refusal(amount, tenant, pin, cap, held, queued, d, quotas, r
     end
   end
   return nil
+end
+
+-- acquire's refusal of a request that is not resident and can never be granted next to the
+-- resident leases (see "Resident leases" above), as an error reply, or nil:
+--   GPULOCK_ROOM <amount> <room> <capacity> <resident>   the pool: room = capacity - resident,
+--                                     resident = bytes of the resident leases held and queued
+--   GPULOCK_ROOM ... device <i|any>   a device of a pool of several: its capacity and resident
+--                                     leases (for 'any', of the device with the most room)
+--   GPULOCK_QUOTA <amount> <quota> <tenant> <resident>   the tenant's quota and its resident
+-- `held`, `queued`: cfg resident and rqueued as read; `d`: load_devices (nil: one device);
+-- `pin`: '' or the device index; `quotas`: whether the pool has any; `room`: quota_check's
+-- cache, where acquire's quota check put the tenant's numbers. Counted as they will be
+-- once the expired leases `dead` and the gone waiters `gone` are reaped (their records are
+-- read only when a check fails). Before it refuses, it recounts the resident leases from the
+-- records (resident_recount, which repairs counters that disagree: its only writes) and
+-- refuses only if the exact totals still say so.
+local function room_refusal(amount, tenant, pin, cap, held, queued, d, quotas, room, dead, gone)
+  local err = room_check(amount, tenant, pin, cap, held + queued, d, quotas, room, dead, gone)
+  if not err then return nil end
+  local x = resident_recount()
+  if not x.fixed then return err end
+  resident_apply(x, d, room)
+  return room_check(amount, tenant, pin, cap, x.held + x.queued, d, quotas, room, dead, gone)
 end
 
 -- A holder record (see KEYS above); dev: '' or a device index (string or number); res: a
@@ -577,7 +653,9 @@ end
 -- held (cfg resident); it also returns the bytes used afterwards. A request that can never be
 -- granted is dropped: larger than the capacity (of its device, or of the largest), than its
 -- tenant's quota, or than what the resident leases held leave of them (see "Resident
--- leases"); one that fits the capacity but not the effective capacity, or no device now, waits.
+-- leases"; before the first such drop the resident counters are recounted from the records,
+-- resident_recount); one that fits the capacity but not the effective capacity, or no device
+-- now, waits.
 local function grant_from(now, head, cap, used, grace_until, eff, d, rh)
   local lines, n = {}, 0
   if #head == 0 then return lines, n, used end
@@ -622,6 +700,22 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh)
     if not d then return cap end
     return device_max(d, pin)
   end
+  -- Whether waiter `amount`/`pin`/`res` (quota_check `q`) can never be granted.
+  local function never(amount, pin, res, q)
+    return amount > largest(pin) or q == 'never' or crowded(amount, pin, res)
+  end
+  -- Before the first drop, the resident counters are recounted from the records (once a call,
+  -- resident_recount); true when that changed them, and so the decision.
+  local recounted = false
+  local function recount()
+    if recounted then return false end
+    recounted = true
+    local x = resident_recount()
+    if not x.fixed then return false end
+    rh = x.held
+    resident_apply(x, d, room)
+    return true
+  end
   local blocked_enq  -- the enqueue time of a head that does not fit
   local skipped = 0  -- waiters passed over at the front: their tenants have no room
   while true do
@@ -634,7 +728,8 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh)
       local amount, ttl, enq, lid, chan, meta, _, tenant, pin, res = parse_waiter(w)
       local q = quota_check(room, tenant, amount, res)
       local dev
-      if amount > largest(pin) or q == 'never' or crowded(amount, pin, res) then
+      if never(amount, pin, res, q) and recount() then q = quota_check(room, tenant, amount, res) end
+      if never(amount, pin, res, q) then
         -- The capacity (or the tenant's quota) was lowered below this request, or resident
         -- leases took the room it needs: it can never be granted, and as head it would block
         -- everyone behind it. Drop it; its client finds it gone at its next poll, asks again

@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any, Callable
 
 from gpulock import _access_log as access
+from gpulock_common.grace import grace_outlasts
 from gpulock._args import new_id
 from gpulock._replies import Grant, NotGranted
 from gpulock.errors import (
@@ -107,7 +108,12 @@ class Acquirer:
             res: Grant | NotGranted = await self._tasks.guard(
                 enqueue(budget), entry.inflight, budget
             )
-            if isinstance(res, NotGranted) and res.queued and wait > 0:
+            if (
+                isinstance(res, NotGranted)
+                and res.queued
+                and wait > 0
+                and not grace_outlasts(res.grace_left_ms / 1000, poll - (self._clock() - start))
+            ):  # (a long poll that ends before the grace period: answered now, place kept)
                 left = max(0.0, poll - (self._clock() - start))
                 wt = asyncio.ensure_future(p.wait_remote(tk, left))
                 if gone is not None and not (gone.done() and not _true(gone)):

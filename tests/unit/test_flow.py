@@ -278,3 +278,54 @@ def test_sync_replicas_gives_back_a_grant_the_replicas_did_not_acknowledge():
     with pytest.raises(BackendUnavailable, match=r"not acknowledged by 1 replica\(s\) within 1.0s"):
         drive(flow.sync_grant(pool, FakeLease()), answer)
     assert isinstance(seen[-1], flow.GiveBack)
+
+
+# queued at position 2 of 2 in a grace period with 30 s left (retry_after_ms: to its end)
+QUEUED_IN_GRACE = [0, 2, 30_000, 2, 1_000, 3, 100, 0, 0, 30_000]
+
+
+def _joins(timeout: float | None) -> tuple[BaseException | None, list[flow.Step]]:
+    """Drive an acquire answered QUEUED_IN_GRACE (a wait, if it comes to one, is ended by an
+    AcquireTimeout "waited"): its error and the steps it yielded."""
+    pool = FakePool()
+    seen: list[flow.Step] = []
+
+    def answer(step):
+        seen.append(step)
+        if isinstance(step, flow.Eval):
+            return QUEUED_IN_GRACE
+        if isinstance(step, flow.Wait):
+            raise AcquireTimeout("waited")
+        return None
+
+    try:
+        drive(flow.acquire(pool, _runtime(pool), _req(timeout), 0.0, None), answer)
+    except AcquireTimeout as e:
+        return e, seen
+    raise AssertionError("no AcquireTimeout")
+
+
+def test_a_timeout_before_the_grace_end_leaves_the_queue_at_once():
+    """Nothing is granted for 30 s, and the timeout is 5 s: no wait, the place is withdrawn,
+    and the error says when to come back."""
+    err, seen = _joins(5.0)
+    assert isinstance(err, AcquireTimeout), seen
+    assert not any(isinstance(s, flow.Join) for s in seen)
+    assert [s.ticket for s in seen if isinstance(s, flow.Withdraw)] == ["t1"]
+    assert (err.grace_left, err.retry_after, err.position) == (30.0, 30.0, 2)
+    assert "grace period" in str(err) and "left the queue at once" in str(err), str(err)
+
+
+@pytest.mark.parametrize("timeout", [None, 31.0])
+def test_a_timeout_past_the_grace_end_waits(timeout):
+    err, seen = _joins(timeout)
+    assert str(err) == "waited" and any(isinstance(s, flow.Join) for s in seen)
+
+
+def test_grace_outlasts():
+    from gpulock_common.grace import grace_outlasts
+
+    assert grace_outlasts(30.0, 5.0)
+    assert not grace_outlasts(30.0, 30.0)  # granted, if at all, right at its deadline
+    assert not grace_outlasts(30.0, None)  # no deadline: it waits for the grace end
+    assert not grace_outlasts(0.0, 5.0)  # no grace period

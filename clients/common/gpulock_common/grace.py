@@ -13,7 +13,7 @@ import math
 import time
 from typing import Optional
 
-__all__ = ["grace_note"]
+__all__ = ["grace_note", "grace_outlasts"]
 
 
 def grace_note(pool: str, left: float, *, now: Optional[float] = None) -> str:
@@ -28,3 +28,14 @@ def grace_note(pool: str, left: float, *, now: Optional[float] = None) -> str:
         f"lost its data, and the leases from before are being put back; nothing new is "
         f"granted until it ends"
     )
+
+
+def grace_outlasts(grace_left: float, deadline_in: Optional[float]) -> bool:
+    """Whether a request that is not granted now would wait for nothing: the pool is in its
+    grace period, ``grace_left`` seconds from now (> 0), and the request gives up
+    ``deadline_in`` seconds from the same instant (None: never), before the grace period ends.
+    Nothing is granted until then, so such a wait could only time out: the request leaves the
+    queue at once instead, told to come back at the grace period's end. The one rule every
+    surface follows (the pool objects' acquire, so the FastAPI integration and the service;
+    the broker's long poll). No I/O."""
+    return grace_left > 0 and deadline_in is not None and deadline_in < grace_left
