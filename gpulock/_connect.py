@@ -414,8 +414,10 @@ def async_client_like(client: redis.Redis, *, max_connections: int) -> aioredis.
             for c in manager.sentinels
         ]
         skw = {k: v for k, v in manager.sentinel_kwargs.items() if k in SHARED_CONNECTION_SETTINGS}
-        # redis-py's Sentinel is unannotated; master_for returns its redis_class, a Redis.
-        sentinel = Sentinel(hosts, sentinel_kwargs=skw)  # type: ignore[no-untyped-call]
+        # redis-py < 8.2 leaves Sentinel unannotated and later releases annotate it: called
+        # through Any, the line checks under both. master_for returns its redis_class, a Redis.
+        sentinel_class: Any = Sentinel
+        sentinel = sentinel_class(hosts, sentinel_kwargs=skw)
         primary: aioredis.Redis = sentinel.master_for(
             pool.service_name,
             connection_pool_class=AsyncBlockingSentinelConnectionPool,

@@ -13,7 +13,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
-from redis.retry import Retry
+from redis.asyncio.retry import Retry
 
 from ._cluster import ready as cluster_ready
 from ._lane import AsyncLane, async_lane, encode
