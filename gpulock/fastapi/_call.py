@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import Request, Response
 from gpulock_common.aio import wait_for
-from gpulock_common.grace import grace_note
+from gpulock_common.grace import grace_note, grace_outlasts
 
 from .. import _access_log as access
 from .._disconnect import _Gone, _wait_or_gone, watch_disconnect
@@ -278,7 +278,7 @@ class GuardedCalls:
         remaining = arrival + s.acquire_timeout - time.monotonic()
         try:
             if not job.started.is_set():
-                await _wait_or_gone(job.started.wait(), max(0.0, remaining), gone)
+                await _wait_or_gone(self._started(job, arrival), max(0.0, remaining), gone)
         except _Gone:
             if job.place.attached == 1 and job.phase in ("slot", "queued") and job.task is not None:
                 job.abandoned = True  # before any await: a grant arriving now must not run
@@ -299,7 +299,7 @@ class GuardedCalls:
                 job.task.cancel()  # the client went away before a grant: leave the queue
             raise
         else:
-            timed_out = False
+            timed_out = not job.started.is_set()  # the grace period outlasts its deadline
         if timed_out:
             raise await self._queue_timeout(job, bytes_asked(amount, batch))
         assert job.outcome is not None
@@ -337,6 +337,27 @@ class GuardedCalls:
         return self._errors.outcome(
             job.outcome, job.route, amount, lambda: self._retry.job_position(job), batch
         )
+
+    async def _started(self, job: Job, arrival: float) -> None:
+        """Wait until ``job`` runs (or ends); for a parked job, only until it is queued in a
+        restart grace period that outlasts this request's deadline (``arrival +
+        acquire_timeout``). A parked job has no deadline of its own, so the core's rule
+        (:func:`grace_outlasts`) never ends it: this request is answered at once, as one
+        without a request id is, and the job keeps its place."""
+        if job.parked:
+            waits = (
+                asyncio.ensure_future(job.queued.wait()),
+                asyncio.ensure_future(job.started.wait()),
+            )
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+            deadline_in = arrival + self._settings.acquire_timeout - time.monotonic()
+            if job.started.is_set() or grace_outlasts(self._backend.grace_left(), deadline_in):
+                return
+        await job.started.wait()
 
     async def _queue_timeout(self, job: Job, asked: str) -> GpuLockHTTPException:
         """The 503 for a job not granted by its request's deadline (``asked``: the request's

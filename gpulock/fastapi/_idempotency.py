@@ -24,6 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Response
+from gpulock_common.grace import grace_note, grace_outlasts
 
 from .._failure_log import FailureLog
 from .._places import hold_for
@@ -279,13 +280,16 @@ class RequestStore:
                 position = int(queued) + local
             else:
                 position = int(pos) if phase == "queued" and pos.isdigit() else 0
-            if now >= acq_deadline and phase in ("slot", "queued"):
+            grace = self._backend.grace_left()
+            # in the pool's queue in a grace period that outlasts this request's deadline:
+            # nothing is granted before it, so answer now, as the owner's own request is
+            graced = rank is not None and grace_outlasts(grace, acq_deadline - now)
+            if (now >= acq_deadline or graced) and phase in ("slot", "queued"):
                 metrics().timeouts.labels(route).inc()
                 p = position or int(queued) + 1
                 if s.park_timeout > 0:
                     ra = self._retry.parked(p, local)
-                    extra = self._backend.grace_left()
-                    await self.hold(ticket, hold_for(ra, hold=s.park_timeout, extra=extra))
+                    await self.hold(ticket, hold_for(ra, hold=s.park_timeout, extra=grace))
                 else:
                     ra = self._retry.retry_after(p)
                 headers = {"Retry-After": str(ra)}
@@ -293,8 +297,9 @@ class RequestStore:
                     headers["X-Queue-Position"] = str(position)
                 raise GpuLockHTTPException(
                     503,
-                    f"request {request_id!r} is still queued (position {position or 'unknown'}); "
-                    f"it keeps its place: retry with the same {s.request_id_header}",
+                    f"request {request_id!r} is still queued (position {position or 'unknown'}"
+                    + (f": {grace_note(s.pool_name, grace)}" if grace > 0 else "")
+                    + f"); it keeps its place: retry with the same {s.request_id_header}",
                     "queue_timeout",
                     headers,
                 )

@@ -73,6 +73,7 @@ class Job:
     position: int = 0  # place in the pool's queue while queued (0: unknown)
     slot_future: asyncio.Future[None] | None = None
     started: asyncio.Event = field(default_factory=asyncio.Event)  # set when running or done
+    queued: asyncio.Event = field(default_factory=asyncio.Event)  # set once in the pool's queue
     task: asyncio.Task[Any] | None = None
     wait_s: float | None = None
     run_s: float | None = None
@@ -279,6 +280,7 @@ class JobRunner:
 
             def on_queued(pos: int) -> None:
                 job.position = pos
+                job.queued.set()  # the grace period, if any, is known now (GuardedCalls)
 
             try:
                 lease = await self._admission.lease(
