@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .pools import GiB
+
 
 class Running:
     """``async with Running(app) as client``: the app's lifespan entered (GpuLimiter started)
@@ -26,3 +28,23 @@ class Running:
     async def __aexit__(self, *exc: Any) -> None:
         await self.client.aclose()
         await self._cm.__aexit__(*exc)
+
+
+def one_route_app(url: str, pool: str, **kw: Any) -> tuple[Any, Any]:
+    """A FastAPI app with one route, ``POST /sync`` (1 GiB a request, answers ``{"ok": true}``),
+    guarded by a :class:`GpuLimiter` on pool ``pool`` at ``url`` (capacity 4 GiB, made if
+    missing, never exiting the process); ``kw`` are more GpuLimiter settings. Returns
+    ``(app, limiter)``."""
+    from fastapi import FastAPI
+
+    from gpulock.fastapi import GpuLimiter
+
+    gpu = GpuLimiter(url, pool, capacity=4 * GiB, configure="create", exit_on_fatal=False, **kw)
+    app = FastAPI(lifespan=gpu.lifespan)
+
+    @app.post("/sync")
+    @gpu.endpoint("sync", estimate=lambda body: GiB)
+    def sync_route(body: dict) -> dict:
+        return {"ok": True}
+
+    return app, gpu

@@ -217,6 +217,18 @@ def check_consistent(c: redis.Redis, pool: str) -> dict[str, int]:
     return {"used": total, "leases": len(holders), "queued": len(queue)}
 
 
+async def status_once(url: str, pool: str) -> Any:
+    """Pool ``pool``'s status at ``url``, read once through a fresh AsyncPool (no leases
+    listed)."""
+    from gpulock import AsyncPool
+
+    p = AsyncPool.from_url(url, pool)
+    try:
+        return await p.status(limit=0)
+    finally:
+        await p.aclose()
+
+
 async def status_until(url: str, pool: str, pred: Any, timeout: float = 10.0) -> Any:
     """Read pool ``pool``'s status at ``url`` (through a fresh AsyncPool) until ``pred(status)``
     holds, and return that status; fails after ``timeout`` seconds naming the last one."""

@@ -16,9 +16,10 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from gpulock import AsyncPool, Pool
+from gpulock import Pool
 from gpulock.fastapi import GpuLimiter
-from support.pools import GiB
+from support.apps import one_route_app
+from support.pools import GiB, status_once
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -27,33 +28,14 @@ TIMEOUT = 3.0  # the requests' acquire_timeout, well inside the grace period
 
 
 def _app(url: str, pool: str) -> tuple[FastAPI, GpuLimiter]:
-    gpu = GpuLimiter(
+    return one_route_app(
         url,
         pool,
-        capacity=4 * GiB,
-        configure="create",
-        exit_on_fatal=False,
         ttl=2,
         acquire_timeout=TIMEOUT,
         park_timeout=2,
         reaper_interval=0.1,
     )
-    app = FastAPI(lifespan=gpu.lifespan)
-
-    @app.post("/sync")
-    @gpu.endpoint("sync", estimate=lambda body: GiB)
-    def sync_route(body: dict) -> dict:
-        return {"ok": True}
-
-    return app, gpu
-
-
-async def _status(url: str, pool: str):
-    p = AsyncPool.from_url(url, pool)
-    try:
-        return await p.status(limit=0)
-    finally:
-        await p.aclose()
 
 
 async def _sees_grace(gpu: GpuLimiter) -> None:
@@ -68,7 +50,7 @@ async def _post(c: httpx.AsyncClient, url: str, name: str, **kw) -> tuple[httpx.
     t0 = time.monotonic()
     r = await c.post("/sync", json={}, **kw)
     elapsed = time.monotonic() - t0
-    left = (await _status(url, name)).grace_left
+    left = (await status_once(url, name)).grace_left
     assert r.status_code == 503, r.text
     assert elapsed < TIMEOUT / 2, (elapsed, r.text)  # it did not wait its timeout for nothing
     assert "restart grace period" in r.json()["detail"], r.text
@@ -96,10 +78,10 @@ async def test_a_request_id_in_the_grace_period_is_answered_at_once(redis_proc1)
             h = {"X-Request-ID": "rid-in-the-grace"}
             r, _ = await _post(c, rp.url, name, headers=h)
             assert "keeps its place" in r.json()["detail"], r.text  # parked, as before
-            assert (await _status(rp.url, name)).waiter_count == 1  # its place is kept
+            assert (await status_once(rp.url, name)).waiter_count == 1  # its place is kept
             # a retry with the same id joins the parked job: answered at once the same way
             r, _ = await _post(c, rp.url, name, headers=h)
-            assert (await _status(rp.url, name)).waiter_count == 1
+            assert (await status_once(rp.url, name)).waiter_count == 1
 
 
 async def test_a_request_id_following_another_worker_in_the_grace_is_answered_at_once(
@@ -128,8 +110,8 @@ async def test_a_request_id_following_another_worker_in_the_grace_is_answered_at
 
             h = {"X-Request-ID": "rid-followed-in-the-grace"}
             await _post(a, rp.url, name, headers=h)  # worker a owns it; its job stays queued
-            assert (await _status(rp.url, name)).waiter_count == 1
+            assert (await status_once(rp.url, name)).waiter_count == 1
             # worker b follows a's claim: answered at once too, the place still kept
             r, _ = await _post(b, rp.url, name, headers=h)
             assert "keeps its place" in r.json()["detail"], r.text
-            assert (await _status(rp.url, name)).waiter_count == 1
+            assert (await status_once(rp.url, name)).waiter_count == 1

@@ -15,35 +15,14 @@ import math
 import time
 
 import pytest
-from fastapi import FastAPI
 
-from gpulock import AsyncPool, Pool
-from gpulock.fastapi import GpuLimiter
-from support.pools import GiB
+from gpulock import Pool
+from support.apps import one_route_app
+from support.pools import GiB, status_once
 
 pytestmark = pytest.mark.timeout(60)
 
 GRACE = 6.0  # the pool's max_ttl, set by the operator: the grace period after a restart
-
-
-def _app(url: str, pool: str, **kw) -> tuple[FastAPI, GpuLimiter]:
-    gpu = GpuLimiter(url, pool, capacity=4 * GiB, configure="create", exit_on_fatal=False, **kw)
-    app = FastAPI(lifespan=gpu.lifespan)
-
-    @app.post("/sync")
-    @gpu.endpoint("sync", estimate=lambda body: GiB)
-    def sync_route(body: dict) -> dict:
-        return {"ok": True}
-
-    return app, gpu
-
-
-async def _status(url: str, pool: str):
-    p = AsyncPool.from_url(url, pool)
-    try:
-        return await p.status(limit=0)
-    finally:
-        await p.aclose()
 
 
 async def test_retry_after_covers_the_grace_period_and_a_parked_request_keeps_its_place(
@@ -55,7 +34,9 @@ async def test_retry_after_covers_the_grace_period_and_a_parked_request_keeps_it
     op = Pool.from_url(rp.url, name)
     op.configure(4 * GiB, max_ttl=GRACE)  # `gpulock pool set ra-grace --max-ttl 6`
     op.close()
-    app, gpu = _app(rp.url, name, ttl=2, acquire_timeout=0.5, park_timeout=2, reaper_interval=0.1)
+    app, gpu = one_route_app(
+        rp.url, name, ttl=2, acquire_timeout=0.5, park_timeout=2, reaper_interval=0.1
+    )
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=30
@@ -68,7 +49,7 @@ async def test_retry_after_covers_the_grace_period_and_a_parked_request_keeps_it
                 await asyncio.sleep(0.02)
 
             r = await c.post("/sync", json={})  # withdrawn at its 503
-            left = (await _status(rp.url, name)).grace_left
+            left = (await status_once(rp.url, name)).grace_left
             assert r.status_code == 503, r.text
             assert int(r.headers["retry-after"]) >= math.floor(left) >= 3, (r.headers, left)
             # it says why: the grace period, not a lack of memory (4 GiB are free)
@@ -78,7 +59,7 @@ async def test_retry_after_covers_the_grace_period_and_a_parked_request_keeps_it
 
             h = {"X-Request-ID": "parked-through-the-grace"}
             r = await c.post("/sync", json={}, headers=h)
-            left = (await _status(rp.url, name)).grace_left
+            left = (await status_once(rp.url, name)).grace_left
             assert r.status_code == 503, r.text
             assert "keeps its place" in r.json()["detail"]
             ra = int(r.headers["retry-after"])
@@ -88,7 +69,7 @@ async def test_retry_after_covers_the_grace_period_and_a_parked_request_keeps_it
             # is granted when the grace ends, and the retry collects its result.
             deadline = time.monotonic() + 15
             while True:
-                st = await _status(rp.url, name)
+                st = await status_once(rp.url, name)
                 if st.grace_left == 0 and st.grants >= 1 and st.used == 0 and st.waiter_count == 0:
                     break
                 assert st.grants >= 1 or st.waiter_count == 1 or st.grace_left > 0, (
