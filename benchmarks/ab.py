@@ -48,9 +48,9 @@ import asyncio, json, os, sys, time
 import redis
 import redis.asyncio as aioredis
 from gpulock import Pool, AsyncPool
-from gpulock._keys import pool_keys
-from gpulock._scripts import scripts
-from gpulock._protocol import AcquireRequest
+from gpulock.protocol.keys import pool_keys
+from gpulock.transport.scripts import scripts
+from gpulock.protocol.request import AcquireRequest
 try:
     from gpulock._async import _CLIENT_DEFAULTS as KW
 except ImportError:
@@ -72,7 +72,7 @@ loop.run_until_complete(apool.configure(2**40))
 # redis-py's execute_command instead of the lane; "nobatch": AsyncPool calls each on a
 # connection of its own until all slots are busy (no batching of overlapping calls).
 if "scripts" in variant:
-    from gpulock._dialect import dialect_of
+    from gpulock.transport.dialect import dialect_of
     for cl in (pool.redis, apool.redis):
         dialect_of(cl).functions = False
 if "redispy" in variant:
@@ -176,7 +176,7 @@ def lua(nn):
     c.evalsha(sc["configure"].sha, len(keys), *keys, str(2**40), "100000", "set")
     own = getattr(pool, "_scripts", None)
     if own is not None:
-        from gpulock._script_calls import SyncScripts
+        from gpulock.transport.script_calls import SyncScripts
         own = SyncScripts(c, keys)
         own.heads.dialect.functions = pool._scripts.heads.dialect.functions
         run = lambda op, args: own.call(op, args)  # noqa: E731

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import machine_info  # noqa: E402
 
 from gpulock import Pool  # noqa: E402
-from gpulock._local_cluster import start_cluster  # noqa: E402
+from gpulock.transport.local_cluster import start_cluster  # noqa: E402
 from gpulock.embedded import RedisProcess, find_server_binary  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -58,8 +58,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import machine_info, percentile  # noqa: E402
 
-from gpulock._keys import pool_key  # noqa: E402
-from gpulock._local_cluster import Cluster, start_cluster  # noqa: E402
+from gpulock.protocol.keys import pool_key  # noqa: E402
+from gpulock.transport.local_cluster import Cluster, start_cluster  # noqa: E402
 from gpulock.embedded import find_server_binary  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -83,7 +83,7 @@ def _load(url: str, names: list[str], mode: str, out: str, stop: Any) -> None:
 
         from gpulock import AsyncPool
         from gpulock._async import _CLIENT_DEFAULTS
-        from gpulock._connect import async_client
+        from gpulock.transport.connect import async_client
 
         async def worker(p: Any) -> None:
             while not stop.is_set():
@@ -111,7 +111,7 @@ def _load(url: str, names: list[str], mode: str, out: str, stop: Any) -> None:
     else:
         from gpulock import Pool
         from gpulock._async import _CLIENT_DEFAULTS
-        from gpulock._connect import sync_client
+        from gpulock.transport.connect import sync_client
 
         client = sync_client(url, **_CLIENT_DEFAULTS)
         pools = [Pool(client, n) for n in names]

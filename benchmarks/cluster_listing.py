@@ -28,7 +28,7 @@ import sys
 import time
 
 from gpulock import Pool
-from gpulock._local_cluster import start_cluster
+from gpulock.transport.local_cluster import start_cluster
 
 
 def run_case(binary: str, dead: list[int], hung: list[int], runs: int) -> dict:

@@ -79,9 +79,9 @@ from _util import (  # noqa: E402
 
 import gpulock  # noqa: E402
 from gpulock import AsyncPool, Pool  # noqa: E402
-from gpulock._protocol import AcquireRequest  # noqa: E402
-from gpulock._keys import pool_keys  # noqa: E402
-from gpulock._scripts import scripts  # noqa: E402
+from gpulock.protocol.request import AcquireRequest  # noqa: E402
+from gpulock.protocol.keys import pool_keys  # noqa: E402
+from gpulock.transport.scripts import scripts  # noqa: E402
 from gpulock.embedded import RedisProcess, find_server_binary  # noqa: E402
 
 try:  # the client settings Pool.from_url uses, so the ceiling client is the same kind
@@ -218,7 +218,7 @@ def _dummy_operations(c: redis.Redis, uses_functions: bool) -> dict[str, Any]:
     """Do-nothing stand-ins of acquire and release (same keys and arguments in, same reply
     shapes out) in the form the pool uses: ``{"acquire": Script, "release": Script}`` with
     functions ``bench_noop_acquire``/``_release`` loaded when ``uses_functions``."""
-    from gpulock._scripts import Script
+    from gpulock.transport.scripts import Script
 
     if uses_functions:
         c.function_load(
@@ -299,8 +299,8 @@ async def pairs_many_async(url: str, pool: AsyncPool, cpu: CpuSlices, cfg: dict)
 
 
 def bench_pairs_sync(url: str, cfg: dict) -> dict[str, Any]:
-    from gpulock._lane import encode, sync_lane
-    from gpulock._script_calls import SyncScripts
+    from gpulock.transport.lane import encode, sync_lane
+    from gpulock.transport.script_calls import SyncScripts
 
     c = redis.Redis.from_url(url, **CLIENT_KW)
     trivial, _, _ = _load_dummy_scripts(c)
@@ -379,7 +379,7 @@ def lua_time_per_op(c: redis.Redis, name: str, n: int) -> dict[str, Any]:
     from SLOWLOG with a 0 µs threshold (every command logged with its duration in µs) over
     ``n`` uncontended acquire+release pairs on a fresh pool, plus ``n`` calls of ``return 1``;
     and from INFO commandstats (:func:`commandstats_us_per_call`)."""
-    from gpulock._script_calls import SyncScripts
+    from gpulock.transport.script_calls import SyncScripts
 
     keys = pool_keys(name + "-lua")
     ops = SyncScripts(c, keys)
@@ -440,7 +440,7 @@ def commandstats_us_per_call(
     """Server time per call from INFO commandstats (``usec_per_call`` of FCALL/EVALSHA after
     ``CONFIG RESETSTAT``): ``n`` acquires, then their ``n`` releases, then ``n`` calls of
     ``return 1``, each counted on its own (``ops``: the pool's calling path,
-    :class:`gpulock._script_calls.SyncScripts`). Unlike SLOWLOG with a 0 µs threshold
+    :class:`gpulock.transport.script_calls.SyncScripts`). Unlike SLOWLOG with a 0 µs threshold
     (which also logs, and so slows, every command a script runs on Redis 7.0), nothing is
     logged."""
     out: dict[str, float] = {}
@@ -498,8 +498,8 @@ def lua_by_script(by: dict[str, list[int]]) -> dict[str, dict[str, float]]:
 
 
 async def bench_pairs_async(url: str, cfg: dict) -> dict[str, Any]:
-    from gpulock._lane import async_lane, encode
-    from gpulock._script_calls import AsyncScripts
+    from gpulock.transport.lane import async_lane, encode
+    from gpulock.transport.script_calls import AsyncScripts
 
     c = aioredis.from_url(url, **CLIENT_KW)
     trivial = await c.script_load("return 1")

@@ -689,8 +689,8 @@ def _truth_env(ctx: dict[str, Any], name: str) -> tuple[Any, Any, dict[int, int]
 def _sampler(pool: Any, reader: Any, times: dict[str, float], fake: bool) -> Any:
     """The section's DeviceSampler: the library's defaults on the GPU; in the dry run the
     fake device's scale (a 1 KiB threshold, a 0.3 s fall, no slack: its bytes are KiB)."""
-    from gpulock.device_sampler import DeviceSampler
-    from gpulock.device_truth import DEFAULT_SLACK, Smoother
+    from gpulock.devices.sampler import DeviceSampler
+    from gpulock.devices.truth import DEFAULT_SLACK, Smoother
 
     iv = times["interval_s"]
     sm = Smoother(threshold=1024, fall_samples=2, fall_seconds=0.3) if fake else Smoother()
@@ -717,7 +717,7 @@ def section_d(ctx: dict[str, Any]) -> dict[str, Any]:
 
     from gpulock import AcquireTimeout, AsyncPool, Pool
     from gpulock.cuda import drop_traceback, is_oom
-    from gpulock.device_truth import DEFAULT_THRESHOLD
+    from gpulock.devices.truth import DEFAULT_THRESHOLD
 
     dev = ctx["device"]
     fake = dev.name == "fake"

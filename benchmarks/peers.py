@@ -66,8 +66,8 @@ from _util import (  # noqa: E402
 
 import gpulock  # noqa: E402
 from gpulock import AsyncPool, Pool  # noqa: E402
-from gpulock._args import DEFAULT_TTL_S  # noqa: E402
-from gpulock._keys import pool_keys  # noqa: E402
+from gpulock.protocol.args import DEFAULT_TTL_S  # noqa: E402
+from gpulock.protocol.keys import pool_keys  # noqa: E402
 from gpulock.embedded import RedisProcess  # noqa: E402
 
 CLIENT_KW = core.CLIENT_KW

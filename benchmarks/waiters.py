@@ -51,8 +51,8 @@ from _util import machine_info  # noqa: E402
 
 import gpulock  # noqa: E402
 from gpulock import AsyncPool, Pool  # noqa: E402
-from gpulock._keys import pool_keys  # noqa: E402
-from gpulock._scripts import scripts  # noqa: E402
+from gpulock.protocol.keys import pool_keys  # noqa: E402
+from gpulock.transport.scripts import scripts  # noqa: E402
 from gpulock.embedded import RedisProcess, find_server_binary  # noqa: E402
 
 HARNESS = {"info", "client|list", "client|id", "ping", "hello"}

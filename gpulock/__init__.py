@@ -5,10 +5,10 @@ before its CUDA work; leases expire unless their holder's heartbeat renews them,
 in FIFO order, and every lease carries a fencing token. See README.md and docs/.
 """
 
-from ._async import AsyncLease, AsyncPool
-from ._replies import LeaseInfo, PoolStatus, WaiterInfo
-from ._sync import Lease, Pool
-from .errors import (
+from gpulock._async import AsyncLease, AsyncPool
+from gpulock.protocol.replies import LeaseInfo, PoolStatus, WaiterInfo
+from gpulock._sync import Lease, Pool
+from gpulock.errors import (
     AcquireTimeout,
     BackendUnavailable,
     CapacityExceeded,
@@ -21,7 +21,7 @@ from .errors import (
     QuotaExceeded,
     RoomExceeded,
 )
-from .units import format_size, parse_size
+from gpulock.units import format_size, parse_size
 
 __version__ = "0.1.0"
 

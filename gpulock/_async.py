@@ -1,6 +1,6 @@
 """The asyncio shell: :class:`AsyncPool` and :class:`AsyncLease`. The protocol is written once
-in ``_flow.py`` (over the core's I/O-free modules: ``_args.py``, ``_replies.py``,
-``_protocol.py`` and the others), the background work in ``_runtime.py``; this file is their
+in ``protocol/flow.py`` (over the core's I/O-free modules: ``protocol/args.py``, ``protocol/replies.py``,
+``protocol/request.py`` and the others), the background work in ``runtime/runtime.py``; this file is their
 asyncio driver: it carries out the steps of a flow and adds only the I/O."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from redis.exceptions import AuthenticationError
 
 from gpulock_common.aio import pending_cancels
 
-from . import _flow as flow
-from . import _remote
-from ._args import (
+from gpulock.protocol import flow
+from gpulock.runtime import remote as _remote
+from gpulock.protocol.args import (
     DEFAULT_MAX_WAITERS,
     DEFAULT_POLL_INTERVAL_S,
     DEFAULT_TTL_S,
@@ -24,17 +24,17 @@ from ._args import (
     PoolOptions,
     validate_token,
 )
-from ._lease import LeaseBase, default_clock
-from ._protocol import AcquireRequest
-from ._replies import DeviceReply, Grant, NotGranted, PoolStatus
-from ._retry import RETRYABLE, retrying
-from ._translate import translate
-from ._batch import Batcher, inflight_for
-from ._connect import DEFAULT_MAX_CONNECTIONS, async_client
-from ._keys import pool_keys
-from ._runtime import Runtime
-from ._script_calls import AsyncScripts
-from .errors import LeaseLost, PoolClosed
+from gpulock.protocol.lease import LeaseBase, default_clock
+from gpulock.protocol.request import AcquireRequest
+from gpulock.protocol.replies import DeviceReply, Grant, NotGranted, PoolStatus
+from gpulock.protocol.retry import RETRYABLE, retrying
+from gpulock.transport.translate import translate
+from gpulock.transport.batch import Batcher, inflight_for
+from gpulock.transport.connect import DEFAULT_MAX_CONNECTIONS, async_client
+from gpulock.protocol.keys import pool_keys
+from gpulock.runtime.runtime import Runtime
+from gpulock.transport.script_calls import AsyncScripts
+from gpulock.errors import LeaseLost, PoolClosed
 
 _T = TypeVar("_T")
 
@@ -182,8 +182,8 @@ class AsyncPool(PoolOptions):
     ) -> "AsyncPool":
         """Connect to a ``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://`` or
         ``redis+cluster://`` URL (no I/O until first use, but for the one ``INFO cluster`` a
-        plain URL's first use in the process costs; Sentinel URLs: :mod:`gpulock._connect`,
-        cluster URLs: :mod:`gpulock._cluster`).
+        plain URL's first use in the process costs; Sentinel URLs: :mod:`gpulock.transport.connect`,
+        cluster URLs: :mod:`gpulock.transport.cluster`).
         Socket timeouts default to 5 s (reads) and 2 s (connect) so a hung Redis surfaces as
         BackendUnavailable instead of a hang.
 
@@ -200,7 +200,7 @@ class AsyncPool(PoolOptions):
 
     # ---- the driver -------------------------------------------------------------------------
     async def _run(self, steps: flow.Flow[_T], cancels_before: int = 0) -> _T:
-        """Carry out a flow of :mod:`gpulock._flow` (its steps' replies: there) and return its
+        """Carry out a flow of :mod:`gpulock.protocol.flow` (its steps' replies: there) and return its
         result. ``cancels_before``: the caller task's pending cancellations when it began."""
         reply: Any = None
         error: BaseException | None = None
@@ -366,7 +366,7 @@ class AsyncPool(PoolOptions):
         report_ms: int = 0,
         overuse: str = "",
     ) -> DeviceReply:
-        """The device sampler's call (:mod:`gpulock.device_sampler`; ``lua/external.lua``):
+        """The device sampler's call (:mod:`gpulock.devices.sampler`; ``lua/external.lua``):
         take or extend the pool's sampler claim for ``claim_ms`` ms and, with ``external``
         (bytes, 0 .. capacity), publish the report for ``report_ms`` ms with the over-users
         (``overuse``: JSON text). Raises InvalidArgument (naming a bad value; nothing written),
@@ -470,7 +470,7 @@ class AsyncPool(PoolOptions):
         the pool; no I/O): nothing new is granted until it ends. 0 outside one."""
         return self._runtime.grace_left()
 
-    # ---- remote holders (for proxies such as the HTTP broker: see gpulock._remote) ----------
+    # ---- remote holders (for proxies such as the HTTP broker: see gpulock.runtime.remote) ----------
     @property
     def waiting(self) -> int:
         """How many requests this pool object has queued and waits for now (its own acquires

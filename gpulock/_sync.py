@@ -1,11 +1,11 @@
-"""The blocking shell: :class:`Pool` and :class:`Lease`, a driver of the steps in ``_flow.py``.
+"""The blocking shell: :class:`Pool` and :class:`Lease`, a driver of the steps in ``protocol/flow.py``.
 
 Acquire, release, status and configure go straight to Redis on the caller's thread through a
 synchronous redis-py client (one round trip each, no thread hop). A waiting acquire reads the
-pool object's hand-off subscription on its own thread (:mod:`gpulock._sync_listener`: one
+pool object's hand-off subscription on its own thread (:mod:`gpulock.runtime.sync_listener`: one
 waiting thread reads at a time and hands other threads their grants), so a hand-off crosses
 no thread. What must happen in the background — the heartbeat, the waiters' refresh, the reap
-timer — is the same :class:`~gpulock._runtime.Runtime` the asyncio shell uses, run on one
+timer — is the same :class:`~gpulock.runtime.runtime.Runtime` the asyncio shell uses, run on one
 daemon thread per pool object with its own event loop (started on first use, not at
 creation); a waiter is queued and left on the caller's thread, and that thread is woken only
 when the heartbeat must run sooner than it planned.
@@ -23,33 +23,33 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import redis
 from redis.exceptions import AuthenticationError
 
-from . import _flow as flow
-from ._async import _CLIENT_DEFAULTS, DEFAULT_BACKEND_TIMEOUT_S
-from ._args import (
+from gpulock.protocol import flow
+from gpulock._async import _CLIENT_DEFAULTS, DEFAULT_BACKEND_TIMEOUT_S
+from gpulock.protocol.args import (
     DEFAULT_MAX_WAITERS,
     DEFAULT_POLL_INTERVAL_S,
     DEFAULT_TTL_S,
     DEFAULT_WAITER_TTL_S,
     PoolOptions,
 )
-from ._lease import LeaseBase, default_clock
-from ._protocol import AcquireRequest
-from ._replies import PoolStatus
-from ._retry import RETRYABLE, retrying
-from ._translate import translate
-from ._connect import (
+from gpulock.protocol.lease import LeaseBase, default_clock
+from gpulock.protocol.request import AcquireRequest
+from gpulock.protocol.replies import PoolStatus
+from gpulock.protocol.retry import RETRYABLE, retrying
+from gpulock.transport.translate import translate
+from gpulock.transport.connect import (
     DEFAULT_MAX_CONNECTIONS,
     async_client,
     async_client_like,
     check_supported_client,
     sync_client,
 )
-from ._keys import pool_key, pool_keys
-from ._runtime import Runtime, Waiter
-from ._script_calls import SyncScripts
-from ._sync_listener import ThreadSubscription, ThreadWait
-from ._loop_thread import LoopThread as _LoopThread
-from .errors import InvalidArgument, LeaseLost, PoolClosed
+from gpulock.protocol.keys import pool_key, pool_keys
+from gpulock.runtime.runtime import Runtime, Waiter
+from gpulock.transport.script_calls import SyncScripts
+from gpulock.runtime.sync_listener import ThreadSubscription, ThreadWait
+from gpulock.runtime.loop_thread import LoopThread as _LoopThread
+from gpulock.errors import InvalidArgument, LeaseLost, PoolClosed
 
 _T = TypeVar("_T")
 
@@ -204,7 +204,7 @@ class Pool(PoolOptions):
         cls, url: str, name: str, *, max_connections: int = DEFAULT_MAX_CONNECTIONS, **kw: Any
     ) -> "Pool":
         """Connect to a ``redis://``, ``rediss://``, ``unix://`` or ``redis+sentinel://`` URL
-        (no I/O until first use; Sentinel URLs: :mod:`gpulock._connect`).
+        (no I/O until first use; Sentinel URLs: :mod:`gpulock.transport.connect`).
 
         ``max_connections`` (default 16, at least 2; a ``?max_connections=N`` in the URL wins)
         caps the connections of the calling threads' client: threads that find them all busy
@@ -281,7 +281,7 @@ class Pool(PoolOptions):
 
     # ---- the driver -------------------------------------------------------------------------
     def _run(self, steps: flow.Flow[_T], bg: _Background | None = None) -> _T:
-        """Carry out a flow of :mod:`gpulock._flow` (its steps' replies: there) on the caller's
+        """Carry out a flow of :mod:`gpulock.protocol.flow` (its steps' replies: there) on the caller's
         thread, and return its result. An acquire's flow runs with the background it began
         with (``bg``), also while close() drops it."""
         reply: Any = None
@@ -393,7 +393,7 @@ class Pool(PoolOptions):
             raise translate(e, self.name) from e
 
     def _renew_synced(self, args: list[str | int]) -> tuple[Any, int]:
-        """:class:`gpulock._flow.SyncedRenew` on the caller's client: ``renew`` and ``WAIT``
+        """:class:`gpulock.protocol.flow.SyncedRenew` on the caller's client: ``renew`` and ``WAIT``
         on one connection to the pool's master (:meth:`SyncScripts.renew_synced`)."""
         timeout_ms = max(1, int(self.sync_timeout * 1000))
         return self._scripts.renew_synced(

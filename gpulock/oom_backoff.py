@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import InvalidArgument
+from gpulock.errors import InvalidArgument
 
 __all__ = ["BackoffRule", "BucketState", "PoolState", "decode_bucket", "decode_pool"]
 

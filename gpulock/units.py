@@ -17,7 +17,7 @@ from typing import Literal, overload
 
 from gpulock_common.units import MAX_BYTES, format_size
 
-from .errors import InvalidArgument
+from gpulock.errors import InvalidArgument
 
 __all__ = [
     "MAX_BYTES",

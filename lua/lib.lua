@@ -1,5 +1,5 @@
 -- lib.lua: helpers shared by every gpulock operation. Not an operation of its own: the loader
--- (gpulock/_scripts.py) builds each operation from this file and the operation's file, as a
+-- (gpulock/transport/scripts.py) builds each operation from this file and the operation's file, as a
 -- function of the gpulock library and as a script (see bind() below), so every operation sees
 -- the same KEYS layout and helpers.
 --
@@ -35,7 +35,7 @@
 -- Numbers are always formatted with fmt() before they reach redis.call: Lua would print a
 -- double such as a fencing token as "1.7e+15" and lose digits.
 
--- The pool's keys, bound by bind() at the start of every call: the loader (gpulock/_scripts.py)
+-- The pool's keys, bound by bind() at the start of every call: the loader (gpulock/transport/scripts.py)
 -- runs each operation either as a script (EVALSHA: this file, "bind(KEYS)", the operation's
 -- file) or as a function of one library loaded once (FCALL, Redis >= 7 and Valkey: this file,
 -- then each operation wrapped as a function of (KEYS, ARGV) that starts with bind(KEYS)).
@@ -811,7 +811,7 @@ end
 -- Sharded pub/sub where the server has it (Redis >= 7, Valkey >= 7.2: REDIS_VERSION_NUM is
 -- set from 7.0 on): on a cluster SPUBLISH stays on the pool's shard (the channel carries the
 -- pool's hash tag) where PUBLISH is broadcast to every node. The subscriber picks SSUBSCRIBE
--- by the same rule (gpulock/_listener.py).
+-- by the same rule (gpulock/runtime/listener.py).
 local SHARDED = redis.REDIS_VERSION_NUM ~= nil and redis.REDIS_VERSION_NUM >= 0x070000
 
 local function publish(now, lines, n)

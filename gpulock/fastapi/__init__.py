@@ -43,7 +43,7 @@ What one request goes through (``GpuLimiter.call``)::
   execution), and a result is kept ``result_ttl`` seconds for retries that come later. A 503
   to a request that carries ``X-Request-ID`` does not give up its place: the request stays
   queued and runs when granted, each 503 (on any worker) keeping the place
-  ``max(park_timeout, 2 * Retry-After + 2)`` seconds more (``gpulock._places``, the rule the
+  ``max(park_timeout, 2 * Retry-After + 2)`` seconds more (``gpulock.http.places``, the rule the
   broker shares), so the retry sent after ``Retry-After`` collects the result. An id over
   128 bytes is refused (400 ``invalid_request_id``), never cut.
 * A client that closes its connection while its request waits (uvicorn does not cancel the
@@ -100,9 +100,14 @@ rule in :mod:`gpulock.oom_backoff`), ``_signature`` (``guard``/``endpoint``), ``
 
 from __future__ import annotations
 
-from .._disconnect import watch_disconnect
-from .._http_guards import RequestLimits, install_error_handlers, install_http_guards, utf8_error
-from ..retry_after import BusyRate
+from gpulock.http.disconnect import watch_disconnect
+from gpulock.http.guards import (
+    RequestLimits,
+    install_error_handlers,
+    install_http_guards,
+    utf8_error,
+)
+from gpulock.retry_after import BusyRate
 from ._batcher import Batcher, BatchPolicy
 from ._calibration import next_bucket
 from ._errors import GpuLockHTTPException

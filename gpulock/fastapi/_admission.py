@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable
 
 from gpulock_common.aio import wait_for
 
-from .._args import AGING_S
-from .._async import AsyncLease
-from ..errors import AcquireTimeout, InvalidArgument
+from gpulock.protocol.args import AGING_S
+from gpulock._async import AsyncLease
+from gpulock.errors import AcquireTimeout, InvalidArgument
 from ._backend import Backend
 
 log = logging.getLogger("gpulock.fastapi")

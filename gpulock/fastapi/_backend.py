@@ -13,11 +13,11 @@ from typing import Any
 import redis.asyncio as aioredis
 from gpulock_common.grace import grace_note
 
-from .._async import AsyncPool
-from .._keys import pool_key, pool_keys
-from .._shards import checked
-from .._shards_async import aon_key
-from .._replies import PoolStatus
+from gpulock._async import AsyncPool
+from gpulock.protocol.keys import pool_key, pool_keys
+from gpulock.transport.shards import checked
+from gpulock.transport.shards_async import aon_key
+from gpulock.protocol.replies import PoolStatus
 
 
 def process_owner() -> str:
@@ -49,13 +49,13 @@ class Backend:
         self.redis_error: str | None = "not connected yet"
 
     def key(self, suffix: str) -> str:
-        """The pool's Redis key ``gpulock:{pool}:<suffix>`` (see ``gpulock._keys``)."""
+        """The pool's Redis key ``gpulock:{pool}:<suffix>`` (see ``gpulock.protocol.keys``)."""
         return pool_key(self.pool_name, suffix)
 
     async def commands(self, *commands: tuple[Any, ...]) -> list[Any]:
         """``commands`` (each a tuple of words, every key the pool's) in order on one
         connection to the pool's server: on a Redis Cluster its shard alone
-        (:func:`gpulock._shards_async.aon_key`), so that another shard's trouble never touches
+        (:func:`gpulock.transport.shards_async.aon_key`), so that another shard's trouble never touches
         them. Returns the raw replies (bytes; ints; None for a nil).
 
         Raises: the first error reply; a connection error or timeout (a cluster's

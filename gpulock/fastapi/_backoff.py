@@ -1,7 +1,7 @@
 """The OOM back-off's shared state: the rule of :mod:`gpulock.oom_backoff` driven against the
 pool's ``backoff`` hash in Redis, which every worker reads, plus this worker's cache of it.
 
-Hash ``gpulock:{pool}:backoff`` (in the pool's slot, see :mod:`gpulock._keys`), fields:
+Hash ``gpulock:{pool}:backoff`` (in the pool's slot, see :mod:`gpulock.protocol.keys`), fields:
 
 * ``pool`` → ``"<factor> <at_ms>"`` (:class:`~gpulock.oom_backoff.PoolState`);
 * ``b:<bucket>`` → ``"<scale> <ok_at> <at_ms>"`` (:class:`~gpulock.oom_backoff.BucketState`),
@@ -19,7 +19,7 @@ import contextvars
 import logging
 import time
 
-from ..oom_backoff import BackoffRule, BucketState, PoolState, decode_bucket, decode_pool
+from gpulock.oom_backoff import BackoffRule, BucketState, PoolState, decode_bucket, decode_pool
 from ._backend import Backend
 
 log = logging.getLogger("gpulock.fastapi")

@@ -38,10 +38,10 @@ from typing import Any, Generic, TypeVar
 from fastapi import Request, Response
 from gpulock_common.aio import wait_for
 
-from .._disconnect import _Gone, _wait_or_gone
-from .._replies import PoolStatus
-from ..cuda import drop_traceback, empty_cache, is_oom
-from ..errors import AcquireTimeout, InvalidArgument
+from gpulock.http.disconnect import _Gone, _wait_or_gone
+from gpulock.protocol.replies import PoolStatus
+from gpulock.cuda import drop_traceback, empty_cache, is_oom
+from gpulock.errors import AcquireTimeout, InvalidArgument
 from ._admission import Slots
 from ._backend import Backend
 from ._call import GuardedCalls
@@ -383,7 +383,7 @@ class Batcher(Generic[R]):
         return s.free > 0 and not s.waiters and not self._ahead()
 
     def _bytes(self, items: list[R]) -> int:
-        from ..units import parse_size
+        from gpulock.units import parse_size
 
         if self._estimate_batch is not None:
             return int(self._estimate_batch(items))

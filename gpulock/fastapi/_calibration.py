@@ -88,7 +88,7 @@ class Estimates:
         in the pool's estimates hash, where every worker's :meth:`estimate` finds it.
 
         Raises: RuntimeError on a CPU device."""
-        from ..cuda import measure_peak
+        from gpulock.cuda import measure_peak
 
         if not device.startswith("cuda"):
             raise RuntimeError("calibration measures CUDA peaks; the device is " + device)

@@ -16,10 +16,10 @@ from fastapi import Request, Response
 from gpulock_common.aio import wait_for
 from gpulock_common.grace import grace_note, grace_outlasts
 
-from .. import _access_log as access
-from .._disconnect import _Gone, _wait_or_gone, watch_disconnect
-from ..errors import InvalidArgument
-from ..units import parse_size
+from gpulock.http import access_log as access
+from gpulock.http.disconnect import _Gone, _wait_or_gone, watch_disconnect
+from gpulock.errors import InvalidArgument
+from gpulock.units import parse_size
 from ._backend import Backend
 from ._errors import GpuLockHTTPException, HttpErrors, bytes_asked
 from ._idempotency import MISSING, RequestStore, request_ticket

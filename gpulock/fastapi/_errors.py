@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 from fastapi import HTTPException
 from gpulock_common.grace import grace_note
 
-from ..errors import (
+from gpulock.errors import (
     AcquireTimeout,
     BackendUnavailable,
     CapacityExceeded,
@@ -21,7 +21,7 @@ from ..errors import (
     QuotaExceeded,
     RoomExceeded,
 )
-from ..units import format_size
+from gpulock.units import format_size
 from ._metrics import metrics
 from ._settings import Settings
 
@@ -81,7 +81,7 @@ class HttpErrors:
     ):
         self._settings = settings
         self._retry_after = retry_after
-        # the pool's counters in Redis (gpulock._samples), shown by the dashboard
+        # the pool's counters in Redis (gpulock.admin.samples), shown by the dashboard
         self._on_event = on_event
 
     def count(self, e: GpuLockHTTPException, route: str) -> None:

@@ -10,7 +10,7 @@ import time
 import typing
 from typing import Any
 
-from .._async import AsyncLease
+from gpulock._async import AsyncLease
 
 
 class History:

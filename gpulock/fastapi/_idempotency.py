@@ -2,12 +2,12 @@
 worker its owner, the place a retry on another worker follows, and the results kept for
 retries that come later.
 
-Keys (see ``gpulock._keys``): ``gpulock:{pool}:req:<ticket>`` is the claim,
+Keys (see ``gpulock.protocol.keys``): ``gpulock:{pool}:req:<ticket>`` is the claim,
 ``owner|fingerprint|phase|place`` with a 10 s ttl its owner refreshes;
 ``gpulock:{pool}:res:<ticket>`` the result, JSON ``{"fp", "result"}`` or ``{"fp",
 "response": {"status", "media_type", "body" (base64)}}``, kept ``result_ttl`` seconds;
 ``gpulock:{pool}:hold:<ticket>`` a follower's 503 on another worker: the owner keeps the
-request's place while it exists (its PX is the hold that 503 promised, ``gpulock._places``).
+request's place while it exists (its PX is the hold that 503 promised, ``gpulock.http.places``).
 
 Every command goes to the pool's server alone (:meth:`Backend.commands
 <gpulock.fastapi._backend.Backend.commands>`; on a Redis Cluster, the pool's shard)."""
@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Response
 from gpulock_common.grace import grace_note, grace_outlasts
 
-from .._failure_log import FailureLog
-from .._places import hold_for
-from .._disconnect import _is_gone
+from gpulock.runtime.failure_log import FailureLog
+from gpulock.http.places import hold_for
+from gpulock.http.disconnect import _is_gone
 from ._admission import Slots
 from ._backend import Backend
 from ._errors import GpuLockHTTPException, HttpErrors
@@ -54,7 +54,7 @@ return 0
 
 def request_ticket(route: str, header_value: str) -> str:
     """The lease request id for an ``X-Request-ID`` header value on a route: any header value
-    (any characters; its length was bounded before, ``gpulock._access_log.request_id_error``)
+    (any characters; its length was bounded before, ``gpulock.http.access_log.request_id_error``)
     hashes to ``rq.<32 hex>``, which matches the core's pattern ``[A-Za-z0-9._:-]{1,128}``.
     Every worker computes the same ticket for the same value."""
     h = hashlib.sha256(f"{route}\n{header_value}".encode("utf-8", "surrogatepass")).hexdigest()

@@ -16,10 +16,10 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._async import AsyncLease
-from .._places import KeptPlace, KeptPlaces
-from ..cuda import drop_traceback, empty_cache, is_fatal_cuda_error, is_oom
-from ..errors import AcquireTimeout, LeaseLost
+from gpulock._async import AsyncLease
+from gpulock.http.places import KeptPlace, KeptPlaces
+from gpulock.cuda import drop_traceback, empty_cache, is_fatal_cuda_error, is_oom
+from gpulock.errors import AcquireTimeout, LeaseLost
 from ._admission import Admission
 from ._backend import Backend
 from ._backoff import OomBackoff, take_bucket
@@ -80,7 +80,7 @@ class Job:
     server_retry_after: float | None = None
     parked: bool = False  # it keeps its place across 503s (X-Request-ID and park_timeout > 0)
     # HTTP requests waiting on it now (a retry with the same X-Request-ID joins), and for a
-    # parked job until when its place is kept (monotonic; see gpulock._places)
+    # parked job until when its place is kept (monotonic; see gpulock.http.places)
     place: KeptPlace = field(default_factory=KeptPlace)
     abandoned: bool = False  # the HTTP side gave up on it (503 without parking, client gone)
     # Result or error, set as soon as known: the response goes out while the release (one more

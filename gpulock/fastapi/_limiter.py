@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar
 from fastapi import Response
 from gpulock_common.aio import stop_tasks
 
-from .._async import AsyncPool
-from .._replies import PoolStatus
-from .._samples import count_event
-from ..errors import GpuLockError, InvalidArgument
+from gpulock._async import AsyncPool
+from gpulock.protocol.replies import PoolStatus
+from gpulock.admin.samples import count_event
+from gpulock.errors import GpuLockError, InvalidArgument
 from . import _signature
 from ._admission import Admission, Slots, TtlBound
 from ._backend import Backend, process_owner
 from ._batcher import Batcher, BatchPolicy
-from ..oom_backoff import BackoffRule
+from gpulock.oom_backoff import BackoffRule
 from ._backoff import OomBackoff
 from ._calibration import Estimates
 from ._call import GuardedCalls
@@ -42,7 +42,7 @@ from ._settings import Settings
 from ._signature import GpuCall
 
 if TYPE_CHECKING:
-    from ..device_sampler import DeviceSampler
+    from gpulock.devices.sampler import DeviceSampler
 
 log = logging.getLogger("gpulock.fastapi")
 
@@ -110,7 +110,7 @@ class GpuLimiter:
             estimate and shrinks the share of the capacity granted (docs/SEMANTICS.md,
             "Back-off on OOM"); None turns it off.
         device: the index of the device the pool stands for; when given, each worker runs a
-            :class:`~gpulock.device_sampler.DeviceSampler` (one of them samples, the others
+            :class:`~gpulock.devices.sampler.DeviceSampler` (one of them samples, the others
             stand by) that reconciles the pool with the device's real memory (docs/SEMANTICS.md,
             "Device truth"). None (the default): no sampler.
         device_reader: how to read the device: ``auto``, ``nvml``, ``torch`` or ``fake:PATH``
@@ -286,7 +286,7 @@ class GpuLimiter:
         readiness says so and the reaper keeps trying."""
         if self._ready.started:
             return
-        from .._connect import async_client
+        from gpulock.transport.connect import async_client
 
         s, be = self.settings, self._backend
         be.owner = process_owner()
@@ -321,8 +321,8 @@ class GpuLimiter:
     def _start_device_sampler(self, pool: AsyncPool) -> None:
         """Run the device sampler in the background (stopped with the other tasks); a reader
         that cannot be opened is logged and leaves the pool without device truth."""
-        from ..device_sampler import DeviceSampler
-        from ..devices import DeviceError, open_reader
+        from gpulock.devices.sampler import DeviceSampler
+        from gpulock.devices import DeviceError, open_reader
 
         try:
             reader = open_reader(self.device_reader)

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 from fastapi import Response
 from gpulock_common.aio import wait_for
 
-from .._replies import PoolStatus
+from gpulock.protocol.replies import PoolStatus
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-    from .._async import AsyncPool
+    from gpulock._async import AsyncPool
 
 _BYTES_BUCKETS = tuple(float(2**k) for k in range(20, 38, 2))  # 1 MiB .. 64 GiB
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._args import PRIORITY_MAX, PRIORITY_MIN, validate_priority
-from ..errors import InvalidArgument
+from gpulock.protocol.args import PRIORITY_MAX, PRIORITY_MIN, validate_priority
+from gpulock.errors import InvalidArgument
 from ._errors import GpuLockHTTPException
 
 __all__ = ["PRIORITY_MAX", "PRIORITY_MIN", "RoutePriority"]

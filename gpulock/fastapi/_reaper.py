@@ -12,9 +12,9 @@ from collections.abc import Awaitable, Callable
 
 from gpulock_common.aio import stop_tasks
 
-from .._failure_log import FailureLog
-from .._replies import PoolStatus
-from ..errors import GpuLockError, PoolNotFound
+from gpulock.runtime.failure_log import FailureLog
+from gpulock.protocol.replies import PoolStatus
+from gpulock.errors import GpuLockError, PoolNotFound
 from ._backend import Backend
 from ._metrics import multiproc_dir, sweep_dead_processes
 from ._settings import Settings

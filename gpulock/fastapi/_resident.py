@@ -11,9 +11,9 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from .._async import AsyncLease
-from ..errors import AcquireTimeout, BackendUnavailable, CapacityExceeded, PoolNotFound
-from ..units import format_size, parse_size
+from gpulock._async import AsyncLease
+from gpulock.errors import AcquireTimeout, BackendUnavailable, CapacityExceeded, PoolNotFound
+from gpulock.units import format_size, parse_size
 from ._admission import TtlBound
 from ._backend import Backend
 from ._history import History

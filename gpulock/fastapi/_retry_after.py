@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from gpulock_common.aio import wait_for
 
-from .. import retry_after as policy
-from .._replies import PoolStatus
+from gpulock import retry_after as policy
+from gpulock.protocol.replies import PoolStatus
 from ._admission import Slots
 from ._backend import Backend
 from ._settings import Settings

@@ -8,9 +8,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .._args import validate_tenant
-from ..errors import InvalidArgument
-from ..units import parse_size
+from gpulock.protocol.args import validate_tenant
+from gpulock.errors import InvalidArgument
+from gpulock.units import parse_size
 
 
 @dataclass

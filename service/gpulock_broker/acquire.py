@@ -7,10 +7,10 @@ import asyncio
 import dataclasses
 from typing import Any, Callable
 
-from gpulock import _access_log as access
+from gpulock.http import access_log as access
 from gpulock_common.grace import grace_outlasts
-from gpulock._args import new_id
-from gpulock._replies import Grant, NotGranted
+from gpulock.protocol.args import new_id
+from gpulock.protocol.replies import Grant, NotGranted
 from gpulock.errors import (
     BackendUnavailable,
     InvalidArgument,

@@ -38,7 +38,7 @@ from gpulock.errors import (
     QuotaExceeded,
     RoomExceeded,
 )
-from gpulock._disconnect import watch_disconnect
+from gpulock.http.disconnect import watch_disconnect
 
 from .auth import Principal
 from .responses import LINKS, errors
@@ -110,7 +110,7 @@ async def admin_principal(who: Principal = Depends(principal)) -> Principal:
 
 
 async def dashboard_data(broker: Broker) -> dict[str, Any]:
-    """``GET /dashboard/data``'s body (the route is ``gpulock._dashboard_http``'s): the view of
+    """``GET /dashboard/data``'s body (the route is ``gpulock.dashboard.routes``'s): the view of
     every pool; Redis not answering is the broker's 503 ``backend_unavailable``."""
     try:
         return await broker.dashboard()

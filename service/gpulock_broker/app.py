@@ -47,7 +47,7 @@ def create_broker_app(
         read_timeout: seconds a body may take to arrive (else 408); default
             ``GPULOCK_READ_TIMEOUT``, else 30.
         log_format: the access log's, ``plain`` or ``json`` (default ``GPULOCK_LOG_FORMAT``,
-            else ``plain``); see :mod:`gpulock._access_log`.
+            else ``plain``); see :mod:`gpulock.http.access_log`.
         **broker_kw: passed to :class:`Broker` (max_wait, backend_timeout, park_max, ...).
 
     Raises: TokenConfigError when no token is configured.
@@ -56,12 +56,12 @@ def create_broker_app(
 
     from fastapi import FastAPI
 
-    from gpulock._access_log import AccessLog
-    from gpulock._http_guards import install_http_guards
+    from gpulock.http.access_log import AccessLog
+    from gpulock.http.guards import install_http_guards
 
     from fastapi import Depends
 
-    from gpulock._dashboard_http import dashboard_router
+    from gpulock.dashboard.routes import dashboard_router
 
     from .api import admin_principal, dashboard_data, router
     from .core import Broker
@@ -132,7 +132,7 @@ def run_broker(
     request (``log_format``: ``plain`` or ``json``) instead of uvicorn's access log."""
     import uvicorn
 
-    from gpulock._http_server import MAX_HEADER_BYTES, server_protocol
+    from gpulock.http.server import MAX_HEADER_BYTES, server_protocol
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -195,9 +195,9 @@ def register_broker(typer_app) -> None:
     ) -> None:
         """Serve the HTTP lease API (/v1) for hosts that do not talk to Redis."""
         from gpulock import InvalidArgument
-        from gpulock._connect import check_url
+        from gpulock.transport.connect import check_url
 
-        from gpulock._access_log import check_log_format
+        from gpulock.http.access_log import check_log_format
 
         try:
             check_url(redis_url)  # a malformed URL: exit 2 before anything starts

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from gpulock._args import TENANT_RE, validate_tenant
+from gpulock.protocol.args import TENANT_RE, validate_tenant
 from gpulock.errors import InvalidArgument
 
 __all__ = ["Principal", "TokenStore", "load_tokens", "TokenConfigError"]

@@ -22,7 +22,7 @@ the request is withdrawn (``cancel``: it leaves the queue, or its grant is relea
 ``Retry-After`` (whole seconds) paces clients that do not long-poll:
 ``clamp(time to the nearest lease expiry, 1, retry_after_max)``, from the queue's real state;
 ``hold = min(park_max, max(waiter_ttl, 2 * Retry-After + 2))`` (the rule the FastAPI service
-shares, ``gpulock._places``), so a client honouring it (with up to +30% jitter) keeps its
+shares, ``gpulock.http.places``), so a client honouring it (with up to +30% jitter) keeps its
 place, and keeps it for as long as it keeps coming back. While parked, one coroutine per request catches a grant
 that lands and renews it (ttl/3) until the client collects it or the window ends; a grant
 collected with less than half its ttl left is renewed once more, so the client starts with a
@@ -50,10 +50,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from gpulock_common.aio import stop_tasks
 
 from gpulock import AsyncPool
-from gpulock._admin import DeleteResult
-from gpulock._dashboard import dashboard_view
-from gpulock._listing import Listing
-from gpulock._samples import Sampler, count_event
+from gpulock.admin.pools import DeleteResult
+from gpulock.dashboard.view import dashboard_view
+from gpulock.admin.listing import Listing
+from gpulock.admin.samples import Sampler, count_event
 
 from .acquire import LONG_POLL_S, Acquirer
 from .auth import Principal
@@ -85,7 +85,7 @@ class Broker:
     results and errors to status codes).
 
     Args:
-        redis_url: the Redis holding the pools: any URL of :mod:`gpulock._connect`
+        redis_url: the Redis holding the pools: any URL of :mod:`gpulock.transport.connect`
             (redis://, rediss://, unix://, redis+sentinel://).
         tokens: the principals (see :func:`~gpulock_broker.auth.load_tokens`).
         max_wait: the longest a POST is held while queued, seconds.
@@ -192,7 +192,7 @@ class Broker:
                 self._sweep_loop(), name="gpulock-broker-sweeper"
             )
         if self._sampler is None:
-            # the pools' history for the dashboard (gpulock._samples): every broker and service
+            # the pools' history for the dashboard (gpulock.admin.samples): every broker and service
             # worker runs one; each pool's sampler lease lets one of them write
             sampler = Sampler(self._poolset.client(), self.pool_names, self.status)
             self._sampler = asyncio.get_running_loop().create_task(
@@ -229,7 +229,7 @@ class Broker:
         :meth:`gpulock.AsyncPool.acquire`); a retry of a queued request keeps its first place.
         ``device``: the index of the device the lease must be on (None: the pool places it).
         ``gone``: a future that turns true when the HTTP client hung up (see
-        ``gpulock._disconnect.watch_disconnect``); the long poll then ends at once and the request
+        ``gpulock.http.disconnect.watch_disconnect``); the long poll then ends at once and the request
         is withdrawn (unless another retry of it is attached), so it is never granted.
 
         Raises: CapacityExceeded, PoolNotFound, QueueFull, InvalidArgument, BackendUnavailable,
@@ -279,7 +279,7 @@ class Broker:
         return await self._poolset.listing()
 
     async def dashboard(self) -> dict[str, Any]:
-        """The live view of every pool (:func:`gpulock._dashboard.dashboard_view`), naming the
+        """The live view of every pool (:func:`gpulock.dashboard.view.dashboard_view`), naming the
         shards of a Redis Cluster that could not be read."""
         listing = await self.pool_listing()
         return await self._tasks.guard(
@@ -343,5 +343,5 @@ class Broker:
 
     def sweep(self) -> None:
         """Forget records of long-expired leases (places nobody came back for are withdrawn by
-        their own timers, :class:`gpulock._places.KeptPlaces`)."""
+        their own timers, :class:`gpulock.http.places.KeptPlaces`)."""
         self._leases.sweep(self.clock())

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
-from gpulock._replies import Grant
+from gpulock.protocol.replies import Grant
 from gpulock.errors import LeaseLost, PoolNotFound
 
 from .auth import Principal

@@ -10,9 +10,9 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from typing_extensions import Annotated
 
-from gpulock._args import MAX_TTL_S as MAX_POOL_TTL_S
-from gpulock._args import MIN_TTL_S as MIN_POOL_TTL_S
-from gpulock._args import (
+from gpulock.protocol.args import MAX_TTL_S as MAX_POOL_TTL_S
+from gpulock.protocol.args import MIN_TTL_S as MIN_POOL_TTL_S
+from gpulock.protocol.args import (
     MAX_DEVICES,
     PRIORITY_MAX,
     PRIORITY_MIN,
@@ -24,8 +24,8 @@ from gpulock._args import (
     validate_placement,
     validate_priority,
 )
-from gpulock._flow import queue_policy
-from gpulock._json_int import INTEGRAL, integral
+from gpulock.protocol.flow import queue_policy
+from gpulock.http.json_int import INTEGRAL, integral
 from gpulock.errors import InvalidArgument
 from gpulock.units import MAX_BYTES, SIZE_TEXT_MAX_LENGTH, SIZE_TEXT_PATTERN, parse_size_text
 
@@ -34,7 +34,10 @@ REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,96}$"
 LEASE_ID_PATTERN = r"^[0-9a-f]{32}$"
 MAX_HOLDER_JSON = 256
 MIN_TTL_S, MAX_TTL_S = 1.0, 86400.0
-MIN_BACKFILL_WINDOW_S, MAX_BACKFILL_WINDOW_S = 0.001, 86400.0  # gpulock._flow.queue_policy's
+MIN_BACKFILL_WINDOW_S, MAX_BACKFILL_WINDOW_S = (
+    0.001,
+    86400.0,
+)  # gpulock.protocol.flow.queue_policy's
 
 Scalar = Union[str, int, float, bool, None]
 # Sizes as text: gpulock.units.SIZE_TEXT_PATTERN is the exact rule (never zero, no fraction of a

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpulock._replies import Grant
+from gpulock.protocol.replies import Grant
 from gpulock.errors import BackendUnavailable
 
 __all__ = ["ClientGone", "Granted", "LeaseGone", "NotYours", "PoolBeingDeleted", "Queued"]

@@ -2,7 +2,7 @@
 
 A place is keyed by ``(pool, ticket)``; the ticket is the request id scoped to the token
 (:func:`ticket`). How long it is kept is the rule every surface shares
-(:class:`gpulock._places.KeptPlaces`): while an HTTP request for it is attached or a Redis
+(:class:`gpulock.http.places.KeptPlaces`): while an HTTP request for it is attached or a Redis
 call for it is in flight, and for its hold after each answer that left it queued. One
 coroutine per parked request (the *keeper*) catches a grant that lands for it and renews
 that lease. A place nobody came back for is withdrawn (it leaves the queue, or its grant is
@@ -18,7 +18,7 @@ from typing import Callable
 from gpulock_common.aio import wait_for
 
 from gpulock import AsyncPool
-from gpulock._places import KeptPlace, KeptPlaces
+from gpulock.http.places import KeptPlace, KeptPlaces
 from gpulock.errors import LeaseLost
 
 from .auth import Principal

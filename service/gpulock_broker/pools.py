@@ -11,12 +11,12 @@ from typing import Any, Callable, Mapping, Sequence
 import redis.asyncio as aioredis
 
 from gpulock import AsyncPool
-from gpulock._admin import DeleteResult, adelete_pool
-from gpulock._connect import async_client
-from gpulock._listing import Listing, alist_pools
-from gpulock._args import validate_pool_name
-from gpulock._retry import retrying
-from gpulock._translate import translate
+from gpulock.admin.pools import DeleteResult, adelete_pool
+from gpulock.transport.connect import async_client
+from gpulock.admin.listing import Listing, alist_pools
+from gpulock.protocol.args import validate_pool_name
+from gpulock.protocol.retry import retrying
+from gpulock.transport.translate import translate
 from gpulock.errors import BackendUnavailable, PoolNotFound
 
 from .outcomes import PoolBeingDeleted
@@ -29,7 +29,7 @@ class Pools:
     """One :class:`gpulock.AsyncPool` per pool name, on one bounded Redis connection pool.
 
     Args:
-        redis_url: the Redis holding the pools: any URL of :mod:`gpulock._connect`.
+        redis_url: the Redis holding the pools: any URL of :mod:`gpulock.transport.connect`.
         tasks: where Redis calls run, bounded by ``tasks.backend_timeout``.
         waiter_ttl, poll_interval, backend_timeout: passed to each :class:`gpulock.AsyncPool`
             (seconds).
@@ -85,7 +85,7 @@ class Pools:
         if self._redis is None:
             # A bounded pool: requests beyond it wait for a connection (waiting for a grant
             # holds none). Each pool name's pub/sub subscription takes one of them for good.
-            # gpulock._connect: the library's one URL parser and connector (redis://,
+            # gpulock.transport.connect: the library's one URL parser and connector (redis://,
             # rediss://, unix://, redis+sentinel://).
             self._redis = async_client(
                 self.redis_url,
@@ -160,7 +160,7 @@ class Pools:
     # ---- pool-wide operations ----------------------------------------------------------------
     async def listing(self) -> Listing:
         """Every pool configured in Redis (sorted), and the shards of a Redis Cluster that
-        could not be read (gpulock._listing: each master asked at once, for at most
+        could not be read (gpulock.admin.listing: each master asked at once, for at most
         LIST_TIMEOUT_S; their pools are left out)."""
         redis = self.client()
 
@@ -231,7 +231,7 @@ class Pools:
         return {**r, "max_ttl": p.max_ttl}
 
     async def delete(self, pool: str, *, force: bool = False) -> DeleteResult:
-        """Delete a pool in Redis (gpulock._admin's script: refused while leases or waiters are
+        """Delete a pool in Redis (gpulock.admin.pools's script: refused while leases or waiters are
         live unless ``force``), then forget what this broker kept for it.
 
         With ``force``, this broker's own waiters on the pool are withdrawn first (their long

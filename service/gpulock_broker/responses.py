@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpulock._openapi import error_responses
+from gpulock.http.openapi import error_responses
 from gpulock.retry_after import openapi_headers
 
 from .answers import ErrorResponse

@@ -32,13 +32,13 @@ from typing import Any
 from fastapi import FastAPI, Path, Request, Response
 from fastapi.responses import JSONResponse
 
-from gpulock._access_log import AccessLog
-from gpulock._dashboard import dashboard_view
-from gpulock._dashboard_http import dashboard_router
-from gpulock._http_guards import install_http_guards
-from gpulock._keys import pool_key
-from gpulock._samples import Sampler
-from gpulock._shards_async import aon_key
+from gpulock.http.access_log import AccessLog
+from gpulock.dashboard.view import dashboard_view
+from gpulock.dashboard.routes import dashboard_router
+from gpulock.http.guards import install_http_guards
+from gpulock.protocol.keys import pool_key
+from gpulock.admin.samples import Sampler
+from gpulock.transport.shards_async import aon_key
 from gpulock.errors import BackendUnavailable
 from gpulock.fastapi import GpuLimiter
 from gpulock.fastapi._http_metrics import HttpMetrics
@@ -194,7 +194,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if limiter.pool is None:  # not started (the lifespan starts it before bring_up)
             return
         redis = limiter.pool.redis  # the limiter's own client
-        # on the pool's server alone (on a cluster, its shard: gpulock._shards_async.aon_key)
+        # on the pool's server alone (on a cluster, its shard: gpulock.transport.shards_async.aon_key)
         claimed = await aon_key(redis, lock, ("SET", lock, str(os.getpid()), "NX", "EX", 600))
         if not claimed[0]:
             return

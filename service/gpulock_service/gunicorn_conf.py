@@ -8,11 +8,11 @@ gpulock_service.app:app`` (``gpulock serve`` uses it). Command-line flags overri
   prometheus-client multiprocess recipe), so recycled or killed workers leave no stale series.
 * ``keepalive``: 5 s, uvicorn's ``timeout_keep_alive``: an idle kept-alive connection is closed
   after it.
-* ``post_worker_init``: each uvicorn worker serves with :func:`gpulock._http_server.server_protocol`:
+* ``post_worker_init``: each uvicorn worker serves with :func:`gpulock.http.server.server_protocol`:
   a connection whose request line and headers do not arrive within ``GPULOCK_READ_TIMEOUT``
   seconds (30) is answered 408 and closed, one with more than 64 KiB of them 431 (uvicorn has
   no such bound: a connection that sent nothing, or a header byte a second, was held forever).
-  The body's own bounds (size, read time) are the app's (``gpulock._http_guards.RequestLimits``).
+  The body's own bounds (size, read time) are the app's (``gpulock.http.guards.RequestLimits``).
 """
 
 import os
@@ -27,7 +27,7 @@ def post_worker_init(worker):
     config = getattr(worker, "config", None)  # uvicorn_worker.UvicornWorker's uvicorn Config
     if config is None:
         return
-    from gpulock._http_server import MAX_HEADER_BYTES, server_protocol
+    from gpulock.http.server import MAX_HEADER_BYTES, server_protocol
 
     config.http = server_protocol()
     config.h11_max_incomplete_event_size = MAX_HEADER_BYTES

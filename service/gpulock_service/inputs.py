@@ -25,7 +25,7 @@ from typing import Any, Literal, cast
 
 from pydantic import BaseModel, Field, PrivateAttr, StrictBool
 
-from gpulock._json_int import JsonInt
+from gpulock.http.json_int import JsonInt
 
 from .models import count_tokens
 from .openai_errors import OpenAIError

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from gpulock._openapi import error_responses
+from gpulock.http.openapi import error_responses
 from gpulock.retry_after import openapi_headers
 
 from .openai_errors import OpenAIErrorResponse

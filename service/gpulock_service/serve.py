@@ -84,8 +84,8 @@ def check_options(
     from pydantic import ValidationError
 
     from gpulock import InvalidArgument
-    from gpulock._connect import check_url
-    from gpulock._args import validate_pool_name
+    from gpulock.transport.connect import check_url
+    from gpulock.protocol.args import validate_pool_name
     from gpulock.embedded import port_in_use
 
     try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 
-from gpulock._access_log import ACCESS_LOGGER
+from gpulock.http.access_log import ACCESS_LOGGER
 
 from ._support import BrokerServer, client
 

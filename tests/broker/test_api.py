@@ -646,7 +646,7 @@ def test_bad_priority_is_422_naming_the_value_and_changes_nothing(user, gpu, bad
 
 
 def test_priority_accepts_integral_json_numbers(user, gpu):
-    """JSON Schema's integer includes 3.0 (gpulock._json_int), and the bounds are inclusive."""
+    """JSON Schema's integer includes 3.0 (gpulock.http.json_int), and the bounds are inclusive."""
     for p in (100, -100, 5.0):
         r = post(user, amount=GiB, priority=p, ttl=10)
         assert r.status_code == 201, (p, r.text)

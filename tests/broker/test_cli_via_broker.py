@@ -323,7 +323,7 @@ def test_broker_default_port_is_not_serves():
 def test_status_from_a_broker_carries_each_waiters_priority():
     """`gpulock --broker-url status` builds the core's WaiterInfo from the broker's JSON: the
     priority is carried, and a broker older than priorities (no field) reads as 0."""
-    from gpulock._cli_broker import status_from_dict
+    from gpulock.cli.broker import status_from_dict
 
     pool = {
         "pool": "p",

@@ -15,7 +15,7 @@ import pytest
 import redis
 from support.pools import GiB, raw
 
-from gpulock._keys import pool_keys
+from gpulock.protocol.keys import pool_keys
 
 from ._support import USER_TOKEN
 

@@ -19,7 +19,7 @@ from support.pools import GiB
 from support.waiting import wait_until
 
 from gpulock import Pool
-from gpulock._keys import pool_key
+from gpulock.protocol.keys import pool_key
 from gpulock.errors import GpuLockError
 
 MiB = 2**20

@@ -27,7 +27,7 @@ from test_http_limits import (
     user_app,  # noqa: F401 - fixture
 )
 
-from gpulock._access_log import MAX_REQUEST_ID_BYTES
+from gpulock.http.access_log import MAX_REQUEST_ID_BYTES
 
 # whose log the test reads: the user's app installs no AccessLog; the broker here logs at
 # WARNING (its lines are read in tests/broker/test_access_log.py)

@@ -27,7 +27,7 @@ from gpulock import (
     Pool,
     PoolNotFound,
 )
-from gpulock._args import new_id
+from gpulock.protocol.args import new_id
 from gpulock.embedded import RedisProcess
 from support.pools import check_consistent, raw, raw_acquire, raw_configure, snapshot
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpulock import AsyncPool, CapacityExceeded, InvalidArgument, Pool
-from gpulock._args import new_id
+from gpulock.protocol.args import new_id
 from support.pools import GiB, raw, raw_acquire, raw_configure, snapshot
 
 CAP = 8 * GiB

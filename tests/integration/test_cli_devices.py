@@ -261,7 +261,7 @@ def test_run_through_a_broker_errors_name_the_device(url):
     kept)"""
     import gpulock_client
 
-    from gpulock._cli_broker import core_error
+    from gpulock.cli.broker import core_error
 
     e = core_error(gpulock_client.CapacityExceeded(5, 4, "exceeds the capacity of device 1"))
     assert "device 1" in str(e) and (e.amount, e.capacity) == (5, 4)

@@ -21,9 +21,9 @@ from redis.cluster import RedisCluster
 from support.cluster import Cluster, start_cluster
 
 from gpulock import AsyncPool, InvalidArgument, Pool
-from gpulock._admin import pool_names
-from gpulock._connect import async_client, sync_client
-from gpulock._keys import pool_key
+from gpulock.admin.pools import pool_names
+from gpulock.transport.connect import async_client, sync_client
+from gpulock.protocol.keys import pool_key
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -195,7 +195,7 @@ def test_bad_cluster_urls_name_the_bad_part(url, bad):
 
 
 def test_cluster_url_seeds_and_tls_scheme_parse():
-    from gpulock._cluster import ClusterURL
+    from gpulock.transport.cluster import ClusterURL
 
     cu = ClusterURL("rediss+cluster://u:p%40ss@h1:7000,h2:7001,h3/0?max_connections=8")
     assert cu.nodes == [("h1", 7000), ("h2", 7001), ("h3", 6379)] and cu.ssl
@@ -273,7 +273,7 @@ async def test_one_subscription_connection_per_shard_for_all_pool_objects(cluste
     """30 pool objects on one cluster client (as the broker keeps them), each with a waiter:
     one hand-off subscription connection per master, not one per pool; all hand-offs still
     arrive; closing the pool objects closes the connections."""
-    from gpulock._connect import async_client
+    from gpulock.transport.connect import async_client
 
     client = async_client(cluster.url)
     nodes = [cluster.client(m) for m in cluster.masters]
@@ -302,7 +302,7 @@ async def test_one_subscription_connection_per_shard_for_all_pool_objects(cluste
 
 
 async def test_one_subscription_connection_for_all_pool_objects_on_one_server(redis_proc):
-    from gpulock._connect import async_client
+    from gpulock.transport.connect import async_client
 
     client = async_client(redis_proc.url)
     pools = [AsyncPool(client, f"one{i}", poll_interval=60) for i in range(20)]
@@ -329,7 +329,7 @@ def test_an_unreachable_cluster_is_exit_69_with_its_cause():
     traceback; the library raises BackendUnavailable when the sync client is made (redis-py
     reads the slot map then) and InvalidArgument only for a malformed URL."""
     from gpulock import BackendUnavailable
-    from gpulock._connect import check_url
+    from gpulock.transport.connect import check_url
     from gpulock.embedded import free_port
 
     url = f"redis+cluster://127.0.0.1:{free_port('127.0.0.1')}"
@@ -350,7 +350,7 @@ def test_plain_urls_refused_before_any_connection_name_the_bad_part(cluster):
     """A plain URL with an option no connection takes, a port out of range, or a database
     other than 0 on a cluster node: InvalidArgument naming it (it was a TypeError, an outage
     message, or "SELECT is not allowed in cluster mode" reported as Redis unavailable)."""
-    from gpulock._connect import check_url
+    from gpulock.transport.connect import check_url
 
     node = f"redis://{cluster.masters[0].host}:{cluster.masters[0].port}"
     for url, bad in [

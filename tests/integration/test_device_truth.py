@@ -25,8 +25,8 @@ import redis
 
 from gpulock import AcquireTimeout, AsyncPool, InvalidArgument, PoolNotFound
 from gpulock.cli import EXIT_OVERUSE
-from gpulock.device_sampler import DeviceSampler
-from gpulock.device_truth import Smoother
+from gpulock.devices.sampler import DeviceSampler
+from gpulock.devices.truth import Smoother
 from gpulock.devices import FakeReader, write_fake_devices
 from support.pools import MiB, raw, raw_configure, snapshot
 from support.procs import gpulock_argv, kill_quietly

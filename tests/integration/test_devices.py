@@ -18,8 +18,8 @@ from support.priority_model import QueueModel, end_one
 from support.waiting import async_wait_until
 
 from gpulock import CapacityExceeded, InvalidArgument
-from gpulock._args import new_id
-from gpulock._keys import pool_keys
+from gpulock.protocol.args import new_id
+from gpulock.protocol.keys import pool_keys
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -363,7 +363,7 @@ async def test_a_request_id_reused_for_another_device_is_a_conflict(make_apool, 
 
 
 def test_the_devices_may_not_sum_past_what_a_pool_holds():
-    from gpulock._args import encode_devices
+    from gpulock.protocol.args import encode_devices
 
     with pytest.raises(InvalidArgument, match="sum to"):
         encode_devices([2**52, 2**52, 2**52], None)

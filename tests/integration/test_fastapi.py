@@ -395,7 +395,7 @@ async def test_503_with_request_id_keeps_the_place(redis_proc1):
 
 
 async def test_a_parked_request_keeps_its_place_for_as_long_as_it_retries(redis_proc1):
-    """Each 503 extends the place (gpulock._places): a client that keeps coming back keeps
+    """Each 503 extends the place (gpulock.http.places): a client that keeps coming back keeps
     its rank however long the queue takes, well past ``acquire_timeout + park_timeout``
     from its first arrival (when the place used to run out and the retry queued again at the
     back, behind a later request)."""

@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 from fastapi import Request, Response
 
-from gpulock._samples import read_counters
+from gpulock.admin.samples import read_counters
 from gpulock.fastapi import metrics
 
 from .test_fastapi import _app, _Running

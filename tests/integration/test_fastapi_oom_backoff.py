@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.apps import Running
 
 from gpulock import AsyncPool
-from gpulock._access_log import ACCESS_LOGGER, AccessLog
+from gpulock.http.access_log import ACCESS_LOGGER, AccessLog
 from gpulock.fastapi import GpuLimiter, current_lease
 from gpulock.oom_backoff import BackoffRule
 

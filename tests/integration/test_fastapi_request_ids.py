@@ -9,7 +9,7 @@ import pytest
 from fastapi import FastAPI
 from support.apps import Running
 
-from gpulock._access_log import MAX_REQUEST_ID_BYTES
+from gpulock.http.access_log import MAX_REQUEST_ID_BYTES
 from gpulock.fastapi import GpuLimiter
 
 pytestmark = pytest.mark.timeout(60)

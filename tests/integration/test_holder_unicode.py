@@ -10,7 +10,7 @@ import json
 import pytest
 
 from gpulock import InvalidArgument
-from gpulock._args import decode_meta
+from gpulock.protocol.args import decode_meta
 from support.pools import GiB, snapshot
 
 BAD_HOLDERS = [

@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel
 
-from gpulock._http_guards import install_http_guards
+from gpulock.http.guards import install_http_guards
 from gpulock.embedded import free_port
 
 

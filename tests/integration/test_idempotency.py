@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from gpulock import AcquireTimeout, InvalidArgument, LeaseLost
-from gpulock._keys import pool_keys
+from gpulock.protocol.keys import pool_keys
 from support.pools import assert_empty, raw_acquire, snapshot, used
 from support.waiting import async_wait_until
 

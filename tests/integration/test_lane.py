@@ -1,4 +1,4 @@
-"""The lane (gpulock/_lane.py): script calls on redis-py connections kept at hand. What must
+"""The lane (gpulock/transport/lane.py): script calls on redis-py connections kept at hand. What must
 hold whatever happens to a call: a later call never reads an earlier call's reply (a
 connection goes back only with nothing left to read), the client's connection cap holds, a
 connection error drops the connections at hand, and a forked child never uses the parent's.
@@ -14,8 +14,8 @@ import os
 import pytest
 import redis
 
-from gpulock._connect import async_client, sync_client
-from gpulock._lane import async_lane, encode, sync_lane
+from gpulock.transport.connect import async_client, sync_client
+from gpulock.transport.lane import async_lane, encode, sync_lane
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from gpulock import LeaseLost
-from gpulock._args import new_id
-from gpulock._keys import pool_keys
+from gpulock.protocol.args import new_id
+from gpulock.protocol.keys import pool_keys
 from support.pools import GiB, assert_empty, raw, raw_acquire, raw_configure, snapshot, used
 
 

@@ -26,8 +26,8 @@ from support.priority_model import AGING_US, QueueModel, end_one
 from support.waiting import async_wait_until, wait_until
 
 from gpulock import InvalidArgument
-from gpulock._args import new_id
-from gpulock._keys import pool_keys
+from gpulock.protocol.args import new_id
+from gpulock.protocol.keys import pool_keys
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,7 +15,7 @@ from support.pools import RAW_FORMS, assert_empty, check_consistent, raw_configu
 from support.waiting import async_wait_until
 
 from gpulock import AcquireTimeout, CapacityExceeded, InvalidArgument, QuotaExceeded
-from gpulock._args import new_id
+from gpulock.protocol.args import new_id
 
 pytestmark = pytest.mark.timeout(120)
 

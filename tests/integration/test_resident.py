@@ -29,8 +29,8 @@ from gpulock import (
     QuotaExceeded,
     RoomExceeded,
 )
-from gpulock._args import new_id
-from gpulock._keys import pool_keys
+from gpulock.protocol.args import new_id
+from gpulock.protocol.keys import pool_keys
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,8 +12,8 @@ import redis
 from support.pools import check_consistent, raw
 
 from gpulock import AcquireTimeout, QuotaExceeded, RoomExceeded
-from gpulock._args import new_id
-from gpulock._keys import pool_keys
+from gpulock.protocol.args import new_id
+from gpulock.protocol.keys import pool_keys
 
 pytestmark = pytest.mark.timeout(60)
 

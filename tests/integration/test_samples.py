@@ -1,4 +1,4 @@
-"""The pool history ring (gpulock/_samples.py, issue 15 item 2) against a real server: one
+"""The pool history ring (gpulock/admin/samples.py, issue 15 item 2) against a real server: one
 sampler per pool whatever the number of processes (the SET NX PX lease), bounded, on the
 server's clock, kept across a sampler's restart; and the view built from it."""
 
@@ -10,9 +10,9 @@ import json
 import pytest
 import redis.asyncio as aioredis
 
-from gpulock._dashboard import dashboard_view
-from gpulock._keys import pool_key
-from gpulock._samples import (
+from gpulock.dashboard.view import dashboard_view
+from gpulock.protocol.keys import pool_key
+from gpulock.admin.samples import (
     SAMPLE_LIMIT,
     SAMPLER_LEASE_MS,
     Sampler,
@@ -130,7 +130,7 @@ async def test_the_view_survives_a_new_sampler_and_hides_token_identities(ar, ma
 
 
 async def test_a_pool_that_does_not_exist_gets_no_keys(ar, make_apool):
-    from gpulock._admin import adelete_pool
+    from gpulock.admin.pools import adelete_pool
 
     assert not await claim_sampler(ar, "never-made", "me")
     assert not await count_event(ar, "never-made", "rejected")

@@ -25,8 +25,8 @@ import pytest
 import redis
 
 from gpulock import AsyncPool, BackendUnavailable, GpuLockError, Pool
-from gpulock._args import new_id
-from gpulock._keys import pool_keys
+from gpulock.protocol.args import new_id
+from gpulock.protocol.keys import pool_keys
 from support.pools import RAW_FORMS, check_consistent, raw, raw_acquire, raw_configure, snapshot
 
 

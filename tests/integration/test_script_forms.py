@@ -1,4 +1,4 @@
-"""The two forms of the scripts (gpulock/_scripts.py, gpulock/_dialect.py): functions of one
+"""The two forms of the scripts (gpulock/transport/scripts.py, gpulock/transport/dialect.py): functions of one
 library (FCALL) where the server has them, scripts (EVALSHA) where it does not or the ACL
 refuses them; and code that goes missing on the server (FUNCTION FLUSH, SCRIPT FLUSH, as after
 a restart without data) is loaded again, by the caller's calls and the background runtime's.
@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from gpulock import AsyncPool, Pool
-from gpulock._scripts import library, scripts
+from gpulock.transport.scripts import library, scripts
 from gpulock.embedded import RedisProcess
 from support.pools import assert_empty, check_consistent
 

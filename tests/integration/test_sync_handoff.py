@@ -1,5 +1,5 @@
 """The blocking Pool's hand-off: its waiting threads read the subscription themselves, one at a
-time (gpulock/_sync_listener.py). The thread reading returns with its own grant; a grant for
+time (gpulock/runtime/sync_listener.py). The thread reading returns with its own grant; a grant for
 another waiting thread of the process reaches that thread; the reading passes on when the
 reader stops waiting (granted, timed out, interrupted, closed); a connection that died while
 nobody read is found before an acquire queues on it.
@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import redis
 
-import gpulock._sync_listener as sync_listener
+import gpulock.runtime.sync_listener as sync_listener
 from gpulock import AcquireTimeout, Pool, PoolClosed
-from gpulock._keys import pool_keys
+from gpulock.protocol.keys import pool_keys
 from support.pools import assert_empty
 from support.waiting import wait_until
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gpulock._keys import pool_keys
+from gpulock.protocol.keys import pool_keys
 from support.pools import assert_empty, raw, raw_acquire
 from support.waiting import async_wait_until
 
@@ -60,7 +60,7 @@ async def test_forgotten_waiter_enqueues_again(make_apool, rclient, pool_name):
 async def test_missed_grant_message_found_by_poll(make_apool, rclient, pool_name, monkeypatch):
     """Every grant message is lost: waiters still get their grants from the backstop poll,
     within about one poll interval."""
-    import gpulock._listener as rt_mod
+    import gpulock.runtime.listener as rt_mod
 
     monkeypatch.setattr(rt_mod, "decode_events", lambda data: [])
     pool = make_apool(capacity=1, poll_interval=0.2)

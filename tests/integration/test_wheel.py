@@ -46,7 +46,7 @@ def test_wheel_installs_and_works(tmp_path, redis_proc1):
     assert not any(n.startswith("tests/") for n in names)
     # the dashboard's page ships in the package (no CDN, no build step)
     for f in ("index.html", "dashboard.js", "dashboard.css"):
-        assert f"gpulock/_dashboard_static/{f}" in names, sorted(names)
+        assert f"gpulock/dashboard/static/{f}" in names, sorted(names)
     # gpulock depends on gpulock-common (clients/common), which is installed from its wheel too.
     common_wheel = _build_wheel(ROOT / "clients/common", dist, "gpulock_common-*.whl")
     common_names = set(zipfile.ZipFile(common_wheel).namelist())
@@ -69,12 +69,12 @@ def test_wheel_installs_and_works(tmp_path, redis_proc1):
         import asyncio, pathlib, sys
         import gpulock, gpulock.errors, gpulock_common.errors
         from gpulock import Pool, AsyncPool
-        from gpulock._scripts import _lua_dir
+        from gpulock.transport.scripts import _lua_dir
         assert "site-packages" in gpulock.__file__, gpulock.__file__
         assert "site-packages" in gpulock_common.__file__, gpulock_common.__file__
         assert gpulock.errors.LeaseLost is gpulock_common.errors.LeaseLost
         assert "site-packages" in str(_lua_dir()), _lua_dir()
-        from gpulock._dashboard_http import static_text
+        from gpulock.dashboard.routes import static_text
         assert "dashboard/data" in static_text("dashboard.js")
         pool = Pool.from_url({redis_proc1.url!r}, "wheel", capacity="2GiB")
         with pool.lease("1GiB", ttl=5) as lease:

@@ -1,4 +1,4 @@
-"""The real Redis Cluster / Valkey cluster the tests start (:mod:`gpulock._local_cluster`, which
+"""The real Redis Cluster / Valkey cluster the tests start (:mod:`gpulock.transport.local_cluster`, which
 the benchmarks use too), and the faults the cluster tests inject into it: a master killed
 (``kill -9``) or stopped (SIGSTOP) until its replica is promoted, then healed (started again or
 resumed: it rejoins as a replica), so that one cluster serves several fault tests in turn."""
@@ -9,8 +9,8 @@ import time
 
 from redis.crc import key_slot
 
-from gpulock._keys import pool_key
-from gpulock._local_cluster import Cluster, start_cluster
+from gpulock.protocol.keys import pool_key
+from gpulock.transport.local_cluster import Cluster, start_cluster
 from gpulock.embedded import RedisProcess
 
 __all__ = [

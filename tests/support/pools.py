@@ -10,9 +10,9 @@ from typing import Any
 
 import redis
 
-from gpulock._args import new_id
-from gpulock._keys import pool_keys
-from gpulock._scripts import library, scripts
+from gpulock.protocol.args import new_id
+from gpulock.protocol.keys import pool_keys
+from gpulock.transport.scripts import library, scripts
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -67,7 +67,7 @@ def raw_fcall(client: redis.Redis, pool: str, op: str, *argv: Any) -> Any:
     return client.fcall(sc.function, len(keys), *keys, *args)
 
 
-#: The two forms of every operation (gpulock/_scripts.py): a script, a function.
+#: The two forms of every operation (gpulock/transport/scripts.py): a script, a function.
 RAW_FORMS = {"script": raw, "function": raw_fcall}
 
 

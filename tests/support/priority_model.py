@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gpulock._args import AGING_S
+from gpulock.protocol.args import AGING_S
 
 AGING_US = int(AGING_S * 1_000_000)
 BACKFILL_DEPTH = 32  # lua/lib.lua
@@ -210,7 +210,7 @@ def end_one(
     """A history's "rel" (release ticket ``t``'s lease, if it holds one) or "cancel" (withdraw
     it, queued or held) through the scripts (``call``: a script form of support.pools) and
     the model alike; the hand-offs each makes must be the same."""
-    from gpulock._keys import pool_keys
+    from gpulock.protocol.keys import pool_keys
 
     from support.pools import _s
 

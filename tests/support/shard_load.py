@@ -15,7 +15,7 @@ from typing import Any
 
 from gpulock import AsyncPool, Pool
 from gpulock._async import _CLIENT_DEFAULTS
-from gpulock._connect import async_client, sync_client
+from gpulock.transport.connect import async_client, sync_client
 
 AMOUNT, CAPACITY, HOLD_S = 60, 100, 0.01
 

@@ -11,7 +11,7 @@ import logging
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpulock._access_log import (
+from gpulock.http.access_log import (
     ACCESS_LOGGER,
     LOG_FORMATS,
     MAX_REQUEST_ID_BYTES,

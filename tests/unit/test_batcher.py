@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpulock._replies import PoolStatus, WaiterInfo
+from gpulock.protocol.replies import PoolStatus, WaiterInfo
 from gpulock.errors import InvalidArgument
 from gpulock.fastapi._batcher import (
     FULL,

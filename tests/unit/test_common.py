@@ -14,7 +14,7 @@ import gpulock_client.errors
 import gpulock_common.errors
 import gpulock_common.lease
 import pytest
-from gpulock import _lease
+from gpulock.protocol import lease as _lease
 from gpulock_client import _core as C
 
 ROOT = Path(__file__).resolve().parents[2]

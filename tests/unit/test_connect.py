@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpulock._connect import SentinelURL, async_client, is_sentinel_url, sync_client
+from gpulock.transport.connect import SentinelURL, async_client, is_sentinel_url, sync_client
 
 
 def test_sentinel_url_parts():
@@ -69,7 +69,7 @@ def test_short_error_keeps_the_head_of_a_sentinel_error():
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.sentinel import MasterNotFoundError
 
-    from gpulock._connect import short_error
+    from gpulock.transport.connect import short_error
 
     e = MasterNotFoundError(
         "No master found for 'svc' : <redis.client.Redis(<...very long repr...>)> - x"
@@ -84,7 +84,7 @@ def test_an_asyncio_client_like_a_sync_one_carries_the_shared_settings_only():
     import redis.asyncio as aioredis
     from redis.sentinel import Sentinel
 
-    from gpulock._connect import async_client_like
+    from gpulock.transport.connect import async_client_like
 
     tls = redis.Redis(
         host="h",
@@ -127,7 +127,7 @@ def test_an_asyncio_client_like_a_sync_one_carries_the_shared_settings_only():
 
 @pytest.mark.parametrize("client", [object(), None], ids=["no-connection-pool", "none"])
 def test_a_client_without_a_connection_pool_is_refused(client):
-    from gpulock._connect import check_supported_client
+    from gpulock.transport.connect import check_supported_client
     from gpulock.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument, match=r"or a redis\.cluster\.RedisCluster, not a"):

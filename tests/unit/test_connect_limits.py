@@ -12,7 +12,7 @@ from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelConnec
 from redis.sentinel import SentinelConnectionPool
 
 from gpulock import AsyncPool, GpuLockError, InvalidArgument, Pool
-from gpulock._connect import DEFAULT_MAX_CONNECTIONS, async_client, sync_client
+from gpulock.transport.connect import DEFAULT_MAX_CONNECTIONS, async_client, sync_client
 
 
 @pytest.mark.parametrize(

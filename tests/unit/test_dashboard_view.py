@@ -1,11 +1,11 @@
-"""The dashboard's view from a status and samples (gpulock/_dashboard.py), without a server:
+"""The dashboard's view from a status and samples (gpulock/dashboard/view.py), without a server:
 rates from the samples' server-clock instants, counters that restart, hidden holder fields."""
 
 from __future__ import annotations
 
-from gpulock._dashboard import pool_view
-from gpulock._replies import LeaseInfo, PoolStatus, WaiterInfo
-from gpulock._samples import Sample
+from gpulock.dashboard.view import pool_view
+from gpulock.protocol.replies import LeaseInfo, PoolStatus, WaiterInfo
+from gpulock.admin.samples import Sample
 
 
 def sample(t_s: float, grants: int, rejected: int = 0, used: int = 0) -> Sample:

@@ -28,26 +28,26 @@ PACKAGE_DIR = Path(gpulock.__file__).parent
 CORE = [
     "gpulock",
     "gpulock.cli",
-    "gpulock._cli_common",
-    "gpulock._cli_pool",
-    "gpulock._cli_run",
-    "gpulock._cli_child",
-    "gpulock._cli_broker",
-    "gpulock._runtime",
+    "gpulock.cli.common",
+    "gpulock.cli.pool",
+    "gpulock.cli.run",
+    "gpulock.cli.child",
+    "gpulock.cli.broker",
+    "gpulock.runtime.runtime",
     "gpulock._sync",
     "gpulock._async",
-    "gpulock._protocol",
-    "gpulock._args",
-    "gpulock._replies",
-    "gpulock._translate",
-    "gpulock._retry",
-    "gpulock._lease",
-    "gpulock._connect",
-    "gpulock._admin",
-    "gpulock._batch",
-    "gpulock._keys",
-    "gpulock._scripts",
-    "gpulock._failure_log",
+    "gpulock.protocol.request",
+    "gpulock.protocol.args",
+    "gpulock.protocol.replies",
+    "gpulock.transport.translate",
+    "gpulock.protocol.retry",
+    "gpulock.protocol.lease",
+    "gpulock.transport.connect",
+    "gpulock.admin.pools",
+    "gpulock.transport.batch",
+    "gpulock.protocol.keys",
+    "gpulock.transport.scripts",
+    "gpulock.runtime.failure_log",
     "gpulock.errors",
     "gpulock.units",
     "gpulock.cuda",
@@ -211,8 +211,8 @@ def _cycles(g: dict[str, set[str]]) -> list[list[str]]:
 def test_the_import_graph_is_read():
     """The checker sees the edges it should (else the cycle test below proves nothing)."""
     g = _graph()
-    assert "gpulock._cli_common" in g["gpulock.cli"]
-    assert "gpulock.errors" in g["gpulock._cli_broker"]  # `from . import errors as E`
+    assert "gpulock.cli.common" in g["gpulock.cli"]
+    assert "gpulock.errors" in g["gpulock.cli.broker"]  # `from . import errors as E`
     assert "gpulock._async" in g["gpulock"]
     assert "gpulock.fastapi._limiter" in g["gpulock.fastapi"]  # a subpackage is read too
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -1,5 +1,5 @@
 """Device truth without I/O: the fake device file, external use, the smoothing's rise/fall
-rules, over-use detection and its timer (gpulock.devices, gpulock.device_truth)."""
+rules, over-use detection and its timer (gpulock.devices, gpulock.devices.truth)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from gpulock import LeaseInfo
-from gpulock.device_truth import (
+from gpulock.devices.truth import (
     OveruseTimer,
     Smoother,
     exceeds,
@@ -199,7 +199,7 @@ def test_parse_fraction():
 def test_enforcer_counts_the_tree_and_says_when_it_cannot_enforce(tmp_path):
     import os
 
-    from gpulock._enforce import Enforcer
+    from gpulock.devices.enforce import Enforcer
 
     f = tmp_path / "dev.json"
     notes: list[str] = []

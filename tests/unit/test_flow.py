@@ -1,4 +1,4 @@
-"""The step machines of gpulock/_flow.py, driven by hand: each test answers the steps a flow
+"""The step machines of gpulock/protocol/flow.py, driven by hand: each test answers the steps a flow
 yields (as a driver would, with canned replies or errors) and checks what the flow decides.
 No Redis, no event loop."""
 
@@ -10,11 +10,11 @@ from typing import Any, Callable
 import pytest
 import redis.exceptions as rex
 
-from gpulock import _flow as flow
-from gpulock._keys import pool_keys
-from gpulock._protocol import AcquireRequest
-from gpulock._replies import Grant
-from gpulock._runtime import Runtime
+from gpulock.protocol import flow
+from gpulock.protocol.keys import pool_keys
+from gpulock.protocol.request import AcquireRequest
+from gpulock.protocol.replies import Grant
+from gpulock.runtime.runtime import Runtime
 from gpulock.errors import AcquireTimeout, BackendUnavailable, LeaseLost, PoolNotFound
 
 

@@ -1,6 +1,6 @@
-"""The lane's command encoding (gpulock/_lane.py) equals redis-py's own for every kind of
+"""The lane's command encoding (gpulock/transport/lane.py) equals redis-py's own for every kind of
 word: ASCII text (the one-step path), text beyond ASCII, bytes and ints (the general path),
-and a command's head encoded once plus its arguments (gpulock/_script_calls.py). No server."""
+and a command's head encoded once plus its arguments (gpulock/transport/script_calls.py). No server."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import redis
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpulock._dialect import Dialect
-from gpulock._lane import encode
-from gpulock._script_calls import _Heads
-from gpulock._scripts import scripts
+from gpulock.transport.dialect import Dialect
+from gpulock.transport.lane import encode
+from gpulock.transport.script_calls import _Heads
+from gpulock.transport.scripts import scripts
 
 
 def _redis_py(words) -> bytes:

@@ -1,4 +1,4 @@
-"""The listing's plan (gpulock._listing.Plan): what it asks of a cluster's nodes and how it
+"""The listing's plan (gpulock.admin.listing.Plan): what it asks of a cluster's nodes and how it
 folds their answers into a partial listing, without I/O."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from gpulock._listing import Listing, Plan, Unreachable, answering_url, parse_slots, uncovered
+from gpulock.admin.listing import Listing, Plan, Unreachable, answering_url, parse_slots, uncovered
 
 A, B, C, D = ("10.0.0.1", 6379), ("10.0.0.2", 6379), ("10.0.0.3", 6379), ("10.0.0.4", 6379)
 

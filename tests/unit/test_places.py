@@ -1,4 +1,4 @@
-"""The kept-places rule the FastAPI service and the broker share (gpulock._places): holds,
+"""The kept-places rule the FastAPI service and the broker share (gpulock.http.places): holds,
 extension by each answer, attachment and busy places, withdrawal by the place's own timer.
 
 Holds are tens of milliseconds on the real event-loop clock; every assertion is on observed
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from gpulock._places import RECHECK_S, KeptPlace, KeptPlaces, hold_for
+from gpulock.http.places import RECHECK_S, KeptPlace, KeptPlaces, hold_for
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,9 +11,12 @@ import redis.exceptions as rex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpulock import _args, _lease, _replies, _translate
-from gpulock import _protocol as P
-from gpulock._keys import pool_keys
+from gpulock.protocol import args as _args
+from gpulock.protocol import lease as _lease
+from gpulock.protocol import replies as _replies
+from gpulock.transport import translate as _translate
+from gpulock.protocol import request as P
+from gpulock.protocol.keys import pool_keys
 from gpulock.errors import (
     AcquireTimeout,
     BackendUnavailable,
@@ -471,7 +474,7 @@ def test_lease_base_properties():
 
 
 def test_retry_bound_follows_the_callers_timeout():
-    from gpulock._retry import retry_bound
+    from gpulock.protocol.retry import retry_bound
 
     assert retry_bound(5.0, None) == 5.0  # waits forever: the backend bound
     assert retry_bound(5.0, 30.0) == 30.0  # time left means keep trying (a failover)

@@ -1,4 +1,4 @@
-"""A waiter's future (gpulock._waiters.WaiterFuture): its watchers run inside the call that
+"""A waiter's future (gpulock.runtime.waiters.WaiterFuture): its watchers run inside the call that
 completes it, not a loop iteration later; no Redis."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from gpulock._waiters import WaiterFuture
+from gpulock.runtime.waiters import WaiterFuture
 
 
 async def test_watchers_run_inside_the_call_that_completes_the_future():

@@ -48,7 +48,7 @@ import psutil
 import redis
 
 from gpulock import Pool
-from gpulock._keys import pool_keys
+from gpulock.protocol.keys import pool_keys
 from gpulock.embedded import RedisProcess
 from support.soaklog import read_logs
 from support.history import max_concurrent

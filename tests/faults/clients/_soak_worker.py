@@ -68,9 +68,9 @@ import redis
 import redis.asyncio as aioredis
 
 from gpulock import AsyncPool, BackendUnavailable, LeaseLost, Pool, PoolClosed
-from gpulock._args import new_id
-from gpulock._keys import pool_keys
-from gpulock._scripts import scripts
+from gpulock.protocol.args import new_id
+from gpulock.protocol.keys import pool_keys
+from gpulock.transport.scripts import scripts
 
 OPTS = {
     "sync_replicas": int(os.environ.get("GPULOCK_SOAK_SYNC_REPLICAS", "0")),

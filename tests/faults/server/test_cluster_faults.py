@@ -29,7 +29,7 @@ from support.procs import finish_all, kill_all
 from support.soaklog import read_logs
 
 from gpulock import AsyncPool
-from gpulock._keys import pool_key
+from gpulock.protocol.keys import pool_key
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -32,10 +32,10 @@ from support.waiting import wait_until
 
 from gpulock import AsyncPool, Pool
 from gpulock._async import _CLIENT_DEFAULTS
-from gpulock._connect import async_client
-from gpulock._cluster import ready
-from gpulock._dashboard import dashboard_view
-from gpulock._listing import LIST_TIMEOUT_S
+from gpulock.transport.connect import async_client
+from gpulock.transport.cluster import ready
+from gpulock.dashboard.view import dashboard_view
+from gpulock.admin.listing import LIST_TIMEOUT_S
 from gpulock.cli import EXIT_UNAVAILABLE
 
 pytestmark = pytest.mark.timeout(180)

@@ -3,10 +3,10 @@ Cluster (3 masters, no replicas, so a fault lasts until healed), started once fo
 Each test stops one master with SIGSTOP (connections succeed, replies never come): the master
 of slot 0, redis-py's "default" node, and resumes it in a ``finally``.
 
-* ``gpulock pool delete`` (:func:`gpulock._admin.delete_pool`, :func:`adelete_pool`) of a pool
+* ``gpulock pool delete`` (:func:`gpulock.admin.pools.delete_pool`, :func:`adelete_pool`) of a pool
   on another master is done at once: it asks only the pool's master (it scanned every master
   through redis-py's cluster client and waited the hung one's socket timeout, then failed);
-* the dashboards' sampler (:class:`gpulock._samples.Sampler`) keeps recording the other pools'
+* the dashboards' sampler (:class:`gpulock.admin.samples.Sampler`) keeps recording the other pools'
   samples (a round sampled the pools one after another, each call of the hung pool waiting
   its socket timeout, and redis-py's asyncio client then re-read the cluster by its hung
   default node before every later call);
@@ -28,11 +28,11 @@ from support.procs import proc_state
 from support.waiting import wait_until
 
 from gpulock import AsyncPool, Pool
-from gpulock._admin import adelete_pool, delete_pool
+from gpulock.admin.pools import adelete_pool, delete_pool
 from gpulock._async import _CLIENT_DEFAULTS
-from gpulock._connect import async_client, sync_client
-from gpulock._keys import pool_key
-from gpulock._samples import Sampler, read_samples
+from gpulock.transport.connect import async_client, sync_client
+from gpulock.protocol.keys import pool_key
+from gpulock.admin.samples import Sampler, read_samples
 
 pytestmark = pytest.mark.timeout(120)
 

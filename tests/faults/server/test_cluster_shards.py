@@ -42,7 +42,7 @@ from support.servers import server_kinds
 from support.shard_load import ShardLoad
 
 from gpulock import Pool
-from gpulock._keys import pool_key
+from gpulock.protocol.keys import pool_key
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from gpulock import AcquireTimeout, AsyncPool, Pool
-from gpulock._keys import pool_keys
+from gpulock.protocol.keys import pool_keys
 
 pytestmark = pytest.mark.timeout(60)
 

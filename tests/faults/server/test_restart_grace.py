@@ -28,8 +28,8 @@ import pytest
 import redis
 
 from gpulock import AcquireTimeout, AsyncPool, LeaseLost, Pool
-from gpulock._args import new_id
-from gpulock._keys import pool_keys
+from gpulock.protocol.args import new_id
+from gpulock.protocol.keys import pool_keys
 from gpulock.embedded import RedisProcess
 from support.pools import _s, check_consistent, raw, raw_acquire, snapshot
 from support.proxy import Proxy

@@ -18,7 +18,7 @@ import time
 import pytest
 import redis
 
-from gpulock._keys import pool_keys
+from gpulock.protocol.keys import pool_keys
 from gpulock.fastapi import GpuLimiter
 from support.pools import MiB, holder_tokens
 

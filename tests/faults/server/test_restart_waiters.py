@@ -25,7 +25,7 @@ import pytest
 import redis
 
 from gpulock import AsyncPool, Pool, PoolNotFound
-from gpulock._keys import pool_keys
+from gpulock.protocol.keys import pool_keys
 
 from support.pools import check_consistent, config, holder_tokens
 from support.waiting import wait_until

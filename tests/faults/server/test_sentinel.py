@@ -170,7 +170,7 @@ def test_async_pool_and_waiter_follow_a_sentinel_failover(sentinel):
 
 def test_broker_over_a_sentinel_url_follows_a_failover(sentinel):
     """The lease broker takes a ``redis+sentinel://`` URL like the library (one connect path,
-    gpulock._connect): pools are configured, leased, renewed and released through it, also
+    gpulock.transport.connect): pools are configured, leased, renewed and released through it, also
     after the sentinel promoted the replica; a waiter queued before the failover is granted
     after it."""
     from broker._support import ADMIN_TOKEN, TOKENS, USER_TOKEN

@@ -22,7 +22,7 @@ import redis
 import redis.asyncio as aioredis
 
 from gpulock import AsyncPool, BackendUnavailable, LeaseLost, Pool
-from gpulock._keys import pool_keys
+from gpulock.protocol.keys import pool_keys
 
 from support.pools import check_consistent
 from support.proxy import Proxy

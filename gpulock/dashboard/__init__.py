@@ -1,0 +1,3 @@
+"""The live dashboard: one JSON view of the pools (``view``) and the routes that serve it with
+its static page (``routes``).
+"""

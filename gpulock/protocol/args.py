@@ -1,0 +1,421 @@
+"""Argument validation and encoding of the core: pool names, request ids, fencing tokens, a pool
+object's settings, capacities, random ids, holder metadata (JSON, at most 512 bytes) and ttls
+in milliseconds, with the default lease and waiter timings. No I/O.
+
+Raises :class:`~gpulock.errors.InvalidArgument` for a bad value (and
+:class:`~gpulock.errors.CapacityExceeded` for an amount over a known capacity).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+import os
+import re
+import socket
+import threading
+from typing import Any, Mapping
+
+from gpulock_common.checks import MAX_DEVICES as MAX_DEVICES
+from gpulock_common.checks import check_device
+
+from gpulock.errors import CapacityExceeded, InvalidArgument
+from gpulock.protocol.keys import POOL_NAME_RE
+from gpulock.units import MAX_BYTES, parse_seconds, parse_size
+
+_TICKET_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_META_BYTES = 512
+
+# Lease and waiter timing (seconds). Sources: etcd and Redisson renew at ttl/3, which survives
+# two lost heartbeats before expiry.
+DEFAULT_TTL_S = 30.0
+MIN_TTL_S, MAX_TTL_S = 0.1, 86400.0
+DEFAULT_WAITER_TTL_S = 5.0
+# Waiters refresh their expiry (and re-poll as a backstop for a lost pub/sub message) this often.
+DEFAULT_POLL_INTERVAL_S = 1.0
+DEFAULT_MAX_WAITERS = 10_000
+# The longest ttl a lease may have in a pool this library creates (``max_ttl``), unless the
+# pool object is given another: also the length of the grace period after Redis lost a pool
+# (docs/SEMANTICS.md), during which nothing new is granted. Twice the default ttl.
+DEFAULT_MAX_TTL_S = 60.0
+
+
+def validate_pool_name(name: object) -> str:
+    """Pool names: 1-64 characters of ``[A-Za-z0-9._-]``. No braces (they would break the
+    hash tag), colons (the key separator) or spaces."""
+    if not isinstance(name, str) or not POOL_NAME_RE.fullmatch(name):
+        raise InvalidArgument(f"pool name must be 1-64 characters of [A-Za-z0-9._-], got {name!r}")
+    return name
+
+
+def validate_request_id(rid: object) -> str:
+    if not isinstance(rid, str) or not _TICKET_RE.fullmatch(rid):
+        raise InvalidArgument(
+            f"request_id must be 1-128 characters of [A-Za-z0-9._:-], got {rid!r}"
+        )
+    return rid
+
+
+# Priorities (docs/SEMANTICS.md, "Priorities"): the range the scripts accept and the aging
+# rate they apply (lua/lib.lua PRIO_MIN, PRIO_MAX, AGING_US): a queued request's effective
+# priority rises by one level per AGING_S seconds waited.
+PRIORITY_MIN, PRIORITY_MAX = -100, 100
+AGING_S = 1.0
+_PRIORITY_RE = re.compile(r"[+-]?[0-9]{1,8}")
+
+
+def validate_priority(priority: object) -> int:
+    """A request's priority: an integer in [PRIORITY_MIN, PRIORITY_MAX] (higher goes first; any
+    integer type with ``__index__``, such as numpy's), or its decimal digits with an optional
+    sign (from a header or a command line). Floats and bools are refused. Raises
+    InvalidArgument."""
+    if isinstance(priority, str) and _PRIORITY_RE.fullmatch(priority.strip()):
+        priority = int(priority)
+    elif not isinstance(priority, (int, bool, str)) and hasattr(priority, "__index__"):
+        try:
+            priority = operator.index(priority)  # numpy's integers, for one
+        except TypeError:
+            pass
+    if (
+        not isinstance(priority, int)
+        or isinstance(priority, bool)
+        or not PRIORITY_MIN <= priority <= PRIORITY_MAX
+    ):
+        raise InvalidArgument(
+            f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority!r:.80}"
+        )
+    return priority
+
+
+# Tenants (docs/SEMANTICS.md, "Tenant quotas"): the name a lease's bytes count under, as
+# lua/lib.lua tenant_arg accepts it.
+TENANT_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def validate_tenant(tenant: object) -> str:
+    """A request's tenant: 1-64 characters of [A-Za-z0-9._:-], or None / "" for none (returned
+    as ""). Raises InvalidArgument naming the bad value."""
+    if tenant is None or tenant == "":
+        return ""
+    if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
+        raise InvalidArgument(
+            f"tenant must be 1-64 characters of [A-Za-z0-9._:-], got {tenant!r:.80}"
+        )
+    return tenant
+
+
+def encode_quotas(quotas: object) -> str:
+    """``configure``'s tenant quotas as ``configure.lua`` takes them: a mapping of tenant to
+    bytes or a size ("4GiB"; 0, "0", None or "none" removes that tenant's quota), as
+    ``"<tenant>=<bytes> ..."``. Raises InvalidArgument naming the bad tenant or size."""
+    if not isinstance(quotas, Mapping):
+        raise InvalidArgument(f"quotas must be a mapping of tenant to size, got {quotas!r:.80}")
+    items = []
+    for tenant, size in quotas.items():
+        t = validate_tenant(tenant)
+        if not t:
+            raise InvalidArgument("quotas: a tenant must be named, got an empty name")
+        if isinstance(size, bool):
+            raise InvalidArgument(f"quota of tenant {t!r} must be a size, got {size!r}")
+        try:
+            b = 0 if removes_quota(size) else parse_size(size)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"quota of tenant {t!r}: {e} (0 or none removes it)") from None
+        items.append(f"{t}={b}")
+    return " ".join(items)
+
+
+def removes_quota(size: object) -> bool:
+    """Whether a quota's size means "no quota": 0, None, or the text "0" or "none"."""
+    if size is None or (isinstance(size, int) and size == 0):
+        return True
+    return isinstance(size, str) and size.strip().lower() in ("0", "none")
+
+
+def decode_quotas(spec: str) -> dict[str, int]:
+    """``configure.lua``'s reply of the pool's quotas (``"<tenant>=<bytes> ..."``) as a dict."""
+    out = {}
+    for item in spec.split():
+        t, _, b = item.partition("=")
+        out[t] = int(b)
+    return out
+
+
+def validate_token(token: object) -> int:
+    """A fencing token from outside (a remote holder's): a non-negative integer, or its
+    decimal digits."""
+    if isinstance(token, str) and token.isascii() and token.isdigit() and len(token) <= 16:
+        token = int(token)
+    if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token <= 2**53 - 1:
+        raise InvalidArgument(f"token must be a non-negative integer, got {token!r:.80}")
+    return token
+
+
+class PoolOptions:
+    """The validated settings both shells carry as attributes (meanings and units:
+    :class:`gpulock.AsyncPool`), set by :meth:`_set_options` from :func:`pool_settings`."""
+
+    name: str
+    capacity: int | None
+    default_ttl: float
+    waiter_ttl: float
+    poll_interval: float
+    max_waiters: int
+    backend_timeout: float
+    max_ttl: float
+    sync_replicas: int
+    sync_timeout: float
+
+    def _set_options(self, name: str, **settings: Any) -> None:
+        """Validate (:func:`pool_settings`, which raises InvalidArgument) and set them."""
+        for k, v in pool_settings(name, **settings).items():
+            setattr(self, k, v)
+
+
+def pool_settings(
+    name: str,
+    *,
+    capacity: int | str | None,
+    default_ttl: float,
+    waiter_ttl: float,
+    poll_interval: float,
+    max_waiters: int,
+    backend_timeout: float,
+    max_ttl: float | None,
+    sync_replicas: int,
+    sync_timeout: float,
+) -> dict[str, Any]:
+    """Validate a pool object's settings, for both shells (see ``AsyncPool`` for their meaning
+    and units). Returns the attribute values; raises InvalidArgument naming a bad one."""
+    dttl = parse_seconds(default_ttl, name="default_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+    mttl = parse_seconds(
+        max(DEFAULT_MAX_TTL_S, dttl) if max_ttl is None else max_ttl,
+        name="max_ttl",
+        minimum=MIN_TTL_S,
+        maximum=MAX_TTL_S,
+    )
+    if dttl > mttl:
+        raise InvalidArgument(f"default_ttl {default_ttl!r} is longer than max_ttl {mttl!r}")
+    if (
+        not isinstance(sync_replicas, int)
+        or isinstance(sync_replicas, bool)
+        or not 0 <= sync_replicas <= 16
+    ):
+        raise InvalidArgument(f"sync_replicas must be an integer in [0, 16], got {sync_replicas!r}")
+    return {
+        "name": validate_pool_name(name),
+        "capacity": None if capacity is None else parse_size(capacity, name="capacity"),
+        "default_ttl": default_ttl,
+        "waiter_ttl": waiter_ttl,
+        "poll_interval": poll_interval,
+        "max_waiters": max_waiters,
+        "backend_timeout": backend_timeout,
+        "max_ttl": mttl,
+        "sync_replicas": sync_replicas,
+        "sync_timeout": parse_seconds(
+            sync_timeout, name="sync_timeout", minimum=0.001, maximum=60.0
+        ),
+    }
+
+
+def configure_capacity(capacity: int | str | None, current: int | None) -> int:
+    """The capacity a pool object's ``configure`` sets (bytes): the one given, else the pool
+    object's own. Raises InvalidArgument for a bad one, or when neither is there."""
+    value = capacity if capacity is not None else current
+    if value is None:
+        raise InvalidArgument("capacity must be a size in bytes, got None")
+    return parse_size(value, name="capacity")
+
+
+_ID_BYTES = 16
+_RANDOM = bytearray()  # random bytes not yet used: os.urandom, drawn 1 KiB at a time
+_RANDOM_LOCK = threading.Lock()
+# A forked child must not hand out the ids its parent will also hand out.
+os.register_at_fork(after_in_child=_RANDOM.clear)
+
+
+def new_id() -> str:
+    """A 128-bit random id as 32 hex digits (lease ids and default tickets), from
+    ``os.urandom`` (one system call per 64 ids)."""
+    with _RANDOM_LOCK:
+        if len(_RANDOM) < _ID_BYTES:
+            _RANDOM.extend(os.urandom(64 * _ID_BYTES))
+        b = _RANDOM[-_ID_BYTES:]
+        del _RANDOM[-_ID_BYTES:]
+    return b.hex()
+
+
+_HOST = socket.gethostname()
+_DEFAULT_META: dict[str, str] = {}  # "": the default metadata of this process
+os.register_at_fork(after_in_child=_DEFAULT_META.clear)  # the child's pid is another
+
+
+def encode_meta(holder: dict[str, Any] | None) -> str:
+    """Holder metadata as compact JSON (at most 512 bytes). Host and pid are added unless
+    given, so ``gpulock status`` can say who holds what."""
+    if not holder:
+        cached = _DEFAULT_META.get("")
+        if cached is None:
+            cached = _DEFAULT_META[""] = json.dumps(
+                {"host": _HOST, "pid": os.getpid()}, separators=(",", ":")
+            )
+        return cached
+    meta = {"host": _HOST, "pid": os.getpid()}
+    if holder:
+        if not isinstance(holder, dict):
+            raise InvalidArgument(f"holder must be a dict of metadata, got {holder!r}")
+        meta.update(holder)
+    try:
+        # allow_nan=False: NaN and infinities are not JSON (every reader of the record, `gpulock
+        # status --json` too, would then write what strict parsers refuse; the broker refuses
+        # them in its requests the same way)
+        s = json.dumps(meta, separators=(",", ":"), default=str, ensure_ascii=True, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        odd = [k for k, v in meta.items() if isinstance(v, float) and not math.isfinite(v)]
+        if odd:
+            raise InvalidArgument(
+                f"holder metadata {odd[0]!r} is {meta[odd[0]]!r}: JSON has no NaN or infinity"
+            ) from None
+        raise InvalidArgument(f"holder metadata is not JSON-serialisable: {e}") from None
+    # ensure_ascii writes a lone surrogate ("\ud800") as its escape, which every reader then
+    # decodes back to a str that cannot be encoded as UTF-8 (the broker's status was a 500 for
+    # as long as the lease lived). Escapes of surrogates only appear for such text or for
+    # characters outside the BMP (json writes lower-case hex), so the exact check runs only then.
+    if "\\ud" in s:
+        bad = meta_unicode_error(meta)
+        if bad:
+            raise InvalidArgument(bad)
+    if len(s) > MAX_META_BYTES:
+        raise InvalidArgument(
+            f"holder metadata is {len(s)} bytes as JSON; at most {MAX_META_BYTES}"
+        )
+    return s
+
+
+def meta_unicode_error(holder: dict[str, Any]) -> str | None:
+    """None when every key and value of ``holder`` can be written as JSON in UTF-8, else a
+    message naming the first one that cannot (it holds a lone surrogate such as ``"\\ud800"``,
+    which Python's JSON parser accepts in input). The one check of every surface: the core's
+    :func:`encode_meta` and the broker's request model."""
+    for k, v in holder.items():
+        try:
+            str(k).encode("utf-8")
+        except UnicodeEncodeError:
+            return (
+                f"holder metadata key {k!r} is not valid Unicode (a lone surrogate); "
+                f"JSON in UTF-8 cannot carry it"
+            )
+        try:
+            json.dumps(v, default=str, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return (
+                f"holder metadata {k!r} has a value that is not valid Unicode (a lone surrogate, "
+                f"such as '\\ud800'); JSON in UTF-8 cannot carry it"
+            )
+        except (TypeError, ValueError, RecursionError):
+            pass  # not JSON at all: the caller says so
+    return None
+
+
+def _printable(x: Any, depth: int = 0) -> Any:
+    """Decoded metadata with lone surrogates written as their escapes (bounded depth)."""
+    if isinstance(x, str):
+        try:
+            x.encode("utf-8")
+            return x
+        except UnicodeEncodeError:
+            return x.encode("utf-8", "backslashreplace").decode("utf-8")
+    if depth > 32:
+        return x
+    if isinstance(x, dict):
+        return {_printable(k, depth + 1): _printable(v, depth + 1) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_printable(v, depth + 1) for v in x]
+    return x
+
+
+def decode_meta(s: str | bytes) -> dict[str, Any]:
+    if isinstance(s, bytes):
+        s = s.decode("utf-8", "replace")
+    try:
+        v = json.loads(s) if s else {}
+    except (ValueError, RecursionError):
+        return {"raw": s}
+    if "\\ud" in s.lower():  # metadata stored before encode_meta refused lone surrogates
+        v = _printable(v)
+    return v if isinstance(v, dict) else {"value": v}
+
+
+def ttl_ms(ttl_s: float) -> int:
+    return max(int(MIN_TTL_S * 1000), int(round(ttl_s * 1000)))
+
+
+def check_amount_vs_capacity(amount: int, capacity: int | None) -> None:
+    if capacity is not None and amount > capacity:
+        raise CapacityExceeded(amount, capacity)
+
+
+# Devices (docs/SEMANTICS.md, "Devices and placement"): a pool may hold 1 to MAX_DEVICES
+# devices, each with its own capacity (lua/lib.lua "Devices"); leases are placed on one. A
+# request's device is an index in [0, MAX_DEVICES) or None for any (validate_device, shared
+# with the SDK: the script checks it against the pool).
+PLACEMENTS = ("bestfit", "spread")
+validate_device = check_device
+
+
+def validate_resident(resident: object) -> bool:
+    """``acquire``'s ``resident``: True or False (docs/SEMANTICS.md, "Resident leases").
+    Raises InvalidArgument for anything else (a truthy string would otherwise turn a request
+    into a lease held for its holder's life)."""
+    if resident is True or resident is False:
+        return resident
+    raise InvalidArgument(f"resident must be True or False, got {resident!r:.80}")
+
+
+def encode_devices(devices: object, capacity: int | str | None) -> tuple[int, str]:
+    """``configure``'s devices as ``configure.lua`` takes them: ``devices`` a count N (N
+    devices of ``capacity`` bytes each) or a sequence of each device's capacity (bytes or
+    sizes; ``capacity``, when given, must be their sum). Returns (the pool's capacity, the
+    sum, in bytes; "<bytes> <bytes> ..."). Raises InvalidArgument naming the bad value."""
+    if isinstance(devices, bool):
+        raise InvalidArgument(f"devices must be a count or a list of capacities, got {devices!r}")
+    if isinstance(devices, int):
+        if not 1 <= devices <= MAX_DEVICES:
+            raise InvalidArgument(f"devices must be 1 to {MAX_DEVICES}, got {devices}")
+        if capacity is None:
+            raise InvalidArgument("devices=N needs capacity: the capacity of each device")
+        caps = [parse_size(capacity)] * devices
+    elif isinstance(devices, (list, tuple)):
+        if not 1 <= len(devices) <= MAX_DEVICES:
+            raise InvalidArgument(
+                f"devices must list 1 to {MAX_DEVICES} capacities, got {len(devices)}"
+            )
+        caps = []
+        for i, c in enumerate(devices):
+            try:
+                caps.append(parse_size(c))
+            except InvalidArgument as e:
+                raise InvalidArgument(f"capacity of device {i}: {e}") from None
+        if capacity is not None and parse_size(capacity) != sum(caps):
+            raise InvalidArgument(
+                f"capacity {capacity!r} is not the sum of the devices' capacities ({sum(caps)} bytes)"
+            )
+    else:
+        raise InvalidArgument(
+            f"devices must be a count or a list of capacities, got {devices!r:.80}"
+        )
+    if sum(caps) > MAX_BYTES:
+        raise InvalidArgument(
+            f"the devices' capacities sum to {sum(caps)} bytes, more than a pool may hold "
+            f"({MAX_BYTES})"
+        )
+    return sum(caps), " ".join(str(c) for c in caps)
+
+
+def validate_placement(placement: object) -> str | None:
+    """A pool's placement rule: "bestfit" or "spread" (None: unchanged). Raises
+    InvalidArgument naming the bad value."""
+    if placement is None or placement in PLACEMENTS:
+        return placement
+    raise InvalidArgument(f"placement must be 'bestfit' or 'spread', got {placement!r:.80}")

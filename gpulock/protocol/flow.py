@@ -1,0 +1,578 @@
+"""The lease protocol as I/O-free step machines, written once for both shells.
+
+Each operation of a pool object (acquire with its wait and withdrawal, release, configure,
+status, reap, cancel, renew, the ``sync_replicas`` grant check) is a generator here. It yields
+the :class:`Step` it needs next (a script call, a wait for a waiter's grant, ...) and is sent
+that step's result, or has the step's exception thrown in at the ``yield``; it returns the
+operation's result or raises its error. A shell (``_sync.py``, ``_async.py``) is a driver: it
+carries each step out with its own client and concurrency primitives and decides nothing.
+
+The steps, and what a driver returns for each, are in :mod:`gpulock.protocol.steps`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+from gpulock_common.grace import grace_note, grace_outlasts
+
+from gpulock.protocol.args import (
+    MAX_TTL_S,
+    MIN_TTL_S,
+    configure_capacity,
+    decode_quotas,
+    encode_devices,
+    encode_quotas,
+    ttl_ms,
+    validate_placement,
+    validate_request_id,
+    validate_token,
+)
+from gpulock.protocol.lease import LeaseState, validity_deadline
+from gpulock.protocol.request import AcquireRequest
+from gpulock.protocol.steps import (
+    Step as Step,
+    Eval as Eval,
+    Subscribe as Subscribe,
+    Checkpoint as Checkpoint,
+    MakeLease as MakeLease,
+    Join as Join,
+    Wait as Wait,
+    TimedOut as TimedOut,
+    Leave as Leave,
+    Withdraw as Withdraw,
+    SyncedRenew as SyncedRenew,
+    GiveBack as GiveBack,
+    PoolView as PoolView,
+    SUBSCRIBE as SUBSCRIBE,
+    CHECKPOINT as CHECKPOINT,
+    _T as _T,
+    Flow as Flow,
+)
+from gpulock.protocol.replies import (
+    DeviceReply,
+    Grant,
+    NotGranted,
+    PoolStatus,
+    QueueConfig,
+    decode_acquire,
+    decode_status,
+)
+from gpulock.protocol.retry import RETRYABLE, retry_bound
+from gpulock.transport.translate import translate
+from gpulock.errors import (
+    AcquireTimeout,
+    BackendUnavailable,
+    GpuLockError,
+    InvalidArgument,
+    LeaseLost,
+    PoolNotFound,
+)
+from gpulock.units import format_size, parse_seconds
+
+if TYPE_CHECKING:
+    from gpulock.runtime.runtime import Runtime
+
+
+# ---- settings ---------------------------------------------------------------------------------
+def push_settings(pool: PoolView, rt: Runtime | None) -> None:
+    """Give the runtime what its heartbeat needs to create the pool again after Redis lost
+    it, and its sync_replicas and retry bound (nothing when there is no runtime yet)."""
+    if rt is not None:
+        rt.use_settings(
+            capacity=pool.capacity,
+            max_waiters=pool.max_waiters,
+            max_ttl_ms=ttl_ms(pool.max_ttl),
+            sync_replicas=pool.sync_replicas,
+            sync_timeout_ms=max(1, int(pool.sync_timeout * 1000)),
+            backend_timeout=pool.backend_timeout,
+        )
+
+
+def configure_args(
+    capacity: int,
+    max_waiters: int,
+    max_ttl_ms: int,
+    create_only: bool,
+    grace: bool,
+    policy: QueueConfig | None = None,
+) -> list[str]:
+    """ARGV of ``configure.lua``: capacity (bytes), max_waiters, "create" (only if absent) or
+    "set", max_ttl (ms), whether a pool it creates starts with a grace period, and the queue
+    policy ("fifo" or "backfill"), backfill window (ms), tenant quotas (``_args.encode_quotas``),
+    devices (``_args.encode_devices``) and placement, each None to leave it as it is."""
+    mode = "create" if create_only else "set"
+    argv = [str(capacity), str(max_waiters), mode, str(max_ttl_ms), "1" if grace else "0"]
+    if policy is not None:
+        argv += [
+            policy[0] or "",
+            "" if policy[1] is None else str(policy[1]),
+            policy[2] or "",
+            policy[3] or "",
+            policy[4] or "",
+        ]
+    return argv
+
+
+QUEUE_POLICIES = ("fifo", "backfill")
+
+
+def queue_policy(
+    policy: str | None, backfill_window: float | None
+) -> tuple[str | None, int | None] | None:
+    """Validate ``configure``'s queue policy ("fifo" or "backfill") and backfill window
+    (seconds, 0.001 to 86400); returns (policy, window in ms), either None when not
+    given, or None when neither is. Raises InvalidArgument naming the bad value."""
+    if policy is None and backfill_window is None:
+        return None
+    if policy is not None and policy not in QUEUE_POLICIES:
+        raise InvalidArgument(f"policy must be 'fifo' or 'backfill', got {policy!r:.80}")
+    window = None
+    if backfill_window is not None:
+        w = parse_seconds(backfill_window, name="backfill_window", minimum=0.001, maximum=86400.0)
+        window = max(1, round(w * 1000))
+    return policy, window
+
+
+def configure(
+    pool: PoolView,
+    rt: Runtime | None,
+    capacity: int | str | None,
+    *,
+    max_waiters: int | None,
+    max_ttl: float | None,
+    create_only: bool,
+    grace: bool,
+    policy: str | None = None,
+    backfill_window: float | None = None,
+    quotas: Mapping[str, int | str | None] | None = None,
+    devices: int | Sequence[int | str] | None = None,
+    placement: str | None = None,
+) -> Flow[dict[str, Any]]:
+    """``configure``: see :meth:`gpulock.AsyncPool.configure`. Returns the reply as
+    ``{"created", "capacity", "epoch", "used", "max_waiters", "policy", "backfill_window",
+    "quotas", "devices", "placement"}`` (the window in seconds; quotas: tenant -> bytes, every
+    quota the pool has; devices: each device's capacity in bytes, one for a pool of one
+    device); a set (not ``create_only``) also becomes the pool object's capacity and max_ttl."""
+    devs = None
+    if devices is not None:
+        capacity, devs = encode_devices(devices, capacity)
+    cap = configure_capacity(capacity, pool.capacity)
+    pq = queue_policy(policy, backfill_window)
+    spec = None if quotas is None else encode_quotas(quotas)
+    place = validate_placement(placement)
+    qp: QueueConfig | None = None
+    if pq is not None or spec is not None or devs is not None or place is not None:
+        qp = (pq[0] if pq else None, pq[1] if pq else None, spec, devs, place)
+    mw = pool.max_waiters if max_waiters is None else max_waiters
+    mt = (
+        pool.max_ttl
+        if max_ttl is None
+        else parse_seconds(max_ttl, name="max_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+    )
+    argv = (
+        rt.configure_argv(cap, mw, ttl_ms(mt), create_only, grace, qp)
+        if rt is not None
+        else configure_args(cap, mw, ttl_ms(mt), create_only, grace, qp)  # it saw no pool yet
+    )
+    sent = pool.clock()
+    r = yield Eval("configure", argv)
+    if rt is not None and len(r) > 6:
+        rt.note_grace(sent, int(r[6]))
+    if not create_only:
+        pool.capacity = cap
+        pool.max_ttl = mt
+        push_settings(pool, rt)
+    out: dict[str, Any] = dict(
+        zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r))
+    )
+    pol: QueueConfig | None = None
+    if len(r) > 8:
+        pol = (
+            _text(r[7]),
+            int(r[8]),
+            _text(r[9]) if len(r) > 9 else "",
+            _text(r[10]) if len(r) > 10 else "",
+            _text(r[11]) if len(r) > 11 else "bestfit",
+        )
+        out["policy"], out["backfill_window"] = pol[0], int(r[8]) / 1000
+        out["quotas"] = decode_quotas(pol[2] or "")
+        out["devices"] = [int(c) for c in (pol[3] or "").split()] or [out["capacity"]]
+        out["placement"] = pol[4]
+    if rt is not None:
+        rt.seen(
+            out["epoch"],
+            out["capacity"],
+            out["max_waiters"],
+            int(r[5]) if len(r) > 5 else 0,
+            pol,
+        )
+    return out
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def status(pool: PoolView, rt: Runtime | None, limit: int) -> Flow[PoolStatus]:
+    """``status``: a :class:`~gpulock.protocol.replies.PoolStatus`. Raises PoolNotFound."""
+    sent = pool.clock()
+    st: PoolStatus | None = decode_status(pool.name, (yield Eval("status", [str(limit)])))
+    if st is None:
+        if rt is not None:
+            rt.seen(0)  # gone: if this object knew the pool, its runtime recovers now
+        raise PoolNotFound(pool.name)
+    if rt is not None:
+        rt.seen(
+            st.epoch,
+            st.capacity,
+            st.max_waiters,
+            ttl_ms(st.max_ttl) if st.max_ttl else 0,
+            st.queue_config(),
+        )
+        rt.note_grace(sent, round(st.grace_left * 1000))
+    return st
+
+
+def device_report(
+    sampler_id: str,
+    claim_ms: int,
+    external: int | None = None,
+    report_ms: int = 0,
+    overuse: str = "",
+) -> Flow[DeviceReply]:
+    """``external.lua``: claim the pool's device sampler (``external`` None) or claim and
+    report. Raises InvalidArgument (a bad value, named), PoolNotFound, BackendUnavailable."""
+    if external is None:
+        argv = [sampler_id, str(claim_ms), "claim"]
+    else:
+        argv = [sampler_id, str(claim_ms), "report", str(external), str(report_ms), overuse]
+    r = yield Eval("external", argv)
+    return DeviceReply(*(int(x) for x in r))
+
+
+def reap() -> Flow[int]:
+    """``reap``: how many leases were reaped."""
+    return int((yield Eval("reap", []))[0])
+
+
+def cancel(rt: Runtime | None, request_id: str) -> Flow[int]:
+    """Withdraw a (remote holder's) request: 0 (nothing to do), 1 (left the queue) or 2 (its
+    grant was released). Raises InvalidArgument, BackendUnavailable."""
+    request_id = validate_request_id(request_id)
+    if rt is not None:
+        rt.remove_waiter(request_id)
+    return int((yield Eval("cancel", [request_id]))[0])
+
+
+def renew(lease_id: str, token: int, ttl: float) -> Flow[tuple[int, int]]:
+    """Extend a (remote holder's) lease to ``ttl`` seconds from now (server clock); never
+    re-acquires. Returns ``(expires_ms, server_now_ms)``.
+
+    Raises: LeaseLost (expired, released, unknown, or another token), InvalidArgument,
+    BackendUnavailable."""
+    ttl_s = parse_seconds(ttl, name="ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+    args = ["1", lease_id, str(validate_token(token)), str(ttl_ms(ttl_s)), "0"]
+    r = yield Eval("renew", args)
+    expires_ms = int(r[2][0])
+    if expires_ms <= 0:
+        raise LeaseLost(
+            lease_id,
+            "the pool's configuration is gone (Redis restarted without its data?)"
+            if int(r[1]) == 0
+            else "the server no longer has it (it expired, or was released)",
+        )
+    return expires_ms, int(r[0])
+
+
+# ---- release ----------------------------------------------------------------------------------
+def release(
+    pool: str, lease_id: str, token: int, bound: float | None = None
+) -> Flow[tuple[bool, int]]:
+    """``release.lua`` once: returns ``(released, server_now_ms)``. False: the server no
+    longer had the lease, and nothing of others was freed. The first try may have run when
+    it fails with a connection error: a retry that then finds no lease cannot tell "released
+    by us just now" from "lost", so it counts as released. Retried for ``bound`` seconds
+    (default backend_timeout).
+
+    Raises: BackendUnavailable."""
+    args = [lease_id, str(token)]
+    try:
+        r = yield Eval("release", args, bound=0)
+    except RETRYABLE:
+        r = yield Eval("release", args, bound=bound)
+        return True, int(r[1])
+    except Exception as e:
+        raise translate(e, pool) from e
+    return int(r[0]) == 1, int(r[1])
+
+
+def release_lease(s: LeaseState, rt: Runtime | None) -> Flow[None]:
+    """A held lease's ``release()`` (idempotent: later calls do nothing); ``rt`` stops its
+    heartbeat.
+
+    Retried while the lease is still valid (its local deadline; at least 1 s): after that the
+    server frees its bytes at expiry anyway.
+
+    Raises:
+        LeaseLost: the server no longer had it (it expired or was reaped), or it had been
+            found lost before; nothing of others is freed.
+        BackendUnavailable: Redis unreachable within the retry bound (it expires after its ttl).
+    """
+    if s.released:
+        return None
+    was_lost = s.lost_reason
+    s.released = True
+    bound = max(1.0, s.seconds_left())
+    if rt is not None:
+        rt.untrack(s.lease_id)  # a dict pop: safe from any thread
+    ok, _ = yield from release(s.pool, s.lease_id, s.token, bound)
+    if not ok and was_lost is None:
+        raise LeaseLost(
+            s.lease_id,
+            "the server no longer had it when it was released "
+            "(it expired: a pause, or Redis unreachable past its ttl)",
+        )
+    if was_lost is not None:
+        raise LeaseLost(s.lease_id, was_lost)
+    return None
+
+
+# ---- acquire ----------------------------------------------------------------------------------
+def lease_state(rt: Runtime, grant: Grant, req: AcquireRequest, valid_until: float) -> LeaseState:
+    """The local state of a granted lease, heartbeated from now on (an existing one when this
+    process already holds that lease: the same request id acquired again)."""
+    state, new = rt.state_for(grant, req.ttl_s, valid_until, req.meta, req.tenant, req.resident)
+    if new:
+        rt.track(state)
+    return state
+
+
+def acquire_call(
+    pool: PoolView,
+    rt: Runtime,
+    req: AcquireRequest,
+    argv: list[str],
+    start: float | None = None,
+    deadline: float | None = None,
+) -> Flow[tuple[Grant | NotGranted, float]]:
+    """One ``acquire.lua`` call, retried until the caller's deadline
+    (:func:`~gpulock.protocol.retry.retry_bound`): ``deadline`` (local time) when given, else
+    ``start`` (the local time of the acquire, default now) plus its timeout. A pool found gone
+    is created again first when this object knows a capacity (with a grace period when it
+    had seen the pool: Redis lost it). Returns ``(Grant | NotGranted, sent)``, ``sent`` the
+    local time the successful call was sent."""
+    sent = pool.clock()
+    left = None
+    if deadline is not None:
+        left = deadline - sent
+    elif req.timeout_s is not None:
+        left = req.timeout_s - (sent - (sent if start is None else start))
+    try:
+        r = yield Eval("acquire", argv, bound=retry_bound(pool.backend_timeout, left))
+    except PoolNotFound:
+        rt.seen(0)  # gone: if this object knew the pool, its runtime recovers now
+        if pool.capacity is None:
+            raise
+        yield from configure(
+            pool,
+            rt,
+            pool.capacity,
+            max_waiters=None,
+            max_ttl=None,
+            create_only=True,
+            grace=bool(rt.known_epoch),
+        )
+        sent = pool.clock()
+        r = yield Eval("acquire", argv)
+    res = decode_acquire(req.ticket, r)
+    rt.observe(sent, res.now_ms)
+    rt.seen(res.epoch, res.capacity)
+    rt.note_grace(sent, res.grace_left_ms if isinstance(res, NotGranted) else 0)
+    return res, sent
+
+
+def _retry_after(res: NotGranted) -> float | None:
+    return res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None
+
+
+def acquire(
+    pool: PoolView,
+    rt: Runtime,
+    req: AcquireRequest,
+    start: float,
+    on_queued: Callable[[int], Any] | None,
+) -> Flow[Any]:
+    """``acquire``: see :meth:`gpulock.AsyncPool.acquire` (arguments in ``req`` and
+    ``on_queued``; ``start``: the local time of the call). Returns the shell's lease object.
+
+    Whatever ends it, nothing is left behind: from sending the acquire until a lease is
+    returned, the server may hold a place or a grant for the ticket, and an error, a timeout
+    or a cancellation withdraws it (unless another local acquire still uses the ticket). A
+    refusal by the script (an error other than BackendUnavailable) wrote nothing, and is not
+    withdrawn; when Redis did not answer, the withdrawal runs in the background."""
+    if on_queued is not None and not callable(on_queued):
+        # Checked before anything is sent: it is called only once the request queues, so
+        # a bad one would otherwise fail (a TypeError) only under contention.
+        raise InvalidArgument(f"on_queued must be callable or None, got {on_queued!r:.80}")
+    wait = req.timeout_s != 0
+    if wait and not rt.subscribed:
+        yield SUBSCRIBE
+    argv = req.argv("wait" if wait else "try", rt.channel_id)
+    needs_cancel = True
+    unreachable = False  # Redis did not answer the acquire: its withdrawal goes to the background
+    joined: Any = None
+    try:
+        try:
+            res, sent = yield from acquire_call(pool, rt, req, argv, start)
+        except GpuLockError as e:
+            unreachable = isinstance(e, BackendUnavailable)
+            needs_cancel = unreachable  # any other error: the script refused before writing
+            raise
+        yield CHECKPOINT
+        if isinstance(res, Grant):
+            needs_cancel = False
+            lease = yield MakeLease(res, req, validity_deadline(sent, res.now_ms, res.expires_ms))
+            if pool.sync_replicas:
+                yield from sync_grant(pool, lease)
+            return lease
+        if res.resident is not None:
+            needs_cancel = False
+            raise AcquireTimeout(
+                f"pool {pool.name!r}: a resident lease of {req.amount} bytes "
+                f"({format_size(req.amount)}) does not fit the capacity, {res.capacity} bytes, "
+                f"next to the resident leases held and queued, {res.resident} bytes: it is not "
+                f"queued (it could stall the queue); try again when one of them has ended",
+                queue_length=res.queue_length,
+                retry_after=_retry_after(res),
+            )
+        if not res.queued:
+            needs_cancel = False
+            grace = res.grace_left_ms / 1000
+            raise AcquireTimeout(
+                f"pool {pool.name!r}: {req.amount} bytes not available now (timeout=0; "
+                + (
+                    f"{res.queue_length} waiting): {grace_note(pool.name, grace)}"
+                    if grace > 0
+                    else f"{res.queue_length} waiting, {res.used}/{res.capacity} bytes used"
+                    + (
+                        f", {res.held_back} held back for device memory in use outside the "
+                        f"pool's leases)"
+                        if res.held_back
+                        else ")"
+                    )
+                ),
+                queue_length=res.queue_length,
+                retry_after=_retry_after(res),
+                grace_left=grace,
+            )
+        grace = res.grace_left_ms / 1000
+        if req.timeout_s is not None and grace_outlasts(grace, start + req.timeout_s - sent):
+            # nothing is granted before the grace period ends, and the timeout ends first:
+            # leave the queue now (the finally withdraws the place) rather than wait for nothing
+            raise AcquireTimeout(
+                f"pool {pool.name!r}: no grant of {req.amount} bytes within {req.timeout_s}s "
+                f"(position {res.position} of {res.queue_length}): the timeout ends before "
+                f"the grace period does, so the request left the queue at once; "
+                f"{grace_note(pool.name, grace)}",
+                position=res.position,
+                queue_length=res.queue_length,
+                retry_after=grace,
+                waited=pool.clock() - start,
+                grace_left=grace,
+            )
+        if on_queued is not None:
+            on_queued(res.position)  # first here, on the caller's side; later ones: the runtime
+        joined = yield Join(
+            req.ticket,
+            argv,
+            ttl_ms(req.waiter_ttl_s),
+            res.position,
+            on_queued,
+            res.retry_after_ms,
+            None if req.timeout_s is None else start + req.timeout_s,
+        )
+        remaining = (
+            None if req.timeout_s is None else max(0.0, req.timeout_s - (pool.clock() - start))
+        )
+        try:
+            got = yield Wait(joined, remaining)
+        except Exception as e:
+            err = translate(e, pool.name)
+            unreachable = isinstance(err, BackendUnavailable)  # withdraw in the background
+            if err is e:
+                raise
+            raise err from e
+        if isinstance(got, TimedOut):
+            down = rt.unreachable()
+            if down is not None:  # the deadline passed while Redis (the shard) was away
+                unreachable = True  # withdraw in the background
+                raise BackendUnavailable(
+                    f"pool {pool.name!r}: no grant of {req.amount} bytes within "
+                    f"{req.timeout_s}s, and Redis unreachable for {down[0]:.1f}s: {down[1]}"
+                )
+            where = (
+                f"position {res.position} of {res.queue_length}+ when queued"
+                if got.position is None
+                else f"position {got.position} of {res.queue_length}+"
+            )
+            grace = rt.grace_left()
+            raise AcquireTimeout(
+                f"pool {pool.name!r}: no grant of {req.amount} bytes within {req.timeout_s}s "
+                f"({where})" + (f": {grace_note(pool.name, grace)}" if grace > 0 else ""),
+                position=res.position if got.position is None else got.position,
+                queue_length=res.queue_length,
+                retry_after=max(grace, _retry_after(res) or 0.0)
+                if grace > 0
+                else _retry_after(res),
+                waited=pool.clock() - start,
+                grace_left=grace,
+            )
+        lease = yield MakeLease(got, req, rt.deadline_for(got))
+        needs_cancel = False
+        if pool.sync_replicas:
+            yield from sync_grant(pool, lease)
+        return lease
+    finally:
+        in_use = False
+        if joined is not None:
+            in_use = yield Leave(joined, needs_cancel)
+        elif needs_cancel:
+            in_use = rt.ticket_in_use(req.ticket)
+        if needs_cancel and not in_use:
+            yield Withdraw(req.ticket, unreachable)
+
+
+# ---- sync_replicas ----------------------------------------------------------------------------
+def sync_grant(pool: PoolView, lease: Any) -> Flow[None]:
+    """``sync_replicas``: return a grant only once that many replicas have it, so that a
+    failover to one of them cannot hand the same bytes to someone else (the lost tail of
+    asynchronous replication). A renewal, an INCR and ``WAIT`` on one connection; the lease's
+    validity then counts from that renewal. If the replicas do not acknowledge in
+    ``sync_timeout``, the grant is given back and BackendUnavailable raised (a cancellation or
+    interrupt meanwhile also gives it back, and propagates)."""
+    s: LeaseState = lease._state
+    sent = pool.clock()
+    r, acked, err = None, -1, None
+    try:
+        # retried while the grant is valid: a failover right after it is ridden out when a
+        # replica had it (its renewal then goes to the promoted one); the validity counts
+        # from the first try's sending, earlier than the one that got through (safe side)
+        r, acked = yield SyncedRenew(
+            [1, s.lease_id, s.token, ttl_ms(s.ttl_s), 0], max(0.0, s.seconds_left())
+        )
+    except GeneratorExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - also on cancellation: give the grant back
+        err = e
+    if err is None and r is not None and int(r[2][0]) > 0 and acked >= pool.sync_replicas:
+        s.renewed(sent, int(r[0]), int(r[2][0]))
+        return None
+    yield GiveBack(lease)
+    if err is not None and not isinstance(err, Exception):
+        raise err
+    raise BackendUnavailable(
+        f"pool {pool.name!r}: the grant was not acknowledged by {pool.sync_replicas} replica(s) "
+        f"within {pool.sync_timeout}s (acknowledged by {max(acked, 0)}"
+        f"{'; ' + str(err) if err else ''}); it was given back, since a failover could lose it"
+    ) from err

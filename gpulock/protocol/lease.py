@@ -1,0 +1,108 @@
+"""The lease's local state and validity clock over :mod:`gpulock_common.lease`:
+:class:`LeaseState` (what a Redis grant adds to the shared local state),
+:func:`validity_deadline` (from server-clock times), and :class:`LeaseBase` (what sync and async
+leases share). Re-exports the shared clock's ``CLOCK_DRIFT``, ``SAFETY_MARGIN_S`` and
+``default_clock``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from gpulock_common.lease import CLOCK_DRIFT as CLOCK_DRIFT
+from gpulock_common.lease import SAFETY_MARGIN_S as SAFETY_MARGIN_S
+from gpulock_common.lease import LeaseView, LocalLeaseState
+from gpulock_common.lease import default_clock as default_clock
+from gpulock_common.lease import validity_deadline as lease_validity_deadline
+
+from gpulock.protocol.replies import Grant
+
+log = logging.getLogger("gpulock")
+
+
+class LeaseState(LocalLeaseState):
+    """A lease's local state (:class:`gpulock_common.lease.LocalLeaseState`: identity, the
+    validity deadline, lost/released, the ``on_lost`` callbacks) with what a Redis grant adds,
+    shared by both shells and the heartbeat. Thread-safe: the heartbeat may run in another
+    thread than the holder.
+
+    Adds: ``ticket`` (the request id), ``expires_ms`` (server-clock expiry, Unix ms),
+    ``epoch`` (the pool's epoch at the grant), ``meta`` (holder metadata as sent to acquire,
+    kept to re-assert the lease), ``tenant`` (likewise; "" for none), ``resident`` (likewise:
+    a resident lease, docs/SEMANTICS.md "Resident leases"), ``device`` (the
+    device it is on; 0 on a pool of one device), ``next_renew`` (local monotonic seconds). ``valid_until``
+    comes from :func:`validity_deadline` of the last successful grant or renewal, so it always
+    ends before the server's expiry (invariant 5 in docs/SEMANTICS.md).
+    """
+
+    __slots__ = (
+        "ticket",
+        "expires_ms",
+        "epoch",
+        "meta",
+        "tenant",
+        "resident",
+        "device",
+        "next_renew",
+    )
+    unreachable = "Redis"
+    log = logging.getLogger("gpulock")
+
+    def __init__(
+        self, pool: str, grant: Grant, ttl_s: float, valid_until: float, clock: Callable[[], float]
+    ):
+        super().__init__(pool, grant.lease_id, grant.amount, grant.token, ttl_s, valid_until, clock)
+        self.ticket = grant.ticket
+        self.expires_ms = grant.expires_ms
+        self.epoch = grant.epoch
+        self.meta = ""
+        self.tenant = ""
+        self.resident = False
+        self.device = grant.device
+        self.next_renew = clock() + ttl_s / 3
+
+    def seconds_left(self) -> float:
+        """Seconds until the local validity deadline (negative once past)."""
+        return self.valid_until - self._clock()
+
+    def renewed(self, sent: float, now_ms: int, expires_ms: int) -> None:
+        self.expires_ms = expires_ms
+        self.valid_until = validity_deadline(sent, now_ms, expires_ms)
+        self.next_renew = sent + self.ttl_s / 3
+
+    def _report_lost(self, reason: str) -> None:
+        log.warning(
+            "gpulock: lease %s… on pool %s (token %d, %d bytes) lost: %s",
+            self.lease_id[:8],
+            self.pool,
+            self.token,
+            self.amount,
+            reason,
+        )
+
+
+def validity_deadline(sent: float, now_ms: int, expires_ms: int) -> float:
+    """The local validity deadline (monotonic seconds) of a call sent at ``sent`` whose reply
+    gave the Redis server's time ``now_ms`` and the lease's expiry ``expires_ms`` (both Unix ms
+    on the server's clock): :func:`gpulock_common.lease.validity_deadline` of that span."""
+    return lease_validity_deadline(sent, (expires_ms - now_ms) / 1000.0)
+
+
+class LeaseBase(LeaseView):
+    """What sync and async leases share (:class:`gpulock_common.lease.LeaseView`: ``id``,
+    ``pool``, ``amount`` in bytes, ``token``, ``ttl`` in seconds, ``valid_until``, ``lost``,
+    ``released``, ``ensure_valid``, ``on_lost``), plus ``request_id`` and ``expires_at``."""
+
+    __slots__ = ()
+
+    request_id = property(lambda self: self._state.ticket)
+    # The device the lease is on (docs/SEMANTICS.md, "Devices and placement"); 0 on a pool of
+    # one device.
+    device = property(lambda self: self._state.device)
+
+    @property
+    def expires_at(self) -> float:
+        """Server-clock expiry of the last grant/renewal, as a Unix timestamp (seconds)."""
+        state: LeaseState = self._state
+        return state.expires_ms / 1000.0

@@ -1,0 +1,344 @@
+"""Reply decoding of the core: what ``acquire.lua``, the pool channel's hand-off messages,
+``status.lua`` and ``reassert.lua`` answer, as :class:`Grant`, :class:`NotGranted`,
+:class:`PoolStatus` (with :class:`LeaseInfo` and :class:`WaiterInfo`) and
+:data:`REASSERT_REFUSED`. No I/O; reply layouts are documented in ``lua/lib.lua`` and the
+scripts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from gpulock.protocol.args import decode_meta
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A lease granted by the server. Times are server milliseconds."""
+
+    ticket: str
+    lease_id: str
+    token: int
+    expires_ms: int
+    amount: int
+    now_ms: int
+    epoch: int = 0
+    capacity: int = 0
+    device: int = 0  # the device the lease is on (0 on a pool of one device)
+
+
+@dataclass(frozen=True)
+class NotGranted:
+    """An acquire that did not grant: queued (``queued`` true) or, for ``try``, refused; or,
+    for a resident request, refused because it does not fit next to the resident leases held
+    and queued (``resident`` their bytes; None otherwise)."""
+
+    queued: bool
+    position: int
+    retry_after_ms: int  # to the end of a grace period, else to the nearest lease expiry; -1: none
+    queue_length: int
+    now_ms: int
+    epoch: int
+    capacity: int
+    used: int
+    held_back: int = 0  # bytes the device report holds back (capacity - effective capacity)
+    grace_left_ms: int = 0  # ms left in the pool's grace period (0 outside one)
+    resident: int | None = None  # reply code 3: bytes of the resident leases held and queued
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def decode_acquire(ticket: str, r: list[Any]) -> Grant | NotGranted:
+    if int(r[0]) == 1:
+        return Grant(
+            ticket,
+            _s(r[1]),
+            int(r[2]),
+            int(r[3]),
+            int(r[4]),
+            int(r[5]),
+            int(r[6]),
+            int(r[7]),
+            int(r[9]) if len(r) > 9 else 0,
+        )
+    return NotGranted(
+        int(r[0]) == 0,
+        int(r[1]),
+        int(r[2]),
+        int(r[3]),
+        int(r[4]),
+        int(r[5]),
+        int(r[6]),
+        int(r[7]),
+        int(r[8]) if len(r) > 8 else 0,
+        int(r[9]) if len(r) > 9 else 0,
+        int(r[10]) if int(r[0]) == 3 and len(r) > 10 else None,
+    )
+
+
+def decode_events(data: str | bytes) -> list[Grant]:
+    """Parse a hand-off message from the pool's channel (format in ``lua/lib.lua``)."""
+    text = _s(data)
+    lines = text.split("\n")
+    head = lines[0].split(" ")
+    if head[0] != "g":
+        return []
+    now = int(head[1])
+    out = []
+    for line in lines[1:]:
+        p = line.split(" ")
+        if len(p) in (5, 6):
+            dev = int(p[5]) if len(p) == 6 else 0
+            out.append(Grant(p[0], p[1], int(p[2]), int(p[3]), int(p[4]), now, device=dev))
+    return out
+
+
+# A pool's scheduling settings as configure.lua takes them, and as a client remembers them to
+# make the pool again after a loss: queue policy, backfill window (ms), tenant quotas
+# ("<tenant>=<bytes> ...") and devices ("<bytes> ..." per device, lua/configure.lua) and
+# placement, each None when not given.
+QueueConfig = tuple[str | None, int | None, str | None, str | None, str | None]
+
+
+@dataclass(frozen=True)
+class TenantUse:
+    """What one tenant holds on a pool (docs/SEMANTICS.md, "Tenant quotas"): bytes its live
+    leases hold, and its quota in bytes (0: none)."""
+
+    used: int
+    quota: int = 0
+
+
+@dataclass(frozen=True)
+class DeviceUse:
+    """One device of a pool (docs/SEMANTICS.md, "Devices and placement"): its index, capacity
+    and the bytes its live leases hold."""
+
+    index: int
+    capacity: int
+    used: int
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - self.used)
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    lease_id: str
+    amount: int
+    token: int
+    expires_in: float  # seconds, on the server clock
+    held_for: float  # seconds since the grant
+    ttl: float
+    request_id: str
+    holder: dict[str, Any]
+    tenant: str = ""  # "" for none
+    device: int = 0  # the device it is on (0 on a pool of one device)
+
+
+@dataclass(frozen=True)
+class WaiterInfo:
+    position: int
+    request_id: str
+    amount: int
+    waited: float  # seconds in the queue
+    expires_in: float  # seconds until dropped if not refreshed
+    holder: dict[str, Any]
+    priority: int = 0  # as requested; the queue ages it (docs/SEMANTICS.md, "Priorities")
+    tenant: str = ""  # "" for none
+    device: int | None = None  # the device it pins; None: any
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    """A snapshot of a pool, read from Redis by one script (so self-consistent).
+    Amounts are bytes; times are seconds."""
+
+    pool: str
+    capacity: int
+    used: int
+    epoch: int
+    fence: int
+    max_waiters: int
+    lease_count: int
+    waiter_count: int
+    grants: int
+    reaped_leases: int
+    reaped_waiters: int
+    leases: list[LeaseInfo] = field(default_factory=list)
+    waiters: list[WaiterInfo] = field(default_factory=list)
+    grace_left: float = 0.0  # seconds of grace period left (no new grants until then)
+    max_ttl: float = 0.0  # seconds: the longest ttl a lease may have (0: unbounded)
+    reasserted: int = 0  # leases put back by their holders after Redis lost the pool
+    # The device sampler's live report (docs/SEMANTICS.md, "Device truth"): bytes in use on the
+    # device outside the pool's leases (0 when no report counts), seconds it still counts, and
+    # the over-users it found (list of dicts: holder, lease_id, pid, leased, actual, excess).
+    external: int = 0
+    external_left: float = 0.0
+    overusers: list[dict[str, Any]] = field(default_factory=list)
+    # The queue policy (docs/SEMANTICS.md, "Backfill"): "fifo" or "backfill", and the backfill
+    # window in seconds (how long a head that does not fit may be passed by requests that do).
+    policy: str = "fifo"
+    backfill_window: float = 2.0
+    # Tenants with a quota or with live leases (docs/SEMANTICS.md, "Tenant quotas"), by name.
+    tenants: dict[str, TenantUse] = field(default_factory=dict)
+    # The pool's devices (docs/SEMANTICS.md, "Devices and placement"), device 0 first: one for
+    # a pool of one device; and how a request without a device is placed.
+    devices: list[DeviceUse] = field(default_factory=list)
+    placement: str = "bestfit"
+    # Resident leases (docs/SEMANTICS.md, "Resident leases"): bytes held by them, and bytes of
+    # resident requests queued; a request that is not resident is refused when it is larger
+    # than capacity - resident - resident_queued (RoomExceeded).
+    resident: int = 0
+    resident_queued: int = 0
+
+    def queue_config(self) -> QueueConfig:
+        """The pool's scheduling settings as ``configure.lua`` takes them."""
+        spec = " ".join(f"{t}={u.quota}" for t, u in self.tenants.items() if u.quota)
+        devs = " ".join(str(d.capacity) for d in self.devices) if len(self.devices) > 1 else ""
+        return self.policy, round(self.backfill_window * 1000), spec, devs, self.placement
+
+    @property
+    def effective_capacity(self) -> int:
+        """Bytes the pool may grant in all now: capacity minus the device's external use."""
+        return max(0, self.capacity - self.external)
+
+    @property
+    def free(self) -> int:
+        return max(0, self.effective_capacity - self.used)
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
+    if int(r[0]) == 0:
+        return None
+    now = int(r[1])
+    leases = [
+        LeaseInfo(
+            _s(x[0]),
+            int(x[1]),
+            int(x[2]),
+            (int(x[3]) - now) / 1000,
+            (now - int(x[4])) / 1000,
+            int(x[5]) / 1000,
+            _s(x[6]),
+            decode_meta(x[7]),
+            _s(x[8]) if len(x) > 8 else "",
+            int(x[9]) if len(x) > 9 else 0,
+        )
+        for x in r[12]
+    ]
+    waiters = [
+        WaiterInfo(
+            i + 1,
+            _s(x[0]),
+            int(x[1]),
+            (now - int(x[2])) / 1000,
+            (int(x[3]) - now) / 1000,
+            decode_meta(x[4]),
+            int(x[5]) if len(x) > 5 else 0,
+            _s(x[6]) if len(x) > 6 else "",
+            int(x[7]) if len(x) > 7 and int(x[7]) >= 0 else None,
+        )
+        for i, x in enumerate(r[13])
+    ]
+    (
+        capacity,
+        used,
+        epoch,
+        fence,
+        max_waiters,
+        lease_count,
+        waiter_count,
+        grants,
+        reaped_leases,
+        reaped_waiters,
+    ) = (int(v) for v in r[2:12])
+    extra = [int(v) for v in r[14:19]] + [0, 0, 0, 0, 0]
+    return PoolStatus(
+        pool,
+        capacity,
+        used,
+        epoch,
+        fence,
+        max_waiters,
+        lease_count,
+        waiter_count,
+        grants,
+        reaped_leases,
+        reaped_waiters,
+        leases=leases,
+        waiters=waiters,
+        grace_left=extra[0] / 1000,
+        max_ttl=extra[1] / 1000,
+        reasserted=extra[2],
+        external=extra[3],
+        external_left=extra[4] / 1000,
+        overusers=_overusers(r[19] if len(r) > 19 else ""),
+        policy=_s(r[20]) if len(r) > 20 else "fifo",
+        backfill_window=int(r[21]) / 1000 if len(r) > 21 else 2.0,
+        tenants=_tenants(r[22] if len(r) > 22 else []),
+        devices=_devices(r[23] if len(r) > 23 else [], capacity, used),
+        placement=_s(r[24]) if len(r) > 24 else "bestfit",
+        resident=int(r[25]) if len(r) > 25 else 0,
+        resident_queued=int(r[26]) if len(r) > 26 else 0,
+    )
+
+
+def _devices(flat: list[Any], capacity: int, used: int) -> list[DeviceUse]:
+    """``status.lua``'s devices: {capacity, used, ...} per device; a pool of one device
+    (an empty list) is its device 0."""
+    if not flat:
+        return [DeviceUse(0, capacity, used)]
+    return [DeviceUse(i // 2, int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat) - 1, 2)]
+
+
+def _tenants(flat: list[Any]) -> dict[str, TenantUse]:
+    """``status.lua``'s tenants: {tenant, used, quota, ...} as a dict by tenant."""
+    return {
+        _s(flat[i]): TenantUse(int(flat[i + 1]), int(flat[i + 2]))
+        for i in range(0, len(flat) - 2, 3)
+    }
+
+
+def _overusers(raw: Any) -> list[dict[str, Any]]:
+    """The report's over-users (``external.lua`` keeps the sampler's JSON as given)."""
+    import json
+
+    try:
+        v = json.loads(_s(raw)) if raw else []
+    except ValueError:
+        return []
+    return [x for x in v if isinstance(x, dict)] if isinstance(v, list) else []
+
+
+class DeviceReply(NamedTuple):
+    """``external.lua``'s reply: whether the caller holds the pool's device sampler claim,
+    whether its report was written, and the pool after it (server ms, bytes, grants made)."""
+
+    holder: int
+    written: int
+    now_ms: int
+    capacity: int
+    used: int
+    external: int
+    external_until_ms: int
+    granted: int
+
+
+# Why reassert.lua refused to put a lease back (its negative result codes).
+REASSERT_REFUSED = {
+    -1: "Redis lost the pool more than one max_ttl ago; the lease cannot be put back",
+    -2: "Redis lost the pool, and the lease does not fit next to the leases put back or granted since",
+    -3: "Redis lost the pool, and the lease's token is not older than the pool made again",
+    -4: "Redis lost the pool, and the lease's ttl is longer than the new pool's max_ttl",
+    -5: "Redis lost the pool, and its lease id or request id is taken by another lease",
+}

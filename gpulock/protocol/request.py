@@ -1,0 +1,128 @@
+"""The request vocabulary of the core: :class:`AcquireRequest`, a validated acquire and the
+ARGV of ``acquire.lua`` it makes. No I/O; ``protocol/flow.py`` builds the operations from it and from
+``protocol/args.py`` (validation and encoding), ``protocol/replies.py`` (reply decoding), ``transport/translate.py``
+(error translation), ``protocol/retry.py`` (the retry policy) and ``protocol/lease.py`` (the lease's local
+validity clock).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+from gpulock.protocol.args import (
+    MAX_TTL_S,
+    MIN_TTL_S,
+    encode_meta,
+    new_id,
+    validate_device,
+    validate_priority,
+    validate_request_id,
+    validate_resident,
+    validate_tenant,
+)
+from gpulock.units import parse_seconds, parse_size
+
+# imported from here by runtime/runtime.py; moves with its split
+from gpulock.protocol.args import DEFAULT_MAX_WAITERS as DEFAULT_MAX_WAITERS
+from gpulock.protocol.args import DEFAULT_POLL_INTERVAL_S as DEFAULT_POLL_INTERVAL_S
+from gpulock.protocol.args import ttl_ms as ttl_ms
+from gpulock.protocol.lease import LeaseState as LeaseState
+from gpulock.protocol.lease import validity_deadline as validity_deadline
+from gpulock.protocol.replies import REASSERT_REFUSED as REASSERT_REFUSED
+from gpulock.protocol.replies import Grant as Grant
+from gpulock.protocol.replies import decode_acquire as decode_acquire
+from gpulock.protocol.replies import decode_events as decode_events
+from gpulock.protocol.replies import decode_status as decode_status
+from gpulock.protocol.retry import RETRYABLE as RETRYABLE
+from gpulock.protocol.retry import retry_delay as retry_delay
+from gpulock.protocol.retry import retrying as retrying
+from gpulock.transport.translate import translate as translate
+
+
+@lru_cache(maxsize=64)
+def _ms_arg(seconds: float) -> str:
+    """A ttl in seconds as ``acquire.lua``'s milliseconds argument (a pool's few ttls, cached:
+    this runs on every acquire)."""
+    return str(ttl_ms(seconds))
+
+
+class AcquireRequest(NamedTuple):
+    """A validated acquire: everything the script needs, plus the caller's timeout. Immutable:
+    a named tuple, the cheapest immutable record to make on every acquire (docs/BENCHMARKS.md,
+    section 9)."""
+
+    pool: str
+    amount: int
+    ttl_s: float
+    timeout_s: float | None
+    ticket: str
+    lease_id: str
+    meta: str
+    waiter_ttl_s: float
+    priority: int = 0
+    tenant: str = ""  # "" for none
+    device: int | None = None  # the device it pins (docs/SEMANTICS.md, "Devices"); None: any
+    resident: bool = False  # held for its holder's life (docs/SEMANTICS.md, "Resident leases")
+
+    @classmethod
+    def build(
+        cls,
+        pool: str,
+        amount: int | float | str,
+        *,
+        ttl: float | None,
+        timeout: float | None,
+        holder: dict[str, Any] | None,
+        request_id: str | None,
+        waiter_ttl: float,
+        default_ttl: float,
+        priority: int = 0,
+        tenant: str | None = None,
+        device: int | None = None,
+        resident: bool = False,
+    ) -> "AcquireRequest":
+        amt = parse_size(amount)
+        ttl_s = parse_seconds(
+            default_ttl if ttl is None else ttl, name="ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S
+        )
+        timeout_s = parse_seconds(
+            timeout, name="timeout", minimum=0.0, maximum=1e9, allow_none=True
+        )
+        ticket = new_id() if request_id is None else validate_request_id(request_id)
+        prio = 0 if priority == 0 and type(priority) is int else validate_priority(priority)
+        return cls(
+            pool,
+            amt,
+            ttl_s,
+            timeout_s,
+            ticket,
+            new_id(),
+            encode_meta(holder),
+            waiter_ttl,
+            prio,
+            validate_tenant(tenant),
+            validate_device(device),
+            validate_resident(resident),
+        )
+
+    def argv(self, mode: str, channel: str) -> list[str]:
+        """ARGV of ``acquire.lua``; ``channel`` is the caller runtime's pub/sub channel id."""
+        argv = [
+            self.ticket,
+            self.lease_id,
+            str(self.amount),
+            _ms_arg(self.ttl_s),
+            _ms_arg(self.waiter_ttl_s),
+            mode,
+            self.meta,
+            channel,
+            str(self.priority),
+        ]
+        if self.tenant or self.device is not None or self.resident:
+            argv.append(self.tenant)
+        if self.device is not None or self.resident:
+            argv.append("" if self.device is None else str(self.device))
+        if self.resident:
+            argv.append("resident")
+        return argv

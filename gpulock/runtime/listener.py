@@ -1,0 +1,88 @@
+"""The hand-off subscription of one pool object: the grants the server publishes, delivered.
+
+Release, cancel, reap and configure grant the FIFO prefix that fits *on the server* and
+publish the grants on this process's channel (``<events key>:<channel_id>``); the pool
+object's channel, on its client's shared subscription connection (:mod:`gpulock.transport.pubsub`: one
+per shard, however many pool objects use the client), hands exactly those waiters their grants
+(:meth:`WaiterRegistry.deliver`). Nobody else is woken and no extra round trip is needed
+(server-side hand-off). While the subscription is down the heartbeat's polling finds the grants
+instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable
+
+from gpulock_common.aio import wait_for
+from gpulock.protocol.request import decode_events
+from gpulock.transport.pubsub import CONFIRM_WAIT_S, Channel, Hub
+from gpulock.runtime.waiters import WaiterRegistry
+
+log = logging.getLogger("gpulock")
+
+
+class Listener:
+    """The subscription of pool ``pool`` to ``channel`` on ``redis`` (a redis.asyncio
+    client); grants go to ``registry``. ``clock`` and ``is_closed`` are kept for the
+    runtime's interface (the shared connection logs and stops on its own).
+    ``resubscribed()``: called when the subscription is back after it was lost."""
+
+    def __init__(
+        self,
+        redis: Any,
+        pool: str,
+        channel: str,
+        registry: WaiterRegistry,
+        clock: Callable[[], float],
+        is_closed: Callable[[], bool],
+        resubscribed: Callable[[], None] | None = None,
+    ):
+        self.redis = redis
+        self._resubscribed = resubscribed
+        self.pool = pool
+        self.channel = channel
+        self._registry = registry
+        self._is_closed = is_closed
+        self._hub: Hub | None = None
+        self._ch: Channel | None = None
+
+    @property
+    def subscribed(self) -> bool:
+        """Whether the subscription is confirmed now (see :meth:`ensure_subscribed`)."""
+        return self._ch is not None and self._ch.subscribed.is_set()
+
+    @property
+    def sharded(self) -> bool | None:
+        """Whether the subscription is sharded (SSUBSCRIBE); None until the server answered."""
+        shard = self._ch.shard if self._ch is not None else None
+        return shard.sharded if shard is not None else None
+
+    def _deliver(self, data: bytes) -> None:
+        for g in decode_events(data):
+            self._registry.deliver(g)
+
+    async def ensure_subscribed(self) -> None:
+        """Subscribe (once) and wait until Redis confirmed it, so that no grant published
+        after our next enqueue can be missed."""
+        if self._ch is None:
+            self._hub = Hub.of(self.redis)
+            self._ch = Channel(self.channel, self._deliver, resubscribed=self._resubscribed)
+            await self._hub.join(self._ch)
+        ch = self._ch
+        if ch.awaiting_news():
+            try:
+                await wait_for(ch.news.wait(), CONFIRM_WAIT_S)
+                in_time = True
+            except asyncio.TimeoutError:
+                in_time = False
+            ch.after_news(self.pool, in_time)
+
+    def cancel(self) -> list[asyncio.Task[Any]]:
+        """Leave the shared connection (closed when no pool object uses it any more);
+        returns the tasks for the caller to await."""
+        if self._ch is None or self._hub is None:
+            return []
+        ch, self._ch = self._ch, None
+        return self._hub.leave(ch)

@@ -1,0 +1,420 @@
+"""The per-pool background runtime: one per pool object, living in one event loop.
+
+:class:`Runtime` composes the parts and is the interface the drivers (``_async.py``,
+``_sync.py``, ``protocol/flow.py``) use:
+
+* the **listener** (:mod:`gpulock.runtime.listener`): the asyncio shell's pub/sub subscription to the
+  pool object's channel (:attr:`Runtime.channel`); the grants the server publishes go straight
+  to their waiters. The sync shell's waiting threads read the same channel themselves
+  (:mod:`gpulock.runtime.sync_listener`) and hand what they read to :meth:`Runtime.deliver`.
+* the **heartbeat** (:mod:`gpulock.runtime.heartbeat`): the ticker's batched ``renew`` call (leases
+  at ttl/3, waiters each ``poll_interval``, grants whose message was missed), the reap timer,
+  and the watchdog that fires on_lost at each lease's local validity deadline.
+* the **waiters** (:mod:`gpulock.runtime.waiters`): the queued acquires of this pool object and the
+  delivery of grants to them (safe from any thread: the sync shell queues, leaves and
+  delivers on its callers' threads, waking the loop only when the ticker must run sooner).
+* the **recovery** (:mod:`gpulock.runtime.recovery`): the epoch this object knows, and after Redis
+  lost the pool its creation again as last seen, the leases put back, the waiters re-queued.
+
+Creating a lease starts no thread and no task; the tasks start with the first lease or waiter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, Callable
+
+from gpulock_common.aio import stop_tasks
+from gpulock_common.lease import stop_renewal
+
+from gpulock.runtime.calls import Calls, Settings
+from gpulock.runtime.heartbeat import Heartbeat
+from gpulock.runtime.listener import Listener
+from gpulock.protocol.request import DEFAULT_POLL_INTERVAL_S, Grant, LeaseState, validity_deadline
+from gpulock.protocol.replies import QueueConfig
+from gpulock.runtime.recovery import Recovery
+from gpulock.runtime.tasks import LoopTasks
+from gpulock.runtime.waiters import Waiter, WaiterFuture, WaiterRegistry
+from gpulock.errors import PoolClosed
+
+__all__ = ["Runtime", "Waiter"]
+
+
+def _of_recovery(name: str) -> property:
+    """An attribute of the runtime's :class:`Recovery` (epoch knowledge), readable and
+    settable on the runtime."""
+    return property(
+        lambda self: getattr(self.recovery, name),
+        lambda self, value: setattr(self.recovery, name, value),
+        doc=f"The recovery's ``{name}`` (:class:`gpulock.runtime.recovery.Recovery`).",
+    )
+
+
+class Runtime:
+    """The background work of pool ``pool`` on ``redis`` (a redis.asyncio client) with its
+    ``keys``, on the local ``clock`` (s); waiters are refreshed every ``poll_interval`` s;
+    ``loop``: the loop the work runs in when known up front (the sync shell's thread)."""
+
+    known_epoch = _of_recovery("known_epoch")
+    capacity_seen = _of_recovery("capacity_seen")
+    max_waiters_seen = _of_recovery("max_waiters_seen")
+    max_ttl_seen_ms = _of_recovery("max_ttl_seen_ms")
+    policy_seen = _of_recovery("policy_seen")
+
+    def __init__(
+        self,
+        redis: Any,
+        pool: str,
+        keys: Sequence[str],
+        clock: Callable[[], float],
+        poll_interval: float = DEFAULT_POLL_INTERVAL_S,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ):
+        self.redis = redis  # a redis.asyncio client
+        self.pool = pool
+        self.keys = keys
+        self.clock = clock
+        self.poll_interval = poll_interval
+        self.leases: dict[str, LeaseState] = {}
+        self.anchor: tuple[float, int] | None = None  # (local time sent, server now ms)
+        self._closed = False
+        # This pool object's pub/sub channel for hand-offs: "<events key>:<channel_id>".
+        self.channel_id = secrets.token_hex(8)
+        self.channel = f"{keys[7]}:{self.channel_id}"
+        self._states_lock = threading.Lock()  # the sync shell makes leases on caller threads
+        self.settings = Settings()
+        self.tasks = LoopTasks(pool, loop)
+        self.calls = Calls(redis, pool, keys, self.settings)
+        self.registry = WaiterRegistry(pool, clock, self.settings, self.leases)
+        self.waiters: dict[str, Waiter] = self.registry.waiters
+        self.listener = Listener(
+            redis,
+            pool,
+            self.channel,
+            self.registry,
+            clock,
+            is_closed=self._is_closed,
+            resubscribed=self.poll_waiters_now,
+        )
+        self._subscribed: Callable[[], bool] = lambda: self.listener.subscribed
+        self.recovery = Recovery(
+            pool,
+            clock,
+            self.calls,
+            self.settings,
+            self.leases,
+            self.registry,
+            self.tasks,
+            is_closed=self._is_closed,
+            observe=self.observe,
+            suspect_restart=self.suspect_restart,
+            set_reap_timer=self.set_reap_timer,
+        )
+        self.heartbeat = Heartbeat(
+            pool,
+            clock,
+            poll_interval,
+            self.calls,
+            self.settings,
+            self.leases,
+            self.registry,
+            self.recovery,
+            self.tasks,
+            is_closed=self._is_closed,
+            observe=self.observe,
+        )
+
+    # ---- the pool object's side ------------------------------------------------------------
+    def _is_closed(self) -> bool:
+        return self._closed
+
+    def unreachable(self) -> tuple[float, BaseException] | None:
+        """``(seconds, last error)`` while the background calls keep failing, else None
+        (:meth:`gpulock.runtime.heartbeat.Heartbeat.unreachable`)."""
+        return self.heartbeat.unreachable()
+
+    def poll_waiters_now(self) -> None:
+        """The hand-off subscription is back after it was lost (a connection failure, a
+        failover, a slot moved): a grant published meanwhile was missed, so the waiters are
+        polled now rather than at the next ``poll_interval``. Safe from any thread."""
+        if self._closed or not self.waiters:
+            return
+        try:
+            self.tasks.in_loop(self.heartbeat.poll_now)
+        except RuntimeError:  # no loop yet, or it is closed: nothing to poll for
+            pass
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (no heartbeat or listener serves a lease after)."""
+        return self._closed
+
+    @property
+    def subscribed(self) -> bool:
+        """Whether the hand-off subscription is confirmed now, so that an acquire may queue
+        without looking at it first: the listener's (see :meth:`ensure_subscribed`), or what
+        the sync shell said it reads instead (:meth:`read_elsewhere`)."""
+        return self._subscribed()
+
+    def read_elsewhere(self, ready: Callable[[], bool]) -> None:
+        """The pool object's channel is read by someone else (the sync shell's waiting
+        threads: :mod:`gpulock.runtime.sync_listener`), not by :attr:`listener`; ``ready()`` says
+        whether that subscription needs no look before an acquire queues."""
+        self._subscribed = ready
+
+    def use_settings(
+        self,
+        *,
+        capacity: int | None,
+        max_waiters: int,
+        max_ttl_ms: int,
+        sync_replicas: int,
+        sync_timeout_ms: int,
+        backend_timeout: float,
+    ) -> None:
+        """Take the pool object's settings: what the heartbeat needs to create the pool again
+        after Redis lost it (capacity in bytes, None: not given; max_waiters; max_ttl in ms),
+        ``sync_replicas`` with its WAIT timeout (ms), and the bound of background retries (s)."""
+        st = self.settings
+        st.capacity, st.max_waiters, st.max_ttl_ms = capacity, max_waiters, max_ttl_ms
+        st.sync_replicas, st.sync_timeout_ms = sync_replicas, sync_timeout_ms
+        st.backend_timeout = backend_timeout
+
+    @property
+    def backend_timeout(self) -> float:
+        """The bound (s) of background retries (:meth:`use_settings`)."""
+        return self.settings.backend_timeout
+
+    # ---- clock and epoch -----------------------------------------------------------------
+    def observe(self, sent: float, now_ms: int) -> None:
+        """Record a (local send time, server time) pair from a completed call."""
+        self.anchor = (sent, now_ms)
+
+    def deadline_for(self, grant: Grant) -> float:
+        """The local validity deadline of ``grant`` (:func:`gpulock.protocol.request.validity_deadline`
+        from the last recorded anchor, or from now and the grant's own server time)."""
+        sent, server_now = self.anchor if self.anchor else (self.clock(), grant.now_ms)
+        return validity_deadline(sent, server_now, grant.expires_ms)
+
+    def seen(
+        self,
+        epoch: int,
+        capacity: int = 0,
+        max_waiters: int = 0,
+        max_ttl_ms: int = 0,
+        policy: QueueConfig | None = None,
+    ) -> None:
+        """Take in what a reply showed of the pool (:meth:`gpulock.runtime.recovery.Recovery.seen`).
+        Safe from any thread."""
+        self.recovery.seen(epoch, capacity, max_waiters, max_ttl_ms, policy)
+
+    def note_grace(self, sent: float, left_ms: int) -> None:
+        """A reply to a call sent at ``sent`` showed ``left_ms`` ms of grace period left
+        (:meth:`gpulock.runtime.recovery.Recovery.note_grace`). Safe from any thread."""
+        self.recovery.note_grace(sent, left_ms)
+
+    def grace_left(self) -> float:
+        """Seconds left in the pool's grace period as last seen; 0 outside one. No I/O."""
+        return self.recovery.grace_left()
+
+    def suspect_restart(self) -> None:
+        """Run the heartbeat (and so the recovery) now. Safe from any thread."""
+        self.heartbeat.suspect_restart()
+
+    def configure_argv(
+        self,
+        capacity: int,
+        max_waiters: int,
+        max_ttl_ms: int,
+        create_only: bool,
+        grace: bool = False,
+        policy: QueueConfig | None = None,
+    ) -> list[str]:
+        """ARGV of ``configure.lua`` (:meth:`gpulock.runtime.recovery.Recovery.configure_argv`);
+        ``policy``: a queue policy, backfill window in ms and quotas (each None: unchanged)."""
+        return self.recovery.configure_argv(
+            capacity, max_waiters, max_ttl_ms, create_only, grace, policy
+        )
+
+    def set_reap_timer(self, received: float, next_expiry_in_ms: int) -> None:
+        """Schedule a reap at the nearest lease expiry (:meth:`Heartbeat.set_reap_timer`)."""
+        self.heartbeat.set_reap_timer(received, next_expiry_in_ms)
+
+    @property
+    def reap_at(self) -> float | None:
+        """When the next reap is due (local clock; None: none scheduled)."""
+        return self.heartbeat.reap_at
+
+    # ---- leases --------------------------------------------------------------------------
+    def _poke(self) -> None:
+        self.heartbeat.poke()
+
+    async def ensure_subscribed(self) -> None:
+        """Subscribe (once) and wait until Redis confirmed it, so that no grant published
+        after our next enqueue can be missed (:meth:`Listener.ensure_subscribed`)."""
+        await self.listener.ensure_subscribed()
+
+    def deliver(self, grants: Sequence[Grant]) -> None:
+        """Hand grants read from the pool object's channel to their waiters. Safe from any
+        thread: the sync shell's reading thread calls it."""
+        for g in grants:
+            self.registry.deliver(g)
+
+    def track(self, state: LeaseState) -> None:
+        """Start heartbeating a lease. Safe from any thread (the sync shell calls it on the
+        caller's thread): a dict insert, plus a wake-up of the loop only when the ticker or the
+        watchdog must run sooner than planned (a first lease, or a shorter ttl)."""
+        self.leases[state.lease_id] = state
+        self.heartbeat.lease_added(state)
+
+    def untrack(self, lease_id: str) -> None:
+        """Stop heartbeating a lease (a dict pop: safe from any thread)."""
+        self.leases.pop(lease_id, None)
+
+    def state_for(
+        self,
+        grant: Grant,
+        ttl_s: float,
+        valid_until: float,
+        meta: str = "",
+        tenant: str = "",
+        resident: bool = False,
+    ) -> tuple[LeaseState, bool]:
+        """The local state of a granted lease: the existing one when this process already
+        holds that lease (the same request id acquired again returns the same grant), so that
+        both lease objects share one validity clock and one release. Returns (state, new); a
+        new one is among the held leases at once (finding and adding happen under one lock, so
+        two threads given the same grant share one state), and the caller then calls
+        :meth:`track` to start its heartbeat."""
+        with self._states_lock:
+            s = self.leases.get(grant.lease_id)
+            if (
+                s is not None
+                and s.token == grant.token
+                and not s.released
+                and s.lost_reason is None
+            ):
+                return s, False
+            s = LeaseState(self.pool, grant, ttl_s, valid_until, self.clock)
+            s.meta = meta
+            s.tenant = tenant
+            s.resident = resident
+            if not s.epoch:
+                s.epoch = self.known_epoch
+            self.leases[s.lease_id] = s
+            return s, True
+
+    # ---- waiters -------------------------------------------------------------------------
+    def add_waiter(self, w: Waiter) -> None:
+        """Register ``w`` and schedule its refresh. Safe from any thread."""
+        now = self.clock()
+        first = self.registry.add(w, now)
+        self.heartbeat.waiter_added(now, first)
+
+    def remove_waiter(self, ticket: str) -> None:
+        """Forget the waiter of ``ticket``; the last one gone stops the reap timer. Safe from
+        any thread."""
+        if self.registry.remove(ticket):
+            self.heartbeat.reap_at = None
+
+    def join_waiter(self, w: Waiter) -> Waiter:
+        """Register ``w``, or join the waiter this process already has for the same ticket
+        (one request id used by two acquires at once: one place, one grant, seen by both).
+        Safe from any thread."""
+        with self.registry.lock:
+            cur = self.waiters.get(w.ticket)
+            if cur is not None and not cur.future.done():
+                cur.users += 1
+                if cur.deadline is not None:  # the latest deadline of those sharing it
+                    cur.deadline = None if w.deadline is None else max(cur.deadline, w.deadline)
+                return cur
+            self.add_waiter(w)
+            return w
+
+    def leave_waiter(self, w: Waiter, grant: Grant | None = None) -> None:
+        """One acquire sharing ``w`` stops waiting; the last one removes it. ``grant``: the
+        grant of ``w`` as that acquire read it itself (the sync shell's reading thread), handed
+        first to the others still sharing ``w``. Safe from any thread."""
+        with self.registry.lock:
+            if grant is not None and w.users > 1:
+                self.registry.deliver(grant)
+            w.users -= 1
+            if w.users <= 0 and self.waiters.get(w.ticket) is w:
+                self.remove_waiter(w.ticket)
+
+    def queue_waiter(
+        self,
+        ticket: str,
+        argv: list[str],
+        waiter_ttl_ms: int,
+        position: int,
+        on_position: Callable[[int], Any] | None,
+        retry_after_ms: int,
+        deadline: float | None = None,
+    ) -> Waiter:
+        """Queue a waiter for an acquire the server queued (``argv``: its ARGV, to queue it
+        again), or join the one this process has for ``ticket`` (:meth:`join_waiter`); schedule
+        the reap timer at the nearest lease expiry (``retry_after_ms``, -1: none). Returns the
+        waiter to wait on and to leave; its future belongs to the runtime's loop. Safe from any
+        thread (the sync shell calls it on the caller's); in a runtime already closed, the
+        wait of a new waiter has ended with PoolClosed. ``deadline``: local time the acquire
+        gives up (None: never), which keeps its place through an outage that long."""
+        loop = self.tasks.loop  # the sync shell's: known up front
+        if loop is None:
+            loop = asyncio.get_running_loop()
+        w = Waiter(
+            ticket,
+            WaiterFuture(loop=loop),
+            argv,
+            waiter_ttl_ms,
+            position,
+            on_position,
+            deadline=deadline,
+        )
+        joined = self.join_waiter(w)
+        if self._closed:
+            self.registry.fail(joined, PoolClosed(self.pool))
+        self.set_reap_timer(self.clock(), retry_after_ms)
+        return joined
+
+    def leave(self, w: Waiter, grant: Grant | None = None) -> bool:
+        """Leave waiter ``w`` (:meth:`leave_waiter`, with ``grant``); True when its ticket is
+        still in use locally (:meth:`ticket_in_use`: then the request must not be withdrawn on
+        the server)."""
+        self.leave_waiter(w, grant)
+        return self.ticket_in_use(w.ticket)
+
+    def ticket_in_use(self, ticket: str) -> bool:
+        """Whether another local acquire still waits on ``ticket`` or a live local lease came
+        from it: then a give-up must not withdraw the request on the server."""
+        return self.registry.ticket_in_use(ticket)
+
+    def waiter_bound(self, w: Waiter) -> float:
+        """Seconds a queued waiter may go unrefreshed (:meth:`WaiterRegistry.waiter_bound`)."""
+        return self.registry.waiter_bound(w)
+
+    # ---- calls and lifecycle -------------------------------------------------------------
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run a coroutine that must finish even if its caller is cancelled."""
+        return self.tasks.spawn(coro)
+
+    async def cancel_quietly(self, ticket: str) -> None:
+        """Withdraw a request, best effort (:meth:`gpulock.runtime.calls.Calls.cancel_quietly`)."""
+        await self.calls.cancel_quietly(ticket)
+
+    async def renew_synced(self, args: list[Any], bound: float = 0.0) -> tuple[Any, int]:
+        """``renew`` then ``WAIT`` on one connection (:meth:`gpulock.runtime.calls.Calls.renew_synced`,
+        its connection errors retried for ``bound`` s): (renew reply, replicas that acked it)."""
+        return await self.calls.renew_synced(args, bound)
+
+    async def close(self) -> None:
+        """Stop the background tasks; every acquire still waiting ends with PoolClosed (its
+        shell then withdraws the request from the queue)."""
+        self._closed = True
+        stop_renewal(list(self.leases.values()), self.pool)
+        self.registry.fail_all_closed()
+        await stop_tasks(self.heartbeat.cancel() + self.listener.cancel())
+        await self.tasks.drain(timeout=2.0)
