@@ -8,9 +8,9 @@ cannot (``serve``, ``broker``, ``loadtest``); none falls back to a backend the u
 name. gpulock's own messages go to stderr; stdout carries only data (``status``, ``pool ...``)
 or, for ``gpulock run``, only CMD's output.
 
-The commands live in ``_cli_pool`` (status, pools), ``_cli_top`` (top) and ``_cli_run``
-(run, with ``_cli_child``: CMD's process under the lease); what they share
-(exit codes, messages, the backend) in ``_cli_common``. ``serve``, ``loadtest`` and ``broker``
+The commands live in ``cli.pool`` (status, pools), ``cli.top`` (top) and ``cli.run``
+(run, with ``cli.child``: CMD's process under the lease); what they share
+(exit codes, messages, the backend) in ``cli.common``. ``serve``, ``loadtest`` and ``broker``
 belong to other packages (the demo service, the lease broker), which declare them as
 ``gpulock.cli`` entry points; :func:`main` adds them, importing this module does not.
 """

@@ -310,7 +310,7 @@ class Target:
 
 class RunLease(Protocol):
     """The lease ``gpulock run`` holds while CMD runs: the core's :class:`gpulock.Lease`, or a
-    lease through a broker (``_cli_broker.BrokerLease``). Errors are the core's exceptions."""
+    lease through a broker (``cli.broker.BrokerLease``). Errors are the core's exceptions."""
 
     @property
     def id(self) -> str: ...
@@ -337,7 +337,7 @@ class RunLease(Protocol):
 
 class RunPool(Protocol):
     """The pool ``gpulock run`` leases from: the core's :class:`gpulock.Pool` (Redis), or
-    ``_cli_broker.BrokerPool`` (a broker, through the gpulock-client SDK). ``amount`` in
+    ``cli.broker.BrokerPool`` (a broker, through the gpulock-client SDK). ``amount`` in
     bytes, ``ttl``/``timeout`` in seconds, ``priority`` in [-100, 100] (higher first),
     ``tenant`` the tenant the lease counts under (None: none; a broker takes it from the
     token, so its pool refuses one), ``device`` the device it must be on (None: the pool

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Response
 from gpulock_common.grace import grace_note, grace_outlasts
 
-from gpulock.runtime.failure_log import FailureLog
+from gpulock.transport.failure_log import FailureLog
 from gpulock.http.places import hold_for
 from gpulock.http.disconnect import _is_gone
 from ._admission import Slots

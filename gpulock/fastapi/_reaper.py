@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from gpulock_common.aio import stop_tasks
 
-from gpulock.runtime.failure_log import FailureLog
+from gpulock.transport.failure_log import FailureLog
 from gpulock.protocol.replies import PoolStatus
 from gpulock.errors import GpuLockError, PoolNotFound
 from ._backend import Backend

@@ -99,8 +99,8 @@ def configure_args(
 ) -> list[str]:
     """ARGV of ``configure.lua``: capacity (bytes), max_waiters, "create" (only if absent) or
     "set", max_ttl (ms), whether a pool it creates starts with a grace period, and the queue
-    policy ("fifo" or "backfill"), backfill window (ms), tenant quotas (``_args.encode_quotas``),
-    devices (``_args.encode_devices``) and placement, each None to leave it as it is."""
+    policy ("fifo" or "backfill"), backfill window (ms), tenant quotas (``protocol.args.encode_quotas``),
+    devices (``protocol.args.encode_devices``) and placement, each None to leave it as it is."""
     mode = "create" if create_only else "set"
     argv = [str(capacity), str(max_waiters), mode, str(max_ttl_ms), "1" if grace else "0"]
     if policy is not None:

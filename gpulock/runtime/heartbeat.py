@@ -22,7 +22,7 @@ from typing import Any, Callable
 from gpulock_common.aio import wait_for
 
 from gpulock.runtime.calls import Calls, Settings
-from gpulock.runtime.failure_log import FailureLog
+from gpulock.transport.failure_log import FailureLog
 from gpulock.protocol.request import RETRYABLE, LeaseState, retry_delay, ttl_ms
 from gpulock.runtime.recovery import Recovery
 from gpulock.runtime.tasks import LoopTasks

@@ -30,7 +30,7 @@ from redis.exceptions import AuthenticationError, NoPermissionError, ResponseErr
 
 from gpulock.transport.cluster import is_cluster_client
 from gpulock.transport.route import ShardUnavailable
-from gpulock.runtime.failure_log import FailureLog
+from gpulock.transport.failure_log import FailureLog
 from gpulock.protocol.retry import retry_delay
 from gpulock.transport.translate import translate
 

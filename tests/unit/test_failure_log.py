@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from gpulock.runtime.failure_log import FailureLog
+from gpulock.transport.failure_log import FailureLog
 
 
 class FakeClock:
