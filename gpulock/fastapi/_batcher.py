@@ -46,7 +46,8 @@ from ._admission import Slots
 from ._backend import Backend
 from ._call import GuardedCalls
 from ._errors import CudaOOM, GpuLockHTTPException, HttpErrors
-from ._jobs import Job, JobRunner, current_lease, note_oom
+from ._job import Job
+from ._jobs import JobRunner, current_lease, note_oom
 from ._metrics import metrics
 from ._priority import RoutePriority
 from ._settings import Settings

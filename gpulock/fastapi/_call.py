@@ -23,7 +23,8 @@ from gpulock.units import parse_size
 from ._backend import Backend
 from ._errors import GpuLockHTTPException, HttpErrors, bytes_asked
 from ._idempotency import MISSING, RequestStore, request_ticket
-from ._jobs import Job, JobRunner
+from ._job import Job
+from ._jobs import JobRunner
 from ._metrics import metrics
 from ._priority import RoutePriority
 from ._retry_after import RetryAfterEstimator

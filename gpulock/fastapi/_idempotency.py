@@ -21,7 +21,7 @@ import hashlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Response
 from gpulock_common.grace import grace_note, grace_outlasts
@@ -34,10 +34,9 @@ from ._backend import Backend
 from ._errors import GpuLockHTTPException, HttpErrors
 from ._metrics import metrics
 from ._retry_after import RetryAfterEstimator
+from ._job import Job
 from ._settings import Settings
 
-if TYPE_CHECKING:
-    from ._jobs import Job
 
 log = logging.getLogger("gpulock.fastapi")
 

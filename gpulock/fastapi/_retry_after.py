@@ -9,7 +9,6 @@ local_grant_rate)``, at least the grace period left, at most ``max_retry_after``
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from gpulock_common.aio import wait_for
 
@@ -17,10 +16,8 @@ from gpulock import retry_after as policy
 from gpulock.protocol.replies import PoolStatus
 from ._admission import Slots
 from ._backend import Backend
+from ._job import Job
 from ._settings import Settings
-
-if TYPE_CHECKING:
-    from ._jobs import Job
 
 
 class RetryAfterEstimator:

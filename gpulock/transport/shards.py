@@ -31,28 +31,35 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
-from redis.crc import key_slot
-from redis.exceptions import MovedError, RedisError
+from redis.exceptions import RedisError
 
 from gpulock.transport.cluster import is_cluster_client
 from gpulock.transport.lane import SyncLane, encode, sync_lane
 from gpulock.transport.route import (
     HUNG_CHECK_S,
-    is_shard_error,
     LOOKUP,
     Moved,
     Refresh,
     Send,
     owner_in,
-    refresh_order,
     route,
 )
 
-if TYPE_CHECKING:
-    from gpulock.transport.shards_async import AsyncShards
+from gpulock.transport.shards_async import AsyncShards, async_shards_of
+from gpulock.transport.slot_map import (
+    ASKING,
+    CLUSTER_SLOTS,
+    DRIVER_ATTR,
+    SlotMap,
+    batch_replies,
+    batch_words,
+    checked,
+    moved_error,
+    slot_of,
+)
 
 __all__ = [
     "ASKING",
@@ -65,61 +72,18 @@ __all__ = [
     "slot_of",
 ]
 
-ASKING = encode(("ASKING",))
-CLUSTER_SLOTS = encode(("CLUSTER", "SLOTS"))
-_ATTR = "_gpulock_shards"
-
-
-def slot_of(key: str) -> int:
-    """The hash slot of ``key`` (its hash tag's, as every gpulock key of a pool has)."""
-    return int(key_slot(key.encode()))
-
 
 def shards_of(client: Any) -> SyncShards | AsyncShards | None:
     """The shard driver of a cluster client (made on first use, kept on the client); None for
     any other client."""
     if not is_cluster_client(client):
         return None
-    s = client.__dict__.get(_ATTR)
+    if not isinstance(client, redis.cluster.RedisCluster):
+        return async_shards_of(client)
+    s = client.__dict__.get(DRIVER_ATTR)
     if s is None:
-        if isinstance(client, redis.cluster.RedisCluster):
-            s = SyncShards(client)
-        else:
-            from gpulock.transport.shards_async import AsyncShards
-
-            s = AsyncShards(client)
-        client.__dict__[_ATTR] = s
-    return s  # type: ignore[no-any-return]
-
-
-def batch_words(commands: Sequence[Sequence[Any]], asking: bool) -> list[bytes]:
-    """``commands`` (each a sequence of words: str, bytes, int) encoded, each after ``ASKING``
-    when ``asking`` (an ASK redirect covers the next command only)."""
-    out: list[bytes] = []
-    for c in commands:
-        if asking:
-            out.append(ASKING)
-        out.append(encode(c))
-    return out
-
-
-def batch_replies(replies: list[Any], asking: bool) -> list[Any]:
-    """The replies of :func:`batch_words`'s commands (an error reply as its
-    ``ResponseError``), raising the first error that is the shard's (a redirect, TRYAGAIN,
-    CLUSTERDOWN) for the route to handle."""
-    out = replies[1::2] if asking else replies
-    for r in out:
-        if isinstance(r, Exception) and is_shard_error(r):
-            raise r
-    return out
-
-
-def checked(replies: list[Any]) -> list[Any]:
-    """``replies`` (of :func:`on_key`), raising the first error reply among them."""
-    for r in replies:
-        if isinstance(r, Exception):
-            raise r
-    return replies
+        s = client.__dict__[DRIVER_ATTR] = SyncShards(client)
+    return s
 
 
 def on_key(client: Any, key: str, *commands: Sequence[Any]) -> list[Any]:
@@ -142,56 +106,7 @@ def on_key(client: Any, key: str, *commands: Sequence[Any]) -> list[Any]:
     return lane.execute_many([encode(c) for c in commands])
 
 
-class _Map:
-    """What both drivers share, without I/O: the slots gpulock routes on the client, when the
-    map was last refreshed, and the nodes suspected of being down or hung."""
-
-    def __init__(self, client: Any):
-        self.client = client
-        self.nm: Any = client.nodes_manager
-        self.tracked: set[int] = set()
-        self.refreshed_at = 0.0  # time.monotonic() of the last refresh's end
-        # Nodes that failed a call or hung since they last answered one: asked last.
-        self.suspects: set[str] = set()
-
-    def node_name(self, slot: int) -> str | None:
-        nodes = self.nm.slots_cache.get(slot)
-        return nodes[0].name if nodes else None
-
-    def candidates(self, slot: int, failed: str | None) -> list[str]:
-        """The nodes a refresh asks, in order (:func:`gpulock.transport.route.refresh_order`), the
-        suspects last."""
-        if failed is not None:
-            self.suspects.add(failed)
-        order = refresh_order(
-            failed,
-            [n.name for n in self.nm.slots_cache.get(slot, ())],
-            [n.name for n in self.nm.get_nodes_by_server_type("primary")],
-            list(self.nm.nodes_cache),
-        )
-        return [n for n in order if n not in self.suspects] + [
-            n for n in order if n in self.suspects
-        ]
-
-    def changes(self, reply: Any, asked: str) -> list[tuple[int, str, int]]:
-        """The tracked slots whose master in a ``CLUSTER SLOTS`` reply of node ``asked``
-        (``host:port``) is not the map's: ``(slot, host, port)`` each."""
-        out = []
-        for s in sorted(self.tracked):
-            owner = owner_in(reply, s)
-            if owner is None:
-                continue
-            host, port = owner[0] or asked.rpartition(":")[0], owner[1]
-            if self.node_name(s) != f"{host}:{port}":
-                out.append((s, host, port))
-        return out
-
-
-def _moved_error(slot: int, host: str, port: int) -> MovedError:
-    return MovedError(f"{slot} {host}:{port}")
-
-
-class SyncShards(_Map):
+class SyncShards(SlotMap):
     """The driver for a sync ``redis.cluster.RedisCluster`` (thread-safe)."""
 
     def __init__(self, client: Any):
@@ -322,7 +237,7 @@ class SyncShards(_Map):
         if self.node_name(slot) == f"{host}:{port}":
             return
         self.nm.slots_cache.setdefault(slot, [])
-        self.nm.move_slot(_moved_error(slot, host, port))
+        self.nm.move_slot(moved_error(slot, host, port))
 
     def refresh(self, slot: int, failed: str | None) -> str | None:
         """Ask the nodes other than ``failed`` (:func:`gpulock.transport.route.refresh_order`), one at

@@ -15,29 +15,37 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.asyncio.retry import Retry
 
+from gpulock.transport.cluster import is_cluster_client
 from gpulock.transport.cluster import ready as cluster_ready
 from gpulock.transport.lane import AsyncLane, async_lane, encode
 from gpulock.transport.route import HUNG_CHECK_S, LOOKUP, Moved, Refresh, Send, owner_in, route
-from gpulock.transport.shards import (
+from gpulock.transport.slot_map import (
     CLUSTER_SLOTS,
-    _Map,
-    _moved_error,
+    DRIVER_ATTR,
+    SlotMap,
     batch_replies,
     batch_words,
-    shards_of,
+    moved_error,
     slot_of,
 )
 
-__all__ = ["AsyncShards", "aon_key"]
+__all__ = ["AsyncShards", "aon_key", "async_shards_of"]
+
+
+def async_shards_of(client: Any) -> AsyncShards:
+    """The shard driver of an asyncio cluster client (made on first use, kept on the client)."""
+    s = client.__dict__.get(DRIVER_ATTR)
+    if s is None:
+        s = client.__dict__[DRIVER_ATTR] = AsyncShards(client)
+    return s  # type: ignore[no-any-return]
 
 
 async def aon_key(client: Any, key: str, *commands: Sequence[Any]) -> list[Any]:
     """:func:`gpulock.transport.shards.on_key` on an asyncio client (a cluster's: routed by
     :meth:`AsyncShards.call`)."""
-    shards = shards_of(client)
-    if shards is not None:
-        assert isinstance(shards, AsyncShards), "a sync client: use on_key"
-        return await shards.execute(slot_of(key), commands)
+    if is_cluster_client(client):
+        assert not isinstance(client, redis.cluster.RedisCluster), "a sync client: use on_key"
+        return await async_shards_of(client).execute(slot_of(key), commands)
     lane = async_lane(client)
     assert lane is not None  # a client of one server has a connection pool
     return await lane.execute_many([encode(c) for c in commands])
@@ -59,7 +67,7 @@ class _NodeConnections:
         self.node.release(conn)
 
 
-class AsyncShards(_Map):
+class AsyncShards(SlotMap):
     """The driver for a ``redis.asyncio.cluster.RedisCluster`` (one event loop)."""
 
     def __init__(self, client: Any):
@@ -200,7 +208,7 @@ class AsyncShards(_Map):
         if self.node_name(slot) == f"{host}:{port}":
             return
         self.nm.slots_cache.setdefault(slot, [])
-        await self.nm.move_slot(_moved_error(slot, host, port))
+        await self.nm.move_slot(moved_error(slot, host, port))
 
     async def refresh(self, slot: int, failed: str | None) -> str | None:
         """As :meth:`SyncShards.refresh`."""
