@@ -86,11 +86,12 @@ def register(app: typer.Typer) -> None:
         Every option is checked before anything starts (exit 2: a bad value, or the port in
         use). Prints a line when /ready first answers 200. An embedded Redis that dies is
         started again on its port; one that will not stay up stops the service (exit 69)."""
-        from .serve import EXIT_USAGE, _say, broker_env_problem, run_serve
+        from .serve import broker_env_problem, run_serve
+        from .serve_words import EXIT_USAGE, say
 
         problem = broker_env_problem(_on_command_line(ctx, "redis_url"))
         if problem:
-            _say(f"error: {problem}")
+            say(f"error: {problem}")
             raise typer.Exit(EXIT_USAGE)
         raise typer.Exit(
             run_serve(

@@ -9,7 +9,7 @@ import time
 from gpulock.embedded import RedisProcess, port_in_use, server_port
 
 from .datadir import DataDir
-from .serve import EXIT_UNAVAILABLE, _describe_exit, _say
+from .serve_words import EXIT_UNAVAILABLE, describe_exit, say
 
 __all__ = ["MAX_DEATHS", "RESTART_WINDOW_S", "restart_embedded", "start_embedded"]
 
@@ -54,44 +54,44 @@ def restart_embedded(redis_proc: RedisProcess, restarts: list[float]) -> int:
     service.
     """
     assert redis_proc.proc is not None
-    old, how = redis_proc.pid, _describe_exit(redis_proc.proc.returncode)
+    old, how = redis_proc.pid, describe_exit(redis_proc.proc.returncode)
     rc = redis_proc.proc.returncode
     # Its own exit (not a signal) usually says why in its log's last lines.
     tail = " ".join(redis_proc.log_tail(300).split()[-12:]) if rc is not None and rc >= 0 else ""
     now = time.monotonic()
     restarts[:] = [t for t in restarts if now - t < RESTART_WINDOW_S]
     if len(restarts) + 1 >= MAX_DEATHS:  # this death and the restarted ones within the window
-        _say(
+        say(
             f"error: embedded Redis (pid {old}) died ({how}) for the {len(restarts) + 1}th time within "
             f"{RESTART_WINDOW_S:.0f}s; stopping the service (exit {EXIT_UNAVAILABLE}). Last log: {tail or '-'}"
         )
         return EXIT_UNAVAILABLE
     restarts.append(now)
-    _say(
+    say(
         f"embedded Redis (pid {old}) died ({how}); starting it again on port {redis_proc.port}"
         + (f". Its log: {tail}" if tail else "")
     )
     busy = port_in_use(redis_proc.host, redis_proc.port)
     if busy:
-        _say(
+        say(
             f"error: cannot restart the embedded Redis: {busy}; stopping the service (exit {EXIT_UNAVAILABLE})"
         )
         return EXIT_UNAVAILABLE
     try:
         redis_proc.start()
     except RuntimeError as e:
-        _say(
+        say(
             f"error: cannot restart the embedded Redis: {e}; stopping the service (exit {EXIT_UNAVAILABLE})"
         )
         return EXIT_UNAVAILABLE
     if redis_proc.persistent:
-        _say(
+        say(
             f"embedded Redis restarted at {redis_proc.url} (pid {redis_proc.pid}) with its data from "
             f"{redis_proc.dir}: the pools, their leases and history are as they were; the workers "
             f"reconnect and go on (no grace period)"
         )
     else:
-        _say(
+        say(
             f"embedded Redis restarted at {redis_proc.url} (pid {redis_proc.pid}), empty (--data-dir none): "
             f"the workers reconnect and put their leases back; new requests wait out the grace period "
             f"(one max ttl, 60 s by default)"

@@ -27,11 +27,8 @@ from urllib.parse import urlsplit, urlunsplit
 from gpulock.units import format_size, parse_size
 
 from .serve_start import announce_ready, make_metrics_dir, remove_stale_metrics_dirs
+from .serve_words import EXIT_UNAVAILABLE, EXIT_USAGE, say
 from .settings import CPU_DEFAULT_CAPACITY
-
-
-def _say(msg: str) -> None:
-    print(f"gpulock serve: {msg}", file=sys.stderr, flush=True)
 
 
 def _redact(url: str) -> str:
@@ -42,8 +39,6 @@ def _redact(url: str) -> str:
     return url
 
 
-EXIT_USAGE = 2  # a bad option, setting or busy port: nothing was started
-EXIT_UNAVAILABLE = 69  # the embedded Redis could not be kept running: the service was stopped
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -143,15 +138,6 @@ def broker_env_problem(redis_url_on_command_line: bool) -> str | None:
     )
 
 
-def _describe_exit(rc: int | None) -> str:
-    if rc is not None and rc < 0:
-        try:
-            return f"killed by {signal.Signals(-rc).name}"
-        except ValueError:
-            return f"killed by signal {-rc}"
-    return f"exit status {rc}"
-
-
 def _load_time_hint(model: str) -> str:
     """What the banner says of the model's load time."""
     if model == "minilm":
@@ -249,7 +235,7 @@ def run_serve(
             "(GPULOCK_REDIS_URL) your Redis keeps its own data: give one of them"
         )
     if problem:
-        _say(f"error: {problem}")
+        say(f"error: {problem}")
         return EXIT_USAGE
     try:  # bad sizes are usage errors, found before anything starts
         cap, source, explicit = decide_capacity(capacity, utilization, device)
@@ -267,10 +253,10 @@ def run_serve(
             else 0
         )
     except GpuLockError as e:
-        _say(f"error: {e}")
+        say(f"error: {e}")
         return EXIT_USAGE
     if resident and resident * workers >= cap:
-        _say(
+        say(
             f"error: capacity {format_size(cap)} ({cap} bytes) leaves no room for requests: {workers} workers "
             f"x a resident lease of {format_size(resident)} = {format_size(resident * workers)}; give a larger "
             f"--capacity, fewer --workers, or a smaller GPULOCK_RESIDENT"
@@ -282,7 +268,7 @@ def run_serve(
                 path = resolve_data_dir(data_dir, port)
                 taken = DataDir.take(path) if path is not None else None
             except DataDirError as e:
-                _say(f"error: {e}")
+                say(f"error: {e}")
                 return EXIT_USAGE
             try:
                 binary = find_server_binary("embedded")
@@ -297,7 +283,7 @@ def run_serve(
                     if taken is not None
                     else ""
                 )
-                _say(
+                say(
                     f"error: the embedded Redis did not start: {e}{where} (exit {EXIT_UNAVAILABLE})"
                 )
                 return EXIT_UNAVAILABLE
@@ -307,17 +293,17 @@ def run_serve(
                 if taken is not None
                 else "no persistence"
             )
-            _say(
+            say(
                 f"Redis: embedded {os.path.basename(binary)} at {redis_url} (loopback only, {kept}; "
                 f"stopped with the service). Give --redis-url to share a pool between hosts."
             )
         else:
-            _say(f"Redis: {_redact(redis_url)}")
+            say(f"Redis: {_redact(redis_url)}")
 
         try:
             p = Pool.from_url(redis_url, pool)  # a cluster client reads the slot map here
         except GpuLockError as e:
-            _say(
+            say(
                 f"error: Redis at {_redact(redis_url)} is unreachable (pool {pool!r} could not be "
                 f"configured): {e}; start it, fix the URL, or give another --redis-url "
                 f"(exit {EXIT_UNAVAILABLE})"
@@ -326,10 +312,10 @@ def run_serve(
         try:
             r = p.configure(cap, create_only=not explicit)
         except InvalidArgument as e:  # a bad value (say a capacity the pool refuses)
-            _say(f"error: cannot configure pool {pool!r} on {_redact(redis_url)}: {e}")
+            say(f"error: cannot configure pool {pool!r} on {_redact(redis_url)}: {e}")
             return EXIT_USAGE
         except GpuLockError as e:  # unreachable, refused credentials or ACL: as the rest of the CLI
-            _say(
+            say(
                 f"error: Redis at {_redact(redis_url)} is unreachable or refused gpulock (pool {pool!r} could "
                 f"not be configured): {e}; start it, fix the URL, or give another --redis-url "
                 f"(exit {EXIT_UNAVAILABLE})"
@@ -338,16 +324,16 @@ def run_serve(
         finally:
             p.close()
         if r["capacity"] != cap:
-            _say(
+            say(
                 f"capacity: {format_size(r['capacity'])} ({r['capacity']} bytes), kept from the existing pool "
                 f"{pool!r}; the {format_size(cap)} from {source} was not applied (give --capacity to change it)"
             )
         else:
-            _say(
+            say(
                 f"capacity: {format_size(cap)} ({cap} bytes), from {source}"
                 + (" [pool created]" if r["created"] else " [pool updated]" if explicit else "")
             )
-        _say(_export_line(redis_url, pool))
+        say(_export_line(redis_url, pool))
 
         env = dict(os.environ)
         env.update(
@@ -361,7 +347,7 @@ def run_serve(
         if on_cpu and "GPULOCK_TORCH_THREADS" not in env:
             env["GPULOCK_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
         if not env.get("PROMETHEUS_MULTIPROC_DIR"):
-            remove_stale_metrics_dirs(_say)  # left by a serve killed with SIGKILL
+            remove_stale_metrics_dirs(say)  # left by a serve killed with SIGKILL
             metrics_dir = make_metrics_dir()
             env["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         if model == "minilm":  # its weights ship in a package: never reach for the Hub
@@ -399,7 +385,7 @@ def run_serve(
             "0", "false", "no", "off", "f", "n",
         )  # fmt: skip
         routes = "/v1/embeddings /health /ready /metrics" + (" /dashboard" if dashboard else "")
-        _say(
+        say(
             f"{workers} workers, model {model}, pool {pool!r}, http://{host}:{port} "
             f"({routes}); starting: each worker loads the model before /ready "
             f"answers 200 ({_load_time_hint(model)}); serve says 'ready' when every worker is"
@@ -419,7 +405,7 @@ def run_serve(
                 env["PROMETHEUS_MULTIPROC_DIR"],
                 started,
                 stopping,
-                _say,
+                say,
             ),
             name="gpulock-serve-ready",
             daemon=True,
@@ -466,7 +452,7 @@ def run_serve(
                 proc.wait()
         if redis_proc is not None:
             redis_proc.close()
-            _say("embedded Redis stopped")
+            say("embedded Redis stopped")
         if taken is not None:
             taken.release()
         if metrics_dir:

@@ -64,7 +64,7 @@ def test_embedded_valkey_that_dies_5_times_within_60s_is_not_started_again(capsy
     restarted in place, the 5th stops the service with exit 69 (it restarted after the 5th
     kill -9 and stopped at the 6th). A real server, killed with SIGKILL each time."""
     from gpulock_service.embedded_server import MAX_DEATHS, RESTART_WINDOW_S, restart_embedded
-    from gpulock_service.serve import EXIT_UNAVAILABLE
+    from gpulock_service.serve_words import EXIT_UNAVAILABLE
 
     from gpulock.embedded import RedisProcess, find_server_binary
 
