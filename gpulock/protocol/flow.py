@@ -56,6 +56,12 @@ from gpulock.protocol.replies import (
     PoolStatus,
     QueueConfig,
     decode_acquire,
+    decode_cancel,
+    decode_configure,
+    decode_device,
+    decode_reap,
+    decode_release,
+    decode_renew,
     decode_status,
 )
 from gpulock.protocol.retry import RETRYABLE, retry_bound
@@ -105,11 +111,11 @@ def configure_args(
     argv = [str(capacity), str(max_waiters), mode, str(max_ttl_ms), "1" if grace else "0"]
     if policy is not None:
         argv += [
-            policy[0] or "",
-            "" if policy[1] is None else str(policy[1]),
-            policy[2] or "",
-            policy[3] or "",
-            policy[4] or "",
+            policy.policy or "",
+            "" if policy.backfill_ms is None else str(policy.backfill_ms),
+            policy.quotas or "",
+            policy.devices or "",
+            policy.placement or "",
         ]
     return argv
 
@@ -163,7 +169,7 @@ def configure(
     place = validate_placement(placement)
     qp: QueueConfig | None = None
     if pq is not None or spec is not None or devs is not None or place is not None:
-        qp = (pq[0] if pq else None, pq[1] if pq else None, spec, devs, place)
+        qp = QueueConfig(pq[0] if pq else None, pq[1] if pq else None, spec, devs, place)
     mw = pool.max_waiters if max_waiters is None else max_waiters
     mt = (
         pool.max_ttl
@@ -176,42 +182,29 @@ def configure(
         else configure_args(cap, mw, ttl_ms(mt), create_only, grace, qp)  # it saw no pool yet
     )
     sent = pool.clock()
-    r = yield Eval("configure", argv)
-    if rt is not None and len(r) > 6:
-        rt.note_grace(sent, int(r[6]))
+    rep = decode_configure((yield Eval("configure", argv)))
+    if rt is not None and rep.grace_left_ms is not None:
+        rt.note_grace(sent, rep.grace_left_ms)
     if not create_only:
         pool.capacity = cap
         pool.max_ttl = mt
         push_settings(pool, rt)
-    out: dict[str, Any] = dict(
-        zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r))
-    )
-    pol: QueueConfig | None = None
-    if len(r) > 8:
-        pol = (
-            _text(r[7]),
-            int(r[8]),
-            _text(r[9]) if len(r) > 9 else "",
-            _text(r[10]) if len(r) > 10 else "",
-            _text(r[11]) if len(r) > 11 else "bestfit",
-        )
-        out["policy"], out["backfill_window"] = pol[0], int(r[8]) / 1000
-        out["quotas"] = decode_quotas(pol[2] or "")
-        out["devices"] = [int(c) for c in (pol[3] or "").split()] or [out["capacity"]]
-        out["placement"] = pol[4]
+    out: dict[str, Any] = {
+        "created": rep.created,
+        "capacity": rep.capacity,
+        "epoch": rep.epoch,
+        "used": rep.used,
+        "max_waiters": rep.max_waiters,
+    }
+    q = rep.queue
+    if q is not None:
+        out["policy"], out["backfill_window"] = q.policy, (q.backfill_ms or 0) / 1000
+        out["quotas"] = decode_quotas(q.quotas or "")
+        out["devices"] = [int(c) for c in (q.devices or "").split()] or [rep.capacity]
+        out["placement"] = q.placement
     if rt is not None:
-        rt.seen(
-            out["epoch"],
-            out["capacity"],
-            out["max_waiters"],
-            int(r[5]) if len(r) > 5 else 0,
-            pol,
-        )
+        rt.seen(rep.epoch, rep.capacity, rep.max_waiters, rep.max_ttl_ms, q)
     return out
-
-
-def _text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def status(pool: PoolView, rt: Runtime | None, limit: int) -> Flow[PoolStatus]:
@@ -247,13 +240,12 @@ def device_report(
         argv = [sampler_id, str(claim_ms), "claim"]
     else:
         argv = [sampler_id, str(claim_ms), "report", str(external), str(report_ms), overuse]
-    r = yield Eval("external", argv)
-    return DeviceReply(*(int(x) for x in r))
+    return decode_device((yield Eval("external", argv)))
 
 
 def reap() -> Flow[int]:
     """``reap``: how many leases were reaped."""
-    return int((yield Eval("reap", []))[0])
+    return decode_reap((yield Eval("reap", []))).reaped_leases
 
 
 def cancel(rt: Runtime | None, request_id: str) -> Flow[int]:
@@ -262,7 +254,7 @@ def cancel(rt: Runtime | None, request_id: str) -> Flow[int]:
     request_id = validate_request_id(request_id)
     if rt is not None:
         rt.remove_waiter(request_id)
-    return int((yield Eval("cancel", [request_id]))[0])
+    return decode_cancel((yield Eval("cancel", [request_id]))).outcome
 
 
 def renew(lease_id: str, token: int, ttl: float) -> Flow[tuple[int, int]]:
@@ -273,16 +265,16 @@ def renew(lease_id: str, token: int, ttl: float) -> Flow[tuple[int, int]]:
     BackendUnavailable."""
     ttl_s = parse_seconds(ttl, name="ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
     args = ["1", lease_id, str(validate_token(token)), str(ttl_ms(ttl_s)), "0"]
-    r = yield Eval("renew", args)
-    expires_ms = int(r[2][0])
+    rep = decode_renew((yield Eval("renew", args)))
+    (expires_ms,) = rep.expiries
     if expires_ms <= 0:
         raise LeaseLost(
             lease_id,
             "the pool's configuration is gone (Redis restarted without its data?)"
-            if int(r[1]) == 0
+            if rep.epoch == 0
             else "the server no longer has it (it expired, or was released)",
         )
-    return expires_ms, int(r[0])
+    return expires_ms, rep.now_ms
 
 
 # ---- release ----------------------------------------------------------------------------------
@@ -300,11 +292,12 @@ def release(
     try:
         r = yield Eval("release", args, bound=0)
     except RETRYABLE:
-        r = yield Eval("release", args, bound=bound)
-        return True, int(r[1])
+        rep = decode_release((yield Eval("release", args, bound=bound)))
+        return True, rep.now_ms
     except Exception as e:
         raise translate(e, pool) from e
-    return int(r[0]) == 1, int(r[1])
+    rep = decode_release(r)
+    return rep.released, rep.now_ms
 
 
 def release_lease(s: LeaseState, rt: Runtime | None) -> Flow[None]:
@@ -553,7 +546,7 @@ def sync_grant(pool: PoolView, lease: Any) -> Flow[None]:
     interrupt meanwhile also gives it back, and propagates)."""
     s: LeaseState = lease._state
     sent = pool.clock()
-    r, acked, err = None, -1, None
+    rep, acked, err = None, -1, None
     try:
         # retried while the grant is valid: a failover right after it is ridden out when a
         # replica had it (its renewal then goes to the promoted one); the validity counts
@@ -561,12 +554,13 @@ def sync_grant(pool: PoolView, lease: Any) -> Flow[None]:
         r, acked = yield SyncedRenew(
             [1, s.lease_id, s.token, ttl_ms(s.ttl_s), 0], max(0.0, s.seconds_left())
         )
+        rep = decode_renew(r)
     except GeneratorExit:
         raise
     except BaseException as e:  # noqa: BLE001 - also on cancellation: give the grant back
         err = e
-    if err is None and r is not None and int(r[2][0]) > 0 and acked >= pool.sync_replicas:
-        s.renewed(sent, int(r[0]), int(r[2][0]))
+    if err is None and rep is not None and rep.expiries[0] > 0 and acked >= pool.sync_replicas:
+        s.renewed(sent, rep.now_ms, rep.expiries[0])
         return None
     yield GiveBack(lease)
     if err is not None and not isinstance(err, Exception):

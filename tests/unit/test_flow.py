@@ -13,7 +13,7 @@ import redis.exceptions as rex
 from gpulock.protocol import flow
 from gpulock.protocol.keys import pool_keys
 from gpulock.protocol.request import AcquireRequest
-from gpulock.protocol.replies import Grant
+from gpulock.protocol.replies import Grant, QueueConfig
 from gpulock.runtime.runtime import Runtime
 from gpulock.errors import AcquireTimeout, BackendUnavailable, LeaseLost, PoolNotFound
 
@@ -132,7 +132,7 @@ def test_a_lost_pool_is_made_again_with_the_queue_policy_last_seen():
     rt = _runtime(pool)
     rt.known_epoch = 3
     rt.capacity_seen, rt.max_waiters_seen, rt.max_ttl_seen_ms = 80, 7, 20_000
-    rt.policy_seen = ("backfill", 1500, "team-a=4096", "40 40", "spread")
+    rt.policy_seen = QueueConfig("backfill", 1500, "team-a=4096", "40 40", "spread")
     assert rt.configure_argv(10, 5, 1000, True) == [
         "80",
         "7",
@@ -146,7 +146,8 @@ def test_a_lost_pool_is_made_again_with_the_queue_policy_last_seen():
         "spread",
     ]
     # a set by this object says what it says
-    assert rt.configure_argv(10, 5, 1000, False, policy=("fifo", None, None, None, None)) == [
+    fifo = QueueConfig("fifo", None, None, None, None)
+    assert rt.configure_argv(10, 5, 1000, False, policy=fifo) == [
         "10",
         "5",
         "set",
@@ -241,7 +242,7 @@ def test_a_release_retried_after_a_connection_error_counts_as_released():
         assert isinstance(step, flow.Eval) and step.script == "release"
         if step.bound == 0:
             raise rex.ConnectionError("reset")
-        return [0, 1_000]  # the retry finds no lease: the first try ran
+        return [0, 1_000, 0, 0]  # the retry finds no lease: the first try ran
 
     (released, now_ms), _ = drive(flow.release("p", "lease", 7), answer)
     assert released and now_ms == 1_000
@@ -253,7 +254,7 @@ def test_releasing_a_lease_the_server_lost_raises_lease_lost():
     g = Grant("t1", "lease", 7, 31_000, 10, 1_000, 3, 100)
     state, _ = rt.state_for(g, 30.0, 10.0)
     with pytest.raises(LeaseLost, match="no longer had it"):
-        drive(flow.release_lease(state, rt), lambda s: [0, 1_000])
+        drive(flow.release_lease(state, rt), lambda s: [0, 1_000, 0, 0])
     assert state.released
     assert drive(flow.release_lease(state, rt), lambda s: pytest.fail("sent again"))[0] is None
 
