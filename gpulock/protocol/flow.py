@@ -7,12 +7,15 @@ that step's result, or has the step's exception thrown in at the ``yield``; it r
 operation's result or raises its error. A shell (``_sync.py``, ``_async.py``) is a driver: it
 carries each step out with its own client and concurrency primitives and decides nothing.
 
-The steps, and what a driver returns for each, are in :mod:`gpulock.protocol.steps`.
+The steps, and what a driver returns for each, are in :mod:`gpulock.protocol.steps`, with what
+the flows read of the pool object (``PoolView``) and of its runtime (``RuntimeView``: the flows
+depend on that interface, not on the runtime). A driver sends a flow gpulock's own errors,
+never redis-py's.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from gpulock_common.grace import grace_note, grace_outlasts
 
@@ -44,6 +47,10 @@ from gpulock.protocol.steps import (
     SyncedRenew as SyncedRenew,
     GiveBack as GiveBack,
     PoolView as PoolView,
+    RuntimeView as RuntimeView,
+    LeaseTracker as LeaseTracker,
+    WaiterQueue as WaiterQueue,
+    Unanswered as Unanswered,
     SUBSCRIBE as SUBSCRIBE,
     CHECKPOINT as CHECKPOINT,
     _T as _T,
@@ -64,8 +71,7 @@ from gpulock.protocol.replies import (
     decode_renew,
     decode_status,
 )
-from gpulock.protocol.retry import RETRYABLE, retry_bound
-from gpulock.transport.translate import translate
+from gpulock.protocol.retry import retry_bound
 from gpulock.errors import (
     AcquireTimeout,
     BackendUnavailable,
@@ -76,12 +82,9 @@ from gpulock.errors import (
 )
 from gpulock.units import format_size, parse_seconds
 
-if TYPE_CHECKING:
-    from gpulock.runtime.runtime import Runtime
-
 
 # ---- settings ---------------------------------------------------------------------------------
-def push_settings(pool: PoolView, rt: Runtime | None) -> None:
+def push_settings(pool: PoolView, rt: RuntimeView | None) -> None:
     """Give the runtime what its heartbeat needs to create the pool again after Redis lost
     it, and its sync_replicas and retry bound (nothing when there is no runtime yet)."""
     if rt is not None:
@@ -142,7 +145,7 @@ def queue_policy(
 
 def configure(
     pool: PoolView,
-    rt: Runtime | None,
+    rt: RuntimeView | None,
     capacity: int | str | None,
     *,
     max_waiters: int | None,
@@ -207,7 +210,7 @@ def configure(
     return out
 
 
-def status(pool: PoolView, rt: Runtime | None, limit: int) -> Flow[PoolStatus]:
+def status(pool: PoolView, rt: RuntimeView | None, limit: int) -> Flow[PoolStatus]:
     """``status``: a :class:`~gpulock.protocol.replies.PoolStatus`. Raises PoolNotFound."""
     sent = pool.clock()
     st: PoolStatus | None = decode_status(pool.name, (yield Eval("status", [str(limit)])))
@@ -248,7 +251,7 @@ def reap() -> Flow[int]:
     return decode_reap((yield Eval("reap", []))).reaped_leases
 
 
-def cancel(rt: Runtime | None, request_id: str) -> Flow[int]:
+def cancel(rt: RuntimeView | None, request_id: str) -> Flow[int]:
     """Withdraw a (remote holder's) request: 0 (nothing to do), 1 (left the queue) or 2 (its
     grant was released). Raises InvalidArgument, BackendUnavailable."""
     request_id = validate_request_id(request_id)
@@ -291,16 +294,14 @@ def release(
     args = [lease_id, str(token)]
     try:
         r = yield Eval("release", args, bound=0)
-    except RETRYABLE:
+    except Unanswered:
         rep = decode_release((yield Eval("release", args, bound=bound)))
         return True, rep.now_ms
-    except Exception as e:
-        raise translate(e, pool) from e
     rep = decode_release(r)
     return rep.released, rep.now_ms
 
 
-def release_lease(s: LeaseState, rt: Runtime | None) -> Flow[None]:
+def release_lease(s: LeaseState, rt: RuntimeView | None) -> Flow[None]:
     """A held lease's ``release()`` (idempotent: later calls do nothing); ``rt`` stops its
     heartbeat.
 
@@ -332,9 +333,12 @@ def release_lease(s: LeaseState, rt: Runtime | None) -> Flow[None]:
 
 
 # ---- acquire ----------------------------------------------------------------------------------
-def lease_state(rt: Runtime, grant: Grant, req: AcquireRequest, valid_until: float) -> LeaseState:
+def lease_state(
+    rt: LeaseTracker, grant: Grant, req: AcquireRequest, valid_until: float
+) -> LeaseState:
     """The local state of a granted lease, heartbeated from now on (an existing one when this
-    process already holds that lease: the same request id acquired again)."""
+    process already holds that lease: the same request id acquired again). For a driver's
+    :class:`MakeLease`."""
     state, new = rt.state_for(grant, req.ttl_s, valid_until, req.meta, req.tenant, req.resident)
     if new:
         rt.track(state)
@@ -343,7 +347,7 @@ def lease_state(rt: Runtime, grant: Grant, req: AcquireRequest, valid_until: flo
 
 def acquire_call(
     pool: PoolView,
-    rt: Runtime,
+    rt: RuntimeView,
     req: AcquireRequest,
     argv: list[str],
     start: float | None = None,
@@ -367,6 +371,8 @@ def acquire_call(
         rt.seen(0)  # gone: if this object knew the pool, its runtime recovers now
         if pool.capacity is None:
             raise
+        # no grace asked here: the runtime's configure_argv asks for one when this object
+        # knew the pool (so Redis lost it), and makes it again as last seen
         yield from configure(
             pool,
             rt,
@@ -374,7 +380,7 @@ def acquire_call(
             max_waiters=None,
             max_ttl=None,
             create_only=True,
-            grace=bool(rt.known_epoch),
+            grace=False,
         )
         sent = pool.clock()
         r = yield Eval("acquire", argv)
@@ -391,7 +397,7 @@ def _retry_after(res: NotGranted) -> float | None:
 
 def acquire(
     pool: PoolView,
-    rt: Runtime,
+    rt: RuntimeView,
     req: AcquireRequest,
     start: float,
     on_queued: Callable[[int], Any] | None,
@@ -425,9 +431,11 @@ def acquire(
         yield CHECKPOINT
         if isinstance(res, Grant):
             needs_cancel = False
-            lease = yield MakeLease(res, req, validity_deadline(sent, res.now_ms, res.expires_ms))
+            lease, state = yield MakeLease(
+                res, req, validity_deadline(sent, res.now_ms, res.expires_ms)
+            )
             if pool.sync_replicas:
-                yield from sync_grant(pool, lease)
+                yield from sync_grant(pool, state, lease)
             return lease
         if res.resident is not None:
             needs_cancel = False
@@ -490,12 +498,9 @@ def acquire(
         )
         try:
             got = yield Wait(joined, remaining)
-        except Exception as e:
-            err = translate(e, pool.name)
-            unreachable = isinstance(err, BackendUnavailable)  # withdraw in the background
-            if err is e:
-                raise
-            raise err from e
+        except BackendUnavailable:
+            unreachable = True  # withdraw in the background
+            raise
         if isinstance(got, TimedOut):
             down = rt.unreachable()
             if down is not None:  # the deadline passed while Redis (the shard) was away
@@ -521,10 +526,10 @@ def acquire(
                 waited=pool.clock() - start,
                 grace_left=grace,
             )
-        lease = yield MakeLease(got, req, rt.deadline_for(got))
+        lease, state = yield MakeLease(got, req, rt.deadline_for(got))
         needs_cancel = False
         if pool.sync_replicas:
-            yield from sync_grant(pool, lease)
+            yield from sync_grant(pool, state, lease)
         return lease
     finally:
         in_use = False
@@ -537,14 +542,14 @@ def acquire(
 
 
 # ---- sync_replicas ----------------------------------------------------------------------------
-def sync_grant(pool: PoolView, lease: Any) -> Flow[None]:
-    """``sync_replicas``: return a grant only once that many replicas have it, so that a
-    failover to one of them cannot hand the same bytes to someone else (the lost tail of
-    asynchronous replication). A renewal, an INCR and ``WAIT`` on one connection; the lease's
-    validity then counts from that renewal. If the replicas do not acknowledge in
-    ``sync_timeout``, the grant is given back and BackendUnavailable raised (a cancellation or
-    interrupt meanwhile also gives it back, and propagates)."""
-    s: LeaseState = lease._state
+def sync_grant(pool: PoolView, s: LeaseState, lease: Any) -> Flow[None]:
+    """``sync_replicas``: return a grant (``lease``, the shell's lease object, with its local
+    state ``s``) only once that many replicas have it, so that a failover to one of them
+    cannot hand the same bytes to someone else (the lost tail of asynchronous replication). A
+    renewal, an INCR and ``WAIT`` on one connection; the lease's validity then counts from
+    that renewal. If the replicas do not acknowledge in ``sync_timeout``, the grant is given
+    back and BackendUnavailable raised (a cancellation or interrupt meanwhile also gives it
+    back, and propagates)."""
     sent = pool.clock()
     rep, acked, err = None, -1, None
     try:

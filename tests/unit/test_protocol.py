@@ -393,6 +393,18 @@ def test_translate_connection_errors_and_passthrough():
     assert _translate.translate(other, "p") is other
 
 
+def test_translated_is_what_a_driver_sends_into_a_flow():
+    import asyncio
+
+    down = rex.ConnectionError("down")
+    err = _translate.translated(down, "p")
+    assert type(err) is BackendUnavailable and err.__cause__ is down and "pool 'p'" in str(err)
+    refused = _translate.translated(rex.ResponseError("GPULOCK_NOPOOL"), "p")
+    assert isinstance(refused, PoolNotFound)
+    for as_is in (LeaseLost("a" * 32, "why"), asyncio.CancelledError(), KeyboardInterrupt()):
+        assert _translate.translated(as_is, "p") is as_is and as_is.__cause__ is None
+
+
 def test_exception_tree():
     assert issubclass(InvalidArgument, ValueError)
     assert issubclass(AcquireTimeout, TimeoutError)
