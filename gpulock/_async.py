@@ -28,7 +28,7 @@ from gpulock.protocol.lease import LeaseBase, default_clock
 from gpulock.protocol.request import AcquireRequest
 from gpulock.protocol.replies import DeviceReply, Grant, NotGranted, PoolStatus
 from gpulock.protocol.retry import RETRYABLE, retrying
-from gpulock.transport.translate import translate
+from gpulock.transport.translate import translate, translated
 from gpulock.transport.batch import Batcher, inflight_for
 from gpulock.transport.connect import DEFAULT_MAX_CONNECTIONS, async_client
 from gpulock.protocol.keys import pool_keys
@@ -201,7 +201,8 @@ class AsyncPool(PoolOptions):
     # ---- the driver -------------------------------------------------------------------------
     async def _run(self, steps: flow.Flow[_T], cancels_before: int = 0) -> _T:
         """Carry out a flow of :mod:`gpulock.protocol.flow` (its steps' replies: there) and return its
-        result. ``cancels_before``: the caller task's pending cancellations when it began."""
+        result. ``cancels_before``: the caller task's pending cancellations when it began. A
+        step's error goes into the flow as gpulock's own (redis-py's translated)."""
         reply: Any = None
         error: BaseException | None = None
         while True:
@@ -214,7 +215,7 @@ class AsyncPool(PoolOptions):
             try:
                 reply = await self._step(step, cancels_before)
             except BaseException as e:  # noqa: BLE001 - the flow decides (and re-raises)
-                error = e
+                error = translated(e, self.name)
 
     async def _step(self, step: flow.Step, cancels_before: int) -> Any:
         rt = self._runtime
@@ -240,7 +241,8 @@ class AsyncPool(PoolOptions):
                 raise asyncio.CancelledError()
             return None
         if isinstance(step, flow.MakeLease):
-            return AsyncLease(flow.lease_state(rt, step.grant, step.req, step.valid_until), self)
+            state = flow.lease_state(rt, step.grant, step.req, step.valid_until)
+            return AsyncLease(state, self), state
         if isinstance(step, flow.Join):
             return step.queue_in(rt)
         if isinstance(step, flow.Leave):
@@ -280,9 +282,15 @@ class AsyncPool(PoolOptions):
         """EVALSHA with NOSCRIPT reload; retries connection errors (for idempotent scripts
         only: every gpulock script is idempotent by ticket or lease id) with jittered backoff
         for at most ``bound`` (default ``backend_timeout``) seconds, then raises
-        BackendUnavailable. ``bound=0``: one try, redis-py's error raised."""
+        BackendUnavailable. ``bound=0``: one try, a connection error or timeout raised as
+        :class:`~gpulock.protocol.steps.Unanswered`. Other errors: translated."""
         if bound == 0:
-            return await self._eval_once(name, args)
+            try:
+                return await self._eval_once(name, args)
+            except RETRYABLE as e:
+                raise flow.Unanswered(str(translate(e, self.name))) from e
+            except Exception as e:
+                raise translate(e, self.name) from e
         try:
             try:
                 return await self._eval_once(name, args)

@@ -36,7 +36,7 @@ from gpulock.protocol.lease import LeaseBase, default_clock
 from gpulock.protocol.request import AcquireRequest
 from gpulock.protocol.replies import PoolStatus
 from gpulock.protocol.retry import RETRYABLE, retrying
-from gpulock.transport.translate import translate
+from gpulock.transport.translate import translate, translated
 from gpulock.transport.connect import (
     DEFAULT_MAX_CONNECTIONS,
     async_client,
@@ -189,6 +189,7 @@ class Pool(PoolOptions):
         self.clock = clock
         self._keys = pool_keys(self.name)
         self._scripts = SyncScripts(redis_client, self._keys)
+        self._sync_key = pool_key(self.name, "sync")  # INCRed before each WAIT (sync_replicas)
         self._url = _url
         self._owns_client = _owns_client
         self._lock = threading.Lock()
@@ -283,7 +284,8 @@ class Pool(PoolOptions):
     def _run(self, steps: flow.Flow[_T], bg: _Background | None = None) -> _T:
         """Carry out a flow of :mod:`gpulock.protocol.flow` (its steps' replies: there) on the caller's
         thread, and return its result. An acquire's flow runs with the background it began
-        with (``bg``), also while close() drops it."""
+        with (``bg``), also while close() drops it. A step's error goes into the flow as
+        gpulock's own (redis-py's translated)."""
         reply: Any = None
         error: BaseException | None = None
         while True:
@@ -296,7 +298,7 @@ class Pool(PoolOptions):
             try:
                 reply = self._step(step, bg)
             except BaseException as e:  # noqa: BLE001 - also KeyboardInterrupt: the flow decides
-                error = e
+                error = translated(e, self.name)
 
     def _step(self, step: flow.Step, bg: _Background | None) -> Any:
         if isinstance(step, flow.Eval):
@@ -305,13 +307,8 @@ class Pool(PoolOptions):
             return None
         if isinstance(step, flow.MakeLease):
             rt = self._background(queued=True).rt  # closed while the request was on its way
-            return Lease(flow.lease_state(rt, step.grant, step.req, step.valid_until), self)
-        if isinstance(step, flow.SyncedRenew):
-            if step.bound <= 0:
-                return self._renew_synced(step.args)
-            for attempt in retrying(step.bound, asynchronous=False):
-                with attempt:
-                    return self._renew_synced(step.args)
+            state = flow.lease_state(rt, step.grant, step.req, step.valid_until)
+            return Lease(state, self), state
         if isinstance(step, flow.GiveBack):
             try:
                 step.lease.release()
@@ -320,6 +317,13 @@ class Pool(PoolOptions):
             return None
         assert bg is not None  # the acquire's (see _run)
         portal, rt = bg.portal, bg.rt
+        if isinstance(step, flow.SyncedRenew):
+            # On the caller's client, as the call layer runs it for the runtime too; with
+            # the settings the runtime's heartbeat follows
+            st = rt.settings
+            return self._scripts.renew_synced(
+                step.args, st.sync_replicas, st.sync_timeout_ms, self._sync_key, step.bound
+            )
         if isinstance(step, flow.Subscribe):
             bg.sub.ensure_subscribed()
             return None
@@ -374,10 +378,16 @@ class Pool(PoolOptions):
 
     def _eval(self, name: str, args: list[str], *, bound: float | None = None) -> Any:
         """EVALSHA with NOSCRIPT reload and jittered retries of connection errors for at most
-        ``bound`` (default ``backend_timeout``) seconds. ``bound=0``: one try, redis-py's
-        error raised."""
+        ``bound`` (default ``backend_timeout``) seconds, then raises BackendUnavailable.
+        ``bound=0``: one try, a connection error or timeout raised as
+        :class:`~gpulock.protocol.steps.Unanswered`. Other errors: translated."""
         if bound == 0:
-            return self._eval_once(name, args)
+            try:
+                return self._eval_once(name, args)
+            except RETRYABLE as e:
+                raise flow.Unanswered(str(translate(e, self.name))) from e
+            except Exception as e:
+                raise translate(e, self.name) from e
         try:
             try:
                 return self._eval_once(name, args)
@@ -391,14 +401,6 @@ class Pool(PoolOptions):
                     return self._eval_once(name, args)
         except Exception as e:
             raise translate(e, self.name) from e
-
-    def _renew_synced(self, args: list[str | int]) -> tuple[Any, int]:
-        """:class:`gpulock.protocol.flow.SyncedRenew` on the caller's client: ``renew`` and ``WAIT``
-        on one connection to the pool's master (:meth:`SyncScripts.renew_synced`)."""
-        timeout_ms = max(1, int(self.sync_timeout * 1000))
-        return self._scripts.renew_synced(
-            args, self.sync_replicas, timeout_ms, pool_key(self.name, "sync")
-        )
 
     # ---- operations -------------------------------------------------------------------------
     def configure(

@@ -7,12 +7,15 @@ that step's result, or has the step's exception thrown in at the ``yield``; it r
 operation's result or raises its error. A shell (``_sync.py``, ``_async.py``) is a driver: it
 carries each step out with its own client and concurrency primitives and decides nothing.
 
-The steps, and what a driver returns for each, are in :mod:`gpulock.protocol.steps`.
+The steps, and what a driver returns for each, are in :mod:`gpulock.protocol.steps`, with what
+the flows read of the pool object (``PoolView``) and of its runtime (``RuntimeView``: the flows
+depend on that interface, not on the runtime). A driver sends a flow gpulock's own errors,
+never redis-py's.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from gpulock_common.grace import grace_note, grace_outlasts
 
@@ -44,6 +47,10 @@ from gpulock.protocol.steps import (
     SyncedRenew as SyncedRenew,
     GiveBack as GiveBack,
     PoolView as PoolView,
+    RuntimeView as RuntimeView,
+    LeaseTracker as LeaseTracker,
+    WaiterQueue as WaiterQueue,
+    Unanswered as Unanswered,
     SUBSCRIBE as SUBSCRIBE,
     CHECKPOINT as CHECKPOINT,
     _T as _T,
@@ -56,10 +63,15 @@ from gpulock.protocol.replies import (
     PoolStatus,
     QueueConfig,
     decode_acquire,
+    decode_cancel,
+    decode_configure,
+    decode_device,
+    decode_reap,
+    decode_release,
+    decode_renew,
     decode_status,
 )
-from gpulock.protocol.retry import RETRYABLE, retry_bound
-from gpulock.transport.translate import translate
+from gpulock.protocol.retry import retry_bound
 from gpulock.errors import (
     AcquireTimeout,
     BackendUnavailable,
@@ -70,12 +82,9 @@ from gpulock.errors import (
 )
 from gpulock.units import format_size, parse_seconds
 
-if TYPE_CHECKING:
-    from gpulock.runtime.runtime import Runtime
-
 
 # ---- settings ---------------------------------------------------------------------------------
-def push_settings(pool: PoolView, rt: Runtime | None) -> None:
+def push_settings(pool: PoolView, rt: RuntimeView | None) -> None:
     """Give the runtime what its heartbeat needs to create the pool again after Redis lost
     it, and its sync_replicas and retry bound (nothing when there is no runtime yet)."""
     if rt is not None:
@@ -105,11 +114,11 @@ def configure_args(
     argv = [str(capacity), str(max_waiters), mode, str(max_ttl_ms), "1" if grace else "0"]
     if policy is not None:
         argv += [
-            policy[0] or "",
-            "" if policy[1] is None else str(policy[1]),
-            policy[2] or "",
-            policy[3] or "",
-            policy[4] or "",
+            policy.policy or "",
+            "" if policy.backfill_ms is None else str(policy.backfill_ms),
+            policy.quotas or "",
+            policy.devices or "",
+            policy.placement or "",
         ]
     return argv
 
@@ -136,7 +145,7 @@ def queue_policy(
 
 def configure(
     pool: PoolView,
-    rt: Runtime | None,
+    rt: RuntimeView | None,
     capacity: int | str | None,
     *,
     max_waiters: int | None,
@@ -163,7 +172,7 @@ def configure(
     place = validate_placement(placement)
     qp: QueueConfig | None = None
     if pq is not None or spec is not None or devs is not None or place is not None:
-        qp = (pq[0] if pq else None, pq[1] if pq else None, spec, devs, place)
+        qp = QueueConfig(pq[0] if pq else None, pq[1] if pq else None, spec, devs, place)
     mw = pool.max_waiters if max_waiters is None else max_waiters
     mt = (
         pool.max_ttl
@@ -176,45 +185,32 @@ def configure(
         else configure_args(cap, mw, ttl_ms(mt), create_only, grace, qp)  # it saw no pool yet
     )
     sent = pool.clock()
-    r = yield Eval("configure", argv)
-    if rt is not None and len(r) > 6:
-        rt.note_grace(sent, int(r[6]))
+    rep = decode_configure((yield Eval("configure", argv)))
+    if rt is not None and rep.grace_left_ms is not None:
+        rt.note_grace(sent, rep.grace_left_ms)
     if not create_only:
         pool.capacity = cap
         pool.max_ttl = mt
         push_settings(pool, rt)
-    out: dict[str, Any] = dict(
-        zip(("created", "capacity", "epoch", "used", "max_waiters"), (int(x) for x in r))
-    )
-    pol: QueueConfig | None = None
-    if len(r) > 8:
-        pol = (
-            _text(r[7]),
-            int(r[8]),
-            _text(r[9]) if len(r) > 9 else "",
-            _text(r[10]) if len(r) > 10 else "",
-            _text(r[11]) if len(r) > 11 else "bestfit",
-        )
-        out["policy"], out["backfill_window"] = pol[0], int(r[8]) / 1000
-        out["quotas"] = decode_quotas(pol[2] or "")
-        out["devices"] = [int(c) for c in (pol[3] or "").split()] or [out["capacity"]]
-        out["placement"] = pol[4]
+    out: dict[str, Any] = {
+        "created": rep.created,
+        "capacity": rep.capacity,
+        "epoch": rep.epoch,
+        "used": rep.used,
+        "max_waiters": rep.max_waiters,
+    }
+    q = rep.queue
+    if q is not None:
+        out["policy"], out["backfill_window"] = q.policy, (q.backfill_ms or 0) / 1000
+        out["quotas"] = decode_quotas(q.quotas or "")
+        out["devices"] = [int(c) for c in (q.devices or "").split()] or [rep.capacity]
+        out["placement"] = q.placement
     if rt is not None:
-        rt.seen(
-            out["epoch"],
-            out["capacity"],
-            out["max_waiters"],
-            int(r[5]) if len(r) > 5 else 0,
-            pol,
-        )
+        rt.seen(rep.epoch, rep.capacity, rep.max_waiters, rep.max_ttl_ms, q)
     return out
 
 
-def _text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
-def status(pool: PoolView, rt: Runtime | None, limit: int) -> Flow[PoolStatus]:
+def status(pool: PoolView, rt: RuntimeView | None, limit: int) -> Flow[PoolStatus]:
     """``status``: a :class:`~gpulock.protocol.replies.PoolStatus`. Raises PoolNotFound."""
     sent = pool.clock()
     st: PoolStatus | None = decode_status(pool.name, (yield Eval("status", [str(limit)])))
@@ -247,22 +243,21 @@ def device_report(
         argv = [sampler_id, str(claim_ms), "claim"]
     else:
         argv = [sampler_id, str(claim_ms), "report", str(external), str(report_ms), overuse]
-    r = yield Eval("external", argv)
-    return DeviceReply(*(int(x) for x in r))
+    return decode_device((yield Eval("external", argv)))
 
 
 def reap() -> Flow[int]:
     """``reap``: how many leases were reaped."""
-    return int((yield Eval("reap", []))[0])
+    return decode_reap((yield Eval("reap", []))).reaped_leases
 
 
-def cancel(rt: Runtime | None, request_id: str) -> Flow[int]:
+def cancel(rt: RuntimeView | None, request_id: str) -> Flow[int]:
     """Withdraw a (remote holder's) request: 0 (nothing to do), 1 (left the queue) or 2 (its
     grant was released). Raises InvalidArgument, BackendUnavailable."""
     request_id = validate_request_id(request_id)
     if rt is not None:
         rt.remove_waiter(request_id)
-    return int((yield Eval("cancel", [request_id]))[0])
+    return decode_cancel((yield Eval("cancel", [request_id]))).outcome
 
 
 def renew(lease_id: str, token: int, ttl: float) -> Flow[tuple[int, int]]:
@@ -273,16 +268,16 @@ def renew(lease_id: str, token: int, ttl: float) -> Flow[tuple[int, int]]:
     BackendUnavailable."""
     ttl_s = parse_seconds(ttl, name="ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
     args = ["1", lease_id, str(validate_token(token)), str(ttl_ms(ttl_s)), "0"]
-    r = yield Eval("renew", args)
-    expires_ms = int(r[2][0])
+    rep = decode_renew((yield Eval("renew", args)))
+    (expires_ms,) = rep.expiries
     if expires_ms <= 0:
         raise LeaseLost(
             lease_id,
             "the pool's configuration is gone (Redis restarted without its data?)"
-            if int(r[1]) == 0
+            if rep.epoch == 0
             else "the server no longer has it (it expired, or was released)",
         )
-    return expires_ms, int(r[0])
+    return expires_ms, rep.now_ms
 
 
 # ---- release ----------------------------------------------------------------------------------
@@ -299,15 +294,14 @@ def release(
     args = [lease_id, str(token)]
     try:
         r = yield Eval("release", args, bound=0)
-    except RETRYABLE:
-        r = yield Eval("release", args, bound=bound)
-        return True, int(r[1])
-    except Exception as e:
-        raise translate(e, pool) from e
-    return int(r[0]) == 1, int(r[1])
+    except Unanswered:
+        rep = decode_release((yield Eval("release", args, bound=bound)))
+        return True, rep.now_ms
+    rep = decode_release(r)
+    return rep.released, rep.now_ms
 
 
-def release_lease(s: LeaseState, rt: Runtime | None) -> Flow[None]:
+def release_lease(s: LeaseState, rt: RuntimeView | None) -> Flow[None]:
     """A held lease's ``release()`` (idempotent: later calls do nothing); ``rt`` stops its
     heartbeat.
 
@@ -339,9 +333,12 @@ def release_lease(s: LeaseState, rt: Runtime | None) -> Flow[None]:
 
 
 # ---- acquire ----------------------------------------------------------------------------------
-def lease_state(rt: Runtime, grant: Grant, req: AcquireRequest, valid_until: float) -> LeaseState:
+def lease_state(
+    rt: LeaseTracker, grant: Grant, req: AcquireRequest, valid_until: float
+) -> LeaseState:
     """The local state of a granted lease, heartbeated from now on (an existing one when this
-    process already holds that lease: the same request id acquired again)."""
+    process already holds that lease: the same request id acquired again). For a driver's
+    :class:`MakeLease`."""
     state, new = rt.state_for(grant, req.ttl_s, valid_until, req.meta, req.tenant, req.resident)
     if new:
         rt.track(state)
@@ -350,7 +347,7 @@ def lease_state(rt: Runtime, grant: Grant, req: AcquireRequest, valid_until: flo
 
 def acquire_call(
     pool: PoolView,
-    rt: Runtime,
+    rt: RuntimeView,
     req: AcquireRequest,
     argv: list[str],
     start: float | None = None,
@@ -374,6 +371,8 @@ def acquire_call(
         rt.seen(0)  # gone: if this object knew the pool, its runtime recovers now
         if pool.capacity is None:
             raise
+        # no grace asked here: the runtime's configure_argv asks for one when this object
+        # knew the pool (so Redis lost it), and makes it again as last seen
         yield from configure(
             pool,
             rt,
@@ -381,7 +380,7 @@ def acquire_call(
             max_waiters=None,
             max_ttl=None,
             create_only=True,
-            grace=bool(rt.known_epoch),
+            grace=False,
         )
         sent = pool.clock()
         r = yield Eval("acquire", argv)
@@ -398,7 +397,7 @@ def _retry_after(res: NotGranted) -> float | None:
 
 def acquire(
     pool: PoolView,
-    rt: Runtime,
+    rt: RuntimeView,
     req: AcquireRequest,
     start: float,
     on_queued: Callable[[int], Any] | None,
@@ -432,9 +431,11 @@ def acquire(
         yield CHECKPOINT
         if isinstance(res, Grant):
             needs_cancel = False
-            lease = yield MakeLease(res, req, validity_deadline(sent, res.now_ms, res.expires_ms))
+            lease, state = yield MakeLease(
+                res, req, validity_deadline(sent, res.now_ms, res.expires_ms)
+            )
             if pool.sync_replicas:
-                yield from sync_grant(pool, lease)
+                yield from sync_grant(pool, state, lease)
             return lease
         if res.resident is not None:
             needs_cancel = False
@@ -497,12 +498,9 @@ def acquire(
         )
         try:
             got = yield Wait(joined, remaining)
-        except Exception as e:
-            err = translate(e, pool.name)
-            unreachable = isinstance(err, BackendUnavailable)  # withdraw in the background
-            if err is e:
-                raise
-            raise err from e
+        except BackendUnavailable:
+            unreachable = True  # withdraw in the background
+            raise
         if isinstance(got, TimedOut):
             down = rt.unreachable()
             if down is not None:  # the deadline passed while Redis (the shard) was away
@@ -528,10 +526,10 @@ def acquire(
                 waited=pool.clock() - start,
                 grace_left=grace,
             )
-        lease = yield MakeLease(got, req, rt.deadline_for(got))
+        lease, state = yield MakeLease(got, req, rt.deadline_for(got))
         needs_cancel = False
         if pool.sync_replicas:
-            yield from sync_grant(pool, lease)
+            yield from sync_grant(pool, state, lease)
         return lease
     finally:
         in_use = False
@@ -544,16 +542,16 @@ def acquire(
 
 
 # ---- sync_replicas ----------------------------------------------------------------------------
-def sync_grant(pool: PoolView, lease: Any) -> Flow[None]:
-    """``sync_replicas``: return a grant only once that many replicas have it, so that a
-    failover to one of them cannot hand the same bytes to someone else (the lost tail of
-    asynchronous replication). A renewal, an INCR and ``WAIT`` on one connection; the lease's
-    validity then counts from that renewal. If the replicas do not acknowledge in
-    ``sync_timeout``, the grant is given back and BackendUnavailable raised (a cancellation or
-    interrupt meanwhile also gives it back, and propagates)."""
-    s: LeaseState = lease._state
+def sync_grant(pool: PoolView, s: LeaseState, lease: Any) -> Flow[None]:
+    """``sync_replicas``: return a grant (``lease``, the shell's lease object, with its local
+    state ``s``) only once that many replicas have it, so that a failover to one of them
+    cannot hand the same bytes to someone else (the lost tail of asynchronous replication). A
+    renewal, an INCR and ``WAIT`` on one connection; the lease's validity then counts from
+    that renewal. If the replicas do not acknowledge in ``sync_timeout``, the grant is given
+    back and BackendUnavailable raised (a cancellation or interrupt meanwhile also gives it
+    back, and propagates)."""
     sent = pool.clock()
-    r, acked, err = None, -1, None
+    rep, acked, err = None, -1, None
     try:
         # retried while the grant is valid: a failover right after it is ridden out when a
         # replica had it (its renewal then goes to the promoted one); the validity counts
@@ -561,12 +559,13 @@ def sync_grant(pool: PoolView, lease: Any) -> Flow[None]:
         r, acked = yield SyncedRenew(
             [1, s.lease_id, s.token, ttl_ms(s.ttl_s), 0], max(0.0, s.seconds_left())
         )
+        rep = decode_renew(r)
     except GeneratorExit:
         raise
     except BaseException as e:  # noqa: BLE001 - also on cancellation: give the grant back
         err = e
-    if err is None and r is not None and int(r[2][0]) > 0 and acked >= pool.sync_replicas:
-        s.renewed(sent, int(r[0]), int(r[2][0]))
+    if err is None and rep is not None and rep.expiries[0] > 0 and acked >= pool.sync_replicas:
+        s.renewed(sent, rep.now_ms, rep.expiries[0])
         return None
     yield GiveBack(lease)
     if err is not None and not isinstance(err, Exception):

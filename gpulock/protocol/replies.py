@@ -1,14 +1,31 @@
-"""Reply decoding of the core: what ``acquire.lua``, the pool channel's hand-off messages,
-``status.lua`` and ``reassert.lua`` answer, as :class:`Grant`, :class:`NotGranted`,
-:class:`PoolStatus` (with :class:`LeaseInfo` and :class:`WaiterInfo`) and
-:data:`REASSERT_REFUSED`. No I/O; reply layouts are documented in ``lua/lib.lua`` and the
-scripts.
+"""Reply decoding of the core, in one place: what each script of a pool answers, and the pool
+channel's hand-off messages, as named records. No I/O; reply layouts are documented in
+``lua/lib.lua`` and each script's header, and no reader outside this module indexes a reply.
+
+* ``acquire.lua``: :func:`decode_acquire` -> :class:`Grant` or :class:`NotGranted`
+* hand-off messages: :func:`decode_events` -> :class:`Grant` list
+* ``configure.lua``: :func:`decode_configure` -> :class:`ConfigureReply` (with its
+  :class:`QueueConfig`)
+* ``renew.lua``: :func:`decode_renew` -> :class:`RenewReply` (each waiter's answer a
+  :class:`Grant`, :class:`Queued` or None)
+* ``release.lua``: :func:`decode_release` -> :class:`ReleaseReply`
+* ``cancel.lua``: :func:`decode_cancel` -> :class:`CancelReply`
+* ``reap.lua``: :func:`decode_reap` -> :class:`ReapReply`
+* ``reassert.lua``: :func:`decode_reassert` -> :class:`ReassertReply` (refusals:
+  :data:`REASSERT_REFUSED`)
+* ``status.lua``: :func:`decode_status` -> :class:`PoolStatus` (with :class:`LeaseInfo`,
+  :class:`WaiterInfo`, :class:`TenantUse`, :class:`DeviceUse`)
+* ``external.lua``: :func:`decode_device` -> :class:`DeviceReply`
+
+Records made on every call are named tuples (the cheapest immutable record to make); readers
+use their field names.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Union
 
 from gpulock.protocol.args import decode_meta
 
@@ -96,11 +113,161 @@ def decode_events(data: str | bytes) -> list[Grant]:
     return out
 
 
-# A pool's scheduling settings as configure.lua takes them, and as a client remembers them to
-# make the pool again after a loss: queue policy, backfill window (ms), tenant quotas
-# ("<tenant>=<bytes> ...") and devices ("<bytes> ..." per device, lua/configure.lua) and
-# placement, each None when not given.
-QueueConfig = tuple[str | None, int | None, str | None, str | None, str | None]
+class QueueConfig(NamedTuple):
+    """A pool's scheduling settings as ``configure.lua`` takes them (its ARGV 6 to 10) and
+    answers them, and as a client remembers them to make the pool again after a loss. Each
+    None when not given (a configure then leaves it as it is)."""
+
+    policy: str | None  # "fifo" or "backfill"
+    backfill_ms: int | None  # the backfill window, ms
+    quotas: str | None  # tenant quotas, "<tenant>=<bytes> ..." ("": none)
+    devices: str | None  # each device's capacity, "<bytes> ..." ("": a pool of one device)
+    placement: str | None  # "bestfit" or "spread"
+
+
+class ConfigureReply(NamedTuple):
+    """``configure.lua``'s reply (bytes, ms)."""
+
+    created: int  # 1: this call created the pool; 0: it existed
+    capacity: int
+    epoch: int
+    used: int
+    max_waiters: int
+    max_ttl_ms: int  # 0: not in the reply
+    grace_left_ms: int | None  # ms left in the pool's grace period; None: not in the reply
+    queue: QueueConfig | None  # the pool's scheduling settings now; None: not in the reply
+
+
+def decode_configure(r: Sequence[Any]) -> ConfigureReply:
+    """``configure.lua``'s reply: ``{created, capacity, epoch, used, max_waiters, max_ttl_ms,
+    grace_left_ms, policy, backfill_ms, quotas, devices, placement}`` (a shorter reply leaves
+    the fields it lacks at their "not in the reply" values)."""
+    queue = None
+    if len(r) > 8:
+        queue = QueueConfig(
+            _s(r[7]),
+            int(r[8]),
+            _s(r[9]) if len(r) > 9 else "",
+            _s(r[10]) if len(r) > 10 else "",
+            _s(r[11]) if len(r) > 11 else "bestfit",
+        )
+    return ConfigureReply(
+        int(r[0]),
+        int(r[1]),
+        int(r[2]),
+        int(r[3]),
+        int(r[4]),
+        int(r[5]) if len(r) > 5 else 0,
+        int(r[6]) if len(r) > 6 else None,
+        queue,
+    )
+
+
+class Queued(NamedTuple):
+    """A waiter still queued (``renew.lua``'s answer for its ticket), at ``position`` (1: the
+    head)."""
+
+    position: int
+
+
+#: ``renew.lua``'s answer for one waiter's ticket: its grant (made meanwhile; its hand-off
+#: message may have been missed), its place, or None: the queue does not know the ticket
+#: (it expired from the queue, or was cancelled).
+WaiterAnswer = Union[Grant, Queued, None]
+
+
+class RenewReply(NamedTuple):
+    """``renew.lua``'s reply (server-clock ms)."""
+
+    now_ms: int
+    epoch: int  # 0: the pool has no configuration (Redis lost it)
+    expiries: list[int]  # per lease renewed, in order: its new expires_ms; 0: lost
+    waiters: list[WaiterAnswer]  # per ticket refreshed, in order
+
+
+def decode_renew(r: Sequence[Any], tickets: Sequence[str] = ()) -> RenewReply:
+    """``renew.lua``'s reply ``{now_ms, epoch, lease_results, ticket_results}`` for a call
+    that refreshed ``tickets`` (in order; a grant's record carries its ticket)."""
+    now, epoch = int(r[0]), int(r[1])
+    answers: list[WaiterAnswer] = []
+    for ticket, a in zip(tickets, r[3]):
+        kind = _s(a[0])
+        if kind == "g":
+            answers.append(
+                Grant(
+                    ticket,
+                    _s(a[1]),
+                    int(a[2]),
+                    int(a[3]),
+                    int(a[4]),
+                    now,
+                    epoch,
+                    device=int(a[5]) if len(a) > 5 else 0,
+                )
+            )
+        elif kind == "q":
+            answers.append(Queued(int(a[1])))
+        else:
+            answers.append(None)
+    return RenewReply(now, epoch, [int(x) for x in r[2]], answers)
+
+
+class ReleaseReply(NamedTuple):
+    """``release.lua``'s reply."""
+
+    released: bool  # False: no such live lease (lost); nothing of others was freed
+    now_ms: int  # server clock
+    used: int  # bytes the pool's leases hold after it
+    granted: int  # waiters handed bytes by it
+
+
+def decode_release(r: Sequence[Any]) -> ReleaseReply:
+    """``release.lua``'s reply ``{ok, now_ms, used, granted}``."""
+    return ReleaseReply(int(r[0]) == 1, int(r[1]), int(r[2]), int(r[3]))
+
+
+class CancelReply(NamedTuple):
+    """``cancel.lua``'s reply."""
+
+    outcome: int  # 0: nothing to do, 1: left the queue, 2: its grant was released
+    now_ms: int  # server clock
+
+
+def decode_cancel(r: Sequence[Any]) -> CancelReply:
+    """``cancel.lua``'s reply ``{what, now_ms}``."""
+    return CancelReply(int(r[0]), int(r[1]))
+
+
+class ReapReply(NamedTuple):
+    """``reap.lua``'s reply."""
+
+    reaped_leases: int
+    reaped_waiters: int
+    granted: int  # waiters granted after the reap
+    next_expiry_in_ms: int  # to the nearest lease expiry; -1: no lease
+    now_ms: int  # server clock
+
+
+def decode_reap(r: Sequence[Any]) -> ReapReply:
+    """``reap.lua``'s reply ``{reaped_leases, reaped_waiters, granted, next_expiry_in_ms,
+    now_ms}``."""
+    return ReapReply(int(r[0]), int(r[1]), int(r[2]), int(r[3]), int(r[4]))
+
+
+class ReassertReply(NamedTuple):
+    """``reassert.lua``'s reply (server-clock ms)."""
+
+    now_ms: int
+    epoch: int
+    grace_left_ms: int
+    # per lease, in order: its new expires_ms (> 0: put back), or a refusal (< 0, a key of
+    # REASSERT_REFUSED)
+    results: list[int]
+
+
+def decode_reassert(r: Sequence[Any]) -> ReassertReply:
+    """``reassert.lua``'s reply ``{now_ms, epoch, grace_left_ms, results}``."""
+    return ReassertReply(int(r[0]), int(r[1]), int(r[2]), [int(x) for x in r[3]])
 
 
 @dataclass(frozen=True)
@@ -200,7 +367,9 @@ class PoolStatus:
         """The pool's scheduling settings as ``configure.lua`` takes them."""
         spec = " ".join(f"{t}={u.quota}" for t, u in self.tenants.items() if u.quota)
         devs = " ".join(str(d.capacity) for d in self.devices) if len(self.devices) > 1 else ""
-        return self.policy, round(self.backfill_window * 1000), spec, devs, self.placement
+        return QueueConfig(
+            self.policy, round(self.backfill_window * 1000), spec, devs, self.placement
+        )
 
     @property
     def effective_capacity(self) -> int:
@@ -332,6 +501,12 @@ class DeviceReply(NamedTuple):
     external: int
     external_until_ms: int
     granted: int
+
+
+def decode_device(r: Sequence[Any]) -> DeviceReply:
+    """``external.lua``'s reply ``{holder, written, now_ms, capacity, used, external,
+    external_until_ms, granted}``."""
+    return DeviceReply(*(int(x) for x in r))
 
 
 # Why reassert.lua refused to put a lease back (its negative result codes).

@@ -1,7 +1,7 @@
 """The request vocabulary of the core: :class:`AcquireRequest`, a validated acquire and the
 ARGV of ``acquire.lua`` it makes. No I/O; ``protocol/flow.py`` builds the operations from it and from
-``protocol/args.py`` (validation and encoding), ``protocol/replies.py`` (reply decoding), ``transport/translate.py``
-(error translation), ``protocol/retry.py`` (the retry policy) and ``protocol/lease.py`` (the lease's local
+``protocol/args.py`` (validation and encoding), ``protocol/replies.py`` (reply decoding),
+``protocol/retry.py`` (the retry policy) and ``protocol/lease.py`` (the lease's local
 validity clock).
 """
 
@@ -37,7 +37,6 @@ from gpulock.protocol.replies import decode_status as decode_status
 from gpulock.protocol.retry import RETRYABLE as RETRYABLE
 from gpulock.protocol.retry import retry_delay as retry_delay
 from gpulock.protocol.retry import retrying as retrying
-from gpulock.transport.translate import translate as translate
 
 
 @lru_cache(maxsize=64)

@@ -1,15 +1,19 @@
-"""The steps a flow (``gpulock/protocol/flow.py``) yields to its driver (``_sync.py``, ``_async.py``),
-and the pool view the flows read. No I/O.
+"""The contract between a flow (``gpulock/protocol/flow.py``) and its driver (``_sync.py``,
+``_async.py``): the steps a flow yields, what it reads of the pool object (:class:`PoolView`)
+and of its runtime (:class:`RuntimeView`), and the errors a driver sends in. No I/O, and
+nothing of the layers above: the runtime (``gpulock.runtime.runtime.Runtime``) implements the
+views structurally.
 
 The steps and what a driver returns for them:
 
 * :class:`Eval` — the script's reply (EVALSHA with NOSCRIPT reload, connection errors retried
-  on :func:`~gpulock.protocol.retry.retrying` for ``bound`` seconds, errors translated); with
-  ``bound=0`` one try, and redis-py's own error raised.
+  on :func:`~gpulock.protocol.retry.retrying` for ``bound`` seconds); with ``bound=0`` one
+  try, a connection error or timeout raised as :class:`Unanswered`.
 * :class:`Subscribe` — None once the pool's hand-off subscription is confirmed (or known to
   fail: the acquire then reports Redis itself).
 * :class:`Checkpoint` — None; raises a cancellation of the caller that its client lost.
-* :class:`MakeLease` — the shell's lease object for a grant (tracked by the heartbeat).
+* :class:`MakeLease` — ``(the shell's lease object, its LeaseState)`` for a grant (tracked by
+  the heartbeat: :func:`gpulock.protocol.flow.lease_state`).
 * :class:`Join` — a handle of the waiter queued (or joined) for a ticket in the runtime.
 * :class:`Wait` — the waiter's :class:`~gpulock.protocol.replies.Grant`, or :class:`TimedOut`;
   raises the waiter's failure.
@@ -18,6 +22,11 @@ The steps and what a driver returns for them:
 * :class:`SyncedRenew` — ``(renew reply, replicas that acknowledged)``: see
   :func:`gpulock.transport.script_calls.synced_renew`.
 * :class:`GiveBack` — None: the lease was released, quietly.
+
+Errors: a driver sends a flow gpulock's own (:mod:`gpulock.errors`; redis-py's errors and
+``OSError`` translated by :func:`gpulock.transport.translate.translated`, the original as
+``__cause__``), and the caller's interruptions (``CancelledError``, ``KeyboardInterrupt``) as
+they are. A flow never sees redis-py's exception types.
 """
 
 from __future__ import annotations
@@ -25,10 +34,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol, TypeVar
 
+from gpulock.errors import BackendUnavailable
+
 if TYPE_CHECKING:
+    from gpulock.protocol.lease import LeaseState
     from gpulock.protocol.request import AcquireRequest
-    from gpulock.protocol.replies import Grant
-    from gpulock.runtime.runtime import Runtime
+    from gpulock.protocol.replies import Grant, QueueConfig
+
+
+class Unanswered(BackendUnavailable):
+    """An :class:`Eval` of ``bound=0`` (one try) got no answer: a connection error or a
+    timeout, so the script may or may not have run. The flow that asked for one try decides
+    (``release``: a retry that then finds no lease counts as released)."""
 
 
 # ---- steps ----------------------------------------------------------------------------------
@@ -68,7 +85,8 @@ CHECKPOINT = Checkpoint()
 
 @dataclass(slots=True)
 class MakeLease(Step):
-    """Make the lease object for ``grant`` (its local state: :func:`lease_state`)."""
+    """Make the lease object for ``grant`` (its local state:
+    :func:`gpulock.protocol.flow.lease_state`)."""
 
     grant: Grant
     req: AcquireRequest
@@ -77,8 +95,8 @@ class MakeLease(Step):
 
 @dataclass(slots=True)
 class Join(Step):
-    """Queue a waiter for ``ticket`` in the runtime (:meth:`~gpulock.runtime.runtime.Runtime.queue_waiter`
-    with these fields, in order), or join the one this process has for it."""
+    """Queue a waiter for ``ticket`` in the runtime (:meth:`WaiterQueue.queue_waiter` with
+    these fields, in order), or join the one this process has for it."""
 
     ticket: str
     argv: list[str]  # the acquire's ARGV, to queue it again
@@ -88,7 +106,7 @@ class Join(Step):
     retry_after_ms: int  # to the nearest lease expiry (-1: none), for the reap timer
     deadline: float | None = None  # local time the acquire gives up (None: never)
 
-    def queue_in(self, rt: Runtime) -> Any:
+    def queue_in(self, rt: WaiterQueue) -> Any:
         """The runtime's waiter for this step (``rt.queue_waiter`` with its fields)."""
         return rt.queue_waiter(
             self.ticket,
@@ -169,3 +187,127 @@ class PoolView(Protocol):
     sync_replicas: int
     sync_timeout: float
     clock: Callable[[], float]
+
+
+class RuntimeView(Protocol):
+    """What the flows need of a pool object's runtime (the background work: heartbeat, waiters,
+    recovery), and all they use of it. ``gpulock.runtime.runtime.Runtime`` implements it.
+    Times are local monotonic seconds unless named ``_ms`` (server milliseconds)."""
+
+    @property
+    def channel_id(self) -> str:
+        """The pool object's hand-off channel id (an acquire's ARGV names it)."""
+        ...
+
+    @property
+    def subscribed(self) -> bool:
+        """Whether the hand-off subscription is confirmed now (no :class:`Subscribe` needed)."""
+        ...
+
+    def use_settings(
+        self,
+        *,
+        capacity: int | None,
+        max_waiters: int,
+        max_ttl_ms: int,
+        sync_replicas: int,
+        sync_timeout_ms: int,
+        backend_timeout: float,
+    ) -> None:
+        """Take the pool object's settings (bytes; ms; s)."""
+        ...
+
+    def configure_argv(
+        self,
+        capacity: int,
+        max_waiters: int,
+        max_ttl_ms: int,
+        create_only: bool,
+        grace: bool = False,
+        policy: QueueConfig | None = None,
+    ) -> list[str]:
+        """ARGV of ``configure.lua``; a create-only call by an object that knew the pool makes
+        it again as last seen, with a grace period."""
+        ...
+
+    def seen(
+        self,
+        epoch: int,
+        capacity: int = 0,
+        max_waiters: int = 0,
+        max_ttl_ms: int = 0,
+        policy: QueueConfig | None = None,
+    ) -> None:
+        """Take in what a reply showed of the pool (epoch 0: it is gone)."""
+        ...
+
+    def note_grace(self, sent: float, left_ms: int) -> None:
+        """A reply to a call sent at ``sent`` showed ``left_ms`` of grace period left."""
+        ...
+
+    def observe(self, sent: float, now_ms: int) -> None:
+        """Record a (local send time, server time) pair of a completed call."""
+        ...
+
+    def grace_left(self) -> float:
+        """Seconds left in the pool's grace period as last seen; 0 outside one."""
+        ...
+
+    def unreachable(self) -> tuple[float, BaseException] | None:
+        """``(seconds, last error)`` while the background calls keep failing, else None."""
+        ...
+
+    def deadline_for(self, grant: Grant) -> float:
+        """The local validity deadline of a grant that came by the waiter (no call of its own)."""
+        ...
+
+    def ticket_in_use(self, ticket: str) -> bool:
+        """Whether another local acquire or a live local lease still uses ``ticket``."""
+        ...
+
+    def remove_waiter(self, ticket: str) -> None:
+        """Forget the local waiter of ``ticket``."""
+        ...
+
+    def untrack(self, lease_id: str) -> None:
+        """Stop heartbeating a lease."""
+        ...
+
+
+class LeaseTracker(Protocol):
+    """What a driver's :class:`MakeLease` needs of the runtime
+    (:func:`gpulock.protocol.flow.lease_state`)."""
+
+    def state_for(
+        self,
+        grant: Grant,
+        ttl_s: float,
+        valid_until: float,
+        meta: str = "",
+        tenant: str = "",
+        resident: bool = False,
+    ) -> tuple[LeaseState, bool]:
+        """The local state of a granted lease (an existing one for a lease already held) and
+        whether it is new."""
+        ...
+
+    def track(self, state: LeaseState) -> None:
+        """Start heartbeating a lease."""
+        ...
+
+
+class WaiterQueue(Protocol):
+    """What a driver's :class:`Join` needs of the runtime (:meth:`Join.queue_in`)."""
+
+    def queue_waiter(
+        self,
+        ticket: str,
+        argv: list[str],
+        waiter_ttl_ms: int,
+        position: int,
+        on_position: Callable[[int], Any] | None,
+        retry_after_ms: int,
+        deadline: float | None = None,
+    ) -> Any:
+        """Queue (or join) the local waiter of ``ticket``; returns it."""
+        ...

@@ -15,8 +15,9 @@ from typing import Any
 from redis.exceptions import AuthenticationError
 
 from gpulock.protocol.keys import pool_key
-from gpulock.protocol.request import DEFAULT_MAX_WAITERS, retrying, translate
+from gpulock.protocol.request import DEFAULT_MAX_WAITERS, retrying
 from gpulock.transport.script_calls import AsyncScripts
+from gpulock.transport.translate import translate
 
 DEFAULT_BACKEND_TIMEOUT_S = 5.0  # the pool object's backend_timeout, until it sets its own
 
@@ -83,16 +84,9 @@ class Calls:
         acknowledged everything this connection wrote, the renewal included). ``bound`` > 0:
         connection errors retried on the common policy for that many seconds; 0: one try."""
         st = self.settings
-        if bound <= 0:
-            return await self.scripts.renew_synced(
-                args, st.sync_replicas, st.sync_timeout_ms, self.sync_key
-            )
-        async for attempt in retrying(bound, asynchronous=True):
-            with attempt:
-                return await self.scripts.renew_synced(
-                    args, st.sync_replicas, st.sync_timeout_ms, self.sync_key
-                )
-        raise AssertionError("unreachable")
+        return await self.scripts.renew_synced(
+            args, st.sync_replicas, st.sync_timeout_ms, self.sync_key, bound
+        )
 
     async def drop_idle_connections(self) -> None:
         """After a connection error, close the connections the client's lane keeps at hand:

@@ -24,6 +24,7 @@ from gpulock_common.aio import wait_for
 from gpulock.runtime.calls import Calls, Settings
 from gpulock.transport.failure_log import FailureLog
 from gpulock.protocol.request import RETRYABLE, LeaseState, retry_delay, ttl_ms
+from gpulock.protocol.replies import decode_reap, decode_renew
 from gpulock.runtime.recovery import Recovery
 from gpulock.runtime.tasks import LoopTasks
 from gpulock.runtime.waiters import WaiterRegistry
@@ -360,10 +361,10 @@ class Heartbeat:
                 self.next_poll = max(self.next_poll, retry)
 
     async def _reap(self) -> None:
-        r = await self._calls.eval("reap", [])
+        rep = decode_reap(await self._calls.eval("reap", []))
         received = self.clock()
         if self._registry.waiters:
-            self.set_reap_timer(received, int(r[3]))
+            self.set_reap_timer(received, rep.next_expiry_in_ms)
 
     async def _heartbeat(self) -> None:
         st = self._settings
@@ -382,14 +383,14 @@ class Heartbeat:
             r, acked = await self._calls.renew_synced(args)
         else:
             r = await self._calls.eval("renew", args)
-        now_ms, epoch = int(r[0]), int(r[1])
+        rep = decode_renew(r, [w.ticket for w in waiters])
+        now_ms, epoch = rep.now_ms, rep.epoch
         self._observe(sent, now_ms)
         # The pool is gone (epoch 0) or was made again (another epoch): Redis lost its data.
         known = self._recovery.known_epoch
         pool_lost = epoch == 0 or (known != 0 and epoch != known)
         orphans = []
-        for s, exp in zip(leases, r[2]):
-            exp = int(exp)
+        for s, exp in zip(leases, rep.expiries):
             if s.released:
                 continue
             if exp > 0:
@@ -415,6 +416,6 @@ class Heartbeat:
             epoch = await self._recovery.recover(orphans, epoch)
         elif epoch:
             self._recovery.known_epoch = epoch
-        forgotten = self._registry.take_answers(waiters, r[3], sent, now_ms, epoch)
+        forgotten = self._registry.take_answers(waiters, rep.waiters, sent)
         if forgotten:
             self._recovery.requeue(forgotten)

@@ -20,7 +20,7 @@ from redis.exceptions import ResponseError
 from gpulock.runtime.calls import Calls, Settings
 from gpulock.errors import AcquireTimeout
 from gpulock.protocol.flow import configure_args
-from gpulock.protocol.replies import QueueConfig
+from gpulock.protocol.replies import QueueConfig, decode_configure, decode_reassert
 from gpulock.protocol.request import (
     REASSERT_REFUSED,
     RETRYABLE,
@@ -78,7 +78,7 @@ class Recovery:
         self.capacity_seen = 0
         self.max_waiters_seen = 0
         self.max_ttl_seen_ms = 0
-        self.policy_seen: QueueConfig | None = None  # (policy, backfill_ms, quotas)
+        self.policy_seen: QueueConfig | None = None
         self._settings_asked = False  # one background status read for max_ttl/max_waiters
         self._requeue: OrderedDict[str, Waiter] = OrderedDict()  # waiters whose place Redis forgot
         self._requeuer: asyncio.Task[None] | None = None
@@ -226,18 +226,18 @@ class Recovery:
                 return 0
             argv = self.configure_argv(st.capacity or 0, st.max_waiters, st.max_ttl_ms, True, True)
             sent = self.clock()
-            r = await self._calls.eval("configure", argv, bound=bound)
-            epoch = int(r[2])
-            if len(r) > 6:
-                self.note_grace(sent, int(r[6]))
-            if int(r[0]):
+            made = decode_configure(await self._calls.eval("configure", argv, bound=bound))
+            epoch = made.epoch
+            if made.grace_left_ms is not None:
+                self.note_grace(sent, made.grace_left_ms)
+            if made.created:
                 log.warning(
                     "gpulock: pool %s was gone from Redis (restarted without its data?): created it "
                     "again (capacity %d bytes) with a grace period of %.1fs for holders to put "
                     "their leases back; nothing new is granted until it ends",
                     self.pool,
-                    int(r[1]),
-                    int(r[6]) / 1000 if len(r) > 6 else 0.0,
+                    made.capacity,
+                    (made.grace_left_ms or 0) / 1000,
                 )
         live = [s for s in orphans if not s.released and s.lost_reason is None]
         if live:
@@ -262,12 +262,11 @@ class Recovery:
                 "resident" if s.resident else "",
             ]
         sent = self.clock()
-        r = await self._calls.eval("reassert", args, bound=bound)
-        now_ms = int(r[0])
+        rep = decode_reassert(await self._calls.eval("reassert", args, bound=bound))
+        now_ms = rep.now_ms
         self._observe(sent, now_ms)
-        self.note_grace(sent, int(r[2]))
-        for s, res in zip(live, r[3]):
-            res = int(res)
+        self.note_grace(sent, rep.grace_left_ms)
+        for s, res in zip(live, rep.results):
             if s.released or s.lost_reason is not None:
                 continue
             if res > 0:
@@ -359,6 +358,6 @@ class Recovery:
 def _devices_sum(policy: QueueConfig | None) -> int | None:
     """The sum of a pool's devices' capacities as last seen (bytes), None when it was not
     seen to have several devices."""
-    if policy is None or not policy[3]:
+    if policy is None or not policy.devices:
         return None
-    return sum(int(c) for c in policy[3].split())
+    return sum(int(c) for c in policy.devices.split())

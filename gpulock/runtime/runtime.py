@@ -1,7 +1,8 @@
 """The per-pool background runtime: one per pool object, living in one event loop.
 
 :class:`Runtime` composes the parts and is the interface the drivers (``_async.py``,
-``_sync.py``, ``protocol/flow.py``) use:
+``_sync.py``) use; the flows see it through :class:`gpulock.protocol.steps.RuntimeView`, which it
+implements:
 
 * the **listener** (:mod:`gpulock.runtime.listener`): the asyncio shell's pub/sub subscription to the
   pool object's channel (:attr:`Runtime.channel`); the grants the server publishes go straight

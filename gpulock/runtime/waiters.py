@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from gpulock.runtime.calls import Settings
 from gpulock.protocol.request import Grant, LeaseState
+from gpulock.protocol.replies import Queued, WaiterAnswer
 from gpulock.errors import BackendUnavailable, PoolClosed
 
 log = logging.getLogger("gpulock")
@@ -199,35 +200,22 @@ class WaiterRegistry:
             self.fail(w, PoolClosed(self.pool))
 
     def take_answers(
-        self, waiters: list[Waiter], answers: list[Any], sent: float, now_ms: int, epoch: int
+        self, waiters: list[Waiter], answers: list[WaiterAnswer], sent: float
     ) -> list[Waiter]:
         """Take in a heartbeat's answer for each of ``waiters`` (sent at local time ``sent``;
-        server time ``now_ms``, the pool's ``epoch``): a grant is delivered, a new position
+        :func:`gpulock.protocol.replies.decode_renew`): a grant is delivered, a new position
         reported. Returns those the queue forgot and that still wait, in their old order."""
         forgotten = []
         for w, res in zip(waiters, answers):
-            kind = res[0].decode() if isinstance(res[0], bytes) else res[0]
             # Redis answered for this waiter: its bound (see waiter_bound) counts from here,
             # also when the answer is that the queue forgot it and it is queued again
             # (a crowd of waiters re-queued one by one after a restart must not fail because
             # one later heartbeat failed while they had not yet had their turn).
             w.refreshed = sent
-            if kind == "g":
-                lid = res[1].decode() if isinstance(res[1], bytes) else res[1]
-                self.deliver(
-                    Grant(
-                        w.ticket,
-                        lid,
-                        int(res[2]),
-                        int(res[3]),
-                        int(res[4]),
-                        now_ms,
-                        epoch,
-                        device=int(res[5]) if len(res) > 5 else 0,
-                    )
-                )
-            elif kind == "q":
-                pos = int(res[1])
+            if isinstance(res, Grant):
+                self.deliver(res)
+            elif isinstance(res, Queued):
+                pos = res.position
                 if pos != w.position:
                     w.position = pos
                     if w.on_position:

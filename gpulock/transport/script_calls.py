@@ -18,6 +18,7 @@ from typing import Any, Union
 
 from redis.exceptions import AuthenticationError, ResponseError
 
+from gpulock.protocol.retry import retrying
 from gpulock.transport.dialect import Dialect, Load, Send, dialect_of
 from gpulock.transport.lane import AsyncLane, SyncLane, async_lane, encode, encode_args, sync_lane
 from gpulock.transport.route import ShardUnavailable, is_shard_error
@@ -208,10 +209,29 @@ class SyncScripts:
                 error = e
 
     def renew_synced(
-        self, args: Sequence[Any], replicas: int, timeout_ms: int, sync_key: str
+        self,
+        args: Sequence[Any],
+        replicas: int,
+        timeout_ms: int,
+        sync_key: str,
+        bound: float = 0.0,
     ) -> tuple[Any, int]:
         """:func:`synced_renew` on the pool's master (a pipeline on a client of one server;
-        on a cluster, the lane of the slot's master)."""
+        on a cluster, the lane of the slot's master): ``(renew reply, replicas that
+        acknowledged)``. ``bound`` > 0: connection errors retried on the common policy
+        (:func:`gpulock.protocol.retry.retrying`) for that many seconds; 0: one try. The
+        synced renewal's one I/O, with :meth:`AsyncScripts.renew_synced`: the blocking ``Pool``
+        calls it, the runtime (the asyncio shell, the heartbeat) its asyncio twin."""
+        if bound <= 0:
+            return self._renew_synced(args, replicas, timeout_ms, sync_key)
+        for attempt in retrying(bound, asynchronous=False):
+            with attempt:
+                return self._renew_synced(args, replicas, timeout_ms, sync_key)
+        raise AssertionError("unreachable")
+
+    def _renew_synced(
+        self, args: Sequence[Any], replicas: int, timeout_ms: int, sync_key: str
+    ) -> tuple[Any, int]:
         if self.shards is not None:
             return self.shards.call(  # type: ignore[no-any-return]
                 self.slot,
@@ -434,9 +454,24 @@ class AsyncScripts:
                 error = e
 
     async def renew_synced(
-        self, args: Sequence[Any], replicas: int, timeout_ms: int, sync_key: str
+        self,
+        args: Sequence[Any],
+        replicas: int,
+        timeout_ms: int,
+        sync_key: str,
+        bound: float = 0.0,
     ) -> tuple[Any, int]:
         """As :meth:`SyncScripts.renew_synced`."""
+        if bound <= 0:
+            return await self._renew_synced(args, replicas, timeout_ms, sync_key)
+        async for attempt in retrying(bound, asynchronous=True):
+            with attempt:
+                return await self._renew_synced(args, replicas, timeout_ms, sync_key)
+        raise AssertionError("unreachable")
+
+    async def _renew_synced(
+        self, args: Sequence[Any], replicas: int, timeout_ms: int, sync_key: str
+    ) -> tuple[Any, int]:
         if self.shards is not None:
             return await self.shards.call(  # type: ignore[no-any-return]
                 self.slot,

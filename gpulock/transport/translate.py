@@ -121,3 +121,14 @@ def translate(exc: BaseException, pool: str) -> BaseException:
     if isinstance(exc, rex.RedisError):
         return BackendUnavailable(f"Redis error on pool {pool!r}: {exc}")
     return exc
+
+
+def translated(exc: BaseException, pool: str) -> BaseException:
+    """``exc`` as a driver sends it into a flow (:mod:`gpulock.protocol.steps`): a redis-py
+    error or an ``OSError`` as gpulock's (:func:`translate`), with ``exc`` as its
+    ``__cause__``; anything else (gpulock's own errors, a cancellation, an interrupt) as it
+    is."""
+    err = translate(exc, pool)
+    if err is not exc:
+        err.__cause__ = exc
+    return err

@@ -8,14 +8,20 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import pytest
-import redis.exceptions as rex
 
 from gpulock.protocol import flow
 from gpulock.protocol.keys import pool_keys
+from gpulock.protocol.lease import LeaseState
 from gpulock.protocol.request import AcquireRequest
-from gpulock.protocol.replies import Grant
+from gpulock.protocol.replies import Grant, QueueConfig
 from gpulock.runtime.runtime import Runtime
-from gpulock.errors import AcquireTimeout, BackendUnavailable, LeaseLost, PoolNotFound
+from gpulock.errors import (
+    AcquireTimeout,
+    BackendUnavailable,
+    InvalidArgument,
+    LeaseLost,
+    PoolNotFound,
+)
 
 
 @dataclass
@@ -80,7 +86,7 @@ def test_a_grant_makes_a_lease_and_withdraws_nothing():
             assert step.script == "acquire" and step.bound == 1.0  # retry_bound(5, 0) is 1 s
             return GRANT
         if isinstance(step, flow.MakeLease):
-            return ("lease", step.grant)
+            return ("lease", step.grant), "its state"  # (the lease object, its LeaseState)
         return None
 
     lease, seen = drive(flow.acquire(pool, rt, _req(0), 0.0, None), answer)
@@ -117,7 +123,7 @@ def test_a_lost_pool_is_made_again_with_grace_then_the_acquire_retried():
                 return [1, 80, 4, 0, 7, 20_000, 20_000]
             return GRANT
         if isinstance(step, flow.MakeLease):
-            return "lease"
+            return "lease", "its state"
         return None
 
     lease, _ = drive(flow.acquire(pool, rt, _req(0), 0.0, None), answer)
@@ -132,7 +138,7 @@ def test_a_lost_pool_is_made_again_with_the_queue_policy_last_seen():
     rt = _runtime(pool)
     rt.known_epoch = 3
     rt.capacity_seen, rt.max_waiters_seen, rt.max_ttl_seen_ms = 80, 7, 20_000
-    rt.policy_seen = ("backfill", 1500, "team-a=4096", "40 40", "spread")
+    rt.policy_seen = QueueConfig("backfill", 1500, "team-a=4096", "40 40", "spread")
     assert rt.configure_argv(10, 5, 1000, True) == [
         "80",
         "7",
@@ -146,7 +152,8 @@ def test_a_lost_pool_is_made_again_with_the_queue_policy_last_seen():
         "spread",
     ]
     # a set by this object says what it says
-    assert rt.configure_argv(10, 5, 1000, False, policy=("fifo", None, None, None, None)) == [
+    fifo = QueueConfig("fifo", None, None, None, None)
+    assert rt.configure_argv(10, 5, 1000, False, policy=fifo) == [
         "10",
         "5",
         "set",
@@ -239,12 +246,23 @@ def test_a_cancellation_during_the_wait_withdraws_unless_the_ticket_is_in_use():
 def test_a_release_retried_after_a_connection_error_counts_as_released():
     def answer(step):
         assert isinstance(step, flow.Eval) and step.script == "release"
-        if step.bound == 0:
-            raise rex.ConnectionError("reset")
-        return [0, 1_000]  # the retry finds no lease: the first try ran
+        if step.bound == 0:  # the driver's word for a try that got no answer
+            raise flow.Unanswered("Redis unavailable for pool 'p': reset")
+        return [0, 1_000, 0, 0]  # the retry finds no lease: the first try ran
 
-    (released, now_ms), _ = drive(flow.release("p", "lease", 7), answer)
+    (released, now_ms), seen = drive(flow.release("p", "lease", 7), answer)
     assert released and now_ms == 1_000
+    assert [s.bound for s in seen] == [0, None]  # the retry: for the default bound
+
+
+def test_a_release_refused_on_its_first_try_is_not_retried():
+    def answer(step):
+        raise InvalidArgument("bad token")  # answered: the script refused
+
+    seen: list[flow.Step] = []
+    with pytest.raises(InvalidArgument, match="bad token"):
+        drive(flow.release("p", "lease", 7), lambda s: seen.append(s) or answer(s))
+    assert len(seen) == 1
 
 
 def test_releasing_a_lease_the_server_lost_raises_lease_lost():
@@ -253,7 +271,7 @@ def test_releasing_a_lease_the_server_lost_raises_lease_lost():
     g = Grant("t1", "lease", 7, 31_000, 10, 1_000, 3, 100)
     state, _ = rt.state_for(g, 30.0, 10.0)
     with pytest.raises(LeaseLost, match="no longer had it"):
-        drive(flow.release_lease(state, rt), lambda s: [0, 1_000])
+        drive(flow.release_lease(state, rt), lambda s: [0, 1_000, 0, 0])
     assert state.released
     assert drive(flow.release_lease(state, rt), lambda s: pytest.fail("sent again"))[0] is None
 
@@ -263,21 +281,31 @@ def test_sync_replicas_gives_back_a_grant_the_replicas_did_not_acknowledge():
     rt = _runtime(pool)
     g = Grant("t1", "lease", 7, 31_000, 10, 1_000, 3, 100)
     state, _ = rt.state_for(g, 30.0, 10.0)
-
-    class FakeLease:
-        _state = state
-
     seen: list[flow.Step] = []
 
     def answer(step):
         seen.append(step)
         if isinstance(step, flow.SyncedRenew):
+            assert step.args == [1, "lease", 7, 30_000, 0]
             return [1_000, 3, [31_000], []], 0  # renewed, acknowledged by no replica
         return None
 
     with pytest.raises(BackendUnavailable, match=r"not acknowledged by 1 replica\(s\) within 1.0s"):
-        drive(flow.sync_grant(pool, FakeLease()), answer)
-    assert isinstance(seen[-1], flow.GiveBack)
+        drive(flow.sync_grant(pool, state, "the lease"), answer)
+    assert seen[-1] == flow.GiveBack("the lease")
+
+
+def test_sync_replicas_counts_the_validity_from_an_acknowledged_renewal():
+    pool = FakePool(sync_replicas=1, clock=lambda: 5.0)
+    rt = _runtime(pool)
+    state, _ = rt.state_for(Grant("t1", "lease", 7, 31_000, 10, 1_000, 3, 100), 30.0, 10.0)
+
+    def answer(step):
+        assert isinstance(step, flow.SyncedRenew)
+        return [2_000, 3, [32_000], []], 1  # renewed at server time 2 s, acknowledged by one
+
+    assert drive(flow.sync_grant(pool, state, "the lease"), answer)[0] is None
+    assert state.expires_ms == 32_000 and 5.0 + 29.0 < state.valid_until < 5.0 + 30.0
 
 
 # queued at position 2 of 2 in a grace period with 30 s left (retry_after_ms: to its end)
@@ -329,3 +357,81 @@ def test_grace_outlasts():
     assert not grace_outlasts(30.0, 30.0)  # granted, if at all, right at its deadline
     assert not grace_outlasts(30.0, None)  # no deadline: it waits for the grace end
     assert not grace_outlasts(0.0, 5.0)  # no grace period
+
+
+class OnlyTheView:
+    """A runtime with nothing but :class:`gpulock.protocol.steps.RuntimeView`: the flows need no
+    more of the runtime (a member they used beyond it would raise AttributeError here)."""
+
+    channel_id = "chan"
+    subscribed = True
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def _note(name):  # a decorator of the class body: a method that records its call
+        def method(self, *args, **kw):
+            self.calls.append(name)
+            return {"grace_left": 0.0, "unreachable": None, "ticket_in_use": False}.get(name)
+
+        return method
+
+    use_settings = _note("use_settings")
+    seen = _note("seen")
+    note_grace = _note("note_grace")
+    observe = _note("observe")
+    grace_left = _note("grace_left")
+    unreachable = _note("unreachable")
+    ticket_in_use = _note("ticket_in_use")
+    remove_waiter = _note("remove_waiter")
+    untrack = _note("untrack")
+    deadline_for = _note("deadline_for")
+
+    def configure_argv(
+        self, capacity, max_waiters, max_ttl_ms, create_only, grace=False, policy=None
+    ):
+        self.calls.append("configure_argv")
+        return flow.configure_args(capacity, max_waiters, max_ttl_ms, create_only, grace, policy)
+
+
+def test_the_flows_need_of_the_runtime_only_its_view():
+    view = {n for n in dir(flow.RuntimeView) if not n.startswith("_")}
+    assert view == {n for n in dir(OnlyTheView) if not n.startswith("_")}
+    pool = FakePool()
+    rt = OnlyTheView()
+
+    def answer(step):
+        if isinstance(step, flow.Eval):
+            return {
+                "acquire": QUEUED,
+                "configure": [0, 100, 3, 0, 10, 60_000, 0, "fifo", 2000, "", "", "bestfit"],
+                "cancel": [1, 1_000],
+            }[step.script]
+        if isinstance(step, flow.Wait):
+            return flow.TimedOut(1)
+        return None
+
+    with pytest.raises(AcquireTimeout):
+        drive(flow.acquire(pool, rt, _req(2.0), 0.0, None), answer)
+    out, _ = drive(
+        flow.configure(
+            pool, rt, 100, max_waiters=None, max_ttl=None, create_only=False, grace=False
+        ),
+        answer,
+    )
+    assert out["policy"] == "fifo" and out["devices"] == [100]
+    assert drive(flow.cancel(rt, "t1"), answer)[0] == 1
+    g = Grant("t1", "lease", 7, 31_000, 10, 1_000, 3, 100)
+
+    def granted(step):
+        if isinstance(step, flow.Wait):
+            return g  # the waiter's grant
+        if isinstance(step, flow.MakeLease):
+            return "the lease", LeaseState("p", step.grant, 30.0, 10.0, pool.clock)
+        return answer(step)
+
+    lease, _ = drive(flow.acquire(pool, rt, _req(2.0), 0.0, None), granted)
+    state = LeaseState("p", g, 30.0, 10.0, pool.clock)
+    drive(flow.release_lease(state, rt), lambda s: [1, 1_000, 0, 0])
+    assert lease == "the lease" and state.released
+    assert set(rt.calls) == view - {"channel_id", "subscribed"}  # those two are read

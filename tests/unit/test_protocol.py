@@ -249,6 +249,61 @@ def test_decode_events():
     assert _replies.decode_events("g 5\nmalformed line") == []
 
 
+def test_decode_configure():
+    r = [1, 80, 4, 10, 7, 20_000, 15_000, b"backfill", 1500, b"a=4096", b"40 40", b"spread"]
+    c = _replies.decode_configure(r)
+    assert (c.created, c.capacity, c.epoch, c.used, c.max_waiters) == (1, 80, 4, 10, 7)
+    assert (c.max_ttl_ms, c.grace_left_ms) == (20_000, 15_000)
+    assert c.queue == _replies.QueueConfig("backfill", 1500, "a=4096", "40 40", "spread")
+    # the queue's settings are in the reply as configure.lua takes them back
+    from gpulock.protocol.flow import configure_args
+
+    assert configure_args(80, 7, 20_000, True, True, c.queue)[5:] == [
+        "backfill",
+        "1500",
+        "a=4096",
+        "40 40",
+        "spread",
+    ]
+    short = _replies.decode_configure([0, 80, 4, 10, 7])  # fields not in a reply
+    assert (short.max_ttl_ms, short.grace_left_ms, short.queue) == (0, None, None)
+
+
+def test_decode_renew():
+    lid = b"c" * 32
+    r = [9_000, 4, [12_000, 0], [[b"q", 2], [b"g", lid, 17, 39_000, 512, 1], [b"x"]]]
+    rep = _replies.decode_renew(r, ["t1", "t2", "t3"])
+    assert (rep.now_ms, rep.epoch, rep.expiries) == (9_000, 4, [12_000, 0])
+    queued, granted, unknown = rep.waiters
+    assert queued == _replies.Queued(2) and unknown is None
+    assert granted == _replies.Grant("t2", "c" * 32, 17, 39_000, 512, 9_000, 4, device=1)
+    gone = _replies.decode_renew(["9000", "0", ["0"], []])  # the pool is gone
+    assert (gone.epoch, gone.expiries, gone.waiters) == (0, [0], [])
+
+
+def test_decode_the_other_replies():
+    assert _replies.decode_release([1, 5_000, 256, 2]) == _replies.ReleaseReply(True, 5_000, 256, 2)
+    assert not _replies.decode_release([0, 5_000, 0, 0]).released
+    assert _replies.decode_cancel([2, 5_000]) == _replies.CancelReply(2, 5_000)
+    assert _replies.decode_reap([1, 0, 3, -1, 5_000]) == _replies.ReapReply(1, 0, 3, -1, 5_000)
+    rea = _replies.decode_reassert([5_000, 4, 30_000, [35_000, -2]])
+    assert rea == _replies.ReassertReply(5_000, 4, 30_000, [35_000, -2])
+    assert _replies.REASSERT_REFUSED[rea.results[1]].startswith(
+        "Redis lost the pool, and the lease does"
+    )
+    dev = _replies.decode_device([1, 1, 5_000, 100, 40, 10, 9_000, 0])
+    assert (dev.holder, dev.written, dev.external, dev.external_until_ms) == (1, 1, 10, 9_000)
+
+
+def test_status_queue_config_is_what_configure_takes():
+    st_ = _replies.PoolStatus("p", 80, 0, 4, 0, 7, 0, 0, 0, 0, 0, policy="backfill")
+    st_.tenants["a"] = _replies.TenantUse(0, 4096)
+    st_.devices.extend([_replies.DeviceUse(0, 40, 0), _replies.DeviceUse(1, 40, 0)])
+    assert st_.queue_config() == _replies.QueueConfig(
+        "backfill", 2000, "a=4096", "40 40", "bestfit"
+    )
+
+
 def test_decode_status():
     now = 10_000
     r = [
@@ -336,6 +391,18 @@ def test_translate_connection_errors_and_passthrough():
     assert _translate.translate(lost, "p") is lost
     other = KeyError("k")
     assert _translate.translate(other, "p") is other
+
+
+def test_translated_is_what_a_driver_sends_into_a_flow():
+    import asyncio
+
+    down = rex.ConnectionError("down")
+    err = _translate.translated(down, "p")
+    assert type(err) is BackendUnavailable and err.__cause__ is down and "pool 'p'" in str(err)
+    refused = _translate.translated(rex.ResponseError("GPULOCK_NOPOOL"), "p")
+    assert isinstance(refused, PoolNotFound)
+    for as_is in (LeaseLost("a" * 32, "why"), asyncio.CancelledError(), KeyboardInterrupt()):
+        assert _translate.translated(as_is, "p") is as_is and as_is.__cause__ is None
 
 
 def test_exception_tree():

@@ -241,12 +241,12 @@ def test_devices_changed_by_another_process_come_back_as_changed(redis_proc1):
         first = holder.acquire(5, device=1)
         rt = holder._runtime
         assert rt is not None
-        wait_until(lambda: rt.policy_seen and rt.policy_seen[3] == "10 10", timeout=5)
+        wait_until(lambda: rt.policy_seen and rt.policy_seen.devices == "10 10", timeout=5)
         other("8 8")  # `gpulock pool set --capacity 8`: each device's
         first.release()
         other("20 20 20 20")  # idle: the count may change
         lease = holder.acquire(15, device=3)  # its reply says capacity 80, not 20
-        wait_until(lambda: rt.policy_seen and rt.policy_seen[3] == "20 20 20 20", timeout=5)
+        wait_until(lambda: rt.policy_seen and rt.policy_seen.devices == "20 20 20 20", timeout=5)
         rp.restart()
         wait_until(
             lambda: lease.id in {_s(x) for x in direct.hkeys(pool_keys(name)[2])}, timeout=3 * TTL
