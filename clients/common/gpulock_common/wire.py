@@ -23,9 +23,9 @@ status where the lease API's status blames the caller for what the server did
 (:data:`SERVED_STATUS`): its pool not there (404), its lease lapsed (410), its credentials
 refused (401, 403) are the server's trouble, which passes, so 503 with ``Retry-After``; a lease
 request it built that the pool refused (422) is its own bug, so 500. The request's size (413)
-and overload (503) are the client's to know as they are. Its ``reason`` is the row's ``code`` unless the row names another: the
-reasons the service published before this table (``capacity``, ``quota``, ``backend``) are
-kept, as its users match them (docs/SERVICE.md).
+and overload (503) are the client's to know as they are. Its ``reason`` is the row's ``code``
+unless the row names another: the reasons the service published before this table
+(``capacity``, ``quota``, ``backend``) are kept, as its users match them (docs/SERVICE.md).
 
 :class:`PoolClosed` has no row: a pool object raises it in its own process and it never
 crosses HTTP. A reply that no row reads is a plain :class:`GpuLockError` ("unexpected HTTP").
