@@ -15,7 +15,8 @@ gpulock-client raises). Every error gpulock raises derives from :class:`GpuLockE
     └── PoolClosed (also RuntimeError)      the pool object was closed during (or before) the call
 
 Errors from redis-py are wrapped (``raise BackendUnavailable(...) from exc``), so callers need
-catch only these. (``AuthError``, the broker refusing a token, is gpulock-client's only.)
+catch only these. (``AuthError``, the broker refusing a token, is raised only through a broker:
+by gpulock-client and ``gpulock --broker-url``.)
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ import os
 from types import ModuleType
 from typing import Any, Callable
 
-from gpulock_common.validation import describe
+from gpulock_common.wire import error_from_reply
 
 from gpulock import errors as E
 from gpulock.admin.pools import DeleteResult
-from gpulock.cli.common import EXIT_USAGE, AuthFailed, fail
+from gpulock.cli.common import EXIT_USAGE, fail
 
 
 def _require_client() -> ModuleType:
@@ -26,29 +26,11 @@ def _require_client() -> ModuleType:
     return gpulock_client
 
 
-def _from_reply(status: int, body: Any, pool: str) -> E.GpuLockError:
-    d = body.get("detail") if isinstance(body, dict) else None
-    detail = d if isinstance(d, dict) else {}
-    if isinstance(d, list):  # FastAPI's 422: name the fields, in users' words
-        msg = describe(d)
-    else:
-        msg = str(detail.get("message", d if d is not None else f"HTTP {status}"))
-    code = detail.get("error")
-    if status in (401, 403):
-        return AuthFailed(msg)
-    if status == 404 and code == "pool_not_found":
-        return E.PoolNotFound(pool)
-    if status in (400, 422):
-        return E.InvalidArgument(msg)
-    if status in (502, 503, 504):
-        return E.BackendUnavailable(msg)
-    return E.GpuLockError(f"unexpected HTTP {status} from the broker: {msg}")
-
-
 class BrokerAdmin:
     """Blocking calls to the broker's pool routes (``/v1/pools...``) with the token from
-    ``GPULOCK_TOKEN``; errors are the core's (PoolNotFound, BackendUnavailable, ...) or
-    :class:`AuthFailed`."""
+    ``GPULOCK_TOKEN``; an error reply raises the shared error the error table reads it as
+    (:func:`gpulock_common.wire.error_from_reply`: PoolNotFound, BackendUnavailable,
+    AuthError, ...)."""
 
     def __init__(self, url: str, timeout: float = 10.0):
         _require_client()
@@ -83,7 +65,7 @@ class BrokerAdmin:
     ) -> Any:
         status, body = self._request(method, path, json, params)
         if status >= 300:
-            raise _from_reply(status, body, pool)
+            raise error_from_reply(status, body, None if pool == "*" else pool)
         return body
 
     def delete_pool(self, name: str, *, force: bool = False) -> DeleteResult:
@@ -94,14 +76,15 @@ class BrokerAdmin:
         )
         detail = body.get("detail") if isinstance(body, dict) else None
         code = detail.get("error") if isinstance(detail, dict) else None
-        if status == 404 and code == "pool_not_found":
-            return DeleteResult("missing", 0, 0)
         if status == 409 and code == "pool_in_use" and isinstance(detail, dict):
             return DeleteResult(
                 "in_use", int(detail.get("leases") or 0), int(detail.get("waiters") or 0)
             )
         if status >= 300:
-            raise _from_reply(status, body, name)
+            err = error_from_reply(status, body, name)
+            if isinstance(err, E.PoolNotFound):
+                return DeleteResult("missing", 0, 0)
+            raise err
         return DeleteResult("deleted", int(body.get("leases") or 0), int(body.get("waiters") or 0))
 
     def close(self) -> None:
@@ -173,41 +156,16 @@ def status_from_dict(d: dict[str, Any]) -> Any:
 
 
 def core_error(e: Exception) -> Exception:
-    """A gpulock_client error as the core's exception of the same meaning (same attributes), so
-    `gpulock run` treats leases through a broker and through Redis alike. gpulock_client's
-    QueueFull becomes AcquireTimeout (not granted now; try again later), its AuthError
-    :class:`AuthFailed`; anything else a plain GpuLockError with the same message."""
-    import gpulock_client as C
-
-    if isinstance(e, C.LeaseLost):
-        return E.LeaseLost(e.lease_id, e.reason)
-    if isinstance(e, C.AcquireTimeout):
-        return E.AcquireTimeout(
-            str(e),
-            position=e.position,
-            queue_length=e.queue_length,
-            retry_after=e.retry_after,
-            grace_left=e.grace_left,
-        )
-    if isinstance(e, C.QuotaExceeded):
-        return E.QuotaExceeded(e.amount, e.quota, e.tenant, resident=e.resident)
-    if isinstance(e, C.CapacityExceeded):  # the broker's message: it may name a device
-        return E.CapacityExceeded(e.amount, e.capacity, str(e))
-    if isinstance(e, C.QueueFull):
+    """A gpulock_client error as `gpulock run` treats it: the SDK raises the core's own classes
+    (the shared tree of gpulock_common), so each is itself, but a full queue, which `gpulock
+    run` reports as not granted now (AcquireTimeout: try again later, exit 75)."""
+    if isinstance(e, E.QueueFull):
         return E.AcquireTimeout(str(e), queue_length=e.queue_length)
-    if isinstance(e, C.InvalidArgument):
-        return E.InvalidArgument(str(e))
-    if isinstance(e, C.BackendUnavailable):
-        return E.BackendUnavailable(str(e))
-    if isinstance(e, C.PoolNotFound):
-        return E.PoolNotFound(str(getattr(e, "pool", "?")))
-    if isinstance(e, C.AuthError):
-        return AuthFailed(str(e))
-    return E.GpuLockError(str(e))
+    return e
 
 
 class BrokerLease:
-    """A gpulock_client lease behind the core's exceptions (see core_error); a
+    """A gpulock_client lease (whose exceptions are the core's); a
     :class:`~gpulock.cli.common.RunLease`."""
 
     def __init__(self, inner: Any):
@@ -225,20 +183,10 @@ class BrokerLease:
         self._inner.on_lost(lambda _lease: cb(self))
 
     def ensure_valid(self) -> None:
-        import gpulock_client
-
-        try:
-            self._inner.ensure_valid()
-        except gpulock_client.GpuLockError as e:
-            raise core_error(e) from e
+        self._inner.ensure_valid()
 
     def release(self) -> None:
-        import gpulock_client
-
-        try:
-            self._inner.release()
-        except gpulock_client.GpuLockError as e:
-            raise core_error(e) from e
+        self._inner.release()
 
 
 class BrokerPool:
@@ -283,7 +231,7 @@ class BrokerPool:
                     **pin,
                 )
             )
-        except gpulock_client.GpuLockError as e:
+        except gpulock_client.QueueFull as e:
             raise core_error(e) from e
 
     def grace_left(self) -> float:

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Protocol, Sequence
 
 import typer
+from gpulock_common.errors import AuthError
 
 from gpulock.errors import (
     AcquireTimeout,
     BackendUnavailable,
     CapacityExceeded,
-    GpuLockError,
     InvalidArgument,
     PoolNotFound,
     QueueFull,
@@ -59,10 +59,6 @@ Exit codes of gpulock itself (gpulock run otherwise returns CMD's status):
       gpulock pool delete: the pool has leases or waiters (give --force)
   {EXIT_NOPERM}  the broker refused the token (GPULOCK_TOKEN missing, wrong, or not allowed)
   {EXIT_ERROR}   any other error"""
-
-
-class AuthFailed(GpuLockError):
-    """The broker refused the bearer token (HTTP 401/403)."""
 
 
 def say(msg: str) -> None:
@@ -460,7 +456,7 @@ def error_exit(e: BaseException, t: Target, pool: str = "", *, admin: bool = Fal
         )
     if isinstance(e, CapacityExceeded):
         fail(EXIT_CAPACITY, f"{e}; the request can never be granted")
-    if isinstance(e, AuthFailed):
+    if isinstance(e, AuthError):  # the broker refused the token (HTTP 401/403)
         hint = "" if os.environ.get("GPULOCK_TOKEN") else " (GPULOCK_TOKEN is not set)"
         if admin:
             fail(

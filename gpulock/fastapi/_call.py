@@ -18,7 +18,7 @@ from gpulock_common.grace import grace_note, grace_outlasts
 
 from gpulock.http import access_log as access
 from gpulock.http.disconnect import _Gone, _wait_or_gone, watch_disconnect
-from gpulock.errors import InvalidArgument
+from gpulock.errors import AcquireTimeout, InvalidArgument
 from gpulock.units import parse_size
 from ._backend import Backend
 from ._errors import GpuLockHTTPException, HttpErrors, bytes_asked
@@ -121,9 +121,7 @@ class GuardedCalls:
             try:
                 amount = parse_size(amount, name="estimate")
             except InvalidArgument as e:  # the route's estimator: never a bare 500 (SERVICE.md)
-                raise GpuLockHTTPException(
-                    500, f"route {route!r}: {e}", "invalid_argument"
-                ) from None
+                raise GpuLockHTTPException.of(e, f"route {route!r}: {e}") from None
             m.estimate.labels(route).observe(amount)
             access.note(lease_bytes=amount)
             arrival = time.monotonic()
@@ -398,9 +396,8 @@ class GuardedCalls:
             what = (
                 f"no GPU memory for {asked} within {s.acquire_timeout}s (queue position {position})"
             )
-        return GpuLockHTTPException(
-            503,
+        return GpuLockHTTPException.of(
+            AcquireTimeout,
             f"{what}.{keep}",
-            "queue_timeout",
             {"Retry-After": str(ra), "X-Queue-Position": str(position)},
         )

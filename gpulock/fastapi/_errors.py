@@ -1,5 +1,7 @@
 """HTTP error mapping: the exception the integration raises, and the answer to each way a
-guarded call can fail (status, ``detail``, ``Retry-After`` and ``X-Queue-Position``)."""
+guarded call can fail (status, ``detail``, ``Retry-After`` and ``X-Queue-Position``). The
+status and reason of each of gpulock's errors are the error table's
+(:mod:`gpulock_common.wire`); the messages and headers are the integration's."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any, NoReturn
 
 from fastapi import HTTPException
 from gpulock_common.grace import grace_note
+from gpulock_common.wire import answer_for, served
 
 from gpulock.errors import (
     AcquireTimeout,
@@ -37,6 +40,19 @@ class GpuLockHTTPException(HTTPException):
     ):
         super().__init__(status_code=status_code, detail=detail, headers=headers)
         self.reason = reason
+
+    @classmethod
+    def of(
+        cls,
+        error: BaseException | type[BaseException],
+        detail: str,
+        headers: dict[str, str] | None = None,
+    ) -> GpuLockHTTPException:
+        """The answer to a shared gpulock error (an exception or its class): the status and
+        reason the error table gives a lease taken on the client's behalf
+        (:func:`gpulock_common.wire.served`), with ``detail`` and ``headers``."""
+        status, reason = served(error)
+        return cls(status, detail, reason, headers)
 
 
 class CudaOOM(Exception):
@@ -132,27 +148,24 @@ class HttpErrors:
                 if exc.resident
                 else ""
             )
-            raise GpuLockHTTPException(
-                413,
+            raise GpuLockHTTPException.of(
+                exc,
                 f"{need} this service's tenant {exc.tenant!r} has a quota of {format_size(exc.quota)} "
                 f"({exc.quota} bytes) on pool {pool_name!r}{left}; send a smaller batch",
-                "quota",
             ) from None
         if isinstance(exc, RoomExceeded):
             room = max(0, exc.room)
-            raise GpuLockHTTPException(
-                413,
+            raise GpuLockHTTPException.of(
+                exc,
                 f"{need} pool {pool_name!r} leaves {format_size(room)} ({room} bytes) for requests: "
                 f"a capacity of {format_size(exc.capacity)} ({exc.capacity} bytes) minus "
                 f"{format_size(exc.resident)} held or being taken by the workers' resident leases "
                 f"(their models); send a smaller batch",
-                "capacity",
             ) from None
-        raise GpuLockHTTPException(
-            413,
+        raise GpuLockHTTPException.of(
+            exc,
             f"{need} pool {pool_name!r} has a capacity of {format_size(exc.capacity)} "
             f"({exc.capacity} bytes); send a smaller batch",
-            "capacity",
         ) from None
 
     def outcome(
@@ -163,13 +176,14 @@ class HttpErrors:
         position: Callable[[], int],
         batch: int | None = None,
     ) -> object:
-        """The result of a finished job's ``out``, or raise its error as HTTP:
-        cancelled → 503 ``not_ready``; :class:`CapacityExceeded` (and its
-        :class:`QuotaExceeded` and :class:`RoomExceeded`) → 413; :class:`QueueFull`
-        and :class:`AcquireTimeout` → 503 with ``Retry-After`` and ``X-Queue-Position``;
-        :class:`LeaseLost` → 503; a CUDA OOM → 503 with ``Retry-After``; a sticky CUDA error
-        → 500; Redis unreachable or the pool gone → 503 with ``Retry-After`` of two reaper
-        intervals; :class:`InvalidArgument` → 500 naming it. Anything else is re-raised.
+        """The result of a finished job's ``out``, or raise its error as HTTP. gpulock's errors
+        get the status and reason of the error table (:func:`gpulock_common.wire.served`):
+        :class:`CapacityExceeded` (and its :class:`QuotaExceeded` and :class:`RoomExceeded`) →
+        413; :class:`QueueFull` and :class:`AcquireTimeout` → 503 with ``Retry-After`` and
+        ``X-Queue-Position``; :class:`LeaseLost` → 503; Redis unreachable or the pool gone →
+        503 with ``Retry-After`` of two reaper intervals; :class:`InvalidArgument` → 500
+        naming it. The integration's own: cancelled → 503 ``not_ready``; a CUDA OOM → 503
+        with ``Retry-After``; a sticky CUDA error → 500. Anything else is re-raised.
         ``position()`` is the job's place in the queue, when the error does not carry it.
         ``amount``: the request's own bytes; ``batch``: its batch's, when it ran in one
         (:func:`bytes_asked`)."""
@@ -191,30 +205,27 @@ class HttpErrors:
         if isinstance(exc, QueueFull):
             m.queue_full.labels(route).inc()
             ra = self._retry_after(exc.queue_length + 1)
-            raise GpuLockHTTPException(
-                503,
+            raise GpuLockHTTPException.of(
+                exc,
                 f"GPU queue is full ({exc.queue_length} waiting)",
-                "queue_full",
                 {"Retry-After": str(ra), "X-Queue-Position": str(exc.queue_length + 1)},
             ) from None
         if isinstance(exc, AcquireTimeout):
             m.timeouts.labels(route).inc()
             pos = exc.position or position()
             ra = self._retry_after(pos, exc.retry_after)
-            raise GpuLockHTTPException(
-                503,
+            raise GpuLockHTTPException.of(
+                exc,
                 f"no GPU memory granted in time (queue position {pos}): "
                 f"{grace_note(pool_name, exc.grace_left)}"
                 if exc.grace_left > 0
                 else f"no GPU memory for {bytes_asked(amount, batch)} in time (queue position {pos})",
-                "queue_timeout",
                 {"Retry-After": str(ra), "X-Queue-Position": str(pos)},
             ) from None
         if isinstance(exc, LeaseLost):
-            raise GpuLockHTTPException(
-                503,
+            raise GpuLockHTTPException.of(
+                exc,
                 f"the GPU lease was lost before the work ran ({exc.reason}); retry",
-                "lease_lost",
                 {"Retry-After": str(self._retry_after(1))},
             ) from None
         if isinstance(exc, CudaOOM):
@@ -230,14 +241,18 @@ class HttpErrors:
                 500, f"CUDA error; this worker restarts: {exc}", "cuda_error"
             ) from None
         if isinstance(exc, (BackendUnavailable, PoolNotFound)):
-            raise GpuLockHTTPException(
-                503,
+            raise GpuLockHTTPException.of(
+                exc,
                 f"GPU budget unavailable: {exc}",
-                "backend",
                 {"Retry-After": str(max(1, int(self._settings.reaper_interval * 2)))},
             ) from None
         if isinstance(exc, InvalidArgument):  # never a bare 500: say what the pool refused
-            raise GpuLockHTTPException(
-                500, f"pool {pool_name!r} refused the lease request: {exc}", "invalid_argument"
+            raise GpuLockHTTPException.of(
+                exc, f"pool {pool_name!r} refused the lease request: {exc}"
+            ) from None
+        if answer_for(exc) is not None:  # another of gpulock's errors: the table's answer too
+            later = {"Retry-After": str(max(1, int(self._settings.reaper_interval * 2)))}
+            raise GpuLockHTTPException.of(
+                exc, f"pool {pool_name!r}: {exc}", later if served(exc)[0] == 503 else None
             ) from None
         raise exc

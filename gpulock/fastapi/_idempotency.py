@@ -26,6 +26,7 @@ from typing import Any
 from fastapi import Response
 from gpulock_common.grace import grace_note, grace_outlasts
 
+from gpulock.errors import AcquireTimeout
 from gpulock.transport.failure_log import FailureLog
 from gpulock.http.places import hold_for
 from gpulock.http.disconnect import _is_gone
@@ -294,12 +295,11 @@ class RequestStore:
                 headers = {"Retry-After": str(ra)}
                 if position:
                     headers["X-Queue-Position"] = str(position)
-                raise GpuLockHTTPException(
-                    503,
+                raise GpuLockHTTPException.of(
+                    AcquireTimeout,
                     f"request {request_id!r} is still queued (position {position or 'unknown'}"
                     + (f": {grace_note(s.pool_name, grace)}" if grace > 0 else "")
                     + f"); it keeps its place: retry with the same {s.request_id_header}",
-                    "queue_timeout",
                     headers,
                 )
             if now >= end:

@@ -27,16 +27,17 @@ from typing import Any, NoReturn, Optional
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from gpulock_common.errors import AuthError
 from gpulock_common.grace import grace_note
+from gpulock_common.wire import answer_for
 
 from gpulock.errors import (
     BackendUnavailable,
-    CapacityExceeded,
+    GpuLockError,
     InvalidArgument,
+    LeaseLost,
     PoolNotFound,
     QueueFull,
-    QuotaExceeded,
-    RoomExceeded,
 )
 from gpulock.http.disconnect import watch_disconnect
 
@@ -82,7 +83,7 @@ def _err(
 async def get_broker(request: Request) -> Broker:
     b = getattr(request.app.state, "gpulock_broker", None)
     if b is None:
-        _err(503, "backend_unavailable", "the lease broker is not started", {"Retry-After": "1"})
+        _answer(BackendUnavailable, "the lease broker is not started", {"Retry-After": "1"})
     return b
 
 
@@ -93,9 +94,8 @@ async def principal(
 ) -> Principal:
     who = broker.tokens.lookup(cred.credentials) if cred is not None and cred.credentials else None
     if who is None:
-        _err(
-            401,
-            "unauthorized",
+        _answer(
+            AuthError,
             "a valid bearer token is required (Authorization: Bearer TOKEN)",
             {"WWW-Authenticate": "Bearer"},
         )
@@ -105,7 +105,7 @@ async def principal(
 async def admin_principal(who: Principal = Depends(principal)) -> Principal:
     """The caller's principal if it is an admin token (else 401 / 403)."""
     if not who.admin:
-        _err(403, "forbidden", "only an admin token may see the dashboard")
+        _answer(AuthError, "only an admin token may see the dashboard", code="forbidden")
     return who
 
 
@@ -120,69 +120,35 @@ async def dashboard_data(broker: Broker) -> dict[str, Any]:
 
 def _allowed(who: Principal, pool: str) -> None:
     if not who.may_use(pool):
-        _err(403, "forbidden", f"this token may not use pool {pool!r}")
+        _answer(AuthError, f"this token may not use pool {pool!r}", code="forbidden")
+
+
+def _answer(
+    cls: type[GpuLockError],
+    message: str,
+    headers: dict[str, str] | None = None,
+    code: str | None = None,
+    **fields: Any,
+) -> NoReturn:
+    """Answer as the error table says ``cls`` is answered (its row of ``code``, else its first
+    row: :mod:`gpulock_common.wire`), with ``message`` and the body ``fields``."""
+    a = answer_for(cls, code)
+    assert a is not None, (cls, code)
+    _err(a.status, a.code, message, headers, **fields)
 
 
 def _map(e: Exception, pool: str) -> NoReturn:
-    """Translate gpulock's errors (and the broker's) to HTTP."""
-    if isinstance(e, QuotaExceeded):
-        _err(
-            413,
-            "quota_exceeded",
-            str(e),
-            amount=e.amount,
-            quota=e.quota,
-            tenant=e.tenant,
-            resident=e.resident,
-        )
-    if isinstance(e, RoomExceeded):
-        _err(
-            413,
-            "room_exceeded",
-            str(e),
-            amount=e.amount,
-            capacity=e.capacity,
-            room=e.room,
-            resident=e.resident,
-            device=e.device,
-        )
-    if isinstance(e, CapacityExceeded):
-        _err(413, "capacity_exceeded", str(e), amount=e.amount, capacity=e.capacity)
-    if isinstance(e, PoolNotFound):
-        _err(
-            404,
-            "pool_not_found",
-            f"pool {pool!r} is not configured (an admin sets it: PUT /v1/pools/{pool})",
-        )
-    if isinstance(e, QueueFull):
-        _err(
-            503,
-            "queue_full",
-            str(e),
-            {"Retry-After": "1"},
-            queue_length=e.queue_length,
-            retry_after=1,
-        )
-    if isinstance(e, InvalidArgument):
-        raise HTTPException(422, detail=[{"loc": ["body"], "msg": str(e), "type": "value_error"}])
-    if isinstance(e, PoolBeingDeleted):
-        _err(503, "backend_unavailable", str(e), {"Retry-After": "1"}, retry_after=1)
-    if isinstance(e, BackendUnavailable):
-        log.warning("gpulock broker: pool %s: %s", pool, e)
-        _err(
-            503,
-            "backend_unavailable",
-            f"Redis is unavailable: {e}",
-            {"Retry-After": "1"},
-            retry_after=1,
-        )
+    """Answer gpulock's errors (and the broker's own) as HTTP: a shared error by the error
+    table (:mod:`gpulock_common.wire`: status, code and the exception's fields), with the
+    broker's message and, for a 503, ``Retry-After: 1``; the broker's own exceptions by what
+    they mean to the caller (a lease gone, or of another token, is a lost lease to it)."""
     if isinstance(e, LeaseGone):
-        _err(410, "lease_lost", str(e), lease_id=e.lease_id)
+        _answer(LeaseLost, str(e), lease_id=e.lease_id)
     if isinstance(e, NotYours):
-        _err(
-            404,
-            "not_found",
+        _answer(
+            LeaseLost,
             "no such lease for this token",
+            code="not_found",
             lease_id=str(e.args[0]) if e.args else None,
         )
     if isinstance(
@@ -194,7 +160,22 @@ def _map(e: Exception, pool: str) -> NoReturn:
             "the client closed the connection; the request was withdrawn",
             request_id=str(e.args[0]) if e.args else None,
         )
-    raise e
+    a = answer_for(e)
+    if a is None or not isinstance(e, GpuLockError):
+        raise e
+    if isinstance(e, InvalidArgument):  # in the shape of the schema's own refusals
+        raise HTTPException(
+            a.status, detail=[{"loc": ["body"], "msg": str(e), "type": "value_error"}]
+        )
+    message, headers, extra = str(e), None, {}
+    if isinstance(e, PoolNotFound):
+        message = f"pool {pool!r} is not configured (an admin sets it: PUT /v1/pools/{pool})"
+    if isinstance(e, BackendUnavailable) and not isinstance(e, PoolBeingDeleted):
+        log.warning("gpulock broker: pool %s: %s", pool, e)
+        message = f"Redis is unavailable: {e}"
+    if a.status == 503:  # queue full, Redis unavailable, a pool being deleted: retry in a second
+        headers, extra = {"Retry-After": "1"}, {"retry_after": 1}
+    _err(a.status, a.code, message, headers, **a.body(e), **extra)
 
 
 @router.post(
@@ -470,7 +451,7 @@ async def pool_status(
 def _admin_only(who: Principal, pool: str, what: str) -> None:
     _allowed(who, pool)
     if not who.admin:
-        _err(403, "forbidden", f"only an admin token may {what} pools")
+        _answer(AuthError, f"only an admin token may {what} pools", code="forbidden")
 
 
 @router.put(

@@ -9,6 +9,9 @@ pulls in neither redis, torch nor FastAPI, and the two sides hold one copy of:
 - :mod:`gpulock_common.errors`: the exception tree (``GpuLockError`` and its subclasses).
   ``gpulock.errors`` and ``gpulock_client`` re-export these classes, so
   ``gpulock.errors.LeaseLost is gpulock_client.LeaseLost``.
+- :mod:`gpulock_common.wire`: the error table, each error's HTTP status and code declared once
+  (the broker and the FastAPI integration answer from it; the SDK and the CLI read replies
+  back into the classes with it).
 - :mod:`gpulock_common.lease`: Chubby's rule for the local validity deadline (the clock-drift
   bound and safety margin), a lease's local state (active, lost or released; ``check`` raising
   ``LeaseLost``; ``mark_lost`` firing the ``on_lost`` callbacks once), and the lease object's

@@ -2,24 +2,26 @@
 raises derives from :class:`GpuLockError`::
 
     GpuLockError
-    ├── InvalidArgument (also ValueError)   bad amount, ttl, pool name, request id, ... (HTTP 422)
-    ├── AuthError                           gpulock-client: HTTP 401 (no or unknown token), 403 (pool not allowed)
-    ├── PoolNotFound                        the pool is not configured (HTTP 404 pool_not_found)
-    ├── CapacityExceeded                    amount > capacity: can never be granted (HTTP 413)
-    │   ├── QuotaExceeded                   amount > the tenant's quota (HTTP 413 quota_exceeded)
-    │   └── RoomExceeded                    amount > what the resident leases leave (HTTP 413)
+    ├── InvalidArgument (also ValueError)   bad amount, ttl, pool name, request id, ...
+    ├── AuthError                           gpulock-client: the broker refused the token
+    ├── PoolNotFound                        the pool is not configured
+    ├── CapacityExceeded                    amount > capacity: can never be granted
+    │   ├── QuotaExceeded                   amount > the tenant's quota
+    │   └── RoomExceeded                    amount > what the resident leases leave
     ├── AcquireTimeout (also TimeoutError)  the wait for a grant ran out (or timeout=0 and busy)
-    ├── QueueFull                           the pool's queue is at its bound (HTTP 503 queue_full)
-    ├── LeaseLost                           the lease expired, was reaped or never existed (HTTP 410),
+    ├── QueueFull                           the pool's queue is at its bound
+    ├── LeaseLost                           the lease expired, was reaped or never existed,
     │                                       or no renewal succeeded before the local deadline
     ├── BackendUnavailable                  Redis (or the broker) could not be reached, did not answer,
     │                                       or refused the credentials
     └── PoolClosed (also RuntimeError)      gpulock: the pool object was closed during (or before) the call
 
 The core (``gpulock``) wraps redis-py's errors (``raise BackendUnavailable(...) from exc``) and
-the SDK (``gpulock_client``) maps the broker's HTTP replies to these classes and sets
+the SDK (``gpulock_client``) reads the broker's HTTP replies back into these classes and sets
 ``status``, so callers of either need catch only these. ``gpulock.errors`` and
-``gpulock_client`` re-export them: the classes are the same objects on both sides.
+``gpulock_client`` re-export them: the classes are the same objects on both sides. How each is
+answered over HTTP (status, code, body fields) and read back is the error table,
+:mod:`gpulock_common.wire`.
 """
 
 from __future__ import annotations

@@ -30,7 +30,6 @@ from typing import Any, Callable, Dict, Generator, List, Mapping, Optional, Sequ
 from urllib.parse import quote
 
 from gpulock_common.lease import CLOCK_DRIFT as CLOCK_DRIFT
-from gpulock_common.validation import describe
 from gpulock_common.lease import SAFETY_MARGIN_S as SAFETY_MARGIN_S
 from gpulock_common.lease import LeaseView, LocalLeaseState
 from gpulock_common.lease import reply_made_after as reply_made_after
@@ -41,20 +40,17 @@ from gpulock_common.checks import PRIORITY_MAX as PRIORITY_MAX
 from gpulock_common.checks import PRIORITY_MIN as PRIORITY_MIN
 from gpulock_common.checks import check_device, check_priority
 from gpulock_common.grace import grace_note
+from gpulock_common.wire import error_from_reply, reply_message
 from ._gate import Gate as Gate
 from ._gate import Waker as Waker
 from .errors import (
     AcquireTimeout,
     AuthError,
     BackendUnavailable,
-    CapacityExceeded,
     GpuLockError,
     InvalidArgument,
     LeaseLost,
     PoolNotFound,
-    QueueFull,
-    QuotaExceeded,
-    RoomExceeded,
 )
 
 DEFAULT_TTL_S = 30.0
@@ -127,12 +123,7 @@ class Reply:
         return d if isinstance(d, dict) else {}
 
     def message(self) -> str:
-        d = self.body.get("detail") if isinstance(self.body, dict) else None
-        if isinstance(d, dict):
-            return str(d.get("message", d))
-        if isinstance(d, list):  # FastAPI validation errors: name the field, in users' words
-            return describe(d)
-        return f"HTTP {self.status}"
+        return reply_message(self.status, self.body)
 
     def retry_after(self) -> Optional[float]:
         v = self.headers.get("retry-after")
@@ -161,42 +152,9 @@ Steps = Generator[Union[Http, Sleep, Enter], Outcome, Any]
 
 
 def error_for(r: Reply, pool: str) -> GpuLockError:
-    """The exception for a non-success reply."""
-    d, msg = r.detail(), r.message()
-    code = d.get("error")
-    if r.status in (401, 403):
-        e: GpuLockError = AuthError(msg)
-    elif r.status == 413 and code == "quota_exceeded":
-        q = int(d.get("quota") or 0)
-        t = str(d.get("tenant") or "")
-        e = QuotaExceeded(int(d.get("amount") or 0), q, t, msg, int(d.get("resident") or 0))
-    elif r.status == 413 and code == "room_exceeded":
-        dev = d.get("device")
-        e = RoomExceeded(
-            int(d.get("amount") or 0),
-            int(d.get("room") or 0),
-            int(d.get("capacity") or 0),
-            int(d.get("resident") or 0),
-            None if dev is None else int(dev),
-            msg,
-        )
-    elif r.status == 413:
-        e = CapacityExceeded(int(d.get("amount") or 0), int(d.get("capacity") or 0), msg)
-    elif r.status == 422:
-        e = InvalidArgument(msg)
-    elif r.status == 404 and code == "pool_not_found":
-        e = PoolNotFound(pool, msg)
-    elif r.status == 410 or (r.status == 404 and code == "not_found"):
-        e = LeaseLost(str(d.get("lease_id") or "?"), msg)
-    elif code == "queue_full":
-        mw = d.get("max_waiters")
-        e = QueueFull(pool, int(d.get("queue_length") or 0), None if mw is None else int(mw), msg)
-    elif r.status in (502, 503, 504):
-        e = BackendUnavailable(f"pool {pool!r}: {msg}")
-    else:
-        e = GpuLockError(f"pool {pool!r}: unexpected HTTP {r.status}: {msg}")
-    e.status = r.status
-    return e
+    """The exception for a non-success reply: the error table's
+    (:func:`gpulock_common.wire.error_from_reply`), ``status`` set to the reply's."""
+    return error_from_reply(r.status, r.body, pool)
 
 
 def jittered(seconds: float, rng: random.Random) -> float:
@@ -512,6 +470,12 @@ def _cancel_steps(cfg: PoolConfig, rid: str) -> Steps:
     yield Http("DELETE", f"{cfg.base}/requests/{rid}", timeout=2.0)
 
 
+# Replies to a renewal or a release that end the lease: the broker says it is gone (410
+# lease_lost; 404: a lease of another token, or its pool deleted) or refuses the call for good.
+_GONE = (LeaseLost, PoolNotFound)
+_REFUSED = (AuthError, InvalidArgument)
+
+
 def renew_steps(
     cfg: PoolConfig, s: LeaseState, request_timeout: float, ttl: Optional[float] = None
 ) -> Steps:
@@ -524,12 +488,14 @@ def renew_steps(
         if s.active:
             s.renewed(out.sent, out.body)
         return True
-    if isinstance(out, Reply) and out.status in (404, 410):
-        s.mark_lost(f"the broker says it is gone: {out.message()}")
-        return False
-    if isinstance(out, Reply) and out.status in (401, 403, 422):
-        s.mark_lost(f"the broker refused the renewal: HTTP {out.status}: {out.message()}")
-        return False
+    if isinstance(out, Reply):
+        err = error_for(out, cfg.name)
+        if isinstance(err, _GONE):
+            s.mark_lost(f"the broker says it is gone: {out.message()}")
+            return False
+        if isinstance(err, _REFUSED):
+            s.mark_lost(f"the broker refused the renewal: HTTP {out.status}: {out.message()}")
+            return False
     s.renew_failures += 1
     return None
 
@@ -543,7 +509,7 @@ def release_steps(cfg: PoolConfig, s: LeaseState, was_lost: Optional[str]) -> St
         attempt += 1
         if isinstance(out, Reply) and out.status == 200:
             break
-        if isinstance(out, Reply) and out.status in (404, 410):
+        if isinstance(out, Reply) and isinstance(error_for(out, cfg.name), _GONE):
             if was_lost is None:
                 raise LeaseLost(
                     s.lease_id, f"the broker no longer had it at release: {out.message()}"

@@ -1,9 +1,10 @@
 """Exceptions raised by gpulock-client: the shared tree of :mod:`gpulock_common.errors`, the
 same classes gpulock raises (``gpulock_client.LeaseLost is gpulock.errors.LeaseLost``). What
-each means here, and the broker's reply it comes from (``status`` is set to its HTTP status)::
+each means here, and the broker's reply it comes from (``status`` is set to its HTTP status;
+the error table, :mod:`gpulock_common.wire`, reads each reply)::
 
     GpuLockError
-    ├── InvalidArgument (also ValueError)   422: a bad amount, ttl, pool name, request id...
+    ├── InvalidArgument (also ValueError)   422 (400): a bad amount, ttl, pool name, request id...
     ├── AuthError                           401 (no or unknown token) / 403 (pool not allowed)
     ├── PoolNotFound                        404: the pool is not configured
     ├── CapacityExceeded                    413: amount > capacity, can never be granted
@@ -11,8 +12,9 @@ each means here, and the broker's reply it comes from (``status`` is set to its 
     │   └── RoomExceeded                    413 room_exceeded: amount > what the resident leases leave
     ├── AcquireTimeout (also TimeoutError)  no grant before the timeout; the place was withdrawn
     ├── QueueFull                           503 queue_full: the pool's queue is at its bound
-    ├── LeaseLost                           410, or no successful renewal before the local deadline
-    ├── BackendUnavailable                  the broker, or its Redis, did not answer in time
+    ├── LeaseLost                           410 (404: another token's), or no successful renewal
+    │                                       before the local deadline
+    ├── BackendUnavailable                  502/503/504: the broker, or its Redis, did not answer in time
     └── PoolClosed (also RuntimeError)      the pool object was closed during (or before) the call
 """
 
