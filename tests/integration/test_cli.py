@@ -498,8 +498,10 @@ def waiter_row(text: str, purpose: str) -> list[str]:
 
 
 def test_run_priority_goes_first_and_status_shows_it(url, tmp_path):
-    """At capacity, `gpulock run --priority 0` queues, then `--priority 5`: status (JSON and
-    table) lists the priority-5 one first with its priority, and it runs first."""
+    """At capacity, `gpulock run --priority 0` queues, then `--priority 50`: status (JSON and
+    table) lists the priority-50 one first with its priority, and it runs first. (A waiter's
+    priority ages up one level a second: 50 levels apart, the second may queue up to 50 s after
+    the first, as a CLI start on a loaded machine can take several seconds.)"""
     assert cli(url, "pool", "set", "gpu0", "--capacity", "4GiB").returncode == 0
     out = tmp_path / "order"
     procs = []
@@ -535,14 +537,14 @@ def test_run_priority_goes_first_and_status_shows_it(url, tmp_path):
         try:
             run("low", "0")
             wait_until(lambda: waiting(1), timeout=30, interval=0.05, what="low queued")
-            run("high", "5")
+            run("high", "50")
             assert wait_until(
                 lambda: waiting(2), timeout=30, interval=0.05, what="both queued"
-            ) == [("high", 5), ("low", 0)]
+            ) == [("high", 50), ("low", 0)]
             r = cli(url, "status", "gpu0")
             assert r.returncode == 0, r.stderr
             assert "priority" in r.stdout, r.stdout
-            assert waiter_row(r.stdout, "high")[:3] == ["1", "3.0GiB", "5"], r.stdout
+            assert waiter_row(r.stdout, "high")[:3] == ["1", "3.0GiB", "50"], r.stdout
             assert waiter_row(r.stdout, "low")[:3] == ["2", "3.0GiB", "0"], r.stdout
         finally:
             lease.release()
