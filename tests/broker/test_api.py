@@ -373,16 +373,19 @@ def _many_waiters(broker_srv, redis_srv):
         ) as c:
             tasks = [
                 asyncio.create_task(
-                    c.post("/v1/pools/gpu-a/leases", json={"amount": 1, "wait": 3, "ttl": 5})
+                    c.post("/v1/pools/gpu-a/leases", json={"amount": 1, "wait": 15, "ttl": 5})
                 )
                 for _ in range(100)
             ]
-            await asyncio.sleep(1.5)
-            mid = (
-                rc.info("clients")["connected_clients"],
-                _threads(),
-                status(user)["waiter_count"],
-            )
+            # Sampled once all 100 are queued (observed, not after a fixed sleep: on a loaded
+            # machine queueing 100 took longer than the 1.5 s this once slept), while every
+            # long poll (15 s) still waits.
+            deadline = time.monotonic() + 12
+            waiting = 0
+            while waiting < 100 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+                waiting = (await asyncio.to_thread(status, user))["waiter_count"]
+            mid = (rc.info("clients")["connected_clients"], _threads(), waiting)
             rs = await asyncio.gather(*tasks)
             return mid, rs
 
