@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from gpulock_common.grace import grace_note, grace_outlasts
+from gpulock_common.options import MAX_BACKFILL_WINDOW_S, MIN_BACKFILL_WINDOW_S
+from gpulock_common.options import DEFAULT_PLACEMENT, check_policy
 
 from gpulock.protocol.args import (
     MAX_TTL_S,
@@ -114,22 +116,24 @@ def configure_args(
     return argv
 
 
-QUEUE_POLICIES = ("fifo", "backfill")
-
-
 def queue_policy(
     policy: str | None, backfill_window: float | None
 ) -> tuple[str | None, int | None] | None:
-    """Validate ``configure``'s queue policy ("fifo" or "backfill") and backfill window
-    (seconds, 0.001 to 86400); returns (policy, window in ms), either None when not
-    given, or None when neither is. Raises InvalidArgument naming the bad value."""
+    """Validate ``configure``'s queue policy (one of ``POLICIES``: "fifo" or "backfill") and
+    backfill window (seconds, MIN_BACKFILL_WINDOW_S to MAX_BACKFILL_WINDOW_S); returns
+    (policy, window in ms), either None when not given, or None when neither is. Raises
+    InvalidArgument naming the bad value."""
     if policy is None and backfill_window is None:
         return None
-    if policy is not None and policy not in QUEUE_POLICIES:
-        raise InvalidArgument(f"policy must be 'fifo' or 'backfill', got {policy!r:.80}")
+    check_policy(policy)
     window = None
     if backfill_window is not None:
-        w = parse_seconds(backfill_window, name="backfill_window", minimum=0.001, maximum=86400.0)
+        w = parse_seconds(
+            backfill_window,
+            name="backfill_window",
+            minimum=MIN_BACKFILL_WINDOW_S,
+            maximum=MAX_BACKFILL_WINDOW_S,
+        )
         window = max(1, round(w * 1000))
     return policy, window
 
@@ -193,7 +197,7 @@ def configure(
             int(r[8]),
             _text(r[9]) if len(r) > 9 else "",
             _text(r[10]) if len(r) > 10 else "",
-            _text(r[11]) if len(r) > 11 else "bestfit",
+            _text(r[11]) if len(r) > 11 else DEFAULT_PLACEMENT,
         )
         out["policy"], out["backfill_window"] = pol[0], int(r[8]) / 1000
         out["quotas"] = decode_quotas(pol[2] or "")

@@ -10,13 +10,14 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any, NamedTuple
 
+from gpulock_common.options import check_priority
+
 from gpulock.protocol.args import (
     MAX_TTL_S,
     MIN_TTL_S,
     encode_meta,
     new_id,
     validate_device,
-    validate_priority,
     validate_request_id,
     validate_resident,
     validate_tenant,
@@ -90,7 +91,7 @@ class AcquireRequest(NamedTuple):
             timeout, name="timeout", minimum=0.0, maximum=1e9, allow_none=True
         )
         ticket = new_id() if request_id is None else validate_request_id(request_id)
-        prio = 0 if priority == 0 and type(priority) is int else validate_priority(priority)
+        prio = 0 if priority == 0 and type(priority) is int else check_priority(priority)
         return cls(
             pool,
             amt,

@@ -28,6 +28,7 @@ from typing import Any, NoReturn, Optional
 from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from gpulock_common.grace import grace_note
+from gpulock_common.options import DEFAULT_PLACEMENT
 
 from gpulock.errors import (
     BackendUnavailable,
@@ -522,7 +523,7 @@ async def configure_pool(
         r["policy"],
         " ".join(f"{t}={b}" for t, b in sorted(r["quotas"].items())) or "-",
         ",".join(str(c) for c in devices),
-        r.get("placement", "bestfit"),
+        r.get("placement", DEFAULT_PLACEMENT),
     )
     return PoolConfigured(
         pool=pool,
@@ -536,7 +537,7 @@ async def configure_pool(
         backfill_window=r["backfill_window"],
         quotas=r["quotas"],
         devices=devices,
-        placement=r.get("placement", "bestfit"),
+        placement=r.get("placement", DEFAULT_PLACEMENT),
     )
 
 

@@ -36,10 +36,10 @@ from gpulock_common.lease import LeaseView, LocalLeaseState
 from gpulock_common.lease import reply_made_after as reply_made_after
 from gpulock_common.lease import validity_deadline as validity_deadline
 
-from gpulock_common.checks import MAX_DEVICES as MAX_DEVICES
-from gpulock_common.checks import PRIORITY_MAX as PRIORITY_MAX
-from gpulock_common.checks import PRIORITY_MIN as PRIORITY_MIN
-from gpulock_common.checks import check_device, check_priority
+from gpulock_common.options import MAX_DEVICES as MAX_DEVICES
+from gpulock_common.options import PRIORITY_MAX as PRIORITY_MAX
+from gpulock_common.options import PRIORITY_MIN as PRIORITY_MIN
+from gpulock_common.options import check_device, check_priority
 from gpulock_common.grace import grace_note
 from ._gate import Gate as Gate
 from ._gate import Waker as Waker
