@@ -251,17 +251,7 @@ async def acquire_lease(
     gone = watch_disconnect(request) if body.wait > 0 else None
     try:
         r = await broker.acquire(
-            who,
-            pool,
-            body.amount_bytes,
-            ttl=body.ttl,
-            wait=body.wait,
-            queue=body.queue,
-            holder=body.holder,
-            request_id=body.request_id,
-            gone=gone,
-            priority=body.priority,
-            device=body.device,
+            who, pool, body.amount_bytes, body.options, wait=body.wait, queue=body.queue, gone=gone
         )
     except Exception as e:
         if isinstance(e, QueueFull):

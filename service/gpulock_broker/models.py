@@ -22,6 +22,7 @@ from gpulock_common.options import (
     PRIORITY_MAX,
     PRIORITY_MIN,
     TENANT_PATTERN as _TENANT,
+    AcquireOptions,
     Placement,
     Policy,
     check_device,
@@ -179,6 +180,18 @@ class LeaseRequest(_Body):
     @property
     def amount_bytes(self) -> int:
         return _validated_bytes(self.amount)
+
+    @property
+    def options(self) -> AcquireOptions:
+        """The acquire's options this body gives (the broker adds the rest: the holder's
+        owner, the ticket, the tenant of the token)."""
+        return AcquireOptions(
+            ttl=self.ttl,
+            holder=self.holder,
+            request_id=self.request_id,
+            priority=self.priority,
+            device=self.device,
+        )
 
     @field_validator("holder")
     @classmethod

@@ -12,7 +12,7 @@ import redis.exceptions as rex
 
 from gpulock.protocol import flow
 from gpulock.protocol.keys import pool_keys
-from gpulock.protocol.request import AcquireRequest
+from gpulock.protocol.request import AcquireOptions, AcquireRequest
 from gpulock.protocol.replies import Grant
 from gpulock.runtime.runtime import Runtime
 from gpulock.errors import AcquireTimeout, BackendUnavailable, LeaseLost, PoolNotFound
@@ -57,10 +57,7 @@ def _req(timeout: float | None) -> AcquireRequest:
     return AcquireRequest.build(
         "p",
         10,
-        ttl=None,
-        timeout=timeout,
-        holder=None,
-        request_id="t1",
+        AcquireOptions(timeout=timeout, request_id="t1"),
         waiter_ttl=5.0,
         default_ttl=30.0,
     )
