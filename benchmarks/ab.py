@@ -55,6 +55,16 @@ try:
     from gpulock._async import _CLIENT_DEFAULTS as KW
 except ImportError:
     KW = {}
+import inspect
+if "options" in inspect.signature(AcquireRequest.build).parameters:  # one AcquireOptions
+    from gpulock_common.options import AcquireOptions
+    def _request(pool):
+        return AcquireRequest.build(pool, 1, AcquireOptions(ttl=30.0), waiter_ttl=5.0,
+                                    default_ttl=30.0)
+else:  # a version before it: the options as keywords
+    def _request(pool):
+        return AcquireRequest.build(pool, 1, ttl=30.0, timeout=None, holder=None,
+                                    request_id=None, waiter_ttl=5.0, default_ttl=30.0)
 
 url, side = sys.argv[1], sys.argv[2]
 variant = set(filter(None, os.environ.get("GPULOCK_AB_VARIANT", "").split(",")))
@@ -191,8 +201,7 @@ def lua(nn):
         return usec / max(1, calls)
 
     out = {}
-    reqs = [AcquireRequest.build(name + "-lua", 1, ttl=30.0, timeout=None, holder=None,
-            request_id=None, waiter_ttl=5.0, default_ttl=30.0) for _ in range(nn)]
+    reqs = [_request(name + "-lua") for _ in range(nn)]
     c.config_resetstat()
     gs = [run("acquire", r.argv("wait", "ab")) for r in reqs]
     out["acquire_us"] = us()

@@ -79,7 +79,7 @@ from _util import (  # noqa: E402
 
 import gpulock  # noqa: E402
 from gpulock import AsyncPool, Pool  # noqa: E402
-from gpulock.protocol.request import AcquireRequest  # noqa: E402
+from gpulock.protocol.request import AcquireOptions, AcquireRequest  # noqa: E402
 from gpulock.protocol.keys import pool_keys  # noqa: E402
 from gpulock.transport.scripts import scripts  # noqa: E402
 from gpulock.embedded import RedisProcess, find_server_binary  # noqa: E402
@@ -187,14 +187,7 @@ def _acquire_argv(
     channel: str = "bench",
 ) -> list[str]:
     req = AcquireRequest.build(
-        pool,
-        1,
-        ttl=ttl,
-        timeout=None,
-        holder=None,
-        request_id=None,
-        waiter_ttl=waiter_ttl,
-        default_ttl=ttl,
+        pool, 1, AcquireOptions(ttl=ttl), waiter_ttl=waiter_ttl, default_ttl=ttl
     )
     return req.argv(mode, channel)  # channel: where a later hand-off grant would be published
 

@@ -25,7 +25,7 @@ from gpulock.protocol.args import (
     validate_token,
 )
 from gpulock.protocol.lease import LeaseBase, default_clock
-from gpulock.protocol.request import AcquireRequest
+from gpulock.protocol.request import AcquireOptions, AcquireRequest
 from gpulock.protocol.replies import DeviceReply, Grant, NotGranted, PoolStatus
 from gpulock.protocol.retry import RETRYABLE, retrying
 from gpulock.transport.translate import translate, translated
@@ -450,19 +450,18 @@ class AsyncPool(PoolOptions):
             On cancellation (``CancelledError``) the request leaves the queue and any grant
             that raced in is released before the error propagates (invariant 2 in docs/SEMANTICS.md).
         """
-        req = AcquireRequest.build(
-            self.name,
-            amount,
+        opts = AcquireOptions(
             ttl=ttl,
             timeout=timeout,
             holder=holder,
             request_id=request_id,
-            waiter_ttl=self.waiter_ttl,
-            default_ttl=self.default_ttl,
             priority=priority,
             tenant=tenant,
             device=device,
             resident=resident,
+        )
+        req = AcquireRequest.build(
+            self.name, amount, opts, waiter_ttl=self.waiter_ttl, default_ttl=self.default_ttl
         )
         start = self.clock()
         if self._runtime.closed:  # no heartbeat or listener would serve the lease
@@ -488,24 +487,21 @@ class AsyncPool(PoolOptions):
     async def enqueue_remote(
         self,
         amount: int | str,
+        options: AcquireOptions,
         *,
-        request_id: str,
-        ttl: float | None = None,
-        holder: dict[str, Any] | None = None,
         queue: bool = True,
-        priority: int = 0,
-        tenant: str | None = None,
-        device: int | None = None,
         retry_for: float | None = None,
     ) -> Grant | NotGranted:
-        """Send one acquire for ``request_id`` on behalf of a remote holder, retried for
-        ``retry_for`` seconds (default ``backend_timeout``) while Redis is unreachable.
+        """Send one acquire for ``options.request_id`` on behalf of a remote holder, retried
+        for ``retry_for`` seconds (default ``backend_timeout``) while Redis is unreachable.
 
-        Idempotent by ``request_id``: sending it again refreshes the place and returns the
+        Idempotent by the request id: sending it again refreshes the place and returns the
         current position, or the grant made to it meanwhile (with the server's current time
         as ``now_ms``, so ``expires_ms - now_ms`` is the time left).
 
-        Args: as :meth:`acquire`; ``queue=False`` never queues (``timeout=0`` there).
+        Args: ``amount`` as :meth:`acquire`; ``options`` (:class:`gpulock_common.options.
+            AcquireOptions`) its keywords: ``request_id`` the holder's key, ``timeout`` unused;
+            ``queue=False`` never queues (``timeout=0`` there).
 
         Returns: a :class:`Grant` (server-clock milliseconds), or a :class:`NotGranted` with
             ``position``, ``queue_length`` and ``retry_after_ms`` (to the nearest lease expiry,
@@ -515,17 +511,7 @@ class AsyncPool(PoolOptions):
         Raises: InvalidArgument, CapacityExceeded, PoolNotFound, QueueFull, BackendUnavailable.
         """
         req = AcquireRequest.build(
-            self.name,
-            amount,
-            ttl=ttl,
-            timeout=None,
-            holder=holder,
-            request_id=request_id,
-            waiter_ttl=self.waiter_ttl,
-            default_ttl=self.default_ttl,
-            priority=priority,
-            tenant=tenant,
-            device=device,
+            self.name, amount, options, waiter_ttl=self.waiter_ttl, default_ttl=self.default_ttl
         )
         rt = self._runtime
         if queue:

@@ -33,7 +33,7 @@ from gpulock.protocol.args import (
     PoolOptions,
 )
 from gpulock.protocol.lease import LeaseBase, default_clock
-from gpulock.protocol.request import AcquireRequest
+from gpulock.protocol.request import AcquireOptions, AcquireRequest
 from gpulock.protocol.replies import PoolStatus
 from gpulock.protocol.retry import RETRYABLE, retrying
 from gpulock.transport.translate import translate, translated
@@ -476,19 +476,18 @@ class Pool(PoolOptions):
         with self._active_cv:
             self._active += 1
         try:
-            req = AcquireRequest.build(
-                self.name,
-                amount,
+            opts = AcquireOptions(
                 ttl=ttl,
                 timeout=timeout,
                 holder=holder,
                 request_id=request_id,
-                waiter_ttl=self.waiter_ttl,
-                default_ttl=self.default_ttl,
                 priority=priority,
                 tenant=tenant,
                 device=device,
                 resident=resident,
+            )
+            req = AcquireRequest.build(
+                self.name, amount, opts, waiter_ttl=self.waiter_ttl, default_ttl=self.default_ttl
             )
             start = self.clock()
             bg = self._background()

@@ -51,7 +51,7 @@
 
 local type_err = check_types(); if type_err then return type_err end
 local cap, e = int_arg(ARGV[1], 'capacity', 1, MAX_AMOUNT); if e then return e end
-local maxw; maxw, e = int_arg(ARGV[2], 'max_waiters', 1, 1000000); if e then return e end
+local maxw; maxw, e = int_arg(ARGV[2], 'max_waiters', MIN_WAITERS, MAX_WAITERS); if e then return e end
 local mode = ARGV[3]
 if mode ~= 'set' and mode ~= 'create' then return bad("mode must be 'set' or 'create', got " .. show(mode)) end
 local max_ttl = nil
@@ -62,12 +62,12 @@ local grace = ARGV[5]
 if grace ~= nil and grace ~= '0' and grace ~= '1' then return bad("grace must be '0' or '1', got " .. show(grace)) end
 local policy = ARGV[6]
 if policy == '' then policy = nil end
-if policy ~= nil and policy ~= 'fifo' and policy ~= 'backfill' then
-  return bad("policy must be 'fifo' or 'backfill', got " .. show(policy))
+if policy ~= nil then
+  policy, e = one_of(policy, POLICIES, 'policy'); if e then return e end
 end
 local bf_ms = nil
 if ARGV[7] ~= nil and ARGV[7] ~= '' then
-  bf_ms, e = int_arg(ARGV[7], 'backfill_ms', 1, MAX_TTL_MS); if e then return e end
+  bf_ms, e = int_arg(ARGV[7], 'backfill_ms', MIN_BACKFILL_MS, MAX_BACKFILL_MS); if e then return e end
 end
 local quotas = {}  -- {tenant, bytes} in the order given
 if ARGV[8] ~= nil and ARGV[8] ~= '' then
@@ -97,8 +97,8 @@ if ARGV[9] ~= nil and ARGV[9] ~= '' then
 end
 local placement = ARGV[10]
 if placement == '' then placement = nil end
-if placement ~= nil and placement ~= 'bestfit' and placement ~= 'spread' then
-  return bad("placement must be 'bestfit' or 'spread', got " .. show(placement))
+if placement ~= nil then
+  placement, e = one_of(placement, PLACEMENTS, 'placement'); if e then return e end
 end
 local had_n = tonumber(redis.call('HGET', K_CFG, 'devices') or '1')
 if mode == 'set' and redis.call('EXISTS', K_CFG) == 1 then
@@ -145,8 +145,8 @@ if redis.call('EXISTS', K_CFG) == 0 then
              'fence', fmt(us), 'epoch', fmt(us), 'qvt', '0', 'created_ms', fmt(now),
              'grants', '0', 'reaped_leases', '0', 'reaped_waiters', '0',
              'max_ttl_ms', fmt(max_ttl or 0), 'grace_until', fmt(grace_until),
-             'policy', policy or 'fifo', 'backfill_ms', fmt(bf_ms or DEFAULT_BACKFILL_MS),
-             'nquotas', '0', 'placement', placement or 'bestfit')
+             'policy', policy or POLICIES[1], 'backfill_ms', fmt(bf_ms or DEFAULT_BACKFILL_MS),
+             'nquotas', '0', 'placement', placement or PLACEMENTS[1])
   for t, a in pairs(tused) do redis.call('HSET', K_CFG, 'tused:' .. t, fmt(a)) end
   for _, r in ipairs(resident) do resident_add(r[1], (devs and #devs > 1) and r[2] or '', r[3]) end
   had_n = 1
@@ -186,6 +186,6 @@ local spec = {}
 local d = load_devices(pc[3], pc[4])
 if d then for i = 0, d.n - 1 do spec[#spec + 1] = fmt(d.cap[i]) end end
 return {created, cfg_num('capacity'), cfg_num('epoch'), cfg_num('used'), cfg_num('max_waiters'),
-        cfg_num('max_ttl_ms'), grace_left(now), pc[1] or 'fifo',
+        cfg_num('max_ttl_ms'), grace_left(now), pc[1] or POLICIES[1],
         tonumber(pc[2] or fmt(DEFAULT_BACKFILL_MS)), quota_spec(), table.concat(spec, ' '),
-        pc[4] or 'bestfit'}
+        pc[4] or PLACEMENTS[1]}

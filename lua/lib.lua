@@ -53,6 +53,14 @@ local MAX_META = 512
 -- Priorities (docs/SEMANTICS.md, "Priorities"): an integer in [PRIO_MIN, PRIO_MAX], higher goes
 -- first; a waiter's effective priority rises by one level per AGING_US microseconds waited.
 local PRIO_MIN, PRIO_MAX, AGING_US = -100, 100, 1000000
+-- A pool's queue bound (cfg field max_waiters).
+local MIN_WAITERS, MAX_WAITERS = 1, 1000000
+-- A pool's queue policy and placement (cfg fields policy and placement; see "Backfill" and
+-- "Devices" below): configure.lua takes one of these, a pool created has the first.
+local POLICIES = {'fifo', 'backfill'}
+local PLACEMENTS = {'bestfit', 'spread'}
+-- The bounds, the defaults and the choices above are gpulock's vocabulary
+-- (gpulock_common/options.py); tests/unit/test_vocabulary.py checks that both say the same.
 
 local function fmt(n) return string.format('%d', n) end
 
@@ -75,6 +83,14 @@ local function int_arg(v, name, lo, hi)
     return nil, bad(name .. ' must be in [' .. fmt(lo) .. ', ' .. fmt(hi) .. '], got ' .. v)
   end
   return n
+end
+
+-- Whether `v` is one of `choices`; the error reply naming them when it is not.
+local function one_of(v, choices, name)
+  for _, c in ipairs(choices) do
+    if v == c then return v end
+  end
+  return nil, bad(name .. " must be '" .. table.concat(choices, "' or '") .. "', got " .. show(v))
 end
 
 local function id_arg(v, name)
@@ -317,7 +333,7 @@ local function load_devices(n, rule)
     f[#f + 1] = 'dres:' .. i
   end
   local v = redis.call('HMGET', K_CFG, unpack(f))
-  local d = {n = n, rule = rule or 'bestfit', cap = {}, used = {}, res = {}}
+  local d = {n = n, rule = rule or PLACEMENTS[1], cap = {}, used = {}, res = {}}
   for i = 0, n - 1 do
     d.cap[i], d.used[i] = tonumber(v[3 * i + 1] or '0'), tonumber(v[3 * i + 2] or '0')
     d.res[i] = tonumber(v[3 * i + 3] or '0')
@@ -633,6 +649,7 @@ end
 -- for it). A hand-off looks at most BACKFILL_DEPTH requests behind the head.
 local BACKFILL_DEPTH = 32
 local DEFAULT_BACKFILL_MS = 2000
+local MIN_BACKFILL_MS, MAX_BACKFILL_MS = 1, 86400000  -- a pool's backfill_ms
 local function backfill_open(now, head_enq_ms)
   local bf = redis.call('HMGET', K_CFG, 'policy', 'backfill_ms')
   return bf[1] == 'backfill' and now - tonumber(head_enq_ms) < tonumber(bf[2] or DEFAULT_BACKFILL_MS)

@@ -82,6 +82,6 @@ return {1, now, cfg_num('capacity'), cfg_num('used'), cfg_num('epoch'), cfg_num(
         cfg_num('max_waiters'), redis.call('ZCARD', K_LEASES), redis.call('ZCARD', K_QUEUE),
         cfg_num('grants'), cfg_num('reaped_leases'), cfg_num('reaped_waiters'), leases, waiters,
         grace_left(now), cfg_num('max_ttl_ms'), cfg_num('reasserted'), ext, ext_left, overuse,
-        redis.call('HGET', K_CFG, 'policy') or 'fifo',
+        redis.call('HGET', K_CFG, 'policy') or POLICIES[1],
         tonumber(redis.call('HGET', K_CFG, 'backfill_ms') or DEFAULT_BACKFILL_MS), tenants,
-        devices, dv[2] or 'bestfit', cfg_num('resident'), cfg_num('rqueued')}
+        devices, dv[2] or PLACEMENTS[1], cfg_num('resident'), cfg_num('rqueued')}

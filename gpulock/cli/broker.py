@@ -9,6 +9,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from gpulock_common.wire import error_from_reply
+from gpulock_common.options import DEFAULT_BACKFILL_WINDOW_S, DEFAULT_PLACEMENT, DEFAULT_POLICY
 
 from gpulock import errors as E
 from gpulock.admin.pools import DeleteResult
@@ -140,18 +141,18 @@ def status_from_dict(d: dict[str, Any]) -> Any:
         waiters=waiters,
         max_ttl=d.get("max_ttl", 0.0),
         # a broker older than queue policies sends neither: its pools are FIFO
-        policy=d.get("policy", "fifo"),
+        policy=d.get("policy", DEFAULT_POLICY),
         tenants={
             t: TenantUse(int(u.get("used", 0)), int(u.get("quota", 0)))
             for t, u in (d.get("tenants") or {}).items()
         },
-        backfill_window=d.get("backfill_window", 2.0),
+        backfill_window=d.get("backfill_window", DEFAULT_BACKFILL_WINDOW_S),
         devices=[
             DeviceUse(int(x["index"]), int(x["capacity"]), int(x["used"]))
             for x in d.get("devices") or []
         ]
         or [DeviceUse(0, d["capacity"], d["used"])],
-        placement=d.get("placement", "bestfit"),
+        placement=d.get("placement", DEFAULT_PLACEMENT),
     )
 
 

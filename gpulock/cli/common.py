@@ -94,14 +94,14 @@ def size_param(name: str, *, allow_zero: bool = False) -> Callable[[Optional[str
 
 
 def priority_param(value: Optional[str]) -> int:
-    """``--priority``: an integer in [-100, 100] (the core's check, so a bad one is exit 2
-    naming it)."""
-    from gpulock.protocol.args import validate_priority
+    """``--priority``: an integer in [-100, 100] (the vocabulary's parse of text, then the
+    core's check, so a bad one is exit 2 naming it)."""
+    from gpulock_common.options import parse_priority
 
     if value is None:
         return 0
     try:
-        return validate_priority(value)
+        return parse_priority(value)
     except InvalidArgument as e:
         raise typer.BadParameter(str(e)) from None
 
@@ -121,17 +121,14 @@ def tenant_param(value: Optional[str]) -> Optional[str]:
 
 
 def policy_param(value: Optional[str]) -> Optional[str]:
-    """``--policy``: a pool's queue policy, "fifo" or "backfill" (the core's check, so a bad
-    one is exit 2 naming it); None keeps the pool's."""
-    if value is None:
-        return None
-    from gpulock.protocol.flow import queue_policy
+    """``--policy``: a pool's queue policy, one of ``POLICIES`` (the vocabulary's check, so a
+    bad one is exit 2 naming it); None keeps the pool's."""
+    from gpulock_common.options import check_policy
 
     try:
-        queue_policy(value, None)
+        return check_policy(value)
     except InvalidArgument as e:
         raise typer.BadParameter(str(e)) from None
-    return value
 
 
 def quota_param(values: Optional[list[str]]) -> Optional[dict[str, int]]:

@@ -11,6 +11,18 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
+from gpulock_common.options import (
+    DEFAULT_PLACEMENT,
+    MAX_BACKFILL_WINDOW_S,
+    MAX_MAX_WAITERS,
+    MAX_TTL_S,
+    MIN_BACKFILL_WINDOW_S,
+    MIN_MAX_WAITERS,
+    MIN_TTL_S,
+    PLACEMENTS,
+    POLICIES,
+)
+
 from gpulock.cli.common import (
     EXIT_TEMPFAIL,
     Target,
@@ -144,21 +156,21 @@ def pool_set(
     max_waiters: Optional[int] = typer.Option(
         None,
         "--max-waiters",
-        min=1,
-        max=1_000_000,
+        min=MIN_MAX_WAITERS,
+        max=MAX_MAX_WAITERS,
         help="Most requests that may queue (default: keep the current value; 10000 for a new pool).",
     ),
     max_ttl: Optional[float] = typer.Option(
         None,
         "--max-ttl",
-        callback=seconds_param("--max-ttl", minimum=0.1, maximum=86400),
+        callback=seconds_param("--max-ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S),
         help="Longest lease ttl the pool accepts, seconds; also the grace period after Redis "
         "restarts without data (default: keep the current value; 60 for a new pool).",
     ),
     policy: Optional[str] = typer.Option(
         None,
         "--policy",
-        metavar="fifo|backfill",
+        metavar="|".join(POLICIES),
         callback=policy_param,
         help="Queue policy: fifo (nothing passes the head of the queue) or backfill (while the "
         "head does not fit, later requests that fit are granted, for at most "
@@ -170,7 +182,9 @@ def pool_set(
         "--backfill-window",
         metavar="SECONDS",
         # parsed from the text, so a value that is not a number is named too
-        parser=seconds_text_param("--backfill-window", minimum=0.001, maximum=86400),
+        parser=seconds_text_param(
+            "--backfill-window", minimum=MIN_BACKFILL_WINDOW_S, maximum=MAX_BACKFILL_WINDOW_S
+        ),
         help="Under backfill, how long a head that does not fit may be passed, seconds "
         "(default: keep the current value; 2 for a new pool).",
     ),
@@ -202,7 +216,7 @@ def pool_set(
     placement: Optional[str] = typer.Option(
         None,
         "--placement",
-        metavar="bestfit|spread",
+        metavar="|".join(PLACEMENTS),
         help="How a request without a device is placed: bestfit (the device with the least "
         "free bytes that fits it: keeps large holes for large requests) or spread (the most "
         "free). Default: keep the current one; bestfit for a new pool.",
@@ -220,9 +234,9 @@ def pool_set(
     # parsed here, not in a callback: typer hands a list option's callback result back as a list
     quotas = quota_param(quota)
     devs = devices_param(devices, capacity, utilization)
-    if placement is not None and placement not in ("bestfit", "spread"):
+    if placement is not None and placement not in PLACEMENTS:
         raise typer.BadParameter(
-            f"must be bestfit or spread, got {placement!r:.80}", param_hint="--placement"
+            f"must be {' or '.join(PLACEMENTS)}, got {placement!r:.80}", param_hint="--placement"
         )
     try:
         if t.is_broker:
@@ -302,7 +316,7 @@ def pool_set(
         + (f", {policy_text(r['policy'], r.get('backfill_window'))}" if "policy" in r else "")
         + (f", quotas {quota_text(r['quotas'])}" if r.get("quotas") else "")
         + (
-            f", devices {devices_text(r['devices'])} (placement {r.get('placement', 'bestfit')})"
+            f", devices {devices_text(r['devices'])} (placement {r.get('placement', DEFAULT_PLACEMENT)})"
             if len(r.get("devices") or []) > 1
             else ""
         )

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import typer
 from gpulock_common.grace import grace_note
+from gpulock_common.options import MAX_TTL_S, MIN_TTL_S
 
 from gpulock.cli.common import (
     EXIT_CAPACITY,
@@ -146,7 +147,7 @@ def run(
     ttl: float = typer.Option(
         DEFAULT_RUN_TTL_S,
         "--ttl",
-        callback=seconds_param("--ttl", minimum=0.1, maximum=86400),
+        callback=seconds_param("--ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S),
         help="Lease time to live in seconds; renewed every ttl/3. A crashed "
         "holder's bytes return after at most this long. At most the "
         "pool's max ttl (60 unless set with gpulock pool set --max-ttl).",

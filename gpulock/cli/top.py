@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
+from gpulock_common.options import DEFAULT_BACKFILL_WINDOW_S, DEFAULT_PLACEMENT, DEFAULT_POLICY
+
 from gpulock.cli.common import (
     EXIT_NO_POOL,
     EXIT_UNAVAILABLE,
@@ -83,9 +85,9 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
                 f"over-user: {who} uses {format_size(o['actual'])} for a lease of "
                 f"{format_size(o['leased'])} ({format_size(o['excess'])} over)\n"
             )
-        policy = p.get("policy", "fifo")  # a broker older than queue policies sends none
+        policy = p.get("policy", DEFAULT_POLICY)  # a broker older than queue policies sends none
         if policy == "backfill":
-            policy = f"backfill (window {p.get('backfill_window', 2.0):g}s)"
+            policy = f"backfill (window {p.get('backfill_window', DEFAULT_BACKFILL_WINDOW_S):g}s)"
         head.append(
             f"leases {p['lease_count']}  queued {p['waiter_count']}  policy {policy}  "
             f"grants {rate}  503s {p['rejected']}  OOMs {p['oom']}\n"
@@ -93,7 +95,7 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
         devices = p.get("devices") or []  # a broker older than devices sends none
         if len(devices) > 1:
             head.append(
-                f"devices ({p.get('placement', 'bestfit')}): "
+                f"devices ({p.get('placement', DEFAULT_PLACEMENT)}): "
                 + "  ".join(
                     f"{d['index']} {format_size(d['used'])}/{format_size(d['capacity'])}"
                     for d in devices

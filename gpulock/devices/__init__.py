@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from gpulock_common.checks import MAX_DEVICES
+from gpulock_common.options import MAX_DEVICES
 
 __all__ = [
     "FAKE_DEVICES_ENV",

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar
 
 from fastapi import Response
 from gpulock_common.aio import stop_tasks
+from gpulock_common.options import DEFAULT_TTL_S
 
 from gpulock._async import AsyncPool
 from gpulock.protocol.replies import PoolStatus
@@ -129,7 +130,7 @@ class GpuLimiter:
         configure: str = "create",
         acquire_timeout: float = 10.0,
         inference_timeout: float = 30.0,
-        ttl: float = 30.0,
+        ttl: float = DEFAULT_TTL_S,
         executor_threads: int = 2,
         park_timeout: float = 30.0,
         result_ttl: float = 60.0,

@@ -17,24 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpulock.protocol.args import PRIORITY_MAX, PRIORITY_MIN, validate_priority
+from gpulock_common.options import PRIORITY_MAX, PRIORITY_MIN
+from gpulock_common.options import parse_priority as _checked
+
 from gpulock.errors import InvalidArgument
 from ._errors import GpuLockHTTPException
 
 __all__ = ["PRIORITY_MAX", "PRIORITY_MIN", "RoutePriority"]
-
-
-def _checked(value: object) -> int:
-    """:func:`validate_priority`, which also raises InvalidArgument for a string such as
-    ``"--5"`` (where ``int()`` raised a ValueError)."""
-    try:
-        return validate_priority(value)
-    except ValueError as e:
-        if isinstance(e, InvalidArgument):
-            raise
-        raise InvalidArgument(
-            f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {value!r:.80}"
-        ) from None
 
 
 @dataclass(frozen=True)

@@ -10,31 +10,38 @@ from __future__ import annotations
 
 import json
 import math
-import operator
 import os
 import re
 import socket
 import threading
 from typing import Any, Mapping
 
-from gpulock_common.checks import MAX_DEVICES as MAX_DEVICES
-from gpulock_common.checks import check_device
+from gpulock_common.options import AGING_S as AGING_S
+from gpulock_common.options import DEFAULT_MAX_WAITERS as DEFAULT_MAX_WAITERS
+from gpulock_common.options import DEFAULT_TTL_S as DEFAULT_TTL_S
+from gpulock_common.options import MAX_DEVICES as MAX_DEVICES
+from gpulock_common.options import MAX_META_BYTES as MAX_META_BYTES
+from gpulock_common.options import MAX_TTL_S as MAX_TTL_S
+from gpulock_common.options import MIN_TTL_S as MIN_TTL_S
+from gpulock_common.options import PLACEMENTS as PLACEMENTS
+from gpulock_common.options import PRIORITY_MAX as PRIORITY_MAX
+from gpulock_common.options import PRIORITY_MIN as PRIORITY_MIN
+from gpulock_common.options import TENANT_PATTERN
+from gpulock_common.options import check_device, check_placement
+from gpulock_common.options import check_resident, check_tenant
 
 from gpulock.errors import CapacityExceeded, InvalidArgument
 from gpulock.protocol.keys import POOL_NAME_RE
 from gpulock.units import MAX_BYTES, parse_seconds, parse_size
 
 _TICKET_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-MAX_META_BYTES = 512
 
-# Lease and waiter timing (seconds). Sources: etcd and Redisson renew at ttl/3, which survives
-# two lost heartbeats before expiry.
-DEFAULT_TTL_S = 30.0
-MIN_TTL_S, MAX_TTL_S = 0.1, 86400.0
+# Lease and waiter timing (seconds). The lease's ttl bounds and default are the vocabulary's
+# (gpulock_common.options); the heartbeat renews at ttl/3 (as etcd and Redisson do), which
+# survives two lost heartbeats before expiry.
 DEFAULT_WAITER_TTL_S = 5.0
 # Waiters refresh their expiry (and re-poll as a backstop for a lost pub/sub message) this often.
 DEFAULT_POLL_INTERVAL_S = 1.0
-DEFAULT_MAX_WAITERS = 10_000
 # The longest ttl a lease may have in a pool this library creates (``max_ttl``), unless the
 # pool object is given another: also the length of the grace period after Redis lost a pool
 # (docs/SEMANTICS.md), during which nothing new is granted. Twice the default ttl.
@@ -57,52 +64,13 @@ def validate_request_id(rid: object) -> str:
     return rid
 
 
-# Priorities (docs/SEMANTICS.md, "Priorities"): the range the scripts accept and the aging
-# rate they apply (lua/lib.lua PRIO_MIN, PRIO_MAX, AGING_US): a queued request's effective
-# priority rises by one level per AGING_S seconds waited.
-PRIORITY_MIN, PRIORITY_MAX = -100, 100
-AGING_S = 1.0
-_PRIORITY_RE = re.compile(r"[+-]?[0-9]{1,8}")
-
-
-def validate_priority(priority: object) -> int:
-    """A request's priority: an integer in [PRIORITY_MIN, PRIORITY_MAX] (higher goes first; any
-    integer type with ``__index__``, such as numpy's), or its decimal digits with an optional
-    sign (from a header or a command line). Floats and bools are refused. Raises
-    InvalidArgument."""
-    if isinstance(priority, str) and _PRIORITY_RE.fullmatch(priority.strip()):
-        priority = int(priority)
-    elif not isinstance(priority, (int, bool, str)) and hasattr(priority, "__index__"):
-        try:
-            priority = operator.index(priority)  # numpy's integers, for one
-        except TypeError:
-            pass
-    if (
-        not isinstance(priority, int)
-        or isinstance(priority, bool)
-        or not PRIORITY_MIN <= priority <= PRIORITY_MAX
-    ):
-        raise InvalidArgument(
-            f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority!r:.80}"
-        )
-    return priority
-
-
-# Tenants (docs/SEMANTICS.md, "Tenant quotas"): the name a lease's bytes count under, as
-# lua/lib.lua tenant_arg accepts it.
-TENANT_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")
-
-
-def validate_tenant(tenant: object) -> str:
-    """A request's tenant: 1-64 characters of [A-Za-z0-9._:-], or None / "" for none (returned
-    as ""). Raises InvalidArgument naming the bad value."""
-    if tenant is None or tenant == "":
-        return ""
-    if not isinstance(tenant, str) or not TENANT_RE.fullmatch(tenant):
-        raise InvalidArgument(
-            f"tenant must be 1-64 characters of [A-Za-z0-9._:-], got {tenant!r:.80}"
-        )
-    return tenant
+# Tenants, devices, placements, ``resident``: the vocabulary's checks (gpulock_common.options),
+# which the SDK makes too (a priority's: AcquireOptions.checked).
+validate_tenant = check_tenant
+validate_device = check_device
+validate_resident = check_resident
+validate_placement = check_placement
+TENANT_RE = re.compile(TENANT_PATTERN)
 
 
 def encode_quotas(quotas: object) -> str:
@@ -356,23 +324,6 @@ def check_amount_vs_capacity(amount: int, capacity: int | None) -> None:
         raise CapacityExceeded(amount, capacity)
 
 
-# Devices (docs/SEMANTICS.md, "Devices and placement"): a pool may hold 1 to MAX_DEVICES
-# devices, each with its own capacity (lua/lib.lua "Devices"); leases are placed on one. A
-# request's device is an index in [0, MAX_DEVICES) or None for any (validate_device, shared
-# with the SDK: the script checks it against the pool).
-PLACEMENTS = ("bestfit", "spread")
-validate_device = check_device
-
-
-def validate_resident(resident: object) -> bool:
-    """``acquire``'s ``resident``: True or False (docs/SEMANTICS.md, "Resident leases").
-    Raises InvalidArgument for anything else (a truthy string would otherwise turn a request
-    into a lease held for its holder's life)."""
-    if resident is True or resident is False:
-        return resident
-    raise InvalidArgument(f"resident must be True or False, got {resident!r:.80}")
-
-
 def encode_devices(devices: object, capacity: int | str | None) -> tuple[int, str]:
     """``configure``'s devices as ``configure.lua`` takes them: ``devices`` a count N (N
     devices of ``capacity`` bytes each) or a sequence of each device's capacity (bytes or
@@ -411,11 +362,3 @@ def encode_devices(devices: object, capacity: int | str | None) -> tuple[int, st
             f"({MAX_BYTES})"
         )
     return sum(caps), " ".join(str(c) for c in caps)
-
-
-def validate_placement(placement: object) -> str | None:
-    """A pool's placement rule: "bestfit" or "spread" (None: unchanged). Raises
-    InvalidArgument naming the bad value."""
-    if placement is None or placement in PLACEMENTS:
-        return placement
-    raise InvalidArgument(f"placement must be 'bestfit' or 'spread', got {placement!r:.80}")

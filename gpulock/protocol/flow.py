@@ -18,6 +18,8 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Sequence
 
 from gpulock_common.grace import grace_note, grace_outlasts
+from gpulock_common.options import MAX_BACKFILL_WINDOW_S, MIN_BACKFILL_WINDOW_S
+from gpulock_common.options import check_policy
 
 from gpulock.protocol.args import (
     MAX_TTL_S,
@@ -123,22 +125,24 @@ def configure_args(
     return argv
 
 
-QUEUE_POLICIES = ("fifo", "backfill")
-
-
 def queue_policy(
     policy: str | None, backfill_window: float | None
 ) -> tuple[str | None, int | None] | None:
-    """Validate ``configure``'s queue policy ("fifo" or "backfill") and backfill window
-    (seconds, 0.001 to 86400); returns (policy, window in ms), either None when not
-    given, or None when neither is. Raises InvalidArgument naming the bad value."""
+    """Validate ``configure``'s queue policy (one of ``POLICIES``: "fifo" or "backfill") and
+    backfill window (seconds, MIN_BACKFILL_WINDOW_S to MAX_BACKFILL_WINDOW_S); returns
+    (policy, window in ms), either None when not given, or None when neither is. Raises
+    InvalidArgument naming the bad value."""
     if policy is None and backfill_window is None:
         return None
-    if policy is not None and policy not in QUEUE_POLICIES:
-        raise InvalidArgument(f"policy must be 'fifo' or 'backfill', got {policy!r:.80}")
+    check_policy(policy)
     window = None
     if backfill_window is not None:
-        w = parse_seconds(backfill_window, name="backfill_window", minimum=0.001, maximum=86400.0)
+        w = parse_seconds(
+            backfill_window,
+            name="backfill_window",
+            minimum=MIN_BACKFILL_WINDOW_S,
+            maximum=MAX_BACKFILL_WINDOW_S,
+        )
         window = max(1, round(w * 1000))
     return policy, window
 

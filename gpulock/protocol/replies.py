@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Union
 
+from gpulock_common.options import DEFAULT_BACKFILL_WINDOW_S, DEFAULT_PLACEMENT, DEFAULT_POLICY
+
 from gpulock.protocol.args import decode_meta
 
 
@@ -149,7 +151,7 @@ def decode_configure(r: Sequence[Any]) -> ConfigureReply:
             int(r[8]),
             _s(r[9]) if len(r) > 9 else "",
             _s(r[10]) if len(r) > 10 else "",
-            _s(r[11]) if len(r) > 11 else "bestfit",
+            _s(r[11]) if len(r) > 11 else DEFAULT_PLACEMENT,
         )
     return ConfigureReply(
         int(r[0]),
@@ -349,14 +351,14 @@ class PoolStatus:
     overusers: list[dict[str, Any]] = field(default_factory=list)
     # The queue policy (docs/SEMANTICS.md, "Backfill"): "fifo" or "backfill", and the backfill
     # window in seconds (how long a head that does not fit may be passed by requests that do).
-    policy: str = "fifo"
-    backfill_window: float = 2.0
+    policy: str = DEFAULT_POLICY
+    backfill_window: float = DEFAULT_BACKFILL_WINDOW_S
     # Tenants with a quota or with live leases (docs/SEMANTICS.md, "Tenant quotas"), by name.
     tenants: dict[str, TenantUse] = field(default_factory=dict)
     # The pool's devices (docs/SEMANTICS.md, "Devices and placement"), device 0 first: one for
     # a pool of one device; and how a request without a device is placed.
     devices: list[DeviceUse] = field(default_factory=list)
-    placement: str = "bestfit"
+    placement: str = DEFAULT_PLACEMENT
     # Resident leases (docs/SEMANTICS.md, "Resident leases"): bytes held by them, and bytes of
     # resident requests queued; a request that is not resident is refused when it is larger
     # than capacity - resident - resident_queued (RoomExceeded).
@@ -452,11 +454,11 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
         external=extra[3],
         external_left=extra[4] / 1000,
         overusers=_overusers(r[19] if len(r) > 19 else ""),
-        policy=_s(r[20]) if len(r) > 20 else "fifo",
-        backfill_window=int(r[21]) / 1000 if len(r) > 21 else 2.0,
+        policy=_s(r[20]) if len(r) > 20 else DEFAULT_POLICY,
+        backfill_window=int(r[21]) / 1000 if len(r) > 21 else DEFAULT_BACKFILL_WINDOW_S,
         tenants=_tenants(r[22] if len(r) > 22 else []),
         devices=_devices(r[23] if len(r) > 23 else [], capacity, used),
-        placement=_s(r[24]) if len(r) > 24 else "bestfit",
+        placement=_s(r[24]) if len(r) > 24 else DEFAULT_PLACEMENT,
         resident=int(r[25]) if len(r) > 25 else 0,
         resident_queued=int(r[26]) if len(r) > 26 else 0,
     )

@@ -1,5 +1,6 @@
-"""The request vocabulary of the core: :class:`AcquireRequest`, a validated acquire and the
-ARGV of ``acquire.lua`` it makes. No I/O; ``protocol/flow.py`` builds the operations from it and from
+"""The request vocabulary of the core: :class:`AcquireRequest`, a validated acquire (from the
+pool's name, the amount and the :class:`~gpulock_common.options.AcquireOptions`) and the ARGV of
+``acquire.lua`` it makes. No I/O; ``protocol/flow.py`` builds the operations from it and from
 ``protocol/args.py`` (validation and encoding), ``protocol/replies.py`` (reply decoding),
 ``protocol/retry.py`` (the retry policy) and ``protocol/lease.py`` (the lease's local
 validity clock).
@@ -8,18 +9,16 @@ validity clock).
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, NamedTuple
+from typing import NamedTuple
+
+from gpulock_common.options import AcquireOptions as AcquireOptions
 
 from gpulock.protocol.args import (
     MAX_TTL_S,
     MIN_TTL_S,
     encode_meta,
     new_id,
-    validate_device,
-    validate_priority,
     validate_request_id,
-    validate_resident,
-    validate_tenant,
 )
 from gpulock.units import parse_seconds, parse_size
 
@@ -69,27 +68,27 @@ class AcquireRequest(NamedTuple):
         cls,
         pool: str,
         amount: int | float | str,
+        options: AcquireOptions,
         *,
-        ttl: float | None,
-        timeout: float | None,
-        holder: dict[str, Any] | None,
-        request_id: str | None,
         waiter_ttl: float,
         default_ttl: float,
-        priority: int = 0,
-        tenant: str | None = None,
-        device: int | None = None,
-        resident: bool = False,
     ) -> "AcquireRequest":
+        """``options`` checked (the vocabulary's checks, then the core's: ttl, timeout,
+        request id, holder metadata) with the pool object's ``waiter_ttl`` and ``default_ttl``
+        (seconds). Raises InvalidArgument naming the first bad value."""
         amt = parse_size(amount)
+        o = options
         ttl_s = parse_seconds(
-            default_ttl if ttl is None else ttl, name="ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S
+            default_ttl if o.ttl is None else o.ttl,
+            name="ttl",
+            minimum=MIN_TTL_S,
+            maximum=MAX_TTL_S,
         )
         timeout_s = parse_seconds(
-            timeout, name="timeout", minimum=0.0, maximum=1e9, allow_none=True
+            o.timeout, name="timeout", minimum=0.0, maximum=1e9, allow_none=True
         )
-        ticket = new_id() if request_id is None else validate_request_id(request_id)
-        prio = 0 if priority == 0 and type(priority) is int else validate_priority(priority)
+        ticket = new_id() if o.request_id is None else validate_request_id(o.request_id)
+        o = o.checked()
         return cls(
             pool,
             amt,
@@ -97,12 +96,12 @@ class AcquireRequest(NamedTuple):
             timeout_s,
             ticket,
             new_id(),
-            encode_meta(holder),
+            encode_meta(o.holder),
             waiter_ttl,
-            prio,
-            validate_tenant(tenant),
-            validate_device(device),
-            validate_resident(resident),
+            o.priority,
+            o.tenant or "",
+            o.device,
+            o.resident,
         )
 
     def argv(self, mode: str, channel: str) -> list[str]:

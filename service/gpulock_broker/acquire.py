@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 from gpulock.http import access_log as access
 from gpulock_common.grace import grace_outlasts
+from gpulock_common.options import DEFAULT_TTL_S, AcquireOptions
 from gpulock.protocol.args import new_id
 from gpulock.protocol.replies import Grant, NotGranted
 from gpulock.errors import (
@@ -65,21 +66,22 @@ class Acquirer:
         who: Principal,
         pool: str,
         amount: int,
+        options: AcquireOptions,
         *,
-        ttl: float,
         wait: float,
         queue: bool = True,
-        holder: dict[str, Any] | None = None,
-        request_id: str | None = None,
         gone: asyncio.Future | None = None,
-        priority: int = 0,
-        device: int | None = None,
     ) -> Granted | Queued:
         """See :meth:`gpulock_broker.core.Broker.acquire`."""
-        rid = request_id or new_id()
+        rid = options.request_id or new_id()
         tk = ticket(who, rid)
         p = self._pools.get(pool)
-        meta = {**(holder or {}), "owner": who.id, "principal": who.name, "via": "broker"}
+        ttl = DEFAULT_TTL_S if options.ttl is None else options.ttl
+        meta = {**(options.holder or {}), "owner": who.id, "principal": who.name, "via": "broker"}
+        # on the holder's behalf: its ticket, its owner, its token's tenant
+        opts = options._replace(
+            ttl=ttl, timeout=None, holder=meta, request_id=tk, tenant=who.tenant or None
+        )
         key = (pool, tk)
         entry = self._parking.attach(key)
         final = False  # granted, or nothing was queued: no place to keep
@@ -90,17 +92,7 @@ class Acquirer:
         budget = max(self._tasks.backend_timeout, poll)
 
         def enqueue(retry_for: float | None = None):
-            return p.enqueue_remote(
-                amount,
-                request_id=tk,
-                ttl=ttl,
-                holder=meta,
-                queue=queue,
-                priority=priority,
-                tenant=who.tenant or None,
-                device=device,
-                retry_for=retry_for,
-            )
+            return p.enqueue_remote(amount, opts, queue=queue, retry_for=retry_for)
 
         start = self._clock()
         access.note(lease_bytes=amount)

@@ -30,6 +30,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from gpulock_common.errors import AuthError
 from gpulock_common.grace import grace_note
 from gpulock_common.wire import answer_for
+from gpulock_common.options import DEFAULT_PLACEMENT
 
 from gpulock.errors import (
     BackendUnavailable,
@@ -231,17 +232,7 @@ async def acquire_lease(
     gone = watch_disconnect(request) if body.wait > 0 else None
     try:
         r = await broker.acquire(
-            who,
-            pool,
-            body.amount_bytes,
-            ttl=body.ttl,
-            wait=body.wait,
-            queue=body.queue,
-            holder=body.holder,
-            request_id=body.request_id,
-            gone=gone,
-            priority=body.priority,
-            device=body.device,
+            who, pool, body.amount_bytes, body.options, wait=body.wait, queue=body.queue, gone=gone
         )
     except Exception as e:
         if isinstance(e, QueueFull):
@@ -503,7 +494,7 @@ async def configure_pool(
         r["policy"],
         " ".join(f"{t}={b}" for t, b in sorted(r["quotas"].items())) or "-",
         ",".join(str(c) for c in devices),
-        r.get("placement", "bestfit"),
+        r.get("placement", DEFAULT_PLACEMENT),
     )
     return PoolConfigured(
         pool=pool,
@@ -517,7 +508,7 @@ async def configure_pool(
         backfill_window=r["backfill_window"],
         quotas=r["quotas"],
         devices=devices,
-        placement=r.get("placement", "bestfit"),
+        placement=r.get("placement", DEFAULT_PLACEMENT),
     )
 
 

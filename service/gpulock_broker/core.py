@@ -48,6 +48,7 @@ import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from gpulock_common.aio import stop_tasks
+from gpulock_common.options import AcquireOptions
 
 from gpulock import AsyncPool
 from gpulock.admin.pools import DeleteResult
@@ -214,38 +215,24 @@ class Broker:
         who: Principal,
         pool: str,
         amount: int,
+        options: AcquireOptions,
         *,
-        ttl: float,
         wait: float,
         queue: bool = True,
-        holder: dict[str, Any] | None = None,
-        request_id: str | None = None,
         gone: asyncio.Future | None = None,
-        priority: int = 0,
-        device: int | None = None,
     ) -> Granted | Queued:
         """Grant now, or within ``wait`` seconds, or report the place (kept for a retry).
-        ``priority``: an integer in [-100, 100], higher first in the queue (see
-        :meth:`gpulock.AsyncPool.acquire`); a retry of a queued request keeps its first place.
-        ``device``: the index of the device the lease must be on (None: the pool places it).
-        ``gone``: a future that turns true when the HTTP client hung up (see
-        ``gpulock.http.disconnect.watch_disconnect``); the long poll then ends at once and the request
-        is withdrawn (unless another retry of it is attached), so it is never granted.
+        ``options``: the acquire's (:meth:`gpulock.AsyncPool.acquire`; its ``ttl`` given, its
+        ``timeout`` and ``tenant`` unused: the tenant is the token's); a retry of a queued
+        request keeps its first place. ``gone``: a future that turns true when the HTTP client
+        hung up (see ``gpulock.http.disconnect.watch_disconnect``); the long poll then ends at
+        once and the request is withdrawn (unless another retry of it is attached), so it is
+        never granted.
 
         Raises: CapacityExceeded, PoolNotFound, QueueFull, InvalidArgument, BackendUnavailable,
         ClientGone."""
         return await self._acquirer.acquire(
-            who,
-            pool,
-            amount,
-            ttl=ttl,
-            wait=wait,
-            queue=queue,
-            holder=holder,
-            request_id=request_id,
-            gone=gone,
-            priority=priority,
-            device=device,
+            who, pool, amount, options, wait=wait, queue=queue, gone=gone
         )
 
     async def cancel(self, who: Principal, pool: str, request_id: str) -> int:

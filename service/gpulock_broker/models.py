@@ -5,39 +5,46 @@ Redis server's clock."""
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from typing_extensions import Annotated
 
-from gpulock.protocol.args import MAX_TTL_S as MAX_POOL_TTL_S
-from gpulock.protocol.args import MIN_TTL_S as MIN_POOL_TTL_S
-from gpulock.protocol.args import (
+from gpulock_common.options import MAX_TTL_S as MAX_POOL_TTL_S
+from gpulock_common.options import MIN_TTL_S as MIN_POOL_TTL_S
+from gpulock_common.options import (
+    DEFAULT_TTL_S,
+    MAX_BACKFILL_WINDOW_S,
     MAX_DEVICES,
+    MAX_MAX_WAITERS,
+    MIN_BACKFILL_WINDOW_S,
+    MIN_MAX_WAITERS,
     PRIORITY_MAX,
     PRIORITY_MIN,
-    decode_quotas,
-    encode_quotas,
-    meta_unicode_error,
-    removes_quota,
-    validate_device,
-    validate_placement,
-    validate_priority,
+    TENANT_PATTERN as _TENANT,
+    AcquireOptions,
+    Placement,
+    Policy,
+    check_device,
+    check_placement,
+    check_policy,
+    check_priority,
 )
-from gpulock.protocol.flow import queue_policy
+
+from gpulock.protocol.args import decode_quotas, encode_quotas, meta_unicode_error, removes_quota
 from gpulock.http.json_int import INTEGRAL, integral
 from gpulock.errors import InvalidArgument
 from gpulock.units import MAX_BYTES, SIZE_TEXT_MAX_LENGTH, SIZE_TEXT_PATTERN, parse_size_text
 
+# The bounds, defaults and choices of these bodies are gpulock's vocabulary
+# (gpulock_common.options), so the OpenAPI schema states what the core accepts; the broker's
+# own are the ones below.
 POOL_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
-REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,96}$"
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,96}$"  # the broker prefixes the principal's id
 LEASE_ID_PATTERN = r"^[0-9a-f]{32}$"
-MAX_HOLDER_JSON = 256
-MIN_TTL_S, MAX_TTL_S = 1.0, 86400.0
-MIN_BACKFILL_WINDOW_S, MAX_BACKFILL_WINDOW_S = (
-    0.001,
-    86400.0,
-)  # gpulock.protocol.flow.queue_policy's
+MAX_HOLDER_JSON = 256  # the broker adds owner, principal and via within MAX_META_BYTES
+# A lease over HTTP is renewed every ttl/3 by a client on another host: at least a second.
+MIN_TTL_S, MAX_TTL_S = 1.0, MAX_POOL_TTL_S
 
 Scalar = Union[str, int, float, bool, None]
 # Sizes as text: gpulock.units.SIZE_TEXT_PATTERN is the exact rule (never zero, no fraction of a
@@ -50,7 +57,7 @@ Size = Union[
 
 # Tenant quotas (PUT /v1/pools/{pool} "quotas"): a tenant name as the scripts take it, to bytes
 # (0 removes the quota), a size as text (the exact rule above), or "0" / "none" / null (removes).
-TENANT_PATTERN = r"^[A-Za-z0-9._:-]{1,64}$"
+TENANT_PATTERN = f"^{_TENANT}$"
 QUOTA_REMOVE_PATTERN = r"^ *(?:0|[Nn][Oo][Nn][Ee]) *$"
 QuotaSize = Union[
     Annotated[int, Field(ge=0, le=MAX_BYTES), INTEGRAL],
@@ -99,7 +106,7 @@ class LeaseRequest(_Body):
         examples=["4GiB", 1048576],
     )
     ttl: float = Field(
-        30.0,
+        DEFAULT_TTL_S,
         ge=MIN_TTL_S,
         le=MAX_TTL_S,
         allow_inf_nan=False,
@@ -151,15 +158,10 @@ class LeaseRequest(_Body):
     @field_validator("priority", mode="before")
     @classmethod
     def _priority(cls, v: Any) -> int:
-        # The core's check, so the 422 names the value (the schema keeps the bounds). It takes
-        # decimal digits too (from a header or a command line); a JSON body says an integer.
-        v = integral(v)
-        if isinstance(v, str):
-            raise ValueError(
-                f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {v!r:.80}"
-            )
+        # The core's check, so the 422 names the value (the schema keeps the bounds); text is
+        # refused (a JSON body says an integer).
         try:
-            return validate_priority(v)
+            return check_priority(integral(v))
         except InvalidArgument as e:
             raise ValueError(str(e)) from None
 
@@ -169,7 +171,7 @@ class LeaseRequest(_Body):
         # The core's check, so the 422 names the value (the schema keeps the bounds); whether
         # the pool has that device is the pool's to say (a 422 from the script).
         try:
-            return validate_device(integral(v))
+            return check_device(integral(v))
         except InvalidArgument:
             raise ValueError(
                 f"device must be a device index in [0, {MAX_DEVICES - 1}] or null, got {v!r:.80}"
@@ -178,6 +180,18 @@ class LeaseRequest(_Body):
     @property
     def amount_bytes(self) -> int:
         return _validated_bytes(self.amount)
+
+    @property
+    def options(self) -> AcquireOptions:
+        """The acquire's options this body gives (the broker adds the rest: the holder's
+        owner, the ticket, the tenant of the token)."""
+        return AcquireOptions(
+            ttl=self.ttl,
+            holder=self.holder,
+            request_id=self.request_id,
+            priority=self.priority,
+            device=self.device,
+        )
 
     @field_validator("holder")
     @classmethod
@@ -219,7 +233,9 @@ class PoolConfigRequest(_Body):
         description='Bytes, or a size such as "24GiB". Required unless devices is given; with '
         "devices, their sum (the default).",
     )
-    max_waiters: Optional[Annotated[int, Field(ge=1, le=1_000_000), INTEGRAL]] = Field(
+    max_waiters: Optional[
+        Annotated[int, Field(ge=MIN_MAX_WAITERS, le=MAX_MAX_WAITERS), INTEGRAL]
+    ] = Field(
         None,
         description="Queue bound (default: keep the current one; 10000 for a new pool).",
     )
@@ -232,7 +248,7 @@ class PoolConfigRequest(_Body):
         "without its data (default: keep the current one; 60 for a new pool).",
     )
 
-    policy: Optional[Literal["fifo", "backfill"]] = Field(
+    policy: Optional[Policy] = Field(
         None,
         description="Queue policy: fifo (nothing passes the head of the queue) or backfill "
         "(while the head does not fit, later requests that fit are granted, for at most "
@@ -267,7 +283,7 @@ class PoolConfigRequest(_Body):
         "keep them (one device of capacity for a new pool).",
         examples=[["80GiB", "80GiB"]],
     )
-    placement: Optional[Literal["bestfit", "spread"]] = Field(
+    placement: Optional[Placement] = Field(
         None,
         description="Where a request that names no device goes: bestfit (the device with the "
         "least free bytes that fits) or spread (the most free); ties go to the lowest index. "
@@ -297,7 +313,7 @@ class PoolConfigRequest(_Body):
     def _placement(cls, v: Any) -> Any:
         # The core's check, so the 422 names the value (the schema keeps the choices).
         try:
-            return validate_placement(v)
+            return check_placement(v)
         except InvalidArgument as e:
             raise ValueError(str(e)) from None
 
@@ -363,12 +379,10 @@ class PoolConfigRequest(_Body):
     @classmethod
     def _policy(cls, v: Any) -> Any:
         # The core's check, so the 422 names the value (the schema keeps the choices).
-        if v is not None:
-            try:
-                queue_policy(v, None)
-            except InvalidArgument as e:
-                raise ValueError(str(e)) from None
-        return v
+        try:
+            return check_policy(v)
+        except InvalidArgument as e:
+            raise ValueError(str(e)) from None
 
     @property
     def capacity_bytes(self) -> int | None:

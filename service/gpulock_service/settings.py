@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from gpulock_common.options import DEFAULT_TTL_S, PRIORITY_MAX, PRIORITY_MIN, TENANT_PATTERN
 
 from gpulock.units import parse_size
 
@@ -61,7 +62,7 @@ class Settings(BaseSettings):
         False, description="on CUDA: measure per-shape peaks at start and share them in Redis"
     )
 
-    ttl: float = Field(30.0, gt=0, description="lease ttl, seconds (heartbeat at ttl/3)")
+    ttl: float = Field(DEFAULT_TTL_S, gt=0, description="lease ttl, seconds (heartbeat at ttl/3)")
     acquire_timeout: float = Field(10.0, gt=0, description="seconds to wait for a grant before 503")
     inference_timeout: float = Field(30.0, gt=0, description="seconds of inference before 504")
     startup_timeout: float = Field(
@@ -112,8 +113,8 @@ class Settings(BaseSettings):
 
     priority: int = Field(
         0,
-        ge=-100,
-        le=100,
+        ge=PRIORITY_MIN,
+        le=PRIORITY_MAX,
         description="priority of /v1/embeddings requests in the pool's queue (higher first); "
         "matters against other services sharing the pool",
     )
@@ -125,15 +126,15 @@ class Settings(BaseSettings):
     )
     max_priority: int | None = Field(
         None,
-        ge=-100,
-        le=100,
+        ge=PRIORITY_MIN,
+        le=PRIORITY_MAX,
         description="most a request's priority header may ask; unset: GPULOCK_PRIORITY "
         "(the header can only lower it)",
     )
 
     tenant: str | None = Field(
         None,
-        pattern=r"^[A-Za-z0-9._:-]{1,64}$",
+        pattern=f"^{TENANT_PATTERN}$",
         description="tenant every lease of this service counts under: the pool's quota for "
         "it (gpulock pool set --quota TENANT=SIZE) caps what the service holds; unset: none",
     )

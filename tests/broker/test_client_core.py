@@ -81,10 +81,7 @@ def test_retry_after_is_honoured_with_jitter_and_the_request_id_is_reused():
     gen = core.acquire_steps(
         cfg(clock, max_wait=5),
         "4GiB",
-        ttl=None,
-        timeout=None,
-        holder={"k": 1},
-        request_id=None,
+        core.AcquireOptions(ttl=None, timeout=None, holder={"k": 1}, request_id=None),
         on_queued=got.append,
     )
     res, steps = drive(
@@ -119,10 +116,7 @@ def test_timeout_caps_the_waits_and_withdraws_the_place():
     gen = core.acquire_steps(
         cfg(clock, max_wait=20),
         5,
-        ttl=3,
-        timeout=3.0,
-        holder=None,
-        request_id="rid",
+        core.AcquireOptions(ttl=3, timeout=3.0, holder=None, request_id="rid"),
         on_queued=None,
     )
     res, steps = drive(
@@ -145,7 +139,10 @@ def test_timeout_caps_the_waits_and_withdraws_the_place():
 def test_timeout_zero_tries_once_without_queueing():
     clock = Clock()
     gen = core.acquire_steps(
-        cfg(clock), 5, ttl=None, timeout=0, holder=None, request_id="r", on_queued=None
+        cfg(clock),
+        5,
+        core.AcquireOptions(ttl=None, timeout=0, holder=None, request_id="r"),
+        on_queued=None,
     )
     busy = core.Reply(
         503,
@@ -163,10 +160,7 @@ def test_transport_errors_are_retried_then_backend_unavailable():
     gen = core.acquire_steps(
         cfg(clock, backend_timeout=3),
         5,
-        ttl=None,
-        timeout=None,
-        holder=None,
-        request_id="r",
+        core.AcquireOptions(ttl=None, timeout=None, holder=None, request_id="r"),
         on_queued=None,
     )
     err = httpx.ConnectError("refused")
@@ -201,7 +195,10 @@ def test_transport_errors_are_retried_then_backend_unavailable():
 def test_refusals_raise_at_once(status, detail, exc):
     clock = Clock()
     gen = core.acquire_steps(
-        cfg(clock), 9, ttl=None, timeout=None, holder=None, request_id="r", on_queued=None
+        cfg(clock),
+        9,
+        core.AcquireOptions(ttl=None, timeout=None, holder=None, request_id="r"),
+        on_queued=None,
     )
     res, steps = drive(gen, clock, [lambda s: core.Reply(status, {}, {"detail": detail}, 0)])
     assert isinstance(res, exc) and len(steps) == 1 and res.status == status
@@ -224,12 +221,8 @@ def test_priority_is_sent_on_every_attempt_and_left_out_at_zero():
         gen = core.acquire_steps(
             cfg(clock),
             5,
-            ttl=None,
-            timeout=None,
-            holder=None,
-            request_id="r",
+            core.AcquireOptions(ttl=None, timeout=None, holder=None, request_id="r", priority=prio),
             on_queued=None,
-            priority=prio,
         )
         res, steps = drive(
             gen,
@@ -247,12 +240,8 @@ def test_a_bad_priority_raises_before_anything_is_sent(bad):
     gen = core.acquire_steps(
         cfg(clock, gate=core.Gate(1)),
         5,
-        ttl=None,
-        timeout=None,
-        holder=None,
-        request_id="r",
+        core.AcquireOptions(ttl=None, timeout=None, holder=None, request_id="r", priority=bad),
         on_queued=None,
-        priority=bad,
     )
     res, steps = drive(gen, clock, [])
     assert isinstance(res, InvalidArgument) and steps == [], (res, steps)
@@ -267,12 +256,8 @@ def test_device_is_sent_on_every_attempt_and_left_out_when_none():
         gen = core.acquire_steps(
             cfg(clock),
             5,
-            ttl=None,
-            timeout=None,
-            holder=None,
-            request_id="r",
+            core.AcquireOptions(ttl=None, timeout=None, holder=None, request_id="r", device=dev),
             on_queued=None,
-            device=dev,
         )
         body = {**grant_body(), "device": 0 if dev is None else dev}
         res, steps = drive(
@@ -293,12 +278,8 @@ def test_a_bad_device_raises_before_anything_is_sent(bad):
     gen = core.acquire_steps(
         cfg(clock, gate=core.Gate(1)),
         5,
-        ttl=None,
-        timeout=None,
-        holder=None,
-        request_id="r",
+        core.AcquireOptions(ttl=None, timeout=None, holder=None, request_id="r", device=bad),
         on_queued=None,
-        device=bad,
     )
     res, steps = drive(gen, clock, [])
     assert isinstance(res, InvalidArgument) and steps == [], (res, steps)

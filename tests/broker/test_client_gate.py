@@ -83,7 +83,10 @@ GRANT = {
 def test_acquire_enters_first_holds_the_slot_to_the_end_and_leaves():
     clock, gate = Clock(), core.Gate(1)
     gen = core.acquire_steps(
-        _cfg(clock, gate), 5, ttl=None, timeout=10, holder=None, request_id="r", on_queued=None
+        _cfg(clock, gate),
+        5,
+        core.AcquireOptions(ttl=None, timeout=10, holder=None, request_id="r"),
+        on_queued=None,
     )
     step = gen.send(None)
     assert isinstance(step, core.Enter) and step.gate is gate and step.deadline == 110.0
@@ -105,7 +108,10 @@ def test_acquire_enters_first_holds_the_slot_to_the_end_and_leaves():
 def test_no_slot_before_the_timeout_is_acquire_timeout_at_position_0():
     clock, gate = Clock(), core.Gate(1)
     gen = core.acquire_steps(
-        _cfg(clock, gate), 5, ttl=None, timeout=2, holder=None, request_id="r", on_queued=None
+        _cfg(clock, gate),
+        5,
+        core.AcquireOptions(ttl=None, timeout=2, holder=None, request_id="r"),
+        on_queued=None,
     )
     assert isinstance(gen.send(None), core.Enter)
     clock.t += 2
@@ -118,7 +124,10 @@ def test_no_slot_before_the_timeout_is_acquire_timeout_at_position_0():
 def test_an_interrupted_acquire_leaves_the_gate_when_closed():
     clock, gate = Clock(), core.Gate(1)
     gen = core.acquire_steps(
-        _cfg(clock, gate), 5, ttl=None, timeout=None, holder=None, request_id="r", on_queued=None
+        _cfg(clock, gate),
+        5,
+        core.AcquireOptions(ttl=None, timeout=None, holder=None, request_id="r"),
+        on_queued=None,
     )
     gen.send(None)
     assert gate.enter(W("driver"))
@@ -131,7 +140,10 @@ def test_timeout_zero_skips_the_gate_and_goes_on_the_control_lane():
     clock, gate = Clock(), core.Gate(1)
     assert gate.enter(W("other"))  # every wait connection taken
     gen = core.acquire_steps(
-        _cfg(clock, gate), 5, ttl=None, timeout=0, holder=None, request_id="r", on_queued=None
+        _cfg(clock, gate),
+        5,
+        core.AcquireOptions(ttl=None, timeout=0, holder=None, request_id="r"),
+        on_queued=None,
     )
     step = gen.send(None)
     assert isinstance(step, core.Http) and step.lane == core.CONTROL and step.json["queue"] is False

@@ -27,6 +27,8 @@ from gpulock import (
     Pool,
     PoolNotFound,
 )
+from gpulock_common.options import AcquireOptions
+
 from gpulock.protocol.args import new_id
 from gpulock.embedded import RedisProcess
 from support.pools import check_consistent, raw, raw_acquire, raw_configure, snapshot
@@ -263,11 +265,9 @@ def test_remote_methods_edge(fz, lease_id, token, ttl, request_id, amount):
                         or type(e).__name__ == "LeaseLost"
                     ), repr(e)
             try:  # try-mode: never queues, so nothing is left behind either way
+                rid = request_id if isinstance(request_id, str) else new_id()
                 res = await p.enqueue_remote(
-                    amount,
-                    request_id=request_id if isinstance(request_id, str) else new_id(),
-                    ttl=ttl,
-                    queue=False,
+                    amount, AcquireOptions(ttl=ttl, request_id=rid), queue=False
                 )
             except GpuLockError as e:
                 assert isinstance(e, EXPECTED), repr(e)

@@ -12,7 +12,7 @@ import pytest
 from gpulock.protocol import flow
 from gpulock.protocol.keys import pool_keys
 from gpulock.protocol.lease import LeaseState
-from gpulock.protocol.request import AcquireRequest
+from gpulock.protocol.request import AcquireOptions, AcquireRequest
 from gpulock.protocol.replies import Grant, QueueConfig
 from gpulock.runtime.runtime import Runtime
 from gpulock.errors import (
@@ -63,10 +63,7 @@ def _req(timeout: float | None) -> AcquireRequest:
     return AcquireRequest.build(
         "p",
         10,
-        ttl=None,
-        timeout=timeout,
-        holder=None,
-        request_id="t1",
+        AcquireOptions(timeout=timeout, request_id="t1"),
         waiter_ttl=5.0,
         default_ttl=30.0,
     )

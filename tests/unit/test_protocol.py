@@ -142,11 +142,10 @@ def test_meta_with_nan_or_infinity_is_refused(value):
 
 
 def _build(amount="1GiB", **kw):
-    args = dict(
-        ttl=None, timeout=None, holder=None, request_id=None, waiter_ttl=5.0, default_ttl=30.0
+    """``AcquireRequest.build`` with the acquire's keywords ``kw`` (AcquireOptions' fields)."""
+    return P.AcquireRequest.build(
+        "gpu0", amount, P.AcquireOptions(**kw), waiter_ttl=5.0, default_ttl=30.0
     )
-    args.update(kw)
-    return P.AcquireRequest.build("gpu0", amount, **args)
 
 
 def test_acquire_request_argv():

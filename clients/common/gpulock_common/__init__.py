@@ -20,6 +20,9 @@ pulls in neither redis, torch nor FastAPI, and the two sides hold one copy of:
   ``MAX_BYTES``.
 - :mod:`gpulock_common.validation`: validation errors in users' words (``input[0][1]: ...``,
   no pydantic internals), for the servers' 400/422 and the SDK's and CLI's messages.
+- :mod:`gpulock_common.options`: the vocabulary of an acquire and of a pool's settings
+  (bounds, defaults, queue policies and placements, the one check of each value, and
+  ``AcquireOptions``), which the Lua scripts enforce too.
 - :mod:`gpulock_common.aio`: asyncio helpers that never lose a cancellation (``wait_for``,
   ``stop_tasks``), which both sides' background loops stop with.
 

@@ -232,17 +232,15 @@ class AsyncPool:
         be on, None for any). On cancellation the place is withdrawn (and a grant that raced
         in released)."""
         rid = request_id or core.new_request_id()
-        gen = core.acquire_steps(
-            self._cfg,
-            amount,
+        opts = core.AcquireOptions(
             ttl=ttl,
             timeout=timeout,
             holder=holder,
             request_id=rid,
-            on_queued=on_queued,
             priority=priority,
             device=device,
         )
+        gen = core.acquire_steps(self._cfg, amount, opts, on_queued)
         if self._closed:
             raise PoolClosed(self.name, queued=False)
         try:

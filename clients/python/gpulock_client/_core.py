@@ -35,10 +35,11 @@ from gpulock_common.lease import LeaseView, LocalLeaseState
 from gpulock_common.lease import reply_made_after as reply_made_after
 from gpulock_common.lease import validity_deadline as validity_deadline
 
-from gpulock_common.checks import MAX_DEVICES as MAX_DEVICES
-from gpulock_common.checks import PRIORITY_MAX as PRIORITY_MAX
-from gpulock_common.checks import PRIORITY_MIN as PRIORITY_MIN
-from gpulock_common.checks import check_device, check_priority
+from gpulock_common.options import DEFAULT_TTL_S as DEFAULT_TTL_S
+from gpulock_common.options import MAX_DEVICES as MAX_DEVICES
+from gpulock_common.options import PRIORITY_MAX as PRIORITY_MAX
+from gpulock_common.options import PRIORITY_MIN as PRIORITY_MIN
+from gpulock_common.options import AcquireOptions as AcquireOptions
 from gpulock_common.grace import grace_note
 from gpulock_common.wire import error_from_reply, reply_message
 from ._gate import Gate as Gate
@@ -53,7 +54,6 @@ from .errors import (
     PoolNotFound,
 )
 
-DEFAULT_TTL_S = 30.0
 DEFAULT_MAX_WAIT_S = 20.0  # longest long-poll per request; the broker caps it too
 DEFAULT_BACKEND_TIMEOUT_S = 30.0  # how long an unreachable broker/Redis is retried
 CONNECT_TIMEOUT_S = 5.0
@@ -296,14 +296,8 @@ def configure_body(
 def acquire_steps(
     cfg: PoolConfig,
     amount: Union[int, str],
-    *,
-    ttl: Optional[float],
-    timeout: Optional[float],
-    holder: Optional[Dict[str, Any]],
-    request_id: Optional[str],
-    on_queued: Optional[Callable[[int], Any]],
-    priority: int = 0,
-    device: Optional[int] = None,
+    options: AcquireOptions,
+    on_queued: Optional[Callable[[int], Any]] = None,
 ) -> Steps:
     """Acquire with long polls and retries; returns ``(reply body, sent)`` of the 201.
 
@@ -315,10 +309,12 @@ def acquire_steps(
     order within its timeout: AcquireTimeout with position 0 if none frees in time) and holds it
     to the end; ``timeout=0`` (one try, no long poll) goes on the control connections.
 
-    ``priority`` is sent only when it is not 0, ``device`` only when it is not None (a broker
-    older than priorities or devices refuses the field)."""
-    check_priority(priority)
-    check_device(device)
+    ``options`` (the acquire's keywords; a tenant and ``resident`` are the broker's to set, not
+    the client's): checked first (InvalidArgument before anything is sent); ``priority`` is
+    sent only when it is not 0, ``device`` only when it is not None (a broker older than
+    priorities or devices refuses the field)."""
+    options = options.checked()
+    timeout = options.timeout
     clock = cfg.clock
     start = clock()
     deadline = None if timeout is None else start + max(0.0, timeout)
@@ -339,13 +335,8 @@ def acquire_steps(
             yield from _acquire_polls(
                 cfg,
                 amount,
-                ttl=ttl,
-                timeout=timeout,
-                holder=holder,
-                request_id=request_id,
+                options,
                 on_queued=on_queued,
-                priority=priority,
-                device=device,
                 start=start,
                 deadline=deadline,
                 try_once=try_once,
@@ -360,31 +351,26 @@ def acquire_steps(
 def _acquire_polls(
     cfg: PoolConfig,
     amount: Union[int, str],
+    options: AcquireOptions,
     *,
-    ttl: Optional[float],
-    timeout: Optional[float],
-    holder: Optional[Dict[str, Any]],
-    request_id: Optional[str],
     on_queued: Optional[Callable[[int], Any]],
-    priority: int,
-    device: Optional[int],
     start: float,
     deadline: Optional[float],
     try_once: bool,
 ) -> Steps:
     clock, rng = cfg.clock, cfg.rng
     lane = CONTROL if try_once else WAIT
-    rid = request_id or new_request_id()
+    timeout, rid = options.timeout, options.request_id or new_request_id()
     body: Dict[str, Any] = {
         "amount": amount,
-        "ttl": cfg.default_ttl if ttl is None else ttl,
-        "holder": holder_meta(holder),
+        "ttl": cfg.default_ttl if options.ttl is None else options.ttl,
+        "holder": holder_meta(options.holder),
         "request_id": rid,
     }
-    if priority:
-        body["priority"] = priority
-    if device is not None:
-        body["device"] = device
+    if options.priority:
+        body["priority"] = options.priority
+    if options.device is not None:
+        body["device"] = options.device
     position, queue_length, last_ra = 0, 0, None
     down_since: Optional[float] = None
     attempt = 0

@@ -264,17 +264,15 @@ class Pool:
         released) before it propagates.
         """
         rid = request_id or core.new_request_id()
-        gen = core.acquire_steps(
-            self._cfg,
-            amount,
+        opts = core.AcquireOptions(
             ttl=ttl,
             timeout=timeout,
             holder=holder,
             request_id=rid,
-            on_queued=on_queued,
             priority=priority,
             device=device,
         )
+        gen = core.acquire_steps(self._cfg, amount, opts, on_queued)
         if self._closed:
             raise PoolClosed(self.name, queued=False)
         try:

@@ -1,0 +1,193 @@
+"""The vocabulary of an acquire and of a pool's settings, defined once for every surface: the
+core (``gpulock``), its SDK (``gpulock-client``), the broker's request models, the CLI's
+options and the FastAPI integration's settings.
+
+- bounds and defaults: priorities, ttls, holder metadata, devices, the queue bound, the
+  backfill window;
+- the choices: queue policies (:data:`Policy`, :data:`POLICIES`) and placements
+  (:data:`Placement`, :data:`PLACEMENTS`), as ``Literal`` types (a pydantic field of that type
+  states the choices in its OpenAPI schema) and as tuples;
+- the checks both sides make before anything is sent, each one function: a priority
+  (:func:`check_priority`; text only through :func:`parse_priority`), a device index, a
+  tenant, ``resident``, a policy, a placement;
+- :class:`AcquireOptions`: every option of an acquire, with its default, as one value that the
+  layers below the public ``acquire`` methods pass on.
+
+The Lua scripts enforce the same bounds and choices (``lua/lib.lua``);
+``tests/unit/test_vocabulary.py`` reads them from there and compares. Standard library only,
+no I/O. Raises :class:`~gpulock_common.errors.InvalidArgument` naming a bad value.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any, Dict, Literal, NamedTuple, Optional, Tuple, cast
+
+from .errors import InvalidArgument
+
+# Priorities (docs/SEMANTICS.md, "Priorities"): higher goes first; a queued request's effective
+# priority rises by one level per AGING_S seconds waited (lua/lib.lua PRIO_MIN, PRIO_MAX,
+# AGING_US).
+PRIORITY_MIN, PRIORITY_MAX = -100, 100
+AGING_S = 1.0
+
+# A lease's ttl and a pool's max_ttl, seconds (lua/lib.lua MIN_TTL_MS, MAX_TTL_MS); the ttl of a
+# lease that names none (a pool object's default_ttl, the SDK's, the broker's request).
+MIN_TTL_S, MAX_TTL_S = 0.1, 86400.0
+DEFAULT_TTL_S = 30.0
+
+# Holder metadata: at most this many bytes as JSON (lua/lib.lua MAX_META).
+MAX_META_BYTES = 512
+
+# Devices (docs/SEMANTICS.md, "Devices and placement"): a pool holds 1 to MAX_DEVICES devices
+# (lua/lib.lua MAX_DEVICES); a request's device is an index in [0, MAX_DEVICES).
+MAX_DEVICES = 64
+
+# The queue bound a pool takes (lua/lib.lua MIN_WAITERS, MAX_WAITERS), and a new pool's.
+MIN_MAX_WAITERS, MAX_MAX_WAITERS = 1, 1_000_000
+DEFAULT_MAX_WAITERS = 10_000
+
+# Queue policies (docs/SEMANTICS.md, "Backfill"; lua/lib.lua POLICIES): fifo, nothing passes
+# the head of the queue; backfill, a later request that fits may pass a head that does not, for
+# at most the pool's backfill window (seconds; lua/lib.lua MIN_BACKFILL_MS, MAX_BACKFILL_MS,
+# DEFAULT_BACKFILL_MS). The first of each is a new pool's.
+Policy = Literal["fifo", "backfill"]
+POLICIES: Tuple[Policy, ...] = ("fifo", "backfill")
+DEFAULT_POLICY: Policy = "fifo"
+MIN_BACKFILL_WINDOW_S, MAX_BACKFILL_WINDOW_S = 0.001, 86400.0
+DEFAULT_BACKFILL_WINDOW_S = 2.0
+
+# Placements (docs/SEMANTICS.md, "Devices and placement"; lua/lib.lua PLACEMENTS): where a
+# request that names no device goes on a pool of several: bestfit, the device with the least
+# free bytes that fits; spread, the one with the most.
+Placement = Literal["bestfit", "spread"]
+PLACEMENTS: Tuple[Placement, ...] = ("bestfit", "spread")
+DEFAULT_PLACEMENT: Placement = "bestfit"
+
+# Tenants (docs/SEMANTICS.md, "Tenant quotas"): the name a lease's bytes count under
+# (lua/lib.lua tenant_arg).
+TENANT_PATTERN = r"[A-Za-z0-9._:-]{1,64}"
+_TENANT_RE = re.compile(TENANT_PATTERN)
+_PRIORITY_TEXT = re.compile(r"[+-]?[0-9]{1,8}")
+
+
+def _bad_priority(value: Any) -> InvalidArgument:
+    return InvalidArgument(
+        f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {value!r:.80}"
+    )
+
+
+def check_priority(priority: Any) -> int:
+    """A request's priority as an ``int``: an integer in [PRIORITY_MIN, PRIORITY_MAX], of any
+    integer type (one with ``__index__``, such as numpy's). Bools, floats and text are refused:
+    text is the edges' to parse (:func:`parse_priority`). Raises InvalidArgument naming it."""
+    p: int
+    if type(priority) is int:
+        p = priority
+    else:
+        if isinstance(priority, (bool, str, bytes, float)):
+            raise _bad_priority(priority)
+        try:
+            p = operator.index(priority)  # numpy's integers, for one
+        except TypeError:
+            raise _bad_priority(priority) from None
+    if not PRIORITY_MIN <= p <= PRIORITY_MAX:
+        raise _bad_priority(p)
+    return p
+
+
+def parse_priority(value: Any) -> int:
+    """:func:`check_priority` of a value that may be text: a command line's, a header's or a
+    route declaration's decimal digits (at most 8, an optional sign, spaces around ignored).
+    Raises InvalidArgument naming it."""
+    if isinstance(value, str) and _PRIORITY_TEXT.fullmatch(value.strip()):
+        value = int(value)
+    return check_priority(value)
+
+
+def check_device(device: Any) -> Optional[int]:
+    """``device`` if it is None (any device) or a device index in [0, MAX_DEVICES) (an int,
+    not a bool), else InvalidArgument naming it (before anything is sent). Whether the pool
+    has that device is the pool's to say (the script: InvalidArgument naming it)."""
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < MAX_DEVICES:
+        raise InvalidArgument(
+            f"device must be a device index in [0, {MAX_DEVICES - 1}] or None, got {device!r:.80}"
+        )
+    return device
+
+
+def check_tenant(tenant: Any) -> str:
+    """A request's tenant: 1-64 characters of [A-Za-z0-9._:-], or None / "" for none (returned
+    as ""). Raises InvalidArgument naming the bad value."""
+    if tenant is None or tenant == "":
+        return ""
+    if not isinstance(tenant, str) or not _TENANT_RE.fullmatch(tenant):
+        raise InvalidArgument(
+            f"tenant must be 1-64 characters of [A-Za-z0-9._:-], got {tenant!r:.80}"
+        )
+    return tenant
+
+
+def check_resident(resident: Any) -> bool:
+    """``acquire``'s ``resident``: True or False (docs/SEMANTICS.md, "Resident leases").
+    Raises InvalidArgument for anything else (a truthy string would otherwise turn a request
+    into a lease held for its holder's life)."""
+    if resident is True or resident is False:
+        return resident
+    raise InvalidArgument(f"resident must be True or False, got {resident!r:.80}")
+
+
+def _choices(values: Tuple[str, ...]) -> str:
+    return " or ".join(f"'{v}'" for v in values)
+
+
+def check_policy(policy: Any) -> Optional[Policy]:
+    """A pool's queue policy, one of :data:`POLICIES` (None: unchanged). Raises
+    InvalidArgument naming the bad value."""
+    if policy is None or policy in POLICIES:
+        return cast(Optional[Policy], policy)
+    raise InvalidArgument(f"policy must be {_choices(POLICIES)}, got {policy!r:.80}")
+
+
+def check_placement(placement: Any) -> Optional[Placement]:
+    """A pool's placement rule, one of :data:`PLACEMENTS` (None: unchanged). Raises
+    InvalidArgument naming the bad value."""
+    if placement is None or placement in PLACEMENTS:
+        return cast(Optional[Placement], placement)
+    raise InvalidArgument(f"placement must be {_choices(PLACEMENTS)}, got {placement!r:.80}")
+
+
+class AcquireOptions(NamedTuple):
+    """Every option of an acquire besides the amount, with its default: what the public
+    ``acquire`` methods take as keywords (``gpulock.Pool``, ``gpulock.AsyncPool``, the SDK's
+    pools; meanings and units: :meth:`gpulock.AsyncPool.acquire`), passed on below them as one
+    value. A new option is a field here (with its check in :meth:`checked` when both sides
+    make it), then a keyword of those methods and whatever carries it (docs/ARCHITECTURE.md,
+    "Adding an acquire option").
+
+    A named tuple: immutable, typed, and the cheapest record to make on every acquire
+    (``_replace`` changes a field, ``_asdict`` gives the keywords)."""
+
+    ttl: Optional[float] = None  # seconds; None: the pool object's default_ttl
+    timeout: Optional[float] = None  # seconds to wait; None: forever; 0: try once
+    holder: Optional[Dict[str, Any]] = None  # metadata shown in status
+    request_id: Optional[str] = None  # the idempotency key; None: a fresh one
+    priority: int = 0  # [PRIORITY_MIN, PRIORITY_MAX], higher first
+    tenant: Optional[str] = None  # who the bytes count under; None: none
+    device: Optional[int] = None  # the device it must be on; None: the pool places it
+    resident: bool = False  # held for its holder's whole life
+
+    def checked(self) -> AcquireOptions:
+        """These options after the checks both sides make before anything is sent: the
+        priority (as an ``int``: :func:`check_priority`), the device, the tenant and
+        ``resident``. Raises InvalidArgument naming the first bad value."""
+        p = self.priority
+        if not (p == 0 and type(p) is int):  # the default, on every acquire: no call
+            p = check_priority(p)
+        check_device(self.device)
+        check_tenant(self.tenant)
+        check_resident(self.resident)
+        return self if p is self.priority else self._replace(priority=p)
