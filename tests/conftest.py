@@ -15,8 +15,7 @@ import redis
 import redis.asyncio as aioredis
 
 from gpulock import AsyncPool, Pool
-from gpulock.embedded import RedisProcess
-from support.servers import server_kinds
+from support.servers import RedisProcess, server_kinds
 
 
 def pytest_addoption(parser):

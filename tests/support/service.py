@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from gpulock import Pool
-from gpulock.embedded import free_port
+from .ports import free_port
 
 from .pools import GiB
 from .procs import _LIVE, children, cmdline, stop_group
