@@ -128,25 +128,31 @@ async def _drive(
 ) -> tuple[list[Rec], list[str], float, float, int, float]:
     """Run ``n_clients`` clients back to back (client i asks ``ask(i, rng, device_rng)``)
     through the warm-up and the window; returns the leases, the errors, the window's ends, the
-    grants the pools ``admins`` made in it and the server's CPU seconds in it."""
+    grants the pools ``admins`` made in it and the server's CPU seconds in it. The warm-up
+    lasts ``cfg["warm_s"]`` and until every client's first acquire has returned (its pool
+    object connected and subscribed: on a loaded machine 64 clients take longer than the
+    quick run's 0.3 s), so that the window measures every client running."""
     import redis.asyncio as aioredis
 
     recs: list[Rec] = []
     errors: list[str] = []
-    stop_at = time.monotonic() + cfg["warm_s"] + cfg["duration_s"]
+    started: set[int] = set()  # clients whose first acquire has returned
+    stop = asyncio.Event()
 
     async def client(i: int) -> None:
         # sizes from one stream, devices (the random row) from another: every row of a
         # workload asks for the same sizes in the same order
         rng, drng = random.Random(seed * 1000 + i), random.Random(seed * 1000 + i + 10**6)
-        while time.monotonic() < stop_at:
+        while not stop.is_set():
             pool, base, amount, prio, tenant = ask(i, rng, drng)
             asked = time.monotonic()
             try:
                 lease = await pool.acquire(amount, timeout=30, priority=prio, tenant=tenant)
             except gpulock.GpuLockError as e:
                 errors.append(f"{type(e).__name__}: {e}")
+                started.add(i)
                 continue
+            started.add(i)
             granted = time.monotonic()
             await asyncio.sleep(cfg["hold_s"])
             released = time.monotonic()
@@ -159,12 +165,17 @@ async def _drive(
     direct = aioredis.Redis.from_url(url)
     try:
         tasks = [asyncio.create_task(client(i)) for i in range(n_clients)]
-        await asyncio.sleep(cfg["warm_s"])
-        t0 = time.monotonic()
-        cpu0, g0 = _cpu_s(await direct.info("cpu")), await grants()
-        await asyncio.sleep(cfg["duration_s"])
-        t1 = time.monotonic()
-        cpu1, g1 = _cpu_s(await direct.info("cpu")), await grants()
+        try:
+            await asyncio.sleep(cfg["warm_s"])
+            while len(started) < n_clients and not any(t.done() for t in tasks):
+                await asyncio.sleep(0.01)  # a client that failed ends it: gather raises
+            t0 = time.monotonic()
+            cpu0, g0 = _cpu_s(await direct.info("cpu")), await grants()
+            await asyncio.sleep(cfg["duration_s"])
+            t1 = time.monotonic()
+            cpu1, g1 = _cpu_s(await direct.info("cpu")), await grants()
+        finally:
+            stop.set()
         await asyncio.gather(*tasks)
     finally:
         await direct.aclose()

@@ -15,8 +15,7 @@ import redis
 import redis.asyncio as aioredis
 
 from gpulock import AsyncPool, Pool
-from gpulock.embedded import RedisProcess
-from support.servers import server_kinds
+from support.servers import RedisProcess, server_kinds
 
 
 def pytest_addoption(parser):
@@ -36,14 +35,21 @@ SERVER_KINDS = server_kinds()
 
 # `gpulock serve` keeps its embedded server's data under $XDG_STATE_HOME (gpulock_service.datadir):
 # each test gets a directory of its own there, never the user's, and never one an earlier test
-# on the same port left behind.
+# on the same port left behind. gunicorn (25.1 and later) puts its control socket at
+# $XDG_RUNTIME_DIR/gunicorn.ctl, else at ~/.gunicorn/gunicorn.ctl, where each new gunicorn
+# replaces the last one's (the user's too): every test, and every test process (for what its
+# module- and session-scoped fixtures start), gets a runtime directory of its own as well.
 _STATE_ROOT = tempfile.mkdtemp(prefix="gpulock-test-state-")
 atexit.register(shutil.rmtree, _STATE_ROOT, True)
+os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="run-", dir=_STATE_ROOT)
 
 
 @pytest.fixture(autouse=True)
 def _own_state_dir(monkeypatch):
-    monkeypatch.setenv("XDG_STATE_HOME", os.path.join(_STATE_ROOT, uuid.uuid4().hex))
+    own = os.path.join(_STATE_ROOT, uuid.uuid4().hex)
+    os.makedirs(os.path.join(own, "run"), mode=0o700)
+    monkeypatch.setenv("XDG_STATE_HOME", own)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", os.path.join(own, "run"))
 
 
 @pytest.fixture(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,11 +231,15 @@ def start_cluster(
     replicas: int = 1,
     node_timeout_ms: int = 1000,
     full_coverage: bool = False,
+    pick_port: Callable[[], int] | None = None,
 ) -> Cluster:
     """Start and form a cluster; returns it once every node says ``cluster_state:ok`` and
     every replica has synced. ``full_coverage``: ``cluster-require-full-coverage yes``
     (Redis's default: every node refuses every key while a slot has no master), else ``no``.
-    The caller stops it (:meth:`Cluster.stop`)."""
+    ``pick_port``: returns each node's port, free with its bus port (+ 10000), both below
+    65536 (default: drawn at random from :data:`PORT_RANGE`). The caller stops it
+    (:meth:`Cluster.stop`)."""
+    pick = pick_port or _free_cluster_port
     c = Cluster(binary)
     args = [
         "--cluster-enabled",
@@ -247,7 +252,7 @@ def start_cluster(
     ]
 
     def node() -> RedisProcess:
-        p = RedisProcess(binary, port=_free_cluster_port(), extra_args=list(args))
+        p = RedisProcess(binary, port=pick(), extra_args=list(args))
         p.extra_args += ["--cluster-config-file", f"{p.dir}/nodes.conf"]
         return p.start()
 

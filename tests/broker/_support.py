@@ -10,7 +10,7 @@ import time
 import httpx
 from gpulock_broker import create_broker_app, parse_tokens
 
-from gpulock.embedded import free_port
+from support.ports import free_port
 
 USER_TOKEN = "user-token-0123456789abcdef"
 OTHER_TOKEN = "other-token-0123456789abcdef"

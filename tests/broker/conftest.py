@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpulock.embedded import RedisProcess
+from support.servers import RedisProcess
 
 from ._support import ADMIN_TOKEN, OTHER_TOKEN, USER_TOKEN, BrokerServer, client
 

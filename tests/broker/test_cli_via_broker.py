@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from gpulock.embedded import free_port
+from support.ports import free_port
 
 from ._support import ADMIN_TOKEN, USER_TOKEN
 

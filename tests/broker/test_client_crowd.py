@@ -24,6 +24,11 @@ DEFAULT_LIMIT = 64  # the documented default of max_connections (the long polls 
 # tests assert on directly. A control call takes milliseconds on loopback, but 1.6 s once
 # under a loaded CI machine, so no speed is asserted here (speeds live in benchmarks/).
 QUICK = 30.0
+# The kept lease's ttl: renewed every ttl/3 by the heartbeat, lost after a ttl without one. A
+# starved control connection shows as an error (PoolTimeout after 5 s) whatever the ttl; 2 s
+# lost the lease when the test process (its 300 waiting tasks and the broker's thread) got too
+# little CPU for two seconds on a loaded machine, so it is 6 s.
+KEEPER_TTL = 6
 
 
 def _make_pool(admin, name: str) -> None:
@@ -42,7 +47,7 @@ def test_sync_pool_150_waiting_threads(broker_srv, admin):
     _make_pool(admin, "crowd-s")
     with Pool(broker_srv.url, "crowd-s", token=USER_TOKEN) as pool:
         limit = getattr(pool, "max_connections", DEFAULT_LIMIT)
-        keeper = pool.acquire(100, ttl=2)  # held throughout; the heartbeat renews it every ~0.7 s
+        keeper = pool.acquire(100, ttl=KEEPER_TTL)  # held throughout, renewed by the heartbeat
         holder = pool.acquire(900, ttl=30)
         granted: list[int] = []
         errors: list[BaseException] = []
@@ -64,9 +69,8 @@ def test_sync_pool_150_waiting_threads(broker_srv, admin):
         # The broker's queue fills up to the limit of connections for waits, never beyond.
         wait_until(lambda: _broker_waiters(admin, "crowd-s") >= limit, timeout=30, interval=0.05)
         first_expiry, valid = keeper.expires_at, keeper.valid_until
-        wait_until(
-            lambda: keeper.valid_until > valid, timeout=5, interval=0.02
-        )  # a heartbeat renewal
+        # a heartbeat renewal (within a ttl, or the lease is lost)
+        wait_until(lambda: keeper.valid_until > valid, timeout=KEEPER_TTL, interval=0.02)
         for _ in range(3):  # control calls while the waits hold every wait connection
             t0 = time.monotonic()
             keeper.renew()
@@ -108,9 +112,8 @@ def test_async_pool_300_waiting_tasks(broker_srv, admin):
 
     async def crowd(pool: AsyncPool, watch: httpx.AsyncClient) -> None:
         limit = getattr(pool, "max_connections", DEFAULT_LIMIT)
-        keeper = await pool.acquire(
-            100, ttl=2
-        )  # held throughout; the heartbeat task renews it every ~0.7 s
+        # held throughout, renewed by the heartbeat task
+        keeper = await pool.acquire(100, ttl=KEEPER_TTL)
         holder = await pool.acquire(900, ttl=30)
         granted: list[int] = []
 

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from gpulock.embedded import RedisProcess
+from support.servers import RedisProcess
 
 from ._support import ADMIN_TOKEN, USER_TOKEN, BrokerServer, client
 

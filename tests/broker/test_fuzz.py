@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpulock.embedded import RedisProcess
+from support.servers import RedisProcess
 
 from support.schemathesis_cli import run_schemathesis
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from support.service import Service
 
-from gpulock.embedded import RedisProcess, find_server_binary
+from gpulock.embedded import find_server_binary
+from support.servers import RedisProcess
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ from support.pools import GiB
 from support.procs import Proc, broker_argv
 from support.waiting import wait_until
 
-from gpulock.embedded import free_port
+from support.ports import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = {

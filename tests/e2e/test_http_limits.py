@@ -28,7 +28,7 @@ import pytest
 from support.pools import GiB
 from support.procs import Proc, broker_argv
 
-from gpulock.embedded import free_port
+from support.ports import free_port
 
 READ_TIMEOUT = 2.0
 TOKEN = "limits-token-0123456789abcdef"

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from support.procs import _LIVE, alive, children, cmdline
 
-from gpulock.embedded import free_port
+from support.ports import free_port
 
 
 @pytest.mark.timeout(150)

@@ -19,7 +19,7 @@ import redis
 from support.procs import _LIVE, alive, children, cmdline
 from support.waiting import wait_until
 
-from gpulock.embedded import free_port
+from support.ports import free_port
 
 POOL = "gpu0"
 

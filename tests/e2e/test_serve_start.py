@@ -22,7 +22,7 @@ import pytest
 from support.procs import _LIVE, alive, children
 from support.waiting import wait_until
 
-from gpulock.embedded import free_port
+from support.ports import free_port
 
 MiB = 2**20
 HERE = Path(__file__).resolve().parent

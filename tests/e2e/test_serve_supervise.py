@@ -18,7 +18,7 @@ import redis
 from support.procs import _LIVE, alive, children, cmdline
 from support.waiting import wait_until
 
-from gpulock.embedded import free_port
+from support.ports import free_port
 
 
 def _env() -> dict:
@@ -66,7 +66,8 @@ def test_embedded_valkey_that_dies_5_times_within_60s_is_not_started_again(capsy
     from gpulock_service.embedded_server import MAX_DEATHS, RESTART_WINDOW_S, restart_embedded
     from gpulock_service.serve_words import EXIT_UNAVAILABLE
 
-    from gpulock.embedded import RedisProcess, find_server_binary
+    from gpulock.embedded import find_server_binary
+    from support.servers import RedisProcess
 
     assert (MAX_DEATHS, RESTART_WINDOW_S) == (5, 60.0)
     restarts: list[float] = []

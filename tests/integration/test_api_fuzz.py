@@ -30,7 +30,7 @@ from gpulock import (
 from gpulock_common.options import AcquireOptions
 
 from gpulock.protocol.args import new_id
-from gpulock.embedded import RedisProcess
+from support.servers import RedisProcess
 from support.pools import check_consistent, raw, raw_acquire, raw_configure, snapshot
 
 

@@ -21,7 +21,7 @@ import redis
 
 from gpulock import AcquireTimeout, Pool
 from gpulock.cli import EXIT_CAPACITY, EXIT_NO_POOL, EXIT_TEMPFAIL, EXIT_UNAVAILABLE
-from gpulock.embedded import free_port
+from support.ports import free_port
 from support.pools import GiB
 from support.procs import gpulock_argv
 from support.waiting import wait_until

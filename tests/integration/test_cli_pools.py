@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from gpulock import LeaseLost, Pool
-from gpulock.embedded import free_port
+from support.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -330,7 +330,7 @@ def test_an_unreachable_cluster_is_exit_69_with_its_cause():
     reads the slot map then) and InvalidArgument only for a malformed URL."""
     from gpulock import BackendUnavailable
     from gpulock.transport.connect import check_url
-    from gpulock.embedded import free_port
+    from support.ports import free_port
 
     url = f"redis+cluster://127.0.0.1:{free_port('127.0.0.1')}"
     assert check_url(url) == url  # the form is fine; nothing is asked
@@ -377,7 +377,7 @@ def test_serve_and_broker_name_a_bad_or_unreachable_cluster_url(tmp_path):
     """`gpulock broker` checks its URL before starting (exit 2, it was a uvicorn traceback);
     `gpulock serve` with a cluster none of whose seeds answers exits 69 with one line (it was a
     traceback)."""
-    from gpulock.embedded import free_port
+    from support.ports import free_port
 
     tokens = tmp_path / "tokens.json"
     tokens.write_text(

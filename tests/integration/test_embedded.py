@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpulock.embedded import RedisProcess
+from support.servers import RedisProcess
 
 
 def test_start_refuses_a_port_another_server_holds(server_binary):

@@ -253,7 +253,7 @@ def test_a_client_that_hangs_up_is_dropped_from_its_waiting_batch(redis_proc1):
 
     import uvicorn
 
-    from gpulock.embedded import free_port
+    from support.ports import free_port
 
     app, gpu, b, seen, gate = _app(redis_proc1.url, "bt6", max_size=3)
     port = free_port()

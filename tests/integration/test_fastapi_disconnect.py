@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from gpulock.embedded import free_port
+from support.ports import free_port
 from gpulock.fastapi import metrics
 
 from .test_fastapi import _app

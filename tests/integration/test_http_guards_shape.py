@@ -14,7 +14,7 @@ from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel
 
 from gpulock.http.guards import install_http_guards
-from gpulock.embedded import free_port
+from support.ports import free_port
 
 
 class Body(BaseModel):

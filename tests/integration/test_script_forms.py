@@ -17,7 +17,7 @@ import redis
 
 from gpulock import AsyncPool, Pool
 from gpulock.transport.scripts import library, scripts
-from gpulock.embedded import RedisProcess
+from support.servers import RedisProcess
 from support.pools import assert_empty, check_consistent
 
 pytestmark = pytest.mark.timeout(120)

@@ -19,7 +19,9 @@ import pytest
 import redis
 
 from gpulock import AsyncPool, BackendUnavailable, Pool
-from gpulock.embedded import RedisProcess, find_server_binary, free_port
+from gpulock.embedded import find_server_binary
+from support.servers import RedisProcess
+from support.ports import free_port
 from support.waiting import async_wait_until, wait_until
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,7 +13,9 @@ import pytest
 import redis
 from support.procs import kill_quietly
 
-from gpulock.embedded import RedisProcess, find_server_binary, free_port
+from gpulock.embedded import find_server_binary
+from support.servers import RedisProcess
+from support.ports import free_port
 
 from gpulock_service.datadir import DataDir, DataDirError, default_data_dir, resolve_data_dir
 

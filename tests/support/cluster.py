@@ -9,9 +9,12 @@ import time
 
 from redis.crc import key_slot
 
-from gpulock.protocol.keys import pool_key
-from gpulock.transport.local_cluster import Cluster, start_cluster
 from gpulock.embedded import RedisProcess
+from gpulock.protocol.keys import pool_key
+from gpulock.transport import local_cluster
+from gpulock.transport.local_cluster import Cluster
+
+from .ports import cluster_port
 
 __all__ = [
     "Cluster",
@@ -22,6 +25,12 @@ __all__ = [
     "start_cluster",
     "wait_replicated",
 ]
+
+
+def start_cluster(binary: str, **kw) -> Cluster:
+    """:func:`gpulock.transport.local_cluster.start_cluster` (same arguments) on node ports of
+    this test process's own (:func:`support.ports.cluster_port`)."""
+    return local_cluster.start_cluster(binary, pick_port=cluster_port, **kw)
 
 
 def _tag_of_slot(slot: int) -> str:

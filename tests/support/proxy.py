@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from gpulock.embedded import free_port
+from .ports import free_port
 
 
 class Proxy:

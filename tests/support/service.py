@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from gpulock import Pool
-from gpulock.embedded import free_port
+from .ports import free_port
 
 from .pools import GiB
 from .procs import _LIVE, children, cmdline, stop_group
@@ -43,6 +43,7 @@ class Service:
         self.pool = f"e2e-{self.name}-{os.getpid()}"
         (self.tmp / "hist").mkdir(parents=True, exist_ok=True)
         (self.tmp / "prom").mkdir(parents=True, exist_ok=True)
+        (self.tmp / "run").mkdir(mode=0o700, parents=True, exist_ok=True)
         self.history_prefix = str(self.tmp / "hist" / "h")
         self.log_path = self.tmp / f"{self.name}.log"
         self.proc: subprocess.Popen | None = None
@@ -61,6 +62,8 @@ class Service:
                 "GPULOCK_CONFIGURE": "set",
                 "GPULOCK_HISTORY_FILE": self.history_prefix,
                 "PROMETHEUS_MULTIPROC_DIR": str(self.tmp / "prom"),
+                # gunicorn's control socket (gunicorn.ctl), apart from every other gunicorn's
+                "XDG_RUNTIME_DIR": str(self.tmp / "run"),
                 "HF_HUB_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false",
                 "GPULOCK_TORCH_THREADS": "1",

@@ -49,7 +49,7 @@ import redis
 
 from gpulock import Pool
 from gpulock.protocol.keys import pool_keys
-from gpulock.embedded import RedisProcess
+from support.servers import RedisProcess
 from support.soaklog import read_logs
 from support.history import max_concurrent
 from support.pools import check_consistent, raw

@@ -28,7 +28,7 @@ import pytest
 import redis
 
 from gpulock import BackendUnavailable, LeaseLost, Pool
-from gpulock.embedded import RedisProcess
+from support.servers import RedisProcess
 from support.history import max_concurrent
 from support.procs import finish_all, kill_all
 from support.soaklog import read_logs

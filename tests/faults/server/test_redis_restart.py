@@ -14,7 +14,8 @@ from support.pools import MiB
 from support.service import Service
 
 from gpulock import Pool
-from gpulock.embedded import RedisProcess, find_server_binary
+from gpulock.embedded import find_server_binary
+from support.servers import RedisProcess
 
 
 @pytest.mark.timeout(120)

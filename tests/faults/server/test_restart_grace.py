@@ -30,7 +30,7 @@ import redis
 from gpulock import AcquireTimeout, AsyncPool, LeaseLost, Pool
 from gpulock.protocol.args import new_id
 from gpulock.protocol.keys import pool_keys
-from gpulock.embedded import RedisProcess
+from support.servers import RedisProcess
 from support.pools import _s, check_consistent, raw, raw_acquire, snapshot
 from support.proxy import Proxy
 from support.waiting import wait_until

@@ -16,7 +16,8 @@ import pytest
 import redis
 
 from gpulock import Pool
-from gpulock.embedded import PERSISTENCE_ARGS, RedisProcess
+from gpulock.embedded import PERSISTENCE_ARGS
+from support.servers import RedisProcess
 from support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)

@@ -21,7 +21,8 @@ import pytest
 import redis
 
 from gpulock import AsyncPool, Pool
-from gpulock.embedded import RedisProcess, free_port
+from support.servers import RedisProcess
+from support.ports import free_port
 
 from support.pools import check_consistent
 from support.servers import FAST_REPLICATION
