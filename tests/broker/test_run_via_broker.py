@@ -71,9 +71,10 @@ def test_run_through_broker_capacity_exceeded(broker_srv, gpu):
 def test_run_through_broker_priority_goes_first_and_status_shows_it(
     broker_srv, gpu, user, tmp_path
 ):
-    """Through the broker: at capacity, `gpulock run --priority 0` queues, then `--priority 5`;
-    `gpulock status` (JSON and table, through the broker) lists the priority-5 one first with
-    its priority, and it runs first."""
+    """Through the broker: at capacity, `gpulock run --priority 0` queues, then `--priority 50`;
+    `gpulock status` (JSON and table, through the broker) lists the priority-50 one first with
+    its priority, and it runs first. (Priorities age one level a second: 50 apart, the second
+    may queue up to 50 s after the first, as a CLI start on a loaded machine can take seconds.)"""
     held = user.post(f"/v1/pools/{gpu}/leases", json={"amount": "10GiB", "ttl": 30})
     assert held.status_code == 201, held.text
     out = tmp_path / "order"
@@ -98,15 +99,15 @@ def test_run_through_broker_priority_goes_first_and_status_shows_it(
     try:
         run("low", "0")
         wait_until(lambda: waiting(1), timeout=30, interval=0.05, what="low queued")
-        run("high", "5")
+        run("high", "50")
         assert wait_until(lambda: waiting(2), timeout=30, interval=0.05, what="both queued") == [
-            ("high", 5),
+            ("high", 50),
             ("low", 0),
         ]
         r = _run(broker_srv.url, "status", gpu, "--json")
         assert r.returncode == 0, r.stderr
         ws = json.loads(r.stdout)["waiters"]
-        assert [(w["holder"]["purpose"], w["priority"]) for w in ws] == [("high", 5), ("low", 0)]
+        assert [(w["holder"]["purpose"], w["priority"]) for w in ws] == [("high", 50), ("low", 0)]
         r = _run(broker_srv.url, "status", gpu)
         assert r.returncode == 0, r.stderr
         rows = {
@@ -116,7 +117,7 @@ def test_run_through_broker_priority_goes_first_and_status_shows_it(
             if ln.split()[6:7] in (["high"], ["low"])
         }
         assert rows == {
-            "high": ["1", "6.0GiB", "5", "user"],
+            "high": ["1", "6.0GiB", "50", "user"],
             "low": ["2", "6.0GiB", "0", "user"],
         }, r.stdout
     finally:

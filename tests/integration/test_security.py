@@ -52,9 +52,11 @@ def exercise(url: str, name: str, *, shell: str = "sync") -> None:
     if shell == "async":
         asyncio.run(_exercise_async(url, name))
         return
+    # ttl 3 s: renewed every second (ttl/3). A 0.6 s lease, renewed every 0.2 s, was lost on a
+    # loaded machine before the test looked at it.
     with Pool.from_url(url, name, capacity=100, poll_interval=0.2) as p:
         p.configure(100)
-        a = p.acquire(60, ttl=0.6)
+        a = p.acquire(60, ttl=3)
         got: dict = {}
         t = threading.Thread(
             target=lambda: got.setdefault("b", p.acquire(60, timeout=10)), daemon=True
@@ -84,7 +86,7 @@ def exercise(url: str, name: str, *, shell: str = "sync") -> None:
 async def _exercise_async(url: str, name: str) -> None:
     p = AsyncPool.from_url(url, name, capacity=100, poll_interval=0.2)
     try:
-        a = await p.acquire(60, ttl=0.6)
+        a = await p.acquire(60, ttl=3)  # as in exercise(): renewed every second
         w = asyncio.create_task(p.acquire(60, timeout=10))
         while (await p.status()).waiter_count != 1:
             await asyncio.sleep(0.01)
@@ -406,13 +408,14 @@ def test_tls_sync_pool_on_a_client_object(tls_redis):
     )
     p = Pool(client, "tls-obj", capacity=100, poll_interval=0.2)
     try:
-        a = p.acquire(60, ttl=0.6)
+        a = p.acquire(60, ttl=3)
         got: dict = {}
         t = threading.Thread(
             target=lambda: got.setdefault("b", p.acquire(60, timeout=10)), daemon=True
         )
         t.start()
-        time.sleep(0.8)  # renewed over TLS by the background client
+        first = a.expires_at
+        wait_until(lambda: a.expires_at > first)  # renewed over TLS by the background client
         a.ensure_valid()
         a.release()
         t.join(10)
