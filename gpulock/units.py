@@ -155,7 +155,7 @@ def parse_seconds(
         return 0.0
     if f < minimum or f > maximum:
         raise InvalidArgument(
-            f"{name} must be between {minimum} and {maximum} seconds, got {value!r}"
+            f"{name} must be between {minimum:g} and {maximum:g} seconds, got {value!r}"
         )
     return f
 

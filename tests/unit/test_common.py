@@ -116,13 +116,15 @@ def test_importing_gpulock_client_imports_no_redis_torch_or_fastapi():
 
 
 def test_both_distributions_depend_on_gpulock_common():
+    """Both require at least the gpulock-common of this tree: a change to gpulock-common that
+    they need (0.2.0: the error table and the option vocabulary) bumps its version and their
+    lower bound together, so pip never pairs them with an older one."""
+    import gpulock_common
+
     tomllib = pytest.importorskip("tomllib")
     common = tomllib.loads((ROOT / "clients/common/pyproject.toml").read_text())["project"]
-    assert (common["name"], common["version"], common["dependencies"]) == (
-        "gpulock-common",
-        "0.1.0",
-        [],
-    )
+    assert (common["name"], common["dependencies"]) == ("gpulock-common", [])
+    assert common["version"] == gpulock_common.__version__
     for path in ("pyproject.toml", "clients/python/pyproject.toml"):
         deps = tomllib.loads((ROOT / path).read_text())["project"]["dependencies"]
-        assert "gpulock-common>=0.1.0" in deps, path
+        assert f"gpulock-common>={common['version']}" in deps, path
