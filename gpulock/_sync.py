@@ -23,6 +23,8 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import redis
 from redis.exceptions import AuthenticationError
 
+from gpulock_common.driver import drive
+
 from gpulock.protocol import flow
 from gpulock._async import _CLIENT_DEFAULTS, DEFAULT_BACKEND_TIMEOUT_S
 from gpulock.protocol.args import (
@@ -285,20 +287,10 @@ class Pool(PoolOptions):
         """Carry out a flow of :mod:`gpulock.protocol.flow` (its steps' replies: there) on the caller's
         thread, and return its result. An acquire's flow runs with the background it began
         with (``bg``), also while close() drops it. A step's error goes into the flow as
-        gpulock's own (redis-py's translated)."""
-        reply: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                step = steps.send(reply) if error is None else steps.throw(error)
-            except StopIteration as done:
-                result: _T = done.value
-                return result
-            reply, error = None, None
-            try:
-                reply = self._step(step, bg)
-            except BaseException as e:  # noqa: BLE001 - also KeyboardInterrupt: the flow decides
-                error = translated(e, self.name)
+        gpulock's own (redis-py's translated), a KeyboardInterrupt too: the flow decides."""
+        return drive(
+            steps, lambda step: self._step(step, bg), into=lambda e: translated(e, self.name)
+        )
 
     def _step(self, step: flow.Step, bg: _Background | None) -> Any:
         if isinstance(step, flow.Eval):

@@ -9,6 +9,7 @@ import gpulock_client
 import httpx
 import pytest
 from gpulock_client import _core as core
+from gpulock_common.driver import drive as common_drive
 from gpulock_client.errors import (
     AcquireTimeout,
     BackendUnavailable,
@@ -53,20 +54,20 @@ def queued(clock, pos=3, ra="2"):
 def drive(gen, clock, replies):
     """Run the steps: answer Http steps from `replies` (callables of the step), advance the
     clock on Sleep. Returns (result or exception, steps)."""
-    steps, out = [], None
+    steps = []
+
+    def do_step(step):
+        steps.append(step)
+        if isinstance(step, core.Sleep):
+            clock.t += step.seconds
+            return None
+        out = replies.pop(0)(step)
+        if isinstance(out, core.Reply):
+            clock.t += 0.001
+        return out
+
     try:
-        while True:
-            step = gen.send(out)
-            steps.append(step)
-            if isinstance(step, core.Sleep):
-                clock.t += step.seconds
-                out = None
-            else:
-                out = replies.pop(0)(step)
-                if isinstance(out, core.Reply):
-                    clock.t += 0.001
-    except StopIteration as s:
-        return s.value, steps
+        return common_drive(gen, do_step, catch=()), steps  # as the SDK's shells drive them
     except Exception as e:
         return e, steps
 

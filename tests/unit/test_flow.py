@@ -9,6 +9,8 @@ from typing import Any, Callable
 
 import pytest
 
+from gpulock_common.driver import drive as common_drive
+
 from gpulock.protocol import flow
 from gpulock.protocol.keys import pool_keys
 from gpulock.protocol.lease import LeaseState
@@ -44,19 +46,12 @@ def drive(steps, answer: Callable[[flow.Step], Any]) -> tuple[Any, list[flow.Ste
     """Run a flow to its end; ``answer(step)`` returns the reply or raises. Returns (result,
     the steps seen)."""
     seen: list[flow.Step] = []
-    reply: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = steps.send(reply) if error is None else steps.throw(error)
-        except StopIteration as done:
-            return done.value, seen
+
+    def do_step(step: flow.Step) -> Any:
         seen.append(step)
-        reply, error = None, None
-        try:
-            reply = answer(step)
-        except BaseException as e:  # noqa: BLE001 - handed to the flow, as a driver does
-            error = e
+        return answer(step)  # what it raises goes into the flow, as in the shells
+
+    return common_drive(steps, do_step), seen
 
 
 def _req(timeout: float | None) -> AcquireRequest:

@@ -4,8 +4,9 @@ reply decoding, error mapping, retry delays, the lease's validity clock and hear
 The acquire, renew and release procedures are generators that *yield* what to do — an
 :class:`Http` call, a :class:`Sleep` or an :class:`Enter` — and receive the outcome (a
 :class:`Reply`, or the transport exception; for ``Enter`` True or False); ``_sync.py`` and
-``_async.py`` only carry the steps out. So the retry logic exists once, and tests drive it with
-a fake clock and canned replies.
+``_async.py`` only carry the steps out (each step's I/O; the loop is
+:func:`gpulock_common.driver.drive`'s and ``adrive``'s). So the retry logic exists once, and
+tests drive it with a fake clock and canned replies.
 
 Connections: each pool object has one connection pool for the long-polled waits (``lane``
 :data:`WAIT`, at most ``max_connections``) and a separate small one for everything else
@@ -148,7 +149,8 @@ def seconds_until(deadline: Optional[float], clock: Clock) -> Optional[float]:
 
 
 Outcome = Union[Reply, Exception, bool]
-Steps = Generator[Union[Http, Sleep, Enter], Outcome, Any]
+Step = Union[Http, Sleep, Enter]
+Steps = Generator[Step, Outcome, Any]
 
 
 def error_for(r: Reply, pool: str) -> GpuLockError:
