@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError
 
 from gpulock_common.aio import pending_cancels
+from gpulock_common.options import PoolSettings
 
 from gpulock.protocol import flow
 from gpulock.runtime import remote as _remote
@@ -347,16 +348,18 @@ class AsyncPool(PoolOptions):
             flow.configure(
                 self,
                 self._runtime,
-                capacity,
-                max_waiters=max_waiters,
-                max_ttl=max_ttl,
+                PoolSettings(
+                    capacity,
+                    max_waiters,
+                    max_ttl,
+                    policy,
+                    backfill_window,
+                    quotas,
+                    devices,
+                    placement,
+                ),
                 create_only=create_only,
                 grace=_grace,
-                policy=policy,
-                backfill_window=backfill_window,
-                quotas=quotas,
-                devices=devices,
-                placement=placement,
             )
         )
 

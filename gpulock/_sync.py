@@ -23,6 +23,8 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import redis
 from redis.exceptions import AuthenticationError
 
+from gpulock_common.options import PoolSettings
+
 from gpulock.protocol import flow
 from gpulock._async import _CLIENT_DEFAULTS, DEFAULT_BACKEND_TIMEOUT_S
 from gpulock.protocol.args import (
@@ -423,16 +425,18 @@ class Pool(PoolOptions):
             flow.configure(
                 self,
                 self._runtime,
-                capacity,
-                max_waiters=max_waiters,
-                max_ttl=max_ttl,
+                PoolSettings(
+                    capacity,
+                    max_waiters,
+                    max_ttl,
+                    policy,
+                    backfill_window,
+                    quotas,
+                    devices,
+                    placement,
+                ),
                 create_only=create_only,
                 grace=_grace,
-                policy=policy,
-                backfill_window=backfill_window,
-                quotas=quotas,
-                devices=devices,
-                placement=placement,
             )
         )
 

@@ -17,6 +17,7 @@ import threading
 from typing import Any, Mapping
 
 from gpulock_common.options import AGING_S as AGING_S
+from gpulock_common.options import DEFAULT_MAX_TTL_S as DEFAULT_MAX_TTL_S
 from gpulock_common.options import DEFAULT_MAX_WAITERS as DEFAULT_MAX_WAITERS
 from gpulock_common.options import DEFAULT_TTL_S as DEFAULT_TTL_S
 from gpulock_common.options import MAX_DEVICES as MAX_DEVICES
@@ -42,10 +43,8 @@ _TICKET_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 DEFAULT_WAITER_TTL_S = 5.0
 # Waiters refresh their expiry (and re-poll as a backstop for a lost pub/sub message) this often.
 DEFAULT_POLL_INTERVAL_S = 1.0
-# The longest ttl a lease may have in a pool this library creates (``max_ttl``), unless the
-# pool object is given another: also the length of the grace period after Redis lost a pool
-# (docs/SEMANTICS.md), during which nothing new is granted. Twice the default ttl.
-DEFAULT_MAX_TTL_S = 60.0
+# The longest ttl a lease may have in a pool this library creates (``max_ttl``) is the
+# vocabulary's DEFAULT_MAX_TTL_S, as are a pool's other settings' bounds.
 
 
 def validate_pool_name(name: object) -> str:

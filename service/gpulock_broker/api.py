@@ -472,17 +472,7 @@ async def configure_pool(
     only while the pool has no lease and no waiter (else 422, nothing changed)."""
     _admin_only(who, pool, "configure")
     try:
-        r = await broker.configure(
-            pool,
-            body.capacity_bytes,
-            body.max_waiters,
-            body.max_ttl,
-            policy=body.policy,
-            backfill_window=body.backfill_window,
-            quotas=body.quota_bytes,
-            devices=body.device_bytes,
-            placement=body.placement,
-        )
+        r = await broker.configure(pool, body.settings)
     except Exception as e:
         _map(e, pool)
     devices = r.get("devices") or [r["capacity"]]

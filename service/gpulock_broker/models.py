@@ -25,6 +25,7 @@ from gpulock_common.options import (
     AcquireOptions,
     Placement,
     Policy,
+    PoolSettings,
     check_device,
     check_placement,
     check_policy,
@@ -393,3 +394,18 @@ class PoolConfigRequest(_Body):
     def device_bytes(self) -> list[int] | None:
         """``devices``: each device's capacity in bytes; None when not given."""
         return None if self.devices is None else [_validated_bytes(c) for c in self.devices]
+
+    @property
+    def settings(self) -> PoolSettings:
+        """The pool settings this body gives, in bytes and seconds (what it leaves out: None,
+        the pool keeps it), as the broker passes them on to the pool's ``configure``."""
+        return PoolSettings(
+            capacity=self.capacity_bytes,
+            max_waiters=self.max_waiters,
+            max_ttl=self.max_ttl,
+            policy=self.policy,
+            backfill_window=self.backfill_window,
+            quotas=self.quota_bytes,
+            devices=self.device_bytes,
+            placement=self.placement,
+        )

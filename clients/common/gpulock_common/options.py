@@ -11,7 +11,10 @@ options and the FastAPI integration's settings.
   (:func:`check_priority`; text only through :func:`parse_priority`), a device index, a
   tenant, ``resident``, a policy, a placement;
 - :class:`AcquireOptions`: every option of an acquire, with its default, as one value that the
-  layers below the public ``acquire`` methods pass on.
+  layers below the public ``acquire`` methods pass on;
+- :class:`PoolSettings`: every setting a pool's ``configure`` takes (None: keep the pool's),
+  as one value that the layers below the public ``configure`` methods, the broker's request
+  model and the CLI pass on; a duration's check (:func:`check_seconds`).
 
 The Lua scripts enforce the same bounds and choices (``lua/lib.lua``);
 ``tests/unit/test_vocabulary.py`` reads them from there and compares. Standard library only,
@@ -20,9 +23,10 @@ no I/O. Raises :class:`~gpulock_common.errors.InvalidArgument` naming a bad valu
 
 from __future__ import annotations
 
+import math
 import operator
 import re
-from typing import Any, Dict, Literal, NamedTuple, Optional, Tuple, cast
+from typing import Any, Dict, Literal, Mapping, NamedTuple, Optional, Sequence, Tuple, Union, cast
 
 from .errors import InvalidArgument
 
@@ -47,6 +51,11 @@ MAX_DEVICES = 64
 # The queue bound a pool takes (lua/lib.lua MIN_WAITERS, MAX_WAITERS), and a new pool's.
 MIN_MAX_WAITERS, MAX_MAX_WAITERS = 1, 1_000_000
 DEFAULT_MAX_WAITERS = 10_000
+
+# The longest ttl a lease may have in a pool this library creates (a pool's ``max_ttl``, within
+# [MIN_TTL_S, MAX_TTL_S]), unless the pool object is given another: also the length of the
+# grace period after Redis lost a pool (docs/SEMANTICS.md). Twice the default ttl.
+DEFAULT_MAX_TTL_S = 60.0
 
 # Queue policies (docs/SEMANTICS.md, "Backfill"; lua/lib.lua POLICIES): fifo, nothing passes
 # the head of the queue; backfill, a later request that fits may pass a head that does not, for
@@ -191,3 +200,92 @@ class AcquireOptions(NamedTuple):
         check_tenant(self.tenant)
         check_resident(self.resident)
         return self if p is self.priority else self._replace(priority=p)
+
+
+def check_seconds(value: Any, *, name: str, minimum: float, maximum: float) -> float:
+    """A duration in seconds as a ``float`` in [minimum, maximum]: a number (not a bool) or
+    its decimal text, finite. Raises InvalidArgument naming it. (``gpulock.units.parse_seconds``
+    is this check with None and zero allowed where a setting means "none" by them.)"""
+    if value is None or isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be a number of seconds, got {value!r}")
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"{name} must be a number of seconds, got {value!r}") from None
+    if not math.isfinite(f):
+        raise InvalidArgument(f"{name} must be a finite number of seconds, got {value!r}")
+    if f < minimum or f > maximum:
+        raise InvalidArgument(
+            f"{name} must be between {minimum:g} and {maximum:g} seconds, got {value!r}"
+        )
+    return f
+
+
+def check_max_waiters(max_waiters: Any) -> int:
+    """A pool's queue bound as an ``int`` in [MIN_MAX_WAITERS, MAX_MAX_WAITERS] (any integer
+    type; not a bool, a float or text). Raises InvalidArgument naming it."""
+    try:
+        if isinstance(max_waiters, (bool, str, bytes, float)):
+            raise TypeError
+        n = operator.index(max_waiters)
+    except TypeError:
+        n = None
+    if n is None or not MIN_MAX_WAITERS <= n <= MAX_MAX_WAITERS:
+        raise InvalidArgument(
+            f"max_waiters must be an integer in [{MIN_MAX_WAITERS}, {MAX_MAX_WAITERS}], "
+            f"got {max_waiters!r:.80}"
+        )
+    return n
+
+
+class PoolSettings(NamedTuple):
+    """Every setting of a pool that its ``configure`` sets, each None to keep the pool's (a
+    new pool's default then): what the public ``configure`` methods take as keywords
+    (``gpulock.Pool``, ``gpulock.AsyncPool``, the SDK's pools; meanings and units:
+    :meth:`gpulock.AsyncPool.configure`), the broker's ``PUT /v1/pools/{pool}`` body and
+    ``gpulock pool set``'s options, passed on below them as one value. A new setting is a
+    field here (with its check in :meth:`checked`), then whatever carries it
+    (docs/ARCHITECTURE.md, "Adding a pool setting").
+
+    Sizes (``capacity``, ``quotas``' values, ``devices``' capacities) stay as given: bytes or
+    size text, which the core and the broker parse (``gpulock.units``)."""
+
+    capacity: Union[int, str, None] = None  # bytes or a size ("24GiB"); None: the pool's own
+    max_waiters: Optional[int] = None  # the queue bound, [MIN_MAX_WAITERS, MAX_MAX_WAITERS]
+    max_ttl: Optional[float] = None  # seconds, [MIN_TTL_S, MAX_TTL_S]; also the grace period
+    policy: Optional[str] = None  # one of POLICIES
+    backfill_window: Optional[float] = None  # seconds, [MIN_BACKFILL_WINDOW_S, MAX_...]
+    quotas: Optional[Mapping[str, Union[int, str, None]]] = None  # tenant: size; 0/None: remove
+    devices: Union[int, Sequence[Union[int, str]], None] = None  # a count, or each one's size
+    placement: Optional[str] = None  # one of PLACEMENTS
+
+    def checked(self) -> PoolSettings:
+        """These settings after the checks both sides make before anything is sent: the
+        queue bound (an ``int``), ``max_ttl`` and ``backfill_window`` (``float`` seconds in
+        their bounds), the policy and the placement (one of the choices). Raises
+        InvalidArgument naming the first bad value."""
+        mw, mt, bw = self.max_waiters, self.max_ttl, self.backfill_window
+        if mw is not None:
+            mw = check_max_waiters(mw)
+        if mt is not None:
+            mt = check_seconds(mt, name="max_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+        check_policy(self.policy)
+        if bw is not None:
+            bw = check_seconds(
+                bw,
+                name="backfill_window",
+                minimum=MIN_BACKFILL_WINDOW_S,
+                maximum=MAX_BACKFILL_WINDOW_S,
+            )
+        check_placement(self.placement)
+        return self._replace(max_waiters=mw, max_ttl=mt, backfill_window=bw)
+
+    def given(self) -> Dict[str, Any]:
+        """The settings given (not None) as keywords: ``configure(**s.given())`` of a pool
+        object, or the broker's request body (quotas as a dict, devices as a list)."""
+        out = {k: v for k, v in self._asdict().items() if v is not None}
+        if self.quotas is not None:
+            out["quotas"] = dict(self.quotas)
+        if self.devices is not None and not isinstance(self.devices, (int, str, bytes)):
+            out["devices"] = list(self.devices)
+        return out
