@@ -24,9 +24,7 @@ from gpulock.protocol.args import (
     MAX_TTL_S,
     MIN_TTL_S,
     configure_capacity,
-    decode_quotas,
     encode_devices,
-    encode_quotas,
     ttl_ms,
     validate_request_id,
     validate_token,
@@ -107,19 +105,13 @@ def configure_args(
     policy: QueueConfig | None = None,
 ) -> list[str]:
     """ARGV of ``configure.lua``: capacity (bytes), max_waiters, "create" (only if absent) or
-    "set", max_ttl (ms), whether a pool it creates starts with a grace period, and the queue
-    policy ("fifo" or "backfill"), backfill window (ms), tenant quotas (``protocol.args.encode_quotas``),
-    devices (``protocol.args.encode_devices``) and placement, each None to leave it as it is."""
+    "set", max_ttl (ms), whether a pool it creates starts with a grace period, and the pool's
+    scheduling settings (:meth:`QueueConfig.argv`: the queue policy, backfill window in ms,
+    tenant quotas, devices and placement; each None to leave it as it is)."""
     mode = "create" if create_only else "set"
     argv = [str(capacity), str(max_waiters), mode, str(max_ttl_ms), "1" if grace else "0"]
     if policy is not None:
-        argv += [
-            policy.policy or "",
-            "" if policy.backfill_ms is None else str(policy.backfill_ms),
-            policy.quotas or "",
-            policy.devices or "",
-            policy.placement or "",
-        ]
+        argv += policy.argv()
     return argv
 
 
@@ -143,11 +135,7 @@ def configure(
     if s.devices is not None:
         capacity, devs = encode_devices(s.devices, capacity)
     cap = configure_capacity(capacity, pool.capacity)
-    spec = None if s.quotas is None else encode_quotas(s.quotas)
-    window = None if s.backfill_window is None else max(1, round(s.backfill_window * 1000))
-    qp: QueueConfig | None = None
-    if any(v is not None for v in (s.policy, window, spec, devs, s.placement)):
-        qp = QueueConfig(s.policy, window, spec, devs, s.placement)
+    qp = QueueConfig.asked(s, devs)
     mw = pool.max_waiters if s.max_waiters is None else s.max_waiters
     mt = pool.max_ttl if s.max_ttl is None else s.max_ttl
     argv = (
@@ -172,10 +160,7 @@ def configure(
     }
     q = rep.queue
     if q is not None:
-        out["policy"], out["backfill_window"] = q.policy, (q.backfill_ms or 0) / 1000
-        out["quotas"] = decode_quotas(q.quotas or "")
-        out["devices"] = [int(c) for c in (q.devices or "").split()] or [rep.capacity]
-        out["placement"] = q.placement
+        out.update(q.shown(rep.capacity))
     if rt is not None:
         rt.seen(rep.epoch, rep.capacity, rep.max_waiters, rep.max_ttl_ms, q)
     return out

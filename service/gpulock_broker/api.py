@@ -486,20 +486,16 @@ async def configure_pool(
         ",".join(str(c) for c in devices),
         r.get("placement", DEFAULT_PLACEMENT),
     )
-    return PoolConfigured(
+    # the reply's fields by name (a pool setting added to the reply and the answer model
+    # needs no line here)
+    fields = {k: r[k] for k in PoolConfigured.model_fields if k in r}
+    fields.update(
         pool=pool,
         created=bool(r["created"]),
-        capacity=r["capacity"],
-        epoch=r["epoch"],
-        used=r["used"],
-        max_waiters=r["max_waiters"],
-        max_ttl=r["max_ttl"],
-        policy=r["policy"],
-        backfill_window=r["backfill_window"],
-        quotas=r["quotas"],
         devices=devices,
         placement=r.get("placement", DEFAULT_PLACEMENT),
     )
+    return PoolConfigured(**fields)
 
 
 @router.delete(

@@ -44,6 +44,21 @@ DEFAULT_TTL_S = 30.0
 # Holder metadata: at most this many bytes as JSON (lua/lib.lua MAX_META).
 MAX_META_BYTES = 512
 
+# Request ids (the idempotency key, the waiter's ticket): 1 to MAX_REQUEST_ID_LEN characters of
+# REQUEST_ID_CHARS (lua/lib.lua id_arg).
+REQUEST_ID_CHARS = "[A-Za-z0-9._:-]"
+MAX_REQUEST_ID_LEN = 128
+
+# Over HTTP (the broker's /v1, and its SDK, which checks the same before sending):
+# - a lease's ttl is at least MIN_REMOTE_TTL_S: its holder, on another host, renews it every
+#   ttl/3 through the broker, and a third of the core's 0.1 s is less than one HTTP round
+#   trip's jitter;
+# - a request id is at most MAX_REMOTE_REQUEST_ID_LEN characters: the broker scopes it to the
+#   token (its 16 hex digits and ":" before it), and the core's MAX_REQUEST_ID_LEN holds for
+#   the scoped one.
+MIN_REMOTE_TTL_S = 1.0
+MAX_REMOTE_REQUEST_ID_LEN = 96
+
 # Devices (docs/SEMANTICS.md, "Devices and placement"): a pool holds 1 to MAX_DEVICES devices
 # (lua/lib.lua MAX_DEVICES); a request's device is an index in [0, MAX_DEVICES).
 MAX_DEVICES = 64
@@ -79,6 +94,7 @@ DEFAULT_PLACEMENT: Placement = "bestfit"
 TENANT_PATTERN = r"[A-Za-z0-9._:-]{1,64}"
 _TENANT_RE = re.compile(TENANT_PATTERN)
 _PRIORITY_TEXT = re.compile(r"[+-]?[0-9]{1,8}")
+_REQUEST_ID_RE = re.compile(f"{REQUEST_ID_CHARS}+")
 
 
 def _bad_priority(value: Any) -> InvalidArgument:
@@ -126,6 +142,24 @@ def check_device(device: Any) -> Optional[int]:
             f"device must be a device index in [0, {MAX_DEVICES - 1}] or None, got {device!r:.80}"
         )
     return device
+
+
+def check_request_id(rid: Any, *, longest: int = MAX_REQUEST_ID_LEN) -> str:
+    """A request id: 1 to ``longest`` characters of REQUEST_ID_CHARS (MAX_REQUEST_ID_LEN for
+    the core; MAX_REMOTE_REQUEST_ID_LEN over HTTP). Raises InvalidArgument naming it."""
+    if not isinstance(rid, str) or not _REQUEST_ID_RE.fullmatch(rid) or len(rid) > longest:
+        raise InvalidArgument(
+            f"request_id must be 1-{longest} characters of {REQUEST_ID_CHARS}, got {rid!r:.200}"
+        )
+    return rid
+
+
+def check_holder(holder: Any) -> Optional[Dict[str, Any]]:
+    """A request's holder metadata: a dict (None or empty: none). Raises InvalidArgument naming
+    anything else. (Its size as JSON is the core's to check, and the broker's.)"""
+    if holder and not isinstance(holder, dict):
+        raise InvalidArgument(f"holder must be a dict of metadata, got {holder!r:.80}")
+    return cast(Optional[Dict[str, Any]], holder)
 
 
 def check_tenant(tenant: Any) -> str:
@@ -189,16 +223,24 @@ class AcquireOptions(NamedTuple):
     device: Optional[int] = None  # the device it must be on; None: the pool places it
     resident: bool = False  # held for its holder's whole life
 
-    def checked(self) -> AcquireOptions:
+    def checked(self, *, remote: bool = False) -> AcquireOptions:
         """These options after the checks both sides make before anything is sent: the
-        priority (as an ``int``: :func:`check_priority`), the device, the tenant and
-        ``resident``. Raises InvalidArgument naming the first bad value."""
+        priority (as an ``int``: :func:`check_priority`), the device, the tenant, ``resident``
+        and that the holder is a dict; with ``remote`` (the SDK's, over HTTP) also the ttl and
+        the request id by the broker's bounds (MIN_REMOTE_TTL_S, MAX_REMOTE_REQUEST_ID_LEN).
+        Raises InvalidArgument naming the first bad value."""
         p = self.priority
         if not (p == 0 and type(p) is int):  # the default, on every acquire: no call
             p = check_priority(p)
         check_device(self.device)
         check_tenant(self.tenant)
         check_resident(self.resident)
+        check_holder(self.holder)
+        if remote:
+            if self.ttl is not None:
+                check_seconds(self.ttl, name="ttl", minimum=MIN_REMOTE_TTL_S, maximum=MAX_TTL_S)
+            if self.request_id is not None:
+                check_request_id(self.request_id, longest=MAX_REMOTE_REQUEST_ID_LEN)
         return self if p is self.priority else self._replace(priority=p)
 
 

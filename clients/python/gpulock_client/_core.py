@@ -301,10 +301,11 @@ def acquire_steps(
     to the end; ``timeout=0`` (one try, no long poll) goes on the control connections.
 
     ``options`` (the acquire's keywords; a tenant and ``resident`` are the broker's to set, not
-    the client's): checked first (InvalidArgument before anything is sent); ``priority`` is
+    the client's): checked first, by the broker's bounds too (InvalidArgument before anything
+    is sent: ``AcquireOptions.checked(remote=True)``); ``priority`` is
     sent only when it is not 0, ``device`` only when it is not None (a broker older than
     priorities or devices refuses the field)."""
-    options = options.checked()
+    options = options.checked(remote=True)
     timeout = options.timeout
     clock = cfg.clock
     start = clock()
