@@ -14,6 +14,7 @@ from redis.exceptions import AuthenticationError
 
 from gpulock_common.aio import pending_cancels
 from gpulock_common.driver import adrive
+from gpulock_common.options import PoolSettings
 
 from gpulock.protocol import flow
 from gpulock.runtime import remote as _remote
@@ -341,16 +342,18 @@ class AsyncPool(PoolOptions):
             flow.configure(
                 self,
                 self._runtime,
-                capacity,
-                max_waiters=max_waiters,
-                max_ttl=max_ttl,
+                PoolSettings(
+                    capacity,
+                    max_waiters,
+                    max_ttl,
+                    policy,
+                    backfill_window,
+                    quotas,
+                    devices,
+                    placement,
+                ),
                 create_only=create_only,
                 grace=_grace,
-                policy=policy,
-                backfill_window=backfill_window,
-                quotas=quotas,
-                devices=devices,
-                placement=placement,
             )
         )
 

@@ -24,6 +24,7 @@ import redis
 from redis.exceptions import AuthenticationError
 
 from gpulock_common.driver import drive
+from gpulock_common.options import PoolSettings
 
 from gpulock.protocol import flow
 from gpulock._async import _CLIENT_DEFAULTS, DEFAULT_BACKEND_TIMEOUT_S
@@ -415,16 +416,18 @@ class Pool(PoolOptions):
             flow.configure(
                 self,
                 self._runtime,
-                capacity,
-                max_waiters=max_waiters,
-                max_ttl=max_ttl,
+                PoolSettings(
+                    capacity,
+                    max_waiters,
+                    max_ttl,
+                    policy,
+                    backfill_window,
+                    quotas,
+                    devices,
+                    placement,
+                ),
                 create_only=create_only,
                 grace=_grace,
-                policy=policy,
-                backfill_window=backfill_window,
-                quotas=quotas,
-                devices=devices,
-                placement=placement,
             )
         )
 

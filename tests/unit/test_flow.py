@@ -10,6 +10,7 @@ from typing import Any, Callable
 import pytest
 
 from gpulock_common.driver import drive as common_drive
+from gpulock_common.options import PoolSettings
 
 from gpulock.protocol import flow
 from gpulock.protocol.keys import pool_keys
@@ -406,9 +407,7 @@ def test_the_flows_need_of_the_runtime_only_its_view():
     with pytest.raises(AcquireTimeout):
         drive(flow.acquire(pool, rt, _req(2.0), 0.0, None), answer)
     out, _ = drive(
-        flow.configure(
-            pool, rt, 100, max_waiters=None, max_ttl=None, create_only=False, grace=False
-        ),
+        flow.configure(pool, rt, PoolSettings(100), create_only=False, grace=False),
         answer,
     )
     assert out["policy"] == "fifo" and out["devices"] == [100]

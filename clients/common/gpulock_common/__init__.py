@@ -22,7 +22,7 @@ pulls in neither redis, torch nor FastAPI, and the two sides hold one copy of:
   no pydantic internals), for the servers' 400/422 and the SDK's and CLI's messages.
 - :mod:`gpulock_common.options`: the vocabulary of an acquire and of a pool's settings
   (bounds, defaults, queue policies and placements, the one check of each value, and
-  ``AcquireOptions``), which the Lua scripts enforce too.
+  ``AcquireOptions``, ``PoolSettings``), which the Lua scripts enforce too.
 - :mod:`gpulock_common.aio`: asyncio helpers that never lose a cancellation (``wait_for``,
   ``stop_tasks``), which both sides' background loops stop with.
 - :mod:`gpulock_common.driver`: the one driver loop of a step machine (``drive``, ``adrive``):

@@ -314,23 +314,25 @@ class AsyncPool:
     ) -> Dict[str, Any]:
         """Create the pool or change it (admin token); the arguments, reply and errors of
         :meth:`gpulock_client.Pool.configure`."""
+        settings = core.checked_settings(
+            core.PoolSettings(
+                capacity,
+                max_waiters,
+                max_ttl,
+                policy,
+                backfill_window,
+                quotas,
+                devices,
+                placement,
+            )
+        )
         current = None
         if capacity is None and devices is None:  # keep the pool's own sizes
             try:
                 current = await self.status()
             except PoolNotFound:
                 pass  # a new pool: configure_body says what it needs
-        body = core.configure_body(
-            capacity,
-            max_waiters=max_waiters,
-            max_ttl=max_ttl,
-            policy=policy,
-            backfill_window=backfill_window,
-            quotas=quotas,
-            devices=devices,
-            placement=placement,
-            current=current,
-        )
+        body = core.configure_body(settings, current)
         return await self._get("PUT", self._cfg.base, body)
 
     # ---- heartbeat -------------------------------------------------------------------------

@@ -355,23 +355,25 @@ class Pool:
         capacity, device 0 first (a pool of several GPUs). ``placement``: "bestfit" or
         "spread". Returns the broker's reply (the pool's settings and use). Raises
         AuthError, InvalidArgument (naming the bad value; nothing changed), BackendUnavailable."""
+        settings = core.checked_settings(
+            core.PoolSettings(
+                capacity,
+                max_waiters,
+                max_ttl,
+                policy,
+                backfill_window,
+                quotas,
+                devices,
+                placement,
+            )
+        )
         current = None
         if capacity is None and devices is None:  # keep the pool's own sizes
             try:
                 current = self.status()
             except PoolNotFound:
                 pass  # a new pool: configure_body says what it needs
-        body = core.configure_body(
-            capacity,
-            max_waiters=max_waiters,
-            max_ttl=max_ttl,
-            policy=policy,
-            backfill_window=backfill_window,
-            quotas=quotas,
-            devices=devices,
-            placement=placement,
-            current=current,
-        )
+        body = core.configure_body(settings, current)
         return self._get("PUT", self._cfg.base, body)
 
     # ---- heartbeat -------------------------------------------------------------------------
