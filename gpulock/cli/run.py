@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import typer
 from gpulock_common.grace import grace_note
-from gpulock_common.options import MAX_TTL_S, MIN_TTL_S
+from gpulock_common.options import MAX_TTL_S, MIN_REMOTE_TTL_S, MIN_TTL_S, check_seconds
 
 from gpulock.cli.common import (
     EXIT_CAPACITY,
@@ -256,6 +256,10 @@ def run(
     if t.is_broker:
         from gpulock.cli.broker import BrokerAdmin, BrokerPool
 
+        try:  # the broker's least ttl (its holder renews over HTTP), said before anything is sent
+            check_seconds(ttl, name="--ttl", minimum=MIN_REMOTE_TTL_S, maximum=MAX_TTL_S)
+        except GpuLockError as e:
+            fail(EXIT_USAGE, f"{e} (through a broker)")
         b = BrokerAdmin(t.url)  # fail fast (69, 77, 66) if the broker is down or refuses the token
         try:
             n_devices = len(b.call("GET", f"/v1/pools/{pool}", pool).get("devices") or [0])

@@ -282,6 +282,17 @@ def test_run_ttl_over_the_pools_max_is_refused_in_seconds(broker_srv, gpu):
     assert "ttl_ms" not in r.stderr, r.stderr
 
 
+def test_run_ttl_under_the_brokers_least_is_refused_naming_the_option(broker_srv, gpu, admin):
+    r = _gpulock(
+        "--broker-url", broker_srv.url, "run", "--pool", gpu, "--amount", "1GiB", "--ttl", "0.5",
+        "--", "true",
+    )  # fmt: skip
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "--ttl must be between 1 and" in r.stderr and "got 0.5" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert admin.get(f"/v1/pools/{gpu}").json()["used"] == 0
+
+
 def test_serve_refuses_a_broker_url():
     r = _gpulock(
         "--broker-url",
