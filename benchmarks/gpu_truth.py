@@ -508,10 +508,10 @@ def section_c(ctx: dict[str, Any]) -> dict[str, Any]:
                 for b, s in ctx["shapes"]:
                     bb, ss = next_bucket(b), next_bucket(s, minimum=8)
                     peak = dev.peak(model, cfg, bb, ss)
-                    await lim.redis.hset(
-                        lim.estimates_key, f"{route}|b{bb}|s{ss}", math.ceil(peak * margin)
+                    await lim.backend.redis.hset(
+                        lim.estimates.key, f"{route}|b{bb}|s{ss}", math.ceil(peak * margin)
                     )
-            await lim.refresh_estimates()
+            await lim.estimates.refresh()
             for b, s in ctx["shapes"]:
                 measured = dev.peak(model, cfg, b, s)
                 cal = lim.estimate(route, b, s, formula)

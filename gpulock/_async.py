@@ -13,6 +13,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError
 
 from gpulock_common.aio import pending_cancels
+from gpulock_common.driver import adrive
+from gpulock_common.options import PoolSettings
 
 from gpulock.protocol import flow
 from gpulock.protocol.args import (
@@ -200,20 +202,13 @@ class AsyncPool(PoolOptions):
     async def _run(self, steps: flow.Flow[_T], cancels_before: int = 0) -> _T:
         """Carry out a flow of :mod:`gpulock.protocol.flow` (its steps' replies: there) and return its
         result. ``cancels_before``: the caller task's pending cancellations when it began. A
-        step's error goes into the flow as gpulock's own (redis-py's translated)."""
-        reply: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                step = steps.send(reply) if error is None else steps.throw(error)
-            except StopIteration as done:
-                result: _T = done.value
-                return result
-            reply, error = None, None
-            try:
-                reply = await self._step(step, cancels_before)
-            except BaseException as e:  # noqa: BLE001 - the flow decides (and re-raises)
-                error = translated(e, self.name)
+        step's error, a cancellation too, goes into the flow as gpulock's own (redis-py's
+        translated): the flow decides (and re-raises)."""
+        return await adrive(
+            steps,
+            lambda step: self._step(step, cancels_before),
+            into=lambda e: translated(e, self.name),
+        )
 
     async def _step(self, step: flow.Step, cancels_before: int) -> Any:
         rt = self._runtime
@@ -345,16 +340,18 @@ class AsyncPool(PoolOptions):
             flow.configure(
                 self,
                 self._runtime,
-                capacity,
-                max_waiters=max_waiters,
-                max_ttl=max_ttl,
+                PoolSettings(
+                    capacity,
+                    max_waiters,
+                    max_ttl,
+                    policy,
+                    backfill_window,
+                    quotas,
+                    devices,
+                    placement,
+                ),
                 create_only=create_only,
                 grace=_grace,
-                policy=policy,
-                backfill_window=backfill_window,
-                quotas=quotas,
-                devices=devices,
-                placement=placement,
             )
         )
 

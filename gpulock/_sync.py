@@ -23,6 +23,9 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import redis
 from redis.exceptions import AuthenticationError
 
+from gpulock_common.driver import drive
+from gpulock_common.options import PoolSettings
+
 from gpulock.protocol import flow
 from gpulock._async import _CLIENT_DEFAULTS, DEFAULT_BACKEND_TIMEOUT_S
 from gpulock.protocol.args import (
@@ -282,20 +285,10 @@ class Pool(PoolOptions):
         """Carry out a flow of :mod:`gpulock.protocol.flow` (its steps' replies: there) on the caller's
         thread, and return its result. An acquire's flow runs with the background it began
         with (``bg``), also while close() drops it. A step's error goes into the flow as
-        gpulock's own (redis-py's translated)."""
-        reply: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                step = steps.send(reply) if error is None else steps.throw(error)
-            except StopIteration as done:
-                result: _T = done.value
-                return result
-            reply, error = None, None
-            try:
-                reply = self._step(step, bg)
-            except BaseException as e:  # noqa: BLE001 - also KeyboardInterrupt: the flow decides
-                error = translated(e, self.name)
+        gpulock's own (redis-py's translated), a KeyboardInterrupt too: the flow decides."""
+        return drive(
+            steps, lambda step: self._step(step, bg), into=lambda e: translated(e, self.name)
+        )
 
     def _step(self, step: flow.Step, bg: _Background | None) -> Any:
         if isinstance(step, flow.Eval):
@@ -420,16 +413,18 @@ class Pool(PoolOptions):
             flow.configure(
                 self,
                 self._runtime,
-                capacity,
-                max_waiters=max_waiters,
-                max_ttl=max_ttl,
+                PoolSettings(
+                    capacity,
+                    max_waiters,
+                    max_ttl,
+                    policy,
+                    backfill_window,
+                    quotas,
+                    devices,
+                    placement,
+                ),
                 create_only=create_only,
                 grace=_grace,
-                policy=policy,
-                backfill_window=backfill_window,
-                quotas=quotas,
-                devices=devices,
-                placement=placement,
             )
         )
 

@@ -15,6 +15,7 @@ import re
 from fractions import Fraction
 from typing import Literal, overload
 
+from gpulock_common.options import check_seconds
 from gpulock_common.units import MAX_BYTES, format_size
 
 from gpulock.errors import InvalidArgument
@@ -143,21 +144,13 @@ def parse_seconds(
         if allow_none:
             return None
         raise InvalidArgument(f"{name} must be a number of seconds, got None")
-    if isinstance(value, bool):
-        raise InvalidArgument(f"{name} must be a number of seconds, got {value!r}")
-    try:
-        f = float(value)
-    except (TypeError, ValueError):
-        raise InvalidArgument(f"{name} must be a number of seconds, got {value!r}") from None
-    if not math.isfinite(f):
-        raise InvalidArgument(f"{name} must be a finite number of seconds, got {value!r}")
-    if f == 0 and allow_zero:
-        return 0.0
-    if f < minimum or f > maximum:
-        raise InvalidArgument(
-            f"{name} must be between {minimum:g} and {maximum:g} seconds, got {value!r}"
-        )
-    return f
+    if allow_zero and not isinstance(value, bool):
+        try:
+            if float(value) == 0:
+                return 0.0
+        except (TypeError, ValueError):
+            pass  # named by the check below
+    return check_seconds(value, name=name, minimum=minimum, maximum=maximum)
 
 
 def _size_text_pattern() -> str:

@@ -22,7 +22,35 @@ def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="run long soaks and benchmarks")
 
 
+def pytest_xdist_auto_num_workers(config):
+    """How many processes ``-n auto`` (pyproject.toml's addopts) runs the tests in.
+
+    Most tests wait on TTLs, heartbeats and subprocesses rather than on the CPU, so two workers
+    a core (at least 4, at most 8; ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides). One process,
+    no workers, when the run names a single test file (or node IDs in one): ``--dist loadfile``
+    would give that file to one worker anyway, and a plain run keeps ``-s`` and ``--pdb``."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    files = {a.split("::")[0] for a in config.args}
+    if len(files) == 1 and next(iter(files)).endswith(".py"):
+        return 0
+    return max(4, min(8, 2 * (os.cpu_count() or 1)))
+
+
+#: The order files are handed to the workers in: the directories whose files run longest first,
+#: so that no long file starts last and leaves the other workers idle (the unit tests, seconds
+#: in all, fill the gaps at the end). Within a directory the order is the collection order.
+_DIRECTORY_ORDER = ("integration", "faults", "e2e", "broker", "schemathesis", "unit")
+
+
+def _directory_rank(item) -> int:
+    parts = item.nodeid.split("/")
+    top = parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
+    return _DIRECTORY_ORDER.index(top) if top in _DIRECTORY_ORDER else len(_DIRECTORY_ORDER)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_directory_rank)  # stable: each file's tests stay together, in their order
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --run-slow")

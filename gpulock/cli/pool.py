@@ -13,6 +13,7 @@ import typer
 
 from gpulock_common.options import (
     DEFAULT_PLACEMENT,
+    PoolSettings,
     MAX_BACKFILL_WINDOW_S,
     MAX_MAX_WAITERS,
     MAX_TTL_S,
@@ -48,6 +49,7 @@ from gpulock.units import format_size
 
 if TYPE_CHECKING:
     from gpulock import PoolStatus
+    from gpulock.cli.broker import BrokerAdmin
     from gpulock.admin.listing import Unreachable
 
 pool_app = typer.Typer(
@@ -238,62 +240,27 @@ def pool_set(
         raise typer.BadParameter(
             f"must be {' or '.join(PLACEMENTS)}, got {placement!r:.80}", param_hint="--placement"
         )
+    settings = PoolSettings(
+        None if capacity is None else int(capacity),
+        max_waiters,
+        max_ttl,
+        policy,
+        backfill_window,
+        quotas,
+        devs,
+        placement,
+    )
     try:
         if t.is_broker:
             from gpulock.cli.broker import BrokerAdmin
 
             b = BrokerAdmin(t.url)
             try:
-                # The broker's PUT needs a capacity: the devices' sum, else left out, the
-                # pool's (a pool that does not exist is a 404 here, PoolNotFound: exit 66
-                # saying to give --capacity)
-                cap = (
-                    sum(devs)
-                    if devs is not None
-                    else capacity
-                    if capacity is not None
-                    else b.call("GET", f"/v1/pools/{name}", name)["capacity"]
-                )
-                body: dict[str, Any] = {"capacity": cap}
-                if max_waiters is not None:
-                    body["max_waiters"] = max_waiters
-                if max_ttl is not None:
-                    body["max_ttl"] = max_ttl
-                if policy is not None:
-                    body["policy"] = policy
-                if backfill_window is not None:
-                    body["backfill_window"] = backfill_window
-                if quotas is not None:
-                    body["quotas"] = quotas
-                if devs is not None:
-                    body["devices"] = devs
-                    body["capacity"] = sum(devs)
-                elif capacity is not None:
-                    try:
-                        have = b.call("GET", f"/v1/pools/{name}", name).get("devices") or []
-                    except PoolNotFound:
-                        have = []  # a new pool, of one device
-                    each = _each_device(int(capacity), len(have))
-                    if each is not None:
-                        body["devices"], body["capacity"] = each, sum(each)
-                if placement is not None:
-                    body["placement"] = placement
-                r = b.call("PUT", f"/v1/pools/{name}", name, body)
+                r = b.call("PUT", f"/v1/pools/{name}", name, _broker_body(b, name, settings))
             finally:
                 b.close()
         else:
-            r = _configure_redis(
-                t.url,
-                name,
-                None if capacity is None else int(capacity),
-                max_waiters,
-                max_ttl,
-                policy,
-                backfill_window,
-                quotas,
-                devs,
-                placement,
-            )
+            r = _configure_redis(t.url, name, settings)
     except GpuLockError as e:
         error_exit(e, t, name, admin=True)
     if backfill_window is not None and r.get("policy") == "fifo":
@@ -336,48 +303,55 @@ def _each_device(capacity: int, count: int) -> Optional[list[int]]:
     return [capacity] * count if count > 1 else None
 
 
-def _configure_redis(
-    url: str,
-    name: str,
-    capacity: Optional[int],
-    max_waiters: Optional[int],
-    max_ttl: Optional[float],
-    policy: Optional[str] = None,
-    backfill_window: Optional[float] = None,
-    quotas: Optional[dict[str, int]] = None,
-    devices: Optional[list[int]] = None,
-    placement: Optional[str] = None,
-) -> dict[str, Any]:
+def _broker_body(b: BrokerAdmin, name: str, s: PoolSettings) -> dict[str, Any]:
+    """The broker's PUT body for ``s``. The PUT needs a capacity: the devices' sum; else the
+    one given, each device's on a pool of several; else the pool's own (a pool that does not
+    exist is a 404 here, PoolNotFound: exit 66 saying to give --capacity)."""
+    if s.devices is not None:
+        s = s._replace(capacity=sum(_ints(s.devices)))
+    elif s.capacity is None:
+        s = s._replace(capacity=b.call("GET", f"/v1/pools/{name}", name)["capacity"])
+    else:
+        try:
+            have = b.call("GET", f"/v1/pools/{name}", name).get("devices") or []
+        except PoolNotFound:
+            have = []  # a new pool, of one device
+        each = _each_device(int(s.capacity), len(have))
+        if each is not None:
+            s = s._replace(devices=each, capacity=sum(each))
+    return s.given()
+
+
+def _ints(devices: Any) -> list[int]:
+    """``--devices``' capacities (``devices_param`` gives bytes)."""
+    return [int(c) for c in devices]
+
+
+def _configure_redis(url: str, name: str, s: PoolSettings) -> dict[str, Any]:
+    """``pool set`` on Redis: what ``s`` leaves out (None) is the pool's own, read first (a
+    new pool needs a capacity or devices: PoolNotFound otherwise); ``--capacity`` alone on a
+    pool of several devices is each device's."""
     from gpulock._sync import Pool
 
     client = redis_client(url)
     try:
         pool = Pool(client, name)
-        cap, mw, mt = capacity, max_waiters, max_ttl
         try:
             st = pool.status(limit=0)
-            if devices is None and cap is not None:
-                devices = _each_device(cap, len(st.devices))
-            cap = st.capacity if cap is None else cap
-            mw = st.max_waiters if mw is None else mw
-            if mt is None and st.max_ttl:
-                mt = st.max_ttl
+            if s.devices is None and s.capacity is not None:
+                s = s._replace(devices=_each_device(int(s.capacity), len(st.devices)))
+            s = s._replace(
+                capacity=st.capacity if s.capacity is None else s.capacity,
+                max_waiters=st.max_waiters if s.max_waiters is None else s.max_waiters,
+                max_ttl=st.max_ttl if s.max_ttl is None and st.max_ttl else s.max_ttl,
+            )
         except PoolNotFound:
-            if cap is None and devices is None:  # nothing to keep: a new pool needs --capacity
+            if s.capacity is None and s.devices is None:  # nothing to keep: needs --capacity
                 raise
-        if devices is not None:
-            cap = None
-        # policy and window: None leaves each as the pool has it (configure.lua keeps them)
-        return pool.configure(
-            cap,
-            max_waiters=mw,
-            max_ttl=mt,
-            policy=policy,
-            backfill_window=backfill_window,
-            quotas=quotas,
-            devices=devices,
-            placement=placement,
-        )
+        if s.devices is not None:
+            s = s._replace(capacity=None)
+        # the others: None leaves each as the pool has it (configure.lua keeps them)
+        return pool.configure(**s._asdict())
     finally:
         client.close()
 

@@ -13,7 +13,7 @@ Copy-paste shape (the README shows it whole)::
     def generate(req: GenerateRequest) -> GenerateResponse:   # a plain def: runs in gpulock's
         return model(req.prompts)                              # bounded executor, under a lease
 
-What one request goes through (``GpuLimiter.call``)::
+What one request goes through (``GpuLimiter.calls.call``)::
 
     arrival ── wait for a thread slot (local) ── acquire(amount) in the pool's queue
             ── granted ── ensure_valid() ── fn() in the executor thread ── thread returned
@@ -94,8 +94,10 @@ job), ``_idempotency`` (X-Request-ID claims, stored results, following another w
 request), ``_resident`` (resident leases), ``_readiness``, ``_retry_after`` (the service's
 estimator over the policy in :mod:`gpulock.retry_after`), ``_errors`` (HTTP error mapping),
 ``_metrics``, ``_calibration``, ``_backoff`` (the OOM back-off's shared state, over the
-rule in :mod:`gpulock.oom_backoff`), ``_signature`` (``guard``/``endpoint``), ``_history``,
-``_batcher`` (dynamic batching: :meth:`GpuLimiter.batcher`).
+rule in :mod:`gpulock.oom_backoff`), ``_signature`` (``guard``/``endpoint``), ``_device``
+(device truth: the device sampler), ``_history``, ``_batcher`` (dynamic batching:
+:meth:`GpuLimiter.batcher`). The limiter exposes each part as an attribute
+(``limiter.backend``, ``limiter.ready``, ...; :class:`GpuLimiter` lists them).
 """
 
 from __future__ import annotations

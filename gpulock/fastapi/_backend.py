@@ -3,21 +3,31 @@ as last read from Redis, which the limiter's parts share."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 from gpulock_common.grace import grace_note
 
 from gpulock._async import AsyncPool
+from gpulock.admin.samples import count_event
+from gpulock.errors import GpuLockError
 from gpulock.protocol.keys import pool_key, pool_keys
 from gpulock.transport.shards import checked
 from gpulock.transport.shards_async import aon_key
 from gpulock.protocol.replies import PoolStatus
+
+if TYPE_CHECKING:
+    from ._settings import Settings
+
+log = logging.getLogger("gpulock.fastapi")
 
 
 def process_owner() -> str:
@@ -31,8 +41,9 @@ class Backend:
 
     Attributes:
         pool_name: the pool.
-        pool, redis, executor: set by ``GpuLimiter.start()``, in the worker process.
-        owner: ``host:pid`` of the worker (set again after fork, by ``start()``).
+        pool, redis, executor: made by :meth:`connect` (``GpuLimiter.start()``), in the worker
+            process.
+        owner: ``host:pid`` of the worker (set again after fork, by :meth:`connect`).
         status: the pool's status as last read (None before one, or after the pool was not
             found); ``status_at`` when it was read (``time.monotonic()``).
         redis_error: why the last read failed, None when it succeeded.
@@ -47,6 +58,67 @@ class Backend:
         self.status: PoolStatus | None = None
         self.status_at = 0.0
         self.redis_error: str | None = "not connected yet"
+
+    def connect(self, settings: Settings) -> None:
+        """Make this process's clients (call it after fork): the Redis client, the pool object
+        (its ``capacity``, ``default_ttl`` and ``max_waiters`` from ``settings``) and the
+        executor of ``settings.executor_threads`` threads. No I/O yet."""
+        from gpulock.transport.connect import async_client
+
+        s = settings
+        self.owner = process_owner()
+        self.redis = async_client(
+            s.redis_url,
+            socket_timeout=5.0,
+            socket_connect_timeout=2.0,
+            health_check_interval=10,
+            client_name=f"gpulock-service-{os.getpid()}",
+        )
+        kw: dict[str, Any] = {"capacity": s.capacity, "default_ttl": s.ttl}
+        if s.max_waiters is not None:
+            kw["max_waiters"] = s.max_waiters
+        self.pool = AsyncPool(self.redis, s.pool_name, **kw)
+        self.executor = ThreadPoolExecutor(s.executor_threads, thread_name_prefix="gpulock-work")
+
+    async def configure(self, settings: Settings) -> None:
+        """Create the pool with ``settings.capacity`` when it does not exist (``configure_mode``
+        "create"), or set its capacity ("set"); nothing without a capacity. A failure (Redis
+        down) is logged, not raised: the reaper keeps reading and readiness says so."""
+        if settings.capacity is None or self.pool is None:
+            return
+        try:
+            await self.pool.configure(
+                settings.capacity, create_only=settings.configure_mode == "create"
+            )
+        except GpuLockError as e:
+            log.warning("gpulock: could not configure pool %s yet: %s", self.pool_name, e)
+
+    async def close(self) -> None:
+        """Close the pool object and the Redis client, and stop the executor (running work
+        finishes in its threads; queued work is cancelled)."""
+        if self.pool is not None:
+            await self.pool.aclose()
+        if self.redis is not None:
+            with contextlib.suppress(Exception):
+                await self.redis.aclose()
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def count_event(self, event: str, spawn: Callable[..., Any]) -> None:
+        """Add one to the pool's ``event`` counter in Redis, in the background (``spawn``: a
+        task the limiter's ``stop()`` cancels); a failure, or no connection yet, only loses
+        the count."""
+        redis = self.redis
+        if redis is None:
+            return
+
+        async def count() -> None:
+            try:
+                await count_event(redis, self.pool_name, event)
+            except Exception as e:  # noqa: BLE001 - a count is not worth an error answer
+                log.debug("gpulock: counting %s failed: %s", event, e)
+
+        spawn(count(), name="gpulock-count-event")
 
     def key(self, suffix: str) -> str:
         """The pool's Redis key ``gpulock:{pool}:<suffix>`` (see ``gpulock.protocol.keys``)."""

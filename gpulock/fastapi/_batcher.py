@@ -248,8 +248,8 @@ class Batcher(Generic[R]):
         request_id: str | None = None,
     ) -> Any:
         """Run ``item`` in a batch and return its own result; the errors are those of
-        ``GpuLimiter.call`` (as :class:`GpuLockHTTPException`), plus what ``estimate`` raises
-        (before the request joins) and the request's own error from the batch function.
+        ``GpuLimiter.calls.call`` (as :class:`GpuLockHTTPException`), plus what ``estimate``
+        raises (before the request joins) and the request's own error from the batch function.
         ``amount`` (default ``estimate(item)``) is the request's bytes; a request with
         ``request_id`` (default: its ``X-Request-ID``) runs alone."""
         self._calls.admit(self.route)

@@ -1,34 +1,30 @@
 """``GpuLimiter``: the facade that composes the integration's parts (admission, jobs, the
 idempotency store, resident leases, readiness, Retry-After, errors, metrics, calibration and
-the route shapes) and runs their lifecycle and background reaper."""
+the route shapes), exposes them as its attributes, and runs their lifecycle and background
+reaper."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import os
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar
+from typing import Any, AsyncIterator, TypeVar
 
 from fastapi import Response
 from gpulock_common.aio import stop_tasks
 from gpulock_common.options import DEFAULT_TTL_S
 
-from gpulock._async import AsyncPool
 from gpulock.protocol.replies import PoolStatus
-from gpulock.admin.samples import count_event
-from gpulock.errors import GpuLockError, InvalidArgument
 from . import _signature
 from ._admission import Admission, Slots, TtlBound
-from ._backend import Backend, process_owner
+from ._backend import Backend
 from ._batcher import Batcher, BatchPolicy
 from gpulock.oom_backoff import BackoffRule
 from ._backoff import OomBackoff
 from ._calibration import Estimates
 from ._call import GuardedCalls
+from ._device import DeviceTruth
 from ._errors import HttpErrors
 from ._history import History
 from ._idempotency import RequestStore
@@ -42,32 +38,10 @@ from ._retry_after import RetryAfterEstimator
 from ._settings import Settings
 from ._signature import GpuCall
 
-if TYPE_CHECKING:
-    from gpulock.devices.sampler import DeviceSampler
-
-log = logging.getLogger("gpulock.fastapi")
-
 R = TypeVar("R")
 
 #: The documented back-off rule (docs/SEMANTICS.md, "Back-off on OOM").
 DEFAULT_RULE = BackoffRule()
-
-
-class _Forward:
-    """An attribute (or method) of the limiter that is one of a part's, by the same name
-    unless ``name`` is given; assignable when the part's is."""
-
-    def __init__(self, part: str, name: str | None = None):
-        self.part, self.name = part, name
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = self.name or name
-
-    def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        return self if obj is None else getattr(getattr(obj, self.part), str(self.name))
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        setattr(getattr(obj, self.part), str(self.name), value)
 
 
 class GpuLimiter:
@@ -86,7 +60,7 @@ class GpuLimiter:
         inference_timeout: seconds the guarded work may run → else 504 (the lease is released
             only when the thread really returned).
         ttl: lease time to live in seconds (the heartbeat renews it at ttl/3); bounded by the
-            pool's ``max_ttl`` as last read (:attr:`lease_ttl`, one warning when it clamps).
+            pool's ``max_ttl`` as last read (:attr:`ttl_bound`, one warning when it clamps).
         executor_threads: threads running guarded work in this worker.
         park_timeout: the fewest seconds a request that carries ``X-Request-ID`` stays queued
             after each 503 (at least twice its Retry-After plus 2 s), so that its retry joins
@@ -118,7 +92,17 @@ class GpuLimiter:
             (:func:`gpulock.devices.open_reader`).
 
     Raises: InvalidArgument for a bad ``configure``, ``executor_threads``, ``capacity``,
-    ``priority_header`` or ``tenant``.
+    ``priority_header``, ``tenant`` or ``device``.
+
+    Attributes: the parts, one module each (:mod:`gpulock.fastapi` lists them), which call
+    each other's public methods: ``settings``, ``backend`` (the pool, Redis client, executor,
+    last status read, ``grace()``), ``slots``, ``admission``, ``ttl_bound``, ``jobs``, ``calls``,
+    ``store`` (X-Request-ID), ``ready`` (readiness and conditions), ``resident`` (resident
+    leases), ``retry`` (Retry-After), ``errors``, ``estimates``, ``backoff`` (OOM back-off),
+    ``reaper``, ``device`` (device truth), ``history``. The shortcuts the README and
+    docs/SERVICE.md show: ``readiness`` and ``set_condition`` (``ready``'s),
+    ``acquire_resident`` (``resident.acquire``), ``estimate`` and ``calibrate``
+    (``estimates``').
     """
 
     def __init__(
@@ -147,11 +131,6 @@ class GpuLimiter:
         device: int | None = None,
         device_reader: str = "auto",
     ):
-        if device is not None and (isinstance(device, bool) or not 0 <= int(device) <= 1023):
-            raise InvalidArgument(f"device must be a device index 0..1023, got {device!r}")
-        self.device = None if device is None else int(device)
-        self.device_reader = device_reader
-        self.device_sampler: DeviceSampler | None = None
         s = self.settings = Settings.of(
             redis_url,
             pool,
@@ -173,207 +152,75 @@ class GpuLimiter:
             priority_header=priority_header,
             tenant=tenant,
         )
-        be = self._backend = Backend(s.pool_name)
-        self._slots = Slots(s.executor_threads)
-        self._history = History()
-        self._ttl_bound = TtlBound(be)
-        self._retry = RetryAfterEstimator(s, be, self._slots, lambda: self._resident.count())
-        errors = self._errors = HttpErrors(s, self._retry.retry_after, self._count_event)
-        self._resident = ResidentLeases(
-            s,
-            be,
-            self._ttl_bound,
-            self._history,
-            self.spawn,
-            changed=lambda: self._ready.publish(),
-            stopping=lambda: self._ready.stopping,
+        be = self.backend = Backend(s.pool_name)
+        self.device = DeviceTruth(device, device_reader, be)
+        slots = self.slots = Slots(s.executor_threads)
+        history = self.history = History()
+        bound = self.ttl_bound = TtlBound(be)
+        retry = self.retry = RetryAfterEstimator(s, be, slots, lambda: self.resident.count())
+        errors = self.errors = HttpErrors(
+            s, retry.retry_after, lambda event: be.count_event(event, self.spawn)
         )
-        self._ready = Readiness(s, be, self._resident)
-        self._backoff = OomBackoff(oom_backoff, be)
-        self._reaper = Reaper(s, be, self._on_read, self._ready.publish)
-        self._store = RequestStore(s, be, self._slots, self._retry, errors)
-        admission = Admission(
-            self._slots,
-            be,
-            lambda: self.lease_ttl,
-            lambda: self._reaper.tick(full=False),
-            tenant=s.tenant,
+        self.resident = ResidentLeases(
+            s, be, bound, history, self.spawn, lambda: ready.publish(), lambda: ready.stopping
         )
-        self._runner = JobRunner(
-            s,
-            be,
-            admission,
-            self._store,
-            self._retry,
-            self._history,
-            self.spawn,
-            self._ready.fatal,
-            self._backoff,
+        ready = self.ready = Readiness(s, be, self.resident)
+        backoff = self.backoff = OomBackoff(oom_backoff, be)
+        reaper = self.reaper = Reaper(s, be, self._on_read, ready.publish)
+        store = self.store = RequestStore(s, be, slots, retry, errors)
+        self.admission = Admission(
+            slots, be, lambda: bound(s.ttl), lambda: reaper.tick(full=False), tenant=s.tenant
         )
-        self._calls = GuardedCalls(
-            s,
-            be,
-            self._ready.check_accepting,
-            self._runner,
-            self._store,
-            self._retry,
-            errors,
+        self.jobs = JobRunner(
+            s, be, self.admission, store, retry, history, self.spawn, ready.fatal, backoff
         )
-        self._estimates = Estimates(s, be, self._backoff.scale)
+        self.calls = GuardedCalls(s, be, ready.check_accepting, self.jobs, store, retry, errors)
+        self.estimates = Estimates(s, be, backoff.scale)
         self._tasks: set[asyncio.Task[Any]] = set()
-
-    # ---- settings and state, kept by the parts ---------------------------------------------------
-    redis_url = _Forward("settings")
-    pool_name = _Forward("settings")
-    capacity = _Forward("settings")
-    configure_mode = _Forward("settings")
-    acquire_timeout = _Forward("settings")
-    inference_timeout = _Forward("settings")
-    ttl = _Forward("settings")
-    executor_threads = _Forward("settings")
-    park_timeout = _Forward("settings")
-    result_ttl = _Forward("settings")
-    max_retry_after = _Forward("settings")
-    max_waiters = _Forward("settings")
-    reaper_interval = _Forward("settings")
-    history_file = _Forward("settings")
-    enabled = _Forward("settings")
-    exit_on_fatal = _Forward("settings")
-    request_id_header = _Forward("settings")
-    priority_header = _Forward("settings")
-    pool = _Forward("_backend")
-    redis = _Forward("_backend")
-    executor = _Forward("_backend")
-    status = _Forward("_backend")  # the pool's status as last read
-    status_at = _Forward("_backend")
-    redis_error = _Forward("_backend")
-    grace_left = _Forward("_backend")
-    grace = _Forward("_backend")
-    conditions = _Forward("_ready")
-    fatal_error = _Forward("_ready")
-    set_condition = _Forward("_ready")
-    readiness = _Forward("_ready")
-    check_accepting = _Forward("_ready")
-    resident_leases = _Forward("_resident", "leases")
-    resident_wanted = _Forward("_resident", "wanted")
-    acquire_resident = _Forward("_resident", "acquire")
-    grant_rate = _Forward("_retry")
-    retry_after = _Forward("_retry")
-    refresh_estimates = _Forward("_estimates", "refresh")
-    estimate = _Forward("_estimates")
-    calibrate = _Forward("_estimates")
-    refresh_backoff = _Forward("_backoff", "refresh")
-    backoff_factor = _Forward("_backoff", "factor")
-    backoff_scale = _Forward("_backoff", "scale")
-    backoff_state = _Forward("_backoff", "state")
-    call = _Forward("_calls")
-    admit = _Forward("_calls")
-
-    @property
-    def estimates_key(self) -> str:
-        """``gpulock:{pool}:estimates``: hash of calibrated per-shape peaks, field
-        ``<route>|b<batch bucket>|s<token bucket>`` → bytes."""
-        return self._estimates.key
-
-    @property
-    def lease_ttl(self) -> float:
-        """The ttl requests lease with: ``ttl`` bounded by the pool's ``max_ttl``."""
-        return self._ttl_bound(self.settings.ttl)
+        # the shortcuts (class docstring)
+        self.readiness = self.ready.readiness
+        self.set_condition = self.ready.set_condition
+        self.acquire_resident = self.resident.acquire
+        self.estimate = self.estimates.estimate
+        self.calibrate = self.estimates.calibrate
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         """Connect (in this process: call it after fork), configure the pool when a capacity
-        was given, start the executor and the background reaper. No error if Redis is down:
-        readiness says so and the reaper keeps trying."""
-        if self._ready.started:
+        was given, start the executor, the background reaper and (``device``) the device
+        sampler. No error if Redis is down: readiness says so and the reaper keeps trying."""
+        if self.ready.started:
             return
-        from gpulock.transport.connect import async_client
-
-        s, be = self.settings, self._backend
-        be.owner = process_owner()
-        be.redis = async_client(
-            s.redis_url,
-            socket_timeout=5.0,
-            socket_connect_timeout=2.0,
-            health_check_interval=10,
-            client_name=f"gpulock-service-{os.getpid()}",
-        )
-        kw: dict[str, Any] = {"capacity": s.capacity, "default_ttl": s.ttl}
-        if s.max_waiters is not None:
-            kw["max_waiters"] = s.max_waiters
-        be.pool = AsyncPool(be.redis, s.pool_name, **kw)
-        be.executor = ThreadPoolExecutor(s.executor_threads, thread_name_prefix="gpulock-work")
+        s, be = self.settings, self.backend
+        be.connect(s)
         if s.history_file:
-            await self._history.open(s.history_file)
-        self._ready.started = True
+            await self.history.open(s.history_file)
+        self.ready.started = True
         m = metrics()
         m.workers.set(1)
         m.ready.set(0)
-        if s.capacity is not None:
-            try:
-                await be.pool.configure(s.capacity, create_only=s.configure_mode == "create")
-            except GpuLockError as e:
-                log.warning("gpulock: could not configure pool %s yet: %s", s.pool_name, e)
-        await self._reaper.tick()
-        self._reaper.start()
-        if self.device is not None:
-            self._start_device_sampler(be.pool)
-
-    def _start_device_sampler(self, pool: AsyncPool) -> None:
-        """Run the device sampler in the background (stopped with the other tasks); a reader
-        that cannot be opened is logged and leaves the pool without device truth."""
-        from gpulock.devices.sampler import DeviceSampler
-        from gpulock.devices import DeviceError, open_reader
-
-        try:
-            reader = open_reader(self.device_reader)
-        except (ValueError, DeviceError) as e:
-            log.warning("gpulock: pool %s: no device sampler: %s", self.pool_name, e)
-            return
-        self.device_sampler = DeviceSampler(pool, reader, int(self.device or 0))
-        self.spawn(self.device_sampler.run(), name="gpulock-device-sampler")
-
-    def device_truth(self) -> dict[str, Any]:
-        """The device's truth as last read (never waits on Redis): the pool's external use and
-        effective capacity from the last status read (bytes; ``report_left`` seconds the report
-        still counts), its over-users, and whether this worker samples."""
-        st = self._backend.status
-        ds = self.device_sampler
-        return {
-            "device": self.device,
-            "sampling": bool(ds and ds.holding),
-            "reader": ds.reader.name if ds else None,
-            "external_bytes": st.external if st else 0,
-            "effective_capacity": st.effective_capacity if st else None,
-            "report_left": st.external_left if st else 0.0,
-            "overusers": st.overusers if st else [],
-        }
+        await be.configure(s)
+        await self.reaper.tick()
+        self.reaper.start()
+        self.device.start(self.spawn)
 
     async def stop(self, *, grace_s: float = 10.0) -> None:
         """Cancel queued requests (they leave the queue at once), wait up to ``grace_s`` for
         running work, release the resident leases, close the connection."""
-        if not self._ready.started:
+        if not self.ready.started:
             return
-        self._ready.stopping = True
-        m = metrics()
-        m.ready.set(0)
-        await self._reaper.stop()
-        pending = self._runner.cancel_waiting()
+        self.ready.stopping = True
+        metrics().ready.set(0)
+        await self.reaper.stop()
+        pending = self.jobs.cancel_waiting()
         await stop_tasks(list(self._tasks))  # the background ones (sampler, batch drivers...)
         if pending:
             await asyncio.wait(pending, timeout=grace_s)
-        await self._resident.release_all()
-        m.workers.set(0)
-        be = self._backend
-        if be.pool is not None:
-            await be.pool.aclose()
-        if be.redis is not None:
-            with contextlib.suppress(Exception):
-                await be.redis.aclose()
-        if be.executor is not None:
-            be.executor.shutdown(wait=False, cancel_futures=True)
-        self._history.close()
-        self._ready.started = False
+        await self.resident.release_all()
+        metrics().workers.set(0)
+        await self.backend.close()
+        self.history.close()
+        self.ready.started = False
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Any = None) -> AsyncIterator[None]:
@@ -383,21 +230,6 @@ class GpuLimiter:
             yield
         finally:
             await self.stop()
-
-    def _count_event(self, event: str) -> None:
-        """Add one to the pool's ``event`` counter in Redis (in the background; a failure only
-        loses the count)."""
-        redis = self._backend.redis
-        if redis is None:
-            return
-
-        async def count() -> None:
-            try:
-                await count_event(redis, self.settings.pool_name, event)
-            except Exception as e:  # noqa: BLE001 - a count is not worth an error answer
-                log.debug("gpulock: counting %s failed: %s", event, e)
-
-        self.spawn(count(), name="gpulock-count-event")
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:
         """Run a background coroutine that ``stop()`` cancels."""
@@ -409,13 +241,13 @@ class GpuLimiter:
     async def _on_read(self, now: float, st: PoolStatus, full: bool) -> None:
         """What each reaper read feeds: the grant rates, our requests' claims, and (``full``)
         the calibrated estimates."""
-        self._retry.sample(now, st)
-        await self._store.refresh(self._runner.claimed())
+        self.retry.sample(now, st)
+        await self.store.refresh(self.jobs.claimed())
         if full:
             with contextlib.suppress(Exception):
-                await self._estimates.refresh()
+                await self.estimates.refresh()
             with contextlib.suppress(Exception):
-                await self._backoff.refresh()
+                await self.backoff.refresh()
 
     # ---- routes ---------------------------------------------------------------------------------
     def guard(
@@ -435,7 +267,7 @@ class GpuLimiter:
 
         Raises: InvalidArgument naming the route and the value, for a bad priority."""
         return _signature.guard(
-            self, route, estimate, RoutePriority.of(route, priority, max_priority)
+            self.calls, route, estimate, RoutePriority.of(route, priority, max_priority)
         )
 
     def endpoint(
@@ -454,7 +286,7 @@ class GpuLimiter:
 
         Raises: InvalidArgument naming the route and the value, for a bad priority."""
         return _signature.endpoint(
-            self, route, estimate, RoutePriority.of(route, priority, max_priority)
+            self.calls, route, estimate, RoutePriority.of(route, priority, max_priority)
         )
 
     def batcher(
@@ -496,11 +328,11 @@ class GpuLimiter:
             param=param,
             priority=RoutePriority.of(route, priority, max_priority),
             settings=self.settings,
-            backend=self._backend,
-            slots=self._slots,
-            runner=self._runner,
-            calls=self._calls,
-            errors=self._errors,
+            backend=self.backend,
+            slots=self.slots,
+            runner=self.jobs,
+            calls=self.calls,
+            errors=self.errors,
             spawn=self.spawn,
         )
 
@@ -509,5 +341,5 @@ class GpuLimiter:
         counters and histograms, plus the pool's gauges read from Redis now; OpenMetrics text
         when ``accept`` (the request's Accept header) asks for it, else Prometheus text."""
         return await metrics_response(
-            self._backend.pool, self.settings.pool_name, accept, backoff=self._backoff.state()
+            self.backend.pool, self.settings.pool_name, accept, backoff=self.backoff.state()
         )

@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from gpulock_common.options import check_max_waiters
+
 from gpulock.protocol.args import validate_tenant
 from gpulock.errors import InvalidArgument
 from gpulock.units import parse_size
@@ -56,7 +58,8 @@ class Settings:
 
         Raises: InvalidArgument for a ``configure`` other than "create"/"set", fewer than one
         executor thread, a capacity that is not a size, a ``priority_header`` that is not
-        a header name, or a ``tenant`` that is not a tenant name (1-64 of [A-Za-z0-9._:-])."""
+        a header name, a ``tenant`` that is not a tenant name (1-64 of [A-Za-z0-9._:-]), or a
+        ``max_waiters`` outside the pool's bounds (:func:`gpulock_common.options.check_max_waiters`)."""
         if configure not in ("create", "set"):
             raise InvalidArgument(f"configure must be 'create' or 'set', got {configure!r}")
         if int(executor_threads) < 1:
@@ -67,6 +70,8 @@ class Settings:
                 f"priority_header must be None or an HTTP header name, got {ph!r:.80}"
             )
         rest["tenant"] = validate_tenant(rest.get("tenant")) or None
+        if rest.get("max_waiters") is not None:  # the pool's queue bound: the vocabulary's
+            rest["max_waiters"] = check_max_waiters(rest["max_waiters"])
         for name in _SECONDS:
             rest[name] = float(rest[name])
         return cls(

@@ -19,8 +19,9 @@ from fastapi import Request, Response
 from ._priority import RoutePriority
 
 
-class _Limiter(Protocol):
-    """What the route shapes use of a ``GpuLimiter``."""
+class _Calls(Protocol):
+    """What the route shapes use of a ``GpuLimiter``: its guarded calls (``limiter.calls``,
+    :class:`~gpulock.fastapi._call.GuardedCalls`)."""
 
     def admit(self, route: str) -> None: ...
 
@@ -70,14 +71,14 @@ class GpuCall:
 
     def __init__(
         self,
-        limiter: _Limiter,
+        calls: _Calls,
         route: str,
         estimate: Callable[..., int] | None,
         request: Request,
         response: Response,
         priority: RoutePriority | None = None,
     ):
-        self.limiter, self.route, self._estimate = limiter, route, estimate
+        self.calls, self.route, self._estimate = calls, route, estimate
         self.request, self.response = request, response
         self.priority = priority or RoutePriority()
 
@@ -90,7 +91,7 @@ class GpuCall:
             if self._estimate is None:
                 raise TypeError("give amount= or an estimate to guard()")
             amount = self._estimate(*args, **kwargs)
-        return await self.limiter.call(
+        return await self.calls.call(
             functools.partial(fn, *args, **kwargs),
             route=self.route,
             amount=amount,
@@ -102,7 +103,7 @@ class GpuCall:
 
 
 def guard(
-    limiter: _Limiter,
+    calls: _Calls,
     route: str,
     estimate: Callable[..., int] | None,
     priority: RoutePriority | None = None,
@@ -110,13 +111,13 @@ def guard(
     """The dependency behind ``GpuLimiter.guard``: gives each request a :class:`GpuCall`."""
 
     def dependency(request: Request, response: Response) -> GpuCall:
-        return GpuCall(limiter, route, estimate, request, response, priority)
+        return GpuCall(calls, route, estimate, request, response, priority)
 
     return dependency
 
 
 def endpoint(
-    limiter: _Limiter,
+    calls: _Calls,
     route: str,
     estimate: Callable[..., int],
     priority: RoutePriority | None = None,
@@ -164,10 +165,10 @@ def endpoint(
             request: Request = kw[req_name]
             response: Response = kw[resp_name]
             user_kw = {k: v for k, v in kw.items() if k in names}
-            limiter.admit(route)
+            calls.admit(route)
             est_kw = user_kw if takes_all else {k: v for k, v in user_kw.items() if k in est_params}
             amount = estimate(**est_kw)
-            return await limiter.call(
+            return await calls.call(
                 functools.partial(fn, **user_kw),
                 route=route,
                 amount=amount,

@@ -17,6 +17,7 @@ import threading
 from typing import Any, Mapping
 
 from gpulock_common.options import AGING_S as AGING_S
+from gpulock_common.options import DEFAULT_MAX_TTL_S as DEFAULT_MAX_TTL_S
 from gpulock_common.options import DEFAULT_MAX_WAITERS as DEFAULT_MAX_WAITERS
 from gpulock_common.options import DEFAULT_TTL_S as DEFAULT_TTL_S
 from gpulock_common.options import MAX_DEVICES as MAX_DEVICES
@@ -27,14 +28,12 @@ from gpulock_common.options import PLACEMENTS as PLACEMENTS
 from gpulock_common.options import PRIORITY_MAX as PRIORITY_MAX
 from gpulock_common.options import PRIORITY_MIN as PRIORITY_MIN
 from gpulock_common.options import TENANT_PATTERN
-from gpulock_common.options import check_device, check_placement
-from gpulock_common.options import check_resident, check_tenant
+from gpulock_common.options import check_device, check_placement, check_request_id
+from gpulock_common.options import check_holder, check_resident, check_tenant
 
 from gpulock.errors import CapacityExceeded, InvalidArgument
 from gpulock.protocol.keys import POOL_NAME_RE
 from gpulock.units import MAX_BYTES, parse_seconds, parse_size
-
-_TICKET_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 # Lease and waiter timing (seconds). The lease's ttl bounds and default are the vocabulary's
 # (gpulock_common.options); the heartbeat renews at ttl/3 (as etcd and Redisson do), which
@@ -42,10 +41,8 @@ _TICKET_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 DEFAULT_WAITER_TTL_S = 5.0
 # Waiters refresh their expiry (and re-poll as a backstop for a lost pub/sub message) this often.
 DEFAULT_POLL_INTERVAL_S = 1.0
-# The longest ttl a lease may have in a pool this library creates (``max_ttl``), unless the
-# pool object is given another: also the length of the grace period after Redis lost a pool
-# (docs/SEMANTICS.md), during which nothing new is granted. Twice the default ttl.
-DEFAULT_MAX_TTL_S = 60.0
+# The longest ttl a lease may have in a pool this library creates (``max_ttl``) is the
+# vocabulary's DEFAULT_MAX_TTL_S, as are a pool's other settings' bounds.
 
 
 def validate_pool_name(name: object) -> str:
@@ -56,17 +53,10 @@ def validate_pool_name(name: object) -> str:
     return name
 
 
-def validate_request_id(rid: object) -> str:
-    if not isinstance(rid, str) or not _TICKET_RE.fullmatch(rid):
-        raise InvalidArgument(
-            f"request_id must be 1-128 characters of [A-Za-z0-9._:-], got {rid!r}"
-        )
-    return rid
-
-
-# Tenants, devices, placements, ``resident``: the vocabulary's checks (gpulock_common.options),
+# Request ids, tenants, devices, placements, ``resident``: the vocabulary's checks (gpulock_common.options),
 # which the SDK makes too (a priority's: AcquireOptions.checked).
 validate_tenant = check_tenant
+validate_request_id = check_request_id
 validate_device = check_device
 validate_resident = check_resident
 validate_placement = check_placement
@@ -231,9 +221,7 @@ def encode_meta(holder: dict[str, Any] | None) -> str:
         return cached
     meta = {"host": _HOST, "pid": os.getpid()}
     if holder:
-        if not isinstance(holder, dict):
-            raise InvalidArgument(f"holder must be a dict of metadata, got {holder!r}")
-        meta.update(holder)
+        meta.update(check_holder(holder) or {})
     try:
         # allow_nan=False: NaN and infinities are not JSON (every reader of the record, `gpulock
         # status --json` too, would then write what strict parsers refuse; the broker refuses

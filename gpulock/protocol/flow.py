@@ -15,21 +15,17 @@ never redis-py's.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable
 
 from gpulock_common.grace import grace_note, grace_outlasts
-from gpulock_common.options import MAX_BACKFILL_WINDOW_S, MIN_BACKFILL_WINDOW_S
-from gpulock_common.options import check_policy
+from gpulock_common.options import PoolSettings
 
 from gpulock.protocol.args import (
     MAX_TTL_S,
     MIN_TTL_S,
     configure_capacity,
-    decode_quotas,
     encode_devices,
-    encode_quotas,
     ttl_ms,
-    validate_placement,
     validate_request_id,
     validate_token,
 )
@@ -109,80 +105,39 @@ def configure_args(
     policy: QueueConfig | None = None,
 ) -> list[str]:
     """ARGV of ``configure.lua``: capacity (bytes), max_waiters, "create" (only if absent) or
-    "set", max_ttl (ms), whether a pool it creates starts with a grace period, and the queue
-    policy ("fifo" or "backfill"), backfill window (ms), tenant quotas (``protocol.args.encode_quotas``),
-    devices (``protocol.args.encode_devices``) and placement, each None to leave it as it is."""
+    "set", max_ttl (ms), whether a pool it creates starts with a grace period, and the pool's
+    scheduling settings (:meth:`QueueConfig.argv`: the queue policy, backfill window in ms,
+    tenant quotas, devices and placement; each None to leave it as it is)."""
     mode = "create" if create_only else "set"
     argv = [str(capacity), str(max_waiters), mode, str(max_ttl_ms), "1" if grace else "0"]
     if policy is not None:
-        argv += [
-            policy.policy or "",
-            "" if policy.backfill_ms is None else str(policy.backfill_ms),
-            policy.quotas or "",
-            policy.devices or "",
-            policy.placement or "",
-        ]
+        argv += policy.argv()
     return argv
-
-
-def queue_policy(
-    policy: str | None, backfill_window: float | None
-) -> tuple[str | None, int | None] | None:
-    """Validate ``configure``'s queue policy (one of ``POLICIES``: "fifo" or "backfill") and
-    backfill window (seconds, MIN_BACKFILL_WINDOW_S to MAX_BACKFILL_WINDOW_S); returns
-    (policy, window in ms), either None when not given, or None when neither is. Raises
-    InvalidArgument naming the bad value."""
-    if policy is None and backfill_window is None:
-        return None
-    check_policy(policy)
-    window = None
-    if backfill_window is not None:
-        w = parse_seconds(
-            backfill_window,
-            name="backfill_window",
-            minimum=MIN_BACKFILL_WINDOW_S,
-            maximum=MAX_BACKFILL_WINDOW_S,
-        )
-        window = max(1, round(w * 1000))
-    return policy, window
 
 
 def configure(
     pool: PoolView,
     rt: RuntimeView | None,
-    capacity: int | str | None,
+    settings: PoolSettings,
     *,
-    max_waiters: int | None,
-    max_ttl: float | None,
     create_only: bool,
     grace: bool,
-    policy: str | None = None,
-    backfill_window: float | None = None,
-    quotas: Mapping[str, int | str | None] | None = None,
-    devices: int | Sequence[int | str] | None = None,
-    placement: str | None = None,
 ) -> Flow[dict[str, Any]]:
-    """``configure``: see :meth:`gpulock.AsyncPool.configure`. Returns the reply as
-    ``{"created", "capacity", "epoch", "used", "max_waiters", "policy", "backfill_window",
-    "quotas", "devices", "placement"}`` (the window in seconds; quotas: tenant -> bytes, every
-    quota the pool has; devices: each device's capacity in bytes, one for a pool of one
-    device); a set (not ``create_only``) also becomes the pool object's capacity and max_ttl."""
-    devs = None
-    if devices is not None:
-        capacity, devs = encode_devices(devices, capacity)
+    """``configure``: see :meth:`gpulock.AsyncPool.configure`; ``settings`` as its keywords
+    gave them (each None: the pool keeps it). Returns the reply as ``{"created", "capacity",
+    "epoch", "used", "max_waiters", "policy", "backfill_window", "quotas", "devices",
+    "placement"}`` (the window in seconds; quotas: tenant -> bytes, every quota the pool has;
+    devices: each device's capacity in bytes, one for a pool of one device); a set (not
+    ``create_only``) also becomes the pool object's capacity and max_ttl. Raises
+    InvalidArgument naming a bad value (nothing sent)."""
+    s = settings.checked()
+    capacity, devs = s.capacity, None
+    if s.devices is not None:
+        capacity, devs = encode_devices(s.devices, capacity)
     cap = configure_capacity(capacity, pool.capacity)
-    pq = queue_policy(policy, backfill_window)
-    spec = None if quotas is None else encode_quotas(quotas)
-    place = validate_placement(placement)
-    qp: QueueConfig | None = None
-    if pq is not None or spec is not None or devs is not None or place is not None:
-        qp = QueueConfig(pq[0] if pq else None, pq[1] if pq else None, spec, devs, place)
-    mw = pool.max_waiters if max_waiters is None else max_waiters
-    mt = (
-        pool.max_ttl
-        if max_ttl is None
-        else parse_seconds(max_ttl, name="max_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
-    )
+    qp = QueueConfig.asked(s, devs)
+    mw = pool.max_waiters if s.max_waiters is None else s.max_waiters
+    mt = pool.max_ttl if s.max_ttl is None else s.max_ttl
     argv = (
         rt.configure_argv(cap, mw, ttl_ms(mt), create_only, grace, qp)
         if rt is not None
@@ -205,10 +160,7 @@ def configure(
     }
     q = rep.queue
     if q is not None:
-        out["policy"], out["backfill_window"] = q.policy, (q.backfill_ms or 0) / 1000
-        out["quotas"] = decode_quotas(q.quotas or "")
-        out["devices"] = [int(c) for c in (q.devices or "").split()] or [rep.capacity]
-        out["placement"] = q.placement
+        out.update(q.shown(rep.capacity))
     if rt is not None:
         rt.seen(rep.epoch, rep.capacity, rep.max_waiters, rep.max_ttl_ms, q)
     return out
@@ -377,15 +329,7 @@ def acquire_call(
             raise
         # no grace asked here: the runtime's configure_argv asks for one when this object
         # knew the pool (so Redis lost it), and makes it again as last seen
-        yield from configure(
-            pool,
-            rt,
-            pool.capacity,
-            max_waiters=None,
-            max_ttl=None,
-            create_only=True,
-            grace=False,
-        )
+        yield from configure(pool, rt, PoolSettings(pool.capacity), create_only=True, grace=False)
         sent = pool.clock()
         r = yield Eval("acquire", argv)
     res = decode_acquire(req.ticket, r)

@@ -28,6 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Union
 
 from gpulock_common.options import DEFAULT_BACKFILL_WINDOW_S, DEFAULT_PLACEMENT, DEFAULT_POLICY
+from gpulock_common.options import PoolSettings
+
+from gpulock.protocol.args import decode_quotas, encode_quotas
 
 from gpulock.protocol.args import decode_meta
 
@@ -125,6 +128,39 @@ class QueueConfig(NamedTuple):
     quotas: str | None  # tenant quotas, "<tenant>=<bytes> ..." ("": none)
     devices: str | None  # each device's capacity, "<bytes> ..." ("": a pool of one device)
     placement: str | None  # "bestfit" or "spread"
+
+    @classmethod
+    def asked(cls, s: PoolSettings, devices: str | None) -> QueueConfig | None:
+        """What a ``configure`` of the checked settings ``s`` asks of these (``devices``
+        already encoded, ``protocol.args.encode_devices``: they set the capacity too); None
+        when it asks none of them. Raises InvalidArgument naming a bad quota."""
+        q = cls(
+            s.policy,
+            None if s.backfill_window is None else max(1, round(s.backfill_window * 1000)),
+            None if s.quotas is None else encode_quotas(s.quotas),
+            devices,
+            s.placement,
+        )
+        return None if q == _ASKS_NOTHING else q
+
+    def argv(self) -> list[str]:
+        """``configure.lua``'s ARGV 6 to 10, in this record's order ("": unchanged)."""
+        return ["" if v is None else str(v) for v in self]
+
+    def shown(self, capacity: int) -> dict[str, Any]:
+        """As ``configure``'s reply shows them: ``policy``, ``backfill_window`` (seconds),
+        ``quotas`` (tenant: bytes), ``devices`` (each one's bytes; ``[capacity]`` for a pool
+        of one device) and ``placement``."""
+        return {
+            "policy": self.policy,
+            "backfill_window": (self.backfill_ms or 0) / 1000,
+            "quotas": decode_quotas(self.quotas or ""),
+            "devices": [int(c) for c in (self.devices or "").split()] or [capacity],
+            "placement": self.placement,
+        }
+
+
+_ASKS_NOTHING = QueueConfig(None, None, None, None, None)
 
 
 class ConfigureReply(NamedTuple):

@@ -286,6 +286,10 @@ class ThreadSubscription:
         return reply
 
     def _resume(self, value: Any, error: bool = False) -> None:
+        # The life is driven one step per call, by whichever thread reads at the time (the
+        # reading passes between waiting threads), not by one loop: so not by
+        # gpulock_common.driver.drive, though by its rules (a result sent in, an Exception
+        # thrown in).
         try:
             self._step = self._life.throw(value) if error else self._life.send(value)
         except StopIteration:

@@ -28,6 +28,8 @@ from typing import Any, Callable, Union
 
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
+from gpulock_common.driver import adrive
+
 from gpulock.transport.cluster import is_cluster_client
 from gpulock.transport.route import ShardUnavailable
 from gpulock.transport.failure_log import FailureLog
@@ -304,20 +306,9 @@ class _Shard(Connection):
             pass
 
     async def _run(self) -> None:
-        life = self.life()
-        reply: Any = None
-        error: Exception | None = None
         try:
-            while True:
-                try:
-                    step = life.send(reply) if error is None else life.throw(error)
-                except StopIteration:
-                    return
-                reply, error = None, None
-                try:
-                    reply = await self._do(step)
-                except Exception as e:  # noqa: BLE001 - the life decides (CancelledError is not one)
-                    error = e
+            # the life decides on an Exception; a cancellation (not one) ends it
+            await adrive(self.life(), self._do, catch=Exception)
         finally:
             await self._close()
 

@@ -18,6 +18,8 @@ from typing import Any, Union
 
 from redis.exceptions import AuthenticationError, ResponseError
 
+from gpulock_common.driver import adrive, drive
+
 from gpulock.protocol.retry import retrying
 from gpulock.transport.dialect import Dialect, Load, Send, dialect_of
 from gpulock.transport.lane import AsyncLane, SyncLane, async_lane, encode, encode_args, sync_lane
@@ -120,6 +122,12 @@ def synced_renew(
     raise AssertionError("unreachable")
 
 
+def _unless_shard(e: BaseException) -> BaseException | None:
+    """What a recovery's driver throws into its steps: ``e``, but for a shard's error (a
+    redirect, TRYAGAIN, CLUSTERDOWN), which propagates to the cluster route instead (None)."""
+    return None if is_shard_error(e) else e
+
+
 def _one(replies: list[Any]) -> Any:
     r = replies[-1]
     if isinstance(r, BaseException):
@@ -189,24 +197,14 @@ class SyncScripts:
         send: Callable[[tuple[Any, ...]], Any],
         do_load: Callable[[Load], Any],
     ) -> Any:
+        def do_step(step: Send | Load) -> Any:
+            if isinstance(step, Send):
+                return send(step.words)
+            do_load(step)
+            return None
+
         steps = self.heads.dialect.recover(err, sc, self.heads.keys, args)
-        reply: Any = None
-        error: ResponseError | None = None
-        while True:
-            try:
-                step = steps.send(reply) if error is None else steps.throw(error)
-            except StopIteration as done:
-                return done.value
-            reply, error = None, None
-            try:
-                if isinstance(step, Send):
-                    reply = send(step.words)
-                else:
-                    do_load(step)
-            except ResponseError as e:
-                if is_shard_error(e):
-                    raise
-                error = e
+        return drive(steps, do_step, catch=ResponseError, into=_unless_shard)
 
     def renew_synced(
         self,
@@ -287,23 +285,13 @@ class SyncScripts:
         batch: Callable[[Sequence[Sequence[Any]]], list[Any]],
         do_load: Callable[[Load], Any],
     ) -> tuple[Any, int]:
-        reply: Any = None
-        error: ResponseError | None = None
-        while True:
-            try:
-                step = steps.send(reply) if error is None else steps.throw(error)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
-            reply, error = None, None
+        def do_step(step: Batch | Load) -> Any:
             if isinstance(step, Batch):
-                reply = batch(step.commands)
-                continue
-            try:
-                do_load(step)
-            except ResponseError as e:
-                if is_shard_error(e):
-                    raise
-                error = e
+                return batch(step.commands)  # its error replies are values: none to throw in
+            do_load(step)
+            return None
+
+        return drive(steps, do_step, catch=ResponseError, into=_unless_shard)
 
     def drop_idle(self) -> None:
         """Close the lane's idle connections (after a connection error)."""
@@ -427,31 +415,27 @@ class AsyncScripts:
         lane: AsyncLane | None,
         asking: bool = False,
     ) -> Any:
+        async def do_step(step: Send | Load) -> Any:
+            if isinstance(step, Send):
+                if lane is None:
+                    return await self.client.execute_command(*step.words)
+                if asking:
+                    return _one(await lane.execute_many([ASKING, encode(step.words)]))
+                return await lane.execute(encode(step.words))
+            if lane is None or self.shards is None:
+                await load(self.client, step)
+            else:
+                await lane.execute(encode(_load_words(step)))
+            return None
+
         steps = self.heads.dialect.recover(err, sc, self.heads.keys, args)
-        reply: Any = None
-        error: ResponseError | None = None
-        while True:
-            try:
-                step = steps.send(reply) if error is None else steps.throw(error)
-            except StopIteration as done:
-                return done.value
-            reply, error = None, None
-            try:
-                if isinstance(step, Send):
-                    if lane is None:
-                        reply = await self.client.execute_command(*step.words)
-                    elif asking:
-                        reply = _one(await lane.execute_many([ASKING, encode(step.words)]))
-                    else:
-                        reply = await lane.execute(encode(step.words))
-                elif lane is None or self.shards is None:
-                    await load(self.client, step)
-                else:
-                    await lane.execute(encode(_load_words(step)))
-            except ResponseError as e:
-                if self.shards is not None and is_shard_error(e):
-                    raise
-                error = e
+        # a shard's error (a redirect, TRYAGAIN, CLUSTERDOWN) is the cluster route's to handle
+        return await adrive(
+            steps,
+            do_step,
+            catch=ResponseError,
+            into=lambda e: None if self.shards is not None and is_shard_error(e) else e,
+        )
 
     async def renew_synced(
         self,
@@ -528,23 +512,13 @@ class AsyncScripts:
         batch: Callable[[Sequence[Sequence[Any]]], Awaitable[list[Any]]],
         do_load: Callable[[Load], Awaitable[Any]],
     ) -> tuple[Any, int]:
-        reply: Any = None
-        error: ResponseError | None = None
-        while True:
-            try:
-                step = steps.send(reply) if error is None else steps.throw(error)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
-            reply, error = None, None
+        async def do_step(step: Batch | Load) -> Any:
             if isinstance(step, Batch):
-                reply = await batch(step.commands)
-                continue
-            try:
-                await do_load(step)
-            except ResponseError as e:
-                if is_shard_error(e):
-                    raise
-                error = e
+                return await batch(step.commands)  # its error replies are values
+            await do_load(step)
+            return None
+
+        return await adrive(steps, do_step, catch=ResponseError, into=_unless_shard)
 
     async def drop_idle(self) -> None:
         """Close the lane's idle connections (after a connection error)."""

@@ -36,6 +36,8 @@ from typing import Any
 import redis
 from redis.exceptions import RedisError
 
+from gpulock_common.driver import drive
+
 from gpulock.transport.cluster import is_cluster_client
 from gpulock.transport.lane import SyncLane, encode, sync_lane
 from gpulock.transport.route import (
@@ -43,6 +45,7 @@ from gpulock.transport.route import (
     LOOKUP,
     Moved,
     Refresh,
+    RouteStep,
     Send,
     owner_in,
     route,
@@ -199,29 +202,23 @@ class SyncShards(SlotMap):
         """``send(lane, asking)``'s reply, sent to the master of ``slot`` and routed by
         :func:`gpulock.transport.route.route`. Raises what the route raises."""
         self.tracked.add(slot)
-        steps = route(slot)
-        reply: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                step = steps.send(reply) if error is None else steps.throw(error)
-            except StopIteration as done:
-                return done.value
-            reply, error = None, None
-            try:
-                if step is LOOKUP:
-                    reply = self.node_name(slot)
-                elif isinstance(step, Send):
-                    with self.watch(slot, step.node):
-                        reply = send(self.lane(step.node), step.asking)
-                    self.suspects.discard(step.node)
-                elif isinstance(step, Moved):
-                    self._move(slot, step.host, step.port)
-                else:
-                    assert isinstance(step, Refresh)
-                    reply = self.refresh(slot, step.failed)
-            except Exception as e:  # noqa: BLE001 - the route decides
-                error = e
+
+        def do_step(step: RouteStep) -> Any:
+            if step is LOOKUP:
+                return self.node_name(slot)
+            if isinstance(step, Send):
+                with self.watch(slot, step.node):
+                    reply = send(self.lane(step.node), step.asking)
+                self.suspects.discard(step.node)
+                return reply
+            if isinstance(step, Moved):
+                self._move(slot, step.host, step.port)
+                return None
+            assert isinstance(step, Refresh)
+            return self.refresh(slot, step.failed)
+
+        # the route decides on an Exception; an interrupt (KeyboardInterrupt) propagates
+        return drive(route(slot), do_step, catch=Exception)
 
     def execute(self, slot: int, commands: Sequence[Sequence[Any]]) -> list[Any]:
         """``commands`` on one connection to the master of ``slot``, routed by :meth:`call`

@@ -15,10 +15,21 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.asyncio.retry import Retry
 
+from gpulock_common.driver import adrive
+
 from gpulock.transport.cluster import is_cluster_client
 from gpulock.transport.cluster import ready as cluster_ready
 from gpulock.transport.lane import AsyncLane, async_lane, encode
-from gpulock.transport.route import HUNG_CHECK_S, LOOKUP, Moved, Refresh, Send, owner_in, route
+from gpulock.transport.route import (
+    HUNG_CHECK_S,
+    LOOKUP,
+    Moved,
+    Refresh,
+    RouteStep,
+    Send,
+    owner_in,
+    route,
+)
 from gpulock.transport.slot_map import (
     CLUSTER_SLOTS,
     DRIVER_ATTR,
@@ -169,32 +180,27 @@ class AsyncShards(SlotMap):
         route goes on from there."""
         self.tracked.add(slot)
         await self.ready()
-        steps = route(slot)
-        reply: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                step = steps.send(reply) if error is None else steps.throw(error)
-            except StopIteration as done:
-                return done.value
-            reply, error = None, None
-            try:
-                if step is LOOKUP:
-                    reply = self.node_name(slot) if first is None else first[0]
-                elif isinstance(step, Send):
-                    if first is not None:
-                        error, first = first[1], None
-                        continue
-                    with self.watch(slot, step.node):
-                        reply = await send(await self.lane(step.node), step.asking)
-                    self.suspects.discard(step.node)
-                elif isinstance(step, Moved):
-                    await self._move(slot, step.host, step.port)
-                else:
-                    assert isinstance(step, Refresh)
-                    reply = await self.refresh(slot, step.failed)
-            except Exception as e:  # noqa: BLE001 - the route decides
-                error = e
+
+        async def do_step(step: RouteStep) -> Any:
+            nonlocal first
+            if step is LOOKUP:
+                return self.node_name(slot) if first is None else first[0]
+            if isinstance(step, Send):
+                if first is not None:  # that try was made: its error is this Send's
+                    error, first = first[1], None
+                    raise error
+                with self.watch(slot, step.node):
+                    reply = await send(await self.lane(step.node), step.asking)
+                self.suspects.discard(step.node)
+                return reply
+            if isinstance(step, Moved):
+                await self._move(slot, step.host, step.port)
+                return None
+            assert isinstance(step, Refresh)
+            return await self.refresh(slot, step.failed)
+
+        # the route decides on an Exception; a cancellation propagates
+        return await adrive(route(slot), do_step, catch=Exception)
 
     async def execute(self, slot: int, commands: Sequence[Sequence[Any]]) -> list[Any]:
         """As :meth:`SyncShards.execute <gpulock.transport.shards.SyncShards.execute>`."""

@@ -472,17 +472,7 @@ async def configure_pool(
     only while the pool has no lease and no waiter (else 422, nothing changed)."""
     _admin_only(who, pool, "configure")
     try:
-        r = await broker.configure(
-            pool,
-            body.capacity_bytes,
-            body.max_waiters,
-            body.max_ttl,
-            policy=body.policy,
-            backfill_window=body.backfill_window,
-            quotas=body.quota_bytes,
-            devices=body.device_bytes,
-            placement=body.placement,
-        )
+        r = await broker.configure(pool, body.settings)
     except Exception as e:
         _map(e, pool)
     devices = r.get("devices") or [r["capacity"]]
@@ -496,20 +486,16 @@ async def configure_pool(
         ",".join(str(c) for c in devices),
         r.get("placement", DEFAULT_PLACEMENT),
     )
-    return PoolConfigured(
+    # the reply's fields by name (a pool setting added to the reply and the answer model
+    # needs no line here)
+    fields = {k: r[k] for k in PoolConfigured.model_fields if k in r}
+    fields.update(
         pool=pool,
         created=bool(r["created"]),
-        capacity=r["capacity"],
-        epoch=r["epoch"],
-        used=r["used"],
-        max_waiters=r["max_waiters"],
-        max_ttl=r["max_ttl"],
-        policy=r["policy"],
-        backfill_window=r["backfill_window"],
-        quotas=r["quotas"],
         devices=devices,
         placement=r.get("placement", DEFAULT_PLACEMENT),
     )
+    return PoolConfigured(**fields)
 
 
 @router.delete(

@@ -45,10 +45,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping
 
 from gpulock_common.aio import stop_tasks
-from gpulock_common.options import AcquireOptions
+from gpulock_common.options import AcquireOptions, PoolSettings
 
 from gpulock.admin.pools import DeleteResult
 from gpulock.dashboard.view import dashboard_view
@@ -287,31 +287,9 @@ class Broker:
         except Exception as e:  # noqa: BLE001 - not connected: a count is not worth an error
             log.debug("gpulock broker: counting %s for %s failed: %s", event, pool, e)
 
-    async def configure(
-        self,
-        pool: str,
-        capacity: int | None,
-        max_waiters: int | None,
-        max_ttl: float | None = None,
-        *,
-        policy: str | None = None,
-        backfill_window: float | None = None,
-        quotas: Mapping[str, int] | None = None,
-        devices: Sequence[int] | None = None,
-        placement: str | None = None,
-    ) -> dict[str, Any]:
+    async def configure(self, pool: str, settings: PoolSettings) -> dict[str, Any]:
         """Create or change a pool (see :meth:`.pools.Pools.configure`)."""
-        return await self._poolset.configure(
-            pool,
-            capacity,
-            max_waiters,
-            max_ttl,
-            policy=policy,
-            backfill_window=backfill_window,
-            quotas=quotas,
-            devices=devices,
-            placement=placement,
-        )
+        return await self._poolset.configure(pool, settings)
 
     async def delete_pool(self, pool: str, *, force: bool = False) -> DeleteResult:
         """Delete a pool in Redis and forget what this broker kept for it (see

@@ -17,14 +17,18 @@ from gpulock_common.options import (
     MAX_BACKFILL_WINDOW_S,
     MAX_DEVICES,
     MAX_MAX_WAITERS,
+    MAX_REMOTE_REQUEST_ID_LEN,
     MIN_BACKFILL_WINDOW_S,
     MIN_MAX_WAITERS,
+    MIN_REMOTE_TTL_S,
     PRIORITY_MAX,
     PRIORITY_MIN,
+    REQUEST_ID_CHARS,
     TENANT_PATTERN as _TENANT,
     AcquireOptions,
     Placement,
     Policy,
+    PoolSettings,
     check_device,
     check_placement,
     check_policy,
@@ -40,11 +44,12 @@ from gpulock.units import MAX_BYTES, SIZE_TEXT_MAX_LENGTH, SIZE_TEXT_PATTERN, pa
 # (gpulock_common.options), so the OpenAPI schema states what the core accepts; the broker's
 # own are the ones below.
 POOL_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
-REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,96}$"  # the broker prefixes the principal's id
+# the broker scopes a request id to the token (gpulock_common.options, "Over HTTP")
+REQUEST_ID_PATTERN = f"^{REQUEST_ID_CHARS}{{1,{MAX_REMOTE_REQUEST_ID_LEN}}}$"
 LEASE_ID_PATTERN = r"^[0-9a-f]{32}$"
 MAX_HOLDER_JSON = 256  # the broker adds owner, principal and via within MAX_META_BYTES
 # A lease over HTTP is renewed every ttl/3 by a client on another host: at least a second.
-MIN_TTL_S, MAX_TTL_S = 1.0, MAX_POOL_TTL_S
+MIN_TTL_S, MAX_TTL_S = MIN_REMOTE_TTL_S, MAX_POOL_TTL_S
 
 Scalar = Union[str, int, float, bool, None]
 # Sizes as text: gpulock.units.SIZE_TEXT_PATTERN is the exact rule (never zero, no fraction of a
@@ -393,3 +398,18 @@ class PoolConfigRequest(_Body):
     def device_bytes(self) -> list[int] | None:
         """``devices``: each device's capacity in bytes; None when not given."""
         return None if self.devices is None else [_validated_bytes(c) for c in self.devices]
+
+    @property
+    def settings(self) -> PoolSettings:
+        """The pool settings this body gives, in bytes and seconds (what it leaves out: None,
+        the pool keeps it), as the broker passes them on to the pool's ``configure``."""
+        return PoolSettings(
+            capacity=self.capacity_bytes,
+            max_waiters=self.max_waiters,
+            max_ttl=self.max_ttl,
+            policy=self.policy,
+            backfill_window=self.backfill_window,
+            quotas=self.quota_bytes,
+            devices=self.device_bytes,
+            placement=self.placement,
+        )

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import weakref
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import redis.asyncio as aioredis
+
+from gpulock_common.options import PoolSettings
 
 from gpulock import AsyncPool
 from gpulock.admin.pools import DeleteResult, adelete_pool
@@ -196,48 +198,27 @@ class Pools:
         """The pool's status (:meth:`gpulock.AsyncPool.status`), at most ``limit`` leases."""
         return await self._tasks.guard(self.get(pool).pool.status(limit=limit))
 
-    async def configure(
-        self,
-        pool: str,
-        capacity: int | None,
-        max_waiters: int | None,
-        max_ttl: float | None = None,
-        *,
-        policy: str | None = None,
-        backfill_window: float | None = None,
-        quotas: Mapping[str, int] | None = None,
-        devices: Sequence[int] | None = None,
-        placement: str | None = None,
-    ) -> dict[str, Any]:
-        """Create or change a pool; ``max_waiters``/``max_ttl``/``policy``/``backfill_window``/
-        ``devices``/``placement`` None keep the pool's current values (the library's defaults
-        for a new pool); ``quotas`` (tenant to bytes, 0 removes) changes the tenants named;
-        ``devices`` is each device's capacity in bytes (``capacity``, None for their sum, must
-        be their sum). Returns the configure reply (with ``policy``, ``backfill_window``
-        seconds, ``quotas``, ``devices`` and ``placement``) with ``max_ttl`` (seconds) added.
-        Raises InvalidArgument for a bad policy, window, quota or device, or a change of the
-        count of devices while the pool has leases or waiters."""
+    async def configure(self, pool: str, settings: PoolSettings) -> dict[str, Any]:
+        """Create or change a pool: ``settings`` in bytes and seconds, each None to keep the
+        pool's current value (the library's default for a new pool; ``max_waiters`` and
+        ``max_ttl`` are read from the pool's status first, so this broker's pool object does
+        not put its own in); ``quotas`` (tenant to bytes, 0 removes) changes the tenants
+        named; ``devices`` is each device's capacity in bytes (``capacity``, None for their
+        sum, must be their sum). Returns the configure reply (with ``policy``,
+        ``backfill_window`` seconds, ``quotas``, ``devices`` and ``placement``) with
+        ``max_ttl`` (seconds) added. Raises InvalidArgument for a bad policy, window, quota
+        or device, or a change of the count of devices while the pool has leases or waiters."""
         p = self.get(pool).pool
-        if max_waiters is None or max_ttl is None:
+        if settings.max_waiters is None or settings.max_ttl is None:
             try:
                 st = await self._tasks.guard(p.status(limit=0))
-                max_waiters = st.max_waiters if max_waiters is None else max_waiters
-                if max_ttl is None and st.max_ttl:
-                    max_ttl = st.max_ttl
+                if settings.max_waiters is None:
+                    settings = settings._replace(max_waiters=st.max_waiters)
+                if settings.max_ttl is None and st.max_ttl:
+                    settings = settings._replace(max_ttl=st.max_ttl)
             except PoolNotFound:
                 pass
-        r: dict[str, Any] = await self._tasks.guard(
-            p.configure(
-                capacity,
-                max_waiters=max_waiters,
-                max_ttl=max_ttl,
-                policy=policy,
-                backfill_window=backfill_window,
-                quotas=quotas,
-                devices=devices,
-                placement=placement,
-            )
-        )
+        r: dict[str, Any] = await self._tasks.guard(p.configure(**settings._asdict()))
         return {**r, "max_ttl": p.max_ttl}
 
     async def delete(self, pool: str, *, force: bool = False) -> DeleteResult:

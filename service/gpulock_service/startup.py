@@ -39,9 +39,9 @@ def lifespan(svc: Service) -> Callable[[Any], Any]:
     async def run(app: Any) -> AsyncIterator[None]:
         settings, limiter = svc.settings, svc.limiter
         await limiter.start()
-        if settings.dashboard and limiter.redis is not None:
+        if settings.dashboard and limiter.backend.redis is not None:
             # one sampler per worker; the pool's sampler lease lets one of them write
-            sampler = Sampler(limiter.redis, svc.pool_names, svc.pool_status)
+            sampler = Sampler(limiter.backend.redis, svc.pool_names, svc.pool_status)
             limiter.spawn(sampler.run(), name="gpulock-sampler")
         task = limiter.spawn(bring_up(svc), name="gpulock-bring-up")
         if settings.startup_timeout > 0:
@@ -162,9 +162,9 @@ async def calibrate(svc: Service, device: str) -> None:
     worker that finds it taken skips calibration."""
     settings, limiter, model = svc.settings, svc.limiter, svc.model
     lock = pool_key(settings.pool, "calibrating")
-    if limiter.pool is None:  # not started (the lifespan starts it before bring_up)
+    if limiter.backend.pool is None:  # not started (the lifespan starts it before bring_up)
         return
-    redis = limiter.pool.redis  # the limiter's own client
+    redis = limiter.backend.pool.redis  # the limiter's own client
     # on the pool's server alone (on a cluster, its shard: gpulock.transport.shards_async.aon_key)
     claimed = await aon_key(redis, lock, ("SET", lock, str(os.getpid()), "NX", "EX", 600))
     if not claimed[0]:
@@ -179,6 +179,6 @@ async def calibrate(svc: Service, device: str) -> None:
         out = await limiter.calibrate(
             ROUTE, model.calibration_run, shapes, device, model.estimate_bytes
         )
-        log.info("gpulock: calibrated %d shapes into %s", len(out), limiter.estimates_key)
+        log.info("gpulock: calibrated %d shapes into %s", len(out), limiter.estimates.key)
     finally:
         await aon_key(redis, lock, ("DEL", lock))

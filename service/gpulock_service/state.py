@@ -65,9 +65,9 @@ class Service:
         """The pool's status (``AsyncPool.status``), for the dashboard and its sampler.
 
         Raises: BackendUnavailable before the limiter is connected."""
-        if self.limiter.pool is None:
+        if self.limiter.backend.pool is None:
             raise BackendUnavailable("the service is not connected to Redis yet")
-        return await self.limiter.pool.status(limit=limit)
+        return await self.limiter.backend.pool.status(limit=limit)
 
     async def pool_names(self) -> list[str]:
         """The pools the sampler watches: this service's one."""

@@ -75,10 +75,13 @@ def test_a_422_is_said_in_users_words(broker_srv, pool, user, gpu):
         "holder.job: Input should be a valid string, a valid integer, a valid number or a "
         "valid boolean (got [1])"
     ), str(e.value)
+    # a ttl under the broker's least: the SDK says so before sending, as the broker would
+    r = user.post(f"/v1/pools/{gpu}/leases", json={"amount": 1, "ttl": 0.1})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "ttl"], r.text
     with pytest.raises(InvalidArgument) as e:
         pool.acquire(1, ttl=0.1)
-    assert str(e.value).startswith("ttl: "), str(e.value)  # not "body.ttl: Value error, ..."
-    assert "Value error" not in str(e.value)
+    assert str(e.value) == "ttl must be between 1 and 86400 seconds, got 0.1", str(e.value)
+    assert "Value error" not in str(e.value)  # not "body.ttl: Value error, ..."
 
 
 def test_acquire_timeout_withdraws_the_place(pool):

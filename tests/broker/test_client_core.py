@@ -9,6 +9,7 @@ import gpulock_client
 import httpx
 import pytest
 from gpulock_client import _core as core
+from gpulock_common.driver import drive as common_drive
 from gpulock_client.errors import (
     AcquireTimeout,
     BackendUnavailable,
@@ -53,20 +54,20 @@ def queued(clock, pos=3, ra="2"):
 def drive(gen, clock, replies):
     """Run the steps: answer Http steps from `replies` (callables of the step), advance the
     clock on Sleep. Returns (result or exception, steps)."""
-    steps, out = [], None
+    steps = []
+
+    def do_step(step):
+        steps.append(step)
+        if isinstance(step, core.Sleep):
+            clock.t += step.seconds
+            return None
+        out = replies.pop(0)(step)
+        if isinstance(out, core.Reply):
+            clock.t += 0.001
+        return out
+
     try:
-        while True:
-            step = gen.send(out)
-            steps.append(step)
-            if isinstance(step, core.Sleep):
-                clock.t += step.seconds
-                out = None
-            else:
-                out = replies.pop(0)(step)
-                if isinstance(out, core.Reply):
-                    clock.t += 0.001
-    except StopIteration as s:
-        return s.value, steps
+        return common_drive(gen, do_step, catch=()), steps  # as the SDK's shells drive them
     except Exception as e:
         return e, steps
 
@@ -284,6 +285,46 @@ def test_a_bad_device_raises_before_anything_is_sent(bad):
     res, steps = drive(gen, clock, [])
     assert isinstance(res, InvalidArgument) and steps == [], (res, steps)
     assert f"got {bad!r}" in str(res) and "[0, 63]" in str(res)
+
+
+@pytest.mark.parametrize(
+    "options, shown",
+    [
+        (dict(holder="x"), "holder must be a dict of metadata, got 'x'"),
+        (dict(ttl=0.5), "ttl must be between 1 and 86400 seconds, got 0.5"),
+        (dict(request_id="r" * 97), "request_id must be 1-96 characters"),
+        (dict(request_id="a b"), "request_id must be 1-96 characters"),
+    ],
+)
+def test_a_bad_holder_ttl_or_request_id_raises_before_anything_is_sent(options, shown):
+    """The SDK's InvalidArgument (not a ValueError, not the broker's 422) names the value, by
+    the broker's bounds (a ttl of at least 1 s, request ids of at most 96 characters)."""
+    clock = Clock()
+    gen = core.acquire_steps(
+        cfg(clock, gate=core.Gate(1)), 5, core.AcquireOptions(**options), on_queued=None
+    )
+    res, steps = drive(gen, clock, [])
+    assert isinstance(res, InvalidArgument) and steps == [], (res, steps)
+    assert shown in str(res), res
+
+
+def test_configure_checks_the_pool_settings_before_anything_is_sent():
+    for bad, shown in (
+        (dict(policy="lifo"), "policy must be 'fifo' or 'backfill', got 'lifo'"),
+        (dict(max_waiters=0), "max_waiters must be an integer in [1, 1000000], got 0"),
+        (dict(backfill_window="soon"), "backfill_window must be a number of seconds"),
+        (dict(devices="4GiB"), "devices must be a list"),
+        (dict(placement="nearest"), "placement must be 'bestfit' or 'spread'"),
+    ):
+        with pytest.raises(InvalidArgument) as e:
+            core.checked_settings(core.PoolSettings(capacity=1, **bad))
+        assert shown in str(e.value), e.value
+    s = core.checked_settings(core.PoolSettings(backfill_window="2", devices=("1GiB", 5)))
+    # devices given: their sum is the capacity (the broker's to add up)
+    assert core.configure_body(s, None) == {"backfill_window": 2.0, "devices": ["1GiB", 5]}
+    assert core.configure_body(
+        core.PoolSettings(policy="fifo"), {"capacity": 9, "devices": [{"capacity": 4}] * 2}
+    ) == {"capacity": 9, "policy": "fifo", "devices": [4, 4]}
 
 
 def test_validity_deadline_counts_from_the_send_time():

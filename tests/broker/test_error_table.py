@@ -118,13 +118,13 @@ async def test_the_fastapi_integration_answers_every_shared_error_as_served(redi
     install_openai_errors(app)
     classes = list(dict.fromkeys(a.cls for a in ANSWERS))
     async with Running(app) as c:
-        assert gpu.pool is not None
+        assert gpu.backend.pool is not None
         for cls in classes:
-            monkeypatch.setattr(gpu.pool, "acquire", _raise(sample(cls)))
+            monkeypatch.setattr(gpu.backend.pool, "acquire", _raise(sample(cls)))
             r = await c.post("/sync", json={})
             status, reason = served(cls)
             assert r.status_code == status, (cls.__name__, r.status_code, r.text)
             assert r.json()["error"]["code"] == reason, (cls.__name__, r.text)
             assert (status == 503) == ("retry-after" in r.headers), (cls.__name__, r.headers)
-        st = await gpu.pool.status()
+        st = await gpu.backend.pool.status()
         assert (st.used, st.lease_count, st.waiter_count) == (0, 0, 0)  # nothing was held

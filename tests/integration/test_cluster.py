@@ -216,13 +216,13 @@ async def test_gpulimiter_on_a_cluster_guards_and_replays(cluster):
         assert r.status_code == 200, r.text
         h = {"X-Request-ID": "on-a-cluster"}
         first = await c.post("/sync", json={"gib": 1}, headers=h)
-        while gpu._runner.by_ticket:  # released and unclaimed (a retry now would join it)
+        while gpu.jobs.by_ticket:  # released and unclaimed (a retry now would join it)
             await asyncio.sleep(0.01)
         again = await c.post("/sync", json={"gib": 1}, headers=h)
         assert first.status_code == again.status_code == 200
         assert again.headers["x-idempotent-replay"] == "true"
-        await gpu._reaper.tick()
-        assert gpu.status is not None and gpu.status.grants == 2
+        await gpu.reaper.tick()
+        assert gpu.backend.status is not None and gpu.backend.status.grants == 2
 
 
 async def test_oom_backoff_on_a_cluster(cluster):
@@ -243,12 +243,12 @@ async def test_oom_backoff_on_a_cluster(cluster):
         assert (await ca.post("/embed", json={"oom": True})).status_code == 503
         deadline = time.monotonic() + 10
         while True:
-            await b.refresh_backoff()
-            if b.backoff_scale(BUCKET) == 1.5:
+            await b.backoff.refresh()
+            if b.backoff.scale(BUCKET) == 1.5:
                 break
-            assert time.monotonic() < deadline, b.backoff_state()
+            assert time.monotonic() < deadline, b.backoff.state()
             await asyncio.sleep(0.01)
-        assert b.backoff_factor() == pytest.approx(0.8)
+        assert b.backoff.factor() == pytest.approx(0.8)
 
 
 def _pubsub_conns(node_clients) -> list[dict]:

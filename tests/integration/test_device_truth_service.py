@@ -67,7 +67,7 @@ async def test_health_metrics_and_dashboard_show_the_device(redis_proc1, tmp_pat
             await async_wait_until(lambda: gpu.readiness()[0], 60, "the resident lease")
 
             def health_shows() -> dict | None:
-                st = gpu.status
+                st = gpu.backend.status
                 return st if st is not None and st.external == external else None
 
             await async_wait_until(health_shows, timeout=60, what="the report in the status")
@@ -81,11 +81,13 @@ async def test_health_metrics_and_dashboard_show_the_device(redis_proc1, tmp_pat
             async def flagged() -> bool:
                 return bool((await other.status()).overusers)
 
-            await async_wait_until(lambda: gpu.status and gpu.status.overusers, 60, "a flag")
+            await async_wait_until(
+                lambda: gpu.backend.status and gpu.backend.status.overusers, 60, "a flag"
+            )
             assert await flagged()
             h = (await c.get("/health")).json()["device_truth"]
             [o] = h["overusers"]
-            resident = [lz.id for lz in gpu.resident_leases]
+            resident = [lz.id for lz in gpu.resident.leases]
             assert sorted(o["lease_ids"]) == sorted([greedy.id, *resident])
             assert o["excess"] == excess and o["pid"] == os.getpid()
             assert o["holder"]["host"] == socket.gethostname()
@@ -112,7 +114,7 @@ async def test_health_metrics_and_dashboard_show_the_device(redis_proc1, tmp_pat
             assert "lease_ids" not in dv  # the dashboard never shows lease ids
         # The worker stopped: its sampler with it. The report expires (10 s) and the pool
         # grants its full capacity again.
-        assert gpu.device_sampler is not None
+        assert gpu.device.sampler is not None
 
         async def expired() -> bool:
             st = await other.status()

@@ -321,7 +321,7 @@ async def test_errors_map_to_http(redis_proc1):
 
         r = await c.post("/sync", json={"fail": "assert"})
         assert r.status_code == 500 and "device-side assert" in r.json()["detail"]
-        assert gpu.fatal_error and not gpu.readiness()[0]
+        assert gpu.ready.fatal_error and not gpu.readiness()[0]
         r = await c.post("/sync", json={})
         assert r.status_code == 503 and "not ready" in r.json()["detail"]
         assert await _used(redis_proc1.url, "it3", settle_at=0) == 0
@@ -428,22 +428,22 @@ async def test_a_parked_request_keeps_its_place_for_as_long_as_it_retries(redis_
 
 async def test_retry_after_follows_the_grant_rate(redis_proc1):
     gpu = GpuLimiter(redis_proc1.url, "it7", ttl=30, max_retry_after=60, park_timeout=30)
-    assert gpu.retry_after(3) == 3  # nothing measured: one second per place
-    assert gpu.retry_after(3, server_hint=2.2) == 3  # ... or the server's hint when shorter
-    assert gpu.retry_after(3, server_hint=1.2) == 2
-    gpu._retry.pool_rate.rate = 4.0
-    assert [gpu.retry_after(p) for p in (1, 4, 5, 40, 1000)] == [1, 1, 2, 10, 60]
+    assert gpu.retry.retry_after(3) == 3  # nothing measured: one second per place
+    assert gpu.retry.retry_after(3, server_hint=2.2) == 3  # ... or the server's hint when shorter
+    assert gpu.retry.retry_after(3, server_hint=1.2) == 2
+    gpu.retry.pool_rate.rate = 4.0
+    assert [gpu.retry.retry_after(p) for p in (1, 4, 5, 40, 1000)] == [1, 1, 2, 10, 60]
     # A parked request keeps its place for park_timeout: never tell it to come back later.
-    assert [gpu.retry_after(p, parked=True) for p in (5, 40, 1000)] == [2, 10, 15]
-    gpu._retry.local_rate.rate = 1.0  # this worker drains its own thread queue at 1/s
-    assert gpu.retry_after(4, local=3) == 4  # 4/4 + 3/1
-    gpu._retry.pool_rate.rate = 0.0
-    gpu._retry.hold_ewma = 2.0
+    assert [gpu.retry.retry_after(p, parked=True) for p in (5, 40, 1000)] == [2, 10, 15]
+    gpu.retry.local_rate.rate = 1.0  # this worker drains its own thread queue at 1/s
+    assert gpu.retry.retry_after(4, local=3) == 4  # 4/4 + 3/1
+    gpu.retry.pool_rate.rate = 0.0
+    gpu.retry.hold_ewma = 2.0
     from gpulock import PoolStatus
 
-    gpu.status = PoolStatus("it7", 10, 4, 0, 0, 10, 4, 0, 0, 0, 0)
-    assert gpu.grant_rate() == 2.0  # Little's law: 4 leases / 2 s
-    assert gpu.retry_after(6) == 3
+    gpu.backend.status = PoolStatus("it7", 10, 4, 0, 0, 10, 4, 0, 0, 0, 0)
+    assert gpu.retry.grant_rate() == 2.0  # Little's law: 4 leases / 2 s
+    assert gpu.retry.retry_after(6) == 3
 
 
 async def test_calibrated_estimates_are_shared(redis_proc1):
@@ -451,9 +451,9 @@ async def test_calibrated_estimates_are_shared(redis_proc1):
     formula = BertEstimator()
     async with _Running(app):
         assert gpu.estimate("embeddings", 20, 30, formula) == formula(20, 30)
-        assert gpu.estimates_key == "gpulock:{it8}:estimates"
-        await gpu.redis.hset(gpu.estimates_key, "embeddings|b32|s32", 12345678)
-        await gpu.refresh_estimates()
+        assert gpu.estimates.key == "gpulock:{it8}:estimates"
+        await gpu.backend.redis.hset(gpu.estimates.key, "embeddings|b32|s32", 12345678)
+        await gpu.estimates.refresh()
         assert gpu.estimate("embeddings", 20, 30, formula) == 12345678  # bucket (32, 32)
         assert gpu.estimate("embeddings", 40, 30, formula) == formula(40, 30)
         with pytest.raises(RuntimeError, match="CUDA"):
@@ -524,10 +524,10 @@ async def test_resident_lease_waits_without_blocking_requests(redis_proc1):
         st = await other.status()
         assert st.waiter_count == 0, "a resident request that cannot fit must not sit in the queue"
         gpu.set_condition("model", True)
-        gpu.resident_wanted = 0  # let requests through for this check
+        gpu.resident.wanted = 0  # let requests through for this check
         r = await c.post("/sync", json={"gib": 1})
         assert r.status_code == 200
-        gpu.resident_wanted = 3 * GiB
+        gpu.resident.wanted = 3 * GiB
         await residents[0].release()
         lease = await asyncio.wait_for(task, 5)
         assert lease.amount == 3 * GiB and gpu.readiness()[0]
@@ -595,8 +595,8 @@ async def _run_under_acl(url: str, admin_url: str, pool: str) -> list[str]:
             async def tick_during_a_request() -> None:
                 await asyncio.sleep(0.2)
                 try:
-                    await gpu._reaper.tick(full=True)  # refreshes the running request's claim
-                    await gpu.redis.hgetall(gpu.estimates_key)
+                    await gpu.reaper.tick(full=True)  # refreshes the running request's claim
+                    await gpu.backend.redis.hgetall(gpu.estimates.key)
                 except Exception as e:  # noqa: BLE001 - a refused command is what we look for
                     problems.append(f"tick: {e}")
 
@@ -610,8 +610,8 @@ async def _run_under_acl(url: str, admin_url: str, pool: str) -> list[str]:
             admin.close()
             if left:
                 problems.append(f"request claims not dropped: {left}")
-            if gpu.redis_error:
-                problems.append(f"redis error: {gpu.redis_error}")
+            if gpu.backend.redis_error:
+                problems.append(f"redis error: {gpu.backend.redis_error}")
     finally:
         logging.getLogger("gpulock").removeHandler(h)
     return problems
@@ -718,7 +718,7 @@ async def test_a_job_cancelled_during_its_release_is_not_a_failed_release(
     async with _Running(app) as c:
         req = asyncio.create_task(c.post("/sync", json={}))
         await async_wait_until(entered.is_set, timeout=10)
-        (job,) = list(gpu._runner.all)
+        (job,) = list(gpu.jobs.all)
         redis_proc1.pause()
         try:
             go.set()

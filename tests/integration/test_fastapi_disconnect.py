@@ -62,15 +62,15 @@ def test_hung_up_requests_leave_the_thread_slot_wait_at_once(redis_proc1):
             )
         )
         ht.start()
-        _until(lambda: gpu._slots.free == 0 and seen["inside"] == 1, "the holder running")
+        _until(lambda: gpu.slots.free == 0 and seen["inside"] == 1, "the holder running")
         socks = []
         for i in range(3):
             socks.append(_open_post(port, "/sync", {"seconds": 0, "i": i}))
-            _until(lambda: len(gpu._slots.waiters) == i + 1, f"request {i} waiting for the thread")
+            _until(lambda: len(gpu.slots.waiters) == i + 1, f"request {i} waiting for the thread")
         t0 = time.monotonic()
         for s in socks:
             s.close()
-        _until(lambda: not gpu._slots.waiters, "the thread-slot wait to empty", timeout=5)
+        _until(lambda: not gpu.slots.waiters, "the thread-slot wait to empty", timeout=5)
         assert time.monotonic() - t0 < 1.0
         assert waiting._value.get() == before + 3
         r = httpx.post(url + "/sync", json={"seconds": 0, "witness": True}, timeout=30)

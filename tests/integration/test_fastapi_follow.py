@@ -45,16 +45,14 @@ async def test_retry_on_another_worker_gets_the_real_place_and_retry_after(redis
     async with _Running(a_app) as ca, _Running(b_app) as cb:
         hold = asyncio.create_task(ca.post("/sync", json={"seconds": 6.0, "gib": 4}))
         await _until(
-            lambda: a._slots.free == threads - 1 and a._retry.local_grants == 1,
+            lambda: a.slots.free == threads - 1 and a.retry.local_grants == 1,
             "the holder running",
         )
 
         def waiting() -> int:  # requests of worker A behind the holder, wherever they wait
             if phase == "slot":
-                return len(a._slots.waiters)
-            return sum(
-                1 for j in a._runner.by_ticket.values() if j.phase == "queued" and j.position
-            )
+                return len(a.slots.waiters)
+            return sum(1 for j in a.jobs.by_ticket.values() if j.phase == "queued" and j.position)
 
         ahead = []
         for i in range(3):  # parked (X-Request-ID), so they keep their places after their 503s
@@ -100,7 +98,7 @@ async def test_retries_on_another_worker_keep_the_owners_place(redis_proc1):
             h = {"X-Request-ID": "retried-elsewhere"}
             r = await ca.post("/sync", json={"gib": 4}, headers=h)
             assert r.status_code == 503 and r.headers["x-queue-position"] == "1", r.headers
-            job = a._runner.by_ticket[next(iter(a._runner.by_ticket))]
+            job = a.jobs.by_ticket[next(iter(a.jobs.by_ticket))]
             own_hold_ends = job.place.until  # what A alone would keep it for
             later = await ca.post("/sync", json={"gib": 4}, headers={"X-Request-ID": "later"})
             assert later.status_code == 503 and later.headers["x-queue-position"] == "2"
@@ -111,7 +109,7 @@ async def test_retries_on_another_worker_keep_the_owners_place(redis_proc1):
                 assert r.headers["x-queue-position"] == "1", (retries, r.headers)
                 retries += 1
             assert job.phase == "queued" and not job.abandoned
-            assert a._runner.places.get(job.ticket) is job.place
+            assert a.jobs.places.get(job.ticket) is job.place
         finally:
             await lease.release()
             await holder.aclose()

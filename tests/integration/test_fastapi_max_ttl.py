@@ -60,7 +60,7 @@ async def test_max_ttl_lowered_while_running_clamps_the_lease_ttl(redis_proc1, c
         r = await c.post("/run")
         assert r.status_code == 200 and r.json()["ttl"] == 6
         await _configure(redis_proc1.url, "mt1", max_ttl=3)
-        await _poll(lambda: gpu.status is not None and gpu.status.max_ttl == 3)
+        await _poll(lambda: gpu.backend.status is not None and gpu.backend.status.max_ttl == 3)
         with caplog.at_level(logging.WARNING, logger="gpulock.fastapi"):
             for _ in range(3):
                 r = await c.post("/run")
@@ -110,7 +110,7 @@ async def test_service_starts_ready_under_a_max_ttl_below_the_default_ttl(redis_
         r = await c.post("/v1/embeddings", json={"input": ["hello", "world"]})
         assert r.status_code == 200, r.text
         lim: GpuLimiter = app.state.limiter
-        assert all(lz.ttl == 20 for lz in lim.resident_leases)
+        assert all(lz.ttl == 20 for lz in lim.resident.leases)
 
 
 async def test_invalid_argument_from_acquire_is_a_json_error_not_a_bare_500(
@@ -125,8 +125,8 @@ async def test_invalid_argument_from_acquire_is_a_json_error_not_a_bare_500(
         async def refuse(*a, **kw):
             raise InvalidArgument("refused for the test")
 
-        assert gpu.pool is not None
-        monkeypatch.setattr(gpu.pool, "acquire", refuse)
+        assert gpu.backend.pool is not None
+        monkeypatch.setattr(gpu.backend.pool, "acquire", refuse)
         r = await c.post("/run")
         assert r.status_code == 500
         assert r.headers["content-type"].startswith("application/json"), r.text
@@ -153,5 +153,5 @@ async def test_an_estimator_returning_a_bad_amount_is_a_json_500_naming_the_rout
             assert r.headers["content-type"].startswith("application/json"), r.text
             body = r.json()
             assert "'bad'" in body["detail"] and "estimate" in body["detail"], body
-        assert gpu.pool is not None
-        assert (await gpu.pool.status()).used == 0
+        assert gpu.backend.pool is not None
+        assert (await gpu.backend.pool.status()).used == 0

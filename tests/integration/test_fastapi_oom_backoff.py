@@ -72,8 +72,8 @@ async def _until(pred, what: str, timeout: float = 10.0):
 
 
 async def _sees(gpu: GpuLimiter, factor: float, scale: float) -> bool:
-    await gpu.refresh_backoff()
-    return gpu.backoff_factor() == pytest.approx(factor) and gpu.backoff_scale(
+    await gpu.backoff.refresh()
+    return gpu.backoff.factor() == pytest.approx(factor) and gpu.backoff.scale(
         BUCKET
     ) == pytest.approx(scale)
 
@@ -91,7 +91,7 @@ async def test_an_oom_raises_the_bucket_and_shrinks_the_pool_for_every_worker(re
         # worker A's cache and Redis hold the new state; worker B sees it at its next read
         await _until(lambda: _sees(a, 0.8, 1.5), "worker A's back-off")
         await _until(lambda: _sees(b, 0.8, 1.5), "worker B's back-off")
-        raw = await a.redis.hgetall("gpulock:{bo1}:backoff")
+        raw = await a.backend.redis.hgetall("gpulock:{bo1}:backoff")
         assert set(raw) == {b"pool", b"b:" + BUCKET.encode()}
         # B's next request: the estimate × 1.5 (450 MiB), leased / 0.8 (562.5 MiB)
         assert (await cb.post("/embed", json={})).status_code == 200
@@ -103,9 +103,9 @@ async def test_an_oom_raises_the_bucket_and_shrinks_the_pool_for_every_worker(re
         # a second OOM in the same episode (60 s here) changes nothing
         assert (await cb.post("/embed", json={"oom": True})).status_code == 503
         await _until(lambda: _sees(b, 0.8, 1.5), "worker B unchanged")
-        assert (await a.redis.hget("gpulock:{bo1}:backoff", "pool")).startswith(b"0.8 ")
+        assert (await a.backend.redis.hget("gpulock:{bo1}:backoff", "pool")).startswith(b"0.8 ")
         # the state is visible: status JSON and metrics
-        assert a.backoff_state() == {"enabled": True, "factor": 0.8, "scales": {BUCKET: 1.5}}
+        assert a.backoff.state() == {"enabled": True, "factor": 0.8, "scales": {BUCKET: 1.5}}
         text = (await ca.get("/metrics")).text
         vals = {
             (s.name, s.labels.get("bucket")): s.value
@@ -138,21 +138,21 @@ async def test_clean_calls_and_time_bring_both_back(redis_proc1):
         assert (await cb.post("/embed", json={})).status_code == 200
         await _until(lambda: _scale_is(b, 1.0), "the scale back at 1")
         # back at 1: clean calls write nothing more
-        n = await a.redis.hget("gpulock:{bo2}:backoff", "ok:" + BUCKET)
+        n = await a.backend.redis.hget("gpulock:{bo2}:backoff", "ok:" + BUCKET)
         assert (await cb.post("/embed", json={})).status_code == 200
         assert seen_b["amounts"][-1] == 300 * MiB
-        assert await a.redis.hget("gpulock:{bo2}:backoff", "ok:" + BUCKET) == n == b"4"
-        assert b.backoff_state()["scales"] == {}
+        assert await a.backend.redis.hget("gpulock:{bo2}:backoff", "ok:" + BUCKET) == n == b"4"
+        assert b.backoff.state()["scales"] == {}
 
 
 async def _factor_is(gpu: GpuLimiter, f: float) -> bool:
-    await gpu.refresh_backoff()
-    return gpu.backoff_factor() == pytest.approx(f)
+    await gpu.backoff.refresh()
+    return gpu.backoff.factor() == pytest.approx(f)
 
 
 async def _scale_is(gpu: GpuLimiter, s: float) -> bool:
-    await gpu.refresh_backoff()
-    return gpu.backoff_scale(BUCKET) == pytest.approx(s)
+    await gpu.backoff.refresh()
+    return gpu.backoff.scale(BUCKET) == pytest.approx(s)
 
 
 async def test_repeated_ooms_shrink_the_granted_capacity_to_the_floor(redis_proc1):
@@ -184,7 +184,7 @@ async def test_repeated_ooms_shrink_the_granted_capacity_to_the_floor(redis_proc
                 await _until(
                     lambda: _factor_is(gpu, max(0.5, 0.8 ** (len(factors) + 1))), "the cut"
                 )
-                factors.append(gpu.backoff_factor())
+                factors.append(gpu.backoff.factor())
             assert factors == pytest.approx([0.8, 0.64, 0.512, 0.5])
             held = [asyncio.create_task(c.post("/fixed", json={"wait": True})) for _ in range(3)]
 
@@ -228,7 +228,7 @@ async def test_an_oom_the_batcher_handles_raises_its_bucket(redis_proc1):
         r = await c.post("/b", json={"v": 0})
         assert r.status_code == 503 and r.json()["detail"].startswith("the GPU ran out")
         await _until(lambda: _factor_is(gpu, 0.8), "the pool's cut")
-        assert gpu.backoff_scale("batch|b1|s8") == 1.5
+        assert gpu.backoff.scale("batch|b1|s8") == 1.5
         assert (await c.post("/b", json={"v": 5})).json() == {"v": 5}
 
 
@@ -238,5 +238,5 @@ async def test_backoff_off_writes_nothing(redis_proc1):
         assert (await c.post("/embed", json={"oom": True})).status_code == 503
         assert (await c.post("/embed", json={})).status_code == 200
         assert seen["amounts"] == [300 * MiB, 300 * MiB]
-        assert await gpu.redis.exists("gpulock:{bo5}:backoff") == 0
-        assert gpu.backoff_state() == {"enabled": False, "factor": 1.0, "scales": {}}
+        assert await gpu.backend.redis.exists("gpulock:{bo5}:backoff") == 0
+        assert gpu.backoff.state() == {"enabled": False, "factor": 1.0, "scales": {}}

@@ -110,7 +110,7 @@ async def test_a_higher_priority_goes_first_in_the_workers_thread_slot_line(redi
     pool's queue): the same order holds there."""
     url = redis_proc1.url
     app, gpu, seen = _app(url, "pr2", executor_threads=1, capacity=8 * GiB)
-    slots = gpu._slots
+    slots = gpu.slots
     async with Running(app) as c:
         hold = asyncio.create_task(c.post("/hold"))
         await status_until(url, "pr2", lambda st: st.used == 2 * GiB)
@@ -157,7 +157,7 @@ async def test_the_priority_header_lowers_always_and_raises_up_to_max_priority(r
 async def test_without_priority_header_the_header_is_ignored(redis_proc1):
     url = redis_proc1.url
     app, gpu, seen = _app(url, "pr4", executor_threads=4)
-    assert gpu.priority_header is None
+    assert gpu.settings.priority_header is None
     async with Running(app) as c:
         hold = asyncio.create_task(c.post("/hold"))
         await status_until(url, "pr4", lambda st: st.used == 2 * GiB)

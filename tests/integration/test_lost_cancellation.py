@@ -58,7 +58,7 @@ async def test_limiter_stops_when_the_reaper_lost_its_cancellation(redis_proc1):
     FastAPI(lifespan=gpu.lifespan)
     await gpu.start()
     state: dict = {}
-    gpu._reaper.tick = _losing(gpu._reaper.tick, state)
+    gpu.reaper.tick = _losing(gpu.reaper.tick, state)
     await _until(lambda: state.get("parked"), "a reaper tick done")
     await _stops(gpu.stop())
     assert state["swallowed"]

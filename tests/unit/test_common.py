@@ -117,7 +117,7 @@ def test_importing_gpulock_client_imports_no_redis_torch_or_fastapi():
 
 def test_both_distributions_depend_on_gpulock_common():
     """Both require at least the gpulock-common of this tree: a change to gpulock-common that
-    they need (0.2.0: the error table and the option vocabulary) bumps its version and their
+    they need (0.2.0: the error table and the option vocabulary; 0.3.0: the step driver) bumps its version and their
     lower bound together, so pip never pairs them with an older one."""
     import gpulock_common
 

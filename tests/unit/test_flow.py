@@ -9,6 +9,9 @@ from typing import Any, Callable
 
 import pytest
 
+from gpulock_common.driver import drive as common_drive
+from gpulock_common.options import PoolSettings
+
 from gpulock.protocol import flow
 from gpulock.protocol.keys import pool_keys
 from gpulock.protocol.lease import LeaseState
@@ -44,19 +47,12 @@ def drive(steps, answer: Callable[[flow.Step], Any]) -> tuple[Any, list[flow.Ste
     """Run a flow to its end; ``answer(step)`` returns the reply or raises. Returns (result,
     the steps seen)."""
     seen: list[flow.Step] = []
-    reply: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = steps.send(reply) if error is None else steps.throw(error)
-        except StopIteration as done:
-            return done.value, seen
+
+    def do_step(step: flow.Step) -> Any:
         seen.append(step)
-        reply, error = None, None
-        try:
-            reply = answer(step)
-        except BaseException as e:  # noqa: BLE001 - handed to the flow, as a driver does
-            error = e
+        return answer(step)  # what it raises goes into the flow, as in the shells
+
+    return common_drive(steps, do_step), seen
 
 
 def _req(timeout: float | None) -> AcquireRequest:
@@ -413,9 +409,7 @@ def test_the_flows_need_of_the_runtime_only_its_view():
     with pytest.raises(AcquireTimeout):
         drive(flow.acquire(pool, rt, _req(2.0), 0.0, None), answer)
     out, _ = drive(
-        flow.configure(
-            pool, rt, 100, max_waiters=None, max_ttl=None, create_only=False, grace=False
-        ),
+        flow.configure(pool, rt, PoolSettings(100), create_only=False, grace=False),
         answer,
     )
     assert out["policy"] == "fifo" and out["devices"] == [100]

@@ -95,3 +95,15 @@ def test_a_union_says_the_member_that_matched_furthest():
         "amount: Field required"
     )
     assert path_text(["query", "limit"]) == "limit (query)" and path_text(["body"]) == "body"
+
+
+def test_a_message_that_names_the_value_does_not_say_it_twice():
+    """gpulock's own checks end in ", got <value>" (a policy, a priority): the broker's 422,
+    and so the SDK's and the CLI's messages, say the value once."""
+    body = {"capacity": "4GiB", "policy": "lifo"}
+    said = describe(plain_errors(_errors(PoolConfigRequest, body) or [], body))
+    assert said == "policy: policy must be 'fifo' or 'backfill', got 'lifo'", said
+    assert said.count("lifo") == 1
+    body = {"amount": 1, "priority": 500}
+    said = describe(plain_errors(_errors(LeaseRequest, body) or [], body))
+    assert said.endswith("got 500") and said.count("500") == 1, said

@@ -139,3 +139,103 @@ def test_acquire_options_checked():
     ):
         with pytest.raises(InvalidArgument, match=next(iter(bad))):
             AcquireOptions(**bad).checked()  # type: ignore[arg-type]
+
+
+def test_lua_checks_request_ids_by_the_vocabulary():
+    """lib.lua's id_arg takes 1-128 of [A-Za-z0-9._:-]: the core's bound."""
+    src = (LUA / "lib.lua").read_text()
+    assert f"#v > {V.MAX_REQUEST_ID_LEN}" in src
+    assert f"1-{V.MAX_REQUEST_ID_LEN} characters of {V.REQUEST_ID_CHARS}" in src
+
+
+def test_pool_settings_checked():
+    s = V.PoolSettings("8GiB", _Index(5), 30, "backfill", "0.5", {"a": "1GiB"}, 2, "spread")  # type: ignore[arg-type]
+    c = s.checked()
+    assert (type(c.max_waiters), c.max_waiters) == (int, 5)
+    assert (c.max_ttl, c.backfill_window) == (30.0, 0.5) and type(c.max_ttl) is float
+    assert (c.capacity, c.quotas, c.devices) == ("8GiB", {"a": "1GiB"}, 2)  # sizes: as given
+    assert V.PoolSettings().checked() == V.PoolSettings()
+    for bad, shown in (
+        (dict(max_waiters=0), r"max_waiters must be an integer in \[1, 1000000\], got 0"),
+        (dict(max_waiters=True), "max_waiters"),
+        (dict(max_waiters="5"), "max_waiters"),
+        (dict(max_ttl=0.01), "max_ttl must be between 0.1 and 86400 seconds, got 0.01"),
+        (dict(max_ttl=float("nan")), "max_ttl must be a finite number of seconds"),
+        (dict(policy="lifo"), "policy must be 'fifo' or 'backfill', got 'lifo'"),
+        (dict(backfill_window=0), "backfill_window must be between 0.001 and 86400"),
+        (dict(backfill_window="soon"), "backfill_window must be a number of seconds"),
+        (dict(placement="nearest"), "placement must be 'bestfit' or 'spread'"),
+    ):
+        with pytest.raises(InvalidArgument, match=shown):
+            V.PoolSettings(**bad).checked()  # type: ignore[arg-type]
+
+
+def test_pool_settings_given_are_keywords_and_a_body():
+    s = V.PoolSettings(capacity=10, policy="fifo", quotas={"a": 0}, devices=(5, 5))
+    assert s.given() == {"capacity": 10, "policy": "fifo", "quotas": {"a": 0}, "devices": [5, 5]}
+    assert V.PoolSettings().given() == {}
+    assert V.PoolSettings(devices=3).given() == {"devices": 3}  # a count (the core's)
+
+
+def test_pool_settings_are_every_keyword_of_configure():
+    """The public configure methods take exactly PoolSettings' fields as keywords (plus the
+    core's create_only), so ``configure(**settings._asdict())`` passes them on."""
+    import inspect
+
+    import gpulock
+    import gpulock_client
+
+    fields = set(V.PoolSettings._fields)
+    for method in (
+        gpulock.Pool.configure,
+        gpulock.AsyncPool.configure,
+        gpulock_client.Pool.configure,
+        gpulock_client.AsyncPool.configure,
+    ):
+        params = set(inspect.signature(method).parameters) - {"self", "create_only", "_grace"}
+        assert params == fields, method
+
+
+def test_the_broker_body_is_the_pool_settings():
+    from gpulock_broker.models import PoolConfigRequest
+
+    assert set(PoolConfigRequest.model_fields) == set(V.PoolSettings._fields)
+    body = PoolConfigRequest.model_validate(
+        {"capacity": "2GiB", "policy": "backfill", "backfill_window": 0.5, "quotas": {"a": "1GiB"}}
+    )
+    assert body.settings == V.PoolSettings(
+        capacity=2 * 1024**3, policy="backfill", backfill_window=0.5, quotas={"a": 1024**3}
+    )
+
+
+@pytest.mark.parametrize(
+    "bad, shown",
+    [
+        (dict(holder="x"), "holder must be a dict of metadata, got 'x'"),
+        (dict(holder=[1]), "holder must be a dict"),
+    ],
+)
+def test_the_holder_is_a_dict_on_both_sides(bad, shown):
+    with pytest.raises(InvalidArgument, match=shown):
+        AcquireOptions(**bad).checked()
+    with pytest.raises(InvalidArgument, match=shown):
+        AcquireOptions(**bad).checked(remote=True)
+
+
+def test_remote_acquires_take_the_brokers_bounds():
+    """Over HTTP a ttl is at least MIN_REMOTE_TTL_S and a request id at most
+    MAX_REMOTE_REQUEST_ID_LEN characters (the broker scopes it to the token, and the core's
+    bound holds for the scoped id); the broker's model states the same bounds."""
+    from gpulock_broker import models
+
+    assert models.MIN_TTL_S == V.MIN_REMOTE_TTL_S
+    assert 16 + 1 + V.MAX_REMOTE_REQUEST_ID_LEN <= V.MAX_REQUEST_ID_LEN  # token id, ":"
+    assert models.REQUEST_ID_PATTERN == f"^{V.REQUEST_ID_CHARS}{{1,{V.MAX_REMOTE_REQUEST_ID_LEN}}}$"
+    AcquireOptions(ttl=0.5, request_id="r" * 128).checked()  # the core's bounds
+    AcquireOptions(ttl=1, request_id="r" * 96).checked(remote=True)
+    with pytest.raises(InvalidArgument, match="ttl must be between 1 and 86400 seconds"):
+        AcquireOptions(ttl=0.5).checked(remote=True)
+    with pytest.raises(InvalidArgument, match="request_id must be 1-96 characters"):
+        AcquireOptions(request_id="r" * 97).checked(remote=True)
+    with pytest.raises(InvalidArgument, match="request_id must be 1-128 characters"):
+        V.check_request_id("r" * 129)

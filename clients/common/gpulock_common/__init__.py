@@ -3,7 +3,7 @@
 Two distributions raise gpulock's errors and keep a lease's local validity clock: ``gpulock``
 (the core: Redis, Lua, the FastAPI integration, the broker) and ``gpulock-client`` (the SDK for
 the broker's HTTP lease API, which depends on httpx only). Both depend on this one
-(``gpulock-common>=0.2.0``), which depends on nothing outside the standard library, so the SDK
+(``gpulock-common>=0.3.0``), which depends on nothing outside the standard library, so the SDK
 pulls in neither redis, torch nor FastAPI, and the two sides hold one copy of:
 
 - :mod:`gpulock_common.errors`: the exception tree (``GpuLockError`` and its subclasses).
@@ -22,11 +22,14 @@ pulls in neither redis, torch nor FastAPI, and the two sides hold one copy of:
   no pydantic internals), for the servers' 400/422 and the SDK's and CLI's messages.
 - :mod:`gpulock_common.options`: the vocabulary of an acquire and of a pool's settings
   (bounds, defaults, queue policies and placements, the one check of each value, and
-  ``AcquireOptions``), which the Lua scripts enforce too.
+  ``AcquireOptions``, ``PoolSettings``), which the Lua scripts enforce too.
 - :mod:`gpulock_common.aio`: asyncio helpers that never lose a cancellation (``wait_for``,
   ``stop_tasks``), which both sides' background loops stop with.
+- :mod:`gpulock_common.driver`: the one driver loop of a step machine (``drive``, ``adrive``):
+  every step vocabulary of both sides (the core's flows, script loading, cluster routing,
+  pub/sub; the SDK's procedures) is carried out by it, each shell writing only a step's I/O.
 
 Nothing here does I/O.
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

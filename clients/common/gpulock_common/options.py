@@ -11,7 +11,10 @@ options and the FastAPI integration's settings.
   (:func:`check_priority`; text only through :func:`parse_priority`), a device index, a
   tenant, ``resident``, a policy, a placement;
 - :class:`AcquireOptions`: every option of an acquire, with its default, as one value that the
-  layers below the public ``acquire`` methods pass on.
+  layers below the public ``acquire`` methods pass on;
+- :class:`PoolSettings`: every setting a pool's ``configure`` takes (None: keep the pool's),
+  as one value that the layers below the public ``configure`` methods, the broker's request
+  model and the CLI pass on; a duration's check (:func:`check_seconds`).
 
 The Lua scripts enforce the same bounds and choices (``lua/lib.lua``);
 ``tests/unit/test_vocabulary.py`` reads them from there and compares. Standard library only,
@@ -20,9 +23,10 @@ no I/O. Raises :class:`~gpulock_common.errors.InvalidArgument` naming a bad valu
 
 from __future__ import annotations
 
+import math
 import operator
 import re
-from typing import Any, Dict, Literal, NamedTuple, Optional, Tuple, cast
+from typing import Any, Dict, Literal, Mapping, NamedTuple, Optional, Sequence, Tuple, Union, cast
 
 from .errors import InvalidArgument
 
@@ -40,6 +44,21 @@ DEFAULT_TTL_S = 30.0
 # Holder metadata: at most this many bytes as JSON (lua/lib.lua MAX_META).
 MAX_META_BYTES = 512
 
+# Request ids (the idempotency key, the waiter's ticket): 1 to MAX_REQUEST_ID_LEN characters of
+# REQUEST_ID_CHARS (lua/lib.lua id_arg).
+REQUEST_ID_CHARS = "[A-Za-z0-9._:-]"
+MAX_REQUEST_ID_LEN = 128
+
+# Over HTTP (the broker's /v1, and its SDK, which checks the same before sending):
+# - a lease's ttl is at least MIN_REMOTE_TTL_S: its holder, on another host, renews it every
+#   ttl/3 through the broker, and a third of the core's 0.1 s is less than one HTTP round
+#   trip's jitter;
+# - a request id is at most MAX_REMOTE_REQUEST_ID_LEN characters: the broker scopes it to the
+#   token (its 16 hex digits and ":" before it), and the core's MAX_REQUEST_ID_LEN holds for
+#   the scoped one.
+MIN_REMOTE_TTL_S = 1.0
+MAX_REMOTE_REQUEST_ID_LEN = 96
+
 # Devices (docs/SEMANTICS.md, "Devices and placement"): a pool holds 1 to MAX_DEVICES devices
 # (lua/lib.lua MAX_DEVICES); a request's device is an index in [0, MAX_DEVICES).
 MAX_DEVICES = 64
@@ -47,6 +66,11 @@ MAX_DEVICES = 64
 # The queue bound a pool takes (lua/lib.lua MIN_WAITERS, MAX_WAITERS), and a new pool's.
 MIN_MAX_WAITERS, MAX_MAX_WAITERS = 1, 1_000_000
 DEFAULT_MAX_WAITERS = 10_000
+
+# The longest ttl a lease may have in a pool this library creates (a pool's ``max_ttl``, within
+# [MIN_TTL_S, MAX_TTL_S]), unless the pool object is given another: also the length of the
+# grace period after Redis lost a pool (docs/SEMANTICS.md). Twice the default ttl.
+DEFAULT_MAX_TTL_S = 60.0
 
 # Queue policies (docs/SEMANTICS.md, "Backfill"; lua/lib.lua POLICIES): fifo, nothing passes
 # the head of the queue; backfill, a later request that fits may pass a head that does not, for
@@ -70,6 +94,7 @@ DEFAULT_PLACEMENT: Placement = "bestfit"
 TENANT_PATTERN = r"[A-Za-z0-9._:-]{1,64}"
 _TENANT_RE = re.compile(TENANT_PATTERN)
 _PRIORITY_TEXT = re.compile(r"[+-]?[0-9]{1,8}")
+_REQUEST_ID_RE = re.compile(f"{REQUEST_ID_CHARS}+")
 
 
 def _bad_priority(value: Any) -> InvalidArgument:
@@ -117,6 +142,24 @@ def check_device(device: Any) -> Optional[int]:
             f"device must be a device index in [0, {MAX_DEVICES - 1}] or None, got {device!r:.80}"
         )
     return device
+
+
+def check_request_id(rid: Any, *, longest: int = MAX_REQUEST_ID_LEN) -> str:
+    """A request id: 1 to ``longest`` characters of REQUEST_ID_CHARS (MAX_REQUEST_ID_LEN for
+    the core; MAX_REMOTE_REQUEST_ID_LEN over HTTP). Raises InvalidArgument naming it."""
+    if not isinstance(rid, str) or not _REQUEST_ID_RE.fullmatch(rid) or len(rid) > longest:
+        raise InvalidArgument(
+            f"request_id must be 1-{longest} characters of {REQUEST_ID_CHARS}, got {rid!r:.200}"
+        )
+    return rid
+
+
+def check_holder(holder: Any) -> Optional[Dict[str, Any]]:
+    """A request's holder metadata: a dict (None or empty: none). Raises InvalidArgument naming
+    anything else. (Its size as JSON is the core's to check, and the broker's.)"""
+    if holder and not isinstance(holder, dict):
+        raise InvalidArgument(f"holder must be a dict of metadata, got {holder!r:.80}")
+    return cast(Optional[Dict[str, Any]], holder)
 
 
 def check_tenant(tenant: Any) -> str:
@@ -180,14 +223,111 @@ class AcquireOptions(NamedTuple):
     device: Optional[int] = None  # the device it must be on; None: the pool places it
     resident: bool = False  # held for its holder's whole life
 
-    def checked(self) -> AcquireOptions:
+    def checked(self, *, remote: bool = False) -> AcquireOptions:
         """These options after the checks both sides make before anything is sent: the
-        priority (as an ``int``: :func:`check_priority`), the device, the tenant and
-        ``resident``. Raises InvalidArgument naming the first bad value."""
+        priority (as an ``int``: :func:`check_priority`), the device, the tenant, ``resident``
+        and that the holder is a dict; with ``remote`` (the SDK's, over HTTP) also the ttl and
+        the request id by the broker's bounds (MIN_REMOTE_TTL_S, MAX_REMOTE_REQUEST_ID_LEN).
+        Raises InvalidArgument naming the first bad value."""
         p = self.priority
         if not (p == 0 and type(p) is int):  # the default, on every acquire: no call
             p = check_priority(p)
         check_device(self.device)
         check_tenant(self.tenant)
         check_resident(self.resident)
+        check_holder(self.holder)
+        if remote:
+            if self.ttl is not None:
+                check_seconds(self.ttl, name="ttl", minimum=MIN_REMOTE_TTL_S, maximum=MAX_TTL_S)
+            if self.request_id is not None:
+                check_request_id(self.request_id, longest=MAX_REMOTE_REQUEST_ID_LEN)
         return self if p is self.priority else self._replace(priority=p)
+
+
+def check_seconds(value: Any, *, name: str, minimum: float, maximum: float) -> float:
+    """A duration in seconds as a ``float`` in [minimum, maximum]: a number (not a bool) or
+    its decimal text, finite. Raises InvalidArgument naming it. (``gpulock.units.parse_seconds``
+    is this check with None and zero allowed where a setting means "none" by them.)"""
+    if value is None or isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be a number of seconds, got {value!r}")
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"{name} must be a number of seconds, got {value!r}") from None
+    if not math.isfinite(f):
+        raise InvalidArgument(f"{name} must be a finite number of seconds, got {value!r}")
+    if f < minimum or f > maximum:
+        raise InvalidArgument(
+            f"{name} must be between {minimum:g} and {maximum:g} seconds, got {value!r}"
+        )
+    return f
+
+
+def check_max_waiters(max_waiters: Any) -> int:
+    """A pool's queue bound as an ``int`` in [MIN_MAX_WAITERS, MAX_MAX_WAITERS] (any integer
+    type; not a bool, a float or text). Raises InvalidArgument naming it."""
+    try:
+        if isinstance(max_waiters, (bool, str, bytes, float)):
+            raise TypeError
+        n = operator.index(max_waiters)
+    except TypeError:
+        n = None
+    if n is None or not MIN_MAX_WAITERS <= n <= MAX_MAX_WAITERS:
+        raise InvalidArgument(
+            f"max_waiters must be an integer in [{MIN_MAX_WAITERS}, {MAX_MAX_WAITERS}], "
+            f"got {max_waiters!r:.80}"
+        )
+    return n
+
+
+class PoolSettings(NamedTuple):
+    """Every setting of a pool that its ``configure`` sets, each None to keep the pool's (a
+    new pool's default then): what the public ``configure`` methods take as keywords
+    (``gpulock.Pool``, ``gpulock.AsyncPool``, the SDK's pools; meanings and units:
+    :meth:`gpulock.AsyncPool.configure`), the broker's ``PUT /v1/pools/{pool}`` body and
+    ``gpulock pool set``'s options, passed on below them as one value. A new setting is a
+    field here (with its check in :meth:`checked`), then whatever carries it
+    (docs/ARCHITECTURE.md, "Adding a pool setting").
+
+    Sizes (``capacity``, ``quotas``' values, ``devices``' capacities) stay as given: bytes or
+    size text, which the core and the broker parse (``gpulock.units``)."""
+
+    capacity: Union[int, str, None] = None  # bytes or a size ("24GiB"); None: the pool's own
+    max_waiters: Optional[int] = None  # the queue bound, [MIN_MAX_WAITERS, MAX_MAX_WAITERS]
+    max_ttl: Optional[float] = None  # seconds, [MIN_TTL_S, MAX_TTL_S]; also the grace period
+    policy: Optional[str] = None  # one of POLICIES
+    backfill_window: Optional[float] = None  # seconds, [MIN_BACKFILL_WINDOW_S, MAX_...]
+    quotas: Optional[Mapping[str, Union[int, str, None]]] = None  # tenant: size; 0/None: remove
+    devices: Union[int, Sequence[Union[int, str]], None] = None  # a count, or each one's size
+    placement: Optional[str] = None  # one of PLACEMENTS
+
+    def checked(self) -> PoolSettings:
+        """These settings after the checks both sides make before anything is sent: the
+        queue bound (an ``int``), ``max_ttl`` and ``backfill_window`` (``float`` seconds in
+        their bounds), the policy and the placement (one of the choices). Raises
+        InvalidArgument naming the first bad value."""
+        mw, mt, bw = self.max_waiters, self.max_ttl, self.backfill_window
+        if mw is not None:
+            mw = check_max_waiters(mw)
+        if mt is not None:
+            mt = check_seconds(mt, name="max_ttl", minimum=MIN_TTL_S, maximum=MAX_TTL_S)
+        check_policy(self.policy)
+        if bw is not None:
+            bw = check_seconds(
+                bw,
+                name="backfill_window",
+                minimum=MIN_BACKFILL_WINDOW_S,
+                maximum=MAX_BACKFILL_WINDOW_S,
+            )
+        check_placement(self.placement)
+        return self._replace(max_waiters=mw, max_ttl=mt, backfill_window=bw)
+
+    def given(self) -> Dict[str, Any]:
+        """The settings given (not None) as keywords: ``configure(**s.given())`` of a pool
+        object, or the broker's request body (quotas as a dict, devices as a list)."""
+        out = {k: v for k, v in self._asdict().items() if v is not None}
+        if self.quotas is not None:
+            out["quotas"] = dict(self.quotas)
+        if self.devices is not None and not isinstance(self.devices, (int, str, bytes)):
+            out["devices"] = list(self.devices)
+        return out

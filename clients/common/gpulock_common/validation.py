@@ -136,7 +136,8 @@ def _joined(msgs: list[str]) -> str:
 def describe(errors: Iterable[Any], *, show_input: int = 120) -> str:
     """``errors`` (FastAPI's ``detail`` list; dicts with ``loc`` and ``msg``) as one line:
     ``path: message (got value)`` for each path, ``; ``-separated. The value is the error's
-    ``input`` as JSON, cut to ``show_input`` characters (none for a missing field)."""
+    ``input`` as JSON, cut to ``show_input`` characters (none for a missing field, or when the
+    message names it already: gpulock's checks say ``..., got <value>``)."""
     order: list[str] = []
     msgs: dict[str, list[str]] = {}
     got: dict[str, str] = {}
@@ -154,8 +155,16 @@ def describe(errors: Iterable[Any], *, show_input: int = 120) -> str:
         if where not in got and "input" in e and e.get("type") != "missing":
             got[where] = json.dumps(e["input"], default=str)[:show_input]
     return "; ".join(
-        f"{w}: {_joined(msgs[w])}" + (f" (got {got[w]})" if w in got else "") for w in order
+        f"{w}: {_joined(msgs[w])}"
+        + (f" (got {got[w]})" if w in got and not _says_got(msgs[w]) else "")
+        for w in order
     )
+
+
+def _says_got(msgs: list[str]) -> bool:
+    """Whether every message already names the value (gpulock's own checks end in ``, got
+    <value>``), so that ``(got ...)`` would say it twice."""
+    return all(", got " in m for m in msgs)
 
 
 def param_of(errors: Iterable[Any]) -> str | None:

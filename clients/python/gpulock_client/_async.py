@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Set, Union
 
 import httpx
 from gpulock_common.aio import stop_tasks, wait_for
+from gpulock_common.driver import adrive
 
 from gpulock_common.lease import stop_renewal
 
@@ -145,58 +146,57 @@ class AsyncPool:
         return cls(url, name, **kw)
 
     async def _run(self, gen: core.Steps, control: Optional[httpx.AsyncClient] = None) -> Any:
-        """Carry out the steps; ``control``: the client for CONTROL steps (the heartbeat's)."""
-        out: Any = None
+        """Carry out the steps; ``control``: the client for CONTROL steps (the heartbeat's).
+        A transport error is a step's result, not thrown in (``catch=()``); any other error,
+        a cancellation too, propagates, and ``adrive`` closes the procedure: a cancelled one
+        leaves the gate."""
+        return await adrive(gen, lambda step: self._step(step, control), catch=())
+
+    async def _step(self, step: core.Step, control: Optional[httpx.AsyncClient]) -> Any:
+        """One step's I/O: a sleep, a wait for the gate, or an HTTP call (its :class:`core.Reply`,
+        or the ``httpx.TransportError`` it raised, as a value)."""
+        if isinstance(step, core.Sleep):
+            await asyncio.sleep(step.seconds)
+            return None
+        if isinstance(step, core.Enter):
+            return await self._enter(step)
+        if self._closed and control is None:
+            raise PoolClosed(self.name, queued=False)
+        http = self._http if step.lane == core.WAIT else (control or self._ctl_http)
+        sent = self._cfg.clock()
+        me = asyncio.current_task()
+        if me is not None:
+            self._calls.add(me)
         try:
-            while True:
-                step = gen.send(out)
-                if isinstance(step, core.Sleep):
-                    await asyncio.sleep(step.seconds)
-                    out = None
-                elif isinstance(step, core.Enter):
-                    out = await self._enter(step)
-                else:
-                    if self._closed and control is None:
-                        raise PoolClosed(self.name, queued=False)
-                    http = self._http if step.lane == core.WAIT else (control or self._ctl_http)
-                    sent = self._cfg.clock()
-                    me = asyncio.current_task()
-                    if me is not None:
-                        self._calls.add(me)
-                    try:
-                        out = _reply(
-                            await http.request(
-                                step.method,
-                                step.path,
-                                json=step.json,
-                                timeout=_timeout(step.timeout),
-                            ),
-                            sent,
-                        )
-                    except httpx.TransportError as e:
-                        if self._closed:
-                            raise PoolClosed(self.name) from e
-                        out = e
-                    except RuntimeError as e:  # httpx: "the client has been closed"
-                        if self._closed:
-                            raise PoolClosed(self.name) from e
-                        raise
-                    except asyncio.CancelledError:
-                        if me is not None and me in self._cancelled_by_close:
-                            # aclose() stopped this call, not the caller: say so
-                            self._cancelled_by_close.discard(me)
-                            uncancel = getattr(me, "uncancel", None)
-                            if uncancel is not None:
-                                uncancel()
-                            raise PoolClosed(self.name) from None
-                        raise
-                    finally:
-                        if me is not None:
-                            self._calls.discard(me)
-        except StopIteration as stop:
-            return stop.value
+            return _reply(
+                await http.request(
+                    step.method,
+                    step.path,
+                    json=step.json,
+                    timeout=_timeout(step.timeout),
+                ),
+                sent,
+            )
+        except httpx.TransportError as e:
+            if self._closed:
+                raise PoolClosed(self.name) from e
+            return e
+        except RuntimeError as e:  # httpx: "the client has been closed"
+            if self._closed:
+                raise PoolClosed(self.name) from e
+            raise
+        except asyncio.CancelledError:
+            if me is not None and me in self._cancelled_by_close:
+                # aclose() stopped this call, not the caller: say so
+                self._cancelled_by_close.discard(me)
+                uncancel = getattr(me, "uncancel", None)
+                if uncancel is not None:
+                    uncancel()
+                raise PoolClosed(self.name) from None
+            raise
         finally:
-            gen.close()  # a cancelled procedure leaves the gate
+            if me is not None:
+                self._calls.discard(me)
 
     async def _enter(self, step: core.Enter) -> bool:
         w = _Waker(asyncio.get_running_loop().create_future())
@@ -314,23 +314,25 @@ class AsyncPool:
     ) -> Dict[str, Any]:
         """Create the pool or change it (admin token); the arguments, reply and errors of
         :meth:`gpulock_client.Pool.configure`."""
+        settings = core.checked_settings(
+            core.PoolSettings(
+                capacity,
+                max_waiters,
+                max_ttl,
+                policy,
+                backfill_window,
+                quotas,
+                devices,
+                placement,
+            )
+        )
         current = None
         if capacity is None and devices is None:  # keep the pool's own sizes
             try:
                 current = await self.status()
             except PoolNotFound:
                 pass  # a new pool: configure_body says what it needs
-        body = core.configure_body(
-            capacity,
-            max_waiters=max_waiters,
-            max_ttl=max_ttl,
-            policy=policy,
-            backfill_window=backfill_window,
-            quotas=quotas,
-            devices=devices,
-            placement=placement,
-            current=current,
-        )
+        body = core.configure_body(settings, current)
         return await self._get("PUT", self._cfg.base, body)
 
     # ---- heartbeat -------------------------------------------------------------------------

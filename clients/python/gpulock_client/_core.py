@@ -4,8 +4,9 @@ reply decoding, error mapping, retry delays, the lease's validity clock and hear
 The acquire, renew and release procedures are generators that *yield* what to do — an
 :class:`Http` call, a :class:`Sleep` or an :class:`Enter` — and receive the outcome (a
 :class:`Reply`, or the transport exception; for ``Enter`` True or False); ``_sync.py`` and
-``_async.py`` only carry the steps out. So the retry logic exists once, and tests drive it with
-a fake clock and canned replies.
+``_async.py`` only carry the steps out (each step's I/O; the loop is
+:func:`gpulock_common.driver.drive`'s and ``adrive``'s). So the retry logic exists once, and
+tests drive it with a fake clock and canned replies.
 
 Connections: each pool object has one connection pool for the long-polled waits (``lane``
 :data:`WAIT`, at most ``max_connections``) and a separate small one for everything else
@@ -26,7 +27,7 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Generator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Union
 from urllib.parse import quote
 
 from gpulock_common.lease import CLOCK_DRIFT as CLOCK_DRIFT
@@ -40,6 +41,7 @@ from gpulock_common.options import MAX_DEVICES as MAX_DEVICES
 from gpulock_common.options import PRIORITY_MAX as PRIORITY_MAX
 from gpulock_common.options import PRIORITY_MIN as PRIORITY_MIN
 from gpulock_common.options import AcquireOptions as AcquireOptions
+from gpulock_common.options import PoolSettings as PoolSettings
 from gpulock_common.grace import grace_note
 from gpulock_common.wire import error_from_reply, reply_message
 from ._gate import Gate as Gate
@@ -148,7 +150,8 @@ def seconds_until(deadline: Optional[float], clock: Clock) -> Optional[float]:
 
 
 Outcome = Union[Reply, Exception, bool]
-Steps = Generator[Union[Http, Sleep, Enter], Outcome, Any]
+Step = Union[Http, Sleep, Enter]
+Steps = Generator[Step, Outcome, Any]
 
 
 def error_for(r: Reply, pool: str) -> GpuLockError:
@@ -246,51 +249,41 @@ class PoolConfig:
         return max(0.0, self.grace_until - self.clock())
 
 
-def configure_body(
-    capacity: Union[int, str, None],
-    *,
-    max_waiters: Optional[int] = None,
-    max_ttl: Optional[float] = None,
-    policy: Optional[str] = None,
-    backfill_window: Optional[float] = None,
-    quotas: Optional[Mapping[str, Union[int, str, None]]] = None,
-    devices: Optional[Sequence[Union[int, str]]] = None,
-    placement: Optional[str] = None,
-    current: Optional[Dict[str, Any]] = None,
-) -> Dict[str, Any]:
-    """The body of ``PUT /v1/pools/{pool}``: what is None is left out, so the pool keeps it
-    (the broker checks every value and answers 422 naming a bad one). The PUT needs a
-    capacity or devices: when neither is given they are the pool's own, from ``current``
-    (its status, None for a pool that does not exist).
-
-    Raises InvalidArgument: neither given for a new pool; ``devices`` not a list; a
-    ``max_ttl`` or ``backfill_window`` that is not a finite number."""
-    if isinstance(devices, (str, bytes)):
+def checked_settings(settings: PoolSettings) -> PoolSettings:
+    """``configure``'s settings after the checks made before anything is sent: the
+    vocabulary's (:meth:`PoolSettings.checked`: the queue bound, ``max_ttl``, the policy, the
+    backfill window, the placement) and that ``devices`` is a list (the broker takes each
+    device's capacity; the sizes are the broker's to parse, and a 422 names a bad one).
+    Raises InvalidArgument naming the bad value."""
+    devices = settings.devices
+    if devices is not None and (
+        isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence)
+    ):
         raise InvalidArgument(
             f"devices must be a list of each device's capacity, e.g. ['80GiB', '80GiB'], got "
             f"{devices!r:.80} (auto is the CLI's: gpulock pool set NAME --devices auto)"
         )
-    for name, v in (("max_ttl", max_ttl), ("backfill_window", backfill_window)):
-        if isinstance(v, float) and not math.isfinite(v):
-            raise InvalidArgument(f"{name} must be a finite number of seconds, got {v!r}")
-    if capacity is None and devices is None:
+    return settings.checked()
+
+
+def configure_body(
+    settings: PoolSettings, current: Optional[Dict[str, Any]] = None
+) -> Dict[str, Any]:
+    """The body of ``PUT /v1/pools/{pool}`` for ``settings`` (:func:`checked_settings`):
+    what is None is left out, so the pool keeps it. The PUT needs a capacity or devices: when
+    neither is given they are the pool's own, from ``current`` (its status, None for a pool
+    that does not exist).
+
+    Raises InvalidArgument: neither given for a new pool."""
+    if settings.capacity is None and settings.devices is None:
         if current is None:
             raise InvalidArgument("a new pool needs capacity or devices (each device's capacity)")
-        capacity = current["capacity"]  # kept as it is
         have = current.get("devices") or []
-        if len(have) > 1:
-            devices = [int(d["capacity"]) for d in have]
-    fields = {
-        "capacity": capacity,
-        "max_waiters": max_waiters,
-        "max_ttl": max_ttl,
-        "policy": policy,
-        "backfill_window": backfill_window,
-        "quotas": None if quotas is None else dict(quotas),
-        "devices": None if devices is None else list(devices),
-        "placement": placement,
-    }
-    return {k: v for k, v in fields.items() if v is not None}
+        settings = settings._replace(
+            capacity=current["capacity"],  # kept as it is
+            devices=[int(d["capacity"]) for d in have] if len(have) > 1 else None,
+        )
+    return settings.given()
 
 
 def acquire_steps(
@@ -310,10 +303,11 @@ def acquire_steps(
     to the end; ``timeout=0`` (one try, no long poll) goes on the control connections.
 
     ``options`` (the acquire's keywords; a tenant and ``resident`` are the broker's to set, not
-    the client's): checked first (InvalidArgument before anything is sent); ``priority`` is
+    the client's): checked first, by the broker's bounds too (InvalidArgument before anything
+    is sent: ``AcquireOptions.checked(remote=True)``); ``priority`` is
     sent only when it is not 0, ``device`` only when it is not None (a broker older than
     priorities or devices refuses the field)."""
-    options = options.checked()
+    options = options.checked(remote=True)
     timeout = options.timeout
     clock = cfg.clock
     start = clock()

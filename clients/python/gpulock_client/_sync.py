@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 import httpx
 
+from gpulock_common.driver import drive
 from gpulock_common.lease import stop_renewal
 
 from . import _core as core
@@ -173,43 +174,41 @@ class Pool:
 
     # ---- carrying out core steps -----------------------------------------------------------
     def _run(self, gen: core.Steps, control: Optional[httpx.Client] = None) -> Any:
-        """Carry out the steps; ``control``: the client for CONTROL steps (the heartbeat's)."""
-        out: Any = None
+        """Carry out the steps; ``control``: the client for CONTROL steps (the heartbeat's).
+        A transport error is a step's result, not thrown in (``catch=()``); any other error
+        propagates, and ``drive`` closes the procedure: an interrupted one leaves the gate."""
+        return drive(gen, lambda step: self._step(step, control), catch=())
+
+    def _step(self, step: core.Step, control: Optional[httpx.Client]) -> Any:
+        """One step's I/O: a sleep, a wait for the gate, or an HTTP call (its :class:`core.Reply`,
+        or the ``httpx.TransportError`` it raised, as a value)."""
+        if isinstance(step, core.Sleep):
+            time.sleep(step.seconds)
+            return None
+        if isinstance(step, core.Enter):
+            return self._enter(step)
+        if self._closed and control is None:
+            raise PoolClosed(self.name, queued=False)
+        http = self._http if step.lane == core.WAIT else (control or self._ctl_http)
+        sent = self._cfg.clock()
         try:
-            while True:
-                step = gen.send(out)
-                if isinstance(step, core.Sleep):
-                    time.sleep(step.seconds)
-                    out = None
-                elif isinstance(step, core.Enter):
-                    out = self._enter(step)
-                else:
-                    if self._closed and control is None:
-                        raise PoolClosed(self.name, queued=False)
-                    http = self._http if step.lane == core.WAIT else (control or self._ctl_http)
-                    sent = self._cfg.clock()
-                    try:
-                        out = _reply(
-                            http.request(
-                                step.method,
-                                step.path,
-                                json=step.json,
-                                timeout=_timeout(step.timeout),
-                            ),
-                            sent,
-                        )
-                    except httpx.TransportError as e:
-                        if self._closed:
-                            raise PoolClosed(self.name) from e
-                        out = e
-                    except RuntimeError as e:  # httpx: "the client has been closed"
-                        if self._closed:
-                            raise PoolClosed(self.name) from e
-                        raise
-        except StopIteration as stop:
-            return stop.value
-        finally:
-            gen.close()  # an interrupted procedure leaves the gate
+            return _reply(
+                http.request(
+                    step.method,
+                    step.path,
+                    json=step.json,
+                    timeout=_timeout(step.timeout),
+                ),
+                sent,
+            )
+        except httpx.TransportError as e:
+            if self._closed:
+                raise PoolClosed(self.name) from e
+            return e
+        except RuntimeError as e:  # httpx: "the client has been closed"
+            if self._closed:
+                raise PoolClosed(self.name) from e
+            raise
 
     def _enter(self, step: core.Enter) -> bool:
         w = _Waker()
@@ -356,23 +355,25 @@ class Pool:
         capacity, device 0 first (a pool of several GPUs). ``placement``: "bestfit" or
         "spread". Returns the broker's reply (the pool's settings and use). Raises
         AuthError, InvalidArgument (naming the bad value; nothing changed), BackendUnavailable."""
+        settings = core.checked_settings(
+            core.PoolSettings(
+                capacity,
+                max_waiters,
+                max_ttl,
+                policy,
+                backfill_window,
+                quotas,
+                devices,
+                placement,
+            )
+        )
         current = None
         if capacity is None and devices is None:  # keep the pool's own sizes
             try:
                 current = self.status()
             except PoolNotFound:
                 pass  # a new pool: configure_body says what it needs
-        body = core.configure_body(
-            capacity,
-            max_waiters=max_waiters,
-            max_ttl=max_ttl,
-            policy=policy,
-            backfill_window=backfill_window,
-            quotas=quotas,
-            devices=devices,
-            placement=placement,
-            current=current,
-        )
+        body = core.configure_body(settings, current)
         return self._get("PUT", self._cfg.base, body)
 
     # ---- heartbeat -------------------------------------------------------------------------

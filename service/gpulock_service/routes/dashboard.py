@@ -20,8 +20,8 @@ def dashboard_router(svc: Service) -> APIRouter:
     limiter, pool = svc.limiter, svc.settings.pool
 
     async def dashboard_data() -> dict[str, Any]:
-        if limiter.redis is None:
+        if limiter.backend.redis is None:
             return {"pools": [], "errors": {pool: "not connected to Redis yet"}}
-        return await dashboard_view(limiter.redis, [pool], svc.pool_status)
+        return await dashboard_view(limiter.backend.redis, [pool], svc.pool_status)
 
     return view_router(dashboard_data, responses=errors())

@@ -24,15 +24,15 @@ def health_router(svc: Service) -> APIRouter:
         ``pytorch_cuda_alloc_conf``: the allocator setting in effect (see ``alloc_conf``);
         ``oom_backoff``: the OOM back-off as this worker last read it (no read now).
         ``device_truth``: the device's external use and over-users as last read
-        (``GpuLimiter.device_truth``); ``grace``: the pool's restart grace period
-        (``GpuLimiter.grace``)."""
+        (``GpuLimiter.device.truth``); ``grace``: the pool's restart grace period
+        (``GpuLimiter.backend.grace``)."""
         return {
             "status": "ok",
             "pid": os.getpid(),
             "pytorch_cuda_alloc_conf": alloc_conf.state(),
-            "oom_backoff": limiter.backoff_state(),
-            "device_truth": limiter.device_truth(),
-            "grace": limiter.grace(),
+            "oom_backoff": limiter.backoff.state(),
+            "device_truth": limiter.device.truth(),
+            "grace": limiter.backend.grace(),
         }
 
     @router.get(
@@ -62,7 +62,7 @@ def health_router(svc: Service) -> APIRouter:
             "device": svc.device,
             "resident_bytes": svc.resident_bytes,
             "checks": checks,
-            "grace": limiter.grace(),
+            "grace": limiter.backend.grace(),
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 

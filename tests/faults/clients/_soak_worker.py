@@ -2,7 +2,9 @@
 
 Usage: python _soak_worker.py URL POOL OUT SEED END_AT MAX_AMOUNT FAULT_P SHELL [SCHEDULE]
 
-Loops acquire -> hold -> release with random amounts until END_AT (a time.time() instant).
+Loops acquire -> hold -> release with random amounts until END_AT: a time.time() instant, or
+``@PATH``: the instant the test writes into PATH once it has observed what it waited for (until
+PATH exists the worker goes on).
 Before a cycle it takes the first plan of SCHEDULE (a comma-separated list of the plans below)
 or, once that is done, picks one at random with probability FAULT_P, and injects it into itself
 at one step of the protocol — only once the step's precondition was observed:
@@ -58,11 +60,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import os
 import random
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 import redis
 import redis.asyncio as aioredis
@@ -106,13 +110,31 @@ PLANS = [
 TTL, WAITER_TTL, POLL = float(os.environ.get("GPULOCK_SOAK_TTL", "1.0")), 1.0, 0.25
 
 
+def end_reader(arg: str) -> Callable[[], float]:
+    """END_AT as a function read before each cycle: a fixed instant, or ``@PATH``'s content
+    (infinity while PATH does not exist yet; the test renames a complete file into place)."""
+    if not arg.startswith("@"):
+        fixed = float(arg)
+        return lambda: fixed
+    path = arg[1:]
+
+    def read() -> float:
+        try:
+            with open(path) as f:
+                return float(f.read())
+        except FileNotFoundError:
+            return math.inf
+
+    return read
+
+
 def main() -> None:
     url, pool_name, out, seed, end_at, max_amount, fault_p, shell = sys.argv[1:9]
     pending = [p for p in (sys.argv[9] if len(sys.argv) > 9 else "").split(",") if p]
     assert set(pending) <= set(PLANS), pending
     queue_key = pool_keys(pool_name)[3]
     rng = random.Random(int(seed))
-    end_at, max_amount, fault_p = float(end_at), int(max_amount), float(fault_p)
+    end_at, max_amount, fault_p = end_reader(end_at), int(max_amount), float(fault_p)
     # One connection for the TIME reads (the test counts it next to gpulock's).
     clock = redis.Redis(
         connection_pool=redis.BlockingConnectionPool.from_url(
@@ -219,7 +241,7 @@ def main() -> None:
 
         pool._eval_once = eval_once
         cycle = 0
-        while time.time() < end_at:
+        while time.time() < end_at():
             cycle += 1
             plan = pick() if cycle > 1 else None  # the first cycle loads the scripts
             amount = rng.randint(1, max_amount)
@@ -312,7 +334,7 @@ async def _async_main(
 
     pool._eval_once = eval_once
     cycle = 0
-    while time.time() < end_at:
+    while time.time() < end_at():
         cycle += 1
         plan = pick() if cycle > 1 else None
         amount = rng.randint(1, max_amount)
@@ -355,7 +377,7 @@ async def _async_main(
 async def _crowd_main(url, pool_name, rng, end_at, log) -> None:
     n = int(os.environ.get("GPULOCK_SOAK_CROWD", "300"))
     life = os.environ.get("GPULOCK_SOAK_LIFE")
-    quit_at = time.time() + rng.uniform(*map(float, life.split(","))) if life else end_at
+    quit_at = time.time() + rng.uniform(*map(float, life.split(","))) if life else math.inf
     clock = aioredis.Redis(
         connection_pool=aioredis.BlockingConnectionPool.from_url(
             os.environ.get("GPULOCK_SOAK_CLOCK_URL", url),
@@ -429,10 +451,10 @@ async def _crowd_main(url, pool_name, rng, end_at, log) -> None:
                 log(error_line(e))
 
     tasks = [asyncio.create_task(one(rng.random())) for _ in range(n)]
-    while time.time() < min(end_at, quit_at):
+    while time.time() < min(end_at(), quit_at):
         await asyncio.sleep(0.05)
     closing = True
-    if quit_at < end_at:
+    if quit_at < end_at():
         # A client that goes away with its acquires waiting: closing the pool object ends
         # each of them with PoolClosed, and their places leave the queue.
         pending = len(waiting)

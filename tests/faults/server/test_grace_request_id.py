@@ -40,7 +40,9 @@ def _app(url: str, pool: str) -> tuple[FastAPI, GpuLimiter]:
 
 async def _sees_grace(gpu: GpuLimiter) -> None:
     deadline = time.monotonic() + 10
-    while not (gpu.status is not None and gpu.status.grace_left > 0):  # its status read saw it
+    while not (
+        gpu.backend.status is not None and gpu.backend.status.grace_left > 0
+    ):  # its status read saw it
         assert time.monotonic() < deadline, "the limiter never saw the grace period"
         await asyncio.sleep(0.02)
 

@@ -44,7 +44,9 @@ async def test_retry_after_covers_the_grace_period_and_a_parked_request_keeps_it
             assert (await c.post("/sync", json={})).status_code == 200
             rp.restart()
             deadline = time.monotonic() + 10
-            while not (gpu.status is not None and gpu.status.grace_left > 0):  # the limiter saw it
+            while not (
+                gpu.backend.status is not None and gpu.backend.status.grace_left > 0
+            ):  # the limiter saw it
                 assert time.monotonic() < deadline, "the limiter never saw the grace period"
                 await asyncio.sleep(0.02)
 
@@ -55,7 +57,9 @@ async def test_retry_after_covers_the_grace_period_and_a_parked_request_keeps_it
             # it says why: the grace period, not a lack of memory (4 GiB are free)
             assert "restart grace period" in r.json()["detail"], r.text
             assert "no GPU memory for" not in r.json()["detail"], r.text
-            assert gpu.grace()["active"] and 0 < gpu.grace()["left"] <= GRACE, gpu.grace()
+            assert gpu.backend.grace()["active"] and 0 < gpu.backend.grace()["left"] <= GRACE, (
+                gpu.backend.grace()
+            )
 
             h = {"X-Request-ID": "parked-through-the-grace"}
             r = await c.post("/sync", json={}, headers=h)

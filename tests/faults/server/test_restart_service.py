@@ -81,7 +81,7 @@ async def test_two_services_put_every_resident_lease_back(redis_proc1):
         assert int(cfg["capacity"]) == 1 << 30, (
             f"the operator's capacity was lost: {cfg['capacity']}"
         )
-        st = await a[0].pool.status()
+        st = await a[0].backend.pool.status()
         assert st.grace_left > 0 and st.reasserted == 6, st
         await asyncio.sleep(0.3)  # a few status reads later: everyone still ready, nothing lost
         assert not lost
