@@ -17,18 +17,16 @@ from gpulock_common.driver import adrive
 from gpulock_common.options import PoolSettings
 
 from gpulock.protocol import flow
-from gpulock.runtime import remote as _remote
 from gpulock.protocol.args import (
     DEFAULT_MAX_WAITERS,
     DEFAULT_POLL_INTERVAL_S,
     DEFAULT_TTL_S,
     DEFAULT_WAITER_TTL_S,
     PoolOptions,
-    validate_token,
 )
 from gpulock.protocol.lease import LeaseBase, default_clock
 from gpulock.protocol.request import AcquireOptions, AcquireRequest
-from gpulock.protocol.replies import DeviceReply, Grant, NotGranted, PoolStatus
+from gpulock.protocol.replies import DeviceReply, PoolStatus
 from gpulock.protocol.retry import RETRYABLE, retrying
 from gpulock.transport.translate import translate, translated
 from gpulock.transport.batch import Batcher, inflight_for
@@ -474,85 +472,11 @@ class AsyncPool(PoolOptions):
         the pool; no I/O): nothing new is granted until it ends. 0 outside one."""
         return self._runtime.grace_left()
 
-    # ---- remote holders (for proxies such as the HTTP broker: see gpulock.runtime.remote) ----------
     @property
     def waiting(self) -> int:
-        """How many requests this pool object has queued and waits for now (its own acquires
-        and remote holders' places alike)."""
+        """How many requests this pool object has queued and waits for now (its own acquires,
+        and the places it keeps for remote holders: :mod:`gpulock.runtime.remote`)."""
         return len(self._runtime.waiters)
-
-    async def enqueue_remote(
-        self,
-        amount: int | str,
-        options: AcquireOptions,
-        *,
-        queue: bool = True,
-        retry_for: float | None = None,
-    ) -> Grant | NotGranted:
-        """Send one acquire for ``options.request_id`` on behalf of a remote holder, retried
-        for ``retry_for`` seconds (default ``backend_timeout``) while Redis is unreachable.
-
-        Idempotent by the request id: sending it again refreshes the place and returns the
-        current position, or the grant made to it meanwhile (with the server's current time
-        as ``now_ms``, so ``expires_ms - now_ms`` is the time left).
-
-        Args: ``amount`` as :meth:`acquire`; ``options`` (:class:`gpulock_common.options.
-            AcquireOptions`) its keywords: ``request_id`` the holder's key, ``timeout`` unused;
-            ``queue=False`` never queues (``timeout=0`` there).
-
-        Returns: a :class:`Grant` (server-clock milliseconds), or a :class:`NotGranted` with
-            ``position``, ``queue_length`` and ``retry_after_ms`` (to the nearest lease expiry,
-            -1 when none); when ``queued`` the place is kept here until `wait_remote` returns
-            its grant or `cancel_remote` is called.
-
-        Raises: InvalidArgument, CapacityExceeded, PoolNotFound, QueueFull, BackendUnavailable.
-        """
-        req = AcquireRequest.build(
-            self.name, amount, options, waiter_ttl=self.waiter_ttl, default_ttl=self.default_ttl
-        )
-        rt = self._runtime
-        if queue:
-            await rt.ensure_subscribed()
-        argv = req.argv("wait" if queue else "try", rt.channel_id)
-        deadline = None if retry_for is None else self.clock() + retry_for
-        res, _ = await self._run(flow.acquire_call(self, rt, req, argv, deadline=deadline))
-        _remote.keep_place(rt, req, argv, res, self.clock())
-        return res
-
-    async def wait_remote(self, request_id: str, timeout: float) -> Grant | None:
-        """Wait up to ``timeout`` seconds for the grant of a request queued by
-        :meth:`enqueue_remote`. Returns the grant (and stops tracking the request here), or
-        None when the timeout passes or the request is not queued here; the place is kept.
-
-        Raises: InvalidArgument, BackendUnavailable (re-queueing a request the server had
-        dropped failed)."""
-        return await _remote.wait_grant(self._runtime, self.name, request_id, timeout)
-
-    async def cancel_remote(self, request_id: str) -> int:
-        """Withdraw a request: leave the queue, or release the grant made to it. Idempotent.
-        Returns 0 (nothing to do), 1 (left the queue) or 2 (its grant was released).
-
-        Raises: InvalidArgument, BackendUnavailable."""
-        return await self._run(flow.cancel(self._runtime, request_id))
-
-    async def renew_remote(self, lease_id: str, token: int, ttl: float) -> tuple[int, int]:
-        """Extend a remote holder's lease to ``ttl`` seconds from now (server clock). Never
-        re-acquires. Returns ``(expires_ms, server_now_ms)``.
-
-        Raises: LeaseLost (expired, released, unknown, or another token), InvalidArgument,
-        BackendUnavailable."""
-        return await self._run(flow.renew(lease_id, token, ttl))
-
-    async def release_remote(
-        self, lease_id: str, token: int, retry_for: float | None = None
-    ) -> tuple[bool, int]:
-        """Release a remote holder's lease, retried for ``retry_for`` s (default
-        ``backend_timeout``). Returns ``(released, server_now_ms)``; False: the server no
-        longer had it (lost), and nothing of others was freed. A retry after a connection
-        error counts as released, as in :meth:`AsyncLease.release`.
-
-        Raises: InvalidArgument, BackendUnavailable."""
-        return await self._run(flow.release(self.name, lease_id, validate_token(token), retry_for))
 
     async def aclose(self) -> None:
         """Stop the heartbeat and listener (held leases are not released: they expire)."""

@@ -37,7 +37,7 @@ from gpulock.protocol.args import (
 )
 from gpulock.protocol.lease import LeaseBase, default_clock
 from gpulock.protocol.request import AcquireOptions, AcquireRequest
-from gpulock.protocol.replies import PoolStatus
+from gpulock.protocol.replies import DeviceReply, PoolStatus
 from gpulock.protocol.retry import RETRYABLE, retrying
 from gpulock.transport.translate import translate, translated
 from gpulock.transport.connect import (
@@ -92,6 +92,28 @@ class _Joined:
 
     waiter: Waiter
     wait: ThreadWait
+
+
+def _make_background(pool: Pool) -> _Background:
+    """Start ``pool``'s loop thread with its runtime (on a redis.asyncio client of its own, of
+    at most :func:`_background_cap` connections) and make its hand-off subscription."""
+    portal = _LoopThread(f"gpulock-{pool.name}", closed=lambda: PoolClosed(pool.name))
+    try:
+        conns = getattr(pool.redis, "connection_pool", None)  # None: a cluster client
+        cap = _background_cap(getattr(conns, "max_connections", 4))
+        client = (
+            async_client(pool._url, max_connections=cap, **_CLIENT_DEFAULTS)
+            if pool._url
+            else async_client_like(pool.redis, max_connections=cap)
+        )
+        rt = Runtime(client, pool.name, pool._keys, pool.clock, pool.poll_interval, portal.loop)
+    except BaseException:
+        portal.stop()  # no runtime: leave no loop thread (a later call starts again)
+        raise
+    sub = ThreadSubscription(pool.redis, rt.channel, pool.name, rt.deliver, rt.poll_waiters_now)
+    rt.read_elsewhere(lambda: sub.ready)
+    flow.push_settings(pool, rt)
+    return _Background(portal, rt, sub)
 
 
 class Lease(LeaseBase):
@@ -238,32 +260,7 @@ class Pool(PoolOptions):
                     self.name, queued=queued
                 )  # no heartbeat or listener would serve a lease
             if self._bg is None:
-                portal = _LoopThread(f"gpulock-{self.name}", closed=lambda: PoolClosed(self.name))
-                try:
-                    pool = getattr(self.redis, "connection_pool", None)  # None: a cluster client
-                    cap = _background_cap(getattr(pool, "max_connections", 4))
-                    client = (
-                        async_client(self._url, max_connections=cap, **_CLIENT_DEFAULTS)
-                        if self._url
-                        else async_client_like(self.redis, max_connections=cap)
-                    )
-                    rt = Runtime(
-                        client,
-                        self.name,
-                        self._keys,
-                        self.clock,
-                        self.poll_interval,
-                        loop=portal.loop,
-                    )
-                except BaseException:
-                    portal.stop()  # no runtime: leave no loop thread (a later call starts again)
-                    raise
-                sub = ThreadSubscription(
-                    self.redis, rt.channel, self.name, rt.deliver, rt.poll_waiters_now
-                )
-                rt.read_elsewhere(lambda: sub.ready)
-                self._bg = _Background(portal, rt, sub)
-                flow.push_settings(self, rt)
+                self._bg = _make_background(self)
             return self._bg
 
     @property
@@ -445,6 +442,23 @@ class Pool(PoolOptions):
     def reap(self) -> int:
         """Reap expired leases and dead waiters now; returns how many leases were reaped."""
         return self._run(flow.reap())
+
+    def device_report(
+        self,
+        sampler_id: str,
+        claim_ms: int,
+        external: int | None = None,
+        report_ms: int = 0,
+        overuse: str = "",
+    ) -> DeviceReply:
+        """The device sampler's call; see :meth:`gpulock.AsyncPool.device_report`."""
+        return self._run(flow.device_report(sampler_id, claim_ms, external, report_ms, overuse))
+
+    @property
+    def waiting(self) -> int:
+        """How many requests this pool object has queued and waits for now."""
+        rt = self._runtime
+        return len(rt.waiters) if rt is not None else 0
 
     def lease(self, amount: int | str, **kw: Any) -> _AcquireCM:
         """``with pool.lease("2GiB", timeout=10) as lease:`` — acquire, release on exit."""

@@ -311,3 +311,29 @@ class WaiterQueue(Protocol):
     ) -> Any:
         """Queue (or join) the local waiter of ``ticket``; returns it."""
         ...
+
+
+class PlaceKeeper(RuntimeView, Protocol):
+    """What the flows of a proxy's remote holders (:mod:`gpulock.protocol.remote`) need of the
+    runtime besides :class:`RuntimeView`: the places it keeps for requests queued on behalf of
+    holders on other hosts (refreshed by its heartbeat, their grants caught by its listener)."""
+
+    def keep_place(
+        self, ticket: str, argv: list[str], waiter_ttl_ms: int, position: int, retry_after_ms: int
+    ) -> None:
+        """Keep the place of ``ticket`` (queued at ``position``; ``argv``: its acquire's ARGV);
+        ``retry_after_ms``: to the nearest lease expiry (-1: none), for the reap timer."""
+        ...
+
+    def kept_place(self, ticket: str) -> Any:
+        """A handle of the place kept for ``ticket`` (for :class:`Wait`), None when none is."""
+        ...
+
+    def forget_place(self, handle: Any) -> None:
+        """Stop keeping the place of ``handle`` (its grant was taken, or its wait failed)."""
+        ...
+
+    def hand_over(self, grant: Grant) -> None:
+        """The request of ``grant`` was granted in the enqueue's reply: forget its place, and
+        hand the grant to whoever waits on it."""
+        ...

@@ -17,52 +17,36 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+from typing import Any
 
 from gpulock_common.aio import wait_for
 
-from gpulock.runtime.calls import Calls, Settings
 from gpulock.transport.failure_log import FailureLog
 from gpulock.protocol.request import RETRYABLE, LeaseState, retry_delay, ttl_ms
 from gpulock.protocol.replies import decode_reap, decode_renew
 from gpulock.runtime.recovery import Recovery
-from gpulock.runtime.tasks import LoopTasks
-from gpulock.runtime.waiters import WaiterRegistry
+from gpulock.runtime.shared import Shared
 
 log = logging.getLogger("gpulock")
 
 
 class Heartbeat:
-    """The ticker and the watchdog of pool ``pool``: renews ``leases`` (the dict the pool
-    object's leases are tracked in) and refreshes the waiters of ``registry`` every
-    ``poll_interval`` seconds; ``observe(sent, now_ms)`` records a clock anchor."""
+    """The ticker and the watchdog of the pool of ``shared``: renews its held leases and
+    refreshes its waiters every ``poll_interval`` seconds; runs ``recovery`` when a reply shows
+    that Redis lost the pool."""
 
-    def __init__(
-        self,
-        pool: str,
-        clock: Callable[[], float],
-        poll_interval: float,
-        calls: Calls,
-        settings: Settings,
-        leases: dict[str, LeaseState],
-        registry: WaiterRegistry,
-        recovery: Recovery,
-        tasks: LoopTasks,
-        *,
-        is_closed: Callable[[], bool],
-        observe: Callable[[float, int], None],
-    ):
-        self.pool = pool
-        self.clock = clock
+    def __init__(self, shared: Shared, recovery: Recovery, poll_interval: float):
+        self.pool = shared.pool
+        self.clock = shared.clock
         self.poll_interval = poll_interval
-        self._calls = calls
-        self._settings = settings
-        self._leases = leases
-        self._registry = registry
+        self._shared = shared
+        self._calls = shared.calls
+        self._settings = shared.settings
+        self._leases = shared.leases
+        self._registry = shared.waiters
         self._recovery = recovery
-        self._tasks = tasks
-        self._is_closed = is_closed
-        self._observe = observe
+        self._tasks = shared.tasks
+        self._is_closed = shared.is_closed
         self.reap_at: float | None = None
         self.next_poll = 0.0
         # A reply showed the pool gone or made again: the ticker runs (and recovers) at once.
@@ -80,7 +64,7 @@ class Heartbeat:
         self._jeopardy = False  # a renewal failed and none has succeeded since
         self._in_jeopardy: list[LeaseState] = []  # the leases held when it began
         self._retry_at = 0.0  # after a failed tick: not before this (local clock)
-        self._tick_log = FailureLog(f"heartbeat for pool {pool}", clock=clock)
+        self._tick_log = FailureLog(f"heartbeat for pool {self.pool}", clock=self.clock)
 
     # ---- scheduling ----------------------------------------------------------------------
     def ensure_started(self) -> None:
@@ -207,11 +191,11 @@ class Heartbeat:
                 if s.released or s.lost_reason is not None:
                     continue
                 if now >= s.valid_until:
-                    s.mark_lost(
+                    self._leases.lose(
+                        s,
                         "no successful renewal before the local validity deadline "
-                        "(Redis unreachable or too slow, or this process was paused)"
+                        "(Redis unreachable or too slow, or this process was paused)",
                     )
-                    self._leases.pop(s.lease_id, None)
                 else:
                     soonest = min(soonest, s.valid_until)
             if soonest == float("inf") and now < self._dog_at:
@@ -230,7 +214,7 @@ class Heartbeat:
     def _enter_jeopardy(self, err: BaseException) -> None:
         """A renewal failed: the leases are in jeopardy (Chubby's term). Each is lost at its
         own local deadline unless a renewal gets through first; say so once."""
-        live = [s for s in self._leases.values() if not s.released and s.lost_reason is None]
+        live = self._leases.live()
         if self._jeopardy or not live:
             return
         self._jeopardy = True
@@ -320,7 +304,7 @@ class Heartbeat:
                         )
                         or s.lost_reason
                     ):
-                        self._leases.pop(s.lease_id, None)
+                        self._leases.drop(s.lease_id)
             if self._tick_log.failing:
                 self._registry.fail_stranded(now, self._tick_log.last)
             if now < self._retry_at:
@@ -368,7 +352,7 @@ class Heartbeat:
 
     async def _heartbeat(self) -> None:
         st = self._settings
-        leases = [s for s in self._leases.values() if not s.released and s.lost_reason is None]
+        leases = self._leases.live()
         waiters = list(self._registry.waiters.values())
         args: list[Any] = [len(leases)]
         for s in leases:
@@ -385,7 +369,7 @@ class Heartbeat:
             r = await self._calls.eval("renew", args)
         rep = decode_renew(r, [w.ticket for w in waiters])
         now_ms, epoch = rep.now_ms, rep.epoch
-        self._observe(sent, now_ms)
+        self._shared.anchor.observe(sent, now_ms)
         # The pool is gone (epoch 0) or was made again (another epoch): Redis lost its data.
         known = self._recovery.known_epoch
         pool_lost = epoch == 0 or (known != 0 and epoch != known)
@@ -401,8 +385,7 @@ class Heartbeat:
             elif pool_lost:
                 orphans.append(s)
             else:
-                s.mark_lost("the server no longer has it (expired and reaped)")
-                self._leases.pop(s.lease_id, None)
+                self._leases.lose(s, "the server no longer has it (expired and reaped)")
         if acked is not None and acked < st.sync_replicas:
             self._enter_jeopardy(
                 RuntimeError(

@@ -18,33 +18,28 @@ from typing import Any, Callable
 from gpulock_common.aio import wait_for
 from gpulock.protocol.request import decode_events
 from gpulock.transport.pubsub import CONFIRM_WAIT_S, Channel, Hub
-from gpulock.runtime.waiters import WaiterRegistry
+from gpulock.runtime.shared import Shared
 
 log = logging.getLogger("gpulock")
 
 
 class Listener:
-    """The subscription of pool ``pool`` to ``channel`` on ``redis`` (a redis.asyncio
-    client); grants go to ``registry``. ``clock`` and ``is_closed`` are kept for the
-    runtime's interface (the shared connection logs and stops on its own).
-    ``resubscribed()``: called when the subscription is back after it was lost."""
+    """The subscription of the pool of ``shared`` to ``channel`` on ``redis`` (a
+    redis.asyncio client); grants go to its waiters (the shared connection logs and stops on
+    its own). ``resubscribed()``: called when the subscription is back after it was lost."""
 
     def __init__(
         self,
         redis: Any,
-        pool: str,
         channel: str,
-        registry: WaiterRegistry,
-        clock: Callable[[], float],
-        is_closed: Callable[[], bool],
+        shared: Shared,
         resubscribed: Callable[[], None] | None = None,
     ):
         self.redis = redis
         self._resubscribed = resubscribed
-        self.pool = pool
+        self.pool = shared.pool
         self.channel = channel
-        self._registry = registry
-        self._is_closed = is_closed
+        self._registry = shared.waiters
         self._hub: Hub | None = None
         self._ch: Channel | None = None
 

@@ -17,7 +17,6 @@ from typing import Any, Callable
 
 from redis.exceptions import ResponseError
 
-from gpulock.runtime.calls import Calls, Settings
 from gpulock.errors import AcquireTimeout
 from gpulock.protocol.flow import configure_args
 from gpulock.protocol.replies import QueueConfig, decode_configure, decode_reassert
@@ -30,43 +29,33 @@ from gpulock.protocol.request import (
     decode_status,
     ttl_ms,
 )
-from gpulock.runtime.tasks import LoopTasks
-from gpulock.runtime.waiters import Waiter, WaiterRegistry
+from gpulock.runtime.shared import Shared
+from gpulock.runtime.waiters import Waiter
 
 log = logging.getLogger("gpulock")
 
 
 class Recovery:
-    """The epoch knowledge and restart recovery of pool ``pool``.
-
-    ``leases``: the leases the pool object holds (a lease that cannot be put back is lost and
-    removed); ``observe(sent, now_ms)`` records a clock anchor; ``suspect_restart()`` makes
-    the heartbeat run now; ``set_reap_timer(received, next_expiry_in_ms)`` schedules a reap."""
+    """The epoch knowledge and restart recovery of the pool of ``shared`` (a held lease that
+    cannot be put back is lost and dropped). ``suspect_restart()`` makes the heartbeat run
+    now; ``set_reap_timer(received, next_expiry_in_ms)`` schedules a reap (the heartbeat's)."""
 
     def __init__(
         self,
-        pool: str,
-        clock: Callable[[], float],
-        calls: Calls,
-        settings: Settings,
-        leases: dict[str, LeaseState],
-        registry: WaiterRegistry,
-        tasks: LoopTasks,
+        shared: Shared,
         *,
-        is_closed: Callable[[], bool],
-        observe: Callable[[float, int], None],
         suspect_restart: Callable[[], None],
         set_reap_timer: Callable[[float, int], None],
     ):
-        self.pool = pool
-        self.clock = clock
-        self._calls = calls
-        self._settings = settings
-        self._leases = leases
-        self._registry = registry
-        self._tasks = tasks
-        self._is_closed = is_closed
-        self._observe = observe
+        self.pool = shared.pool
+        self.clock = shared.clock
+        self._shared = shared
+        self._calls = shared.calls
+        self._settings = shared.settings
+        self._leases = shared.leases
+        self._registry = shared.waiters
+        self._tasks = shared.tasks
+        self._is_closed = shared.is_closed
         self._suspect_restart = suspect_restart
         self._set_reap_timer = set_reap_timer
         # The pool's epoch this object knows (0: never seen). Only the first reply and the
@@ -200,10 +189,6 @@ class Recovery:
             capacity = _devices_sum(policy) or capacity
         return configure_args(capacity, max_waiters, max_ttl_ms, create_only, grace, policy)
 
-    def _lose(self, s: LeaseState, reason: str) -> None:
-        s.mark_lost(reason)
-        self._leases.pop(s.lease_id, None)
-
     async def recover(self, orphans: list[LeaseState], epoch: int) -> int:
         """Redis lost the pool (a restart without its data, or the keys were deleted) while
         this process holds ``orphans`` or waits. Create the pool again if it is gone — as it was
@@ -218,7 +203,7 @@ class Recovery:
         if epoch == 0:
             if not (self.capacity_seen or st.capacity):
                 for s in orphans:
-                    self._lose(
+                    self._leases.lose(
                         s,
                         "the pool's configuration is gone (Redis restarted without its data?) "
                         "and this pool object does not know its capacity to create it again",
@@ -264,7 +249,7 @@ class Recovery:
         sent = self.clock()
         rep = decode_reassert(await self._calls.eval("reassert", args, bound=bound))
         now_ms = rep.now_ms
-        self._observe(sent, now_ms)
+        self._shared.anchor.observe(sent, now_ms)
         self.note_grace(sent, rep.grace_left_ms)
         for s, res in zip(live, rep.results):
             if s.released or s.lost_reason is not None:
@@ -281,7 +266,7 @@ class Recovery:
                     s.amount,
                 )
             else:
-                self._lose(
+                self._leases.lose(
                     s,
                     REASSERT_REFUSED.get(
                         res, f"Redis lost the pool and refused to take the lease back ({res})"
@@ -330,7 +315,7 @@ class Recovery:
             return
         res = decode_acquire(w.ticket, r)
         w.refreshed = sent
-        self._observe(sent, res.now_ms)
+        self._shared.anchor.observe(sent, res.now_ms)
         self.seen(res.epoch, res.capacity)
         if reg.waiters.get(w.ticket) is not w and not reg.ticket_in_use(w.ticket):
             # Given up while this re-enqueue was in flight (its cancel may have run first):

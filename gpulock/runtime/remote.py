@@ -1,62 +1,126 @@
-"""Places kept for remote holders: the part of the protocol a proxy (the HTTP broker) needs.
+"""Places kept for remote holders: :class:`RemoteHolders`, what a proxy (the HTTP broker) uses of
+an :class:`gpulock.AsyncPool` on behalf of clients on other hosts.
 
-A proxy acquires for clients on other hosts, which renew and release through it. So a grant
-it gets is *not* heartbeated by the proxy's process (the remote client renews it, or it
-expires after its ttl), and a queued request keeps its place across the client's retries:
-the pool object's runtime refreshes the place and catches its grant (one pub/sub connection
-for all of them; no task, thread or connection per request) until
-:meth:`gpulock.AsyncPool.wait_remote` hands the grant over or
-:meth:`~gpulock.AsyncPool.cancel_remote` withdraws it. The caller must do one of the two.
+Each call runs a flow of :mod:`gpulock.protocol.remote` or :mod:`gpulock.protocol.flow` through the
+pool object's own driver (its script calls, retries, error translation); the places themselves
+are kept by the pool object's runtime (:meth:`gpulock.runtime.runtime.Runtime.keep_place`). A
+place queued by :meth:`RemoteHolders.enqueue` is kept until :meth:`RemoteHolders.wait` hands its
+grant over or :meth:`RemoteHolders.cancel` withdraws it: the caller must do one of the two.
 """
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Awaitable
+from typing import Generic, Protocol, TypeVar
 
-from gpulock.protocol.args import ttl_ms, validate_request_id
-from gpulock.protocol.request import AcquireRequest
+from gpulock.protocol import flow, remote
+from gpulock.protocol.args import validate_token
 from gpulock.protocol.replies import Grant, NotGranted
-from gpulock.runtime.runtime import Runtime, Waiter
-from gpulock.runtime.waiters import WaiterFuture
-from gpulock.transport.translate import translate
+from gpulock.protocol.request import AcquireOptions, AcquireRequest
+from gpulock.protocol.steps import Flow, PoolView
+from gpulock.runtime.runtime import Runtime
+
+__all__ = ["DrivenPool", "RemoteHolders"]
+
+_T = TypeVar("_T")
 
 
-def keep_place(
-    rt: Runtime, req: AcquireRequest, argv: list[str], res: Grant | NotGranted, now: float
-) -> None:
-    """After an acquire sent for a remote holder (``argv``: the acquire's arguments, sent
-    again by the runtime's refreshes; ``now``: the pool's monotonic clock, seconds): keep its
-    place in the runtime when it queued, or hand a grant to whoever waits on the place."""
-    w = rt.waiters.get(req.ticket)
-    if isinstance(res, Grant):
-        if w is not None:  # granted meanwhile: hand it to concurrent wait_remote calls too
-            rt.remove_waiter(req.ticket)
-            if not w.future.done():
-                w.future.set_result(res)
-    elif res.queued:
-        if w is None or w.future.done():
-            fut = WaiterFuture(loop=asyncio.get_running_loop())
-            rt.add_waiter(Waiter(req.ticket, fut, argv, ttl_ms(req.waiter_ttl_s), res.position))
-        else:
-            w.position = res.position
-        rt.set_reap_timer(now, res.retry_after_ms)
+class DrivenPool(PoolView, Protocol):
+    """What :class:`RemoteHolders` uses of its pool object (an :class:`gpulock.AsyncPool`): its
+    settings, its runtime and its driver (``_run``: carry out a flow, return its result)."""
+
+    waiter_ttl: float
+    default_ttl: float
+
+    @property
+    def waiting(self) -> int: ...
+
+    @property
+    def _runtime(self) -> Runtime: ...
+
+    def _run(self, steps: Flow[_T]) -> Awaitable[_T]: ...
 
 
-async def wait_grant(rt: Runtime, pool: str, request_id: str, timeout: float) -> Grant | None:
-    """The grant of a place kept by :func:`keep_place`, within ``timeout`` seconds (then the
-    place is forgotten here), or None: the timeout passed, or no place is kept for
-    ``request_id``; a place kept stays kept. Raises InvalidArgument, BackendUnavailable."""
-    request_id = validate_request_id(request_id)
-    w = rt.waiters.get(request_id)
-    if w is None:
-        return None
-    done, _ = await asyncio.wait((w.future,), timeout=timeout)
-    if not done:
-        return None
-    if rt.waiters.get(request_id) is w:
-        rt.remove_waiter(request_id)
-    try:
-        grant: Grant = w.future.result()  # a waiter's future carries its Grant
-        return grant
-    except Exception as e:
-        raise translate(e, pool) from e
+_P = TypeVar("_P", bound=DrivenPool)
+
+
+class RemoteHolders(Generic[_P]):
+    """The requests and leases of holders on other hosts on ``pool`` (an
+    :class:`gpulock.AsyncPool`, kept as :attr:`pool`): its grants are not heartbeated here (the remote holder renews
+    through :meth:`renew`, or the lease expires after its ttl), and a queued request keeps its
+    place across the holder's retries."""
+
+    def __init__(self, pool: _P):
+        self.pool = pool
+
+    @property
+    def waiting(self) -> int:
+        """How many requests the pool object has queued and waits for now (its own acquires
+        and remote holders' places alike)."""
+        return self.pool.waiting
+
+    async def enqueue(
+        self,
+        amount: int | str,
+        options: AcquireOptions,
+        *,
+        queue: bool = True,
+        retry_for: float | None = None,
+    ) -> Grant | NotGranted:
+        """Send one acquire for ``options.request_id`` on behalf of a remote holder, retried
+        for ``retry_for`` seconds (default ``backend_timeout``) while Redis is unreachable
+        (:func:`gpulock.protocol.remote.enqueue`).
+
+        Args: ``amount`` as :meth:`gpulock.AsyncPool.acquire`; ``options``
+            (:class:`gpulock_common.options.AcquireOptions`) its keywords: ``request_id`` the
+            holder's key, ``timeout`` unused; ``queue=False`` never queues (``timeout=0``).
+
+        Returns: a :class:`Grant` (server-clock milliseconds), or a :class:`NotGranted` with
+            ``position``, ``queue_length`` and ``retry_after_ms`` (to the nearest lease expiry,
+            -1 when none); when ``queued`` the place is kept here until :meth:`wait` returns
+            its grant or :meth:`cancel` is called.
+
+        Raises: InvalidArgument, CapacityExceeded, PoolNotFound, QueueFull, BackendUnavailable.
+        """
+        p = self.pool
+        req = AcquireRequest.build(
+            p.name, amount, options, waiter_ttl=p.waiter_ttl, default_ttl=p.default_ttl
+        )
+        deadline = None if retry_for is None else p.clock() + retry_for
+        return await p._run(remote.enqueue(p, p._runtime, req, queue, deadline))
+
+    async def wait(self, request_id: str, timeout: float) -> Grant | None:
+        """Wait up to ``timeout`` seconds for the grant of a request queued by :meth:`enqueue`.
+        Returns the grant (and stops keeping the place here), or None when the timeout passes
+        or the request is not queued here; the place is kept.
+
+        Raises: InvalidArgument, BackendUnavailable (re-queueing a request the server had
+        dropped failed), PoolClosed."""
+        return await self.pool._run(remote.wait_place(self.pool._runtime, request_id, timeout))
+
+    async def cancel(self, request_id: str) -> int:
+        """Withdraw a request: leave the queue, or release the grant made to it. Idempotent.
+        Returns 0 (nothing to do), 1 (left the queue) or 2 (its grant was released).
+
+        Raises: InvalidArgument, BackendUnavailable."""
+        return await self.pool._run(flow.cancel(self.pool._runtime, request_id))
+
+    async def renew(self, lease_id: str, token: int, ttl: float) -> tuple[int, int]:
+        """Extend a remote holder's lease to ``ttl`` seconds from now (server clock). Never
+        re-acquires. Returns ``(expires_ms, server_now_ms)``.
+
+        Raises: LeaseLost (expired, released, unknown, or another token), InvalidArgument,
+        BackendUnavailable."""
+        return await self.pool._run(flow.renew(lease_id, token, ttl))
+
+    async def release(
+        self, lease_id: str, token: int, retry_for: float | None = None
+    ) -> tuple[bool, int]:
+        """Release a remote holder's lease, retried for ``retry_for`` s (default
+        ``backend_timeout``). Returns ``(released, server_now_ms)``; False: the server no
+        longer had it (lost), and nothing of others was freed. A retry after a connection
+        error counts as released, as in :meth:`gpulock.AsyncLease.release`.
+
+        Raises: InvalidArgument, BackendUnavailable."""
+        token = validate_token(token)
+        return await self.pool._run(flow.release(self.pool.name, lease_id, token, retry_for))

@@ -17,6 +17,10 @@ implements:
 * the **recovery** (:mod:`gpulock.runtime.recovery`): the epoch this object knows, and after Redis
   lost the pool its creation again as last seen, the leases put back, the waiters re-queued.
 
+What the parts share (the held leases, the clock anchor, the calls, the settings, the loop's
+tasks, the waiters) is one frozen value made here, :class:`gpulock.runtime.shared.Shared`;
+code that needs a part reaches it as an attribute (``rt.heartbeat``, ``rt.recovery``, ...).
+
 Creating a lease starts no thread and no task; the tasks start with the first lease or waiter.
 """
 
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, Callable
 
@@ -34,9 +37,10 @@ from gpulock_common.lease import stop_renewal
 from gpulock.runtime.calls import Calls, Settings
 from gpulock.runtime.heartbeat import Heartbeat
 from gpulock.runtime.listener import Listener
-from gpulock.protocol.request import DEFAULT_POLL_INTERVAL_S, Grant, LeaseState, validity_deadline
+from gpulock.protocol.request import DEFAULT_POLL_INTERVAL_S, Grant, LeaseState
 from gpulock.protocol.replies import QueueConfig
 from gpulock.runtime.recovery import Recovery
+from gpulock.runtime.shared import ClockAnchor, HeldLeases, Shared
 from gpulock.runtime.tasks import LoopTasks
 from gpulock.runtime.waiters import Waiter, WaiterFuture, WaiterRegistry
 from gpulock.errors import PoolClosed
@@ -44,26 +48,13 @@ from gpulock.errors import PoolClosed
 __all__ = ["Runtime", "Waiter"]
 
 
-def _of_recovery(name: str) -> property:
-    """An attribute of the runtime's :class:`Recovery` (epoch knowledge), readable and
-    settable on the runtime."""
-    return property(
-        lambda self: getattr(self.recovery, name),
-        lambda self, value: setattr(self.recovery, name, value),
-        doc=f"The recovery's ``{name}`` (:class:`gpulock.runtime.recovery.Recovery`).",
-    )
-
-
 class Runtime:
     """The background work of pool ``pool`` on ``redis`` (a redis.asyncio client) with its
     ``keys``, on the local ``clock`` (s); waiters are refreshed every ``poll_interval`` s;
-    ``loop``: the loop the work runs in when known up front (the sync shell's thread)."""
+    ``loop``: the loop the work runs in when known up front (the sync shell's thread).
 
-    known_epoch = _of_recovery("known_epoch")
-    capacity_seen = _of_recovery("capacity_seen")
-    max_waiters_seen = _of_recovery("max_waiters_seen")
-    max_ttl_seen_ms = _of_recovery("max_ttl_seen_ms")
-    policy_seen = _of_recovery("policy_seen")
+    Its parts: :attr:`heartbeat`, :attr:`recovery`, :attr:`listener`, :attr:`registry` (the
+    waiters), :attr:`leases` (the held leases), :attr:`calls`, :attr:`tasks`, :attr:`settings`."""
 
     def __init__(
         self,
@@ -76,62 +67,39 @@ class Runtime:
     ):
         self.redis = redis  # a redis.asyncio client
         self.pool = pool
-        self.keys = keys
         self.clock = clock
-        self.poll_interval = poll_interval
-        self.leases: dict[str, LeaseState] = {}
-        self.anchor: tuple[float, int] | None = None  # (local time sent, server now ms)
         self._closed = False
         # This pool object's pub/sub channel for hand-offs: "<events key>:<channel_id>".
         self.channel_id = secrets.token_hex(8)
         self.channel = f"{keys[7]}:{self.channel_id}"
-        self._states_lock = threading.Lock()  # the sync shell makes leases on caller threads
         self.settings = Settings()
         self.tasks = LoopTasks(pool, loop)
         self.calls = Calls(redis, pool, keys, self.settings)
+        self.leases = HeldLeases(pool, clock)
         self.registry = WaiterRegistry(pool, clock, self.settings, self.leases)
         self.waiters: dict[str, Waiter] = self.registry.waiters
-        self.listener = Listener(
-            redis,
+        self.anchor = ClockAnchor(clock)
+        shared = Shared(
             pool,
-            self.channel,
-            self.registry,
             clock,
-            is_closed=self._is_closed,
-            resubscribed=self.poll_waiters_now,
+            self.calls,
+            self.settings,
+            self.tasks,
+            self.leases,
+            self.registry,
+            self.anchor,
+            is_closed=lambda: self._closed,
         )
+        self.listener = Listener(redis, self.channel, shared, resubscribed=self.poll_waiters_now)
         self._subscribed: Callable[[], bool] = lambda: self.listener.subscribed
         self.recovery = Recovery(
-            pool,
-            clock,
-            self.calls,
-            self.settings,
-            self.leases,
-            self.registry,
-            self.tasks,
-            is_closed=self._is_closed,
-            observe=self.observe,
-            suspect_restart=self.suspect_restart,
-            set_reap_timer=self.set_reap_timer,
+            shared,
+            suspect_restart=lambda: self.heartbeat.suspect_restart(),
+            set_reap_timer=lambda at, ms: self.heartbeat.set_reap_timer(at, ms),
         )
-        self.heartbeat = Heartbeat(
-            pool,
-            clock,
-            poll_interval,
-            self.calls,
-            self.settings,
-            self.leases,
-            self.registry,
-            self.recovery,
-            self.tasks,
-            is_closed=self._is_closed,
-            observe=self.observe,
-        )
+        self.heartbeat = Heartbeat(shared, self.recovery, poll_interval)
 
     # ---- the pool object's side ------------------------------------------------------------
-    def _is_closed(self) -> bool:
-        return self._closed
-
     def unreachable(self) -> tuple[float, BaseException] | None:
         """``(seconds, last error)`` while the background calls keep failing, else None
         (:meth:`gpulock.runtime.heartbeat.Heartbeat.unreachable`)."""
@@ -184,21 +152,15 @@ class Runtime:
         st.sync_replicas, st.sync_timeout_ms = sync_replicas, sync_timeout_ms
         st.backend_timeout = backend_timeout
 
-    @property
-    def backend_timeout(self) -> float:
-        """The bound (s) of background retries (:meth:`use_settings`)."""
-        return self.settings.backend_timeout
-
-    # ---- clock and epoch -----------------------------------------------------------------
+    # ---- clock and epoch (the protocol's RuntimeView) --------------------------------------
     def observe(self, sent: float, now_ms: int) -> None:
         """Record a (local send time, server time) pair from a completed call."""
-        self.anchor = (sent, now_ms)
+        self.anchor.observe(sent, now_ms)
 
     def deadline_for(self, grant: Grant) -> float:
-        """The local validity deadline of ``grant`` (:func:`gpulock.protocol.request.validity_deadline`
-        from the last recorded anchor, or from now and the grant's own server time)."""
-        sent, server_now = self.anchor if self.anchor else (self.clock(), grant.now_ms)
-        return validity_deadline(sent, server_now, grant.expires_ms)
+        """The local validity deadline of a grant that came by its waiter
+        (:meth:`gpulock.runtime.shared.ClockAnchor.deadline_for`)."""
+        return self.anchor.deadline_for(grant)
 
     def seen(
         self,
@@ -221,10 +183,6 @@ class Runtime:
         """Seconds left in the pool's grace period as last seen; 0 outside one. No I/O."""
         return self.recovery.grace_left()
 
-    def suspect_restart(self) -> None:
-        """Run the heartbeat (and so the recovery) now. Safe from any thread."""
-        self.heartbeat.suspect_restart()
-
     def configure_argv(
         self,
         capacity: int,
@@ -240,19 +198,7 @@ class Runtime:
             capacity, max_waiters, max_ttl_ms, create_only, grace, policy
         )
 
-    def set_reap_timer(self, received: float, next_expiry_in_ms: int) -> None:
-        """Schedule a reap at the nearest lease expiry (:meth:`Heartbeat.set_reap_timer`)."""
-        self.heartbeat.set_reap_timer(received, next_expiry_in_ms)
-
-    @property
-    def reap_at(self) -> float | None:
-        """When the next reap is due (local clock; None: none scheduled)."""
-        return self.heartbeat.reap_at
-
     # ---- leases --------------------------------------------------------------------------
-    def _poke(self) -> None:
-        self.heartbeat.poke()
-
     async def ensure_subscribed(self) -> None:
         """Subscribe (once) and wait until Redis confirmed it, so that no grant published
         after our next enqueue can be missed (:meth:`Listener.ensure_subscribed`)."""
@@ -268,12 +214,12 @@ class Runtime:
         """Start heartbeating a lease. Safe from any thread (the sync shell calls it on the
         caller's thread): a dict insert, plus a wake-up of the loop only when the ticker or the
         watchdog must run sooner than planned (a first lease, or a shorter ttl)."""
-        self.leases[state.lease_id] = state
+        self.leases.add(state)
         self.heartbeat.lease_added(state)
 
     def untrack(self, lease_id: str) -> None:
         """Stop heartbeating a lease (a dict pop: safe from any thread)."""
-        self.leases.pop(lease_id, None)
+        self.leases.drop(lease_id)
 
     def state_for(
         self,
@@ -284,56 +230,31 @@ class Runtime:
         tenant: str = "",
         resident: bool = False,
     ) -> tuple[LeaseState, bool]:
-        """The local state of a granted lease: the existing one when this process already
-        holds that lease (the same request id acquired again returns the same grant), so that
-        both lease objects share one validity clock and one release. Returns (state, new); a
-        new one is among the held leases at once (finding and adding happen under one lock, so
-        two threads given the same grant share one state), and the caller then calls
-        :meth:`track` to start its heartbeat."""
-        with self._states_lock:
-            s = self.leases.get(grant.lease_id)
-            if (
-                s is not None
-                and s.token == grant.token
-                and not s.released
-                and s.lost_reason is None
-            ):
-                return s, False
-            s = LeaseState(self.pool, grant, ttl_s, valid_until, self.clock)
-            s.meta = meta
-            s.tenant = tenant
-            s.resident = resident
-            if not s.epoch:
-                s.epoch = self.known_epoch
-            self.leases[s.lease_id] = s
-            return s, True
+        """The local state of a granted lease (:meth:`gpulock.runtime.shared.HeldLeases.state_for`,
+        in the epoch this object knows); the caller then calls :meth:`track` for a new one."""
+        epoch = self.recovery.known_epoch
+        return self.leases.state_for(grant, ttl_s, valid_until, epoch, meta, tenant, resident)
 
     # ---- waiters -------------------------------------------------------------------------
-    def add_waiter(self, w: Waiter) -> None:
+    def _add_waiter(self, w: Waiter) -> None:
         """Register ``w`` and schedule its refresh. Safe from any thread."""
         now = self.clock()
         first = self.registry.add(w, now)
         self.heartbeat.waiter_added(now, first)
+
+    def _new_waiter(
+        self, ticket: str, argv: list[str], waiter_ttl_ms: int, position: int, **kw: Any
+    ) -> Waiter:
+        loop = self.tasks.loop  # the sync shell's: known up front
+        if loop is None:
+            loop = asyncio.get_running_loop()
+        return Waiter(ticket, WaiterFuture(loop=loop), argv, waiter_ttl_ms, position, **kw)
 
     def remove_waiter(self, ticket: str) -> None:
         """Forget the waiter of ``ticket``; the last one gone stops the reap timer. Safe from
         any thread."""
         if self.registry.remove(ticket):
             self.heartbeat.reap_at = None
-
-    def join_waiter(self, w: Waiter) -> Waiter:
-        """Register ``w``, or join the waiter this process already has for the same ticket
-        (one request id used by two acquires at once: one place, one grant, seen by both).
-        Safe from any thread."""
-        with self.registry.lock:
-            cur = self.waiters.get(w.ticket)
-            if cur is not None and not cur.future.done():
-                cur.users += 1
-                if cur.deadline is not None:  # the latest deadline of those sharing it
-                    cur.deadline = None if w.deadline is None else max(cur.deadline, w.deadline)
-                return cur
-            self.add_waiter(w)
-            return w
 
     def leave_waiter(self, w: Waiter, grant: Grant | None = None) -> None:
         """One acquire sharing ``w`` stops waiting; the last one removes it. ``grant``: the
@@ -357,29 +278,29 @@ class Runtime:
         deadline: float | None = None,
     ) -> Waiter:
         """Queue a waiter for an acquire the server queued (``argv``: its ARGV, to queue it
-        again), or join the one this process has for ``ticket`` (:meth:`join_waiter`); schedule
-        the reap timer at the nearest lease expiry (``retry_after_ms``, -1: none). Returns the
-        waiter to wait on and to leave; its future belongs to the runtime's loop. Safe from any
-        thread (the sync shell calls it on the caller's); in a runtime already closed, the
-        wait of a new waiter has ended with PoolClosed. ``deadline``: local time the acquire
-        gives up (None: never), which keeps its place through an outage that long."""
-        loop = self.tasks.loop  # the sync shell's: known up front
-        if loop is None:
-            loop = asyncio.get_running_loop()
-        w = Waiter(
-            ticket,
-            WaiterFuture(loop=loop),
-            argv,
-            waiter_ttl_ms,
-            position,
-            on_position,
-            deadline=deadline,
+        again), or join the one this process has for ``ticket`` (one request id used by two
+        acquires at once: one place, one grant, seen by both); schedule the reap timer at the
+        nearest lease expiry (``retry_after_ms``, -1: none). Returns the waiter to wait on and
+        to leave; its future belongs to the runtime's loop. Safe from any thread (the sync
+        shell calls it on the caller's); in a runtime already closed, the wait of a new waiter
+        has ended with PoolClosed. ``deadline``: local time the acquire gives up (None:
+        never), which keeps its place through an outage that long."""
+        w = self._new_waiter(
+            ticket, argv, waiter_ttl_ms, position, on_position=on_position, deadline=deadline
         )
-        joined = self.join_waiter(w)
+        with self.registry.lock:
+            cur = self.waiters.get(ticket)
+            if cur is not None and not cur.future.done():
+                cur.users += 1
+                if cur.deadline is not None:  # the latest deadline of those sharing it
+                    cur.deadline = None if deadline is None else max(cur.deadline, deadline)
+                w = cur
+            else:
+                self._add_waiter(w)
         if self._closed:
-            self.registry.fail(joined, PoolClosed(self.pool))
-        self.set_reap_timer(self.clock(), retry_after_ms)
-        return joined
+            self.registry.fail(w, PoolClosed(self.pool))
+        self.heartbeat.set_reap_timer(self.clock(), retry_after_ms)
+        return w
 
     def leave(self, w: Waiter, grant: Grant | None = None) -> bool:
         """Leave waiter ``w`` (:meth:`leave_waiter`, with ``grant``); True when its ticket is
@@ -393,9 +314,46 @@ class Runtime:
         from it: then a give-up must not withdraw the request on the server."""
         return self.registry.ticket_in_use(ticket)
 
-    def waiter_bound(self, w: Waiter) -> float:
-        """Seconds a queued waiter may go unrefreshed (:meth:`WaiterRegistry.waiter_bound`)."""
-        return self.registry.waiter_bound(w)
+    # ---- places kept for remote holders (the protocol's PlaceKeeper) ------------------------
+    def keep_place(
+        self, ticket: str, argv: list[str], waiter_ttl_ms: int, position: int, retry_after_ms: int
+    ) -> None:
+        """Keep the place of a remote holder's request the server queued (``argv``: its ARGV,
+        sent again by the refreshes) until its grant is taken (:meth:`forget_place`) or it is
+        withdrawn: a waiter nobody in this process waits on yet, or the one kept, at its new
+        ``position``; schedule the reap timer (``retry_after_ms``, -1: none). In a runtime
+        already closed, its wait has ended with PoolClosed."""
+        with self.registry.lock:
+            w = self.waiters.get(ticket)
+            if w is None or w.future.done():
+                w = self._new_waiter(ticket, argv, waiter_ttl_ms, position)
+                self._add_waiter(w)
+            else:
+                w.position = position
+        if self._closed:
+            self.registry.fail(w, PoolClosed(self.pool))
+        self.heartbeat.set_reap_timer(self.clock(), retry_after_ms)
+
+    def kept_place(self, ticket: str) -> Waiter | None:
+        """The waiter kept for ``ticket`` (:meth:`keep_place`), None when none is kept."""
+        return self.waiters.get(ticket)
+
+    def forget_place(self, w: Waiter) -> None:
+        """Stop keeping the place of ``w`` (its grant was taken, or its wait failed), unless
+        another took its ticket's place meanwhile."""
+        with self.registry.lock:
+            if self.waiters.get(w.ticket) is w:
+                self.remove_waiter(w.ticket)
+
+    def hand_over(self, grant: Grant) -> None:
+        """A remote holder's request was granted in the reply to its enqueue: the place kept
+        for it (if any) is forgotten, and whoever waits on it gets ``grant``."""
+        with self.registry.lock:
+            w = self.waiters.get(grant.ticket)
+            if w is not None:
+                self.remove_waiter(grant.ticket)
+                if not w.future.done():
+                    w.future.set_result(grant)
 
     # ---- calls and lifecycle -------------------------------------------------------------
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:

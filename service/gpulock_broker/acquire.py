@@ -92,7 +92,7 @@ class Acquirer:
         budget = max(self._tasks.backend_timeout, poll)
 
         def enqueue(retry_for: float | None = None):
-            return p.enqueue_remote(amount, opts, queue=queue, retry_for=retry_for)
+            return p.enqueue(amount, opts, queue=queue, retry_for=retry_for)
 
         start = self._clock()
         access.note(lease_bytes=amount)
@@ -107,7 +107,7 @@ class Acquirer:
                 and not grace_outlasts(res.grace_left_ms / 1000, poll - (self._clock() - start))
             ):  # (a long poll that ends before the grace period: answered now, place kept)
                 left = max(0.0, poll - (self._clock() - start))
-                wt = asyncio.ensure_future(p.wait_remote(tk, left))
+                wt = asyncio.ensure_future(p.wait(tk, left))
                 if gone is not None and not (gone.done() and not _true(gone)):
                     await asyncio.wait((wt, gone), return_when=asyncio.FIRST_COMPLETED)
                 if _true(gone):
@@ -115,7 +115,7 @@ class Acquirer:
                     final = True  # nothing to keep: nobody will come back for this answer
                     if entry.attached == 1:  # no retry of it is waiting here
                         await self._tasks.guard(
-                            p.cancel_remote(tk), entry.inflight
+                            p.cancel(tk), entry.inflight
                         )  # leaves, or releases the raced grant
                     raise ClientGone(rid)
                 g = await wt
@@ -129,9 +129,7 @@ class Acquirer:
                 if res.expires_ms - res.now_ms < ttl * 500:
                     # A grant that waited for its client (parked): give the client a full ttl.
                     try:
-                        exp, now = await self._tasks.guard(
-                            p.renew_remote(res.lease_id, res.token, ttl)
-                        )
+                        exp, now = await self._tasks.guard(p.renew(res.lease_id, res.token, ttl))
                         res = dataclasses.replace(res, expires_ms=exp, now_ms=now)
                     except (LeaseLost, BackendUnavailable):
                         pass  # as it is: the client's first renewal tells

@@ -50,7 +50,6 @@ from typing import Any, Callable, Iterable, Mapping
 from gpulock_common.aio import stop_tasks
 from gpulock_common.options import AcquireOptions, PoolSettings
 
-from gpulock import AsyncPool
 from gpulock.admin.pools import DeleteResult
 from gpulock.dashboard.view import dashboard_view
 from gpulock.admin.listing import Listing
@@ -61,7 +60,7 @@ from .auth import Principal
 from .leases import LeaseRecord, Leases
 from .outcomes import ClientGone, Granted, LeaseGone, NotYours, PoolBeingDeleted, Queued
 from .parking import Parking
-from .pools import Pools
+from .pools import Holders, Pools
 from .tasks import Tasks
 
 log = logging.getLogger("gpulock.broker")
@@ -176,8 +175,8 @@ class Broker:
         self._leases.max_tombs = value
 
     @property
-    def _pools(self) -> Mapping[str, AsyncPool]:
-        """The open pool objects by name (read-only view)."""
+    def _pools(self) -> Mapping[str, Holders]:
+        """The open pool objects' remote holders by name (read-only view)."""
         return self._poolset.objects
 
     @property

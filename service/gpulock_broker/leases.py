@@ -131,7 +131,7 @@ class Leases:
         """A lease this broker has no record of (it restarted, or another broker granted it):
         read its owner from the holder metadata in Redis."""
         try:
-            st = await self._tasks.guard(self._pools.get(pool).status(limit=100_000))
+            st = await self._tasks.guard(self._pools.get(pool).pool.status(limit=100_000))
         except PoolNotFound:
             st = None
         info = next((x for x in st.leases if x.lease_id == lease_id), None) if st else None
@@ -163,7 +163,7 @@ class Leases:
         ttl_s = rec.ttl_s if ttl is None else ttl
         try:
             exp, now = await self._tasks.guard(
-                self._pools.get(pool).renew_remote(lease_id, rec.token, ttl_s)
+                self._pools.get(pool).renew(lease_id, rec.token, ttl_s)
             )
         except LeaseLost:
             if self._leases.get(lease_id) is rec:
@@ -195,7 +195,7 @@ class Leases:
         # retried while the lease may still be valid (then its bytes are freed at expiry):
         # this task outlives a request answered 503, and the client's retry awaits it
         left = max(1.0, rec.expires_local - self._clock())
-        ok, now = await self._pools.get(rec.pool).release_remote(rec.lease_id, rec.token, left)
+        ok, now = await self._pools.get(rec.pool).release(rec.lease_id, rec.token, left)
         if self._leases.get(rec.lease_id) is rec:
             self.forget(rec, "released" if ok else "lost")
         return ok, now

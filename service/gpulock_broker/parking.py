@@ -17,13 +17,12 @@ from typing import Callable
 
 from gpulock_common.aio import wait_for
 
-from gpulock import AsyncPool
 from gpulock.http.places import KeptPlace, KeptPlaces
 from gpulock.errors import LeaseLost
 
 from .auth import Principal
 from .leases import Leases
-from .pools import Pools
+from .pools import Holders, Pools
 from .tasks import Tasks
 
 __all__ = ["Parked", "Parking", "ticket"]
@@ -94,7 +93,7 @@ class Parking:
         entry: Parked,
         *,
         final: bool,
-        pool: AsyncPool,
+        pool: Holders,
         ttl: float,
     ) -> None:
         """End an HTTP request attached to ``entry``. ``final`` (granted, or nothing was
@@ -115,7 +114,7 @@ class Parking:
             if e is not None and e.keeper is not None:
                 e.keeper.cancel()
 
-    async def _keep(self, key: Key, entry: Parked, p: AsyncPool, ticket: str, ttl: float) -> None:
+    async def _keep(self, key: Key, entry: Parked, p: Holders, ticket: str, ttl: float) -> None:
         """While a request is parked, catch a grant that lands for it and keep that lease alive
         (renew at ttl/3) until the client collects it or the hold window ends (then it is
         withdraws it). One coroutine per parked request: no thread, no connection."""
@@ -127,7 +126,7 @@ class Parking:
                 if left <= 0:
                     return
                 t0 = self._clock()
-                g = await p.wait_remote(ticket, left)
+                g = await p.wait(ticket, left)
                 if g is not None:
                     entry.granted_ms = g.now_ms  # the hand-off's server time
                     break
@@ -142,7 +141,7 @@ class Parking:
                 ):
                     return
                 try:
-                    await p.renew_remote(g.lease_id, g.token, ttl)
+                    await p.renew(g.lease_id, g.token, ttl)
                 except LeaseLost:
                     return
                 except Exception:
@@ -155,7 +154,7 @@ class Parking:
         t = ticket(who, request_id)
         self.places.discard((pool, t))
         p = self._pools.get(pool)
-        what = await self._tasks.guard(p.cancel_remote(t))
+        what = await self._tasks.guard(p.cancel(t))
         self._leases.forget_handed(pool, t, "released")
         return what
 
@@ -170,7 +169,7 @@ class Parking:
 
     async def _withdraw(self, pool: str, ticket: str) -> None:
         try:
-            what = await self._pools.objects[pool].cancel_remote(ticket)
+            what = await self._pools.objects[pool].cancel(ticket)
             if what == 2:
                 log.info(
                     "gpulock broker: released a grant on pool %s that its client did not collect",
@@ -188,6 +187,6 @@ class Parking:
             p = self._pools.objects.get(pool)
             if not self._leases.handed(pool, t) and p is not None:
                 try:
-                    await wait_for(p.cancel_remote(t), 1.0)
+                    await wait_for(p.cancel(t), 1.0)
                 except Exception:
                     pass

@@ -1,6 +1,7 @@
 """The broker's pool objects: its Redis connection, one :class:`gpulock.AsyncPool` per pool
-name (made on first use, closed when the pool turns out not to exist or is deleted), and the
-pool-wide operations (list, configure, status, delete)."""
+name with its remote holders (:class:`gpulock.runtime.remote.RemoteHolders`: made on first use,
+closed when the pool turns out not to exist or is deleted), and the pool-wide operations
+(list, configure, status, delete)."""
 
 from __future__ import annotations
 
@@ -18,17 +19,23 @@ from gpulock.transport.connect import async_client
 from gpulock.admin.listing import Listing, alist_pools
 from gpulock.protocol.args import validate_pool_name
 from gpulock.protocol.retry import retrying
+from gpulock.runtime.remote import RemoteHolders
 from gpulock.transport.translate import translate
 from gpulock.errors import BackendUnavailable, PoolNotFound
 
 from .outcomes import PoolBeingDeleted
 from .tasks import Tasks
 
-__all__ = ["Pools"]
+__all__ = ["Holders", "Pools"]
+
+#: One pool object of the broker, used on its remote holders' behalf (its ``pool``: the
+#: :class:`gpulock.AsyncPool`).
+Holders = RemoteHolders[AsyncPool]
 
 
 class Pools:
-    """One :class:`gpulock.AsyncPool` per pool name, on one bounded Redis connection pool.
+    """One :class:`gpulock.AsyncPool` per pool name, on one bounded Redis connection pool, used
+    on the remote holders' behalf through its :class:`~gpulock.runtime.remote.RemoteHolders`.
 
     Args:
         redis_url: the Redis holding the pools: any URL of :mod:`gpulock.transport.connect`.
@@ -66,13 +73,13 @@ class Pools:
         self._tasks = tasks
         self._in_use, self._on_retire, self._on_deleted = in_use, on_retire, on_deleted
         self._redis: aioredis.Redis | None = None
-        self._pools: dict[str, AsyncPool] = {}
+        self._pools: dict[str, Holders] = {}
         self._deleting: dict[str, int] = {}  # pools being deleted by force (count of deletes)
-        self._retired: weakref.WeakSet[AsyncPool] = weakref.WeakSet()  # closed by a delete
+        self._retired: weakref.WeakSet[Holders] = weakref.WeakSet()  # closed by a delete
 
     @property
-    def objects(self) -> Mapping[str, AsyncPool]:
-        """The open pool objects by pool name (read-only view)."""
+    def objects(self) -> Mapping[str, Holders]:
+        """The open pool objects' remote holders by pool name (read-only view)."""
         return MappingProxyType(self._pools)
 
     @property
@@ -106,7 +113,7 @@ class Pools:
     async def close_pools(self) -> None:
         """Close every pool object (their waits end with PoolClosed)."""
         for p in list(self._pools.values()):
-            await p.aclose()
+            await p.pool.aclose()
         self._pools.clear()
 
     async def disconnect(self) -> None:
@@ -116,8 +123,9 @@ class Pools:
             self._redis = None
 
     # ---- pool objects ------------------------------------------------------------------------
-    def get(self, name: str) -> AsyncPool:
-        """The pool object for ``name``, made on first use.
+    def get(self, name: str) -> Holders:
+        """The remote holders of the pool object for ``name`` (its :attr:`~RemoteHolders.pool`),
+        made on first use.
 
         Raises: PoolBeingDeleted, InvalidArgument (a bad name), BackendUnavailable (not
         connected)."""
@@ -125,17 +133,19 @@ class Pools:
             raise PoolBeingDeleted(f"pool {name!r} is being deleted; retry")
         p = self._pools.get(name)
         if p is None:
-            p = AsyncPool(
-                self.client(),
-                validate_pool_name(name),
-                waiter_ttl=self.waiter_ttl,
-                poll_interval=self.poll_interval,
-                backend_timeout=self.backend_timeout,
+            p = RemoteHolders(
+                AsyncPool(
+                    self.client(),
+                    validate_pool_name(name),
+                    waiter_ttl=self.waiter_ttl,
+                    poll_interval=self.poll_interval,
+                    backend_timeout=self.backend_timeout,
+                )
             )
             self._pools[name] = p
         return p
 
-    def was_retired(self, p: AsyncPool) -> bool:
+    def was_retired(self, p: Holders) -> bool:
         """Whether ``p`` was closed by a delete of its pool (not by the broker's shutdown)."""
         return p in self._retired
 
@@ -146,7 +156,7 @@ class Pools:
         if p is None or p.waiting or self._in_use(name):
             return
         del self._pools[name]
-        await p.aclose()
+        await p.pool.aclose()
 
     async def retire(self, name: str) -> None:
         """Close this broker's pool object for ``name``: its waiters' waits end (PoolClosed,
@@ -157,7 +167,7 @@ class Pools:
         p = self._pools.pop(name, None)
         if p is not None:
             self._retired.add(p)
-            await p.aclose()
+            await p.pool.aclose()
 
     # ---- pool-wide operations ----------------------------------------------------------------
     async def listing(self) -> Listing:
@@ -186,7 +196,7 @@ class Pools:
 
     async def status(self, pool: str, limit: int = 1000):
         """The pool's status (:meth:`gpulock.AsyncPool.status`), at most ``limit`` leases."""
-        return await self._tasks.guard(self.get(pool).status(limit=limit))
+        return await self._tasks.guard(self.get(pool).pool.status(limit=limit))
 
     async def configure(self, pool: str, settings: PoolSettings) -> dict[str, Any]:
         """Create or change a pool: ``settings`` in bytes and seconds, each None to keep the
@@ -198,7 +208,7 @@ class Pools:
         ``backfill_window`` seconds, ``quotas``, ``devices`` and ``placement``) with
         ``max_ttl`` (seconds) added. Raises InvalidArgument for a bad policy, window, quota
         or device, or a change of the count of devices while the pool has leases or waiters."""
-        p = self.get(pool)
+        p = self.get(pool).pool
         if settings.max_waiters is None or settings.max_ttl is None:
             try:
                 st = await self._tasks.guard(p.status(limit=0))

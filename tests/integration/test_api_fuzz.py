@@ -30,6 +30,7 @@ from gpulock import (
 from gpulock_common.options import AcquireOptions
 
 from gpulock.protocol.args import new_id
+from gpulock.runtime.remote import RemoteHolders
 from support.servers import RedisProcess
 from support.pools import check_consistent, raw, raw_acquire, raw_configure, snapshot
 
@@ -249,13 +250,14 @@ def test_remote_methods_edge(fz, lease_id, token, ttl, request_id, amount):
 
     async def go() -> None:
         client = aioredis.Redis.from_url(rp.url)
-        p = AsyncPool(client, "base")
+        pool = AsyncPool(client, "base")
+        p = RemoteHolders(pool)
         try:
             for call in (
-                lambda: p.renew_remote(lease_id, token, ttl),
-                lambda: p.release_remote(lease_id, token),
-                lambda: p.cancel_remote(request_id),
-                lambda: p.wait_remote(request_id, 0.0),
+                lambda: p.renew(lease_id, token, ttl),
+                lambda: p.release(lease_id, token),
+                lambda: p.cancel(request_id),
+                lambda: p.wait(request_id, 0.0),
             ):
                 try:
                     await call()
@@ -266,16 +268,14 @@ def test_remote_methods_edge(fz, lease_id, token, ttl, request_id, amount):
                     ), repr(e)
             try:  # try-mode: never queues, so nothing is left behind either way
                 rid = request_id if isinstance(request_id, str) else new_id()
-                res = await p.enqueue_remote(
-                    amount, AcquireOptions(ttl=ttl, request_id=rid), queue=False
-                )
+                res = await p.enqueue(amount, AcquireOptions(ttl=ttl, request_id=rid), queue=False)
             except GpuLockError as e:
                 assert isinstance(e, EXPECTED), repr(e)
             else:
                 if getattr(res, "lease_id", None):
-                    await p.release_remote(res.lease_id, res.token)
+                    await p.release(res.lease_id, res.token)
         finally:
-            await p.aclose()
+            await pool.aclose()
             await client.aclose()
 
     asyncio.run(go())

@@ -129,8 +129,8 @@ async def test_renew_after_expiry_reports_lost_never_reacquires(make_apool, rcli
     st = lease._state
     st.valid_until = time.monotonic() + 100
     st.next_renew = 0
-    rt.leases[lease.id] = st
-    rt._poke()
+    rt.leases.add(st)
+    rt.heartbeat.poke()
     for _ in range(200):
         if st.lost_reason:
             break

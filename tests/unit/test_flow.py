@@ -85,7 +85,7 @@ def test_a_grant_makes_a_lease_and_withdraws_nothing():
     lease, seen = drive(flow.acquire(pool, rt, _req(0), 0.0, None), answer)
     assert lease[1].lease_id == "lease" and lease[1].token == 7
     assert not any(isinstance(s, (flow.Withdraw, flow.Subscribe)) for s in seen)
-    assert rt.known_epoch == 3
+    assert rt.recovery.known_epoch == 3
 
 
 def test_not_available_now_says_why_and_withdraws_nothing():
@@ -103,8 +103,9 @@ def test_not_available_now_says_why_and_withdraws_nothing():
 def test_a_lost_pool_is_made_again_with_grace_then_the_acquire_retried():
     pool = FakePool()
     rt = _runtime(pool)
-    rt.known_epoch = 3  # this object had seen the pool: Redis lost it
-    rt.capacity_seen, rt.max_waiters_seen, rt.max_ttl_seen_ms = 80, 7, 20_000
+    rec = rt.recovery  # what the pool object saw of the pool
+    rec.known_epoch = 3  # this object had seen the pool: Redis lost it
+    rec.capacity_seen, rec.max_waiters_seen, rec.max_ttl_seen_ms = 80, 7, 20_000
     calls: list[tuple[str, list]] = []
 
     def answer(step):
@@ -129,9 +130,10 @@ def test_a_lost_pool_is_made_again_with_grace_then_the_acquire_retried():
 def test_a_lost_pool_is_made_again_with_the_queue_policy_last_seen():
     pool = FakePool()
     rt = _runtime(pool)
-    rt.known_epoch = 3
-    rt.capacity_seen, rt.max_waiters_seen, rt.max_ttl_seen_ms = 80, 7, 20_000
-    rt.policy_seen = QueueConfig("backfill", 1500, "team-a=4096", "40 40", "spread")
+    rec = rt.recovery
+    rec.known_epoch = 3
+    rec.capacity_seen, rec.max_waiters_seen, rec.max_ttl_seen_ms = 80, 7, 20_000
+    rec.policy_seen = QueueConfig("backfill", 1500, "team-a=4096", "40 40", "spread")
     assert rt.configure_argv(10, 5, 1000, True) == [
         "80",
         "7",

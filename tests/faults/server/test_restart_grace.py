@@ -198,7 +198,9 @@ def test_restart_empty_devices_and_each_lease_on_its_device_come_back(redis_proc
         h1 = loop.run_until_complete(apool.acquire(30, device=0, resident=True))
         h2 = spool.acquire(50)  # spread: device 1 (60 free, the lowest index of the most free)
         assert (h1.device, h2.device) == (0, 1)
-        wait_until(lambda: spool._runtime is not None and spool._runtime.policy_seen, timeout=5)
+        wait_until(
+            lambda: spool._runtime is not None and spool._runtime.recovery.policy_seen, timeout=5
+        )
         rp.restart()
 
         def both_back() -> bool:
@@ -239,7 +241,7 @@ def test_devices_changed_by_another_process_come_back_as_changed(redis_proc1):
     try:
         holder.configure(devices=[10, 10])
         first = holder.acquire(5, device=1)
-        rt = holder._runtime
+        rt = holder._runtime.recovery  # what the pool object last saw
         assert rt is not None
         wait_until(lambda: rt.policy_seen and rt.policy_seen.devices == "10 10", timeout=5)
         other("8 8")  # `gpulock pool set --capacity 8`: each device's

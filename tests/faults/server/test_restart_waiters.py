@@ -358,7 +358,7 @@ def test_an_acquire_only_pool_object_remakes_the_pool_with_the_operators_setting
         )  # `gpulock pool set --capacity 10 --max-ttl 5 --policy backfill ...`
         holder = _Shell(kind, rp.url, name, capacity=100, default_ttl=1.5)
         lease = holder("acquire", 4)
-        rt = holder.pool._runtime
+        rt = holder.pool._runtime.recovery  # what the pool object last saw
 
         def learned() -> bool:
             holder.pump()
