@@ -5,8 +5,10 @@ pool factories bind pool objects to the per-test server and close them at teardo
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 
@@ -16,6 +18,24 @@ import redis.asyncio as aioredis
 
 from gpulock import AsyncPool, Pool
 from support.servers import RedisProcess, server_kinds
+
+# CPython 3.11 before 3.11.8 keeps the AST constructor's recursion counter per interpreter, not
+# per thread (python/cpython#106905): once two threads have parsed at once, a later `ast.parse`
+# can fail with "AST constructor recursion depth mismatch". schemathesis's pytest plugin
+# imports its report writers at the end of the session, through pytest's assertion rewriting
+# (an `ast.parse`), and that failed runs whose tests had all passed (test_lost_cancellation.py
+# run alone). Import them now, while nothing else parses; one that cannot be imported (the
+# Allure writer without allure installed) is marked so, and fails again without a parse.
+if sys.version_info < (3, 11, 8):
+    for _writer in (
+        "schemathesis.reporting.allure",
+        "schemathesis.reporting.html.writer",
+        "schemathesis.reporting.junitxml",
+    ):
+        try:
+            importlib.import_module(_writer)
+        except ImportError:
+            sys.modules[_writer] = None  # type: ignore[assignment]
 
 
 def pytest_addoption(parser):

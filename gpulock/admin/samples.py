@@ -29,6 +29,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
+from gpulock_common.aio import wait_for
+
 from gpulock.protocol.keys import pool_key, pool_keys
 from gpulock.protocol.replies import PoolStatus
 from gpulock.transport.shards import checked
@@ -247,7 +249,9 @@ class Sampler:
         """:meth:`_sample` of ``name`` within :attr:`bound`: whether written; None when it
         failed or ran out of time (logged)."""
         try:
-            return await asyncio.wait_for(self._sample(name), self.bound)
+            # in this task (gpulock_common.aio.wait_for): a cancelled round leaves no inner task
+            # whose failure nobody reads
+            return await wait_for(self._sample(name), self.bound)
         except asyncio.TimeoutError:
             log.debug("gpulock: sampling pool %s: no answer within %g s", name, self.bound)
         except Exception as e:  # noqa: BLE001 - a sampler never stops for one failure

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable, Sequence
 
+from gpulock_common.aio import wait_for
+
 from gpulock.transport.cluster import is_cluster_client
 from gpulock.admin.listing import Listing, Unreachable, alist_pools
 from gpulock.protocol.replies import PoolStatus
@@ -170,7 +172,7 @@ async def dashboard_view(
     async def one(name: str) -> dict[str, Any] | tuple[str, bool]:
         """The pool's view, or (why not, whether Redis did not answer)."""
         try:
-            return await asyncio.wait_for(read(name), read_timeout)
+            return await wait_for(read(name), read_timeout)
         except asyncio.TimeoutError:
             return f"no answer within {read_timeout:g} s", True
         except BackendUnavailable as e:
