@@ -27,7 +27,7 @@ from gpulock.protocol.args import (
 from gpulock.protocol.lease import LeaseBase, default_clock
 from gpulock.protocol.request import AcquireOptions, AcquireRequest
 from gpulock.protocol.replies import DeviceReply, PoolStatus
-from gpulock.protocol.retry import RETRYABLE, retrying
+from gpulock.transport.retry import RETRYABLE, retrying
 from gpulock.transport.translate import translate, translated
 from gpulock.transport.batch import Batcher, inflight_for
 from gpulock.transport.connect import DEFAULT_MAX_CONNECTIONS, async_client

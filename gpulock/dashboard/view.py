@@ -17,7 +17,7 @@ from gpulock_common.aio import wait_for
 from gpulock.transport.cluster import is_cluster_client
 from gpulock.admin.listing import Listing, Unreachable, alist_pools
 from gpulock.protocol.replies import PoolStatus
-from gpulock.protocol.retry import RETRYABLE
+from gpulock.transport.retry import RETRYABLE
 from gpulock.admin.samples import Sample, read_counters, read_samples
 from gpulock.errors import BackendUnavailable, GpuLockError
 

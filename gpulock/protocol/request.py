@@ -33,9 +33,7 @@ from gpulock.protocol.replies import Grant as Grant
 from gpulock.protocol.replies import decode_acquire as decode_acquire
 from gpulock.protocol.replies import decode_events as decode_events
 from gpulock.protocol.replies import decode_status as decode_status
-from gpulock.protocol.retry import RETRYABLE as RETRYABLE
 from gpulock.protocol.retry import retry_delay as retry_delay
-from gpulock.protocol.retry import retrying as retrying
 
 
 @lru_cache(maxsize=64)

@@ -7,7 +7,7 @@ views structurally.
 The steps and what a driver returns for them:
 
 * :class:`Eval` — the script's reply (EVALSHA with NOSCRIPT reload, connection errors retried
-  on :func:`~gpulock.protocol.retry.retrying` for ``bound`` seconds); with ``bound=0`` one
+  on :func:`~gpulock.transport.retry.retrying` for ``bound`` seconds); with ``bound=0`` one
   try, a connection error or timeout raised as :class:`Unanswered`.
 * :class:`Subscribe` — None once the pool's hand-off subscription is confirmed (or known to
   fail: the acquire then reports Redis itself).

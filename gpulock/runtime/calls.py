@@ -2,7 +2,7 @@
 
 :class:`Settings` is what the pool object set (:meth:`~gpulock.runtime.runtime.Runtime.use_settings`);
 :class:`Calls` runs the Lua scripts on the runtime's own redis.asyncio client: EVALSHA with a
-NOSCRIPT reload, retried on the common policy (:func:`gpulock.protocol.request.retrying`) when given
+NOSCRIPT reload, retried on the common policy (:func:`gpulock.transport.retry.retrying`) when given
 a bound, and the renewal followed by ``WAIT`` for ``sync_replicas``.
 """
 
@@ -15,7 +15,8 @@ from typing import Any
 from redis.exceptions import AuthenticationError
 
 from gpulock.protocol.keys import pool_key
-from gpulock.protocol.request import DEFAULT_MAX_WAITERS, retrying
+from gpulock.protocol.request import DEFAULT_MAX_WAITERS
+from gpulock.transport.retry import retrying
 from gpulock.transport.script_calls import AsyncScripts
 from gpulock.transport.translate import translate
 
@@ -59,7 +60,7 @@ class Calls:
 
     async def eval(self, name: str, args: list[Any], *, bound: float = 0.0) -> Any:
         """EVALSHA with NOSCRIPT reload. ``bound`` > 0: retry connection errors on the common
-        policy (:func:`gpulock.protocol.request.retrying`, the foreground's) for that many seconds; 0:
+        policy (:func:`gpulock.transport.retry.retrying`, the foreground's) for that many seconds; 0:
         one try (the ticker's own calls: the loop retries them on the same schedule)."""
         if bound <= 0:
             return await self._eval_once(name, args)

@@ -22,7 +22,8 @@ from typing import Any
 from gpulock_common.aio import wait_for
 
 from gpulock.transport.failure_log import FailureLog
-from gpulock.protocol.request import RETRYABLE, LeaseState, retry_delay, ttl_ms
+from gpulock.protocol.request import LeaseState, retry_delay, ttl_ms
+from gpulock.transport.retry import RETRYABLE
 from gpulock.protocol.replies import decode_reap, decode_renew
 from gpulock.runtime.recovery import Recovery
 from gpulock.runtime.shared import Shared

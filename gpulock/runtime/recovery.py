@@ -22,7 +22,6 @@ from gpulock.protocol.flow import configure_args
 from gpulock.protocol.replies import QueueConfig, decode_configure, decode_reassert
 from gpulock.protocol.request import (
     REASSERT_REFUSED,
-    RETRYABLE,
     Grant,
     LeaseState,
     decode_acquire,
@@ -30,6 +29,7 @@ from gpulock.protocol.request import (
     ttl_ms,
 )
 from gpulock.runtime.shared import Shared
+from gpulock.transport.retry import RETRYABLE
 from gpulock.runtime.waiters import Waiter
 
 log = logging.getLogger("gpulock")

@@ -20,7 +20,7 @@ from redis.exceptions import AuthenticationError, ResponseError
 
 from gpulock_common.driver import adrive, drive
 
-from gpulock.protocol.retry import retrying
+from gpulock.transport.retry import retrying
 from gpulock.transport.dialect import Dialect, Load, Send, dialect_of
 from gpulock.transport.lane import AsyncLane, SyncLane, async_lane, encode, encode_args, sync_lane
 from gpulock.transport.route import ShardUnavailable, is_shard_error
@@ -217,7 +217,7 @@ class SyncScripts:
         """:func:`synced_renew` on the pool's master (a pipeline on a client of one server;
         on a cluster, the lane of the slot's master): ``(renew reply, replicas that
         acknowledged)``. ``bound`` > 0: connection errors retried on the common policy
-        (:func:`gpulock.protocol.retry.retrying`) for that many seconds; 0: one try. The
+        (:func:`gpulock.transport.retry.retrying`) for that many seconds; 0: one try. The
         synced renewal's one I/O, with :meth:`AsyncScripts.renew_synced`: the blocking ``Pool``
         calls it, the runtime (the asyncio shell, the heartbeat) its asyncio twin."""
         if bound <= 0:

@@ -18,7 +18,7 @@ from gpulock.admin.pools import DeleteResult, adelete_pool
 from gpulock.transport.connect import async_client
 from gpulock.admin.listing import Listing, alist_pools
 from gpulock.protocol.args import validate_pool_name
-from gpulock.protocol.retry import retrying
+from gpulock.transport.retry import retrying
 from gpulock.runtime.remote import RemoteHolders
 from gpulock.transport.translate import translate
 from gpulock.errors import BackendUnavailable, PoolNotFound
