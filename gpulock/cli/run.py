@@ -15,7 +15,13 @@ from typing import Any, Optional
 
 import typer
 from gpulock_common.grace import grace_note
-from gpulock_common.options import MAX_TTL_S, MIN_REMOTE_TTL_S, MIN_TTL_S, check_seconds
+from gpulock_common.options import (
+    MAX_TIMEOUT_S,
+    MAX_TTL_S,
+    MIN_REMOTE_TTL_S,
+    MIN_TTL_S,
+    check_seconds,
+)
 
 from gpulock.cli.common import (
     EXIT_CAPACITY,
@@ -155,7 +161,7 @@ def run(
     timeout: Optional[float] = typer.Option(
         None,
         "--timeout",
-        callback=seconds_param("--timeout", minimum=0.0, maximum=1e9, allow_zero=True),
+        callback=seconds_param("--timeout", minimum=0.0, maximum=MAX_TIMEOUT_S, allow_zero=True),
         help=f"Seconds to wait for the lease (default: forever; 0: try once). Exit {EXIT_TEMPFAIL} when it runs out.",
     ),
     priority: str = typer.Option(

@@ -82,16 +82,13 @@ class AcquireRequest(NamedTuple):
             minimum=MIN_TTL_S,
             maximum=MAX_TTL_S,
         )
-        timeout_s = parse_seconds(
-            o.timeout, name="timeout", minimum=0.0, maximum=1e9, allow_none=True
-        )
+        o = o.checked()  # the timeout first (as seconds), then priority, device, tenant, ...
         ticket = new_id() if o.request_id is None else validate_request_id(o.request_id)
-        o = o.checked()
         return cls(
             pool,
             amt,
             ttl_s,
-            timeout_s,
+            o.timeout,
             ticket,
             new_id(),
             encode_meta(o.holder),

@@ -294,11 +294,19 @@ def test_a_bad_device_raises_before_anything_is_sent(bad):
         (dict(ttl=0.5), "ttl must be between 1 and 86400 seconds, got 0.5"),
         (dict(request_id="r" * 97), "request_id must be 1-96 characters"),
         (dict(request_id="a b"), "request_id must be 1-96 characters"),
+        # the timeout, as the core checks it (it was used unchecked: -1 and inf waited
+        # forever, "5" was a TypeError, nan a false message about connections)
+        (dict(timeout=-1), "timeout must be between 0 and 1e+09 seconds, got -1"),
+        (dict(timeout=float("nan")), "timeout must be a finite number of seconds, got nan"),
+        (dict(timeout=float("inf")), "timeout must be a finite number of seconds, got inf"),
+        (dict(timeout=1e12), "timeout must be between 0 and 1e+09 seconds, got 1000000000000.0"),
+        (dict(timeout="soon"), "timeout must be a number of seconds, got 'soon'"),
     ],
 )
-def test_a_bad_holder_ttl_or_request_id_raises_before_anything_is_sent(options, shown):
+def test_a_bad_holder_ttl_request_id_or_timeout_raises_before_anything_is_sent(options, shown):
     """The SDK's InvalidArgument (not a ValueError, not the broker's 422) names the value, by
-    the broker's bounds (a ttl of at least 1 s, request ids of at most 96 characters)."""
+    the broker's bounds (a ttl of at least 1 s, request ids of at most 96 characters) and the
+    core's (the timeout)."""
     clock = Clock()
     gen = core.acquire_steps(
         cfg(clock, gate=core.Gate(1)), 5, core.AcquireOptions(**options), on_queued=None

@@ -41,6 +41,10 @@ AGING_S = 1.0
 MIN_TTL_S, MAX_TTL_S = 0.1, 86400.0
 DEFAULT_TTL_S = 30.0
 
+# How long an acquire waits, seconds: 0 tries once; None (no bound) is the way to wait forever,
+# and a bound this large (about 31.7 years) is the longest one a clock can add safely.
+MAX_TIMEOUT_S = 1e9
+
 # Holder metadata: at most this many bytes as JSON (lua/lib.lua MAX_META).
 MAX_META_BYTES = 512
 
@@ -225,10 +229,14 @@ class AcquireOptions(NamedTuple):
 
     def checked(self, *, remote: bool = False) -> AcquireOptions:
         """These options after the checks both sides make before anything is sent: the
-        priority (as an ``int``: :func:`check_priority`), the device, the tenant, ``resident``
-        and that the holder is a dict; with ``remote`` (the SDK's, over HTTP) also the ttl and
-        the request id by the broker's bounds (MIN_REMOTE_TTL_S, MAX_REMOTE_REQUEST_ID_LEN).
-        Raises InvalidArgument naming the first bad value."""
+        timeout (as a ``float`` in [0, MAX_TIMEOUT_S], or None), the priority (as an ``int``:
+        :func:`check_priority`), the device, the tenant, ``resident`` and that the holder is a
+        dict; with ``remote`` (the SDK's, over HTTP) also the ttl and the request id by the
+        broker's bounds (MIN_REMOTE_TTL_S, MAX_REMOTE_REQUEST_ID_LEN). Raises InvalidArgument
+        naming the first bad value."""
+        t = self.timeout
+        if t is not None:
+            t = check_seconds(t, name="timeout", minimum=0.0, maximum=MAX_TIMEOUT_S)
         p = self.priority
         if not (p == 0 and type(p) is int):  # the default, on every acquire: no call
             p = check_priority(p)
@@ -241,7 +249,9 @@ class AcquireOptions(NamedTuple):
                 check_seconds(self.ttl, name="ttl", minimum=MIN_REMOTE_TTL_S, maximum=MAX_TTL_S)
             if self.request_id is not None:
                 check_request_id(self.request_id, longest=MAX_REMOTE_REQUEST_ID_LEN)
-        return self if p is self.priority else self._replace(priority=p)
+        if p is self.priority and t is self.timeout:
+            return self
+        return self._replace(priority=p, timeout=t)
 
 
 def check_seconds(value: Any, *, name: str, minimum: float, maximum: float) -> float:
