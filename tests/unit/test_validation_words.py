@@ -107,3 +107,6 @@ def test_a_message_that_names_the_value_does_not_say_it_twice():
     body = {"amount": 1, "priority": 500}
     said = describe(plain_errors(_errors(LeaseRequest, body) or [], body))
     assert said.endswith("got 500") and said.count("500") == 1, said
+    body = {"capacity": "lots"}  # a size's message ends in "; got 'lots'"
+    said = describe(plain_errors(_errors(PoolConfigRequest, body) or [], body))
+    assert said.endswith("got 'lots'") and said.count("lots") == 1, said

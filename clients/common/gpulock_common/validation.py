@@ -163,8 +163,8 @@ def describe(errors: Iterable[Any], *, show_input: int = 120) -> str:
 
 def _says_got(msgs: list[str]) -> bool:
     """Whether every message already names the value (gpulock's own checks end in ``, got
-    <value>``), so that ``(got ...)`` would say it twice."""
-    return all(", got " in m for m in msgs)
+    <value>``, a size's in ``; got <value>``), so that ``(got ...)`` would say it twice."""
+    return all(", got " in m or "; got " in m for m in msgs)
 
 
 def param_of(errors: Iterable[Any]) -> str | None:
