@@ -113,6 +113,8 @@ def _make_background(pool: Pool) -> _Background:
     sub = ThreadSubscription(pool.redis, rt.channel, pool.name, rt.deliver, rt.poll_waiters_now)
     rt.read_elsewhere(lambda: sub.ready)
     flow.push_settings(pool, rt)
+    if pool._status_seen is not None:  # the pool object knew the pool before its runtime ran
+        flow.adopt_status(rt, pool._status_seen)
     return _Background(portal, rt, sub)
 
 
@@ -219,6 +221,9 @@ class Pool(PoolOptions):
         self._owns_client = _owns_client
         self._lock = threading.Lock()
         self._bg: _Background | None = None
+        # The last status read before the background ran: its runtime takes it in when it
+        # starts, so that the pool object knows the pool it has seen (_make_background).
+        self._status_seen: PoolStatus | None = None
         self._closed = False  # close() was called: acquires raise PoolClosed
         self._forked = False  # used before this process forked: its background is the parent's
         _POOLS.add(self)
@@ -430,7 +435,11 @@ class Pool(PoolOptions):
 
     def status(self, *, limit: int = 1000) -> PoolStatus:
         """A snapshot: capacity, used, leases and waiters. Raises PoolNotFound."""
-        return self._run(flow.status(self, self._runtime, limit))
+        rt = self._runtime
+        st = self._run(flow.status(self, rt, limit))
+        if rt is None:
+            self._status_seen = st
+        return st
 
     def grace_left(self) -> float:
         """Seconds left in the pool's restart grace period as this pool object last saw it

@@ -175,15 +175,23 @@ def status(pool: PoolView, rt: RuntimeView | None, limit: int) -> Flow[PoolStatu
             rt.seen(0)  # gone: if this object knew the pool, its runtime recovers now
         raise PoolNotFound(pool.name)
     if rt is not None:
-        rt.seen(
-            st.epoch,
-            st.capacity,
-            st.max_waiters,
-            ttl_ms(st.max_ttl) if st.max_ttl else 0,
-            st.queue_config(),
-        )
+        adopt_status(rt, st)
         rt.note_grace(sent, round(st.grace_left * 1000))
     return st
+
+
+def adopt_status(rt: RuntimeView, st: PoolStatus) -> None:
+    """Let ``rt`` take in what a status reply showed of the pool: its epoch and settings
+    (:meth:`RuntimeView.seen`). Also for a reply read before the runtime started (the blocking
+    shell starts it with its first acquire): from then on it knows the pool, so it makes the
+    pool again with a grace period if Redis loses it."""
+    rt.seen(
+        st.epoch,
+        st.capacity,
+        st.max_waiters,
+        ttl_ms(st.max_ttl) if st.max_ttl else 0,
+        st.queue_config(),
+    )
 
 
 def device_report(

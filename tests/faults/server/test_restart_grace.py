@@ -405,6 +405,30 @@ def test_a_process_that_never_saw_the_pool_recreates_it_first(redis_proc1):
     direct.close()
 
 
+def test_a_sync_pool_that_only_read_the_status_knows_the_pool(redis_proc1):
+    """A blocking Pool whose only call before Redis lost the pool was status() (its
+    background runtime, which keeps what the pool object saw, starts with its first acquire)
+    knows the pool all the same: its first acquire after the restart makes the pool again with
+    the grace period, and is not granted during it. (The churn soak found such a process
+    making the pool without one, granted at once while other holders' leases were still live
+    on their clocks: 108 of 100 bytes in use until their next heartbeat.)"""
+    rp, name = redis_proc1, "seen-by-status"
+    with Pool.from_url(rp.url, name, capacity=100, default_ttl=TTL, max_ttl=G) as admin:
+        admin.configure(100, max_ttl=G)
+    reader = Pool.from_url(rp.url, name, capacity=100, default_ttl=TTL, max_ttl=G)
+    old_epoch = reader.status().epoch
+    assert reader._runtime is None  # no background yet: the case at hand
+    rp.restart()
+    with pytest.raises(AcquireTimeout) as e:
+        reader.acquire(50, timeout=0)
+    assert e.value.grace_left > 0, e.value
+    direct = redis.Redis.from_url(rp.url)
+    epoch, grace_until = direct.hmget(pool_keys(name)[0], "epoch", "grace_until")
+    assert int(epoch) != old_epoch and int(grace_until or 0) > 0, (epoch, grace_until)
+    direct.close()
+    reader.close()
+
+
 # ---- the rules of reassert.lua, straight on the script ------------------------------------
 
 
