@@ -48,6 +48,7 @@ from .errors import (
     PoolNotFound,
     QueueFull,
     QuotaExceeded,
+    ResizeRefused,
     RoomExceeded,
 )
 from .validation import describe
@@ -173,6 +174,15 @@ ANSWERS: tuple[Answer, ...] = (
         "queue_full",
         lambda d, m, p: QueueFull(p or "?", _int(d, "queue_length"), _opt_int(d, "max_waiters"), m),
         fields=("queue_length",),
+    ),
+    Answer(
+        ResizeRefused,
+        409,
+        "resize_refused",
+        lambda d, m, p: ResizeRefused(
+            str(d.get("lease_id") or "?"), _int(d, "amount"), _int(d, "current"), m
+        ),
+        fields=("lease_id", "amount", "current"),
     ),
     Answer(
         LeaseLost,
