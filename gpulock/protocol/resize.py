@@ -7,6 +7,8 @@ acquire's waiter is). The lease keeps its id and token.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from gpulock_common.options import AcquireOptions
 
 from gpulock.errors import AcquireTimeout, BackendUnavailable, LeaseLost
@@ -32,7 +34,7 @@ from gpulock.units import format_size, parse_size
 __all__ = ["grow_ticket", "resize", "resize_args", "resize_lease"]
 
 
-class ResizeRuntime(RuntimeView, WaiterQueue):
+class ResizeRuntime(RuntimeView, WaiterQueue, Protocol):
     """What a resize needs of the runtime: the flows' view and its waiter queue."""
 
 
