@@ -211,7 +211,7 @@ ANSWERS: tuple[Answer, ...] = (
 
 #: The status a server answers for an error of a lease it took on its client's behalf, where it
 #: is not the lease API's (see the module docstring).
-SERVED_STATUS: dict[int, int] = {401: 503, 403: 503, 404: 503, 410: 503, 422: 500}
+SERVED_STATUS: dict[int, int] = {401: 503, 403: 503, 404: 503, 409: 503, 410: 503, 422: 500}
 
 _BY_CLASS: dict[type, Answer] = {}
 for _a in ANSWERS:
