@@ -18,6 +18,7 @@ from gpulock.errors import (
     PoolClosed,
     PoolNotFound,
     QueueFull,
+    ResizeRefused,
     QuotaExceeded,
     RoomExceeded,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "PoolNotFound",
     "PoolStatus",
     "QueueFull",
+    "ResizeRefused",
     "QuotaExceeded",
     "RoomExceeded",
     "WaiterInfo",

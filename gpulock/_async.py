@@ -26,6 +26,7 @@ from gpulock.protocol.args import (
 )
 from gpulock.protocol.lease import LeaseBase, default_clock
 from gpulock.protocol.request import AcquireOptions, AcquireRequest
+from gpulock.protocol.resize import resize_lease
 from gpulock.protocol.replies import DeviceReply, PoolStatus
 from gpulock.transport.retry import RETRYABLE, retrying
 from gpulock.transport.translate import translate, translated
@@ -62,6 +63,32 @@ class AsyncLease(LeaseBase):
                 release is retried until its local deadline); it expires on the server.
         """
         await self._pool._run(flow.release_lease(self._state, self._pool._runtime))
+
+    async def resize(self, amount: int | str, *, timeout: float | None = None) -> None:
+        """Change the lease's amount to ``amount`` (bytes or a size string, as ``acquire``'s);
+        afterwards :attr:`amount` is the new amount; id and token do not change
+        (docs/SEMANTICS.md, "Resizing a lease"). A shrink is immediate and its bytes go to
+        the queue; the same amount does nothing (no call); a growth takes the difference as a
+        new request of that size at the lease's priority, tenant and device would: at once,
+        or queued, waiting up to ``timeout`` seconds (``None``: forever; ``0``: never queued)
+        while the lease keeps its bytes and its heartbeat.
+
+        Raises:
+            InvalidArgument (a bad amount or timeout, or a resident lease), LeaseLost (lost,
+            expired or released), CapacityExceeded / QuotaExceeded / RoomExceeded (the new
+            amount can never fit: at once), ResizeRefused (at once: waiting could only
+            deadlock), QueueFull, AcquireTimeout (the lease keeps its amount),
+            BackendUnavailable, PoolClosed. On cancellation the growth leaves the queue (a
+            grant that raced in is undone) and the lease keeps its amount.
+        """
+        p = self._pool
+        rt = p._runtime
+        if rt.closed:
+            raise PoolClosed(p.name, queued=False)
+        steps = resize_lease(
+            p, rt, self._state, amount, timeout, p.clock(), waiter_ttl_s=p.waiter_ttl
+        )
+        await p._run(steps, pending_cancels())
 
     async def __aenter__(self) -> "AsyncLease":
         return self
@@ -246,7 +273,7 @@ class AsyncPool(PoolOptions):
         if isinstance(step, flow.Withdraw):
             # Even if cancelled again meanwhile; when Redis did not answer, the caller does not
             # wait for a second bound: what the acquire may have left expires on its own.
-            task = rt.spawn(self._cancel(step.ticket))
+            task = rt.spawn(self._cancel(*step.call))
             if not step.background:
                 try:
                     await asyncio.shield(task)
@@ -298,9 +325,9 @@ class AsyncPool(PoolOptions):
         except Exception as e:
             raise translate(e, self.name) from e
 
-    async def _cancel(self, ticket: str) -> None:
+    async def _cancel(self, script: str, args: list[str]) -> None:
         try:
-            await self._eval("cancel", [ticket])
+            await self._eval(script, args)
         except Exception:
             pass  # unreachable Redis: the waiter expires after waiter_ttl, a grant after ttl
 

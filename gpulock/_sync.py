@@ -37,6 +37,7 @@ from gpulock.protocol.args import (
 )
 from gpulock.protocol.lease import LeaseBase, default_clock
 from gpulock.protocol.request import AcquireOptions, AcquireRequest
+from gpulock.protocol.resize import resize_lease
 from gpulock.protocol.replies import DeviceReply, PoolStatus
 from gpulock.transport.retry import RETRYABLE, retrying
 from gpulock.transport.translate import translate, translated
@@ -134,6 +135,16 @@ class Lease(LeaseBase):
                 retried until its local deadline); it expires on the server.
         """
         self._pool._run(flow.release_lease(self._state, self._pool._runtime))
+
+    def resize(self, amount: int | str, *, timeout: float | None = None) -> None:
+        """Change the lease's amount: :meth:`gpulock.AsyncLease.resize` (blocking; a
+        KeyboardInterrupt while a growth waits withdraws it, as a cancellation does there)."""
+        p = self._pool
+        bg = p._background(queued=False)
+        steps = resize_lease(
+            p, bg.rt, self._state, amount, timeout, p.clock(), waiter_ttl_s=p.waiter_ttl
+        )
+        p._run(steps, bg)
 
     def __enter__(self) -> "Lease":
         return self
@@ -354,10 +365,12 @@ class Pool(PoolOptions):
             return rt.leave(h.waiter, h.wait.got)
         if isinstance(step, flow.Withdraw):
             if step.background:  # from the loop thread: the caller does not wait a second bound
-                portal.soon(lambda: rt.spawn(rt.cancel_quietly(step.ticket)))
+                portal.soon(
+                    lambda: rt.spawn(rt.cancel_quietly(step.ticket, step.call[1], step.call[0]))
+                )
                 return None
             try:
-                self._eval("cancel", [step.ticket])
+                self._eval(*step.call)
             except Exception:  # noqa: BLE001 - never mask the error being raised
                 pass  # unreachable: the waiter expires after waiter_ttl, a grant after ttl
             return None

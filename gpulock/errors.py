@@ -10,6 +10,7 @@ gpulock-client raises). Every error gpulock raises derives from :class:`GpuLockE
     │   └── RoomExceeded                    amount > what the pool's resident leases leave
     ├── AcquireTimeout (also TimeoutError)  the wait for a grant ran out (or timeout=0 and busy)
     ├── QueueFull                           the pool's queue is at its bound
+    ├── ResizeRefused                       a lease's growth could only deadlock: refused at once
     ├── LeaseLost                           the lease expired, was reaped or never existed
     ├── BackendUnavailable                  Redis could not be reached, did not answer, or refused the credentials
     └── PoolClosed (also RuntimeError)      the pool object was closed during (or before) the call
@@ -31,6 +32,7 @@ from gpulock_common.errors import (
     PoolClosed,
     PoolNotFound,
     QueueFull,
+    ResizeRefused,
     QuotaExceeded,
     RoomExceeded,
 )
@@ -44,6 +46,7 @@ __all__ = [
     "RoomExceeded",
     "AcquireTimeout",
     "QueueFull",
+    "ResizeRefused",
     "LeaseLost",
     "BackendUnavailable",
     "PoolClosed",

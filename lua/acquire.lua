@@ -222,35 +222,10 @@ if res then
   end
 end
 
--- With a queue, the request goes ahead of its head if its score is lower (a higher effective
--- priority); the head does not fit (every script that frees bytes hands them on), so the
--- request is granted now only if it fits and would queue ahead of the head, or, under the
--- backfill policy, if it fits and the head has waited less than the pool's backfill window.
--- With tenant quotas the queue's head is its first waiter whose tenant has room (queue_front:
--- the others are passed over), and a request whose tenant has no room does not fit.
-local score, vt, ahead
-local fits = used + amount <= eff and grace_until <= now
-if fits and quotas then fits = quota_check(room, tenant, amount, res) == 'ok' end
-local dev = ''  -- the device it gets (lib.lua place); '' on a pool of one device
-if fits and d then
-  dev = place(d, amount, pin)
-  fits = dev ~= nil
-end
-if qlen > 0 then
-  score, vt = queue_score(now, prio, tonumber(redis.call('HGET', K_CFG, 'qvt') or '0'))
-  local front, front_score, passed = queue_front(quotas, room)
-  ahead = front == nil or score < front_score
-  -- a tenant's own waiters keep their order: none passes an earlier one passed over
-  if fits and passed[tenant] and passed[tenant] < score then fits = false end
-  if fits and not ahead then
-    local fw = redis.call('HGET', K_WAITERS, front)
-    if fw then
-      local _, _, front_enq = parse_waiter(fw)
-      ahead = backfill_open(now, front_enq)
-    end
-  end
-end
-if (qlen == 0 or ahead) and fits then
+-- Granted now when it fits and would be ahead of the queue's front (lib.lua grant_test).
+local now_ok, dev, score, vt = grant_test(now, amount, prio, tenant, pin, res, used, eff, grace_until,
+                                          qlen, d, quotas, room)
+if now_ok then
   -- make_lease, with the counters read above written in one HSET
   local token, exp = fence + 1, now + ttl
   used = used + amount

@@ -167,13 +167,16 @@ local function parse_holder(rec)
 end
 
 -- waiter record: amount|ttl_ms|enqueued_ms|lease_id|channel|priority|tenant|device|meta, the
--- device followed by 'r' for a resident request. A record without the device, the tenant or
--- the priority (written by an earlier version, during a rolling upgrade), reads as device ''
--- (any), tenant '', priority 0, not resident: its meta is JSON (an object) or empty, so it
--- cannot be taken for either. Returns the device as a string, then whether it is resident.
+-- device followed by 'r' for a resident request, or by 'g' for the growth of a held lease
+-- (resize.lua: amount is then the bytes the lease grows by, lease_id the lease's own id, the
+-- device the lease's; its ticket is grow_ticket(lease_id)). A record without the device, the
+-- tenant or the priority (written by an earlier version, during a rolling upgrade), reads as
+-- device '' (any), tenant '', priority 0, not resident: its meta is JSON (an object) or
+-- empty, so it cannot be taken for either. Returns the device as a string, then whether it is
+-- resident, then whether it is a growth.
 local function parse_waiter(rec)
   local a, ttl, enq, lid, chan, p, tenant, dev, r, meta =
-    string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(%-?%d+)|([%w%-_.:]*)|(%d*)(r?)|(.*)$')
+    string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(%-?%d+)|([%w%-_.:]*)|(%d*)([rg]?)|(.*)$')
   if not a then
     a, ttl, enq, lid, chan, p, tenant, meta =
       string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(%-?%d+)|([%w%-_.:]*)|(.*)$')
@@ -187,8 +190,12 @@ local function parse_waiter(rec)
     a, ttl, enq, lid, chan, meta = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(.*)$')
     p = '0'
   end
-  return tonumber(a), tonumber(ttl), enq, lid, chan, meta, tonumber(p), tenant, dev or '', r == 'r'
+  return tonumber(a), tonumber(ttl), enq, lid, chan, meta, tonumber(p), tenant, dev or '', r == 'r', r == 'g'
 end
+
+-- The queue ticket of the growth of lease `lid` (resize.lua): one per lease, so a script can
+-- tell whether a lease waits to grow.
+local function grow_ticket(lid) return 'grow:' .. lid end
 
 -- The queue score of a request queued now with priority `prio` (lowest goes first). The
 -- arrival time is in virtual microseconds: the server clock, but strictly after the last
@@ -631,6 +638,32 @@ local function make_lease(now, ticket, lid, amount, ttl, meta, token, tenant, de
   return exp
 end
 
+-- Resizing (docs/SEMANTICS.md, "Resizing a lease"; resize.lua): lease `lid` grows by `delta`
+-- bytes, or shrinks when `delta` is negative: its record's amount, and its tenant's and
+-- device's counts (the caller writes the pool's `used`). Keeps its id, token, ttl and expiry.
+-- Returns its token, its expiry and its new amount.
+local function grow_lease(lid, delta)
+  local rec = redis.call('HGET', K_HOLDERS, lid)
+  local a, tok, acq, ttl, ticket, meta, tenant, dev, res = parse_holder(rec)
+  redis.call('HSET', K_HOLDERS, lid, holder_record(a + delta, tonumber(tok), tonumber(acq), tonumber(ttl),
+                                                  ticket, tenant, meta, dev, res))
+  tenant_add(tenant, delta)
+  device_add(dev, delta)
+  if res then resident_add(tenant, dev, delta) end
+  return tonumber(tok), tonumber(redis.call('ZSCORE', K_LEASES, lid)), a + delta
+end
+
+-- The amount lease `lid` would have after growing by `delta` (a growth waiter's), or nil when
+-- it can never grow: the lease is gone (released, expired), or the new amount exceeds its
+-- tenant's quota (quota_check 'never'; `room` its cache).
+local function grown_total(lid, delta, tenant, room)
+  local rec = redis.call('HGET', K_HOLDERS, lid)
+  if not rec then return nil end
+  local total = parse_holder(rec) + delta
+  if quota_check(room, tenant, total, false) == 'never' then return nil end
+  return total
+end
+
 -- Effective capacity (docs/SEMANTICS.md, "Device truth"): while the device sampler's report is
 -- live (external_until, server ms, is in the future) the pool grants at most capacity minus
 -- the bytes the device shows in use outside the pool's leases; an expired report stops
@@ -681,19 +714,28 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh)
   local room = {}  -- quota_check's cache (a waiter without a tenant costs no read)
   local passed = {}  -- tenants with a waiter passed over: their later waiters are passed too
   -- Grant waiter `t` (record fields parsed) a lease now, on device `dev` ('' : one device).
-  local function grant(t, amount, ttl, lid, chan, meta, tenant, dev, res)
+  -- A growth (`grow`) adds `amount` to lease `lid` instead (grow_lease): the line then names
+  -- the lease's token, expiry and new amount.
+  local function grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow)
     if not fence then
       local c = redis.call('HMGET', K_CFG, 'fence', 'grants')
       fence, grants = tonumber(c[1] or '0'), tonumber(c[2] or '0')
     end
     drop_waiter(t, res and amount or 0)
-    fence = fence + 1
-    local exp = make_lease(now, t, lid, amount, ttl, meta, fence, tenant, dev, res)
+    local tok, exp, total
+    if grow then
+      tok, exp, total = grow_lease(lid, amount)
+    else
+      fence = fence + 1
+      tok, total = fence, amount
+      exp = make_lease(now, t, lid, amount, ttl, meta, fence, tenant, dev, res)
+      grants = grants + 1
+    end
     quota_take(room, tenant, amount, res)
     used = used + amount
     n = n + 1
     if res then rh = rh + amount end
-    local line = t .. ' ' .. lid .. ' ' .. fmt(fence) .. ' ' .. fmt(exp) .. ' ' .. fmt(amount)
+    local line = t .. ' ' .. lid .. ' ' .. fmt(tok) .. ' ' .. fmt(exp) .. ' ' .. fmt(total)
     if dev ~= '' then
       d.used[dev] = d.used[dev] + amount
       if res then d.res[dev] = d.res[dev] + amount end
@@ -742,11 +784,17 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh)
     if not w then
       drop_waiter(t, 0)
     else
-      local amount, ttl, enq, lid, chan, meta, _, tenant, pin, res = parse_waiter(w)
+      local amount, ttl, enq, lid, chan, meta, _, tenant, pin, res, grow = parse_waiter(w)
       local q = quota_check(room, tenant, amount, res)
       local dev
-      if never(amount, pin, res, q) and recount() then q = quota_check(room, tenant, amount, res) end
-      if never(amount, pin, res, q) then
+      -- a growth can never be granted when its lease's new total could not be (the lease is
+      -- gone: it was released or expired)
+      local whole = amount
+      if grow then whole = grown_total(lid, amount, tenant, room) end
+      if whole ~= nil and never(whole, pin, res, q) and recount() then
+        q = quota_check(room, tenant, amount, res)
+      end
+      if whole == nil or never(whole, pin, res, q) then
         -- The capacity (or the tenant's quota) was lowered below this request, or resident
         -- leases took the room it needs: it can never be granted, and as head it would block
         -- everyone behind it. Drop it; its client finds it gone at its next poll, asks again
@@ -762,7 +810,7 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh)
           blocked_enq = enq
           break
         end
-        grant(t, amount, ttl, lid, chan, meta, tenant, dev, res)
+        grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow)
       end
     end
     head = redis.call('ZRANGE', K_QUEUE, skipped, skipped)
@@ -771,19 +819,21 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh)
     for _, t in ipairs(redis.call('ZRANGE', K_QUEUE, skipped + 1, skipped + BACKFILL_DEPTH)) do
       local w = redis.call('HGET', K_WAITERS, t)
       if w then
-        local amount, ttl, _, lid, chan, meta, _, tenant, pin, res = parse_waiter(w)
+        local amount, ttl, _, lid, chan, meta, _, tenant, pin, res, grow = parse_waiter(w)
         local q = quota_check(room, tenant, amount, res)
         if q == 'wait' then passed[tenant] = true end
-        if amount <= largest(pin) and used + amount <= eff and q == 'ok' and not passed[tenant] then
+        local whole = amount
+        if grow then whole = grown_total(lid, amount, tenant, room) end
+        if whole ~= nil and whole <= largest(pin) and used + amount <= eff and q == 'ok' and not passed[tenant] then
           local dev = where(amount, pin)
-          if dev ~= nil then grant(t, amount, ttl, lid, chan, meta, tenant, dev, res) end
+          if dev ~= nil then grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow) end
         end
       end
       if used >= eff then break end
     end
   end
   if n > 0 then
-    redis.call('HSET', K_CFG, 'fence', fmt(fence), 'used', fmt(used), 'grants', fmt(grants + n))
+    redis.call('HSET', K_CFG, 'fence', fmt(fence), 'used', fmt(used), 'grants', fmt(grants))
   end
   return lines, n, used
 end
@@ -811,6 +861,43 @@ local function queue_front(quotas, room)
     end
   end
   return nil, nil, passed
+end
+
+-- Whether a request of `amount` bytes at priority `prio` by `tenant` ('' : none), pinned to
+-- `pin` ('' : any), resident when `res`, is granted now rather than queued (docs/SEMANTICS.md,
+-- "Priorities", "Backfill", "Tenant quotas"): it fits (the effective capacity `eff` next to
+-- `used`, outside a grace period ending at `grace_until`, its tenant's quota, a device of `d`,
+-- load_devices or nil) and the queue of `qlen` waiters is empty, or it would queue ahead of
+-- the queue's front (queue_front; the head does not fit, as every script that frees bytes
+-- hands them on), or, under the backfill policy, the front's window is open. A tenant's own
+-- waiters keep their order. `quotas`: whether the pool has any; `room`: quota_check's cache.
+-- acquire.lua and resize.lua (a growth, by its difference) decide by it. Returns whether it
+-- is granted now, the device it gets ('' on a pool of one device), and, with a queue, its
+-- queue score and arrival (queue_score).
+local function grant_test(now, amount, prio, tenant, pin, res, used, eff, grace_until, qlen, d, quotas, room)
+  local score, vt, ahead
+  local fits = used + amount <= eff and grace_until <= now
+  if fits and quotas then fits = quota_check(room, tenant, amount, res) == 'ok' end
+  local dev = ''  -- the device it gets (place); '' on a pool of one device
+  if fits and d then
+    dev = place(d, amount, pin)
+    fits = dev ~= nil
+  end
+  if qlen > 0 then
+    score, vt = queue_score(now, prio, tonumber(redis.call('HGET', K_CFG, 'qvt') or '0'))
+    local front, front_score, passed = queue_front(quotas, room)
+    ahead = front == nil or score < front_score
+    -- a tenant's own waiters keep their order: none passes an earlier one passed over
+    if fits and passed[tenant] and passed[tenant] < score then fits = false end
+    if fits and not ahead then
+      local fw = redis.call('HGET', K_WAITERS, front)
+      if fw then
+        local _, _, front_enq = parse_waiter(fw)
+        ahead = backfill_open(now, front_enq)
+      end
+    end
+  end
+  return (qlen == 0 or ahead) and fits, dev, score, vt
 end
 
 local function grant_head(now)

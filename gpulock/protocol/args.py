@@ -110,6 +110,17 @@ def validate_token(token: object) -> int:
     return token
 
 
+def validate_lease_id(lease_id: object) -> str:
+    """A lease id from outside (a remote holder's): 32 hex digits."""
+    if (
+        not isinstance(lease_id, str)
+        or len(lease_id) != 32
+        or not all(c in "0123456789abcdefABCDEF" for c in lease_id)
+    ):
+        raise InvalidArgument(f"lease id must be 32 hex digits, got {lease_id!r:.80}")
+    return lease_id
+
+
 class PoolOptions:
     """The validated settings both shells carry as attributes (meanings and units:
     :class:`gpulock.AsyncPool`), set by :meth:`_set_options` from :func:`pool_settings`."""

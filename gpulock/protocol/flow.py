@@ -305,6 +305,7 @@ def lease_state(
     :class:`MakeLease`."""
     state, new = rt.state_for(grant, req.ttl_s, valid_until, req.meta, req.tenant, req.resident)
     if new:
+        state.priority = req.priority
         rt.track(state)
     return state
 

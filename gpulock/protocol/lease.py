@@ -29,7 +29,8 @@ class LeaseState(LocalLeaseState):
 
     Adds: ``ticket`` (the request id), ``expires_ms`` (server-clock expiry, Unix ms),
     ``epoch`` (the pool's epoch at the grant), ``meta`` (holder metadata as sent to acquire,
-    kept to re-assert the lease), ``tenant`` (likewise; "" for none), ``resident`` (likewise:
+    kept to re-assert the lease), ``priority`` (the acquire's; a growth queues at it),
+    ``tenant`` (likewise; "" for none), ``resident`` (likewise:
     a resident lease, docs/SEMANTICS.md "Resident leases"), ``device`` (the
     device it is on; 0 on a pool of one device), ``next_renew`` (local monotonic seconds). ``valid_until``
     comes from :func:`validity_deadline` of the last successful grant or renewal, so it always
@@ -44,6 +45,7 @@ class LeaseState(LocalLeaseState):
         "tenant",
         "resident",
         "device",
+        "priority",
         "next_renew",
     )
     unreachable = "Redis"
@@ -60,6 +62,7 @@ class LeaseState(LocalLeaseState):
         self.tenant = ""
         self.resident = False
         self.device = grant.device
+        self.priority = 0  # the acquire's: a growth (resize) queues at it
         self.next_renew = clock() + ttl_s / 3
 
     def seconds_left(self) -> float:

@@ -105,6 +105,7 @@ class Join(Step):
     on_queued: Callable[[int], Any] | None
     retry_after_ms: int  # to the nearest lease expiry (-1: none), for the reap timer
     deadline: float | None = None  # local time the acquire gives up (None: never)
+    script: str = "acquire"  # the script that queued it, sent ``argv`` again ("resize": a growth)
 
     def queue_in(self, rt: WaiterQueue) -> Any:
         """The runtime's waiter for this step (``rt.queue_waiter`` with its fields)."""
@@ -116,6 +117,7 @@ class Join(Step):
             self.on_queued,
             self.retry_after_ms,
             self.deadline,
+            self.script,
         )
 
 
@@ -147,10 +149,19 @@ class Leave(Step):
 @dataclass(slots=True)
 class Withdraw(Step):
     """Withdraw ``ticket`` (leave the queue, give back a grant that raced in), never raising.
-    ``background``: Redis did not answer the acquire; do not make the caller wait for it."""
+    ``background``: Redis did not answer the acquire; do not make the caller wait for it.
+    ``script``/``args``: the call that withdraws it (default ``cancel`` of the ticket; a
+    growth's is a ``resize`` back to the lease's amount before it)."""
 
     ticket: str
     background: bool
+    script: str = "cancel"
+    args: list[str] | None = None
+
+    @property
+    def call(self) -> tuple[str, list[str]]:
+        """``(script, args)`` of the withdrawal."""
+        return self.script, [self.ticket] if self.args is None else self.args
 
 
 @dataclass(slots=True)
@@ -308,8 +319,10 @@ class WaiterQueue(Protocol):
         on_position: Callable[[int], Any] | None,
         retry_after_ms: int,
         deadline: float | None = None,
+        script: str = "acquire",
     ) -> Any:
-        """Queue (or join) the local waiter of ``ticket``; returns it."""
+        """Queue (or join) the local waiter of ``ticket`` (``script``: the script that queued
+        it, which re-queues it); returns it."""
         ...
 
 

@@ -69,12 +69,17 @@ class Calls:
                 return await self._eval_once(name, args)
         raise AssertionError("unreachable")
 
-    async def cancel_quietly(self, ticket: str) -> None:
+    async def cancel_quietly(
+        self, ticket: str, args: list[str] | None = None, script: str = "cancel"
+    ) -> None:
         """Withdraw a request (leave the queue, give back a grant that raced in), retried on
         the common policy for backend_timeout; if Redis stays away the waiter expires after its
-        waiter_ttl and a grant after its ttl."""
+        waiter_ttl and a grant after its ttl. ``script``/``args``: another withdrawal (a
+        growth's: ``resize`` back), default ``cancel`` of ``ticket``."""
         try:
-            await self.eval("cancel", [ticket], bound=self.settings.backend_timeout)
+            await self.eval(
+                script, [ticket] if args is None else args, bound=self.settings.backend_timeout
+            )
         except Exception:  # noqa: BLE001 - best effort; expiry is the backstop
             pass
 

@@ -291,7 +291,8 @@ class Recovery:
                 await self._requeue_one(w)
 
     async def _requeue_one(self, w: Waiter) -> None:
-        """Enqueue ``w`` again with its ticket (idempotent), retrying on the common policy
+        """Enqueue ``w`` again with its ticket (idempotent; its own script: an acquire, or a
+        lease's growth, ``resize.lua``, which answers the grant made meanwhile), retrying on the common policy
         within the waiter's bound. The waiter fails only when Redis stays unreachable past
         :meth:`WaiterRegistry.waiter_bound`, or when the server refuses the request (say the
         capacity shrank below it); a pool found gone again is left to the heartbeat, which
@@ -300,7 +301,7 @@ class Recovery:
         left = reg.waiter_bound(w) - (self.clock() - w.refreshed)
         try:
             sent = self.clock()
-            r = await self._calls.eval("acquire", w.argv, bound=max(1.0, left))
+            r = await self._calls.eval(w.script, w.argv, bound=max(1.0, left))
         except ResponseError as e:
             if str(e).startswith("GPULOCK_NOPOOL"):
                 self._suspect_restart()  # the heartbeat makes the pool again and re-queues us

@@ -14,7 +14,8 @@ from collections.abc import Awaitable
 from typing import Generic, Protocol, TypeVar
 
 from gpulock.protocol import flow, remote
-from gpulock.protocol.args import validate_token
+from gpulock.protocol.resize import resize, resize_args
+from gpulock.protocol.args import validate_lease_id, validate_token
 from gpulock.protocol.replies import Grant, NotGranted
 from gpulock.protocol.request import AcquireOptions, AcquireRequest
 from gpulock.protocol.steps import Flow, PoolView
@@ -112,6 +113,30 @@ class RemoteHolders(Generic[_P]):
         Raises: LeaseLost (expired, released, unknown, or another token), InvalidArgument,
         BackendUnavailable."""
         return await self.pool._run(flow.renew(lease_id, token, ttl))
+
+    async def resize(self, lease_id: str, amount: int | str, timeout: float | None) -> Grant:
+        """Resize a remote holder's lease ``lease_id`` to ``amount`` (bytes or a size string),
+        a growth waiting up to ``timeout`` seconds (None: forever; 0: never queued) while the
+        lease keeps its bytes (docs/SEMANTICS.md, "Resizing a lease"). The lease id is the
+        capability (no token); a growth queues at priority 0 (the lease's priority is not
+        known here), with the lease's tenant and on its device. A reply that answered at
+        once renewed the lease to its ttl (a hand-off grant of a growth did not).
+
+        Returns: a :class:`Grant`: the lease as the server has it now (``amount``, ``token``,
+        unchanged, ``expires_ms``, ``now_ms``: server-clock milliseconds).
+
+        Raises: InvalidArgument (a bad amount, timeout or lease id; a resident lease),
+        LeaseLost (expired, released or unknown), CapacityExceeded (QuotaExceeded,
+        RoomExceeded: the new amount can never fit), ResizeRefused (waiting could only
+        deadlock), QueueFull, AcquireTimeout (not granted within ``timeout``: the lease
+        keeps its amount), PoolNotFound, BackendUnavailable, PoolClosed."""
+        p = self.pool
+        n, timeout_s = resize_args(amount, timeout)
+        lid = validate_lease_id(lease_id)
+        grant, _ = await p._run(
+            resize(p, p._runtime, lid, None, n, timeout_s, p.clock(), waiter_ttl_s=p.waiter_ttl)
+        )
+        return grant
 
     async def release(
         self, lease_id: str, token: int, retry_for: float | None = None

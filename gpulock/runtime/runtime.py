@@ -276,6 +276,7 @@ class Runtime:
         on_position: Callable[[int], Any] | None,
         retry_after_ms: int,
         deadline: float | None = None,
+        script: str = "acquire",
     ) -> Waiter:
         """Queue a waiter for an acquire the server queued (``argv``: its ARGV, to queue it
         again), or join the one this process has for ``ticket`` (one request id used by two
@@ -284,9 +285,16 @@ class Runtime:
         to leave; its future belongs to the runtime's loop. Safe from any thread (the sync
         shell calls it on the caller's); in a runtime already closed, the wait of a new waiter
         has ended with PoolClosed. ``deadline``: local time the acquire gives up (None:
-        never), which keeps its place through an outage that long."""
+        never), which keeps its place through an outage that long. ``script``: the script
+        that queued it (``argv`` is its ARGV): "acquire", or "resize" for a lease's growth."""
         w = self._new_waiter(
-            ticket, argv, waiter_ttl_ms, position, on_position=on_position, deadline=deadline
+            ticket,
+            argv,
+            waiter_ttl_ms,
+            position,
+            on_position=on_position,
+            deadline=deadline,
+            script=script,
         )
         with self.registry.lock:
             cur = self.waiters.get(ticket)
@@ -360,9 +368,11 @@ class Runtime:
         """Run a coroutine that must finish even if its caller is cancelled."""
         return self.tasks.spawn(coro)
 
-    async def cancel_quietly(self, ticket: str) -> None:
+    async def cancel_quietly(
+        self, ticket: str, args: list[str] | None = None, script: str = "cancel"
+    ) -> None:
         """Withdraw a request, best effort (:meth:`gpulock.runtime.calls.Calls.cancel_quietly`)."""
-        await self.calls.cancel_quietly(ticket)
+        await self.calls.cancel_quietly(ticket, args, script)
 
     async def renew_synced(self, args: list[Any], bound: float = 0.0) -> tuple[Any, int]:
         """``renew`` then ``WAIT`` on one connection (:meth:`gpulock.runtime.calls.Calls.renew_synced`,

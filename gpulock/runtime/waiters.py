@@ -82,6 +82,9 @@ class Waiter:
     refreshed: float = 0.0  # local time of the last call that kept (or took again) its place
     # Local time the acquire(s) waiting on it give up (their timeout); None: no timeout.
     deadline: float | None = None
+    # The script that queued it and queues it again with ``argv``: "acquire", or "resize" for
+    # a lease's growth (its grant is the lease's new amount).
+    script: str = "acquire"
 
 
 class WaiterRegistry:

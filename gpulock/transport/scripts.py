@@ -34,6 +34,7 @@ OPERATIONS = (
     "configure",
     "reassert",
     "external",
+    "resize",
 )
 
 #: Operations registered with the ``allow-oom`` flag: a function without it is refused as a

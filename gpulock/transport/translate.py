@@ -16,8 +16,10 @@ from gpulock.errors import (
     RoomExceeded,
     GpuLockError,
     InvalidArgument,
+    LeaseLost,
     PoolNotFound,
     QueueFull,
+    ResizeRefused,
 )
 
 
@@ -91,6 +93,14 @@ def translate(exc: BaseException, pool: str) -> BaseException:
         if code == "GPULOCK_QUEUEFULL":
             q, m = rest.split()
             return QueueFull(pool, int(q), int(m))
+        if code == "GPULOCK_LOST":  # resize.lua: no such live lease
+            lid = (rest.split() + ["?"])[0]
+            return LeaseLost(
+                lid, "the server no longer has it (it expired, was released, or another token)"
+            )
+        if code == "GPULOCK_RESIZE_REFUSED":
+            a, c, _dev, lid = (rest.split() + ["0", "0", "0", "?"])[:4]
+            return ResizeRefused(lid, int(a), int(c))
         if code == "GPULOCK_KEYTYPE":
             key, found, expected = (rest.split() + ["?", "?", "?"])[:3]
             return BackendUnavailable(

@@ -15,6 +15,7 @@ from gpulock_common.errors import (
     PoolNotFound,
     QueueFull,
     QuotaExceeded,
+    ResizeRefused,
     RoomExceeded,
 )
 
@@ -38,6 +39,7 @@ def sample(cls: type[GpuLockError]) -> GpuLockError:
         ),
         QueueFull: lambda: QueueFull(POOL, 7, 7),
         LeaseLost: lambda: LeaseLost("ab" * 16, "it expired on the server"),
+        ResizeRefused: lambda: ResizeRefused("cd" * 16, 6 * GiB, 5 * GiB),
         BackendUnavailable: lambda: BackendUnavailable("Connection refused"),
     }
     return made[cls]()  # type: ignore[index]

@@ -10,6 +10,7 @@ raises derives from :class:`GpuLockError`::
     │   └── RoomExceeded                    amount > what the resident leases leave
     ├── AcquireTimeout (also TimeoutError)  the wait for a grant ran out (or timeout=0 and busy)
     ├── QueueFull                           the pool's queue is at its bound
+    ├── ResizeRefused                       a lease's growth could only deadlock: refused at once
     ├── LeaseLost                           the lease expired, was reaped or never existed,
     │                                       or no renewal succeeded before the local deadline
     ├── BackendUnavailable                  Redis (or the broker) could not be reached, did not answer,
@@ -40,6 +41,7 @@ __all__ = [
     "RoomExceeded",
     "AcquireTimeout",
     "QueueFull",
+    "ResizeRefused",
     "LeaseLost",
     "BackendUnavailable",
     "PoolClosed",
@@ -218,6 +220,29 @@ class QueueFull(GpuLockError):
         self.pool = pool
         self.queue_length = queue_length
         self.max_waiters = max_waiters
+
+
+class ResizeRefused(GpuLockError):
+    """A lease's growth (``lease.resize`` to a larger amount) could not be granted at once, and
+    waiting for it could never end: every other lease holding bytes on its device is resident
+    or waits to grow itself, so nothing would free bytes for it (docs/SEMANTICS.md, "Resizing a
+    lease"). The lease keeps its amount; finish with it, shrink it or release it.
+
+    Attributes: ``lease_id`` (32 hex digits, or "?" when not known), ``amount`` (bytes asked),
+    ``current`` (bytes the lease keeps). ``message`` replaces the default text."""
+
+    def __init__(self, lease_id: str, amount: int, current: int, message: Optional[str] = None):
+        if message is None:
+            message = (
+                f"lease {lease_id[:8]}…: growing it to {amount} bytes ({format_size(amount)}) "
+                f"is refused: it cannot be granted now, and every other lease holding bytes on "
+                f"its device is resident or waits to grow, so waiting could never end (a "
+                f"deadlock); it keeps {current} bytes ({format_size(current)})"
+            )
+        super().__init__(message)
+        self.lease_id = lease_id
+        self.amount = amount
+        self.current = current
 
 
 class LeaseLost(GpuLockError):

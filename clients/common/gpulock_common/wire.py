@@ -48,6 +48,7 @@ from .errors import (
     PoolNotFound,
     QueueFull,
     QuotaExceeded,
+    ResizeRefused,
     RoomExceeded,
 )
 from .validation import describe
@@ -175,6 +176,15 @@ ANSWERS: tuple[Answer, ...] = (
         fields=("queue_length",),
     ),
     Answer(
+        ResizeRefused,
+        409,
+        "resize_refused",
+        lambda d, m, p: ResizeRefused(
+            str(d.get("lease_id") or "?"), _int(d, "amount"), _int(d, "current"), m
+        ),
+        fields=("lease_id", "amount", "current"),
+    ),
+    Answer(
         LeaseLost,
         410,
         "lease_lost",
@@ -201,7 +211,7 @@ ANSWERS: tuple[Answer, ...] = (
 
 #: The status a server answers for an error of a lease it took on its client's behalf, where it
 #: is not the lease API's (see the module docstring).
-SERVED_STATUS: dict[int, int] = {401: 503, 403: 503, 404: 503, 410: 503, 422: 500}
+SERVED_STATUS: dict[int, int] = {401: 503, 403: 503, 404: 503, 409: 503, 410: 503, 422: 500}
 
 _BY_CLASS: dict[type, Answer] = {}
 for _a in ANSWERS:

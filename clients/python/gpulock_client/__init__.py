@@ -19,6 +19,7 @@ from .errors import (
     PoolClosed,
     PoolNotFound,
     QueueFull,
+    ResizeRefused,
     QuotaExceeded,
     RoomExceeded,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "PoolClosed",
     "PoolNotFound",
     "QueueFull",
+    "ResizeRefused",
     "QuotaExceeded",
     "RoomExceeded",
 ]

@@ -12,6 +12,7 @@ the error table, :mod:`gpulock_common.wire`, reads each reply)::
     │   └── RoomExceeded                    413 room_exceeded: amount > what the resident leases leave
     ├── AcquireTimeout (also TimeoutError)  no grant before the timeout; the place was withdrawn
     ├── QueueFull                           503 queue_full: the pool's queue is at its bound
+    ├── ResizeRefused                       409 resize_refused: a lease's growth could only deadlock
     ├── LeaseLost                           410 (404: another token's), or no successful renewal
     │                                       before the local deadline
     ├── BackendUnavailable                  502/503/504: the broker, or its Redis, did not answer in time
@@ -31,6 +32,7 @@ from gpulock_common.errors import (
     PoolClosed,
     PoolNotFound,
     QueueFull,
+    ResizeRefused,
     QuotaExceeded,
     RoomExceeded,
 )
@@ -45,6 +47,7 @@ __all__ = [
     "RoomExceeded",
     "AcquireTimeout",
     "QueueFull",
+    "ResizeRefused",
     "LeaseLost",
     "BackendUnavailable",
     "PoolClosed",

@@ -1,0 +1,202 @@
+-- resize.lua: change a held lease's amount (docs/SEMANTICS.md, "Resizing a lease"). A shrink is
+-- granted at once and its freed bytes go to the queue as a release's do (lib.lua grant_head); a
+-- growth takes the difference through the rules of a new request of that size at the lease's
+-- priority, tenant and device (lib.lua grant_test): granted now, or queued as a growth waiter
+-- (lib.lua parse_waiter, 'g'), which a later hand-off grants (lib.lua grant_from) by adding the
+-- difference to the lease. The lease keeps its id and token. Idempotent by the target amount:
+-- sent again it refreshes a growth queued for that amount, or answers the grant made to it.
+-- KEYS: the eight pool keys described in lib.lua.
+-- ARGV:
+--   1 ticket          the lease's growth ticket: 'grow:' .. lease_id (lib.lua grow_ticket)
+--   2 lease_id        32 hex digits
+--   3 amount          the lease's new amount, bytes, integer >= 1
+--   4 ttl_ms          the lease's ttl (100 .. 86400000), or '' (the ttl in its record): a reply
+--                     that grants renews it to now + ttl
+--   5 waiter_ttl_ms   how long a queued growth survives without a refresh, milliseconds
+--   6 mode            'wait' (queue a growth that cannot be granted now) or 'try' (never queue)
+--   7 token           the lease's fencing token (decimal), or '' (any: the lease id is the
+--                     capability, as for a proxy's remote holders)
+--   8 channel         the caller process's channel id: a hand-off grant of the growth is
+--                     published on "<events key>:<channel>" as the new amount
+--   9 priority        integer in [-100, 100]: the growth queues as a request of this priority
+-- Amount <= the lease's: a growth queued for the lease is withdrawn first (a shrink back to
+-- the amount before a growth undoes it, also one whose grant raced in).
+-- Reply (acquire.lua's shapes, so that a growth waiter is refreshed and re-queued as an
+-- acquire's is):
+--   granted:     {1, lease_id, token, expires_ms, amount, now_ms, epoch, capacity, used, device}
+--                the lease has `amount` now (renewed: expires_ms = now + ttl_ms)
+--   queued:      {0, position, retry_after_ms, queue_len, now_ms, epoch, capacity, used,
+--                 held_back, grace_left_ms, current}   the growth waits; current: the lease's
+--                 amount meanwhile
+--   not queued:  {2, 0, ...same..., current}           (mode 'try')
+-- Errors (nothing written, but the reap of expired leases and gone waiters, and its hand-off,
+-- which any script makes):
+--   GPULOCK_BADARG <why>      a bad argument, or a resident lease (never resized)
+--   GPULOCK_NOPOOL            the pool has no configuration
+--   GPULOCK_LOST <lease_id>   no such live lease (released, expired, never existed, another
+--                             token)
+--   GPULOCK_CAPACITY, GPULOCK_QUOTA, GPULOCK_ROOM   the new amount can never fit (as
+--                             acquire.lua's, for the lease's device and tenant)
+--   GPULOCK_QUEUEFULL <queue_len> <max>
+--   GPULOCK_CONFLICT <why>    a growth of the lease to another amount is queued
+--   GPULOCK_RESIZE_REFUSED <amount> <current> <device> <lease_id>   the growth cannot be granted now and
+--                             every other lease holding bytes on the device is resident or waits
+--                             to grow: nothing could free bytes for it (docs/SEMANTICS.md)
+
+local type_err = check_types(); if type_err then return type_err end
+local lid, e = lease_id_arg(ARGV[2]); if e then return e end
+local ticket = ARGV[1]
+if ticket ~= grow_ticket(lid) then
+  return bad("ticket must be '" .. grow_ticket(lid) .. "', got " .. show(ticket))
+end
+local amount; amount, e = int_arg(ARGV[3], 'amount', 1, MAX_AMOUNT); if e then return e end
+local ttl
+if ARGV[4] ~= nil and ARGV[4] ~= '' then
+  ttl, e = int_arg(ARGV[4], 'ttl_ms', MIN_TTL_MS, MAX_TTL_MS); if e then return e end
+end
+local wttl; wttl, e = int_arg(ARGV[5], 'waiter_ttl_ms', MIN_TTL_MS, MAX_TTL_MS); if e then return e end
+local mode = ARGV[6]
+if mode ~= 'wait' and mode ~= 'try' then return bad("mode must be 'wait' or 'try', got " .. show(mode)) end
+local token
+if ARGV[7] ~= nil and ARGV[7] ~= '' then
+  token, e = int_arg(ARGV[7], 'token', 0, MAX_AMOUNT); if e then return e end
+end
+local chan; chan, e = channel_arg(ARGV[8]); if e then return e end
+local prio = 0
+if ARGV[9] ~= nil and ARGV[9] ~= '0' then prio, e = prio_arg(ARGV[9]); if e then return e end end
+
+local cfg = redis.call('HMGET', K_CFG, 'capacity', 'max_ttl_ms', 'nquotas', 'devices', 'placement',
+                       'resident', 'rqueued', 'epoch', 'max_waiters')
+if not cfg[1] then return redis.error_reply('GPULOCK_NOPOOL') end
+local cap = tonumber(cfg[1])
+local max_ttl = tonumber(cfg[2] or '0')
+if ttl and max_ttl > 0 and ttl > max_ttl then
+  return bad('ttl_ms ' .. fmt(ttl) .. " exceeds the pool's max_ttl_ms " .. fmt(max_ttl))
+end
+local now = now_ms()
+local rec = redis.call('HGET', K_HOLDERS, lid)
+local exp0 = redis.call('ZSCORE', K_LEASES, lid)
+local cur, tok, rttl, tenant, dev, res, _
+if rec then cur, tok, _, rttl, _, _, tenant, dev, res = parse_holder(rec) end
+if not rec or not exp0 or tonumber(exp0) <= now or (token and tonumber(tok) ~= token) then
+  return redis.error_reply('GPULOCK_LOST ' .. lid)
+end
+ttl = ttl or tonumber(rttl)
+if res then
+  return bad('lease ' .. lid .. ' is resident: a resident lease is never resized (release it and acquire the new amount)')
+end
+local d = load_devices(cfg[4], cfg[5])  -- nil: a pool of one device
+local quotas = cfg[3] ~= false and cfg[3] ~= '0'
+local room = {}  -- lib.lua quota_check's cache
+local dead, gone = reap_lists(now)
+if amount > cur then
+  -- a new amount that can never fit: refused at once, as acquire refuses such an amount
+  local most = cap
+  if d then most = device_max(d, dev) end
+  if amount > most then
+    return redis.error_reply('GPULOCK_CAPACITY ' .. fmt(amount) .. ' ' .. fmt(most) .. (d and (' device ' .. dev) or ''))
+  end
+  if quotas and quota_check(room, tenant, amount, true) == 'never' then
+    return redis.error_reply('GPULOCK_QUOTA ' .. fmt(amount) .. ' ' .. fmt(room[tenant][1]) .. ' ' .. tenant)
+  end
+  local r = room_refusal(amount, tenant, dev, cap, tonumber(cfg[6] or '0'), tonumber(cfg[7] or '0'), d,
+                         quotas, room, dead, gone)
+  if r then return r end
+end
+
+-- Validation done; writes start here: the reap and its hand-off, as every script makes them.
+if #dead + #gone > 0 then
+  reap_found(dead, gone)
+  publish(now, grant_head(now))
+  room = {}
+end
+
+local qlen = redis.call('ZCARD', K_QUEUE)
+local queued = qlen > 0 and redis.call('HGET', K_WAITERS, ticket)
+local function current_reply(code, pos)
+  local c = redis.call('HMGET', K_CFG, 'used', 'external', 'external_until')
+  local eff = eff_cap(now, cap, tonumber(c[2] or '0'), tonumber(c[3] or '0'))
+  return {code, pos, next_expiry_in(now), redis.call('ZCARD', K_QUEUE), now, cfg[8], cap,
+          tonumber(c[1] or '0'), cap - eff, grace_left(now), cur}
+end
+local function granted()
+  redis.call('ZADD', K_LEASES, 'XX', fmt(now + ttl), lid)
+  return grant_reply(now, lid)
+end
+
+if queued then
+  local delta = parse_waiter(queued)
+  if amount > cur and cur + delta == amount then
+    -- the same growth again: refresh its place
+    redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
+    return current_reply(0, redis.call('ZRANK', K_QUEUE, ticket) + 1)
+  end
+  if amount > cur then
+    return redis.error_reply('GPULOCK_CONFLICT lease ' .. lid .. ' waits to grow to ' .. fmt(cur + delta)
+                             .. ' bytes already')
+  end
+  drop_waiter(ticket, 0)  -- withdrawn: the lease stays at `amount` or below
+  qlen = qlen - 1
+end
+
+if amount <= cur then
+  if amount < cur then
+    -- a shrink: the bytes go to the queue as a release's do
+    grow_lease(lid, amount - cur)
+    redis.call('HINCRBY', K_CFG, 'used', fmt(amount - cur))
+    publish(now, grant_head(now))
+  end
+  return granted()
+end
+
+-- A growth: its difference is a request of `delta` bytes at the lease's priority, tenant and
+-- device (pinned to it).
+local delta = amount - cur
+local c = redis.call('HMGET', K_CFG, 'used', 'grace_until', 'external', 'external_until')
+local used, grace_until = tonumber(c[1] or '0'), tonumber(c[2] or '0')
+local eff = eff_cap(now, cap, tonumber(c[3] or '0'), tonumber(c[4] or '0'))
+if d then d = load_devices(cfg[4], cfg[5]) end
+local now_ok, _, score, vt = grant_test(now, delta, prio, tenant, dev, false, used, eff, grace_until,
+                                        qlen, d, quotas, room)
+if now_ok then
+  grow_lease(lid, delta)
+  redis.call('HSET', K_CFG, 'used', fmt(used + delta))
+  return granted()
+end
+if mode == 'try' then return current_reply(2, 0) end
+
+-- The deadlock rule: a growth that cannot be granted now waits only while another lease
+-- holding bytes on its device may free them: one that is neither resident nor waiting to
+-- grow itself. Else it is refused (the last to join such a cycle), as waiting would never
+-- end. Not in a grace period: the leases of before the loss are still being put back then.
+if grace_until <= now then
+  local free_later = false
+  local hs = redis.call('HGETALL', K_HOLDERS)
+  for j = 1, #hs, 2 do
+    if hs[j] ~= lid then
+      local a, _, _, _, _, _, _, dv, rs = parse_holder(hs[j + 1])
+      if dv == dev and a > 0 and not rs and redis.call('HEXISTS', K_WAITERS, grow_ticket(hs[j])) == 0 then
+        free_later = true
+        break
+      end
+    end
+  end
+  if not free_later then
+    return redis.error_reply('GPULOCK_RESIZE_REFUSED ' .. fmt(amount) .. ' ' .. fmt(cur) .. ' '
+                             .. (dev ~= '' and dev or '0') .. ' ' .. lid)
+  end
+end
+
+local maxw = tonumber(cfg[9])
+if qlen >= maxw then
+  return redis.error_reply('GPULOCK_QUEUEFULL ' .. fmt(qlen) .. ' ' .. fmt(maxw))
+end
+if not score then
+  score, vt = queue_score(now, prio, tonumber(redis.call('HGET', K_CFG, 'qvt') or '0'))
+end
+redis.call('HSET', K_CFG, 'qvt', fmt(vt))
+redis.call('ZADD', K_QUEUE, fmt(score), ticket)
+redis.call('HSET', K_WAITERS, ticket, fmt(delta) .. '|' .. fmt(ttl) .. '|' .. fmt(now) .. '|' .. lid .. '|' .. chan
+  .. '|' .. fmt(prio) .. '|' .. tenant .. '|' .. dev .. 'g|')
+redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
+return current_reply(0, redis.call('ZRANK', K_QUEUE, ticket) + 1)
