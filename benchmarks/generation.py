@@ -4,7 +4,7 @@ gpulock's leases grown chunk by chunk (``lease.resize``), with gpulock's leases 
 generation up front, and with a semaphore in each worker (docs/BENCHMARKS.md, section 13).
 
     python benchmarks/generation.py            # full run, about 4 minutes
-    python benchmarks/generation.py --quick    # smoke run (CI), about 12 s
+    python benchmarks/generation.py --quick    # smoke run (CI), about 15 s
 
 This measures admission, not a model: decoding is simulated (a stream sleeps ``token_ms`` per
 token, in steps of ``step_tokens``; its prefill sleeps ``prefill_ms_per_1k`` per 1,000 tokens of
