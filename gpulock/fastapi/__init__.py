@@ -103,6 +103,7 @@ rule in :mod:`gpulock.oom_backoff`), ``_signature`` (``guard``/``endpoint``), ``
 from __future__ import annotations
 
 from gpulock.http.disconnect import watch_disconnect
+from gpulock.http.sse import SSE_DONE, error_body, sse_event
 from gpulock.http.guards import (
     RequestLimits,
     install_error_handlers,
@@ -118,6 +119,7 @@ from ._jobs import current_lease
 from ._limiter import GpuLimiter
 from ._metrics import metrics
 from ._signature import GpuCall
+from ._stream import LeasedStream, StreamLease
 
 __all__ = [
     "BatchPolicy",
@@ -126,13 +128,18 @@ __all__ = [
     "GpuCall",
     "GpuLimiter",
     "GpuLockHTTPException",
+    "LeasedStream",
     "RequestLimits",
+    "SSE_DONE",
+    "StreamLease",
     "current_lease",
+    "error_body",
     "install_error_handlers",
     "install_http_guards",
     "metrics",
     "next_bucket",
     "request_ticket",
+    "sse_event",
     "utf8_error",
     "watch_disconnect",
 ]
