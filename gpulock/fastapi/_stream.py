@@ -24,7 +24,9 @@ ASGI ``__call__`` sends the chunks). The sequence::
   for a sync body), then the lease goes back.
 * Neither ``inference_timeout`` nor ``X-Request-ID`` replays apply past the first chunk: a
   stream runs until its body ends, and a retry starts a new one. A stream holds one of the
-  worker's ``executor_threads`` from its grant to its end.
+  worker's ``executor_threads`` from its grant to its end. A response nobody sends (the
+  handler gave up: 504, 499) or whose sending does not begin within ``inference_timeout``
+  seconds is closed and its lease released.
 """
 
 from __future__ import annotations
@@ -126,17 +128,20 @@ def stream_kind(media_type: str) -> tuple[bool, str]:
     """``(sse, the response's media type)`` of a stream's ``media_type``: ``"sse"`` or
     ``"text/event-stream"`` select server-sent events; any other media type a plain stream.
 
-    Raises: InvalidArgument naming the value when it is not a one-line media type."""
-    if not isinstance(media_type, str) or not media_type.strip() or "/" not in media_type:
-        if media_type != "sse":
-            raise InvalidArgument(
-                f"a stream's media type is 'sse' or a media type such as 'text/plain'; "
-                f"got {media_type!r:.80}"
-            )
-    if "\n" in media_type or "\r" in media_type:
-        raise InvalidArgument(f"a stream's media type is one line; got {media_type!r:.80}")
+    Raises: InvalidArgument naming the value when it is not ``"sse"`` nor a one-line media
+    type (``type/subtype``)."""
     if media_type in ("sse", SSE_MEDIA_TYPE):
         return True, SSE_MEDIA_TYPE
+    if (
+        not isinstance(media_type, str)
+        or "/" not in media_type
+        or media_type != media_type.strip()
+        or any(c in media_type for c in "\r\n")
+    ):
+        raise InvalidArgument(
+            f"a stream's media type is 'sse' or a media type such as 'text/plain'; "
+            f"got {media_type!r:.80}"
+        )
     return False, media_type
 
 

@@ -84,7 +84,7 @@ def _app(url: str, pool: str, **kw: Any) -> tuple[FastAPI, GpuLimiter, Seen]:
                 elif work_s:
                     time.sleep(work_s)  # the chunk's "GPU work"
                 seen.chunk(route, i)
-                yield {"i": i, "lease": stream.lease.id}
+                yield {"i": i, "lease": stream.lease and stream.lease.id}
                 i += 1
         finally:
             with seen.lock:
@@ -115,6 +115,18 @@ def _app(url: str, pool: str, **kw: Any) -> tuple[FastAPI, GpuLimiter, Seen]:
     @gpu.endpoint("oom", estimate=lambda b: GiB, stream="sse")
     def oom(b: dict) -> Iterator[dict]:
         return first_fails(b)
+
+    @app.post("/v1/chat/completions")
+    @gpu.endpoint("chat", estimate=lambda b: GiB, stream="sse")
+    def chat(b: dict) -> Iterator[dict]:
+        yield {
+            "id": "c1",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": b["model"],
+            "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}],
+        }
+        raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB")
 
     @app.post("/agen")
     @gpu.endpoint("agen", estimate=lambda b: GiB, stream="text/plain")
@@ -367,3 +379,26 @@ def test_an_async_generator_streams_under_the_lease(redis_proc1):
         wait_until(lambda: seen.leases["agen"].released, 2, "the release")
         assert [r for r, _ in seen.finally_ran] == ["agen"]
         assert _used(redis_proc1.url, "st-agen") == 0
+
+
+def test_the_openai_sdk_raises_the_error_event(redis_proc1):
+    openai = pytest.importorskip("openai")
+    app, gpu, seen = _app(redis_proc1.url, "st-sdk")
+    with Served(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        got = []
+        with pytest.raises(openai.APIError, match="ran out of memory mid-stream") as e:
+            for chunk in client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x"}], stream=True
+            ):
+                got.append(chunk.choices[0].delta.content)
+        assert got == ["hi"] and e.value.body["code"] == "cuda_oom"
+
+
+def test_a_disabled_limiter_streams_without_a_lease(redis_proc1):
+    app, gpu, seen = _app(redis_proc1.url, "st-off", enabled=False)
+    with Served(app) as url, httpx.Client(base_url=url, timeout=30) as c:
+        with c.stream("POST", "/dec", json={"n": 2}) as r:
+            got = list(_events(r.iter_lines()))
+        assert [d for _, d in got] == ['{"i":0,"lease":null}', '{"i":1,"lease":null}', "[DONE]"]
+        assert seen.leases["dec"] is None and _used(redis_proc1.url, "st-off") == 0
