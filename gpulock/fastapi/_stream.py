@@ -319,9 +319,7 @@ class LeasedStream(StreamingResponse):
     def _error_chunk(self, exc: BaseException) -> bytes:
         status, reason, message = stream_error(exc)
         if reason == "internal_error":
-            log.error(
-                "gpulock: route %s's stream failed", self.route, exc_info=(type(exc), exc, None)
-            )
+            log.error("gpulock: route %s's stream failed", self.route, exc_info=exc)
         body = error_body(status, message, reason)
         if self.sse:
             return sse_event(body, event="error")
@@ -344,9 +342,13 @@ class LeasedStream(StreamingResponse):
                 if item is _END:
                     tail = SSE_DONE if self.sse else b""
                     break
-                await send(
-                    {"type": "http.response.body", "body": self._chunk(item), "more_body": True}
-                )
+                try:
+                    body = self._chunk(item)
+                except Exception as e:  # a chunk that does not encode: the stream's error
+                    self._error = e
+                    tail = self._error_chunk(e)
+                    break
+                await send({"type": "http.response.body", "body": body, "more_body": True})
                 if gone.done():
                     break
                 try:
@@ -363,6 +365,9 @@ class LeasedStream(StreamingResponse):
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
         except OSError:  # the client is gone (an ASGI server that raises on send says so)
             metrics().disconnected.labels(self.route, "streaming").inc()
+            return
         finally:
             gone.cancel()
             self._stop.set()
+        if self.background is not None:  # FastAPI's BackgroundTasks, after the body
+            await self.background()

@@ -116,6 +116,14 @@ def _app(url: str, pool: str, **kw: Any) -> tuple[FastAPI, GpuLimiter, Seen]:
     def oom(b: dict) -> Iterator[dict]:
         return first_fails(b)
 
+    @app.post("/fails-plain")
+    async def fails_plain(b: dict, call: GpuCall = Depends(gpu.guard("fails-plain"))):
+        def gen() -> Iterator[str]:
+            yield "one\n"
+            raise ValueError("a bug with a secret in it")
+
+        return await call.stream(gen, amount=GiB, media_type="text/plain")
+
     @app.post("/v1/chat/completions")
     @gpu.endpoint("chat", estimate=lambda b: GiB, stream="sse")
     def chat(b: dict) -> Iterator[dict]:
@@ -368,6 +376,19 @@ def test_an_error_before_the_first_chunk_is_an_http_error_after_it_an_event(redi
         assert got[1][0] == "error" and json.loads(got[1][1])["error"]["code"] == "cuda_oom"
         assert len(got) == 2
         wait_until(lambda: _used(redis_proc1.url, "st-err") == 0, 2, "the release")
+
+
+def test_a_plain_stream_ends_with_an_error_line(redis_proc1, caplog):
+    app, gpu, seen = _app(redis_proc1.url, "st-plain-err")
+    with Served(app) as url, httpx.Client(base_url=url, timeout=30) as c:
+        r = c.post("/fails-plain", json={})
+        assert r.status_code == 200
+        first, last = r.text.splitlines()
+        assert first == "one"
+        err = json.loads(last)["error"]
+        assert err["code"] == "internal_error" and "secret" not in err["message"]
+        wait_until(lambda: _used(redis_proc1.url, "st-plain-err") == 0, 2, "the release")
+    assert any("a bug with a secret" in str(r.exc_info) for r in caplog.records if r.exc_info)
 
 
 def test_an_async_generator_streams_under_the_lease(redis_proc1):
