@@ -50,8 +50,8 @@ class Settings(BaseSettings):
         "auto",
         description="the model of /v1/chat/completions and /v1/completions: 'tiny' (a small "
         "causal LM with random weights, built on first use: meaningless text), a local Hugging "
-        "Face causal-LM folder (PATH), 'none' (no generation routes), or 'auto' (tiny, none "
-        "beside the sleep test model)",
+        "Face causal-LM folder (PATH), 'none' (no generation routes), or 'auto' (tiny beside "
+        "the minilm embedding model, else none)",
     )
     generation_model_name: str | None = Field(
         None, description="name the generative model is served as (default: its own)"

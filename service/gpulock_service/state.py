@@ -135,10 +135,11 @@ def build_service(settings: Settings) -> Service:
 
 def build_generator(settings: Settings) -> CausalLM | None:
     """The generative model ``GPULOCK_GENERATION_MODEL`` names (not loaded yet): ``auto`` is
-    the tiny model, except beside the ``sleep`` test model (which loads no torch): none."""
+    the tiny model beside the demo's embedding model (``minilm``), none beside the others (the
+    ``sleep`` test model loads no torch; a model of your own is served alone)."""
     spec = settings.generation_model.strip()
     if spec == "auto":
-        spec = "none" if settings.model.strip() == "sleep" else TINY
+        spec = TINY if settings.model.strip() == "minilm" else "none"
     if spec == "none":
         return None
     return CausalLM(spec, settings.generation_model_name)

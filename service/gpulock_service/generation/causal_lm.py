@@ -40,7 +40,9 @@ class CausalLM:
     def __init__(self, spec: str, name: str | None = None):
         self.spec = spec.strip()
         self.tiny = self.spec == TINY
-        self.name = name or (TINY_NAME if self.tiny else Path(self.spec).resolve().name)
+        self.name = name or (
+            TINY_NAME if self.tiny else Path(self.spec).expanduser().resolve().name
+        )
         self.description = (
             TINY_DESCRIPTION if self.tiny else f"a local Hugging Face causal LM ({self.spec})"
         )
@@ -59,7 +61,7 @@ class CausalLM:
     def folder(self) -> Path:
         """The model's folder (the tiny model's is built first if missing)."""
         if self.path is None:
-            self.path = tiny_model_dir() if self.tiny else Path(self.spec).resolve()
+            self.path = tiny_model_dir() if self.tiny else Path(self.spec).expanduser().resolve()
         return self.path
 
     def resident_hint(self) -> int:
