@@ -1,4 +1,4 @@
-"""The embeddings service's own Prometheus series, beside gpulock.fastapi's (created on first
+"""The service's own Prometheus series, beside gpulock.fastapi's (created on first
 use, in the worker, so prometheus-client's multiprocess mode sums them over workers):
 
 * ``gpulock_embedding_input_tokens``: histogram of tokens per request (all its inputs, after
@@ -8,8 +8,9 @@ use, in the worker, so prometheus-client's multiprocess mode sums them over work
 * ``gpulock_generations_total{finish_reason}``: generations ended, by how: ``stop`` (a stop
   sequence or the model's end token), ``length`` (``max_tokens``), ``cancelled`` (the client
   hung up mid-stream), ``error`` (an error event ended the stream);
-* ``gpulock_generated_tokens_total``: tokens generated (what ``usage.completion_tokens``
-  answers, summed).
+* ``gpulock_generated_tokens_total``: tokens of the generations answered (what
+  ``usage.completion_tokens`` answers, summed; a cancelled stream's: those sent before the
+  hang-up).
 """
 
 from __future__ import annotations
