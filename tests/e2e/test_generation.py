@@ -166,6 +166,23 @@ def test_completions_sync_and_async(svc):
     assert s1.choices[0].text == s2.choices[0].text and s1.usage.completion_tokens == 6
 
 
+@pytest.mark.timeout(60)
+def test_a_whole_answer_with_x_request_id_is_replayed(svc):
+    """A retry with the same X-Request-ID collects the stored answer (sampled, unseeded: a
+    second generation would differ); the same id with another body is a 409."""
+    body = {"prompt": "replay", "max_tokens": 6, "temperature": 1.5}
+    h = {"X-Request-ID": f"gen-replay-{os.getpid()}-{time.time_ns()}"}
+    first = httpx.post(svc.url + "/v1/completions", json=body, headers=h, timeout=30)
+    again = httpx.post(svc.url + "/v1/completions", json=body, headers=h, timeout=30)
+    assert first.status_code == again.status_code == 200, again.text
+    assert again.headers.get("x-idempotent-replay") == "true"
+    assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    other = httpx.post(
+        svc.url + "/v1/completions", json={**body, "max_tokens": 7}, headers=h, timeout=30
+    )
+    assert other.status_code == 409, other.text
+
+
 @pytest.mark.timeout(90)
 def test_stop_sequences(svc):
     c = _client(svc)
