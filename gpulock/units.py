@@ -33,6 +33,7 @@ __all__ = [
     "parse_size_text",
 ]
 
+
 def is_index(text: str) -> bool:
     """Whether ``text`` is a non-negative decimal integer in ASCII digits, as ``int()`` reads
     it: ``str.isdigit`` alone also passes characters such as "²" that ``int()`` refuses."""
