@@ -141,11 +141,8 @@ class Growths:
         t0 = self._clock()
         rec = await self._leases.find(who, pool, lease_id)
         key = (pool, lease_id)
-        g = self.places.get(key)
-        if g is not None and g.amount != amount:
-            await self._end(key, g)  # a resize to another amount replaces the growth
-            g = None
-        if g is None:
+        first_ra = None
+        if await self._current(key, amount) is None:
             # what can be answered at once is, in this request; only a growth that has to
             # wait becomes a task that outlives it
             try:
@@ -157,9 +154,8 @@ class Growths:
                 first_ra = e.retry_after
             if timeout is not None:
                 timeout = max(0.0, timeout - (self._clock() - t0))
-        else:
-            first_ra = None
-        g = self.places.attach(key, lambda: _Growth(amount=amount))
+            await self._current(key, amount)  # another request may have started one meanwhile
+        g = self.places.attach(key, lambda: _Growth(amount=amount))  # (no await since the check)
         final = False
         try:
             if g.task is None:
@@ -252,6 +248,18 @@ class Growths:
         if gone is not None and not (gone.done() and not _true(gone)):
             waits.add(gone)
         await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+
+    async def _current(self, key: Key, amount: int) -> _Growth | None:
+        """The growth kept for ``key`` to ``amount`` bytes, or None; a growth kept to another
+        amount (or one ended, which an answer of it kept again) is ended first: a resize to
+        another amount replaces it."""
+        while True:
+            g = self.places.get(key)
+            if g is None or (
+                g.amount == amount and not (g.task is not None and g.task.cancelled())
+            ):
+                return g
+            await self._end(key, g)
 
     async def _end(self, key: Key, g: _Growth) -> None:
         """Stop keeping ``g`` and end its growth (its flow withdraws it); waits for that, at
