@@ -17,7 +17,8 @@ pulls in neither redis, torch nor FastAPI, and the two sides hold one copy of:
   ``LeaseLost``; ``mark_lost`` firing the ``on_lost`` callbacks once), and the lease object's
   read-only surface.
 - :mod:`gpulock_common.units`: ``format_size``, the byte formatter the error messages use, and
-  ``MAX_BYTES``.
+  ``MAX_BYTES``; :mod:`gpulock_common.sizes`: ``parse_size``, the one parser of a size
+  ("4GiB") into bytes.
 - :mod:`gpulock_common.validation`: validation errors in users' words (``input[0][1]: ...``,
   no pydantic internals), for the servers' 400/422 and the SDK's and CLI's messages.
 - :mod:`gpulock_common.options`: the vocabulary of an acquire and of a pool's settings
