@@ -51,6 +51,11 @@ What one request goes through (``GpuLimiter.calls.call``)::
   request leaves the thread-slot wait or the pool's queue and is never granted; work already
   running finishes under its lease and its result is dropped. Both answer 499 (never sent) and
   are counted in ``gpulock_client_disconnected_total``.
+* A route that streams (``endpoint(..., stream="sse")`` on a generator, or ``await
+  call.stream(fn, ...)``) keeps its lease until its last chunk is sent: each chunk of a sync
+  body is made in the executor after ``ensure_valid()``, a client that hangs up closes the
+  generator after the chunk in progress, a lease lost mid-stream ends it with an error event
+  (:mod:`._stream`).
 * :func:`install_http_guards` gives any app the service's HTTP guards: 400 for a body that is
   not UTF-8, 422 that always renders, 413 over a size bound, 408 for a slow body.
 
@@ -94,7 +99,7 @@ job), ``_idempotency`` (X-Request-ID claims, stored results, following another w
 request), ``_resident`` (resident leases), ``_readiness``, ``_retry_after`` (the service's
 estimator over the policy in :mod:`gpulock.retry_after`), ``_errors`` (HTTP error mapping),
 ``_metrics``, ``_calibration``, ``_backoff`` (the OOM back-off's shared state, over the
-rule in :mod:`gpulock.oom_backoff`), ``_signature`` (``guard``/``endpoint``), ``_device``
+rule in :mod:`gpulock.oom_backoff`), ``_signature`` (``guard``/``endpoint``), ``_stream`` (streamed bodies under a lease), ``_device``
 (device truth: the device sampler), ``_history``, ``_batcher`` (dynamic batching:
 :meth:`GpuLimiter.batcher`). The limiter exposes each part as an attribute
 (``limiter.backend``, ``limiter.ready``, ...; :class:`GpuLimiter` lists them).
@@ -103,6 +108,7 @@ rule in :mod:`gpulock.oom_backoff`), ``_signature`` (``guard``/``endpoint``), ``
 from __future__ import annotations
 
 from gpulock.http.disconnect import watch_disconnect
+from gpulock.http.sse import SSE_DONE, error_body, sse_event
 from gpulock.http.guards import (
     RequestLimits,
     install_error_handlers,
@@ -118,6 +124,7 @@ from ._jobs import current_lease
 from ._limiter import GpuLimiter
 from ._metrics import metrics
 from ._signature import GpuCall
+from ._stream import LeasedStream, StreamLease
 
 __all__ = [
     "BatchPolicy",
@@ -126,13 +133,18 @@ __all__ = [
     "GpuCall",
     "GpuLimiter",
     "GpuLockHTTPException",
+    "LeasedStream",
     "RequestLimits",
+    "SSE_DONE",
+    "StreamLease",
     "current_lease",
+    "error_body",
     "install_error_handlers",
     "install_http_guards",
     "metrics",
     "next_bucket",
     "request_ticket",
+    "sse_event",
     "utf8_error",
     "watch_disconnect",
 ]

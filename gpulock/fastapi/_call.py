@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
 from typing import Any
 
 from fastapi import Request, Response
@@ -29,6 +30,7 @@ from ._metrics import metrics
 from ._priority import RoutePriority
 from ._retry_after import RetryAfterEstimator
 from ._settings import Settings
+from ._stream import LeasedStream
 
 
 class GuardedCalls:
@@ -74,7 +76,7 @@ class GuardedCalls:
 
     async def call(
         self,
-        fn: Callable[[], Any],
+        fn: Callable[[], Any] | LeasedStream,
         *,
         route: str,
         amount: int | str,
@@ -131,7 +133,7 @@ class GuardedCalls:
                 # Uvicorn does not cancel a handler whose client went away: watch for it, so a
                 # request nobody waits for leaves the queue at once and is never granted.
                 gone = watch_disconnect(request) if request is not None else None
-                if request_id:
+                if request_id and not isinstance(fn, LeasedStream):  # a stream is not replayed
                     fp = fingerprint_of() if fingerprint_of else ""
                     result = await self._call_idempotent(
                         fn, route, amount, request_id, arrival, fp, response, gone, prio
@@ -165,10 +167,12 @@ class GuardedCalls:
                     result.headers[k] = v
         return result
 
-    async def _call_unguarded(self, fn: Callable[[], Any]) -> Any:
+    async def _call_unguarded(self, fn: Callable[[], Any] | LeasedStream) -> Any:
         executor = self._backend.executor
         assert executor is not None
         timeout = self._settings.inference_timeout
+        if isinstance(fn, LeasedStream):
+            return await _stream_unguarded(fn, executor, timeout)
         fut = asyncio.get_running_loop().run_in_executor(executor, fn)
         try:
             return await wait_for(asyncio.shield(fut), timeout)
@@ -179,7 +183,7 @@ class GuardedCalls:
 
     async def _call_idempotent(
         self,
-        fn: Callable[[], Any],
+        fn: Callable[[], Any] | LeasedStream,
         route: str,
         amount: int,
         request_id: str,
@@ -401,3 +405,29 @@ class GuardedCalls:
             f"{what}.{keep}",
             {"Retry-After": str(ra), "X-Queue-Position": str(position)},
         )
+
+
+_unguarded_streams: set[asyncio.Task[Any]] = set()  # their tasks, referenced while they run
+
+
+async def _stream_unguarded(stream: LeasedStream, executor: Executor, start_timeout: float) -> Any:
+    """Run ``stream`` without a lease (``enabled=False``); returns it once its first chunk is
+    made (or raises what making it raised)."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[LeasedStream] = loop.create_future()
+
+    def on_ready(s: LeasedStream) -> bool:
+        ready.set_result(s)
+        return True
+
+    async def step(fn: Callable[[], Any], check: bool) -> Any:
+        return await loop.run_in_executor(executor, fn)
+
+    task = asyncio.ensure_future(stream.run(None, step, on_ready, start_timeout))
+    _unguarded_streams.add(task)
+    task.add_done_callback(_unguarded_streams.discard)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    await asyncio.wait((ready, task), return_when=asyncio.FIRST_COMPLETED)
+    if ready.done():
+        return ready.result()
+    return task.result()

@@ -29,6 +29,7 @@ from ._job import Job
 from ._metrics import metrics
 from ._retry_after import RetryAfterEstimator
 from ._settings import Settings
+from ._stream import LeasedStream
 
 log = logging.getLogger("gpulock.fastapi")
 
@@ -142,7 +143,7 @@ class JobRunner:
 
     def start(
         self,
-        fn: Callable[[], Any],
+        fn: Callable[[], Any] | LeasedStream,
         route: str,
         amount: int,
         ticket: str | None,
@@ -212,16 +213,18 @@ class JobRunner:
         if job.task is not None:
             job.task.cancel()  # leaves the thread-slot wait or the pool's queue now
 
-    async def _run(self, job: Job, fn: Callable[[], Any], timeout_s: float | None) -> Any:
+    async def _run(
+        self, job: Job, fn: Callable[[], Any] | LeasedStream, timeout_s: float | None
+    ) -> Any:
         try:
             return await self._run_inner(job, fn, timeout_s)
         finally:
             job.started.set()
 
-    async def _run_inner(self, job: Job, fn: Callable[[], Any], timeout_s: float | None) -> Any:
+    async def _run_inner(
+        self, job: Job, fn: Callable[[], Any] | LeasedStream, timeout_s: float | None
+    ) -> Any:
         m = metrics()
-        executor = self._backend.executor
-        assert executor is not None
         deadline = None if timeout_s is None else job.arrival + timeout_s
         have_slot = False
         lease: AsyncLease | None = None
@@ -271,19 +274,26 @@ class JobRunner:
             self._retry.granted()
             await self._store.set_phase(job, "running")
             job.started.set()
-            cf = executor.submit(self._in_thread, lease, fn, job)
-            afut = asyncio.wrap_future(cf)
-            cancelled = False
-            while True:  # the lease is released only after the thread returned
-                try:
-                    result = await asyncio.shield(afut)
-                    break
-                except asyncio.CancelledError:
-                    if afut.done():
-                        raise
-                    cancelled = True  # keep waiting for the thread; re-raise afterwards
-            if cancelled:
-                raise asyncio.CancelledError()
+            held = lease  # for the closures below (mypy: not None from here on)
+            try:
+                if isinstance(fn, LeasedStream):  # its chunks, one step each, until it ends
+
+                    def ready(stream: LeasedStream) -> bool:
+                        _settle(job.outcome, result=stream)  # the handler returns it now
+                        return job.place.attached > 0  # False: nobody will send it
+
+                    await fn.run(
+                        held,
+                        lambda f, check: self._thread(held, f, job, check),
+                        ready,
+                        self._settings.inference_timeout,
+                    )
+                    result = fn
+                else:
+                    result = await self._thread(held, fn, job, True)
+            finally:
+                if job.run_s is not None:  # a stream's: all its chunks
+                    m.run.labels(job.route).observe(job.run_s)
             self._backoff_after(job, oom=job.ooms > 0)
             if job.ticket is not None:
                 await self._store.store(job, result)
@@ -354,11 +364,38 @@ class JobRunner:
             metrics().hold.labels(job.route).observe(hold)
             self._retry.held(hold)
 
-    def _in_thread(self, lease: AsyncLease, fn: Callable[[], Any], job: Job) -> Any:
+    async def _thread(self, lease: AsyncLease, fn: Callable[[], Any], job: Job, check: bool) -> Any:
+        """``fn()`` in the executor under ``lease`` (after ``ensure_valid()`` when ``check``);
+        returns when the thread did, also when this task is cancelled meanwhile (then
+        re-raises CancelledError afterwards): the lease is released only after it."""
+        executor = self._backend.executor
+        assert executor is not None
+        afut = asyncio.wrap_future(executor.submit(self._in_thread, lease, fn, job, check))
+        cancelled = False
+        while True:
+            try:
+                result = await asyncio.shield(afut)
+                break
+            except asyncio.CancelledError:
+                if afut.done():
+                    raise
+                cancelled = True  # keep waiting for the thread; re-raise afterwards
+        if cancelled:
+            raise asyncio.CancelledError()
+        return result
+
+    def _in_thread(
+        self, lease: AsyncLease, fn: Callable[[], Any], job: Job, check: bool = True
+    ) -> Any:
+        """Run ``fn()`` in this executor thread as ``job``'s work under ``lease``: the lease
+        checked first (``check``), ``current_lease()`` set, its time added to ``job.run_s``
+        (observed once, when the job ends), a CUDA OOM or sticky error replaced by
+        :class:`CudaOOM` / :class:`CudaFatal`."""
         tok = _current_lease.set(lease)
         jtok = _current_job.set(job)
         try:
-            lease.ensure_valid()  # the last check before the CUDA call (invariant 5 in docs/SEMANTICS.md)
+            if check:  # the last check before the CUDA call (invariant 5 in docs/SEMANTICS.md)
+                lease.ensure_valid()
             t0 = time.monotonic()
             self._history.record(
                 "cuda_start", None, lease_id=lease.id, amount=lease.amount, route=job.route
@@ -378,8 +415,7 @@ class JobRunner:
                     raise CudaFatal(msg) from None
                 raise
             finally:
-                job.run_s = time.monotonic() - t0
-                metrics().run.labels(job.route).observe(job.run_s)
+                job.run_s = (job.run_s or 0.0) + time.monotonic() - t0
                 self._history.record(
                     "cuda_end", None, lease_id=lease.id, amount=lease.amount, route=job.route
                 )

@@ -277,6 +277,7 @@ class GpuLimiter:
         estimate: Callable[..., int],
         priority: int = 0,
         max_priority: int | None = None,
+        stream: str | None = None,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorate a plain ``def`` route handler: FastAPI sees an ``async def`` with the same
         parameters; the handler's body runs in the bounded executor under a lease of
@@ -284,9 +285,18 @@ class GpuLimiter:
         only those it declares). Put it *below* ``@app.post(...)``. ``priority`` and
         ``max_priority`` as for :meth:`guard`.
 
-        Raises: InvalidArgument naming the route and the value, for a bad priority."""
+        ``stream``: ``"sse"`` (server-sent events) or a media type (``"text/plain"``,
+        ``"application/x-ndjson"``, ...): the handler is a generator function (sync, or
+        ``async def`` with ``yield``) or returns an iterable, and the route answers a stream
+        of its chunks, the lease held until the stream ends (:mod:`gpulock.fastapi._stream`:
+        each chunk of a sync body made in the executor after ``ensure_valid()``; a client
+        that hangs up stops it; a lost lease ends it with an error event). A parameter
+        annotated :class:`StreamLease` receives the stream's lease.
+
+        Raises: InvalidArgument naming the route and the value, for a bad priority; naming
+        the value, for a bad ``stream``."""
         return _signature.endpoint(
-            self.calls, route, estimate, RoutePriority.of(route, priority, max_priority)
+            self.calls, route, estimate, RoutePriority.of(route, priority, max_priority), stream
         )
 
     def batcher(

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from fastapi import Request, Response
 
 from ._priority import RoutePriority
+from ._stream import LeasedStream, StreamLease, lease_param, stream_kind
 
 
 class _Calls(Protocol):
@@ -27,7 +28,7 @@ class _Calls(Protocol):
 
     async def call(
         self,
-        fn: Callable[[], Any],
+        fn: Callable[[], Any] | LeasedStream,
         *,
         route: str,
         amount: int | str,
@@ -67,7 +68,8 @@ def _fingerprint(route: str, kwargs: dict[str, Any]) -> str:
 
 class GpuCall:
     """What ``Depends(limiter.guard(route, estimate=...))`` gives a handler: call it with the
-    function and its arguments; the result comes back after the thread returned."""
+    function and its arguments; the result comes back after the thread returned. Or
+    :meth:`stream` a generator under the lease."""
 
     def __init__(
         self,
@@ -101,6 +103,55 @@ class GpuCall:
             priority=self.priority,
         )
 
+    async def stream(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        amount: int | str | None = None,
+        media_type: str = "sse",
+        **kwargs: Any,
+    ) -> LeasedStream:
+        """Lease ``amount`` bytes (default ``estimate(*args, **kwargs)``), make the first chunk
+        of ``fn(*args, **kwargs)`` (a generator function, sync or async, or a plain function
+        returning an iterable; a parameter of ``fn`` annotated :class:`StreamLease` receives
+        the stream's lease) and return the response that streams the rest under the lease
+        (:mod:`gpulock.fastapi._stream`); return it from the handler. ``media_type``: ``"sse"``
+        (server-sent events, ``data: [DONE]`` at the end) or a plain stream's media type.
+        Errors until the first chunk is made are raised as :meth:`__call__`'s are.
+
+        Raises: TypeError for a coroutine function or no amount; InvalidArgument for a bad
+        ``media_type``."""
+        if inspect.iscoroutinefunction(fn):
+            raise TypeError(
+                "GpuCall.stream takes a generator function (sync or async) or a plain function "
+                "returning an iterable; got a coroutine function"
+            )
+        if amount is None:
+            if self._estimate is None:
+                raise TypeError("give amount= or an estimate to guard()")
+            amount = self._estimate(*args, **kwargs)
+        body = LeasedStream(_source(fn, args, kwargs), media_type, route=self.route)
+        result: LeasedStream = await self.calls.call(
+            body,
+            route=self.route,
+            amount=amount,
+            request=self.request,
+            response=self.response,
+            priority=self.priority,
+        )
+        return result
+
+
+def _source(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Callable[[StreamLease], Any]:
+    """``fn`` bound to its arguments, taking the stream's lease (passed to the parameter
+    annotated :class:`StreamLease`, if it has one)."""
+    name = lease_param(fn)
+    if name is None:
+        return lambda handle: fn(*args, **kwargs)
+    return lambda handle: fn(*args, **{**kwargs, name: handle})
+
 
 def guard(
     calls: _Calls,
@@ -121,27 +172,37 @@ def endpoint(
     route: str,
     estimate: Callable[..., int],
     priority: RoutePriority | None = None,
+    stream: str | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The decorator behind ``GpuLimiter.endpoint``: the handler's parameters, with their
     resolved annotations, made keyword-only, plus a ``Request`` and a ``Response`` parameter
     when it has none; ``estimate`` receives the parameters it declares (all of them when it
-    takes ``**kwargs``).
+    takes ``**kwargs``). ``stream`` (``"sse"`` or a media type): the handler is a generator
+    function (sync or async) or returns an iterable, streamed under the lease
+    (:class:`LeasedStream`); its parameter annotated :class:`StreamLease`, if any, is not
+    FastAPI's but receives the stream's lease.
 
-    Raises: TypeError for an ``async def`` handler."""
+    Raises: TypeError for an ``async def`` handler; InvalidArgument for a bad ``stream``."""
+    if stream is not None:
+        stream_kind(stream)  # refused when the route is declared
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         if inspect.iscoroutinefunction(fn):
             raise TypeError(
                 "gpulock endpoint() wraps a plain def handler (its body runs in a thread); "
                 "in an async handler use Depends(limiter.guard(...)) and await call(fn, ...)"
+                + (", or a generator function (sync or async) with stream=" if stream else "")
             )
         sig = inspect.signature(fn)
         try:
             hints = typing.get_type_hints(fn, include_extras=True)
         except Exception:
             hints = {}
+        lease_name = lease_param(fn) if stream is not None else None
         params = [
-            p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()
+            p.replace(annotation=hints.get(p.name, p.annotation))
+            for p in sig.parameters.values()
+            if p.name != lease_name
         ]
         names = {p.name for p in params}
         req_name = next((p.name for p in params if p.annotation is Request), None)
@@ -168,8 +229,11 @@ def endpoint(
             calls.admit(route)
             est_kw = user_kw if takes_all else {k: v for k, v in user_kw.items() if k in est_params}
             amount = estimate(**est_kw)
+            work: Callable[[], Any] | LeasedStream = functools.partial(fn, **user_kw)
+            if stream is not None:
+                work = LeasedStream(_source(fn, (), user_kw), stream, route=route)
             return await calls.call(
-                functools.partial(fn, **user_kw),
+                work,
                 route=route,
                 amount=amount,
                 request=request,
@@ -179,6 +243,11 @@ def endpoint(
             )
 
         ret = hints.get("return", sig.return_annotation)
+        if stream is not None:
+            # FastAPI streams a generator handler itself (found through __wrapped__, and a
+            # return annotation of what it yields): it sees an async def returning a response
+            del wrapper.__wrapped__
+            ret = LeasedStream
         # Functions take any attribute, and inspect.signature (so FastAPI) reads this one;
         # typeshed's functools._Wrapped does not declare it.
         wrapper.__signature__ = sig.replace(  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""The embeddings service: ``create_app(settings)`` builds the FastAPI app; the module attribute
+"""The embeddings (and generation) service: ``create_app(settings)`` builds the FastAPI app; the module attribute
 ``app`` builds one from the environment on first access (for ``gunicorn
 gpulock_service.app:app`` and ``uvicorn gpulock_service.app:app``).
 
@@ -28,6 +28,7 @@ from .openapi import install_openapi
 from .routes import (
     dashboard_router,
     embeddings_router,
+    generation_router,
     health_router,
     metrics_router,
     models_router,
@@ -65,9 +66,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     svc = build_service(settings or Settings())
     settings = svc.settings
     app = FastAPI(
-        title="gpulock embeddings service",
+        title="gpulock inference service",
         lifespan=lifespan(svc),
-        description="OpenAI-compatible embeddings; every request leases GPU memory from a gpulock pool.",
+        description="OpenAI-compatible embeddings and generation (chat completions, "
+        "completions); every request leases GPU memory from a gpulock pool.",
     )
     # 400 for bytes that are not UTF-8, 422 (answered 400, below) for invalid input, 413 for a
     # body over GPULOCK_MAX_REQUEST_BYTES, 408 for one that does not arrive within
@@ -97,6 +99,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if batcher is not None:
         app.state.batcher = batcher
     app.include_router(embeddings)
+    generation = generation_router(svc)
+    if generation is not None:
+        app.include_router(generation)
     install_openapi(app, lambda: schema_bounds(svc))
     return app
 

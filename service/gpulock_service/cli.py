@@ -48,6 +48,14 @@ def register(app: typer.Typer) -> None:
             envvar="GPULOCK_MODEL",
             help="'minilm', 'sleep' (test model) or 'package.module:factory'",
         ),
+        generation_model: str = typer.Option(
+            "auto",
+            "--generation-model",
+            envvar="GPULOCK_GENERATION_MODEL",
+            help="the model of /v1/chat/completions and /v1/completions: 'tiny' (random "
+            "weights: meaningless text), PATH (a local Hugging Face causal-LM folder), 'none', or "
+            "'auto' (tiny with --model minilm, else none)",
+        ),
         utilization: float = typer.Option(
             0.9,
             "--utilization",
@@ -80,8 +88,8 @@ def register(app: typer.Typer) -> None:
             "default $XDG_STATE_HOME/gpulock/serve-PORT (~/.local/state/...); 'none': no persistence",
         ),
     ) -> None:
-        """Run the embeddings service: gunicorn with uvicorn workers, each leasing GPU memory
-        from the pool before every request.
+        """Run the inference service (embeddings, chat completions, completions): gunicorn
+        with uvicorn workers, each leasing GPU memory from the pool before every request.
 
         Every option is checked before anything starts (exit 2: a bad value, or the port in
         use). Prints a line when /ready first answers 200. An embedded Redis that dies is
@@ -103,6 +111,7 @@ def register(app: typer.Typer) -> None:
                 pool=pool,
                 preload=preload,
                 model=model,
+                generation_model=generation_model,
                 utilization=utilization,
                 max_requests=max_requests,
                 timeout=timeout,

@@ -1,10 +1,16 @@
-"""The embeddings service's own Prometheus series, beside gpulock.fastapi's (created on first
+"""The service's own Prometheus series, beside gpulock.fastapi's (created on first
 use, in the worker, so prometheus-client's multiprocess mode sums them over workers):
 
 * ``gpulock_embedding_input_tokens``: histogram of tokens per request (all its inputs, after
   truncation to ``GPULOCK_MAX_TOKENS``; text counted by the model's tokenizer, token ids as
   their ids): what ``usage.prompt_tokens`` answers; its ``_sum`` is the tokens served;
-* ``gpulock_embedding_inputs``: histogram of inputs per request (the batch a client sends).
+* ``gpulock_embedding_inputs``: histogram of inputs per request (the batch a client sends);
+* ``gpulock_generations_total{finish_reason}``: generations ended, by how: ``stop`` (a stop
+  sequence or the model's end token), ``length`` (``max_tokens``), ``cancelled`` (the client
+  hung up mid-stream), ``error`` (an error event ended the stream);
+* ``gpulock_generated_tokens_total``: tokens of the generations answered (what
+  ``usage.completion_tokens`` answers, summed; a cancelled stream's: those sent before the
+  hang-up).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ _made: dict[str, Any] = {}
 
 def observe_request(inputs: int, tokens: int) -> None:
     """Record one request of ``inputs`` inputs and ``tokens`` tokens."""
-    if not _made:
+    if "tokens" not in _made:
         from prometheus_client import Histogram
 
         _made["tokens"] = Histogram(
@@ -34,3 +40,18 @@ def observe_request(inputs: int, tokens: int) -> None:
         )
     _made["tokens"].observe(tokens)
     _made["inputs"].observe(inputs)
+
+
+def observe_generation(finish_reason: str, tokens: int) -> None:
+    """Record one generation that ended for ``finish_reason`` after ``tokens`` tokens."""
+    if "generations" not in _made:
+        from prometheus_client import Counter
+
+        _made["generations"] = Counter(
+            "gpulock_generations",
+            "Generations ended, by finish reason (stop, length, cancelled, error)",
+            ["finish_reason"],
+        )
+        _made["generated"] = Counter("gpulock_generated_tokens", "Tokens generated")
+    _made["generations"].labels(finish_reason).inc()
+    _made["generated"].inc(tokens)

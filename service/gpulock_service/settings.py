@@ -46,6 +46,25 @@ class Settings(BaseSettings):
     model_name: str | None = Field(
         None, description="name reported in responses (default: the model's)"
     )
+    generation_model: str = Field(
+        "auto",
+        description="the model of /v1/chat/completions and /v1/completions: 'tiny' (a small "
+        "causal LM with random weights, built on first use: meaningless text), a local Hugging "
+        "Face causal-LM folder (PATH), 'none' (no generation routes), or 'auto' (tiny beside "
+        "the minilm embedding model, else none)",
+    )
+    generation_model_name: str | None = Field(
+        None, description="name the generative model is served as (default: its own)"
+    )
+    generation_max_tokens: int = Field(
+        256,
+        ge=1,
+        description="most tokens one generation may ask (max_tokens), and the default when it "
+        "does not say (less when the model's context leaves less)",
+    )
+    generation_chunk_tokens: int = Field(
+        4, ge=1, le=256, description="tokens generated per step (forward passes between checks)"
+    )
     device: str = Field("auto", description="'auto' (CUDA if available), 'cpu', 'cuda:0', ...")
     resident: str | None = Field(
         None,

@@ -6,7 +6,8 @@
 2. take the worker's **resident lease** (configured bytes; on CUDA the weights' size plus the
    CUDA context, topped up to ``memory_reserved`` after loading) — until it is granted the
    worker is not ready and ``/ready`` names the shortfall;
-3. load the model once, in a thread (then calibrate, if asked, on CUDA), then report ready.
+3. load the model (and the generative model, ``GPULOCK_GENERATION_MODEL``) once, in a thread
+   (then calibrate, if asked, on CUDA), then report ready.
 
 The worker waits ``GPULOCK_STARTUP_TIMEOUT`` seconds for 2-3 before it starts serving; if they
 are not done by then it serves anyway (``/health`` answers, requests get 503 not-ready) and
@@ -77,7 +78,8 @@ def resolve_device(svc: Service) -> str:
 
 def resident_plan(svc: Service, on_cuda: bool) -> tuple[int, str]:
     """The resident lease to take before loading, in bytes, and where that number comes from:
-    ``GPULOCK_RESIDENT``; else on CUDA the weights' size plus ``GPULOCK_CUDA_CONTEXT``; else
+    ``GPULOCK_RESIDENT``; else on CUDA the weights' size (the embedding model's and the
+    generative model's) plus ``GPULOCK_CUDA_CONTEXT``; else
     ``GPULOCK_CPU_RESIDENT``."""
     settings = svc.settings
     configured = settings.resident_bytes()
@@ -85,6 +87,8 @@ def resident_plan(svc: Service, on_cuda: bool) -> tuple[int, str]:
         return configured, "GPULOCK_RESIDENT"
     if on_cuda:
         hint = getattr(svc.model, "resident_hint", lambda: 0)() or 0
+        if svc.generator is not None:  # its folder is found (or built) by then: bring_up
+            hint += svc.generator.resident_hint()
         resident = (
             int(hint) + parse_size(settings.cuda_context)
             if settings.cuda_context != "0"
@@ -104,6 +108,8 @@ async def bring_up(svc: Service) -> None:
     limiter.set_condition("model", False, "starting")
     try:
         device = await asyncio.to_thread(resolve_device, svc)
+        if svc.generator is not None:  # the tiny model's folder is built here the first time
+            await asyncio.to_thread(svc.generator.folder)
         svc.device = device
         on_cuda = device.startswith("cuda")
         configured = settings.resident_bytes()
@@ -115,7 +121,8 @@ async def bring_up(svc: Service) -> None:
             )
             await limiter.acquire_resident(resident, purpose=served)
             svc.resident_bytes = resident
-        limiter.set_condition("model", False, f"loading {served} on {device}")
+        names = served + (f" and {svc.generator.name}" if svc.generator is not None else "")
+        limiter.set_condition("model", False, f"loading {names} on {device}")
 
         def load() -> None:
             if settings.torch_threads and not on_cuda and settings.model != "sleep":
@@ -123,6 +130,8 @@ async def bring_up(svc: Service) -> None:
 
                 torch.set_num_threads(settings.torch_threads)
             model.load(device)
+            if svc.generator is not None:
+                svc.generator.load(device)
 
         await asyncio.to_thread(load)
         if on_cuda and configured is None:

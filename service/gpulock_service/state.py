@@ -13,18 +13,23 @@ from gpulock.errors import BackendUnavailable
 from gpulock.fastapi import GpuLimiter
 
 from . import alloc_conf
+from .generation.causal_lm import TINY, CausalLM
 from .models import build_model
 from .openai_errors import OpenAIError
 from .settings import Settings
 
 #: the limiter's name for ``POST /v1/embeddings`` (its estimates, calibration and metrics)
 ROUTE = "embeddings"
+#: the limiter's name for ``POST /v1/chat/completions`` and ``POST /v1/completions``
+GENERATION_ROUTE = "generation"
 
 
 @dataclass
 class Service:
     """One app's settings, limiter and model; ``served`` is the model name answered,
-    ``created`` the Unix time of its OpenAI model object. ``device``, ``resident_bytes`` and
+    ``created`` the Unix time of its OpenAI model object; ``generator`` the generative model
+    (a :class:`~gpulock_service.generation.causal_lm.CausalLM`, None when
+    ``GPULOCK_GENERATION_MODEL`` is ``none``). ``device``, ``resident_bytes`` and
     ``resident_source`` are this worker's start state, written by the lifespan's bring-up
     (``None``, 0, ``None`` until then) and shown by ``/ready``."""
 
@@ -36,6 +41,7 @@ class Service:
     device: str | None = None
     resident_bytes: int = 0
     resident_source: str | None = None
+    generator: CausalLM | None = None
 
     @property
     def names(self) -> tuple[str, str]:
@@ -50,6 +56,22 @@ class Service:
             "created": self.created,
             "owned_by": "gpulock",
         }
+
+    def model_objects(self) -> list[dict[str, Any]]:
+        """The OpenAI model objects of every model served: the embedding model's, then the
+        generative model's (with a ``description`` saying what it is)."""
+        out = [self.model_object()]
+        if self.generator is not None:
+            out.append(
+                {
+                    "id": self.generator.name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "gpulock",
+                    "description": self.generator.description,
+                }
+            )
+        return out
 
     def unknown_model(self, name: str) -> OpenAIError:
         """The 404 ``model_not_found`` for a model ``name`` not served here."""
@@ -108,4 +130,16 @@ def build_service(settings: Settings) -> Service:
     limiter = make_limiter(settings)
     # OpenAI's model objects carry a Unix time; this one is when this worker built the app
     created = int(getattr(model, "created", 0) or time.time())
-    return Service(settings, limiter, model, served, created)
+    return Service(settings, limiter, model, served, created, generator=build_generator(settings))
+
+
+def build_generator(settings: Settings) -> CausalLM | None:
+    """The generative model ``GPULOCK_GENERATION_MODEL`` names (not loaded yet): ``auto`` is
+    the tiny model beside the demo's embedding model (``minilm``), none beside the others (the
+    ``sleep`` test model loads no torch; a model of your own is served alone)."""
+    spec = settings.generation_model.strip()
+    if spec == "auto":
+        spec = TINY if settings.model.strip() == "minilm" else "none"
+    if spec == "none":
+        return None
+    return CausalLM(spec, settings.generation_model_name)

@@ -1,5 +1,6 @@
-"""OpenAI's Models API: ``GET /v1/models`` (the one served model) and
-``GET /v1/models/{model_id}`` (its object, or 404 ``model_not_found``)."""
+"""OpenAI's Models API: ``GET /v1/models`` (the served models: the embedding model, and the
+generative one when there is one) and ``GET /v1/models/{model_id}`` (its object, or 404
+``model_not_found``)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from ..state import Service
 
 
 def models_router(svc: Service) -> APIRouter:
-    """The two routes over ``svc``'s served model (its id is the path parameter's example)."""
+    """The two routes over ``svc``'s served models (the embedding model's id is the path
+    parameter's example)."""
     router = APIRouter()
 
     @router.get("/v1/models", responses=errors())
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [svc.model_object()]}
+        return {"object": "list", "data": svc.model_objects()}
 
     @router.get(
         "/v1/models/{model_id:path}",
@@ -26,9 +28,12 @@ def models_router(svc: Service) -> APIRouter:
     async def model_info(
         model_id: str = Path(..., examples=[svc.served], description="the served model's id"),
     ) -> dict[str, Any]:
-        """The served model's object; 404 ``model_not_found`` for any other id."""
-        if model_id not in svc.names:
-            raise svc.unknown_model(model_id)
-        return svc.model_object()
+        """A served model's object; 404 ``model_not_found`` for any other id."""
+        if model_id in svc.names:
+            return svc.model_object()
+        for obj in svc.model_objects()[1:]:
+            if obj["id"] == model_id:
+                return obj
+        raise svc.unknown_model(model_id)
 
     return router

@@ -1,0 +1,247 @@
+"""The request bodies of ``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI's
+fields; those this service does not use, such as ``presence_penalty`` or ``tools``, are
+ignored), and :func:`plan`: their checks, the prompt's tokens and the lease's bytes.
+
+Every refusal is an :class:`~gpulock_service.openai_errors.OpenAIError` naming the field and
+the bad value: 400 for a bad value (``n`` other than 1, ``max_tokens`` under 1 or over
+``GPULOCK_GENERATION_MAX_TOKENS``, ``temperature`` outside [0, 2], ``top_p`` outside (0, 1],
+more than 4 or empty stop sequences, empty ``messages`` or ``prompt``, ``stream_options``
+without ``stream``; ``context_length_exceeded`` when prompt and ``max_tokens`` pass the
+model's context), 404 ``model_not_found`` for a model not served by this route.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pydantic import BaseModel, StrictBool
+
+from gpulock.http.json_int import JsonInt
+
+from ..openai_errors import OpenAIError
+from .decode import Sampling
+
+__all__ = ["ChatRequest", "CompletionRequest", "Limits", "Plan", "plan"]
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOPS = 4  # OpenAI's bound
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool | None = None
+
+
+class ContentPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _Common(BaseModel):
+    model: str | None = None
+    max_tokens: JsonInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: JsonInt | None = None
+    stop: str | list[str] | None = None
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    seed: JsonInt | None = None
+    user: str | None = None
+
+
+class ChatRequest(_Common):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: JsonInt | None = None
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``: ``prompt`` is one string or one list of token ids (a list of
+    one of them too)."""
+
+    prompt: str | list[str] | list[JsonInt] | list[list[JsonInt]]
+
+
+class _Model(Protocol):
+    """What :func:`plan` uses of the model (:class:`~.causal_lm.CausalLM`)."""
+
+    name: str
+    context: int
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def text_ids(self, text: str) -> list[int]: ...
+
+    def estimate_bytes(self, prompt_tokens: int, max_new_tokens: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The service's bounds: ``max_tokens`` (most tokens a request may ask, and the default
+    when it does not say, ``GPULOCK_GENERATION_MAX_TOKENS``), ``chunk`` (forward passes a
+    step), ``others`` (names of the service's other models, for the 404's message)."""
+
+    max_tokens: int
+    chunk: int
+    others: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checked request: its prompt's token ids, how to sample, its stop sequences, whether
+    to stream (and report usage in the stream), and the bytes its lease asks."""
+
+    prompt_ids: list[int]
+    sampling: Sampling
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+    amount: int
+
+
+def _bad(message: str, param: str | None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def check_model(name: str | None, model: _Model, limits: Limits) -> None:
+    """404 ``model_not_found`` unless ``name`` is None or the model's."""
+    if name is None or name == model.name:
+        return
+    what = (
+        f"{name!r} is an embedding model (POST /v1/embeddings)"
+        if name in limits.others
+        else f"model {name!r} is not served here"
+    )
+    raise OpenAIError(
+        404,
+        f"{what}; this service generates with {model.name!r} (GET /v1/models); leave 'model' "
+        f"out or send that name",
+        code="model_not_found",
+        param="model",
+    )
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS:
+        raise _bad(f"stop holds {len(stops)} sequences: at most {MAX_STOPS}", "stop")
+    for i, s in enumerate(stops):
+        if s == "":
+            where = "stop" if isinstance(stop, str) else f"stop[{i}]"
+            raise _bad(f"{where} is an empty string: a stop sequence needs a character", "stop")
+    return stops
+
+
+def _messages(body: ChatRequest) -> list[dict[str, str]]:
+    if not body.messages:
+        raise _bad("messages is empty: give at least one message", "messages")
+    out = []
+    for i, m in enumerate(body.messages):
+        if m.role not in ROLES:
+            raise _bad(
+                f"messages[{i}].role is {m.role!r}: one of {', '.join(ROLES)}",
+                f"messages[{i}].role",
+            )
+        if isinstance(m.content, list):
+            texts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise _bad(
+                        f"messages[{i}].content[{j}] is of type {part.type!r}: this model takes "
+                        f"text parts only",
+                        f"messages[{i}].content",
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        else:
+            content = m.content or ""
+        out.append({"role": m.role, "content": content})
+    return out
+
+
+def _prompt_ids(body: CompletionRequest, model: _Model) -> list[int]:
+    p: Any = body.prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if len(p) > 1:
+            raise _bad(
+                f"prompt holds {len(p)} prompts: this service completes one prompt a request",
+                "prompt",
+            )
+        p = p[0]
+    if isinstance(p, str):
+        ids = model.text_ids(p)
+    else:
+        ids = [int(i) for i in p]
+        vocab = model.vocab_size
+        for k, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                raise _bad(f"prompt[{k}] is {t}: token ids run from 0 to {vocab - 1}", "prompt")
+    if not ids:
+        raise _bad("prompt is empty: it has no tokens", "prompt")
+    return ids
+
+
+def plan(body: ChatRequest | CompletionRequest, model: _Model, limits: Limits) -> Plan:
+    """Check ``body`` and tokenize its prompt (blocking: tokenizing a long prompt takes a
+    while, so call it in a thread). Raises OpenAIError (the module docstring lists them)."""
+    check_model(body.model, model, limits)
+    if body.n is not None and body.n != 1:
+        raise _bad(f"n is {body.n}: this service generates one choice a request (n: 1)", "n")
+    asked, field = body.max_tokens, "max_tokens"
+    if isinstance(body, ChatRequest) and body.max_completion_tokens is not None:
+        asked, field = body.max_completion_tokens, "max_completion_tokens"
+    if asked is not None and asked < 1:
+        raise _bad(f"{field} is {asked}: it must be at least 1", field)
+    if asked is not None and asked > limits.max_tokens:
+        raise _bad(
+            f"{field} is {asked}: this service generates at most {limits.max_tokens} tokens a "
+            f"request (GPULOCK_GENERATION_MAX_TOKENS)",
+            field,
+        )
+    t = 1.0 if body.temperature is None else body.temperature
+    if not 0.0 <= t <= 2.0:
+        raise _bad(f"temperature is {body.temperature}: it must be in [0, 2]", "temperature")
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if not 0.0 < top_p <= 1.0:
+        raise _bad(f"top_p is {body.top_p}: it must be in (0, 1]", "top_p")
+    stops = _stops(body.stop)
+    if body.stream_options is not None and not body.stream:
+        raise _bad("stream_options is only allowed with stream: true", "stream_options")
+    if isinstance(body, ChatRequest):
+        ids, where = model.chat_ids(_messages(body)), "messages"
+    else:
+        ids, where = _prompt_ids(body, model), "prompt"
+    room = model.context - len(ids)
+    if room < 1 or (asked is not None and asked > room):
+        raise _bad(
+            f"this model's context is {model.context} tokens: the {where} has {len(ids)}"
+            + (
+                f" and {field} asks {asked} more"
+                if asked is not None
+                else ", leaving none to generate"
+            ),
+            where,
+            "context_length_exceeded",
+        )
+    max_tokens = asked if asked is not None else min(limits.max_tokens, room)
+    return Plan(
+        prompt_ids=ids,
+        sampling=Sampling(
+            max_tokens=max_tokens, temperature=t, top_p=top_p, seed=body.seed, chunk=limits.chunk
+        ),
+        stops=stops,
+        stream=bool(body.stream),
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        amount=model.estimate_bytes(len(ids), max_tokens),
+    )
