@@ -6,7 +6,6 @@ ended, the KV-cache estimate's formula, and a request's checks name the bad valu
 from __future__ import annotations
 
 import pytest
-from gpulock_service.estimators import KvCacheEstimator
 from gpulock_service.generation.bodies import ChatRequest, CompletionRequest, Limits, plan
 from gpulock_service.generation.text import Detokenizer, StopText, pieces, summarize
 from gpulock_service.openai_errors import OpenAIError
@@ -75,15 +74,27 @@ def test_pieces_count_tokens_and_end_with_the_finish_reason():
     assert closed == [True]  # the token loop was closed: no more forward passes
 
 
-def test_kv_cache_estimate():
-    e = KvCacheEstimator(
-        layers=2, kv_heads=2, head_dim=32, hidden=128, intermediate=256, heads=4, vocab=1000,
-        bytes_per_element=4, floor=0,
-    )  # fmt: skip
-    assert e.kv_bytes(10) == 2 * 2 * 2 * 32 * 4 * 10
-    act = 4 * (5 * (4 * 128 + 2 * 256) + 4 * 5 * 15 + 1000)
-    assert e(5, 10) == e.kv_bytes(15) + act
-    assert KvCacheEstimator(1, 1, 1, 1, 1, 1, 1)(1, 1) == 2 * 2**20  # the floor
+def test_a_generation_is_sized_by_the_shared_estimate():
+    """CausalLM.estimate_bytes is gpulock.estimates' generation_bytes of the model's shape
+    (the formula itself: tests/unit/test_generation_estimate.py); an empty prompt counts as
+    one token, a negative max_tokens as none."""
+    from gpulock.estimates import DecoderShape
+    from gpulock_service.generation.causal_lm import CausalLM
+
+    m = CausalLM("tiny")
+    m.estimator = DecoderShape(
+        layers=2,
+        kv_heads=2,
+        head_dim=32,
+        bytes_per_element=4,
+        hidden=128,
+        heads=4,
+        intermediate=256,
+        vocab=1000,
+    )  # fmt: skip  (the tiny model's shape, vocabulary aside)
+    assert m.estimate_bytes(5, 10) == m.estimator.generation_bytes(5, 10) == 2 * 2**20
+    assert m.estimate_bytes(0, -1) == m.estimator.generation_bytes(1, 0)
+    assert m.estimate_bytes(1000, 1000) == m.estimator.generation_bytes(1000, 1000) > 2 * 2**20
 
 
 class _Model:
