@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from fastapi import Response
@@ -238,7 +239,10 @@ def ready_workers(path: str) -> int:
     ]
     try:
         merged = MultiProcessCollector.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
-    except (OSError, ValueError):  # a file that went away with its worker, or half written
+    except (OSError, ValueError, struct.error):
+        # a file that went away with its worker, or one a starting worker has created but not
+        # yet sized (prometheus-client reads its first 4 bytes: struct.error on an empty file);
+        # the caller polls again
         return 0
     for family in merged:
         if family.name == "gpulock_workers_ready":
