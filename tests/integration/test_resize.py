@@ -243,6 +243,34 @@ async def test_a_growth_that_makes_every_holder_wait_grants_the_growths_that_fit
     assert used(rclient, pool_name) == 0
 
 
+async def test_a_stuck_device_is_judged_by_its_own_leases(make_apool, rclient, pool_name):
+    """Devices of 100 and 100. Device 0: A 60, B 40; device 1: X 90. C waits for 50 on
+    device 0 (under FIFO it blocks the whole queue). X's growth by 10 would queue behind C,
+    and X is alone on device 1: granted in its own reply. A's growth by 10 queues (B may free
+    bytes); when B releases, device 0 is stuck (A alone, waiting to grow) though X, on
+    device 1, does not grow: A's growth is granted ahead of C."""
+    pool = make_apool()
+    await pool.configure(devices=[100, 100])
+    a, b = await pool.acquire(60, device=0), await pool.acquire(40, device=0)
+    x = await pool.acquire(90, device=1)
+    c = asyncio.create_task(pool.acquire(50, device=0, request_id="c"))
+    await async_wait_until(lambda: _queued(rclient, pool_name) == 1)
+    await x.resize(100)
+    assert x.amount == 100 and _queue(rclient, pool_name) == ["c"]
+    grow = asyncio.create_task(a.resize(70))
+    await async_wait_until(lambda: _queued(rclient, pool_name) == 2)
+    await b.release()
+    await asyncio.wait_for(grow, 5)
+    assert a.amount == 70 and _queue(rclient, pool_name) == ["c"]
+    check_consistent(rclient, pool_name)
+    await a.release()
+    lc = await asyncio.wait_for(c, 5)
+    assert lc.device == 0
+    for lease in (lc, x):
+        await lease.release()
+    assert used(rclient, pool_name) == 0
+
+
 def test_sync_growth_behind_a_blocked_head(make_pool, rclient, pool_name):
     """The example of the async test above through ``Pool``: A's growth, queued behind C, is
     granted when B releases; C after A releases."""
