@@ -12,7 +12,8 @@
 --                                   tused:<tenant>; devices (see "Devices" below): devices,
 --                                   placement, dcap:<i>, dused:<i>; resident leases (see
 --                                   "Resident leases" below): resident, rqueued, dres:<i>,
---                                   tres:<tenant>
+--                                   tres:<tenant>; growths queued (see "Leases that wait to
+--                                   grow" below): gqueued
 --   2 gpulock:{pool}:leases   zset  lease id -> server expiry (ms)
 --   3 gpulock:{pool}:holders  hash  lease id -> "amount|token|acquired_ms|ttl_ms|ticket|tenant|device|meta"
 --                                   (device: '' on a pool of one device, followed by 'r' for
@@ -473,17 +474,20 @@ local function resident_apply(x, d, room)
 end
 
 -- Take a waiter out of the queue. `rbytes`: its bytes when it is a resident request (taken
--- from rqueued), 0 when not; nil: read from its record.
-local function drop_waiter(ticket, rbytes)
+-- from rqueued), 0 when not; `grow`: whether it is the growth of a lease (taken from
+-- gqueued, see "Leases that wait to grow" below); rbytes nil: both read from its record.
+local function drop_waiter(ticket, rbytes, grow)
   if rbytes == nil then
     rbytes = 0
     local rec = redis.call('HGET', K_WAITERS, ticket)
     if rec then
-      local a, _, _, _, _, _, _, _, _, res = parse_waiter(rec)
+      local a, _, _, _, _, _, _, _, _, res, g = parse_waiter(rec)
       if res then rbytes = a end
+      grow = g
     end
   end
   if rbytes > 0 then count_field('rqueued', -rbytes) end
+  if grow then count_field('gqueued', -1) end
   redis.call('ZREM', K_QUEUE, ticket)
   redis.call('HDEL', K_WAITERS, ticket)
   redis.call('ZREM', K_WEXP, ticket)
@@ -664,6 +668,44 @@ local function grown_total(lid, delta, tenant, room)
   return total
 end
 
+-- Leases that wait to grow (docs/SEMANTICS.md, "Resizing a lease"). cfg field gqueued counts
+-- the growth waiters queued (resize.lua adds one, drop_waiter takes it away); it only gates
+-- the scan below, so a count that is too high costs a scan and changes no decision. A lease
+-- *may free bytes* when it holds some, is not resident and does not wait to grow itself (no
+-- waiter grow_ticket(id)): its holder releases it or it expires. A device none of whose
+-- leases may free bytes is *stuck*: every byte on it is held by a resident lease or by a
+-- lease that waits to grow, so nothing frees bytes there until a growth is granted (or times
+-- out). growth_scan reads the holder records and, for each lease on a device not yet known
+-- to have one that may free bytes, whether it waits to grow; `except`: a lease id not to
+-- count (nil: none); `only`: the one device that matters (nil: every device of the `ndev`).
+-- It stops once each device that matters has a lease that may free bytes, so the usual case
+-- reads one HEXISTS per device. Returns frees = {[dev] = true} for the devices with such a
+-- lease (dev as the records write it: '' on a pool of one device, else the index), and
+-- growing = {[dev] = {lease ids that wait to grow}} (complete when some device is stuck).
+local function growth_scan(ndev, except, only)
+  local frees, growing, left = {}, {}, ndev
+  if only then left = 1 end
+  local hs = redis.call('HGETALL', K_HOLDERS)
+  for j = 1, #hs, 2 do
+    local l = hs[j]
+    if l ~= except then
+      local a, _, _, _, _, _, _, dv, rs = parse_holder(hs[j + 1])
+      if a > 0 and not rs and not frees[dv] and (only == nil or dv == only) then
+        if redis.call('HEXISTS', K_WAITERS, grow_ticket(l)) == 1 then
+          local g = growing[dv]
+          if not g then g = {}; growing[dv] = g end
+          g[#g + 1] = l
+        else
+          frees[dv] = true
+          left = left - 1
+          if left <= 0 then break end
+        end
+      end
+    end
+  end
+  return frees, growing
+end
+
 -- Effective capacity (docs/SEMANTICS.md, "Device truth"): while the device sampler's report is
 -- live (external_until, server ms, is in the future) the pool grants at most capacity minus
 -- the bytes the device shows in use outside the pool's leases; an expired report stops
@@ -696,20 +738,26 @@ end
 -- room, looking at most QUOTA_DEPTH waiters deep (queue_front).
 -- On a pool of several devices a request fits when the pool's bytes fit it and a device has
 -- room for it (place: its pinned device, or one the placement rule picks).
--- Returns the grant lines grouped by the waiters' channels, and their count, for publish().
+-- Then, when waiters are left, the growths of leases on a stuck device that fit (growth_scan;
+-- docs/SEMANTICS.md, "Resizing a lease"): the one rule that keeps a queue that cannot move
+-- from stalling the leases that wait to grow.
+-- Returns the grant lines grouped by the waiters' channels, and their count, for publish(),
+-- then whether waiter `own` (the caller's own ticket, or nil) was granted: its grant is
+-- counted but not published (the caller answers it).
 -- grant_from: the same with what the caller read already: the queue's head (ZRANGE 0 0), the
 -- capacity, bytes used, grace_until, the effective capacity (eff_cap), the devices
--- (load_devices; nil for one device, kept current here) and the bytes of the resident leases
--- held (cfg resident); it also returns the bytes used afterwards. A request that can never be
+-- (load_devices; nil for one device, kept current here), the bytes of the resident leases
+-- held (cfg resident) and `own`; it returns the bytes used afterwards before whether `own`
+-- was granted. A request that can never be
 -- granted is dropped: larger than the capacity (of its device, or of the largest), than its
 -- tenant's quota, or than what the resident leases held leave of them (see "Resident
 -- leases"; before the first such drop the resident counters are recounted from the records,
 -- resident_recount); one that fits the capacity but not the effective capacity, or no device
 -- now, waits.
-local function grant_from(now, head, cap, used, grace_until, eff, d, rh)
-  local lines, n = {}, 0
-  if #head == 0 then return lines, n, used end
-  if grace_until > now then return lines, n, used end  -- no new grant in the grace period
+local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
+  local lines, n, own_granted = {}, 0, false
+  if #head == 0 then return lines, n, used, own_granted end
+  if grace_until > now then return lines, n, used, own_granted end  -- no new grant in the grace period
   local fence, grants  -- read at the first grant; the counters are written once, at the end
   local room = {}  -- quota_check's cache (a waiter without a tenant costs no read)
   local passed = {}  -- tenants with a waiter passed over: their later waiters are passed too
@@ -721,7 +769,7 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh)
       local c = redis.call('HMGET', K_CFG, 'fence', 'grants')
       fence, grants = tonumber(c[1] or '0'), tonumber(c[2] or '0')
     end
-    drop_waiter(t, res and amount or 0)
+    drop_waiter(t, res and amount or 0, grow)
     local tok, exp, total
     if grow then
       tok, exp, total = grow_lease(lid, amount)
@@ -740,6 +788,10 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh)
       d.used[dev] = d.used[dev] + amount
       if res then d.res[dev] = d.res[dev] + amount end
       line = line .. ' ' .. fmt(dev)
+    end
+    if t == own then  -- the caller's own request: it answers in its reply, not by a message
+      own_granted = true
+      return
     end
     local group = lines[chan]
     if not group then group = {}; lines[chan] = group end
@@ -799,7 +851,7 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh)
         -- leases took the room it needs: it can never be granted, and as head it would block
         -- everyone behind it. Drop it; its client finds it gone at its next poll, asks again
         -- and gets GPULOCK_CAPACITY (GPULOCK_QUOTA, GPULOCK_ROOM; a resident one: not queued).
-        drop_waiter(t, res and amount or 0)
+        drop_waiter(t, res and amount or 0, grow)
       elseif q == 'wait' or passed[tenant] then
         passed[tenant] = true
         skipped = skipped + 1
@@ -832,10 +884,43 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh)
       if used >= eff then break end
     end
   end
+  -- Growths ahead of a queue that cannot move (docs/SEMANTICS.md, "Resizing a lease"): where
+  -- waiters are left and a device is stuck (growth_scan: every lease holding bytes on it is
+  -- resident or waits to grow), nothing will free bytes on that device until a growth there
+  -- is granted; so each of its growths that fits now is granted, in queue order, ahead of the
+  -- waiters that cannot be (a growth that does not fit does not block the later ones: they
+  -- might wait for each other's bytes). Each is checked as the pass above checks it: the
+  -- effective capacity, its device, its tenant's quota, what the resident leases leave.
+  if (blocked_enq or skipped > 0) and cfg_num('gqueued') > 0 then
+    local frees, growing = growth_scan(d and d.n or 1, nil, nil)
+    local cands = {}
+    for dv, lids in pairs(growing) do
+      if not frees[dv] then
+        for _, l in ipairs(lids) do
+          local s = redis.call('ZSCORE', K_QUEUE, grow_ticket(l))
+          if s then cands[#cands + 1] = {tonumber(s), grow_ticket(l)} end
+        end
+      end
+    end
+    table.sort(cands, function(x, y) return x[1] < y[1] end)
+    for _, c in ipairs(cands) do
+      local w = redis.call('HGET', K_WAITERS, c[2])
+      if w then
+        local amount, ttl, _, lid, chan, meta, _, tenant, pin, res, grow = parse_waiter(w)
+        local q = quota_check(room, tenant, amount, res)
+        local whole
+        if grow then whole = grown_total(lid, amount, tenant, room) end
+        if whole ~= nil and q == 'ok' and not never(whole, pin, res, q) and used + amount <= eff then
+          local dev = where(amount, pin)
+          if dev ~= nil then grant(c[2], amount, ttl, lid, chan, meta, tenant, dev, res, grow) end
+        end
+      end
+    end
+  end
   if n > 0 then
     redis.call('HSET', K_CFG, 'fence', fmt(fence), 'used', fmt(used), 'grants', fmt(grants))
   end
-  return lines, n, used
+  return lines, n, used, own_granted
 end
 
 -- The queue's front as the next hand-off sees it: the first waiter (in queue order) that is
@@ -900,16 +985,16 @@ local function grant_test(now, amount, prio, tenant, pin, res, used, eff, grace_
   return (qlen == 0 or ahead) and fits, dev, score, vt
 end
 
-local function grant_head(now)
+local function grant_head(now, own)
   local head = redis.call('ZRANGE', K_QUEUE, 0, 0)
-  if #head == 0 then return {}, 0 end
+  if #head == 0 then return {}, 0, false end
   local c = redis.call('HMGET', K_CFG, 'capacity', 'used', 'grace_until', 'external', 'external_until',
                        'devices', 'placement', 'resident')
   local cap = tonumber(c[1] or '0')
-  local lines, n = grant_from(now, head, cap, tonumber(c[2] or '0'), tonumber(c[3] or '0'),
-                              eff_cap(now, cap, tonumber(c[4] or '0'), tonumber(c[5] or '0')),
-                              load_devices(c[6], c[7]), tonumber(c[8] or '0'))
-  return lines, n
+  local lines, n, _, mine = grant_from(now, head, cap, tonumber(c[2] or '0'), tonumber(c[3] or '0'),
+                                       eff_cap(now, cap, tonumber(c[4] or '0'), tonumber(c[5] or '0')),
+                                       load_devices(c[6], c[7]), tonumber(c[8] or '0'), own)
+  return lines, n, mine
 end
 
 -- Sharded pub/sub where the server has it (Redis >= 7, Valkey >= 7.2: REDIS_VERSION_NUM is

@@ -29,7 +29,7 @@
 --                 held_back, grace_left_ms, current}   the growth waits; current: the lease's
 --                 amount meanwhile
 --   not queued:  {2, 0, ...same..., current}           (mode 'try')
--- Errors (nothing written, but the reap of expired leases and gone waiters, and its hand-off,
+-- Errors (nothing written, but the reap of expired leases and gone waiters, and the hand-off,
 -- which any script makes):
 --   GPULOCK_BADARG <why>      a bad argument, or a resident lease (never resized)
 --   GPULOCK_NOPOOL            the pool has no configuration
@@ -39,9 +39,12 @@
 --                             acquire.lua's, for the lease's device and tenant)
 --   GPULOCK_QUEUEFULL <queue_len> <max>
 --   GPULOCK_CONFLICT <why>    a growth of the lease to another amount is queued
---   GPULOCK_RESIZE_REFUSED <amount> <current> <device> <lease_id>   the growth cannot be granted now and
+--   GPULOCK_RESIZE_REFUSED <amount> <current> <device> <lease_id>   the growth cannot be granted now,
 --                             every other lease holding bytes on the device is resident or waits
---                             to grow: nothing could free bytes for it (docs/SEMANTICS.md)
+--                             to grow, and no growth there fits the free bytes: nothing could
+--                             free bytes for it (docs/SEMANTICS.md). Where one fits, the
+--                             hand-off grants it (lib.lua grant_from): this growth, answered
+--                             granted, or another, and this one waits.
 
 local type_err = check_types(); if type_err then return type_err end
 local lid, e = lease_id_arg(ARGV[2]); if e then return e end
@@ -135,7 +138,7 @@ if queued then
     return redis.error_reply('GPULOCK_CONFLICT lease ' .. lid .. ' waits to grow to ' .. fmt(cur + delta)
                              .. ' bytes already')
   end
-  drop_waiter(ticket, 0)  -- withdrawn: the lease stays at `amount` or below
+  drop_waiter(ticket, 0, true)  -- withdrawn: the lease stays at `amount` or below
   qlen = qlen - 1
 end
 
@@ -144,8 +147,10 @@ if amount <= cur then
     -- a shrink: the bytes go to the queue as a release's do
     grow_lease(lid, amount - cur)
     redis.call('HINCRBY', K_CFG, 'used', fmt(amount - cur))
-    publish(now, grant_head(now))
   end
+  -- a shrink's bytes, or the place of a growth withdrawn (it may have blocked the queue's
+  -- front), go to the queue as a cancel's do
+  if amount < cur or queued then publish(now, grant_head(now)) end
   return granted()
 end
 
@@ -165,38 +170,46 @@ if now_ok then
 end
 if mode == 'try' then return current_reply(2, 0) end
 
--- The deadlock rule: a growth that cannot be granted now waits only while another lease
--- holding bytes on its device may free them: one that is neither resident nor waiting to
--- grow itself. Else it is refused (the last to join such a cycle), as waiting would never
--- end. Not in a grace period: the leases of before the loss are still being put back then.
-if grace_until <= now then
-  local free_later = false
-  local hs = redis.call('HGETALL', K_HOLDERS)
-  for j = 1, #hs, 2 do
-    if hs[j] ~= lid then
-      local a, _, _, _, _, _, _, dv, rs = parse_holder(hs[j + 1])
-      if dv == dev and a > 0 and not rs and redis.call('HEXISTS', K_WAITERS, grow_ticket(hs[j])) == 0 then
-        free_later = true
-        break
-      end
-    end
-  end
-  if not free_later then
-    return redis.error_reply('GPULOCK_RESIZE_REFUSED ' .. fmt(amount) .. ' ' .. fmt(cur) .. ' '
-                             .. (dev ~= '' and dev or '0') .. ' ' .. lid)
-  end
-end
-
-local maxw = tonumber(cfg[9])
-if qlen >= maxw then
-  return redis.error_reply('GPULOCK_QUEUEFULL ' .. fmt(qlen) .. ' ' .. fmt(maxw))
-end
 if not score then
   score, vt = queue_score(now, prio, tonumber(redis.call('HGET', K_CFG, 'qvt') or '0'))
 end
+local function enqueue()
+  redis.call('ZADD', K_QUEUE, fmt(score), ticket)
+  redis.call('HSET', K_WAITERS, ticket, fmt(delta) .. '|' .. fmt(ttl) .. '|' .. fmt(now) .. '|' .. lid .. '|'
+    .. chan .. '|' .. fmt(prio) .. '|' .. tenant .. '|' .. dev .. 'g|')
+  redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
+  count_field('gqueued', 1)
+end
+local maxw = tonumber(cfg[9])
+local ndev = d and d.n or 1
+
+-- The growth would wait. Where no other lease on its device may free bytes (lib.lua
+-- growth_scan: each is resident or waits to grow), its device is stuck once it waits too:
+-- the hand-off's rule for a stuck device then grants the growths there that fit, in queue
+-- order, this one among them (lib.lua grant_from). If that grants none of them, nothing could
+-- ever free bytes for this one: it is refused (the deadlock rule; the last to join such a
+-- cycle), and its place is taken back. Not in a grace period: the leases of before the loss
+-- are still being put back then.
+if grace_until <= now and not growth_scan(ndev, lid, dev)[dev] then
+  enqueue()
+  local lines, n, mine = grant_head(now, ticket)
+  publish(now, lines, n)
+  if mine then return granted() end
+  if not growth_scan(ndev, lid, dev)[dev] then
+    drop_waiter(ticket, 0, true)
+    return redis.error_reply('GPULOCK_RESIZE_REFUSED ' .. fmt(amount) .. ' ' .. fmt(cur) .. ' '
+                             .. (dev ~= '' and dev or '0') .. ' ' .. lid)
+  end
+  -- another growth there was granted: that lease may free bytes now, so this one waits
+  if redis.call('ZCARD', K_QUEUE) - 1 >= maxw then
+    drop_waiter(ticket, 0, true)
+    return redis.error_reply('GPULOCK_QUEUEFULL ' .. fmt(qlen) .. ' ' .. fmt(maxw))
+  end
+else
+  if qlen >= maxw then
+    return redis.error_reply('GPULOCK_QUEUEFULL ' .. fmt(qlen) .. ' ' .. fmt(maxw))
+  end
+  enqueue()
+end
 redis.call('HSET', K_CFG, 'qvt', fmt(vt))
-redis.call('ZADD', K_QUEUE, fmt(score), ticket)
-redis.call('HSET', K_WAITERS, ticket, fmt(delta) .. '|' .. fmt(ttl) .. '|' .. fmt(now) .. '|' .. lid .. '|' .. chan
-  .. '|' .. fmt(prio) .. '|' .. tenant .. '|' .. dev .. 'g|')
-redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
 return current_reply(0, redis.call('ZRANK', K_QUEUE, ticket) + 1)

@@ -10,7 +10,10 @@
 --    leases  = {{lease_id, amount, token, expires_ms, acquired_ms, ttl_ms, ticket, meta,
 --                tenant, device}, ...} (soonest expiry first; device 0 on a pool of one device),
 --    waiters = {{ticket, amount, enqueued_ms, waiter_expires_ms, meta, priority, tenant,
---                device}, ...} (queue order; device: the pinned device, -1 for any),
+--                device, growth_of, growth_token}, ...} (queue order; device: the pinned
+--                device, -1 for any; growth_of: for the growth of a held lease (resize.lua)
+--                the lease's id, amount being the bytes it grows by, and growth_token its
+--                fencing token, meta its holder's; '' and 0 for a new request),
 --    grace_left_ms (0: no grace period), max_ttl_ms (0: unbounded), reasserted,
 --    external (bytes of the device report, 0 when none counts), external_left_ms (how long the
 --    report still counts; 0: none), overuse (the report's over-users, JSON text; '' when none),
@@ -54,9 +57,19 @@ if limit > 0 then
   for _, t in ipairs(ts) do
     local rec = redis.call('HGET', K_WAITERS, t)
     if rec then
-      local amount, _, enq, _, _, meta, prio, tenant, pin = parse_waiter(rec)
+      local amount, _, enq, lid, _, meta, prio, tenant, pin, _, grow = parse_waiter(rec)
+      local of, gtok = '', 0
+      if grow then
+        of = lid
+        local h = redis.call('HGET', K_HOLDERS, lid)
+        if h then
+          local _, tok, _, _, _, hmeta = parse_holder(h)
+          gtok = tonumber(tok)
+          if meta == '' then meta = hmeta end
+        end
+      end
       waiters[#waiters + 1] = {t, amount, tonumber(enq), tonumber(redis.call('ZSCORE', K_WEXP, t) or '0'), meta,
-                               prio, tenant, tonumber(pin) or -1}
+                               prio, tenant, tonumber(pin) or -1, of, gtok}
     end
   end
 end

@@ -122,6 +122,8 @@ def status_from_dict(d: dict[str, Any]) -> Any:
             priority=x.get("priority", 0),  # a broker older than priorities sends none
             tenant=x.get("tenant", ""),
             device=x.get("device"),
+            growth_of=x.get("growth_of"),  # a broker older than resizes sends none
+            growth_token=x.get("growth_token"),
         )
         for x in d.get("waiters", [])
     ]

@@ -11,7 +11,7 @@ from gpulock.units import format_size
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from gpulock.protocol.replies import PoolStatus
+    from gpulock.protocol.replies import PoolStatus, WaiterInfo
 
 
 def policy_text(policy: str, window: Optional[float]) -> str:
@@ -31,6 +31,14 @@ def devices_text(caps: list[int]) -> str:
 def quota_text(quotas: dict[str, int]) -> str:
     """``alice=8GiB bob=4GiB``: tenant quotas as sizes."""
     return " ".join(f"{t}={format_size(b)}" for t, b in sorted(quotas.items()))
+
+
+def growth_text(w: WaiterInfo) -> str:
+    """``lease 1a2b3c4d +512MiB`` for a queued growth (the lease it grows, by how much), ``-``
+    for a new request."""
+    if not w.growth_of:
+        return "-"
+    return f"lease {w.growth_of[:8]} +{format_size(w.amount)}"
 
 
 # Control characters of holder metadata (set by any client) shown as escapes: raw, an ANSI
@@ -105,6 +113,7 @@ def print_status(console: Console, st: PoolStatus) -> None:
         )
     lease_tenants = any(li.tenant for li in st.leases)  # a tenant column only when one is set
     waiter_tenants = any(w.tenant for w in st.waiters)
+    growths = any(w.growth_of for w in st.waiters)  # a growth column only when one is queued
     devs = len(st.devices) > 1  # a device column only on a pool of several
     if st.leases:
         t = Table(title=None, show_edge=False, pad_edge=False, box=None, header_style="bold")
@@ -142,6 +151,7 @@ def print_status(console: Console, st: PoolStatus) -> None:
         cols = (
             ("position", {"justify": "right"}),
             ("amount", {"justify": "right"}),
+            *((("growth of", {}),) if growths else ()),
             ("priority", {"justify": "right"}),
             *((("device", {"justify": "right"}),) if devs else ()),
             *((("tenant", {}),) if waiter_tenants else ()),
@@ -158,6 +168,7 @@ def print_status(console: Console, st: PoolStatus) -> None:
             t.add_row(
                 str(w.position),
                 format_size(w.amount),
+                *((growth_text(w),) if growths else ()),
                 str(w.priority),
                 *((("any" if w.device is None else str(w.device)),) if devs else ()),
                 *((w.tenant or "-",) if waiter_tenants else ()),

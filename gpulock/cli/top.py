@@ -53,6 +53,13 @@ def _holder(h: dict[str, str]) -> str:
     return " ".join(f"{k}={v}" for k, v in h.items())
 
 
+def _growth(w: dict[str, Any]) -> str:
+    """``token 1796138604867005 +512MiB`` for a queued growth (the fencing token of the lease it
+    grows, by how much; the dashboard's view names no lease id), ``-`` for a new request."""
+    tok = w.get("growth_token")
+    return f"token {tok} +{format_size(w['amount'])}" if tok else "-"
+
+
 def _secs(s: float) -> str:
     return f"{s:.1f}s" if s < 60 else f"{int(s // 60)}m{int(s % 60):02d}s"
 
@@ -122,9 +129,12 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
                 *((str(lz.get("device", 0)),) if several else ()), _secs(lz["expires_in"]),
             )  # fmt: skip
         queue = Table(title=f"queue ({p['waiter_count']})", title_justify="left", expand=False)
+        # a growth column only while a growth is queued (a broker older than resizes sends none)
+        growths = any(w.get("growth_token") for w in p["waiters"][:limit])
         for col, right in (
             ("position", True),
             ("amount", True),
+            *((("growth of", False),) if growths else ()),
             ("priority", True),
             ("waited", True),
             ("holder", False),
@@ -132,7 +142,8 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
             queue.add_column(col, justify="right" if right else "left")
         for w in p["waiters"][:limit]:
             queue.add_row(
-                str(w["position"]), format_size(w["amount"]), str(w.get("priority", 0)),
+                str(w["position"]), format_size(w["amount"]),
+                *((_growth(w),) if growths else ()), str(w.get("priority", 0)),
                 _secs(w["waited"]), _holder(w["holder"]),
             )  # fmt: skip
         parts.append(Panel(Group(head, leases, queue), title=p["pool"], title_align="left"))

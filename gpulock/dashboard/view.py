@@ -114,6 +114,8 @@ def pool_view(
                 "amount": w.amount,
                 "waited": round(w.waited, 3),
                 "priority": w.priority,
+                # a queued growth: the fencing token of the lease it grows (never its id)
+                "growth_token": w.growth_token,
             }
             for w in st.waiters
         ],
@@ -154,7 +156,9 @@ async def dashboard_view(
     (seconds); ``grant_rate`` (grants/s over the last 10 s of samples, None
     without two); ``rejected`` and ``oom`` (cumulative 503s and OOMs) with ``*_last_minute``;
     ``leases`` (``holder``, ``amount``, ``token``, ``expires_in``, ``held_for``); ``waiters``
-    (``position``, ``holder``, ``amount``, ``waited``, ``priority``); ``history`` (lists ``t``, ``capacity``,
+    (``position``, ``holder``, ``amount``, ``waited``, ``priority``, ``growth_token``: for a
+    queued growth of a held lease the lease's fencing token, ``amount`` being the bytes it
+    grows by, else None); ``history`` (lists ``t``, ``capacity``,
     ``used``, ``resident``, oldest first). A pool that cannot be read is in ``errors``
     instead. A shard: ``{"node": "host:port", "slots": [[lo, hi], ...], "error": "..."}``,
     those of ``unreachable`` and, on a cluster, the shard of each pool that could not be read

@@ -356,6 +356,11 @@ class WaiterInfo:
     priority: int = 0  # as requested; the queue ages it (docs/SEMANTICS.md, "Priorities")
     tenant: str = ""  # "" for none
     device: int | None = None  # the device it pins; None: any
+    # A queued growth of a held lease (``lease.resize``; docs/SEMANTICS.md, "Resizing a
+    # lease"): the lease's id and fencing token, ``amount`` being the bytes it grows by and
+    # ``holder`` the lease's holder; None for a new request.
+    growth_of: str | None = None
+    growth_token: int | None = None
 
 
 @dataclass(frozen=True)
@@ -454,6 +459,8 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
             int(x[5]) if len(x) > 5 else 0,
             _s(x[6]) if len(x) > 6 else "",
             int(x[7]) if len(x) > 7 and int(x[7]) >= 0 else None,
+            _s(x[8]) or None if len(x) > 8 else None,
+            int(x[9]) or None if len(x) > 9 and _s(x[8]) else None,
         )
         for i, x in enumerate(r[13])
     ]

@@ -111,6 +111,14 @@ class WaiterInfoOut(BaseModel):
     device: Optional[int] = Field(
         None, description="the device it asks for; null: any (the pool places it)"
     )
+    growth_of: Optional[str] = Field(
+        None,
+        description="a queued growth of a held lease (docs/SEMANTICS.md, 'Resizing a lease'): "
+        "the lease's id, amount being the bytes it grows by; null for a new request",
+    )
+    growth_token: Optional[int] = Field(
+        None, description="a queued growth: the fencing token of the lease it grows; else null"
+    )
 
 
 class TenantUseOut(BaseModel):

@@ -661,3 +661,28 @@ def test_openapi_documents_priority(user):
     assert (p["type"], p["minimum"], p["maximum"], p["default"]) == ("integer", -100, 100, 0), p
     assert "priority" not in schemas["LeaseRequest"].get("required", [])
     assert "priority" in schemas["WaiterInfoOut"]["properties"]
+
+
+def test_status_names_a_queued_growth_by_its_lease(user, gpu, redis_srv):
+    """A growth of a held lease waiting in the queue (lease.resize, here of a lease held
+    directly on the pool's Redis) is in the pool's waiters with ``growth_of`` (the lease id)
+    and ``growth_token``; a new request has null there."""
+    from gpulock import Pool
+    from support.waiting import wait_until
+
+    with Pool.from_url(redis_srv.url, gpu) as pool:
+        a, b = pool.acquire(5 * GiB), pool.acquire(5 * GiB)
+        th = threading.Thread(target=lambda: a.resize(6 * GiB, timeout=30))
+        th.start()
+        try:
+            wait_until(lambda: status(user)["waiter_count"] == 1, 10, "the growth queued")
+            (w,) = status(user)["waiters"]
+            assert (w["position"], w["amount"]) == (1, GiB)
+            assert (w["growth_of"], w["growth_token"]) == (a.id, a.token)
+        finally:
+            b.release()  # the growth is granted
+            th.join(30)
+        assert a.amount == 6 * GiB
+        a.release()
+    schemas = user.get("/openapi.json").json()["components"]["schemas"]
+    assert {"growth_of", "growth_token"} <= set(schemas["WaiterInfoOut"]["properties"])

@@ -159,6 +159,60 @@ def test_pool_set_and_status_round_trip(redis_proc):
     assert status_json(url, "gpu0")["used"] == 0
 
 
+def test_status_labels_a_queued_growth_with_its_lease(url):
+    """A growth waiting in the queue (lease.resize) is listed as the growth of its lease, by
+    the bytes it grows by, with the lease's holder: ``growth_of`` and ``growth_token`` in
+    JSON (None for a new request), a "growth of" column in the table."""
+    assert cli(url, "pool", "set", "gpu0", "--capacity", "4GiB").returncode == 0
+    with Pool.from_url(url, "gpu0") as pool:
+        a = pool.acquire("2GiB", holder={"purpose": "stream-a"})
+        b = pool.acquire("2GiB", holder={"purpose": "stream-b"})
+        errs: list[BaseException] = []
+
+        def grow() -> None:
+            try:
+                a.resize("3GiB", timeout=50)  # B may free bytes: queued until it does
+            except Exception as e:  # noqa: BLE001
+                errs.append(e)
+
+        th = threading.Thread(target=grow)
+        th.start()
+        new: list = []
+        th_new = threading.Thread(target=lambda: new.append(pool.acquire("1GiB", timeout=50)))
+        try:
+            wait_until(lambda: status_json(url, "gpu0")["waiters"], timeout=30, interval=0.05)
+            th_new.start()  # a new request queued behind the growth
+            st = wait_until(
+                lambda: len((s := status_json(url, "gpu0"))["waiters"]) == 2 and s,
+                timeout=30,
+                interval=0.05,
+            )
+            g, w = st["waiters"]
+            assert (g["position"], g["amount"], g["growth_of"], g["growth_token"]) == (
+                1,
+                GiB,
+                a.id,
+                a.token,
+            )
+            assert g["holder"]["purpose"] == "stream-a"
+            assert (w["position"], w["growth_of"], w["growth_token"]) == (2, None, None)
+            r = cli(url, "status", "gpu0")
+            assert r.returncode == 0, r.stderr
+            assert "growth of" in r.stdout, r.stdout
+            (row,) = [ln for ln in r.stdout.splitlines() if "stream-a" in ln and "+1.0GiB" in ln]
+            assert f"lease {a.id[:8]} +1.0GiB" in row, r.stdout
+        finally:
+            b.release()  # the growth is granted, then the new request (1 GiB left)
+            th.join(30)
+            th_new.join(30)
+            for x in new:
+                x.release()
+            a.release()
+    assert not errs and [x.amount for x in new] == [GiB]
+    st = status_json(url, "gpu0")
+    assert st["used"] == 0 and st["waiters"] == []
+
+
 def test_status_of_missing_pool_and_empty_redis(url):
     r = cli(url, "status")
     assert r.returncode == 0 and "no pools" in r.stdout

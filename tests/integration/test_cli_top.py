@@ -157,3 +157,58 @@ def test_top_shows_the_pools_policy_and_each_waiters_priority(redis_proc, make_p
         for th in threads:
             th.join(10)
         lease.release()
+
+
+def test_top_labels_a_queued_growth_by_its_leases_token(redis_proc, make_pool, pool_name):
+    """A growth waiting in the queue (lease.resize) shows in the queue as the growth of its
+    lease, named by the lease's fencing token (the view names no lease id), by the bytes it
+    grows by; a new request shows "-" there."""
+    pool = make_pool(capacity=4 * GiB)
+    a = pool.acquire(2 * GiB, holder={"job": "stream-a"})
+    b = pool.acquire(2 * GiB, holder={"job": "stream-b"})
+    got: list = []
+
+    def grow() -> None:
+        try:
+            a.resize(3 * GiB, timeout=60)  # B may free bytes: queued until it does
+            got.append(a.amount)
+        except GpuLockError as e:
+            got.append(e)
+
+    def new() -> None:
+        try:
+            got.append(make_pool().acquire(GiB, timeout=60, holder={"job": "new"}))
+        except GpuLockError as e:
+            got.append(e)
+
+    threads = [
+        threading.Thread(target=grow, daemon=True),
+        threading.Thread(target=new, daemon=True),
+    ]
+    try:
+        threads[0].start()
+        wait_until(lambda: pool.status().waiter_count == 1, 10, "the growth queued")
+        threads[1].start()
+        wait_until(lambda: pool.status().waiter_count == 2, 10, "the new request queued")
+        r = cli(redis_proc.url, "top", pool_name, "--once")
+        assert r.returncode == 0, r.stderr
+        out = r.stdout
+        assert "growth of" in out, out
+
+        def row(job: str) -> list[str]:
+            """The queue's row of ``job`` (a lease's row starts with its holder)."""
+            rows = [[c for c in ln.replace("│", " ").split() if c] for ln in out.splitlines()]
+            (r,) = [r for r in rows if f"job={job}" in r and r[0].isdigit()]
+            return r
+
+        assert row("stream-a")[:5] == ["1", "1.0GiB", "token", str(a.token), "+1.0GiB"], out
+        assert row("new")[:4] == ["2", "1.0GiB", "-", "0"], out
+    finally:
+        b.release()  # the growth is granted, then the new request (1 GiB left)
+        for th in threads:
+            th.join(10)
+        for x in got:
+            if not isinstance(x, (int, GpuLockError)):
+                x.release()
+        a.release()
+    assert got[0] == 3 * GiB and not isinstance(got[1], GpuLockError)

@@ -226,11 +226,22 @@ _acq = st.tuples(
     st.sampled_from(["wait", "wait", "try"]),
     st.sampled_from(["", "a", "a", "b"]),
 )
+# A resize of a known request's lease (index, change of its amount, mode): a shrink, the same
+# amount, a growth (granted, queued, refused by the deadlock rule, withdrawn by a later
+# smaller resize, never fitting), or a lease that is not held (lost).
+_resize = st.tuples(
+    st.just("resize"),
+    st.integers(0, 50),
+    st.sampled_from([-3, -1, 0, 1, 1, 2, 2, 3, 5]),
+    st.sampled_from(["wait", "wait", "wait", "try"]),
+)
 _op = st.one_of(
     _acq,
     _acq,
     st.tuples(st.just("rel"), st.integers(0, 50)),
     st.tuples(st.just("cancel"), st.integers(0, 50)),
+    _resize,
+    _resize,
 )
 # With quotas: also change a tenant's quota mid-history (0 removes it).
 _op_q = st.one_of(
@@ -239,7 +250,46 @@ _op_q = st.one_of(
     st.tuples(st.just("rel"), st.integers(0, 50)),
     st.tuples(st.just("cancel"), st.integers(0, 50)),
     st.tuples(st.just("quota"), st.sampled_from(["a", "b"]), st.sampled_from([0, 2, 3, 5, 8])),
+    _resize,
 )
+
+_RESIZE_ERRORS = {
+    "GPULOCK_LOST": "lost",
+    "GPULOCK_CAPACITY": "capacity",
+    "GPULOCK_QUOTA": "quota",
+    "GPULOCK_CONFLICT": "conflict",
+    "GPULOCK_RESIZE_REFUSED": "deadlock",
+}
+
+
+def _held(c: redis.Redis, pool: str) -> dict[str, int]:
+    """Ticket -> amount of every lease, read on the holder records."""
+    out = {}
+    for rec in c.hvals(pool_keys(pool)[2]):
+        f = _s(rec).split("|")
+        out[f[4]] = int(f[0])
+    return out
+
+
+def _resize_one(c, pool, call, model, t, lid, amount, prio, mode) -> None:
+    """resize.lua on ticket ``t``'s lease ``lid`` and the model alike: the same outcome (and
+    position when queued)."""
+    g = f"grow:{lid}"
+    args = [g, lid, amount, "", 600000, mode, "", "m", prio]
+    try:
+        r = call(c, pool, "resize", *args)
+    except redis.ResponseError as e:
+        got = _RESIZE_ERRORS[str(e).split(" ", 1)[0]]
+        assert model.resize(t, g, amount, prio, int(server_ms(c)), mode) == got, (t, amount, e)
+        return
+    now = int(r[5]) if r[0] == 1 else int(r[4])
+    want = model.resize(t, g, amount, prio, now, mode)
+    got = {1: "granted", 0: "queued", 2: "refused"}[int(r[0])]
+    assert got == want, (t, amount, mode, r)
+    if got == "granted":
+        assert int(r[4]) == amount
+    if got == "queued":
+        assert int(r[1]) == model.order().index(g) + 1
 
 
 @pytest.mark.parametrize("form", list(RAW_FORMS))
@@ -256,12 +306,15 @@ _op_q = st.one_of(
 )
 def test_scripts_decide_as_the_model_on_random_histories(redis_proc, form, policy):
     """Random mixes of acquires (amounts 1-10 of a capacity of 10, priorities -2..2, wait or
-    try, tenants none, a or b), releases and cancels, under FIFO, backfill with a window that
-    stays open and backfill with a 4 ms window (so it closes during the history, at times the
-    model reads from the replies), and with tenant quotas that the history also changes:
-    after every call the grants, the queue's order, the bytes used and each tenant's bytes
-    equal the model's (tests/support/priority_model.py), and no tenant holds more than its
-    quota unless the quota was lowered under it."""
+    try, tenants none, a or b), releases, cancels and resizes of the leases (shrinks, growths
+    granted, queued at the lease's priority, refused by the deadlock rule or granted ahead of
+    a blocked head on a stuck device, withdrawn by a later resize), under FIFO, backfill with
+    a window that stays open and backfill with a 4 ms window (so it closes during the
+    history, at times the model reads from the replies), and with tenant quotas that the
+    history also changes: after every call the grants, each lease's amount, the queue's order,
+    the bytes used and each tenant's bytes equal the model's
+    (tests/support/priority_model.py), and no tenant holds more than its quota unless the
+    quota was lowered under it."""
     c = redis.Redis.from_url(redis_proc.url)
     call = RAW_FORMS[form]
     n = 0
@@ -278,12 +331,13 @@ def test_scripts_decide_as_the_model_on_random_histories(redis_proc, form, polic
             model.quotas[item.split("=")[0]] = int(item.split("=")[1])
         lowered: set[str] = set()  # tenants whose quota went below what they held
         lids: dict[str, str] = {}
+        prios: dict[str, int] = {}
         known: list[str] = []
         for op in ops:
             if op[0] == "acq":
                 _, amount, prio, mode, tenant = op
                 t, lid = new_id(), new_id()
-                lids[t] = lid
+                lids[t], prios[t] = lid, prio
                 args = [t, lid, amount, 60000, 600000, mode, "{}", "m", prio, tenant]
                 try:
                     r = call(c, pool, "acquire", *args)
@@ -306,11 +360,20 @@ def test_scripts_decide_as_the_model_on_random_histories(redis_proc, form, polic
                 raw(c, pool, "configure", 10, 1000, "set", 0, 0, "", "", f"{tenant}={q}")
                 # the window is open for the whole history (600 s) or there is none (FIFO)
                 model.set_quota(tenant, q, int(server_ms(c)))
+            elif op[0] == "resize":
+                held = [x for x in known if x in model.held]
+                if known:
+                    _, i, change, mode = op
+                    # mostly a lease held; one in five any request (lost when not held)
+                    t = held[i % len(held)] if held and i % 5 else known[i % len(known)]
+                    amount = max(1, model.held.get(t, 1) + change)
+                    _resize_one(c, pool, call, model, t, lids[t], amount, prios[t], mode)
             elif known:
                 t = known[op[1] % len(known)]
                 end_one(c, pool, call, model, op[0], t)
             assert _queue(c, pool) == model.order()
             assert _tickets(c, pool) == set(model.held)
+            assert _held(c, pool) == model.held
             assert check_consistent(c, pool)["used"] == model.used
             # read on the raw keys: status.lua hands off too (a backfill window may be open)
             cfg = c.hmget(pool_keys(pool)[0], "tused:a", "tused:b")

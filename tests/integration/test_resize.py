@@ -167,6 +167,143 @@ async def test_deadlock_rule_refuses_the_second_growth(make_apool, rclient, pool
     await a.release()
 
 
+def _queue(rclient, pool_name) -> list[str]:
+    return [t.decode() for t in rclient.zrange(f"gpulock:{{{pool_name}}}:queue", 0, -1)]
+
+
+@pytest.mark.parametrize("c_priority", [0, 10], ids=["fifo", "c-higher"])
+async def test_growth_behind_a_head_that_needs_its_bytes_is_granted_once_all_holders_grow(
+    make_apool, rclient, pool_name, c_priority
+):
+    """Capacity 100: A holds 60, B 40; C waits for 50 (under FIFO queued first; or, at a
+    higher priority, arriving after A's growth and queued ahead of it). A's growth by 10
+    queues behind C (B may free bytes: not refused). B releases: 40 free, C cannot be granted,
+    and A, the only holder left, waits to grow, so nothing could ever free bytes for C: A's
+    growth is granted ahead of C (docs/SEMANTICS.md, "Resizing a lease"). C is granted once A
+    releases."""
+    pool = make_apool(capacity=100)
+    a, b = await pool.acquire(60), await pool.acquire(40)
+    c = None
+    if c_priority == 0:
+        c = asyncio.create_task(pool.acquire(50, request_id="c"))
+        await async_wait_until(lambda: _queued(rclient, pool_name) == 1)
+    grow = asyncio.create_task(a.resize(70))
+    await async_wait_until(lambda: f"grow:{a.id}" in _queue(rclient, pool_name))
+    if c is None:
+        c = asyncio.create_task(pool.acquire(50, request_id="c", priority=c_priority))
+        await async_wait_until(lambda: _queued(rclient, pool_name) == 2)
+    assert _queue(rclient, pool_name) == ["c", f"grow:{a.id}"]  # C heads the queue
+    assert a.amount == 60 and not grow.done()
+    await b.release()
+    await asyncio.wait_for(grow, 5)
+    assert a.amount == 70 and used(rclient, pool_name) == 70
+    assert _queue(rclient, pool_name) == ["c"] and not c.done()
+    check_consistent(rclient, pool_name)
+    await a.release()
+    lc = await asyncio.wait_for(c, 5)
+    assert lc.amount == 50 and used(rclient, pool_name) == 50
+    check_consistent(rclient, pool_name)
+    await lc.release()
+    assert used(rclient, pool_name) == 0
+
+
+async def test_a_growth_that_makes_every_holder_wait_grants_the_growths_that_fit(
+    make_apool, rclient, pool_name
+):
+    """Capacity 100: A holds 50, B 30 (20 free); C waits for 50. A's growth by 10 queues
+    behind C (B may free bytes). B's growth by 5 would leave every holder waiting to grow:
+    the growths that fit are granted at once in queue order, A's (by the hand-off) and B's
+    (in its own reply). With no byte free, a growth that would make every holder wait is
+    still refused."""
+    pool = make_apool(capacity=100)
+    a, b = await pool.acquire(50), await pool.acquire(30)
+    c = asyncio.create_task(pool.acquire(50, request_id="c"))
+    await async_wait_until(lambda: _queued(rclient, pool_name) == 1)
+    grow_a = asyncio.create_task(a.resize(60))
+    await async_wait_until(lambda: _queued(rclient, pool_name) == 2)
+    await b.resize(35)  # answered granted at once
+    assert b.amount == 35
+    await asyncio.wait_for(grow_a, 5)
+    assert a.amount == 60 and used(rclient, pool_name) == 95
+    assert _queue(rclient, pool_name) == ["c"]
+    # 5 free: A's growth by 10 queues (B may free bytes); B's by 10 fits neither: refused
+    grow_a = asyncio.create_task(a.resize(70))
+    await async_wait_until(lambda: _queued(rclient, pool_name) == 2)
+    with pytest.raises(ResizeRefused):
+        await b.resize(45)
+    assert b.amount == 35 and _queue(rclient, pool_name) == ["c", f"grow:{a.id}"]
+    check_consistent(rclient, pool_name)
+    await b.release()  # 45 free, C cannot be granted, A alone waits to grow: granted
+    await asyncio.wait_for(grow_a, 5)
+    assert a.amount == 70 and _queue(rclient, pool_name) == ["c"]
+    await a.release()
+    lc = await asyncio.wait_for(c, 5)
+    check_consistent(rclient, pool_name)
+    await lc.release()
+    assert used(rclient, pool_name) == 0
+
+
+async def test_a_stuck_device_is_judged_by_its_own_leases(make_apool, rclient, pool_name):
+    """Devices of 100 and 100. Device 0: A 60, B 40; device 1: X 90. C waits for 50 on
+    device 0 (under FIFO it blocks the whole queue). X's growth by 10 would queue behind C,
+    and X is alone on device 1: granted in its own reply. A's growth by 10 queues (B may free
+    bytes); when B releases, device 0 is stuck (A alone, waiting to grow) though X, on
+    device 1, does not grow: A's growth is granted ahead of C."""
+    pool = make_apool()
+    await pool.configure(devices=[100, 100])
+    a, b = await pool.acquire(60, device=0), await pool.acquire(40, device=0)
+    x = await pool.acquire(90, device=1)
+    c = asyncio.create_task(pool.acquire(50, device=0, request_id="c"))
+    await async_wait_until(lambda: _queued(rclient, pool_name) == 1)
+    await x.resize(100)
+    assert x.amount == 100 and _queue(rclient, pool_name) == ["c"]
+    grow = asyncio.create_task(a.resize(70))
+    await async_wait_until(lambda: _queued(rclient, pool_name) == 2)
+    await b.release()
+    await asyncio.wait_for(grow, 5)
+    assert a.amount == 70 and _queue(rclient, pool_name) == ["c"]
+    check_consistent(rclient, pool_name)
+    await a.release()
+    lc = await asyncio.wait_for(c, 5)
+    assert lc.device == 0
+    for lease in (lc, x):
+        await lease.release()
+    assert used(rclient, pool_name) == 0
+
+
+def test_sync_growth_behind_a_blocked_head(make_pool, rclient, pool_name):
+    """The example of the async test above through ``Pool``: A's growth, queued behind C, is
+    granted when B releases; C after A releases."""
+    pool = make_pool(capacity=100)
+    a, b = pool.acquire(60), pool.acquire(40)
+    got: list = []
+    th_c = threading.Thread(target=lambda: got.append(pool.acquire(50, request_id="c")))
+    th_c.start()
+    wait_until(lambda: _queued(rclient, pool_name) == 1)
+    done: list[BaseException | None] = []
+
+    def grow():
+        try:
+            a.resize(70)
+            done.append(None)
+        except BaseException as e:  # noqa: BLE001
+            done.append(e)
+
+    th = threading.Thread(target=grow)
+    th.start()
+    wait_until(lambda: _queued(rclient, pool_name) == 2)
+    b.release()
+    th.join(5)
+    assert done == [None] and a.amount == 70
+    assert _queue(rclient, pool_name) == ["c"] and not got
+    a.release()
+    th_c.join(5)
+    assert [x.amount for x in got] == [50]
+    check_consistent(rclient, pool_name)
+    got[0].release()
+    assert used(rclient, pool_name) == 0
+
+
 async def test_growth_is_ordered_like_a_new_request_at_its_priority(make_apool, rclient, pool_name):
     pool = make_apool(capacity=100)
     hi = await pool.acquire(20, priority=50)

@@ -208,12 +208,17 @@ def check_consistent(c: redis.Redis, pool: str) -> dict[str, int]:
     assert tres == res_tenant, (tres, res_tenant)
     dres = {int(f[5:]): int(v) for f, v in cfg.items() if f.startswith("dres:")}
     assert dres == res_dev, (dres, res_dev)
-    queued_res = 0
+    queued_res = queued_grow = 0
     for v in c.hvals(k[4]):
         parts = _s(v).split("|")
         if len(parts) >= 9 and re.fullmatch(r"\d*r", parts[7]):
             queued_res += int(parts[0])
+        if len(parts) >= 9 and re.fullmatch(r"\d*g", parts[7]):
+            queued_grow += 1
     assert int(cfg.get("rqueued", 0)) == queued_res, (cfg.get("rqueued"), queued_res)
+    # Growths (lua/lib.lua "Leases that wait to grow"): gqueued counts the growth waiter
+    # records (device field ending in 'g'), absent at 0.
+    assert int(cfg.get("gqueued", 0)) == queued_grow, (cfg.get("gqueued"), queued_grow)
     return {"used": total, "leases": len(holders), "queued": len(queue)}
 
 

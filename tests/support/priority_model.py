@@ -1,10 +1,15 @@
 """A small pure-Python model of the queue policies the scripts implement (docs/SEMANTICS.md,
-"Priorities", "Backfill", "Tenant quotas" and "Devices and placement"): one pool of one or
-several devices, bytes, order by queue score,
+"Priorities", "Backfill", "Tenant quotas", "Devices and placement" and "Resizing a lease"):
+one pool of one or several devices, bytes, order by queue score,
 hand-off of the longest prefix that fits (passing over waiters whose tenant is at its quota)
 and, under backfill while the head's window is open, of later requests that fit. On several
 devices a request fits when the pool's bytes fit it and a device has room (its pinned one, or
-the one the placement rule picks). The scripts' decisions must equal this model's on any history (tests/integration/
+the one the placement rule picks). A lease resizes: a shrink hands its bytes on, a growth is
+granted as a new request of the difference at the lease's priority, tenant and device, or
+queues as a growth waiter (ticket ``grow:<lease id>``); when waiters are left after a hand-off,
+the growths of a stuck device (no lease on it may free bytes) that fit are granted ahead of
+them; a growth that would leave its device stuck with none fitting is refused (the deadlock
+rule). The scripts' decisions must equal this model's on any history (tests/integration/
 test_priority.py drives both with the same calls and compares).
 
 Times are the server's milliseconds as the scripts reported them (the model takes ``now_ms``
@@ -37,6 +42,9 @@ class QueueModel:
     dcap: list[int] = field(default_factory=list)  # per device; [] : one device (capacity)
     placement: str = "bestfit"
     dev_of: dict[str, int] = field(default_factory=dict)  # held ticket -> device
+    # queued growth ticket ("grow:<lease id>") -> the held ticket of its lease (the queue
+    # entry's amount is the difference, its device the lease's)
+    grows: dict[str, str] = field(default_factory=dict)
 
     def dused(self, i: int) -> int:
         return sum(a for t, a in self.held.items() if self.dev_of.get(t, 0) == i)
@@ -91,10 +99,36 @@ class QueueModel:
         return None, passed
 
     def _grant(self, t: str, amount: int, tenant: str, dev: int) -> None:
+        """Waiter ``t`` is granted: a new lease, or, for a growth, ``amount`` more bytes for
+        its lease."""
         self.used += amount
+        if t in self.grows:
+            self.held[self.grows.pop(t)] += amount
+            return
         self.held[t] = amount
         self.tenant_of[t] = tenant
         self.dev_of[t] = dev
+
+    def _dequeue(self, t: str) -> None:
+        del self.queue[t]
+        self.grows.pop(t, None)
+
+    def _grant_test(
+        self, amount: int, priority: int, now_ms: int, tenant: str, pin: int | None
+    ) -> tuple[int | None, int, int]:
+        """lua/lib.lua grant_test: the device a request is granted on now (None: it is not),
+        and its queue score and arrival."""
+        score, vt = self.score(now_ms, priority)
+        fits = self.used + amount <= self.capacity and self.quota_check(tenant, amount) == "ok"
+        dev = self.place(amount, pin) if fits else None
+        fits = dev is not None
+        f, passed = self.front()
+        ahead = f is None or score < self.queue[f][0]
+        if tenant in passed and passed[tenant] < score:
+            fits = False  # a tenant's own waiters keep their order
+        if fits and f is not None and not ahead:
+            ahead = self.backfill_open(now_ms, self.queue[f][2])
+        return (dev if ahead and fits else None), score, vt
 
     def acquire(
         self,
@@ -111,23 +145,85 @@ class QueueModel:
         assert amount <= self.largest(pin)
         if self.quota_check(tenant, amount) == "never":
             return "quota"
-        score, vt = self.score(now_ms, priority)
-        fits = self.used + amount <= self.capacity and self.quota_check(tenant, amount) == "ok"
-        dev = self.place(amount, pin) if fits else None
-        fits = dev is not None
-        f, passed = self.front()
-        ahead = f is None or score < self.queue[f][0]
-        if tenant in passed and passed[tenant] < score:
-            fits = False  # a tenant's own waiters keep their order
-        if fits and f is not None and not ahead:
-            ahead = self.backfill_open(now_ms, self.queue[f][2])
-        if ahead and fits and dev is not None:
+        dev, score, vt = self._grant_test(amount, priority, now_ms, tenant, pin)
+        if dev is not None:
             self._grant(ticket, amount, tenant, dev)
             return "granted"
         if mode == "try":
             return "refused"
         self.qvt = vt
         self.queue[ticket] = (score, amount, now_ms, tenant, pin)
+        return "queued"
+
+    def grown_total(self, g: str) -> int | None:
+        """lua/lib.lua grown_total: the amount growth ``g``'s lease would have, or None when it
+        can never grow (the lease is gone, or the total exceeds its tenant's quota)."""
+        t = self.grows[g]
+        if t not in self.held:
+            return None
+        total = self.held[t] + self.queue[g][1]
+        if self.quota_check(self.queue[g][3], total) == "never":
+            return None
+        return total
+
+    def frees(self, dev: int, except_t: str | None = None) -> bool:
+        """Whether a lease on device ``dev`` (but ``except_t``'s) may free bytes: one that does
+        not wait to grow (lua/lib.lua growth_scan; the model has no resident lease)."""
+        growing = set(self.grows.values())
+        return any(
+            self.dev_of.get(t, 0) == dev and a > 0 and t not in growing
+            for t, a in self.held.items()
+            if t != except_t
+        )
+
+    def resize(self, t: str, g: str, amount: int, priority: int, now_ms: int, mode: str) -> str:
+        """resize.lua on held ticket ``t``'s lease (growth ticket ``g``) to ``amount`` bytes at
+        ``priority``: 'granted' (now: a shrink, the same amount, a growth granted at once or by
+        the hand-off its joining made), 'queued', 'refused' (mode 'try'), or an error that
+        changes nothing: 'lost', 'capacity', 'quota', 'conflict', 'deadlock'."""
+        if t not in self.held:
+            return "lost"
+        cur, tenant, dev = self.held[t], self.tenant_of.get(t, ""), self.dev_of.get(t, 0)
+        pin = dev if self.dcap else None
+        if amount > cur:
+            if amount > self.largest(pin):
+                return "capacity"
+            if self.quota_check(tenant, amount) == "never":
+                return "quota"
+        if g in self.queue:
+            if amount > cur and cur + self.queue[g][1] == amount:
+                return "queued"  # the same growth again: refreshed
+            if amount > cur:
+                return "conflict"
+            self._dequeue(g)  # withdrawn
+            withdrawn = True
+        else:
+            withdrawn = False
+        if amount <= cur:
+            if amount < cur:
+                self.held[t] = amount
+                self.used -= cur - amount
+            if amount < cur or withdrawn:
+                self.hand_off(now_ms)
+            return "granted"
+        delta = amount - cur
+        got, score, vt = self._grant_test(delta, priority, now_ms, tenant, pin)
+        if got is not None:
+            self.used += delta
+            self.held[t] = amount
+            return "granted"
+        if mode == "try":
+            return "refused"
+        self.queue[g] = (score, delta, now_ms, tenant, pin)
+        self.grows[g] = t
+        if not self.frees(dev, t):
+            # joining leaves its device stuck: the hand-off's rule for a stuck device decides
+            if g in self.hand_off(now_ms):
+                return "granted"
+            if not self.frees(dev, t):
+                self._dequeue(g)
+                return "deadlock"
+        self.qvt = vt
         return "queued"
 
     def backfill_open(self, now_ms: int, head_enqueued_ms: int) -> bool:
@@ -146,8 +242,11 @@ class QueueModel:
         for t in self.order():
             score, amount, enq, tenant, pin = self.queue[t]
             q = self.quota_check(tenant, amount)
-            if q == "never" or amount > self.largest(pin):
-                del self.queue[t]
+            whole: int | None = amount
+            if t in self.grows:
+                whole = self.grown_total(t)
+            if whole is None or q == "never" or whole > self.largest(pin):
+                self._dequeue(t)
                 continue
             if q == "wait" or tenant in passed:
                 passed.add(tenant)
@@ -159,8 +258,8 @@ class QueueModel:
             if dev is None:
                 blocked = enq
                 break
-            del self.queue[t]
             self._grant(t, amount, tenant, dev)
+            self._dequeue(t)
             out.append(t)
         if (
             blocked is not None
@@ -172,14 +271,53 @@ class QueueModel:
                 q = self.quota_check(tenant, amount)
                 if q == "wait":
                     passed.add(tenant)
-                if self.used + amount <= self.capacity and q == "ok" and tenant not in passed:
+                whole = self.grown_total(t) if t in self.grows else amount
+                if (
+                    whole is not None
+                    and whole <= self.largest(pin)
+                    and self.used + amount <= self.capacity
+                    and q == "ok"
+                    and tenant not in passed
+                ):
                     dev = self.place(amount, pin)
                     if dev is not None:
-                        del self.queue[t]
                         self._grant(t, amount, tenant, dev)
+                        self._dequeue(t)
                         out.append(t)
                 if self.used >= self.capacity:
                     break
+        if blocked is not None or skipped > 0:
+            out += self._stuck_growths()
+        return out
+
+    def _stuck_growths(self) -> list[str]:
+        """The hand-off's last step (lua/lib.lua grant_from): on each stuck device (no lease on
+        it may free bytes), the growths of its leases that fit, in queue order."""
+        devs = range(len(self.dcap) or 1)
+        stuck = {i for i in devs if not self.frees(i)}
+        cands = [
+            g
+            for g in self.order()
+            if g in self.grows
+            and self.grows[g] in self.held
+            and self.dev_of.get(self.grows[g], 0) in stuck
+        ]
+        out = []
+        for g in cands:
+            _, amount, _, tenant, pin = self.queue[g]
+            q = self.quota_check(tenant, amount)
+            whole = self.grown_total(g)
+            if (
+                whole is not None
+                and q == "ok"
+                and whole <= self.largest(pin)
+                and self.used + amount <= self.capacity
+            ):
+                dev = self.place(amount, pin)
+                if dev is not None:
+                    self._grant(g, amount, tenant, dev)
+                    self._dequeue(g)
+                    out.append(g)
         return out
 
     def release(self, ticket: str, now_ms: int) -> list[str]:
@@ -199,7 +337,7 @@ class QueueModel:
     def cancel(self, ticket: str, now_ms: int) -> list[str]:
         """A queued ticket leaves the queue (a held one is released)."""
         if ticket in self.queue:
-            del self.queue[ticket]
+            self._dequeue(ticket)
             return self.hand_off(now_ms)
         return self.release(ticket, now_ms)
 

@@ -153,17 +153,24 @@
     sec.appendChild(el("p", { "class": "policy", "data-policy": policy }, "policy: " + policy +
       (policy === "backfill" ? " (window " + p.backfill_window + " s: while the head does not fit, " +
         "later requests that fit are granted)" : " (nothing passes the head of the queue)")));
+    // a growth column only while a growth of a held lease is queued (named by the lease's token)
+    var growths = p.waiters.some(function (w) { return !!w.growth_token; });
     var waiters = p.waiters.map(function (w) {
       var prio = w.priority || 0;
       var tr = el("tr", { "data-position": String(w.position) });
       tr.appendChild(cell(String(w.position), w.position));
       tr.appendChild(cell(fmtBytes(w.amount), w.amount));
+      if (growths) {
+        tr.appendChild(cell(w.growth_token ? "token " + w.growth_token + " +" + fmtBytes(w.amount) : "-"));
+      }
       tr.appendChild(cell(String(prio), prio));
       tr.appendChild(cell(fmtSeconds(w.waited), w.waited));
       tr.appendChild(cell(holderText(w.holder)));
       return tr;
     });
-    sec.appendChild(waiters.length ? table("waiters", [["position", 1], ["amount", 1], ["priority", 1], ["waited", 1], ["holder"]], waiters)
+    var wcols = [["position", 1], ["amount", 1]].concat(growths ? [["growth of"]] : [],
+      [["priority", 1], ["waited", 1], ["holder"]]);
+    sec.appendChild(waiters.length ? table("waiters", wcols, waiters)
       : el("p", { "class": "empty waiters" }, "nobody waiting"));
     return sec;
   }
