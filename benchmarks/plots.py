@@ -507,6 +507,87 @@ def plot_placement(R: dict, path: Path) -> None:
     plt.close(fig)
 
 
+GEN_COLORS = {
+    "elastic": "#1f6feb",
+    "reserve": "#58a6ff",
+    "per-worker": "#cf222e",
+    "per-worker-safe": "#6e7781",
+}
+
+
+def plot_generation(R: dict, path: Path) -> None:
+    """``benchmarks/generation.py``: streams at once and tokens/s per mode; TTFT p50/p99 per
+    mode; the KV bytes in use over the window as a share of the budget, per mode."""
+    runs = R.get("runs") or []
+    if not runs:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4), gridspec_kw={"width_ratios": [1, 1, 1.5]})
+    names = [r["mode"] for r in runs]
+    cols = [GEN_COLORS.get(m, "#8250df") for m in names]
+    y = list(range(len(runs)))
+    ax = axes[0]
+    ax.barh(y, [r["tokens_per_s"] for r in runs], color=cols)
+    for i, r in enumerate(runs):
+        ax.text(
+            r["tokens_per_s"],
+            i,
+            f" {r['tokens_per_s']:,.0f}/s; {r['concurrent_mean']:.0f} at once (max "
+            f"{r['concurrent_max']:.0f})",
+            va="center",
+            fontsize=7,
+        )
+    ax.set_yticks(y, [r["label"] for r in runs], fontsize=7)
+    ax.invert_yaxis()
+    ax.margins(x=0.6)
+    ax.set_xlabel("tokens/s, all streams")
+    ax.set_title("throughput and streams admitted at once", fontsize=9)
+    ax = axes[1]
+    ax.barh(y, [r["ttft_ms"]["p99"] for r in runs], color=cols, alpha=0.45, label="p99")
+    ax.barh(y, [r["ttft_ms"]["p50"] for r in runs], color=cols, label="p50")
+    for i, r in enumerate(runs):
+        ax.text(
+            r["ttft_ms"]["p99"],
+            i,
+            f" {r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f} ms",
+            va="center",
+            fontsize=7,
+        )
+    ax.set_yticks(y, [""] * len(runs))
+    ax.invert_yaxis()
+    ax.margins(x=0.35)
+    ax.set_xlabel("time to first token (ms): p50, light p99")
+    ax.set_title("time to first token", fontsize=9)
+    ax = axes[2]
+    for r, c in zip(runs, cols):
+        s = [v * 100 for v in r["use_series"]]
+        ax.plot([i * 0.1 for i in range(len(s))], s, color=c, lw=0.9, label=r["label"])
+    ax.axhline(100, color="k", lw=0.9, ls="--")
+    ax.text(
+        0.99,
+        100,
+        "budget: above it, CUDA OOM ",
+        fontsize=7,
+        va="bottom",
+        ha="right",
+        transform=ax.get_yaxis_transform(),
+    )
+    ax.set_ylim(0, max(130, ax.get_ylim()[1]))
+    ax.set_xlabel("seconds into the window")
+    ax.set_ylabel("KV cache in use, % of budget")
+    ax.set_title("KV bytes in use across all workers", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    c = R["config"]
+    _title(
+        fig,
+        f"Generations on a {c['budget'] / 2**30:g} GiB KV budget (Llama-2-7B fp16, simulated "
+        f"decoding): {c['clients']} clients, {c['workers']} workers",
+        R,
+    )
+    fig.tight_layout(rect=(0, 0.02, 1, 0.93))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def make(out_dir: str | Path, peers: dict | None, service: dict | None) -> list[str]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
