@@ -1,11 +1,12 @@
-"""GPU-memory estimates for the demo's models: bytes one request needs beyond the weights."""
+"""GPU-memory estimates for the demo's embedding model: bytes one request needs beyond the
+weights (a generation's: :mod:`gpulock.estimates`, shared with library users)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-__all__ = ["BertEstimator", "KvCacheEstimator"]
+__all__ = ["BertEstimator"]
 
 
 @dataclass(frozen=True)
@@ -46,42 +47,3 @@ class BertEstimator:
 
     def __call__(self, batch: int, tokens: int) -> int:
         return max(self.floor, math.ceil(self.safety * self.peak(batch, tokens)))
-
-
-@dataclass(frozen=True)
-class KvCacheEstimator:
-    """Bytes of GPU memory one generation of a decoder-only transformer needs beyond its
-    weights: its KV cache at its longest, plus the activations of its largest forward pass.
-
-    ``tokens = prompt_tokens + max_new_tokens`` (the cache's length at the end)::
-
-        kv          = 2 (K and V) * layers * kv_heads * head_dim * e * tokens
-        activations = e * (P * (4 * hidden + 2 * intermediate) + heads * P * tokens + vocab)
-        estimate    = max(floor, kv + activations)
-
-    with ``e`` bytes per element and ``P`` the prompt's tokens (the prefill is the largest
-    forward pass: its hidden states, Q/K/V and MLP intermediate of one layer at a time under
-    ``inference_mode``, its attention scores, and one row of logits: the prefill keeps only the
-    last position's). ``floor`` (2 MiB) is the CUDA caching allocator's smallest segment for
-    large tensors. The one place the service sizes a generation's lease: the shared KV-cache
-    estimator replaces it when it lands."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
-    intermediate: int
-    heads: int
-    vocab: int
-    bytes_per_element: int = 4
-    floor: int = 2 * 2**20
-
-    def kv_bytes(self, tokens: int) -> int:
-        """The KV cache of ``tokens`` positions, in bytes."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_element * tokens
-
-    def __call__(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        p = max(1, int(prompt_tokens))
-        tokens = p + max(0, int(max_new_tokens))
-        act = p * (4 * self.hidden + 2 * self.intermediate) + self.heads * p * tokens + self.vocab
-        return max(self.floor, self.kv_bytes(tokens) + act * self.bytes_per_element)

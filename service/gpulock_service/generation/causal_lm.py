@@ -18,7 +18,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..estimators import KvCacheEstimator
+from gpulock.estimates import DecoderShape
+
 from .decode import Sampling, token_chunks
 from .text import Piece, pieces
 from .tiny import CHAT_TEMPLATE, TINY_DESCRIPTION, TINY_NAME, tiny_model_dir
@@ -34,8 +35,9 @@ class CausalLM:
     ``name``: the id it is served as (default: ``gpulock-tiny-llama``, or the folder's name).
 
     Attributes (after :meth:`load`): ``context`` (most tokens, prompt and completion, the
-    model takes: its ``max_position_embeddings``), ``estimator`` (bytes of a generation beyond
-    the weights, :class:`~gpulock_service.estimators.KvCacheEstimator`), ``device``."""
+    model takes: its ``max_position_embeddings``), ``shape`` (what its generations' bytes
+    depend on, :class:`gpulock.estimates.DecoderShape` from the loaded model's config and its
+    weights' dtype), ``device``."""
 
     def __init__(self, spec: str, name: str | None = None):
         self.spec = spec.strip()
@@ -49,7 +51,7 @@ class CausalLM:
         self.device = "cpu"
         self.path: Path | None = None
         self.context = 0
-        self.estimator: KvCacheEstimator | None = None
+        self.shape: DecoderShape | None = None
         self._model: Any = None
         self._tok: Any = None
         self._eos: list[int] = []
@@ -95,22 +97,8 @@ class CausalLM:
             eos = getattr(cfg, "eos_token_id", None)
         self._eos = [eos] if isinstance(eos, int) else list(eos or [])
         self._suppress = list(getattr(gc, "suppress_tokens", None) or [])
-        heads = int(cfg.num_attention_heads)
-        hidden = int(cfg.hidden_size)
-        self.estimator = KvCacheEstimator(
-            layers=int(cfg.num_hidden_layers),
-            kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(cfg, "head_dim", None) or hidden // heads),
-            hidden=hidden,
-            intermediate=int(
-                getattr(cfg, "intermediate_size", None)
-                or getattr(cfg, "n_inner", None)
-                or 4 * hidden
-            ),
-            heads=heads,
-            vocab=int(cfg.vocab_size),
-            bytes_per_element=next(model.parameters()).element_size(),
-        )
+        # the shared estimate (gpulock.estimates), sized in the dtype the weights were loaded in
+        self.shape = DecoderShape.from_config(cfg, dtype=next(model.parameters()).dtype)
         self.context = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
         self.device = device
         self._tok = tok
@@ -137,11 +125,6 @@ class CausalLM:
                 list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
             )
         )
-
-    def estimate_bytes(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        """Bytes one generation needs beyond the weights (:attr:`estimator`)."""
-        assert self.estimator is not None, "model not loaded"
-        return self.estimator(prompt_tokens, max_new_tokens)
 
     # ---- the pure step ---------------------------------------------------------------------
     def generate(
