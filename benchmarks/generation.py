@@ -1,44 +1,52 @@
 #!/usr/bin/env python
 """Generation benchmark: admitting LLM generations by their KV cache on a fixed budget, with
-gpulock's leases grown chunk by chunk, with gpulock's leases of the whole generation up front,
-and with a semaphore in each worker (docs/BENCHMARKS.md, section 13).
+gpulock's leases grown chunk by chunk (``lease.resize``), with gpulock's leases of the whole
+generation up front, and with a semaphore in each worker (docs/BENCHMARKS.md, section 13).
 
-    python benchmarks/generation.py            # full run, about 3 minutes
+    python benchmarks/generation.py            # full run, about 4 minutes
     python benchmarks/generation.py --quick    # smoke run (CI), about 15 s
 
 This measures admission, not a model: decoding is simulated (a stream sleeps ``token_ms`` per
-token, in steps of ``step_tokens``; its prefill sleeps ``prefill_ms_per_1k`` per 1,000 prompt
-tokens and yields the first token). Bytes are a real model's: Llama-2-7B in fp16 through
-:class:`gpulock.estimates.DecoderShape` (0.5 MiB of KV cache per token).
+token, in steps of ``step_tokens``; its prefill sleeps ``prefill_ms_per_1k`` per 1,000 tokens of
+context and yields the first token). Bytes are a real model's: Llama-2-7B in fp16 through
+:mod:`gpulock.estimates` (0.5 MiB of KV cache per token; a lease is
+``GenerationPlan.size_for``: KV, activations, 2 MiB rounding).
 
-``clients`` closed-loop clients, spread over ``workers`` worker processes (each one asyncio loop,
-as a uvicorn worker), send generations back to back: 70 % short (prompt 16-512 tokens,
-max_tokens 32-64), 30 % long (prompt 128-1024, max_tokens 512-1024); a stream stops early, as
-at an end-of-sequence token, after a uniformly drawn 50-100 % of its max_tokens. Every mode
-sees the same sequence of requests per client. Modes:
+``clients`` closed-loop clients, spread over ``workers`` worker processes (each one asyncio loop
+and one pool object, as a uvicorn worker), send generations back to back: 70 % short (prompt
+16-512 tokens, max_tokens 32-64), 30 % long (prompt 128-1024, max_tokens 512-1024); a stream
+stops, as at an end-of-sequence token, after a uniformly drawn 50-100 % of its max_tokens.
+Every mode sees the same sequence of requests per client. Modes:
 
-* ``elastic``: gpulock, ``Growth.grow(chunk, chunk)``: the lease covers prompt + ``chunk`` new
-  tokens, and grows with ``lease.resize`` before each further chunk. A growth that is refused
-  (``ResizeRefused``: it would deadlock) or not granted within ``grow_timeout_s``
-  (``AcquireTimeout``) ends the stream there: it counts as **cut short** (its tokens so far
-  count; a real server would preempt it and recompute or swap its cache later);
-* ``reserve``: gpulock, ``Growth.reserve_max()``: prompt + max_tokens leased up front;
+* ``elastic``: ``Growth.grow(chunk, chunk)``: the lease covers the context and ``chunk`` new
+  tokens and grows by ``lease.resize`` before each further chunk, waiting as long as it takes.
+  A new stream is admitted only when its first lease fits now and no growth waits
+  (``acquire(timeout=0)``, tried again every ``poll_s``): running streams' growths come before
+  new streams, as in vLLM's scheduler;
+* ``elastic-queued``: the same leases, but a new stream queues for its first lease (FIFO, as a
+  plain ``acquire``), so growths wait behind the new streams that queued before them; a growth
+  gives up after ``grow_timeout_s``; ``elastic-backfill``: the same on a backfill pool;
+* ``reserve``: ``Growth.reserve_max()``: context + max_tokens leased up front, never resized;
 * ``per-worker``: no gpulock; each worker admits at most K streams at once with its own
   ``asyncio.Semaphore(K)``, K = its share of the budget (budget / workers) over the mean
-  reserve_max size of the workload (sampled from the same generator): the practice before a
-  shared pool; its **overruns** are the moments the KV bytes in use across all workers go over
-  the budget (a CUDA OOM on a GPU);
-* ``per-worker-safe`` (full run): the same with K over the largest possible generation, the
-  setting that never overruns.
+  reserve_max size of the workload (sampled from the same generator), the practice before a
+  shared pool; ``per-worker-safe``: K over the largest possible generation, which never
+  overruns.
 
-Measured over a window after a warm-up (both in ``FULL`` / ``QUICK``): streams admitted at once
+A growth that fails (``ResizeRefused``: every other holder waits to grow, so waiting could only
+deadlock; or ``AcquireTimeout`` in the queued modes) **preempts** the stream: it releases its
+lease and asks again for its prompt plus the tokens made so far as context, recomputing its
+cache (vLLM's recompute preemption); its tokens so far count, and it goes on from there.
+
+Measured over a window after a warm-up (``FULL`` / ``QUICK``): streams admitted at once
 (time-weighted mean and max), tokens/s, time to first token (from the request to the end of
 its prefill) p50/p99 of the requests made in the window, budget use (time-weighted KV bytes in
-use / budget; a stream uses the KV of its prompt and tokens, counted from the start of each
+use / budget; a stream uses the KV of its context and tokens, counted from the start of each
 step), the pool's own count (``used`` sampled from Redis every ``sample_s``: mean and max of
-capacity), overruns (times the KV in use went over the budget, and the share of the window
-it was over), streams cut short and finished. gpulock's modes must have 0 overruns and never a
-Redis sample over capacity: the run fails otherwise.
+capacity), overruns (times the KV in use across all workers went over the budget: a CUDA OOM
+on a GPU; and the share of the window it was over), preemptions (and the streams finished in
+the window that were preempted), streams finished. gpulock's modes must have 0 overruns and
+never a Redis sample over capacity: the run fails otherwise.
 """
 
 from __future__ import annotations
@@ -85,11 +93,19 @@ FULL: dict[str, Any] = dict(
     step_tokens=16,
     prefill_ms_per_1k=20.0,
     chunk=64,
-    grow_timeout_s=5.0,
+    grow_timeout_s=0.25,
     warm_s=5.0,
     duration_s=30.0,
     sample_s=0.02,
-    modes=("elastic", "reserve", "per-worker", "per-worker-safe"),
+    poll_s=0.02,
+    modes=(
+        "elastic",
+        "elastic-queued",
+        "elastic-backfill",
+        "reserve",
+        "per-worker",
+        "per-worker-safe",
+    ),
 )
 QUICK: dict[str, Any] = dict(
     FULL,
@@ -97,17 +113,20 @@ QUICK: dict[str, Any] = dict(
     workers=2,
     clients=32,
     token_ms=1.0,
-    grow_timeout_s=2.0,
     warm_s=1.0,
     duration_s=2.5,
     modes=("elastic", "reserve", "per-worker"),
 )
 LABELS = {
-    "elastic": "gpulock, elastic (grow by chunks)",
+    "elastic": "gpulock elastic: admit when room, growths wait",
+    "elastic-queued": "gpulock elastic: new streams queue, growths time out",
+    "elastic-backfill": "same, backfill pool",
     "reserve": "gpulock, reserve max up front",
     "per-worker": "semaphore per worker (K from the mean)",
     "per-worker-safe": "semaphore per worker (K from the largest)",
 }
+
+POOL_MODES = ("elastic", "elastic-queued", "elastic-backfill", "reserve")
 
 
 def draw(rng: random.Random) -> tuple[int, int, int, str]:
@@ -120,7 +139,7 @@ def draw(rng: random.Random) -> tuple[int, int, int, str]:
 
 
 def growth_of(mode: str, chunk: int) -> Growth:
-    return Growth.grow(chunk, chunk) if mode == "elastic" else Growth.reserve_max()
+    return Growth.grow(chunk, chunk) if mode.startswith("elastic") else Growth.reserve_max()
 
 
 def per_worker_k(cfg: dict[str, Any], safe: bool) -> int:
@@ -145,19 +164,27 @@ def _emit(obj: Any) -> None:
 async def worker(a: dict[str, Any]) -> None:
     """One worker process: ``a["clients"]`` clients in one event loop until ``go``'s end time;
     then every stream is cancelled (its lease released) and the records are printed."""
-    from gpulock import AcquireTimeout, AsyncPool
+    import faulthandler
+    import signal
 
-    refused = getattr(gpulock, "ResizeRefused", None) or getattr(
-        gpulock.errors, "ResizeRefused", AcquireTimeout
-    )
+    from gpulock_common.aio import stop_tasks
+
+    from gpulock import AcquireTimeout, AsyncPool, ResizeRefused
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung worker's stacks
+
     mode, cfg = a["mode"], a["cfg"]
-    uses_pool = mode in ("elastic", "reserve")
+    uses_pool = mode in POOL_MODES
     pool = AsyncPool.from_url(a["url"], a["pool"]) if uses_pool else None
     sem = asyncio.Semaphore(a["k"]) if not uses_pool else None
     growth = growth_of(mode, cfg["chunk"])
     kvt = LLAMA2_7B.kv_bytes_per_token
     token_s, step = cfg["token_ms"] / 1000, cfg["step_tokens"]
-    streams: list[list[Any]] = []  # [arrival, admitted, first, end, P, M, G, done, cut, kind]
+    # one per request: [asked, first admitted, first token, finished, prompt, max_tokens, tokens
+    # it makes, tokens made, preemptions, kind]
+    streams: list[list[Any]] = []
+    admits: list[tuple[float, int]] = []  # streams holding their admission: (time, +1 / -1)
+    preempts: list[tuple[float, str]] = []  # (time, the growth's error: refused or timed out)
     used: list[tuple[float, int]] = []  # KV bytes in use: (time, change)
     leased: list[tuple[float, int]] = []  # bytes this worker's leases hold: (time, change)
     tokens: list[tuple[float, int]] = []  # tokens made: (time the step ended, how many)
@@ -170,35 +197,51 @@ async def worker(a: dict[str, Any]) -> None:
     line = await loop.run_in_executor(None, sys.stdin.readline)
     t_end = float(line.split()[1])
 
-    async def one(rng: random.Random) -> None:
-        p, m, g_stop, kind = draw(rng)
+    async def segment(rec: list[Any], p: int, m: int, target: int) -> tuple[int, bool]:
+        """Admit the stream with ``p`` tokens of context and up to ``m`` to generate, and
+        generate ``target`` tokens (its prefill makes the first); returns (tokens made, whether
+        a refused or timed-out growth preempted it)."""
         plan = GenerationPlan(LLAMA2_7B, p, m, growth=growth)
-        rec: list[Any] = [mono(), None, None, None, p, m, g_stop, 0, False, kind]
-        streams.append(rec)
         lease = None
-        in_use = held = 0
+        in_use = held = g = 0
+        admitted = False
         try:
-            if pool is not None:
+            if pool is not None and mode == "elastic":
+                # admitted only when it fits now and no growth waits (never queued: a new
+                # stream queued ahead of growths would hold them up, as elastic-queued shows)
+                while lease is None:
+                    try:
+                        lease = await pool.acquire(plan.size_for(0), timeout=0)
+                    except AcquireTimeout:
+                        await asyncio.sleep(cfg["poll_s"])
+                held = lease.amount
+                leased.append((mono(), held))
+            elif pool is not None:
                 lease = await pool.acquire(plan.size_for(0), timeout=60)
                 held = lease.amount
                 leased.append((mono(), held))
             else:
                 assert sem is not None
                 await sem.acquire()
-            rec[1] = mono()
-            g = 0
-            while g < g_stop:
+            admitted = True
+            t = mono()
+            admits.append((t, 1))
+            if rec[1] is None:
+                rec[1] = t
+            while g < target:
                 need = plan.size_for(g)
                 if lease is not None and need > held:
                     try:
-                        await lease.resize(need, timeout=cfg["grow_timeout_s"])  # type: ignore[attr-defined]
-                    except (refused, AcquireTimeout):
-                        rec[8] = True  # cut short: ends here, its lease released below
-                        break
+                        # elastic: waits, refused only where waiting could only deadlock
+                        timeout = None if mode == "elastic" else cfg["grow_timeout_s"]
+                        await lease.resize(need, timeout=timeout)
+                    except (ResizeRefused, AcquireTimeout) as e:
+                        preempts.append((mono(), type(e).__name__))
+                        return g, True  # preempted: its leases released below
                     resizes[0] += 1
                     leased.append((mono(), need - held))
                     held = need
-                end = min(plan.chunk_end(g), g_stop, 1 if g == 0 else g + step)
+                end = min(plan.chunk_end(g), target, 1 if g == 0 else g + step)
                 t = mono()
                 used.append((t, kvt * (p + end) - in_use))  # the step's cache, from its start
                 in_use = kvt * (p + end)
@@ -206,23 +249,38 @@ async def worker(a: dict[str, Any]) -> None:
                 await asyncio.sleep(dur)
                 t = mono()
                 tokens.append((t, end - g))
-                if g == 0:
+                if rec[2] is None:
                     rec[2] = t
-                g = rec[7] = end
+                g = end
+            return g, False
         finally:
             t = mono()
             if in_use:
                 used.append((t, -in_use))
-            rec[3] = t
+            if admitted:
+                admits.append((t, -1))
             if lease is not None:
                 leased.append((t, -held))
                 await lease.release()
-            elif sem is not None and rec[1] is not None:
+            elif sem is not None and admitted:
                 sem.release()
+
+    async def one(rng: random.Random) -> None:
+        """One request, to its end: admitted again after each preemption with its prompt and
+        the tokens made so far as context (its cache recomputed)."""
+        p, m, g_stop, kind = draw(rng)
+        rec: list[Any] = [mono(), None, None, None, p, m, g_stop, 0, 0, kind]
+        streams.append(rec)
+        done = 0
+        while done < g_stop:
+            got, preempted = await segment(rec, p + done, m - done, g_stop - done)
+            done = rec[7] = done + got
+            rec[8] += int(preempted)
+        rec[3] = mono()
 
     async def client(i: int) -> None:
         rng = random.Random(a["seed"] * 100_000 + a["index"] * 1000 + i)
-        while True:
+        while mono() < t_end:  # a cancellation lost below (redis-py) still ends the loop
             try:
                 await one(rng)
             except gpulock.GpuLockError as e:
@@ -230,14 +288,14 @@ async def worker(a: dict[str, Any]) -> None:
 
     tasks = [asyncio.create_task(client(i)) for i in range(a["clients"])]
     await asyncio.sleep(max(0.0, t_end - mono()))
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await stop_tasks(tasks)
     if pool is not None:
         await pool.aclose()
     _emit(
         {
             "streams": streams,
+            "admits": admits,
+            "preempts": preempts,
             "used": used,
             "leased": leased,
             "tokens": tokens,
@@ -315,13 +373,14 @@ async def _sample(url: str, name: str, stop: asyncio.Event, every: float) -> lis
 def run_mode(url: str, mode: str, cfg: dict[str, Any], seed: int) -> dict[str, Any]:
     """One mode: W fresh worker processes, a fresh pool; returns its measurements."""
     name = f"gen-{mode}-{seed}"
-    uses_pool = mode in ("elastic", "reserve")
+    uses_pool = mode in POOL_MODES
     k = per_worker_k(cfg, safe=mode == "per-worker-safe") if not uses_pool else None
     if uses_pool:
         from gpulock import Pool
 
         with Pool.from_url(url, name) as admin:
-            admin.configure(cfg["budget"], max_waiters=10_000)
+            policy = "backfill" if mode == "elastic-backfill" else "fifo"
+            admin.configure(cfg["budget"], max_waiters=10_000, policy=policy)
     per = [cfg["clients"] // cfg["workers"]] * cfg["workers"]
     for j in range(cfg["clients"] % cfg["workers"]):
         per[j] += 1
@@ -373,8 +432,7 @@ def run_mode(url: str, mode: str, cfg: dict[str, Any], seed: int) -> dict[str, A
     used = [tuple(e) for o in outs for e in o["used"]]
     leased = [tuple(e) for o in outs for e in o["leased"]]
     budget = cfg["budget"]
-    adm = [(s[1], 1) for s in streams if s[1] is not None]
-    adm += [(s[3], -1) for s in streams if s[1] is not None]
+    adm = [tuple(e) for o in outs for e in o["admits"]]
     conc = sweep(adm, t0, t1, math.inf)
     u = sweep(used, t0, t1, budget)
     lz = sweep(leased, t0, t1, budget)
@@ -407,11 +465,14 @@ def run_mode(url: str, mode: str, cfg: dict[str, Any], seed: int) -> dict[str, A
         "redis_used_max": max((x[1] for x in in_win), default=None),
         "redis_samples": len(in_win),
         "redis_over_capacity": sum(1 for x in in_win if x[1] > budget),
-        "cut_short": sum(1 for s in ended if s[8]),
-        "finished": sum(1 for s in ended if not s[8] and s[7] >= s[6]),
+        "preemptions": sum(1 for o in outs for t, _ in o["preempts"] if t0 <= t <= t1),
+        "preempted_refused": sum(
+            1 for o in outs for t, e in o["preempts"] if t0 <= t <= t1 and e != "AcquireTimeout"
+        ),
+        "preempted_streams": sum(1 for s in ended if s[8]),
+        "finished": len(ended),
         "finished_by_kind": {
-            kind: sum(1 for s in ended if s[9] == kind and not s[8] and s[7] >= s[6])
-            for kind in ("short", "long")
+            kind: sum(1 for s in ended if s[9] == kind) for kind in ("short", "long")
         },
         "resizes": sum(o["resizes"] for o in outs),
         "errors": [e for o in outs for e in o["errors"]][:5],
@@ -430,7 +491,7 @@ def build_table(R: dict[str, Any]) -> str:
         "budget use: KV in use (mean / max)",
         "pool used, Redis (mean / max)",
         "overruns (time over)",
-        "cut short",
+        "preempted (streams)",
         "finished",
     ]
     rows = []
@@ -450,7 +511,7 @@ def build_table(R: dict[str, Any]) -> str:
                 f"{r['use']:.0%} / {r['use_max']:.0%}",
                 red,
                 f"{r['overruns']:,} ({r['over_share']:.0%})",
-                f"{r['cut_short']:,}",
+                f"{r['preemptions']:,} ({r['preempted_streams']:,})",
                 f"{r['finished']:,}",
             ]
         )
@@ -488,16 +549,10 @@ def run(
         "gpulock": gpulock.__version__,
         "kv_bytes_per_token": LLAMA2_7B.kv_bytes_per_token,
         "runs": [],
-        "skipped": {},
     }
-    has_resize = hasattr(gpulock.AsyncLease, "resize")
     with RedisProcess(pick_server(server)) as rp:
         R["server"] = rp.binary if hasattr(rp, "binary") else None
         for mode in modes:
-            if mode == "elastic" and not has_resize:
-                R["skipped"][mode] = "this gpulock has no lease.resize"
-                print("# elastic: skipped (this gpulock has no lease.resize)", file=sys.stderr)
-                continue
             print(f"# {mode}", file=sys.stderr, flush=True)
             R["runs"].append(run_mode(rp.url, mode, cfg, seed=7))
     R["machine"]["loadavg_end"] = list(os.getloadavg())
@@ -519,7 +574,7 @@ def failures(R: dict[str, Any]) -> list[str]:
     for r in R["runs"]:
         if r["error_count"]:
             bad.append(f"{r['mode']}: {r['error_count']} errors, e.g. {r['errors'][:1]}")
-        if r["mode"] in ("elastic", "reserve") and (r["overruns"] or r["redis_over_capacity"]):
+        if r["mode"] in POOL_MODES and (r["overruns"] or r["redis_over_capacity"]):
             bad.append(f"{r['mode']}: {r['overruns']} overruns, {r['redis_over_capacity']} samples")
     return bad
 
@@ -535,12 +590,25 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="write the plot here (default: benchmarks/results/generation.png on a full run)",
     )
+    ap.add_argument(
+        "--grow-timeout",
+        type=float,
+        default=None,
+        help="seconds a growth may wait (default: the run's)",
+    )
+    ap.add_argument(
+        "--chunk", type=int, default=None, help="elastic chunk, tokens (default: the run's)"
+    )
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         asyncio.run(worker(json.loads(a.worker)))
         return 0
-    cfg = QUICK if a.quick else FULL
+    cfg = dict(QUICK if a.quick else FULL)
+    if a.grow_timeout is not None:
+        cfg["grow_timeout_s"] = a.grow_timeout
+    if a.chunk is not None:
+        cfg["chunk"] = a.chunk
     modes = a.modes.split(",") if a.modes else list(cfg["modes"])
     unknown = set(modes) - set(LABELS)
     if unknown:
@@ -559,8 +627,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{M['loadavg_start'][0]:.2f} at start, {M['loadavg_end'][0]:.2f} at end"
     )
     print(R["params"])
-    for mode, why in R["skipped"].items():
-        print(f"{mode}: skipped ({why})")
     print()
     print(R["table"])
     print()

@@ -509,6 +509,8 @@ def plot_placement(R: dict, path: Path) -> None:
 
 GEN_COLORS = {
     "elastic": "#1f6feb",
+    "elastic-queued": "#8250df",
+    "elastic-backfill": "#bf8700",
     "reserve": "#58a6ff",
     "per-worker": "#cf222e",
     "per-worker-safe": "#6e7781",
@@ -521,7 +523,7 @@ def plot_generation(R: dict, path: Path) -> None:
     runs = R.get("runs") or []
     if not runs:
         return
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4), gridspec_kw={"width_ratios": [1, 1, 1.5]})
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.6), gridspec_kw={"width_ratios": [1, 1, 1.4]})
     names = [r["mode"] for r in runs]
     cols = [GEN_COLORS.get(m, "#8250df") for m in names]
     y = list(range(len(runs)))
@@ -575,7 +577,7 @@ def plot_generation(R: dict, path: Path) -> None:
     ax.set_xlabel("seconds into the window")
     ax.set_ylabel("KV cache in use, % of budget")
     ax.set_title("KV bytes in use across all workers", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     c = R["config"]
     _title(
         fig,

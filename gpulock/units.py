@@ -6,16 +6,18 @@ bodies, config) people write sizes: ``parse_size("4GiB") == 4 * 2**30``. Binary 
 in IEC 80000-13; a bare number is bytes. What gpulock prints (:func:`format_size`, e.g.
 ``"1.4GiB"``) it reads back: a size with a unit may end in a fraction of a byte, which counts as
 a whole byte (``"1.4GiB"`` is 1503238554 bytes). Sizes are at most :data:`MAX_BYTES`.
+:func:`parse_size` is :mod:`gpulock_common.sizes`' (the SDK reads sizes with it too),
+re-exported here.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from fractions import Fraction
 from typing import Literal, overload
 
 from gpulock_common.options import check_seconds
+from gpulock_common.sizes import parse_size
 from gpulock_common.units import MAX_BYTES, format_size
 
 from gpulock.errors import InvalidArgument
@@ -31,73 +33,11 @@ __all__ = [
     "parse_size_text",
 ]
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "mb": 1000**2,
-    "m": 1000**2,
-    "gb": 1000**3,
-    "g": 1000**3,
-    "tb": 1000**4,
-    "t": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
-
 
 def is_index(text: str) -> bool:
     """Whether ``text`` is a non-negative decimal integer in ASCII digits, as ``int()`` reads
     it: ``str.isdigit`` alone also passes characters such as "²" that ``int()`` refuses."""
     return text.isascii() and text.isdigit()
-
-
-def parse_size(value: int | float | str, *, name: str = "amount") -> int:
-    """Return ``value`` as a positive integer number of bytes.
-
-    Accepts an int (bytes), an integral float, or a string such as ``"4GiB"``, ``"512 MiB"``,
-    ``"1.5GB"``, ``"1.4GiB"`` or ``"1048576"``. Units are case-insensitive. A size with a unit
-    of 1 kB or more that ends in a fraction of a byte counts it as a whole byte (rounds up:
-    ``"1.4GiB"``, what :func:`format_size` prints for 1.35 to 1.45 GiB, is 1503238554
-    bytes).
-
-    Raises:
-        InvalidArgument: for bools, NaN, infinities, zero or negative sizes, bytes with a
-            fraction (``"1.5"``, ``"1.5B"``, ``1.5``), unknown units, and sizes above 2**53-1
-            bytes. The message names the value.
-    """
-    if isinstance(value, bool):
-        raise InvalidArgument(f"{name} must be a size in bytes, got {value!r}")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, float):
-        if not math.isfinite(value) or value != int(value):
-            raise InvalidArgument(f"{name} must be a whole number of bytes, got {value!r}")
-        n = int(value)
-    elif isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        unit = m.group(2).lower() if m else None
-        if not m or unit not in _UNITS:
-            raise InvalidArgument(
-                f"{name} must be a size such as 4GiB, 512MiB or 1048576 (bytes), got {value!r}"
-            )
-        # Exact decimal arithmetic: a float would reject "4.1GB" (4.1 * 1e9 is not integral
-        # in binary) and overflow to infinity on very long digit strings.
-        n_exact = Fraction(m.group(1)) * _UNITS[unit]
-        if n_exact.denominator != 1 and _UNITS[unit] == 1:
-            raise InvalidArgument(f"{name} must be a whole number of bytes, got {value!r}")
-        n = math.ceil(n_exact)  # a fraction of a byte (of "1.4GiB") counts as a whole byte
-    else:
-        raise InvalidArgument(f"{name} must be a size in bytes, got {value!r}")
-    if n <= 0:
-        raise InvalidArgument(f"{name} must be positive, got {value!r}")
-    if n > MAX_BYTES:
-        raise InvalidArgument(f"{name} must be at most {MAX_BYTES} bytes, got {value!r}")
-    return n
 
 
 @overload

@@ -7,7 +7,7 @@ acquire's waiter is). The lease keeps its id and token.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
 from gpulock_common.options import AcquireOptions
 
@@ -83,12 +83,15 @@ def resize(
     *,
     priority: int = 0,
     waiter_ttl_s: float,
+    on_queued: Callable[[int], Any] | None = None,
 ) -> Flow[tuple[Grant, float | None]]:
     """Resize lease ``lease_id`` (``token``: its fencing token; None: any) to ``amount`` bytes,
     a growth waiting up to ``timeout_s`` seconds from ``start`` (local time; None: forever,
     0: never queued) at ``priority``. Returns ``(grant, sent)``: the lease as the server has it
     now (``amount``, ``token``, ``expires_ms``), and the local time the call that answered it
     was sent (None when a hand-off granted the growth: the lease was not renewed then).
+    ``on_queued(position)``: called when the growth queues, and when a refresh finds its
+    place changed (as an acquire's).
 
     Whatever ends a growth that queued (a timeout, an error, a cancellation) withdraws it: a
     ``resize`` back to the amount before, which also undoes a grant that raced in.
@@ -124,12 +127,14 @@ def resize(
     joined = None
     withdraw, unreachable = True, False
     try:
+        if on_queued is not None:
+            on_queued(res.position)  # first here; later ones: the runtime's refreshes
         joined = yield Join(
             ticket,
             argv,
             ttl_ms(waiter_ttl_s),
             res.position,
-            None,
+            on_queued,
             res.retry_after_ms,
             None if timeout_s is None else start + timeout_s,
             "resize",

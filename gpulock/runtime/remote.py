@@ -10,11 +10,13 @@ grant over or :meth:`RemoteHolders.cancel` withdraws it: the caller must do one 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic, Protocol, TypeVar
 
 from gpulock.protocol import flow, remote
 from gpulock.protocol.resize import resize, resize_args
+from gpulock_common.options import check_priority
+
 from gpulock.protocol.args import validate_lease_id, validate_token
 from gpulock.protocol.replies import Grant, NotGranted
 from gpulock.protocol.request import AcquireOptions, AcquireRequest
@@ -114,13 +116,23 @@ class RemoteHolders(Generic[_P]):
         BackendUnavailable."""
         return await self.pool._run(flow.renew(lease_id, token, ttl))
 
-    async def resize(self, lease_id: str, amount: int | str, timeout: float | None) -> Grant:
+    async def resize(
+        self,
+        lease_id: str,
+        amount: int | str,
+        timeout: float | None,
+        *,
+        priority: int = 0,
+        on_queued: Callable[[int], Any] | None = None,
+    ) -> Grant:
         """Resize a remote holder's lease ``lease_id`` to ``amount`` (bytes or a size string),
         a growth waiting up to ``timeout`` seconds (None: forever; 0: never queued) while the
         lease keeps its bytes (docs/SEMANTICS.md, "Resizing a lease"). The lease id is the
-        capability (no token); a growth queues at priority 0 (the lease's priority is not
-        known here), with the lease's tenant and on its device. A reply that answered at
-        once renewed the lease to its ttl (a hand-off grant of a growth did not).
+        capability (no token); a growth queues at ``priority`` (the lease's, when the caller
+        knows it; default 0), with the lease's tenant and on its device. A reply that
+        answered at once renewed the lease to its ttl (a hand-off grant of a growth did not).
+        ``on_queued(position)``: called when the growth queues (its 1-based place), and when
+        a refresh finds its place changed.
 
         Returns: a :class:`Grant`: the lease as the server has it now (``amount``, ``token``,
         unchanged, ``expires_ms``, ``now_ms``: server-clock milliseconds).
@@ -134,7 +146,18 @@ class RemoteHolders(Generic[_P]):
         n, timeout_s = resize_args(amount, timeout)
         lid = validate_lease_id(lease_id)
         grant, _ = await p._run(
-            resize(p, p._runtime, lid, None, n, timeout_s, p.clock(), waiter_ttl_s=p.waiter_ttl)
+            resize(
+                p,
+                p._runtime,
+                lid,
+                None,
+                n,
+                timeout_s,
+                p.clock(),
+                priority=check_priority(priority),
+                waiter_ttl_s=p.waiter_ttl,
+                on_queued=on_queued,
+            )
         )
         return grant
 

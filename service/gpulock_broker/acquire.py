@@ -4,7 +4,6 @@ place kept for a retry (see the protocol in :mod:`gpulock_broker.core`)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Callable
 
 from gpulock.http import access_log as access
@@ -15,7 +14,6 @@ from gpulock.protocol.replies import Grant, NotGranted
 from gpulock.errors import (
     BackendUnavailable,
     InvalidArgument,
-    LeaseLost,
     PoolClosed,
     PoolNotFound,
 )
@@ -126,15 +124,10 @@ class Acquirer:
                 access.note(queue_wait_s=self._clock() - start)
                 acquired_ms = entry.granted_ms or res.expires_ms - round(ttl * 1000)
                 entry.granted_ms = 0
-                if res.expires_ms - res.now_ms < ttl * 500:
-                    # A grant that waited for its client (parked): give the client a full ttl.
-                    try:
-                        exp, now = await self._tasks.guard(p.renew(res.lease_id, res.token, ttl))
-                        res = dataclasses.replace(res, expires_ms=exp, now_ms=now)
-                    except (LeaseLost, BackendUnavailable):
-                        pass  # as it is: the client's first renewal tells
+                # a grant that waited for its client (parked): give the client a full ttl
+                res = await self._leases.full_ttl(pool, res, ttl)
                 self._parking.discard(key)
-                self._leases.record(who.id, pool, tk, ttl, res)
+                self._leases.record(who.id, pool, tk, ttl, res, opts.priority)
                 return Granted(pool, rid, res, ttl, acquired_ms)
             if not res.queued:
                 final = True  # queue=False and busy: no place was taken

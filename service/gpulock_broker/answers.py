@@ -48,6 +48,28 @@ class LeaseRenewed(BaseModel):
     )
 
 
+class LeaseResized(BaseModel):
+    lease_id: str
+    pool: str
+    amount: int = Field(..., description="bytes: the lease's amount now")
+    token: int = Field(..., description="Fencing token: unchanged by a resize.")
+    ttl: float
+    expires_in: float = Field(
+        ...,
+        description="Seconds left on the server clock when this reply was made. Count them "
+        "from when you *sent* the request plus ``held_ms`` × (1 − 1%).",
+    )
+    expires_at: float = Field(..., description="Unix seconds, Redis server clock.")
+    device: int = Field(
+        0, description="The index of the device the lease is on (0 on a pool of one device)."
+    )
+    held_ms: int = Field(
+        0,
+        description="Milliseconds the broker held this request (a long poll) before it read "
+        "the lease's expiry, on its own monotonic clock.",
+    )
+
+
 class LeaseReleased(BaseModel):
     lease_id: str
     pool: str
@@ -205,10 +227,10 @@ class PoolDeleted(BaseModel):
 class ErrorDetail(BaseModel):
     error: str = Field(
         ...,
-        description="unauthorized, forbidden, queued, busy, queue_full, "
+        description="unauthorized, forbidden, queued, busy, queue_full, queue_timeout, "
         "backend_unavailable, capacity_exceeded, room_exceeded, quota_exceeded, "
         "pool_not_found, "
-        "pool_in_use, lease_lost, not_found, invalid; from the HTTP "
+        "pool_in_use, resize_refused, lease_lost, not_found, invalid; from the HTTP "
         "guards: invalid_utf8, invalid_json, nested_too_deeply, "
         "request_too_large, request_timeout",
     )
@@ -229,6 +251,7 @@ class ErrorDetail(BaseModel):
     )
     lease_id: Optional[str] = None
     amount: Optional[int] = None
+    current: Optional[int] = Field(None, description="resize_refused: the bytes the lease keeps")
     capacity: Optional[int] = None
     room: Optional[int] = Field(
         None, description="room_exceeded: the capacity less the resident leases (bytes)"

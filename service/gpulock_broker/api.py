@@ -8,12 +8,13 @@
     ...
     await broker.aclose()
 
-Status codes: 201 granted; 200 renewed/released/status/configured/deleted; 503 queued past
-``wait`` (with ``Retry-After`` and ``X-Queue-Position``; the place is kept for a retry with the
+Status codes: 201 granted; 200 renewed/resized/released/status/configured/deleted; 503 queued
+past ``wait`` (an acquire, or a lease's growth) (with ``Retry-After`` and ``X-Queue-Position``; the place is kept for a retry with the
 same ``request_id``), queue full, or Redis unavailable; 413 amount above capacity; 422 bad input
 (the field is named in ``detail[].loc``); 401 no or unknown bearer token; 403 pool not allowed
 for the token (or not admin); 404 pool not configured, or a lease of another token; 409 pool
-delete refused while leases or waiters are live; 410 the lease is lost. Error bodies are
+delete refused while leases or waiters are live, or a growth refused by the deadlock rule
+(``resize_refused``); 410 the lease is lost. Error bodies are
 ``{"detail": {"error": CODE, "message": TEXT, ...}}`` (422: FastAPI's
 ``{"detail": [{"loc": [...], "msg": ...}]}``). Each route declares them in the OpenAPI schema
 (``responses.py``), with the links from a grant to its lease's operations.
@@ -45,11 +46,20 @@ from gpulock.http.disconnect import watch_disconnect
 from .auth import Principal
 from .responses import LINKS, errors
 from .routing import FiniteJSONRoute
-from .core import Broker, ClientGone, Granted, LeaseGone, NotYours, PoolBeingDeleted
+from .core import (
+    Broker,
+    ClientGone,
+    Granted,
+    LeaseGone,
+    NotYours,
+    PoolBeingDeleted,
+    Resized,
+)
 from .answers import (
     LeaseGrant,
     LeaseReleased,
     LeaseRenewed,
+    LeaseResized,
     PoolConfigured,
     PoolDeleted,
     PoolList,
@@ -63,6 +73,7 @@ from .models import (
     LeaseRequest,
     PoolConfigRequest,
     RenewRequest,
+    ResizeRequest,
 )
 
 log = logging.getLogger("gpulock.broker")
@@ -326,6 +337,91 @@ async def renew_lease(
         expires_in=max(0, exp - now) / 1000,
         expires_at=exp / 1000,
         device=rec.device,
+    )
+
+
+@router.post(
+    "/pools/{pool}/leases/{lease_id}/resize",
+    response_model=LeaseResized,
+    operation_id="resize_lease",
+    responses={
+        200: {"description": "resized", "links": LINKS["resized"]},
+        **errors(
+            s404="pool_not_found, or not_found: no lease of this id for this token",
+            s409="resize_refused: the growth cannot be granted now and every other lease "
+            "holding bytes on its device is resident or waits to grow, so waiting could never "
+            "end (lease_id, amount, current in the body); the lease keeps its amount",
+            s410="lease_lost: the lease expired, was released, or its pool was reset or "
+            "deleted; its holder must stop using the memory",
+            s413="capacity_exceeded, room_exceeded, quota_exceeded: the new amount can never "
+            "fit the lease's device, the room its resident leases leave, or its tenant's quota "
+            "(as for an acquire); or request_too_large",
+            s503="queued: the growth still waits after `wait` seconds (position, "
+            "hold_place_for; Retry-After and X-Queue-Position; send the same resize again to go "
+            "on waiting); queue_timeout: not granted within `timeout` (0: not possible now), "
+            "the lease keeps its amount; queue_full; backend_unavailable",
+            validation="A value the schema refuses (named in detail[].loc, a bad amount with "
+            "its value), or a resident lease (never resized)",
+        ),
+    },
+    summary="Resize a lease (a growth may wait in the queue)",
+)
+async def resize_lease(
+    request: Request,
+    body: ResizeRequest,
+    pool: str = PoolName,
+    lease_id: str = LeaseId,
+    who: Principal = Depends(principal),
+    broker: Broker = Depends(get_broker),
+) -> LeaseResized:
+    """Change the lease's amount to ``amount`` (docs/SEMANTICS.md, "Resizing a lease"): a
+    shrink hands the bytes on at once; a growth is granted now, or waits in the queue (at the
+    lease's priority, on its device) up to ``timeout`` while the lease keeps its bytes. Same
+    lease id and token. 200: the lease as the server has it now (a reply made at once renewed
+    it). Still waiting after ``wait`` seconds: 503 ``queued`` with ``Retry-After``; send the
+    same resize again within ``hold_place_for`` seconds to keep waiting (else, or when the
+    client hangs up during the wait, the growth is withdrawn). A resize of the lease to
+    another amount replaces a growth that waits (back to the lease's amount withdraws it)."""
+    _allowed(who, pool)
+    gone = watch_disconnect(request) if body.wait > 0 else None
+    try:
+        r = await broker.resize(
+            who, pool, lease_id, body.amount_bytes, body.timeout, wait=body.wait, gone=gone
+        )
+    except Exception as e:
+        _map(e, pool)
+    finally:
+        if gone is not None:
+            gone.cancel()
+    if isinstance(r, Resized):
+        g = r.grant
+        return LeaseResized(
+            lease_id=lease_id,
+            pool=pool,
+            amount=g.amount,
+            token=g.token,
+            ttl=r.rec.ttl_s,
+            expires_in=r.expires_in,
+            expires_at=g.expires_ms / 1000,
+            device=g.device,
+            held_ms=int(r.held_s * 1000),  # floor: never more than it was held
+        )
+    headers = {"Retry-After": str(r.retry_after_s)}
+    pos = ""
+    if r.position is not None:
+        headers["X-Queue-Position"] = str(r.position)
+        pos = f" at position {r.position}"
+    _err(
+        503,
+        "queued",
+        f"lease {lease_id[:8]}…: its growth to {r.amount} bytes waits{pos}; send the same "
+        f"resize again within {r.hold_s:g}s to go on waiting",
+        headers,
+        lease_id=lease_id,
+        amount=r.amount,
+        position=r.position,
+        retry_after=r.retry_after_s,
+        hold_place_for=r.hold_s,
     )
 
 

@@ -37,7 +37,8 @@ metadata in Redis (``owner``), so a restarted broker can still check it.
 :class:`Broker` composes the parts, one module each: :mod:`.outcomes` (results and errors),
 :mod:`.tasks` (background tasks, the bound on a wait for Redis), :mod:`.pools` (the pool
 objects and pool-wide operations), :mod:`.leases` (lease records, renew, release),
-:mod:`.parking` (the parked places, their keepers, cancel) and :mod:`.acquire` (one request).
+:mod:`.parking` (the parked places, their keepers, cancel), :mod:`.acquire` (one request) and
+:mod:`.growths` (a lease's resize, and a growth that waits across requests as an acquire does).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from gpulock.admin.samples import Sampler, count_event
 
 from .acquire import LONG_POLL_S, Acquirer
 from .auth import Principal
+from .growths import Growing, Growths, Resized
 from .leases import LeaseRecord, Leases
 from .outcomes import ClientGone, Granted, LeaseGone, NotYours, PoolBeingDeleted, Queued
 from .parking import Parking
@@ -73,10 +75,12 @@ __all__ = [
     "Broker",
     "ClientGone",
     "Granted",
+    "Growing",
     "LeaseGone",
     "NotYours",
     "PoolBeingDeleted",
     "Queued",
+    "Resized",
 ]
 
 
@@ -132,7 +136,7 @@ class Broker:
             backend_timeout=backend_timeout,
             max_connections=redis_max_connections,
             in_use=lambda name: self._parking.holds(name) or self._leases.holds(name),
-            on_retire=lambda name: self._parking.drop_pool(name),
+            on_retire=self._retire,
             on_deleted=lambda name: self._leases.forget_pool(name),
         )
         self._leases = Leases(self._poolset, self._tasks, clock)
@@ -149,6 +153,16 @@ class Broker:
             self._parking,
             self._leases,
             self._tasks,
+            max_wait=max_wait,
+            retry_after_max=retry_after_max,
+            clock=clock,
+        )
+        self._growths = Growths(
+            self._poolset,
+            self._leases,
+            self._tasks,
+            waiter_ttl=waiter_ttl,
+            park_max=park_max,
             max_wait=max_wait,
             retry_after_max=retry_after_max,
             clock=clock,
@@ -204,6 +218,7 @@ class Broker:
         await stop_tasks(t for t in (self._sampler, self._sweeper) if t is not None)
         self._sampler = self._sweeper = None
         await self._parking.aclose()
+        await self._growths.aclose()
         await self._poolset.close_pools()
         await self._tasks.aclose()  # keepers, and Redis calls that outlived a request
         await self._poolset.disconnect()
@@ -244,6 +259,26 @@ class Broker:
         """Returns (record, expires_ms, server_now_ms). Raises LeaseGone, NotYours,
         BackendUnavailable."""
         return await self._leases.renew(who, pool, lease_id, ttl)
+
+    async def resize(
+        self,
+        who: Principal,
+        pool: str,
+        lease_id: str,
+        amount: int,
+        timeout: float | None,
+        *,
+        wait: float,
+        gone: asyncio.Future | None = None,
+    ) -> Resized | Growing:
+        """Resize ``who``'s lease to ``amount`` bytes: the lease as it is now, or a growth that
+        still waits after ``wait`` seconds (kept for a retry; :meth:`.growths.Growths.resize`).
+
+        Raises: LeaseGone, NotYours, InvalidArgument, CapacityExceeded, ResizeRefused,
+        QueueFull, AcquireTimeout, PoolNotFound, BackendUnavailable, ClientGone."""
+        return await self._growths.resize(
+            who, pool, lease_id, amount, timeout, wait=wait, gone=gone
+        )
 
     async def release(self, who: Principal, pool: str, lease_id: str) -> int | None:
         """Release; returns the server time (ms) of the release, None when it was released
@@ -295,6 +330,11 @@ class Broker:
         """Delete a pool in Redis and forget what this broker kept for it (see
         :meth:`.pools.Pools.delete`). Raises: InvalidArgument, BackendUnavailable."""
         return await self._poolset.delete(pool, force=force)
+
+    def _retire(self, name: str) -> None:
+        """Drop what is kept for the requests on pool ``name`` (its pool object is closed)."""
+        self._parking.drop_pool(name)
+        self._growths.drop_pool(name)
 
     # ---- housekeeping ------------------------------------------------------------------------
     async def _sweep_loop(self) -> None:

@@ -8,12 +8,13 @@ metadata in Redis (``owner``), so a restarted broker can still check it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
 from gpulock.protocol.replies import Grant
-from gpulock.errors import LeaseLost, PoolNotFound
+from gpulock.errors import BackendUnavailable, LeaseLost, PoolNotFound
 
 from .auth import Principal
 from .outcomes import LeaseGone, NotYours, gone_message
@@ -39,6 +40,7 @@ class LeaseRecord:
     expires_local: float = 0.0  # local monotonic estimate of the server expiry (for cleanup)
     device: int = 0  # the device the lease is on (0 on a pool of one device)
     releasing: asyncio.Task | None = None
+    priority: int = 0  # its acquire's (a growth queues at it); 0 when read back from Redis
 
 
 @dataclass
@@ -78,14 +80,24 @@ class Leases:
         """Whether a lease on ``pool`` is recorded."""
         return any(r.pool == pool for r in self._leases.values())
 
-    def record(self, owner: str, pool: str, ticket: str, ttl: float, g: Grant) -> LeaseRecord:
-        """Record the grant ``g`` of the request ``ticket`` as handed to ``owner`` (a token's
-        identity); a lease recorded before keeps its record. Its local expiry estimate is
-        updated from ``g``."""
+    def record(
+        self, owner: str, pool: str, ticket: str, ttl: float, g: Grant, priority: int = 0
+    ) -> LeaseRecord:
+        """Record the grant ``g`` of the request ``ticket`` (of ``priority``) as handed to
+        ``owner`` (a token's identity); a lease recorded before keeps its record. Its local
+        expiry estimate is updated from ``g``."""
         rec = self._leases.get(g.lease_id)
         if rec is None:
             rec = LeaseRecord(
-                pool, g.lease_id, owner, g.token, ttl, ticket, g.amount, device=g.device
+                pool,
+                g.lease_id,
+                owner,
+                g.token,
+                ttl,
+                ticket,
+                g.amount,
+                device=g.device,
+                priority=priority,
             )
             self._leases[g.lease_id] = rec
             self._handed[(pool, ticket)] = g.lease_id
@@ -114,7 +126,10 @@ class Leases:
         while len(self._tombs) > self.max_tombs:
             self._tombs.popitem(last=False)
 
-    async def _find(self, who: Principal, pool: str, lease_id: str) -> LeaseRecord:
+    async def find(self, who: Principal, pool: str, lease_id: str) -> LeaseRecord:
+        """The record of lease ``lease_id`` on ``pool`` if ``who`` owns it (read back from the
+        holder metadata in Redis when this broker has none). Raises LeaseGone (released or
+        lost), NotYours, BackendUnavailable."""
         rec = self._leases.get(lease_id)
         if rec is None or rec.pool != pool:
             tomb = self._tombs.get(lease_id)
@@ -159,16 +174,14 @@ class Leases:
     ) -> tuple[LeaseRecord, int, int]:
         """Renew for ``ttl`` seconds (None: the lease's last ttl). Returns (record,
         expires_ms, server_now_ms). Raises LeaseGone, NotYours, BackendUnavailable."""
-        rec = await self._find(who, pool, lease_id)
+        rec = await self.find(who, pool, lease_id)
         ttl_s = rec.ttl_s if ttl is None else ttl
         try:
             exp, now = await self._tasks.guard(
                 self._pools.get(pool).renew(lease_id, rec.token, ttl_s)
             )
         except LeaseLost:
-            if self._leases.get(lease_id) is rec:
-                self.forget(rec, "lost")
-            raise LeaseGone(lease_id, "lost", gone_message(lease_id, "lost")) from None
+            raise self.lost(rec) from None
         rec.ttl_s = ttl_s
         rec.expires_local = self._clock() + max(0, exp - now) / 1000
         return rec, exp, now
@@ -177,7 +190,7 @@ class Leases:
         """Release; returns the server time (ms) of the release, None when it was released
         before (idempotent). Raises LeaseGone (lost), NotYours, BackendUnavailable."""
         try:
-            rec = await self._find(who, pool, lease_id)
+            rec = await self.find(who, pool, lease_id)
         except LeaseGone as e:
             if e.outcome == "released":
                 return None
@@ -190,6 +203,34 @@ class Leases:
         if not ok:
             raise LeaseGone(lease_id, "lost", gone_message(lease_id, "lost"))
         return now
+
+    def lost(self, rec: LeaseRecord) -> LeaseGone:
+        """The server said ``rec``'s lease is lost: forget it as lost (unless another record
+        replaced it) and return the error its caller gets (410)."""
+        if self._leases.get(rec.lease_id) is rec:
+            self.forget(rec, "lost")
+        return LeaseGone(rec.lease_id, "lost", gone_message(rec.lease_id, "lost"))
+
+    def resized(self, rec: LeaseRecord, g: Grant, expires_in: float) -> None:
+        """``rec``'s lease has ``g.amount`` bytes now, ``expires_in`` seconds left (local
+        clock from now)."""
+        rec.amount = g.amount
+        rec.expires_local = self._clock() + max(0.0, expires_in)
+
+    async def full_ttl(self, pool: str, g: Grant, ttl: float) -> Grant:
+        """``g`` renewed to ``ttl`` seconds from now when less than half of it is left (a grant
+        that waited for its client, parked, or a growth that a hand-off granted), so the
+        client starts with a full ttl; else ``g``. A renewal that fails leaves ``g`` as it is
+        (the client's first renewal tells)."""
+        if g.expires_ms - g.now_ms >= ttl * 500:
+            return g
+        try:
+            exp, now = await self._tasks.guard(
+                self._pools.get(pool).renew(g.lease_id, g.token, ttl)
+            )
+        except (LeaseLost, BackendUnavailable):
+            return g
+        return dataclasses.replace(g, expires_ms=exp, now_ms=now)
 
     async def _release(self, rec: LeaseRecord) -> tuple[bool, int]:
         # retried while the lease may still be valid (then its bytes are freed at expiry):

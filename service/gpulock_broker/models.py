@@ -18,6 +18,7 @@ from gpulock_common.options import (
     MAX_DEVICES,
     MAX_MAX_WAITERS,
     MAX_REMOTE_REQUEST_ID_LEN,
+    MAX_TIMEOUT_S,
     MIN_BACKFILL_WINDOW_S,
     MIN_MAX_WAITERS,
     MIN_REMOTE_TTL_S,
@@ -219,6 +220,43 @@ class RenewRequest(_Body):
         allow_inf_nan=False,
         description="New time to live in seconds from now (default: the lease's ttl).",
     )
+
+
+class ResizeRequest(_Body):
+    amount: Size = Field(
+        ...,
+        description='The lease\'s new amount: bytes, or a size such as "6GiB". Smaller: the '
+        "freed bytes go to the queue at once. Larger: the difference is taken as a new request "
+        "of that size would be (at the lease's priority, tenant and device), now or after "
+        'waiting (docs/SEMANTICS.md, "Resizing a lease").',
+        examples=["6GiB", 1048576],
+    )
+    timeout: Optional[float] = Field(
+        None,
+        ge=0.0,
+        le=MAX_TIMEOUT_S,
+        allow_inf_nan=False,
+        description="Seconds a growth may wait, counted from the request that starts it (a "
+        "retry of the same resize joins it); null: as long as the client keeps coming back; "
+        "0: never waits (503 queue_timeout when it cannot be granted now).",
+    )
+    wait: float = Field(
+        0.0,
+        ge=0.0,
+        le=3600.0,
+        allow_inf_nan=False,
+        description="Seconds the server may hold this request while the growth waits (capped "
+        "by the broker's --max-wait). 0: answer at once (503 queued while it waits).",
+    )
+
+    @field_validator("amount", mode="before")
+    @classmethod
+    def _amount(cls, v: Any) -> int:
+        return _size(v, "amount")
+
+    @property
+    def amount_bytes(self) -> int:
+        return _validated_bytes(self.amount)
 
 
 def _capacity_or_devices(schema: dict[str, Any]) -> None:

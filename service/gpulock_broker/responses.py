@@ -26,6 +26,7 @@ __all__ = ["LINKS", "OPERATION_IDS", "errors"]
 OPERATION_IDS = (
     "acquire_lease",
     "renew_lease",
+    "resize_lease",
     "release_lease",
     "cancel_request",
     "list_pools",
@@ -72,7 +73,7 @@ def _link(operation: str, **parameters: str) -> dict[str, Any]:
 
 # OpenAPI links: how an answer's values feed the next operation.
 LINKS: dict[str, dict[str, Any]] = {
-    # 201: the granted lease, renewed, released, or withdrawn by its request id
+    # 201: the granted lease, renewed, resized, released, or withdrawn by its request id
     "granted": {
         "RenewLease": _link(
             "renew_lease", pool="$request.path.pool", lease_id="$response.body#/lease_id"
@@ -80,10 +81,22 @@ LINKS: dict[str, dict[str, Any]] = {
         "ReleaseLease": _link(
             "release_lease", pool="$request.path.pool", lease_id="$response.body#/lease_id"
         ),
+        "ResizeLease": _link(
+            "resize_lease", pool="$request.path.pool", lease_id="$response.body#/lease_id"
+        ),
         "CancelRequest": _link(
             "cancel_request", pool="$request.path.pool", request_id="$response.body#/request_id"
         ),
         "PoolStatus": _link("pool_status", pool="$request.path.pool"),
+    },
+    # 200 of a resize: the lease renewed, released
+    "resized": {
+        "RenewLease": _link(
+            "renew_lease", pool="$request.path.pool", lease_id="$response.body#/lease_id"
+        ),
+        "ReleaseLease": _link(
+            "release_lease", pool="$request.path.pool", lease_id="$response.body#/lease_id"
+        ),
     },
     # 200 of a renewal: the lease released
     "renewed": {

@@ -414,3 +414,89 @@ def test_validity_counts_from_the_reply_after_a_long_poll():
         "p", grant_body(expires_in=2.0, ttl=2.0), sent=100.0, clock=Clock()
     )  # old broker
     assert old.valid_until == pytest.approx(100.0 + 2.0 * 0.99 - 0.05)
+
+
+# ---- lease.resize --------------------------------------------------------------------------
+
+
+def resized_body(amount, expires_in=30.0, held_ms=0):
+    return {
+        "lease_id": "a" * 32,
+        "pool": "p",
+        "amount": amount,
+        "token": 7,
+        "ttl": 30.0,
+        "expires_in": expires_in,
+        "expires_at": 1e9 + expires_in,
+        "device": 0,
+        "held_ms": held_ms,
+    }
+
+
+def held_lease(clock):
+    return core.LeaseState("p", grant_body(), clock(), clock)
+
+
+@pytest.mark.parametrize(
+    "amount,timeout", [(5, None), ("5B", 3.0), ("0", None), (-1, None), (True, None), (9, -1)]
+)
+def test_resize_sends_nothing_for_the_same_amount_or_a_bad_value(amount, timeout):
+    clock = Clock()
+    s = held_lease(clock)
+    out, steps = drive(core.resize_steps(cfg(clock), s, amount, timeout), clock, [])
+    assert steps == [] and s.amount == 5
+    assert out is None if amount in (5, "5B") else isinstance(out, InvalidArgument), out
+
+
+def test_resize_of_a_released_or_lost_lease_sends_nothing():
+    clock = Clock()
+    s = held_lease(clock)
+    s.released = True
+    out, steps = drive(core.resize_steps(cfg(clock), s, 9, None), clock, [])
+    assert isinstance(out, LeaseLost) and steps == []
+    s = held_lease(clock)
+    s.mark_lost("gone")
+    out, steps = drive(core.resize_steps(cfg(clock), s, 9, None), clock, [])
+    assert isinstance(out, LeaseLost) and steps == []
+
+
+def test_resize_long_polls_then_counts_validity_from_the_answer():
+    clock = Clock()
+    s = held_lease(clock)
+    c = cfg(clock, max_wait=1.0)
+    sent = []
+
+    def ok(step):
+        sent.append(clock())
+        return core.Reply(200, {}, resized_body(9, expires_in=20.0, held_ms=500), clock())
+
+    out, steps = drive(core.resize_steps(c, s, "9", 60), clock, [lambda st: queued(clock), ok])
+    http = [st for st in steps if isinstance(st, core.Http)]
+    assert out is None and s.amount == 9 and len(http) == 2
+    assert http[0].path == f"/v1/pools/p/leases/{'a' * 32}/resize" and http[0].lane == core.WAIT
+    assert http[0].json["amount"] == 9 and http[0].json["wait"] == 1.0
+    assert http[1].json["timeout"] < 60  # what is left of it
+    # Chubby's rule from the send of the answering request plus the broker's hold
+    assert s.valid_until == core.validity_deadline(sent[0], 20.0, 0.5)
+
+
+def test_resize_withdraws_a_growth_the_broker_keeps_past_the_timeout():
+    """The broker answers its own timeout; when it does not (still queued 2 s after it), the
+    client withdraws the growth: a resize back to the amount it holds, never waiting."""
+    clock = Clock()
+    s = held_lease(clock)
+    withdrawn = []
+
+    def broker(step):
+        if step.json["amount"] == 5:
+            withdrawn.append(step)
+            return core.Reply(200, {}, resized_body(5), clock())
+        clock.t += 1.0  # a long poll of 1 s
+        return queued(clock, pos=1, ra="0")
+
+    c = cfg(clock, max_wait=1.0)
+    out, steps = drive(core.resize_steps(c, s, 9, 2.0), clock, [broker] * 20)
+    assert isinstance(out, AcquireTimeout) and out.position == 1, out
+    assert clock.t - 100.0 >= 2.0 + core.RESIZE_SLACK_S
+    assert [w.json for w in withdrawn] == [{"amount": 5, "timeout": 0, "wait": 0}]
+    assert s.amount == 5

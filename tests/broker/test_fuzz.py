@@ -281,10 +281,11 @@ def test_every_status_schemathesis_may_accept_is_declared(live):
         assert extra and extra <= set(op["responses"]), (entry, sorted(op["responses"]))
     for op_id, op in ops.items():
         if op_id.startswith(
-            ("acquire", "renew", "release", "cancel", "pool", "configure", "delete")
+            ("acquire", "renew", "resize", "release", "cancel", "pool", "configure", "delete")
         ):
             assert {"400", "401", "403", "413", "422", "503"} <= set(op["responses"]), op_id
             assert op["responses"]["503"]["headers"]["Retry-After"]["required"], op_id
     granted = ops["acquire_lease"]["responses"]["201"]["links"]
     assert granted["RenewLease"]["parameters"]["lease_id"] == "$response.body#/lease_id"
+    assert granted["ResizeLease"]["parameters"]["lease_id"] == "$response.body#/lease_id"
     assert "401" in ops[next(k for k in ops if "dashboard" in k)]["responses"]

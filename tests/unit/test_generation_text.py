@@ -79,6 +79,27 @@ def test_pieces_count_tokens_and_end_with_the_finish_reason():
     assert closed == [True]  # the token loop was closed: no more forward passes
 
 
+def test_a_generation_is_sized_by_the_shared_estimate():
+    """plan() sizes a generation with gpulock.estimates over the model's shape (the formula
+    itself: tests/unit/test_generation_estimate.py): the tiny model's shape sits on one 2 MiB
+    segment for a short generation."""
+    tiny = DecoderShape(
+        layers=2,
+        kv_heads=2,
+        head_dim=32,
+        bytes_per_element=4,
+        hidden=128,
+        heads=4,
+        intermediate=256,
+        vocab=1000,
+    )  # fmt: skip  (the tiny model's shape, vocabulary aside)
+    m = _Model()
+    m.shape = tiny
+    p = plan(CompletionRequest(prompt=[1] * 5, max_tokens=10), m, LIMITS)
+    assert p.sizes.shape is tiny
+    assert p.sizes.max_size == tiny.generation_bytes(5, 10) == 2 * 2**20
+
+
 class _Model:
     """What plan() reads of a model: a name, a context, a tokenizer and an estimate."""
 

@@ -3,7 +3,7 @@
 Two distributions raise gpulock's errors and keep a lease's local validity clock: ``gpulock``
 (the core: Redis, Lua, the FastAPI integration, the broker) and ``gpulock-client`` (the SDK for
 the broker's HTTP lease API, which depends on httpx only). Both depend on this one
-(``gpulock-common>=0.3.0``), which depends on nothing outside the standard library, so the SDK
+(``gpulock-common>=0.4.0``), which depends on nothing outside the standard library, so the SDK
 pulls in neither redis, torch nor FastAPI, and the two sides hold one copy of:
 
 - :mod:`gpulock_common.errors`: the exception tree (``GpuLockError`` and its subclasses).
@@ -17,7 +17,8 @@ pulls in neither redis, torch nor FastAPI, and the two sides hold one copy of:
   ``LeaseLost``; ``mark_lost`` firing the ``on_lost`` callbacks once), and the lease object's
   read-only surface.
 - :mod:`gpulock_common.units`: ``format_size``, the byte formatter the error messages use, and
-  ``MAX_BYTES``.
+  ``MAX_BYTES``; :mod:`gpulock_common.sizes`: ``parse_size``, the one parser of a size
+  ("4GiB") into bytes.
 - :mod:`gpulock_common.validation`: validation errors in users' words (``input[0][1]: ...``,
   no pydantic internals), for the servers' 400/422 and the SDK's and CLI's messages.
 - :mod:`gpulock_common.options`: the vocabulary of an acquire and of a pool's settings
@@ -32,4 +33,4 @@ pulls in neither redis, torch nor FastAPI, and the two sides hold one copy of:
 Nothing here does I/O.
 """
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"

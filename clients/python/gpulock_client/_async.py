@@ -59,6 +59,28 @@ class AsyncLease(core.LeaseBase):
             )
         s.check()
 
+    async def resize(self, amount: Union[int, str], *, timeout: Optional[float] = None) -> None:
+        """Change the lease's amount: the arguments, behaviour and errors of
+        :meth:`gpulock_client.Lease.resize`. On cancellation a growth is withdrawn (a grant
+        that raced in is undone) before the cancellation propagates."""
+        s, p = self._state, self._pool
+        before = s.amount
+        try:
+            await p._run(core.resize_steps(p._cfg, s, amount, timeout))
+        except asyncio.CancelledError:
+            if core.grows(amount, before) and s.amount == before:
+                t = asyncio.ensure_future(p._run(core.withdraw_growth_steps(p._cfg, s)))
+                try:
+                    await asyncio.shield(t)
+                except BaseException:
+                    pass
+            raise
+        finally:
+            if s.active and p._leases.get(s.lease_id) is s:
+                p._arm_deadline(s)  # its validity deadline moved with the answer
+            if p._wake is not None:
+                p._wake.set()  # its next renewal may be due at another time now
+
     async def release(self) -> None:
         """Give the bytes back. Idempotent. Raises LeaseLost (it had been lost),
         BackendUnavailable (not confirmed within 5 s; it expires after its ttl)."""

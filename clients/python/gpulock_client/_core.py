@@ -43,6 +43,7 @@ from gpulock_common.options import PRIORITY_MIN as PRIORITY_MIN
 from gpulock_common.options import AcquireOptions as AcquireOptions
 from gpulock_common.options import PoolSettings as PoolSettings
 from gpulock_common.grace import grace_note
+from gpulock_common.sizes import parse_size
 from gpulock_common.wire import error_from_reply, reply_message
 from ._gate import Gate as Gate
 from ._gate import Waker as Waker
@@ -205,11 +206,16 @@ class LeaseState(LocalLeaseState):
         self.renew_failures = 0
 
     def renewed(self, sent: float, body: Dict[str, Any]) -> None:
+        """The broker's answer ``body`` to a renewal or a resize sent at ``sent``: the
+        expiry it read (``expires_in``, counted from ``sent`` plus its ``held_ms``, which a
+        renewal's answer does not have) is the lease's now, and the next renewal is due a
+        third of it later."""
+        held_s = max(0.0, float(body.get("held_ms") or 0)) / 1000
         exp_in = float(body["expires_in"])
         self.expires_at = float(body["expires_at"])
         self.ttl_s = float(body.get("ttl", self.ttl_s))
-        self.valid_until = validity_deadline(sent, exp_in)
-        self.next_renew = sent + min(self.ttl_s, exp_in) / 3
+        self.valid_until = validity_deadline(sent, exp_in, held_s)
+        self.next_renew = reply_made_after(sent, held_s) + min(self.ttl_s, exp_in) / 3
         self.renew_failures = 0
 
 
@@ -309,34 +315,51 @@ def acquire_steps(
     priorities or devices refuses the field)."""
     options = options.checked(remote=True)
     timeout = options.timeout
-    clock = cfg.clock
-    start = clock()
+    start = cfg.clock()
     deadline = None if timeout is None else start + max(0.0, timeout)
     try_once = timeout is not None and timeout <= 0
+    polls = _acquire_polls(
+        cfg,
+        amount,
+        options,
+        on_queued=on_queued,
+        start=start,
+        deadline=deadline,
+        try_once=try_once,
+    )
+    return (
+        yield from _gated(cfg, polls, start, deadline, try_once, f"no grant of {amount}", timeout)
+    )
+
+
+def _gated(
+    cfg: PoolConfig,
+    polls: Steps,
+    start: float,
+    deadline: Optional[float],
+    try_once: bool,
+    what: str,
+    timeout: Optional[float],
+) -> Steps:
+    """Run ``polls`` (long polls on the WAIT lane) holding a slot of ``cfg.gate``, taken in
+    FIFO order within ``deadline`` and left when they end; ``try_once`` (one answer at once,
+    on the control connections) takes none. Raises AcquireTimeout ("``what`` within
+    ``timeout``s") when no slot freed in time: nothing reached the broker."""
     gate = None if try_once else cfg.gate
     entered = False
     try:
         if gate is not None:
             entered = (yield Enter(gate, deadline)) is True
-            if not entered or (deadline is not None and clock() >= deadline):
+            if not entered or (deadline is not None and cfg.clock() >= deadline):
                 raise AcquireTimeout(
-                    f"pool {cfg.name!r}: no grant of {amount} within {timeout}s: it waited in this process "
+                    f"pool {cfg.name!r}: {what} within {timeout}s: it waited in this process "
                     f"for one of its {gate.slots} connections for waits (max_connections), all taken by "
                     f"earlier waits, and never reached the broker's queue",
-                    waited=clock() - start,
+                    waited=cfg.clock() - start,
                 )
-        return (
-            yield from _acquire_polls(
-                cfg,
-                amount,
-                options,
-                on_queued=on_queued,
-                start=start,
-                deadline=deadline,
-                try_once=try_once,
-            )
-        )
+        return (yield from polls)
     finally:
+        polls.close()
         if entered:
             assert gate is not None
             gate.leave()
@@ -448,6 +471,138 @@ def _cancel_steps(cfg: PoolConfig, rid: str) -> Steps:
     """Withdraw the request (leave the queue, release a grant that raced in); best effort:
     if it fails, the broker withdraws it after its hold window."""
     yield Http("DELETE", f"{cfg.base}/requests/{rid}", timeout=2.0)
+
+
+def resize_steps(
+    cfg: PoolConfig, s: LeaseState, amount: Union[int, str], timeout: Optional[float]
+) -> Steps:
+    """``lease.resize(amount, timeout=...)`` through the broker (``POST .../resize``): checks
+    ``amount`` (bytes or a size, :func:`gpulock_common.sizes.parse_size`) and ``timeout`` (as
+    an acquire's, :meth:`AcquireOptions.checked`) before anything is sent; the same amount
+    sends nothing; a lease released or lost here raises LeaseLost without a request. A growth
+    that waits is long-polled as an acquire is (a wait connection's slot, ``Retry-After``
+    with jitter, the broker unreachable retried for ``backend_timeout`` or until the
+    timeout), the same resize sent again each time; the broker's own timeout answers
+    AcquireTimeout, and one that does not come within :data:`RESIZE_SLACK_S` after the
+    timeout is withdrawn from here (:func:`withdraw_growth_steps`). On success ``s.amount``
+    is the new amount and its validity counts from the answer (:meth:`LeaseState.renewed`).
+
+    Raises: InvalidArgument, LeaseLost (marks the lease lost), ResizeRefused,
+    CapacityExceeded (QuotaExceeded, RoomExceeded), AcquireTimeout (the lease keeps its
+    amount), QueueFull, BackendUnavailable, AuthError, PoolNotFound."""
+    n = parse_size(amount)
+    timeout = AcquireOptions(timeout=timeout).checked(remote=True).timeout
+    if s.released:
+        raise LeaseLost(s.lease_id, "it was released")
+    s.check()
+    if n == s.amount:
+        return None
+    start = cfg.clock()
+    deadline = None if timeout is None else start + timeout
+    try_once = timeout == 0
+    polls = _resize_polls(cfg, s, n, timeout, start, deadline, try_once)
+    what = f"lease {s.lease_id[:8]}… not grown to {n} bytes"
+    return (yield from _gated(cfg, polls, start, deadline, try_once, what, timeout))
+
+
+#: Seconds a growth's long polls go on past its timeout for the broker's own answer to it.
+RESIZE_SLACK_S = 2.0
+
+
+def _resize_polls(
+    cfg: PoolConfig,
+    s: LeaseState,
+    n: int,
+    timeout: Optional[float],
+    start: float,
+    deadline: Optional[float],
+    try_once: bool,
+) -> Steps:
+    clock, rng = cfg.clock, cfg.rng
+    lane = CONTROL if try_once else WAIT
+    path = f"{cfg.base}/leases/{s.lease_id}/resize"
+    down_since: Optional[float] = None
+    position, attempt = 0, 0
+    last_err: Optional[GpuLockError] = None
+    waiting = False  # the broker said the growth waits: withdraw it when giving up
+    while True:
+        now = clock()
+        left = math.inf if deadline is None else deadline - now
+        wait = 0.0 if try_once else min(cfg.max_wait, max(0.0, left) + RESIZE_SLACK_S)
+        body = {
+            "amount": n,
+            "timeout": None if timeout is None else max(0.0, left),
+            "wait": round(wait, 3),
+        }
+        out = yield Http("POST", path, body, timeout=wait + READ_SLACK_S, lane=lane)
+        assert isinstance(out, (Reply, Exception))  # an Http step's outcome
+        attempt += 1
+        code = out.detail().get("error") if isinstance(out, Reply) else None
+        if isinstance(out, Reply) and out.status == 200:
+            if s.active:
+                s.amount = int(out.body["amount"])
+                s.renewed(out.sent, out.body)
+            return None
+        final = try_once or left <= -RESIZE_SLACK_S
+        if isinstance(out, Reply) and out.status == 503 and code == "queued":
+            down_since, last_err, waiting = None, None, True
+            position = int(out.detail().get("position") or position)
+            ra = out.retry_after()
+            delay = jittered(ra if ra is not None else 1.0, rng)
+        elif isinstance(out, Exception) or (
+            out.status in (502, 503, 504) and code != "queue_timeout"
+        ):
+            last_err = (
+                BackendUnavailable(f"pool {cfg.name!r}: broker unreachable: {out!r}")
+                if isinstance(out, Exception)
+                else error_for(out, cfg.name)
+            )
+            down_since = now if down_since is None else down_since
+            if deadline is None and clock() - down_since >= cfg.backend_timeout:
+                final = True
+            ra = out.retry_after() if isinstance(out, Reply) else None
+            delay = jittered(ra, rng) if ra is not None else backoff(attempt, rng)
+        else:
+            err = error_for(out, cfg.name)
+            if isinstance(err, _GONE):
+                s.mark_lost(f"the broker says it is gone: {out.message()}")
+            if isinstance(err, AcquireTimeout):
+                err.waited = clock() - start
+            raise err
+        if final:
+            if waiting or last_err is not None:
+                yield from withdraw_growth_steps(cfg, s)
+            if last_err is not None:
+                raise last_err
+            raise AcquireTimeout(
+                f"pool {cfg.name!r}: lease {s.lease_id[:8]}… not grown to {n} bytes within "
+                f"{timeout}s (position {position}); it keeps its amount",
+                position=position,
+                waited=clock() - start,
+            )
+        end = None if deadline is None else deadline + RESIZE_SLACK_S
+        yield Sleep(delay if end is None else max(0.0, min(delay, end - clock())))
+
+
+def grows(amount: Union[int, str], current: int) -> bool:
+    """Whether a resize to ``amount`` grows a lease of ``current`` bytes (False for a bad
+    amount: nothing was sent)."""
+    try:
+        return parse_size(amount) > current
+    except InvalidArgument:
+        return False
+
+
+def withdraw_growth_steps(cfg: PoolConfig, s: LeaseState) -> Steps:
+    """Withdraw a growth of ``s`` sent from here (given up, or interrupted): a resize back to
+    the amount it holds here, never waiting, which ends the growth at the broker and undoes a
+    grant that raced in; best effort (else the broker withdraws it when nobody comes back)."""
+    yield Http(
+        "POST",
+        f"{cfg.base}/leases/{s.lease_id}/resize",
+        {"amount": s.amount, "timeout": 0, "wait": 0},
+        timeout=2.0,
+    )
 
 
 # Replies to a renewal or a release that end the lease: the broker says it is gone (410

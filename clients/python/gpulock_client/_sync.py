@@ -70,6 +70,37 @@ class Lease(core.LeaseBase):
             )
         s.check()
 
+    def resize(self, amount: Union[int, str], *, timeout: Optional[float] = None) -> None:
+        """Change the lease's amount to ``amount`` (bytes or a size such as "6GiB"), keeping
+        its id and fencing token (docs/SEMANTICS.md, "Resizing a lease"). A shrink hands the
+        bytes on at once. A growth is granted now, or waits in the pool's queue (at the
+        lease's priority, on its device) up to ``timeout`` seconds (None: forever; 0: never
+        waits) while the lease keeps its bytes and its heartbeat; long-polled as
+        :meth:`Pool.acquire` is. Afterwards ``amount`` is the new amount and the lease's
+        validity counts from the broker's answer. The same amount sends nothing. On
+        KeyboardInterrupt a growth is withdrawn (a grant that raced in is undone) before it
+        propagates.
+
+        Raises: InvalidArgument (a bad amount or timeout, named, before anything is sent;
+        a resident lease), LeaseLost (released or lost: nothing is sent; or the broker says
+        it is gone), ResizeRefused (waiting could only deadlock: every other lease on its
+        device is resident or waits to grow), CapacityExceeded (QuotaExceeded, RoomExceeded:
+        the new amount can never fit), AcquireTimeout (not granted in time: the lease keeps
+        its amount), QueueFull, BackendUnavailable, AuthError."""
+        s, p = self._state, self._pool
+        before = s.amount
+        try:
+            p._run(core.resize_steps(p._cfg, s, amount, timeout))
+        except BaseException as e:
+            if not isinstance(e, Exception) and core.grows(amount, before) and s.amount == before:
+                try:  # interrupted: withdraw a growth, best effort
+                    p._run(core.withdraw_growth_steps(p._cfg, s))
+                except Exception:
+                    pass
+            raise
+        finally:
+            p._wake.set()  # its next renewal may be due at another time now
+
     def release(self) -> None:
         """Give the bytes back. Idempotent: later calls do nothing.
 
