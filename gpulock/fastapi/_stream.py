@@ -46,7 +46,7 @@ from gpulock_common.wire import answer_for, served
 from gpulock.http.sse import SSE_DONE, error_body, sse_event
 from gpulock._async import AsyncLease
 from gpulock.errors import InvalidArgument, LeaseLost
-from ._errors import CudaFatal, CudaOOM
+from ._errors import CudaFatal, CudaOOM, GpuLockHTTPException
 from ._metrics import metrics
 
 if typing.TYPE_CHECKING:
@@ -70,17 +70,25 @@ _END = object()  # a body's end
 class StreamLease:
     """What a streaming body reaches its lease through: give the generator (or the function
     that returns the iterable) a parameter annotated ``StreamLease`` and it receives one.
+    ``StreamLease(current_lease(), loop)`` gives a plain guarded call's thread the same handle
+    (``loop``: the limiter's event loop, taken in the handler), without the stream's stop.
 
     Attributes:
         lease: the request's :class:`~gpulock.AsyncLease` (``amount`` in bytes, ``id``,
             ``ensure_valid()``, ...); None when the limiter is disabled (``enabled=False``).
     """
 
-    __slots__ = ("_loop", "lease")
+    __slots__ = ("_loop", "_stopped", "lease")
 
-    def __init__(self, lease: AsyncLease | None, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self,
+        lease: AsyncLease | None,
+        loop: asyncio.AbstractEventLoop,
+        stopped: asyncio.Event | None = None,
+    ):
         self.lease = lease
         self._loop = loop
+        self._stopped = stopped  # set (on ``loop``) when the stream ends: no chunk is wanted
 
     def ensure_valid(self) -> None:
         """Raise LeaseLost if the lease is no longer valid (the stream checks it before each
@@ -92,9 +100,13 @@ class StreamLease:
         """Run the awaitable ``aw`` (a call of the lease's, e.g. ``stream.lease.resize(n)``) on
         the limiter's event loop and return its result, from a sync body's executor thread,
         waiting at most ``timeout`` seconds (None: no bound). An async body awaits it itself.
+        When the stream ends meanwhile (the client hung up), ``aw`` is cancelled at once (a
+        growth waiting in the pool's queue leaves it, the lease keeps its amount) and the body
+        is closed after it returns, so a hang-up is not held up by a wait in ``aw``.
 
-        Raises: what ``aw`` raises; TimeoutError after ``timeout``; RuntimeError on the event
-        loop's own thread (it would wait for itself)."""
+        Raises: what ``aw`` raises; TimeoutError after ``timeout``;
+        ``concurrent.futures.CancelledError`` when the stream ended first (``aw`` cancelled);
+        RuntimeError on the event loop's own thread (it would wait for itself)."""
         try:
             here = asyncio.get_running_loop()
         except RuntimeError:
@@ -104,8 +116,22 @@ class StreamLease:
                 aw.close()
             raise RuntimeError("StreamLease.run() is for a sync body's thread: await it instead")
 
+        stopped = self._stopped
+
         async def awaited() -> T:
-            return await aw
+            if stopped is None:
+                return await aw
+            task = asyncio.ensure_future(aw)
+            if not stopped.is_set():
+                ended = asyncio.ensure_future(stopped.wait())
+                try:
+                    await asyncio.wait((task, ended), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    ended.cancel()
+            if not task.done():  # the stream ended first: nobody wants the result
+                task.cancel()
+                await asyncio.wait((task,))
+            return task.result()  # its result, its error, or CancelledError
 
         return asyncio.run_coroutine_threadsafe(awaited(), self._loop).result(timeout)
 
@@ -149,8 +175,11 @@ def stream_error(exc: BaseException) -> tuple[int, str, str]:
     """``(status, reason, message)`` of an error that ended a stream after its first chunk:
     gpulock's errors as the error table answers them (:func:`gpulock_common.wire.served`: a
     lost lease is 503 ``lease_lost``), a CUDA OOM 503 ``cuda_oom``, a sticky CUDA error 500
-    ``cuda_error``, anything else 500 ``internal_error`` (its text is not sent: it is
-    logged)."""
+    ``cuda_error``, a :class:`GpuLockHTTPException` the body raised its own status, reason and
+    detail (a route's way to end a stream with a code of its own), anything else 500
+    ``internal_error`` (its text is not sent: it is logged)."""
+    if isinstance(exc, GpuLockHTTPException):
+        return exc.status_code, exc.reason, str(exc.detail)
     if isinstance(exc, LeaseLost):
         status, reason = served(exc)
         return status, reason, f"the GPU lease was lost mid-stream ({exc.reason}); retry"
@@ -236,7 +265,7 @@ class LeasedStream(StreamingResponse):
         the caller answers it as HTTP); an error that ended the stream later (after closing
         the body), for the caller to count."""
         self._step = step
-        self._handle = StreamLease(lease, asyncio.get_running_loop())
+        self._handle = StreamLease(lease, asyncio.get_running_loop(), self._stop)
         try:
             await self._open()
             self._first = await self._pull()
@@ -274,20 +303,28 @@ class LeasedStream(StreamingResponse):
         else:
             self._it = iter(it)
 
-    async def _pull(self) -> Any:
-        """The body's next chunk, or _END; the lease is checked first. The work goes on (and
-        :meth:`_finish` waits for it) when the caller is cancelled."""
+    def _begin(self) -> asyncio.Future[Any]:
+        """Start making the body's next chunk (the lease is checked first: raises LeaseLost)
+        and return its future: the chunk, or _END. The work goes on (and :meth:`_finish` waits
+        for it) when nobody awaits it any more."""
         assert self._step is not None and self._handle is not None
         if self._async:
             self._handle.ensure_valid()
             fut = asyncio.ensure_future(_anext(self._it))
         else:
             fut = asyncio.ensure_future(self._step(functools.partial(next, self._it, _END), True))
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved
         self._inflight = fut
-        item = await asyncio.shield(fut)
+        return fut
+
+    def _took(self, item: Any) -> Any:
         if item is _END:
             self._exhausted = True
         return item
+
+    async def _pull(self) -> Any:
+        """The body's next chunk, or _END (see :meth:`_begin`)."""
+        return self._took(await asyncio.shield(self._begin()))
 
     async def _finish(self) -> None:
         """Wait for the chunk in progress, then close the body (its ``finally`` runs)."""
@@ -352,7 +389,14 @@ class LeasedStream(StreamingResponse):
                 if gone.done():
                     break
                 try:
-                    item = await self._pull()
+                    making = self._begin()
+                    # a hang-up is noticed while the chunk is being made: the stream stops
+                    # (what the chunk awaits through StreamLease.run is cancelled), and the
+                    # chunk is let finish before the body is closed (_finish)
+                    await asyncio.wait((making, gone), return_when=asyncio.FIRST_COMPLETED)
+                    if not making.done():
+                        break
+                    item = self._took(making.result())
                 except Exception as e:
                     self._error = e
                     tail = self._error_chunk(e)

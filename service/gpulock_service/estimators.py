@@ -1,5 +1,5 @@
-"""GPU-memory estimates for the demo's models: bytes one request needs beyond the weights (a
-generation's: :mod:`gpulock.estimates`, shared with library users)."""
+"""GPU-memory estimates for the demo's embedding model: bytes one request needs beyond the
+weights (a generation's: :mod:`gpulock.estimates`, shared with library users)."""
 
 from __future__ import annotations
 

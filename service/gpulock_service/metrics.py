@@ -10,7 +10,11 @@ use, in the worker, so prometheus-client's multiprocess mode sums them over work
   hung up mid-stream), ``error`` (an error event ended the stream);
 * ``gpulock_generated_tokens_total``: tokens of the generations answered (what
   ``usage.completion_tokens`` answers, summed; a cancelled stream's: those sent before the
-  hang-up).
+  hang-up);
+* ``gpulock_generation_growths_total{outcome}``: growths of a generation's lease
+  (``GPULOCK_GENERATION_GROWTH=grow``), by outcome: ``granted``, ``resize_refused`` (the
+  deadlock rule refused it: the generation ended), ``growth_timeout`` (not granted within
+  ``GPULOCK_ACQUIRE_TIMEOUT``: the generation ended).
 """
 
 from __future__ import annotations
@@ -55,3 +59,17 @@ def observe_generation(finish_reason: str, tokens: int) -> None:
         _made["generated"] = Counter("gpulock_generated_tokens", "Tokens generated")
     _made["generations"].labels(finish_reason).inc()
     _made["generated"].inc(tokens)
+
+
+def observe_growth(outcome: str) -> None:
+    """Record one growth of a generation's lease that ended with ``outcome`` (``granted``,
+    ``resize_refused``, ``growth_timeout``)."""
+    if "growths" not in _made:
+        from prometheus_client import Counter
+
+        _made["growths"] = Counter(
+            "gpulock_generation_growths",
+            "Growths of a generation's lease, by outcome (granted, resize_refused, growth_timeout)",
+            ["outcome"],
+        )
+    _made["growths"].labels(outcome).inc()

@@ -65,6 +65,18 @@ class Settings(BaseSettings):
     generation_chunk_tokens: int = Field(
         4, ge=1, le=256, description="tokens generated per step (forward passes between checks)"
     )
+    generation_growth: Literal["reserve_max", "grow"] = Field(
+        "reserve_max",
+        description="how a generation's lease follows its KV cache: 'reserve_max' leases prompt "
+        "+ max_tokens up front (never waits or fails once admitted); 'grow' leases prompt + "
+        "GPULOCK_GENERATION_GROWTH_TOKENS and grows the lease by that many tokens at a time "
+        "(more generations fit; a growth may wait up to GPULOCK_ACQUIRE_TIMEOUT, or be refused)",
+    )
+    generation_growth_tokens: int = Field(
+        64,
+        ge=1,
+        description="grow: new tokens the first lease covers and each growth adds",
+    )
     device: str = Field("auto", description="'auto' (CUDA if available), 'cpu', 'cuda:0', ...")
     resident: str | None = Field(
         None,

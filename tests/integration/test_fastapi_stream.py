@@ -24,7 +24,13 @@ from support.ports import free_port
 from support.waiting import wait_until
 
 from gpulock import Pool
-from gpulock.fastapi import GpuCall, GpuLimiter, StreamLease, current_lease
+from gpulock.fastapi import (
+    GpuCall,
+    GpuLimiter,
+    GpuLockHTTPException,
+    StreamLease,
+    current_lease,
+)
 from gpulock.protocol.keys import pool_keys
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,6 +50,7 @@ class Seen:
         self.running = 0
         self.max_running = 0
         self.loop_thread = 0
+        self.outcomes: list[str] = []  # what a growth in /grows ended with
 
     def chunk(self, route: str, i: int) -> None:
         with self.lock:
@@ -135,6 +142,31 @@ def _app(url: str, pool: str, **kw: Any) -> tuple[FastAPI, GpuLimiter, Seen]:
             "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}],
         }
         raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB")
+
+    @app.post("/grows")
+    @gpu.endpoint("grows", estimate=lambda b: GiB, stream="sse")
+    def grows(b: dict, stream: StreamLease) -> Iterator[dict]:
+        """A chunk, then the lease grown to ``to`` GiB (from the executor thread), then a chunk
+        with the amount; the growth's outcome is kept in ``seen.outcomes``."""
+        seen.leases["grows"] = stream.lease
+        try:
+            yield {"i": 0}
+            assert stream.lease is not None
+            try:
+                stream.run(stream.lease.resize(b["to"] * GiB, timeout=GATE_S))
+            except BaseException as e:
+                seen.outcomes.append(type(e).__name__)
+                raise
+            seen.outcomes.append("grown")
+            yield {"i": 1, "amount": stream.lease.amount}
+        finally:
+            seen.finally_ran.append(("grows", threading.get_ident()))
+
+    @app.post("/own-error")
+    @gpu.endpoint("own-error", estimate=lambda b: GiB, stream="sse")
+    def own_error(b: dict) -> Iterator[dict]:
+        yield {"i": 0}
+        raise GpuLockHTTPException(503, "the next tokens need more than the pool gave", "my_code")
 
     @app.post("/agen")
     @gpu.endpoint("agen", estimate=lambda b: GiB, stream="text/plain")
@@ -423,3 +455,60 @@ def test_a_disabled_limiter_streams_without_a_lease(redis_proc1):
             got = list(_events(r.iter_lines()))
         assert [d for _, d in got] == ['{"i":0,"lease":null}', '{"i":1,"lease":null}', "[DONE]"]
         assert seen.leases["dec"] is None and _used(redis_proc1.url, "st-off") == 0
+
+
+def test_a_body_grows_its_lease_and_a_hang_up_during_the_growth_ends_it_at_once(redis_proc1):
+    """StreamLease.run(lease.resize(n)) from the body's thread: granted, the next chunk sees
+    the new amount; queued (the pool full), a client that hangs up cancels the growth (it
+    leaves the queue) and the lease goes back within a second, not at the growth's timeout."""
+    app, gpu, seen = _app(redis_proc1.url, "st-grow")
+    other = Pool.from_url(redis_proc1.url, "st-grow")
+    with Served(app) as url, httpx.Client(base_url=url, timeout=30) as c:
+        got = [d for _, d in _events(c.post("/grows", json={"to": 2}).text.splitlines())]
+        assert got == ['{"i":0}', f'{{"i":1,"amount":{2 * GiB}}}', "[DONE]"]
+        assert seen.outcomes == ["grown"]
+        wait_until(lambda: _used(redis_proc1.url, "st-grow") == 0, 2, "the release")
+        held = other.acquire(3 * GiB, timeout=5)  # 1 GiB left: the stream's first lease
+        try:
+            port = int(url.rsplit(":", 1)[1])
+            s = _open_post(port, "/grows", {"to": 2})
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+
+            def growing() -> bool:
+                st = other.status()
+                return any(w.request_id.startswith("grow:") for w in st.waiters)
+
+            wait_until(growing, 10, "the growth queued")
+            t0 = time.monotonic()
+            s.close()
+            wait_until(lambda: len(seen.outcomes) == 2, 1.0, "the growth to end")
+            assert seen.outcomes[1] == "CancelledError"
+            wait_until(
+                lambda: other.status().used == 3 * GiB and not other.status().waiters,
+                1.0,
+                "the release, and the growth out of the queue",
+            )
+            assert time.monotonic() - t0 < 1.0
+            wait_until(lambda: len(seen.finally_ran) == 2, 1.0, "the generator's finally")
+            assert seen.leases["grows"].amount == GiB  # it kept its amount until the release
+        finally:
+            held.release()
+            other.close()
+
+
+def test_a_body_that_raises_gpulock_http_exception_ends_the_stream_with_its_code(redis_proc1):
+    app, gpu, seen = _app(redis_proc1.url, "st-own")
+    with Served(app) as url, httpx.Client(base_url=url, timeout=30) as c:
+        r = c.post("/own-error", json={})
+        assert r.status_code == 200
+        got = list(_events(r.text.splitlines()))
+        assert got[0] == (None, '{"i":0}') and len(got) == 2  # no [DONE]
+        event, data = got[1]
+        assert event == "error"
+        assert json.loads(data)["error"] == {
+            "message": "the next tokens need more than the pool gave",
+            "type": "server_error",
+            "param": None,
+            "code": "my_code",
+        }
+        wait_until(lambda: _used(redis_proc1.url, "st-own") == 0, 2, "the release")

@@ -1,14 +1,19 @@
 """The pure parts of the service's generation, without a model or a server: stop sequences cut
 where they begin and are never returned (also split over pieces), the incremental
 detokenizer's text is the whole decode's, a generation's pieces count its tokens and say why it
-ended, the KV-cache estimate's formula, and a request's checks name the bad value."""
+ended, a request's checks name the bad value and size its lease with the shared estimate
+(gpulock.estimates), and the steps grow the lease before the step that needs it."""
 
 from __future__ import annotations
 
 import pytest
 from gpulock_service.generation.bodies import ChatRequest, CompletionRequest, Limits, plan
+from gpulock_service.generation.growth import leased_steps, step_bytes
 from gpulock_service.generation.text import Detokenizer, StopText, pieces, summarize
 from gpulock_service.openai_errors import OpenAIError
+
+from gpulock.estimates import SEGMENT, DecoderShape, GenerationPlan, Growth
+from gpulock_service.generation.text import Piece
 
 WORDS = ["<s>", "hello", "world", "##s", "and", "more", "stop", "##ped", "here"]
 
@@ -75,14 +80,10 @@ def test_pieces_count_tokens_and_end_with_the_finish_reason():
 
 
 def test_a_generation_is_sized_by_the_shared_estimate():
-    """CausalLM.estimate_bytes is gpulock.estimates' generation_bytes of the model's shape
-    (the formula itself: tests/unit/test_generation_estimate.py); an empty prompt counts as
-    one token, a negative max_tokens as none."""
-    from gpulock.estimates import DecoderShape
-    from gpulock_service.generation.causal_lm import CausalLM
-
-    m = CausalLM("tiny")
-    m.estimator = DecoderShape(
+    """plan() sizes a generation with gpulock.estimates over the model's shape (the formula
+    itself: tests/unit/test_generation_estimate.py): the tiny model's shape sits on one 2 MiB
+    segment for a short generation."""
+    tiny = DecoderShape(
         layers=2,
         kv_heads=2,
         head_dim=32,
@@ -92,9 +93,11 @@ def test_a_generation_is_sized_by_the_shared_estimate():
         intermediate=256,
         vocab=1000,
     )  # fmt: skip  (the tiny model's shape, vocabulary aside)
-    assert m.estimate_bytes(5, 10) == m.estimator.generation_bytes(5, 10) == 2 * 2**20
-    assert m.estimate_bytes(0, -1) == m.estimator.generation_bytes(1, 0)
-    assert m.estimate_bytes(1000, 1000) == m.estimator.generation_bytes(1000, 1000) > 2 * 2**20
+    m = _Model()
+    m.shape = tiny
+    p = plan(CompletionRequest(prompt=[1] * 5, max_tokens=10), m, LIMITS)
+    assert p.sizes.shape is tiny
+    assert p.sizes.max_size == tiny.generation_bytes(5, 10) == 2 * 2**20
 
 
 class _Model:
@@ -107,11 +110,14 @@ class _Model:
     def chat_ids(self, messages):
         return [1] * sum(len(m["content"].split()) + 1 for m in messages)
 
+    # 1 MiB of KV cache a token (2 · 16 layers · 8 heads · 2048 · 2 bytes), a small rest
+    shape = DecoderShape(
+        layers=16, kv_heads=8, head_dim=2048, bytes_per_element=2, hidden=64, heads=1,
+        intermediate=64, vocab=100,
+    )  # fmt: skip
+
     def text_ids(self, text):
         return [2] * len(text.split())
-
-    def estimate_bytes(self, prompt_tokens, max_new_tokens):
-        return prompt_tokens + max_new_tokens
 
 
 LIMITS = Limits(max_tokens=32, chunk=4, others=("emb",))
@@ -128,7 +134,17 @@ def _refused(**body) -> OpenAIError:
 def test_plan_checks_name_the_bad_value():
     p = plan(ChatRequest(messages=MSG, max_tokens=5, stop="x"), _Model(), LIMITS)
     assert p.prompt_ids == [1] * 4 and p.sampling.max_tokens == 5 and p.stops == ["x"]
-    assert p.amount == 9 and not p.stream and p.sampling.chunk == 4
+    assert not p.stream and p.sampling.chunk == 4
+    # sized by the shared estimate: prompt (4) + max_tokens (5) tokens of 1 MiB, rounded up
+    assert p.sizes.max_size == p.sizes.size_for(0) == _Model.shape.generation_bytes(4, 5)
+    assert p.sizes.max_size == 10 * SEGMENT // 2  # 9 MiB and the rest, to a 2 MiB segment
+    grown = plan(
+        ChatRequest(messages=MSG, max_tokens=20),
+        _Model(),
+        Limits(max_tokens=32, chunk=4, growth=Growth.grow(first=8, step=8)),
+    ).sizes
+    assert grown.growth == Growth.grow(8, 8) and grown.chunk_end(0) == 8
+    assert grown.size_for(0) == _Model.shape.generation_bytes(4, 8) < grown.max_size
     assert plan(CompletionRequest(prompt="a b"), _Model(), LIMITS).sampling.max_tokens == 32
     assert plan(CompletionRequest(prompt="a " * 40), _Model(), LIMITS).sampling.max_tokens == 24
     cases = [
@@ -159,3 +175,100 @@ def test_plan_checks_name_the_bad_value():
         e = _refused(**body)
         assert (e.status_code, e.param) == (status, param), (body, e.detail)
         assert words in e.detail, (body, e.detail)
+
+
+def test_step_bytes_cover_the_step_s_last_token():
+    shape = _Model.shape
+    grow = GenerationPlan(shape, prompt_tokens=4, max_new_tokens=20, growth=Growth.grow(8, 8))
+    # steps of 4 tokens inside chunks of 8: the first chunk's size until token 8
+    assert [step_bytes(grow, g, 4) for g in (0, 4)] == [grow.size_for(0)] * 2
+    assert step_bytes(grow, 8, 4) == grow.size_for(8) == shape.generation_bytes(4, 16)
+    assert step_bytes(grow, 16, 4) == grow.max_size  # the last chunk ends at max_tokens
+    # a step of 6 that crosses a chunk's end (tokens 7..12) needs the next chunk first
+    assert step_bytes(grow, 6, 6) == shape.generation_bytes(4, 16)
+    whole = GenerationPlan(shape, prompt_tokens=4, max_new_tokens=20)
+    assert {step_bytes(whole, g, 4) for g in range(0, 20, 4)} == {whole.max_size}
+
+
+def _steps(tokens: int, chunk: int, log: list):
+    """A generation's pieces: ``chunk`` tokens a step, each step logged, then the finish."""
+    try:
+        for i in range(0, tokens, chunk):
+            n = min(chunk, tokens - i)
+            log.append(("step", i, n))
+            yield Piece("x" * n, n)
+        yield Piece("", 0, "length")
+    finally:
+        log.append(("closed",))
+
+
+def test_leased_steps_grow_the_lease_before_the_step_that_needs_it():
+    shape = _Model.shape
+    sizes = GenerationPlan(shape, prompt_tokens=4, max_new_tokens=20, growth=Growth.grow(8, 8))
+    held = [step_bytes(sizes, 0, 4)]  # what the first lease is
+    log: list = []
+
+    def grow(n: int) -> None:
+        log.append(("grow", n))
+        held[0] = n
+
+    got = list(
+        leased_steps(
+            _steps(20, 4, log), sizes, 4, held=lambda: held[0], grow=grow, check=lambda: None
+        )
+    )
+    assert sum(p.tokens for p in got) == 20 and got[-1].finish == "length"
+    kv16, kv20 = shape.generation_bytes(4, 16), shape.generation_bytes(4, 20)
+    assert log == [
+        ("step", 0, 4), ("step", 4, 4),
+        ("grow", kv16), ("step", 8, 4), ("step", 12, 4),
+        ("grow", kv20), ("step", 16, 4),
+        ("closed",),
+    ]  # fmt: skip
+    # reserve_max: never grown
+    log.clear()
+    whole = GenerationPlan(shape, prompt_tokens=4, max_new_tokens=20)
+    list(leased_steps(_steps(20, 4, log), whole, 4, held=lambda: whole.max_size, grow=grow,
+                      check=lambda: None))  # fmt: skip
+    assert not [e for e in log if e[0] == "grow"]
+
+
+def test_leased_steps_end_where_a_growth_or_a_check_raises_and_close_the_steps():
+    sizes = GenerationPlan(
+        _Model.shape, prompt_tokens=4, max_new_tokens=20, growth=Growth.grow(8, 8)
+    )
+    log: list = []
+
+    def refused(n: int) -> None:
+        raise RuntimeError(f"refused {n}")
+
+    it = leased_steps(
+        _steps(20, 4, log), sizes, 4, held=lambda: sizes.size_for(0), grow=refused,
+        check=lambda: None,
+    )  # fmt: skip
+    assert [p.tokens for p in (next(it), next(it))] == [4, 4]
+    with pytest.raises(RuntimeError, match="refused"):
+        next(it)
+    assert log == [("step", 0, 4), ("step", 4, 4), ("closed",)]  # token 8 never generated
+    log.clear()
+    checks = iter([None, None, LookupError("lost")])
+
+    def check() -> None:
+        e = next(checks)
+        if e is not None:
+            raise e
+
+    it = leased_steps(
+        _steps(20, 4, log), sizes, 4, held=lambda: sizes.max_size, grow=refused, check=check
+    )
+    with pytest.raises(LookupError):
+        list(it)
+    assert log == [("step", 0, 4), ("step", 4, 4), ("closed",)]
+    log.clear()
+    it = leased_steps(
+        _steps(20, 4, log), sizes, 4, held=lambda: sizes.max_size, grow=refused,
+        check=lambda: None,
+    )  # fmt: skip
+    next(it)
+    it.close()  # the client hung up: the token loop is closed, no more forward passes
+    assert log == [("step", 0, 4), ("closed",)]

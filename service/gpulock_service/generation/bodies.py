@@ -1,6 +1,7 @@
 """The request bodies of ``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI's
 fields; those this service does not use, such as ``presence_penalty`` or ``tools``, are
-ignored), and :func:`plan`: their checks, the prompt's tokens and the lease's bytes.
+ignored), and :func:`plan`: their checks, the prompt's tokens and the lease's sizes (a
+:class:`gpulock.estimates.GenerationPlan` of the model's shape).
 
 Every refusal is an :class:`~gpulock_service.openai_errors.OpenAIError` naming the field and
 the bad value: 400 for a bad value (``n`` other than 1, ``max_tokens`` under 1 or over
@@ -17,6 +18,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, StrictBool
 
+from gpulock.estimates import DecoderShape, GenerationPlan, Growth
 from gpulock.http.json_int import JsonInt
 
 from ..openai_errors import OpenAIError
@@ -75,6 +77,7 @@ class _Model(Protocol):
 
     name: str
     context: int
+    shape: DecoderShape | None
 
     @property
     def vocab_size(self) -> int: ...
@@ -83,31 +86,32 @@ class _Model(Protocol):
 
     def text_ids(self, text: str) -> list[int]: ...
 
-    def estimate_bytes(self, prompt_tokens: int, max_new_tokens: int) -> int: ...
-
 
 @dataclass(frozen=True)
 class Limits:
     """The service's bounds: ``max_tokens`` (most tokens a request may ask, and the default
     when it does not say, ``GPULOCK_GENERATION_MAX_TOKENS``), ``chunk`` (forward passes a
-    step), ``others`` (names of the service's other models, for the 404's message)."""
+    step), ``others`` (names of the service's other models, for the 404's message),
+    ``growth`` (how the lease follows the KV cache: ``GPULOCK_GENERATION_GROWTH``)."""
 
     max_tokens: int
     chunk: int
     others: tuple[str, ...] = ()
+    growth: Growth = Growth.reserve_max()
 
 
 @dataclass(frozen=True)
 class Plan:
     """A checked request: its prompt's token ids, how to sample, its stop sequences, whether
-    to stream (and report usage in the stream), and the bytes its lease asks."""
+    to stream (and report usage in the stream), and its lease's sizes (``sizes``: prompt,
+    ``max_tokens`` and the growth mode on the model's shape)."""
 
     prompt_ids: list[int]
     sampling: Sampling
     stops: list[str]
     stream: bool
     include_usage: bool
-    amount: int
+    sizes: GenerationPlan
 
 
 def _bad(message: str, param: str | None, code: str | None = None) -> OpenAIError:
@@ -235,6 +239,7 @@ def plan(body: ChatRequest | CompletionRequest, model: _Model, limits: Limits) -
             "context_length_exceeded",
         )
     max_tokens = asked if asked is not None else min(limits.max_tokens, room)
+    assert model.shape is not None, "model not loaded"
     return Plan(
         prompt_ids=ids,
         sampling=Sampling(
@@ -243,5 +248,7 @@ def plan(body: ChatRequest | CompletionRequest, model: _Model, limits: Limits) -
         stops=stops,
         stream=bool(body.stream),
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        amount=model.estimate_bytes(len(ids), max_tokens),
+        sizes=GenerationPlan(
+            model.shape, prompt_tokens=len(ids), max_new_tokens=max_tokens, growth=limits.growth
+        ),
     )

@@ -35,9 +35,9 @@ class CausalLM:
     ``name``: the id it is served as (default: ``gpulock-tiny-llama``, or the folder's name).
 
     Attributes (after :meth:`load`): ``context`` (most tokens, prompt and completion, the
-    model takes: its ``max_position_embeddings``), ``estimator`` (the model's shape, whose
-    :meth:`~gpulock.estimates.DecoderShape.generation_bytes` are a generation's bytes beyond
-    the weights), ``device``."""
+    model takes: its ``max_position_embeddings``), ``shape`` (what its generations' bytes
+    depend on, :class:`gpulock.estimates.DecoderShape` from the loaded model's config and its
+    weights' dtype), ``device``."""
 
     def __init__(self, spec: str, name: str | None = None):
         self.spec = spec.strip()
@@ -51,7 +51,7 @@ class CausalLM:
         self.device = "cpu"
         self.path: Path | None = None
         self.context = 0
-        self.estimator: DecoderShape | None = None
+        self.shape: DecoderShape | None = None
         self._model: Any = None
         self._tok: Any = None
         self._eos: list[int] = []
@@ -97,8 +97,8 @@ class CausalLM:
             eos = getattr(cfg, "eos_token_id", None)
         self._eos = [eos] if isinstance(eos, int) else list(eos or [])
         self._suppress = list(getattr(gc, "suppress_tokens", None) or [])
-        # the weights' dtype: the cache and the activations are made in it
-        self.estimator = DecoderShape.from_config(cfg, dtype=next(model.parameters()).dtype)
+        # the shared estimate (gpulock.estimates), sized in the dtype the weights were loaded in
+        self.shape = DecoderShape.from_config(cfg, dtype=next(model.parameters()).dtype)
         self.context = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
         self.device = device
         self._tok = tok
@@ -125,13 +125,6 @@ class CausalLM:
                 list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
             )
         )
-
-    def estimate_bytes(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        """Bytes one generation needs beyond the weights: the KV cache of prompt +
-        ``max_new_tokens`` and the largest activations, rounded up to 2 MiB
-        (:meth:`gpulock.estimates.DecoderShape.generation_bytes`; docs/SERVICE.md)."""
-        assert self.estimator is not None, "model not loaded"
-        return self.estimator.generation_bytes(max(1, prompt_tokens), max(0, max_new_tokens))
 
     # ---- the pure step ---------------------------------------------------------------------
     def generate(

@@ -8,25 +8,19 @@
   has an empty delta and the ``finish_reason``; with ``stream_options.include_usage`` each
   chunk carries ``"usage": null`` and one more chunk, with no choices, the usage; then
   ``data: [DONE]``. ``text_completion`` chunks carry ``choices[0].text`` the same way. An
-  error after the stream began is one event ``data: {"error": {...}}`` (OpenAI's error shape,
-  which the ``openai`` SDK raises as ``APIError``), and no ``[DONE]``.
+  error after the stream began is one ``event: error`` event with OpenAI's error object (which
+  the ``openai`` SDK raises as ``APIError``), and no ``[DONE]``. The framing (events,
+  ``[DONE]``, the error event) is :mod:`gpulock.http.sse`'s, applied by ``gpulock.fastapi``'s
+  streams.
 """
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from typing import Any
 
-__all__ = ["DONE", "Shapes", "sse", "usage"]
-
-DONE = b"data: [DONE]\n\n"
-
-
-def sse(obj: Any) -> bytes:
-    """One server-sent event carrying ``obj`` as JSON."""
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+__all__ = ["Shapes", "usage"]
 
 
 def usage(prompt: int, completion: int) -> dict[str, int]:
