@@ -429,16 +429,10 @@ def _acquire_polls(
                     on_queued(pos)
             delay = jittered(last_ra if last_ra is not None else 1.0, rng)
         elif isinstance(out, Exception) or out.status in (502, 503, 504):
-            last_err = (
-                BackendUnavailable(f"pool {cfg.name!r}: broker unreachable: {out!r}")
-                if isinstance(out, Exception)
-                else error_for(out, cfg.name)
+            last_err, down_since, given_up, delay = _unreachable(
+                cfg, out, now, down_since, attempt, deadline
             )
-            down_since = now if down_since is None else down_since
-            if deadline is None and clock() - down_since >= cfg.backend_timeout:
-                final = True
-            ra = out.retry_after() if isinstance(out, Reply) else None
-            delay = jittered(ra, rng) if ra is not None else backoff(attempt, rng)
+            final = final or given_up
         else:
             err = error_for(out, cfg.name)
             if queued:  # e.g. a pool reset while we waited: do not leave a place behind
@@ -465,6 +459,31 @@ def _acquire_polls(
                 grace_left=grace,
             )
         yield Sleep(delay if deadline is None else max(0.0, min(delay, deadline - clock())))
+
+
+def _unreachable(
+    cfg: PoolConfig,
+    out: Union[Reply, Exception],
+    now: float,
+    down_since: Optional[float],
+    attempt: int,
+    deadline: Optional[float],
+) -> tuple:
+    """A waiting call's answer when the broker could not be reached or answered 502/503/504
+    (not a queue answer): ``(error, down_since, given_up, delay)``: the error to raise if the
+    call gives up, when the trouble began (``now`` for the first), whether a call with no
+    deadline has been down for ``cfg.backend_timeout`` seconds (it gives up), and the seconds
+    to sleep before trying again (the broker's ``Retry-After``, jittered, else a backoff)."""
+    err = (
+        BackendUnavailable(f"pool {cfg.name!r}: broker unreachable: {out!r}")
+        if isinstance(out, Exception)
+        else error_for(out, cfg.name)
+    )
+    down_since = now if down_since is None else down_since
+    given_up = deadline is None and cfg.clock() - down_since >= cfg.backend_timeout
+    ra = out.retry_after() if isinstance(out, Reply) else None
+    delay = jittered(ra, cfg.rng) if ra is not None else backoff(attempt, cfg.rng)
+    return err, down_since, given_up, delay
 
 
 def _cancel_steps(cfg: PoolConfig, rid: str) -> Steps:
@@ -552,16 +571,10 @@ def _resize_polls(
         elif isinstance(out, Exception) or (
             out.status in (502, 503, 504) and code != "queue_timeout"
         ):
-            last_err = (
-                BackendUnavailable(f"pool {cfg.name!r}: broker unreachable: {out!r}")
-                if isinstance(out, Exception)
-                else error_for(out, cfg.name)
+            last_err, down_since, given_up, delay = _unreachable(
+                cfg, out, now, down_since, attempt, deadline
             )
-            down_since = now if down_since is None else down_since
-            if deadline is None and clock() - down_since >= cfg.backend_timeout:
-                final = True
-            ra = out.retry_after() if isinstance(out, Reply) else None
-            delay = jittered(ra, rng) if ra is not None else backoff(attempt, rng)
+            final = final or given_up
         else:
             err = error_for(out, cfg.name)
             if isinstance(err, _GONE):
