@@ -166,20 +166,20 @@ def test_top_labels_a_queued_growth_by_its_leases_token(redis_proc, make_pool, p
     pool = make_pool(capacity=4 * GiB)
     a = pool.acquire(2 * GiB, holder={"job": "stream-a"})
     b = pool.acquire(2 * GiB, holder={"job": "stream-b"})
-    got: list = []
+    got: dict = {}  # by thread: the two end in either order
 
     def grow() -> None:
         try:
             a.resize(3 * GiB, timeout=60)  # B may free bytes: queued until it does
-            got.append(a.amount)
+            got["grow"] = a.amount
         except GpuLockError as e:
-            got.append(e)
+            got["grow"] = e
 
     def new() -> None:
         try:
-            got.append(make_pool().acquire(GiB, timeout=60, holder={"job": "new"}))
+            got["new"] = make_pool().acquire(GiB, timeout=60, holder={"job": "new"})
         except GpuLockError as e:
-            got.append(e)
+            got["new"] = e
 
     threads = [
         threading.Thread(target=grow, daemon=True),
@@ -207,8 +207,8 @@ def test_top_labels_a_queued_growth_by_its_leases_token(redis_proc, make_pool, p
         b.release()  # the growth is granted, then the new request (1 GiB left)
         for th in threads:
             th.join(10)
-        for x in got:
+        for x in got.values():
             if not isinstance(x, (int, GpuLockError)):
                 x.release()
         a.release()
-    assert got[0] == 3 * GiB and not isinstance(got[1], GpuLockError)
+    assert got["grow"] == 3 * GiB and not isinstance(got["new"], GpuLockError), got

@@ -197,6 +197,8 @@ def pool_dom(page: Page, pool: str) -> dict[str, Any] | None:
         return int(f) if f.is_integer() and "." not in v else f
 
     d["stats"] = {k: num(v) for k, v in d["stats"].items()}
+    if not {"capacity", "used", "free", "lease_count", "waiter_count"} <= d["stats"].keys():
+        return None  # the pool's card is drawn, its numbers not yet: read again
     # lease rows: amount, token, expires in; waiter rows: position, amount, priority, waited
     d["leases"] = {(int(r[1]), int(r[0])) for r in d["leases"]}
     d["waiters"] = [(int(r[0]), int(r[1])) for r in d["waiters"]]

@@ -59,7 +59,14 @@ def test_no_token_identity_no_lease_or_request_id():
         }
     ]
     assert v["waiters"] == [
-        {"position": 1, "holder": {"principal": "ops"}, "amount": 70, "waited": 2.5, "priority": 0}
+        {
+            "position": 1,
+            "holder": {"principal": "ops"},
+            "amount": 70,
+            "waited": 2.5,
+            "priority": 0,
+            "growth_token": None,  # a new request, not a lease's growth
+        }
     ]
     text = repr(v)
     for secret in ("ab12", "cd34", "req-secret", "req-2", "L1"):
