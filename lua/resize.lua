@@ -79,8 +79,8 @@ end
 local now = now_ms()
 local rec = redis.call('HGET', K_HOLDERS, lid)
 local exp0 = redis.call('ZSCORE', K_LEASES, lid)
-local cur, tok, rttl, tenant, dev, res, _
-if rec then cur, tok, _, rttl, _, _, tenant, dev, res = parse_holder(rec) end
+local cur, tok, acq, rttl, tenant, dev, res, _
+if rec then cur, tok, acq, rttl, _, _, tenant, dev, res = parse_holder(rec) end
 if not rec or not exp0 or tonumber(exp0) <= now or (token and tonumber(tok) ~= token) then
   return redis.error_reply('GPULOCK_LOST ' .. lid)
 end
@@ -154,15 +154,19 @@ if amount <= cur then
   return granted()
 end
 
--- A growth: its difference is a request of `delta` bytes at the lease's priority, tenant and
--- device (pinned to it).
+-- A growth: its difference is a request of `delta` bytes at the lease's tenant and device
+-- (pinned to it), ordered at its lease's place in the queue (lib.lua lease_place; `prio`, the
+-- lease's priority, counts where no place is stored): ahead of the new requests its lease's
+-- request was ahead of, behind those of higher effective priority (docs/SEMANTICS.md,
+-- "Resizing a lease").
 local delta = amount - cur
 local c = redis.call('HMGET', K_CFG, 'used', 'grace_until', 'external', 'external_until')
 local used, grace_until = tonumber(c[1] or '0'), tonumber(c[2] or '0')
 local eff = eff_cap(now, cap, tonumber(c[3] or '0'), tonumber(c[4] or '0'))
 if d then d = load_devices(cfg[4], cfg[5]) end
-local now_ok, _, score, vt = grant_test(now, delta, prio, tenant, dev, false, used, eff, grace_until,
-                                        qlen, d, quotas, room)
+local score = lease_place(lid, acq, prio)
+local now_ok = grant_test(now, delta, prio, tenant, dev, false, used, eff, grace_until, qlen, d, quotas, room,
+                          score)
 if now_ok then
   grow_lease(lid, delta)
   redis.call('HSET', K_CFG, 'used', fmt(used + delta))
@@ -170,9 +174,6 @@ if now_ok then
 end
 if mode == 'try' then return current_reply(2, 0) end
 
-if not score then
-  score, vt = queue_score(now, prio, tonumber(redis.call('HGET', K_CFG, 'qvt') or '0'))
-end
 local function enqueue()
   redis.call('ZADD', K_QUEUE, fmt(score), ticket)
   redis.call('HSET', K_WAITERS, ticket, fmt(delta) .. '|' .. fmt(ttl) .. '|' .. fmt(now) .. '|' .. lid .. '|'
@@ -211,5 +212,4 @@ else
   end
   enqueue()
 end
-redis.call('HSET', K_CFG, 'qvt', fmt(vt))
 return current_reply(0, redis.call('ZRANK', K_QUEUE, ticket) + 1)

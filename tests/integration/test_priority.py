@@ -37,8 +37,8 @@ def _queue(c: redis.Redis, pool: str) -> list[str]:
 
 
 def _tickets(c: redis.Redis, pool: str) -> set[str]:
-    """Tickets that hold a lease now."""
-    return {_s(t) for t in c.hkeys(pool_keys(pool)[6])}
+    """Tickets that hold a lease now (the tickets hash less the leases' places)."""
+    return {_s(t) for t in c.hkeys(pool_keys(pool)[6]) if not _s(t).startswith("place:")}
 
 
 async def _queue_in_order(pool, specs, granted):
@@ -374,6 +374,11 @@ def test_scripts_decide_as_the_model_on_random_histories(redis_proc, form, polic
             assert _queue(c, pool) == model.order()
             assert _tickets(c, pool) == set(model.held)
             assert _held(c, pool) == model.held
+            # each lease's place (lua/lib.lua lease_place) where one is stored: the model's
+            for t in model.held:
+                v = c.hget(pool_keys(pool)[6], f"place:{lids[t]}")
+                if v is not None:
+                    assert int(v) == model.places[t], (t, v)
             assert check_consistent(c, pool)["used"] == model.used
             # read on the raw keys: status.lua hands off too (a backfill window may be open)
             cfg = c.hmget(pool_keys(pool)[0], "tused:a", "tused:b")
