@@ -754,7 +754,7 @@ local function backfill_open(now, head_enq_ms)
 end
 
 -- Server-side hand-off: grant the longest prefix of the queue (in queue order: lib.lua
--- queue_score) that fits, strictly in order (a head that does not fit blocks those behind it,
+-- queue_score; a growth at its lease's place, lease_place) that fits, strictly in order (a head that does not fit blocks those behind it,
 -- so none starves), then, under the backfill policy, later requests that fit (backfill_open).
 -- With tenant quotas, a waiter whose tenant has no room for it (quota_check 'wait') is passed
 -- over and does not block those behind it: the head is then the first waiter whose tenant has

@@ -1,9 +1,10 @@
 -- resize.lua: change a held lease's amount (docs/SEMANTICS.md, "Resizing a lease"). A shrink is
 -- granted at once and its freed bytes go to the queue as a release's do (lib.lua grant_head); a
--- growth takes the difference through the rules of a new request of that size at the lease's
--- priority, tenant and device (lib.lua grant_test): granted now, or queued as a growth waiter
--- (lib.lua parse_waiter, 'g'), which a later hand-off grants (lib.lua grant_from) by adding the
--- difference to the lease. The lease keeps its id and token. Idempotent by the target amount:
+-- growth takes the difference through the rules of a request of that size of the lease's
+-- tenant and device, ordered at the lease's place in the queue (lib.lua lease_place: ahead of
+-- the new requests the lease's request was ahead of) (lib.lua grant_test): granted now, or
+-- queued at that score as a growth waiter (lib.lua parse_waiter, 'g'), which a later hand-off
+-- grants (lib.lua grant_from) by adding the difference to the lease. The lease keeps its id and token. Idempotent by the target amount:
 -- sent again it refreshes a growth queued for that amount, or answers the grant made to it.
 -- KEYS: the eight pool keys described in lib.lua.
 -- ARGV:
@@ -18,7 +19,8 @@
 --                     capability, as for a proxy's remote holders)
 --   8 channel         the caller process's channel id: a hand-off grant of the growth is
 --                     published on "<events key>:<channel>" as the new amount
---   9 priority        integer in [-100, 100]: the growth queues as a request of this priority
+--   9 priority        integer in [-100, 100]: the lease's priority (its acquire's); it places
+--                     the growth only where the lease has no place stored (lib.lua lease_place)
 -- Amount <= the lease's: a growth queued for the lease is withdrawn first (a shrink back to
 -- the amount before a growth undoes it, also one whose grant raced in).
 -- Reply (acquire.lua's shapes, so that a growth waiter is refreshed and re-queued as an

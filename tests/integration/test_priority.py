@@ -307,12 +307,12 @@ def _resize_one(c, pool, call, model, t, lid, amount, prio, mode) -> None:
 def test_scripts_decide_as_the_model_on_random_histories(redis_proc, form, policy):
     """Random mixes of acquires (amounts 1-10 of a capacity of 10, priorities -2..2, wait or
     try, tenants none, a or b), releases, cancels and resizes of the leases (shrinks, growths
-    granted, queued at the lease's priority, refused by the deadlock rule or granted ahead of
+    granted, queued at the lease's place, refused by the deadlock rule or granted ahead of
     a blocked head on a stuck device, withdrawn by a later resize), under FIFO, backfill with
     a window that stays open and backfill with a 4 ms window (so it closes during the
     history, at times the model reads from the replies), and with tenant quotas that the
-    history also changes: after every call the grants, each lease's amount, the queue's order,
-    the bytes used and each tenant's bytes equal the model's
+    history also changes: after every call the grants, each lease's amount and stored place,
+    the queue's order, the bytes used and each tenant's bytes equal the model's
     (tests/support/priority_model.py), and no tenant holds more than its quota unless the
     quota was lowered under it."""
     c = redis.Redis.from_url(redis_proc.url)
