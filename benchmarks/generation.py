@@ -4,7 +4,7 @@ gpulock's leases grown chunk by chunk (``lease.resize``), with gpulock's leases 
 generation up front, and with a semaphore in each worker (docs/BENCHMARKS.md, section 13).
 
     python benchmarks/generation.py            # full run, about 4 minutes
-    python benchmarks/generation.py --quick    # smoke run (CI), about 15 s
+    python benchmarks/generation.py --quick    # smoke run (CI), about 20 s
 
 This measures admission, not a model: decoding is simulated (a stream sleeps ``token_ms`` per
 token, in steps of ``step_tokens``; its prefill sleeps ``prefill_ms_per_1k`` per 1,000 tokens of
@@ -21,11 +21,12 @@ Every mode sees the same sequence of requests per client. Modes:
 * ``elastic``: ``Growth.grow(chunk, chunk)``: the lease covers the context and ``chunk`` new
   tokens and grows by ``lease.resize`` before each further chunk, waiting as long as it takes.
   A new stream is admitted only when its first lease fits now and no growth waits
-  (``acquire(timeout=0)``, tried again every ``poll_s``): running streams' growths come before
-  new streams, as in vLLM's scheduler;
+  (``acquire(timeout=0)``, tried again every ``poll_s``);
 * ``elastic-queued``: the same leases, but a new stream queues for its first lease (FIFO, as a
-  plain ``acquire``), so growths wait behind the new streams that queued before them; a growth
-  gives up after ``grow_timeout_s``; ``elastic-backfill``: the same on a backfill pool;
+  plain ``acquire``); a growth queues at its lease's place, ahead of the new streams queued
+  (docs/SEMANTICS.md, "Resizing a lease": running streams' growths come before new streams, as
+  in vLLM's scheduler) and waits up to ``grow_timeout_s`` (None: as long as it takes);
+  ``elastic-backfill``: the same on a backfill pool;
 * ``reserve``: ``Growth.reserve_max()``: context + max_tokens leased up front, never resized;
 * ``per-worker``: no gpulock; each worker admits at most K streams at once with its own
   ``asyncio.Semaphore(K)``, K = its share of the budget (budget / workers) over the mean
@@ -93,7 +94,7 @@ FULL: dict[str, Any] = dict(
     step_tokens=16,
     prefill_ms_per_1k=20.0,
     chunk=64,
-    grow_timeout_s=0.25,
+    grow_timeout_s=None,
     warm_s=5.0,
     duration_s=30.0,
     sample_s=0.02,
@@ -115,11 +116,11 @@ QUICK: dict[str, Any] = dict(
     token_ms=1.0,
     warm_s=1.0,
     duration_s=2.5,
-    modes=("elastic", "reserve", "per-worker"),
+    modes=("elastic", "elastic-queued", "reserve", "per-worker"),
 )
 LABELS = {
     "elastic": "gpulock elastic: admit when room, growths wait",
-    "elastic-queued": "gpulock elastic: new streams queue, growths time out",
+    "elastic-queued": "gpulock elastic: new streams queue, growths wait",
     "elastic-backfill": "same, backfill pool",
     "reserve": "gpulock, reserve max up front",
     "per-worker": "semaphore per worker (K from the mean)",
@@ -207,8 +208,7 @@ async def worker(a: dict[str, Any]) -> None:
         admitted = False
         try:
             if pool is not None and mode == "elastic":
-                # admitted only when it fits now and no growth waits (never queued: a new
-                # stream queued ahead of growths would hold them up, as elastic-queued shows)
+                # admitted only when it fits now and no growth waits (never queued)
                 while lease is None:
                     try:
                         lease = await pool.acquire(plan.size_for(0), timeout=0)
@@ -232,7 +232,8 @@ async def worker(a: dict[str, Any]) -> None:
                 need = plan.size_for(g)
                 if lease is not None and need > held:
                     try:
-                        # elastic: waits, refused only where waiting could only deadlock
+                        # waits (up to grow_timeout_s in the queued modes), refused only
+                        # where waiting could only deadlock
                         timeout = None if mode == "elastic" else cfg["grow_timeout_s"]
                         await lease.resize(need, timeout=timeout)
                     except (ResizeRefused, AcquireTimeout) as e:
@@ -522,12 +523,13 @@ def build_table(R: dict[str, Any]) -> str:
 
 def params_line(R: dict[str, Any]) -> str:
     c = R["config"]
+    gt = "none" if c["grow_timeout_s"] is None else f"{c['grow_timeout_s']:g} s"
     return (
         f"Llama-2-7B fp16 ({LLAMA2_7B.kv_bytes_per_token // 1024} KiB of KV per token), budget "
         f"{c['budget'] / GiB:g} GiB, {c['clients']} clients over {c['workers']} worker processes, "
         f"{c['token_ms']:g} ms a token in steps of {c['step_tokens']}, prefill "
         f"{c['prefill_ms_per_1k']:g} ms per 1k tokens, elastic chunk {c['chunk']} tokens, growth "
-        f"timeout {c['grow_timeout_s']:g} s; {c['duration_s']:g} s window after {c['warm_s']:g} s "
+        f"timeout {gt}; {c['duration_s']:g} s window after {c['warm_s']:g} s "
         f"warm-up; 70 % short (prompt 16-512, max_tokens 32-64), 30 % long (prompt 128-1024, "
         f"max_tokens 512-1024), each stopping after 50-100 % of its max_tokens"
     )

@@ -69,7 +69,8 @@ class AsyncLease(LeaseBase):
         afterwards :attr:`amount` is the new amount; id and token do not change
         (docs/SEMANTICS.md, "Resizing a lease"). A shrink is immediate and its bytes go to
         the queue; the same amount does nothing (no call); a growth takes the difference as a
-        new request of that size at the lease's priority, tenant and device would: at once,
+        request of that size of the lease's tenant, on its device, ordered at the lease's place
+        in the queue (ahead of the new requests its request was ahead of): at once,
         or queued, waiting up to ``timeout`` seconds (``None``: forever; ``0``: never queued)
         while the lease keeps its bytes and its heartbeat.
 

@@ -232,7 +232,11 @@ if now_ok then
   redis.call('HSET', K_CFG, 'fence', fmt(token), 'used', fmt(used), 'grants', fmt(grants + 1))
   redis.call('ZADD', K_LEASES, fmt(exp), lid)
   redis.call('HSET', K_HOLDERS, lid, holder_record(amount, token, now, ttl, ticket, tenant, meta, dev, res))
-  redis.call('HSET', K_TICKETS, ticket, lid)
+  if score then  -- granted ahead of waiters: its place is its score (lib.lua lease_place)
+    redis.call('HSET', K_TICKETS, ticket, lid, place_field(lid), fmt(score))
+  else
+    redis.call('HSET', K_TICKETS, ticket, lid)
+  end
   tenant_add(tenant, amount)
   device_add(dev, amount)
   if res then resident_add(tenant, dev, amount) end

@@ -25,7 +25,9 @@
 --                                   (tenant: '' for none; device: the device the request pins,
 --                                   '' for any, followed by 'r' for a resident request)
 --   6 gpulock:{pool}:wexp     zset  ticket -> waiter expiry (ms)
---   7 gpulock:{pool}:tickets  hash  ticket -> lease id of the grant made to that ticket
+--   7 gpulock:{pool}:tickets  hash  ticket -> lease id of the grant made to that ticket; and
+--                                   place:<lease id> -> the queue score of the request a
+--                                   lease was granted to (see lease_place below)
 --   8 gpulock:{pool}:events   prefix of the pub/sub channels: a grant made to a queued ticket is
 --                             published on "<events>:<channel>", the channel id its process gave
 --                             to acquire (one channel per waiting process, so a hand-off wakes
@@ -197,6 +199,23 @@ end
 -- The queue ticket of the growth of lease `lid` (resize.lua): one per lease, so a script can
 -- tell whether a lease waits to grow.
 local function grow_ticket(lid) return 'grow:' .. lid end
+
+-- A lease's place in the queue (docs/SEMANTICS.md, "Resizing a lease"): its growths are
+-- queued with this score, so that a growth is ordered where its lease's request was, ahead of
+-- every new request that request was ahead of (admitted work grows before new work is
+-- admitted). A lease granted to a queued request, or at once while others waited, keeps that
+-- request's queue score in the tickets hash under place_field(lease id) (written with the
+-- grant, deleted with the lease: drop_lease, release.lua). A lease granted at once to an empty
+-- queue (or put back by reassert.lua, or granted by an earlier version) has none stored: its
+-- place is the score of a request of its priority `prio` arriving just before `acq`, the
+-- millisecond of its grant (every request queued later scores higher at that priority).
+local function place_field(lid) return 'place:' .. lid end
+
+local function lease_place(lid, acq, prio)
+  local s = redis.call('HGET', K_TICKETS, place_field(lid))
+  if s then return tonumber(s) end
+  return tonumber(acq) * 1000 - 1 - prio * AGING_US
+end
 
 -- The queue score of a request queued now with priority `prio` (lowest goes first). The
 -- arrival time is in virtual microseconds: the server clock, but strictly after the last
@@ -500,7 +519,11 @@ local function drop_lease(lid)
   if not rec then return false end
   local amount, _, _, _, ticket, _, tenant, dev, res = parse_holder(rec)
   redis.call('HDEL', K_HOLDERS, lid)
-  if ticket and ticket ~= '' then redis.call('HDEL', K_TICKETS, ticket) end
+  if ticket and ticket ~= '' then
+    redis.call('HDEL', K_TICKETS, ticket, place_field(lid))
+  else
+    redis.call('HDEL', K_TICKETS, place_field(lid))
+  end
   redis.call('HINCRBY', K_CFG, 'used', fmt(-amount))
   tenant_add(tenant, -amount)
   device_add(dev, -amount)
@@ -731,7 +754,7 @@ local function backfill_open(now, head_enq_ms)
 end
 
 -- Server-side hand-off: grant the longest prefix of the queue (in queue order: lib.lua
--- queue_score) that fits, strictly in order (a head that does not fit blocks those behind it,
+-- queue_score; a growth at its lease's place, lease_place) that fits, strictly in order (a head that does not fit blocks those behind it,
 -- so none starves), then, under the backfill policy, later requests that fit (backfill_open).
 -- With tenant quotas, a waiter whose tenant has no room for it (quota_check 'wait') is passed
 -- over and does not block those behind it: the head is then the first waiter whose tenant has
@@ -769,6 +792,7 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
       local c = redis.call('HMGET', K_CFG, 'fence', 'grants')
       fence, grants = tonumber(c[1] or '0'), tonumber(c[2] or '0')
     end
+    local wscore = not grow and redis.call('ZSCORE', K_QUEUE, t)  -- the lease's place (lease_place)
     drop_waiter(t, res and amount or 0, grow)
     local tok, exp, total
     if grow then
@@ -777,6 +801,7 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
       fence = fence + 1
       tok, total = fence, amount
       exp = make_lease(now, t, lid, amount, ttl, meta, fence, tenant, dev, res)
+      if wscore then redis.call('HSET', K_TICKETS, place_field(lid), fmt(tonumber(wscore))) end
       grants = grants + 1
     end
     quota_take(room, tenant, amount, res)
@@ -956,10 +981,13 @@ end
 -- the queue's front (queue_front; the head does not fit, as every script that frees bytes
 -- hands them on), or, under the backfill policy, the front's window is open. A tenant's own
 -- waiters keep their order. `quotas`: whether the pool has any; `room`: quota_check's cache.
--- acquire.lua and resize.lua (a growth, by its difference) decide by it. Returns whether it
--- is granted now, the device it gets ('' on a pool of one device), and, with a queue, its
--- queue score and arrival (queue_score).
-local function grant_test(now, amount, prio, tenant, pin, res, used, eff, grace_until, qlen, d, quotas, room)
+-- acquire.lua and resize.lua (a growth, by its difference) decide by it. `gscore`: the
+-- growth's queue score, its lease's place (lease_place); nil for a new request, whose score
+-- is queue_score's. Returns whether it is granted now, the device it gets ('' on a pool of
+-- one device), and, with a queue, its queue score and, for a new request, its arrival
+-- (queue_score).
+local function grant_test(now, amount, prio, tenant, pin, res, used, eff, grace_until, qlen, d, quotas, room,
+                          gscore)
   local score, vt, ahead
   local fits = used + amount <= eff and grace_until <= now
   if fits and quotas then fits = quota_check(room, tenant, amount, res) == 'ok' end
@@ -969,7 +997,11 @@ local function grant_test(now, amount, prio, tenant, pin, res, used, eff, grace_
     fits = dev ~= nil
   end
   if qlen > 0 then
-    score, vt = queue_score(now, prio, tonumber(redis.call('HGET', K_CFG, 'qvt') or '0'))
+    if gscore then
+      score = gscore
+    else
+      score, vt = queue_score(now, prio, tonumber(redis.call('HGET', K_CFG, 'qvt') or '0'))
+    end
     local front, front_score, passed = queue_front(quotas, room)
     ahead = front == nil or score < front_score
     -- a tenant's own waiters keep their order: none passes an earlier one passed over

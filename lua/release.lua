@@ -62,10 +62,14 @@ if #dead + #gone > 0 then
 end
 if mine then
   -- drop_lease, with what was read above; the tickets HDEL first (see "Reads first")
+  -- and the lease's place (lib.lua lease_place) with it
+  local r
   if ticket ~= '' then
-    local r = redis.pcall('HDEL', K_TICKETS, ticket)
-    if failed(r) then return keytype_error(r) end
+    r = redis.pcall('HDEL', K_TICKETS, ticket, place_field(lid))
+  else
+    r = redis.pcall('HDEL', K_TICKETS, place_field(lid))
   end
+  if failed(r) then return keytype_error(r) end
   redis.call('ZREM', K_LEASES, lid)
   redis.call('HDEL', K_HOLDERS, lid)
   used = used - amount

@@ -1,9 +1,10 @@
 -- resize.lua: change a held lease's amount (docs/SEMANTICS.md, "Resizing a lease"). A shrink is
 -- granted at once and its freed bytes go to the queue as a release's do (lib.lua grant_head); a
--- growth takes the difference through the rules of a new request of that size at the lease's
--- priority, tenant and device (lib.lua grant_test): granted now, or queued as a growth waiter
--- (lib.lua parse_waiter, 'g'), which a later hand-off grants (lib.lua grant_from) by adding the
--- difference to the lease. The lease keeps its id and token. Idempotent by the target amount:
+-- growth takes the difference through the rules of a request of that size of the lease's
+-- tenant and device, ordered at the lease's place in the queue (lib.lua lease_place: ahead of
+-- the new requests the lease's request was ahead of) (lib.lua grant_test): granted now, or
+-- queued at that score as a growth waiter (lib.lua parse_waiter, 'g'), which a later hand-off
+-- grants (lib.lua grant_from) by adding the difference to the lease. The lease keeps its id and token. Idempotent by the target amount:
 -- sent again it refreshes a growth queued for that amount, or answers the grant made to it.
 -- KEYS: the eight pool keys described in lib.lua.
 -- ARGV:
@@ -18,7 +19,8 @@
 --                     capability, as for a proxy's remote holders)
 --   8 channel         the caller process's channel id: a hand-off grant of the growth is
 --                     published on "<events key>:<channel>" as the new amount
---   9 priority        integer in [-100, 100]: the growth queues as a request of this priority
+--   9 priority        integer in [-100, 100]: the lease's priority (its acquire's); it places
+--                     the growth only where the lease has no place stored (lib.lua lease_place)
 -- Amount <= the lease's: a growth queued for the lease is withdrawn first (a shrink back to
 -- the amount before a growth undoes it, also one whose grant raced in).
 -- Reply (acquire.lua's shapes, so that a growth waiter is refreshed and re-queued as an
@@ -79,8 +81,8 @@ end
 local now = now_ms()
 local rec = redis.call('HGET', K_HOLDERS, lid)
 local exp0 = redis.call('ZSCORE', K_LEASES, lid)
-local cur, tok, rttl, tenant, dev, res, _
-if rec then cur, tok, _, rttl, _, _, tenant, dev, res = parse_holder(rec) end
+local cur, tok, acq, rttl, tenant, dev, res, _
+if rec then cur, tok, acq, rttl, _, _, tenant, dev, res = parse_holder(rec) end
 if not rec or not exp0 or tonumber(exp0) <= now or (token and tonumber(tok) ~= token) then
   return redis.error_reply('GPULOCK_LOST ' .. lid)
 end
@@ -154,15 +156,19 @@ if amount <= cur then
   return granted()
 end
 
--- A growth: its difference is a request of `delta` bytes at the lease's priority, tenant and
--- device (pinned to it).
+-- A growth: its difference is a request of `delta` bytes at the lease's tenant and device
+-- (pinned to it), ordered at its lease's place in the queue (lib.lua lease_place; `prio`, the
+-- lease's priority, counts where no place is stored): ahead of the new requests its lease's
+-- request was ahead of, behind those of higher effective priority (docs/SEMANTICS.md,
+-- "Resizing a lease").
 local delta = amount - cur
 local c = redis.call('HMGET', K_CFG, 'used', 'grace_until', 'external', 'external_until')
 local used, grace_until = tonumber(c[1] or '0'), tonumber(c[2] or '0')
 local eff = eff_cap(now, cap, tonumber(c[3] or '0'), tonumber(c[4] or '0'))
 if d then d = load_devices(cfg[4], cfg[5]) end
-local now_ok, _, score, vt = grant_test(now, delta, prio, tenant, dev, false, used, eff, grace_until,
-                                        qlen, d, quotas, room)
+local score = lease_place(lid, acq, prio)
+local now_ok = grant_test(now, delta, prio, tenant, dev, false, used, eff, grace_until, qlen, d, quotas, room,
+                          score)
 if now_ok then
   grow_lease(lid, delta)
   redis.call('HSET', K_CFG, 'used', fmt(used + delta))
@@ -170,9 +176,6 @@ if now_ok then
 end
 if mode == 'try' then return current_reply(2, 0) end
 
-if not score then
-  score, vt = queue_score(now, prio, tonumber(redis.call('HGET', K_CFG, 'qvt') or '0'))
-end
 local function enqueue()
   redis.call('ZADD', K_QUEUE, fmt(score), ticket)
   redis.call('HSET', K_WAITERS, ticket, fmt(delta) .. '|' .. fmt(ttl) .. '|' .. fmt(now) .. '|' .. lid .. '|'
@@ -211,5 +214,4 @@ else
   end
   enqueue()
 end
-redis.call('HSET', K_CFG, 'qvt', fmt(vt))
 return current_reply(0, redis.call('ZRANK', K_QUEUE, ticket) + 1)

@@ -29,7 +29,7 @@ class LeaseState(LocalLeaseState):
 
     Adds: ``ticket`` (the request id), ``expires_ms`` (server-clock expiry, Unix ms),
     ``epoch`` (the pool's epoch at the grant), ``meta`` (holder metadata as sent to acquire,
-    kept to re-assert the lease), ``priority`` (the acquire's; a growth queues at it),
+    kept to re-assert the lease), ``priority`` (the acquire's; a growth's place where none is stored),
     ``tenant`` (likewise; "" for none), ``resident`` (likewise:
     a resident lease, docs/SEMANTICS.md "Resident leases"), ``device`` (the
     device it is on; 0 on a pool of one device), ``next_renew`` (local monotonic seconds). ``valid_until``

@@ -176,7 +176,9 @@ def resize_lease(
     waiter_ttl_s: float,
 ) -> Flow[None]:
     """``lease.resize(amount, timeout=...)`` of lease ``s`` held by this process: see
-    :func:`resize`; the growth queues at the lease's priority. Afterwards ``s.amount`` is the
+    :func:`resize`; the growth queues at its lease's place (ahead of the new requests the
+    lease's request was ahead of; its priority counts where the server keeps no place).
+    Afterwards ``s.amount`` is the
     new amount; a reply that answered at once renewed the lease, and its local validity counts
     from that call (never beyond the server's expiry). The same amount is a no-op (no call).
 

@@ -128,8 +128,9 @@ class RemoteHolders(Generic[_P]):
         """Resize a remote holder's lease ``lease_id`` to ``amount`` (bytes or a size string),
         a growth waiting up to ``timeout`` seconds (None: forever; 0: never queued) while the
         lease keeps its bytes (docs/SEMANTICS.md, "Resizing a lease"). The lease id is the
-        capability (no token); a growth queues at ``priority`` (the lease's, when the caller
-        knows it; default 0), with the lease's tenant and on its device. A reply that
+        capability (no token); a growth queues at the lease's place (the lease's ``priority``,
+        when the caller knows it, default 0, counts only where the server keeps no place), with
+        the lease's tenant and on its device. A reply that
         answered at once renewed the lease to its ttl (a hand-off grant of a growth did not).
         ``on_queued(position)``: called when the growth queues (its 1-based place), and when
         a refresh finds its place changed.

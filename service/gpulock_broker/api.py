@@ -376,7 +376,7 @@ async def resize_lease(
 ) -> LeaseResized:
     """Change the lease's amount to ``amount`` (docs/SEMANTICS.md, "Resizing a lease"): a
     shrink hands the bytes on at once; a growth is granted now, or waits in the queue (at the
-    lease's priority, on its device) up to ``timeout`` while the lease keeps its bytes. Same
+    lease's place, ahead of the new requests its request was ahead of; on its device) up to ``timeout`` while the lease keeps its bytes. Same
     lease id and token. 200: the lease as the server has it now (a reply made at once renewed
     it). Still waiting after ``wait`` seconds: 503 ``queued`` with ``Retry-After``; send the
     same resize again within ``hold_place_for`` seconds to keep waiting (else, or when the

@@ -40,7 +40,7 @@ class LeaseRecord:
     expires_local: float = 0.0  # local monotonic estimate of the server expiry (for cleanup)
     device: int = 0  # the device the lease is on (0 on a pool of one device)
     releasing: asyncio.Task | None = None
-    priority: int = 0  # its acquire's (a growth queues at it); 0 when read back from Redis
+    priority: int = 0  # its acquire's (a growth's place where none is stored); 0 when read back
 
 
 @dataclass

@@ -226,8 +226,9 @@ class ResizeRequest(_Body):
     amount: Size = Field(
         ...,
         description='The lease\'s new amount: bytes, or a size such as "6GiB". Smaller: the '
-        "freed bytes go to the queue at once. Larger: the difference is taken as a new request "
-        "of that size would be (at the lease's priority, tenant and device), now or after "
+        "freed bytes go to the queue at once. Larger: the difference is requested at the "
+        "lease's tenant and device, ordered at the lease's place in the queue (ahead of the new "
+        "requests its request was ahead of), now or after "
         'waiting (docs/SEMANTICS.md, "Resizing a lease").',
         examples=["6GiB", 1048576],
     )

@@ -305,7 +305,13 @@ def test_scripts_place_as_the_model_on_random_histories(redis_proc, form, policy
                 end_one(c, pool, call, model, op[0], t)
             assert [_s(x) for x in c.zrange(pool_keys(pool)[3], 0, -1)] == model.order()
             held = {_s(a): _s(b) for a, b in c.hgetall(pool_keys(pool)[6]).items()}
+            places = {t: int(v) for t, v in held.items() if t.startswith("place:")}
+            held = {t: lid for t, lid in held.items() if not t.startswith("place:")}
             assert set(held) == set(model.held)
+            # each lease's place (lua/lib.lua lease_place) where one is stored: the model's
+            for t, lid in held.items():
+                if f"place:{lid}" in places:
+                    assert places[f"place:{lid}"] == model.places[t], (t, places)
             for t, lid in held.items():  # each lease on the model's device
                 assert int(_s(c.hget(pool_keys(pool)[2], lid)).split("|")[6]) == model.dev_of[t]
             check_consistent(c, pool)

@@ -37,8 +37,8 @@ def _queue(c: redis.Redis, pool: str) -> list[str]:
 
 
 def _tickets(c: redis.Redis, pool: str) -> set[str]:
-    """Tickets that hold a lease now."""
-    return {_s(t) for t in c.hkeys(pool_keys(pool)[6])}
+    """Tickets that hold a lease now (the tickets hash less the leases' places)."""
+    return {_s(t) for t in c.hkeys(pool_keys(pool)[6]) if not _s(t).startswith("place:")}
 
 
 async def _queue_in_order(pool, specs, granted):
@@ -307,12 +307,12 @@ def _resize_one(c, pool, call, model, t, lid, amount, prio, mode) -> None:
 def test_scripts_decide_as_the_model_on_random_histories(redis_proc, form, policy):
     """Random mixes of acquires (amounts 1-10 of a capacity of 10, priorities -2..2, wait or
     try, tenants none, a or b), releases, cancels and resizes of the leases (shrinks, growths
-    granted, queued at the lease's priority, refused by the deadlock rule or granted ahead of
+    granted, queued at the lease's place, refused by the deadlock rule or granted ahead of
     a blocked head on a stuck device, withdrawn by a later resize), under FIFO, backfill with
     a window that stays open and backfill with a 4 ms window (so it closes during the
     history, at times the model reads from the replies), and with tenant quotas that the
-    history also changes: after every call the grants, each lease's amount, the queue's order,
-    the bytes used and each tenant's bytes equal the model's
+    history also changes: after every call the grants, each lease's amount and stored place,
+    the queue's order, the bytes used and each tenant's bytes equal the model's
     (tests/support/priority_model.py), and no tenant holds more than its quota unless the
     quota was lowered under it."""
     c = redis.Redis.from_url(redis_proc.url)
@@ -374,6 +374,11 @@ def test_scripts_decide_as_the_model_on_random_histories(redis_proc, form, polic
             assert _queue(c, pool) == model.order()
             assert _tickets(c, pool) == set(model.held)
             assert _held(c, pool) == model.held
+            # each lease's place (lua/lib.lua lease_place) where one is stored: the model's
+            for t in model.held:
+                v = c.hget(pool_keys(pool)[6], f"place:{lids[t]}")
+                if v is not None:
+                    assert int(v) == model.places[t], (t, v)
             assert check_consistent(c, pool)["used"] == model.used
             # read on the raw keys: status.lua hands off too (a backfill window may be open)
             cfg = c.hmget(pool_keys(pool)[0], "tused:a", "tused:b")

@@ -1,9 +1,12 @@
 """Leases that resize (docs/SEMANTICS.md, "Resizing a lease"): a shrink hands its bytes on in
-queue order; a growth is granted now or queues as a new request at the lease's priority,
-tenant and device would; its timeout and cancellation leave the lease at its old amount; an
-amount that can never fit is refused at once; the deadlock rule refuses the last growth of a
-cycle; the lease keeps its id and token; after Redis lost the pool the growth is queued again.
-Every step checks the pool's raw keys (check_consistent)."""
+queue order; a growth is granted now or queues at its lease's place in the queue (ahead of the
+new requests its lease's request was ahead of: under FIFO every new request queued; behind a
+new request of higher effective priority), at its tenant and device; its timeout and
+cancellation leave the lease at its old amount; an amount that can never fit is refused at
+once; the deadlock rule refuses the last growth of a cycle; a stuck device's growths are
+granted ahead of a higher-priority head; the lease keeps its id and token; after Redis lost
+the pool the growth is queued again. Every step checks the pool's raw keys
+(check_consistent)."""
 
 from __future__ import annotations
 
@@ -171,26 +174,26 @@ def _queue(rclient, pool_name) -> list[str]:
     return [t.decode() for t in rclient.zrange(f"gpulock:{{{pool_name}}}:queue", 0, -1)]
 
 
-@pytest.mark.parametrize("c_priority", [0, 10], ids=["fifo", "c-higher"])
+@pytest.mark.parametrize("c_first", [True, False], ids=["c-first", "c-after"])
 async def test_growth_behind_a_head_that_needs_its_bytes_is_granted_once_all_holders_grow(
-    make_apool, rclient, pool_name, c_priority
+    make_apool, rclient, pool_name, c_first
 ):
-    """Capacity 100: A holds 60, B 40; C waits for 50 (under FIFO queued first; or, at a
-    higher priority, arriving after A's growth and queued ahead of it). A's growth by 10
-    queues behind C (B may free bytes: not refused). B releases: 40 free, C cannot be granted,
-    and A, the only holder left, waits to grow, so nothing could ever free bytes for C: A's
-    growth is granted ahead of C (docs/SEMANTICS.md, "Resizing a lease"). C is granted once A
-    releases."""
+    """Capacity 100: A holds 60, B 40; C, at a higher priority than A's (50 against 0), waits
+    for 50 (queued before A's growth, or arriving after it; either way ahead of it). A's growth
+    by 10 queues behind C (B may free bytes: not refused). B releases: 40 free, C cannot be
+    granted, and A, the only holder left, waits to grow, so nothing could ever free bytes for
+    C: A's growth is granted ahead of C (docs/SEMANTICS.md, "Resizing a lease"). C is granted
+    once A releases."""
     pool = make_apool(capacity=100)
     a, b = await pool.acquire(60), await pool.acquire(40)
     c = None
-    if c_priority == 0:
-        c = asyncio.create_task(pool.acquire(50, request_id="c"))
+    if c_first:
+        c = asyncio.create_task(pool.acquire(50, request_id="c", priority=50))
         await async_wait_until(lambda: _queued(rclient, pool_name) == 1)
     grow = asyncio.create_task(a.resize(70))
     await async_wait_until(lambda: f"grow:{a.id}" in _queue(rclient, pool_name))
     if c is None:
-        c = asyncio.create_task(pool.acquire(50, request_id="c", priority=c_priority))
+        c = asyncio.create_task(pool.acquire(50, request_id="c", priority=50))
         await async_wait_until(lambda: _queued(rclient, pool_name) == 2)
     assert _queue(rclient, pool_name) == ["c", f"grow:{a.id}"]  # C heads the queue
     assert a.amount == 60 and not grow.done()
@@ -210,14 +213,14 @@ async def test_growth_behind_a_head_that_needs_its_bytes_is_granted_once_all_hol
 async def test_a_growth_that_makes_every_holder_wait_grants_the_growths_that_fit(
     make_apool, rclient, pool_name
 ):
-    """Capacity 100: A holds 50, B 30 (20 free); C waits for 50. A's growth by 10 queues
-    behind C (B may free bytes). B's growth by 5 would leave every holder waiting to grow:
-    the growths that fit are granted at once in queue order, A's (by the hand-off) and B's
-    (in its own reply). With no byte free, a growth that would make every holder wait is
-    still refused."""
+    """Capacity 100: A holds 50, B 30 (20 free); C, of a higher priority, waits for 50. A's
+    growth by 10 queues behind C (B may free bytes). B's growth by 5 would leave every holder
+    waiting to grow: the growths that fit are granted at once in queue order, A's (by the
+    hand-off) and B's (in its own reply). With no byte free, a growth that would make every
+    holder wait is still refused."""
     pool = make_apool(capacity=100)
     a, b = await pool.acquire(50), await pool.acquire(30)
-    c = asyncio.create_task(pool.acquire(50, request_id="c"))
+    c = asyncio.create_task(pool.acquire(50, request_id="c", priority=50))
     await async_wait_until(lambda: _queued(rclient, pool_name) == 1)
     grow_a = asyncio.create_task(a.resize(60))
     await async_wait_until(lambda: _queued(rclient, pool_name) == 2)
@@ -244,16 +247,16 @@ async def test_a_growth_that_makes_every_holder_wait_grants_the_growths_that_fit
 
 
 async def test_a_stuck_device_is_judged_by_its_own_leases(make_apool, rclient, pool_name):
-    """Devices of 100 and 100. Device 0: A 60, B 40; device 1: X 90. C waits for 50 on
-    device 0 (under FIFO it blocks the whole queue). X's growth by 10 would queue behind C,
-    and X is alone on device 1: granted in its own reply. A's growth by 10 queues (B may free
-    bytes); when B releases, device 0 is stuck (A alone, waiting to grow) though X, on
-    device 1, does not grow: A's growth is granted ahead of C."""
+    """Devices of 100 and 100. Device 0: A 60, B 40; device 1: X 90. C, of a higher priority,
+    waits for 50 on device 0 (it heads the queue and blocks it). X's growth by 10 would queue
+    behind C, and X is alone on device 1: granted in its own reply. A's growth by 10 queues (B
+    may free bytes); when B releases, device 0 is stuck (A alone, waiting to grow) though X,
+    on device 1, does not grow: A's growth is granted ahead of C."""
     pool = make_apool()
     await pool.configure(devices=[100, 100])
     a, b = await pool.acquire(60, device=0), await pool.acquire(40, device=0)
     x = await pool.acquire(90, device=1)
-    c = asyncio.create_task(pool.acquire(50, device=0, request_id="c"))
+    c = asyncio.create_task(pool.acquire(50, device=0, request_id="c", priority=50))
     await async_wait_until(lambda: _queued(rclient, pool_name) == 1)
     await x.resize(100)
     assert x.amount == 100 and _queue(rclient, pool_name) == ["c"]
@@ -272,12 +275,14 @@ async def test_a_stuck_device_is_judged_by_its_own_leases(make_apool, rclient, p
 
 
 def test_sync_growth_behind_a_blocked_head(make_pool, rclient, pool_name):
-    """The example of the async test above through ``Pool``: A's growth, queued behind C, is
-    granted when B releases; C after A releases."""
+    """The example of the async test above through ``Pool``: A's growth, queued behind C (of
+    a higher priority), is granted when B releases; C after A releases."""
     pool = make_pool(capacity=100)
     a, b = pool.acquire(60), pool.acquire(40)
     got: list = []
-    th_c = threading.Thread(target=lambda: got.append(pool.acquire(50, request_id="c")))
+    th_c = threading.Thread(
+        target=lambda: got.append(pool.acquire(50, request_id="c", priority=50))
+    )
     th_c.start()
     wait_until(lambda: _queued(rclient, pool_name) == 1)
     done: list[BaseException | None] = []
@@ -292,6 +297,7 @@ def test_sync_growth_behind_a_blocked_head(make_pool, rclient, pool_name):
     th = threading.Thread(target=grow)
     th.start()
     wait_until(lambda: _queued(rclient, pool_name) == 2)
+    assert _queue(rclient, pool_name) == ["c", f"grow:{a.id}"]  # C heads the queue
     b.release()
     th.join(5)
     assert done == [None] and a.amount == 70
@@ -304,7 +310,74 @@ def test_sync_growth_behind_a_blocked_head(make_pool, rclient, pool_name):
     assert used(rclient, pool_name) == 0
 
 
-async def test_growth_is_ordered_like_a_new_request_at_its_priority(make_apool, rclient, pool_name):
+async def test_growth_goes_before_new_requests_queued_earlier(make_apool, rclient, pool_name):
+    """Every priority 0 (FIFO), capacity 100: A holds 60, B 30 (10 free); C, a new request,
+    waits for 35. A's growth by 10 fits: granted at once although C queued before it
+    (admitted work grows first). A's growth by 20 more does not fit: it queues ahead of C
+    (status: the growth at 1, C at 2; C's own on_queued reports 2 at its next refresh). B
+    releases: 30 free, A's growth is granted, C (35) waits for A, and is granted when A
+    releases."""
+    pool = make_apool(capacity=100, poll_interval=0.2)
+    a, b = await pool.acquire(60), await pool.acquire(30)
+    positions: list[int] = []
+    c = asyncio.create_task(pool.acquire(35, request_id="c", on_queued=positions.append))
+    await async_wait_until(lambda: _queued(rclient, pool_name) == 1)
+    await a.resize(70)  # at once, past C
+    assert a.amount == 70 and used(rclient, pool_name) == 100
+    assert _queue(rclient, pool_name) == ["c"] and positions == [1]
+    grow = asyncio.create_task(a.resize(90))
+    await async_wait_until(lambda: _queued(rclient, pool_name) == 2)
+    assert _queue(rclient, pool_name) == [f"grow:{a.id}", "c"]
+    st = await pool.status()
+    assert [(w.growth_of, w.amount, w.position) for w in st.waiters] == [
+        (a.id, 20, 1),
+        (None, 35, 2),
+    ]
+    await async_wait_until(lambda: positions[-1] == 2, what="C's refresh reporting position 2")
+    check_consistent(rclient, pool_name)
+    await b.release()
+    await asyncio.wait_for(grow, 5)
+    assert a.amount == 90 and used(rclient, pool_name) == 90
+    assert _queue(rclient, pool_name) == ["c"] and not c.done()
+    await a.release()
+    lc = await asyncio.wait_for(c, 5)
+    assert lc.amount == 35
+    check_consistent(rclient, pool_name)
+    await lc.release()
+    assert used(rclient, pool_name) == 0
+
+
+async def test_a_higher_priority_new_request_goes_before_a_growth(make_apool, rclient, pool_name):
+    """Capacity 100: A (priority 0) holds 60, B 30 (10 free); C, a new request of priority 50,
+    waits for 35: ahead of A's place. A's growth by 10 fits but would not be ahead of C: it
+    queues behind it (B may free bytes: not refused). B releases: 40 free, C is granted first
+    and A's growth (10) waits for the 5 bytes more it needs, until C releases."""
+    pool = make_apool(capacity=100)
+    a, b = await pool.acquire(60), await pool.acquire(30)
+    c = asyncio.create_task(pool.acquire(35, request_id="c", priority=50))
+    await async_wait_until(lambda: _queued(rclient, pool_name) == 1)
+    grow = asyncio.create_task(a.resize(70))
+    await async_wait_until(lambda: _queued(rclient, pool_name) == 2)
+    assert _queue(rclient, pool_name) == ["c", f"grow:{a.id}"]
+    st = await pool.status()
+    assert [(w.growth_of, w.position) for w in st.waiters] == [(None, 1), (a.id, 2)]
+    assert a.amount == 60 and used(rclient, pool_name) == 90
+    await b.release()
+    lc = await asyncio.wait_for(c, 5)
+    assert used(rclient, pool_name) == 95 and not grow.done()
+    assert _queue(rclient, pool_name) == [f"grow:{a.id}"]
+    check_consistent(rclient, pool_name)
+    await lc.release()
+    await asyncio.wait_for(grow, 5)
+    assert a.amount == 70 and used(rclient, pool_name) == 70
+    check_consistent(rclient, pool_name)
+    await a.release()
+    assert used(rclient, pool_name) == 0
+
+
+async def test_growth_of_a_higher_priority_lease_passes_a_lower_waiter(
+    make_apool, rclient, pool_name
+):
     pool = make_apool(capacity=100)
     hi = await pool.acquire(20, priority=50)
     blocker = await pool.acquire(80)

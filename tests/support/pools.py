@@ -149,7 +149,7 @@ def check_consistent(c: redis.Redis, pool: str) -> dict[str, int]:
     """Every structure of a pool agrees with the others (read on the raw keys, not through
     the code under test): ``used`` is the sum of the holder records, every lease has a holder
     record and the other way round, every queued ticket has a waiter record and an expiry,
-    and every ticket grant points at a live holder. Returns the counts."""
+    and every ticket grant and lease place points at a live holder. Returns the counts."""
     k = pool_keys(pool)
     cfg = {_s(a): _s(b) for a, b in c.hgetall(k[0]).items()}
     holders = {_s(a): _s(b) for a, b in c.hgetall(k[2]).items()}
@@ -158,6 +158,10 @@ def check_consistent(c: redis.Redis, pool: str) -> dict[str, int]:
     waiters = {_s(m) for m in c.hkeys(k[4])}
     wexp = {_s(m) for m in c.zrange(k[5], 0, -1)}
     tickets = {_s(a): _s(b) for a, b in c.hgetall(k[6]).items()}
+    # a lease's place (lua/lib.lua lease_place) is kept for a live lease only
+    places = {t[6:] for t in tickets if t.startswith("place:")}
+    tickets = {t: lid for t, lid in tickets.items() if not t.startswith("place:")}
+    assert places <= set(holders), (places, set(holders))
     total = sum(int(v.split("|", 1)[0]) for v in holders.values())
     assert int(cfg.get("used", 0)) == total, (cfg.get("used"), total)
     assert leases == set(holders), (leases, set(holders))

@@ -5,8 +5,11 @@ hand-off of the longest prefix that fits (passing over waiters whose tenant is a
 and, under backfill while the head's window is open, of later requests that fit. On several
 devices a request fits when the pool's bytes fit it and a device has room (its pinned one, or
 the one the placement rule picks). A lease resizes: a shrink hands its bytes on, a growth is
-granted as a new request of the difference at the lease's priority, tenant and device, or
-queues as a growth waiter (ticket ``grow:<lease id>``); when waiters are left after a hand-off,
+a request of the difference at the lease's tenant and device, ordered at its lease's place
+(the queue score of the request the lease was granted to; for a lease granted at once to an
+empty queue, that of a request of its priority arriving just before the millisecond of its
+grant): granted at once if it fits and would be ahead of the queue's front, else queued as a
+growth waiter (ticket ``grow:<lease id>``) at that score; when waiters are left after a hand-off,
 the growths of a stuck device (no lease on it may free bytes) that fit are granted ahead of
 them; a growth that would leave its device stuck with none fitting is refused (the deadlock
 rule). The scripts' decisions must equal this model's on any history (tests/integration/
@@ -45,6 +48,8 @@ class QueueModel:
     # queued growth ticket ("grow:<lease id>") -> the held ticket of its lease (the queue
     # entry's amount is the difference, its device the lease's)
     grows: dict[str, str] = field(default_factory=dict)
+    # held ticket -> its lease's place: the queue score its growths get (lua/lib.lua lease_place)
+    places: dict[str, int] = field(default_factory=dict)
 
     def dused(self, i: int) -> int:
         return sum(a for t, a in self.held.items() if self.dev_of.get(t, 0) == i)
@@ -70,8 +75,8 @@ class QueueModel:
         return vt - priority * AGING_US, vt
 
     def order(self) -> list[str]:
-        """Queued tickets, head first."""
-        return sorted(self.queue, key=lambda t: self.queue[t][0])
+        """Queued tickets, head first (equal scores by ticket, as a Redis sorted set)."""
+        return sorted(self.queue, key=lambda t: (self.queue[t][0], t))
 
     def tenant_used(self, tenant: str) -> int:
         return sum(a for t, a in self.held.items() if self.tenant_of.get(t) == tenant)
@@ -98,14 +103,15 @@ class QueueModel:
                 passed[tenant] = score
         return None, passed
 
-    def _grant(self, t: str, amount: int, tenant: str, dev: int) -> None:
-        """Waiter ``t`` is granted: a new lease, or, for a growth, ``amount`` more bytes for
-        its lease."""
+    def _grant(self, t: str, amount: int, tenant: str, dev: int, place: int) -> None:
+        """Waiter ``t`` is granted: a new lease (its place ``place``), or, for a growth,
+        ``amount`` more bytes for its lease."""
         self.used += amount
         if t in self.grows:
             self.held[self.grows.pop(t)] += amount
             return
         self.held[t] = amount
+        self.places[t] = place
         self.tenant_of[t] = tenant
         self.dev_of[t] = dev
 
@@ -114,11 +120,19 @@ class QueueModel:
         self.grows.pop(t, None)
 
     def _grant_test(
-        self, amount: int, priority: int, now_ms: int, tenant: str, pin: int | None
+        self,
+        amount: int,
+        priority: int,
+        now_ms: int,
+        tenant: str,
+        pin: int | None,
+        place: int | None = None,
     ) -> tuple[int | None, int, int]:
         """lua/lib.lua grant_test: the device a request is granted on now (None: it is not),
-        and its queue score and arrival."""
+        and its queue score and arrival; a growth's score is its lease's ``place``."""
         score, vt = self.score(now_ms, priority)
+        if place is not None:
+            score = place
         fits = self.used + amount <= self.capacity and self.quota_check(tenant, amount) == "ok"
         dev = self.place(amount, pin) if fits else None
         fits = dev is not None
@@ -147,7 +161,10 @@ class QueueModel:
             return "quota"
         dev, score, vt = self._grant_test(amount, priority, now_ms, tenant, pin)
         if dev is not None:
-            self._grant(ticket, amount, tenant, dev)
+            # its place: its score when others waited, else a request's of its priority just
+            # before its grant's millisecond (lua/lib.lua lease_place)
+            place = score if self.queue else now_ms * 1000 - 1 - priority * AGING_US
+            self._grant(ticket, amount, tenant, dev, place)
             return "granted"
         if mode == "try":
             return "refused"
@@ -207,7 +224,7 @@ class QueueModel:
                 self.hand_off(now_ms)
             return "granted"
         delta = amount - cur
-        got, score, vt = self._grant_test(delta, priority, now_ms, tenant, pin)
+        got, score, _ = self._grant_test(delta, priority, now_ms, tenant, pin, self.places[t])
         if got is not None:
             self.used += delta
             self.held[t] = amount
@@ -223,7 +240,6 @@ class QueueModel:
             if not self.frees(dev, t):
                 self._dequeue(g)
                 return "deadlock"
-        self.qvt = vt
         return "queued"
 
     def backfill_open(self, now_ms: int, head_enqueued_ms: int) -> bool:
@@ -258,7 +274,7 @@ class QueueModel:
             if dev is None:
                 blocked = enq
                 break
-            self._grant(t, amount, tenant, dev)
+            self._grant(t, amount, tenant, dev, score)
             self._dequeue(t)
             out.append(t)
         if (
@@ -281,7 +297,7 @@ class QueueModel:
                 ):
                     dev = self.place(amount, pin)
                     if dev is not None:
-                        self._grant(t, amount, tenant, dev)
+                        self._grant(t, amount, tenant, dev, self.queue[t][0])
                         self._dequeue(t)
                         out.append(t)
                 if self.used >= self.capacity:
@@ -315,13 +331,14 @@ class QueueModel:
             ):
                 dev = self.place(amount, pin)
                 if dev is not None:
-                    self._grant(g, amount, tenant, dev)
+                    self._grant(g, amount, tenant, dev, 0)
                     self._dequeue(g)
                     out.append(g)
         return out
 
     def release(self, ticket: str, now_ms: int) -> list[str]:
         self.used -= self.held.pop(ticket)
+        self.places.pop(ticket, None)
         self.tenant_of.pop(ticket, None)
         self.dev_of.pop(ticket, None)
         return self.hand_off(now_ms)

@@ -74,7 +74,7 @@ class Lease(core.LeaseBase):
         """Change the lease's amount to ``amount`` (bytes or a size such as "6GiB"), keeping
         its id and fencing token (docs/SEMANTICS.md, "Resizing a lease"). A shrink hands the
         bytes on at once. A growth is granted now, or waits in the pool's queue (at the
-        lease's priority, on its device) up to ``timeout`` seconds (None: forever; 0: never
+        lease's place, ahead of the new requests its request was ahead of; on its device) up to ``timeout`` seconds (None: forever; 0: never
         waits) while the lease keeps its bytes and its heartbeat; long-polled as
         :meth:`Pool.acquire` is. Afterwards ``amount`` is the new amount and the lease's
         validity counts from the broker's answer. The same amount sends nothing. On
