@@ -584,7 +584,11 @@ def failures(R: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: small, about 15 s")
-    ap.add_argument("--json", default=str(HERE / "results" / "generation.json"))
+    ap.add_argument(
+        "--json",
+        default=None,
+        help="raw numbers (default: results/generation.json, or results/quick/ for --quick)",
+    )
     ap.add_argument("--redis-server", default=None)
     ap.add_argument("--modes", default=None, help="comma list (default: the run's modes)")
     ap.add_argument(
@@ -615,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(modes) - set(LABELS)
     if unknown:
         ap.error(f"unknown modes {sorted(unknown)}; known: {', '.join(LABELS)}")
-    R = run(cfg, a.quick, a.json, a.redis_server, modes)
+    json_path = a.json or str(HERE / "results" / ("quick" if a.quick else "") / "generation.json")
+    R = run(cfg, a.quick, json_path, a.redis_server, modes)
     plot = a.plot or (None if a.quick else str(HERE / "results" / "generation.png"))
     if plot and R["runs"]:
         from plots import plot_generation
