@@ -387,3 +387,13 @@ def test_serve_generation_model_path(tmp_path, e2e_redis):
     )  # fmt: skip
     assert bad.returncode == 2 and "--generation-model must be" in bad.stderr, bad.stderr
     assert re.search(r"got '.*nope'", bad.stderr)
+    # a model folder saved without its tokenizer too (transformers would build an empty one)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_bytes((folder / "config.json").read_bytes())
+    bad = subprocess.run(
+        [sys.executable, "-m", "gpulock_service", "serve", "--generation-model", str(bare),
+         "--redis-url", e2e_redis.url, "--port", str(free_port())],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and f"'{bare}' has no tokenizer" in bad.stderr, bad.stderr
