@@ -189,6 +189,9 @@ def generation_router(svc: Service) -> APIRouter | None:
         shapes = Shapes(isinstance(body, ChatRequest), lm.name)
         call = guard(request, response)
         first = step_bytes(p.sizes, 0, p.sampling.chunk)
+        if p.sizes.max_size > first:  # grow: a lease that can never grow to the whole is
+            # refused now, as reserve_max's first acquire is, not after some tokens
+            limiter.calls.refuse_never_fitting(GENERATION_ROUTE, p.sizes.max_size)
         if p.stream:
             return await call.stream(_events, lm, p, shapes, grower, amount=first)
         loop = asyncio.get_running_loop()
@@ -201,11 +204,30 @@ def generation_router(svc: Service) -> APIRouter | None:
                 raise _Stopped()
 
         def whole() -> dict[str, Any]:
+            """The response object (kept as it is for X-Request-ID replays: its id too); the
+            generation counted here, once, however it ended (``cancelled``: hung up)."""
             handle = StreamLease(current_lease(), loop)
-            return summarize(grower.steps(lm, p, handle, hung_up))
+            made = [0]  # tokens so far
+
+            def counted(pieces: Iterator[Piece]) -> Iterator[Piece]:
+                for piece in pieces:
+                    made[0] += piece.tokens
+                    yield piece
+
+            try:
+                out = summarize(counted(grower.steps(lm, p, handle, hung_up)))
+            except _Stopped:
+                observe_generation("cancelled", made[0])
+                raise
+            finish = out["finish_reason"]
+            observe_generation(str(finish), made[0])
+            return shapes.whole(
+                str(out["text"]), finish if isinstance(finish, str) else None,
+                len(p.prompt_ids), made[0],
+            )  # fmt: skip
 
         try:
-            out: dict[str, Any] = await call.calls.call(
+            answered: dict[str, Any] = await call.calls.call(
                 whole,
                 route=call.route,
                 amount=first,
@@ -222,10 +244,7 @@ def generation_router(svc: Service) -> APIRouter | None:
             if e.status_code == 499 and stop is not None:  # nobody reads it
                 stop.set()
             raise
-        completion = int(out["completion_tokens"])
-        observe_generation(str(out["finish_reason"]), completion)
-        whole_ = shapes.whole(str(out["text"]), out["finish_reason"], len(p.prompt_ids), completion)
-        return JSONResponse(whole_, headers=_kept(response))
+        return JSONResponse(answered, headers=_kept(response))
 
     @router.post("/v1/chat/completions", responses={**_ERRORS, **_SSE})
     async def chat_completions(body: ChatRequest, request: Request, response: Response) -> Response:
