@@ -514,6 +514,7 @@ def test_two_generations_that_fill_the_pool_and_both_grow_one_is_refused(grow, s
         assert len(errors) == 1, errors
         assert isinstance(errors[0], openai.APIError) and errors[0].code == "resize_refused"
         assert "refused" in errors[0].message
+        assert errors[0].message.endswith("not a complete answer: retry the request later.")
         (ok,) = [s for s in runs if s.error is None]
         assert (ok.tokens, ok.finish) == (max_tokens, "length")
     else:
@@ -521,6 +522,7 @@ def test_two_generations_that_fill_the_pool_and_both_grow_one_is_refused(grow, s
         assert statuses == [200, 503], [r.text for r in out]
         (no,) = [r for r in out if r.status_code == 503]
         assert no.json()["error"]["code"] == "resize_refused"
+        assert no.json()["error"]["message"].endswith("retry the request later."), no.text
         assert int(no.headers["retry-after"]) >= 1
         (yes,) = [r for r in out if r.status_code == 200]
         assert yes.json()["usage"]["completion_tokens"] == max_tokens

@@ -17,6 +17,9 @@ In grow mode the lease grows before a step that needs more (``lease.resize`` on 
 loop, through :class:`~gpulock.fastapi.StreamLease`); a growth refused (the deadlock rule) or
 not granted within ``GPULOCK_ACQUIRE_TIMEOUT`` ends the generation: a stream with an error
 event (``resize_refused``, ``growth_timeout``), a whole answer with that 503 and Retry-After.
+A generation whose whole size (prompt + ``max_tokens``) the pool can never grant, as its last
+status read says, is refused before its first lease with the 413 reserve_max's acquire gives
+(``GuardedCalls.refuse_never_fitting``), not after some tokens.
 """
 
 from __future__ import annotations
@@ -78,6 +81,11 @@ def growth_of(settings: Settings) -> Growth:
     return Growth.reserve_max()
 
 
+# how a generation that could not grow ends its message (the tokens so far are not sent as
+# an answer: a client could not tell a cut answer from a finished one)
+_AGAIN = "The tokens so far are not a complete answer: retry the request later."
+
+
 class _Stopped(Exception):
     """A whole answer's client hung up: its generation stops at the next step."""
 
@@ -102,7 +110,8 @@ class Grower:
         and the growth it needs, through ``handle`` (``lease.resize`` on the event loop).
 
         Raises (from a step): LeaseLost; GpuLockHTTPException 503 ``resize_refused`` or
-        ``growth_timeout`` (with Retry-After), 413 when the next size never fits the pool;
+        ``growth_timeout`` (with Retry-After), 413 when the next size never fits the pool (the
+        room left shrank since admission);
         ``concurrent.futures.CancelledError`` when the stream ended during a growth."""
         lease = handle.lease
 
@@ -138,8 +147,7 @@ class Grower:
             raise GpuLockHTTPException(
                 503,
                 f"{what} for its next tokens is refused: every other generation on this GPU "
-                f"waits to grow too, so waiting could never end; the tokens so far are not a "
-                f"complete answer. Retry",
+                f"waits to grow too, so waiting could never end. {_AGAIN}",
                 "resize_refused",
                 later,
             ) from None
@@ -148,14 +156,14 @@ class Grower:
             raise GpuLockHTTPException(
                 503,
                 f"{what} for its next tokens was not granted within {self.timeout}s "
-                f"(GPULOCK_ACQUIRE_TIMEOUT); the tokens so far are not a complete answer. Retry",
+                f"(GPULOCK_ACQUIRE_TIMEOUT). {_AGAIN}",
                 "growth_timeout",
                 later,
             ) from None
         except CapacityExceeded as e:  # and QuotaExceeded, RoomExceeded: it can never fit
             raise GpuLockHTTPException(
                 413,
-                f"{what} for its next tokens can never be granted: {e}; ask fewer max_tokens",
+                f"{what} for its next tokens can never be granted: {e}. Ask for fewer max_tokens.",
                 "capacity",
             ) from None
         observe_growth("granted")
