@@ -17,7 +17,7 @@ import re
 from typing import Literal, overload
 
 from gpulock_common.options import check_seconds
-from gpulock_common.sizes import parse_size
+from gpulock_common.sizes import UNITS_TEXT, parse_size
 from gpulock_common.units import MAX_BYTES, format_size
 
 from gpulock.errors import InvalidArgument
@@ -133,8 +133,8 @@ def parse_size_text(value: int | float | str, *, name: str = "amount") -> int:
     ):
         raise InvalidArgument(
             f"{name} must be a size such as 4GiB, 0.5GiB, 1.5GB, 512MiB or 1048576 (bytes): "
-            f"not zero, at most 3 decimals (bytes: none), below 2**53 bytes; "
-            f"got {value!r}"
+            f"not zero, at most 3 decimals (bytes: none), below 2**53 bytes; units: "
+            f"{UNITS_TEXT}; got {value!r}"
         )
     return parse_size(value, name=name)
 

@@ -122,7 +122,7 @@ class OomBackoff:
         if f >= 1.0:
             return amount
         st = self._backend.status
-        room = None if st is None else st.capacity - st.resident - st.resident_queued
+        room = None if st is None else st.room
         return BackoffRule.lease_amount(amount, f, room)
 
     def state(self) -> dict[str, object]:

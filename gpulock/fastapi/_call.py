@@ -74,6 +74,26 @@ class GuardedCalls:
             self._errors.count(e, route)
             raise
 
+    def refuse_never_fitting(self, route: str, amount: int) -> None:
+        """Raise the 413 an acquire of ``amount`` bytes answers at once when the pool can
+        never grant them (:meth:`~gpulock.protocol.replies.PoolStatus.refusal`: over its
+        capacity, the room its resident leases leave, or this service's tenant's quota), as
+        the pool's last status read says; nothing when it fits, before the first read, or
+        without leases (``enabled=False``). For work leased less at first that may grow to
+        ``amount`` (a generation in grow mode): refused before it queues, not mid-way.
+        Counted as the guarded call's error answers are."""
+        st = self._backend.status
+        if st is None or not self._settings.enabled:
+            return
+        exc = st.refusal(amount, self._settings.tenant)
+        if exc is None:
+            return
+        try:
+            self._errors.too_large(exc)
+        except GpuLockHTTPException as e:
+            self._errors.count(e, route)
+            raise
+
     async def call(
         self,
         fn: Callable[[], Any] | LeasedStream,

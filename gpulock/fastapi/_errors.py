@@ -122,7 +122,8 @@ class HttpErrors:
 
     def client_gone(self, route: str, phase: str) -> GpuLockHTTPException:
         """499 for a client that closed its connection while its request was at ``phase``
-        (``waiting`` or ``running``); counted in ``gpulock_client_disconnected_total``."""
+        (``waiting`` or ``running``); counted in ``gpulock_client_disconnected_total`` (whose
+        third phase, ``streaming``, :mod:`gpulock.fastapi._stream` counts)."""
         metrics().disconnected.labels(route, phase).inc()
         what = (
             "it left the queue and will not run"
@@ -133,7 +134,7 @@ class HttpErrors:
             499, f"the client closed the connection: {what}", "client_disconnected"
         )
 
-    def _too_large(self, exc: CapacityExceeded) -> NoReturn:
+    def too_large(self, exc: CapacityExceeded) -> NoReturn:
         """413 for a request the pool can never grant: more than its capacity, than the room
         its resident leases leave (:class:`RoomExceeded`), or than the tenant's quota (less
         its resident leases: :class:`QuotaExceeded`)."""
@@ -201,7 +202,7 @@ class HttpErrors:
         m = metrics()
         pool_name = self._settings.pool_name
         if isinstance(exc, CapacityExceeded):
-            self._too_large(exc)
+            self.too_large(exc)
         if isinstance(exc, QueueFull):
             m.queue_full.labels(route).inc()
             ra = self._retry_after(exc.queue_length + 1)

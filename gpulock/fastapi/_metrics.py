@@ -98,8 +98,9 @@ class _Metrics:
         self.disconnected = Counter(
             "gpulock_client_disconnected",
             "Guarded requests whose client closed the connection before the answer, by "
-            "phase: 'waiting' (left the queue, never granted) or 'running' (the work "
-            "finished, its result was dropped)",
+            "phase: 'waiting' (left the queue, never granted), 'running' (the work "
+            "finished, its result was dropped) or 'streaming' (a stream's client hung up after "
+            "it began: the stream was closed)",
             ["route", "phase"],
         )
         self.replays = Counter(

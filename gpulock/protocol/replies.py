@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, Union
 from gpulock_common.options import DEFAULT_BACKFILL_WINDOW_S, DEFAULT_PLACEMENT, DEFAULT_POLICY
 from gpulock_common.options import PoolSettings
 
+from gpulock.errors import CapacityExceeded, QuotaExceeded, RoomExceeded
 from gpulock.protocol.args import decode_quotas, encode_quotas
 
 from gpulock.protocol.args import decode_meta
@@ -422,6 +423,30 @@ class PoolStatus:
     @property
     def free(self) -> int:
         return max(0, self.effective_capacity - self.used)
+
+    @property
+    def room(self) -> int:
+        """Bytes the pool can ever grant a request that is not resident: capacity minus the
+        resident leases held and queued (docs/SEMANTICS.md, "Resident leases")."""
+        return self.capacity - self.resident - self.resident_queued
+
+    def refusal(self, amount: int, tenant: str | None = None) -> CapacityExceeded | None:
+        """The error ``acquire`` answers at once for ``amount`` bytes that this snapshot says
+        can never be granted (not resident, of ``tenant``), or None: over the capacity
+        (CapacityExceeded), over :attr:`room` (RoomExceeded), over the tenant's quota
+        (QuotaExceeded). The pool's own rule (``acquire.lua``) is the one that grants; this
+        reads it off a snapshot for an amount not asked yet (a lease that may grow to it), at
+        the pool's level: a device of a pool of several, and a tenant's resident leases, are
+        left to the pool."""
+        if amount > self.capacity:
+            return CapacityExceeded(amount, self.capacity)
+        if amount > self.room:
+            rsv = self.resident + self.resident_queued
+            return RoomExceeded(amount, self.room, self.capacity, rsv)
+        use = self.tenants.get(tenant) if tenant else None
+        if use is not None and use.quota and amount > use.quota:
+            return QuotaExceeded(amount, use.quota, str(tenant))
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict

@@ -74,7 +74,8 @@ def check_model(spec: str) -> str | None:
 def check_generation_model(spec: str) -> str | None:
     """Why ``spec`` (``--generation-model``) cannot be served, or None: ``auto``, ``tiny``
     (needs transformers and the tokenizer's package), ``none``, or a folder holding a
-    ``config.json`` (what ``save_pretrained`` writes)."""
+    ``config.json`` and a tokenizer (what the model's and the tokenizer's ``save_pretrained``
+    write: :func:`~gpulock_service.generation.causal_lm.tokenizer_problem`)."""
     spec = spec.strip()
     if spec in ("auto", "none"):
         return None
@@ -94,7 +95,10 @@ def check_generation_model(spec: str) -> str | None:
             f"--generation-model must be 'tiny', 'none', 'auto' or a local Hugging Face "
             f"causal-LM folder (with a config.json, as save_pretrained writes), got {spec!r}"
         )
-    return None
+    from .generation.causal_lm import tokenizer_problem
+
+    problem = tokenizer_problem(os.path.abspath(os.path.expanduser(spec)))
+    return f"--generation-model: the folder {problem}" if problem else None
 
 
 def check_options(
@@ -171,19 +175,29 @@ def broker_env_problem(redis_url_on_command_line: bool) -> str | None:
     )
 
 
-def _generation_words(model: str, generation_model: str) -> str:
-    """What the banner says of the generative model (empty: none)."""
+def _generation_words(
+    model: str, generation_model: str, growth: str = "reserve_max", growth_tokens: int = 64
+) -> str:
+    """What the banner says of the generative model (empty: none), and how its generations'
+    leases follow the KV cache (``GPULOCK_GENERATION_GROWTH``; ``growth_tokens``:
+    ``GPULOCK_GENERATION_GROWTH_TOKENS``)."""
     spec = generation_model.strip()
     if spec == "auto":
         spec = "tiny" if model.strip() == "minilm" else "none"
     if spec == "none":
         return ""
+    leases = (
+        f"leases grow with the KV cache by {growth_tokens} tokens at a time"
+        if growth == "grow"
+        else "leases reserve prompt + max_tokens up front"
+    )
+    mode = f"{leases} (GPULOCK_GENERATION_GROWTH={growth})"
     if spec == "tiny":
         return (
             "; generation: gpulock-tiny-llama, random weights, its text is meaningless "
-            "(--generation-model PATH serves a real one)"
+            f"(--generation-model PATH serves a real one), {mode}"
         )
-    return f"; generation: {os.path.abspath(os.path.expanduser(spec))}"
+    return f"; generation: {os.path.abspath(os.path.expanduser(spec))}, {mode}"
 
 
 def _load_time_hint(model: str) -> str:
@@ -444,7 +458,12 @@ def run_serve(
         dashboard = os.environ.get("GPULOCK_DASHBOARD", "true").strip().lower() not in (
             "0", "false", "no", "off", "f", "n",
         )  # fmt: skip
-        gen = _generation_words(model, generation_model)
+        from .settings import Settings
+
+        gs = Settings(pool=pool, model=model)  # checked above (check_options)
+        gen = _generation_words(
+            model, generation_model, gs.generation_growth, gs.generation_growth_tokens
+        )
         routes = (
             "/v1/embeddings"
             + (" /v1/chat/completions /v1/completions" if gen else "")

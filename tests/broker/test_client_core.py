@@ -137,6 +137,34 @@ def test_timeout_caps_the_waits_and_withdraws_the_place():
     assert clock.t - 100 < 3.1
 
 
+def test_timeout_messages_print_the_timeout_to_the_millisecond():
+    """A timeout computed by the caller (a remainder: 0.6995481290000498) prints as 0.7s."""
+    t = 0.6995481290000498
+    clock = Clock()
+    gen = core.acquire_steps(
+        cfg(clock, max_wait=20),
+        5,
+        core.AcquireOptions(ttl=3, timeout=t, holder=None, request_id="rid"),
+        on_queued=None,
+    )
+    res, _ = drive(
+        gen,
+        clock,
+        [lambda s: queued(clock, 1, "10")] * 2 + [lambda s: core.Reply(200, {}, {}, clock())],
+    )
+    assert isinstance(res, AcquireTimeout) and "no grant of 5 within 0.7s " in str(res), res
+
+    def broker(step):
+        if step.json["amount"] == 5:
+            return core.Reply(200, {}, resized_body(5), clock())
+        clock.t += 0.5
+        return queued(clock, pos=1, ra="0")
+
+    out, _ = drive(core.resize_steps(cfg(clock, max_wait=1.0), held_lease(clock), 9, t), clock,
+                   [broker] * 20)  # fmt: skip
+    assert isinstance(out, AcquireTimeout) and "within 0.7s (position 1)" in str(out), out
+
+
 def test_timeout_zero_tries_once_without_queueing():
     clock = Clock()
     gen = core.acquire_steps(

@@ -118,7 +118,19 @@ def test_no_slot_before_the_timeout_is_acquire_timeout_at_position_0():
     with pytest.raises(AcquireTimeout) as e:
         gen.send(False)
     assert e.value.position == 0 and e.value.waited == 2 and "max_connections" in str(e.value)
+    assert "no grant of 5 within 2.0s:" in str(e.value)
     assert gate.in_use == 0  # it never held one
+    # a computed timeout prints to the millisecond
+    gen = core.acquire_steps(
+        _cfg(clock, gate),
+        5,
+        core.AcquireOptions(ttl=None, timeout=0.6995481290000498, holder=None, request_id="r"),
+        on_queued=None,
+    )
+    assert isinstance(gen.send(None), core.Enter)
+    clock.t += 1
+    with pytest.raises(AcquireTimeout, match=r"no grant of 5 within 0\.7s: it waited"):
+        gen.send(False)
 
 
 def test_an_interrupted_acquire_leaves_the_gate_when_closed():

@@ -177,6 +177,7 @@ def test_a_whole_answer_with_x_request_id_is_replayed(svc):
     assert first.status_code == again.status_code == 200, again.text
     assert again.headers.get("x-idempotent-replay") == "true"
     assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    assert again.json() == first.json()  # the stored answer as it was: its id and created too
     other = httpx.post(
         svc.url + "/v1/completions", json={**body, "max_tokens": 7}, headers=h, timeout=30
     )
@@ -317,6 +318,11 @@ def test_a_client_that_hangs_up_mid_stream_gives_the_bytes_back(svc):
     while _metric(svc, "gpulock_generations_total{finish_reason=cancelled}") < cancelled + 1:
         assert time.monotonic() < deadline, svc.metrics()
         time.sleep(0.05)
+    # counted by phase 'streaming', which the series' HELP names with the other phases
+    text = httpx.get(svc.url + "/metrics", timeout=10).text
+    (help_,) = [ln for ln in text.splitlines() if ln.startswith("# HELP gpulock_client_disc")]
+    assert all(f"'{p}'" in help_ for p in ("waiting", "running", "streaming")), help_
+    assert _metric(svc, "gpulock_client_disconnected_total{phase=streaming,route=generation}") >= 1
 
 
 def _gpt2_folder(path) -> None:
@@ -387,3 +393,13 @@ def test_serve_generation_model_path(tmp_path, e2e_redis):
     )  # fmt: skip
     assert bad.returncode == 2 and "--generation-model must be" in bad.stderr, bad.stderr
     assert re.search(r"got '.*nope'", bad.stderr)
+    # a model folder saved without its tokenizer too (transformers would build an empty one)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_bytes((folder / "config.json").read_bytes())
+    bad = subprocess.run(
+        [sys.executable, "-m", "gpulock_service", "serve", "--generation-model", str(bare),
+         "--redis-url", e2e_redis.url, "--port", str(free_port())],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and f"'{bare}' has no tokenizer" in bad.stderr, bad.stderr

@@ -16,6 +16,10 @@ test gives bytes back.
   event (``APIError``, ``lease_lost``), and the pool returns to 0;
 * a client that hangs up while its stream waits to grow: the growth leaves the queue and the
   lease goes back within a second, the generation counted ``cancelled``;
+* a whole answer whose client hangs up while it waits to grow: its next step ends it, counted
+  ``cancelled`` too;
+* a generation that can never fit the pool (prompt + max_tokens over its capacity): grow mode
+  refuses it before its first lease with reserve_max's 413, not mid-way;
 * 32 concurrent streams on a pool that admits four: the used bytes never over the capacity,
   every stream complete or ended by a refused growth, 0 at the end;
 * the deadlock rule: two generations fill the pool and both need to grow: one is refused (the
@@ -25,8 +29,11 @@ test gives bytes back.
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -267,6 +274,34 @@ def test_reserve_max_leases_the_whole_estimate_before_the_first_token(reserve, s
 
 
 @pytest.mark.timeout(120)
+def test_grow_refuses_up_front_a_generation_that_can_never_fit(grow, reserve, shape):
+    """A generation whose whole size (prompt + max_tokens) is over the pool's capacity: grow
+    mode refuses it before its first lease, with the 413 reserve_max's first acquire gives
+    (the same message, but for the pool's name), a stream as a whole answer; no lease is
+    granted and no token generated."""
+    max_tokens = 400  # 8 + 400 tokens of 64 KiB: more than the 24 MiB pool
+    assert _plan(shape, max_tokens, Growth.grow(CHUNK, CHUNK)).max_size > CAPACITY
+    body = {"prompt": PROMPT, "max_tokens": max_tokens}
+    want = httpx.post(reserve.url + "/v1/completions", json=body, timeout=30)
+    assert want.status_code == 413, want.text
+    tokens = _metric(grow, "gpulock_generated_tokens_total")
+    grants = sum(1 for e in grow.history() if e["e"] == "grant")
+    for stream in (False, True):
+        r = httpx.post(grow.url + "/v1/completions", json={**body, "stream": stream}, timeout=30)
+        assert r.status_code == 413, r.text  # not a 200 stream that ends in an error event
+        err = r.json()["error"]
+        assert err["code"] == "capacity", err
+        assert err["message"] == want.json()["error"]["message"].replace(
+            repr(reserve.pool), repr(grow.pool)
+        )
+    assert sum(1 for e in grow.history() if e["e"] == "grant") == grants
+    assert _metric(grow, "gpulock_generated_tokens_total") == tokens
+    # one that fits is admitted as before
+    ok = _client(grow).completions.create(model=MODEL, prompt=PROMPT, max_tokens=40)
+    assert ok.usage.completion_tokens == 40
+
+
+@pytest.mark.timeout(120)
 def test_a_lease_lost_mid_stream_ends_it_with_the_error_event(grow, shape):
     sizes = _plan(shape, 96, Growth.grow(CHUNK, CHUNK))
     rc = redis.Redis.from_url(grow.redis_url)
@@ -319,6 +354,48 @@ def test_a_client_that_hangs_up_while_its_stream_waits_to_grow(grow, shape):
             "the generation counted cancelled",
         )
         gate.release()
+        assert grow.status_when(lambda st: st.used == 0, timeout=5).used == 0
+    finally:
+        held.close()
+
+
+def _post_raw(svc, path: str, body: dict) -> socket.socket:
+    """Send ``POST path`` with the JSON ``body`` on a socket of its own, and return it without
+    reading the answer: closing it is the client hanging up."""
+    u = urlsplit(svc.url)
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((u.hostname, u.port), timeout=10)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+@pytest.mark.timeout(120)
+def test_a_whole_answer_whose_client_hangs_up_is_counted_cancelled(grow, shape):
+    """A whole answer (no X-Request-ID) whose client hangs up while it waits to grow: once the
+    growth is granted its next step ends it, counted ``cancelled`` as a stream's is."""
+    sizes = _plan(shape, 96, Growth.grow(CHUNK, CHUNK))
+    cancelled_key = "gpulock_generations_total{finish_reason=cancelled}"
+    gone_key = "gpulock_client_disconnected_total{phase=running,route=generation}"
+    cancelled, gone = _metric(grow, cancelled_key), _metric(grow, gone_key)
+    held = Held(grow)
+    try:
+        gate = held.take(CAPACITY - sizes.size_for(0))
+        sock = _post_raw(grow, "/v1/completions", {"prompt": PROMPT, "max_tokens": 96})
+        try:
+            held.waiting_to_grow(sizes.size_for(0))  # it runs, then waits to grow
+        finally:
+            sock.close()  # hang up
+        wait_until(lambda: _metric(grow, gone_key) >= gone + 1, 10, "the hang-up seen")
+        gate.release()  # the growth is granted; the generation's next step sees the hang-up
+        wait_until(
+            lambda: _metric(grow, cancelled_key) >= cancelled + 1,
+            10,
+            "the generation counted cancelled",
+        )
         assert grow.status_when(lambda st: st.used == 0, timeout=5).used == 0
     finally:
         held.close()
@@ -437,6 +514,7 @@ def test_two_generations_that_fill_the_pool_and_both_grow_one_is_refused(grow, s
         assert len(errors) == 1, errors
         assert isinstance(errors[0], openai.APIError) and errors[0].code == "resize_refused"
         assert "refused" in errors[0].message
+        assert errors[0].message.endswith("not a complete answer: retry the request later.")
         (ok,) = [s for s in runs if s.error is None]
         assert (ok.tokens, ok.finish) == (max_tokens, "length")
     else:
@@ -444,6 +522,7 @@ def test_two_generations_that_fill_the_pool_and_both_grow_one_is_refused(grow, s
         assert statuses == [200, 503], [r.text for r in out]
         (no,) = [r for r in out if r.status_code == 503]
         assert no.json()["error"]["code"] == "resize_refused"
+        assert no.json()["error"]["message"].endswith("retry the request later."), no.text
         assert int(no.headers["retry-after"]) >= 1
         (yes,) = [r for r in out if r.status_code == 200]
         assert yes.json()["usage"]["completion_tokens"] == max_tokens

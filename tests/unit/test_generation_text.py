@@ -177,6 +177,72 @@ def test_plan_checks_name_the_bad_value():
         assert words in e.detail, (body, e.detail)
 
 
+def test_plan_refuses_a_seed_torch_cannot_take_naming_the_range():
+    """torch.Generator.manual_seed takes -2**63 .. 2**64-1; past it, a 400 before any lease
+    (not a 500 from manual_seed under one)."""
+    for seed in (2**64, 1e30, -(2**63) - 1):
+        e = _refused(prompt="a", seed=seed)
+        assert (e.status_code, e.param) == (400, "seed"), e.detail
+        assert f"seed is {int(seed)}" in e.detail and f"[{-(2**63)}, {2**64 - 1}]" in e.detail
+    for seed in (-(2**63), 2**64 - 1, 0):
+        assert (
+            plan(CompletionRequest(prompt="a", seed=seed), _Model(), LIMITS).sampling.seed == seed
+        )
+
+
+def test_plan_refuses_a_message_without_content_and_completion_fields_it_does_not_do():
+    for content, what in (({}, "missing"), ({"content": None}, "null")):
+        for role in ("user", "system", "tool"):
+            e = _refused(messages=[*MSG, {"role": role, **content}])
+            assert (e.status_code, e.param) == (400, "messages[1].content"), e.detail
+            assert f"messages[1].content is {what}" in e.detail, e.detail
+    # an assistant's turn may have no content (OpenAI's, beside tool calls)
+    body = ChatRequest(messages=[*MSG, {"role": "assistant", "content": None}, *MSG])
+    assert plan(body, _Model(), LIMITS).prompt_ids
+    cases = [
+        (dict(echo=True), "echo", "echo is true"),
+        (dict(best_of=2), "best_of", "best_of is 2"),
+        (dict(best_of=0), "best_of", "best_of is 0"),
+        (dict(suffix="tail"), "suffix", "suffix is 'tail'"),
+        (dict(suffix=""), "suffix", "suffix is ''"),
+    ]
+    for more, param, words in cases:
+        e = _refused(prompt="a b", **more)
+        assert (e.status_code, e.param) == (400, param), e.detail
+        assert "not supported" in e.detail, e.detail
+        assert words in e.detail, e.detail
+    ok = CompletionRequest(prompt="a b", echo=False, best_of=1, suffix=None)
+    assert plan(ok, _Model(), LIMITS).prompt_ids == [2, 2]
+
+
+class _Untokenized(_Model):
+    """A model whose tokenizer makes no tokens of anything (an empty tokenizer)."""
+
+    def chat_ids(self, messages):
+        return []
+
+    def text_ids(self, text):
+        return []
+
+
+def test_a_prompt_that_tokenizes_to_no_tokens_is_a_400_naming_it():
+    with pytest.raises(OpenAIError) as e:
+        plan(ChatRequest(messages=MSG), _Untokenized(), LIMITS)
+    assert (e.value.status_code, e.value.param) == (400, "messages")
+    assert "tokenize to no tokens" in e.value.detail, e.value.detail
+    with pytest.raises(OpenAIError) as e:
+        plan(CompletionRequest(prompt="hello world"), _Untokenized(), LIMITS)
+    assert (e.value.status_code, e.value.param) == (400, "prompt")
+    assert "prompt 'hello world' tokenizes to no tokens" in e.value.detail, e.value.detail
+
+
+def test_the_context_refusal_reads_as_english():
+    e = _refused(messages=[{"role": "user", "content": "a " * 40}], max_tokens=30)
+    assert "the messages come to 41 tokens and max_tokens asks 30 more" in e.detail, e.detail
+    e = _refused(prompt="a " * 70)
+    assert "the prompt comes to 70 tokens, leaving none to generate" in e.detail, e.detail
+
+
 def test_step_bytes_cover_the_step_s_last_token():
     shape = _Model.shape
     grow = GenerationPlan(shape, prompt_tokens=4, max_new_tokens=20, growth=Growth.grow(8, 8))

@@ -303,6 +303,25 @@ def test_status_queue_config_is_what_configure_takes():
     )
 
 
+def test_status_refusal_is_the_error_acquire_answers_for_what_never_fits():
+    """PoolStatus.refusal reads acquire.lua's at-once refusals off a snapshot: the same error,
+    with the same message, as the pool's reply translates to."""
+    st_ = _replies.PoolStatus("p", 100, 0, 4, 0, 7, 0, 0, 0, 0, 0, resident=50, resident_queued=10)
+    st_.tenants["t"] = _replies.TenantUse(0, 30)
+    assert st_.room == 40
+    assert st_.refusal(40) is None and st_.refusal(30, "t") is None
+    assert st_.refusal(40, "other") is None  # a tenant without a quota
+    for amount, tenant, reply in (
+        (101, None, "GPULOCK_CAPACITY 101 100"),
+        (41, None, "GPULOCK_ROOM 41 40 100 60"),
+        (31, "t", "GPULOCK_QUOTA 31 30 t 0"),
+    ):
+        got = st_.refusal(amount, tenant)
+        want = _translate.translate(rex.ResponseError(reply), "p")
+        assert type(got) is type(want) and str(got) == str(want), (got, want)
+    assert isinstance(st_.refusal(41), RoomExceeded) and st_.refusal(41).room == 40
+
+
 def test_decode_status():
     now = 10_000
     r = [

@@ -94,6 +94,16 @@ def test_parse_size_rejects_and_names_value(bad):
     assert "amount" in str(ei.value)
 
 
+def test_an_unknown_unit_is_named_with_the_units_accepted():
+    for parse in (parse_size, parse_size_text):
+        with pytest.raises(InvalidArgument) as ei:
+            parse("1PiB")
+        msg = str(ei.value)
+        assert "'1PiB'" in msg and "KiB, MiB, GiB, TiB" in msg and "kB, MB, GB, TB" in msg, msg
+    with pytest.raises(InvalidArgument, match="unknown unit 'PiB'"):
+        parse_size("1PiB")
+
+
 def test_parse_size_names_the_parameter():
     with pytest.raises(InvalidArgument, match="capacity"):
         parse_size("lots", name="capacity")

@@ -17,7 +17,7 @@ from typing import Union
 from .errors import InvalidArgument
 from .units import MAX_BYTES
 
-__all__ = ["parse_size"]
+__all__ = ["UNITS_TEXT", "parse_size"]
 
 _UNITS = {
     "": 1,
@@ -35,6 +35,11 @@ _UNITS = {
     "gib": 1024**3,
     "tib": 1024**4,
 }
+#: the units :func:`parse_size` reads, as its messages list them
+UNITS_TEXT = (
+    "B, kB, MB, GB, TB (powers of 1000; also k, m, g, t) and KiB, MiB, GiB, TiB (powers of "
+    "1024), in any case"
+)
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -62,10 +67,15 @@ def parse_size(value: Union[int, float, str], *, name: str = "amount") -> int:
         n = int(value)
     elif isinstance(value, str):
         m = _SIZE_RE.match(value)
-        unit = m.group(2).lower() if m else None
-        if not m or unit not in _UNITS:
+        if not m:
             raise InvalidArgument(
                 f"{name} must be a size such as 4GiB, 512MiB or 1048576 (bytes), got {value!r}"
+            )
+        unit = m.group(2).lower()
+        if unit not in _UNITS:
+            raise InvalidArgument(
+                f"{name} has an unknown unit {m.group(2)!r}: the units are {UNITS_TEXT}, or "
+                f"none for bytes; got {value!r}"
             )
         # Exact decimal arithmetic: a float would reject "4.1GB" (4.1 * 1e9 is not integral
         # in binary) and overflow to infinity on very long digit strings.

@@ -146,6 +146,12 @@ class Enter:
     deadline: Optional[float]
 
 
+def _seconds(timeout: Optional[float]) -> str:
+    """A timeout as the messages print it: seconds to the millisecond (``0.7s``, not the
+    ``0.6995481290000498s`` a computed remainder makes), as the caller's ``2.0s`` reads."""
+    return "no timeout" if timeout is None else f"{round(timeout, 3)}s"
+
+
 def seconds_until(deadline: Optional[float], clock: Clock) -> Optional[float]:
     return None if deadline is None else max(0.0, deadline - clock())
 
@@ -352,7 +358,7 @@ def _gated(
             entered = (yield Enter(gate, deadline)) is True
             if not entered or (deadline is not None and cfg.clock() >= deadline):
                 raise AcquireTimeout(
-                    f"pool {cfg.name!r}: {what} within {timeout}s: it waited in this process "
+                    f"pool {cfg.name!r}: {what} within {_seconds(timeout)}: it waited in this process "
                     f"for one of its {gate.slots} connections for waits (max_connections), all taken by "
                     f"earlier waits, and never reached the broker's queue",
                     waited=cfg.clock() - start,
@@ -446,7 +452,7 @@ def _acquire_polls(
             grace = cfg.grace_left()
             raise AcquireTimeout(
                 (
-                    f"pool {cfg.name!r}: no grant of {amount} within {timeout}s "
+                    f"pool {cfg.name!r}: no grant of {amount} within {_seconds(timeout)} "
                     f"(position {position} of {queue_length})"
                     if queued
                     else f"pool {cfg.name!r}: {amount} not available now ({queue_length} queued)"
@@ -589,7 +595,7 @@ def _resize_polls(
                 raise last_err
             raise AcquireTimeout(
                 f"pool {cfg.name!r}: lease {s.lease_id[:8]}… not grown to {n} bytes within "
-                f"{timeout}s (position {position}); it keeps its amount",
+                f"{_seconds(timeout)} (position {position}); it keeps its amount",
                 position=position,
                 waited=clock() - start,
             )

@@ -6,8 +6,11 @@ ignored), and :func:`plan`: their checks, the prompt's tokens and the lease's si
 Every refusal is an :class:`~gpulock_service.openai_errors.OpenAIError` naming the field and
 the bad value: 400 for a bad value (``n`` other than 1, ``max_tokens`` under 1 or over
 ``GPULOCK_GENERATION_MAX_TOKENS``, ``temperature`` outside [0, 2], ``top_p`` outside (0, 1],
-more than 4 or empty stop sequences, empty ``messages`` or ``prompt``, ``stream_options``
-without ``stream``; ``context_length_exceeded`` when prompt and ``max_tokens`` pass the
+``seed`` outside what ``torch.Generator.manual_seed`` takes, more than 4 or empty stop
+sequences, empty ``messages`` or ``prompt``, a message without ``content`` (an assistant's
+aside), a prompt that tokenizes to no tokens, ``stream_options`` without ``stream``; on
+``/v1/completions`` ``echo: true``, ``best_of`` other than 1 and a ``suffix``, which this
+service does not do; ``context_length_exceeded`` when prompt and ``max_tokens`` pass the
 model's context), 404 ``model_not_found`` for a model not served by this route.
 """
 
@@ -22,11 +25,12 @@ from gpulock.estimates import DecoderShape, GenerationPlan, Growth
 from gpulock.http.json_int import JsonInt
 
 from ..openai_errors import OpenAIError
-from .decode import Sampling
+from .decode import SEED_MAX, SEED_MIN, Sampling
 
 __all__ = ["ChatRequest", "CompletionRequest", "Limits", "Plan", "plan"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+SPEAKS = ("system", "developer", "user", "tool")  # the roles whose content is required
 MAX_STOPS = 4  # OpenAI's bound
 
 
@@ -70,6 +74,9 @@ class CompletionRequest(_Common):
     one of them too)."""
 
     prompt: str | list[str] | list[JsonInt] | list[list[JsonInt]]
+    echo: StrictBool | None = None
+    best_of: JsonInt | None = None
+    suffix: str | None = None
 
 
 class _Model(Protocol):
@@ -168,6 +175,13 @@ def _messages(body: ChatRequest) -> list[dict[str, str]]:
                     )
                 texts.append(part.text)
             content = "".join(texts)
+        elif m.content is None and m.role in SPEAKS:
+            what = "null" if "content" in m.model_fields_set else "missing"
+            raise _bad(
+                f"messages[{i}].content is {what}: a {m.role} message needs content (a string "
+                f"or a list of text parts)",
+                f"messages[{i}].content",
+            )
         else:
             content = m.content or ""
         out.append({"role": m.role, "content": content})
@@ -192,8 +206,31 @@ def _prompt_ids(body: CompletionRequest, model: _Model) -> list[int]:
             if not 0 <= t < vocab:
                 raise _bad(f"prompt[{k}] is {t}: token ids run from 0 to {vocab - 1}", "prompt")
     if not ids:
-        raise _bad("prompt is empty: it has no tokens", "prompt")
+        raise _bad(
+            f"prompt {p[:40]!r}{'...' if len(p) > 40 else ''} tokenizes to no tokens with this model's tokenizer: give a prompt "
+            f"of at least one token"
+            if isinstance(p, str) and p
+            else "prompt is empty: it has no tokens",
+            "prompt",
+        )
     return ids
+
+
+def _unsupported(body: CompletionRequest) -> None:
+    """400 for the completion fields this service does not do (rather than ignore them)."""
+    if body.echo:
+        raise _bad("echo is true: echoing the prompt is not supported (echo: false)", "echo")
+    if body.best_of is not None and body.best_of != 1:
+        raise _bad(
+            f"best_of is {body.best_of}: best_of is not supported; this service generates one "
+            f"completion a request (best_of: 1)",
+            "best_of",
+        )
+    if body.suffix is not None:
+        raise _bad(
+            f"suffix is {body.suffix!r}: a suffix is not supported (leave it out or null)",
+            "suffix",
+        )
 
 
 def plan(body: ChatRequest | CompletionRequest, model: _Model, limits: Limits) -> Plan:
@@ -219,17 +256,27 @@ def plan(body: ChatRequest | CompletionRequest, model: _Model, limits: Limits) -
     top_p = 1.0 if body.top_p is None else body.top_p
     if not 0.0 < top_p <= 1.0:
         raise _bad(f"top_p is {body.top_p}: it must be in (0, 1]", "top_p")
+    if body.seed is not None and not SEED_MIN <= body.seed <= SEED_MAX:
+        raise _bad(f"seed is {body.seed}: it must be in [{SEED_MIN}, {SEED_MAX}]", "seed")
     stops = _stops(body.stop)
     if body.stream_options is not None and not body.stream:
         raise _bad("stream_options is only allowed with stream: true", "stream_options")
     if isinstance(body, ChatRequest):
         ids, where = model.chat_ids(_messages(body)), "messages"
+        if not ids:
+            raise _bad(
+                "the messages tokenize to no tokens with this model's chat template and "
+                "tokenizer: give a message with text",
+                "messages",
+            )
     else:
+        _unsupported(body)
         ids, where = _prompt_ids(body, model), "prompt"
     room = model.context - len(ids)
     if room < 1 or (asked is not None and asked > room):
         raise _bad(
-            f"this model's context is {model.context} tokens: the {where} has {len(ids)}"
+            f"this model's context is {model.context} tokens: the {where} "
+            f"{'come' if where == 'messages' else 'comes'} to {len(ids)} tokens"
             + (
                 f" and {field} asks {asked} more"
                 if asked is not None

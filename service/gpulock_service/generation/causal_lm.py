@@ -24,10 +24,38 @@ from .decode import Sampling, token_chunks
 from .text import Piece, pieces
 from .tiny import CHAT_TEMPLATE, TINY_DESCRIPTION, TINY_NAME, tiny_model_dir
 
-__all__ = ["CausalLM", "TINY"]
+__all__ = ["CausalLM", "TINY", "TOKENIZER_FILES", "tokenizer_problem"]
 
 #: the setting's value that names the default model
 TINY = "tiny"
+
+#: the files that hold a tokenizer's vocabulary, one of which ``save_pretrained`` writes for
+#: each kind of tokenizer transformers has: a fast tokenizer's ``tokenizer.json``, a
+#: SentencePiece model, a BPE or WordPiece vocabulary, a tiktoken file
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece*.model",
+    "vocab.json",
+    "vocab.txt",
+    "*.tiktoken",
+)
+
+
+def tokenizer_problem(folder: str | Path) -> str | None:
+    """Why ``folder`` holds no tokenizer, or None: none of :data:`TOKENIZER_FILES` is there
+    with content (a model folder saved without its tokenizer, from which transformers
+    builds an empty one, of one token, that makes no tokens of any text). Reads only the
+    folder's listing and the files' sizes."""
+    for pattern in TOKENIZER_FILES:
+        for f in glob.glob(os.path.join(glob.escape(str(folder)), pattern)):
+            if os.path.isfile(f) and os.path.getsize(f) > 0:
+                return None
+    return (
+        f"{str(folder)!r} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} with content "
+        f"(save the model's tokenizer into it: tokenizer.save_pretrained(PATH))"
+    )
 
 
 class CausalLM:
@@ -74,15 +102,26 @@ class CausalLM:
         return sum(os.path.getsize(f) for f in files)
 
     def load(self, device: str) -> None:
-        """Load the tokenizer and the weights onto ``device`` (``cpu``, ``cuda:N``)."""
+        """Load the tokenizer and the weights onto ``device`` (``cpu``, ``cuda:N``). Raises
+        ValueError for a folder without a tokenizer (:func:`tokenizer_problem`), or whose
+        tokenizer is empty (one token or none)."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        path = str(self.folder())
+        problem = tokenizer_problem(path)
+        if problem:
+            raise ValueError(f"the generative model's folder {problem}")
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        path = str(self.folder())
         tok = AutoTokenizer.from_pretrained(path)
+        if len(tok) <= 1:
+            raise ValueError(
+                f"the tokenizer of the generative model's folder {path!r} is empty (a "
+                f"vocabulary of {len(tok)}): it makes no tokens of any text; save the model's "
+                f"tokenizer into it (tokenizer.save_pretrained(PATH))"
+            )
         if getattr(tok, "chat_template", None) is None:
             tok.chat_template = CHAT_TEMPLATE
         model: Any = AutoModelForCausalLM.from_pretrained(path)

@@ -10,15 +10,19 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Sampling", "token_chunks"]
+__all__ = ["SEED_MAX", "SEED_MIN", "Sampling", "token_chunks"]
+
+#: the seeds ``torch.Generator.manual_seed`` takes (a negative one is read modulo 2**64)
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
 
 
 @dataclass(frozen=True)
 class Sampling:
     """How to pick tokens. ``max_tokens``: most tokens generated; ``temperature`` 0: greedy
     (the most likely token), above 0: sampled from ``softmax(logits / temperature)`` cut to
-    the ``top_p`` nucleus, with a ``torch.Generator`` seeded by ``seed`` (random when None);
-    ``chunk``: forward passes per step."""
+    the ``top_p`` nucleus, with a ``torch.Generator`` seeded by ``seed`` (random when None;
+    :data:`SEED_MIN` to :data:`SEED_MAX`); ``chunk``: forward passes per step."""
 
     max_tokens: int
     temperature: float = 0.0

@@ -17,6 +17,9 @@ In grow mode the lease grows before a step that needs more (``lease.resize`` on 
 loop, through :class:`~gpulock.fastapi.StreamLease`); a growth refused (the deadlock rule) or
 not granted within ``GPULOCK_ACQUIRE_TIMEOUT`` ends the generation: a stream with an error
 event (``resize_refused``, ``growth_timeout``), a whole answer with that 503 and Retry-After.
+A generation whose whole size (prompt + ``max_tokens``) the pool can never grant, as its last
+status read says, is refused before its first lease with the 413 reserve_max's acquire gives
+(``GuardedCalls.refuse_never_fitting``), not after some tokens.
 """
 
 from __future__ import annotations
@@ -78,6 +81,11 @@ def growth_of(settings: Settings) -> Growth:
     return Growth.reserve_max()
 
 
+# how a generation that could not grow ends its message (the tokens so far are not sent as
+# an answer: a client could not tell a cut answer from a finished one)
+_AGAIN = "The tokens so far are not a complete answer: retry the request later."
+
+
 class _Stopped(Exception):
     """A whole answer's client hung up: its generation stops at the next step."""
 
@@ -102,7 +110,8 @@ class Grower:
         and the growth it needs, through ``handle`` (``lease.resize`` on the event loop).
 
         Raises (from a step): LeaseLost; GpuLockHTTPException 503 ``resize_refused`` or
-        ``growth_timeout`` (with Retry-After), 413 when the next size never fits the pool;
+        ``growth_timeout`` (with Retry-After), 413 when the next size never fits the pool (the
+        room left shrank since admission);
         ``concurrent.futures.CancelledError`` when the stream ended during a growth."""
         lease = handle.lease
 
@@ -138,8 +147,7 @@ class Grower:
             raise GpuLockHTTPException(
                 503,
                 f"{what} for its next tokens is refused: every other generation on this GPU "
-                f"waits to grow too, so waiting could never end; the tokens so far are not a "
-                f"complete answer. Retry",
+                f"waits to grow too, so waiting could never end. {_AGAIN}",
                 "resize_refused",
                 later,
             ) from None
@@ -148,14 +156,14 @@ class Grower:
             raise GpuLockHTTPException(
                 503,
                 f"{what} for its next tokens was not granted within {self.timeout}s "
-                f"(GPULOCK_ACQUIRE_TIMEOUT); the tokens so far are not a complete answer. Retry",
+                f"(GPULOCK_ACQUIRE_TIMEOUT). {_AGAIN}",
                 "growth_timeout",
                 later,
             ) from None
         except CapacityExceeded as e:  # and QuotaExceeded, RoomExceeded: it can never fit
             raise GpuLockHTTPException(
                 413,
-                f"{what} for its next tokens can never be granted: {e}; ask fewer max_tokens",
+                f"{what} for its next tokens can never be granted: {e}. Ask for fewer max_tokens.",
                 "capacity",
             ) from None
         observe_growth("granted")
@@ -189,6 +197,9 @@ def generation_router(svc: Service) -> APIRouter | None:
         shapes = Shapes(isinstance(body, ChatRequest), lm.name)
         call = guard(request, response)
         first = step_bytes(p.sizes, 0, p.sampling.chunk)
+        if p.sizes.max_size > first:  # grow: a lease that can never grow to the whole is
+            # refused now, as reserve_max's first acquire is, not after some tokens
+            limiter.calls.refuse_never_fitting(GENERATION_ROUTE, p.sizes.max_size)
         if p.stream:
             return await call.stream(_events, lm, p, shapes, grower, amount=first)
         loop = asyncio.get_running_loop()
@@ -201,11 +212,30 @@ def generation_router(svc: Service) -> APIRouter | None:
                 raise _Stopped()
 
         def whole() -> dict[str, Any]:
+            """The response object (kept as it is for X-Request-ID replays: its id too); the
+            generation counted here, once, however it ended (``cancelled``: hung up)."""
             handle = StreamLease(current_lease(), loop)
-            return summarize(grower.steps(lm, p, handle, hung_up))
+            made = [0]  # tokens so far
+
+            def counted(pieces: Iterator[Piece]) -> Iterator[Piece]:
+                for piece in pieces:
+                    made[0] += piece.tokens
+                    yield piece
+
+            try:
+                out = summarize(counted(grower.steps(lm, p, handle, hung_up)))
+            except _Stopped:
+                observe_generation("cancelled", made[0])
+                raise
+            finish = out["finish_reason"]
+            observe_generation(str(finish), made[0])
+            return shapes.whole(
+                str(out["text"]), finish if isinstance(finish, str) else None,
+                len(p.prompt_ids), made[0],
+            )  # fmt: skip
 
         try:
-            out: dict[str, Any] = await call.calls.call(
+            answered: dict[str, Any] = await call.calls.call(
                 whole,
                 route=call.route,
                 amount=first,
@@ -222,10 +252,7 @@ def generation_router(svc: Service) -> APIRouter | None:
             if e.status_code == 499 and stop is not None:  # nobody reads it
                 stop.set()
             raise
-        completion = int(out["completion_tokens"])
-        observe_generation(str(out["finish_reason"]), completion)
-        whole_ = shapes.whole(str(out["text"]), out["finish_reason"], len(p.prompt_ids), completion)
-        return JSONResponse(whole_, headers=_kept(response))
+        return JSONResponse(answered, headers=_kept(response))
 
     @router.post("/v1/chat/completions", responses={**_ERRORS, **_SSE})
     async def chat_completions(body: ChatRequest, request: Request, response: Response) -> Response:
