@@ -1,11 +1,13 @@
--- resize.lua: change a held lease's amount (docs/SEMANTICS.md, "Resizing a lease"). A shrink is
--- granted at once and its freed bytes go to the queue as a release's do (lib.lua grant_head); a
--- growth takes the difference through the rules of a request of that size of the lease's
--- tenant and device, ordered at the lease's place in the queue (lib.lua lease_place: ahead of
--- the new requests the lease's request was ahead of) (lib.lua grant_test): granted now, or
--- queued at that score as a growth waiter (lib.lua parse_waiter, 'g'), which a later hand-off
--- grants (lib.lua grant_from) by adding the difference to the lease. The lease keeps its id and token. Idempotent by the target amount:
--- sent again it refreshes a growth queued for that amount, or answers the grant made to it.
+-- resize.lua: change a held lease's amount (docs/SEMANTICS.md, "Resizing a lease").
+-- (KEYS and ARGV: see below; KEYS are the eight pool keys of lib.lua.)
+-- A shrink is granted at once and its freed bytes go to the queue as a release's do (lib.lua
+-- grant_head); a growth takes the difference through the rules of a request of that size of
+-- the lease's tenant and device, ordered at the lease's place in the queue (lib.lua
+-- lease_place: ahead of the new requests the lease's request was ahead of) (lib.lua
+-- grant_test): granted now, or queued at that score as a growth waiter (lib.lua parse_waiter,
+-- 'g'), which a later hand-off grants (lib.lua grant_from) by adding the difference to the
+-- lease. The lease keeps its id and token. Idempotent by the target amount: sent again it
+-- refreshes a growth queued for that amount, or answers the grant made to it.
 -- KEYS: the eight pool keys described in lib.lua.
 -- ARGV:
 --   1 ticket          the lease's growth ticket: 'grow:' .. lease_id (lib.lua grow_ticket)
