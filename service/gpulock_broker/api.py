@@ -18,41 +18,40 @@ delete refused while leases or waiters are live, or a growth refused by the dead
 ``{"detail": {"error": CODE, "message": TEXT, ...}}`` (422: FastAPI's
 ``{"detail": [{"loc": [...], "msg": ...}]}``). Each route declares them in the OpenAPI schema
 (``responses.py``), with the links from a grant to its lease's operations.
+
+This module has the routes of a lease's life (acquire, renew, resize, release, withdraw a
+request); the pools' are ``api_pools.py``'s, included in :data:`router`; what they share
+(dependencies, path parameters, error answers) is ``api_common.py``'s.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from typing import Any, NoReturn, Optional
+from typing import Optional
 
-from fastapi import APIRouter, Body, Depends, HTTPException, Path, Query, Request, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from gpulock_common.errors import AuthError
+from fastapi import APIRouter, Body, Depends, Request, Response
 from gpulock_common.grace import grace_note
-from gpulock_common.wire import answer_for
-from gpulock_common.options import DEFAULT_PLACEMENT
 
-from gpulock.errors import (
-    BackendUnavailable,
-    GpuLockError,
-    InvalidArgument,
-    LeaseLost,
-    PoolNotFound,
-    QueueFull,
-)
+from gpulock.errors import QueueFull
 from gpulock.http.disconnect import watch_disconnect
 
+from .api_common import (
+    LeaseId,
+    PoolName,
+    RequestId,
+    _allowed,
+    _err,
+    _map,
+    get_broker,
+    principal,
+)
+from .api_pools import router as pools_router
 from .auth import Principal
 from .responses import LINKS, errors
 from .routing import FiniteJSONRoute
 from .core import (
     Broker,
-    ClientGone,
     Granted,
-    LeaseGone,
-    NotYours,
-    PoolBeingDeleted,
     Resized,
 )
 from .answers import (
@@ -60,134 +59,15 @@ from .answers import (
     LeaseReleased,
     LeaseRenewed,
     LeaseResized,
-    PoolConfigured,
-    PoolDeleted,
-    PoolList,
-    PoolOut,
     RequestCancelled,
 )
 from .models import (
-    LEASE_ID_PATTERN,
-    POOL_PATTERN,
-    REQUEST_ID_PATTERN,
     LeaseRequest,
-    PoolConfigRequest,
     RenewRequest,
     ResizeRequest,
 )
 
-log = logging.getLogger("gpulock.broker")
-
 router = APIRouter(prefix="/v1", tags=["leases"], route_class=FiniteJSONRoute)
-_bearer = HTTPBearer(auto_error=False, description="A broker token (see the tokens file).")
-
-PoolName = Path(..., pattern=POOL_PATTERN, description="Pool name: 1-64 of [A-Za-z0-9._-].")
-LeaseId = Path(..., pattern=LEASE_ID_PATTERN, description="32 hex digits, from the 201.")
-RequestId = Path(..., pattern=REQUEST_ID_PATTERN, description="The request_id of the POST.")
-
-
-def _err(
-    code: int, error: str, message: str, headers: dict[str, str] | None = None, **extra: Any
-) -> NoReturn:
-    raise HTTPException(code, detail={"error": error, "message": message, **extra}, headers=headers)
-
-
-async def get_broker(request: Request) -> Broker:
-    b = getattr(request.app.state, "gpulock_broker", None)
-    if b is None:
-        _answer(BackendUnavailable, "the lease broker is not started", {"Retry-After": "1"})
-    return b
-
-
-async def principal(
-    request: Request,
-    cred: Optional[HTTPAuthorizationCredentials] = Depends(_bearer),
-    broker: Broker = Depends(get_broker),
-) -> Principal:
-    who = broker.tokens.lookup(cred.credentials) if cred is not None and cred.credentials else None
-    if who is None:
-        _answer(
-            AuthError,
-            "a valid bearer token is required (Authorization: Bearer TOKEN)",
-            {"WWW-Authenticate": "Bearer"},
-        )
-    return who
-
-
-async def admin_principal(who: Principal = Depends(principal)) -> Principal:
-    """The caller's principal if it is an admin token (else 401 / 403)."""
-    if not who.admin:
-        _answer(AuthError, "only an admin token may see the dashboard", code="forbidden")
-    return who
-
-
-async def dashboard_data(broker: Broker) -> dict[str, Any]:
-    """``GET /dashboard/data``'s body (the route is ``gpulock.dashboard.routes``'s): the view of
-    every pool; Redis not answering is the broker's 503 ``backend_unavailable``."""
-    try:
-        return await broker.dashboard()
-    except Exception as e:
-        _map(e, "*")
-
-
-def _allowed(who: Principal, pool: str) -> None:
-    if not who.may_use(pool):
-        _answer(AuthError, f"this token may not use pool {pool!r}", code="forbidden")
-
-
-def _answer(
-    cls: type[GpuLockError],
-    message: str,
-    headers: dict[str, str] | None = None,
-    code: str | None = None,
-    **fields: Any,
-) -> NoReturn:
-    """Answer as the error table says ``cls`` is answered (its row of ``code``, else its first
-    row: :mod:`gpulock_common.wire`), with ``message`` and the body ``fields``."""
-    a = answer_for(cls, code)
-    assert a is not None, (cls, code)
-    _err(a.status, a.code, message, headers, **fields)
-
-
-def _map(e: Exception, pool: str) -> NoReturn:
-    """Answer gpulock's errors (and the broker's own) as HTTP: a shared error by the error
-    table (:mod:`gpulock_common.wire`: status, code and the exception's fields), with the
-    broker's message and, for a 503, ``Retry-After: 1``; the broker's own exceptions by what
-    they mean to the caller (a lease gone, or of another token, is a lost lease to it)."""
-    if isinstance(e, LeaseGone):
-        _answer(LeaseLost, str(e), lease_id=e.lease_id)
-    if isinstance(e, NotYours):
-        _answer(
-            LeaseLost,
-            "no such lease for this token",
-            code="not_found",
-            lease_id=str(e.args[0]) if e.args else None,
-        )
-    if isinstance(
-        e, ClientGone
-    ):  # nobody reads this answer; it names the outcome in the access log
-        _err(
-            499,
-            "client_disconnected",
-            "the client closed the connection; the request was withdrawn",
-            request_id=str(e.args[0]) if e.args else None,
-        )
-    a = answer_for(e)
-    if a is None or not isinstance(e, GpuLockError):
-        raise e
-    if isinstance(e, InvalidArgument):  # in the shape of the schema's own refusals
-        raise HTTPException(
-            a.status, detail=[{"loc": ["body"], "msg": str(e), "type": "value_error"}]
-        )
-    message, headers, extra = str(e), None, {}
-    if isinstance(e, PoolNotFound):
-        message = f"pool {pool!r} is not configured (an admin sets it: PUT /v1/pools/{pool})"
-    if isinstance(e, BackendUnavailable) and not isinstance(e, PoolBeingDeleted):
-        log.warning("gpulock broker: pool %s: %s", pool, e)
-        message = f"Redis is unavailable: {e}"
-    if a.status == 503:  # queue full, Redis unavailable, a pool being deleted: retry in a second
-        headers, extra = {"Retry-After": "1"}, {"retry_after": 1}
-    _err(a.status, a.code, message, headers, **a.body(e), **extra)
 
 
 @router.post(
@@ -479,164 +359,5 @@ async def cancel_request(
     )
 
 
-def _pool_out(st) -> PoolOut:
-    d = st.to_dict()
-    d["free"] = st.free
-    return PoolOut.model_validate(d)
-
-
-@router.get(
-    "/pools",
-    response_model=PoolList,
-    operation_id="list_pools",
-    responses=errors(validation=None),
-    summary="List the pools this token may use",
-)
-async def list_pools(
-    who: Principal = Depends(principal), broker: Broker = Depends(get_broker)
-) -> PoolList:
-    """Every pool this token may use. On a Redis Cluster with a shard down the answer is
-    still 200: the pools of the shards that answered, and the others named in
-    ``unreachable`` (their master, slot ranges and why), each master asked for at most 2 s."""
-    try:
-        listing = await broker.pool_listing()
-        out = []
-        for n in listing.names:
-            if not who.may_use(n):
-                continue
-            try:
-                out.append(_pool_out(await broker.status(n, limit=0)))
-            except PoolNotFound:
-                pass
-            except BackendUnavailable as e:
-                listing.lost(n, e)  # its shard went away since the listing
-    except Exception as e:
-        _map(e, "*")
-    return PoolList(pools=out, unreachable=[u.to_dict() for u in listing.unreachable])
-
-
-@router.get(
-    "/pools/{pool}",
-    response_model=PoolOut,
-    operation_id="pool_status",
-    responses=errors(s404="pool_not_found: the pool is not configured"),
-    summary="Pool status",
-)
-async def pool_status(
-    pool: str = PoolName, who: Principal = Depends(principal), broker: Broker = Depends(get_broker)
-) -> PoolOut:
-    """Capacity, used bytes, devices (capacity and use of each), leases (soonest expiry
-    first, each with its device) and waiters (queue order, each with its requested priority
-    and device)."""
-    _allowed(who, pool)
-    try:
-        return _pool_out(await broker.status(pool))
-    except Exception as e:
-        _map(e, pool)
-
-
-def _admin_only(who: Principal, pool: str, what: str) -> None:
-    _allowed(who, pool)
-    if not who.admin:
-        _answer(AuthError, f"only an admin token may {what} pools", code="forbidden")
-
-
-@router.put(
-    "/pools/{pool}",
-    response_model=PoolConfigured,
-    operation_id="configure_pool",
-    responses={
-        200: {"description": "configured", "links": LINKS["configured"]},
-        **errors(s403="forbidden: the token may not use this pool, or is not an admin token"),
-    },
-    summary="Create or resize a pool, or set its devices (admin)",
-)
-async def configure_pool(
-    body: PoolConfigRequest,
-    pool: str = PoolName,
-    who: Principal = Depends(principal),
-    broker: Broker = Depends(get_broker),
-) -> PoolConfigured:
-    """Set the capacity (bytes or "24GiB") or the devices (``devices``: each one's capacity;
-    ``capacity`` then defaults to their sum and must equal it if given) and optionally the
-    placement (``placement`` "bestfit" or "spread"), the queue bound, the longest lease
-    ttl (``max_ttl``, seconds; also the grace period after Redis restarts without its data) and
-    the queue policy (``policy`` "fifo" or "backfill", ``backfill_window`` seconds) and tenant
-    quotas (``quotas``: tenant to bytes or a size, 0 removes; tenants left out keep theirs);
-    what is left out keeps its value. Admin tokens only. Lowering the capacity below what is in use keeps
-    the leases; nothing new is granted until use falls below it. The count of devices changes
-    only while the pool has no lease and no waiter (else 422, nothing changed)."""
-    _admin_only(who, pool, "configure")
-    try:
-        r = await broker.configure(pool, body.settings)
-    except Exception as e:
-        _map(e, pool)
-    devices = r.get("devices") or [r["capacity"]]
-    log.info(
-        "gpulock broker: %s set pool %s capacity=%d policy=%s quotas=%s devices=%s placement=%s",
-        who.name,
-        pool,
-        r["capacity"],
-        r["policy"],
-        " ".join(f"{t}={b}" for t, b in sorted(r["quotas"].items())) or "-",
-        ",".join(str(c) for c in devices),
-        r.get("placement", DEFAULT_PLACEMENT),
-    )
-    # the reply's fields by name (a pool setting added to the reply and the answer model
-    # needs no line here)
-    fields = {k: r[k] for k in PoolConfigured.model_fields if k in r}
-    fields.update(
-        pool=pool,
-        created=bool(r["created"]),
-        devices=devices,
-        placement=r.get("placement", DEFAULT_PLACEMENT),
-    )
-    return PoolConfigured(**fields)
-
-
-@router.delete(
-    "/pools/{pool}",
-    response_model=PoolDeleted,
-    operation_id="delete_pool",
-    responses=errors(
-        s403="forbidden: the token may not use this pool, or is not an admin token",
-        s404="pool_not_found: there is no such pool",
-        s409="pool_in_use: leases are held or requests wait (leases and waiters in the "
-        "body); nothing was deleted (force=true deletes it anyway)",
-    ),
-    summary="Delete a pool (admin)",
-)
-async def delete_pool(
-    pool: str = PoolName,
-    force: bool = Query(False, description="Delete even while leases are held or requests wait."),
-    who: Principal = Depends(principal),
-    broker: Broker = Depends(get_broker),
-) -> PoolDeleted:
-    """Delete the pool's configuration, leases and queue. Admin tokens only. 409 while leases
-    are held or requests wait (the counts are in the body), unless ``force=true``; 404 when
-    there is no such pool. Leases that were held answer 410 at their next renewal; requests
-    waiting on this broker answer 404."""
-    _admin_only(who, pool, "delete")
-    try:
-        r = await broker.delete_pool(pool, force=force)
-    except Exception as e:
-        _map(e, pool)
-    if r.state == "missing":
-        _map(PoolNotFound(pool), pool)
-    if r.state == "in_use":
-        _err(
-            409,
-            "pool_in_use",
-            f"pool {pool!r} is in use: {r.leases} lease(s) held, {r.waiters} request(s) "
-            f"waiting; nothing was deleted (force=true deletes it anyway)",
-            leases=r.leases,
-            waiters=r.waiters,
-        )
-    log.info(
-        "gpulock broker: %s deleted pool %s (%d lease(s), %d waiter(s) dropped)",
-        who.name,
-        pool,
-        r.leases,
-        r.waiters,
-    )
-    return PoolDeleted(pool=pool, leases=r.leases, waiters=r.waiters)
+# the pools' routes (``api_pools.py``), after the leases' as they always were
+router.include_router(pools_router)

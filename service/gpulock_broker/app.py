@@ -63,7 +63,8 @@ def create_broker_app(
 
     from gpulock.dashboard.routes import dashboard_router
 
-    from .api import admin_principal, dashboard_data, router
+    from .api import router
+    from .api_common import admin_principal, dashboard_data
     from .core import Broker
     from .responses import errors
 

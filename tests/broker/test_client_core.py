@@ -9,6 +9,7 @@ import gpulock_client
 import httpx
 import pytest
 from gpulock_client import _core as core
+from gpulock_client import _resize
 from gpulock_common.driver import drive as common_drive
 from gpulock_client.errors import (
     AcquireTimeout,
@@ -160,7 +161,7 @@ def test_timeout_messages_print_the_timeout_to_the_millisecond():
         clock.t += 0.5
         return queued(clock, pos=1, ra="0")
 
-    out, _ = drive(core.resize_steps(cfg(clock, max_wait=1.0), held_lease(clock), 9, t), clock,
+    out, _ = drive(_resize.resize_steps(cfg(clock, max_wait=1.0), held_lease(clock), 9, t), clock,
                    [broker] * 20)  # fmt: skip
     assert isinstance(out, AcquireTimeout) and "within 0.7s (position 1)" in str(out), out
 
@@ -471,7 +472,7 @@ def held_lease(clock):
 def test_resize_sends_nothing_for_the_same_amount_or_a_bad_value(amount, timeout):
     clock = Clock()
     s = held_lease(clock)
-    out, steps = drive(core.resize_steps(cfg(clock), s, amount, timeout), clock, [])
+    out, steps = drive(_resize.resize_steps(cfg(clock), s, amount, timeout), clock, [])
     assert steps == [] and s.amount == 5
     assert out is None if amount in (5, "5B") else isinstance(out, InvalidArgument), out
 
@@ -480,11 +481,11 @@ def test_resize_of_a_released_or_lost_lease_sends_nothing():
     clock = Clock()
     s = held_lease(clock)
     s.released = True
-    out, steps = drive(core.resize_steps(cfg(clock), s, 9, None), clock, [])
+    out, steps = drive(_resize.resize_steps(cfg(clock), s, 9, None), clock, [])
     assert isinstance(out, LeaseLost) and steps == []
     s = held_lease(clock)
     s.mark_lost("gone")
-    out, steps = drive(core.resize_steps(cfg(clock), s, 9, None), clock, [])
+    out, steps = drive(_resize.resize_steps(cfg(clock), s, 9, None), clock, [])
     assert isinstance(out, LeaseLost) and steps == []
 
 
@@ -498,7 +499,7 @@ def test_resize_long_polls_then_counts_validity_from_the_answer():
         sent.append(clock())
         return core.Reply(200, {}, resized_body(9, expires_in=20.0, held_ms=500), clock())
 
-    out, steps = drive(core.resize_steps(c, s, "9", 60), clock, [lambda st: queued(clock), ok])
+    out, steps = drive(_resize.resize_steps(c, s, "9", 60), clock, [lambda st: queued(clock), ok])
     http = [st for st in steps if isinstance(st, core.Http)]
     assert out is None and s.amount == 9 and len(http) == 2
     assert http[0].path == f"/v1/pools/p/leases/{'a' * 32}/resize" and http[0].lane == core.WAIT
@@ -523,8 +524,8 @@ def test_resize_withdraws_a_growth_the_broker_keeps_past_the_timeout():
         return queued(clock, pos=1, ra="0")
 
     c = cfg(clock, max_wait=1.0)
-    out, steps = drive(core.resize_steps(c, s, 9, 2.0), clock, [broker] * 20)
+    out, steps = drive(_resize.resize_steps(c, s, 9, 2.0), clock, [broker] * 20)
     assert isinstance(out, AcquireTimeout) and out.position == 1, out
-    assert clock.t - 100.0 >= 2.0 + core.RESIZE_SLACK_S
+    assert clock.t - 100.0 >= 2.0 + _resize.RESIZE_SLACK_S
     assert [w.json for w in withdrawn] == [{"amount": 5, "timeout": 0, "wait": 0}]
     assert s.amount == 5

@@ -18,6 +18,7 @@ from gpulock_common.driver import adrive
 from gpulock_common.lease import stop_renewal
 
 from . import _core as core
+from . import _resize
 from ._sync import _headers, _limits, _reply, _timeout
 from .errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
 
@@ -66,10 +67,10 @@ class AsyncLease(core.LeaseBase):
         s, p = self._state, self._pool
         before = s.amount
         try:
-            await p._run(core.resize_steps(p._cfg, s, amount, timeout))
+            await p._run(_resize.resize_steps(p._cfg, s, amount, timeout))
         except asyncio.CancelledError:
-            if core.grows(amount, before) and s.amount == before:
-                t = asyncio.ensure_future(p._run(core.withdraw_growth_steps(p._cfg, s)))
+            if _resize.grows(amount, before) and s.amount == before:
+                t = asyncio.ensure_future(p._run(_resize.withdraw_growth_steps(p._cfg, s)))
                 try:
                     await asyncio.shield(t)
                 except BaseException:

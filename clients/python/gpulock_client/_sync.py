@@ -15,6 +15,7 @@ from gpulock_common.driver import drive
 from gpulock_common.lease import stop_renewal
 
 from . import _core as core
+from . import _resize
 from .errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
 
 
@@ -90,11 +91,15 @@ class Lease(core.LeaseBase):
         s, p = self._state, self._pool
         before = s.amount
         try:
-            p._run(core.resize_steps(p._cfg, s, amount, timeout))
+            p._run(_resize.resize_steps(p._cfg, s, amount, timeout))
         except BaseException as e:
-            if not isinstance(e, Exception) and core.grows(amount, before) and s.amount == before:
+            if (
+                not isinstance(e, Exception)
+                and _resize.grows(amount, before)
+                and s.amount == before
+            ):
                 try:  # interrupted: withdraw a growth, best effort
-                    p._run(core.withdraw_growth_steps(p._cfg, s))
+                    p._run(_resize.withdraw_growth_steps(p._cfg, s))
                 except Exception:
                     pass
             raise
