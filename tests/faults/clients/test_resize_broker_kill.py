@@ -18,14 +18,14 @@ import pytest
 import redis
 from broker._support import ADMIN_TOKEN, TOKENS, USER_TOKEN
 from gpulock_client import Pool
-from gpulock_client.errors import GpuLockError
+from gpulock_client.errors import BackendUnavailable, GpuLockError
 
 from support.pools import check_consistent, used
 from support.ports import free_port
 from support.waiting import wait_until
 
 GiB = 2**30
-TTL_S = 4.0
+TTL_S = 10.0
 
 
 def _healthy(url: str) -> bool:
@@ -88,13 +88,70 @@ class BrokerProcess:
                 self.proc.wait(10)
 
 
+class AmountsDisagree(AssertionError):
+    """The SDK's ``lease.amount`` is not the server's after a resize that failed."""
+
+
+def _server_ms(r: redis.Redis) -> float:
+    sec, usec = r.time()
+    return sec * 1000 + usec / 1000
+
+
 def _amounts(r: redis.Redis, pool: str) -> dict[str, int]:
     holders = r.hgetall(f"gpulock:{{{pool}}}:holders")
     return {k.decode(): int(v.decode().split("|", 1)[0]) for k, v in holders.items()}
 
 
+def _release_on_redis(url: str, lease_id: str, token: int) -> None:
+    """Release a lease straight on Redis (the core's RemoteHolders, what the broker runs),
+    while no broker runs: its hand-off grants the parked growth in Redis, unheard."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from gpulock import AsyncPool as CorePool
+    from gpulock.runtime.remote import RemoteHolders
+
+    async def main() -> None:
+        r = aioredis.Redis.from_url(url)
+        core = CorePool(r, "gpu-a")
+        try:
+            released, _ = await RemoteHolders(core).release(lease_id, token)
+            assert released
+        finally:
+            await core.aclose()
+            await r.aclose()
+
+    asyncio.run(main())
+
+
 @pytest.mark.timeout(90)
-def test_broker_killed_while_an_sdk_growth_is_parked(redis_proc1, tmp_path):
+@pytest.mark.parametrize(
+    "when",
+    [
+        "released-after-restart",
+        "granted-while-down",
+        pytest.param(
+            "down-past-the-sdk-bound",
+            marks=pytest.mark.xfail(
+                raises=AmountsDisagree,
+                strict=True,
+                reason="the SDK's resize gave up (BackendUnavailable) without withdrawing the "
+                "growth (no broker to send it to); the restarted broker does not know it, so "
+                "the growth stays queued until its waiter ttl and a release grants it: the "
+                "server holds the new amount, lease.amount says the old one",
+            ),
+        ),
+    ],
+    ids=lambda w: w,
+)
+def test_broker_killed_while_an_sdk_growth_is_parked(redis_proc1, tmp_path, when):
+    """The other holder (B) releases through the restarted broker, or straight on Redis while
+    the broker is down (the growth is then granted in Redis with nobody to hear it: the SDK's
+    next call must find the grant, resize.lua being idempotent by the target amount); or the
+    broker stays down past the SDK's ``backend_timeout`` (1.5 s, the bound of a resize without
+    a timeout; one with a timeout retries until it), the resize ends with
+    BackendUnavailable, and B releases through the restarted broker."""
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(TOKENS))
     r = redis.Redis.from_url(redis_proc1.url)
@@ -105,7 +162,7 @@ def test_broker_killed_while_an_sdk_growth_is_parked(redis_proc1, tmp_path):
         assert httpx.put(
             f"{brk.url}/v1/pools/gpu-a", json={"capacity": "10GiB"}, headers=h
         ).is_success
-        pa = Pool(brk.url, "gpu-a", token=USER_TOKEN, max_wait=1)
+        pa = Pool(brk.url, "gpu-a", token=USER_TOKEN, max_wait=1, backend_timeout=1.5)
         pb = Pool(brk.url, "gpu-a", token=USER_TOKEN, max_wait=1)
         a = pa.acquire("6GiB", ttl=TTL_S)
         b = pb.acquire("4GiB", ttl=TTL_S)
@@ -113,7 +170,8 @@ def test_broker_killed_while_an_sdk_growth_is_parked(redis_proc1, tmp_path):
 
         def grow() -> None:
             try:
-                a.resize("8GiB", timeout=30)
+                # no timeout: an unreachable broker is retried for backend_timeout (1.5 s)
+                a.resize("8GiB", timeout=None if when == "down-past-the-sdk-bound" else 30)
                 out["ok"] = True
             except BaseException as e:  # noqa: BLE001 - handed to the test
                 out["e"] = e
@@ -123,8 +181,22 @@ def test_broker_killed_while_an_sdk_growth_is_parked(redis_proc1, tmp_path):
         queue = "gpulock:{gpu-a}:queue"
         wait_until(lambda: r.zrange(queue, 0, -1) == [f"grow:{a.id}".encode()], 10, "growth")
         brk.kill()
+        if when == "granted-while-down":
+            _release_on_redis(redis_proc1.url, b.id, b.token)
+            assert _amounts(r, "gpu-a") == {a.id: 8 * GiB}  # the hand-off granted the growth
+        if when == "down-past-the-sdk-bound":
+            t.join(30)
+            assert not t.is_alive() and isinstance(out.get("e"), BackendUnavailable), out
+            assert a.amount == 6 * GiB
+            # the growth the SDK gave up on is still queued in Redis (its waiter record lives
+            # for the broker's waiter ttl, 5 s, from its last refresh before the kill)
+            left_ms = r.zscore("gpulock:{gpu-a}:wexp", f"grow:{a.id}")
+            if left_ms is None or left_ms - _server_ms(r) < 1000:
+                pytest.skip("the growth's waiter record expired before the check could run")
+            _release_on_redis(redis_proc1.url, b.id, b.token)
         brk.start()  # the same port: the SDK's next call reaches the new broker
-        b.release()
+        if when == "released-after-restart":
+            b.release()
         t.join(40)
         assert not t.is_alive(), "the SDK's resize did not end"
         server = _amounts(r, "gpu-a")
@@ -136,7 +208,10 @@ def test_broker_killed_while_an_sdk_growth_is_parked(redis_proc1, tmp_path):
         else:
             e = out["e"]
             assert isinstance(e, GpuLockError) and str(e), repr(e)
-            print(f"\nthe resize ended with {type(e).__name__}: {e}; server amount {server}")
+            print(
+                f"\nthe resize ended with {type(e).__name__}: {e}; SDK amount {a.amount}, "
+                f"server amount {server}"
+            )
         # never leaked: released now, or gone at the lease's ttl
         try:
             a.release()
@@ -144,6 +219,8 @@ def test_broker_killed_while_an_sdk_growth_is_parked(redis_proc1, tmp_path):
             pass
         wait_until(lambda: used(r, "gpu-a") == 0, TTL_S + 5, "the bytes to come back")
         check_consistent(r, "gpu-a")
+        if a.amount != server.get(a.id, a.amount):
+            raise AmountsDisagree(f"SDK lease.amount {a.amount}, server amount {server[a.id]}")
     finally:
         for p in (pa, pb):
             if p is not None:
