@@ -20,7 +20,7 @@ from broker._support import ADMIN_TOKEN, TOKENS, USER_TOKEN
 from gpulock_client import Pool
 from gpulock_client.errors import BackendUnavailable, GpuLockError
 
-from support.pools import check_consistent, used
+from support.pools import AmountsDisagree, check_consistent, used
 from support.ports import free_port
 from support.waiting import wait_until
 
@@ -86,10 +86,6 @@ class BrokerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-
-
-class AmountsDisagree(AssertionError):
-    """The SDK's ``lease.amount`` is not the server's after a resize that failed."""
 
 
 def _server_ms(r: redis.Redis) -> float:
