@@ -214,3 +214,54 @@ def test_overlapping_first_calls_all_switch_to_scripts(server_binary, how):
             for t in threads:
                 t.join(60)
         assert not errors, errors
+
+
+async def _exercise_resize(url: str, pool: str) -> None:
+    """Resizes (docs/SEMANTICS.md, "Resizing a lease"): a shrink hands its bytes to a waiter, a
+    growth granted now, one queued and granted by another holder's release, one that times out
+    (the lease keeps its amount), and the deadlock rule's refusal."""
+    from gpulock import AcquireTimeout, ResizeRefused
+
+    async with AsyncPool.from_url(url, pool, capacity=100) as p:
+        a = await p.acquire(100)
+        w = asyncio.create_task(p.acquire(30, timeout=30))
+        while (await p.status()).waiter_count == 0:
+            await asyncio.sleep(0.01)
+        await a.resize(70)
+        b = await asyncio.wait_for(w, 10)
+        await b.resize(20)  # shrink with nobody waiting
+        await a.resize(80)  # grows now: 10 free
+        grow = asyncio.create_task(a.resize(90, timeout=30))
+        while (await p.status()).waiter_count == 0:
+            await asyncio.sleep(0.01)
+        with pytest.raises(ResizeRefused):
+            await b.resize(30)  # both waiting could never end
+        await b.release()
+        await asyncio.wait_for(grow, 10)
+        assert a.amount == 90
+        b = await p.acquire(10)
+        with pytest.raises(AcquireTimeout):
+            await a.resize(95, timeout=0.2)
+        assert a.amount == 90 and (await p.status()).used == 100
+        await b.release()
+        await a.release()
+
+
+def test_resize_where_the_server_has_no_functions(server_binary):
+    """``resize.lua`` as a script (EVALSHA), as on Redis 6.2, which has no functions."""
+    with RedisProcess(server_binary, extra_args=NO_FUNCTIONS) as srv:
+        c = redis.Redis.from_url(srv.url)
+        c.config_resetstat()
+        asyncio.run(_exercise_resize(srv.url, "rz"))
+        calls = _calls(c)
+        assert calls["evalsha"] > 0 and calls["fcall"] == 0, calls
+        assert_empty(c, "rz")
+        c.close()
+
+
+def test_resize_as_a_function(redis_proc, rclient):
+    rclient.config_resetstat()
+    asyncio.run(_exercise_resize(redis_proc.url, "rzf"))
+    calls = _calls(rclient)
+    assert calls["fcall"] > 0 and calls["evalsha"] == 0, calls
+    assert_empty(rclient, "rzf")

@@ -145,6 +145,11 @@ def assert_empty(client: redis.Redis, pool: str) -> None:
     assert client.hlen(k[6]) == 0, "ticket grants left"
 
 
+class AmountsDisagree(AssertionError):
+    """A lease's ``amount`` on the client is not its amount on the server (its holder
+    record); raised by tests, so that an xfail can name exactly this failure."""
+
+
 def check_consistent(c: redis.Redis, pool: str) -> dict[str, int]:
     """Every structure of a pool agrees with the others (read on the raw keys, not through
     the code under test): ``used`` is the sum of the holder records, every lease has a holder

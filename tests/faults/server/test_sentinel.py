@@ -26,7 +26,7 @@ from support.ports import free_port
 
 from support.pools import check_consistent
 from support.servers import FAST_REPLICATION
-from support.waiting import wait_until
+from support.waiting import async_wait_until, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -166,6 +166,47 @@ def test_async_pool_and_waiter_follow_a_sentinel_failover(sentinel):
     asyncio.run(run())
     new = redis.Redis(port=sentinel.replica.port)
     assert check_consistent(new, "sent-a") == {"used": 0, "leases": 0, "queued": 0}
+    new.close()
+
+
+def test_growth_queued_before_a_sentinel_failover_is_granted_after_it(sentinel):
+    """A holds 60 and B 40 through ``redis+sentinel://``; A's growth to 80 queues (seen on the
+    primary's raw queue), is replicated, and the primary is killed (-9): after the sentinel
+    promoted the replica, B's release on the new primary hands A its growth (docs/SEMANTICS.md,
+    "Resizing a lease"); A keeps its id and token, and nothing is left behind."""
+
+    async def run() -> None:
+        p = AsyncPool.from_url(sentinel.url, "sent-g", capacity=100, default_ttl=6)
+        try:
+            await p.configure(100)
+            a, b = await p.acquire(60), await p.acquire(40)
+            lid, token = a.id, a.token
+            grow = asyncio.create_task(a.resize(80, timeout=30))
+            old = redis.Redis(port=sentinel.primary.port)
+            await async_wait_until(
+                lambda: old.zrange("gpulock:{sent-g}:queue", 0, -1) == [f"grow:{lid}".encode()],
+                10,
+                "the growth to queue",
+            )
+            old.close()
+            assert a.amount == 60 and not grow.done()
+            await asyncio.to_thread(sentinel.in_sync)
+            await asyncio.to_thread(sentinel.fail_over)
+            new = redis.Redis(port=sentinel.replica.port)
+            assert new.zrange("gpulock:{sent-g}:queue", 0, -1) == [f"grow:{lid}".encode()]
+            new.close()
+            await b.release()  # on the new primary: its bytes go to the growth
+            await asyncio.wait_for(grow, 15)
+            assert (a.id, a.token, a.amount) == (lid, token, 80)
+            st = await p.status()
+            assert st.used == 80 and [h.amount for h in st.leases] == [80] and not st.waiters
+            await a.release()
+        finally:
+            await p.aclose()
+
+    asyncio.run(run())
+    new = redis.Redis(port=sentinel.replica.port)
+    assert check_consistent(new, "sent-g") == {"used": 0, "leases": 0, "queued": 0}
     new.close()
 
 
