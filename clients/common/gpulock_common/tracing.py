@@ -1,0 +1,183 @@
+"""OpenTelemetry tracing: the span and attribute names every gpulock surface uses, and the
+few calls they make, costing nothing when OpenTelemetry is absent or unconfigured.
+
+The OpenTelemetry API (``opentelemetry-api``) is optional. Without it every helper here is a
+no-op: :func:`span` yields None, :func:`inject` adds no header, :func:`extract` returns None.
+With it but without an SDK configured (no ``TracerProvider`` set, the API's default) the
+tracer's spans are non-recording and the helpers skip building attributes
+(:func:`recording`). What configures an SDK is the application's business (or ``gpulock
+serve``/``gpulock broker`` from the standard ``OTEL_*`` variables: :mod:`gpulock.http.telemetry`).
+
+Names (one place; docs/TRACING.md shows a trace):
+
+* spans: :data:`ACQUIRE` (the wait for a lease: queue position on entry, priority, tenant,
+  device, the outcome), :data:`HOLD` (a lease from grant to release; renewals are events on
+  it), :data:`CALL` (one model call under a lease), :data:`BATCH` (one batched model call,
+  linked to each request's span), :data:`RESIZE` (a lease's resize);
+* events: :data:`EVENT_RENEW`, :data:`EVENT_RESIZE`, :data:`EVENT_LOST`, :data:`EVENT_QUEUED`;
+* attributes: the ``gpulock.*`` constants below; generation endpoints add OpenTelemetry's
+  ``gen_ai.*`` semantic conventions (:data:`GEN_AI_REQUEST_MODEL` and the others).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
+from typing import Any
+
+try:  # the API is optional: absent, every helper below is a no-op
+    from opentelemetry import context as _context
+    from opentelemetry import propagate as _propagate
+    from opentelemetry import trace as _trace
+except ImportError:  # pragma: no cover - exercised by the no-OpenTelemetry test in a subprocess
+    _trace = None  # type: ignore[assignment]
+    _context = None  # type: ignore[assignment]
+    _propagate = None  # type: ignore[assignment]
+
+__all__ = [
+    "ACQUIRE",
+    "AMOUNT",
+    "BATCH",
+    "BATCH_SIZE",
+    "CALL",
+    "DEVICE",
+    "ENABLED",
+    "ERROR_CODE",
+    "ESTIMATED_WAIT",
+    "EVENT_LOST",
+    "EVENT_QUEUED",
+    "EVENT_RENEW",
+    "EVENT_RESIZE",
+    "FENCING_TOKEN",
+    "GEN_AI_OPERATION",
+    "GEN_AI_REQUEST_MAX_TOKENS",
+    "GEN_AI_REQUEST_MODEL",
+    "GEN_AI_SYSTEM",
+    "GEN_AI_USAGE_INPUT_TOKENS",
+    "GEN_AI_USAGE_OUTPUT_TOKENS",
+    "HOLD",
+    "LEASE_ID",
+    "OUTCOME",
+    "POOL",
+    "POSITION",
+    "PRIORITY",
+    "RESIZE",
+    "TENANT",
+    "TRACER_NAME",
+    "WAIT",
+    "extract",
+    "inject",
+    "recording",
+    "span",
+    "tracer",
+]
+
+ENABLED = _trace is not None
+"""Whether the OpenTelemetry API is importable (it says nothing of whether an SDK is set)."""
+
+TRACER_NAME = "gpulock"
+"""The instrumentation scope of every gpulock span."""
+
+# ---- span names -----------------------------------------------------------------------------
+ACQUIRE = "gpulock.acquire"
+HOLD = "gpulock.lease"
+CALL = "gpulock.call"
+BATCH = "gpulock.batch"
+RESIZE = "gpulock.resize"
+
+# ---- event names ----------------------------------------------------------------------------
+EVENT_QUEUED = "gpulock.queued"
+EVENT_RENEW = "gpulock.renew"
+EVENT_RESIZE = "gpulock.resize"
+EVENT_LOST = "gpulock.lost"
+
+# ---- attribute names ------------------------------------------------------------------------
+POOL = "gpulock.pool"
+AMOUNT = "gpulock.amount_bytes"
+PRIORITY = "gpulock.priority"
+TENANT = "gpulock.tenant"
+DEVICE = "gpulock.device"
+POSITION = "gpulock.queue.position"
+"""1-based place in the pool's queue on entry (0: granted without queueing)."""
+WAIT = "gpulock.queue.wait_s"
+"""Seconds from the request to its grant (or to its refusal)."""
+ESTIMATED_WAIT = "gpulock.queue.estimated_wait_s"
+"""The pool's estimate of the wait on entry, seconds (absent when none was measured)."""
+OUTCOME = "gpulock.outcome"
+"""``granted``, ``timeout``, ``cancelled`` or ``refused`` (then :data:`ERROR_CODE` says why)."""
+ERROR_CODE = "gpulock.error.code"
+"""The wire code of the error that ended a request (``capacity_exceeded``, ...)."""
+LEASE_ID = "gpulock.lease.id"
+FENCING_TOKEN = "gpulock.lease.fencing_token"
+BATCH_SIZE = "gpulock.batch.size"
+
+# OpenTelemetry's generative-AI semantic conventions, for the generation endpoints.
+GEN_AI_SYSTEM = "gen_ai.system"
+GEN_AI_OPERATION = "gen_ai.operation.name"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+
+
+def tracer() -> Any:
+    """The ``gpulock`` tracer of the global tracer provider, or None without the API."""
+    if _trace is None:
+        return None
+    return _trace.get_tracer(TRACER_NAME)
+
+
+def recording() -> bool:
+    """Whether a span started now would record: the API is present and a real (SDK) tracer
+    provider is set. Callers skip building attributes when it is False."""
+    if _trace is None:
+        return False
+    provider = _trace.get_tracer_provider()
+    return not isinstance(provider, (_trace.ProxyTracerProvider, _trace.NoOpTracerProvider))
+
+
+@contextmanager
+def span(
+    name: str,
+    attributes: Mapping[str, Any] | None = None,
+    *,
+    kind: str = "internal",
+    links: list[Any] | None = None,
+    context: Any = None,
+) -> Iterator[Any]:
+    """A span named ``name`` as the current span for the block, or None (nothing recorded)
+    when tracing is absent or unconfigured. ``attributes``: values of str, bool, int, float
+    (None values are left out). ``context``: a parent context (:func:`extract`'s), else the
+    current one. ``kind``: ``internal``, ``client`` or ``server``. An exception
+    leaving the block is recorded on the span and sets its status to error (the API's
+    default), then propagates."""
+    if not recording():
+        yield None
+        return
+    assert _trace is not None
+    attrs = {k: v for k, v in (attributes or {}).items() if v is not None}
+    sk = {
+        "internal": _trace.SpanKind.INTERNAL,
+        "client": _trace.SpanKind.CLIENT,
+        "server": _trace.SpanKind.SERVER,
+    }[kind]
+    with _trace.get_tracer(TRACER_NAME).start_as_current_span(
+        name, context=context, attributes=attrs, kind=sk, links=links
+    ) as s:
+        yield s
+
+
+def inject(headers: MutableMapping[str, str]) -> MutableMapping[str, str]:
+    """Add the current context's W3C ``traceparent`` (and ``tracestate``) to ``headers``
+    (unchanged without the API or without a current span); returns ``headers``."""
+    if _propagate is not None:
+        _propagate.inject(headers)
+    return headers
+
+
+def extract(headers: Mapping[str, str]) -> Any:
+    """The OpenTelemetry context carried by ``headers``' ``traceparent``, or None without the
+    API. Pass it as ``context=`` to a tracer's ``start_as_current_span``, or attach it."""
+    if _propagate is None:
+        return None
+    return _propagate.extract(dict(headers))
