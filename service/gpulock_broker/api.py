@@ -30,7 +30,9 @@ import time
 from typing import Optional
 
 from fastapi import APIRouter, Body, Depends, Request, Response
+from gpulock_common import tracing
 from gpulock_common.grace import grace_note
+from gpulock_common.wire import answer_for
 
 from gpulock.errors import QueueFull
 from gpulock.http.disconnect import watch_disconnect
@@ -54,6 +56,7 @@ from .core import (
     Granted,
     Resized,
 )
+from .outcomes import Queued
 from .answers import (
     LeaseGrant,
     LeaseReleased,
@@ -117,6 +120,15 @@ async def acquire_lease(
     retry with the same ``request_id`` to keep the place (it is kept ``hold_place_for`` seconds)
     and to get the same grant if it was made meanwhile."""
     t0 = time.monotonic()  # held_ms: how long this request was held here before the grant reply
+    # on the request's server span (when traced): the core's gpulock.acquire spans are children
+    tracing.annotate(
+        {
+            tracing.POOL: pool,
+            tracing.AMOUNT: body.amount_bytes,
+            tracing.PRIORITY: body.options.priority,
+            tracing.TENANT: who.tenant or None,
+        }
+    )
     _allowed(who, pool)
     # a client that hangs up during the long poll leaves the queue at once (uvicorn does not
     # cancel the handler by itself)
@@ -128,10 +140,12 @@ async def acquire_lease(
     except Exception as e:
         if isinstance(e, QueueFull):
             broker.count_event(pool, "rejected")
+        _traced_outcome(None, e)
         _map(e, pool)
     finally:
         if gone is not None:
             gone.cancel()
+    _traced_outcome(r)
     if not isinstance(r, Granted):
         broker.count_event(pool, "rejected")  # the 503 below (queued or busy)
     if isinstance(r, Granted):
@@ -177,6 +191,34 @@ async def acquire_lease(
         retry_after=r.retry_after_s,
         grace_left=r.grace_left_s,
     )
+
+
+def _traced_outcome(r: Granted | Queued | None, error: BaseException | None = None) -> None:
+    """An acquire request's outcome on its server span (when traced): granted (lease id,
+    fencing token), queued (position), busy, or refused (the error's wire code)."""
+    if not tracing.recording():
+        return
+    attrs: dict[str, object]
+    if error is not None:
+        a = answer_for(error)
+        attrs = {
+            tracing.OUTCOME: "refused",
+            tracing.ERROR_CODE: a.code if a is not None else type(error).__name__,
+        }
+    elif isinstance(r, Granted):
+        attrs = {
+            tracing.OUTCOME: "granted",
+            tracing.LEASE_ID: r.grant.lease_id,
+            tracing.FENCING_TOKEN: r.grant.token,
+            tracing.DEVICE: r.grant.device,
+        }
+    else:
+        assert r is not None
+        attrs = {
+            tracing.OUTCOME: "queued" if r.queued else "busy",
+            tracing.POSITION: r.position if r.queued else None,
+        }
+    tracing.annotate(attrs)
 
 
 @router.put(

@@ -58,6 +58,7 @@ def create_broker_app(
 
     from gpulock.http.access_log import AccessLog
     from gpulock.http.guards import install_http_guards
+    from gpulock.http.telemetry import instrument_app
 
     from fastapi import Depends
 
@@ -117,6 +118,9 @@ def create_broker_app(
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    # a server span per request (its parent the caller's traceparent) when OTEL_* asks for
+    # traces; run_broker sets the provider
+    instrument_app(app)
     return app
 
 
@@ -133,27 +137,33 @@ def run_broker(
     request (``log_format``: ``plain`` or ``json``) instead of uvicorn's access log."""
     import uvicorn
 
+    from gpulock.http import telemetry
     from gpulock.http.server import MAX_HEADER_BYTES, server_protocol
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # traces from the OTEL_* variables (service name gpulock-broker): gpulock.http.telemetry
+    telemetry.configure_from_env("gpulock-broker")
     app = create_broker_app(
         redis_url, tokens_file=tokens_file, max_wait=max_wait, log_format=log_format
     )
     # access_log: gpulock.access logs each request (never headers: no tokens); uvicorn's off.
     # http: uvicorn's protocol with a deadline for the request line and headers
     # (GPULOCK_READ_TIMEOUT); an idle kept-alive connection is closed after 5 s.
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=False,
-        http=server_protocol(),
-        timeout_keep_alive=5,
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-    )
+    try:
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            access_log=False,
+            http=server_protocol(),
+            timeout_keep_alive=5,
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        )
+    finally:
+        telemetry.shutdown()  # the spans still buffered are sent
 
 
 def register_broker(typer_app) -> None:
@@ -209,6 +219,13 @@ def register_broker(typer_app) -> None:
             log_format = check_log_format(log_format)
         except InvalidArgument as e:
             typer.echo(f"error: --log-format: {e}", err=True)
+            raise typer.Exit(2) from None
+        from gpulock.http.telemetry import exporters
+
+        try:
+            exporters()  # OTEL_TRACES_EXPORTER names exporters this broker has
+        except InvalidArgument as e:
+            typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
         try:
             run_broker(host, port, redis_url, tokens_file, max_wait, log_level, log_format)

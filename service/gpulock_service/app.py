@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from gpulock.fastapi._http_metrics import HttpMetrics
 from gpulock.http.access_log import AccessLog
 from gpulock.http.guards import install_http_guards
+from gpulock.http.telemetry import instrument_app
 from gpulock.units import parse_size
 
 from .openai_errors import guard_detail, install_openai_errors
@@ -103,6 +104,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if generation is not None:
         app.include_router(generation)
     install_openapi(app, lambda: schema_bounds(svc))
+    # a server span per request when OTEL_* asks for traces (each worker's lifespan sets the
+    # provider: gpulock.http.telemetry); nothing otherwise
+    instrument_app(app)
     return app
 
 

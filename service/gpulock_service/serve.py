@@ -134,6 +134,12 @@ def check_options(
         return problem
     if log_level.lower() not in LOG_LEVELS:
         return f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}"
+    from gpulock.http.telemetry import exporters
+
+    try:  # the workers configure traces from the OTEL_* variables: a bad one stops serve here
+        exporters()
+    except InvalidArgument as e:
+        return str(e)
     try:
         from .settings import Settings
 

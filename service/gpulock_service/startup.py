@@ -9,6 +9,9 @@
 3. load the model (and the generative model, ``GPULOCK_GENERATION_MODEL``) once, in a thread
    (then calibrate, if asked, on CUDA), then report ready.
 
+First of all it sets the worker's tracer provider when the ``OTEL_*`` variables ask for traces
+(:func:`gpulock.http.telemetry.configure_from_env`, service name ``gpulock-serve``).
+
 The worker waits ``GPULOCK_STARTUP_TIMEOUT`` seconds for 2-3 before it starts serving; if they
 are not done by then it serves anyway (``/health`` answers, requests get 503 not-ready) and
 keeps trying in the background.
@@ -23,6 +26,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
 from gpulock.admin.samples import Sampler
+from gpulock.http import telemetry
 from gpulock.protocol.keys import pool_key
 from gpulock.transport.shards_async import aon_key
 from gpulock.units import format_size, parse_size
@@ -39,6 +43,8 @@ def lifespan(svc: Service) -> Callable[[Any], Any]:
     @asynccontextmanager
     async def run(app: Any) -> AsyncIterator[None]:
         settings, limiter = svc.settings, svc.limiter
+        # traces from the OTEL_* variables: in each worker, after gunicorn's fork
+        telemetry.configure_from_env("gpulock-serve")
         await limiter.start()
         if settings.dashboard and limiter.backend.redis is not None:
             # one sampler per worker; the pool's sampler lease lets one of them write
@@ -62,6 +68,7 @@ def lifespan(svc: Service) -> Callable[[Any], Any]:
             yield
         finally:
             await limiter.stop()
+            telemetry.shutdown()  # the spans still buffered are sent
 
     return run
 

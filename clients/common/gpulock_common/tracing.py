@@ -65,10 +65,14 @@ __all__ = [
     "TENANT",
     "TRACER_NAME",
     "WAIT",
+    "annotate",
+    "end",
+    "event",
     "extract",
     "inject",
     "recording",
     "span",
+    "start",
     "tracer",
 ]
 
@@ -104,7 +108,9 @@ WAIT = "gpulock.queue.wait_s"
 ESTIMATED_WAIT = "gpulock.queue.estimated_wait_s"
 """The pool's estimate of the wait on entry, seconds (absent when none was measured)."""
 OUTCOME = "gpulock.outcome"
-"""``granted``, ``timeout``, ``cancelled`` or ``refused`` (then :data:`ERROR_CODE` says why)."""
+"""``granted``, ``timeout``, ``cancelled`` or ``refused`` (then :data:`ERROR_CODE` says why);
+on the broker's request span also ``queued`` (answered 503, the place kept for a retry) and
+``busy`` (not available, ``queue=false``)."""
 ERROR_CODE = "gpulock.error.code"
 """The wire code of the error that ended a request (``capacity_exceeded``, ...)."""
 LEASE_ID = "gpulock.lease.id"
@@ -181,3 +187,39 @@ def extract(headers: Mapping[str, str]) -> Any:
     if _propagate is None:
         return None
     return _propagate.extract(dict(headers))
+
+
+def annotate(attributes: Mapping[str, Any]) -> None:
+    """Set ``attributes`` (None values left out) on the current span, e.g. a request's server
+    span; nothing when it does not record."""
+    if _trace is None:
+        return
+    cur = _trace.get_current_span()
+    if cur.is_recording():
+        cur.set_attributes({k: v for k, v in attributes.items() if v is not None})
+
+
+def start(name: str, attributes: Mapping[str, Any] | None = None, *, kind: str = "internal") -> Any:
+    """A span named ``name`` started now as a child of the current span, *not* made current
+    (for a span that outlives the block that starts it, e.g. :data:`HOLD` from grant to
+    release); None when tracing is absent or unconfigured. End it with :func:`end`."""
+    if not recording():
+        return None
+    assert _trace is not None
+    sk = {"internal": _trace.SpanKind.INTERNAL, "client": _trace.SpanKind.CLIENT}[kind]
+    attrs = {k: v for k, v in (attributes or {}).items() if v is not None}
+    return _trace.get_tracer(TRACER_NAME).start_span(name, attributes=attrs, kind=sk)
+
+
+def event(s: Any, name: str, attributes: Mapping[str, Any] | None = None) -> None:
+    """Add the event ``name`` to ``s`` (a :func:`start` span; nothing for None)."""
+    if s is not None and s.is_recording():
+        s.add_event(name, {k: v for k, v in (attributes or {}).items() if v is not None})
+
+
+def end(s: Any, attributes: Mapping[str, Any] | None = None) -> None:
+    """Set ``attributes`` on ``s`` (a :func:`start` span; nothing for None) and end it; a
+    second call does nothing."""
+    if s is not None and s.is_recording():
+        s.set_attributes({k: v for k, v in (attributes or {}).items() if v is not None})
+        s.end()

@@ -18,7 +18,7 @@ from gpulock_common.driver import adrive
 from gpulock_common.lease import stop_renewal
 
 from . import _core as core
-from . import _resize
+from . import _resize, _trace
 from ._sync import _headers, _limits, _reply, _timeout
 from .errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
 
@@ -196,6 +196,7 @@ class AsyncPool:
                     step.method,
                     step.path,
                     json=step.json,
+                    headers=_trace.request_headers(),  # the caller's traceparent
                     timeout=_timeout(step.timeout),
                 ),
                 sent,
@@ -263,7 +264,16 @@ class AsyncPool:
             priority=priority,
             device=device,
         )
-        gen = core.acquire_steps(self._cfg, amount, opts, on_queued)
+        with _trace.acquire_span(self.name, amount, opts, self._cfg.clock, on_queued) as tr:
+            gen = core.acquire_steps(self._cfg, amount, opts, tr.on_queued)
+            lease = await self._acquire(gen, rid)
+            tr.granted(lease._state)
+        _trace.hold_start(lease._state)  # from the grant to the release
+        return lease
+
+    async def _acquire(self, gen: core.Steps, rid: str):
+        """Carry out an acquire's steps (:meth:`acquire`): its lease, or its error after its
+        place was withdrawn."""
         if self._closed:
             raise PoolClosed(self.name, queued=False)
         try:

@@ -45,6 +45,7 @@ from gpulock_common.options import AcquireOptions as AcquireOptions
 from gpulock_common.options import PoolSettings as PoolSettings
 from gpulock_common.grace import grace_note
 from gpulock_common.wire import error_from_reply, reply_message
+from . import _trace
 from ._gate import Gate as Gate
 from ._gate import Waker as Waker
 from .errors import (
@@ -210,6 +211,9 @@ class LeaseState(LocalLeaseState):
         self.device: int = int(body.get("device") or 0)
         self.next_renew = reply_made_after(sent, held_s) + min(self.ttl_s, expires_in) / 3
         self.renew_failures = 0
+
+    def _report_lost(self, reason: str) -> None:
+        _trace.lost(self, reason)  # an event on the lease's span (when traced)
 
     def renewed(self, sent: float, body: Dict[str, Any]) -> None:
         """The broker's answer ``body`` to a renewal or a resize sent at ``sent``: the
@@ -515,6 +519,7 @@ def renew_steps(
     if isinstance(out, Reply) and out.status == 200:
         if s.active:
             s.renewed(out.sent, out.body)
+            _trace.renewed(s)
         return True
     if isinstance(out, Reply):
         err = error_for(out, cfg.name)
@@ -531,6 +536,13 @@ def renew_steps(
 def release_steps(cfg: PoolConfig, s: LeaseState, was_lost: Optional[str]) -> Steps:
     """DELETE with retries for up to RELEASE_TIMEOUT_S. Raises LeaseLost when the lease was
     lost (by the broker's answer, or locally before), BackendUnavailable when unreachable."""
+    try:
+        yield from _release(cfg, s, was_lost)
+    finally:
+        _trace.hold_end(s)
+
+
+def _release(cfg: PoolConfig, s: LeaseState, was_lost: Optional[str]) -> Steps:
     clock, start, attempt = cfg.clock, cfg.clock(), 0
     while True:
         out = yield Http("DELETE", f"{cfg.base}/leases/{s.lease_id}", timeout=RELEASE_TIMEOUT_S)

@@ -15,7 +15,7 @@ from gpulock_common.driver import drive
 from gpulock_common.lease import stop_renewal
 
 from . import _core as core
-from . import _resize
+from . import _resize, _trace
 from .errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
 
 
@@ -233,6 +233,7 @@ class Pool:
                     step.method,
                     step.path,
                     json=step.json,
+                    headers=_trace.request_headers(),  # the caller's traceparent
                     timeout=_timeout(step.timeout),
                 ),
                 sent,
@@ -307,7 +308,16 @@ class Pool:
             priority=priority,
             device=device,
         )
-        gen = core.acquire_steps(self._cfg, amount, opts, on_queued)
+        with _trace.acquire_span(self.name, amount, opts, self._cfg.clock, on_queued) as tr:
+            gen = core.acquire_steps(self._cfg, amount, opts, tr.on_queued)
+            lease = self._acquire(gen, rid)
+            tr.granted(lease._state)
+        _trace.hold_start(lease._state)  # from the grant to the release
+        return lease
+
+    def _acquire(self, gen: core.Steps, rid: str):
+        """Carry out an acquire's steps (:meth:`acquire`): its lease, or its error after its
+        place was withdrawn."""
         if self._closed:
             raise PoolClosed(self.name, queued=False)
         try:
