@@ -1,0 +1,295 @@
+"""OpenTelemetry across the broker: the SDK's spans in this process (an in-memory exporter),
+the broker's in a ``python -m gpulock_broker`` subprocess configured by the ``OTEL_*``
+variables alone (the console exporter, its JSON spans read back from its output); the context
+crosses the broker (its request spans are children of the SDK's ``gpulock.acquire``). Also: a
+bad ``OTEL_TRACES_EXPORTER`` stops the broker and ``gpulock serve`` with exit 2, and without
+OpenTelemetry the SDK and the broker work and print nothing of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from gpulock_client import Pool
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from gpulock_common import tracing
+from support.ports import free_port
+from support.procs import Proc, broker_argv, gpulock_argv
+from support.servers import RedisProcess
+
+from ._support import ADMIN_TOKEN, TOKENS, USER_TOKEN
+
+ROOT = Path(__file__).resolve().parents[2]
+LEASES_ROUTE = "POST /v1/pools/{pool}/leases"
+
+
+@pytest.fixture(scope="module")
+def spans():
+    """This process's spans, in memory: the global tracer provider (an SDK one, set here if
+    none is) exports to it too."""
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        trace.set_tracer_provider(TracerProvider())
+        provider = trace.get_tracer_provider()
+    assert isinstance(provider, TracerProvider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield exporter
+    exporter.shutdown()
+
+
+@pytest.fixture(scope="module")
+def redis_srv(default_binary):
+    with RedisProcess(default_binary) as p:
+        yield p
+
+
+def _env(**kw: str) -> dict[str, str]:
+    return {"GPULOCK_BROKER_TOKENS": json.dumps(TOKENS), **kw}
+
+
+@pytest.fixture(scope="module")
+def traced_broker(redis_srv, tmp_path_factory):
+    """The broker in a subprocess, tracing to the console as ``test-broker``."""
+    tmp = tmp_path_factory.mktemp("traced-broker")
+    port = free_port()
+    env = _env(
+        OTEL_TRACES_EXPORTER="console",
+        OTEL_SERVICE_NAME="test-broker",
+        OTEL_RESOURCE_ATTRIBUTES="deployment.environment=test",
+    )
+    p = Proc(broker_argv(port, redis_srv.url), env, tmp / "broker.log", port)
+    try:
+        p.wait_up()
+        with httpx.Client(
+            base_url=p.url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30
+        ) as c:
+            r = c.put("/v1/pools/gpu-t", json={"capacity": "1GiB"})
+            assert r.status_code == 200, r.text
+        yield p
+    finally:
+        p.stop()
+
+
+def console_spans(text: str) -> list[dict]:
+    """The console exporter's spans (indented JSON objects, one after another) in ``text``,
+    skipping the log lines between them."""
+    dec, out, i = json.JSONDecoder(), [], 0
+    while True:
+        i = text.find('{\n    "name": ', i)
+        if i < 0:
+            return out
+        obj, i = dec.raw_decode(text, i)
+        out.append(obj)
+
+
+def broker_spans(p: Proc, trace_id: str, want: int, timeout: float = 60.0) -> list[dict]:
+    """The broker's request spans of ``trace_id`` (``0x``-hex) once at least ``want`` are
+    printed (each is printed as its request ends)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = [
+            s
+            for s in console_spans(p.log_path.read_text())
+            if s["context"]["trace_id"] == trace_id and s["name"] == LEASES_ROUTE
+        ]
+        if len(got) >= want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.1)
+
+
+def _hex(n: int, width: int) -> str:
+    return f"0x{n:0{width}x}"
+
+
+def _acquire_spans(exporter: InMemorySpanExporter, lease_id: str) -> list:
+    return [
+        s
+        for s in exporter.get_finished_spans()
+        if s.name == tracing.ACQUIRE and (s.attributes or {}).get(tracing.LEASE_ID) == lease_id
+    ]
+
+
+@pytest.mark.timeout(180)
+def test_the_brokers_request_span_is_a_child_of_the_sdks_acquire(spans, traced_broker):
+    with Pool(traced_broker.url, "gpu-t", token=USER_TOKEN) as pool:
+        lease = pool.acquire("64MiB", timeout=30, priority=3)
+        lease.renew()
+        lease.release()
+    (mine,) = _acquire_spans(spans, lease.id)
+    assert mine.kind == trace.SpanKind.CLIENT
+    a = mine.attributes
+    assert a[tracing.POOL] == "gpu-t"
+    assert a[tracing.AMOUNT] == 64 << 20
+    assert a[tracing.PRIORITY] == 3
+    assert a[tracing.OUTCOME] == "granted"
+    assert a[tracing.POSITION] == 0
+    assert a[tracing.FENCING_TOKEN] == lease.token
+    assert a[tracing.WAIT] >= 0
+
+    trace_id = _hex(mine.context.trace_id, 32)
+    (theirs,) = broker_spans(traced_broker, trace_id, want=1)
+    assert theirs["parent_id"] == _hex(mine.context.span_id, 16)
+    assert theirs["kind"] == "SpanKind.SERVER"
+    assert theirs["resource"]["attributes"]["service.name"] == "test-broker"
+    assert theirs["resource"]["attributes"]["deployment.environment"] == "test"
+    ba = theirs["attributes"]
+    assert ba[tracing.POOL] == "gpu-t"
+    assert ba[tracing.AMOUNT] == 64 << 20
+    assert ba[tracing.OUTCOME] == "granted"
+    assert ba[tracing.LEASE_ID] == lease.id
+
+    # the lease's hold span: from the grant to the release, the renewal an event on it
+    (hold,) = [
+        s
+        for s in spans.get_finished_spans()
+        if s.name == tracing.HOLD and s.attributes[tracing.LEASE_ID] == lease.id
+    ]
+    assert tracing.EVENT_RENEW in [e.name for e in hold.events]
+    assert hold.start_time >= mine.end_time
+
+
+@pytest.mark.timeout(180)
+def test_a_long_polled_grant_answers_in_the_callers_trace(spans, traced_broker):
+    """A request that waits in the queue: the broker's long poll ends in a grant made by
+    another holder's release; that request's span is still the SDK span's child, and the SDK
+    span says where it entered the queue."""
+    with Pool(traced_broker.url, "gpu-t", token=USER_TOKEN) as pool:
+        first = pool.acquire("1GiB", timeout=30)
+        positions: list[int] = []
+        got: list = []
+        t = threading.Thread(
+            target=lambda: got.append(
+                pool.acquire("1GiB", timeout=60, on_queued=positions.append)
+            )
+        )
+        t.start()
+        deadline = time.monotonic() + 60
+        while not positions and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert positions == [1]
+        first.release()
+        t.join(60)
+        (second,) = got
+        second.release()
+    (mine,) = _acquire_spans(spans, second.id)
+    assert mine.attributes[tracing.POSITION] == 1
+    assert mine.attributes[tracing.OUTCOME] == "granted"
+    assert tracing.EVENT_QUEUED in [e.name for e in mine.events]
+    trace_id = _hex(mine.context.trace_id, 32)
+    # the queued answer(s), then the long poll the release ended in a grant
+    deadline = time.monotonic() + 60
+    while True:
+        theirs = broker_spans(traced_broker, trace_id, want=1)
+        outcomes = [s["attributes"].get(tracing.OUTCOME) for s in theirs]
+        if "granted" in outcomes or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert "granted" in outcomes, outcomes
+    assert set(outcomes) <= {"granted", "queued"}
+    assert {s["parent_id"] for s in theirs} == {_hex(mine.context.span_id, 16)}
+
+
+def test_a_bad_exporter_name_stops_the_broker_with_exit_2(redis_srv):
+    r = subprocess.run(
+        broker_argv(free_port(), redis_srv.url),
+        env={**os.environ, **_env(OTEL_TRACES_EXPORTER="console,jaegr")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "OTEL_TRACES_EXPORTER='console,jaegr': unknown exporter 'jaegr'" in r.stderr
+    assert "console, otlp" in r.stderr
+
+
+def test_a_bad_exporter_name_stops_serve_with_exit_2():
+    r = subprocess.run(
+        [*gpulock_argv(), "serve", "--model", "sleep", "--port", str(free_port())],
+        env={**os.environ, "OTEL_TRACES_EXPORTER": "zipkin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "unknown exporter 'zipkin'" in r.stdout + r.stderr
+
+
+# Run with OpenTelemetry packages unimportable, as where they are not installed: the SDK
+# process without any (its dependencies include none); the broker without the SDK, the
+# exporters and the instrumentation (recent FastAPI, with its own telemetry, requires the API).
+_BLOCK = """
+import sys
+class _NoOtel:
+    def find_spec(self, name, path=None, target=None):
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+            raise ImportError("blocked: " + name)
+        return None
+sys.meta_path.insert(0, _NoOtel())
+"""
+
+_BROKER = (
+    "BLOCKED = ['opentelemetry.sdk', 'opentelemetry.exporter', 'opentelemetry.instrumentation']"
+    + _BLOCK
+    + "import runpy; runpy.run_module('gpulock_broker', run_name='__main__')"
+)
+
+_SDK = (
+    "BLOCKED = ['opentelemetry']"
+    + _BLOCK
+    + """
+from gpulock_client import Pool
+from gpulock_common import tracing
+assert not tracing.ENABLED
+with Pool(sys.argv[1], "gpu-t", token=sys.argv[2]) as p:
+    with p.lease("1MiB", timeout=30) as l:
+        l.renew()
+print("ok", "opentelemetry" in sys.modules)
+"""
+)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("asked", [False, True], ids=["unconfigured", "asked-for"])
+def test_without_opentelemetry_the_sdk_and_the_broker_work(redis_srv, tmp_path, asked):
+    port = free_port()
+    env = _env(**({"OTEL_TRACES_EXPORTER": "console"} if asked else {}))
+    argv = [sys.executable, "-c", _BROKER, *broker_argv(port, redis_srv.url)[3:]]
+    p = Proc(argv, env, tmp_path / "broker.log", port)
+    try:
+        p.wait_up()
+        with httpx.Client(
+            base_url=p.url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30
+        ) as c:
+            assert c.put("/v1/pools/gpu-t", json={"capacity": "1GiB"}).status_code == 200
+        r = subprocess.run(
+            [sys.executable, "-c", _SDK, p.url, USER_TOKEN],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "OTEL_TRACES_EXPORTER": "console"},
+        )
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == "ok False\n"
+        assert r.stderr == ""
+    finally:
+        p.stop()
+    log = p.log_path.read_text()
+    assert console_spans(log) == []
+    warnings = [line for line in log.splitlines() if "OpenTelemetry" in line]
+    if asked:  # one line that says what to install
+        assert len(warnings) == 1, log
+        assert "pip install 'gpulock[otel]'" in warnings[0]
+    else:
+        assert warnings == [], log
