@@ -170,9 +170,7 @@ def test_a_long_polled_grant_answers_in_the_callers_trace(spans, traced_broker):
         positions: list[int] = []
         got: list = []
         t = threading.Thread(
-            target=lambda: got.append(
-                pool.acquire("1GiB", timeout=60, on_queued=positions.append)
-            )
+            target=lambda: got.append(pool.acquire("1GiB", timeout=60, on_queued=positions.append))
         )
         t.start()
         deadline = time.monotonic() + 60
@@ -293,3 +291,100 @@ def test_without_opentelemetry_the_sdk_and_the_broker_work(redis_srv, tmp_path, 
         assert "pip install 'gpulock[otel]'" in warnings[0]
     else:
         assert warnings == [], log
+
+
+@pytest.mark.timeout(180)
+def test_the_brokers_redis_work_runs_in_the_request_spans_context(spans, redis_srv, monkeypatch):
+    """The broker's enqueue and its long poll's wait run in tasks of their own
+    (``Tasks.spawn``, ``ensure_future``): they see the request's span as current (asyncio
+    copies the context into a task), so spans the core makes there are the request's
+    children. In process: the broker in a thread, sharing this process's tracer provider."""
+    from gpulock.runtime.remote import RemoteHolders
+
+    from ._support import BrokerServer
+
+    seen: dict[str, list[int]] = {"enqueue": [], "wait": []}
+
+    def watched(name, fn):
+        async def call(self, *a, **kw):
+            seen[name].append(trace.get_current_span().get_span_context().trace_id)
+            return await fn(self, *a, **kw)
+
+        return call
+
+    for name in seen:
+        monkeypatch.setattr(RemoteHolders, name, watched(name, getattr(RemoteHolders, name)))
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")  # the app gets its request spans
+    srv = BrokerServer(redis_srv.url, max_wait=20.0).start()
+    try:
+        with httpx.Client(
+            base_url=srv.url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30
+        ) as c:
+            assert c.put("/v1/pools/gpu-w", json={"capacity": "1GiB"}).status_code == 200
+        with Pool(srv.url, "gpu-w", token=USER_TOKEN) as pool:
+            first = pool.acquire("1GiB", timeout=30)
+            positions: list[int] = []
+            got: list = []
+            t = threading.Thread(
+                target=lambda: got.append(
+                    pool.acquire("1GiB", timeout=60, on_queued=positions.append)
+                )
+            )
+            t.start()
+            deadline = time.monotonic() + 60
+            while not seen["wait"] and time.monotonic() < deadline:
+                time.sleep(0.05)  # the second acquire's long poll waits in the queue
+            first.release()
+            t.join(60)
+            (second,) = got
+            second.release()
+    finally:
+        srv.stop()
+    (mine,) = _acquire_spans(spans, second.id)
+    server = [
+        s
+        for s in spans.get_finished_spans()
+        if s.kind == trace.SpanKind.SERVER and s.context.trace_id == mine.context.trace_id
+    ]
+    assert server and all(s.parent.span_id == mine.context.span_id for s in server)
+    assert mine.context.trace_id in seen["enqueue"]
+    assert seen["wait"] and set(seen["wait"]) == {mine.context.trace_id}
+    refused = [s for s in server if s.attributes.get(tracing.OUTCOME) == "refused"]
+    assert refused == []
+
+
+@pytest.mark.timeout(120)
+def test_a_refusal_is_named_on_both_sides(spans, traced_broker):
+    with Pool(traced_broker.url, "gpu-t", token=USER_TOKEN) as pool:
+        with pytest.raises(Exception) as e:
+            pool.acquire("2GiB", timeout=5)  # more than the pool's capacity: never fits
+    (mine,) = [
+        s
+        for s in spans.get_finished_spans()
+        if s.name == tracing.ACQUIRE
+        and s.attributes.get(tracing.OUTCOME) == "refused"
+        and s.attributes.get(tracing.AMOUNT) == 2 << 30
+    ]
+    assert mine.attributes[tracing.ERROR_CODE] == type(e.value).__name__
+    (theirs,) = broker_spans(traced_broker, _hex(mine.context.trace_id, 32), want=1)
+    assert theirs["attributes"][tracing.OUTCOME] == "refused"
+    assert theirs["attributes"][tracing.ERROR_CODE] == "capacity_exceeded"
+
+
+@pytest.mark.timeout(120)
+async def test_the_async_sdk_carries_its_context_too(spans, traced_broker):
+    from gpulock_client import AsyncPool
+
+    async with AsyncPool(traced_broker.url, "gpu-t", token=USER_TOKEN) as pool:
+        async with pool.lease("32MiB", timeout=30) as lease:
+            pass
+    (mine,) = _acquire_spans(spans, lease.id)
+    assert mine.kind == trace.SpanKind.CLIENT and mine.attributes[tracing.OUTCOME] == "granted"
+    (theirs,) = broker_spans(traced_broker, _hex(mine.context.trace_id, 32), want=1)
+    assert theirs["parent_id"] == _hex(mine.context.span_id, 16)
+    (hold,) = [
+        s
+        for s in spans.get_finished_spans()
+        if s.name == tracing.HOLD and s.attributes[tracing.LEASE_ID] == lease.id
+    ]
+    assert hold.end_time is not None
