@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from gpulock_common import tracing
 from gpulock_common.grace import grace_note, grace_outlasts
 from gpulock_common.options import PoolSettings
 
@@ -70,6 +71,8 @@ from gpulock.protocol.replies import (
     decode_status,
 )
 from gpulock.protocol.retry import retry_bound
+from gpulock.protocol import traces
+from gpulock.protocol.traces import AcquireTrace, traced
 from gpulock.errors import (
     AcquireTimeout,
     BackendUnavailable,
@@ -284,7 +287,16 @@ def release_lease(s: LeaseState, rt: RuntimeView | None) -> Flow[None]:
     bound = max(1.0, s.seconds_left())
     if rt is not None:
         rt.untrack(s.lease_id)  # a dict pop: safe from any thread
-    ok, _ = yield from release(s.pool, s.lease_id, s.token, bound)
+    try:
+        ok, _ = yield from release(s.pool, s.lease_id, s.token, bound)
+    except BaseException as e:
+        if s.span is not None:
+            traces.lost(s, f"its release failed ({e}); it expires on the server")
+        raise
+    if s.span is not None and ok:
+        traces.released(s)
+    elif s.span is not None:
+        traces.lost(s, "the server no longer had it when it was released")
     if not ok and was_lost is None:
         raise LeaseLost(
             s.lease_id,
@@ -366,7 +378,24 @@ def acquire(
     returned, the server may hold a place or a grant for the ticket, and an error, a timeout
     or a cancellation withdraws it (unless another local acquire still uses the ticket). A
     refusal by the script (an error other than BackendUnavailable) wrote nothing, and is not
-    withdrawn; when Redis did not answer, the withdrawal runs in the background."""
+    withdrawn; when Redis did not answer, the withdrawal runs in the background.
+
+    Traced (:class:`~gpulock.protocol.traces.AcquireTrace`: the ``gpulock.acquire`` span, and
+    the lease's span from its grant) while :func:`gpulock_common.tracing.recording`."""
+    tr = AcquireTrace.begin(pool.name, req, start) if tracing.recording() else None
+    steps = _acquire(pool, rt, req, start, on_queued, tr)
+    return steps if tr is None else traced(tr, steps, pool.clock)
+
+
+def _acquire(
+    pool: PoolView,
+    rt: RuntimeView,
+    req: AcquireRequest,
+    start: float,
+    on_queued: Callable[[int], Any] | None,
+    tr: AcquireTrace | None,
+) -> Flow[Any]:
+    """:func:`acquire`'s flow; ``tr``: its trace (None: not traced)."""
     if on_queued is not None and not callable(on_queued):
         # Checked before anything is sent: it is called only once the request queues, so
         # a bad one would otherwise fail (a TypeError) only under contention.
@@ -391,6 +420,8 @@ def acquire(
             lease, state = yield MakeLease(
                 res, req, validity_deadline(sent, res.now_ms, res.expires_ms)
             )
+            if tr is not None:
+                tr.granted(state, pool.clock())
             if pool.sync_replicas:
                 yield from sync_grant(pool, state, lease)
             return lease
@@ -424,6 +455,9 @@ def acquire(
                 retry_after=_retry_after(res),
                 grace_left=grace,
             )
+        if tr is not None:
+            tr.queued(res.position)
+            on_queued = tr.watching(on_queued)
         grace = res.grace_left_ms / 1000
         if req.timeout_s is not None and grace_outlasts(grace, start + req.timeout_s - sent):
             # nothing is granted before the grace period ends, and the timeout ends first:
@@ -485,6 +519,8 @@ def acquire(
             )
         lease, state = yield MakeLease(got, req, rt.deadline_for(got))
         needs_cancel = False
+        if tr is not None:
+            tr.granted(state, pool.clock())
         if pool.sync_replicas:
             yield from sync_grant(pool, state, lease)
         return lease

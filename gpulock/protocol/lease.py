@@ -8,7 +8,7 @@ leases share). Re-exports the shared clock's ``CLOCK_DRIFT``, ``SAFETY_MARGIN_S`
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 from gpulock_common.lease import CLOCK_DRIFT as CLOCK_DRIFT
 from gpulock_common.lease import SAFETY_MARGIN_S as SAFETY_MARGIN_S
@@ -16,6 +16,7 @@ from gpulock_common.lease import LeaseView, LocalLeaseState
 from gpulock_common.lease import default_clock as default_clock
 from gpulock_common.lease import validity_deadline as lease_validity_deadline
 
+from gpulock.protocol import traces
 from gpulock.protocol.replies import Grant
 
 log = logging.getLogger("gpulock")
@@ -32,7 +33,9 @@ class LeaseState(LocalLeaseState):
     kept to re-assert the lease), ``priority`` (the acquire's; a growth's place where none is stored),
     ``tenant`` (likewise; "" for none), ``resident`` (likewise:
     a resident lease, docs/SEMANTICS.md "Resident leases"), ``device`` (the
-    device it is on; 0 on a pool of one device), ``next_renew`` (local monotonic seconds). ``valid_until``
+    device it is on; 0 on a pool of one device), ``next_renew`` (local monotonic seconds),
+    ``span`` (its ``gpulock.lease`` OpenTelemetry span while traced, else None:
+    :mod:`gpulock.protocol.traces`). ``valid_until``
     comes from :func:`validity_deadline` of the last successful grant or renewal, so it always
     ends before the server's expiry (invariant 5 in docs/SEMANTICS.md).
     """
@@ -47,6 +50,7 @@ class LeaseState(LocalLeaseState):
         "device",
         "priority",
         "next_renew",
+        "span",
     )
     unreachable = "Redis"
     log = logging.getLogger("gpulock")
@@ -64,6 +68,7 @@ class LeaseState(LocalLeaseState):
         self.device = grant.device
         self.priority = 0  # the acquire's: a growth (resize) queues at it
         self.next_renew = clock() + ttl_s / 3
+        self.span: Any = None
 
     def seconds_left(self) -> float:
         """Seconds until the local validity deadline (negative once past)."""
@@ -73,8 +78,18 @@ class LeaseState(LocalLeaseState):
         self.expires_ms = expires_ms
         self.valid_until = validity_deadline(sent, now_ms, expires_ms)
         self.next_renew = sent + self.ttl_s / 3
+        if self.span is not None:
+            traces.renewed(self)
+
+    def take_span(self) -> Any:
+        """The lease's span, once: later calls (from any thread) get None."""
+        with self._lock:
+            sp, self.span = self.span, None
+        return sp
 
     def _report_lost(self, reason: str) -> None:
+        if self.span is not None:
+            traces.lost(self, reason)
         log.warning(
             "gpulock: lease %s… on pool %s (token %d, %d bytes) lost: %s",
             self.lease_id[:8],

@@ -13,6 +13,7 @@ from gpulock_common.options import AcquireOptions
 
 from gpulock.errors import AcquireTimeout, BackendUnavailable, LeaseLost
 from gpulock.protocol.args import ttl_ms
+from gpulock.protocol import traces
 from gpulock.protocol.lease import LeaseState
 from gpulock.protocol.replies import Grant, decode_acquire
 from gpulock.protocol.retry import retry_bound
@@ -182,6 +183,9 @@ def resize_lease(
     new amount; a reply that answered at once renewed the lease, and its local validity counts
     from that call (never beyond the server's expiry). The same amount is a no-op (no call).
 
+    A traced lease (:mod:`gpulock.protocol.traces`) gets a ``gpulock.resize`` event on its span
+    (from and to bytes, outcome, seconds taken); a LeaseLost ends the span as lost.
+
     Raises: as :func:`resize`; LeaseLost also when the lease was released or found lost
     here (nothing is sent)."""
     n, timeout_s = resize_args(amount, timeout)
@@ -190,6 +194,7 @@ def resize_lease(
     s.check()  # LeaseLost when lost, or past its local validity deadline
     if n == s.amount:
         return None
+    before = s.amount
     try:
         grant, sent = yield from resize(
             pool,
@@ -203,9 +208,15 @@ def resize_lease(
             waiter_ttl_s=waiter_ttl_s,
         )
     except LeaseLost as e:
-        s.mark_lost(e.reason)
+        s.mark_lost(e.reason)  # ends a traced lease's span (lost)
+        raise
+    except BaseException as e:
+        if s.span is not None:
+            traces.resized(s, before, n, e, pool.clock() - start)
         raise
     s.amount = grant.amount
+    if s.span is not None:
+        traces.resized(s, before, n, None, pool.clock() - start)
     if sent is not None:
         s.renewed(sent, grant.now_ms, grant.expires_ms)
     return None

@@ -44,6 +44,7 @@ __all__ = [
     "ENABLED",
     "ERROR_CODE",
     "ESTIMATED_WAIT",
+    "EXPIRES_AT",
     "EVENT_LOST",
     "EVENT_QUEUED",
     "EVENT_RENEW",
@@ -62,17 +63,22 @@ __all__ = [
     "POSITION",
     "PRIORITY",
     "RESIZE",
+    "RESIZE_FROM",
+    "RESIZE_TO",
     "TENANT",
     "TRACER_NAME",
     "WAIT",
     "annotate",
+    "current_context",
     "end",
     "event",
     "extract",
     "inject",
+    "mark_error",
     "recording",
     "span",
     "start",
+    "start_span",
     "tracer",
 ]
 
@@ -108,13 +114,20 @@ WAIT = "gpulock.queue.wait_s"
 ESTIMATED_WAIT = "gpulock.queue.estimated_wait_s"
 """The pool's estimate of the wait on entry, seconds (absent when none was measured)."""
 OUTCOME = "gpulock.outcome"
-"""``granted``, ``timeout``, ``cancelled`` or ``refused`` (then :data:`ERROR_CODE` says why);
-on the broker's request span also ``queued`` (answered 503, the place kept for a retry) and
-``busy`` (not available, ``queue=false``)."""
+"""A request's: ``granted``, ``timeout``, ``cancelled`` or ``refused`` (then :data:`ERROR_CODE`
+says why); on the broker's request span also ``queued`` (answered 503, the place kept for a
+retry) and ``busy`` (not available, ``queue=false``); a lease's (:data:`HOLD`): ``released`` or
+``lost``."""
 ERROR_CODE = "gpulock.error.code"
 """The wire code of the error that ended a request (``capacity_exceeded``, ...)."""
 LEASE_ID = "gpulock.lease.id"
 FENCING_TOKEN = "gpulock.lease.fencing_token"
+EXPIRES_AT = "gpulock.lease.expires_at"
+"""The lease's expiry after a grant or renewal: a Unix timestamp, seconds, on the server's clock."""
+RESIZE_FROM = "gpulock.resize.from_bytes"
+"""A resize's amount before, bytes."""
+RESIZE_TO = "gpulock.resize.to_bytes"
+"""A resize's amount asked, bytes."""
 BATCH_SIZE = "gpulock.batch.size"
 
 # OpenTelemetry's generative-AI semantic conventions, for the generation endpoints.
@@ -171,6 +184,35 @@ def span(
         name, context=context, attributes=attrs, kind=sk, links=links
     ) as s:
         yield s
+
+
+def current_context() -> Any:
+    """The current OpenTelemetry context (to parent a span started later, elsewhere: pass it
+    as :func:`start_span`'s ``context``), or None without the API."""
+    if _context is None:
+        return None
+    return _context.get_current()
+
+
+def start_span(
+    name: str, attributes: Mapping[str, Any] | None = None, *, context: Any = None
+) -> Any:
+    """A span named ``name`` started now and NOT made current (for a span that outlives the
+    block that starts it, such as a lease's): the caller ends it (``.end()``). None when
+    tracing is absent or unconfigured (:func:`recording`). ``attributes``: as :func:`span`'s
+    (None values left out); ``context``: the parent context (:func:`current_context`'s), else
+    the current one."""
+    if not recording():
+        return None
+    assert _trace is not None
+    attrs = {k: v for k, v in (attributes or {}).items() if v is not None}
+    return _trace.get_tracer(TRACER_NAME).start_span(name, context=context, attributes=attrs)
+
+
+def mark_error(span: Any, description: str) -> None:
+    """Set ``span``'s status to error with ``description`` (nothing for a None span)."""
+    if span is not None and _trace is not None:
+        span.set_status(_trace.StatusCode.ERROR, description)
 
 
 def inject(headers: MutableMapping[str, str]) -> MutableMapping[str, str]:
