@@ -280,14 +280,9 @@ class Batcher(Generic[R]):
     ) -> Any:
         loop = asyncio.get_running_loop()
         entry = _Entry(
-            item,
-            amount,
-            arrival,
-            time.monotonic(),
-            loop.create_future(),
-            priority=priority,
-            span=_tracing.request_span(),
+            item, amount, arrival, time.monotonic(), loop.create_future(), priority=priority
         )
+        entry.span = _tracing.request_span()  # for its batch's link (None: not traced)
         self._pending.append(entry)
         self.joined += 1
         self._ensure_driver().set()

@@ -181,7 +181,7 @@ def batch_span(
         return BatchSpan(None)
     assert _trace is not None and _otel_context is not None
     links = [_trace.Link(m.get_span_context()) for m in members if m is not None]
-    attrs = {
+    attrs: dict[str, Any] = {
         tr.POOL: pool,
         tr.ROUTE: route,
         tr.BATCH_SIZE: len(members),
