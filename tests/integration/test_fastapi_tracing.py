@@ -1,6 +1,6 @@
 """OpenTelemetry traces of ``gpulock.fastapi`` (docs/TRACING.md), in-process against a real
 Redis, the request spans made by opentelemetry-instrumentation-fastapi and every finished span
-collected in memory (one SDK tracer provider for the process: :mod:`support.otel`):
+collected in memory (an SDK tracer provider set for this module: :mod:`support.tracing`):
 
 * a guarded call: its thread-slot wait (``gpulock.admission``) and its work under the lease
   (``gpulock.call``: pool, route, bytes, lease id, fencing token, device) are children of the
@@ -27,7 +27,6 @@ import threading
 import pytest
 from fastapi import FastAPI, Request, Response
 from support.apps import Running
-from support.otel import memory_exporter, named, server_span
 from support.pools import GiB
 from support.waiting import async_wait_until
 
@@ -35,6 +34,7 @@ from gpulock.fastapi import GpuLimiter, current_call_span
 
 pytest.importorskip("opentelemetry.sdk")
 pytest.importorskip("opentelemetry.instrumentation.fastapi")
+from support.tracing import memory_spans  # noqa: E402 - needs the SDK
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,9 +43,8 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def exporter():
-    e = memory_exporter()
-    yield e
-    e.shutdown()
+    with memory_spans() as e:
+        yield e
 
 
 @pytest.fixture
@@ -98,6 +97,24 @@ def _app(url: str, pool: str, **kw):
                 yield f"{i}\n"
 
     return _instrumented(app), gpu, gate, running
+
+
+def named(spans, name: str, **attrs):
+    """The spans called ``name`` whose attributes include ``attrs`` (dots in attribute names
+    written as ``__``: ``gpulock__route="x"``)."""
+    want = {k.replace("__", "."): v for k, v in attrs.items()}
+    return [
+        s
+        for s in spans
+        if s.name == name and all(s.attributes.get(k) == v for k, v in want.items())
+    ]
+
+
+def server_span(spans, trace_id: int):
+    """The one SERVER span (the request's) of trace ``trace_id``."""
+    found = [s for s in spans if s.context.trace_id == trace_id and s.kind.name == "SERVER"]
+    assert len(found) == 1, [s.name for s in found]
+    return found[0]
 
 
 def _one(found: list, what: str):

@@ -1,7 +1,7 @@
 """The service's generation routes in a trace (docs/TRACING.md): the ``gpulock.call`` span of a
 generation carries OpenTelemetry's ``gen_ai.*`` attributes (system, operation, request model,
 max tokens, usage, finish reason), whole and streamed; in-process, the tiny model on CPU, a
-real Redis, the spans collected in memory (:mod:`support.otel`)."""
+real Redis, the spans collected in memory (:mod:`support.tracing`)."""
 
 from __future__ import annotations
 
@@ -9,20 +9,19 @@ import json
 
 import pytest
 from support.apps import Running
-from support.otel import memory_exporter, named
 from support.waiting import async_wait_until
 
 pytest.importorskip("opentelemetry.sdk")
 pytest.importorskip("transformers")
+from support.tracing import memory_spans  # noqa: E402 - needs the SDK
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def exporter():
-    e = memory_exporter()
-    yield e
-    e.shutdown()
+    with memory_spans() as e:
+        yield e
 
 
 def _gen_ai(span) -> dict:
@@ -51,7 +50,11 @@ async def test_a_generations_call_span_carries_the_gen_ai_attributes(redis_proc1
     exporter.clear()
 
     def calls() -> list:
-        return named(exporter.get_finished_spans(), "gpulock.call", gpulock__route="generation")
+        return [
+            s
+            for s in exporter.get_finished_spans()
+            if s.name == "gpulock.call" and s.attributes.get("gpulock.route") == "generation"
+        ]
 
     async with Running(app) as c:
         await async_wait_until(
