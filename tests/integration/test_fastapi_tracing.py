@@ -338,6 +338,41 @@ async def test_an_oom_that_ends_a_call_is_an_event_and_an_error(redis_proc1, spa
     assert not call.status.is_ok
 
 
+async def test_the_cores_spans_are_children_of_the_request_or_of_its_batch(redis_proc1, spans):
+    """The core's ``gpulock.acquire`` and ``gpulock.lease`` (where the core traces) start in
+    the job's context: a guarded call's are its request's children, a batch's the batch's."""
+    pytest.importorskip("gpulock.protocol.traces")  # the core's spans
+    app, gpu, _, _ = _app(redis_proc1.url, "tr-core")
+    async with Running(app) as c:
+        assert (await c.post("/work", json={})).status_code == 200
+        call = _one(
+            await async_wait_until(lambda: named(spans(), "gpulock.call"), timeout=30, what="call"),
+            "call spans",
+        )
+    request = server_span(spans(), call.context.trace_id)
+    for name in ("gpulock.acquire", "gpulock.lease"):
+        core = _one(named(spans(), name), name)
+        assert core.parent.span_id == request.context.span_id, name
+        assert core.attributes["gpulock.lease.id"] == call.attributes["gpulock.lease.id"]
+    app, gpu, b, gate, seen = _batch_app(redis_proc1.url, "tr-core-b")
+    async with Running(app) as c:
+        await _batch_of_three(c, b, gate, seen, [{"i": i} for i in range(3)])
+        batch = _one(
+            await async_wait_until(
+                lambda: named(spans(), "gpulock.batch", gpulock__batch__size=3),
+                timeout=30,
+                what="the batch's span",
+            ),
+            "batch spans of three",
+        )
+    for name in ("gpulock.acquire", "gpulock.lease"):
+        core = _one(
+            [s for s in named(spans(), name) if s.context.trace_id == batch.context.trace_id], name
+        )
+        assert core.parent.span_id == batch.context.span_id, name
+        assert core.attributes["gpulock.amount_bytes"] == 3 * GiB
+
+
 _UNTRACED = textwrap.dedent(
     """
     import asyncio, json, sys
