@@ -85,6 +85,11 @@ at ``max_retry_after``), and a request parked in it keeps its place until the gr
 ``park_timeout`` after.
 ``X-Queue-Position`` is ``position + local_position``.
 
+Traces (OpenTelemetry, when the application set a tracer provider; nothing recorded
+otherwise): the thread-slot wait is span ``gpulock.admission``, the work under the lease span
+``gpulock.call`` (current in the work's thread: :func:`current_call_span`), a batch span
+``gpulock.batch`` linked to its requests' spans; docs/TRACING.md.
+
 Metrics (``/metrics``, Prometheus text; multiprocess mode when ``PROMETHEUS_MULTIPROC_DIR`` is
 set, as under gunicorn): pool gauges are read from Redis at scrape time; counters and
 histograms are per process and summed by prometheus-client's multiprocess collector. See
@@ -101,7 +106,7 @@ estimator over the policy in :mod:`gpulock.retry_after`), ``_errors`` (HTTP erro
 ``_metrics``, ``_calibration``, ``_backoff`` (the OOM back-off's shared state, over the
 rule in :mod:`gpulock.oom_backoff`), ``_signature`` (``guard``/``endpoint``), ``_stream`` (streamed bodies under a lease), ``_device``
 (device truth: the device sampler), ``_history``, ``_batcher`` (dynamic batching:
-:meth:`GpuLimiter.batcher`). The limiter exposes each part as an attribute
+:meth:`GpuLimiter.batcher`), ``_tracing`` (the OpenTelemetry spans). The limiter exposes each part as an attribute
 (``limiter.backend``, ``limiter.ready``, ...; :class:`GpuLimiter` lists them).
 """
 
@@ -120,7 +125,7 @@ from ._batcher import Batcher, BatchPolicy
 from ._calibration import next_bucket
 from ._errors import GpuLockHTTPException
 from ._idempotency import request_ticket
-from ._jobs import current_lease
+from ._jobs import current_call_span, current_lease
 from ._limiter import GpuLimiter
 from ._metrics import metrics
 from ._signature import GpuCall
@@ -137,6 +142,7 @@ __all__ = [
     "RequestLimits",
     "SSE_DONE",
     "StreamLease",
+    "current_call_span",
     "current_lease",
     "error_body",
     "install_error_handlers",

@@ -22,6 +22,7 @@ from gpulock.protocol.args import AGING_S
 from gpulock._async import AsyncLease
 from gpulock.errors import AcquireTimeout, InvalidArgument
 from ._backend import Backend
+from ._tracing import local_wait
 
 log = logging.getLogger("gpulock.fastapi")
 
@@ -155,19 +156,24 @@ class Admission:
         priority: int = 0,
     ) -> None:
         """Take a thread slot by ``deadline`` (monotonic seconds; None: no deadline, the
-        caller cancels); ``on_wait`` and ``priority`` as in :meth:`Slots.acquire`.
+        caller cancels); ``on_wait`` and ``priority`` as in :meth:`Slots.acquire`. Traced as
+        span ``gpulock.admission`` (:func:`gpulock.fastapi._tracing.local_wait`).
 
         Raises: AcquireTimeout (position 0) when none was free in time (``timeout_s`` is
         the wait the message names)."""
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             raise AcquireTimeout("no thread slot in time", position=0)
-        try:
-            await wait_for(self.slots.acquire(on_wait, priority), remaining)
-        except asyncio.TimeoutError:
-            raise AcquireTimeout(
-                f"no free thread in this worker within {timeout_s}s", position=0
-            ) from None
+        with local_wait(priority) as w:  # span gpulock.admission (when traced)
+            try:
+                await wait_for(
+                    self.slots.acquire(w.waiting(on_wait, self.slots.position), priority),
+                    remaining,
+                )
+            except asyncio.TimeoutError:
+                raise AcquireTimeout(
+                    f"no free thread in this worker within {timeout_s}s", position=0
+                ) from None
 
     async def lease(
         self,

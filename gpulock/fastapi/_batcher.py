@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import math
 import time
@@ -52,6 +53,7 @@ from ._metrics import metrics
 from ._priority import RoutePriority
 from ._settings import Settings
 from ._signature import _fingerprint
+from . import _tracing
 
 R = TypeVar("R")
 
@@ -169,6 +171,7 @@ class _Entry:
     dropped: bool = False
     batch: _Batch | None = None
     priority: int = 0  # its request's (the route's, or its header's)
+    span: Any = None  # its request's OpenTelemetry span when it joined (None: not traced)
 
 
 @dataclass(eq=False)
@@ -279,6 +282,7 @@ class Batcher(Generic[R]):
         entry = _Entry(
             item, amount, arrival, time.monotonic(), loop.create_future(), priority=priority
         )
+        entry.span = _tracing.request_span()  # for its batch's link (None: not traced)
         self._pending.append(entry)
         self.joined += 1
         self._ensure_driver().set()
@@ -367,7 +371,10 @@ class Batcher(Generic[R]):
     def _ensure_driver(self) -> asyncio.Event:
         if self._wake is None or self._task is None or self._task.done():
             self._wake = asyncio.Event()
-            self._task = self._spawn(self._drive(self._wake), f"gpulock-batcher-{self.route}")
+            # in an empty context: the driver serves every request, not the one that woke it
+            self._task = contextvars.Context().run(
+                self._spawn, self._drive(self._wake), f"gpulock-batcher-{self.route}"
+            )
         return self._wake
 
     def _head(self) -> _Entry | None:
@@ -463,16 +470,26 @@ class Batcher(Generic[R]):
         for en in entries:
             m.batch_wait.labels(self.route).observe(now - en.joined)
         arrival = max(en.arrival for en in entries)  # the job's deadline: its latest request's
-        job = self._runner.start(
-            functools.partial(self._run_entries, entries),
+        priority = max(en.priority for en in entries)
+        traced = _tracing.batch_span(
             self.route,
-            amount,
-            None,
-            "",
-            arrival,
-            park=0.0,
-            priority=max(en.priority for en in entries),
+            self._settings.pool_name,
+            [en.span for en in entries],
+            amount=amount,
+            reason=reason,
+            priority=priority,
         )
+        with traced.current():  # the job's spans (wait, lease, call) are the batch's children
+            job = self._runner.start(
+                functools.partial(self._run_entries, entries),
+                self.route,
+                amount,
+                None,
+                "",
+                arrival,
+                park=0.0,
+                priority=priority,
+            )
         b = _Batch(entries, job, open=len(entries))
         # The batch holds an attachment of its own while any request waits on it, so that no
         # single request leaving cancels it for the others (_leave cancels it when all left).
@@ -487,6 +504,7 @@ class Batcher(Generic[R]):
 
         assert job.task is not None
         job.task.add_done_callback(done)
+        job.task.add_done_callback(lambda t: traced.end(None if t.cancelled() else t.exception()))
         # and when it starts running: the batch forming behind it may close now
         started = asyncio.ensure_future(job.started.wait())
         started.add_done_callback(lambda _: wake.set() if wake is not None else None)
@@ -554,12 +572,13 @@ def run_with_splits(
         except BaseException as e:
             if not is_oom(e):
                 raise  # the job runner's handling: a sticky CUDA error, or the batch's 500
-            note_oom()  # the batch's estimate was too low: the OOM back-off reacts at its end
+            plan = split_plan(len(idx), depth, levels)
+            # the batch's estimate was too low: the OOM back-off reacts at its end
+            note_oom(len(idx), retried=plan is not None)
             msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
             drop_traceback(e)
             del e
             empty_cache()
-            plan = split_plan(len(idx), depth, levels)
             if plan is None:
                 for i in idx:
                     out[i] = CudaOOM(msg)

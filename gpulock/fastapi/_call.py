@@ -8,6 +8,7 @@ until its thread returns). A client that hangs up gets 499."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
@@ -193,7 +194,10 @@ class GuardedCalls:
         timeout = self._settings.inference_timeout
         if isinstance(fn, LeasedStream):
             return await _stream_unguarded(fn, executor, timeout)
-        fut = asyncio.get_running_loop().run_in_executor(executor, fn)
+        # in a copy of this context, as a guarded call's work runs (its spans the request's)
+        fut = asyncio.get_running_loop().run_in_executor(
+            executor, contextvars.copy_context().run, fn
+        )
         try:
             return await wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
@@ -440,8 +444,10 @@ async def _stream_unguarded(stream: LeasedStream, executor: Executor, start_time
         ready.set_result(s)
         return True
 
+    ctx = contextvars.copy_context()  # the request's, also for the chunks made while sending
+
     async def step(fn: Callable[[], Any], check: bool) -> Any:
-        return await loop.run_in_executor(executor, fn)
+        return await loop.run_in_executor(executor, ctx.copy().run, fn)
 
     task = asyncio.ensure_future(stream.run(None, step, on_ready, start_timeout))
     _unguarded_streams.add(task)

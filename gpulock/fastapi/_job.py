@@ -46,3 +46,5 @@ class Job:
     # The priority it queues with (the route's, or its request's header: _priority), for
     # this worker's thread slots and the pool's queue.
     priority: int = 0
+    # Its OpenTelemetry span gpulock.call while its work runs (None: not traced; _tracing).
+    span: Any = None

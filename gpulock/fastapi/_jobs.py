@@ -30,6 +30,7 @@ from ._metrics import metrics
 from ._retry_after import RetryAfterEstimator
 from ._settings import Settings
 from ._stream import LeasedStream
+from . import _tracing
 
 log = logging.getLogger("gpulock.fastapi")
 
@@ -46,13 +47,25 @@ _current_job: contextvars.ContextVar[Job | None] = contextvars.ContextVar(
 )
 
 
-def note_oom() -> None:
+def note_oom(size: int | None = None, *, retried: bool = False) -> None:
     """Count a CUDA OOM that the work in this executor thread handled itself (a batch split
     after one, :func:`gpulock.fastapi._batcher.run_with_splits`): the OOM back-off reacts to
-    it when the job ends as to one that ended the job."""
+    it when the job ends as to one that ended the job. Traced as event ``gpulock.oom`` on the
+    call's span (``size``: the requests of the part that ran out; ``retried``: its halves run
+    again under the same lease)."""
     job = _current_job.get()
     if job is not None:
         job.ooms += 1
+        _tracing.note_oom(job.span, retried=retried, size=size)
+
+
+def current_call_span() -> Any:
+    """The OpenTelemetry span ``gpulock.call`` of the guarded call this code runs in (its
+    executor thread, or a streamed body), for attributes of the route's own
+    (``gen_ai.usage.*``, ...); None outside a guarded call or when tracing is absent or
+    unconfigured."""
+    job = _current_job.get()
+    return job.span if job is not None else None
 
 
 def current_lease() -> AsyncLease | None:
@@ -275,25 +288,30 @@ class JobRunner:
             await self._store.set_phase(job, "running")
             job.started.set()
             held = lease  # for the closures below (mypy: not None from here on)
-            try:
-                if isinstance(fn, LeasedStream):  # its chunks, one step each, until it ends
+            # span gpulock.call, current in the work's threads (each runs in a copy of this
+            # task's context: its spans are the call's children, current_call_span() finds it)
+            with _tracing.call_span(held, job.route) as job.span:
+                _current_job.set(job)  # this task's own context (an async stream body's too)
+                ctx = contextvars.copy_context()
+                try:
+                    if isinstance(fn, LeasedStream):  # its chunks, one step each, until it ends
 
-                    def ready(stream: LeasedStream) -> bool:
-                        _settle(job.outcome, result=stream)  # the handler returns it now
-                        return job.place.attached > 0  # False: nobody will send it
+                        def ready(stream: LeasedStream) -> bool:
+                            _settle(job.outcome, result=stream)  # the handler returns it now
+                            return job.place.attached > 0  # False: nobody will send it
 
-                    await fn.run(
-                        held,
-                        lambda f, check: self._thread(held, f, job, check),
-                        ready,
-                        self._settings.inference_timeout,
-                    )
-                    result = fn
-                else:
-                    result = await self._thread(held, fn, job, True)
-            finally:
-                if job.run_s is not None:  # a stream's: all its chunks
-                    m.run.labels(job.route).observe(job.run_s)
+                        await fn.run(
+                            held,
+                            lambda f, check: self._thread(held, f, job, check, ctx),
+                            ready,
+                            self._settings.inference_timeout,
+                        )
+                        result = fn
+                    else:
+                        result = await self._thread(held, fn, job, True, ctx)
+                finally:
+                    if job.run_s is not None:  # a stream's: all its chunks
+                        m.run.labels(job.route).observe(job.run_s)
             self._backoff_after(job, oom=job.ooms > 0)
             if job.ticket is not None:
                 await self._store.store(job, result)
@@ -364,13 +382,23 @@ class JobRunner:
             metrics().hold.labels(job.route).observe(hold)
             self._retry.held(hold)
 
-    async def _thread(self, lease: AsyncLease, fn: Callable[[], Any], job: Job, check: bool) -> Any:
-        """``fn()`` in the executor under ``lease`` (after ``ensure_valid()`` when ``check``);
-        returns when the thread did, also when this task is cancelled meanwhile (then
-        re-raises CancelledError afterwards): the lease is released only after it."""
+    async def _thread(
+        self,
+        lease: AsyncLease,
+        fn: Callable[[], Any],
+        job: Job,
+        check: bool,
+        ctx: contextvars.Context,
+    ) -> Any:
+        """``fn()`` in the executor under ``lease`` (after ``ensure_valid()`` when ``check``),
+        in a copy of ``ctx`` (the job's context: its call span current); returns when the
+        thread did, also when this task is cancelled meanwhile (then re-raises CancelledError
+        afterwards): the lease is released only after it."""
         executor = self._backend.executor
         assert executor is not None
-        afut = asyncio.wrap_future(executor.submit(self._in_thread, lease, fn, job, check))
+        afut = asyncio.wrap_future(
+            executor.submit(ctx.copy().run, self._in_thread, lease, fn, job, check)
+        )
         cancelled = False
         while True:
             try:
@@ -404,6 +432,7 @@ class JobRunner:
                 return fn()
             except BaseException as e:
                 if is_oom(e):
+                    _tracing.note_oom(job.span, retried=False)
                     msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
                     drop_traceback(e)
                     del e

@@ -32,6 +32,7 @@ ASGI ``__call__`` sends the chunks). The sequence::
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import inspect
 import json
@@ -117,11 +118,12 @@ class StreamLease:
             raise RuntimeError("StreamLease.run() is for a sync body's thread: await it instead")
 
         stopped = self._stopped
+        ctx = contextvars.copy_context()  # this thread's: ``aw``'s spans are the call's children
 
         async def awaited() -> T:
+            task = ctx.run(asyncio.ensure_future, aw)
             if stopped is None:
-                return await aw
-            task = asyncio.ensure_future(aw)
+                return await task
             if not stopped.is_set():
                 ended = asyncio.ensure_future(stopped.wait())
                 try:
@@ -246,6 +248,7 @@ class LeasedStream(StreamingResponse):
         self._started = asyncio.Event()
         self._stop = asyncio.Event()
         self._error: BaseException | None = None
+        self._ctx: contextvars.Context | None = None  # the job's, for an async body's steps
 
     # ---- the job's side: while the lease is held -------------------------------------------
     async def run(
@@ -265,6 +268,7 @@ class LeasedStream(StreamingResponse):
         the caller answers it as HTTP); an error that ended the stream later (after closing
         the body), for the caller to count."""
         self._step = step
+        self._ctx = contextvars.copy_context()  # the job's: its call span current
         self._handle = StreamLease(lease, asyncio.get_running_loop(), self._stop)
         try:
             await self._open()
@@ -310,7 +314,8 @@ class LeasedStream(StreamingResponse):
         assert self._step is not None and self._handle is not None
         if self._async:
             self._handle.ensure_valid()
-            fut = asyncio.ensure_future(_anext(self._it))
+            ctx = self._ctx.copy() if self._ctx is not None else contextvars.copy_context()
+            fut = ctx.run(asyncio.ensure_future, _anext(self._it))
         else:
             fut = asyncio.ensure_future(self._step(functools.partial(next, self._it, _END), True))
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved

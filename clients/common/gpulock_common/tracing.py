@@ -13,8 +13,10 @@ Names (one place; docs/TRACING.md shows a trace):
 * spans: :data:`ACQUIRE` (the wait for a lease: queue position on entry, priority, tenant,
   device, the outcome), :data:`HOLD` (a lease from grant to release; renewals are events on
   it), :data:`CALL` (one model call under a lease), :data:`BATCH` (one batched model call,
-  linked to each request's span), :data:`RESIZE` (a lease's resize);
-* events: :data:`EVENT_RENEW`, :data:`EVENT_RESIZE`, :data:`EVENT_LOST`, :data:`EVENT_QUEUED`;
+  linked to each request's span), :data:`RESIZE` (a lease's resize), :data:`ADMISSION` (a
+  guarded call's wait for one of its worker's thread slots);
+* events: :data:`EVENT_RENEW`, :data:`EVENT_RESIZE`, :data:`EVENT_LOST`, :data:`EVENT_QUEUED`,
+  :data:`EVENT_BATCHED`, :data:`EVENT_OOM`;
 * attributes: the ``gpulock.*`` constants below; generation endpoints add OpenTelemetry's
   ``gen_ai.*`` semantic conventions (:data:`GEN_AI_REQUEST_MODEL` and the others).
 """
@@ -36,9 +38,13 @@ except ImportError:  # pragma: no cover - exercised by the no-OpenTelemetry test
 
 __all__ = [
     "ACQUIRE",
+    "ADMISSION",
     "AMOUNT",
     "BATCH",
+    "BATCH_REASON",
     "BATCH_SIZE",
+    "BATCH_SPAN_ID",
+    "BATCH_TRACE_ID",
     "CALL",
     "DEVICE",
     "ENABLED",
@@ -46,6 +52,8 @@ __all__ = [
     "ESTIMATED_WAIT",
     "EXPIRES_AT",
     "EVENT_LOST",
+    "EVENT_BATCHED",
+    "EVENT_OOM",
     "EVENT_QUEUED",
     "EVENT_RENEW",
     "EVENT_RESIZE",
@@ -53,11 +61,15 @@ __all__ = [
     "GEN_AI_OPERATION",
     "GEN_AI_REQUEST_MAX_TOKENS",
     "GEN_AI_REQUEST_MODEL",
+    "GEN_AI_RESPONSE_FINISH_REASONS",
     "GEN_AI_SYSTEM",
     "GEN_AI_USAGE_INPUT_TOKENS",
     "GEN_AI_USAGE_OUTPUT_TOKENS",
     "HOLD",
     "LEASE_ID",
+    "LOCAL_POSITION",
+    "LOCAL_WAIT",
+    "OOM_RETRIED",
     "OUTCOME",
     "POOL",
     "POSITION",
@@ -66,6 +78,7 @@ __all__ = [
     "RESIZE_FROM",
     "RESIZE_TO",
     "TENANT",
+    "ROUTE",
     "TRACER_NAME",
     "WAIT",
     "annotate",
@@ -94,12 +107,21 @@ HOLD = "gpulock.lease"
 CALL = "gpulock.call"
 BATCH = "gpulock.batch"
 RESIZE = "gpulock.resize"
+ADMISSION = "gpulock.admission"
+"""A guarded call's wait for one of its worker's thread slots (``gpulock.fastapi``), before
+its :data:`ACQUIRE`: :data:`LOCAL_POSITION`, :data:`LOCAL_WAIT`, :data:`OUTCOME`."""
 
 # ---- event names ----------------------------------------------------------------------------
 EVENT_QUEUED = "gpulock.queued"
 EVENT_RENEW = "gpulock.renew"
 EVENT_RESIZE = "gpulock.resize"
 EVENT_LOST = "gpulock.lost"
+EVENT_BATCHED = "gpulock.batched"
+"""On a request's span when its batch closes: :data:`BATCH_TRACE_ID`, :data:`BATCH_SPAN_ID`,
+:data:`BATCH_SIZE` (the :data:`BATCH` span links back to the request)."""
+EVENT_OOM = "gpulock.oom"
+"""On a :data:`CALL` span for each CUDA out-of-memory error of its work: :data:`OOM_RETRIED`
+(and for a batch the :data:`BATCH_SIZE` of the part that ran out)."""
 
 # ---- attribute names ------------------------------------------------------------------------
 POOL = "gpulock.pool"
@@ -129,6 +151,20 @@ RESIZE_FROM = "gpulock.resize.from_bytes"
 RESIZE_TO = "gpulock.resize.to_bytes"
 """A resize's amount asked, bytes."""
 BATCH_SIZE = "gpulock.batch.size"
+BATCH_REASON = "gpulock.batch.reason"
+"""Why a batch closed: ``full``, ``timeout``, ``room`` or ``idle``."""
+BATCH_TRACE_ID = "gpulock.batch.trace_id"
+BATCH_SPAN_ID = "gpulock.batch.span_id"
+"""The :data:`BATCH` span's ids, 32 and 16 hex digits (on :data:`EVENT_BATCHED`)."""
+ROUTE = "gpulock.route"
+"""The ``gpulock.fastapi`` route name a call or batch runs for."""
+LOCAL_POSITION = "gpulock.local.position"
+"""1-based place among the worker's waiters for a thread slot on entry (0: one was free)."""
+LOCAL_WAIT = "gpulock.local.wait_s"
+"""Seconds a guarded call waited for one of its worker's thread slots."""
+OOM_RETRIED = "gpulock.oom.retried"
+"""Whether the work that ran out of memory is retried under the same lease (a batch's
+halves) rather than ending in an error."""
 
 # OpenTelemetry's generative-AI semantic conventions, for the generation endpoints.
 GEN_AI_SYSTEM = "gen_ai.system"
@@ -137,6 +173,7 @@ GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
 GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 
 
 def tracer() -> Any:

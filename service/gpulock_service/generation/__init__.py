@@ -13,6 +13,7 @@ the integration's executor, under the request's lease).
   to grow it), given what the lease holds and how to grow it;
 * ``bodies``: the OpenAI request bodies and their checks, and the lease's sizes;
 * ``shapes``: the OpenAI response objects and stream chunks.
+* ``telemetry``: OpenTelemetry's ``gen_ai.*`` attributes of a generation, on its call's span.
 
 Importing this package imports neither torch nor transformers.
 """

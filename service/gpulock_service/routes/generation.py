@@ -20,6 +20,10 @@ event (``resize_refused``, ``growth_timeout``), a whole answer with that 503 and
 A generation whose whole size (prompt + ``max_tokens``) the pool can never grant, as its last
 status read says, is refused before its first lease with the 413 reserve_max's acquire gives
 (``GuardedCalls.refuse_never_fitting``), not after some tokens.
+
+Traced (OpenTelemetry configured): the generation's ``gpulock.call`` span carries the
+``gen_ai.*`` attributes (:mod:`gpulock_service.generation.telemetry`); each growth of the
+lease is the core's resize on the lease's own span.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from fastapi.responses import JSONResponse
 
 from gpulock.errors import AcquireTimeout, CapacityExceeded, LeaseLost, ResizeRefused
 from gpulock.estimates import Growth
-from gpulock.fastapi import GpuLockHTTPException, StreamLease, current_lease
+from gpulock.fastapi import GpuLockHTTPException, StreamLease, current_call_span, current_lease
 from gpulock.http.sse import sse_event
 from gpulock.units import format_size
 
@@ -45,6 +49,7 @@ from ..generation.bodies import ChatRequest, CompletionRequest, Limits, Plan, pl
 from ..generation.causal_lm import CausalLM
 from ..generation.growth import leased_steps, step_bytes
 from ..generation.shapes import Shapes
+from ..generation.telemetry import note_request, note_usage
 from ..generation.text import Piece, summarize
 from ..metrics import observe_generation, observe_growth
 from ..openapi import errors
@@ -195,13 +200,14 @@ def generation_router(svc: Service) -> APIRouter | None:
         limiter.calls.admit(GENERATION_ROUTE)  # 503 not_ready while the model loads
         p = await asyncio.to_thread(plan, body, lm, limits)
         shapes = Shapes(isinstance(body, ChatRequest), lm.name)
+        asked = body.model or lm.name  # gen_ai.request.model
         call = guard(request, response)
         first = step_bytes(p.sizes, 0, p.sampling.chunk)
         if p.sizes.max_size > first:  # grow: a lease that can never grow to the whole is
             # refused now, as reserve_max's first acquire is, not after some tokens
             limiter.calls.refuse_never_fitting(GENERATION_ROUTE, p.sizes.max_size)
         if p.stream:
-            return await call.stream(_events, lm, p, shapes, grower, amount=first)
+            return await call.stream(_events, lm, p, shapes, grower, asked, amount=first)
         loop = asyncio.get_running_loop()
         # a client that hangs up stops its generation, unless a retry with its X-Request-ID
         # may join it and collect the answer
@@ -216,18 +222,28 @@ def generation_router(svc: Service) -> APIRouter | None:
             generation counted here, once, however it ended (``cancelled``: hung up)."""
             handle = StreamLease(current_lease(), loop)
             made = [0]  # tokens so far
+            span = current_call_span()  # gpulock.call (None: not traced)
+            note_request(span, chat=shapes.chat, model=asked, max_tokens=p.sampling.max_tokens)
 
             def counted(pieces: Iterator[Piece]) -> Iterator[Piece]:
                 for piece in pieces:
                     made[0] += piece.tokens
                     yield piece
 
+            finish: object = None
             try:
                 out = summarize(counted(grower.steps(lm, p, handle, hung_up)))
+                finish = out["finish_reason"]
             except _Stopped:
                 observe_generation("cancelled", made[0])
                 raise
-            finish = out["finish_reason"]
+            finally:  # also of a generation cut short: the tokens it made
+                note_usage(
+                    span,
+                    input_tokens=len(p.prompt_ids),
+                    output_tokens=made[0],
+                    finish=finish if isinstance(finish, str) else None,
+                )
             observe_generation(str(finish), made[0])
             return shapes.whole(
                 str(out["text"]), finish if isinstance(finish, str) else None,
@@ -292,7 +308,7 @@ def _sse(objs: list[dict[str, Any]]) -> bytes:
 
 
 def _events(
-    lm: CausalLM, p: Plan, shapes: Shapes, grower: Grower, stream: StreamLease
+    lm: CausalLM, p: Plan, shapes: Shapes, grower: Grower, asked: str, stream: StreamLease
 ) -> Iterator[bytes]:
     """The stream's body (:mod:`gpulock_service.generation.shapes`'s chunks as server-sent
     events; ``data: [DONE]`` is added when it ends): one step of the generation per
@@ -300,7 +316,10 @@ def _events(
     before the response starts (a failure there is an HTTP error); the role chunk goes with its
     text. An error after it ends the stream with an error event (``lease_lost``,
     ``resize_refused``, ``growth_timeout``, ...: ``gpulock.fastapi``'s); a client that hangs
-    up closes it (no more forward passes)."""
+    up closes it (no more forward passes). ``asked``: the model's name for
+    ``gen_ai.request.model`` (:mod:`gpulock_service.generation.telemetry`)."""
+    span = current_call_span()  # gpulock.call (None: not traced)
+    note_request(span, chat=shapes.chat, model=asked, max_tokens=p.sampling.max_tokens)
     u = p.include_usage
     tokens = 0
     finish: str | None = None
@@ -332,3 +351,4 @@ def _events(
             except LeaseLost:  # the stream checked the lease first, and closed this
                 ended = "error"
         observe_generation(ended, tokens)
+        note_usage(span, input_tokens=len(p.prompt_ids), output_tokens=tokens, finish=ended)
