@@ -29,8 +29,10 @@ from typing import Any, NamedTuple, Union
 
 from gpulock_common.options import DEFAULT_BACKFILL_WINDOW_S, DEFAULT_PLACEMENT, DEFAULT_POLICY
 from gpulock_common.options import PoolSettings
+from gpulock_common.queue import QueuePlace
 
 from gpulock.errors import CapacityExceeded, QuotaExceeded, RoomExceeded
+from gpulock.estimates.wait import DrainRate, wait_seconds, wait_seconds_at_tail
 from gpulock.protocol.args import decode_quotas, encode_quotas
 
 from gpulock.protocol.args import decode_meta
@@ -68,6 +70,21 @@ class NotGranted:
     held_back: int = 0  # bytes the device report holds back (capacity - effective capacity)
     grace_left_ms: int = 0  # ms left in the pool's grace period (0 outside one)
     resident: int | None = None  # reply code 3: bytes of the resident leases held and queued
+    # The wait estimate (gpulock.estimates.wait; docs/SEMANTICS.md, "Wait estimate"): bytes
+    # of the waiters ahead of it in queue order (not queued: of the whole queue), the pool's
+    # drain rate (None: not measured yet, or a server without it), and the estimated seconds
+    # until the grant (not queued: if it joined the queue's tail now); None without a rate.
+    ahead_bytes: int = 0
+    drain: DrainRate | None = None
+    estimated_wait: float | None = None
+
+    @property
+    def place(self) -> QueuePlace:
+        """What ``on_queued`` is called with: the position with its estimate and the queue's
+        length."""
+        return QueuePlace(
+            self.position, estimated_wait=self.estimated_wait, queue_length=self.queue_length
+        )
 
 
 def _s(v: Any) -> str:
@@ -87,18 +104,41 @@ def decode_acquire(ticket: str, r: list[Any]) -> Grant | NotGranted:
             int(r[7]),
             int(r[9]) if len(r) > 9 else 0,
         )
+    code, position, queue_length = int(r[0]), int(r[1]), int(r[3])
+    capacity, used = int(r[6]), int(r[7])
+    held_back = int(r[8]) if len(r) > 8 else 0
+    ahead, drain, wait = 0, None, None
+    if len(r) > 14:  # the estimate's inputs: ahead_bytes, amount, bytes_per_s, grants_per_ks
+        ahead, amount = int(r[11]), int(r[12])
+        drain = DrainRate.from_wire(int(r[13]), int(r[14]))
+        free = capacity - held_back - used
+        if code == 0:
+            wait = wait_seconds(
+                ahead_bytes=ahead, amount=amount, free_bytes=free, position=position, rate=drain
+            )
+        else:
+            wait = wait_seconds_at_tail(
+                queued_bytes=ahead,
+                queue_length=queue_length,
+                amount=amount,
+                free_bytes=free,
+                rate=drain,
+            )
     return NotGranted(
-        int(r[0]) == 0,
-        int(r[1]),
+        code == 0,
+        position,
         int(r[2]),
-        int(r[3]),
+        queue_length,
         int(r[4]),
         int(r[5]),
-        int(r[6]),
-        int(r[7]),
-        int(r[8]) if len(r) > 8 else 0,
+        capacity,
+        used,
+        held_back,
         int(r[9]) if len(r) > 9 else 0,
-        int(r[10]) if int(r[0]) == 3 and len(r) > 10 else None,
+        int(r[10]) if code == 3 and len(r) > 10 else None,
+        ahead,
+        drain,
+        wait,
     )
 
 
@@ -204,9 +244,20 @@ def decode_configure(r: Sequence[Any]) -> ConfigureReply:
 
 class Queued(NamedTuple):
     """A waiter still queued (``renew.lua``'s answer for its ticket), at ``position`` (1: the
-    head)."""
+    head), with its estimated seconds until the grant (``estimated_wait``; None while the
+    pool's drain rate is not measured, gpulock.estimates.wait) and the queue's length (None:
+    a reply without it)."""
 
     position: int
+    estimated_wait: float | None = None
+    queue_length: int | None = None
+
+    @property
+    def place(self) -> QueuePlace:
+        """What ``on_queued`` is called with (as :attr:`NotGranted.place`)."""
+        return QueuePlace(
+            self.position, estimated_wait=self.estimated_wait, queue_length=self.queue_length
+        )
 
 
 #: ``renew.lua``'s answer for one waiter's ticket: its grant (made meanwhile; its hand-off
@@ -225,9 +276,12 @@ class RenewReply(NamedTuple):
 
 
 def decode_renew(r: Sequence[Any], tickets: Sequence[str] = ()) -> RenewReply:
-    """``renew.lua``'s reply ``{now_ms, epoch, lease_results, ticket_results}`` for a call
-    that refreshed ``tickets`` (in order; a grant's record carries its ticket)."""
+    """``renew.lua``'s reply ``{now_ms, epoch, lease_results, ticket_results, queue}`` for a
+    call that refreshed ``tickets`` (in order; a grant's record carries its ticket)."""
     now, epoch = int(r[0]), int(r[1])
+    # queue: {capacity, used, held_back, queue_len, bytes_per_s, grants_per_ks}
+    q = [int(v) for v in r[4]] if len(r) > 4 and len(r[4]) >= 6 else None
+    drain = DrainRate.from_wire(q[4], q[5]) if q else None
     answers: list[WaiterAnswer] = []
     for ticket, a in zip(tickets, r[3]):
         kind = _s(a[0])
@@ -245,7 +299,18 @@ def decode_renew(r: Sequence[Any], tickets: Sequence[str] = ()) -> RenewReply:
                 )
             )
         elif kind == "q":
-            answers.append(Queued(int(a[1])))
+            pos = int(a[1])
+            if q is None or len(a) < 4:
+                answers.append(Queued(pos))
+                continue
+            wait = wait_seconds(
+                ahead_bytes=int(a[2]),
+                amount=int(a[3]),
+                free_bytes=q[0] - q[2] - q[1],
+                position=pos,
+                rate=drain,
+            )
+            answers.append(Queued(pos, wait, q[3]))
         else:
             answers.append(None)
     return RenewReply(now, epoch, [int(x) for x in r[2]], answers)
@@ -362,6 +427,10 @@ class WaiterInfo:
     # ``holder`` the lease's holder; None for a new request.
     growth_of: str | None = None
     growth_token: int | None = None
+    # The wait estimate (docs/SEMANTICS.md, "Wait estimate"): bytes of the waiters ahead of
+    # it in queue order, and the estimated seconds until its grant (None: no drain rate yet).
+    ahead_bytes: int = 0
+    estimated_wait: float | None = None
 
 
 @dataclass(frozen=True)
@@ -406,6 +475,27 @@ class PoolStatus:
     # than capacity - resident - resident_queued (RoomExceeded).
     resident: int = 0
     resident_queued: int = 0
+    # How fast the queue drains while busy (docs/SEMANTICS.md, "Wait estimate"): None while
+    # not measured (a fresh pool, one made again after Redis lost it, an older server). Each
+    # listed waiter's ``estimated_wait`` is computed from it at parse.
+    drain: DrainRate | None = None
+
+    def estimated_wait_for(self, amount: int) -> float | None:
+        """Estimated seconds a request of ``amount`` bytes would wait if it joined the
+        queue's tail now (gpulock.estimates.wait.wait_seconds_at_tail), every queued byte
+        ahead of it: the listed waiters' amounts, their mean standing in for each waiter not
+        listed. None while the drain rate is not measured."""
+        listed = sum(w.amount for w in self.waiters)
+        queued = listed
+        if self.waiters and self.waiter_count > len(self.waiters):
+            queued = listed * self.waiter_count // len(self.waiters)
+        return wait_seconds_at_tail(
+            queued_bytes=queued,
+            queue_length=self.waiter_count,
+            amount=amount,
+            free_bytes=self.capacity - self.external - self.used,
+            rate=self.drain,
+        )
 
     def queue_config(self) -> QueueConfig:
         """The pool's scheduling settings as ``configure.lua`` takes them."""
@@ -502,6 +592,8 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
         reaped_waiters,
     ) = (int(v) for v in r[2:12])
     extra = [int(v) for v in r[14:19]] + [0, 0, 0, 0, 0]
+    drain = DrainRate.from_wire(int(r[27]), int(r[28])) if len(r) > 28 else None
+    waiters = _with_estimates(waiters, capacity - extra[3] - used, drain)
     return PoolStatus(
         pool,
         capacity,
@@ -529,7 +621,25 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
         placement=_s(r[24]) if len(r) > 24 else DEFAULT_PLACEMENT,
         resident=int(r[25]) if len(r) > 25 else 0,
         resident_queued=int(r[26]) if len(r) > 26 else 0,
+        drain=drain,
     )
+
+
+def _with_estimates(
+    waiters: list[WaiterInfo], free: int, drain: DrainRate | None
+) -> list[WaiterInfo]:
+    """The listed waiters (queue order, from the head) with their ``ahead_bytes`` and
+    ``estimated_wait``; ``free``: capacity - external - used, bytes."""
+    from dataclasses import replace
+
+    out, ahead = [], 0
+    for w in waiters:
+        wait = wait_seconds(
+            ahead_bytes=ahead, amount=w.amount, free_bytes=free, position=w.position, rate=drain
+        )
+        out.append(replace(w, ahead_bytes=ahead, estimated_wait=wait))
+        ahead += w.amount
+    return out
 
 
 def _devices(flat: list[Any], capacity: int, used: int) -> list[DeviceUse]:
