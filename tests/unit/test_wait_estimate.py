@@ -125,3 +125,64 @@ def test_queue_place_is_the_position() -> None:
     with pytest.raises(AttributeError):
         p.foo = 1  # type: ignore[attr-defined]
     assert repr(p) == "QueuePlace(3, estimated_wait=1.5, queue_length=7)"
+
+
+def test_decode_acquire_carries_the_estimate() -> None:
+    from gpulock.protocol import replies
+
+    rate = DrainRate(bytes_per_s=100.0, grants_per_s=2.0)
+    # queued at 3: 300 bytes ahead, 100 of its own, 4096 - 4046 used - 0 held back = 50 free
+    q = replies.decode_acquire(
+        "t", [0, 3, 250, 5, 4000, 9, 4096, 4046, 0, 0, 0, 300, 100, 100, 2000]
+    )
+    assert isinstance(q, replies.NotGranted) and q.queued
+    assert (q.ahead_bytes, q.drain) == (300, rate)
+    assert q.estimated_wait == pytest.approx(3.5)
+    assert q.place == 3 and q.place.estimated_wait == q.estimated_wait and q.place.queue_length == 5
+    # not queued (try): every queued byte ahead, at the tail (position 6)
+    n = replies.decode_acquire(
+        "t", [2, 0, -1, 5, 4000, 9, 4096, 4096, 0, 0, 0, 500, 100, 100, 2000]
+    )
+    assert isinstance(n, replies.NotGranted) and not n.queued
+    assert n.estimated_wait == pytest.approx(6.0)  # max(600 / 100, 6 / 2)
+    # unmeasured (0, 0), and a reply of an older server: no estimate
+    u = replies.decode_acquire("t", [0, 1, -1, 1, 4000, 9, 10, 10, 0, 0, 0, 0, 5, 0, 0])
+    old = replies.decode_acquire("t", [0, 1, -1, 1, 4000, 9, 10, 10])
+    assert isinstance(u, replies.NotGranted) and isinstance(old, replies.NotGranted)
+    assert (u.drain, u.estimated_wait, old.drain, old.estimated_wait) == (None, None, None, None)
+    # code 3 keeps its resident bytes in place
+    r = replies.decode_acquire("t", [3, 0, -1, 0, 4000, 9, 10, 2, 0, 0, 8, 0, 5, 100, 2000])
+    assert isinstance(r, replies.NotGranted) and r.resident == 8
+
+
+def test_decode_renew_carries_the_estimate() -> None:
+    from gpulock.protocol import replies
+
+    queue = [4096, 4046, 0, 7, 100, 2000]  # capacity, used, held_back, queue_len, rate
+    rep = replies.decode_renew([9_000, 4, [], [[b"q", 3, 300, 100], [b"x"]], queue], ["a", "b"])
+    q, gone = rep.waiters
+    assert isinstance(q, replies.Queued) and gone is None
+    assert (q.position, q.queue_length) == (3, 7)
+    assert q.estimated_wait == pytest.approx(3.5)
+    assert q.place == 3 and q.place.estimated_wait == q.estimated_wait
+    old = replies.decode_renew([9_000, 4, [], [[b"q", 2]]], ["a"])
+    assert old.waiters == [replies.Queued(2)]
+
+
+def test_decode_status_carries_the_estimates() -> None:
+    from gpulock.protocol import replies
+
+    now = 10_000
+    waiters = [[b"t1", 100, now, now + 1, b""], [b"t2", 300, now, now + 1, b""]]
+    head = [1, now, 1000, 950, 1, 1, 10, 0, 2, 0, 0, 0, [], waiters]
+    tail = [0, 0, 0, 0, 0, b"", b"fifo", 2000, [], [], b"bestfit", 0, 0]
+    st = replies.decode_status("p", head + tail + [100, 2000])
+    assert st is not None and st.drain == DrainRate(bytes_per_s=100.0, grants_per_s=2.0)
+    assert [w.ahead_bytes for w in st.waiters] == [0, 100]
+    # 50 free: max(50 / 100, 1 / 2) = 0.5; max(350 / 100, 2 / 2) = 3.5
+    assert [w.estimated_wait for w in st.waiters] == [pytest.approx(0.5), pytest.approx(3.5)]
+    # at the tail: 400 queued + 100 - 50 free = 450 bytes; 3 places
+    assert st.estimated_wait_for(100) == pytest.approx(4.5)
+    old = replies.decode_status("p", head + tail)
+    assert old is not None and old.drain is None
+    assert [w.estimated_wait for w in old.waiters] == [None, None]
