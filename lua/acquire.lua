@@ -51,9 +51,9 @@
 --                recounted from the records (lib.lua resident_recount)
 --   The wait estimate's inputs (lib.lua "Drain rate", wait_inputs; gpulock/estimates/wait.py):
 --   ahead_bytes: bytes of the waiters ahead in queue order (for a request not queued: of the
---   whole queue; walked at most 1000 deep, then extrapolated by their mean), amount: this
---   request's bytes, bytes_per_s and grants_per_ks: the pool's drain rate in bytes per second
---   and grants per 1000 seconds of busy time (0, 0: not measured yet).
+--   whole queue; the first 32 summed, lib.lua AHEAD_DEPTH, the rest extrapolated by their
+--   mean), amount: this request's bytes, bytes_per_s and grants_per_ks: the pool's drain rate
+--   in bytes per second and grants per 1000 seconds of busy time (0, 0: not measured yet).
 --   retry_after_ms is, in a grace period, the time to its end; else the time to the nearest
 --   lease expiry (-1 when none): a lower bound on when the queue can move if nobody releases.
 --   In a grace period (see configure.lua, reassert.lua) nothing is granted: requests queue.
