@@ -149,3 +149,27 @@ async def test_unmeasured_after_redis_lost_its_data(make_apool, rclient, pool_na
     again = make_apool(capacity=UNIT)  # makes the pool again
     await again.acquire(1)
     assert (await again.status()).drain is None
+
+
+async def test_bytes_ahead_exact_near_the_head_then_extrapolated(make_apool):
+    """acquire's reply sums the amounts of the first 32 waiters ahead (lib.lua AHEAD_DEPTH);
+    beyond them each waiter counts as their mean amount."""
+    import math
+
+    pool = make_apool(capacity=UNIT)
+    holder = await pool.acquire(UNIT)
+    rh = RemoteHolders(pool)
+    amounts = [i + 1 for i in range(40)]
+
+    def ahead(k: int) -> int:
+        return sum(amounts[:k]) if k <= 32 else math.floor(sum(amounts[:32]) / 32 * k)
+
+    for k, a in enumerate(amounts):
+        res = await rh.enqueue(a, AcquireOptions(request_id=f"r{k}"))
+        assert isinstance(res, NotGranted) and res.position == k + 1
+        assert res.ahead_bytes == ahead(k), k
+    probe = await rh.enqueue(1, AcquireOptions(request_id="probe"), queue=False)
+    assert isinstance(probe, NotGranted) and probe.ahead_bytes == ahead(40)
+    for k in range(len(amounts)):
+        await rh.cancel(f"r{k}")
+    await holder.release()
