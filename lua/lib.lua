@@ -799,6 +799,9 @@ end
 -- tripled the time 3000 waiters took to queue. The next ones to be granted are the ones it
 -- reads, so the estimate is exact for the first AHEAD_DEPTH + 1 places.
 local AHEAD_DEPTH = 32
+local function waiter_amount(rec)  -- a waiter record's amount (parse_waiter's first field), 0 if none
+  return rec and tonumber(string.match(rec, '^(%d+)|')) or 0
+end
 local function queue_prefix(n)
   local sums = {[0] = 0}
   local k = math.min(n, AHEAD_DEPTH)
@@ -807,8 +810,7 @@ local function queue_prefix(n)
   if #ts == 0 then return sums end
   local recs = redis.call('HMGET', K_WAITERS, unpack(ts))
   for i = 1, #ts do
-    local a = recs[i] and tonumber(string.match(recs[i], '^(%d+)|')) or 0
-    sums[i] = sums[i - 1] + a
+    sums[i] = sums[i - 1] + waiter_amount(recs[i])
   end
   return sums
 end

@@ -17,8 +17,9 @@
 --                                                     ahead_bytes and amount as acquire.lua's
 --     {'g', lease_id, token, expires_ms, amount, device}  granted (device 0 on a pool of one)
 --     {'x'}                                           unknown (expired from the queue, cancelled)
---   queue: {capacity, used, held_back, queue_len, bytes_per_s, grants_per_ks}: the rest of
---     a queued waiter's estimate inputs (acquire.lua's; {} when the pool is not configured)
+--   queue: {capacity, used, held_back, queue_len, bytes_per_s, grants_per_ks, grace_left_ms}:
+--     the rest of a queued waiter's estimate inputs (acquire.lua's; {} when the pool is not
+--     configured)
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
 local type_err = check_types(); if type_err then return type_err end
@@ -76,7 +77,7 @@ for k, tw in ipairs(tickets) do
   if redis.call('ZSCORE', K_QUEUE, t) then
     redis.call('ZADD', K_WEXP, fmt(now + tw[2]), t)
     local pos = redis.call('ZRANK', K_QUEUE, t) + 1
-    tres[k] = {'q', pos, 0, parse_waiter(redis.call('HGET', K_WAITERS, t) or '0|') or 0}
+    tres[k] = {'q', pos, 0, waiter_amount(redis.call('HGET', K_WAITERS, t))}
     if pos > last then last = pos end
   else
     local lid = redis.call('HGET', K_TICKETS, t)
@@ -99,4 +100,4 @@ local cap = tonumber(c[1] or '0')
 local held_back = cap - eff_cap(now, cap, tonumber(c[3] or '0'), tonumber(c[4] or '0'))
 local b, g = drain_rate()
 return {now, cfg_num('epoch'), lres, tres,
-        {cap, tonumber(c[2] or '0'), held_back, redis.call('ZCARD', K_QUEUE), b, g}}
+        {cap, tonumber(c[2] or '0'), held_back, redis.call('ZCARD', K_QUEUE), b, g, grace_left(now)}}

@@ -9,7 +9,7 @@ The rule (:func:`wait_seconds`), for a waiter at 1-based ``position`` needing ``
 with ``ahead_bytes`` bytes of waiters ahead of it in queue order and ``free_bytes`` free now::
 
     deficit = max(0, ahead_bytes + amount - free_bytes)       bytes that must be released first
-    seconds = max(deficit / bytes_per_s, position / grants_per_s)
+    seconds = grace_left + max(deficit / bytes_per_s, position / grants_per_s)
 
 The bytes term is the fluid view: the queue moves as fast as bytes are given back, and
 everything ahead of the waiter plus the waiter itself must fit. The grants term is the
@@ -18,7 +18,8 @@ discrete view: releases come whole, so the waiter at ``position`` waits at least
 the bytes would fit now but the waiter still waits (a grace period, a pinned device, a
 tenant's quota, a resident reservation). Taking the larger keeps the rule continuous and
 monotone: never smaller for more bytes ahead, a larger amount, a later position or fewer
-free bytes.
+free bytes. ``grace_left``: seconds left in the pool's restart grace period, in which nothing
+is granted; the queue starts to move when it ends.
 
 What it cannot know: when holders will actually release (it assumes the recent rate goes on),
 requests of a higher priority that arrive later and queue ahead, waiters ahead that give up,
@@ -63,7 +64,13 @@ class DrainRate:
 
 
 def wait_seconds(
-    *, ahead_bytes: int, amount: int, free_bytes: int, position: int, rate: DrainRate | None
+    *,
+    ahead_bytes: int,
+    amount: int,
+    free_bytes: int,
+    position: int,
+    rate: DrainRate | None,
+    grace_left: float = 0.0,
 ) -> float | None:
     """Estimated seconds until a waiter is granted (module docstring, "The rule").
 
@@ -71,17 +78,25 @@ def wait_seconds(
     bytes; ``free_bytes``: bytes free in the pool now (capacity - used - held back by a device
     report; may be 0 or, on a pool over its effective capacity, negative); ``position``: its
     1-based place in the queue (values below 1 count as 1); ``rate``: the pool's
-    :class:`DrainRate`. Returns seconds (>= 0, finite), or None when ``rate`` is None.
+    :class:`DrainRate`; ``grace_left``: seconds left in the pool's grace period (0 outside
+    one; negative counts as 0). Returns seconds (>= 0, finite), or None when ``rate`` is None.
     """
     if rate is None:
         return None
     deficit = max(0, int(ahead_bytes) + int(amount) - int(free_bytes))
     places = max(1, int(position))
-    return max(deficit / rate.bytes_per_s, places / rate.grants_per_s)
+    drain = max(deficit / rate.bytes_per_s, places / rate.grants_per_s)
+    return max(0.0, float(grace_left)) + drain
 
 
 def wait_seconds_at_tail(
-    *, queued_bytes: int, queue_length: int, amount: int, free_bytes: int, rate: DrainRate | None
+    *,
+    queued_bytes: int,
+    queue_length: int,
+    amount: int,
+    free_bytes: int,
+    rate: DrainRate | None,
+    grace_left: float = 0.0,
 ) -> float | None:
     """Estimated seconds a request that is not queued would wait if it joined the queue's
     tail now: :func:`wait_seconds` with every queued byte ahead of it (``queued_bytes``, the
@@ -93,4 +108,5 @@ def wait_seconds_at_tail(
         free_bytes=free_bytes,
         position=max(0, int(queue_length)) + 1,
         rate=rate,
+        grace_left=grace_left,
     )

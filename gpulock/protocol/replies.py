@@ -111,10 +111,15 @@ def decode_acquire(ticket: str, r: list[Any]) -> Grant | NotGranted:
     if len(r) > 14:  # the estimate's inputs: ahead_bytes, amount, bytes_per_s, grants_per_ks
         ahead, amount = int(r[11]), int(r[12])
         drain = DrainRate.from_wire(int(r[13]), int(r[14]))
-        free = capacity - held_back - used
+        free, grace = capacity - held_back - used, int(r[9]) / 1000
         if code == 0:
             wait = wait_seconds(
-                ahead_bytes=ahead, amount=amount, free_bytes=free, position=position, rate=drain
+                ahead_bytes=ahead,
+                amount=amount,
+                free_bytes=free,
+                position=position,
+                rate=drain,
+                grace_left=grace,
             )
         else:
             wait = wait_seconds_at_tail(
@@ -123,6 +128,7 @@ def decode_acquire(ticket: str, r: list[Any]) -> Grant | NotGranted:
                 amount=amount,
                 free_bytes=free,
                 rate=drain,
+                grace_left=grace,
             )
     return NotGranted(
         code == 0,
@@ -234,8 +240,8 @@ def decode_renew(r: Sequence[Any], tickets: Sequence[str] = ()) -> RenewReply:
     """``renew.lua``'s reply ``{now_ms, epoch, lease_results, ticket_results, queue}`` for a
     call that refreshed ``tickets`` (in order; a grant's record carries its ticket)."""
     now, epoch = int(r[0]), int(r[1])
-    # queue: {capacity, used, held_back, queue_len, bytes_per_s, grants_per_ks}
-    q = [int(v) for v in r[4]] if len(r) > 4 and len(r[4]) >= 6 else None
+    # queue: {capacity, used, held_back, queue_len, bytes_per_s, grants_per_ks, grace_left_ms}
+    q = [int(v) for v in r[4]] + [0] if len(r) > 4 and len(r[4]) >= 6 else None
     drain = DrainRate.from_wire(q[4], q[5]) if q else None
     answers: list[WaiterAnswer] = []
     for ticket, a in zip(tickets, r[3]):
@@ -264,6 +270,7 @@ def decode_renew(r: Sequence[Any], tickets: Sequence[str] = ()) -> RenewReply:
                 free_bytes=q[0] - q[2] - q[1],
                 position=pos,
                 rate=drain,
+                grace_left=q[6] / 1000,
             )
             answers.append(Queued(pos, wait, q[3]))
         else:

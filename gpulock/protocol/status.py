@@ -141,6 +141,7 @@ class PoolStatus:
             amount=amount,
             free_bytes=self.capacity - self.external - self.used,
             rate=self.drain,
+            grace_left=self.grace_left,
         )
 
     def queue_config(self) -> QueueConfig:
@@ -239,7 +240,7 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
     ) = (int(v) for v in r[2:12])
     extra = [int(v) for v in r[14:19]] + [0, 0, 0, 0, 0]
     drain = DrainRate.from_wire(int(r[27]), int(r[28])) if len(r) > 28 else None
-    waiters = _with_estimates(waiters, capacity - extra[3] - used, drain)
+    waiters = _with_estimates(waiters, capacity - extra[3] - used, drain, extra[0] / 1000)
     return PoolStatus(
         pool,
         capacity,
@@ -272,14 +273,19 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
 
 
 def _with_estimates(
-    waiters: list[WaiterInfo], free: int, drain: DrainRate | None
+    waiters: list[WaiterInfo], free: int, drain: DrainRate | None, grace_left: float
 ) -> list[WaiterInfo]:
     """The listed waiters (queue order, from the head) with their ``ahead_bytes`` and
-    ``estimated_wait``; ``free``: capacity - external - used, bytes."""
+    ``estimated_wait``; ``free``: capacity - external - used, bytes; ``grace_left``: seconds."""
     out, ahead = [], 0
     for w in waiters:
         wait = wait_seconds(
-            ahead_bytes=ahead, amount=w.amount, free_bytes=free, position=w.position, rate=drain
+            ahead_bytes=ahead,
+            amount=w.amount,
+            free_bytes=free,
+            position=w.position,
+            rate=drain,
+            grace_left=grace_left,
         )
         out.append(replace(w, ahead_bytes=ahead, estimated_wait=wait))
         ahead += w.amount

@@ -77,6 +77,17 @@ def test_tail_is_the_next_position_behind_every_queued_byte(
     assert tail == est(queued, amount, free, qlen + 1, r)
 
 
+@given(sizes, amounts, frees, positions, rates, st.floats(min_value=0, max_value=1e6))
+def test_the_grace_period_comes_first(
+    ahead: int, amount: int, free: int, pos: int, r: DrainRate, grace: float
+) -> None:
+    s = wait_seconds(
+        ahead_bytes=ahead, amount=amount, free_bytes=free, position=pos, rate=r, grace_left=grace
+    )
+    base = est(ahead, amount, free, pos, r)
+    assert s is not None and base is not None and s == pytest.approx(base + grace)
+
+
 def test_the_two_terms() -> None:
     r = DrainRate(bytes_per_s=100.0, grants_per_s=2.0)
     # bytes: 300 ahead + 100 own - 50 free = 350 bytes at 100 B/s; grants: 3 places at 2/s
@@ -139,6 +150,10 @@ def test_decode_acquire_carries_the_estimate() -> None:
     assert (q.ahead_bytes, q.drain) == (300, rate)
     assert q.estimated_wait == pytest.approx(3.5)
     assert q.place == 3 and q.place.estimated_wait == q.estimated_wait and q.place.queue_length == 5
+    g = replies.decode_acquire(
+        "t", [0, 3, 250, 5, 4000, 9, 4096, 4046, 0, 1500, 0, 300, 100, 100, 2000]
+    )
+    assert isinstance(g, replies.NotGranted) and g.estimated_wait == pytest.approx(5.0)
     # not queued (try): every queued byte ahead, at the tail (position 6)
     n = replies.decode_acquire(
         "t", [2, 0, -1, 5, 4000, 9, 4096, 4096, 0, 0, 0, 500, 100, 100, 2000]
@@ -160,6 +175,8 @@ def test_decode_renew_carries_the_estimate() -> None:
 
     queue = [4096, 4046, 0, 7, 100, 2000]  # capacity, used, held_back, queue_len, rate
     rep = replies.decode_renew([9_000, 4, [], [[b"q", 3, 300, 100], [b"x"]], queue], ["a", "b"])
+    graced = replies.decode_renew([9_000, 4, [], [[b"q", 3, 300, 100]], queue + [2_000]], ["a"])
+    assert graced.waiters[0].estimated_wait == pytest.approx(5.5)  # 2 s of grace first
     q, gone = rep.waiters
     assert isinstance(q, replies.Queued) and gone is None
     assert (q.position, q.queue_length) == (3, 7)
