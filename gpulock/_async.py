@@ -445,6 +445,9 @@ class AsyncPool(PoolOptions):
             on_queued: ``callback(position)`` when queued and at each refresh (every
                 ``poll_interval``) where the position changed
                 (it can grow when a request of higher effective priority arrives).
+                ``position`` is a :class:`gpulock_common.queue.QueuePlace`: the 1-based int,
+                with ``.estimated_wait`` (seconds, None while the pool's drain rate is not
+                measured; docs/SEMANTICS.md, "Wait estimate") and ``.queue_length``.
             priority: an integer in [-100, 100], higher goes first (default 0); a queued
                 request gains one level per second waited (aging), so none starves.
             tenant: who the lease's bytes count under (1-64 of ``[A-Za-z0-9._:-]``; default

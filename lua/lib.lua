@@ -13,7 +13,8 @@
 --                                   placement, dcap:<i>, dused:<i>; resident leases (see
 --                                   "Resident leases" below): resident, rqueued, dres:<i>,
 --                                   tres:<tenant>; growths queued (see "Leases that wait to
---                                   grow" below): gqueued
+--                                   grow" below): gqueued; the queue's drain rate (see
+--                                   "Drain rate" below): dr_b, dr_g, dr_t, dr_at
 --   2 gpulock:{pool}:leases   zset  lease id -> server expiry (ms)
 --   3 gpulock:{pool}:holders  hash  lease id -> "amount|token|acquired_ms|ttl_ms|ticket|tenant|device|meta"
 --                                   (device: '' on a pool of one device, followed by 'r' for
@@ -753,6 +754,83 @@ local function backfill_open(now, head_enq_ms)
   return bf[1] == 'backfill' and now - tonumber(head_enq_ms) < tonumber(bf[2] or DEFAULT_BACKFILL_MS)
 end
 
+-- Drain rate (docs/SEMANTICS.md, "Wait estimate"): how fast the queue drains while it is busy,
+-- the rate a waiter's estimate (gpulock/estimates/wait.py) divides by. Updated only where a
+-- queued waiter is granted (grant_from: hand-offs, growths included; never the uncontended
+-- grant of acquire.lua, which says nothing about a queue), in the cfg fields read and written
+-- with the hand-off's own counters (no extra call): dr_b, dr_g, dr_t are the decayed bytes
+-- granted, grants and busy ms, dr_at the server ms of the last such grant. A grant of b bytes
+-- at `now` to a waiter enqueued at enq_ms counts dt = now - max(dr_at, enq_ms) ms of busy
+-- time (the queue had a waiter at least that long; grants made together count 0 after the
+-- first) and decays the past by w = exp(-dt / DRAIN_TAU_MS): dr_b = dr_b*w + b, dr_g =
+-- dr_g*w + 1, dr_t = dr_t*w + dt. Idle time (no waiter) does not decay it: a pool quiet for an
+-- hour still knows how fast its last queue drained. A pool created again (Redis lost its data,
+-- FLUSHALL) starts without the fields: unmeasured.
+-- DRAIN_TAU_MS: 30 s of busy time, the time constant: long enough to smooth the release
+-- pattern of a few holders (one grant per release), short enough that a change of workload
+-- shows within a minute of queueing. DRAIN_MIN_MS: the busy time below which the rate is not
+-- reported (a first grant after a few ms of queueing would claim an absurd rate).
+local DRAIN_TAU_MS, DRAIN_MIN_MS = 30000, 200
+local function drain_step(dr, now, enq, b)
+  local at = math.max(dr.at, tonumber(enq) or 0)
+  local dt = math.max(0, now - at)
+  local w = math.exp(-dt / DRAIN_TAU_MS)
+  dr.b, dr.g, dr.t, dr.at = dr.b * w + b, dr.g * w + 1, dr.t * w + dt, now
+end
+local function drain_fields(dr)
+  local f = function(x) return string.format('%.17g', x) end
+  return 'dr_b', f(dr.b), 'dr_g', f(dr.g), 'dr_t', f(dr.t), 'dr_at', fmt(dr.at)
+end
+-- The rate as replies carry it (integers, as Lua numbers reach Redis truncated):
+-- bytes_per_s (bytes per second of busy time) and grants_per_ks (grants per 1000 s of busy
+-- time), each at least 1 when measured; 0, 0 while unmeasured (busy time under DRAIN_MIN_MS).
+local function drain_rate()
+  local r = redis.call('HMGET', K_CFG, 'dr_b', 'dr_g', 'dr_t')
+  local b, g, t = tonumber(r[1] or '0') or 0, tonumber(r[2] or '0') or 0, tonumber(r[3] or '0') or 0
+  if t < DRAIN_MIN_MS or b <= 0 or g <= 0 then return 0, 0 end
+  return math.max(1, math.floor(b / t * 1000)), math.max(1, math.floor(g / t * 1000000))
+end
+
+-- Bytes ahead of a waiter (docs/SEMANTICS.md, "Wait estimate"): queue_prefix(n) sums the
+-- amounts of the first n waiters in queue order (a growth's: the bytes it grows by), walking
+-- at most AHEAD_DEPTH of them (one ZRANGE, one HMGET); bytes_before(p, m) is then the bytes of
+-- the first m, the walked part's mean amount standing in for each one beyond it. The depth
+-- keeps a queued acquire's reply O(1) (every acquire that queues pays it): a walk of 1000
+-- tripled the time 3000 waiters took to queue. The next ones to be granted are the ones it
+-- reads, so the estimate is exact for the first AHEAD_DEPTH + 1 places.
+local AHEAD_DEPTH = 32
+local function waiter_amount(rec)  -- a waiter record's amount (parse_waiter's first field), 0 if none
+  return rec and tonumber(string.match(rec, '^(%d+)|')) or 0
+end
+local function queue_prefix(n)
+  local sums = {[0] = 0}
+  local k = math.min(n, AHEAD_DEPTH)
+  if k <= 0 then return sums end
+  local ts = redis.call('ZRANGE', K_QUEUE, 0, k - 1)
+  if #ts == 0 then return sums end
+  local recs = redis.call('HMGET', K_WAITERS, unpack(ts))
+  for i = 1, #ts do
+    sums[i] = sums[i - 1] + waiter_amount(recs[i])
+  end
+  return sums
+end
+local function bytes_before(sums, m)
+  if m <= 0 then return 0 end
+  local k = #sums
+  if m <= k then return sums[m] end
+  if k == 0 then return 0 end
+  return math.floor(sums[k] / k * m)
+end
+-- What a waiter's estimate needs beyond the reply's capacity, used and held_back: the bytes
+-- ahead of the waiter at 1-based `pos` (0: a request not queued, so every queued byte is
+-- ahead), its `amount`, and drain_rate()'s two integers.
+local function wait_inputs(pos, amount)
+  local m = pos
+  if pos <= 0 then m = redis.call('ZCARD', K_QUEUE) else m = pos - 1 end
+  local b, g = drain_rate()
+  return bytes_before(queue_prefix(m), m), amount, b, g
+end
+
 -- Server-side hand-off: grant the longest prefix of the queue (in queue order: lib.lua
 -- queue_score; a growth at its lease's place, lease_place) that fits, strictly in order (a head that does not fit blocks those behind it,
 -- so none starves), then, under the backfill policy, later requests that fit (backfill_open).
@@ -782,16 +860,20 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
   if #head == 0 then return lines, n, used, own_granted end
   if grace_until > now then return lines, n, used, own_granted end  -- no new grant in the grace period
   local fence, grants  -- read at the first grant; the counters are written once, at the end
+  local dr  -- the drain rate's fields (see "Drain rate"), read and written with them
   local room = {}  -- quota_check's cache (a waiter without a tenant costs no read)
   local passed = {}  -- tenants with a waiter passed over: their later waiters are passed too
   -- Grant waiter `t` (record fields parsed) a lease now, on device `dev` ('' : one device).
   -- A growth (`grow`) adds `amount` to lease `lid` instead (grow_lease): the line then names
   -- the lease's token, expiry and new amount.
-  local function grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow)
+  local function grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq)
     if not fence then
-      local c = redis.call('HMGET', K_CFG, 'fence', 'grants')
+      local c = redis.call('HMGET', K_CFG, 'fence', 'grants', 'dr_b', 'dr_g', 'dr_t', 'dr_at')
       fence, grants = tonumber(c[1] or '0'), tonumber(c[2] or '0')
+      dr = {b = tonumber(c[3] or '0') or 0, g = tonumber(c[4] or '0') or 0,
+            t = tonumber(c[5] or '0') or 0, at = tonumber(c[6] or '0') or 0}
     end
+    if t ~= own then drain_step(dr, now, enq, amount) end  -- own: queued by this very call
     local wscore = not grow and redis.call('ZSCORE', K_QUEUE, t)  -- the lease's place (lease_place)
     drop_waiter(t, res and amount or 0, grow)
     local tok, exp, total
@@ -887,7 +969,7 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
           blocked_enq = enq
           break
         end
-        grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow)
+        grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq)
       end
     end
     head = redis.call('ZRANGE', K_QUEUE, skipped, skipped)
@@ -896,14 +978,14 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
     for _, t in ipairs(redis.call('ZRANGE', K_QUEUE, skipped + 1, skipped + BACKFILL_DEPTH)) do
       local w = redis.call('HGET', K_WAITERS, t)
       if w then
-        local amount, ttl, _, lid, chan, meta, _, tenant, pin, res, grow = parse_waiter(w)
+        local amount, ttl, enq, lid, chan, meta, _, tenant, pin, res, grow = parse_waiter(w)
         local q = quota_check(room, tenant, amount, res)
         if q == 'wait' then passed[tenant] = true end
         local whole = amount
         if grow then whole = grown_total(lid, amount, tenant, room) end
         if whole ~= nil and whole <= largest(pin) and used + amount <= eff and q == 'ok' and not passed[tenant] then
           local dev = where(amount, pin)
-          if dev ~= nil then grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow) end
+          if dev ~= nil then grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq) end
         end
       end
       if used >= eff then break end
@@ -931,19 +1013,19 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
     for _, c in ipairs(cands) do
       local w = redis.call('HGET', K_WAITERS, c[2])
       if w then
-        local amount, ttl, _, lid, chan, meta, _, tenant, pin, res, grow = parse_waiter(w)
+        local amount, ttl, enq, lid, chan, meta, _, tenant, pin, res, grow = parse_waiter(w)
         local q = quota_check(room, tenant, amount, res)
         local whole
         if grow then whole = grown_total(lid, amount, tenant, room) end
         if whole ~= nil and q == 'ok' and not never(whole, pin, res, q) and used + amount <= eff then
           local dev = where(amount, pin)
-          if dev ~= nil then grant(c[2], amount, ttl, lid, chan, meta, tenant, dev, res, grow) end
+          if dev ~= nil then grant(c[2], amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq) end
         end
       end
     end
   end
   if n > 0 then
-    redis.call('HSET', K_CFG, 'fence', fmt(fence), 'used', fmt(used), 'grants', fmt(grants))
+    redis.call('HSET', K_CFG, 'fence', fmt(fence), 'used', fmt(used), 'grants', fmt(grants), drain_fields(dr))
   end
   return lines, n, used, own_granted
 end
@@ -1063,10 +1145,13 @@ local function next_expiry_in(now)
 end
 
 -- acquire's reply when it grants nothing now: {code, position, retry_after_ms, queue_len,
--- now_ms, epoch, capacity, used, held_back, grace_left_ms[, resident]} (see acquire.lua).
-local function not_granted(code, pos, now, epoch, cap, eff, resident)
+-- now_ms, epoch, capacity, used, held_back, grace_left_ms, resident (0 unless code 3),
+-- ahead_bytes, amount, bytes_per_s, grants_per_ks} (see acquire.lua; the last four:
+-- wait_inputs). resize.lua's has the same shape, its `current` in resident's place.
+local function not_granted(code, pos, now, epoch, cap, eff, resident, amount)
+  local ahead, a, b, g = wait_inputs(pos, amount)
   return {code, pos, next_expiry_in(now), redis.call('ZCARD', K_QUEUE), now,
-          epoch, cap, cfg_num('used'), cap - eff, grace_left(now), resident}
+          epoch, cap, cfg_num('used'), cap - eff, grace_left(now), resident or 0, ahead, a, b, g}
 end
 
 local function grant_reply(now, lid)

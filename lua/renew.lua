@@ -10,12 +10,16 @@
 --   then n_leases x    lease_id, token, ttl_ms   (new expiry = now + ttl_ms)
 --   then n_tickets     count of ticket pairs that follow
 --   then n_tickets x   ticket, waiter_ttl_ms     (new waiter expiry = now + waiter_ttl_ms)
--- Reply: {now_ms, epoch (0: pool not configured), lease_results, ticket_results}
+-- Reply: {now_ms, epoch (0: pool not configured), lease_results, ticket_results, queue}
 --   lease_results:  one per lease, in order: new expires_ms, or 0 when lost
 --   ticket_results: one per ticket, in order:
---     {'q', position}                                 still queued (expiry refreshed)
+--     {'q', position, ahead_bytes, amount}            still queued (expiry refreshed);
+--                                                     ahead_bytes and amount as acquire.lua's
 --     {'g', lease_id, token, expires_ms, amount, device}  granted (device 0 on a pool of one)
 --     {'x'}                                           unknown (expired from the queue, cancelled)
+--   queue: {capacity, used, held_back, queue_len, bytes_per_s, grants_per_ks, grace_left_ms}:
+--     the rest of a queued waiter's estimate inputs (acquire.lua's; {} when the pool is not
+--     configured)
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
 local type_err = check_types(); if type_err then return type_err end
@@ -51,7 +55,7 @@ local lres, tres = {}, {}
 if redis.call('EXISTS', K_CFG) == 0 then
   for k = 1, n do lres[k] = 0 end
   for k = 1, m do tres[k] = {'x'} end
-  return {now, 0, lres, tres}
+  return {now, 0, lres, tres, {}}
 end
 reap(now)
 publish(now, grant_head(now))
@@ -67,11 +71,14 @@ for k, l in ipairs(leases) do
     end
   end
 end
+local last = 0  -- the latest position among the queued tickets: the bytes ahead are summed once
 for k, tw in ipairs(tickets) do
   local t = tw[1]
   if redis.call('ZSCORE', K_QUEUE, t) then
     redis.call('ZADD', K_WEXP, fmt(now + tw[2]), t)
-    tres[k] = {'q', redis.call('ZRANK', K_QUEUE, t) + 1}
+    local pos = redis.call('ZRANK', K_QUEUE, t) + 1
+    tres[k] = {'q', pos, 0, waiter_amount(redis.call('HGET', K_WAITERS, t))}
+    if pos > last then last = pos end
   else
     local lid = redis.call('HGET', K_TICKETS, t)
     if lid and redis.call('HEXISTS', K_HOLDERS, lid) == 1 then
@@ -82,4 +89,15 @@ for k, tw in ipairs(tickets) do
     end
   end
 end
-return {now, cfg_num('epoch'), lres, tres}
+if last > 0 then
+  local sums = queue_prefix(last - 1)
+  for _, a in ipairs(tres) do
+    if a[1] == 'q' then a[3] = bytes_before(sums, a[2] - 1) end
+  end
+end
+local c = redis.call('HMGET', K_CFG, 'capacity', 'used', 'external', 'external_until')
+local cap = tonumber(c[1] or '0')
+local held_back = cap - eff_cap(now, cap, tonumber(c[3] or '0'), tonumber(c[4] or '0'))
+local b, g = drain_rate()
+return {now, cfg_num('epoch'), lres, tres,
+        {cap, tonumber(c[2] or '0'), held_back, redis.call('ZCARD', K_QUEUE), b, g, grace_left(now)}}

@@ -30,9 +30,10 @@
 --   granted:     {1, lease_id, token, expires_ms, amount, now_ms, epoch, capacity, used, device}
 --                the lease has `amount` now (renewed: expires_ms = now + ttl_ms)
 --   queued:      {0, position, retry_after_ms, queue_len, now_ms, epoch, capacity, used,
---                 held_back, grace_left_ms, current}   the growth waits; current: the lease's
---                 amount meanwhile
---   not queued:  {2, 0, ...same..., current}           (mode 'try')
+--                 held_back, grace_left_ms, current, ahead_bytes, delta, bytes_per_s,
+--                 grants_per_ks}   the growth waits; current: the lease's amount meanwhile;
+--                 the last four as acquire.lua's (delta: the bytes the lease grows by)
+--   not queued:  {2, 0, ...same...}                     (mode 'try')
 -- Errors (nothing written, but the reap of expired leases and gone waiters, and the hand-off,
 -- which any script makes):
 --   GPULOCK_BADARG <why>      a bad argument, or a resident lease (never resized)
@@ -121,10 +122,9 @@ end
 local qlen = redis.call('ZCARD', K_QUEUE)
 local queued = qlen > 0 and redis.call('HGET', K_WAITERS, ticket)
 local function current_reply(code, pos)
-  local c = redis.call('HMGET', K_CFG, 'used', 'external', 'external_until')
-  local eff = eff_cap(now, cap, tonumber(c[2] or '0'), tonumber(c[3] or '0'))
-  return {code, pos, next_expiry_in(now), redis.call('ZCARD', K_QUEUE), now, cfg[8], cap,
-          tonumber(c[1] or '0'), cap - eff, grace_left(now), cur}
+  local c = redis.call('HMGET', K_CFG, 'external', 'external_until')
+  local eff = eff_cap(now, cap, tonumber(c[1] or '0'), tonumber(c[2] or '0'))
+  return not_granted(code, pos, now, cfg[8], cap, eff, cur, math.max(0, amount - cur))
 end
 local function granted()
   redis.call('ZADD', K_LEASES, 'XX', fmt(now + ttl), lid)

@@ -23,7 +23,10 @@
 --    devices = {capacity, used, capacity, used, ...} (per device, device 0 first; {} on a pool
 --              of one device), placement ('bestfit' or 'spread'),
 --    resident (bytes held by resident leases), resident_queued (bytes of resident requests
---    queued): lib.lua "Resident leases"}
+--    queued): lib.lua "Resident leases",
+--    bytes_per_s, grants_per_ks: the queue's drain rate, bytes per second and grants per 1000
+--    seconds of busy time, 0, 0 while not measured (lib.lua "Drain rate"); with capacity,
+--    used, external and the waiters' amounts in queue order, a listed waiter's wait estimate}
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
 local type_err = check_types(); if type_err then return type_err end
@@ -97,4 +100,4 @@ return {1, now, cfg_num('capacity'), cfg_num('used'), cfg_num('epoch'), cfg_num(
         grace_left(now), cfg_num('max_ttl_ms'), cfg_num('reasserted'), ext, ext_left, overuse,
         redis.call('HGET', K_CFG, 'policy') or POLICIES[1],
         tonumber(redis.call('HGET', K_CFG, 'backfill_ms') or DEFAULT_BACKFILL_MS), tenants,
-        devices, dv[2] or PLACEMENTS[1], cfg_num('resident'), cfg_num('rqueued')}
+        devices, dv[2] or PLACEMENTS[1], cfg_num('resident'), cfg_num('rqueued'), drain_rate()}

@@ -302,6 +302,11 @@ def _printable(x: Any, depth: int = 0) -> Any:
     return x
 
 
+def reply_text(v: Any) -> str:
+    """A script reply's string field as text (redis-py gives bytes without decode_responses)."""
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
 def decode_meta(s: str | bytes) -> dict[str, Any]:
     if isinstance(s, bytes):
         s = s.decode("utf-8", "replace")

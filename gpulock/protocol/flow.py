@@ -474,7 +474,7 @@ def _acquire(
                 grace_left=grace,
             )
         if on_queued is not None:
-            on_queued(res.position)  # first here, on the caller's side; later ones: the runtime
+            on_queued(res.place)  # first here, on the caller's side; later ones: the runtime
         joined = yield Join(
             req.ticket,
             argv,

@@ -14,7 +14,8 @@ channel's hand-off messages, as named records. No I/O; reply layouts are documen
 * ``reassert.lua``: :func:`decode_reassert` -> :class:`ReassertReply` (refusals:
   :data:`REASSERT_REFUSED`)
 * ``status.lua``: :func:`decode_status` -> :class:`PoolStatus` (with :class:`LeaseInfo`,
-  :class:`WaiterInfo`, :class:`TenantUse`, :class:`DeviceUse`)
+  :class:`WaiterInfo`, :class:`TenantUse`, :class:`DeviceUse`), defined in
+  :mod:`gpulock.protocol.status` and re-exported here
 * ``external.lua``: :func:`decode_device` -> :class:`DeviceReply`
 
 Records made on every call are named tuples (the cheapest immutable record to make); readers
@@ -24,16 +25,21 @@ use their field names.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Union
 
-from gpulock_common.options import DEFAULT_BACKFILL_WINDOW_S, DEFAULT_PLACEMENT, DEFAULT_POLICY
-from gpulock_common.options import PoolSettings
+from gpulock_common.options import DEFAULT_PLACEMENT
+from gpulock_common.queue import QueuePlace
 
-from gpulock.errors import CapacityExceeded, QuotaExceeded, RoomExceeded
-from gpulock.protocol.args import decode_quotas, encode_quotas
-
-from gpulock.protocol.args import decode_meta
+from gpulock.estimates.wait import DrainRate, wait_seconds, wait_seconds_at_tail
+from gpulock.protocol.args import reply_text as _s
+from gpulock.protocol.queue_config import QueueConfig as QueueConfig
+from gpulock.protocol.status import DeviceUse as DeviceUse
+from gpulock.protocol.status import LeaseInfo as LeaseInfo
+from gpulock.protocol.status import PoolStatus as PoolStatus
+from gpulock.protocol.status import TenantUse as TenantUse
+from gpulock.protocol.status import WaiterInfo as WaiterInfo
+from gpulock.protocol.status import decode_status as decode_status
 
 
 @dataclass(frozen=True)
@@ -68,10 +74,21 @@ class NotGranted:
     held_back: int = 0  # bytes the device report holds back (capacity - effective capacity)
     grace_left_ms: int = 0  # ms left in the pool's grace period (0 outside one)
     resident: int | None = None  # reply code 3: bytes of the resident leases held and queued
+    # The wait estimate (gpulock.estimates.wait; docs/SEMANTICS.md, "Wait estimate"): bytes
+    # of the waiters ahead of it in queue order (not queued: of the whole queue), the pool's
+    # drain rate (None: not measured yet, or a server without it), and the estimated seconds
+    # until the grant (not queued: if it joined the queue's tail now); None without a rate.
+    ahead_bytes: int = 0
+    drain: DrainRate | None = None
+    estimated_wait: float | None = None
 
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+    @property
+    def place(self) -> QueuePlace:
+        """What ``on_queued`` is called with: the position with its estimate and the queue's
+        length."""
+        return QueuePlace(
+            self.position, estimated_wait=self.estimated_wait, queue_length=self.queue_length
+        )
 
 
 def decode_acquire(ticket: str, r: list[Any]) -> Grant | NotGranted:
@@ -87,18 +104,47 @@ def decode_acquire(ticket: str, r: list[Any]) -> Grant | NotGranted:
             int(r[7]),
             int(r[9]) if len(r) > 9 else 0,
         )
+    code, position, queue_length = int(r[0]), int(r[1]), int(r[3])
+    capacity, used = int(r[6]), int(r[7])
+    held_back = int(r[8]) if len(r) > 8 else 0
+    ahead, drain, wait = 0, None, None
+    if len(r) > 14:  # the estimate's inputs: ahead_bytes, amount, bytes_per_s, grants_per_ks
+        ahead, amount = int(r[11]), int(r[12])
+        drain = DrainRate.from_wire(int(r[13]), int(r[14]))
+        free, grace = capacity - held_back - used, int(r[9]) / 1000
+        if code == 0:
+            wait = wait_seconds(
+                ahead_bytes=ahead,
+                amount=amount,
+                free_bytes=free,
+                position=position,
+                rate=drain,
+                grace_left=grace,
+            )
+        else:
+            wait = wait_seconds_at_tail(
+                queued_bytes=ahead,
+                queue_length=queue_length,
+                amount=amount,
+                free_bytes=free,
+                rate=drain,
+                grace_left=grace,
+            )
     return NotGranted(
-        int(r[0]) == 0,
-        int(r[1]),
+        code == 0,
+        position,
         int(r[2]),
-        int(r[3]),
+        queue_length,
         int(r[4]),
         int(r[5]),
-        int(r[6]),
-        int(r[7]),
-        int(r[8]) if len(r) > 8 else 0,
+        capacity,
+        used,
+        held_back,
         int(r[9]) if len(r) > 9 else 0,
-        int(r[10]) if int(r[0]) == 3 and len(r) > 10 else None,
+        int(r[10]) if code == 3 and len(r) > 10 else None,
+        ahead,
+        drain,
+        wait,
     )
 
 
@@ -117,51 +163,6 @@ def decode_events(data: str | bytes) -> list[Grant]:
             dev = int(p[5]) if len(p) == 6 else 0
             out.append(Grant(p[0], p[1], int(p[2]), int(p[3]), int(p[4]), now, device=dev))
     return out
-
-
-class QueueConfig(NamedTuple):
-    """A pool's scheduling settings as ``configure.lua`` takes them (its ARGV 6 to 10) and
-    answers them, and as a client remembers them to make the pool again after a loss. Each
-    None when not given (a configure then leaves it as it is)."""
-
-    policy: str | None  # "fifo" or "backfill"
-    backfill_ms: int | None  # the backfill window, ms
-    quotas: str | None  # tenant quotas, "<tenant>=<bytes> ..." ("": none)
-    devices: str | None  # each device's capacity, "<bytes> ..." ("": a pool of one device)
-    placement: str | None  # "bestfit" or "spread"
-
-    @classmethod
-    def asked(cls, s: PoolSettings, devices: str | None) -> QueueConfig | None:
-        """What a ``configure`` of the checked settings ``s`` asks of these (``devices``
-        already encoded, ``protocol.args.encode_devices``: they set the capacity too); None
-        when it asks none of them. Raises InvalidArgument naming a bad quota."""
-        q = cls(
-            s.policy,
-            None if s.backfill_window is None else max(1, round(s.backfill_window * 1000)),
-            None if s.quotas is None else encode_quotas(s.quotas),
-            devices,
-            s.placement,
-        )
-        return None if q == _ASKS_NOTHING else q
-
-    def argv(self) -> list[str]:
-        """``configure.lua``'s ARGV 6 to 10, in this record's order ("": unchanged)."""
-        return ["" if v is None else str(v) for v in self]
-
-    def shown(self, capacity: int) -> dict[str, Any]:
-        """As ``configure``'s reply shows them: ``policy``, ``backfill_window`` (seconds),
-        ``quotas`` (tenant: bytes), ``devices`` (each one's bytes; ``[capacity]`` for a pool
-        of one device) and ``placement``."""
-        return {
-            "policy": self.policy,
-            "backfill_window": (self.backfill_ms or 0) / 1000,
-            "quotas": decode_quotas(self.quotas or ""),
-            "devices": [int(c) for c in (self.devices or "").split()] or [capacity],
-            "placement": self.placement,
-        }
-
-
-_ASKS_NOTHING = QueueConfig(None, None, None, None, None)
 
 
 class ConfigureReply(NamedTuple):
@@ -204,9 +205,20 @@ def decode_configure(r: Sequence[Any]) -> ConfigureReply:
 
 class Queued(NamedTuple):
     """A waiter still queued (``renew.lua``'s answer for its ticket), at ``position`` (1: the
-    head)."""
+    head), with its estimated seconds until the grant (``estimated_wait``; None while the
+    pool's drain rate is not measured, gpulock.estimates.wait) and the queue's length (None:
+    a reply without it)."""
 
     position: int
+    estimated_wait: float | None = None
+    queue_length: int | None = None
+
+    @property
+    def place(self) -> QueuePlace:
+        """What ``on_queued`` is called with (as :attr:`NotGranted.place`)."""
+        return QueuePlace(
+            self.position, estimated_wait=self.estimated_wait, queue_length=self.queue_length
+        )
 
 
 #: ``renew.lua``'s answer for one waiter's ticket: its grant (made meanwhile; its hand-off
@@ -225,9 +237,12 @@ class RenewReply(NamedTuple):
 
 
 def decode_renew(r: Sequence[Any], tickets: Sequence[str] = ()) -> RenewReply:
-    """``renew.lua``'s reply ``{now_ms, epoch, lease_results, ticket_results}`` for a call
-    that refreshed ``tickets`` (in order; a grant's record carries its ticket)."""
+    """``renew.lua``'s reply ``{now_ms, epoch, lease_results, ticket_results, queue}`` for a
+    call that refreshed ``tickets`` (in order; a grant's record carries its ticket)."""
     now, epoch = int(r[0]), int(r[1])
+    # queue: {capacity, used, held_back, queue_len, bytes_per_s, grants_per_ks, grace_left_ms}
+    q = [int(v) for v in r[4]] + [0] if len(r) > 4 and len(r[4]) >= 6 else None
+    drain = DrainRate.from_wire(q[4], q[5]) if q else None
     answers: list[WaiterAnswer] = []
     for ticket, a in zip(tickets, r[3]):
         kind = _s(a[0])
@@ -245,7 +260,19 @@ def decode_renew(r: Sequence[Any], tickets: Sequence[str] = ()) -> RenewReply:
                 )
             )
         elif kind == "q":
-            answers.append(Queued(int(a[1])))
+            pos = int(a[1])
+            if q is None or len(a) < 4:
+                answers.append(Queued(pos))
+                continue
+            wait = wait_seconds(
+                ahead_bytes=int(a[2]),
+                amount=int(a[3]),
+                free_bytes=q[0] - q[2] - q[1],
+                position=pos,
+                rate=drain,
+                grace_left=q[6] / 1000,
+            )
+            answers.append(Queued(pos, wait, q[3]))
         else:
             answers.append(None)
     return RenewReply(now, epoch, [int(x) for x in r[2]], answers)
@@ -307,256 +334,6 @@ class ReassertReply(NamedTuple):
 def decode_reassert(r: Sequence[Any]) -> ReassertReply:
     """``reassert.lua``'s reply ``{now_ms, epoch, grace_left_ms, results}``."""
     return ReassertReply(int(r[0]), int(r[1]), int(r[2]), [int(x) for x in r[3]])
-
-
-@dataclass(frozen=True)
-class TenantUse:
-    """What one tenant holds on a pool (docs/SEMANTICS.md, "Tenant quotas"): bytes its live
-    leases hold, and its quota in bytes (0: none)."""
-
-    used: int
-    quota: int = 0
-
-
-@dataclass(frozen=True)
-class DeviceUse:
-    """One device of a pool (docs/SEMANTICS.md, "Devices and placement"): its index, capacity
-    and the bytes its live leases hold."""
-
-    index: int
-    capacity: int
-    used: int
-
-    @property
-    def free(self) -> int:
-        return max(0, self.capacity - self.used)
-
-
-@dataclass(frozen=True)
-class LeaseInfo:
-    lease_id: str
-    amount: int
-    token: int
-    expires_in: float  # seconds, on the server clock
-    held_for: float  # seconds since the grant
-    ttl: float
-    request_id: str
-    holder: dict[str, Any]
-    tenant: str = ""  # "" for none
-    device: int = 0  # the device it is on (0 on a pool of one device)
-
-
-@dataclass(frozen=True)
-class WaiterInfo:
-    position: int
-    request_id: str
-    amount: int
-    waited: float  # seconds in the queue
-    expires_in: float  # seconds until dropped if not refreshed
-    holder: dict[str, Any]
-    priority: int = 0  # as requested; the queue ages it (docs/SEMANTICS.md, "Priorities")
-    tenant: str = ""  # "" for none
-    device: int | None = None  # the device it pins; None: any
-    # A queued growth of a held lease (``lease.resize``; docs/SEMANTICS.md, "Resizing a
-    # lease"): the lease's id and fencing token, ``amount`` being the bytes it grows by and
-    # ``holder`` the lease's holder; None for a new request.
-    growth_of: str | None = None
-    growth_token: int | None = None
-
-
-@dataclass(frozen=True)
-class PoolStatus:
-    """A snapshot of a pool, read from Redis by one script (so self-consistent).
-    Amounts are bytes; times are seconds."""
-
-    pool: str
-    capacity: int
-    used: int
-    epoch: int
-    fence: int
-    max_waiters: int
-    lease_count: int
-    waiter_count: int
-    grants: int
-    reaped_leases: int
-    reaped_waiters: int
-    leases: list[LeaseInfo] = field(default_factory=list)
-    waiters: list[WaiterInfo] = field(default_factory=list)
-    grace_left: float = 0.0  # seconds of grace period left (no new grants until then)
-    max_ttl: float = 0.0  # seconds: the longest ttl a lease may have (0: unbounded)
-    reasserted: int = 0  # leases put back by their holders after Redis lost the pool
-    # The device sampler's live report (docs/SEMANTICS.md, "Device truth"): bytes in use on the
-    # device outside the pool's leases (0 when no report counts), seconds it still counts, and
-    # the over-users it found (list of dicts: holder, lease_id, pid, leased, actual, excess).
-    external: int = 0
-    external_left: float = 0.0
-    overusers: list[dict[str, Any]] = field(default_factory=list)
-    # The queue policy (docs/SEMANTICS.md, "Backfill"): "fifo" or "backfill", and the backfill
-    # window in seconds (how long a head that does not fit may be passed by requests that do).
-    policy: str = DEFAULT_POLICY
-    backfill_window: float = DEFAULT_BACKFILL_WINDOW_S
-    # Tenants with a quota or with live leases (docs/SEMANTICS.md, "Tenant quotas"), by name.
-    tenants: dict[str, TenantUse] = field(default_factory=dict)
-    # The pool's devices (docs/SEMANTICS.md, "Devices and placement"), device 0 first: one for
-    # a pool of one device; and how a request without a device is placed.
-    devices: list[DeviceUse] = field(default_factory=list)
-    placement: str = DEFAULT_PLACEMENT
-    # Resident leases (docs/SEMANTICS.md, "Resident leases"): bytes held by them, and bytes of
-    # resident requests queued; a request that is not resident is refused when it is larger
-    # than capacity - resident - resident_queued (RoomExceeded).
-    resident: int = 0
-    resident_queued: int = 0
-
-    def queue_config(self) -> QueueConfig:
-        """The pool's scheduling settings as ``configure.lua`` takes them."""
-        spec = " ".join(f"{t}={u.quota}" for t, u in self.tenants.items() if u.quota)
-        devs = " ".join(str(d.capacity) for d in self.devices) if len(self.devices) > 1 else ""
-        return QueueConfig(
-            self.policy, round(self.backfill_window * 1000), spec, devs, self.placement
-        )
-
-    @property
-    def effective_capacity(self) -> int:
-        """Bytes the pool may grant in all now: capacity minus the device's external use."""
-        return max(0, self.capacity - self.external)
-
-    @property
-    def free(self) -> int:
-        return max(0, self.effective_capacity - self.used)
-
-    @property
-    def room(self) -> int:
-        """Bytes the pool can ever grant a request that is not resident: capacity minus the
-        resident leases held and queued (docs/SEMANTICS.md, "Resident leases")."""
-        return self.capacity - self.resident - self.resident_queued
-
-    def refusal(self, amount: int, tenant: str | None = None) -> CapacityExceeded | None:
-        """The error ``acquire`` answers at once for ``amount`` bytes that this snapshot says
-        can never be granted (not resident, of ``tenant``), or None: over the capacity
-        (CapacityExceeded), over :attr:`room` (RoomExceeded), over the tenant's quota
-        (QuotaExceeded). The pool's own rule (``acquire.lua``) is the one that grants; this
-        reads it off a snapshot for an amount not asked yet (a lease that may grow to it), at
-        the pool's level: a device of a pool of several, and a tenant's resident leases, are
-        left to the pool."""
-        if amount > self.capacity:
-            return CapacityExceeded(amount, self.capacity)
-        if amount > self.room:
-            rsv = self.resident + self.resident_queued
-            return RoomExceeded(amount, self.room, self.capacity, rsv)
-        use = self.tenants.get(tenant) if tenant else None
-        if use is not None and use.quota and amount > use.quota:
-            return QuotaExceeded(amount, use.quota, str(tenant))
-        return None
-
-    def to_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
-        return asdict(self)
-
-
-def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
-    if int(r[0]) == 0:
-        return None
-    now = int(r[1])
-    leases = [
-        LeaseInfo(
-            _s(x[0]),
-            int(x[1]),
-            int(x[2]),
-            (int(x[3]) - now) / 1000,
-            (now - int(x[4])) / 1000,
-            int(x[5]) / 1000,
-            _s(x[6]),
-            decode_meta(x[7]),
-            _s(x[8]) if len(x) > 8 else "",
-            int(x[9]) if len(x) > 9 else 0,
-        )
-        for x in r[12]
-    ]
-    waiters = [
-        WaiterInfo(
-            i + 1,
-            _s(x[0]),
-            int(x[1]),
-            (now - int(x[2])) / 1000,
-            (int(x[3]) - now) / 1000,
-            decode_meta(x[4]),
-            int(x[5]) if len(x) > 5 else 0,
-            _s(x[6]) if len(x) > 6 else "",
-            int(x[7]) if len(x) > 7 and int(x[7]) >= 0 else None,
-            _s(x[8]) or None if len(x) > 8 else None,
-            int(x[9]) or None if len(x) > 9 and _s(x[8]) else None,
-        )
-        for i, x in enumerate(r[13])
-    ]
-    (
-        capacity,
-        used,
-        epoch,
-        fence,
-        max_waiters,
-        lease_count,
-        waiter_count,
-        grants,
-        reaped_leases,
-        reaped_waiters,
-    ) = (int(v) for v in r[2:12])
-    extra = [int(v) for v in r[14:19]] + [0, 0, 0, 0, 0]
-    return PoolStatus(
-        pool,
-        capacity,
-        used,
-        epoch,
-        fence,
-        max_waiters,
-        lease_count,
-        waiter_count,
-        grants,
-        reaped_leases,
-        reaped_waiters,
-        leases=leases,
-        waiters=waiters,
-        grace_left=extra[0] / 1000,
-        max_ttl=extra[1] / 1000,
-        reasserted=extra[2],
-        external=extra[3],
-        external_left=extra[4] / 1000,
-        overusers=_overusers(r[19] if len(r) > 19 else ""),
-        policy=_s(r[20]) if len(r) > 20 else DEFAULT_POLICY,
-        backfill_window=int(r[21]) / 1000 if len(r) > 21 else DEFAULT_BACKFILL_WINDOW_S,
-        tenants=_tenants(r[22] if len(r) > 22 else []),
-        devices=_devices(r[23] if len(r) > 23 else [], capacity, used),
-        placement=_s(r[24]) if len(r) > 24 else DEFAULT_PLACEMENT,
-        resident=int(r[25]) if len(r) > 25 else 0,
-        resident_queued=int(r[26]) if len(r) > 26 else 0,
-    )
-
-
-def _devices(flat: list[Any], capacity: int, used: int) -> list[DeviceUse]:
-    """``status.lua``'s devices: {capacity, used, ...} per device; a pool of one device
-    (an empty list) is its device 0."""
-    if not flat:
-        return [DeviceUse(0, capacity, used)]
-    return [DeviceUse(i // 2, int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat) - 1, 2)]
-
-
-def _tenants(flat: list[Any]) -> dict[str, TenantUse]:
-    """``status.lua``'s tenants: {tenant, used, quota, ...} as a dict by tenant."""
-    return {
-        _s(flat[i]): TenantUse(int(flat[i + 1]), int(flat[i + 2]))
-        for i in range(0, len(flat) - 2, 3)
-    }
-
-
-def _overusers(raw: Any) -> list[dict[str, Any]]:
-    """The report's over-users (``external.lua`` keeps the sampler's JSON as given)."""
-    import json
-
-    try:
-        v = json.loads(_s(raw)) if raw else []
-    except ValueError:
-        return []
-    return [x for x in v if isinstance(x, dict)] if isinstance(v, list) else []
 
 
 class DeviceReply(NamedTuple):

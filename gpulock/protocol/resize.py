@@ -129,7 +129,7 @@ def resize(
     withdraw, unreachable = True, False
     try:
         if on_queued is not None:
-            on_queued(res.position)  # first here; later ones: the runtime's refreshes
+            on_queued(res.place)  # first here; later ones: the runtime's refreshes
         joined = yield Join(
             ticket,
             argv,

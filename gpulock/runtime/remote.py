@@ -132,8 +132,9 @@ class RemoteHolders(Generic[_P]):
         when the caller knows it, default 0, counts only where the server keeps no place), with
         the lease's tenant and on its device. A reply that
         answered at once renewed the lease to its ttl (a hand-off grant of a growth did not).
-        ``on_queued(position)``: called when the growth queues (its 1-based place), and when
-        a refresh finds its place changed.
+        ``on_queued(position)``: called when the growth queues (its 1-based place, a
+        :class:`gpulock_common.queue.QueuePlace` with the estimated wait), and when a refresh
+        finds its place changed.
 
         Returns: a :class:`Grant`: the lease as the server has it now (``amount``, ``token``,
         unchanged, ``expires_ms``, ``now_ms``: server-clock milliseconds).

@@ -223,7 +223,7 @@ class WaiterRegistry:
                     w.position = pos
                     if w.on_position:
                         try:
-                            w.on_position(pos)
+                            w.on_position(res.place)
                         except Exception:
                             log.exception("gpulock: on_queued callback raised")
             elif w.ticket in self.waiters and w.future is not None and not w.future.done():

@@ -77,6 +77,38 @@ async def test_async_pools_on_every_master_hand_off_over_sharded_pubsub(cluster)
             await p.aclose()
 
 
+async def test_the_drain_rate_and_wait_estimates_on_a_cluster(cluster):
+    """The drain rate lives in the pool's cfg hash, in the pool's slot: measured by hand-offs
+    on a cluster as on one server, and the bytes ahead walked in the pool's queue
+    (docs/SEMANTICS.md, "Wait estimate")."""
+    from gpulock_common.options import AcquireOptions
+
+    from gpulock.runtime.remote import RemoteHolders
+
+    name = spread(cluster, "est")[0]
+    p = AsyncPool.from_url(cluster.url, name, poll_interval=60)
+    try:
+        await p.configure(100)
+        held = await p.acquire(100, ttl=30)
+        assert (await p.status()).drain is None
+        rh = RemoteHolders(p)
+        for i in range(2):
+            res = await rh.enqueue(100, AcquireOptions(request_id=f"w{i}", ttl=30))
+            assert res.queued and res.position == i + 1 and res.ahead_bytes == 100 * i
+            assert res.estimated_wait is None  # not measured yet
+        await asyncio.sleep(0.3)  # a lower bound on the busy time the first hand-off counts
+        await held.release()
+        for i in range(2):
+            g = await rh.wait(f"w{i}", 30)
+            assert g is not None
+            await asyncio.sleep(0.1)  # each grant after at least 0.1 s of busy time
+            assert (await rh.release(g.lease_id, g.token))[0]
+        st = await p.status()
+        assert st.drain is not None and st.drain.bytes_per_s <= 100 / 0.1 * 1.01
+    finally:
+        await p.aclose()
+
+
 async def test_pools_of_several_devices_place_and_hand_off_on_every_master(cluster):
     """A pool of several devices keeps them in its one hash tag: placement, pinning and a
     hand-off onto the device freed work on each master."""

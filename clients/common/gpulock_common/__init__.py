@@ -3,7 +3,7 @@
 Two distributions raise gpulock's errors and keep a lease's local validity clock: ``gpulock``
 (the core: Redis, Lua, the FastAPI integration, the broker) and ``gpulock-client`` (the SDK for
 the broker's HTTP lease API, which depends on httpx only). Both depend on this one
-(``gpulock-common>=0.5.0``), which depends on nothing outside the standard library, so the SDK
+(``gpulock-common>=0.6.0``), which depends on nothing outside the standard library, so the SDK
 pulls in neither redis, torch nor FastAPI, and the two sides hold one copy of:
 
 - :mod:`gpulock_common.errors`: the exception tree (``GpuLockError`` and its subclasses).
@@ -30,6 +30,8 @@ pulls in neither redis, torch nor FastAPI, and the two sides hold one copy of:
   every step vocabulary of both sides (the core's flows, script loading, cluster routing,
   pub/sub; the SDK's procedures) is carried out by it, each shell writing only a step's I/O.
 
+- :mod:`gpulock_common.queue`: ``QueuePlace``, the int an ``on_queued`` callback receives (the
+  1-based position) with the estimated wait and the queue's length.
 - :mod:`gpulock_common.tracing`: OpenTelemetry's span and attribute names every surface uses,
   and the calls they make (a span, W3C context in and out), which cost nothing when the
   optional OpenTelemetry API is absent or unconfigured.
@@ -37,4 +39,4 @@ pulls in neither redis, torch nor FastAPI, and the two sides hold one copy of:
 Nothing here does I/O.
 """
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"

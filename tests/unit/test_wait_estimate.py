@@ -1,0 +1,205 @@
+"""gpulock.estimates.wait: the wait rule's properties (never negative, None without a rate,
+monotone in the bytes ahead, the amount, the position and the free bytes), its two terms, the
+tail helper, and the rate's wire form."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpulock.errors import InvalidArgument
+from gpulock.estimates import DrainRate, wait_seconds, wait_seconds_at_tail
+
+sizes = st.integers(min_value=0, max_value=2**50)
+amounts = st.integers(min_value=1, max_value=2**50)
+positions = st.integers(min_value=1, max_value=100_000)
+frees = st.integers(min_value=-(2**40), max_value=2**50)
+rates = st.builds(
+    DrainRate,
+    bytes_per_s=st.floats(min_value=1e-3, max_value=1e15),
+    grants_per_s=st.floats(min_value=1e-6, max_value=1e6),
+)
+
+
+def est(ahead: int, amount: int, free: int, pos: int, rate: DrainRate | None) -> float | None:
+    return wait_seconds(ahead_bytes=ahead, amount=amount, free_bytes=free, position=pos, rate=rate)
+
+
+@given(sizes, amounts, frees, positions)
+def test_none_without_a_rate(ahead: int, amount: int, free: int, pos: int) -> None:
+    assert est(ahead, amount, free, pos, None) is None
+
+
+@given(sizes, amounts, frees, positions, rates)
+def test_non_negative_and_finite(
+    ahead: int, amount: int, free: int, pos: int, r: DrainRate
+) -> None:
+    s = est(ahead, amount, free, pos, r)
+    assert s is not None and 0 <= s < float("inf")
+
+
+@given(sizes, sizes, amounts, frees, positions, rates)
+def test_monotone_in_ahead_bytes(
+    a: int, extra: int, amount: int, free: int, pos: int, r: DrainRate
+) -> None:
+    assert est(a, amount, free, pos, r) <= est(a + extra, amount, free, pos, r)  # type: ignore[operator]
+
+
+@given(sizes, amounts, sizes, frees, positions, rates)
+def test_monotone_in_amount(
+    ahead: int, amount: int, extra: int, free: int, pos: int, r: DrainRate
+) -> None:
+    assert est(ahead, amount, free, pos, r) <= est(ahead, amount + extra, free, pos, r)  # type: ignore[operator]
+
+
+@given(sizes, amounts, frees, positions, positions, rates)
+def test_monotone_in_position(
+    ahead: int, amount: int, free: int, pos: int, extra: int, r: DrainRate
+) -> None:
+    assert est(ahead, amount, free, pos, r) <= est(ahead, amount, free, pos + extra, r)  # type: ignore[operator]
+
+
+@given(sizes, amounts, frees, sizes, positions, rates)
+def test_more_free_bytes_never_wait_longer(
+    ahead: int, amount: int, free: int, extra: int, pos: int, r: DrainRate
+) -> None:
+    assert est(ahead, amount, free + extra, pos, r) <= est(ahead, amount, free, pos, r)  # type: ignore[operator]
+
+
+@given(sizes, amounts, frees, positions, rates)
+def test_tail_is_the_next_position_behind_every_queued_byte(
+    queued: int, amount: int, free: int, qlen: int, r: DrainRate
+) -> None:
+    tail = wait_seconds_at_tail(
+        queued_bytes=queued, queue_length=qlen, amount=amount, free_bytes=free, rate=r
+    )
+    assert tail == est(queued, amount, free, qlen + 1, r)
+
+
+@given(sizes, amounts, frees, positions, rates, st.floats(min_value=0, max_value=1e6))
+def test_the_grace_period_comes_first(
+    ahead: int, amount: int, free: int, pos: int, r: DrainRate, grace: float
+) -> None:
+    s = wait_seconds(
+        ahead_bytes=ahead, amount=amount, free_bytes=free, position=pos, rate=r, grace_left=grace
+    )
+    base = est(ahead, amount, free, pos, r)
+    assert s is not None and base is not None and s == pytest.approx(base + grace)
+
+
+def test_the_two_terms() -> None:
+    r = DrainRate(bytes_per_s=100.0, grants_per_s=2.0)
+    # bytes: 300 ahead + 100 own - 50 free = 350 bytes at 100 B/s; grants: 3 places at 2/s
+    assert est(300, 100, 50, 3, r) == pytest.approx(3.5)
+    # it would fit now but waits (pinned device, quota, grace): 3 grants at 2/s
+    assert est(0, 100, 1000, 3, r) == pytest.approx(1.5)
+    # position below 1 counts as 1
+    assert est(0, 1, 10, 0, r) == pytest.approx(0.5)
+    # the tail of an empty queue is position 1
+    tail = wait_seconds_at_tail(queued_bytes=0, queue_length=0, amount=1000, free_bytes=0, rate=r)
+    assert tail == pytest.approx(10.0)
+    assert (
+        wait_seconds_at_tail(queued_bytes=0, queue_length=0, amount=1, free_bytes=0, rate=None)
+        is None
+    )
+
+
+def test_wire_form() -> None:
+    assert DrainRate.from_wire(0, 0) is None
+    assert DrainRate.from_wire(5, 0) is None
+    assert DrainRate.from_wire(0, 5) is None
+    assert DrainRate.from_wire(-1, 5) is None
+    assert DrainRate.from_wire(2048, 1500) == DrainRate(bytes_per_s=2048.0, grants_per_s=1.5)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "1"])
+def test_rate_must_be_positive_and_finite(bad: object) -> None:
+    with pytest.raises(InvalidArgument):
+        DrainRate(bytes_per_s=bad, grants_per_s=1.0)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument):
+        DrainRate(bytes_per_s=1.0, grants_per_s=bad)  # type: ignore[arg-type]
+
+
+def test_queue_place_is_the_position() -> None:
+    import pickle
+
+    from gpulock_common.queue import QueuePlace
+
+    p = QueuePlace(3, estimated_wait=1.5, queue_length=7)
+    assert p == 3 and isinstance(p, int) and p + 1 == 4 and f"{p}" == "3"
+    assert (p.position, p.estimated_wait, p.queue_length) == (3, 1.5, 7)
+    assert type(p.position) is int
+    q = pickle.loads(pickle.dumps(p))
+    assert (q, q.estimated_wait, q.queue_length) == (3, 1.5, 7)
+    assert QueuePlace(2).estimated_wait is None and QueuePlace(2).queue_length is None
+    with pytest.raises(AttributeError):
+        p.foo = 1  # type: ignore[attr-defined]
+    assert repr(p) == "QueuePlace(3, estimated_wait=1.5, queue_length=7)"
+
+
+def test_decode_acquire_carries_the_estimate() -> None:
+    from gpulock.protocol import replies
+
+    rate = DrainRate(bytes_per_s=100.0, grants_per_s=2.0)
+    # queued at 3: 300 bytes ahead, 100 of its own, 4096 - 4046 used - 0 held back = 50 free
+    q = replies.decode_acquire(
+        "t", [0, 3, 250, 5, 4000, 9, 4096, 4046, 0, 0, 0, 300, 100, 100, 2000]
+    )
+    assert isinstance(q, replies.NotGranted) and q.queued
+    assert (q.ahead_bytes, q.drain) == (300, rate)
+    assert q.estimated_wait == pytest.approx(3.5)
+    assert q.place == 3 and q.place.estimated_wait == q.estimated_wait and q.place.queue_length == 5
+    g = replies.decode_acquire(
+        "t", [0, 3, 250, 5, 4000, 9, 4096, 4046, 0, 1500, 0, 300, 100, 100, 2000]
+    )
+    assert isinstance(g, replies.NotGranted) and g.estimated_wait == pytest.approx(5.0)
+    # not queued (try): every queued byte ahead, at the tail (position 6)
+    n = replies.decode_acquire(
+        "t", [2, 0, -1, 5, 4000, 9, 4096, 4096, 0, 0, 0, 500, 100, 100, 2000]
+    )
+    assert isinstance(n, replies.NotGranted) and not n.queued
+    assert n.estimated_wait == pytest.approx(6.0)  # max(600 / 100, 6 / 2)
+    # unmeasured (0, 0), and a reply of an older server: no estimate
+    u = replies.decode_acquire("t", [0, 1, -1, 1, 4000, 9, 10, 10, 0, 0, 0, 0, 5, 0, 0])
+    old = replies.decode_acquire("t", [0, 1, -1, 1, 4000, 9, 10, 10])
+    assert isinstance(u, replies.NotGranted) and isinstance(old, replies.NotGranted)
+    assert (u.drain, u.estimated_wait, old.drain, old.estimated_wait) == (None, None, None, None)
+    # code 3 keeps its resident bytes in place
+    r = replies.decode_acquire("t", [3, 0, -1, 0, 4000, 9, 10, 2, 0, 0, 8, 0, 5, 100, 2000])
+    assert isinstance(r, replies.NotGranted) and r.resident == 8
+
+
+def test_decode_renew_carries_the_estimate() -> None:
+    from gpulock.protocol import replies
+
+    queue = [4096, 4046, 0, 7, 100, 2000]  # capacity, used, held_back, queue_len, rate
+    rep = replies.decode_renew([9_000, 4, [], [[b"q", 3, 300, 100], [b"x"]], queue], ["a", "b"])
+    graced = replies.decode_renew([9_000, 4, [], [[b"q", 3, 300, 100]], queue + [2_000]], ["a"])
+    assert graced.waiters[0].estimated_wait == pytest.approx(5.5)  # 2 s of grace first
+    q, gone = rep.waiters
+    assert isinstance(q, replies.Queued) and gone is None
+    assert (q.position, q.queue_length) == (3, 7)
+    assert q.estimated_wait == pytest.approx(3.5)
+    assert q.place == 3 and q.place.estimated_wait == q.estimated_wait
+    old = replies.decode_renew([9_000, 4, [], [[b"q", 2]]], ["a"])
+    assert old.waiters == [replies.Queued(2)]
+
+
+def test_decode_status_carries_the_estimates() -> None:
+    from gpulock.protocol import replies
+
+    now = 10_000
+    waiters = [[b"t1", 100, now, now + 1, b""], [b"t2", 300, now, now + 1, b""]]
+    head = [1, now, 1000, 950, 1, 1, 10, 0, 2, 0, 0, 0, [], waiters]
+    tail = [0, 0, 0, 0, 0, b"", b"fifo", 2000, [], [], b"bestfit", 0, 0]
+    st = replies.decode_status("p", head + tail + [100, 2000])
+    assert st is not None and st.drain == DrainRate(bytes_per_s=100.0, grants_per_s=2.0)
+    assert [w.ahead_bytes for w in st.waiters] == [0, 100]
+    # 50 free: max(50 / 100, 1 / 2) = 0.5; max(350 / 100, 2 / 2) = 3.5
+    assert [w.estimated_wait for w in st.waiters] == [pytest.approx(0.5), pytest.approx(3.5)]
+    # at the tail: 400 queued + 100 - 50 free = 450 bytes; 3 places
+    assert st.estimated_wait_for(100) == pytest.approx(4.5)
+    old = replies.decode_status("p", head + tail)
+    assert old is not None and old.drain is None
+    assert [w.estimated_wait for w in old.waiters] == [None, None]
