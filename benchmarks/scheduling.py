@@ -19,7 +19,12 @@ Each runs under FIFO and under backfill (2 s window). Reported per run: budget u
 (time-weighted bytes leased / capacity, from the clients' grant and release times), grants/s,
 p50/p99/max wait per size class (per priority class; per tenant, with tenant ``a``'s peak use
 from the clients' grant and release times, which lie inside the server's), and the Redis
-server's CPU per grant (``INFO cpu`` over the window / grants made in it).
+server's CPU per grant (``INFO cpu`` over the window / grants made in it). And the wait
+estimate's error (docs/SEMANTICS.md, "Wait estimate"): for each request asked in the window
+that queued, the ``estimated_wait`` of its first ``on_queued`` place against its wait
+(``acquire()`` called to granted): how many had one, the median and p90 of the absolute and of
+the relative error, and the signed median (benchmarks/_estimate_error.py; per run, placement
+rows included; per class in the JSON).
 
 Placement rows (docs/SEMANTICS.md, "Devices and placement"): 4 devices of 1 GiB, 64 clients
 (16 per device, the load per GiB of the rows above), the same hold, the ``mixed`` and
@@ -52,11 +57,13 @@ from typing import Any, Callable
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _estimate_error import Queued, build_error_table, error_stats, samples  # noqa: E402
 from _util import machine_info, percentile  # noqa: E402
 
 import gpulock  # noqa: E402
 from gpulock import AsyncPool  # noqa: E402
 from gpulock.embedded import RedisProcess  # noqa: E402
+from gpulock_common.queue import QueuePlace  # noqa: E402
 
 MiB = 2**20
 CAPACITY = 1024 * MiB
@@ -110,8 +117,10 @@ def _cpu_s(info: dict[str, Any]) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
-# One lease as a client saw it: asked, granted, released, bytes, priority, tenant, device
-Rec = tuple[float, float, float, int, int, str, int]
+# One lease as a client saw it: asked, granted, released, bytes, priority, tenant, device, and
+# its first on_queued place (a gpulock_common.queue.QueuePlace: position, estimated_wait,
+# queue_length), None when it did not queue
+Rec = tuple[float, float, float, int, int, str, int, "QueuePlace | None"]
 # A client's next request: the pool object to ask, the index of that pool's device 0 among the
 # devices of the row (4 single-device pools are devices 0-3 of the random row), bytes, priority,
 # tenant
@@ -145,9 +154,16 @@ async def _drive(
         rng, drng = random.Random(seed * 1000 + i), random.Random(seed * 1000 + i + 10**6)
         while not stop.is_set():
             pool, base, amount, prio, tenant = ask(i, rng, drng)
+            places: list[QueuePlace] = []  # the on_queued places, the first one kept
             asked = time.monotonic()
             try:
-                lease = await pool.acquire(amount, timeout=30, priority=prio, tenant=tenant)
+                lease = await pool.acquire(
+                    amount,
+                    timeout=30,
+                    priority=prio,
+                    tenant=tenant,
+                    on_queued=lambda p, kept=places: None if kept else kept.append(p),
+                )
             except gpulock.GpuLockError as e:
                 errors.append(f"{type(e).__name__}: {e}")
                 started.add(i)
@@ -157,7 +173,9 @@ async def _drive(
             await asyncio.sleep(cfg["hold_s"])
             released = time.monotonic()
             await lease.release()
-            recs.append((asked, granted, released, amount, prio, tenant or "", base + lease.device))
+            first = places[0] if places else None
+            device = base + lease.device
+            recs.append((asked, granted, released, amount, prio, tenant or "", device, first))
 
     async def grants() -> int:
         return sum([(await a.status(limit=0)).grants for a in admins])
@@ -192,12 +210,22 @@ def _waits(sel: list[Rec]) -> dict[str, float]:
     }
 
 
+def _queued(sel: list[Rec]) -> list[Queued]:
+    """The requests of ``sel`` that queued, as _estimate_error takes them."""
+    return [
+        Queued(x[0], x[7], x[1] - x[0], {"mib": x[3] // MiB, "priority": x[4], "tenant": x[5]})
+        for x in sel
+        if x[7] is not None
+    ]
+
+
 def _common(
     recs: list[Rec], t0: float, t1: float, grants: int, cpu_s: float, capacity: int
 ) -> dict[str, Any]:
     """The measurements every row has: utilization of ``capacity`` (time-weighted, from the
     clients' grant and release times, clipped to the window), grants/s, server CPU per grant,
-    and waits (of the requests asked in the window) overall and per size class."""
+    and waits (of the requests asked in the window) overall and per size class, with the wait
+    estimate's error over those that queued, overall and per size class."""
     area = sum(max(0.0, min(x[2], t1) - max(x[1], t0)) * x[3] for x in recs)
     in_window = [x for x in recs if t0 <= x[0] <= t1]
     return {
@@ -210,6 +238,12 @@ def _common(
         "hold_ms_p50": percentile([(x[2] - x[1]) * 1000 for x in in_window], 50),
         "wait_by_size_ms": {
             str(s // MiB): _waits([x for x in in_window if x[3] == s])
+            for s in sorted({x[3] for x in in_window})
+        },
+        "wait_estimate": error_stats(_queued(in_window)),
+        "wait_estimate_samples": samples(_queued(in_window)),
+        "wait_estimate_by_size": {
+            str(s // MiB): error_stats(_queued([x for x in in_window if x[3] == s]))
             for s in sorted({x[3] for x in in_window})
         },
     }
@@ -255,6 +289,12 @@ async def run_one(
         **_common(recs, t0, t1, grants, cpu_s, CAPACITY),
         "wait_by_priority_ms": {str(p): _waits([x for x in in_window if x[4] == p]) for p in prios},
         "wait_by_tenant_ms": {t: _waits([x for x in in_window if x[5] == t]) for t in tenants},
+        "wait_estimate_by_priority": {
+            str(p): error_stats(_queued([x for x in in_window if x[4] == p])) for p in prios
+        },
+        "wait_estimate_by_tenant": {
+            t: error_stats(_queued([x for x in in_window if x[5] == t])) for t in tenants
+        },
         "quotas": quotas or {},
         "peak_by_tenant": {t: _peak([x for x in recs if x[5] == t]) for t in tenants},
         "errors": errors[:5],
@@ -465,6 +505,7 @@ def run(
     R["runtime_s"] = time.monotonic() - t_all
     R["table"] = build_table(R)
     R["placement_table"] = build_placement_table(R)
+    R["estimate_table"] = build_error_table(R, ROW_LABEL)
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     from core import _clean
 
@@ -517,6 +558,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print()
     print(R["placement_table"])
+    print()
+    print(
+        "wait estimate: the estimated_wait of each queued request's first on_queued place "
+        "against its wait (acquire() called to granted), over the requests asked in the "
+        "window that queued; signed = estimate - wait (> 0: too long)"
+    )
+    print()
+    print(R["estimate_table"])
     print()
     print(f"raw numbers: {R['json_path']}")
     bad = [r for r in R["runs"] if r["error_count"]]
