@@ -6,11 +6,12 @@ asyncio driver: it carries out the steps of a flow and adds only the I/O."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from types import TracebackType
 from typing import Any, Callable, Generator, Mapping, Sequence, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import AuthenticationError
+from redis.exceptions import AuthenticationError, RedisError
 
 from gpulock_common.aio import pending_cancels
 from gpulock_common.driver import adrive
@@ -513,7 +514,11 @@ class AsyncPool(PoolOptions):
         """Stop the heartbeat and listener (held leases are not released: they expire)."""
         await self._runtime.close()
         if self._owns_client:
-            await self.redis.aclose()
+            # Best effort, as Pool.close's: redis-py raises TimeoutError when a socket's close
+            # is not confirmed within socket_connect_timeout (seen on a loaded machine, from a
+            # soak's worker); the sockets are closed either way, and the pool object is.
+            with contextlib.suppress(RedisError, OSError):
+                await self.redis.aclose()
 
     async def __aenter__(self) -> "AsyncPool":
         return self

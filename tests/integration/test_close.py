@@ -72,3 +72,23 @@ async def test_async_close_ends_a_waiting_task(redis_proc, rclient, pool_name):
     await holder.release()
     await other.aclose()
     assert_empty(rclient, pool_name)
+
+
+async def test_async_close_survives_a_socket_close_that_times_out(redis_proc, pool_name):
+    """redis-py raises TimeoutError when a socket's close is not confirmed within
+    socket_connect_timeout (a soak's worker on a loaded machine hit it); closing the pool
+    object is best effort, as Pool.close's: it ends, closed, without raising."""
+    import redis.exceptions
+
+    p = AsyncPool.from_url(redis_proc.url, pool_name, capacity=1)
+    await (await p.acquire(1, ttl=30)).release()
+    real = p.redis.aclose
+
+    async def slow_close() -> None:
+        await real()
+        raise redis.exceptions.TimeoutError("Timed out closing connection after 2.0")
+
+    p.redis.aclose = slow_close  # type: ignore[method-assign]
+    await p.aclose()
+    with pytest.raises(PoolClosed):
+        await p.acquire(1, timeout=0)
