@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-from gpulock.cli.common import secs
+from gpulock.cli.common import drain_text, secs, wait_text
 from gpulock.units import format_size
 
 if TYPE_CHECKING:
@@ -64,6 +64,11 @@ def print_status(console: Console, st: PoolStatus) -> None:
         f"{st.waiter_count} waiter(s), max_waiters {st.max_waiters}",
         highlight=False,
     )
+    if st.drain is not None:  # the wait estimates' rate (docs/SEMANTICS.md, "Wait estimate")
+        rate = drain_text(st.drain.bytes_per_s, st.drain.grants_per_s)
+        console.print(f"queue {rate} while busy", highlight=False)
+    elif st.waiters:
+        console.print(f"queue {drain_text(None, None)}: no wait estimates", highlight=False)
     if st.policy != "fifo":  # FIFO, every pool's default, goes unsaid
         how = (
             ": while the head of the queue does not fit, later requests that fit are granted, "
@@ -159,6 +164,7 @@ def print_status(console: Console, st: PoolStatus) -> None:
             ("pid", {"justify": "right"}),
             ("purpose", {"overflow": "fold"}),
             ("waited", {"justify": "right"}),
+            ("est. wait", {"justify": "right"}),
             ("request id", {}),
         )
         for col, kw in cols:
@@ -176,6 +182,7 @@ def print_status(console: Console, st: PoolStatus) -> None:
                 _shown(h.get("pid", "?")),
                 _shown(h.get("purpose", "")),
                 secs(w.waited),
+                wait_text(w.estimated_wait),
                 w.request_id[:12],
             )
         console.print(t)
