@@ -270,6 +270,12 @@ class ErrorDetail(BaseModel):
     hold_place_for: Optional[float] = Field(
         None, description="seconds the place is kept for a retry with the same request_id"
     )
+    estimated_wait_s: Optional[float] = Field(
+        None,
+        description="queued, busy: seconds until the grant, estimated from the pool's drain "
+        "rate and the bytes ahead (busy: had it joined the queue's tail); null while the rate "
+        "is not measured (docs/SEMANTICS.md, 'Wait estimate')",
+    )
     grace_left: Optional[float] = Field(
         None,
         description="queued, busy: seconds left in the pool's restart grace period (Redis lost "
