@@ -181,8 +181,8 @@ class Growths:
                 ra = clamp(first_ra or 0.0, self.retry_after_max)
             hold = self.places.hold_for(ra)
             self.places.keep(key, g, until=self._clock() + hold)
-            wait = getattr(g.position, "estimated_wait", None)  # a QueuePlace's estimate
-            return Growing(amount, g.position, ra, hold, wait)
+            est = getattr(g.position, "estimated_wait", None)  # a QueuePlace's estimate
+            return Growing(amount, g.position, ra, hold, est)
         finally:
             self.places.detach(key, g, keep=not final)
 

@@ -433,11 +433,11 @@ def _acquire_polls(
             if queued and pos != position:
                 position = pos
                 if on_queued is not None:  # the int position, with the broker's estimate
-                    wait = d.get("estimated_wait_s")  # a broker older than it sends none
+                    est = d.get("estimated_wait_s")  # a broker older than it sends none
                     on_queued(
                         QueuePlace(
                             pos,
-                            estimated_wait=None if wait is None else float(wait),
+                            estimated_wait=None if est is None else float(est),
                             queue_length=queue_length,
                         )
                     )
