@@ -107,7 +107,8 @@ class RetryAfterEstimator:
         p = max(1, int(position))
         if not tail and p <= len(st.waiters):
             return st.waiters[p - 1].estimated_wait
-        return replace(st, waiter_count=p - 1).estimated_wait_for(amount)
+        ahead = replace(st, waiters=st.waiters[: p - 1], waiter_count=p - 1)
+        return ahead.estimated_wait_for(amount)
 
     def answer(
         self,

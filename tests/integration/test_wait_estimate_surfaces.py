@@ -1,0 +1,180 @@
+"""The wait estimate where people and programs read it (docs/SEMANTICS.md, "Wait estimate"):
+``gpulock status`` (table and --json), ``gpulock top``, ``gpulock run``'s waiting line, the
+FastAPI integration's 503 (``estimated_wait_s`` and the Retry-After it gives) and its
+``/metrics`` gauges; each number the server's estimate, against a real Redis.
+
+A pool's drain rate is measured by draining a queue (support.drain); every wait is on
+observed state."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+
+import pytest
+import redis
+
+from gpulock import Pool
+from gpulock.estimates.wait import wait_seconds_at_tail
+from gpulock.fastapi import install_http_guards
+from gpulock.retry_after import retry_after
+from support.apps import Running, one_route_app
+from support.drain import measure_drain, queue_behind
+from support.pools import GiB, status_until
+from support.procs import gpulock_argv
+from support.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+UNIT = 1000  # bytes of each lease of the CLI tests; the pool holds one at a time
+
+
+def cli(url: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GPULOCK_REDIS_URL": url, "COLUMNS": "250"}
+    return subprocess.run(
+        [*gpulock_argv(), *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture
+def sync_pool(redis_proc1):
+    made = []
+
+    def make(name: str, **kw) -> Pool:
+        client = redis.Redis.from_url(redis_proc1.url, socket_timeout=5, socket_connect_timeout=2)
+        p = Pool(client, name, **kw)
+        made.append((p, client))
+        return p
+
+    yield make
+    for p, client in made:
+        p.close()
+        client.close()
+
+
+def test_status_and_top_show_each_waiters_estimate(redis_proc1, sync_pool):
+    url = redis_proc1.url
+    pool = sync_pool("ws1", capacity=UNIT)
+    holder = pool.acquire(UNIT)
+    threads = queue_behind(pool, UNIT, 2)
+    # unmeasured: the column says so, --json has nulls, no drain line
+    out = cli(url, "status", "ws1")
+    assert out.returncode == 0, out.stderr
+    assert "est. wait" in out.stdout and "—" in out.stdout, out.stdout
+    assert "drain rate not measured yet" in out.stdout, out.stdout
+    d = json.loads(cli(url, "status", "ws1", "--json").stdout)
+    assert d["drain"] is None and [w["estimated_wait_s"] for w in d["waiters"]] == [None, None]
+    holder.release()
+    for t in threads:
+        t.join(240)
+
+    drain = measure_drain(pool, UNIT)
+    holder = pool.acquire(UNIT)
+    threads = queue_behind(pool, UNIT, 2)
+    try:
+        st = pool.status()
+        assert st.drain == drain  # nothing granted to a waiter since: the same rate
+        want = [w.estimated_wait for w in st.waiters]
+        assert all(w is not None and w > 0 for w in want)
+
+        d = json.loads(cli(url, "status", "ws1", "--json").stdout)
+        assert d["drain"] == {"bytes_per_s": drain.bytes_per_s, "grants_per_s": drain.grants_per_s}
+        assert [w["estimated_wait_s"] for w in d["waiters"]] == pytest.approx(want)
+        assert all("estimated_wait" not in w for w in d["waiters"])  # one name for it
+
+        out = cli(url, "status", "ws1").stdout
+        assert "queue drains " in out and "grants/s while busy" in out, out
+        for w in want:
+            assert f"~{w:.1f}s" in out, (w, out)
+
+        top = cli(url, "top", "ws1", "--once")
+        assert top.returncode == 0, top.stderr
+        assert "est. wait" in top.stdout and "grants/s while busy" in top.stdout, top.stdout
+        for w in want:
+            assert f"~{w:.1f}s" in top.stdout, (w, top.stdout)
+    finally:
+        holder.release()
+        for t in threads:
+            t.join(240)
+
+
+def test_run_says_how_long_it_is_expected_to_wait(redis_proc1, sync_pool):
+    url = redis_proc1.url
+    pool = sync_pool("ws2", capacity=UNIT)
+    measure_drain(pool, UNIT)
+    holder = pool.acquire(UNIT)
+    env = {**os.environ, "GPULOCK_REDIS_URL": url}
+    proc = subprocess.Popen(
+        [*gpulock_argv(), "run", "--pool", "ws2", "--amount", str(UNIT), "--", "true"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    try:
+        wait_until(lambda: pool.status().waiter_count == 1, 60, "gpulock run to queue")
+        est = pool.status().waiters[0].estimated_wait
+        assert est is not None
+        holder.release()
+        assert proc.wait(120) == 0
+        reader.start()
+        reader.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    waiting = [ln for ln in lines if "waiting for" in ln]
+    assert waiting, lines
+    # the server's estimate as the acquire answered it (at most the status's, read later on
+    # the same rate and queue)
+    assert "position 1 in the queue of 1, about " in waiting[0], waiting
+    assert waiting[0].rstrip().endswith("s left"), waiting
+
+
+async def test_a_503_carries_the_estimate_its_retry_after_comes_from(redis_proc1, sync_pool):
+    """A request that leaves the queue is told the time for the whole queue to drain (the
+    estimate at its tail), a parked one its own place's; Retry-After is that estimate put
+    through the policy; /metrics shows the drain rate and the head's estimate."""
+    pool = sync_pool("ws3", capacity=4 * GiB)
+    drain = measure_drain(pool, 4 * GiB)
+    app, gpu = one_route_app(redis_proc1.url, "ws3", acquire_timeout=0.5, park_timeout=5.0)
+    install_http_guards(app)  # its error handlers put the estimate in the body
+    async with Running(app) as c:
+        holder = pool.acquire(4 * GiB)
+        try:
+            r = await c.post("/sync", json={})  # no X-Request-ID: it leaves the queue
+            assert r.status_code == 503, r.text
+            body = r.json()
+            tail = wait_seconds_at_tail(
+                queued_bytes=0, queue_length=0, amount=GiB, free_bytes=0, rate=drain
+            )
+            assert body["estimated_wait_s"] == pytest.approx(tail, abs=1e-3), body
+            cap = gpu.settings.max_retry_after
+            assert r.headers["retry-after"] == str(retry_after(tail, cap=cap))
+
+            # it left the queue (the cancel runs on this loop): the next one is at its head
+            await status_until(redis_proc1.url, "ws3", lambda st: st.waiter_count == 0, 60)
+            r = await c.post("/sync", json={}, headers={"X-Request-ID": "parked"})
+            assert r.status_code == 503 and "keeps its place" in r.json()["detail"], r.text
+            est = pool.status().waiters[0].estimated_wait  # its own, as the server has it
+            assert r.json()["estimated_wait_s"] == pytest.approx(est, abs=1e-3), r.text
+            ra = retry_after(est, cap=cap, keep_place=gpu.settings.park_timeout)
+            assert r.headers["retry-after"] == str(ra)
+
+            m = (await gpu.metrics_response()).body.decode()
+            assert _gauge(m, "gpulock_pool_drain_bytes_per_second") == drain.bytes_per_s
+            assert _gauge(m, "gpulock_pool_drain_grants_per_second") == drain.grants_per_s
+            assert _gauge(m, "gpulock_pool_head_estimated_wait_seconds") == pytest.approx(est)
+        finally:
+            holder.release()
+
+
+def _gauge(text: str, name: str) -> float:
+    """The one sample of ``name`` in a Prometheus text exposition."""
+    got = [ln for ln in text.splitlines() if ln.startswith(name + "{")]
+    assert len(got) == 1, (name, got)
+    return float(got[0].split()[-1])
