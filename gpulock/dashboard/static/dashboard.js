@@ -175,7 +175,7 @@
       tr.appendChild(cell(String(prio), prio));
       tr.appendChild(cell(fmtSeconds(w.waited), w.waited));
       var est = w.estimated_wait_s === undefined ? null : w.estimated_wait_s;
-      tr.appendChild(cell(fmtWait(est), est === null ? "" : est));
+      tr.appendChild(cell(fmtWait(est), est === null ? undefined : est));
       tr.appendChild(cell(holderText(w.holder)));
       return tr;
     });
