@@ -120,6 +120,9 @@ def print_status(console: Console, st: PoolStatus) -> None:
     waiter_tenants = any(w.tenant for w in st.waiters)
     growths = any(w.growth_of for w in st.waiters)  # a growth column only when one is queued
     devs = len(st.devices) > 1  # a device column only on a pool of several
+    # an estimate column only once the drain rate is measured (before, every cell would be a
+    # dash, and the line above says why): a narrow terminal keeps its room for the purpose
+    ests = st.drain is not None
     if st.leases:
         t = Table(title=None, show_edge=False, pad_edge=False, box=None, header_style="bold")
         cols: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -164,7 +167,7 @@ def print_status(console: Console, st: PoolStatus) -> None:
             ("pid", {"justify": "right"}),
             ("purpose", {"overflow": "fold"}),
             ("waited", {"justify": "right"}),
-            ("est. wait", {"justify": "right"}),
+            *((("est. wait", {"justify": "right"}),) if ests else ()),
             ("request id", {}),
         )
         for col, kw in cols:
@@ -182,7 +185,7 @@ def print_status(console: Console, st: PoolStatus) -> None:
                 _shown(h.get("pid", "?")),
                 _shown(h.get("purpose", "")),
                 secs(w.waited),
-                wait_text(w.estimated_wait),
+                *((wait_text(w.estimated_wait),) if ests else ()),
                 w.request_id[:12],
             )
         console.print(t)

@@ -59,11 +59,14 @@ def test_status_and_top_show_each_waiters_estimate(redis_proc1, sync_pool):
     pool = sync_pool("ws1", capacity=UNIT)
     holder = pool.acquire(UNIT)
     threads = queue_behind(pool, UNIT, 2)
-    # unmeasured: the column says so, --json has nulls, no drain line
+    # unmeasured: the summary says so (no column of dashes), --json has nulls; top's column
+    # has a dash for each
     out = cli(url, "status", "ws1")
     assert out.returncode == 0, out.stderr
-    assert "est. wait" in out.stdout and "—" in out.stdout, out.stdout
-    assert "drain rate not measured yet" in out.stdout, out.stdout
+    assert "est. wait" not in out.stdout, out.stdout
+    assert "drain rate not measured yet: no wait estimates" in out.stdout, out.stdout
+    top = cli(url, "top", "ws1", "--once").stdout
+    assert "est. wait" in top and top.count("—") >= 2 and "not measured yet" in top, top
     d = json.loads(cli(url, "status", "ws1", "--json").stdout)
     assert d["drain"] is None and [w["estimated_wait_s"] for w in d["waiters"]] == [None, None]
     holder.release()
@@ -85,7 +88,7 @@ def test_status_and_top_show_each_waiters_estimate(redis_proc1, sync_pool):
         assert all("estimated_wait" not in w for w in d["waiters"])  # one name for it
 
         out = cli(url, "status", "ws1").stdout
-        assert "queue drains " in out and "grants/s while busy" in out, out
+        assert "est. wait" in out and "queue drains " in out and "grants/s while busy" in out, out
         for w in want:
             assert f"~{w:.1f}s" in out, (w, out)
 
