@@ -181,3 +181,56 @@ def _gauge(text: str, name: str) -> float:
     got = [ln for ln in text.splitlines() if ln.startswith(name + "{")]
     assert len(got) == 1, (name, got)
     return float(got[0].split()[-1])
+
+
+async def test_the_estimator_uses_the_servers_estimate_else_the_rates(redis_proc1):
+    """RetryAfterEstimator.answer: the server's estimate (a listed waiter's, or at the tail
+    for a place not listed) once the pool's drain rate is measured; today's rates (and no
+    estimate to report for the per-place guess) while it is not."""
+    from dataclasses import replace
+
+    from gpulock import PoolStatus
+    from gpulock.estimates.wait import DrainRate
+    from gpulock.fastapi import GpuLimiter
+    from gpulock.estimates.wait import wait_seconds
+    from gpulock.protocol.replies import WaiterInfo
+
+    gpu = GpuLimiter(redis_proc1.url, "ws4", ttl=30, max_retry_after=60, park_timeout=30)
+    bare = PoolStatus("ws4", 10 * GiB, 10 * GiB, 0, 0, 10, 1, 2, 0, 0, 0)
+    gpu.backend.status = bare
+    assert gpu.retry.answer(3) == (3, None)  # nothing measured: one second a place, a guess
+    gpu.retry.pool_rate.rate = 4.0
+    assert gpu.retry.answer(8) == (2, 2.0)  # the worker's busy rate: 8 / 4
+
+    drain = DrainRate(bytes_per_s=float(GiB), grants_per_s=2.0)
+    waiters = [
+        WaiterInfo(
+            i + 1,
+            f"r{i}",
+            2 * GiB,
+            1.0,
+            10.0,
+            {},
+            ahead_bytes=2 * GiB * i,
+            estimated_wait=wait_seconds(
+                ahead_bytes=2 * GiB * i, amount=2 * GiB, free_bytes=0, position=i + 1, rate=drain
+            ),
+        )
+        for i in range(2)
+    ]
+    st = replace(bare, drain=drain, waiters=waiters)
+    gpu.backend.status = st
+    assert [w.estimated_wait for w in st.waiters] == [2.0, 4.0]  # 2, then 4 GiB at 1 GiB/s
+    assert gpu.retry.answer(2) == (4, 4.0)  # the listed waiter's own
+    # a place not listed, or the tail: behind the queue's bytes (here 4 GiB and 1 GiB of its own)
+    tail = replace(st, waiter_count=2).estimated_wait_for(GiB)
+    assert tail == 5.0
+    assert gpu.retry.answer(3, amount=GiB) == (5, tail)
+    assert gpu.retry.answer(3, amount=GiB, tail=True) == (5, tail)
+    # at the tail behind one waiter only: its bytes alone are ahead
+    assert gpu.retry.answer(2, amount=GiB, tail=True).estimated_wait == 3.0
+    # a request's own estimate wins; the local part is added at the worker's rate
+    gpu.retry.local_rate.rate = 1.0
+    assert gpu.retry.answer(1, pool_wait=0.5, local=2) == (3, 2.5)
+    # a parked request is told at most half its kept place
+    assert gpu.retry.answer(1, pool_wait=40.0, parked=True) == (15, 40.0)
