@@ -234,3 +234,30 @@ async def test_the_estimator_uses_the_servers_estimate_else_the_rates(redis_proc
     assert gpu.retry.answer(1, pool_wait=0.5, local=2) == (3, 2.5)
     # a parked request is told at most half its kept place
     assert gpu.retry.answer(1, pool_wait=40.0, parked=True) == (15, 40.0)
+
+
+async def test_the_services_openai_shaped_503_carries_the_estimate(redis_proc1, sync_pool):
+    """The embeddings service's error shape (gpulock_service.openai_errors): the estimate is
+    in the ``error`` object, next to gpulock's reason."""
+    from gpulock_service.openai_errors import guard_detail, install_openai_errors
+
+    pool = sync_pool("ws5", capacity=4 * GiB)
+    drain = measure_drain(pool, 4 * GiB)
+    app, gpu = one_route_app(redis_proc1.url, "ws5", acquire_timeout=0.5, park_timeout=0)
+    install_http_guards(app, detail=guard_detail)
+    install_openai_errors(app)
+    async with Running(app) as c:
+        holder = pool.acquire(4 * GiB)
+        try:
+            r = await c.post("/sync", json={})
+            assert r.status_code == 503, r.text
+            err = r.json()["error"]
+            assert err["code"] == "queue_timeout", err
+            tail = wait_seconds_at_tail(
+                queued_bytes=0, queue_length=0, amount=GiB, free_bytes=0, rate=drain
+            )
+            assert err["estimated_wait_s"] == pytest.approx(tail, abs=1e-3), err
+            cap = gpu.settings.max_retry_after
+            assert r.headers["retry-after"] == str(retry_after(tail, cap=cap))
+        finally:
+            holder.release()
