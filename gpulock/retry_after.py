@@ -1,16 +1,24 @@
 """The ``Retry-After`` policy: how many whole seconds a refused client is told to wait.
 
 I/O-free; the FastAPI integration (:mod:`gpulock.fastapi`) and the lease broker feed it what
-they measured. The rules, in the order they apply:
+they measured. One rule: **Retry-After is the request's wait estimate, in seconds, put through
+the rules below**, and a 503 that carries an estimate (``estimated_wait_s``) carries that same
+one. The rules, in the order they apply:
 
-* **An estimate in seconds.** The integration's is rate based (:func:`queue_seconds`): a
-  request at ``position`` in the pool's FIFO queue waits ``position / grant_rate``, plus
-  ``local / local_rate`` while it still waits for one of its worker's ``local`` threads.
-  ``grant_rate`` is the pool's grants per second while busy (:class:`BusyRate`), or, before
-  any busy interval was seen, Little's law (:func:`grant_rate`). With no rate at all:
-  ``UNMEASURED_SECONDS_PER_PLACE`` per place, or the server's hint (the time to the nearest
-  lease expiry) when shorter. The broker's estimate is the server's hint alone
-  (:func:`from_expiry_ms`).
+* **An estimate in seconds** (:func:`queue_seconds`). The pool's part is the server's wait
+  estimate (``pool_wait``: docs/SEMANTICS.md, "Wait estimate", computed by the one rule of
+  :mod:`gpulock.estimates.wait` from the pool's drain rate and the bytes ahead): a queued
+  request's own (its last ``QueuePlace.estimated_wait``, or its waiter's in the pool's
+  status), and for a request that leaves the queue the estimate at the queue's tail, behind
+  everything queued now (``wait_seconds_at_tail``). While the server has no measured drain
+  rate (a new pool, an older server) it is rate based instead: ``position / grant_rate``,
+  ``grant_rate`` the pool's grants per second while busy (:class:`BusyRate`), or, before any
+  busy interval was seen, Little's law (:func:`grant_rate`). A request still waiting for one
+  of its worker's ``local`` threads adds ``local / local_rate`` (its worker's own busy grant
+  rate, else the pool's). With no rate at all: ``UNMEASURED_SECONDS_PER_PLACE`` per place, or
+  the server's hint (the time to the nearest lease expiry) when shorter; such a guess is no
+  estimate (``estimated_wait_s`` null). The broker's Retry-After is the server's hint alone
+  (:func:`from_expiry_ms`); its 503 carries the server's estimate as it is.
 * **A grace period.** After Redis lost a pool nothing is granted until its grace period ends,
   so the answer is at least the time left in it (:func:`retry_after`).
 * **A kept place.** A request that keeps its place for ``keep_place`` seconds is told at most
@@ -98,14 +106,24 @@ def queue_seconds(
     local: int = 0,
     local_rate: float | None = None,
     server_hint: float | None = None,
+    pool_wait: float | None = None,
 ) -> float:
-    """Seconds until a request at ``position`` (1-based) in the pool's queue is granted, when
-    the queue drains at ``rate`` grants/s, plus ``local / local_rate`` for a request still at
-    place ``local`` among its worker's thread waiters (``rate`` when ``local_rate`` is None
-    or at most 0.01/s). Without a ``rate``: ``UNMEASURED_SECONDS_PER_PLACE`` per place
-    (``position + local``, at least one), or ``server_hint`` (seconds) when positive and
-    shorter."""
+    """Seconds until a request at ``position`` (1-based) in the pool's queue is granted.
+
+    The pool's part: ``pool_wait`` (seconds, the server's wait estimate) when given, else
+    ``position / rate`` when the queue drains at ``rate`` grants/s. Plus ``local /
+    local_rate`` for a request still at place ``local`` among its worker's thread waiters
+    (``rate`` when ``local_rate`` is None or at most 0.01/s). Without ``pool_wait`` and
+    ``rate``: ``UNMEASURED_SECONDS_PER_PLACE`` per place (``position + local``, at least one),
+    or ``server_hint`` (seconds) when positive and shorter. With ``pool_wait`` but no rate
+    for the local part, each local place counts ``UNMEASURED_SECONDS_PER_PLACE``."""
     p = max(0, int(position))
+    if pool_wait is not None:
+        secs = max(0.0, float(pool_wait))
+        if local:
+            lr = local_rate if local_rate and local_rate > _MIN_RATE else rate
+            secs += local / lr if lr else local * UNMEASURED_SECONDS_PER_PLACE
+        return secs
     if rate:
         secs = p / rate
         if local:

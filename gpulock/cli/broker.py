@@ -94,6 +94,7 @@ class BrokerAdmin:
 
 def status_from_dict(d: dict[str, Any]) -> Any:
     """A broker's pool object (``GET /v1/pools/NAME``) as the core's PoolStatus."""
+    from gpulock.estimates.wait import DrainRate
     from gpulock.protocol.replies import DeviceUse, LeaseInfo, PoolStatus, TenantUse, WaiterInfo
 
     leases = [
@@ -124,6 +125,7 @@ def status_from_dict(d: dict[str, Any]) -> Any:
             device=x.get("device"),
             growth_of=x.get("growth_of"),  # a broker older than resizes sends none
             growth_token=x.get("growth_token"),
+            estimated_wait=x.get("estimated_wait_s"),  # the server's, by the one rule
         )
         for x in d.get("waiters", [])
     ]
@@ -155,6 +157,7 @@ def status_from_dict(d: dict[str, Any]) -> Any:
         ]
         or [DeviceUse(0, d["capacity"], d["used"])],
         placement=d.get("placement", DEFAULT_PLACEMENT),
+        drain=DrainRate(**d["drain"]) if d.get("drain") else None,  # an older broker: none
     )
 
 

@@ -21,7 +21,7 @@ from gpulock.errors import (
     PoolNotFound,
     QueueFull,
 )
-from gpulock.units import is_index, parse_seconds, parse_size
+from gpulock.units import format_size, is_index, parse_seconds, parse_size
 
 if TYPE_CHECKING:
     import redis
@@ -283,6 +283,21 @@ def secs(x: float) -> str:
     if x < 3600:
         return f"{int(x // 60)}m{int(x % 60):02d}s"
     return f"{int(x // 3600)}h{int(x % 3600 // 60):02d}m"
+
+
+def wait_text(estimated_wait: float | None) -> str:
+    """A waiter's estimated wait (seconds; docs/SEMANTICS.md, "Wait estimate") as a table
+    shows it: ``~3.2s``, ``~4m10s``; ``—`` when not known (the pool's drain rate is not
+    measured yet)."""
+    return "—" if estimated_wait is None else f"~{secs(max(0.0, estimated_wait))}"
+
+
+def drain_text(bytes_per_s: float | None, grants_per_s: float | None) -> str:
+    """A pool's drain rate (docs/SEMANTICS.md, "Wait estimate") in words: ``drains 1.5GiB/s,
+    2.40 grants/s``, or ``drain rate not measured yet``."""
+    if bytes_per_s is None or grants_per_s is None:
+        return "drain rate not measured yet"
+    return f"drains {format_size(int(bytes_per_s))}/s, {grants_per_s:.2f} grants/s"
 
 
 # ---- the backend --------------------------------------------------------------------------------

@@ -61,9 +61,15 @@ pool_app = typer.Typer(
 
 
 def _status_dict(st: PoolStatus) -> dict[str, Any]:
+    """A status as ``--json`` prints it: PoolStatus's fields, ``free`` and
+    ``effective_capacity``; each waiter's estimate as ``estimated_wait_s`` (seconds, null while
+    the pool's drain rate is not measured) and ``drain`` ``{bytes_per_s, grants_per_s}`` or
+    null (docs/SEMANTICS.md, "Wait estimate")."""
     d = st.to_dict()
     d["free"] = st.free
     d["effective_capacity"] = st.effective_capacity
+    for w in d["waiters"]:
+        w["estimated_wait_s"] = w.pop("estimated_wait")
     return d
 
 

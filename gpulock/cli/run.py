@@ -44,6 +44,7 @@ from gpulock.cli.common import (
     redis_client,
     say,
     seconds_param,
+    secs,
     size_param,
     target,
 )
@@ -348,8 +349,15 @@ def _run_under_lease(
         on = "" if pin is None else f" device {pin}"
         grace = p.grace_left()
         why = f" ({grace_note(pool, grace)})" if grace > 0 else ""
+        # a QueuePlace: the queue's length and the server's estimate (docs/SEMANTICS.md,
+        # "Wait estimate"); nothing is said of either while not known
+        length = getattr(pos, "queue_length", None)
+        wait = getattr(pos, "estimated_wait", None)
+        of = f" of {length}" if length else ""
+        left = f", about {secs(wait)} left" if wait is not None else ""
         info(
-            f"waiting for {format_size(amount)} on pool {pool!r}{on}: position {pos} in the queue{why}"
+            f"waiting for {format_size(amount)} on pool {pool!r}{on}: position {pos} in the "
+            f"queue{of}{left}{why}"
         )
 
     # While waiting: a signal interrupts the wait (Pool.acquire leaves the queue and releases a

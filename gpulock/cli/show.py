@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-from gpulock.cli.common import secs
+from gpulock.cli.common import drain_text, secs, wait_text
 from gpulock.units import format_size
 
 if TYPE_CHECKING:
@@ -64,6 +64,11 @@ def print_status(console: Console, st: PoolStatus) -> None:
         f"{st.waiter_count} waiter(s), max_waiters {st.max_waiters}",
         highlight=False,
     )
+    if st.drain is not None:  # the wait estimates' rate (docs/SEMANTICS.md, "Wait estimate")
+        rate = drain_text(st.drain.bytes_per_s, st.drain.grants_per_s)
+        console.print(f"queue {rate} while busy", highlight=False)
+    elif st.waiters:
+        console.print(f"queue {drain_text(None, None)}: no wait estimates", highlight=False)
     if st.policy != "fifo":  # FIFO, every pool's default, goes unsaid
         how = (
             ": while the head of the queue does not fit, later requests that fit are granted, "
@@ -115,6 +120,9 @@ def print_status(console: Console, st: PoolStatus) -> None:
     waiter_tenants = any(w.tenant for w in st.waiters)
     growths = any(w.growth_of for w in st.waiters)  # a growth column only when one is queued
     devs = len(st.devices) > 1  # a device column only on a pool of several
+    # an estimate column only once the drain rate is measured (before, every cell would be a
+    # dash, and the line above says why): a narrow terminal keeps its room for the purpose
+    ests = st.drain is not None
     if st.leases:
         t = Table(title=None, show_edge=False, pad_edge=False, box=None, header_style="bold")
         cols: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -159,6 +167,7 @@ def print_status(console: Console, st: PoolStatus) -> None:
             ("pid", {"justify": "right"}),
             ("purpose", {"overflow": "fold"}),
             ("waited", {"justify": "right"}),
+            *((("est. wait", {"justify": "right"}),) if ests else ()),
             ("request id", {}),
         )
         for col, kw in cols:
@@ -176,6 +185,7 @@ def print_status(console: Console, st: PoolStatus) -> None:
                 _shown(h.get("pid", "?")),
                 _shown(h.get("purpose", "")),
                 secs(w.waited),
+                *((wait_text(w.estimated_wait),) if ests else ()),
                 w.request_id[:12],
             )
         console.print(t)

@@ -23,12 +23,14 @@ from gpulock.cli.common import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     Target,
+    drain_text,
     error_exit,
     fail,
     partial_exit,
     pool_name_param,
     safe_url,
     target,
+    wait_text,
 )
 from gpulock.errors import GpuLockError
 from gpulock.units import format_size
@@ -99,6 +101,12 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
             f"leases {p['lease_count']}  queued {p['waiter_count']}  policy {policy}  "
             f"grants {rate}  503s {p['rejected']}  OOMs {p['oom']}\n"
         )
+        drain = p.get("drain")  # None while not measured (and from a broker older than it)
+        head.append(
+            f"queue {drain_text(drain['bytes_per_s'], drain['grants_per_s'])} while busy\n"
+            if drain
+            else f"queue {drain_text(None, None)}\n"
+        )
         devices = p.get("devices") or []  # a broker older than devices sends none
         if len(devices) > 1:
             head.append(
@@ -137,6 +145,7 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
             *((("growth of", False),) if growths else ()),
             ("priority", True),
             ("waited", True),
+            ("est. wait", True),
             ("holder", False),
         ):
             queue.add_column(col, justify="right" if right else "left")
@@ -144,7 +153,7 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
             queue.add_row(
                 str(w["position"]), format_size(w["amount"]),
                 *((_growth(w),) if growths else ()), str(w.get("priority", 0)),
-                _secs(w["waited"]), _holder(w["holder"]),
+                _secs(w["waited"]), wait_text(w.get("estimated_wait_s")), _holder(w["holder"]),
             )  # fmt: skip
         parts.append(Panel(Group(head, leases, queue), title=p["pool"], title_align="left"))
     for name, msg in view["errors"].items():

@@ -76,6 +76,11 @@ def pool_view(
         "max_waiters": st.max_waiters,
         "grants": st.grants,
         "grant_rate": _rate(samples, "grants", RATE_WINDOW_S * 1000),
+        "drain": (
+            None
+            if st.drain is None
+            else {"bytes_per_s": st.drain.bytes_per_s, "grants_per_s": st.drain.grants_per_s}
+        ),
         "rejected": counters.get("rejected", 0),
         "rejected_last_minute": _in_last_minute(samples, "rejected"),
         "oom": counters.get("oom", 0),
@@ -116,6 +121,7 @@ def pool_view(
                 "priority": w.priority,
                 # a queued growth: the fencing token of the lease it grows (never its id)
                 "growth_token": w.growth_token,
+                "estimated_wait_s": w.estimated_wait,  # None: the drain rate is not measured
             }
             for w in st.waiters
         ],
@@ -158,7 +164,10 @@ async def dashboard_view(
     ``leases`` (``holder``, ``amount``, ``token``, ``expires_in``, ``held_for``); ``waiters``
     (``position``, ``holder``, ``amount``, ``waited``, ``priority``, ``growth_token``: for a
     queued growth of a held lease the lease's fencing token, ``amount`` being the bytes it
-    grows by, else None); ``history`` (lists ``t``, ``capacity``,
+    grows by, else None; ``estimated_wait_s``: seconds until its grant, None while the
+    drain rate is not measured); ``drain`` (``bytes_per_s``, ``grants_per_s``: how fast the
+    queue drains while busy, docs/SEMANTICS.md "Wait estimate"; None while not measured);
+    ``history`` (lists ``t``, ``capacity``,
     ``used``, ``resident``, oldest first). A pool that cannot be read is in ``errors``
     instead. A shard: ``{"node": "host:port", "slots": [[lo, hi], ...], "error": "..."}``,
     those of ``unreachable`` and, on a cluster, the shard of each pool that could not be read

@@ -59,12 +59,16 @@ What one request goes through (``GpuLimiter.calls.call``)::
 * :func:`install_http_guards` gives any app the service's HTTP guards: 400 for a body that is
   not UTF-8, 422 that always renders, 413 over a size bound, 408 for a slow body.
 
-``Retry-After`` (whole seconds, 1..``max_retry_after``) is computed from the queue, never a
-constant::
+``Retry-After`` (whole seconds, 1..``max_retry_after``) is computed from the request's wait
+estimate, never a constant, and the 503 carries that estimate (``estimated_wait_s``, seconds,
+in the body the error handlers of :func:`install_http_guards` answer)::
 
-    retry_after = ceil(position / grant_rate + local_position / local_grant_rate)
+    estimated_wait_s = pool_wait + local_position / local_grant_rate
+    retry_after = ceil(estimated_wait_s)
 
-where ``position`` is the request's place in the pool's FIFO queue and ``grant_rate`` the
+where ``pool_wait`` is the server's estimate (docs/SEMANTICS.md, "Wait estimate"; for a request
+that leaves the queue, at the queue's tail), or, while the server has no measured drain rate,
+``position / grant_rate``, where ``position`` is the request's place in the pool's FIFO queue and ``grant_rate`` the
 pool's grants per second while it is busy: an exponentially weighted moving average (time
 constant 10 s) of the pool's ``grants`` counter, sampled from Redis every ``reaper_interval``,
 that counts only the intervals that began with waiters queued (an idle pool grants nothing

@@ -396,7 +396,7 @@ class GuardedCalls:
         if not parked and last:
             job.abandoned = True  # before any await: a grant arriving now must not run
         position, queued = await self._retry.position_now(job)
-        ra = self._retry.for_job(job, position, queued)
+        ra, estimate = self._retry.for_job(job, position, queued)
         metrics().timeouts.labels(job.route).inc()
         keep = ""
         if not parked and last and job.task is not None:
@@ -428,6 +428,7 @@ class GuardedCalls:
             AcquireTimeout,
             f"{what}.{keep}",
             {"Retry-After": str(ra), "X-Queue-Position": str(position)},
+            estimated_wait_s=estimate,
         )
 
 

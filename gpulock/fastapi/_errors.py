@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from fastapi import HTTPException
 from gpulock_common.grace import grace_note
@@ -28,18 +28,32 @@ from gpulock.units import format_size
 from ._metrics import metrics
 from ._settings import Settings
 
+if TYPE_CHECKING:
+    from ._retry_after import RetryAnswer
+
 
 class GpuLockHTTPException(HTTPException):
     """An HTTPException raised by the integration; ``reason`` is a short machine-readable
     cause (``queue_timeout``, ``queue_full``, ``capacity``, ``inference_timeout``,
     ``cuda_oom``, ``cuda_error``, ``lease_lost``, ``backend``, ``not_ready``, ``conflict``,
-    ``invalid_argument``, ``invalid_priority``, ``invalid_request_id``)."""
+    ``invalid_argument``, ``invalid_priority``, ``invalid_request_id``).
+    ``estimated_wait_s``: a 503's wait estimate in seconds (the one its Retry-After came from;
+    docs/SERVICE.md, "Retry-After"), None for none; the error handlers put it in the body
+    (:func:`gpulock.http.guards.install_error_handlers`: ``{"detail": ...,
+    "estimated_wait_s": ...}``; the service's OpenAI-shaped body: in its ``error``)."""
 
     def __init__(
-        self, status_code: int, detail: str, reason: str, headers: dict[str, str] | None = None
+        self,
+        status_code: int,
+        detail: str,
+        reason: str,
+        headers: dict[str, str] | None = None,
+        *,
+        estimated_wait_s: float | None = None,
     ):
         super().__init__(status_code=status_code, detail=detail, headers=headers)
         self.reason = reason
+        self.estimated_wait_s = None if estimated_wait_s is None else round(estimated_wait_s, 3)
 
     @classmethod
     def of(
@@ -47,12 +61,15 @@ class GpuLockHTTPException(HTTPException):
         error: BaseException | type[BaseException],
         detail: str,
         headers: dict[str, str] | None = None,
+        *,
+        estimated_wait_s: float | None = None,
     ) -> GpuLockHTTPException:
         """The answer to a shared gpulock error (an exception or its class): the status and
         reason the error table gives a lease taken on the client's behalf
-        (:func:`gpulock_common.wire.served`), with ``detail`` and ``headers``."""
+        (:func:`gpulock_common.wire.served`), with ``detail``, ``headers`` and the 503's
+        ``estimated_wait_s``."""
         status, reason = served(error)
-        return cls(status, detail, reason, headers)
+        return cls(status, detail, reason, headers, estimated_wait_s=estimated_wait_s)
 
 
 class CudaOOM(Exception):
@@ -85,18 +102,20 @@ class HttpErrors:
 
     Args:
         settings: the limiter's settings (pool name, idempotency header, reaper interval).
-        retry_after: ``retry_after(position, server_hint=None) -> seconds``, the limiter's
-            Retry-After estimate for a request at ``position`` in the pool's queue.
+        answer: ``answer(position, server_hint=None, *, tail=False, amount=0) ->``
+            :class:`~gpulock.fastapi._retry_after.RetryAnswer`, the limiter's Retry-After and
+            wait estimate for a request at ``position`` in the pool's queue
+            (``RetryAfterEstimator.answer``).
     """
 
     def __init__(
         self,
         settings: Settings,
-        retry_after: Callable[..., int],
+        answer: Callable[..., RetryAnswer],
         on_event: Callable[[str], None] = lambda event: None,
     ):
         self._settings = settings
-        self._retry_after = retry_after
+        self._answer = answer
         # the pool's counters in Redis (gpulock.admin.samples), shown by the dashboard
         self._on_event = on_event
 
@@ -205,37 +224,40 @@ class HttpErrors:
             self.too_large(exc)
         if isinstance(exc, QueueFull):
             m.queue_full.labels(route).inc()
-            ra = self._retry_after(exc.queue_length + 1)
+            a = self._answer(exc.queue_length + 1, amount=amount, tail=True)
             raise GpuLockHTTPException.of(
                 exc,
                 f"GPU queue is full ({exc.queue_length} waiting)",
-                {"Retry-After": str(ra), "X-Queue-Position": str(exc.queue_length + 1)},
+                {"Retry-After": str(a.retry_after), "X-Queue-Position": str(exc.queue_length + 1)},
+                estimated_wait_s=a.estimated_wait,
             ) from None
         if isinstance(exc, AcquireTimeout):
             m.timeouts.labels(route).inc()
             pos = exc.position or position()
-            ra = self._retry_after(pos, exc.retry_after)
+            a = self._answer(pos, exc.retry_after, amount=amount)
             raise GpuLockHTTPException.of(
                 exc,
                 f"no GPU memory granted in time (queue position {pos}): "
                 f"{grace_note(pool_name, exc.grace_left)}"
                 if exc.grace_left > 0
                 else f"no GPU memory for {bytes_asked(amount, batch)} in time (queue position {pos})",
-                {"Retry-After": str(ra), "X-Queue-Position": str(pos)},
+                {"Retry-After": str(a.retry_after), "X-Queue-Position": str(pos)},
+                estimated_wait_s=a.estimated_wait,
             ) from None
         if isinstance(exc, LeaseLost):
             raise GpuLockHTTPException.of(
                 exc,
                 f"the GPU lease was lost before the work ran ({exc.reason}); retry",
-                {"Retry-After": str(self._retry_after(1))},
+                {"Retry-After": str(self._answer(1).retry_after)},
             ) from None
         if isinstance(exc, CudaOOM):
-            ra = self._retry_after(position())
+            a = self._answer(position())
             raise GpuLockHTTPException(
                 503,
                 "the GPU ran out of memory for this request; retry later",
                 "cuda_oom",
-                {"Retry-After": str(ra)},
+                {"Retry-After": str(a.retry_after)},
+                estimated_wait_s=a.estimated_wait,
             ) from None
         if isinstance(exc, CudaFatal):
             raise GpuLockHTTPException(

@@ -288,10 +288,10 @@ class RequestStore:
                 metrics().timeouts.labels(route).inc()
                 p = position or int(queued) + 1
                 if s.park_timeout > 0:
-                    ra = self._retry.parked(p, local)
+                    ra, estimate = self._retry.parked(p, local)
                     await self.hold(ticket, hold_for(ra, hold=s.park_timeout, extra=grace))
                 else:
-                    ra = self._retry.retry_after(p)
+                    ra, estimate = self._retry.answer(p)
                 headers = {"Retry-After": str(ra)}
                 if position:
                     headers["X-Queue-Position"] = str(position)
@@ -301,6 +301,7 @@ class RequestStore:
                     + (f": {grace_note(s.pool_name, grace)}" if grace > 0 else "")
                     + f"); it keeps its place: retry with the same {s.request_id_header}",
                     headers,
+                    estimated_wait_s=estimate,
                 )
             if now >= end:
                 metrics().inference_timeouts.labels(route).inc()

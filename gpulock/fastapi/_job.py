@@ -21,6 +21,9 @@ class Job:
     arrival: float
     phase: str = "slot"  # slot → queued → running → done
     position: int = 0  # place in the pool's queue while queued (0: unknown)
+    # the server's estimate of the seconds until its grant, as its place was last reported
+    # (QueuePlace.estimated_wait; None: not known, or no drain rate yet)
+    estimated_wait: float | None = None
     slot_future: asyncio.Future[None] | None = None
     started: asyncio.Event = field(default_factory=asyncio.Event)  # set when running or done
     queued: asyncio.Event = field(default_factory=asyncio.Event)  # set once in the pool's queue

@@ -258,6 +258,7 @@ class JobRunner:
 
             def on_queued(pos: int) -> None:
                 job.position = pos
+                job.estimated_wait = getattr(pos, "estimated_wait", None)  # a QueuePlace's
                 job.queued.set()  # the grace period, if any, is known now (GuardedCalls)
 
             try:

@@ -159,7 +159,7 @@ class GpuLimiter:
         bound = self.ttl_bound = TtlBound(be)
         retry = self.retry = RetryAfterEstimator(s, be, slots, lambda: self.resident.count())
         errors = self.errors = HttpErrors(
-            s, retry.retry_after, lambda event: be.count_event(event, self.spawn)
+            s, retry.answer, lambda event: be.count_event(event, self.spawn)
         )
         self.resident = ResidentLeases(
             s, be, bound, history, self.spawn, lambda: ready.publish(), lambda: ready.stopping

@@ -299,6 +299,33 @@ def _pool_families(pool: str, st: PoolStatus | None, error: str | None) -> Itera
         g = GaugeMetricFamily(name, doc, labels=["pool"])
         g.add_metric([pool], float(v))
         yield g
+    # The wait estimate (docs/SEMANTICS.md, "Wait estimate"): no sample while not measured
+    # (a new pool) or nobody waits, rather than a 0 that would read as "drains at no speed".
+    head = st.waiters[0].estimated_wait if st.waiters else None
+    for name, doc, val in (
+        (
+            "gpulock_pool_drain_bytes_per_second",
+            "How fast the pool's queue drains while busy, bytes granted to queued requests "
+            "per second (the server's rate; no sample while not measured)",
+            None if st.drain is None else st.drain.bytes_per_s,
+        ),
+        (
+            "gpulock_pool_drain_grants_per_second",
+            "How fast the pool's queue drains while busy, grants to queued requests per "
+            "second (the server's rate; no sample while not measured)",
+            None if st.drain is None else st.drain.grants_per_s,
+        ),
+        (
+            "gpulock_pool_head_estimated_wait_seconds",
+            "The estimated wait of the request at the head of the pool's queue, seconds (no "
+            "sample while nobody waits or the drain rate is not measured)",
+            head,
+        ),
+    ):
+        g = GaugeMetricFamily(name, doc, labels=["pool"])
+        if val is not None:
+            g.add_metric([pool], float(val))
+        yield g
     over = GaugeMetricFamily(
         "gpulock_holder_overuse_bytes",
         "Bytes a holder uses on the device beyond its leases, for each over-user the device "
@@ -394,7 +421,7 @@ async def metrics_response(
     st, err = None, None
     if pool is not None:
         try:
-            st = await wait_for(pool.status(limit=0), 2.0)
+            st = await wait_for(pool.status(limit=1), 2.0)  # the head waiter: its estimate
         except Exception as e:  # noqa: BLE001 — reported as gpulock_pool_up 0
             err = str(e)
     metrics()

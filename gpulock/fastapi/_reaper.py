@@ -19,6 +19,11 @@ from ._backend import Backend
 from ._metrics import multiproc_dir, sweep_dead_processes
 from ._settings import Settings
 
+#: Leases and waiters the reaper's status read lists: the queue's head with each waiter's wait
+#: estimate, and the mean amount that stands in for the others in a 503's estimate at the
+#: queue's tail (RetryAfterEstimator.pool_wait).
+STATUS_LIMIT = 64
+
 
 class Reaper:
     """Reads the pool's status in the background.
@@ -78,7 +83,7 @@ class Reaper:
         assert be.pool is not None
         now = time.monotonic()
         try:
-            st = await be.pool.status(limit=0)
+            st = await be.pool.status(limit=STATUS_LIMIT)
         except PoolNotFound as e:
             be.status, be.redis_error = None, str(e)
             capacity = self._settings.capacity

@@ -1,14 +1,19 @@
-"""The service's Retry-After estimator: the rates it measures (the pool's grants and this
-worker's own, while busy; the mean hold time) and a request's place, fed to the policy in
+"""The service's Retry-After estimator: a request's wait estimate (the server's, from the
+pool's drain rate and the bytes ahead; else the rates this worker measures: the pool's grants
+and its own, while busy, the mean hold time) and its place, fed to the policy in
 :mod:`gpulock.retry_after`.
 
-The policy, in the words of a request: ``ceil(position / grant_rate + local_position /
-local_grant_rate)``, at least the grace period left, at most ``max_retry_after`` (at most
-``park_timeout / 2`` for a request that keeps its place)."""
+The policy, in the words of a request: ``ceil(pool_wait + local_position / local_grant_rate)``
+(``pool_wait`` the server's estimate; while the server has no drain rate, ``position /
+grant_rate``), at least the grace period left, at most ``max_retry_after`` (at most
+``park_timeout / 2`` for a request that keeps its place). The 503 carries the same estimate as
+``estimated_wait_s`` (:class:`RetryAnswer`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
+from typing import NamedTuple
 
 from gpulock_common.aio import wait_for
 
@@ -18,6 +23,15 @@ from ._admission import Slots
 from ._backend import Backend
 from ._job import Job
 from ._settings import Settings
+
+
+class RetryAnswer(NamedTuple):
+    """What a 503 says of when to come back: ``retry_after`` (whole seconds, the header) and
+    ``estimated_wait`` (seconds, the estimate it came from; None when nothing was measured and
+    the answer is the policy's guess per place)."""
+
+    retry_after: int
+    estimated_wait: float | None
 
 
 class RetryAfterEstimator:
@@ -79,6 +93,70 @@ class RetryAfterEstimator:
             mean_hold=self.hold_ewma,
         )
 
+    def pool_wait(self, position: int, amount: int = 0, *, tail: bool = False) -> float | None:
+        """The server's estimate of the seconds until a request at ``position`` (1-based) of
+        the pool's queue is granted, read off the last status (docs/SEMANTICS.md, "Wait
+        estimate"): the estimate of the waiter listed at that place; or, for a place not
+        listed or with ``tail``, the estimate of a request of ``amount`` bytes joining the
+        queue's tail behind ``position - 1`` waiters (:meth:`PoolStatus.estimated_wait_for`,
+        the listed waiters' mean amount standing in for those not listed). None while the
+        server has no measured drain rate (or no status was read)."""
+        st = self._backend.status
+        if st is None or st.drain is None:
+            return None
+        p = max(1, int(position))
+        if not tail and p <= len(st.waiters):
+            return st.waiters[p - 1].estimated_wait
+        ahead = replace(st, waiters=st.waiters[: p - 1], waiter_count=p - 1)
+        return ahead.estimated_wait_for(amount)
+
+    def answer(
+        self,
+        position: int,
+        server_hint: float | None = None,
+        *,
+        local: int = 0,
+        parked: bool = False,
+        pool_wait: float | None = None,
+        amount: int = 0,
+        tail: bool = False,
+    ) -> RetryAnswer:
+        """The 503's answer for a request at ``position`` (1-based) in the pool's queue, and,
+        still waiting for one of this worker's threads, at ``local`` among this worker's
+        waiters. The estimate (:func:`gpulock.retry_after.queue_seconds`): the pool's part is
+        ``pool_wait`` (the request's own server estimate) when given, else
+        :meth:`pool_wait` (``amount``, ``tail``); while the server has no drain rate,
+        ``position / grant_rate``; plus ``local / local_grant_rate``. Without any rate: one
+        second per place, or ``server_hint`` (the core's time to the nearest lease expiry) when
+        shorter (then ``estimated_wait`` is None). Retry-After is that estimate through the
+        policy (:func:`gpulock.retry_after.retry_after`): ``parked``, the request keeps its
+        place for ``park_timeout`` seconds, so at most ``park_timeout / 2``; in a grace period
+        after Redis lost the pool (nothing is granted before it ends) at least the time left
+        in it, also for a parked request (whose place lasts past the grace); always in [1,
+        max_retry_after]."""
+        if pool_wait is None:
+            pool_wait = self.pool_wait(position, amount, tail=tail)
+        rate = self.grant_rate()
+        st = self._backend.status
+        if pool_wait is not None and st is not None and st.drain is not None:
+            rate = rate or st.drain.grants_per_s  # the local part's rate, without its own
+        secs = policy.queue_seconds(
+            position,
+            rate,
+            local=local,
+            local_rate=self.local_rate.rate,
+            server_hint=server_hint,
+            pool_wait=pool_wait,
+        )
+        measured = pool_wait is not None or bool(rate)
+        ra = policy.retry_after(
+            secs,
+            cap=self._settings.max_retry_after,
+            grace_left=self._backend.grace_left(),
+            keep_place=self._settings.park_timeout if parked else None,
+        )
+        return RetryAnswer(ra, secs if measured else None)
+
     def retry_after(
         self,
         position: int,
@@ -87,52 +165,54 @@ class RetryAfterEstimator:
         local: int = 0,
         parked: bool = False,
     ) -> int:
-        """Seconds a client should wait before retrying a request at ``position`` (1-based)
-        in the pool's queue: ``ceil(position / grant_rate)``, clamped to [1, max_retry_after].
-        A request still waiting for one of this worker's threads adds ``local /
-        local_grant_rate`` (its place among this worker's waiters over this worker's own busy
-        grant rate). Without a rate yet: one second per place, or ``server_hint`` (the core's
-        time to the nearest lease expiry) when shorter. ``parked``: the request keeps its place
-        for ``park_timeout`` seconds, so the answer is at most ``park_timeout / 2``. In a grace
-        period after Redis lost the pool (nothing is granted before it ends) the answer is at
-        least the time left in it, also for a parked request (whose place lasts past the
-        grace); always at most ``max_retry_after``."""
-        secs = policy.queue_seconds(
-            position,
-            self.grant_rate(),
-            local=local,
-            local_rate=self.local_rate.rate,
-            server_hint=server_hint,
-        )
-        return policy.retry_after(
-            secs,
-            cap=self._settings.max_retry_after,
-            grace_left=self._backend.grace_left(),
-            keep_place=self._settings.park_timeout if parked else None,
-        )
+        """Seconds a client should wait before retrying a request at ``position``: the
+        ``retry_after`` of :meth:`answer`."""
+        return self.answer(position, server_hint, local=local, parked=parked).retry_after
 
-    def parked(self, position: int, local: int, server_hint: float | None = None) -> int:
-        """Retry-After for a request that keeps its place (X-Request-ID), on whichever worker
+    def parked(
+        self,
+        position: int,
+        local: int,
+        server_hint: float | None = None,
+        *,
+        pool_wait: float | None = None,
+        amount: int = 0,
+    ) -> RetryAnswer:
+        """The answer for a request that keeps its place (X-Request-ID), on whichever worker
         answers: ``position`` counts the pool's queue and, while the request still waits for
-        one of its owner's threads, its ``local`` place among that worker's waiters."""
+        one of its owner's threads, its ``local`` place among that worker's waiters (then the
+        pool's part is the tail estimate: it is not in the pool's queue yet). ``pool_wait``:
+        its own server estimate, when known."""
         if local:
-            return self.retry_after(max(0, position - local), server_hint, local=local, parked=True)
-        return self.retry_after(position, server_hint, parked=True)
+            p = max(0, position - local)
+            return self.answer(p, server_hint, local=local, parked=True, amount=amount, tail=True)
+        return self.answer(position, server_hint, parked=True, pool_wait=pool_wait, amount=amount)
 
-    def for_job(self, job: Job, position: int, pool_queue: int | None) -> int:
-        """Retry-After for a job whose wait ran out. A parked job keeps its place: the time for
-        its own ``position`` to come up. Any other job leaves the queue, and its retry joins at
-        the back, behind everything queued now (in the pool, and for this worker's threads):
-        the time for that whole queue to drain. (Quoting its old place told a burst of
-        requests that each timed out at the head "retry in 1 s", inviting a retry storm.)"""
+    def for_job(self, job: Job, position: int, pool_queue: int | None) -> RetryAnswer:
+        """The answer for a job whose wait ran out. A parked job keeps its place: the time for
+        its own ``position`` to come up (its last server estimate, while in the pool's queue).
+        Any other job leaves the queue, and its retry joins at the back, behind everything
+        queued now (in the pool, and for this worker's threads): the time for that whole queue
+        to drain (the server's estimate at the queue's tail). (Quoting its old place told a
+        burst of requests that each timed out at the head "retry in 1 s", inviting a retry
+        storm.)"""
         if job.ticket is not None and self._settings.park_timeout > 0:
             local = max(1, self._slots.position(job.slot_future)) if job.phase == "slot" else 0
-            return self.parked(position, local, job.server_retry_after)
+            own = job.estimated_wait if job.phase == "queued" else None
+            return self.parked(
+                position, local, job.server_retry_after, pool_wait=own, amount=job.amount
+            )
         if pool_queue is None:
             pool_queue = self._backend.queued()
         if job.phase != "slot":
             pool_queue = max(pool_queue, position)
-        return self.retry_after(pool_queue, job.server_retry_after, local=len(self._slots.waiters))
+        return self.answer(
+            pool_queue,
+            job.server_retry_after,
+            local=len(self._slots.waiters),
+            amount=job.amount,
+            tail=True,
+        )
 
     # ---- a job's place ---------------------------------------------------------------------
     def job_position(self, job: Job, queued: int | None = None) -> int:

@@ -161,6 +161,13 @@ def _error_handlers(detail: Detail) -> tuple[_Handler, _Handler, _Handler]:
                 "invalid_json",
                 _FASTAPI_PARSE_ERROR + (f" ({type(cause).__name__})" if cause else ""),
             )
+        wait = getattr(exc, "estimated_wait_s", None)  # a 503's wait estimate (gpulock.fastapi)
+        if wait is not None:
+            return JSONResponse(
+                {"detail": getattr(exc, "detail", ""), "estimated_wait_s": wait},
+                status_code=getattr(exc, "status_code", 503),
+                headers=getattr(exc, "headers", None),
+            )
         return await http_exception_handler(request, exc)  # type: ignore[arg-type]
 
     async def recursion_error(request: Request, exc: Exception) -> Response:
@@ -199,6 +206,9 @@ def install_error_handlers(app: Any, *, detail: Detail | None = None) -> None:
     hundreds of levels deep, which FastAPI's own reply could not render: a 500), each error's
     ``loc`` the path in the body sent, without pydantic's internals
     (:func:`gpulock_common.validation.plain_errors`).
+
+    An error that carries a wait estimate (``estimated_wait_s``, seconds: the FastAPI
+    integration's 503s, docs/SERVICE.md) is answered ``{"detail": ..., "estimated_wait_s": s}``.
 
     ``detail(code, message)``: the surface's error body, the value of ``"detail"`` (default
     :func:`plain_detail`: the message; the broker's: ``{"error": code, "message": message}``)."""

@@ -140,7 +140,9 @@ class Acquirer:
                 ra = from_expiry_ms(res.retry_after_ms, self.retry_after_max)
             hold = self._parking.places.hold_for(ra)
             self._parking.keep(key, entry, hold)
-            return Queued(rid, res.queued, res.position, res.queue_length, ra, hold, grace)
+            return Queued(
+                rid, res.queued, res.position, res.queue_length, ra, hold, grace, res.estimated_wait
+            )
         except PoolNotFound:
             final = True
             self._tasks.spawn(self._pools.drop_if_idle(pool))

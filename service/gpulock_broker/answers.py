@@ -119,6 +119,12 @@ class WaiterInfoOut(BaseModel):
     growth_token: Optional[int] = Field(
         None, description="a queued growth: the fencing token of the lease it grows; else null"
     )
+    estimated_wait_s: Optional[float] = Field(
+        None,
+        description="seconds until its grant, estimated from the pool's drain rate and the "
+        "bytes ahead of it (docs/SEMANTICS.md, 'Wait estimate'); null while the rate is not "
+        "measured",
+    )
 
 
 class TenantUseOut(BaseModel):
@@ -130,6 +136,13 @@ class DeviceUseOut(BaseModel):
     index: int = Field(..., description="the device's index, from 0")
     capacity: int = Field(..., description="bytes")
     used: int = Field(..., description="bytes its live leases hold")
+
+
+class DrainOut(BaseModel):
+    """How fast a pool's queue drains while it is busy (docs/SEMANTICS.md, "Wait estimate")."""
+
+    bytes_per_s: float = Field(..., description="bytes granted to queued requests per second")
+    grants_per_s: float = Field(..., description="grants to queued requests per second")
 
 
 class PoolOut(BaseModel):
@@ -169,6 +182,11 @@ class PoolOut(BaseModel):
         ...,
         description='where a request that names no device goes: "bestfit" or "spread" '
         '(docs/SEMANTICS.md, "Devices and placement")',
+    )
+    drain: Optional[DrainOut] = Field(
+        None,
+        description="the queue's drain rate while busy, the waiters' estimates' input; null "
+        'while not measured (a new pool, docs/SEMANTICS.md, "Wait estimate")',
     )
 
 
@@ -251,6 +269,12 @@ class ErrorDetail(BaseModel):
     )
     hold_place_for: Optional[float] = Field(
         None, description="seconds the place is kept for a retry with the same request_id"
+    )
+    estimated_wait_s: Optional[float] = Field(
+        None,
+        description="queued, busy: seconds until the grant, estimated from the pool's drain "
+        "rate and the bytes ahead (busy: had it joined the queue's tail); null while the rate "
+        "is not measured (docs/SEMANTICS.md, 'Wait estimate')",
     )
     grace_left: Optional[float] = Field(
         None,

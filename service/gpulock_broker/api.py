@@ -93,7 +93,7 @@ router = APIRouter(prefix="/v1", tags=["leases"], route_class=FiniteJSONRoute)
             "request_too_large: the body is over "
             "the size bound",
             s503="queued: still waiting after `wait` seconds (request_id, position, "
-            "hold_place_for; Retry-After and X-Queue-Position; retry with the same request_id "
+            "hold_place_for, estimated_wait_s; Retry-After and X-Queue-Position; retry with the same request_id "
             "to keep the place); busy: not available now and queue=false; queue_full; "
             "backend_unavailable",
             validation="A value the schema refuses (named in detail[].loc; a bad priority is "
@@ -118,7 +118,10 @@ async def acquire_lease(
     device). Granted: 201. Still
     queued after ``wait`` seconds: 503 with ``Retry-After`` (seconds) and ``X-Queue-Position``;
     retry with the same ``request_id`` to keep the place (it is kept ``hold_place_for`` seconds)
-    and to get the same grant if it was made meanwhile."""
+    and to get the same grant if it was made meanwhile. The 503's ``estimated_wait_s`` is the
+    server's estimate of the seconds until the grant (busy, not queued: had it joined the
+    queue's tail; null while the pool's drain rate is not measured; docs/SEMANTICS.md, "Wait
+    estimate")."""
     t0 = time.monotonic()  # held_ms: how long this request was held here before the grant reply
     # on the request's server span (when traced): the core's gpulock.acquire spans are children
     tracing.annotate(
@@ -180,6 +183,7 @@ async def acquire_lease(
             retry_after=r.retry_after_s,
             hold_place_for=r.hold_s,
             grace_left=r.grace_left_s,
+            estimated_wait_s=r.estimated_wait_s,
         )
     _err(
         503,
@@ -190,6 +194,7 @@ async def acquire_lease(
         queue_length=r.queue_length,
         retry_after=r.retry_after_s,
         grace_left=r.grace_left_s,
+        estimated_wait_s=r.estimated_wait_s,
     )
 
 
@@ -279,7 +284,7 @@ async def renew_lease(
             "fit the lease's device, the room its resident leases leave, or its tenant's quota "
             "(as for an acquire); or request_too_large",
             s503="queued: the growth still waits after `wait` seconds (position, "
-            "hold_place_for; Retry-After and X-Queue-Position; send the same resize again to go "
+            "hold_place_for, estimated_wait_s; Retry-After and X-Queue-Position; send the same resize again to go "
             "on waiting); queue_timeout: not granted within `timeout` (0: not possible now), "
             "the lease keeps its amount; queue_full; backend_unavailable",
             validation="A value the schema refuses (named in detail[].loc, a bad amount with "
@@ -344,6 +349,7 @@ async def resize_lease(
         position=r.position,
         retry_after=r.retry_after_s,
         hold_place_for=r.hold_s,
+        estimated_wait_s=r.estimated_wait_s,
     )
 
 

@@ -25,6 +25,8 @@ router = APIRouter(route_class=FiniteJSONRoute)
 def _pool_out(st) -> PoolOut:
     d = st.to_dict()
     d["free"] = st.free
+    for w in d["waiters"]:
+        w["estimated_wait_s"] = w.pop("estimated_wait")
     return PoolOut.model_validate(d)
 
 

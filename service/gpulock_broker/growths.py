@@ -72,6 +72,7 @@ class Growing:
     position: int | None
     retry_after_s: int
     hold_s: float
+    estimated_wait_s: float | None = None  # the server's estimate at the last refresh, or None
 
 
 @dataclass(eq=False)
@@ -79,7 +80,7 @@ class _Growth(KeptPlace):
     amount: int = 0
     task: asyncio.Task | None = None
     done_at: float = 0.0  # local clock, when the task ended
-    position: int | None = None  # its place in the queue, as last seen
+    position: int | None = None  # its place in the queue, as last seen (a QueuePlace)
     queued: asyncio.Future | None = None  # done once the growth is in the queue
 
     def on_queued(self, position: int) -> None:
@@ -180,7 +181,8 @@ class Growths:
                 ra = clamp(first_ra or 0.0, self.retry_after_max)
             hold = self.places.hold_for(ra)
             self.places.keep(key, g, until=self._clock() + hold)
-            return Growing(amount, g.position, ra, hold)
+            est = getattr(g.position, "estimated_wait", None)  # a QueuePlace's estimate
+            return Growing(amount, g.position, ra, hold, est)
         finally:
             self.places.detach(key, g, keep=not final)
 

@@ -54,6 +54,9 @@ class Queued:
     retry_after_s: int
     hold_s: float
     grace_left_s: float = 0.0  # seconds left in the pool's restart grace period (0: none)
+    # seconds until the grant, the server's estimate (not queued: at the queue's tail; None
+    # while the pool's drain rate is not measured; docs/SEMANTICS.md, "Wait estimate")
+    estimated_wait_s: float | None = None
 
 
 def gone_message(lease_id: str, outcome: str) -> str:

@@ -60,6 +60,12 @@ class OpenAIErrorObject(BaseModel):
         description="gpulock's reason: queue_timeout, queue_full, capacity, quota, not_ready, "
         "model_not_found, invalid_json, request_too_large, inference_timeout, ...",
     )
+    estimated_wait_s: float | None = Field(
+        None,
+        description="a 503 that waited for GPU memory (queue_timeout, queue_full, cuda_oom): "
+        "the estimated seconds until a grant, from the pool's drain rate and the bytes ahead "
+        "(the estimate its Retry-After comes from); absent when nothing was measured yet",
+    )
 
 
 class OpenAIErrorResponse(BaseModel):
@@ -168,13 +174,13 @@ def install_openai_errors(app: Any) -> None:
         status = getattr(exc, "status_code", 500)
         code = getattr(exc, "code", None) or getattr(exc, "reason", None)
         if isinstance(exc, OpenAIError) or code is not None:
-            return JSONResponse(
-                error_body(
-                    status, str(getattr(exc, "detail", "")), code, getattr(exc, "param", None)
-                ),
-                status_code=status,
-                headers=getattr(exc, "headers", None),
+            body = error_body(
+                status, str(getattr(exc, "detail", "")), code, getattr(exc, "param", None)
             )
+            wait = getattr(exc, "estimated_wait_s", None)  # a 503's (gpulock.fastapi)
+            if wait is not None:
+                body["error"]["estimated_wait_s"] = wait
+            return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
         if inner is not None:
             return await inner(request, exc)
         raise exc

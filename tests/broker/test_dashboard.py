@@ -17,6 +17,7 @@ from gpulock import Pool
 from gpulock.errors import GpuLockError
 from gpulock_broker.auth import parse_tokens
 from support.browser import Browser, dom_view, pool_dom, status_view
+from support.drain import measure_drain, queue_behind
 from support.pools import GiB
 from support.waiting import wait_until
 
@@ -255,3 +256,73 @@ def test_the_page_shows_the_device_report(broker_srv, redis_srv, gpu, user, admi
         assert "hidden" not in d["text"] and lid not in d["text"]  # no owner, no lease id
     data = admin.get("/dashboard/data").text
     assert lid not in data and "hidden" not in data
+
+
+# The waiters table's "est. wait" column and the pool's drain rate, as the page shows them:
+# {drain: the stat's data-value or null, rows: [[est. wait text, data-value or null], ...]}.
+_WAIT_DOM_JS = """
+(function (name) {
+  var sec = document.querySelector('section.pool[data-pool="' + name + '"]');
+  if (!sec) return null;
+  var drain = sec.querySelector('.stats [data-field="drain"]');
+  var heads = Array.prototype.map.call(sec.querySelectorAll('table.waiters thead th'),
+    function (th) { return th.textContent; });
+  var i = heads.indexOf('est. wait');
+  var rows = Array.prototype.map.call(sec.querySelectorAll('table.waiters tbody tr'),
+    function (tr) {
+      var td = tr.querySelectorAll('td')[i];
+      return td ? [td.textContent, td.getAttribute('data-value')] : null;
+    });
+  return {drain: drain ? drain.getAttribute('data-value') : null, column: i, rows: rows,
+          drainText: drain ? drain.textContent : null};
+})(%s)
+"""
+
+
+def test_the_page_shows_each_waiters_estimated_wait(broker_srv, redis_srv, gpu, tmp_path):
+    core = Pool.from_url(redis_srv.url, gpu)
+    threads: list[threading.Thread] = []
+    holder = core.acquire(10 * GiB)
+    try:
+        with Browser(tmp_path) as b:
+            threads = queue_behind(core, GiB, 2)
+            page = b.new_page(f"{broker_srv.url}/dashboard#token={ADMIN_TOKEN}")
+            # not measured yet: the column is there, each estimate a dash, no drain rate
+            seen = wait_until(
+                lambda: (
+                    (x := page.evaluate(_WAIT_DOM_JS % json.dumps(gpu)))
+                    and len(x["rows"]) == 2
+                    and x
+                ),
+                30,
+                "the two waiters on the page",
+                interval=0.1,
+            )
+            assert seen["column"] >= 0 and seen["drain"] is None, seen
+            assert [r[0] for r in seen["rows"]] == ["–", "–"] and seen["drainText"] == "–"
+            holder.release()
+            for t in threads:
+                t.join(120)
+            drain = measure_drain(core, 10 * GiB)
+            holder = core.acquire(10 * GiB)
+            threads = queue_behind(core, GiB, 2)
+            st = status_json(redis_srv.url, gpu)
+            want = [w["estimated_wait_s"] for w in st["waiters"]]
+            assert st["drain"]["bytes_per_s"] == drain.bytes_per_s and None not in want
+
+            def shown() -> dict | None:
+                x = page.evaluate(_WAIT_DOM_JS % json.dumps(gpu))
+                if not x or len(x["rows"]) != 2 or None in (r[1] for r in x["rows"]):
+                    return None
+                return x
+
+            seen = wait_until(shown, 30, "the estimates on the page", interval=0.1)
+            assert [float(r[1]) for r in seen["rows"]] == pytest.approx(want)
+            assert all(r[0].startswith("~") and r[0].endswith(" s") for r in seen["rows"]), seen
+            assert float(seen["drain"]) == drain.bytes_per_s
+            assert "grants" in seen["drainText"], seen
+    finally:
+        holder.release()
+        for t in threads:
+            t.join(120)
+        core.close()

@@ -39,3 +39,16 @@ def test_queue_seconds_and_grant_rate():
     assert ra.grant_rate(0.0, leases=4, resident=0, mean_hold=2.0) == 2.0  # Little's law
     assert ra.grant_rate(None, leases=3, resident=3, mean_hold=2.0) == 0.5  # at least one
     assert ra.grant_rate(None, leases=0, resident=0, mean_hold=2.0) is None
+
+
+def test_queue_seconds_takes_the_servers_estimate_for_the_pools_part():
+    # the pool's part is the server's estimate when given, whatever the position and rate
+    assert ra.queue_seconds(7, 2.0, pool_wait=1.25) == 1.25
+    assert ra.queue_seconds(7, None, pool_wait=1.25, server_hint=0.1) == 1.25
+    # the local part as before: the worker's own rate, else the pool's, else one s a place
+    assert ra.queue_seconds(3, 2.0, local=2, local_rate=4.0, pool_wait=1.0) == 1.5
+    assert ra.queue_seconds(3, 2.0, local=2, local_rate=0.0, pool_wait=1.0) == 2.0
+    assert ra.queue_seconds(3, None, local=2, pool_wait=1.0) == 3.0
+    assert ra.queue_seconds(3, None, pool_wait=-0.5) == 0.0  # never below 0
+    # without it: unchanged
+    assert ra.queue_seconds(4, 2.0) == 2.0 and ra.queue_seconds(4, None) == 4.0

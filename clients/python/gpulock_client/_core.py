@@ -38,6 +38,7 @@ from gpulock_common.lease import reply_made_after as reply_made_after
 from gpulock_common.lease import validity_deadline as validity_deadline
 
 from gpulock_common.options import DEFAULT_TTL_S as DEFAULT_TTL_S
+from gpulock_common.queue import QueuePlace
 from gpulock_common.options import MAX_DEVICES as MAX_DEVICES
 from gpulock_common.options import PRIORITY_MAX as PRIORITY_MAX
 from gpulock_common.options import PRIORITY_MIN as PRIORITY_MIN
@@ -435,8 +436,15 @@ def _acquire_polls(
             pos = int(d.get("position") or 0)
             if queued and pos != position:
                 position = pos
-                if on_queued is not None:
-                    on_queued(pos)
+                if on_queued is not None:  # the int position, with the broker's estimate
+                    est = d.get("estimated_wait_s")  # a broker older than it sends none
+                    on_queued(
+                        QueuePlace(
+                            pos,
+                            estimated_wait=None if est is None else float(est),
+                            queue_length=queue_length,
+                        )
+                    )
             delay = jittered(last_ra if last_ra is not None else 1.0, rng)
         elif isinstance(out, Exception) or out.status in (502, 503, 504):
             last_err, down_since, given_up, delay = _unreachable(

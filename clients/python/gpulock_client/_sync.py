@@ -283,7 +283,10 @@ class Pool:
             holder: metadata shown in pool status (host and pid are added).
             request_id: idempotency key (1-96 of ``[A-Za-z0-9._:-]``), reused on every retry.
             on_queued: ``callback(position)`` when queued and when the position changes (it
-                can grow when a request of higher priority arrives).
+                can grow when a request of higher priority arrives). ``position`` is a
+                :class:`gpulock_common.queue.QueuePlace`: the 1-based int, with
+                ``.estimated_wait`` (the broker's estimate of the seconds until the grant;
+                None while the pool's drain rate is not measured) and ``.queue_length``.
             priority: an integer in [-100, 100], higher goes first (default 0); a queued
                 request gains one level per second waited (aging), so none starves. Sent
                 only when not 0 (a broker older than priorities refuses the field with 422).

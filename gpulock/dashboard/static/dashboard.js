@@ -35,6 +35,11 @@
     return m + " min " + Math.round(s - 60 * m) + " s";
   }
 
+  // a waiter's estimated wait: "~12.0 s", "–" while the pool's drain rate is not measured
+  function fmtWait(s) {
+    return s === null || s === undefined ? "–" : "~" + fmtSeconds(Math.max(0, s));
+  }
+
   function el(tag, attrs, text) {
     var e = document.createElement(tag);
     for (var k in attrs || {}) e.setAttribute(k, attrs[k]);
@@ -120,6 +125,10 @@
     st.appendChild(stat("queued", "waiter_count", p.waiter_count, String(p.waiter_count)));
     st.appendChild(stat("grants/s", "grant_rate", p.grant_rate,
       p.grant_rate === null ? "–" : p.grant_rate.toFixed(1)));
+    // how fast the queue drains while busy (the estimates' rate; docs/SEMANTICS.md)
+    var d = p.drain || null;
+    st.appendChild(stat("drains/s", "drain", d === null ? null : d.bytes_per_s,
+      d === null ? "–" : fmtBytes(Math.round(d.bytes_per_s)) + ", " + d.grants_per_s.toFixed(2) + " grants"));
     st.appendChild(stat("503s (last min)", "rejected", p.rejected,
       p.rejected + (p.rejected_last_minute === null ? "" : " (" + p.rejected_last_minute + ")")));
     st.appendChild(stat("OOMs (last min)", "oom", p.oom,
@@ -165,11 +174,13 @@
       }
       tr.appendChild(cell(String(prio), prio));
       tr.appendChild(cell(fmtSeconds(w.waited), w.waited));
+      var est = w.estimated_wait_s === undefined ? null : w.estimated_wait_s;
+      tr.appendChild(cell(fmtWait(est), est === null ? undefined : est));
       tr.appendChild(cell(holderText(w.holder)));
       return tr;
     });
     var wcols = [["position", 1], ["amount", 1]].concat(growths ? [["growth of"]] : [],
-      [["priority", 1], ["waited", 1], ["holder"]]);
+      [["priority", 1], ["waited", 1], ["est. wait", 1], ["holder"]]);
     sec.appendChild(waiters.length ? table("waiters", wcols, waiters)
       : el("p", { "class": "empty waiters" }, "nobody waiting"));
     return sec;
