@@ -17,6 +17,7 @@ import redis
 import redis.asyncio as aioredis
 
 from gpulock import AsyncPool, Pool
+from support import tracing_guard
 from support.servers import RedisProcess, server_kinds
 
 # CPython 3.11 before 3.11.8 keeps the AST constructor's recursion counter per interpreter, not
@@ -98,6 +99,18 @@ def _own_state_dir(monkeypatch):
     os.makedirs(os.path.join(own, "run"), mode=0o700)
     monkeypatch.setenv("XDG_STATE_HOME", own)
     monkeypatch.setenv("XDG_RUNTIME_DIR", os.path.join(own, "run"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_tracer_provider_left():
+    """Fail the file (an error at its last test's teardown) that leaves a recording
+    OpenTelemetry tracer provider set for the files after it in this process
+    (:mod:`support.tracing_guard`, which also puts the previous one back)."""
+    before = tracing_guard.provider()
+    yield
+    problem = tracing_guard.leaked(before)
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
 
 
 @pytest.fixture(

@@ -246,14 +246,13 @@ def test_no_sdk_provider_traces_nothing(redis_proc, pool_name):
         import asyncio, threading, time
         from opentelemetry import trace
         from gpulock import AsyncPool, Pool
-        from gpulock.protocol import traces
-        from gpulock_common import tracing
+        from gpulock_common import traces, tracing
 
         def boom(*a, **k):
             raise AssertionError("a tracing hook ran with tracing off")
 
-        traces.AcquireTrace.begin = boom
-        for name in ("start_hold", "renewed", "resized", "released", "lost", "traced"):
+        traces.AcquireSpan.begin = boom
+        for name in ("renewed", "resized", "released", "lost", "traced"):
             setattr(traces, name, boom)
         assert tracing.ENABLED and not tracing.recording()
 
