@@ -151,10 +151,21 @@ GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 
 
 def tracer() -> Any:
-    """The ``gpulock`` tracer of the global tracer provider, or None without the API."""
+    """The ``gpulock`` tracer of the global tracer provider, or None without the API. Kept
+    while the provider stays the same (an SDK provider's ``get_tracer`` builds a new tracer
+    at each call: tens of µs, measured by benchmarks/tracing.py)."""
+    global _tracer
     if _trace is None:
         return None
-    return _trace.get_tracer(TRACER_NAME)
+    provider = _trace.get_tracer_provider()
+    cached = _tracer
+    if cached is None or cached[0] is not provider:
+        cached = _tracer = (provider, provider.get_tracer(TRACER_NAME))
+    return cached[1]
+
+
+# (provider, its gpulock tracer): tracer()'s; a tuple, replaced whole, so safe from any thread.
+_tracer: tuple[Any, Any] | None = None
 
 
 def recording() -> bool:
@@ -184,8 +195,7 @@ def span(
     if not recording():
         yield None
         return
-    assert _trace is not None
-    with _trace.get_tracer(TRACER_NAME).start_as_current_span(
+    with tracer().start_as_current_span(
         name, context=context, attributes=_present(attributes), kind=_kind(kind), links=links
     ) as s:
         yield s
@@ -213,8 +223,7 @@ def start_span(
     parent context (:func:`current_context`'s), else the current one."""
     if not recording():
         return None
-    assert _trace is not None
-    return _trace.get_tracer(TRACER_NAME).start_span(
+    return tracer().start_span(
         name, context=context, attributes=_present(attributes), kind=_kind(kind)
     )
 
