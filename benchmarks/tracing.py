@@ -25,9 +25,11 @@ ceiling, pairs, the ceiling again, each ``--slice`` seconds (benchmarks/core.py'
 pair rate over the mean of its two ceiling neighbours is the slice's ratio), and the worker's
 own CPU time over the pair part (``time.process_time``, all its threads: the span processor's
 too). Reported per variant and shell: median pairs/s and its spread (min..max over rounds), the
-median ratio, client CPU µs per pair, and the difference to ``absent`` in µs per pair, of the
+median ratio, client CPU µs per pair (over all slices, and the min..max of the slices'), and the difference to ``absent`` in µs per pair, of the
 medians (1e6/rate - 1e6/rate_absent) and of client CPU. Also the spans each SDK worker
-exported against the pairs it made (2 per pair expected: the check that the variant traced what it measured).
+exported against the pairs it made, and the time of one ``tracing.recording()`` (the
+check an acquire makes; the lease hooks test ``state.span is not None``) in each worker: what a
+pair pays while tracing is off (2 per pair expected: the check that the variant traced what it measured).
 
 Benchmark tool only; nothing here is a test (tests/integration/test_bench_tracing_smoke.py
 runs ``--quick``).
@@ -161,10 +163,25 @@ def run_slice(kind, secs):
 for _ in range(3):  # warm up
     run_slice("sync", 0.05); run_slice("async", 0.05)
 print(json.dumps({"ready": variant}), flush=True)
+def hook(n):
+    # What a pair pays for tracing while it is off: one tracing.recording() per acquire (the
+    # lease hooks are a `state.span is not None` test): ns per call, the best of 5 runs.
+    rec = tracing.recording
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            rec()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return {"recording_ns": 1e9 * best}
+
+
 for line in sys.stdin:
     cmd = json.loads(line)
     if cmd["op"] == "slice":
         print(json.dumps(run_slice(cmd["kind"], cmd["secs"])), flush=True)
+    elif cmd["op"] == "hook":
+        print(json.dumps(hook(cmd["n"])), flush=True)
     else:
         break
 pool.close()
@@ -184,7 +201,7 @@ def pypath() -> str:
 
 
 def _spread(xs: list[float]) -> str:
-    return f"{min(xs):7.0f}..{max(xs):<7.0f}"
+    return f"{min(xs):.0f}..{max(xs):.0f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             for kind in kinds:
                 for v in order:
                     res[v][kind].append(ask(v, op="slice", kind=kind, secs=a.slice))
+        hooks = {v: ask(v, op="hook", n=20_000 if a.quick else 200_000) for v in variants}
         done = {}
         for v, p in procs.items():
             p.stdin.write(json.dumps({"op": "quit"}) + "\n")
@@ -256,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load avg {load0[0]:.2f} at start, {load1[0]:.2f} at end; {os.cpu_count()} cores")
     summary: dict = {}
     head = (
-        f"{'shell':5s} {'variant':10s} {'pairs/s':>8s} {'min..max':>16s} {'ratio':>6s} "
-        f"{'client CPU':>10s} {'Δ µs/pair':>10s} {'Δ CPU µs':>9s}"
+        f"{'shell':5s} {'variant':10s} {'pairs/s':>8s} {'min..max':>13s} {'ratio':>6s} "
+        f"{'CPU µs/pair':>11s} {'min..max':>11s} {'Δ µs/pair':>9s} {'Δ CPU µs':>8s}"
     )
     print(head)
     for kind in kinds:
@@ -267,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             rate = statistics.median(x["rate"] for x in xs)
             ratio = statistics.median(x["ratio"] for x in xs)
             cpu = 1e6 * sum(x["client_cpu_s"] for x in xs) / sum(x["pairs"] for x in xs)
+            cpus = [1e6 * x["client_cpu_s"] / x["pairs"] for x in xs]
             if v == "absent":
                 base = (rate, cpu)
             assert base is not None
@@ -276,15 +295,21 @@ def main(argv: list[str] | None = None) -> int:
                 "rate_max": max(x["rate"] for x in xs),
                 "ratio": ratio,
                 "client_cpu_us_per_pair": cpu,
+                "client_cpu_min": min(cpus),
+                "client_cpu_max": max(cpus),
                 "delta_us_per_pair": 1e6 / rate - 1e6 / base[0],
                 "delta_cpu_us_per_pair": cpu - base[1],
             }
             summary[f"{kind}_{v}"] = row
             print(
-                f"{kind:5s} {v:10s} {rate:8.0f} {_spread([x['rate'] for x in xs]):>16s} "
-                f"{ratio:6.1%} {cpu:8.1f}µs {row['delta_us_per_pair']:+9.1f} "
-                f"{row['delta_cpu_us_per_pair']:+9.1f}"
+                f"{kind:5s} {v:10s} {rate:8.0f} {_spread([x['rate'] for x in xs]):>13s} "
+                f"{ratio:6.1%} {cpu:11.1f} {_spread(cpus):>11s} "
+                f"{row['delta_us_per_pair']:+9.1f} {row['delta_cpu_us_per_pair']:+8.1f}"
             )
+    print(
+        "tracing.recording(), the check an acquire makes: "
+        + ", ".join(f"{v} {hooks[v]['recording_ns']:.0f} ns" for v in variants)
+    )
     for v in variants:
         if v.startswith("sdk-"):
             print(f"{v}: {done[v]['exported']} spans exported for {done[v]['pairs']} pairs")
@@ -296,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                     "slices": res,
                     "summary": summary,
                     "exported": done,
+                    "hooks": hooks,
                     "load": [load0, load1],
                     "rounds": a.rounds,
                     "slice_s": a.slice,
