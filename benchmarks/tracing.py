@@ -10,6 +10,8 @@ a process and set once):
 
 * ``absent``: OpenTelemetry cannot be imported (``sys.modules["opentelemetry"] = None`` before
   gpulock is imported): every hook of ``gpulock_common.tracing`` is a no-op;
+* ``absent-again``: the same in a second process, the control: its difference to ``absent``
+  is what two processes of one code differ by in this run (the noise floor);
 * ``api``: the OpenTelemetry API importable, no SDK provider set (the default of an
   application that configures nothing): ``tracing.recording()`` is False, nothing is built;
 * ``sdk-drop``: an SDK ``TracerProvider`` with a ``BatchSpanProcessor`` to an exporter that
@@ -25,11 +27,13 @@ ceiling, pairs, the ceiling again, each ``--slice`` seconds (benchmarks/core.py'
 pair rate over the mean of its two ceiling neighbours is the slice's ratio), and the worker's
 own CPU time over the pair part (``time.process_time``, all its threads: the span processor's
 too). Reported per variant and shell: median pairs/s and its spread (min..max over rounds), the
-median ratio, client CPU µs per pair (over all slices, and the min..max of the slices'), and the difference to ``absent`` in µs per pair, of the
-medians (1e6/rate - 1e6/rate_absent) and of client CPU. Also the spans each SDK worker
-exported against the pairs it made, and the time of one ``tracing.recording()`` (the
-check an acquire makes; the lease hooks test ``state.span is not None``) in each worker: what a
-pair pays while tracing is off (2 per pair expected: the check that the variant traced what it measured).
+median ratio, the median client CPU µs per pair and its min..max over the slices, and the
+difference to ``absent`` in µs per pair, wall (1e6/rate - 1e6/rate_absent) and client CPU, each
+the median over rounds of that round's difference (the variants of a round ran side by side,
+so the load common to a round drops out). Also the spans each SDK worker exported against the
+pairs it made (2 per pair expected: the check that the variant traced what it measured), and
+the time of one ``tracing.recording()`` in each worker (the check an acquire makes; the lease
+hooks test ``state.span is not None``): what a pair pays while tracing is off.
 
 Benchmark tool only; nothing here is a test (tests/integration/test_bench_tracing_smoke.py
 runs ``--quick``).
@@ -49,14 +53,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-VARIANTS = ("absent", "api", "sdk-drop", "sdk-memory")
+VARIANTS = ("absent", "absent-again", "api", "sdk-drop", "sdk-memory")
 
 WORKER = r"""
 import asyncio, json, sys, time
 url, variant = sys.argv[1], sys.argv[2]
 exported = [0]
 memory = None
-if variant == "absent":
+if variant.startswith("absent"):
     sys.modules["opentelemetry"] = None  # any import of opentelemetry raises ImportError
 elif variant.startswith("sdk-"):
     from opentelemetry import trace
@@ -80,7 +84,7 @@ import redis
 import redis.asyncio as aioredis
 from gpulock import AsyncPool, Pool
 from gpulock_common import tracing
-want = {"absent": (False, False), "api": (True, False)}.get(variant, (True, True))
+want = {"absent": (False, False), "api": (True, False)}.get(variant.split("-")[0], (True, True))
 assert (tracing.ENABLED, tracing.recording()) == want, (variant, tracing.ENABLED)
 
 c = redis.Redis.from_url(url)
@@ -274,36 +278,36 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load avg {load0[0]:.2f} at start, {load1[0]:.2f} at end; {os.cpu_count()} cores")
     summary: dict = {}
     head = (
-        f"{'shell':5s} {'variant':10s} {'pairs/s':>8s} {'min..max':>13s} {'ratio':>6s} "
+        f"{'shell':5s} {'variant':12s} {'pairs/s':>8s} {'min..max':>13s} {'ratio':>6s} "
         f"{'CPU µs/pair':>11s} {'min..max':>11s} {'Δ µs/pair':>9s} {'Δ CPU µs':>8s}"
     )
     print(head)
     for kind in kinds:
-        base = None
+        ref = res["absent"][kind]
         for v in variants:
             xs = res[v][kind]
             rate = statistics.median(x["rate"] for x in xs)
-            ratio = statistics.median(x["ratio"] for x in xs)
-            cpu = 1e6 * sum(x["client_cpu_s"] for x in xs) / sum(x["pairs"] for x in xs)
             cpus = [1e6 * x["client_cpu_s"] / x["pairs"] for x in xs]
-            if v == "absent":
-                base = (rate, cpu)
-            assert base is not None
+            # paired by round (the variants of a round ran side by side): the median of the
+            # rounds' differences to absent, which the load common to a round drops out of
+            d_wall = [1e6 / x["rate"] - 1e6 / r["rate"] for x, r in zip(xs, ref)]
+            d_cpu = [c - 1e6 * r["client_cpu_s"] / r["pairs"] for c, r in zip(cpus, ref)]
             row = {
                 "rate": rate,
                 "rate_min": min(x["rate"] for x in xs),
                 "rate_max": max(x["rate"] for x in xs),
-                "ratio": ratio,
-                "client_cpu_us_per_pair": cpu,
+                "ratio": statistics.median(x["ratio"] for x in xs),
+                "client_cpu_us_per_pair": statistics.median(cpus),
                 "client_cpu_min": min(cpus),
                 "client_cpu_max": max(cpus),
-                "delta_us_per_pair": 1e6 / rate - 1e6 / base[0],
-                "delta_cpu_us_per_pair": cpu - base[1],
+                "delta_us_per_pair": statistics.median(d_wall),
+                "delta_cpu_us_per_pair": statistics.median(d_cpu),
             }
             summary[f"{kind}_{v}"] = row
             print(
-                f"{kind:5s} {v:10s} {rate:8.0f} {_spread([x['rate'] for x in xs]):>13s} "
-                f"{ratio:6.1%} {cpu:11.1f} {_spread(cpus):>11s} "
+                f"{kind:5s} {v:12s} {rate:8.0f} {_spread([x['rate'] for x in xs]):>13s} "
+                f"{row['ratio']:6.1%} {row['client_cpu_us_per_pair']:11.1f} "
+                f"{_spread(cpus):>11s} "
                 f"{row['delta_us_per_pair']:+9.1f} {row['delta_cpu_us_per_pair']:+8.1f}"
             )
     print(

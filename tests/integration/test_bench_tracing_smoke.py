@@ -32,7 +32,7 @@ def test_tracing_benchmark_quick(tmp_path: Path) -> None:
     assert "Δ µs/pair" in p.stdout and "load avg" in p.stdout, p.stdout
     R = json.loads(out.read_text())
     assert R["quick"] is True
-    variants = ("absent", "api", "sdk-drop", "sdk-memory")
+    variants = ("absent", "absent-again", "api", "sdk-drop", "sdk-memory")
     assert set(R["summary"]) == {f"{k}_{v}" for k in ("sync", "async") for v in variants}
     for row in R["summary"].values():
         assert row["rate"] > 0 and row["rate_min"] <= row["rate"] <= row["rate_max"], row
