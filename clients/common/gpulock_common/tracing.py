@@ -153,7 +153,7 @@ GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 def tracer() -> Any:
     """The ``gpulock`` tracer of the global tracer provider, or None without the API. Kept
     while the provider stays the same (an SDK provider's ``get_tracer`` builds a new tracer
-    at each call: tens of µs, measured by benchmarks/tracing.py)."""
+    at each call: several µs a span; docs/BENCHMARKS.md, section 14)."""
     global _tracer
     if _trace is None:
         return None
