@@ -215,8 +215,8 @@ def resize_lease(
             traces.resized(s, before, n, e, pool.clock() - start)
         raise
     s.amount = grant.amount
-    if s.span is not None:
-        traces.resized(s, before, n, None, pool.clock() - start)
     if sent is not None:
         s.renewed(sent, grant.now_ms, grant.expires_ms)
+    if s.span is not None:  # after the renewal its answer is (the SDK's order too)
+        traces.resized(s, before, n, None, pool.clock() - start)
     return None

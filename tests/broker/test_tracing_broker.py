@@ -390,3 +390,34 @@ async def test_the_async_sdk_carries_its_context_too(spans, traced_broker):
         if s.name == tracing.HOLD and s.attributes[tracing.LEASE_ID] == lease.id
     ]
     assert hold.end_time is not None
+
+
+@pytest.mark.timeout(120)
+def test_the_sdks_lease_span_has_the_cores_resize_events(spans, traced_broker):
+    """The SDK's lease span is the core's design (gpulock_common.traces): a resize answered at
+    once is a gpulock.resize event (from, to, outcome, seconds) followed by a renewal, one
+    refused names its wire code, and the release ends the span as released."""
+    with Pool(traced_broker.url, "gpu-t", token=USER_TOKEN) as pool:
+        lease = pool.acquire("32MiB", timeout=30)
+        lease.resize("48MiB")
+        with pytest.raises(CapacityExceeded):
+            lease.resize("2GiB", timeout=0)  # more than the pool's capacity: never fits
+        lease.release()
+    (hold,) = [
+        s
+        for s in spans.get_finished_spans()
+        if s.name == tracing.HOLD and s.attributes[tracing.LEASE_ID] == lease.id
+    ]
+    resizes = [dict(e.attributes) for e in hold.events if e.name == tracing.EVENT_RESIZE]
+    assert [(r[tracing.RESIZE_FROM], r[tracing.RESIZE_TO]) for r in resizes] == [
+        (32 << 20, 48 << 20),
+        (48 << 20, 2 << 30),
+    ], resizes
+    assert resizes[0][tracing.OUTCOME] == "granted" and tracing.ERROR_CODE not in resizes[0]
+    assert resizes[1][tracing.OUTCOME] == "refused"
+    assert resizes[1][tracing.ERROR_CODE] == "capacity_exceeded"
+    assert all(r[tracing.WAIT] >= 0 for r in resizes)
+    names = [e.name for e in hold.events]
+    assert names.index(tracing.EVENT_RENEW) < names.index(tracing.EVENT_RESIZE)  # the answer
+    assert hold.attributes[tracing.OUTCOME] == "released"
+    assert hold.attributes[tracing.AMOUNT] == 32 << 20  # as granted

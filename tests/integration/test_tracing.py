@@ -175,6 +175,9 @@ async def test_async_resize_events(make_apool, spans):
     ]
     assert resizes[1][t.ERROR_CODE] == "capacity_exceeded"
     assert all(e[t.WAIT] >= 0 for e in resizes)
+    names = [e.name for e in one(spans, t.HOLD).events]
+    # a resize answered at once renews the lease: that renewal's event comes first
+    assert names.index(t.EVENT_RENEW) < names.index(t.EVENT_RESIZE), names
 
 
 # ---- the sync shell ---------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Two distributions raise gpulock's errors and keep a lease's local validity clock: ``gpulock``
 (the core: Redis, Lua, the FastAPI integration, the broker) and ``gpulock-client`` (the SDK for
 the broker's HTTP lease API, which depends on httpx only). Both depend on this one
-(``gpulock-common>=0.5.0``), which depends on nothing outside the standard library, so the SDK
+(``gpulock-common>=0.6.0``), which depends on nothing outside the standard library, so the SDK
 pulls in neither redis, torch nor FastAPI, and the two sides hold one copy of:
 
 - :mod:`gpulock_common.errors`: the exception tree (``GpuLockError`` and its subclasses).
@@ -40,4 +40,4 @@ pulls in neither redis, torch nor FastAPI, and the two sides hold one copy of:
 Nothing here does I/O.
 """
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
