@@ -70,8 +70,23 @@ def _directory_rank(item) -> int:
     return _DIRECTORY_ORDER.index(top) if top in _DIRECTORY_ORDER else len(_DIRECTORY_ORDER)
 
 
+def _given_rank(config):
+    """With ``GPULOCK_TEST_FILE_ORDER=given`` (or ``reverse``): a file's rank in the order the
+    command line names the files (or the reverse), for runs that show files sharing one
+    process do not affect each other (the tracing files, ``-n 0``); else None."""
+    order = os.environ.get("GPULOCK_TEST_FILE_ORDER")
+    if order not in ("given", "reverse"):
+        return None
+    names = [a.split("::")[0] for a in config.args]
+    names = names[::-1] if order == "reverse" else names
+    return lambda item: next(
+        (i for i, n in enumerate(names) if item.nodeid.startswith(n)), len(names)
+    )
+
+
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_directory_rank)  # stable: each file's tests stay together, in their order
+    # stable: each file's tests stay together, in their order
+    items.sort(key=_given_rank(config) or _directory_rank)
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --run-slow")
