@@ -17,6 +17,7 @@ import redis
 import redis.asyncio as aioredis
 
 from gpulock import AsyncPool, Pool
+from support import tracing_guard
 from support.servers import RedisProcess, server_kinds
 
 # CPython 3.11 before 3.11.8 keeps the AST constructor's recursion counter per interpreter, not
@@ -69,8 +70,23 @@ def _directory_rank(item) -> int:
     return _DIRECTORY_ORDER.index(top) if top in _DIRECTORY_ORDER else len(_DIRECTORY_ORDER)
 
 
+def _given_rank(config):
+    """With ``GPULOCK_TEST_FILE_ORDER=given`` (or ``reverse``): a file's rank in the order the
+    command line names the files (or the reverse), for runs that show files sharing one
+    process do not affect each other (the tracing files, ``-n 0``); else None."""
+    order = os.environ.get("GPULOCK_TEST_FILE_ORDER")
+    if order not in ("given", "reverse"):
+        return None
+    names = [a.split("::")[0] for a in config.args]
+    names = names[::-1] if order == "reverse" else names
+    return lambda item: next(
+        (i for i, n in enumerate(names) if item.nodeid.startswith(n)), len(names)
+    )
+
+
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_directory_rank)  # stable: each file's tests stay together, in their order
+    # stable: each file's tests stay together, in their order
+    items.sort(key=_given_rank(config) or _directory_rank)
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --run-slow")
@@ -98,6 +114,18 @@ def _own_state_dir(monkeypatch):
     os.makedirs(os.path.join(own, "run"), mode=0o700)
     monkeypatch.setenv("XDG_STATE_HOME", own)
     monkeypatch.setenv("XDG_RUNTIME_DIR", os.path.join(own, "run"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_tracer_provider_left():
+    """Fail the file (an error at its last test's teardown) that leaves a recording
+    OpenTelemetry tracer provider set for the files after it in this process
+    (:mod:`support.tracing_guard`, which also puts the previous one back)."""
+    before = tracing_guard.provider()
+    yield
+    problem = tracing_guard.leaked(before)
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
 
 
 @pytest.fixture(

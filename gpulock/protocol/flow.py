@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from gpulock_common import tracing
+from gpulock_common import traces, tracing
+from gpulock_common.traces import AcquireSpan
 from gpulock_common.grace import grace_note, grace_outlasts
 from gpulock_common.options import PoolSettings
 
@@ -71,8 +72,6 @@ from gpulock.protocol.replies import (
     decode_status,
 )
 from gpulock.protocol.retry import retry_bound
-from gpulock.protocol import traces
-from gpulock.protocol.traces import AcquireTrace, traced
 from gpulock.errors import (
     AcquireTimeout,
     BackendUnavailable,
@@ -380,11 +379,15 @@ def acquire(
     refusal by the script (an error other than BackendUnavailable) wrote nothing, and is not
     withdrawn; when Redis did not answer, the withdrawal runs in the background.
 
-    Traced (:class:`~gpulock.protocol.traces.AcquireTrace`: the ``gpulock.acquire`` span, and
+    Traced (:class:`gpulock_common.traces.AcquireSpan`: the ``gpulock.acquire`` span, and
     the lease's span from its grant) while :func:`gpulock_common.tracing.recording`."""
-    tr = AcquireTrace.begin(pool.name, req, start) if tracing.recording() else None
+    tr = (
+        AcquireSpan.begin(pool.name, req.amount, req.priority, req.tenant, req.device, start)
+        if tracing.recording()
+        else None
+    )
     steps = _acquire(pool, rt, req, start, on_queued, tr)
-    return steps if tr is None else traced(tr, steps, pool.clock)
+    return steps if tr is None else traces.traced(tr, steps, pool.clock)
 
 
 def _acquire(
@@ -393,7 +396,7 @@ def _acquire(
     req: AcquireRequest,
     start: float,
     on_queued: Callable[[int], Any] | None,
-    tr: AcquireTrace | None,
+    tr: AcquireSpan | None,
 ) -> Flow[Any]:
     """:func:`acquire`'s flow; ``tr``: its trace (None: not traced)."""
     if on_queued is not None and not callable(on_queued):

@@ -8,7 +8,7 @@ leases share). Re-exports the shared clock's ``CLOCK_DRIFT``, ``SAFETY_MARGIN_S`
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Callable
 
 from gpulock_common.lease import CLOCK_DRIFT as CLOCK_DRIFT
 from gpulock_common.lease import SAFETY_MARGIN_S as SAFETY_MARGIN_S
@@ -16,7 +16,8 @@ from gpulock_common.lease import LeaseView, LocalLeaseState
 from gpulock_common.lease import default_clock as default_clock
 from gpulock_common.lease import validity_deadline as lease_validity_deadline
 
-from gpulock.protocol import traces
+from gpulock_common import traces
+
 from gpulock.protocol.replies import Grant
 
 log = logging.getLogger("gpulock")
@@ -33,9 +34,8 @@ class LeaseState(LocalLeaseState):
     kept to re-assert the lease), ``priority`` (the acquire's; a growth's place where none is stored),
     ``tenant`` (likewise; "" for none), ``resident`` (likewise:
     a resident lease, docs/SEMANTICS.md "Resident leases"), ``device`` (the
-    device it is on; 0 on a pool of one device), ``next_renew`` (local monotonic seconds),
-    ``span`` (its ``gpulock.lease`` OpenTelemetry span while traced, else None:
-    :mod:`gpulock.protocol.traces`). ``valid_until``
+    device it is on; 0 on a pool of one device), ``next_renew`` (local monotonic seconds);
+    ``expires_at`` reads ``expires_ms`` in Unix seconds. ``valid_until``
     comes from :func:`validity_deadline` of the last successful grant or renewal, so it always
     ends before the server's expiry (invariant 5 in docs/SEMANTICS.md).
     """
@@ -50,7 +50,6 @@ class LeaseState(LocalLeaseState):
         "device",
         "priority",
         "next_renew",
-        "span",
     )
     unreachable = "Redis"
     log = logging.getLogger("gpulock")
@@ -68,7 +67,11 @@ class LeaseState(LocalLeaseState):
         self.device = grant.device
         self.priority = 0  # the acquire's: a growth (resize) queues at it
         self.next_renew = clock() + ttl_s / 3
-        self.span: Any = None
+
+    @property
+    def expires_at(self) -> float:
+        """Server-clock expiry of the last grant or renewal, Unix seconds."""
+        return self.expires_ms / 1000.0
 
     def seconds_left(self) -> float:
         """Seconds until the local validity deadline (negative once past)."""
@@ -81,15 +84,7 @@ class LeaseState(LocalLeaseState):
         if self.span is not None:
             traces.renewed(self)
 
-    def take_span(self) -> Any:
-        """The lease's span, once: later calls (from any thread) get None."""
-        with self._lock:
-            sp, self.span = self.span, None
-        return sp
-
     def _report_lost(self, reason: str) -> None:
-        if self.span is not None:
-            traces.lost(self, reason)
         log.warning(
             "gpulock: lease %s… on pool %s (token %d, %d bytes) lost: %s",
             self.lease_id[:8],
@@ -123,4 +118,4 @@ class LeaseBase(LeaseView):
     def expires_at(self) -> float:
         """Server-clock expiry of the last grant/renewal, as a Unix timestamp (seconds)."""
         state: LeaseState = self._state
-        return state.expires_ms / 1000.0
+        return state.expires_at

@@ -13,7 +13,7 @@ from gpulock_common.options import AcquireOptions
 
 from gpulock.errors import AcquireTimeout, BackendUnavailable, LeaseLost
 from gpulock.protocol.args import ttl_ms
-from gpulock.protocol import traces
+from gpulock_common import traces
 from gpulock.protocol.lease import LeaseState
 from gpulock.protocol.replies import Grant, decode_acquire
 from gpulock.protocol.retry import retry_bound
@@ -183,7 +183,7 @@ def resize_lease(
     new amount; a reply that answered at once renewed the lease, and its local validity counts
     from that call (never beyond the server's expiry). The same amount is a no-op (no call).
 
-    A traced lease (:mod:`gpulock.protocol.traces`) gets a ``gpulock.resize`` event on its span
+    A traced lease (:mod:`gpulock_common.traces`) gets a ``gpulock.resize`` event on its span
     (from and to bytes, outcome, seconds taken); a LeaseLost ends the span as lost.
 
     Raises: as :func:`resize`; LeaseLost also when the lease was released or found lost
@@ -215,8 +215,8 @@ def resize_lease(
             traces.resized(s, before, n, e, pool.clock() - start)
         raise
     s.amount = grant.amount
-    if s.span is not None:
-        traces.resized(s, before, n, None, pool.clock() - start)
     if sent is not None:
         s.renewed(sent, grant.now_ms, grant.expires_ms)
+    if s.span is not None:  # after the renewal its answer is (the SDK's order too)
+        traces.resized(s, before, n, None, pool.clock() - start)
     return None

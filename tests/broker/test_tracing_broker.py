@@ -18,16 +18,15 @@ from pathlib import Path
 import httpx
 import pytest
 from gpulock_client import Pool
+from gpulock_client.errors import CapacityExceeded
 from opentelemetry import trace
-from opentelemetry.util._once import Once
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gpulock_common import tracing
 from support.ports import free_port
 from support.procs import Proc, broker_argv, gpulock_argv
 from support.servers import RedisProcess
+from support.tracing import memory_spans
 
 from ._support import ADMIN_TOKEN, TOKENS, USER_TOKEN
 
@@ -37,23 +36,10 @@ LEASES_ROUTE = "POST /v1/pools/{pool}/leases"
 
 @pytest.fixture(scope="module")
 def spans():
-    """This process's spans, in memory: the global tracer provider (an SDK one, set here if
-    none is) exports to it too."""
-    provider = trace.get_tracer_provider()
-    ours = not isinstance(provider, TracerProvider)
-    if ours:
-        trace.set_tracer_provider(TracerProvider())
-        provider = trace.get_tracer_provider()
-    assert isinstance(provider, TracerProvider)
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield exporter
-    exporter.shutdown()
-    if ours:  # the next test files of this process run untraced, as they would alone
-        # (the API has no public reset: OpenTelemetry's own test utilities do this)
-        provider.shutdown()
-        trace._TRACER_PROVIDER = None
-        trace._TRACER_PROVIDER_SET_ONCE = Once()
+    """This process's spans, in memory (:func:`support.tracing.memory_spans`: an SDK provider
+    global for this module, the previous one back after it)."""
+    with memory_spans() as exporter:
+        yield exporter
 
 
 @pytest.fixture(scope="module")
@@ -157,14 +143,20 @@ def test_the_brokers_request_span_is_a_child_of_the_sdks_acquire(spans, traced_b
     assert ba[tracing.OUTCOME] == "granted"
     assert ba[tracing.LEASE_ID] == lease.id
 
-    # the lease's hold span: from the grant to the release, the renewal an event on it
+    # the lease's span: from the grant to the release, a sibling of the acquire span (the
+    # core's design, gpulock_common.traces), the renewal an event on it with the new expiry
     (hold,) = [
         s
         for s in spans.get_finished_spans()
         if s.name == tracing.HOLD and s.attributes[tracing.LEASE_ID] == lease.id
     ]
-    assert tracing.EVENT_RENEW in [e.name for e in hold.events]
-    assert hold.start_time >= mine.end_time
+    renewals = [e for e in hold.events if e.name == tracing.EVENT_RENEW]
+    assert renewals and all(e.attributes[tracing.EXPIRES_AT] > 0 for e in renewals)
+    assert hold.start_time >= mine.start_time
+    assert hold.parent == mine.parent  # None here: no caller's span
+    assert hold.attributes[tracing.PRIORITY] == 3
+    assert hold.attributes[tracing.OUTCOME] == "released"
+    assert hold.attributes[tracing.FENCING_TOKEN] == lease.token
 
 
 @pytest.mark.timeout(180)
@@ -256,6 +248,7 @@ _SDK = (
     + _BLOCK
     + """
 from gpulock_client import Pool
+from gpulock_client.errors import CapacityExceeded
 from gpulock_common import tracing
 assert not tracing.ENABLED
 with Pool(sys.argv[1], "gpu-t", token=sys.argv[2]) as p:
@@ -364,7 +357,7 @@ def test_the_brokers_redis_work_runs_in_the_request_spans_context(spans, redis_s
 @pytest.mark.timeout(120)
 def test_a_refusal_is_named_on_both_sides(spans, traced_broker):
     with Pool(traced_broker.url, "gpu-t", token=USER_TOKEN) as pool:
-        with pytest.raises(Exception) as e:
+        with pytest.raises(CapacityExceeded):
             pool.acquire("2GiB", timeout=5)  # more than the pool's capacity: never fits
     (mine,) = [
         s
@@ -373,10 +366,11 @@ def test_a_refusal_is_named_on_both_sides(spans, traced_broker):
         and s.attributes.get(tracing.OUTCOME) == "refused"
         and s.attributes.get(tracing.AMOUNT) == 2 << 30
     ]
-    assert mine.attributes[tracing.ERROR_CODE] == type(e.value).__name__
     (theirs,) = broker_spans(traced_broker, _hex(mine.context.trace_id, 32), want=1)
     assert theirs["attributes"][tracing.OUTCOME] == "refused"
+    # the same wire code on both sides (gpulock_common.traces.outcome_of, the broker's answer)
     assert theirs["attributes"][tracing.ERROR_CODE] == "capacity_exceeded"
+    assert mine.attributes[tracing.ERROR_CODE] == "capacity_exceeded"
 
 
 @pytest.mark.timeout(120)
@@ -396,3 +390,34 @@ async def test_the_async_sdk_carries_its_context_too(spans, traced_broker):
         if s.name == tracing.HOLD and s.attributes[tracing.LEASE_ID] == lease.id
     ]
     assert hold.end_time is not None
+
+
+@pytest.mark.timeout(120)
+def test_the_sdks_lease_span_has_the_cores_resize_events(spans, traced_broker):
+    """The SDK's lease span is the core's design (gpulock_common.traces): a resize answered at
+    once is a gpulock.resize event (from, to, outcome, seconds) followed by a renewal, one
+    refused names its wire code, and the release ends the span as released."""
+    with Pool(traced_broker.url, "gpu-t", token=USER_TOKEN) as pool:
+        lease = pool.acquire("32MiB", timeout=30)
+        lease.resize("48MiB")
+        with pytest.raises(CapacityExceeded):
+            lease.resize("2GiB", timeout=0)  # more than the pool's capacity: never fits
+        lease.release()
+    (hold,) = [
+        s
+        for s in spans.get_finished_spans()
+        if s.name == tracing.HOLD and s.attributes[tracing.LEASE_ID] == lease.id
+    ]
+    resizes = [dict(e.attributes) for e in hold.events if e.name == tracing.EVENT_RESIZE]
+    assert [(r[tracing.RESIZE_FROM], r[tracing.RESIZE_TO]) for r in resizes] == [
+        (32 << 20, 48 << 20),
+        (48 << 20, 2 << 30),
+    ], resizes
+    assert resizes[0][tracing.OUTCOME] == "granted" and tracing.ERROR_CODE not in resizes[0]
+    assert resizes[1][tracing.OUTCOME] == "refused"
+    assert resizes[1][tracing.ERROR_CODE] == "capacity_exceeded"
+    assert all(r[tracing.WAIT] >= 0 for r in resizes)
+    names = [e.name for e in hold.events]
+    assert names.index(tracing.EVENT_RENEW) < names.index(tracing.EVENT_RESIZE)  # the answer
+    assert hold.attributes[tracing.OUTCOME] == "released"
+    assert hold.attributes[tracing.AMOUNT] == 32 << 20  # as granted

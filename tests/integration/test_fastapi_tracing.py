@@ -341,7 +341,7 @@ async def test_an_oom_that_ends_a_call_is_an_event_and_an_error(redis_proc1, spa
 async def test_the_cores_spans_are_children_of_the_request_or_of_its_batch(redis_proc1, spans):
     """The core's ``gpulock.acquire`` and ``gpulock.lease`` (where the core traces) start in
     the job's context: a guarded call's are its request's children, a batch's the batch's."""
-    pytest.importorskip("gpulock.protocol.traces")  # the core's spans
+    pytest.importorskip("gpulock_common.traces")  # the core's spans
     app, gpu, _, _ = _app(redis_proc1.url, "tr-core")
     async with Running(app) as c:
         assert (await c.post("/work", json={})).status_code == 200

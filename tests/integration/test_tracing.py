@@ -175,6 +175,9 @@ async def test_async_resize_events(make_apool, spans):
     ]
     assert resizes[1][t.ERROR_CODE] == "capacity_exceeded"
     assert all(e[t.WAIT] >= 0 for e in resizes)
+    names = [e.name for e in one(spans, t.HOLD).events]
+    # a resize answered at once renews the lease: that renewal's event comes first
+    assert names.index(t.EVENT_RENEW) < names.index(t.EVENT_RESIZE), names
 
 
 # ---- the sync shell ---------------------------------------------------------------------------
@@ -246,14 +249,13 @@ def test_no_sdk_provider_traces_nothing(redis_proc, pool_name):
         import asyncio, threading, time
         from opentelemetry import trace
         from gpulock import AsyncPool, Pool
-        from gpulock.protocol import traces
-        from gpulock_common import tracing
+        from gpulock_common import traces, tracing
 
         def boom(*a, **k):
             raise AssertionError("a tracing hook ran with tracing off")
 
-        traces.AcquireTrace.begin = boom
-        for name in ("start_hold", "renewed", "resized", "released", "lost", "traced"):
+        traces.AcquireSpan.begin = boom
+        for name in ("renewed", "resized", "released", "lost", "traced"):
             setattr(traces, name, boom)
         assert tracing.ENABLED and not tracing.recording()
 

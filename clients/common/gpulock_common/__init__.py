@@ -35,6 +35,9 @@ pulls in neither redis, torch nor FastAPI, and the two sides hold one copy of:
 - :mod:`gpulock_common.tracing`: OpenTelemetry's span and attribute names every surface uses,
   and the calls they make (a span, W3C context in and out), which cost nothing when the
   optional OpenTelemetry API is absent or unconfigured.
+- :mod:`gpulock_common.traces`: the ``gpulock.acquire`` and ``gpulock.lease`` spans, one design
+  for the core and the SDK (the outcome of an error and its wire code, the lease span's
+  renewals, resizes, release and loss), built only while a tracer provider records.
 
 Nothing here does I/O.
 """

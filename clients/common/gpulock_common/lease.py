@@ -67,7 +67,8 @@ class LocalLeaseState:
     Attributes: ``pool`` (name), ``lease_id`` (32 hex digits), ``amount`` (bytes), ``token``
     (fencing token), ``ttl_s`` (seconds), ``valid_until`` (the holder's monotonic clock,
     seconds; see :func:`validity_deadline`), ``lost_reason`` (None while not lost),
-    ``released``. The subclass sets :attr:`unreachable` (what the holder renews through) and
+    ``released``, ``span`` (its ``gpulock.lease`` OpenTelemetry span while traced, else None:
+    :mod:`gpulock_common.traces`; a loss ends it). The subclass sets :attr:`unreachable` (what the holder renews through) and
     :attr:`log` (where a raising callback is logged), and may override :meth:`_report_lost`.
     """
 
@@ -81,6 +82,7 @@ class LocalLeaseState:
         "lost_reason",
         "released",
         "unrenewed",
+        "span",
         "_clock",
         "_callbacks",
         "_lock",
@@ -111,6 +113,7 @@ class LocalLeaseState:
         self.released = False
         #: Why nothing renews it any more, when its pool object was closed (see stop_renewal).
         self.unrenewed: Optional[str] = None
+        self.span: Any = None
         self._clock = clock
         self._callbacks: List[Callable[[], Any]] = []  # each already bound to its owner
         self._lock = threading.Lock()
@@ -170,10 +173,20 @@ class LocalLeaseState:
                 return False
             self.lost_reason = reason
             cbs, self._callbacks = self._callbacks, []
+        if self.span is not None:  # traced: OpenTelemetry is imported already
+            from . import traces  # not at the top: importing this module imports no third party
+
+            traces.lost(self, reason)
         self._report_lost(reason)
         for cb in cbs:
             self._safe_call(cb)
         return True
+
+    def take_span(self) -> Any:
+        """The lease's span, once: later calls (from any thread) get None."""
+        with self._lock:
+            sp, self.span = self.span, None
+        return sp
 
     def _report_lost(self, reason: str) -> None:
         """Called once when the lease is marked lost, before its callbacks (the core logs it)."""

@@ -8,6 +8,17 @@ tracer's spans are non-recording and the helpers skip building attributes
 (:func:`recording`). What configures an SDK is the application's business (or ``gpulock
 serve``/``gpulock broker`` from the standard ``OTEL_*`` variables: :mod:`gpulock.http.telemetry`).
 
+The calls (every surface's; :mod:`gpulock_common.traces` builds the acquire and lease spans
+the core and the SDK share from them):
+
+* :func:`recording` (callers build nothing unless it is True), :func:`tracer`;
+* :func:`span`: a span current for a block (a request's, a call's);
+* :func:`start_span` (not made current, for a span that outlives its block; the parent from
+  :func:`current_context`), :func:`use` (such a span current for a block), :func:`event`,
+  :func:`end` (its final attributes, an error status: :func:`mark_error`);
+* :func:`annotate`: attributes on the current span (a server's request span);
+* :func:`inject` / :func:`extract`: the W3C ``traceparent`` across HTTP.
+
 Names (one place; docs/TRACING.md shows a trace):
 
 * spans: :data:`ACQUIRE` (the wait for a lease: queue position on entry, priority, tenant,
@@ -90,9 +101,9 @@ __all__ = [
     "mark_error",
     "recording",
     "span",
-    "start",
     "start_span",
     "tracer",
+    "use",
 ]
 
 ENABLED = _trace is not None
@@ -177,10 +188,21 @@ GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 
 
 def tracer() -> Any:
-    """The ``gpulock`` tracer of the global tracer provider, or None without the API."""
+    """The ``gpulock`` tracer of the global tracer provider, or None without the API. Kept
+    while the provider stays the same (an SDK provider's ``get_tracer`` builds a new tracer
+    at each call: several µs a span; docs/BENCHMARKS.md, section 14)."""
+    global _tracer
     if _trace is None:
         return None
-    return _trace.get_tracer(TRACER_NAME)
+    provider = _trace.get_tracer_provider()
+    cached = _tracer
+    if cached is None or cached[0] is not provider:
+        cached = _tracer = (provider, provider.get_tracer(TRACER_NAME))
+    return cached[1]
+
+
+# (provider, its gpulock tracer): tracer()'s; a tuple, replaced whole, so safe from any thread.
+_tracer: tuple[Any, Any] | None = None
 
 
 def recording() -> bool:
@@ -210,15 +232,8 @@ def span(
     if not recording():
         yield None
         return
-    assert _trace is not None
-    attrs = {k: v for k, v in (attributes or {}).items() if v is not None}
-    sk = {
-        "internal": _trace.SpanKind.INTERNAL,
-        "client": _trace.SpanKind.CLIENT,
-        "server": _trace.SpanKind.SERVER,
-    }[kind]
-    with _trace.get_tracer(TRACER_NAME).start_as_current_span(
-        name, context=context, attributes=attrs, kind=sk, links=links
+    with tracer().start_as_current_span(
+        name, context=context, attributes=_present(attributes), kind=_kind(kind), links=links
     ) as s:
         yield s
 
@@ -232,18 +247,36 @@ def current_context() -> Any:
 
 
 def start_span(
-    name: str, attributes: Mapping[str, Any] | None = None, *, context: Any = None
+    name: str,
+    attributes: Mapping[str, Any] | None = None,
+    *,
+    kind: str = "internal",
+    context: Any = None,
 ) -> Any:
     """A span named ``name`` started now and NOT made current (for a span that outlives the
-    block that starts it, such as a lease's): the caller ends it (``.end()``). None when
-    tracing is absent or unconfigured (:func:`recording`). ``attributes``: as :func:`span`'s
-    (None values left out); ``context``: the parent context (:func:`current_context`'s), else
-    the current one."""
+    block that starts it, such as a lease's; :func:`use` makes it current for a block): the
+    caller ends it (:func:`end`). None when tracing is absent or unconfigured
+    (:func:`recording`). ``attributes`` and ``kind``: as :func:`span`'s; ``context``: the
+    parent context (:func:`current_context`'s), else the current one."""
     if not recording():
         return None
-    assert _trace is not None
-    attrs = {k: v for k, v in (attributes or {}).items() if v is not None}
-    return _trace.get_tracer(TRACER_NAME).start_span(name, context=context, attributes=attrs)
+    return tracer().start_span(
+        name, context=context, attributes=_present(attributes), kind=_kind(kind)
+    )
+
+
+@contextmanager
+def use(span: Any) -> Iterator[Any]:
+    """``span`` (a :func:`start_span` span; None: nothing) as the current span for the block,
+    not ended when the block ends (the caller ends it: :func:`end`), nothing recorded of an
+    exception leaving it (the caller records its outcome)."""
+    if span is None or _trace is None:
+        yield span
+        return
+    with _trace.use_span(
+        span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+    ):
+        yield span
 
 
 def mark_error(span: Any, description: str) -> None:
@@ -275,30 +308,37 @@ def annotate(attributes: Mapping[str, Any]) -> None:
         return
     cur = _trace.get_current_span()
     if cur.is_recording():
-        cur.set_attributes({k: v for k, v in attributes.items() if v is not None})
-
-
-def start(name: str, attributes: Mapping[str, Any] | None = None, *, kind: str = "internal") -> Any:
-    """A span named ``name`` started now as a child of the current span, *not* made current
-    (for a span that outlives the block that starts it, e.g. :data:`HOLD` from grant to
-    release); None when tracing is absent or unconfigured. End it with :func:`end`."""
-    if not recording():
-        return None
-    assert _trace is not None
-    sk = {"internal": _trace.SpanKind.INTERNAL, "client": _trace.SpanKind.CLIENT}[kind]
-    attrs = {k: v for k, v in (attributes or {}).items() if v is not None}
-    return _trace.get_tracer(TRACER_NAME).start_span(name, attributes=attrs, kind=sk)
+        cur.set_attributes(_present(attributes))
 
 
 def event(s: Any, name: str, attributes: Mapping[str, Any] | None = None) -> None:
-    """Add the event ``name`` to ``s`` (a :func:`start` span; nothing for None)."""
+    """Add the event ``name`` (``attributes``, None values left out) to ``s`` (a span; nothing
+    for None or an ended one)."""
     if s is not None and s.is_recording():
-        s.add_event(name, {k: v for k, v in (attributes or {}).items() if v is not None})
+        s.add_event(name, _present(attributes))
 
 
-def end(s: Any, attributes: Mapping[str, Any] | None = None) -> None:
-    """Set ``attributes`` on ``s`` (a :func:`start` span; nothing for None) and end it; a
+def end(s: Any, attributes: Mapping[str, Any] | None = None, *, error: str | None = None) -> None:
+    """Set ``attributes`` (None values left out) on ``s`` (a span; nothing for None), with
+    ``error`` its status is error with that description (:func:`mark_error`), and end it; a
     second call does nothing."""
     if s is not None and s.is_recording():
-        s.set_attributes({k: v for k, v in (attributes or {}).items() if v is not None})
+        s.set_attributes(_present(attributes))
+        if error is not None:
+            mark_error(s, error)
         s.end()
+
+
+def _present(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``attributes`` without its None values (OpenTelemetry refuses None)."""
+    return {k: v for k, v in (attributes or {}).items() if v is not None}
+
+
+def _kind(kind: str) -> Any:
+    """The API's ``SpanKind`` named ``kind``: ``internal``, ``client`` or ``server``."""
+    assert _trace is not None
+    return {
+        "internal": _trace.SpanKind.INTERNAL,
+        "client": _trace.SpanKind.CLIENT,
+        "server": _trace.SpanKind.SERVER,
+    }[kind]

@@ -267,8 +267,7 @@ class AsyncPool:
         with _trace.acquire_span(self.name, amount, opts, self._cfg.clock, on_queued) as tr:
             gen = core.acquire_steps(self._cfg, amount, opts, tr.on_queued)
             lease = await self._acquire(gen, rid)
-            tr.granted(lease._state)
-        _trace.hold_start(lease._state)  # from the grant to the release
+            tr.granted(lease._state)  # its span: from the grant to the release
         return lease
 
     async def _acquire(self, gen: core.Steps, rid: str):

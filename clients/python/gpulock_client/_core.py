@@ -45,8 +45,8 @@ from gpulock_common.options import PRIORITY_MIN as PRIORITY_MIN
 from gpulock_common.options import AcquireOptions as AcquireOptions
 from gpulock_common.options import PoolSettings as PoolSettings
 from gpulock_common.grace import grace_note
+from gpulock_common import traces
 from gpulock_common.wire import error_from_reply, reply_message
-from . import _trace
 from ._gate import Gate as Gate
 from ._gate import Waker as Waker
 from .errors import (
@@ -213,9 +213,6 @@ class LeaseState(LocalLeaseState):
         self.next_renew = reply_made_after(sent, held_s) + min(self.ttl_s, expires_in) / 3
         self.renew_failures = 0
 
-    def _report_lost(self, reason: str) -> None:
-        _trace.lost(self, reason)  # an event on the lease's span (when traced)
-
     def renewed(self, sent: float, body: Dict[str, Any]) -> None:
         """The broker's answer ``body`` to a renewal or a resize sent at ``sent``: the
         expiry it read (``expires_in``, counted from ``sent`` plus its ``held_ms``, which a
@@ -228,6 +225,8 @@ class LeaseState(LocalLeaseState):
         self.valid_until = validity_deadline(sent, exp_in, held_s)
         self.next_renew = reply_made_after(sent, held_s) + min(self.ttl_s, exp_in) / 3
         self.renew_failures = 0
+        if self.span is not None:
+            traces.renewed(self)
 
 
 class LeaseBase(LeaseView):
@@ -527,7 +526,6 @@ def renew_steps(
     if isinstance(out, Reply) and out.status == 200:
         if s.active:
             s.renewed(out.sent, out.body)
-            _trace.renewed(s)
         return True
     if isinstance(out, Reply):
         err = error_for(out, cfg.name)
@@ -546,8 +544,12 @@ def release_steps(cfg: PoolConfig, s: LeaseState, was_lost: Optional[str]) -> St
     lost (by the broker's answer, or locally before), BackendUnavailable when unreachable."""
     try:
         yield from _release(cfg, s, was_lost)
-    finally:
-        _trace.hold_end(s)
+    except BaseException as e:
+        if s.span is not None:
+            traces.lost(s, f"its release failed ({e}); it expires on the server")
+        raise
+    if s.span is not None:
+        traces.released(s)
 
 
 def _release(cfg: PoolConfig, s: LeaseState, was_lost: Optional[str]) -> Steps:

@@ -12,6 +12,7 @@ import math
 from typing import Optional, Union
 
 from gpulock_common.options import AcquireOptions
+from gpulock_common import traces
 from gpulock_common.sizes import parse_size
 from ._core import (
     _GONE,
@@ -62,7 +63,16 @@ def resize_steps(
     try_once = timeout == 0
     polls = _resize_polls(cfg, s, n, timeout, start, deadline, try_once)
     what = f"lease {s.lease_id[:8]}… not grown to {n} bytes"
-    return (yield from _gated(cfg, polls, start, deadline, try_once, what, timeout))
+    before = s.amount
+    try:
+        out = yield from _gated(cfg, polls, start, deadline, try_once, what, timeout)
+    except BaseException as e:
+        if s.span is not None:  # a traced lease: a gpulock.resize event (a loss ended it)
+            traces.resized(s, before, n, e, cfg.clock() - start)
+        raise
+    if s.span is not None:
+        traces.resized(s, before, n, None, cfg.clock() - start)
+    return out
 
 
 #: Seconds a growth's long polls go on past its timeout for the broker's own answer to it.

@@ -314,8 +314,7 @@ class Pool:
         with _trace.acquire_span(self.name, amount, opts, self._cfg.clock, on_queued) as tr:
             gen = core.acquire_steps(self._cfg, amount, opts, tr.on_queued)
             lease = self._acquire(gen, rid)
-            tr.granted(lease._state)
-        _trace.hold_start(lease._state)  # from the grant to the release
+            tr.granted(lease._state)  # its span: from the grant to the release
         return lease
 
     def _acquire(self, gen: core.Steps, rid: str):
