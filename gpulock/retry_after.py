@@ -17,13 +17,19 @@ one. The rules, in the order they apply:
   of its worker's ``local`` threads adds ``local / local_rate`` (its worker's own busy grant
   rate, else the pool's). With no rate at all: ``UNMEASURED_SECONDS_PER_PLACE`` per place, or
   the server's hint (the time to the nearest lease expiry) when shorter; such a guess is no
-  estimate (``estimated_wait_s`` null). The broker's Retry-After is the server's hint alone
-  (:func:`from_expiry_ms`); its 503 carries the server's estimate as it is.
+  estimate (``estimated_wait_s`` null). The lease broker has no rates of its own: its estimate
+  is the server's as it is (the 503's ``estimated_wait_s``: a queued request's own, for one not
+  queued the tail's), and while the server has no drain rate the server's hint alone
+  (:func:`estimate_or_hint`).
 * **A grace period.** After Redis lost a pool nothing is granted until its grace period ends,
   so the answer is at least the time left in it (:func:`retry_after`).
 * **A kept place.** A request that keeps its place for ``keep_place`` seconds is told at most
   ``keep_place / 2`` (but never less than the grace left), so its retry, also after the
-  client's jitter, arrives while the place is kept.
+  client's jitter, arrives while the place is kept. ``keep_place``: the service's
+  ``park_timeout`` (the least a place is kept after an answer), the broker's ``park_max`` (the
+  most: its hold, ``min(park_max, max(waiter_ttl, 2 * Retry-After + 2))``, is at least twice
+  a Retry-After of at most ``park_max / 2``). In a grace period both keep the place for the
+  grace left on top (:func:`gpulock.http.places.hold_for`'s ``extra``).
 * **Whole seconds in [1, cap]** (:func:`clamp`): rounded up, at least 1, at most ``cap``.
 """
 
@@ -35,8 +41,8 @@ __all__ = [
     "UNMEASURED_SECONDS_PER_PLACE",
     "BusyRate",
     "clamp",
+    "estimate_or_hint",
     "openapi_headers",
-    "from_expiry_ms",
     "grant_rate",
     "queue_seconds",
     "retry_after",
@@ -153,10 +159,16 @@ def retry_after(
     return clamp(secs, cap)
 
 
-def from_expiry_ms(retry_after_ms: int, cap: float) -> int:
-    """The broker's Retry-After: the acquire script's ``retry_after_ms`` (milliseconds to the
-    nearest lease expiry, negative when no lease is held), :func:`clamp` ed to [1, ``cap``]."""
-    return clamp(max(0, retry_after_ms) / 1000, cap)
+def estimate_or_hint(estimated_wait: float | None, hint: float | None) -> float:
+    """The seconds a Retry-After comes from, for a surface that only has what the server
+    answered (the lease broker): the server's wait estimate ``estimated_wait`` (seconds;
+    docs/SEMANTICS.md, "Wait estimate") when it has one; else, while the pool's drain rate is
+    not measured, ``hint`` (seconds: the script's time to the end of a grace period, else to
+    the nearest lease expiry; None or negative, no lease held: 0, which :func:`clamp` makes
+    1 s)."""
+    if estimated_wait is not None:
+        return max(0.0, float(estimated_wait))
+    return max(0.0, float(hint)) if hint is not None else 0.0
 
 
 def openapi_headers(position: str) -> dict[str, dict[str, object]]:

@@ -17,7 +17,7 @@ from gpulock.errors import (
     PoolClosed,
     PoolNotFound,
 )
-from gpulock.retry_after import from_expiry_ms, retry_after
+from gpulock.retry_after import estimate_or_hint, retry_after
 
 from .auth import Principal
 from .leases import Leases
@@ -26,11 +26,36 @@ from .parking import Parking, ticket
 from .pools import Pools
 from .tasks import Tasks
 
-__all__ = ["LONG_POLL_S", "Acquirer"]
+__all__ = ["LONG_POLL_S", "Acquirer", "retry_after_of"]
 
 #: A request the broker held at least this long (a long poll, seconds) is answered
 #: Retry-After: 0.
 LONG_POLL_S = 1.0
+
+
+def retry_after_of(
+    estimate: float | None,
+    hint: float | None,
+    *,
+    cap: float,
+    grace_left: float,
+    held: float,
+    keep_place: float | None,
+) -> int:
+    """The Retry-After (whole seconds) of the broker's 503 for an acquire or a growth that
+    was not granted: a request that keeps its place (``keep_place``: the most seconds it is
+    kept after one answer, ``park_max``; None: not queued, no place) and was held at least
+    :data:`LONG_POLL_S` (``held``, seconds) outside a grace period gets 0: its wait paced it
+    already, and a grant may land any moment, so it comes back now to go on waiting. Any
+    other: the policy (:func:`gpulock.retry_after.retry_after`) applied to the server's wait
+    estimate ``estimate`` (seconds; None while the pool's drain rate is not measured: the
+    server's ``hint``, :func:`gpulock.retry_after.estimate_or_hint`): at least ``grace_left``
+    (nothing is granted before the grace period ends), at most ``keep_place / 2`` (or the
+    grace left), in [1, ``cap``]."""
+    if keep_place is not None and grace_left <= 0 and held >= LONG_POLL_S:
+        return 0
+    secs = estimate_or_hint(estimate, hint)
+    return retry_after(secs, cap=cap, grace_left=grace_left, keep_place=keep_place)
 
 
 class Acquirer:
@@ -132,13 +157,16 @@ class Acquirer:
             if not res.queued:
                 final = True  # queue=False and busy: no place was taken
             grace = res.grace_left_ms / 1000
-            if grace > 0:  # nothing is granted before it ends: no sooner retry helps
-                ra = retry_after(0.0, cap=self.retry_after_max, grace_left=grace)
-            elif res.queued and self._clock() - start >= LONG_POLL_S:
-                ra = 0  # it long-polled: pacing is done; come back now to go on waiting
-            else:
-                ra = from_expiry_ms(res.retry_after_ms, self.retry_after_max)
-            hold = self._parking.places.hold_for(ra)
+            ra = retry_after_of(
+                res.estimated_wait,
+                res.retry_after_ms / 1000,
+                cap=self.retry_after_max,
+                grace_left=grace,
+                held=self._clock() - start,
+                keep_place=self._parking.places.cap if res.queued else None,
+            )
+            # a place told to wait out a grace period is kept past its end
+            hold = self._parking.places.hold_for(ra, extra=grace)
             self._parking.keep(key, entry, hold)
             return Queued(
                 rid, res.queued, res.position, res.queue_length, ra, hold, grace, res.estimated_wait

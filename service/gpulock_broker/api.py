@@ -121,7 +121,10 @@ async def acquire_lease(
     and to get the same grant if it was made meanwhile. The 503's ``estimated_wait_s`` is the
     server's estimate of the seconds until the grant (busy, not queued: had it joined the
     queue's tail; null while the pool's drain rate is not measured; docs/SEMANTICS.md, "Wait
-    estimate")."""
+    estimate"), and ``Retry-After`` is that estimate (null: the time to the nearest lease
+    expiry) rounded up to whole seconds, at least the grace period left, at most half the
+    longest a place is kept (queued), within [1, the broker's cap]; 0 for a request held at
+    least a second (a long poll) outside a grace period: come back now to go on waiting."""
     t0 = time.monotonic()  # held_ms: how long this request was held here before the grant reply
     # on the request's server span (when traced): the core's gpulock.acquire spans are children
     tracing.annotate(
@@ -305,7 +308,8 @@ async def resize_lease(
     shrink hands the bytes on at once; a growth is granted now, or waits in the queue (at the
     lease's place, ahead of the new requests its request was ahead of; on its device) up to ``timeout`` while the lease keeps its bytes. Same
     lease id and token. 200: the lease as the server has it now (a reply made at once renewed
-    it). Still waiting after ``wait`` seconds: 503 ``queued`` with ``Retry-After``; send the
+    it). Still waiting after ``wait`` seconds: 503 ``queued`` with ``Retry-After`` (from the
+    growth's ``estimated_wait_s`` by the acquire's rule); send the
     same resize again within ``hold_place_for`` seconds to keep waiting (else, or when the
     client hangs up during the wait, the growth is withdrawn). A resize of the lease to
     another amount replaces a growth that waits (back to the lease's amount withdraws it)."""

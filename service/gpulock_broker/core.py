@@ -19,14 +19,17 @@ the request is withdrawn (``cancel``: it leaves the queue, or its grant is relea
     POST rid=r1 ───►  enqueue r1 (idempotent) ────────────►  granted (or the new position)
     ◄── 201 lease
 
-``Retry-After`` (whole seconds) paces clients that do not long-poll:
-``clamp(time to the nearest lease expiry, 1, retry_after_max)``, from the queue's real state;
-``hold = min(park_max, max(waiter_ttl, 2 * Retry-After + 2))`` (the rule the FastAPI service
-shares, ``gpulock.http.places``), so a client honouring it (with up to +30% jitter) keeps its
-place, and keeps it for as long as it keeps coming back. While parked, one coroutine per request catches a grant
+``Retry-After`` (whole seconds) paces clients that do not long-poll: the server's wait
+estimate (the 503's ``estimated_wait_s``; while the pool's drain rate is not measured, the
+script's time to the nearest lease expiry) put through the policy the FastAPI service shares
+(``gpulock.retry_after``): at least the grace period left, at most ``park_max / 2`` (or the
+grace left) for a request whose place is kept, in [1, retry_after_max];
+``hold = min(park_max, max(waiter_ttl, 2 * Retry-After + 2))`` plus the grace period left
+(the rule the FastAPI service shares, ``gpulock.http.places``), so a client honouring it (with
+up to +30% jitter) keeps its place, and keeps it for as long as it keeps coming back. While parked, one coroutine per request catches a grant
 that lands and renews it (ttl/3) until the client collects it or the window ends; a grant
 collected with less than half its ttl left is renewed once more, so the client starts with a
-full ttl. A request the broker held for at least ``LONG_POLL_S`` was paced by that wait
+full ttl. A request the broker held for at least ``LONG_POLL_S`` (outside a grace period) was paced by that wait
 already, and a grant may land any moment: it gets ``Retry-After: 0`` (come back now and go on
 waiting), so a long-polling client is never away while its grant sits unused.
 

@@ -35,9 +35,7 @@ from gpulock.errors import (
 )
 from gpulock.http.places import KeptPlace, KeptPlaces
 from gpulock.protocol.replies import Grant
-from gpulock.retry_after import clamp
-
-from .acquire import LONG_POLL_S, _true
+from .acquire import _true, retry_after_of
 from .auth import Principal
 from .leases import LeaseRecord, Leases
 from .outcomes import ClientGone
@@ -142,7 +140,7 @@ class Growths:
         t0 = self._clock()
         rec = await self._leases.find(who, pool, lease_id)
         key = (pool, lease_id)
-        first_ra = None
+        hint = None  # the server's hint of the first try (seconds), for the first answer
         if await self._current(key, amount) is None:
             # what can be answered at once is, in this request; only a growth that has to
             # wait becomes a task that outlives it
@@ -152,7 +150,7 @@ class Growths:
             except AcquireTimeout as e:
                 if timeout == 0:
                     raise
-                first_ra = e.retry_after
+                hint = e.retry_after
             if timeout is not None:
                 timeout = max(0.0, timeout - (self._clock() - t0))
             await self._current(key, amount)  # another request may have started one meanwhile
@@ -174,14 +172,18 @@ class Growths:
             if g.task.done():
                 final = True
                 return await self._answer(rec, g.task, g.done_at, t0)
-            held = self._clock() - t0
-            if held >= LONG_POLL_S:
-                ra = 0  # it long-polled: pacing is done; come back now to go on waiting
-            else:
-                ra = clamp(first_ra or 0.0, self.retry_after_max)
-            hold = self.places.hold_for(ra)
-            self.places.keep(key, g, until=self._clock() + hold)
             est = getattr(g.position, "estimated_wait", None)  # a QueuePlace's estimate
+            grace = self._pools.get(pool).pool.grace_left()  # as last seen, no I/O
+            ra = retry_after_of(
+                est,
+                hint,
+                cap=self.retry_after_max,
+                grace_left=grace,
+                held=self._clock() - t0,
+                keep_place=self.places.cap,
+            )
+            hold = self.places.hold_for(ra, extra=grace)
+            self.places.keep(key, g, until=self._clock() + hold)
             return Growing(amount, g.position, ra, hold, est)
         finally:
             self.places.detach(key, g, keep=not final)

@@ -1,5 +1,5 @@
 """The Retry-After policy (gpulock.retry_after): whole seconds in [1, cap], at least the grace
-left, at most half a kept place; the broker's value from the script's time to expiry."""
+left, at most half a kept place; the broker's estimate, else the script's time to expiry."""
 
 import math
 
@@ -10,16 +10,25 @@ def test_clamp_rounds_up_to_whole_seconds_within_one_and_the_cap():
     assert [ra.clamp(s, 5) for s in (0.0, 0.2, 1.0, 1.01, 4.5, 5.0, 99.0)] == [1, 1, 1, 2, 5, 5, 5]
 
 
-def test_from_expiry_ms_is_the_brokers_rule():
-    # the broker's formula before it called the policy: 1 when no lease, else ceil(ms / 1000),
-    # then clamped to [1, cap]
+def test_the_brokers_hint_without_an_estimate_is_the_old_rule():
+    # the broker's formula before it read the server's estimate: 1 when no lease, else
+    # ceil(ms / 1000), then clamped to [1, cap]; it stays the answer while no rate is measured
     def old(ms: int, cap: int) -> int:
         r = 1 if ms < 0 else math.ceil(ms / 1000)
         return int(min(max(r, 1), cap))
 
     for cap in (1, 5, 120):
         for ms in (-1, 0, 1, 999, 1000, 1001, 4999, 5000, 5001, 60_000, 10**9):
-            assert ra.from_expiry_ms(ms, cap) == old(ms, cap), (ms, cap)
+            got = ra.retry_after(ra.estimate_or_hint(None, ms / 1000), cap=cap)
+            assert got == old(ms, cap), (ms, cap)
+    assert ra.estimate_or_hint(None, None) == 0.0
+
+
+def test_the_estimate_wins_over_the_hint():
+    assert ra.estimate_or_hint(2.5, 30.0) == 2.5
+    assert ra.estimate_or_hint(0.0, 30.0) == 0.0  # a measured "now" is no missing estimate
+    assert ra.estimate_or_hint(-0.1, None) == 0.0
+    assert ra.retry_after(ra.estimate_or_hint(2.5, 30.0), cap=5) == 3
 
 
 def test_grace_and_kept_place():

@@ -1,0 +1,147 @@
+"""The broker's Retry-After is the server's wait estimate through the one policy
+(gpulock.retry_after; docs/MULTIHOST.md, "Waiting"): a queued or busy acquire's 503 and a
+growth's say ``ceil(estimated_wait_s)`` within [1, cap], a request whose place is kept at most
+``park_max / 2``; while the pool's drain rate is not measured (``estimated_wait_s`` null), the
+script's time to the nearest lease expiry, as before. Against a real broker and Redis; the
+drain rate is measured by draining a queue (support.drain)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from gpulock_broker.acquire import LONG_POLL_S, retry_after_of
+
+from gpulock import Pool
+from gpulock.retry_after import retry_after
+from support.drain import FIRST_HOLD, measure_drain, queue_behind
+from support.pools import GiB
+
+from ._support import ADMIN_TOKEN, BrokerServer, client
+
+pytestmark = pytest.mark.timeout(300)
+
+CAP = 5  # the broker's default retry_after_max
+PARK_MAX = 30.0  # the broker's default park_max
+
+
+def _503(r) -> tuple[int, dict]:
+    assert r.status_code == 503, r.text
+    return int(r.headers["retry-after"]), r.json()["detail"]
+
+
+def test_retry_after_of_the_rules_in_order():
+    kw = dict(cap=5, grace_left=0.0, held=0.0, keep_place=30.0)
+    assert retry_after_of(2.2, 30.0, **kw) == 3  # the estimate, rounded up
+    assert retry_after_of(None, 2.2, **kw) == 3  # no estimate: the hint
+    assert retry_after_of(None, None, **kw) == 1  # neither: at least 1
+    assert retry_after_of(99.0, None, **kw) == 5  # the cap
+    assert retry_after_of(99.0, None, **{**kw, "cap": 60}) == 15  # half the kept place
+    assert retry_after_of(99.0, None, **{**kw, "cap": 60, "keep_place": None}) == 60  # no place
+    assert retry_after_of(2.0, None, **{**kw, "held": LONG_POLL_S}) == 0  # a long poll
+    # ... but not in a grace period (at least its time left), nor without a place
+    assert retry_after_of(2.0, None, **{**kw, "held": LONG_POLL_S, "grace_left": 3.5}) == 4
+    assert retry_after_of(2.0, None, **{**kw, "held": LONG_POLL_S, "keep_place": None}) == 2
+
+
+def test_with_a_measured_rate_the_503s_say_the_servers_estimate(redis_srv, gpu, user):
+    core = Pool.from_url(redis_srv.url, gpu)
+    try:
+        measure_drain(core, 10 * GiB)
+        holder = core.acquire(10 * GiB, ttl=60)  # the old hint: its expiry, 60 s (capped: 5)
+        for i in range(1, 5):  # queued (wait 0: answered at once, its place kept)
+            ra, d = _503(
+                user.post(f"/v1/pools/{gpu}/leases", json={"amount": "1GiB", "request_id": f"q{i}"})
+            )
+            assert d["error"] == "queued" and d["position"] == i, d
+            assert d["estimated_wait_s"] is not None, d
+            assert ra == retry_after(d["estimated_wait_s"], cap=CAP, keep_place=PARK_MAX), d
+            assert ra == max(1, min(CAP, math.ceil(d["estimated_wait_s"]))), d
+            assert d["hold_place_for"] >= 2 * ra, d
+        # busy (queue=false): the tail's estimate, no place to keep
+        ra, d = _503(user.post(f"/v1/pools/{gpu}/leases", json={"amount": "2GiB", "queue": False}))
+        assert d["error"] == "busy" and d["estimated_wait_s"] is not None, d
+        assert ra == retry_after(d["estimated_wait_s"], cap=CAP), d
+        holder.release()
+    finally:
+        core.close()
+
+
+def test_without_a_rate_the_503_says_the_time_to_the_nearest_expiry(redis_srv, gpu, user):
+    core = Pool.from_url(redis_srv.url, gpu)
+    try:
+        t0 = time.monotonic()
+        holder = core.acquire(10 * GiB, ttl=4)  # a new pool: nothing drained, no rate
+        t1 = time.monotonic()
+        assert core.status().drain is None
+        tr = time.monotonic()
+        ra, d = _503(
+            user.post(f"/v1/pools/{gpu}/leases", json={"amount": "1GiB", "request_id": "q"})
+        )
+        ts = time.monotonic()
+        assert d["error"] == "queued" and d["estimated_wait_s"] is None, d
+        # the holder expires 4 s after its grant (made in [t0, t1]), read in [tr, ts]
+        assert max(1, math.ceil(t0 + 4 - ts)) <= ra <= math.ceil(t1 + 4 - tr), (ra, d)
+        holder.release()
+    finally:
+        core.close()
+
+
+def test_a_long_estimate_is_held_to_half_the_kept_place(redis_srv):
+    """With a cap above it, a queued request is told at most park_max / 2, and its place is
+    kept at least twice that."""
+    srv = BrokerServer(
+        redis_srv.url, max_wait=5.0, backend_timeout=2.0, retry_after_max=60, park_max=6.0
+    ).start()
+    try:
+        with client(srv.url, ADMIN_TOKEN) as admin:
+            assert admin.put("/v1/pools/slow", json={"capacity": "10GiB"}).status_code == 200
+        core = Pool.from_url(redis_srv.url, "slow")
+        try:
+            # a slow drain: each waiter keeps its lease at least 1 s (at most ~1 grant/s)
+            holder = core.acquire(10 * GiB)
+            threads = queue_behind(core, 10 * GiB, 3, hold=1.0)
+            time.sleep(FIRST_HOLD)  # a lower bound on the busy time, not a wait for state
+            holder.release()
+            for t in threads:
+                t.join(240)
+                assert not t.is_alive()
+            assert core.status().drain is not None
+            holder = core.acquire(10 * GiB, ttl=60)
+            with client(srv.url) as user:
+                for i in range(1, 9):
+                    body = {"amount": "10GiB", "request_id": f"s{i}"}
+                    ra, d = _503(user.post("/v1/pools/slow/leases", json=body))
+                    est = d["estimated_wait_s"]
+                    assert d["position"] == i and est is not None, d
+                    assert ra == retry_after(est, cap=60, keep_place=6.0), d
+                    assert d["hold_place_for"] >= 2 * ra, d
+                # 8 places at ~1 grant/s: an estimate well past park_max / 2 = 3 s
+                assert est > 3.5 and ra == 3, d
+            holder.release()
+        finally:
+            core.close()
+    finally:
+        srv.stop()
+
+
+def test_a_growths_503_says_its_own_estimate(redis_srv, gpu, user):
+    core = Pool.from_url(redis_srv.url, gpu)
+    try:
+        measure_drain(core, 10 * GiB)
+        holder = core.acquire(5 * GiB, ttl=60)
+        r = user.post(f"/v1/pools/{gpu}/leases", json={"amount": "5GiB"})
+        assert r.status_code == 201, r.text
+        lease = r.json()["lease_id"]
+        url = f"/v1/pools/{gpu}/leases/{lease}/resize"
+        ra, d = _503(user.post(url, json={"amount": "7GiB", "timeout": 60, "wait": 0}))
+        assert d["error"] == "queued" and d["position"] == 1, d
+        assert d["estimated_wait_s"] is not None, d
+        assert ra == retry_after(d["estimated_wait_s"], cap=CAP, keep_place=PARK_MAX), d
+        assert d["hold_place_for"] >= 2 * ra, d
+        # back to its amount withdraws the growth
+        assert user.post(url, json={"amount": "5GiB"}).status_code == 200
+        holder.release()
+    finally:
+        core.close()
