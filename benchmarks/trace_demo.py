@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A trace of one queued request, end to end, from the console exporter of ``gpulock serve``.
 
-    python benchmarks/trace_demo.py                # the tree on stdout (about 10 s)
+    python benchmarks/trace_demo.py                # the tree on stdout (about 6 s)
     python benchmarks/trace_demo.py --quick --json out.json --text tree.txt
 
 What it does, as a user would: starts ``gpulock serve --model sleep -w 1 --data-dir none``
