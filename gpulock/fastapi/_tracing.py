@@ -9,6 +9,9 @@ attribute when tracing is absent or unconfigured (:func:`gpulock_common.tracing.
   each member request's span (:func:`request_span` captures it when the request joins), each
   of which gets an event ``gpulock.batched`` naming the batch span;
 * :func:`note_oom`: event ``gpulock.oom`` on a call span.
+
+Every OpenTelemetry call goes through :mod:`gpulock_common.tracing` (its cached tracer, its
+links, contexts and ids): this module imports nothing of OpenTelemetry itself.
 """
 
 from __future__ import annotations
@@ -23,13 +26,6 @@ from gpulock_common import tracing as tr
 
 from gpulock._async import AsyncLease
 from gpulock.errors import AcquireTimeout
-
-try:  # present whenever tr.recording() is True
-    from opentelemetry import context as _otel_context
-    from opentelemetry import trace as _trace
-except ImportError:  # pragma: no cover - the no-OpenTelemetry install: recording() is False
-    _otel_context = None  # type: ignore[assignment]
-    _trace = None  # type: ignore[assignment]
 
 
 class LocalWait:
@@ -112,20 +108,13 @@ def note_oom(span: Any, *, retried: bool, size: int | None = None) -> None:
     and, for a batch's part, ``gpulock.batch.size``."""
     if span is None:
         return
-    attrs: dict[str, Any] = {tr.OOM_RETRIED: retried}
-    if size is not None:
-        attrs[tr.BATCH_SIZE] = size
-    span.add_event(tr.EVENT_OOM, attrs)
+    tr.event(span, tr.EVENT_OOM, {tr.OOM_RETRIED: retried, tr.BATCH_SIZE: size})
 
 
 def request_span() -> Any:
     """The current span (a request joining a batch: its request's span), or None when nothing
     is recorded or no span is current."""
-    if not tr.recording():
-        return None
-    assert _trace is not None
-    sp = _trace.get_current_span()
-    return sp if sp.get_span_context().is_valid else None
+    return tr.current_span()
 
 
 class BatchSpan:
@@ -139,25 +128,16 @@ class BatchSpan:
 
     @contextlib.contextmanager
     def current(self) -> Iterator[None]:
-        if self.span is None:
-            yield
-            return
-        assert _trace is not None and _otel_context is not None
         # a fresh context: the batch is a trace of its own, whatever ran before in this task
-        token = _otel_context.attach(_trace.set_span_in_context(self.span, _otel_context.Context()))
-        try:
+        with tr.use(self.span, tr.root_context() if self.span is not None else None):
             yield
-        finally:
-            _otel_context.detach(token)
 
     def end(self, error: BaseException | None = None) -> None:
         """End the span; ``error`` (not a cancellation) is recorded on it first."""
         if self.span is None:
             return
         if error is not None and isinstance(error, Exception):
-            assert _trace is not None
-            self.span.record_exception(error)
-            self.span.set_status(_trace.Status(_trace.StatusCode.ERROR, str(error)[:200]))
+            tr.record_error(self.span, error)
         self.span.end()
 
 
@@ -179,8 +159,6 @@ def batch_span(
     ``gpulock.batch.span_id`` and ``gpulock.batch.size``."""
     if not tr.recording():
         return BatchSpan(None)
-    assert _trace is not None and _otel_context is not None
-    links = [_trace.Link(m.get_span_context()) for m in members if m is not None]
     attrs: dict[str, Any] = {
         tr.POOL: pool,
         tr.ROUTE: route,
@@ -189,16 +167,9 @@ def batch_span(
         tr.BATCH_REASON: reason,
         tr.PRIORITY: priority,
     }
-    sp = _trace.get_tracer(tr.TRACER_NAME).start_span(
-        tr.BATCH, context=_otel_context.Context(), attributes=attrs, links=links
-    )
-    ctx = sp.get_span_context()
-    event = {
-        tr.BATCH_TRACE_ID: _trace.format_trace_id(ctx.trace_id),
-        tr.BATCH_SPAN_ID: _trace.format_span_id(ctx.span_id),
-        tr.BATCH_SIZE: len(members),
-    }
+    sp = tr.start_span(tr.BATCH, attrs, context=tr.root_context(), links=members)
+    trace_id, span_id = tr.span_ids(sp)
+    event = {tr.BATCH_TRACE_ID: trace_id, tr.BATCH_SPAN_ID: span_id, tr.BATCH_SIZE: len(members)}
     for m in members:
-        if m is not None and m.is_recording():
-            m.add_event(tr.EVENT_BATCHED, event)
+        tr.event(m, tr.EVENT_BATCHED, event)
     return BatchSpan(sp)

@@ -14,9 +14,11 @@ the core and the SDK share from them):
 * :func:`recording` (callers build nothing unless it is True), :func:`tracer`;
 * :func:`span`: a span current for a block (a request's, a call's);
 * :func:`start_span` (not made current, for a span that outlives its block; the parent from
-  :func:`current_context`), :func:`use` (such a span current for a block), :func:`event`,
-  :func:`end` (its final attributes, an error status: :func:`mark_error`);
+  :func:`current_context`, none from :func:`root_context`), :func:`use` (such a span current
+  for a block), :func:`event`, :func:`end` (its final attributes, an error status:
+  :func:`mark_error`, :func:`record_error`);
 * :func:`annotate`: attributes on the current span (a server's request span);
+  :func:`current_span` (the span to link to later), :func:`span_ids` (a span's ids as text);
 * :func:`inject` / :func:`extract`: the W3C ``traceparent`` across HTTP.
 
 Names (one place; docs/TRACING.md shows a trace):
@@ -94,13 +96,17 @@ __all__ = [
     "WAIT",
     "annotate",
     "current_context",
+    "current_span",
     "end",
     "event",
     "extract",
     "inject",
     "mark_error",
+    "record_error",
     "recording",
+    "root_context",
     "span",
+    "span_ids",
     "start_span",
     "tracer",
     "use",
@@ -226,14 +232,19 @@ def span(
     """A span named ``name`` as the current span for the block, or None (nothing recorded)
     when tracing is absent or unconfigured. ``attributes``: values of str, bool, int, float
     (None values are left out). ``context``: a parent context (:func:`extract`'s), else the
-    current one. ``kind``: ``internal``, ``client`` or ``server``. An exception
+    current one. ``kind``: ``internal``, ``client`` or ``server``. ``links``: spans (or
+    span contexts) to link to, None entries left out. An exception
     leaving the block is recorded on the span and sets its status to error (the API's
     default), then propagates."""
     if not recording():
         yield None
         return
     with tracer().start_as_current_span(
-        name, context=context, attributes=_present(attributes), kind=_kind(kind), links=links
+        name,
+        context=context,
+        attributes=_present(attributes),
+        kind=_kind(kind),
+        links=_links(links),
     ) as s:
         yield s
 
@@ -246,43 +257,87 @@ def current_context() -> Any:
     return _context.get_current()
 
 
+def root_context() -> Any:
+    """An empty OpenTelemetry context (None without the API): as :func:`start_span`'s
+    ``context`` it starts a new trace, whatever span is current; as :func:`use`'s, the block
+    sees that span and nothing of the context it ran in."""
+    if _context is None:
+        return None
+    return _context.Context()
+
+
 def start_span(
     name: str,
     attributes: Mapping[str, Any] | None = None,
     *,
     kind: str = "internal",
     context: Any = None,
+    links: list[Any] | None = None,
 ) -> Any:
     """A span named ``name`` started now and NOT made current (for a span that outlives the
     block that starts it, such as a lease's; :func:`use` makes it current for a block): the
     caller ends it (:func:`end`). None when tracing is absent or unconfigured
-    (:func:`recording`). ``attributes`` and ``kind``: as :func:`span`'s; ``context``: the
-    parent context (:func:`current_context`'s), else the current one."""
+    (:func:`recording`). ``attributes``, ``kind`` and ``links``: as :func:`span`'s;
+    ``context``: the parent context (:func:`current_context`'s; :func:`root_context` for a
+    root span), else the current one."""
     if not recording():
         return None
     return tracer().start_span(
-        name, context=context, attributes=_present(attributes), kind=_kind(kind)
+        name,
+        context=context,
+        attributes=_present(attributes),
+        kind=_kind(kind),
+        links=_links(links),
     )
 
 
 @contextmanager
-def use(span: Any) -> Iterator[Any]:
+def use(span: Any, context: Any = None) -> Iterator[Any]:
     """``span`` (a :func:`start_span` span; None: nothing) as the current span for the block,
     not ended when the block ends (the caller ends it: :func:`end`), nothing recorded of an
-    exception leaving it (the caller records its outcome)."""
-    if span is None or _trace is None:
+    exception leaving it (the caller records its outcome). ``context``: the context the span
+    is set in for the block (:func:`root_context`: nothing else of the current one), else the
+    current one."""
+    if span is None or _trace is None or _context is None:
         yield span
         return
-    with _trace.use_span(
-        span, end_on_exit=False, record_exception=False, set_status_on_exception=False
-    ):
+    token = _context.attach(_trace.set_span_in_context(span, context))
+    try:
         yield span
+    finally:
+        _context.detach(token)
+
+
+def current_span() -> Any:
+    """The current span (to link to later, or add events to), or None when nothing is
+    recorded (:func:`recording`) or no span is current."""
+    if not recording():
+        return None
+    cur = _trace.get_current_span()
+    return cur if cur.get_span_context().is_valid else None
+
+
+def span_ids(s: Any) -> tuple[str, str]:
+    """``s``'s (a span's) trace id and span id as lower-case hex, 32 and 16 digits (as the
+    W3C ``traceparent`` and the exporters write them)."""
+    assert _trace is not None
+    ctx = s.get_span_context()
+    return _trace.format_trace_id(ctx.trace_id), _trace.format_span_id(ctx.span_id)
 
 
 def mark_error(span: Any, description: str) -> None:
     """Set ``span``'s status to error with ``description`` (nothing for a None span)."""
     if span is not None and _trace is not None:
         span.set_status(_trace.StatusCode.ERROR, description)
+
+
+def record_error(span: Any, error: BaseException) -> None:
+    """Record ``error`` on ``span`` (the API's ``exception`` event: its type, message and
+    traceback) and set the span's status to error with its message, cut to 200 characters
+    (nothing for a None span)."""
+    if span is not None:
+        span.record_exception(error)
+        mark_error(span, str(error)[:200])
 
 
 def inject(headers: MutableMapping[str, str]) -> MutableMapping[str, str]:
@@ -332,6 +387,19 @@ def end(s: Any, attributes: Mapping[str, Any] | None = None, *, error: str | Non
 def _present(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
     """``attributes`` without its None values (OpenTelemetry refuses None)."""
     return {k: v for k, v in (attributes or {}).items() if v is not None}
+
+
+def _links(links: list[Any] | None) -> list[Any] | None:
+    """The API's ``Link`` to each of ``links`` (spans or span contexts; None entries left
+    out), or None for none given."""
+    if links is None:
+        return None
+    assert _trace is not None
+    return [
+        _trace.Link(x if isinstance(x, _trace.SpanContext) else x.get_span_context())
+        for x in links
+        if x is not None
+    ]
 
 
 def _kind(kind: str) -> Any:
