@@ -34,7 +34,11 @@ from dataclasses import dataclass
 
 from gpulock.errors import InvalidArgument
 
-__all__ = ["DrainRate", "wait_seconds", "wait_seconds_at_tail"]
+__all__ = ["MAX_OUT_OF_ORDER", "DrainRate", "wait_seconds", "wait_seconds_at_tail"]
+
+# The largest share of out-of-order grants the rule stretches by (so by at most 2x): a share
+# measured over a few grants can be near 1, and the rule must stay finite.
+MAX_OUT_OF_ORDER = 0.5
 
 
 @dataclass(frozen=True)
@@ -45,22 +49,39 @@ class DrainRate:
 
     bytes_per_s: float
     grants_per_s: float
+    # The share of those grants that went out of arrival order (a later arrival granted while
+    # an earlier one still waited: priorities, backfill, quotas), in [0, 1]; 0 on a FIFO pool
+    # of one priority and no quotas.
+    out_of_order: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("bytes_per_s", "grants_per_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise InvalidArgument(f"{name} must be a finite number > 0, got {v!r}")
+        o = self.out_of_order
+        if not isinstance(o, (int, float)) or not 0 <= o <= 1:
+            raise InvalidArgument(f"out_of_order must be a number in [0, 1], got {o!r}")
+
+    @property
+    def stretch(self) -> float:
+        """The factor the rule stretches a wait by for the grants that pass a waiter:
+        ``1 / (1 - min(out_of_order, MAX_OUT_OF_ORDER))``, in [1, 2]."""
+        return 1.0 / (1.0 - min(float(self.out_of_order), MAX_OUT_OF_ORDER))
 
     @classmethod
-    def from_wire(cls, bytes_per_s: int, grants_per_ks: int) -> DrainRate | None:
+    def from_wire(
+        cls, bytes_per_s: int, grants_per_ks: int, out_of_order_pm: int = 0
+    ) -> DrainRate | None:
         """The rate as the Lua scripts reply it: ``bytes_per_s`` (bytes per second, an
-        integer) and ``grants_per_ks`` (grants per 1000 seconds, an integer); None when
-        either is 0 or less (not measured yet)."""
+        integer), ``grants_per_ks`` (grants per 1000 seconds, an integer) and
+        ``out_of_order_pm`` (per mille of the grants out of arrival order, clamped to
+        [0, 1000]); None when either of the first two is 0 or less (not measured yet)."""
         b, g = int(bytes_per_s), int(grants_per_ks)
         if b <= 0 or g <= 0:
             return None
-        return cls(bytes_per_s=float(b), grants_per_s=g / 1000.0)
+        o = min(1000, max(0, int(out_of_order_pm))) / 1000.0
+        return cls(bytes_per_s=float(b), grants_per_s=g / 1000.0, out_of_order=o)
 
 
 def wait_seconds(
@@ -71,6 +92,7 @@ def wait_seconds(
     position: int,
     rate: DrainRate | None,
     grace_left: float = 0.0,
+    ahead_count: int | None = None,
 ) -> float | None:
     """Estimated seconds until a waiter is granted (module docstring, "The rule").
 
@@ -79,14 +101,16 @@ def wait_seconds(
     report; may be 0 or, on a pool over its effective capacity, negative); ``position``: its
     1-based place in the queue (values below 1 count as 1); ``rate``: the pool's
     :class:`DrainRate`; ``grace_left``: seconds left in the pool's grace period (0 outside
-    one; negative counts as 0). Returns seconds (>= 0, finite), or None when ``rate`` is None.
+    one; negative counts as 0); ``ahead_count``: how many waiters ahead of it will be granted
+    before it (the scripts' count, those ``ahead_bytes`` sums; None: ``position - 1``, every
+    one). Returns seconds (>= 0, finite), or None when ``rate`` is None.
     """
     if rate is None:
         return None
     deficit = max(0, int(ahead_bytes) + int(amount) - int(free_bytes))
-    places = max(1, int(position))
+    places = max(1, int(position) if ahead_count is None else int(ahead_count) + 1)
     drain = max(deficit / rate.bytes_per_s, places / rate.grants_per_s)
-    return max(0.0, float(grace_left)) + drain
+    return max(0.0, float(grace_left)) + drain * rate.stretch
 
 
 def wait_seconds_at_tail(
@@ -97,11 +121,13 @@ def wait_seconds_at_tail(
     free_bytes: int,
     rate: DrainRate | None,
     grace_left: float = 0.0,
+    ahead_count: int | None = None,
 ) -> float | None:
     """Estimated seconds a request that is not queued would wait if it joined the queue's
-    tail now: :func:`wait_seconds` with every queued byte ahead of it (``queued_bytes``, the
-    amounts of the ``queue_length`` waiters) at position ``queue_length + 1``. A request of a
-    higher priority would queue further ahead, so for it this is an upper bound."""
+    tail now: :func:`wait_seconds` at position ``queue_length + 1`` behind ``queued_bytes``,
+    the bytes of those of the ``queue_length`` waiters that would be ahead of it (every one,
+    or as the scripts count them, ``ahead_count`` of them). A request of a higher priority
+    would queue further ahead, so for it this is an upper bound."""
     return wait_seconds(
         ahead_bytes=queued_bytes,
         amount=amount,
@@ -109,4 +135,5 @@ def wait_seconds_at_tail(
         position=max(0, int(queue_length)) + 1,
         rate=rate,
         grace_left=grace_left,
+        ahead_count=ahead_count,
     )

@@ -190,7 +190,10 @@ def test_decode_status_carries_the_estimates() -> None:
     from gpulock.protocol import replies
 
     now = 10_000
-    waiters = [[b"t1", 100, now, now + 1, b""], [b"t2", 300, now, now + 1, b""]]
+    # the script counts each waiter's bytes and waiters ahead (lib.lua ahead_of): 0 and 100
+    w1 = [b"t1", 100, now, now + 1, b"", 0, b"", -1, b"", 0, 0, 0]
+    w2 = [b"t2", 300, now, now + 1, b"", 0, b"", -1, b"", 0, 100, 1]
+    waiters = [w1, w2]
     head = [1, now, 1000, 950, 1, 1, 10, 0, 2, 0, 0, 0, [], waiters]
     tail = [0, 0, 0, 0, 0, b"", b"fifo", 2000, [], [], b"bestfit", 0, 0]
     st = replies.decode_status("p", head + tail + [100, 2000])
@@ -203,3 +206,9 @@ def test_decode_status_carries_the_estimates() -> None:
     old = replies.decode_status("p", head + tail)
     assert old is not None and old.drain is None
     assert [w.estimated_wait for w in old.waiters] == [None, None]
+    # the waiter the script counts nothing ahead of (it passes t1), and a share out of order
+    w2[10:12] = [0, 0]
+    st = replies.decode_status("p", head + tail + [100, 2000, 500])
+    assert st is not None and st.drain is not None and st.drain.out_of_order == 0.5
+    # 300 - 50 free = 250 bytes at 100 B/s, 1 place at 2/s; stretched by 1 / (1 - 0.5)
+    assert st.waiters[1].estimated_wait == pytest.approx(5.0)
