@@ -36,9 +36,11 @@ from gpulock.errors import InvalidArgument
 
 __all__ = ["MAX_OUT_OF_ORDER", "DrainRate", "wait_seconds", "wait_seconds_at_tail"]
 
-# The largest share of out-of-order grants the rule stretches by (so by at most 2x): a share
-# measured over a few grants can be near 1, and the rule must stay finite.
-MAX_OUT_OF_ORDER = 0.5
+# The largest share of out-of-order grants the rule stretches by (so by at most 1.5x): a share
+# measured over a few grants can be near 1 and the rule must stay finite; and a waiter is not
+# passed by every grant that passes someone (docs/BENCHMARKS.md 12.2: a larger cap made the
+# passed waiters' estimates too long under backfill and quotas).
+MAX_OUT_OF_ORDER = 1 / 3
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class DrainRate:
     @property
     def stretch(self) -> float:
         """The factor the rule stretches a wait by for the grants that pass a waiter:
-        ``1 / (1 - min(out_of_order, MAX_OUT_OF_ORDER))``, in [1, 2]."""
+        ``1 / (1 - min(out_of_order, MAX_OUT_OF_ORDER))``, in [1, 1.5]."""
         return 1.0 / (1.0 - min(float(self.out_of_order), MAX_OUT_OF_ORDER))
 
     @classmethod
