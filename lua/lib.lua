@@ -14,7 +14,7 @@
 --                                   "Resident leases" below): resident, rqueued, dres:<i>,
 --                                   tres:<tenant>; growths queued (see "Leases that wait to
 --                                   grow" below): gqueued; the queue's drain rate (see
---                                   "Drain rate" below): dr_b, dr_g, dr_t, dr_at
+--                                   "Drain rate" below): dr_b, dr_g, dr_t, dr_at, dr_o
 --   2 gpulock:{pool}:leases   zset  lease id -> server expiry (ms)
 --   3 gpulock:{pool}:holders  hash  lease id -> "amount|token|acquired_ms|ttl_ms|ticket|tenant|device|meta"
 --                                   (device: '' on a pool of one device, followed by 'r' for

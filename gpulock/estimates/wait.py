@@ -1,30 +1,46 @@
-"""How long a queued request will wait: from the pool's drain rate and the bytes ahead of it.
+"""How long a queued request will wait: from the pool's drain rate and the waiters ahead of it.
 
 No I/O. The rate is measured by the server (lib.lua "Drain rate"): how fast the queue was
-drained while it was busy, in bytes and in grants per second of busy time, decayed over
-``TAU`` (30 s) of it. The scripts that answer a waiter (acquire.lua, renew.lua, status.lua)
-supply the inputs and this module turns them into seconds: one rule, whatever the surface.
+drained while it was busy, in bytes and in grants per second of busy time, and the share of
+those grants that went out of arrival order, decayed over ``TAU`` (30 s) of it. The scripts
+that answer a waiter (acquire.lua, resize.lua, renew.lua, status.lua) supply the inputs, the
+bytes and the count of the waiters ahead of it among them (lib.lua ``ahead_of``, the one place
+they are counted), and this module turns them into seconds: one rule, whatever the surface.
 
 The rule (:func:`wait_seconds`), for a waiter at 1-based ``position`` needing ``amount`` bytes,
-with ``ahead_bytes`` bytes of waiters ahead of it in queue order and ``free_bytes`` free now::
+with ``ahead_bytes`` bytes of the ``ahead_count`` waiters that will be granted before it and
+``free_bytes`` free now::
 
-    deficit = max(0, ahead_bytes + amount - free_bytes)       bytes that must be released first
-    seconds = grace_left + max(deficit / bytes_per_s, position / grants_per_s)
+    deficit = max(0, ahead_bytes + amount - free_bytes)     bytes that must be released first
+    places  = ahead_count + 1                               (position without a count)
+    seconds = grace_left + stretch * max(deficit / bytes_per_s, places / grants_per_s)
+    stretch = 1 / (1 - min(out_of_order, MAX_OUT_OF_ORDER))
 
 The bytes term is the fluid view: the queue moves as fast as bytes are given back, and
 everything ahead of the waiter plus the waiter itself must fit. The grants term is the
-discrete view: releases come whole, so the waiter at ``position`` waits at least for
-``position`` grants (its own included) at the pool's grant rate; it is also the answer when
-the bytes would fit now but the waiter still waits (a grace period, a pinned device, a
-tenant's quota, a resident reservation). Taking the larger keeps the rule continuous and
-monotone: never smaller for more bytes ahead, a larger amount, a later position or fewer
-free bytes. ``grace_left``: seconds left in the pool's restart grace period, in which nothing
-is granted; the queue starts to move when it ends.
+discrete view: releases come whole, so the waiter waits at least for ``places`` grants (its
+own included) at the pool's grant rate; it is also the answer when the bytes would fit now but
+the waiter still waits (a grace period, a pinned device, a tenant's quota, a resident
+reservation). Taking the larger keeps the rule continuous and monotone: never smaller for
+more bytes ahead, more waiters ahead, a larger amount, a later position, a larger
+out-of-order share or fewer free bytes. ``grace_left``: seconds left in the pool's restart
+grace period, in which nothing is granted; the queue starts to move when it ends.
+
+Who is ahead: the waiters before it in queue order, less those it passes: under backfill
+(while the head's window is open) the larger ones, and on a pool with quotas those of another
+tenant at its quota. The stretch: a share ``out_of_order`` of the queue's grants passed
+someone (a priority, a backfill, a quota); a waiter that may be passed waits longer than the
+grants before it take. The share counts at most ``MAX_OUT_OF_ORDER`` (1/3, a stretch of at most
+1.5), as not every such grant passes a given waiter; on a FIFO pool of one priority and no
+quotas it is 0 and the rule is the plain FIFO one.
 
 What it cannot know: when holders will actually release (it assumes the recent rate goes on),
-requests of a higher priority that arrive later and queue ahead, waiters ahead that give up,
-and device reports that change the free bytes. docs/SEMANTICS.md "Wait estimate" has the
-rule, and docs/BENCHMARKS.md its measured error.
+which waiter a given out-of-order grant passes (the stretch is one pool-wide factor: too long
+for those that pass, such as a high priority or the smallest under backfill, where they are
+not already near the head), requests of a higher priority that arrive later and queue ahead,
+waiters ahead that give up, which device's bytes are free on a pool of several devices, and
+device reports that change the free bytes. docs/SEMANTICS.md "Wait estimate" has the rule, and
+docs/BENCHMARKS.md (12.2) its measured error.
 """
 
 from __future__ import annotations

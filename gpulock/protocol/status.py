@@ -130,7 +130,10 @@ class PoolStatus:
         """Estimated seconds a request of ``amount`` bytes would wait if it joined the
         queue's tail now (gpulock.estimates.wait.wait_seconds_at_tail), every queued byte
         ahead of it: the listed waiters' amounts, their mean standing in for each waiter not
-        listed. None while the drain rate is not measured."""
+        listed. It does not leave out the waiters such a request would pass (lib.lua
+        ahead_of: under backfill, past a tenant at its quota), so there it is an upper bound;
+        acquire's own answer (``timeout=0``) counts them. None while the drain rate is not
+        measured."""
         listed = sum(w.amount for w in self.waiters)
         queued = listed
         if self.waiters and self.waiter_count > len(self.waiters):
