@@ -247,9 +247,7 @@ def test_decode_renew_carries_the_estimate() -> None:
     assert q.estimated_wait == pytest.approx(3.5)
     assert q.place == 3 and q.place.estimated_wait == q.estimated_wait
     # the script's count ahead (it passes both before it) and share: 1 place, stretched 1.25
-    passing = replies.decode_renew(
-        [9_000, 4, [], [[b"q", 3, 0, 10, 0]], queue + [0, 200]], ["a"]
-    )
+    passing = replies.decode_renew([9_000, 4, [], [[b"q", 3, 0, 10, 0]], queue + [0, 200]], ["a"])
     assert passing.waiters[0].estimated_wait == pytest.approx(0.5 * 1.25)
     old = replies.decode_renew([9_000, 4, [], [[b"q", 2]]], ["a"])
     assert old.waiters == [replies.Queued(2)]
