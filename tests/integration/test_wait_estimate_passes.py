@@ -138,3 +138,25 @@ async def test_fifo_grants_in_order_have_no_out_of_order_share(make_apool):
         await rh.cancel(f"w{k}")  # releases its grant: the next one is handed it
     drain = (await pool.status()).drain
     assert drain is not None and drain.out_of_order == 0 and drain.stretch == 1.0
+
+
+@pytest.mark.parametrize("policy", ["fifo", "backfill"])
+async def test_status_counts_as_acquire_did_near_the_head_and_beyond(make_apool, policy):
+    """Status's listed waiters get the bytes ahead acquire replied to each when it queued
+    (lib.lua ahead_of, one walk): exact for the first 33 places, then extrapolated alike."""
+    pool = make_apool(capacity=10_000)
+    await pool.configure(10_000, policy=policy, backfill_window=600)
+    holder = await pool.acquire(10_000)
+    rh = RemoteHolders(pool)
+    amounts = [(k * 37) % 50 + 1 for k in range(40)]  # sizes in no order, some repeated
+    replied = [(await _enqueue(rh, a, f"r{k}")).ahead_bytes for k, a in enumerate(amounts)]
+    if policy == "fifo":
+        assert replied[:33] == [sum(amounts[:k]) for k in range(33)]
+    else:
+        want = [sum(x for x in amounts[:k] if x <= a) for k, a in enumerate(amounts[:33])]
+        assert replied[:33] == want
+    st = await pool.status()
+    assert [w.ahead_bytes for w in st.waiters] == replied
+    for k in range(len(amounts)):
+        await rh.cancel(f"r{k}")
+    await holder.release()
