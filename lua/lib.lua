@@ -811,8 +811,7 @@ end
 --   than `amount`: it fits before them and passes them;
 -- * on a pool with tenant quotas, those whose tenant is at its quota (quota_check 'wait', and
 --   every later waiter of that tenant, as grant_from passes them) and is not `tenant`: they
---   wait for their own tenant's releases, and the others pass them. A waiter whose own tenant
---   is at its quota passes nobody by backfill (the backfill pass skips it, as grant_from does).
+--   wait for their own tenant's releases, and the others pass them.
 -- Beyond the walked part, the walked part's share stands in for each one (its bytes and its
 -- count scaled by m / walked), so the result is exact for the first AHEAD_DEPTH + 1 places and
 -- an extrapolation behind them. The depth keeps a queued acquire's reply O(1) (every acquire
@@ -825,8 +824,7 @@ local function waiter_amount(rec)  -- a waiter record's amount (parse_waiter's f
   return rec and tonumber(string.match(rec, '^(%d+)|')) or 0
 end
 local function ahead_walk(now, n)
-  local w = {k = 0, sum = {[0] = 0}, amt = {}, ten = {}, blk = {}, bf = false, any = false, memo = {},
-             quotas = false, room = {}, atq = {}}
+  local w = {k = 0, sum = {[0] = 0}, amt = {}, ten = {}, blk = {}, bf = false, any = false, memo = {}}
   local k = math.min(n, AHEAD_DEPTH)
   if k <= 0 then return w end
   local ts = redis.call('ZRANGE', K_QUEUE, 0, k - 1)
@@ -834,8 +832,7 @@ local function ahead_walk(now, n)
   local recs = redis.call('HMGET', K_WAITERS, unpack(ts))
   local c = redis.call('HMGET', K_CFG, 'policy', 'backfill_ms', 'nquotas')
   local quotas = c[3] ~= false and c[3] ~= '0'
-  local room, atq = w.room, w.atq  -- atq: tenant -> the index of its first waiter at its quota
-  w.quotas = quotas
+  local room, atq = {}, {}
   for i = 1, #ts do
     local rec, a, tenant = recs[i], 0, ''
     if rec then
@@ -845,7 +842,7 @@ local function ahead_walk(now, n)
         w.bf = now - (tonumber(enq) or now) < tonumber(c[2] or DEFAULT_BACKFILL_MS)
       end
       if quotas and tenant ~= '' and (atq[tenant] or quota_check(room, tenant, a, res) == 'wait') then
-        atq[tenant], w.blk[i], w.any = atq[tenant] or i, true, true
+        atq[tenant], w.blk[i], w.any = true, true, true
       end
     end
     w.amt[i], w.ten[i], w.sum[i] = a, tenant, w.sum[i - 1] + a
@@ -866,15 +863,9 @@ local function ahead_of(w, m, amount, tenant)
     if hit then
       b, n = hit[1], hit[2]
     else
-      -- its own tenant at its quota (an earlier waiter of it is, or it would be): no backfill
-      local bf = w.bf
-      if bf and w.quotas and tenant ~= '' then
-        local first = w.atq[tenant]
-        if (first and first < m + 1) or quota_check(w.room, tenant, amount, false) == 'wait' then bf = false end
-      end
       b, n = 0, 0
       for i = 1, upto do
-        if not (w.blk[i] and w.ten[i] ~= tenant) and not (bf and w.amt[i] > amount) then
+        if not (w.blk[i] and w.ten[i] ~= tenant) and not (w.bf and w.amt[i] > amount) then
           b, n = b + w.amt[i], n + 1
         end
       end

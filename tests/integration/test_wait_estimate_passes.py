@@ -101,24 +101,6 @@ async def test_a_tenant_at_its_quota_is_not_ahead_of_the_others(make_apool):
     await held_b.release()
 
 
-async def test_a_tenant_at_its_quota_passes_nobody_by_backfill(make_apool):
-    pool = make_apool(capacity=1000)
-    await pool.configure(1000, policy="backfill", backfill_window=600, quotas={"a": 500})
-    held_a = await pool.acquire(500, tenant="a")  # a at its quota
-    held_b = await pool.acquire(400, tenant="b")  # 100 free
-    rh = RemoteHolders(pool)
-    b1 = await _enqueue(rh, 800, "b1", tenant="b")
-    a1 = await _enqueue(rh, 300, "a1", tenant="a")  # waits for a's own bytes: behind b1 too
-    b2 = await _enqueue(rh, 200, "b2", tenant="b")  # passes b1 (backfill) and a1 (quota)
-    assert (b1.ahead_bytes, a1.ahead_bytes, b2.ahead_bytes) == (0, 800, 0)
-    st = await pool.status()
-    assert [w.ahead_bytes for w in st.waiters] == [0, 800, 0]
-    for rid in ("b1", "a1", "b2"):
-        await rh.cancel(rid)
-    await held_a.release()
-    await held_b.release()
-
-
 async def test_out_of_order_share_counts_a_waiter_passed_by_priority(make_apool):
     pool = make_apool(capacity=1000)
     holder = await pool.acquire(1000)
