@@ -833,9 +833,12 @@ local function ahead_walk(now, n)
   local c = redis.call('HMGET', K_CFG, 'policy', 'backfill_ms', 'nquotas')
   local quotas = c[3] ~= false and c[3] ~= '0'
   local room, atq = {}, {}
+  local plain = c[1] ~= 'backfill' and not quotas  -- FIFO without quotas: the amounts only
   for i = 1, #ts do
     local rec, a, tenant = recs[i], 0, ''
-    if rec then
+    if plain then
+      a = waiter_amount(rec)
+    elseif rec then
       local amount, _, enq, _, _, _, _, t, _, res = parse_waiter(rec)
       a, tenant = amount or 0, t or ''
       if i == 1 and c[1] == 'backfill' then
