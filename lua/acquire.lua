@@ -38,22 +38,26 @@
 --   granted:     {1, lease_id, token, expires_ms, amount, now_ms, epoch, capacity, used, device}
 --                (device: the lease's device index; 0 on a pool of one device)
 --   queued:      {0, position, retry_after_ms, queue_len, now_ms, epoch, capacity, used, held_back,
---                 grace_left_ms, 0, ahead_bytes, amount, bytes_per_s, grants_per_ks}
+--                 grace_left_ms, 0, ahead_bytes, amount, bytes_per_s, grants_per_ks,
+--                 ahead_count, out_of_order_pm}
 --   not queued:  {2, 0, retry_after_ms, queue_len, now_ms, epoch, capacity, used, held_back,
---                 grace_left_ms, 0, ahead_bytes, amount, bytes_per_s, grants_per_ks}
---                (mode 'try'); held_back: bytes the device report holds back now
+--                 grace_left_ms, 0, ahead_bytes, amount, bytes_per_s, grants_per_ks,
+--                 ahead_count, out_of_order_pm} (mode 'try'); held_back: bytes the device report holds back now
 --                (capacity - effective capacity; 0 without a live report); grace_left_ms: the
 --                time left in the pool's grace period (0 outside one)
 --   no resident room: {3, 0, retry_after_ms, queue_len, now_ms, epoch, capacity, used,
 --                held_back, grace_left_ms, resident, ahead_bytes, amount, bytes_per_s,
---                grants_per_ks} (kind 'resident' only): not granted, not
+--                grants_per_ks, ahead_count, out_of_order_pm} (kind 'resident' only): not granted, not
 --                queued; resident: the bytes of the resident leases held and queued, as
 --                recounted from the records (lib.lua resident_recount)
 --   The wait estimate's inputs (lib.lua "Drain rate", wait_inputs; gpulock/estimates/wait.py):
---   ahead_bytes: bytes of the waiters ahead in queue order (for a request not queued: of the
---   whole queue; the first 32 summed, lib.lua AHEAD_DEPTH, the rest extrapolated by their
---   mean), amount: this request's bytes, bytes_per_s and grants_per_ks: the pool's drain rate
---   in bytes per second and grants per 1000 seconds of busy time (0, 0: not measured yet).
+--   ahead_bytes and ahead_count: the bytes and the count of the waiters ahead of it (for a
+--   request not queued: of those of the whole queue that would be; lib.lua ahead_of: in queue
+--   order, less those it passes under backfill and those of other tenants at their quota; the
+--   first 32 walked, lib.lua AHEAD_DEPTH, the rest extrapolated), amount: this request's
+--   bytes, bytes_per_s and grants_per_ks: the pool's drain rate in bytes per second and grants
+--   per 1000 seconds of busy time (0, 0: not measured yet), out_of_order_pm: per mille of its
+--   grants that went out of arrival order.
 --   retry_after_ms is, in a grace period, the time to its end; else the time to the nearest
 --   lease expiry (-1 when none): a lower bound on when the queue can move if nobody releases.
 --   In a grace period (see configure.lua, reassert.lua) nothing is granted: requests queue.
@@ -215,7 +219,7 @@ end
 
 if qlen > 0 and redis.call('ZSCORE', K_QUEUE, ticket) then
   redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
-  return not_granted(0, redis.call('ZRANK', K_QUEUE, ticket) + 1, now, epoch, cap, eff, nil, amount)
+  return not_granted(0, redis.call('ZRANK', K_QUEUE, ticket) + 1, now, epoch, cap, eff, nil, amount, tenant)
 end
 if res then
   -- a resident request waits only where it fits next to the resident leases held and queued
@@ -224,7 +228,7 @@ if res then
   if amount > cap - rsv then  -- recounted from the records before it answers (lib.lua resident_recount)
     local x = resident_recount()
     rsv = x.held + x.queued
-    if amount > cap - rsv then return not_granted(3, 0, now, epoch, cap, eff, rsv, amount) end
+    if amount > cap - rsv then return not_granted(3, 0, now, epoch, cap, eff, rsv, amount, tenant) end
   end
 end
 
@@ -248,7 +252,7 @@ if now_ok then
   if res then resident_add(tenant, dev, amount) end
   return {1, lid, token, exp, amount, now, epoch, cap, used, tonumber(dev) or 0}
 end
-if mode == 'try' then return not_granted(2, 0, now, epoch, cap, eff, nil, amount) end
+if mode == 'try' then return not_granted(2, 0, now, epoch, cap, eff, nil, amount, tenant) end
 
 local maxw = tonumber(cfg[10])
 if qlen >= maxw then
@@ -265,4 +269,4 @@ if res then count_field('rqueued', amount) end
 redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
 local pos = 1
 if qlen > 0 then pos = redis.call('ZRANK', K_QUEUE, ticket) + 1 end
-return not_granted(0, pos, now, epoch, cap, eff, nil, amount)
+return not_granted(0, pos, now, epoch, cap, eff, nil, amount, tenant)

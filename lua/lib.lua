@@ -14,7 +14,7 @@
 --                                   "Resident leases" below): resident, rqueued, dres:<i>,
 --                                   tres:<tenant>; growths queued (see "Leases that wait to
 --                                   grow" below): gqueued; the queue's drain rate (see
---                                   "Drain rate" below): dr_b, dr_g, dr_t, dr_at
+--                                   "Drain rate" below): dr_b, dr_g, dr_t, dr_at, dr_o
 --   2 gpulock:{pool}:leases   zset  lease id -> server expiry (ms)
 --   3 gpulock:{pool}:holders  hash  lease id -> "amount|token|acquired_ms|ttl_ms|ticket|tenant|device|meta"
 --                                   (device: '' on a pool of one device, followed by 'r' for
@@ -771,64 +771,123 @@ end
 -- shows within a minute of queueing. DRAIN_MIN_MS: the busy time below which the rate is not
 -- reported (a first grant after a few ms of queueing would claim an absurd rate).
 local DRAIN_TAU_MS, DRAIN_MIN_MS = 30000, 200
-local function drain_step(dr, now, enq, b)
+-- dr_o: the decayed count of those grants that went out of queue-arrival order (a later
+-- arrival granted while an earlier one still waits: a priority, backfill, a tenant's quota,
+-- a growth at its lease's place), so dr_o / dr_g is the share of the queue's grants that
+-- passed someone (grant_from marks them; `ooo` true here, or passed_mark() after the fact).
+local function drain_step(dr, now, enq, b, ooo)
   local at = math.max(dr.at, tonumber(enq) or 0)
   local dt = math.max(0, now - at)
   local w = math.exp(-dt / DRAIN_TAU_MS)
   dr.b, dr.g, dr.t, dr.at = dr.b * w + b, dr.g * w + 1, dr.t * w + dt, now
+  dr.o = dr.o * w + (ooo and 1 or 0)
 end
 local function drain_fields(dr)
   local f = function(x) return string.format('%.17g', x) end
-  return 'dr_b', f(dr.b), 'dr_g', f(dr.g), 'dr_t', f(dr.t), 'dr_at', fmt(dr.at)
+  return 'dr_b', f(dr.b), 'dr_g', f(dr.g), 'dr_t', f(dr.t), 'dr_at', fmt(dr.at), 'dr_o', f(dr.o)
 end
 -- The rate as replies carry it (integers, as Lua numbers reach Redis truncated):
--- bytes_per_s (bytes per second of busy time) and grants_per_ks (grants per 1000 s of busy
--- time), each at least 1 when measured; 0, 0 while unmeasured (busy time under DRAIN_MIN_MS).
+-- bytes_per_s (bytes per second of busy time), grants_per_ks (grants per 1000 s of busy
+-- time), each at least 1 when measured, and out_of_order_pm (per mille of the grants that
+-- went out of arrival order, dr_o / dr_g); 0, 0, 0 while unmeasured (busy time under
+-- DRAIN_MIN_MS).
 local function drain_rate()
-  local r = redis.call('HMGET', K_CFG, 'dr_b', 'dr_g', 'dr_t')
+  local r = redis.call('HMGET', K_CFG, 'dr_b', 'dr_g', 'dr_t', 'dr_o')
   local b, g, t = tonumber(r[1] or '0') or 0, tonumber(r[2] or '0') or 0, tonumber(r[3] or '0') or 0
-  if t < DRAIN_MIN_MS or b <= 0 or g <= 0 then return 0, 0 end
-  return math.max(1, math.floor(b / t * 1000)), math.max(1, math.floor(g / t * 1000000))
+  if t < DRAIN_MIN_MS or b <= 0 or g <= 0 then return 0, 0, 0 end
+  local o = math.min(g, math.max(0, tonumber(r[4] or '0') or 0))
+  return math.max(1, math.floor(b / t * 1000)), math.max(1, math.floor(g / t * 1000000)),
+         math.floor(o / g * 1000)
 end
 
--- Bytes ahead of a waiter (docs/SEMANTICS.md, "Wait estimate"): queue_prefix(n) sums the
--- amounts of the first n waiters in queue order (a growth's: the bytes it grows by), walking
--- at most AHEAD_DEPTH of them (one ZRANGE, one HMGET); bytes_before(p, m) is then the bytes of
--- the first m, the walked part's mean amount standing in for each one beyond it. The depth
--- keeps a queued acquire's reply O(1) (every acquire that queues pays it): a walk of 1000
--- tripled the time 3000 waiters took to queue. The next ones to be granted are the ones it
--- reads, so the estimate is exact for the first AHEAD_DEPTH + 1 places.
+-- Bytes ahead of a waiter (docs/SEMANTICS.md, "Wait estimate"), the one place they are
+-- counted: acquire's and resize's replies (not_granted), renew's and status's per waiter.
+-- ahead_walk(now, n) reads the first min(n, AHEAD_DEPTH) waiters in queue order (one ZRANGE,
+-- one HMGET; a growth counts the bytes it grows by) and what decides which of them are ahead
+-- of whom; ahead_of(w, m, amount, tenant) is then the bytes and the count of those of the
+-- first m waiters that are ahead of a waiter of `amount` bytes and `tenant` ('' : none):
+-- * every one of them, in queue order (FIFO), except
+-- * under the backfill policy while the head's window is open (backfill_open), those larger
+--   than `amount`: it fits before them and passes them;
+-- * on a pool with tenant quotas, those whose tenant is at its quota (quota_check 'wait', and
+--   every later waiter of that tenant, as grant_from passes them) and is not `tenant`: they
+--   wait for their own tenant's releases, and the others pass them.
+-- Beyond the walked part, the walked part's share stands in for each one (its bytes and its
+-- count scaled by m / walked), so the result is exact for the first AHEAD_DEPTH + 1 places and
+-- an extrapolation behind them. The depth keeps a queued acquire's reply O(1) (every acquire
+-- that queues pays it): a walk of 1000 tripled the time 3000 waiters took to queue. Cost of
+-- ahead_of: O(1) from prefix sums when no waiter is passed; else at most AHEAD_DEPTH steps, and
+-- once per (amount, tenant) for places beyond the walk (memo), so status's walk over `limit`
+-- waiters stays linear.
 local AHEAD_DEPTH = 32
 local function waiter_amount(rec)  -- a waiter record's amount (parse_waiter's first field), 0 if none
   return rec and tonumber(string.match(rec, '^(%d+)|')) or 0
 end
-local function queue_prefix(n)
-  local sums = {[0] = 0}
+local function ahead_walk(now, n)
+  local w = {k = 0, sum = {[0] = 0}, amt = {}, ten = {}, blk = {}, bf = false, any = false, memo = {}}
   local k = math.min(n, AHEAD_DEPTH)
-  if k <= 0 then return sums end
+  if k <= 0 then return w end
   local ts = redis.call('ZRANGE', K_QUEUE, 0, k - 1)
-  if #ts == 0 then return sums end
+  if #ts == 0 then return w end
   local recs = redis.call('HMGET', K_WAITERS, unpack(ts))
+  local c = redis.call('HMGET', K_CFG, 'policy', 'backfill_ms', 'nquotas')
+  local quotas = c[3] ~= false and c[3] ~= '0'
+  local room, atq = {}, {}
+  local plain = c[1] ~= 'backfill' and not quotas  -- FIFO without quotas: the amounts only
   for i = 1, #ts do
-    sums[i] = sums[i - 1] + waiter_amount(recs[i])
+    local rec, a, tenant = recs[i], 0, ''
+    if plain then
+      a = waiter_amount(rec)
+    elseif rec then
+      local amount, _, enq, _, _, _, _, t, _, res = parse_waiter(rec)
+      a, tenant = amount or 0, t or ''
+      if i == 1 and c[1] == 'backfill' then
+        w.bf = now - (tonumber(enq) or now) < tonumber(c[2] or DEFAULT_BACKFILL_MS)
+      end
+      if quotas and tenant ~= '' and (atq[tenant] or quota_check(room, tenant, a, res) == 'wait') then
+        atq[tenant], w.blk[i], w.any = true, true, true
+      end
+    end
+    w.amt[i], w.ten[i], w.sum[i] = a, tenant, w.sum[i - 1] + a
   end
-  return sums
+  w.k = #ts
+  if w.bf then w.any = true end
+  return w
 end
-local function bytes_before(sums, m)
-  if m <= 0 then return 0 end
-  local k = #sums
-  if m <= k then return sums[m] end
-  if k == 0 then return 0 end
-  return math.floor(sums[k] / k * m)
+local function ahead_of(w, m, amount, tenant)
+  if m <= 0 or w.k == 0 then return 0, 0 end
+  local upto = math.min(m, w.k)
+  local b, n
+  if not w.any then
+    b, n = w.sum[upto], upto
+  else
+    local key = upto == w.k and (fmt(amount) .. '|' .. (tenant or ''))
+    local hit = key and w.memo[key]
+    if hit then
+      b, n = hit[1], hit[2]
+    else
+      b, n = 0, 0
+      for i = 1, upto do
+        if not (w.blk[i] and w.ten[i] ~= tenant) and not (w.bf and w.amt[i] > amount) then
+          b, n = b + w.amt[i], n + 1
+        end
+      end
+      if key then w.memo[key] = {b, n} end
+    end
+  end
+  if m > w.k then return math.floor(b / w.k * m), math.floor(n / w.k * m) end
+  return b, n
 end
--- What a waiter's estimate needs beyond the reply's capacity, used and held_back: the bytes
--- ahead of the waiter at 1-based `pos` (0: a request not queued, so every queued byte is
--- ahead), its `amount`, and drain_rate()'s two integers.
-local function wait_inputs(pos, amount)
+-- What a waiter's estimate needs beyond the reply's capacity, used and held_back: of the
+-- waiter at 1-based `pos` (0: a request not queued, so every queued waiter is before it) of
+-- `amount` bytes and `tenant`, the bytes and the count of the waiters ahead (ahead_of), its
+-- amount, and drain_rate()'s three integers.
+local function wait_inputs(now, pos, amount, tenant)
   local m = pos
   if pos <= 0 then m = redis.call('ZCARD', K_QUEUE) else m = pos - 1 end
-  local b, g = drain_rate()
-  return bytes_before(queue_prefix(m), m), amount, b, g
+  local b, g, o = drain_rate()
+  local ahead, count = ahead_of(ahead_walk(now, m), m, amount, tenant or '')
+  return ahead, amount, b, g, count, o
 end
 
 -- Server-side hand-off: grant the longest prefix of the queue (in queue order: lib.lua
@@ -866,14 +925,21 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
   -- Grant waiter `t` (record fields parsed) a lease now, on device `dev` ('' : one device).
   -- A growth (`grow`) adds `amount` to lease `lid` instead (grow_lease): the line then names
   -- the lease's token, expiry and new amount.
-  local function grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq)
+  -- `ooo`: it goes out of arrival order (see "Drain rate"; the main pass's grants are marked
+  -- after the fact, by last_enq).
+  local last_enq  -- the enqueue ms of the main pass's last grant counted in the drain rate
+  local function grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq, ooo)
     if not fence then
-      local c = redis.call('HMGET', K_CFG, 'fence', 'grants', 'dr_b', 'dr_g', 'dr_t', 'dr_at')
+      local c = redis.call('HMGET', K_CFG, 'fence', 'grants', 'dr_b', 'dr_g', 'dr_t', 'dr_at', 'dr_o')
       fence, grants = tonumber(c[1] or '0'), tonumber(c[2] or '0')
       dr = {b = tonumber(c[3] or '0') or 0, g = tonumber(c[4] or '0') or 0,
-            t = tonumber(c[5] or '0') or 0, at = tonumber(c[6] or '0') or 0}
+            t = tonumber(c[5] or '0') or 0, at = tonumber(c[6] or '0') or 0, o = tonumber(c[7] or '0') or 0}
     end
-    if t ~= own then drain_step(dr, now, enq, amount) end  -- own: queued by this very call
+    last_enq = nil
+    if t ~= own then  -- own: queued by this very call
+      drain_step(dr, now, enq, amount, ooo)
+      if not ooo then last_enq = tonumber(enq) end
+    end
     local wscore = not grow and redis.call('ZSCORE', K_QUEUE, t)  -- the lease's place (lease_place)
     drop_waiter(t, res and amount or 0, grow)
     local tok, exp, total
@@ -944,6 +1010,9 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
       drop_waiter(t, 0)
     else
       local amount, ttl, enq, lid, chan, meta, _, tenant, pin, res, grow = parse_waiter(w)
+      -- the grant just made passed this waiter, which arrived earlier (a priority, a growth)
+      if last_enq and tonumber(enq) < last_enq then dr.o = dr.o + 1 end
+      last_enq = nil
       local q = quota_check(room, tenant, amount, res)
       local dev
       -- a growth can never be granted when its lease's new total could not be (the lease is
@@ -969,7 +1038,7 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
           blocked_enq = enq
           break
         end
-        grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq)
+        grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq, skipped > 0)
       end
     end
     head = redis.call('ZRANGE', K_QUEUE, skipped, skipped)
@@ -985,7 +1054,7 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
         if grow then whole = grown_total(lid, amount, tenant, room) end
         if whole ~= nil and whole <= largest(pin) and used + amount <= eff and q == 'ok' and not passed[tenant] then
           local dev = where(amount, pin)
-          if dev ~= nil then grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq) end
+          if dev ~= nil then grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq, true) end
         end
       end
       if used >= eff then break end
@@ -1019,7 +1088,7 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
         if grow then whole = grown_total(lid, amount, tenant, room) end
         if whole ~= nil and q == 'ok' and not never(whole, pin, res, q) and used + amount <= eff then
           local dev = where(amount, pin)
-          if dev ~= nil then grant(c[2], amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq) end
+          if dev ~= nil then grant(c[2], amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq, true) end
         end
       end
     end
@@ -1146,12 +1215,14 @@ end
 
 -- acquire's reply when it grants nothing now: {code, position, retry_after_ms, queue_len,
 -- now_ms, epoch, capacity, used, held_back, grace_left_ms, resident (0 unless code 3),
--- ahead_bytes, amount, bytes_per_s, grants_per_ks} (see acquire.lua; the last four:
--- wait_inputs). resize.lua's has the same shape, its `current` in resident's place.
-local function not_granted(code, pos, now, epoch, cap, eff, resident, amount)
-  local ahead, a, b, g = wait_inputs(pos, amount)
+-- ahead_bytes, amount, bytes_per_s, grants_per_ks, ahead_count, out_of_order_pm} (see
+-- acquire.lua; the last six: wait_inputs, for a waiter of `tenant`). resize.lua's has the same
+-- shape, its `current` in resident's place.
+local function not_granted(code, pos, now, epoch, cap, eff, resident, amount, tenant)
+  local ahead, a, b, g, count, o = wait_inputs(now, pos, amount, tenant)
   return {code, pos, next_expiry_in(now), redis.call('ZCARD', K_QUEUE), now,
-          epoch, cap, cfg_num('used'), cap - eff, grace_left(now), resident or 0, ahead, a, b, g}
+          epoch, cap, cfg_num('used'), cap - eff, grace_left(now), resident or 0, ahead, a, b, g,
+          count, o}
 end
 
 local function grant_reply(now, lid)

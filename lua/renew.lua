@@ -13,11 +13,13 @@
 -- Reply: {now_ms, epoch (0: pool not configured), lease_results, ticket_results, queue}
 --   lease_results:  one per lease, in order: new expires_ms, or 0 when lost
 --   ticket_results: one per ticket, in order:
---     {'q', position, ahead_bytes, amount}            still queued (expiry refreshed);
---                                                     ahead_bytes and amount as acquire.lua's
+--     {'q', position, ahead_bytes, amount, ahead_count}  still queued (expiry refreshed);
+--                                                     ahead_bytes, amount, ahead_count as
+--                                                     acquire.lua's
 --     {'g', lease_id, token, expires_ms, amount, device}  granted (device 0 on a pool of one)
 --     {'x'}                                           unknown (expired from the queue, cancelled)
---   queue: {capacity, used, held_back, queue_len, bytes_per_s, grants_per_ks, grace_left_ms}:
+--   queue: {capacity, used, held_back, queue_len, bytes_per_s, grants_per_ks, grace_left_ms,
+--          out_of_order_pm}:
 --     the rest of a queued waiter's estimate inputs (acquire.lua's; {} when the pool is not
 --     configured)
 -- Errors (nothing written): GPULOCK_BADARG <why>
@@ -77,7 +79,13 @@ for k, tw in ipairs(tickets) do
   if redis.call('ZSCORE', K_QUEUE, t) then
     redis.call('ZADD', K_WEXP, fmt(now + tw[2]), t)
     local pos = redis.call('ZRANK', K_QUEUE, t) + 1
-    tres[k] = {'q', pos, 0, waiter_amount(redis.call('HGET', K_WAITERS, t))}
+    local rec = redis.call('HGET', K_WAITERS, t)
+    local a, tenant = 0, ''
+    if rec then
+      local x, _, _, _, _, _, _, tn = parse_waiter(rec)
+      a, tenant = x or 0, tn or ''
+    end
+    tres[k] = {'q', pos, 0, a, 0, tenant}
     if pos > last then last = pos end
   else
     local lid = redis.call('HGET', K_TICKETS, t)
@@ -89,15 +97,18 @@ for k, tw in ipairs(tickets) do
     end
   end
 end
-if last > 0 then
-  local sums = queue_prefix(last - 1)
+if last > 0 then  -- the bytes and count ahead (lib.lua ahead_of), one walk for every ticket
+  local w = ahead_walk(now, last - 1)
   for _, a in ipairs(tres) do
-    if a[1] == 'q' then a[3] = bytes_before(sums, a[2] - 1) end
+    if a[1] == 'q' then
+      a[3], a[5] = ahead_of(w, a[2] - 1, a[4], a[6])
+      a[6] = nil
+    end
   end
 end
 local c = redis.call('HMGET', K_CFG, 'capacity', 'used', 'external', 'external_until')
 local cap = tonumber(c[1] or '0')
 local held_back = cap - eff_cap(now, cap, tonumber(c[3] or '0'), tonumber(c[4] or '0'))
-local b, g = drain_rate()
+local b, g, o = drain_rate()
 return {now, cfg_num('epoch'), lres, tres,
-        {cap, tonumber(c[2] or '0'), held_back, redis.call('ZCARD', K_QUEUE), b, g, grace_left(now)}}
+        {cap, tonumber(c[2] or '0'), held_back, redis.call('ZCARD', K_QUEUE), b, g, grace_left(now), o}}

@@ -31,8 +31,9 @@
 --                the lease has `amount` now (renewed: expires_ms = now + ttl_ms)
 --   queued:      {0, position, retry_after_ms, queue_len, now_ms, epoch, capacity, used,
 --                 held_back, grace_left_ms, current, ahead_bytes, delta, bytes_per_s,
---                 grants_per_ks}   the growth waits; current: the lease's amount meanwhile;
---                 the last four as acquire.lua's (delta: the bytes the lease grows by)
+--                 grants_per_ks, ahead_count, out_of_order_pm}   the growth waits; current:
+--                 the lease's amount meanwhile; the last six as acquire.lua's (delta: the
+--                 bytes the lease grows by)
 --   not queued:  {2, 0, ...same...}                     (mode 'try')
 -- Errors (nothing written, but the reap of expired leases and gone waiters, and the hand-off,
 -- which any script makes):
@@ -124,7 +125,7 @@ local queued = qlen > 0 and redis.call('HGET', K_WAITERS, ticket)
 local function current_reply(code, pos)
   local c = redis.call('HMGET', K_CFG, 'external', 'external_until')
   local eff = eff_cap(now, cap, tonumber(c[1] or '0'), tonumber(c[2] or '0'))
-  return not_granted(code, pos, now, cfg[8], cap, eff, cur, math.max(0, amount - cur))
+  return not_granted(code, pos, now, cfg[8], cap, eff, cur, math.max(0, amount - cur), tenant)
 end
 local function granted()
   redis.call('ZADD', K_LEASES, 'XX', fmt(now + ttl), lid)

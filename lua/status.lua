@@ -10,7 +10,9 @@
 --    leases  = {{lease_id, amount, token, expires_ms, acquired_ms, ttl_ms, ticket, meta,
 --                tenant, device}, ...} (soonest expiry first; device 0 on a pool of one device),
 --    waiters = {{ticket, amount, enqueued_ms, waiter_expires_ms, meta, priority, tenant,
---                device, growth_of, growth_token}, ...} (queue order; device: the pinned
+--                device, growth_of, growth_token, ahead_bytes, ahead_count}, ...} (queue
+--                order; ahead_bytes, ahead_count: the bytes and the count of the waiters ahead
+--                of it, as acquire.lua replies them, lib.lua ahead_of; device: the pinned
 --                device, -1 for any; growth_of: for the growth of a held lease (resize.lua)
 --                the lease's id, amount being the bytes it grows by, and growth_token its
 --                fencing token, meta its holder's; '' and 0 for a new request),
@@ -24,9 +26,10 @@
 --              of one device), placement ('bestfit' or 'spread'),
 --    resident (bytes held by resident leases), resident_queued (bytes of resident requests
 --    queued): lib.lua "Resident leases",
---    bytes_per_s, grants_per_ks: the queue's drain rate, bytes per second and grants per 1000
---    seconds of busy time, 0, 0 while not measured (lib.lua "Drain rate"); with capacity,
---    used, external and the waiters' amounts in queue order, a listed waiter's wait estimate}
+--    bytes_per_s, grants_per_ks, out_of_order_pm: the queue's drain rate, bytes per second
+--    and grants per 1000 seconds of busy time, and per mille of its grants out of arrival
+--    order, 0, 0, 0 while not measured (lib.lua "Drain rate"); with capacity, used, external
+--    and a listed waiter's ahead_bytes and ahead_count, its wait estimate}
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
 local type_err = check_types(); if type_err then return type_err end
@@ -57,7 +60,8 @@ end
 local waiters = {}
 if limit > 0 then
   local ts = redis.call('ZRANGE', K_QUEUE, 0, limit - 1)
-  for _, t in ipairs(ts) do
+  local walk = ahead_walk(now, #ts - 1)  -- the bytes and count ahead of each (lib.lua ahead_of)
+  for j, t in ipairs(ts) do
     local rec = redis.call('HGET', K_WAITERS, t)
     if rec then
       local amount, _, enq, lid, _, meta, prio, tenant, pin, _, grow = parse_waiter(rec)
@@ -71,8 +75,9 @@ if limit > 0 then
           if meta == '' then meta = hmeta end
         end
       end
+      local ahead, count = ahead_of(walk, j - 1, amount, tenant)
       waiters[#waiters + 1] = {t, amount, tonumber(enq), tonumber(redis.call('ZSCORE', K_WEXP, t) or '0'), meta,
-                               prio, tenant, tonumber(pin) or -1, of, gtok}
+                               prio, tenant, tonumber(pin) or -1, of, gtok, ahead, count}
     end
   end
 end
@@ -85,6 +90,7 @@ for _, t in ipairs(names) do
   tenants[#tenants + 1] = tt[t][2]
   tenants[#tenants + 1] = tt[t][1]
 end
+local bps, gpks, oopm = drain_rate()
 local devices = {}
 local dv = redis.call('HMGET', K_CFG, 'devices', 'placement')
 local d = load_devices(dv[1], dv[2])
@@ -100,4 +106,4 @@ return {1, now, cfg_num('capacity'), cfg_num('used'), cfg_num('epoch'), cfg_num(
         grace_left(now), cfg_num('max_ttl_ms'), cfg_num('reasserted'), ext, ext_left, overuse,
         redis.call('HGET', K_CFG, 'policy') or POLICIES[1],
         tonumber(redis.call('HGET', K_CFG, 'backfill_ms') or DEFAULT_BACKFILL_MS), tenants,
-        devices, dv[2] or PLACEMENTS[1], cfg_num('resident'), cfg_num('rqueued'), drain_rate()}
+        devices, dv[2] or PLACEMENTS[1], cfg_num('resident'), cfg_num('rqueued'), bps, gpks, oopm}

@@ -108,9 +108,11 @@ def decode_acquire(ticket: str, r: list[Any]) -> Grant | NotGranted:
     capacity, used = int(r[6]), int(r[7])
     held_back = int(r[8]) if len(r) > 8 else 0
     ahead, drain, wait = 0, None, None
-    if len(r) > 14:  # the estimate's inputs: ahead_bytes, amount, bytes_per_s, grants_per_ks
+    if len(r) > 14:  # the estimate's inputs: ahead_bytes, amount, bytes_per_s, grants_per_ks,
+        # then ahead_count, out_of_order_pm (lua/acquire.lua)
         ahead, amount = int(r[11]), int(r[12])
-        drain = DrainRate.from_wire(int(r[13]), int(r[14]))
+        count = int(r[15]) if len(r) > 15 else None
+        drain = DrainRate.from_wire(int(r[13]), int(r[14]), int(r[16]) if len(r) > 16 else 0)
         free, grace = capacity - held_back - used, int(r[9]) / 1000
         if code == 0:
             wait = wait_seconds(
@@ -120,6 +122,7 @@ def decode_acquire(ticket: str, r: list[Any]) -> Grant | NotGranted:
                 position=position,
                 rate=drain,
                 grace_left=grace,
+                ahead_count=count,
             )
         else:
             wait = wait_seconds_at_tail(
@@ -129,6 +132,7 @@ def decode_acquire(ticket: str, r: list[Any]) -> Grant | NotGranted:
                 free_bytes=free,
                 rate=drain,
                 grace_left=grace,
+                ahead_count=count,
             )
     return NotGranted(
         code == 0,
@@ -240,9 +244,10 @@ def decode_renew(r: Sequence[Any], tickets: Sequence[str] = ()) -> RenewReply:
     """``renew.lua``'s reply ``{now_ms, epoch, lease_results, ticket_results, queue}`` for a
     call that refreshed ``tickets`` (in order; a grant's record carries its ticket)."""
     now, epoch = int(r[0]), int(r[1])
-    # queue: {capacity, used, held_back, queue_len, bytes_per_s, grants_per_ks, grace_left_ms}
-    q = [int(v) for v in r[4]] + [0] if len(r) > 4 and len(r[4]) >= 6 else None
-    drain = DrainRate.from_wire(q[4], q[5]) if q else None
+    # queue: {capacity, used, held_back, queue_len, bytes_per_s, grants_per_ks, grace_left_ms,
+    # out_of_order_pm}
+    q = [int(v) for v in r[4]] + [0, 0] if len(r) > 4 and len(r[4]) >= 6 else None
+    drain = DrainRate.from_wire(q[4], q[5], q[7]) if q else None
     answers: list[WaiterAnswer] = []
     for ticket, a in zip(tickets, r[3]):
         kind = _s(a[0])
@@ -271,6 +276,7 @@ def decode_renew(r: Sequence[Any], tickets: Sequence[str] = ()) -> RenewReply:
                 position=pos,
                 rate=drain,
                 grace_left=q[6] / 1000,
+                ahead_count=int(a[4]) if len(a) > 4 else None,
             )
             answers.append(Queued(pos, wait, q[3]))
         else:

@@ -130,7 +130,10 @@ class PoolStatus:
         """Estimated seconds a request of ``amount`` bytes would wait if it joined the
         queue's tail now (gpulock.estimates.wait.wait_seconds_at_tail), every queued byte
         ahead of it: the listed waiters' amounts, their mean standing in for each waiter not
-        listed. None while the drain rate is not measured."""
+        listed. It does not leave out the waiters such a request would pass (lib.lua
+        ahead_of: under backfill, past a tenant at its quota), so there it is an upper bound;
+        acquire's own answer (``timeout=0``) counts them. None while the drain rate is not
+        measured."""
         listed = sum(w.amount for w in self.waiters)
         queued = listed
         if self.waiters and self.waiter_count > len(self.waiters):
@@ -223,9 +226,11 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
             int(x[7]) if len(x) > 7 and int(x[7]) >= 0 else None,
             _s(x[8]) or None if len(x) > 8 else None,
             int(x[9]) or None if len(x) > 9 and _s(x[8]) else None,
+            int(x[10]) if len(x) > 10 else 0,
         )
         for i, x in enumerate(r[13])
     ]
+    counts = [int(x[11]) if len(x) > 11 else None for x in r[13]]
     (
         capacity,
         used,
@@ -239,8 +244,12 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
         reaped_waiters,
     ) = (int(v) for v in r[2:12])
     extra = [int(v) for v in r[14:19]] + [0, 0, 0, 0, 0]
-    drain = DrainRate.from_wire(int(r[27]), int(r[28])) if len(r) > 28 else None
-    waiters = _with_estimates(waiters, capacity - extra[3] - used, drain, extra[0] / 1000)
+    drain = (
+        DrainRate.from_wire(int(r[27]), int(r[28]), int(r[29]) if len(r) > 29 else 0)
+        if len(r) > 28
+        else None
+    )
+    waiters = _with_estimates(waiters, counts, capacity - extra[3] - used, drain, extra[0] / 1000)
     return PoolStatus(
         pool,
         capacity,
@@ -273,23 +282,31 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
 
 
 def _with_estimates(
-    waiters: list[WaiterInfo], free: int, drain: DrainRate | None, grace_left: float
+    waiters: list[WaiterInfo],
+    counts: list[int | None],
+    free: int,
+    drain: DrainRate | None,
+    grace_left: float,
 ) -> list[WaiterInfo]:
-    """The listed waiters (queue order, from the head) with their ``ahead_bytes`` and
-    ``estimated_wait``; ``free``: capacity - external - used, bytes; ``grace_left``: seconds."""
-    out, ahead = [], 0
-    for w in waiters:
-        wait = wait_seconds(
-            ahead_bytes=ahead,
-            amount=w.amount,
-            free_bytes=free,
-            position=w.position,
-            rate=drain,
-            grace_left=grace_left,
+    """The listed waiters (queue order, from the head; ``ahead_bytes`` as the script counted
+    them, lib.lua ahead_of) with their ``estimated_wait``; ``counts``: each one's count of
+    waiters ahead, the script's (None: every one before it); ``free``: capacity - external -
+    used, bytes; ``grace_left``: seconds."""
+    return [
+        replace(
+            w,
+            estimated_wait=wait_seconds(
+                ahead_bytes=w.ahead_bytes,
+                amount=w.amount,
+                free_bytes=free,
+                position=w.position,
+                rate=drain,
+                grace_left=grace_left,
+                ahead_count=n,
+            ),
         )
-        out.append(replace(w, ahead_bytes=ahead, estimated_wait=wait))
-        ahead += w.amount
-    return out
+        for w, n in zip(waiters, counts)
+    ]
 
 
 def _devices(flat: list[Any], capacity: int, used: int) -> list[DeviceUse]:
