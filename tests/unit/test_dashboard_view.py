@@ -66,6 +66,7 @@ def test_no_token_identity_no_lease_or_request_id():
             "waited": 2.5,
             "priority": 0,
             "growth_token": None,  # a new request, not a lease's growth
+            "estimated_wait_s": None,  # the pool's drain rate is not measured
         }
     ]
     text = repr(v)
