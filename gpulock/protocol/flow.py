@@ -459,7 +459,7 @@ def _acquire(
                 grace_left=grace,
             )
         if tr is not None:
-            tr.queued(res.position)
+            tr.queued(res.place)
             on_queued = tr.watching(on_queued)
         grace = res.grace_left_ms / 1000
         if req.timeout_s is not None and grace_outlasts(grace, start + req.timeout_s - sent):

@@ -305,3 +305,33 @@ def test_without_opentelemetry(redis_proc, pool_name):
         """
     )
     assert out.strip() == "ok"
+
+
+def test_sync_queued_acquire_carries_the_estimated_wait(make_pool, spans):
+    """Once the pool's drain rate is measured, the acquire span of a request that queues has
+    the estimated wait its QueuePlace carried (attribute and queued event)."""
+    from support.drain import measure_drain
+
+    pool = make_pool(capacity=100)
+    measure_drain(pool, 100)
+    first = pool.acquire(100)
+    got: dict[str, object] = {}
+
+    def take() -> None:
+        got["lease"] = pool.acquire(60, timeout=60, on_queued=lambda p: got.setdefault("p", p))
+
+    th = threading.Thread(target=take)
+    th.start()
+    wait_until(lambda: "p" in got, 60, "the request to queue")
+    first.release()
+    th.join(120)
+    lease = got["lease"]
+    lease.release()
+    place = got["p"]
+    assert place.estimated_wait is not None
+    acq = one(spans, t.ACQUIRE, {t.LEASE_ID: lease.id})
+    assert acq.attributes[t.POSITION] == 1
+    assert acq.attributes[t.ESTIMATED_WAIT] == pytest.approx(place.estimated_wait)
+    assert events(acq, t.EVENT_QUEUED) == [
+        {t.POSITION: 1, t.ESTIMATED_WAIT: pytest.approx(place.estimated_wait)}
+    ]

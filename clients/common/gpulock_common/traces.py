@@ -129,13 +129,19 @@ class AcquireSpan:
 
     def queued(self, position: int) -> None:
         """The request is at ``position`` (1-based) in the queue: the first sets the entry
-        position; each change adds a ``gpulock.queued`` event. Safe from any thread."""
+        position (and the estimated wait, when ``position`` is a
+        :class:`gpulock_common.queue.QueuePlace` that carries one); each change adds a
+        ``gpulock.queued`` event with both. Safe from any thread."""
         if position == self.position:
             return
+        wait = getattr(position, "estimated_wait", None)
+        attrs: dict[str, Any] = {t.POSITION: int(position)}
+        if wait is not None:
+            attrs[t.ESTIMATED_WAIT] = float(wait)
         if self.position == 0:
-            self.span.set_attribute(t.POSITION, position)
-        self.position = position
-        self.span.add_event(t.EVENT_QUEUED, {t.POSITION: position})
+            self.span.set_attributes(attrs)
+        self.position = int(position)
+        self.span.add_event(t.EVENT_QUEUED, attrs)
 
     def watching(self, on_queued: Optional[Callable[[int], Any]]) -> Callable[[int], Any]:
         """``on_queued`` (None: none) with :meth:`queued` called first."""
