@@ -30,8 +30,9 @@ seconds: the workers keep running (a killed one is replaced and carries the miss
 only what is still missing is injected from outside (no random stops, kills or restarts then:
 they would only delay the missing plans). On a loaded machine a worker holding a plan may be
 killed or stopped, or not see the plan's precondition, before a fixed end; this waits for it.
-The end is then decided: the driver writes its instant (3 s ahead) into ``end_at`` in the work
-folder, which the workers read before each cycle (their ``END_AT`` is ``@PATH``).
+The end is then decided: the driver writes its instant (``END_TAIL_S`` = 3 s ahead: it looks
+that long before ``duration``, so a run with nothing missing ends at ``duration``) into
+``end_at`` in the work folder, which the workers read before each cycle (``END_AT`` ``@PATH``).
 
 Redis restarts and processes that never saw the pool: a process that starts while the pool
 is missing (after a restart, before a holder that knew it re-created it with its grace
@@ -170,7 +171,8 @@ def run_soak(
     k = pool_keys(NAME)
     rng = random.Random(seed)
     start = time.time()
-    soft_end = start + duration  # from here on, the driver waits only for what is missing
+    soft_end = start + duration  # the end, unless something scheduled is still missing then
+    goal_at = soft_end - END_TAIL_S  # from here on, the driver waits only for what is missing
     end_at = math.inf  # decided once nothing is missing (or extend_s passed): see decide_end
     end_file = work / "end_at"  # the workers' END_AT (@PATH): written when the end is decided
     late: list[str] | None = None  # what was missing once the duration had passed
@@ -271,7 +273,7 @@ def run_soak(
         tmp.write_text(repr(now + END_TAIL_S))
         os.replace(tmp, end_file)
         ended_missing.extend(missing)
-        timeline.append((now, f"end decided, {now - soft_end:.2f}s past the duration ({missing})"))
+        timeline.append((now, f"end decided, {now - goal_at:.2f}s late (missing: {missing})"))
         return now + END_TAIL_S
 
     def shell_of(pid: int) -> str:
@@ -290,12 +292,12 @@ def run_soak(
         # Until the last worker left (or a replacement is still due), 45 s past the end at most.
         while (procs or (respawn and time.time() < end_at - 2.0)) and time.time() < end_at + 45.0:
             now = time.time()
-            if end_at == math.inf and now >= soft_end and now >= next_goal_check:
+            if end_at == math.inf and now >= goal_at and now >= next_goal_check:
                 next_goal_check = now + 0.5
                 missing = missing_goals()
                 if late is None:
                     late = missing
-                if not missing or now >= soft_end + extend_s:
+                if not missing or now >= goal_at + extend_s:
                     end_at = decide_end(now, missing)
                 elif churn and len(restarts) >= 2:
                     next_restart = math.inf  # only what is missing, from here on
@@ -375,7 +377,7 @@ def run_soak(
                         n = len(_redis_conns(pr.pid, rp.port) & clients)
                         sh = shell_of(pr.pid)
                         max_conns[sh] = max(max_conns[sh], n)
-            extending = now >= soft_end  # then only the scheduled kinds still missing
+            extending = now >= goal_at  # then only the scheduled kinds still missing
             if now >= next_ext and now < end_at - 2.0 and (ext or not extending):
                 next_ext = now + rng.uniform(0.3, 1.0)  # faults from outside, at any instant
                 running = {
@@ -484,7 +486,7 @@ def run_soak(
         "stats": dict(stats),
         "drain_s": drain_s,
         "run_s": round(end_at - start, 2),
-        "extended_s": round(max(0.0, end_at - END_TAIL_S - soft_end), 2),
+        "extended_s": round(max(0.0, end_at - soft_end), 2),
         "missing after the duration": late or [],
         "missing at the end": ended_missing,
         "stops": len(stop_lengths),
