@@ -1,7 +1,8 @@
 """The soak driver shared by test_holder_faults.py and test_soak_churn.py (not collected).
 
 ``run_soak`` starts worker processes (``_soak_worker.py``) on one pool and hits them with
-faults until ``duration`` has passed, then checks, on the raw keys and on the recorded
+faults for ``duration`` seconds and, past it, until every scheduled fault was observed (the
+end waits on observed state, not on a fixed time: see "The end" below), then checks, on the raw keys and on the recorded
 history (never on gpulock's own counters):
 
 * the pool drains: ``used`` 0, no lease and nothing queued, within ttl + waiter_ttl after the
@@ -22,6 +23,17 @@ Faults, every kind scheduled (a shuffled list that holds each kind once, then ra
   the crowd process (hundreds or thousands of acquires waiting) killed -9 while waiting, and
   Redis itself killed -9 and restarted empty on the same port.
 
+The end: after ``duration``, while something scheduled is still missing (a plan nobody
+injected, an external kind of the shuffled list, a stop longer than the ttl; with ``Churn``: two
+Redis restarts and one quit of the crowd), the driver goes on for at most ``extend_s`` more
+seconds: the workers keep running (a killed one is replaced and carries the missing plans), and
+only what is still missing is injected from outside (no random stops, kills or restarts then:
+they would only delay the missing plans). On a loaded machine a worker holding a plan may be
+killed or stopped, or not see the plan's precondition, before a fixed end; this waits for it.
+The end is then decided: the driver writes its instant (``END_TAIL_S`` = 3 s ahead: it looks
+that long before ``duration``, so a run with nothing missing ends at ``duration``) into
+``end_at`` in the work folder, which the workers read before each cycle (``END_AT`` ``@PATH``).
+
 Redis restarts and processes that never saw the pool: a process that starts while the pool
 is missing (after a restart, before a holder that knew it re-created it with its grace
 period) would create it as a new pool, without a grace period, and could be granted bytes a
@@ -35,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import os
 import random
 import signal
@@ -71,6 +84,8 @@ PLANS = [
 ]
 CLOCK_NAME = "soak-clock"  # the workers' own TIME connection: one per process, counted
 NAME = "soak"
+EXTEND_S = 60.0  # at most this many seconds past the duration, waiting for what is missing
+END_TAIL_S = 3.0  # the end is decided this long before it (no new process in its last 2 s)
 
 
 @dataclasses.dataclass
@@ -142,7 +157,13 @@ def run_soak(
     fault_p: float,
     seed: int,
     churn: Churn | None = None,
+    extend_s: float = EXTEND_S,
 ) -> dict:
+    """Run the soak (see the module's docstring) and return its figures (``check`` and
+    ``summary`` read them). ``duration`` and ``extend_s`` are seconds: the run lasts at least
+    ``duration`` and at most ``duration + extend_s`` plus the workers' last cycles; raises
+    AssertionError when a worker exits with an unexpected code, a worker logged an unexpected
+    error, the pool does not drain, or a fencing token was handed out twice."""
     url = rp.url
     direct = _Direct(url)
     with Pool.from_url(url, NAME) as p:
@@ -150,7 +171,13 @@ def run_soak(
     k = pool_keys(NAME)
     rng = random.Random(seed)
     start = time.time()
-    end_at = start + duration
+    soft_end = start + duration  # the end, unless something scheduled is still missing then
+    goal_at = soft_end - END_TAIL_S  # from here on, the driver waits only for what is missing
+    end_at = math.inf  # decided once nothing is missing (or extend_s passed): see decide_end
+    end_file = work / "end_at"  # the workers' END_AT (@PATH): written when the end is decided
+    late: list[str] | None = None  # what was missing once the duration had passed
+    ended_missing: list[str] = []  # what was still missing when the end was decided
+    next_goal_check = 0.0
     procs: dict[int, subprocess.Popen] = {}
     logs: dict[int, Path] = {}  # pid -> its log
     knows: set[int] = set()  # pids that read the pool (S)
@@ -185,7 +212,7 @@ def run_soak(
                 NAME,
                 str(out),
                 str(seed * 1000 + gen),
-                repr(end_at),
+                f"@{end_file}",
                 str(MAX_AMOUNT),
                 str(fault_p),
                 shell,
@@ -227,6 +254,28 @@ def run_soak(
             return True
         return bool(direct(lambda c: c.exists(k[0])))  # re-created (with its grace period)
 
+    def missing_goals() -> list[str]:
+        """What is scheduled and was not observed yet (empty: the end may come)."""
+        out = [p for p in PLANS if p not in injected(work)]
+        out += [f"external {kind}" for kind in ext]
+        if stop_long and stop_long[0]:
+            out.append("a stop longer than the ttl")
+        if churn and len(restarts) < 2:
+            out.append("two Redis restarts")
+        if churn and churn.crowd and not crowd_quit:
+            out.append("a quit of the crowd")
+        return out
+
+    def decide_end(now: float, missing: list[str]) -> float:
+        """Write the end's instant for the workers (renamed into place: read whole or not at
+        all) and return it."""
+        tmp = work / "end_at.tmp"
+        tmp.write_text(repr(now + END_TAIL_S))
+        os.replace(tmp, end_file)
+        ended_missing.extend(missing)
+        timeline.append((now, f"end decided, {now - goal_at:.2f}s late (missing: {missing})"))
+        return now + END_TAIL_S
+
     def shell_of(pid: int) -> str:
         return next(
             ("crowd" if s == crowd_slot else "sync" if s % 2 == 0 else "async")
@@ -240,9 +289,18 @@ def run_soak(
         if crowd_slot is not None:
             spawn(crowd_slot, [])
         next_ext = time.time() + 1.0
-        hard_end = end_at + 45.0
-        while procs and time.time() < hard_end:
+        # Until the last worker left (or a replacement is still due), 45 s past the end at most.
+        while (procs or (respawn and time.time() < end_at - 2.0)) and time.time() < end_at + 45.0:
             now = time.time()
+            if end_at == math.inf and now >= goal_at and now >= next_goal_check:
+                next_goal_check = now + 0.5
+                missing = missing_goals()
+                if late is None:
+                    late = missing
+                if not missing or now >= goal_at + extend_s:
+                    end_at = decide_end(now, missing)
+                elif churn and len(restarts) >= 2:
+                    next_restart = math.inf  # only what is missing, from here on
             for slot, pr in list(procs.items()):
                 rc = pr.poll()
                 if rc is not None:
@@ -319,8 +377,9 @@ def run_soak(
                         n = len(_redis_conns(pr.pid, rp.port) & clients)
                         sh = shell_of(pr.pid)
                         max_conns[sh] = max(max_conns[sh], n)
-            if now >= next_ext and now < end_at - 2.0:  # faults from outside, at any instant
-                next_ext = now + rng.uniform(0.3, 1.0)
+            extending = now >= goal_at  # then only the scheduled kinds still missing
+            if now >= next_ext and now < end_at - 2.0 and (ext or not extending):
+                next_ext = now + rng.uniform(0.3, 1.0)  # faults from outside, at any instant
                 running = {
                     s: pr for s, pr in procs.items() if proc_state(pr.pid) not in ("T", "Z", "")
                 }
@@ -359,8 +418,10 @@ def run_soak(
                     timeline.append(
                         (now, f"external {kind} of {shell_of(victim.pid)} {victim.pid}")
                     )
+                else:
+                    ext.insert(0, kind)  # nothing running right now: later
             time.sleep(0.01)
-        assert not procs, f"workers still running {hard_end - start:.0f}s after the start"
+        assert not procs, f"workers still running {time.time() - start:.0f}s after the start"
     finally:
         for pr in procs.values():
             kill_quietly(pr.pid, signal.SIGCONT)
@@ -424,6 +485,10 @@ def run_soak(
         "faults": dict(faults),
         "stats": dict(stats),
         "drain_s": drain_s,
+        "run_s": round(end_at - start, 2),
+        "extended_s": round(max(0.0, end_at - soft_end), 2),
+        "missing after the duration": late or [],
+        "missing at the end": ended_missing,
         "stops": len(stop_lengths),
         "stops > ttl": sum(d > TTL for d in stop_lengths),
         "restarts": len(restarts),
@@ -474,6 +539,9 @@ def summary(r: dict) -> str:
     st = r["stats"]
     faults = ", ".join(f"{k} {v}" for k, v in sorted(r["faults"].items()))
     out = [
+        f"{r['run_s']:.1f} s ({r['extended_s']:.1f} s past the duration, waiting for "
+        f"{r['missing after the duration'] or 'nothing'}; still missing at the end: "
+        f"{r['missing at the end'] or 'nothing'})",
         f"{r['grants']:,} grants ({r['server grants']:,} counted by the server)",
         f"{sum(r['faults'].values())} faults injected by the workers at a protocol step ({faults})",
         f"from outside: {st.get('external stop', 0)} stops ({r['stops > ttl']} of {r['stops']} stops longer "
@@ -512,6 +580,9 @@ def check(r: dict, require_all_plans: bool = True) -> None:
     assert r["grants"] >= 100
     if require_all_plans:
         missing = [p for p in PLANS if not r["faults"].get(p)]
-        assert not missing, f"fault kinds never injected: {missing}"
+        assert not missing, (
+            f"fault kinds never injected in {r['run_s']} s ({r['extended_s']} s past the "
+            f"duration, waiting for them): {missing}"
+        )
     assert r["stats"].get("external stop") and r["stats"].get("external kill"), r["stats"]
     assert r["stops > ttl"] >= 1 and r["reaped leases"] >= 1
