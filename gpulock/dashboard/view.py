@@ -79,7 +79,11 @@ def pool_view(
         "drain": (
             None
             if st.drain is None
-            else {"bytes_per_s": st.drain.bytes_per_s, "grants_per_s": st.drain.grants_per_s}
+            else {
+                "bytes_per_s": st.drain.bytes_per_s,
+                "grants_per_s": st.drain.grants_per_s,
+                "out_of_order": st.drain.out_of_order,
+            }
         ),
         "rejected": counters.get("rejected", 0),
         "rejected_last_minute": _in_last_minute(samples, "rejected"),
@@ -165,7 +169,7 @@ async def dashboard_view(
     (``position``, ``holder``, ``amount``, ``waited``, ``priority``, ``growth_token``: for a
     queued growth of a held lease the lease's fencing token, ``amount`` being the bytes it
     grows by, else None; ``estimated_wait_s``: seconds until its grant, None while the
-    drain rate is not measured); ``drain`` (``bytes_per_s``, ``grants_per_s``: how fast the
+    drain rate is not measured); ``drain`` (``bytes_per_s``, ``grants_per_s``, ``out_of_order``: how fast the
     queue drains while busy, docs/SEMANTICS.md "Wait estimate"; None while not measured);
     ``history`` (lists ``t``, ``capacity``,
     ``used``, ``resident``, oldest first). A pool that cannot be read is in ``errors``

@@ -143,6 +143,11 @@ class DrainOut(BaseModel):
 
     bytes_per_s: float = Field(..., description="bytes granted to queued requests per second")
     grants_per_s: float = Field(..., description="grants to queued requests per second")
+    out_of_order: float = Field(
+        0.0,
+        description="the share of those grants that passed an earlier waiter (0 to 1; the "
+        "estimate stretches waits by 1 / (1 - min(share, 1/3)))",
+    )
 
 
 class PoolOut(BaseModel):

@@ -6,6 +6,7 @@ draining a queue (support.drain)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -46,7 +47,7 @@ def test_the_brokers_answers_carry_the_servers_estimate(broker_srv, redis_srv, g
 
         # the pool object: each waiter's estimate and the drain rate
         p = user.get(f"/v1/pools/{gpu}").json()
-        assert p["drain"] == {"bytes_per_s": drain.bytes_per_s, "grants_per_s": drain.grants_per_s}
+        assert p["drain"] == dataclasses.asdict(drain)
         want = [w.estimated_wait for w in core.status().waiters]
         assert [w["estimated_wait_s"] for w in p["waiters"]] == pytest.approx(want)
         # ... and gpulock status through the broker shows them as through Redis
