@@ -9,6 +9,7 @@ import gpulock_client
 import httpx
 import pytest
 from gpulock_client import _core as core
+from gpulock_client import _holding as holding
 from gpulock_client import _resize
 from gpulock_common.driver import drive as common_drive
 from gpulock_client.errors import (
@@ -383,15 +384,17 @@ def test_renew_outcomes():
     clock = Clock()
     s = core.LeaseState("p", grant_body(), sent=100.0, clock=clock)
     ok = core.Reply(200, {}, {"expires_in": 30.0, "expires_at": 2e9, "ttl": 30.0}, 150.0)
-    assert drive(core.renew_steps(cfg(clock), s, 1.0), clock, [lambda st: ok])[0] is True
+    assert drive(holding.renew_steps(cfg(clock), s, 1.0), clock, [lambda st: ok])[0] is True
     assert s.valid_until == pytest.approx(150 + 30 * 0.99 - 0.05)
     assert (
-        drive(core.renew_steps(cfg(clock), s, 1.0), clock, [lambda st: httpx.ReadTimeout("t")])[0]
+        drive(holding.renew_steps(cfg(clock), s, 1.0), clock, [lambda st: httpx.ReadTimeout("t")])[
+            0
+        ]
         is None
     )
     assert s.active
     gone = core.Reply(410, {}, {"detail": {"error": "lease_lost", "message": "gone"}}, 0)
-    assert drive(core.renew_steps(cfg(clock), s, 1.0), clock, [lambda st: gone])[0] is False
+    assert drive(holding.renew_steps(cfg(clock), s, 1.0), clock, [lambda st: gone])[0] is False
     assert s.lost_reason and not s.active
 
 
@@ -399,13 +402,13 @@ def test_release_reports_lost():
     clock = Clock()
     s = core.LeaseState("p", grant_body(), sent=100.0, clock=clock)
     gone = core.Reply(410, {}, {"detail": {"error": "lease_lost", "message": "gone"}}, 0)
-    res, _ = drive(core.release_steps(cfg(clock), s, None), clock, [lambda st: gone])
+    res, _ = drive(holding.release_steps(cfg(clock), s, None), clock, [lambda st: gone])
     assert isinstance(res, LeaseLost)
     ok = core.Reply(200, {}, {}, 0)
-    res, _ = drive(core.release_steps(cfg(clock), s, "was lost"), clock, [lambda st: ok])
+    res, _ = drive(holding.release_steps(cfg(clock), s, "was lost"), clock, [lambda st: ok])
     assert isinstance(res, LeaseLost) and res.reason == "was lost"
     res, steps = drive(
-        core.release_steps(cfg(clock), s, None),
+        holding.release_steps(cfg(clock), s, None),
         clock,
         [lambda st: core.Reply(503, {"retry-after": "1"}, {}, 0), lambda st: ok],
     )
@@ -416,8 +419,8 @@ def test_heartbeat_request_budget_ends_before_any_deadline():
     clock = Clock()
     a = core.LeaseState("p", grant_body(expires_in=2.0, ttl=6), sent=100.0, clock=clock)
     b = core.LeaseState("p", grant_body(expires_in=30.0), sent=100.0, clock=clock)
-    assert core.request_budget([a, b], 100.0) == pytest.approx(2 * 0.99 - 0.05)
-    due, wake = core.heartbeat_plan([a, b], 100.7)
+    assert holding.request_budget([a, b], 100.0) == pytest.approx(2 * 0.99 - 0.05)
+    due, wake = holding.heartbeat_plan([a, b], 100.7)
     assert due == [a] and wake == pytest.approx(a.next_renew)
 
 

@@ -18,6 +18,7 @@ from gpulock_common.driver import adrive
 from gpulock_common.lease import stop_renewal
 
 from . import _core as core
+from . import _holding as holding
 from . import _resize, _trace
 from ._sync import _headers, _limits, _reply, _timeout
 from .errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
@@ -52,7 +53,7 @@ class AsyncLease(core.LeaseBase):
         s = self._state
         s.check()
         ok = await self._pool._run(
-            core.renew_steps(self._pool._cfg, s, core.CONNECT_TIMEOUT_S, ttl)
+            holding.renew_steps(self._pool._cfg, s, core.CONNECT_TIMEOUT_S, ttl)
         )
         if ok is None:
             raise BackendUnavailable(
@@ -95,7 +96,7 @@ class AsyncLease(core.LeaseBase):
         )
         s.released = True
         self._pool._leases.pop(s.lease_id, None)
-        await self._pool._run(core.release_steps(self._pool._cfg, s, was_lost))
+        await self._pool._run(holding.release_steps(self._pool._cfg, s, was_lost))
 
     async def __aenter__(self) -> "AsyncLease":
         return self
@@ -407,14 +408,14 @@ class AsyncPool:
             leases = [s for s in leases if s.active]
             if not leases:
                 return
-            due, wake = core.heartbeat_plan(leases, clock())
+            due, wake = holding.heartbeat_plan(leases, clock())
             for s in due:
                 ok = await self._run(
-                    core.renew_steps(self._cfg, s, core.request_budget(leases, clock())),
+                    holding.renew_steps(self._cfg, s, holding.request_budget(leases, clock())),
                     self._hb_http,
                 )
                 if ok is None:
-                    core.retry_later(s, clock(), self._cfg.rng)
+                    holding.retry_later(s, clock(), self._cfg.rng)
                 elif ok:
                     self._arm_deadline(s)
             if due:

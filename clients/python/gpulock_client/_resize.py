@@ -14,8 +14,8 @@ from typing import Optional, Union
 from gpulock_common.options import AcquireOptions
 from gpulock_common import traces
 from gpulock_common.sizes import parse_size
+from ._holding import _GONE
 from ._core import (
-    _GONE,
     CONTROL,
     READ_SLACK_S,
     WAIT,

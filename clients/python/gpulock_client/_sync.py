@@ -15,6 +15,7 @@ from gpulock_common.driver import drive
 from gpulock_common.lease import stop_renewal
 
 from . import _core as core
+from . import _holding as holding
 from . import _resize, _trace
 from .errors import BackendUnavailable, LeaseLost, PoolClosed, PoolNotFound
 
@@ -64,7 +65,7 @@ class Lease(core.LeaseBase):
         seconds. Raises LeaseLost (the broker says it is gone), BackendUnavailable."""
         s = self._state
         s.check()
-        ok = self._pool._run(core.renew_steps(self._pool._cfg, s, core.CONNECT_TIMEOUT_S, ttl))
+        ok = self._pool._run(holding.renew_steps(self._pool._cfg, s, core.CONNECT_TIMEOUT_S, ttl))
         if ok is None:
             raise BackendUnavailable(
                 f"pool {s.pool!r}: renewal of lease {s.lease_id[:8]}… did not get through"
@@ -125,7 +126,7 @@ class Lease(core.LeaseBase):
         )
         s.released = True
         self._pool._forget(s)
-        self._pool._run(core.release_steps(self._pool._cfg, s, was_lost))
+        self._pool._run(holding.release_steps(self._pool._cfg, s, was_lost))
 
     def __enter__(self) -> "Lease":
         return self
@@ -451,13 +452,13 @@ class Pool:
                         "no successful renewal before the local validity deadline "
                         "(broker unreachable or too slow)"
                     )
-            due, wake = core.heartbeat_plan(leases, now)
+            due, wake = holding.heartbeat_plan(leases, now)
             for s in due:
-                budget = core.request_budget(leases, clock())
-                ok = self._run(core.renew_steps(self._cfg, s, budget), self._hb_http)
+                budget = holding.request_budget(leases, clock())
+                ok = self._run(holding.renew_steps(self._cfg, s, budget), self._hb_http)
                 if ok is None:
-                    core.retry_later(s, clock(), self._cfg.rng)
-                _, wake = core.heartbeat_plan(leases, clock())
+                    holding.retry_later(s, clock(), self._cfg.rng)
+                _, wake = holding.heartbeat_plan(leases, clock())
             with self._lock:
                 for s in leases:
                     if not s.active:
