@@ -765,7 +765,8 @@ end
 -- first) and decays the past by w = exp(-dt / DRAIN_TAU_MS): dr_b = dr_b*w + b, dr_g =
 -- dr_g*w + 1, dr_t = dr_t*w + dt. Idle time (no waiter) does not decay it: a pool quiet for an
 -- hour still knows how fast its last queue drained. A pool created again (Redis lost its data,
--- FLUSHALL) starts without the fields: unmeasured.
+-- FLUSHALL) starts without the fields: unmeasured; its grace period (nothing granted) counts
+-- no busy time either: a grant after it counts from max(dr_at, enq_ms, grace_until).
 -- DRAIN_TAU_MS: 30 s of busy time, the time constant: long enough to smooth the release
 -- pattern of a few holders (one grant per release), short enough that a change of workload
 -- shows within a minute of queueing. DRAIN_MIN_MS: the busy time below which the rate is not
@@ -936,8 +937,10 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
             t = tonumber(c[5] or '0') or 0, at = tonumber(c[6] or '0') or 0, o = tonumber(c[7] or '0') or 0}
     end
     last_enq = nil
-    if t ~= own then  -- own: queued by this very call
-      drain_step(dr, now, enq, amount, ooo)
+    -- own: queued by this very call; a grace period that ended is no busy time (the waiter
+    -- waited for its end, not for the queue to drain)
+    if t ~= own then
+      drain_step(dr, now, math.max(tonumber(enq) or 0, grace_until), amount, ooo)
       if not ooo then last_enq = tonumber(enq) end
     end
     local wscore = not grow and redis.call('ZSCORE', K_QUEUE, t)  -- the lease's place (lease_place)

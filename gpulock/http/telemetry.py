@@ -11,7 +11,8 @@ What the environment asks for (:func:`exporters`):
   is set: then ``otlp`` (an endpoint given is a request to send there). OpenTelemetry's own
   default (``otlp`` to localhost:4318) is not followed: a server started without any ``OTEL_*``
   variable pays nothing and sends nothing.
-* ``OTEL_SDK_DISABLED=true``: nothing, whatever else is set.
+* ``OTEL_SDK_DISABLED=true``: nothing, whatever else is set (an unknown exporter name is still
+  an error).
 * The resource: ``OTEL_SERVICE_NAME``, else the command's name (``gpulock-serve``,
   ``gpulock-broker``); ``OTEL_RESOURCE_ATTRIBUTES`` (the SDK's ``Resource.create`` reads both).
   Sampling (``OTEL_TRACES_SAMPLER``) and batching (``OTEL_BSP_*``) are the SDK's, from the same

@@ -126,7 +126,7 @@ async def acquire_lease(
     longest a place is kept (queued), within [1, the broker's cap]; 0 for a request held at
     least a second (a long poll) outside a grace period: come back now to go on waiting."""
     t0 = time.monotonic()  # held_ms: how long this request was held here before the grant reply
-    # on the request's server span (when traced): the core's gpulock.acquire spans are children
+    # on the request's server span (when traced); the core makes no span for a remote holder
     tracing.annotate(
         {
             tracing.POOL: pool,

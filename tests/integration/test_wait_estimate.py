@@ -11,6 +11,7 @@ grant had. Run on every server kind (Redis 7 and the embedded Valkey)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from gpulock_common.options import AcquireOptions
@@ -173,3 +174,26 @@ async def test_bytes_ahead_exact_near_the_head_then_extrapolated(make_apool):
     for k in range(len(amounts)):
         await rh.cancel(f"r{k}")
     await holder.release()
+
+
+async def test_a_grace_period_is_not_counted_as_busy_time(make_apool, rclient):
+    """After Redis lost the pool's data the pool is made again with a grace period in which
+    nothing is granted: a waiter queued then waits for the grace period to end, not for the
+    queue to drain, so that time is no busy time of the drain rate (else the first grant after
+    a restart measures one grant per grace period, and every estimate after it is about that
+    long). Bound from time only: the grace period began after ``t0`` (the acquire that made
+    the pool again) and the grant came before ``t1``, so at most ``t1 - t0 - grace`` seconds
+    of busy time may be counted for it."""
+    grace = 3.0  # seconds: the pool's max_ttl, the length of its grace period
+    pool = make_apool(capacity=UNIT, max_ttl=grace, default_ttl=1.0, poll_interval=0.2)
+    await (await pool.acquire(UNIT)).release()  # the pool exists; this object knows it
+    rclient.flushall()
+    t0 = time.monotonic()
+    lease = await pool.acquire(UNIT, timeout=60)  # makes the pool again, with the grace period
+    t1 = time.monotonic()
+    assert t1 - t0 >= grace  # it waited for the grace period
+    st = await pool.status()
+    assert st.grace_left == 0
+    if st.drain is not None:  # unmeasured (under 200 ms of busy time) is right too
+        assert 1 / st.drain.grants_per_s <= (t1 - t0 - grace) * 1.01 + 0.01, (st.drain, t1 - t0)
+    await lease.release()

@@ -288,6 +288,9 @@ class Pool:
                 :class:`gpulock_common.queue.QueuePlace`: the 1-based int, with
                 ``.estimated_wait`` (the broker's estimate of the seconds until the grant;
                 None while the pool's drain rate is not measured) and ``.queue_length``.
+                Called from the broker's ``queued`` answers, one per long poll that ends
+                without a grant: a request granted within its first long poll (``max_wait``)
+                is never told its place.
             priority: an integer in [-100, 100], higher goes first (default 0); a queued
                 request gains one level per second waited (aging), so none starves. Sent
                 only when not 0 (a broker older than priorities refuses the field with 422).
