@@ -261,7 +261,11 @@ end
 if not score then
   score, vt = queue_score(now, prio, tonumber(redis.call('HGET', K_CFG, 'qvt') or '0'))
 end
-redis.call('HSET', K_CFG, 'qvt', fmt(vt))
+if qlen == 0 then  -- the queue goes busy now (lib.lua "Drain rate": dr_q)
+  redis.call('HSET', K_CFG, 'qvt', fmt(vt), 'dr_q', fmt(now))
+else
+  redis.call('HSET', K_CFG, 'qvt', fmt(vt))
+end
 redis.call('ZADD', K_QUEUE, fmt(score), ticket)
 redis.call('HSET', K_WAITERS, ticket, fmt(amount) .. '|' .. fmt(ttl) .. '|' .. nstr .. '|' .. lid .. '|' .. chan .. '|'
   .. fmt(prio) .. '|' .. tenant .. '|' .. pin .. (res and 'r' or '') .. '|' .. meta)

@@ -760,13 +760,15 @@ end
 -- grant of acquire.lua, which says nothing about a queue), in the cfg fields read and written
 -- with the hand-off's own counters (no extra call): dr_b, dr_g, dr_t are the decayed bytes
 -- granted, grants and busy ms, dr_at the server ms of the last such grant. A grant of b bytes
--- at `now` to a waiter enqueued at enq_ms counts dt = now - max(dr_at, enq_ms) ms of busy
--- time (the queue had a waiter at least that long; grants made together count 0 after the
--- first) and decays the past by w = exp(-dt / DRAIN_TAU_MS): dr_b = dr_b*w + b, dr_g =
+-- at `now` to a waiter enqueued at enq_ms counts dt = now - max(dr_at, min(enq_ms, dr_q)) ms
+-- of busy time, dr_q being when the queue last went from empty to not empty (set by the
+-- scripts that queue: the queue had a waiter since then, also one that gave up or was reaped
+-- meanwhile; without it, time in which earlier waiters queued and left before this grant was
+-- lost and the rate read too fast; grants made together count 0 after the first) and decays the past by w = exp(-dt / DRAIN_TAU_MS): dr_b = dr_b*w + b, dr_g =
 -- dr_g*w + 1, dr_t = dr_t*w + dt. Idle time (no waiter) does not decay it: a pool quiet for an
 -- hour still knows how fast its last queue drained. A pool created again (Redis lost its data,
 -- FLUSHALL) starts without the fields: unmeasured; its grace period (nothing granted) counts
--- no busy time either: a grant after it counts from max(dr_at, enq_ms, grace_until).
+-- no busy time either: a grant after it counts from max(dr_at, min(enq_ms, dr_q), grace_until).
 -- DRAIN_TAU_MS: 30 s of busy time, the time constant: long enough to smooth the release
 -- pattern of a few holders (one grant per release), short enough that a change of workload
 -- shows within a minute of queueing. DRAIN_MIN_MS: the busy time below which the rate is not
@@ -931,16 +933,19 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
   local last_enq  -- the enqueue ms of the main pass's last grant counted in the drain rate
   local function grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq, ooo)
     if not fence then
-      local c = redis.call('HMGET', K_CFG, 'fence', 'grants', 'dr_b', 'dr_g', 'dr_t', 'dr_at', 'dr_o')
+      local c = redis.call('HMGET', K_CFG, 'fence', 'grants', 'dr_b', 'dr_g', 'dr_t', 'dr_at', 'dr_o', 'dr_q')
       fence, grants = tonumber(c[1] or '0'), tonumber(c[2] or '0')
       dr = {b = tonumber(c[3] or '0') or 0, g = tonumber(c[4] or '0') or 0,
-            t = tonumber(c[5] or '0') or 0, at = tonumber(c[6] or '0') or 0, o = tonumber(c[7] or '0') or 0}
+            t = tonumber(c[5] or '0') or 0, at = tonumber(c[6] or '0') or 0, o = tonumber(c[7] or '0') or 0,
+            q = tonumber(c[8] or '')}
     end
     last_enq = nil
     -- own: queued by this very call; a grace period that ended is no busy time (the waiter
     -- waited for its end, not for the queue to drain)
     if t ~= own then
-      drain_step(dr, now, math.max(tonumber(enq) or 0, grace_until), amount, ooo)
+      local since = tonumber(enq) or 0
+      if dr.q and dr.q < since then since = dr.q end  -- the queue was busy since dr_q
+      drain_step(dr, now, math.max(since, grace_until), amount, ooo)
       if not ooo then last_enq = tonumber(enq) end
     end
     local wscore = not grow and redis.call('ZSCORE', K_QUEUE, t)  -- the lease's place (lease_place)

@@ -180,6 +180,7 @@ end
 if mode == 'try' then return current_reply(2, 0) end
 
 local function enqueue()
+  if qlen == 0 then redis.call('HSET', K_CFG, 'dr_q', fmt(now)) end  -- lib.lua "Drain rate"
   redis.call('ZADD', K_QUEUE, fmt(score), ticket)
   redis.call('HSET', K_WAITERS, ticket, fmt(delta) .. '|' .. fmt(ttl) .. '|' .. fmt(now) .. '|' .. lid .. '|'
     .. chan .. '|' .. fmt(prio) .. '|' .. tenant .. '|' .. dev .. 'g|')
