@@ -42,7 +42,15 @@ class LoopThread:
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(self._ready.set)
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        finally:
+            # Closed here, in its own thread, once stopped: an event loop left open is closed
+            # by its finalizer at interpreter exit, when its self-pipe's socket may be gone
+            # already ("Exception ignored in BaseEventLoop.__del__ ... Invalid file
+            # descriptor: -1" on the stderr of `gpulock run`, which depends on the order the
+            # interpreter tears modules down in).
+            self.loop.close()
 
     def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
         with self._lock:

@@ -92,3 +92,17 @@ async def test_async_close_survives_a_socket_close_that_times_out(redis_proc, po
     await p.aclose()
     with pytest.raises(PoolClosed):
         await p.acquire(1, timeout=0)
+
+
+def test_sync_close_closes_its_event_loop(redis_proc, pool_name):
+    """The sync Pool's background event loop is closed when the pool object closes, not left
+    to its finalizer at interpreter exit (which may run after its self-pipe's socket is gone
+    and print "Exception ignored in BaseEventLoop.__del__ ... Invalid file descriptor: -1" on
+    a CLI's stderr)."""
+    p = Pool.from_url(redis_proc.url, pool_name, capacity=1)
+    p.acquire(1, ttl=30).release()
+    portal = p._portal
+    assert portal is not None and not portal.loop.is_closed()
+    p.close()
+    assert not portal.thread.is_alive()
+    assert portal.loop.is_closed()

@@ -44,6 +44,12 @@ def main() -> None:
         out["release"] = "ok"
     except LeaseLost as e:
         out["release"] = "LeaseLost: " + e.reason
+    # on_lost runs in the thread that marked the lease lost: when the heartbeat marked it (it
+    # runs again at SIGCONT) while ensure_valid() above found it lost, the callback may still
+    # be on its way: wait for it (bounded), so the record does not depend on which thread won.
+    deadline = time.monotonic() + 10
+    while not lost_at and time.monotonic() < deadline:
+        time.sleep(0.01)
     out["on_lost_wall"] = [t + offset for t in lost_at]
     out["resumed_wall"] = resumed + offset
     pool.close()
