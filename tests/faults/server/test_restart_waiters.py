@@ -314,7 +314,13 @@ def test_a_waiter_fails_only_when_redis_stays_away_past_its_bound(redis_proc1, k
         assert not outcome, outcome
         assert direct.zcard(q) == 1 and h.id in holder_tokens(direct, name)
         beat = [m for m in (r.getMessage() for r in caplog.records) if "heartbeat for pool" in m]
-        assert len(beat) <= 2, beat  # the first failure, and 'works again'
+        # One line when a run of failures begins and one when it ends, not a line per retry.
+        # A restart can make more than one run: a pooled connection to the old server can be
+        # handed out once more after the first renewal through a new one worked (redis-py
+        # checks it for EOF before use, but the close may not be seen yet): its renewal fails
+        # with 'Connection closed by server' and the next works (seen in a loaded CI run).
+        kinds = ["failed" if " failed (" in m else "again" if "works again" in m else m for m in beat]
+        assert kinds == ["failed", "again"] * (len(kinds) // 2) + ["failed"] * (len(kinds) % 2), beat
 
         # 2. Away for good.
         rp.kill()
