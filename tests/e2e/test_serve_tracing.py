@@ -6,7 +6,6 @@ the probes and scrapes (/health, /ready, /metrics) have no spans; the service na
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -14,24 +13,19 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from support.ports import free_port
 from support.procs import _LIVE
 
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _console_spans import console_spans  # noqa: E402
+
 ROUTE = "POST /v1/embeddings"
-
-
-def console_spans(text: str) -> list[dict]:
-    """The console exporter's spans (indented JSON objects) in ``text``, between log lines."""
-    dec, out, i = json.JSONDecoder(), [], 0
-    while True:
-        i = text.find('{\n    "name": ', i)
-        if i < 0:
-            return out
-        obj, i = dec.raw_decode(text, i)
-        out.append(obj)
 
 
 @pytest.mark.timeout(240)
