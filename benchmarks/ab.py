@@ -46,6 +46,7 @@ ROOT = HERE.parent
 WORKER = r"""
 import asyncio, json, os, sys, time
 import redis
+from _util import calls_async, calls_sync  # benchmarks/ is on the worker's PYTHONPATH
 import redis.asyncio as aioredis
 from gpulock import Pool, AsyncPool
 from gpulock.protocol.keys import pool_keys
@@ -99,30 +100,6 @@ def cpu():
     return float(i["used_cpu_user"]) + float(i["used_cpu_sys"])
 
 
-def calls(fn, secs):
-    n, t0 = 0, time.perf_counter()
-    end = t0 + secs
-    while True:
-        for _ in range(20):
-            fn()
-        n += 20
-        t = time.perf_counter()
-        if t >= end:
-            return n, t - t0
-
-
-async def acalls(fn, secs):
-    n, t0 = 0, time.perf_counter()
-    end = t0 + secs
-    while True:
-        for _ in range(20):
-            await fn()
-        n += 20
-        t = time.perf_counter()
-        if t >= end:
-            return n, t - t0
-
-
 def ceil_s():
     c.evalsha(trivial, 0)
 
@@ -160,17 +137,17 @@ def run_slice(kind, secs):
         return {"rate": n / (t1 - t0), "ratio": float("nan"), "cpu_s": c1 - c0,
                 "client_cpu_s": p1 - p0, "pairs": n}
     if kind == "sync":
-        n1, t1 = calls(ceil_s, secs)
+        n1, t1 = calls_sync(ceil_s, secs)
         c0, p0 = cpu(), time.process_time()
-        n, t = calls(pair_s, secs)
+        n, t = calls_sync(pair_s, secs)
         c1, p1 = cpu(), time.process_time()
-        n2, t2 = calls(ceil_s, secs)
+        n2, t2 = calls_sync(ceil_s, secs)
     else:
-        n1, t1 = loop.run_until_complete(acalls(ceil_a, secs))
+        n1, t1 = loop.run_until_complete(calls_async(ceil_a, secs))
         c0, p0 = cpu(), time.process_time()
-        n, t = loop.run_until_complete(acalls(pair_a, secs))
+        n, t = loop.run_until_complete(calls_async(pair_a, secs))
         c1, p1 = cpu(), time.process_time()
-        n2, t2 = loop.run_until_complete(acalls(ceil_a, secs))
+        n2, t2 = loop.run_until_complete(calls_async(ceil_a, secs))
     ceil = (n1 / t1 + n2 / t2) / 2
     return {"rate": n / t, "ratio": (n / t) / ceil, "cpu_s": c1 - c0, "client_cpu_s": p1 - p0,
             "pairs": n}
@@ -237,6 +214,8 @@ def export(rev: str, dest: Path) -> None:
 
 
 def pypath(root: Path) -> str:
+    """The PYTHONPATH that imports the packages of the tree at ``root`` (gpulock, the service,
+    the SDK, gpulock-common)."""
     return os.pathsep.join(
         str(root / p) for p in ("", "service", "clients/python", "clients/common")
     )
@@ -275,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         for s, root in sides.items():
             env = dict(
                 os.environ,
-                PYTHONPATH=pypath(root),
+                # the tree's packages, then benchmarks/ (the worker's timed loops, _util)
+                PYTHONPATH=os.pathsep.join([pypath(root), str(HERE)]),
                 GPULOCK_AB_VARIANT=a.a_variant if s == "A" else a.b_variant,
             )
             procs[s] = subprocess.Popen(

@@ -46,6 +46,10 @@ from typing import Any
 import httpx
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _console_spans import console_spans  # noqa: E402
+
 ROUTE = "POST /v1/embeddings"
 MIB = 1 << 20
 TRIES = 5  # pairs sent at most, the hold doubled each time (1 s to 16 s with --quick)
@@ -62,18 +66,6 @@ SHOWN = (
     ("gpulock.lease.id", "gpulock.lease.id"),
     ("gpulock.lease.fencing_token", "gpulock.lease.fencing_token"),
 )
-
-
-def console_spans(text: str) -> list[dict[str, Any]]:
-    """The console exporter's spans (indented JSON objects, one per ended span) in ``text``,
-    which may hold other lines between them."""
-    dec, out, i = json.JSONDecoder(), [], 0
-    while True:
-        i = text.find('{\n    "name": ', i)
-        if i < 0:
-            return out
-        obj, i = dec.raw_decode(text, i)
-        out.append(obj)
 
 
 def _t(stamp: str) -> float:

@@ -53,6 +53,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from ab import pypath  # noqa: E402
+
 VARIANTS = ("absent", "absent-again", "api", "sdk-drop", "sdk-memory")
 
 WORKER = r"""
@@ -82,6 +86,7 @@ elif variant.startswith("sdk-"):
     trace.set_tracer_provider(provider)
 import redis
 import redis.asyncio as aioredis
+from _util import calls_async, calls_sync  # benchmarks/ is on the worker's PYTHONPATH
 from gpulock import AsyncPool, Pool
 from gpulock_common import tracing
 want = {"absent": (False, False), "api": (True, False)}.get(variant.split("-")[0], (True, True))
@@ -96,30 +101,6 @@ loop = asyncio.new_event_loop()
 ac = aioredis.from_url(url)
 apool = AsyncPool.from_url(url, name + "-a", capacity=2**40)
 loop.run_until_complete(apool.configure(2**40))
-
-
-def calls(fn, secs):
-    n, t0 = 0, time.perf_counter()
-    end = t0 + secs
-    while True:
-        for _ in range(20):
-            fn()
-        n += 20
-        t = time.perf_counter()
-        if t >= end:
-            return n, t - t0
-
-
-async def acalls(fn, secs):
-    n, t0 = 0, time.perf_counter()
-    end = t0 + secs
-    while True:
-        for _ in range(20):
-            await fn()
-        n += 20
-        t = time.perf_counter()
-        if t >= end:
-            return n, t - t0
 
 
 def ceil_s():
@@ -145,17 +126,17 @@ async def pair_a():
 
 def run_slice(kind, secs):
     if kind == "sync":
-        n1, t1 = calls(ceil_s, secs)
+        n1, t1 = calls_sync(ceil_s, secs)
         p0 = time.process_time()
-        n, t = calls(pair_s, secs)
+        n, t = calls_sync(pair_s, secs)
         p1 = time.process_time()
-        n2, t2 = calls(ceil_s, secs)
+        n2, t2 = calls_sync(ceil_s, secs)
     else:
-        n1, t1 = loop.run_until_complete(acalls(ceil_a, secs))
+        n1, t1 = loop.run_until_complete(calls_async(ceil_a, secs))
         p0 = time.process_time()
-        n, t = loop.run_until_complete(acalls(pair_a, secs))
+        n, t = loop.run_until_complete(calls_async(pair_a, secs))
         p1 = time.process_time()
-        n2, t2 = loop.run_until_complete(acalls(ceil_a, secs))
+        n2, t2 = loop.run_until_complete(calls_async(ceil_a, secs))
     if memory is not None:
         exported[0] += len(memory.get_finished_spans())
         memory.clear()
@@ -198,12 +179,6 @@ print(json.dumps({"exported": exported[0], "pairs": made[0]}), flush=True)
 """
 
 
-def pypath() -> str:
-    return os.pathsep.join(
-        str(ROOT / p) for p in ("", "service", "clients/python", "clients/common")
-    )
-
-
 def _spread(xs: list[float]) -> str:
     return f"{min(xs):.0f}..{max(xs):.0f}"
 
@@ -235,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {v: {k: [] for k in kinds} for v in variants}
     with tempfile.TemporaryDirectory(prefix="gpulock-tracing-") as tmp, RedisProcess(binary) as rp:
         procs = {}
-        env = dict(os.environ, PYTHONPATH=pypath())
+        # this tree's packages, then benchmarks/ (the worker's timed loops, _util)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([pypath(ROOT), str(HERE)]))
         for v in variants:
             procs[v] = subprocess.Popen(
                 [sys.executable, "-c", WORKER, rp.url, v],

@@ -31,6 +31,10 @@ from support.tracing import memory_spans
 from ._support import ADMIN_TOKEN, TOKENS, USER_TOKEN
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _console_spans import console_spans  # noqa: E402
+
 LEASES_ROUTE = "POST /v1/pools/{pool}/leases"
 
 
@@ -73,18 +77,6 @@ def traced_broker(redis_srv, tmp_path_factory):
         yield p
     finally:
         p.stop()
-
-
-def console_spans(text: str) -> list[dict]:
-    """The console exporter's spans (indented JSON objects, one after another) in ``text``,
-    skipping the log lines between them."""
-    dec, out, i = json.JSONDecoder(), [], 0
-    while True:
-        i = text.find('{\n    "name": ', i)
-        if i < 0:
-            return out
-        obj, i = dec.raw_decode(text, i)
-        out.append(obj)
 
 
 def broker_spans(p: Proc, trace_id: str, want: int, timeout: float = 60.0) -> list[dict]:

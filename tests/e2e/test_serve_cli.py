@@ -10,11 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 from support.procs import _LIVE, alive, children, cmdline
+from support.serve import serve_env, start_serve, wait_workers_ready
 
 from support.ports import free_port
 
@@ -22,50 +22,13 @@ from support.ports import free_port
 @pytest.mark.timeout(150)
 def test_gpulock_serve_embedded_redis_and_loadtest(tmp_path):
     port = free_port()
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("GPULOCK_") and k != "PROMETHEUS_MULTIPROC_DIR"
-    }
-    env.update(GPULOCK_SLEEP_SECONDS="0.05", GPULOCK_SLEEP_BYTES="64MiB", PYTHONUNBUFFERED="1")
+    env = serve_env(GPULOCK_SLEEP_SECONDS="0.05", GPULOCK_SLEEP_BYTES="64MiB")
     log = tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gpulock_service",
-                "serve",
-                "--model",
-                "sleep",
-                "-w",
-                "2",
-                "--port",
-                str(port),
-                "--preload",
-                "--log-level",
-                "warning",
-            ],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    _LIVE.add(proc.pid)
+    proc = start_serve(log, env, "--model", "sleep", "-w", "2", "--port", str(port), "--preload")
     valkey: list[int] = []
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        ready = 0.0
-        while time.monotonic() < deadline and ready < 2:
-            assert proc.poll() is None, log.read_text()
-            try:
-                m = httpx.get(url + "/metrics", timeout=5).text
-                ready = float(re.search(r"^gpulock_workers_ready (\S+)", m, re.MULTILINE).group(1))
-            except (httpx.HTTPError, AttributeError):
-                pass
-            time.sleep(0.3)
-        assert ready == 2, log.read_text()
+        wait_workers_ready(proc, url, 2, log, 90)
         text = log.read_text()
         assert "embedded valkey-server" in text and "loopback only" in text
         assert "capacity: 2.0GiB" in text and "CPU default" in text, text

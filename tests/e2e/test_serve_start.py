@@ -10,16 +10,15 @@ capacity 512 MiB, a resident lease of 128 MiB per worker, 50 MiB per input."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 from support.procs import _LIVE, alive, children
+from support.serve import serve_env, start_serve, workers_ready
 from support.waiting import wait_until
 
 from support.ports import free_port
@@ -29,14 +28,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def _env(tmp: Path) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("GPULOCK_") and k != "PROMETHEUS_MULTIPROC_DIR"
-    }
     (tmp / "tmp").mkdir(exist_ok=True)
     (tmp / "gate").mkdir(exist_ok=True)
-    env.update(
+    return serve_env(
         GPULOCK_RESIDENT="128MiB",
         GPULOCK_SLEEP_BYTES="50MiB",
         GPULOCK_SLEEP_SECONDS="0.01",
@@ -45,39 +39,14 @@ def _env(tmp: Path) -> dict[str, str]:
         # at the start for the whole test
         GPULOCK_REAPER_INTERVAL="5",
         GPULOCK_TEST_GATE=str(tmp / "gate"),
-        PYTHONPATH=os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]),
-        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
         TMPDIR=str(tmp / "tmp"),  # where serve makes its metrics folder
     )
-    return env
 
 
 def _serve(tmp: Path, name: str, port: int, workers: int, model: str) -> subprocess.Popen:
-    with open(tmp / f"{name}.log", "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gpulock_service",
-                "serve",
-                "--model",
-                model,
-                "-w",
-                str(workers),
-                "--port",
-                str(port),
-                "--capacity",
-                "512MiB",
-                "--log-level",
-                "warning",
-            ],
-            env=_env(tmp),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    _LIVE.add(proc.pid)
-    return proc
+    args = ["--model", model, "-w", str(workers), "--port", str(port), "--capacity", "512MiB"]
+    return start_serve(tmp / f"{name}.log", _env(tmp), *args)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -97,12 +66,7 @@ class _Serve:
         return (self.tmp / "serve.log").read_text(errors="replace")
 
     def workers_ready(self) -> float | None:
-        try:
-            m = httpx.get(self.url + "/metrics", timeout=5).text
-        except httpx.HTTPError:
-            return None
-        found = re.search(r"^gpulock_workers_ready (\S+)", m, re.MULTILINE)
-        return float(found.group(1)) if found else None
+        return workers_ready(self.url)
 
 
 @pytest.fixture(scope="module")

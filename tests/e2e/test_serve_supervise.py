@@ -16,19 +16,14 @@ import httpx
 import pytest
 import redis
 from support.procs import _LIVE, alive, children, cmdline
+from support.serve import serve_env, start_serve
 from support.waiting import wait_until
 
 from support.ports import free_port
 
 
 def _env() -> dict:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("GPULOCK_") and k != "PROMETHEUS_MULTIPROC_DIR"
-    }
-    env.update(GPULOCK_SLEEP_SECONDS="0.05", GPULOCK_SLEEP_BYTES="64MiB", PYTHONUNBUFFERED="1")
-    return env
+    return serve_env(GPULOCK_SLEEP_SECONDS="0.05", GPULOCK_SLEEP_BYTES="64MiB")
 
 
 def _wait(pred, what: str, timeout: float, log=None):
@@ -90,30 +85,9 @@ def test_embedded_valkey_killed_under_serve_is_restarted_and_leases_come_back(tm
     port = free_port()
     log = tmp_path / "serve.log"
     env = {**_env(), "GPULOCK_ACQUIRE_TIMEOUT": "1"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gpulock",
-                "serve",
-                "--model",
-                "sleep",
-                "-w",
-                "2",
-                "--port",
-                str(port),
-                "--log-level",
-                "warning",
-                "--data-dir",
-                "none",  # restarted empty: the workers put their leases back
-            ],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    _LIVE.add(proc.pid)
+    # --data-dir none: restarted empty, the workers put their leases back
+    args = ["--model", "sleep", "-w", "2", "--port", str(port), "--data-dir", "none"]
+    proc = start_serve(log, env, *args, cli="gpulock")
     valkey: list[int] = []
     try:
         url = f"http://127.0.0.1:{port}"

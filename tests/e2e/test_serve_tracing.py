@@ -6,7 +6,6 @@ the probes and scrapes (/health, /ready, /metrics) have no spans; the service na
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -14,83 +13,39 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from support.ports import free_port
 from support.procs import _LIVE
+from support.serve import serve_env, start_serve, wait_workers_ready
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _console_spans import console_spans  # noqa: E402
 
 ROUTE = "POST /v1/embeddings"
-
-
-def console_spans(text: str) -> list[dict]:
-    """The console exporter's spans (indented JSON objects) in ``text``, between log lines."""
-    dec, out, i = json.JSONDecoder(), [], 0
-    while True:
-        i = text.find('{\n    "name": ', i)
-        if i < 0:
-            return out
-        obj, i = dec.raw_decode(text, i)
-        out.append(obj)
 
 
 @pytest.mark.timeout(240)
 def test_each_serve_worker_traces_its_requests_in_the_callers_trace(tmp_path):
     port = free_port()
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("GPULOCK_", "OTEL_")) and k != "PROMETHEUS_MULTIPROC_DIR"
-    }
-    env.update(
+    env = serve_env(
         GPULOCK_SLEEP_SECONDS="0.01",
         GPULOCK_SLEEP_BYTES="16MiB",
-        PYTHONUNBUFFERED="1",
         OTEL_TRACES_EXPORTER="console",
         OTEL_RESOURCE_ATTRIBUTES="deployment.environment=test",
     )
     log = tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gpulock_service",
-                "serve",
-                "--model",
-                "sleep",
-                "-w",
-                "2",
-                "--port",
-                str(port),
-                "--capacity",
-                "1GiB",
-                "--preload",
-                "--log-level",
-                "warning",
-            ],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    _LIVE.add(proc.pid)
+    args = ["--model", "sleep", "-w", "2", "--port", str(port), "--capacity", "1GiB", "--preload"]
+    proc = start_serve(log, env, *args)
     url = f"http://127.0.0.1:{port}"
     sent: dict[str, tuple[str, str]] = {}  # trace id -> (parent span id, worker pid)
     try:
-        deadline = time.monotonic() + 120
-        ready = False
-        while time.monotonic() < deadline and not ready:
-            assert proc.poll() is None, log.read_text()
-            try:
-                ready = httpx.get(url + "/ready", timeout=5).status_code == 200
-                m = httpx.get(url + "/metrics", timeout=5).text
-                found = re.search(r"^gpulock_workers_ready (\S+)", m, re.MULTILINE)
-                ready = ready and found is not None and float(found.group(1)) == 2
-            except httpx.HTTPError:
-                ready = False
-            time.sleep(0.3)
-        assert ready, log.read_text()[-3000:]
+        wait_workers_ready(proc, url, 2, log, 120)
+        assert httpx.get(url + "/ready", timeout=5).status_code == 200, log.read_text()[-3000:]
         httpx.get(url + "/health", timeout=5)
 
         # requests, each in a trace of its own, until both workers answered some

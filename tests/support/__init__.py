@@ -9,6 +9,8 @@
 * ``servers``: the Redis-compatible server binaries this machine has, replication settings;
 * ``proxy``: a TCP proxy that cuts, freezes and delays connections;
 * ``service``: the demo service under gunicorn or uvicorn as a process group;
+* ``serve``: ``gpulock serve`` as a user starts it (its environment, the process, its workers
+  ready);
 * ``apps``: an ASGI app's lifespan and an in-process HTTP client on it.
 
 The broker tests' own server and tokens are ``tests/broker/_support.py``.
