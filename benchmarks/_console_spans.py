@@ -13,11 +13,21 @@ def console_spans(text: str) -> list[dict[str, Any]]:
     """The spans in ``text``, in the order printed: each ended span is one indented JSON object
     (``name``, ``context`` with ``trace_id`` and ``span_id`` as ``0x`` hex, ``parent_id``,
     ``kind``, ``start_time``, ``end_time``, ``attributes``, ``events``, ``resource``...); the
-    log lines between them are skipped. Raises json.JSONDecodeError on an object cut short."""
+    log lines between them are skipped. The last object may be cut short (``text`` read while
+    the process writes it): it is left out. Raises json.JSONDecodeError on an object cut short
+    before another one (a garbled output)."""
     dec, out, i = json.JSONDecoder(), [], 0
     while True:
-        i = text.find('{\n    "name": ', i)
+        i = text.find(_START, i)
         if i < 0:
             return out
-        obj, i = dec.raw_decode(text, i)
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            if text.find(_START, i + 1) < 0:
+                return out  # the one being written
+            raise
         out.append(obj)
+
+
+_START = '{\n    "name": '
