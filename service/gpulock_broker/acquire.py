@@ -63,6 +63,10 @@ def retry_after_of(
 #: Leases and waiters listed by the status read behind a queue-full refusal's Retry-After (its
 #: tail estimate counts the waiters not listed at the listed ones' mean amount).
 REFUSAL_STATUS_LIMIT = 32
+#: How old (seconds) the status read behind a queue-full refusal's Retry-After may be: the
+#: refusals of one pool within this share one read, so an overload's storm of refusals does
+#: not add a read per refusal.
+REFUSAL_STATUS_MAX_AGE = 1.0
 
 
 def refused(
@@ -84,12 +88,15 @@ async def queue_full(
     pools: Pools, pool: str, error: QueueFull, amount: int, *, cap: float
 ) -> Refused:
     """A full queue's refusal of a request of ``amount`` bytes on ``pool``: the script refuses
-    without an estimate, so the pool's status is read (bounded by ``backend_timeout``) for
-    the estimate of a request joining the queue's tail (:meth:`PoolStatus.estimated_wait_for`),
-    the scripts' hint (:meth:`PoolStatus.retry_hint`) and the grace period left; a read that
-    fails leaves them unknown (Retry-After 1)."""
+    without an estimate, so the pool's status gives the estimate of a request joining the
+    queue's tail (:meth:`PoolStatus.estimated_wait_for`), the scripts' hint
+    (:meth:`PoolStatus.retry_hint`) and the grace period left; the status is read at most
+    :data:`REFUSAL_STATUS_MAX_AGE` ago (one read serves a storm of refusals), bounded by
+    ``backend_timeout``; a read that fails leaves them unknown (Retry-After 1)."""
     try:
-        st = await pools.status(pool, limit=REFUSAL_STATUS_LIMIT)
+        st = await pools.recent_status(
+            pool, limit=REFUSAL_STATUS_LIMIT, max_age=REFUSAL_STATUS_MAX_AGE
+        )
     except Exception:  # noqa: BLE001 - the refusal stands; only its Retry-After is a guess
         return refused(error, None, None, cap=cap, grace_left=0.0)
     return refused(

@@ -262,3 +262,44 @@ def test_a_growth_that_timed_out_in_the_queue_says_its_own_estimate(redis_srv, g
         holder.release()
     finally:
         core.close()
+
+
+async def test_the_refusals_of_one_pool_share_one_recent_status_read(redis_srv):
+    """queue_full reads the pool's status for its Retry-After through Pools.recent_status: the
+    callers that come while a read runs share it, and a read is reused for max_age seconds, so
+    an overload's storm of refusals costs Redis one read per max_age, not one per refusal."""
+    import asyncio
+
+    from gpulock_broker.pools import Pools
+    from gpulock_broker.tasks import Tasks
+
+    core = Pool.from_url(redis_srv.url, "gpu-rs", capacity=GiB)
+    pools = Pools(
+        redis_srv.url,
+        Tasks(2.0),
+        waiter_ttl=10.0,
+        poll_interval=0.5,
+        backend_timeout=2.0,
+        max_connections=8,
+        in_use=lambda _name: False,
+        on_retire=lambda _name: None,
+        on_deleted=lambda _name: None,
+    )
+    pools.connect()
+    try:
+        core.acquire(1).release()  # the pool is made at its first acquire
+        many = await asyncio.gather(
+            *(pools.recent_status("gpu-rs", limit=32, max_age=60.0) for _ in range(8))
+        )
+        assert all(st is many[0] for st in many)  # one read, shared while it ran
+        assert many[0].used == 0
+        lease = core.acquire(GiB // 2)
+        kept = await pools.recent_status("gpu-rs", limit=32, max_age=60.0)
+        assert kept is many[0] and kept.used == 0  # young enough: not read again
+        fresh = await pools.recent_status("gpu-rs", limit=32, max_age=0.0)
+        assert fresh is not many[0] and fresh.used == GiB // 2  # too old: read again
+        lease.release()
+    finally:
+        await pools.close_pools()
+        await pools.disconnect()
+        core.close()
