@@ -31,6 +31,10 @@ one. The rules, in the order they apply:
   a Retry-After of at most ``park_max / 2``). In a grace period both keep the place for the
   grace left on top (:func:`gpulock.http.places.hold_for`'s ``extra``).
 * **Whole seconds in [1, cap]** (:func:`clamp`): rounded up, at least 1, at most ``cap``.
+
+A 503 that knows nothing of the pool's queue (Redis, or the pool's shard, not answering; a
+forced delete of the pool under way; the lease broker not started yet) has no estimate to go
+through these rules: it says :data:`UNAVAILABLE_RETRY_AFTER`.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from __future__ import annotations
 import math
 
 __all__ = [
+    "UNAVAILABLE_RETRY_AFTER",
     "UNMEASURED_SECONDS_PER_PLACE",
     "BusyRate",
     "clamp",
@@ -51,6 +56,14 @@ __all__ = [
 UNMEASURED_SECONDS_PER_PLACE = 1.0
 """Seconds per queue place before any grant rate was measured: a retry that comes too early
 costs one cheap lookup, one that comes too late costs latency."""
+
+UNAVAILABLE_RETRY_AFTER = 1
+"""Whole seconds a 503 tells when the pool's state is not known: Redis (or the pool's shard)
+did not answer, a forced delete of the pool is under way, or the lease broker is not started.
+There is no queue to estimate from, and these last as long as a reconnect, a failover, the
+delete's one script or a start-up: the least whole Retry-After, so a client comes back as soon
+as one may have passed (a retry that comes too early costs one cheap refusal; the SDK backs
+off on its own after repeated ones). A client retrying it keeps no place in any queue."""
 
 _MIN_RATE = 0.01  # grants/s; a measured rate at or below it counts as no rate
 

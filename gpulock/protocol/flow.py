@@ -437,6 +437,7 @@ def _acquire(
                 f"queued (it could stall the queue); try again when one of them has ended",
                 queue_length=res.queue_length,
                 retry_after=_retry_after(res),
+                estimated_wait=res.estimated_wait,
             )
         if not res.queued:
             needs_cancel = False
@@ -457,6 +458,7 @@ def _acquire(
                 queue_length=res.queue_length,
                 retry_after=_retry_after(res),
                 grace_left=grace,
+                estimated_wait=res.estimated_wait,
             )
         if tr is not None:
             tr.queued(res.place)

@@ -123,6 +123,8 @@ def resize(
             f"{res.used}/{res.capacity} bytes used); it keeps its amount",
             queue_length=res.queue_length,
             retry_after=res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None,
+            grace_left=res.grace_left_ms / 1000,
+            estimated_wait=res.estimated_wait,
         )
     undo = _argv(lease_id, token, current, "try", rt.channel_id, priority, waiter_ttl_s)
     joined = None
@@ -153,6 +155,7 @@ def resize(
                 f"{res.queue_length}+); it keeps its amount",
                 position=res.position if got.position is None else got.position,
                 queue_length=res.queue_length,
+                retry_after=res.retry_after_ms / 1000 if res.retry_after_ms >= 0 else None,
                 waited=pool.clock() - start,
             )
         withdraw = False

@@ -147,6 +147,15 @@ class PoolStatus:
             grace_left=self.grace_left,
         )
 
+    def retry_hint(self) -> float | None:
+        """The scripts' hint of when the queue can next move (``retry_after_ms`` of acquire.lua's
+        answer, lib.lua ``next_expiry_in``), read off the snapshot: seconds left in the grace
+        period, else until the nearest lease expiry (leases are listed nearest first); None
+        when no lease is held."""
+        if self.grace_left > 0:
+            return self.grace_left
+        return max(0.0, self.leases[0].expires_in) if self.leases else None
+
     def queue_config(self) -> QueueConfig:
         """The pool's scheduling settings as ``configure.lua`` takes them."""
         spec = " ".join(f"{t}={u.quota}" for t, u in self.tenants.items() if u.quota)

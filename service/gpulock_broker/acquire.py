@@ -12,21 +12,23 @@ from gpulock_common.options import DEFAULT_TTL_S, AcquireOptions
 from gpulock.protocol.args import new_id
 from gpulock.protocol.replies import Grant, NotGranted
 from gpulock.errors import (
+    AcquireTimeout,
     BackendUnavailable,
     InvalidArgument,
     PoolClosed,
     PoolNotFound,
+    QueueFull,
 )
 from gpulock.retry_after import estimate_or_hint, retry_after
 
 from .auth import Principal
 from .leases import Leases
-from .outcomes import ClientGone, Granted, Queued
+from .outcomes import ClientGone, Granted, Queued, Refused
 from .parking import Parking, ticket
 from .pools import Pools
 from .tasks import Tasks
 
-__all__ = ["LONG_POLL_S", "Acquirer", "retry_after_of"]
+__all__ = ["LONG_POLL_S", "Acquirer", "queue_full", "refused", "retry_after_of"]
 
 #: A request the broker held at least this long (a long poll, seconds) is answered
 #: Retry-After: 0.
@@ -56,6 +58,54 @@ def retry_after_of(
         return 0
     secs = estimate_or_hint(estimate, hint)
     return retry_after(secs, cap=cap, grace_left=grace_left, keep_place=keep_place)
+
+
+#: Leases and waiters listed by the status read behind a queue-full refusal's Retry-After (its
+#: tail estimate counts the waiters not listed at the listed ones' mean amount).
+REFUSAL_STATUS_LIMIT = 32
+#: How old (seconds) the status read behind a queue-full refusal's Retry-After may be: the
+#: refusals of one pool within this share one read, so an overload's storm of refusals does
+#: not add a read per refusal.
+REFUSAL_STATUS_MAX_AGE = 1.0
+
+
+def refused(
+    error: QueueFull | AcquireTimeout,
+    estimate: float | None,
+    hint: float | None,
+    *,
+    cap: float,
+    grace_left: float,
+) -> Refused:
+    """``error`` with the Retry-After of a request that keeps no place (it left the queue, or
+    never joined it): :func:`retry_after_of` of the server's wait estimate ``estimate`` (else
+    its ``hint``; seconds) and ``grace_left`` (seconds), in [1, ``cap``]."""
+    ra = retry_after_of(estimate, hint, cap=cap, grace_left=grace_left, held=0.0, keep_place=None)
+    return Refused(error, ra, estimate)
+
+
+async def queue_full(
+    pools: Pools, pool: str, error: QueueFull, amount: int, *, cap: float
+) -> Refused:
+    """A full queue's refusal of a request of ``amount`` bytes on ``pool``: the script refuses
+    without an estimate, so the pool's status gives the estimate of a request joining the
+    queue's tail (:meth:`PoolStatus.estimated_wait_for`), the scripts' hint
+    (:meth:`PoolStatus.retry_hint`) and the grace period left; the status is read at most
+    :data:`REFUSAL_STATUS_MAX_AGE` ago (one read serves a storm of refusals), bounded by
+    ``backend_timeout``; a read that fails leaves them unknown (Retry-After 1)."""
+    try:
+        st = await pools.recent_status(
+            pool, limit=REFUSAL_STATUS_LIMIT, max_age=REFUSAL_STATUS_MAX_AGE
+        )
+    except Exception:  # noqa: BLE001 - the refusal stands; only its Retry-After is a guess
+        return refused(error, None, None, cap=cap, grace_left=0.0)
+    return refused(
+        error,
+        st.estimated_wait_for(amount),
+        st.retry_hint(),
+        cap=cap,
+        grace_left=st.grace_left,
+    )
 
 
 class Acquirer:
@@ -171,6 +221,8 @@ class Acquirer:
             return Queued(
                 rid, res.queued, res.position, res.queue_length, ra, hold, grace, res.estimated_wait
             )
+        except QueueFull as e:
+            raise await queue_full(self._pools, pool, e, amount, cap=self.retry_after_max) from e
         except PoolNotFound:
             final = True
             self._tasks.spawn(self._pools.drop_if_idle(pool))

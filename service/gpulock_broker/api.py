@@ -56,7 +56,7 @@ from .core import (
     Granted,
     Resized,
 )
-from .outcomes import Queued
+from .outcomes import Queued, Refused
 from .answers import (
     LeaseGrant,
     LeaseReleased,
@@ -144,9 +144,10 @@ async def acquire_lease(
             who, pool, body.amount_bytes, body.options, wait=body.wait, queue=body.queue, gone=gone
         )
     except Exception as e:
-        if isinstance(e, QueueFull):
+        err = e.error if isinstance(e, Refused) else e  # (with its Retry-After)
+        if isinstance(err, QueueFull):
             broker.count_event(pool, "rejected")
-        _traced_outcome(None, e)
+        _traced_outcome(None, err)
         _map(e, pool)
     finally:
         if gone is not None:

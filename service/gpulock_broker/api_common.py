@@ -15,6 +15,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from gpulock_common.errors import AuthError
 from gpulock_common.wire import answer_for
 
+from gpulock.retry_after import UNAVAILABLE_RETRY_AFTER
 from gpulock.errors import (
     BackendUnavailable,
     GpuLockError,
@@ -31,6 +32,7 @@ from .core import (
     NotYours,
     PoolBeingDeleted,
 )
+from .outcomes import Refused
 from .models import (
     LEASE_ID_PATTERN,
     POOL_PATTERN,
@@ -55,7 +57,11 @@ def _err(
 async def get_broker(request: Request) -> Broker:
     b = getattr(request.app.state, "gpulock_broker", None)
     if b is None:
-        _answer(BackendUnavailable, "the lease broker is not started", {"Retry-After": "1"})
+        _answer(
+            BackendUnavailable,
+            "the lease broker is not started",
+            {"Retry-After": str(UNAVAILABLE_RETRY_AFTER)},
+        )
     return b
 
 
@@ -112,8 +118,15 @@ def _answer(
 def _map(e: Exception, pool: str) -> NoReturn:
     """Answer gpulock's errors (and the broker's own) as HTTP: a shared error by the error
     table (:mod:`gpulock_common.wire`: status, code and the exception's fields), with the
-    broker's message and, for a 503, ``Retry-After: 1``; the broker's own exceptions by what
+    broker's message; a :class:`Refused` (a full queue, a growth's timeout) with the
+    Retry-After and estimate it carries (from the pool's state, by the one policy), any other
+    503 (Redis unavailable, a pool being deleted: no state to estimate from) with
+    :data:`gpulock.retry_after.UNAVAILABLE_RETRY_AFTER`; the broker's own exceptions by what
     they mean to the caller (a lease gone, or of another token, is a lost lease to it)."""
+    later: dict[str, Any] | None = None
+    if isinstance(e, Refused):
+        later = {"retry_after": e.retry_after_s, "estimated_wait_s": e.estimated_wait_s}
+        e = e.error
     if isinstance(e, LeaseGone):
         _answer(LeaseLost, str(e), lease_id=e.lease_id)
     if isinstance(e, NotYours):
@@ -145,6 +158,7 @@ def _map(e: Exception, pool: str) -> NoReturn:
     if isinstance(e, BackendUnavailable) and not isinstance(e, PoolBeingDeleted):
         log.warning("gpulock broker: pool %s: %s", pool, e)
         message = f"Redis is unavailable: {e}"
-    if a.status == 503:  # queue full, Redis unavailable, a pool being deleted: retry in a second
-        headers, extra = {"Retry-After": "1"}, {"retry_after": 1}
+    if a.status == 503:
+        extra = later or {"retry_after": UNAVAILABLE_RETRY_AFTER}
+        headers = {"Retry-After": str(extra["retry_after"])}
     _err(a.status, a.code, message, headers, **a.body(e), **extra)

@@ -32,13 +32,14 @@ from gpulock.errors import (
     LeaseLost,
     PoolClosed,
     PoolNotFound,
+    QueueFull,
 )
 from gpulock.http.places import KeptPlace, KeptPlaces
 from gpulock.protocol.replies import Grant
-from .acquire import _true, retry_after_of
+from .acquire import _true, queue_full, refused, retry_after_of
 from .auth import Principal
 from .leases import LeaseRecord, Leases
-from .outcomes import ClientGone
+from .outcomes import ClientGone, Refused
 from .pools import Pools
 from .tasks import Tasks
 
@@ -149,7 +150,7 @@ class Growths:
                 return await self._answer(rec, res, self._clock(), t0)
             except AcquireTimeout as e:
                 if timeout == 0:
-                    raise
+                    raise self._refused(e, pool, None) from e
                 hint = e.retry_after
             if timeout is not None:
                 timeout = max(0.0, timeout - (self._clock() - t0))
@@ -171,7 +172,15 @@ class Growths:
                 raise ClientGone(lease_id)
             if g.task.done():
                 final = True
-                return await self._answer(rec, g.task, g.done_at, t0)
+                try:
+                    return await self._answer(rec, g.task, g.done_at, t0)
+                except QueueFull as e:
+                    more = max(1, amount - rec.amount)  # the bytes the growth asks for
+                    raise await queue_full(
+                        self._pools, pool, e, more, cap=self.retry_after_max
+                    ) from e
+                except AcquireTimeout as e:
+                    raise self._refused(e, pool, g) from e
             est = getattr(g.position, "estimated_wait", None)  # a QueuePlace's estimate
             grace = self._pools.get(pool).pool.grace_left()  # as last seen, no I/O
             ra = retry_after_of(
@@ -187,6 +196,17 @@ class Growths:
             return Growing(amount, g.position, ra, hold, est)
         finally:
             self.places.detach(key, g, keep=not final)
+
+    def _refused(self, e: AcquireTimeout, pool: str, g: _Growth | None) -> Refused:
+        """A growth not granted within its timeout (``g``: its kept place; None: it never
+        queued, ``timeout=0``), with its Retry-After: from the server's estimate the error
+        carries (a growth never queued: had it joined the queue's tail), else the growth's own
+        at its last refresh, else the server's hint; at least the grace period left."""
+        est = e.estimated_wait
+        if est is None and g is not None:
+            est = getattr(g.position, "estimated_wait", None)  # a QueuePlace's estimate
+        grace = max(e.grace_left, self._pools.get(pool).pool.grace_left())  # no I/O
+        return refused(e, est, e.retry_after, cap=self.retry_after_max, grace_left=grace)
 
     async def _call(
         self,

@@ -7,9 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpulock.protocol.replies import Grant
-from gpulock.errors import BackendUnavailable
+from gpulock.errors import AcquireTimeout, BackendUnavailable, QueueFull
 
-__all__ = ["ClientGone", "Granted", "LeaseGone", "NotYours", "PoolBeingDeleted", "Queued"]
+__all__ = [
+    "ClientGone",
+    "Granted",
+    "LeaseGone",
+    "NotYours",
+    "PoolBeingDeleted",
+    "Queued",
+    "Refused",
+]
 
 
 class LeaseGone(Exception):
@@ -25,7 +33,26 @@ class NotYours(Exception):
 
 
 class PoolBeingDeleted(BackendUnavailable):
-    """A forced delete of the pool is under way (503, Retry-After: 1; a retry finds it gone)."""
+    """A forced delete of the pool is under way (503 with
+    :data:`gpulock.retry_after.UNAVAILABLE_RETRY_AFTER`; a retry finds it gone)."""
+
+
+class Refused(Exception):
+    """A refusal that knows the pool's state, with when to come back: ``error`` (QueueFull, or
+    AcquireTimeout: a growth not granted within its timeout), answered 503 as the error table
+    says, with ``retry_after_s`` (whole seconds: the Retry-After,
+    :func:`gpulock_broker.acquire.retry_after_of`) and ``estimated_wait_s`` (the server's
+    estimate it came from; None: the server's hint's, or none)."""
+
+    def __init__(
+        self, error: QueueFull | AcquireTimeout, retry_after_s: int, estimated_wait_s: float | None
+    ):
+        super().__init__(str(error))
+        self.error, self.retry_after_s, self.estimated_wait_s = (
+            error,
+            retry_after_s,
+            estimated_wait_s,
+        )
 
 
 class ClientGone(Exception):

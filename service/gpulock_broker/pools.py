@@ -5,6 +5,8 @@ closed when the pool turns out not to exist or is deleted), and the pool-wide op
 
 from __future__ import annotations
 
+import asyncio
+import time
 import weakref
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
@@ -76,6 +78,10 @@ class Pools:
         self._pools: dict[str, Holders] = {}
         self._deleting: dict[str, int] = {}  # pools being deleted by force (count of deletes)
         self._retired: weakref.WeakSet[Holders] = weakref.WeakSet()  # closed by a delete
+        # recent_status: the last status read of each pool (monotonic time it began, status)
+        # and the read in flight
+        self._recent: dict[str, tuple[float, Any]] = {}
+        self._reading: dict[str, asyncio.Future[Any]] = {}
 
     @property
     def objects(self) -> Mapping[str, Holders]:
@@ -197,6 +203,28 @@ class Pools:
     async def status(self, pool: str, limit: int = 1000):
         """The pool's status (:meth:`gpulock.AsyncPool.status`), at most ``limit`` leases."""
         return await self._tasks.guard(self.get(pool).pool.status(limit=limit))
+
+    async def recent_status(self, pool: str, limit: int, max_age: float):
+        """The pool's status read at most ``max_age`` seconds ago (at most ``limit`` leases):
+        one read serves every caller meanwhile, and callers that come while it runs share it,
+        so a storm of refusals that each want the pool's state costs Redis one read per
+        ``max_age``. Raises what :meth:`status` raises (a failed read is not kept)."""
+        now = time.monotonic()
+        kept = self._recent.get(pool)
+        if kept is not None and now - kept[0] <= max_age:
+            return kept[1]
+        reading = self._reading.get(pool)
+        if reading is None:
+            reading = asyncio.ensure_future(self.status(pool, limit=limit))
+            self._reading[pool] = reading
+            reading.add_done_callback(lambda f: self._read_done(pool, f, now))
+        return await asyncio.shield(reading)
+
+    def _read_done(self, pool: str, f: asyncio.Future, started: float) -> None:
+        if self._reading.get(pool) is f:
+            del self._reading[pool]
+        if not f.cancelled() and f.exception() is None:
+            self._recent[pool] = (started, f.result())
 
     async def configure(self, pool: str, settings: PoolSettings) -> dict[str, Any]:
         """Create or change a pool: ``settings`` in bytes and seconds, each None to keep the

@@ -145,3 +145,161 @@ def test_a_growths_503_says_its_own_estimate(redis_srv, gpu, user):
         holder.release()
     finally:
         core.close()
+
+
+# ---- refusals that know the pool's state: queue full, a growth not granted in time ----------
+
+
+def _queue_full(user, admin, gpu) -> tuple[int, dict, float | None]:
+    """Two queued places (max_waiters 2) and a third request refused: the refusal's Retry-After,
+    its body, and the last place's estimate."""
+    r = admin.put(f"/v1/pools/{gpu}", json={"capacity": "10GiB", "max_waiters": 2})
+    assert r.status_code == 200, r.text
+    est = None
+    for i in (1, 2):
+        _, d = _503(
+            user.post(f"/v1/pools/{gpu}/leases", json={"amount": "1GiB", "request_id": f"f{i}"})
+        )
+        assert d["error"] == "queued" and d["position"] == i, d
+        est = d["estimated_wait_s"]
+    ra, d = _503(user.post(f"/v1/pools/{gpu}/leases", json={"amount": "1GiB"}))
+    assert d["error"] == "queue_full" and d["retry_after"] == ra, d
+    return ra, d, est
+
+
+def test_a_full_queues_503_says_the_tail_estimate(redis_srv, gpu, user, admin):
+    core = Pool.from_url(redis_srv.url, gpu)
+    try:
+        measure_drain(core, 10 * GiB)
+        holder = core.acquire(10 * GiB, ttl=60)  # the hint: 60 s; the estimate is shorter
+        ra, d, last = _queue_full(user, admin, gpu)
+        est = d["estimated_wait_s"]
+        # the estimate of a request joining the queue's tail: behind the last place
+        assert est is not None and last is not None and est >= last, d
+        assert ra == retry_after(est, cap=CAP), d
+        holder.release()
+    finally:
+        core.close()
+
+
+def test_a_full_queues_503_without_a_rate_says_the_hint(redis_srv, gpu, user, admin):
+    core = Pool.from_url(redis_srv.url, gpu)
+    try:
+        t0 = time.monotonic()
+        holder = core.acquire(10 * GiB, ttl=4)  # a new pool: nothing drained, no rate
+        t1 = time.monotonic()
+        assert core.status().drain is None
+        tr = time.monotonic()
+        ra, d, _ = _queue_full(user, admin, gpu)
+        ts = time.monotonic()
+        assert d["estimated_wait_s"] is None, d
+        # the holder expires 4 s after its grant (made in [t0, t1]), read in [tr, ts]
+        assert max(1, math.ceil(t0 + 4 - ts)) <= ra <= math.ceil(t1 + 4 - tr), (ra, d)
+        holder.release()
+    finally:
+        core.close()
+
+
+def _growth(user, gpu) -> str:
+    r = user.post(f"/v1/pools/{gpu}/leases", json={"amount": "5GiB"})
+    assert r.status_code == 201, r.text
+    return f"/v1/pools/{gpu}/leases/{r.json()['lease_id']}/resize"
+
+
+def test_a_growth_not_possible_now_says_the_tail_estimate(redis_srv, gpu, user):
+    """timeout=0: a queue_timeout 503 at once, from the estimate had it joined the tail."""
+    core = Pool.from_url(redis_srv.url, gpu)
+    try:
+        measure_drain(core, 10 * GiB)
+        holder = core.acquire(5 * GiB, ttl=60)
+        ra, d = _503(user.post(_growth(user, gpu), json={"amount": "7GiB", "timeout": 0}))
+        assert d["error"] == "queue_timeout" and d["estimated_wait_s"] is not None, d
+        assert ra == d["retry_after"] == retry_after(d["estimated_wait_s"], cap=CAP), d
+        holder.release()
+    finally:
+        core.close()
+
+
+def test_a_growth_not_possible_now_without_a_rate_says_the_hint(redis_srv, gpu, user):
+    core = Pool.from_url(redis_srv.url, gpu)
+    try:
+        t0 = time.monotonic()
+        holder = core.acquire(5 * GiB, ttl=4)
+        t1 = time.monotonic()
+        url = _growth(user, gpu)
+        assert core.status().drain is None
+        tr = time.monotonic()
+        ra, d = _503(user.post(url, json={"amount": "7GiB", "timeout": 0}))
+        ts = time.monotonic()
+        assert d["error"] == "queue_timeout" and d["estimated_wait_s"] is None, d
+        assert max(1, math.ceil(t0 + 4 - ts)) <= ra <= math.ceil(t1 + 4 - tr), (ra, d)
+        holder.release()
+    finally:
+        core.close()
+
+
+def test_a_growth_that_timed_out_in_the_queue_says_its_own_estimate(redis_srv, gpu, user):
+    """A growth queued past its timeout: queue_timeout with the Retry-After of its own last
+    estimate (it keeps no place), as the SDK reads it back (AcquireTimeout.estimated_wait)."""
+    from gpulock_client import AcquireTimeout as ClientTimeout
+    from gpulock_common.wire import error_from_reply
+
+    core = Pool.from_url(redis_srv.url, gpu)
+    try:
+        measure_drain(core, 10 * GiB)
+        holder = core.acquire(5 * GiB, ttl=60)
+        url = _growth(user, gpu)
+        body = {"amount": "7GiB", "timeout": 0.5, "wait": 5}
+        r = user.post(url, json=body)
+        while r.status_code == 503 and r.json()["detail"]["error"] == "queued":
+            r = user.post(url, json=body)  # the same growth: its answer once it ended
+        ra, d = _503(r)
+        assert d["error"] == "queue_timeout" and d["estimated_wait_s"] is not None, d
+        assert ra == d["retry_after"] == retry_after(d["estimated_wait_s"], cap=CAP), d
+        err = error_from_reply(r.status_code, r.json(), gpu)
+        assert isinstance(err, ClientTimeout), err
+        assert err.estimated_wait == d["estimated_wait_s"] and err.retry_after == ra, err
+        holder.release()
+    finally:
+        core.close()
+
+
+async def test_the_refusals_of_one_pool_share_one_recent_status_read(redis_srv):
+    """queue_full reads the pool's status for its Retry-After through Pools.recent_status: the
+    callers that come while a read runs share it, and a read is reused for max_age seconds, so
+    an overload's storm of refusals costs Redis one read per max_age, not one per refusal."""
+    import asyncio
+
+    from gpulock_broker.pools import Pools
+    from gpulock_broker.tasks import Tasks
+
+    core = Pool.from_url(redis_srv.url, "gpu-rs", capacity=GiB)
+    pools = Pools(
+        redis_srv.url,
+        Tasks(2.0),
+        waiter_ttl=10.0,
+        poll_interval=0.5,
+        backend_timeout=2.0,
+        max_connections=8,
+        in_use=lambda _name: False,
+        on_retire=lambda _name: None,
+        on_deleted=lambda _name: None,
+    )
+    pools.connect()
+    try:
+        core.acquire(1).release()  # the pool is made at its first acquire
+        many = await asyncio.gather(
+            *(pools.recent_status("gpu-rs", limit=32, max_age=60.0) for _ in range(8))
+        )
+        assert all(st is many[0] for st in many)  # one read, shared while it ran
+        assert many[0].used == 0
+        lease = core.acquire(GiB // 2)
+        kept = await pools.recent_status("gpu-rs", limit=32, max_age=60.0)
+        assert kept is many[0] and kept.used == 0  # young enough: not read again
+        fresh = await pools.recent_status("gpu-rs", limit=32, max_age=0.0)
+        assert fresh is not many[0] and fresh.used == GiB // 2  # too old: read again
+        lease.release()
+    finally:
+        await pools.close_pools()
+        await pools.disconnect()
+        core.close()

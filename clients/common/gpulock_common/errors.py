@@ -178,7 +178,10 @@ class AcquireTimeout(GpuLockError, TimeoutError):
     next move, or None when unknown), ``waited`` (seconds), ``grace_left`` (seconds left in the
     pool's restart grace period when the wait ended, during which nothing new is granted; 0
     outside one: then the pool was short of memory; the message says which,
-    :func:`gpulock_common.grace.grace_note`)."""
+    :func:`gpulock_common.grace.grace_note`), ``estimated_wait`` (seconds: the server's wait
+    estimate when the wait ended, docs/SEMANTICS.md "Wait estimate": for a request never
+    queued, had it joined the queue's tail; None while the pool's drain rate is not measured,
+    or when not known)."""
 
     def __init__(
         self,
@@ -189,6 +192,7 @@ class AcquireTimeout(GpuLockError, TimeoutError):
         retry_after: Optional[float] = None,
         waited: float = 0.0,
         grace_left: float = 0.0,
+        estimated_wait: Optional[float] = None,
     ):
         super().__init__(message)
         self.position = position
@@ -196,6 +200,7 @@ class AcquireTimeout(GpuLockError, TimeoutError):
         self.retry_after = retry_after
         self.waited = waited
         self.grace_left = grace_left
+        self.estimated_wait = estimated_wait
 
 
 class QueueFull(GpuLockError):

@@ -164,6 +164,7 @@ ANSWERS: tuple[Answer, ...] = (
             queue_length=_int(d, "queue_length"),
             retry_after=_opt_float(d, "retry_after"),
             grace_left=float(d.get("grace_left") or 0.0),
+            estimated_wait=_opt_float(d, "estimated_wait_s"),
         ),
         # when to retry is the answer's Retry-After (and the body's retry_after) of the surface
         fields=("position", "queue_length", "grace_left"),
