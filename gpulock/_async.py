@@ -147,7 +147,9 @@ class AsyncPool(PoolOptions):
         capacity: bytes (or "24GiB"). When given, the pool is created with it if it does not
             exist yet; an existing capacity is not changed (use :meth:`configure` for that).
             After Redis lost a pool this object had seen, it is made again with the capacity,
-            max_waiters and max_ttl last seen on the server (an operator's ``pool set`` wins).
+            max_waiters and max_ttl last seen on the server (an operator's ``pool set`` wins),
+            given or not: without it, an acquire of a pool this object never saw and Redis
+            does not have raises PoolNotFound.
         default_ttl: lease ttl in seconds when ``acquire`` gets none (30 s).
         waiter_ttl: seconds a queued request survives without a refresh (5 s).
         poll_interval: seconds between waiter refreshes, which double as the backstop poll.

@@ -332,9 +332,14 @@ def acquire_call(
     """One ``acquire.lua`` call, retried until the caller's deadline
     (:func:`~gpulock.protocol.retry.retry_bound`): ``deadline`` (local time) when given, else
     ``start`` (the local time of the acquire, default now) plus its timeout. A pool found gone
-    is created again first when this object knows a capacity (with a grace period when it
-    had seen the pool: Redis lost it). Returns ``(Grant | NotGranted, sent)``, ``sent`` the
-    local time the successful call was sent."""
+    is created again first: by an object that had seen it (Redis lost it) as the server last
+    showed it, with a grace period, whether or not the object was given a capacity (it may
+    rely on an operator's ``pool set``); by one that never saw it, with its own capacity.
+    Returns ``(Grant | NotGranted, sent)``, ``sent`` the local time the successful call was
+    sent.
+
+    Raises PoolNotFound when the pool is gone and the object never saw it and has no capacity
+    (nothing to make it again from)."""
     sent = pool.clock()
     left = None
     if deadline is not None:
@@ -345,11 +350,12 @@ def acquire_call(
         r = yield Eval("acquire", argv, bound=retry_bound(pool.backend_timeout, left))
     except PoolNotFound:
         rt.seen(0)  # gone: if this object knew the pool, its runtime recovers now
-        if pool.capacity is None:
-            raise
+        capacity = rt.remake_capacity() or pool.capacity
+        if capacity is None:
+            raise  # never seen, and no capacity of its own: nothing to make it again from
         # no grace asked here: the runtime's configure_argv asks for one when this object
         # knew the pool (so Redis lost it), and makes it again as last seen
-        yield from configure(pool, rt, PoolSettings(pool.capacity), create_only=True, grace=False)
+        yield from configure(pool, rt, PoolSettings(capacity), create_only=True, grace=False)
         sent = pool.clock()
         r = yield Eval("acquire", argv)
     res = decode_acquire(req.ticket, r)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Protocol
 
 from gpulock_common.options import AcquireOptions
 
-from gpulock.errors import AcquireTimeout, BackendUnavailable, LeaseLost
+from gpulock.errors import AcquireTimeout, BackendUnavailable, LeaseLost, PoolNotFound
 from gpulock.protocol.args import ttl_ms
 from gpulock_common import traces
 from gpulock.protocol.lease import LeaseState
@@ -109,7 +109,13 @@ def resize(
     )
     sent = pool.clock()
     left = None if timeout_s is None else timeout_s - (sent - start)
-    r = yield Eval("resize", argv, bound=retry_bound(pool.backend_timeout, left))
+    try:
+        r = yield Eval("resize", argv, bound=retry_bound(pool.backend_timeout, left))
+    except PoolNotFound:
+        # Gone: the lease's recovery (the heartbeat's) starts now and puts it back; the pool
+        # is not made again here, where the lease would not be in it yet.
+        rt.seen(0)
+        raise
     res = decode_acquire(ticket, r)
     rt.observe(sent, res.now_ms)
     rt.seen(res.epoch, res.capacity)

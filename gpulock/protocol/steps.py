@@ -252,6 +252,12 @@ class RuntimeView(Protocol):
         """Take in what a reply showed of the pool (epoch 0: it is gone)."""
         ...
 
+    def remake_capacity(self) -> int | None:
+        """The capacity (bytes) this object would make the pool again with after Redis lost it
+        (as the server last showed it: see :meth:`configure_argv`); None when it never saw the
+        pool, so has nothing to make it again from."""
+        ...
+
     def note_grace(self, sent: float, left_ms: int) -> None:
         """A reply to a call sent at ``sent`` showed ``left_ms`` of grace period left."""
         ...

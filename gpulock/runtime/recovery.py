@@ -163,6 +163,15 @@ class Recovery:
                 st.queue_config(),
             )
 
+    def remake_capacity(self) -> int | None:
+        """The capacity (bytes) :meth:`configure_argv` makes the pool again with after Redis
+        lost it when given none: what the server last showed (the sum of its devices when it
+        had several); None when this object never saw the pool (or no capacity of it). Safe
+        from any thread."""
+        if not self.known_epoch:
+            return None
+        return int(self.configure_argv(0, 0, 0, create_only=True)[0]) or None
+
     def configure_argv(
         self,
         capacity: int,

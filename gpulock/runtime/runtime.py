@@ -174,6 +174,12 @@ class Runtime:
         Safe from any thread."""
         self.recovery.seen(epoch, capacity, max_waiters, max_ttl_ms, policy)
 
+    def remake_capacity(self) -> int | None:
+        """The capacity (bytes) a pool this object saw is made again with after Redis lost it;
+        None when it never saw the pool (:meth:`gpulock.runtime.recovery.Recovery.remake_capacity`).
+        Safe from any thread."""
+        return self.recovery.remake_capacity()
+
     def note_grace(self, sent: float, left_ms: int) -> None:
         """A reply to a call sent at ``sent`` showed ``left_ms`` ms of grace period left
         (:meth:`gpulock.runtime.recovery.Recovery.note_grace`). Safe from any thread."""

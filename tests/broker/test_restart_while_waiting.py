@@ -12,6 +12,10 @@ import pytest
 import redis
 from gpulock_client import Pool
 
+from gpulock import Pool as CorePool
+from gpulock.protocol.keys import pool_keys
+from support.pools import config
+
 from ._support import USER_TOKEN
 
 pytestmark = pytest.mark.timeout(240)
@@ -52,3 +56,35 @@ def test_queued_sdk_acquires_survive_a_flushall(redis_srv, broker_srv, admin, ro
         assert errors == [], errors
         assert len(got) == 2
         del holder  # lost with the data: its release would raise LeaseLost
+
+
+def test_an_sdk_acquire_after_a_flushall_of_an_idle_pool_is_granted(redis_srv, broker_srv, admin):
+    """Redis lost the pool while nobody held or waited through the broker: the broker's pool
+    object (opened without a capacity; the pool was set by an operator on Redis, not through
+    this broker, or before it started) saw the pool, so the next acquire makes it again as
+    last seen, with its grace period, and is granted after it; never PoolNotFound (a 404)."""
+    direct = redis.Redis.from_url(redis_srv.url)
+    try:
+        with CorePool.from_url(redis_srv.url, "gpu-f") as operator:  # `gpulock pool set`
+            operator.configure("1GiB", max_ttl=2, max_waiters=9)
+        with Pool(broker_srv.url, "gpu-f", token=USER_TOKEN, max_wait=3.0) as pool:
+            pool.acquire("600MiB", ttl=2, timeout=30).release()
+            # a status read through the broker's pool object (as a dashboard's): it knows the
+            # operator's max_ttl then, so the grace period is 2 s, not its own 60 s
+            st = admin.get("/v1/pools/gpu-f")
+            assert st.status_code == 200 and st.json()["max_ttl"] == 2, st.text
+            old = config(direct, "gpu-f")
+            direct.flushall()
+            lease = pool.acquire("600MiB", ttl=2, timeout=30)
+            cfg = config(direct, "gpu-f")
+            assert cfg["epoch"] != old["epoch"] and cfg["grace_until"] > 0, cfg
+            assert (cfg["capacity"], cfg["max_ttl_ms"], cfg["max_waiters"]) == (
+                1 << 30,
+                2000,
+                9,
+            ), cfg
+            raw = direct.hget(pool_keys("gpu-f")[2], lease.id)
+            assert raw is not None and int(raw.decode().split("|")[2]) >= cfg["grace_until"]
+            lease.release()
+    finally:
+        direct.close()

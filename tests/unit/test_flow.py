@@ -127,6 +127,53 @@ def test_a_lost_pool_is_made_again_with_grace_then_the_acquire_retried():
     assert calls[1][1] == ["80", "7", "create", "20000", "1"]
 
 
+@pytest.mark.parametrize("devices", [None, "30 50"], ids=["one-device", "devices"])
+def test_a_lost_pool_is_made_again_by_an_object_without_capacity_that_saw_it(devices):
+    """An object opened without a capacity (a worker relying on an operator's ``pool set``,
+    the broker's) that saw the pool makes it again as last seen, with a grace period."""
+    pool = FakePool(capacity=None)
+    rt = _runtime(pool)
+    rec = rt.recovery
+    rec.known_epoch = 3
+    rec.capacity_seen, rec.max_waiters_seen, rec.max_ttl_seen_ms = 80, 7, 20_000
+    if devices is not None:
+        rec.policy_seen = QueueConfig("fifo", 0, "", devices, "bestfit")
+    calls: list[tuple[str, list]] = []
+
+    def answer(step):
+        if isinstance(step, flow.Eval):
+            calls.append((step.script, step.args))
+            if step.script == "acquire" and len(calls) == 1:
+                raise PoolNotFound("p")
+            if step.script == "configure":
+                return [1, 80, 4, 0, 7, 20_000, 20_000]
+            return GRANT
+        if isinstance(step, flow.MakeLease):
+            return "lease", "its state"
+        return None
+
+    lease, _ = drive(flow.acquire(pool, rt, _req(0), 0.0, None), answer)
+    assert lease == "lease" and pool.capacity is None  # the object keeps having none
+    assert [c[0] for c in calls] == ["acquire", "configure", "acquire"]
+    assert calls[1][1][:5] == ["80", "7", "create", "20000", "1"]
+
+
+def test_a_lost_pool_never_seen_by_an_object_without_capacity_is_not_found():
+    pool = FakePool(capacity=None)
+    rt = _runtime(pool)
+    scripts: list[str] = []
+
+    def answer(step):
+        if isinstance(step, flow.Eval):
+            scripts.append(step.script)
+            raise PoolNotFound("p")
+        return None
+
+    with pytest.raises(PoolNotFound):
+        drive(flow.acquire(pool, rt, _req(0), 0.0, None), answer)
+    assert scripts == ["acquire"] and rt.remake_capacity() is None
+
+
 def test_a_lost_pool_is_made_again_with_the_queue_policy_last_seen():
     pool = FakePool()
     rt = _runtime(pool)
@@ -381,6 +428,7 @@ class OnlyTheView:
     remove_waiter = _note("remove_waiter")
     untrack = _note("untrack")
     deadline_for = _note("deadline_for")
+    remake_capacity = _note("remake_capacity")
 
     def configure_argv(
         self, capacity, max_waiters, max_ttl_ms, create_only, grace=False, policy=None
@@ -424,6 +472,15 @@ def test_the_flows_need_of_the_runtime_only_its_view():
         return answer(step)
 
     lease, _ = drive(flow.acquire(pool, rt, _req(2.0), 0.0, None), granted)
+    gone = [PoolNotFound("p")]  # the first acquire finds the pool gone: made again
+
+    def lost_once(step):
+        if isinstance(step, flow.Eval) and step.script == "acquire" and gone:
+            raise gone.pop()
+        return granted(step)
+
+    drive(flow.acquire(pool, rt, _req(2.0), 0.0, None), lost_once)
+    assert not gone
     state = LeaseState("p", g, 30.0, 10.0, pool.clock)
     drive(flow.release_lease(state, rt), lambda s: [1, 1_000, 0, 0])
     assert lease == "the lease" and state.released
