@@ -319,8 +319,12 @@ def test_a_waiter_fails_only_when_redis_stays_away_past_its_bound(redis_proc1, k
         # handed out once more after the first renewal through a new one worked (redis-py
         # checks it for EOF before use, but the close may not be seen yet): its renewal fails
         # with 'Connection closed by server' and the next works (seen in a loaded CI run).
-        kinds = ["failed" if " failed (" in m else "again" if "works again" in m else m for m in beat]
-        assert kinds == ["failed", "again"] * (len(kinds) // 2) + ["failed"] * (len(kinds) % 2), beat
+        kinds = [
+            "failed" if " failed (" in m else "again" if "works again" in m else m for m in beat
+        ]
+        assert kinds == ["failed", "again"] * (len(kinds) // 2) + ["failed"] * (len(kinds) % 2), (
+            beat
+        )
 
         # 2. Away for good.
         rp.kill()
