@@ -119,7 +119,10 @@ def test_kill_9_of_gpulock_run_holder(redis_proc1, tmp_path):
     )
     for lag, k2g, k2g_s in zip(lags, kill_to_grant, kill_to_grant_server):
         assert lag >= 0, "granted before the dead lease expired: the dead lease was not honoured"
-        # A timer at the expiry, not a poll (the backstop poll is every 1 s); generous for a
-        # loaded 2-core CI box, the project aims at p50 <= 5 ms.
-        assert lag <= 250, f"reclaim lag {lag:.1f} ms"
-        assert k2g <= TTL_S + 1.0 and k2g_s <= TTL_S + 1.0
+        # Never as late as the backstop poll (every 1 s) plus a loaded machine's scheduling.
+        assert lag <= 1500, f"reclaim lag {lag:.1f} ms"
+        assert k2g <= TTL_S + 2.0 and k2g_s <= TTL_S + 2.0
+    # A timer at the expiry, not a poll: the median of the rounds, so that one round whose
+    # waiter was descheduled on a loaded 2-core CI box does not decide (a 1 s poll would put
+    # two of three rounds past 250 ms most of the time); the project aims at p50 <= 5 ms.
+    assert statistics.median(lags) <= 250, f"reclaim lag median {statistics.median(lags):.1f} ms"

@@ -38,7 +38,12 @@ from support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
-TTL, G = 1.0, 2.0  # lease ttl and max_ttl (= the grace period) of the pool objects here
+# Lease ttl and max_ttl (= the grace period) of the pool objects here. A held lease must stay
+# locally valid across a Redis restart (a redis-server start can take over a second on a loaded
+# machine; a lease renewed every TTL/3 has at least 2/3 TTL left when it begins), and the checks
+# made during the grace period must all fit in it: neither is what is tested, so both leave
+# room for a loaded machine (with 1 s and 2 s, a slow server start lost a lease).
+TTL, G = 3.0, 5.0
 
 
 class Sampler:
@@ -330,12 +335,14 @@ async def test_redis_down_for_longer_than_the_ttl(redis_proc1, caplog):
         await asyncio.sleep(0.01)
     rp.kill()
     t_down = time.monotonic()
-    while not lost_at and time.monotonic() - t_down < TTL + 1:
+    while not lost_at and time.monotonic() - t_down < TTL + 5:  # waits on on_lost (seen)
         await asyncio.sleep(0.01)
     # The deadline of the last renewal the holder read (read now: a reply could still land
     # between a read before the kill and the kill).
     deadline = lease.valid_until
-    assert lost_at and lost_at[0] >= deadline and lost_at[0] - deadline < 0.2
+    # Lost at the deadline (the heartbeat's timer), not before; the upper slack is for a loaded
+    # machine's scheduling of this process, not the deadline the code computed.
+    assert lost_at and lost_at[0] >= deadline and lost_at[0] - deadline < 1.0, (lost_at, deadline)
     with pytest.raises(LeaseLost):
         lease.ensure_valid()
     msgs = [r.getMessage() for r in caplog.records]
