@@ -16,7 +16,9 @@ import redis
 from gpulock import LeaseLost, Pool
 from support.ports import free_port
 
-pytestmark = pytest.mark.timeout(60)
+# A hang catcher, not a speed check: a test here runs up to 15 `python -m gpulock` processes,
+# each a second or more on a loaded 2-core machine (one took 39 s with two suites running).
+pytestmark = pytest.mark.timeout(300)
 
 
 def gpulock(url: str | None, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
