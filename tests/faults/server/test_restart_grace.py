@@ -376,40 +376,49 @@ async def test_redis_down_for_longer_than_the_ttl(redis_proc1, caplog):
     )
 
 
-def test_a_process_that_never_saw_the_pool_recreates_it_first(redis_proc1):
+def test_a_process_that_never_saw_the_pool_recreates_it_first(redis_proc1, default_binary):
     """The documented limit: a process that never saw the pool cannot know Redis lost it, so
     it creates the pool without a grace period and may be granted at once. The first holder
     that comes back then opens the grace period; a lease that no longer fits is lost, and its
-    holder is told why."""
-    rp, name = redis_proc1, "hole"
-    direct = redis.Redis.from_url(rp.url)
-    a = Pool.from_url(rp.url, name, capacity=100, default_ttl=TTL, max_ttl=G, poll_interval=0.2)
-    b = Pool.from_url(rp.url, name, capacity=100, default_ttl=TTL, max_ttl=G, poll_interval=0.2)
-    ha = a.acquire(50)
-    hb = b.acquire(40)
-    why: list[str] = []
-    ha.on_lost(lambda lz: why.append(lz._state.lost_reason))
-    rp.restart()
-    newcomer = Pool.from_url(rp.url, name, capacity=100, default_ttl=TTL, max_ttl=G)
-    n = newcomer.acquire(55, timeout=0)  # right away, before the holders' next heartbeat
-    wait_until(lambda: why and direct.hlen(pool_keys(name)[2]) == 2, timeout=3 * TTL)
-    st = newcomer.status()
-    # 55 + 50 > 100: a's lease cannot come back (lost, and told why); 55 + 40 fits: b's is back.
-    assert {li.lease_id for li in st.leases} == {n.id, hb.id} and st.used == 95
-    hb.ensure_valid()
-    assert st.grace_left > 0  # opened by the first re-assertion
-    assert "does not fit" in why[0]
-    with pytest.raises(AcquireTimeout):
-        newcomer.acquire(1, timeout=0)
-    for lz in (ha, hb):
-        try:
-            lz.release()
-        except LeaseLost:
-            pass
-    n.release()
-    for x in (a, b, newcomer):
-        x.close()
-    direct.close()
+    holder is told why.
+
+    The holders reach Redis through a proxy (the URL they know); Redis comes back empty on
+    another port, where the newcomer makes the pool and is granted while the holders still
+    renew on the old server; only then is the proxy repointed. So the newcomer is first
+    whatever the scheduling (acquiring after a restart on the same port raced the holders'
+    next heartbeat)."""
+    old, name = redis_proc1, "hole"
+    with Proxy(old.port) as px, RedisProcess(default_binary) as rp:
+        direct = redis.Redis.from_url(rp.url)
+        a = Pool.from_url(px.url, name, capacity=100, default_ttl=TTL, max_ttl=G, poll_interval=0.2)
+        b = Pool.from_url(px.url, name, capacity=100, default_ttl=TTL, max_ttl=G, poll_interval=0.2)
+        ha = a.acquire(50)
+        hb = b.acquire(40)
+        why: list[str] = []
+        ha.on_lost(lambda lz: why.append(lz._state.lost_reason))
+        newcomer = Pool.from_url(rp.url, name, capacity=100, default_ttl=TTL, max_ttl=G)
+        n = newcomer.acquire(55, timeout=0)  # on the empty server, before any holder is there
+        old.kill()
+        px.set_target(rp.port)  # the holders' URL now reaches the server that lost the pool
+        wait_until(lambda: why and direct.hlen(pool_keys(name)[2]) == 2, timeout=3 * TTL)
+        st = newcomer.status()
+        # 55 + 50 > 100: a's lease cannot come back (lost, and told why); 55 + 40 fits: b's is
+        # back.
+        assert {li.lease_id for li in st.leases} == {n.id, hb.id} and st.used == 95
+        hb.ensure_valid()
+        assert st.grace_left > 0  # opened by the first re-assertion
+        assert "does not fit" in why[0]
+        with pytest.raises(AcquireTimeout):
+            newcomer.acquire(1, timeout=0)
+        for lz in (ha, hb):
+            try:
+                lz.release()
+            except LeaseLost:
+                pass
+        n.release()
+        for x in (a, b, newcomer):
+            x.close()
+        direct.close()
 
 
 def test_a_sync_pool_that_only_read_the_status_knows_the_pool(redis_proc1):
