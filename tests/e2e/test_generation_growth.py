@@ -342,10 +342,14 @@ def test_a_client_that_hangs_up_while_its_stream_waits_to_grow(grow, shape):
             next(body)  # the stream began
             held.waiting_to_grow(sizes.size_for(0))
             hung_up = time.monotonic()
-        # the growth leaves the queue and the lease goes back within a second
-        st = grow.status_when(lambda st: not held.others(st) and not st.waiters, timeout=1.0)
+        # the growth leaves the queue and the lease goes back at the hang-up. The bound is
+        # what tells a withdrawal from the alternatives, not a speed target: a waiter left
+        # behind lives until its waiter_ttl (5 s) from its last refresh (every 1 s), at least
+        # 4 s after the hang-up, and the growth's own timeout is 60 s; 3.5 s leaves a loaded
+        # machine 2 s more than the 1.5 s this used to ask.
+        st = grow.status_when(lambda st: not held.others(st) and not st.waiters, timeout=3.5)
         assert not held.others(st) and not st.waiters, (st.leases, st.waiters)
-        assert time.monotonic() - hung_up <= 1.5
+        assert time.monotonic() - hung_up <= 3.5
         wait_until(
             lambda: (
                 _metric(grow, "gpulock_generations_total{finish_reason=cancelled}") >= cancelled + 1
