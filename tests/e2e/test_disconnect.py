@@ -123,7 +123,10 @@ def _hang_up_while_queued(svc, port: int, tmp_path: Path, go: Path) -> None:
     wait_until(lambda: svc.status().waiter_count == 0, 5, "the queue to empty", interval=0.01)
     took = time.monotonic() - t0
     print(f"4 hung-up requests left the queue {took * 1000:.0f} ms after their sockets closed")
-    assert took < 2.0, f"the hung-up requests stayed queued {took:.2f}s"
+    # What the bound tells apart (not a speed target): a request left queued would stay until
+    # its waiter_ttl (5 s) from its last refresh (every 1 s), at least 4 s after the hang-up,
+    # or its 60 s acquire timeout; 3.5 s leaves a loaded machine room (2.0 s did not).
+    assert took < 3.5, f"the hung-up requests stayed queued {took:.2f}s"
 
     # A witness queued after them: FIFO, so had any hung-up request been granted it would run
     # before the witness. The holder goes on, then the witness runs; the hung-up ones never do.
@@ -213,7 +216,11 @@ def test_a_broker_client_that_hangs_up_during_its_long_poll_leaves_the_queue(bro
         print(
             f"broker: the hung-up long poll left the queue {took * 1000:.0f} ms after its socket closed"
         )
-        assert took < 2.0
+        # Not a speed target: a long poll left queued would stay until its waiter_ttl (5 s)
+        # from its last refresh (every 1 s), at least 4 s after the hang-up (a parked retry
+        # place at least 5 s, its wait 20 s); 3.5 s leaves a loaded machine room (2.0 s did
+        # not).
+        assert took < 3.5, f"the hung-up long poll stayed queued {took:.2f}s"
 
         # a witness queued after it gets the bytes the moment the holder releases them
         wit_t, wit = _in_thread(
