@@ -154,7 +154,6 @@ def test_queued_503_keeps_the_place_across_retries(user, other, gpu):
     """c08: every 503 has Retry-After from the queue's state and X-Queue-Position; a retry
     with the same request id keeps its place instead of queueing twice."""
     holder = post(user, amount="10GiB", ttl=4).json()
-    t0 = time.time()
     r1 = post(user, amount="6GiB", request_id="a", wait=0.3)
     r2 = post(other, amount="6GiB", request_id="a")  # same id, other token: its own request
     assert (r1.status_code, r2.status_code) == (503, 503)
@@ -168,8 +167,12 @@ def test_queued_503_keeps_the_place_across_retries(user, other, gpu):
     for _ in range(3):
         r = post(user, amount="6GiB", request_id="a")
         assert r.status_code == 503 and r.headers["x-queue-position"] == "1"
-    assert status(user)["waiter_count"] == 2
-    assert time.time() - t0 < 2
+    # Everything above ran while the holder held (its 4 s ttl, which the Retry-After is read
+    # from, had not run out): checked on the pool's state rather than as a 2 s bound on the
+    # time taken, which a loaded machine exceeded while the holder still held.
+    st = status(user)
+    assert st["waiter_count"] == 2, st
+    assert [x["lease_id"] for x in st["leases"]] == [holder["lease_id"]], st
 
 
 def test_grant_made_while_parked_is_kept_for_the_retry(user, gpu):
