@@ -105,7 +105,9 @@ def test_a_long_poll_that_ends_before_the_grace_period_is_answered_at_once(
     r = user.post(f"/v1/pools/{graced}/leases", json={"amount": "1GiB", "ttl": 5, "wait": 5})
     elapsed = time.monotonic() - t0
     d = r.json()["detail"]
-    assert r.status_code == 503 and d["error"] == "queued" and elapsed < 2.5, (elapsed, r.text)
+    # "at once": well before the 5 s the long poll would have held it (2.5 s left a loaded
+    # machine too little room; the bound is what tells the two apart, not a speed target)
+    assert r.status_code == 503 and d["error"] == "queued" and elapsed < 4.0, (elapsed, r.text)
     assert grace_floor() < d["grace_left"] <= 30 and r.headers["retry-after"] == "5", (d, r.headers)
     c = redis.Redis.from_url(redis_srv.url)
     assert c.zcard(pool_keys(graced).queue) == 1  # the place is kept for the retry
