@@ -273,7 +273,7 @@ def test_a_slow_body_is_cut_with_408_within_the_read_timeout(request, surface):
     print(
         f"{surface}: a body dripping a byte every 0.3 s was cut after {took:.2f}s ({answer[:12]!r})"
     )
-    assert took < READ_TIMEOUT + 2.0, took
+    assert took < READ_TIMEOUT + 4.0, took  # a server that kept it: until give_up (6x)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert b"GPULOCK_READ_TIMEOUT" in answer
 
@@ -290,7 +290,7 @@ def test_slow_headers_are_cut_within_the_read_timeout(request, surface):
     print(
         f"{surface}: headers dripping a byte every 0.3 s were cut after {took:.2f}s ({answer[:12]!r})"
     )
-    assert took < READ_TIMEOUT + 2.0, took
+    assert took < READ_TIMEOUT + 4.0, took  # a server that kept it: until give_up (6x)
     assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer[:200]
 
 
