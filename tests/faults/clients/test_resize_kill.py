@@ -19,7 +19,10 @@ from gpulock import Pool
 from support.pools import check_consistent
 from support.waiting import wait_until
 
-TTL_S = 1.0
+# The killed holder's lease ttl. Its expiry is what frees the bytes, whatever its length; a
+# 1 s lease expired before the growth queued when the holder process (or its heartbeat) was
+# descheduled for a second on a loaded machine.
+TTL_S = 3.0
 
 _HOLDER = textwrap.dedent(
     """
