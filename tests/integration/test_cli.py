@@ -113,7 +113,7 @@ def test_pool_set_and_status_round_trip(redis_proc):
                 # the timeout only bounds a failure: the waiter must outlast the five CLI
                 # calls below (each a Python start, seconds on a loaded host; 8 s was not enough
                 # in CI), and is granted at the release
-                pool.acquire("2GiB", timeout=50, holder={"purpose": "eval-job"}).release()
+                pool.acquire("2GiB", timeout=200, holder={"purpose": "eval-job"}).release()
             except AcquireTimeout as e:
                 waiter_err.append(e)
 
@@ -173,14 +173,14 @@ def test_status_labels_a_queued_growth_with_its_lease(url):
 
         def grow() -> None:
             try:
-                a.resize("3GiB", timeout=50)  # B may free bytes: queued until it does
+                a.resize("3GiB", timeout=200)  # B may free bytes: queued until it does
             except Exception as e:  # noqa: BLE001
                 errs.append(e)
 
         th = threading.Thread(target=grow)
         th.start()
         new: list = []
-        th_new = threading.Thread(target=lambda: new.append(pool.acquire("1GiB", timeout=50)))
+        th_new = threading.Thread(target=lambda: new.append(pool.acquire("1GiB", timeout=200)))
         try:
             wait_until(lambda: status_json(url, "gpu0")["waiters"], timeout=30, interval=0.05)
             th_new.start()  # a new request queued behind the growth
