@@ -30,7 +30,10 @@ from support.procs import Proc, broker_argv
 
 from support.ports import free_port
 
-READ_TIMEOUT = 2.0
+# The servers' read timeout: also the bound that tells a request served beside 200 idle
+# connections from one served only once they were cut (4 s, not 2: a request on a loaded
+# machine can take over 2 s).
+READ_TIMEOUT = 4.0
 TOKEN = "limits-token-0123456789abcdef"
 LIMIT_ENV = {"GPULOCK_MAX_REQUEST_BYTES": "1MiB", "GPULOCK_READ_TIMEOUT": str(READ_TIMEOUT)}
 SVC_ENV = {
@@ -310,7 +313,7 @@ def test_idle_connections_do_not_stop_a_request_and_are_closed(request, surface)
         print(
             f"{surface}: served in {(time.monotonic() - t0) * 1000:.0f} ms with 200 idle connections open"
         )
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < READ_TIMEOUT  # not held until the idle ones were cut
         if surface == "broker":
             assert (
                 httpx.delete(
