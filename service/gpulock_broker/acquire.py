@@ -23,7 +23,7 @@ from gpulock.retry_after import estimate_or_hint, retry_after
 
 from .auth import Principal
 from .leases import Leases
-from .outcomes import ClientGone, Granted, Queued, Refused
+from .outcomes import ClientGone, Granted, Queued, Refused, Waited
 from .parking import Parking, ticket
 from .pools import Pools
 from .tasks import Tasks
@@ -173,6 +173,12 @@ class Acquirer:
             res: Grant | NotGranted = await self._tasks.guard(
                 enqueue(budget), entry.inflight, budget
             )
+            # the place it took, for its 201 should it be granted later in this request
+            place = (
+                Waited(res.position, res.queue_length, res.estimated_wait)
+                if isinstance(res, NotGranted) and res.queued
+                else None
+            )
             if (
                 isinstance(res, NotGranted)
                 and res.queued
@@ -203,7 +209,7 @@ class Acquirer:
                 res = await self._leases.full_ttl(pool, res, ttl)
                 self._parking.discard(key)
                 self._leases.record(who.id, pool, tk, ttl, res, opts.priority)
-                return Granted(pool, rid, res, ttl, acquired_ms)
+                return Granted(pool, rid, res, ttl, acquired_ms, place)
             if not res.queued:
                 final = True  # queue=False and busy: no place was taken
             grace = res.grace_left_ms / 1000

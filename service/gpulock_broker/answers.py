@@ -9,6 +9,23 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, Field
 
 
+class QueuedPlace(BaseModel):
+    """Where a granted request waited in the queue (the place its 503 ``queued`` would have
+    said), for a request granted after it queued within the same HTTP request."""
+
+    position: int = Field(
+        ...,
+        description="1-based place it took in the queue when the broker enqueued this request "
+        "(a retry with the same request_id: its place then)",
+    )
+    queue_length: int = Field(..., description="waiters queued then, itself included")
+    estimated_wait_s: Optional[float] = Field(
+        None,
+        description="seconds until the grant, the server's estimate then (docs/SEMANTICS.md, "
+        "'Wait estimate'); null while the pool's drain rate is not measured",
+    )
+
+
 class LeaseGrant(BaseModel):
     lease_id: str = Field(..., description="32 hex digits; the path of PUT/DELETE.")
     pool: str
@@ -33,6 +50,13 @@ class LeaseGrant(BaseModel):
         description="Milliseconds the broker held this request (a long poll) before "
         "answering, on its own monotonic clock. Count ``expires_in`` from "
         "``sent + held_ms/1000 * (1 - 1%)`` instead of from ``sent``.",
+    )
+    queued: Optional[QueuedPlace] = Field(
+        None,
+        description="Where this request waited in the queue before its grant (a long poll "
+        "granted after it queued): its place, the queue's length and the estimate when it "
+        "queued, as a 503 queued says them. Null when this request was granted at once "
+        "(it never queued).",
     )
 
 
@@ -277,9 +301,13 @@ class ErrorDetail(BaseModel):
     )
     estimated_wait_s: Optional[float] = Field(
         None,
-        description="queued, busy: seconds until the grant, estimated from the pool's drain "
-        "rate and the bytes ahead (busy: had it joined the queue's tail); null while the rate "
-        "is not measured (docs/SEMANTICS.md, 'Wait estimate')",
+        description="queued, busy, queue_full, queue_timeout: seconds until the grant, "
+        "estimated from the pool's drain rate and the bytes ahead (busy, queue_full: had it "
+        "joined the queue's tail); null while the rate is not measured (docs/SEMANTICS.md, "
+        "'Wait estimate')",
+    )
+    max_waiters: Optional[int] = Field(
+        None, description="queue_full: the pool's bound on its queue (waiters)"
     )
     grace_left: Optional[float] = Field(
         None,

@@ -59,6 +59,7 @@ from .core import (
 from .outcomes import Queued, Refused
 from .answers import (
     LeaseGrant,
+    QueuedPlace,
     LeaseReleased,
     LeaseRenewed,
     LeaseResized,
@@ -115,7 +116,9 @@ async def acquire_lease(
     """Take ``amount`` bytes of ``pool``, waiting in its queue by ``priority`` (higher first;
     a queued request gains one level per second waited), then arrival; on the device
     ``device`` when given, else where the pool's placement puts it (the 201 names the
-    device). Granted: 201. Still
+    device). Granted: 201; one granted after it queued in this request (a long poll) says
+    the place it took in ``queued`` (position, queue_length, estimated_wait_s; null when
+    granted at once). Still
     queued after ``wait`` seconds: 503 with ``Retry-After`` (seconds) and ``X-Queue-Position``;
     retry with the same ``request_id`` to keep the place (it is kept ``hold_place_for`` seconds)
     and to get the same grant if it was made meanwhile. The 503's ``estimated_wait_s`` is the
@@ -170,6 +173,13 @@ async def acquire_lease(
             acquired_at=r.acquired_ms / 1000,
             request_id=r.request_id,
             device=g.device,
+            queued=None
+            if r.queued is None
+            else QueuedPlace(
+                position=r.queued.position,
+                queue_length=r.queued.queue_length,
+                estimated_wait_s=r.queued.estimated_wait_s,
+            ),
         )
     headers = {"Retry-After": str(r.retry_after_s)}
     grace = f": {grace_note(pool, r.grace_left_s)}" if r.grace_left_s > 0 else ""
@@ -204,7 +214,8 @@ async def acquire_lease(
 
 def _traced_outcome(r: Granted | Queued | None, error: BaseException | None = None) -> None:
     """An acquire request's outcome on its server span (when traced): granted (lease id,
-    fencing token), queued (position), busy, or refused (the error's wire code)."""
+    fencing token, the place it queued at with the estimate then, position 0 when granted
+    at once), queued (position), busy, or refused (the error's wire code)."""
     if not tracing.recording():
         return
     attrs: dict[str, object]
@@ -215,11 +226,14 @@ def _traced_outcome(r: Granted | Queued | None, error: BaseException | None = No
             tracing.ERROR_CODE: a.code if a is not None else type(error).__name__,
         }
     elif isinstance(r, Granted):
+        q = r.queued
         attrs = {
             tracing.OUTCOME: "granted",
             tracing.LEASE_ID: r.grant.lease_id,
             tracing.FENCING_TOKEN: r.grant.token,
             tracing.DEVICE: r.grant.device,
+            tracing.POSITION: 0 if q is None else q.position,
+            tracing.ESTIMATED_WAIT: None if q is None else q.estimated_wait_s,
         }
     else:
         assert r is not None

@@ -238,8 +238,9 @@ class Broker:
         queue: bool = True,
         gone: asyncio.Future | None = None,
     ) -> Granted | Queued:
-        """Grant now, or within ``wait`` seconds, or report the place (kept for a retry).
-        ``options``: the acquire's (:meth:`gpulock.AsyncPool.acquire`; its ``ttl`` given, its
+        """Grant now, or within ``wait`` seconds, or report the place (kept for a retry); a
+        grant made after this request queued says the place it took (:class:`Granted`'s
+        ``queued``; None: granted at once). ``options``: the acquire's (:meth:`gpulock.AsyncPool.acquire`; its ``ttl`` given, its
         ``timeout`` and ``tenant`` unused: the tenant is the token's); a retry of a queued
         request keeps its first place. ``gone``: a future that turns true when the HTTP client
         hung up (see ``gpulock.http.disconnect.watch_disconnect``); the long poll then ends at

@@ -17,6 +17,7 @@ __all__ = [
     "PoolBeingDeleted",
     "Queued",
     "Refused",
+    "Waited",
 ]
 
 
@@ -61,12 +62,26 @@ class ClientGone(Exception):
 
 
 @dataclass(frozen=True)
+class Waited:
+    """Where a granted request waited: the place it took in the queue when the broker enqueued
+    it (this HTTP request's enqueue; a retry with the same request id: its place then) and the
+    server's estimate of its wait then. The 201's ``queued``
+    (:class:`gpulock_broker.answers.QueuedPlace`); how long it was held is the 201's
+    ``held_ms``."""
+
+    position: int  # 1-based
+    queue_length: int  # waiters queued then, itself included
+    estimated_wait_s: float | None  # None while the pool's drain rate is not measured
+
+
+@dataclass(frozen=True)
 class Granted:
     pool: str
     request_id: str
     grant: Grant
     ttl_s: float
     acquired_ms: int  # server clock, when the grant was made
+    queued: Waited | None = None  # None: granted at once (this request never queued)
 
 
 @dataclass(frozen=True)

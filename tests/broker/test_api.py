@@ -85,6 +85,7 @@ def test_grant_fields_and_amount_forms(user, gpu):
         and g["pool"] == "gpu-a"
     )
     assert len(g["lease_id"]) == 32 and g["token"] > 0
+    assert g["queued"] is None  # granted at once: it took no place
     assert (
         6.9 <= g["expires_in"] <= 7
         and abs(g["acquired_at"] - t) < 2
@@ -148,6 +149,9 @@ def test_413_404_and_queue_full(user, admin, gpu):
         and r.json()["detail"]["error"] == "queue_full"
         and "retry-after" in r.headers
     )
+    d = r.json()["detail"]  # the bound, beside the length, when to retry and the estimate
+    assert d["queue_length"] == 1 and d["max_waiters"] == 1, d
+    assert d["retry_after"] == int(r.headers["retry-after"]) and "estimated_wait_s" in d, d
 
 
 def test_queued_503_keeps_the_place_across_retries(user, other, gpu):
@@ -192,6 +196,7 @@ def test_grant_made_while_parked_is_kept_for_the_retry(user, gpu):
     # to t_rel failed when the release itself took long on a loaded machine.)
     assert t_rel - 0.01 <= g["acquired_at"] <= t_released + 0.01, (g, t_rel, t_released)
     assert g["expires_in"] < g["ttl"] - 0.3  # counted from the grant
+    assert g["queued"] is None  # the retry found its grant made: it took no place itself
     assert (
         post(user, amount="6GiB", request_id="w").json()["lease_id"] == g["lease_id"]
     )  # idempotent
@@ -199,6 +204,7 @@ def test_grant_made_while_parked_is_kept_for_the_retry(user, gpu):
 
 def test_long_poll_is_granted_on_release(broker_srv, user, gpu):
     h = post(user, amount="10GiB").json()
+    assert h["queued"] is None
     out = {}
 
     def waiter():
@@ -217,6 +223,10 @@ def test_long_poll_is_granted_on_release(broker_srv, user, gpu):
     t_released_wall = time.time()
     t.join(10)
     assert out["r"].status_code == 201
+    # the place it queued at, which no 503 told it (its first long poll ended in the grant)
+    q = out["r"].json()["queued"]
+    assert q is not None and q["position"] == 1 and q["queue_length"] == 1, q
+    assert set(q) == {"position", "queue_length", "estimated_wait_s"}, q
     # Granted while the release ran (server clock = this machine's; 10 ms for its rounding)...
     acquired_at = out["r"].json()["acquired_at"]
     assert t_rel_wall - 0.01 <= acquired_at <= t_released_wall + 0.01
@@ -596,6 +606,19 @@ def test_openapi_documents_pool_delete_and_max_ttl(user):
         assert {"policy", "backfill_window"} <= set(schemas[model]["required"]), model
     assert {"policy", "backfill_window"} <= set(schemas["PoolConfigRequest"]["properties"])
     assert {"leases", "waiters"} <= set(schemas["ErrorDetail"]["properties"])
+    assert "max_waiters" in schemas["ErrorDetail"]["properties"]
+
+
+def test_openapi_documents_the_place_a_grant_queued_at(user):
+    """The 201's ``queued``: optional (null when granted at once), the 503's names."""
+    schemas = user.get("/openapi.json").json()["components"]["schemas"]
+    grant = schemas["LeaseGrant"]
+    assert "queued" in grant["properties"] and "queued" not in grant.get("required", [])
+    refs = [x.get("$ref") for x in grant["properties"]["queued"]["anyOf"]]
+    assert "#/components/schemas/QueuedPlace" in refs, grant["properties"]["queued"]
+    place = schemas["QueuedPlace"]
+    assert set(place["properties"]) == {"position", "queue_length", "estimated_wait_s"}
+    assert set(place["required"]) == {"position", "queue_length"}
 
 
 def test_requests_during_a_forced_delete_are_told_to_retry(broker_srv, admin, user, gpu, redis_srv):

@@ -108,6 +108,52 @@ def test_retry_after_is_honoured_with_jitter_and_the_request_id_is_reused():
     assert got == [3, 2]
 
 
+def _acquire_to(clock, replies):
+    """An acquire driven through ``replies``: (result, what on_queued got, what
+    on_granted_place got)."""
+    told, placed = [], []
+    gen = core.acquire_steps(
+        cfg(clock, max_wait=5),
+        5,
+        core.AcquireOptions(ttl=None, timeout=None, holder=None, request_id="r"),
+        on_queued=told.append,
+        on_granted_place=placed.append,
+    )
+    res, _ = drive(gen, clock, replies)
+    return res, told, placed
+
+
+def test_a_grant_after_queueing_in_one_long_poll_reports_its_place_to_the_trace_only():
+    """The 201's ``queued`` (the broker enqueued it, and the same long poll ended in the grant)
+    goes to on_granted_place (the acquire span's), never to on_queued (a request still
+    waiting); a 201 without it (granted at once, or an older broker) reports nothing; one
+    after a queued answer reports nothing more (that answer placed it)."""
+    clock = Clock()
+    place = {"position": 2, "queue_length": 3, "estimated_wait_s": 1.5}
+    res, told, placed = _acquire_to(
+        clock, [lambda s: core.Reply(201, {}, {**grant_body(), "queued": place}, clock())]
+    )
+    assert res[0]["lease_id"] == "a" * 32
+    assert told == [] and placed == [2]
+    assert placed[0].estimated_wait == 1.5 and placed[0].queue_length == 3
+    # granted at once (null), a broker older than the field (absent): no place
+    for body in ({**grant_body(), "queued": None}, grant_body()):
+        res, told, placed = _acquire_to(clock, [lambda s, b=body: core.Reply(201, {}, b, clock())])
+        assert res[0]["lease_id"] == "a" * 32 and told == [] and placed == []
+    # no estimate measured yet: the place without one
+    p = core.granted_place({"queued": {"position": 1, "queue_length": 1, "estimated_wait_s": None}})
+    assert p == 1 and p.estimated_wait is None and p.queue_length == 1
+    # placed by a queued answer first: the 201's place is not reported again
+    res, told, placed = _acquire_to(
+        clock,
+        [
+            lambda s: queued(clock, 3),
+            lambda s: core.Reply(201, {}, {**grant_body(), "queued": place}, clock()),
+        ],
+    )
+    assert told == [3] and placed == []
+
+
 def test_jitter_spreads_retries():
     rng = random.Random(5)
     xs = [core.jittered(2, rng) for _ in range(200)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 
+import httpx
 import pytest
 from gpulock_broker.acquire import LONG_POLL_S, retry_after_of
 
@@ -18,7 +19,7 @@ from gpulock.retry_after import retry_after
 from support.drain import FIRST_HOLD, measure_drain, queue_behind
 from support.pools import GiB
 
-from ._support import ADMIN_TOKEN, BrokerServer, client
+from ._support import ADMIN_TOKEN, USER_TOKEN, BrokerServer, client
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -179,6 +180,59 @@ def test_a_full_queues_503_says_the_tail_estimate(redis_srv, gpu, user, admin):
         assert ra == retry_after(est, cap=CAP), d
         holder.release()
     finally:
+        core.close()
+
+
+class _Recording(httpx.HTTPTransport):
+    """An HTTP transport that keeps each acquire's answer: ``(status, JSON body)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answers: list[tuple[int, dict]] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        r = super().handle_request(request)
+        if request.method == "POST" and request.url.path.endswith("/leases"):
+            r.read()
+            self.answers.append((r.status_code, r.json()))
+        return r
+
+
+def test_the_sdks_queue_full_carries_what_the_503_says(redis_srv, broker_srv, gpu, admin):
+    """The SDK's QueueFull (its acquire retried the full queue until its timeout) has the last
+    503's retry_after, estimated_wait_s and max_waiters, as its message says them. The queue
+    is full of the core's waiters (kept while their process lives, not for a kept place's
+    window)."""
+    from gpulock_client import Pool as ClientPool
+    from gpulock_client import QueueFull
+
+    core = Pool.from_url(redis_srv.url, gpu)
+    rec = _Recording()
+    try:
+        measure_drain(core, 10 * GiB)
+        r = admin.put(f"/v1/pools/{gpu}", json={"capacity": "10GiB", "max_waiters": 2})
+        assert r.status_code == 200, r.text
+        holder = core.acquire(10 * GiB)
+        waiters = queue_behind(core, 10 * GiB, 2)
+        with ClientPool(broker_srv.url, gpu, token=USER_TOKEN, transport=rec) as pool:
+            with pytest.raises(QueueFull) as got:
+                pool.acquire("1GiB", timeout=0.5)
+        status, body = rec.answers[-1]
+        d = body["detail"]
+        assert status == 503 and d["error"] == "queue_full", body
+        e = got.value
+        assert e.status == 503 and e.pool == gpu and str(e) == d["message"], e
+        assert d["max_waiters"] == 2 and "max_waiters=2" in d["message"], d
+        assert (e.max_waiters, e.queue_length) == (d["max_waiters"], d["queue_length"]), e
+        assert d["retry_after"] >= 1 and e.retry_after == d["retry_after"], (e.retry_after, d)
+        assert d["estimated_wait_s"] is not None, d
+        assert e.estimated_wait == d["estimated_wait_s"], (e.estimated_wait, d)
+        holder.release()
+        for t in waiters:
+            t.join(240)
+            assert not t.is_alive()
+    finally:
+        rec.close()
         core.close()
 
 

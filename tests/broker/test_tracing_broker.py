@@ -413,3 +413,83 @@ def test_the_sdks_lease_span_has_the_cores_resize_events(spans, traced_broker):
     assert names.index(tracing.EVENT_RENEW) < names.index(tracing.EVENT_RESIZE)  # the answer
     assert hold.attributes[tracing.OUTCOME] == "released"
     assert hold.attributes[tracing.AMOUNT] == 32 << 20  # as granted
+
+
+@pytest.mark.timeout(300)
+def test_a_grant_within_the_first_long_poll_says_where_it_queued(spans, redis_srv, monkeypatch):
+    """A request that queues behind a holder and is granted within its first long poll was
+    never answered 503: the 201's place gives the SDK's acquire span its position, a
+    gpulock.queued event and the estimate (a measured drain rate), and the broker's request
+    span says the same place; on_queued is not called (it is for a request still waiting).
+    One granted at once says position 0 on both sides, with no event. In process (the broker
+    in a thread, sharing this process's tracer provider); long polls of 120 s, so the
+    release lands within the first."""
+    from gpulock import Pool as CorePool
+    from support.drain import measure_drain
+    from support.waiting import wait_until
+
+    from ._support import BrokerServer
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")  # the app gets its request spans
+    srv = BrokerServer(redis_srv.url, max_wait=120.0).start()
+    core = None
+    try:
+        with httpx.Client(
+            base_url=srv.url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30
+        ) as c:
+            assert c.put("/v1/pools/gpu-p", json={"capacity": "1GiB"}).status_code == 200
+            core = CorePool.from_url(redis_srv.url, "gpu-p")
+            measure_drain(core, 1 << 30)  # so the place carries an estimate
+            with Pool(srv.url, "gpu-p", token=USER_TOKEN, max_wait=120.0) as pool:
+                first = pool.acquire("1GiB", timeout=30)
+                told: list[int] = []
+                got: list = []
+                t = threading.Thread(
+                    target=lambda: got.append(
+                        pool.acquire("1GiB", timeout=200, on_queued=told.append)
+                    )
+                )
+                t.start()
+                wait_until(
+                    lambda: c.get("/v1/pools/gpu-p").json()["waiter_count"] == 1,
+                    60,
+                    "the second acquire to queue",
+                )
+                first.release()
+                t.join(120)
+                (second,) = got
+                second.release()
+    finally:
+        if core is not None:
+            core.close()
+        srv.stop()
+    assert told == []  # never called after the grant
+
+    def server_spans(acquire_span) -> list:
+        return [
+            s
+            for s in spans.get_finished_spans()
+            if s.kind == trace.SpanKind.SERVER
+            and s.context.trace_id == acquire_span.context.trace_id
+            and s.name == LEASES_ROUTE
+        ]
+
+    (mine,) = _acquire_spans(spans, second.id)
+    a = mine.attributes
+    assert a[tracing.OUTCOME] == "granted" and a[tracing.POSITION] == 1, dict(a)
+    est = a[tracing.ESTIMATED_WAIT]
+    assert est >= 0, dict(a)
+    (ev,) = [dict(e.attributes) for e in mine.events if e.name == tracing.EVENT_QUEUED]
+    assert ev == {tracing.POSITION: 1, tracing.ESTIMATED_WAIT: est}, ev
+    (theirs,) = server_spans(mine)  # one long poll: queued, then granted
+    ta = theirs.attributes
+    assert ta[tracing.OUTCOME] == "granted" and ta[tracing.POSITION] == 1, dict(ta)
+    assert ta[tracing.ESTIMATED_WAIT] == est, dict(ta)
+
+    (at_once,) = _acquire_spans(spans, first.id)
+    assert at_once.attributes[tracing.POSITION] == 0
+    assert tracing.ESTIMATED_WAIT not in at_once.attributes
+    assert tracing.EVENT_QUEUED not in [e.name for e in at_once.events]
+    (theirs,) = server_spans(at_once)
+    assert theirs.attributes[tracing.POSITION] == 0, dict(theirs.attributes)
+    assert tracing.ESTIMATED_WAIT not in theirs.attributes

@@ -129,6 +129,33 @@ def test_replies_of_no_exact_answer_read_by_status(status, body, cls, text):
     assert type(e) is cls and e.status == status and text in str(e), (e, cls)
 
 
+def test_queue_full_reads_back_when_to_retry_the_estimate_and_the_bound():
+    """A queue_full 503's retry_after, estimated_wait_s and max_waiters are the SDK's
+    QueueFull.retry_after, .estimated_wait and .max_waiters (None where the body has none: a
+    broker older than them, or no measured drain rate); the core's own QueueFull, raised from
+    Redis, has no answer to read them from."""
+    body = {
+        "detail": {
+            "error": "queue_full",
+            "message": "queue is full (2 waiting, max_waiters=2)",
+            "queue_length": 2,
+            "max_waiters": 2,
+            "retry_after": 3,
+            "estimated_wait_s": 2.25,
+        }
+    }
+    e = error_from_reply(503, body, POOL)
+    assert type(e) is errors.QueueFull and e.status == 503 and e.pool == POOL
+    assert (e.queue_length, e.max_waiters, e.retry_after, e.estimated_wait) == (2, 2, 3.0, 2.25)
+    assert isinstance(e.retry_after, float)
+    old = {"detail": {"error": "queue_full", "message": "m", "queue_length": 2}}
+    e = error_from_reply(503, old, POOL)
+    assert (e.queue_length, e.max_waiters, e.retry_after, e.estimated_wait) == (2, None, None, None)
+    core = errors.QueueFull(POOL, 2, 2)
+    assert (core.max_waiters, core.retry_after, core.estimated_wait) == (2, None, None)
+    assert "max_waiters=2" in str(core)
+
+
 @pytest.mark.parametrize("status", [404, 409, 418, 500])
 def test_a_reply_no_answer_reads_is_unexpected(status):
     """404 without a code is a route the broker does not have (a wrong URL, an older broker),

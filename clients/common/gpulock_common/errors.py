@@ -206,9 +206,13 @@ class AcquireTimeout(GpuLockError, TimeoutError):
 class QueueFull(GpuLockError):
     """The pool's queue holds ``max_waiters`` requests already; try again later.
 
-    Attributes: ``pool``, ``queue_length``, ``max_waiters`` (None when not known: the broker's
-    reply does not carry it). ``message`` replaces the default text (the SDK passes the
-    broker's)."""
+    Attributes: ``pool``, ``queue_length``, ``max_waiters`` (None when not known: a broker
+    older than it does not send it), ``retry_after`` (seconds: when to try again, the
+    broker's ``Retry-After``; None when not known: the core's own, raised from Redis),
+    ``estimated_wait`` (seconds: the server's estimate of the wait of a request joining the
+    queue's tail, docs/SEMANTICS.md "Wait estimate"; None while the pool's drain rate is not
+    measured, or when not known, as for ``retry_after``). ``message`` replaces the default
+    text (the SDK passes the broker's)."""
 
     def __init__(
         self,
@@ -216,6 +220,9 @@ class QueueFull(GpuLockError):
         queue_length: int,
         max_waiters: Optional[int] = None,
         message: Optional[str] = None,
+        *,
+        retry_after: Optional[float] = None,
+        estimated_wait: Optional[float] = None,
     ):
         if message is None:
             message = (
@@ -225,6 +232,8 @@ class QueueFull(GpuLockError):
         self.pool = pool
         self.queue_length = queue_length
         self.max_waiters = max_waiters
+        self.retry_after = retry_after
+        self.estimated_wait = estimated_wait
 
 
 class ResizeRefused(GpuLockError):

@@ -173,8 +173,16 @@ ANSWERS: tuple[Answer, ...] = (
         QueueFull,
         503,
         "queue_full",
-        lambda d, m, p: QueueFull(p or "?", _int(d, "queue_length"), _opt_int(d, "max_waiters"), m),
-        fields=("queue_length",),
+        lambda d, m, p: QueueFull(
+            p or "?",
+            _int(d, "queue_length"),
+            _opt_int(d, "max_waiters"),
+            m,
+            retry_after=_opt_float(d, "retry_after"),
+            estimated_wait=_opt_float(d, "estimated_wait_s"),
+        ),
+        # as for queue_timeout: retry_after and estimated_wait_s are the surface's to add
+        fields=("queue_length", "max_waiters"),
     ),
     Answer(
         ResizeRefused,

@@ -266,7 +266,7 @@ class AsyncPool:
             device=device,
         )
         with _trace.acquire_span(self.name, amount, opts, self._cfg.clock, on_queued) as tr:
-            gen = core.acquire_steps(self._cfg, amount, opts, tr.on_queued)
+            gen = core.acquire_steps(self._cfg, amount, opts, tr.on_queued, tr.on_granted_place)
             lease = await self._acquire(gen, rid)
             tr.granted(lease._state)  # its span: from the grant to the release
         return lease

@@ -300,11 +300,28 @@ def configure_body(
     return settings.given()
 
 
+def granted_place(body: Any) -> Optional[QueuePlace]:
+    """The place a granted request took in the queue, from its 201 ``body``'s ``queued``
+    (``{"position", "queue_length", "estimated_wait_s"}``: the broker enqueued it, it waited,
+    and the same long poll ended in the grant); None when it was granted at once, or from a
+    broker older than the field."""
+    q = body.get("queued") if isinstance(body, dict) else None
+    if not isinstance(q, dict) or not q.get("position"):
+        return None
+    est, length = q.get("estimated_wait_s"), q.get("queue_length")
+    return QueuePlace(
+        int(q["position"]),
+        estimated_wait=None if est is None else float(est),
+        queue_length=None if length is None else int(length),
+    )
+
+
 def acquire_steps(
     cfg: PoolConfig,
     amount: Union[int, str],
     options: AcquireOptions,
     on_queued: Optional[Callable[[int], Any]] = None,
+    on_granted_place: Optional[Callable[[QueuePlace], Any]] = None,
 ) -> Steps:
     """Acquire with long polls and retries; returns ``(reply body, sent)`` of the 201.
 
@@ -320,7 +337,13 @@ def acquire_steps(
     the client's): checked first, by the broker's bounds too (InvalidArgument before anything
     is sent: ``AcquireOptions.checked(remote=True)``); ``priority`` is
     sent only when it is not 0, ``device`` only when it is not None (a broker older than
-    priorities or devices refuses the field)."""
+    priorities or devices refuses the field).
+
+    ``on_queued(place)``: at each new place a ``queued`` answer reports (the request still
+    waits). ``on_granted_place(place)``: once, before returning, with the place a request that
+    no ``queued`` answer placed took before its grant (:func:`granted_place`; not called
+    when it was granted at once): what the acquire's span records; the request no longer
+    waits, so it is never ``on_queued``'s."""
     options = options.checked(remote=True)
     timeout = options.timeout
     start = cfg.clock()
@@ -331,6 +354,7 @@ def acquire_steps(
         amount,
         options,
         on_queued=on_queued,
+        on_granted_place=on_granted_place,
         start=start,
         deadline=deadline,
         try_once=try_once,
@@ -379,6 +403,7 @@ def _acquire_polls(
     options: AcquireOptions,
     *,
     on_queued: Optional[Callable[[int], Any]],
+    on_granted_place: Optional[Callable[[QueuePlace], Any]] = None,
     start: float,
     deadline: Optional[float],
     try_once: bool,
@@ -417,6 +442,10 @@ def _acquire_polls(
         attempt += 1
         if isinstance(out, Reply) and out.status == 201:
             cfg.grace_until = 0.0  # granted: no grace period (nothing is granted in one)
+            if position == 0 and on_granted_place is not None:  # no queued answer placed it
+                place = granted_place(out.body)
+                if place is not None:  # queued and granted within one long poll
+                    on_granted_place(place)
             return out.body, out.sent
         if (
             isinstance(out, Reply)

@@ -289,8 +289,9 @@ class Pool:
                 ``.estimated_wait`` (the broker's estimate of the seconds until the grant;
                 None while the pool's drain rate is not measured) and ``.queue_length``.
                 Called from the broker's ``queued`` answers, one per long poll that ends
-                without a grant: a request granted within its first long poll (``max_wait``)
-                is never told its place.
+                without a grant, for a request that still waits; never after the grant, so a
+                request granted within its first long poll (``max_wait``) is not called
+                back (the 201 says its place to its traced acquire span; docs/TRACING.md).
             priority: an integer in [-100, 100], higher goes first (default 0); a queued
                 request gains one level per second waited (aging), so none starves. Sent
                 only when not 0 (a broker older than priorities refuses the field with 422).
@@ -316,7 +317,7 @@ class Pool:
             device=device,
         )
         with _trace.acquire_span(self.name, amount, opts, self._cfg.clock, on_queued) as tr:
-            gen = core.acquire_steps(self._cfg, amount, opts, tr.on_queued)
+            gen = core.acquire_steps(self._cfg, amount, opts, tr.on_queued, tr.on_granted_place)
             lease = self._acquire(gen, rid)
             tr.granted(lease._state)  # its span: from the grant to the release
         return lease

@@ -33,16 +33,19 @@ def request_headers() -> Dict[str, str]:
 
 class AcquireTrace:
     """An acquire's span as its shell sees it: ``on_queued`` (the caller's callback, with the
-    span's :meth:`~gpulock_common.traces.AcquireSpan.queued` first while traced) and
-    :meth:`granted`."""
+    span's :meth:`~gpulock_common.traces.AcquireSpan.queued` first while traced),
+    ``on_granted_place`` (the span's ``queued`` alone, for the place a 201 reports of a
+    request no ``queued`` answer placed; None while not traced: the caller's callback is for
+    a request still waiting, never called after the grant) and :meth:`granted`."""
 
-    __slots__ = ("span", "on_queued", "_clock")
+    __slots__ = ("span", "on_queued", "on_granted_place", "_clock")
 
     def __init__(
         self, span: Optional[AcquireSpan], clock: Callable[[], float], on_queued: Optional[Callable]
     ):
         self.span, self._clock = span, clock
         self.on_queued = on_queued if span is None else span.watching(on_queued)
+        self.on_granted_place = None if span is None else span.queued
 
     def granted(self, state: Any) -> None:
         """The grant (``state``: the new lease's LeaseState): the outcome and the lease on the
