@@ -91,7 +91,8 @@ def _exit_status(returncode: int) -> int:
 class EnforceOptions:
     """``--enforce``'s checked options: the device reader and index, the allowed excess over the
     lease (``margin``, a fraction, plus ``slack`` bytes) and how long CMD may stay over
-    (``hold``, seconds)."""
+    (``hold``, seconds). ``device`` -1: the GPU of the lease's device, known once it is
+    granted (:func:`supervise` reads it)."""
 
     reader: Any  # a gpulock.devices.DeviceReader
     device: int
@@ -144,13 +145,13 @@ def supervise(
         GPULOCK_AMOUNT=str(amount),
         GPULOCK_DEVICE=str(lease.device),
     )
+    gpu = visible_gpu(lease.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
     if n_devices > 1:
-        gpu = visible_gpu(lease.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
         env["CUDA_VISIBLE_DEVICES"] = gpu
         # GPU D is NVML's (and nvidia-smi's) D: CUDA numbers GPUs so only in PCI bus order
         env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-        if enf is not None and enf.device < 0:  # --enforce reads the lease's GPU
-            enf = replace(enf, device=int(gpu) if is_index(gpu) else lease.device)
+    if enf is not None and enf.device < 0:  # --enforce reads the lease's GPU
+        enf = replace(enf, device=int(gpu) if is_index(gpu) else lease.device)
     wake = threading.Event()
     lost_info: list[str] = []
 

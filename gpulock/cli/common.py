@@ -239,6 +239,45 @@ def seconds_text_param(name: str, *, minimum: float, maximum: float) -> Callable
     return parse
 
 
+_INTEGER_TEXT = re.compile(r"[+-]?[0-9]{1,20}")
+
+
+def int_text_param(name: str, *, minimum: int, maximum: int) -> Callable[[str], int]:
+    """A ``parser=`` for an integer option in [minimum, maximum]: the text as given, so a bad
+    one, a number or not, is exit 2 naming it (an int option's own message does not name what
+    it got)."""
+
+    def parse(value: str) -> int:
+        text = value.strip()
+        if not (text.isascii() and _INTEGER_TEXT.fullmatch(text)) or not (
+            minimum <= int(text) <= maximum
+        ):
+            raise typer.BadParameter(
+                f"{name} must be an integer in [{minimum}, {maximum}], got {value!r:.80}"
+            )
+        return int(text)
+
+    return parse
+
+
+def number_text_param(name: str, *, minimum: float, maximum: float) -> Callable[[str], float]:
+    """A ``parser=`` for a number option in [minimum, maximum]: the text as given, so a bad
+    one (not a number, NaN, out of range) is exit 2 naming it."""
+
+    def parse(value: str) -> float:
+        try:
+            f = float(value) if value.strip().isascii() else float("nan")
+        except ValueError:
+            f = float("nan")
+        if not minimum <= f <= maximum:  # NaN too
+            raise typer.BadParameter(
+                f"{name} must be a number between {minimum:g} and {maximum:g}, got {value!r:.80}"
+            )
+        return f
+
+    return parse
+
+
 def pool_name_param(value: Optional[str]) -> Optional[str]:
     if value is None:
         return None

@@ -29,6 +29,8 @@ from gpulock.cli.common import (
     Target,
     error_exit,
     fail,
+    int_text_param,
+    number_text_param,
     partial_exit,
     policy_param,
     pool_name_param,
@@ -164,9 +166,11 @@ def pool_set(
     max_waiters: Optional[int] = typer.Option(
         None,
         "--max-waiters",
-        min=MIN_MAX_WAITERS,
-        max=MAX_MAX_WAITERS,
-        help="Most requests that may queue (default: keep the current value; 10000 for a new pool).",
+        metavar="N",
+        # parsed from the text, so a bad value, a number or not, is named
+        parser=int_text_param("--max-waiters", minimum=MIN_MAX_WAITERS, maximum=MAX_MAX_WAITERS),
+        help=f"Most requests that may queue, {MIN_MAX_WAITERS} to {MAX_MAX_WAITERS} (default: "
+        "keep the current value; 10000 for a new pool).",
     ),
     max_ttl: Optional[float] = typer.Option(
         None,
@@ -216,9 +220,9 @@ def pool_set(
     utilization: Optional[float] = typer.Option(
         None,
         "--utilization",
-        min=0.01,
-        max=1.0,
-        help="--devices auto: the share of each GPU's memory its device gets (default 0.9). "
+        metavar="FRACTION",
+        parser=number_text_param("--utilization", minimum=0.01, maximum=1.0),
+        help="--devices auto: the share of each GPU's memory its device gets, 0.01 to 1 (default 0.9). "
         "Only with --devices auto.",
     ),
     placement: Optional[str] = typer.Option(

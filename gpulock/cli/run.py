@@ -9,9 +9,10 @@ import shlex
 import shutil
 import signal
 import time
+from contextlib import ExitStack
 from dataclasses import replace
 from types import FrameType
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import typer
 from gpulock_common.grace import grace_note
@@ -56,7 +57,7 @@ from gpulock.cli.child import (
     visible_entries,
     visible_gpu,
 )
-from gpulock.errors import AcquireTimeout, GpuLockError
+from gpulock.errors import AcquireTimeout, GpuLockError, PoolNotFound
 from gpulock.units import format_size, is_index
 
 DEFAULT_RUN_TTL_S = 30.0
@@ -260,43 +261,51 @@ def run(
         fail(EXIT_NOT_FOUND, f"command not found: {exe!r}")
     meta = {"purpose": _clip(purpose if purpose is not None else shlex.join(cmd))}
 
-    if t.is_broker:
-        from gpulock.cli.broker import BrokerAdmin, BrokerPool
+    with ExitStack() as opened:
+        p: RunPool
+        if t.is_broker:
+            from gpulock.cli.broker import BrokerAdmin, BrokerPool
 
-        try:  # the broker's least ttl (its holder renews over HTTP), said before anything is sent
-            check_seconds(ttl, name="--ttl", minimum=MIN_REMOTE_TTL_S, maximum=MAX_TTL_S)
-        except GpuLockError as e:
-            fail(EXIT_USAGE, f"{e} (through a broker)")
-        b = BrokerAdmin(t.url)  # fail fast (69, 77, 66) if the broker is down or refuses the token
-        try:
-            n_devices = len(b.call("GET", f"/v1/pools/{pool}", pool).get("devices") or [0])
-        except GpuLockError as e:
-            error_exit(e, t, pool)
-        finally:
-            b.close()
-        p: RunPool = BrokerPool(t.url, pool, default_ttl=ttl)
-    else:
-        from gpulock.runtime.calls import DEFAULT_BACKEND_TIMEOUT_S
+            try:  # the broker's least ttl (its holder renews over HTTP), said before anything is sent
+                check_seconds(ttl, name="--ttl", minimum=MIN_REMOTE_TTL_S, maximum=MAX_TTL_S)
+            except GpuLockError as e:
+                fail(EXIT_USAGE, f"{e} (through a broker)")
+            b = BrokerAdmin(t.url)
+            opened.callback(b.close)
 
-        redis_client(t.url).close()  # fail fast (exit 69) if Redis is down now
-        # --timeout is the time to get the lease: the calls before the acquire ride out a
-        # failover or a migration as long as the acquire itself would
-        p = Pool.from_url(
-            t.url,
-            pool,
-            default_ttl=ttl,
-            backend_timeout=max(DEFAULT_BACKEND_TIMEOUT_S, timeout or 0.0),
-        )
-        try:
-            n_devices = len(p.status(limit=0).devices)
-        except GpuLockError as e:
-            p.close()
-            error_exit(e, t, pool)
-    if n_devices > 1 and "CUDA_VISIBLE_DEVICES" in os.environ:
-        _check_visible(p, pool, pin, n_devices, os.environ["CUDA_VISIBLE_DEVICES"])
-    if enf is not None and device is None and n_devices > 1:
-        enf = replace(enf, device=-1)  # the lease's GPU, once it is granted
-    try:
+            def count_devices() -> int:
+                return len(b.call("GET", f"/v1/pools/{pool}", pool).get("devices") or [0])
+
+            # fail fast (69, 77) if the broker is down or refuses the token; a pool it does not
+            # find is the acquire's to decide (_pool_devices)
+            n_devices = _pool_devices(count_devices, t, pool)
+            p = BrokerPool(t.url, pool, default_ttl=ttl)
+            opened.callback(p.close)
+        else:
+            from gpulock.runtime.calls import DEFAULT_BACKEND_TIMEOUT_S
+
+            redis_client(t.url).close()  # fail fast (exit 69) if Redis is down now
+            # --timeout is the time to get the lease: the calls before the acquire ride out a
+            # failover or a migration as long as the acquire itself would
+            core = Pool.from_url(
+                t.url,
+                pool,
+                default_ttl=ttl,
+                backend_timeout=max(DEFAULT_BACKEND_TIMEOUT_S, timeout or 0.0),
+            )
+            p = core
+            opened.callback(p.close)
+
+            def count_devices() -> int:
+                return len(core.status(limit=0).devices)
+
+            n_devices = _pool_devices(count_devices, t, pool)
+        if n_devices is not None:
+            problem = _visible_problem(pool, pin, n_devices)
+            if problem:
+                fail(EXIT_USAGE, problem)
+        if enf is not None and device is None:
+            enf = replace(enf, device=-1)  # the lease's GPU, once it is granted
         code = _run_under_lease(
             p,
             t,
@@ -313,11 +322,25 @@ def run(
             tenant or None,
             pin,
             n_devices,
+            count_devices,
             time.monotonic() - started,
         )
-    finally:
-        p.close()
     raise typer.Exit(code)
+
+
+def _pool_devices(count_devices: Callable[[], int], t: Target, pool: str) -> Optional[int]:
+    """The pool's number of devices, read before the acquire (``count_devices``: one status
+    read through the broker or Redis); exits as :func:`error_exit` says on an error (69 the
+    backend unreachable, 77 the token refused, ...). None when the pool is not found: the
+    acquire decides then (one by a pool object that saw the pool, as the broker's, makes it
+    again as last seen, with the grace period; else it raises PoolNotFound, exit 66), and the
+    count is read after the grant."""
+    try:
+        return count_devices()
+    except PoolNotFound:
+        return None
+    except GpuLockError as e:
+        error_exit(e, t, pool)
 
 
 def _run_under_lease(
@@ -331,15 +354,19 @@ def _run_under_lease(
     cmd: list[str],
     meta: dict[str, Any],
     quiet: bool,
-    enf: Optional[EnforceOptions] = None,
-    priority: int = 0,
-    tenant: Optional[str] = None,
-    pin: Optional[int] = None,
-    n_devices: int = 1,
-    spent: float = 0.0,
+    enf: Optional[EnforceOptions],
+    priority: int,
+    tenant: Optional[str],
+    pin: Optional[int],
+    n_devices: Optional[int],
+    count_devices: Callable[[], int],
+    spent: float,
 ) -> int:
     """Acquire (within what is left of ``timeout`` after the ``spent`` seconds of the calls
-    before), then run CMD under the lease: the exit code."""
+    before), then run CMD under the lease: the exit code. ``n_devices`` None (the pool was not
+    found before the acquire, which made it again): ``count_devices()`` reads it once the
+    lease is granted, before CMD starts, and a CUDA_VISIBLE_DEVICES that hides the lease's
+    device then is exit 2 with the lease released."""
     info = (lambda msg: None) if quiet else say
     queued_at: list[float] = []
 
@@ -369,10 +396,8 @@ def _run_under_lease(
             interrupted.append(signum)
             raise _Signalled(signum)
 
-    old = {
-        s: signal.signal(s, wait_handler)
-        for s in not_ignored((signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
-    }
+    caught = not_ignored((signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
+    old = {s: signal.signal(s, wait_handler) for s in caught}
     try:
         try:
             lease = p.acquire(
@@ -401,11 +426,27 @@ def _run_under_lease(
             f"exit {EXIT_TEMPFAIL}"
         )
         return EXIT_TEMPFAIL
-    except GpuLockError as e:
+    except GpuLockError as e:  # PoolNotFound too: the pool gone, and this pool object never saw it
+        return _exit_code(e, t, pool)
+    if n_devices is None:
+        # the pool was gone before the acquire, which made it again: its devices, read before
+        # CMD starts, decide the checks and the pinning as they would have before the acquire
+        old = {
+            s: signal.signal(s, lambda signum, frame: interrupted.append(signum)) for s in caught
+        }
         try:
-            error_exit(e, t, pool)
-        except typer.Exit as x:
-            return x.exit_code
+            n_devices = count_devices()
+        except GpuLockError as e:
+            release_lease(lease, pool)
+            return _exit_code(e, t, pool)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        problem = _visible_problem(pool, pin, n_devices)
+        if problem:
+            release_lease(lease, pool)
+            say(f"error: {problem}")
+            return EXIT_USAGE
     if interrupted:  # a signal landed after the grant but before we could raise
         release_lease(lease, pool)
         return 128 + interrupted[0]
@@ -416,23 +457,32 @@ def _run_under_lease(
     return supervise(lease, pool, amount, grace, cmd, enf, n_devices)
 
 
-def _check_visible(
-    p: RunPool, pool: str, pin: Optional[int], n_devices: int, inherited: str
-) -> None:
-    """Exit 2 (before anything is acquired) when gpulock run's own CUDA_VISIBLE_DEVICES shows
-    fewer GPUs than the lease may land on: device D is its D-th GPU, and a lease on a device
-    past its end would run CMD on a GPU this environment hides."""
+def _exit_code(e: GpuLockError, t: Target, pool: str) -> int:
+    """The exit code :func:`error_exit` gives ``e`` (its line said on stderr), as a value."""
+    try:
+        error_exit(e, t, pool)
+    except typer.Exit as x:
+        return int(x.exit_code)
+
+
+def _visible_problem(pool: str, pin: Optional[int], n_devices: int) -> Optional[str]:
+    """What is wrong (None: nothing) when gpulock run's own CUDA_VISIBLE_DEVICES shows fewer
+    GPUs than a lease on a pool of ``n_devices`` devices (``pin``: the one it is pinned to) may
+    land on: device D is its D-th GPU, and a lease on a device past its end would run CMD on a
+    GPU this environment hides. Exit 2 before anything is acquired (or, when the devices were
+    known only after the grant, with the lease released)."""
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if n_devices <= 1 or inherited is None:
+        return None
     shown = len(visible_entries(inherited))
     need = n_devices if pin is None else pin + 1
     if shown >= need:
-        return
-    p.close()
+        return None
     where = f"device {pin}" if pin is not None else f"any of pool {pool!r}'s {n_devices} devices"
-    fail(
-        EXIT_USAGE,
+    return (
         f"CUDA_VISIBLE_DEVICES={inherited!r} shows {shown} GPU(s), and the lease may be on "
         f"{where} (device D is its D-th GPU): unset CUDA_VISIBLE_DEVICES, list every GPU of "
-        "the pool, or pin a device it shows (--pool NAME/D)",
+        "the pool, or pin a device it shows (--pool NAME/D)"
     )
 
 

@@ -293,9 +293,19 @@ def test_pool_set_without_capacity_needs_an_existing_pool(url):
         (("--backfill-window", "nan"), "nan"),
         (("--backfill-window", "inf"), "inf"),
         (("--backfill-window", "soon"), "soon"),
+        # an integer option names the value it got too (typer's own message did not)
+        (("--max-waiters", "-1"), "'-1'"),
+        (("--max-waiters", "0"), "'0'"),
+        (("--max-waiters", "1000001"), "'1000001'"),
+        (("--max-waiters", "abc"), "'abc'"),
+        (("--max-waiters", "1.5"), "'1.5'"),
+        (("--utilization", "0"), "'0'"),
+        (("--utilization", "1.5"), "'1.5'"),
+        (("--utilization", "nan"), "'nan'"),
+        (("--utilization", "most"), "'most'"),
     ],
 )
-def test_pool_set_bad_policy_or_window_exits_2_naming_it(url, args, shown):
+def test_pool_set_bad_values_exit_2_naming_them(url, args, shown):
     assert gpulock(url, "pool", "set", "p", "--capacity", "1GiB").returncode == 0
     c = redis.Redis.from_url(url)
     try:
