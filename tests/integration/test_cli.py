@@ -23,7 +23,7 @@ from gpulock import AcquireTimeout, Pool
 from gpulock.cli import EXIT_CAPACITY, EXIT_NO_POOL, EXIT_TEMPFAIL, EXIT_UNAVAILABLE
 from support.ports import free_port
 from support.pools import GiB
-from support.procs import gpulock_argv
+from support.procs import gpulock_argv, with_default_signals
 from support.waiting import wait_until
 
 # A hang catcher, not a speed check: a test here runs up to 15 `python -m gpulock` processes,
@@ -40,9 +40,11 @@ def cli(url: str, *args: str, timeout: float = 30, **kw) -> subprocess.Completed
 
 
 def start(url: str, *args: str, **kw) -> subprocess.Popen:
+    """``gpulock ARGS`` running, its signals at their default disposition (the tests send
+    them), its stdout and stderr piped."""
     env = {**os.environ, "GPULOCK_REDIS_URL": url}
     return subprocess.Popen(
-        [*gpulock_argv(), *args],
+        with_default_signals([*gpulock_argv(), *args]),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

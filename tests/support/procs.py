@@ -36,6 +36,25 @@ def gpulock_argv() -> list[str]:
     return [sys.executable, "-c", "import sys; from gpulock.cli import main; sys.exit(main())"]
 
 
+#: Run as ``python -c _DEFAULT_SIGNALS ARGV...``: SIGINT, SIGTERM and SIGHUP back to their
+#: default disposition, then exec ARGV (same pid).
+_DEFAULT_SIGNALS = (
+    "import os, signal, sys\n"
+    "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):\n"
+    "    signal.signal(s, signal.SIG_DFL)\n"
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
+
+
+def with_default_signals(argv: list[str]) -> list[str]:
+    """``argv`` run with SIGINT, SIGTERM and SIGHUP at their default disposition, whatever the
+    tests inherited: a test run started with ``&`` from a script, or under ``nohup``, has them
+    ignored, and ``gpulock run`` leaves an ignored signal ignored (so a test that sends one
+    would wait for an exit that never comes). The process is ``argv``'s once it has exec'd
+    (same pid)."""
+    return [sys.executable, "-c", _DEFAULT_SIGNALS, *argv]
+
+
 def broker_argv(port: int, redis_url: str) -> list[str]:
     """The argv of the HTTP lease broker's own entry point on 127.0.0.1:``port`` against
     ``redis_url`` (tokens and limits come from the environment)."""
