@@ -416,6 +416,7 @@ def _acquire(
     needs_cancel = True
     unreachable = False  # Redis did not answer the acquire: its withdrawal goes to the background
     joined: Any = None
+    join: Join | None = None
     try:
         try:
             res, sent = yield from acquire_call(pool, rt, req, argv, start)
@@ -486,7 +487,7 @@ def _acquire(
             )
         if on_queued is not None:
             on_queued(res.place)  # first here, on the caller's side; later ones: the runtime
-        joined = yield Join(
+        join = Join(
             req.ticket,
             argv,
             ttl_ms(req.waiter_ttl_s),
@@ -495,6 +496,7 @@ def _acquire(
             res.retry_after_ms,
             None if req.timeout_s is None else start + req.timeout_s,
         )
+        joined = yield join
         remaining = (
             None if req.timeout_s is None else max(0.0, req.timeout_s - (pool.clock() - start))
         )
@@ -540,6 +542,8 @@ def _acquire(
         if joined is not None:
             in_use = yield Leave(joined, needs_cancel)
         elif needs_cancel:
+            if join is not None:
+                join.undo(rt)  # the Join raised after registering: see Join.undo
             in_use = rt.ticket_in_use(req.ticket)
         if needs_cancel and not in_use:
             yield Withdraw(req.ticket, unreachable)

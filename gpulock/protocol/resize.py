@@ -134,11 +134,12 @@ def resize(
         )
     undo = _argv(lease_id, token, current, "try", rt.channel_id, priority, waiter_ttl_s)
     joined = None
+    join: Join | None = None
     withdraw, unreachable = True, False
     try:
         if on_queued is not None:
             on_queued(res.place)  # first here; later ones: the runtime's refreshes
-        joined = yield Join(
+        join = Join(
             ticket,
             argv,
             ttl_ms(waiter_ttl_s),
@@ -148,6 +149,7 @@ def resize(
             None if timeout_s is None else start + timeout_s,
             "resize",
         )
+        joined = yield join
         remaining = None if timeout_s is None else max(0.0, timeout_s - (pool.clock() - start))
         try:
             got = yield Wait(joined, remaining)
@@ -171,6 +173,9 @@ def resize(
         in_use = False
         if joined is not None:
             in_use = yield Leave(joined, withdraw)
+        elif join is not None:
+            join.undo(rt)  # the Join raised after registering: see Join.undo
+            in_use = rt.ticket_in_use(ticket)
         if withdraw and not in_use:
             yield Withdraw(ticket, unreachable, "resize", undo)
 

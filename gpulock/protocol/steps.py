@@ -31,7 +31,7 @@ they are. A flow never sees redis-py's exception types.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol, TypeVar
 
 from gpulock.errors import BackendUnavailable
@@ -52,7 +52,8 @@ class Unanswered(BackendUnavailable):
 class Step:
     """What a flow asks its driver to do next (the module docstring lists the replies).
     Steps are slotted, not frozen: one is made for each call on the hot path, and a frozen
-    dataclass costs several times as much to make; no one changes a step once made."""
+    dataclass costs several times as much to make; no one changes a step once made (but the
+    runtime, which records on a :class:`Join` the waiter it registered the acquire on)."""
 
     __slots__ = ()
 
@@ -106,6 +107,9 @@ class Join(Step):
     retry_after_ms: int  # to the nearest lease expiry (-1: none), for the reap timer
     deadline: float | None = None  # local time the acquire gives up (None: never)
     script: str = "acquire"  # the script that queued it, sent ``argv`` again ("resize": a growth)
+    # The runtime's waiter this step registered the acquire on, set by the runtime together
+    # with the registration (``queue_waiter``'s ``claim``); None while it registered nothing.
+    waiter: Any = field(default=None, init=False)
 
     def queue_in(self, rt: WaiterQueue) -> Any:
         """The runtime's waiter for this step (``rt.queue_waiter`` with its fields)."""
@@ -118,7 +122,20 @@ class Join(Step):
             self.retry_after_ms,
             self.deadline,
             self.script,
+            claim=self,
         )
+
+    def undo(self, rt: RuntimeView) -> None:
+        """For a flow whose Join raised (the handle never came back): leave the waiter the
+        step registered the acquire on, if it did. An interrupt (KeyboardInterrupt, or what a
+        signal handler raises) can land in the step after the registration; left there, the
+        registration would keep the ticket in use, so the flow would not withdraw the request,
+        and the runtime would keep its place on the server with nobody to take its grant.
+        Leaving it makes the ticket free again unless another acquire with the same request
+        id shares the waiter (then that one keeps the request)."""
+        w, self.waiter = self.waiter, None
+        if w is not None:
+            rt.leave_waiter(w)
 
 
 @dataclass(slots=True)
@@ -286,6 +303,10 @@ class RuntimeView(Protocol):
         """Forget the local waiter of ``ticket``."""
         ...
 
+    def leave_waiter(self, w: Any) -> None:
+        """One acquire sharing waiter ``w`` stops waiting on it; the last one removes it."""
+        ...
+
     def untrack(self, lease_id: str) -> None:
         """Stop heartbeating a lease."""
         ...
@@ -326,9 +347,12 @@ class WaiterQueue(Protocol):
         retry_after_ms: int,
         deadline: float | None = None,
         script: str = "acquire",
+        *,
+        claim: Join | None = None,
     ) -> Any:
         """Queue (or join) the local waiter of ``ticket`` (``script``: the script that queued
-        it, which re-queues it); returns it."""
+        it, which re-queues it); returns it, and sets it as ``claim.waiter`` together with the
+        registration (for :meth:`Join.undo`)."""
         ...
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import Coroutine, Sequence
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from gpulock_common.aio import stop_tasks
 from gpulock_common.lease import stop_renewal
@@ -44,6 +44,9 @@ from gpulock.runtime.shared import ClockAnchor, HeldLeases, Shared
 from gpulock.runtime.tasks import LoopTasks
 from gpulock.runtime.waiters import Waiter, WaiterFuture, WaiterRegistry
 from gpulock.errors import PoolClosed
+
+if TYPE_CHECKING:
+    from gpulock.protocol.steps import Join
 
 __all__ = ["Runtime", "Waiter"]
 
@@ -283,6 +286,8 @@ class Runtime:
         retry_after_ms: int,
         deadline: float | None = None,
         script: str = "acquire",
+        *,
+        claim: Join | None = None,
     ) -> Waiter:
         """Queue a waiter for an acquire the server queued (``argv``: its ARGV, to queue it
         again), or join the one this process has for ``ticket`` (one request id used by two
@@ -292,7 +297,10 @@ class Runtime:
         shell calls it on the caller's); in a runtime already closed, the wait of a new waiter
         has ended with PoolClosed. ``deadline``: local time the acquire gives up (None:
         never), which keeps its place through an outage that long. ``script``: the script
-        that queued it (``argv`` is its ARGV): "acquire", or "resize" for a lease's growth."""
+        that queued it (``argv`` is its ARGV): "acquire", or "resize" for a lease's growth.
+        ``claim``: the acquire's :class:`~gpulock.protocol.steps.Join`, whose ``waiter`` is
+        set to the waiter it registered on, so that the acquire can leave it when an interrupt
+        lands between here and the flow (:meth:`~gpulock.protocol.steps.Join.undo`)."""
         w = self._new_waiter(
             ticket,
             argv,
@@ -304,12 +312,20 @@ class Runtime:
         )
         with self.registry.lock:
             cur = self.waiters.get(ticket)
+            # ``claim`` is set with no call between it and the registration, where an
+            # interrupt could land (CPython runs a signal handler at calls and loop jumps only): after
+            # a join (leaving a join that did not happen would take another acquire's place),
+            # before an add (leaving a waiter never added does nothing).
             if cur is not None and not cur.future.done():
                 cur.users += 1
+                if claim is not None:
+                    claim.waiter = cur
                 if cur.deadline is not None:  # the latest deadline of those sharing it
                     cur.deadline = None if deadline is None else max(cur.deadline, deadline)
                 w = cur
             else:
+                if claim is not None:
+                    claim.waiter = w
                 self._add_waiter(w)
         if self._closed:
             self.registry.fail(w, PoolClosed(self.pool))

@@ -285,6 +285,32 @@ def test_a_cancellation_during_the_wait_withdraws_unless_the_ticket_is_in_use():
         assert isinstance(seen[0], flow.Subscribe)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["alone", "shared"])
+def test_an_interrupt_in_the_join_after_it_registered_leaves_the_waiter(shared):
+    """The Join step raises (an interrupt) after the runtime registered the acquire on the
+    waiter, so no handle came back: the flow leaves that waiter itself, and withdraws unless
+    another acquire with the same request id still uses the ticket."""
+    pool = FakePool()
+    rt = OnlyTheView()
+    rt.ticket_in_use = lambda ticket: shared  # type: ignore[method-assign]
+    seen: list[flow.Step] = []
+
+    def answer(step):
+        seen.append(step)
+        if isinstance(step, flow.Eval):
+            return QUEUED
+        if isinstance(step, flow.Join):
+            step.waiter = "the waiter"
+            raise KeyboardInterrupt
+        return None
+
+    with pytest.raises(KeyboardInterrupt):
+        drive(flow.acquire(pool, rt, _req(None), 0.0, None), answer)
+    assert rt.calls.count("leave_waiter") == 1
+    assert not any(isinstance(s, flow.Leave) for s in seen)
+    assert any(isinstance(s, flow.Withdraw) for s in seen) is not shared
+
+
 def test_a_release_retried_after_a_connection_error_counts_as_released():
     def answer(step):
         assert isinstance(step, flow.Eval) and step.script == "release"
@@ -426,6 +452,7 @@ class OnlyTheView:
     unreachable = _note("unreachable")
     ticket_in_use = _note("ticket_in_use")
     remove_waiter = _note("remove_waiter")
+    leave_waiter = _note("leave_waiter")
     untrack = _note("untrack")
     deadline_for = _note("deadline_for")
     remake_capacity = _note("remake_capacity")
@@ -456,6 +483,15 @@ def test_the_flows_need_of_the_runtime_only_its_view():
 
     with pytest.raises(AcquireTimeout):
         drive(flow.acquire(pool, rt, _req(2.0), 0.0, None), answer)
+
+    def interrupted(step):
+        if isinstance(step, flow.Join):
+            step.waiter = "the waiter"  # the runtime registered it, then the interrupt
+            raise KeyboardInterrupt
+        return answer(step)
+
+    with pytest.raises(KeyboardInterrupt):
+        drive(flow.acquire(pool, rt, _req(2.0), 0.0, None), interrupted)
     out, _ = drive(
         flow.configure(pool, rt, PoolSettings(100), create_only=False, grace=False),
         answer,
