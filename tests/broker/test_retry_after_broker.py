@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -31,6 +32,32 @@ PARK_MAX = 30.0  # the broker's default park_max
 def _503(r) -> tuple[int, dict]:
     assert r.status_code == 503, r.text
     return int(r.headers["retry-after"]), r.json()["detail"]
+
+
+#: The ttl of a holder whose expiry is the hint (seconds): below CAP, so the hint is not capped.
+HINT_TTL = 4
+
+
+@contextlib.contextmanager
+def _unrenewed_holder(
+    core: Pool, amount: int
+) -> Iterator[Callable[[int, dict, float, float], None]]:
+    """Hold ``amount`` bytes on ``core``'s pool for HINT_TTL seconds, never renewed, and yield a
+    check that a Retry-After ``ra`` (503 body ``d``) read between local times ``tr`` and
+    ``ts`` is the time to that lease's expiry. Not renewed: a renewal at ttl/3 would move the
+    expiry, and a loaded run can take that long to send the request."""
+    t0 = time.monotonic()
+    holder = core.acquire(amount, ttl=HINT_TTL)
+    t1 = time.monotonic()
+    core._untrack(holder.id)
+
+    def hint_within(ra: int, d: dict, tr: float, ts: float) -> None:
+        # the holder expires HINT_TTL after its grant (made in [t0, t1]), read in [tr, ts]
+        assert max(1, math.ceil(t0 + HINT_TTL - ts)) <= ra <= math.ceil(t1 + HINT_TTL - tr), (ra, d)
+
+    yield hint_within
+    with contextlib.suppress(LeaseLost):  # not renewed: gone if the test ran past HINT_TTL
+        holder.release()
 
 
 def test_retry_after_of_the_rules_in_order():
@@ -73,23 +100,15 @@ def test_with_a_measured_rate_the_503s_say_the_servers_estimate(redis_srv, gpu, 
 def test_without_a_rate_the_503_says_the_time_to_the_nearest_expiry(redis_srv, gpu, user):
     core = Pool.from_url(redis_srv.url, gpu)
     try:
-        t0 = time.monotonic()
-        holder = core.acquire(10 * GiB, ttl=4)  # a new pool: nothing drained, no rate
-        t1 = time.monotonic()
-        # not renewed: the hint is the time to its expiry, grant + 4 s (a renewal at ttl/3
-        # would move it, and a loaded run can take that long to send the request)
-        core._untrack(holder.id)
-        assert core.status().drain is None
-        tr = time.monotonic()
-        ra, d = _503(
-            user.post(f"/v1/pools/{gpu}/leases", json={"amount": "1GiB", "request_id": "q"})
-        )
-        ts = time.monotonic()
-        assert d["error"] == "queued" and d["estimated_wait_s"] is None, d
-        # the holder expires 4 s after its grant (made in [t0, t1]), read in [tr, ts]
-        assert max(1, math.ceil(t0 + 4 - ts)) <= ra <= math.ceil(t1 + 4 - tr), (ra, d)
-        with contextlib.suppress(LeaseLost):  # not renewed: gone if this ran past 4 s
-            holder.release()
+        with _unrenewed_holder(core, 10 * GiB) as hint_within:  # a new pool: no rate yet
+            assert core.status().drain is None
+            tr = time.monotonic()
+            ra, d = _503(
+                user.post(f"/v1/pools/{gpu}/leases", json={"amount": "1GiB", "request_id": "q"})
+            )
+            ts = time.monotonic()
+            assert d["error"] == "queued" and d["estimated_wait_s"] is None, d
+            hint_within(ra, d, tr, ts)
     finally:
         core.close()
 
@@ -244,21 +263,13 @@ def test_the_sdks_queue_full_carries_what_the_503_says(redis_srv, broker_srv, gp
 def test_a_full_queues_503_without_a_rate_says_the_hint(redis_srv, gpu, user, admin):
     core = Pool.from_url(redis_srv.url, gpu)
     try:
-        t0 = time.monotonic()
-        holder = core.acquire(10 * GiB, ttl=4)  # a new pool: nothing drained, no rate
-        t1 = time.monotonic()
-        # not renewed: the hint is the time to its expiry, grant + 4 s (a renewal at ttl/3
-        # would move it, and a loaded run can take that long to send the request)
-        core._untrack(holder.id)
-        assert core.status().drain is None
-        tr = time.monotonic()
-        ra, d, _ = _queue_full(user, admin, gpu)
-        ts = time.monotonic()
-        assert d["estimated_wait_s"] is None, d
-        # the holder expires 4 s after its grant (made in [t0, t1]), read in [tr, ts]
-        assert max(1, math.ceil(t0 + 4 - ts)) <= ra <= math.ceil(t1 + 4 - tr), (ra, d)
-        with contextlib.suppress(LeaseLost):  # not renewed: gone if this ran past 4 s
-            holder.release()
+        with _unrenewed_holder(core, 10 * GiB) as hint_within:  # a new pool: no rate yet
+            assert core.status().drain is None
+            tr = time.monotonic()
+            ra, d, _ = _queue_full(user, admin, gpu)
+            ts = time.monotonic()
+            assert d["estimated_wait_s"] is None, d
+            hint_within(ra, d, tr, ts)
     finally:
         core.close()
 
@@ -286,21 +297,14 @@ def test_a_growth_not_possible_now_says_the_tail_estimate(redis_srv, gpu, user):
 def test_a_growth_not_possible_now_without_a_rate_says_the_hint(redis_srv, gpu, user):
     core = Pool.from_url(redis_srv.url, gpu)
     try:
-        t0 = time.monotonic()
-        holder = core.acquire(5 * GiB, ttl=4)
-        t1 = time.monotonic()
-        # not renewed: the hint is the time to its expiry, grant + 4 s (a renewal at ttl/3
-        # would move it, and a loaded run can take that long to send the request)
-        core._untrack(holder.id)
-        url = _growth(user, gpu)
-        assert core.status().drain is None
-        tr = time.monotonic()
-        ra, d = _503(user.post(url, json={"amount": "7GiB", "timeout": 0}))
-        ts = time.monotonic()
-        assert d["error"] == "queue_timeout" and d["estimated_wait_s"] is None, d
-        assert max(1, math.ceil(t0 + 4 - ts)) <= ra <= math.ceil(t1 + 4 - tr), (ra, d)
-        with contextlib.suppress(LeaseLost):  # not renewed: gone if this ran past 4 s
-            holder.release()
+        with _unrenewed_holder(core, 5 * GiB) as hint_within:
+            url = _growth(user, gpu)
+            assert core.status().drain is None
+            tr = time.monotonic()
+            ra, d = _503(user.post(url, json={"amount": "7GiB", "timeout": 0}))
+            ts = time.monotonic()
+            assert d["error"] == "queue_timeout" and d["estimated_wait_s"] is None, d
+            hint_within(ra, d, tr, ts)
     finally:
         core.close()
 

@@ -100,41 +100,19 @@ def test_not_available_now_says_why_and_withdraws_nothing():
     )
 
 
-def test_a_lost_pool_is_made_again_with_grace_then_the_acquire_retried():
-    pool = FakePool()
+@pytest.mark.parametrize(
+    "capacity, devices",
+    [(100, None), (None, None), (None, "30 50")],
+    ids=["own-capacity", "no-capacity", "no-capacity-devices"],
+)
+def test_a_lost_pool_is_made_again_with_grace_then_the_acquire_retried(capacity, devices):
+    """An object that saw the pool makes it again as last seen on the server, with a grace
+    period, then retries the acquire: with a capacity of its own, and without one (a worker
+    relying on an operator's ``pool set``, the broker's), which it keeps not having."""
+    pool = FakePool(capacity=capacity)
     rt = _runtime(pool)
     rec = rt.recovery  # what the pool object saw of the pool
     rec.known_epoch = 3  # this object had seen the pool: Redis lost it
-    rec.capacity_seen, rec.max_waiters_seen, rec.max_ttl_seen_ms = 80, 7, 20_000
-    calls: list[tuple[str, list]] = []
-
-    def answer(step):
-        if isinstance(step, flow.Eval):
-            calls.append((step.script, step.args))
-            if step.script == "acquire" and len(calls) == 1:
-                raise PoolNotFound("p")
-            if step.script == "configure":
-                return [1, 80, 4, 0, 7, 20_000, 20_000]
-            return GRANT
-        if isinstance(step, flow.MakeLease):
-            return "lease", "its state"
-        return None
-
-    lease, _ = drive(flow.acquire(pool, rt, _req(0), 0.0, None), answer)
-    assert lease == "lease"
-    assert [c[0] for c in calls] == ["acquire", "configure", "acquire"]
-    # made again as last seen on the server, with a grace period
-    assert calls[1][1] == ["80", "7", "create", "20000", "1"]
-
-
-@pytest.mark.parametrize("devices", [None, "30 50"], ids=["one-device", "devices"])
-def test_a_lost_pool_is_made_again_by_an_object_without_capacity_that_saw_it(devices):
-    """An object opened without a capacity (a worker relying on an operator's ``pool set``,
-    the broker's) that saw the pool makes it again as last seen, with a grace period."""
-    pool = FakePool(capacity=None)
-    rt = _runtime(pool)
-    rec = rt.recovery
-    rec.known_epoch = 3
     rec.capacity_seen, rec.max_waiters_seen, rec.max_ttl_seen_ms = 80, 7, 20_000
     if devices is not None:
         rec.policy_seen = QueueConfig("fifo", 0, "", devices, "bestfit")
@@ -153,9 +131,14 @@ def test_a_lost_pool_is_made_again_by_an_object_without_capacity_that_saw_it(dev
         return None
 
     lease, _ = drive(flow.acquire(pool, rt, _req(0), 0.0, None), answer)
-    assert lease == "lease" and pool.capacity is None  # the object keeps having none
+    assert lease == "lease"
     assert [c[0] for c in calls] == ["acquire", "configure", "acquire"]
+    # made again as last seen on the server, with a grace period
     assert calls[1][1][:5] == ["80", "7", "create", "20000", "1"]
+    if devices is None:
+        assert len(calls[1][1]) == 5
+    if capacity is None:
+        assert pool.capacity is None  # the object keeps having none
 
 
 def test_a_lost_pool_never_seen_by_an_object_without_capacity_is_not_found():
