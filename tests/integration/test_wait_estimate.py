@@ -203,20 +203,23 @@ async def test_busy_time_counts_from_when_the_queue_went_busy(make_apool):
     """A waiter that gave up still kept the queue busy while it waited: the busy time of a
     grant counts from when the queue went from empty to not empty (lib.lua ``dr_q``), not from
     the granted waiter's own enqueue (which read the rate too fast exactly when requests time
-    out). Waiter A queues at ``t0`` and gives up; B queues 0.3 s later, while A still waits;
-    the holder releases at least 1.3 s after ``t0``; B's grant is the pool's only queued grant,
-    so the busy time counted is at least 1.3 s (from A's enqueue; B's own would give about 1 s).
-    Only lower bounds on time: each sleep is at least its length."""
+    out). Waiter A queues and gives up (cancelled) once B has queued, 0.3 s later; the holder
+    releases at least 1.3 s after ``t0``, a time A was seen queued (so its place was on the
+    server before); B's grant is the pool's only queued grant, so the busy time counted is at
+    least 1.3 s (from A's enqueue; B's own would give about 1 s). Only lower bounds on time:
+    each sleep is at least its length. (A gave up on a 0.5 s timeout before, and ``t0`` was
+    taken before it queued: a loaded run counted 1.297 s.)"""
     pool = make_apool(capacity=UNIT)
     holder = await pool.acquire(UNIT)
-    t0 = time.monotonic()
-    gave_up = asyncio.create_task(pool.acquire(UNIT, timeout=0.5))
+    gave_up = asyncio.create_task(pool.acquire(UNIT, timeout=120))
     await async_wait_until(lambda: pool.waiting == 1, 60, "A to queue")
+    t0 = time.monotonic()  # A's place is on the server: the runtime counts it after the reply
     await asyncio.sleep(0.3)  # a lower bound, not a wait for state
     b_queued: list[QueuePlace] = []
     b = asyncio.create_task(pool.acquire(UNIT, timeout=120, on_queued=b_queued.append))
     await async_wait_until(lambda: b_queued, 60, "B to queue")
-    with pytest.raises(Exception):  # noqa: B017 - AcquireTimeout; A only has to leave
+    gave_up.cancel()  # A leaves the queue (withdrawn before the cancellation propagates)
+    with pytest.raises(asyncio.CancelledError):
         await gave_up
     await asyncio.sleep(max(0.0, t0 + 1.3 - time.monotonic()))  # a lower bound again
     await holder.release()
