@@ -37,7 +37,9 @@
 --   not queued:  {2, 0, ...same...}                     (mode 'try')
 -- Errors (nothing written, but the reap of expired leases and gone waiters, and the hand-off,
 -- which any script makes):
---   GPULOCK_BADARG <why>      a bad argument, or a resident lease (never resized)
+--   GPULOCK_BADARG <why>      a bad argument, a resident lease (never resized), or a growth of a
+--                             lease asked to yield (lib.lua "Preemption"; it may shrink, and its
+--                             expiry is never renewed past its yield deadline)
 --   GPULOCK_NOPOOL            the pool has no configuration
 --   GPULOCK_LOST <lease_id>   no such live lease (released, expired, never existed, another
 --                             token)
@@ -94,6 +96,11 @@ ttl = ttl or tonumber(rttl)
 if res then
   return bad('lease ' .. lid .. ' is resident: a resident lease is never resized (release it and acquire the new amount)')
 end
+local ydl = yield_deadline(lid)  -- asked to yield (lib.lua "Preemption"): it may shrink, not grow
+if ydl and amount > cur then
+  return bad('lease ' .. lid .. ' was asked to yield: it may shrink or be released, not grow to '
+    .. fmt(amount) .. ' bytes')
+end
 local d = load_devices(cfg[4], cfg[5])  -- nil: a pool of one device
 local quotas = cfg[3] ~= false and cfg[3] ~= '0'
 local room = {}  -- lib.lua quota_check's cache
@@ -128,7 +135,9 @@ local function current_reply(code, pos)
   return not_granted(code, pos, now, cfg[8], cap, eff, cur, math.max(0, amount - cur), tenant)
 end
 local function granted()
-  redis.call('ZADD', K_LEASES, 'XX', fmt(now + ttl), lid)
+  local exp = now + ttl
+  if ydl and exp > ydl then exp = ydl end  -- never renewed past its yield deadline
+  redis.call('ZADD', K_LEASES, 'XX', fmt(exp), lid)
   return grant_reply(now, lid)
 end
 
