@@ -204,3 +204,30 @@ def test_asked_once(make_pool, pool_name, rclient):
     lease.release()
     t.join(WAIT_S)
     out["lease"].release()
+
+
+def test_an_asked_lease_may_shrink_not_grow_and_is_never_renewed_past_its_deadline(
+    make_pool, pool_name, rclient
+):
+    """resize.lua: a growth of a lease asked to yield is refused, naming the lease; a shrink is
+    granted, its bytes go to the waiter, and its renewal stops at the yield deadline."""
+    from gpulock import InvalidArgument
+    from gpulock.protocol.keys import pool_keys
+
+    holder_pool = make_pool(capacity=CAP)
+    _preempt(holder_pool, 1, 500)  # a grace below the ttl: the deadline is the expiry at the ask
+    waiter_pool = make_pool(capacity=CAP, poll_interval=0.2)
+    lease = holder_pool.acquire(800, ttl=30)
+    t, out = _acquire_in_thread(waiter_pool, 500, priority=5, timeout=WAIT_S)
+    _until(lambda: lease.yield_requested, "the holder asked to yield")
+    with pytest.raises(InvalidArgument, match=f"{lease.id} was asked to yield"):
+        lease.resize(900)
+    lease.resize(300)
+    t.join(WAIT_S)
+    got = out["lease"]
+    keys = pool_keys(pool_name)
+    raw = rclient.hget(keys.tickets, f"y:{lease.id}")
+    deadline = int(raw.decode().split("|")[1])
+    assert int(rclient.zscore(keys.leases, lease.id)) <= deadline
+    got.release()
+    lease.release()
