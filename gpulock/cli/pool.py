@@ -333,7 +333,12 @@ def pool_set(
             if len(r.get("devices") or []) > 1
             else ""
         )
-        + (f", {preemption_text(r.get('preemption'))}" if "preemption" in r else "")
+        # preemption: said when on, or when this command set it
+        + (
+            f", {preemption_text(r.get('preemption'))}"
+            if r.get("preemption") or settings.preemption is not None
+            else ""
+        )
     )
     if r["used"] > r["capacity"]:
         print(
