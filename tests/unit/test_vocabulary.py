@@ -288,3 +288,15 @@ def test_the_broker_body_takes_the_preemption():
     for bad in ({"gap": 0}, {"gap": 4, "yield_grace_s": 0.01}, True, {"gap": 4, "x": 1}):
         with pytest.raises(ValueError):
             PoolConfigRequest.model_validate({"capacity": 10, "preemption": bad})
+
+
+def test_lua_preemption_bounds_are_the_vocabulary():
+    """lib.lua's bounds of a pool's preemption setting: the gap's, and the yield grace's in ms
+    (its constants named with YIELD, MIN before MAX)."""
+    lua = _lua_constants()
+    assert (lua["PREEMPT_GAP_MIN"], lua["PREEMPT_GAP_MAX"]) == (
+        V.PREEMPT_GAP_MIN,
+        V.PREEMPT_GAP_MAX,
+    )
+    grace = sorted(v for k, v in lua.items() if "YIELD" in k and ("MIN" in k or "MAX" in k))
+    assert grace == [round(V.MIN_YIELD_GRACE_S * 1000), round(V.MAX_YIELD_GRACE_S * 1000)]
