@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
+import logging
 from types import TracebackType
 from typing import Any, Callable, Generator, Mapping, Sequence, TypeVar
 
@@ -38,6 +40,8 @@ from gpulock.runtime.runtime import Runtime
 from gpulock.transport.script_calls import AsyncScripts
 from gpulock.errors import LeaseLost, PoolClosed
 
+log = logging.getLogger("gpulock")
+
 _T = TypeVar("_T")
 
 DEFAULT_BACKEND_TIMEOUT_S = 5.0
@@ -46,6 +50,14 @@ _CLIENT_DEFAULTS = {
     "socket_connect_timeout": 2.0,
     "health_check_interval": 10,
 }
+
+
+async def _logged(aw: Any, what: str) -> None:
+    """Await a user callback's awaitable; an exception from it is logged, not raised."""
+    try:
+        await aw
+    except Exception:  # noqa: BLE001 - a user callback must not kill the loop's task
+        log.exception("gpulock: %s callback raised", what)
 
 
 class AsyncLease(LeaseBase):
@@ -91,6 +103,20 @@ class AsyncLease(LeaseBase):
             p, rt, self._state, amount, timeout, p.clock(), waiter_ttl_s=p.waiter_ttl
         )
         await p._run(steps, pending_cancels())
+
+    def on_yield(self, callback: Callable[[Any], Any]) -> None:
+        """Call ``callback(lease)`` once when the holder learns that the server asked it to
+        yield this lease (:meth:`gpulock_common.lease.LeaseView.on_yield`); ``callback`` may
+        be a plain function or a coroutine function, whose coroutine then runs as a task of
+        the pool's event loop. An exception from either is logged, not raised."""
+        rt = self._pool._runtime
+
+        def call(lease: Any) -> None:
+            r = callback(lease)
+            if inspect.isawaitable(r):
+                rt.tasks.in_loop(lambda: rt.spawn(_logged(r, "on_yield")))
+
+        self._state.add_yield_callback(call, self)
 
     async def __aenter__(self) -> "AsyncLease":
         return self
@@ -440,6 +466,7 @@ class AsyncPool(PoolOptions):
         tenant: str | None = None,
         device: int | None = None,
         resident: bool = False,
+        preemptible: bool = True,
     ) -> AsyncLease:
         """Take ``amount`` bytes from the pool, waiting in the pool's queue (by priority, then
         first come first served: docs/SEMANTICS.md, "Priorities").
@@ -473,6 +500,12 @@ class AsyncPool(PoolOptions):
                 held and queued is refused at once (RoomExceeded); a resident request that
                 does not fit next to them is not queued, whatever the timeout (AcquireTimeout
                 at once: try again later). docs/SEMANTICS.md, "Resident leases".
+            preemptible: False for a lease the server must never ask its holder to yield;
+                default True: on a pool with preemption on (``configure(preemption=...)``) a
+                queued request of a priority at least the pool's gap higher that cannot fit
+                may ask for it (``lease.on_yield``, ``lease.yield_requested``,
+                ``lease.yield_deadline``); not released by the deadline, it is taken back
+                (lost). A resident lease is never asked.
 
         Returns: an :class:`AsyncLease` (also an async context manager).
 
@@ -497,6 +530,7 @@ class AsyncPool(PoolOptions):
             tenant=tenant,
             device=device,
             resident=resident,
+            preemptible=preemptible,
         )
         req = AcquireRequest.build(
             self.name, amount, opts, waiter_ttl=self.waiter_ttl, default_ttl=self.default_ttl

@@ -111,7 +111,9 @@ def _make_background(pool: Pool) -> _Background:
     except BaseException:
         portal.stop()  # no runtime: leave no loop thread (a later call starts again)
         raise
-    sub = ThreadSubscription(pool.redis, rt.channel, pool.name, rt.deliver, rt.poll_waiters_now)
+    sub = ThreadSubscription(
+        pool.redis, rt.channel, pool.name, rt.deliver, rt.poll_waiters_now, rt.yielded
+    )
     rt.read_elsewhere(lambda: sub.ready)
     flow.push_settings(pool, rt)
     if pool._status_seen is not None:  # the pool object knew the pool before its runtime ran
@@ -501,6 +503,7 @@ class Pool(PoolOptions):
         tenant: str | None = None,
         device: int | None = None,
         resident: bool = False,
+        preemptible: bool = True,
     ) -> Lease:
         """Take ``amount`` bytes, waiting in the pool's queue. Same arguments, return and errors as
         :meth:`gpulock.AsyncPool.acquire`. ``on_queued`` runs on the pool's background thread
@@ -518,6 +521,7 @@ class Pool(PoolOptions):
                 tenant=tenant,
                 device=device,
                 resident=resident,
+                preemptible=preemptible,
             )
             req = AcquireRequest.build(
                 self.name, amount, opts, waiter_ttl=self.waiter_ttl, default_ttl=self.default_ttl

@@ -34,6 +34,10 @@
 --                     resident leases held and queued, else answered "not resident room"
 --                     (code 3) whatever its mode; a request that is not resident and can never
 --                     fit next to them is refused (GPULOCK_ROOM, GPULOCK_QUOTA).
+--  13 preemptible     optional: '' or '1' (the default): with the pool's preemption on, the lease
+--                     may be asked to yield to a request of higher priority (lib.lua
+--                     "Preemption"); '0': never. A resident lease is never asked. The request,
+--                     queued at the head and unable to fit, asks holders to yield itself.
 -- Reply:
 --   granted:     {1, lease_id, token, expires_ms, amount, now_ms, epoch, capacity, used, device}
 --                (device: the lease's device index; 0 on a pool of one device)
@@ -103,6 +107,10 @@ local res = ARGV[12] == 'resident'
 if not res and ARGV[12] ~= nil and ARGV[12] ~= '' then
   return bad("kind must be '' or 'resident', got " .. show(ARGV[12]))
 end
+local keep = ARGV[13] == '0'  -- never asked to yield
+if not keep and ARGV[13] ~= nil and ARGV[13] ~= '' and ARGV[13] ~= '1' then
+  return bad("preemptible must be '1' or '0', got " .. show(ARGV[13]))
+end
 
 -- Reads first: every key this call may use is read (redis.pcall) before the first write, so a
 -- key of the wrong type fails it with nothing written (see "Key types" in lib.lua). The queue's
@@ -110,7 +118,7 @@ end
 -- empty queue has no waiters (the three queue keys change together, in drop_waiter and below).
 local cfg = redis.pcall('HMGET', K_CFG, 'capacity', 'used', 'fence', 'grants', 'max_ttl_ms',
                         'grace_until', 'external', 'external_until', 'epoch', 'max_waiters',
-                        'nquotas', 'devices', 'placement', 'resident', 'rqueued')
+                        'nquotas', 'devices', 'placement', 'resident', 'rqueued', 'preempt')
 if failed(cfg) then return keytype_error(cfg) end
 if not cfg[1] then return redis.error_reply('GPULOCK_NOPOOL') end
 local cap = tonumber(cfg[1])
@@ -219,7 +227,9 @@ end
 
 if qlen > 0 and redis.call('ZSCORE', K_QUEUE, ticket) then
   redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
-  return not_granted(0, redis.call('ZRANK', K_QUEUE, ticket) + 1, now, epoch, cap, eff, nil, amount, tenant)
+  local pos = redis.call('ZRANK', K_QUEUE, ticket) + 1
+  if pos == 1 and cfg[16] then ask_yield(now, cfg[16]) end
+  return not_granted(0, pos, now, epoch, cap, eff, nil, amount, tenant)
 end
 if res then
   -- a resident request waits only where it fits next to the resident leases held and queued
@@ -242,8 +252,13 @@ if now_ok then
   redis.call('HSET', K_CFG, 'fence', fmt(token), 'used', fmt(used), 'grants', fmt(grants + 1))
   redis.call('ZADD', K_LEASES, fmt(exp), lid)
   redis.call('HSET', K_HOLDERS, lid, holder_record(amount, token, now, ttl, ticket, tenant, meta, dev, res))
-  if score then  -- granted ahead of waiters: its place is its score (lib.lua lease_place)
+  local pre = pre_value(prio, chan, res, keep)  -- lib.lua "Preemption"
+  if score and pre then  -- granted ahead of waiters: its place is its score (lib.lua lease_place)
+    redis.call('HSET', K_TICKETS, ticket, lid, place_field(lid), fmt(score), pre_field(lid), pre)
+  elseif score then
     redis.call('HSET', K_TICKETS, ticket, lid, place_field(lid), fmt(score))
+  elseif pre then
+    redis.call('HSET', K_TICKETS, ticket, lid, pre_field(lid), pre)
   else
     redis.call('HSET', K_TICKETS, ticket, lid)
   end
@@ -268,9 +283,10 @@ else
 end
 redis.call('ZADD', K_QUEUE, fmt(score), ticket)
 redis.call('HSET', K_WAITERS, ticket, fmt(amount) .. '|' .. fmt(ttl) .. '|' .. nstr .. '|' .. lid .. '|' .. chan .. '|'
-  .. fmt(prio) .. '|' .. tenant .. '|' .. pin .. (res and 'r' or '') .. '|' .. meta)
+  .. fmt(prio) .. '|' .. tenant .. '|' .. pin .. (res and 'r' or (keep and 'n' or '')) .. '|' .. meta)
 if res then count_field('rqueued', amount) end
 redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
 local pos = 1
 if qlen > 0 then pos = redis.call('ZRANK', K_QUEUE, ticket) + 1 end
+if pos == 1 and cfg[16] then ask_yield(now, cfg[16]) end  -- lib.lua "Preemption"
 return not_granted(0, pos, now, epoch, cap, eff, nil, amount, tenant)

@@ -21,7 +21,7 @@ if redis.call('ZSCORE', K_QUEUE, ticket) then
   what = 1
 else
   local lid = redis.call('HGET', K_TICKETS, ticket)
-  if lid and drop_lease(lid) then what = 2 end
+  if lid and drop_lease(lid, true) then what = 2 end
 end
 publish(now, grant_head(now))
 return {what, now}

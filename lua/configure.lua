@@ -1,5 +1,5 @@
 -- configure.lua: create a pool, or change its capacity, queue bound, queue policy, tenant
--- quotas and devices.
+-- quotas, devices and preemption.
 -- (KEYS and ARGV: see the header below; KEYS are the eight pool keys of lib.lua.)
 -- Creating a pool seeds its fencing counter and its epoch from the server clock in
 -- microseconds, so tokens keep increasing when Redis restarts empty and the pool is made
@@ -35,10 +35,13 @@
 --                   the pool's capacity now (its devices say how it is split).
 --  10 placement     optional: 'bestfit' (the default of a pool created) or 'spread' (lib.lua
 --                   place); '' or absent: unchanged.
+--  11 preempt       optional: "<gap> <yield_grace_ms>" turns preemption on (lib.lua "Preemption":
+--                   gap 1 .. 200 priority levels, yield_grace_ms 100 .. 86400000), 'off' turns
+--                   it off (leases asked already keep their deadlines); '' or absent: unchanged.
 -- Reply: {created (1/0), capacity, epoch, used, max_waiters, max_ttl_ms, grace_left_ms, policy,
 --         backfill_ms, quotas (every quota the pool has, "<tenant>=<bytes> ..." sorted by
 --         tenant; '' when none), devices ("<bytes> ..." per device; '' on a pool of one
---         device), placement}
+--         device), placement, preempt ("<gap> <yield_grace_ms>", '' when off)}
 --   Lowering a tenant's quota below what it holds is allowed as lowering capacity is; queued
 --   requests of the tenant larger than its new quota leave the queue (GPULOCK_QUOTA).
 --   Lowering capacity below `used` is allowed: leases keep their bytes, nothing new is granted
@@ -99,6 +102,15 @@ local placement = ARGV[10]
 if placement == '' then placement = nil end
 if placement ~= nil then
   placement, e = one_of(placement, PLACEMENTS, 'placement'); if e then return e end
+end
+local preempt = ARGV[11]  -- nil: unchanged, false: off, else the field's value
+if preempt == '' then preempt = nil elseif preempt == 'off' then preempt = false end
+if preempt then
+  local g, ms = string.match(preempt, '^(%S+) (%S+)$')
+  if not g then return bad("preempt must be '<gap> <yield_grace_ms>' or 'off', got " .. show(preempt)) end
+  g, e = int_arg(g, 'preemption gap', PREEMPT_GAP_MIN, PREEMPT_GAP_MAX); if e then return e end
+  ms, e = int_arg(ms, 'yield_grace_ms', MIN_YIELD_GRACE_MS, MAX_YIELD_GRACE_MS); if e then return e end
+  preempt = fmt(g) .. ' ' .. fmt(ms)
 end
 local had_n = tonumber(redis.call('HGET', K_CFG, 'devices') or '1')
 if mode == 'set' and redis.call('EXISTS', K_CFG) == 1 then
@@ -167,6 +179,8 @@ elseif mode == 'set' then
   if bf_ms then redis.call('HSET', K_CFG, 'backfill_ms', fmt(bf_ms)) end
 end
 if created == 1 or mode == 'set' then
+  if preempt then redis.call('HSET', K_CFG, 'preempt', preempt)
+  elseif preempt == false then redis.call('HDEL', K_CFG, 'preempt') end
   for _, q in ipairs(quotas) do
     local field = 'quota:' .. q[1]
     local had = redis.call('HEXISTS', K_CFG, field) == 1
@@ -181,11 +195,11 @@ if created == 1 or mode == 'set' then
 end
 reap(now)
 publish(now, grant_head(now))
-local pc = redis.call('HMGET', K_CFG, 'policy', 'backfill_ms', 'devices', 'placement')
+local pc = redis.call('HMGET', K_CFG, 'policy', 'backfill_ms', 'devices', 'placement', 'preempt')
 local spec = {}
 local d = load_devices(pc[3], pc[4])
 if d then for i = 0, d.n - 1 do spec[#spec + 1] = fmt(d.cap[i]) end end
 return {created, cfg_num('capacity'), cfg_num('epoch'), cfg_num('used'), cfg_num('max_waiters'),
         cfg_num('max_ttl_ms'), grace_left(now), pc[1] or POLICIES[1],
         tonumber(pc[2] or fmt(DEFAULT_BACKFILL_MS)), quota_spec(), table.concat(spec, ' '),
-        pc[4] or PLACEMENTS[1]}
+        pc[4] or PLACEMENTS[1], pc[5] or ''}

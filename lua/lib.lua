@@ -57,6 +57,10 @@ local MAX_META = 512
 -- Priorities (docs/SEMANTICS.md, "Priorities"): an integer in [PRIO_MIN, PRIO_MAX], higher goes
 -- first; a waiter's effective priority rises by one level per AGING_US microseconds waited.
 local PRIO_MIN, PRIO_MAX, AGING_US = -100, 100, 1000000
+-- Preemption (see "Preemption" below): the priority gap a waiter needs over a holder, and the
+-- yield grace, ms.
+local PREEMPT_GAP_MIN, PREEMPT_GAP_MAX = 1, 200
+local MIN_YIELD_GRACE_MS, MAX_YIELD_GRACE_MS = 100, 86400000
 -- A pool's queue bound (cfg field max_waiters).
 local MIN_WAITERS, MAX_WAITERS = 1, 1000000
 -- A pool's queue policy and placement (cfg fields policy and placement; see "Backfill" and
@@ -171,16 +175,17 @@ local function parse_holder(rec)
 end
 
 -- waiter record: amount|ttl_ms|enqueued_ms|lease_id|channel|priority|tenant|device|meta, the
--- device followed by 'r' for a resident request, or by 'g' for the growth of a held lease
+-- device followed by 'r' for a resident request, by 'n' for a request whose lease may never be
+-- asked to yield (see "Preemption" below), or by 'g' for the growth of a held lease
 -- (resize.lua: amount is then the bytes the lease grows by, lease_id the lease's own id, the
 -- device the lease's; its ticket is grow_ticket(lease_id)). A record without the device, the
 -- tenant or the priority (written by an earlier version, during a rolling upgrade), reads as
 -- device '' (any), tenant '', priority 0, not resident: its meta is JSON (an object) or
 -- empty, so it cannot be taken for either. Returns the device as a string, then whether it is
--- resident, then whether it is a growth.
+-- resident, then whether it is a growth, then whether its lease may never be asked to yield.
 local function parse_waiter(rec)
   local a, ttl, enq, lid, chan, p, tenant, dev, r, meta =
-    string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(%-?%d+)|([%w%-_.:]*)|(%d*)([rg]?)|(.*)$')
+    string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(%-?%d+)|([%w%-_.:]*)|(%d*)([rgn]?)|(.*)$')
   if not a then
     a, ttl, enq, lid, chan, p, tenant, meta =
       string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(%-?%d+)|([%w%-_.:]*)|(.*)$')
@@ -194,7 +199,8 @@ local function parse_waiter(rec)
     a, ttl, enq, lid, chan, meta = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%x+)|(%w*)|(.*)$')
     p = '0'
   end
-  return tonumber(a), tonumber(ttl), enq, lid, chan, meta, tonumber(p), tenant, dev or '', r == 'r', r == 'g'
+  return tonumber(a), tonumber(ttl), enq, lid, chan, meta, tonumber(p), tenant, dev or '', r == 'r', r == 'g',
+    r == 'n'
 end
 
 -- The queue ticket of the growth of lease `lid` (resize.lua): one per lease, so a script can
@@ -216,6 +222,22 @@ local function lease_place(lid, acq, prio)
   local s = redis.call('HGET', K_TICKETS, place_field(lid))
   if s then return tonumber(s) end
   return tonumber(acq) * 1000 - 1 - prio * AGING_US
+end
+
+-- Preemption (docs/SEMANTICS.md, "Preemption") keeps two fields per lease in the tickets hash:
+-- pre_field(lid) = "<priority>|<channel>" for a lease that may be asked to yield, written with
+-- its grant (the priority of its request, the channel of the process that asked for it); a
+-- resident lease, one acquired as not preemptible, or one granted by an earlier version has
+-- none and is never asked. yield_field(lid) = "<asked_ms>|<deadline_ms>" once it has been
+-- asked. Both go with the lease (drop_lease, release.lua).
+local function pre_field(lid) return 'pr:' .. lid end
+local function yield_field(lid) return 'y:' .. lid end
+
+-- The preemption field of a lease granted to a request of priority `prio` from channel `chan`:
+-- nil for a resident lease or one that may never be asked (`keep`).
+local function pre_value(prio, chan, res, keep)
+  if res or keep then return nil end
+  return fmt(prio or 0) .. '|' .. (chan or '')
 end
 
 -- The queue score of a request queued now with priority `prio` (lowest goes first). The
@@ -513,17 +535,34 @@ local function drop_waiter(ticket, rbytes, grow)
   redis.call('ZREM', K_WEXP, ticket)
 end
 
--- Remove one lease (by id) and return its bytes to the pool. Returns true if it existed.
-local function drop_lease(lid)
+-- A lease asked to yield is gone: count it as yielded (`released`: its holder let it go) with
+-- the time from the ask, or as taken back (it expired). `y`: its yield_field value (nil: it
+-- was never asked, nothing to count). Counters in cfg: y_done, y_done_ms, y_taken.
+local function yield_gone(y, released, now)
+  if not y then return end
+  if released then
+    local asked = tonumber(string.match(y, '^(%d+)|')) or now
+    redis.call('HINCRBY', K_CFG, 'y_done', 1)
+    redis.call('HINCRBY', K_CFG, 'y_done_ms', fmt(math.max(0, now - asked)))
+  else
+    redis.call('HINCRBY', K_CFG, 'y_taken', 1)
+  end
+end
+
+-- Remove one lease (by id) and return its bytes to the pool: `released` when its holder gave
+-- it up (cancel.lua), not when it expired (reap). Returns true if it existed.
+local function drop_lease(lid, released)
   local rec = redis.call('HGET', K_HOLDERS, lid)
   redis.call('ZREM', K_LEASES, lid)
   if not rec then return false end
   local amount, _, _, _, ticket, _, tenant, dev, res = parse_holder(rec)
   redis.call('HDEL', K_HOLDERS, lid)
+  local y = redis.call('HGET', K_TICKETS, yield_field(lid))
+  if y then yield_gone(y, released, now_ms()) end
   if ticket and ticket ~= '' then
-    redis.call('HDEL', K_TICKETS, ticket, place_field(lid))
+    redis.call('HDEL', K_TICKETS, ticket, place_field(lid), pre_field(lid), yield_field(lid))
   else
-    redis.call('HDEL', K_TICKETS, place_field(lid))
+    redis.call('HDEL', K_TICKETS, place_field(lid), pre_field(lid), yield_field(lid))
   end
   redis.call('HINCRBY', K_CFG, 'used', fmt(-amount))
   tenant_add(tenant, -amount)
@@ -654,12 +693,16 @@ end
 -- Make a lease with fencing token ``token`` on device ``dev`` ('' on a pool of one device),
 -- resident when ``res``, and count it to its tenant and device (the caller takes the token
 -- from the pool's fence and writes the pool's counters: fence, used, grants). Returns its
--- expiry.
-local function make_lease(now, ticket, lid, amount, ttl, meta, token, tenant, dev, res)
+-- expiry. `pre`: its preemption field (see "Preemption"; nil: it is never asked to yield).
+local function make_lease(now, ticket, lid, amount, ttl, meta, token, tenant, dev, res, pre)
   local exp = now + ttl
   redis.call('ZADD', K_LEASES, fmt(exp), lid)
   redis.call('HSET', K_HOLDERS, lid, holder_record(amount, token, now, ttl, ticket, tenant, meta, dev, res))
-  redis.call('HSET', K_TICKETS, ticket, lid)
+  if pre then
+    redis.call('HSET', K_TICKETS, ticket, lid, pre_field(lid), pre)
+  else
+    redis.call('HSET', K_TICKETS, ticket, lid)
+  end
   tenant_add(tenant, amount)
   device_add(dev, amount)
   if res then resident_add(tenant, dev, amount) end
@@ -931,7 +974,8 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
   -- `ooo`: it goes out of arrival order (see "Drain rate"; the main pass's grants are marked
   -- after the fact, by last_enq).
   local last_enq  -- the enqueue ms of the main pass's last grant counted in the drain rate
-  local function grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq, ooo)
+  -- `prio`, `keep`: the waiter's priority, and whether its lease may never be asked to yield.
+  local function grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq, ooo, prio, keep)
     if not fence then
       local c = redis.call('HMGET', K_CFG, 'fence', 'grants', 'dr_b', 'dr_g', 'dr_t', 'dr_at', 'dr_o', 'dr_q')
       fence, grants = tonumber(c[1] or '0'), tonumber(c[2] or '0')
@@ -956,7 +1000,7 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
     else
       fence = fence + 1
       tok, total = fence, amount
-      exp = make_lease(now, t, lid, amount, ttl, meta, fence, tenant, dev, res)
+      exp = make_lease(now, t, lid, amount, ttl, meta, fence, tenant, dev, res, pre_value(prio, chan, res, keep))
       if wscore then redis.call('HSET', K_TICKETS, place_field(lid), fmt(tonumber(wscore))) end
       grants = grants + 1
     end
@@ -1017,7 +1061,7 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
     if not w then
       drop_waiter(t, 0)
     else
-      local amount, ttl, enq, lid, chan, meta, _, tenant, pin, res, grow = parse_waiter(w)
+      local amount, ttl, enq, lid, chan, meta, prio, tenant, pin, res, grow, keep = parse_waiter(w)
       -- the grant just made passed this waiter, which arrived earlier (a priority, a growth)
       if last_enq and tonumber(enq) < last_enq then dr.o = dr.o + 1 end
       last_enq = nil
@@ -1046,7 +1090,7 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
           blocked_enq = enq
           break
         end
-        grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq, skipped > 0)
+        grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq, skipped > 0, prio, keep)
       end
     end
     head = redis.call('ZRANGE', K_QUEUE, skipped, skipped)
@@ -1055,14 +1099,14 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
     for _, t in ipairs(redis.call('ZRANGE', K_QUEUE, skipped + 1, skipped + BACKFILL_DEPTH)) do
       local w = redis.call('HGET', K_WAITERS, t)
       if w then
-        local amount, ttl, enq, lid, chan, meta, _, tenant, pin, res, grow = parse_waiter(w)
+        local amount, ttl, enq, lid, chan, meta, prio, tenant, pin, res, grow, keep = parse_waiter(w)
         local q = quota_check(room, tenant, amount, res)
         if q == 'wait' then passed[tenant] = true end
         local whole = amount
         if grow then whole = grown_total(lid, amount, tenant, room) end
         if whole ~= nil and whole <= largest(pin) and used + amount <= eff and q == 'ok' and not passed[tenant] then
           local dev = where(amount, pin)
-          if dev ~= nil then grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq, true) end
+          if dev ~= nil then grant(t, amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq, true, prio, keep) end
         end
       end
       if used >= eff then break end
@@ -1090,13 +1134,13 @@ local function grant_from(now, head, cap, used, grace_until, eff, d, rh, own)
     for _, c in ipairs(cands) do
       local w = redis.call('HGET', K_WAITERS, c[2])
       if w then
-        local amount, ttl, enq, lid, chan, meta, _, tenant, pin, res, grow = parse_waiter(w)
+        local amount, ttl, enq, lid, chan, meta, prio, tenant, pin, res, grow, keep = parse_waiter(w)
         local q = quota_check(room, tenant, amount, res)
         local whole
         if grow then whole = grown_total(lid, amount, tenant, room) end
         if whole ~= nil and q == 'ok' and not never(whole, pin, res, q) and used + amount <= eff then
           local dev = where(amount, pin)
-          if dev ~= nil then grant(c[2], amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq, true) end
+          if dev ~= nil then grant(c[2], amount, ttl, lid, chan, meta, tenant, dev, res, grow, enq, true, prio, keep) end
         end
       end
     end
@@ -1176,32 +1220,159 @@ local function grant_test(now, amount, prio, tenant, pin, res, used, eff, grace_
   return (qlen == 0 or ahead) and fits, dev, score, vt
 end
 
-local function grant_head(now, own)
-  local head = redis.call('ZRANGE', K_QUEUE, 0, 0)
-  if #head == 0 then return {}, 0, false end
-  local c = redis.call('HMGET', K_CFG, 'capacity', 'used', 'grace_until', 'external', 'external_until',
-                       'devices', 'placement', 'resident')
-  local cap = tonumber(c[1] or '0')
-  local lines, n, _, mine = grant_from(now, head, cap, tonumber(c[2] or '0'), tonumber(c[3] or '0'),
-                                       eff_cap(now, cap, tonumber(c[4] or '0'), tonumber(c[5] or '0')),
-                                       load_devices(c[6], c[7]), tonumber(c[8] or '0'), own)
-  return lines, n, mine
-end
-
 -- Sharded pub/sub where the server has it (Redis >= 7, Valkey >= 7.2: REDIS_VERSION_NUM is
 -- set from 7.0 on): on a cluster SPUBLISH stays on the pool's shard (the channel carries the
 -- pool's hash tag) where PUBLISH is broadcast to every node. The subscriber picks SSUBSCRIBE
 -- by the same rule (gpulock/runtime/listener.py).
 local SHARDED = redis.REDIS_VERSION_NUM ~= nil and redis.REDIS_VERSION_NUM >= 0x070000
 
-local function publish(now, lines, n)
-  if n > 0 then
-    for chan, group in pairs(lines) do
-      local ch, msg = K_EVENTS .. ':' .. chan, 'g ' .. fmt(now) .. '\n' .. table.concat(group, '\n')
-      if SHARDED then redis.call('SPUBLISH', ch, msg) else redis.call('PUBLISH', ch, msg) end
-    end
+-- Publish `lines` ({channel id -> {line, ...}}) as messages of kind `kind` ('g' grants, 'y'
+-- asks to yield): "<kind> <now_ms>\n<line>\n<line>...", one message per channel.
+local function send(now, kind, lines)
+  for chan, group in pairs(lines) do
+    local ch, msg = K_EVENTS .. ':' .. chan, kind .. ' ' .. fmt(now) .. '\n' .. table.concat(group, '\n')
+    if SHARDED then redis.call('SPUBLISH', ch, msg) else redis.call('PUBLISH', ch, msg) end
   end
 end
+
+local function publish(now, lines, n)
+  if n > 0 then send(now, 'g', lines) end
+end
+
+-- Preemption (docs/SEMANTICS.md, "Preemption"): with the pool's cfg field preempt set to
+-- "<gap> <yield_grace_ms>" (configure.lua), the request at the head of the queue, when it
+-- cannot fit, asks holders whose priority is at least `gap` below its own to yield:
+-- * only leases with a preemption field (pre_field: not resident, not acquired as not
+--   preemptible), each at most once (yield_field marks it asked);
+-- * just enough of them: in order (lowest priority first, then the youngest, the latest
+--   granted, then by lease id) until the bytes free, the bytes of leases asked before and not
+--   gone yet, and theirs cover its amount, on its device (a pinned request) or on the device
+--   where the fewest leases are asked (a request for any device; lowest index on a tie), and
+--   within the effective capacity; then an earlier pick that the later ones make unnecessary
+--   is dropped;
+-- * none when even all of them leaving would not make it fit, when it is a growth (resize),
+--   when its tenant's quota is what holds it back (freeing others' bytes would not grant it),
+--   or in the pool's grace period after a data loss (nothing is granted then).
+-- A lease asked at server time `now` gets the deadline max(now + yield_grace_ms, its expiry
+-- now): no renewal extends it past that (renew.lua), and at it the lease expires as any lease
+-- does (its bytes go to the queue, its holder's renewal says lost). The deadline is never
+-- before the expiry already granted: the holder may rely on that one (invariant 5). Asking
+-- publishes "y <now_ms>\n<lease_id> <deadline_ms>..." on the channel of each lease's process
+-- and counts y_asked. `spec`: the cfg field preempt as read (nil or '': off). Returns the
+-- number of leases asked. Reads every holder record: O(leases), only when the head cannot fit.
+local function ask_yield(now, spec)
+  if not spec or spec == '' then return 0 end
+  local gap, grace = string.match(spec, '^(%d+) (%d+)$')
+  if not gap then return 0 end
+  gap, grace = tonumber(gap), tonumber(grace)
+  local head = redis.call('ZRANGE', K_QUEUE, 0, 0)
+  if #head == 0 then return 0 end
+  local w = redis.call('HGET', K_WAITERS, head[1])
+  if not w then return 0 end
+  local amount, _, _, _, _, _, prio, tenant, pin, res, grow = parse_waiter(w)
+  if grow or grace_left(now) > 0 or quota_check({}, tenant, amount, res) ~= 'ok' then return 0 end
+  local c = redis.call('HMGET', K_CFG, 'capacity', 'used', 'external', 'external_until', 'devices', 'placement')
+  local cap, used = tonumber(c[1] or '0'), tonumber(c[2] or '0')
+  local d = load_devices(c[5], c[6])
+  local need_pool = amount - (eff_cap(now, cap, tonumber(c[3] or '0'), tonumber(c[4] or '0')) - used)
+  if need_pool <= 0 and (not d or place(d, amount, pin) ~= nil) then return 0 end  -- it fits
+  local recs = redis.call('HGETALL', K_HOLDERS)
+  if #recs == 0 then return 0 end
+  local v = {}  -- per holder i (recs[2i-1], recs[2i]): its pre field at v[2i-1], yield field at v[2i]
+  for i = 1, #recs, 1000 do  -- HMGET in slices: unpack() has a bounded stack
+    local f = {}
+    for j = i, math.min(i + 999, #recs), 2 do
+      f[#f + 1] = pre_field(recs[j]); f[#f + 1] = yield_field(recs[j])
+    end
+    local got = redis.call('HMGET', K_TICKETS, unpack(f))
+    for k = 1, #got do v[i + k - 1] = got[k] end
+  end
+  local pend, pend_dev, cands = 0, {}, {}
+  for i = 1, #recs, 2 do
+    if v[i] then
+      local a, _, acq, _, _, _, _, dev = parse_holder(recs[i + 1])
+      local dv = tonumber(dev) or 0
+      if v[i + 1] then  -- asked before, not gone yet: its bytes are coming
+        pend = pend + a
+        pend_dev[dv] = (pend_dev[dv] or 0) + a
+      else
+        local p, ch = string.match(v[i], '^(%-?%d+)|(%w*)$')
+        p = tonumber(p)
+        if p and p + gap <= prio then cands[#cands + 1] = {p, tonumber(acq), recs[i], a, dv, ch} end
+      end
+    end
+  end
+  if #cands == 0 then return 0 end
+  table.sort(cands, function(x, y)
+    if x[1] ~= y[1] then return x[1] < y[1] end
+    if x[2] ~= y[2] then return x[2] > y[2] end
+    return x[3] < y[3]
+  end)
+  need_pool = need_pool - pend
+  local devs = {0}
+  if d then
+    devs = {}
+    for i = 0, d.n - 1 do
+      if pin == '' or i == tonumber(pin) then devs[#devs + 1] = i end
+    end
+  end
+  local best
+  for _, i in ipairs(devs) do
+    local need = need_pool
+    if d then need = math.max(need, amount - (d.cap[i] - d.used[i]) - (pend_dev[i] or 0)) end
+    if need <= 0 then return 0 end  -- enough is on its way already
+    local picked, sum = {}, 0
+    for _, x in ipairs(cands) do
+      if sum >= need then break end
+      if not d or x[5] == i then picked[#picked + 1] = x; sum = sum + x[4] end
+    end
+    if sum >= need then
+      local kept = {}
+      for k, x in ipairs(picked) do  -- drop an earlier pick the later ones make unnecessary
+        if k < #picked and sum - x[4] >= need then sum = sum - x[4] else kept[#kept + 1] = x end
+      end
+      if best == nil or #kept < #best then best = kept end
+    end
+  end
+  if not best then return 0 end
+  local lines = {}
+  for _, x in ipairs(best) do
+    local lid = x[3]
+    local dl = now + grace
+    local exp = tonumber(redis.call('ZSCORE', K_LEASES, lid) or '0')
+    if exp > dl then dl = exp end
+    redis.call('HSET', K_TICKETS, yield_field(lid), fmt(now) .. '|' .. fmt(dl))
+    if x[6] ~= '' then
+      local group = lines[x[6]]
+      if not group then group = {}; lines[x[6]] = group end
+      group[#group + 1] = lid .. ' ' .. fmt(dl)
+    end
+  end
+  redis.call('HINCRBY', K_CFG, 'y_asked', #best)
+  send(now, 'y', lines)
+  return #best
+end
+
+-- The yield deadline (server ms) of lease `lid`, or nil when it has not been asked to yield.
+local function yield_deadline(lid)
+  local y = redis.call('HGET', K_TICKETS, yield_field(lid))
+  if not y then return nil end
+  return tonumber(string.match(y, '|(%d+)$'))
+end
+
+local function grant_head(now, own)
+  local head = redis.call('ZRANGE', K_QUEUE, 0, 0)
+  if #head == 0 then return {}, 0, false end
+  local c = redis.call('HMGET', K_CFG, 'capacity', 'used', 'grace_until', 'external', 'external_until',
+                       'devices', 'placement', 'resident', 'preempt')
+  local cap = tonumber(c[1] or '0')
+  local lines, n, _, mine = grant_from(now, head, cap, tonumber(c[2] or '0'), tonumber(c[3] or '0'),
+                                       eff_cap(now, cap, tonumber(c[4] or '0'), tonumber(c[5] or '0')),
+                                       load_devices(c[6], c[7]), tonumber(c[8] or '0'), own)
+  if c[9] then ask_yield(now, c[9]) end  -- the head now, granted or not, may need to ask
+  return lines, n, mine
+end
+
 
 -- Milliseconds until the queue can next move without a release: in a grace period its end
 -- (nothing is granted before it, whatever expires meanwhile); else the nearest lease expiry or

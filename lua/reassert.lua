@@ -21,7 +21,10 @@
 --                     meta (<= 512 bytes), tenant ('' for none), device (its index; '' or 0
 --                     on a pool of one device) when the call has 1 + 8 x n arguments, and kind
 --                     ('' or 'resident', lib.lua "Resident leases") when it has 1 + 9 x n
---                     (earlier versions send 7 per lease, no device, or 6, no tenant either).
+--                     (earlier versions send 7 per lease, no device, or 6, no tenant either);
+--                     and its preemption field "<priority>|<channel>" ('' : never asked to
+--                     yield; lib.lua "Preemption") when it has 1 + 10 x n. A lease put back is
+--                     one not asked to yield yet.
 --                     A lease put back counts toward its tenant's bytes; its tenant's quota
 --                     does not refuse it (it was granted before the loss), the capacity of
 --                     the pool and of its device do.
@@ -44,6 +47,7 @@ local width = 6
 if #ARGV == 1 + 7 * n then width = 7 end
 if #ARGV == 1 + 8 * n then width = 8 end
 if #ARGV == 1 + 9 * n then width = 9 end
+if #ARGV == 1 + 10 * n then width = 10 end
 for k = 1, n do
   local lid; lid, e = lease_id_arg(ARGV[i]); if e then return e end
   local tok; tok, e = int_arg(ARGV[i + 1], 'token', 0, MAX_AMOUNT); if e then return e end
@@ -58,11 +62,18 @@ for k = 1, n do
   if width >= 8 and ARGV[i + 7] ~= '' then
     dev, e = int_arg(ARGV[i + 7], 'device', 0, MAX_DEVICES - 1); if e then return e end
   end
-  local resident = width == 9 and ARGV[i + 8] == 'resident'
-  if width == 9 and not resident and ARGV[i + 8] ~= '' then
+  local resident = width >= 9 and ARGV[i + 8] == 'resident'
+  if width >= 9 and not resident and ARGV[i + 8] ~= '' then
     return bad("kind must be '' or 'resident', got " .. show(ARGV[i + 8]))
   end
-  recs[k] = {lid, tok, amount, ttl, ticket, meta, tenant, dev, resident}
+  local pre = nil  -- its preemption field (lib.lua "Preemption"): "<priority>|<channel>"
+  if width == 10 and ARGV[i + 9] ~= '' then
+    local p, ch = string.match(ARGV[i + 9], '^(%-?%d+)|(%w*)$')
+    if not p then return bad("preemption field must be '<priority>|<channel>', got " .. show(ARGV[i + 9])) end
+    p, e = prio_arg(p); if e then return e end
+    if not resident then pre = fmt(p) .. '|' .. ch end
+  end
+  recs[k] = {lid, tok, amount, ttl, ticket, meta, tenant, dev, resident, pre}
   i = i + width
 end
 
@@ -111,6 +122,7 @@ for k, r in ipairs(recs) do
       redis.call('ZADD', K_LEASES, fmt(now + ttl), lid)
       redis.call('HSET', K_HOLDERS, lid, holder_record(amount, tok, now, ttl, ticket, tenant, meta, dev, resident))
       if ticket ~= '' then redis.call('HSET', K_TICKETS, ticket, lid) end
+      if r[10] then redis.call('HSET', K_TICKETS, pre_field(lid), r[10]) end
       redis.call('HINCRBY', K_CFG, 'used', fmt(amount))
       tenant_add(tenant, amount)
       device_add(dev, amount)

@@ -3,6 +3,7 @@
 -- ARGV:
 --   1 lease_id   32 hex digits
 --   2 token      the lease's fencing token (decimal); the lease is released only if it matches
+-- A lease asked to yield (lib.lua "Preemption") released before its deadline counts as yielded.
 -- Reply:
 --   {1, now_ms, used, granted}   released; `granted` waiters were handed bytes and notified
 --   {0, now_ms, used, granted}   lost: no such live lease (expired and reaped, released before,
@@ -16,7 +17,7 @@ local token; token, e = int_arg(ARGV[2], 'token', 0, MAX_AMOUNT); if e then retu
 -- key of the wrong type fails it with nothing written (see "Key types" in lib.lua); the one
 -- exception is the tickets hash in the common case, whose HDEL is then the first write.
 local cfg = redis.pcall('HMGET', K_CFG, 'capacity', 'used', 'grace_until', 'external', 'external_until',
-                        'devices', 'placement', 'resident')
+                        'devices', 'placement', 'resident', 'preempt')
 if failed(cfg) then return keytype_error(cfg) end
 local now = now_ms()
 if not cfg[1] then
@@ -43,6 +44,11 @@ if rec then
   amount, ticket, tenant, dev, res = a, t, tn, dv, rs
   mine = tonumber(tok) == token  -- another token: not ours to release
 end
+local asked  -- with preemption on: whether it was asked to yield (lib.lua "Preemption")
+if mine and cfg[9] then
+  asked = redis.pcall('HGET', K_TICKETS, yield_field(lid))
+  if failed(asked) then return keytype_error(asked) end
+end
 if #head > 0 or #dead > 0 then
   -- a hand-off or a reap writes the tickets hash before our own HDEL would
   local r = redis.pcall('HEXISTS', K_TICKETS, ticket)
@@ -65,11 +71,12 @@ if mine then
   -- and the lease's place (lib.lua lease_place) with it
   local r
   if ticket ~= '' then
-    r = redis.pcall('HDEL', K_TICKETS, ticket, place_field(lid))
+    r = redis.pcall('HDEL', K_TICKETS, ticket, place_field(lid), pre_field(lid), yield_field(lid))
   else
-    r = redis.pcall('HDEL', K_TICKETS, place_field(lid))
+    r = redis.pcall('HDEL', K_TICKETS, place_field(lid), pre_field(lid), yield_field(lid))
   end
   if failed(r) then return keytype_error(r) end
+  if asked then yield_gone(asked, true, now) end
   redis.call('ZREM', K_LEASES, lid)
   redis.call('HDEL', K_HOLDERS, lid)
   used = used - amount
@@ -89,5 +96,6 @@ if #head > 0 then
                               eff_cap(now, cap, tonumber(cfg[4] or '0'), tonumber(cfg[5] or '0')),
                               load_devices(cfg[6], cfg[7]), rh)
   publish(now, lines, n)
+  if cfg[9] then ask_yield(now, cfg[9]) end  -- the head now may need to ask (lib.lua "Preemption")
 end
 return {ok, now, used, n}

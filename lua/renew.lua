@@ -10,8 +10,11 @@
 --   then n_leases x    lease_id, token, ttl_ms   (new expiry = now + ttl_ms)
 --   then n_tickets     count of ticket pairs that follow
 --   then n_tickets x   ticket, waiter_ttl_ms     (new waiter expiry = now + waiter_ttl_ms)
--- Reply: {now_ms, epoch (0: pool not configured), lease_results, ticket_results, queue}
---   lease_results:  one per lease, in order: new expires_ms, or 0 when lost
+-- Reply: {now_ms, epoch (0: pool not configured), lease_results, ticket_results, queue, yields}
+--   lease_results:  one per lease, in order: new expires_ms, or 0 when lost; never past the
+--                   lease's yield deadline (lib.lua "Preemption")
+--   yields:         one per lease, in order: its yield deadline, server ms, when it has been
+--                   asked to yield, else 0
 --   ticket_results: one per ticket, in order:
 --     {'q', position, ahead_bytes, amount, ahead_count}  still queued (expiry refreshed);
 --                                                     ahead_bytes, amount, ahead_count as
@@ -57,19 +60,26 @@ local lres, tres = {}, {}
 if redis.call('EXISTS', K_CFG) == 0 then
   for k = 1, n do lres[k] = 0 end
   for k = 1, m do tres[k] = {'x'} end
-  return {now, 0, lres, tres, {}}
+  return {now, 0, lres, tres, {}, lres}
 end
 reap(now)
 publish(now, grant_head(now))
 
+local yres = {}
 for k, l in ipairs(leases) do
-  lres[k] = 0
+  lres[k], yres[k] = 0, 0
   local rec = redis.call('HGET', K_HOLDERS, l[1])
   if rec then
     local _, tok = parse_holder(rec)
     if tonumber(tok) == l[2] then
-      redis.call('ZADD', K_LEASES, 'XX', fmt(now + l[3]), l[1])
-      lres[k] = now + l[3]
+      local exp = now + l[3]
+      local dl = yield_deadline(l[1])
+      if dl then
+        yres[k] = dl
+        if exp > dl then exp = dl end
+      end
+      redis.call('ZADD', K_LEASES, 'XX', fmt(exp), l[1])
+      lres[k] = exp
     end
   end
 end
@@ -111,4 +121,5 @@ local cap = tonumber(c[1] or '0')
 local held_back = cap - eff_cap(now, cap, tonumber(c[3] or '0'), tonumber(c[4] or '0'))
 local b, g, o = drain_rate()
 return {now, cfg_num('epoch'), lres, tres,
-        {cap, tonumber(c[2] or '0'), held_back, redis.call('ZCARD', K_QUEUE), b, g, grace_left(now), o}}
+        {cap, tonumber(c[2] or '0'), held_back, redis.call('ZCARD', K_QUEUE), b, g, grace_left(now), o},
+        yres}

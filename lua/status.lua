@@ -8,7 +8,10 @@
 --   {1, now_ms, capacity, used, epoch, fence, max_waiters, n_leases, n_waiters,
 --    grants, reaped_leases, reaped_waiters,
 --    leases  = {{lease_id, amount, token, expires_ms, acquired_ms, ttl_ms, ticket, meta,
---                tenant, device}, ...} (soonest expiry first; device 0 on a pool of one device),
+--                tenant, device, yield_deadline_ms, priority}, ...} (soonest expiry first;
+--                device 0 on a pool of one device; yield_deadline_ms 0 when not asked to
+--                yield; priority as a string, '' for a lease never asked: lib.lua
+--                "Preemption"),
 --    waiters = {{ticket, amount, enqueued_ms, waiter_expires_ms, meta, priority, tenant,
 --                device, growth_of, growth_token, ahead_bytes, ahead_count}, ...} (queue
 --                order; ahead_bytes, ahead_count: the bytes and the count of the waiters ahead
@@ -29,7 +32,10 @@
 --    bytes_per_s, grants_per_ks, out_of_order_pm: the queue's drain rate, bytes per second
 --    and grants per 1000 seconds of busy time, and per mille of its grants out of arrival
 --    order, 0, 0, 0 while not measured (lib.lua "Drain rate"); with capacity, used, external
---    and a listed waiter's ahead_bytes and ahead_count, its wait estimate}
+--    and a listed waiter's ahead_bytes and ahead_count, its wait estimate,
+--    preempt ("<gap> <yield_grace_ms>", '' when off), y_asked (leases asked to yield),
+--    y_done (of them, released before their deadline), y_done_ms (their total ms from the ask
+--    to the release), y_taken (of them, expired instead): lib.lua "Preemption"}
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
 local type_err = check_types(); if type_err then return type_err end
@@ -52,8 +58,11 @@ if limit > 0 then
     local rec = redis.call('HGET', K_HOLDERS, ids[j])
     if rec then
       local amount, tok, acq, ttl, ticket, meta, tenant, dev = parse_holder(rec)
+      local pr = redis.call('HMGET', K_TICKETS, pre_field(ids[j]), yield_field(ids[j]))
       leases[#leases + 1] = {ids[j], amount, tonumber(tok), tonumber(ids[j + 1]), tonumber(acq),
-                             tonumber(ttl), ticket, meta, tenant, tonumber(dev) or 0}
+                             tonumber(ttl), ticket, meta, tenant, tonumber(dev) or 0,
+                             tonumber(pr[2] and string.match(pr[2], '|(%d+)$') or '0'),
+                             pr[1] and string.match(pr[1], '^(%-?%d+)|') or ''}
     end
   end
 end
@@ -106,4 +115,6 @@ return {1, now, cfg_num('capacity'), cfg_num('used'), cfg_num('epoch'), cfg_num(
         grace_left(now), cfg_num('max_ttl_ms'), cfg_num('reasserted'), ext, ext_left, overuse,
         redis.call('HGET', K_CFG, 'policy') or POLICIES[1],
         tonumber(redis.call('HGET', K_CFG, 'backfill_ms') or DEFAULT_BACKFILL_MS), tenants,
-        devices, dv[2] or PLACEMENTS[1], cfg_num('resident'), cfg_num('rqueued'), bps, gpks, oopm}
+        devices, dv[2] or PLACEMENTS[1], cfg_num('resident'), cfg_num('rqueued'), bps, gpks, oopm,
+        redis.call('HGET', K_CFG, 'preempt') or '', cfg_num('y_asked'), cfg_num('y_done'),
+        cfg_num('y_done_ms'), cfg_num('y_taken')}

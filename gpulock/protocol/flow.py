@@ -318,6 +318,7 @@ def lease_state(
     state, new = rt.state_for(grant, req.ttl_s, valid_until, req.meta, req.tenant, req.resident)
     if new:
         state.priority = req.priority
+        state.preemptible = req.preemptible
         rt.track(state)
     return state
 
@@ -575,6 +576,8 @@ def sync_grant(pool: PoolView, s: LeaseState, lease: Any) -> Flow[None]:
         err = e
     if err is None and rep is not None and rep.expiries[0] > 0 and acked >= pool.sync_replicas:
         s.renewed(sent, rep.now_ms, rep.expiries[0])
+        if rep.yields[0] > 0:
+            s.asked(rep.yields[0])
         return None
     yield GiveBack(lease)
     if err is not None and not isinstance(err, Exception):

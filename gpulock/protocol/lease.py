@@ -32,7 +32,8 @@ class LeaseState(LocalLeaseState):
     Adds: ``ticket`` (the request id), ``expires_ms`` (server-clock expiry, Unix ms),
     ``epoch`` (the pool's epoch at the grant), ``meta`` (holder metadata as sent to acquire,
     kept to re-assert the lease), ``priority`` (the acquire's; a growth's place where none is stored),
-    ``tenant`` (likewise; "" for none), ``resident`` (likewise:
+    ``tenant`` (likewise; "" for none), ``preemptible`` (likewise: False, never asked to
+    yield), ``resident`` (likewise:
     a resident lease, docs/SEMANTICS.md "Resident leases"), ``device`` (the
     device it is on; 0 on a pool of one device), ``next_renew`` (local monotonic seconds);
     ``expires_at`` reads ``expires_ms`` in Unix seconds. ``valid_until``
@@ -49,6 +50,7 @@ class LeaseState(LocalLeaseState):
         "resident",
         "device",
         "priority",
+        "preemptible",
         "next_renew",
     )
     unreachable = "Redis"
@@ -66,6 +68,7 @@ class LeaseState(LocalLeaseState):
         self.resident = False
         self.device = grant.device
         self.priority = 0  # the acquire's: a growth (resize) queues at it
+        self.preemptible = True  # the acquire's: False, never asked to yield
         self.next_renew = clock() + ttl_s / 3
 
     @property
@@ -83,6 +86,25 @@ class LeaseState(LocalLeaseState):
         self.next_renew = sent + self.ttl_s / 3
         if self.span is not None:
             traces.renewed(self)
+
+    def asked(self, deadline_ms: int) -> bool:
+        """The server asked the holder to yield this lease by ``deadline_ms`` (Unix ms, its
+        clock: a hand-off message's or a renewal reply's): :meth:`mark_yield` with that instant
+        on the local clock, counted from the lease's last grant or renewal as its validity is
+        (the pair ``valid_until``, ``expires_ms``), so it ends before the server's deadline.
+        The server never lets the lease's expiry pass the deadline, so ``expires_ms`` is at
+        most ``deadline_ms``. (A renewal landing while this reads the pair can only make it
+        earlier: ``renewed`` sets ``expires_ms`` first.) True when this call marked it."""
+        span_s = max(0, deadline_ms - self.expires_ms) / 1000.0
+        return self.mark_yield(self.valid_until + span_s * (1.0 - CLOCK_DRIFT))
+
+    def preemption_field(self, channel_id: str) -> str:
+        """``reassert.lua``'s 10th field of this lease: ``"<priority>|<channel_id>"`` (the
+        holder's hand-off channel), or "" for a lease never asked to yield (not preemptible,
+        or resident)."""
+        if self.resident or not self.preemptible:
+            return ""
+        return f"{self.priority}|{channel_id}"
 
     def _report_lost(self, reason: str) -> None:
         log.warning(

@@ -3,7 +3,8 @@ channel's hand-off messages, as named records. No I/O; reply layouts are documen
 ``lua/lib.lua`` and each script's header, and no reader outside this module indexes a reply.
 
 * ``acquire.lua``: :func:`decode_acquire` -> :class:`Grant` or :class:`NotGranted`
-* hand-off messages: :func:`decode_events` -> :class:`Grant` list
+* hand-off messages: :func:`decode_events` -> :class:`Grant` list; the yield requests of
+  preemption: :func:`decode_yields` -> :class:`YieldAsk` list
 * ``configure.lua``: :func:`decode_configure` -> :class:`ConfigureReply` (with its
   :class:`QueueConfig`)
 * ``renew.lua``: :func:`decode_renew` -> :class:`RenewReply` (each waiter's answer a
@@ -170,6 +171,32 @@ def decode_events(data: str | bytes) -> list[Grant]:
     return out
 
 
+class YieldAsk(NamedTuple):
+    """One lease a hand-off message asks its holder to yield (preemption): the server takes
+    the bytes back at ``deadline_ms`` at the latest; ``now_ms``: when it asked (Unix ms, the
+    server's clock)."""
+
+    lease_id: str
+    deadline_ms: int
+    now_ms: int
+
+
+def decode_yields(data: str | bytes) -> list[YieldAsk]:
+    """Parse a yield request from the holder's channel, ``"y <now_ms>\n<lease_id>
+    <deadline_ms>\n..."`` (``lua/lib.lua``); [] for any other message (a grant's)."""
+    text = _s(data)
+    if not text.startswith("y "):
+        return []
+    lines = text.split("\n")
+    now = int(lines[0].split(" ")[1])
+    out = []
+    for line in lines[1:]:
+        p = line.split(" ")
+        if len(p) == 2:
+            out.append(YieldAsk(p[0], int(p[1]), now))
+    return out
+
+
 class ConfigureReply(NamedTuple):
     """``configure.lua``'s reply (bytes, ms)."""
 
@@ -241,11 +268,15 @@ class RenewReply(NamedTuple):
     epoch: int  # 0: the pool has no configuration (Redis lost it)
     expiries: list[int]  # per lease renewed, in order: its new expires_ms; 0: lost
     waiters: list[WaiterAnswer]  # per ticket refreshed, in order
+    # per lease renewed, in order: the deadline (Unix ms) by which the server takes it back
+    # when it asked its holder to yield it (preemption; its expiry is capped at it), else 0
+    yields: list[int]
 
 
 def decode_renew(r: Sequence[Any], tickets: Sequence[str] = ()) -> RenewReply:
-    """``renew.lua``'s reply ``{now_ms, epoch, lease_results, ticket_results, queue}`` for a
-    call that refreshed ``tickets`` (in order; a grant's record carries its ticket)."""
+    """``renew.lua``'s reply ``{now_ms, epoch, lease_results, ticket_results, queue, yields}``
+    for a call that refreshed ``tickets`` (in order; a grant's record carries its ticket). A
+    reply without ``yields`` (a server before preemption) reads as none asked."""
     now, epoch = int(r[0]), int(r[1])
     # queue: {capacity, used, held_back, queue_len, bytes_per_s, grants_per_ks, grace_left_ms,
     # out_of_order_pm}
@@ -284,7 +315,9 @@ def decode_renew(r: Sequence[Any], tickets: Sequence[str] = ()) -> RenewReply:
             answers.append(Queued(pos, wait, q[3]))
         else:
             answers.append(None)
-    return RenewReply(now, epoch, [int(x) for x in r[2]], answers)
+    expiries = [int(x) for x in r[2]]
+    yields = [int(x) for x in r[5]] if len(r) > 5 else [0] * len(expiries)
+    return RenewReply(now, epoch, expiries, answers, yields)
 
 
 class ReleaseReply(NamedTuple):

@@ -60,6 +60,7 @@ class AcquireRequest(NamedTuple):
     tenant: str = ""  # "" for none
     device: int | None = None  # the device it pins (docs/SEMANTICS.md, "Devices"); None: any
     resident: bool = False  # held for its holder's life (docs/SEMANTICS.md, "Resident leases")
+    preemptible: bool = True  # False: the server never asks it to yield (preemption)
 
     @classmethod
     def build(
@@ -97,6 +98,7 @@ class AcquireRequest(NamedTuple):
             o.tenant or "",
             o.device,
             o.resident,
+            o.preemptible,
         )
 
     def argv(self, mode: str, channel: str) -> list[str]:
@@ -112,10 +114,13 @@ class AcquireRequest(NamedTuple):
             channel,
             str(self.priority),
         ]
-        if self.tenant or self.device is not None or self.resident:
+        keep = not self.preemptible  # ARGV 13 '0'; absent (''): may be asked
+        if self.tenant or self.device is not None or self.resident or keep:
             argv.append(self.tenant)
-        if self.device is not None or self.resident:
+        if self.device is not None or self.resident or keep:
             argv.append("" if self.device is None else str(self.device))
-        if self.resident:
-            argv.append("resident")
+        if self.resident or keep:
+            argv.append("resident" if self.resident else "")
+        if keep:
+            argv.append("0")
         return argv

@@ -375,12 +375,14 @@ class Heartbeat:
         known = self._recovery.known_epoch
         pool_lost = epoch == 0 or (known != 0 and epoch != known)
         orphans = []
-        for s, exp in zip(leases, rep.expiries):
+        for s, exp, ask in zip(leases, rep.expiries, rep.yields):
             if s.released:
                 continue
             if exp > 0:
                 if acked is None or acked >= st.sync_replicas:
                     s.renewed(sent, now_ms, exp)
+                if ask > 0:  # asked to yield (preemption): exp is capped at ask already
+                    s.asked(ask)
                 # else: not on enough replicas yet; the validity stays where the last
                 # acknowledged renewal put it (the ticker tries again at once; WAIT paces it).
             elif pool_lost:

@@ -1,4 +1,5 @@
-"""The hand-off subscription of one pool object: the grants the server publishes, delivered.
+"""The hand-off subscription of one pool object: the grants the server publishes, delivered,
+and the yield requests of preemption, handed to the leases held.
 
 Release, cancel, reap and configure grant the FIFO prefix that fits *on the server* and
 publish the grants on this process's channel (``<events key>:<channel_id>``); the pool
@@ -7,6 +8,13 @@ per shard, however many pool objects use the client), hands exactly those waiter
 (:meth:`WaiterRegistry.deliver`). Nobody else is woken and no extra round trip is needed
 (server-side hand-off). While the subscription is down the heartbeat's polling finds the grants
 instead.
+
+The same channel carries the requests to yield a lease (preemption): they go to the held
+leases (:meth:`HeldLeases.ask`). So the subscription stays while the pool object holds leases,
+not only while it waits: the runtime subscribes when it starts to hold one
+(:meth:`gpulock.runtime.runtime.Runtime.track`) and leaves only when it closes. Where another
+reader takes the grants (the sync shell's waiting threads: :mod:`gpulock.runtime.sync_listener`),
+:attr:`Listener.grants_elsewhere` is set and this one hands on only the yield requests.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import logging
 from typing import Any, Callable
 
 from gpulock_common.aio import wait_for
-from gpulock.protocol.request import decode_events
+from gpulock.protocol.replies import decode_events, decode_yields
 from gpulock.transport.pubsub import CONFIRM_WAIT_S, Channel, Hub
 from gpulock.runtime.shared import Shared
 
@@ -40,6 +48,10 @@ class Listener:
         self.pool = shared.pool
         self.channel = channel
         self._registry = shared.waiters
+        self._leases = shared.leases
+        #: Whether the grants are read by someone else (the sync shell's waiting threads):
+        #: this one then hands on only the yield requests.
+        self.grants_elsewhere = False
         self._hub: Hub | None = None
         self._ch: Channel | None = None
 
@@ -55,8 +67,17 @@ class Listener:
         return shard.sharded if shard is not None else None
 
     def _deliver(self, data: bytes) -> None:
-        for g in decode_events(data):
-            self._registry.deliver(g)
+        grants = decode_events(data)
+        if not grants:
+            self._leases.ask(decode_yields(data))
+        elif not self.grants_elsewhere:
+            for g in grants:
+                self._registry.deliver(g)
+
+    @property
+    def joined(self) -> bool:
+        """Whether it has joined the shared connection (subscribed, or subscribing)."""
+        return self._ch is not None
 
     async def ensure_subscribed(self) -> None:
         """Subscribe (once) and wait until Redis confirmed it, so that no grant published

@@ -254,6 +254,7 @@ class Recovery:
                 s.tenant,
                 s.device,
                 "resident" if s.resident else "",
+                s.preemption_field(self._shared.channel_id),
             ]
         sent = self.clock()
         rep = decode_reassert(await self._calls.eval("reassert", args, bound=bound))

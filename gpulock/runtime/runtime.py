@@ -27,6 +27,7 @@ Creating a lease starts no thread and no task; the tasks start with the first le
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Callable
@@ -38,7 +39,7 @@ from gpulock.runtime.calls import Calls, Settings
 from gpulock.runtime.heartbeat import Heartbeat
 from gpulock.runtime.listener import Listener
 from gpulock.protocol.request import DEFAULT_POLL_INTERVAL_S, Grant, LeaseState
-from gpulock.protocol.replies import QueueConfig
+from gpulock.protocol.replies import QueueConfig, YieldAsk
 from gpulock.runtime.recovery import Recovery
 from gpulock.runtime.shared import ClockAnchor, HeldLeases, Shared
 from gpulock.runtime.tasks import LoopTasks
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
     from gpulock.protocol.steps import Join
 
 __all__ = ["Runtime", "Waiter"]
+
+log = logging.getLogger("gpulock")
 
 
 class Runtime:
@@ -92,6 +95,7 @@ class Runtime:
             self.registry,
             self.anchor,
             is_closed=lambda: self._closed,
+            channel_id=self.channel_id,
         )
         self.listener = Listener(redis, self.channel, shared, resubscribed=self.poll_waiters_now)
         self._subscribed: Callable[[], bool] = lambda: self.listener.subscribed
@@ -134,8 +138,10 @@ class Runtime:
     def read_elsewhere(self, ready: Callable[[], bool]) -> None:
         """The pool object's channel is read by someone else (the sync shell's waiting
         threads: :mod:`gpulock.runtime.sync_listener`), not by :attr:`listener`; ``ready()`` says
-        whether that subscription needs no look before an acquire queues."""
+        whether that subscription needs no look before an acquire queues. :attr:`listener`
+        then hands on only the yield requests (preemption) it reads while leases are held."""
         self._subscribed = ready
+        self.listener.grants_elsewhere = True
 
     def use_settings(
         self,
@@ -225,6 +231,32 @@ class Runtime:
         watchdog must run sooner than planned (a first lease, or a shorter ttl)."""
         self.leases.add(state)
         self.heartbeat.lease_added(state)
+        if not self.listener.joined and state.preemptible and not state.resident:
+            # a yield request comes on the channel: listen while the lease is held (an
+            # acquire that waited subscribed already; a try or a sync shell's did not)
+            try:
+                self.tasks.in_loop(self._listen_for_yields)
+            except RuntimeError:  # no loop yet, or it is closed: renewals still tell
+                pass
+
+    def _listen_for_yields(self) -> None:
+        """Subscribe in the background (in the loop), unless done already or closed; the
+        renewals' replies tell a yield request meanwhile, or if it fails."""
+        if self._closed or self.listener.joined:
+            return
+        self.tasks.spawn(self._subscribe_quietly())
+
+    async def _subscribe_quietly(self) -> None:
+        try:
+            await self.listener.ensure_subscribed()
+        except Exception as e:  # noqa: BLE001 - best effort: the renewals tell it too
+            log.debug("gpulock: pool %s: subscription for yield requests failed: %s", self.pool, e)
+
+    def yielded(self, asks: Sequence[YieldAsk]) -> None:
+        """Hand yield requests read from the pool object's channel to the leases held
+        (:meth:`gpulock.runtime.shared.HeldLeases.ask`). Safe from any thread: the sync shell's
+        reading thread calls it."""
+        self.leases.ask(asks)
 
     def untrack(self, lease_id: str) -> None:
         """Stop heartbeating a lease (a dict pop: safe from any thread)."""

@@ -9,12 +9,12 @@ No part keeps a reference to another part's private state: what they have in com
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Callable
 
 from gpulock.protocol.lease import LeaseState, validity_deadline
-from gpulock.protocol.replies import Grant
+from gpulock.protocol.replies import Grant, YieldAsk
 from gpulock.runtime.calls import Calls, Settings
 from gpulock.runtime.tasks import LoopTasks
 from gpulock.runtime.waiters import WaiterRegistry
@@ -55,6 +55,16 @@ class HeldLeases(Mapping[str, LeaseState]):
         """Mark ``state`` lost for ``reason`` (firing its on_lost) and stop holding it."""
         state.mark_lost(reason)
         self.drop(state.lease_id)
+
+    def ask(self, asks: Sequence[YieldAsk]) -> None:
+        """A hand-off message asked this process to yield leases (preemption): mark each held
+        one (:meth:`LeaseState.asked`, which fires its on_yield once); ids not held (released
+        meanwhile, or another pool object's on a shared channel) are skipped. Safe from any
+        thread."""
+        for a in asks:
+            s = self._by_id.get(a.lease_id)
+            if s is not None:
+                s.asked(a.deadline_ms)
 
     def live(self) -> list[LeaseState]:
         """The leases neither released nor lost, in the order they were added."""
@@ -120,7 +130,7 @@ class Shared:
     script calls; ``settings``: the pool object's settings (mutable, set by the pool object);
     ``tasks``: the loop and its spawned tasks; ``leases``: the held leases; ``waiters``: the
     waiter registry; ``anchor``: the server clock anchor; ``is_closed()``: whether the runtime
-    was closed."""
+    was closed; ``channel_id``: the pool object's hand-off channel id (acquire's ARGV 8)."""
 
     pool: str
     clock: Callable[[], float]
@@ -131,3 +141,4 @@ class Shared:
     waiters: WaiterRegistry
     anchor: ClockAnchor
     is_closed: Callable[[], bool]
+    channel_id: str = ""

@@ -39,7 +39,7 @@ from gpulock.transport.pubsub import (
     Send,
     SubStep,
 )
-from gpulock.protocol.replies import Grant, decode_events
+from gpulock.protocol.replies import Grant, YieldAsk, decode_events, decode_yields
 
 #: The longest a reader sits in one read of the connection (s) before it looks at its own wait
 #: again: a grant the heartbeat found, close() or a failure reach a reading thread within this.
@@ -99,7 +99,9 @@ class ThreadSubscription:
     grants read go to the reading thread itself when one is its own, the others to
     ``on_grants`` (a list of :class:`~gpulock.protocol.replies.Grant`; called on the reading thread).
     ``pool`` names it in messages; ``resubscribed()`` is called (on the reading thread) when
-    the subscription is back after it was lost."""
+    the subscription is back after it was lost; ``on_yields`` gets the yield requests read
+    (preemption; a list of :class:`~gpulock.protocol.replies.YieldAsk`, on the reading
+    thread). While no thread waits, the runtime's own listener reads them."""
 
     def __init__(
         self,
@@ -108,10 +110,12 @@ class ThreadSubscription:
         pool: str,
         on_grants: Callable[[Sequence[Grant]], None],
         resubscribed: Callable[[], None] | None = None,
+        on_yields: Callable[[Sequence[YieldAsk]], None] | None = None,
     ):
         self.pool = pool
         self._redis = client
         self._on_grants = on_grants
+        self._on_yields = on_yields
         self.channel = Channel(
             channel, self._on_message, event=threading.Event, resubscribed=resubscribed
         )
@@ -367,6 +371,11 @@ class ThreadSubscription:
         (its acquire hands it on to others sharing its waiter when it leaves it: see
         :meth:`gpulock.runtime.runtime.Runtime.leave_waiter`); the others go to the runtime."""
         grants = decode_events(data)
+        if not grants:
+            asks = decode_yields(data)
+            if asks and self._on_yields is not None:
+                self._on_yields(asks)
+            return
         r = self._reader
         if r is not None and r.ticket is not None:
             mine = [g for g in grants if g.ticket == r.ticket]

@@ -12,6 +12,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.pools import (
+    is_lease_field,
     RAW_FORMS,
     _s,
     assert_empty,
@@ -37,8 +38,8 @@ def _queue(c: redis.Redis, pool: str) -> list[str]:
 
 
 def _tickets(c: redis.Redis, pool: str) -> set[str]:
-    """Tickets that hold a lease now (the tickets hash less the leases' places)."""
-    return {_s(t) for t in c.hkeys(pool_keys(pool)[6]) if not _s(t).startswith("place:")}
+    """Tickets that hold a lease now (the tickets hash less the leases' own fields)."""
+    return {_s(t) for t in c.hkeys(pool_keys(pool)[6]) if not is_lease_field(_s(t))}
 
 
 async def _queue_in_order(pool, specs, granted):

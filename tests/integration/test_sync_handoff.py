@@ -214,12 +214,15 @@ def test_a_subscription_that_died_while_nobody_read_is_found_before_queueing(
 ):
     """The server drops the subscription connection while no thread waits (nobody reads it):
     the next acquire that may queue reads the connection first, finds it closed, subscribes
-    again, and then gets its grant by the hand-off."""
+    again, and then gets its grant by the hand-off. Every lease here is not preemptible: a
+    pool object holding a preemptible lease also subscribes its runtime's listener (for asks
+    to yield), and this test counts the waiting threads' subscription alone."""
     monkeypatch.setattr(sync_listener, "IDLE_CHECK_S", 0.0)
     pool = make_pool(capacity=1, poll_interval=60)
     other = make_pool(capacity=1)
-    holder = other.acquire(1, ttl=30, timeout=0)  # timeout=0: no subscription of its own
-    a = Acquire(pool, 1, ttl=30)
+    # timeout=0: no subscription of its own
+    holder = other.acquire(1, ttl=30, timeout=0, preemptible=False)
+    a = Acquire(pool, 1, ttl=30, preemptible=False)
     wait_until(lambda: queued(rclient, pool_name) == 1)
     holder.release()
     a.result().release()  # subscribed, and idle now
@@ -231,8 +234,8 @@ def test_a_subscription_that_died_while_nobody_read_is_found_before_queueing(
     rclient.client_kill_filter(_id=conn["id"])
     wait_until(lambda: not subscribers(), what="the subscription dropped")
     assert sub(pool).subscribed  # nobody read it: the pool object has not noticed yet
-    holder = other.acquire(1, ttl=30, timeout=0)
-    b = Acquire(pool, 1, ttl=30)
+    holder = other.acquire(1, ttl=30, timeout=0, preemptible=False)
+    b = Acquire(pool, 1, ttl=30, preemptible=False)
     wait_until(lambda: queued(rclient, pool_name) == 1)
     assert [c["id"] for c in subscribers()] != [conn["id"]]  # subscribed again first
     holder.release()

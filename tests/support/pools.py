@@ -150,6 +150,22 @@ class AmountsDisagree(AssertionError):
     record); raised by tests, so that an xfail can name exactly this failure."""
 
 
+#: The fields the tickets hash keeps per lease next to ``ticket -> lease id``: its place
+#: (lua/lib.lua lease_place), its preemption field and its yield mark (lua/lib.lua "Preemption").
+LEASE_FIELD_PREFIXES = ("place:", "pr:", "y:")
+
+
+def is_lease_field(field: str) -> bool:
+    """Whether a tickets-hash field is one of a lease's own (:data:`LEASE_FIELD_PREFIXES`)."""
+    return field.startswith(LEASE_FIELD_PREFIXES)
+
+
+def ticket_grants(fields: dict[str, str]) -> dict[str, str]:
+    """The ``ticket -> lease id`` entries of a tickets hash read as text, without the per-lease
+    fields."""
+    return {t: v for t, v in fields.items() if not is_lease_field(t)}
+
+
 def check_consistent(c: redis.Redis, pool: str) -> dict[str, int]:
     """Every structure of a pool agrees with the others (read on the raw keys, not through
     the code under test): ``used`` is the sum of the holder records, every lease has a holder
@@ -163,10 +179,13 @@ def check_consistent(c: redis.Redis, pool: str) -> dict[str, int]:
     waiters = {_s(m) for m in c.hkeys(k[4])}
     wexp = {_s(m) for m in c.zrange(k[5], 0, -1)}
     tickets = {_s(a): _s(b) for a, b in c.hgetall(k[6]).items()}
-    # a lease's place (lua/lib.lua lease_place) is kept for a live lease only
-    places = {t[6:] for t in tickets if t.startswith("place:")}
-    tickets = {t: lid for t, lid in tickets.items() if not t.startswith("place:")}
-    assert places <= set(holders), (places, set(holders))
+    # a lease's place (lua/lib.lua lease_place) and its preemption fields (lua/lib.lua
+    # "Preemption") are kept for a live lease only
+    per_lease = {t.split(":", 1)[1] for t in tickets if is_lease_field(t)}
+    tickets = ticket_grants(tickets)
+    assert per_lease <= set(holders), (per_lease, set(holders))
+    asked = {t[2:] for t in tickets if t.startswith("y:")}
+    assert asked <= {t[3:] for t in tickets if t.startswith("pr:")}, asked
     total = sum(int(v.split("|", 1)[0]) for v in holders.values())
     assert int(cfg.get("used", 0)) == total, (cfg.get("used"), total)
     assert leases == set(holders), (leases, set(holders))

@@ -1,8 +1,9 @@
 """A lease's local validity: the rule for its deadline, its local state, and the lease object's
 read-only surface. The core (``gpulock``, renewing over Redis) and the SDK (``gpulock_client``,
 renewing over the broker's HTTP API) each subclass :class:`LocalLeaseState` and
-:class:`LeaseView` with what their grants carry; the deadline, the lost/released states and the
-``on_lost`` callbacks are these.
+:class:`LeaseView` with what their grants carry; the deadline, the lost/released states, the
+``on_lost`` callbacks and a yield request (preemption: ``yield_requested``, ``yield_deadline``,
+the ``on_yield`` callbacks) are these.
 
 The rule is Chubby's (Burrows 2006, §2.8): the holder's view of a lease must end before the
 server's. The span the server granted is counted from when the successful request was *sent*
@@ -68,7 +69,10 @@ class LocalLeaseState:
     (fencing token), ``ttl_s`` (seconds), ``valid_until`` (the holder's monotonic clock,
     seconds; see :func:`validity_deadline`), ``lost_reason`` (None while not lost),
     ``released``, ``span`` (its ``gpulock.lease`` OpenTelemetry span while traced, else None:
-    :mod:`gpulock_common.traces`; a loss ends it). The subclass sets :attr:`unreachable` (what the holder renews through) and
+    :mod:`gpulock_common.traces`; a loss ends it), ``yield_deadline`` (None until the server
+    asked the holder to yield the lease to a higher-priority request; then the holder's
+    monotonic clock, seconds, by which the server takes the bytes back at the latest:
+    :meth:`mark_yield`). The subclass sets :attr:`unreachable` (what the holder renews through) and
     :attr:`log` (where a raising callback is logged), and may override :meth:`_report_lost`.
     """
 
@@ -83,8 +87,10 @@ class LocalLeaseState:
         "released",
         "unrenewed",
         "span",
+        "yield_deadline",
         "_clock",
         "_callbacks",
+        "_yield_callbacks",
         "_lock",
         "__weakref__",
     )
@@ -114,8 +120,10 @@ class LocalLeaseState:
         #: Why nothing renews it any more, when its pool object was closed (see stop_renewal).
         self.unrenewed: Optional[str] = None
         self.span: Any = None
+        self.yield_deadline: Optional[float] = None
         self._clock = clock
         self._callbacks: List[Callable[[], Any]] = []  # each already bound to its owner
+        self._yield_callbacks: List[Callable[[], Any]] = []  # likewise
         self._lock = threading.Lock()
 
     @property
@@ -182,6 +190,39 @@ class LocalLeaseState:
             self._safe_call(cb)
         return True
 
+    @property
+    def yield_requested(self) -> bool:
+        """Whether the server asked the holder to yield this lease (:meth:`mark_yield`)."""
+        return self.yield_deadline is not None
+
+    def add_yield_callback(self, cb: Callable[..., Any], owner: Any = _NO_OWNER) -> None:
+        """Call ``cb(owner)`` (``cb()`` when no owner is given) once, when the holder learns
+        that the server asked it to yield the lease; at once, in this thread, if it learnt
+        that already. An exception from ``cb`` is logged, not raised."""
+        bound: Callable[[], Any] = cb if owner is _NO_OWNER else (lambda: cb(owner))
+        with self._lock:
+            fire = self.yield_deadline is not None
+            if not fire:
+                self._yield_callbacks.append(bound)
+        if fire:
+            self._safe_call(bound, "on_yield")
+
+    def mark_yield(self, deadline: float) -> bool:
+        """The server asked the holder to yield the lease (a higher-priority request waits
+        for its bytes: preemption); ``deadline`` is the holder's monotonic clock (seconds) by
+        which the server takes the bytes back at the latest, counted conservatively as
+        :func:`validity_deadline` counts. The first call sets :attr:`yield_deadline` and fires
+        the ``on_yield`` callbacks (True); later ones, and any call once the lease is lost or
+        released, do nothing (False): the server asks a lease once."""
+        with self._lock:
+            if self.yield_deadline is not None or not self.active:
+                return False
+            self.yield_deadline = deadline
+            cbs, self._yield_callbacks = self._yield_callbacks, []
+        for cb in cbs:
+            self._safe_call(cb, "on_yield")
+        return True
+
     def take_span(self) -> Any:
         """The lease's span, once: later calls (from any thread) get None."""
         with self._lock:
@@ -191,11 +232,11 @@ class LocalLeaseState:
     def _report_lost(self, reason: str) -> None:
         """Called once when the lease is marked lost, before its callbacks (the core logs it)."""
 
-    def _safe_call(self, fn: Callable[[], Any]) -> None:
+    def _safe_call(self, fn: Callable[[], Any], what: str = "on_lost") -> None:
         try:
             fn()
         except Exception:  # a user callback must not kill the heartbeat
-            self.log.exception("%s: on_lost callback raised", self.log.name)
+            self.log.exception("%s: %s callback raised", self.log.name, what)
 
 
 class LeaseView:
@@ -236,6 +277,23 @@ class LeaseView:
         state: LocalLeaseState = self._state  # a subclass's state (Any above)
         return state.released
 
+    @property
+    def yield_requested(self) -> bool:
+        """Whether the server asked the holder to yield this lease: a request of higher
+        priority waits for its bytes (preemption, a pool setting). Release it by
+        :attr:`yield_deadline`; after that the server takes the bytes back (the lease is lost)."""
+        state: LocalLeaseState = self._state  # a subclass's state (Any above)
+        return state.yield_requested
+
+    @property
+    def yield_deadline(self) -> Optional[float]:
+        """None until the server asked the holder to yield this lease; then the local
+        ``time.monotonic()`` instant by which the server takes the bytes back at the latest
+        (renewals no longer extend the lease past it, so :attr:`valid_until`, as always,
+        ends before it)."""
+        state: LocalLeaseState = self._state  # a subclass's state (Any above)
+        return state.yield_deadline
+
     def ensure_valid(self) -> None:
         """Raise :class:`LeaseLost` unless this lease is surely still held. Call it right
         before each GPU call made under the lease. Cost: a clock read, no I/O.
@@ -252,6 +310,14 @@ class LeaseView:
         deadline timer, or ``ensure_valid``). Runs at once if it is already lost. Runs in the
         heartbeat's thread or event loop: keep it short and non-blocking."""
         self._state.add_callback(callback, self)
+
+    def on_yield(self, callback: Callable[[Any], Any]) -> None:
+        """Call ``callback(lease)`` once when the holder learns that the server asked it to
+        yield this lease (by the hand-off message or a renewal's reply, whichever comes
+        first); at once if it learnt that already. Runs in the thread or event loop that
+        learnt it: keep it short and non-blocking (e.g. set a flag the work loop checks,
+        then release). An exception from it is logged, not raised."""
+        self._state.add_yield_callback(callback, self)
 
     def __repr__(self) -> str:
         s = self._state

@@ -198,6 +198,15 @@ def check_resident(resident: Any) -> bool:
     raise InvalidArgument(f"resident must be True or False, got {resident!r:.80}")
 
 
+def check_preemptible(preemptible: Any) -> bool:
+    """``acquire``'s ``preemptible``: True (the default: a pool with preemption on may ask the
+    holder to yield the lease to a request of higher priority) or False (never asked). Raises
+    InvalidArgument for anything else."""
+    if preemptible is True or preemptible is False:
+        return preemptible
+    raise InvalidArgument(f"preemptible must be True or False, got {preemptible!r:.80}")
+
+
 def _choices(values: Tuple[str, ...]) -> str:
     return " or ".join(f"'{v}'" for v in values)
 
@@ -237,11 +246,12 @@ class AcquireOptions(NamedTuple):
     tenant: Optional[str] = None  # who the bytes count under; None: none
     device: Optional[int] = None  # the device it must be on; None: the pool places it
     resident: bool = False  # held for its holder's whole life
+    preemptible: bool = True  # False: never asked to yield to a higher priority
 
     def checked(self, *, remote: bool = False) -> AcquireOptions:
         """These options after the checks both sides make before anything is sent: the
         timeout (as a ``float`` in [0, MAX_TIMEOUT_S], or None), the priority (as an ``int``:
-        :func:`check_priority`), the device, the tenant, ``resident`` and that the holder is a
+        :func:`check_priority`), the device, the tenant, ``resident``, ``preemptible`` and that the holder is a
         dict; with ``remote`` (the SDK's, over HTTP) also the ttl and the request id by the
         broker's bounds (MIN_REMOTE_TTL_S, MAX_REMOTE_REQUEST_ID_LEN). Raises InvalidArgument
         naming the first bad value."""
@@ -254,6 +264,8 @@ class AcquireOptions(NamedTuple):
         check_device(self.device)
         check_tenant(self.tenant)
         check_resident(self.resident)
+        if self.preemptible is not True:  # the default, on every acquire: no call
+            check_preemptible(self.preemptible)
         check_holder(self.holder)
         if remote:
             if self.ttl is not None:
