@@ -160,7 +160,7 @@ def _pool_samples(text: str, pool: str) -> dict[str, float]:
     }
 
 
-def test_an_asked_lease_in_status_top_and_metrics(redis_proc1, make_pool):
+def test_an_asked_lease_in_status_top_and_metrics(redis_proc1):
     """A holder of the whole pool at priority -10; a request at 10 queues at the head and
     asks it to yield (gap 5): status shows the lease asked with its deadline and priority,
     the counters and the setting; once the holder releases, the request is granted and the
