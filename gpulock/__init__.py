@@ -23,6 +23,7 @@ from gpulock.errors import (
     RoomExceeded,
 )
 from gpulock.units import format_size, parse_size
+from gpulock_common.options import Preemption
 
 __version__ = "0.1.0"
 
@@ -41,6 +42,7 @@ __all__ = [
     "PoolClosed",
     "PoolNotFound",
     "PoolStatus",
+    "Preemption",
     "QueueFull",
     "ResizeRefused",
     "QuotaExceeded",

@@ -17,7 +17,7 @@ from redis.exceptions import AuthenticationError, RedisError
 
 from gpulock_common.aio import pending_cancels
 from gpulock_common.driver import adrive
-from gpulock_common.options import PoolSettings
+from gpulock_common.options import PoolSettings, Preemption
 
 from gpulock.protocol import flow
 from gpulock.protocol.args import (
@@ -374,6 +374,7 @@ class AsyncPool(PoolOptions):
         quotas: Mapping[str, int | str | None] | None = None,
         devices: int | Sequence[int | str] | None = None,
         placement: str | None = None,
+        preemption: Preemption | bool | None = None,
         _grace: bool = False,
     ) -> dict[str, Any]:
         """Create the pool or set its capacity (bytes or "8GiB"), queue bound, max_ttl
@@ -386,9 +387,16 @@ class AsyncPool(PoolOptions):
         quotas"). ``devices``: a count N (N devices of ``capacity`` each) or each device's
         capacity (a list; ``capacity`` then defaults to their sum), and ``placement``
         "bestfit" (a new pool's) or "spread": how a request without a device is placed
-        (docs/SEMANTICS.md, "Devices and placement"). None leaves a setting as it is.
+        (docs/SEMANTICS.md, "Devices and placement"). ``preemption``: a
+        :class:`gpulock_common.options.Preemption` (``gap``, ``yield_grace_s``) turns it on:
+        a queued request at the head that does not fit asks holders ``gap`` or more priority
+        levels below it to yield, and takes an asked lease back at the latest
+        ``yield_grace_s`` later; False turns it off (a new pool's; docs/SEMANTICS.md,
+        "Preemption"). None leaves a setting as it is.
         Returns ``{"created", "capacity", "epoch", "used", "max_waiters", "policy",
-        "backfill_window", "quotas", "devices", "placement"}`` (``status()`` shows ``max_ttl`` and ``grace_left``). ``create_only`` on a pool object that had seen the pool
+        "backfill_window", "quotas", "devices", "placement", "preemption"}`` (preemption:
+        ``{"gap", "yield_grace_s"}``, None when off; ``status()`` shows ``max_ttl`` and
+        ``grace_left``). ``create_only`` on a pool object that had seen the pool
         (so Redis lost it) makes it again as last seen on the server, with a grace period; the
         values given count only for a pool it never saw.
 
@@ -406,6 +414,7 @@ class AsyncPool(PoolOptions):
                     quotas,
                     devices,
                     placement,
+                    preemption,
                 ),
                 create_only=create_only,
                 grace=_grace,

@@ -24,7 +24,7 @@ import redis
 from redis.exceptions import AuthenticationError
 
 from gpulock_common.driver import drive
-from gpulock_common.options import PoolSettings
+from gpulock_common.options import PoolSettings, Preemption
 
 from gpulock.protocol import flow
 from gpulock._async import _CLIENT_DEFAULTS, DEFAULT_BACKEND_TIMEOUT_S
@@ -425,6 +425,7 @@ class Pool(PoolOptions):
         quotas: Mapping[str, int | str | None] | None = None,
         devices: int | Sequence[int | str] | None = None,
         placement: str | None = None,
+        preemption: Preemption | bool | None = None,
         _grace: bool = False,
     ) -> dict[str, Any]:
         """Create the pool or set its capacity (bytes or "8GiB"), queue bound and max_ttl; see
@@ -442,6 +443,7 @@ class Pool(PoolOptions):
                     quotas,
                     devices,
                     placement,
+                    preemption,
                 ),
                 create_only=create_only,
                 grace=_grace,

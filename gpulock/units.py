@@ -27,6 +27,7 @@ __all__ = [
     "SIZE_TEXT_MAX_LENGTH",
     "SIZE_TEXT_PATTERN",
     "format_size",
+    "parse_duration",
     "parse_fraction",
     "parse_seconds",
     "parse_size",
@@ -137,6 +138,30 @@ def parse_size_text(value: int | float | str, *, name: str = "amount") -> int:
             f"{UNITS_TEXT}; got {value!r}"
         )
     return parse_size(value, name=name)
+
+
+_DURATION_RE = re.compile(r"^\s*([0-9]{1,12}(?:\.[0-9]{1,6})?)\s*(ms|s|m|h)?\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(value: str, *, name: str, minimum: float, maximum: float) -> float:
+    """A duration as a person writes it: a number of seconds (``"30"``, ``"1.5"``) or a number
+    with a unit, ms, s, m or h (``"30s"``, ``"500ms"``, ``"2m"``), as seconds in [minimum,
+    maximum].
+
+    Raises: InvalidArgument naming the value."""
+    m = _DURATION_RE.match(value)
+    if not m:
+        raise InvalidArgument(
+            f"{name} must be a duration such as 30s, 500ms, 2m or 1h (a bare number: "
+            f"seconds), got {value!r:.80}"
+        )
+    seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    if not minimum <= seconds <= maximum:
+        raise InvalidArgument(
+            f"{name} must be between {minimum:g} and {maximum:g} seconds, got {value!r:.80}"
+        )
+    return seconds
 
 
 _FRACTION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(%?)\s*$")

@@ -95,7 +95,16 @@ class BrokerAdmin:
 def status_from_dict(d: dict[str, Any]) -> Any:
     """A broker's pool object (``GET /v1/pools/NAME``) as the core's PoolStatus."""
     from gpulock.estimates.wait import DrainRate
-    from gpulock.protocol.replies import DeviceUse, LeaseInfo, PoolStatus, TenantUse, WaiterInfo
+    from gpulock_common.options import Preemption
+
+    from gpulock.protocol.replies import (
+        DeviceUse,
+        LeaseInfo,
+        PoolStatus,
+        TenantUse,
+        WaiterInfo,
+        YieldCounts,
+    )
 
     leases = [
         LeaseInfo(
@@ -109,6 +118,8 @@ def status_from_dict(d: dict[str, Any]) -> Any:
             x.get("holder") or {},
             x.get("tenant", ""),  # a broker older than tenants sends none
             x.get("device", 0),  # nor one older than devices
+            x.get("yield_in"),  # nor one older than preemption
+            x.get("priority"),
         )
         for x in d.get("leases", [])
     ]
@@ -158,6 +169,8 @@ def status_from_dict(d: dict[str, Any]) -> Any:
         or [DeviceUse(0, d["capacity"], d["used"])],
         placement=d.get("placement", DEFAULT_PLACEMENT),
         drain=DrainRate(**d["drain"]) if d.get("drain") else None,  # an older broker: none
+        preemption=Preemption(**d["preemption"]) if d.get("preemption") else None,
+        yields=YieldCounts(**(d.get("yields") or {})),
     )
 
 

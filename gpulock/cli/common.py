@@ -21,7 +21,7 @@ from gpulock.errors import (
     PoolNotFound,
     QueueFull,
 )
-from gpulock.units import format_size, is_index, parse_seconds, parse_size
+from gpulock.units import format_size, is_index, parse_duration, parse_seconds, parse_size
 
 if TYPE_CHECKING:
     import redis
@@ -233,6 +233,19 @@ def seconds_text_param(name: str, *, minimum: float, maximum: float) -> Callable
     def parse(value: str) -> float:
         try:
             return parse_seconds(value, name=name, minimum=minimum, maximum=maximum)
+        except InvalidArgument as e:
+            raise typer.BadParameter(str(e)) from None
+
+    return parse
+
+
+def duration_text_param(name: str, *, minimum: float, maximum: float) -> Callable[[str], float]:
+    """A ``parser=`` for an option of a duration (``30s``, ``500ms``, ``2m``; a bare number is
+    seconds: :func:`gpulock.units.parse_duration`), as seconds: a bad one is exit 2 naming it."""
+
+    def parse(value: str) -> float:
+        try:
+            return parse_duration(value, name=name, minimum=minimum, maximum=maximum)
         except InvalidArgument as e:
             raise typer.BadParameter(str(e)) from None
 

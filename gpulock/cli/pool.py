@@ -13,15 +13,21 @@ import typer
 
 from gpulock_common.options import (
     DEFAULT_PLACEMENT,
+    DEFAULT_YIELD_GRACE_S,
     PoolSettings,
     MAX_BACKFILL_WINDOW_S,
     MAX_MAX_WAITERS,
     MAX_TTL_S,
     MIN_BACKFILL_WINDOW_S,
     MIN_MAX_WAITERS,
+    MAX_YIELD_GRACE_S,
     MIN_TTL_S,
+    MIN_YIELD_GRACE_S,
     PLACEMENTS,
     POLICIES,
+    PREEMPT_GAP_MAX,
+    PREEMPT_GAP_MIN,
+    Preemption,
 )
 
 from gpulock.cli.common import (
@@ -35,6 +41,7 @@ from gpulock.cli.common import (
     policy_param,
     pool_name_param,
     devices_param,
+    duration_text_param,
     quota_param,
     redis_client,
     safe_url,
@@ -45,7 +52,13 @@ from gpulock.cli.common import (
     target,
 )
 from gpulock.admin.pools import DeleteResult
-from gpulock.cli.show import devices_text, policy_text, print_status, quota_text
+from gpulock.cli.show import (
+    devices_text,
+    policy_text,
+    preemption_text,
+    print_status,
+    quota_text,
+)
 from gpulock.errors import BackendUnavailable, GpuLockError, PoolNotFound
 from gpulock.units import format_size
 
@@ -233,10 +246,32 @@ def pool_set(
         "free bytes that fits it: keeps large holes for large requests) or spread (the most "
         "free). Default: keep the current one; bestfit for a new pool.",
     ),
+    preempt_gap: Optional[int] = typer.Option(
+        None,
+        "--preempt-gap",
+        metavar="N",
+        parser=int_text_param("--preempt-gap", minimum=PREEMPT_GAP_MIN, maximum=PREEMPT_GAP_MAX),
+        help=f"Turn preemption on: a queued request at the head that does not fit asks holders "
+        f"N or more priority levels below it to yield, {PREEMPT_GAP_MIN} to {PREEMPT_GAP_MAX} "
+        "(docs/SEMANTICS.md, 'Preemption'). Default: keep the current setting; off for a new "
+        "pool.",
+    ),
+    yield_grace: Optional[float] = typer.Option(
+        None,
+        "--yield-grace",
+        metavar="DURATION",
+        parser=duration_text_param(
+            "--yield-grace", minimum=MIN_YIELD_GRACE_S, maximum=MAX_YIELD_GRACE_S
+        ),
+        help="With --preempt-gap: how long an asked lease has to release before the pool takes "
+        f"it back, e.g. 30s, 500ms, 2m (a bare number: seconds; default "
+        f"{DEFAULT_YIELD_GRACE_S:g}s).",
+    ),
+    no_preempt: bool = typer.Option(False, "--no-preempt", help="Turn preemption off."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Create pool NAME (--capacity or --devices needed), or change its capacity, queue bound, max ttl,
-    queue policy, tenant quotas or devices (what is not given keeps its value).
+    queue policy, tenant quotas, devices or preemption (what is not given keeps its value).
 
     Lowering the capacity below what is in use is allowed: leases keep their bytes and nothing
     new is granted until enough is released. Raising it grants waiters that now fit. Through
@@ -259,6 +294,7 @@ def pool_set(
         quotas,
         devs,
         placement,
+        _preemption_param(preempt_gap, yield_grace, no_preempt),
     )
     try:
         if t.is_broker:
@@ -297,6 +333,12 @@ def pool_set(
             if len(r.get("devices") or []) > 1
             else ""
         )
+        # preemption: said when on, or when this command set it
+        + (
+            f", {preemption_text(r.get('preemption'))}"
+            if r.get("preemption") or settings.preemption is not None
+            else ""
+        )
     )
     if r["used"] > r["capacity"]:
         print(
@@ -305,6 +347,27 @@ def pool_set(
             "releases bring use under the capacity",
             file=sys.stderr,
         )
+
+
+def _preemption_param(
+    gap: Optional[int], grace: Optional[float], off: bool
+) -> Optional[Preemption | bool]:
+    """``pool set``'s preemption options as ``configure``'s ``preemption``: None (not given),
+    False (--no-preempt) or a Preemption (--preempt-gap, with --yield-grace or its default).
+    Exit 2 naming the options given together that cannot be."""
+    if off and (gap is not None or grace is not None):
+        raise typer.BadParameter(
+            "--no-preempt turns preemption off: give it without --preempt-gap/--yield-grace",
+            param_hint="--no-preempt",
+        )
+    if gap is None:
+        if grace is not None:
+            raise typer.BadParameter(
+                f"--yield-grace {grace:g}s needs --preempt-gap N (preemption is on with a gap)",
+                param_hint="--yield-grace",
+            )
+        return False if off else None
+    return Preemption(gap, DEFAULT_YIELD_GRACE_S if grace is None else grace)
 
 
 def _each_device(capacity: int, count: int) -> Optional[list[int]]:

@@ -1,9 +1,11 @@
 """How ``gpulock status`` and ``gpulock pool set`` print a pool: the status text and tables
-(:func:`print_status`) and the short forms of its settings (queue policy, quotas, devices)."""
+(:func:`print_status`) and the short forms of its settings (queue policy, quotas, devices,
+preemption)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+import time
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from gpulock.cli.common import drain_text, secs, wait_text
 from gpulock.units import format_size
@@ -11,7 +13,7 @@ from gpulock.units import format_size
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from gpulock.protocol.replies import PoolStatus, WaiterInfo
+    from gpulock.protocol.replies import LeaseInfo, PoolStatus, WaiterInfo, YieldCounts
 
 
 def policy_text(policy: str, window: Optional[float]) -> str:
@@ -31,6 +33,31 @@ def devices_text(caps: list[int]) -> str:
 def quota_text(quotas: dict[str, int]) -> str:
     """``alice=8GiB bob=4GiB``: tenant quotas as sizes."""
     return " ".join(f"{t}={format_size(b)}" for t, b in sorted(quotas.items()))
+
+
+def preemption_text(p: Optional[Mapping[str, Any]]) -> str:
+    """``preemption gap 10, yield grace 30s``, or ``preemption off``: a configure reply's
+    ``preemption`` (``{"gap", "yield_grace_s"}``; None: off)."""
+    if not p:
+        return "preemption off"
+    return f"preemption gap {p['gap']}, yield grace {p['yield_grace_s']:g}s"
+
+
+def yields_text(y: YieldCounts) -> str:
+    """``asked 3, yielded 2 (mean 1.2s to yield), taken back 1``: a pool's preemption
+    counters."""
+    mean = y.mean_time_to_yield
+    done = f"yielded {y.done}" + (f" (mean {secs(mean)} to yield)" if mean is not None else "")
+    return f"asked {y.asked}, {done}, taken back {y.taken}"
+
+
+def yield_by_text(li: LeaseInfo, now: Optional[float] = None) -> str:
+    """``yield by 14:03:21 (in 12s)`` for a lease asked to yield (local wall-clock time the
+    pool takes it back), ``-`` for one not asked."""
+    if li.yield_in is None:
+        return "-"
+    at = (time.time() if now is None else now) + max(0.0, li.yield_in)
+    return f"yield by {time.strftime('%H:%M:%S', time.localtime(at))} (in {secs(li.yield_in)})"
 
 
 def growth_text(w: WaiterInfo) -> str:
@@ -77,6 +104,12 @@ def print_status(console: Console, st: PoolStatus) -> None:
             else ""
         )
         console.print(f"queue {policy_text(st.policy, st.backfill_window)}{how}", highlight=False)
+    if st.preemption is not None or st.yields.asked:
+        p = st.preemption
+        console.print(
+            preemption_text(p.shown() if p else None) + f"; {yields_text(st.yields)}",
+            highlight=False,
+        )
     if st.grace_left > 0:
         console.print(
             f"grace period: Redis lost the pool's data; no new grants for {secs(st.grace_left)} "
@@ -120,6 +153,9 @@ def print_status(console: Console, st: PoolStatus) -> None:
     waiter_tenants = any(w.tenant for w in st.waiters)
     growths = any(w.growth_of for w in st.waiters)  # a growth column only when one is queued
     devs = len(st.devices) > 1  # a device column only on a pool of several
+    # a priority column for the leases with preemption on; a yield column once one is asked
+    prios = st.preemption is not None
+    yields = any(li.yield_in is not None for li in st.leases)
     # an estimate column only once the drain rate is measured (before, every cell would be a
     # dash, and the line above says why): a narrow terminal keeps its room for the purpose
     ests = st.drain is not None
@@ -134,8 +170,10 @@ def print_status(console: Console, st: PoolStatus) -> None:
             ("host", {}),
             ("pid", {"justify": "right"}),
             ("purpose", {"overflow": "fold"}),
+            *((("priority", {"justify": "right"}),) if prios else ()),
             ("held", {"justify": "right"}),
             ("expires in", {"justify": "right"}),
+            *((("yield", {}),) if yields else ()),
         )
         for col, kw in cols:
             t.add_column(col, no_wrap=col != "purpose", **kw)
@@ -150,8 +188,10 @@ def print_status(console: Console, st: PoolStatus) -> None:
                 _shown(h.get("host", "?")),
                 _shown(h.get("pid", "?")),
                 _shown(h.get("purpose", "")),
+                *(("-" if li.priority is None else str(li.priority),) if prios else ()),
                 secs(li.held_for),
                 secs(li.expires_in),
+                *((yield_by_text(li),) if yields else ()),
             )
         console.print(t)
     if st.waiters:

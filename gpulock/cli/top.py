@@ -66,6 +66,12 @@ def _secs(s: float) -> str:
     return f"{s:.1f}s" if s < 60 else f"{int(s // 60)}m{int(s % 60):02d}s"
 
 
+def _yield_in(s: Optional[float]) -> str:
+    """A lease's ``yield_in`` (seconds until the pool takes it back): ``in 12.0s``; ``-``
+    when not asked to yield."""
+    return "-" if s is None else f"in {_secs(s)}"
+
+
 def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
     """One frame: a panel per pool (numbers, a sparkline of used bytes, leases, queue)."""
     from rich.console import Group
@@ -117,24 +123,37 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
                 )
                 + "\n"
             )
+        pre, y = p.get("preemption"), p.get("yields") or {}  # a broker older than it: none
+        if pre or y.get("asked"):
+            mean = y.get("mean_time_to_yield")
+            head.append(
+                (f"preemption gap {pre['gap']}, grace {pre['yield_grace_s']:g}s" if pre else "preemption off")
+                + f"  asked {y.get('asked', 0)}  yielded {y.get('done', 0)}"
+                + (f" (mean {_secs(mean)})" if mean is not None else "")
+                + f"  taken back {y.get('taken', 0)}\n"
+            )  # fmt: skip
         hist = p["history"]
         top = max([p["capacity"], *hist["capacity"]]) if hist["capacity"] else p["capacity"]
         line = sparkline(hist["used"], top, 60)
         head.append(f"used, last {len(line)} s: {line or '(no samples yet)'}")
         leases = Table(title=f"leases ({p['lease_count']})", title_justify="left", expand=False)
         several = len(devices) > 1  # a device column only then
+        # a yield column while a listed lease is asked to yield
+        asked = any(lz.get("yield_in") is not None for lz in p["leases"][:limit])
         for col, right in (
             ("holder", False),
             ("amount", True),
             ("token", True),
             *((("device", True),) if several else ()),
             ("expires in", True),
+            *((("yield by", True),) if asked else ()),
         ):
             leases.add_column(col, justify="right" if right else "left")
         for lz in p["leases"][:limit]:
             leases.add_row(
                 _holder(lz["holder"]), format_size(lz["amount"]), str(lz["token"]),
                 *((str(lz.get("device", 0)),) if several else ()), _secs(lz["expires_in"]),
+                *((_yield_in(lz.get("yield_in")),) if asked else ()),
             )  # fmt: skip
         queue = Table(title=f"queue ({p['waiter_count']})", title_justify="left", expand=False)
         # a growth column only while a growth is queued (a broker older than resizes sends none)

@@ -94,6 +94,14 @@ def pool_view(
         "backfill_window": st.backfill_window,
         "placement": st.placement,
         "devices": [{"index": d.index, "capacity": d.capacity, "used": d.used} for d in st.devices],
+        "preemption": None if st.preemption is None else st.preemption.shown(),
+        "yields": {
+            "asked": st.yields.asked,
+            "done": st.yields.done,
+            "done_seconds": st.yields.done_seconds,
+            "taken": st.yields.taken,
+            "mean_time_to_yield": st.yields.mean_time_to_yield,
+        },
         "external": st.external,
         "effective_capacity": st.effective_capacity,
         "overusers": [
@@ -113,6 +121,9 @@ def pool_view(
                 "expires_in": round(lz.expires_in, 3),
                 "held_for": round(lz.held_for, 3),
                 "device": lz.device,
+                "priority": lz.priority,
+                # asked to yield: seconds until the pool takes it back; None: not asked
+                "yield_in": None if lz.yield_in is None else round(lz.yield_in, 3),
             }
             for lz in st.leases
         ],
@@ -165,7 +176,12 @@ async def dashboard_view(
     ``waiter_count``, ``grants``; ``policy`` ("fifo" or "backfill") and ``backfill_window``
     (seconds); ``grant_rate`` (grants/s over the last 10 s of samples, None
     without two); ``rejected`` and ``oom`` (cumulative 503s and OOMs) with ``*_last_minute``;
-    ``leases`` (``holder``, ``amount``, ``token``, ``expires_in``, ``held_for``); ``waiters``
+    ``preemption`` (``{"gap", "yield_grace_s"}``, None when off) and ``yields`` (``asked``,
+    ``done``, ``done_seconds``, ``taken``, ``mean_time_to_yield``: seconds, None before a
+    yield; docs/SEMANTICS.md "Preemption");
+    ``leases`` (``holder``, ``amount``, ``token``, ``expires_in``, ``held_for``, ``device``,
+    ``priority``: None when it can never be asked to yield, ``yield_in``: seconds until the
+    pool takes it back when asked to yield, else None); ``waiters``
     (``position``, ``holder``, ``amount``, ``waited``, ``priority``, ``growth_token``: for a
     queued growth of a held lease the lease's fencing token, ``amount`` being the bytes it
     grows by, else None; ``estimated_wait_s``: seconds until its grant, None while the

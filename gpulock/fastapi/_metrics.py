@@ -355,6 +355,45 @@ def _pool_families(pool: str, st: PoolStatus | None, error: str | None) -> Itera
         c = CounterMetricFamily(name, doc, labels=["pool"])
         c.add_metric([pool], float(v))
         yield c
+    yield from _yield_families(pool, st)
+
+
+def _yield_families(pool: str, st: PoolStatus) -> Iterator[Metric]:
+    """Preemption (docs/SEMANTICS.md, "Preemption"): the pool's counters, from Redis."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+
+    y = st.yields
+    for name, doc, v in (
+        ("gpulock_yields_asked", "Leases the pool has asked to yield, from Redis", y.asked),
+        (
+            "gpulock_yields_done",
+            "Leases asked to yield that were released before the pool took them back, from Redis",
+            y.done,
+        ),
+        (
+            "gpulock_yields_taken",
+            "Leases asked to yield that the pool took back at their deadline, from Redis",
+            y.taken,
+        ),
+    ):
+        c = CounterMetricFamily(name, doc, labels=["pool"])
+        c.add_metric([pool], float(v))
+        yield c
+    t = SummaryMetricFamily(
+        "gpulock_yield_seconds",
+        "Seconds from the ask to the release of the leases that yielded (count: those leases), "
+        "from Redis",
+        labels=["pool"],
+    )
+    t.add_metric([pool], count_value=y.done, sum_value=y.done_seconds)
+    yield t
+    g = GaugeMetricFamily(
+        "gpulock_leases_yielding",
+        "Leases asked to yield and not gone yet, from Redis",
+        labels=["pool"],
+    )
+    g.add_metric([pool], float(y.outstanding))
+    yield g
 
 
 def _backoff_families(pool: str, backoff: dict[str, Any] | None) -> Iterator[Metric]:

@@ -109,7 +109,7 @@ def configure_args(
     """ARGV of ``configure.lua``: capacity (bytes), max_waiters, "create" (only if absent) or
     "set", max_ttl (ms), whether a pool it creates starts with a grace period, and the pool's
     scheduling settings (:meth:`QueueConfig.argv`: the queue policy, backfill window in ms,
-    tenant quotas, devices and placement; each None to leave it as it is)."""
+    tenant quotas, devices, placement and preemption; each None to leave it as it is)."""
     mode = "create" if create_only else "set"
     argv = [str(capacity), str(max_waiters), mode, str(max_ttl_ms), "1" if grace else "0"]
     if policy is not None:
@@ -128,8 +128,9 @@ def configure(
     """``configure``: see :meth:`gpulock.AsyncPool.configure`; ``settings`` as its keywords
     gave them (each None: the pool keeps it). Returns the reply as ``{"created", "capacity",
     "epoch", "used", "max_waiters", "policy", "backfill_window", "quotas", "devices",
-    "placement"}`` (the window in seconds; quotas: tenant -> bytes, every quota the pool has;
-    devices: each device's capacity in bytes, one for a pool of one device); a set (not
+    "placement", "preemption"}`` (the window in seconds; quotas: tenant -> bytes, every quota
+    the pool has; devices: each device's capacity in bytes, one for a pool of one device;
+    preemption: ``{"gap", "yield_grace_s"}``, None when off); a set (not
     ``create_only``) also becomes the pool object's capacity and max_ttl. Raises
     InvalidArgument naming a bad value (nothing sent)."""
     s = settings.checked()

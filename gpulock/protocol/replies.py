@@ -40,6 +40,7 @@ from gpulock.protocol.status import LeaseInfo as LeaseInfo
 from gpulock.protocol.status import PoolStatus as PoolStatus
 from gpulock.protocol.status import TenantUse as TenantUse
 from gpulock.protocol.status import WaiterInfo as WaiterInfo
+from gpulock.protocol.status import YieldCounts as YieldCounts
 from gpulock.protocol.status import decode_status as decode_status
 
 
@@ -211,8 +212,9 @@ class ConfigureReply(NamedTuple):
 
 def decode_configure(r: Sequence[Any]) -> ConfigureReply:
     """``configure.lua``'s reply: ``{created, capacity, epoch, used, max_waiters, max_ttl_ms,
-    grace_left_ms, policy, backfill_ms, quotas, devices, placement}`` (a shorter reply leaves
-    the fields it lacks at their "not in the reply" values)."""
+    grace_left_ms, policy, backfill_ms, quotas, devices, placement, preempt}`` (a shorter reply
+    leaves the fields it lacks at their "not in the reply" values; preempt: "<gap>
+    <yield_grace_ms>", "" when off)."""
     queue = None
     if len(r) > 8:
         queue = QueueConfig(
@@ -221,6 +223,7 @@ def decode_configure(r: Sequence[Any]) -> ConfigureReply:
             _s(r[9]) if len(r) > 9 else "",
             _s(r[10]) if len(r) > 10 else "",
             _s(r[11]) if len(r) > 11 else DEFAULT_PLACEMENT,
+            QueueConfig.preempt_shown(_s(r[12])) if len(r) > 12 else None,
         )
     return ConfigureReply(
         int(r[0]),

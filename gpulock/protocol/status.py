@@ -9,7 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gpulock_common.options import DEFAULT_BACKFILL_WINDOW_S, DEFAULT_PLACEMENT, DEFAULT_POLICY
+from gpulock_common.options import (
+    DEFAULT_BACKFILL_WINDOW_S,
+    DEFAULT_PLACEMENT,
+    DEFAULT_POLICY,
+    Preemption,
+)
 
 from gpulock.errors import CapacityExceeded, QuotaExceeded, RoomExceeded
 from gpulock.estimates.wait import DrainRate, wait_seconds, wait_seconds_at_tail
@@ -17,7 +22,15 @@ from gpulock.protocol.args import decode_meta
 from gpulock.protocol.args import reply_text as _s
 from gpulock.protocol.queue_config import QueueConfig
 
-__all__ = ["DeviceUse", "LeaseInfo", "PoolStatus", "TenantUse", "WaiterInfo", "decode_status"]
+__all__ = [
+    "DeviceUse",
+    "LeaseInfo",
+    "PoolStatus",
+    "TenantUse",
+    "WaiterInfo",
+    "YieldCounts",
+    "decode_status",
+]
 
 
 @dataclass(frozen=True)
@@ -55,6 +68,39 @@ class LeaseInfo:
     holder: dict[str, Any]
     tenant: str = ""  # "" for none
     device: int = 0  # the device it is on (0 on a pool of one device)
+    # Preemption (docs/SEMANTICS.md, "Preemption"): seconds, on the server clock, until the
+    # pool takes the lease back when it was asked to yield (None: not asked); and the priority
+    # it was acquired at, None when it can never be asked (resident, not preemptible, or
+    # granted by an earlier version).
+    yield_in: float | None = None
+    priority: int | None = None
+
+    @property
+    def yield_requested(self) -> bool:
+        """Whether the lease was asked to yield."""
+        return self.yield_in is not None
+
+
+@dataclass(frozen=True)
+class YieldCounts:
+    """A pool's preemption counters (docs/SEMANTICS.md, "Preemption"), since the pool was
+    made: leases asked to yield, asked leases released before being taken back (``done``) and
+    the seconds from ask to release summed over them, asked leases taken back (expired)."""
+
+    asked: int = 0
+    done: int = 0
+    done_seconds: float = 0.0
+    taken: int = 0
+
+    @property
+    def outstanding(self) -> int:
+        """Leases asked to yield and not gone yet (neither released nor taken back)."""
+        return max(0, self.asked - self.done - self.taken)
+
+    @property
+    def mean_time_to_yield(self) -> float | None:
+        """Mean seconds from ask to release of the leases that yielded; None when none did."""
+        return self.done_seconds / self.done if self.done else None
 
 
 @dataclass(frozen=True)
@@ -125,6 +171,15 @@ class PoolStatus:
     # not measured (a fresh pool, one made again after Redis lost it, an older server). Each
     # listed waiter's ``estimated_wait`` is computed from it at parse.
     drain: DrainRate | None = None
+    # Preemption (docs/SEMANTICS.md, "Preemption"): the pool's setting (None: off) and its
+    # counters.
+    preemption: Preemption | None = None
+    yields: YieldCounts = field(default_factory=YieldCounts)
+
+    @property
+    def yielding(self) -> list[LeaseInfo]:
+        """The listed leases asked to yield (and not gone yet)."""
+        return [x for x in self.leases if x.yield_in is not None]
 
     def estimated_wait_for(self, amount: int) -> float | None:
         """Estimated seconds a request of ``amount`` bytes would wait if it joined the
@@ -161,7 +216,12 @@ class PoolStatus:
         spec = " ".join(f"{t}={u.quota}" for t, u in self.tenants.items() if u.quota)
         devs = " ".join(str(d.capacity) for d in self.devices) if len(self.devices) > 1 else ""
         return QueueConfig(
-            self.policy, round(self.backfill_window * 1000), spec, devs, self.placement
+            self.policy,
+            round(self.backfill_window * 1000),
+            spec,
+            devs,
+            self.placement,
+            self.preemption.to_wire() if self.preemption else "off",
         )
 
     @property
@@ -219,6 +279,8 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
             decode_meta(x[7]),
             _s(x[8]) if len(x) > 8 else "",
             int(x[9]) if len(x) > 9 else 0,
+            (int(x[10]) - now) / 1000 if len(x) > 10 and int(x[10]) else None,
+            int(_s(x[11])) if len(x) > 11 and _s(x[11]) else None,
         )
         for x in r[12]
     ]
@@ -287,6 +349,13 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
         resident=int(r[25]) if len(r) > 25 else 0,
         resident_queued=int(r[26]) if len(r) > 26 else 0,
         drain=drain,
+        # after out_of_order_pm: preempt, y_asked, y_done, y_done_ms, y_taken
+        preemption=Preemption.from_wire(_s(r[30])) if len(r) > 30 else None,
+        yields=(
+            YieldCounts(int(r[31]), int(r[32]), int(r[33]) / 1000, int(r[34]))
+            if len(r) > 34
+            else YieldCounts()
+        ),
     )
 
 

@@ -119,6 +119,32 @@ class LeaseInfoOut(BaseModel):
     holder: dict[str, Any]
     tenant: str = Field("", description="the tenant its bytes count under; empty for none")
     device: int = Field(0, description="the device it is on (0 on a pool of one device)")
+    yield_in: Optional[float] = Field(
+        None,
+        description="asked to yield (docs/SEMANTICS.md, 'Preemption'): seconds until the pool "
+        "takes it back; null when not asked",
+    )
+    priority: Optional[int] = Field(
+        None,
+        description="the priority it was acquired at; null when it can never be asked to "
+        "yield (resident, not preemptible)",
+    )
+
+
+class PreemptionOut(BaseModel):
+    """A pool's preemption setting, on (docs/SEMANTICS.md, "Preemption")."""
+
+    gap: int = Field(..., description="priority levels a head waiter must be above a holder")
+    yield_grace_s: float = Field(..., description="seconds an asked lease has to release")
+
+
+class YieldCountsOut(BaseModel):
+    """A pool's preemption counters since it was made (docs/SEMANTICS.md, "Preemption")."""
+
+    asked: int = Field(0, description="leases asked to yield")
+    done: int = Field(0, description="asked leases released before being taken back")
+    done_seconds: float = Field(0.0, description="seconds from ask to release, summed over done")
+    taken: int = Field(0, description="asked leases the pool took back (they expired)")
 
 
 class WaiterInfoOut(BaseModel):
@@ -217,6 +243,8 @@ class PoolOut(BaseModel):
         description="the queue's drain rate while busy, the waiters' estimates' input; null "
         'while not measured (a new pool, docs/SEMANTICS.md, "Wait estimate")',
     )
+    preemption: Optional[PreemptionOut] = Field(None, description="the setting; null: off")
+    yields: YieldCountsOut = Field(default_factory=YieldCountsOut)
 
 
 class UnreachableShard(BaseModel):
@@ -268,6 +296,9 @@ class PoolConfigured(BaseModel):
         ..., description="each device's capacity, bytes, device 0 first (one item: one device)"
     )
     placement: str = Field(..., description='"bestfit" or "spread"')
+    preemption: Optional[PreemptionOut] = Field(
+        None, description='the preemption setting now (docs/SEMANTICS.md, "Preemption"); null: off'
+    )
 
 
 class PoolDeleted(BaseModel):

@@ -5,7 +5,7 @@ Redis server's clock."""
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from typing_extensions import Annotated
@@ -14,6 +14,7 @@ from gpulock_common.options import MAX_TTL_S as MAX_POOL_TTL_S
 from gpulock_common.options import MIN_TTL_S as MIN_POOL_TTL_S
 from gpulock_common.options import (
     DEFAULT_TTL_S,
+    DEFAULT_YIELD_GRACE_S,
     MAX_BACKFILL_WINDOW_S,
     MAX_DEVICES,
     MAX_MAX_WAITERS,
@@ -22,6 +23,11 @@ from gpulock_common.options import (
     MIN_BACKFILL_WINDOW_S,
     MIN_MAX_WAITERS,
     MIN_REMOTE_TTL_S,
+    MAX_YIELD_GRACE_S,
+    MIN_YIELD_GRACE_S,
+    PREEMPT_GAP_MAX,
+    PREEMPT_GAP_MIN,
+    Preemption,
     PRIORITY_MAX,
     PRIORITY_MIN,
     REQUEST_ID_CHARS,
@@ -269,6 +275,23 @@ def _capacity_or_devices(schema: dict[str, Any]) -> None:
     ]
 
 
+class PreemptionRequest(_Body):
+    """A pool's preemption setting, on (docs/SEMANTICS.md, "Preemption")."""
+
+    gap: Annotated[int, Field(ge=PREEMPT_GAP_MIN, le=PREEMPT_GAP_MAX), INTEGRAL] = Field(
+        ...,
+        description="A queued request at the head that does not fit asks holders whose "
+        "priority is at least this much below its own to yield.",
+    )
+    yield_grace_s: float = Field(
+        DEFAULT_YIELD_GRACE_S,
+        ge=MIN_YIELD_GRACE_S,
+        le=MAX_YIELD_GRACE_S,
+        allow_inf_nan=False,
+        description="Seconds an asked lease has to release before the pool takes it back.",
+    )
+
+
 class PoolConfigRequest(_Body):
     model_config = ConfigDict(json_schema_extra=_capacity_or_devices)
 
@@ -332,6 +355,13 @@ class PoolConfigRequest(_Body):
         description="Where a request that names no device goes: bestfit (the device with the "
         "least free bytes that fits) or spread (the most free); ties go to the lowest index. "
         "Default: keep the current one; bestfit for a new pool.",
+    )
+    preemption: Union[Literal[False], PreemptionRequest, None] = Field(
+        None,
+        description='Preemption (docs/SEMANTICS.md, "Preemption"): {"gap", "yield_grace_s"} '
+        "turns it on, false turns it off. Default: keep the current setting; off for a new "
+        "pool.",
+        examples=[{"gap": 10, "yield_grace_s": 30}],
     )
 
     @field_validator("capacity", mode="before")
@@ -451,4 +481,9 @@ class PoolConfigRequest(_Body):
             quotas=self.quota_bytes,
             devices=self.device_bytes,
             placement=self.placement,
+            preemption=(
+                Preemption(self.preemption.gap, self.preemption.yield_grace_s)
+                if isinstance(self.preemption, PreemptionRequest)
+                else self.preemption
+            ),
         )

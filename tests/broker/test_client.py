@@ -481,3 +481,23 @@ def test_close_ends_a_waiting_acquire_with_pool_closed(broker_srv, pool):
     held.release()
     st = pool.status()
     assert st["used"] == 0 and st["leases"] == [] and st["waiter_count"] == 0, st
+
+
+def test_configure_sets_keeps_and_turns_preemption_off(broker_srv):
+    """The SDK's configure(preemption=...) through the broker: on, kept when left out, off."""
+    from gpulock_client import Preemption
+
+    from ._support import ADMIN_TOKEN
+
+    with Pool(broker_srv.url, "gpu-pre", token=ADMIN_TOKEN) as p:
+        r = p.configure("1GiB", preemption=Preemption(6, 45))
+        assert r["preemption"] == {"gap": 6, "yield_grace_s": 45.0}, r
+        assert p.configure("2GiB")["preemption"] == {"gap": 6, "yield_grace_s": 45.0}  # kept
+        assert p.status()["preemption"] == {"gap": 6, "yield_grace_s": 45.0}
+
+    async def main():
+        async with AsyncPool(broker_srv.url, "gpu-pre", token=ADMIN_TOKEN) as ap:
+            assert (await ap.configure(preemption=False))["preemption"] is None
+            return (await ap.status())["preemption"]
+
+    assert asyncio.run(main()) is None

@@ -326,3 +326,76 @@ def test_the_page_shows_each_waiters_estimated_wait(broker_srv, redis_srv, gpu, 
         for t in threads:
             t.join(120)
         core.close()
+
+
+_YIELD_DOM_JS = """
+(function (name) {
+  var sec = document.querySelector('section.pool[data-pool="' + name + '"]');
+  if (!sec) return null;
+  var p = sec.querySelector('p.preemption');
+  var rows = Array.prototype.map.call(sec.querySelectorAll('table.leases tbody tr.yielding'),
+    function (tr) { return {token: tr.getAttribute('data-token'),
+                            yieldIn: tr.getAttribute('data-yield-in'), text: tr.textContent}; });
+  return {preemption: p ? p.getAttribute('data-preemption') : null,
+          asked: p ? p.getAttribute('data-asked') : null, text: p ? p.textContent : null,
+          rows: rows};
+})(%s)
+"""
+
+
+def test_the_page_shows_preemption_and_marks_a_lease_asked_to_yield(
+    broker_srv, redis_srv, gpu, admin, tmp_path
+):
+    """Preemption turned on through the broker (its PUT body); a holder of the whole pool at
+    priority -10 and a request at 10 queued behind it, which asks it to yield: the broker's
+    pool answer and the page show the setting and the counters, and mark the lease with its
+    deadline."""
+    r = admin.put(
+        "/v1/pools/gpu-a",
+        json={"capacity": "10GiB", "preemption": {"gap": 5, "yield_grace_s": 600}},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["preemption"] == {"gap": 5, "yield_grace_s": 600.0}
+    core = Pool.from_url(redis_srv.url, gpu)
+    holder = core.acquire(10 * GiB, priority=-10)
+    got: list = []
+
+    def wait() -> None:
+        try:
+            got.append(core.acquire(GiB, priority=10, timeout=120))
+        except GpuLockError as e:
+            got.append(e)
+
+    th = threading.Thread(target=wait, daemon=True)
+    th.start()
+    try:
+        out = wait_until(
+            lambda: (d := admin.get(f"/v1/pools/{gpu}").json())["yields"]["asked"] == 1 and d,
+            60,
+            "the holder asked to yield",
+        )
+        assert out["preemption"] == {"gap": 5, "yield_grace_s": 600.0}
+        (li,) = out["leases"]
+        assert li["priority"] == -10 and 0 < li["yield_in"] <= 600
+        with Browser(tmp_path) as b:
+            page = b.new_page(f"{broker_srv.url}/dashboard#token={ADMIN_TOKEN}")
+            seen = wait_until(
+                lambda: (x := page.evaluate(_YIELD_DOM_JS % json.dumps(gpu))) and x["rows"] and x,
+                30,
+                "the asked lease marked on the page",
+                interval=0.1,
+            )
+            assert seen["preemption"] == "on" and seen["asked"] == "1", seen
+            assert "5 or more priority levels" in seen["text"], seen
+            (row,) = seen["rows"]
+            assert row["token"] == str(holder.token) and 0 < float(row["yieldIn"]) <= 600
+            assert "asked to yield: taken back in" in row["text"], row
+        r = admin.put("/v1/pools/gpu-a", json={"capacity": "10GiB", "preemption": False})
+        assert r.status_code == 200 and r.json()["preemption"] is None, r.text
+    finally:
+        holder.release()
+        th.join(120)
+        for x in got:
+            if not isinstance(x, Exception):
+                x.release()
+        core.close()

@@ -56,6 +56,8 @@ def test_no_token_identity_no_lease_or_request_id():
             "expires_in": 12.5,
             "held_for": 3.0,
             "device": 0,
+            "priority": None,
+            "yield_in": None,
         }
     ]
     assert v["waiters"] == [

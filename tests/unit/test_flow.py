@@ -163,7 +163,7 @@ def test_a_lost_pool_is_made_again_with_the_queue_policy_last_seen():
     rec = rt.recovery
     rec.known_epoch = 3
     rec.capacity_seen, rec.max_waiters_seen, rec.max_ttl_seen_ms = 80, 7, 20_000
-    rec.policy_seen = QueueConfig("backfill", 1500, "team-a=4096", "40 40", "spread")
+    rec.policy_seen = QueueConfig("backfill", 1500, "team-a=4096", "40 40", "spread", "3 5000")
     assert rt.configure_argv(10, 5, 1000, True) == [
         "80",
         "7",
@@ -175,6 +175,7 @@ def test_a_lost_pool_is_made_again_with_the_queue_policy_last_seen():
         "team-a=4096",
         "40 40",
         "spread",
+        "3 5000",  # preemption kept
     ]
     # a set by this object says what it says
     fifo = QueueConfig("fifo", None, None, None, None)
@@ -185,6 +186,7 @@ def test_a_lost_pool_is_made_again_with_the_queue_policy_last_seen():
         "1000",
         "0",
         "fifo",
+        "",
         "",
         "",
         "",

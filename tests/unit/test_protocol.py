@@ -11,6 +11,10 @@ import redis.exceptions as rex
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dataclasses import replace
+
+from gpulock_common.options import PoolSettings, Preemption
+
 from gpulock.protocol import args as _args
 from gpulock.protocol import lease as _lease
 from gpulock.protocol import replies as _replies
@@ -263,9 +267,38 @@ def test_decode_configure():
         "a=4096",
         "40 40",
         "spread",
+        "",  # preemption: not in this reply, so unchanged
     ]
     short = _replies.decode_configure([0, 80, 4, 10, 7])  # fields not in a reply
     assert (short.max_ttl_ms, short.grace_left_ms, short.queue) == (0, None, None)
+
+
+def test_decode_configure_preemption():
+    """Reply element 13 is the preemption setting now ("" off), kept as ARGV 11 takes it:
+    a pool made again from a reply keeps it."""
+    from gpulock.protocol.flow import configure_args
+
+    r = [1, 80, 4, 10, 7, 20_000, 0, b"fifo", 2000, b"", b"", b"bestfit"]
+    on = _replies.decode_configure([*r, b"5 30000"])
+    assert on.queue is not None and on.queue.preempt == "5 30000"
+    assert on.queue.shown(80)["preemption"] == {"gap": 5, "yield_grace_s": 30.0}
+    assert configure_args(80, 7, 20_000, True, True, on.queue)[10] == "5 30000"
+    off = _replies.decode_configure([*r, b""])
+    assert off.queue is not None and off.queue.preempt == "off"
+    assert off.queue.shown(80)["preemption"] is None
+    assert configure_args(80, 7, 20_000, True, True, off.queue)[10] == "off"
+    older = _replies.decode_configure(r)  # a reply without it: a remake leaves it unchanged
+    assert older.queue is not None and older.queue.preempt is None
+    assert configure_args(80, 7, 20_000, True, True, older.queue)[10] == ""
+
+
+@pytest.mark.parametrize(
+    "given, argv",
+    [(None, ""), (False, "off"), (Preemption(3), "3 30000"), (Preemption(200, 0.1), "200 100")],
+)
+def test_configure_asks_the_preemption_given(given, argv):
+    q = _replies.QueueConfig.asked(PoolSettings(preemption=given).checked(), None)
+    assert (q.argv()[5] if q is not None else "") == argv
 
 
 def test_decode_renew():
@@ -299,8 +332,10 @@ def test_status_queue_config_is_what_configure_takes():
     st_.tenants["a"] = _replies.TenantUse(0, 4096)
     st_.devices.extend([_replies.DeviceUse(0, 40, 0), _replies.DeviceUse(1, 40, 0)])
     assert st_.queue_config() == _replies.QueueConfig(
-        "backfill", 2000, "a=4096", "40 40", "bestfit"
+        "backfill", 2000, "a=4096", "40 40", "bestfit", "off"
     )
+    on = replace(st_, preemption=Preemption(5, 2.5))
+    assert on.queue_config().preempt == "5 2500"
 
 
 def test_status_refusal_is_the_error_acquire_answers_for_what_never_fits():
@@ -374,6 +409,41 @@ def test_decode_status():
     assert math.isclose(w.waited, 0.75) and math.isclose(w.expires_in, 4.0)
     assert st_.to_dict()["leases"][0]["amount"] == 1536
     assert _replies.decode_status("gpu0", [0, now]) is None
+    # a reply without preemption's fields: off, no counters, nothing asked
+    assert (st_.preemption, st_.yields, l.yield_in, l.priority) == (
+        None,
+        _replies.YieldCounts(),
+        None,
+        None,
+    )
+
+
+def test_decode_status_preemption():
+    """status.lua's fields after out_of_order_pm: preempt, y_asked, y_done, y_done_ms,
+    y_taken; per lease 11 yield_deadline_ms (0: not asked) and 12 priority ('': never asked)."""
+    now = 10_000
+    lease = [b"c" * 32, 10, 12, now + 2500, now - 1000, 3000, b"t1", b"{}", b"", 0]
+    r: list = [1, now, 10, 10, 77, 12, 100, 2, 1, 3, 0, 0]
+    r += [
+        [[*lease, now + 1500, b"-10"], [b"d" * 32, *lease[1:], 0, b""]],
+        [[b"t2", 4096, now - 750, now + 4000, b"{}", 10]],
+    ]
+    r += [0, 60_000, 0, 0, 0, b"", b"fifo", 2000, [], [], b"bestfit", 0, 0, 0, 0, 0]
+    r += [b"5 30000", 4, 2, 3000, 1]
+    st_ = _replies.decode_status("gpu0", r)
+    assert st_.preemption == Preemption(5, 30.0)
+    assert st_.yields == _replies.YieldCounts(4, 2, 3.0, 1)
+    assert st_.yields.mean_time_to_yield == 1.5 and st_.yields.outstanding == 1
+    asked, other = st_.leases
+    assert math.isclose(asked.yield_in, 1.5) and asked.priority == -10 and asked.yield_requested
+    assert (other.yield_in, other.priority, other.yield_requested) == (None, None, False)
+    assert st_.yielding == [asked]
+    d = st_.to_dict()
+    assert d["preemption"] == {"gap": 5, "yield_grace_s": 30.0}
+    assert d["yields"] == {"asked": 4, "done": 2, "done_seconds": 3.0, "taken": 1}
+    assert st_.queue_config().preempt == "5 30000"
+    r[30] = b""
+    assert _replies.decode_status("gpu0", r).queue_config().preempt == "off"
 
 
 # ---- error translation ------------------------------------------------------------------

@@ -239,3 +239,64 @@ def test_remote_acquires_take_the_brokers_bounds():
         AcquireOptions(request_id="r" * 97).checked(remote=True)
     with pytest.raises(InvalidArgument, match="request_id must be 1-128 characters"):
         V.check_request_id("r" * 129)
+
+
+def test_preemption_bounds_and_wire_form():
+    p = V.Preemption(_Index(5), "2.5")  # type: ignore[arg-type]
+    assert (type(p.gap), p.gap, p.yield_grace_s, p.yield_grace_ms) == (int, 5, 2.5, 2500)
+    assert V.Preemption(3).yield_grace_s == V.DEFAULT_YIELD_GRACE_S
+    assert p.to_wire() == "5 2500" and V.Preemption.from_wire("5 2500") == p
+    assert V.Preemption.from_wire("") is None  # off
+    assert V.Preemption(V.PREEMPT_GAP_MIN, V.MIN_YIELD_GRACE_S).to_wire() == "1 100"
+    assert V.Preemption(V.PREEMPT_GAP_MAX, V.MAX_YIELD_GRACE_S).to_wire() == "200 86400000"
+    assert p.shown() == {"gap": 5, "yield_grace_s": 2.5}
+    for bad, shown in (
+        (dict(gap=0), r"preemption gap must be an integer in \[1, 200\], got 0"),
+        (dict(gap=201), "got 201"),
+        (dict(gap=True), "got True"),
+        (dict(gap=2.0), "got 2.0"),
+        (dict(gap="3"), "got '3'"),
+        (dict(gap=3, yield_grace_s=0.05), "yield_grace must be between 0.1 and 86400 seconds"),
+        (dict(gap=3, yield_grace_s=86401), "got 86401"),
+        (dict(gap=3, yield_grace_s=float("inf")), "yield_grace must be a finite number"),
+    ):
+        with pytest.raises(InvalidArgument, match=shown):
+            V.Preemption(**bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="preemption must be '<gap> <yield_grace_ms>'"):
+        V.Preemption.from_wire("5")
+
+
+def test_pool_settings_check_the_preemption():
+    for ok in (None, False, V.Preemption(4)):
+        assert V.PoolSettings(preemption=ok).checked().preemption == ok
+    for bad in (True, 5, "on", {"gap": 5}):
+        with pytest.raises(InvalidArgument, match=r"preemption must be None \(unchanged\)"):
+            V.PoolSettings(preemption=bad).checked()  # type: ignore[arg-type]
+    body = V.PoolSettings(preemption=V.Preemption(4, 10)).given()
+    assert body == {"preemption": {"gap": 4, "yield_grace_s": 10.0}}
+    assert V.PoolSettings(preemption=False).given() == {"preemption": False}
+
+
+def test_the_broker_body_takes_the_preemption():
+    from gpulock_broker.models import PoolConfigRequest
+
+    on = PoolConfigRequest.model_validate({"capacity": 10, "preemption": {"gap": 4}})
+    assert on.settings.preemption == V.Preemption(4, V.DEFAULT_YIELD_GRACE_S)
+    off = PoolConfigRequest.model_validate({"capacity": 10, "preemption": False})
+    assert off.settings.preemption is False
+    assert PoolConfigRequest.model_validate({"capacity": 10}).settings.preemption is None
+    for bad in ({"gap": 0}, {"gap": 4, "yield_grace_s": 0.01}, True, {"gap": 4, "x": 1}):
+        with pytest.raises(ValueError):
+            PoolConfigRequest.model_validate({"capacity": 10, "preemption": bad})
+
+
+def test_lua_preemption_bounds_are_the_vocabulary():
+    """lib.lua's bounds of a pool's preemption setting: the gap's, and the yield grace's in ms
+    (its constants named with YIELD, MIN before MAX)."""
+    lua = _lua_constants()
+    assert (lua["PREEMPT_GAP_MIN"], lua["PREEMPT_GAP_MAX"]) == (
+        V.PREEMPT_GAP_MIN,
+        V.PREEMPT_GAP_MAX,
+    )
+    grace = sorted(v for k, v in lua.items() if "YIELD" in k and ("MIN" in k or "MAX" in k))
+    assert grace == [round(V.MIN_YIELD_GRACE_S * 1000), round(V.MAX_YIELD_GRACE_S * 1000)]

@@ -14,7 +14,9 @@ options and the FastAPI integration's settings.
   layers below the public ``acquire`` methods pass on;
 - :class:`PoolSettings`: every setting a pool's ``configure`` takes (None: keep the pool's),
   as one value that the layers below the public ``configure`` methods, the broker's request
-  model and the CLI pass on; a duration's check (:func:`check_seconds`).
+  model and the CLI pass on; a duration's check (:func:`check_seconds`);
+- :class:`Preemption`: a pool's preemption setting (docs/SEMANTICS.md, "Preemption"), with
+  its wire form.
 
 The Lua scripts enforce the same bounds and choices (``lua/lib.lua``);
 ``tests/unit/test_vocabulary.py`` reads them from there and compares. Standard library only,
@@ -26,6 +28,7 @@ from __future__ import annotations
 import math
 import operator
 import re
+from dataclasses import dataclass
 from typing import Any, Dict, Literal, Mapping, NamedTuple, Optional, Sequence, Tuple, Union, cast
 
 from .errors import InvalidArgument
@@ -92,6 +95,14 @@ DEFAULT_BACKFILL_WINDOW_S = 2.0
 Placement = Literal["bestfit", "spread"]
 PLACEMENTS: Tuple[Placement, ...] = ("bestfit", "spread")
 DEFAULT_PLACEMENT: Placement = "bestfit"
+
+# Preemption (docs/SEMANTICS.md, "Preemption"; lua/lib.lua PREEMPT_GAP_MIN, PREEMPT_GAP_MAX and
+# the yield grace's bounds): a queued request at the head asks lower-priority holders to yield
+# when its priority is at least theirs + gap; an asked lease is taken back at the latest
+# yield_grace seconds later. Off on a new pool; DEFAULT_YIELD_GRACE_S when only a gap is given.
+PREEMPT_GAP_MIN, PREEMPT_GAP_MAX = 1, 200
+MIN_YIELD_GRACE_S, MAX_YIELD_GRACE_S = 0.1, 86400.0
+DEFAULT_YIELD_GRACE_S = 30.0
 
 # Tenants (docs/SEMANTICS.md, "Tenant quotas"): the name a lease's bytes count under
 # (lua/lib.lua tenant_arg).
@@ -302,6 +313,76 @@ def check_max_waiters(max_waiters: Any) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class Preemption:
+    """A pool's preemption setting, on (docs/SEMANTICS.md, "Preemption"): a queued request at
+    the head of the queue that does not fit asks holders whose priority is at least ``gap``
+    below its own to yield, and an asked lease is taken back at the latest ``yield_grace_s``
+    seconds after it was asked. ``gap``: an integer in [PREEMPT_GAP_MIN, PREEMPT_GAP_MAX];
+    ``yield_grace_s``: seconds in [MIN_YIELD_GRACE_S, MAX_YIELD_GRACE_S] (kept to the ms).
+    Raises InvalidArgument naming a bad value."""
+
+    gap: int
+    yield_grace_s: float = DEFAULT_YIELD_GRACE_S
+
+    def __post_init__(self) -> None:
+        g = self.gap
+        try:
+            if isinstance(g, (bool, str, bytes, float)):
+                raise TypeError
+            n: Optional[int] = operator.index(g)
+        except TypeError:
+            n = None
+        if n is None or not PREEMPT_GAP_MIN <= n <= PREEMPT_GAP_MAX:
+            raise InvalidArgument(
+                f"preemption gap must be an integer in [{PREEMPT_GAP_MIN}, {PREEMPT_GAP_MAX}], "
+                f"got {g!r:.80}"
+            )
+        s = check_seconds(
+            self.yield_grace_s,
+            name="yield_grace",
+            minimum=MIN_YIELD_GRACE_S,
+            maximum=MAX_YIELD_GRACE_S,
+        )
+        object.__setattr__(self, "gap", n)
+        object.__setattr__(self, "yield_grace_s", round(s * 1000) / 1000)
+
+    @property
+    def yield_grace_ms(self) -> int:
+        """The yield grace in ms, as the pool keeps it."""
+        return round(self.yield_grace_s * 1000)
+
+    def to_wire(self) -> str:
+        """The setting as ``configure.lua`` takes and answers it: "<gap> <yield_grace_ms>"."""
+        return f"{self.gap} {self.yield_grace_ms}"
+
+    @classmethod
+    def from_wire(cls, text: str) -> Optional[Preemption]:
+        """A setting as ``configure.lua`` and ``status.lua`` answer it: "<gap>
+        <yield_grace_ms>", or "" (off: None). Raises InvalidArgument for anything else."""
+        if not text:
+            return None
+        parts = text.split(" ")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            raise InvalidArgument(f"preemption must be '<gap> <yield_grace_ms>', got {text!r:.80}")
+        return cls(int(parts[0]), int(parts[1]) / 1000)
+
+    def shown(self) -> Dict[str, Any]:
+        """As a reply or a request body shows it: ``{"gap", "yield_grace_s"}``."""
+        return {"gap": self.gap, "yield_grace_s": self.yield_grace_s}
+
+
+def check_preemption(preemption: Any) -> Union[Preemption, bool, None]:
+    """``configure``'s ``preemption``: None (unchanged), False (off) or a :class:`Preemption`
+    (on). True is refused (it names no gap), as is anything else: InvalidArgument naming it."""
+    if preemption is None or preemption is False or isinstance(preemption, Preemption):
+        return cast(Union[Preemption, bool, None], preemption)
+    raise InvalidArgument(
+        "preemption must be None (unchanged), False (off) or Preemption(gap, yield_grace_s) "
+        f"(on), got {preemption!r:.80}"
+    )
+
+
 class PoolSettings(NamedTuple):
     """Every setting of a pool that its ``configure`` sets, each None to keep the pool's (a
     new pool's default then): what the public ``configure`` methods take as keywords
@@ -322,11 +403,13 @@ class PoolSettings(NamedTuple):
     quotas: Optional[Mapping[str, Union[int, str, None]]] = None  # tenant: size; 0/None: remove
     devices: Union[int, Sequence[Union[int, str]], None] = None  # a count, or each one's size
     placement: Optional[str] = None  # one of PLACEMENTS
+    preemption: Union[Preemption, bool, None] = None  # False: off; a Preemption: on
 
     def checked(self) -> PoolSettings:
         """These settings after the checks both sides make before anything is sent: the
         queue bound (an ``int``), ``max_ttl`` and ``backfill_window`` (``float`` seconds in
-        their bounds), the policy and the placement (one of the choices). Raises
+        their bounds), the policy and the placement (one of the choices), the preemption
+        setting (:func:`check_preemption`). Raises
         InvalidArgument naming the first bad value."""
         mw, mt, bw = self.max_waiters, self.max_ttl, self.backfill_window
         if mw is not None:
@@ -342,12 +425,16 @@ class PoolSettings(NamedTuple):
                 maximum=MAX_BACKFILL_WINDOW_S,
             )
         check_placement(self.placement)
+        check_preemption(self.preemption)
         return self._replace(max_waiters=mw, max_ttl=mt, backfill_window=bw)
 
     def given(self) -> Dict[str, Any]:
-        """The settings given (not None) as keywords: ``configure(**s.given())`` of a pool
-        object, or the broker's request body (quotas as a dict, devices as a list)."""
+        """The settings given (not None) as the broker's request body: quotas as a dict,
+        devices as a list, preemption as ``{"gap", "yield_grace_s"}`` (:meth:`Preemption.shown`)
+        or False."""
         out = {k: v for k, v in self._asdict().items() if v is not None}
+        if isinstance(self.preemption, Preemption):
+            out["preemption"] = self.preemption.shown()
         if self.quotas is not None:
             out["quotas"] = dict(self.quotas)
         if self.devices is not None and not isinstance(self.devices, (int, str, bytes)):

@@ -6,6 +6,8 @@
 Depends on httpx and gpulock-common only.
 """
 
+from gpulock_common.options import Preemption
+
 from ._async import AsyncLease, AsyncPool
 from ._sync import Lease, Pool
 from .errors import (
@@ -40,6 +42,7 @@ __all__ = [
     "Pool",
     "PoolClosed",
     "PoolNotFound",
+    "Preemption",
     "QueueFull",
     "ResizeRefused",
     "QuotaExceeded",

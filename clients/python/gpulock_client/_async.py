@@ -16,6 +16,7 @@ from gpulock_common.aio import stop_tasks, wait_for
 from gpulock_common.driver import adrive
 
 from gpulock_common.lease import stop_renewal
+from gpulock_common.options import Preemption
 
 from . import _core as core
 from . import _holding as holding
@@ -344,6 +345,7 @@ class AsyncPool:
         quotas: Optional[Mapping[str, Union[int, str, None]]] = None,
         devices: Optional[Sequence[Union[int, str]]] = None,
         placement: Optional[str] = None,
+        preemption: Union[Preemption, bool, None] = None,
     ) -> Dict[str, Any]:
         """Create the pool or change it (admin token); the arguments, reply and errors of
         :meth:`gpulock_client.Pool.configure`."""
@@ -357,6 +359,7 @@ class AsyncPool:
                 quotas,
                 devices,
                 placement,
+                preemption,
             )
         )
         current = None

@@ -13,6 +13,7 @@ import httpx
 
 from gpulock_common.driver import drive
 from gpulock_common.lease import stop_renewal
+from gpulock_common.options import Preemption
 
 from . import _core as core
 from . import _holding as holding
@@ -396,6 +397,7 @@ class Pool:
         quotas: Optional[Mapping[str, Union[int, str, None]]] = None,
         devices: Optional[Sequence[Union[int, str]]] = None,
         placement: Optional[str] = None,
+        preemption: Union[Preemption, bool, None] = None,
     ) -> Dict[str, Any]:
         """Create the pool or change it (admin token); what is left out keeps its value.
         ``capacity``: bytes or a size ("24GiB"); with ``devices``, their sum (the default);
@@ -406,7 +408,9 @@ class Pool:
         ``policy``: "fifo" or "backfill", with ``backfill_window`` seconds. ``quotas``: tenant
         to bytes or a size (0 or None removes that tenant's). ``devices``: each device's
         capacity, device 0 first (a pool of several GPUs). ``placement``: "bestfit" or
-        "spread". Returns the broker's reply (the pool's settings and use). Raises
+        "spread". ``preemption``: a ``Preemption(gap, yield_grace_s)`` turns preemption on,
+        False off (docs/SEMANTICS.md, "Preemption"). Returns the broker's reply (the pool's
+        settings and use). Raises
         AuthError, InvalidArgument (naming the bad value; nothing changed), BackendUnavailable."""
         settings = core.checked_settings(
             core.PoolSettings(
@@ -418,6 +422,7 @@ class Pool:
                 quotas,
                 devices,
                 placement,
+                preemption,
             )
         )
         current = None

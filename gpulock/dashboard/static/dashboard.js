@@ -146,15 +146,38 @@
     });
 
     sec.appendChild(el("h3", {}, "Leases (" + p.lease_count + ")"));
+    // preemption (docs/SEMANTICS.md, "Preemption"): the setting and its counters, said once
+    // it is on or has asked; a lease asked to yield is marked with when the pool takes it back
+    var pre = p.preemption || null, y = p.yields || {};
+    if (pre || y.asked) {
+      sec.appendChild(el("p", { "class": "preemption", "data-preemption": pre ? "on" : "off",
+        "data-asked": String(y.asked || 0), "data-done": String(y.done || 0), "data-taken": String(y.taken || 0) },
+        (pre ? "preemption: a head waiter " + pre.gap + " or more priority levels above a holder " +
+          "asks it to yield, within " + fmtSeconds(pre.yield_grace_s) : "preemption: off") +
+        " · asked " + (y.asked || 0) + ", yielded " + (y.done || 0) +
+        (y.mean_time_to_yield === null || y.mean_time_to_yield === undefined ? ""
+          : " (mean " + fmtSeconds(y.mean_time_to_yield) + " to yield)") +
+        ", taken back " + (y.taken || 0)));
+    }
+    var asked = p.leases.some(function (l) { return l.yield_in !== null && l.yield_in !== undefined; });
     var leases = p.leases.map(function (l) {
-      var tr = el("tr", { "data-token": String(l.token) });
+      var yielding = l.yield_in !== null && l.yield_in !== undefined;
+      var attrs = { "data-token": String(l.token) };
+      if (yielding) { attrs["class"] = "yielding"; attrs["data-yield-in"] = String(l.yield_in); }
+      var tr = el("tr", attrs);
       tr.appendChild(cell(holderText(l.holder)));
       tr.appendChild(cell(fmtBytes(l.amount), l.amount));
       tr.appendChild(cell(String(l.token), l.token));
       tr.appendChild(cell(fmtSeconds(l.expires_in), l.expires_in));
+      if (asked) {
+        tr.appendChild(yielding ? cell("asked to yield: taken back in " + fmtSeconds(Math.max(0, l.yield_in)) +
+          " (by " + new Date(Date.now() + 1000 * Math.max(0, l.yield_in)).toLocaleTimeString() + ")")
+          : cell("–"));
+      }
       return tr;
     });
-    sec.appendChild(leases.length ? table("leases", [["holder"], ["amount", 1], ["token", 1], ["expires in", 1]], leases)
+    var lcols = [["holder"], ["amount", 1], ["token", 1], ["expires in", 1]].concat(asked ? [["yield"]] : []);
+    sec.appendChild(leases.length ? table("leases", lcols, leases)
       : el("p", { "class": "empty leases" }, "no leases"));
 
     sec.appendChild(el("h3", {}, "Queue (" + p.waiter_count + ")"));
