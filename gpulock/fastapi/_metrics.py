@@ -364,14 +364,14 @@ def _yield_families(pool: str, st: PoolStatus) -> Iterator[Metric]:
 
     y = st.yields
     for name, doc, v in (
-        ("gpulock_yields_asked", "Leases the pool has asked to yield, from Redis", y.asked),
+        ("gpulock_pool_yields_asked", "Leases the pool has asked to yield, from Redis", y.asked),
         (
-            "gpulock_yields_done",
+            "gpulock_pool_yields_done",
             "Leases asked to yield that were released before the pool took them back, from Redis",
             y.done,
         ),
         (
-            "gpulock_yields_taken",
+            "gpulock_pool_yields_taken",
             "Leases asked to yield that the pool took back at their deadline, from Redis",
             y.taken,
         ),
@@ -380,7 +380,7 @@ def _yield_families(pool: str, st: PoolStatus) -> Iterator[Metric]:
         c.add_metric([pool], float(v))
         yield c
     t = SummaryMetricFamily(
-        "gpulock_yield_seconds",
+        "gpulock_pool_yield_seconds",
         "Seconds from the ask to the release of the leases that yielded (count: those leases), "
         "from Redis",
         labels=["pool"],
@@ -388,7 +388,7 @@ def _yield_families(pool: str, st: PoolStatus) -> Iterator[Metric]:
     t.add_metric([pool], count_value=y.done, sum_value=y.done_seconds)
     yield t
     g = GaugeMetricFamily(
-        "gpulock_leases_yielding",
+        "gpulock_pool_leases_yielding",
         "Leases asked to yield and not gone yet, from Redis",
         labels=["pool"],
     )

@@ -206,9 +206,18 @@ def test_an_asked_lease_in_status_top_and_metrics(redis_proc1):
         assert "yield by" in r.stdout and "in 9m" in r.stdout, r.stdout
 
         vals = _pool_samples(_metrics_text(st), name)
-        assert vals["gpulock_yields_asked_total"] == 1 and vals["gpulock_leases_yielding"] == 1
-        assert vals["gpulock_yields_done_total"] == 0 and vals["gpulock_yields_taken_total"] == 0
-        assert vals["gpulock_yield_seconds_count"] == 0 and vals["gpulock_yield_seconds_sum"] == 0
+        assert (
+            vals["gpulock_pool_yields_asked_total"] == 1
+            and vals["gpulock_pool_leases_yielding"] == 1
+        )
+        assert (
+            vals["gpulock_pool_yields_done_total"] == 0
+            and vals["gpulock_pool_yields_taken_total"] == 0
+        )
+        assert (
+            vals["gpulock_pool_yield_seconds_count"] == 0
+            and vals["gpulock_pool_yield_seconds_sum"] == 0
+        )
 
         held.release()
         th.join(100)
@@ -219,9 +228,12 @@ def test_an_asked_lease_in_status_top_and_metrics(redis_proc1):
         assert st.yields.outstanding == 0 and st.yields.mean_time_to_yield is not None
         assert [li.yield_in for li in st.leases] == [None]  # the new lease: not asked
         vals = _pool_samples(_metrics_text(st), name)
-        assert vals["gpulock_yields_done_total"] == 1 and vals["gpulock_leases_yielding"] == 0
-        assert vals["gpulock_yield_seconds_count"] == 1
-        assert vals["gpulock_yield_seconds_sum"] == st.yields.done_seconds
+        assert (
+            vals["gpulock_pool_yields_done_total"] == 1
+            and vals["gpulock_pool_leases_yielding"] == 0
+        )
+        assert vals["gpulock_pool_yield_seconds_count"] == 1
+        assert vals["gpulock_pool_yield_seconds_sum"] == st.yields.done_seconds
         lease2.release()
     finally:
         waiter.close()
