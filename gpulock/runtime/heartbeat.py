@@ -194,8 +194,9 @@ class Heartbeat:
                 if now >= s.valid_until:
                     self._leases.lose(
                         s,
-                        "no successful renewal before the local validity deadline "
-                        "(Redis unreachable or too slow, or this process was paused)",
+                        s.deadline_passed_reason(
+                            "Redis unreachable or too slow, or this process was paused"
+                        ),
                     )
                 else:
                     soonest = min(soonest, s.valid_until)
@@ -299,10 +300,7 @@ class Heartbeat:
             for s in list(self._leases.values()):
                 if now >= s.valid_until:
                     if (
-                        s.mark_lost(
-                            "no successful renewal before the local validity deadline "
-                            "(Redis unreachable or too slow)"
-                        )
+                        s.mark_lost(s.deadline_passed_reason("Redis unreachable or too slow"))
                         or s.lost_reason
                     ):
                         self._leases.drop(s.lease_id)

@@ -247,10 +247,16 @@ class Runtime:
         self.tasks.spawn(self._subscribe_quietly())
 
     async def _subscribe_quietly(self) -> None:
+        # close() may have run between the spawn and this start, or during the subscription:
+        # then leave at once, or the shared connection would keep a channel nobody leaves
+        if self._closed:
+            return
         try:
             await self.listener.ensure_subscribed()
         except Exception as e:  # noqa: BLE001 - best effort: the renewals tell it too
             log.debug("gpulock: pool %s: subscription for yield requests failed: %s", self.pool, e)
+        if self._closed:
+            await stop_tasks(self.listener.cancel())
 
     def yielded(self, asks: Sequence[YieldAsk]) -> None:
         """Hand yield requests read from the pool object's channel to the leases held

@@ -390,6 +390,8 @@ class Hub:
             ch.news.set()
             self.loop.create_task(self._join_later(ch), name="gpulock-pubsub-join")
             return
+        if ch.left:  # left while the slot map was read: attaching it now would leak it
+            return
         self._attach(shard, ch)
         if shard.task is not None and not shard.task.done() and shard.ps is not None:
             try:

@@ -100,7 +100,17 @@ def test_a_renewal_capped_at_the_deadline_stops_the_validity():
     # only the drift bound's share of the 0.3 s between the two renewals can move it
     assert s.valid_until <= end + 0.3 * CLOCK_DRIFT + 1e-9
     clock.t = s.valid_until
-    with pytest.raises(Exception, match="local validity deadline"):
+    # the reason names the take-back, not an unreachable server
+    with pytest.raises(Exception, match="taken back: asked to yield"):
+        s.check()
+
+
+def test_a_lease_not_asked_past_its_deadline_blames_no_renewal():
+    clock = _Clock()
+    s = _state(clock)
+    s.renewed(clock(), 10_500, 11_500)
+    clock.t = s.valid_until
+    with pytest.raises(Exception, match="no successful renewal before the local validity deadline"):
         s.check()
 
 

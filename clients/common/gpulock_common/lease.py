@@ -149,11 +149,8 @@ class LocalLeaseState:
         """
         if self.expired_locally():
             self.mark_lost(
-                "no successful renewal before the local validity deadline "
-                + (
-                    f"({self.unrenewed})"
-                    if self.unrenewed
-                    else f"({self.unreachable} unreachable, or this process was paused)"
+                self.deadline_passed_reason(
+                    self.unrenewed or f"{self.unreachable} unreachable, or this process was paused"
                 )
             )
         if self.lost_reason is not None:
@@ -222,6 +219,16 @@ class LocalLeaseState:
         for cb in cbs:
             self._safe_call(cb, "on_yield")
         return True
+
+    def deadline_passed_reason(self, cause: Optional[str] = None) -> str:
+        """Why the lease counts as lost once its local validity deadline passed with no
+        renewal extending it: taken back, when it was asked to yield (the server stops
+        extending it at the yield deadline, so that is what happened); else no renewal in
+        time, with ``cause`` (what may be away or slow) in parentheses when given."""
+        if self.yield_deadline is not None:
+            return "taken back: asked to yield (preemption) and not released by its deadline"
+        tail = f" ({cause})" if cause else ""
+        return "no successful renewal before the local validity deadline" + tail
 
     def take_span(self) -> Any:
         """The lease's span, once: later calls (from any thread) get None."""

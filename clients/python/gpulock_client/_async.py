@@ -90,11 +90,7 @@ class AsyncLease(core.LeaseBase):
         s = self._state
         if s.released:
             return
-        was_lost = s.lost_reason or (
-            "no successful renewal before the local validity deadline"
-            if s.expired_locally()
-            else None
-        )
+        was_lost = s.lost_reason or (s.deadline_passed_reason() if s.expired_locally() else None)
         s.released = True
         self._pool._leases.pop(s.lease_id, None)
         await self._pool._run(holding.release_steps(self._pool._cfg, s, was_lost))
@@ -396,9 +392,7 @@ class AsyncPool:
                 delay, self._arm_deadline, s
             )
         else:
-            s.mark_lost(
-                "no successful renewal before the local validity deadline (broker unreachable or too slow)"
-            )
+            s.mark_lost(s.deadline_passed_reason("broker unreachable or too slow"))
 
     async def _heartbeat(self) -> None:
         clock = self._cfg.clock

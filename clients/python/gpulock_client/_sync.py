@@ -120,11 +120,7 @@ class Lease(core.LeaseBase):
         s = self._state
         if s.released:
             return
-        was_lost = s.lost_reason or (
-            "no successful renewal before the local validity deadline"
-            if s.expired_locally()
-            else None
-        )
+        was_lost = s.lost_reason or (s.deadline_passed_reason() if s.expired_locally() else None)
         s.released = True
         self._pool._forget(s)
         self._pool._run(holding.release_steps(self._pool._cfg, s, was_lost))
@@ -457,10 +453,7 @@ class Pool:
             now = clock()
             for s in leases:
                 if s.expired_locally():
-                    s.mark_lost(
-                        "no successful renewal before the local validity deadline "
-                        "(broker unreachable or too slow)"
-                    )
+                    s.mark_lost(s.deadline_passed_reason("broker unreachable or too slow"))
             due, wake = holding.heartbeat_plan(leases, now)
             for s in due:
                 budget = holding.request_budget(leases, clock())
