@@ -15,7 +15,7 @@ from typing import Any, Callable, Generator, Mapping, Sequence, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, RedisError
 
-from gpulock_common.aio import pending_cancels
+from gpulock_common.aio import logged, pending_cancels
 from gpulock_common.driver import adrive
 from gpulock_common.options import PoolSettings, Preemption
 
@@ -50,14 +50,6 @@ _CLIENT_DEFAULTS = {
     "socket_connect_timeout": 2.0,
     "health_check_interval": 10,
 }
-
-
-async def _logged(aw: Any, what: str) -> None:
-    """Await a user callback's awaitable; an exception from it is logged, not raised."""
-    try:
-        await aw
-    except Exception:  # noqa: BLE001 - a user callback must not kill the loop's task
-        log.exception("gpulock: %s callback raised", what)
 
 
 class AsyncLease(LeaseBase):
@@ -114,7 +106,7 @@ class AsyncLease(LeaseBase):
         def call(lease: Any) -> None:
             r = callback(lease)
             if inspect.isawaitable(r):
-                rt.tasks.in_loop(lambda: rt.spawn(_logged(r, "on_yield")))
+                rt.tasks.in_loop(lambda: rt.spawn(logged(r, "on_yield", log)))
 
         self._state.add_yield_callback(call, self)
 

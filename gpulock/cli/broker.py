@@ -198,8 +198,16 @@ class BrokerLease:
         valid_until: float = self._inner.valid_until  # a gpulock_client lease's
         return valid_until
 
+    @property
+    def yield_deadline(self) -> float | None:
+        deadline: float | None = self._inner.yield_deadline  # a gpulock_client lease's
+        return deadline
+
     def on_lost(self, cb: Callable[[Any], Any]) -> None:
         self._inner.on_lost(lambda _lease: cb(self))
+
+    def on_yield(self, cb: Callable[[Any], Any]) -> None:
+        self._inner.on_yield(lambda _lease: cb(self))
 
     def ensure_valid(self) -> None:
         self._inner.ensure_valid()
@@ -229,6 +237,7 @@ class BrokerPool:
         priority: int = 0,
         tenant: str | None = None,
         device: int | None = None,
+        preemptible: bool = True,
     ) -> BrokerLease:
         import gpulock_client
 
@@ -247,6 +256,7 @@ class BrokerPool:
                     holder=holder,
                     on_queued=on_queued,
                     priority=priority,
+                    preemptible=preemptible,
                     **pin,
                 )
             )

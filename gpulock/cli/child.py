@@ -1,7 +1,8 @@
 """CMD's process under ``gpulock run``'s lease: started in its own process group (dying with
-gpulock), sent the signals gpulock gets, stopped (SIGTERM, then SIGKILL after the grace) when
-the lease is lost or ``--enforce`` finds it over its lease; the lease released when it ends.
-Its exit status is the command's."""
+gpulock), sent the signals gpulock gets, sent ``--yield-signal`` when the server asks the holder
+to yield the lease (preemption), stopped (SIGTERM, then SIGKILL after the grace) when the lease
+is lost or ``--enforce`` finds it over its lease; the lease released when it ends. Its exit
+status is the command's."""
 
 from __future__ import annotations
 
@@ -128,6 +129,31 @@ def release_lease(lease: RunLease, pool: str, *, wait: float = 6.0, quiet: bool 
         say(f"warning: {problem[0]}")
 
 
+def yield_note(lease: RunLease, pool: str, sig: Optional[int], pid: int) -> str:
+    """The line said when the server asked the holder to yield ``lease`` (preemption): by when
+    (seconds from now, on the lease's conservative local deadline) and what CMD (``pid``) is
+    sent: signal ``sig``, or nothing (None)."""
+    deadline = lease.yield_deadline
+    left = "" if deadline is None else f" within {max(0.0, deadline - time.monotonic()):.1f}s"
+    what = (
+        f"sending {_signal_name(sig)} to CMD (pid {pid})"
+        if sig is not None
+        else f"CMD (pid {pid}) is not signalled (--yield-signal none)"
+    )
+    return (
+        f"lease {lease.id[:8]}… on pool {pool!r} asked to yield to a request of higher "
+        f"priority: release it{left} or the server takes it back (then CMD is stopped as on a "
+        f"lost lease); {what}"
+    )
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
 def supervise(
     lease: RunLease,
     pool: str,
@@ -136,7 +162,14 @@ def supervise(
     cmd: list[str],
     enf: Optional[EnforceOptions] = None,
     n_devices: int = 1,
+    yield_signal: Optional[int] = signal.SIGTERM,
+    quiet: bool = False,
 ) -> int:
+    """Run ``cmd`` under ``lease`` and release it when CMD ends: the exit code (CMD's, or
+    EXIT_LEASE_LOST, EXIT_OVERUSE, 126, 127). When the server asks the holder to yield the
+    lease, CMD's process group gets ``yield_signal`` (None: nothing) once and a line says so
+    on stderr (unless ``quiet``); the release after CMD exits is the normal one, and a lease
+    taken back at the deadline is a lost lease."""
     env = dict(os.environ)
     env.update(
         GPULOCK_LEASE_ID=lease.id,
@@ -230,6 +263,14 @@ def supervise(
             exited.wait()
 
     lease.on_lost(on_lost)
+    asked: list[bool] = []  # the server asked the holder to yield; told CMD once
+
+    def on_yield(_lease: object) -> None:
+        asked.append(True)
+        wake.set()
+
+    lease.on_yield(on_yield)
+    yield_told = False
     breach: list[Any] = []
     enforcer = None
     if enf is not None:
@@ -260,6 +301,12 @@ def supervise(
             wake.clear()
             if exited.is_set() or breach:
                 break
+            if asked and not yield_told:
+                yield_told = True
+                if not quiet:
+                    say(yield_note(lease, pool, yield_signal, proc.pid))
+                if yield_signal is not None:
+                    send(yield_signal)
             try:
                 lease.ensure_valid()
             except LeaseLost as e:

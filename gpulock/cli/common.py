@@ -388,7 +388,17 @@ class RunLease(Protocol):
         """Local ``time.monotonic()`` instant after which the lease counts as lost."""
         ...
 
+    @property
+    def yield_deadline(self) -> float | None:
+        """None until the server asked the holder to yield the lease (preemption); then the
+        local ``time.monotonic()`` instant by which it takes the bytes back at the latest."""
+        ...
+
     def on_lost(self, callback: Callable[[Any], Any]) -> None: ...
+
+    def on_yield(self, callback: Callable[[Any], Any]) -> None:
+        """``callback(lease)`` once when the holder learns it is asked to yield the lease."""
+        ...
 
     def ensure_valid(self) -> None: ...
 
@@ -401,7 +411,7 @@ class RunPool(Protocol):
     bytes, ``ttl``/``timeout`` in seconds, ``priority`` in [-100, 100] (higher first),
     ``tenant`` the tenant the lease counts under (None: none; a broker takes it from the
     token, so its pool refuses one), ``device`` the device it must be on (None: the pool
-    places it); errors are the core's exceptions. ``grace_left()``: seconds left in the pool's
+    places it), ``preemptible`` False for a lease the server never asks to yield; errors are the core's exceptions. ``grace_left()``: seconds left in the pool's
     restart grace period as last seen (0: none)."""
 
     def acquire(
@@ -415,6 +425,7 @@ class RunPool(Protocol):
         priority: int = 0,
         tenant: str | None = None,
         device: int | None = None,
+        preemptible: bool = True,
     ) -> RunLease: ...
 
     def grace_left(self) -> float: ...

@@ -62,6 +62,31 @@ from gpulock.units import format_size, is_index
 
 DEFAULT_RUN_TTL_S = 30.0
 DEFAULT_GRACE_S = 10.0
+DEFAULT_YIELD_SIGNAL = "SIGTERM"
+
+
+def parse_yield_signal(value: str) -> Optional[int]:
+    """``--yield-signal``: a signal name (SIGUSR1, USR1, any case), a signal number, or
+    ``none`` (no signal): the signal number, None for none. A bad value is exit 2 naming it."""
+    text = value.strip()
+    if text.lower() == "none":
+        return None
+    valid = {int(s) for s in signal.valid_signals()}
+    if text.isdigit():
+        n = int(text)
+        if n in valid and n != 0:
+            return n
+    else:
+        name = text.upper()
+        name = name if name.startswith("SIG") else "SIG" + name
+        sig = getattr(signal.Signals, name, None) if not name.startswith("SIG_") else None
+        if sig is not None and int(sig) in valid:
+            return int(sig)
+    fail(
+        EXIT_USAGE,
+        f"--yield-signal: {value!r} is not a signal: give a name (SIGTERM, SIGINT, SIGUSR1), "
+        "a number, or none",
+    )
 
 
 class _Signalled(BaseException):
@@ -94,6 +119,13 @@ On a pool of several devices the lease is placed on one (--pool NAME/D pins devi
 also gets CUDA_VISIBLE_DEVICES naming only that GPU: device D is GPU D (as nvidia-smi numbers
 them: CUDA_DEVICE_ORDER=PCI_BUS_ID unless set), or the D-th entry of CUDA_VISIBLE_DEVICES when
 gpulock run's own environment sets it.
+
+On a pool with preemption on (gpulock pool set --preempt-gap), a waiting request of a priority
+at least the pool's gap above this lease's may ask its holder to yield it: gpulock run then
+says so on stderr and sends CMD's process group --yield-signal (SIGTERM unless set). A CMD that
+exits on it has its lease released as usual; one that does not is stopped when the server takes
+the lease back at the yield deadline (as on a lost lease, below). --no-preemptible: never
+asked.
 
 CMD runs in its own process group; SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2 and
 SIGWINCH sent to gpulock run are forwarded to that group (a signal ignored when gpulock run
@@ -183,6 +215,19 @@ def run(
         "--quota NAME=SIZE) caps what its leases hold. Through --broker-url the token's "
         "tenant is used and this is refused.",
     ),
+    preemptible: bool = typer.Option(
+        True,
+        "--preemptible/--no-preemptible",
+        help="Whether a waiting request of higher priority may ask for this lease (on a pool "
+        "with preemption on); --no-preemptible: never asked.",
+    ),
+    yield_signal: str = typer.Option(
+        DEFAULT_YIELD_SIGNAL,
+        "--yield-signal",
+        metavar="NAME|NUMBER|none",
+        help="The signal CMD's process group gets when the lease is asked to yield: a name "
+        "(SIGINT, SIGUSR1), a number, or none (no signal; the request is only said on stderr).",
+    ),
     grace: float = typer.Option(
         DEFAULT_GRACE_S,
         "--grace",
@@ -235,6 +280,7 @@ def run(
 
     started = time.monotonic()
     pool, pin = split_pool_target(pool)
+    yield_sig = parse_yield_signal(yield_signal)
     enf = None
     if enforce:
         # the GPU to read: --device, else a pinned device's (a pool of one device: GPU 0)
@@ -324,6 +370,8 @@ def run(
             n_devices,
             count_devices,
             time.monotonic() - started,
+            preemptible,
+            yield_sig,
         )
     raise typer.Exit(code)
 
@@ -361,6 +409,8 @@ def _run_under_lease(
     n_devices: Optional[int],
     count_devices: Callable[[], int],
     spent: float,
+    preemptible: bool = True,
+    yield_signal: Optional[int] = signal.SIGTERM,
 ) -> int:
     """Acquire (within what is left of ``timeout`` after the ``spent`` seconds of the calls
     before), then run CMD under the lease: the exit code. ``n_devices`` None (the pool was not
@@ -409,6 +459,7 @@ def _run_under_lease(
                 priority=priority,
                 tenant=tenant,
                 device=pin,
+                preemptible=preemptible,
             )
         finally:
             for s, h in old.items():
@@ -454,7 +505,7 @@ def _run_under_lease(
         info(
             f"granted {format_size(amount)} on pool {pool!r} after {time.monotonic() - queued_at[0]:.1f}s"
         )
-    return supervise(lease, pool, amount, grace, cmd, enf, n_devices)
+    return supervise(lease, pool, amount, grace, cmd, enf, n_devices, yield_signal, quiet)
 
 
 def _exit_code(e: GpuLockError, t: Target, pool: str) -> int:

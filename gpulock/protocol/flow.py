@@ -62,6 +62,7 @@ from gpulock.protocol.replies import (
     NotGranted,
     PoolStatus,
     QueueConfig,
+    Renewal,
     decode_acquire,
     decode_cancel,
     decode_configure,
@@ -227,9 +228,10 @@ def cancel(rt: RuntimeView | None, request_id: str) -> Flow[int]:
     return decode_cancel((yield Eval("cancel", [request_id]))).outcome
 
 
-def renew(lease_id: str, token: int, ttl: float) -> Flow[tuple[int, int]]:
+def renew(lease_id: str, token: int, ttl: float) -> Flow[Renewal]:
     """Extend a (remote holder's) lease to ``ttl`` seconds from now (server clock); never
-    re-acquires. Returns ``(expires_ms, server_now_ms)``.
+    re-acquires. Returns a :class:`Renewal`: ``(expires_ms, server_now_ms,
+    yield_deadline_ms)`` (the last 0 unless the server asked the holder to yield it).
 
     Raises: LeaseLost (expired, released, unknown, or another token), InvalidArgument,
     BackendUnavailable."""
@@ -237,6 +239,7 @@ def renew(lease_id: str, token: int, ttl: float) -> Flow[tuple[int, int]]:
     args = ["1", lease_id, str(validate_token(token)), str(ttl_ms(ttl_s)), "0"]
     rep = decode_renew((yield Eval("renew", args)))
     (expires_ms,) = rep.expiries
+    (asked,) = rep.yields
     if expires_ms <= 0:
         raise LeaseLost(
             lease_id,
@@ -244,7 +247,7 @@ def renew(lease_id: str, token: int, ttl: float) -> Flow[tuple[int, int]]:
             if rep.epoch == 0
             else "the server no longer has it (it expired, or was released)",
         )
-    return expires_ms, rep.now_ms
+    return Renewal(expires_ms, rep.now_ms, asked)
 
 
 # ---- release ----------------------------------------------------------------------------------

@@ -273,6 +273,17 @@ class RenewReply(NamedTuple):
     yields: list[int]
 
 
+class Renewal(NamedTuple):
+    """One lease renewed on a remote holder's behalf (:func:`gpulock.protocol.flow.renew`):
+    its new expiry and the server's time of the reply (Unix ms, the server's clock), and the
+    deadline by which the server takes it back when it asked the holder to yield it
+    (preemption; the expiry is capped at it), else 0."""
+
+    expires_ms: int
+    now_ms: int
+    yield_deadline_ms: int = 0
+
+
 def decode_renew(r: Sequence[Any], tickets: Sequence[str] = ()) -> RenewReply:
     """``renew.lua``'s reply ``{now_ms, epoch, lease_results, ticket_results, queue, yields}``
     for a call that refreshed ``tickets`` (in order; a grant's record carries its ticket). A

@@ -18,7 +18,7 @@ from gpulock.protocol.resize import resize, resize_args
 from gpulock_common.options import check_priority
 
 from gpulock.protocol.args import validate_lease_id, validate_token
-from gpulock.protocol.replies import Grant, NotGranted
+from gpulock.protocol.replies import Grant, NotGranted, Renewal
 from gpulock.protocol.request import AcquireOptions, AcquireRequest
 from gpulock.protocol.steps import Flow, PoolView
 from gpulock.runtime.runtime import Runtime
@@ -108,9 +108,11 @@ class RemoteHolders(Generic[_P]):
         Raises: InvalidArgument, BackendUnavailable."""
         return await self.pool._run(flow.cancel(self.pool._runtime, request_id))
 
-    async def renew(self, lease_id: str, token: int, ttl: float) -> tuple[int, int]:
+    async def renew(self, lease_id: str, token: int, ttl: float) -> Renewal:
         """Extend a remote holder's lease to ``ttl`` seconds from now (server clock). Never
-        re-acquires. Returns ``(expires_ms, server_now_ms)``.
+        re-acquires. Returns a :class:`~gpulock.protocol.replies.Renewal`: ``(expires_ms,
+        server_now_ms, yield_deadline_ms)``, the last the deadline by which the server takes
+        the lease back when it asked its holder to yield it (preemption), else 0.
 
         Raises: LeaseLost (expired, released, unknown, or another token), InvalidArgument,
         BackendUnavailable."""

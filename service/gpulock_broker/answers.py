@@ -70,6 +70,18 @@ class LeaseRenewed(BaseModel):
     device: int = Field(
         0, description="The index of the device the lease is on (0 on a pool of one device)."
     )
+    yield_requested: bool = Field(
+        False,
+        description="True when the server asked the holder to yield this lease: a queued "
+        "request of higher priority waits for its bytes (preemption, a pool setting). Release "
+        "it by yield_deadline_s; renewals no longer extend it past that deadline, where the "
+        "server takes the bytes back (the lease is lost).",
+    )
+    yield_deadline_s: Optional[float] = Field(
+        None,
+        description="When yield_requested: seconds left until the server takes the lease back, "
+        "server clock, at the reply (count them as expires_in is counted); else null.",
+    )
 
 
 class LeaseResized(BaseModel):

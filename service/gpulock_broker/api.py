@@ -268,20 +268,26 @@ async def renew_lease(
     broker: Broker = Depends(get_broker),
 ) -> LeaseRenewed:
     """Extend the lease to ``ttl`` seconds from now (server clock). Idempotent. Never
-    re-acquires: 410 when the lease was lost (its holder must stop using the memory)."""
+    re-acquires: 410 when the lease was lost (its holder must stop using the memory). On a pool
+    with preemption on, ``yield_requested`` says the server asked the holder to yield the
+    lease to a request of higher priority, and ``yield_deadline_s`` how long it has left to
+    release it (the expiry never passes that deadline)."""
     _allowed(who, pool)
     try:
-        rec, exp, now = await broker.renew(who, pool, lease_id, body.ttl if body else None)
+        rec, r = await broker.renew(who, pool, lease_id, body.ttl if body else None)
     except Exception as e:
         _map(e, pool)
+    asked = r.yield_deadline_ms > 0
     return LeaseRenewed(
         lease_id=lease_id,
         pool=pool,
         token=rec.token,
         ttl=rec.ttl_s,
-        expires_in=max(0, exp - now) / 1000,
-        expires_at=exp / 1000,
+        expires_in=max(0, r.expires_ms - r.now_ms) / 1000,
+        expires_at=r.expires_ms / 1000,
         device=rec.device,
+        yield_requested=asked,
+        yield_deadline_s=max(0, r.yield_deadline_ms - r.now_ms) / 1000 if asked else None,
     )
 
 

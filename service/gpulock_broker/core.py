@@ -58,6 +58,7 @@ from gpulock.admin.pools import DeleteResult
 from gpulock.dashboard.view import dashboard_view
 from gpulock.admin.listing import Listing
 from gpulock.admin.samples import Sampler, count_event
+from gpulock.protocol.replies import Renewal
 
 from .acquire import LONG_POLL_S, Acquirer
 from .auth import Principal
@@ -259,9 +260,9 @@ class Broker:
 
     async def renew(
         self, who: Principal, pool: str, lease_id: str, ttl: float | None
-    ) -> tuple[LeaseRecord, int, int]:
-        """Returns (record, expires_ms, server_now_ms). Raises LeaseGone, NotYours,
-        BackendUnavailable."""
+    ) -> tuple[LeaseRecord, Renewal]:
+        """Returns (record, the server's :class:`Renewal`: expires_ms, server_now_ms,
+        yield_deadline_ms). Raises LeaseGone, NotYours, BackendUnavailable."""
         return await self._leases.renew(who, pool, lease_id, ttl)
 
     async def resize(

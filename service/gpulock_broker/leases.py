@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
-from gpulock.protocol.replies import Grant
+from gpulock.protocol.replies import Grant, Renewal
 from gpulock.errors import BackendUnavailable, LeaseLost, PoolNotFound
 
 from .auth import Principal
@@ -171,20 +171,20 @@ class Leases:
 
     async def renew(
         self, who: Principal, pool: str, lease_id: str, ttl: float | None
-    ) -> tuple[LeaseRecord, int, int]:
-        """Renew for ``ttl`` seconds (None: the lease's last ttl). Returns (record,
-        expires_ms, server_now_ms). Raises LeaseGone, NotYours, BackendUnavailable."""
+    ) -> tuple[LeaseRecord, Renewal]:
+        """Renew for ``ttl`` seconds (None: the lease's last ttl). Returns (record, the
+        server's :class:`Renewal`: expires_ms, server_now_ms, and yield_deadline_ms, not 0
+        when the server asked the holder to yield the lease). Raises LeaseGone, NotYours,
+        BackendUnavailable."""
         rec = await self.find(who, pool, lease_id)
         ttl_s = rec.ttl_s if ttl is None else ttl
         try:
-            exp, now = await self._tasks.guard(
-                self._pools.get(pool).renew(lease_id, rec.token, ttl_s)
-            )
+            r = await self._tasks.guard(self._pools.get(pool).renew(lease_id, rec.token, ttl_s))
         except LeaseLost:
             raise self.lost(rec) from None
         rec.ttl_s = ttl_s
-        rec.expires_local = self._clock() + max(0, exp - now) / 1000
-        return rec, exp, now
+        rec.expires_local = self._clock() + max(0, r.expires_ms - r.now_ms) / 1000
+        return rec, r
 
     async def release(self, who: Principal, pool: str, lease_id: str) -> int | None:
         """Release; returns the server time (ms) of the release, None when it was released
@@ -225,12 +225,10 @@ class Leases:
         if g.expires_ms - g.now_ms >= ttl * 500:
             return g
         try:
-            exp, now = await self._tasks.guard(
-                self._pools.get(pool).renew(g.lease_id, g.token, ttl)
-            )
+            r = await self._tasks.guard(self._pools.get(pool).renew(g.lease_id, g.token, ttl))
         except (LeaseLost, BackendUnavailable):
             return g
-        return dataclasses.replace(g, expires_ms=exp, now_ms=now)
+        return dataclasses.replace(g, expires_ms=r.expires_ms, now_ms=r.now_ms)
 
     async def _release(self, rec: LeaseRecord) -> tuple[bool, int]:
         # retried while the lease may still be valid (then its bytes are freed at expiry):

@@ -161,6 +161,14 @@ class LeaseRequest(_Body):
         "amount above that device's capacity is a 413.",
         examples=[None, 1],
     )
+    preemptible: bool = Field(
+        True,
+        description="False: the server never asks the holder to yield this lease. Default "
+        "true: on a pool with preemption on, a queued request of a priority at least the "
+        "pool's gap higher that cannot fit may ask for it; the holder learns it from its "
+        "renewals (yield_requested, yield_deadline_s) and should release it by then, else "
+        "the server takes it back (the lease is lost).",
+    )
 
     @field_validator("amount", mode="before")
     @classmethod
@@ -203,6 +211,7 @@ class LeaseRequest(_Body):
             request_id=self.request_id,
             priority=self.priority,
             device=self.device,
+            preemptible=self.preemptible,
         )
 
     @field_validator("holder")

@@ -13,6 +13,7 @@ it to stop waits forever (how often: docs/RELIABILITY.md, "Lost cancellations").
   library below let run on.
 - :func:`pending_cancels`: the current task's cancellation requests (a caller can notice one
   that a library lost: it is still counted).
+- :func:`logged`: await a user callback's awaitable, its exception logged, not raised.
 
 No I/O; standard library only.
 """
@@ -20,6 +21,7 @@ No I/O; standard library only.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 from collections.abc import Awaitable, Iterable
 from typing import Any, TypeVar
@@ -58,6 +60,16 @@ async def wait_for(aw: Awaitable[T], timeout: float | None) -> T:
         async with asyncio.timeout(timeout):
             return await aw
     return await asyncio.wait_for(aw, timeout)  # pragma: no cover - Python 3.10
+
+
+async def logged(aw: Awaitable[Any], what: str, log: logging.Logger) -> None:
+    """Await ``aw`` (a user callback's coroutine, run as a task of its own); an exception from
+    it is logged on ``log`` naming ``what`` (e.g. "on_yield"), not raised: a user callback must
+    not end the loop's work. A cancellation propagates."""
+    try:
+        await aw
+    except Exception:  # noqa: BLE001 - see above
+        log.exception("%s: %s callback raised", log.name, what)
 
 
 async def stop_tasks(tasks: Iterable[asyncio.Future[Any]], *, resend_s: float = RESEND_S) -> None:

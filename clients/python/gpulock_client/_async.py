@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Set, Union
 
 import httpx
-from gpulock_common.aio import stop_tasks, wait_for
+from gpulock_common.aio import logged, stop_tasks, wait_for
 from gpulock_common.driver import adrive
 
 from gpulock_common.lease import stop_renewal
@@ -61,6 +62,23 @@ class AsyncLease(core.LeaseBase):
                 f"pool {s.pool!r}: renewal of lease {s.lease_id[:8]}… did not get through"
             )
         s.check()
+
+    def on_yield(self, callback: Callable[[Any], Any]) -> None:
+        """Call ``callback(lease)`` once when the holder learns that the server asked it to
+        yield this lease (a renewal's answer says so;
+        :meth:`gpulock_common.lease.LeaseView.on_yield`); at once if it learnt that already.
+        ``callback`` may be a plain function or a coroutine function, whose coroutine then runs
+        as a task of the event loop. An exception from either is logged, not raised."""
+        tasks = self._pool._callback_tasks
+
+        def call(lease: Any) -> None:
+            r = callback(lease)
+            if inspect.isawaitable(r):
+                t = asyncio.ensure_future(logged(r, "on_yield", core.LeaseState.log))
+                tasks.add(t)  # kept until it ends (the loop keeps only a weak reference)
+                t.add_done_callback(tasks.discard)
+
+        self._state.add_yield_callback(call, self)
 
     async def resize(self, amount: Union[int, str], *, timeout: Optional[float] = None) -> None:
         """Change the lease's amount: the arguments, behaviour and errors of
@@ -161,6 +179,7 @@ class AsyncPool:
         self._closed = False
         self._calls: Set[asyncio.Task] = set()  # tasks with an HTTP call of this pool in flight
         self._cancelled_by_close: Set[asyncio.Task] = set()
+        self._callback_tasks: Set[asyncio.Future] = set()  # on_yield coroutines running
 
     @classmethod
     def from_url(cls, url: str, name: str, **kw: Any) -> "AsyncPool":
@@ -247,11 +266,12 @@ class AsyncPool:
         on_queued: Optional[Callable[[int], Any]] = None,
         priority: int = 0,
         device: Optional[int] = None,
+        preemptible: bool = True,
     ) -> AsyncLease:
         """Same arguments, return and errors as :meth:`gpulock_client.Pool.acquire`
         (``priority``: an integer in [-100, 100], higher goes first, default 0; a queued request
         gains one level per second waited; ``device``: the index of the device the lease must
-        be on, None for any). On cancellation the place is withdrawn (and a grant that raced
+        be on, None for any; ``preemptible``: False, never asked to yield). On cancellation the place is withdrawn (and a grant that raced
         in released)."""
         rid = request_id or core.new_request_id()
         opts = core.AcquireOptions(
@@ -261,6 +281,7 @@ class AsyncPool:
             request_id=rid,
             priority=priority,
             device=device,
+            preemptible=preemptible,
         )
         with _trace.acquire_span(self.name, amount, opts, self._cfg.clock, on_queued) as tr:
             gen = core.acquire_steps(self._cfg, amount, opts, tr.on_queued, tr.on_granted_place)

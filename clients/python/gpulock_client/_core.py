@@ -179,7 +179,8 @@ def backoff(attempt: int, rng: random.Random, cap: float = 2.0) -> float:
 # ---- lease state ---------------------------------------------------------------------------
 class LeaseState(LocalLeaseState):
     """A lease's local state (:class:`gpulock_common.lease.LocalLeaseState`: identity, the
-    validity deadline, lost/released, the ``on_lost`` callbacks) built from the broker's grant
+    validity deadline, lost/released, the ``on_lost`` callbacks, a yield request and its
+    ``on_yield`` callbacks) built from the broker's grant
     ``body`` (a 201's JSON) for a request sent at ``sent`` (local monotonic seconds).
     Thread-safe: the heartbeat runs in another thread or task than the holder.
 
@@ -215,7 +216,8 @@ class LeaseState(LocalLeaseState):
         """The broker's answer ``body`` to a renewal or a resize sent at ``sent``: the
         expiry it read (``expires_in``, counted from ``sent`` plus its ``held_ms``, which a
         renewal's answer does not have) is the lease's now, and the next renewal is due a
-        third of it later."""
+        third of it later. A renewal's ``yield_requested`` (with ``yield_deadline_s``, seconds
+        left on the server's clock) marks the lease asked to yield (once: ``on_yield``)."""
         held_s = max(0.0, float(body.get("held_ms") or 0)) / 1000
         exp_in = float(body["expires_in"])
         self.expires_at = float(body["expires_at"])
@@ -225,6 +227,11 @@ class LeaseState(LocalLeaseState):
         self.renew_failures = 0
         if self.span is not None:
             traces.renewed(self)
+        left = body.get("yield_deadline_s")
+        if body.get("yield_requested") and left is not None:
+            # asked to yield (preemption): the deadline on the local clock, counted as the
+            # validity is, so it ends before the server's
+            self.mark_yield(validity_deadline(sent, float(left), held_s))
 
 
 class LeaseBase(LeaseView):
@@ -336,8 +343,8 @@ def acquire_steps(
     ``options`` (the acquire's keywords; a tenant and ``resident`` are the broker's to set, not
     the client's): checked first, by the broker's bounds too (InvalidArgument before anything
     is sent: ``AcquireOptions.checked(remote=True)``); ``priority`` is
-    sent only when it is not 0, ``device`` only when it is not None (a broker older than
-    priorities or devices refuses the field).
+    sent only when it is not 0, ``device`` only when it is not None, ``preemptible`` only
+    when False (a broker older than the field refuses it).
 
     ``on_queued(place)``: at each new place a ``queued`` answer reports (the request still
     waits). ``on_granted_place(place)``: once, before returning, with the place a request that
@@ -421,6 +428,8 @@ def _acquire_polls(
         body["priority"] = options.priority
     if options.device is not None:
         body["device"] = options.device
+    if not options.preemptible:
+        body["preemptible"] = False
     position, queue_length, last_ra = 0, 0, None
     down_since: Optional[float] = None
     attempt = 0

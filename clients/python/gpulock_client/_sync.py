@@ -271,6 +271,7 @@ class Pool:
         on_queued: Optional[Callable[[int], Any]] = None,
         priority: int = 0,
         device: Optional[int] = None,
+        preemptible: bool = True,
     ) -> Lease:
         """Take ``amount`` bytes (an int, or "4GiB") from the pool, waiting in its queue (by
         priority, then first come first served).
@@ -295,6 +296,12 @@ class Pool:
             device: on a pool of several devices, the index of the device (0 .. 63) the lease
                 must be on; default None: the pool places it (``lease.device`` says where).
                 Sent only when not None.
+            preemptible: False for a lease the server must never ask its holder to yield;
+                default True: on a pool with preemption on, a queued request of a priority at
+                least the pool's gap higher that cannot fit may ask for it. The holder learns
+                it from the heartbeat's next renewal (``lease.on_yield``,
+                ``lease.yield_requested``, ``lease.yield_deadline``) and should release by the
+                deadline; after it the lease is lost. Sent only when False.
 
         Raises: InvalidArgument (a bad ``priority`` or ``device`` before anything is sent; a
         device the pool does not have, from the broker), AuthError,
@@ -312,6 +319,7 @@ class Pool:
             request_id=rid,
             priority=priority,
             device=device,
+            preemptible=preemptible,
         )
         with _trace.acquire_span(self.name, amount, opts, self._cfg.clock, on_queued) as tr:
             gen = core.acquire_steps(self._cfg, amount, opts, tr.on_queued, tr.on_granted_place)
