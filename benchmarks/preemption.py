@@ -42,9 +42,8 @@ sys.path.insert(0, str(HERE))
 from _util import machine_info, percentile  # noqa: E402
 
 import gpulock  # noqa: E402
-from gpulock import Pool  # noqa: E402
+from gpulock import Pool, Preemption  # noqa: E402
 from gpulock.embedded import RedisProcess, find_server_binary  # noqa: E402
-from gpulock.protocol.flow import configure_args  # noqa: E402
 from gpulock.protocol.keys import pool_key  # noqa: E402
 
 CAP = 100
@@ -73,9 +72,8 @@ def gpulock_argv() -> list[str]:
 
 
 def enable(pool: Pool, grace_s: float, max_ttl_s: float) -> None:
-    """Make the pool (CAP bytes) with preemption on: configure.lua's ARGV 11, gap 1."""
-    argv = configure_args(CAP, 1000, round(max_ttl_s * 1000), False, False)
-    pool._eval("configure", argv + ["", "", "", "", "", f"1 {round(grace_s * 1000)}"])
+    """Make the pool (CAP bytes, a bound of ``max_ttl_s`` on ttls) with preemption on, gap 1."""
+    pool.configure(CAP, max_waiters=1000, max_ttl=max_ttl_s, preemption=Preemption(1, grace_s))
 
 
 def counters(pool: Pool) -> tuple[int, int]:

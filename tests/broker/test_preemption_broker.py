@@ -21,7 +21,7 @@ from gpulock_client import AcquireTimeout, AsyncPool, Pool
 
 from gpulock import Pool as CorePool
 from gpulock.protocol.keys import pool_key
-from support.preemption import set_preemption
+from support.preempt import enable_preemption
 from support.waiting import async_wait_until, wait_until
 
 from ._support import OTHER_TOKEN, USER_TOKEN
@@ -42,7 +42,7 @@ def rc(redis_srv):
 @pytest.fixture
 def preempting(gpu, rc):
     """gpu-a (10 GiB) with preemption on: gap 5, a yield grace of 3 s."""
-    set_preemption(rc, gpu, 5, YIELD_GRACE_S)
+    enable_preemption(rc, gpu, 5, YIELD_GRACE_S)
     return gpu
 
 

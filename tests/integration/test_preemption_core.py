@@ -13,8 +13,7 @@ import time
 
 import pytest
 
-from gpulock import LeaseLost
-from gpulock.protocol.flow import configure_args
+from gpulock import LeaseLost, Preemption
 from gpulock.protocol.keys import pool_key
 
 CAP = 1000
@@ -22,16 +21,8 @@ WAIT_S = 30.0  # a generous deadline for what must happen; never a bound on its 
 
 
 def _preempt(pool, gap: int, grace_ms: int) -> None:
-    """Turn preemption on in ``pool``'s pool (sync Pool): configure.lua's ARGV 11."""
-    argv = configure_args(CAP, 10_000, 60_000, False, False) + [
-        "",
-        "",
-        "",
-        "",
-        "",
-        f"{gap} {grace_ms}",
-    ]
-    pool._eval("configure", argv)
+    """Turn preemption on in ``pool``'s pool (a sync Pool), through the API."""
+    pool.configure(CAP, preemption=Preemption(gap, grace_ms / 1000))
 
 
 def _until(cond, what: str, timeout: float = WAIT_S) -> None:
@@ -124,9 +115,7 @@ def test_the_hand_off_message_tells_the_holder(make_pool, pool_name):
 async def test_async_holder_on_yield_sync_and_coroutine(make_apool, pool_name):
     holder_pool = make_apool(capacity=CAP)
     waiter_pool = make_apool(capacity=CAP, poll_interval=0.2)
-    await holder_pool.configure(CAP)
-    argv = configure_args(CAP, 10_000, 60_000, False, False) + ["", "", "", "", "", "1 1000"]
-    await holder_pool._eval("configure", argv)
+    await holder_pool.configure(CAP, preemption=Preemption(1, 1.0))
     lease = await holder_pool.acquire(800, ttl=2)
     plain, coro = asyncio.Event(), asyncio.Event()
     lease.on_yield(lambda l: plain.set())

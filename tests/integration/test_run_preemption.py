@@ -22,7 +22,7 @@ from gpulock import AcquireTimeout, Pool
 from gpulock.cli import EXIT_LEASE_LOST
 from gpulock.protocol.args import DEFAULT_POLL_INTERVAL_S
 from gpulock.protocol.keys import pool_key
-from support.preemption import set_preemption
+from support.preempt import enable_preemption
 from support.procs import gpulock_argv, with_default_signals
 from support.waiting import wait_until
 
@@ -62,7 +62,7 @@ def _pool(url: str) -> None:
     assert r.returncode == 0, r.stderr
     c = redis.Redis.from_url(url)
     try:
-        set_preemption(c, "gpu0", GAP, YIELD_GRACE_S)
+        enable_preemption(c, "gpu0", GAP, YIELD_GRACE_S)
     finally:
         c.close()
 
