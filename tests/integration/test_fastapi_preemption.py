@@ -140,7 +140,8 @@ def _app(url: str, pool: str) -> tuple[FastAPI, GpuLimiter, dict[str, Any]]:
 
 
 async def _high_queued(url: str, pool: str, c: Any) -> asyncio.Task[Any]:
-    """Send ``/high`` and return its task once the pool lists it queued."""
+    """Send ``/high`` and return its task once the pool lists it queued (only where the holder
+    is not asked: an asked one may yield, and ``/high`` be granted, between two reads)."""
     task = asyncio.create_task(c.post("/high"))
     st = await status_until(url, pool, lambda st: st.waiter_count == 1, timeout=WAIT_S)
     assert [(w.holder.get("route"), w.priority) for w in st.waiters] == [("high", 5)]
@@ -177,7 +178,7 @@ async def test_a_preemptible_route_is_asked_answers_early_and_the_higher_one_is_
         _preempt(url, pool)
         held = asyncio.create_task(c.post("/hold-pre"))
         await status_until(url, pool, lambda st: st.used == 2 * GiB, timeout=WAIT_S)
-        high = await _high_queued(url, pool, c)
+        high = asyncio.create_task(c.post("/high"))  # asks, and may be granted between polls
         rp, rg = await asyncio.gather(held, high)
         assert (rp.status_code, rp.json()) == (200, {"asked": True}), rp.text
         assert rg.status_code == 200, rg.text
@@ -193,7 +194,7 @@ async def test_a_preemptible_stream_ends_at_the_next_chunk_after_a_yield(redis_p
         _preempt(url, pool)
         stream = asyncio.create_task(c.post("/stream-pre"))
         await status_until(url, pool, lambda st: st.used == 2 * GiB, timeout=WAIT_S)
-        high = await _high_queued(url, pool, c)
+        high = asyncio.create_task(c.post("/high"))  # asks, and may be granted between polls
         rs, rg = await asyncio.gather(stream, high)
         assert rs.status_code == 200 and rg.status_code == 200, (rs.text, rg.text)
         assert seen["closed"].is_set()  # the body was closed: its finally ran
@@ -229,7 +230,7 @@ async def test_background_work_is_preemptible_by_default_and_yields(redis_proc1)
 
         bg = asyncio.create_task(gpu.calls.call(job, route="bg", amount=2 * GiB))
         await status_until(url, pool, lambda st: st.used == 2 * GiB, timeout=WAIT_S)
-        high = await _high_queued(url, pool, c)
+        high = asyncio.create_task(c.post("/high"))  # asks, and may be granted between polls
         out, rg = await asyncio.gather(bg, high)
         assert out == "checkpointed" and steps
         assert rg.status_code == 200, rg.text
@@ -245,7 +246,7 @@ async def test_an_opted_in_batch_is_asked_finishes_its_batch_and_releases(redis_
         _preempt(url, pool)
         emb = asyncio.create_task(c.post("/embed"))
         await status_until(url, pool, lambda st: st.used == 2 * GiB, timeout=WAIT_S)
-        high = await _high_queued(url, pool, c)
+        high = asyncio.create_task(c.post("/high"))  # asks, and may be granted between polls
         re, rg = await asyncio.gather(emb, high)
         assert (re.status_code, re.json()) == (200, {"item": 1, "asked": True}), re.text
         assert rg.status_code == 200, rg.text
