@@ -56,6 +56,13 @@ What one request goes through (``GpuLimiter.calls.call``)::
   body is made in the executor after ``ensure_valid()``, a client that hangs up closes the
   generator after the chunk in progress, a lease lost mid-stream ends it with an error event
   (:mod:`._stream`).
+* Preemption (a pool setting): a request whose priority is at least the pool's gap above a
+  holder's asks it to yield. A request's lease is never asked unless its route opts in
+  (``preemptible=True`` on ``endpoint``/``guard``/``batcher``: work that can stop early and
+  still answer; it reads ``current_lease().yield_requested``, and a stream ends at its next
+  chunk boundary with an error event ``preempted``); work no request waits on
+  (``calls.call(fn, ...)`` without a request: a background job) may be asked by default.
+  docs/SERVICE.md, "Preemption".
 * :func:`install_http_guards` gives any app the service's HTTP guards: 400 for a body that is
   not UTF-8, 422 that always renders, 413 over a size bound, 408 for a slow body.
 

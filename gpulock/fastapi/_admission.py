@@ -184,10 +184,12 @@ class Admission:
         route: str,
         on_queued: Callable[[int], None],
         priority: int = 0,
+        preemptible: bool = False,
     ) -> AsyncLease:
         """Lease ``amount`` bytes from the pool's queue by ``deadline`` (monotonic seconds;
         None: no deadline, the caller cancels), as ``request_id`` (None: a fresh one), with
-        ``priority``, reporting each place in the queue to ``on_queued``. When the pool
+        ``priority``, reporting each place in the queue to ``on_queued``; ``preemptible``: the
+        pool may ask the lease to yield to a higher-priority request. When the pool
         refuses the ttl (its ``max_ttl`` was lowered since the last status read) the status is
         read again and, if the ttl is now clamped lower, the lease asked for once more.
 
@@ -207,6 +209,7 @@ class Admission:
                 on_queued=on_queued,
                 priority=priority,
                 tenant=self._tenant,
+                preemptible=preemptible,
             )
         except InvalidArgument:
             # max_ttl lowered since our last status read: read it now, retry once if it clamps
@@ -223,4 +226,5 @@ class Admission:
                 on_queued=on_queued,
                 priority=priority,
                 tenant=self._tenant,
+                preemptible=preemptible,
             )

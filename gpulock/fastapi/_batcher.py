@@ -201,6 +201,7 @@ class Batcher(Generic[R]):
             the parameter an ``endpoint`` handler would take it as gives the same one).
         priority: the route's priority and the most a request's header may ask; a batch
             queues with the highest priority among its requests.
+        preemptible: the pool may ask a batch's lease to yield (``GpuLimiter.batcher``).
         settings, backend, slots, runner, calls, errors, spawn: the limiter's parts.
     """
 
@@ -214,6 +215,7 @@ class Batcher(Generic[R]):
         *,
         param: str = "item",
         priority: RoutePriority | None = None,
+        preemptible: bool = False,
         settings: Settings,
         backend: Backend,
         slots: Slots,
@@ -229,6 +231,7 @@ class Batcher(Generic[R]):
             )
         self.route, self.policy, self._param = route, policy, param
         self.priority = priority or RoutePriority()
+        self.preemptible = preemptible
         self._fn, self._estimate, self._estimate_batch = fn, estimate, estimate_batch
         self._settings, self._backend, self._slots = settings, backend, slots
         self._runner, self._calls, self._errors, self._spawn = runner, calls, errors, spawn
@@ -267,6 +270,7 @@ class Batcher(Generic[R]):
             fingerprint_of=lambda: _fingerprint(self.route, {self._param: item}),
             run=functools.partial(self._join, item),
             priority=self.priority,
+            preemptible=self.preemptible,
         )
 
     async def _join(
@@ -341,6 +345,7 @@ class Batcher(Generic[R]):
                 arrival,
                 park=0.0,
                 priority=entry.priority,
+                preemptible=self.preemptible,
             )
             return await self._calls.await_job(alone, arrival, response, gone)
         out = results[index]
@@ -489,6 +494,7 @@ class Batcher(Generic[R]):
                 arrival,
                 park=0.0,
                 priority=priority,
+                preemptible=self.preemptible,
             )
         b = _Batch(entries, job, open=len(entries))
         # The batch holds an attachment of its own while any request waits on it, so that no

@@ -108,16 +108,20 @@ class GuardedCalls:
         run: Callable[[int, float, Response | None, asyncio.Task[bool] | None, int], Awaitable[Any]]
         | None = None,
         priority: int | RoutePriority = 0,
+        preemptible: bool | None = None,
     ) -> Any:
         """Run ``fn()`` in the executor under a lease of ``amount`` bytes; see the package
         docstring for the sequence and the errors (raised as :class:`GpuLockHTTPException`).
         ``request_id`` defaults to the request's ``X-Request-ID`` header. ``priority``: the
         route's (an int: that priority, no header may raise it); the request's
         ``priority_header`` may replace it (:mod:`gpulock.fastapi._priority`: 400 for a
-        malformed value). ``run`` (a batcher's): a guarded request without a request id is
-        answered by ``run(amount, arrival, response, gone, priority)`` instead of a job of its
-        own."""
+        malformed value). ``preemptible``: whether the pool may ask the lease to yield to a
+        higher-priority request (docs/SERVICE.md, "Preemption"); None: yes for work no HTTP
+        request waits on (``request`` None: a background job), no for a request's. ``run`` (a
+        batcher's): a guarded request without a request id is answered by ``run(amount,
+        arrival, response, gone, priority)`` instead of a job of its own."""
         m = metrics()
+        yields = request is None if preemptible is None else preemptible
         header = self._settings.request_id_header
         if request_id is None and request is not None:
             request_id = request.headers.get(header)
@@ -157,13 +161,21 @@ class GuardedCalls:
                 if request_id and not isinstance(fn, LeasedStream):  # a stream is not replayed
                     fp = fingerprint_of() if fingerprint_of else ""
                     result = await self._call_idempotent(
-                        fn, route, amount, request_id, arrival, fp, response, gone, prio
+                        fn, route, amount, request_id, arrival, fp, response, gone, prio, yields
                     )
                 elif run is not None:
                     result = await run(amount, arrival, response, gone, prio)
                 else:
                     job = self._runner.start(
-                        fn, route, amount, None, "", arrival, park=0.0, priority=prio
+                        fn,
+                        route,
+                        amount,
+                        None,
+                        "",
+                        arrival,
+                        park=0.0,
+                        priority=prio,
+                        preemptible=yields,
                     )
                     result = await self.await_job(job, arrival, response, gone)
         except GpuLockHTTPException as e:
@@ -216,6 +228,7 @@ class GuardedCalls:
         response: Response | None,
         gone: asyncio.Task[bool] | None = None,
         priority: int = 0,
+        preemptible: bool = False,
     ) -> Any:
         ticket = request_ticket(route, request_id)
         m = metrics()
@@ -252,6 +265,7 @@ class GuardedCalls:
                     arrival,
                     park=self._settings.park_timeout,
                     priority=priority,
+                    preemptible=preemptible,
                 )
                 return await self.await_job(job, arrival, response, gone)
             outcome = await self._store.follow(ticket, fp, request_id, route, arrival, gone)

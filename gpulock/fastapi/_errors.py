@@ -36,7 +36,8 @@ class GpuLockHTTPException(HTTPException):
     """An HTTPException raised by the integration; ``reason`` is a short machine-readable
     cause (``queue_timeout``, ``queue_full``, ``capacity``, ``inference_timeout``,
     ``cuda_oom``, ``cuda_error``, ``lease_lost``, ``backend``, ``not_ready``, ``conflict``,
-    ``invalid_argument``, ``invalid_priority``, ``invalid_request_id``).
+    ``invalid_argument``, ``invalid_priority``, ``invalid_request_id``; ``preempted`` ends a
+    preemptible route's stream whose lease the pool asked back).
     ``estimated_wait_s``: a 503's wait estimate in seconds (the one its Retry-After came from;
     docs/SERVICE.md, "Retry-After"), None for none; the error handlers put it in the body
     (:func:`gpulock.http.guards.install_error_handlers`: ``{"detail": ...,

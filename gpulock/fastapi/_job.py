@@ -49,5 +49,8 @@ class Job:
     # The priority it queues with (the route's, or its request's header: _priority), for
     # this worker's thread slots and the pool's queue.
     priority: int = 0
+    # Whether the pool may ask its lease to yield to a higher-priority request (preemption:
+    # the route's ``preemptible=``; docs/SERVICE.md, "Preemption").
+    preemptible: bool = False
     # Its OpenTelemetry span gpulock.call while its work runs (None: not traced; _tracing).
     span: Any = None

@@ -165,12 +165,15 @@ class JobRunner:
         *,
         park: float,
         priority: int = 0,
+        preemptible: bool = False,
     ) -> Job:
         """Start a job running ``fn()`` under a lease of ``amount`` bytes. ``park`` > 0 (with
         a ``ticket``): it keeps its place in :attr:`places`, first until ``acquire_timeout +
         park`` seconds from ``arrival`` (plus the restart grace left), then as long as its
         retries keep it; else it waits a little longer than the HTTP answer's deadline.
-        ``priority``: the job's, in this worker's thread-slot line and the pool's queue."""
+        ``priority``: the job's, in this worker's thread-slot line and the pool's queue.
+        ``preemptible``: the pool may ask its lease to yield (its work sees it through
+        ``current_lease().yield_requested``; a stream ends at its next chunk boundary)."""
         job = Job(
             route,
             amount,
@@ -179,6 +182,7 @@ class JobRunner:
             arrival,
             parked=bool(park) and ticket is not None,
             priority=priority,
+            preemptible=preemptible,
         )
         job.bucket = take_bucket()
         job.outcome = asyncio.get_running_loop().create_future()
@@ -269,11 +273,14 @@ class JobRunner:
                     route=job.route,
                     on_queued=on_queued,
                     priority=job.priority,
+                    preemptible=job.preemptible,
                 )
             except AcquireTimeout as e:
                 job.server_retry_after = e.retry_after
                 raise
             granted_at = time.monotonic()
+            if job.preemptible:  # only such a lease is ever asked
+                lease.on_yield(lambda _: metrics().yields.labels(job.route).inc())
             if job.ticket is not None:
                 self.places.discard(job.ticket, job.place)  # granted: no place to keep
             self._history.record("grant", lease, route=job.route)

@@ -257,17 +257,25 @@ class GpuLimiter:
         estimate: Callable[..., int] | None = None,
         priority: int = 0,
         max_priority: int | None = None,
+        preemptible: bool = False,
     ) -> Callable[..., GpuCall]:
         """A FastAPI dependency: ``call: GpuCall = Depends(limiter.guard("embed", estimate=f))``
         then ``result = await call(fn, *args)``: ``f(*args, **kwargs)`` gives the bytes (or
         pass ``amount=`` to ``call``), ``fn(*args, **kwargs)`` runs in the executor under the
         lease. ``priority`` (an integer in [-100, 100], higher goes first, default 0) is the
         one the route's requests queue with; ``max_priority`` (default ``priority``) the most
-        a request may ask in ``priority_header``.
+        a request may ask in ``priority_header``. ``preemptible`` (default False): the pool
+        may ask the route's leases to yield to a higher-priority request (docs/SERVICE.md,
+        "Preemption": only for work that can stop early and still answer; it reads
+        ``current_lease().yield_requested``).
 
         Raises: InvalidArgument naming the route and the value, for a bad priority."""
         return _signature.guard(
-            self.calls, route, estimate, RoutePriority.of(route, priority, max_priority)
+            self.calls,
+            route,
+            estimate,
+            RoutePriority.of(route, priority, max_priority),
+            bool(preemptible),
         )
 
     def endpoint(
@@ -278,12 +286,14 @@ class GpuLimiter:
         priority: int = 0,
         max_priority: int | None = None,
         stream: str | None = None,
+        preemptible: bool = False,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Decorate a plain ``def`` route handler: FastAPI sees an ``async def`` with the same
         parameters; the handler's body runs in the bounded executor under a lease of
         ``estimate(**params)`` bytes (``estimate`` receives the handler's parameters by name,
-        only those it declares). Put it *below* ``@app.post(...)``. ``priority`` and
-        ``max_priority`` as for :meth:`guard`.
+        only those it declares). Put it *below* ``@app.post(...)``. ``priority``,
+        ``max_priority`` and ``preemptible`` as for :meth:`guard` (a preemptible stream ends
+        at its next chunk boundary after a yield request, with an error event ``preempted``).
 
         ``stream``: ``"sse"`` (server-sent events) or a media type (``"text/plain"``,
         ``"application/x-ndjson"``, ...): the handler is a generator function (sync, or
@@ -296,7 +306,12 @@ class GpuLimiter:
         Raises: InvalidArgument naming the route and the value, for a bad priority; naming
         the value, for a bad ``stream``."""
         return _signature.endpoint(
-            self.calls, route, estimate, RoutePriority.of(route, priority, max_priority), stream
+            self.calls,
+            route,
+            estimate,
+            RoutePriority.of(route, priority, max_priority),
+            stream,
+            bool(preemptible),
         )
 
     def batcher(
@@ -312,6 +327,7 @@ class GpuLimiter:
         param: str = "item",
         priority: int = 0,
         max_priority: int | None = None,
+        preemptible: bool = False,
     ) -> Batcher[R]:
         """Dynamic batching for a route: ``result = await batcher.submit(item,
         request=request, response=response)`` in an async handler runs ``item`` with other
@@ -325,7 +341,9 @@ class GpuLimiter:
         (``param``: the name the item is fingerprinted under; an ``endpoint`` handler's
         parameter name gives the same fingerprint as that handler). ``priority`` and
         ``max_priority`` as for :meth:`guard`; a batch queues with the highest priority among
-        its requests.
+        its requests. ``preemptible`` as for :meth:`guard`: a batch asked to yield finishes
+        the batch in flight and releases its lease then, as every batch does (a lease is
+        never kept across batches).
 
         Raises: InvalidArgument for a bad size, wait (more than ``acquire_timeout``), splits
         or priority."""
@@ -337,6 +355,7 @@ class GpuLimiter:
             BatchPolicy(max_size, max_wait_ms / 1000.0, max_splits),
             param=param,
             priority=RoutePriority.of(route, priority, max_priority),
+            preemptible=bool(preemptible),
             settings=self.settings,
             backend=self.backend,
             slots=self.slots,

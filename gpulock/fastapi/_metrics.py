@@ -86,6 +86,12 @@ class _Metrics:
             "Leases found lost (before or during the guarded work)",
             ["route"],
         )
+        self.yields = Counter(
+            "gpulock_yields_requested",
+            "Leases of this service's work the pool asked to yield to a higher-priority "
+            "request (preemption; only preemptible routes' and background work's)",
+            ["route"],
+        )
         self.oom = Counter(
             "gpulock_cuda_oom", "CUDA out-of-memory errors inside a lease", ["route"]
         )

@@ -37,6 +37,7 @@ class _Calls(Protocol):
         request_id: str | None = None,
         fingerprint_of: Callable[[], str] | None = None,
         priority: int | RoutePriority = 0,
+        preemptible: bool | None = None,
     ) -> Any: ...
 
 
@@ -69,7 +70,8 @@ def _fingerprint(route: str, kwargs: dict[str, Any]) -> str:
 class GpuCall:
     """What ``Depends(limiter.guard(route, estimate=...))`` gives a handler: call it with the
     function and its arguments; the result comes back after the thread returned. Or
-    :meth:`stream` a generator under the lease."""
+    :meth:`stream` a generator under the lease. ``preemptible``: the route's (the pool may ask
+    its leases to yield; docs/SERVICE.md, "Preemption")."""
 
     def __init__(
         self,
@@ -79,10 +81,12 @@ class GpuCall:
         request: Request,
         response: Response,
         priority: RoutePriority | None = None,
+        preemptible: bool = False,
     ):
         self.calls, self.route, self._estimate = calls, route, estimate
         self.request, self.response = request, response
         self.priority = priority or RoutePriority()
+        self.preemptible = preemptible
 
     async def __call__(
         self, fn: Callable[..., Any], *args: Any, amount: int | str | None = None, **kwargs: Any
@@ -101,6 +105,7 @@ class GpuCall:
             response=self.response,
             fingerprint_of=lambda: _fingerprint(self.route, {"args": args, **kwargs}),
             priority=self.priority,
+            preemptible=self.preemptible,
         )
 
     async def stream(
@@ -138,6 +143,7 @@ class GpuCall:
             request=self.request,
             response=self.response,
             priority=self.priority,
+            preemptible=self.preemptible,
         )
         return result
 
@@ -158,11 +164,12 @@ def guard(
     route: str,
     estimate: Callable[..., int] | None,
     priority: RoutePriority | None = None,
+    preemptible: bool = False,
 ) -> Callable[..., GpuCall]:
     """The dependency behind ``GpuLimiter.guard``: gives each request a :class:`GpuCall`."""
 
     def dependency(request: Request, response: Response) -> GpuCall:
-        return GpuCall(calls, route, estimate, request, response, priority)
+        return GpuCall(calls, route, estimate, request, response, priority, preemptible)
 
     return dependency
 
@@ -173,6 +180,7 @@ def endpoint(
     estimate: Callable[..., int],
     priority: RoutePriority | None = None,
     stream: str | None = None,
+    preemptible: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The decorator behind ``GpuLimiter.endpoint``: the handler's parameters, with their
     resolved annotations, made keyword-only, plus a ``Request`` and a ``Response`` parameter
@@ -180,7 +188,8 @@ def endpoint(
     takes ``**kwargs``). ``stream`` (``"sse"`` or a media type): the handler is a generator
     function (sync or async) or returns an iterable, streamed under the lease
     (:class:`LeasedStream`); its parameter annotated :class:`StreamLease`, if any, is not
-    FastAPI's but receives the stream's lease.
+    FastAPI's but receives the stream's lease. ``preemptible``: the pool may ask the route's
+    leases to yield (a stream then ends at its next chunk boundary).
 
     Raises: TypeError for an ``async def`` handler; InvalidArgument for a bad ``stream``."""
     if stream is not None:
@@ -240,6 +249,7 @@ def endpoint(
                 response=response,
                 fingerprint_of=lambda: _fingerprint(route, user_kw),
                 priority=priority or RoutePriority(),
+                preemptible=preemptible,
             )
 
         ret = hints.get("return", sig.return_annotation)

@@ -22,6 +22,9 @@ ASGI ``__call__`` sends the chunks). The sequence::
 * A client that hangs up: the chunk in progress finishes in its thread (its GPU work cannot
   be stopped), no new chunk starts, the body is closed (its ``finally`` runs, in the executor
   for a sync body), then the lease goes back.
+* A yield request (preemption: only a route declared ``preemptible=True`` has leases the pool
+  asks): no new chunk starts after the one in progress; the stream ends with an error event
+  ``preempted`` (503) and the body is closed, then the lease goes back.
 * Neither ``inference_timeout`` nor ``X-Request-ID`` replays apply past the first chunk: a
   stream runs until its body ends, and a retry starts a new one. A stream holds one of the
   worker's ``executor_threads`` from its grant to its end. A response nobody sends (the
@@ -67,6 +70,13 @@ SSE_MEDIA_TYPE = "text/event-stream"
 
 _END = object()  # a body's end
 
+#: What ends a preemptible route's stream whose lease the pool asked back (a yield request).
+PREEMPTED = GpuLockHTTPException(
+    503,
+    "the GPU lease was asked back for a higher-priority request: the stream ended early; retry",
+    "preempted",
+)
+
 
 class StreamLease:
     """What a streaming body reaches its lease through: give the generator (or the function
@@ -90,6 +100,13 @@ class StreamLease:
         self.lease = lease
         self._loop = loop
         self._stopped = stopped  # set (on ``loop``) when the stream ends: no chunk is wanted
+
+    @property
+    def yield_requested(self) -> bool:
+        """Whether the pool asked for the lease back for a higher-priority request (only a
+        preemptible route's lease is ever asked): a stream ends at its next chunk boundary; a
+        body that checks it before each chunk may end on its own terms first."""
+        return self.lease is not None and self.lease.yield_requested
 
     def ensure_valid(self) -> None:
         """Raise LeaseLost if the lease is no longer valid (the stream checks it before each
@@ -392,6 +409,9 @@ class LeasedStream(StreamingResponse):
                     break
                 await send({"type": "http.response.body", "body": body, "more_body": True})
                 if gone.done():
+                    break
+                if self._handle is not None and self._handle.yield_requested:
+                    tail = self._error_chunk(PREEMPTED)  # a chunk boundary: no new chunk
                     break
                 try:
                     making = self._begin()
