@@ -21,9 +21,10 @@ import redis
 from fastapi import FastAPI, Request, Response
 from prometheus_client import REGISTRY
 from support.apps import Running
-from support.pools import GiB, config, raw, status_until
+from support.pools import GiB, config, status_until
 
 from gpulock.fastapi import GpuLimiter, StreamLease, current_lease
+from support.preempt import enable_preemption
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -32,14 +33,10 @@ GRACE_MS = 30_000  # the yield grace: cooperative holders release long before it
 
 
 def _preempt(url: str, pool: str, gap: int = 1, grace_ms: int = GRACE_MS) -> None:
-    """Turn preemption on in ``pool`` (it exists: the limiter made it), the raw way:
-    configure.lua's ARGV 11, everything else as it is."""
+    """Turn preemption on in ``pool`` (it exists: the limiter made it)."""
     c = redis.Redis.from_url(url)
     try:
-        cfg = config(c, pool)
-        argv = [cfg["capacity"], cfg["max_waiters"], "set", "", "0", "", "", "", "", ""]
-        reply = raw(c, pool, "configure", *argv, f"{gap} {grace_ms}")
-        assert reply[-1] in (f"{gap} {grace_ms}", f"{gap} {grace_ms}".encode()), reply
+        enable_preemption(c, pool, gap, grace_ms / 1000)
     finally:
         c.close()
 
