@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import typer
 from gpulock_common.grace import grace_note
 from gpulock_common.options import (
+    MAX_REMOTE_HOLDER_JSON,
     MAX_TIMEOUT_S,
     MAX_TTL_S,
     MIN_REMOTE_TTL_S,
@@ -97,9 +98,18 @@ class _Signalled(BaseException):
         self.signum = signum
 
 
-def _clip(text: str, limit: int = 300) -> str:
-    """Shorten ``text`` so that it takes at most ``limit`` bytes as JSON (holder metadata is
-    limited to 512 bytes in all; non-ASCII characters take up to 6)."""
+# What the holder metadata takes besides the purpose's text, at most: the SDK adds the host
+# (cut to 64 characters) and the pid (7 digits on Linux) to what gpulock run gives.
+_HOLDER_OVERHEAD = (
+    len(json.dumps({"host": "h" * 64, "pid": 9_999_999, "purpose": ""}, separators=(",", ":"))) - 2
+)
+
+
+def _clip(text: str, limit: int = MAX_REMOTE_HOLDER_JSON - _HOLDER_OVERHEAD) -> str:
+    """Shorten ``text`` so that it takes at most ``limit`` bytes as JSON (non-ASCII characters
+    take up to 6): by default so that the holder metadata with it as the purpose fits what a
+    broker takes (:data:`gpulock_common.options.MAX_REMOTE_HOLDER_JSON`), the tighter of the
+    two paths (Redis takes 512 bytes in all)."""
     if len(json.dumps(text)) <= limit:
         return text
     while text and len(json.dumps(text + "...")) > limit:

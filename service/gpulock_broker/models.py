@@ -13,6 +13,7 @@ from typing_extensions import Annotated
 from gpulock_common.options import MAX_TTL_S as MAX_POOL_TTL_S
 from gpulock_common.options import MIN_TTL_S as MIN_POOL_TTL_S
 from gpulock_common.options import (
+    MAX_REMOTE_HOLDER_JSON,
     DEFAULT_TTL_S,
     DEFAULT_YIELD_GRACE_S,
     MAX_BACKFILL_WINDOW_S,
@@ -54,7 +55,7 @@ POOL_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 # the broker scopes a request id to the token (gpulock_common.options, "Over HTTP")
 REQUEST_ID_PATTERN = f"^{REQUEST_ID_CHARS}{{1,{MAX_REMOTE_REQUEST_ID_LEN}}}$"
 LEASE_ID_PATTERN = r"^[0-9a-f]{32}$"
-MAX_HOLDER_JSON = 256  # the broker adds owner, principal and via within MAX_META_BYTES
+MAX_HOLDER_JSON = MAX_REMOTE_HOLDER_JSON  # the broker adds owner, principal and via
 # A lease over HTTP is renewed every ttl/3 by a client on another host: at least a second.
 MIN_TTL_S, MAX_TTL_S = MIN_REMOTE_TTL_S, MAX_POOL_TTL_S
 

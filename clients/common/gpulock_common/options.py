@@ -50,6 +50,9 @@ MAX_TIMEOUT_S = 1e9
 
 # Holder metadata: at most this many bytes as JSON (lua/lib.lua MAX_META).
 MAX_META_BYTES = 512
+# A remote holder's metadata (the broker's acquire body's `holder`, compact JSON): at most this
+# many bytes, so the broker's own fields (owner, principal, via) fit within MAX_META_BYTES.
+MAX_REMOTE_HOLDER_JSON = 256
 
 # Request ids (the idempotency key, the waiter's ticket): 1 to MAX_REQUEST_ID_LEN characters of
 # REQUEST_ID_CHARS (lua/lib.lua id_arg).
