@@ -21,6 +21,7 @@ from gpulock_client import AcquireTimeout, AsyncPool, Pool
 
 from gpulock import Pool as CorePool
 from gpulock.protocol.keys import pool_key
+from support.background import acquire_in_thread
 from support.preempt import enable_preemption
 from support.waiting import async_wait_until, wait_until
 
@@ -51,20 +52,6 @@ def _cfg(rc, field: str) -> int:
     return int(v) if v else 0
 
 
-def _urgent_in_thread(pool, amount, **kw):
-    out: dict = {}
-
-    def run():
-        try:
-            out["lease"] = pool.acquire(amount, **kw)
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
-
-
 def test_sdk_holder_learns_releases_and_the_waiter_is_granted(broker_srv, preempting, rc):
     with (
         Pool(broker_srv.url, preempting, token=USER_TOKEN) as sdk,
@@ -74,7 +61,7 @@ def test_sdk_holder_learns_releases_and_the_waiter_is_granted(broker_srv, preemp
         asked = threading.Event()
         lease.on_yield(lambda l: asked.set())
         assert not lease.yield_requested and lease.yield_deadline is None
-        t, out = _urgent_in_thread(urgent_pool, "6GiB", priority=10, timeout=WAIT_S)
+        t, out = acquire_in_thread(urgent_pool, "6GiB", priority=10, timeout=WAIT_S)
         wait_until(asked.is_set, WAIT_S, "the SDK holder's on_yield")
         assert lease.yield_requested
         deadline = lease.yield_deadline
@@ -105,7 +92,7 @@ def test_async_sdk_holder_coroutine_on_yield(broker_srv, redis_srv, preempting, 
             lease.on_yield(on_yield)
             with CorePool.from_url(redis_srv.url, preempting) as core:
                 # a core acquire of higher priority, in a thread (it blocks)
-                t, out = _urgent_in_thread(core, "6GiB", priority=10, timeout=WAIT_S)
+                t, out = acquire_in_thread(core, "6GiB", priority=10, timeout=WAIT_S)
                 await asyncio.wait_for(released.wait(), WAIT_S)
                 await async_wait_until(lambda: not t.is_alive(), WAIT_S, "the urgent grant")
                 got = out["lease"]
@@ -124,7 +111,7 @@ def test_renewal_reply_says_yield(broker_srv, redis_srv, preempting, user):
     assert r.status_code == 200 and r.json()["yield_requested"] is False
     assert r.json()["yield_deadline_s"] is None
     with CorePool.from_url(redis_srv.url, preempting) as core:
-        t, out = _urgent_in_thread(core, "6GiB", priority=10, timeout=WAIT_S)
+        t, out = acquire_in_thread(core, "6GiB", priority=10, timeout=WAIT_S)
         body = wait_until(
             lambda: (
                 (b := user.put(f"/v1/pools/{preempting}/leases/{lid}", json={}).json())[

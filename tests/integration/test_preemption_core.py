@@ -16,6 +16,8 @@ import pytest
 from gpulock import LeaseLost, Preemption
 from gpulock.protocol.keys import pool_key
 
+from support.background import acquire_in_thread
+
 CAP = 1000
 WAIT_S = 30.0  # a generous deadline for what must happen; never a bound on its speed
 
@@ -55,20 +57,6 @@ def _renewals(lease, n: int) -> None:
     _until(moved, f"{n} renewals")
 
 
-def _acquire_in_thread(pool, amount, **kw):
-    out: dict = {}
-
-    def run():
-        try:
-            out["lease"] = pool.acquire(amount, **kw)
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
-
-
 def test_holder_asked_yields_and_the_waiter_is_granted(make_pool, pool_name, rclient):
     holder_pool = make_pool(capacity=CAP)
     _preempt(holder_pool, 1, 1000)
@@ -77,7 +65,7 @@ def test_holder_asked_yields_and_the_waiter_is_granted(make_pool, pool_name, rcl
     asked = threading.Event()
     lease.on_yield(lambda l: asked.set())
     assert not lease.yield_requested and lease.yield_deadline is None
-    t, out = _acquire_in_thread(waiter_pool, 500, priority=5, timeout=WAIT_S)
+    t, out = acquire_in_thread(waiter_pool, 500, priority=5, timeout=WAIT_S)
     _until(asked.is_set, "the holder's on_yield")
     assert lease.yield_requested and isinstance(lease.yield_deadline, float)
     late = []
@@ -103,7 +91,7 @@ def test_the_hand_off_message_tells_the_holder(make_pool, pool_name):
     by_message = []
     ask = rt.leases.ask
     rt.leases.ask = lambda asks: (by_message.extend(asks), ask(asks))  # type: ignore[method-assign]
-    t, out = _acquire_in_thread(waiter_pool, 500, priority=5, timeout=WAIT_S)
+    t, out = acquire_in_thread(waiter_pool, 500, priority=5, timeout=WAIT_S)
     _until(lambda: by_message, "the yield message")
     assert by_message[0].lease_id == lease.id
     _until(lambda: lease.yield_requested, "yield_requested")
@@ -141,7 +129,7 @@ def test_uncooperative_holder_loses_the_lease_at_the_deadline(make_pool, pool_na
     lease = holder_pool.acquire(800, ttl=1)
     lost = threading.Event()
     lease.on_lost(lambda l: lost.set())
-    t, out = _acquire_in_thread(waiter_pool, 500, priority=5, timeout=WAIT_S)
+    t, out = acquire_in_thread(waiter_pool, 500, priority=5, timeout=WAIT_S)
     _until(lost.is_set, "the holder's on_lost")  # it keeps heartbeating, never releases
     assert lease.yield_requested
     with pytest.raises(LeaseLost):
@@ -168,7 +156,7 @@ def test_never_asked(make_pool, pool_name, rclient, holder_kw, waiter_priority, 
     _preempt(holder_pool, gap, 500)
     waiter_pool = make_pool(capacity=CAP, poll_interval=0.2)
     lease = holder_pool.acquire(800, ttl=1, **holder_kw)
-    t, out = _acquire_in_thread(waiter_pool, 500, priority=waiter_priority, timeout=WAIT_S)
+    t, out = acquire_in_thread(waiter_pool, 500, priority=waiter_priority, timeout=WAIT_S)
     _until(lambda: _queued(waiter_pool), "the waiter queued")
     _renewals(lease, 3)  # renewals and the waiter's refreshes ran the ask meanwhile
     assert not lease.yield_requested and lease.yield_deadline is None
@@ -186,7 +174,7 @@ def test_asked_once(make_pool, pool_name, rclient):
     lease = holder_pool.acquire(800, ttl=1)
     calls = []
     lease.on_yield(calls.append)
-    t, out = _acquire_in_thread(waiter_pool, 500, priority=5, timeout=WAIT_S)
+    t, out = acquire_in_thread(waiter_pool, 500, priority=5, timeout=WAIT_S)
     _until(lambda: calls, "on_yield")
     _renewals(lease, 3)
     assert calls == [lease] and _cfg(rclient, pool_name, "y_asked") == 1
@@ -207,7 +195,7 @@ def test_an_asked_lease_may_shrink_not_grow_and_is_never_renewed_past_its_deadli
     _preempt(holder_pool, 1, 500)  # a grace below the ttl: the deadline is the expiry at the ask
     waiter_pool = make_pool(capacity=CAP, poll_interval=0.2)
     lease = holder_pool.acquire(800, ttl=30)
-    t, out = _acquire_in_thread(waiter_pool, 500, priority=5, timeout=WAIT_S)
+    t, out = acquire_in_thread(waiter_pool, 500, priority=5, timeout=WAIT_S)
     _until(lambda: lease.yield_requested, "the holder asked to yield")
     with pytest.raises(InvalidArgument, match=f"{lease.id} was asked to yield"):
         lease.resize(900)
