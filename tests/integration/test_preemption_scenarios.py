@@ -207,3 +207,35 @@ def test_resident_and_not_preemptible_leases_are_never_asked(rclient, pool_name,
     assert set(pr.asked(c, pool_name)) == {p}
     assert pr.counters(c, pool_name)["y_asked"] == 1
     check_consistent(c, pool_name)
+
+
+@pytest.mark.parametrize("form", list(RAW_FORMS))
+def test_a_tie_between_devices_goes_to_the_lowest_index(rclient, pool_name, form):
+    """Device 0: A (0, 100 B); device 1: B (0, 100 B), the older. W for any device (5, 100 B)
+    needs one pick on either: it asks on device 0, the lower index."""
+    c, call = rclient, RAW_FORMS[form]
+    _setup(c, pool_name, 200, devices="100 100")
+    _hold(c, pool_name, 100, 0, call, device="1")
+    a = _hold(c, pool_name, 100, 0, call, device="0")
+    _queue(c, pool_name, 100, 5, call)
+    assert set(pr.asked(c, pool_name)) == {a}
+    check_consistent(c, pool_name)
+
+
+@pytest.mark.parametrize("form", list(RAW_FORMS))
+def test_nothing_is_asked_in_the_grace_period_after_a_loss(rclient, pool_name, form):
+    """A pool made again after a loss (grace '1') grants nothing until its grace period ends,
+    so a head asks nobody then; a lease put back with its preemption field (reassert.lua's
+    10th) may be asked once the period is over."""
+    c, call = rclient, RAW_FORMS[form]
+    raw(c, pool_name, "configure", 100, 1000, "set", 60_000, 1, "", "", "", "", "", f"1 {GRACE}")
+    lid = new_id()
+    r = call(c, pool_name, "reassert", 1, lid, 1, 100, 60_000, "", "{}", "", "", "", "0|m")
+    assert r[3][0] > 0, r  # put back
+    assert _s(c.hget(pool_keys(pool_name)[6], f"pr:{lid}")) == "0|m"
+    _queue(c, pool_name, 50, 5, call, ttl_ms=60_000, wttl_ms=60_000)
+    assert pr.asked(c, pool_name) == {}
+    c.hset(pool_keys(pool_name)[0], "grace_until", "0")  # the period ends (as if it had run out)
+    call(c, pool_name, "renew", 0, 0)  # a heartbeat (any process's) runs the ask
+    assert set(pr.asked(c, pool_name)) == {lid}
+    check_consistent(c, pool_name)
