@@ -97,6 +97,7 @@ def test_pool_set_and_status_round_trip(redis_proc):
         "quotas": {},
         "devices": [4 * GiB],
         "placement": "bestfit",
+        "preemption": None,
     }
     # Without --max-waiters the current bound is kept.
     r = cli(url, "pool", "set", "gpu0", "--capacity", "6GiB")

@@ -24,7 +24,7 @@ import time
 import pytest
 import redis
 
-from gpulock import AsyncPool, Pool, PoolNotFound
+from gpulock import AsyncPool, Pool, PoolNotFound, Preemption
 from gpulock.protocol.keys import pool_keys
 
 from support.pools import check_consistent, config, holder_tokens
@@ -357,14 +357,20 @@ def test_an_acquire_only_pool_object_remakes_the_pool_with_the_operators_setting
     restarts empty. The pool it makes again has all three of the operator's values, and a grace
     period of the operator's max_ttl — not the constructor's max_ttl 60 s and max_waiters 10000
     (acquire replies carry neither: the pool object reads them once when it first sees the
-    pool). The queue policy, backfill window and tenant quotas come back too."""
+    pool). The queue policy, backfill window, tenant quotas and preemption come back too."""
     rp, name = redis_proc1, f"acquire-only-{kind}"
     direct = redis.Redis.from_url(rp.url)
     operator = Pool.from_url(rp.url, name)
     holder = None
     try:
         operator.configure(
-            10, max_ttl=5, max_waiters=7, policy="backfill", backfill_window=3, quotas={"t-a": 4}
+            10,
+            max_ttl=5,
+            max_waiters=7,
+            policy="backfill",
+            backfill_window=3,
+            quotas={"t-a": 4},
+            preemption=Preemption(3, 2.0),
         )  # `gpulock pool set --capacity 10 --max-ttl 5 --policy backfill ...`
         holder = _Shell(kind, rp.url, name, capacity=100, default_ttl=1.5)
         lease = holder("acquire", 4)
@@ -375,7 +381,7 @@ def test_an_acquire_only_pool_object_remakes_the_pool_with_the_operators_setting
             return (
                 rt.max_ttl_seen_ms == 5000
                 and rt.max_waiters_seen == 7
-                and rt.policy_seen == ("backfill", 3000, "t-a=4", "", "bestfit")
+                and rt.policy_seen == ("backfill", 3000, "t-a=4", "", "bestfit", "3 2000")
             )
 
         wait_until(learned, timeout=5.0)
@@ -393,6 +399,7 @@ def test_an_acquire_only_pool_object_remakes_the_pool_with_the_operators_setting
         assert cfg["backfill_ms"] == 3000, cfg
         assert direct.hget(pool_keys(name)[0], "policy") == b"backfill"
         assert direct.hget(pool_keys(name)[0], "quota:t-a") == b"4"
+        assert direct.hget(pool_keys(name)[0], "preempt") == b"3 2000"
         grace_ms = cfg["grace_until"] - int(direct.time()[0]) * 1000
         assert 0 < grace_ms <= 5000 + 1000, cfg
         if kind == "async":
