@@ -1,5 +1,5 @@
-"""The per-process history file (tests): one JSON line per grant, release and CUDA call, so a
-test can check that no two leases over the budget were ever held at once."""
+"""The per-process history file (tests): one JSON line per grant, release, loss and CUDA call,
+so a test can check that no two leases over the budget were ever held at once."""
 
 from __future__ import annotations
 
@@ -31,8 +31,10 @@ class History:
 
     def record(self, event: str, lease: AsyncLease | None, **kw: Any) -> None:
         """One line: ``e`` (the event), ``pid``, ``t`` (wall clock, seconds), ``kw``, and the
-        lease's id, amount, token and server grant time (ms) when a lease is given. Write
-        errors are ignored."""
+        lease's id, amount, token, server grant time and last known server expiry (both Unix
+        ms, the server's clock: on one host, the clock ``t`` reads) when a lease is given. A
+        lease that expired on the server before its release or loss was recorded gave its
+        bytes back at ``expires_ms`` at the latest, not at ``t``. Write errors are ignored."""
         if self._file is None:
             return
         rec = {"e": event, "pid": os.getpid(), "t": time.time(), **kw}
@@ -42,6 +44,7 @@ class History:
                 amount=lease.amount,
                 token=lease.token,
                 server_grant_ms=int(round(lease.expires_at * 1000 - lease.ttl * 1000)),
+                expires_ms=int(round(lease.expires_at * 1000)),
             )
         try:
             self._file.write(json.dumps(rec, separators=(",", ":")) + "\n")

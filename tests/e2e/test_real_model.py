@@ -367,10 +367,15 @@ def test_kill_9_worker_mid_request(svc):
             os.kill(victim, signal.SIGKILL)
             t_kill = time.time()
             dies_at = svc.expiries_of(victim, t_kill)
-            return victim, t_kill, dies_at, await asyncio.gather(*tasks)
+            read_at = time.time()
+            return victim, read_at, dies_at, await asyncio.gather(*tasks)
 
-    victim, t_kill, dies_at, outcomes = asyncio.run(run())
-    assert max(dies_at.values()) <= t_kill + TTL + 0.1
+    victim, read_at, dies_at, outcomes = asyncio.run(run())
+    # A dead holder renews nothing: its leases expire at most a ttl after the last command it
+    # sent ran on Redis, which was before expiries_of returned (it waited for the process to be
+    # gone and for Redis to run what it had sent). Not "a ttl after t_kill": a renewal already
+    # sent at the kill may run later than t_kill on a loaded machine.
+    assert max(dies_at.values()) <= read_at + TTL
     lost = [o for o in outcomes if isinstance(o, str)]  # the victim's clients lost their connection
     assert lost, outcomes
     assert [o for o in outcomes if not isinstance(o, str)] == [200] * (8 - len(lost)), (

@@ -32,33 +32,38 @@ def lease_intervals(
     end: float | None = None,
 ) -> list[tuple[float, float, int, str]]:
     """``(start, end, amount, lease_id)`` per lease: from the worker's grant record (written
-    after the grant returned) to its release record (written before release was sent) — an
-    inner bound of the server's interval, which still contains every CUDA call. The leases of a
-    worker killed with -9 last until their server expiry, read from Redis right after the kill
-    (``killed[pid]`` is :meth:`Service.expiries_of`: a dead holder renews nothing more); one
-    with no release record at all lasts until ``end``."""
+    after the grant returned) to its release or loss record (a release record is written before
+    the release is sent), or to the lease's last known server expiry (``expires_ms`` in that
+    record) where that came first: a worker stalled past it (a loaded machine) records its
+    release or loss late, while the server already gave the bytes to another (on one host the
+    records' ``t`` and the server's ms read the same clock). So each interval is an inner bound
+    of the server's, and the sweep of them is at most what the server held at any instant.
+    A lease lost without a record (a worker killed with -9) lasts until its server expiry,
+    read from Redis after the kill (``killed[pid]`` is :meth:`Service.expiries_of`: a dead
+    holder renews nothing more); one with no end record at all lasts until ``end``."""
     killed = killed or {}
     end = end if end is not None else time.time() + 3600
-    grants, releases = {}, {}
+    grants, ends = {}, {}
     for e in events:
         if routes is not None and e.get("route") not in routes:
             continue
         if e["e"] == "grant":
             grants[e["lease_id"]] = e
-        elif e["e"] == "release":
-            releases[e["lease_id"]] = e
+        elif e["e"] in ("release", "lost"):
+            ends.setdefault(e["lease_id"], e)  # the first (a lost lease may be released too)
     out = []
     for lid, g in grants.items():
-        if lid in releases:
-            t1 = releases[lid]["t"]
+        if lid in ends:
+            rec = ends[lid]
+            t1 = min(rec["t"], rec["expires_ms"] / 1000) if "expires_ms" in rec else rec["t"]
         elif g["pid"] in killed:
-            ends = killed[g["pid"]]
-            t1 = ends.get(
-                lid, ends["killed_at"]
+            expiries = killed[g["pid"]]
+            t1 = expiries.get(
+                lid, expiries["killed_at"]
             )  # not in Redis any more: it ended before we looked
         else:
             t1 = end
-        out.append((g["t"], t1, int(g["amount"]), lid))
+        out.append((g["t"], max(g["t"], t1), int(g["amount"]), lid))
     return out
 
 

@@ -5,6 +5,7 @@ pool's counters, the emptiness and consistency checks, and the server's clock.""
 from __future__ import annotations
 
 import re
+import time
 
 from typing import Any
 
@@ -281,3 +282,38 @@ async def status_until(url: str, pool: str, pred: Any, timeout: float = 10.0) ->
             await asyncio.sleep(0.01)
     finally:
         await p.aclose()
+
+
+def settle(client: redis.Redis) -> None:
+    """Return once Redis has run every command a stopped or killed client had already written
+    (instead of sleeping and hoping): on loopback a send lands in the server's socket buffer at
+    once, and Redis handles every readable connection of an event-loop turn before it answers
+    a command that arrived later, so two round trips on our own connection are enough."""
+    client.ping()
+    client.ping()
+
+
+def lease_expiries_ms(client: redis.Redis, pool: str, lease_ids: list[str]) -> dict[str, float]:
+    """lease id -> its expiry on the server (Unix ms, the server's clock), exactly as Redis
+    keeps it; a lease no longer there is left out."""
+    scores = client.zmscore(pool_keys(pool).leases, lease_ids) if lease_ids else []
+    return {lid: float(s) for lid, s in zip(lease_ids, scores) if s is not None}
+
+
+def monotonic_of_wall(tight_s: float = 0.001, timeout: float = 30.0) -> float:
+    """The offset to add to a wall-clock instant (``time.time()`` seconds: CLOCK_REALTIME, the
+    clock Redis ``TIME`` reads on this host) to get the earliest ``time.monotonic()`` instant
+    it can be. Read as monotonic, wall, monotonic, again until the two monotonic reads lie at
+    most ``tight_s`` apart (a process descheduled between them widens the bracket; this waits
+    for a read that was not), so the offset is exact to ``tight_s``, and never late: a
+    deadline compared with it is compared with the earliest instant the other could be.
+    Raises AssertionError when no such read came within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m1 = time.monotonic()
+        w = time.time()
+        m2 = time.monotonic()
+        if m2 - m1 <= tight_s:
+            return m1 - w
+        if m2 > deadline:
+            raise AssertionError(f"no clock read within {tight_s}s in {timeout}s")

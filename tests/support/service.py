@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import redis
 
 from gpulock import Pool
 from .ports import free_port
 
-from .pools import GiB
-from .procs import _LIVE, children, cmdline, stop_group
+from .pools import GiB, lease_expiries_ms, settle
+from .procs import _LIVE, alive, children, cmdline, stop_group
+from .waiting import wait_until
 
 
 @dataclass
@@ -166,11 +168,19 @@ class Service:
         return out
 
     def expiries_of(self, pid: int, killed_at: float) -> dict:
-        """For a worker just killed: ``{lease_id: unix time its lease expires on the server}``
-        read now, plus ``"killed_at"``."""
-        st = self.status()
-        now = time.time()
-        out = {lz.lease_id: now + lz.expires_in for lz in st.leases if lz.holder.get("pid") == pid}
+        """For a worker just killed: ``{lease_id: unix time its lease expires on the server}``,
+        plus ``"killed_at"``. Read once the process is gone and Redis has run whatever it had
+        already sent (a renewal in flight at the kill), from the pool's own record of each
+        expiry: the final expiries, exactly (not ``now + expires_in``, which is later than the
+        server's expiry by however long the status call took on a loaded machine)."""
+        wait_until(lambda: not alive(pid), 30, f"worker {pid} to die")
+        r = redis.Redis.from_url(self.redis_url)
+        try:
+            settle(r)
+            ids = [lz.lease_id for lz in self.status().leases if lz.holder.get("pid") == pid]
+            out: dict = {lid: ms / 1000 for lid, ms in lease_expiries_ms(r, self.pool, ids).items()}
+        finally:
+            r.close()
         out["killed_at"] = killed_at
         return out
 
