@@ -379,12 +379,9 @@ class AsyncPool(PoolOptions):
         quotas"). ``devices``: a count N (N devices of ``capacity`` each) or each device's
         capacity (a list; ``capacity`` then defaults to their sum), and ``placement``
         "bestfit" (a new pool's) or "spread": how a request without a device is placed
-        (docs/SEMANTICS.md, "Devices and placement"). ``preemption``: a
-        :class:`gpulock_common.options.Preemption` (``gap``, ``yield_grace_s``) turns it on:
-        a queued request at the head that does not fit asks holders ``gap`` or more priority
-        levels below it to yield, and takes an asked lease back at the latest
-        ``yield_grace_s`` later; False turns it off (a new pool's; docs/SEMANTICS.md,
-        "Preemption"). None leaves a setting as it is.
+        (docs/SEMANTICS.md, "Devices and placement"). ``preemption``: a ``Preemption(gap,
+        yield_grace_s)`` turns it on, False off (docs/SEMANTICS.md, "Preemption"). None
+        leaves a setting as it is.
         Returns ``{"created", "capacity", "epoch", "used", "max_waiters", "policy",
         "backfill_window", "quotas", "devices", "placement", "preemption"}`` (preemption:
         ``{"gap", "yield_grace_s"}``, None when off; ``status()`` shows ``max_ttl`` and
@@ -492,12 +489,9 @@ class AsyncPool(PoolOptions):
                 held and queued is refused at once (RoomExceeded); a resident request that
                 does not fit next to them is not queued, whatever the timeout (AcquireTimeout
                 at once: try again later). docs/SEMANTICS.md, "Resident leases".
-            preemptible: False for a lease the server must never ask its holder to yield;
-                default True: on a pool with preemption on (``configure(preemption=...)``) a
-                queued request of a priority at least the pool's gap higher that cannot fit
-                may ask for it (``lease.on_yield``, ``lease.yield_requested``,
-                ``lease.yield_deadline``); not released by the deadline, it is taken back
-                (lost). A resident lease is never asked.
+            preemptible: False: never asked to yield; True (default): with the pool's
+                preemption on, a higher-priority request may ask (``lease.on_yield``;
+                docs/SEMANTICS.md, "Preemption").
 
         Returns: an :class:`AsyncLease` (also an async context manager).
 
