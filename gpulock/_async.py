@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 from types import TracebackType
 from typing import Any, Callable, Generator, Mapping, Sequence, TypeVar
@@ -15,7 +14,7 @@ from typing import Any, Callable, Generator, Mapping, Sequence, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, RedisError
 
-from gpulock_common.aio import logged, pending_cancels
+from gpulock_common.aio import pending_cancels, plain_or_coroutine
 from gpulock_common.driver import adrive
 from gpulock_common.options import PoolSettings, Preemption
 
@@ -100,14 +99,12 @@ class AsyncLease(LeaseBase):
         """Call ``callback(lease)`` once when the holder learns that the server asked it to
         yield this lease (:meth:`gpulock_common.lease.LeaseView.on_yield`); ``callback`` may
         be a plain function or a coroutine function, whose coroutine then runs as a task of
-        the pool's event loop. An exception from either is logged, not raised."""
+        the pool's event loop. An exception from either is logged, not raised. Raises
+        TypeError when ``callback`` is not callable."""
         rt = self._pool._runtime
-
-        def call(lease: Any) -> None:
-            r = callback(lease)
-            if inspect.isawaitable(r):
-                rt.tasks.in_loop(lambda: rt.spawn(logged(r, "on_yield", log)))
-
+        call = plain_or_coroutine(
+            callback, lambda c: rt.tasks.in_loop(lambda: rt.spawn(c)), "on_yield", log
+        )
         self._state.add_yield_callback(call, self)
 
     async def __aenter__(self) -> "AsyncLease":
@@ -274,6 +271,8 @@ class AsyncPool(PoolOptions):
             w = rt.waiters.get(step.handle.ticket)
             return flow.TimedOut(w.position if w else step.handle.position)
         if isinstance(step, flow.Subscribe):
+            if step.yields:
+                return await rt.subscribe_quietly()
             return await rt.ensure_subscribed()
         if isinstance(step, flow.Checkpoint):
             if pending_cancels() > cancels_before:

@@ -333,7 +333,10 @@ class Pool(PoolOptions):
                 step.args, st.sync_replicas, st.sync_timeout_ms, self._sync_key, step.bound
             )
         if isinstance(step, flow.Subscribe):
-            bg.sub.ensure_subscribed()
+            if step.yields:  # the runtime's listener, in the loop thread
+                portal.call(rt.subscribe_quietly())
+            else:
+                bg.sub.ensure_subscribed()
             return None
         if isinstance(step, flow.Join):
             # On this thread, not the loop thread's: waking that one would take the GIL from

@@ -98,7 +98,7 @@ if res then
 end
 local ydl = yield_deadline(lid)  -- asked to yield (lib.lua "Preemption"): it may shrink, not grow
 if ydl and amount > cur then
-  return bad('lease ' .. lid .. ' was asked to yield: it may shrink or be released, not grow to '
+  return bad('lease ' .. lid .. ' was asked to yield: it may shrink (the ask stands) or be released, not grow to '
     .. fmt(amount) .. ' bytes')
 end
 local d = load_devices(cfg[4], cfg[5])  -- nil: a pool of one device

@@ -52,6 +52,7 @@ from gpulock.protocol.steps import (
     WaiterQueue as WaiterQueue,
     Unanswered as Unanswered,
     SUBSCRIBE as SUBSCRIBE,
+    LISTEN as LISTEN,
     CHECKPOINT as CHECKPOINT,
     _T as _T,
     Flow as Flow,
@@ -417,6 +418,8 @@ def _acquire(
     wait = req.timeout_s != 0
     if wait and not rt.subscribed:
         yield SUBSCRIBE
+    if req.preemptible and not req.resident and not rt.listening:
+        yield LISTEN  # an ask to yield may come right after the grant: listen before it
     argv = req.argv("wait" if wait else "try", rt.channel_id)
     needs_cancel = True
     unreachable = False  # Redis did not answer the acquire: its withdrawal goes to the background

@@ -71,7 +71,12 @@ class Eval(Step):
 @dataclass(slots=True)
 class Subscribe(Step):
     """Make sure the runtime's hand-off subscription is confirmed before a queueing acquire
-    is sent, so that no grant published after it can be missed."""
+    is sent, so that no grant published after it can be missed. ``yields``: the one that
+    hands asks to yield to the leases held (the runtime's listener; on the sync shell not the
+    one its waiting threads read), before an acquire whose lease may be asked is sent, so
+    that an ask made right after its grant is not missed (docs/SEMANTICS.md, "Preemption")."""
+
+    yields: bool = False
 
 
 @dataclass(slots=True)
@@ -81,6 +86,7 @@ class Checkpoint(Step):
 
 
 SUBSCRIBE = Subscribe()
+LISTEN = Subscribe(yields=True)
 CHECKPOINT = Checkpoint()
 
 
@@ -230,6 +236,12 @@ class RuntimeView(Protocol):
     @property
     def subscribed(self) -> bool:
         """Whether the hand-off subscription is confirmed now (no :class:`Subscribe` needed)."""
+        ...
+
+    @property
+    def listening(self) -> bool:
+        """Whether the subscription that hands asks to yield to the leases held is confirmed
+        now (no :data:`LISTEN` needed)."""
         ...
 
     def use_settings(

@@ -135,6 +135,12 @@ class Runtime:
         the sync shell said it reads instead (:meth:`read_elsewhere`)."""
         return self._subscribed()
 
+    @property
+    def listening(self) -> bool:
+        """Whether :attr:`listener`, which hands asks to yield to the leases held, is subscribed
+        and confirmed now."""
+        return self.listener.subscribed
+
     def read_elsewhere(self, ready: Callable[[], bool]) -> None:
         """The pool object's channel is read by someone else (the sync shell's waiting
         threads: :mod:`gpulock.runtime.sync_listener`), not by :attr:`listener`; ``ready()`` says
@@ -244,9 +250,11 @@ class Runtime:
         renewals' replies tell a yield request meanwhile, or if it fails."""
         if self._closed or self.listener.joined:
             return
-        self.tasks.spawn(self._subscribe_quietly())
+        self.tasks.spawn(self.subscribe_quietly())
 
-    async def _subscribe_quietly(self) -> None:
+    async def subscribe_quietly(self) -> None:
+        """Subscribe :attr:`listener` and wait until confirmed, unless closed; a failure is
+        logged, not raised: asks to yield also come in the renewals' replies."""
         # close() may have run between the spawn and this start, or during the subscription:
         # then leave at once, or the shared connection would keep a channel nobody leaves
         if self._closed:

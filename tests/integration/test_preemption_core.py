@@ -208,3 +208,45 @@ def test_an_asked_lease_may_shrink_not_grow_and_is_never_renewed_past_its_deadli
     assert int(rclient.zscore(keys.leases, lease.id)) <= deadline
     got.release()
     lease.release()
+
+
+def test_an_ask_right_after_the_grant_comes_by_message(make_pool, pool_name):
+    """The acquire listens on the channel before it is sent (flow LISTEN), so an ask made the
+    moment after the grant reaches the holder by the message, not at its next renewal (ttl 60:
+    the first one 20 s later)."""
+    holder_pool = make_pool(capacity=CAP)
+    _preempt(holder_pool, 1, 5000)
+    waiter_pool = make_pool(capacity=CAP)
+    for attempt in range(3):  # the first acquire of the pool object subscribes, later ones not
+        lease = holder_pool.acquire(800, ttl=60, timeout=0)
+        rt = holder_pool._bg.rt
+        assert rt.listening
+        by_message: list = []
+        ask = rt.leases.ask
+        rt.leases.ask = lambda asks: (by_message.extend(asks), ask(asks))  # type: ignore[method-assign]
+        t, out = acquire_in_thread(waiter_pool, 500, priority=5, timeout=WAIT_S)
+        _until(lambda: lease.yield_requested, "yield_requested")
+        assert [a.lease_id for a in by_message] == [lease.id], attempt
+        rt.leases.ask = ask  # type: ignore[method-assign]
+        lease.release()
+        t.join(WAIT_S)
+        out["lease"].release()
+
+
+async def test_an_async_ask_right_after_the_grant_comes_by_message(make_apool, pool_name):
+    holder_pool = make_apool(capacity=CAP)
+    await holder_pool.configure(CAP, preemption=Preemption(1, 5.0))
+    waiter_pool = make_apool(capacity=CAP)
+    lease = await holder_pool.acquire(800, ttl=60, timeout=0)
+    rt = holder_pool._runtime
+    assert rt.listening
+    by_message: list = []
+    ask = rt.leases.ask
+    rt.leases.ask = lambda asks: (by_message.extend(asks), ask(asks))  # type: ignore[method-assign]
+    asked = asyncio.Event()
+    lease.on_yield(lambda _: asked.set())
+    w = asyncio.create_task(waiter_pool.acquire(500, priority=5, timeout=WAIT_S))
+    await asyncio.wait_for(asked.wait(), WAIT_S)
+    assert [a.lease_id for a in by_message] == [lease.id]  # not a renewal's reply
+    await lease.release()
+    await (await w).release()

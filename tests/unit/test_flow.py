@@ -84,7 +84,11 @@ def test_a_grant_makes_a_lease_and_withdraws_nothing():
 
     lease, seen = drive(flow.acquire(pool, rt, _req(0), 0.0, None), answer)
     assert lease[1].lease_id == "lease" and lease[1].token == 7
-    assert not any(isinstance(s, (flow.Withdraw, flow.Subscribe)) for s in seen)
+    assert not any(isinstance(s, flow.Withdraw) for s in seen)
+    # a try queues nothing, so it needs no hand-off subscription; its lease may be asked to
+    # yield, so the flow listens for that before the acquire is sent
+    assert [s for s in seen if isinstance(s, flow.Subscribe)] == [flow.LISTEN]
+    assert seen.index(flow.LISTEN) < next(i for i, s in enumerate(seen) if isinstance(s, flow.Eval))
     assert rt.recovery.known_epoch == 3
 
 
@@ -418,6 +422,7 @@ class OnlyTheView:
 
     channel_id = "chan"
     subscribed = True
+    listening = True
 
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -505,4 +510,4 @@ def test_the_flows_need_of_the_runtime_only_its_view():
     state = LeaseState("p", g, 30.0, 10.0, pool.clock)
     drive(flow.release_lease(state, rt), lambda s: [1, 1_000, 0, 0])
     assert lease == "the lease" and state.released
-    assert set(rt.calls) == view - {"channel_id", "subscribed"}  # those two are read
+    assert set(rt.calls) == view - {"channel_id", "subscribed", "listening"}  # those are read

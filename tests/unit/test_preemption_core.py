@@ -147,3 +147,14 @@ def test_preemption_field():
     assert s.preemption_field("abc") == ""
     s.preemptible, s.resident = True, True
     assert s.preemption_field("abc") == ""
+
+
+def test_on_yield_needs_a_callable_at_once():
+    """A callback that is not callable is refused when it is given, not when the ask comes."""
+    from gpulock_common.aio import plain_or_coroutine
+
+    s = _state(_Clock())
+    with pytest.raises(TypeError, match="on_yield takes a callable, got 42"):
+        s.add_yield_callback(42)
+    with pytest.raises(TypeError, match="on_yield takes a callable, got 42"):
+        plain_or_coroutine(42, lambda c: None, "on_yield", logging.getLogger("t"))

@@ -21,9 +21,10 @@ No I/O; standard library only.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import sys
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -70,6 +71,30 @@ async def logged(aw: Awaitable[Any], what: str, log: logging.Logger) -> None:
         await aw
     except Exception:  # noqa: BLE001 - see above
         log.exception("%s: %s callback raised", log.name, what)
+
+
+def plain_or_coroutine(
+    callback: Callable[[Any], Any],
+    spawn: Callable[[Awaitable[None]], Any],
+    what: str,
+    log: logging.Logger,
+) -> Callable[[Any], None]:
+    """A lease callback of an asyncio client (``what``: "on_yield"), which may be a plain
+    function or a coroutine function: the wrapper calls it, and hands the coroutine it
+    returned, wrapped by :func:`logged`, to ``spawn`` to run as a task of its own.
+
+    Raises:
+        TypeError: ``callback`` is not callable (checked now: it may run much later).
+    """
+    if not callable(callback):
+        raise TypeError(f"{what} takes a callable, got {callback!r:.80}")
+
+    def call(lease: Any) -> None:
+        r = callback(lease)
+        if inspect.isawaitable(r):
+            spawn(logged(r, what, log))
+
+    return call
 
 
 async def stop_tasks(tasks: Iterable[asyncio.Future[Any]], *, resend_s: float = RESEND_S) -> None:

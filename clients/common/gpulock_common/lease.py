@@ -195,7 +195,13 @@ class LocalLeaseState:
     def add_yield_callback(self, cb: Callable[..., Any], owner: Any = _NO_OWNER) -> None:
         """Call ``cb(owner)`` (``cb()`` when no owner is given) once, when the holder learns
         that the server asked it to yield the lease; at once, in this thread, if it learnt
-        that already. An exception from ``cb`` is logged, not raised."""
+        that already. An exception from ``cb`` is logged, not raised.
+
+        Raises:
+            TypeError: ``cb`` is not callable (checked now: it may run much later).
+        """
+        if not callable(cb):
+            raise TypeError(f"on_yield takes a callable, got {cb!r:.80}")
         bound: Callable[[], Any] = cb if owner is _NO_OWNER else (lambda: cb(owner))
         with self._lock:
             fire = self.yield_deadline is not None

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import time
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Set, Union
 
 import httpx
-from gpulock_common.aio import logged, stop_tasks, wait_for
+from gpulock_common.aio import plain_or_coroutine, stop_tasks, wait_for
 from gpulock_common.driver import adrive
 
 from gpulock_common.lease import stop_renewal
@@ -71,13 +70,12 @@ class AsyncLease(core.LeaseBase):
         as a task of the event loop. An exception from either is logged, not raised."""
         tasks = self._pool._callback_tasks
 
-        def call(lease: Any) -> None:
-            r = callback(lease)
-            if inspect.isawaitable(r):
-                t = asyncio.ensure_future(logged(r, "on_yield", core.LeaseState.log))
-                tasks.add(t)  # kept until it ends (the loop keeps only a weak reference)
-                t.add_done_callback(tasks.discard)
+        def spawn(c: Any) -> None:
+            t = asyncio.ensure_future(c)
+            tasks.add(t)  # kept until it ends (the loop keeps only a weak reference)
+            t.add_done_callback(tasks.discard)
 
+        call = plain_or_coroutine(callback, spawn, "on_yield", core.LeaseState.log)
         self._state.add_yield_callback(call, self)
 
     async def resize(self, amount: Union[int, str], *, timeout: Optional[float] = None) -> None:
