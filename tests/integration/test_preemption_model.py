@@ -54,6 +54,7 @@ _RESIZE_ERRORS = {
     "GPULOCK_QUOTA": "quota",
     "GPULOCK_CONFLICT": "conflict",
     "GPULOCK_RESIZE_REFUSED": "deadlock",
+    "GPULOCK_BADARG": "asked",  # the growth of a lease asked to yield (the only BADARG here)
 }
 
 #: (capacity, devices ARGV, per-device capacities, quotas ARGV)

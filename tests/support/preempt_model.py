@@ -98,6 +98,20 @@ class PreemptModel(QueueModel):
             self.ask(now_ms)
         return pos
 
+    def resize(self, t: str, g: str, amount: int, priority: int, now_ms: int, mode: str) -> str:
+        """resize.lua: a lease asked to yield may not grow ('asked', an error that changes
+        nothing); a resize answered 'granted' renews the lease (its ttl from now), never past
+        its yield deadline."""
+        if t in self.asked and t in self.held and amount > self.held[t]:
+            return "asked"
+        got = super().resize(t, g, amount, priority, now_ms, mode)
+        if got == "granted" and t in self.held:
+            exp = now_ms + self.requests[t].ttl_ms
+            if t in self.asked:
+                exp = min(exp, self.asked[t][1])
+            self.expiry[t] = exp
+        return got
+
     def renew(self, leases: list[tuple[str, int]], now_ms: int) -> list[tuple[int, int]]:
         """renew.lua for (ticket, ttl_ms) pairs: its hand-off (and ask), then per lease (new
         expiry, yield deadline): (0, 0) when not held; the expiry capped at the deadline."""
