@@ -26,6 +26,7 @@ from gpulock.protocol.args import (
     DEFAULT_WAITER_TTL_S,
     PoolOptions,
 )
+from gpulock.protocol.keep import take_for
 from gpulock.protocol.lease import LeaseBase, default_clock
 from gpulock.protocol.request import AcquireOptions, AcquireRequest
 from gpulock.protocol.resize import resize_lease
@@ -66,7 +67,10 @@ class AsyncLease(LeaseBase):
             BackendUnavailable: Redis could not be reached while the lease was valid (the
                 release is retried until its local deadline); it expires on the server.
         """
-        await self._pool._run(flow.release_lease(self._state, self._pool._runtime))
+        s = self._state
+        if s.kept and s.keeper.put_back(s) is not None:
+            return  # kept bytes, nobody waiting: no round trip (gpulock.protocol.keep)
+        await self._pool._run(flow.release_lease(s, self._pool._runtime))
 
     async def resize(self, amount: int | str, *, timeout: float | None = None) -> None:
         """Change the lease's amount to ``amount`` (bytes or a size string, as ``acquire``'s);
@@ -180,6 +184,9 @@ class AsyncPool(PoolOptions):
             plus the replication delay per grant (see docs/RELIABILITY.md).
         sync_timeout: seconds ``WAIT`` waits for the replicas; a grant not acknowledged by
             then is given back and the acquire raises BackendUnavailable.
+        keep: seconds (0.1-3600) this pool object may keep a released lease's bytes, idle,
+            to grant its own next request of the same kind from them without a round trip,
+            while nobody waits; 0 (the default): off (docs/SEMANTICS.md, "Kept bytes").
         clock: a monotonic clock (seconds); tests inject one.
     """
 
@@ -197,6 +204,7 @@ class AsyncPool(PoolOptions):
         max_ttl: float | None = None,
         sync_replicas: int = 0,
         sync_timeout: float = 1.0,
+        keep: float = 0.0,
         clock: Callable[[], float] = default_clock,
         _owns_client: bool = False,
     ):
@@ -211,11 +219,13 @@ class AsyncPool(PoolOptions):
             max_ttl=max_ttl,
             sync_replicas=sync_replicas,
             sync_timeout=sync_timeout,
+            keep=keep,
         )
         self.redis = redis
         self.clock = clock
         self._keys = pool_keys(self.name)
         self._runtime = Runtime(redis, self.name, self._keys, clock, poll_interval)
+        self._runtime.kept.keep_s = self.keep
         # concurrent calls share round trips: the batcher sends each call's first try
         self._batch = Batcher(inflight_for(redis))
         self._scripts = AsyncScripts(redis, self._keys, first=self._batch.first)
@@ -506,6 +516,14 @@ class AsyncPool(PoolOptions):
             On cancellation (``CancelledError``) the request leaves the queue and any grant
             that raced in is released before the error propagates (invariant 2 in docs/SEMANTICS.md).
         """
+        rt = self._runtime
+        if rt.kept.idle_count and request_id is None and not resident and not rt.closed:
+            state = take_for(
+                rt.kept, self.default_ttl, amount, ttl, timeout, holder, on_queued,
+                priority, tenant, device, preemptible,
+            )  # fmt: skip
+            if state is not None:
+                return AsyncLease(state, self)  # granted from kept bytes: no round trip
         opts = AcquireOptions(
             ttl=ttl,
             timeout=timeout,
@@ -521,9 +539,12 @@ class AsyncPool(PoolOptions):
             self.name, amount, opts, waiter_ttl=self.waiter_ttl, default_ttl=self.default_ttl
         )
         start = self.clock()
-        if self._runtime.closed:  # no heartbeat or listener would serve the lease
+        if rt.closed:  # no heartbeat or listener would serve the lease
             raise PoolClosed(self.name, queued=False)
-        steps = flow.acquire(self, self._runtime, req, start, on_queued)
+        if rt.kept.idle_count and req.keepable:
+            # it does not fit the kept bytes: they go back first, then it asks as usual
+            await rt.kept_back.release_now(rt.kept.give_back(drain=False))
+        steps = flow.acquire(self, rt, req, start, on_queued)
         # The lease its MakeLease step made.
         lease: AsyncLease = await self._run(steps, pending_cancels())
         return lease
@@ -541,7 +562,12 @@ class AsyncPool(PoolOptions):
         return len(self._runtime.waiters)
 
     async def aclose(self) -> None:
-        """Stop the heartbeat and listener (held leases are not released: they expire)."""
+        """Stop the heartbeat and listener (held leases are not released: they expire; idle
+        kept leases are given back first)."""
+        rt = self._runtime
+        if rt.kept.idle_count and not rt.closed:
+            with contextlib.suppress(Exception):
+                await rt.kept_back.release_now(rt.kept.give_back())
         await self._runtime.close()
         if self._owns_client:
             # Best effort, as Pool.close's: redis-py raises TimeoutError when a socket's close

@@ -14,6 +14,7 @@ when the heartbeat must run sooner than it planned.
 from __future__ import annotations
 
 import os
+import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from gpulock.protocol.args import (
     DEFAULT_WAITER_TTL_S,
     PoolOptions,
 )
+from gpulock.protocol.keep import take_for
 from gpulock.protocol.lease import LeaseBase, default_clock
 from gpulock.protocol.request import AcquireOptions, AcquireRequest
 from gpulock.protocol.resize import resize_lease
@@ -111,8 +113,15 @@ def _make_background(pool: Pool) -> _Background:
     except BaseException:
         portal.stop()  # no runtime: leave no loop thread (a later call starts again)
         raise
+    rt.kept.keep_s = pool.keep
     sub = ThreadSubscription(
-        pool.redis, rt.channel, pool.name, rt.deliver, rt.poll_waiters_now, rt.yielded
+        pool.redis,
+        rt.channel,
+        pool.name,
+        rt.deliver,
+        rt.poll_waiters_now,
+        rt.yielded,
+        rt.kept_back.wanted_back,
     )
     rt.read_elsewhere(lambda: sub.ready)
     flow.push_settings(pool, rt)
@@ -136,7 +145,10 @@ class Lease(LeaseBase):
             BackendUnavailable: Redis unreachable while the lease was valid (the release is
                 retried until its local deadline); it expires on the server.
         """
-        self._pool._run(flow.release_lease(self._state, self._pool._runtime))
+        s = self._state
+        if s.kept and s.keeper.put_back(s) is not None:
+            return  # kept bytes, nobody waiting: no round trip (gpulock.protocol.keep)
+        self._pool._run(flow.release_lease(s, self._pool._runtime))
 
     def resize(self, amount: int | str, *, timeout: float | None = None) -> None:
         """Change the lease's amount: :meth:`gpulock.AsyncLease.resize` (blocking; a
@@ -208,6 +220,7 @@ class Pool(PoolOptions):
         max_ttl: float | None = None,
         sync_replicas: int = 0,
         sync_timeout: float = 1.0,
+        keep: float = 0.0,
         clock: Callable[[], float] = default_clock,
         _url: str | None = None,
         _owns_client: bool = False,
@@ -223,6 +236,7 @@ class Pool(PoolOptions):
             max_ttl=max_ttl,
             sync_replicas=sync_replicas,
             sync_timeout=sync_timeout,
+            keep=keep,
         )
         check_supported_client(redis_client)
         self.redis = redis_client
@@ -512,6 +526,14 @@ class Pool(PoolOptions):
         :meth:`gpulock.AsyncPool.acquire`. ``on_queued`` runs on the pool's background thread
         (except its first call). On ``KeyboardInterrupt`` or any other exception during the
         wait, the request leaves the queue and a grant that raced in is released."""
+        bg = self._bg
+        if bg is not None and bg.rt.kept.idle_count and request_id is None and not resident:
+            state = take_for(
+                bg.rt.kept, self.default_ttl, amount, ttl, timeout, holder, on_queued,
+                priority, tenant, device, preemptible,
+            )  # fmt: skip
+            if state is not None and not self._closed:
+                return Lease(state, self)  # granted from kept bytes: no round trip
         with self._active_cv:
             self._active += 1
         try:
@@ -531,6 +553,10 @@ class Pool(PoolOptions):
             )
             start = self.clock()
             bg = self._background()
+            kept = bg.rt.kept
+            if kept.idle_count and req.keepable:
+                # it does not fit the kept bytes: they go back first, then it asks as usual
+                bg.portal.call(bg.rt.kept_back.release_now(kept.give_back(drain=False)))
             lease: Lease = self._run(flow.acquire(self, bg.rt, req, start, on_queued), bg)
             return lease  # the lease its MakeLease step made
         finally:
@@ -551,6 +577,9 @@ class Pool(PoolOptions):
             bg = None  # the parent's thread: nothing of it runs here to stop or wait for
         if bg is not None:
             portal, rt = bg.portal, bg.rt
+            if rt.kept.idle_count:  # idle kept leases go back; held ones expire
+                with contextlib.suppress(Exception):
+                    portal.call(rt.kept_back.release_now(rt.kept.give_back()), timeout=5)
             try:
                 portal.call(rt.close(), timeout=5)
             except Exception:

@@ -118,7 +118,7 @@ end
 -- empty queue has no waiters (the three queue keys change together, in drop_waiter and below).
 local cfg = redis.pcall('HMGET', K_CFG, 'capacity', 'used', 'fence', 'grants', 'max_ttl_ms',
                         'grace_until', 'external', 'external_until', 'epoch', 'max_waiters',
-                        'nquotas', 'devices', 'placement', 'resident', 'rqueued', 'preempt')
+                        'nquotas', 'devices', 'placement', 'resident', 'rqueued', 'preempt', 'kept')
 if failed(cfg) then return keytype_error(cfg) end
 if not cfg[1] then return redis.error_reply('GPULOCK_NOPOOL') end
 local cap = tonumber(cfg[1])
@@ -229,6 +229,7 @@ if qlen > 0 and redis.call('ZSCORE', K_QUEUE, ticket) then
   redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
   local pos = redis.call('ZRANK', K_QUEUE, ticket) + 1
   if pos == 1 and cfg[16] then ask_yield(now, cfg[16]) end
+  if cfg[17] then tell_kept(now, cfg[17]) end  -- lib.lua "Kept bytes"
   return not_granted(0, pos, now, epoch, cap, eff, nil, amount, tenant)
 end
 if res then
@@ -267,7 +268,10 @@ if now_ok then
   if res then resident_add(tenant, dev, amount) end
   return {1, lid, token, exp, amount, now, epoch, cap, used, tonumber(dev) or 0}
 end
-if mode == 'try' then return not_granted(2, 0, now, epoch, cap, eff, nil, amount, tenant) end
+if mode == 'try' then
+  if cfg[17] then tell_kept(now, cfg[17]) end  -- lib.lua "Kept bytes": a retry may fit then
+  return not_granted(2, 0, now, epoch, cap, eff, nil, amount, tenant)
+end
 
 local maxw = tonumber(cfg[10])
 if qlen >= maxw then
@@ -289,4 +293,5 @@ redis.call('ZADD', K_WEXP, fmt(now + wttl), ticket)
 local pos = 1
 if qlen > 0 then pos = redis.call('ZRANK', K_QUEUE, ticket) + 1 end
 if pos == 1 and cfg[16] then ask_yield(now, cfg[16]) end  -- lib.lua "Preemption"
+if cfg[17] then tell_kept(now, cfg[17]) end  -- lib.lua "Kept bytes": nobody waits behind them
 return not_granted(0, pos, now, epoch, cap, eff, nil, amount, tenant)

@@ -549,6 +549,29 @@ local function yield_gone(y, released, now)
   end
 end
 
+-- Kept bytes (docs/SEMANTICS.md, "Kept bytes"): a lease whose holder released it while nobody
+-- waited, and which the holder's pool object keeps to grant its own next request from without
+-- a round trip (release.lua's 'keep' mode). It stays an ordinary lease here (renewed, reaped,
+-- released as any); the pool's cfg field `kept` lists such leases with their holder's channel,
+-- " <lease_id>|<channel> <lease_id>|<channel> ...", so that a request that does not fit can
+-- tell each holder to give them back (tell_kept). The list is short (a process keeps at most
+-- the leases it had in use at once) and goes with each lease (kept_drop in drop_lease and
+-- release.lua).
+local function kept_has(list, lid)
+  return list and string.find(list, ' ' .. lid .. '|', 1, true) ~= nil or false
+end
+
+-- `list` (cfg kept as read, or nil) without lease `lid`, written back (the field is deleted
+-- when nothing is left). Does nothing when `lid` is not in it.
+local function kept_drop(list, lid)
+  if not list then return end
+  local s = string.find(list, ' ' .. lid .. '|', 1, true)
+  if not s then return end
+  local e = string.find(list, ' ', s + 1, true)
+  local rest = string.sub(list, 1, s - 1) .. (e and string.sub(list, e) or '')
+  if rest == '' then redis.call('HDEL', K_CFG, 'kept') else redis.call('HSET', K_CFG, 'kept', rest) end
+end
+
 -- Remove one lease (by id) and return its bytes to the pool: `released` when its holder gave
 -- it up (cancel.lua), not when it expired (reap). Returns true if it existed.
 local function drop_lease(lid, released)
@@ -568,6 +591,7 @@ local function drop_lease(lid, released)
   tenant_add(tenant, -amount)
   device_add(dev, -amount)
   if res then resident_add(tenant, dev, -amount) end
+  if not res then kept_drop(redis.call('HGET', K_CFG, 'kept'), lid) end
   return true
 end
 
@@ -1237,6 +1261,34 @@ end
 
 local function publish(now, lines, n)
   if n > 0 then send(now, 'g', lines) end
+end
+
+-- A request of this pool did not fit (it queued, refreshed its place, or was refused without
+-- queueing): tell the holders of kept bytes (cfg kept as read, `list`; nil or '' when none)
+-- to give back those not in use now, and the others at their release. One message per
+-- holder's channel, "k <now_ms>\n<lease_id>\n<lease_id>...". Entries whose lease is gone are
+-- dropped from the list. Returns how many leases were named.
+local function tell_kept(now, list)
+  if not list or list == '' then return 0 end
+  local lines, n, stale = {}, 0, {}
+  for lid, chan in string.gmatch(list, ' (%x+)|(%w+)') do
+    if redis.call('HEXISTS', K_HOLDERS, lid) == 1 then
+      local group = lines[chan]
+      if not group then group = {}; lines[chan] = group end
+      group[#group + 1] = lid
+      n = n + 1
+    else
+      stale[#stale + 1] = lid
+    end
+  end
+  for _, lid in ipairs(stale) do
+    kept_drop(redis.call('HGET', K_CFG, 'kept'), lid)
+  end
+  if n > 0 then
+    send(now, 'k', lines)
+    redis.call('HINCRBY', K_CFG, 'k_told', n)
+  end
+  return n
 end
 
 -- Preemption (docs/SEMANTICS.md, "Preemption"): with the pool's cfg field preempt set to

@@ -3,21 +3,33 @@
 -- ARGV:
 --   1 lease_id   32 hex digits
 --   2 token      the lease's fencing token (decimal); the lease is released only if it matches
+--   3 mode       optional: '' (release) or 'keep': keep the lease instead when nobody waits
+--                (lib.lua "Kept bytes"): the queue is empty, the pool is not in a grace
+--                period, and the lease is not resident and not asked to yield
+--   4 channel    with 'keep': the holder's channel id, told when a request does not fit
 -- A lease asked to yield (lib.lua "Preemption") released before its deadline counts as yielded.
 -- Reply:
 --   {1, now_ms, used, granted}   released; `granted` waiters were handed bytes and notified
+--   {2, now_ms, used, 0}         kept, not released ('keep' and nobody waits): the lease is
+--                                unchanged but listed as kept (cfg field kept)
 --   {0, now_ms, used, granted}   lost: no such live lease (expired and reaped, released before,
 --                                never existed, or another token); nothing of others is freed
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
 local lid, e = lease_id_arg(ARGV[1]); if e then return e end
 local token; token, e = int_arg(ARGV[2], 'token', 0, MAX_AMOUNT); if e then return e end
+local keep = ARGV[3] == 'keep'
+if ARGV[3] ~= nil and ARGV[3] ~= '' and not keep then
+  return bad("mode must be '' or 'keep', got " .. show(ARGV[3]))
+end
+local chan
+if keep then chan, e = channel_arg(ARGV[4]); if e then return e end end
 
 -- Reads first: every key this call may use is read (redis.pcall) before the first write, so a
 -- key of the wrong type fails it with nothing written (see "Key types" in lib.lua); the one
 -- exception is the tickets hash in the common case, whose HDEL is then the first write.
 local cfg = redis.pcall('HMGET', K_CFG, 'capacity', 'used', 'grace_until', 'external', 'external_until',
-                        'devices', 'placement', 'resident', 'preempt')
+                        'devices', 'placement', 'resident', 'preempt', 'kept')
 if failed(cfg) then return keytype_error(cfg) end
 local now = now_ms()
 if not cfg[1] then
@@ -65,6 +77,15 @@ if #dead + #gone > 0 then
   used = cfg_num('used')
   rh = cfg_num('resident')
   head = redis.call('ZRANGE', K_QUEUE, 0, 0)
+  cfg[10] = redis.call('HGET', K_CFG, 'kept')
+end
+if mine and keep and #head == 0 and not res and not asked and grace_until <= now then
+  -- nobody waits: the holder keeps it (lib.lua "Kept bytes")
+  if not kept_has(cfg[10], lid) then
+    redis.call('HSET', K_CFG, 'kept', (cfg[10] or '') .. ' ' .. lid .. '|' .. chan)
+  end
+  redis.call('HINCRBY', K_CFG, 'k_kept', 1)
+  return {2, now, used, 0}
 end
 if mine then
   -- drop_lease, with what was read above; the tickets HDEL first (see "Reads first")
@@ -86,6 +107,8 @@ if mine then
   if res then
     resident_add(tenant, dev, -amount)
     rh = rh - amount
+  else
+    kept_drop(cfg[10], lid)
   end
   ok = 1
 end

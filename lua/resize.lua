@@ -186,7 +186,10 @@ if now_ok then
   redis.call('HSET', K_CFG, 'used', fmt(used + delta))
   return granted()
 end
-if mode == 'try' then return current_reply(2, 0) end
+if mode == 'try' then
+  tell_kept(now, redis.call('HGET', K_CFG, 'kept'))  -- lib.lua "Kept bytes"
+  return current_reply(2, 0)
+end
 
 local function enqueue()
   if qlen == 0 then redis.call('HSET', K_CFG, 'dr_q', fmt(now)) end  -- lib.lua "Drain rate"
@@ -227,4 +230,5 @@ else
   end
   enqueue()
 end
+tell_kept(now, redis.call('HGET', K_CFG, 'kept'))  -- lib.lua "Kept bytes": nobody waits behind them
 return current_reply(0, redis.call('ZRANK', K_QUEUE, ticket) + 1)

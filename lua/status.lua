@@ -11,7 +11,7 @@
 --                tenant, device, yield_deadline_ms, priority}, ...} (soonest expiry first;
 --                device 0 on a pool of one device; yield_deadline_ms 0 when not asked to
 --                yield; priority as a string, '' for a lease never asked: lib.lua
---                "Preemption"),
+--                "Preemption"; kept 1 for a lease its holder keeps: lib.lua "Kept bytes"),
 --    waiters = {{ticket, amount, enqueued_ms, waiter_expires_ms, meta, priority, tenant,
 --                device, growth_of, growth_token, ahead_bytes, ahead_count}, ...} (queue
 --                order; ahead_bytes, ahead_count: the bytes and the count of the waiters ahead
@@ -35,7 +35,10 @@
 --    and a listed waiter's ahead_bytes and ahead_count, its wait estimate,
 --    preempt ("<gap> <yield_grace_ms>", '' when off), y_asked (leases asked to yield),
 --    y_done (of them, released before their deadline), y_done_ms (their total ms from the ask
---    to the release), y_taken (of them, expired instead): lib.lua "Preemption"}
+--    to the release), y_taken (of them, expired instead): lib.lua "Preemption",
+--    kept_bytes, kept_count (the bytes and the count of the leases kept by their holders),
+--    k_kept (releases answered 'kept'), k_told (kept leases whose holders were told to give
+--    them back): lib.lua "Kept bytes"}
 -- Errors (nothing written): GPULOCK_BADARG <why>
 
 local type_err = check_types(); if type_err then return type_err end
@@ -51,6 +54,17 @@ if tonumber(x[2] or '0') > now then
   ext, ext_left, overuse = tonumber(x[1] or '0'), tonumber(x[2]) - now, x[3] or ''
 end
 
+local kept_list = redis.call('HGET', K_CFG, 'kept')  -- lib.lua "Kept bytes"
+local kept_bytes, kept_count = 0, 0
+if kept_list then
+  for lid in string.gmatch(kept_list, ' (%x+)|') do
+    local rec = redis.call('HGET', K_HOLDERS, lid)
+    if rec then
+      kept_bytes = kept_bytes + parse_holder(rec)
+      kept_count = kept_count + 1
+    end
+  end
+end
 local leases = {}
 if limit > 0 then
   local ids = redis.call('ZRANGE', K_LEASES, 0, limit - 1, 'WITHSCORES')
@@ -62,7 +76,8 @@ if limit > 0 then
       leases[#leases + 1] = {ids[j], amount, tonumber(tok), tonumber(ids[j + 1]), tonumber(acq),
                              tonumber(ttl), ticket, meta, tenant, tonumber(dev) or 0,
                              tonumber(pr[2] and string.match(pr[2], '|(%d+)$') or '0'),
-                             pr[1] and string.match(pr[1], '^(%-?%d+)|') or ''}
+                             pr[1] and string.match(pr[1], '^(%-?%d+)|') or '',
+                             kept_has(kept_list, ids[j]) and 1 or 0}
     end
   end
 end
@@ -117,4 +132,5 @@ return {1, now, cfg_num('capacity'), cfg_num('used'), cfg_num('epoch'), cfg_num(
         tonumber(redis.call('HGET', K_CFG, 'backfill_ms') or DEFAULT_BACKFILL_MS), tenants,
         devices, dv[2] or PLACEMENTS[1], cfg_num('resident'), cfg_num('rqueued'), bps, gpks, oopm,
         redis.call('HGET', K_CFG, 'preempt') or '', cfg_num('y_asked'), cfg_num('y_done'),
-        cfg_num('y_done_ms'), cfg_num('y_taken')}
+        cfg_num('y_done_ms'), cfg_num('y_taken'), kept_bytes, kept_count, cfg_num('k_kept'),
+        cfg_num('k_told')}

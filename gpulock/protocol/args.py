@@ -121,6 +121,10 @@ def validate_lease_id(lease_id: object) -> str:
     return lease_id
 
 
+#: The longest ``keep`` (seconds) a pool object may keep an idle kept lease.
+MAX_KEEP_S = 3600.0
+
+
 class PoolOptions:
     """The validated settings both shells carry as attributes (meanings and units:
     :class:`gpulock.AsyncPool`), set by :meth:`_set_options` from :func:`pool_settings`."""
@@ -135,6 +139,7 @@ class PoolOptions:
     max_ttl: float
     sync_replicas: int
     sync_timeout: float
+    keep: float
 
     def _set_options(self, name: str, **settings: Any) -> None:
         """Validate (:func:`pool_settings`, which raises InvalidArgument) and set them."""
@@ -154,6 +159,7 @@ def pool_settings(
     max_ttl: float | None,
     sync_replicas: int,
     sync_timeout: float,
+    keep: float = 0.0,
 ) -> dict[str, Any]:
     """Validate a pool object's settings, for both shells (see ``AsyncPool`` for their meaning
     and units). Returns the attribute values; raises InvalidArgument naming a bad one."""
@@ -185,6 +191,8 @@ def pool_settings(
         "sync_timeout": parse_seconds(
             sync_timeout, name="sync_timeout", minimum=0.001, maximum=60.0
         ),
+        # 0: off; else how long an idle kept lease is kept (protocol/keep.py)
+        "keep": parse_seconds(keep, name="keep", minimum=0.1, maximum=MAX_KEEP_S, allow_zero=True),
     }
 
 

@@ -63,6 +63,7 @@ from gpulock.protocol.replies import (
     NotGranted,
     PoolStatus,
     QueueConfig,
+    ReleaseReply,
     Renewal,
     decode_acquire,
     decode_cancel,
@@ -253,23 +254,36 @@ def renew(lease_id: str, token: int, ttl: float) -> Flow[Renewal]:
 
 # ---- release ----------------------------------------------------------------------------------
 def release(
-    pool: str, lease_id: str, token: int, bound: float | None = None
+    pool: str, lease_id: str, token: int, bound: float | None = None, keep_on: str = ""
 ) -> Flow[tuple[bool, int]]:
     """``release.lua`` once: returns ``(released, server_now_ms)``. False: the server no
     longer had the lease, and nothing of others was freed. The first try may have run when
     it fails with a connection error: a retry that then finds no lease cannot tell "released
     by us just now" from "lost", so it counts as released. Retried for ``bound`` seconds
-    (default backend_timeout).
+    (default backend_timeout). ``keep_on``: a channel id asks for ``keep`` mode (the
+    lease is kept when nobody waits: :func:`release_kept` reads that answer).
 
     Raises: BackendUnavailable."""
+    rep = yield from release_kept(lease_id, token, bound, keep_on)
+    return rep.released, rep.now_ms
+
+
+def release_kept(
+    lease_id: str, token: int, bound: float | None = None, keep_on: str = ""
+) -> Flow[ReleaseReply]:
+    """:func:`release`'s call, answering the whole reply (``kept``: the server keeps the lease
+    for this holder, ``keep_on`` its channel id). A retry after an unanswered first try is
+    sent without ``keep``: the first may have kept the lease, and a plain release then ends it
+    either way (counted as released)."""
     args = [lease_id, str(token)]
+    if keep_on:
+        args += ["keep", keep_on]
     try:
         r = yield Eval("release", args, bound=0)
     except Unanswered:
-        rep = decode_release((yield Eval("release", args, bound=bound)))
-        return True, rep.now_ms
-    rep = decode_release(r)
-    return rep.released, rep.now_ms
+        rep = decode_release((yield Eval("release", args[:2], bound=bound)))
+        return rep._replace(released=True, kept=False)
+    return decode_release(r)
 
 
 def release_lease(s: LeaseState, rt: RuntimeView | None) -> Flow[None]:
@@ -287,16 +301,28 @@ def release_lease(s: LeaseState, rt: RuntimeView | None) -> Flow[None]:
     if s.released:
         return None
     was_lost = s.lost_reason
+    keeper = s.keeper
+    keep_on = ""
+    if rt is not None and keeper is not None and was_lost is None and not s.yield_requested:
+        keep_on = rt.channel_id  # nobody waiting: the server keeps it (protocol/keep.py)
     s.released = True
     bound = max(1.0, s.seconds_left())
-    if rt is not None:
+    if rt is not None and not keep_on:
         rt.untrack(s.lease_id)  # a dict pop: safe from any thread
     try:
-        ok, _ = yield from release(s.pool, s.lease_id, s.token, bound)
+        rep = yield from release_kept(s.lease_id, s.token, bound, keep_on)
+        ok = rep.released
     except BaseException as e:
+        if keep_on:
+            rt.untrack(s.lease_id)  # type: ignore[union-attr]
         if s.span is not None:
             traces.lost(s, f"its release failed ({e}); it expires on the server")
         raise
+    if keep_on:
+        if rep.kept:
+            rt.track(keeper.adopt(s))  # type: ignore[union-attr]
+        else:
+            rt.untrack(s.lease_id)  # type: ignore[union-attr]
     if s.span is not None and ok:
         traces.released(s)
     elif s.span is not None:
@@ -323,6 +349,8 @@ def lease_state(
     if new:
         state.priority = req.priority
         state.preemptible = req.preemptible
+        if req.keepable and rt.kept.on:
+            state.keeper = rt.kept
         rt.track(state)
     return state
 

@@ -8,7 +8,7 @@ leases share). Re-exports the shared clock's ``CLOCK_DRIFT``, ``SAFETY_MARGIN_S`
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 from gpulock_common.lease import CLOCK_DRIFT as CLOCK_DRIFT
 from gpulock_common.lease import SAFETY_MARGIN_S as SAFETY_MARGIN_S
@@ -52,6 +52,8 @@ class LeaseState(LocalLeaseState):
         "priority",
         "preemptible",
         "next_renew",
+        "keeper",
+        "kept",
     )
     unreachable = "Redis"
     log = logging.getLogger("gpulock")
@@ -70,6 +72,35 @@ class LeaseState(LocalLeaseState):
         self.priority = 0  # the acquire's: a growth (resize) queues at it
         self.preemptible = True  # the acquire's: False, never asked to yield
         self.next_renew = clock() + ttl_s / 3
+        self.keeper: Any = None  # the pool object's KeptLeases when it keeps released bytes
+        self.kept = False  # the server lists the lease as kept (release.lua 'keep')
+
+    def handed_on(self) -> "LeaseState":
+        """A new local state of the same lease in Redis (identity, amount, validity, expiry,
+        the request's settings, ``kept``, ``keeper``), for a grant from kept bytes
+        (:mod:`gpulock.protocol.keep`): active, with no callbacks, no span and no ask to
+        yield. This one is not changed (its holder marks it released)."""
+        n = LeaseState.__new__(LeaseState)
+        LocalLeaseState.__init__(
+            n,
+            self.pool,
+            self.lease_id,
+            self.amount,
+            self.token,
+            self.ttl_s,
+            self.valid_until,
+            self._clock,
+        )
+        n.ticket, n.expires_ms, n.epoch, n.meta = (
+            self.ticket,
+            self.expires_ms,
+            self.epoch,
+            self.meta,
+        )
+        n.tenant, n.resident, n.device = self.tenant, self.resident, self.device
+        n.priority, n.preemptible, n.next_renew = self.priority, self.preemptible, self.next_renew
+        n.keeper, n.kept = self.keeper, self.kept
+        return n
 
     @property
     def expires_at(self) -> float:

@@ -271,6 +271,8 @@ class RenewReply(NamedTuple):
     # per lease renewed, in order: the deadline (Unix ms) by which the server takes it back
     # when it asked its holder to yield it (preemption; its expiry is capped at it), else 0
     yields: list[int]
+    queue_length: int = 0  # requests queued after it (kept bytes go back: protocol/keep.py)
+    grace_left_ms: int = 0  # the pool's grace period left, ms (0: none)
 
 
 class Renewal(NamedTuple):
@@ -328,7 +330,7 @@ def decode_renew(r: Sequence[Any], tickets: Sequence[str] = ()) -> RenewReply:
             answers.append(None)
     expiries = [int(x) for x in r[2]]
     yields = [int(x) for x in r[5]] if len(r) > 5 else [0] * len(expiries)
-    return RenewReply(now, epoch, expiries, answers, yields)
+    return RenewReply(now, epoch, expiries, answers, yields, q[3] if q else 0, q[6] if q else 0)
 
 
 class ReleaseReply(NamedTuple):
@@ -338,11 +340,24 @@ class ReleaseReply(NamedTuple):
     now_ms: int  # server clock
     used: int  # bytes the pool's leases hold after it
     granted: int  # waiters handed bytes by it
+    kept: bool = False  # 'keep' mode and nobody waited: the lease is kept, not released
 
 
 def decode_release(r: Sequence[Any]) -> ReleaseReply:
-    """``release.lua``'s reply ``{ok, now_ms, used, granted}``."""
-    return ReleaseReply(int(r[0]) == 1, int(r[1]), int(r[2]), int(r[3]))
+    """``release.lua``'s reply ``{ok, now_ms, used, granted}`` (ok 2: kept; ``released`` is
+    then True too: the holder no longer holds it as a request's)."""
+    code = int(r[0])
+    return ReleaseReply(code in (1, 2), int(r[1]), int(r[2]), int(r[3]), code == 2)
+
+
+def decode_give_back(data: str | bytes) -> list[str] | None:
+    """Parse a request to give kept bytes back from the holder's channel, ``"k <now_ms>
+    \n<lease_id>\n..."`` (``lua/lib.lua`` tell_kept): the lease ids named; None for any
+    other message."""
+    text = _s(data)
+    if not text.startswith("k "):
+        return None
+    return [x for x in text.split("\n")[1:] if x]
 
 
 class CancelReply(NamedTuple):

@@ -61,6 +61,7 @@ class AcquireRequest(NamedTuple):
     device: int | None = None  # the device it pins (docs/SEMANTICS.md, "Devices"); None: any
     resident: bool = False  # held for its holder's life (docs/SEMANTICS.md, "Resident leases")
     preemptible: bool = True  # False: the server never asks it to yield (preemption)
+    keepable: bool = True  # no request id, not resident: its lease may be kept (protocol/keep.py)
 
     @classmethod
     def build(
@@ -99,6 +100,7 @@ class AcquireRequest(NamedTuple):
             o.device,
             o.resident,
             o.preemptible,
+            o.request_id is None and not o.resident,
         )
 
     def argv(self, mode: str, channel: str) -> list[str]:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol, TypeVar
 from gpulock.errors import BackendUnavailable
 
 if TYPE_CHECKING:
+    from gpulock.protocol.keep import KeptLeases
     from gpulock.protocol.lease import LeaseState
     from gpulock.protocol.request import AcquireRequest
     from gpulock.protocol.replies import Grant, QueueConfig
@@ -327,6 +328,11 @@ class RuntimeView(Protocol):
 class LeaseTracker(Protocol):
     """What a driver's :class:`MakeLease` needs of the runtime
     (:func:`gpulock.protocol.flow.lease_state`)."""
+
+    @property
+    def kept(self) -> KeptLeases:
+        """The pool object's kept leases (:mod:`gpulock.protocol.keep`; off unless it keeps)."""
+        ...
 
     def state_for(
         self,

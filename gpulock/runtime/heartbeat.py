@@ -25,6 +25,7 @@ from gpulock.transport.failure_log import FailureLog
 from gpulock.protocol.request import LeaseState, retry_delay, ttl_ms
 from gpulock.transport.retry import RETRYABLE
 from gpulock.protocol.replies import decode_reap, decode_renew
+from gpulock.runtime.kept import KeptBack
 from gpulock.runtime.recovery import Recovery
 from gpulock.runtime.shared import Shared
 
@@ -36,8 +37,15 @@ class Heartbeat:
     refreshes its waiters every ``poll_interval`` seconds; runs ``recovery`` when a reply shows
     that Redis lost the pool."""
 
-    def __init__(self, shared: Shared, recovery: Recovery, poll_interval: float):
+    def __init__(
+        self,
+        shared: Shared,
+        recovery: Recovery,
+        poll_interval: float,
+        kept_back: KeptBack | None = None,
+    ):
         self.pool = shared.pool
+        self._kept_back = kept_back
         self.clock = shared.clock
         self.poll_interval = poll_interval
         self._shared = shared
@@ -351,6 +359,9 @@ class Heartbeat:
 
     async def _heartbeat(self) -> None:
         st = self._settings
+        kb = self._kept_back
+        if kb is not None:
+            kb.expire()  # idle kept leases past their time go back (gpulock.runtime.kept)
         leases = self._leases.live()
         waiters = list(self._registry.waiters.values())
         args: list[Any] = [len(leases)]
@@ -400,6 +411,8 @@ class Heartbeat:
             epoch = await self._recovery.recover(orphans, epoch)
         elif epoch:
             self._recovery.known_epoch = epoch
+        if kb is not None and kb.kept.idle_count and (rep.queue_length or rep.grace_left_ms):
+            kb.wanted_back()  # someone waits, or a grace period: kept bytes go back
         forgotten = self._registry.take_answers(waiters, rep.waiters, sent)
         if forgotten:
             self._recovery.requeue(forgotten)

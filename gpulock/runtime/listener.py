@@ -24,7 +24,7 @@ import logging
 from typing import Any, Callable
 
 from gpulock_common.aio import wait_for
-from gpulock.protocol.replies import decode_events, decode_yields
+from gpulock.protocol.replies import decode_events, decode_give_back, decode_yields
 from gpulock.transport.pubsub import CONFIRM_WAIT_S, Channel, Hub
 from gpulock.runtime.shared import Shared
 
@@ -34,7 +34,8 @@ log = logging.getLogger("gpulock")
 class Listener:
     """The subscription of the pool of ``shared`` to ``channel`` on ``redis`` (a
     redis.asyncio client); grants go to its waiters (the shared connection logs and stops on
-    its own). ``resubscribed()``: called when the subscription is back after it was lost."""
+    its own). ``resubscribed()``: called when the subscription is back after it was lost;
+    ``wanted_back()``: when the server asks for kept bytes back (:mod:`gpulock.runtime.kept`)."""
 
     def __init__(
         self,
@@ -42,9 +43,11 @@ class Listener:
         channel: str,
         shared: Shared,
         resubscribed: Callable[[], None] | None = None,
+        wanted_back: Callable[[], None] | None = None,
     ):
         self.redis = redis
         self._resubscribed = resubscribed
+        self._wanted_back = wanted_back
         self.pool = shared.pool
         self.channel = channel
         self._registry = shared.waiters
@@ -69,7 +72,10 @@ class Listener:
     def _deliver(self, data: bytes) -> None:
         grants = decode_events(data)
         if not grants:
-            self._leases.ask(decode_yields(data))
+            if self._wanted_back is not None and decode_give_back(data) is not None:
+                self._wanted_back()  # kept bytes: someone waits (gpulock.runtime.kept)
+            else:
+                self._leases.ask(decode_yields(data))
         elif not self.grants_elsewhere:
             for g in grants:
                 self._registry.deliver(g)

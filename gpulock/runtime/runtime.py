@@ -37,7 +37,9 @@ from gpulock_common.lease import stop_renewal
 
 from gpulock.runtime.calls import Calls, Settings
 from gpulock.runtime.heartbeat import Heartbeat
+from gpulock.runtime.kept import KeptBack
 from gpulock.runtime.listener import Listener
+from gpulock.protocol.keep import KeptLeases
 from gpulock.protocol.request import DEFAULT_POLL_INTERVAL_S, Grant, LeaseState
 from gpulock.protocol.replies import QueueConfig, YieldAsk
 from gpulock.runtime.recovery import Recovery
@@ -85,6 +87,8 @@ class Runtime:
         self.registry = WaiterRegistry(pool, clock, self.settings, self.leases)
         self.waiters: dict[str, Waiter] = self.registry.waiters
         self.anchor = ClockAnchor(clock)
+        # the pool object turns keeping on (protocol/keep.py)
+        self.kept = KeptLeases(0.0, clock, hold=self.leases.add)
         shared = Shared(
             pool,
             clock,
@@ -96,15 +100,23 @@ class Runtime:
             self.anchor,
             is_closed=lambda: self._closed,
             channel_id=self.channel_id,
+            kept=self.kept,
         )
-        self.listener = Listener(redis, self.channel, shared, resubscribed=self.poll_waiters_now)
+        self.kept_back = KeptBack(shared)
+        self.listener = Listener(
+            redis,
+            self.channel,
+            shared,
+            resubscribed=self.poll_waiters_now,
+            wanted_back=self.kept_back.wanted_back,
+        )
         self._subscribed: Callable[[], bool] = lambda: self.listener.subscribed
         self.recovery = Recovery(
             shared,
             suspect_restart=lambda: self.heartbeat.suspect_restart(),
             set_reap_timer=lambda at, ms: self.heartbeat.set_reap_timer(at, ms),
         )
-        self.heartbeat = Heartbeat(shared, self.recovery, poll_interval)
+        self.heartbeat = Heartbeat(shared, self.recovery, poll_interval, self.kept_back)
 
     # ---- the pool object's side ------------------------------------------------------------
     def unreachable(self) -> tuple[float, BaseException] | None:

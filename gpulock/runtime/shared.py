@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
+from gpulock.protocol.keep import KeptLeases
 from gpulock.protocol.lease import LeaseState, validity_deadline
 from gpulock.protocol.replies import Grant, YieldAsk
 from gpulock.runtime.calls import Calls, Settings
@@ -130,7 +131,8 @@ class Shared:
     script calls; ``settings``: the pool object's settings (mutable, set by the pool object);
     ``tasks``: the loop and its spawned tasks; ``leases``: the held leases; ``waiters``: the
     waiter registry; ``anchor``: the server clock anchor; ``is_closed()``: whether the runtime
-    was closed; ``channel_id``: the pool object's hand-off channel id (acquire's ARGV 8)."""
+    was closed; ``channel_id``: the pool object's hand-off channel id (acquire's ARGV 8); ``kept``: its kept
+    leases (:mod:`gpulock.protocol.keep`)."""
 
     pool: str
     clock: Callable[[], float]
@@ -142,3 +144,4 @@ class Shared:
     anchor: ClockAnchor
     is_closed: Callable[[], bool]
     channel_id: str = ""
+    kept: KeptLeases = field(default_factory=lambda: KeptLeases(0.0, lambda: 0.0))

@@ -39,7 +39,13 @@ from gpulock.transport.pubsub import (
     Send,
     SubStep,
 )
-from gpulock.protocol.replies import Grant, YieldAsk, decode_events, decode_yields
+from gpulock.protocol.replies import (
+    Grant,
+    YieldAsk,
+    decode_events,
+    decode_give_back,
+    decode_yields,
+)
 
 #: The longest a reader sits in one read of the connection (s) before it looks at its own wait
 #: again: a grant the heartbeat found, close() or a failure reach a reading thread within this.
@@ -101,7 +107,8 @@ class ThreadSubscription:
     ``pool`` names it in messages; ``resubscribed()`` is called (on the reading thread) when
     the subscription is back after it was lost; ``on_yields`` gets the yield requests read
     (preemption; a list of :class:`~gpulock.protocol.replies.YieldAsk`, on the reading
-    thread). While no thread waits, the runtime's own listener reads them."""
+    thread), and ``on_give_back()`` is called when the server asks for kept bytes back. While
+    no thread waits, the runtime's own listener reads them."""
 
     def __init__(
         self,
@@ -111,11 +118,13 @@ class ThreadSubscription:
         on_grants: Callable[[Sequence[Grant]], None],
         resubscribed: Callable[[], None] | None = None,
         on_yields: Callable[[Sequence[YieldAsk]], None] | None = None,
+        on_give_back: Callable[[], None] | None = None,
     ):
         self.pool = pool
         self._redis = client
         self._on_grants = on_grants
         self._on_yields = on_yields
+        self._on_give_back = on_give_back
         self.channel = Channel(
             channel, self._on_message, event=threading.Event, resubscribed=resubscribed
         )
@@ -375,6 +384,8 @@ class ThreadSubscription:
             asks = decode_yields(data)
             if asks and self._on_yields is not None:
                 self._on_yields(asks)
+            elif self._on_give_back is not None and decode_give_back(data) is not None:
+                self._on_give_back()  # kept bytes: someone waits (gpulock.runtime.kept)
             return
         r = self._reader
         if r is not None and r.ticket is not None:
