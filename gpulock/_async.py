@@ -565,9 +565,10 @@ class AsyncPool(PoolOptions):
         """Stop the heartbeat and listener (held leases are not released: they expire; idle
         kept leases are given back first)."""
         rt = self._runtime
-        if rt.kept.idle_count and not rt.closed:
+        idle = rt.kept.stop()  # nothing is kept from now on
+        if idle and not rt.closed:
             with contextlib.suppress(Exception):
-                await rt.kept_back.release_now(rt.kept.give_back())
+                await rt.kept_back.release_now(idle)
         await self._runtime.close()
         if self._owns_client:
             # Best effort, as Pool.close's: redis-py raises TimeoutError when a socket's close

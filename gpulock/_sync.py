@@ -527,12 +527,18 @@ class Pool(PoolOptions):
         (except its first call). On ``KeyboardInterrupt`` or any other exception during the
         wait, the request leaves the queue and a grant that raced in is released."""
         bg = self._bg
-        if bg is not None and bg.rt.kept.idle_count and request_id is None and not resident:
+        if (
+            bg is not None
+            and bg.rt.kept.idle_count
+            and request_id is None
+            and not resident
+            and not self._closed
+        ):
             state = take_for(
                 bg.rt.kept, self.default_ttl, amount, ttl, timeout, holder, on_queued,
                 priority, tenant, device, preemptible,
             )  # fmt: skip
-            if state is not None and not self._closed:
+            if state is not None:
                 return Lease(state, self)  # granted from kept bytes: no round trip
         with self._active_cv:
             self._active += 1
@@ -577,9 +583,10 @@ class Pool(PoolOptions):
             bg = None  # the parent's thread: nothing of it runs here to stop or wait for
         if bg is not None:
             portal, rt = bg.portal, bg.rt
-            if rt.kept.idle_count:  # idle kept leases go back; held ones expire
+            idle = rt.kept.stop()  # nothing is kept from now on; idle kept leases go back
+            if idle:
                 with contextlib.suppress(Exception):
-                    portal.call(rt.kept_back.release_now(rt.kept.give_back()), timeout=5)
+                    portal.call(rt.kept_back.release_now(idle), timeout=5)
             try:
                 portal.call(rt.close(), timeout=5)
             except Exception:

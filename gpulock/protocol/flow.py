@@ -303,7 +303,13 @@ def release_lease(s: LeaseState, rt: RuntimeView | None) -> Flow[None]:
     was_lost = s.lost_reason
     keeper = s.keeper
     keep_on = ""
-    if rt is not None and keeper is not None and was_lost is None and not s.yield_requested:
+    if (
+        rt is not None
+        and keeper is not None
+        and keeper.on
+        and was_lost is None
+        and not s.yield_requested
+    ):
         keep_on = rt.channel_id  # nobody waiting: the server keeps it (protocol/keep.py)
     s.released = True
     bound = max(1.0, s.seconds_left())

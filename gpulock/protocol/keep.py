@@ -120,7 +120,7 @@ class KeptLeases:
         if not s.kept:
             return None
         with self._lock:
-            if self.draining or not s.active or s.yield_requested:
+            if self.draining or not s.active or s.yield_requested or self.keep_s <= 0:
                 return None
             if s.seconds_left() < MIN_LEFT_S:
                 return None
@@ -145,6 +145,13 @@ class KeptLeases:
             self._idle.setdefault(state_key(n), []).append((n, self._clock()))
             self.idle_count += 1
         return n
+
+    def stop(self) -> list[LeaseState]:
+        """The pool object is closing: keep nothing from now on (``keep_s`` becomes 0); the
+        idle kept leases, removed from here, for the caller to release."""
+        with self._lock:
+            self.keep_s = 0.0
+        return self.give_back()
 
     def give_back(self, drain: bool = True) -> list[LeaseState]:
         """Every idle kept lease, removed from here, for the caller to release in Redis;
