@@ -36,6 +36,7 @@ from gpulock.transport.translate import translate, translated
 from gpulock.transport.batch import Batcher, inflight_for
 from gpulock.transport.connect import DEFAULT_MAX_CONNECTIONS, async_client
 from gpulock.protocol.keys import pool_keys
+from gpulock.runtime.async_steps import carry_out
 from gpulock.runtime.runtime import Runtime
 from gpulock.transport.script_calls import AsyncScripts
 from gpulock.errors import LeaseLost, PoolClosed
@@ -270,56 +271,16 @@ class AsyncPool(PoolOptions):
         rt = self._runtime
         if isinstance(step, flow.Eval):
             return await self._eval(step.script, step.args, bound=step.bound)
-        if isinstance(step, flow.Wait):
-            # asyncio.wait, not wait_for: before Python 3.12, wait_for returns the result when
-            # the task is cancelled in the loop iteration the grant lands in, swallowing the
-            # cancellation (the caller would run its GPU work in a cancelled request). wait
-            # raises CancelledError then, and the flow releases the grant.
-            done, _ = await asyncio.wait((step.handle.future,), timeout=step.timeout)
-            if done:
-                return step.handle.future.result()
-            w = rt.waiters.get(step.handle.ticket)
-            return flow.TimedOut(w.position if w else step.handle.position)
-        if isinstance(step, flow.Subscribe):
-            if step.yields:
-                return await rt.subscribe_quietly()
-            return await rt.ensure_subscribed()
-        if isinstance(step, flow.Checkpoint):
-            if pending_cancels() > cancels_before:
-                # The task was cancelled while the call was in flight, and the client lost the
-                # cancellation (redis-py's asyncio client does, with a socket timeout, when it
-                # lands while a command is sent or read): honour it; the flow withdraws.
-                raise asyncio.CancelledError()
-            return None
         if isinstance(step, flow.MakeLease):
             state = flow.lease_state(rt, step.grant, step.req, step.valid_until)
             return AsyncLease(state, self), state
-        if isinstance(step, flow.Join):
-            return step.queue_in(rt)
-        if isinstance(step, flow.Leave):
-            if step.withdrawing:
-                return rt.leave(step.handle)
-            rt.leave_waiter(step.handle)
-            return False
-        if isinstance(step, flow.Withdraw):
-            # Even if cancelled again meanwhile; when Redis did not answer, the caller does not
-            # wait for a second bound: what the acquire may have left expires on its own.
-            task = rt.spawn(self._cancel(*step.call))
-            if not step.background:
-                try:
-                    await asyncio.shield(task)
-                except BaseException:  # noqa: BLE001 - never mask the error being raised
-                    pass
-            return None
-        if isinstance(step, flow.SyncedRenew):
-            return await rt.renew_synced(step.args, step.bound)
         if isinstance(step, flow.GiveBack):
             try:
                 await asyncio.shield(rt.spawn(step.lease.release()))
             except BaseException:  # noqa: BLE001 - lost or unreachable: it expires after its ttl
                 pass
             return None
-        raise AssertionError(f"unknown step {step!r}")
+        return await carry_out(rt, step, cancels_before, self._cancel)
 
     async def _eval_once(self, name: str, args: list[str]) -> Any:
         try:

@@ -51,9 +51,10 @@ from gpulock.transport.connect import (
     sync_client,
 )
 from gpulock.protocol.keys import pool_key, pool_keys
-from gpulock.runtime.runtime import Runtime, Waiter
+from gpulock.runtime.runtime import Runtime
 from gpulock.transport.script_calls import SyncScripts
-from gpulock.runtime.sync_listener import ThreadSubscription, ThreadWait
+from gpulock.runtime.sync_listener import ThreadSubscription
+from gpulock.runtime.sync_steps import carry_out
 from gpulock.runtime.loop_thread import LoopThread as _LoopThread
 from gpulock.errors import InvalidArgument, LeaseLost, PoolClosed
 
@@ -87,14 +88,6 @@ class _Background:
     portal: _LoopThread
     rt: Runtime
     sub: ThreadSubscription
-
-
-@dataclass
-class _Joined:
-    """A sync acquire's place in the runtime: the waiter, and the thread's wait for it."""
-
-    waiter: Waiter
-    wait: ThreadWait
 
 
 def _make_background(pool: Pool) -> _Background:
@@ -346,42 +339,6 @@ class Pool(PoolOptions):
             return self._scripts.renew_synced(
                 step.args, st.sync_replicas, st.sync_timeout_ms, self._sync_key, step.bound
             )
-        if isinstance(step, flow.Subscribe):
-            if step.yields:  # the runtime's listener, in the loop thread
-                portal.call(rt.subscribe_quietly())
-            else:
-                bg.sub.ensure_subscribed()
-            return None
-        if isinstance(step, flow.Join):
-            # On this thread, not the loop thread's: waking that one would take the GIL from
-            # this one. The thread then reads the subscription itself while it waits, or is
-            # woken by the call that completes the waiter's future (a watcher).
-            wait = portal.watch(ThreadWait(bg.sub, step.ticket))
-            joined = step.queue_in(rt)
-            # A watcher, never a wait on the future itself: another acquire with the same
-            # request id may share it, and giving up here must not cancel it.
-            joined.future.watch(wait)
-            return _Joined(joined, wait)
-        if isinstance(step, flow.Wait):
-            h: _Joined = step.handle
-            if not bg.sub.wait(h.wait, step.timeout):
-                return flow.TimedOut(None)  # the place now is the loop thread's to know
-            if h.wait.got is not None:
-                return h.wait.got  # read by this thread itself
-            f = h.waiter.future
-            if h.wait.closed or f.cancelled():
-                raise PoolClosed(self.name)  # close() stopped the loop thread under us
-            err = f.exception()
-            if err is not None:
-                raise err
-            return f.result()
-        if isinstance(step, flow.Leave):
-            h = step.handle
-            # The grant this thread read itself goes to any other acquire on the same waiter.
-            if not step.withdrawing:
-                rt.leave_waiter(h.waiter, h.wait.got)
-                return False
-            return rt.leave(h.waiter, h.wait.got)
         if isinstance(step, flow.Withdraw):
             if step.background:  # from the loop thread: the caller does not wait a second bound
                 portal.soon(
@@ -393,7 +350,7 @@ class Pool(PoolOptions):
             except Exception:  # noqa: BLE001 - never mask the error being raised
                 pass  # unreachable: the waiter expires after waiter_ttl, a grant after ttl
             return None
-        raise AssertionError(f"unknown step {step!r}")
+        return carry_out(self.name, step, portal, rt, bg.sub)
 
     def _eval_once(self, name: str, args: list[str]) -> Any:
         try:
@@ -533,6 +490,7 @@ class Pool(PoolOptions):
             and request_id is None
             and not resident
             and not self._closed
+            and not self._forked
         ):
             state = take_for(
                 bg.rt.kept, self.default_ttl, amount, ttl, timeout, holder, on_queued,

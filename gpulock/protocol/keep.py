@@ -26,7 +26,9 @@ The rules:
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from typing import Any, Callable, Hashable
 
 from gpulock.errors import InvalidArgument
@@ -34,6 +36,9 @@ from gpulock.protocol.lease import LeaseState
 from gpulock.units import parse_size
 
 __all__ = ["KeptLeases", "MIN_LEFT_S", "take_for"]
+
+#: Every keeper of this process (see _after_fork_in_child).
+_ALL: weakref.WeakSet[KeptLeases] = weakref.WeakSet()
 
 #: A kept lease is granted from only while its local validity has at least this many seconds
 #: left (the heartbeat renews it at ttl/3, so a live one has about 2/3 of its ttl): a request
@@ -49,6 +54,19 @@ def match_key(amount: int, ttl_s: float, priority: int, tenant: str, preemptible
 
 def state_key(s: LeaseState) -> Hashable:
     return match_key(s.amount, s.ttl_s, s.priority, s.tenant, s.preemptible)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child shares its parent's leases, not its pool objects: it must not grant
+    from the parent's kept leases (both would use the bytes). Each keeper forgets them (the
+    parent gives them back) and keeps nothing from then on; its lock is made anew (a thread of
+    the parent may have held it at the fork)."""
+    for k in list(_ALL):
+        k._lock = threading.Lock()
+        k._idle.clear()
+        k.idle_count = 0
+        k.keep_s = 0.0
+        k.draining = True
 
 
 class KeptLeases:
@@ -73,6 +91,7 @@ class KeptLeases:
         self.kept = 0  # releases the server answered "kept"
         self.given_back = 0  # kept leases given back to Redis
         self._lock = threading.Lock()
+        _ALL.add(self)
 
     @property
     def on(self) -> bool:
@@ -249,3 +268,6 @@ def take_for(
     ):
         return None
     return kept.take(amount, ttl, priority, tenant or "", device, preemptible)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
