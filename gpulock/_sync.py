@@ -141,7 +141,9 @@ class Lease(LeaseBase):
         s = self._state
         if s.kept and s.keeper.put_back(s) is not None:
             return  # kept bytes, nobody waiting: no round trip (gpulock.protocol.keep)
-        self._pool._run(flow.release_lease(s, self._pool._runtime))
+        p = self._pool
+        bg = p._bg  # its LISTEN (kept bytes) runs on the background it finds
+        p._run(flow.release_lease(s, bg.rt if bg is not None else None), bg)
 
     def resize(self, amount: int | str, *, timeout: float | None = None) -> None:
         """Change the lease's amount: :meth:`gpulock.AsyncLease.resize` (blocking; a

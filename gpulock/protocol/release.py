@@ -10,7 +10,7 @@ from gpulock_common import traces
 from gpulock.errors import LeaseLost
 from gpulock.protocol.lease import LeaseState
 from gpulock.protocol.replies import ReleaseReply, decode_release
-from gpulock.protocol.steps import Eval, Flow, RuntimeView, Unanswered
+from gpulock.protocol.steps import LISTEN, Eval, Flow, RuntimeView, Unanswered
 
 
 def release(
@@ -72,6 +72,8 @@ def release_lease(s: LeaseState, rt: RuntimeView | None) -> Flow[None]:
     ):
         keep_on = rt.channel_id  # nobody waiting: the server keeps it (protocol/keep.py)
     s.released = True
+    if keep_on and not rt.listening:  # type: ignore[union-attr]
+        yield LISTEN  # a request for the kept bytes back comes on the channel: listen first
     bound = max(1.0, s.seconds_left())
     if rt is not None and not keep_on:
         rt.untrack(s.lease_id)  # a dict pop: safe from any thread

@@ -23,7 +23,7 @@ import asyncio
 import logging
 from typing import Any, Callable
 
-from gpulock_common.aio import wait_for
+from gpulock_common.aio import stop_tasks, wait_for
 from gpulock.protocol.replies import decode_events, decode_give_back, decode_yields
 from gpulock.transport.pubsub import CONFIRM_WAIT_S, Channel, Hub
 from gpulock.runtime.shared import Shared
@@ -52,6 +52,8 @@ class Listener:
         self.channel = channel
         self._registry = shared.waiters
         self._leases = shared.leases
+        self._tasks = shared.tasks
+        self._is_closed = shared.is_closed
         #: Whether the grants are read by someone else (the sync shell's waiting threads):
         #: this one then hands on only the yield requests.
         self.grants_elsewhere = False
@@ -100,6 +102,36 @@ class Listener:
             except asyncio.TimeoutError:
                 in_time = False
             ch.after_news(self.pool, in_time)
+
+    def listen_soon(self) -> None:
+        """Subscribe in the background (in the loop), unless done already or closed; for a
+        lease whose holder must hear from the server while it holds it (an ask to yield, a
+        request for kept bytes back), and whose acquire did not subscribe. Safe from any
+        thread; nothing when there is no loop (the renewals' replies tell it too)."""
+
+        def start() -> None:
+            if not self._is_closed() and not self.joined:
+                self._tasks.spawn(self.subscribe_quietly())
+
+        if not self.joined:
+            try:
+                self._tasks.in_loop(start)
+            except RuntimeError:  # no loop yet, or it is closed: renewals still tell
+                pass
+
+    async def subscribe_quietly(self) -> None:
+        """Subscribe and wait until confirmed, unless closed; a failure is logged, not raised:
+        what comes on the channel for held leases also comes in the renewals' replies."""
+        # close() may have run between the spawn and this start, or during the subscription:
+        # then leave at once, or the shared connection would keep a channel nobody leaves
+        if self._is_closed():
+            return
+        try:
+            await self.ensure_subscribed()
+        except Exception as e:  # noqa: BLE001 - best effort: the renewals tell it too
+            log.debug("gpulock: pool %s: subscription for held leases failed: %s", self.pool, e)
+        if self._is_closed():
+            await stop_tasks(self.cancel())
 
     def cancel(self) -> list[asyncio.Task[Any]]:
         """Leave the shared connection (closed when no pool object uses it any more);

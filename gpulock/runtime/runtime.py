@@ -249,34 +249,14 @@ class Runtime:
         watchdog must run sooner than planned (a first lease, or a shorter ttl)."""
         self.leases.add(state)
         self.heartbeat.lease_added(state)
-        if not self.listener.joined and state.preemptible and not state.resident:
-            # a yield request comes on the channel: listen while the lease is held (an
-            # acquire that waited subscribed already; a try or a sync shell's did not)
-            try:
-                self.tasks.in_loop(self._listen_for_yields)
-            except RuntimeError:  # no loop yet, or it is closed: renewals still tell
-                pass
-
-    def _listen_for_yields(self) -> None:
-        """Subscribe in the background (in the loop), unless done already or closed; the
-        renewals' replies tell a yield request meanwhile, or if it fails."""
-        if self._closed or self.listener.joined:
-            return
-        self.tasks.spawn(self.subscribe_quietly())
+        if state.kept or (state.preemptible and not state.resident):
+            # an ask to yield, or a request for kept bytes back, comes on the channel: listen
+            # while the lease is held (an acquire that waited subscribed already)
+            self.listener.listen_soon()
 
     async def subscribe_quietly(self) -> None:
-        """Subscribe :attr:`listener` and wait until confirmed, unless closed; a failure is
-        logged, not raised: asks to yield also come in the renewals' replies."""
-        # close() may have run between the spawn and this start, or during the subscription:
-        # then leave at once, or the shared connection would keep a channel nobody leaves
-        if self._closed:
-            return
-        try:
-            await self.listener.ensure_subscribed()
-        except Exception as e:  # noqa: BLE001 - best effort: the renewals tell it too
-            log.debug("gpulock: pool %s: subscription for yield requests failed: %s", self.pool, e)
-        if self._closed:
-            await stop_tasks(self.listener.cancel())
+        """:meth:`gpulock.runtime.listener.Listener.subscribe_quietly` (a :data:`LISTEN`)."""
+        await self.listener.subscribe_quietly()
 
     def yielded(self, asks: Sequence[YieldAsk]) -> None:
         """Hand yield requests read from the pool object's channel to the leases held
