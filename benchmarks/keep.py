@@ -2,8 +2,8 @@
 """Kept bytes (``keep=``) side by side with keeping off and with the peers: one private Redis,
 one run.
 
-    python benchmarks/keep.py            # full run, about 1 minute
-    python benchmarks/keep.py --quick    # smoke run (CI), about 15 s
+    python benchmarks/keep.py            # full run, about 25 s
+    python benchmarks/keep.py --quick    # smoke run (CI), about 5 s
     python benchmarks/keep.py --only uncontended,waiter --keep 30 --iterations 600
 
 Parts:
@@ -186,6 +186,16 @@ def build_tables(R: dict) -> dict[str, str]:
                 cpu = U[k].get("server_cpu", {}).get("C")
                 rows.append(
                     [lab, f"{U[k]['ceiling']:,.0f}/s", "100%", peers._f(cpu, "{:.1f}"), "", ""]
+                )
+        rb = U.get("redis_benchmark") or {}
+        for k, lab in (("c1", "1 conn"), ("c50", "50 conns")):
+            if "rps" in rb.get(k, {}):
+                rows.append(
+                    [
+                        f"ceiling: redis-benchmark evalsha, {lab} (C client)",
+                        f"{rb[k]['rps']:,.0f}/s",
+                    ]
+                    + [""] * 4
                 )
         for r in R["uncontended_rows"]:
             s = r["subject"]
