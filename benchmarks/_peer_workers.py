@@ -13,6 +13,9 @@ Kinds:
     fair         gpulock participants of mixed sizes on a weighted pool, each holding hold_ms.
     holder       acquire once with a short expiry, report, then idle until SIGKILLed.
     waiter       on "q": acquire (queued behind a holder), report the grant time, release.
+    kept-holder  (benchmarks/keep.py) on "hold": a gpulock pool object (``shell`` async or
+                 sync, ``keep`` seconds) acquires ``amount`` and releases it at once: with
+                 keep on the bytes stay kept, idle, in this process; report the token.
 
 Subjects: ``gpulock-async`` (AsyncPool tasks), ``gpulock-sync`` (Pool threads), ``redislock``
 (python-redis-lock, threads), ``redispy`` (redis-py's Lock, threads), ``asyncio-sem``
@@ -347,6 +350,43 @@ def _waiter(a: dict) -> None:
         _emit({"released": True})
 
 
+def _kept_holder(a: dict) -> None:
+    """See "kept-holder" above. One JSON line per "hold": ``{"token"}`` (the lease's fencing
+    token), or ``{"error"}``; any other line ends it."""
+    from gpulock import AsyncPool, Pool
+
+    if a["shell"] == "sync":
+        pool = Pool.from_url(a["url"], a["pool"], keep=a["keep"])
+        pool.status()  # connect, load the scripts and start the listener before the first hold
+        _emit({"ready": os.getpid()})
+        while sys.stdin.readline().strip() == "hold":
+            try:
+                lease = pool.acquire(a["amount"], timeout=10)
+                token = lease.token
+                lease.release()
+                _emit({"token": token})
+            except Exception as e:  # reported to the harness
+                _emit({"error": repr(e)})
+        os._exit(0)
+
+    async def main() -> None:
+        apool = AsyncPool.from_url(a["url"], a["pool"], keep=a["keep"])
+        await apool.status()
+        loop = asyncio.get_running_loop()
+        _emit({"ready": os.getpid()})
+        while (await _stdin_lines_async(loop)).strip() == "hold":
+            try:
+                lease = await apool.acquire(a["amount"], timeout=10)
+                token = lease.token
+                await lease.release()
+                _emit({"token": token})
+            except Exception as e:  # reported to the harness
+                _emit({"error": repr(e)})
+        os._exit(0)
+
+    asyncio.run(main())
+
+
 def worker_main(kind: str, args_json: str) -> None:
     _die_with_parent()
     a = json.loads(args_json)
@@ -361,6 +401,8 @@ def worker_main(kind: str, args_json: str) -> None:
         _holder(a)
     elif kind == "waiter":
         _waiter(a)
+    elif kind == "kept-holder":
+        _kept_holder(a)
     else:
         raise SystemExit(f"unknown worker kind {kind!r}")
 
