@@ -516,6 +516,14 @@ class AsyncPool(PoolOptions):
         the pool; no I/O): nothing new is granted until it ends. 0 outside one."""
         return self._runtime.grace_left()
 
+    def kept(self) -> dict[str, Any]:
+        """This pool object's kept bytes (``keep=``; docs/SEMANTICS.md, "Kept bytes"), no I/O:
+        ``{"idle", "idle_bytes", "grants", "kept", "given_back", "draining"}``: the idle kept
+        leases now and their bytes; since it was made, the grants made from kept bytes (no
+        round trip), the releases the server answered "kept", the kept leases given back; and
+        whether it is giving them back now (someone waits)."""
+        return self._runtime.kept.counts()
+
     @property
     def waiting(self) -> int:
         """How many requests this pool object has queued and waits for now (its own acquires,

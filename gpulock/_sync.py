@@ -36,7 +36,7 @@ from gpulock.protocol.args import (
     DEFAULT_WAITER_TTL_S,
     PoolOptions,
 )
-from gpulock.protocol.keep import take_for
+from gpulock.protocol.keep import KeptLeases, take_for
 from gpulock.protocol.lease import LeaseBase, default_clock
 from gpulock.protocol.request import AcquireOptions, AcquireRequest
 from gpulock.protocol.resize import resize_lease
@@ -455,6 +455,12 @@ class Pool(PoolOptions):
     ) -> DeviceReply:
         """The device sampler's call; see :meth:`gpulock.AsyncPool.device_report`."""
         return self._run(flow.device_report(sampler_id, claim_ms, external, report_ms, overuse))
+
+    def kept(self) -> dict[str, Any]:
+        """This pool object's kept bytes: :meth:`gpulock.AsyncPool.kept` (zeros before its
+        first acquire)."""
+        rt = self._runtime
+        return (rt.kept if rt is not None else KeptLeases(0.0, self.clock)).counts()
 
     @property
     def waiting(self) -> int:
