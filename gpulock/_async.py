@@ -541,8 +541,9 @@ class AsyncPool(PoolOptions):
         start = self.clock()
         if rt.closed:  # no heartbeat or listener would serve the lease
             raise PoolClosed(self.name, queued=False)
-        if rt.kept.idle_count and req.keepable:
-            # it does not fit the kept bytes: they go back first, then it asks as usual
+        if rt.kept.idle_count:
+            # it does not fit the kept bytes (nor may a request id's or a resident request
+            # take them): they go back first, then it asks as usual
             await rt.kept_back.release_now(rt.kept.give_back(drain=False))
         steps = flow.acquire(self, rt, req, start, on_queued)
         # The lease its MakeLease step made.

@@ -554,8 +554,9 @@ class Pool(PoolOptions):
             start = self.clock()
             bg = self._background()
             kept = bg.rt.kept
-            if kept.idle_count and req.keepable:
-                # it does not fit the kept bytes: they go back first, then it asks as usual
+            if kept.idle_count:
+                # it does not fit the kept bytes (nor may a request id's or a resident
+                # request take them): they go back first, then it asks as usual
                 bg.portal.call(bg.rt.kept_back.release_now(kept.give_back(drain=False)))
             lease: Lease = self._run(flow.acquire(self, bg.rt, req, start, on_queued), bg)
             return lease  # the lease its MakeLease step made
