@@ -213,6 +213,24 @@ async def test_a_growth_that_queues_behind_kept_bytes_gets_them(make_apool, rcli
     check_consistent(rclient, pool_name)
 
 
+async def test_a_try_growth_gets_the_own_idle_kept_bytes_back_first(make_apool, rclient, pool_name):
+    """A growth of a lease of the keeping pool object itself: its idle kept leases go back
+    before it asks Redis, so a try that fits only without them is granted (as without keep);
+    a shrink gives nothing back."""
+    pool = make_apool(capacity=CAP, keep=3600)
+    lease = await pool.acquire(30, ttl=TTL)
+    await _kept_idle(pool, 40)
+    await lease.resize(20, timeout=0)  # a shrink: the kept lease stays
+    assert pool._runtime.kept.counts()["idle"] == 1
+    await _kept_idle(pool, 40)  # the same kept lease, put back
+    await lease.resize(70, timeout=0)  # 20 + 40 + 50 > 100 while it is kept
+    assert lease.amount == 70 and cfg_int(rclient, pool_name, "used") == 70
+    assert kept_ids(rclient, pool_name) == []
+    assert pool._runtime.kept.counts()["given_back"] == 1
+    await lease.release()
+    check_consistent(rclient, pool_name)
+
+
 async def test_idle_kept_leases_go_back_after_keep_seconds(make_apool, rclient, pool_name):
     pool = make_apool(capacity=CAP, keep=0.5)
     await _kept_idle(pool, 10, ttl=1.5)

@@ -197,6 +197,17 @@ def test_a_growth_that_queues_behind_kept_bytes_gets_them(make_pool, rclient, po
     check_consistent(rclient, pool_name)
 
 
+def test_a_try_growth_gets_the_own_idle_kept_bytes_back_first(make_pool, rclient, pool_name):
+    pool = make_pool(capacity=CAP, keep=3600)
+    lease = pool.acquire(30, ttl=TTL)
+    _kept_idle(pool, 60)
+    lease.resize(70, timeout=0)  # 30 + 60 + 40 > 100 while it is kept
+    assert lease.amount == 70 and cfg_int(rclient, pool_name, "used") == 70
+    assert kept_ids(rclient, pool_name) == [] and _counts(pool)["given_back"] == 1
+    lease.release()
+    check_consistent(rclient, pool_name)
+
+
 def test_idle_kept_leases_go_back_after_keep_seconds(make_pool, rclient, pool_name):
     pool = make_pool(capacity=CAP, keep=0.5)
     _kept_idle(pool, 10, ttl=1.5)
