@@ -36,7 +36,7 @@ from gpulock.protocol.args import (
     DEFAULT_WAITER_TTL_S,
     PoolOptions,
 )
-from gpulock.protocol.keep import take_for
+from gpulock.protocol.keep import back_for_growth, take_for
 from gpulock.protocol.lease import LeaseBase, default_clock
 from gpulock.protocol.request import AcquireOptions, AcquireRequest
 from gpulock.protocol.resize import resize_lease
@@ -155,6 +155,9 @@ class Lease(LeaseBase):
         KeyboardInterrupt while a growth waits withdraws it, as a cancellation does there)."""
         p = self._pool
         bg = p._background(queued=False)
+        back = back_for_growth(bg.rt.kept, self._state, amount)
+        if back:  # a growth: the idle kept bytes go back first (gpulock.protocol.keep)
+            bg.portal.call(bg.rt.kept_back.release_now(back))
         steps = resize_lease(
             p, bg.rt, self._state, amount, timeout, p.clock(), waiter_ttl_s=p.waiter_ttl
         )
