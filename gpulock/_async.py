@@ -26,7 +26,7 @@ from gpulock.protocol.args import (
     DEFAULT_WAITER_TTL_S,
     PoolOptions,
 )
-from gpulock.protocol.keep import take_for
+from gpulock.protocol.keep import back_for_growth, take_for
 from gpulock.protocol.lease import LeaseBase, default_clock
 from gpulock.protocol.request import AcquireOptions, AcquireRequest
 from gpulock.protocol.resize import resize_lease
@@ -95,6 +95,9 @@ class AsyncLease(LeaseBase):
         rt = p._runtime
         if rt.closed:
             raise PoolClosed(p.name, queued=False)
+        back = back_for_growth(rt.kept, self._state, amount)
+        if back:  # a growth: the idle kept bytes go back first (gpulock.protocol.keep)
+            await rt.kept_back.release_now(back)
         steps = resize_lease(
             p, rt, self._state, amount, timeout, p.clock(), waiter_ttl_s=p.waiter_ttl
         )
@@ -502,8 +505,9 @@ class AsyncPool(PoolOptions):
         start = self.clock()
         if rt.closed:  # no heartbeat or listener would serve the lease
             raise PoolClosed(self.name, queued=False)
-        if rt.kept.idle_count and req.keepable:
-            # it does not fit the kept bytes: they go back first, then it asks as usual
+        if rt.kept.idle_count:
+            # it does not fit the kept bytes (nor may a request id's or a resident request
+            # take them): they go back first, then it asks as usual
             await rt.kept_back.release_now(rt.kept.give_back(drain=False))
         steps = flow.acquire(self, rt, req, start, on_queued)
         # The lease its MakeLease step made.

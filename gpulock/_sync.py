@@ -36,7 +36,7 @@ from gpulock.protocol.args import (
     DEFAULT_WAITER_TTL_S,
     PoolOptions,
 )
-from gpulock.protocol.keep import KeptLeases, take_for
+from gpulock.protocol.keep import KeptLeases, back_for_growth, take_for
 from gpulock.protocol.lease import LeaseBase, default_clock
 from gpulock.protocol.request import AcquireOptions, AcquireRequest
 from gpulock.protocol.resize import resize_lease
@@ -150,6 +150,9 @@ class Lease(LeaseBase):
         KeyboardInterrupt while a growth waits withdraws it, as a cancellation does there)."""
         p = self._pool
         bg = p._background(queued=False)
+        back = back_for_growth(bg.rt.kept, self._state, amount)
+        if back:  # a growth: the idle kept bytes go back first (gpulock.protocol.keep)
+            bg.portal.call(bg.rt.kept_back.release_now(back))
         steps = resize_lease(
             p, bg.rt, self._state, amount, timeout, p.clock(), waiter_ttl_s=p.waiter_ttl
         )
@@ -526,8 +529,9 @@ class Pool(PoolOptions):
             start = self.clock()
             bg = self._background()
             kept = bg.rt.kept
-            if kept.idle_count and req.keepable:
-                # it does not fit the kept bytes: they go back first, then it asks as usual
+            if kept.idle_count:
+                # it does not fit the kept bytes (nor may a request id's or a resident
+                # request take them): they go back first, then it asks as usual
                 bg.portal.call(bg.rt.kept_back.release_now(kept.give_back(drain=False)))
             lease: Lease = self._run(flow.acquire(self, bg.rt, req, start, on_queued), bg)
             return lease  # the lease its MakeLease step made

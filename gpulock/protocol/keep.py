@@ -35,7 +35,7 @@ from gpulock.errors import InvalidArgument
 from gpulock.protocol.lease import LeaseState
 from gpulock.units import parse_size
 
-__all__ = ["KeptLeases", "MIN_LEFT_S", "take_for"]
+__all__ = ["KeptLeases", "MIN_LEFT_S", "back_for_growth", "take_for"]
 
 #: Every keeper of this process (see _after_fork_in_child).
 _ALL: weakref.WeakSet[KeptLeases] = weakref.WeakSet()
@@ -268,6 +268,21 @@ def take_for(
     ):
         return None
     return kept.take(amount, ttl, priority, tenant or "", device, preemptible)
+
+
+def back_for_growth(kept: KeptLeases, state: LeaseState, amount: Any) -> list[LeaseState]:
+    """The idle kept leases of ``kept``, taken out, for the caller to release before
+    ``state``'s lease grows to ``amount`` (bytes or a size string): a growth of the pool
+    object's own lease never waits for, nor is refused because of, its own idle kept bytes.
+    Empty when none is idle, for a shrink or the same amount, and for a bad amount (the
+    resize names it)."""
+    if not kept.idle_count:
+        return []
+    try:
+        grows = parse_size(amount) > state.amount
+    except InvalidArgument:
+        return []
+    return kept.give_back(drain=False) if grows else []
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
