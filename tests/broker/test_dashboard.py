@@ -16,6 +16,7 @@ import pytest
 from gpulock import Pool
 from gpulock.errors import GpuLockError
 from gpulock_broker.auth import parse_tokens
+from gpulock_client import Pool as SdkPool
 from support.browser import Browser, dom_view, pool_dom, status_view
 from support.drain import measure_drain, queue_behind
 from support.pools import GiB
@@ -438,17 +439,18 @@ def test_the_broker_and_the_page_show_kept_bytes_and_mark_a_kept_lease(
     broker_srv, redis_srv, gpu, user, admin, tmp_path
 ):
     """A lease held through the broker (which keeps nothing): the broker's pool answer, the
-    CLI through it and the page show nothing kept. Then a pool object with ``keep=30`` on the
+    CLI through it and the page show nothing kept. Then a pool object with ``keep=3600`` on the
     same Redis acquires 4 GiB and releases it with nobody waiting, so it keeps it: the broker's
-    answers (pool and list), ``gpulock --broker-url status`` and the page show the kept bytes
-    and mark that lease kept, the broker's lease not."""
+    answers (pool and list, the SDK's ``status()``), ``gpulock --broker-url status`` and the
+    page show the kept bytes and mark that lease kept, the broker's lease not."""
     r = user.post("/v1/pools/gpu-a/leases", json={"amount": "2GiB", "holder": {"job": "plain"}})
     assert r.status_code == 201, r.text
     plain = r.json()
     out = admin.get(f"/v1/pools/{gpu}").json()
     assert (out["kept_bytes"], out["kept_leases"], out["releases_kept"]) == (0, 0, 0)
     assert [li["kept"] for li in out["leases"]] == [False]
-    keeper = Pool.from_url(redis_srv.url, gpu, keep=30)
+    # keeps an idle lease far longer than a loaded machine takes to read what shows it
+    keeper = Pool.from_url(redis_srv.url, gpu, keep=3600)
     try:
         with Browser(tmp_path) as b:
             page = b.new_page(f"{broker_srv.url}/dashboard#token={ADMIN_TOKEN}")
@@ -468,6 +470,10 @@ def test_the_broker_and_the_page_show_kept_bytes_and_mark_a_kept_lease(
             assert out["kept_asked_back"] == 0 and out["used"] == 6 * GiB
             kept = {li["token"]: li["kept"] for li in out["leases"]}
             assert kept == {lease.token: True, plain["token"]: False}
+            with SdkPool(broker_srv.url, gpu, token=USER_TOKEN) as sdk:  # the broker's JSON
+                got = sdk.status()
+            assert (got["kept_bytes"], got["kept_leases"]) == (4 * GiB, 1)
+            assert {li["token"]: li["kept"] for li in got["leases"]} == kept
             (listed,) = admin.get("/v1/pools").json()["pools"]
             assert (listed["kept_bytes"], listed["kept_leases"]) == (4 * GiB, 1)
             view = admin.get("/dashboard/data").json()["pools"][0]

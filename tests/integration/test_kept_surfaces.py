@@ -1,5 +1,5 @@
 """What shows kept bytes (docs/SEMANTICS.md, "Kept bytes"), against real servers: a pool object
-with ``keep=30`` acquires and releases while nobody waits, so the pool answers "kept" and its
+with ``keep=`` acquires and releases while nobody waits, so the pool answers "kept" and its
 holder keeps the lease; ``status()``, ``gpulock status`` (text and ``--json``), ``gpulock top``,
 ``gpulock pool list`` and ``/metrics``' pool families show the lease kept, the kept bytes and the
 counters; a request that does not fit asks the holder to give it back, and they show that. With
@@ -19,6 +19,10 @@ from gpulock import Pool
 
 pytestmark = pytest.mark.timeout(120)
 
+# Seconds the keeping pool object may keep an idle lease: far longer than a loaded machine
+# takes to read the surfaces, so the lease is never given back for idling while they are read.
+KEEP_S = 3600
+
 KEPT_LINE = (
     "kept: 1 lease, 4.0GiB (their holders give them back when a request does not fit); "
     "releases kept 1, asked back 0"
@@ -37,7 +41,7 @@ def test_a_kept_lease_in_status_top_pool_list_and_metrics(redis_proc1):
     is asked to give it back, gives it back, and the request is granted."""
     url, name = redis_proc1.url, "kp-on"
     admin = Pool.from_url(url, name)
-    keeper = Pool.from_url(url, name, keep=30)
+    keeper = Pool.from_url(url, name, keep=KEEP_S)
     try:
         admin.configure(10 * GiB)
         lease = keeper.acquire(4 * GiB, holder={"job": "keeper"})
@@ -94,30 +98,29 @@ def test_a_kept_lease_in_status_top_pool_list_and_metrics(redis_proc1):
         assert vals["gpulock_pool_kept_asked_back_total"] == 0
 
         # a request that does not fit next to the kept lease: its holder is asked to give it
-        # back, and does, in the background
+        # back, and does, in the background (asked once, or again if the waiter refreshed its
+        # place before the give-back landed)
         big = admin.acquire(8 * GiB, timeout=60, holder={"job": "big"})
         st = admin.status()
         (li,) = st.leases
         assert li.lease_id == big.id and not li.kept and st.kept == []
-        assert (st.kept_bytes, st.kept_leases, st.releases_kept, st.kept_asked_back) == (
-            0,
-            0,
-            1,
-            1,
-        )
+        assert (st.kept_bytes, st.kept_leases, st.releases_kept) == (0, 0, 1)
+        told = st.kept_asked_back
+        assert told >= 1
         r = wide(url, "status", name)
         assert (
             "kept: 0 leases, 0B (their holders give them back when a request does not fit); "
-            "releases kept 1, asked back 1" in r.stdout
+            f"releases kept 1, asked back {told}" in r.stdout
         ), r.stdout
         assert "kept" not in _lease_header(r.stdout), r.stdout  # no kept column
         r = wide(url, "top", name, "--once")
-        assert "releases kept 1  asked back 1" in r.stdout and "GiB kept)" not in r.stdout
+        assert f"releases kept 1  asked back {told}" in r.stdout, r.stdout
+        assert "GiB kept)" not in r.stdout, r.stdout
         r = gpulock(url, "pool", "list")
         assert "kept" not in r.stdout, r.stdout
         vals = _pool_samples(_metrics_text(st), name)
         assert (vals["gpulock_pool_kept_bytes"], vals["gpulock_pool_kept_leases"]) == (0, 0)
-        assert vals["gpulock_pool_kept_asked_back_total"] == 1
+        assert vals["gpulock_pool_kept_asked_back_total"] == told
         big.release()
     finally:
         keeper.close()
