@@ -120,6 +120,7 @@ def status_from_dict(d: dict[str, Any]) -> Any:
             x.get("device", 0),  # nor one older than devices
             x.get("yield_in"),  # nor one older than preemption
             x.get("priority"),
+            x.get("kept", False),  # nor one older than kept bytes
         )
         for x in d.get("leases", [])
     ]
@@ -171,6 +172,10 @@ def status_from_dict(d: dict[str, Any]) -> Any:
         drain=DrainRate(**d["drain"]) if d.get("drain") else None,  # an older broker: none
         preemption=Preemption(**d["preemption"]) if d.get("preemption") else None,
         yields=YieldCounts(**(d.get("yields") or {})),
+        kept_bytes=d.get("kept_bytes", 0),
+        kept_leases=d.get("kept_leases", 0),
+        releases_kept=d.get("releases_kept", 0),
+        kept_asked_back=d.get("kept_asked_back", 0),
     )
 
 

@@ -437,7 +437,8 @@ def pool_list(
         False, "--json", help="A JSON list of the pools (bytes, seconds)."
     ),
 ) -> None:
-    """List the pools (one line each: name, capacity, use, leases, waiters).
+    """List the pools (one line each: name, capacity, use and the bytes of it kept by their
+    holders, leases, waiters).
 
     On a Redis Cluster with a shard down, the pools of the other shards are listed, the shards
     that did not answer are named on stderr, and the exit status is 69; --json then prints
@@ -462,8 +463,9 @@ def pool_list(
         w = max(len(s.pool) for s in statuses)
         for s in statuses:
             pct = (100.0 * s.used / s.capacity) if s.capacity else 0.0
+            kept = f", {format_size(s.kept_bytes)} kept" if s.kept_leases else ""  # part of used
             print(
-                f"{s.pool:<{w}}  capacity {format_size(s.capacity)}  used {format_size(s.used)} ({pct:.0f}%)  "
+                f"{s.pool:<{w}}  capacity {format_size(s.capacity)}  used {format_size(s.used)} ({pct:.0f}%{kept})  "
                 f"{s.lease_count} lease(s)  {s.waiter_count} waiter(s)"
             )
     if shards:

@@ -1,6 +1,6 @@
 """How ``gpulock status`` and ``gpulock pool set`` print a pool: the status text and tables
 (:func:`print_status`) and the short forms of its settings (queue policy, quotas, devices,
-preemption)."""
+preemption) and of its kept bytes."""
 
 from __future__ import annotations
 
@@ -60,6 +60,18 @@ def yield_by_text(li: LeaseInfo, now: Optional[float] = None) -> str:
     return f"yield by {time.strftime('%H:%M:%S', time.localtime(at))} (in {secs(li.yield_in)})"
 
 
+def kept_text(st: PoolStatus) -> str:
+    """``kept: 2 leases, 3GiB (their holders give them back when a request does not fit);
+    releases kept 14, asked back 1``: the leases their holders keep (docs/SEMANTICS.md, "Kept
+    bytes") and the pool's counters."""
+    n = st.kept_leases
+    return (
+        f"kept: {n} lease{'' if n == 1 else 's'}, {format_size(st.kept_bytes)} (their holders "
+        f"give them back when a request does not fit); releases kept {st.releases_kept}, "
+        f"asked back {st.kept_asked_back}"
+    )
+
+
 def growth_text(w: WaiterInfo) -> str:
     """``lease 1a2b3c4d +512MiB`` for a queued growth (the lease it grows, by how much), ``-``
     for a new request."""
@@ -110,6 +122,8 @@ def print_status(console: Console, st: PoolStatus) -> None:
             preemption_text(p.shown() if p else None) + f"; {yields_text(st.yields)}",
             highlight=False,
         )
+    if st.kept_leases or st.releases_kept:  # said once a holder has kept a lease
+        console.print(kept_text(st), highlight=False)
     if st.grace_left > 0:
         console.print(
             f"grace period: Redis lost the pool's data; no new grants for {secs(st.grace_left)} "
@@ -156,6 +170,7 @@ def print_status(console: Console, st: PoolStatus) -> None:
     # a priority column for the leases with preemption on; a yield column once one is asked
     prios = st.preemption is not None
     yields = any(li.yield_in is not None for li in st.leases)
+    kept = any(li.kept for li in st.leases)  # a kept column while a listed lease is kept
     # an estimate column only once the drain rate is measured (before, every cell would be a
     # dash, and the line above says why): a narrow terminal keeps its room for the purpose
     ests = st.drain is not None
@@ -174,6 +189,7 @@ def print_status(console: Console, st: PoolStatus) -> None:
             ("held", {"justify": "right"}),
             ("expires in", {"justify": "right"}),
             *((("yield", {}),) if yields else ()),
+            *((("kept", {}),) if kept else ()),
         )
         for col, kw in cols:
             t.add_column(col, no_wrap=col != "purpose", **kw)
@@ -192,6 +208,7 @@ def print_status(console: Console, st: PoolStatus) -> None:
                 secs(li.held_for),
                 secs(li.expires_in),
                 *((yield_by_text(li),) if yields else ()),
+                *(("kept" if li.kept else "-",) if kept else ()),
             )
         console.print(t)
     if st.waiters:

@@ -85,8 +85,11 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
     for p in view["pools"]:
         rate = "-" if p["grant_rate"] is None else f"{p['grant_rate']:.1f}/s"
         head = Text()
+        # kept bytes (docs/SEMANTICS.md, "Kept bytes"): part of used, said while a lease is kept
+        kept_n = p.get("kept_leases", 0)  # a broker older than kept bytes sends none
+        kept = f" ({format_size(p['kept_bytes'])} kept)" if kept_n else ""
         head.append(
-            f"capacity {format_size(p['capacity'])}  used {format_size(p['used'])}  "
+            f"capacity {format_size(p['capacity'])}  used {format_size(p['used'])}{kept}  "
             f"resident {format_size(p['resident'])}  free {format_size(p['free'])}\n"
         )
         if p.get("external"):  # the device report holds bytes back (docs/SEMANTICS.md)
@@ -132,6 +135,12 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
                 + (f" (mean {_secs(mean)})" if mean is not None else "")
                 + f"  taken back {y.get('taken', 0)}\n"
             )  # fmt: skip
+        if kept_n or p.get("releases_kept"):  # once a holder has kept a lease
+            head.append(
+                f"kept {kept_n} lease{'' if kept_n == 1 else 's'}, "
+                f"{format_size(p['kept_bytes'])} (given back when a request does not fit)  "
+                f"releases kept {p['releases_kept']}  asked back {p['kept_asked_back']}\n"
+            )
         hist = p["history"]
         top = max([p["capacity"], *hist["capacity"]]) if hist["capacity"] else p["capacity"]
         line = sparkline(hist["used"], top, 60)
@@ -140,6 +149,7 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
         several = len(devices) > 1  # a device column only then
         # a yield column while a listed lease is asked to yield
         asked = any(lz.get("yield_in") is not None for lz in p["leases"][:limit])
+        kept_col = any(lz.get("kept") for lz in p["leases"][:limit])  # a kept column then
         for col, right in (
             ("holder", False),
             ("amount", True),
@@ -147,6 +157,7 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
             *((("device", True),) if several else ()),
             ("expires in", True),
             *((("yield by", True),) if asked else ()),
+            *((("kept", False),) if kept_col else ()),
         ):
             leases.add_column(col, justify="right" if right else "left")
         for lz in p["leases"][:limit]:
@@ -154,6 +165,7 @@ def render_view(view: dict[str, Any], *, limit: int = 20) -> RenderableType:
                 _holder(lz["holder"]), format_size(lz["amount"]), str(lz["token"]),
                 *((str(lz.get("device", 0)),) if several else ()), _secs(lz["expires_in"]),
                 *((_yield_in(lz.get("yield_in")),) if asked else ()),
+                *(("kept" if lz.get("kept") else "-",) if kept_col else ()),
             )  # fmt: skip
         queue = Table(title=f"queue ({p['waiter_count']})", title_justify="left", expand=False)
         # a growth column only while a growth is queued (a broker older than resizes sends none)

@@ -102,6 +102,10 @@ def pool_view(
             "taken": st.yields.taken,
             "mean_time_to_yield": st.yields.mean_time_to_yield,
         },
+        "kept_bytes": st.kept_bytes,
+        "kept_leases": st.kept_leases,
+        "releases_kept": st.releases_kept,
+        "kept_asked_back": st.kept_asked_back,
         "external": st.external,
         "effective_capacity": st.effective_capacity,
         "overusers": [
@@ -124,6 +128,7 @@ def pool_view(
                 "priority": lz.priority,
                 # asked to yield: seconds until the pool takes it back; None: not asked
                 "yield_in": None if lz.yield_in is None else round(lz.yield_in, 3),
+                "kept": lz.kept,  # its holder keeps it (docs/SEMANTICS.md, "Kept bytes")
             }
             for lz in st.leases
         ],
@@ -179,9 +184,14 @@ async def dashboard_view(
     ``preemption`` (``{"gap", "yield_grace_s"}``, None when off) and ``yields`` (``asked``,
     ``done``, ``done_seconds``, ``taken``, ``mean_time_to_yield``: seconds, None before a
     yield; docs/SEMANTICS.md "Preemption");
+    ``kept_bytes`` and ``kept_leases`` (the bytes, counted in ``used``, and the count of the
+    leases their holders keep), ``releases_kept`` and ``kept_asked_back`` (releases answered
+    "kept", kept leases whose holders were asked to give them back; docs/SEMANTICS.md "Kept
+    bytes");
     ``leases`` (``holder``, ``amount``, ``token``, ``expires_in``, ``held_for``, ``device``,
     ``priority``: None when it can never be asked to yield, ``yield_in``: seconds until the
-    pool takes it back when asked to yield, else None); ``waiters``
+    pool takes it back when asked to yield, else None, ``kept``: whether its holder keeps
+    it); ``waiters``
     (``position``, ``holder``, ``amount``, ``waited``, ``priority``, ``growth_token``: for a
     queued growth of a held lease the lease's fencing token, ``amount`` being the bytes it
     grows by, else None; ``estimated_wait_s``: seconds until its grant, None while the

@@ -74,6 +74,10 @@ class LeaseInfo:
     # granted by an earlier version).
     yield_in: float | None = None
     priority: int | None = None
+    # Kept bytes (docs/SEMANTICS.md, "Kept bytes"): its holder released it and keeps it for its
+    # own next requests, giving it back when a request does not fit (False: a lease held as
+    # usual, or from an earlier version).
+    kept: bool = False
 
     @property
     def yield_requested(self) -> bool:
@@ -175,6 +179,19 @@ class PoolStatus:
     # counters.
     preemption: Preemption | None = None
     yields: YieldCounts = field(default_factory=YieldCounts)
+    # Kept bytes (docs/SEMANTICS.md, "Kept bytes"): the bytes (counted in ``used``) and the
+    # count of the leases their holders keep, every one of them, not just the listed; and the
+    # counters since the pool was made: releases answered "kept", and kept leases whose
+    # holders were asked to give them back (a request did not fit). 0 from an older server.
+    kept_bytes: int = 0
+    kept_leases: int = 0
+    releases_kept: int = 0
+    kept_asked_back: int = 0
+
+    @property
+    def kept(self) -> list[LeaseInfo]:
+        """The listed leases their holders keep."""
+        return [x for x in self.leases if x.kept]
 
     @property
     def yielding(self) -> list[LeaseInfo]:
@@ -281,6 +298,7 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
             int(x[9]) if len(x) > 9 else 0,
             (int(x[10]) - now) / 1000 if len(x) > 10 and int(x[10]) else None,
             int(_s(x[11])) if len(x) > 11 and _s(x[11]) else None,
+            len(x) > 12 and int(x[12]) == 1,
         )
         for x in r[12]
     ]
@@ -356,7 +374,17 @@ def decode_status(pool: str, r: list[Any]) -> PoolStatus | None:
             if len(r) > 34
             else YieldCounts()
         ),
+        # after y_taken: kept_bytes, kept_count, k_kept, k_told
+        **_kept(r[35:39]),
     )
+
+
+def _kept(r: list[Any]) -> dict[str, int]:
+    """``status.lua``'s kept bytes fields (kept_bytes, kept_count, k_kept, k_told) as
+    :class:`PoolStatus`'s keyword arguments; none from a server older than them."""
+    if len(r) < 4:
+        return {}
+    return dict(zip(("kept_bytes", "kept_leases", "releases_kept", "kept_asked_back"), map(int, r)))
 
 
 def _with_estimates(

@@ -141,6 +141,11 @@ class LeaseInfoOut(BaseModel):
         description="the priority it was acquired at; null when it can never be asked to "
         "yield (resident, not preemptible)",
     )
+    kept: bool = Field(
+        False,
+        description="its holder released it and keeps it for its own next requests, giving it "
+        "back when a request does not fit (docs/SEMANTICS.md, 'Kept bytes')",
+    )
 
 
 class PreemptionOut(BaseModel):
@@ -257,6 +262,18 @@ class PoolOut(BaseModel):
     )
     preemption: Optional[PreemptionOut] = Field(None, description="the setting; null: off")
     yields: YieldCountsOut = Field(default_factory=YieldCountsOut)
+    kept_bytes: int = Field(
+        0,
+        description="bytes of the leases their holders keep (part of used; docs/SEMANTICS.md, "
+        "'Kept bytes')",
+    )
+    kept_leases: int = Field(0, description="the leases their holders keep, all of them")
+    releases_kept: int = Field(0, description="releases the pool answered 'kept'")
+    kept_asked_back: int = Field(
+        0,
+        description="kept leases whose holders were asked to give them back (a request did "
+        "not fit)",
+    )
 
 
 class UnreachableShard(BaseModel):

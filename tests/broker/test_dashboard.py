@@ -16,6 +16,7 @@ import pytest
 from gpulock import Pool
 from gpulock.errors import GpuLockError
 from gpulock_broker.auth import parse_tokens
+from gpulock_client import Pool as SdkPool
 from support.browser import Browser, dom_view, pool_dom, status_view
 from support.drain import measure_drain, queue_behind
 from support.pools import GiB
@@ -399,3 +400,116 @@ def test_the_page_shows_preemption_and_marks_a_lease_asked_to_yield(
             if not isinstance(x, Exception):
                 x.release()
         core.close()
+
+
+_KEPT_DOM_JS = """
+(function (name) {
+  var sec = document.querySelector('section.pool[data-pool="' + name + '"]');
+  if (!sec) return null;
+  var p = sec.querySelector('p.kept');
+  var stat = sec.querySelector('.stats [data-field="kept_bytes"]');
+  var rows = Array.prototype.map.call(sec.querySelectorAll('table.leases tbody tr'),
+    function (tr) { return {token: tr.getAttribute('data-token'), kept: tr.getAttribute('data-kept'),
+                            cls: tr.getAttribute('class'), text: tr.textContent}; });
+  var heads = Array.prototype.map.call(sec.querySelectorAll('table.leases thead th'),
+    function (th) { return th.textContent; });
+  return {keptLeases: p ? p.getAttribute('data-kept-leases') : null,
+          keptBytes: p ? p.getAttribute('data-kept-bytes') : null,
+          releasesKept: p ? p.getAttribute('data-releases-kept') : null,
+          text: p ? p.textContent : null, stat: stat ? stat.getAttribute('data-value') : null,
+          rows: rows, heads: heads};
+})(%s)
+"""
+
+
+def _gpulock_via(broker_url: str, *args: str) -> subprocess.CompletedProcess:
+    """``gpulock --broker-url BROKER ARGS`` with the admin token, on a 200-column terminal."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOCK_")}
+    env.update(GPULOCK_TOKEN=ADMIN_TOKEN, COLUMNS="200")
+    return subprocess.run(
+        [sys.executable, "-m", "gpulock", "--broker-url", broker_url, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_broker_and_the_page_show_kept_bytes_and_mark_a_kept_lease(
+    broker_srv, redis_srv, gpu, user, admin, tmp_path
+):
+    """A lease held through the broker (which keeps nothing): the broker's pool answer, the
+    CLI through it and the page show nothing kept. Then a pool object with ``keep=3600`` on the
+    same Redis acquires 4 GiB and releases it with nobody waiting, so it keeps it: the broker's
+    answers (pool and list, the SDK's ``status()``), ``gpulock --broker-url status`` and the
+    page show the kept bytes and mark that lease kept, the broker's lease not."""
+    r = user.post("/v1/pools/gpu-a/leases", json={"amount": "2GiB", "holder": {"job": "plain"}})
+    assert r.status_code == 201, r.text
+    plain = r.json()
+    out = admin.get(f"/v1/pools/{gpu}").json()
+    assert (out["kept_bytes"], out["kept_leases"], out["releases_kept"]) == (0, 0, 0)
+    assert [li["kept"] for li in out["leases"]] == [False]
+    # keeps an idle lease far longer than a loaded machine takes to read what shows it
+    keeper = Pool.from_url(redis_srv.url, gpu, keep=3600)
+    try:
+        with Browser(tmp_path) as b:
+            page = b.new_page(f"{broker_srv.url}/dashboard#token={ADMIN_TOKEN}")
+            seen = wait_until(
+                lambda: (x := page.evaluate(_KEPT_DOM_JS % json.dumps(gpu))) and x["rows"] and x,
+                30,
+                "the broker's lease on the page",
+                interval=0.1,
+            )
+            assert seen["keptLeases"] is None and seen["stat"] is None, seen  # nothing kept
+            assert "kept" not in seen["heads"] and [r["kept"] for r in seen["rows"]] == [None]
+
+            lease = keeper.acquire(4 * GiB, holder={"job": "keeper"})
+            lease.release()  # nobody waits: kept
+            out = admin.get(f"/v1/pools/{gpu}").json()
+            assert (out["kept_bytes"], out["kept_leases"], out["releases_kept"]) == (4 * GiB, 1, 1)
+            assert out["kept_asked_back"] == 0 and out["used"] == 6 * GiB
+            kept = {li["token"]: li["kept"] for li in out["leases"]}
+            assert kept == {lease.token: True, plain["token"]: False}
+            with SdkPool(broker_srv.url, gpu, token=USER_TOKEN) as sdk:  # the broker's JSON
+                got = sdk.status()
+            assert (got["kept_bytes"], got["kept_leases"]) == (4 * GiB, 1)
+            assert {li["token"]: li["kept"] for li in got["leases"]} == kept
+            (listed,) = admin.get("/v1/pools").json()["pools"]
+            assert (listed["kept_bytes"], listed["kept_leases"]) == (4 * GiB, 1)
+            view = admin.get("/dashboard/data").json()["pools"][0]
+            assert (view["kept_bytes"], view["kept_leases"], view["releases_kept"]) == (
+                4 * GiB,
+                1,
+                1,
+            )
+
+            r = _gpulock_via(broker_srv.url, "status", gpu, "--json")
+            assert r.returncode == 0, r.stderr
+            d = json.loads(r.stdout)
+            assert (d["kept_bytes"], d["kept_leases"], d["releases_kept"]) == (4 * GiB, 1, 1)
+            assert sorted(li["kept"] for li in d["leases"]) == [False, True]
+            r = _gpulock_via(broker_srv.url, "status", gpu)
+            assert "kept: 1 lease, 4.0GiB (their holders give them back" in r.stdout, r.stdout
+
+            seen = wait_until(
+                lambda: (
+                    (x := page.evaluate(_KEPT_DOM_JS % json.dumps(gpu)))
+                    and x["keptLeases"] == "1"
+                    and len(x["rows"]) == 2
+                    and x
+                ),
+                30,
+                "the kept lease marked on the page",
+                interval=0.1,
+            )
+            assert seen["keptBytes"] == str(4 * GiB) and seen["stat"] == str(4 * GiB), seen
+            assert seen["releasesKept"] == "1", seen
+            assert "their holders give them back when a request does not fit" in seen["text"]
+            assert seen["heads"][-1] == "kept", seen
+            rows = {r["token"]: r for r in seen["rows"]}
+            assert rows[str(lease.token)]["kept"] == "1" and "kept" in rows[str(lease.token)]["cls"]
+            assert "kept by its holder" in rows[str(lease.token)]["text"]
+            assert rows[str(plain["token"])]["kept"] is None, rows
+    finally:
+        keeper.close()
+        user.delete(f"/v1/pools/gpu-a/leases/{plain['lease_id']}")

@@ -58,6 +58,7 @@ def test_no_token_identity_no_lease_or_request_id():
             "device": 0,
             "priority": None,
             "yield_in": None,
+            "kept": False,
         }
     ]
     assert v["waiters"] == [
@@ -84,3 +85,23 @@ def test_the_queue_policy_and_each_waiters_priority():
     v = pool_view(status(policy="backfill", backfill_window=0.25, waiters=[waiter]), [], {})
     assert (v["policy"], v["backfill_window"]) == ("backfill", 0.25)
     assert [w["priority"] for w in v["waiters"]] == [-7]
+
+
+def test_kept_bytes_and_each_leases_kept_mark():
+    v = pool_view(status(), [], {})
+    assert (v["kept_bytes"], v["kept_leases"], v["releases_kept"], v["kept_asked_back"]) == (
+        0,
+        0,
+        0,
+        0,
+    )
+    kept = LeaseInfo("L2", 40, 8, 12.5, 3.0, 30.0, "", {}, kept=True)
+    st = status(leases=[kept], kept_bytes=40, kept_leases=1, releases_kept=5, kept_asked_back=2)
+    v = pool_view(st, [], {})
+    assert (v["kept_bytes"], v["kept_leases"], v["releases_kept"], v["kept_asked_back"]) == (
+        40,
+        1,
+        5,
+        2,
+    )
+    assert [lz["kept"] for lz in v["leases"]] == [True]

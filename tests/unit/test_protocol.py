@@ -446,6 +446,41 @@ def test_decode_status_preemption():
     assert _replies.decode_status("gpu0", r).queue_config().preempt == "off"
 
 
+def test_decode_status_kept_bytes():
+    """status.lua's fields after y_taken: kept_bytes, kept_count, k_kept, k_told; per lease
+    13 kept (1/0). A reply without them (an older server): nothing kept, counters 0."""
+    now = 10_000
+    lease = [b"c" * 32, 10, 12, now + 2500, now - 1000, 3000, b"t1", b"{}", b"", 0, 0, b""]
+    r: list = [1, now, 100, 30, 77, 12, 100, 2, 0, 3, 0, 0]
+    r += [[[*lease, 1], [b"d" * 32, 20, *lease[2:], 0]], []]
+    r += [0, 60_000, 0, 0, 0, b"", b"fifo", 2000, [], [], b"bestfit", 0, 0, 0, 0, 0]
+    r += [b"", 0, 0, 0, 0]
+    old = _replies.decode_status("gpu0", r)
+    assert (old.kept_bytes, old.kept_leases, old.releases_kept, old.kept_asked_back) == (0,) * 4
+    assert old.kept == [old.leases[0]]  # a lease's own field decodes on its own
+    old12 = _replies.decode_status("gpu0", [*r[:12], [lease], *r[13:]])
+    assert [li.kept for li in old12.leases] == [False]  # a 12-element lease: not kept
+    r += [10, 1, 7, 2]
+    st_ = _replies.decode_status("gpu0", r)
+    kept, other = st_.leases
+    assert (kept.kept, other.kept) == (True, False) and st_.kept == [kept]
+    assert (st_.kept_bytes, st_.kept_leases, st_.releases_kept, st_.kept_asked_back) == (
+        10,
+        1,
+        7,
+        2,
+    )
+    assert st_.used == 30 and st_.free == 70  # kept bytes are held bytes
+    d = st_.to_dict()
+    assert [x["kept"] for x in d["leases"]] == [True, False]
+    assert (d["kept_bytes"], d["kept_leases"], d["releases_kept"], d["kept_asked_back"]) == (
+        10,
+        1,
+        7,
+        2,
+    )
+
+
 # ---- error translation ------------------------------------------------------------------
 
 

@@ -121,6 +121,12 @@
     st.appendChild(stat("resident", "resident", p.resident, fmtBytes(p.resident)));
     st.appendChild(stat("free", "free", p.free, fmtBytes(p.free)));
     st.appendChild(stat("outside leases (device)", "external", p.external, fmtBytes(p.external)));
+    // kept bytes (docs/SEMANTICS.md, "Kept bytes"): part of used, shown once a holder has kept a lease
+    var keptN = p.kept_leases || 0;
+    if (keptN || p.releases_kept) {
+      st.appendChild(stat("kept (leases)", "kept_bytes", p.kept_bytes || 0,
+        fmtBytes(p.kept_bytes || 0) + " (" + keptN + ")"));
+    }
     st.appendChild(stat("leases", "lease_count", p.lease_count, String(p.lease_count)));
     st.appendChild(stat("queued", "waiter_count", p.waiter_count, String(p.waiter_count)));
     st.appendChild(stat("grants/s", "grant_rate", p.grant_rate,
@@ -159,11 +165,23 @@
           : " (mean " + fmtSeconds(y.mean_time_to_yield) + " to yield)") +
         ", taken back " + (y.taken || 0)));
     }
+    if (keptN || p.releases_kept) {
+      sec.appendChild(el("p", { "class": "kept", "data-kept-leases": String(keptN),
+        "data-kept-bytes": String(p.kept_bytes || 0), "data-releases-kept": String(p.releases_kept || 0),
+        "data-asked-back": String(p.kept_asked_back || 0) },
+        "kept: " + keptN + (keptN === 1 ? " lease, " : " leases, ") + fmtBytes(p.kept_bytes || 0) +
+        " (their holders give them back when a request does not fit) · releases kept " +
+        (p.releases_kept || 0) + ", asked back " + (p.kept_asked_back || 0)));
+    }
     var asked = p.leases.some(function (l) { return l.yield_in !== null && l.yield_in !== undefined; });
+    var anyKept = p.leases.some(function (l) { return !!l.kept; });
     var leases = p.leases.map(function (l) {
       var yielding = l.yield_in !== null && l.yield_in !== undefined;
       var attrs = { "data-token": String(l.token) };
-      if (yielding) { attrs["class"] = "yielding"; attrs["data-yield-in"] = String(l.yield_in); }
+      var cls = (yielding ? ["yielding"] : []).concat(l.kept ? ["kept"] : []);
+      if (cls.length) attrs["class"] = cls.join(" ");
+      if (yielding) attrs["data-yield-in"] = String(l.yield_in);
+      if (l.kept) attrs["data-kept"] = "1";
       var tr = el("tr", attrs);
       tr.appendChild(cell(holderText(l.holder)));
       tr.appendChild(cell(fmtBytes(l.amount), l.amount));
@@ -174,9 +192,11 @@
           " (by " + new Date(Date.now() + 1000 * Math.max(0, l.yield_in)).toLocaleTimeString() + ")")
           : cell("–"));
       }
+      if (anyKept) tr.appendChild(cell(l.kept ? "kept by its holder" : "–"));
       return tr;
     });
-    var lcols = [["holder"], ["amount", 1], ["token", 1], ["expires in", 1]].concat(asked ? [["yield"]] : []);
+    var lcols = [["holder"], ["amount", 1], ["token", 1], ["expires in", 1]].concat(asked ? [["yield"]] : [],
+      anyKept ? [["kept"]] : []);
     sec.appendChild(leases.length ? table("leases", lcols, leases)
       : el("p", { "class": "empty leases" }, "no leases"));
 
