@@ -90,14 +90,14 @@ class Settings:
         )
 
 
-def check_keep(keep: object) -> float:
+def check_keep(keep: int | float | str | None) -> float:
     """``keep`` as seconds (float): 0 (off) or 0.1 to 3600 (the core's bound,
     ``MAX_KEEP_S``); a string of a number is read as one (the service's ``GPULOCK_KEEP``).
 
     Raises: InvalidArgument naming ``keep`` and the value."""
     try:
         return parse_seconds(
-            keep,  # type: ignore[arg-type]  # any value: the check names a bad one
+            keep,
             name="keep",
             minimum=0.1,
             maximum=MAX_KEEP_S,

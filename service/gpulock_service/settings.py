@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -217,13 +217,13 @@ class Settings(BaseSettings):
 
     @field_validator("keep", mode="before")
     @classmethod
-    def _keep(cls, v: object) -> float:
+    def _keep(cls, v: Any) -> float:
         # the core's bound (AsyncPool keep=), checked as GpuLimiter(keep=) checks it
         if isinstance(v, str) and v.strip() == "":
             return 0.0
         try:
             return parse_seconds(
-                v,  # type: ignore[arg-type]
+                v,
                 name="keep",
                 minimum=0.1,
                 maximum=MAX_KEEP_S,

@@ -171,3 +171,20 @@ def test_the_services_keep_setting(monkeypatch):
     assert problem is not None and problem.startswith("bad setting: GPULOCK_KEEP: "), problem
     assert "keep must be between 0.1 and 3600 seconds" in problem, problem
     assert check_options(port=free_port(), keep="10", **kw) is None
+
+
+def test_serve_refuses_a_bad_keep_before_it_starts_anything():
+    import typer
+    from typer.testing import CliRunner
+
+    from gpulock.embedded import free_port
+    from gpulock_service.cli import register
+
+    app = typer.Typer()
+    register(app)
+    r = CliRunner().invoke(
+        app, ["serve", "--keep", "0.05", "--model", "sleep", "--port", str(free_port())]
+    )
+    assert r.exit_code == 2, r.output
+    out = r.output + (r.stderr if r.stderr_bytes is not None else "")
+    assert "bad setting: GPULOCK_KEEP: " in out and "keep must be between 0.1 and 3600" in out
