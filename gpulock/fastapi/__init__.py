@@ -63,6 +63,11 @@ What one request goes through (``GpuLimiter.calls.call``)::
   chunk boundary with an error event ``preempted``); work no request waits on
   (``calls.call(fn, ...)`` without a request: a background job) may be asked by default.
   docs/SERVICE.md, "Preemption".
+* Kept bytes (``keep=`` seconds, off by default; docs/SEMANTICS.md, "Kept bytes"): a worker
+  keeps a released lease while nobody waits in the pool and grants its next request that asks
+  for exactly the same (bytes, ttl, priority, tenant, preemptible) from it, with no Redis round
+  trip for the acquire or the release. A request with ``X-Request-ID`` and a resident lease
+  never use kept bytes. A request of anyone that does not fit makes the worker give them back.
 * :func:`install_http_guards` gives any app the service's HTTP guards: 400 for a body that is
   not UTF-8, 422 that always renders, 413 over a size bound, 408 for a slow body.
 
@@ -114,7 +119,7 @@ priority and a request's),
 job), ``_idempotency`` (X-Request-ID claims, stored results, following another worker's
 request), ``_resident`` (resident leases), ``_readiness``, ``_retry_after`` (the service's
 estimator over the policy in :mod:`gpulock.retry_after`), ``_errors`` (HTTP error mapping),
-``_metrics``, ``_calibration``, ``_backoff`` (the OOM back-off's shared state, over the
+``_metrics``, ``_kept`` (the kept bytes' metrics), ``_calibration``, ``_backoff`` (the OOM back-off's shared state, over the
 rule in :mod:`gpulock.oom_backoff`), ``_signature`` (``guard``/``endpoint``), ``_stream`` (streamed bodies under a lease), ``_device``
 (device truth: the device sampler), ``_history``, ``_batcher`` (dynamic batching:
 :meth:`GpuLimiter.batcher`), ``_tracing`` (the OpenTelemetry spans). The limiter exposes each part as an attribute

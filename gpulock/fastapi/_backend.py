@@ -61,7 +61,7 @@ class Backend:
 
     def connect(self, settings: Settings) -> None:
         """Make this process's clients (call it after fork): the Redis client, the pool object
-        (its ``capacity``, ``default_ttl`` and ``max_waiters`` from ``settings``) and the
+        (its ``capacity``, ``default_ttl``, ``max_waiters`` and ``keep`` from ``settings``) and the
         executor of ``settings.executor_threads`` threads. No I/O yet."""
         from gpulock.transport.connect import async_client
 
@@ -77,6 +77,8 @@ class Backend:
         kw: dict[str, Any] = {"capacity": s.capacity, "default_ttl": s.ttl}
         if s.max_waiters is not None:
             kw["max_waiters"] = s.max_waiters
+        if s.keep:
+            kw["keep"] = s.keep
         self.pool = AsyncPool(self.redis, s.pool_name, **kw)
         self.executor = ThreadPoolExecutor(s.executor_threads, thread_name_prefix="gpulock-work")
 

@@ -29,6 +29,7 @@ from ._errors import HttpErrors
 from ._history import History
 from ._idempotency import RequestStore
 from ._jobs import JobRunner
+from ._kept import KeptMetrics
 from ._metrics import metrics, metrics_response
 from ._priority import RoutePriority
 from ._readiness import Readiness
@@ -81,6 +82,12 @@ class GpuLimiter:
         tenant: the tenant every lease of this limiter counts under (1-64 of
             [A-Za-z0-9._:-]): the pool's quota for it, if any, caps what this service holds
             (docs/SEMANTICS.md, "Tenant quotas"). None (the default): no tenant.
+        keep: seconds (0.1-3600) this worker may keep a released lease's bytes, idle, to grant
+            its next request that asks for exactly the same (bytes, ttl, priority, tenant,
+            preemptible; no ``X-Request-ID``) from them with no Redis round trip, while nobody
+            waits in the pool (docs/SEMANTICS.md, "Kept bytes"; the service's
+            ``GPULOCK_KEEP``). The cost: released bytes stay leased up to ``keep`` seconds
+            while nobody asks for them. 0 (the default): off.
         oom_backoff: the rule by which a CUDA OOM inside a lease raises its shape bucket's
             estimate and shrinks the share of the capacity granted (docs/SEMANTICS.md,
             "Back-off on OOM"); None turns it off.
@@ -92,16 +99,16 @@ class GpuLimiter:
             (:func:`gpulock.devices.open_reader`).
 
     Raises: InvalidArgument for a bad ``configure``, ``executor_threads``, ``capacity``,
-    ``priority_header``, ``tenant`` or ``device``.
+    ``priority_header``, ``tenant``, ``keep`` or ``device``.
 
     Attributes: the parts, one module each (:mod:`gpulock.fastapi` lists them), which call
     each other's public methods: ``settings``, ``backend`` (the pool, Redis client, executor,
     last status read, ``grace()``), ``slots``, ``admission``, ``ttl_bound``, ``jobs``, ``calls``,
     ``store`` (X-Request-ID), ``ready`` (readiness and conditions), ``resident`` (resident
     leases), ``retry`` (Retry-After), ``errors``, ``estimates``, ``backoff`` (OOM back-off),
-    ``reaper``, ``device`` (device truth), ``history``. The shortcuts the README and
-    docs/SERVICE.md show: ``readiness`` and ``set_condition`` (``ready``'s),
-    ``acquire_resident`` (``resident.acquire``), ``estimate`` and ``calibrate``
+    ``reaper``, ``device`` (device truth), ``history``, ``kept`` (the kept bytes' metrics).
+    The shortcuts the README and docs/SERVICE.md show: ``readiness`` and ``set_condition``
+    (``ready``'s), ``acquire_resident`` (``resident.acquire``), ``estimate`` and ``calibrate``
     (``estimates``').
     """
 
@@ -127,6 +134,7 @@ class GpuLimiter:
         request_id_header: str = "X-Request-ID",
         priority_header: str | None = None,
         tenant: str | None = None,
+        keep: float = 0.0,
         oom_backoff: BackoffRule | None = DEFAULT_RULE,
         device: int | None = None,
         device_reader: str = "auto",
@@ -151,6 +159,7 @@ class GpuLimiter:
             request_id_header=request_id_header,
             priority_header=priority_header,
             tenant=tenant,
+            keep=keep,
         )
         be = self.backend = Backend(s.pool_name)
         self.device = DeviceTruth(device, device_reader, be)
@@ -176,6 +185,7 @@ class GpuLimiter:
         )
         self.calls = GuardedCalls(s, be, ready.check_accepting, self.jobs, store, retry, errors)
         self.estimates = Estimates(s, be, backoff.scale)
+        self.kept = KeptMetrics()
         self._tasks: set[asyncio.Task[Any]] = set()
         # the shortcuts (class docstring)
         self.readiness = self.ready.readiness
@@ -218,7 +228,8 @@ class GpuLimiter:
             await asyncio.wait(pending, timeout=grace_s)
         await self.resident.release_all()
         metrics().workers.set(0)
-        await self.backend.close()
+        await self.backend.close()  # gives this worker's idle kept leases back
+        self.kept.sync(self.backend.pool)
         self.history.close()
         self.ready.started = False
 
@@ -242,6 +253,7 @@ class GpuLimiter:
         """What each reaper read feeds: the grant rates, our requests' claims, and (``full``)
         the calibrated estimates."""
         self.retry.sample(now, st)
+        self.kept.sync(self.backend.pool)
         await self.store.refresh(self.jobs.claimed())
         if full:
             with contextlib.suppress(Exception):
@@ -369,6 +381,7 @@ class GpuLimiter:
         """The ``/metrics`` response: this process's (or, in multiprocess mode, all workers')
         counters and histograms, plus the pool's gauges read from Redis now; OpenMetrics text
         when ``accept`` (the request's Accept header) asks for it, else Prometheus text."""
+        self.kept.sync(self.backend.pool)
         return await metrics_response(
             self.backend.pool, self.settings.pool_name, accept, backoff=self.backoff.state()
         )

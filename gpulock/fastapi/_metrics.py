@@ -167,6 +167,17 @@ class _Metrics:
             "Bytes held by live workers' resident leases",
             multiprocess_mode="livesum",
         )
+        self.kept_grants = Counter(
+            "gpulock_kept_grants",
+            "Leases granted to this service's requests from kept bytes, with no Redis round "
+            "trip (GpuLimiter keep=, GPULOCK_KEEP)",
+        )
+        self.kept_idle = Gauge(
+            "gpulock_kept_idle_bytes",
+            "Bytes of live workers' idle kept leases: leased in Redis, free for the worker's "
+            "next request of the same size (GpuLimiter keep=, GPULOCK_KEEP)",
+            multiprocess_mode="livesum",
+        )
         self.ready = Gauge(
             "gpulock_workers_ready", "Live workers that are ready", multiprocess_mode="livesum"
         )

@@ -10,9 +10,9 @@ from typing import Any
 
 from gpulock_common.options import check_max_waiters
 
-from gpulock.protocol.args import validate_tenant
+from gpulock.protocol.args import MAX_KEEP_S, validate_tenant
 from gpulock.errors import InvalidArgument
-from gpulock.units import parse_size
+from gpulock.units import parse_seconds, parse_size
 
 
 @dataclass
@@ -39,6 +39,7 @@ class Settings:
     request_id_header: str
     priority_header: str | None = None
     tenant: str | None = None
+    keep: float = 0.0
 
     @classmethod
     def of(
@@ -58,7 +59,8 @@ class Settings:
 
         Raises: InvalidArgument for a ``configure`` other than "create"/"set", fewer than one
         executor thread, a capacity that is not a size, a ``priority_header`` that is not
-        a header name, a ``tenant`` that is not a tenant name (1-64 of [A-Za-z0-9._:-]), or a
+        a header name, a ``tenant`` that is not a tenant name (1-64 of [A-Za-z0-9._:-]), a
+        ``keep`` that is neither 0 nor 0.1-3600 seconds (:func:`check_keep`), or a
         ``max_waiters`` outside the pool's bounds (:func:`gpulock_common.options.check_max_waiters`)."""
         if configure not in ("create", "set"):
             raise InvalidArgument(f"configure must be 'create' or 'set', got {configure!r}")
@@ -70,6 +72,7 @@ class Settings:
                 f"priority_header must be None or an HTTP header name, got {ph!r:.80}"
             )
         rest["tenant"] = validate_tenant(rest.get("tenant")) or None
+        rest["keep"] = check_keep(rest.get("keep", 0.0))
         if rest.get("max_waiters") is not None:  # the pool's queue bound: the vocabulary's
             rest["max_waiters"] = check_max_waiters(rest["max_waiters"])
         for name in _SECONDS:
@@ -85,6 +88,23 @@ class Settings:
             ),
             **rest,
         )
+
+
+def check_keep(keep: int | float | str | None) -> float:
+    """``keep`` as seconds (float): 0 (off) or 0.1 to 3600 (the core's bound,
+    ``MAX_KEEP_S``); a string of a number is read as one (the service's ``GPULOCK_KEEP``).
+
+    Raises: InvalidArgument naming ``keep`` and the value."""
+    try:
+        return parse_seconds(
+            keep,
+            name="keep",
+            minimum=0.1,
+            maximum=MAX_KEEP_S,
+            allow_zero=True,
+        )
+    except InvalidArgument as e:
+        raise InvalidArgument(f"{e} (0: off, the default)") from None
 
 
 # RFC 9110's token: the characters of a header's name

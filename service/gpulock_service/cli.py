@@ -80,6 +80,15 @@ def register(app: typer.Typer) -> None:
             envvar="GPULOCK_LOG_FORMAT",
             help="access log, one line per request (logger gpulock.access): plain or json",
         ),
+        keep: str | None = typer.Option(
+            None,
+            "--keep",
+            envvar="GPULOCK_KEEP",
+            metavar="SECONDS",
+            help="kept bytes: seconds (0.1-3600) a worker may keep a released lease's bytes, "
+            "idle, to grant its next request of the same size with no Redis round trip while "
+            "nobody waits in the pool; 0 (the default): off",
+        ),
         data_dir: str | None = typer.Option(
             None,
             "--data-dir",
@@ -118,6 +127,7 @@ def register(app: typer.Typer) -> None:
                 log_level=log_level,
                 log_format=log_format,
                 data_dir=data_dir,
+                keep=keep,
             )
         )
 

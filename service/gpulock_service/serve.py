@@ -110,6 +110,7 @@ def check_options(
     host: str,
     port: int,
     generation_model: str = "auto",
+    keep: str | None = None,
 ) -> str | None:
     """The first problem with serve's options and GPULOCK_* settings, or None. Runs before
     anything starts, with the core's own validation (pool names, Redis URLs)."""
@@ -146,6 +147,8 @@ def check_options(
         kw: dict[str, Any] = {"pool": pool, "model": model}
         if redis_url:
             kw["redis_url"] = redis_url
+        if keep is not None:
+            kw["keep"] = keep
         Settings(**kw)
     except ValidationError as e:
         errs = "; ".join(
@@ -281,6 +284,7 @@ def run_serve(
     log_format: str = "plain",
     data_dir: str | None = None,
     generation_model: str = "auto",
+    keep: str | None = None,
 ) -> int:
     from gpulock import GpuLockError, InvalidArgument, Pool
     from gpulock.embedded import find_server_binary
@@ -301,6 +305,7 @@ def run_serve(
         host=host,
         port=port,
         generation_model=generation_model,
+        keep=keep,
     )
     if not problem and log_format.strip().lower() not in ("plain", "json"):
         problem = f"--log-format must be plain or json, got {log_format!r}"
@@ -424,6 +429,8 @@ def run_serve(
             ),
             GPULOCK_LOG_FORMAT=log_format.strip().lower(),
         )
+        if keep is not None:
+            env["GPULOCK_KEEP"] = keep.strip()
         if on_cpu and "GPULOCK_TORCH_THREADS" not in env:
             env["GPULOCK_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
         if not env.get("PROMETHEUS_MULTIPROC_DIR"):

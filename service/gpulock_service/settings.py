@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from gpulock_common.options import DEFAULT_TTL_S, PRIORITY_MAX, PRIORITY_MIN, TENANT_PATTERN
 
-from gpulock.units import parse_size
+from gpulock.errors import InvalidArgument
+from gpulock.protocol.args import MAX_KEEP_S
+from gpulock.units import parse_seconds, parse_size
 
 # Without a GPU the pool still needs a capacity: 2 GiB leaves room for 4 workers' resident
 # leases (4 x 128 MiB) and about a dozen MiniLM requests of 64 sentences at once.
@@ -170,6 +172,13 @@ class Settings(BaseSettings):
         "it (gpulock pool set --quota TENANT=SIZE) caps what the service holds; unset: none",
     )
 
+    keep: float = Field(
+        0.0,
+        description="seconds (0.1-3600) a worker may keep a released lease's bytes, idle, to "
+        "grant its next request of the same size from them with no Redis round trip, while "
+        "nobody waits in the pool; 0: off",
+    )
+
     sleep_seconds: float = Field(1.0, ge=0, description="sleep model: seconds per request")
     sleep_bytes: str = Field("256MiB", description="sleep model: bytes per input")
 
@@ -205,6 +214,23 @@ class Settings(BaseSettings):
     @classmethod
     def _no_header(cls, v: object) -> object:
         return None if isinstance(v, str) and v.strip() == "" else v
+
+    @field_validator("keep", mode="before")
+    @classmethod
+    def _keep(cls, v: Any) -> float:
+        # the core's bound (AsyncPool keep=), checked as GpuLimiter(keep=) checks it
+        if isinstance(v, str) and v.strip() == "":
+            return 0.0
+        try:
+            return parse_seconds(
+                v,
+                name="keep",
+                minimum=0.1,
+                maximum=MAX_KEEP_S,
+                allow_zero=True,
+            )
+        except InvalidArgument as e:
+            raise ValueError(f"{e} (0: off, the default)") from None
 
     @model_validator(mode="after")
     def _priorities(self) -> Settings:

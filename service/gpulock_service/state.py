@@ -116,6 +116,7 @@ def make_limiter(settings: Settings) -> GpuLimiter:
         exit_on_fatal=settings.exit_on_fatal,
         priority_header=settings.priority_header,
         tenant=settings.tenant,
+        keep=settings.keep,
         device=settings.sample_device,
         device_reader=settings.device_reader,
     )
