@@ -249,9 +249,12 @@ class Runtime:
         watchdog must run sooner than planned (a first lease, or a shorter ttl)."""
         self.leases.add(state)
         self.heartbeat.lease_added(state)
-        if not self.listener.joined and state.preemptible and not state.resident:
-            # a yield request comes on the channel: listen while the lease is held (an
-            # acquire that waited subscribed already; a try or a sync shell's did not)
+        if not self.listener.joined and (
+            (state.preemptible and not state.resident) or state.keeper is not None
+        ):
+            # a yield request, or a request to give kept bytes back, comes on the channel:
+            # listen while the lease is held (an acquire that waited subscribed already; a try
+            # or a sync shell's did not)
             try:
                 self.tasks.in_loop(self._listen_for_yields)
             except RuntimeError:  # no loop yet, or it is closed: renewals still tell
