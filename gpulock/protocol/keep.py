@@ -46,6 +46,12 @@ _ALL: weakref.WeakSet[KeptLeases] = weakref.WeakSet()
 MIN_LEFT_S = 0.5
 
 
+def too_short(s: LeaseState) -> bool:
+    """Whether ``s`` has too little validity left to grant from: under :data:`MIN_LEFT_S`, or
+    under a quarter of its ttl for a ttl under 2 s (a renewal leaves about 2/3 of it)."""
+    return s.seconds_left() < min(MIN_LEFT_S, s.ttl_s / 4)
+
+
 def match_key(amount: int, ttl_s: float, priority: int, tenant: str, preemptible: bool) -> Hashable:
     """What a request must ask for exactly to be granted from a kept lease (the device is
     checked apart: a request for any device takes a lease on any)."""
@@ -119,7 +125,7 @@ class KeptLeases:
                 s = lst[i][0]
                 if device is not None and s.device != device:
                     continue
-                if not s.active or s.seconds_left() < MIN_LEFT_S or s.yield_requested:
+                if not s.active or too_short(s) or s.yield_requested:
                     continue
                 del lst[i]
                 self.idle_count -= 1
@@ -141,7 +147,7 @@ class KeptLeases:
         with self._lock:
             if self.draining or not s.active or s.yield_requested or self.keep_s <= 0:
                 return None
-            if s.seconds_left() < MIN_LEFT_S:
+            if too_short(s):
                 return None
             n = s.handed_on()
             s.released = True
@@ -194,7 +200,7 @@ class KeptLeases:
             for key, lst in list(self._idle.items()):
                 keep = []
                 for s, since in lst:
-                    if now - since >= self.keep_s or not s.active:
+                    if now - since >= self.keep_s or not s.active or too_short(s):
                         out.append(s)
                     else:
                         keep.append((s, since))

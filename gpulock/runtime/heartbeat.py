@@ -407,6 +407,10 @@ class Heartbeat:
             )
         elif self._jeopardy:
             self._leave_jeopardy(leases)
+        if pool_lost and kb is not None:
+            # the server's list of kept leases went with the pool: give the idle ones back,
+            # and take nothing from kept bytes until a release is answered "kept" again
+            kb.wanted_back()
         if pool_lost and (orphans or waiters):
             epoch = await self._recovery.recover(orphans, epoch)
         elif epoch:

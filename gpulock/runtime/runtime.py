@@ -249,9 +249,10 @@ class Runtime:
         watchdog must run sooner than planned (a first lease, or a shorter ttl)."""
         self.leases.add(state)
         self.heartbeat.lease_added(state)
-        if state.kept or (state.preemptible and not state.resident):
+        if state.keeper is not None or (state.preemptible and not state.resident):
             # an ask to yield, or a request for kept bytes back, comes on the channel: listen
-            # while the lease is held (an acquire that waited subscribed already)
+            # while the lease is held (an acquire that waited subscribed already; a try or a
+            # sync shell's did not)
             self.listener.listen_soon()
 
     async def subscribe_quietly(self) -> None:

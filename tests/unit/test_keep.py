@@ -127,6 +127,14 @@ def test_draining_stops_grants_until_the_server_keeps_again() -> None:
     assert take_for(k, 10.0, 60, None, None, None, None, 0, None, None, True) is not None
 
 
+def test_expired_gives_back_an_idle_lease_whose_validity_runs_short() -> None:
+    clock, held = Clock(), {}
+    k, s = make(clock, held)
+    idle = k.adopt(s)
+    clock.t = idle.valid_until - 0.4  # under 0.5 s left: its renewals are failing
+    assert k.expired() == [idle]
+
+
 def test_lost_asked_or_short_leases_are_neither_taken_nor_put_back() -> None:
     clock, held = Clock(), {}
     k, s = make(clock, held)
@@ -146,6 +154,7 @@ def test_expired_gives_back_what_idled_keep_seconds() -> None:
     clock, held = Clock(), {}
     k, s = make(clock, held)
     idle = k.adopt(s)
+    idle.valid_until = clock() + 100.0  # renewed meanwhile
     clock.t += 29.0
     assert k.expired() == []
     clock.t += 1.0
