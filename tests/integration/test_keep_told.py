@@ -45,3 +45,30 @@ async def test_async_holder_gives_kept_bytes_back_when_told(redis_proc1, pool_na
     finally:
         await other.aclose()
         await holder.aclose()
+
+
+async def test_a_holder_that_missed_the_message_gives_back_at_its_next_renewal(
+    redis_proc1, pool_name
+):
+    """The backstop: a holder whose subscription is down when the waiter queues (the 'k'
+    message is lost) learns it from its next renewal's reply (the queue length), every ttl/3
+    (0.5 s here); with ``keep`` 600 s and the lease renewed all along, nothing else gives the
+    bytes back within the waiter's timeout."""
+    from gpulock_common.aio import stop_tasks
+
+    holder = AsyncPool.from_url(
+        redis_proc1.url, pool_name, capacity=100, keep=LONG, default_ttl=1.5, max_ttl=LONG
+    )
+    other = AsyncPool.from_url(redis_proc1.url, pool_name)
+    try:
+        await (await holder.acquire(60)).release()
+        assert holder.kept()["idle"] == 1
+        await stop_tasks(holder._runtime.listener.cancel())  # deaf: the message is lost
+        assert not holder._runtime.listening
+        lease = await other.acquire(100, timeout=30)
+        assert holder.kept()["idle"] == 0 and holder.kept()["draining"]
+        assert not holder._runtime.listening  # it was the renewal, not a message
+        await lease.release()
+    finally:
+        await other.aclose()
+        await holder.aclose()
