@@ -176,27 +176,7 @@ def build_tables(R: dict) -> dict[str, str]:
     T: dict[str, str] = {}
     U = R.get("uncontended")
     if U:
-        rows = []
-        for k, lab in (
-            ("sync", "ceiling: EVALSHA 'return 1', 1 conn, redis-py sync"),
-            ("async", "ceiling: EVALSHA 'return 1', 1 conn, redis-py asyncio"),
-            ("node", "ceiling: EVALSHA 'return 1', 1 conn, ioredis (Node)"),
-        ):
-            if k in U:
-                cpu = U[k].get("server_cpu", {}).get("C")
-                rows.append(
-                    [lab, f"{U[k]['ceiling']:,.0f}/s", "100%", peers._f(cpu, "{:.1f}"), "", ""]
-                )
-        rb = U.get("redis_benchmark") or {}
-        for k, lab in (("c1", "1 conn"), ("c50", "50 conns")):
-            if "rps" in rb.get(k, {}):
-                rows.append(
-                    [
-                        f"ceiling: redis-benchmark evalsha, {lab} (C client)",
-                        f"{rb[k]['rps']:,.0f}/s",
-                    ]
-                    + [""] * 4
-                )
+        rows = peers.ceiling_rows(U, 6, cpu=True)
         for r in R["uncontended_rows"]:
             s = r["subject"]
             if s == "asyncio-sem":

@@ -1123,30 +1123,34 @@ def label(s: str) -> str:
     return SUBJECTS[s]["label"] if s in SUBJECTS else KEPT_LABELS[s]
 
 
+def ceiling_rows(U: dict, width: int, cpu: bool = False) -> list[list[str]]:
+    """The uncontended table's ceiling rows (each client's single-connection ``EVALSHA``
+    rate, then redis-benchmark's), ``width`` cells each; ``cpu``: the fourth cell is the
+    ceiling's Redis CPU per call (µs), as keep.py's table shows."""
+    rows = []
+    for k, lab in (
+        ("sync", "ceiling: EVALSHA 'return 1', 1 conn, redis-py sync"),
+        ("async", "ceiling: EVALSHA 'return 1', 1 conn, redis-py asyncio"),
+        ("node", "ceiling: EVALSHA 'return 1', 1 conn, ioredis (Node)"),
+    ):
+        if k in U:
+            row = [lab, f"{U[k]['ceiling']:,.0f}/s", "100%"]
+            if cpu:
+                row.append(_f(U[k].get("server_cpu", {}).get("C"), "{:.1f}"))
+            rows.append(row + [""] * (width - len(row)))
+    rb = U.get("redis_benchmark") or {}
+    for k, lab in (("c1", "1 conn"), ("c50", "50 conns")):
+        if "rps" in rb.get(k, {}):
+            row = [f"ceiling: redis-benchmark evalsha, {lab} (C client)", f"{rb[k]['rps']:,.0f}/s"]
+            rows.append(row + [""] * (width - len(row)))
+    return rows
+
+
 def build_tables(R: dict) -> dict[str, str]:
     T: dict[str, str] = {}
     U = R.get("uncontended")
     if U:
-        rows = []
-        for k, lab in (
-            ("sync", "ceiling: EVALSHA 'return 1', 1 conn, redis-py sync"),
-            ("async", "ceiling: EVALSHA 'return 1', 1 conn, redis-py asyncio"),
-            ("node", "ceiling: EVALSHA 'return 1', 1 conn, ioredis (Node)"),
-        ):
-            if k in U:
-                rows.append([lab, f"{U[k]['ceiling']:,.0f}/s", "100%", "", ""])
-        rb = U.get("redis_benchmark") or {}
-        for k, lab in (("c1", "1 conn"), ("c50", "50 conns")):
-            if "rps" in rb.get(k, {}):
-                rows.append(
-                    [
-                        f"ceiling: redis-benchmark evalsha, {lab} (C client)",
-                        f"{rb[k]['rps']:,.0f}/s",
-                        "",
-                        "",
-                        "",
-                    ]
-                )
+        rows = ceiling_rows(U, 5)
         for r in R["uncontended_rows"]:
             s = r["subject"]
             tgt = verdict = ""

@@ -312,6 +312,18 @@ def _pool_families(pool: str, st: PoolStatus | None, error: str | None) -> Itera
             "Bytes the pool may grant in all now: capacity minus the device's external use",
             st.effective_capacity,
         ),
+        # kept bytes (docs/SEMANTICS.md, "Kept bytes"): leases their holders keep
+        (
+            "gpulock_pool_kept_bytes",
+            "Bytes of the leases their holders keep for their next requests (part of "
+            "gpulock_pool_used_bytes), read from Redis at scrape time",
+            st.kept_bytes,
+        ),
+        (
+            "gpulock_pool_kept_leases",
+            "Leases their holders keep for their next requests, read from Redis at scrape time",
+            st.kept_leases,
+        ),
     ):
         g = GaugeMetricFamily(name, doc, labels=["pool"])
         g.add_metric([pool], float(v))
@@ -368,36 +380,6 @@ def _pool_families(pool: str, st: PoolStatus | None, error: str | None) -> Itera
             "Dead waiters the pool has dropped, from Redis",
             st.reaped_waiters,
         ),
-    ):
-        c = CounterMetricFamily(name, doc, labels=["pool"])
-        c.add_metric([pool], float(v))
-        yield c
-    yield from _yield_families(pool, st)
-    yield from _kept_families(pool, st)
-
-
-def _kept_families(pool: str, st: PoolStatus) -> Iterator[Metric]:
-    """Kept bytes (docs/SEMANTICS.md, "Kept bytes"): the leases their holders keep, and the
-    pool's counters, from Redis."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-    for name, doc, v in (
-        (
-            "gpulock_pool_kept_bytes",
-            "Bytes of the leases their holders keep for their next requests (part of "
-            "gpulock_pool_used_bytes), read from Redis at scrape time",
-            st.kept_bytes,
-        ),
-        (
-            "gpulock_pool_kept_leases",
-            "Leases their holders keep for their next requests, read from Redis at scrape time",
-            st.kept_leases,
-        ),
-    ):
-        g = GaugeMetricFamily(name, doc, labels=["pool"])
-        g.add_metric([pool], float(v))
-        yield g
-    for name, doc, v in (
         (
             "gpulock_pool_releases_kept",
             "Releases the pool answered 'kept' (the holder keeps the lease), from Redis",
@@ -413,6 +395,7 @@ def _kept_families(pool: str, st: PoolStatus) -> Iterator[Metric]:
         c = CounterMetricFamily(name, doc, labels=["pool"])
         c.add_metric([pool], float(v))
         yield c
+    yield from _yield_families(pool, st)
 
 
 def _yield_families(pool: str, st: PoolStatus) -> Iterator[Metric]:
