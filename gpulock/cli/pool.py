@@ -437,8 +437,7 @@ def pool_list(
         False, "--json", help="A JSON list of the pools (bytes, seconds)."
     ),
 ) -> None:
-    """List the pools (one line each: name, capacity, use and the bytes of it kept by their
-    holders, leases, waiters).
+    """List the pools (one line each: name, capacity, use and its kept bytes, leases, waiters).
 
     On a Redis Cluster with a shard down, the pools of the other shards are listed, the shards
     that did not answer are named on stderr, and the exit status is 69; --json then prints
