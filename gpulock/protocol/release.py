@@ -72,12 +72,12 @@ def release_lease(s: LeaseState, rt: RuntimeView | None) -> Flow[None]:
     ):
         keep_on = rt.channel_id  # nobody waiting: the server keeps it (protocol/keep.py)
     s.released = True
-    if keep_on and not rt.listening:  # type: ignore[union-attr]
-        yield LISTEN  # a request for the kept bytes back comes on the channel: listen first
     bound = max(1.0, s.seconds_left())
     if rt is not None and not keep_on:
         rt.untrack(s.lease_id)  # a dict pop: safe from any thread
     try:
+        if keep_on and not rt.listening:  # type: ignore[union-attr]
+            yield LISTEN  # a request for the kept bytes back comes on the channel: listen first
         rep = yield from release_kept(s.lease_id, s.token, bound, keep_on)
         ok = rep.released
     except BaseException as e:
