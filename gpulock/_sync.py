@@ -246,6 +246,7 @@ class Pool(PoolOptions):
         self._owns_client = _owns_client
         self._lock = threading.Lock()
         self._bg: _Background | None = None
+        self._kept: KeptLeases | None = None  # the runtime's, once it ran (kept())
         # The last status read before the background ran: its runtime takes it in when it
         # starts, so that the pool object knows the pool it has seen (_make_background).
         self._status_seen: PoolStatus | None = None
@@ -463,7 +464,8 @@ class Pool(PoolOptions):
         """This pool object's kept bytes: :meth:`gpulock.AsyncPool.kept` (zeros before its
         first acquire)."""
         rt = self._runtime
-        return (rt.kept if rt is not None else KeptLeases(0.0, self.clock)).counts()
+        kept = rt.kept if rt is not None else self._kept
+        return (kept or KeptLeases(0.0, self.clock)).counts()
 
     @property
     def waiting(self) -> int:
@@ -549,6 +551,8 @@ class Pool(PoolOptions):
         with self._lock:
             self._closed = True
             bg, self._bg = self._bg, None
+        if bg is not None:
+            self._kept = bg.rt.kept  # its counters stay readable (kept())
         if bg is not None and self._forked:
             bg = None  # the parent's thread: nothing of it runs here to stop or wait for
         if bg is not None:

@@ -151,9 +151,12 @@ class KeptLeases:
                 return None
             n = s.handed_on()
             s.released = True
-            self._hold(n)
+            # filed before it is held: an interrupt between the two leaves an idle entry the
+            # heartbeat does not renew (given back when it runs short), never a renewed lease
+            # nothing can give back
             self._idle.setdefault(state_key(n), []).append((n, self._clock()))
             self.idle_count += 1
+            self._hold(n)
             return n
 
     def adopt(self, s: LeaseState) -> LeaseState:
@@ -164,11 +167,11 @@ class KeptLeases:
         n.kept = True
         s.released = True
         with self._lock:
-            self._hold(n)
             self.draining = False
             self.kept += 1
-            self._idle.setdefault(state_key(n), []).append((n, self._clock()))
-            self.idle_count += 1
+            self._idle.setdefault(state_key(n), []).append((n, self._clock()))  # then held,
+            self.idle_count += 1  # as in put_back
+            self._hold(n)
         return n
 
     def stop(self) -> list[LeaseState]:
@@ -282,7 +285,7 @@ def back_for_growth(kept: KeptLeases, state: LeaseState, amount: Any) -> list[Le
     object's own lease never waits for, nor is refused because of, its own idle kept bytes.
     Empty when none is idle, for a shrink or the same amount, and for a bad amount (the
     resize names it)."""
-    if not kept.idle_count:
+    if not kept.idle_count or not state.active:
         return []
     try:
         grows = parse_size(amount) > state.amount

@@ -10,7 +10,7 @@ from gpulock_common import traces
 from gpulock.errors import LeaseLost
 from gpulock.protocol.lease import LeaseState
 from gpulock.protocol.replies import ReleaseReply, decode_release
-from gpulock.protocol.steps import LISTEN, Eval, Flow, RuntimeView, Unanswered
+from gpulock.protocol.steps import LISTEN, Eval, Flow, RuntimeView, Unanswered, Withdraw
 
 
 def release(
@@ -83,7 +83,12 @@ def release_lease(s: LeaseState, rt: RuntimeView | None) -> Flow[None]:
     except BaseException as e:
         if keep_on:
             rt.untrack(s.lease_id)  # type: ignore[union-attr]
-        if s.span is not None:
+        if rt is not None and not isinstance(e, (Exception, GeneratorExit)):
+            # Interrupted (a cancellation, Ctrl-C): the call may or may not have run, and one in
+            # keep mode may have kept the lease for a holder that no longer knows it. A plain
+            # release in the background ends it either way (a second one finds nothing).
+            yield Withdraw(s.lease_id, True, "release", [s.lease_id, str(s.token)])
+        elif s.span is not None:
             traces.lost(s, f"its release failed ({e}); it expires on the server")
         raise
     if keep_on:
