@@ -346,8 +346,10 @@ def test_a_stream_longer_than_several_ttls_keeps_its_lease(redis_proc1):
 
 
 def test_concurrent_streams_never_exceed_the_capacity(redis_proc1):
+    # ttl 5 s: this test is about the capacity, not renewals; the sampler below reads the
+    # status in this process, and with a 1 s ttl a loaded machine could starve the heartbeat
     app, gpu, seen = _app(
-        redis_proc1.url, "st-cap", executor_threads=8, acquire_timeout=30, capacity=4 * GiB
+        redis_proc1.url, "st-cap", executor_threads=8, acquire_timeout=30, capacity=4 * GiB, ttl=5.0
     )
     with Served(app) as url:
         worst = [0]
@@ -356,7 +358,7 @@ def test_concurrent_streams_never_exceed_the_capacity(redis_proc1):
         def sample() -> None:
             p = Pool.from_url(redis_proc1.url, "st-cap")
             try:
-                while not stop.is_set():
+                while not stop.wait(0.005):  # a sampler, not a busy loop that takes the GIL
                     worst[0] = max(worst[0], p.status().used)
             finally:
                 p.close()
