@@ -49,18 +49,26 @@ async def _fire(url: str, n: int, body: dict) -> list[tuple[int, float, str]]:
     return await asyncio.gather(*(one(i) for i in range(n)))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_c01_per_worker_limit(c01_service):
     svc = c01_service
-    t0 = time.monotonic()
-    results = asyncio.run(_fire(svc.url, 32, {"input": ["sleep:2"]}))
-    elapsed = time.monotonic() - t0
-
-    assert [s for s, _, _ in results] == [200] * 32
-    workers = {pid for _, _, pid in results}
-    assert len(workers) >= 2, "the requests should spread over the workers"
+    # Which worker accepts a connection is the kernel's choice: on a loaded machine one worker
+    # that happens to be awake can take all 32. The case is about several workers, so a round
+    # that ran on one is fired again (up to 3 rounds), after the pool drained; each round's
+    # answers must be right either way.
+    for _ in range(3):
+        wall0 = time.time()  # the history's clock: the last round's records are after it
+        t0 = time.monotonic()
+        results = asyncio.run(_fire(svc.url, 32, {"input": ["sleep:2"]}))
+        elapsed = time.monotonic() - t0
+        assert [s for s, _, _ in results] == [200] * 32
+        workers = {pid for _, _, pid in results}
+        if len(workers) >= 2:
+            break
+        svc.status_when(lambda st: st.used == 0)
+    assert len(workers) >= 2, "the requests should spread over the workers (3 rounds)"
     print(f"{svc.server}: {len(workers)} workers served the 32 requests")
-    events = svc.history()
+    events = [e for e in svc.history() if e["t"] >= wall0]
     leases = lease_intervals(events, routes={"embeddings"})
     assert len(leases) == 32
     peak_bytes, peak_leases = max_overlap(leases)
